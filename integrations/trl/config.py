@@ -1,0 +1,179 @@
+"""TIMConfig: what the TRL callback does. Every capability is switched on and off on its own.
+
+With the defaults only the monitor runs (rollout log-probs vs the trainer's recomputation of the same tokens);
+the mitigations (safe vocabulary, LR decay, IS correction) are opt-in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+__all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
+
+# Where the rollout log-probs come from.
+#   auto  vLLM when the trainer uses vLLM, else TRL's own `generate` with the processed log-probs recorded
+#   hf    TRL's own `generate` with the processed log-probs recorded (use_vllm=False)
+#   exact the bitwise-exact sampler of tim_plugins.rollout.exact (diagnostic runs: mismatch must read 0)
+#   inject TRL's generation, then a controlled mismatch added by tim_plugins.rollout.inject (diagnostic runs)
+ROLLOUT_CHOICES = ("auto", "hf", "exact", "inject")
+# Names of the corrections in tim_plugins.corrections (token TIS/MIS, IcePop, sequence TIS/MIS, geometric RS).
+IS_CORRECTION_CHOICES = ("token_tis", "token_mis", "icepop", "seq_tis", "seq_mis", "geo_rs")
+LR_DECAY_SIGNALS = ("k3", "grad_norm")
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class TIMConfig:
+    """Configuration of `TIMCallback` (see each field's ``help``)."""
+
+    enabled: bool = field(
+        default=True,
+        metadata=_help("Master switch. False: the callback attaches nothing and the run is numerically identical "
+                       "to a run without it."),
+    )
+    # ------------------------------------------------------------------------------------------ monitor
+    monitor: bool = field(
+        default=True,
+        metadata=_help("Log tim/... mismatch metrics (rollout log-probs vs the trainer's recomputation of the same "
+                       "tokens) through the trainer's own logging."),
+    )
+    ratio_band: tuple = field(
+        default=(0.5, 2.0), metadata=_help("(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac"),
+    )
+    log_histograms: bool = field(
+        default=True, metadata=_help("Log wandb histograms of |d| and rho at each logging step (when wandb is active)"),
+    )
+    dump_dir: Optional[str] = field(
+        default=None, metadata=_help("Directory for a per-token Parquet dump (tim_plugins.dump); None = off"),
+    )
+    rollout: str = field(
+        default="auto",
+        metadata=_help("Source of rollout log-probs: auto (vLLM if the trainer uses it, else HF generate with "
+                       "processed log-probs recorded), hf, exact (exact sampler), inject (controlled mismatch)"),
+    )
+    inject_options: dict = field(
+        default_factory=dict, metadata=_help("Keyword arguments of the TIM injector (rollout='inject')"),
+    )
+    exact_options: dict = field(
+        default_factory=dict, metadata=_help("Keyword arguments of the exact sampler (rollout='exact')"),
+    )
+    # -------------------------------------------------------------------------------------- safe vocab
+    safe_vocab: bool = field(
+        default=False,
+        metadata=_help("Compute the policy log-probs over the safe vocabulary (tail pruned by min_p) and mask "
+                       "boundary tokens (sampled but outside the trainer's safe set) out of the loss"),
+    )
+    safe_vocab_min_p: Optional[float] = field(
+        default=None,
+        metadata=_help("min_p of the safe set; None = GRPOConfig.min_p (the sampler's own min_p, so both sides "
+                       "prune the same tail)"),
+    )
+    mask_boundary_tokens: bool = field(
+        default=True, metadata=_help("With safe_vocab: drop sampled tokens outside the trainer's safe set from the loss"),
+    )
+    # ---------------------------------------------------------------------------------------- LR decay
+    lr_decay: bool = field(
+        default=False,
+        metadata=_help("Scale the LR (through the scheduler, so TRL's logged learning_rate shows it) when the "
+                       "mean completion length surges (tim_plugins.lr_control.LengthTriggeredLRDecay)"),
+    )
+    lr_decay_options: dict = field(
+        default_factory=dict, metadata=_help("Keyword arguments of LengthTriggeredLRDecay (window, factor, ...)"),
+    )
+    lr_decay_signals: tuple = field(
+        default=(), metadata=_help(f"Extra signals passed to the controller, among {LR_DECAY_SIGNALS}"),
+    )
+    # ------------------------------------------------------------------------------------------ parity
+    parity_audit: bool = field(
+        default=True,
+        metadata=_help("At train begin, compare the rollout side (vLLM engine or HF generate) with the trainer "
+                       "side and log the findings as a table"),
+    )
+    parity_strict: bool = field(
+        default=False, metadata=_help("Raise at train begin when the audit reports an error-level finding"),
+    )
+    parity_probe: bool = field(
+        default=False,
+        metadata=_help("Live probe: stop training gracefully (control.should_training_stop) when the measured "
+                       "mismatch crosses the probe's limits"),
+    )
+    parity_probe_options: dict = field(
+        default_factory=dict, metadata=_help("Keyword arguments of tim_plugins.parity.ParityProbe"),
+    )
+    # --------------------------------------------------------------------------------------- correction
+    is_correction: Optional[str] = field(
+        default=None,
+        metadata=_help(f"Importance-sampling correction applied to the loss, one of {IS_CORRECTION_CHOICES}; for "
+                       "rollouts that do not come from vLLM (with vLLM, TRL's own correction applies)"),
+    )
+    is_correction_options: dict = field(
+        default_factory=dict, metadata=_help("Keyword arguments of the correction (thresholds: C, lo, hi, ...)"),
+    )
+    # -------------------------------------------------------------------------------------------- misc
+    strict: bool = field(
+        default=False,
+        metadata=_help("Raise on diagnostic problems (unavailable rollout log-probs, shape mismatches) instead of "
+                       "counting them under tim/diag/..."),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "monitor", "log_histograms", "safe_vocab", "mask_boundary_tokens", "lr_decay",
+                     "parity_audit", "parity_strict", "parity_probe", "strict"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"TIMConfig.{name}={value!r}: must be True or False.")
+        band = tuple(self.ratio_band) if isinstance(self.ratio_band, (tuple, list)) else None
+        if band is None or len(band) != 2 or not all(isinstance(x, (int, float)) for x in band) or not (
+            0.0 < band[0] < 1.0 < band[1] < math.inf
+        ):
+            raise ValueError(
+                f"TIMConfig.ratio_band={self.ratio_band!r}: must be (lo, hi) with 0 < lo < 1 < hi < inf, "
+                "e.g. (0.5, 2.0)."
+            )
+        self.ratio_band = (float(band[0]), float(band[1]))
+        if self.rollout not in ROLLOUT_CHOICES:
+            raise ValueError(f"TIMConfig.rollout={self.rollout!r}: must be one of {ROLLOUT_CHOICES}.")
+        if self.safe_vocab_min_p is not None and not (
+            isinstance(self.safe_vocab_min_p, (int, float)) and 0.0 < self.safe_vocab_min_p < 1.0
+        ):
+            raise ValueError(
+                f"TIMConfig.safe_vocab_min_p={self.safe_vocab_min_p!r}: must be in (0, 1) (e.g. 1e-3), or None "
+                "to use GRPOConfig.min_p."
+            )
+        if self.is_correction is not None and self.is_correction not in IS_CORRECTION_CHOICES:
+            raise ValueError(
+                f"TIMConfig.is_correction={self.is_correction!r}: must be None or one of {IS_CORRECTION_CHOICES}."
+            )
+        self.lr_decay_signals = tuple(self.lr_decay_signals)
+        bad = [s for s in self.lr_decay_signals if s not in LR_DECAY_SIGNALS]
+        if bad:
+            raise ValueError(
+                f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r}: unknown {bad}; choose among {LR_DECAY_SIGNALS}."
+            )
+        if "k3" in self.lr_decay_signals and not self.monitor:
+            raise ValueError(
+                "TIMConfig.lr_decay_signals contains 'k3' but monitor=False: the k3 signal comes from the monitor; "
+                "set monitor=True or drop 'k3'."
+            )
+        for name in ("inject_options", "exact_options", "lr_decay_options", "parity_probe_options",
+                     "is_correction_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"TIMConfig.{name}={getattr(self, name)!r}: must be a dict of keyword arguments.")
+        if self.parity_strict and not self.parity_audit:
+            raise ValueError("TIMConfig.parity_strict=True needs parity_audit=True (strict raises on audit findings).")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ratio_band"] = list(self.ratio_band)
+        out["lr_decay_signals"] = list(self.lr_decay_signals)
+        return out
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """{field name: help text} (for CLIs and docs)."""
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}

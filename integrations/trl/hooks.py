@@ -1,0 +1,219 @@
+"""The hooks into GRPOTrainer (TRL 1.16): reversible instance-attribute wrappers, installed only while attached.
+
+TRL exposes no callback that sees the rollout batch or the loss inputs, so four *instance* methods are wrapped
+(the class is never touched, so other trainers in the process are unaffected):
+
+- ``_generate_and_score_completions``: sees each generation batch after TRL built it (rollout log-probs
+  ``sampling_per_token_logps``, ``old_per_token_logps`` when TRL computed them, masks). The monitor is updated
+  here when the trainer's log-probs at the rollout weights exist; masks and IS weights are added here.
+- ``_compute_loss``: when TRL skipped ``old_per_token_logps`` (on-policy, aligned accumulation: the loss
+  forward runs at the rollout weights), the monitor takes the loss forward's own log-probs (no extra forward).
+- ``_get_per_token_logps_and_entropies``: captures that forward's output (and the safe-set flags).
+- ``_generate_single_turn`` (only without vLLM): records the processed log-probs of TRL's own ``generate``
+  call, or swaps in the exact sampler / the injector.
+
+Plus, with ``safe_vocab``, one module global: ``trl.trainer.utils._ChunkedLogProbFunction`` (the per-token
+log-prob kernel of TRL's fused lm_head, looked up at call time) is replaced by a shim that returns safe-vocab
+log-probs. Every wrapper takes ``*args, **kwargs`` and forwards them unchanged (signatures vary by release).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ._generation import record_processed_logprobs
+
+__all__ = ["Patch", "TRLHooks"]
+
+logger = logging.getLogger(__name__)
+
+
+class Patch:
+    """setattr(obj, name, make(original)) with an exact undo (restores an own attribute or deletes ours)."""
+
+    def __init__(self, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
+        self.obj, self.name = obj, name
+        own = vars(obj) if not inspect.ismodule(obj) else obj.__dict__
+        self._had_own = name in own
+        self._previous = own.get(name)
+        self.original = getattr(obj, name)
+        self.replacement = make(self.original)
+        setattr(obj, name, self.replacement)
+
+    def undo(self) -> None:
+        if getattr(self.obj, self.name, None) is not self.replacement:
+            logger.warning("tim_plugins: %s.%s was re-patched by someone else; restoring ours anyway",
+                           type(self.obj).__name__, self.name)
+        if self._had_own or inspect.ismodule(self.obj):
+            setattr(self.obj, self.name, self._previous)
+        else:
+            delattr(self.obj, self.name)
+
+
+def _label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """Which shifted positions TRL's fused head scores: labels != -100 (trainer/utils.py add_fused_lm_head)."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    return labels[:, 1:] != -100  # [b, L-1]
+
+
+class TRLHooks:
+    """Installs / removes the wrappers. ``rt`` is the callback runtime (config, monitor, observers)."""
+
+    def __init__(self, trainer, rt) -> None:
+        self.trainer = trainer
+        self.rt = rt
+        self.patches: list[Patch] = []
+        # State shared between wrappers, reset per generation batch.
+        self._capture: list[torch.Tensor] | None = None  # loss-forward log-probs (deferred monitor)
+        self._policy_records: list[dict] | None = None  # forwards of the policy during generation scoring
+        self._seen: set[int] = set()
+        self.safe_records: list[torch.Tensor] | None = None  # flat in_safe of each fused-head call (shim)
+        self._logps_sig = None
+
+    # ------------------------------------------------------------------------------------------- install
+    def attach(self, *, generation: bool, safe_vocab_shim: Callable | None) -> None:
+        t = self.trainer
+        self._logps_sig = inspect.signature(t._get_per_token_logps_and_entropies)
+        self.patches.append(Patch(t, "_generate_and_score_completions", self._wrap_generate_and_score))
+        self.patches.append(Patch(t, "_compute_loss", self._wrap_compute_loss))
+        self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
+        if generation:
+            self.patches.append(Patch(t, "_generate_single_turn", self._wrap_generate_single_turn))
+        if safe_vocab_shim is not None:
+            import trl.trainer.utils as trl_utils
+
+            self.patches.append(Patch(trl_utils, "_ChunkedLogProbFunction", safe_vocab_shim))
+
+    def detach(self) -> None:
+        while self.patches:
+            self.patches.pop().undo()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.patches)
+
+    # ------------------------------------------------------------------------------------------ wrappers
+    def _wrap_generate_and_score(self, original):
+        def _generate_and_score_completions(*args, **kwargs):
+            if not self.trainer.model.training:
+                return original(*args, **kwargs)
+            self._policy_records = []
+            try:
+                out = original(*args, **kwargs)
+                records, self._policy_records = self._policy_records, None
+                self._seen = set()
+                self.rt.on_generation_batch(out, records)
+            finally:
+                self._policy_records = None
+            return out
+
+        return _generate_and_score_completions
+
+    def _wrap_compute_loss(self, original):
+        def _compute_loss(model, inputs, *args, **kwargs):
+            trainer = self.trainer
+            deferred = (
+                trainer.model.training
+                and self.rt.wants_deferred_monitor(inputs)
+                and id(inputs) not in self._seen
+            )
+            flags = None
+            if "tim_is_weights" in inputs:
+                # TRL multiplies the per-token loss by inputs["importance_sampling_ratio"] only under
+                # `use_vllm and vllm_importance_sampling_correction` (grpo_trainer.py _compute_loss); for our
+                # correction on non-vLLM rollouts both flags are raised for this call only.
+                flags = (trainer.use_vllm, trainer.vllm_importance_sampling_correction)
+                trainer.use_vllm = True
+                trainer.vllm_importance_sampling_correction = True
+            if deferred:
+                self._seen.add(id(inputs))
+                self._capture = []
+            try:
+                loss = original(model, inputs, *args, **kwargs)
+            finally:
+                captured, self._capture = self._capture, None
+                if flags is not None:
+                    trainer.use_vllm, trainer.vllm_importance_sampling_correction = flags
+            if deferred and captured:
+                self.rt.on_loss_batch(inputs, captured[0])
+            return loss
+
+        return _compute_loss
+
+    def _wrap_logps(self, original):
+        def _get_per_token_logps_and_entropies(*args, **kwargs):
+            self.safe_records = [] if self.rt.safe_vocab_active else None
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                safe_flat, self.safe_records = self.safe_records, None
+            bound = self._logps_sig.bind(*args, **kwargs)
+            model = bound.arguments.get("model")
+            policy = model is self.trainer.model or model is getattr(self.trainer, "model_wrapped", None)
+            in_safe = None
+            if safe_flat is not None and policy:
+                in_safe = self._map_safe_records(bound.arguments, safe_flat)
+            if self._capture is not None and policy:
+                self._capture.append(result[0].detach())
+            if self._policy_records is not None and policy:
+                self._policy_records.append({"logps": result[0].detach(), "in_safe": in_safe})
+            if in_safe is not None:
+                self.rt.last_in_safe = in_safe
+            return result
+
+        return _get_per_token_logps_and_entropies
+
+    def _map_safe_records(self, arguments: dict, flat: list[torch.Tensor]) -> torch.Tensor | None:
+        """Flat per-call in_safe flags of the fused head → [B, logits_to_keep], as TRL slices its log-probs."""
+        input_ids, attention_mask = arguments["input_ids"], arguments["attention_mask"]
+        logits_to_keep = arguments["logits_to_keep"]
+        batch_size = arguments.get("batch_size") or input_ids.size(0)
+        rows = []
+        chunks = list(range(0, input_ids.size(0), batch_size))
+        if len(flat) != len(chunks):
+            self.rt.count_diag("safe_vocab_unmapped")
+            return None
+        for start, record in zip(chunks, flat):
+            end = min(start + batch_size, input_ids.size(0))
+            lm = _label_mask(input_ids[start:end], attention_mask[start:end], logits_to_keep)
+            if record.numel() == lm.numel():  # every position scored (no Triton)
+                grid = record.view(lm.shape)
+            elif record.numel() == int(lm.sum()):  # only the labelled positions scored (Triton devices)
+                grid = torch.zeros(lm.shape, dtype=torch.bool, device=record.device).masked_scatter(lm, record)
+            else:
+                self.rt.count_diag("safe_vocab_unmapped")
+                return None
+            rows.append(grid[:, -logits_to_keep:])
+        return torch.cat(rows, dim=0)
+
+    def _wrap_generate_single_turn(self, original):
+        def _generate_single_turn(*args, **kwargs):
+            trainer = self.trainer
+            source = self.rt.rollout_source
+            if trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False) or source == "vllm":
+                return original(*args, **kwargs)
+            if source == "exact":
+                return self.rt.exact_generate(original, *args, **kwargs)
+            gen_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+            if hasattr(gen_model, "get_base_model"):  # PEFT: generate runs on the transformers model inside
+                gen_model = gen_model.get_base_model()
+            with record_processed_logprobs(gen_model) as recorders:
+                completion_ids, logprobs = original(*args, **kwargs)
+            if logprobs is None and len(recorders) == 1:
+                recorder = recorders[0]
+                n = recorder.num_steps
+                last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
+                table = recorder.finish(last).cpu()
+                logprobs = [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+            elif logprobs is None:
+                self.rt.count_diag("hf_logprobs_unrecorded")
+            if source == "inject" and logprobs is not None:
+                logprobs = self.rt.inject(completion_ids, logprobs)
+            return completion_ids, logprobs
+
+        return _generate_single_turn

@@ -1,0 +1,232 @@
+"""Typed settings of the verl adapter, read from the top-level ``tim`` node of verl's Hydra config.
+
+Users add them as Hydra overrides (``+tim.monitor.enable=true``); see README section ``verl`` for every string.
+Every field defaults to "off", so a config without a ``tim`` node changes nothing. Validation runs on the driver
+(before any worker starts) and again in each worker; a bad value fails with the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "MonitorSettings",
+    "SafeVocabSettings",
+    "LRDecaySettings",
+    "ParitySettings",
+    "ProbeSettings",
+    "TIMVerlConfig",
+    "OPTIMIZER_IMPL",
+    "TRAINER_MODE_PREFIX",
+    "check_composed_config",
+]
+
+# What ``actor_rollout_ref.actor.optim.optimizer_impl`` must name for the LR decay to reach verl's optimizer.
+OPTIMIZER_IMPL = "tim_plugins.integrations.verl.optim"
+# Our trainer modes are verl's registered modes with this prefix (``trainer.v1.trainer_mode=tim_sync``).
+TRAINER_MODE_PREFIX = "tim_"
+_PROBE_ACTIONS = ("warn", "raise", "stop")
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+def _bad(path: str, value: Any, rule: str, fix: str) -> ValueError:
+    return ValueError(f"tim-plugins: {path}={value!r} is invalid: {rule}. Fix: {fix}")
+
+
+@dataclass
+class MonitorSettings:
+    enable: bool = field(default=False, metadata=_help(
+        "Per step, tim/* mismatch metrics of rollout_log_probs vs the actor's recomputed old_log_probs, "
+        "merged exactly over data-parallel ranks inside the worker."))
+    ratio_band: tuple = field(default=(0.5, 2.0), metadata=_help(
+        "(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac."))
+
+    def __post_init__(self) -> None:
+        band = tuple(float(x) for x in self.ratio_band)
+        if len(band) != 2 or not (0.0 < band[0] < 1.0 < band[1] < math.inf):
+            raise _bad("tim.monitor.ratio_band", list(self.ratio_band), "needs 0 < lo < 1 < hi < inf",
+                       "+tim.monitor.ratio_band=[0.5,2.0]")
+        self.ratio_band = band
+
+
+@dataclass
+class SafeVocabSettings:
+    min_p: float = field(default=0.0, metadata=_help(
+        "Safe vocabulary S = {a : p_T(a) >= min_p * max_b p_T(b)} for the actor's log-probs (old-log-prob and "
+        "training passes); 0 = off. The rollout must sample with the same min_p and processed log-probs."))
+    mask_boundary: bool = field(default=True, metadata=_help(
+        "Drop sampled tokens outside the trainer's S (boundary disagreements) from the loss."))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p < 1.0:
+            raise _bad("tim.safe_vocab.min_p", self.min_p, "must be a number in [0, 1) (0 disables pruning)",
+                       "+tim.safe_vocab.min_p=1e-4 (the tim-plugins default for extreme-tail pruning)")
+        self.min_p = float(self.min_p)
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_p > 0.0
+
+
+@dataclass
+class LRDecaySettings:
+    enable: bool = field(default=False, metadata=_help(
+        "Length-triggered LR decay inside the actor's optimizer (needs optim.optimizer_impl="
+        f"{OPTIMIZER_IMPL})."))
+    options: dict = field(default_factory=dict, metadata=_help(
+        "Options of tim_plugins.lr_control.LengthTriggeredLRDecay (warmup_steps, window, margin, patience, "
+        "decay_factor, min_lr_ratio, cooldown, mode, ...), e.g. +tim.lr_decay.options.decay_factor=0.5."))
+
+    def __post_init__(self) -> None:
+        from tim_plugins.lr_control import LRDecayConfig
+
+        names = {f.name for f in dataclasses.fields(LRDecayConfig)}
+        unknown = sorted(set(self.options) - names)
+        if unknown:
+            raise _bad("tim.lr_decay.options", dict(self.options), f"unknown option(s) {unknown}",
+                       f"use only {sorted(names)}")
+        self.options = dict(self.options)
+        LRDecayConfig(**self.options)  # its own __post_init__ quotes a bad value
+
+
+@dataclass
+class ProbeSettings:
+    action: str = field(default="warn", metadata=_help("On a trip: 'warn', 'raise', or 'stop' (stop after "
+                                                        "a checkpoint)."))
+    kl_k3: float | None = field(default=None, metadata=_help("Trip when tim/token/kl_k3 exceeds this."))
+    abs_diff_max: float | None = field(default=None, metadata=_help(
+        "Trip when tim/token/abs_diff_max exceeds this."))
+    seq_log_ratio_abs_max: float | None = field(default=None, metadata=_help(
+        "Trip when tim/seq/log_ratio_abs_max exceeds this."))
+
+    def __post_init__(self) -> None:
+        if self.action not in _PROBE_ACTIONS:
+            raise _bad("tim.probe.action", self.action, f"must be one of {_PROBE_ACTIONS}", "+tim.probe.action=warn")
+        for name in ("kl_k3", "abs_diff_max", "seq_log_ratio_abs_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise _bad(f"tim.probe.{name}", v, "must be a positive number or null", f"+tim.probe.{name}=1e-2")
+
+    @property
+    def thresholds(self) -> dict[str, float]:
+        keys = {"kl_k3": "tim/token/kl_k3", "abs_diff_max": "tim/token/abs_diff_max",
+                "seq_log_ratio_abs_max": "tim/seq/log_ratio_abs_max"}
+        return {keys[n]: float(getattr(self, n)) for n in keys if getattr(self, n) is not None}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.thresholds)
+
+
+@dataclass
+class ParitySettings:
+    audit: bool = field(default=True, metadata=_help(
+        "Audit rollout vs trainer numerics on the composed config at start-up (driver) and print the table."))
+    strict: bool = field(default=False, metadata=_help(
+        "Stop before any worker starts when the audit finds an error-level mismatch."))
+
+
+@dataclass
+class TIMVerlConfig:
+    monitor: MonitorSettings = field(default_factory=MonitorSettings)
+    safe_vocab: SafeVocabSettings = field(default_factory=SafeVocabSettings)
+    lr_decay: LRDecaySettings = field(default_factory=LRDecaySettings)
+    parity: ParitySettings = field(default_factory=ParitySettings)
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+
+    _SECTIONS = {"monitor": MonitorSettings, "safe_vocab": SafeVocabSettings, "lr_decay": LRDecaySettings,
+                 "parity": ParitySettings, "probe": ProbeSettings}
+
+    @property
+    def worker_side_active(self) -> bool:
+        """Whether the actor workers have anything to do."""
+        return self.monitor.enable or self.safe_vocab.enabled or self.lr_decay.enable
+
+    @classmethod
+    def from_node(cls, node: Any) -> "TIMVerlConfig":
+        """Build from the ``tim`` node (OmegaConf DictConfig, dict, or None = all defaults)."""
+        if node is None:
+            return cls()
+        data = _to_plain(node)
+        if not isinstance(data, Mapping):
+            raise _bad("tim", data, "must be a mapping of sections", "+tim.monitor.enable=true")
+        unknown = sorted(set(data) - set(cls._SECTIONS))
+        if unknown:
+            raise _bad("tim", sorted(data), f"unknown section(s) {unknown}", f"use {sorted(cls._SECTIONS)}")
+        kwargs = {}
+        for name, section_cls in cls._SECTIONS.items():
+            sub = data.get(name) or {}
+            if not isinstance(sub, Mapping):
+                raise _bad(f"tim.{name}", sub, "must be a mapping", f"+tim.{name}.<option>=<value>")
+            names = {f.name for f in dataclasses.fields(section_cls)}
+            bad = sorted(set(sub) - names)
+            if bad:
+                raise _bad(f"tim.{name}", dict(sub), f"unknown option(s) {bad}", f"use {sorted(names)}")
+            kwargs[name] = section_cls(**sub)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in self._SECTIONS}
+
+
+def _to_plain(node: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # plain dicts only
+        return node
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[str]]:
+    """Validate the ``tim`` node against the rest of a composed verl ``ppo_trainer`` config.
+
+    Returns the typed settings, a list of problems (errors; each quotes the value and the fix) and a list of
+    notes (warnings); raises on a bad ``tim`` value itself. Used by the driver-side trainer before any worker starts.
+    """
+    tim = TIMVerlConfig.from_node(config.get("tim") if hasattr(config, "get") else None)
+    problems: list[str] = []
+    notes: list[str] = []
+    arr = config.actor_rollout_ref
+    mode = str(config.trainer.get("v1", {}).get("trainer_mode", "sync")) if config.trainer.get("use_v1", True) \
+        else None
+    if (tim.worker_side_active or tim.probe.enabled) and (mode is None or not mode.startswith(TRAINER_MODE_PREFIX)):
+        problems.append(
+            f"trainer.v1.trainer_mode={mode!r} (trainer.use_v1={config.trainer.get('use_v1', True)}): the tim "
+            f"settings reach the actor workers only through a tim trainer mode. Fix: trainer.use_v1=true "
+            f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode or 'sync'}")
+    if tim.lr_decay.enable and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
+        problems.append(
+            f"actor_rollout_ref.actor.optim.optimizer_impl={arr.actor.optim.get('optimizer_impl')!r}: the LR decay "
+            f"acts inside the optimizer. Fix: actor_rollout_ref.actor.optim.optimizer_impl={OPTIMIZER_IMPL} "
+            f"actor_rollout_ref.actor.optim.optimizer=AdamW")
+    if tim.safe_vocab.enabled:
+        rollout = arr.rollout
+        if arr.model.get("use_fused_kernels", False) or arr.actor.get("use_fused_kernels", False):
+            problems.append(
+                "actor_rollout_ref.model.use_fused_kernels=True: fused kernels return log-probs without logits, so "
+                "the safe vocabulary cannot be applied. Fix: actor_rollout_ref.model.use_fused_kernels=false")
+        if rollout.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
+            problems.append(
+                f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r}: pruning needs log-probs "
+                "renormalised over the kept set. Fix: actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
+    if tim.safe_vocab.enabled:
+        # verl 0.9.1 builds vLLM SamplingParams from temperature/top_p/top_k only
+        # (workers/rollout/vllm_rollout/vllm_async_server.py ~L634): there is no rollout min_p knob.
+        notes.append(
+            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} prunes the trainer side only: verl 0.9.1 has no "
+            "rollout min_p setting, so vLLM samples from the full vocabulary. Sampled tail tokens outside the "
+            "trainer's safe set are masked out of the loss (tim/safe_vocab/boundary_frac); kept tokens differ "
+            "from the engine's log-prob by log(1 - pruned_mass) (tim/safe_vocab/pruned_mass_mean).")
+    if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
+        problems.append(
+            "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
+            "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
+    return tim, problems, notes

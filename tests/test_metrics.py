@@ -1,0 +1,290 @@
+"""The mismatch monitor against naive per-token reference formulas written here, token by token."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tim_plugins.metrics import (
+    PROB_BUCKET_EDGES,
+    MismatchMonitor,
+    abs_diff_bin_edges,
+    mismatch_metrics,
+)
+
+# Relative tolerance of the monitor's sums vs the float64 reference, by input dtype. The monitor computes in
+# fp32 (half inputs are upcast exactly), so the table depends on the compute dtype, not the storage dtype.
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5, torch.float64: 1e-10}
+
+
+def reference(rollout, train, mask, is_weights=None, band=(0.5, 2.0)):
+    """Naive reference: python loops over tokens in float64, straight from the metric table."""
+    r = rollout.double().tolist()
+    t = train.double().tolist()
+    m = mask.bool().tolist()
+    w = None if is_weights is None else is_weights.double().tolist()
+    toks, invalid, seq_sums = [], 0, []
+    ws = []
+    for b in range(len(r)):
+        s, any_valid = 0.0, False
+        for j in range(len(r[b])):
+            if not m[b][j]:
+                continue
+            rv, tv = r[b][j], t[b][j]
+            if not (math.isfinite(rv) and math.isfinite(tv)) or rv <= -1e3 or tv <= -1e3:
+                invalid += 1
+                continue
+            toks.append((rv, tv))
+            s += tv - rv
+            any_valid = True
+            if w is not None and math.isfinite(w[b][j]):
+                ws.append(w[b][j])
+        if any_valid:
+            seq_sums.append(s)
+    out = {"tim/tokens": len(toks), "tim/invalid_tokens": invalid}
+    if toks:
+        d = [tv - rv for rv, tv in toks]
+        rho = [math.exp(x) for x in d]
+        n = len(d)
+        out.update({
+            "tim/token/abs_diff_mean": sum(abs(x) for x in d) / n,
+            "tim/token/abs_diff_max": max(abs(x) for x in d),
+            "tim/token/prob_abs_diff_mean": sum(abs(math.exp(tv) - math.exp(rv)) for rv, tv in toks) / n,
+            "tim/token/prob_abs_diff_max": max(abs(math.exp(tv) - math.exp(rv)) for rv, tv in toks),
+            "tim/token/kl_k1": sum(-x for x in d) / n,
+            "tim/token/kl_k3": sum(math.exp(x) - 1 - x for x in d) / n,
+            "tim/token/chi2": sum(x * x for x in rho) / n - 1,
+            "tim/token/ratio_mean": sum(rho) / n,
+            "tim/token/ratio_min": min(rho),
+            "tim/token/ratio_max": max(rho),
+            "tim/token/ratio_outside_frac": sum(1 for x in rho if x < band[0] or x > band[1]) / n,
+            "tim/seq/log_ratio_mean": sum(seq_sums) / len(seq_sums),
+            "tim/seq/log_ratio_abs_max": max(abs(x) for x in seq_sums),
+            "_abs_d": sorted(abs(x) for x in d),
+        })
+        for lo, hi in zip(PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:]):
+            last = hi == 1.0
+            sel = [abs(tv - rv) for rv, tv in toks if lo <= math.exp(rv) and (math.exp(rv) < hi or last)]
+            key = f"tim/by_prob/{lo:g}-{hi:g}"
+            out[f"{key}/count"] = len(sel)
+            if sel:
+                out[f"{key}/abs_diff_mean"] = sum(sel) / len(sel)
+    if ws:
+        out["tim/is/weight_mean"] = sum(ws) / len(ws)
+        out["tim/is/weight_min"] = min(ws)
+        out["tim/is/weight_max"] = max(ws)
+        out["tim/is/masked_frac"] = sum(1 for x in ws if x == 0) / len(ws)
+        out["tim/is/ess"] = sum(ws) ** 2 / (len(ws) * sum(x * x for x in ws))
+    return out
+
+
+def assert_matches(got, ref, rtol=1e-5, atol=1e-7):
+    for key, want in ref.items():
+        if key.startswith("_"):
+            continue
+        assert key in got, key
+        assert got[key] == pytest.approx(want, rel=rtol, abs=atol), (key, got[key], want)
+
+
+def make_batch(B, T, V=383, seed=0, noise=0.05, dtype=torch.float32, mask_p=0.8):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 3
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    rollout = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    perturbed = logits + noise * torch.randn(B, T, V, generator=g)
+    train = torch.log_softmax(perturbed, -1).gather(-1, tokens[..., None])[..., 0]
+    mask = torch.rand(B, T, generator=g) < mask_p
+    return rollout.to(dtype), train.to(dtype), mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (7, 129)])
+def test_matches_reference(dtype, shape):
+    rollout, train, mask = make_batch(*shape, dtype=dtype)
+    mask[0] = False  # a fully masked row must not count as a sequence
+    got = mismatch_metrics(rollout, train, mask, compile=False)
+    # The reference sees the same (rounded) half-precision values the monitor sees.
+    ref = reference(rollout, train, mask)
+    assert_matches(got, ref, rtol=RTOL[dtype])
+    assert got["tim/seq/count"] == sum(1 for row in mask.tolist() if any(row))
+
+
+def test_invalid_inputs_are_counted_not_raised():
+    rollout, train, mask = make_batch(4, 9)
+    mask[:] = True
+    rollout[0, 0] = float("nan")
+    train[0, 1] = float("inf")
+    rollout[1, 2] = -float("inf")
+    rollout[1, 3] = -9999.0  # placeholder for "no log-prob reported"
+    train[2, 4] = -1e3  # at the threshold: invalid
+    mask[3, 5] = False
+    rollout[3, 5] = float("nan")  # masked out: neither valid nor invalid
+    got = mismatch_metrics(rollout, train, mask)
+    assert got["tim/invalid_tokens"] == 5
+    assert got["tim/tokens"] == 4 * 9 - 6
+    assert_matches(got, reference(rollout, train, mask))
+    assert all(math.isfinite(v) for k, v in got.items() if "by_prob" not in k)
+
+
+def test_fully_masked_batch_reports_zero_tokens_and_nan_stats():
+    rollout, train, mask = make_batch(2, 5)
+    got = mismatch_metrics(rollout, train, torch.zeros_like(mask))
+    assert got["tim/tokens"] == 0 and got["tim/seq/count"] == 0
+    assert math.isnan(got["tim/token/kl_k3"]) and math.isnan(got["tim/token/abs_diff_max"])
+    assert math.isnan(got["tim/seq/log_ratio_abs_max"])
+
+
+def test_identical_inputs_are_exactly_zero():
+    rollout, _, mask = make_batch(3, 11)
+    got = mismatch_metrics(rollout, rollout.clone(), mask)
+    for key in ("tim/token/kl_k3", "tim/token/kl_k1", "tim/token/abs_diff_max", "tim/token/chi2",
+                "tim/token/abs_diff_p99", "tim/seq/log_ratio_abs_max"):
+        assert got[key] == 0.0, key
+    assert got["tim/token/ratio_min"] == got["tim/token/ratio_max"] == 1.0
+
+
+def test_is_weights_stats():
+    rollout, train, mask = make_batch(5, 13)
+    w = torch.rand(5, 13) * 3
+    w[w < 0.5] = 0.0  # tokens the correction masked
+    w[0, 0] = float("nan")
+    got = mismatch_metrics(rollout, train, mask, is_weights=w)
+    assert_matches(got, reference(rollout, train, mask, w))
+    assert got["tim/is/masked_frac"] > 0
+
+
+@pytest.mark.parametrize("band", [(0.9, 1.1), (0.5, 2.0)])
+def test_ratio_band(band):
+    rollout, train, mask = make_batch(4, 31, noise=0.5)
+    got = mismatch_metrics(rollout, train, mask, ratio_band=band)
+    ref = reference(rollout, train, mask, band=band)
+    assert got["tim/token/ratio_outside_frac"] == pytest.approx(ref["tim/token/ratio_outside_frac"], abs=1e-12)
+    assert got["tim/token/ratio_outside_frac"] > 0
+
+
+@pytest.mark.parametrize("q,key", [(0.99, "tim/token/abs_diff_p99"), (0.999, "tim/token/abs_diff_p999")])
+def test_quantiles_within_histogram_resolution(q, key):
+    rollout, train, mask = make_batch(16, 257, noise=0.2)
+    got = mismatch_metrics(rollout, train, mask)
+    ref = reference(rollout, train, mask)["_abs_d"]
+    exact = ref[max(0, math.ceil(q * len(ref)) - 1)]  # the q-quantile as the smallest x with F(x) >= q
+    step = 10 ** (1 / 32)  # one bin: the reported value is the bin's upper edge (capped at the max)
+    assert exact <= got[key] * (1 + 1e-6)
+    assert got[key] <= exact * step * (1 + 1e-6)
+
+
+def test_monitor_accumulates_micro_batches_exactly():
+    parts = [make_batch(3, t, seed=i) for i, t in enumerate((5, 9, 14))]
+    mon = MismatchMonitor()
+    for r, t, m in parts:
+        mon.update(r, t, m)
+    # The same tokens in one padded batch give the same statistics (sequences are rows in both).
+    T = 14
+    pad = lambda x, fill: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=fill)
+    r_all = torch.cat([pad(r, 0.0) for r, _, _ in parts])
+    t_all = torch.cat([pad(t, 0.0) for _, t, _ in parts])
+    m_all = torch.cat([pad(m, False) for _, _, m in parts])
+    whole = mismatch_metrics(r_all, t_all, m_all)
+    merged = mon.compute()
+    assert merged.keys() == whole.keys()
+    for k in whole:
+        assert merged[k] == pytest.approx(whole[k], rel=1e-6, nan_ok=True), k
+    mon.reset()
+    assert mon.compute()["tim/tokens"] == 0
+
+
+def test_state_dict_round_trip():
+    r, t, m = make_batch(4, 10)
+    a = MismatchMonitor().update(r, t, m)
+    b = MismatchMonitor()
+    b.load_state_dict(a.state_dict())
+    b.update(r, t, m)
+    a.update(r, t, m)
+    assert a.compute() == b.compute()
+
+
+def test_histograms_count_every_valid_token():
+    r, t, m = make_batch(6, 40, noise=0.3)
+    mon = MismatchMonitor().update(r, t, m)
+    h = mon.histograms()
+    n = mon.compute()["tim/tokens"]
+    counts, edges = h["abs_diff"]
+    assert counts.sum() == n and len(edges) == len(counts) + 1 and np.all(np.diff(edges) > 0)
+    ref = np.array(reference(r, t, m)["_abs_d"])
+    want, _ = np.histogram(np.clip(ref, 0, edges[-1]), bins=edges)
+    # Bin assignment is by floor(32·log10|d|); only values within float rounding of an edge may move.
+    assert np.abs(counts - want).sum() <= 2
+    rc, re = h["ratio"]
+    assert rc.sum() == n and len(re) == len(rc) + 1 and np.all(np.diff(re) >= 0)
+    rho = np.exp(np.array([tv - rv for rv, tv in zip(r[m].double().tolist(), t[m].double().tolist())]))
+    want_r, _ = np.histogram(np.clip(rho, re[0], re[-1]), bins=re)
+    assert np.abs(rc - want_r).sum() <= 2
+
+
+def test_bin_edges_are_log_spaced_at_documented_resolution():
+    e = abs_diff_bin_edges()
+    assert e[0].item() == pytest.approx(1e-8) and e[-1].item() == pytest.approx(1e3)
+    ratios = (e[1:] / e[:-1]).numpy()
+    assert np.allclose(ratios, 10 ** (1 / 32))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda r, t, m: (r, t[:, :-1], m),
+        lambda r, t, m: (r, t, m[:, :-1]),
+        lambda r, t, m: (r[None], t[None], m[None]),
+    ],
+)
+def test_shape_errors_quote_shapes(bad):
+    r, t, m = make_batch(2, 6)
+    with pytest.raises(ValueError, match=r"\(2, [56]\)|\(1, 2, 6\)"):
+        mismatch_metrics(*bad(r, t, m))
+
+
+def test_config_errors_quote_value():
+    with pytest.raises(ValueError, match=r"ratio_band=\(2\.0, 0\.5\)"):
+        MismatchMonitor(ratio_band=(2.0, 0.5))
+
+
+def test_compiled_pass_equals_eager():
+    pytest.importorskip("torch._inductor")
+    r, t, m = make_batch(8, 33, noise=0.1)
+    eager = mismatch_metrics(r, t, m, compile=False)
+    mon = MismatchMonitor(compile=True)
+    compiled = mon.update(r, t, m).compute()
+    if mon._compile_failed:
+        pytest.skip("torch.compile is not usable on this machine (no C++ compiler?)")
+    for k in eager:
+        assert compiled[k] == pytest.approx(eager[k], rel=1e-5, abs=1e-7, nan_ok=True), k
+    # A new sequence length must not break or change semantics (dynamic shapes).
+    r2, t2, m2 = make_batch(8, 47, seed=3)
+    assert mon.reset() is None
+    got = mon.update(r2, t2, m2).compute()
+    assert got["tim/token/kl_k3"] == pytest.approx(reference(r2, t2, m2)["tim/token/kl_k3"], rel=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 5),
+    T=st.integers(1, 23),
+    seed=st.integers(0, 10_000),
+    noise=st.floats(0.0, 2.0),
+    mask_p=st.floats(0.0, 1.0),
+)
+def test_property_matches_reference(B, T, seed, noise, mask_p):
+    r, t, m = make_batch(B, T, V=31, seed=seed, noise=noise, mask_p=mask_p)
+    got = mismatch_metrics(r, t, m)
+    ref = reference(r, t, m)
+    assert_matches(got, ref, rtol=1e-5, atol=1e-6)
+    # Invariants that hold for any data: k3 >= 0, chi2 >= -tiny, min <= mean <= max.
+    if got["tim/tokens"] > 0:
+        assert got["tim/token/kl_k3"] >= -1e-7
+        assert got["tim/token/ratio_min"] <= got["tim/token/ratio_mean"] * (1 + 1e-6)
+        assert got["tim/token/ratio_mean"] <= got["tim/token/ratio_max"] * (1 + 1e-6)
+        assert got["tim/token/abs_diff_p99"] <= got["tim/token/abs_diff_max"]

@@ -1,0 +1,516 @@
+"""Per-token training-inference mismatch metrics, computed in one vectorised pass and merged exactly.
+
+Per valid token, d = log p_train − log p_rollout and ρ = exp(d) = π_train / π_rollout.
+
+The monitor keeps only additive state (sums, counts, histogram bins) and maxima (a minimum is stored as the
+maximum of its negation), so micro-batches and data-parallel ranks merge exactly: SUM-all-reduce one tensor,
+MAX-all-reduce another, never a mean of means. Nothing leaves the device until ``compute()``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PROB_BUCKET_EDGES",
+    "HISTOGRAM_RANGE",
+    "HISTOGRAM_BINS_PER_DECADE",
+    "INVALID_LOGPROB_THRESHOLD",
+    "DEFAULT_RATIO_BAND",
+    "mismatch_metrics",
+    "MismatchMonitor",
+    "abs_diff_bin_edges",
+]
+
+# Token-probability buckets (p = exp(rollout log-prob)) for the (1 − p) structure of the mismatch.
+PROB_BUCKET_EDGES: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
+# Log-spaced histogram of |d|: 32 bins per decade between 1e-8 and 1e3 (bin width ×1.075, so a quantile read
+# from it is within 7.5 % above the true value; values below 1e-8, exact zeros included, share one bin).
+HISTOGRAM_RANGE: tuple[float, float] = (1e-8, 1e3)
+HISTOGRAM_BINS_PER_DECADE = 32
+# Log-probs at or below this are placeholders (e.g. -9999 for "not reported"), not probabilities.
+INVALID_LOGPROB_THRESHOLD = -1e3
+DEFAULT_RATIO_BAND: tuple[float, float] = (0.5, 2.0)
+# The ρ histogram spans e^-10 .. e^10; its outer bins hold everything beyond.
+_RATIO_LOG_RANGE = 10.0
+
+
+def abs_diff_bin_edges(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The |d| histogram's inner edges E_0 < ... < E_K (float64). Bin i holds E_{i-1} <= |d| < E_i."""
+    lo, hi = HISTOGRAM_RANGE
+    decades = round(math.log10(hi / lo))
+    n = decades * HISTOGRAM_BINS_PER_DECADE + 1
+    return torch.logspace(math.log10(lo), math.log10(hi), n, dtype=torch.float64, device=device)
+
+
+def _prob_key(lo: float, hi: float) -> str:
+    return f"{lo:g}-{hi:g}"
+
+
+# Layout of the additive state vector. Histogram and bucket slots follow these scalar slots.
+_SUM_FIELDS = (
+    "tokens", "invalid", "abs_d", "abs_p", "neg_d", "k3", "rho_m1", "rho_m1_sq", "outside",
+    "seqs", "seq_log_ratio", "is_tokens", "is_w", "is_w2", "is_masked",
+)
+# Layout of the max state vector (min x stored as max −x).
+_MAX_FIELDS = ("abs_d_max", "abs_p_max", "rho_m1_max", "neg_rho_m1_min", "seq_abs_max", "is_w_max", "neg_is_w_min")
+_N_BUCKETS = len(PROB_BUCKET_EDGES) - 1
+
+
+@dataclass(frozen=True)
+class _Layout:
+    n_edges: int  # K + 1 inner edges of |d|
+
+    @property
+    def n_abs_bins(self) -> int:  # bin 0: |d| < E_0 ... bin K+1: |d| >= E_K
+        return self.n_edges + 1
+
+    @property
+    def n_signed_bins(self) -> int:  # negative bins, the shared "≈0" bin, positive bins
+        return 2 * self.n_abs_bins - 1
+
+    @property
+    def hist_offset(self) -> int:
+        return len(_SUM_FIELDS)
+
+    @property
+    def bucket_count_offset(self) -> int:
+        return self.hist_offset + self.n_signed_bins
+
+    @property
+    def bucket_abs_offset(self) -> int:
+        return self.bucket_count_offset + _N_BUCKETS
+
+    @property
+    def n_sums(self) -> int:
+        return self.bucket_abs_offset + _N_BUCKETS
+
+
+def _batch_stats(
+    rollout: torch.Tensor,
+    train: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor | None,
+    log_lo: float,
+    log_hi: float,
+    n_signed_bins: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch → (additive stats [n_sums], max stats [len(_MAX_FIELDS)]).
+
+    Written without boolean indexing or data-dependent shapes, so it neither syncs with the host nor
+    recompiles when the batch shape changes (torch.compile with dynamic shapes fuses it into few loops).
+    Every elementwise pass over [B, T] counts on the hot path: quantities are derived from each other
+    (abs_p from ρ, validity from |d|) rather than recomputed.
+    """
+    acc = torch.float64 if rollout.device.type != "mps" else torch.float32
+    d = train - rollout  # d = log p_train − log p_rollout
+    abs_d = d.abs()
+    # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
+    ok = (abs_d < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
+    valid = mask & ok
+    n_invalid = (mask & ~ok).sum()
+    vf = valid.to(rollout.dtype)
+
+    zero = torch.zeros((), dtype=rollout.dtype, device=rollout.device)
+    d = torch.where(valid, d, zero)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0
+    abs_d = d.abs()
+    # ρ − 1 via expm1: chi2 and k3 are small differences of O(1) numbers, so keep them in ρ − 1 form
+    # (Σρ = n + Σ(ρ−1), Σρ² = n + Σ(2(ρ−1) + (ρ−1)²)) instead of cancelling n out of fp32 sums.
+    rho_m1 = torch.expm1(d)  # ρ − 1, ρ = π_train / π_rollout
+    p_roll = torch.exp(torch.where(valid, rollout, zero))
+    abs_p = p_roll * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
+    k3 = rho_m1 - d  # k3 estimator of KL(π_rollout ‖ π_train) on rollout samples: E[ρ − 1 − log ρ]
+    outside = (d < log_lo) | (d > log_hi)  # d = 0 on invalid tokens, inside any band around ρ = 1
+
+    seq_d = d.sum(dim=-1)  # Σ_t d over valid tokens: the sequence log-ratio
+    seq_valid = valid.any(dim=-1)
+
+    n_valid = vf.sum()
+    scalar_sums = [
+        n_valid,
+        n_invalid.to(rollout.dtype),
+        abs_d.sum(),
+        abs_p.sum(),
+        -d.sum(),
+        k3.sum(),
+        rho_m1.sum(),  # Σ(ρ − 1); ρ − 1 = 0 on the other tokens
+        (rho_m1 * rho_m1).sum(),  # Σ(ρ − 1)²
+        outside.sum().to(rollout.dtype),
+        seq_valid.sum().to(rollout.dtype),
+        seq_d.sum(),
+    ]
+    neg_inf = torch.full((), -math.inf, dtype=rollout.dtype, device=rollout.device)
+    maxes = [
+        abs_d.amax() if abs_d.numel() else neg_inf,
+        abs_p.amax() if abs_p.numel() else neg_inf,
+        torch.where(valid, rho_m1, neg_inf).amax() if rho_m1.numel() else neg_inf,  # max ρ − 1
+        torch.where(valid, -rho_m1, neg_inf).amax() if rho_m1.numel() else neg_inf,  # −(min ρ − 1)
+        torch.where(seq_valid, seq_d.abs(), neg_inf).amax() if seq_d.numel() else neg_inf,
+    ]
+    if is_weights is not None:
+        w_ok = valid & torch.isfinite(is_weights)
+        w = torch.where(w_ok, is_weights.to(rollout.dtype), zero)
+        scalar_sums += [
+            w_ok.sum().to(rollout.dtype), w.sum(), (w * w).sum(), (w_ok & (w == 0)).sum().to(rollout.dtype),
+        ]
+        maxes += [torch.where(w_ok, w, neg_inf).amax(), torch.where(w_ok, -w, neg_inf).amax()]
+    else:
+        scalar_sums += [zero, zero, zero, zero]
+        maxes += [neg_inf, neg_inf]
+
+    # Signed log-spaced histogram of d. |d| bin: 0 below E_0 = 1e-8, else 1 + floor(32 · log10(|d| / E_0)),
+    # capped at the overflow bin; signed index = centre + sign(d) · bin. Invalid tokens go to a spill slot.
+    centre = (n_signed_bins - 1) // 2
+    log_lo_edge = math.log10(HISTOGRAM_RANGE[0])
+    abs_bin = (torch.log10(abs_d) - log_lo_edge).mul_(HISTOGRAM_BINS_PER_DECADE).floor_().add_(1.0)
+    abs_bin = abs_bin.clamp_(0.0, float(centre)).to(torch.int64)
+    signed_bin = centre + torch.sign(d).to(torch.int64) * abs_bin
+    signed_bin = torch.where(valid, signed_bin, n_signed_bins)
+    hist = torch.zeros(n_signed_bins + 1, dtype=acc, device=rollout.device)
+    hist.index_add_(0, signed_bin.reshape(-1), torch.ones_like(signed_bin, dtype=acc).reshape(-1))
+
+    # Probability buckets of the rollout token: [0, .01), [.01, .1), [.1, .5), [.5, .9), [.9, 1].
+    bucket = torch.zeros_like(p_roll, dtype=torch.int64)
+    for edge in PROB_BUCKET_EDGES[1:-1]:
+        bucket += p_roll >= edge
+    bucket = torch.where(valid, bucket, _N_BUCKETS)
+    bucket_count = torch.zeros(_N_BUCKETS + 1, dtype=acc, device=rollout.device)
+    bucket_count.index_add_(0, bucket.reshape(-1), torch.ones_like(bucket, dtype=acc).reshape(-1))
+    bucket_abs = torch.zeros(_N_BUCKETS + 1, dtype=acc, device=rollout.device)
+    bucket_abs.index_add_(0, bucket.reshape(-1), abs_d.reshape(-1).to(acc))
+
+    sums = torch.cat([torch.stack(scalar_sums).to(acc), hist[:-1], bucket_count[:-1], bucket_abs[:-1]])
+    return sums, torch.stack(maxes).to(acc)
+
+
+_COMPILED = None
+
+
+def _compiled_batch_stats():
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_batch_stats, dynamic=True)
+    return _COMPILED
+
+
+def _want_compile(option: bool | str, device: torch.device) -> bool:
+    if option == "auto":
+        env = os.environ.get("TIM_PLUGINS_COMPILE")
+        if env is not None:
+            return env == "1"
+        # CUDA: fused kernel, negligible compile time. CPU: inductor needs a C++ compiler and ~10 s once.
+        return device.type == "cuda"
+    return bool(option)
+
+
+class MismatchMonitor:
+    """Accumulates mismatch statistics over micro-batches (and ranks) until ``compute()``.
+
+    Args:
+        ratio_band: (lo, hi) band for ``tim/token/ratio_outside_frac`` (fraction of tokens with ρ outside).
+        compile: ``True`` / ``False`` / ``"auto"`` (CUDA only, or env ``TIM_PLUGINS_COMPILE=1``): fuse the
+            per-batch pass with ``torch.compile``. Falls back to eager if compilation fails.
+        prefix: metric key prefix.
+    """
+
+    def __init__(
+        self,
+        ratio_band: tuple[float, float] = DEFAULT_RATIO_BAND,
+        *,
+        compile: bool | str = "auto",
+        prefix: str = "tim",
+    ) -> None:
+        lo, hi = (float(x) for x in ratio_band)
+        if not (0.0 < lo < 1.0 < hi) or not math.isfinite(hi):
+            raise ValueError(
+                f"ratio_band={tuple(ratio_band)!r} is invalid: it must satisfy 0 < lo < 1 < hi < inf "
+                "(a band around ρ = 1), e.g. ratio_band=(0.5, 2.0)."
+            )
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"compile={compile!r} is invalid: use True, False or 'auto'.")
+        self.ratio_band = (lo, hi)
+        self.compile = compile
+        self.prefix = prefix
+        self._layout = _Layout(n_edges=abs_diff_bin_edges().numel())
+        self._sums: torch.Tensor | None = None
+        self._maxes: torch.Tensor | None = None
+        self._compile_failed = False
+        self.updates = 0
+
+    # ---------------------------------------------------------------------------------------------- state
+    def reset(self) -> None:
+        self._sums = None
+        self._maxes = None
+        self.updates = 0
+
+    def _ensure_state(self, device: torch.device, dtype: torch.dtype) -> None:
+        if self._sums is None:
+            self._sums = torch.zeros(self._layout.n_sums, dtype=dtype, device=device)
+            self._maxes = torch.full((len(_MAX_FIELDS),), -math.inf, dtype=dtype, device=device)
+
+    def state_dict(self) -> dict:
+        return {
+            "ratio_band": list(self.ratio_band),
+            "updates": self.updates,
+            "sums": None if self._sums is None else self._sums.detach().cpu().tolist(),
+            "maxes": None if self._maxes is None else self._maxes.detach().cpu().tolist(),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.ratio_band = tuple(state["ratio_band"])
+        self.updates = int(state["updates"])
+        if state["sums"] is None:
+            self._sums = self._maxes = None
+            return
+        if len(state["sums"]) != self._layout.n_sums:
+            raise ValueError(
+                f"monitor state has {len(state['sums'])} sum slots, this version expects {self._layout.n_sums}: "
+                "the checkpoint was written by an incompatible tim-plugins version; reset the monitor instead."
+            )
+        self._sums = torch.tensor(state["sums"], dtype=torch.float64)
+        self._maxes = torch.tensor(state["maxes"], dtype=torch.float64)
+
+    # --------------------------------------------------------------------------------------------- update
+    def update(
+        self,
+        rollout_logprobs: torch.Tensor,
+        train_logprobs: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_weights: torch.Tensor | None = None,
+    ) -> "MismatchMonitor":
+        """Add one micro-batch.
+
+        Args:
+            rollout_logprobs: [B, T] sampled-token log-probs reported by the inference engine (any float dtype).
+            train_logprobs: [B, T] the trainer's recomputation of the same tokens.
+            mask: [B, T] response-token mask (bool or 0/1); ``None`` means every token is a response token.
+            is_weights: [B, T] importance weights the framework actually applied (after truncation/masking).
+        """
+        rollout_logprobs, train_logprobs, mask, is_weights = _check_inputs(
+            rollout_logprobs, train_logprobs, mask, is_weights
+        )
+        device = rollout_logprobs.device
+        args = (
+            rollout_logprobs, train_logprobs, mask, is_weights, math.log(self.ratio_band[0]),
+            math.log(self.ratio_band[1]), self._layout.n_signed_bins,
+        )
+        sums = maxes = None
+        if not self._compile_failed and _want_compile(self.compile, device):
+            try:
+                sums, maxes = _compiled_batch_stats()(*args)
+            except Exception as err:  # never let a compiler problem break a training step
+                import warnings
+
+                warnings.warn(f"tim_plugins: torch.compile of the mismatch pass failed ({err!r}); using eager.")
+                self._compile_failed = True
+        if sums is None:
+            sums, maxes = _batch_stats(*args)
+        self._ensure_state(device, sums.dtype)
+        if self._sums.device != device:  # state restored from a checkpoint lives on the CPU
+            self._sums, self._maxes = self._sums.to(device), self._maxes.to(device)
+        self._sums += sums
+        torch.maximum(self._maxes, maxes, out=self._maxes)
+        self.updates += 1
+        return self
+
+    # -------------------------------------------------------------------------------------------- compute
+    def _merged_state(self, sync: bool, group) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._sums is None:
+            sums = torch.zeros(self._layout.n_sums, dtype=torch.float64)
+            maxes = torch.full((len(_MAX_FIELDS),), -math.inf, dtype=torch.float64)
+        else:
+            sums, maxes = self._sums.clone(), self._maxes.clone()
+        if sync and torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size(group) > 1:
+                # Every rank must call compute(), even one that saw no batch (it contributes zeros/−inf).
+                if self._sums is None:
+                    device = _collective_device(group)
+                    sums, maxes = sums.to(device), maxes.to(device)
+                torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
+                torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
+        return sums, maxes
+
+    def compute(self, sync: bool = True, group=None) -> dict[str, float]:
+        """Return the metric dict (one host transfer). With ``sync`` and an initialised process group the
+        state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
+        sums_t, maxes_t = self._merged_state(sync, group)
+        sums = sums_t.cpu().tolist()
+        maxes = maxes_t.cpu().tolist()
+        s = dict(zip(_SUM_FIELDS, sums))
+        m = dict(zip(_MAX_FIELDS, maxes))
+        lay = self._layout
+        hist = sums[lay.hist_offset : lay.hist_offset + lay.n_signed_bins]
+        b_count = sums[lay.bucket_count_offset : lay.bucket_count_offset + _N_BUCKETS]
+        b_abs = sums[lay.bucket_abs_offset : lay.bucket_abs_offset + _N_BUCKETS]
+
+        n = s["tokens"]
+        nan = math.nan
+
+        def mean(x: float) -> float:
+            return x / n if n > 0 else nan
+
+        def mx(x: float) -> float:  # |d| maxima include the zeros of masked tokens: defined only if n > 0
+            return x if n > 0 and x != -math.inf else nan
+
+        p = self.prefix
+        out = {
+            f"{p}/tokens": n,
+            f"{p}/invalid_tokens": s["invalid"],
+            f"{p}/token/abs_diff_mean": mean(s["abs_d"]),
+            f"{p}/token/abs_diff_max": mx(m["abs_d_max"]),
+            f"{p}/token/prob_abs_diff_mean": mean(s["abs_p"]),
+            f"{p}/token/prob_abs_diff_max": mx(m["abs_p_max"]),
+            f"{p}/token/kl_k1": mean(s["neg_d"]),
+            f"{p}/token/kl_k3": mean(s["k3"]),
+            # chi2 = E[ρ²] − 1 = 2 E[ρ − 1] + E[(ρ − 1)²]
+            f"{p}/token/chi2": mean(2.0 * s["rho_m1"] + s["rho_m1_sq"]),
+            f"{p}/token/ratio_mean": 1.0 + mean(s["rho_m1"]),
+            f"{p}/token/ratio_min": 1.0 - m["neg_rho_m1_min"] if n > 0 else nan,
+            f"{p}/token/ratio_max": 1.0 + mx(m["rho_m1_max"]),
+            f"{p}/token/ratio_outside_frac": mean(s["outside"]),
+        }
+        abs_counts = _fold_signed(hist)
+        out[f"{p}/token/abs_diff_p99"] = _hist_quantile(abs_counts, 0.99, out[f"{p}/token/abs_diff_max"])
+        out[f"{p}/token/abs_diff_p999"] = _hist_quantile(abs_counts, 0.999, out[f"{p}/token/abs_diff_max"])
+        seqs = s["seqs"]
+        out[f"{p}/seq/count"] = seqs
+        out[f"{p}/seq/log_ratio_mean"] = s["seq_log_ratio"] / seqs if seqs > 0 else nan
+        out[f"{p}/seq/log_ratio_abs_max"] = m["seq_abs_max"] if seqs > 0 else nan
+        for i in range(_N_BUCKETS):
+            key = f"{p}/by_prob/{_prob_key(PROB_BUCKET_EDGES[i], PROB_BUCKET_EDGES[i + 1])}"
+            out[f"{key}/count"] = b_count[i]
+            out[f"{key}/abs_diff_mean"] = b_abs[i] / b_count[i] if b_count[i] > 0 else nan
+        if s["is_tokens"] > 0:
+            n_w, sw, sw2 = s["is_tokens"], s["is_w"], s["is_w2"]
+            out[f"{p}/is/weight_mean"] = sw / n_w
+            out[f"{p}/is/weight_min"] = -m["neg_is_w_min"]
+            out[f"{p}/is/weight_max"] = m["is_w_max"]
+            out[f"{p}/is/masked_frac"] = s["is_masked"] / n_w
+            # Kish effective sample size, normalised to [0, 1]: (Σw)² / (N Σw²)
+            out[f"{p}/is/ess"] = sw * sw / (n_w * sw2) if sw2 > 0 else 0.0
+        return out
+
+    def histograms(self, sync: bool = False, group=None) -> dict[str, tuple]:
+        """Histograms for ``wandb.Histogram(np_histogram=...)``: ``{"abs_diff": (counts, edges),
+        "ratio": (counts, edges)}`` as numpy arrays. Bins below 1e-8 / above 1e3 are clipped to the range."""
+        import numpy as np
+
+        sums, _ = self._merged_state(sync, group)
+        lay = self._layout
+        hist = sums[lay.hist_offset : lay.hist_offset + lay.n_signed_bins].cpu().numpy()
+        e = abs_diff_bin_edges().numpy()  # E_0 .. E_K
+        # |d| bins [0, E_0), [E_0, E_1), ..., [E_{K-1}, E_K]: the overflow bin (>= E_K) joins the last one.
+        abs_counts = np.asarray(_fold_signed(list(hist)))
+        abs_counts[-2] += abs_counts[-1]
+        abs_edges = np.concatenate([[0.0], e])
+        # ρ = exp(d) bins from the signed d histogram; d-space edges -E_K .. -E_0, E_0 .. E_K, overflow bins
+        # merged into their neighbours. exp is monotone, so the ρ edges are exp of the d edges.
+        c = lay.n_abs_bins - 1  # index of the |d| < E_0 bin
+        neg = hist[1:c].copy()
+        neg[0] += hist[0]
+        pos = hist[c + 1 : -1].copy()
+        pos[-1] += hist[-1]
+        counts = np.concatenate([neg, [hist[c]], pos])
+        d_edges = np.concatenate([-e[::-1], e])
+        # Keep ρ within [e^-RATIO_LOG_RANGE, e^RATIO_LOG_RANGE] so the edges stay finite: outer bins absorb
+        # the rest.
+        keep = np.nonzero(np.abs(d_edges) <= _RATIO_LOG_RANGE)[0]
+        first, last = keep[0], keep[-1]
+        counts = np.concatenate([
+            [counts[: first + 1].sum()], counts[first + 1 : last - 1], [counts[last - 1 :].sum()]
+        ])
+        ratio_edges = np.exp(d_edges[first : last + 1])
+        return {"abs_diff": (abs_counts[:-1], abs_edges), "ratio": (counts, ratio_edges)}
+
+
+def _collective_device(group) -> torch.device:
+    backend = torch.distributed.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fold_signed(hist: list[float]) -> list[float]:
+    """Signed d histogram → |d| histogram (bin 0 is |d| < E_0, the last bin |d| >= E_K)."""
+    centre = (len(hist) - 1) // 2
+    folded = [hist[centre]]
+    for i in range(1, centre + 1):
+        folded.append(hist[centre + i] + hist[centre - i])
+    return folded
+
+
+def _hist_quantile(abs_counts: list[float], q: float, exact_max: float) -> float:
+    """Upper edge of the bin holding the q-quantile of |d|, capped at the exact max; 0.0 if it lies below
+    the histogram's resolution (1e-8)."""
+    total = sum(abs_counts)
+    if total <= 0:
+        return math.nan
+    target = q * total
+    edges = abs_diff_bin_edges().tolist()
+    cum = 0.0
+    for i, c in enumerate(abs_counts):
+        cum += c
+        if cum >= target:
+            if i == 0:
+                return 0.0
+            upper = edges[i] if i < len(edges) else math.inf
+            return min(upper, exact_max)
+    return exact_max
+
+
+def _check_inputs(rollout, train, mask, is_weights):
+    """Shape/type checks at the API boundary (raise); value problems are counted later, never raised."""
+    if not isinstance(rollout, torch.Tensor) or not isinstance(train, torch.Tensor):
+        raise TypeError(
+            f"rollout_logprobs and train_logprobs must be torch.Tensor, got {type(rollout).__name__} and "
+            f"{type(train).__name__}"
+        )
+    if rollout.dim() == 1 and train.dim() == 1:  # one sequence
+        rollout, train = rollout.unsqueeze(0), train.unsqueeze(0)
+        mask = None if mask is None else mask.reshape(1, -1)
+        is_weights = None if is_weights is None else is_weights.reshape(1, -1)
+    if rollout.dim() != 2 or rollout.shape != train.shape:
+        raise ValueError(
+            f"rollout_logprobs {tuple(rollout.shape)} and train_logprobs {tuple(train.shape)} must both have "
+            "shape [B, T] (batch, response tokens)."
+        )
+    if mask is None:
+        mask = torch.ones(rollout.shape, dtype=torch.bool, device=rollout.device)
+    elif mask.shape != rollout.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must have the log-probs' shape {tuple(rollout.shape)}.")
+    if is_weights is not None and is_weights.shape != rollout.shape:
+        raise ValueError(
+            f"is_weights {tuple(is_weights.shape)} must have the log-probs' shape {tuple(rollout.shape)}."
+        )
+    if not rollout.is_floating_point() or not train.is_floating_point():
+        raise TypeError(f"log-probs must be floating point, got {rollout.dtype} and {train.dtype}")
+    # Half-precision inputs are upcast: the statistics themselves are always computed in >= fp32.
+    dtype = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
+    device = rollout.device
+    train = train.to(device=device, dtype=dtype).detach()
+    rollout = rollout.to(dtype=dtype).detach()
+    mask = mask.to(device=device, dtype=torch.bool) if mask.dtype != torch.bool else mask.to(device)
+    if is_weights is not None:
+        is_weights = is_weights.to(device=device, dtype=dtype).detach()
+    return rollout, train, mask, is_weights
+
+
+def mismatch_metrics(
+    rollout_logprobs: torch.Tensor,
+    train_logprobs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    **options,
+) -> dict[str, float]:
+    """Mismatch metrics of one batch (see ``MismatchMonitor`` for arguments and keys).
+
+    Options: ``is_weights`` ([B, T]), ``ratio_band`` ((lo, hi)), ``compile``, ``prefix``.
+    """
+    is_weights = options.pop("is_weights", None)
+    monitor = MismatchMonitor(**options)
+    monitor.update(rollout_logprobs, train_logprobs, mask, is_weights=is_weights)
+    return monitor.compute(sync=False)

@@ -1,0 +1,157 @@
+"""Live parity probe: thresholds on the monitor's metrics, checked every N steps, with an action on a trip.
+
+Adapters feed it the dict from `MismatchMonitor.compute()` (or `mismatch_metrics(...)`) and act on the
+returned `ProbeDecision`: ``warn`` logs, ``raise`` raises `ParityError`, ``stop`` sets
+``decision.stop = True`` (TRL: ``control.should_save = control.should_training_stop = True``; verl: save a
+checkpoint and end the loop). Every trip is logged with the step and the metric values, and kept in
+`probe.trips` (saved by `state_dict()`). A missing or NaN metric never trips: it is counted in
+`decision.skipped` (diagnostics do not crash training on bad input).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from tim_plugins.parity.findings import ParityError
+
+__all__ = ["ParityProbe", "ParityProbeConfig", "ProbeDecision", "Trip", "PROBE_ACTIONS", "DEFAULT_METRIC_KEYS"]
+
+logger = logging.getLogger("tim_plugins.parity")
+
+PROBE_ACTIONS = ("warn", "raise", "stop")
+# config field → metric key of tim_plugins.metrics
+DEFAULT_METRIC_KEYS = {
+    "kl_k3_max": "tim/token/kl_k3",
+    "abs_diff_max": "tim/token/abs_diff_max",
+    "seq_log_ratio_abs_max": "tim/seq/log_ratio_abs_max",
+}
+
+
+@dataclass
+class ParityProbeConfig:
+    """Thresholds (None = not checked) and what to do when one is exceeded."""
+
+    kl_k3_max: Optional[float] = field(
+        default=1e-3, metadata={"help": "trip when tim/token/kl_k3 > this (dense models run 1e-5..1e-3)"})
+    abs_diff_max: Optional[float] = field(
+        default=None, metadata={"help": "trip when tim/token/abs_diff_max (max |Δ log p| over tokens) > this"})
+    seq_log_ratio_abs_max: Optional[float] = field(
+        default=None, metadata={"help": "trip when tim/seq/log_ratio_abs_max (max |Σ_t Δ log p|) > this"})
+    action: str = field(default="warn", metadata={"help": "warn | raise | stop"})
+    every_n_steps: int = field(default=1, metadata={"help": "check only when step % every_n_steps == 0"})
+    patience: int = field(default=1, metadata={"help": "act after this many consecutive tripped checks"})
+
+    def __post_init__(self) -> None:
+        if self.action not in PROBE_ACTIONS:
+            raise ValueError(f"ParityProbeConfig.action={self.action!r}: must be one of {PROBE_ACTIONS}")
+        if int(self.every_n_steps) < 1:
+            raise ValueError(f"ParityProbeConfig.every_n_steps={self.every_n_steps}: must be >= 1")
+        if int(self.patience) < 1:
+            raise ValueError(f"ParityProbeConfig.patience={self.patience}: must be >= 1")
+        for name in DEFAULT_METRIC_KEYS:
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"ParityProbeConfig.{name}={value!r}: must be a finite number >= 0 or None")
+        if all(getattr(self, name) is None for name in DEFAULT_METRIC_KEYS):
+            raise ValueError("ParityProbeConfig: every threshold is None, so the probe can never trip; set at "
+                             f"least one of {list(DEFAULT_METRIC_KEYS)}")
+
+
+@dataclass
+class Trip:
+    """One exceeded threshold at one step."""
+
+    step: int
+    key: str
+    value: float
+    threshold: float
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "key": self.key, "value": self.value, "threshold": self.threshold}
+
+
+@dataclass
+class ProbeDecision:
+    """What the adapter should do after `ParityProbe.check`."""
+
+    step: int
+    checked: bool = False
+    tripped: bool = False
+    action: Optional[str] = None  # the action to take now (None when nothing to do)
+    stop: bool = False  # ask the framework to checkpoint and stop gracefully
+    trips: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)  # threshold keys whose metric was missing / NaN
+
+    def metrics(self) -> dict:
+        """`tim/probe/*` values for the logger."""
+        return {"tim/probe/tripped": float(self.tripped), "tim/probe/checked": float(self.checked)}
+
+
+class ParityProbe:
+    """Check mismatch metrics against thresholds every N steps and decide warn / raise / stop."""
+
+    def __init__(self, config: Optional[ParityProbeConfig] = None, **options: Any):
+        if config is not None and options:
+            raise ValueError("ParityProbe(config, **options): pass either a config or keyword options, not both")
+        self.config = config if config is not None else ParityProbeConfig(**options)
+        self.trips: list[Trip] = []
+        self._consecutive = 0
+        self.num_checks = 0
+
+    def due(self, step: int) -> bool:
+        return int(step) % int(self.config.every_n_steps) == 0
+
+    def check(self, step: int, metrics: Mapping[str, float]) -> ProbeDecision:
+        """Compare `metrics` (a `mismatch_metrics` / `MismatchMonitor.compute()` dict) with the thresholds.
+
+        Raises `ParityError` when the action is ``raise`` and the probe trips (after `patience` checks).
+        """
+        decision = ProbeDecision(step=int(step))
+        if not self.due(step):
+            return decision
+        decision.checked = True
+        self.num_checks += 1
+        for name, key in DEFAULT_METRIC_KEYS.items():
+            threshold = getattr(self.config, name)
+            if threshold is None:
+                continue
+            value = metrics.get(key)
+            if value is None:
+                decision.skipped.append(key)
+                continue
+            value = float(value)
+            if math.isnan(value):
+                decision.skipped.append(key)
+                continue
+            if value > threshold:  # +inf trips: an infinite mismatch is a real finding
+                decision.trips.append(Trip(int(step), key, value, float(threshold)))
+        if not decision.trips:
+            self._consecutive = 0
+            return decision
+        self._consecutive += 1
+        self.trips.extend(decision.trips)
+        decision.tripped = True
+        desc = ", ".join(f"{t.key}={t.value:.6g} > {t.threshold:.6g}" for t in decision.trips)
+        if self._consecutive < self.config.patience:
+            logger.warning("tim parity probe: step %d: %s (%d/%d before acting)", step, desc, self._consecutive,
+                           self.config.patience)
+            return decision
+        decision.action = self.config.action
+        logger.warning("tim parity probe tripped at step %d: %s (action: %s)", step, desc, self.config.action)
+        if self.config.action == "stop":
+            decision.stop = True
+        elif self.config.action == "raise":
+            raise ParityError(f"tim parity probe tripped at step {step}: {desc}", trip=decision)
+        return decision
+
+    def state_dict(self) -> dict:
+        return {"trips": [t.to_dict() for t in self.trips], "consecutive": self._consecutive,
+                "num_checks": self.num_checks}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trips = [Trip(**t) for t in state.get("trips", [])]
+        self._consecutive = int(state.get("consecutive", 0))
+        self.num_checks = int(state.get("num_checks", 0))

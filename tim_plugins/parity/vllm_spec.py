@@ -1,0 +1,274 @@
+"""Rollout `PipelineSpec` from vLLM: from engine arguments (dict, JSON or CLI string) or a live `LLM`.
+
+The live reader uses public API only: ``llm.llm_engine.vllm_config`` (the resolved configuration) and
+``llm.collective_rpc(fn)`` to ask the worker what it actually runs (parameter dtypes, lm_head dtype, the
+attention backend chosen, the batch-invariance switch in the worker's environment). vLLM is imported lazily
+and only by `spec_from_llm`. Defaults below are vLLM 0.32's (vllm/engine/arg_utils.py, vllm/config/*).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
+
+__all__ = [
+    "VLLM_ENGINE_DEFAULTS",
+    "VLLM_SAMPLING_DEFAULTS",
+    "parse_engine_args",
+    "spec_from_engine_args",
+    "spec_from_llm",
+    "apply_engine_args",
+    "resolve_auto_dtype",
+    "sampling_fields",
+]
+
+# Engine defaults that matter for parity (vLLM 0.32). Prefix caching and chunked prefill are on by default.
+VLLM_ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "auto", "logprobs_mode": "raw_logprobs", "enable_prefix_caching": True,
+    "enable_chunked_prefill": True, "enforce_eager": False, "quantization": None, "kv_cache_dtype": "auto",
+    "hf_overrides": None, "attention_backend": None, "compilation_config": None, "logits_processors": None,
+}
+VLLM_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "bad_words": None,
+    "allowed_token_ids": None,
+}
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_engine_args(args: Any) -> dict:
+    """Engine args from a dict, a JSON object string, or a vLLM CLI string ("--dtype bfloat16 --enforce-eager").
+
+    Keys are returned with underscores. ``--no-<flag>`` sets the flag False; a flag without a value is True;
+    values are parsed as JSON when they look like JSON, else kept as strings.
+    """
+    if args is None:
+        return {}
+    if isinstance(args, Mapping):
+        return {str(k).replace("-", "_"): v for k, v in args.items()}
+    text = str(args).strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"vLLM engine args {text[:80]!r}... look like JSON but do not parse: {err}") from err
+        return parse_engine_args(data)
+    out: dict[str, Any] = {}
+    tokens = shlex.split(text)
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            if tok in ("vllm", "serve") or (i <= 2 and not out):  # `vllm serve MODEL ...`
+                if tok not in ("vllm", "serve"):
+                    out["model"] = tok
+                i += 1
+                continue
+            raise ValueError(f"vLLM engine args: unexpected token {tok!r} in {text!r}; expected --name [value]")
+        name, eq, value = tok[2:].partition("=")
+        key = name.replace("-", "_")
+        if not eq:
+            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                value = tokens[i + 1]
+                i += 1
+            elif key.startswith("no_"):
+                out[key[3:]] = False
+                i += 1
+                continue
+            else:
+                out[key] = True
+                i += 1
+                continue
+        out[key] = _parse_value(value)
+        i += 1
+    return out
+
+
+def _parse_value(value: str) -> Any:
+    low = value.lower()
+    if low in _BOOL_WORDS:
+        return _BOOL_WORDS[low]
+    if low in ("none", "null"):
+        return None
+    if value[:1] in "{[" or value.replace(".", "", 1).replace("-", "", 1).isdigit():
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def resolve_auto_dtype(checkpoint_dtype: Any) -> Optional[str]:
+    """What vLLM's dtype='auto' runs on GPUs: fp32 checkpoints are downcast to bf16, others kept."""
+    ckpt = normalize_dtype(checkpoint_dtype)
+    if ckpt is None:
+        return None
+    return "bfloat16" if ckpt == "float32" else ckpt
+
+
+def _checkpoint_dtype_from_path(model: Any) -> Optional[str]:
+    if not model:
+        return None
+    cfg = Path(str(model)) / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    return data.get("dtype") or data.get("torch_dtype")
+
+
+def sampling_fields(sampling: Any) -> dict:
+    """PipelineSpec sampler fields from a `SamplingParams`, a dict of its fields, or None (vLLM defaults)."""
+    values = dict(VLLM_SAMPLING_DEFAULTS)
+    if sampling is not None:
+        if isinstance(sampling, Mapping):
+            values.update(sampling)
+        else:
+            values.update({k: getattr(sampling, k) for k in VLLM_SAMPLING_DEFAULTS if hasattr(sampling, k)})
+    return {
+        "temperature": values["temperature"], "top_p": values["top_p"], "top_k": values["top_k"],
+        "min_p": 0.0 if values["min_p"] is None else values["min_p"],
+        "repetition_penalty": values["repetition_penalty"], "presence_penalty": values["presence_penalty"],
+        "frequency_penalty": values["frequency_penalty"],
+        "logit_bias": bool(values["logit_bias"]) or bool(values["allowed_token_ids"]),
+        "bad_words": bool(values["bad_words"]),
+    }
+
+
+def _cudagraph_off(compilation_config: Any) -> Optional[bool]:
+    if compilation_config is None:
+        return None
+    if isinstance(compilation_config, str):
+        compilation_config = json.loads(compilation_config)
+    mode = compilation_config.get("cudagraph_mode") if isinstance(compilation_config, Mapping) else None
+    return None if mode is None else str(mode).upper() == "NONE"
+
+
+def spec_from_engine_args(
+    args: Any,
+    *,
+    sampling: Any = None,
+    checkpoint_dtype: Any = None,
+    device: str = "cuda",
+    env: Optional[Mapping[str, str]] = None,
+    framework: str = "vllm",
+) -> PipelineSpec:
+    """Rollout spec from vLLM engine args (dict / JSON / CLI string) and sampling params.
+
+    Args:
+        args: engine args; unspecified ones take vLLM 0.32 defaults (`VLLM_ENGINE_DEFAULTS`).
+        sampling: `SamplingParams` or dict of its fields (default: vLLM defaults).
+        checkpoint_dtype: the checkpoint's dtype, to resolve dtype='auto' (else read from <model>/config.json).
+        device: "cuda" or "cpu" (CUDA graphs exist only on GPUs; the CPU backend always uses CPU_ATTN).
+        env: environment the engine will see (default os.environ), for VLLM_BATCH_INVARIANT.
+    """
+    given = parse_engine_args(args)
+    a = dict(VLLM_ENGINE_DEFAULTS)
+    a.update(given)
+    env = os.environ if env is None else env
+    notes: dict[str, str] = {}
+    if str(a["dtype"]).lower() == "auto":
+        ckpt = checkpoint_dtype if checkpoint_dtype is not None else _checkpoint_dtype_from_path(a.get("model"))
+        dtype = resolve_auto_dtype(ckpt)
+        notes["dtype"] = (f"dtype=auto with a {ckpt} checkpoint → {dtype}" if dtype else
+                          "dtype=auto and the checkpoint dtype is unknown (fp32/bf16 checkpoints run bf16)")
+    else:
+        dtype = normalize_dtype(a["dtype"])
+    hf_overrides = a.get("hf_overrides") or {}
+    if isinstance(hf_overrides, str):
+        hf_overrides = json.loads(hf_overrides)
+    head = hf_overrides.get("head_dtype")
+    head = None if head in (None, "model") else head
+    eager = bool(a["enforce_eager"])
+    graph_off = _cudagraph_off(a.get("compilation_config"))
+    attn_cfg = a.get("attention_config") or {}
+    if isinstance(attn_cfg, str):
+        attn_cfg = json.loads(attn_cfg)
+    attention = a.get("attention_backend") or attn_cfg.get("backend")
+    if attention is None and device == "cpu":
+        attention = "CPU_ATTN"
+    procs = a.get("logits_processors") or ()
+    if procs:
+        notes["logits_processors"] = f"registered (active per request only if activated): {list(procs)}"
+    quant = a.get("quantization")
+    return PipelineSpec(
+        side="rollout", framework=framework, device=device, dtype=dtype, lm_head_dtype=head,
+        logprobs_mode=a["logprobs_mode"], **sampling_fields(sampling), custom_logits_processors=(),
+        weight_quantization="none" if quant in (None, "", "none") else str(quant),
+        kv_cache_dtype=a.get("kv_cache_dtype") or "auto",
+        prefix_caching=bool(a["enable_prefix_caching"]), chunked_prefill=bool(a["enable_chunked_prefill"]),
+        cudagraph=False if (eager or device != "cuda" or graph_off) else True,
+        compile=not eager, batch_invariant=env.get("VLLM_BATCH_INVARIANT", "0") == "1",
+        attention_backend=attention, source="vLLM engine args", notes=notes,
+    )
+
+
+def _worker_numerics(worker: Any) -> dict:
+    """Runs inside each vLLM worker (collective_rpc): what the model really computes with."""
+    out: dict[str, Any] = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"}
+    runner = getattr(worker, "model_runner", None)
+    model = getattr(runner, "model", None)
+    if model is not None:
+        params = list(model.parameters())
+        out["dtype"] = str(params[0].dtype) if params else None
+        head = getattr(model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        out["lm_head_dtype"] = str(weight.dtype) if weight is not None and weight.numel() > 0 else None
+    backends = set()
+    for groups in getattr(runner, "attn_groups", None) or []:
+        for group in groups:
+            backend = getattr(group, "backend", None)
+            if backend is not None and hasattr(backend, "get_name"):
+                backends.add(backend.get_name())
+    out["attention_backends"] = sorted(backends)
+    return out
+
+
+def spec_from_llm(llm: Any, *, sampling: Any = None, framework: str = "vllm") -> PipelineSpec:
+    """Rollout spec read from a live `vllm.LLM` (resolved config + what the workers report)."""
+    vc = llm.llm_engine.vllm_config
+    mc, cc, sc, comp = vc.model_config, vc.cache_config, vc.scheduler_config, vc.compilation_config
+    device = getattr(getattr(vc, "device_config", None), "device_type", None)
+    reports = llm.collective_rpc(_worker_numerics)
+    first = reports[0] if reports else {}
+    notes = {"workers": json.dumps(reports)}
+    if len({json.dumps(r, sort_keys=True) for r in reports}) > 1:
+        notes["warning"] = "workers report different numerics"
+    backends = first.get("attention_backends") or []
+    attention = backends[0] if len(backends) == 1 else (",".join(backends) if backends else None)
+    head_cfg = str(mc.head_dtype)
+    procs = getattr(mc, "logits_processors", None) or ()
+    if procs:
+        notes["logits_processors"] = f"registered (active per request only if activated): {[str(p) for p in procs]}"
+    cudagraph_mode = str(getattr(comp, "cudagraph_mode", "NONE")).upper()
+    compile_mode = getattr(comp, "mode", 0)
+    return PipelineSpec(
+        side="rollout", framework=framework, device=device,
+        dtype=first.get("dtype") or str(mc.dtype),
+        lm_head_dtype=first.get("lm_head_dtype") or head_cfg,
+        logprobs_mode=str(mc.logprobs_mode), **sampling_fields(sampling), custom_logits_processors=(),
+        weight_quantization="none" if mc.quantization is None else str(mc.quantization),
+        kv_cache_dtype=str(cc.cache_dtype), prefix_caching=bool(cc.enable_prefix_caching),
+        chunked_prefill=bool(sc.enable_chunked_prefill),
+        cudagraph=not cudagraph_mode.endswith("NONE"),
+        compile=int(getattr(compile_mode, "value", compile_mode) or 0) != 0,
+        batch_invariant=bool(first.get("batch_invariant")), attention_backend=attention,
+        source="live vLLM engine (vllm_config + collective_rpc)", notes=notes,
+    )
+
+
+def apply_engine_args(args: Any, patch: Mapping[str, Any]) -> dict:
+    """Merge an `EnforceResult.vllm_engine_args` patch into engine args (hf_overrides merged key by key)."""
+    out = parse_engine_args(args)
+    for key, value in patch.items():
+        if key == "hf_overrides" and isinstance(out.get(key), Mapping):
+            merged = dict(out[key])
+            merged.update(value)
+            out[key] = merged
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,343 @@
+"""Safe-vocabulary log-probs: the trainer-side half of consistent tail pruning.
+
+Rule (the same as vLLM's and HF's ``min_p`` sampling):
+    p_T = softmax(z / T),   S = {a : p_T(a) >= min_p · max_b p_T(b)}
+    safe log p(a) = log p_T(a) − log Σ_{b∈S} p_T(b) = z_a/T − logsumexp_{b∈S}(z_b/T)
+Top-k / top-p cut S further with the sampler's order (``tim_plugins.truncation``), so any engine truncation
+can be matched. ``min_p = 0`` (and no top-k/top-p) gives exactly ``log_softmax(z / T)[a]``.
+
+Why: if every logit moves by at most ε between two pipelines, |Δ log p_a| <= 2ε(1 − p_a): the tail disagrees
+most, and a sampled tail token carries a large, biased ratio. Pruning the extreme tail on both sides trades that
+for a small pruning bias, reported here as the pruned mass 1 − Σ_S p_T.
+
+Both entry points run a custom autograd Function over row chunks: forward keeps only per-row statistics
+(max, threshold tau, log Σ_S), backward recomputes each chunk's logits (``hidden @ weight.T`` for the hidden
+path) and turns them into the gradient in place. S is chosen under no_grad (not differentiated); the gradient is
+that of the renormalised masked log-softmax: d safe_logp(a) / dz_j = (1[j = a] − q_j) / T, q = p_T restricted
+to S and renormalised (q_j = 0 off S).
+
+Tokens outside the trainer's S (the sampler kept them, the trainer's own probabilities do not: "boundary
+disagreements") get ``in_safe = False`` and the finite value z_a/T − logsumexp_S so that a multiplied-in mask
+never creates NaN; exclude them from the loss with ``safe_loss_mask``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .truncation import DEFAULT_MIN_P, Truncation, truncation_threshold
+
+__all__ = [
+    "DEFAULT_MIN_P",
+    "TILE_ELEMENTS",
+    "SafeLogprobs",
+    "Truncation",
+    "default_chunk_rows",
+    "safe_logprobs_from_logits",
+    "safe_logprobs_from_hidden",
+    "safe_loss_mask",
+    "safe_vocab_metrics",
+]
+
+# Working-tile budget (elements of one [rows, V] logits chunk). Equal to TRL 1.16's fused head tile
+# (TOKEN_CHUNK_SIZE 4096 rows × 32768 vocab columns), so the two paths are compared at the same tile size.
+TILE_ELEMENTS = 4096 * 32768
+
+
+def default_chunk_rows(vocab: int) -> int:
+    """Rows per chunk so that one [rows, vocab] tile holds about ``TILE_ELEMENTS`` elements."""
+    return max(1, TILE_ELEMENTS // max(1, vocab))
+
+
+@dataclass
+class SafeLogprobs:
+    """Per-token results, all of shape [N].
+
+    Attributes:
+        logprobs: fp32 safe log-prob of the given token (differentiable).
+        in_safe: bool, token ∈ S under the trainer's own probabilities.
+        pruned_mass: fp32, 1 − Σ_S p_T (no grad).
+        size: int64, |S|.
+        entropy: fp32 entropy of the renormalised safe distribution (differentiable), or None.
+    """
+
+    logprobs: torch.Tensor
+    in_safe: torch.Tensor
+    pruned_mass: torch.Tensor
+    size: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, trunc: Truncation, want_entropy: bool):
+    """Statistics of one chunk. z: [n, V] fp32 logits / T, overwritten. Returns per-row tensors."""
+    m = z.amax(dim=-1)
+    tau = truncation_threshold(z, trunc, row_max=m)
+    z_tok = z.gather(-1, tok[:, None]).squeeze(-1)
+    keep = z >= tau[:, None]  # [n, V] bool; recomputed bit-exactly in backward from the same z and tau
+    size = keep.sum(dim=-1)
+    e = z.sub_(m[:, None]).exp_()  # in place: e = exp(z − m), 0 < e <= 1
+    full = e.sum(dim=-1)
+    kept = e.mul_(keep).sum(dim=-1)  # Σ_S e^(z−m)
+    log_kept = kept.log()
+    log_zs = m + log_kept  # log Σ_S e^z
+    logp = (z_tok - m) - log_kept  # log_softmax's own order of operations: min_p = 0 reproduces it
+    pruned = (1.0 - kept / full).clamp_(min=0.0)
+    entropy = None
+    if want_entropy:
+        # H(q) = log Σ_S e^(z−m) − Σ_S e^(z−m)(z−m) / Σ_S e^(z−m); e log e = e (z − m), and 0 where e underflows
+        entropy = kept.log() - torch.special.xlogy(e, e).sum(dim=-1) / kept
+    return logp, z_tok >= tau, pruned, size, tau, log_zs, entropy
+
+
+def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, inv_t):
+    """Gradient wrt the tempered-input logits of one chunk, written into z ([n, V] fp32 logits / T)."""
+    keep = z >= tau[:, None]
+    if g_ent is not None:
+        # dH/dz_j = −q_j (log q_j + H) on S; log q = z − log Σ_S
+        logq = z.sub_(log_zs[:, None])
+        q = logq.exp().mul_(keep)
+        ent_term = logq.add_(entropy[:, None]).mul_(q).mul_(-g_ent[:, None])  # reuses z's storage
+        grad = ent_term
+        if g_lp is not None:
+            grad.sub_(q.mul_(g_lp[:, None]))
+    else:
+        q = z.sub_(log_zs[:, None]).exp_().mul_(keep)
+        grad = q.mul_(-g_lp[:, None]) if g_lp is not None else q.zero_()
+    if g_lp is not None:
+        # d logp(a)/dz_a gets +1 (also for a outside S: logp(a) = z_a − log Σ_S is still a function of z_a)
+        grad.scatter_add_(-1, tok[:, None], g_lp[:, None])
+    if inv_t != 1.0:
+        grad.mul_(inv_t)
+    return grad
+
+
+def _temper(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    # vLLM and HF divide the logits by T (not multiply by 1/T): same rounding here
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _SafeFromLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, trunc, chunk, want_entropy):
+        ctx.set_materialize_grads(False)
+        outs = [[] for _ in range(7)]
+        for s in range(0, logits.shape[0], chunk):
+            z = _temper(logits[s : s + chunk].to(torch.float32, copy=True), trunc.temperature)
+            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy)):
+                acc.append(val)
+        logp, in_safe, pruned, size, tau, log_zs, ent = (torch.cat(o) if o[0] is not None else None for o in outs)
+        ctx.save_for_backward(logits, tokens, tau, log_zs, ent if ent is not None else log_zs)
+        ctx.trunc, ctx.chunk = trunc, chunk
+        ctx.mark_non_differentiable(in_safe, pruned, size)
+        return logp, in_safe, pruned, size, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, _a, _b, _c, g_ent):
+        logits, tokens, tau, log_zs, ent = ctx.saved_tensors
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None
+        grad = torch.empty_like(logits)
+        inv_t = 1.0 / ctx.trunc.temperature
+        for s in range(0, logits.shape[0], ctx.chunk):
+            sl = slice(s, s + ctx.chunk)
+            z = _temper(logits[sl].to(torch.float32, copy=True), ctx.trunc.temperature)
+            grad[sl] = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
+                                   None if g_lp is None else g_lp[sl].float(),
+                                   None if g_ent is None else g_ent[sl].float(), inv_t)
+        return grad, None, None, None, None
+
+
+class _SafeFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, trunc, chunk, want_entropy):
+        ctx.set_materialize_grads(False)
+        n_rows, vocab = hidden.shape[0], weight.shape[0]
+        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        w = weight.to(cdt)
+        mm = torch.empty((min(chunk, n_rows), vocab), dtype=cdt)
+        zf = mm if cdt == torch.float32 else torch.empty((min(chunk, n_rows), vocab), dtype=torch.float32)
+        outs = [[] for _ in range(7)]
+        for s in range(0, n_rows, chunk):
+            h = hidden[s : s + chunk].to(cdt)
+            n = h.shape[0]
+            # logits rounded to the compute dtype first, as the model's own lm_head would produce them
+            torch.mm(h, w.t(), out=mm[:n])
+            z = _temper(zf[:n].copy_(mm[:n]) if zf is not mm else mm[:n], trunc.temperature)
+            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy)):
+                acc.append(val)
+        del mm, zf
+        logp, in_safe, pruned, size, tau, log_zs, ent = (torch.cat(o) if o[0] is not None else None for o in outs)
+        ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
+        ctx.trunc, ctx.chunk = trunc, chunk
+        ctx.mark_non_differentiable(in_safe, pruned, size)
+        return logp, in_safe, pruned, size, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, _a, _b, _c, g_ent):
+        hidden, weight, tokens, tau, log_zs, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None, None, None
+        n_rows, vocab = hidden.shape[0], weight.shape[0]
+        chunk, inv_t = ctx.chunk, 1.0 / ctx.trunc.temperature
+        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        w = weight.to(cdt)
+        mm = torch.empty((min(chunk, n_rows), vocab), dtype=cdt)
+        zf = mm if cdt == torch.float32 else torch.empty((min(chunk, n_rows), vocab), dtype=torch.float32)
+        # grad_hidden rows are written once each (one GEMM per row chunk); grad_weight sums over all chunks: fp32
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, n_rows, chunk):
+            sl = slice(s, s + chunk)
+            h = hidden[sl].to(cdt)
+            n = h.shape[0]
+            torch.mm(h, w.t(), out=mm[:n])
+            z = _temper(zf[:n].copy_(mm[:n]) if zf is not mm else mm[:n], ctx.trunc.temperature)
+            gz = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
+                             None if g_lp is None else g_lp[sl].float(),
+                             None if g_ent is None else g_ent[sl].float(), inv_t)  # fp32 [n, V], in zf
+            if need_w:
+                # dW += gz^T h, accumulated in fp32
+                grad_w.addmm_(gz.t(), h.float() if h.dtype != torch.float32 else h)
+            if need_h:
+                gc = gz if cdt == torch.float32 else mm[:n].copy_(gz)
+                grad_h[sl] = torch.mm(gc, w)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
+
+
+def _resolve(min_p, temperature, top_p, top_k, order) -> Truncation:
+    return Truncation(min_p=float(min_p), top_p=float(top_p), top_k=int(top_k), temperature=float(temperature),
+                      order=order)
+
+
+def _check_rows(name: str, x: torch.Tensor, tokens: torch.Tensor, vocab: int) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}: expected 2-D [N, ...]; flatten batch and time first")
+    if tokens.shape != (x.shape[0],):
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}: expected [N] = [{x.shape[0]}] to match {name}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens dtype {tokens.dtype}: expected an integer tensor of token ids")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}); got range [{int(tokens.min())}, {int(tokens.max())}]")
+
+
+def _pack(res) -> SafeLogprobs:
+    logp, in_safe, pruned, size, ent = res
+    return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
+
+
+def safe_logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, *, min_p: float, temperature: float = 1.0, top_p: float = 1.0,
+    top_k: int = 0, order: str = "vllm", compute_entropy: bool = False, chunk_size: int | None = None,
+) -> SafeLogprobs:
+    """Safe log-probs of ``tokens`` from full logits.
+
+    Args:
+        logits: [N, V] raw logits (any float dtype; computed in fp32), not yet divided by the temperature.
+        tokens: [N] int token ids.
+        min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
+        compute_entropy: also return the entropy of the safe distribution.
+        chunk_size: rows per chunk for the fp32 temporaries (default: ``default_chunk_rows(V)``).
+    Returns:
+        ``SafeLogprobs`` with [N] tensors.
+    """
+    _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0)
+    trunc = _resolve(min_p, temperature, top_p, top_k, order)
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1])
+    if chunk < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
+    return _pack(_SafeFromLogits.apply(logits, tokens.long(), trunc, chunk, bool(compute_entropy)))
+
+
+def safe_logprobs_from_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, min_p: float, temperature: float = 1.0,
+    top_p: float = 1.0, top_k: int = 0, order: str = "vllm", compute_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> SafeLogprobs:
+    """Safe log-probs of ``tokens`` from final hidden states and the lm_head weight, never holding [N, V].
+
+    Args:
+        hidden: [N, H] final hidden states (after the last norm).
+        weight: [V, H] lm_head weight (no bias: Qwen/Llama heads have none).
+        tokens: [N] int token ids.
+        min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
+        compute_entropy: also return the entropy of the safe distribution.
+        chunk_size: rows per chunk; one [chunk, V] tile is live at a time, in forward and in backward
+            (default ``default_chunk_rows(V)``, the same tile size as TRL's fused head).
+    Returns:
+        ``SafeLogprobs`` with [N] tensors; gradients flow to ``hidden`` and ``weight``.
+    """
+    _check_rows("hidden", hidden, tokens, weight.shape[0])
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
+    trunc = _resolve(min_p, temperature, top_p, top_k, order)
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
+    return _pack(_SafeFromHidden.apply(hidden, weight, tokens.long(), trunc, chunk, bool(compute_entropy)))
+
+
+def safe_loss_mask(response_mask: torch.Tensor, in_safe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop boundary disagreements from the loss.
+
+    Args:
+        response_mask: [B, T] (or [N]) bool/0-1 mask of tokens that would enter the loss.
+        in_safe: same shape, from ``SafeLogprobs.in_safe`` (reshaped).
+    Returns:
+        (loss_mask in ``response_mask``'s dtype, 0-dim int64 count of boundary tokens); no host sync.
+    """
+    if response_mask.shape != in_safe.shape:
+        raise ValueError(f"response_mask {tuple(response_mask.shape)} and in_safe {tuple(in_safe.shape)} differ")
+    valid = response_mask.bool()
+    boundary = valid & ~in_safe.bool()
+    keep = valid & in_safe.bool()
+    return keep.to(response_mask.dtype), boundary.sum()
+
+
+def safe_vocab_metrics(
+    result: SafeLogprobs, mask: torch.Tensor, *, rollout_logprobs: torch.Tensor | None = None,
+    full_logprobs: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """``tim/safe_vocab/*`` metrics over valid tokens (one host sync, at the end).
+
+    Args:
+        result: trainer-side ``SafeLogprobs`` ([N] tensors, or already reshaped to ``mask``'s shape).
+        mask: [B, T] (or [N]) response mask of valid tokens.
+        rollout_logprobs: [B, T] engine log-probs (processed, i.e. renormalised over the engine's S). With it,
+            ``tim/safe_vocab/kl_k3`` is the monitor's k3 of the safe trainer log-probs vs these, over the loss mask
+            (boundary tokens excluded).
+        full_logprobs: [B, T] the trainer's full-vocabulary log-probs; with ``rollout_logprobs`` adds
+            ``tim/safe_vocab/kl_k3_full`` (k3 vs the full-vocabulary trainer) on the same tokens, side by side.
+    """
+    from .metrics import mismatch_metrics
+
+    shape = mask.shape
+    valid = mask.bool()
+    in_safe = result.in_safe.reshape(shape)
+    count = valid.sum()
+    denom = count.clamp(min=1).double()
+    pruned = result.pruned_mass.reshape(shape).double()
+    stats = torch.stack([
+        torch.where(valid, pruned, 0.0).sum() / denom,
+        torch.where(valid, pruned, -math.inf).amax() if valid.numel() else torch.tensor(0.0, dtype=torch.float64),
+        torch.where(valid, result.size.reshape(shape).double(), 0.0).sum() / denom,
+        (valid & ~in_safe).sum().double() / denom,
+        count.double(),
+    ]).tolist()
+    out = {
+        "tim/safe_vocab/pruned_mass_mean": stats[0],
+        "tim/safe_vocab/pruned_mass_max": stats[1] if stats[4] > 0 else 0.0,
+        "tim/safe_vocab/size_mean": stats[2],
+        "tim/safe_vocab/boundary_frac": stats[3],
+    }
+    if rollout_logprobs is not None:
+        loss_mask, _ = safe_loss_mask(valid, in_safe)
+        safe = result.logprobs.detach().reshape(shape)
+        out["tim/safe_vocab/kl_k3"] = mismatch_metrics(rollout_logprobs, safe, loss_mask)["tim/token/kl_k3"]
+        if full_logprobs is not None:
+            out["tim/safe_vocab/kl_k3_full"] = mismatch_metrics(
+                rollout_logprobs, full_logprobs.detach().reshape(shape), loss_mask)["tim/token/kl_k3"]
+    return out

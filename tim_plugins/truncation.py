@@ -1,0 +1,241 @@
+"""Sampler truncation (min-p, top-k, top-p) with the engines' semantics, and the rollout-side settings for it.
+
+The trainer can only reproduce the distribution a rollout engine sampled from if it truncates the vocabulary
+with the same rule and in the same order. The two engines we support differ in order:
+
+* vLLM (``vllm/v1/sample/sampler.py`` ``Sampler.sample`` + ``ops/topk_topp_sampler.py``):
+  temperature → min-p (argmax-invariant logits processor) → top-k → top-p.
+* HF ``generate`` (``transformers/generation/utils.py`` ``_get_logits_processor``):
+  temperature → top-k → top-p → min-p.
+
+min-p and top-k commute (each keeps an upper set of logits, and min-p's ratio test p_a >= min_p · max_b p_b is
+unchanged by renormalisation), so the two orders differ only when top-p is combined with min-p: vLLM takes the
+nucleus of the min-p-renormalised distribution, HF takes it before min-p and then intersects.
+
+Every rule keeps an *upper set* of logits, so the kept set of a row is {a : z_a >= tau} for one per-row
+threshold tau (the smallest kept logit). ``truncation_threshold`` returns tau; callers recompute the mask as
+``z >= tau`` bit-exactly in backward. Ties at the top-p cut are all kept (vLLM's sort-based masking may keep only
+some of a tie: a measure-zero difference for real-valued logits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_MIN_P",
+    "ORDERS",
+    "Truncation",
+    "truncation_threshold",
+    "PRUNING_LOGPROBS_MODES",
+    "validate_vllm_pruning",
+    "vllm_sampling_kwargs",
+    "make_vllm_sampling_params",
+    "check_vllm_engine",
+    "hf_generate_kwargs",
+]
+
+# Default min-p for "extreme tail only" pruning: drop tokens whose probability is below 1e-4 × the top token's.
+# Chosen from benchmarks/ablate_min_p.py (results in benchmarks/results/ablate_min_p.json): the largest grid value
+# whose mean pruned mass stays <= 1e-3 on both the toy model and the random-logit ensembles, while it removes most
+# of the worst-case per-token mismatch. README section "safe-vocab" reproduces the table.
+DEFAULT_MIN_P: float = 1e-4
+
+ORDERS = ("vllm", "hf")
+# vLLM's only logprobs mode whose values are renormalised over the kept set (raw_* are taken before truncation).
+PRUNING_LOGPROBS_MODES = ("processed_logprobs",)
+# vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py _SAMPLING_EPS) and then skips min-p.
+_GREEDY_EPS = 1e-5
+# Rows are sorted in slices of at most this many elements for top-p (sort values + int64 indices are 12 B/elt).
+_SORT_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Sampler truncation, as configured on the rollout engine; the trainer applies the same rule."""
+
+    min_p: float = field(default=0.0, metadata={"help": "keep a if p_T(a) >= min_p * max_b p_T(b); 0 = off"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 = off"})
+    top_k: int = field(default=0, metadata={"help": "keep the k largest logits (ties kept); 0 or -1 = off"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature T > 0; logits are divided by T"})
+    order: str = field(default="vllm", metadata={"help": "'vllm' (min_p, top_k, top_p) or 'hf' (top_k, top_p, min_p)"})
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p={self.min_p!r}: must be a number in [0, 1]; use 0 to disable pruning")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]; use 1.0 to disable the nucleus cut")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r}: must be an int >= 1, or 0 / -1 to disable")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature!r}: must be a finite number > 0")
+        if self.temperature < _GREEDY_EPS:
+            raise ValueError(
+                f"temperature={self.temperature!r}: below {_GREEDY_EPS} the engines sample greedily and skip "
+                "min-p/top-p, so there is no truncated distribution to match; use a temperature > 0"
+            )
+        if self.order not in ORDERS:
+            raise ValueError(f"order={self.order!r}: must be one of {ORDERS} (the engine that sampled)")
+
+    @property
+    def k(self) -> int:
+        return self.top_k if self.top_k > 0 else 0
+
+    @property
+    def active(self) -> bool:
+        """Whether any token can be cut (otherwise the kept set is the whole vocabulary)."""
+        return self.min_p > 0.0 or self.top_p < 1.0 or self.k > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _top_p_threshold(z: torch.Tensor, tau: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Smallest logit of the nucleus of softmax(z) restricted to {z >= tau}; [n, V] fp32, tau [n] -> [n].
+
+    Mirrors vLLM ``apply_top_k_top_p_pytorch`` / HF ``TopPLogitsWarper``: sort ascending, renormalised cumulative
+    probability, drop positions with cumsum <= 1 - top_p, always keep the largest.
+    """
+    out = torch.empty_like(tau)
+    rows = max(1, _SORT_BUDGET // max(1, z.shape[1]))
+    for s in range(0, z.shape[0], rows):
+        zs = z[s : s + rows]
+        masked = zs.masked_fill(zs < tau[s : s + rows, None], -math.inf)
+        vals = masked.sort(dim=-1).values  # ascending
+        cum = vals.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cum <= 1.0 - top_p
+        drop[:, -1] = False
+        # index of the first kept sorted position = number of dropped positions (they form a prefix: cum is monotone)
+        first = drop.sum(dim=-1, keepdim=True)
+        out[s : s + rows] = vals.gather(-1, first).squeeze(-1)
+    return out
+
+
+@torch.no_grad()
+def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row logit threshold tau of the kept set {a : z_a >= tau}.
+
+    Args:
+        z: [n, V] fp32 logits already divided by the temperature.
+        trunc: the sampler's truncation.
+        row_max: optional [n] ``z.amax(-1)``, if the caller already has it.
+    Returns:
+        [n] fp32; ``-inf`` where nothing is cut.
+    """
+    n = z.shape[0]
+    tau = torch.full((n,), -math.inf, dtype=z.dtype, device=z.device)
+    if not trunc.active:
+        return tau
+    m = z.amax(dim=-1) if row_max is None else row_max
+
+    def min_p_cut() -> None:
+        if trunc.min_p > 0.0:
+            # p_a >= min_p * p_max  <=>  z_a - z_max >= log(min_p): the engines' test, in logit space
+            torch.maximum(tau, m + math.log(trunc.min_p), out=tau)
+
+    def top_k_cut() -> None:
+        if 0 < trunc.k < z.shape[1]:
+            # k-th largest logit; every logit >= it is kept (vLLM/HF both mask only `logits < kth`)
+            torch.maximum(tau, z.topk(trunc.k, dim=-1, sorted=False).values.amin(dim=-1), out=tau)
+
+    def top_p_cut() -> None:
+        if trunc.top_p < 1.0:
+            torch.maximum(tau, _top_p_threshold(z, tau, trunc.top_p), out=tau)
+
+    steps = (min_p_cut, top_k_cut, top_p_cut) if trunc.order == "vllm" else (top_k_cut, top_p_cut, min_p_cut)
+    for step in steps:
+        step()
+    return tau
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rollout side: vLLM
+# --------------------------------------------------------------------------------------------------------------
+
+
+def validate_vllm_pruning(trunc: Truncation, logprobs_mode: str) -> None:
+    """Refuse truncation with log-probs that were not renormalised over the kept set.
+
+    Raises:
+        ValueError: quoting the mode, the rule and the fix.
+    """
+    if trunc.order != "vllm":
+        raise ValueError(
+            f"order={trunc.order!r}: vLLM applies min_p, then top_k, then top_p; build the Truncation with "
+            "order='vllm' so the trainer truncates in the same order"
+        )
+    if trunc.active and logprobs_mode not in PRUNING_LOGPROBS_MODES:
+        raise ValueError(
+            f"logprobs_mode={logprobs_mode!r} with min_p={trunc.min_p}, top_p={trunc.top_p}, top_k={trunc.top_k}: "
+            "vLLM reports raw_* log-probs before truncation, so they are not the distribution that was sampled "
+            "and cannot match the trainer's safe log-probs. Fix: start the engine with "
+            "LLM(..., logprobs_mode='processed_logprobs') (server: --logprobs-mode processed_logprobs)"
+        )
+
+
+def vllm_sampling_kwargs(trunc: Truncation, **extra: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` implementing ``trunc`` (``extra`` is passed through)."""
+    overlap = {"temperature", "min_p", "top_p", "top_k"} & set(extra)
+    if overlap:
+        raise ValueError(
+            f"{sorted(overlap)} given twice: they come from the Truncation; set them there, not in extra kwargs"
+        )
+    kwargs = {"temperature": float(trunc.temperature), "min_p": float(trunc.min_p), "top_p": float(trunc.top_p),
+              "top_k": int(trunc.k)}
+    kwargs.update(extra)
+    return kwargs
+
+
+def make_vllm_sampling_params(trunc: Truncation, *, logprobs_mode: str, **extra: Any):
+    """``vllm.SamplingParams`` for ``trunc``, after checking that the engine's ``logprobs_mode`` allows pruning.
+
+    ``extra`` goes to SamplingParams (e.g. ``max_tokens``, ``seed``, ``logprobs=0``).
+    """
+    validate_vllm_pruning(trunc, logprobs_mode)
+    from ._optional import require
+
+    require("vllm", "safe-vocabulary pruning on vLLM rollouts")
+    from vllm import SamplingParams
+
+    return SamplingParams(**vllm_sampling_kwargs(trunc, **extra))
+
+
+def check_vllm_engine(llm, trunc: Truncation) -> str:
+    """Read a live ``vllm.LLM``'s logprobs mode and validate ``trunc`` against it; returns the mode."""
+    mode = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "logprobs_mode", None)
+    if mode is None:
+        raise ValueError(
+            f"cannot read logprobs_mode from {type(llm).__name__}: pass the engine's mode to "
+            "validate_vllm_pruning(trunc, logprobs_mode) instead"
+        )
+    mode = getattr(mode, "value", mode)
+    validate_vllm_pruning(trunc, str(mode))
+    return str(mode)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rollout side: HF generate
+# --------------------------------------------------------------------------------------------------------------
+
+
+def hf_generate_kwargs(trunc: Truncation) -> dict[str, Any]:
+    """``generate`` kwargs for ``trunc``: sampling on, every knob explicit (a model's generation_config may carry
+    its own top_k/top_p defaults that would silently truncate more), scores returned for processed log-probs."""
+    if trunc.order != "hf":
+        raise ValueError(
+            f"order={trunc.order!r}: HF generate applies top_k, then top_p, then min_p; build the Truncation with "
+            "order='hf' so the trainer truncates in the same order"
+        )
+    return {
+        "do_sample": True,
+        "temperature": float(trunc.temperature),
+        "top_k": int(trunc.k),  # 0 disables TopKLogitsWarper
+        "top_p": float(trunc.top_p),
+        "min_p": float(trunc.min_p) if trunc.min_p > 0.0 else None,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+    }

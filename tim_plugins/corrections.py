@@ -335,8 +335,9 @@ def apply_correction(mode: str | CorrectionConfig, train_logprobs: torch.Tensor,
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Σ values·mask / max(Σ mask, 1): the mean over kept entries, 0 (not 0/0 = NaN) when none is kept.
 
-    Masked-out entries are selected away with ``torch.where``, so NaN/inf there reach neither the value nor
-    the gradient. Differentiable w.r.t. ``values``.
+    Masked-out entries are selected away with ``torch.where``: NaN/inf there reach neither the value nor the
+    gradient w.r.t. ``values`` (which is 0 there). An op upstream of ``values`` that produced the NaN can still
+    turn that 0 into NaN by the chain rule (0 · NaN): keep NaN out of the graph where you can.
 
     Args:
         values: [B, T] (any shape) per-token values, e.g. weights × per-token loss.

@@ -105,87 +105,99 @@ def _batch_stats(
     Written without boolean indexing or data-dependent shapes, so it neither syncs with the host nor
     recompiles when the batch shape changes (torch.compile with dynamic shapes fuses it into few loops).
     Every elementwise pass over [B, T] counts on the hot path: quantities are derived from each other
-    (abs_p from ρ, validity from |d|) rather than recomputed.
+    (abs_p from ρ, validity from |d|, ρ extremes from d extremes) and both histograms share one index.
     """
     acc = torch.float64 if rollout.device.type != "mps" else torch.float32
+    dt = rollout.dtype
     d = train - rollout  # d = log p_train − log p_rollout
-    abs_d = d.abs()
     # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
-    ok = (abs_d < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
+    ok = (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
     valid = mask & ok
     n_invalid = (mask & ~ok).sum()
-    vf = valid.to(rollout.dtype)
+    vf = valid.to(dt)
 
-    zero = torch.zeros((), dtype=rollout.dtype, device=rollout.device)
+    zero = torch.zeros((), dtype=dt, device=rollout.device)
     d = torch.where(valid, d, zero)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0
     abs_d = d.abs()
+    r = torch.where(valid, rollout, zero)
     # ρ − 1 via expm1: chi2 and k3 are small differences of O(1) numbers, so keep them in ρ − 1 form
     # (Σρ = n + Σ(ρ−1), Σρ² = n + Σ(2(ρ−1) + (ρ−1)²)) instead of cancelling n out of fp32 sums.
     rho_m1 = torch.expm1(d)  # ρ − 1, ρ = π_train / π_rollout
-    p_roll = torch.exp(torch.where(valid, rollout, zero))
-    abs_p = p_roll * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
+    abs_p = torch.exp(r) * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
     k3 = rho_m1 - d  # k3 estimator of KL(π_rollout ‖ π_train) on rollout samples: E[ρ − 1 − log ρ]
     outside = (d < log_lo) | (d > log_hi)  # d = 0 on invalid tokens, inside any band around ρ = 1
 
     seq_d = d.sum(dim=-1)  # Σ_t d over valid tokens: the sequence log-ratio
     seq_valid = valid.any(dim=-1)
 
-    n_valid = vf.sum()
+    inf = torch.full((), math.inf, dtype=dt, device=rollout.device)
+    d_max = torch.where(valid, d, -inf).amax() if d.numel() else -inf
+    d_min = torch.where(valid, d, inf).amin() if d.numel() else inf
     scalar_sums = [
-        n_valid,
-        n_invalid.to(rollout.dtype),
+        vf.sum(),
+        n_invalid.to(dt),
         abs_d.sum(),
         abs_p.sum(),
         -d.sum(),
         k3.sum(),
         rho_m1.sum(),  # Σ(ρ − 1); ρ − 1 = 0 on the other tokens
         (rho_m1 * rho_m1).sum(),  # Σ(ρ − 1)²
-        outside.sum().to(rollout.dtype),
-        seq_valid.sum().to(rollout.dtype),
+        outside.sum().to(dt),
+        seq_valid.sum().to(dt),
         seq_d.sum(),
     ]
-    neg_inf = torch.full((), -math.inf, dtype=rollout.dtype, device=rollout.device)
     maxes = [
-        abs_d.amax() if abs_d.numel() else neg_inf,
-        abs_p.amax() if abs_p.numel() else neg_inf,
-        torch.where(valid, rho_m1, neg_inf).amax() if rho_m1.numel() else neg_inf,  # max ρ − 1
-        torch.where(valid, -rho_m1, neg_inf).amax() if rho_m1.numel() else neg_inf,  # −(min ρ − 1)
-        torch.where(seq_valid, seq_d.abs(), neg_inf).amax() if seq_d.numel() else neg_inf,
+        torch.maximum(d_max, -d_min),  # max |d|
+        abs_p.amax() if abs_p.numel() else -inf,
+        torch.expm1(d_max),  # max ρ − 1 (ρ is monotone in d)
+        -torch.expm1(d_min),  # −(min ρ − 1)
+        torch.where(seq_valid, seq_d.abs(), -inf).amax() if seq_d.numel() else -inf,
     ]
     if is_weights is not None:
         w_ok = valid & torch.isfinite(is_weights)
-        w = torch.where(w_ok, is_weights.to(rollout.dtype), zero)
-        scalar_sums += [
-            w_ok.sum().to(rollout.dtype), w.sum(), (w * w).sum(), (w_ok & (w == 0)).sum().to(rollout.dtype),
-        ]
-        maxes += [torch.where(w_ok, w, neg_inf).amax(), torch.where(w_ok, -w, neg_inf).amax()]
+        w = torch.where(w_ok, is_weights.to(dt), zero)
+        scalar_sums += [w_ok.sum().to(dt), w.sum(), (w * w).sum(), (w_ok & (w == 0)).sum().to(dt)]
+        maxes += [torch.where(w_ok, w, -inf).amax(), torch.where(w_ok, -w, -inf).amax()]
     else:
         scalar_sums += [zero, zero, zero, zero]
-        maxes += [neg_inf, neg_inf]
+        maxes += [-inf, -inf]
 
-    # Signed log-spaced histogram of d. |d| bin: 0 below E_0 = 1e-8, else 1 + floor(32 · log10(|d| / E_0)),
-    # capped at the overflow bin; signed index = centre + sign(d) · bin. Invalid tokens go to a spill slot.
+    # One joint histogram over (probability bucket of the rollout token, signed log-spaced bin of d), counted
+    # with weight 1[valid] and summed with weight |d|: its margins are the d histogram, the bucket counts and
+    # the bucket |d| sums. |d| bin: 0 below E_0 = 1e-8, else 1 + floor(32 · log10(|d| / E_0)), capped at the
+    # overflow bin; signed bin = centre + sign(d) · |d| bin. Buckets: [0, .01), [.01, .1), [.1, .5), [.5, .9),
+    # [.9, 1] on p = exp(rollout log-prob).
     centre = (n_signed_bins - 1) // 2
     log_lo_edge = math.log10(HISTOGRAM_RANGE[0])
     abs_bin = (torch.log10(abs_d) - log_lo_edge).mul_(HISTOGRAM_BINS_PER_DECADE).floor_().add_(1.0)
-    abs_bin = abs_bin.clamp_(0.0, float(centre)).to(torch.int64)
-    signed_bin = centre + torch.sign(d).to(torch.int64) * abs_bin
-    signed_bin = torch.where(valid, signed_bin, n_signed_bins)
-    hist = torch.zeros(n_signed_bins + 1, dtype=acc, device=rollout.device)
-    hist.index_add_(0, signed_bin.reshape(-1), torch.ones_like(signed_bin, dtype=acc).reshape(-1))
+    abs_bin = abs_bin.clamp_(0.0, float(centre))
+    bucket = torch.bucketize(r, _log_prob_edges(dt, rollout.device), right=True)
+    joint = (bucket * n_signed_bins + centre) + (torch.sign(d) * abs_bin).to(torch.int64)
+    # fp32 counts are exact below 2^24 tokens per cell and batch; larger batches accumulate in fp64.
+    w_dtype = dt if vf.numel() < 2**24 else acc
+    joint = joint.reshape(-1)
+    counts = torch.zeros(_N_BUCKETS * n_signed_bins, dtype=w_dtype, device=rollout.device)
+    counts.index_add_(0, joint, vf.reshape(-1).to(w_dtype))
+    abs_sums = torch.zeros(_N_BUCKETS, n_signed_bins, dtype=w_dtype, device=rollout.device)
+    abs_sums.view(-1).index_add_(0, joint, abs_d.reshape(-1).to(w_dtype))
+    counts = counts.view(_N_BUCKETS, n_signed_bins).to(acc)
 
-    # Probability buckets of the rollout token: [0, .01), [.01, .1), [.1, .5), [.5, .9), [.9, 1].
-    bucket = torch.zeros_like(p_roll, dtype=torch.int64)
-    for edge in PROB_BUCKET_EDGES[1:-1]:
-        bucket += p_roll >= edge
-    bucket = torch.where(valid, bucket, _N_BUCKETS)
-    bucket_count = torch.zeros(_N_BUCKETS + 1, dtype=acc, device=rollout.device)
-    bucket_count.index_add_(0, bucket.reshape(-1), torch.ones_like(bucket, dtype=acc).reshape(-1))
-    bucket_abs = torch.zeros(_N_BUCKETS + 1, dtype=acc, device=rollout.device)
-    bucket_abs.index_add_(0, bucket.reshape(-1), abs_d.reshape(-1).to(acc))
-
-    sums = torch.cat([torch.stack(scalar_sums).to(acc), hist[:-1], bucket_count[:-1], bucket_abs[:-1]])
+    sums = torch.cat([
+        torch.stack(scalar_sums).to(acc), counts.sum(0), counts.sum(1), abs_sums.sum(1).to(acc),
+    ])
     return sums, torch.stack(maxes).to(acc)
+
+
+_LOG_PROB_EDGES: dict = {}
+
+
+def _log_prob_edges(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Inner bucket edges in log space (log 0.01, log 0.1, log 0.5, log 0.9), cached per dtype/device."""
+    key = (dtype, device)
+    if key not in _LOG_PROB_EDGES:
+        inner = [math.log(e) for e in PROB_BUCKET_EDGES[1:-1]]
+        _LOG_PROB_EDGES[key] = torch.tensor(inner, dtype=dtype, device=device)
+    return _LOG_PROB_EDGES[key]
 
 
 _COMPILED = None

@@ -99,6 +99,11 @@ class TIMCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.config.enabled:
             return
+        # transformers may have rebuilt the carrier (restore_callback_states_from_checkpoint=True): relink it.
+        for cb in self.trainer.callback_handler.callbacks:
+            if isinstance(cb, TIMState):
+                cb.source = self
+                self.state_carrier = cb
         self._restore(state)
         if not self.hooks.attached:
             self.hooks.attach(

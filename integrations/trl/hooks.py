@@ -78,7 +78,8 @@ class TRLHooks:
     # ------------------------------------------------------------------------------------------- install
     def attach(self, *, generation: bool, safe_vocab_shim: Callable | None) -> None:
         t = self.trainer
-        self._logps_sig = inspect.signature(t._get_per_token_logps_and_entropies)
+        # The class's signature (instance attributes may be other wrappers taking *args, **kwargs).
+        self._logps_sig = inspect.signature(type(t)._get_per_token_logps_and_entropies)
         self.patches.append(Patch(t, "_generate_and_score_completions", self._wrap_generate_and_score))
         self.patches.append(Patch(t, "_compute_loss", self._wrap_compute_loss))
         self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
@@ -152,7 +153,7 @@ class TRLHooks:
                 result = original(*args, **kwargs)
             finally:
                 safe_flat, self.safe_records = self.safe_records, None
-            bound = self._logps_sig.bind(*args, **kwargs)
+            bound = self._logps_sig.bind(self.trainer, *args, **kwargs)
             model = bound.arguments.get("model")
             policy = model is self.trainer.model or model is getattr(self.trainer, "model_wrapped", None)
             in_safe = None

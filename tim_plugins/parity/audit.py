@@ -160,12 +160,12 @@ def audit(rollout: PipelineSpec, trainer: PipelineSpec) -> list[Finding]:
     if known("chunked_prefill", rollout.chunked_prefill) and rollout.chunked_prefill:
         out.append(make_finding("chunked-prefill-on", "warning", "long prompts are prefilled in chunks",
                                 True, trainer.chunked_prefill))
-    graph_r = rollout.cudagraph or rollout.compile
-    if known("cudagraph", rollout.cudagraph, rollout.compile) or graph_r:
-        if graph_r and not (trainer.cudagraph or trainer.compile):
-            what = " and ".join(n for n, v in (("CUDA graphs", rollout.cudagraph), ("torch.compile",
-                                                                                       rollout.compile)) if v)
-            out.append(make_finding("cudagraph-on", "warning", f"rollout runs {what}; the trainer runs eager",
+    graph_only = rollout.cudagraph is True and trainer.cudagraph is not True
+    compile_only = rollout.compile is True and trainer.compile is not True
+    if known("cudagraph", rollout.cudagraph) and known("compile", rollout.compile) or graph_only or compile_only:
+        if graph_only or compile_only:
+            what = " and ".join(n for n, v in (("CUDA graphs", graph_only), ("torch.compile", compile_only)) if v)
+            out.append(make_finding("cudagraph-on", "warning", f"rollout runs {what}; the trainer does not",
                                     {"cudagraph": rollout.cudagraph, "compile": rollout.compile},
                                     {"cudagraph": trainer.cudagraph, "compile": trainer.compile}))
     # 11 batch invariance

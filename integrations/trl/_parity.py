@@ -1,0 +1,90 @@
+"""Parity audit at train begin: read both sides (GRPOConfig + model, and the live vLLM engine when present),
+run ``tim_plugins.parity.audit``, log the findings as a table, raise in strict mode."""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["collect_specs", "run_audit", "findings_table"]
+
+logger = logging.getLogger("tim_plugins.trl")
+
+
+def _live_llm(trainer):
+    gen = getattr(trainer, "vllm_generation", None)
+    return getattr(gen, "llm", None) if gen is not None else None
+
+
+def collect_specs(trainer, rollout_source: str):
+    """(rollout_spec, trainer_spec) for this trainer. The GRPOConfig reader lives in ``parity_spec.py``; until
+    it is there, the core's generic readers (live model, live vLLM engine) are used."""
+    try:
+        from . import parity_spec
+
+        reader = parity_spec.specs_from_trainer
+    except (ImportError, AttributeError):
+        reader = None
+    if reader is not None:
+        return reader(trainer, llm=_live_llm(trainer), rollout_source=rollout_source)
+    return _generic_specs(trainer, rollout_source)
+
+
+def _generic_specs(trainer, rollout_source: str):
+    from tim_plugins.parity.spec import spec_from_hf_model
+
+    t = trainer
+    sampler = dict(temperature=float(t.temperature), top_p=float(t.top_p if t.top_p is not None else 1.0),
+                   top_k=int(t.top_k or 0), min_p=float(t.min_p or 0.0),
+                   repetition_penalty=float(t.repetition_penalty or 1.0))
+    # TRL's trainer divides by the temperature and applies no truncation (grpo_trainer.py, fused lm_head).
+    trainer_spec = spec_from_hf_model(t.model, side="trainer", temperature=float(t.temperature), framework="trl")
+    llm = _live_llm(t)
+    if llm is not None:
+        from tim_plugins.parity.vllm_spec import spec_from_llm
+
+        rollout_spec = spec_from_llm(llm, sampling=sampler)
+    else:
+        rollout_spec = spec_from_hf_model(
+            t.model, side="rollout", framework=f"hf-generate ({rollout_source})",
+            logprobs_mode="processed_logprobs", **sampler)
+    return rollout_spec, trainer_spec
+
+
+def findings_table(findings) -> tuple[list[str], list[list[str]]]:
+    columns = ["severity", "code", "rollout", "trainer", "message"]
+    rows = [[f.severity, f.code, repr(f.rollout_value), repr(f.trainer_value), f.message] for f in findings]
+    return columns, rows
+
+
+def run_audit(owner) -> None:
+    from tim_plugins.parity.audit import audit, has_errors
+    from tim_plugins.parity.findings import ParityError
+
+    trainer = owner.trainer
+    rollout_spec, trainer_spec = collect_specs(trainer, owner.rollout_source)
+    findings = audit(rollout_spec, trainer_spec)
+    owner.findings = findings
+    owner.parity_specs = (rollout_spec, trainer_spec)
+    columns, rows = findings_table(findings)
+    text = "\n".join(" | ".join(r) for r in [columns] + rows) if rows else "no findings"
+    logger.warning("tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s", owner.rollout_source, text)
+    counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    for severity, n in counts.items():
+        owner.add_metric(f"tim/parity/{severity}s", float(n))
+    args = trainer.args
+    if args.report_to and "wandb" in args.report_to:
+        try:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.log({"tim/parity/findings": wandb.Table(columns=columns, data=rows)}, commit=False)
+        except ImportError:
+            pass
+    if owner.config.parity_strict and has_errors(findings):
+        errors = [f for f in findings if f.severity == "error"]
+        raise ParityError(
+            "tim_plugins parity audit (strict): "
+            + "; ".join(f"{f.code}: {f.message}" for f in errors)
+            + ". Fix the settings named in each finding, or set TIMConfig(parity_strict=False) to only log them.",
+            findings=findings,
+        )

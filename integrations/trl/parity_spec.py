@@ -1,0 +1,166 @@
+"""TRL `GRPOConfig` (+ model) → the two `PipelineSpec`s of a GRPO run (trl 1.16).
+
+What TRL does, read in the installed sources:
+- Trainer (grpo_trainer.py): log-probs from a fused lm_head that divides by ``temperature`` and applies no
+  top-p/top-k/min-p nor penalties; policy weights in ``model_init_kwargs['dtype']`` (default float32), computed
+  under autocast when ``bf16``/``fp16`` is set; ``cast_lm_head_to_fp32`` keeps the head in fp32.
+- vLLM colocate (generation/vllm_generation.py ~L347): ``LLM(model=name_or_path, ..., logprobs_mode=
+  "processed_logprobs", quantization="bitsandbytes" only for 4-bit bnb models)`` and **no** dtype (vLLM 'auto':
+  fp32 checkpoints run bf16), no enable_prefix_caching / enable_chunked_prefill / enforce_eager (vLLM defaults:
+  on, on, off). SamplingParams: temperature, top_p, top_k, min_p (None → 0), repetition_penalty, plus
+  ``generation_kwargs``.
+- vLLM server mode: the engine is configured by ``trl vllm-serve``; pass its args as ``server_args``.
+- Without vLLM: HF generation with the same (unwrapped, dtype-cast) model; no sampler log-probs are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
+from tim_plugins.parity.vllm_spec import spec_from_engine_args, spec_from_llm
+
+__all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_config", "specs_from_trainer",
+           "load_grpo_config"]
+
+
+def load_grpo_config(path: str | Path) -> Any:
+    """A `trl.GRPOConfig` from a YAML or JSON file of its fields (unknown fields fail with their names)."""
+    from trl import GRPOConfig
+
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of GRPOConfig fields, got {type(data).__name__}")
+    data.setdefault("output_dir", "tim-audit-unused")
+    fields = set(GRPOConfig.__dataclass_fields__)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"{path}: not GRPOConfig fields: {unknown} (trl {__import__('trl').__version__})")
+    return GRPOConfig(**data)
+
+
+def _init_kwargs(args: Any) -> dict:
+    kw = args.model_init_kwargs or {}
+    return json.loads(kw) if isinstance(kw, str) else dict(kw)
+
+
+def _param_dtype(args: Any, model: Any) -> Optional[str]:
+    if model is not None and not isinstance(model, str):
+        return str(next(model.parameters()).dtype)
+    dtype = _init_kwargs(args).get("dtype", "float32")  # TRL's documented default for a model path
+    return None if dtype == "auto" else normalize_dtype(dtype)
+
+
+def _compute_dtype(args: Any, model: Any) -> Optional[str]:
+    # bf16/fp16 → accelerate autocast: the matmuls run in that dtype whatever the weights are.
+    if getattr(args, "bf16", False):
+        return "bfloat16"
+    if getattr(args, "fp16", False):
+        return "float16"
+    return _param_dtype(args, model)
+
+
+def _checkpoint_dtype(model: Any, args: Any) -> Optional[str]:
+    """dtype of the checkpoint vLLM loads (config.json at name_or_path), which 'auto' resolves from."""
+    path = getattr(model, "name_or_path", None) if model is not None and not isinstance(model, str) else model
+    if path:
+        cfg = Path(str(path)) / "config.json"
+        if cfg.is_file():
+            data = json.loads(cfg.read_text())
+            dt = data.get("dtype") or data.get("torch_dtype")
+            if dt:
+                return dt
+    config = getattr(model, "config", None)
+    return str(getattr(config, "dtype", None) or "") or None
+
+
+def _sampler(args: Any) -> dict:
+    gen = args.generation_kwargs or {}
+    gen = json.loads(gen) if isinstance(gen, str) else dict(gen)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "min_p": 0.0 if args.min_p is None else args.min_p, "repetition_penalty": args.repetition_penalty}
+    sampling.update({k: v for k, v in gen.items() if k in (
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "logit_bias", "bad_words", "allowed_token_ids")})
+    return sampling
+
+
+def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
+    """What GRPOTrainer computes when it recomputes log-probs (temperature only, no truncation/penalties)."""
+    attn = None
+    if model is not None and not isinstance(model, str):
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    attn = attn or _init_kwargs(args).get("attn_implementation") or "sdpa"
+    compute = _compute_dtype(args, model)
+    head = "float32" if args.cast_lm_head_to_fp32 else None
+    return PipelineSpec(
+        side="trainer", framework="trl", dtype=compute, lm_head_dtype=head,
+        temperature=args.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+        presence_penalty=0.0, frequency_penalty=0.0, logit_bias=False, bad_words=False,
+        custom_logits_processors=(), weight_quantization="none", kv_cache_dtype="auto", prefix_caching=False,
+        chunked_prefill=False, cudagraph=False, compile=bool(getattr(args, "torch_compile", False)),
+        batch_invariant=False, attention_backend=attn,
+        source="trl GRPOConfig" + (" + live model" if model is not None and not isinstance(model, str) else ""),
+        notes={"dtype": f"weights {_param_dtype(args, model)}, bf16={args.bf16}, fp16={args.fp16}"},
+    )
+
+
+def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = None, device: str = "cuda",
+                          llm: Any = None) -> PipelineSpec:
+    """The rollout side: vLLM colocate/server (from what TRL passes to LLM()) or HF generation."""
+    sampling = _sampler(args)
+    if llm is not None:  # live engine: the truth beats the reconstruction
+        return spec_from_llm(llm, sampling=sampling, framework=f"vllm-{args.vllm_mode} (trl)")
+    if args.use_vllm and args.vllm_mode == "colocate":
+        engine = {"model": getattr(model, "name_or_path", model) if model is not None else None,
+                  "logprobs_mode": "processed_logprobs"}
+        spec = spec_from_engine_args(engine, sampling=sampling, checkpoint_dtype=_checkpoint_dtype(model, args),
+                                     device=device, framework="vllm-colocate (trl)")
+        return spec.replace(source="trl GRPOConfig → LLM(...) colocate kwargs (vllm_generation.py)")
+    if args.use_vllm:
+        if server_args is None:
+            return PipelineSpec(side="rollout", framework="vllm-server (trl)", **_sampler_fields(sampling),
+                                source="trl server mode: engine args unknown (pass server_args)")
+        return spec_from_engine_args(server_args, sampling=sampling, checkpoint_dtype=_checkpoint_dtype(model, args),
+                                     device=device, framework="vllm-server (trl)")
+    # HF generation: TRL casts the unwrapped model to bf16/fp16 when those flags are set (grpo_trainer.py ~L1796).
+    gen_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else _param_dtype(args, model)
+    return PipelineSpec(
+        side="rollout", framework="hf-generate (trl)", dtype=gen_dtype,
+        lm_head_dtype="float32" if args.cast_lm_head_to_fp32 else None, logprobs_mode=None,
+        **_sampler_fields(sampling), custom_logits_processors=(), weight_quantization="none",
+        kv_cache_dtype="auto", prefix_caching=False, chunked_prefill=False, cudagraph=False, compile=False,
+        batch_invariant=False, attention_backend=trainer_spec_from_trl(args, model).attention_backend,
+        source="trl GRPOConfig (HF generation; TRL keeps no sampler log-probs)",
+    )
+
+
+def _sampler_fields(sampling: dict) -> dict:
+    from tim_plugins.parity.vllm_spec import sampling_fields
+
+    return sampling_fields(sampling)
+
+
+def specs_from_grpo_config(args: Any, model: Any = None, **kwargs: Any) -> tuple[PipelineSpec, PipelineSpec]:
+    """(rollout, trainer) specs of a GRPO run from its config (and the model when it is loaded)."""
+    return rollout_spec_from_trl(args, model, **kwargs), trainer_spec_from_trl(args, model)
+
+
+def specs_from_trainer(trainer: Any, *, llm: Any = None, rollout_source: Optional[str] = None,
+                       device: Optional[str] = None) -> tuple[PipelineSpec, PipelineSpec]:
+    """(rollout, trainer) specs of a live GRPOTrainer; a live vLLM engine is read directly when given."""
+    model = trainer.model
+    if device is None:
+        device = next(model.parameters()).device.type
+    rollout = rollout_spec_from_trl(trainer.args, model, llm=llm, device=device)
+    if rollout_source and not trainer.args.use_vllm:
+        rollout = rollout.replace(framework=f"hf-generate ({rollout_source})")
+    return rollout, trainer_spec_from_trl(trainer.args, model)

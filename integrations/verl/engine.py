@@ -1,0 +1,280 @@
+"""The actor engine: verl 0.9.1's FSDP LM-head engine plus the tim hooks, registered through ``EngineRegistry``.
+
+Registered under ``device="cuda", vendor="nvidia"`` (the vendor key is looked up first, verl
+``workers/engine/base.py`` ``get_engine_cls``), so every FSDP/FSDP2 language-model engine verl builds is this
+class. Until ``tim_configure`` is called (only the tim trainer modes do, on the actor) every hook returns the
+parent's result untouched: numerics are stock verl's.
+
+Hooks (all documented verl engine methods, no patching):
+* ``prepare_model_outputs``: safe-vocabulary log-probs (and entropy) from the temperature-scaled logits via
+  ``tim_plugins.safe_vocab``; both the old-log-prob pass and the training pass go through it.
+* ``forward_step``: wraps the loss function so boundary tokens (outside the trainer's safe set) leave the
+  response mask before the loss; feeds the mismatch monitor on measurement passes.
+* ``forward_backward_batch`` / ``train_batch``: merge the monitor exactly over the data-parallel group after a
+  measurement pass; feed the LR-decay optimizer the DP-mean response length.
+* ``lr_scheduler_step``: report the effective LR (schedule × decay scale) as ``actor/lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.utils.padding import no_padding_2_padding
+
+from tim_plugins.metrics import MismatchMonitor
+from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_loss_mask
+
+from .config import OPTIMIZER_IMPL, TIMVerlConfig
+
+__all__ = ["TIMFSDPEngineWithLMHead", "padded_response"]
+
+# Layout of the safe-vocabulary sums all-reduced with the monitor (max of pruned mass goes separately).
+_SV_FIELDS = ("tokens", "pruned_mass", "size", "boundary")
+
+
+def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
+    """A response-shaped field ([B, R] dense or nested jagged [B, j]) as a dense [B, width] tensor."""
+    if x.is_nested:
+        return torch.nested.to_padded_tensor(x, fill, output_size=(x.size(0), width))
+    if x.shape[1] >= width:
+        return x[:, :width]
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill)
+
+
+def _with_response_values(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``mask`` (dense [B, R] or nested [B, j]) times ``keep`` ([B, W] dense, response-aligned)."""
+    if not mask.is_nested:
+        width = mask.shape[1]
+        return mask * padded_response(keep, width).to(mask.dtype)
+    offsets = mask.offsets()
+    lengths = offsets.diff()
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    cols = torch.arange(rows.numel(), device=offsets.device) - offsets[:-1][rows]
+    values = mask.values() * keep[rows, cols].to(mask.dtype)
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+class _BoundaryMaskedLoss:
+    """Calls verl's loss with boundary tokens removed from ``response_mask`` (the mask the loss aggregates).
+
+    The global token count verl normalises by (``batch_num_tokens``) is taken before the forward pass, so it
+    still includes the masked tokens: the loss is Σ_kept / N_all, i.e. boundary tokens count as zero-loss
+    tokens. Other calls (the distillation logits processor) pass straight through.
+    """
+
+    def __init__(self, loss_fn: Callable, engine: "TIMFSDPEngineWithLMHead") -> None:
+        self.loss_fn = loss_fn
+        self.engine = engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.engine._tim_mb
+        if "model_output" not in kwargs or state is None:
+            return self.loss_fn(*args, **kwargs)
+        data = kwargs["data"]
+        in_safe = no_padding_2_padding(state["in_safe"], data)  # [b, W] response-aligned
+        data["response_mask"] = _with_response_values(data["response_mask"], in_safe)
+        return self.loss_fn(*args, **kwargs)
+
+
+class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+    """verl's FSDP LM-head engine with tim-plugins' hooks (inactive until ``tim_configure``)."""
+
+    _tim: TIMVerlConfig | None = None
+
+    # ------------------------------------------------------------------------------------------- configure
+    def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False) -> None:
+        """Switch the hooks on for this (actor) engine. Fails early on settings the engine cannot honour."""
+        if config.safe_vocab.enabled and (self.engine_config.use_fused_kernels or self.model_config.use_fused_kernels):
+            raise ValueError(
+                f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True: fused kernels return "
+                "log-probs without logits, so the safe vocabulary cannot be applied. Fix: "
+                "actor_rollout_ref.model.use_fused_kernels=false")
+        if config.lr_decay.enable:
+            if not hasattr(self.optimizer, "tim_configure"):
+                raise ValueError(
+                    f"tim.lr_decay.enable=true but the actor optimizer is {type(self.optimizer).__module__}."
+                    f"{type(self.optimizer).__name__}: the decay acts inside the optimizer's step(). Fix: "
+                    f"actor_rollout_ref.actor.optim.optimizer_impl={OPTIMIZER_IMPL} "
+                    "actor_rollout_ref.actor.optim.optimizer=AdamW")
+            self.optimizer.tim_configure(config.lr_decay.options)
+        self._tim = config
+        self._tim_bypass = bool(bypass_mode)
+        self._tim_monitor = MismatchMonitor(config.monitor.ratio_band, compile="auto") if config.monitor.enable \
+            else None
+        self._tim_sv_sums = None
+        self._tim_sv_max = None
+        self._tim_measured = False
+        self._tim_step_start = True
+        self._tim_mb = None
+        self._tim_pending: dict[str, float] = {}
+
+    @property
+    def tim_active(self) -> bool:
+        return self._tim is not None
+
+    def tim_pop_metrics(self) -> dict[str, float]:
+        """Metrics merged since the last call (identical on every DP rank), plus the LR controller's."""
+        if self._tim is None:
+            return {}
+        out, self._tim_pending = self._tim_pending, {}
+        if self._tim.lr_decay.enable:
+            out.update(self.optimizer.tim_metrics())
+        return out
+
+    # ------------------------------------------------------------------------------------ safe vocabulary
+    def _flat_scaled_logits(self, output, output_args, micro_batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """([N, V] logits / T, [N] labels, packed?) exactly as the parent sees them before log_softmax."""
+        from torch.distributed.tensor import DTensor
+
+        use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+        unit = output_args.get("temperature_is_one", False)
+        if use_remove_padding:
+            logits = output.logits.squeeze(0)
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            if not unit:
+                logits = logits / output_args["temperature_rmpad"].clamp(min=1e-8).to(logits.dtype).unsqueeze(-1)
+            return logits, output_args["input_ids_rmpad_rolled"], True
+        logits = output.logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        if not unit:
+            t = output_args["temperature"].clamp(min=1e-8).to(logits.dtype)
+            logits = logits / t.view(-1, 1, 1)
+        lengths = micro_batch["input_ids"].offsets().diff()
+        logits = torch.cat([logits[i, : int(n)] for i, n in enumerate(lengths.tolist())])
+        return logits, output_args["input_ids_rmpad_rolled"], False
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        if self._tim is None or not self._tim.safe_vocab.enabled or "log_probs" not in model_output:
+            return model_output
+        if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
+            raise ValueError("tim.safe_vocab needs logits; set actor_rollout_ref.model.use_fused_kernels=false")
+        want_entropy = "entropy" in model_output
+        logits, labels, packed = self._flat_scaled_logits(output, output_args, micro_batch)
+        res = safe_logprobs_from_logits(logits, labels, min_p=self._tim.safe_vocab.min_p,
+                                        compute_entropy=want_entropy)
+        fields = {"log_probs": res.logprobs, "in_safe": res.in_safe, "pruned_mass": res.pruned_mass,
+                  "size": res.size}
+        if want_entropy:
+            fields["entropy"] = res.entropy
+        cu_seqlens = micro_batch["input_ids"].offsets()
+        nested = {}
+        for key, value in fields.items():
+            if packed:  # drop the SP / bucket padding exactly as the parent does for its log-probs
+                value = self._gather_and_unpad_packed(value, output_args["pad_size"])
+            nested[key] = torch.nested.nested_tensor_from_jagged(value, cu_seqlens)
+        model_output["log_probs"] = nested["log_probs"]
+        if want_entropy:
+            model_output["entropy"] = nested["entropy"]
+        self._tim_mb = {k: nested[k] for k in ("in_safe", "pruned_mass", "size")}
+        return model_output
+
+    # ------------------------------------------------------------------------------------------ per step
+    def _measuring(self, micro_batch, forward_only: bool) -> bool:
+        """Whether this pass measures rollout vs trainer: the actor's old-log-prob pass (verl asks for the entropy
+        there and not on the reference pass), or in bypass mode the training pass before the first update."""
+        if "rollout_log_probs" not in micro_batch.keys():
+            return False
+        if forward_only:
+            return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+        return self._tim_bypass and self._tim_step_start
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if self._tim is None:
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        self._tim_mb = None
+        if loss_function is not None and self._tim.safe_vocab.enabled and self._tim.safe_vocab.mask_boundary:
+            loss_function = _BoundaryMaskedLoss(loss_function, self)
+        loss, output = super().forward_step(micro_batch, loss_function, forward_only)
+        if self._measuring(micro_batch, forward_only):
+            self._tim_update(micro_batch, output["model_output"])
+        self._tim_mb = None
+        return loss, output
+
+    @torch.no_grad()
+    def _tim_update(self, micro_batch, model_output) -> None:
+        train = no_padding_2_padding(model_output["log_probs"], micro_batch).float()  # [b, W]
+        width = train.shape[1]
+        mask = padded_response(micro_batch["response_mask"], width).bool()
+        rollout = padded_response(micro_batch["rollout_log_probs"], width).float()
+        state = self._tim_mb
+        if state is not None:
+            in_safe = no_padding_2_padding(state["in_safe"], micro_batch).bool()
+            keep, _ = safe_loss_mask(mask, in_safe)
+            pruned = no_padding_2_padding(state["pruned_mass"], micro_batch).double()
+            size = no_padding_2_padding(state["size"], micro_batch).double()
+            sums = torch.stack([mask.sum().double(), (pruned * mask).sum(), (size * mask).sum(),
+                                (mask & ~in_safe).sum().double()])
+            pmax = torch.where(mask, pruned, -math.inf).amax().reshape(1) if mask.numel() else \
+                torch.full((1,), -math.inf, dtype=torch.float64)
+            self._tim_sv_sums = sums if self._tim_sv_sums is None else self._tim_sv_sums + sums
+            self._tim_sv_max = pmax if self._tim_sv_max is None else torch.maximum(self._tim_sv_max, pmax)
+            mask = keep.bool()  # boundary tokens carry no comparable log-prob
+        if self._tim_monitor is not None:
+            self._tim_monitor.update(rollout, train, mask)
+        self._tim_measured = True
+
+    def _tim_merge(self) -> None:
+        """All-reduce (SUM / MAX) over the DP group; every DP rank takes part, so every rank ran the pass."""
+        if not self._tim_measured:
+            return
+        group = self.get_data_parallel_group()
+        out: dict[str, float] = {}
+        if self._tim_monitor is not None:
+            out.update(self._tim_monitor.compute(sync=True, group=group))
+            self._tim_monitor.reset()
+        if self._tim_sv_sums is not None:
+            sums, pmax = self._tim_sv_sums.clone(), self._tim_sv_max.clone()
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
+                torch.distributed.all_reduce(pmax, op=torch.distributed.ReduceOp.MAX, group=group)
+            n, pruned, size, boundary = sums.tolist()
+            out["tim/safe_vocab/tokens"] = n
+            out["tim/safe_vocab/pruned_mass_mean"] = pruned / n if n > 0 else math.nan
+            out["tim/safe_vocab/pruned_mass_max"] = float(pmax.item()) if n > 0 else math.nan
+            out["tim/safe_vocab/size_mean"] = size / n if n > 0 else math.nan
+            out["tim/safe_vocab/boundary_frac"] = boundary / n if n > 0 else math.nan
+            self._tim_sv_sums = self._tim_sv_max = None
+        self._tim_pending.update(out)
+        self._tim_measured = False
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if self._tim is not None and forward_only:
+            self._tim_merge()
+        return out
+
+    def _tim_mean_response_length(self, data) -> float:
+        """Mean number of response tokens per sequence over the whole DP group (exact: sums all-reduced)."""
+        mask = data["response_mask"]
+        per_seq = mask.values().sum() if mask.is_nested else mask.sum()
+        stats = torch.stack([per_seq.double(), torch.tensor(float(data.batch_size[0]), dtype=torch.float64)])
+        group = self.get_data_parallel_group()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM, group=group)
+        total, count = stats.tolist()
+        return total / count if count > 0 else math.nan
+
+    def train_batch(self, data, loss_function):
+        if self._tim is None:
+            return super().train_batch(data, loss_function)
+        if self._tim.lr_decay.enable:
+            self.optimizer.tim_observe_length(self._tim_mean_response_length(data))
+        out = super().train_batch(data, loss_function)
+        if self._tim_bypass and self._tim_step_start:
+            self._tim_merge()
+        self._tim_step_start = False
+        return out
+
+    def lr_scheduler_step(self):
+        lr = super().lr_scheduler_step()
+        if self._tim is None:
+            return lr
+        self._tim_step_start = True  # verl steps the scheduler after the last mini-batch of a step
+        return lr * float(getattr(self.optimizer, "lr_scale", 1.0))

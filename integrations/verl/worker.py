@@ -1,0 +1,37 @@
+"""Actor worker that hands the ``tim`` settings to its engine and returns the merged metrics to the driver.
+
+Used by the tim trainer modes (``trainer.v1.trainer_mode=tim_sync`` ...), which copy the top-level ``tim`` node
+of the config to ``actor_rollout_ref.tim`` (the only part of the config the workers receive).
+"""
+
+from __future__ import annotations
+
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+from .config import TIMVerlConfig
+
+__all__ = ["TIMActorRolloutRefWorker"]
+
+
+class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        super().init_model()
+        tim = TIMVerlConfig.from_node(self.config.get("tim"))
+        if self.actor is not None and tim.worker_side_active:
+            corr = self.config.get("tim_rollout_correction") or {}
+            engine = self.actor.engine
+            if not hasattr(engine, "tim_configure"):
+                raise RuntimeError(
+                    f"tim-plugins: the actor engine is {type(engine).__name__}, not the tim engine: the "
+                    "tim_plugins verl plugin was not loaded in this worker (check VERL_USE_EXTERNAL_PLUGINS and "
+                    "that tim-plugins is installed where the Ray workers run).")
+            engine.tim_configure(tim, bypass_mode=bool(corr.get("bypass_mode", False)))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tim_pop_metrics(self) -> dict:
+        """The metrics merged over DP since the last call (every rank holds the same values)."""
+        if self.actor is None or not hasattr(self.actor.engine, "tim_pop_metrics"):
+            return {}
+        return self.actor.engine.tim_pop_metrics()

@@ -1,0 +1,222 @@
+"""TIMCallback on a real TRL GRPOTrainer (HF generation path, CPU, the toy model).
+
+References are independent: the naive mismatch formulas written here, the core safe-vocab function on full
+logits, the linear LR schedule of transformers, and runs without the plugin.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
+
+pytestmark = pytest.mark.trl
+
+LR0 = 1e-3
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+def make_trainer(model_path, tmp_path, **overrides):
+    opts = dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, report_to=[],
+        save_strategy="no", gradient_checkpointing=False, learning_rate=LR0, seed=0, disable_tqdm=True,
+    )
+    opts.update(overrides)
+    ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
+    return GRPOTrainer(model=str(model_path), reward_funcs=_reward, args=GRPOConfig(**opts), train_dataset=ds)
+
+
+class Capture:
+    """Test-side wrappers (installed before the callback attaches, so ours wrap these): record what TRL
+    passes around, keyed by the optimizer step being computed."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.generations = []  # (step, out dict)
+        self.losses = []  # (step, inputs, per_token_logps)
+        gen, loss, logps = (trainer._generate_and_score_completions, trainer._compute_loss,
+                            trainer._get_per_token_logps_and_entropies)
+        self._in_loss = None
+
+        def _generate_and_score_completions(*a, **k):
+            out = gen(*a, **k)
+            self.generations.append((trainer.state.global_step + 1, out))
+            return out
+
+        def _compute_loss(model, inputs, *a, **k):
+            self._in_loss = []
+            try:
+                result = loss(model, inputs, *a, **k)
+            finally:
+                got, self._in_loss = self._in_loss, None
+            self.losses.append((trainer.state.global_step + 1, inputs, got[0]))
+            return result
+
+        def _get_per_token_logps_and_entropies(*a, **k):
+            result = logps(*a, **k)
+            if self._in_loss is not None:
+                self._in_loss.append(result[0].detach().clone())
+            return result
+
+        trainer._generate_and_score_completions = _generate_and_score_completions
+        trainer._compute_loss = _compute_loss
+        trainer._get_per_token_logps_and_entropies = _get_per_token_logps_and_entropies
+
+
+def naive_metrics(rollout, train, mask):
+    """Independent reference: d = train − rollout over masked tokens."""
+    m = mask.bool()
+    d = (train.double() - rollout.double())[m]
+    rho = torch.exp(d)
+    return {
+        "tim/tokens": float(m.sum()),
+        "tim/token/abs_diff_mean": float(d.abs().mean()),
+        "tim/token/abs_diff_max": float(d.abs().max()),
+        "tim/token/kl_k1": float((-d).mean()),
+        "tim/token/kl_k3": float((rho - 1 - d).mean()),
+        "tim/token/ratio_max": float(rho.max()),
+    }
+
+
+def _loss_mask(batch):
+    mask = batch["completion_mask"].bool()
+    if batch.get("tool_mask") is not None:
+        mask = mask & batch["tool_mask"].bool()
+    return mask
+
+
+def _logged(trainer, step):
+    return next(h for h in trainer.state.log_history if h.get("step") == step and "loss" in h)
+
+
+def _check_against_reference(trainer, cap):
+    """Each logged step's tim/* equals the naive formulas on the tensors TRL used (old log-probs when TRL
+    computed them at generation, else the loss forward's own log-probs)."""
+    checked = 0
+    for step in sorted({s for s, _ in cap.generations} | {s for s, _, _ in cap.losses}):
+        ro, tr, ms = [], [], []
+        for s, out in cap.generations:
+            if s == step and out.get("old_per_token_logps") is not None:
+                ro.append(out["sampling_per_token_logps"]), tr.append(out["old_per_token_logps"])
+                ms.append(_loss_mask(out))
+        for s, inputs, logps in cap.losses:
+            if s == step and inputs.get("old_per_token_logps") is None:
+                ro.append(inputs["sampling_per_token_logps"]), tr.append(logps), ms.append(_loss_mask(inputs))
+        if not ro:
+            continue
+        width = max(x.shape[1] for x in ro)
+
+        def cat(xs):
+            return torch.cat([torch.nn.functional.pad(x.float(), (0, width - x.shape[1])) for x in xs])
+
+        ref = naive_metrics(cat(ro), cat(tr), cat(ms))
+        logged = _logged(trainer, step)
+        for key, value in ref.items():
+            assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-12), (step, key)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize(
+    "loss_type,ga,num_iterations",
+    [("dapo", 1, 1), ("grpo", 2, 2), ("dr_grpo", 2, 1)],
+)
+def test_hf_rollout_metrics_equal_reference(toy_model_path, tmp_path, loss_type, ga, num_iterations):
+    trainer = make_trainer(toy_model_path, tmp_path, loss_type=loss_type, gradient_accumulation_steps=ga,
+                           num_iterations=num_iterations, max_steps=2)
+    cap = Capture(trainer)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.train()
+    # Every generation batch carried HF-generate log-probs (TRL alone gives none without vLLM).
+    assert cap.generations and all(o.get("sampling_per_token_logps") is not None for _, o in cap.generations)
+    assert _check_against_reference(trainer, cap) >= 1
+    first = _logged(trainer, 1)
+    # Same weights, fp32, KV-cache decode vs full forward: tiny but counted mismatch.
+    assert 0.0 <= first["tim/token/abs_diff_max"] < 1e-3
+    assert first["tim/invalid_tokens"] == 0.0
+    # wrappers removed at train end
+    assert not any(k in vars(trainer) for k in ("_generate_single_turn",)) or True
+    assert "_generate_single_turn" not in vars(trainer)
+
+
+def test_monitor_matches_core_monitor_on_captured_tensors(toy_model_path, tmp_path):
+    """The logged values are exactly MismatchMonitor's on the same tensors (no re-implementation drift)."""
+    from tim_plugins.metrics import MismatchMonitor
+
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    cap = Capture(trainer)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.train()
+    mon = MismatchMonitor()
+    for _, inputs, logps in cap.losses:
+        mon.update(inputs["sampling_per_token_logps"], logps, _loss_mask(inputs))
+    expected = mon.compute()
+    logged = _logged(trainer, 1)
+    for key, value in expected.items():
+        if isinstance(value, float) and math.isnan(value):
+            assert logged.get(key) is None, key  # TRL logs an all-NaN metric as None
+        else:
+            assert logged[key] == pytest.approx(value, rel=1e-12, abs=0), key
+
+
+def _params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_disabled_detached_and_monitor_only_are_numerically_identical(toy_model_path, tmp_path):
+    runs = {}
+    for name in ("plain", "disabled", "detached", "monitor"):
+        trainer = make_trainer(toy_model_path, tmp_path / name, max_steps=2)
+        if name == "disabled":
+            trainer.add_callback(TIMCallback(trainer, TIMConfig(enabled=False)))
+        elif name == "detached":
+            cb = TIMCallback(trainer, TIMConfig())
+            trainer.add_callback(cb)
+            cb.detach()
+        elif name == "monitor":
+            trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[name] = (_params(trainer), losses)
+    ref_params, ref_losses = runs["plain"]
+    for name, (params, losses) in runs.items():
+        assert losses == ref_losses, name
+        for key, value in ref_params.items():
+            assert torch.equal(params[key], value), (name, key)
+
+
+def test_config_validation_quotes_values(toy_model_path, tmp_path):
+    with pytest.raises(ValueError, match=r"ratio_band=\(2, 3\)"):
+        TIMConfig(ratio_band=(2, 3))
+    with pytest.raises(ValueError, match="'bogus'"):
+        TIMConfig(rollout="bogus")
+    with pytest.raises(ValueError, match="'tis'"):
+        TIMConfig(is_correction="tis")
+    trainer = make_trainer(toy_model_path, tmp_path)
+    with pytest.raises(ValueError, match="min_p=None"):
+        TIMCallback(trainer, TIMConfig(safe_vocab=True))
+    assert set(TIMConfig.help()) >= {"monitor", "safe_vocab", "lr_decay", "parity_audit", "is_correction"}
+    assert all(TIMConfig.help().values())
+
+
+def test_version_range_checked_at_attach(toy_model_path, tmp_path, monkeypatch):
+    import tim_plugins._optional as opt
+
+    trainer = make_trainer(toy_model_path, tmp_path)
+    monkeypatch.setattr(opt, "package_version", lambda dist: "1.17.0" if dist == "trl" else None)
+    monkeypatch.delenv("TIM_PLUGINS_SKIP_VERSION_CHECK", raising=False)
+    with pytest.raises(RuntimeError, match=r"trl 1\.17\.0 is not supported"):
+        TIMCallback(trainer, TIMConfig())

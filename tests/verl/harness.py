@@ -1,0 +1,123 @@
+"""Test helper: verl 0.9.1's FSDP2 engine on CPU (world size 1 or 2, gloo), built from verl's own dataclasses and
+driven like ``TrainingWorker`` does (infer_batch / train_batch / lr_scheduler_step with ``partial(ppo_loss)``)."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+# The platform is a cached singleton resolved on verl's first import: select it before anything imports verl.
+os.environ["VERL_PLATFORM"] = "cpu"
+os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+os.environ.setdefault("VERL_ENGINE_VENDOR", "nvidia")
+
+import cpu_platform  # noqa: E402,F401  (registers the "cpu" platform)
+import torch  # noqa: E402
+
+
+def init_dist(rank: int = 0, world: int = 1, port: int = 29561) -> None:
+    if torch.distributed.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl: str = "torch.optim",
+                 optimizer: str = "AdamW", lr: float = 1e-3, dtype: str = "fp32", total_steps: int = 10):
+    import tim_plugins.integrations.verl.plugin  # noqa: F401  (registrations, as the entry point does)
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig
+    from verl.workers.config.engine import FSDPEngineConfig
+    from verl.workers.config.optimizer import FSDPOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    model_config = HFModelConfig(path=str(model_path), use_remove_padding=remove_padding,
+                                 enable_gradient_checkpointing=False,
+                                 override_config={"attn_implementation": "sdpa"})
+    mp = {"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, mixed_precision=mp,
+                                     micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
+    engine_config.use_remove_padding = remove_padding
+    optim_config = FSDPOptimizerConfig(lr=lr, optimizer_impl=optimizer_impl, optimizer=optimizer,
+                                       total_training_steps=total_steps, clip_grad=1.0)
+    model_config.model_type = "language_model"
+    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
+                                engine_config=engine_config, optimizer_config=optim_config,
+                                checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def make_batch(vocab: int, *, batch: int = 4, prompt: int = 5, response: int = 7, seed: int = 0,
+               rollout_noise: float = 0.05, temperature: float = 1.0):
+    """A left/right padded verl batch (as after rollout) converted the way ray_trainer does for the engine.
+    Returns (TensorDict for the engine, dict of the padded tensors)."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (batch, prompt), generator=g)
+    responses = torch.randint(3, vocab, (batch, response), generator=g)
+    attn = torch.ones(batch, prompt + response, dtype=torch.long)
+    resp_mask = torch.ones(batch, response, dtype=torch.long)
+    for i in range(batch):  # left-pad prompts, right-pad responses by row-dependent amounts
+        attn[i, : i % 3] = 0
+        cut = response - (i % 4)
+        attn[i, prompt + cut:] = 0
+        resp_mask[i, cut:] = 0
+    if batch > 1:
+        resp_mask[-1, 1:] = 0  # an almost empty response
+        attn[-1, prompt + 1:] = 0
+    input_ids = torch.cat([prompts, responses], dim=1) * attn
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    rollout_lp = -torch.rand(batch, response, generator=g) * 3 - rollout_noise
+    tensors = {
+        "prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attn,
+        "position_ids": position_ids, "response_mask": resp_mask, "rollout_log_probs": rollout_lp,
+        "advantages": torch.randn(batch, response, generator=g),
+    }
+    dp = DataProto.from_single_dict({k: v.clone() for k, v in tensors.items()})
+    td = left_right_2_no_padding(dp.to_tensordict())
+    tu.assign_non_tensor(td, temperature=temperature)
+    return td, tensors
+
+
+def infer(engine, td, *, use_remove_padding: bool = True):
+    from verl.utils import tensordict_utils as tu
+
+    td = td.copy()
+    tu.assign_non_tensor(td, use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=2, max_token_len_per_gpu=4096, use_fused_kernels=False,
+                         calculate_entropy=True, compute_loss=False)
+    with engine.eval_mode():
+        out = engine.infer_batch(td, loss_function=None)
+    return out
+
+
+def old_log_probs_padded(out, td):
+    """[B, R] response log-probs from the engine output (as verl's trainer extracts old_log_probs)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    lp = out["model_output"]["log_probs"]
+    return no_padding_2_padding(lp, td)
+
+
+def train_step(engine, td, old_log_probs, *, use_remove_padding: bool = True, actor_overrides: dict | None = None):
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    td = td.copy()
+    td["old_log_probs"] = old_log_probs
+    cfg = {"strategy": "fsdp2", "rollout_n": 1, "ppo_micro_batch_size_per_gpu": 2, "ppo_mini_batch_size": 4,
+           "use_dynamic_bsz": False, **(actor_overrides or {})}
+    actor_config = FSDPActorConfig(**cfg)
+    tu.assign_non_tensor(td, use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=2, max_token_len_per_gpu=4096, use_fused_kernels=False,
+                         calculate_entropy=False, global_batch_size=td.batch_size[0])
+    with engine.train_mode():
+        out = engine.train_batch(td, loss_function=partial(ppo_loss, config=actor_config))
+        lr = engine.lr_scheduler_step()
+    return out, lr

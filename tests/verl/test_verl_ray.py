@@ -1,0 +1,40 @@
+"""Ray: two local CPU worker processes run ``import verl``; the ``verl.plugins`` entry point loads our plugin
+there and its registrations are visible (no explicit import of tim_plugins in the workers)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("verl")
+ray = pytest.importorskip("ray")
+
+
+def test_two_ray_workers_load_the_entry_point():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"VERL_USE_EXTERNAL_PLUGINS": "auto"}})
+    try:
+        @ray.remote(num_cpus=1)
+        class Probe:
+            def look(self):
+                import os
+                import sys
+
+                assert "tim_plugins" not in sys.modules  # nothing imported it yet: only the entry point will
+                import verl  # noqa: F401
+                from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+                from verl.workers.engine import EngineRegistry
+
+                eng = EngineRegistry._engines["language_model"]["fsdp2"][("cuda", "nvidia")]
+                return os.getpid(), f"{eng.__module__}.{eng.__name__}", sorted(
+                    k for k in TRAINER_REGISTRY if k.startswith("tim_")), "tim_plugins.integrations.verl.plugin" \
+                    in sys.modules
+
+        actors = [Probe.remote() for _ in range(2)]
+        results = ray.get([a.look.remote() for a in actors], timeout=240)
+    finally:
+        ray.shutdown()
+    assert results[0][0] != results[1][0]
+    for _pid, engine, modes, loaded in results:
+        assert engine == "tim_plugins.integrations.verl.engine.TIMFSDPEngineWithLMHead"
+        assert modes == ["tim_colocate_async", "tim_separate_async", "tim_sync"]
+        assert loaded

@@ -1,0 +1,127 @@
+"""Per-token Parquet dump: sampled rows of (step, rank, sequence, position, token, log-probs), one file per
+step and rank, written atomically, so a crashed run never leaves a half-written file behind.
+
+Whole sequences are sampled (not scattered tokens), so drift by position and the cumulative log-ratio along a
+sequence can be read from the dump. Disk use is bounded by ``sample_rate`` and ``max_sequences_per_step``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tim_plugins._optional import require
+
+__all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS"]
+
+DUMP_COLUMNS = (
+    "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
+)
+
+
+@dataclass
+class DumpConfig:
+    out_dir: str = field(metadata={"help": "Folder for step_XXXXXXXX-rank_XXXX.parquet files."})
+    sample_rate: float = field(
+        default=0.05, metadata={"help": "Fraction of sequences written per step (whole sequences)."}
+    )
+    max_sequences_per_step: int = field(
+        default=64, metadata={"help": "Cap on sequences written per step and rank (bounds disk use)."}
+    )
+    every_n_steps: int = field(default=1, metadata={"help": "Write only on steps divisible by this."})
+    seed: int = field(default=0, metadata={"help": "Seed of the sequence sampling (per step and rank)."})
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise ValueError(
+                f"sample_rate={self.sample_rate} is invalid: it must be in (0, 1], e.g. 0.05 for 5 % of sequences."
+            )
+        if self.max_sequences_per_step < 1:
+            raise ValueError(f"max_sequences_per_step={self.max_sequences_per_step} is invalid: it must be >= 1.")
+        if self.every_n_steps < 1:
+            raise ValueError(f"every_n_steps={self.every_n_steps} is invalid: it must be >= 1.")
+
+
+class TokenDumper:
+    """Writes sampled per-token rows to Parquet.
+
+    Args:
+        config: a ``DumpConfig`` (or pass its fields as keywords).
+    """
+
+    def __init__(self, config: DumpConfig | None = None, **kwargs) -> None:
+        require("pyarrow", "the per-token Parquet dump")
+        self.config = config if config is not None else DumpConfig(**kwargs)
+        Path(self.config.out_dir).mkdir(parents=True, exist_ok=True)
+
+    def wants(self, step: int) -> bool:
+        return step % self.config.every_n_steps == 0
+
+    def write(
+        self,
+        step: int,
+        rollout_logprobs: torch.Tensor,
+        train_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        token_ids: torch.Tensor,
+        *,
+        rank: int = 0,
+        entropy: torch.Tensor | None = None,
+    ) -> Path | None:
+        """Write the sampled sequences of one batch ([B, T] tensors). Returns the file path, or None if this
+        step is skipped or nothing was sampled. Host transfer happens here, only on dump steps."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self.wants(step):
+            return None
+        cfg = self.config
+        B = rollout_logprobs.shape[0]
+        g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step * 1_009 + rank) % (2**63 - 1))
+        keep = torch.rand(B, generator=g) < cfg.sample_rate
+        rows = torch.nonzero(keep).flatten()[: cfg.max_sequences_per_step]
+        if rows.numel() == 0:
+            return None
+        sel = lambda x: x.detach()[rows.to(x.device)].cpu()
+        m = sel(mask).bool()
+        seq_idx, pos_idx = torch.nonzero(m, as_tuple=True)
+        if seq_idx.numel() == 0:
+            return None
+        columns = {
+            "step": pa.array(torch.full_like(seq_idx, step).numpy()),
+            "rank": pa.array(torch.full_like(seq_idx, rank).numpy().astype("int32")),
+            "sequence": pa.array(rows[seq_idx].numpy()),
+            "position": pa.array(pos_idx.numpy().astype("int32")),
+            "token_id": pa.array(sel(token_ids)[seq_idx, pos_idx].numpy().astype("int64")),
+            "rollout_logprob": pa.array(sel(rollout_logprobs).float()[seq_idx, pos_idx].numpy()),
+            "train_logprob": pa.array(sel(train_logprobs).float()[seq_idx, pos_idx].numpy()),
+        }
+        if entropy is not None:
+            columns["entropy"] = pa.array(sel(entropy).float()[seq_idx, pos_idx].numpy())
+        table = pa.table(columns)
+        path = Path(cfg.out_dir) / f"step_{step:08d}-rank_{rank:04d}.parquet"
+        tmp = path.with_suffix(f".parquet.tmp{os.getpid()}")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
+        return path
+
+
+def read_dump(directory: str | os.PathLike):
+    """All dump files of a folder as one pyarrow Table (sorted by step, rank, sequence, position)."""
+    require("pyarrow", "reading a per-token dump")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(directory).glob("step_*-rank_*.parquet"))
+    if not files:
+        raise FileNotFoundError(
+            f"no dump files (step_*-rank_*.parquet) in {str(directory)!r}: point at the folder the dumper wrote."
+        )
+    tables = [pq.read_table(f) for f in files]
+    # Files with and without an entropy column can be mixed: unify with nulls.
+    table = pa.concat_tables(tables, promote_options="default")
+    return table.sort_by([("step", "ascending"), ("rank", "ascending"), ("sequence", "ascending"),
+                          ("position", "ascending")])

@@ -1,0 +1,48 @@
+"""Plain-text tables for the parity CLI (findings, batch-invariance summaries)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Any, Sequence
+
+__all__ = ["format_table", "findings_table"]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "?"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60) -> str:
+    """Left-aligned columns; cells longer than `max_width` wrap onto continuation lines."""
+    cells = [[textwrap.wrap(_cell(c), max_width) or [""] for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, lines in enumerate(row):
+            widths[i] = max(widths[i], *(len(line) for line in lines))
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    for row in cells:
+        height = max(len(lines) for lines in row)
+        for k in range(height):
+            out.append("  ".join((lines[k] if k < len(lines) else "").ljust(w)
+                                 for lines, w in zip(row, widths)).rstrip())
+    return "\n".join(out)
+
+
+def findings_table(findings: Sequence[Any], framework: str | None = None) -> str:
+    """One row per finding; the fix column shows the knob for `framework` (all knobs when None)."""
+    rows = []
+    for f in findings:
+        if framework and framework in f.fix:
+            fix = f.fix[framework]
+        else:
+            fix = "; ".join(f"{k}: {v}" for k, v in f.fix.items())
+        rows.append([f.severity, f.code, f.rollout_value, f.trainer_value, f.message, fix])
+    if not rows:
+        return "no findings: the two sides match on every setting that was compared"
+    return format_table(["severity", "code", "rollout", "trainer", "message", "fix"], rows, max_width=48)

@@ -1,0 +1,235 @@
+"""TIM injection: perturb the rollout distribution on its tail, calibrated to a target `tim/token/kl_k3`.
+
+The injector adds, on tail tokens only (p < τ under the distribution it receives),
+
+    mode "noise":  z'_a = z_a + σ · ε_a,   ε_a ~ N(0, 1) i.i.d. (symmetric)
+    mode "bias":   z'_a = z_a + s · σ      (s = ±1: a systematic shift; +1 = the engine over-weights the tail)
+
+and leaves tokens with p >= τ and masked (-inf) logits untouched. The rollout then samples from, and reports
+the log-probs of, the perturbed distribution, exactly as a mismatched engine would; the trainer recomputes the
+unperturbed one. Like custom processors in vLLM, an HF logits processor passed to `generate()` runs *before*
+the temperature warper, so τ applies to softmax(z) and the tempered distribution is softmax(z' / T).
+
+The scale σ is found by bisection so that k3 = mean(e^d − d − 1), d = log p_train − log p_rollout, measured
+with `tim_plugins.metrics.mismatch_metrics` on a probe batch, hits the target (E_q[k3] = KL(q‖p)).
+Deterministic under a seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = [
+    "TailNoiseInjector",
+    "INJECT_MODES",
+    "perturb_tail",
+    "calibrate_scale",
+    "calibrate_injector",
+    "CalibrationResult",
+]
+
+INJECT_MODES = ("noise", "bias")
+
+
+def perturb_tail(
+    scores: torch.Tensor,
+    scale: float,
+    *,
+    tau: float,
+    mode: str = "noise",
+    bias_sign: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Perturbed copy of `scores` ([..., V] logits): tail tokens (softmax(scores) < tau) shifted by σ·ε or ±σ."""
+    z = scores.float()
+    tail = (torch.softmax(z, dim=-1) < tau) & torch.isfinite(z)
+    if mode == "noise":
+        # CPU generator → same draws on every device; then moved.
+        eps = torch.randn(z.shape, generator=generator, dtype=torch.float32).to(z.device)
+        delta = scale * eps
+    elif mode == "bias":
+        delta = torch.full_like(z, scale * bias_sign)
+    else:
+        raise ValueError(f"perturb_tail(mode={mode!r}): must be one of {INJECT_MODES}")
+    return torch.where(tail, z + delta, z).to(scores.dtype)
+
+
+class TailNoiseInjector:
+    """Tail perturbation usable as an HF logits processor: ``generate(..., logits_processor=[injector])``.
+
+    Args:
+        scale: σ (0 = off). Usually set by `calibrate_injector` / `calibrate_scale`.
+        tau: tail threshold on the token probability of the distribution the processor receives.
+        mode: "noise" (symmetric Gaussian) or "bias" (shift by bias_sign · σ).
+        seed: seeds the noise generator; `reset()` restarts the same noise sequence.
+    """
+
+    def __init__(self, scale: float = 0.0, *, tau: float = 0.1, mode: str = "noise", seed: int = 0,
+                 bias_sign: float = 1.0):
+        if mode not in INJECT_MODES:
+            raise ValueError(f"TailNoiseInjector(mode={mode!r}): must be one of {INJECT_MODES}")
+        if not 0.0 < tau <= 1.0:
+            raise ValueError(f"TailNoiseInjector(tau={tau}): must be in (0, 1]")
+        if scale < 0 or not math.isfinite(scale):
+            raise ValueError(f"TailNoiseInjector(scale={scale}): must be a finite number >= 0")
+        if bias_sign not in (1.0, -1.0, 1, -1):
+            raise ValueError(f"TailNoiseInjector(bias_sign={bias_sign}): must be +1 or -1")
+        self.scale = float(scale)
+        self.tau = float(tau)
+        self.mode = mode
+        self.seed = int(seed)
+        self.bias_sign = float(bias_sign)
+        self.reset()
+
+    def reset(self) -> None:
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def perturb(self, scores: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        if self.scale == 0.0:
+            return scores
+        return perturb_tail(scores, self.scale, tau=self.tau, mode=self.mode, bias_sign=self.bias_sign,
+                            generator=self._generator if generator is None else generator)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """HF LogitsProcessor protocol: scores [B, V] → perturbed scores [B, V]."""
+        return self.perturb(scores)
+
+    def to_extra_args(self) -> dict:
+        """Per-request activation of the vLLM processor: ``SamplingParams(extra_args=injector.to_extra_args())``."""
+        return {"tim_inject": {"scale": self.scale, "tau": self.tau, "mode": self.mode, "seed": self.seed,
+                               "bias_sign": self.bias_sign}}
+
+    def __repr__(self) -> str:
+        return (f"TailNoiseInjector(scale={self.scale:.6g}, tau={self.tau}, mode={self.mode!r}, seed={self.seed}, "
+                f"bias_sign={self.bias_sign:+g})")
+
+
+def _k3_at(scale: float, logits: torch.Tensor, temperature: float, injector: TailNoiseInjector,
+           uniforms: torch.Tensor) -> float:
+    from tim_plugins.metrics import mismatch_metrics
+
+    gen = torch.Generator().manual_seed(injector.seed)  # common random numbers across scales
+    z_q = perturb_tail(logits, scale, tau=injector.tau, mode=injector.mode, bias_sign=injector.bias_sign,
+                       generator=gen) if scale > 0 else logits
+    logq = torch.log_softmax(z_q.float() / temperature, dim=-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    # inverse-CDF sampling from q with fixed uniforms [N, S]: tokens move smoothly with the scale
+    cdf = logq.exp().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    tok = torch.searchsorted(cdf, uniforms).clamp_(max=logits.shape[-1] - 1)  # [N, S]
+    rollout_lp, train_lp = logq.gather(-1, tok), logp.gather(-1, tok)
+    return float(mismatch_metrics(rollout_lp, train_lp, torch.ones_like(rollout_lp, dtype=torch.bool))
+                 ["tim/token/kl_k3"])
+
+
+@dataclass
+class CalibrationResult:
+    scale: float
+    k3: float  # k3 on the probe batch at `scale`
+    target_k3: float
+    iterations: int
+
+
+def calibrate_scale(
+    logits: torch.Tensor,
+    target_k3: float,
+    injector: TailNoiseInjector,
+    *,
+    temperature: float = 1.0,
+    samples_per_position: int = 16,
+    rtol: float = 0.01,
+    max_iter: int = 60,
+    max_scale: float = 64.0,
+) -> CalibrationResult:
+    """Bisection on σ so that k3 measured on `logits` ([N, V], untempered, unperturbed) hits `target_k3`.
+
+    k3 is measured with `mismatch_metrics` on `samples_per_position` tokens per position drawn from the
+    perturbed distribution with fixed uniforms (common random numbers make k3(σ) deterministic and
+    near-monotone). Sets and returns the injector's scale.
+    """
+    if target_k3 <= 0 or not math.isfinite(target_k3):
+        raise ValueError(f"calibrate_scale(target_k3={target_k3}): must be a finite number > 0")
+    if logits.dim() != 2:
+        raise ValueError(f"calibrate_scale: logits must be [N, V], got {tuple(logits.shape)}")
+    temperature = 1.0 if temperature <= 0 else float(temperature)
+    gen = torch.Generator().manual_seed(injector.seed + 1)
+    uniforms = torch.rand((logits.shape[0], samples_per_position), generator=gen, dtype=torch.float32)
+    lo, hi = 0.0, 0.25
+    k3_hi = _k3_at(hi, logits, temperature, injector, uniforms)
+    it = 1
+    while k3_hi < target_k3:
+        lo, hi = hi, hi * 2
+        if hi > max_scale:
+            raise ValueError(f"calibrate_scale: k3 stays below {target_k3:g} up to scale {max_scale:g} "
+                             f"(reached {k3_hi:.3g}); the tail (p < tau={injector.tau}) is too small on this "
+                             "probe batch: raise tau or use a larger probe batch")
+        k3_hi = _k3_at(hi, logits, temperature, injector, uniforms)
+        it += 1
+    best = (hi, k3_hi)
+    while it < max_iter:
+        mid = 0.5 * (lo + hi)
+        k3 = _k3_at(mid, logits, temperature, injector, uniforms)
+        it += 1
+        if abs(k3 - target_k3) < abs(best[1] - target_k3):
+            best = (mid, k3)
+        if abs(k3 - target_k3) <= rtol * target_k3:
+            break
+        lo, hi = (mid, hi) if k3 < target_k3 else (lo, mid)
+    injector.scale = float(best[0])
+    injector.reset()
+    return CalibrationResult(injector.scale, best[1], float(target_k3), it)
+
+
+@torch.no_grad()
+def calibrate_injector(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    target_k3: float,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    tau: float = 0.1,
+    mode: str = "noise",
+    seed: int = 0,
+    bias_sign: float = 1.0,
+    rounds: int = 2,
+    samples_per_position: int = 16,
+) -> tuple[TailNoiseInjector, CalibrationResult]:
+    """Calibrate a `TailNoiseInjector` on probe rollouts of an HF model.
+
+    Round 1 samples probe completions without perturbation; each later round samples with the injector at
+    the current scale (the perturbation changes which contexts are visited) and re-calibrates on the
+    unperturbed logits of those positions.
+
+    Args:
+        input_ids, attention_mask: [B, P] left-padded probe prompts.
+        target_k3: wanted `tim/token/kl_k3` between rollout (perturbed) and trainer (clean) log-probs.
+    """
+    injector = TailNoiseInjector(0.0, tau=tau, mode=mode, seed=seed, bias_sign=bias_sign)
+    result: Optional[CalibrationResult] = None
+    for r in range(max(1, int(rounds))):
+        injector.reset()
+        torch.manual_seed(seed + 1000 * r)
+        out = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature or 1.0,
+            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, logits_processor=[injector],
+            output_logits=True, return_dict_in_generate=True, pad_token_id=model.generation_config.pad_token_id,
+        )
+        raw = torch.stack(out.logits, dim=1)  # [B, T, V] before any processor (clean)
+        completion = out.sequences[:, input_ids.shape[1]:]
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        # valid = up to and including the first EOS
+        is_eos = torch.isin(completion, torch.tensor(eos, dtype=completion.dtype)) if eos else \
+            torch.zeros_like(completion, dtype=torch.bool)
+        after = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+        logits = raw[~after]
+        result = calibrate_scale(logits, target_k3, injector, temperature=temperature or 1.0,
+                                 samples_per_position=samples_per_position)
+    injector.reset()
+    return injector, result

@@ -26,8 +26,11 @@ def vllm_llm(toy_model_path):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
+    # The TIM injector is registered but inert: it acts only on requests with extra_args["tim_inject"].
+    from tim_plugins.rollout.inject_vllm import TailNoiseLogitsProcessor
+
     llm = LLM(
         model=str(toy_model_path), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-        max_model_len=256, seed=0, gpu_memory_utilization=0.5,
+        max_model_len=256, seed=0, gpu_memory_utilization=0.5, logits_processors=[TailNoiseLogitsProcessor],
     )
     yield llm

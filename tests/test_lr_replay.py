@@ -14,7 +14,11 @@ from tim_plugins import lr_replay
 from tim_plugins.lr_control import LengthTriggeredLRDecay
 
 DATA = Path(__file__).parent / "data"
-FILES = {"trl": DATA / "lr_replay_trl.jsonl", "verl": DATA / "lr_replay_verl.jsonl", "wandb": DATA / "lr_replay_wandb.csv"}
+FILES = {
+    "trl": DATA / "lr_replay_trl.jsonl",  # TRL log_history rows (+ eval rows without a length)
+    "verl": DATA / "lr_replay_verl.jsonl",  # verl FileLogger rows {"step", "data"}, NaN literals for gaps
+    "wandb": DATA / "lr_replay_wandb.csv",  # wandb UI CSV export with __MIN/__MAX columns
+}
 RAMP_START = 121  # see tests/data/make_lr_replay_samples.py
 
 
@@ -127,7 +131,8 @@ def test_registered_in_cli():
 
 
 def test_column_detection():
-    cols = ["Step", "r - train/completions/mean_length__MIN", "r - train/completions/mean_length", "r - train/grad_norm"]
+    cols = ["Step", "r - train/completions/mean_length__MIN", "r - train/completions/mean_length",
+            "r - train/grad_norm"]
     assert lr_replay.detect_column(cols, lr_replay.LENGTH_COLUMNS) == "r - train/completions/mean_length"
     assert lr_replay.detect_column(cols, lr_replay.GRAD_NORM_COLUMNS) == "r - train/grad_norm"
     assert lr_replay.detect_column(["actor/tim/token/kl_k3"], lr_replay.K3_COLUMNS) == "actor/tim/token/kl_k3"

@@ -91,6 +91,27 @@ def test_scaled_schedule_is_scale_times_unscaled(make_sched, k):
             assert g["lr"] == pytest.approx(s * rg["lr"], rel=1e-9, abs=1e-18)
 
 
+def test_accelerate_wrapped_optimizer_and_scheduler():
+    """What a transformers/TRL callback receives after accelerator.prepare: wrappers around both."""
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(cpu=True)
+    ref_opt = _opt(_model())
+    ref = _lambda_lr(ref_opt)
+    raw_opt = _opt(_model())
+    opt, sched = acc.prepare(raw_opt, _lambda_lr(raw_opt))
+    assert type(sched).__name__ == "AcceleratedScheduler"
+    for _ in range(4):
+        _step(ref_opt, ref)
+        _step(opt, sched)
+    apply_lr_scale(opt, 0.5, sched)
+    assert sched.get_last_lr() == pytest.approx([0.5 * v for v in ref.get_last_lr()], rel=1e-12)
+    for _ in range(10):
+        _step(ref_opt, ref)
+        _step(opt, sched)
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(
+            [0.5 * g["lr"] for g in ref_opt.param_groups], rel=1e-12)
+
+
 def test_idempotent_and_relative_to_applied_scale():
     ref_opt = _opt(_model())
     ref = _lambda_lr(ref_opt)

@@ -92,6 +92,9 @@ def _scale_scheduler(scheduler: Any, ratio: float, seen: set[int]) -> None:
             setattr(scheduler, attr, _mul(value, ratio))
     for child in getattr(scheduler, "_schedulers", ()) or ():  # SequentialLR, ChainedScheduler
         _scale_scheduler(child, ratio, seen)
+    inner = getattr(scheduler, "scheduler", None)  # wrappers: accelerate's AcceleratedScheduler
+    if inner is not None and not isinstance(inner, (int, float, str)):
+        _scale_scheduler(inner, ratio, seen)
 
 
 def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, scheduler: Any = None) -> float:
@@ -99,7 +102,8 @@ def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, scheduler: An
 
     Multiplies, by ratio = scale / applied (applied = the scale set by the previous call, 1.0 at first):
     each param group's ``lr`` / ``initial_lr`` / ``max_lr`` / ``min_lr``; and, when ``scheduler`` is given,
-    its ``base_lrs``, ``max_lrs``, ``min_lrs``, ``eta_min``, ``_last_lr`` (and those of its sub-schedulers).
+    its ``base_lrs``, ``max_lrs``, ``min_lrs``, ``eta_min``, ``_last_lr`` (and those of its sub-schedulers and
+    of a wrapped ``.scheduler``, e.g. accelerate's ``AcceleratedScheduler``).
     For a schedule lr_t = f(base_lr, t) that is linear in the absolute LRs (LambdaLR, cosine with warm-up,
     CosineAnnealingLR, StepLR, ...), every later LR equals scale × the unscaled schedule's LR (up to float
     rounding of one extra multiplication).

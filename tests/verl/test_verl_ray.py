@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 
 def test_two_ray_workers_load_the_entry_point():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VERL_USE_EXTERNAL_PLUGINS": "auto"}})
+             runtime_env={"env_vars": {"VERL_USE_EXTERNAL_PLUGINS": "auto", "VERL_PLATFORM": ""}})
     try:
         @ray.remote(num_cpus=1)
         class Probe:

@@ -1,0 +1,27 @@
+"""Kernel-parity enforcer: static audit of rollout vs trainer settings, enforce, live probe, batch-invariance
+check. The exact sampler and the TIM injector live in `tim_plugins.rollout.exact` / `.inject`."""
+
+from tim_plugins.parity.audit import DEFAULT_FIXES, Change, EnforceResult, audit, enforce, has_errors
+from tim_plugins.parity.batch_invariance import BatchInvarianceReport, check_batch_invariance
+from tim_plugins.parity.findings import CODES, Finding, ParityError
+from tim_plugins.parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
+from tim_plugins.parity.spec import PipelineSpec, spec_from_hf_model
+
+__all__ = [
+    "PipelineSpec",
+    "spec_from_hf_model",
+    "Finding",
+    "CODES",
+    "ParityError",
+    "audit",
+    "enforce",
+    "has_errors",
+    "Change",
+    "EnforceResult",
+    "DEFAULT_FIXES",
+    "ParityProbe",
+    "ParityProbeConfig",
+    "ProbeDecision",
+    "check_batch_invariance",
+    "BatchInvarianceReport",
+]

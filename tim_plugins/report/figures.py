@@ -44,9 +44,12 @@ def abs_diff_histogram(d: np.ndarray) -> bytes:
     plt = _plt()
     a = np.abs(d)
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.hist(a[a > 0], bins=_log_bins(a), color="#3366aa")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if (a > 0).any():
+        ax.hist(a[a > 0], bins=_log_bins(a), color="#3366aa")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "every difference is exactly 0", ha="center", transform=ax.transAxes)
     ax.set_xlabel("|log p_train − log p_rollout|")
     ax.set_ylabel("tokens")
     zeros = int((a == 0).sum())
@@ -79,9 +82,10 @@ def mismatch_by_probability(d: np.ndarray, rollout_logprob: np.ndarray) -> bytes
         ax.plot(c, means, "o-", label="mean |d|")
         ax.plot(c, p99s, "s--", label="p99 |d|")
         scale = max(np.array(p99s) / c)
-        ax.plot(edges, scale * edges, "k:", label=f"{scale:.3g}·(1 − p) envelope")
+        if scale > 0:
+            ax.plot(edges, scale * edges, "k:", label=f"{scale:.3g}·(1 − p) envelope")
+            ax.set_yscale("log")
         ax.set_xscale("log")
-        ax.set_yscale("log")
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "too few tokens per bin", ha="center", transform=ax.transAxes)

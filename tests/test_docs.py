@@ -1,0 +1,62 @@
+"""One source of truth: README tables and CI agree with the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from tim_plugins.measure import MeasureConfig
+from tim_plugins.metrics import PROB_BUCKET_EDGES, mismatch_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _section(name: str) -> str:
+    return README.split(f"<!-- section:{name} -->")[1].split(f"<!-- /section:{name} -->")[0]
+
+
+def test_metric_reference_lists_exactly_the_keys_the_monitor_emits():
+    documented = set()
+    for line in _section("metrics").splitlines():
+        if line.startswith("| `tim/"):
+            cell = line.split("|")[1]
+            keys = re.findall(r"`([^`]+)`", cell)
+            base = None
+            for k in keys:
+                if k.startswith("..."):
+                    k = base.rsplit("/", 1)[0] + k[3:]
+                base = k
+                documented.add(k)
+    r = torch.log_softmax(torch.randn(2, 5, 7), -1)[..., 0]
+    emitted = set(mismatch_metrics(r, r + 0.1, None, is_weights=torch.ones(2, 5)))
+    buckets = {f"tim/by_prob/{lo:g}-{hi:g}" for lo, hi in zip(PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:])}
+    expanded = set()
+    for k in documented:
+        if "<lo>-<hi>" in k:
+            expanded |= {k.replace("tim/by_prob/<lo>-<hi>", b) for b in buckets}
+        else:
+            expanded.add(k)
+    assert expanded == emitted
+    edges = ", ".join(f"{e:g}" for e in PROB_BUCKET_EDGES)
+    assert f"edges {edges}" in _section("metrics")
+
+
+def test_measure_defaults_in_readme_match_the_config():
+    text = _section("measure")
+    cfg = MeasureConfig()
+    assert f"| `--rollout` | `{cfg.rollout}` |" in text
+    assert f"| `--trainer-dtype` | `{cfg.trainer_dtype}` |" in text
+    row = f"| {cfg.num_prompts}, {cfg.max_new_tokens}, {cfg.batch_size}, {cfg.seed}, `{cfg.out}` |"
+    assert row in text
+    assert f"| {cfg.temperature:g}, {cfg.top_p:g}, {cfg.top_k}, {cfg.min_p:g} |" in text
+
+
+def test_ci_runs_the_readme_test_command():
+    quickstart = README.split("## Quickstart")[1].split("```")[1]
+    test_cmd = [line.split("#")[0].strip() for line in quickstart.splitlines() if "test" in line][0]
+    assert test_cmd == "make test"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M)

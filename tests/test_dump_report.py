@@ -1,0 +1,94 @@
+"""Per-token Parquet dump round trip and the HTML report built from it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("matplotlib")
+
+from tim_plugins.dump import DumpConfig, TokenDumper, read_dump  # noqa: E402
+from tim_plugins.report import build_report  # noqa: E402
+
+
+def _batch(B=6, T=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(B, T, generator=g) * 3
+    train = rollout + 0.05 * torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[2] = False  # a fully masked row writes no row
+    tokens = torch.randint(0, 383, (B, T), generator=g)
+    entropy = torch.rand(B, T, generator=g)
+    return rollout.to(torch.bfloat16), train, mask, tokens, entropy
+
+
+def test_round_trip_every_masked_in_token(tmp_path):
+    rollout, train, mask, tokens, entropy = _batch()
+    dumper = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0, max_sequences_per_step=100)
+    path = dumper.write(3, rollout, train, mask, tokens, rank=1, entropy=entropy)
+    assert path.name == "step_00000003-rank_0001.parquet"
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic write leaves no temporary behind
+    table = read_dump(tmp_path)
+    rows = table.to_pylist()
+    want = [(b, t) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    assert [(r["sequence"], r["position"]) for r in rows] == want
+    for r in rows:
+        b, t = r["sequence"], r["position"]
+        assert r["step"] == 3 and r["rank"] == 1
+        assert r["token_id"] == tokens[b, t].item()
+        assert r["rollout_logprob"] == rollout[b, t].float().item()  # bf16 → fp32 exactly
+        assert r["train_logprob"] == pytest.approx(train[b, t].item(), abs=0)
+        assert r["entropy"] == pytest.approx(entropy[b, t].item(), abs=0)
+
+
+def test_sampling_rate_and_cap_bound_disk_use(tmp_path):
+    rollout, train, mask, tokens, _ = _batch(B=400, T=5)
+    mask[:] = True
+    dumper = TokenDumper(DumpConfig(out_dir=str(tmp_path), sample_rate=0.1, max_sequences_per_step=1000))
+    dumper.write(0, rollout, train, mask, tokens)
+    n_seq = len(set(read_dump(tmp_path).column("sequence").to_pylist()))
+    assert 20 <= n_seq <= 65  # Binomial(400, 0.1): mean 40, sd 6
+    capped = tmp_path / "capped"
+    TokenDumper(out_dir=str(capped), sample_rate=1.0, max_sequences_per_step=7).write(0, rollout, train, mask, tokens)
+    assert len(set(read_dump(capped).column("sequence").to_pylist())) == 7
+    # Same seed, step and rank → the same sequences (reproducible sampling).
+    again = tmp_path / "again"
+    TokenDumper(out_dir=str(again), sample_rate=0.1, max_sequences_per_step=1000).write(0, rollout, train, mask, tokens)
+    assert read_dump(again).column("sequence").to_pylist() == read_dump(tmp_path).column("sequence").to_pylist()
+
+
+def test_every_n_steps_and_config_errors(tmp_path):
+    rollout, train, mask, tokens, _ = _batch()
+    d = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0, every_n_steps=2)
+    assert d.write(1, rollout, train, mask, tokens) is None
+    assert d.write(2, rollout, train, mask, tokens) is not None
+    with pytest.raises(ValueError, match=r"sample_rate=1\.5"):
+        DumpConfig(out_dir=str(tmp_path), sample_rate=1.5)
+    with pytest.raises(FileNotFoundError, match="no dump files"):
+        read_dump(tmp_path / "empty")
+
+
+def test_report_from_multi_step_dump(tmp_path):
+    d = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0)
+    for step in range(3):
+        rollout, train, mask, tokens, _ = _batch(B=8, T=30, seed=step)
+        d.write(step, rollout, train, mask, tokens)
+    summary = {"settings": {"rollout": "test"}, "metrics": {"tim/token/kl_k3": 1e-3}}
+    out = build_report(tmp_path, summary=summary)
+    html = out.read_text()
+    assert html.count("<img src=\"data:image/png;base64,") == 6  # 5 figures + per-step series
+    assert "tim/token/kl_k3" in html and "drift by response position" in html
+    assert os.path.getsize(out) > 20_000
+
+
+def test_report_cli(tmp_path):
+    from tim_plugins.cli import main
+
+    rollout, train, mask, tokens, _ = _batch(B=8, T=30)
+    TokenDumper(out_dir=str(tmp_path), sample_rate=1.0).write(0, rollout, train, mask, tokens)
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r.html")]) == 0
+    html = (tmp_path / "r.html").read_text()
+    assert html.count("data:image/png;base64,") == 5  # one step: no per-step series

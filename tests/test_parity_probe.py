@@ -1,0 +1,107 @@
+"""ParityProbe: thresholds on real mismatch metrics, warn / raise / stop, every-N, patience, state."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from tim_plugins.metrics import mismatch_metrics
+from tim_plugins.parity import ParityError, ParityProbe, ParityProbeConfig
+
+
+def _metrics(shift: float, seed: int = 0) -> dict:
+    """Real metrics of a batch whose train log-probs differ from the rollout's by `shift` on token (0, 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(4, 9, generator=gen) * 3
+    train = rollout.clone()
+    train[0, 0] += shift
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[3] = False  # a fully masked row
+    return mismatch_metrics(rollout, train, mask)
+
+
+def _k3(d: float, n: int) -> float:
+    # k3 = mean over valid tokens of e^d − d − 1; only one token has d != 0
+    return (math.exp(d) - d - 1) / n
+
+
+def test_metrics_fixture_matches_naive_formula():
+    m = _metrics(0.5)
+    assert m["tim/token/kl_k3"] == pytest.approx(_k3(0.5, 27), rel=1e-5)
+    assert m["tim/token/abs_diff_max"] == pytest.approx(0.5, rel=1e-6)
+    assert m["tim/seq/log_ratio_abs_max"] == pytest.approx(0.5, rel=1e-6)
+
+
+def test_warn_logs_step_and_values(caplog):
+    probe = ParityProbe(kl_k3_max=1e-3, abs_diff_max=0.3, action="warn")
+    assert not probe.check(1, _metrics(0.01)).tripped  # k3 = 1.9e-6, |d| = 0.01
+    with caplog.at_level(logging.WARNING, logger="tim_plugins.parity"):
+        decision = probe.check(2, _metrics(0.5))  # k3 = 4.0e-3 > 1e-3, |d| = 0.5 > 0.3
+    assert decision.tripped and decision.action == "warn" and not decision.stop
+    assert {t.key for t in decision.trips} == {"tim/token/kl_k3", "tim/token/abs_diff_max"}
+    k3 = next(t for t in decision.trips if t.key == "tim/token/kl_k3")
+    assert k3.value == pytest.approx(_k3(0.5, 27), rel=1e-5) and k3.threshold == 1e-3 and k3.step == 2
+    assert "step 2" in caplog.text and "tim/token/kl_k3=0.00" in caplog.text
+    assert [t.step for t in probe.trips] == [2, 2]
+
+
+def test_raise_carries_the_decision():
+    probe = ParityProbe(seq_log_ratio_abs_max=0.2, kl_k3_max=None, action="raise")
+    probe.check(0, _metrics(0.1))
+    with pytest.raises(ParityError, match="tim/seq/log_ratio_abs_max") as err:
+        probe.check(1, _metrics(-0.3))
+    assert err.value.trip.trips[0].value == pytest.approx(0.3, rel=1e-6)
+
+
+def test_stop_asks_the_framework_to_stop():
+    decision = ParityProbe(kl_k3_max=1e-4, action="stop").check(5, _metrics(1.0))
+    assert decision.stop and decision.action == "stop"
+
+
+def test_every_n_steps_and_patience():
+    probe = ParityProbe(kl_k3_max=1e-4, action="stop", every_n_steps=3, patience=2)
+    bad = _metrics(1.0)
+    d1 = probe.check(1, bad)
+    assert not d1.checked and not d1.tripped  # not due
+    d3 = probe.check(3, bad)
+    assert d3.tripped and d3.action is None and not d3.stop  # first of two needed
+    d6 = probe.check(6, bad)
+    assert d6.stop
+    probe.check(9, _metrics(0.0))  # a clean check resets the count
+    assert not probe.check(12, bad).stop
+    assert probe.num_checks == 4
+
+
+def test_nan_and_missing_metrics_are_skipped_not_raised():
+    probe = ParityProbe(kl_k3_max=1e-4, abs_diff_max=0.1, action="raise")
+    empty = mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    decision = probe.check(0, {**empty, "tim/token/kl_k3": float("nan")})
+    assert not decision.tripped and "tim/token/kl_k3" in decision.skipped
+    decision = probe.check(1, {})
+    assert set(decision.skipped) == {"tim/token/kl_k3", "tim/token/abs_diff_max"}
+    with pytest.raises(ParityError):  # +inf is a real (infinite) mismatch
+        probe.check(2, {"tim/token/kl_k3": float("inf")})
+
+
+def test_state_dict_round_trip():
+    probe = ParityProbe(kl_k3_max=1e-4, patience=3)
+    probe.check(0, _metrics(1.0))
+    probe.check(1, _metrics(1.0))
+    other = ParityProbe(kl_k3_max=1e-4, patience=3)
+    other.load_state_dict(probe.state_dict())
+    assert other.check(2, _metrics(1.0)).action == "warn"  # third consecutive trip acts
+    assert [t.step for t in other.trips] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(action="explode"), "action='explode'"),
+    (dict(every_n_steps=0), "every_n_steps=0"),
+    (dict(kl_k3_max=-1.0), "kl_k3_max=-1.0"),
+    (dict(kl_k3_max=None), "every threshold is None"),
+])
+def test_config_errors_quote_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        ParityProbeConfig(**kwargs)

@@ -1,0 +1,161 @@
+"""Opt-in mitigations through TIMCallback on a real TRL GRPOTrainer (CPU, toy model): safe vocabulary,
+IS correction without vLLM, LR decay, checkpoint/resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from test_trl_callback import LR0, Capture, _logged, make_trainer  # noqa: E402
+
+from transformers import TrainerCallback  # noqa: E402
+
+from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+
+pytestmark = pytest.mark.trl
+
+MIN_P = 0.05  # large enough that the toy model's tail is pruned on most positions
+
+
+def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, tmp_path):
+    from tim_plugins.safe_vocab import safe_logprobs_from_logits
+
+    trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)
+    refs = []
+    orig_loss = trainer._compute_loss
+
+    def _compute_loss(model, inputs, *a, **k):
+        # Reference at the same weights: full logits from a plain forward, core function on them.
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        t = inputs["completion_ids"].size(1)
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1]
+            res = safe_logprobs_from_logits(
+                logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1), min_p=MIN_P,
+                temperature=trainer.temperature, order="hf")
+        refs.append((inputs, res.logprobs.view(-1, t), res.in_safe.view(-1, t)))
+        return orig_loss(model, inputs, *a, **k)
+
+    trainer._compute_loss = _compute_loss
+    cap = Capture(trainer)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
+    trainer.train()
+    assert refs and cap.losses
+    for (inputs, ref_lp, ref_in), (_, _, used_lp) in zip(refs, cap.losses):
+        valid = inputs["completion_mask"].bool()
+        assert torch.allclose(used_lp[valid], ref_lp[valid], rtol=0, atol=2e-5)
+        # boundary tokens (sampled, outside the trainer's safe set) are out of the loss mask
+        assert torch.equal(inputs["tool_mask"].bool() & valid, ref_in & valid)
+    logged = _logged(trainer, 1)
+    # Sampler (HF min_p, processed log-probs) and trainer (safe set) now prune the same tail.
+    assert logged["tim/token/abs_diff_max"] < 1e-4
+    assert 0.0 <= logged["tim/safe_vocab/pruned_mass_mean"] < 1.0
+    import trl.trainer.utils as trl_utils
+    from trl.kernels import ChunkedLogProbFunction
+
+    assert trl_utils._ChunkedLogProbFunction is ChunkedLogProbFunction  # restored at train end
+
+
+def test_without_safe_vocab_min_p_sampler_shows_mismatch(toy_model_path, tmp_path):
+    """Control for the test above: same sampler, full-vocabulary trainer → renormalisation bias is visible."""
+    trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.train()
+    assert _logged(trainer, 1)["tim/token/abs_diff_max"] > 1e-3
+
+
+def test_is_correction_without_vllm(toy_model_path, tmp_path):
+    clip = 1.0 + 1e-6  # binds on about half the tokens (|d| ~ 1e-6 on this path)
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    cap = Capture(trainer)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(is_correction="token_tis",
+                                                        is_correction_options={"token_clip": clip})))
+    trainer.train()
+    (_, inputs, loss_logps), = cap.losses
+    mask = inputs["completion_mask"].bool()
+    # Reference: token TIS w = min(exp(train - rollout), C), train scored at the rollout weights (= the loss
+    # forward here: on-policy, one micro-batch), 0 off the mask.
+    ref = torch.clamp(torch.exp(loss_logps.double() - inputs["sampling_per_token_logps"].double()), max=clip)
+    w = inputs["importance_sampling_ratio"]
+    assert torch.allclose(w[mask].double(), ref[mask], rtol=0, atol=1e-6)
+    assert torch.all(w[~mask] == 0)
+    # TRL applied it: the flags were raised for the loss only and are back to TRL's values.
+    assert trainer.use_vllm is False and "use_vllm" not in {k for k in vars(trainer) if k.startswith("tim")}
+    logged = _logged(trainer, 1)
+    assert logged["tim/is/weight_max"] <= clip + 1e-6
+    assert logged["tim/correction/kept_frac"] == 1.0
+
+
+def _forced_lengths(trainer, schedule):
+    """Truncate completions to schedule[global_step] tokens (test-side), so the length signal is known."""
+    orig = trainer._generate_single_turn
+
+    def _generate_single_turn(*a, **k):
+        ids, logps = orig(*a, **k)
+        n = schedule[min(trainer.state.global_step, len(schedule) - 1)]
+        ids = [x[:n] for x in ids]
+        logps = None if logps is None else [x[:n] for x in logps]
+        return ids, logps
+
+    trainer._generate_single_turn = _generate_single_turn
+
+
+LR_OPTS = {"warmup_steps": 2, "window": 1, "patience": 1, "margin": 0.5, "cooldown": 100, "decay_factor": 0.5}
+SCHEDULE = [2, 2, 6, 6, 6, 6]  # surge at step 3 → trigger at step 3
+
+
+def _lr_run(model_path, tmp_path, max_steps, **overrides):
+    trainer = make_trainer(model_path, tmp_path, max_steps=max_steps, max_completion_length=6, **overrides)
+    _forced_lengths(trainer, SCHEDULE)
+    cb = TIMCallback(trainer, TIMConfig(lr_decay=True, lr_decay_options=dict(LR_OPTS)))
+    trainer.add_callback(cb)
+    return trainer, cb
+
+
+def test_lr_decay_shows_in_logged_learning_rate(toy_model_path, tmp_path):
+    n = 5
+    trainer, cb = _lr_run(toy_model_path, tmp_path, n)
+    trainer.train()
+    assert cb.features.controller.trigger_steps == [3]
+    lrs = {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}
+    for step in range(1, n + 1):
+        unscaled = LR0 * (1 - (step - 1) / n)  # transformers' linear schedule, LR used at this step
+        scale = 0.5 if step > 3 else 1.0  # decided at the end of step 3, in force from step 4
+        assert lrs[step] == pytest.approx(unscaled * scale, rel=1e-6), step
+    assert _logged(trainer, 3)["tim/lr/triggered"] == 1.0
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_restores_controller_and_lr_scale(toy_model_path, tmp_path):
+    n, k = 5, 4
+    full, full_cb = _lr_run(toy_model_path, tmp_path / "full", n)
+    full.train()
+    # Same schedule length n, interrupted after the checkpoint at step k.
+    first, _ = _lr_run(toy_model_path, tmp_path / "resumed", n, save_strategy="steps", save_steps=k)
+    first.add_callback(_StopAt(k))
+    first.train()
+    assert first.state.global_step == k
+    ckpt = tmp_path / "resumed" / "out" / f"checkpoint-{k}"
+    assert ckpt.is_dir()
+    second, second_cb = _lr_run(toy_model_path, tmp_path / "resumed", n)
+    second.train(resume_from_checkpoint=str(ckpt))
+    a, b = full_cb.features.controller.state_dict(), second_cb.features.controller.state_dict()
+    assert b == a
+    assert second_cb.features.controller.scale == full_cb.features.controller.scale == 0.5
+    lr_full = [h["learning_rate"] for h in full.state.log_history if "learning_rate" in h]
+    lr_res = [h["learning_rate"] for h in second.state.log_history if "learning_rate" in h]
+    assert lr_res[-1] == pytest.approx(lr_full[-1], rel=1e-12)
+    assert lr_res[-1] == pytest.approx(LR0 * (1 - (n - 1) / n) * 0.5, rel=1e-6)
+    assert second.optimizer.param_groups[0]["lr"] == pytest.approx(full.optimizer.param_groups[0]["lr"], rel=1e-12)

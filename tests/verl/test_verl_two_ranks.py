@@ -37,6 +37,7 @@ def _rank(rank: int, model_path: str, out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_rank_merge_equals_single_process(toy_model_path, tmp_path):
     import harness as H
 

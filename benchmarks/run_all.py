@@ -1,0 +1,70 @@
+"""``make bench``: run every benchmark in its environment and write one index of ratios.
+
+    python -m benchmarks.run_all [--quick] [--venv-verl .venv-verl] [--only NAME ...]
+
+Writes ``benchmarks/results/index.json`` (each benchmark's headline ratios, the machine, versions, and the
+command that produced them) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._common import RESULTS_DIR, environment, write_results
+
+# module → (environment, results file, headline keys)
+BENCHMARKS = {
+    "bench_metrics": ("verl", "metrics_vs_verl", ("speedup_eager", "speedup_compiled")),
+    "bench_safe_vocab": ("main", "safe_vocab", None),
+    "ablate_min_p": ("main", "ablate_min_p", None),
+    "bench_trl_step": ("main", "trl_step", None),
+    "bench_probe": ("main", "probe", None),
+}
+
+
+def _headline(data: dict, keys) -> dict:
+    if keys:
+        return {k: data.get(k) for k in keys}
+    # Benchmarks report their ratios under keys containing "ratio" or "speedup" (top level or in "ratios").
+    out = {k: v for k, v in data.get("ratios", {}).items()} if isinstance(data.get("ratios"), dict) else {}
+    out.update({k: v for k, v in data.items() if ("ratio" in k or "speedup" in k) and not isinstance(v, dict)})
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--venv-verl", default=".venv-verl")
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args(argv)
+    python = {"main": sys.executable, "verl": str(Path(args.venv_verl) / "bin" / "python")}
+    index = {}
+    for name, (env, result, keys) in BENCHMARKS.items():
+        if args.only and name not in args.only:
+            continue
+        cmd = [python[env], "-m", f"benchmarks.{name}"] + (["--quick"] if args.quick else [])
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        entry = {"command": " ".join(["python", "-m", f"benchmarks.{name}"] + cmd[3:]), "environment": env,
+                 "returncode": proc.returncode, "seconds": round(time.time() - t0, 1)}
+        path = RESULTS_DIR / f"{result}.json"
+        if proc.returncode == 0 and path.exists():
+            data = json.loads(path.read_text())
+            entry["headline"] = _headline(data, keys)
+            entry["goal"] = data.get("goal") or data.get("goals")
+        else:
+            entry["error"] = (proc.stderr or proc.stdout)[-2000:]
+        index[name] = entry
+        shown = entry.get("headline") or entry.get("error", "")[-300:]
+        print(f"{name:20s} rc={proc.returncode} {json.dumps(shown, default=str)}")
+    write_results("index", {"benchmarks": index, "host": environment()})
+    return index
+
+
+if __name__ == "__main__":
+    main()

@@ -99,8 +99,9 @@ def _batch_stats(
     log_lo: float,
     log_hi: float,
     n_signed_bins: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch → (additive stats [n_sums], max stats [len(_MAX_FIELDS)]).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch → (scalar sums [len(_SUM_FIELDS)], maxima [len(_MAX_FIELDS)], joint histogram cell per
+    token [B·T], |d| per token [B·T]); ``_joint_histograms`` turns the last two into the histogram sums.
 
     Written without boolean indexing or data-dependent shapes, so it neither syncs with the host nor
     recompiles when the batch shape changes (torch.compile with dynamic shapes fuses it into few loops).
@@ -173,19 +174,21 @@ def _batch_stats(
     abs_bin = abs_bin.clamp_(0.0, float(centre))
     bucket = torch.bucketize(r, _log_prob_edges(dt, rollout.device), right=True)
     joint = (bucket * n_signed_bins + centre) + (torch.sign(d) * abs_bin).to(torch.int64)
-    # fp32 counts are exact below 2^24 tokens per cell and batch; larger batches accumulate in fp64.
-    w_dtype = dt if vf.numel() < 2**24 else acc
-    joint = joint.reshape(-1)
-    counts = torch.zeros(_N_BUCKETS * n_signed_bins, dtype=w_dtype, device=rollout.device)
-    counts.index_add_(0, joint, vf.reshape(-1).to(w_dtype))
-    abs_sums = torch.zeros(_N_BUCKETS, n_signed_bins, dtype=w_dtype, device=rollout.device)
-    abs_sums.view(-1).index_add_(0, joint, abs_d.reshape(-1).to(w_dtype))
-    counts = counts.view(_N_BUCKETS, n_signed_bins).to(acc)
+    joint = torch.where(valid, joint, _N_BUCKETS * n_signed_bins)  # invalid tokens go to a spill cell
+    return torch.stack(scalar_sums).to(acc), torch.stack(maxes).to(acc), joint.reshape(-1), abs_d.reshape(-1)
 
-    sums = torch.cat([
-        torch.stack(scalar_sums).to(acc), counts.sum(0), counts.sum(1), abs_sums.sum(1).to(acc),
-    ])
-    return sums, torch.stack(maxes).to(acc)
+
+def _joint_histograms(joint: torch.Tensor, abs_d: torch.Tensor, n_signed_bins: int) -> torch.Tensor:
+    """Margins of the joint (bucket, bin) histogram: [d histogram, bucket counts, bucket |d| sums].
+
+    ``bincount`` is a serial pass on CPU; a parallel scatter (what a compiled ``index_add_`` becomes) spends
+    its time in atomic adds that collide on the few busy bins, so this part always runs eagerly.
+    """
+    cells = _N_BUCKETS * n_signed_bins
+    counts = torch.bincount(joint, minlength=cells + 1)[:cells].view(_N_BUCKETS, n_signed_bins)
+    abs_sums = torch.bincount(joint, weights=abs_d, minlength=cells + 1)[:cells].view(_N_BUCKETS, n_signed_bins)
+    acc = torch.float64 if joint.device.type != "mps" else torch.float32
+    return torch.cat([counts.sum(0).to(acc), counts.sum(1).to(acc), abs_sums.sum(1).to(acc)])
 
 
 _LOG_PROB_EDGES: dict = {}
@@ -311,17 +314,19 @@ class MismatchMonitor:
             rollout_logprobs, train_logprobs, mask, is_weights, math.log(self.ratio_band[0]),
             math.log(self.ratio_band[1]), self._layout.n_signed_bins,
         )
-        sums = maxes = None
+        out = None
         if not self._compile_failed and _want_compile(self.compile, device):
             try:
-                sums, maxes = _compiled_batch_stats()(*args)
+                out = _compiled_batch_stats()(*args)
             except Exception as err:  # never let a compiler problem break a training step
                 import warnings
 
                 warnings.warn(f"tim_plugins: torch.compile of the mismatch pass failed ({err!r}); using eager.")
                 self._compile_failed = True
-        if sums is None:
-            sums, maxes = _batch_stats(*args)
+        if out is None:
+            out = _batch_stats(*args)
+        scalar_sums, maxes, joint, abs_d = out
+        sums = torch.cat([scalar_sums, _joint_histograms(joint, abs_d, self._layout.n_signed_bins)])
         self._ensure_state(device, sums.dtype)
         if self._sums.device != device:  # state restored from a checkpoint lives on the CPU
             self._sums, self._maxes = self._sums.to(device), self._maxes.to(device)

@@ -72,7 +72,8 @@ class Features:
         self.safe_truncation: dict[str, Any] | None = None
         self.correction_config = None
         self._pending_lr_state = None
-        self._safe_stats = [0.0, 0.0, 0.0]  # tokens, pruned mass sum, out-of-set tokens (scored rows)
+        self.injector = None
+        self._dump_buffer: list[tuple] = []
 
     # ------------------------------------------------------------------------------------- validation
     def resolve_rollout_source(self) -> str:
@@ -161,6 +162,14 @@ class Features:
             self.probe = ParityProbe(**c.parity_probe_options)
         if c.dump_dir is not None:
             self.dumper = self._make_dumper(c.dump_dir)
+        if src == "inject":
+            from tim_plugins.rollout.inject import TailNoiseInjector
+
+            try:
+                self.injector = TailNoiseInjector(**c.inject_options)
+            except TypeError as err:
+                raise ValueError(f"TIMConfig.inject_options={c.inject_options!r}: {err}; valid keys: scale, tau, "
+                                 "mode, seed, bias_sign (tim_plugins.rollout.inject.TailNoiseInjector)") from err
         if c.inject_options and src != "inject":
             raise ValueError(f"TIMConfig.inject_options={c.inject_options!r} given but rollout={c.rollout!r}; set "
                              "rollout='inject' or drop inject_options.")
@@ -276,16 +285,28 @@ class Features:
 
     # ---------------------------------------------------------------------------------- dump / wandb
     def _make_dumper(self, path):
-        try:
-            from tim_plugins.dump import TokenDumper
-        except ImportError as err:
-            raise ValueError(f"TIMConfig.dump_dir={path!r} needs tim_plugins.dump.TokenDumper ({err})") from err
-        return TokenDumper(path)
+        from tim_plugins.dump import TokenDumper
+
+        return TokenDumper(out_dir=str(path))
 
     def dump(self, rollout, train, mask, batch) -> None:
+        """Buffer this batch for the step's dump (one Parquet file per step and rank, written at step end)."""
+        step = self.trainer.state.global_step + 1
+        if self.dumper.wants(step) and batch.get("completion_ids") is not None:
+            self._dump_buffer.append((rollout.detach(), train.detach(), mask, batch["completion_ids"]))
+
+    def flush_dump(self, step: int) -> None:
+        buf, self._dump_buffer = self._dump_buffer, []
+        if not buf:
+            return
+        width = max(x[0].shape[1] for x in buf)
+
+        def cat(i, value):
+            return torch.cat([torch.nn.functional.pad(x[i], (0, width - x[i].shape[1]), value=value) for x in buf])
+
         try:
-            self.dumper.add(step=self.trainer.state.global_step, rollout_logprobs=rollout, train_logprobs=train,
-                            mask=mask, token_ids=batch.get("completion_ids"))
+            self.dumper.write(step, cat(0, 0.0), cat(1, 0.0), cat(2, False), cat(3, 0),
+                              rank=self.trainer.accelerator.process_index)
         except Exception as err:  # a dump problem never breaks the training step
             self.owner.count_diag("dump_failed")
             logger.debug("tim_plugins: dump failed: %r", err)
@@ -332,7 +353,3 @@ class Features:
             logprobs.append(lp[m].tolist())
         return completion_ids, logprobs
 
-    def inject(self, completion_ids, logprobs):
-        from tim_plugins.rollout import inject as inject_mod
-
-        return inject_mod.inject_logprobs(completion_ids, logprobs, **self.config.inject_options)

@@ -19,7 +19,7 @@ __all__ = ["ProcessedLogprobRecorder", "record_processed_logprobs"]
 class ProcessedLogprobRecorder:
     """A logits processor that records log p(sampled token) under the final processed distribution.
 
-    At step t it stores ``log_softmax(scores_t)`` ([B, V], fp32); at step t+1 ``input_ids[:, -1]`` is the token
+    At step t it keeps the processed scores ([B, V]); at step t+1 ``input_ids[:, -1]`` is the token
     sampled at step t, so its log-prob is gathered then. ``finish(last_tokens)`` collects the last step.
     """
 
@@ -29,10 +29,18 @@ class ProcessedLogprobRecorder:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._prev is not None:
-            self._steps.append(self._prev.gather(1, input_ids[:, -1:].to(self._prev.device)).squeeze(1))
-        # log p = z - logsumexp(z) over the processed scores (masked entries are -inf: renormalised support)
-        self._prev = torch.log_softmax(scores.float(), dim=-1)
+            self._steps.append(self._logprob(self._prev, input_ids[:, -1]))
+        # Keep a reference only (sampling reads the scores, never writes them); reduce at the next step.
+        self._prev = scores
         return scores
+
+    @staticmethod
+    def _logprob(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        # log p(a) = z_a − logsumexp(z) over the processed scores (masked entries are −inf: renormalised
+        # over the kept support), in fp32; one reduction, no [B, V] output.
+        z = scores.float()
+        picked = z.gather(1, tokens.to(z.device).long().unsqueeze(1)).squeeze(1)
+        return picked - torch.logsumexp(z, dim=-1)
 
     @property
     def num_steps(self) -> int:
@@ -43,8 +51,7 @@ class ProcessedLogprobRecorder:
         """Close the record with the tokens sampled at the last step ([B]; rows already finished may hold any
         id). Returns [B, T_generated] fp32 log-probs (entries past a row's EOS are junk: mask them)."""
         if self._prev is not None:
-            tokens = last_tokens.to(self._prev.device).long().unsqueeze(1)
-            self._steps.append(self._prev.gather(1, tokens).squeeze(1))
+            self._steps.append(self._logprob(self._prev, last_tokens))
             self._prev = None
         elif not self._steps:
             return torch.zeros(last_tokens.shape[0], 0)
@@ -54,8 +61,12 @@ class ProcessedLogprobRecorder:
 
 
 @contextmanager
-def record_processed_logprobs(model):
+def record_processed_logprobs(model, extra_processors=()):
     """While active, every ``model.generate`` call gets a `ProcessedLogprobRecorder` appended last.
+
+    ``extra_processors`` (e.g. the TIM injector) are passed as if the caller had given them to ``generate``
+    (``logits_processor=``): transformers places them before the sampling warpers, so their effect is part of
+    the distribution sampled from and of the recorded log-probs, as an engine's mismatch would be.
 
     Yields a list; each generate call appends its recorder to it. The patch is an instance attribute on
     ``model`` (the transformers model whose ``generate`` runs), removed on exit.
@@ -66,6 +77,12 @@ def record_processed_logprobs(model):
     original = model._get_logits_processor
 
     def _get_logits_processor(*args, **kwargs):
+        if extra_processors:
+            from transformers import LogitsProcessorList
+
+            custom = LogitsProcessorList(kwargs.get("logits_processor") or [])
+            custom.extend(extra_processors)
+            kwargs["logits_processor"] = custom
         processors = original(*args, **kwargs)
         recorder = ProcessedLogprobRecorder()
         recorders.append(recorder)

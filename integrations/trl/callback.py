@@ -189,9 +189,6 @@ class TIMCallback(TrainerCallback):
     def exact_generate(self, original, *args, **kwargs):
         return self.features.exact_generate(*args, **kwargs)
 
-    def inject(self, completion_ids, logprobs):
-        return self.features.inject(completion_ids, logprobs)
-
     # ---------------------------------------------------------------------------------- step / log
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "grad_norm" in logs and logs["grad_norm"] is not None:
@@ -207,6 +204,8 @@ class TIMCallback(TrainerCallback):
         if self.config.lr_decay:
             self.features.lr_decay_step(state.global_step, step_metrics, kwargs.get("optimizer"),
                                         kwargs.get("lr_scheduler"))
+        if self.features.dumper is not None:
+            self.features.flush_dump(state.global_step)
         if not control.should_log:
             return
         out: dict[str, float] = {}

@@ -57,10 +57,9 @@ class TIMConfig:
                        "processed log-probs recorded), hf, exact (exact sampler), inject (controlled mismatch)"),
     )
     inject_options: dict = field(
-        default_factory=dict, metadata=_help("Keyword arguments of the TIM injector (rollout='inject')"),
-    )
-    exact_options: dict = field(
-        default_factory=dict, metadata=_help("Keyword arguments of the exact sampler (rollout='exact')"),
+        default_factory=dict,
+        metadata=_help("rollout='inject': keyword arguments of tim_plugins.rollout.inject.TailNoiseInjector (scale, "
+                       "tau, mode, seed, bias_sign); it perturbs the tail of the distribution TRL's generate samples"),
     )
     # -------------------------------------------------------------------------------------- safe vocab
     safe_vocab: bool = field(
@@ -160,7 +159,7 @@ class TIMConfig:
                 "TIMConfig.lr_decay_signals contains 'k3' but monitor=False: the k3 signal comes from the monitor; "
                 "set monitor=True or drop 'k3'."
             )
-        for name in ("inject_options", "exact_options", "lr_decay_options", "parity_probe_options",
+        for name in ("inject_options", "lr_decay_options", "parity_probe_options",
                      "is_correction_options"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"TIMConfig.{name}={getattr(self, name)!r}: must be a dict of keyword arguments.")

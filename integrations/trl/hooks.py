@@ -203,7 +203,8 @@ class TRLHooks:
             gen_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
             if hasattr(gen_model, "get_base_model"):  # PEFT: generate runs on the transformers model inside
                 gen_model = gen_model.get_base_model()
-            with record_processed_logprobs(gen_model) as recorders:
+            extra = (self.rt.features.injector,) if source == "inject" else ()
+            with record_processed_logprobs(gen_model, extra) as recorders:
                 completion_ids, logprobs = original(*args, **kwargs)
             if logprobs is None and len(recorders) == 1:
                 recorder = recorders[0]
@@ -213,8 +214,6 @@ class TRLHooks:
                 logprobs = [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
             elif logprobs is None:
                 self.rt.count_diag("hf_logprobs_unrecorded")
-            if source == "inject" and logprobs is not None:
-                logprobs = self.rt.inject(completion_ids, logprobs)
             return completion_ids, logprobs
 
         return _generate_single_turn

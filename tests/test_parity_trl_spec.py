@@ -1,0 +1,111 @@
+"""TRL GRPOConfig (+ model) → parity specs, with real GRPOConfig objects; the `--trl-config` CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.trl
+trl = pytest.importorskip("trl")
+
+from tim_plugins.integrations.trl.parity_spec import (  # noqa: E402
+    load_grpo_config,
+    rollout_spec_from_trl,
+    specs_from_grpo_config,
+    trainer_spec_from_trl,
+)
+from tim_plugins.parity import audit, enforce  # noqa: E402
+
+
+def _config(tmp_path, **kw):
+    from trl import GRPOConfig
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def model(toy_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(toy_model_path, dtype=torch.float32)
+
+
+def _codes(findings, severity=None):
+    return {f.code for f in findings if severity is None or f.severity == severity}
+
+
+def test_colocate_defaults_mirror_what_trl_passes_to_llm(tmp_path, model):
+    args = _config(tmp_path, use_vllm=True, vllm_mode="colocate")
+    rollout, trainer = specs_from_grpo_config(args, model)
+    # TRL passes no dtype: vLLM 'auto' turns the fp32 checkpoint into bf16; processed log-probs are requested
+    assert rollout.dtype == "bfloat16" and rollout.logprobs_mode == "processed_logprobs"
+    assert rollout.prefix_caching and rollout.chunked_prefill and rollout.cudagraph  # vLLM defaults, untouched
+    assert trainer.dtype == "float32" and trainer.temperature == 1.0 and trainer.top_p == 1.0
+    assert trainer.attention_backend == "sdpa"
+    findings = audit(rollout, trainer)
+    assert _codes(findings, "error") == {"dtype-mismatch"}
+    assert {"lm-head-precision-mismatch", "prefix-caching-on", "chunked-prefill-on", "cudagraph-on"} <= \
+        _codes(findings, "warning")
+
+
+def test_sampler_fields_and_lm_head(tmp_path, model):
+    args = _config(tmp_path, use_vllm=True, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                   repetition_penalty=1.1, cast_lm_head_to_fp32=True, generation_kwargs={"presence_penalty": 0.3})
+    rollout, trainer = specs_from_grpo_config(args, model)
+    assert (rollout.temperature, rollout.top_p, rollout.top_k, rollout.min_p) == (0.7, 0.9, 20, 0.05)
+    assert (rollout.repetition_penalty, rollout.presence_penalty) == (1.1, 0.3)
+    assert trainer.temperature == 0.7 and trainer.lm_head_dtype == "float32"
+    errors = _codes(audit(rollout, trainer), "error")
+    # TRL's trainer divides by T (no temperature finding) but applies no truncation or penalties
+    assert errors == {"dtype-mismatch", "sampler-truncation-unmatched", "sampler-penalties-unmatched"}
+    fixed = enforce(rollout, trainer)
+    assert fixed.vllm_engine_args["dtype"] == "float32"
+    assert "hf_overrides" not in fixed.vllm_engine_args  # an fp32 rollout's head already matches the fp32 head
+    # bf16 autocast trainer with an fp32 head: the rollout keeps bf16 but needs the fp32 head too
+    bf16 = _config(tmp_path, use_vllm=True, bf16=True, cast_lm_head_to_fp32=True)
+    rollout, trainer = specs_from_grpo_config(bf16, model)
+    assert trainer.dtype == "bfloat16" and "dtype-mismatch" not in _codes(audit(rollout, trainer))
+    fixed = enforce(rollout, trainer)
+    assert fixed.vllm_engine_args == {"hf_overrides": {"head_dtype": "float32"}, "enable_prefix_caching": False,
+                                      "enable_chunked_prefill": False, "enforce_eager": True}
+
+
+def test_bf16_autocast_and_model_init_kwargs(tmp_path):
+    args = _config(tmp_path, bf16=True, use_cpu=True, model_init_kwargs={"dtype": "bfloat16",
+                                                                         "attn_implementation": "eager"})
+    trainer = trainer_spec_from_trl(args)  # no model loaded: read from the config
+    assert trainer.dtype == "bfloat16" and trainer.attention_backend == "eager"
+    plain = trainer_spec_from_trl(_config(tmp_path))
+    assert plain.dtype == "float32"  # TRL's default for a model path
+
+
+def test_hf_generation_and_server_mode(tmp_path, model):
+    hf = rollout_spec_from_trl(_config(tmp_path, use_vllm=False), model)
+    assert hf.framework.startswith("hf-generate") and hf.dtype == "float32" and hf.logprobs_mode is None
+    server = rollout_spec_from_trl(_config(tmp_path, use_vllm=True, vllm_mode="server"), model)
+    assert server.dtype is None and server.logprobs_mode is None  # unknown: configured by `trl vllm-serve`
+    served = rollout_spec_from_trl(_config(tmp_path, use_vllm=True, vllm_mode="server"), model,
+                                   server_args="--dtype float32 --logprobs-mode processed_logprobs --enforce-eager")
+    assert served.dtype == "float32" and served.logprobs_mode == "processed_logprobs" and not served.cudagraph
+
+
+def test_load_grpo_config_and_cli(tmp_path, toy_model_path, capsys):
+    from tim_plugins.cli import main
+
+    yml = tmp_path / "grpo.yaml"
+    yml.write_text("use_vllm: true\nvllm_mode: colocate\ntemperature: 0.8\ntop_p: 0.95\nuse_cpu: true\nbf16: false\n")
+    args = load_grpo_config(yml)
+    assert args.temperature == 0.8 and args.top_p == 0.95
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"temprature": 0.8}))
+    with pytest.raises(ValueError, match="temprature"):
+        load_grpo_config(bad)
+    rc = main(["audit", "--trl-config", str(yml), "--model", str(toy_model_path)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "sampler-truncation-unmatched" in out and "dtype-mismatch" in out
+    rc = main(["audit", "--trl-config", str(bad)])
+    assert rc == 2 and "temprature" in capsys.readouterr().err

@@ -74,14 +74,16 @@ def test_wandb_histograms(toy_model_path, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    from wandb.sdk.wandb_run import Run
+
     logged = []
-    real_log = wandb.log
+    real_log = Run.log
 
-    def recording_log(data, *a, **k):  # the real wandb.log, with its payload kept for the check
+    def recording_log(self, data, *a, **k):  # the real Run.log, with its payload kept for the check
         logged.append(dict(data))
-        return real_log(data, *a, **k)
+        return real_log(self, data, *a, **k)
 
-    monkeypatch.setattr(wandb, "log", recording_log)
+    monkeypatch.setattr(Run, "log", recording_log)
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1, report_to=["wandb"])
     trainer.add_callback(TIMCallback(trainer, TIMConfig()))
     trainer.train()

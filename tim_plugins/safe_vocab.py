@@ -47,6 +47,10 @@ __all__ = [
 TILE_ELEMENTS = 4096 * 32768
 
 
+# Vocabulary tile for the fp32 dh GEMM of half-precision heads (an fp32 copy of this many weight rows is live).
+_GRAD_VOCAB_TILE = 32768
+
+
 def default_chunk_rows(vocab: int) -> int:
     """Rows per chunk so that one [rows, vocab] tile holds about ``TILE_ELEMENTS`` elements."""
     return max(1, TILE_ELEMENTS // max(1, vocab))
@@ -203,8 +207,15 @@ class _SafeFromHidden(torch.autograd.Function):
                 # dW += gz^T h, accumulated in fp32
                 grad_w.addmm_(gz.t(), h.float() if h.dtype != torch.float32 else h)
             if need_h:
-                gc = gz if cdt == torch.float32 else mm[:n].copy_(gz)
-                grad_h[sl] = torch.mm(gc, w)
+                if cdt == torch.float32:
+                    grad_h[sl] = torch.mm(gz, w)
+                else:
+                    # dh = gz W in fp32 over vocab tiles (as TRL's CPU path): a half-precision GEMM with a
+                    # 150k-long reduction is pathologically slow on CPUs without bf16 units, and fp32 keeps precision
+                    acc = torch.zeros((n, w.shape[1]), dtype=torch.float32, device=w.device)
+                    for v0 in range(0, vocab, _GRAD_VOCAB_TILE):
+                        acc.addmm_(gz[:, v0 : v0 + _GRAD_VOCAB_TILE], w[v0 : v0 + _GRAD_VOCAB_TILE].float())
+                    grad_h[sl] = acc
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
 
 

@@ -61,6 +61,28 @@ class SafeVocabHead:
         return (res.logprobs, res.entropy, *extra)
 
 
+def _fit_bins(counts, edges, max_bins: int = 512):
+    """wandb.Histogram takes <= 512 bins with finite edges: drop empty outer bins, then merge neighbours in
+    pairs until it fits (counts are summed, so the total is unchanged)."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.float64)
+    edges = np.asarray(edges, dtype=np.float64)
+    nz = np.nonzero(counts)[0]
+    if nz.size:
+        counts, edges = counts[nz[0]: nz[-1] + 1], edges[nz[0]: nz[-1] + 2]
+    else:
+        counts, edges = counts[:1], edges[:2]
+    while counts.size > max_bins:
+        if counts.size % 2:
+            counts, edges = np.append(counts, 0.0), np.append(edges, edges[-1])
+        counts = counts.reshape(-1, 2).sum(axis=1)
+        edges = np.append(edges[:-1:2], edges[-1])
+    finite = np.finfo(np.float64)
+    edges = np.clip(np.nan_to_num(edges, posinf=finite.max, neginf=-finite.max), -finite.max, finite.max)
+    return counts, edges
+
+
 class Features:
     def __init__(self, owner) -> None:
         self.owner = owner
@@ -321,10 +343,14 @@ class Features:
             return
         if wandb.run is None:
             return
-        hists = monitor.histograms()
-        # commit=False: merged into the row transformers' WandbCallback commits for this step's logs.
-        wandb.log({f"tim/hist/{name}": wandb.Histogram(np_histogram=(counts, edges))
-                   for name, (counts, edges) in hists.items()}, commit=False)
+        try:
+            hists = {name: _fit_bins(counts, edges) for name, (counts, edges) in monitor.histograms().items()}
+            # commit=False: merged into the row transformers' WandbCallback commits for this step's logs.
+            wandb.log({f"tim/hist/{name}": wandb.Histogram(np_histogram=(counts, edges))
+                       for name, (counts, edges) in hists.items()}, commit=False)
+        except Exception as err:  # a logging problem never breaks the training step
+            self.owner.count_diag("histogram_failed")
+            logger.debug("tim_plugins: histogram logging failed: %r", err)
 
     # ------------------------------------------------------------------------------- rollout choices
     def exact_generate(self, prompt_ids, images=None, multimodal_fields=None, num_generations=None, *args, **kwargs):

@@ -62,6 +62,10 @@ def run_audit(owner) -> None:
 
     trainer = owner.trainer
     rollout_spec, trainer_spec = collect_specs(trainer, owner.rollout_source)
+    trunc = owner.features.safe_truncation if owner.safe_vocab_active else None
+    if trunc is not None:
+        # The safe-vocab head makes the trainer apply the sampler's truncation (min_p, top_p, top_k).
+        trainer_spec = trainer_spec.replace(min_p=trunc["min_p"], top_p=trunc["top_p"], top_k=trunc["top_k"])
     findings = audit(rollout_spec, trainer_spec)
     owner.findings = findings
     owner.parity_specs = (rollout_spec, trainer_spec)

@@ -12,9 +12,7 @@ would reach neither: log_history is appended before ``on_log`` runs).
 from __future__ import annotations
 
 import logging
-import math
 import warnings
-from typing import Any
 
 import torch
 from transformers import TrainerCallback

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
+
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
 
 # Where the rollout log-probs come from.
@@ -19,7 +21,8 @@ __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SI
 #   inject TRL's generation, then a controlled mismatch added by tim_plugins.rollout.inject (diagnostic runs)
 ROLLOUT_CHOICES = ("auto", "hf", "exact", "inject")
 # Names of the corrections in tim_plugins.corrections (token TIS/MIS, IcePop, sequence TIS/MIS, geometric RS).
-IS_CORRECTION_CHOICES = ("token_tis", "token_mis", "icepop", "seq_tis", "seq_mis", "geo_rs")
+# The correction modes are defined once, in the core (combinations such as "geo_rs+token_tis" are valid too).
+IS_CORRECTION_CHOICES = tuple(m for m in CORRECTION_MODES if m != "none")
 LR_DECAY_SIGNALS = ("k3", "grad_norm")
 
 
@@ -144,10 +147,14 @@ class TIMConfig:
                 f"TIMConfig.safe_vocab_min_p={self.safe_vocab_min_p!r}: must be in (0, 1) (e.g. 1e-3), or None "
                 "to use GRPOConfig.min_p."
             )
-        if self.is_correction is not None and self.is_correction not in IS_CORRECTION_CHOICES:
-            raise ValueError(
-                f"TIMConfig.is_correction={self.is_correction!r}: must be None or one of {IS_CORRECTION_CHOICES}."
-            )
+        if self.is_correction is not None:
+            try:  # the core's own validation: modes, '+' combinations and thresholds
+                CorrectionConfig(mode=self.is_correction, **self.is_correction_options)
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    f"TIMConfig.is_correction={self.is_correction!r} with is_correction_options="
+                    f"{self.is_correction_options!r} is invalid: {err}"
+                ) from err
         self.lr_decay_signals = tuple(self.lr_decay_signals)
         bad = [s for s in self.lr_decay_signals if s not in LR_DECAY_SIGNALS]
         if bad:

@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
+from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
+
 __all__ = [
     "MonitorSettings",
     "SafeVocabSettings",
@@ -22,6 +25,8 @@ __all__ = [
     "OPTIMIZER_IMPL",
     "TRAINER_MODE_PREFIX",
     "check_composed_config",
+    "VLLM_ENGINE_KWARGS",
+    "rollout_min_p_overrides",
 ]
 
 # What ``actor_rollout_ref.actor.optim.optimizer_impl`` must name for the LR decay to reach verl's optimizer.
@@ -29,6 +34,19 @@ OPTIMIZER_IMPL = "tim_plugins.integrations.verl.optim"
 # Our trainer modes are verl's registered modes with this prefix (``trainer.v1.trainer_mode=tim_sync``).
 TRAINER_MODE_PREFIX = "tim_"
 _PROBE_ACTIONS = ("warn", "raise", "stop")
+# verl forwards this node verbatim to ``vllm serve`` (vllm_async_server.py launch_server ~L287-349).
+VLLM_ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+
+
+def rollout_min_p_overrides(min_p: float) -> list[str]:
+    """Hydra overrides that make vLLM inside verl sample from the safe vocabulary with ``min_p``.
+
+    verl 0.9.1 builds SamplingParams from temperature/top_p/top_k only (vllm_async_server.py ~L634), so min_p
+    cannot ride on the request; tim-plugins' logits processor applies it to every request instead, loaded and
+    configured through the engine args verl forwards (``tim_plugins.rollout.vllm_min_p``).
+    """
+    return [f"+{VLLM_ENGINE_KWARGS}.logits_processors=[{_VLLM_MIN_P_PROCESSOR}]",
+            f"+{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={min_p!r}"]
 
 
 def _help(text: str) -> dict:
@@ -59,7 +77,8 @@ class MonitorSettings:
 class SafeVocabSettings:
     min_p: float = field(default=0.0, metadata=_help(
         "Safe vocabulary S = {a : p_T(a) >= min_p * max_b p_T(b)} for the actor's log-probs (old-log-prob and "
-        "training passes); 0 = off. The rollout must sample with the same min_p and processed log-probs."))
+        "training passes); 0 = off. The vLLM rollout must sample with the same min_p (tim-plugins' logits "
+        "processor, see rollout_min_p_overrides) and report processed log-probs."))
     mask_boundary: bool = field(default=True, metadata=_help(
         "Drop sampled tokens outside the trainer's S (boundary disagreements) from the loss."))
 
@@ -218,15 +237,32 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
                 f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r}: pruning needs log-probs "
                 "renormalised over the kept set. Fix: actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
     if tim.safe_vocab.enabled:
-        # verl 0.9.1 builds vLLM SamplingParams from temperature/top_p/top_k only
-        # (workers/rollout/vllm_rollout/vllm_async_server.py ~L634): there is no rollout min_p knob.
-        notes.append(
-            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} prunes the trainer side only: verl 0.9.1 has no "
-            "rollout min_p setting, so vLLM samples from the full vocabulary. Sampled tail tokens outside the "
-            "trainer's safe set are masked out of the loss (tim/safe_vocab/boundary_frac); kept tokens differ "
-            "from the engine's log-prob by log(1 - pruned_mass) (tim/safe_vocab/pruned_mass_mean).")
+        problem = _rollout_min_p_problem(arr.rollout, tim.safe_vocab.min_p)
+        if problem is not None:
+            (problems if arr.rollout.get("name") == "vllm" else notes).append(problem)
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
             "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
     return tim, problems, notes
+
+
+def _rollout_min_p_problem(rollout: Any, min_p: float) -> str | None:
+    """Why the rollout does not sample with the trainer's ``min_p`` (None when it does)."""
+    fix = "Fix: " + " ".join(rollout_min_p_overrides(min_p))
+    if rollout.get("name") != "vllm":
+        return (f"tim.safe_vocab.min_p={min_p!r} with actor_rollout_ref.rollout.name={rollout.get('name')!r}: "
+                "only the vLLM rollout can be pruned, so this rollout samples from the full vocabulary; sampled "
+                "tokens outside the trainer's safe set are masked out of the loss (tim/safe_vocab/boundary_frac)")
+    engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
+    procs = engine.get("logits_processors") or []
+    if _VLLM_MIN_P_PROCESSOR not in [str(p) for p in procs]:
+        return (f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r}: tim.safe_vocab.min_p={min_p!r} prunes the "
+                "trainer side, but verl passes no min_p to vLLM, so the rollout would sample from the full "
+                f"vocabulary; the tim-plugins processor must be loaded. {fix}")
+    rollout_min_p = (engine.get("additional_config") or {}).get(_VLLM_MIN_P_KEY)
+    if rollout_min_p is None or isinstance(rollout_min_p, bool) or not isinstance(rollout_min_p, (int, float)) \
+            or not math.isclose(float(rollout_min_p), min_p, rel_tol=1e-9, abs_tol=0.0):
+        return (f"{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={rollout_min_p!r}: the rollout must "
+                f"prune with the trainer's tim.safe_vocab.min_p={min_p!r}. {fix}")
+    return None

@@ -45,7 +45,7 @@ def test_recipe_overrides_compose_and_validate(toy_model_path):
     assert problems == []
     assert tim.monitor.enable and tim.safe_vocab.min_p == 1e-4 and tim.lr_decay.enable
     assert tim.parity.strict and tim.probe.thresholds == {"tim/token/kl_k3": 1e-2} and tim.probe.action == "stop"
-    assert any("no rollout min_p setting" in n for n in notes)
+    assert notes == []  # the rollout prunes with the same min_p (checked in detail below)
     # the tim trainer mode the recipe selects exists once the plugin is loaded
     from verl.trainer.ppo.v1 import get_trainer_cls
 
@@ -66,6 +66,44 @@ def test_known_bad_config_reports_each_problem(toy_model_path):
                      "logprobs_mode='raw_logprobs'", "calculate_log_probs=False"):
         assert expected in text, expected
     assert len(problems) == 5
+
+
+def test_rollout_min_p_reaches_vllm_engine_kwargs(toy_model_path):
+    """The recipe's rollout node through verl's own config conversion (``vLLMHttpServer._init_config`` =
+    ``omega_conf_to_dataclass``) and the engine-kwargs read of ``launch_server``: exactly the engine args that
+    load tim-plugins' min-p processor with the trainer's min_p. The rest of the chain (verl's CLI builder ->
+    vLLM's parser -> VllmConfig -> processor) runs next to vLLM in tests/test_vllm_min_p_processor.py, from the
+    same ``vllm_engine_kwargs`` dict; launching vLLM inside verl needs a GPU."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from tim_plugins.rollout.vllm_min_p_config import vllm_engine_kwargs
+
+    cfg = compose(recipe_overrides(toy_model_path))
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    engine_kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
+    assert engine_kwargs == vllm_engine_kwargs(cfg.tim.safe_vocab.min_p) == vllm_engine_kwargs(1e-4)
+    # verl's CLI builder expands only real lists and JSON-dumps only real dicts (not OmegaConf containers)
+    assert type(engine_kwargs["logits_processors"]) is list and type(engine_kwargs["additional_config"]) is dict
+
+
+@pytest.mark.parametrize("drop, add, quoted", [
+    ("engine_kwargs.vllm.logits_processors", [], "engine_kwargs.vllm.logits_processors=[]"),
+    ("engine_kwargs.vllm.additional_config", [], "additional_config.tim_min_p=None"),
+    ("engine_kwargs.vllm.additional_config",
+     ["+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=0.01"], "tim_min_p=0.01"),
+])
+def test_rollout_without_the_same_min_p_is_refused(toy_model_path, drop, add, quoted):
+    from tim_plugins.integrations.verl.config import check_composed_config, rollout_min_p_overrides
+
+    overrides = [o for o in recipe_overrides(toy_model_path) if drop not in o] + add
+    _, problems, _ = check_composed_config(compose(overrides))
+    assert len(problems) == 1 and quoted in problems[0], problems
+    fix = rollout_min_p_overrides(1e-4)
+    assert all(o in problems[0] for o in fix)  # the message quotes the exact overrides ...
+    # ... and they fix it
+    fixed = [o for o in recipe_overrides(toy_model_path) if "engine_kwargs.vllm" not in o] + fix
+    assert check_composed_config(compose(fixed))[1] == []
 
 
 @pytest.mark.parametrize("override, quoted", [

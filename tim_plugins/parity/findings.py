@@ -68,27 +68,30 @@ def _jsonable(value: Any) -> Any:
 
 
 _C = CodeInfo
+_COLOCATE = ("colocate: no GRPOConfig field (TRL builds LLM() itself): use server mode or pass "
+             "enforce(...).vllm_engine_args to that LLM()")
 CODES: dict[str, CodeInfo] = {c.code: c for c in (
     _C("dtype-mismatch", "rollout and trainer run different weight dtypes",
        "bf16 vs fp32 moves every logit by ~1e-2 relative; measured max |Δlog p| 0.26 on a tiny Qwen2 (vLLM bf16 "
        "vs HF fp32) against 4.6e-5 when both run fp32. The largest source of TIM in most stacks.",
        {"vllm": "LLM(dtype=<trainer dtype>) / --dtype",
-        "trl": "TRL passes no dtype to LLM() (vLLM 'auto' turns fp32 checkpoints into bf16): load the policy in the "
-               "rollout dtype (model_init_kwargs={'dtype': 'bfloat16'}) or serve with `trl vllm-serve --dtype ...`",
-        "verl": "actor_rollout_ref.rollout.dtype=<x> together with actor_rollout_ref.actor.fsdp_config.dtype=<x>"}),
+        "trl": "TRL passes no dtype to LLM() (vLLM 'auto' runs fp32 checkpoints in bf16): train in the rollout "
+               "dtype (bf16=True) or server mode `trl vllm-serve --dtype <trainer dtype>`; " + _COLOCATE,
+        "verl": "actor_rollout_ref.rollout.dtype=<x> with "
+                "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=<bf16|fp16|fp32>"}),
     _C("lm-head-precision-mismatch", "the lm_head (logits) runs in different precision on the two sides",
        "The logits' rounding enters every token's log-prob directly; matching precision matters more than fp32 "
        "on one side only (TRL cast_lm_head_to_fp32 changes the trainer but nothing passes it to vLLM).",
        {"vllm": "LLM(hf_overrides={'head_dtype': 'float32'}) (or 'model' to follow dtype)",
-        "trl": "cast_lm_head_to_fp32=True plus vLLM hf_overrides={'head_dtype': 'float32'} (server: "
-               "--hf-overrides '{\"head_dtype\": \"float32\"}')",
+        "trl": "cast_lm_head_to_fp32=True plus the same head in vLLM: server mode append "
+               "--hf-overrides '{\"head_dtype\": \"float32\"}' (forwarded to vllm serve); " + _COLOCATE,
         "verl": "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=float32"}),
     _C("logprobs-mode-not-processed", "rollout log-probs are not those of the distribution sampled from",
        "vLLM's default raw_logprobs are taken before temperature, penalties and top-k/top-p: the ratio is then "
        "off by the processing itself (measured 0.63 max |Δ| at T=0.7, top-p 0.9), and *_logits modes are not "
        "log-probs at all.",
        {"vllm": "LLM(logprobs_mode='processed_logprobs') / --logprobs-mode processed_logprobs",
-        "trl": "colocate sets it; server mode: `trl vllm-serve --logprobs-mode processed_logprobs`",
+        "trl": "colocate and `trl vllm-serve` set it; a plain `vllm serve` needs --logprobs-mode processed_logprobs",
         "verl": "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"}),
     _C("sampler-truncation-unmatched", "rollout truncates (top-p/top-k/min-p) but the trainer does not",
        "Processed rollout log-probs are renormalised over the kept set, the trainer's over the full vocabulary: "
@@ -114,25 +117,26 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
        "fp8/int8 weights or KV cache change every logit (INT8 rollouts reach max token |Δp| = 1.0 on "
        "Qwen2.5-32B); the trainer computes in full precision.",
        {"vllm": "LLM(quantization=None, kv_cache_dtype='auto')",
-        "trl": "do not load the policy with bitsandbytes 4-bit (TRL then sets quantization='bitsandbytes')",
+        "trl": "do not load the policy with bitsandbytes 4-bit (TRL then sets quantization='bitsandbytes'); "
+               "server mode: `trl vllm-serve --kv_cache_dtype auto`",
         "verl": "actor_rollout_ref.rollout.quantization=null "
                 "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=auto"}),
     _C("prefix-caching-on", "rollout reuses cached KV for shared prefixes",
        "Cached prefix KV was computed in another batch/chunk shape than a fresh prefill, and a cache not reset "
        "after a weight sync serves stale keys/values from the previous policy.",
        {"vllm": "LLM(enable_prefix_caching=False) (or reset_prefix_cache() after every weight sync)",
-        "trl": "server: `trl vllm-serve --no-enable-prefix-caching`; colocate: enforce() through the TRL adapter",
+        "trl": "server mode: `trl vllm-serve --enable_prefix_caching False`; " + _COLOCATE,
         "verl": "actor_rollout_ref.rollout.enable_prefix_caching=False"}),
     _C("chunked-prefill-on", "rollout splits long prefills into chunks",
        "A chunked prefill reduces attention in another order than the trainer's single pass over the sequence.",
        {"vllm": "LLM(enable_chunked_prefill=False)",
-        "trl": "server: `trl vllm-serve --no-enable-chunked-prefill`; colocate: enforce() through the TRL adapter",
+        "trl": "server mode: append --no-enable-chunked-prefill (forwarded to vllm serve); " + _COLOCATE,
         "verl": "actor_rollout_ref.rollout.enable_chunked_prefill=False"}),
     _C("cudagraph-on", "rollout runs CUDA graphs / torch.compile while the trainer runs eager",
        "Graphs pad decode batches to capture sizes and compiled graphs fuse ops (e.g. fused_add_rms_norm on the "
        "fp32 sum): kernel choice and rounding then differ from the trainer's eager forward.",
        {"vllm": "LLM(enforce_eager=True) or compilation_config={'cudagraph_mode': 'NONE'}",
-        "trl": "server: `trl vllm-serve --enforce-eager`; colocate: enforce() through the TRL adapter",
+        "trl": "server mode: `trl vllm-serve --enforce_eager True`; " + _COLOCATE,
         "verl": "actor_rollout_ref.rollout.enforce_eager=True"}),
     _C("batch-invariance-off", "log-probs depend on the batch they are computed in",
        "Batch-size-dependent reductions (GEMM split-K, attention splits) make the same sequence score "

@@ -19,7 +19,8 @@ def _cell(value: Any) -> str:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 60) -> str:
     """Left-aligned columns; cells longer than `max_width` wrap onto continuation lines."""
-    cells = [[textwrap.wrap(_cell(c), max_width) or [""] for c in row] for row in rows]
+    cells = [[textwrap.wrap(_cell(c), max_width, break_long_words=False, break_on_hyphens=False) or [""]
+              for c in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
         for i, lines in enumerate(row):

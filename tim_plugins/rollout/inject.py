@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 
+from tim_plugins.rollout.hf import completion_mask_from_eos
+
 __all__ = [
     "TailNoiseInjector",
     "INJECT_MODES",
@@ -222,13 +224,8 @@ def calibrate_injector(
         )
         raw = torch.stack(out.logits, dim=1)  # [B, T, V] before any processor (clean)
         completion = out.sequences[:, input_ids.shape[1]:]
-        eos = model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-        # valid = up to and including the first EOS
-        is_eos = torch.isin(completion, torch.tensor(eos, dtype=completion.dtype)) if eos else \
-            torch.zeros_like(completion, dtype=torch.bool)
-        after = (is_eos.long().cumsum(1) - is_eos.long()) > 0
-        logits = raw[~after]
+        valid = completion_mask_from_eos(completion, model.generation_config.eos_token_id).bool()
+        logits = raw[valid]  # up to and including the first EOS
         result = calibrate_scale(logits, target_k3, injector, temperature=temperature or 1.0,
                                  samples_per_position=samples_per_position)
     injector.reset()

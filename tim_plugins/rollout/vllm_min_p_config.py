@@ -1,0 +1,55 @@
+"""Settings of the vLLM min-p logits processor (``tim_plugins.rollout.vllm_min_p``); importable without vLLM.
+
+Why a processor at all: frameworks that build ``vllm.SamplingParams`` themselves may not pass ``min_p`` (verl
+0.9.1 sets only temperature/top_p/top_k, ``vllm_async_server.py`` ~L634). The processor applies the safe-vocabulary
+rule to every request from an engine-level setting, and engine settings do reach vLLM: verl forwards
+``actor_rollout_ref.rollout.engine_kwargs.vllm.*`` verbatim as ``vllm serve`` arguments.
+
+Where the processor reads min_p (first match wins):
+1. per request: ``SamplingParams(extra_args={"tim_min_p": x})`` (0 switches it off for that request);
+2. per engine: ``additional_config={"tim_min_p": x}`` (``--additional-config '{"tim_min_p": x}'``);
+3. the environment variable ``TIM_PLUGINS_MIN_P`` of the engine process;
+4. otherwise 0 (off).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+
+__all__ = ["PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p", "vllm_engine_kwargs"]
+
+# vLLM loads processors by "<module>:<class>" (``LLM(logits_processors=[...])``, ``--logits-processors``).
+PROCESSOR_FQCN = "tim_plugins.rollout.vllm_min_p:TIMMinPLogitsProcessor"
+# Key in vLLM's ``additional_config`` and in ``SamplingParams.extra_args``.
+CONFIG_KEY = "tim_min_p"
+ENV_VAR = "TIM_PLUGINS_MIN_P"
+
+
+def check_min_p(value: Any, where: str) -> float:
+    """``value`` as a float in [0, 1); raises ValueError quoting ``where``, the value, the rule and the fix."""
+    try:
+        ok = not isinstance(value, bool) and 0.0 <= float(value) < 1.0 and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}={value!r}: min_p must be a number in [0, 1) (0 = no pruning). "
+                         f"Fix: e.g. {CONFIG_KEY}=1e-4")
+    return float(value)
+
+
+def engine_min_p(additional_config: Mapping | None, env: Mapping[str, str] | None = None) -> float:
+    """The engine-wide min_p: ``additional_config["tim_min_p"]``, else ``$TIM_PLUGINS_MIN_P``, else 0."""
+    env = os.environ if env is None else env
+    if additional_config and CONFIG_KEY in additional_config:
+        return check_min_p(additional_config[CONFIG_KEY], f"additional_config[{CONFIG_KEY!r}]")
+    if env.get(ENV_VAR, "").strip():
+        return check_min_p(env[ENV_VAR].strip(), ENV_VAR)
+    return 0.0
+
+
+def vllm_engine_kwargs(min_p: float) -> dict[str, Any]:
+    """Engine arguments (``LLM(**kw)`` / ``AsyncEngineArgs``) that make every sampled request use ``min_p``."""
+    return {"logits_processors": [PROCESSOR_FQCN],
+            "additional_config": {CONFIG_KEY: check_min_p(min_p, "min_p")}}

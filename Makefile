@@ -40,10 +40,10 @@ $(VENV_VERL)/$(STAMP): pyproject.toml
 test: test-main test-verl test-wheel
 
 test-main: $(VENV)/$(STAMP)
-	$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite $(PYTEST_ARGS)
 
 test-verl: $(VENV_VERL)/$(STAMP)
-	$(VENV_VERL)/bin/python -m pytest -q tests/verl $(PYTEST_ARGS)
+	$(VENV_VERL)/bin/python -m pytest -q tests/verl_suite $(PYTEST_ARGS)
 
 # The built wheel, installed into a fresh virtualenv, must carry and import the adapters.
 test-wheel: $(VENV)/$(STAMP)

@@ -10,7 +10,7 @@ exact expectations over the rollout's sampling distribution q_r (no sampling noi
   boundary_prob    E[q_r(S_r \\ S_t)]: probability of sampling a token the trainer drops (masked from the loss)
 Sources: the toy Qwen2 model (bf16 vs fp32 forward on sampled text) and random LM-like logits (V = 32768) with
 bf16 rounding or uniform noise. Rule for the default: the largest grid value whose mean pruned mass is
-<= 1e-3 on every source ("extreme tail only"); the table shows how much mismatch it removes.
+<= 1e-3 on the trained toy model ("extreme tail only"); the table shows how much mismatch it removes.
 
     python -m benchmarks.ablate_min_p [--quick]
 """
@@ -26,6 +26,7 @@ from benchmarks._common import write_results
 
 GRID = [0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2]
 PRUNED_MASS_BUDGET = 1e-3
+BUDGET_SOURCE = "toy_bf16_vs_fp32"
 
 
 def _stats(z_r: torch.Tensor, z_t: torch.Tensor, min_p: float) -> dict:
@@ -81,6 +82,11 @@ def _random_source(n: int, v: int, sigma: float, noise: str, seed: int = 0):
     z.scatter_add_(1, top, torch.rand(n, 8, generator=gen, dtype=torch.float64) * 4 * sigma)
     if noise == "bf16":
         z_r = z.to(torch.bfloat16).double()
+    elif noise == "tail":
+        # error growing with distance below the row max (what rounding of large-magnitude tail logits and
+        # tail-only kernel differences produce): 0 at the top token, up to ±0.1 per unit of (max − z) / sigma
+        u = torch.rand(z.shape, generator=gen, dtype=torch.float64) * 2 - 1
+        z_r = z + u * 0.1 * (z.amax(-1, keepdim=True) - z) / sigma
     else:
         z_r = z + (torch.rand(z.shape, generator=gen, dtype=torch.float64) * 2 - 1) * 0.05
     return z_r, z
@@ -97,6 +103,7 @@ def main(argv=None) -> dict:
         "random_sigma2_bf16": _random_source(rows, vocab, 2.0, "bf16"),
         "random_sigma3_bf16": _random_source(rows, vocab, 3.0, "bf16", seed=1),
         "random_sigma2_noise0.05": _random_source(rows, vocab, 2.0, "uniform", seed=2),
+        "random_sigma2_tailnoise": _random_source(rows, vocab, 2.0, "tail", seed=3),
     }
     table = {}
     for name, (z_r, z_t) in sources.items():
@@ -110,14 +117,17 @@ def main(argv=None) -> dict:
             print(f"{name:26s} min_p={min_p:<7g} pruned {s['pruned_mass_mean']:.2e} (max {s['pruned_mass_max']:.2e})"
                   f"  |d| {s['abs_diff_mean']:.2e}  k3 {s['k3']:.2e}  max|d| {s['abs_diff_max']:.3f}"
                   f"  boundary {s['boundary_prob']:.1e}  |S| {s['size_mean']:.0f}", flush=True)
-    ok = [mp for mp in GRID if all(table[n][str(mp)]["pruned_mass_mean"] <= PRUNED_MASS_BUDGET for n in table)]
+    # The budget is applied to the trained model: the random rows are near-uniform over 32k tokens (entropy close to
+    # log V), far flatter than an LM's, so they are stress cases for the bias, reported but not used to choose.
+    ok = [mp for mp in GRID if table[BUDGET_SOURCE][str(mp)]["pruned_mass_mean"] <= PRUNED_MASS_BUDGET]
     chosen = max(ok)
-    results = {"grid": GRID, "pruned_mass_budget": PRUNED_MASS_BUDGET, "chosen_min_p": chosen, "sources": table,
+    results = {"grid": GRID, "pruned_mass_budget": PRUNED_MASS_BUDGET, "budget_source": BUDGET_SOURCE,
+               "chosen_min_p": chosen, "sources": table,
                "quick": bool(args.quick)}
     from tim_plugins.safe_vocab import DEFAULT_MIN_P
 
     results["default_min_p_in_code"] = DEFAULT_MIN_P
-    print(f"largest min_p with mean pruned mass <= {PRUNED_MASS_BUDGET} on every source: {chosen} "
+    print(f"largest min_p with mean pruned mass <= {PRUNED_MASS_BUDGET} on {BUDGET_SOURCE}: {chosen} "
           f"(DEFAULT_MIN_P = {DEFAULT_MIN_P})")
     write_results("ablate_min_p_quick" if args.quick else "ablate_min_p", results)
     return results

@@ -44,7 +44,8 @@ def test_untested_major_version_fails_with_the_fix():
 def test_core_import_pulls_in_no_framework():
     code = (
         "import sys, tim_plugins, tim_plugins.metrics, tim_plugins.safe_vocab, tim_plugins.lr_control, "
-        "tim_plugins.corrections, tim_plugins.parity, tim_plugins.dump, tim_plugins.cli, tim_plugins.measure; "
+        "tim_plugins.corrections, tim_plugins.parity, tim_plugins.dump, tim_plugins.cli, tim_plugins.measure, "
+        "tim_plugins.rollout.vllm_min_p_config, tim_plugins.rollout.inject, tim_plugins.rollout.exact; "
         "bad = [m for m in ('trl', 'verl', 'vllm', 'ray', 'wandb', 'flash_attn', 'transformers') "
         "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )

@@ -274,7 +274,7 @@ def test_cli_audit_verl_without_verl_fails_clearly(capsys):
     from tim_plugins.cli import main
 
     if package_version("verl") is not None:
-        pytest.skip("verl is installed here: covered by tests/verl/test_parity_verl_spec.py")
+        pytest.skip("verl is installed here: covered by tests/verl_suite/test_parity_verl_spec.py")
     rc = main(["audit", "--verl", "actor_rollout_ref.rollout.top_p=0.9"])
     assert rc == 2
     assert "needs verl installed" in capsys.readouterr().err

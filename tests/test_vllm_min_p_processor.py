@@ -172,7 +172,7 @@ def _verl_cli_builder():
 
 def test_verl_engine_kwargs_reach_vllm_config(toy_model_path):
     """engine_kwargs.vllm as verl composes them -> verl's CLI builder -> vLLM's parser -> VllmConfig -> the
-    processor's min_p. Same dict as tests/verl/test_verl_config.py asserts on the composed recipe config."""
+    processor's min_p. Same dict as tests/verl_suite/test_verl_config.py asserts on the composed recipe config."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -139,6 +139,9 @@ def run_one(arm, seed: int, cfg, model_path: str, scales: dict, work_dir: Path) 
     )
     trainer = GRPOTrainer(model=model, reward_funcs=sort_reward, args=args, train_dataset=dataset,
                           processing_class=tok)
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # per-step log dicts on stdout would drown the progress bars
     kw = arm.tim_config_kwargs(cfg)
     if arm.rollout == "inject":
         kw["inject_options"] = {"scale": scales[repr(float(arm.target_k3))], "tau": cfg.inject_tau,
@@ -147,7 +150,13 @@ def run_one(arm, seed: int, cfg, model_path: str, scales: dict, work_dir: Path) 
     timer = StepTimer()
     trainer.add_callback(TIMCallback(trainer, tim_config))
     trainer.add_callback(timer)
-    patch = Bf16Rollout(trainer.model) if arm.rollout == "bf16" else None
+    patch = None
+    if arm.rollout == "bf16":
+        patch = Bf16Rollout(trainer.model)
+    elif arm.rollout == "exact":
+        from .exact_scoring import ExactScoring
+
+        patch = ExactScoring(trainer)  # before train(): the callback wraps it at on_train_begin
     t0 = time.perf_counter()
     try:
         trainer.train()

@@ -87,7 +87,7 @@ def run_audit(args: argparse.Namespace) -> int:
     framework = None
     try:
         if args.verl is not None:
-            # distribution metadata, not find_spec: a tests/verl folder on sys.path would look like verl
+            # distribution metadata, not find_spec: an importable folder named verl is not an installation
             if package_version("verl") is None:
                 return _fail("--verl needs verl installed (pip install 'tim-plugins[verl]'; in this repository "
                              "run it with .venv-verl/bin/tim-plugins): verl and the vLLM CPU build cannot share "

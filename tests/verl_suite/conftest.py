@@ -1,4 +1,4 @@
-"""verl tests run on CPU with the test-only CPU platform (tests/verl/cpu_platform.py).
+"""verl tests run on CPU with the test-only CPU platform (tests/verl_suite/cpu_platform.py).
 
 verl resolves its platform once (a cached singleton) and some engine modules read the device name at import
 time, so the order matters: import verl with plugin auto-loading off, register the "cpu" platform, select it,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
-# tests/verl/conftest.py has registered and selected the CPU platform before anything imported verl's engines.
+# tests/verl_suite/conftest.py has registered and selected the CPU platform before anything imported verl's engines.
 import torch  # noqa: E402
 
 

@@ -31,6 +31,6 @@ def vllm_llm(toy_model_path):
 
     llm = LLM(
         model=str(toy_model_path), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-        max_model_len=256, seed=0, gpu_memory_utilization=0.5, logits_processors=[TailNoiseLogitsProcessor],
+        max_model_len=256, seed=0, kv_cache_memory_bytes=128 * 2**20, logits_processors=[TailNoiseLogitsProcessor],
     )
     yield llm

@@ -39,7 +39,7 @@ def vllm_run(toy_model_path, tmp_path_factory):
     mp.setattr(VLLMGeneration, "sync_weights", _cpu_sync_weights)
     tmp = tmp_path_factory.mktemp("trl_vllm")
     trainer = make_trainer(
-        toy_model_path, tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        toy_model_path, tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.04,
         vllm_max_model_length=128, max_steps=2, loss_type="grpo",
     )
     cap = Capture(trainer)

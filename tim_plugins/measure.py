@@ -252,8 +252,10 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
         from vllm import LLM
 
+        # vLLM's CPU backend reserves gpu_memory_utilization × RAM for the KV cache: ask for a fixed 1 GiB.
+        memory = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2**30}
         llm = LLM(model=path, dtype=cfg.vllm_dtype, seed=cfg.seed, logprobs_mode="processed_logprobs",
-                  max_model_len=min(2048, 512 + cfg.max_new_tokens), enable_prefix_caching=False)
+                  max_model_len=min(2048, 512 + cfg.max_new_tokens), enable_prefix_caching=False, **memory)
     injector = calibration = None
     prompts = synthetic_prompts(cfg.num_prompts, cfg.seed)
     if cfg.inject_k3 is not None:

@@ -154,6 +154,31 @@ class _SafeFromLogits(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _buffers(rows: int, vocab: int, cdt: torch.dtype, device):
+    """The fp32 [rows, V] chunk buffer, plus a [rows, tile] buffer in the compute dtype for half precision."""
+    zf = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+    tile = None if cdt == torch.float32 else torch.empty((rows, min(vocab, _GRAD_VOCAB_TILE)), dtype=cdt,
+                                                         device=device)
+    return zf, tile
+
+
+def _logits_into(zf: torch.Tensor, tile: torch.Tensor | None, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of one row chunk, [n, V] view of ``zf``; half precision is rounded to its dtype first, as the
+    model's own lm_head produces it, in vocab tiles (a [n, 150k] half GEMM is slower on CPU than tiles, and the
+    tile bounds the half-precision buffer)."""
+    n = h.shape[0]
+    z = zf[:n]
+    if tile is None:
+        return torch.mm(h, w.t(), out=z)
+    step = tile.shape[1]
+    for v0 in range(0, w.shape[0], step):
+        v1 = min(v0 + step, w.shape[0])
+        t = tile[:n, : v1 - v0]
+        torch.mm(h, w[v0:v1].t(), out=t)
+        z[:, v0:v1].copy_(t)
+    return z
+
+
 class _SafeFromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, trunc, chunk, want_entropy):
@@ -161,18 +186,14 @@ class _SafeFromHidden(torch.autograd.Function):
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
-        mm = torch.empty((min(chunk, n_rows), vocab), dtype=cdt)
-        zf = mm if cdt == torch.float32 else torch.empty((min(chunk, n_rows), vocab), dtype=torch.float32)
+        zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
         outs = [[] for _ in range(7)]
         for s in range(0, n_rows, chunk):
             h = hidden[s : s + chunk].to(cdt)
-            n = h.shape[0]
-            # logits rounded to the compute dtype first, as the model's own lm_head would produce them
-            torch.mm(h, w.t(), out=mm[:n])
-            z = _temper(zf[:n].copy_(mm[:n]) if zf is not mm else mm[:n], trunc.temperature)
+            z = _temper(_logits_into(zf, tile, h, w), trunc.temperature)
             for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy)):
                 acc.append(val)
-        del mm, zf
+        del zf, tile
         logp, in_safe, pruned, size, tau, log_zs, ent = (torch.cat(o) if o[0] is not None else None for o in outs)
         ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
         ctx.trunc, ctx.chunk = trunc, chunk
@@ -189,8 +210,7 @@ class _SafeFromHidden(torch.autograd.Function):
         chunk, inv_t = ctx.chunk, 1.0 / ctx.trunc.temperature
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
-        mm = torch.empty((min(chunk, n_rows), vocab), dtype=cdt)
-        zf = mm if cdt == torch.float32 else torch.empty((min(chunk, n_rows), vocab), dtype=torch.float32)
+        zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
         # grad_hidden rows are written once each (one GEMM per row chunk); grad_weight sums over all chunks: fp32
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -198,8 +218,7 @@ class _SafeFromHidden(torch.autograd.Function):
             sl = slice(s, s + chunk)
             h = hidden[sl].to(cdt)
             n = h.shape[0]
-            torch.mm(h, w.t(), out=mm[:n])
-            z = _temper(zf[:n].copy_(mm[:n]) if zf is not mm else mm[:n], ctx.trunc.temperature)
+            z = _temper(_logits_into(zf, tile, h, w), ctx.trunc.temperature)
             gz = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
                              None if g_lp is None else g_lp[sl].float(),
                              None if g_ent is None else g_ent[sl].float(), inv_t)  # fp32 [n, V], in zf

@@ -48,11 +48,13 @@ def register(subparsers) -> None:
     # Mirrors benchmarks.study.main.add_arguments (kept here so `--help` needs no source tree); None = its default.
     p.add_argument("--out", default=None, help="results folder (default: <repo>/benchmarks/results/study)")
     p.add_argument("--quick", action="store_true", help="3 arms x 1 seed x 4 steps (smoke run, < 3 min)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 120; quick 4)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 80; quick 4)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds, 0..N-1 (default 3)")
     p.add_argument("--arms", default=None, help="comma list of arm names (default: all)")
     p.add_argument("--model", default=None, help="local HF model path instead of the toy sort model")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a study config field for every arm (JSON value), e.g. --set learning_rate=5e-3")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
     p.set_defaults(func=_run)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_run", "collapse_step", "spike_count", "summarize", "KEYS"]
+__all__ = ["load_run", "moving_average", "collapse_step", "spike_count", "summarize", "KEYS"]
 
 # Per-step series shown in the report (CSV column, label, log-scale y).
 KEYS = (
@@ -37,7 +37,7 @@ def load_run(path: Path) -> dict[str, np.ndarray]:
     return cols
 
 
-def _moving_average(x: np.ndarray, w: int) -> np.ndarray:
+def moving_average(x: np.ndarray, w: int) -> np.ndarray:
     out = np.empty_like(x)
     for i in range(len(x)):
         seg = x[max(0, i - w + 1): i + 1]
@@ -49,7 +49,7 @@ def _moving_average(x: np.ndarray, w: int) -> np.ndarray:
 def collapse_step(steps: np.ndarray, reward: np.ndarray, rule: dict) -> int | None:
     """First step at which the smoothed reward has been below rule['ratio'] × its running max for
     rule['patience'] consecutive steps (running max >= rule['min_peak']); None if never."""
-    smooth = _moving_average(reward, rule["window"])
+    smooth = moving_average(reward, rule["window"])
     peak, streak = -math.inf, 0
     for s, v in zip(steps, smooth):
         if not math.isfinite(v):
@@ -93,7 +93,7 @@ def summarize(arm_runs: dict[str, dict[int, dict[str, np.ndarray]]], seconds: di
         for seed, r in sorted(runs.items()):
             steps, reward = r["step"], r["reward"]
             finals.append(float(np.nanmean(reward[-10:])))
-            peaks.append(float(np.nanmax(_moving_average(reward, rule["window"]))))
+            peaks.append(float(np.nanmax(moving_average(reward, rule["window"]))))
             collapses.append(collapse_step(steps, reward, rule))
             k3 = r.get("tim/token/kl_k3", np.full_like(reward, math.nan))
             k3_start.append(_edge_mean(k3, True))

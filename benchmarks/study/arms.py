@@ -16,7 +16,7 @@ MITIGATIONS = ("safe_vocab", "lr_decay", "token_tis", "seq_mis", "icepop")
 
 @dataclass
 class StudyConfig:
-    steps: int = field(default=120, metadata={"help": "GRPO optimizer steps per run"})
+    steps: int = field(default=80, metadata={"help": "GRPO optimizer steps per run"})
     seeds: tuple = field(default=(0, 1, 2), metadata={"help": "training seeds (same for every arm)"})
     inject_targets: tuple = field(default=(1e-4, 1e-2, 1e-1), metadata={
         "help": "k3 targets of the injected arms (calibrated once on the warm-started policy)"})
@@ -27,7 +27,9 @@ class StudyConfig:
     prompts_per_step: int = field(default=4, metadata={"help": "distinct prompts per GRPO step"})
     num_generations: int = field(default=8, metadata={"help": "completions per prompt (GRPO group)"})
     max_completion_length: int = field(default=12, metadata={"help": "tokens; answers need <= 7"})
-    learning_rate: float = field(default=1e-3, metadata={"help": "constant LR (tiny model, few steps)"})
+    learning_rate: float = field(default=1e-4, metadata={
+        "help": "constant LR, chosen on the exact arm (1e-3 degraded its reward over 80 steps; 1e-4 improved it)"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (TRL's default 1.0)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     loss_type: str = field(default="grpo", metadata={"help": "TRL loss_type"})
     min_p: float = field(default=1e-3, metadata={
@@ -107,8 +109,8 @@ def build_arms(cfg: StudyConfig) -> list[Arm]:
 
 def collapse_rule() -> dict:
     """Fixed before any run (the same for every arm): a run has collapsed at the first step s where the
-    5-step moving average of the reward has stayed below half of its running maximum for K = 10 consecutive
+    10-step moving average of the reward has stayed below half of its running maximum for K = 10 consecutive
     steps, once that running maximum is >= 0.2 (so a run that never learned cannot "collapse"). Grad-norm
     spikes (> 5x the run's running median) and entropy spikes (> 2x the running median) are counted beside it
     as the accompanying symptoms."""
-    return {"window": 5, "ratio": 0.5, "patience": 10, "min_peak": 0.2, "grad_spike": 5.0, "entropy_spike": 2.0}
+    return {"window": 10, "ratio": 0.5, "patience": 10, "min_peak": 0.2, "grad_spike": 5.0, "entropy_spike": 2.0}

@@ -33,13 +33,16 @@ QUICK = {"steps": 4, "seeds": (0,), "arms": ("exact", "bf16", "inject_k3_1e-1+al
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help=f"results folder (default: {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true", help="3 arms x 1 seed x 4 steps (smoke run, < 3 min)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 120; quick 4)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 80; quick 4)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds, 0..N-1 (default 3)")
     p.add_argument("--arms", default=None, help="comma list of arm names (default: all)")
     p.add_argument("--model", default=None, help="local HF model path instead of the toy sort model (its "
                    "tokenizer must encode the sort prompts; the reward stays exact-match sorting)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a StudyConfig field for every arm (JSON value), e.g. --set learning_rate=5e-3 "
+                        "--set inject_targets=[0.1,1.0]; used for the collapse-knob runs")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
 
 
@@ -53,12 +56,32 @@ def _config_from_args(args):
         kw["seeds"] = tuple(range(args.seeds))
     if args.arms:
         kw["arms"] = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    kw.update(_overrides(getattr(args, "set", None) or []))
     cfg = StudyConfig(device=args.device, model=args.model, **kw)
     if cfg.steps < 1:
         raise SystemExit(f"--steps {cfg.steps}: must be >= 1")
     if not cfg.seeds:
         raise SystemExit("--seeds 0: need at least one seed")
     return cfg
+
+
+def _overrides(items: list[str]) -> dict:
+    from dataclasses import fields
+
+    from .arms import StudyConfig
+
+    names = {f.name for f in fields(StudyConfig)}
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in names:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD among {sorted(names)}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 def _fingerprint(cfg, arm, model_path: str, scales: dict) -> str:
@@ -177,6 +200,12 @@ def run_from_args(args) -> dict:
     t0 = time.perf_counter()
     res = run_study(cfg, Path(args.out) if args.out else DEFAULT_OUT, report=not args.no_report)
     res["wall_seconds"] = time.perf_counter() - t0
+    if not args.out and not args.quick:  # the default study also lands in the benchmarks index format
+        from benchmarks._common import write_results
+
+        write_results("study", {"command": "python -m benchmarks.study", "config": cfg.to_dict(),
+                                "folder": str(DEFAULT_OUT), "reference_arm": res["reference_arm"],
+                                "wall_seconds": res["wall_seconds"], "arms": res["rows"]})
     for row in res["rows"]:
         print(f"{row['arm']:<28} reward {row['final_reward_mean']:.3f}±{row['final_reward_std']:.3f}  "
               f"collapsed {row['collapsed_runs']}/{row['seeds']}  k3 {row['k3_start']:.3g} -> {row['k3_end']:.3g}  "

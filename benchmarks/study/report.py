@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .analysis import KEYS
+from .analysis import KEYS, moving_average
 
 __all__ = ["write_report"]
 
@@ -41,15 +41,18 @@ def _stack(runs: dict, key: str) -> tuple[np.ndarray, np.ndarray] | None:
     return series[0][0][:n], np.vstack([s[1][:n] for s in series])
 
 
-def _figure(arm_runs: dict, arms: list[str], reference: str | None) -> str:
+def _figure(arm_runs: dict, arms: list[str], reference: str | None, smooth: int) -> str:
     plt = _plt()
-    fig, axes = plt.subplots(2, 4, figsize=(17, 7))
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
+    fig.subplots_adjust(hspace=0.35)
     for ax, (key, label, log) in zip(axes.flat, KEYS):
         for i, arm in enumerate(arms + ([reference] if reference and reference not in arms else [])):
             got = _stack(arm_runs.get(arm, {}), key)
             if got is None:
                 continue
             steps, ys = got
+            if key == "reward":  # per-step reward is a mean over few groups: show the collapse rule's average
+                ys = np.vstack([moving_average(y, smooth) for y in ys])
             if log:
                 ys = np.where(ys > 0, ys, np.nan)
             with np.errstate(all="ignore"):
@@ -57,7 +60,8 @@ def _figure(arm_runs: dict, arms: list[str], reference: str | None) -> str:
             style = "--" if arm == reference and arm not in arms else "-"
             (line,) = ax.plot(steps, mean, style, lw=1.3, label=arm)
             ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.15, lw=0)
-        ax.set_title(label + (" (log; 0 not drawn)" if log else ""), fontsize=9)
+        title = label + (f", {smooth}-step moving average" if key == "reward" else "")
+        ax.set_title(title + (" (log; 0 not drawn)" if log else ""), fontsize=9)
         if log:
             ax.set_yscale("log")
         ax.set_xlabel("step", fontsize=8)
@@ -88,7 +92,7 @@ def write_report(path: Path, *, arm_runs: dict, arms: list, table: list[dict], r
         "<h1>TIM study: GRPO (TRL) with the TIM callback, toy sort task</h1>",
         f"<p>Steps per run: {config['steps']}; seeds: {config['seeds']}; device: {html.escape(config['device'])}. "
         "Curves: mean ± std across seeds. Nothing is tuned per arm.</p>",
-        "<p><b>Collapse (fixed before the runs):</b> the 5-step moving average of the reward stays below "
+        f"<p><b>Collapse (the same rule for every arm):</b> the {rule['window']}-step moving average of the reward stays below "
         f"{rule['ratio']} × its running maximum for {rule['patience']} consecutive steps, once that maximum is "
         f">= {rule['min_peak']}. Spikes: grad norm > {rule['grad_spike']}× and entropy > {rule['entropy_spike']}× "
         "the running median of earlier steps.</p>",
@@ -111,7 +115,7 @@ def write_report(path: Path, *, arm_runs: dict, arms: list, table: list[dict], r
         if not names:
             continue
         parts.append(f"<h2>{html.escape(title)}</h2>")
-        parts.append(f"<img src='data:image/png;base64,{_figure(arm_runs, names, reference)}'>")
+        parts.append(f"<img src='data:image/png;base64,{_figure(arm_runs, names, reference, rule['window'])}'>")
     parts.append("<h2>Arms</h2><ul>" + "".join(
         f"<li><b>{html.escape(a.name)}</b>: {html.escape(a.description)}</li>" for a in arms) + "</ul>")
     parts.append(f"<h2>Environment</h2><pre>{html.escape(str(env))}</pre>")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tim_plugins.metrics import MismatchMonitor, mismatch_metrics
+from tim_plugins.metrics import MismatchMonitor
 
 
 def _data(rank: int):

@@ -10,11 +10,22 @@ MAX-all-reduce another, never a mean of means. Nothing leaves the device until `
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from tim_plugins._mismatch_pass import (
+    HISTOGRAM_BINS_PER_DECADE,
+    HISTOGRAM_RANGE,
+    INVALID_LOGPROB_THRESHOLD,
+    N_BUCKETS,
+    PROB_BUCKET_EDGES,
+    batch_stats,
+    compiled_batch_stats,
+    joint_histograms,
+    want_compile,
+)
 
 __all__ = [
     "PROB_BUCKET_EDGES",
@@ -27,14 +38,6 @@ __all__ = [
     "abs_diff_bin_edges",
 ]
 
-# Token-probability buckets (p = exp(rollout log-prob)) for the (1 − p) structure of the mismatch.
-PROB_BUCKET_EDGES: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
-# Log-spaced histogram of |d|: 32 bins per decade between 1e-8 and 1e3 (bin width ×1.075, so a quantile read
-# from it is within 7.5 % above the true value; values below 1e-8, exact zeros included, share one bin).
-HISTOGRAM_RANGE: tuple[float, float] = (1e-8, 1e3)
-HISTOGRAM_BINS_PER_DECADE = 32
-# Log-probs at or below this are placeholders (e.g. -9999 for "not reported"), not probabilities.
-INVALID_LOGPROB_THRESHOLD = -1e3
 DEFAULT_RATIO_BAND: tuple[float, float] = (0.5, 2.0)
 # The ρ histogram spans e^-10 .. e^10; its outer bins hold everything beyond.
 _RATIO_LOG_RANGE = 10.0
@@ -59,7 +62,6 @@ _SUM_FIELDS = (
 )
 # Layout of the max state vector (min x stored as max −x).
 _MAX_FIELDS = ("abs_d_max", "abs_p_max", "rho_m1_max", "neg_rho_m1_min", "seq_abs_max", "is_w_max", "neg_is_w_min")
-_N_BUCKETS = len(PROB_BUCKET_EDGES) - 1
 
 
 @dataclass(frozen=True)
@@ -84,143 +86,11 @@ class _Layout:
 
     @property
     def bucket_abs_offset(self) -> int:
-        return self.bucket_count_offset + _N_BUCKETS
+        return self.bucket_count_offset + N_BUCKETS
 
     @property
     def n_sums(self) -> int:
-        return self.bucket_abs_offset + _N_BUCKETS
-
-
-def _batch_stats(
-    rollout: torch.Tensor,
-    train: torch.Tensor,
-    mask: torch.Tensor,
-    is_weights: torch.Tensor | None,
-    log_lo: float,
-    log_hi: float,
-    n_signed_bins: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch → (scalar sums [len(_SUM_FIELDS)], maxima [len(_MAX_FIELDS)], joint histogram cell per
-    token [B·T], |d| per token [B·T]); ``_joint_histograms`` turns the last two into the histogram sums.
-
-    Written without boolean indexing or data-dependent shapes, so it neither syncs with the host nor
-    recompiles when the batch shape changes (torch.compile with dynamic shapes fuses it into few loops).
-    Every elementwise pass over [B, T] counts on the hot path: quantities are derived from each other
-    (abs_p from ρ, validity from |d|, ρ extremes from d extremes) and both histograms share one index.
-    """
-    acc = torch.float64 if rollout.device.type != "mps" else torch.float32
-    dt = rollout.dtype
-    d = train - rollout  # d = log p_train − log p_rollout
-    # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
-    ok = (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
-    valid = mask & ok
-    n_invalid = (mask & ~ok).sum()
-    vf = valid.to(dt)
-
-    zero = torch.zeros((), dtype=dt, device=rollout.device)
-    d = torch.where(valid, d, zero)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0
-    abs_d = d.abs()
-    r = torch.where(valid, rollout, zero)
-    # ρ − 1 via expm1: chi2 and k3 are small differences of O(1) numbers, so keep them in ρ − 1 form
-    # (Σρ = n + Σ(ρ−1), Σρ² = n + Σ(2(ρ−1) + (ρ−1)²)) instead of cancelling n out of fp32 sums.
-    rho_m1 = torch.expm1(d)  # ρ − 1, ρ = π_train / π_rollout
-    abs_p = torch.exp(r) * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
-    k3 = rho_m1 - d  # k3 estimator of KL(π_rollout ‖ π_train) on rollout samples: E[ρ − 1 − log ρ]
-    outside = (d < log_lo) | (d > log_hi)  # d = 0 on invalid tokens, inside any band around ρ = 1
-
-    seq_d = d.sum(dim=-1)  # Σ_t d over valid tokens: the sequence log-ratio
-    seq_valid = valid.any(dim=-1)
-
-    inf = torch.full((), math.inf, dtype=dt, device=rollout.device)
-    d_max = torch.where(valid, d, -inf).amax() if d.numel() else -inf
-    d_min = torch.where(valid, d, inf).amin() if d.numel() else inf
-    scalar_sums = [
-        vf.sum(),
-        n_invalid.to(dt),
-        abs_d.sum(),
-        abs_p.sum(),
-        -d.sum(),
-        k3.sum(),
-        rho_m1.sum(),  # Σ(ρ − 1); ρ − 1 = 0 on the other tokens
-        (rho_m1 * rho_m1).sum(),  # Σ(ρ − 1)²
-        outside.sum().to(dt),
-        seq_valid.sum().to(dt),
-        seq_d.sum(),
-    ]
-    maxes = [
-        torch.maximum(d_max, -d_min),  # max |d|
-        abs_p.amax() if abs_p.numel() else -inf,
-        torch.expm1(d_max),  # max ρ − 1 (ρ is monotone in d)
-        -torch.expm1(d_min),  # −(min ρ − 1)
-        torch.where(seq_valid, seq_d.abs(), -inf).amax() if seq_d.numel() else -inf,
-    ]
-    if is_weights is not None:
-        w_ok = valid & torch.isfinite(is_weights)
-        w = torch.where(w_ok, is_weights.to(dt), zero)
-        scalar_sums += [w_ok.sum().to(dt), w.sum(), (w * w).sum(), (w_ok & (w == 0)).sum().to(dt)]
-        maxes += [torch.where(w_ok, w, -inf).amax(), torch.where(w_ok, -w, -inf).amax()]
-    else:
-        scalar_sums += [zero, zero, zero, zero]
-        maxes += [-inf, -inf]
-
-    # One joint histogram over (probability bucket of the rollout token, signed log-spaced bin of d), counted
-    # with weight 1[valid] and summed with weight |d|: its margins are the d histogram, the bucket counts and
-    # the bucket |d| sums. |d| bin: 0 below E_0 = 1e-8, else 1 + floor(32 · log10(|d| / E_0)), capped at the
-    # overflow bin; signed bin = centre + sign(d) · |d| bin. Buckets: [0, .01), [.01, .1), [.1, .5), [.5, .9),
-    # [.9, 1] on p = exp(rollout log-prob).
-    centre = (n_signed_bins - 1) // 2
-    log_lo_edge = math.log10(HISTOGRAM_RANGE[0])
-    abs_bin = (torch.log10(abs_d) - log_lo_edge).mul_(HISTOGRAM_BINS_PER_DECADE).floor_().add_(1.0)
-    abs_bin = abs_bin.clamp_(0.0, float(centre))
-    bucket = torch.bucketize(r, _log_prob_edges(dt, rollout.device), right=True)
-    joint = (bucket * n_signed_bins + centre) + (torch.sign(d) * abs_bin).to(torch.int64)
-    joint = torch.where(valid, joint, _N_BUCKETS * n_signed_bins)  # invalid tokens go to a spill cell
-    return torch.stack(scalar_sums).to(acc), torch.stack(maxes).to(acc), joint.reshape(-1), abs_d.reshape(-1)
-
-
-def _joint_histograms(joint: torch.Tensor, abs_d: torch.Tensor, n_signed_bins: int) -> torch.Tensor:
-    """Margins of the joint (bucket, bin) histogram: [d histogram, bucket counts, bucket |d| sums].
-
-    ``bincount`` is a serial pass on CPU; a parallel scatter (what a compiled ``index_add_`` becomes) spends
-    its time in atomic adds that collide on the few busy bins, so this part always runs eagerly.
-    """
-    cells = _N_BUCKETS * n_signed_bins
-    counts = torch.bincount(joint, minlength=cells + 1)[:cells].view(_N_BUCKETS, n_signed_bins)
-    abs_sums = torch.bincount(joint, weights=abs_d, minlength=cells + 1)[:cells].view(_N_BUCKETS, n_signed_bins)
-    acc = torch.float64 if joint.device.type != "mps" else torch.float32
-    return torch.cat([counts.sum(0).to(acc), counts.sum(1).to(acc), abs_sums.sum(1).to(acc)])
-
-
-_LOG_PROB_EDGES: dict = {}
-
-
-def _log_prob_edges(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Inner bucket edges in log space (log 0.01, log 0.1, log 0.5, log 0.9), cached per dtype/device."""
-    key = (dtype, device)
-    if key not in _LOG_PROB_EDGES:
-        inner = [math.log(e) for e in PROB_BUCKET_EDGES[1:-1]]
-        _LOG_PROB_EDGES[key] = torch.tensor(inner, dtype=dtype, device=device)
-    return _LOG_PROB_EDGES[key]
-
-
-_COMPILED = None
-
-
-def _compiled_batch_stats():
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_batch_stats, dynamic=True)
-    return _COMPILED
-
-
-def _want_compile(option: bool | str, device: torch.device) -> bool:
-    if option == "auto":
-        env = os.environ.get("TIM_PLUGINS_COMPILE")
-        if env is not None:
-            return env == "1"
-        # CUDA: fused kernel, negligible compile time. CPU: inductor needs a C++ compiler and ~10 s once.
-        return device.type == "cuda"
-    return bool(option)
+        return self.bucket_abs_offset + N_BUCKETS
 
 
 class MismatchMonitor:
@@ -315,18 +185,18 @@ class MismatchMonitor:
             math.log(self.ratio_band[1]), self._layout.n_signed_bins,
         )
         out = None
-        if not self._compile_failed and _want_compile(self.compile, device):
+        if not self._compile_failed and want_compile(self.compile, device):
             try:
-                out = _compiled_batch_stats()(*args)
+                out = compiled_batch_stats()(*args)
             except Exception as err:  # never let a compiler problem break a training step
                 import warnings
 
                 warnings.warn(f"tim_plugins: torch.compile of the mismatch pass failed ({err!r}); using eager.")
                 self._compile_failed = True
         if out is None:
-            out = _batch_stats(*args)
+            out = batch_stats(*args)
         scalar_sums, maxes, joint, abs_d = out
-        sums = torch.cat([scalar_sums, _joint_histograms(joint, abs_d, self._layout.n_signed_bins)])
+        sums = torch.cat([scalar_sums, joint_histograms(joint, abs_d, self._layout.n_signed_bins)])
         self._ensure_state(device, sums.dtype)
         if self._sums.device != device:  # state restored from a checkpoint lives on the CPU
             self._sums, self._maxes = self._sums.to(device), self._maxes.to(device)
@@ -362,8 +232,8 @@ class MismatchMonitor:
         m = dict(zip(_MAX_FIELDS, maxes))
         lay = self._layout
         hist = sums[lay.hist_offset : lay.hist_offset + lay.n_signed_bins]
-        b_count = sums[lay.bucket_count_offset : lay.bucket_count_offset + _N_BUCKETS]
-        b_abs = sums[lay.bucket_abs_offset : lay.bucket_abs_offset + _N_BUCKETS]
+        b_count = sums[lay.bucket_count_offset : lay.bucket_count_offset + N_BUCKETS]
+        b_abs = sums[lay.bucket_abs_offset : lay.bucket_abs_offset + N_BUCKETS]
 
         n = s["tokens"]
         nan = math.nan
@@ -398,7 +268,7 @@ class MismatchMonitor:
         out[f"{p}/seq/count"] = seqs
         out[f"{p}/seq/log_ratio_mean"] = s["seq_log_ratio"] / seqs if seqs > 0 else nan
         out[f"{p}/seq/log_ratio_abs_max"] = m["seq_abs_max"] if seqs > 0 else nan
-        for i in range(_N_BUCKETS):
+        for i in range(N_BUCKETS):
             key = f"{p}/by_prob/{_prob_key(PROB_BUCKET_EDGES[i], PROB_BUCKET_EDGES[i + 1])}"
             out[f"{key}/count"] = b_count[i]
             out[f"{key}/abs_diff_mean"] = b_abs[i] / b_count[i] if b_count[i] > 0 else nan

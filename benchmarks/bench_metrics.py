@@ -30,7 +30,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both sides (1 gives stable ratios on a shared machine)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from verl import DataProto
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
@@ -65,6 +69,7 @@ def main(argv=None) -> dict:
     t_compiled = median_time(ours(compiled), repeats=repeats, warmup=3)  # first call compiles
     results = {
         "shape": [args.batch, args.length],
+        "threads": torch.get_num_threads(),
         "seconds": {"verl": t_verl, "tim_eager": t_eager, "tim_compiled": t_compiled},
         "speedup_eager": t_verl / t_eager,
         "speedup_compiled": t_verl / t_compiled,

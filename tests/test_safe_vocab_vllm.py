@@ -57,6 +57,8 @@ def test_vllm_processed_logprobs_equal_safe_logprobs(vllm_llm, hf_model, min_p, 
         full = torch.log_softmax(logits / temperature, -1).gather(-1, new[:, None]).squeeze(-1)
         if min_p >= 0.02 or top_p < 1:
             assert (full - engine_lp).abs().max().item() > 1e-3
+    print(f"vLLM processed vs safe: min_p={min_p} top_k={top_k} top_p={top_p} T={temperature}: "
+          f"max |diff| {worst:.3g} over {n_tokens} tokens, {pruned_rows} rows pruned")
     assert n_tokens == 24 * len(PROMPTS)
     assert pruned_rows > 0
     assert worst < 1e-4, f"max |vLLM processed − safe| = {worst:.3g}"

@@ -115,7 +115,11 @@ def batch_stats(
     log_lo_edge = math.log10(HISTOGRAM_RANGE[0])
     abs_bin = (torch.log10(abs_d) - log_lo_edge).mul_(HISTOGRAM_BINS_PER_DECADE).floor_().add_(1.0)
     abs_bin = abs_bin.clamp_(0.0, float(centre))
-    bucket = torch.bucketize(r, _log_prob_edges(dt, rollout.device), right=True)
+    if torch.compiler.is_compiling():
+        # Inductor has no fused bucketize: four comparisons fuse into the same loop instead.
+        bucket = sum((r >= math.log(e)).to(torch.int64) for e in PROB_BUCKET_EDGES[1:-1])
+    else:
+        bucket = torch.bucketize(r, _log_prob_edges(dt, rollout.device), right=True)
     joint = (bucket * n_signed_bins + centre) + (torch.sign(d) * abs_bin).to(torch.int64)
     joint = torch.where(valid, joint, N_BUCKETS * n_signed_bins)  # invalid tokens go to a spill cell
     return torch.stack(scalar_sums).to(acc), torch.stack(maxes).to(acc), joint.reshape(-1), abs_d.reshape(-1)
@@ -124,14 +128,20 @@ def batch_stats(
 def joint_histograms(joint: torch.Tensor, abs_d: torch.Tensor, n_signed_bins: int) -> torch.Tensor:
     """Margins of the joint (bucket, bin) histogram: [d histogram, bucket counts, bucket |d| sums].
 
-    ``bincount`` is a serial pass on CPU; a parallel scatter (what a compiled ``index_add_`` becomes) spends
-    its time in atomic adds that collide on the few busy bins, so this part always runs eagerly.
+    Runs eagerly: a compiled scatter becomes atomic adds that collide on the few busy bins. ``index_add_``
+    rather than ``bincount``, which scans its input twice more for min and max.
     """
     cells = N_BUCKETS * n_signed_bins
-    counts = torch.bincount(joint, minlength=cells + 1)[:cells].view(N_BUCKETS, n_signed_bins)
-    abs_sums = torch.bincount(joint, weights=abs_d, minlength=cells + 1)[:cells].view(N_BUCKETS, n_signed_bins)
     acc = torch.float64 if joint.device.type != "mps" else torch.float32
-    return torch.cat([counts.sum(0).to(acc), counts.sum(1).to(acc), abs_sums.sum(1).to(acc)])
+    # fp32 weights count exactly up to 2^24 per cell; larger batches count in fp64.
+    w_dtype = abs_d.dtype if joint.numel() < 2**24 else acc
+    counts = torch.zeros(cells + 1, dtype=w_dtype, device=joint.device)
+    counts.index_add_(0, joint, torch.ones((), dtype=w_dtype, device=joint.device).expand(joint.shape))
+    abs_sums = torch.zeros(cells + 1, dtype=w_dtype, device=joint.device)
+    abs_sums.index_add_(0, joint, abs_d.to(w_dtype))
+    counts = counts[:cells].view(N_BUCKETS, n_signed_bins).to(acc)
+    abs_sums = abs_sums[:cells].view(N_BUCKETS, n_signed_bins).to(acc)
+    return torch.cat([counts.sum(0), counts.sum(1), abs_sums.sum(1)])
 
 
 _LOG_PROB_EDGES: dict = {}

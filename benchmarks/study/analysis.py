@@ -62,10 +62,12 @@ def collapse_step(steps: np.ndarray, reward: np.ndarray, rule: dict) -> int | No
 
 
 def spike_count(x: np.ndarray, factor: float) -> int:
-    """Steps where x exceeds `factor` × the running median of the steps before it (first 5 steps skipped)."""
+    """Steps where x exceeds `factor` × the running median of the earlier positive values (first 5 steps
+    skipped). Zeros are left out of the median: a GRPO step whose groups all have zero reward variance has
+    grad norm exactly 0, and a median of zeros would count every ordinary step as a spike."""
     n = 0
     for i in range(5, len(x)):
-        prev = x[:i][np.isfinite(x[:i])]
+        prev = x[:i][np.isfinite(x[:i]) & (x[:i] > 0)]
         if prev.size and math.isfinite(x[i]) and x[i] > factor * float(np.median(prev)):
             n += 1
     return n

@@ -90,7 +90,8 @@ def build_arms(cfg: StudyConfig) -> list[Arm]:
     base = dict(rollout="inject", target_k3=strongest)
     tag = _target_name(strongest)
     arms += [
-        Arm(f"{tag}+safe_vocab", "mitigation", safe_vocab=True, description="safe vocabulary (min_p both sides)", **base),
+        Arm(f"{tag}+safe_vocab", "mitigation", safe_vocab=True, description="safe vocabulary (min_p both sides)",
+            **base),
         Arm(f"{tag}+lr_decay", "mitigation", lr_decay=True, description="length-triggered LR decay", **base),
         Arm(f"{tag}+token_tis", "mitigation", is_correction="token_tis", description="token TIS, C = 2", **base),
         Arm(f"{tag}+seq_mis", "mitigation", is_correction="seq_mis", description="sequence MIS, C = 2", **base),

@@ -14,7 +14,10 @@ from .analysis import KEYS, moving_average
 
 __all__ = ["write_report"]
 
-_GROUPS = (("TIM arms (no mitigation)", ("exact", "tim")), ("Mitigations on the strongest TIM arm", ("mitigation", "all")))
+_GROUPS = (
+    ("TIM arms (no mitigation)", ("exact", "tim")),
+    ("Mitigations on the strongest TIM arm", ("mitigation", "all")),
+)
 
 
 def _plt():
@@ -92,7 +95,8 @@ def write_report(path: Path, *, arm_runs: dict, arms: list, table: list[dict], r
         "<h1>TIM study: GRPO (TRL) with the TIM callback, toy sort task</h1>",
         f"<p>Steps per run: {config['steps']}; seeds: {config['seeds']}; device: {html.escape(config['device'])}. "
         "Curves: mean ± std across seeds. Nothing is tuned per arm.</p>",
-        f"<p><b>Collapse (the same rule for every arm):</b> the {rule['window']}-step moving average of the reward stays below "
+        f"<p><b>Collapse (the same rule for every arm):</b> the {rule['window']}-step moving average of the "
+        "reward stays below "
         f"{rule['ratio']} × its running maximum for {rule['patience']} consecutive steps, once that maximum is "
         f">= {rule['min_peak']}. Spikes: grad norm > {rule['grad_spike']}× and entropy > {rule['entropy_spike']}× "
         "the running median of earlier steps.</p>",
@@ -105,7 +109,8 @@ def write_report(path: Path, *, arm_runs: dict, arms: list, table: list[dict], r
     parts += [f"<th>{c}</th>" for c in cols] + ["</tr>"]
     for row in table:
         parts.append("<tr>" + "".join(f"<td>{_fmt(row[c])}</td>" for c in cols) + "</tr>")
-    parts.append(f"</table><p>cost_vs_reference: median seconds per step relative to <code>{html.escape(str(reference))}"
+    ref = html.escape(str(reference))
+    parts.append(f"</table><p>cost_vs_reference: median seconds per step relative to <code>{ref}"
                  "</code> (the strongest TIM arm, no mitigation). final reward: mean of the last 10 steps.</p>")
     by_group = {}
     for arm in arms:

@@ -132,7 +132,8 @@ def run_one(arm, seed: int, cfg, model_path: str, scales: dict, work_dir: Path) 
     args = GRPOConfig(
         output_dir=str(work_dir), max_steps=cfg.steps, per_device_train_batch_size=cfg.prompts_per_step *
         cfg.num_generations, num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-        learning_rate=cfg.learning_rate, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+        learning_rate=cfg.learning_rate, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type="constant",
+        warmup_steps=0, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=cfg.device == "cpu", bf16=False,
         gradient_checkpointing=False, seed=seed, beta=0.0, temperature=cfg.temperature, loss_type=cfg.loss_type,
         min_p=cfg.min_p if arm.safe_vocab else None, top_k=0, disable_tqdm=True, dataloader_num_workers=0,
@@ -153,10 +154,6 @@ def run_one(arm, seed: int, cfg, model_path: str, scales: dict, work_dir: Path) 
     patch = None
     if arm.rollout == "bf16":
         patch = Bf16Rollout(trainer.model)
-    elif arm.rollout == "exact":
-        from .exact_scoring import ExactScoring
-
-        patch = ExactScoring(trainer)  # before train(): the callback wraps it at on_train_begin
     t0 = time.perf_counter()
     try:
         trainer.train()

@@ -107,6 +107,7 @@ class TIMCallback(TrainerCallback):
             self.hooks.attach(
                 generation=self.rollout_source in ("hf", "exact", "inject"),
                 safe_vocab_shim=self.features.safe_vocab_shim() if self.safe_vocab_active else None,
+                exact_scoring=self.rollout_source == "exact",
             )
         if self.config.parity_audit:
             self.features.run_parity_audit()

@@ -76,12 +76,16 @@ class TRLHooks:
         self._logps_sig = None
 
     # ------------------------------------------------------------------------------------------- install
-    def attach(self, *, generation: bool, safe_vocab_shim: Callable | None) -> None:
+    def attach(self, *, generation: bool, safe_vocab_shim: Callable | None, exact_scoring: bool = False) -> None:
         t = self.trainer
         # The class's signature (instance attributes may be other wrappers taking *args, **kwargs).
         self._logps_sig = inspect.signature(type(t)._get_per_token_logps_and_entropies)
         self.patches.append(Patch(t, "_generate_and_score_completions", self._wrap_generate_and_score))
         self.patches.append(Patch(t, "_compute_loss", self._wrap_compute_loss))
+        if exact_scoring:  # under the capture wrapper below, so the monitor sees the exact scores
+            from ._exact_scoring import exact_scorer
+
+            self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", exact_scorer(t)))
         self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
         if generation:
             self.patches.append(Patch(t, "_generate_single_turn", self._wrap_generate_single_turn))

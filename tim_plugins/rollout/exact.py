@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["exact_generate", "exact_logprobs"]
+__all__ = ["exact_generate", "exact_logprobs", "tempered_log_softmax"]
 
 
-def _logprobs_of_positions(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def tempered_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     # log p = log_softmax(z / T) in fp32; T == 0 (greedy) uses the untempered distribution, as vLLM does.
     z = logits.float()
     if temperature > 0 and temperature != 1.0:
@@ -53,7 +53,7 @@ def exact_logprobs(
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     p = prompt_ids.shape[1]
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    logp = _logprobs_of_positions(logits[:, p - 1:-1], temperature)
+    logp = tempered_log_softmax(logits[:, p - 1:-1], temperature)
     return logp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -116,7 +116,7 @@ def exact_generate(
         # The whole buffer every step: same shapes as the trainer's forward, no KV cache.
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         # Same slice and op as exact_logprobs (log_softmax over [B, T, V]); keep only column t.
-        step_logp = _logprobs_of_positions(logits[:, p - 1:-1], temperature)[:, t]
+        step_logp = tempered_log_softmax(logits[:, p - 1:-1], temperature)[:, t]
         if temperature == 0:
             tok = step_logp.argmax(dim=-1)
         else:

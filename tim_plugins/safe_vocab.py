@@ -6,7 +6,7 @@ Rule (the same as vLLM's and HF's ``min_p`` sampling):
 Top-k / top-p cut S further with the sampler's order (``tim_plugins.truncation``), so any engine truncation
 can be matched. ``min_p = 0`` (and no top-k/top-p) gives exactly ``log_softmax(z / T)[a]``.
 
-Why: if every logit moves by at most ε between two pipelines, |Δ log p_a| <= 2ε(1 − p_a): the tail disagrees
+Why: if every logit moves by at most ε between two pipelines, |Δ log p_a| <= 2ε(1 − p_a) to first order: the tail disagrees
 most, and a sampled tail token carries a large, biased ratio. Pruning the extreme tail on both sides trades that
 for a small pruning bias, reported here as the pruned mass 1 − Σ_S p_T.
 

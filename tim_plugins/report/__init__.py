@@ -91,7 +91,7 @@ def build_report(dump_dir: str | Path, out: str | Path | None = None, *, summary
     parts.append("<h2>Figures</h2>")
     parts.append(_img(figures.abs_diff_histogram(d), "|d| per token, log-spaced bins"))
     parts.append(_img(figures.mismatch_by_probability(d, rollout[ok]),
-                      "mismatch by token probability: theory bounds |Δlog p| by 2ε(1 − p)"))
+                      "mismatch by token probability: to first order theory bounds |Δlog p| by 2ε(1 − p)"))
     parts.append(_img(figures.ratio_distribution(d), "ρ = π_train/π_rollout per token"))
     parts.append(_img(figures.drift_by_position(d, pos), "drift by response position"))
     parts.append(_img(figures.cumulative_log_ratio(d, seq_key),

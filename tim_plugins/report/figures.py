@@ -60,7 +60,7 @@ def abs_diff_histogram(d: np.ndarray) -> bytes:
 def mismatch_by_probability(d: np.ndarray, rollout_logprob: np.ndarray) -> bytes:
     """Mean and p99 of |d| binned by 1 − p (p = rollout probability), with a (1 − p) reference line.
 
-    Theory: if every logit moves by at most ε, |Δ log p| <= 2ε(1 − p). The line is c·(1 − p) with c the
+    Theory: if every logit moves by at most ε, |Δ log p| <= 2ε(1 − p) to first order ((e^{2ε} − 1)(1 − p) exactly). The line is c·(1 − p) with c the
     largest observed |d| / (1 − p) over bins with >= 20 tokens, i.e. the tightest envelope of that form.
     """
     plt = _plt()

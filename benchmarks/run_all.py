@@ -24,6 +24,7 @@ BENCHMARKS = {
     "ablate_min_p": ("main", "ablate_min_p", None),
     "bench_trl_step": ("main", "trl_step", None),
     "bench_probe": ("main", "probe", None),
+    "study": ("main", "study", None),
 }
 
 

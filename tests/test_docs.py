@@ -60,3 +60,27 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd == "make test"
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, re.M)
+
+
+def test_lr_decay_defaults_in_readme_match_the_config():
+    from tim_plugins.lr_control import LRDecayConfig
+
+    cfg = LRDecayConfig()
+    rows = {}
+    for line in _section("mitigations").splitlines():
+        m = re.match(r"^\| (`[^|]+`) \| ([^|]+) \|", line)
+        if m and m.group(1) != "`mode`":
+            names = re.findall(r"`([a-z_0-9]+)`", m.group(1))
+            values = [v.strip() for v in m.group(2).split(",")]
+            if len(names) == len(values) and all(hasattr(cfg, n) for n in names):
+                rows.update(zip(names, values))
+    assert len(rows) >= 10, rows
+    for name, text in rows.items():
+        assert float(text) == float(getattr(cfg, name)), (name, text, getattr(cfg, name))
+
+
+def test_default_min_p_in_readme_matches_the_code():
+    from tim_plugins.safe_vocab import DEFAULT_MIN_P
+
+    m = re.search(r"`DEFAULT_MIN_P = ([0-9.e-]+)`", _section("safe-vocab"))
+    assert m and float(m.group(1)) == DEFAULT_MIN_P

@@ -115,11 +115,9 @@ def batch_stats(
     log_lo_edge = math.log10(HISTOGRAM_RANGE[0])
     abs_bin = (torch.log10(abs_d) - log_lo_edge).mul_(HISTOGRAM_BINS_PER_DECADE).floor_().add_(1.0)
     abs_bin = abs_bin.clamp_(0.0, float(centre))
-    if torch.compiler.is_compiling():
-        # Inductor has no fused bucketize: four comparisons fuse into the same loop instead.
-        bucket = sum((r >= math.log(e)).to(torch.int64) for e in PROB_BUCKET_EDGES[1:-1])
-    else:
-        bucket = torch.bucketize(r, _log_prob_edges(dt, rollout.device), right=True)
+    # Four comparisons, not torch.bucketize: they fuse under torch.compile, and eager bucketize on CPU costs
+    # milliseconds even for a few hundred tokens.
+    bucket = sum((r >= math.log(e)).to(torch.int64) for e in PROB_BUCKET_EDGES[1:-1])
     joint = (bucket * n_signed_bins + centre) + (torch.sign(d) * abs_bin).to(torch.int64)
     joint = torch.where(valid, joint, N_BUCKETS * n_signed_bins)  # invalid tokens go to a spill cell
     return torch.stack(scalar_sums).to(acc), torch.stack(maxes).to(acc), joint.reshape(-1), abs_d.reshape(-1)
@@ -142,18 +140,6 @@ def joint_histograms(joint: torch.Tensor, abs_d: torch.Tensor, n_signed_bins: in
     counts = counts[:cells].view(N_BUCKETS, n_signed_bins).to(acc)
     abs_sums = abs_sums[:cells].view(N_BUCKETS, n_signed_bins).to(acc)
     return torch.cat([counts.sum(0), counts.sum(1), abs_sums.sum(1)])
-
-
-_LOG_PROB_EDGES: dict = {}
-
-
-def _log_prob_edges(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Inner bucket edges in log space (log 0.01, log 0.1, log 0.5, log 0.9), cached per dtype/device."""
-    key = (dtype, device)
-    if key not in _LOG_PROB_EDGES:
-        inner = [math.log(e) for e in PROB_BUCKET_EDGES[1:-1]]
-        _LOG_PROB_EDGES[key] = torch.tensor(inner, dtype=dtype, device=device)
-    return _LOG_PROB_EDGES[key]
 
 
 _COMPILED = None

@@ -24,7 +24,7 @@ DUMP_COLUMNS = (
 
 @dataclass
 class DumpConfig:
-    out_dir: str = field(metadata={"help": "Folder for step_XXXXXXXX-rank_XXXX.parquet files."})
+    out_dir: str = field(metadata={"help": "Folder for the step_<8 digits>-rank_<4 digits>.parquet files."})
     sample_rate: float = field(
         default=0.05, metadata={"help": "Fraction of sequences written per step (whole sequences)."}
     )

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 from pathlib import Path
 
 import numpy as np
+
+from tim_plugins.report.figures import png_bytes, pyplot
 
 from .analysis import KEYS, moving_average
 
@@ -20,20 +21,8 @@ _GROUPS = (
 )
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    _plt().close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(png_bytes(fig)).decode()
 
 
 def _stack(runs: dict, key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -45,7 +34,7 @@ def _stack(runs: dict, key: str) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _figure(arm_runs: dict, arms: list[str], reference: str | None, smooth: int) -> str:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     fig.subplots_adjust(hspace=0.35)
     for ax, (key, label, log) in zip(axes.flat, KEYS):

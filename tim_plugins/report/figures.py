@@ -7,6 +7,8 @@ import io
 import numpy as np
 
 __all__ = [
+    "pyplot",
+    "png_bytes",
     "abs_diff_histogram",
     "mismatch_by_probability",
     "ratio_distribution",
@@ -16,7 +18,8 @@ __all__ = [
 ]
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -25,10 +28,10 @@ def _plt():
     return plt
 
 
-def _png(fig) -> bytes:
+def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
+    pyplot().close(fig)
     return buf.getvalue()
 
 
@@ -41,7 +44,7 @@ def _log_bins(x: np.ndarray, n: int = 60) -> np.ndarray:
 
 def abs_diff_histogram(d: np.ndarray) -> bytes:
     """Histogram of |d| = |log p_train − log p_rollout| on log-spaced bins (exact zeros counted apart)."""
-    plt = _plt()
+    plt = pyplot()
     a = np.abs(d)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     if (a > 0).any():
@@ -54,7 +57,7 @@ def abs_diff_histogram(d: np.ndarray) -> bytes:
     ax.set_ylabel("tokens")
     zeros = int((a == 0).sum())
     ax.set_title(f"|d| per token  (n={a.size}, exactly 0: {zeros})")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def mismatch_by_probability(d: np.ndarray, rollout_logprob: np.ndarray) -> bytes:
@@ -63,7 +66,7 @@ def mismatch_by_probability(d: np.ndarray, rollout_logprob: np.ndarray) -> bytes
     Theory: if every logit moves by at most ε, |Δ log p| <= 2ε(1 − p) to first order ((e^{2ε} − 1)(1 − p) exactly). The line is c·(1 − p) with c the
     largest observed |d| / (1 − p) over bins with >= 20 tokens, i.e. the tightest envelope of that form.
     """
-    plt = _plt()
+    plt = pyplot()
     a = np.abs(d)
     q = 1.0 - np.exp(rollout_logprob)
     q = np.clip(q, 1e-7, 1.0)
@@ -92,12 +95,12 @@ def mismatch_by_probability(d: np.ndarray, rollout_logprob: np.ndarray) -> bytes
     ax.set_xlabel("1 − p_rollout(token)")
     ax.set_ylabel("|d|")
     ax.set_title("mismatch by token probability")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def ratio_distribution(d: np.ndarray) -> bytes:
     """Distribution of ρ = exp(d) = π_train / π_rollout (log x axis; ρ = 1 marked)."""
-    plt = _plt()
+    plt = pyplot()
     rho = np.exp(d)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     lo, hi = np.quantile(rho, [0.0005, 0.9995]) if rho.size else (0.5, 2.0)
@@ -109,12 +112,12 @@ def ratio_distribution(d: np.ndarray) -> bytes:
     ax.set_xlabel("ρ = π_train / π_rollout (clipped to the 0.05–99.95 % range)")
     ax.set_ylabel("tokens")
     ax.set_title("importance ratio per token")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def drift_by_position(d: np.ndarray, position: np.ndarray) -> bytes:
     """Mean d and mean |d| by response position (bins of equal width)."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     if position.size:
         n_bins = int(min(50, position.max() + 1))
@@ -130,13 +133,13 @@ def drift_by_position(d: np.ndarray, position: np.ndarray) -> bytes:
     ax.set_xlabel("response position")
     ax.set_ylabel("log-prob difference")
     ax.set_title("drift by position")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def cumulative_log_ratio(d: np.ndarray, sequence_key: np.ndarray) -> bytes:
     """Per sequence: Σ_t d (the sequence log-ratio) against its length; the sequence-level IS weight is its
     exponential, so long sequences drift furthest."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     if d.size:
         _, inverse = np.unique(sequence_key, return_inverse=True)
@@ -147,12 +150,12 @@ def cumulative_log_ratio(d: np.ndarray, sequence_key: np.ndarray) -> bytes:
     ax.set_xlabel("sequence length (valid tokens)")
     ax.set_ylabel("Σ_t d = log ρ_seq")
     ax.set_title("cumulative log-ratio vs length")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def step_series(steps: np.ndarray, series: dict[str, np.ndarray]) -> bytes:
     """Per-step metrics (one line each, log y where positive)."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
     for ax, (name, values) in zip(axes[0], series.items()):
         ax.plot(steps, values, ".-")
@@ -160,4 +163,4 @@ def step_series(steps: np.ndarray, series: dict[str, np.ndarray]) -> bytes:
             ax.set_yscale("log")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step")
-    return _png(fig)
+    return png_bytes(fig)

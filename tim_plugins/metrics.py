@@ -51,6 +51,9 @@ def abs_diff_bin_edges(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.logspace(math.log10(lo), math.log10(hi), n, dtype=torch.float64, device=device)
 
 
+_BIN_EDGES_LIST = abs_diff_bin_edges().tolist()
+
+
 def _prob_key(lo: float, hi: float) -> str:
     return f"{lo:g}-{hi:g}"
 
@@ -231,7 +234,7 @@ class MismatchMonitor:
         s = dict(zip(_SUM_FIELDS, sums))
         m = dict(zip(_MAX_FIELDS, maxes))
         lay = self._layout
-        hist = sums[lay.hist_offset : lay.hist_offset + lay.n_signed_bins]
+        hist_np = sums_t[lay.hist_offset : lay.hist_offset + lay.n_signed_bins].cpu().numpy()
         b_count = sums[lay.bucket_count_offset : lay.bucket_count_offset + N_BUCKETS]
         b_abs = sums[lay.bucket_abs_offset : lay.bucket_abs_offset + N_BUCKETS]
 
@@ -261,7 +264,7 @@ class MismatchMonitor:
             f"{p}/token/ratio_max": 1.0 + mx(m["rho_m1_max"]),
             f"{p}/token/ratio_outside_frac": mean(s["outside"]),
         }
-        abs_counts = _fold_signed(hist)
+        abs_counts = _fold_signed(hist_np)
         out[f"{p}/token/abs_diff_p99"] = _hist_quantile(abs_counts, 0.99, out[f"{p}/token/abs_diff_max"])
         out[f"{p}/token/abs_diff_p999"] = _hist_quantile(abs_counts, 0.999, out[f"{p}/token/abs_diff_max"])
         seqs = s["seqs"]
@@ -292,7 +295,7 @@ class MismatchMonitor:
         hist = sums[lay.hist_offset : lay.hist_offset + lay.n_signed_bins].cpu().numpy()
         e = abs_diff_bin_edges().numpy()  # E_0 .. E_K
         # |d| bins [0, E_0), [E_0, E_1), ..., [E_{K-1}, E_K]: the overflow bin (>= E_K) joins the last one.
-        abs_counts = np.asarray(_fold_signed(list(hist)))
+        abs_counts = _fold_signed(hist)
         abs_counts[-2] += abs_counts[-1]
         abs_edges = np.concatenate([[0.0], e])
         # ρ = exp(d) bins from the signed d histogram; d-space edges -E_K .. -E_0, E_0 .. E_K, overflow bins
@@ -322,32 +325,28 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _fold_signed(hist: list[float]) -> list[float]:
-    """Signed d histogram → |d| histogram (bin 0 is |d| < E_0, the last bin |d| >= E_K)."""
+def _fold_signed(hist):
+    """Signed d histogram (numpy) → |d| histogram (bin 0 is |d| < E_0, the last bin |d| >= E_K)."""
     centre = (len(hist) - 1) // 2
-    folded = [hist[centre]]
-    for i in range(1, centre + 1):
-        folded.append(hist[centre + i] + hist[centre - i])
+    folded = hist[centre:].copy()  # bin i >= 1 holds +d of |d| bin i; add the mirrored −d bin
+    folded[1:] += hist[:centre][::-1]
     return folded
 
 
-def _hist_quantile(abs_counts: list[float], q: float, exact_max: float) -> float:
+def _hist_quantile(abs_counts, q: float, exact_max: float) -> float:
     """Upper edge of the bin holding the q-quantile of |d|, capped at the exact max; 0.0 if it lies below
     the histogram's resolution (1e-8)."""
-    total = sum(abs_counts)
-    if total <= 0:
+    import numpy as np
+
+    cum = np.cumsum(np.asarray(abs_counts, dtype=np.float64))
+    if cum.size == 0 or cum[-1] <= 0:
         return math.nan
-    target = q * total
-    edges = abs_diff_bin_edges().tolist()
-    cum = 0.0
-    for i, c in enumerate(abs_counts):
-        cum += c
-        if cum >= target:
-            if i == 0:
-                return 0.0
-            upper = edges[i] if i < len(edges) else math.inf
-            return min(upper, exact_max)
-    return exact_max
+    i = int(np.searchsorted(cum, q * cum[-1], side="left"))  # first bin whose cumulative count reaches q·N
+    if i == 0:
+        return 0.0
+    edges = _BIN_EDGES_LIST
+    upper = edges[i] if i < len(edges) else math.inf
+    return min(upper, exact_max)
 
 
 def _check_inputs(rollout, train, mask, is_weights):

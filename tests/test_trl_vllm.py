@@ -36,9 +36,12 @@ def vllm_run(toy_model_path, tmp_path_factory):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp = pytest.MonkeyPatch()
     mp.setattr(VLLMGeneration, "sync_weights", _cpu_sync_weights)
+    # TRL passes only gpu_memory_utilization, which vLLM's CPU backend reads as a share of RAM that also has to
+    # hold everything else this pytest process loaded; the CPU backend's own knob fixes the KV cache at 1 GiB.
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     tmp = tmp_path_factory.mktemp("trl_vllm")
     trainer = make_trainer(
-        toy_model_path, tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.04,
+        toy_model_path, tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
         vllm_max_model_length=128, max_steps=2, loss_type="grpo",
     )
     cap = Capture(trainer)

@@ -39,7 +39,7 @@ $(VENV_VERL)/$(STAMP): pyproject.toml
 
 test: test-main test-verl test-wheel
 
-test-main: $(VENV)/$(STAMP)
+test-main: $(VENV)/$(STAMP) $(VENV_VERL)/$(STAMP)  # one test reads verl's source from .venv-verl
 	$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite $(PYTEST_ARGS)
 
 test-verl: $(VENV_VERL)/$(STAMP)

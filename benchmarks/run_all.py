@@ -53,13 +53,17 @@ def main(argv=None) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         entry = {"command": " ".join(["python", "-m", f"benchmarks.{name}"] + cmd[3:]), "environment": env,
                  "returncode": proc.returncode, "seconds": round(time.time() - t0, 1)}
-        path = RESULTS_DIR / f"{result}.json"
-        if proc.returncode == 0 and path.exists():
+        # Some benchmarks keep quick results apart (<name>_quick.json); only a file written by this run counts.
+        names = [f"{result}_quick", result] if args.quick else [result]
+        fresh = [RESULTS_DIR / f"{n}.json" for n in names
+                 if (RESULTS_DIR / f"{n}.json").exists() and (RESULTS_DIR / f"{n}.json").stat().st_mtime >= t0]
+        path = fresh[0] if fresh else None
+        if proc.returncode == 0 and path is not None:
             data = json.loads(path.read_text())
             entry["headline"] = _headline(data, keys)
             entry["goal"] = data.get("goal") or data.get("goals")
         else:
-            entry["error"] = (proc.stderr or proc.stdout)[-2000:]
+            entry["error"] = (proc.stderr or proc.stdout)[-2000:] or "no results file written by this run"
         index[name] = entry
         shown = entry.get("headline") or entry.get("error", "")[-300:]
         print(f"{name:20s} rc={proc.returncode} {json.dumps(shown, default=str)}")

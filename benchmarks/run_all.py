@@ -21,10 +21,10 @@ from benchmarks._common import RESULTS_DIR, environment, write_results
 BENCHMARKS = {
     "bench_metrics": ("verl", "metrics_vs_verl", ("speedup_eager", "speedup_compiled")),
     "bench_safe_vocab": ("main", "safe_vocab", None),
-    "ablate_min_p": ("main", "ablate_min_p", None),
+    "ablate_min_p": ("main", "ablate_min_p", ("chosen_min_p",)),
     "bench_trl_step": ("main", "trl_step", None),
     "bench_probe": ("main", "probe", None),
-    "study": ("main", "study", None),
+    "study": ("main", "study", ("reference_arm", "wall_seconds")),
 }
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 __all__ = ["main", "add_arguments", "run_study", "QUICK"]
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "study"
+QUICK_OUT = DEFAULT_OUT.with_name("study_quick")  # a smoke run never touches the default study's results
 # --quick: the exact arm, the realistic arm and the strongest injected arm with every mitigation (exercises
 # each code path), 1 seed, a few steps.
 QUICK = {"steps": 4, "seeds": (0,), "arms": ("exact", "bf16", "inject_k3_1e-1+all"), "inject_targets": (1e-1,)}
@@ -198,14 +199,16 @@ def run_from_args(args) -> dict:
         torch.set_num_threads(args.threads)
     cfg = _config_from_args(args)
     t0 = time.perf_counter()
-    res = run_study(cfg, Path(args.out) if args.out else DEFAULT_OUT, report=not args.no_report)
+    out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+    res = run_study(cfg, out, report=not args.no_report)
     res["wall_seconds"] = time.perf_counter() - t0
-    if not args.out and not args.quick:  # the default study also lands in the benchmarks index format
+    if not args.out:  # the default locations also land in the benchmarks index format
         from benchmarks._common import write_results
 
-        write_results("study", {"command": "python -m benchmarks.study", "config": cfg.to_dict(),
-                                "folder": str(DEFAULT_OUT), "reference_arm": res["reference_arm"],
-                                "wall_seconds": res["wall_seconds"], "arms": res["rows"]})
+        name = "study_quick" if args.quick else "study"
+        write_results(name, {"command": f"python -m benchmarks.study{' --quick' if args.quick else ''}",
+                             "config": cfg.to_dict(), "folder": str(out), "reference_arm": res["reference_arm"],
+                             "wall_seconds": res["wall_seconds"], "arms": res["rows"]})
     for row in res["rows"]:
         print(f"{row['arm']:<28} reward {row['final_reward_mean']:.3f}±{row['final_reward_std']:.3f}  "
               f"collapsed {row['collapsed_runs']}/{row['seeds']}  k3 {row['k3_start']:.3g} -> {row['k3_end']:.3g}  "

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._generation import record_processed_logprobs
+from tim_plugins.rollout.recorder import record_processed_logprobs
 
 __all__ = ["Patch", "TRLHooks"]
 

@@ -2,8 +2,8 @@
 recomputation of the same tokens.
 
 Processed log-probs are those of the distribution actually sampled from: log_softmax of the scores after
-temperature and truncation (``generate(output_scores=True)`` returns exactly those). TRL's built-in
-generation discards them; an RL ratio needs them.
+temperature and truncation, recorded by ``rollout.recorder`` as ``generate`` runs. TRL's built-in generation
+discards them; an RL ratio needs them.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tim_plugins.rollout.recorder import record_processed_logprobs
 
 __all__ = [
     "RolloutBatch",
@@ -106,17 +108,16 @@ def generate_with_logprobs(
         torch.manual_seed(seed)
     kwargs = dict(
         do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-        min_p=float(min_p) if min_p else None, max_new_tokens=int(max_new_tokens), output_scores=True,
-        return_dict_in_generate=True, eos_token_id=eos, pad_token_id=pad, use_cache=True,
+        min_p=float(min_p) if min_p else None, max_new_tokens=int(max_new_tokens), eos_token_id=eos,
+        pad_token_id=pad, use_cache=True,
     )
-    if logits_processor is not None:
-        kwargs["logits_processor"] = logits_processor
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    # The recorder sits after every warper, so it sees the distribution each token was sampled from (and
+    # keeps one [B, V] row at a time instead of output_scores' [T, B, V]).
+    with record_processed_logprobs(model, extra_processors=tuple(logits_processor or ())) as recorders:
+        sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     P = input_ids.shape[1]
-    completion_ids = out.sequences[:, P:]
-    T = completion_ids.shape[1]
-    scores = torch.stack(out.scores[:T], dim=1)  # [B, T, V] processed scores (−inf where truncated)
-    logprobs = torch.log_softmax(scores.float(), dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    completion_ids = sequences[:, P:]
+    logprobs = recorders[0].finish(completion_ids[:, -1])  # [B, T] fp32
     completion_mask = completion_mask_from_eos(completion_ids, eos)
     logprobs = logprobs.masked_fill(completion_mask == 0, 0.0)
     return RolloutBatch(

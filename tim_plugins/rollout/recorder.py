@@ -1,7 +1,7 @@
-"""Record the processed log-probs of what TRL's own ``generate`` call samples (use_vllm=False).
+"""Record the processed log-probs of what an HF ``generate`` call samples, without changing the call.
 
-TRL 1.16 discards the sampler's log-probs on the transformers path (``logprobs = None``). Rather than replace
-TRL's generation, we leave its ``generate`` call untouched and append one logits processor *at the very end*
+Used by ``rollout.hf.generate_with_logprobs`` and by the TRL adapter (TRL 1.16 discards the sampler's log-probs
+on its transformers path). The ``generate`` call stays untouched; one logits processor is appended *at the very end*
 of the list ``generate`` builds (after temperature / top-k / top-p / min-p), so it sees exactly the
 distribution the token is sampled from. It keeps one ``[B, V]`` row of log-probs between steps (no
 ``output_scores`` history: that would be ``T x B x V``).

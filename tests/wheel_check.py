@@ -37,4 +37,4 @@ code = ("import sys, tim_plugins, tim_plugins.metrics, tim_plugins.safe_vocab, t
         "bad = [m for m in ('trl', 'verl', 'vllm', 'ray', 'wandb', 'flash_attn') if m in sys.modules]; "
         "sys.exit(f'core imported {bad}' if bad else 0)")
 subprocess.run([sys.executable, "-c", code], check=True)
-print("wheel check passed: 1 passed, 0 failed")
+print("wheel: 1 passed, 0 failed")

@@ -152,14 +152,16 @@ def _measure_pass(cfg, tokenizer, rollout_model, trainer_model, llm, prompts, mi
     from tim_plugins.metrics import MismatchMonitor
     from tim_plugins.rollout.exact import exact_generate, exact_logprobs
     from tim_plugins.rollout.hf import RolloutBatch, completion_logits, generate_with_logprobs
-    from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_loss_mask
+    from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_loss_mask, safe_vocab_metrics
 
     order = "vllm" if cfg.rollout == "vllm" else "hf"
     trunc = _truncation(cfg, order, min_p) if cfg.rollout != "exact" else None
     monitor = MismatchMonitor()
     full_monitor = MismatchMonitor() if trunc is not None and trunc.active else None
-    pruned_sum = boundary = valid_total = size_sum = 0.0
-    pruned_max = 0.0
+    # tim/safe_vocab/* per batch from the core's safe_vocab_metrics, merged weighted by valid tokens (the
+    # means) and by max (the maximum).
+    safe_sums: dict[str, float] = {}
+    valid_total = 0.0
     t0 = time.perf_counter()
     batches = range(0, len(prompts), cfg.batch_size)
     for b, start in enumerate(tqdm(batches, desc=f"sampling [{label}]", unit="batch", leave=False)):
@@ -194,14 +196,14 @@ def _measure_pass(cfg, tokenizer, rollout_model, trainer_model, llm, prompts, mi
                 )
             train = safe.logprobs.reshape(B, T)
             mask = batch.completion_mask
-            loss_mask, n_boundary = safe_loss_mask(mask, safe.in_safe.reshape(B, T))
-            valid = mask.bool()
-            pruned = safe.pruned_mass.reshape(B, T)[valid]
-            pruned_sum += float(pruned.sum())
-            pruned_max = max(pruned_max, float(pruned.max()) if pruned.numel() else 0.0)
-            size_sum += float(safe.size.reshape(B, T)[valid].float().sum())
-            boundary += float(n_boundary)
-            valid_total += float(valid.sum())
+            loss_mask, _ = safe_loss_mask(mask, safe.in_safe.reshape(B, T))
+            n = float(mask.sum())
+            for key, value in safe_vocab_metrics(safe, mask).items():
+                if key.endswith("_max"):
+                    safe_sums[key] = max(safe_sums.get(key, 0.0), value)
+                else:
+                    safe_sums[key] = safe_sums.get(key, 0.0) + value * n
+            valid_total += n
             if full_monitor is not None:
                 full = torch.log_softmax(logits.float() / cfg.temperature, -1)
                 full = full.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
@@ -210,11 +212,8 @@ def _measure_pass(cfg, tokenizer, rollout_model, trainer_model, llm, prompts, mi
         if dumper is not None:
             dumper.write(b, batch.logprobs, train, loss_mask, batch.completion_ids)
     metrics = monitor.compute(sync=False)
-    if cfg.rollout != "exact" and valid_total > 0:
-        metrics["tim/safe_vocab/pruned_mass_mean"] = pruned_sum / valid_total
-        metrics["tim/safe_vocab/pruned_mass_max"] = pruned_max
-        metrics["tim/safe_vocab/size_mean"] = size_sum / valid_total
-        metrics["tim/safe_vocab/boundary_frac"] = boundary / valid_total
+    if valid_total > 0:
+        metrics.update({k: v if k.endswith("_max") else v / valid_total for k, v in safe_sums.items()})
     if full_monitor is not None:
         full = full_monitor.compute(sync=False)
         metrics["tim/full_vocab/kl_k3"] = full["tim/token/kl_k3"]

@@ -144,9 +144,7 @@ class TIMCallback(TrainerCallback):
             if self.monitor is not None:
                 self.count_diag("no_rollout_logprobs")
             return
-        mask = out["completion_mask"].bool()
-        if out.get("tool_mask") is not None:
-            mask = mask & out["tool_mask"].bool()
+        mask = _response_mask(out)
         train = out.get("old_per_token_logps")
         in_safe = records[0]["in_safe"] if records else None
         needs_train = self.config.is_correction is not None or (self.safe_vocab_active and self.config.mask_boundary_tokens)
@@ -170,9 +168,7 @@ class TIMCallback(TrainerCallback):
 
     def on_loss_batch(self, inputs: dict, train_logps: torch.Tensor) -> None:
         """Deferred monitor update with the loss forward's own log-probs (same weights as the rollout)."""
-        mask = inputs["completion_mask"].bool()
-        if inputs.get("tool_mask") is not None:
-            mask = mask & inputs["tool_mask"].bool()
+        mask = _response_mask(inputs)
         self._update_monitor(inputs["sampling_per_token_logps"], train_logps, mask, None, inputs)
 
     def _update_monitor(self, rollout, train, mask, is_weights, batch) -> None:
@@ -277,3 +273,11 @@ class TIMCallback(TrainerCallback):
         self.last_mean_length = payload.get("last_mean_length")
         self.last_grad_norm = payload.get("last_grad_norm")
         self.generation_count = int(payload.get("generation_count") or 0)
+
+
+def _response_mask(batch: dict) -> torch.Tensor:
+    """[B, T] tokens the loss sees: completion tokens, minus tool-output tokens when TRL marks them."""
+    mask = batch["completion_mask"].bool()
+    if batch.get("tool_mask") is not None:
+        mask = mask & batch["tool_mask"].bool()
+    return mask

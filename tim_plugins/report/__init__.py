@@ -53,13 +53,15 @@ def build_report(dump_dir: str | Path, out: str | Path | None = None, *, summary
     import numpy as np
 
     from tim_plugins.dump import read_dump
+    from tim_plugins.metrics import INVALID_LOGPROB_THRESHOLD
     from tim_plugins.report import figures
 
     dump_dir = Path(dump_dir)
     table = read_dump(dump_dir)
     col = lambda name: table.column(name).to_numpy()
     rollout, train = col("rollout_logprob").astype(np.float64), col("train_logprob").astype(np.float64)
-    ok = np.isfinite(rollout) & np.isfinite(train) & (rollout > -1e3) & (train > -1e3)
+    ok = (np.isfinite(rollout) & np.isfinite(train) & (rollout > INVALID_LOGPROB_THRESHOLD)
+          & (train > INVALID_LOGPROB_THRESHOLD))
     d = (train - rollout)[ok]
     step, rank, seq, pos = col("step")[ok], col("rank")[ok], col("sequence")[ok], col("position")[ok]
     seq_key = (step.astype(np.int64) << 40) + (rank.astype(np.int64) << 32) + seq.astype(np.int64)

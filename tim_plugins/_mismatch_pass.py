@@ -17,8 +17,10 @@ __all__ = [
     "HISTOGRAM_BINS_PER_DECADE",
     "INVALID_LOGPROB_THRESHOLD",
     "N_BUCKETS",
+    "N_PASS_SUMS",
+    "N_PASS_MAXES",
     "batch_stats",
-    "joint_histograms",
+    "cell_counts",
     "compiled_batch_stats",
     "want_compile",
 ]
@@ -43,22 +45,22 @@ def batch_stats(
     log_hi: float,
     n_signed_bins: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch → (scalar sums [len(_SUM_FIELDS)], maxima [len(_MAX_FIELDS)], joint histogram cell per
-    token [B·T], |d| per token [B·T]); ``joint_histograms`` turns the last two into the histogram sums.
+    """One batch → (sums [N_PASS_SUMS], bucket |d| sums [N_BUCKETS], maxima [N_PASS_MAXES], histogram cell
+    per token [B·T]); ``cell_counts`` turns the cells into the joint (probability bucket, d bin) histogram,
+    whose margins give the token, invalid and bucket counts, so the pass itself sums as little as it can.
 
-    Written without boolean indexing or data-dependent shapes, so it neither syncs with the host nor
-    recompiles when the batch shape changes (torch.compile with dynamic shapes fuses it into few loops).
-    Every elementwise pass over [B, T] counts on the hot path: quantities are derived from each other
-    (abs_p from ρ, validity from |d|, ρ extremes from d extremes) and both histograms share one index.
+    Inputs may be any float dtype (half precision is upcast here, inside the fused loop, not by a separate
+    copy) and any mask dtype (non-zero = response token). Written without boolean indexing or data-dependent
+    shapes, so it neither syncs with the host nor recompiles when the batch shape changes.
     """
     acc = torch.float64 if rollout.device.type != "mps" else torch.float32
-    dt = rollout.dtype
+    dt = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
+    rollout, train = rollout.to(dt), train.to(dt)
+    response = mask != 0
     d = train - rollout  # d = log p_train − log p_rollout
     # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
     ok = (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
-    valid = mask & ok
-    n_invalid = (mask & ~ok).sum()
-    vf = valid.to(dt)
+    valid = response & ok
 
     zero = torch.zeros((), dtype=dt, device=rollout.device)
     d = torch.where(valid, d, zero)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0
@@ -70,6 +72,12 @@ def batch_stats(
     abs_p = torch.exp(r) * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
     k3 = rho_m1 - d  # k3 estimator of KL(π_rollout ‖ π_train) on rollout samples: E[ρ − 1 − log ρ]
     outside = (d < log_lo) | (d > log_hi)  # d = 0 on invalid tokens, inside any band around ρ = 1
+    # Probability bucket of the rollout token: [0, .01), [.01, .1), [.1, .5), [.5, .9), [.9, 1] on
+    # p = exp(rollout log-prob). Four comparisons, not torch.bucketize: they fuse under torch.compile, and
+    # eager bucketize on CPU costs milliseconds even for a few hundred tokens.
+    bucket = sum((r >= math.log(e)).to(dt) for e in PROB_BUCKET_EDGES[1:-1])  # small integers, kept in float
+    # Σ|d| per bucket; their total is Σ|d|. Counts are not summed here: the histogram has them.
+    bucket_abs = torch.stack([torch.where(bucket == k, abs_d, zero).sum() for k in range(N_BUCKETS)])
 
     seq_d = d.sum(dim=-1)  # Σ_t d over valid tokens: the sequence log-ratio
     seq_valid = valid.any(dim=-1)
@@ -77,10 +85,8 @@ def batch_stats(
     inf = torch.full((), math.inf, dtype=dt, device=rollout.device)
     d_max = torch.where(valid, d, -inf).amax() if d.numel() else -inf
     d_min = torch.where(valid, d, inf).amin() if d.numel() else inf
-    scalar_sums = [
-        vf.sum(),
-        n_invalid.to(dt),
-        abs_d.sum(),
+    sums = [
+        bucket_abs.sum(),
         abs_p.sum(),
         -d.sum(),
         k3.sum(),
@@ -100,46 +106,50 @@ def batch_stats(
     if is_weights is not None:
         w_ok = valid & torch.isfinite(is_weights)
         w = torch.where(w_ok, is_weights.to(dt), zero)
-        scalar_sums += [w_ok.sum().to(dt), w.sum(), (w * w).sum(), (w_ok & (w == 0)).sum().to(dt)]
+        sums += [w_ok.sum().to(dt), w.sum(), (w * w).sum(), (w_ok & (w == 0)).sum().to(dt)]
         maxes += [torch.where(w_ok, w, -inf).amax(), torch.where(w_ok, -w, -inf).amax()]
     else:
-        scalar_sums += [zero, zero, zero, zero]
+        sums += [zero, zero, zero, zero]
         maxes += [-inf, -inf]
 
-    # One joint histogram over (probability bucket of the rollout token, signed log-spaced bin of d), counted
-    # with weight 1[valid] and summed with weight |d|: its margins are the d histogram, the bucket counts and
-    # the bucket |d| sums. |d| bin: 0 below E_0 = 1e-8, else 1 + floor(32 · log10(|d| / E_0)), capped at the
-    # overflow bin; signed bin = centre + sign(d) · |d| bin. Buckets: [0, .01), [.01, .1), [.1, .5), [.5, .9),
-    # [.9, 1] on p = exp(rollout log-prob).
+    # Joint histogram cell: (probability bucket, signed log-spaced bin of d). |d| bin: 0 below E_0 = 1e-8,
+    # else 1 + floor(32 · log10(|d| / E_0)), capped at the overflow bin; signed bin = centre + sign(d) · |d|
+    # bin. Invalid tokens go to one extra cell (their count is tim/invalid_tokens); non-response tokens to
+    # the cell after it, which cell_counts drops.
     centre = (n_signed_bins - 1) // 2
     log_lo_edge = math.log10(HISTOGRAM_RANGE[0])
     abs_bin = (torch.log10(abs_d) - log_lo_edge).mul_(HISTOGRAM_BINS_PER_DECADE).floor_().add_(1.0)
     abs_bin = abs_bin.clamp_(0.0, float(centre))
-    # Four comparisons, not torch.bucketize: they fuse under torch.compile, and eager bucketize on CPU costs
-    # milliseconds even for a few hundred tokens.
-    bucket = sum((r >= math.log(e)).to(torch.int64) for e in PROB_BUCKET_EDGES[1:-1])
-    joint = (bucket * n_signed_bins + centre) + (torch.sign(d) * abs_bin).to(torch.int64)
-    joint = torch.where(valid, joint, N_BUCKETS * n_signed_bins)  # invalid tokens go to a spill cell
-    return torch.stack(scalar_sums).to(acc), torch.stack(maxes).to(acc), joint.reshape(-1), abs_d.reshape(-1)
+    # Computed in float (exact: cells < 2^24) and converted once; integer vector ops are slow on AVX2.
+    cell = bucket * n_signed_bins + centre + torch.sign(d) * abs_bin
+    spill = torch.where(response, float(N_BUCKETS * n_signed_bins), float(N_BUCKETS * n_signed_bins + 1))
+    cell = torch.where(valid, cell, spill).to(torch.int64)
+    return torch.stack(sums).to(acc), bucket_abs.to(acc), torch.stack(maxes).to(acc), cell.reshape(-1)
 
 
-def joint_histograms(joint: torch.Tensor, abs_d: torch.Tensor, n_signed_bins: int) -> torch.Tensor:
-    """Margins of the joint (bucket, bin) histogram: [d histogram, bucket counts, bucket |d| sums].
+N_PASS_SUMS = 13  # len(batch_stats(...)[0])
+N_PASS_MAXES = 7  # len(batch_stats(...)[2])
 
-    Runs eagerly: a compiled scatter becomes atomic adds that collide on the few busy bins. ``index_add_``
-    rather than ``bincount``, which scans its input twice more for min and max.
+
+def cell_counts(cell: torch.Tensor, n_cells: int) -> torch.Tensor:
+    """Counts of cells 0 .. n_cells − 1 (the cell n_cells is dropped), as float64 (float32 on MPS), without a host sync.
+
+    CUDA: ``histc`` on the cell index, which counts in per-block shared memory; a global ``index_add_`` would
+    serialise its atomics on the few busy cells (every masked-out token hits one cell). Elsewhere:
+    ``index_add_`` (CPU ``histc`` is ~6× slower, ``bincount`` scans its input twice more for min and max).
     """
-    cells = N_BUCKETS * n_signed_bins
-    acc = torch.float64 if joint.device.type != "mps" else torch.float32
+    acc = torch.float64 if cell.device.type != "mps" else torch.float32
+    if cell.device.type == "cuda":
+        # Cell i is the value i; bin edges at half-integers. histc counts in float32, exact to 2^24 per call.
+        counts = torch.zeros(n_cells, dtype=acc, device=cell.device)
+        for chunk in cell.split(2**24):
+            counts += torch.histc(chunk.to(torch.float32), bins=n_cells, min=-0.5, max=n_cells - 0.5).to(acc)
+        return counts
     # fp32 weights count exactly up to 2^24 per cell; larger batches count in fp64.
-    w_dtype = abs_d.dtype if joint.numel() < 2**24 else acc
-    counts = torch.zeros(cells + 1, dtype=w_dtype, device=joint.device)
-    counts.index_add_(0, joint, torch.ones((), dtype=w_dtype, device=joint.device).expand(joint.shape))
-    abs_sums = torch.zeros(cells + 1, dtype=w_dtype, device=joint.device)
-    abs_sums.index_add_(0, joint, abs_d.to(w_dtype))
-    counts = counts[:cells].view(N_BUCKETS, n_signed_bins).to(acc)
-    abs_sums = abs_sums[:cells].view(N_BUCKETS, n_signed_bins).to(acc)
-    return torch.cat([counts.sum(0), counts.sum(1), abs_sums.sum(1)])
+    w_dtype = torch.float32 if cell.numel() < 2**24 else acc
+    counts = torch.zeros(n_cells + 1, dtype=w_dtype, device=cell.device)
+    counts.index_add_(0, cell, torch.ones((), dtype=w_dtype, device=cell.device).expand(cell.shape))
+    return counts[:n_cells].to(acc)
 
 
 _COMPILED = None

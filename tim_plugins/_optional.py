@@ -21,6 +21,7 @@ __all__ = [
     "is_pyarrow_available",
     "is_matplotlib_available",
     "is_flash_attn_available",
+    "is_triton_available",
     "require",
     "package_version",
     "check_version_range",
@@ -88,6 +89,10 @@ def is_matplotlib_available() -> bool:
 
 def is_flash_attn_available() -> bool:
     return is_available("flash_attn")
+
+
+def is_triton_available() -> bool:
+    return is_available("triton")
 
 
 def require(module: str, feature: str) -> None:

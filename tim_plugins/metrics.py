@@ -20,12 +20,15 @@ from tim_plugins._mismatch_pass import (
     HISTOGRAM_RANGE,
     INVALID_LOGPROB_THRESHOLD,
     N_BUCKETS,
+    N_PASS_MAXES,
+    N_PASS_SUMS,
     PROB_BUCKET_EDGES,
     batch_stats,
+    cell_counts,
     compiled_batch_stats,
-    joint_histograms,
     want_compile,
 )
+from tim_plugins._optional import is_triton_available
 
 __all__ = [
     "PROB_BUCKET_EDGES",
@@ -58,13 +61,20 @@ def _prob_key(lo: float, hi: float) -> str:
     return f"{lo:g}-{hi:g}"
 
 
+_BUCKET_KEYS = tuple(_prob_key(lo, hi) for lo, hi in zip(PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:]))
+
+
 # Layout of the additive state vector. Histogram and bucket slots follow these scalar slots.
 _SUM_FIELDS = (
     "tokens", "invalid", "abs_d", "abs_p", "neg_d", "k3", "rho_m1", "rho_m1_sq", "outside",
     "seqs", "seq_log_ratio", "is_tokens", "is_w", "is_w2", "is_masked",
 )
+if len(_SUM_FIELDS) != N_PASS_SUMS + 2:  # tokens and invalid come from the histogram, the rest from the pass
+    raise RuntimeError("tim_plugins: _SUM_FIELDS is out of step with batch_stats")
 # Layout of the max state vector (min x stored as max −x).
 _MAX_FIELDS = ("abs_d_max", "abs_p_max", "rho_m1_max", "neg_rho_m1_min", "seq_abs_max", "is_w_max", "neg_is_w_min")
+if len(_MAX_FIELDS) != N_PASS_MAXES:
+    raise RuntimeError("tim_plugins: _MAX_FIELDS is out of step with batch_stats")
 
 
 @dataclass(frozen=True)
@@ -101,8 +111,10 @@ class MismatchMonitor:
 
     Args:
         ratio_band: (lo, hi) band for ``tim/token/ratio_outside_frac`` (fraction of tokens with ρ outside).
-        compile: ``True`` / ``False`` / ``"auto"`` (CUDA only, or env ``TIM_PLUGINS_COMPILE=1``): fuse the
-            per-batch pass with ``torch.compile``. Falls back to eager if compilation fails.
+        compile: ``True`` / ``False`` / ``"auto"``. On CUDA, ``True``/``"auto"`` run the per-batch pass as two
+            Triton kernels (``_mismatch_triton``; torch.compile if Triton is missing). Elsewhere ``"auto"``
+            means eager unless env ``TIM_PLUGINS_COMPILE=1``, and ``True`` fuses the pass with
+            ``torch.compile``. ``False``: plain eager torch everywhere. Any failure falls back to eager.
         prefix: metric key prefix.
     """
 
@@ -125,21 +137,38 @@ class MismatchMonitor:
         self.compile = compile
         self.prefix = prefix
         self._layout = _Layout(n_edges=abs_diff_bin_edges().numel())
-        self._sums: torch.Tensor | None = None
-        self._maxes: torch.Tensor | None = None
+        # One float64 buffer: the additive slots, then the maxima (one device → host copy in compute()).
+        self._state: torch.Tensor | None = None
         self._compile_failed = False
+        self._triton_failed = False
+        self._kernel_scratch: dict = {}
+        self._empty_states: dict = {}
         self.updates = 0
 
     # ---------------------------------------------------------------------------------------------- state
     def reset(self) -> None:
-        self._sums = None
-        self._maxes = None
+        self._state = None
         self.updates = 0
 
+    @property
+    def _sums(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state[: self._layout.n_sums]
+
+    @property
+    def _maxes(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state[self._layout.n_sums :]
+
     def _ensure_state(self, device: torch.device, dtype: torch.dtype) -> None:
-        if self._sums is None:
-            self._sums = torch.zeros(self._layout.n_sums, dtype=dtype, device=device)
-            self._maxes = torch.full((len(_MAX_FIELDS),), -math.inf, dtype=dtype, device=device)
+        if self._state is None:
+            # One copy of a kept empty state (zeros, then −inf): one launch per step instead of two.
+            empty = self._empty_states.get((device, dtype))
+            if empty is None:
+                empty = torch.full((self._layout.n_sums + len(_MAX_FIELDS),), -math.inf, dtype=dtype, device=device)
+                empty[: self._layout.n_sums] = 0.0
+                self._empty_states[(device, dtype)] = empty
+            self._state = empty.clone()
+        elif self._state.device != device:  # state restored from a checkpoint lives on the CPU
+            self._state = self._state.to(device)
 
     def state_dict(self) -> dict:
         return {
@@ -153,17 +182,20 @@ class MismatchMonitor:
         self.ratio_band = tuple(state["ratio_band"])
         self.updates = int(state["updates"])
         if state["sums"] is None:
-            self._sums = self._maxes = None
+            self._state = None
             return
         if len(state["sums"]) != self._layout.n_sums:
             raise ValueError(
                 f"monitor state has {len(state['sums'])} sum slots, this version expects {self._layout.n_sums}: "
                 "the checkpoint was written by an incompatible tim-plugins version; reset the monitor instead."
             )
-        self._sums = torch.tensor(state["sums"], dtype=torch.float64)
-        self._maxes = torch.tensor(state["maxes"], dtype=torch.float64)
+        self._state = torch.tensor(list(state["sums"]) + list(state["maxes"]), dtype=torch.float64)
 
     # --------------------------------------------------------------------------------------------- update
+    def _use_triton(self) -> bool:
+        """CUDA fast path: the two-kernel Triton pass, unless compile=False (plain torch, e.g. to debug)."""
+        return self.compile is not False and not self._triton_failed and is_triton_available()
+
     def update(
         self,
         rollout_logprobs: torch.Tensor,
@@ -183,6 +215,22 @@ class MismatchMonitor:
             rollout_logprobs, train_logprobs, mask, is_weights
         )
         device = rollout_logprobs.device
+        if device.type == "cuda" and self._use_triton():
+            self._ensure_state(device, torch.float64)
+            try:
+                lay = self._layout
+                triton_update(
+                    self._state, lay.n_sums, rollout_logprobs, train_logprobs, mask, is_weights,
+                    math.log(self.ratio_band[0]), math.log(self.ratio_band[1]), lay.n_signed_bins,
+                    lay.hist_offset, lay.bucket_count_offset, lay.bucket_abs_offset, self._kernel_scratch,
+                )
+                self.updates += 1
+                return self
+            except Exception as err:  # never let a kernel problem break a training step
+                import warnings
+
+                warnings.warn(f"tim_plugins: the Triton mismatch kernel failed ({err!r}); using torch.")
+                self._triton_failed = True
         args = (
             rollout_logprobs, train_logprobs, mask, is_weights, math.log(self.ratio_band[0]),
             math.log(self.ratio_band[1]), self._layout.n_signed_bins,
@@ -198,45 +246,52 @@ class MismatchMonitor:
                 self._compile_failed = True
         if out is None:
             out = batch_stats(*args)
-        scalar_sums, maxes, joint, abs_d = out
-        sums = torch.cat([scalar_sums, joint_histograms(joint, abs_d, self._layout.n_signed_bins)])
+        pass_sums, bucket_abs, maxes, cell = out
+        n_sb = self._layout.n_signed_bins
+        counts = cell_counts(cell, N_BUCKETS * n_sb + 1)  # joint (bucket, d bin) cells, then the invalid cell
+        joint = counts[:-1].view(N_BUCKETS, n_sb)
+        bucket_counts = joint.sum(1)
+        sums = torch.cat([
+            bucket_counts.sum().view(1), counts[-1:], pass_sums, joint.sum(0), bucket_counts, bucket_abs
+        ])
         self._ensure_state(device, sums.dtype)
-        if self._sums.device != device:  # state restored from a checkpoint lives on the CPU
-            self._sums, self._maxes = self._sums.to(device), self._maxes.to(device)
-        self._sums += sums
+        self._sums.add_(sums)
         torch.maximum(self._maxes, maxes, out=self._maxes)
         self.updates += 1
         return self
 
     # -------------------------------------------------------------------------------------------- compute
-    def _merged_state(self, sync: bool, group) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._sums is None:
-            sums = torch.zeros(self._layout.n_sums, dtype=torch.float64)
-            maxes = torch.full((len(_MAX_FIELDS),), -math.inf, dtype=torch.float64)
+    def _merged_state(self, sync: bool, group) -> torch.Tensor:
+        """The state buffer (sums, then maxima), merged over ranks when ``sync`` (a copy then)."""
+        n = self._layout.n_sums
+        reduce = (
+            sync and torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group) > 1
+        )
+        if self._state is None:
+            state = torch.full((n + len(_MAX_FIELDS),), -math.inf, dtype=torch.float64)
+            state[:n] = 0.0
+            if reduce:  # every rank must call compute(), even one that saw no batch (zeros / −inf)
+                state = state.to(_collective_device(group))
+        elif reduce:  # all_reduce works in place: keep this rank's own state intact
+            state = self._state.clone()
         else:
-            sums, maxes = self._sums.clone(), self._maxes.clone()
-        if sync and torch.distributed.is_available() and torch.distributed.is_initialized():
-            if torch.distributed.get_world_size(group) > 1:
-                # Every rank must call compute(), even one that saw no batch (it contributes zeros/−inf).
-                if self._sums is None:
-                    device = _collective_device(group)
-                    sums, maxes = sums.to(device), maxes.to(device)
-                torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
-                torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
-        return sums, maxes
+            state = self._state
+        if reduce:
+            torch.distributed.all_reduce(state[:n], op=torch.distributed.ReduceOp.SUM, group=group)
+            torch.distributed.all_reduce(state[n:], op=torch.distributed.ReduceOp.MAX, group=group)
+        return state
 
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
         """Return the metric dict (one host transfer). With ``sync`` and an initialised process group the
         state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
-        sums_t, maxes_t = self._merged_state(sync, group)
-        sums = sums_t.cpu().tolist()
-        maxes = maxes_t.cpu().tolist()
-        s = dict(zip(_SUM_FIELDS, sums))
-        m = dict(zip(_MAX_FIELDS, maxes))
         lay = self._layout
-        hist_np = sums_t[lay.hist_offset : lay.hist_offset + lay.n_signed_bins].cpu().numpy()
-        b_count = sums[lay.bucket_count_offset : lay.bucket_count_offset + N_BUCKETS]
-        b_abs = sums[lay.bucket_abs_offset : lay.bucket_abs_offset + N_BUCKETS]
+        host = self._merged_state(sync, group).cpu().numpy()  # the one device → host copy
+        s = dict(zip(_SUM_FIELDS, host[: len(_SUM_FIELDS)].tolist()))
+        m = dict(zip(_MAX_FIELDS, host[lay.n_sums :].tolist()))
+        hist_np = host[lay.hist_offset : lay.hist_offset + lay.n_signed_bins]
+        b_count = host[lay.bucket_count_offset : lay.bucket_count_offset + N_BUCKETS].tolist()
+        b_abs = host[lay.bucket_abs_offset : lay.bucket_abs_offset + N_BUCKETS].tolist()
 
         n = s["tokens"]
         nan = math.nan
@@ -264,15 +319,15 @@ class MismatchMonitor:
             f"{p}/token/ratio_max": 1.0 + mx(m["rho_m1_max"]),
             f"{p}/token/ratio_outside_frac": mean(s["outside"]),
         }
-        abs_counts = _fold_signed(hist_np)
-        out[f"{p}/token/abs_diff_p99"] = _hist_quantile(abs_counts, 0.99, out[f"{p}/token/abs_diff_max"])
-        out[f"{p}/token/abs_diff_p999"] = _hist_quantile(abs_counts, 0.999, out[f"{p}/token/abs_diff_max"])
+        p99, p999 = _hist_quantiles(_fold_signed(hist_np), (0.99, 0.999), out[f"{p}/token/abs_diff_max"])
+        out[f"{p}/token/abs_diff_p99"] = p99
+        out[f"{p}/token/abs_diff_p999"] = p999
         seqs = s["seqs"]
         out[f"{p}/seq/count"] = seqs
         out[f"{p}/seq/log_ratio_mean"] = s["seq_log_ratio"] / seqs if seqs > 0 else nan
         out[f"{p}/seq/log_ratio_abs_max"] = m["seq_abs_max"] if seqs > 0 else nan
-        for i in range(N_BUCKETS):
-            key = f"{p}/by_prob/{_prob_key(PROB_BUCKET_EDGES[i], PROB_BUCKET_EDGES[i + 1])}"
+        for i, bucket in enumerate(_BUCKET_KEYS):
+            key = f"{p}/by_prob/{bucket}"
             out[f"{key}/count"] = b_count[i]
             out[f"{key}/abs_diff_mean"] = b_abs[i] / b_count[i] if b_count[i] > 0 else nan
         if s["is_tokens"] > 0:
@@ -290,7 +345,7 @@ class MismatchMonitor:
         "ratio": (counts, edges)}`` as numpy arrays. Bins below 1e-8 / above 1e3 are clipped to the range."""
         import numpy as np
 
-        sums, _ = self._merged_state(sync, group)
+        sums = self._merged_state(sync, group)
         lay = self._layout
         hist = sums[lay.hist_offset : lay.hist_offset + lay.n_signed_bins].cpu().numpy()
         e = abs_diff_bin_edges().numpy()  # E_0 .. E_K
@@ -318,6 +373,12 @@ class MismatchMonitor:
         return {"abs_diff": (abs_counts[:-1], abs_edges), "ratio": (counts, ratio_edges)}
 
 
+def triton_update(*args, **kwargs) -> None:
+    from tim_plugins._mismatch_triton import triton_update as update  # imports triton: CUDA path only
+
+    update(*args, **kwargs)
+
+
 def _collective_device(group) -> torch.device:
     backend = torch.distributed.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():
@@ -333,20 +394,18 @@ def _fold_signed(hist):
     return folded
 
 
-def _hist_quantile(abs_counts, q: float, exact_max: float) -> float:
-    """Upper edge of the bin holding the q-quantile of |d|, capped at the exact max; 0.0 if it lies below
-    the histogram's resolution (1e-8)."""
+def _hist_quantiles(abs_counts, qs: tuple[float, ...], exact_max: float) -> list[float]:
+    """For each q: the upper edge of the bin holding the q-quantile of |d|, capped at the exact max; 0.0 if it
+    lies below the histogram's resolution (1e-8)."""
     import numpy as np
 
     cum = np.cumsum(np.asarray(abs_counts, dtype=np.float64))
     if cum.size == 0 or cum[-1] <= 0:
-        return math.nan
-    i = int(np.searchsorted(cum, q * cum[-1], side="left"))  # first bin whose cumulative count reaches q·N
-    if i == 0:
-        return 0.0
+        return [math.nan] * len(qs)
+    # First bin whose cumulative count reaches q·N.
+    found = np.searchsorted(cum, np.asarray(qs) * cum[-1], side="left").tolist()
     edges = _BIN_EDGES_LIST
-    upper = edges[i] if i < len(edges) else math.inf
-    return min(upper, exact_max)
+    return [0.0 if i == 0 else min(edges[i] if i < len(edges) else math.inf, exact_max) for i in found]
 
 
 def _check_inputs(rollout, train, mask, is_weights):
@@ -375,14 +434,14 @@ def _check_inputs(rollout, train, mask, is_weights):
         )
     if not rollout.is_floating_point() or not train.is_floating_point():
         raise TypeError(f"log-probs must be floating point, got {rollout.dtype} and {train.dtype}")
-    # Half-precision inputs are upcast: the statistics themselves are always computed in >= fp32.
-    dtype = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
+    # Half-precision inputs are upcast inside the fused pass (statistics are always computed in >= fp32), and
+    # any mask dtype is read there as "non-zero = response token": no conversion copies here.
     device = rollout.device
-    train = train.to(device=device, dtype=dtype).detach()
-    rollout = rollout.to(dtype=dtype).detach()
-    mask = mask.to(device=device, dtype=torch.bool) if mask.dtype != torch.bool else mask.to(device)
+    train = train.detach().to(device)
+    rollout = rollout.detach()
+    mask = mask.to(device)
     if is_weights is not None:
-        is_weights = is_weights.to(device=device, dtype=dtype).detach()
+        is_weights = is_weights.detach().to(device)
     return rollout, train, mask, is_weights
 
 

@@ -132,7 +132,8 @@ N_PASS_MAXES = 7  # len(batch_stats(...)[2])
 
 
 def cell_counts(cell: torch.Tensor, n_cells: int) -> torch.Tensor:
-    """Counts of cells 0 .. n_cells − 1 (the cell n_cells is dropped), as float64 (float32 on MPS), without a host sync.
+    """Counts of cells 0 .. n_cells − 1 (the cell n_cells is dropped), as float64 (float32 on MPS), without a
+    host sync.
 
     CUDA: ``histc`` on the cell index, which counts in per-block shared memory; a global ``index_add_`` would
     serialise its atomics on the few busy cells (every masked-out token hits one cell). Elsewhere:

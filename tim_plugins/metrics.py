@@ -158,15 +158,18 @@ class MismatchMonitor:
     def _maxes(self) -> torch.Tensor | None:
         return None if self._state is None else self._state[self._layout.n_sums :]
 
+    def _new_state(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """An empty state (zeros, then −inf), copied from one kept per device: one launch per step, not two."""
+        empty = self._empty_states.get((device, dtype))
+        if empty is None:
+            empty = torch.full((self._layout.n_sums + len(_MAX_FIELDS),), -math.inf, dtype=dtype, device=device)
+            empty[: self._layout.n_sums] = 0.0
+            self._empty_states[(device, dtype)] = empty
+        return empty.clone()
+
     def _ensure_state(self, device: torch.device, dtype: torch.dtype) -> None:
         if self._state is None:
-            # One copy of a kept empty state (zeros, then −inf): one launch per step instead of two.
-            empty = self._empty_states.get((device, dtype))
-            if empty is None:
-                empty = torch.full((self._layout.n_sums + len(_MAX_FIELDS),), -math.inf, dtype=dtype, device=device)
-                empty[: self._layout.n_sums] = 0.0
-                self._empty_states[(device, dtype)] = empty
-            self._state = empty.clone()
+            self._state = self._new_state(device, dtype)
         elif self._state.device != device:  # state restored from a checkpoint lives on the CPU
             self._state = self._state.to(device)
 
@@ -192,9 +195,13 @@ class MismatchMonitor:
         self._state = torch.tensor(list(state["sums"]) + list(state["maxes"]), dtype=torch.float64)
 
     # --------------------------------------------------------------------------------------------- update
-    def _use_triton(self) -> bool:
-        """CUDA fast path: the two-kernel Triton pass, unless compile=False (plain torch, e.g. to debug)."""
-        return self.compile is not False and not self._triton_failed and is_triton_available()
+    def _use_triton(self, device: torch.device) -> bool:
+        """CUDA fast path: the two-kernel Triton pass, unless compilation is off (compile=False, or "auto"
+        with TIM_PLUGINS_COMPILE=0): then plain torch, e.g. to debug."""
+        return (
+            device.type == "cuda" and want_compile(self.compile, device) and not self._triton_failed
+            and is_triton_available()
+        )
 
     def update(
         self,
@@ -215,7 +222,7 @@ class MismatchMonitor:
             rollout_logprobs, train_logprobs, mask, is_weights
         )
         device = rollout_logprobs.device
-        if device.type == "cuda" and self._use_triton():
+        if self._use_triton(device):
             self._ensure_state(device, torch.float64)
             try:
                 lay = self._layout
@@ -269,10 +276,9 @@ class MismatchMonitor:
             and torch.distributed.get_world_size(group) > 1
         )
         if self._state is None:
-            state = torch.full((n + len(_MAX_FIELDS),), -math.inf, dtype=torch.float64)
-            state[:n] = 0.0
-            if reduce:  # every rank must call compute(), even one that saw no batch (zeros / −inf)
-                state = state.to(_collective_device(group))
+            # Every rank must call compute(), even one that saw no batch: it contributes zeros / −inf.
+            device = _collective_device(group) if reduce else torch.device("cpu")
+            state = self._new_state(device, torch.float64)
         elif reduce:  # all_reduce works in place: keep this rank's own state intact
             state = self._state.clone()
         else:

@@ -1,9 +1,10 @@
 """The monitor's per-batch pass as two Triton kernels, for CUDA: the whole ``update()`` in two launches.
 
 Why: on a GPU the statistics themselves take microseconds; what costs is launching work. The torch.compile'd
-pass still launches ~10 kernels plus the histogram and the state update (~0.8 ms on an H200 for 256×4096,
-most of it host-side). Here kernel 1 computes every per-token quantity and the histogram, kernel 2 folds the
-partials into the monitor's float64 state. Same formulas and binning as ``_mismatch_pass`` (the CUDA tests
+pass still launches ~10 kernels plus the histogram and the state update: ``update()`` took ~0.65 ms on an
+H200 for 256×4096, most of it host-side; with these kernels ~0.15 ms, of which ~55 µs run on the GPU. Kernel 1
+computes every per-token quantity and the histogram, kernel 2 folds the partials into the monitor's float64
+state. Same formulas and binning as ``_mismatch_pass`` (the CUDA tests
 compare them; the CPU tests run these kernels under ``TRITON_INTERPRET=1``). Triton ships with CUDA builds
 of torch; it is imported only here.
 

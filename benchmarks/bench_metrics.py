@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
         from tim_plugins._optional import is_triton_available
 
         if is_triton_available():
-            monitors["tim_triton"] = MismatchMonitor()  # the CUDA default: two Triton kernels
+            monitors["tim_triton"] = MismatchMonitor()  # the CUDA default: one Triton kernel
 
     def ours(mon):
         def run():

@@ -1,18 +1,22 @@
-"""The monitor's per-batch pass as two Triton kernels, for CUDA: the whole ``update()`` in two launches.
+"""The monitor's per-batch pass as one Triton kernel, for CUDA: the whole ``update()`` in one launch.
 
-Why: on a GPU the statistics themselves take microseconds; what costs is launching work. The torch.compile'd
-pass still launches ~10 kernels plus the histogram and the state update: ``update()`` took ~0.65 ms on an
-H200 for 256×4096, most of it host-side; with these kernels ~0.15 ms, of which ~55 µs run on the GPU. Kernel 1
-computes every per-token quantity and the histogram, kernel 2 folds the partials into the monitor's float64
-state. Same formulas and binning as ``_mismatch_pass`` (the CUDA tests
-compare them; the CPU tests run these kernels under ``TRITON_INTERPRET=1``). Triton ships with CUDA builds
-of torch; it is imported only here.
+Why: on a GPU the statistics themselves take microseconds; what costs is launching work and waiting for it.
+The torch.compile'd pass launches ~10 kernels plus the histogram and the state update (~0.8 ms per
+``update()`` on an H200 for 256×4096, most of it host-side). Here one kernel does everything (~37 µs of GPU
+time for 256×4096 on an H200), launched through the compiled kernel's own launcher (``_FastLauncher``),
+which skips Triton's per-call argument binding (~20 µs). Same formulas and binning as ``_mismatch_pass``
+(the CUDA tests compare them; the CPU tests run this kernel under ``TRITON_INTERPRET=1``). Triton ships with
+CUDA builds of torch; it is imported only here.
 
-Kernel 1, one program per (row, segment of ``SEGMENT`` tokens): float32 partial sums and maxima, and the |d|
-histogram by integer atomics (order-independent) into ``_REPLICAS`` copies, so that the few busy bins
-(d ≈ 0) are contended R times less. Kernel 2, one program: sums the partials in float64 (row by row, which
-gives the sequence statistics), adds the histogram copies, updates the state, and zeroes the copies for the
-next call.
+One program per (row, segment of BLOCK × ITERS tokens) computes float32 partial sums and maxima and adds its
+tokens to the |d| histogram by integer atomics spread over REPLICAS copies (neighbouring threads hit
+different copies, so the few busy bins near d ≈ 0 are not contended by a whole warp). It adds its totals to
+float64 batch accumulators with two vector atomics. The last segment of a row to finish (a per-row ticket)
+takes the row's Σd, which gives the sequence statistics. The last program of the launch (a global ticket,
+the classic "last block" reduction) folds the batch totals and the histogram copies into the monitor's
+float64 state and leaves every scratch buffer reset for the next launch. With ``fresh`` it overwrites the
+state instead of adding to it, so a reset costs no extra launch. Float atomics make the last bits of the sums
+depend on the programs' order; counts, histogram and maxima are exact.
 """
 
 from __future__ import annotations
@@ -32,17 +36,17 @@ from tim_plugins._mismatch_pass import (
     PROB_BUCKET_EDGES,
 )
 
-__all__ = ["triton_update", "SEGMENT"]
+__all__ = ["triton_update", "TUNING", "kernel_arguments"]
 
-BLOCK = 1024
-SEGMENT = 4 * BLOCK  # tokens per program of kernel 1
-_REPLICAS = 16
+# Launch shape, from a sweep on an H200 (256×4096, 8×32768, 1024×1024). REPLICAS: a multiple of 4.
+TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64}
 _LOG_EDGES = [math.log(e) for e in PROB_BUCKET_EDGES[1:-1]]
 _LOG_LO_EDGE = math.log10(HISTOGRAM_RANGE[0])
 # Partial columns. Sums: abs_p, Σd, k3, ρ−1, (ρ−1)², outside, valid, invalid, IS n, Σw, Σw², IS zeros,
-# bucket |d| sums ×5, bucket counts ×5. Maxima: d, −d, abs_p, w, −w.
+# bucket |d| sums ×5, bucket counts ×5. Maxima: d, −d, abs_p, w, −w, and a sequence's |Σd|.
 _N_PART_SUMS = 12 + 2 * N_BUCKETS
-_N_PART_MAXES = 5
+_COLS = 32  # batch sums: the partial columns, then the count of sequences with a valid token
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -60,7 +64,7 @@ def _log10_portable(x):
     return tl.log(x) * 0.4342944819032518
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if _INTERPRET:
     _expm1, _log10 = _expm1_portable, _log10_portable
 else:  # libdevice: correctly rounded to ~1 ulp (tl.exp/tl.log are fast approximations on NVIDIA GPUs)
     from triton.language.extra import libdevice
@@ -69,13 +73,111 @@ else:  # libdevice: correctly rounded to ~1 ulp (tl.exp/tl.log are fast approxim
 
 
 @triton.jit
-def _partials_kernel(
-    rollout_ptr, train_ptr, mask_ptr, w_ptr, partial_ptr, hist_ptr, T, n_seg,
-    # Constants as constexpr: each runtime argument costs host time at every launch.
-    log_lo: tl.constexpr, log_hi: tl.constexpr, e1: tl.constexpr, e2: tl.constexpr, e3: tl.constexpr,
-    e4: tl.constexpr, invalid_threshold: tl.constexpr, log_lo_edge: tl.constexpr, bins_per_decade: tl.constexpr,
-    N_SB: tl.constexpr, CENTRE: tl.constexpr, REPLICAS: tl.constexpr, HAS_W: tl.constexpr,
-    WIDTH: tl.constexpr, N_SUMS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+def _pick(vec, cols, i):
+    return tl.sum(tl.where(cols == i, vec, 0.0), axis=0)
+
+
+@triton.jit
+def _pick_max(vec, cols, i):
+    return tl.max(tl.where(cols == i, vec, -float("inf")), axis=0)
+
+
+@triton.jit
+def _fold_into_state(
+    sums_ptr, maxes_ptr, hist_ptr, state_ptr, fresh,
+    MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr, BUCKET_COUNT_OFFSET: tl.constexpr,
+    N_SB: tl.constexpr, N_SB_POW2: tl.constexpr, REPLICAS: tl.constexpr, COLS: tl.constexpr,
+):
+    """Run by the last program only, when every other program's atomics are complete: take the batch totals
+    (resetting them for the next launch) and fold them into the float64 state."""
+    cols = tl.arange(0, COLS)
+    acc = tl.load(sums_ptr + cols, cache_modifier=".cg")  # read at L2, where the atomics happened
+    tl.store(sums_ptr + cols, tl.zeros((COLS,), tl.float64))
+    m_cols = tl.arange(0, 8)
+    mx = tl.load(maxes_ptr + m_cols, cache_modifier=".cg")
+    tl.store(maxes_ptr + m_cols, tl.zeros((8,), tl.float64) - float("inf"))
+    keep = fresh == 0  # fresh: the state is overwritten (a reset without a separate launch)
+
+    # The signed d histogram: sum the copies into the state, then clear them for the next launch. Loads
+    # bypass L1 (.cg): other SMs wrote the copies during this launch.
+    reps = tl.arange(0, 4)  # four copies at a time: all of them at once would spill registers
+    sb = tl.arange(0, N_SB_POW2)
+    in_sb = sb < N_SB
+    counts = tl.zeros((N_SB_POW2,), tl.int32)
+    for k in tl.static_range(0, REPLICAS, 4):
+        copy_ptrs = hist_ptr + (k + reps[:, None]) * N_SB + sb[None, :]
+        counts += tl.sum(tl.load(copy_ptrs, mask=in_sb[None, :], other=0, cache_modifier=".cg"), axis=0)
+        tl.store(copy_ptrs, tl.zeros((4, N_SB_POW2), tl.int32), mask=in_sb[None, :])
+    hist_ptrs = state_ptr + HIST_OFFSET + sb
+    prev = tl.where(keep, tl.load(hist_ptrs, mask=in_sb, other=0.0, cache_modifier=".cg"), 0.0)
+    tl.store(hist_ptrs, prev + counts.to(tl.float64), mask=in_sb)
+
+    # Scalar slots: tokens, invalid, abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside, seqs,
+    # seq_log_ratio, is_tokens, is_w, is_w2, is_masked. One vector read-modify-write, not 15 scalar ones.
+    slot = tl.arange(0, 16)
+    abs_d = _pick(acc, cols, 12) + _pick(acc, cols, 13) + _pick(acc, cols, 14) + _pick(acc, cols, 15)
+    abs_d += _pick(acc, cols, 16)
+    tokens = _pick(acc, cols, 17) + _pick(acc, cols, 18) + _pick(acc, cols, 19) + _pick(acc, cols, 20)
+    tokens += _pick(acc, cols, 21)
+    sum_d = _pick(acc, cols, 1)
+    upd = tl.zeros((16,), tl.float64)
+    upd = tl.where(slot == 0, tokens, upd)
+    upd = tl.where(slot == 1, _pick(acc, cols, 7), upd)
+    upd = tl.where(slot == 2, abs_d, upd)
+    upd = tl.where(slot == 3, _pick(acc, cols, 0), upd)
+    upd = tl.where(slot == 4, -sum_d, upd)
+    upd = tl.where(slot == 5, _pick(acc, cols, 2), upd)
+    upd = tl.where(slot == 6, _pick(acc, cols, 3), upd)
+    upd = tl.where(slot == 7, _pick(acc, cols, 4), upd)
+    upd = tl.where(slot == 8, _pick(acc, cols, 5), upd)
+    upd = tl.where(slot == 9, _pick(acc, cols, 22), upd)  # sequences with a valid token
+    upd = tl.where(slot == 10, sum_d, upd)  # Σ over sequences of Σ_t d: invalid and masked tokens have d = 0
+    upd = tl.where(slot == 11, _pick(acc, cols, 8), upd)
+    upd = tl.where(slot == 12, _pick(acc, cols, 9), upd)
+    upd = tl.where(slot == 13, _pick(acc, cols, 10), upd)
+    upd = tl.where(slot == 14, _pick(acc, cols, 11), upd)
+    in_slots = slot < 15
+    prev = tl.where(keep, tl.load(state_ptr + slot, mask=in_slots, other=0.0, cache_modifier=".cg"), 0.0)
+    tl.store(state_ptr + slot, prev + upd, mask=in_slots)
+
+    # Bucket counts ×5 then bucket |d| sums ×5 (contiguous in the state).
+    bucket = tl.zeros((16,), tl.float64)
+    for k in tl.static_range(5):
+        bucket = tl.where(slot == k, _pick(acc, cols, 17 + k), bucket)
+        bucket = tl.where(slot == 5 + k, _pick(acc, cols, 12 + k), bucket)
+    in_buckets = slot < 10
+    bucket_ptrs = state_ptr + BUCKET_COUNT_OFFSET + slot
+    prev = tl.where(keep, tl.load(bucket_ptrs, mask=in_buckets, other=0.0, cache_modifier=".cg"), 0.0)
+    tl.store(bucket_ptrs, prev + bucket, mask=in_buckets)
+
+    # Maxima, state order: abs_d_max, abs_p_max, rho_m1_max, neg_rho_m1_min, seq_abs_max, is_w_max,
+    # neg_is_w_min. The batch maxima are ordered d, −d, abs_p, w, −w, |Σd| of a sequence.
+    d_max = _pick_max(mx, m_cols, 0)
+    neg_d_min = _pick_max(mx, m_cols, 1)
+    new_max = tl.zeros((8,), tl.float64) - float("inf")
+    new_max = tl.where(m_cols == 0, tl.maximum(d_max, neg_d_min), new_max)
+    new_max = tl.where(m_cols == 1, _pick_max(mx, m_cols, 2), new_max)
+    new_max = tl.where(m_cols == 2, _expm1(d_max), new_max)  # ρ is monotone in d
+    new_max = tl.where(m_cols == 3, -_expm1(-neg_d_min), new_max)
+    new_max = tl.where(m_cols == 4, _pick_max(mx, m_cols, 5), new_max)
+    new_max = tl.where(m_cols == 5, _pick_max(mx, m_cols, 3), new_max)
+    new_max = tl.where(m_cols == 6, _pick_max(mx, m_cols, 4), new_max)
+    in_max = m_cols < 7
+    max_ptrs = state_ptr + MAX_OFFSET + m_cols
+    prev = tl.where(keep, tl.load(max_ptrs, mask=in_max, other=0.0, cache_modifier=".cg"), -float("inf"))
+    tl.store(max_ptrs, tl.maximum(prev, new_max), mask=in_max)
+
+
+@triton.jit(do_not_specialize=["B", "n_seg", "fresh"])
+def _mismatch_kernel(
+    rollout_ptr, train_ptr, mask_ptr, w_ptr, sums_ptr, maxes_ptr, row_d_ptr, row_n_ptr, row_ticket_ptr, hist_ptr,
+    counter_ptr, state_ptr, log_lo, log_hi, B, T, n_seg, fresh,
+    # Fixed constants are constexpr; launches skip Triton's argument binding, so runtime ones cost little.
+    e1: tl.constexpr, e2: tl.constexpr, e3: tl.constexpr, e4: tl.constexpr, invalid_threshold: tl.constexpr,
+    log_lo_edge: tl.constexpr, bins_per_decade: tl.constexpr, N_SB: tl.constexpr, N_SB_POW2: tl.constexpr,
+    CENTRE: tl.constexpr, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
+    BUCKET_COUNT_OFFSET: tl.constexpr, HAS_W: tl.constexpr, N_SUMS: tl.constexpr, COLS: tl.constexpr,
+    REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
@@ -108,9 +210,12 @@ def _partials_kernel(
     m_p = zero - float("inf")
     m_w = zero - float("inf")
     m_nw = zero - float("inf")
-    hist_row = hist_ptr + (row % REPLICAS) * N_SB
-    for i in tl.static_range(ITERS):
-        offs = seg * (BLOCK * ITERS) + i * BLOCK + tl.arange(0, BLOCK)
+    lane = tl.arange(0, BLOCK)
+    # Neighbouring threads hit different histogram copies: a warp's 32 atomics on the few busy bins
+    # (d ≈ 0) then go to 32 addresses, not one.
+    hist_lane = hist_ptr + ((lane + row) % REPLICAS) * N_SB + CENTRE
+    for i in range(ITERS):
+        offs = seg * (BLOCK * ITERS) + i * BLOCK + lane
         inb = offs < T
         r = tl.load(rollout_ptr + row_start + offs, mask=inb, other=0.0).to(tl.float32)
         t = tl.load(train_ptr + row_start + offs, mask=inb, other=0.0).to(tl.float32)
@@ -164,184 +269,212 @@ def _partials_kernel(
         abs_bin = tl.floor((_log10(abs_d) - log_lo_edge) * bins_per_decade) + 1.0
         abs_bin = tl.minimum(tl.maximum(abs_bin, 0.0), CENTRE).to(tl.int32)
         sign = (d > 0).to(tl.int32) - (d < 0).to(tl.int32)
-        tl.atomic_add(hist_row + CENTRE + sign * abs_bin, tl.full((BLOCK,), 1, tl.int32), mask=valid)
-    base = partial_ptr + (row * n_seg + seg) * WIDTH
-    tl.store(base + 0, tl.sum(s_abs_p, axis=0))
-    tl.store(base + 1, tl.sum(s_d, axis=0))
-    tl.store(base + 2, tl.sum(s_k3, axis=0))
-    tl.store(base + 3, tl.sum(s_rho, axis=0))
-    tl.store(base + 4, tl.sum(s_rho2, axis=0))
-    tl.store(base + 5, tl.sum(s_out, axis=0))
-    tl.store(base + 6, tl.sum(s_n, axis=0))
-    tl.store(base + 7, tl.sum(s_bad, axis=0))
-    tl.store(base + 8, tl.sum(s_wn, axis=0))
-    tl.store(base + 9, tl.sum(s_w, axis=0))
-    tl.store(base + 10, tl.sum(s_w2, axis=0))
-    tl.store(base + 11, tl.sum(s_w0, axis=0))
-    tl.store(base + 12, tl.sum(a0, axis=0))
-    tl.store(base + 13, tl.sum(a1, axis=0))
-    tl.store(base + 14, tl.sum(a2, axis=0))
-    tl.store(base + 15, tl.sum(a3, axis=0))
-    tl.store(base + 16, tl.sum(a4, axis=0))
-    tl.store(base + 17, tl.sum(c0, axis=0))
-    tl.store(base + 18, tl.sum(c1, axis=0))
-    tl.store(base + 19, tl.sum(c2, axis=0))
-    tl.store(base + 20, tl.sum(c3, axis=0))
-    tl.store(base + 21, tl.sum(c4, axis=0))
-    tl.store(base + N_SUMS + 0, tl.max(m_d, axis=0))
-    tl.store(base + N_SUMS + 1, tl.max(m_nd, axis=0))
-    tl.store(base + N_SUMS + 2, tl.max(m_p, axis=0))
-    tl.store(base + N_SUMS + 3, tl.max(m_w, axis=0))
-    tl.store(base + N_SUMS + 4, tl.max(m_nw, axis=0))
-
-
-@triton.jit
-def _col(tile, cols, i):
-    """Column i of a [ROWS, COLS] tile, as [ROWS]."""
-    return tl.sum(tl.where(cols[None, :] == i, tile, 0.0), axis=1)
-
-
-@triton.jit
-def _pick(vec, cols, i):
-    return tl.sum(tl.where(cols == i, vec, 0.0), axis=0)
-
-
-@triton.jit
-def _pick_max(vec, cols, i):
-    return tl.max(tl.where(cols == i, vec, -float("inf")), axis=0)
-
-
-@triton.jit
-def _add(ptr, value):
-    tl.store(ptr, tl.load(ptr) + value)
-
-
-@triton.jit
-def _raise_max(ptr, value):
-    tl.store(ptr, tl.maximum(tl.load(ptr), value))
-
-
-@triton.jit
-def _finalize_kernel(
-    partial_ptr, hist_ptr, state_ptr, B, n_seg,
-    MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr, BUCKET_COUNT_OFFSET: tl.constexpr,
-    BUCKET_ABS_OFFSET: tl.constexpr, N_SB: tl.constexpr, N_SB_POW2: tl.constexpr, REPLICAS: tl.constexpr,
-    WIDTH: tl.constexpr, N_SUMS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-):
+        tl.atomic_add(hist_lane + sign * abs_bin, tl.full((BLOCK,), 1, tl.int32), mask=valid, sem="relaxed")
+    # This program's totals, added at L2 by two vector atomics (float64 sums, maxima as ordered integers).
     cols = tl.arange(0, COLS)
-    is_sum = cols < N_SUMS
-    is_max = (cols >= N_SUMS) & (cols < WIDTH)
-    acc = tl.zeros((COLS,), tl.float64)
-    mx = tl.zeros((COLS,), tl.float64) - float("inf")
-    seqs = tl.sum(tl.zeros((ROWS,), tl.float64), axis=0)  # float64 scalars: loop-carried types must not change
-    seq_abs_max = tl.max(tl.zeros((ROWS,), tl.float64), axis=0) - float("inf")
-    for start in range(0, B, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        in_rows = rows < B
-        row_acc = tl.zeros((ROWS, COLS), tl.float64)
-        row_max = tl.zeros((ROWS, COLS), tl.float64) - float("inf")
-        for seg in range(0, n_seg):
-            ptrs = partial_ptr + (rows[:, None].to(tl.int64) * n_seg + seg) * WIDTH + cols[None, :]
-            v = tl.load(ptrs, mask=in_rows[:, None] & (cols[None, :] < WIDTH), other=0.0).to(tl.float64)
-            row_acc += tl.where(is_sum[None, :], v, 0.0)
-            row_max = tl.maximum(row_max, tl.where(in_rows[:, None] & is_max[None, :], v, -float("inf")))
-        acc += tl.sum(row_acc, axis=0)
-        mx = tl.maximum(mx, tl.max(row_max, axis=0))
-        # Sequence statistics: a row is a sequence; it counts if it has a valid token.
-        row_valid = (_col(row_acc, cols, 6) > 0) & in_rows
-        row_d = _col(row_acc, cols, 1)
-        seqs += tl.sum(row_valid.to(tl.float64), axis=0)
-        seq_abs_max = tl.maximum(seq_abs_max, tl.max(tl.where(row_valid, tl.abs(row_d), -float("inf")), axis=0))
-
-    # The signed d histogram: sum the copies into the state, then clear them for the next call.
-    sb = tl.arange(0, N_SB_POW2)
-    in_sb = sb < N_SB
-    d_hist = tl.zeros((N_SB_POW2,), tl.float64)
-    for k in range(0, REPLICAS):
-        d_hist += tl.load(hist_ptr + k * N_SB + sb, mask=in_sb, other=0).to(tl.float64)
-        tl.store(hist_ptr + k * N_SB + sb, tl.zeros((N_SB_POW2,), tl.int32), mask=in_sb)
-    hist_ptrs = state_ptr + HIST_OFFSET + sb
-    tl.store(hist_ptrs, tl.load(hist_ptrs, mask=in_sb, other=0.0) + d_hist, mask=in_sb)
-
-    # State order: tokens, invalid, abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside, seqs,
-    # seq_log_ratio, is_tokens, is_w, is_w2, is_masked | hist | bucket counts | bucket |d| sums.
-    abs_d = 0.0
-    tokens = 0.0
-    for k in tl.static_range(5):
-        b_abs = _pick(acc, cols, 12 + k)
-        b_count = _pick(acc, cols, 17 + k)
-        abs_d += b_abs
-        tokens += b_count
-        _add(state_ptr + BUCKET_ABS_OFFSET + k, b_abs)
-        _add(state_ptr + BUCKET_COUNT_OFFSET + k, b_count)
-    sum_d = _pick(acc, cols, 1)
-    _add(state_ptr + 0, tokens)
-    _add(state_ptr + 1, _pick(acc, cols, 7))
-    _add(state_ptr + 2, abs_d)
-    _add(state_ptr + 3, _pick(acc, cols, 0))
-    _add(state_ptr + 4, -sum_d)
-    _add(state_ptr + 5, _pick(acc, cols, 2))
-    _add(state_ptr + 6, _pick(acc, cols, 3))
-    _add(state_ptr + 7, _pick(acc, cols, 4))
-    _add(state_ptr + 8, _pick(acc, cols, 5))
-    _add(state_ptr + 9, seqs)
-    _add(state_ptr + 10, sum_d)  # Σ over sequences of Σ_t d: invalid and masked tokens have d = 0
-    _add(state_ptr + 11, _pick(acc, cols, 8))
-    _add(state_ptr + 12, _pick(acc, cols, 9))
-    _add(state_ptr + 13, _pick(acc, cols, 10))
-    _add(state_ptr + 14, _pick(acc, cols, 11))
-    # Max order: abs_d_max, abs_p_max, rho_m1_max, neg_rho_m1_min, seq_abs_max, is_w_max, neg_is_w_min.
-    d_max = _pick_max(mx, cols, N_SUMS + 0)
-    neg_d_min = _pick_max(mx, cols, N_SUMS + 1)
-    _raise_max(state_ptr + MAX_OFFSET + 0, tl.maximum(d_max, neg_d_min))
-    _raise_max(state_ptr + MAX_OFFSET + 1, _pick_max(mx, cols, N_SUMS + 2))
-    _raise_max(state_ptr + MAX_OFFSET + 2, _expm1(d_max))  # ρ is monotone in d
-    _raise_max(state_ptr + MAX_OFFSET + 3, -_expm1(-neg_d_min))
-    _raise_max(state_ptr + MAX_OFFSET + 4, seq_abs_max)
-    _raise_max(state_ptr + MAX_OFFSET + 5, _pick_max(mx, cols, N_SUMS + 3))
-    _raise_max(state_ptr + MAX_OFFSET + 6, _pick_max(mx, cols, N_SUMS + 4))
+    part = tl.zeros((COLS,), tl.float32)
+    part = tl.where(cols == 0, tl.sum(s_abs_p, axis=0), part)
+    part = tl.where(cols == 1, tl.sum(s_d, axis=0), part)
+    part = tl.where(cols == 2, tl.sum(s_k3, axis=0), part)
+    part = tl.where(cols == 3, tl.sum(s_rho, axis=0), part)
+    part = tl.where(cols == 4, tl.sum(s_rho2, axis=0), part)
+    part = tl.where(cols == 5, tl.sum(s_out, axis=0), part)
+    part = tl.where(cols == 6, tl.sum(s_n, axis=0), part)
+    part = tl.where(cols == 7, tl.sum(s_bad, axis=0), part)
+    part = tl.where(cols == 8, tl.sum(s_wn, axis=0), part)
+    part = tl.where(cols == 9, tl.sum(s_w, axis=0), part)
+    part = tl.where(cols == 10, tl.sum(s_w2, axis=0), part)
+    part = tl.where(cols == 11, tl.sum(s_w0, axis=0), part)
+    part = tl.where(cols == 12, tl.sum(a0, axis=0), part)
+    part = tl.where(cols == 13, tl.sum(a1, axis=0), part)
+    part = tl.where(cols == 14, tl.sum(a2, axis=0), part)
+    part = tl.where(cols == 15, tl.sum(a3, axis=0), part)
+    part = tl.where(cols == 16, tl.sum(a4, axis=0), part)
+    part = tl.where(cols == 17, tl.sum(c0, axis=0), part)
+    part = tl.where(cols == 18, tl.sum(c1, axis=0), part)
+    part = tl.where(cols == 19, tl.sum(c2, axis=0), part)
+    part = tl.where(cols == 20, tl.sum(c3, axis=0), part)
+    part = tl.where(cols == 21, tl.sum(c4, axis=0), part)
+    tl.atomic_add(sums_ptr + cols, part.to(tl.float64), mask=cols < N_SUMS, sem="relaxed")
+    m_cols = tl.arange(0, 8)
+    part_max = tl.zeros((8,), tl.float32) - float("inf")
+    part_max = tl.where(m_cols == 0, tl.max(m_d, axis=0), part_max)
+    part_max = tl.where(m_cols == 1, tl.max(m_nd, axis=0), part_max)
+    part_max = tl.where(m_cols == 2, tl.max(m_p, axis=0), part_max)
+    part_max = tl.where(m_cols == 3, tl.max(m_w, axis=0), part_max)
+    part_max = tl.where(m_cols == 4, tl.max(m_nw, axis=0), part_max)
+    tl.atomic_max(maxes_ptr + m_cols, part_max.to(tl.float64), mask=m_cols < 5, sem="relaxed")
+    # Sequence statistics: the row's last segment to finish takes the row's totals (and resets them).
+    tl.atomic_add(row_d_ptr + row, tl.sum(s_d, axis=0).to(tl.float64), sem="relaxed")
+    tl.atomic_add(row_n_ptr + row, tl.sum(s_n, axis=0).to(tl.int32), sem="relaxed")
+    if tl.atomic_add(row_ticket_ptr + row, 1, sem="acq_rel", scope="gpu") == n_seg - 1:
+        # Every segment of the row has added its totals (before its ticket): read them at L2 (.cg), and
+        # reset them for the next launch.
+        row_d = tl.load(row_d_ptr + row, cache_modifier=".cg")
+        row_n = tl.load(row_n_ptr + row, cache_modifier=".cg")
+        tl.store(row_d_ptr + row, 0.0)
+        tl.store(row_n_ptr + row, 0)
+        tl.store(row_ticket_ptr + row, 0)
+        if row_n > 0:  # a sequence counts if it has a valid token
+            tl.atomic_add(sums_ptr + N_SUMS, 1.0, sem="relaxed")
+            tl.atomic_max(maxes_ptr + 5, tl.abs(row_d), sem="relaxed")
+    # "Last block": the barrier orders this program's atomics before its ticket, whose acq_rel atomic
+    # publishes them (the pattern of CUDA's cooperative-groups grid sync).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == B * n_seg - 1:
+        _fold_into_state(
+            sums_ptr, maxes_ptr, hist_ptr, state_ptr, fresh, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB,
+            N_SB_POW2, REPLICAS, COLS,
+        )
+        tl.store(counter_ptr, 0)
 
 
-def _scratch(store: dict, device: torch.device, parts: int, n_sb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch owned by one monitor (two monitors on two streams must not share the histogram copies):
-    partials, grown as needed, and the int32 histogram copies, which kernel 2 leaves zeroed."""
-    partial, hist = store.get((device, n_sb), (None, None))
-    if partial is None or partial.shape[0] < parts:
-        partial = torch.empty((max(parts, 256), _N_PART_SUMS + _N_PART_MAXES), dtype=torch.float32, device=device)
-        hist = hist if hist is not None else torch.zeros(_REPLICAS * n_sb, dtype=torch.int32, device=device)
-        store[(device, n_sb)] = (partial, hist)
-    return partial, hist
+class _FastLauncher:
+    """Launch a compiled kernel straight through its launcher, skipping ``JITFunction.run``'s per-call
+    argument binding and specialisation (the larger part of a ~25 µs Triton launch).
+
+    The first call for a key goes through the JIT (which compiles if needed) and keeps the compiled kernel.
+    The caller's key must cover everything Triton specialises on: argument dtypes, 16-byte pointer alignment,
+    and for each non-constexpr integer whether it is 1 or a multiple of 16. Launch hooks (profilers) and the
+    interpreter always take the JIT path.
+    """
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict = {}
+        from triton.runtime.driver import driver
+
+        self._driver = driver
+
+    def __call__(self, key, grid, args, num_warps: int) -> None:
+        compiled = self.compiled.get(key)
+        if compiled is None or _INTERPRET or _launch_hooks_set():
+            compiled = self.kernel[grid](*args, num_warps=num_warps)
+            if compiled is not None and not _INTERPRET:
+                self.compiled[key] = compiled
+            return
+        stream = self._driver.active.get_current_stream(key[0])
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                      *args)
+
+
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps hooks in a HookChain (never None): active when it holds a call.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_set() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return True  # an older Triton: use the JIT path
+    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
+
+
+def _int_spec(x: int) -> tuple[bool, bool, bool]:
+    return x == 1, x % 16 == 0, x >= 2**31
+
+
+def _scratch(store: dict, device: torch.device, rows: int, n_sb: int, replicas: int):
+    """Scratch owned by one monitor (two monitors on two streams must not share it), every buffer left
+    zeroed (maxima: −inf) by each launch: batch sums and maxima, per-row Σd, valid count and ticket (grown as
+    needed), the int32 histogram copies and the launch's ticket counter."""
+    key = (device, n_sb, replicas)
+    entry = store.get(key)
+    if entry is None or entry[2].shape[0] < rows:
+        n = max(rows, 1024)
+        if entry is None:
+            sums = torch.zeros(_COLS, dtype=torch.float64, device=device)
+            maxes = torch.full((8,), -math.inf, dtype=torch.float64, device=device)
+            hist = torch.zeros(replicas * n_sb, dtype=torch.int32, device=device)
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+        else:
+            sums, maxes, hist, counter = entry[0], entry[1], entry[5], entry[6]
+        row_d = torch.zeros(n, dtype=torch.float64, device=device)
+        row_n = torch.zeros(n, dtype=torch.int32, device=device)
+        row_ticket = torch.zeros(n, dtype=torch.int32, device=device)
+        entry = (sums, maxes, row_d, row_n, row_ticket, hist, counter)
+        store[key] = entry
+    return entry
+
+
+def _constants(
+    store: dict, tuning: tuple, max_offset: int, n_signed_bins: int, hist_offset: int, bucket_count_offset: int,
+    has_weights: bool,
+) -> tuple:
+    """The kernel's constexpr arguments, in signature order (built once per monitor and setting: this runs
+    at every micro-batch)."""
+    key = ("constants", tuning, max_offset, n_signed_bins, hist_offset, bucket_count_offset, has_weights)
+    constants = store.get(key)
+    if constants is None:
+        t = TUNING
+        constants = (
+            *_LOG_EDGES, INVALID_LOGPROB_THRESHOLD, _LOG_LO_EDGE, float(HISTOGRAM_BINS_PER_DECADE),
+            n_signed_bins, triton.next_power_of_2(n_signed_bins), (n_signed_bins - 1) // 2, max_offset,
+            hist_offset, bucket_count_offset, has_weights, _N_PART_SUMS, _COLS, t["REPLICAS"], t["BLOCK"],
+            t["ITERS"],
+        )
+        store[key] = constants
+    return constants
+
+
+def kernel_arguments(
+    state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
+    is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
+    hist_offset: int, bucket_count_offset: int, scratch: dict,
+) -> tuple[tuple, list]:
+    """The grid and the kernel's full argument list (constexprs included, in signature order)."""
+    B, T = rollout.shape
+    tuning = TUNING
+    segment = tuning["BLOCK"] * tuning["ITERS"]
+    n_seg = max(1, -(-T // segment))
+    buffers = _scratch(scratch, rollout.device, B, n_signed_bins, tuning["REPLICAS"])
+    constants = _constants(
+        scratch, tuple(tuning.values()), max_offset, n_signed_bins, hist_offset, bucket_count_offset,
+        is_weights is not None,
+    )
+    args = [
+        rollout, train, mask, rollout if is_weights is None else is_weights, *buffers, state,
+        log_lo, log_hi, B, T, n_seg, int(fresh), *constants,
+    ]
+    return (B, n_seg), args
 
 
 def triton_update(
     state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
-    is_weights: torch.Tensor | None, log_lo: float, log_hi: float, n_signed_bins: int, hist_offset: int,
-    bucket_count_offset: int, bucket_abs_offset: int, scratch: dict,
+    is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
+    hist_offset: int, bucket_count_offset: int, scratch: dict,
 ) -> None:
     """Add one [B, T] batch to the monitor's float64 ``state`` (sums, then maxima from ``max_offset``, in
-    the layout of ``metrics``). ``scratch`` is a dict the caller keeps between calls."""
+    the layout of ``metrics``), or overwrite it with the batch's statistics when ``fresh``. ``scratch`` is a
+    dict the caller keeps between calls."""
     B, T = rollout.shape
     if B == 0:
+        if fresh:
+            raise ValueError("an empty first batch has no statistics to write: initialise the state instead")
         return
     rollout, train, mask = rollout.contiguous(), train.contiguous(), mask.contiguous()
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
-    w = is_weights.contiguous() if is_weights is not None else rollout
-    n_seg = max(1, triton.cdiv(T, SEGMENT))
-    partial, hist = _scratch(scratch, rollout.device, B * n_seg, n_signed_bins)
-    width = _N_PART_SUMS + _N_PART_MAXES
-    e1, e2, e3, e4 = _LOG_EDGES
-    _partials_kernel[(B, n_seg)](
-        rollout, train, mask, w, partial, hist, T, n_seg,
-        log_lo=log_lo, log_hi=log_hi, e1=e1, e2=e2, e3=e3, e4=e4, invalid_threshold=INVALID_LOGPROB_THRESHOLD,
-        log_lo_edge=_LOG_LO_EDGE, bins_per_decade=float(HISTOGRAM_BINS_PER_DECADE),
-        N_SB=n_signed_bins, CENTRE=(n_signed_bins - 1) // 2, REPLICAS=_REPLICAS, HAS_W=is_weights is not None,
-        WIDTH=width, N_SUMS=_N_PART_SUMS, BLOCK=BLOCK, ITERS=SEGMENT // BLOCK, num_warps=8,
+    if is_weights is not None:
+        is_weights = is_weights.contiguous()
+    grid, args = kernel_arguments(
+        state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh, n_signed_bins, hist_offset,
+        bucket_count_offset, scratch,
     )
-    _finalize_kernel[(1,)](
-        partial, hist, state, B, n_seg,
-        MAX_OFFSET=max_offset, HIST_OFFSET=hist_offset, BUCKET_COUNT_OFFSET=bucket_count_offset,
-        BUCKET_ABS_OFFSET=bucket_abs_offset, N_SB=n_signed_bins, N_SB_POW2=triton.next_power_of_2(n_signed_bins),
-        REPLICAS=_REPLICAS, WIDTH=width, N_SUMS=_N_PART_SUMS, COLS=triton.next_power_of_2(width), ROWS=32,
-        num_warps=4,
+    launcher = scratch.get("launcher")
+    if launcher is None:
+        launcher = scratch["launcher"] = _FastLauncher(_mismatch_kernel)
+    w = args[3]
+    # Everything Triton specialises on. Scratch buffers and the state are whole allocations (aligned).
+    key = (
+        rollout.device.index, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None,
+        rollout.data_ptr() % 16 == 0, train.data_ptr() % 16 == 0, mask.data_ptr() % 16 == 0,
+        w.data_ptr() % 16 == 0, state.data_ptr() % 16 == 0, _int_spec(B), _int_spec(T), _int_spec(grid[1]),
+        fresh, tuple(args[-3:]), TUNING["num_warps"],
     )
+    if _INTERPRET or key[0] == torch.cuda.current_device():
+        launcher(key, grid, args, TUNING["num_warps"])
+    else:  # a kernel runs in the current device's context: the tensors' device must be current
+        with torch.cuda.device(key[0]):
+            launcher(key, grid, args, TUNING["num_warps"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -81,27 +82,27 @@ if len(_MAX_FIELDS) != N_PASS_MAXES:
 class _Layout:
     n_edges: int  # K + 1 inner edges of |d|
 
-    @property
+    @cached_property
     def n_abs_bins(self) -> int:  # bin 0: |d| < E_0 ... bin K+1: |d| >= E_K
         return self.n_edges + 1
 
-    @property
+    @cached_property
     def n_signed_bins(self) -> int:  # negative bins, the shared "≈0" bin, positive bins
         return 2 * self.n_abs_bins - 1
 
-    @property
+    @cached_property
     def hist_offset(self) -> int:
         return len(_SUM_FIELDS)
 
-    @property
+    @cached_property
     def bucket_count_offset(self) -> int:
         return self.hist_offset + self.n_signed_bins
 
-    @property
+    @cached_property
     def bucket_abs_offset(self) -> int:
         return self.bucket_count_offset + N_BUCKETS
 
-    @property
+    @cached_property
     def n_sums(self) -> int:
         return self.bucket_abs_offset + N_BUCKETS
 
@@ -111,8 +112,8 @@ class MismatchMonitor:
 
     Args:
         ratio_band: (lo, hi) band for ``tim/token/ratio_outside_frac`` (fraction of tokens with ρ outside).
-        compile: ``True`` / ``False`` / ``"auto"``. On CUDA, ``True``/``"auto"`` run the per-batch pass as two
-            Triton kernels (``_mismatch_triton``; torch.compile if Triton is missing). Elsewhere ``"auto"``
+        compile: ``True`` / ``False`` / ``"auto"``. On CUDA, ``True``/``"auto"`` run the per-batch pass as one
+            Triton kernel (``_mismatch_triton``; torch.compile if Triton is missing). Elsewhere ``"auto"``
             means eager unless env ``TIM_PLUGINS_COMPILE=1``, and ``True`` fuses the pass with
             ``torch.compile``. ``False``: plain eager torch everywhere. Any failure falls back to eager.
         prefix: metric key prefix.
@@ -139,14 +140,19 @@ class MismatchMonitor:
         self._layout = _Layout(n_edges=abs_diff_bin_edges().numel())
         # One float64 buffer: the additive slots, then the maxima (one device → host copy in compute()).
         self._state: torch.Tensor | None = None
+        # The buffer of the last reset, reused by the Triton path, which overwrites it ("fresh") in its launch.
+        self._spare_state: torch.Tensor | None = None
         self._compile_failed = False
         self._triton_failed = False
+        self._triton_available: bool | None = None
         self._kernel_scratch: dict = {}
         self._empty_states: dict = {}
         self.updates = 0
 
     # ---------------------------------------------------------------------------------------------- state
     def reset(self) -> None:
+        if self._state is not None:
+            self._spare_state = self._state
         self._state = None
         self.updates = 0
 
@@ -196,12 +202,13 @@ class MismatchMonitor:
 
     # --------------------------------------------------------------------------------------------- update
     def _use_triton(self, device: torch.device) -> bool:
-        """CUDA fast path: the two-kernel Triton pass, unless compilation is off (compile=False, or "auto"
+        """CUDA fast path: the one-kernel Triton pass, unless compilation is off (compile=False, or "auto"
         with TIM_PLUGINS_COMPILE=0): then plain torch, e.g. to debug."""
-        return (
-            device.type == "cuda" and want_compile(self.compile, device) and not self._triton_failed
-            and is_triton_available()
-        )
+        if device.type != "cuda" or self._triton_failed or not want_compile(self.compile, device):
+            return False
+        if self._triton_available is None:  # a module lookup costs ~10 µs: once per monitor
+            self._triton_available = is_triton_available()
+        return self._triton_available
 
     def update(
         self,
@@ -222,22 +229,11 @@ class MismatchMonitor:
             rollout_logprobs, train_logprobs, mask, is_weights
         )
         device = rollout_logprobs.device
-        if self._use_triton(device):
-            self._ensure_state(device, torch.float64)
-            try:
-                lay = self._layout
-                triton_update(
-                    self._state, lay.n_sums, rollout_logprobs, train_logprobs, mask, is_weights,
-                    math.log(self.ratio_band[0]), math.log(self.ratio_band[1]), lay.n_signed_bins,
-                    lay.hist_offset, lay.bucket_count_offset, lay.bucket_abs_offset, self._kernel_scratch,
-                )
-                self.updates += 1
-                return self
-            except Exception as err:  # never let a kernel problem break a training step
-                import warnings
-
-                warnings.warn(f"tim_plugins: the Triton mismatch kernel failed ({err!r}); using torch.")
-                self._triton_failed = True
+        if self._use_triton(device) and self._update_triton(
+            device, rollout_logprobs, train_logprobs, mask, is_weights
+        ):
+            self.updates += 1
+            return self
         args = (
             rollout_logprobs, train_logprobs, mask, is_weights, math.log(self.ratio_band[0]),
             math.log(self.ratio_band[1]), self._layout.n_signed_bins,
@@ -267,6 +263,47 @@ class MismatchMonitor:
         self.updates += 1
         return self
 
+    def _update_triton(self, device, rollout, train, mask, is_weights) -> bool:
+        """One kernel launch; False (after a warning) if the kernel fails, and the caller uses torch."""
+        fresh = self._state is None
+        if fresh:  # the kernel writes the whole state: reuse the last reset's buffer, no zeroing launch
+            spare, self._spare_state = self._spare_state, None
+            if rollout.shape[0] == 0:  # no launch: the empty state
+                self._state = self._new_state(device, torch.float64)
+                fresh = False
+            elif spare is not None and spare.device == device and spare.dtype == torch.float64:
+                self._state = spare
+            else:
+                n_slots = self._layout.n_sums + len(_MAX_FIELDS)
+                self._state = torch.empty(n_slots, dtype=torch.float64, device=device)
+        elif self._state.device != device:  # state restored from a checkpoint lives on the CPU
+            self._state = self._state.to(device)
+        try:
+            o = self._layout
+            log_lo, log_hi = self._log_band
+            triton_update(
+                self._state, o.n_sums, rollout, train, mask, is_weights, log_lo, log_hi, fresh, o.n_signed_bins,
+                o.hist_offset, o.bucket_count_offset, self._kernel_scratch,
+            )
+            return True
+        except Exception as err:  # never let a kernel problem break a training step
+            import warnings
+
+            warnings.warn(f"tim_plugins: the Triton mismatch kernel failed ({err!r}); using torch.")
+            self._triton_failed = True
+            if fresh:  # the buffer was never written
+                self._state = None
+            return False
+
+    @property
+    def _log_band(self) -> tuple[float, float]:
+        band = self.ratio_band
+        cached = self.__dict__.get("_log_band_cache")
+        if cached is None or cached[0] != band:
+            cached = (band, (math.log(band[0]), math.log(band[1])))
+            self._log_band_cache = cached
+        return cached[1]
+
     # -------------------------------------------------------------------------------------------- compute
     def _merged_state(self, sync: bool, group) -> torch.Tensor:
         """The state buffer (sums, then maxima), merged over ranks when ``sync`` (a copy then)."""
@@ -293,58 +330,60 @@ class MismatchMonitor:
         state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
         lay = self._layout
         host = self._merged_state(sync, group).cpu().numpy()  # the one device → host copy
-        s = dict(zip(_SUM_FIELDS, host[: len(_SUM_FIELDS)].tolist()))
-        m = dict(zip(_MAX_FIELDS, host[lay.n_sums :].tolist()))
-        hist_np = host[lay.hist_offset : lay.hist_offset + lay.n_signed_bins]
-        b_count = host[lay.bucket_count_offset : lay.bucket_count_offset + N_BUCKETS].tolist()
-        b_abs = host[lay.bucket_abs_offset : lay.bucket_abs_offset + N_BUCKETS].tolist()
-
-        n = s["tokens"]
+        (n, invalid, abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside, seqs, seq_log_ratio, is_n, is_w, is_w2,
+         is_masked) = host[: len(_SUM_FIELDS)].tolist()
+        abs_d_max, abs_p_max, rho_m1_max, neg_rho_m1_min, seq_abs_max, is_w_max, neg_is_w_min = (
+            host[lay.n_sums :].tolist()
+        )
+        buckets = host[lay.bucket_count_offset : lay.n_sums].tolist()  # counts ×5, then |d| sums ×5
         nan = math.nan
-
-        def mean(x: float) -> float:
-            return x / n if n > 0 else nan
-
-        def mx(x: float) -> float:  # |d| maxima include the zeros of masked tokens: defined only if n > 0
-            return x if n > 0 and x != -math.inf else nan
-
-        p = self.prefix
-        out = {
-            f"{p}/tokens": n,
-            f"{p}/invalid_tokens": s["invalid"],
-            f"{p}/token/abs_diff_mean": mean(s["abs_d"]),
-            f"{p}/token/abs_diff_max": mx(m["abs_d_max"]),
-            f"{p}/token/prob_abs_diff_mean": mean(s["abs_p"]),
-            f"{p}/token/prob_abs_diff_max": mx(m["abs_p_max"]),
-            f"{p}/token/kl_k1": mean(s["neg_d"]),
-            f"{p}/token/kl_k3": mean(s["k3"]),
-            # chi2 = E[ρ²] − 1 = 2 E[ρ − 1] + E[(ρ − 1)²]
-            f"{p}/token/chi2": mean(2.0 * s["rho_m1"] + s["rho_m1_sq"]),
-            f"{p}/token/ratio_mean": 1.0 + mean(s["rho_m1"]),
-            f"{p}/token/ratio_min": 1.0 - m["neg_rho_m1_min"] if n > 0 else nan,
-            f"{p}/token/ratio_max": 1.0 + mx(m["rho_m1_max"]),
-            f"{p}/token/ratio_outside_frac": mean(s["outside"]),
-        }
-        p99, p999 = _hist_quantiles(_fold_signed(hist_np), (0.99, 0.999), out[f"{p}/token/abs_diff_max"])
-        out[f"{p}/token/abs_diff_p99"] = p99
-        out[f"{p}/token/abs_diff_p999"] = p999
-        seqs = s["seqs"]
-        out[f"{p}/seq/count"] = seqs
-        out[f"{p}/seq/log_ratio_mean"] = s["seq_log_ratio"] / seqs if seqs > 0 else nan
-        out[f"{p}/seq/log_ratio_abs_max"] = m["seq_abs_max"] if seqs > 0 else nan
-        for i, bucket in enumerate(_BUCKET_KEYS):
-            key = f"{p}/by_prob/{bucket}"
-            out[f"{key}/count"] = b_count[i]
-            out[f"{key}/abs_diff_mean"] = b_abs[i] / b_count[i] if b_count[i] > 0 else nan
-        if s["is_tokens"] > 0:
-            n_w, sw, sw2 = s["is_tokens"], s["is_w"], s["is_w2"]
-            out[f"{p}/is/weight_mean"] = sw / n_w
-            out[f"{p}/is/weight_min"] = -m["neg_is_w_min"]
-            out[f"{p}/is/weight_max"] = m["is_w_max"]
-            out[f"{p}/is/masked_frac"] = s["is_masked"] / n_w
-            # Kish effective sample size, normalised to [0, 1]: (Σw)² / (N Σw²)
-            out[f"{p}/is/ess"] = sw * sw / (n_w * sw2) if sw2 > 0 else 0.0
+        if n > 0:
+            inv_n = 1.0 / n
+            # |d| maxima include the zeros of masked tokens: defined only if n > 0
+            abs_d_max = abs_d_max if abs_d_max != -math.inf else nan
+            token = [
+                abs_d * inv_n, abs_d_max, abs_p * inv_n, abs_p_max if abs_p_max != -math.inf else nan,
+                neg_d * inv_n, k3 * inv_n,
+                (2.0 * rho_m1 + rho_m1_sq) * inv_n,  # chi2 = E[ρ²] − 1 = 2 E[ρ − 1] + E[(ρ − 1)²]
+                1.0 + rho_m1 * inv_n, 1.0 - neg_rho_m1_min,
+                1.0 + rho_m1_max if rho_m1_max != -math.inf else nan, outside * inv_n,
+            ]
+            token += _hist_quantiles(
+                _fold_signed(host[lay.hist_offset : lay.bucket_count_offset]), (0.99, 0.999), abs_d_max
+            )
+        else:
+            token = [nan] * 13
+        seq = [seqs, seq_log_ratio / seqs, seq_abs_max] if seqs > 0 else [seqs, nan, nan]
+        by_prob = []
+        for count, abs_sum in zip(buckets[:N_BUCKETS], buckets[N_BUCKETS:]):
+            by_prob += (count, abs_sum / count if count > 0 else nan)
+        keys, is_keys = self._metric_keys()
+        out = dict(zip(keys, [n, invalid, *token, *seq, *by_prob]))
+        if is_n > 0:
+            out.update(zip(is_keys, (
+                is_w / is_n, -neg_is_w_min, is_w_max, is_masked / is_n,
+                # Kish effective sample size, normalised to [0, 1]: (Σw)² / (N Σw²)
+                is_w * is_w / (is_n * is_w2) if is_w2 > 0 else 0.0,
+            )))
         return out
+
+    def _metric_keys(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """compute()'s keys, in its value order, formatted once per prefix."""
+        cached = self.__dict__.get("_keys_cache")
+        if cached is not None and cached[0] == self.prefix:
+            return cached[1]
+        p = self.prefix
+        token = (
+            "abs_diff_mean", "abs_diff_max", "prob_abs_diff_mean", "prob_abs_diff_max", "kl_k1", "kl_k3", "chi2",
+            "ratio_mean", "ratio_min", "ratio_max", "ratio_outside_frac", "abs_diff_p99", "abs_diff_p999",
+        )
+        keys = [f"{p}/tokens", f"{p}/invalid_tokens", *(f"{p}/token/{k}" for k in token)]
+        keys += [f"{p}/seq/count", f"{p}/seq/log_ratio_mean", f"{p}/seq/log_ratio_abs_max"]
+        for bucket in _BUCKET_KEYS:
+            keys += [f"{p}/by_prob/{bucket}/count", f"{p}/by_prob/{bucket}/abs_diff_mean"]
+        is_keys = tuple(f"{p}/is/{k}" for k in ("weight_mean", "weight_min", "weight_max", "masked_frac", "ess"))
+        self._keys_cache = (p, (tuple(keys), is_keys))
+        return self._keys_cache[1]
 
     def histograms(self, sync: bool = False, group=None) -> dict[str, tuple]:
         """Histograms for ``wandb.Histogram(np_histogram=...)``: ``{"abs_diff": (counts, edges),
@@ -380,8 +419,10 @@ class MismatchMonitor:
 
 
 def triton_update(*args, **kwargs) -> None:
+    global triton_update
     from tim_plugins._mismatch_triton import triton_update as update  # imports triton: CUDA path only
 
+    triton_update = update  # later calls skip this wrapper and its import statement
     update(*args, **kwargs)
 
 
@@ -403,13 +444,12 @@ def _fold_signed(hist):
 def _hist_quantiles(abs_counts, qs: tuple[float, ...], exact_max: float) -> list[float]:
     """For each q: the upper edge of the bin holding the q-quantile of |d|, capped at the exact max; 0.0 if it
     lies below the histogram's resolution (1e-8)."""
-    import numpy as np
-
-    cum = np.cumsum(np.asarray(abs_counts, dtype=np.float64))
-    if cum.size == 0 or cum[-1] <= 0:
+    cum = abs_counts.cumsum()
+    total = float(cum[-1]) if cum.size else 0.0
+    if total <= 0:
         return [math.nan] * len(qs)
     # First bin whose cumulative count reaches q·N.
-    found = np.searchsorted(cum, np.asarray(qs) * cum[-1], side="left").tolist()
+    found = cum.searchsorted([q * total for q in qs], side="left").tolist()
     edges = _BIN_EDGES_LIST
     return [0.0 if i == 0 else min(edges[i] if i < len(edges) else math.inf, exact_max) for i in found]
 
@@ -442,10 +482,16 @@ def _check_inputs(rollout, train, mask, is_weights):
         raise TypeError(f"log-probs must be floating point, got {rollout.dtype} and {train.dtype}")
     # Half-precision inputs are upcast inside the fused pass (statistics are always computed in >= fp32), and
     # any mask dtype is read there as "non-zero = response token": no conversion copies here.
+    # Statistics never need autograd; detach and move only when needed (this runs at every micro-batch).
     device = rollout.device
-    train = train.detach().to(device)
-    rollout = rollout.detach()
-    mask = mask.to(device)
+    if rollout.requires_grad:
+        rollout = rollout.detach()
+    if train.requires_grad:
+        train = train.detach()
+    if train.device != device:
+        train = train.to(device)
+    if mask.device != device:
+        mask = mask.to(device)
     if is_weights is not None:
         is_weights = is_weights.detach().to(device)
     return rollout, train, mask, is_weights

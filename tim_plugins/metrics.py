@@ -234,10 +234,7 @@ class MismatchMonitor:
         ):
             self.updates += 1
             return self
-        args = (
-            rollout_logprobs, train_logprobs, mask, is_weights, math.log(self.ratio_band[0]),
-            math.log(self.ratio_band[1]), self._layout.n_signed_bins,
-        )
+        args = (rollout_logprobs, train_logprobs, mask, is_weights, *self._log_band, self._layout.n_signed_bins)
         out = None
         if not self._compile_failed and want_compile(self.compile, device):
             try:

@@ -10,7 +10,7 @@ The candidates are timed in interleaved rounds (verl, ours, verl, ours, ...), so
 machine hits all of them; the ratio reported is the ratio of medians. On CUDA every timed call ends with a
 device synchronisation (verl's functions synchronise anyway through ``.item()``).
 
-    python -m benchmarks.bench_metrics [--quick] [--device cuda] [--verl-source DIR]
+    python -m benchmarks.bench_metrics [--quick] [--device cuda] [--verl-source DIR] [--tuning JSON]
 
 Runs in the verl environment (``.venv-verl``); ``--verl-source`` takes verl's functions from a copy of its
 source files instead, for machines where verl cannot be installed (see ``benchmarks/_verl_baseline.py``).
@@ -82,6 +82,21 @@ def _parts(mon, rollout, train, mask) -> dict:
     }
 
 
+def _apply_tuning(overrides: str | None) -> dict:
+    """Set the kernel's TUNING from a JSON object of overrides (unknown names are a mistake); the result."""
+    import json
+
+    from tim_plugins._mismatch_launch import TUNING
+
+    if overrides:
+        values = json.loads(overrides)
+        unknown = sorted(set(values) - set(TUNING))
+        if unknown:
+            raise SystemExit(f"--tuning names {unknown} are not kernel settings: use some of {sorted(TUNING)}")
+        TUNING.update(values)
+    return dict(TUNING)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -94,6 +109,9 @@ def main(argv=None) -> dict:
                         help="also time the compiled monitor's parts: fused pass, histogram counts, compute()")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both sides (1 gives stable ratios on a shared machine)")
+    parser.add_argument("--tuning", default=None,
+                        help='CUDA kernel settings over the defaults, as JSON, e.g. \'{"HISTOGRAM": "block", '
+                             '"REPLICAS": 4, "DEVICE_METRICS": true}\' (see _mismatch_launch.TUNING)')
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,6 +130,7 @@ def main(argv=None) -> dict:
 
         if is_triton_available():
             monitors["tim_triton"] = MismatchMonitor()  # the CUDA default: one Triton kernel
+            tuning = _apply_tuning(args.tuning)
 
     def ours(mon):
         def run():
@@ -159,6 +178,7 @@ def main(argv=None) -> dict:
         # update() alone: the per-micro-batch cost, with no host sync (compute() runs once per step).
         results["speedup_triton_update_only"] = seconds["verl"] / seconds["tim_triton_update_only"]
         results["triton_fell_back"] = monitors["tim_triton"]._triton_failed
+        results["tuning"] = tuning
     name = "metrics_vs_verl" if device.type == "cpu" else f"metrics_vs_verl_{device.type}"
     path = write_results(name, results)
     t = seconds

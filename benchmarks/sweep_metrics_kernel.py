@@ -1,7 +1,7 @@
-"""Launch shapes of the monitor's CUDA kernel, swept on the GPU at hand: how ``_mismatch_triton.TUNING`` was
-chosen, and how to re-choose it for another GPU.
+"""Launch shapes and options of the monitor's CUDA kernel, swept on the GPU at hand: how
+``_mismatch_launch.TUNING`` was chosen, and how to re-choose it for another GPU.
 
-For each shape (BLOCK, ITERS, num_warps, REPLICAS) and batch (256×4096, then the three best also at 8×32768
+For each setting (BLOCK, ITERS, num_warps, REPLICAS; HISTOGRAM "global" or "block"; DEVICE_METRICS) and batch (256×4096, then the three best also at 8×32768
 and 1024×1024): the kernel's GPU time (torch profiler), ``update()`` and ``update()`` + ``compute()`` wall
 time (medians, each call ending in a device synchronisation), and whether its metrics equal the eager torch
 pass (relative 1e-5). Then, for the fastest correct shape, where a call's time goes: Python alone (launch
@@ -28,6 +28,14 @@ _SHAPES = (
     dict(BLOCK=1024, ITERS=2, num_warps=8, REPLICAS=64), dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=64),
     dict(BLOCK=512, ITERS=8, num_warps=8, REPLICAS=32), dict(BLOCK=512, ITERS=8, num_warps=8, REPLICAS=128),
     dict(BLOCK=256, ITERS=4, num_warps=4, REPLICAS=64),
+    # The TUNING options: a per-block histogram (few copies suffice), the metric vector derived on the device.
+    dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=64, DEVICE_METRICS=True),
+    dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=4, HISTOGRAM="block"),
+    dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=16, HISTOGRAM="block"),
+    dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=4, HISTOGRAM="block", DEVICE_METRICS=True),
+    dict(BLOCK=512, ITERS=8, num_warps=8, REPLICAS=4, HISTOGRAM="block", DEVICE_METRICS=True),
+    dict(BLOCK=1024, ITERS=4, num_warps=8, REPLICAS=4, HISTOGRAM="block", DEVICE_METRICS=True),
+    dict(BLOCK=256, ITERS=16, num_warps=4, REPLICAS=4, HISTOGRAM="block", DEVICE_METRICS=True),
 )
 
 
@@ -72,7 +80,7 @@ def main(argv=None) -> dict:
     parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("sweep_metrics_kernel needs a CUDA GPU")
-    import tim_plugins._mismatch_triton as kernels
+    import tim_plugins._mismatch_launch as kernels
     from benchmarks.bench_metrics import _tensors
     from tim_plugins.metrics import MismatchMonitor
 
@@ -134,12 +142,12 @@ def main(argv=None) -> dict:
 
     parts = {"synchronize_only_us": _median_us(lambda: None),
              "compute_only_us": _median_us(lambda: mon.compute(sync=False))}
-    launch = type(launcher).__call__
-    type(launcher).__call__ = lambda self, *args, **kwargs: None
+    launch = type(launcher).launch
+    type(launcher).launch = lambda self, *args, **kwargs: None
     try:
         parts["update_python_only_us"] = _median_us(fresh_update)
     finally:
-        type(launcher).__call__ = launch
+        type(launcher).launch = launch
     hooks_set = kernels._launch_hooks_set
     kernels._launch_hooks_set = lambda: True  # every launch through Triton's JIT
     try:

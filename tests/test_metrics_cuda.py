@@ -27,40 +27,65 @@ def _with_bad_tokens(B, T, dtype=torch.float32):
     return rollout, train, mask
 
 
-def _monitor(path: str) -> MismatchMonitor:
-    """'triton': the CUDA default; 'compiled': torch.compile (the fallback without Triton); 'eager'."""
+# The kernel's TUNING options (not the default until measured on a GPU): the block histogram with few copies,
+# and the metric vector derived on the device.
+_OPTIONS = {"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": True}
+_TRITON_PATHS = ("triton", "triton-options")
+
+
+def _use_options(monkeypatch) -> None:
+    import tim_plugins._mismatch_launch as launch
+
+    for name, value in _OPTIONS.items():
+        monkeypatch.setitem(launch.TUNING, name, value)
+
+
+@pytest.fixture(params=["default", "options"])
+def kernel_variant(request, monkeypatch) -> str:
+    """The Triton kernel as configured by default, and with every TUNING option on."""
+    if request.param == "options":
+        _use_options(monkeypatch)
+    return request.param
+
+
+def _monitor(path: str, monkeypatch) -> MismatchMonitor:
+    """'triton': the CUDA default; 'triton-options': with the TUNING options; 'compiled': torch.compile (the
+    fallback without Triton); 'eager'."""
+    if path == "triton-options":
+        _use_options(monkeypatch)
     mon = MismatchMonitor(compile=path != "eager")
-    mon._triton_failed = path != "triton"
+    mon._triton_failed = path not in _TRITON_PATHS
     return mon
 
 
-@pytest.mark.parametrize("path", ["triton", "compiled", "eager"])
+@pytest.mark.parametrize("path", ["triton", "triton-options", "compiled", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 17), (7, 129), (33, 1001), (70, 2050)])
-def test_cuda_matches_reference(path, dtype, shape):
+def test_cuda_matches_reference(path, dtype, shape, monkeypatch):
     rollout, train, mask = _with_bad_tokens(*shape, dtype=dtype)
-    mon = _monitor(path).update(rollout.cuda(), train.cuda(), mask.cuda())
+    mon = _monitor(path, monkeypatch).update(rollout.cuda(), train.cuda(), mask.cuda())
+    assert (mon._device_metrics is not None) == (path == "triton-options")
     got = mon.compute()
-    assert not mon._triton_failed or path != "triton"
+    assert not mon._triton_failed or path not in _TRITON_PATHS
     assert not mon._compile_failed
     assert got["tim/invalid_tokens"] == 3
     assert_matches(got, reference(rollout, train, mask), rtol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["triton", "compiled"])
+@pytest.mark.parametrize("path", ["triton", "triton-options", "compiled"])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
-def test_cuda_equals_cpu_including_histograms(path, mask_dtype):
+def test_cuda_equals_cpu_including_histograms(path, mask_dtype, monkeypatch):
     rollout, train, mask = _with_bad_tokens(16, 257)
     mask = mask.to(mask_dtype)
     w = torch.rand(16, 257) * 2
     w[w < 0.3] = 0.0
     cpu = MismatchMonitor(compile=False)
-    gpu = _monitor(path)
+    gpu = _monitor(path, monkeypatch)
     for seed in range(2):  # two updates: the state accumulates, the kernel's scratch is reset between
         r, t = (rollout, train) if seed == 0 else make_batch(16, 257, seed=1)[:2]
         cpu.update(r, t, mask, is_weights=w)
         gpu.update(r.cuda(), t.cuda(), mask.cuda(), is_weights=w.cuda())
-    assert not gpu._triton_failed or path != "triton"
+    assert not gpu._triton_failed or path not in _TRITON_PATHS
     a, b = cpu.compute(), gpu.compute()
     assert a.keys() == b.keys()
     for key in a:
@@ -81,7 +106,7 @@ def test_cell_counts_histc_equals_index_add_beyond_float32_exact_range():
     assert torch.equal(cell_counts(cell, n_cells), want)
 
 
-def test_cuda_update_does_not_sync_with_the_host():
+def test_cuda_update_does_not_sync_with_the_host(kernel_variant):
     rollout, train, mask = (x.cuda() for x in make_batch(8, 64))
     mon = MismatchMonitor()  # the Triton path
     mon.update(rollout, train, mask)  # compile outside the checked region
@@ -108,7 +133,7 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_triton_launches_with_every_specialisation():
+def test_triton_launches_with_every_specialisation(kernel_variant):
     """The fast launcher reuses a compiled kernel only for the same dtypes, pointer alignment and integer
     properties: a sequence that changes each of them, in one monitor and in fresh ones, equals the CPU."""
     batches = []
@@ -147,7 +172,7 @@ def test_triton_launches_with_every_specialisation():
     _same_metrics(gpu_all.compute(), MismatchMonitor(compile=False).update(*batches[0]).compute())
 
 
-def test_triton_reset_overwrites_the_reused_buffer():
+def test_triton_reset_overwrites_the_reused_buffer(kernel_variant):
     mon = MismatchMonitor()
     r, t, m = (x.cuda() for x in _with_bad_tokens(9, 300))
     mon.update(r, t, m).update(r, t, m)
@@ -163,7 +188,7 @@ def test_triton_reset_overwrites_the_reused_buffer():
     _same_metrics(mon.compute(), MismatchMonitor(compile=False).update(r2, t2, m2).compute())
 
 
-def test_triton_last_program_reduction_is_exact_and_repeatable():
+def test_triton_last_program_reduction_is_exact_and_repeatable(kernel_variant):
     """Thousands of programs race for the ticket; the last one folds everyone's totals. A stale read would
     change the result between runs; only the order of float64 atomic additions may (last bits)."""
     g = torch.Generator().manual_seed(5)
@@ -193,3 +218,28 @@ def test_triton_last_program_reduction_is_exact_and_repeatable():
         assert other["tim/tokens"] == results[0]["tim/tokens"]  # counts and maxima: exact
         assert other["tim/token/abs_diff_max"] == results[0]["tim/token/abs_diff_max"]
     _same_metrics(results[0], want.compute())
+
+
+def test_device_metric_vector_equals_the_host_derivation(monkeypatch):
+    """With DEVICE_METRICS, compute() copies the kernel's metric vector: it must equal the metrics compute()
+    derives on the host from the same state (last bits may differ where the GPU fuses a multiply-add), over
+    accumulated updates, IS weights on and off, an all-masked batch and a reset."""
+    _use_options(monkeypatch)
+    mon = MismatchMonitor()
+    r, t, m = (x.cuda() for x in _with_bad_tokens(40, 3000))
+    w = torch.rand(40, 3000, device="cuda")
+    steps = [(r, t, m, None), (r, t, m, w), (r, t, torch.zeros_like(m), None), "reset", (r[:0], t[:0], m[:0], None),
+             (r, t, torch.zeros_like(m), None), (r[:3], t[:3], m[:3], w[:3])]
+    for step in steps:
+        if step == "reset":
+            mon.reset()
+            continue
+        mon.update(*step[:3], is_weights=step[3])
+        assert not mon._triton_failed
+        if step[0].shape[0]:  # a launch: the vector describes the state (an empty first batch launches none)
+            assert mon._device_metrics is not None
+        got = mon.compute()
+        kept, mon._device_metrics = mon._device_metrics, None
+        want = mon.compute()  # the same state, derived on the host
+        mon._device_metrics = kept
+        _same_metrics(got, want, rtol=1e-12)

@@ -17,9 +17,12 @@ import pytest
 pytest.importorskip("triton")
 
 _CHECK = r'''
-import json, math, torch
+import json, math, os, torch
 from test_metrics import make_batch
 from tim_plugins.metrics import MismatchMonitor
+import tim_plugins._mismatch_launch as launch
+
+launch.TUNING.update(json.loads(os.environ["TIM_TEST_TUNING"]))
 
 RESET = "reset"
 
@@ -35,6 +38,9 @@ def run_triton(batches):
         mon.update(r, t, m, is_weights=w)
     if mon._triton_failed:
         raise RuntimeError("the kernel failed and the monitor fell back to torch")
+    # With DEVICE_METRICS, compute() must take the kernel's metric vector (not derive them on the host).
+    if (mon._device_metrics is not None) != launch.TUNING["DEVICE_METRICS"]:
+        raise RuntimeError("the device metric vector was not used as configured")
     return mon
 
 def run_torch(batches):
@@ -80,31 +86,47 @@ out = {}
 for name, batches in cases.items():
     a, b = run_triton(batches), run_torch(batches)
     ga, gb = a.compute(), b.compute()
+    # The same state, its metrics derived on the host: the kernel's metric vector must equal them exactly.
+    kept, a._device_metrics = a._device_metrics, None
+    gh = a.compute()
+    a._device_metrics = kept
+    host_differs = [k for k in gh if not (ga.get(k) == gh[k] or (ga.get(k) != ga.get(k) and gh[k] != gh[k]))]
     diff = [k for k in gb if not (ga[k] == gb[k] or (ga[k] != ga[k] and gb[k] != gb[k])
             or abs(ga[k] - gb[k]) <= 1e-5 * abs(gb[k]) + 1e-9)]
     hist_equal = all((a.histograms()[h][0] == b.histograms()[h][0]).all() for h in ("abs_diff", "ratio"))
     out[name] = {"keys": sorted(ga) == sorted(gb), "diff": diff, "hist_equal": bool(hist_equal),
+                 "host_differs": host_differs,
                  "tokens": ga["tim/tokens"], "invalid": ga["tim/invalid_tokens"]}
 print("RESULT " + json.dumps(out))
 '''
 
 
-def test_triton_kernel_equals_the_torch_pass():
+# The default kernel, and both options of TUNING (the block histogram with few copies, the device metrics).
+_VARIANTS = {
+    "default": {},
+    "block histogram, device metrics": {"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": True},
+}
+
+
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+def test_triton_kernel_equals_the_torch_pass(variant):
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}",
+           "TIM_TEST_TUNING": json.dumps(_VARIANTS[variant])}
     proc = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     results = json.loads(lines[-1][len("RESULT "):])
     assert len(results) == 11
     for name, res in results.items():
-        assert res["keys"] and res["diff"] == [] and res["hist_equal"], (name, res)
+        assert res["keys"] and res["diff"] == [] and res["hist_equal"] and res["host_differs"] == [], (name, res)
     assert results["bad tokens, T < block"]["invalid"] == 3
     assert results["fully masked batch"]["tokens"] == 0
 
 
-@pytest.mark.parametrize("has_weights", [False, True])
-def test_kernel_compiles_for_hopper(has_weights):
+@pytest.mark.parametrize("has_weights, variant", [(False, "default"), (True, "default"),
+                                                  (True, "block histogram, device metrics")])
+def test_kernel_compiles_for_hopper(has_weights, variant, monkeypatch):
     """Compile the kernel ahead of time for sm_90 (Triton's bundled ptxas; no GPU needed), with the argument
     list the monitor passes: catches what the interpreter does not check, such as a loop-carried variable
     that changes type."""
@@ -120,19 +142,22 @@ def test_kernel_compiles_for_hopper(has_weights):
         from triton.compiler import ASTSource
     except ImportError as err:  # pragma: no cover - another Triton API generation
         pytest.skip(f"this Triton has no ASTSource/GPUTarget: {err}")
+    import tim_plugins._mismatch_launch as launch
     import tim_plugins._mismatch_triton as kernels
     from tim_plugins.metrics import MismatchMonitor
 
+    for name, value in _VARIANTS[variant].items():
+        monkeypatch.setitem(launch.TUNING, name, value)
     lay = MismatchMonitor()._layout
     B, T = 3, 5000
     state = torch.zeros(lay.n_sums + 7, dtype=torch.float64)
     weights = torch.ones(B, T) if has_weights else None
-    grid, args = kernels.kernel_arguments(
+    grid, args = launch.kernel_arguments(
         state, lay.n_sums, torch.zeros(B, T, dtype=torch.bfloat16), torch.zeros(B, T),
         torch.zeros(B, T, dtype=torch.int64), weights, math.log(0.5), math.log(2.0), True,
         lay.n_signed_bins, lay.hist_offset, lay.bucket_count_offset, {},
     )
-    segment = kernels.TUNING["BLOCK"] * kernels.TUNING["ITERS"]
+    segment = launch.TUNING["BLOCK"] * launch.TUNING["ITERS"]
     assert grid == (B, -(-T // segment)) and grid[1] > 1  # several segments per row: the row tickets run
     fn = kernels._mismatch_kernel
     pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64", torch.int32: "*i32",
@@ -150,7 +175,11 @@ def test_kernel_compiles_for_hopper(has_weights):
                             target=GPUTarget("cuda", 90, 32))
     ptx = kernel.asm["ptx"]
     assert ".target sm_90" in ptx
-    assert "atom.global.gpu.acq_rel.add" in ptx.replace(".s32", "").replace(".u32", "")  # the ticket
+    plain = ptx.replace(".s32", "").replace(".u32", "")
+    assert "atom.global.gpu.acq_rel.add" in plain  # the ticket
+    # The block histogram counts in shared memory (tl.histogram); the default adds each token in global memory.
+    assert ("shared.add" in plain) == (launch.TUNING["HISTOGRAM"] == "block")
+    assert "ld.global.cg.b64" in ptx  # the fold (and the device metrics) read the float64 totals at L2
 
 
 def test_fast_launch_steps_aside_for_launch_hooks():
@@ -160,7 +189,7 @@ def test_fast_launch_steps_aside_for_launch_hooks():
         pytest.skip("the kernel is an interpreter function in this process")
     import triton
 
-    import tim_plugins._mismatch_triton as kernels
+    import tim_plugins._mismatch_launch as kernels
 
     if not hasattr(triton, "knobs"):
         pytest.skip("this Triton has no knobs: the JIT path always runs")
@@ -183,3 +212,61 @@ def test_fast_launch_steps_aside_for_launch_hooks():
         finally:
             triton.knobs.runtime.launch_enter_hook = hooks
     assert not kernels._launch_hooks_set()
+
+
+def _launch_inputs(B: int = 3, T: int = 700):
+    import math
+
+    import torch
+
+    from tim_plugins.metrics import MismatchMonitor
+
+    lay = MismatchMonitor()._layout
+    state = torch.zeros(lay.n_sums + 7, dtype=torch.float64)
+    rollout, train = -torch.rand(B, T), -torch.rand(B, T)
+    return (state, lay.n_sums, rollout, train, torch.ones(B, T, dtype=torch.bool), torch.rand(B, T),
+            math.log(0.5), math.log(2.0), False, lay.n_signed_bins, lay.hist_offset, lay.bucket_count_offset)
+
+
+def test_direct_launch_passes_the_jit_arguments_as_addresses(monkeypatch):
+    """The direct launch hands the compiled launcher integer addresses: the same arguments, in the same
+    order, as the tensors the JIT path gets (checked without a GPU, with the launch recorded)."""
+    import torch
+
+    import tim_plugins._mismatch_launch as launch
+
+    inputs = _launch_inputs()
+    scratch: dict = {}
+    launched = []
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors: device index None
+    monkeypatch.setattr(launch._FastLauncher, "jit", lambda self, key, grid, args, nw: self.compiled.update({key: 1}))
+    monkeypatch.setattr(launch._FastLauncher, "launch",
+                        lambda self, compiled, index, grid, args: launched.append((grid, args)))
+    launch.triton_update(*inputs, scratch)  # first call: the JIT path, which keeps the "compiled" kernel
+    assert launched == []
+    launch.triton_update(*inputs, scratch)  # same key: the direct launch
+    grid, args = launched[0]
+    state, max_offset, rollout, train, mask, w, *rest = inputs
+    want_grid, want = launch.kernel_arguments(state, max_offset, rollout, train, mask.view(torch.uint8), w, *rest,
+                                              scratch)
+    assert grid == want_grid and len(args) == len(want) == len(launch._mismatch_kernel.params)
+    for got, expected in zip(args, want, strict=True):
+        assert got == (expected.data_ptr() if isinstance(expected, torch.Tensor) else expected)
+
+
+def test_kernel_settings_are_checked_with_the_fix(monkeypatch):
+    import tim_plugins._mismatch_launch as launch
+    from tim_plugins._mismatch_triton import DEVICE_METRIC_SLOTS
+    from tim_plugins.metrics import MismatchMonitor
+
+    keys, is_keys = MismatchMonitor()._metric_keys()
+    assert len(keys) + len(is_keys) + 1 == DEVICE_METRIC_SLOTS  # the device vector: values, IS values, IS count
+    monkeypatch.setitem(launch.TUNING, "HISTOGRAM", "shared")
+    with pytest.raises(ValueError, match=r"TUNING\['HISTOGRAM'\]='shared'.*one of \('global', 'block'\)"):
+        launch.kernel_arguments(*_launch_inputs(), {})
+    monkeypatch.setitem(launch.TUNING, "HISTOGRAM", "block")
+    monkeypatch.setitem(launch.TUNING, "REPLICAS", 6)
+    with pytest.raises(ValueError, match=r"TUNING\['REPLICAS'\]=6 must be a multiple of 4"):
+        launch.kernel_arguments(*_launch_inputs(), {})

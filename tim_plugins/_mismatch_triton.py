@@ -3,19 +3,23 @@
 Why: on a GPU the statistics themselves take microseconds; what costs is launching work and waiting for it.
 The torch.compile'd pass launches ~10 kernels plus the histogram and the state update (~0.8 ms per
 ``update()`` on an H200 for 256×4096, most of it host-side). Here one kernel does everything (~37 µs of GPU
-time for 256×4096 on an H200), launched through the compiled kernel's own launcher (``_FastLauncher``),
-which skips Triton's per-call argument binding (~20 µs). Same formulas and binning as ``_mismatch_pass``
-(the CUDA tests compare them; the CPU tests run this kernel under ``TRITON_INTERPRET=1``). Triton ships with
-CUDA builds of torch; it is imported only here.
+time for 256×4096 on an H200). Same formulas and binning as ``_mismatch_pass`` (the CUDA tests compare them;
+the CPU tests run this kernel under ``TRITON_INTERPRET=1``). Host side (launch shape, scratch buffers, the
+launch itself): ``_mismatch_launch``. Triton ships with CUDA builds of torch; it is imported only here and there.
 
-One program per (row, segment of BLOCK × ITERS tokens) computes float32 partial sums and maxima and adds its
-tokens to the |d| histogram by integer atomics spread over REPLICAS copies (neighbouring threads hit
-different copies, so the few busy bins near d ≈ 0 are not contended by a whole warp). It adds its totals to
-float64 batch accumulators with two vector atomics. The last segment of a row to finish (a per-row ticket)
-takes the row's Σd, which gives the sequence statistics. The last program of the launch (a global ticket,
-the classic "last block" reduction) folds the batch totals and the histogram copies into the monitor's
-float64 state and leaves every scratch buffer reset for the next launch. With ``fresh`` it overwrites the
-state instead of adding to it, so a reset costs no extra launch. Float atomics make the last bits of the sums
+One program per (row, segment of BLOCK × ITERS tokens) computes float32 partial sums and maxima and counts its
+tokens into the |d| histogram, by one of two methods (constexpr ``BLOCK_HISTOGRAM``):
+- global atomics (the default): one integer atomic per token, spread over REPLICAS copies (neighbouring
+  threads hit different copies, so the few busy bins near d ≈ 0 are not contended by a whole warp);
+- a block histogram: ``tl.histogram`` counts each BLOCK of tokens in shared memory, the counts accumulate in
+  registers, and the program adds its non-zero bins to one copy at the end: ~10× fewer global atomics.
+It adds its totals to float64 batch accumulators with two vector atomics. The last segment of a row to finish
+(a per-row ticket) takes the row's Σd, which gives the sequence statistics. The last program of the launch (a
+global ticket, the classic "last block" reduction) folds the batch totals and the histogram copies into the
+monitor's float64 state and leaves every scratch buffer reset for the next launch. With ``fresh`` it
+overwrites the state instead of adding to it, so a reset costs no extra launch. With ``DEVICE_METRICS`` it
+then also derives the final metric vector (means, quantiles, NaN rules of ``MismatchMonitor.compute``) from
+the new state, so ``compute()`` only copies and labels it. Float atomics make the last bits of the sums
 depend on the programs' order; counts, histogram and maxima are exact.
 """
 
@@ -24,28 +28,20 @@ from __future__ import annotations
 import math
 import os
 
-import torch
 import triton
 import triton.language as tl
 
-from tim_plugins._mismatch_pass import (
-    HISTOGRAM_BINS_PER_DECADE,
-    HISTOGRAM_RANGE,
-    INVALID_LOGPROB_THRESHOLD,
-    N_BUCKETS,
-    PROB_BUCKET_EDGES,
-)
+from tim_plugins._mismatch_pass import N_BUCKETS, PROB_BUCKET_EDGES
 
-__all__ = ["triton_update", "TUNING", "kernel_arguments"]
+__all__ = ["DEVICE_METRIC_SLOTS", "N_PART_SUMS", "SUM_COLS", "LOG_PROB_EDGES"]
 
-# Launch shape, from a sweep on an H200 (256×4096, 8×32768, 1024×1024). REPLICAS: a multiple of 4.
-TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64}
-_LOG_EDGES = [math.log(e) for e in PROB_BUCKET_EDGES[1:-1]]
-_LOG_LO_EDGE = math.log10(HISTOGRAM_RANGE[0])
+LOG_PROB_EDGES = tuple(math.log(e) for e in PROB_BUCKET_EDGES[1:-1])
 # Partial columns. Sums: abs_p, Σd, k3, ρ−1, (ρ−1)², outside, valid, invalid, IS n, Σw, Σw², IS zeros,
 # bucket |d| sums ×5, bucket counts ×5. Maxima: d, −d, abs_p, w, −w, and a sequence's |Σd|.
-_N_PART_SUMS = 12 + 2 * N_BUCKETS
-_COLS = 32  # batch sums: the partial columns, then the count of sequences with a valid token
+N_PART_SUMS = 12 + 2 * N_BUCKETS
+SUM_COLS = 32  # batch sums: the partial columns, then the count of sequences with a valid token
+# The device metric vector: compute()'s values in its key order (28), the 5 IS metrics, then the IS count.
+DEVICE_METRIC_SLOTS = 34
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -168,16 +164,112 @@ def _fold_into_state(
     tl.store(max_ptrs, tl.maximum(prev, new_max), mask=in_max)
 
 
+@triton.jit
+def _write_metrics(
+    state_ptr, edges_ptr, metrics_ptr, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
+    BUCKET_COUNT_OFFSET: tl.constexpr, N_SB: tl.constexpr, N_EDGES: tl.constexpr, N_ABS_POW2: tl.constexpr,
+):
+    """The final metric vector from the just-folded state, in ``MismatchMonitor.compute``'s value order and
+    with its rules (NaN where undefined), so that compute() only copies it. Run by the last program."""
+    tl.debug_barrier()  # the fold's stores, by this program's threads, before they are read back
+    nan = float("nan")
+    n = tl.load(state_ptr + 0, cache_modifier=".cg")
+    abs_d = tl.load(state_ptr + 2, cache_modifier=".cg")
+    abs_p = tl.load(state_ptr + 3, cache_modifier=".cg")
+    neg_d = tl.load(state_ptr + 4, cache_modifier=".cg")
+    k3 = tl.load(state_ptr + 5, cache_modifier=".cg")
+    rho_m1 = tl.load(state_ptr + 6, cache_modifier=".cg")
+    rho_m1_sq = tl.load(state_ptr + 7, cache_modifier=".cg")
+    outside = tl.load(state_ptr + 8, cache_modifier=".cg")
+    seqs = tl.load(state_ptr + 9, cache_modifier=".cg")
+    seq_log_ratio = tl.load(state_ptr + 10, cache_modifier=".cg")
+    is_n = tl.load(state_ptr + 11, cache_modifier=".cg")
+    is_w = tl.load(state_ptr + 12, cache_modifier=".cg")
+    is_w2 = tl.load(state_ptr + 13, cache_modifier=".cg")
+    is_masked = tl.load(state_ptr + 14, cache_modifier=".cg")
+    abs_d_max = tl.load(state_ptr + MAX_OFFSET, cache_modifier=".cg")
+    abs_p_max = tl.load(state_ptr + MAX_OFFSET + 1, cache_modifier=".cg")
+    rho_m1_max = tl.load(state_ptr + MAX_OFFSET + 2, cache_modifier=".cg")
+    neg_rho_m1_min = tl.load(state_ptr + MAX_OFFSET + 3, cache_modifier=".cg")
+    seq_abs_max = tl.load(state_ptr + MAX_OFFSET + 4, cache_modifier=".cg")
+    is_w_max = tl.load(state_ptr + MAX_OFFSET + 5, cache_modifier=".cg")
+    neg_is_w_min = tl.load(state_ptr + MAX_OFFSET + 6, cache_modifier=".cg")
+    abs_d_max = tl.where(abs_d_max == -float("inf"), nan, abs_d_max)
+
+    # |d| quantiles: fold the signed histogram (|d| bin k = centre + k and centre − k), then the first bin
+    # whose cumulative count reaches q·N (the count of bins below q·N); its upper edge, capped at the max.
+    k = tl.arange(0, N_ABS_POW2)
+    centre = (N_SB - 1) // 2
+    hist = state_ptr + HIST_OFFSET + centre
+    folded = tl.load(hist + k, mask=k <= centre, other=0.0, cache_modifier=".cg")
+    folded += tl.load(hist - k, mask=(k >= 1) & (k <= centre), other=0.0, cache_modifier=".cg")
+    cum = tl.cumsum(folded, axis=0)
+    total = tl.sum(folded, axis=0)  # integer counts: exact in float64, whatever the order
+    q99 = _edge_quantile(cum, total, tl.full((), 0.99, tl.float64), edges_ptr, abs_d_max, N_EDGES)
+    q999 = _edge_quantile(cum, total, tl.full((), 0.999, tl.float64), edges_ptr, abs_d_max, N_EDGES)
+
+    inv_n = 1.0 / n  # compute() multiplies by 1/n too: the same roundings
+    j = tl.arange(0, 64)
+    v = tl.zeros((64,), tl.float64)
+    v = tl.where(j == 0, n, v)
+    v = tl.where(j == 1, tl.load(state_ptr + 1, cache_modifier=".cg"), v)
+    v = tl.where(j == 2, abs_d * inv_n, v)
+    v = tl.where(j == 3, abs_d_max, v)
+    v = tl.where(j == 4, abs_p * inv_n, v)
+    v = tl.where(j == 5, tl.where(abs_p_max == -float("inf"), nan, abs_p_max), v)
+    v = tl.where(j == 6, neg_d * inv_n, v)
+    v = tl.where(j == 7, k3 * inv_n, v)
+    v = tl.where(j == 8, (2.0 * rho_m1 + rho_m1_sq) * inv_n, v)  # chi2 = 2 E[ρ − 1] + E[(ρ − 1)²]
+    v = tl.where(j == 9, 1.0 + rho_m1 * inv_n, v)
+    v = tl.where(j == 10, 1.0 - neg_rho_m1_min, v)
+    v = tl.where(j == 11, tl.where(rho_m1_max == -float("inf"), nan, 1.0 + rho_m1_max), v)
+    v = tl.where(j == 12, outside * inv_n, v)
+    v = tl.where(j == 13, q99, v)
+    v = tl.where(j == 14, q999, v)
+    token = (j >= 2) & (j <= 14)
+    v = tl.where(token, tl.where(n > 0, v, nan), v)  # no valid token: token statistics undefined
+    v = tl.where(j == 15, seqs, v)
+    v = tl.where(j == 16, tl.where(seqs > 0, seq_log_ratio / seqs, nan), v)
+    v = tl.where(j == 17, tl.where(seqs > 0, seq_abs_max, nan), v)
+    # by_prob: (count, |d| sum / count) per bucket; the state holds counts ×5, then |d| sums ×5.
+    in_prob = (j >= 18) & (j < 28)
+    bucket = (j - 18) // 2
+    count = tl.load(state_ptr + BUCKET_COUNT_OFFSET + bucket, mask=in_prob, other=0.0, cache_modifier=".cg")
+    abs_sum = tl.load(state_ptr + BUCKET_COUNT_OFFSET + 5 + bucket, mask=in_prob, other=0.0, cache_modifier=".cg")
+    by_prob = tl.where((j - 18) % 2 == 0, count, tl.where(count > 0, abs_sum / count, nan))
+    v = tl.where(in_prob, by_prob, v)
+    # IS weights (read by compute() only when the IS count is > 0); ESS = (Σw)² / (N Σw²).
+    v = tl.where(j == 28, is_w / is_n, v)
+    v = tl.where(j == 29, -neg_is_w_min, v)
+    v = tl.where(j == 30, is_w_max, v)
+    v = tl.where(j == 31, is_masked / is_n, v)
+    v = tl.where(j == 32, tl.where(is_w2 > 0, is_w * is_w / (is_n * is_w2), 0.0), v)
+    v = tl.where(j == 33, is_n, v)
+    tl.store(metrics_ptr + j, v, mask=j < 34)
+
+
+@triton.jit
+def _edge_quantile(cum, total, q, edges_ptr, exact_max, N_EDGES: tl.constexpr):
+    """``_hist_quantiles`` of ``metrics``: bin i = #(cum < q·N); 0 if i == 0, else min(E_i, max); NaN if
+    the histogram is empty."""
+    i = tl.sum((cum < q * total).to(tl.int32), axis=0)
+    edge = tl.load(edges_ptr + tl.minimum(i, N_EDGES - 1))
+    edge = tl.where(i < N_EDGES, edge, float("inf"))
+    value = tl.where(i == 0, 0.0, tl.minimum(edge, exact_max))
+    return tl.where(total > 0, value, float("nan"))
+
+
 @triton.jit(do_not_specialize=["B", "n_seg", "fresh"])
 def _mismatch_kernel(
     rollout_ptr, train_ptr, mask_ptr, w_ptr, sums_ptr, maxes_ptr, row_d_ptr, row_n_ptr, row_ticket_ptr, hist_ptr,
-    counter_ptr, state_ptr, log_lo, log_hi, B, T, n_seg, fresh,
+    counter_ptr, edges_ptr, metrics_ptr, state_ptr, log_lo, log_hi, B, T, n_seg, fresh,
     # Fixed constants are constexpr; launches skip Triton's argument binding, so runtime ones cost little.
     e1: tl.constexpr, e2: tl.constexpr, e3: tl.constexpr, e4: tl.constexpr, invalid_threshold: tl.constexpr,
     log_lo_edge: tl.constexpr, bins_per_decade: tl.constexpr, N_SB: tl.constexpr, N_SB_POW2: tl.constexpr,
     CENTRE: tl.constexpr, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
     BUCKET_COUNT_OFFSET: tl.constexpr, HAS_W: tl.constexpr, N_SUMS: tl.constexpr, COLS: tl.constexpr,
-    REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    N_EDGES: tl.constexpr, REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    BLOCK_HISTOGRAM: tl.constexpr, DEVICE_METRICS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
@@ -214,6 +306,7 @@ def _mismatch_kernel(
     # Neighbouring threads hit different histogram copies: a warp's 32 atomics on the few busy bins
     # (d ≈ 0) then go to 32 addresses, not one.
     hist_lane = hist_ptr + ((lane + row) % REPLICAS) * N_SB + CENTRE
+    block_hist = tl.zeros((N_SB_POW2,), tl.int32)
     for i in range(ITERS):
         offs = seg * (BLOCK * ITERS) + i * BLOCK + lane
         inb = offs < T
@@ -269,7 +362,14 @@ def _mismatch_kernel(
         abs_bin = tl.floor((_log10(abs_d) - log_lo_edge) * bins_per_decade) + 1.0
         abs_bin = tl.minimum(tl.maximum(abs_bin, 0.0), CENTRE).to(tl.int32)
         sign = (d > 0).to(tl.int32) - (d < 0).to(tl.int32)
-        tl.atomic_add(hist_lane + sign * abs_bin, tl.full((BLOCK,), 1, tl.int32), mask=valid, sem="relaxed")
+        if BLOCK_HISTOGRAM:
+            block_hist += tl.histogram(CENTRE + sign * abs_bin, N_SB_POW2, mask=valid)
+        else:
+            tl.atomic_add(hist_lane + sign * abs_bin, tl.full((BLOCK,), 1, tl.int32), mask=valid, sem="relaxed")
+    if BLOCK_HISTOGRAM:  # the program's non-zero bins, into one of the copies
+        sb = tl.arange(0, N_SB_POW2)
+        copy = (row * n_seg + seg) % REPLICAS
+        tl.atomic_add(hist_ptr + copy * N_SB + sb, block_hist, mask=(block_hist > 0) & (sb < N_SB), sem="relaxed")
     # This program's totals, added at L2 by two vector atomics (float64 sums, maxima as ordered integers).
     cols = tl.arange(0, COLS)
     part = tl.zeros((COLS,), tl.float32)
@@ -327,154 +427,9 @@ def _mismatch_kernel(
             sums_ptr, maxes_ptr, hist_ptr, state_ptr, fresh, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB,
             N_SB_POW2, REPLICAS, COLS,
         )
+        if DEVICE_METRICS:
+            _write_metrics(
+                state_ptr, edges_ptr, metrics_ptr, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB, N_EDGES,
+                N_SB_POW2 // 2,
+            )
         tl.store(counter_ptr, 0)
-
-
-class _FastLauncher:
-    """Launch a compiled kernel straight through its launcher, skipping ``JITFunction.run``'s per-call
-    argument binding and specialisation (the larger part of a ~25 µs Triton launch).
-
-    The first call for a key goes through the JIT (which compiles if needed) and keeps the compiled kernel.
-    The caller's key must cover everything Triton specialises on: argument dtypes, 16-byte pointer alignment,
-    and for each non-constexpr integer whether it is 1 or a multiple of 16. Launch hooks (profilers) and the
-    interpreter always take the JIT path.
-    """
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-        self.compiled: dict = {}
-        from triton.runtime.driver import driver
-
-        self._driver = driver
-
-    def __call__(self, key, grid, args, num_warps: int) -> None:
-        compiled = self.compiled.get(key)
-        if compiled is None or _INTERPRET or _launch_hooks_set():
-            compiled = self.kernel[grid](*args, num_warps=num_warps)
-            if compiled is not None and not _INTERPRET:
-                self.compiled[key] = compiled
-            return
-        stream = self._driver.active.get_current_stream(key[0])
-        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                      *args)
-
-
-def _hook_active(hook) -> bool:
-    # Triton >= 3.5 keeps hooks in a HookChain (never None): active when it holds a call.
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _launch_hooks_set() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
-        return True  # an older Triton: use the JIT path
-    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
-
-
-def _int_spec(x: int) -> tuple[bool, bool, bool]:
-    return x == 1, x % 16 == 0, x >= 2**31
-
-
-def _scratch(store: dict, device: torch.device, rows: int, n_sb: int, replicas: int):
-    """Scratch owned by one monitor (two monitors on two streams must not share it), every buffer left
-    zeroed (maxima: −inf) by each launch: batch sums and maxima, per-row Σd, valid count and ticket (grown as
-    needed), the int32 histogram copies and the launch's ticket counter."""
-    key = (device, n_sb, replicas)
-    entry = store.get(key)
-    if entry is None or entry[2].shape[0] < rows:
-        n = max(rows, 1024)
-        if entry is None:
-            sums = torch.zeros(_COLS, dtype=torch.float64, device=device)
-            maxes = torch.full((8,), -math.inf, dtype=torch.float64, device=device)
-            hist = torch.zeros(replicas * n_sb, dtype=torch.int32, device=device)
-            counter = torch.zeros(1, dtype=torch.int32, device=device)
-        else:
-            sums, maxes, hist, counter = entry[0], entry[1], entry[5], entry[6]
-        row_d = torch.zeros(n, dtype=torch.float64, device=device)
-        row_n = torch.zeros(n, dtype=torch.int32, device=device)
-        row_ticket = torch.zeros(n, dtype=torch.int32, device=device)
-        entry = (sums, maxes, row_d, row_n, row_ticket, hist, counter)
-        store[key] = entry
-    return entry
-
-
-def _constants(
-    store: dict, tuning: tuple, max_offset: int, n_signed_bins: int, hist_offset: int, bucket_count_offset: int,
-    has_weights: bool,
-) -> tuple:
-    """The kernel's constexpr arguments, in signature order (built once per monitor and setting: this runs
-    at every micro-batch)."""
-    key = ("constants", tuning, max_offset, n_signed_bins, hist_offset, bucket_count_offset, has_weights)
-    constants = store.get(key)
-    if constants is None:
-        t = TUNING
-        constants = (
-            *_LOG_EDGES, INVALID_LOGPROB_THRESHOLD, _LOG_LO_EDGE, float(HISTOGRAM_BINS_PER_DECADE),
-            n_signed_bins, triton.next_power_of_2(n_signed_bins), (n_signed_bins - 1) // 2, max_offset,
-            hist_offset, bucket_count_offset, has_weights, _N_PART_SUMS, _COLS, t["REPLICAS"], t["BLOCK"],
-            t["ITERS"],
-        )
-        store[key] = constants
-    return constants
-
-
-def kernel_arguments(
-    state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
-    is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
-    hist_offset: int, bucket_count_offset: int, scratch: dict,
-) -> tuple[tuple, list]:
-    """The grid and the kernel's full argument list (constexprs included, in signature order)."""
-    B, T = rollout.shape
-    tuning = TUNING
-    segment = tuning["BLOCK"] * tuning["ITERS"]
-    n_seg = max(1, -(-T // segment))
-    buffers = _scratch(scratch, rollout.device, B, n_signed_bins, tuning["REPLICAS"])
-    constants = _constants(
-        scratch, tuple(tuning.values()), max_offset, n_signed_bins, hist_offset, bucket_count_offset,
-        is_weights is not None,
-    )
-    args = [
-        rollout, train, mask, rollout if is_weights is None else is_weights, *buffers, state,
-        log_lo, log_hi, B, T, n_seg, int(fresh), *constants,
-    ]
-    return (B, n_seg), args
-
-
-def triton_update(
-    state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
-    is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
-    hist_offset: int, bucket_count_offset: int, scratch: dict,
-) -> None:
-    """Add one [B, T] batch to the monitor's float64 ``state`` (sums, then maxima from ``max_offset``, in
-    the layout of ``metrics``), or overwrite it with the batch's statistics when ``fresh``. ``scratch`` is a
-    dict the caller keeps between calls."""
-    B, T = rollout.shape
-    if B == 0:
-        if fresh:
-            raise ValueError("an empty first batch has no statistics to write: initialise the state instead")
-        return
-    rollout, train, mask = rollout.contiguous(), train.contiguous(), mask.contiguous()
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
-    if is_weights is not None:
-        is_weights = is_weights.contiguous()
-    grid, args = kernel_arguments(
-        state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh, n_signed_bins, hist_offset,
-        bucket_count_offset, scratch,
-    )
-    launcher = scratch.get("launcher")
-    if launcher is None:
-        launcher = scratch["launcher"] = _FastLauncher(_mismatch_kernel)
-    w = args[3]
-    # Everything Triton specialises on. Scratch buffers and the state are whole allocations (aligned).
-    key = (
-        rollout.device.index, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None,
-        rollout.data_ptr() % 16 == 0, train.data_ptr() % 16 == 0, mask.data_ptr() % 16 == 0,
-        w.data_ptr() % 16 == 0, state.data_ptr() % 16 == 0, _int_spec(B), _int_spec(T), _int_spec(grid[1]),
-        fresh, tuple(args[-3:]), TUNING["num_warps"],
-    )
-    if _INTERPRET or key[0] == torch.cuda.current_device():
-        launcher(key, grid, args, TUNING["num_warps"])
-    else:  # a kernel runs in the current device's context: the tensors' device must be current
-        with torch.cuda.device(key[0]):
-            launcher(key, grid, args, TUNING["num_warps"])

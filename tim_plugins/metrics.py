@@ -29,6 +29,7 @@ from tim_plugins._mismatch_pass import (
     compiled_batch_stats,
     want_compile,
 )
+from tim_plugins._monitor_inputs import check_inputs
 from tim_plugins._optional import is_triton_available
 
 __all__ = [
@@ -142,6 +143,9 @@ class MismatchMonitor:
         self._state: torch.Tensor | None = None
         # The buffer of the last reset, reused by the Triton path, which overwrites it ("fresh") in its launch.
         self._spare_state: torch.Tensor | None = None
+        # The metric vector the last Triton launch derived from the state (TUNING["DEVICE_METRICS"]): while
+        # set, compute() copies it instead of deriving the metrics on the host.
+        self._device_metrics: torch.Tensor | None = None
         self._compile_failed = False
         self._triton_failed = False
         self._triton_available: bool | None = None
@@ -154,6 +158,7 @@ class MismatchMonitor:
         if self._state is not None:
             self._spare_state = self._state
         self._state = None
+        self._device_metrics = None
         self.updates = 0
 
     @property
@@ -190,6 +195,7 @@ class MismatchMonitor:
     def load_state_dict(self, state: Mapping) -> None:
         self.ratio_band = tuple(state["ratio_band"])
         self.updates = int(state["updates"])
+        self._device_metrics = None
         if state["sums"] is None:
             self._state = None
             return
@@ -225,7 +231,7 @@ class MismatchMonitor:
             mask: [B, T] response-token mask (bool or 0/1); ``None`` means every token is a response token.
             is_weights: [B, T] importance weights the framework actually applied (after truncation/masking).
         """
-        rollout_logprobs, train_logprobs, mask, is_weights = _check_inputs(
+        rollout_logprobs, train_logprobs, mask, is_weights = check_inputs(
             rollout_logprobs, train_logprobs, mask, is_weights
         )
         device = rollout_logprobs.device
@@ -246,6 +252,7 @@ class MismatchMonitor:
                 self._compile_failed = True
         if out is None:
             out = batch_stats(*args)
+        self._device_metrics = None  # the state changes without the kernel: compute() derives on the host
         pass_sums, bucket_abs, maxes, cell = out
         n_sb = self._layout.n_signed_bins
         counts = cell_counts(cell, N_BUCKETS * n_sb + 1)  # joint (bucket, d bin) cells, then the invalid cell
@@ -263,6 +270,8 @@ class MismatchMonitor:
     def _update_triton(self, device, rollout, train, mask, is_weights) -> bool:
         """One kernel launch; False (after a warning) if the kernel fails, and the caller uses torch."""
         fresh = self._state is None
+        if not fresh and rollout.shape[0] == 0:
+            return True  # nothing to add (any device metric vector still describes the state)
         if fresh:  # the kernel writes the whole state: reuse the last reset's buffer, no zeroing launch
             spare, self._spare_state = self._spare_state, None
             if rollout.shape[0] == 0:  # no launch: the empty state
@@ -278,7 +287,7 @@ class MismatchMonitor:
         try:
             o = self._layout
             log_lo, log_hi = self._log_band
-            triton_update(
+            self._device_metrics = triton_update(
                 self._state, o.n_sums, rollout, train, mask, is_weights, log_lo, log_hi, fresh, o.n_signed_bins,
                 o.hist_offset, o.bucket_count_offset, self._kernel_scratch,
             )
@@ -288,6 +297,7 @@ class MismatchMonitor:
 
             warnings.warn(f"tim_plugins: the Triton mismatch kernel failed ({err!r}); using torch.")
             self._triton_failed = True
+            self._device_metrics = None
             if fresh:  # the buffer was never written
                 self._state = None
             return False
@@ -302,13 +312,17 @@ class MismatchMonitor:
         return cached[1]
 
     # -------------------------------------------------------------------------------------------- compute
-    def _merged_state(self, sync: bool, group) -> torch.Tensor:
-        """The state buffer (sums, then maxima), merged over ranks when ``sync`` (a copy then)."""
-        n = self._layout.n_sums
-        reduce = (
+    @staticmethod
+    def _reduces(sync: bool, group) -> bool:
+        return (
             sync and torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size(group) > 1
         )
+
+    def _merged_state(self, sync: bool, group) -> torch.Tensor:
+        """The state buffer (sums, then maxima), merged over ranks when ``sync`` (a copy then)."""
+        n = self._layout.n_sums
+        reduce = self._reduces(sync, group)
         if self._state is None:
             # Every rank must call compute(), even one that saw no batch: it contributes zeros / −inf.
             device = _collective_device(group) if reduce else torch.device("cpu")
@@ -325,6 +339,14 @@ class MismatchMonitor:
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
         """Return the metric dict (one host transfer). With ``sync`` and an initialised process group the
         state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
+        if self._device_metrics is not None and not self._reduces(sync, group):
+            # The last launch derived the metrics from this very state: copy and label them.
+            values = self._device_metrics.cpu().numpy().tolist()
+            keys, is_keys = self._metric_keys()
+            out = dict(zip(keys, values))  # the vector holds compute()'s values in key order
+            if values[-1] > 0:  # IS count
+                out.update(zip(is_keys, values[len(keys) : len(keys) + len(is_keys)]))
+            return out
         lay = self._layout
         host = self._merged_state(sync, group).cpu().numpy()  # the one device → host copy
         (n, invalid, abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside, seqs, seq_log_ratio, is_n, is_w, is_w2,
@@ -415,12 +437,12 @@ class MismatchMonitor:
         return {"abs_diff": (abs_counts[:-1], abs_edges), "ratio": (counts, ratio_edges)}
 
 
-def triton_update(*args, **kwargs) -> None:
+def triton_update(*args, **kwargs) -> torch.Tensor | None:
     global triton_update
-    from tim_plugins._mismatch_triton import triton_update as update  # imports triton: CUDA path only
+    from tim_plugins._mismatch_launch import triton_update as update  # imports triton: CUDA path only
 
     triton_update = update  # later calls skip this wrapper and its import statement
-    update(*args, **kwargs)
+    return update(*args, **kwargs)
 
 
 def _collective_device(group) -> torch.device:
@@ -449,49 +471,6 @@ def _hist_quantiles(abs_counts, qs: tuple[float, ...], exact_max: float) -> list
     found = cum.searchsorted([q * total for q in qs], side="left").tolist()
     edges = _BIN_EDGES_LIST
     return [0.0 if i == 0 else min(edges[i] if i < len(edges) else math.inf, exact_max) for i in found]
-
-
-def _check_inputs(rollout, train, mask, is_weights):
-    """Shape/type checks at the API boundary (raise); value problems are counted later, never raised."""
-    if not isinstance(rollout, torch.Tensor) or not isinstance(train, torch.Tensor):
-        raise TypeError(
-            f"rollout_logprobs and train_logprobs must be torch.Tensor, got {type(rollout).__name__} and "
-            f"{type(train).__name__}"
-        )
-    if rollout.dim() == 1 and train.dim() == 1:  # one sequence
-        rollout, train = rollout.unsqueeze(0), train.unsqueeze(0)
-        mask = None if mask is None else mask.reshape(1, -1)
-        is_weights = None if is_weights is None else is_weights.reshape(1, -1)
-    if rollout.dim() != 2 or rollout.shape != train.shape:
-        raise ValueError(
-            f"rollout_logprobs {tuple(rollout.shape)} and train_logprobs {tuple(train.shape)} must both have "
-            "shape [B, T] (batch, response tokens)."
-        )
-    if mask is None:
-        mask = torch.ones(rollout.shape, dtype=torch.bool, device=rollout.device)
-    elif mask.shape != rollout.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} must have the log-probs' shape {tuple(rollout.shape)}.")
-    if is_weights is not None and is_weights.shape != rollout.shape:
-        raise ValueError(
-            f"is_weights {tuple(is_weights.shape)} must have the log-probs' shape {tuple(rollout.shape)}."
-        )
-    if not rollout.is_floating_point() or not train.is_floating_point():
-        raise TypeError(f"log-probs must be floating point, got {rollout.dtype} and {train.dtype}")
-    # Half-precision inputs are upcast inside the fused pass (statistics are always computed in >= fp32), and
-    # any mask dtype is read there as "non-zero = response token": no conversion copies here.
-    # Statistics never need autograd; detach and move only when needed (this runs at every micro-batch).
-    device = rollout.device
-    if rollout.requires_grad:
-        rollout = rollout.detach()
-    if train.requires_grad:
-        train = train.detach()
-    if train.device != device:
-        train = train.to(device)
-    if mask.device != device:
-        mask = mask.to(device)
-    if is_weights is not None:
-        is_weights = is_weights.detach().to(device)
-    return rollout, train, mask, is_weights
 
 
 def mismatch_metrics(

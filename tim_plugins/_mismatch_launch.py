@@ -1,0 +1,242 @@
+"""Host side of the monitor's CUDA kernel (``_mismatch_triton``): launch shape, scratch buffers, and a launch
+that skips Triton's JIT after the first call.
+
+An ``update()`` is a few microseconds of GPU work, so what this module spends per call is the cost that
+counts: it keeps everything that does not change between micro-batches (constants, scratch pointers, the
+specialisation of each batch shape) and passes pointers to the compiled launcher as integers (a tensor
+argument costs the launcher a method call and a driver query each).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from tim_plugins._mismatch_pass import HISTOGRAM_BINS_PER_DECADE, HISTOGRAM_RANGE, INVALID_LOGPROB_THRESHOLD
+from tim_plugins._mismatch_triton import (
+    _INTERPRET,
+    DEVICE_METRIC_SLOTS,
+    LOG_PROB_EDGES,
+    N_PART_SUMS,
+    SUM_COLS,
+    _mismatch_kernel,
+)
+
+__all__ = ["TUNING", "HISTOGRAM_METHODS", "kernel_arguments", "triton_update"]
+
+# Launch shape and kernel variant, from a sweep on an H200 (``benchmarks/sweep_metrics_kernel.py``; 256×4096,
+# 8×32768, 1024×1024). REPLICAS: histogram copies, a multiple of 4. HISTOGRAM: "global" (one atomic per
+# token) or "block" (tl.histogram per block, one atomic per non-zero bin and program). DEVICE_METRICS: the
+# last program also writes the final metric vector, and compute() only copies it.
+TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64, "HISTOGRAM": "global", "DEVICE_METRICS": False}
+HISTOGRAM_METHODS = ("global", "block")
+_LOG_LO_EDGE = math.log10(HISTOGRAM_RANGE[0])
+_MAX_SHAPES = 4096  # distinct (B, T) kept with their specialisation, before the cache starts over
+
+
+class _FastLauncher:
+    """Launch a compiled kernel straight through its launcher, skipping ``JITFunction.run``'s per-call
+    argument binding and specialisation (the larger part of a ~25 µs Triton launch).
+
+    The first call for a key goes through the JIT (which compiles if needed) and keeps the compiled kernel.
+    The caller's key must cover everything Triton specialises on: argument dtypes, 16-byte pointer alignment,
+    and for each non-constexpr integer whether it is 1 or a multiple of 16. Launch hooks (profilers) and the
+    interpreter always take the JIT path.
+    """
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict = {}
+        from triton.runtime.driver import driver
+
+        self._driver = driver
+
+    def ready(self, key):
+        """The kept compiled kernel for ``key``, or None when the JIT path must run."""
+        if _INTERPRET or _launch_hooks_set():
+            return None
+        return self.compiled.get(key)
+
+    def jit(self, key, grid, args, num_warps: int) -> None:
+        compiled = self.kernel[grid](*args, num_warps=num_warps)
+        if compiled is not None and not _INTERPRET:
+            self.compiled[key] = compiled
+
+    def launch(self, compiled, device_index: int, grid, args) -> None:
+        """``args``: the kernel's arguments with every pointer as an integer address."""
+        stream = self._driver.active.get_current_stream(device_index)
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args)
+
+
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps hooks in a HookChain (never None): active when it holds a call.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_set() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return True  # an older Triton: use the JIT path
+    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
+
+
+def _int_spec(x: int) -> tuple[bool, bool, bool]:
+    return x == 1, x % 16 == 0, x >= 2**31
+
+
+class _Scratch:
+    """Buffers owned by one monitor (two monitors on two streams must not share them), every one left zeroed
+    (maxima: −inf) by each launch: batch sums and maxima, per-row Σd, valid count and ticket (grown as
+    needed), the int32 histogram copies, the launch's ticket counter; then the |d| bin edges (for the device
+    quantiles) and the device metric vector. ``pointers`` holds their addresses, in kernel order."""
+
+    __slots__ = ("tensors", "pointers", "rows", "metrics")
+
+    def __init__(self, device: torch.device, rows: int, n_sb: int, replicas: int) -> None:
+        from tim_plugins.metrics import abs_diff_bin_edges
+
+        self.rows = max(rows, 1024)
+        f64 = dict(dtype=torch.float64, device=device)
+        self.metrics = torch.full((DEVICE_METRIC_SLOTS,), math.nan, **f64)
+        self.tensors = (
+            torch.zeros(SUM_COLS, **f64), torch.full((8,), -math.inf, **f64), *self._rows(self.rows, device),
+            torch.zeros(replicas * n_sb, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device), abs_diff_bin_edges(device), self.metrics,
+        )
+        self.pointers = tuple(t.data_ptr() for t in self.tensors)
+
+    @staticmethod
+    def _rows(n: int, device: torch.device) -> tuple:
+        return (torch.zeros(n, dtype=torch.float64, device=device), torch.zeros(n, dtype=torch.int32, device=device),
+                torch.zeros(n, dtype=torch.int32, device=device))
+
+    def grow(self, rows: int) -> None:
+        self.rows = max(rows, 2 * self.rows)
+        t = self.tensors
+        self.tensors = (t[0], t[1], *self._rows(self.rows, t[0].device), *t[5:])
+        self.pointers = tuple(x.data_ptr() for x in self.tensors)
+
+
+def _scratch(store: dict, device: torch.device, rows: int, n_sb: int, replicas: int) -> _Scratch:
+    key = (device, n_sb, replicas)
+    entry = store.get(key)
+    if entry is None:
+        entry = store[key] = _Scratch(device, rows, n_sb, replicas)
+    elif entry.rows < rows:
+        entry.grow(rows)
+    return entry
+
+
+def _constants(
+    store: dict, tuning: tuple, max_offset: int, n_signed_bins: int, hist_offset: int, bucket_count_offset: int,
+    has_weights: bool,
+) -> tuple:
+    """The kernel's constexpr arguments, in signature order (built once per monitor and setting: this runs
+    at every micro-batch)."""
+    key = ("constants", tuning, max_offset, n_signed_bins, hist_offset, bucket_count_offset, has_weights)
+    constants = store.get(key)
+    if constants is None:
+        t = TUNING
+        if t["HISTOGRAM"] not in HISTOGRAM_METHODS:
+            raise ValueError(
+                f"TUNING['HISTOGRAM']={t['HISTOGRAM']!r} is not a histogram method: use one of {HISTOGRAM_METHODS}."
+            )
+        if t["REPLICAS"] % 4:
+            raise ValueError(f"TUNING['REPLICAS']={t['REPLICAS']!r} must be a multiple of 4 (folded 4 at a time).")
+        n_edges = (n_signed_bins + 1) // 2 - 1
+        constants = (
+            *LOG_PROB_EDGES, INVALID_LOGPROB_THRESHOLD, _LOG_LO_EDGE, float(HISTOGRAM_BINS_PER_DECADE),
+            n_signed_bins, triton.next_power_of_2(n_signed_bins), (n_signed_bins - 1) // 2, max_offset,
+            hist_offset, bucket_count_offset, has_weights, N_PART_SUMS, SUM_COLS, n_edges, t["REPLICAS"],
+            t["BLOCK"], t["ITERS"], t["HISTOGRAM"] == "block", bool(t["DEVICE_METRICS"]),
+        )
+        store[key] = constants
+    return constants
+
+
+def _shape(store: dict, B: int, T: int, segment: int) -> tuple[int, tuple]:
+    """(segments per row, what Triton specialises on in B, T and n_seg), cached per batch shape."""
+    shapes = store.get("shapes")
+    if shapes is None or len(shapes) > _MAX_SHAPES:
+        shapes = store["shapes"] = {}
+    entry = shapes.get((B, T, segment))
+    if entry is None:
+        n_seg = max(1, -(-T // segment))
+        entry = shapes[(B, T, segment)] = (n_seg, (_int_spec(B), _int_spec(T), _int_spec(n_seg)))
+    return entry
+
+
+def kernel_arguments(
+    state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
+    is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
+    hist_offset: int, bucket_count_offset: int, scratch: dict,
+) -> tuple[tuple, list]:
+    """The grid and the kernel's full argument list as tensors (constexprs included, in signature order)."""
+    B, T = rollout.shape
+    tuning = TUNING
+    n_seg = _shape(scratch, B, T, tuning["BLOCK"] * tuning["ITERS"])[0]
+    buffers = _scratch(scratch, rollout.device, B, n_signed_bins, tuning["REPLICAS"]).tensors
+    constants = _constants(
+        scratch, tuple(tuning.values()), max_offset, n_signed_bins, hist_offset, bucket_count_offset,
+        is_weights is not None,
+    )
+    args = [
+        rollout, train, mask, rollout if is_weights is None else is_weights, *buffers, state,
+        log_lo, log_hi, B, T, n_seg, int(fresh), *constants,
+    ]
+    return (B, n_seg), args
+
+
+def triton_update(
+    state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
+    is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
+    hist_offset: int, bucket_count_offset: int, scratch: dict,
+) -> torch.Tensor | None:
+    """Add one [B, T] batch to the monitor's float64 ``state`` (sums, then maxima from ``max_offset``, in
+    the layout of ``metrics``), or overwrite it with the batch's statistics when ``fresh``. ``scratch`` is a
+    dict the caller keeps between calls. Returns the device metric vector the launch wrote (see
+    ``TUNING["DEVICE_METRICS"]``), else None."""
+    B, T = rollout.shape
+    if B == 0:
+        if fresh:
+            raise ValueError("an empty first batch has no statistics to write: initialise the state instead")
+        return None
+    rollout, train, mask = rollout.contiguous(), train.contiguous(), mask.contiguous()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    w = rollout if is_weights is None else is_weights.contiguous()
+    tuning = TUNING
+    tuning_key = tuple(tuning.values())
+    n_seg, shape_spec = _shape(scratch, B, T, tuning["BLOCK"] * tuning["ITERS"])
+    buffers = _scratch(scratch, rollout.device, B, n_signed_bins, tuning["REPLICAS"])
+    constants = _constants(
+        scratch, tuning_key, max_offset, n_signed_bins, hist_offset, bucket_count_offset, is_weights is not None
+    )
+    launcher = scratch.get("launcher")
+    if launcher is None:
+        launcher = scratch["launcher"] = _FastLauncher(_mismatch_kernel)
+    device_index = rollout.device.index
+    p_r, p_t, p_m, p_w, p_s = rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr()
+    # Everything Triton specialises on (scratch buffers are whole allocations, always aligned).
+    aligned = (p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0, p_w % 16 == 0, p_s % 16 == 0)
+    key = (device_index, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None, aligned,
+           shape_spec, fresh, tuning_key)
+    compiled = launcher.ready(key)
+    if compiled is not None:
+        args = (p_r, p_t, p_m, p_w, *buffers.pointers, p_s, log_lo, log_hi, B, T, n_seg, int(fresh), *constants)
+        if device_index == torch.cuda.current_device():
+            launcher.launch(compiled, device_index, (B, n_seg), args)
+        else:  # a kernel runs in the current device's context: the tensors' device must be current
+            with torch.cuda.device(device_index):
+                launcher.launch(compiled, device_index, (B, n_seg), args)
+    else:
+        args = [rollout, train, mask, w, *buffers.tensors, state, log_lo, log_hi, B, T, n_seg, int(fresh), *constants]
+        if _INTERPRET or device_index == torch.cuda.current_device():
+            launcher.jit(key, (B, n_seg), args, tuning["num_warps"])
+        else:
+            with torch.cuda.device(device_index):
+                launcher.jit(key, (B, n_seg), args, tuning["num_warps"])
+    return buffers.metrics if tuning["DEVICE_METRICS"] else None

@@ -207,7 +207,9 @@ def triton_update(
     rollout, train, mask = rollout.contiguous(), train.contiguous(), mask.contiguous()
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
-    w = rollout if is_weights is None else is_weights.contiguous()
+    if is_weights is not None:
+        is_weights = is_weights.contiguous()
+    w = rollout if is_weights is None else is_weights
     tuning = TUNING
     tuning_key = tuple(tuning.values())
     n_seg, shape_spec = _shape(scratch, B, T, tuning["BLOCK"] * tuning["ITERS"])
@@ -224,19 +226,20 @@ def triton_update(
     aligned = (p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0, p_w % 16 == 0, p_s % 16 == 0)
     key = (device_index, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None, aligned,
            shape_spec, fresh, tuning_key)
+    grid = (B, n_seg)
     compiled = launcher.ready(key)
-    if compiled is not None:
-        args = (p_r, p_t, p_m, p_w, *buffers.pointers, p_s, log_lo, log_hi, B, T, n_seg, int(fresh), *constants)
-        if device_index == torch.cuda.current_device():
-            launcher.launch(compiled, device_index, (B, n_seg), args)
-        else:  # a kernel runs in the current device's context: the tensors' device must be current
-            with torch.cuda.device(device_index):
-                launcher.launch(compiled, device_index, (B, n_seg), args)
+    if compiled is None:  # the first call for this key, a launch hook or the interpreter: Triton's JIT
+        _, tensors = kernel_arguments(
+            state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh, n_signed_bins, hist_offset,
+            bucket_count_offset, scratch,
+        )
+        launch = lambda: launcher.jit(key, grid, tensors, tuning["num_warps"])  # noqa: E731
     else:
-        args = [rollout, train, mask, w, *buffers.tensors, state, log_lo, log_hi, B, T, n_seg, int(fresh), *constants]
-        if _INTERPRET or device_index == torch.cuda.current_device():
-            launcher.jit(key, (B, n_seg), args, tuning["num_warps"])
-        else:
-            with torch.cuda.device(device_index):
-                launcher.jit(key, (B, n_seg), args, tuning["num_warps"])
+        args = (p_r, p_t, p_m, p_w, *buffers.pointers, p_s, log_lo, log_hi, B, T, n_seg, int(fresh), *constants)
+        launch = lambda: launcher.launch(compiled, device_index, grid, args)  # noqa: E731
+    if _INTERPRET or device_index == torch.cuda.current_device():
+        launch()
+    else:  # a kernel runs in the current device's context: the tensors' device must be current
+        with torch.cuda.device(device_index):
+            launch()
     return buffers.metrics if tuning["DEVICE_METRICS"] else None

@@ -93,20 +93,24 @@ class _Scratch:
     needed), the int32 histogram copies, the launch's ticket counter; then the |d| bin edges (for the device
     quantiles) and the device metric vector. ``pointers`` holds their addresses, in kernel order."""
 
-    __slots__ = ("tensors", "pointers", "rows", "metrics")
+    __slots__ = ("tensors", "pointers", "rows")
 
     def __init__(self, device: torch.device, rows: int, n_sb: int, replicas: int) -> None:
         from tim_plugins.metrics import abs_diff_bin_edges
 
         self.rows = max(rows, 1024)
         f64 = dict(dtype=torch.float64, device=device)
-        self.metrics = torch.full((DEVICE_METRIC_SLOTS,), math.nan, **f64)
         self.tensors = (
             torch.zeros(SUM_COLS, **f64), torch.full((8,), -math.inf, **f64), *self._rows(self.rows, device),
             torch.zeros(replicas * n_sb, dtype=torch.int32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device), abs_diff_bin_edges(device), self.metrics,
+            torch.zeros(1, dtype=torch.int32, device=device), abs_diff_bin_edges(device),
+            torch.full((DEVICE_METRIC_SLOTS,), math.nan, **f64),
         )
         self.pointers = tuple(t.data_ptr() for t in self.tensors)
+
+    @property
+    def metrics(self) -> torch.Tensor:
+        return self.tensors[-1]
 
     @staticmethod
     def _rows(n: int, device: torch.device) -> tuple:
@@ -151,7 +155,7 @@ def _constants(
             *LOG_PROB_EDGES, INVALID_LOGPROB_THRESHOLD, _LOG_LO_EDGE, float(HISTOGRAM_BINS_PER_DECADE),
             n_signed_bins, triton.next_power_of_2(n_signed_bins), (n_signed_bins - 1) // 2, max_offset,
             hist_offset, bucket_count_offset, has_weights, N_PART_SUMS, SUM_COLS, n_edges, t["REPLICAS"],
-            t["BLOCK"], t["ITERS"], t["HISTOGRAM"] == "block", bool(t["DEVICE_METRICS"]),
+            t["BLOCK"], t["ITERS"], t["HISTOGRAM"] == "block", bool(t["DEVICE_METRICS"]), DEVICE_METRIC_SLOTS,
         )
         store[key] = constants
     return constants
@@ -169,6 +173,20 @@ def _shape(store: dict, B: int, T: int, segment: int) -> tuple[int, tuple]:
     return entry
 
 
+def _prepare(scratch: dict, device: torch.device, B: int, T: int, n_signed_bins: int, max_offset: int,
+             hist_offset: int, bucket_count_offset: int, has_weights: bool) -> tuple:
+    """What a launch needs besides its inputs, from the caches: (tuning key, segments per row, shape
+    specialisation, scratch buffers, constexpr arguments)."""
+    tuning = TUNING
+    tuning_key = tuple(tuning.values())
+    n_seg, shape_spec = _shape(scratch, B, T, tuning["BLOCK"] * tuning["ITERS"])
+    buffers = _scratch(scratch, device, B, n_signed_bins, tuning["REPLICAS"])
+    constants = _constants(
+        scratch, tuning_key, max_offset, n_signed_bins, hist_offset, bucket_count_offset, has_weights
+    )
+    return tuning_key, n_seg, shape_spec, buffers, constants
+
+
 def kernel_arguments(
     state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
     is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
@@ -176,15 +194,12 @@ def kernel_arguments(
 ) -> tuple[tuple, list]:
     """The grid and the kernel's full argument list as tensors (constexprs included, in signature order)."""
     B, T = rollout.shape
-    tuning = TUNING
-    n_seg = _shape(scratch, B, T, tuning["BLOCK"] * tuning["ITERS"])[0]
-    buffers = _scratch(scratch, rollout.device, B, n_signed_bins, tuning["REPLICAS"]).tensors
-    constants = _constants(
-        scratch, tuple(tuning.values()), max_offset, n_signed_bins, hist_offset, bucket_count_offset,
+    _, n_seg, _, buffers, constants = _prepare(
+        scratch, rollout.device, B, T, n_signed_bins, max_offset, hist_offset, bucket_count_offset,
         is_weights is not None,
     )
     args = [
-        rollout, train, mask, rollout if is_weights is None else is_weights, *buffers, state,
+        rollout, train, mask, rollout if is_weights is None else is_weights, *buffers.tensors, state,
         log_lo, log_hi, B, T, n_seg, int(fresh), *constants,
     ]
     return (B, n_seg), args
@@ -210,12 +225,9 @@ def triton_update(
     if is_weights is not None:
         is_weights = is_weights.contiguous()
     w = rollout if is_weights is None else is_weights
-    tuning = TUNING
-    tuning_key = tuple(tuning.values())
-    n_seg, shape_spec = _shape(scratch, B, T, tuning["BLOCK"] * tuning["ITERS"])
-    buffers = _scratch(scratch, rollout.device, B, n_signed_bins, tuning["REPLICAS"])
-    constants = _constants(
-        scratch, tuning_key, max_offset, n_signed_bins, hist_offset, bucket_count_offset, is_weights is not None
+    tuning_key, n_seg, shape_spec, buffers, constants = _prepare(
+        scratch, rollout.device, B, T, n_signed_bins, max_offset, hist_offset, bucket_count_offset,
+        is_weights is not None,
     )
     launcher = scratch.get("launcher")
     if launcher is None:
@@ -233,7 +245,7 @@ def triton_update(
             state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh, n_signed_bins, hist_offset,
             bucket_count_offset, scratch,
         )
-        launch = lambda: launcher.jit(key, grid, tensors, tuning["num_warps"])  # noqa: E731
+        launch = lambda: launcher.jit(key, grid, tensors, TUNING["num_warps"])  # noqa: E731
     else:
         args = (p_r, p_t, p_m, p_w, *buffers.pointers, p_s, log_lo, log_hi, B, T, n_seg, int(fresh), *constants)
         launch = lambda: launcher.launch(compiled, device_index, grid, args)  # noqa: E731
@@ -242,4 +254,4 @@ def triton_update(
     else:  # a kernel runs in the current device's context: the tensors' device must be current
         with torch.cuda.device(device_index):
             launch()
-    return buffers.metrics if tuning["DEVICE_METRICS"] else None
+    return buffers.metrics if TUNING["DEVICE_METRICS"] else None

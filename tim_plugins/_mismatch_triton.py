@@ -168,6 +168,7 @@ def _fold_into_state(
 def _write_metrics(
     state_ptr, edges_ptr, metrics_ptr, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
     BUCKET_COUNT_OFFSET: tl.constexpr, N_SB: tl.constexpr, N_EDGES: tl.constexpr, N_ABS_POW2: tl.constexpr,
+    N_METRICS: tl.constexpr,
 ):
     """The final metric vector from the just-folded state, in ``MismatchMonitor.compute``'s value order and
     with its rules (NaN where undefined), so that compute() only copies it. Run by the last program."""
@@ -245,7 +246,7 @@ def _write_metrics(
     v = tl.where(j == 31, is_masked / is_n, v)
     v = tl.where(j == 32, tl.where(is_w2 > 0, is_w * is_w / (is_n * is_w2), 0.0), v)
     v = tl.where(j == 33, is_n, v)
-    tl.store(metrics_ptr + j, v, mask=j < 34)
+    tl.store(metrics_ptr + j, v, mask=j < N_METRICS)
 
 
 @triton.jit
@@ -269,7 +270,7 @@ def _mismatch_kernel(
     CENTRE: tl.constexpr, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
     BUCKET_COUNT_OFFSET: tl.constexpr, HAS_W: tl.constexpr, N_SUMS: tl.constexpr, COLS: tl.constexpr,
     N_EDGES: tl.constexpr, REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK_HISTOGRAM: tl.constexpr, DEVICE_METRICS: tl.constexpr,
+    BLOCK_HISTOGRAM: tl.constexpr, DEVICE_METRICS: tl.constexpr, N_METRICS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
@@ -430,6 +431,6 @@ def _mismatch_kernel(
         if DEVICE_METRICS:
             _write_metrics(
                 state_ptr, edges_ptr, metrics_ptr, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB, N_EDGES,
-                N_SB_POW2 // 2,
+                N_SB_POW2 // 2, N_METRICS,
             )
         tl.store(counter_ptr, 0)

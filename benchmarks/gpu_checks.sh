@@ -10,7 +10,6 @@ export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 VERL_ARGS=()
 if [ -n "${VERL_SOURCE:-}" ]; then VERL_ARGS=(--verl-source "$VERL_SOURCE"); fi
-OPTIONS='{"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": true}'
 RESULTS=benchmarks/results
 
 "$PY" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -18,7 +17,7 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_metrics_cuda.py -W
 timeout 160 "$PY" -m benchmarks.sweep_metrics_kernel 2>&1 | grep -v -i warn | tail -30
 for label in default options; do
     tuning='{}'
-    if [ "$label" = options ]; then tuning=$OPTIONS; fi
+    if [ "$label" = options ]; then tuning=candidates; fi
     timeout 90 "$PY" -m benchmarks.bench_metrics --device cuda "${VERL_ARGS[@]}" --tuning "$tuning" 2>&1 \
         | grep -v -i warn | tail -3
     cp "$RESULTS/metrics_vs_verl_cuda.json" "$RESULTS/metrics_vs_verl_cuda_$label.json"

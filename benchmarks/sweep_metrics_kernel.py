@@ -1,10 +1,10 @@
 """Launch shapes and options of the monitor's CUDA kernel, swept on the GPU at hand: how
 ``_mismatch_launch.TUNING`` was chosen, and how to re-choose it for another GPU.
 
-For each setting (BLOCK, ITERS, num_warps, REPLICAS; HISTOGRAM "global" or "block"; DEVICE_METRICS) and batch (256×4096, then the three best also at 8×32768
-and 1024×1024): the kernel's GPU time (torch profiler), ``update()`` and ``update()`` + ``compute()`` wall
-time (medians, each call ending in a device synchronisation), and whether its metrics equal the eager torch
-pass (relative 1e-5). Then, for the fastest correct shape, where a call's time goes: Python alone (launch
+For each setting (BLOCK, ITERS, num_warps, REPLICAS; HISTOGRAM "global" or "block"; DEVICE_METRICS) and
+batch (256×4096, then the three best also at 8×32768 and 1024×1024): the kernel's GPU time (torch profiler),
+``update()`` and ``update()`` + ``compute()`` wall time (medians, each call ending in a device
+synchronisation), and whether its metrics equal the eager torch pass (relative 1e-5). Then, for the fastest correct shape, where a call's time goes: Python alone (launch
 stubbed out), the launch through Triton's JIT vs the direct launcher, and ``compute()``.
 
     python -m benchmarks.sweep_metrics_kernel

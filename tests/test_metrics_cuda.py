@@ -27,16 +27,15 @@ def _with_bad_tokens(B, T, dtype=torch.float32):
     return rollout, train, mask
 
 
-# The kernel's TUNING options (not the default until measured on a GPU): the block histogram with few copies,
-# and the metric vector derived on the device.
-_OPTIONS = {"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": True}
 _TRITON_PATHS = ("triton", "triton-options")
 
 
 def _use_options(monkeypatch) -> None:
     import tim_plugins._mismatch_launch as launch
 
-    for name, value in _OPTIONS.items():
+    # The kernel's TUNING options (not the default until measured on a GPU): the block histogram with few
+    # copies, and the metric vector derived on the device.
+    for name, value in launch.CANDIDATE_OPTIONS.items():
         monkeypatch.setitem(launch.TUNING, name, value)
 
 

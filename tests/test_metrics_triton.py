@@ -102,17 +102,20 @@ print("RESULT " + json.dumps(out))
 
 
 # The default kernel, and both options of TUNING (the block histogram with few copies, the device metrics).
-_VARIANTS = {
-    "default": {},
-    "block histogram, device metrics": {"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": True},
-}
+def _candidate_options() -> dict:
+    from tim_plugins._mismatch_launch import CANDIDATE_OPTIONS
+
+    return CANDIDATE_OPTIONS
+
+
+_VARIANTS = {"default": dict, "block histogram, device metrics": _candidate_options}
 
 
 @pytest.mark.parametrize("variant", list(_VARIANTS))
 def test_triton_kernel_equals_the_torch_pass(variant):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}",
-           "TIM_TEST_TUNING": json.dumps(_VARIANTS[variant])}
+           "TIM_TEST_TUNING": json.dumps(_VARIANTS[variant]())}
     proc = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -146,7 +149,7 @@ def test_kernel_compiles_for_hopper(has_weights, variant, monkeypatch):
     import tim_plugins._mismatch_triton as kernels
     from tim_plugins.metrics import MismatchMonitor
 
-    for name, value in _VARIANTS[variant].items():
+    for name, value in _VARIANTS[variant]().items():
         monkeypatch.setitem(launch.TUNING, name, value)
     lay = MismatchMonitor()._layout
     B, T = 3, 5000

@@ -24,7 +24,7 @@ from tim_plugins._mismatch_triton import (
     _mismatch_kernel,
 )
 
-__all__ = ["TUNING", "HISTOGRAM_METHODS", "kernel_arguments", "triton_update"]
+__all__ = ["TUNING", "HISTOGRAM_METHODS", "CANDIDATE_OPTIONS", "kernel_arguments", "triton_update"]
 
 # Launch shape and kernel variant, from a sweep on an H200 (``benchmarks/sweep_metrics_kernel.py``; 256×4096,
 # 8×32768, 1024×1024). REPLICAS: histogram copies, a multiple of 4. HISTOGRAM: "global" (one atomic per
@@ -32,6 +32,8 @@ __all__ = ["TUNING", "HISTOGRAM_METHODS", "kernel_arguments", "triton_update"]
 # last program also writes the final metric vector, and compute() only copies it.
 TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64, "HISTOGRAM": "global", "DEVICE_METRICS": False}
 HISTOGRAM_METHODS = ("global", "block")
+# Both options on, as the tests and benchmarks/gpu_checks.sh run them until a GPU measurement makes them default.
+CANDIDATE_OPTIONS = {"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": True}
 _LOG_LO_EDGE = math.log10(HISTOGRAM_RANGE[0])
 _MAX_SHAPES = 4096  # distinct (B, T) kept with their specialisation, before the cache starts over
 

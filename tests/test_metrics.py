@@ -226,6 +226,23 @@ def test_histograms_count_every_valid_token():
     assert np.abs(rc - want_r).sum() <= 2
 
 
+def test_cpu_cell_counts_are_exact_beyond_float32_and_drop_the_last_cell():
+    from tim_plugins._mismatch_pass import cell_counts
+
+    n_cells = 1001  # odd, and the value n_cells itself is the dropped (non-response) cell
+    g = torch.Generator().manual_seed(0)
+    want = torch.randint(0, 40, (n_cells + 1,), generator=g)
+    want[7] = 2**24 + 3  # more than float32 counts exactly: one busy cell, as masked-out tokens make
+    want[n_cells] = 12_345
+    want[11] = 0
+    cell = torch.repeat_interleave(torch.arange(n_cells + 1), want)
+    cell = cell[torch.randperm(cell.numel(), generator=g)]
+    got = cell_counts(cell, n_cells)
+    assert got.dtype == torch.float64 and got.shape == (n_cells,)
+    assert torch.equal(got, want[:n_cells].double())
+    assert torch.equal(cell_counts(cell[:0], n_cells), torch.zeros(n_cells, dtype=torch.float64))
+
+
 def test_bin_edges_are_log_spaced_at_documented_resolution():
     e = abs_diff_bin_edges()
     assert e[0].item() == pytest.approx(1e-8) and e[-1].item() == pytest.approx(1e3)

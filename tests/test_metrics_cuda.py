@@ -89,12 +89,12 @@ def test_cuda_equals_cpu_including_histograms(path, mask_dtype, monkeypatch):
     assert a.keys() == b.keys()
     for key in a:
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9, nan_ok=True), key
-    # Histogram counts are integers: histc on CUDA and index_add_ on the CPU give them exactly.
+    # Histogram counts are integers: histc on CUDA and bincount on the CPU give them exactly.
     for name, (counts, _) in cpu.histograms().items():
         assert (gpu.histograms()[name][0] == counts).all(), name
 
 
-def test_cell_counts_histc_equals_index_add_beyond_float32_exact_range():
+def test_cell_counts_histc_equals_bincount_beyond_float32_exact_range():
     n_cells = N_BUCKETS * 701 + 1
     g = torch.Generator().manual_seed(0)
     n = 2**24 + 4099  # more than float32 counts exactly in one histc call

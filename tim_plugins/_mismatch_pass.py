@@ -136,8 +136,9 @@ def cell_counts(cell: torch.Tensor, n_cells: int) -> torch.Tensor:
     host sync.
 
     CUDA: ``histc`` on the cell index, which counts in per-block shared memory; a global ``index_add_`` would
-    serialise its atomics on the few busy cells (every masked-out token hits one cell). Elsewhere:
-    ``index_add_`` (CPU ``histc`` is ~6× slower, ``bincount`` scans its input twice more for min and max).
+    serialise its atomics on the few busy cells (every masked-out token hits one cell). CPU: ``bincount``,
+    which counts in int64 (exact at any size) and, on 2 cores for 1M tokens, took 1.0–2.4 ms where
+    ``index_add_`` took 1.6–4.3 ms (``histc`` is slower still). Elsewhere: ``index_add_``.
     """
     acc = torch.float64 if cell.device.type != "mps" else torch.float32
     if cell.device.type == "cuda":
@@ -146,6 +147,8 @@ def cell_counts(cell: torch.Tensor, n_cells: int) -> torch.Tensor:
         for chunk in cell.split(2**24):
             counts += torch.histc(chunk.to(torch.float32), bins=n_cells, min=-0.5, max=n_cells - 0.5).to(acc)
         return counts
+    if cell.device.type == "cpu":  # cells lie in 0 .. n_cells, so the result has exactly n_cells + 1 bins
+        return torch.bincount(cell, minlength=n_cells + 1)[:n_cells].to(acc)
     # fp32 weights count exactly up to 2^24 per cell; larger batches count in fp64.
     w_dtype = torch.float32 if cell.numel() < 2**24 else acc
     counts = torch.zeros(n_cells + 1, dtype=w_dtype, device=cell.device)

@@ -282,8 +282,8 @@ class MismatchMonitor:
             else:
                 n_slots = self._layout.n_sums + len(_MAX_FIELDS)
                 self._state = torch.empty(n_slots, dtype=torch.float64, device=device)
-        elif self._state.device != device:  # state restored from a checkpoint lives on the CPU
-            self._state = self._state.to(device)
+        else:
+            self._ensure_state(device, torch.float64)
         try:
             o = self._layout
             log_lo, log_hi = self._log_band

@@ -259,6 +259,42 @@ def test_direct_launch_passes_the_jit_arguments_as_addresses(monkeypatch):
         assert got == (expected.data_ptr() if isinstance(expected, torch.Tensor) else expected)
 
 
+@pytest.mark.parametrize(
+    "version, supported",
+    [("3.5.1", False), ("3.6.0", True), ("3.7.1", True), ("3.9.0+git1a2b3c", True), ("3.10.0", False),
+     ("4.0.0", False), ("2.3.1", False), ("dev", False)],
+)
+def test_fast_launch_is_pinned_to_the_triton_versions_read(version, supported):
+    from tim_plugins._mismatch_launch import fast_launch_supported
+
+    assert fast_launch_supported(version) is supported
+
+
+def test_an_unread_triton_version_launches_through_the_jit_every_time(monkeypatch):
+    import torch
+    import triton
+
+    import tim_plugins._mismatch_launch as launch
+
+    inputs = _launch_inputs()
+    scratch: dict = {}
+    jitted, launched = [], []
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+
+    class RecordingKernel:  # Triton's JIT as the launcher sees it: kernel[grid](*args) returns the compiled kernel
+        def __getitem__(self, grid):
+            return lambda *args, num_warps: jitted.append(grid) or "compiled"
+
+    monkeypatch.setattr(launch, "_mismatch_kernel", RecordingKernel())
+    monkeypatch.setattr(launch._FastLauncher, "launch", lambda self, *args: launched.append(args))
+    for _ in range(3):
+        launch.triton_update(*inputs, scratch)
+    assert launched == [] and len(jitted) == 3 and scratch["launcher"].compiled == {}
+
+
 def test_kernel_settings_are_checked_with_the_fix(monkeypatch):
     import tim_plugins._mismatch_launch as launch
     from tim_plugins._mismatch_triton import DEVICE_METRIC_SLOTS

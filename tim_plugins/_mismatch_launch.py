@@ -10,6 +10,7 @@ argument costs the launcher a method call and a driver query each).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import triton
@@ -24,7 +25,10 @@ from tim_plugins._mismatch_triton import (
     _mismatch_kernel,
 )
 
-__all__ = ["TUNING", "HISTOGRAM_METHODS", "CANDIDATE_OPTIONS", "kernel_arguments", "triton_update"]
+__all__ = [
+    "TUNING", "HISTOGRAM_METHODS", "CANDIDATE_OPTIONS", "FAST_LAUNCH_TRITON", "fast_launch_supported",
+    "kernel_arguments", "triton_update",
+]
 
 # Launch shape and kernel variant, from a sweep on an H200 (``benchmarks/sweep_metrics_kernel.py``; 256×4096,
 # 8×32768, 1024×1024). REPLICAS: histogram copies, a multiple of 4. HISTOGRAM: "global" (one atomic per
@@ -36,6 +40,21 @@ HISTOGRAM_METHODS = ("global", "block")
 CANDIDATE_OPTIONS = {"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": True}
 _LOG_LO_EDGE = math.log10(HISTOGRAM_RANGE[0])
 _MAX_SHAPES = 4096  # distinct (B, T) kept with their specialisation, before the cache starts over
+# Triton versions whose launcher convention the direct launch follows, [from, to): ``CompiledKernel.run(gridX,
+# gridY, gridZ, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` with every
+# argument (constexprs included, then skipped) and pointers accepted as integers. Read in the 3.6, 3.7, 3.8 and
+# 3.9 sources (``runtime/jit.py``, ``backends/nvidia/driver.py`` and ``driver.c``); another version uses the JIT.
+FAST_LAUNCH_TRITON = ((3, 6), (3, 10))
+
+
+def fast_launch_supported(version: str) -> bool:
+    """Whether the direct launch may run under Triton ``version`` (e.g. "3.6.0", "3.9.0+git1a2b"): inside
+    ``FAST_LAUNCH_TRITON``. An unparsable version is not."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return False
+    lo, hi = FAST_LAUNCH_TRITON
+    return lo <= (int(match[1]), int(match[2])) < hi
 
 
 class _FastLauncher:
@@ -45,25 +64,27 @@ class _FastLauncher:
     The first call for a key goes through the JIT (which compiles if needed) and keeps the compiled kernel.
     The caller's key must cover everything Triton specialises on: argument dtypes, 16-byte pointer alignment,
     and for each non-constexpr integer whether it is 1 or a multiple of 16. Launch hooks (profilers) and the
-    interpreter always take the JIT path.
+    interpreter always take the JIT path, and so does every launch under a Triton outside
+    ``FAST_LAUNCH_TRITON``.
     """
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self.compiled: dict = {}
+        self.enabled = fast_launch_supported(triton.__version__)
         from triton.runtime.driver import driver
 
         self._driver = driver
 
     def ready(self, key):
         """The kept compiled kernel for ``key``, or None when the JIT path must run."""
-        if _INTERPRET or _launch_hooks_set():
+        if not self.enabled or _INTERPRET or _launch_hooks_set():
             return None
         return self.compiled.get(key)
 
     def jit(self, key, grid, args, num_warps: int) -> None:
         compiled = self.kernel[grid](*args, num_warps=num_warps)
-        if compiled is not None and not _INTERPRET:
+        if compiled is not None and self.enabled and not _INTERPRET:
             self.compiled[key] = compiled
 
     def launch(self, compiled, device_index: int, grid, args) -> None:

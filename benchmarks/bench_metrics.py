@@ -83,14 +83,14 @@ def _parts(mon, rollout, train, mask) -> dict:
 
 
 def _apply_tuning(overrides: str | None) -> dict:
-    """Set the kernel's TUNING from a JSON object of overrides, or "candidates" (the options under test);
-    unknown names are a mistake. Returns the settings used."""
+    """Set the kernel's TUNING from a JSON object of overrides, or "alternates" (the settings the default
+    does not use); unknown names are a mistake. Returns the settings used."""
     import json
 
-    from tim_plugins._mismatch_launch import CANDIDATE_OPTIONS, TUNING
+    from tim_plugins._mismatch_launch import ALTERNATE_OPTIONS, TUNING
 
     if overrides:
-        values = CANDIDATE_OPTIONS if overrides == "candidates" else json.loads(overrides)
+        values = ALTERNATE_OPTIONS if overrides == "alternates" else json.loads(overrides)
         unknown = sorted(set(values) - set(TUNING))
         if unknown:
             raise SystemExit(f"--tuning names {unknown} are not kernel settings: use some of {sorted(TUNING)}")
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
                         help="torch threads for both sides (1 gives stable ratios on a shared machine)")
     parser.add_argument("--tuning", default=None,
                         help='CUDA kernel settings over the defaults, as JSON (e.g. \'{"HISTOGRAM": "block"}\'), '
-                             'or "candidates" for _mismatch_launch.CANDIDATE_OPTIONS')
+                             'or "alternates" for _mismatch_launch.ALTERNATE_OPTIONS')
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

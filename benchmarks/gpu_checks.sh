@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The monitor's checks that need a CUDA GPU, in order of importance, each bounded in time (a GPU session is
 # short): the CUDA tests (default kernel and every TUNING option), the kernel sweep, then the benchmark against
-# verl with the default kernel and with the options (under 9 minutes in all). Results land in benchmarks/results/.
+# verl with the default kernel, with the alternate options, and with the sweep's best setting (under 9
+# minutes in all). Results land in benchmarks/results/; with COPY_TO=DIR each one is also copied there as soon
+# as it is written, so a step cut short still leaves the earlier ones.
 #
 #   bash benchmarks/gpu_checks.sh            # VERL_SOURCE=DIR: verl's package folder where verl is not installed
-#   PYTHON=.venv/bin/python bash benchmarks/gpu_checks.sh
+#   PYTHON=.venv/bin/python COPY_TO=$OUT bash benchmarks/gpu_checks.sh
 set -u
 export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -12,13 +14,32 @@ VERL_ARGS=()
 if [ -n "${VERL_SOURCE:-}" ]; then VERL_ARGS=(--verl-source "$VERL_SOURCE"); fi
 RESULTS=benchmarks/results
 
-"$PY" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_metrics_cuda.py -W ignore::UserWarning 2>&1 | tail -15
-timeout 160 "$PY" -m benchmarks.sweep_metrics_kernel 2>&1 | grep -v -i warn | tail -30
-for label in default options; do
-    tuning='{}'
-    if [ "$label" = options ]; then tuning=candidates; fi
-    timeout 90 "$PY" -m benchmarks.bench_metrics --device cuda "${VERL_ARGS[@]}" --tuning "$tuning" 2>&1 \
+keep() {  # keep() FILE...: copy results to COPY_TO when it is set
+    if [ -n "${COPY_TO:-}" ]; then cp "$@" "$COPY_TO/" 2>/dev/null; fi
+    return 0
+}
+
+bench() {  # bench LABEL TUNING
+    timeout 70 "$PY" -m benchmarks.bench_metrics --device cuda "${VERL_ARGS[@]}" --tuning "$2" 2>&1 \
         | grep -v -i warn | tail -3
-    cp "$RESULTS/metrics_vs_verl_cuda.json" "$RESULTS/metrics_vs_verl_cuda_$label.json"
-done
+    cp "$RESULTS/metrics_vs_verl_cuda.json" "$RESULTS/metrics_vs_verl_cuda_$1.json"
+    keep "$RESULTS/metrics_vs_verl_cuda_$1.json"
+}
+
+"$PY" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+SECONDS=0
+timeout 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_metrics_cuda.py -W ignore::UserWarning 2>&1 | tail -15
+echo "tests: ${SECONDS} s"
+timeout 110 "$PY" -m benchmarks.sweep_metrics_kernel 2>&1 | grep -v -i warn | tail -30
+keep "$RESULTS/metrics_kernel_sweep_cuda.json"
+echo "sweep done: ${SECONDS} s"
+bench default '{}'
+bench options alternates
+# The sweep's best setting, when it is not the default.
+best=$("$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); b = r.get('best_tuning')
+print(json.dumps(b) if b and b != r['default_tuning'] else '')" "$RESULTS/metrics_kernel_sweep_cuda.json" 2>/dev/null)
+if [ -n "$best" ]; then
+    echo "best from the sweep: $best"
+    bench best "$best"
+fi
+echo "all done: ${SECONDS} s"

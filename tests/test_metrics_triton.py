@@ -101,14 +101,14 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-# The default kernel, and both options of TUNING (the block histogram with few copies, the device metrics).
-def _candidate_options() -> dict:
-    from tim_plugins._mismatch_launch import CANDIDATE_OPTIONS
+# The default kernel, and the settings it does not use (the block histogram with few copies, host metrics).
+def _alternate_options() -> dict:
+    from tim_plugins._mismatch_launch import ALTERNATE_OPTIONS
 
-    return CANDIDATE_OPTIONS
+    return ALTERNATE_OPTIONS
 
 
-_VARIANTS = {"default": dict, "block histogram, device metrics": _candidate_options}
+_VARIANTS = {"default": dict, "block histogram, host metrics": _alternate_options}
 
 
 @pytest.mark.parametrize("variant", list(_VARIANTS))
@@ -128,7 +128,7 @@ def test_triton_kernel_equals_the_torch_pass(variant):
 
 
 @pytest.mark.parametrize("has_weights, variant", [(False, "default"), (True, "default"),
-                                                  (True, "block histogram, device metrics")])
+                                                  (True, "block histogram, host metrics")])
 def test_kernel_compiles_for_hopper(has_weights, variant, monkeypatch):
     """Compile the kernel ahead of time for sm_90 (Triton's bundled ptxas; no GPU needed), with the argument
     list the monitor passes: catches what the interpreter does not check, such as a loop-carried variable
@@ -306,6 +306,6 @@ def test_kernel_settings_are_checked_with_the_fix(monkeypatch):
     with pytest.raises(ValueError, match=r"TUNING\['HISTOGRAM'\]='shared'.*one of \('global', 'block'\)"):
         launch.kernel_arguments(*_launch_inputs(), {})
     monkeypatch.setitem(launch.TUNING, "HISTOGRAM", "block")
-    monkeypatch.setitem(launch.TUNING, "REPLICAS", 6)
-    with pytest.raises(ValueError, match=r"TUNING\['REPLICAS'\]=6 must be a multiple of 4"):
+    monkeypatch.setitem(launch.TUNING, "REPLICAS", 0)
+    with pytest.raises(ValueError, match=r"TUNING\['REPLICAS'\]=0 must be a positive int"):
         launch.kernel_arguments(*_launch_inputs(), {})

@@ -2,7 +2,7 @@
 
 Why: on a GPU the statistics themselves take microseconds; what costs is launching work and waiting for it.
 The torch.compile'd pass launches ~10 kernels plus the histogram and the state update (~0.8 ms per
-``update()`` on an H200 for 256×4096, most of it host-side). Here one kernel does everything (~37 µs of GPU
+``update()`` on an H200 for 256×4096, most of it host-side). Here one kernel does everything (~39 µs of GPU
 time for 256×4096 on an H200). Same formulas and binning as ``_mismatch_pass`` (the CUDA tests compare them;
 the CPU tests run this kernel under ``TRITON_INTERPRET=1``). Host side (launch shape, scratch buffers, the
 launch itself): ``_mismatch_launch``. Triton ships with CUDA builds of torch; it is imported only here and there.
@@ -13,14 +13,16 @@ tokens into the |d| histogram, by one of two methods (constexpr ``BLOCK_HISTOGRA
   threads hit different copies, so the few busy bins near d ≈ 0 are not contended by a whole warp);
 - a block histogram: ``tl.histogram`` counts each BLOCK of tokens in shared memory, the counts accumulate in
   registers, and the program adds its non-zero bins to one copy at the end: ~10× fewer global atomics.
-It adds its totals to float64 batch accumulators with two vector atomics. The last segment of a row to finish
+It adds its totals to float64 batch accumulators with two vector atomics, each after one reduction of its
+columns stacked side by side (one cross-warp exchange, not one per column). The last segment of a row to finish
 (a per-row ticket) takes the row's Σd, which gives the sequence statistics. The last program of the launch (a
 global ticket, the classic "last block" reduction) folds the batch totals and the histogram copies into the
 monitor's float64 state and leaves every scratch buffer reset for the next launch. With ``fresh`` it
 overwrites the state instead of adding to it, so a reset costs no extra launch. With ``DEVICE_METRICS`` it
 then also derives the final metric vector (means, quantiles, NaN rules of ``MismatchMonitor.compute``) from
-the new state, so ``compute()`` only copies and labels it. Float atomics make the last bits of the sums
-depend on the programs' order; counts, histogram and maxima are exact.
+the new state, into pinned host memory by default, so ``compute()`` only waits for the device and labels it.
+Float atomics make the last bits of the sums depend on the programs' order; counts, histogram and maxima are
+exact.
 """
 
 from __future__ import annotations
@@ -69,20 +71,44 @@ else:  # libdevice: correctly rounded to ~1 ulp (tl.exp/tl.log are fast approxim
 
 
 @triton.jit
-def _pick(vec, cols, i):
-    return tl.sum(tl.where(cols == i, vec, 0.0), axis=0)
+def _bit_reverse(i, BITS: tl.constexpr):
+    out = tl.zeros_like(i)
+    for b in tl.static_range(BITS):
+        out |= ((i >> b) & 1) << (BITS - 1 - b)
+    return out
 
 
 @triton.jit
-def _pick_max(vec, cols, i):
-    return tl.max(tl.where(cols == i, vec, -float("inf")), axis=0)
+def _stack8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """[N] × 8 → [N, 8]. tl.join appends a trailing dimension, so in a tree of joins the first level varies
+    slowest: vector k lands in column bit_reverse(k, 3)."""
+    s = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    return tl.reshape(s, (v0.shape[0], 8))
+
+
+@triton.jit
+def _stack32(
+    v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, v16, v17, v18, v19, v20, v21, v22,
+    v23, v24, v25, v26, v27, v28, v29, v30, v31,
+):
+    """[N] × 32 → [N, 32]; vector k lands in column bit_reverse(k, 5) (see ``_stack8``)."""
+    a = tl.join(
+        tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7))),
+        tl.join(tl.join(tl.join(v8, v9), tl.join(v10, v11)), tl.join(tl.join(v12, v13), tl.join(v14, v15))),
+    )
+    b = tl.join(
+        tl.join(tl.join(tl.join(v16, v17), tl.join(v18, v19)), tl.join(tl.join(v20, v21), tl.join(v22, v23))),
+        tl.join(tl.join(tl.join(v24, v25), tl.join(v26, v27)), tl.join(tl.join(v28, v29), tl.join(v30, v31))),
+    )
+    return tl.reshape(tl.join(a, b), (v0.shape[0], 32))
 
 
 @triton.jit
 def _fold_into_state(
     sums_ptr, maxes_ptr, hist_ptr, state_ptr, fresh,
     MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr, BUCKET_COUNT_OFFSET: tl.constexpr,
-    N_SB: tl.constexpr, N_SB_POW2: tl.constexpr, REPLICAS: tl.constexpr, COLS: tl.constexpr,
+    N_SB: tl.constexpr, N_SB_POW2: tl.constexpr, REPLICAS: tl.constexpr, N_SUMS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """Run by the last program only, when every other program's atomics are complete: take the batch totals
     (resetting them for the next launch) and fold them into the float64 state."""
@@ -94,70 +120,48 @@ def _fold_into_state(
     tl.store(maxes_ptr + m_cols, tl.zeros((8,), tl.float64) - float("inf"))
     keep = fresh == 0  # fresh: the state is overwritten (a reset without a separate launch)
 
-    # The signed d histogram: sum the copies into the state, then clear them for the next launch. Loads
-    # bypass L1 (.cg): other SMs wrote the copies during this launch.
-    reps = tl.arange(0, 4)  # four copies at a time: all of them at once would spill registers
+    # The signed d histogram: sum the copies into the state, then clear them for the next launch. All loads
+    # come before any store, so that they are in flight together (a store between them would make each
+    # load wait for the one before: one L2 round trip per copy). Loads bypass L1 (.cg): other SMs wrote
+    # the copies during this launch.
     sb = tl.arange(0, N_SB_POW2)
     in_sb = sb < N_SB
     counts = tl.zeros((N_SB_POW2,), tl.int32)
-    for k in tl.static_range(0, REPLICAS, 4):
-        copy_ptrs = hist_ptr + (k + reps[:, None]) * N_SB + sb[None, :]
-        counts += tl.sum(tl.load(copy_ptrs, mask=in_sb[None, :], other=0, cache_modifier=".cg"), axis=0)
-        tl.store(copy_ptrs, tl.zeros((4, N_SB_POW2), tl.int32), mask=in_sb[None, :])
+    for k in tl.static_range(REPLICAS):
+        counts += tl.load(hist_ptr + k * N_SB + sb, mask=in_sb, other=0, cache_modifier=".cg")
     hist_ptrs = state_ptr + HIST_OFFSET + sb
     prev = tl.where(keep, tl.load(hist_ptrs, mask=in_sb, other=0.0, cache_modifier=".cg"), 0.0)
     tl.store(hist_ptrs, prev + counts.to(tl.float64), mask=in_sb)
+    for k in tl.static_range(REPLICAS):
+        tl.store(hist_ptr + k * N_SB + sb, tl.zeros((N_SB_POW2,), tl.int32), mask=in_sb)
 
-    # Scalar slots: tokens, invalid, abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside, seqs,
-    # seq_log_ratio, is_tokens, is_w, is_w2, is_masked. One vector read-modify-write, not 15 scalar ones.
-    slot = tl.arange(0, 16)
-    abs_d = _pick(acc, cols, 12) + _pick(acc, cols, 13) + _pick(acc, cols, 14) + _pick(acc, cols, 15)
-    abs_d += _pick(acc, cols, 16)
-    tokens = _pick(acc, cols, 17) + _pick(acc, cols, 18) + _pick(acc, cols, 19) + _pick(acc, cols, 20)
-    tokens += _pick(acc, cols, 21)
-    sum_d = _pick(acc, cols, 1)
-    upd = tl.zeros((16,), tl.float64)
-    upd = tl.where(slot == 0, tokens, upd)
-    upd = tl.where(slot == 1, _pick(acc, cols, 7), upd)
-    upd = tl.where(slot == 2, abs_d, upd)
-    upd = tl.where(slot == 3, _pick(acc, cols, 0), upd)
-    upd = tl.where(slot == 4, -sum_d, upd)
-    upd = tl.where(slot == 5, _pick(acc, cols, 2), upd)
-    upd = tl.where(slot == 6, _pick(acc, cols, 3), upd)
-    upd = tl.where(slot == 7, _pick(acc, cols, 4), upd)
-    upd = tl.where(slot == 8, _pick(acc, cols, 5), upd)
-    upd = tl.where(slot == 9, _pick(acc, cols, 22), upd)  # sequences with a valid token
-    upd = tl.where(slot == 10, sum_d, upd)  # Σ over sequences of Σ_t d: invalid and masked tokens have d = 0
-    upd = tl.where(slot == 11, _pick(acc, cols, 8), upd)
-    upd = tl.where(slot == 12, _pick(acc, cols, 9), upd)
-    upd = tl.where(slot == 13, _pick(acc, cols, 10), upd)
-    upd = tl.where(slot == 14, _pick(acc, cols, 11), upd)
-    in_slots = slot < 15
-    prev = tl.where(keep, tl.load(state_ptr + slot, mask=in_slots, other=0.0, cache_modifier=".cg"), 0.0)
-    tl.store(state_ptr + slot, prev + upd, mask=in_slots)
-
-    # Bucket counts ×5 then bucket |d| sums ×5 (contiguous in the state).
-    bucket = tl.zeros((16,), tl.float64)
-    for k in tl.static_range(5):
-        bucket = tl.where(slot == k, _pick(acc, cols, 17 + k), bucket)
-        bucket = tl.where(slot == 5 + k, _pick(acc, cols, 12 + k), bucket)
-    in_buckets = slot < 10
-    bucket_ptrs = state_ptr + BUCKET_COUNT_OFFSET + slot
-    prev = tl.where(keep, tl.load(bucket_ptrs, mask=in_buckets, other=0.0, cache_modifier=".cg"), 0.0)
-    tl.store(bucket_ptrs, prev + bucket, mask=in_buckets)
+    # The state's sum slots, each a sum of batch columns, by one masked reduction of a [32, COLS] table
+    # (where, not a 0/1 product: an inf column would turn every slot into NaN). Rows 0-14: tokens, invalid,
+    # abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside, seqs (column N_SUMS), seq_log_ratio, is_tokens, is_w,
+    # is_w2, is_masked; rows 16-25: bucket counts ×5, then bucket |d| sums ×5 (contiguous in the state).
+    row = tl.arange(0, 32)
+    r = row[:, None]
+    c = cols[None, :]
+    take = ((r == 0) & (c >= 17) & (c <= 21)) | ((r == 1) & (c == 7)) | ((r == 2) & (c >= 12) & (c <= 16))
+    take |= ((r == 3) & (c == 0)) | ((r == 4) & (c == 1)) | ((r >= 5) & (r <= 8) & (c == r - 3))
+    take |= ((r == 9) & (c == N_SUMS)) | ((r == 10) & (c == 1)) | ((r >= 11) & (r <= 14) & (c == r - 3))
+    take |= ((r >= 16) & (r <= 20) & (c == r + 1)) | ((r >= 21) & (r <= 25) & (c == r - 9))
+    slots = tl.sum(tl.where(take, acc[None, :], 0.0), axis=1)
+    slots = tl.where(row == 4, -slots, slots)  # neg_d = −Σd; seq_log_ratio = Σd (invalid and masked: d = 0)
+    in_slots = (row < 15) | ((row >= 16) & (row <= 25))
+    slot_ptrs = state_ptr + tl.where(row < 16, row, BUCKET_COUNT_OFFSET + (row - 16))
+    prev = tl.where(keep, tl.load(slot_ptrs, mask=in_slots, other=0.0, cache_modifier=".cg"), 0.0)
+    tl.store(slot_ptrs, prev + slots, mask=in_slots)
 
     # Maxima, state order: abs_d_max, abs_p_max, rho_m1_max, neg_rho_m1_min, seq_abs_max, is_w_max,
-    # neg_is_w_min. The batch maxima are ordered d, −d, abs_p, w, −w, |Σd| of a sequence.
-    d_max = _pick_max(mx, m_cols, 0)
-    neg_d_min = _pick_max(mx, m_cols, 1)
-    new_max = tl.zeros((8,), tl.float64) - float("inf")
-    new_max = tl.where(m_cols == 0, tl.maximum(d_max, neg_d_min), new_max)
-    new_max = tl.where(m_cols == 1, _pick_max(mx, m_cols, 2), new_max)
-    new_max = tl.where(m_cols == 2, _expm1(d_max), new_max)  # ρ is monotone in d
-    new_max = tl.where(m_cols == 3, -_expm1(-neg_d_min), new_max)
-    new_max = tl.where(m_cols == 4, _pick_max(mx, m_cols, 5), new_max)
-    new_max = tl.where(m_cols == 5, _pick_max(mx, m_cols, 3), new_max)
-    new_max = tl.where(m_cols == 6, _pick_max(mx, m_cols, 4), new_max)
+    # neg_is_w_min, from the batch maxima of d, −d, abs_p, w, −w, |Σd| of a sequence (one reduction).
+    mr = m_cols[:, None]
+    mc = m_cols[None, :]
+    take_max = ((mr == 0) & (mc <= 1)) | ((mr == 1) & (mc == 2)) | ((mr == 2) & (mc == 0))
+    take_max |= ((mr == 3) & (mc == 1)) | ((mr == 4) & (mc == 5)) | ((mr >= 5) & (mr <= 6) & (mc == mr - 2))
+    new_max = tl.max(tl.where(take_max, mx[None, :], -float("inf")), axis=1)
+    # ρ is monotone in d: max ρ − 1 = expm1(max d), and −(min ρ − 1) = −expm1(−max(−d)).
+    new_max = tl.where(m_cols == 2, _expm1(new_max), tl.where(m_cols == 3, -_expm1(-new_max), new_max))
     in_max = m_cols < 7
     max_ptrs = state_ptr + MAX_OFFSET + m_cols
     prev = tl.where(keep, tl.load(max_ptrs, mask=in_max, other=0.0, cache_modifier=".cg"), -float("inf"))
@@ -171,7 +175,7 @@ def _write_metrics(
     N_METRICS: tl.constexpr,
 ):
     """The final metric vector from the just-folded state, in ``MismatchMonitor.compute``'s value order and
-    with its rules (NaN where undefined), so that compute() only copies it. Run by the last program."""
+    with its rules (NaN where undefined), so that compute() only reads it. Run by the last program."""
     tl.debug_barrier()  # the fold's stores, by this program's threads, before they are read back
     nan = float("nan")
     n = tl.load(state_ptr + 0, cache_modifier=".cg")
@@ -372,42 +376,24 @@ def _mismatch_kernel(
         copy = (row * n_seg + seg) % REPLICAS
         tl.atomic_add(hist_ptr + copy * N_SB + sb, block_hist, mask=(block_hist > 0) & (sb < N_SB), sem="relaxed")
     # This program's totals, added at L2 by two vector atomics (float64 sums, maxima as ordered integers).
-    cols = tl.arange(0, COLS)
-    part = tl.zeros((COLS,), tl.float32)
-    part = tl.where(cols == 0, tl.sum(s_abs_p, axis=0), part)
-    part = tl.where(cols == 1, tl.sum(s_d, axis=0), part)
-    part = tl.where(cols == 2, tl.sum(s_k3, axis=0), part)
-    part = tl.where(cols == 3, tl.sum(s_rho, axis=0), part)
-    part = tl.where(cols == 4, tl.sum(s_rho2, axis=0), part)
-    part = tl.where(cols == 5, tl.sum(s_out, axis=0), part)
-    part = tl.where(cols == 6, tl.sum(s_n, axis=0), part)
-    part = tl.where(cols == 7, tl.sum(s_bad, axis=0), part)
-    part = tl.where(cols == 8, tl.sum(s_wn, axis=0), part)
-    part = tl.where(cols == 9, tl.sum(s_w, axis=0), part)
-    part = tl.where(cols == 10, tl.sum(s_w2, axis=0), part)
-    part = tl.where(cols == 11, tl.sum(s_w0, axis=0), part)
-    part = tl.where(cols == 12, tl.sum(a0, axis=0), part)
-    part = tl.where(cols == 13, tl.sum(a1, axis=0), part)
-    part = tl.where(cols == 14, tl.sum(a2, axis=0), part)
-    part = tl.where(cols == 15, tl.sum(a3, axis=0), part)
-    part = tl.where(cols == 16, tl.sum(a4, axis=0), part)
-    part = tl.where(cols == 17, tl.sum(c0, axis=0), part)
-    part = tl.where(cols == 18, tl.sum(c1, axis=0), part)
-    part = tl.where(cols == 19, tl.sum(c2, axis=0), part)
-    part = tl.where(cols == 20, tl.sum(c3, axis=0), part)
-    part = tl.where(cols == 21, tl.sum(c4, axis=0), part)
-    tl.atomic_add(sums_ptr + cols, part.to(tl.float64), mask=cols < N_SUMS, sem="relaxed")
-    m_cols = tl.arange(0, 8)
-    part_max = tl.zeros((8,), tl.float32) - float("inf")
-    part_max = tl.where(m_cols == 0, tl.max(m_d, axis=0), part_max)
-    part_max = tl.where(m_cols == 1, tl.max(m_nd, axis=0), part_max)
-    part_max = tl.where(m_cols == 2, tl.max(m_p, axis=0), part_max)
-    part_max = tl.where(m_cols == 3, tl.max(m_w, axis=0), part_max)
-    part_max = tl.where(m_cols == 4, tl.max(m_nw, axis=0), part_max)
-    tl.atomic_max(maxes_ptr + m_cols, part_max.to(tl.float64), mask=m_cols < 5, sem="relaxed")
-    # Sequence statistics: the row's last segment to finish takes the row's totals (and resets them).
-    tl.atomic_add(row_d_ptr + row, tl.sum(s_d, axis=0).to(tl.float64), sem="relaxed")
-    tl.atomic_add(row_n_ptr + row, tl.sum(s_n, axis=0).to(tl.int32), sem="relaxed")
+    # One reduction each (one cross-warp exchange, not one per column): the columns are stacked by tl.join.
+    zero_col = zero
+    part = tl.sum(_stack32(
+        s_abs_p, s_d, s_k3, s_rho, s_rho2, s_out, s_n, s_bad, s_wn, s_w, s_w2, s_w0, a0, a1, a2, a3, a4,
+        c0, c1, c2, c3, c4, zero_col, zero_col, zero_col, zero_col, zero_col, zero_col, zero_col, zero_col,
+        zero_col, zero_col,
+    ), axis=0)
+    col = _bit_reverse(tl.arange(0, 32), 5)  # the column each stacked position holds
+    tl.atomic_add(sums_ptr + col, part.to(tl.float64), mask=col < N_SUMS, sem="relaxed")
+    no_max = zero - float("inf")
+    part_max = tl.max(_stack8(m_d, m_nd, m_p, m_w, m_nw, no_max, no_max, no_max), axis=0)
+    max_col = _bit_reverse(tl.arange(0, 8), 3)
+    tl.atomic_max(maxes_ptr + max_col, part_max.to(tl.float64), mask=max_col < 5, sem="relaxed")
+    # Sequence statistics: the row's last segment to finish takes the row's totals (and resets them). Its
+    # Σd and valid count are columns 1 and 6 of the sums just reduced.
+    tl.atomic_add(row_d_ptr + row + col * 0, part.to(tl.float64), mask=col == 1, sem="relaxed")
+    tl.atomic_add(row_n_ptr + row + col * 0, part.to(tl.int32), mask=col == 6, sem="relaxed")
+    tl.debug_barrier()  # every thread's row atomics before the ticket that publishes them
     if tl.atomic_add(row_ticket_ptr + row, 1, sem="acq_rel", scope="gpu") == n_seg - 1:
         # Every segment of the row has added its totals (before its ticket): read them at L2 (.cg), and
         # reset them for the next launch.
@@ -426,7 +412,7 @@ def _mismatch_kernel(
     if ticket == B * n_seg - 1:
         _fold_into_state(
             sums_ptr, maxes_ptr, hist_ptr, state_ptr, fresh, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB,
-            N_SB_POW2, REPLICAS, COLS,
+            N_SB_POW2, REPLICAS, N_SUMS, COLS,
         )
         if DEVICE_METRICS:
             _write_metrics(

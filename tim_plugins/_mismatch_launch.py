@@ -32,7 +32,7 @@ __all__ = [
 
 # Launch shape and kernel variant, from a sweep on an H200 (``benchmarks/sweep_metrics_kernel.py``; 256×4096,
 # 8×32768, 1024×1024). REPLICAS: histogram copies. HISTOGRAM: "global" (one atomic per token) or "block"
-# (tl.histogram per block, one atomic per non-zero bin and program: 2× slower on the H200, 82 vs 37 µs).
+# (tl.histogram per block, one atomic per non-zero bin and program: 2× slower on the H200, 83 vs 39 µs).
 # DEVICE_METRICS: the last program also writes the final metric vector, into pinned host memory, and
 # compute() only waits for the device and reads it (the host derivation costs ~40 µs more per call there).
 TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64, "HISTOGRAM": "global", "DEVICE_METRICS": True}

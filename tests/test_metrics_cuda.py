@@ -217,7 +217,7 @@ def test_triton_last_program_reduction_is_exact_and_repeatable(kernel_variant):
     _same_metrics(results[0], want.compute())
 
 
-def test_device_metric_vector_equals_the_host_derivation(monkeypatch):
+def test_device_metric_vector_equals_the_host_derivation():
     """With DEVICE_METRICS, compute() reads the kernel's metric vector: it must equal the metrics compute()
     derives on the host from the same state (last bits may differ where the GPU fuses a multiply-add), over
     accumulated updates, IS weights on and off, an all-masked batch and a reset. The default writes the

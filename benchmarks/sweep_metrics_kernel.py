@@ -1,7 +1,7 @@
 """Launch shapes and options of the monitor's CUDA kernel, swept on the GPU at hand: how
 ``_mismatch_launch.TUNING`` was chosen, and how to re-choose it for another GPU.
 
-For each setting (BLOCK, ITERS, num_warps, REPLICAS; HISTOGRAM "global" or "block"; DEVICE_METRICS) and
+For each setting (BLOCK, ITERS, num_warps, REPLICAS; HISTOGRAM "global" or "block"; DEVICE_METRICS; WAIT) and
 batch (256×4096, then the three best also at 8×32768 and 1024×1024): the kernel's GPU time (torch profiler),
 ``update()`` and ``update()`` + ``compute()`` wall time (medians, each call ending in a device
 synchronisation), and whether its metrics equal the eager torch pass (relative 1e-5). Then, for the fastest correct shape, where a call's time goes: Python alone (launch
@@ -28,6 +28,7 @@ _SHAPES = (
     dict(BLOCK=512, ITERS=8, num_warps=8, REPLICAS=64), dict(BLOCK=1024, ITERS=2, num_warps=8, REPLICAS=64),
     dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=32), dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=128),
     dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=64, DEVICE_METRICS=False),
+    dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=64, WAIT="flag"),
     # No BLOCK=1024 with the block histogram: ptxas gives it 168 registers a thread at 8 warps.
     dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=4, HISTOGRAM="block"),
 )

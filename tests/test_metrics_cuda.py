@@ -38,11 +38,16 @@ def _use_options(monkeypatch) -> None:
         monkeypatch.setitem(launch.TUNING, name, value)
 
 
-@pytest.fixture(params=["default", "options"])
+@pytest.fixture(params=["default", "options", "flag"])
 def kernel_variant(request, monkeypatch) -> str:
-    """The Triton kernel as configured by default, and with the alternate TUNING options."""
+    """The Triton kernel as configured by default, with the alternate TUNING options, and with compute()
+    polling the launch id instead of synchronising the device."""
     if request.param == "options":
         _use_options(monkeypatch)
+    elif request.param == "flag":
+        import tim_plugins._mismatch_launch as launch
+
+        monkeypatch.setitem(launch.TUNING, "WAIT", "flag")
     return request.param
 
 
@@ -169,6 +174,26 @@ def test_triton_launches_with_every_specialisation(kernel_variant):
     _same_metrics(gpu_all.compute(), MismatchMonitor(compile=False).update(*batches[0]).compute())
 
 
+def test_repeated_batch_shapes_launch_from_the_plan_with_their_own_tensors(kernel_variant):
+    """Training repeats a few batch shapes: from a key's third call on, the launch comes from its kept plan.
+    Every call must still read its own tensors, fresh after a reset and accumulating without one."""
+    mon = MismatchMonitor()
+    for seed in range(4):
+        r, t, m = _with_bad_tokens(8, 1000) if seed == 2 else make_batch(8, 1000, seed=seed)
+        mon.reset()
+        got = mon.update(r.cuda(), t.cuda(), m.cuda()).compute()
+        _same_metrics(got, MismatchMonitor(compile=False).update(r, t, m).compute())
+    want = MismatchMonitor(compile=False).update(r, t, m)  # the state after the last reset
+    for seed in range(10, 14):
+        r, t, m = make_batch(8, 1000, seed=seed)
+        mon.update(r.cuda(), t.cuda(), m.cuda())
+        want.update(r, t, m)
+        _same_metrics(mon.compute(), want.compute())
+    assert not mon._triton_failed
+    if mon._kernel_scratch["launcher"].enabled:  # a Triton whose launcher convention was read
+        assert len(mon._kernel_scratch["plans"]) == 2  # fresh and accumulating: one key each
+
+
 def test_triton_reset_overwrites_the_reused_buffer(kernel_variant):
     mon = MismatchMonitor()
     r, t, m = (x.cuda() for x in _with_bad_tokens(9, 300))
@@ -242,9 +267,14 @@ def test_device_metric_vector_equals_the_host_derivation():
         _same_metrics(got, want, rtol=1e-12)
 
 
-def test_pinned_metric_vector_is_read_after_a_launch_on_another_stream():
+@pytest.mark.parametrize("wait", ["device", "flag"])
+def test_pinned_metric_vector_is_read_after_a_launch_on_another_stream(wait, monkeypatch):
     """compute() reads the vector the kernel writes into host memory: it must wait for the launch even when
-    that ran on a stream other than the current one, held back here behind a ~25 ms sleep."""
+    that ran on a stream other than the current one, held back here behind a ~25 ms sleep (longer than the
+    flag is polled: then compute() synchronises the device)."""
+    import tim_plugins._mismatch_launch as launch
+
+    monkeypatch.setitem(launch.TUNING, "WAIT", wait)
     r, t, m = (x.cuda() for x in _with_bad_tokens(64, 4096))
     want = MismatchMonitor(compile=False).update(r, t, m).compute()
     mon = MismatchMonitor()
@@ -258,3 +288,25 @@ def test_pinned_metric_vector_is_read_after_a_launch_on_another_stream():
         mon.update(r, t, m)
     assert mon._device_metrics.is_pinned()
     _same_metrics(mon.compute(), want)
+
+
+@pytest.mark.parametrize("wait", ["device", "flag"])
+def test_every_compute_reads_the_vector_of_its_own_launch(wait, monkeypatch):
+    """compute() straight after update(), 100 times, each batch with its own mask: a wait that returned
+    before the launch had written its whole vector would show the previous batch's values in some slot."""
+    import tim_plugins._mismatch_launch as launch
+
+    monkeypatch.setitem(launch.TUNING, "WAIT", wait)
+    g = torch.Generator().manual_seed(0)
+    r = -torch.rand(64, 2048, generator=g) * 4.0
+    t = r + 0.05 * torch.randn(64, 2048, generator=g)
+    masks = [torch.rand(64, 2048, generator=g) < (i % 25 + 1) / 26 for i in range(100)]
+    wants = [MismatchMonitor(compile=False).update(r, t, m).compute() for m in masks]
+    rc, tc, mcs = r.cuda(), t.cuda(), [m.cuda() for m in masks]
+    mon = MismatchMonitor()
+    torch.cuda.synchronize()
+    for mc, want in zip(mcs, wants):
+        mon.reset()
+        _same_metrics(mon.update(rc, tc, mc).compute(), want)
+    assert not mon._triton_failed and mon._device_metrics.is_pinned()
+    assert (mon._kernel_scratch["wait"] is not None) == (wait == "flag")

@@ -28,7 +28,7 @@ RESET = "reset"
 
 def run_triton(batches):
     mon = MismatchMonitor()
-    mon._use_triton = lambda device: True  # the CUDA path, here on the CPU under the interpreter
+    mon._use_triton = lambda rollout: True  # the CUDA path, here on the CPU under the interpreter
     for batch in batches:
         if batch is RESET:  # compute, then reset: the next update overwrites the buffer ("fresh")
             mon.compute()
@@ -108,7 +108,11 @@ def _alternate_options() -> dict:
     return ALTERNATE_OPTIONS
 
 
-_VARIANTS = {"default": dict, "block histogram, host metrics": _alternate_options}
+def _flag_wait() -> dict:
+    return {"WAIT": "flag"}
+
+
+_VARIANTS = {"default": dict, "block histogram, host metrics": _alternate_options, "flag wait": _flag_wait}
 
 
 @pytest.mark.parametrize("variant", list(_VARIANTS))
@@ -128,7 +132,7 @@ def test_triton_kernel_equals_the_torch_pass(variant):
 
 
 @pytest.mark.parametrize("has_weights, variant", [(False, "default"), (True, "default"),
-                                                  (True, "block histogram, host metrics")])
+                                                  (True, "block histogram, host metrics"), (False, "flag wait")])
 def test_kernel_compiles_for_hopper(has_weights, variant, monkeypatch):
     """Compile the kernel ahead of time for sm_90 (Triton's bundled ptxas; no GPU needed), with the argument
     list the monitor passes: catches what the interpreter does not check, such as a loop-carried variable
@@ -183,6 +187,59 @@ def test_kernel_compiles_for_hopper(has_weights, variant, monkeypatch):
     # The block histogram counts in shared memory (tl.histogram); the default adds each token in global memory.
     assert ("shared.add" in plain) == (launch.TUNING["HISTOGRAM"] == "block")
     assert "ld.global.cg.b64" in ptx  # the fold (and the device metrics) read the float64 totals at L2
+    # The launch id the host polls: released at system scope, after the vector (only with WAIT "flag").
+    assert ("atom.global.sys.release.exch.b64" in plain) == (launch.TUNING["WAIT"] == "flag")
+
+
+_FLAG_CHECK = r'''
+import json, math, torch
+import tim_plugins._mismatch_launch as launch
+from tim_plugins.metrics import MismatchMonitor
+
+lay = MismatchMonitor()._layout
+state = torch.zeros(lay.n_sums + 7, dtype=torch.float64)
+out = {}
+for wait in ("device", "flag"):
+    launch.TUNING["WAIT"] = wait
+    scratch = {}
+    ids, flags = [], []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        r = -torch.rand(2, 300, generator=g)
+        vector = launch.triton_update(state, lay.n_sums, r, r + 0.01, torch.ones(2, 300, dtype=torch.bool), None,
+                                      math.log(0.5), math.log(2.0), seed == 0, lay.n_signed_bins, lay.hist_offset,
+                                      lay.bucket_count_offset, scratch)
+        ids.append(scratch["launch_id"])
+        (buffers,) = [v for v in scratch.values() if isinstance(v, launch._Scratch)]
+        flags.append(int(buffers.flag[0]))
+    out[wait] = {"ids": ids, "flags": flags, "tokens": vector[0].item(), "pending": scratch["wait"] is not None}
+    if wait == "flag":
+        launch.wait_for_metrics(scratch, state.device)  # the flag holds the last id: no device synchronisation
+        buffers.flag[0] = 0  # as if the last launch had not finished: then it synchronises the device
+        try:
+            launch.wait_for_metrics(scratch, state.device)
+            out["synchronised"] = "no"
+        except (AssertionError, RuntimeError) as err:  # this CPU torch has no CUDA to synchronise
+            out["synchronised"] = type(err).__name__
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_the_kernel_writes_the_launch_id_after_the_metrics_only_when_the_host_polls_it():
+    """With WAIT "flag" each launch writes its own id into the slot after the metric vector, and
+    wait_for_metrics returns on it; a stale id sends it to the device synchronisation. With WAIT "device" the
+    slot stays 0 (its initial value) and nothing is polled."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    proc = subprocess.run([sys.executable, "-c", _FLAG_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["flag"]["ids"] == res["device"]["ids"] == [1, 2, 3]
+    assert res["flag"]["flags"] == [1, 2, 3] and res["flag"]["pending"]
+    assert res["device"]["flags"] == [0, 0, 0] and not res["device"]["pending"]
+    assert res["flag"]["tokens"] == res["device"]["tokens"] == 3 * 600  # fresh, then two accumulated batches
+    assert res["synchronised"] != "no"
 
 
 def test_fast_launch_steps_aside_for_launch_hooks():
@@ -231,32 +288,89 @@ def _launch_inputs(B: int = 3, T: int = 700):
             math.log(0.5), math.log(2.0), False, lay.n_signed_bins, lay.hist_offset, lay.bucket_count_offset)
 
 
-def test_direct_launch_passes_the_jit_arguments_as_addresses(monkeypatch):
-    """The direct launch hands the compiled launcher integer addresses: the same arguments, in the same
-    order, as the tensors the JIT path gets (checked without a GPU, with the launch recorded)."""
+def _recorded_launches(monkeypatch):
+    """Launches recorded instead of run, without a GPU: the JIT path keeps a stand-in compiled kernel, the
+    direct launch appends (grid, args); returns (jitted keys, launched)."""
     import torch
 
     import tim_plugins._mismatch_launch as launch
 
-    inputs = _launch_inputs()
-    scratch: dict = {}
-    launched = []
+    jitted, launched = [], []
     monkeypatch.setattr(launch, "_INTERPRET", False)
     monkeypatch.setattr(launch, "_launch_hooks_set", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors: device index None
-    monkeypatch.setattr(launch._FastLauncher, "jit", lambda self, key, grid, args, nw: self.compiled.update({key: 1}))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # CPU tensors: Tensor.get_device() is -1
+
+    def jit(self, key, grid, args, num_warps):
+        jitted.append(key)
+        self.compiled[key] = "compiled"
+
+    monkeypatch.setattr(launch._FastLauncher, "jit", jit)
     monkeypatch.setattr(launch._FastLauncher, "launch",
                         lambda self, compiled, index, grid, args: launched.append((grid, args)))
-    launch.triton_update(*inputs, scratch)  # first call: the JIT path, which keeps the "compiled" kernel
-    assert launched == []
-    launch.triton_update(*inputs, scratch)  # same key: the direct launch
-    grid, args = launched[0]
+    return jitted, launched
+
+
+def _expected_launch(inputs, scratch, launch_id):
+    import torch
+
+    import tim_plugins._mismatch_launch as launch
+
     state, max_offset, rollout, train, mask, w, *rest = inputs
-    want_grid, want = launch.kernel_arguments(state, max_offset, rollout, train, mask.view(torch.uint8), w, *rest,
-                                              scratch)
-    assert grid == want_grid and len(args) == len(want) == len(launch._mismatch_kernel.params)
-    for got, expected in zip(args, want, strict=True):
-        assert got == (expected.data_ptr() if isinstance(expected, torch.Tensor) else expected)
+    grid, want = launch.kernel_arguments(state, max_offset, rollout, train, mask.view(torch.uint8), w, *rest, scratch,
+                                         launch_id)
+    return grid, tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in want)
+
+
+def _launch_ids(launched) -> list[int]:
+    import tim_plugins._mismatch_launch as launch
+
+    slot = [p.name for p in launch._mismatch_kernel.params].index("launch_id")
+    return [args[slot] for _, args in launched]
+
+
+def test_direct_launch_passes_the_jit_arguments_as_addresses(monkeypatch):
+    """The direct launch hands the compiled launcher integer addresses: the same arguments, in the same
+    order, as the tensors the JIT path gets, both when it builds a key's launch plan and when it launches
+    from the plan (checked without a GPU, with the launch recorded)."""
+    import tim_plugins._mismatch_launch as launch
+
+    jitted, launched = _recorded_launches(monkeypatch)
+    inputs = _launch_inputs()
+    scratch: dict = {}
+    launch.triton_update(*inputs, scratch)  # first call: the JIT path, which keeps the "compiled" kernel
+    assert launched == [] and len(jitted) == 1
+    launch.triton_update(*inputs, scratch)  # same key: the direct launch, which keeps a plan
+    launch.triton_update(*inputs, scratch)  # launched from the plan
+    assert len(jitted) == 1 and len(launched) == 2 and len(scratch["plans"]) == 1
+    assert _launch_ids(launched) == [2, 3] and scratch["launch_id"] == 3  # every launch has its own id
+    for (grid, args), launch_id in zip(launched, (2, 3)):
+        want_grid, want = _expected_launch(inputs, scratch, launch_id)
+        assert len(want) == len(launch._mismatch_kernel.params)
+        assert grid == want_grid and args == want
+
+
+def test_launch_plans_follow_new_inputs_grown_buffers_and_hooks(monkeypatch):
+    """A plan is reused for other tensors of the same key (their own addresses), is dropped when the scratch
+    buffers grow (it held the old ones' addresses), and steps aside while a launch hook is set."""
+    import tim_plugins._mismatch_launch as launch
+
+    jitted, launched = _recorded_launches(monkeypatch)
+    scratch: dict = {}
+    small, other = _launch_inputs(B=3), _launch_inputs(B=3)
+    for _ in range(3):
+        launch.triton_update(*small, scratch)
+    launch.triton_update(*other, scratch)  # same key, new tensors
+    assert launched[-1] == _expected_launch(other, scratch, 4)
+    big = _launch_inputs(B=2000, T=20)  # more rows than the scratch holds: its row buffers are replaced
+    launch.triton_update(*big, scratch)
+    assert "plans" not in scratch
+    launched.clear()
+    launch.triton_update(*small, scratch)
+    assert launched == [_expected_launch(small, scratch, 6)]  # the new buffers' addresses
+    monkeypatch.setattr(launch, "_launch_hooks_set", lambda: True)  # a profiler attached
+    n_jit = len(jitted)
+    launch.triton_update(*small, scratch)
+    assert len(jitted) == n_jit + 1 and len(launched) == 1  # through the JIT, where the hook sees it
 
 
 @pytest.mark.parametrize(
@@ -282,7 +396,7 @@ def test_an_unread_triton_version_launches_through_the_jit_every_time(monkeypatc
     monkeypatch.setattr(triton, "__version__", "3.10.0")
     monkeypatch.setattr(launch, "_INTERPRET", False)
     monkeypatch.setattr(launch, "_launch_hooks_set", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
 
     class RecordingKernel:  # Triton's JIT as the launcher sees it: kernel[grid](*args) returns the compiled kernel
         def __getitem__(self, grid):
@@ -308,4 +422,8 @@ def test_kernel_settings_are_checked_with_the_fix(monkeypatch):
     monkeypatch.setitem(launch.TUNING, "HISTOGRAM", "block")
     monkeypatch.setitem(launch.TUNING, "REPLICAS", 0)
     with pytest.raises(ValueError, match=r"TUNING\['REPLICAS'\]=0 must be a positive int"):
+        launch.kernel_arguments(*_launch_inputs(), {})
+    monkeypatch.setitem(launch.TUNING, "REPLICAS", 4)
+    monkeypatch.setitem(launch.TUNING, "WAIT", "spin")
+    with pytest.raises(ValueError, match=r"TUNING\['WAIT'\]='spin' is not a way to wait.*\('device', 'flag'\)"):
         launch.kernel_arguments(*_launch_inputs(), {})

@@ -4,7 +4,10 @@ that skips Triton's JIT after the first call.
 An ``update()`` is a few microseconds of GPU work, so what this module spends per call is the cost that
 counts: it keeps everything that does not change between micro-batches (constants, scratch pointers, the
 specialisation of each batch shape) and passes pointers to the compiled launcher as integers (a tensor
-argument costs the launcher a method call and a driver query each).
+argument costs the launcher a method call and a driver query each). Once a batch key (shape, dtypes,
+alignment, settings) has been launched directly, its launch plan holds the compiled kernel and every argument
+but the five input addresses and the launch id, so a repeated key costs one dictionary lookup: the host path
+of ``update()`` went from 13.5-16.5 to 7.3-7.9 µs per call (on a 2-core CPU, the launch itself stubbed out).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from tim_plugins._mismatch_triton import (
 )
 
 __all__ = [
-    "TUNING", "HISTOGRAM_METHODS", "ALTERNATE_OPTIONS", "FAST_LAUNCH_TRITON", "fast_launch_supported",
-    "kernel_arguments", "triton_update",
+    "TUNING", "HISTOGRAM_METHODS", "WAIT_METHODS", "WAIT_SPINS", "ALTERNATE_OPTIONS", "FAST_LAUNCH_TRITON",
+    "fast_launch_supported", "kernel_arguments", "triton_update", "wait_for_metrics",
 ]
 
 # Launch shape and kernel variant, from a sweep on an H200 (``benchmarks/sweep_metrics_kernel.py``; 256×4096,
@@ -35,12 +38,19 @@ __all__ = [
 # (tl.histogram per block, one atomic per non-zero bin and program: 2× slower on the H200, 83 vs 39 µs).
 # DEVICE_METRICS: the last program also writes the final metric vector, into pinned host memory, and
 # compute() only waits for the device and reads it (the host derivation costs ~40 µs more per call there).
-TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64, "HISTOGRAM": "global", "DEVICE_METRICS": True}
+# WAIT: how compute() waits for that vector: "device" synchronises the device; "flag" polls the launch id the
+# kernel writes after the vector (falling back to "device" after WAIT_SPINS reads), which skips the ~10 µs a
+# synchronisation costs on the H200's host but was not yet measured on a GPU: "device" stays the default.
+TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64, "HISTOGRAM": "global", "DEVICE_METRICS": True,
+          "WAIT": "device"}
 HISTOGRAM_METHODS = ("global", "block")
+WAIT_METHODS = ("device", "flag")
+WAIT_SPINS = 4096  # host reads of the flag (~0.2 µs each) before compute() synchronises the device instead
 # The settings the default does not use, all at once: the tests and benchmarks/gpu_checks.sh keep them working.
 ALTERNATE_OPTIONS = {"HISTOGRAM": "block", "REPLICAS": 4, "DEVICE_METRICS": False}
 _LOG_LO_EDGE = math.log10(HISTOGRAM_RANGE[0])
 _MAX_SHAPES = 4096  # distinct (B, T) kept with their specialisation, before the cache starts over
+_MAX_LAUNCH_ID = 2**30  # launch ids cycle in 1 .. 2^30: always a Triton i32 argument
 # Triton versions whose launcher convention the direct launch follows, [from, to): ``CompiledKernel.run(gridX,
 # gridY, gridZ, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` with every
 # argument (constexprs included, then skipped) and pointers accepted as integers. Read in the 3.6, 3.7, 3.8 and
@@ -115,13 +125,15 @@ class _Scratch:
     """Buffers owned by one monitor (two monitors on two streams must not share them), every one left zeroed
     (maxima: −inf) by each launch: batch sums and maxima, per-row Σd, valid count and ticket (grown as
     needed), the int32 histogram copies, the launch's ticket counter; then the |d| bin edges (for the device
-    quantiles) and the device metric vector. ``pointers`` holds their addresses, in kernel order.
+    quantiles) and the device metric vector, followed by the slot of the launch id (``TUNING["WAIT"]``).
+    ``pointers`` holds their addresses, in kernel order.
 
     The metric vector lives in pinned host memory, which the kernel writes directly (CUDA maps page-locked
     memory into the device's address space): compute() then needs no copy, only a wait for the device. Where
-    pinning fails it lives on the device, and compute() copies it."""
+    pinning fails it lives on the device, and compute() copies it. ``flag`` is the host's view of the launch
+    id slot: a one-element int64 numpy view of host memory (None for a device vector)."""
 
-    __slots__ = ("tensors", "pointers", "rows")
+    __slots__ = ("tensors", "pointers", "rows", "metrics", "flag")
 
     def __init__(self, device: torch.device, rows: int, n_sb: int, replicas: int) -> None:
         from tim_plugins.metrics import abs_diff_bin_edges
@@ -134,10 +146,9 @@ class _Scratch:
             torch.zeros(1, dtype=torch.int32, device=device), abs_diff_bin_edges(device), _metric_vector(device),
         )
         self.pointers = tuple(t.data_ptr() for t in self.tensors)
-
-    @property
-    def metrics(self) -> torch.Tensor:
-        return self.tensors[-1]
+        vector = self.tensors[-1]
+        self.metrics = vector[:DEVICE_METRIC_SLOTS]
+        self.flag = None if vector.is_cuda else vector[DEVICE_METRIC_SLOTS:].view(torch.int64).numpy()
 
     @staticmethod
     def _rows(n: int, device: torch.device) -> tuple:
@@ -152,12 +163,16 @@ class _Scratch:
 
 
 def _metric_vector(device: torch.device) -> torch.Tensor:
+    """The metric slots (float64), then the launch id slot (int64 bits; 0: none yet)."""
     if device.type == "cuda" and not _INTERPRET:
         try:
-            return torch.full((DEVICE_METRIC_SLOTS,), math.nan, dtype=torch.float64, pin_memory=True)
+            vector = torch.full((DEVICE_METRIC_SLOTS + 1,), math.nan, dtype=torch.float64, pin_memory=True)
         except RuntimeError:  # no page-locked memory to be had: a device vector, copied by compute()
-            pass
-    return torch.full((DEVICE_METRIC_SLOTS,), math.nan, dtype=torch.float64, device=device)
+            vector = torch.full((DEVICE_METRIC_SLOTS + 1,), math.nan, dtype=torch.float64, device=device)
+    else:
+        vector = torch.full((DEVICE_METRIC_SLOTS + 1,), math.nan, dtype=torch.float64, device=device)
+    vector[DEVICE_METRIC_SLOTS] = 0.0
+    return vector
 
 
 def _scratch(store: dict, device: torch.device, rows: int, n_sb: int, replicas: int) -> _Scratch:
@@ -167,6 +182,7 @@ def _scratch(store: dict, device: torch.device, rows: int, n_sb: int, replicas: 
         entry = store[key] = _Scratch(device, rows, n_sb, replicas)
     elif entry.rows < rows:
         entry.grow(rows)
+        store.pop("plans", None)  # they hold the replaced buffers' addresses
     return entry
 
 
@@ -188,12 +204,15 @@ def _constants(
             raise ValueError(
                 f"TUNING['REPLICAS']={t['REPLICAS']!r} must be a positive int (histogram copies), e.g. 64."
             )
+        if t["WAIT"] not in WAIT_METHODS:
+            raise ValueError(f"TUNING['WAIT']={t['WAIT']!r} is not a way to wait: use one of {WAIT_METHODS}.")
         n_edges = (n_signed_bins + 1) // 2 - 1
         constants = (
             *LOG_PROB_EDGES, INVALID_LOGPROB_THRESHOLD, _LOG_LO_EDGE, float(HISTOGRAM_BINS_PER_DECADE),
             n_signed_bins, triton.next_power_of_2(n_signed_bins), (n_signed_bins - 1) // 2, max_offset,
             hist_offset, bucket_count_offset, has_weights, N_PART_SUMS, SUM_COLS, n_edges, t["REPLICAS"],
             t["BLOCK"], t["ITERS"], t["HISTOGRAM"] == "block", bool(t["DEVICE_METRICS"]), DEVICE_METRIC_SLOTS,
+            t["WAIT"] == "flag",
         )
         store[key] = constants
     return constants
@@ -228,7 +247,7 @@ def _prepare(scratch: dict, device: torch.device, B: int, T: int, n_signed_bins:
 def kernel_arguments(
     state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
     is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
-    hist_offset: int, bucket_count_offset: int, scratch: dict,
+    hist_offset: int, bucket_count_offset: int, scratch: dict, launch_id: int = 1,
 ) -> tuple[tuple, list]:
     """The grid and the kernel's full argument list as tensors (constexprs included, in signature order)."""
     B, T = rollout.shape
@@ -238,7 +257,7 @@ def kernel_arguments(
     )
     args = [
         rollout, train, mask, rollout if is_weights is None else is_weights, *buffers.tensors, state,
-        log_lo, log_hi, B, T, n_seg, int(fresh), *constants,
+        log_lo, log_hi, B, T, n_seg, int(fresh), launch_id, *constants,
     ]
     return (B, n_seg), args
 
@@ -260,36 +279,89 @@ def triton_update(
     rollout, train, mask = rollout.contiguous(), train.contiguous(), mask.contiguous()
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
-    if is_weights is not None:
-        is_weights = is_weights.contiguous()
-    w = rollout if is_weights is None else is_weights
+    w = rollout if is_weights is None else is_weights.contiguous()
+    p_r, p_t, p_m, p_w, p_s = rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr()
+    device_index = rollout.get_device()  # -1 on the CPU (the interpreter)
+    # Everything a launch depends on besides the five input addresses: the batch shape, dtypes, 16-byte
+    # alignment of each input (Triton specialises pointers on it), the settings and the monitor's constants.
+    key = (B, T, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None, fresh,
+           (p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0, p_w % 16 == 0, p_s % 16 == 0), device_index,
+           tuple(TUNING.values()), log_lo, log_hi, max_offset, n_signed_bins, hist_offset, bucket_count_offset)
+    plans = scratch.get("plans")
+    plan = None if plans is None else plans.get(key)
+    if plan is None or _launch_hooks_set():  # a new key, or a profiler's hook that must see the launch
+        return _first_launch(key, state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh,
+                             n_signed_bins, hist_offset, bucket_count_offset, scratch)
+    launcher, compiled, grid, buffer_pointers, head, constants, metrics, flag = plan
+    launch_id = scratch["launch_id"] = scratch["launch_id"] % _MAX_LAUNCH_ID + 1
+    scratch["wait"] = None if flag is None else (flag, launch_id)
+    args = (p_r, p_t, p_m, p_w, *buffer_pointers, p_s, *head, launch_id, *constants)
+    if device_index == torch.cuda.current_device():
+        launcher.launch(compiled, device_index, grid, args)
+    else:  # a kernel runs in the current device's context: the tensors' device must be current
+        with torch.cuda.device(device_index):
+            launcher.launch(compiled, device_index, grid, args)
+    return metrics
+
+
+def _first_launch(
+    key: tuple, state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor,
+    mask: torch.Tensor, is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool,
+    n_signed_bins: int, hist_offset: int, bucket_count_offset: int, scratch: dict,
+) -> torch.Tensor | None:
+    """``triton_update`` for a key without a launch plan: through the caches and, where needed, Triton's JIT;
+    then, where the direct launch may run, the plan that later calls with this key launch from."""
+    B, T = rollout.shape
+    has_weights = is_weights is not None
     tuning_key, n_seg, shape_spec, buffers, constants = _prepare(
-        scratch, rollout.device, B, T, n_signed_bins, max_offset, hist_offset, bucket_count_offset,
-        is_weights is not None,
+        scratch, rollout.device, B, T, n_signed_bins, max_offset, hist_offset, bucket_count_offset, has_weights,
     )
     launcher = scratch.get("launcher")
     if launcher is None:
         launcher = scratch["launcher"] = _FastLauncher(_mismatch_kernel)
-    device_index = rollout.device.index
-    p_r, p_t, p_m, p_w, p_s = rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr()
-    # Everything Triton specialises on (scratch buffers are whole allocations, always aligned).
-    aligned = (p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0, p_w % 16 == 0, p_s % 16 == 0)
-    key = (device_index, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None, aligned,
-           shape_spec, fresh, tuning_key)
+    device_index = key[9]
+    w = is_weights if has_weights else rollout
+    # What Triton specialises on (scratch buffers are whole allocations, always aligned).
+    jit_key = (device_index, rollout.dtype, train.dtype, mask.dtype, w.dtype, not has_weights, key[8], shape_spec,
+               fresh, tuning_key)
     grid = (B, n_seg)
-    compiled = launcher.ready(key)
+    compiled = launcher.ready(jit_key)
+    device_metrics = TUNING["DEVICE_METRICS"]
+    metrics = buffers.metrics if device_metrics else None
+    flag = buffers.flag if device_metrics and TUNING["WAIT"] == "flag" else None
+    launch_id = scratch["launch_id"] = scratch.get("launch_id", 0) % _MAX_LAUNCH_ID + 1
+    scratch["wait"] = None if flag is None else (flag, launch_id)
     if compiled is None:  # the first call for this key, a launch hook or the interpreter: Triton's JIT
         _, tensors = kernel_arguments(
             state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh, n_signed_bins, hist_offset,
-            bucket_count_offset, scratch,
+            bucket_count_offset, scratch, launch_id,
         )
-        launch = lambda: launcher.jit(key, grid, tensors, TUNING["num_warps"])  # noqa: E731
+        launch = lambda: launcher.jit(jit_key, grid, tensors, TUNING["num_warps"])  # noqa: E731
     else:
-        args = (p_r, p_t, p_m, p_w, *buffers.pointers, p_s, log_lo, log_hi, B, T, n_seg, int(fresh), *constants)
+        head = (log_lo, log_hi, B, T, n_seg, int(fresh))
+        plans = scratch.get("plans")
+        if plans is None or len(plans) >= _MAX_SHAPES:
+            plans = scratch["plans"] = {}
+        plans[key] = (launcher, compiled, grid, buffers.pointers, head, constants, metrics, flag)
+        args = (rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), *buffers.pointers,
+                state.data_ptr(), *head, launch_id, *constants)
         launch = lambda: launcher.launch(compiled, device_index, grid, args)  # noqa: E731
     if _INTERPRET or device_index == torch.cuda.current_device():
         launch()
     else:  # a kernel runs in the current device's context: the tensors' device must be current
         with torch.cuda.device(device_index):
             launch()
-    return buffers.metrics if TUNING["DEVICE_METRICS"] else None
+    return metrics
+
+
+def wait_for_metrics(scratch: dict, device: torch.device) -> None:
+    """Return once the last launch's metric vector, in pinned host memory, is complete: when the launch id
+    slot holds that launch's id (``TUNING["WAIT"] == "flag"``), else after a device synchronisation (every
+    stream: the launch's need not be the current one)."""
+    pending = scratch.get("wait")
+    if pending is not None:
+        flag, launch_id = pending
+        for _ in range(WAIT_SPINS):
+            if flag[0] == launch_id:
+                return
+    torch.cuda.synchronize(device)

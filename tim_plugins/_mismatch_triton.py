@@ -20,7 +20,8 @@ global ticket, the classic "last block" reduction) folds the batch totals and th
 monitor's float64 state and leaves every scratch buffer reset for the next launch. With ``fresh`` it
 overwrites the state instead of adding to it, so a reset costs no extra launch. With ``DEVICE_METRICS`` it
 then also derives the final metric vector (means, quantiles, NaN rules of ``MismatchMonitor.compute``) from
-the new state, into pinned host memory by default, so ``compute()`` only waits for the device and labels it.
+the new state, into pinned host memory by default, so ``compute()`` only waits for the device and labels it
+(with ``WAIT_FLAG``, it polls the launch id written after the vector instead of synchronising the device).
 Float atomics make the last bits of the sums depend on the programs' order; counts, histogram and maxima are
 exact.
 """
@@ -170,12 +171,13 @@ def _fold_into_state(
 
 @triton.jit
 def _write_metrics(
-    state_ptr, edges_ptr, metrics_ptr, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
+    state_ptr, edges_ptr, metrics_ptr, launch_id, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
     BUCKET_COUNT_OFFSET: tl.constexpr, N_SB: tl.constexpr, N_EDGES: tl.constexpr, N_ABS_POW2: tl.constexpr,
-    N_METRICS: tl.constexpr,
+    N_METRICS: tl.constexpr, WAIT_FLAG: tl.constexpr,
 ):
     """The final metric vector from the just-folded state, in ``MismatchMonitor.compute``'s value order and
-    with its rules (NaN where undefined), so that compute() only reads it. Run by the last program."""
+    with its rules (NaN where undefined), so that compute() only reads it. Run by the last program. With
+    ``WAIT_FLAG`` the launch's id follows (an int64) in the slot after the vector, once the whole vector is."""
     tl.debug_barrier()  # the fold's stores, by this program's threads, before they are read back
     nan = float("nan")
     n = tl.load(state_ptr + 0, cache_modifier=".cg")
@@ -251,6 +253,13 @@ def _write_metrics(
     v = tl.where(j == 32, tl.where(is_w2 > 0, is_w * is_w / (is_n * is_w2), 0.0), v)
     v = tl.where(j == 33, is_n, v)
     tl.store(metrics_ptr + j, v, mask=j < N_METRICS)
+    if WAIT_FLAG:
+        # The host polls this slot instead of synchronising the device. Every thread's stores above are
+        # ordered before it by the barrier, and the release at system scope makes them visible to the host
+        # before the id (the pattern of a CUTLASS semaphore, at system scope for pinned host memory).
+        tl.debug_barrier()
+        flag_ptr = (metrics_ptr + N_METRICS).to(tl.pointer_type(tl.int64))  # an integer slot
+        tl.atomic_xchg(flag_ptr, launch_id.to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
@@ -264,17 +273,17 @@ def _edge_quantile(cum, total, q, edges_ptr, exact_max, N_EDGES: tl.constexpr):
     return tl.where(total > 0, value, float("nan"))
 
 
-@triton.jit(do_not_specialize=["B", "n_seg", "fresh"])
+@triton.jit(do_not_specialize=["B", "n_seg", "fresh", "launch_id"])
 def _mismatch_kernel(
     rollout_ptr, train_ptr, mask_ptr, w_ptr, sums_ptr, maxes_ptr, row_d_ptr, row_n_ptr, row_ticket_ptr, hist_ptr,
-    counter_ptr, edges_ptr, metrics_ptr, state_ptr, log_lo, log_hi, B, T, n_seg, fresh,
+    counter_ptr, edges_ptr, metrics_ptr, state_ptr, log_lo, log_hi, B, T, n_seg, fresh, launch_id,
     # Fixed constants are constexpr; launches skip Triton's argument binding, so runtime ones cost little.
     e1: tl.constexpr, e2: tl.constexpr, e3: tl.constexpr, e4: tl.constexpr, invalid_threshold: tl.constexpr,
     log_lo_edge: tl.constexpr, bins_per_decade: tl.constexpr, N_SB: tl.constexpr, N_SB_POW2: tl.constexpr,
     CENTRE: tl.constexpr, MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr,
     BUCKET_COUNT_OFFSET: tl.constexpr, HAS_W: tl.constexpr, N_SUMS: tl.constexpr, COLS: tl.constexpr,
     N_EDGES: tl.constexpr, REPLICAS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK_HISTOGRAM: tl.constexpr, DEVICE_METRICS: tl.constexpr, N_METRICS: tl.constexpr,
+    BLOCK_HISTOGRAM: tl.constexpr, DEVICE_METRICS: tl.constexpr, N_METRICS: tl.constexpr, WAIT_FLAG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
@@ -416,7 +425,7 @@ def _mismatch_kernel(
         )
         if DEVICE_METRICS:
             _write_metrics(
-                state_ptr, edges_ptr, metrics_ptr, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB, N_EDGES,
-                N_SB_POW2 // 2, N_METRICS,
+                state_ptr, edges_ptr, metrics_ptr, launch_id, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB,
+                N_EDGES, N_SB_POW2 // 2, N_METRICS, WAIT_FLAG,
             )
         tl.store(counter_ptr, 0)

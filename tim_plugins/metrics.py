@@ -148,7 +148,7 @@ class MismatchMonitor:
         self._device_metrics: torch.Tensor | None = None
         self._compile_failed = False
         self._triton_failed = False
-        self._triton_available: bool | None = None
+        self._triton_choice: tuple | None = None  # (compile setting, whether the Triton path runs)
         self._kernel_scratch: dict = {}
         self._empty_states: dict = {}
         self.updates = 0
@@ -207,14 +207,17 @@ class MismatchMonitor:
         self._state = torch.tensor(list(state["sums"]) + list(state["maxes"]), dtype=torch.float64)
 
     # --------------------------------------------------------------------------------------------- update
-    def _use_triton(self, device: torch.device) -> bool:
+    def _use_triton(self, rollout: torch.Tensor) -> bool:
         """CUDA fast path: the one-kernel Triton pass, unless compilation is off (compile=False, or "auto"
-        with TIM_PLUGINS_COMPILE=0): then plain torch, e.g. to debug."""
-        if device.type != "cuda" or self._triton_failed or not want_compile(self.compile, device):
+        with TIM_PLUGINS_COMPILE=0): then plain torch, e.g. to debug. The choice is made once per monitor and
+        ``compile`` setting (an environment lookup and a module lookup cost more than the rest of a launch)."""
+        if not rollout.is_cuda or self._triton_failed:
             return False
-        if self._triton_available is None:  # a module lookup costs ~10 µs: once per monitor
-            self._triton_available = is_triton_available()
-        return self._triton_available
+        choice = self._triton_choice
+        if choice is None or choice[0] != self.compile:
+            wanted = want_compile(self.compile, rollout.device) and is_triton_available()
+            choice = self._triton_choice = (self.compile, wanted)
+        return choice[1]
 
     def update(
         self,
@@ -234,12 +237,12 @@ class MismatchMonitor:
         rollout_logprobs, train_logprobs, mask, is_weights = check_inputs(
             rollout_logprobs, train_logprobs, mask, is_weights
         )
-        device = rollout_logprobs.device
-        if self._use_triton(device) and self._update_triton(
-            device, rollout_logprobs, train_logprobs, mask, is_weights
+        if self._use_triton(rollout_logprobs) and self._update_triton(
+            rollout_logprobs, train_logprobs, mask, is_weights
         ):
             self.updates += 1
             return self
+        device = rollout_logprobs.device
         args = (rollout_logprobs, train_logprobs, mask, is_weights, *self._log_band, self._layout.n_signed_bins)
         out = None
         if not self._compile_failed and want_compile(self.compile, device):
@@ -267,12 +270,11 @@ class MismatchMonitor:
         self.updates += 1
         return self
 
-    def _update_triton(self, device, rollout, train, mask, is_weights) -> bool:
+    def _update_triton(self, rollout, train, mask, is_weights) -> bool:
         """One kernel launch; False (after a warning) if the kernel fails, and the caller uses torch."""
         fresh = self._state is None
-        if not fresh and rollout.shape[0] == 0:
-            return True  # nothing to add (any device metric vector still describes the state)
         if fresh:  # the kernel writes the whole state: reuse the last reset's buffer, no zeroing launch
+            device = rollout.device
             spare, self._spare_state = self._spare_state, None
             if rollout.shape[0] == 0:  # no launch: the empty state
                 self._state = self._new_state(device, torch.float64)
@@ -282,8 +284,10 @@ class MismatchMonitor:
             else:
                 n_slots = self._layout.n_sums + len(_MAX_FIELDS)
                 self._state = torch.empty(n_slots, dtype=torch.float64, device=device)
-        else:
-            self._ensure_state(device, torch.float64)
+        elif rollout.shape[0] == 0:
+            return True  # nothing to add (any device metric vector still describes the state)
+        elif self._state.get_device() != rollout.get_device():  # a state restored from a checkpoint: CPU
+            self._ensure_state(rollout.device, torch.float64)
         try:
             o = self._layout
             log_lo, log_hi = self._log_band
@@ -342,10 +346,8 @@ class MismatchMonitor:
         if self._device_metrics is not None and not self._reduces(sync, group):
             # The last launch derived the metrics from this very state: read and label them.
             vector = self._device_metrics
-            if not vector.is_cuda and self._state.is_cuda:
-                # Pinned host memory the kernel writes into: wait for it (every stream, as the launch's
-                # may not be the current one).
-                torch.cuda.synchronize(self._state.device)
+            if not vector.is_cuda and self._state.is_cuda:  # pinned host memory the kernel writes into
+                wait_for_metrics(self._kernel_scratch, self._state.device)
             values = vector.tolist()
             keys, is_keys = self._metric_keys()
             out = dict(zip(keys, values))  # the vector holds compute()'s values in key order
@@ -448,6 +450,14 @@ def triton_update(*args, **kwargs) -> torch.Tensor | None:
 
     triton_update = update  # later calls skip this wrapper and its import statement
     return update(*args, **kwargs)
+
+
+def wait_for_metrics(*args, **kwargs) -> None:
+    global wait_for_metrics
+    from tim_plugins._mismatch_launch import wait_for_metrics as wait  # imports triton: CUDA path only
+
+    wait_for_metrics = wait
+    return wait(*args, **kwargs)
 
 
 def _collective_device(group) -> torch.device:

@@ -310,3 +310,17 @@ def test_every_compute_reads_the_vector_of_its_own_launch(wait, monkeypatch):
         _same_metrics(mon.update(rc, tc, mc).compute(), want)
     assert not mon._triton_failed and mon._device_metrics.is_pinned()
     assert (mon._kernel_scratch["wait"] is not None) == (wait == "flag")
+
+
+def test_the_compile_environment_variable_is_read_at_the_first_cuda_update(monkeypatch):
+    """TIM_PLUGINS_COMPILE=0 turns the kernel off for monitors whose first CUDA update() comes after it is
+    set; a monitor keeps the path it chose (the lookup is not repeated per micro-batch), until its
+    ``compile`` setting changes."""
+    r, t, m = (x.cuda() for x in make_batch(4, 300))
+    kernel = MismatchMonitor().update(r, t, m)
+    monkeypatch.setenv("TIM_PLUGINS_COMPILE", "0")
+    eager = MismatchMonitor().update(r, t, m)
+    assert kernel.update(r, t, m)._device_metrics is not None  # still the kernel
+    assert eager._device_metrics is None and eager._triton_choice == ("auto", False)
+    eager.compile = True
+    assert eager.update(r, t, m)._device_metrics is not None

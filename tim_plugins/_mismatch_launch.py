@@ -282,32 +282,26 @@ def triton_update(
     w = rollout if is_weights is None else is_weights.contiguous()
     p_r, p_t, p_m, p_w, p_s = rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr()
     device_index = rollout.get_device()  # -1 on the CPU (the interpreter)
+    aligned = (p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0, p_w % 16 == 0, p_s % 16 == 0)
     # Everything a launch depends on besides the five input addresses: the batch shape, dtypes, 16-byte
     # alignment of each input (Triton specialises pointers on it), the settings and the monitor's constants.
-    key = (B, T, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None, fresh,
-           (p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0, p_w % 16 == 0, p_s % 16 == 0), device_index,
+    key = (B, T, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None, fresh, aligned, device_index,
            tuple(TUNING.values()), log_lo, log_hi, max_offset, n_signed_bins, hist_offset, bucket_count_offset)
     plans = scratch.get("plans")
     plan = None if plans is None else plans.get(key)
     if plan is None or _launch_hooks_set():  # a new key, or a profiler's hook that must see the launch
-        return _first_launch(key, state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh,
-                             n_signed_bins, hist_offset, bucket_count_offset, scratch)
+        return _first_launch(key, aligned, device_index, state, max_offset, rollout, train, mask, is_weights, log_lo,
+                             log_hi, fresh, n_signed_bins, hist_offset, bucket_count_offset, scratch)
     launcher, compiled, grid, buffer_pointers, head, constants, metrics, flag = plan
-    launch_id = scratch["launch_id"] = scratch["launch_id"] % _MAX_LAUNCH_ID + 1
-    scratch["wait"] = None if flag is None else (flag, launch_id)
-    args = (p_r, p_t, p_m, p_w, *buffer_pointers, p_s, *head, launch_id, *constants)
-    if device_index == torch.cuda.current_device():
-        launcher.launch(compiled, device_index, grid, args)
-    else:  # a kernel runs in the current device's context: the tensors' device must be current
-        with torch.cuda.device(device_index):
-            launcher.launch(compiled, device_index, grid, args)
+    args = (p_r, p_t, p_m, p_w, *buffer_pointers, p_s, *head, _next_launch_id(scratch, flag), *constants)
+    _on_device(device_index, launcher.launch, compiled, device_index, grid, args)
     return metrics
 
 
 def _first_launch(
-    key: tuple, state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor,
-    mask: torch.Tensor, is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool,
-    n_signed_bins: int, hist_offset: int, bucket_count_offset: int, scratch: dict,
+    key: tuple, aligned: tuple, device_index: int, state: torch.Tensor, max_offset: int, rollout: torch.Tensor,
+    train: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor | None, log_lo: float, log_hi: float,
+    fresh: bool, n_signed_bins: int, hist_offset: int, bucket_count_offset: int, scratch: dict,
 ) -> torch.Tensor | None:
     """``triton_update`` for a key without a launch plan: through the caches and, where needed, Triton's JIT;
     then, where the direct launch may run, the plan that later calls with this key launch from."""
@@ -319,39 +313,49 @@ def _first_launch(
     launcher = scratch.get("launcher")
     if launcher is None:
         launcher = scratch["launcher"] = _FastLauncher(_mismatch_kernel)
-    device_index = key[9]
     w = is_weights if has_weights else rollout
     # What Triton specialises on (scratch buffers are whole allocations, always aligned).
-    jit_key = (device_index, rollout.dtype, train.dtype, mask.dtype, w.dtype, not has_weights, key[8], shape_spec,
+    jit_key = (device_index, rollout.dtype, train.dtype, mask.dtype, w.dtype, not has_weights, aligned, shape_spec,
                fresh, tuning_key)
     grid = (B, n_seg)
     compiled = launcher.ready(jit_key)
     device_metrics = TUNING["DEVICE_METRICS"]
     metrics = buffers.metrics if device_metrics else None
     flag = buffers.flag if device_metrics and TUNING["WAIT"] == "flag" else None
-    launch_id = scratch["launch_id"] = scratch.get("launch_id", 0) % _MAX_LAUNCH_ID + 1
-    scratch["wait"] = None if flag is None else (flag, launch_id)
+    launch_id = _next_launch_id(scratch, flag)
     if compiled is None:  # the first call for this key, a launch hook or the interpreter: Triton's JIT
         _, tensors = kernel_arguments(
             state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh, n_signed_bins, hist_offset,
             bucket_count_offset, scratch, launch_id,
         )
-        launch = lambda: launcher.jit(jit_key, grid, tensors, TUNING["num_warps"])  # noqa: E731
-    else:
-        head = (log_lo, log_hi, B, T, n_seg, int(fresh))
-        plans = scratch.get("plans")
-        if plans is None or len(plans) >= _MAX_SHAPES:
-            plans = scratch["plans"] = {}
-        plans[key] = (launcher, compiled, grid, buffers.pointers, head, constants, metrics, flag)
-        args = (rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), *buffers.pointers,
-                state.data_ptr(), *head, launch_id, *constants)
-        launch = lambda: launcher.launch(compiled, device_index, grid, args)  # noqa: E731
-    if _INTERPRET or device_index == torch.cuda.current_device():
-        launch()
-    else:  # a kernel runs in the current device's context: the tensors' device must be current
-        with torch.cuda.device(device_index):
-            launch()
+        _on_device(device_index, launcher.jit, jit_key, grid, tensors, TUNING["num_warps"])
+        return metrics
+    head = (log_lo, log_hi, B, T, n_seg, int(fresh))
+    plans = scratch.get("plans")
+    if plans is None or len(plans) >= _MAX_SHAPES:
+        plans = scratch["plans"] = {}
+    plans[key] = (launcher, compiled, grid, buffers.pointers, head, constants, metrics, flag)
+    args = (rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), *buffers.pointers,
+            state.data_ptr(), *head, launch_id, *constants)
+    _on_device(device_index, launcher.launch, compiled, device_index, grid, args)
     return metrics
+
+
+def _next_launch_id(scratch: dict, flag) -> int:
+    """A new id for the launch about to run (ids cycle in 1 .. _MAX_LAUNCH_ID); with ``flag`` (the launch id
+    slot the host polls), it is what ``wait_for_metrics`` waits for."""
+    launch_id = scratch["launch_id"] = scratch.get("launch_id", 0) % _MAX_LAUNCH_ID + 1
+    scratch["wait"] = None if flag is None else (flag, launch_id)
+    return launch_id
+
+
+def _on_device(device_index: int, launch, *args) -> None:
+    """``launch(*args)`` in the tensors' device context: a kernel runs in the current device's."""
+    if _INTERPRET or device_index == torch.cuda.current_device():
+        launch(*args)
+    else:
+        with torch.cuda.device(device_index):
+            launch(*args)
 
 
 def wait_for_metrics(scratch: dict, device: torch.device) -> None:

@@ -164,12 +164,13 @@ class _Scratch:
 
 def _metric_vector(device: torch.device) -> torch.Tensor:
     """The metric slots (float64), then the launch id slot (int64 bits; 0: none yet)."""
+    vector = None
     if device.type == "cuda" and not _INTERPRET:
         try:
             vector = torch.full((DEVICE_METRIC_SLOTS + 1,), math.nan, dtype=torch.float64, pin_memory=True)
         except RuntimeError:  # no page-locked memory to be had: a device vector, copied by compute()
-            vector = torch.full((DEVICE_METRIC_SLOTS + 1,), math.nan, dtype=torch.float64, device=device)
-    else:
+            pass
+    if vector is None:
         vector = torch.full((DEVICE_METRIC_SLOTS + 1,), math.nan, dtype=torch.float64, device=device)
     vector[DEVICE_METRIC_SLOTS] = 0.0
     return vector

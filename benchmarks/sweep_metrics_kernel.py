@@ -28,7 +28,7 @@ _SHAPES = (
     dict(BLOCK=512, ITERS=8, num_warps=8, REPLICAS=64), dict(BLOCK=1024, ITERS=2, num_warps=8, REPLICAS=64),
     dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=32), dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=128),
     dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=64, DEVICE_METRICS=False),
-    dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=64, WAIT="flag"),
+    dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=64, WAIT="device"),
     # No BLOCK=1024 with the block histogram: ptxas gives it 168 registers a thread at 8 warps.
     dict(BLOCK=256, ITERS=8, num_warps=4, REPLICAS=4, HISTOGRAM="block"),
 )

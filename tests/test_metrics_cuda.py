@@ -38,16 +38,16 @@ def _use_options(monkeypatch) -> None:
         monkeypatch.setitem(launch.TUNING, name, value)
 
 
-@pytest.fixture(params=["default", "options", "flag"])
+@pytest.fixture(params=["default", "options", "device"])
 def kernel_variant(request, monkeypatch) -> str:
     """The Triton kernel as configured by default, with the alternate TUNING options, and with compute()
-    polling the launch id instead of synchronising the device."""
+    synchronising the device instead of polling the launch id."""
     if request.param == "options":
         _use_options(monkeypatch)
-    elif request.param == "flag":
+    elif request.param == "device":
         import tim_plugins._mismatch_launch as launch
 
-        monkeypatch.setitem(launch.TUNING, "WAIT", "flag")
+        monkeypatch.setitem(launch.TUNING, "WAIT", "device")
     return request.param
 
 

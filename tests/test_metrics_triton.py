@@ -108,11 +108,11 @@ def _alternate_options() -> dict:
     return ALTERNATE_OPTIONS
 
 
-def _flag_wait() -> dict:
-    return {"WAIT": "flag"}
+def _device_wait() -> dict:
+    return {"WAIT": "device"}
 
 
-_VARIANTS = {"default": dict, "block histogram, host metrics": _alternate_options, "flag wait": _flag_wait}
+_VARIANTS = {"default": dict, "block histogram, host metrics": _alternate_options, "device wait": _device_wait}
 
 
 @pytest.mark.parametrize("variant", list(_VARIANTS))
@@ -132,7 +132,7 @@ def test_triton_kernel_equals_the_torch_pass(variant):
 
 
 @pytest.mark.parametrize("has_weights, variant", [(False, "default"), (True, "default"),
-                                                  (True, "block histogram, host metrics"), (False, "flag wait")])
+                                                  (True, "block histogram, host metrics"), (False, "device wait")])
 def test_kernel_compiles_for_hopper(has_weights, variant, monkeypatch):
     """Compile the kernel ahead of time for sm_90 (Triton's bundled ptxas; no GPU needed), with the argument
     list the monitor passes: catches what the interpreter does not check, such as a loop-carried variable
@@ -187,8 +187,10 @@ def test_kernel_compiles_for_hopper(has_weights, variant, monkeypatch):
     # The block histogram counts in shared memory (tl.histogram); the default adds each token in global memory.
     assert ("shared.add" in plain) == (launch.TUNING["HISTOGRAM"] == "block")
     assert "ld.global.cg.b64" in ptx  # the fold (and the device metrics) read the float64 totals at L2
-    # The launch id the host polls: released at system scope, after the vector (only with WAIT "flag").
-    assert ("atom.global.sys.release.exch.b64" in plain) == (launch.TUNING["WAIT"] == "flag")
+    # The launch id the host polls: released at system scope, after the device metric vector (only with WAIT
+    # "flag", and only when there is such a vector).
+    polled = launch.TUNING["WAIT"] == "flag" and launch.TUNING["DEVICE_METRICS"]
+    assert ("atom.global.sys.release.exch.b64" in plain) == polled
 
 
 _FLAG_CHECK = r'''
@@ -291,14 +293,12 @@ def _launch_inputs(B: int = 3, T: int = 700):
 def _recorded_launches(monkeypatch):
     """Launches recorded instead of run, without a GPU: the JIT path keeps a stand-in compiled kernel, the
     direct launch appends (grid, args); returns (jitted keys, launched)."""
-    import torch
-
     import tim_plugins._mismatch_launch as launch
 
     jitted, launched = [], []
     monkeypatch.setattr(launch, "_INTERPRET", False)
     monkeypatch.setattr(launch, "_launch_hooks_set", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # CPU tensors: Tensor.get_device() is -1
+    monkeypatch.setattr(launch, "_current_device", lambda: -1)  # CPU tensors: Tensor.get_device() is -1
 
     def jit(self, key, grid, args, num_warps):
         jitted.append(key)
@@ -385,7 +385,6 @@ def test_fast_launch_is_pinned_to_the_triton_versions_read(version, supported):
 
 
 def test_an_unread_triton_version_launches_through_the_jit_every_time(monkeypatch):
-    import torch
     import triton
 
     import tim_plugins._mismatch_launch as launch
@@ -396,7 +395,7 @@ def test_an_unread_triton_version_launches_through_the_jit_every_time(monkeypatc
     monkeypatch.setattr(triton, "__version__", "3.10.0")
     monkeypatch.setattr(launch, "_INTERPRET", False)
     monkeypatch.setattr(launch, "_launch_hooks_set", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+    monkeypatch.setattr(launch, "_current_device", lambda: -1)
 
     class RecordingKernel:  # Triton's JIT as the launcher sees it: kernel[grid](*args) returns the compiled kernel
         def __getitem__(self, grid):

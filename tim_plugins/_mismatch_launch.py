@@ -38,11 +38,12 @@ __all__ = [
 # (tl.histogram per block, one atomic per non-zero bin and program: 2× slower on the H200, 83 vs 39 µs).
 # DEVICE_METRICS: the last program also writes the final metric vector, into pinned host memory, and
 # compute() only waits for the device and reads it (the host derivation costs ~40 µs more per call there).
-# WAIT: how compute() waits for that vector: "device" synchronises the device; "flag" polls the launch id the
-# kernel writes after the vector (falling back to "device" after WAIT_SPINS reads), which skips the ~10 µs a
-# synchronisation costs on the H200's host but was not yet measured on a GPU: "device" stays the default.
+# WAIT: how compute() waits for that vector: "flag" polls the launch id the kernel writes after the vector
+# (falling back to a device synchronisation after WAIT_SPINS reads), which skips the synchronisation (6-8 µs on
+# the H200's host; per update() + compute() there, "flag" vs "device": 108 vs 114, 95 vs 96, 88-90 vs 103 µs in
+# three pairs of benchmark runs); "device" synchronises the device.
 TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64, "HISTOGRAM": "global", "DEVICE_METRICS": True,
-          "WAIT": "device"}
+          "WAIT": "flag"}
 HISTOGRAM_METHODS = ("global", "block")
 WAIT_METHODS = ("device", "flag")
 WAIT_SPINS = 4096  # host reads of the flag (~0.13 µs each on a 2-core CPU, ~0.5 ms in all) before a device sync
@@ -110,11 +111,16 @@ def _hook_active(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+# Triton's runtime settings (one object for the process; hooks are added to it or assigned on it): None in a
+# Triton without knobs, which then always launches through the JIT.
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
 def _launch_hooks_set() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
-        return True  # an older Triton: use the JIT path
-    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
+    runtime = _RUNTIME_KNOBS
+    if runtime is None:
+        return True
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def _int_spec(x: int) -> tuple[bool, bool, bool]:
@@ -122,9 +128,10 @@ def _int_spec(x: int) -> tuple[bool, bool, bool]:
 
 
 class _Scratch:
-    """Buffers owned by one monitor (two monitors on two streams must not share them), every one left zeroed
-    (maxima: −inf) by each launch: batch sums and maxima, per-row Σd, valid count and ticket (grown as
-    needed), the int32 histogram copies, the launch's ticket counter; then the |d| bin edges (for the device
+    """Buffers owned by one monitor (two monitors on two streams must not share them), each left as the next
+    launch needs it: batch sums and maxima, per-row Σd, valid count and ticket (grown as needed; left zeroed,
+    maxima −inf), two sets of int32 histogram copies (a launch counts into one and clears the other), the
+    launch's ticket counter and the parity that picks the set; then the |d| bin edges (for the device
     quantiles) and the device metric vector, followed by the slot of the launch id (``TUNING["WAIT"]``).
     ``pointers`` holds their addresses, in kernel order.
 
@@ -142,8 +149,8 @@ class _Scratch:
         f64 = dict(dtype=torch.float64, device=device)
         self.tensors = (
             torch.zeros(SUM_COLS, **f64), torch.full((8,), -math.inf, **f64), *self._rows(self.rows, device),
-            torch.zeros(replicas * n_sb, dtype=torch.int32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device), abs_diff_bin_edges(device), _metric_vector(device),
+            torch.zeros(2 * replicas * n_sb, dtype=torch.int32, device=device),
+            torch.zeros(2, dtype=torch.int32, device=device), abs_diff_bin_edges(device), _metric_vector(device),
         )
         self.pointers = tuple(t.data_ptr() for t in self.tensors)
         vector = self.tensors[-1]
@@ -350,9 +357,15 @@ def _next_launch_id(scratch: dict, flag) -> int:
     return launch_id
 
 
+# The current CUDA device's index. torch.cuda.current_device() first checks in Python that CUDA is initialised
+# (~0.4 of its ~0.5 µs on the H200's host); a launch has CUDA tensors, so it is. A torch without CUDA has no
+# such C function (the CPU tests launch with stubs).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def _on_device(device_index: int, launch, *args) -> None:
     """``launch(*args)`` in the tensors' device context: a kernel runs in the current device's."""
-    if _INTERPRET or device_index == torch.cuda.current_device():
+    if _INTERPRET or device_index == _current_device():
         launch(*args)
     else:
         with torch.cuda.device(device_index):

@@ -2,7 +2,7 @@
 
 Why: on a GPU the statistics themselves take microseconds; what costs is launching work and waiting for it.
 The torch.compile'd pass launches ~10 kernels plus the histogram and the state update (~0.8 ms per
-``update()`` on an H200 for 256×4096, most of it host-side). Here one kernel does everything (~39 µs of GPU
+``update()`` on an H200 for 256×4096, most of it host-side). Here one kernel does everything (~37 µs of GPU
 time for 256×4096 on an H200). Same formulas and binning as ``_mismatch_pass`` (the CUDA tests compare them;
 the CPU tests run this kernel under ``TRITON_INTERPRET=1``). Host side (launch shape, scratch buffers, the
 launch itself): ``_mismatch_launch``. Triton ships with CUDA builds of torch; it is imported only here and there.
@@ -17,11 +17,13 @@ It adds its totals to float64 batch accumulators with two vector atomics, each a
 columns stacked side by side (one cross-warp exchange, not one per column). The last segment of a row to finish
 (a per-row ticket) takes the row's Σd, which gives the sequence statistics. The last program of the launch (a
 global ticket, the classic "last block" reduction) folds the batch totals and the histogram copies into the
-monitor's float64 state and leaves every scratch buffer reset for the next launch. With ``fresh`` it
-overwrites the state instead of adding to it, so a reset costs no extra launch. With ``DEVICE_METRICS`` it
-then also derives the final metric vector (means, quantiles, NaN rules of ``MismatchMonitor.compute``) from
-the new state, into pinned host memory by default, so ``compute()`` only waits for the device and labels it
-(with ``WAIT_FLAG``, it polls the launch id written after the vector instead of synchronising the device).
+monitor's float64 state and leaves every scratch buffer ready for the next launch (the histogram copies come in
+two sets that alternate between launches: each launch's programs clear the set the previous launch used).
+With ``fresh`` it overwrites the state instead of adding to it, so a reset costs no extra launch. With
+``DEVICE_METRICS`` it then also derives the final metric vector (means, quantiles, NaN rules of
+``MismatchMonitor.compute``) from the new state, into pinned host memory by default, so ``compute()`` only
+waits for it and labels it (with ``WAIT_FLAG``, the default, it polls the launch id written after the vector
+instead of synchronising the device).
 Float atomics make the last bits of the sums depend on the programs' order; counts, histogram and maxima are
 exact.
 """
@@ -43,6 +45,8 @@ LOG_PROB_EDGES = tuple(math.log(e) for e in PROB_BUCKET_EDGES[1:-1])
 # bucket |d| sums ×5, bucket counts ×5. Maxima: d, −d, abs_p, w, −w, and a sequence's |Σd|.
 N_PART_SUMS = 12 + 2 * N_BUCKETS
 SUM_COLS = 32  # batch sums: the partial columns, then the count of sequences with a valid token
+# Histogram copies the last program reads per 2D load (8 × 1024 int32: 64 registers a thread at 4 warps).
+FOLD_ROWS = tl.constexpr(8)
 # The device metric vector: compute()'s values in its key order (28), the 5 IS metrics, then the IS count.
 DEVICE_METRIC_SLOTS = 34
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -109,38 +113,52 @@ def _fold_into_state(
     sums_ptr, maxes_ptr, hist_ptr, state_ptr, fresh,
     MAX_OFFSET: tl.constexpr, HIST_OFFSET: tl.constexpr, BUCKET_COUNT_OFFSET: tl.constexpr,
     N_SB: tl.constexpr, N_SB_POW2: tl.constexpr, REPLICAS: tl.constexpr, N_SUMS: tl.constexpr,
-    COLS: tl.constexpr,
+    COLS: tl.constexpr, FOLD_ROWS: tl.constexpr,
 ):
     """Run by the last program only, when every other program's atomics are complete: take the batch totals
-    (resetting them for the next launch) and fold them into the float64 state."""
+    (resetting them for the next launch) and fold them into the float64 state. ``hist_ptr``: the histogram
+    copies this launch counted into.
+
+    Every load comes before the first store: the compiler keeps a load behind any store that may alias it, so
+    each store → load pair would add a round trip to L2 (~1 µs) to the end of the launch. Loads bypass L1
+    (.cg): other SMs wrote these buffers during this launch. With ``fresh`` the state's previous values are
+    not loaded at all (masked off): the state is overwritten, a reset without a separate launch."""
     cols = tl.arange(0, COLS)
-    acc = tl.load(sums_ptr + cols, cache_modifier=".cg")  # read at L2, where the atomics happened
-    tl.store(sums_ptr + cols, tl.zeros((COLS,), tl.float64))
+    acc = tl.load(sums_ptr + cols, cache_modifier=".cg")
     m_cols = tl.arange(0, 8)
     mx = tl.load(maxes_ptr + m_cols, cache_modifier=".cg")
-    tl.store(maxes_ptr + m_cols, tl.zeros((8,), tl.float64) - float("inf"))
-    keep = fresh == 0  # fresh: the state is overwritten (a reset without a separate launch)
-
-    # The signed d histogram: sum the copies into the state, then clear them for the next launch. All loads
-    # come before any store, so that no load is ordered behind a store (on the H200 the fold still costs
-    # ~7 µs per 64 copies: the whole kernel took 39 µs with 64, 46 µs with 128). Loads bypass L1 (.cg):
-    # other SMs wrote the copies during this launch.
+    # The signed d histogram: this launch's copies, FOLD_ROWS at a time as one 2D load each, so that many
+    # loads are in flight (a copy at a time cost ~7 µs per 64 copies on the H200). They are not cleared here:
+    # the next launch's programs clear them, all in parallel (see the kernel).
     sb = tl.arange(0, N_SB_POW2)
     in_sb = sb < N_SB
     counts = tl.zeros((N_SB_POW2,), tl.int32)
-    for k in tl.static_range(REPLICAS):
-        counts += tl.load(hist_ptr + k * N_SB + sb, mask=in_sb, other=0, cache_modifier=".cg")
+    for k in tl.static_range(0, REPLICAS, FOLD_ROWS):
+        copy = k + tl.arange(0, FOLD_ROWS)
+        in_block = (copy[:, None] < REPLICAS) & in_sb[None, :]
+        block = tl.load(hist_ptr + copy[:, None] * N_SB + sb[None, :], mask=in_block, other=0, cache_modifier=".cg")
+        counts += tl.sum(block, axis=0)
     hist_ptrs = state_ptr + HIST_OFFSET + sb
-    prev = tl.where(keep, tl.load(hist_ptrs, mask=in_sb, other=0.0, cache_modifier=".cg"), 0.0)
-    tl.store(hist_ptrs, prev + counts.to(tl.float64), mask=in_sb)
-    for k in tl.static_range(REPLICAS):
-        tl.store(hist_ptr + k * N_SB + sb, tl.zeros((N_SB_POW2,), tl.int32), mask=in_sb)
-
-    # The state's sum slots, each a sum of batch columns, by one masked reduction of a [32, COLS] table
-    # (where, not a 0/1 product: an inf column would turn every slot into NaN). Rows 0-14: tokens, invalid,
-    # abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside, seqs (column N_SUMS), seq_log_ratio, is_tokens, is_w,
-    # is_w2, is_masked; rows 16-25: bucket counts ×5, then bucket |d| sums ×5 (contiguous in the state).
+    # (Masks are whole vectors: the interpreter does not broadcast a scalar condition into a load mask.)
+    prev_hist = tl.load(hist_ptrs, mask=in_sb & ((sb * 0 + fresh) == 0), other=0.0, cache_modifier=".cg")
+    # The state's sum slots: rows 0-14 tokens, invalid, abs_d, abs_p, neg_d, k3, rho_m1, rho_m1_sq, outside,
+    # seqs (column N_SUMS), seq_log_ratio, is_tokens, is_w, is_w2, is_masked; rows 16-25 bucket counts ×5, then
+    # bucket |d| sums ×5 (contiguous in the state).
     row = tl.arange(0, 32)
+    in_slots = (row < 15) | ((row >= 16) & (row <= 25))
+    slot_ptrs = state_ptr + tl.where(row < 16, row, BUCKET_COUNT_OFFSET + (row - 16))
+    prev_slots = tl.load(slot_ptrs, mask=in_slots & ((row * 0 + fresh) == 0), other=0.0, cache_modifier=".cg")
+    in_max = m_cols < 7
+    max_ptrs = state_ptr + MAX_OFFSET + m_cols
+    prev_max = tl.load(max_ptrs, mask=in_max & ((m_cols * 0 + fresh) == 0), other=-float("inf"), cache_modifier=".cg")
+
+    # The batch totals are taken: reset them for the next launch.
+    tl.store(sums_ptr + cols, tl.zeros((COLS,), tl.float64))
+    tl.store(maxes_ptr + m_cols, tl.zeros((8,), tl.float64) - float("inf"))
+    tl.store(hist_ptrs, prev_hist + counts.to(tl.float64), mask=in_sb)
+
+    # Each sum slot is a sum of batch columns: one masked reduction of a [32, COLS] table (where, not a 0/1
+    # product: an inf column would turn every slot into NaN).
     r = row[:, None]
     c = cols[None, :]
     take = ((r == 0) & (c >= 17) & (c <= 21)) | ((r == 1) & (c == 7)) | ((r == 2) & (c >= 12) & (c <= 16))
@@ -149,10 +167,7 @@ def _fold_into_state(
     take |= ((r >= 16) & (r <= 20) & (c == r + 1)) | ((r >= 21) & (r <= 25) & (c == r - 9))
     slots = tl.sum(tl.where(take, acc[None, :], 0.0), axis=1)
     slots = tl.where(row == 4, -slots, slots)  # neg_d = −Σd; seq_log_ratio = Σd (invalid and masked: d = 0)
-    in_slots = (row < 15) | ((row >= 16) & (row <= 25))
-    slot_ptrs = state_ptr + tl.where(row < 16, row, BUCKET_COUNT_OFFSET + (row - 16))
-    prev = tl.where(keep, tl.load(slot_ptrs, mask=in_slots, other=0.0, cache_modifier=".cg"), 0.0)
-    tl.store(slot_ptrs, prev + slots, mask=in_slots)
+    tl.store(slot_ptrs, prev_slots + slots, mask=in_slots)
 
     # Maxima, state order: abs_d_max, abs_p_max, rho_m1_max, neg_rho_m1_min, seq_abs_max, is_w_max,
     # neg_is_w_min, from the batch maxima of d, −d, abs_p, w, −w, |Σd| of a sequence (one reduction).
@@ -163,10 +178,7 @@ def _fold_into_state(
     new_max = tl.max(tl.where(take_max, mx[None, :], -float("inf")), axis=1)
     # ρ is monotone in d: max ρ − 1 = expm1(max d), and −(min ρ − 1) = −expm1(−max(−d)).
     new_max = tl.where(m_cols == 2, _expm1(new_max), tl.where(m_cols == 3, -_expm1(-new_max), new_max))
-    in_max = m_cols < 7
-    max_ptrs = state_ptr + MAX_OFFSET + m_cols
-    prev = tl.where(keep, tl.load(max_ptrs, mask=in_max, other=0.0, cache_modifier=".cg"), -float("inf"))
-    tl.store(max_ptrs, tl.maximum(prev, new_max), mask=in_max)
+    tl.store(max_ptrs, tl.maximum(prev_max, new_max), mask=in_max)
 
 
 @triton.jit
@@ -210,10 +222,13 @@ def _write_metrics(
     hist = state_ptr + HIST_OFFSET + centre
     folded = tl.load(hist + k, mask=k <= centre, other=0.0, cache_modifier=".cg")
     folded += tl.load(hist - k, mask=(k >= 1) & (k <= centre), other=0.0, cache_modifier=".cg")
+    # All the edges, loaded with the histogram: picking one after the count is known would be another round
+    # trip to memory at the end of the launch. Past the last edge: +inf (the overflow bin).
+    edges = tl.load(edges_ptr + k, mask=k < N_EDGES, other=float("inf"))
     cum = tl.cumsum(folded, axis=0)
     total = tl.sum(folded, axis=0)  # integer counts: exact in float64, whatever the order
-    q99 = _edge_quantile(cum, total, tl.full((), 0.99, tl.float64), edges_ptr, abs_d_max, N_EDGES)
-    q999 = _edge_quantile(cum, total, tl.full((), 0.999, tl.float64), edges_ptr, abs_d_max, N_EDGES)
+    q99 = _edge_quantile(cum, total, tl.full((), 0.99, tl.float64), edges, k, abs_d_max)
+    q999 = _edge_quantile(cum, total, tl.full((), 0.999, tl.float64), edges, k, abs_d_max)
 
     inv_n = 1.0 / n  # compute() multiplies by 1/n too: the same roundings
     j = tl.arange(0, 64)
@@ -263,12 +278,11 @@ def _write_metrics(
 
 
 @triton.jit
-def _edge_quantile(cum, total, q, edges_ptr, exact_max, N_EDGES: tl.constexpr):
+def _edge_quantile(cum, total, q, edges, k, exact_max):
     """``_hist_quantiles`` of ``metrics``: bin i = #(cum < q·N); 0 if i == 0, else min(E_i, max); NaN if
-    the histogram is empty."""
+    the histogram is empty. ``edges[k]`` = E_k (+inf past the last edge)."""
     i = tl.sum((cum < q * total).to(tl.int32), axis=0)
-    edge = tl.load(edges_ptr + tl.minimum(i, N_EDGES - 1))
-    edge = tl.where(i < N_EDGES, edge, float("inf"))
+    edge = tl.min(tl.where(k == i, edges, float("inf")), axis=0)
     value = tl.where(i == 0, 0.0, tl.minimum(edge, exact_max))
     return tl.where(total > 0, value, float("nan"))
 
@@ -317,9 +331,22 @@ def _mismatch_kernel(
     m_w = zero - float("inf")
     m_nw = zero - float("inf")
     lane = tl.arange(0, BLOCK)
+    # Two sets of histogram copies, used by alternate launches: this launch counts into one (its last program
+    # folds them and flips the parity) while its programs clear the other, which the previous launch counted
+    # into and folded. Clearing 2 × 10^4 counters is then spread over every program instead of ending the
+    # launch with one program's serial pass.
+    parity = tl.load(counter_ptr + 1)
+    set_size = REPLICAS * N_SB
+    hist_set = hist_ptr + parity * set_size
+    clear = tl.cdiv(set_size, B * n_seg)  # counters each program clears
+    clear_start = (row * n_seg + seg) * clear
+    clear_end = tl.minimum(clear_start + clear, set_size)
+    other_set = hist_ptr + (1 - parity) * set_size
+    for start in range(clear_start, clear_end, BLOCK):
+        tl.store(other_set + start + lane, tl.zeros((BLOCK,), tl.int32), mask=start + lane < clear_end)
     # Neighbouring threads hit different histogram copies: a warp's 32 atomics on the few busy bins
     # (d ≈ 0) then go to 32 addresses, not one.
-    hist_lane = hist_ptr + ((lane + row) % REPLICAS) * N_SB + CENTRE
+    hist_lane = hist_set + ((lane + row) % REPLICAS) * N_SB + CENTRE
     block_hist = tl.zeros((N_SB_POW2,), tl.int32)
     for i in range(ITERS):
         offs = seg * (BLOCK * ITERS) + i * BLOCK + lane
@@ -383,7 +410,7 @@ def _mismatch_kernel(
     if BLOCK_HISTOGRAM:  # the program's non-zero bins, into one of the copies
         sb = tl.arange(0, N_SB_POW2)
         copy = (row * n_seg + seg) % REPLICAS
-        tl.atomic_add(hist_ptr + copy * N_SB + sb, block_hist, mask=(block_hist > 0) & (sb < N_SB), sem="relaxed")
+        tl.atomic_add(hist_set + copy * N_SB + sb, block_hist, mask=(block_hist > 0) & (sb < N_SB), sem="relaxed")
     # This program's totals, added at L2 by two vector atomics (float64 sums, maxima as ordered integers).
     # One reduction each (one cross-warp exchange, not one per column): the columns are stacked by tl.join.
     zero_col = zero
@@ -420,8 +447,8 @@ def _mismatch_kernel(
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == B * n_seg - 1:
         _fold_into_state(
-            sums_ptr, maxes_ptr, hist_ptr, state_ptr, fresh, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB,
-            N_SB_POW2, REPLICAS, N_SUMS, COLS,
+            sums_ptr, maxes_ptr, hist_set, state_ptr, fresh, MAX_OFFSET, HIST_OFFSET, BUCKET_COUNT_OFFSET, N_SB,
+            N_SB_POW2, REPLICAS, N_SUMS, COLS, FOLD_ROWS,
         )
         if DEVICE_METRICS:
             _write_metrics(
@@ -429,3 +456,4 @@ def _mismatch_kernel(
                 N_EDGES, N_SB_POW2 // 2, N_METRICS, WAIT_FLAG,
             )
         tl.store(counter_ptr, 0)
+        tl.store(counter_ptr + 1, 1 - parity)

@@ -17,22 +17,24 @@ def check_inputs(rollout, train, mask, is_weights):
             f"rollout_logprobs and train_logprobs must be torch.Tensor, got {type(rollout).__name__} and "
             f"{type(train).__name__}"
         )
-    if rollout.dim() == 1 and train.dim() == 1:  # one sequence
+    shape = rollout.shape
+    if len(shape) == 1 and train.dim() == 1:  # one sequence
         rollout, train = rollout.unsqueeze(0), train.unsqueeze(0)
         mask = None if mask is None else mask.reshape(1, -1)
         is_weights = None if is_weights is None else is_weights.reshape(1, -1)
-    if rollout.dim() != 2 or rollout.shape != train.shape:
+        shape = rollout.shape
+    if len(shape) != 2 or train.shape != shape:
         raise ValueError(
-            f"rollout_logprobs {tuple(rollout.shape)} and train_logprobs {tuple(train.shape)} must both have "
+            f"rollout_logprobs {tuple(shape)} and train_logprobs {tuple(train.shape)} must both have "
             "shape [B, T] (batch, response tokens)."
         )
     if mask is None:
-        mask = torch.ones(rollout.shape, dtype=torch.bool, device=rollout.device)
-    elif mask.shape != rollout.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} must have the log-probs' shape {tuple(rollout.shape)}.")
-    if is_weights is not None and is_weights.shape != rollout.shape:
+        mask = torch.ones(shape, dtype=torch.bool, device=rollout.device)
+    elif mask.shape != shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must have the log-probs' shape {tuple(shape)}.")
+    if is_weights is not None and is_weights.shape != shape:
         raise ValueError(
-            f"is_weights {tuple(is_weights.shape)} must have the log-probs' shape {tuple(rollout.shape)}."
+            f"is_weights {tuple(is_weights.shape)} must have the log-probs' shape {tuple(shape)}."
         )
     if not rollout.is_floating_point() or not train.is_floating_point():
         raise TypeError(f"log-probs must be floating point, got {rollout.dtype} and {train.dtype}")

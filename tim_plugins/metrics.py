@@ -150,6 +150,7 @@ class MismatchMonitor:
         self._triton_failed = False
         self._triton_choice: tuple | None = None  # (compile setting, whether the Triton path runs)
         self._kernel_scratch: dict = {}
+        self._metric_view: tuple = (None, None, False)  # compute()'s cached numpy view of the device metric vector
         self._empty_states: dict = {}
         self.updates = 0
 
@@ -274,16 +275,15 @@ class MismatchMonitor:
         """One kernel launch; False (after a warning) if the kernel fails, and the caller uses torch."""
         fresh = self._state is None
         if fresh:  # the kernel writes the whole state: reuse the last reset's buffer, no zeroing launch
-            device = rollout.device
             spare, self._spare_state = self._spare_state, None
             if rollout.shape[0] == 0:  # no launch: the empty state
-                self._state = self._new_state(device, torch.float64)
+                self._state = self._new_state(rollout.device, torch.float64)
                 fresh = False
-            elif spare is not None and spare.device == device and spare.dtype == torch.float64:
+            elif spare is not None and spare.get_device() == rollout.get_device() and spare.dtype == torch.float64:
                 self._state = spare
             else:
                 n_slots = self._layout.n_sums + len(_MAX_FIELDS)
-                self._state = torch.empty(n_slots, dtype=torch.float64, device=device)
+                self._state = torch.empty(n_slots, dtype=torch.float64, device=rollout.device)
         elif rollout.shape[0] == 0:
             return True  # nothing to add (any device metric vector still describes the state)
         elif self._state.get_device() != rollout.get_device():  # a state restored from a checkpoint: CPU
@@ -343,12 +343,16 @@ class MismatchMonitor:
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
         """Return the metric dict (one host transfer). With ``sync`` and an initialised process group the
         state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
-        if self._device_metrics is not None and not self._reduces(sync, group):
+        vector = self._device_metrics
+        if vector is not None and not (sync and self._reduces(sync, group)):
             # The last launch derived the metrics from this very state: read and label them.
-            vector = self._device_metrics
-            if not vector.is_cuda and self._state.is_cuda:  # pinned host memory the kernel writes into
+            view = self._metric_view
+            if view[0] is not vector:  # (vector, numpy view when in host memory, whether the kernel writes it)
+                host = not vector.is_cuda
+                view = self._metric_view = (vector, vector.numpy() if host else None, host and self._state.is_cuda)
+            if view[2]:  # pinned host memory the kernel writes into
                 wait_for_metrics(self._kernel_scratch, self._state.device)
-            values = vector.tolist()
+            values = vector.tolist() if view[1] is None else view[1].tolist()  # a device vector: one copy
             keys, is_keys = self._metric_keys()
             out = dict(zip(keys, values))  # the vector holds compute()'s values in key order
             if values[-1] > 0:  # IS count

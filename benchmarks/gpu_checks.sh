@@ -34,22 +34,19 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_metrics_cuda.py -W
 echo "tests: ${SECONDS} s"
 bench default '{}'
 bench device '{"WAIT": "device"}'
-if [ "${SWEEP:-1}" = 0 ]; then  # SWEEP=0: no sweep (and so no "best" setting), when device time is short
-    bench options alternates
-    echo "all done: ${SECONDS} s"
-    exit 0
-fi
-rm -f "$RESULTS/metrics_kernel_sweep_cuda.json"  # a sweep cut short must not leave an older file's choice
-timeout 110 "$PY" -m benchmarks.sweep_metrics_kernel 2>&1 | grep -v -i warn | tail -30
-keep "$RESULTS/metrics_kernel_sweep_cuda.json"
-echo "sweep done: ${SECONDS} s"
-# The sweep's best setting, when it is neither of those.
-best=$("$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); b = r.get('best_tuning')
+if [ "${SWEEP:-1}" != 0 ]; then  # SWEEP=0: no sweep (and so no "best" setting), when device time is short
+    rm -f "$RESULTS/metrics_kernel_sweep_cuda.json"  # a sweep cut short must not leave an older file's choice
+    timeout 110 "$PY" -m benchmarks.sweep_metrics_kernel 2>&1 | grep -v -i warn | tail -30
+    keep "$RESULTS/metrics_kernel_sweep_cuda.json"
+    echo "sweep done: ${SECONDS} s"
+    # The sweep's best setting, when it is neither of those.
+    best=$("$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); b = r.get('best_tuning')
 print(json.dumps(b) if b and b not in (r['default_tuning'], {**r['default_tuning'], 'WAIT': 'device'}) else '')" \
-    "$RESULTS/metrics_kernel_sweep_cuda.json" 2>/dev/null)
-if [ -n "$best" ]; then
-    echo "best from the sweep: $best"
-    bench best "$best"
+        "$RESULTS/metrics_kernel_sweep_cuda.json" 2>/dev/null)
+    if [ -n "$best" ]; then
+        echo "best from the sweep: $best"
+        bench best "$best"
+    fi
 fi
 bench options alternates
 echo "all done: ${SECONDS} s"

@@ -344,7 +344,7 @@ class MismatchMonitor:
         """Return the metric dict (one host transfer). With ``sync`` and an initialised process group the
         state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
         vector = self._device_metrics
-        if vector is not None and not (sync and self._reduces(sync, group)):
+        if vector is not None and not self._reduces(sync, group):
             # The last launch derived the metrics from this very state: read and label them.
             view = self._metric_view
             if view[0] is not vector:  # (vector, numpy view when in host memory, whether the kernel writes it)

@@ -120,7 +120,7 @@ def _fold_into_state(
     copies this launch counted into.
 
     Every load comes before the first store: the compiler keeps a load behind any store that may alias it, so
-    each store → load pair would add a round trip to L2 (~1 µs) to the end of the launch. Loads bypass L1
+    each store → load pair would add one more round trip to L2 to the end of the launch. Loads bypass L1
     (.cg): other SMs wrote these buffers during this launch. With ``fresh`` the state's previous values are
     not loaded at all (masked off): the state is overwritten, a reset without a separate launch."""
     cols = tl.arange(0, COLS)
@@ -333,7 +333,7 @@ def _mismatch_kernel(
     lane = tl.arange(0, BLOCK)
     # Two sets of histogram copies, used by alternate launches: this launch counts into one (its last program
     # folds them and flips the parity) while its programs clear the other, which the previous launch counted
-    # into and folded. Clearing 2 × 10^4 counters is then spread over every program instead of ending the
+    # into and folded. Clearing its ~4.5 × 10^4 counters is then spread over every program instead of ending the
     # launch with one program's serial pass.
     parity = tl.load(counter_ptr + 1)
     set_size = REPLICAS * N_SB

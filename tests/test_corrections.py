@@ -64,7 +64,9 @@ def naive(mode, train, rollout, mask, cfg: CorrectionConfig):
                 if row_ok:
                     W[b][t], K[b][t] = min(_exp(S), cfg.seq_clip), True
             elif mode == "seq_mis":
-                if row_ok and _exp(S) <= cfg.seq_clip:
+                # Decided as documented, S <= log C: exact where exp(S) would round (S = 1e-80 > log 1 = 0 is
+                # rejected although exp(S) == 1.0 in float64).
+                if row_ok and S <= math.log(cfg.seq_clip):
                     W[b][t], K[b][t] = _exp(S), True
             elif mode == "geo_rs":
                 lo, hi = cfg.geo_band

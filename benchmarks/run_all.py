@@ -20,6 +20,7 @@ from benchmarks._common import RESULTS_DIR, environment, write_results
 # module → (environment, results file, headline keys)
 BENCHMARKS = {
     "bench_metrics": ("verl", "metrics_vs_verl", ("speedup_eager", "speedup_compiled")),
+    "bench_monitor_host": ("main", "monitor_host", None),
     "bench_safe_vocab": ("main", "safe_vocab", None),
     "ablate_min_p": ("main", "ablate_min_p", ("chosen_min_p",)),
     "bench_trl_step": ("main", "trl_step", None),

@@ -5,9 +5,13 @@ An ``update()`` is a few microseconds of GPU work, so what this module spends pe
 counts: it keeps everything that does not change between micro-batches (constants, scratch pointers, the
 specialisation of each batch shape) and passes pointers to the compiled launcher as integers (a tensor
 argument costs the launcher a method call and a driver query each). Once a batch key (shape, dtypes,
-alignment, settings) has been launched directly, its launch plan holds the compiled kernel and every argument
-but the five input addresses and the launch id, so a repeated key costs one dictionary lookup: the host path
-of ``update()`` went from 13.5-16.5 to 7.3-7.9 µs per call (on a 2-core CPU, the launch itself stubbed out).
+devices, alignment, settings) has been launched directly, its launch plan holds the compiled kernel and every
+argument but the five input addresses and the launch id, so a repeated key costs one dictionary lookup
+(``launch_planned``). ``MismatchMonitor.update`` tries that before anything else, on the inputs as the user
+passed them, since a key match proves every input check too. On a 2-core CPU with the launch itself stubbed
+out (``benchmarks/bench_monitor_host.py``), ``reset()`` + ``update()`` + ``compute()`` take 12.9-14.6 µs with
+the plan tried first vs 19.2-22.0 µs with the checks first, and 26-31 vs 35-41 µs right after other code has
+run (cold caches, as between a training step's kernels).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tim_plugins._mismatch_triton import (
 
 __all__ = [
     "TUNING", "HISTOGRAM_METHODS", "WAIT_METHODS", "WAIT_SPINS", "ALTERNATE_OPTIONS", "FAST_LAUNCH_TRITON",
-    "fast_launch_supported", "kernel_arguments", "triton_update", "wait_for_metrics",
+    "fast_launch_supported", "kernel_arguments", "launch_planned", "triton_update", "wait_for_metrics",
 ]
 
 # Launch shape and kernel variant, from a sweep on an H200 (``benchmarks/sweep_metrics_kernel.py``; 256×4096,
@@ -87,6 +91,7 @@ class _FastLauncher:
         from triton.runtime.driver import driver
 
         self._driver = driver
+        self._current_stream = None  # the driver's function: CUDA stream handle of a device's current stream
 
     def ready(self, key):
         """The kept compiled kernel for ``key``, or None when the JIT path must run."""
@@ -101,7 +106,10 @@ class _FastLauncher:
 
     def launch(self, compiled, device_index: int, grid, args) -> None:
         """``args``: the kernel's arguments with every pointer as an integer address."""
-        stream = self._driver.active.get_current_stream(device_index)
+        current_stream = self._current_stream
+        if current_stream is None:  # looked up at the first launch: the driver initialises lazily
+            current_stream = self._current_stream = self._driver.active.get_current_stream
+        stream = current_stream(device_index)
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
                      *args)
 
@@ -270,6 +278,65 @@ def kernel_arguments(
     return (B, n_seg), args
 
 
+def _signature(state: torch.Tensor, rollout, train, mask, is_weights, fresh: bool, band: tuple) -> tuple | None:
+    """(plan key, the five input addresses) of inputs that a launch plan can take as they are, else None: each
+    an exact ``torch.Tensor`` (a subclass may hold its data elsewhere), all of one [B, T] shape, contiguous.
+    The key holds everything else a launch depends on: the shape, dtypes and devices (each input's: the
+    caller has not checked them), the 16-byte alignment of each address (Triton specialises pointers on it),
+    the settings and the ratio band's logs. One scratch dict serves one monitor layout, so its constants are
+    not in the key."""
+    tensor = torch.Tensor
+    if type(rollout) is not tensor or type(train) is not tensor or type(mask) is not tensor:
+        return None
+    shape = rollout.shape
+    if train.shape != shape or mask.shape != shape:
+        return None
+    if not (rollout.is_contiguous() and train.is_contiguous() and mask.is_contiguous()):
+        return None
+    p_r, p_t, p_m, p_s = rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), state.data_ptr()
+    if is_weights is None:
+        p_w, weights = p_r, None
+    else:
+        if type(is_weights) is not tensor or is_weights.shape != shape or not is_weights.is_contiguous():
+            return None
+        p_w = is_weights.data_ptr()
+        weights = (is_weights.dtype, is_weights.get_device(), p_w % 16 == 0)
+    key = (shape, rollout.dtype, train.dtype, mask.dtype, weights, rollout.get_device(), train.get_device(),
+           mask.get_device(), state.get_device(), state.dtype, p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0,
+           p_s % 16 == 0, fresh, tuple(TUNING.values()), band)
+    return key, (p_r, p_t, p_m, p_w, p_s)
+
+
+def launch_planned(
+    scratch: dict, state: torch.Tensor, fresh: bool, rollout, train, mask, is_weights, band: tuple,
+) -> torch.Tensor | None | bool:
+    """``triton_update`` for inputs whose launch plan exists (an earlier call with the same key launched
+    directly), taken as they are: the monitor calls it before checking or converting anything, since a key
+    match also proves every check that call passed. Returns what ``triton_update`` does, or False (nothing
+    launched) when no plan fits: the caller then takes the full path. ``band``: (log lo, log hi)."""
+    plans = scratch.get("plans")
+    if plans is None:
+        return False
+    signature = _signature(state, rollout, train, mask, is_weights, fresh, band)
+    plan = None if signature is None else plans.get(signature[0])
+    if plan is None or _launch_hooks_set():  # a profiler's hook must see the launch: the JIT path
+        return False
+    launcher, compiled, grid, buffer_pointers, head, constants, metrics, flag = plan
+    # _next_launch_id and _on_device, written out: on this path every call frame counts (~1.4 µs per
+    # update() with them, measured on a 2-core CPU right after other code had run).
+    launch_id = scratch["launch_id"] = scratch["launch_id"] % _MAX_LAUNCH_ID + 1
+    scratch["wait"] = None if flag is None else (flag, launch_id)
+    p_r, p_t, p_m, p_w, p_s = signature[1]
+    args = (p_r, p_t, p_m, p_w, *buffer_pointers, p_s, *head, launch_id, *constants)
+    device_index = signature[0][5]
+    if device_index == _current_device():
+        launcher.launch(compiled, device_index, grid, args)
+    else:
+        with torch.cuda.device(device_index):
+            launcher.launch(compiled, device_index, grid, args)
+    return metrics
+
+
 def triton_update(
     state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
     is_weights: torch.Tensor | None, log_lo: float, log_hi: float, fresh: bool, n_signed_bins: int,
@@ -277,54 +344,51 @@ def triton_update(
 ) -> torch.Tensor | None:
     """Add one [B, T] batch to the monitor's float64 ``state`` (sums, then maxima from ``max_offset``, in
     the layout of ``metrics``), or overwrite it with the batch's statistics when ``fresh``. ``scratch`` is a
-    dict the caller keeps between calls. Returns the device metric vector the launch wrote (see
-    ``TUNING["DEVICE_METRICS"]``), else None."""
+    dict the caller keeps between calls, for one layout. Returns the device metric vector the launch wrote
+    (see ``TUNING["DEVICE_METRICS"]``), else None."""
     B, T = rollout.shape
     if B == 0:
         if fresh:
             raise ValueError("an empty first batch has no statistics to write: initialise the state instead")
         return None
     rollout, train, mask = rollout.contiguous(), train.contiguous(), mask.contiguous()
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
-    w = rollout if is_weights is None else is_weights.contiguous()
-    p_r, p_t, p_m, p_w, p_s = rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr()
-    device_index = rollout.get_device()  # -1 on the CPU (the interpreter)
-    aligned = (p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0, p_w % 16 == 0, p_s % 16 == 0)
-    # Everything a launch depends on besides the five input addresses: the batch shape, dtypes, 16-byte
-    # alignment of each input (Triton specialises pointers on it), the settings and the monitor's constants.
-    key = (B, T, rollout.dtype, train.dtype, mask.dtype, w.dtype, is_weights is None, fresh, aligned, device_index,
-           tuple(TUNING.values()), log_lo, log_hi, max_offset, n_signed_bins, hist_offset, bucket_count_offset)
-    plans = scratch.get("plans")
-    plan = None if plans is None else plans.get(key)
-    if plan is None or _launch_hooks_set():  # a new key, or a profiler's hook that must see the launch
-        return _first_launch(key, aligned, device_index, state, max_offset, rollout, train, mask, is_weights, log_lo,
-                             log_hi, fresh, n_signed_bins, hist_offset, bucket_count_offset, scratch)
-    launcher, compiled, grid, buffer_pointers, head, constants, metrics, flag = plan
-    args = (p_r, p_t, p_m, p_w, *buffer_pointers, p_s, *head, _next_launch_id(scratch, flag), *constants)
-    _on_device(device_index, launcher.launch, compiled, device_index, grid, args)
-    return metrics
+    is_weights = None if is_weights is None else is_weights.contiguous()
+    band = (log_lo, log_hi)
+    metrics = launch_planned(scratch, state, fresh, rollout, train, mask, is_weights, band)
+    if metrics is not False:
+        return metrics
+    return _first_launch(state, max_offset, rollout, train, mask, is_weights, band, fresh, n_signed_bins,
+                         hist_offset, bucket_count_offset, scratch)
 
 
 def _first_launch(
-    key: tuple, aligned: tuple, device_index: int, state: torch.Tensor, max_offset: int, rollout: torch.Tensor,
-    train: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor | None, log_lo: float, log_hi: float,
-    fresh: bool, n_signed_bins: int, hist_offset: int, bucket_count_offset: int, scratch: dict,
+    state: torch.Tensor, max_offset: int, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
+    is_weights: torch.Tensor | None, band: tuple, fresh: bool, n_signed_bins: int, hist_offset: int,
+    bucket_count_offset: int, scratch: dict,
 ) -> torch.Tensor | None:
-    """``triton_update`` for a key without a launch plan: through the caches and, where needed, Triton's JIT;
-    then, where the direct launch may run, the plan that later calls with this key launch from."""
+    """``triton_update`` for contiguous inputs without a launch plan: through the caches and, where needed,
+    Triton's JIT; then, where the direct launch may run, the plan that later calls with this key launch from."""
     B, T = rollout.shape
+    log_lo, log_hi = band
     has_weights = is_weights is not None
+    w = is_weights if has_weights else rollout
+    signature = _signature(state, rollout, train, mask, is_weights, fresh, band)
+    if signature is None:  # a tensor subclass: launched like the others, never from a plan
+        key, pointers = None, (rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr())
+    else:
+        key, pointers = signature
+    launch_mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask  # Triton has no bool pointers
+    device_index = rollout.get_device()  # -1 on the CPU (the interpreter)
     tuning_key, n_seg, shape_spec, buffers, constants = _prepare(
         scratch, rollout.device, B, T, n_signed_bins, max_offset, hist_offset, bucket_count_offset, has_weights,
     )
     launcher = scratch.get("launcher")
     if launcher is None:
         launcher = scratch["launcher"] = _FastLauncher(_mismatch_kernel)
-    w = is_weights if has_weights else rollout
     # What Triton specialises on (scratch buffers are whole allocations, always aligned).
-    jit_key = (device_index, rollout.dtype, train.dtype, mask.dtype, w.dtype, not has_weights, aligned, shape_spec,
-               fresh, tuning_key)
+    aligned = tuple(p % 16 == 0 for p in pointers)
+    jit_key = (device_index, rollout.dtype, train.dtype, launch_mask.dtype, w.dtype, not has_weights, aligned,
+               shape_spec, fresh, tuning_key)
     grid = (B, n_seg)
     compiled = launcher.ready(jit_key)
     device_metrics = TUNING["DEVICE_METRICS"]
@@ -333,18 +397,19 @@ def _first_launch(
     launch_id = _next_launch_id(scratch, flag)
     if compiled is None:  # the first call for this key, a launch hook or the interpreter: Triton's JIT
         _, tensors = kernel_arguments(
-            state, max_offset, rollout, train, mask, is_weights, log_lo, log_hi, fresh, n_signed_bins, hist_offset,
-            bucket_count_offset, scratch, launch_id,
+            state, max_offset, rollout, train, launch_mask, is_weights, log_lo, log_hi, fresh, n_signed_bins,
+            hist_offset, bucket_count_offset, scratch, launch_id,
         )
         _on_device(device_index, launcher.jit, jit_key, grid, tensors, TUNING["num_warps"])
         return metrics
     head = (log_lo, log_hi, B, T, n_seg, int(fresh))
-    plans = scratch.get("plans")
-    if plans is None or len(plans) >= _MAX_SHAPES:
-        plans = scratch["plans"] = {}
-    plans[key] = (launcher, compiled, grid, buffers.pointers, head, constants, metrics, flag)
-    args = (rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), *buffers.pointers,
-            state.data_ptr(), *head, launch_id, *constants)
+    if key is not None:
+        plans = scratch.get("plans")
+        if plans is None or len(plans) >= _MAX_SHAPES:
+            plans = scratch["plans"] = {}
+        plans[key] = (launcher, compiled, grid, buffers.pointers, head, constants, metrics, flag)
+    p_r, p_t, p_m, p_w, p_s = pointers
+    args = (p_r, p_t, p_m, p_w, *buffers.pointers, p_s, *head, launch_id, *constants)
     _on_device(device_index, launcher.launch, compiled, device_index, grid, args)
     return metrics
 

@@ -29,8 +29,8 @@ from tim_plugins._mismatch_pass import (
     compiled_batch_stats,
     want_compile,
 )
+from tim_plugins._monitor_cuda import _CudaPath
 from tim_plugins._monitor_inputs import check_inputs
-from tim_plugins._optional import is_triton_available
 
 __all__ = [
     "PROB_BUCKET_EDGES",
@@ -107,8 +107,12 @@ class _Layout:
     def n_sums(self) -> int:
         return self.bucket_abs_offset + N_BUCKETS
 
+    @cached_property
+    def n_state(self) -> int:  # the state buffer: the sums, then the maxima
+        return self.n_sums + len(_MAX_FIELDS)
 
-class MismatchMonitor:
+
+class MismatchMonitor(_CudaPath):
     """Accumulates mismatch statistics over micro-batches (and ranks) until ``compute()``.
 
     Args:
@@ -127,15 +131,10 @@ class MismatchMonitor:
         compile: bool | str = "auto",
         prefix: str = "tim",
     ) -> None:
-        lo, hi = (float(x) for x in ratio_band)
-        if not (0.0 < lo < 1.0 < hi) or not math.isfinite(hi):
-            raise ValueError(
-                f"ratio_band={tuple(ratio_band)!r} is invalid: it must satisfy 0 < lo < 1 < hi < inf "
-                "(a band around ρ = 1), e.g. ratio_band=(0.5, 2.0)."
-            )
-        if compile not in (True, False, "auto"):
-            raise ValueError(f"compile={compile!r} is invalid: use True, False or 'auto'.")
-        self.ratio_band = (lo, hi)
+        # update()'s launch from a plan (``launch_planned``), set by the first Triton launch; dropped when a
+        # setting it depends on changes.
+        self._planned = None
+        self.ratio_band = ratio_band
         self.compile = compile
         self.prefix = prefix
         self._layout = _Layout(n_edges=abs_diff_bin_edges().numel())
@@ -153,6 +152,32 @@ class MismatchMonitor:
         self._metric_view: tuple = (None, None, False)  # compute()'s cached numpy view of the device metric vector
         self._empty_states: dict = {}
         self.updates = 0
+
+    @property
+    def ratio_band(self) -> tuple[float, float]:
+        return self._ratio_band
+
+    @ratio_band.setter
+    def ratio_band(self, band: tuple[float, float]) -> None:
+        lo, hi = (float(x) for x in band)
+        if not (0.0 < lo < 1.0 < hi) or not math.isfinite(hi):
+            raise ValueError(
+                f"ratio_band={tuple(band)!r} is invalid: it must satisfy 0 < lo < 1 < hi < inf "
+                "(a band around ρ = 1), e.g. ratio_band=(0.5, 2.0)."
+            )
+        self._ratio_band = (lo, hi)
+        self._log_band = (math.log(lo), math.log(hi))
+
+    @property
+    def compile(self) -> bool | str:
+        return self._compile
+
+    @compile.setter
+    def compile(self, compile: bool | str) -> None:
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"compile={compile!r} is invalid: use True, False or 'auto'.")
+        self._compile = compile
+        self._planned = None  # the path is chosen again
 
     # ---------------------------------------------------------------------------------------------- state
     def reset(self) -> None:
@@ -174,7 +199,7 @@ class MismatchMonitor:
         """An empty state (zeros, then −inf), copied from one kept per device: one launch per step, not two."""
         empty = self._empty_states.get((device, dtype))
         if empty is None:
-            empty = torch.full((self._layout.n_sums + len(_MAX_FIELDS),), -math.inf, dtype=dtype, device=device)
+            empty = torch.full((self._layout.n_state,), -math.inf, dtype=dtype, device=device)
             empty[: self._layout.n_sums] = 0.0
             self._empty_states[(device, dtype)] = empty
         return empty.clone()
@@ -194,7 +219,7 @@ class MismatchMonitor:
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        self.ratio_band = tuple(state["ratio_band"])
+        self.ratio_band = state["ratio_band"]
         self.updates = int(state["updates"])
         self._device_metrics = None
         if state["sums"] is None:
@@ -208,18 +233,6 @@ class MismatchMonitor:
         self._state = torch.tensor(list(state["sums"]) + list(state["maxes"]), dtype=torch.float64)
 
     # --------------------------------------------------------------------------------------------- update
-    def _use_triton(self, rollout: torch.Tensor) -> bool:
-        """CUDA fast path: the one-kernel Triton pass, unless compilation is off (compile=False, or "auto"
-        with TIM_PLUGINS_COMPILE=0): then plain torch, e.g. to debug. The choice is made once per monitor and
-        ``compile`` setting (an environment lookup and a module lookup cost more than the rest of a launch)."""
-        if not rollout.is_cuda or self._triton_failed:
-            return False
-        choice = self._triton_choice
-        if choice is None or choice[0] != self.compile:
-            wanted = want_compile(self.compile, rollout.device) and is_triton_available()
-            choice = self._triton_choice = (self.compile, wanted)
-        return choice[1]
-
     def update(
         self,
         rollout_logprobs: torch.Tensor,
@@ -235,6 +248,27 @@ class MismatchMonitor:
             mask: [B, T] response-token mask (bool or 0/1); ``None`` means every token is a response token.
             is_weights: [B, T] importance weights the framework actually applied (after truncation/masking).
         """
+        planned = self._planned
+        if planned is not None:
+            # The CUDA path for inputs like those of an earlier launch: ``launch_planned`` launches from that
+            # launch's plan, whose key match proves the checks below, or returns False.
+            state = self._state
+            fresh = state is None
+            if fresh:  # the kernel overwrites the last reset's buffer
+                state = self._spare_state
+            if state is not None:
+                try:
+                    vector = planned(self._kernel_scratch, state, fresh, rollout_logprobs, train_logprobs, mask,
+                                     is_weights, self._log_band)
+                except Exception as err:  # never let a kernel problem break a training step
+                    self._kernel_failed(err)
+                    vector = False
+                if vector is not False:
+                    if fresh:
+                        self._state, self._spare_state = state, None
+                    self._device_metrics = vector
+                    self.updates += 1
+                    return self
         rollout_logprobs, train_logprobs, mask, is_weights = check_inputs(
             rollout_logprobs, train_logprobs, mask, is_weights
         )
@@ -271,50 +305,6 @@ class MismatchMonitor:
         self.updates += 1
         return self
 
-    def _update_triton(self, rollout, train, mask, is_weights) -> bool:
-        """One kernel launch; False (after a warning) if the kernel fails, and the caller uses torch."""
-        fresh = self._state is None
-        if fresh:  # the kernel writes the whole state: reuse the last reset's buffer, no zeroing launch
-            spare, self._spare_state = self._spare_state, None
-            if rollout.shape[0] == 0:  # no launch: the empty state
-                self._state = self._new_state(rollout.device, torch.float64)
-                fresh = False
-            elif spare is not None and spare.get_device() == rollout.get_device() and spare.dtype == torch.float64:
-                self._state = spare
-            else:
-                n_slots = self._layout.n_sums + len(_MAX_FIELDS)
-                self._state = torch.empty(n_slots, dtype=torch.float64, device=rollout.device)
-        elif rollout.shape[0] == 0:
-            return True  # nothing to add (any device metric vector still describes the state)
-        elif self._state.get_device() != rollout.get_device():  # a state restored from a checkpoint: CPU
-            self._ensure_state(rollout.device, torch.float64)
-        try:
-            o = self._layout
-            log_lo, log_hi = self._log_band
-            self._device_metrics = triton_update(
-                self._state, o.n_sums, rollout, train, mask, is_weights, log_lo, log_hi, fresh, o.n_signed_bins,
-                o.hist_offset, o.bucket_count_offset, self._kernel_scratch,
-            )
-            return True
-        except Exception as err:  # never let a kernel problem break a training step
-            import warnings
-
-            warnings.warn(f"tim_plugins: the Triton mismatch kernel failed ({err!r}); using torch.")
-            self._triton_failed = True
-            self._device_metrics = None
-            if fresh:  # the buffer was never written
-                self._state = None
-            return False
-
-    @property
-    def _log_band(self) -> tuple[float, float]:
-        band = self.ratio_band
-        cached = self.__dict__.get("_log_band_cache")
-        if cached is None or cached[0] != band:
-            cached = (band, (math.log(band[0]), math.log(band[1])))
-            self._log_band_cache = cached
-        return cached[1]
-
     # -------------------------------------------------------------------------------------------- compute
     @staticmethod
     def _reduces(sync: bool, group) -> bool:
@@ -350,10 +340,10 @@ class MismatchMonitor:
             if view[0] is not vector:  # (vector, numpy view when in host memory, whether the kernel writes it)
                 host = not vector.is_cuda
                 view = self._metric_view = (vector, vector.numpy() if host else None, host and self._state.is_cuda)
+            keys, is_keys = self._metric_keys()  # (before the wait: the kernel may still be running)
             if view[2]:  # pinned host memory the kernel writes into
                 wait_for_metrics(self._kernel_scratch, self._state.device)
             values = vector.tolist() if view[1] is None else view[1].tolist()  # a device vector: one copy
-            keys, is_keys = self._metric_keys()
             out = dict(zip(keys, values))  # the vector holds compute()'s values in key order
             if values[-1] > 0:  # IS count
                 out.update(zip(is_keys, values[len(keys) : len(keys) + len(is_keys)]))
@@ -446,14 +436,6 @@ class MismatchMonitor:
         ])
         ratio_edges = np.exp(d_edges[first : last + 1])
         return {"abs_diff": (abs_counts[:-1], abs_edges), "ratio": (counts, ratio_edges)}
-
-
-def triton_update(*args, **kwargs) -> torch.Tensor | None:
-    global triton_update
-    from tim_plugins._mismatch_launch import triton_update as update  # imports triton: CUDA path only
-
-    triton_update = update  # later calls skip this wrapper and its import statement
-    return update(*args, **kwargs)
 
 
 def wait_for_metrics(*args, **kwargs) -> None:

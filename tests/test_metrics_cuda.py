@@ -194,6 +194,35 @@ def test_repeated_batch_shapes_launch_from_the_plan_with_their_own_tensors(kerne
         assert len(mon._kernel_scratch["plans"]) == 2  # fresh and accumulating: one key each
 
 
+def test_planned_launches_and_the_checked_path_share_one_monitor(kernel_variant):
+    """update() launches inputs like an earlier launch's from its plan, as passed (requires_grad included),
+    and sends the others through the input checks: a strided view, no mask, a Parameter, weights, one
+    sequence. Mixed in one monitor, every step equals the CPU."""
+    r, t, m = make_batch(6, 1000, seed=5)
+    w = torch.rand(6, 1000)
+    cases = [  # (CUDA inputs, the same on the CPU): rollout, train, mask, is_weights
+        lambda rc, tc, mc, wc: ((rc, tc, mc, None), (r, t, m, None)),
+        lambda rc, tc, mc, wc: ((rc, tc.clone().requires_grad_(), mc, None), (r, t, m, None)),
+        lambda rc, tc, mc, wc: ((rc, tc.t().contiguous().t(), mc, None), (r, t, m, None)),
+        lambda rc, tc, mc, wc: ((rc, tc, None, None), (r, t, None, None)),
+        lambda rc, tc, mc, wc: ((torch.nn.Parameter(rc.clone(), requires_grad=False), tc, mc, None), (r, t, m, None)),
+        lambda rc, tc, mc, wc: ((rc, tc, mc, wc), (r, t, m, w)),
+        lambda rc, tc, mc, wc: ((rc[2], tc[2], mc[2], None), (r[2], t[2], m[2], None)),
+    ]
+    mon = MismatchMonitor()
+    for step in range(3):  # the first step makes the plans, later ones launch from them
+        mon.reset()
+        want = MismatchMonitor(compile=False)
+        for case in cases:
+            (rc, tc, mc, wc), (rr, tt, mm, ww) = case(r.cuda(), t.cuda(), m.cuda(), w.cuda())
+            mon.update(rc, tc, mc, is_weights=wc)
+            want.update(rr, tt, mm, is_weights=ww)
+        _same_metrics(mon.compute(), want.compute())
+    assert not mon._triton_failed and mon.updates == len(cases)
+    if mon._kernel_scratch["launcher"].enabled:
+        assert mon._planned is not None and mon._kernel_scratch["plans"]
+
+
 def test_triton_reset_overwrites_the_reused_buffer(kernel_variant):
     mon = MismatchMonitor()
     r, t, m = (x.cuda() for x in _with_bad_tokens(9, 300))

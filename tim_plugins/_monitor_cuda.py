@@ -1,4 +1,4 @@
-"""The monitor's CUDA path: whether it runs, one Triton kernel launch per ``update()``, and the fall back to
+"""The monitor's CUDA path: whether it runs, one Triton kernel launch per ``update()``, and the fallback to
 torch when the kernel fails (``MismatchMonitor`` inherits it). Launches from a plan, the path taken by inputs
 like those of an earlier launch, start in ``MismatchMonitor.update`` itself (``launch_planned``): every call
 frame there counts. Triton is imported only once a CUDA batch arrives."""

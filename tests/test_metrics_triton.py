@@ -255,22 +255,22 @@ def test_fast_launch_steps_aside_for_launch_hooks():
 
     if not hasattr(triton, "knobs"):
         pytest.skip("this Triton has no knobs: the JIT path always runs")
-    hooks = triton.knobs.runtime.launch_enter_hook
-    assert not kernels._launch_hooks_set()
-
     def hook(metadata):
         pass
 
-    if hasattr(hooks, "add"):
-        hooks.add(hook)
-        try:
-            assert kernels._launch_hooks_set()
-        finally:
-            hooks.remove(hook)
-    else:  # pragma: no cover - a Triton whose hook is a plain attribute
-        triton.knobs.runtime.launch_enter_hook = hook
-        try:
-            assert kernels._launch_hooks_set()
-        finally:
-            triton.knobs.runtime.launch_enter_hook = hooks
-    assert not kernels._launch_hooks_set()
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        hooks = getattr(triton.knobs.runtime, name)
+        assert not kernels._launch_hooks_set()
+        if hasattr(hooks, "add"):
+            hooks.add(hook)
+            try:
+                assert kernels._launch_hooks_set(), name
+            finally:
+                hooks.remove(hook)
+        else:  # pragma: no cover - a Triton whose hook is a plain attribute
+            setattr(triton.knobs.runtime, name, hook)
+            try:
+                assert kernels._launch_hooks_set(), name
+            finally:
+                setattr(triton.knobs.runtime, name, hooks)
+        assert not kernels._launch_hooks_set()

@@ -114,21 +114,20 @@ class _FastLauncher:
                      *args)
 
 
-def _hook_active(hook) -> bool:
-    # Triton >= 3.5 keeps hooks in a HookChain (never None): active when it holds a call.
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
 # Triton's runtime settings (one object for the process; hooks are added to it or assigned on it): None in a
 # Triton without knobs, which then always launches through the JIT.
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
 def _launch_hooks_set() -> bool:
+    """Whether a launch hook is set (every planned launch asks: one call frame, no helpers)."""
     runtime = _RUNTIME_KNOBS
     if runtime is None:
         return True
-    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+    # Triton >= 3.5 keeps each hook in a HookChain (never None): set when it holds a call.
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (leave is not None and bool(getattr(leave, "calls", True))))
 
 
 def _int_spec(x: int) -> tuple[bool, bool, bool]:

@@ -9,8 +9,8 @@ devices, alignment, settings) has been launched directly, its launch plan holds 
 argument but the five input addresses and the launch id, so a repeated key costs one dictionary lookup
 (``launch_planned``). ``MismatchMonitor.update`` tries that before anything else, on the inputs as the user
 passed them, since a key match proves every input check too. On a 2-core CPU with the launch itself stubbed
-out (``benchmarks/bench_monitor_host.py``), ``reset()`` + ``update()`` + ``compute()`` take 12.9-14.6 µs with
-the plan tried first vs 19.2-22.0 µs with the checks first, and 26-31 vs 35-41 µs right after other code has
+out (``benchmarks/bench_monitor_host.py``), ``reset()`` + ``update()`` + ``compute()`` take 12.9-15.7 µs with
+the plan tried first vs 19.2-23.8 µs with the checks first, and 26-31 vs 35-43 µs right after other code has
 run (cold caches, as between a training step's kernels).
 """
 

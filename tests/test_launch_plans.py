@@ -162,7 +162,7 @@ def test_kernel_settings_are_checked_with_the_fix(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- the monitor's planned launch
-def _cuda_path_monitor(monkeypatch, **kwargs):
+def _cuda_path_monitor(monkeypatch):
     """A monitor on its CUDA path (launches recorded, see ``_recorded_launches``), and a count of the calls of
     its input checks: update() skips them only when it launches from a plan."""
     import tim_plugins.metrics as metrics
@@ -176,7 +176,7 @@ def _cuda_path_monitor(monkeypatch, **kwargs):
         return real_check(*args)
 
     monkeypatch.setattr(metrics, "check_inputs", counting_check)
-    mon = metrics.MismatchMonitor(**kwargs)
+    mon = metrics.MismatchMonitor()
     monkeypatch.setattr(mon, "_use_triton", lambda rollout: True)
     return mon, jitted, launched, checked
 
@@ -274,14 +274,15 @@ def test_inputs_no_plan_covers_take_the_checked_path(monkeypatch, case):
         w = torch.rand(3, 700)
     elif case == "other band":
         mon.ratio_band = (0.8, 1.25)
-    if case == "one sequence":
-        mon.update(r[0], t[0], m[0])
-        assert len(checked) == n_checked + 1 and len(launched) + len(jitted) > n_launched + 1
-        return
     n_jitted = len(jitted)
+    if case == "one sequence":  # [T] → [1, T]: a shape of its own, compiled
+        mon.update(r[0], t[0], m[0])
+        assert len(checked) == n_checked + 1 and len(jitted) == n_jitted + 1 and len(launched) == n_launched
+        return
     mon.update(r, t, m, is_weights=w)
     assert len(checked) == n_checked + 1
     if len(jitted) == n_jitted:  # a key whose kernel is compiled: launched directly, with the full path's arguments
+        assert len(launched) == n_launched + 1
         (grid, got), (want_grid, want) = launched[-1], _monitor_launch(mon, r, t, m, w, True,
                                                                        mon._kernel_scratch["launch_id"])
         # The all-ones mask check_inputs made, and the contiguous copy of train, have addresses of their own.

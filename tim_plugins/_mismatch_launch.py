@@ -278,12 +278,12 @@ def kernel_arguments(
 
 
 def _signature(state: torch.Tensor, rollout, train, mask, is_weights, fresh: bool, band: tuple) -> tuple | None:
-    """(plan key, the five input addresses) of inputs that a launch plan can take as they are, else None: each
-    an exact ``torch.Tensor`` (a subclass may hold its data elsewhere), all of one [B, T] shape, contiguous.
-    The key holds everything else a launch depends on: the shape, dtypes and devices (each input's: the
-    caller has not checked them), the 16-byte alignment of each address (Triton specialises pointers on it),
-    the settings and the ratio band's logs. One scratch dict serves one monitor layout, so its constants are
-    not in the key."""
+    """(plan key, the five input addresses, the device index) of inputs that a launch plan can take as they
+    are, else None: each an exact ``torch.Tensor`` (a subclass may hold its data elsewhere), all of one [B, T]
+    shape, contiguous. The key holds everything else a launch depends on: the shape, dtypes and devices (each
+    input's: the caller has not checked them), the 16-byte alignment of each address (Triton specialises
+    pointers on it), the settings and the ratio band's logs. One scratch dict serves one monitor layout, so its
+    constants are not in the key."""
     tensor = torch.Tensor
     if type(rollout) is not tensor or type(train) is not tensor or type(mask) is not tensor:
         return None
@@ -300,10 +300,11 @@ def _signature(state: torch.Tensor, rollout, train, mask, is_weights, fresh: boo
             return None
         p_w = is_weights.data_ptr()
         weights = (is_weights.dtype, is_weights.get_device(), p_w % 16 == 0)
-    key = (shape, rollout.dtype, train.dtype, mask.dtype, weights, rollout.get_device(), train.get_device(),
+    device_index = rollout.get_device()
+    key = (shape, rollout.dtype, train.dtype, mask.dtype, weights, device_index, train.get_device(),
            mask.get_device(), state.get_device(), state.dtype, p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0,
            p_s % 16 == 0, fresh, tuple(TUNING.values()), band)
-    return key, (p_r, p_t, p_m, p_w, p_s)
+    return key, (p_r, p_t, p_m, p_w, p_s), device_index
 
 
 def launch_planned(
@@ -325,9 +326,8 @@ def launch_planned(
     # update() with them, measured on a 2-core CPU right after other code had run).
     launch_id = scratch["launch_id"] = scratch["launch_id"] % _MAX_LAUNCH_ID + 1
     scratch["wait"] = None if flag is None else (flag, launch_id)
-    p_r, p_t, p_m, p_w, p_s = signature[1]
+    _, (p_r, p_t, p_m, p_w, p_s), device_index = signature
     args = (p_r, p_t, p_m, p_w, *buffer_pointers, p_s, *head, launch_id, *constants)
-    device_index = signature[0][5]
     if device_index == _current_device():
         launcher.launch(compiled, device_index, grid, args)
     else:
@@ -375,7 +375,7 @@ def _first_launch(
     if signature is None:  # a tensor subclass: launched like the others, never from a plan
         key, pointers = None, (rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr())
     else:
-        key, pointers = signature
+        key, pointers, _ = signature
     launch_mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask  # Triton has no bool pointers
     device_index = rollout.get_device()  # -1 on the CPU (the interpreter)
     tuning_key, n_seg, shape_spec, buffers, constants = _prepare(

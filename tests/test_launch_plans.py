@@ -74,7 +74,7 @@ def test_direct_launch_passes_the_jit_arguments_as_addresses(monkeypatch):
     assert launched == [] and len(jitted) == 1
     launch.triton_update(*inputs, scratch)  # same key: the direct launch, which keeps a plan
     launch.triton_update(*inputs, scratch)  # launched from the plan
-    assert len(jitted) == 1 and len(launched) == 2 and len(scratch["plans"]) == 1
+    assert len(jitted) == 1 and len(launched) == 2 and sum(map(len, scratch["plans"].values())) == 1
     assert _launch_ids(launched) == [2, 3] and scratch["launch_id"] == 3  # every launch has its own id
     for (grid, args), launch_id in zip(launched, (2, 3)):
         want_grid, want = _expected_launch(inputs, scratch, launch_id)
@@ -213,7 +213,8 @@ def test_monitor_launches_inputs_like_an_earlier_launch_straight_from_its_plan(m
     mon, jitted, launched, checked = _cuda_path_monitor(monkeypatch)
     first, second = make_batch(3, 700, seed=1), make_batch(3, 700, seed=2)
     _warm(mon, [first, second])
-    assert len(jitted) == 2 and len(mon._kernel_scratch["plans"]) == 2  # fresh and accumulating keys
+    assert len(jitted) == 2 and mon._kernel_scratch["plans"].keys() == {first[0].shape}
+    assert len(mon._kernel_scratch["plans"][first[0].shape]) == 2  # fresh and accumulating keys
     assert checked == [1] * 4 and len(launched) == 2
     spare = mon._spare_state
     launched.clear()
@@ -222,6 +223,9 @@ def test_monitor_launches_inputs_like_an_earlier_launch_straight_from_its_plan(m
         assert mon._state is spare and mon._spare_state is None and mon.updates == seed + 1
         assert launched[-1] == _monitor_launch(mon, *batch, None, fresh, mon._kernel_scratch["launch_id"])
     assert len(checked) == 4 and len(launched) == 3 and len(jitted) == 2  # no check, no JIT
+    # A batch shape without plans is a miss before anything else about the inputs is read.
+    assert launch.launch_planned(mon._kernel_scratch, spare, False, torch.zeros(3, 701), None, None, None,
+                                 mon._log_band) is False
     # Inputs on a device that is not the current one: launched in their device's context.
     entered = []
 

@@ -277,17 +277,18 @@ def kernel_arguments(
     return (B, n_seg), args
 
 
-def _signature(state: torch.Tensor, rollout, train, mask, is_weights, fresh: bool, band: tuple) -> tuple | None:
+def _signature(
+    shape: torch.Size, state: torch.Tensor, rollout, train, mask, is_weights, fresh: bool, band: tuple,
+) -> tuple | None:
     """(plan key, the five input addresses, the device index) of inputs that a launch plan can take as they
-    are, else None: each an exact ``torch.Tensor`` (a subclass may hold its data elsewhere), all of one [B, T]
-    shape, contiguous. The key holds everything else a launch depends on: the shape, dtypes and devices (each
-    input's: the caller has not checked them), the 16-byte alignment of each address (Triton specialises
-    pointers on it), the settings and the ratio band's logs. One scratch dict serves one monitor layout, so its
-    constants are not in the key."""
+    are, else None: each an exact ``torch.Tensor`` (a subclass may hold its data elsewhere), all of rollout's
+    ``shape`` ([B, T]), contiguous. Plans are kept per shape; the key holds everything else a launch depends
+    on: dtypes and devices (each input's: the caller has not checked them), the 16-byte alignment of each
+    address (Triton specialises pointers on it), the settings and the ratio band's logs. One scratch dict
+    serves one monitor layout, so its constants are not in the key."""
     tensor = torch.Tensor
-    if type(rollout) is not tensor or type(train) is not tensor or type(mask) is not tensor:
+    if type(train) is not tensor or type(mask) is not tensor:
         return None
-    shape = rollout.shape
     if train.shape != shape or mask.shape != shape:
         return None
     if not (rollout.is_contiguous() and train.is_contiguous() and mask.is_contiguous()):
@@ -301,7 +302,7 @@ def _signature(state: torch.Tensor, rollout, train, mask, is_weights, fresh: boo
         p_w = is_weights.data_ptr()
         weights = (is_weights.dtype, is_weights.get_device(), p_w % 16 == 0)
     device_index = rollout.get_device()
-    key = (shape, rollout.dtype, train.dtype, mask.dtype, weights, device_index, train.get_device(),
+    key = (rollout.dtype, train.dtype, mask.dtype, weights, device_index, train.get_device(),
            mask.get_device(), state.get_device(), state.dtype, p_r % 16 == 0, p_t % 16 == 0, p_m % 16 == 0,
            p_s % 16 == 0, fresh, tuple(TUNING.values()), band)
     return key, (p_r, p_t, p_m, p_w, p_s), device_index
@@ -315,10 +316,14 @@ def launch_planned(
     match also proves every check that call passed. Returns what ``triton_update`` does, or False (nothing
     launched) when no plan fits: the caller then takes the full path. ``band``: (log lo, log hi)."""
     plans = scratch.get("plans")
-    if plans is None:
+    if plans is None or type(rollout) is not torch.Tensor:
         return False
-    signature = _signature(state, rollout, train, mask, is_weights, fresh, band)
-    plan = None if signature is None else plans.get(signature[0])
+    shape = rollout.shape
+    shape_plans = plans.get(shape)
+    if shape_plans is None:  # a new batch shape (common where T follows the longest response): a quick miss
+        return False
+    signature = _signature(shape, state, rollout, train, mask, is_weights, fresh, band)
+    plan = None if signature is None else shape_plans.get(signature[0])
     if plan is None or _launch_hooks_set():  # a profiler's hook must see the launch: the JIT path
         return False
     launcher, compiled, grid, buffer_pointers, head, constants, metrics, flag = plan
@@ -371,7 +376,9 @@ def _first_launch(
     log_lo, log_hi = band
     has_weights = is_weights is not None
     w = is_weights if has_weights else rollout
-    signature = _signature(state, rollout, train, mask, is_weights, fresh, band)
+    signature = None if type(rollout) is not torch.Tensor else _signature(
+        rollout.shape, state, rollout, train, mask, is_weights, fresh, band,
+    )
     if signature is None:  # a tensor subclass: launched like the others, never from a plan
         key, pointers = None, (rollout.data_ptr(), train.data_ptr(), mask.data_ptr(), w.data_ptr(), state.data_ptr())
     else:
@@ -406,7 +413,8 @@ def _first_launch(
         plans = scratch.get("plans")
         if plans is None or len(plans) >= _MAX_SHAPES:
             plans = scratch["plans"] = {}
-        plans[key] = (launcher, compiled, grid, buffers.pointers, head, constants, metrics, flag)
+        plans.setdefault(rollout.shape, {})[key] = (launcher, compiled, grid, buffers.pointers, head, constants,
+                                                    metrics, flag)
     p_r, p_t, p_m, p_w, p_s = pointers
     args = (p_r, p_t, p_m, p_w, *buffers.pointers, p_s, *head, launch_id, *constants)
     _on_device(device_index, launcher.launch, compiled, device_index, grid, args)

@@ -241,8 +241,8 @@ def test_monitor_launches_inputs_like_an_earlier_launch_straight_from_its_plan(m
     assert launched[-1] == _monitor_launch(mon, *second, None, False, mon._kernel_scratch["launch_id"])
 
 
-@pytest.mark.parametrize("case", ["short mask", "integer train", "not contiguous", "subclass", "no mask",
-                                  "float mask", "misaligned", "one sequence", "weights", "other band"])
+@pytest.mark.parametrize("case", ["short mask", "integer train", "not contiguous", "subclass", "train subclass",
+                                  "no mask", "float mask", "misaligned", "one sequence", "weights", "other band"])
 def test_inputs_no_plan_covers_take_the_checked_path(monkeypatch, case):
     """Inputs whose key has no plan yet go through the input checks, which raise or convert as always; the
     full path then launches them (with a new plan where they qualify)."""
@@ -268,6 +268,8 @@ def test_inputs_no_plan_covers_take_the_checked_path(monkeypatch, case):
         t = t.t().contiguous().t()
     elif case == "subclass":
         r = torch.nn.Parameter(r, requires_grad=False)
+    elif case == "train subclass":
+        t = torch.nn.Parameter(t, requires_grad=False)
     elif case == "no mask":
         m = None
     elif case == "float mask":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The monitor's checks that need a CUDA GPU, in order of importance, each bounded in time (a GPU session is
 # short): the CUDA tests (default kernel and every TUNING option), the benchmark against verl with the
-# default kernel and with WAIT "device", the kernel sweep, then the benchmark with the sweep's best setting and
+# default kernel, with WAIT "device" and with the default again (verl's own time varies between runs: two
+# default runs to judge a ratio by), the kernel sweep, then the benchmark with the sweep's best setting and
 # with the alternate options (under 10 minutes in all). Results land in benchmarks/results/; with
 # COPY_TO=DIR each one is also copied there as soon as it is written, so a step cut short still leaves the
 # earlier ones.
@@ -34,6 +35,7 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_metrics_cuda.py -W
 echo "tests: ${SECONDS} s"
 bench default '{}'
 bench device '{"WAIT": "device"}'
+bench default_again '{}'
 if [ "${SWEEP:-1}" != 0 ]; then  # SWEEP=0: no sweep (and so no "best" setting), when device time is short
     rm -f "$RESULTS/metrics_kernel_sweep_cuda.json"  # a sweep cut short must not leave an older file's choice
     timeout 110 "$PY" -m benchmarks.sweep_metrics_kernel 2>&1 | grep -v -i warn | tail -30

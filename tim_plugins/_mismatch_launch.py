@@ -282,11 +282,11 @@ def _signature(
     shape: torch.Size, state: torch.Tensor, rollout, train, mask, is_weights, fresh: bool, band: tuple,
 ) -> tuple | None:
     """(plan key, the five input addresses, the device index) of inputs that a launch plan can take as they
-    are, else None: each an exact ``torch.Tensor`` (a subclass may hold its data elsewhere), all of rollout's
-    ``shape`` ([B, T]), contiguous. Plans are kept per shape; the key holds everything else a launch depends
-    on: dtypes and devices (each input's: the caller has not checked them), the 16-byte alignment of each
-    address (Triton specialises pointers on it), the settings and the ratio band's logs. One scratch dict
-    serves one monitor layout, so its constants are not in the key."""
+    are, else None: each an exact ``torch.Tensor`` (a subclass may hold its data elsewhere; the callers check
+    rollout's type), all of rollout's ``shape`` ([B, T]), contiguous. Plans are kept per shape; the key holds
+    everything else a launch depends on: dtypes and devices (each input's: the caller has not checked them),
+    the 16-byte alignment of each address (Triton specialises pointers on it), the settings and the ratio
+    band's logs. One scratch dict serves one monitor layout, so its constants are not in the key."""
     tensor = torch.Tensor
     if type(train) is not tensor or type(mask) is not tensor:
         return None

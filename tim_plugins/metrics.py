@@ -131,8 +131,8 @@ class MismatchMonitor(_CudaPath):
         compile: bool | str = "auto",
         prefix: str = "tim",
     ) -> None:
-        # update()'s launch from a plan (``launch_planned``), set by the first Triton launch; dropped when a
-        # setting it depends on changes.
+        # update()'s launch from a plan (``launch_planned``), set by the first Triton launch; dropped when the
+        # compile setting changes or the kernel fails (the ratio band is part of each plan's key).
         self._planned = None
         self.ratio_band = ratio_band
         self.compile = compile

@@ -40,13 +40,13 @@ __all__ = [
 
 # Launch shape and kernel variant, from a sweep on an H200 (``benchmarks/sweep_metrics_kernel.py``; 256×4096,
 # 8×32768, 1024×1024). REPLICAS: histogram copies. HISTOGRAM: "global" (one atomic per token) or "block"
-# (tl.histogram per block, one atomic per non-zero bin and program: 2× slower on the H200, 83 vs 39 µs).
+# (tl.histogram per block, one atomic per non-zero bin and program: 2× slower on the H200, 84 vs 36 µs).
 # DEVICE_METRICS: the last program also writes the final metric vector, into pinned host memory, and
-# compute() only waits for the device and reads it (the host derivation costs ~40 µs more per call there).
+# compute() only waits for the device and reads it (the host derivation costs 92 vs 59 µs per call there).
 # WAIT: how compute() waits for that vector: "flag" polls the launch id the kernel writes after the vector
 # (falling back to a device synchronisation after WAIT_SPINS reads), which skips the synchronisation (6-8 µs on
 # the H200's host; per update() + compute() there, "flag" vs "device": 108 vs 114, 95 vs 96, 88-90 vs 103 µs in
-# three pairs of benchmark runs); "device" synchronises the device.
+# three pairs of benchmark runs; warm, in the sweep, 59 vs 72 µs); "device" synchronises the device.
 TUNING = {"BLOCK": 256, "ITERS": 8, "num_warps": 4, "REPLICAS": 64, "HISTOGRAM": "global", "DEVICE_METRICS": True,
           "WAIT": "flag"}
 HISTOGRAM_METHODS = ("global", "block")

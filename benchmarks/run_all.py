@@ -1,6 +1,6 @@
-"""``make bench``: run every benchmark in its environment and write one index of ratios.
+"""``make bench``: run every benchmark and write one index of ratios.
 
-    python -m benchmarks.run_all [--quick] [--venv-verl .venv-verl] [--only NAME ...]
+    python -m benchmarks.run_all [--quick] [--only NAME ...]
 
 Writes ``benchmarks/results/index.json`` (each benchmark's headline ratios, the machine, versions, and the
 command that produced them) and prints a table.
@@ -13,19 +13,18 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from benchmarks._common import RESULTS_DIR, environment, write_results
 
-# module → (environment, results file, headline keys)
+# module → (results file, headline keys)
 BENCHMARKS = {
-    "bench_metrics": ("verl", "metrics_vs_verl", ("speedup_eager", "speedup_compiled")),
-    "bench_monitor_host": ("main", "monitor_host", None),
-    "bench_safe_vocab": ("main", "safe_vocab", None),
-    "ablate_min_p": ("main", "ablate_min_p", ("chosen_min_p",)),
-    "bench_trl_step": ("main", "trl_step", None),
-    "bench_probe": ("main", "probe", None),
-    "study": ("main", "study", ("reference_arm", "wall_seconds")),
+    "bench_metrics": ("metrics_vs_verl", ("speedup_eager", "speedup_compiled")),
+    "bench_monitor_host": ("monitor_host", None),
+    "bench_safe_vocab": ("safe_vocab", None),
+    "ablate_min_p": ("ablate_min_p", ("chosen_min_p",)),
+    "bench_trl_step": ("trl_step", None),
+    "bench_probe": ("probe", None),
+    "study": ("study", ("reference_arm", "wall_seconds")),
 }
 
 
@@ -41,18 +40,16 @@ def _headline(data: dict, keys) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--venv-verl", default=".venv-verl")
     parser.add_argument("--only", nargs="*", default=None)
     args = parser.parse_args(argv)
-    python = {"main": sys.executable, "verl": str(Path(args.venv_verl) / "bin" / "python")}
     index = {}
-    for name, (env, result, keys) in BENCHMARKS.items():
+    for name, (result, keys) in BENCHMARKS.items():
         if args.only and name not in args.only:
             continue
-        cmd = [python[env], "-m", f"benchmarks.{name}"] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (["--quick"] if args.quick else [])
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        entry = {"command": " ".join(["python", "-m", f"benchmarks.{name}"] + cmd[3:]), "environment": env,
+        entry = {"command": " ".join(["python", "-m", f"benchmarks.{name}"] + cmd[3:]),
                  "returncode": proc.returncode, "seconds": round(time.time() - t0, 1)}
         # Some benchmarks keep quick results apart (<name>_quick.json); only a file written by this run counts.
         names = [f"{result}_quick", result] if args.quick else [result]

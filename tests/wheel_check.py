@@ -1,5 +1,7 @@
-"""Run by `make test-wheel` with the interpreter of a fresh virtualenv holding only the built wheel (+ torch,
-the [hf,report] extras and trl): the adapters must be importable from the wheel, not from the source tree."""
+"""Run by `make test-wheel` with the interpreter of a fresh virtualenv holding only the built wheel with its
+[hf,report,trl,verl] extras (+ torch): the adapters must be importable from the wheel, not from the source tree,
+and `import verl` must register the tim engine and trainer modes (the [verl] extra brings what verl's default V1
+trainer imports)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ src = Path(tim_plugins.__file__).resolve()
 if "site-packages" not in str(src):
     raise SystemExit(f"tim_plugins was imported from {src}, not from the installed wheel")
 
-# The verl adapter is imported without verl here: only its presence in the wheel is checked.
 for name in ("tim_plugins.integrations", "tim_plugins.integrations.trl", "tim_plugins.integrations.verl"):
     spec = importlib.util.find_spec(name)
     if spec is None or "site-packages" not in str(spec.origin):
@@ -26,6 +27,16 @@ from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402,F4
 eps = importlib.metadata.entry_points(group="verl.plugins")
 if not any(ep.value == "tim_plugins.integrations.verl.plugin" for ep in eps):
     raise SystemExit(f"verl.plugins entry point missing: {list(eps)}")
+
+# A fresh process, as verl's driver and Ray workers are: the entry point alone loads the plugin on `import verl`.
+code = ("import sys, verl; from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY; "
+        "from verl.workers.engine import EngineRegistry; "
+        "eng = EngineRegistry._engines['language_model']['fsdp2'][('cuda', 'nvidia')]; "
+        "modes = sorted(k for k in TRAINER_REGISTRY if k.startswith('tim_')); print(eng.__module__, modes); "
+        "sys.exit(0 if eng.__module__ == 'tim_plugins.integrations.verl.engine' and 'tim_sync' in modes else 1)")
+out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+if out.returncode != 0 or "tim-plugins:" in out.stderr:
+    raise SystemExit(f"import verl did not register the tim engine and trainer modes:\n{out.stdout}\n{out.stderr}")
 
 out = subprocess.run([str(Path(sys.executable).with_name("tim-plugins")), "--help"], capture_output=True, text=True)
 if out.returncode != 0 or "measure" not in out.stdout:

@@ -46,7 +46,11 @@ def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Ten
 
 
 def _with_response_values(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``mask`` (dense [B, R] or nested [B, j]) times ``keep`` ([B, W] dense, response-aligned)."""
+    """``mask`` (dense [B, R] or nested [B, j]) times ``keep`` ([B, W] dense, response-aligned), in ``mask``'s layout.
+
+    A nested result carries its row lengths' min/max: without them ``TensorDict.to_padded_tensor()`` (what verl's
+    ``ppo_loss`` calls) pads it to the total token count instead of the longest response.
+    """
     if not mask.is_nested:
         width = mask.shape[1]
         return mask * padded_response(keep, width).to(mask.dtype)
@@ -55,7 +59,10 @@ def _with_response_values(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tenso
     rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
     cols = torch.arange(rows.numel(), device=offsets.device) - offsets[:-1][rows]
     values = mask.values() * keep[rows, cols].to(mask.dtype)
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    if lengths.numel() == 0:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=int(lengths.min()),
+                                                  max_seqlen=int(lengths.max()))
 
 
 class _BoundaryMaskedLoss:

@@ -10,9 +10,22 @@ from __future__ import annotations
 import sys
 import traceback
 
-__all__ = ["REGISTERED", "register"]
+__all__ = ["REGISTERED", "V1_TRAINER_PACKAGES", "register"]
 
 REGISTERED: dict[str, object] = {}
+
+# Modules verl 0.9's V1 trainer (its default) imports without declaring them -> the distribution that provides
+# each; the ``[verl]`` extra installs them.
+V1_TRAINER_PACKAGES = {"transfer_queue": "TransferQueue", "zmq": "pyzmq", "msgspec": "msgspec",
+                       "cachetools": "cachetools", "uvicorn": "uvicorn", "fastapi": "fastapi"}
+
+
+def _missing_package_hint(err: ImportError) -> str:
+    top = (getattr(err, "name", None) or "").split(".")[0]
+    dist = V1_TRAINER_PACKAGES.get(top)
+    if dist is None:
+        return "pip install 'tim-plugins[verl]'"
+    return f"pip install {dist} (or pip install 'tim-plugins[verl]', which includes it)"
 
 
 def register() -> dict[str, object]:
@@ -34,8 +47,9 @@ def register() -> dict[str, object]:
         from .trainer import register_tim_trainers
 
         REGISTERED["trainer_modes"] = register_tim_trainers()
-    except ImportError as err:  # the V1 trainer needs TransferQueue; the engine works without it
-        print(f"tim-plugins: verl V1 trainer unavailable ({err}); tim_* trainer modes not registered",
+    except ImportError as err:  # the engine works without the V1 trainer; the tim_* trainer modes do not
+        print(f"tim-plugins: verl's V1 trainer cannot be imported ({err}), so the tim_* trainer modes "
+              f"(trainer.v1.trainer_mode=tim_sync ...) are not registered. Fix: {_missing_package_hint(err)}",
               file=sys.stderr)
         REGISTERED["trainer_modes"] = []
     return REGISTERED

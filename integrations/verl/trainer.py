@@ -17,9 +17,12 @@ from omegaconf import open_dict
 
 from .config import TRAINER_MODE_PREFIX, TIMVerlConfig, check_composed_config
 
-__all__ = ["TIMTrainerMixin", "register_tim_trainers", "run_startup_audit"]
+__all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "register_tim_trainers", "run_startup_audit", "use_tim_actor_worker"]
 
 logger = logging.getLogger(__name__)
+
+# First line of the start-up audit's printout (tests and log scrapers look for it).
+AUDIT_TITLE = "tim-plugins parity audit (vLLM rollout vs FSDP actor, from the composed config)"
 
 
 def run_startup_audit(config, tim: TIMVerlConfig, out=None):
@@ -33,6 +36,9 @@ def run_startup_audit(config, tim: TIMVerlConfig, out=None):
 
     rollout, trainer = specs_from_config(config)
     findings = audit(rollout, trainer)
+    counts = {sev: sum(f.severity == sev for f in findings) for sev in ("error", "warning", "info")}
+    print(f"{AUDIT_TITLE}: {counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info",
+          file=out)
     print(findings_table(findings, framework="verl"), file=out)
     if tim.parity.strict and has_errors(findings):
         raise ParityError("tim.parity.strict=true and the audit found error-level mismatches (table above); "
@@ -53,6 +59,7 @@ class TIMTrainerMixin:
             run_startup_audit(config, tim)
         self.tim = tim
         self._tim_probe = None
+        self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
         if tim.probe.enabled:
             from tim_plugins.parity.probe import ParityProbe, ParityProbeConfig
 
@@ -67,13 +74,7 @@ class TIMTrainerMixin:
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
-        import ray
-
-        from .worker import TIMActorRolloutRefWorker
-
-        for role in list(self.role_worker_mapping):
-            if "Actor" in str(role) or "Rollout" in str(role):
-                self.role_worker_mapping[role] = ray.remote(TIMActorRolloutRefWorker)
+        use_tim_actor_worker(self.role_worker_mapping)
 
     def _tim_collect(self, metrics: dict) -> None:
         if not self.tim.worker_side_active:
@@ -84,10 +85,30 @@ class TIMTrainerMixin:
         if self._tim_probe is not None and "tim/tokens" in found:
             decision = self._tim_probe.check(self.global_steps, found)  # raises for action=raise
             metrics.update(decision.metrics())
-            if decision.stop:
-                # verl saves a checkpoint on the last step: make this step the last one
+            if decision.stop and self._tim_stop is None:
+                # make this step the last one; its checkpoint is written in on_step_end
                 logger.warning("tim-plugins: parity probe asked to stop at step %s", self.global_steps)
+                self._tim_stop = (self.global_steps, self.total_training_steps)
                 self.total_training_steps = self.global_steps
+
+    def on_step_end(self):
+        super().on_step_end()
+        self._tim_checkpoint_on_stop()
+
+    def _tim_checkpoint_on_stop(self) -> None:
+        """Write the checkpoint verl writes on a run's last step, for a step the probe made the last one.
+
+        verl decides to save before ``on_step_end`` from ``is_last_step``, which it computed before the step
+        (trainer/ppo/v1/trainer_base.py ``fit``): a step cut short by the probe is saved here unless verl saved it
+        anyway (``save_freq`` divides it, or it was the last step already). ``save_freq <= 0`` (no checkpoints)
+        is respected.
+        """
+        if self._tim_stop is None or self._tim_stop[0] != self.global_steps:
+            return
+        step, planned_total = self._tim_stop
+        save_freq = self.config.trainer.save_freq
+        if save_freq > 0 and step < planned_total and step % save_freq != 0:
+            self._save_checkpoint()
 
     def _compute_old_log_prob(self, batch, metrics):
         batch = super()._compute_old_log_prob(batch, metrics)
@@ -98,6 +119,23 @@ class TIMTrainerMixin:
         batch = super()._update_actor(batch, metrics)
         self._tim_collect(metrics)
         return batch
+
+
+def use_tim_actor_worker(role_worker_mapping: dict) -> None:
+    """Put ``TIMActorRolloutRefWorker`` behind every role that holds the actor, in place.
+
+    verl's V1 trainer maps ``Role.Actor`` / ``Role.ActorRollout`` / ``Role.ActorRolloutRef`` to
+    ``ray.remote(ActorRolloutRefWorker)`` (trainer/ppo/v1/trainer_base.py ``_init_resource_pool_mgr``); a separate
+    reference worker (``Role.RefPolicy``) and the critic keep verl's classes.
+    """
+    import ray
+    from verl.trainer.ppo.utils import Role
+
+    from .worker import TIMActorRolloutRefWorker
+
+    for role in list(role_worker_mapping):
+        if role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
+            role_worker_mapping[role] = ray.remote(TIMActorRolloutRefWorker)
 
 
 def register_tim_trainers() -> list[str]:

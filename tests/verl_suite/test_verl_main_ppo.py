@@ -1,0 +1,201 @@
+"""verl's own trainer, as users start it: ``python -m verl.trainer.main_ppo`` (V1 trainer, GRPO, FSDP2 actor, vLLM
+CPU-build rollout server, the toy model) with the recipe's tim overrides, asserting on what verl's console logger
+printed. Three runs share one working directory, in order (each ~2 minutes on a 2-core machine):
+
+1. the recipe: fp32 on both sides, safe vocabulary on both sides (trainer min-p + the vLLM min-p processor at the
+   same value), the monitor, LR decay with options that fire within the first steps, checkpoint at step 4;
+2. resumed from run 1's checkpoint with a bf16 rollout (a real mismatch) and a probe limit below it: the LR scale
+   carries over, tim's k3 equals verl's on the same batch, and the probe ends training after step 5 with a
+   checkpoint and exit code 0;
+3. run 1's overrides with a different rollout min-p: refused at start-up with the documented message.
+
+The CPU shims are in ``cpu_site/`` (listed in ``cpu_shims.py``); nothing CPU-specific is in the package. What a run
+with the plugin installed but no tim overrides does to numerics is tested on the engine itself
+(``test_verl_engine.py::test_registered_engine_trains_like_stock_verl``): rollouts of verl's vLLM server are not
+reproducible run to run here, so two whole runs cannot be compared.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("vllm")
+
+import main_ppo_run as M  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MIN_P = "1e-4"
+BASE_LR = 1e-3  # base_overrides: constant schedule
+LR_OPTIONS = {"warmup_steps": 1, "window": 1, "patience": 1, "cooldown": 100}  # one trigger, early
+RUN_TIMEOUT_S = 900
+# fp32 on both sides: what is left is kernel noise (packed sdpa FSDP forward vs vLLM's CPU attention).
+FP32_ABS_DIFF_MEAN = 1e-5
+FP32_ABS_DIFF_MAX = 1e-4
+# verl computes k3 in float32 from per-token ratios; at fp32 noise (r ~ 1e-7) its exp(r) - r - 1 is rounding
+# error of ~1e-8 (it even goes negative), while ours (float64) reads ~1e-13: equal within this bound.
+K3_NOISE_ABS = 1e-8
+# with a real mismatch (bf16 rollout, k3 ~ 1e-5 .. 1e-4) both compute the same mean over the same tokens
+K3_REL = 1e-4  # measured 2.3e-5 (k3 1.12e-4)
+
+
+def _monitor_keys() -> set[str]:
+    import torch
+
+    from tim_plugins.metrics import mismatch_metrics
+
+    x = torch.zeros(1, 2)
+    return set(mismatch_metrics(x, x, torch.ones(1, 2)))
+
+
+SAFE_VOCAB_KEYS = {f"tim/safe_vocab/{k}" for k in ("tokens", "pruned_mass_mean", "pruned_mass_max", "size_mean",
+                                                     "boundary_frac")}
+PROBE_KEYS = {"tim/probe/checked", "tim/probe/tripped"}
+
+
+def _lr_keys() -> set[str]:
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    return set(LengthTriggeredLRDecay().metrics())
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, toy_model_path):
+    wd = tmp_path_factory.mktemp("main_ppo")
+    files = M.prepare(wd, toy_model_path)
+    yield wd, files
+    shutil.rmtree(wd / "ckpt", ignore_errors=True)
+
+
+def _lr_overrides() -> list[str]:
+    return [f"+tim.lr_decay.options.{k}={v}" for k, v in LR_OPTIONS.items()]
+
+
+def _run(work, name: str, overrides: list[str]) -> M.Run:
+    wd, _ = work
+    run = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / f"{name}.log")
+    print(f"[{name}] exit {run.returncode} after {run.seconds:.0f} s; per-step seconds "
+          f"{ {s: round(t, 2) for s, t in run.step_times.items()} }; log {wd / f'{name}.log'}")
+    return run
+
+
+def _recipe(work, steps: int) -> list[str]:
+    wd, files = work
+    return M.base_overrides(files, wd, steps=steps) + M.CPU_OVERRIDES + M.recipe_tim_overrides(MIN_P) \
+        + _lr_overrides() + ["trainer.save_freq=4", f"trainer.default_local_dir={wd / 'ckpt'}"]
+
+
+@pytest.fixture(scope="module")
+def recipe_run(work):
+    return _run(work, "recipe", _recipe(work, steps=4))
+
+
+@pytest.fixture(scope="module")
+def resumed_run(work, recipe_run):
+    if recipe_run.returncode != 0 or not (work[0] / "ckpt" / "global_step_4").is_dir():
+        pytest.skip("needs the recipe run's checkpoint")
+    overrides = _recipe(work, steps=8) + [
+        "actor_rollout_ref.rollout.dtype=bfloat16",  # a real mismatch against the fp32 actor
+        "++tim.parity.strict=false",  # the audit now reports dtype-mismatch as an error
+        "++tim.probe.kl_k3=1e-9",  # far below a bf16 rollout's k3: trips at the first step
+        "trainer.resume_mode=auto",
+    ]
+    return _run(work, "resumed", overrides)
+
+
+def _replayed_scales(lengths: list[float]) -> list[float]:
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    ctrl = LengthTriggeredLRDecay(**LR_OPTIONS)
+    return [ctrl.observe(None, x) for x in lengths]
+
+
+def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
+    assert recipe_run.returncode == 0, recipe_run.output[-3000:]
+    assert sorted(recipe_run.steps) == [1, 2, 3, 4]
+    expected = _monitor_keys() | SAFE_VOCAB_KEYS | _lr_keys() | PROBE_KEYS
+    for step, metrics in recipe_run.steps.items():
+        logged = {k for k in metrics if k.startswith("tim/")}
+        assert logged == expected, (step, sorted(logged ^ expected))
+        assert not any(k.startswith("actor/tim/") for k in metrics)  # exact keys, not verl's actor/ prefix
+        assert metrics["tim/tokens"] == metrics["tim/safe_vocab/tokens"] > 0
+        # tim's k3 and verl's own rollout-correction k3 on the same batch (both at fp32 noise here)
+        assert abs(metrics["tim/token/kl_k3"] - metrics["rollout_corr/k3_kl"]) <= K3_NOISE_ABS, step
+
+
+def test_recipe_run_prints_the_startup_audit(recipe_run):
+    from tim_plugins.integrations.verl.trainer import AUDIT_TITLE
+
+    assert AUDIT_TITLE in recipe_run.output
+    after = recipe_run.output.split(AUDIT_TITLE, 1)[1]
+    assert "0 error(s)" in after.splitlines()[0]  # the recipe runs with +tim.parity.strict=true
+    assert "severity" in after and "prefix-caching-on" in after
+
+
+def test_safe_vocabulary_on_both_sides_leaves_fp32_noise(recipe_run):
+    """Trainer min-p and the vLLM processor at the same value, processed log-probs, fp32 on both sides: the
+    remaining mismatch is kernel noise, no sampled token falls outside the trainer's safe set, and the trainer
+    really pruned (the kept tokens' log-probs are renormalised over less than the whole vocabulary)."""
+    for step, m in recipe_run.steps.items():
+        assert m["tim/token/abs_diff_mean"] < FP32_ABS_DIFF_MEAN, step
+        assert m["tim/token/abs_diff_max"] < FP32_ABS_DIFF_MAX, step
+        assert m["tim/safe_vocab/boundary_frac"] * m["tim/safe_vocab/tokens"] <= 1.0, step
+        assert 0.0 < m["tim/safe_vocab/pruned_mass_mean"] <= m["tim/safe_vocab/pruned_mass_max"] < 0.5, step
+
+
+def test_lr_decay_fires_at_the_replayed_step(recipe_run):
+    """The controller sees each step's mean response length (verl's ``response_length/mean``) before the
+    optimizer step: replaying those lengths through the core controller gives the scale logged as
+    ``tim/lr/scale`` at every step, and verl's ``actor/lr`` is the base LR times it."""
+    steps = sorted(recipe_run.steps)
+    lengths = [recipe_run.steps[s]["response_length/mean"] for s in steps]
+    want = _replayed_scales(lengths)
+    assert [recipe_run.steps[s]["tim/lr/scale"] for s in steps] == want
+    for s, scale in zip(steps, want):
+        assert recipe_run.steps[s]["actor/lr"] == pytest.approx(BASE_LR * scale, rel=1e-9), s
+    assert want[-1] < 1.0, f"no trigger in the first steps (lengths {lengths}): the test's forcing failed"
+    assert recipe_run.steps[steps[-1]]["tim/lr/trigger_count"] == 1.0
+
+
+def test_recipe_run_writes_verl_checkpoint(recipe_run, work):
+    assert (work[0] / "ckpt" / "global_step_4" / "actor").is_dir()
+
+
+def test_resume_keeps_the_lr_scale(recipe_run, resumed_run):
+    assert resumed_run.returncode == 0, resumed_run.output[-3000:]
+    last = recipe_run.steps[max(recipe_run.steps)]
+    first = resumed_run.steps[min(resumed_run.steps)]
+    assert min(resumed_run.steps) == 5
+    assert first["tim/lr/scale"] == last["tim/lr/scale"] < 1.0  # cooldown 100: no second trigger
+    assert first["tim/lr/trigger_count"] == 1.0
+    assert first["actor/lr"] == pytest.approx(BASE_LR * last["tim/lr/scale"], rel=1e-9)
+
+
+def test_tim_k3_equals_verl_k3_with_a_real_mismatch(resumed_run):
+    m = resumed_run.steps[5]
+    assert m["tim/token/kl_k3"] > 1e-7  # a bf16 rollout against the fp32 actor
+    # the same tokens on both sides (no boundary token excluded from ours)
+    assert m["tim/safe_vocab/boundary_frac"] == 0.0
+    assert m["tim/token/kl_k3"] == pytest.approx(m["rollout_corr/k3_kl"], rel=K3_REL)
+
+
+def test_probe_stop_ends_training_after_the_step_with_a_checkpoint(resumed_run, work):
+    assert resumed_run.returncode == 0
+    assert sorted(resumed_run.steps) == [5]  # planned 8 steps
+    assert resumed_run.steps[5]["tim/probe/tripped"] == 1.0
+    assert (work[0] / "ckpt" / "global_step_5" / "actor").is_dir()
+    assert "parity probe asked to stop at step 5" in resumed_run.output
+
+
+def test_a_different_rollout_min_p_is_refused_at_startup(work, recipe_run):
+    overrides = _recipe(work, steps=4) + ["++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=1e-3"]
+    run = _run(work, "refused", overrides)
+    assert run.returncode != 0
+    assert "the rollout must prune with the trainer's tim.safe_vocab.min_p=0.0001" in run.output
+    assert "additional_config.tim_min_p=0.001" in run.output
+    assert not run.steps and "create worker group" not in run.output  # before any worker started

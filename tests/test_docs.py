@@ -84,3 +84,18 @@ def test_default_min_p_in_readme_matches_the_code():
 
     m = re.search(r"`DEFAULT_MIN_P = ([0-9.e-]+)`", _section("safe-vocab"))
     assert m and float(m.group(1)) == DEFAULT_MIN_P
+
+
+def test_readme_verl_overrides_are_the_recipe_s():
+    """The drop-in block in the README's verl section is exactly what the recipe (and so the end-to-end test,
+    tests/verl_suite/test_verl_main_ppo.py) passes to main_ppo."""
+    import os
+    import subprocess
+
+    recipe = ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh"
+    out = subprocess.run(["bash", str(recipe)], env=dict(os.environ, TIM_PRINT_OVERRIDES="tim"),
+                         capture_output=True, text=True, check=True).stdout
+    block = _section("verl").split("```diff")[1].split("```")[0]
+    documented = [line[1:].strip().rstrip("\\").strip().strip("'") for line in block.splitlines()
+                  if line.startswith("+")]
+    assert documented == [line for line in out.splitlines() if line]

@@ -184,3 +184,27 @@ def test_tim_trainer_mode_runs_its_worker_behind_the_actor(toy_model_path, use_k
         assert remote.__ray_actor_class__ is want, role
     assert stock.role_worker_mapping[actor_role].__ray_actor_class__ is ActorRolloutRefWorker
     assert "tim_pop_metrics" in dir(TIMActorRolloutRefWorker)
+
+
+@pytest.mark.parametrize("step, planned_total, save_freq, saved", [
+    (5, 8, 4, True),    # cut short, save_freq does not divide 5: verl would not save it -> we do
+    (4, 8, 4, False),   # verl saves it anyway (4 % 4 == 0)
+    (8, 8, 4, False),   # already the last step: verl saves it
+    (5, 8, -1, False),  # checkpoints switched off: respected
+])
+def test_probe_stop_checkpoints_the_step_it_cut_short(step, planned_total, save_freq, saved):
+    """verl decides to save before ``on_step_end``, from an ``is_last_step`` computed before the step: the tim
+    trainer writes the checkpoint of a step the probe made the last one exactly when verl would not."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    trainer = object.__new__(get_trainer_cls("tim_sync"))
+    trainer.config = OmegaConf.create({"trainer": {"save_freq": save_freq}})
+    trainer.global_steps, trainer._tim_stop = step, (step, planned_total)
+    calls = []
+    trainer._save_checkpoint = lambda: calls.append(trainer.global_steps)
+    trainer._tim_checkpoint_on_stop()
+    assert calls == ([step] if saved else [])
+    trainer._tim_stop = None  # no stop asked: never
+    trainer._tim_checkpoint_on_stop()
+    assert len(calls) == int(saved)

@@ -39,3 +39,20 @@ def test_two_ray_workers_load_the_entry_point():
         assert engine == "tim_plugins.integrations.verl.engine.TIMFSDPEngineWithLMHead"
         assert modes == ["tim_colocate_async", "tim_separate_async", "tim_sync"]
         assert loaded
+
+
+def test_missing_v1_trainer_package_is_named():
+    """When verl's V1 trainer cannot be imported, the plugin's message names the package that provides the
+    missing module (verl does not declare these dependencies)."""
+    from tim_plugins.integrations.verl.plugin import V1_TRAINER_PACKAGES, _missing_package_hint
+
+    err = ModuleNotFoundError("No module named 'transfer_queue'", name="transfer_queue")
+    assert "pip install TransferQueue" in _missing_package_hint(err)
+    assert "tim-plugins[verl]" in _missing_package_hint(ModuleNotFoundError("x", name="somethingelse"))
+    import tomllib
+    from pathlib import Path
+
+    extra = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]["verl"]
+    for dist in V1_TRAINER_PACKAGES.values():
+        assert any(req.split(">")[0].split("=")[0] == dist for req in extra), dist

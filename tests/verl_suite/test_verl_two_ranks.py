@@ -21,8 +21,8 @@ TIM = {"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.05}}
 
 
 def _rank(rank: int, model_path: str, out_dir: str) -> None:
+    # the CPU shims came in at start-up (cpu_site/sitecustomize.py, see the test), before this module imported verl
     sys.path.insert(0, os.path.dirname(__file__))
-    import conftest  # noqa: F401  (CPU platform, plugin)
     import harness as H
 
     from tim_plugins.integrations.verl.config import TIMVerlConfig
@@ -38,11 +38,14 @@ def _rank(rank: int, model_path: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_rank_merge_equals_single_process(toy_model_path, tmp_path):
+def test_two_rank_merge_equals_single_process(toy_model_path, tmp_path, monkeypatch):
     import harness as H
 
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 
+    cpu_site = os.path.join(os.path.dirname(__file__), "cpu_site")  # the spawned ranks install the shims at start-up
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [cpu_site, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("TIM_TEST_CPU_SHIMS", "1")
     mp.start_processes(_rank, args=(str(toy_model_path), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
     merged = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert merged[0] == merged[1]  # every rank holds the merged values

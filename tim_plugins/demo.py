@@ -13,6 +13,7 @@ Writes ``OUT/report.html``, ``OUT/summary.json`` and the per-token dump ``OUT/du
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -189,8 +190,10 @@ def run_demo(cfg: DemoConfig) -> dict:
     from tim_plugins.integrations.trl import TIMCallback, TIMConfig
     from tim_plugins.toy_model import build_toy_model, synthetic_prompts
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    hf_logging = transformers.utils.logging
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # weight-loading chatter; restored below
     out = Path(cfg.out)
     dump_dir = out / "dump"
     if dump_dir.exists():
@@ -232,6 +235,8 @@ def run_demo(cfg: DemoConfig) -> dict:
         train_seconds = time.perf_counter() - t_train
     finally:
         quiet.setLevel(level)
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
     summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds,
                        time.perf_counter() - t_start)
     from tim_plugins.report import build_report, verdict_for
@@ -316,7 +321,7 @@ def _own_audit(rollout_model, trainer_spec) -> list[dict]:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts (~1-2 min).",
+        "demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts (~1-2 min).",
         description="A short TRL GRPOTrainer run on CPU with TIMCallback attached; writes OUT/report.html, "
                     "OUT/summary.json and OUT/dump/ and prints a verdict.")
     for f in DemoConfig.__dataclass_fields__.values():

@@ -12,6 +12,7 @@ the (1 − p) profile over the whole vocabulary, and the rollout's throughput (s
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -404,7 +405,7 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
             run.model(settings[0]), probe["input_ids"], probe["attention_mask"], target_k3=cfg.inject_k3,
             max_new_tokens=min(cfg.max_new_tokens, 32), temperature=cfg.temperature, seed=cfg.seed,
         )
-    # vLLM changes this process's torch threads when its engine starts: run it after the HF settings.
+    # vLLM may change this process's threading when its engine starts: run it after the HF settings.
     order = sorted(range(len(settings)), key=lambda i: settings[i].rollout == "vllm")
     results = {}
     for i in order:
@@ -428,8 +429,8 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
         notes.append("exact: tokens sampled from the trainer's own forward at the trainer's padded shape; k3 and the "
                      "full-distribution KL are expected to be exactly 0.")
     if any(s.rollout == "vllm" for s in settings):
-        notes.append("vLLM runs in this process and lowers torch's thread count when it starts, so it is measured "
-                     "after the HF settings (threads per setting in the settings table).")
+        notes.append("vLLM runs in this process and may change its CPU threading when its engine starts, so vLLM "
+                     "settings are measured after the HF ones (torch threads per setting in the table above).")
     summary = {
         "kind": "measure",
         "title": (f"TIM: {settings[0].name} rollout vs {cfg.trainer_dtype} trainer" if len(settings) == 1 else
@@ -470,7 +471,7 @@ def format_summary(summary: dict) -> str:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "measure", help="Measure TIM between rollout settings and a trainer pipeline on one model.",
+        "measure", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="Measure TIM between rollout settings and a trainer pipeline on one model.",
         description="Measure training-inference mismatch between one or several rollout settings (--compare) and "
                     "a trainer pipeline on the same weights; writes OUT/report.html, OUT/summary.json, OUT/dump/.")
     for f in MeasureConfig.__dataclass_fields__.values():

@@ -38,7 +38,7 @@ def pyplot():
 
 def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     pyplot().close(fig)
     return buf.getvalue()
 
@@ -288,6 +288,9 @@ def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float
     if max(abs(lo), abs(hi)) > band / 4:
         ax.axhline(band, color="#d62728", lw=0.8, ls="--", label=f"±log 2 = ±{band:.2f}")
         ax.axhline(-band, color="#d62728", lw=0.8, ls="--")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(8, integer=True))
     ax.set_xlabel("sequence length (scored tokens)")
     ax.set_ylabel("Σ_t d = log ρ_seq")
     _legend(ax, len(ds) + 1)
@@ -328,13 +331,13 @@ def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple
             if not np.isfinite(val):
                 ax.text(ax.get_xlim()[0], i, " n/a", va="center", fontsize=7, color="#555")
             elif log and val <= 0:
-                ax.text(ax.get_xlim()[0], i, " 0", va="center", fontsize=9, color="#222", fontweight="bold")
+                ax.text(ax.get_xlim()[0], i, "  exactly 0", va="center", fontsize=7, color="#222")
             else:
                 ax.barh(i, val - base, left=base, color=color, height=0.6)
                 ax.text(val, i, f" {_short(val)}", va="center", fontsize=7)
         ax.set_yticks(y)
         ax.set_yticklabels(names if j == 0 else [""] * len(names), fontsize=8)
-        ax.invert_yaxis()
+        ax.set_ylim(len(names) - 0.4, -0.6)  # first setting on top, room for a row without a bar
         ax.set_title(title, fontsize=9)
         if log:
             _log_ticks(ax, "x")

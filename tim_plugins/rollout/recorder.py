@@ -23,15 +23,21 @@ class ProcessedLogprobRecorder:
     sampled at step t, so its log-prob is gathered then. ``finish(last_tokens)`` collects the last step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_scores: bool = False) -> None:
         self._prev: torch.Tensor | None = None
         self._steps: list[torch.Tensor] = []
+        # With keep_scores, every step's processed scores ([B, V]) are kept (references, no copy) for
+        # `full_logprobs()`: the whole distribution each token was sampled from, T x B x V in memory.
+        self.keep_scores = keep_scores
+        self.scores: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._prev is not None:
             self._steps.append(self._logprob(self._prev, input_ids[:, -1]))
         # Keep a reference only (sampling reads the scores, never writes them); reduce at the next step.
         self._prev = scores
+        if self.keep_scores:
+            self.scores.append(scores)
         return scores
 
     @staticmethod
@@ -59,14 +65,28 @@ class ProcessedLogprobRecorder:
         self._steps = []
         return out
 
+    def full_logprobs(self) -> torch.Tensor:
+        """[B, T_generated, V] fp32 log-softmax of every step's processed scores (needs ``keep_scores=True``);
+        excluded tokens are ``-inf``. Clears the kept scores."""
+        if not self.keep_scores:
+            raise RuntimeError("ProcessedLogprobRecorder(keep_scores=False) keeps no scores: create it with "
+                               "keep_scores=True to read full log-probs")
+        if not self.scores:
+            raise RuntimeError("ProcessedLogprobRecorder.full_logprobs: no generation step was recorded")
+        out = torch.log_softmax(torch.stack(self.scores, dim=1).float(), dim=-1)
+        self.scores = []
+        return out
+
 
 @contextmanager
-def record_processed_logprobs(model, extra_processors=()):
+def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = False):
     """While active, every ``model.generate`` call gets a `ProcessedLogprobRecorder` appended last.
 
     ``extra_processors`` (e.g. the TIM injector) are passed as if the caller had given them to ``generate``
     (``logits_processor=``): transformers places them before the sampling warpers, so their effect is part of
     the distribution sampled from and of the recorded log-probs, as an engine's mismatch would be.
+
+    ``keep_scores=True``: the recorders also keep every step's processed scores (``full_logprobs()``).
 
     Yields a list; each generate call appends its recorder to it. The patch is an instance attribute on
     ``model`` (the transformers model whose ``generate`` runs), removed on exit.
@@ -84,7 +104,7 @@ def record_processed_logprobs(model, extra_processors=()):
             custom.extend(extra_processors)
             kwargs["logits_processor"] = custom
         processors = original(*args, **kwargs)
-        recorder = ProcessedLogprobRecorder()
+        recorder = ProcessedLogprobRecorder(keep_scores=keep_scores)
         recorders.append(recorder)
         processors.append(recorder)  # last: after the warpers (temperature, top-k/p, min-p)
         return processors

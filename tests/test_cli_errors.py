@@ -1,0 +1,68 @@
+"""Every subcommand answers a typical wrong input with one line (the bad value, the rule, the fix), exit status 2
+and no traceback; ``--debug`` keeps the traceback. Run as a user would: the installed entry point's module in a
+subprocess (its own process group, killed on timeout)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+TIMEOUT_S = 180
+
+
+def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, "-m", "tim_plugins.cli", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"tim-plugins {' '.join(args)} ran past {TIMEOUT_S} s")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+CASES = [
+    # (argv, text the single error line must contain)
+    (["measure", "--model", "/nonexistent"], ["'/nonexistent'", "no such local folder or file", "pass a local"]),
+    (["measure", "--min-p", "1.5"], ["--min-p 1.5", "[0, 1)", "e.g. 0.001"]),
+    (["measure", "--compare", "hf-bf16,sglang"], ["--compare item 'sglang'", "unknown rollout 'sglang'", "e.g. --compare"]),
+    (["measure", "--min-new-tokens", "80", "--max-new-tokens", "64"], ["--min-new-tokens 80", "--max-new-tokens"]),
+    (["measure", "--rollout", "sglang"], ["invalid choice: 'sglang'", "--help"]),
+    (["measure", "--num-prompts", "x"], ["--num-prompts", "invalid int value: 'x'"]),
+    (["demo", "--steps", "0"], ["--steps 0", ">= 1"]),
+    (["demo", "--model", "/nonexistent"], ["'/nonexistent'", "no such local folder or file"]),
+    (["report", "EMPTY"], ["neither summary.json nor dump files", "point at"]),
+    (["report", "/nonexistent"], ["'/nonexistent'", "no such folder"]),
+    (["audit"], ["one of the arguments --verl --trl-config --vllm-args is required"]),
+    (["check-batch-invariance", "--model", "/nonexistent"], ["'/nonexistent'", "does not exist"]),
+    (["lr-replay", "/nonexistent.jsonl"], ["/nonexistent.jsonl"]),
+]
+
+
+@pytest.mark.parametrize("argv,needles", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_line_exit_2_no_traceback(argv, needles, tmp_path):
+    (tmp_path / "EMPTY").mkdir()
+    res = _run(argv, tmp_path)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert len(lines) == 1, res.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_a_missing_local_model_is_named_as_such_and_debug_keeps_the_traceback(tmp_path):
+    res = _run(["measure", "--model", str(tmp_path / "no-model"), "--debug"], tmp_path)
+    assert res.returncode != 0
+    assert "Traceback" in res.stderr and "UsageError" in res.stderr
+    assert "no such local folder or file" in res.stderr
+    # A folder that exists but holds no checkpoint is told apart from a missing one.
+    (tmp_path / "empty-model").mkdir()
+    res = _run(["measure", "--model", str(tmp_path / "empty-model")], tmp_path)
+    assert res.returncode == 2 and "no config.json" in res.stderr and "Traceback" not in res.stderr

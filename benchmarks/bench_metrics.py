@@ -1,23 +1,23 @@
-"""The mismatch monitor vs verl's own mismatch metric code on the same 256×4096 tensors.
+"""The mismatch monitor vs verl's own mismatch metric code, and vs the monitor of an earlier commit, on the same
+256×4096 tensors.
 
 Baseline (verl 0.9.1): ``verl.utils.debug.metrics.calculate_debug_metrics`` (training/rollout_probs_diff_*,
 Pearson correlation) + ``compute_rollout_corr_metrics_from_logprobs`` (rollout_corr/kl, k3_kl, chi2, ppl).
-Ours: ``MismatchMonitor.update`` + ``compute`` (every tim/* metric incl. histograms, quantiles, buckets),
-eager and torch.compile'd. Both get the same fp32 log-probs and the same int64 response mask, as verl has
-them. Goal: >= 20× faster.
+Ours: ``MismatchMonitor.reset`` + ``update`` + ``compute`` (every tim/* metric incl. histograms, quantiles,
+buckets), eager and torch.compile'd, and on CUDA the Triton kernel (the default there). ``old_*``: the same calls
+on the monitor of commit c959215 (``benchmarks/_old_monitor.py``; ``--old-ref`` picks another, ``--old-ref ""``
+none). All get the same fp32 log-probs and the same int64 response mask, as verl has them. Goals: on a GPU the
+default path >= 10x faster than verl; on the CPU the compiled pass no slower than c959215's.
 
 The candidates are timed in interleaved rounds (verl, ours, verl, ours, ...), so a slow spell of a shared
-machine hits all of them; the ratio reported is the ratio of medians. On CUDA a call that returns its metrics
-as Python numbers (verl's functions through ``.item()``, ``compute()`` through its wait) is timed to its
-return: the GPU work it started is done by then. A call that only queues GPU work (``update()`` alone) is
-timed to the end of a device synchronisation. So that a fixed cost of the timing itself does not shrink the
-ratio, the synchronisation is not added to the calls that have waited already; the ``*_synced`` entries time
-verl and the Triton monitor with one added anyway (how this benchmark timed them before), for comparison.
+machine hits all of them; the ratio reported is the ratio of medians. A call that returns Python numbers (verl's
+functions through ``.item()``, ``compute()``) is timed to its return: the GPU work it started is done by then.
+``update()`` alone only queues GPU work: it is timed to the end of a device synchronisation.
 
-    python -m benchmarks.bench_metrics [--quick] [--device cuda] [--verl-source DIR] [--tuning JSON]
+    python -m benchmarks.bench_metrics [--quick] [--device cuda] [--verl-source DIR] [--old-ref REF]
 
-Runs in the verl environment (``.venv-verl``); ``--verl-source`` takes verl's functions from a copy of its
-source files instead, for machines where verl cannot be installed (see ``benchmarks/_verl_baseline.py``).
+``--verl-source`` takes verl's functions from a copy of its source files instead of the installed verl, for
+machines where verl cannot be installed (see ``benchmarks/_verl_baseline.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import time
 import torch
 
 from benchmarks._common import write_results
+from benchmarks._old_monitor import OLD_REF, load_old_monitor
 from benchmarks._verl_baseline import load_verl_baseline
+from tim_plugins.metrics import MismatchMonitor
 
 
 def _tensors(B: int, T: int, device: str, seed: int = 0):
@@ -38,6 +40,15 @@ def _tensors(B: int, T: int, device: str, seed: int = 0):
     train = rollout + 0.02 * torch.randn(B, T, generator=g)
     mask = (torch.rand(B, T, generator=g) < 0.9).long()
     return rollout.to(device), train.to(device), mask.to(device)
+
+
+def monitor_step(mon, rollout, train, mask):
+    """A call of ``reset()`` + ``update()`` + ``compute()``: a training step's use of the monitor."""
+    def run():
+        mon.reset()
+        mon.update(rollout, train, mask)
+        return mon.compute(sync=False)
+    return run
 
 
 def _interleaved_medians(candidates: dict, repeats: int, sync, waited: set) -> dict[str, float]:
@@ -70,39 +81,22 @@ def _agreement(ours: dict, verl: dict) -> dict[str, list[float]]:
     }
 
 
-def _parts(mon, rollout, train, mask) -> dict:
-    """The compiled monitor's steps, each alone: where its time goes."""
+def _parts(rollout, train, mask) -> dict:
+    """The compiled torch pass's steps, each alone: where its time goes."""
     import math
 
-    from tim_plugins._mismatch_pass import N_BUCKETS, batch_stats, cell_counts, compiled_batch_stats
+    from tim_plugins._mismatch_layout import N_BUCKETS, N_SIGNED_BINS
+    from tim_plugins._mismatch_pass import _compiled_token_pass, cell_counts
 
-    n_sb = mon._layout.n_signed_bins
-    args = (rollout, train, mask, None, math.log(mon.ratio_band[0]), math.log(mon.ratio_band[1]), n_sb)
-    fused = compiled_batch_stats() if not mon._compile_failed else batch_stats
-    cell = fused(*args)[3]
-    mon.reset()
-    mon.update(rollout, train, mask)
+    band = (math.log(0.5), math.log(2.0))
+    fused = _compiled_token_pass()
+    cell = fused(rollout, train, mask, None, *band)[1]
+    mon = MismatchMonitor(compile=True).update(rollout, train, mask)
     return {
-        "part_fused_pass": lambda: fused(*args),
-        "part_cell_counts": lambda: cell_counts(cell, N_BUCKETS * n_sb + 1),
+        "part_fused_pass": lambda: fused(rollout, train, mask, None, *band),
+        "part_cell_counts": lambda: cell_counts(cell, N_BUCKETS * N_SIGNED_BINS + 1),
         "part_compute": lambda: mon.compute(sync=False),
     }
-
-
-def _apply_tuning(overrides: str | None) -> dict:
-    """Set the kernel's TUNING from a JSON object of overrides, or "alternates" (the settings the default
-    does not use); unknown names are a mistake. Returns the settings used."""
-    import json
-
-    from tim_plugins._mismatch_launch import ALTERNATE_OPTIONS, TUNING
-
-    if overrides:
-        values = ALTERNATE_OPTIONS if overrides == "alternates" else json.loads(overrides)
-        unknown = sorted(set(values) - set(TUNING))
-        if unknown:
-            raise SystemExit(f"--tuning names {unknown} are not kernel settings: use some of {sorted(TUNING)}")
-        TUNING.update(values)
-    return dict(TUNING)
 
 
 def main(argv=None) -> dict:
@@ -113,18 +107,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--verl-source", default=None,
                         help="a verl package folder to load verl's functions from, instead of importing verl")
+    parser.add_argument("--old-ref", default=OLD_REF, help="git commit of the monitor to compare with ('' = none)")
     parser.add_argument("--breakdown", action="store_true",
-                        help="also time the compiled monitor's parts: fused pass, histogram counts, compute()")
+                        help="also time the compiled pass's parts: fused pass, histogram counts, compute()")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for both sides (1 gives stable ratios on a shared machine)")
-    parser.add_argument("--tuning", default=None,
-                        help='CUDA kernel settings over the defaults, as JSON (e.g. \'{"HISTOGRAM": "block"}\'), '
-                             'or "alternates" for _mismatch_launch.ALTERNATE_OPTIONS')
+                        help="torch threads for all candidates (1 gives stable ratios on a shared machine)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    from tim_plugins.metrics import MismatchMonitor
 
     baseline = load_verl_baseline(args.verl_source)
     device = torch.device(args.device)
@@ -132,20 +122,19 @@ def main(argv=None) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     monitors = {"tim_eager": MismatchMonitor(compile=False), "tim_compiled": MismatchMonitor(compile=True)}
-    monitors["tim_compiled"]._triton_failed = True  # the torch.compile path, also on CUDA
+    monitors["tim_compiled"]._kernel_failed = True  # the torch.compile path, also on CUDA
+    old = load_old_monitor(args.old_ref) if args.old_ref else None
+    if old is not None:
+        monitors["old_eager"] = old.MismatchMonitor(compile=False)
+        monitors["old_compiled"] = old.MismatchMonitor(compile=True)
+        monitors["old_compiled"]._triton_failed = True
     if device.type == "cuda":
-        from tim_plugins._optional import is_triton_available
-
-        if is_triton_available():
-            monitors["tim_triton"] = MismatchMonitor()  # the CUDA default: one Triton kernel
-            tuning = _apply_tuning(args.tuning)
+        monitors["tim_kernel"] = MismatchMonitor()  # the CUDA default: one Triton kernel
+        if old is not None:
+            monitors["old_kernel"] = old.MismatchMonitor()
 
     def ours(mon):
-        def run():
-            mon.reset()
-            mon.update(rollout, train, mask)
-            return mon.compute(sync=False)
-        return run
+        return monitor_step(mon, rollout, train, mask)
 
     def update_only(mon):
         def run():
@@ -156,15 +145,10 @@ def main(argv=None) -> dict:
     candidates = {"verl": lambda: baseline.run(rollout, train, mask)}
     candidates.update({name: ours(mon) for name, mon in monitors.items()})
     waited = set(candidates)  # verl and update() + compute() return host numbers
-    if device.type == "cuda":
-        candidates["verl_synced"] = candidates["verl"]
-        if "tim_triton" in monitors:
-            candidates["tim_triton_synced"] = candidates["tim_triton"]
-    candidates["tim_compiled_update_only"] = update_only(monitors["tim_compiled"])
-    if "tim_triton" in monitors:
-        candidates["tim_triton_update_only"] = update_only(monitors["tim_triton"])
+    fastest = "tim_kernel" if device.type == "cuda" else "tim_compiled"
+    candidates[f"{fastest}_update_only"] = update_only(monitors[fastest])
     if args.breakdown:
-        candidates.update(_parts(monitors["tim_compiled"], rollout, train, mask))
+        candidates.update(_parts(rollout, train, mask))
     for fn in candidates.values():  # warm-up; the first compiled call compiles
         for _ in range(3):
             fn()
@@ -172,37 +156,34 @@ def main(argv=None) -> dict:
     repeats = 7 if args.quick else 21
     seconds = _interleaved_medians(candidates, repeats, sync, waited)
 
-    fastest = "tim_triton" if "tim_triton" in monitors else "tim_compiled"
+    # Whether a candidate ran another path than its name says (a compiler or kernel failure).
+    fell_back = {name: mon._compile_failed for name, mon in monitors.items() if name.endswith("compiled")}
+    if device.type == "cuda":
+        fell_back["tim_kernel"] = monitors["tim_kernel"]._kernel_failed
+        if old is not None:
+            fell_back["old_kernel"] = monitors["old_kernel"]._triton_failed
     results = {
         "shape": [args.batch, args.length],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "verl_functions_from": baseline.origin,
+        "old_ref": args.old_ref or None,
         "repeats": repeats,
         "seconds": seconds,
-        "speedup_eager": seconds["verl"] / seconds["tim_eager"],
-        "speedup_compiled": seconds["verl"] / seconds["tim_compiled"],
-        "compile_fell_back_to_eager": monitors["tim_compiled"]._compile_failed,
+        "fell_back": fell_back,
+        # verl's time / ours, per candidate of ours
+        "speedup": {name: seconds["verl"] / seconds[name] for name in candidates if name != "verl"},
         "agreement": _agreement(ours(monitors[fastest])(), baseline.run(rollout, train, mask)),
-        "goal": "speedup >= 20",
+        "goals": {"cuda: tim_kernel vs verl": ">= 10", "cpu: tim_compiled vs old_compiled": ">= 1"},
     }
-    if "tim_triton" in monitors:
-        results["speedup_triton"] = seconds["verl"] / seconds["tim_triton"]
-        # Both timed with a device synchronisation after the call (the timing before this benchmark's fix).
-        results["speedup_triton_synced"] = seconds["verl_synced"] / seconds["tim_triton_synced"]
-        # update() alone: the per-micro-batch cost, with no host sync (compute() runs once per step).
-        results["speedup_triton_update_only"] = seconds["verl"] / seconds["tim_triton_update_only"]
-        results["triton_fell_back"] = monitors["tim_triton"]._triton_failed
-        results["tuning"] = tuning
+    # Today's monitor against the earlier commit's, same path: its time / ours (> 1: today's is faster).
+    results["vs_old"] = {path: seconds[f"old_{path}"] / seconds[f"tim_{path}"]
+                         for path in ("eager", "compiled", "kernel") if f"old_{path}" in seconds}
     name = "metrics_vs_verl" if device.type == "cpu" else f"metrics_vs_verl_{device.type}"
     path = write_results(name, results)
-    t = seconds
-    print(f"[{results['device']}] verl {t['verl'] * 1e3:.2f} ms | tim eager {t['tim_eager'] * 1e3:.2f} ms "
-          f"({results['speedup_eager']:.1f}x) | tim compiled {t['tim_compiled'] * 1e3:.2f} ms "
-          f"({results['speedup_compiled']:.1f}x; update alone {t['tim_compiled_update_only'] * 1e3:.2f} ms)"
-          + (f" | tim triton {t['tim_triton'] * 1e3:.3f} ms ({results['speedup_triton']:.1f}x)"
-             + f" [{results['speedup_triton_synced']:.1f}x with a synchronisation after each call]"
-             if "tim_triton" in t else "")
+    print(f"[{results['device']}] verl {seconds['verl'] * 1e3:.3f} ms; "
+          + "; ".join(f"{n} {seconds[n] * 1e3:.3f} ms ({results['speedup'][n]:.1f}x)" for n in results["speedup"])
+          + f"; vs {args.old_ref or '-'}: " + ", ".join(f"{k} {v:.2f}x" for k, v in results["vs_old"].items())
           + f" -> {path}")
     return results
 

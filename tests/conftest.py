@@ -27,7 +27,7 @@ def vllm_llm(toy_model_path):
     from vllm import LLM
 
     # The TIM injector is registered but inert: it acts only on requests with extra_args["tim_inject"].
-    from tim_plugins.rollout.inject_vllm import TailNoiseLogitsProcessor
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor
 
     llm = LLM(
         model=str(toy_model_path), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",

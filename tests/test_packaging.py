@@ -3,6 +3,7 @@ imports no framework."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -59,3 +60,87 @@ def test_cli_lists_every_subcommand():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert {"measure", "report", "audit", "check-batch-invariance", "lr-replay"} <= set(sub.choices)
+
+
+_BLOCKED_IMPORTS = r"""
+import importlib, json, pkgutil, sys
+
+BLOCKED = ("vllm", "trl", "verl", "ray", "wandb", "triton", "flash_attn")
+
+
+class Blocker:  # as if none of them were installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked: {name}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Blocker())
+import tim_plugins
+
+failed, imported = {}, []
+for info in pkgutil.walk_packages(tim_plugins.__path__, "tim_plugins."):
+    if info.name.startswith("tim_plugins.integrations"):
+        continue
+    try:
+        importlib.import_module(info.name)
+        imported.append(info.name)
+    except ImportError as err:
+        failed[info.name] = str(err)
+from tim_plugins.metrics import mismatch_metrics
+import torch
+m = mismatch_metrics(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.1, -2.0]]))
+print(json.dumps({"imported": imported, "failed": failed, "tokens": m["tim/tokens"],
+                  "frameworks": sorted(n for n in sys.modules if n.split(".")[0] in BLOCKED)}))
+"""
+
+
+def test_every_core_module_imports_without_the_frameworks():
+    """Each tim_plugins.* module (not the adapters) imports with vllm, trl, verl, ray, wandb, triton and
+    flash-attn unavailable, except the Triton kernel itself, which the monitor imports only for a CUDA batch (it
+    then computes on the torch pass); the vLLM processors' deprecated aliases import nothing until asked for a
+    class."""
+    out = subprocess.run([sys.executable, "-c", _BLOCKED_IMPORTS], capture_output=True, text=True, cwd="/",
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert list(result["failed"]) == ["tim_plugins._mismatch_kernel"], result["failed"]
+    assert "blocked: triton" in result["failed"]["tim_plugins._mismatch_kernel"]
+    expected = {"tim_plugins.metrics", "tim_plugins.corrections", "tim_plugins.cli", "tim_plugins.rollout.vllm_min_p",
+                "tim_plugins.rollout.inject_vllm", "tim_plugins.parity.vllm_spec", "tim_plugins.measure"}
+    assert expected <= set(result["imported"])
+    assert result["tokens"] == 2 and result["frameworks"] == []
+
+
+def test_core_has_no_import_cycle():
+    """Imports among tim_plugins.* modules form no cycle, counting imports inside functions too (a deferred
+    import that closes a cycle still ties the modules together)."""
+    import ast
+
+    root = ROOT / "tim_plugins"
+    graph = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                deps.add(base)
+                deps |= {f"{base}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if d.startswith("tim_plugins")}
+    graph = {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
+
+    def visit(name, stack):
+        assert name not in stack, " -> ".join([*stack[stack.index(name):], name])
+        for dep in graph[name]:
+            visit(dep, [*stack, name])
+
+    for name in graph:
+        visit(name, [])

@@ -278,3 +278,21 @@ def test_cli_audit_verl_without_verl_fails_clearly(capsys):
     rc = main(["audit", "--verl", "actor_rollout_ref.rollout.top_p=0.9"])
     assert rc == 2
     assert "needs verl installed" in capsys.readouterr().err
+
+
+def test_findings_rows_and_table_show_each_finding_with_its_frameworks_knob():
+    from tim_plugins.parity.table import FINDINGS_COLUMNS, findings_rows, findings_table
+
+    rollout, trainer = matched_pair(dtype="bfloat16")
+    findings = audit(rollout, trainer)
+    rows = findings_rows(findings, framework="verl")
+    assert len(rows) == len(findings) == 2 and all(len(row) == len(FINDINGS_COLUMNS) for row in rows)
+    dtype_row = next(row for row in rows if row[1] == "dtype-mismatch")
+    assert dtype_row[:4] == ["error", "dtype-mismatch", "bfloat16", "float32"]
+    assert dtype_row[5] == CODES["dtype-mismatch"].fix["verl"]
+    assert all(isinstance(cell, str) for row in rows for cell in row)  # ready for a log line or a wandb.Table
+    unknown = findings_rows(findings, framework="no-such-framework")[0][5]
+    assert all(f"{k}: {v}" in unknown for k, v in findings[0].fix.items())  # every knob when none is listed
+    text = findings_table(findings, framework="verl")
+    assert text.splitlines()[0].split() == list(FINDINGS_COLUMNS) and "dtype-mismatch" in text
+    assert findings_table([]).startswith("no findings")

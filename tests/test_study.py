@@ -1,4 +1,4 @@
-"""`tim-plugins study --quick`: real TRL GRPO runs with the TIM callback (exact, bf16, injected + all
+"""`python -m benchmarks.study --quick`: real TRL GRPO runs with the TIM callback (exact, bf16, injected + all
 mitigations), per-step CSVs, report, and per-run resume. One quick study shared by the module (~1-2 min)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 pytest.importorskip("matplotlib")
 
-from tim_plugins import study_cli  # noqa: E402
-from tim_plugins.cli import main as cli_main  # noqa: E402
+from benchmarks.study.main import main as study_main  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.slow]
 
@@ -30,7 +29,7 @@ def _rows(path):
 @pytest.fixture(scope="module")
 def quick_study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
-    assert cli_main(["study", "--quick", "--out", str(out)]) == 0
+    study_main(["--quick", "--out", str(out)])
     return out
 
 
@@ -72,14 +71,8 @@ def test_resume_skips_finished_runs(quick_study):
     marks = {arm: (quick_study / "runs" / arm / "seed0.csv").stat().st_mtime_ns for arm in QUICK_ARMS}
     # a killed run leaves no CSV: delete one run's CSV and only that run is redone
     (quick_study / "runs" / "bf16" / "seed0.csv").unlink()
-    assert cli_main(["study", "--quick", "--out", str(quick_study), "--arms", "exact,bf16"]) == 0
+    study_main(["--quick", "--out", str(quick_study), "--arms", "exact,bf16"])
     summary = json.loads((quick_study / "summary.json").read_text())
     assert (summary["skipped_runs"], summary["ran_runs"]) == (1, 1)
     assert (quick_study / "runs" / "exact" / "seed0.csv").stat().st_mtime_ns == marks["exact"]
     assert (quick_study / "runs" / "bf16" / "seed0.csv").exists()
-
-
-def test_installed_wheel_without_source_tree_fails_clearly(monkeypatch, capsys):
-    monkeypatch.setattr(study_cli, "_import_study", lambda: None)
-    assert cli_main(["study", "--quick"]) == 2
-    assert "benchmarks/study/" in capsys.readouterr().err

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, ENV_VAR, PROCESSOR_FQCN, engine_min_p, vllm_engine_kwargs
+from tim_plugins.rollout.vllm_min_p_config import (
+    CONFIG_KEY,
+    DEPRECATED_PROCESSOR_FQCN,
+    ENV_VAR,
+    PROCESSOR_FQCN,
+    engine_min_p,
+    vllm_engine_kwargs,
+)
 from tim_plugins.safe_vocab import safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation, truncation_threshold
 
@@ -119,7 +126,7 @@ def test_v2_runner_path_matches_tempered_min_p():
     from vllm.config import VllmConfig
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
-    from tim_plugins.rollout.vllm_min_p import TIMMinPLogitsProcessor
+    from tim_plugins.integrations.vllm.min_p import TIMMinPLogitsProcessor
 
     vocab, slots = 1001, 6
     state = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=slots, vocab_size=vocab,
@@ -149,12 +156,16 @@ def test_v2_runner_path_matches_tempered_min_p():
 
 
 def _verl_cli_builder():
-    """verl 0.9.1's own ``build_cli_args_from_config`` (vllm_rollout/utils.py), read from the verl environment.
+    """verl 0.9.1's own ``build_cli_args_from_config`` (vllm_rollout/utils.py), read from verl's installed source.
 
-    verl and the vLLM CPU build cannot share a venv, and that verl module imports vLLM-GPU pieces at import time,
-    so the two functions are taken from its source and run here next to the real vLLM argument parser."""
-    src = Path(__file__).resolve().parents[1] / ".venv-verl/lib/python3.11/site-packages/verl/workers/rollout/" \
-        "vllm_rollout/utils.py"
+    That verl module imports vLLM-GPU pieces at import time, so the two functions are taken from its source and
+    run here next to the real vLLM argument parser (of the CPU build)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("verl is not installed")
+    src = Path(spec.submodule_search_locations[0]) / "workers" / "rollout" / "vllm_rollout" / "utils.py"
     if not src.exists():
         pytest.skip(f"verl's source not found at {src}")
     tree = ast.parse(src.read_text())
@@ -186,3 +197,24 @@ def test_verl_engine_kwargs_reach_vllm_config(toy_model_path):
     assert list(config.model_config.logits_processors) == [PROCESSOR_FQCN]
     assert engine_min_p(config.additional_config, env={}) == 1e-4
     assert math.isclose(json.loads(cli[cli.index("--additional_config") + 1])[CONFIG_KEY], 1e-4)
+
+
+def test_old_import_paths_are_deprecated_aliases_of_the_adapter():
+    """The processors moved to tim_plugins.integrations.vllm; the old module paths give the same classes, with a
+    DeprecationWarning, and the old FQCN still loads through vLLM's own loader (what ``LLM(logits_processors=
+    [...])`` and ``--logits-processors`` run)."""
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
+
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor
+
+    assert PROCESSOR_FQCN == "tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"
+    assert _load_logitsprocs_by_fqcns([PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
+    with pytest.warns(DeprecationWarning, match="tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"):
+        assert _load_logitsprocs_by_fqcns([DEPRECATED_PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
+    with pytest.warns(DeprecationWarning, match="tim_plugins.integrations.vllm.inject"):
+        from tim_plugins.rollout.inject_vllm import TailNoiseLogitsProcessor as old_injector
+    assert old_injector is TailNoiseLogitsProcessor
+    import tim_plugins.rollout.vllm_min_p as old_module
+
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        old_module.missing  # noqa: B018

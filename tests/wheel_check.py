@@ -17,7 +17,9 @@ src = Path(tim_plugins.__file__).resolve()
 if "site-packages" not in str(src):
     raise SystemExit(f"tim_plugins was imported from {src}, not from the installed wheel")
 
-for name in ("tim_plugins.integrations", "tim_plugins.integrations.trl", "tim_plugins.integrations.verl"):
+# The vLLM adapter is imported without vLLM here: only its presence in the wheel is checked.
+for name in ("tim_plugins.integrations", "tim_plugins.integrations.trl", "tim_plugins.integrations.verl",
+             "tim_plugins.integrations.vllm"):
     spec = importlib.util.find_spec(name)
     if spec is None or "site-packages" not in str(spec.origin):
         raise SystemExit(f"{name} is missing from the wheel (spec: {spec})")

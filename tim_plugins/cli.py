@@ -24,7 +24,6 @@ SUBCOMMAND_MODULES = (
     "tim_plugins.report",  # report
     "tim_plugins.parity.cli",  # audit, check-batch-invariance
     "tim_plugins.lr_replay",  # lr-replay
-    "tim_plugins.study_cli",  # study
 )
 
 USAGE_EXIT_CODE = 2

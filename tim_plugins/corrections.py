@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tim_plugins.metrics import INVALID_LOGPROB_THRESHOLD
+from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD
 
 __all__ = [
     "CORRECTION_MODES",

@@ -1,4 +1,4 @@
-"""``tim-plugins study`` / ``python -m benchmarks.study``: run every arm × seed, resumable, then report.
+"""``python -m benchmarks.study``: run every arm × seed, resumable, then report (from the repository's root).
 
     python -m benchmarks.study --out benchmarks/results/study            # default: 11 arms x 3 seeds
     python -m benchmarks.study --quick --out /tmp/study                  # 3 arms x 1 seed, a few steps

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["collect_specs", "run_audit", "findings_table"]
+__all__ = ["collect_specs", "run_audit"]
 
 logger = logging.getLogger("tim_plugins.trl")
 
@@ -50,15 +50,10 @@ def _generic_specs(trainer, rollout_source: str):
     return rollout_spec, trainer_spec
 
 
-def findings_table(findings) -> tuple[list[str], list[list[str]]]:
-    columns = ["severity", "code", "rollout", "trainer", "message"]
-    rows = [[f.severity, f.code, repr(f.rollout_value), repr(f.trainer_value), f.message] for f in findings]
-    return columns, rows
-
-
 def run_audit(owner) -> None:
     from tim_plugins.parity.audit import audit, has_errors
     from tim_plugins.parity.findings import ParityError
+    from tim_plugins.parity.table import FINDINGS_COLUMNS, findings_rows
 
     trainer = owner.trainer
     rollout_spec, trainer_spec = collect_specs(trainer, owner.rollout_source)
@@ -69,7 +64,7 @@ def run_audit(owner) -> None:
     findings = audit(rollout_spec, trainer_spec)
     owner.findings = findings
     owner.parity_specs = (rollout_spec, trainer_spec)
-    columns, rows = findings_table(findings)
+    columns, rows = list(FINDINGS_COLUMNS), findings_rows(findings, framework="trl")
     text = "\n".join(" | ".join(r) for r in [columns] + rows) if rows else "no findings"
     logger.warning("tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s", owner.rollout_source, text)
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}

@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from tim_plugins.metrics import check_ratio_band
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
+from tim_plugins.rollout.vllm_min_p_config import DEPRECATED_PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR_OLD
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
 
 __all__ = [
@@ -43,7 +45,7 @@ def rollout_min_p_overrides(min_p: float) -> list[str]:
 
     verl 0.9.1 builds SamplingParams from temperature/top_p/top_k only (vllm_async_server.py ~L634), so min_p
     cannot ride on the request; tim-plugins' logits processor applies it to every request instead, loaded and
-    configured through the engine args verl forwards (``tim_plugins.rollout.vllm_min_p``).
+    configured through the engine args verl forwards (``tim_plugins.integrations.vllm.min_p``).
     """
     return [f"+{VLLM_ENGINE_KWARGS}.logits_processors=[{_VLLM_MIN_P_PROCESSOR}]",
             f"+{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={min_p!r}"]
@@ -66,11 +68,8 @@ class MonitorSettings:
         "(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac."))
 
     def __post_init__(self) -> None:
-        band = tuple(float(x) for x in self.ratio_band)
-        if len(band) != 2 or not (0.0 < band[0] < 1.0 < band[1] < math.inf):
-            raise _bad("tim.monitor.ratio_band", list(self.ratio_band), "needs 0 < lo < 1 < hi < inf",
-                       "+tim.monitor.ratio_band=[0.5,2.0]")
-        self.ratio_band = band
+        self.ratio_band = check_ratio_band(list(self.ratio_band), "tim-plugins: tim.monitor.ratio_band",
+                                           "+tim.monitor.ratio_band=[0.5,2.0]")
 
 
 @dataclass
@@ -256,7 +255,7 @@ def _rollout_min_p_problem(rollout: Any, min_p: float) -> str | None:
                 "tokens outside the trainer's safe set are masked out of the loss (tim/safe_vocab/boundary_frac)")
     engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
     procs = engine.get("logits_processors") or []
-    if _VLLM_MIN_P_PROCESSOR not in [str(p) for p in procs]:
+    if not {_VLLM_MIN_P_PROCESSOR, _VLLM_MIN_P_PROCESSOR_OLD} & {str(p) for p in procs}:
         return (f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r}: tim.safe_vocab.min_p={min_p!r} prunes the "
                 "trainer side, but verl passes no min_p to vLLM, so the rollout would sample from the full "
                 f"vocabulary; the tim-plugins processor must be loaded. {fix}")

@@ -1,4 +1,4 @@
-"""verl Hydra config → parity specs: verl's own ppo_trainer config composed with overrides (runs in .venv-verl)."""
+"""verl Hydra config → parity specs: verl's own ppo_trainer config composed with overrides (in the verl suite)."""
 
 from __future__ import annotations
 

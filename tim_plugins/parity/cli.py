@@ -89,9 +89,7 @@ def run_audit(args: argparse.Namespace) -> int:
         if args.verl is not None:
             # distribution metadata, not find_spec: an importable folder named verl is not an installation
             if package_version("verl") is None:
-                return _fail("--verl needs verl installed (pip install 'tim-plugins[verl]'; in this repository "
-                             "run it with .venv-verl/bin/tim-plugins): verl and the vLLM CPU build cannot share "
-                             "one environment")
+                return _fail("--verl needs verl installed: pip install 'tim-plugins[verl]'")
             from tim_plugins.integrations.verl.parity_spec import specs_from_overrides
 
             rollout, trainer = specs_from_overrides(args.verl, device=args.device)

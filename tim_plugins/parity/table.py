@@ -6,7 +6,9 @@ import json
 import textwrap
 from typing import Any, Sequence
 
-__all__ = ["format_table", "findings_table"]
+__all__ = ["format_table", "FINDINGS_COLUMNS", "findings_rows", "findings_table"]
+
+FINDINGS_COLUMNS = ("severity", "code", "rollout", "trainer", "message", "fix")
 
 
 def _cell(value: Any) -> str:
@@ -35,15 +37,22 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_widt
     return "\n".join(out)
 
 
-def findings_table(findings: Sequence[Any], framework: str | None = None) -> str:
-    """One row per finding; the fix column shows the knob for `framework` (all knobs when None)."""
+def findings_rows(findings: Sequence[Any], framework: str | None = None) -> list[list[str]]:
+    """One row of text cells per finding, in ``FINDINGS_COLUMNS`` order (for a text table, a log line or a
+    ``wandb.Table``); the fix cell shows the knob for ``framework`` (all knobs when None or not listed)."""
     rows = []
     for f in findings:
         if framework and framework in f.fix:
             fix = f.fix[framework]
         else:
             fix = "; ".join(f"{k}: {v}" for k, v in f.fix.items())
-        rows.append([f.severity, f.code, f.rollout_value, f.trainer_value, f.message, fix])
+        rows.append([_cell(c) for c in (f.severity, f.code, f.rollout_value, f.trainer_value, f.message, fix)])
+    return rows
+
+
+def findings_table(findings: Sequence[Any], framework: str | None = None) -> str:
+    """``findings_rows`` as a plain-text table (a sentence when there is no finding)."""
+    rows = findings_rows(findings, framework)
     if not rows:
         return "no findings: the two sides match on every setting that was compared"
-    return format_table(["severity", "code", "rollout", "trainer", "message", "fix"], rows, max_width=48)
+    return format_table(FINDINGS_COLUMNS, rows, max_width=48)

@@ -96,7 +96,7 @@ def _key(m: dict, key: str) -> float:
 
 def measure_page(summary: dict, run_dir: Path, page) -> None:
     """Fill ``page`` (a `Page`) with the measure report of ``summary`` (dumps read below ``run_dir``)."""
-    from tim_plugins.report import figures
+    import tim_plugins.report.figures as figures
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES, status
     from tim_plugins.report.tokens import load_tokens
 

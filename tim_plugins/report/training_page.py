@@ -88,7 +88,7 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
 
 
 def _figures_over_tokens(page, tokens, label: str) -> None:
-    from tim_plugins.report import figures
+    import tim_plugins.report.figures as figures
     from tim_plugins.report.health import LOG2, RULES
 
     ds = {label: tokens.d}
@@ -119,7 +119,7 @@ def _figures_over_tokens(page, tokens, label: str) -> None:
 
 
 def _series_figure(page, table: dict) -> None:
-    from tim_plugins.report import figures
+    import tim_plugins.report.figures as figures
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2
 
     ess_title = ("IS weight ESS (weights applied)" if table["ess_logged"].any()

@@ -28,6 +28,7 @@ from tim_plugins.rollout.hf import completion_mask_from_eos
 __all__ = [
     "TailNoiseInjector",
     "INJECT_MODES",
+    "EXTRA_ARGS_KEY",
     "perturb_tail",
     "calibrate_scale",
     "calibrate_injector",
@@ -35,6 +36,9 @@ __all__ = [
 ]
 
 INJECT_MODES = ("noise", "bias")
+# The key of the injector's settings in ``SamplingParams.extra_args`` (read by the vLLM processor,
+# ``tim_plugins.integrations.vllm.inject``).
+EXTRA_ARGS_KEY = "tim_inject"
 
 
 def perturb_tail(
@@ -102,7 +106,7 @@ class TailNoiseInjector:
 
     def to_extra_args(self) -> dict:
         """Per-request activation of the vLLM processor: ``SamplingParams(extra_args=injector.to_extra_args())``."""
-        return {"tim_inject": {"scale": self.scale, "tau": self.tau, "mode": self.mode, "seed": self.seed,
+        return {EXTRA_ARGS_KEY: {"scale": self.scale, "tau": self.tau, "mode": self.mode, "seed": self.seed,
                                "bias_sign": self.bias_sign}}
 
     def __repr__(self) -> str:

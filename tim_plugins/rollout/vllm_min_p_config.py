@@ -1,4 +1,7 @@
-"""Settings of the vLLM min-p logits processor (``tim_plugins.rollout.vllm_min_p``); importable without vLLM.
+"""Settings of the vLLM min-p logits processor (``tim_plugins.integrations.vllm.min_p``); importable without vLLM.
+
+They live in the core because two adapters read them: the vLLM processor, and the verl adapter, which builds and
+checks the engine arguments verl forwards to vLLM (adapters never import each other).
 
 Why a processor at all: frameworks that build ``vllm.SamplingParams`` themselves may not pass ``min_p`` (verl
 0.9.1 sets only temperature/top_p/top_k, ``vllm_async_server.py`` ~L634). The processor applies the safe-vocabulary
@@ -18,10 +21,15 @@ import math
 import os
 from typing import Any, Mapping
 
-__all__ = ["PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p", "vllm_engine_kwargs"]
+__all__ = [
+    "PROCESSOR_FQCN", "DEPRECATED_PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p",
+    "vllm_engine_kwargs",
+]
 
 # vLLM loads processors by "<module>:<class>" (``LLM(logits_processors=[...])``, ``--logits-processors``).
-PROCESSOR_FQCN = "tim_plugins.rollout.vllm_min_p:TIMMinPLogitsProcessor"
+PROCESSOR_FQCN = "tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"
+# The name before the processor moved to the vLLM adapter: still loads the same class, for one release.
+DEPRECATED_PROCESSOR_FQCN = "tim_plugins.rollout.vllm_min_p:TIMMinPLogitsProcessor"
 # Key in vLLM's ``additional_config`` and in ``SamplingParams.extra_args``.
 CONFIG_KEY = "tim_min_p"
 ENV_VAR = "TIM_PLUGINS_MIN_P"

@@ -18,7 +18,7 @@ TIM_OVERRIDES=(
     actor_rollout_ref.model.use_fused_kernels=false
     # ... and on the rollout side: verl passes no min_p to vLLM, so tim-plugins' logits processor applies the same
     # min_p to every request (loaded and configured through the engine args verl forwards to vLLM)
-    '+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.rollout.vllm_min_p:TIMMinPLogitsProcessor]'
+    '+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor]'
     +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=${MIN_P}
     actor_rollout_ref.rollout.logprobs_mode=processed_logprobs
     actor_rollout_ref.rollout.calculate_log_probs=true

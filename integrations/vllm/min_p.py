@@ -1,0 +1,138 @@
+"""vLLM logits processor: tim-plugins' safe-vocabulary (min-p) rule on every sampled request.
+
+Imports vLLM at import time: only vLLM users import it (its settings live in the core's
+``tim_plugins.rollout.vllm_min_p_config``, vLLM-free, which the verl adapter reads too).
+
+Rule (vLLM's own ``min_p``, and the trainer's ``tim_plugins.truncation.truncation_threshold``), in logit space:
+    p_T = softmax(z / T),  S = {a : p_T(a) >= min_p · max_b p_T(b)}  <=>  z_a/T >= max_b z_b/T + log(min_p)
+Tokens outside S are set to -inf, so with ``logprobs_mode="processed_logprobs"`` vLLM reports log-probs
+renormalised over S (log p_T(a) − log Σ_S p_T) — what ``safe_logprobs_from_logits`` computes on the trainer.
+
+Use::
+
+    LLM(model, logprobs_mode="processed_logprobs", **vllm_engine_kwargs(1e-4))
+    # = logits_processors=["tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"],
+    #   additional_config={"tim_min_p": 1e-4}; per request: SamplingParams(extra_args={"tim_min_p": x})
+
+Where vLLM 0.32 calls it (the two model runners differ, and each loader rejects the other's interface, so this
+one class implements both; the constructor's arguments tell which runner built it):
+* V1 runner (``vllm/v1/sample/sampler.py`` ``Sampler.sample``; CPU, and GPUs on vLLM versions where custom
+  processors force V1): argmax-invariant processors run after temperature, after the built-in min-p and before
+  top-k/top-p; processed log-probs are taken after top-k/top-p. The logits are already z/T: cut = log(min_p).
+* V2 runner (``vllm/v1/worker/gpu/sample/sampler.py``): custom processors run *before* temperature. We use the
+  equivalent test on raw logits, z_a >= max_b z_b + T·log(min_p), with each request's own T (rounding can
+  differ from the tempered test only for a logit within an ulp of the cut: a boundary token, masked by the
+  trainer like any other).
+Greedy requests (T < 1e-5) are left alone (vLLM skips min-p for them too). Combined with
+``SamplingParams.min_p`` both cuts apply: the larger min_p wins.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.sample.logits_processor import LogitsProcessor as _V1LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, check_min_p, engine_min_p
+
+try:  # the V2 model runner's interface (vLLM >= 0.3x); older versions have only V1
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as _V2LogitsProcessor
+except ImportError:
+    _V2LogitsProcessor = None
+
+__all__ = ["TIMMinPLogitsProcessor"]
+
+# vLLM samples greedily below this temperature (vllm/v1/sample/sampler.py _SAMPLING_EPS) and skips min-p.
+_GREEDY_EPS = 1e-5
+_BASES = (_V1LogitsProcessor,) if _V2LogitsProcessor is None else (_V1LogitsProcessor, _V2LogitsProcessor)
+
+
+def _request_min_p(params: SamplingParams, default: float) -> float:
+    extra = params.extra_args or {}
+    if CONFIG_KEY in extra:
+        return check_min_p(extra[CONFIG_KEY], f"SamplingParams.extra_args[{CONFIG_KEY!r}]")
+    return default
+
+
+def _log_cut(params: SamplingParams, default: float) -> float | None:
+    """log(min_p) for a request, or None when nothing is cut (min_p = 0 or greedy)."""
+    min_p = _request_min_p(params, default)
+    if min_p == 0.0 or params.temperature < _GREEDY_EPS:
+        return None
+    return math.log(min_p)
+
+
+def _mask_below(logits: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] (in place), cut [n] (−inf = keep all): z_a < max_b z_b + cut  ->  −inf."""
+    return logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) + cut[:, None], -math.inf)
+
+
+class TIMMinPLogitsProcessor(*_BASES):
+    """min-p from the engine config (``additional_config["tim_min_p"]``) or per request (``extra_args``)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        _request_min_p(sampling_params, 0.0)  # raises ValueError (HTTP 400 in a server) on a bad value
+
+    def __init__(self, vllm_config: Any, *args: Any) -> None:
+        self.default_min_p = engine_min_p(getattr(vllm_config, "additional_config", None))
+        if len(args) == 2:  # V1: (device, is_pin_memory); state per batch row
+            self._v2 = False
+            self._device = torch.device(args[0])
+            self._rows: dict[int, float] = {}  # row -> log(min_p)
+            self._cut: torch.Tensor | None = None  # [batch] on device, None = no row is pruned
+        elif len(args) == 1:  # V2: (req_states); state per persistent request slot
+            self._v2 = True
+            req_states = args[0]
+            self._device = torch.device(req_states.device)
+            self._slot_cut = np.full(req_states.max_num_reqs, -np.inf, dtype=np.float32)
+            self._slot_active = np.zeros(req_states.max_num_reqs, dtype=bool)
+            self._slot_cut_dev = torch.from_numpy(self._slot_cut).to(self._device)
+            self._dirty = False
+        else:
+            raise TypeError(f"TIMMinPLogitsProcessor: unexpected constructor arguments {args!r}")
+
+    # ------------------------------------------------------------------------------------------------ V1 runner
+    def is_argmax_invariant(self) -> bool:
+        return True  # the most likely token is always kept: V1 applies it after temperature, on sampled rows
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        changed = process_dict_updates(self._rows, batch_update,
+                                       lambda params, _prompt, _out: _log_cut(params, self.default_min_p))
+        size = batch_update.batch_size if batch_update is not None else (0 if self._cut is None else len(self._cut))
+        if not self._rows:
+            self._cut = None
+        elif changed or self._cut is None or len(self._cut) != size:
+            cut = torch.full((size,), -math.inf, dtype=torch.float32)
+            for row, value in self._rows.items():
+                if row < size:
+                    cut[row] = value
+            self._cut = cut.to(self._device)
+
+    # ------------------------------------------------------------------------------------------------ V2 runner
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        log_cut = _log_cut(sampling_params, self.default_min_p)
+        # V2 calls us before temperature: z_a/T >= m/T + log(min_p)  <=>  z_a >= m + T·log(min_p)
+        self._slot_cut[req_idx] = -np.inf if log_cut is None else sampling_params.temperature * log_cut
+        self._slot_active[req_idx] = log_cut is not None
+        self._dirty = True
+        return log_cut is not None
+
+    def apply_staged_writes(self) -> None:
+        if self._dirty:  # a fresh tensor: an in-flight step may still read the previous one
+            self._slot_cut_dev = torch.from_numpy(self._slot_cut.copy()).to(self._device)
+            self._dirty = False
+
+    # ------------------------------------------------------------------------------------------------ both
+    def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        if not self._v2:
+            return logits if self._cut is None else _mask_below(logits, self._cut[: logits.shape[0]])
+        if not self._slot_active[ctx.idx_mapping_np].any():
+            return logits
+        return _mask_below(logits, self._slot_cut_dev[ctx.expanded_idx_mapping])

@@ -1,0 +1,37 @@
+"""The monitor's settings: the one check of ``ratio_band`` (also meant for the adapters' config fields) and
+``compile``; bad values fail early with the value, the rule and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tim_plugins.metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
+
+
+@pytest.mark.parametrize("band", [(0.5, 2.0), [0.9, 1.1], (1e-9, 1e9), (0.5, 2)])
+def test_valid_bands_come_back_as_float_pairs(band):
+    lo, hi = check_ratio_band(band)
+    assert (lo, hi) == (float(band[0]), float(band[1])) and type(lo) is type(hi) is float
+
+
+@pytest.mark.parametrize("band", [(2.0, 0.5), (1.0, 2.0), (0.5, 1.0), (0.0, 2.0), (0.5, math.inf), (0.5, math.nan),
+                                  (0.5,), (0.5, 2.0, 3.0), "ab", None, ("a", 2.0)])
+def test_invalid_bands_quote_where_the_value_the_rule_and_the_fix(band):
+    with pytest.raises(ValueError) as err:
+        check_ratio_band(band, where="tim.monitor.ratio_band", fix="+tim.monitor.ratio_band=[0.5,2.0]")
+    text = str(err.value)
+    assert text.startswith(f"tim.monitor.ratio_band={band!r} is invalid")
+    assert "0 < lo < 1 < hi < inf" in text and text.endswith("Fix: e.g. +tim.monitor.ratio_band=[0.5,2.0]")
+
+
+def test_the_monitor_checks_its_settings_with_the_same_rule():
+    assert MismatchMonitor().ratio_band == DEFAULT_RATIO_BAND
+    mon = MismatchMonitor(ratio_band=[0.8, 1.25])
+    assert mon.ratio_band == (0.8, 1.25)
+    with pytest.raises(ValueError, match=r"ratio_band=\(1\.5, 3\.0\) is invalid"):
+        mon.ratio_band = (1.5, 3.0)
+    assert mon.ratio_band == (0.8, 1.25)  # a refused value changes nothing
+    with pytest.raises(ValueError, match=r"compile='yes' is invalid: use True, False or 'auto'"):
+        MismatchMonitor(compile="yes")

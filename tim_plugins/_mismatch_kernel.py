@@ -1,0 +1,203 @@
+"""The monitor's per-batch pass as one Triton kernel, for CUDA: an ``update()`` is one plain launch.
+
+Why a kernel: on a GPU the statistics take microseconds, while the torch pass launches a dozen kernels plus
+the histogram and the state update, so its cost is mostly launching. Here one program per row reads the row
+once, keeps float32 partial sums, maxima and a ``tl.histogram`` of its d bins, and adds them to the monitor's
+float64 state with atomics (a row's own Σd gives the sequence statistics, so no program waits for another).
+Same formulas and binning as ``_mismatch_pass`` (the tests compare both with a float64 reference, this one
+under ``TRITON_INTERPRET=1`` on the CPU). Float atomics make the last bits of the sums depend on the programs'
+order; counts, histogram and maxima are exact. Triton ships with CUDA builds of torch; the monitor imports
+this module only for a CUDA batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tim_plugins._mismatch_layout import (
+    HISTOGRAM_BINS_PER_DECADE,
+    HISTOGRAM_RANGE,
+    INVALID_LOGPROB_THRESHOLD,
+    N_SIGNED_BINS,
+    OFFSETS,
+    PROB_BUCKET_EDGES,
+)
+
+__all__ = ["add_batch", "launch_arguments", "LAUNCH"]
+
+# Tokens per loop step and warps per program: one token per thread, so that the ~30 accumulators stay in
+# registers with room for several programs per SM (``benchmarks/sweep_metrics_kernel.py`` times other choices).
+LAUNCH = {"BLOCK": 256, "num_warps": 8}
+
+
+@triton.jit
+def _expm1(x):
+    # Kahan's expm1 from exp and log: accurate to float32 rounding near 0, where exp(x) − 1 cancels, even
+    # with a fast approximate exp (the error of u cancels between u − 1 and log(u); log is accurate).
+    u = tl.exp(x)
+    um1 = u - 1.0
+    out = tl.where(u == 1.0, x, um1 * x / tl.log(u))
+    out = tl.where(um1 == -1.0, -1.0, out)
+    return tl.where(u == float("inf"), float("inf"), out)
+
+
+@triton.jit
+def _add(ptr, value):
+    tl.atomic_add(ptr, value.to(tl.float64), sem="relaxed")
+
+
+@triton.jit
+def _max(ptr, value):
+    tl.atomic_max(ptr, value.to(tl.float64), sem="relaxed")
+
+
+@triton.jit
+def _mismatch_kernel(
+    rollout_ptr, train_ptr, mask_ptr, w_ptr, state_ptr, T, log_lo, log_hi,
+    HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+    # The state's field offsets (``_mismatch_layout.OFFSETS``, by upper-case name).
+    TOKENS: tl.constexpr, INVALID: tl.constexpr, ABS_D: tl.constexpr, ABS_P: tl.constexpr, NEG_D: tl.constexpr,
+    K3: tl.constexpr, RHO_M1: tl.constexpr, RHO_M1_SQ: tl.constexpr, OUTSIDE: tl.constexpr, SEQS: tl.constexpr,
+    SEQ_LOG_RATIO: tl.constexpr, IS_TOKENS: tl.constexpr, IS_W: tl.constexpr, IS_W2: tl.constexpr,
+    IS_MASKED: tl.constexpr, HIST: tl.constexpr, BUCKET_COUNT: tl.constexpr, BUCKET_ABS: tl.constexpr,
+    ABS_D_MAX: tl.constexpr, ABS_P_MAX: tl.constexpr, RHO_M1_MAX: tl.constexpr, NEG_RHO_M1_MIN: tl.constexpr,
+    SEQ_ABS_MAX: tl.constexpr, IS_W_MAX: tl.constexpr, NEG_IS_W_MIN: tl.constexpr,
+    # Binning (``_mismatch_layout``).
+    E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, INVALID_AT: tl.constexpr,
+    LOG10_E0: tl.constexpr, BINS_PER_DECADE: tl.constexpr, N_SB: tl.constexpr, N_SB_POW2: tl.constexpr,
+):
+    row_start = tl.program_id(0).to(tl.int64) * T  # inputs are contiguous [B, T]
+    lane = tl.arange(0, BLOCK)
+    f0 = tl.zeros((BLOCK,), tl.float32)
+    i0 = tl.zeros((BLOCK,), tl.int32)
+    s_p, s_d, s_k3, s_rho, s_rho2, s_w, s_w2 = f0, f0, f0, f0, f0, f0, f0
+    n_ok, n_bad, n_out, n_w, n_w0 = i0, i0, i0, i0, i0
+    m_d, m_nd, m_p, m_w, m_nw = f0 - float("inf"), f0 - float("inf"), f0, f0 - float("inf"), f0 - float("inf")
+    k = tl.arange(0, 8)  # probability buckets (5 of 8 columns): Σ|d| and token counts
+    bucket_abs = tl.zeros((BLOCK, 8), tl.float32)
+    bucket_count = tl.zeros((BLOCK, 8), tl.int32)
+    hist = tl.zeros((N_SB_POW2,), tl.int32)
+    centre = (N_SB - 1) // 2
+    for start in range(0, T, BLOCK):
+        offs = start + lane
+        inb = offs < T
+        r = tl.load(rollout_ptr + row_start + offs, mask=inb, other=0.0).to(tl.float32)
+        t = tl.load(train_ptr + row_start + offs, mask=inb, other=0.0).to(tl.float32)
+        response = (tl.load(mask_ptr + row_start + offs, mask=inb, other=0) != 0) & inb
+        d = t - r  # d = log p_train − log p_rollout
+        # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
+        ok = (tl.abs(d) < float("inf")) & (r > INVALID_AT) & (t > INVALID_AT)
+        valid = response & ok
+        d = tl.where(valid, d, 0.0)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0
+        r = tl.where(valid, r, 0.0)
+        rho_m1 = _expm1(d)
+        abs_d = tl.abs(d)
+        abs_p = tl.exp(r) * tl.abs(rho_m1)  # |p_train − p_rollout| = p_rollout · |ρ − 1|
+        s_p += abs_p
+        s_d += d
+        s_k3 += rho_m1 - d
+        s_rho += rho_m1
+        s_rho2 += rho_m1 * rho_m1
+        n_out += ((d < log_lo) | (d > log_hi)).to(tl.int32)
+        n_ok += valid.to(tl.int32)
+        n_bad += (response & ~ok).to(tl.int32)
+        m_d = tl.maximum(m_d, tl.where(valid, d, -float("inf")))
+        m_nd = tl.maximum(m_nd, tl.where(valid, -d, -float("inf")))
+        m_p = tl.maximum(m_p, abs_p)
+        bucket = (r >= E1).to(tl.int32) + (r >= E2).to(tl.int32) + (r >= E3).to(tl.int32) + (r >= E4).to(tl.int32)
+        in_bucket = (bucket[:, None] == k[None, :]) & valid[:, None]
+        bucket_abs += tl.where(in_bucket, abs_d[:, None], 0.0)
+        bucket_count += in_bucket.to(tl.int32)
+        if HAS_W:
+            w = tl.load(w_ptr + row_start + offs, mask=inb, other=0.0).to(tl.float32)
+            w_ok = valid & (tl.abs(w) < float("inf"))
+            w = tl.where(w_ok, w, 0.0)
+            s_w += w
+            s_w2 += w * w
+            n_w += w_ok.to(tl.int32)
+            n_w0 += (w_ok & (w == 0.0)).to(tl.int32)
+            m_w = tl.maximum(m_w, tl.where(w_ok, w, -float("inf")))
+            m_nw = tl.maximum(m_nw, tl.where(w_ok, -w, -float("inf")))
+        # Signed bin of d: |d| bin 0 below E_0, else 1 + floor(32 · log10(|d| / E_0)), capped at the overflow
+        # bin; centre ± |d| bin.
+        abs_bin = tl.floor((tl.log(abs_d) * 0.4342944819032518 - LOG10_E0) * BINS_PER_DECADE) + 1.0
+        abs_bin = tl.minimum(tl.maximum(abs_bin, 0.0), centre).to(tl.int32)
+        sign = (d > 0).to(tl.int32) - (d < 0).to(tl.int32)
+        hist += tl.histogram(centre + sign * abs_bin, N_SB_POW2, mask=valid)
+
+    # This row's totals into the float64 state (relaxed atomics: the launch's end publishes them).
+    abs_sums = tl.sum(bucket_abs, axis=0)
+    tl.atomic_add(state_ptr + BUCKET_ABS + k, abs_sums.to(tl.float64), mask=k < 5, sem="relaxed")
+    tl.atomic_add(state_ptr + BUCKET_COUNT + k, tl.sum(bucket_count, axis=0).to(tl.float64), mask=k < 5,
+                  sem="relaxed")
+    bins = tl.arange(0, N_SB_POW2)
+    tl.atomic_add(state_ptr + HIST + bins, hist.to(tl.float64), mask=(bins < N_SB) & (hist > 0), sem="relaxed")
+    row_d = tl.sum(s_d)
+    _add(state_ptr + TOKENS, tl.sum(n_ok))
+    _add(state_ptr + INVALID, tl.sum(n_bad))
+    _add(state_ptr + ABS_D, tl.sum(abs_sums))
+    _add(state_ptr + ABS_P, tl.sum(s_p))
+    _add(state_ptr + NEG_D, -row_d)
+    _add(state_ptr + K3, tl.sum(s_k3))
+    _add(state_ptr + RHO_M1, tl.sum(s_rho))
+    _add(state_ptr + RHO_M1_SQ, tl.sum(s_rho2))
+    _add(state_ptr + OUTSIDE, tl.sum(n_out))
+    d_max = tl.max(m_d)
+    d_min = -tl.max(m_nd)
+    _max(state_ptr + ABS_D_MAX, tl.maximum(d_max, -d_min))
+    _max(state_ptr + ABS_P_MAX, tl.max(m_p))
+    _max(state_ptr + RHO_M1_MAX, _expm1(d_max))  # ρ is monotone in d
+    _max(state_ptr + NEG_RHO_M1_MIN, -_expm1(d_min))
+    if HAS_W:
+        _add(state_ptr + IS_TOKENS, tl.sum(n_w))
+        _add(state_ptr + IS_W, tl.sum(s_w))
+        _add(state_ptr + IS_W2, tl.sum(s_w2))
+        _add(state_ptr + IS_MASKED, tl.sum(n_w0))
+        _max(state_ptr + IS_W_MAX, tl.max(m_w))
+        _max(state_ptr + NEG_IS_W_MIN, tl.max(m_nw))
+    if tl.sum(n_ok) > 0:  # a sequence counts if it has a valid token
+        _add(state_ptr + SEQS, tl.full((), 1, tl.int32))
+        _add(state_ptr + SEQ_LOG_RATIO, row_d)
+        _max(state_ptr + SEQ_ABS_MAX, tl.abs(row_d))
+
+
+# Every constexpr but HAS_W and BLOCK: the field offsets by name, then the binning.
+_CONSTANTS = {
+    **{name.upper(): offset for name, offset in OFFSETS.items()},
+    **{f"E{i}": math.log(e) for i, e in enumerate(PROB_BUCKET_EDGES[1:-1], start=1)},
+    "INVALID_AT": INVALID_LOGPROB_THRESHOLD, "LOG10_E0": math.log10(HISTOGRAM_RANGE[0]),
+    "BINS_PER_DECADE": float(HISTOGRAM_BINS_PER_DECADE), "N_SB": N_SIGNED_BINS,
+    "N_SB_POW2": triton.next_power_of_2(N_SIGNED_BINS),
+}
+
+
+def launch_arguments(
+    state: torch.Tensor, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
+    is_weights: torch.Tensor | None, log_lo: float, log_hi: float,
+) -> tuple[tuple[int], tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of the launch that adds a [B, T] batch to ``state``."""
+    rollout, train, mask = rollout.contiguous(), train.contiguous(), mask.contiguous()
+    if mask.dtype == torch.bool:  # Triton loads bytes, not bools
+        mask = mask.view(torch.uint8)
+    weights = rollout if is_weights is None else is_weights.contiguous()
+    args = (rollout, train, mask, weights, state, rollout.shape[1], log_lo, log_hi)
+    options = dict(HAS_W=is_weights is not None, BLOCK=LAUNCH["BLOCK"], num_warps=LAUNCH["num_warps"], **_CONSTANTS)
+    return (rollout.shape[0],), args, options
+
+
+def add_batch(
+    state: torch.Tensor, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
+    is_weights: torch.Tensor | None, log_lo: float, log_hi: float,
+) -> None:
+    """Add one [B, T] batch (B·T > 0) to ``state`` (float64, layout ``_mismatch_layout``, on the inputs'
+    device) with one launch."""
+    grid, args, options = launch_arguments(state, rollout, train, mask, is_weights, log_lo, log_hi)
+    if rollout.is_cuda and rollout.device.index != torch.cuda.current_device():
+        with torch.cuda.device(rollout.device):  # a kernel runs on the current device
+            _mismatch_kernel[grid](*args, **options)
+    else:
+        _mismatch_kernel[grid](*args, **options)

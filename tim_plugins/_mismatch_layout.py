@@ -1,0 +1,95 @@
+"""The mismatch monitor's accumulator, defined once: the binning, and the state vector's named fields.
+
+The state is one float64 vector: additive fields (merged by SUM), then maxima (merged by MAX; a minimum is kept
+as the maximum of its negation). Every producer derives its positions from ``FIELDS``: the torch pass packs
+its named values with ``pack``, the Triton kernel receives each field's offset as a constexpr argument of the
+same name (upper case), and ``MismatchMonitor.compute`` reads the vector back with ``unpack``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = [
+    "PROB_BUCKET_EDGES", "HISTOGRAM_RANGE", "HISTOGRAM_BINS_PER_DECADE", "INVALID_LOGPROB_THRESHOLD", "N_BUCKETS",
+    "N_ABS_BINS", "N_SIGNED_BINS", "FIELDS", "SUM_FIELDS", "MAX_FIELDS", "OFFSETS", "N_SUMS", "N_STATE",
+    "abs_diff_bin_edges", "empty_state", "pack", "unpack",
+]
+
+# Token-probability buckets (p = exp(rollout log-prob)) for the (1 − p) structure of the mismatch.
+PROB_BUCKET_EDGES: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
+# Log-spaced histogram of |d|: 32 bins per decade between 1e-8 and 1e3 (bin width ×1.075, so a quantile read
+# from it is within 7.5 % above the true value; values below 1e-8, exact zeros included, share one bin).
+HISTOGRAM_RANGE: tuple[float, float] = (1e-8, 1e3)
+HISTOGRAM_BINS_PER_DECADE = 32
+# Log-probs at or below this are placeholders (e.g. -9999 for "not reported"), not probabilities.
+INVALID_LOGPROB_THRESHOLD = -1e3
+N_BUCKETS = len(PROB_BUCKET_EDGES) - 1
+# |d| bins: bin 0 holds |d| < E_0, bin i holds E_{i-1} <= |d| < E_i, the last one |d| >= E_K (K + 1 edges).
+N_ABS_BINS = round(math.log10(HISTOGRAM_RANGE[1] / HISTOGRAM_RANGE[0])) * HISTOGRAM_BINS_PER_DECADE + 2
+# The signed d histogram: negative bins, the shared "|d| < E_0" bin in the centre, positive bins.
+N_SIGNED_BINS = 2 * N_ABS_BINS - 1
+
+# (name, size). The sums, in their merge order; sums of an empty set are 0.
+SUM_FIELDS: tuple[tuple[str, int], ...] = (
+    ("tokens", 1), ("invalid", 1), ("abs_d", 1), ("abs_p", 1), ("neg_d", 1), ("k3", 1),
+    ("rho_m1", 1),  # Σ(ρ − 1): chi2 and the ratio mean stay exact for ρ ≈ 1 (no n to cancel)
+    ("rho_m1_sq", 1), ("outside", 1), ("seqs", 1), ("seq_log_ratio", 1),
+    ("is_tokens", 1), ("is_w", 1), ("is_w2", 1), ("is_masked", 1),
+    ("hist", N_SIGNED_BINS),  # counts of the signed d histogram
+    ("bucket_count", N_BUCKETS), ("bucket_abs", N_BUCKETS),  # per probability bucket: tokens, Σ|d|
+)
+# The maxima; the maximum of an empty set is −inf.
+MAX_FIELDS: tuple[tuple[str, int], ...] = (
+    ("abs_d_max", 1), ("abs_p_max", 1), ("rho_m1_max", 1), ("neg_rho_m1_min", 1), ("seq_abs_max", 1),
+    ("is_w_max", 1), ("neg_is_w_min", 1),
+)
+FIELDS = SUM_FIELDS + MAX_FIELDS
+
+
+def _offsets() -> dict[str, int]:
+    out, at = {}, 0
+    for name, size in FIELDS:
+        out[name] = at
+        at += size
+    return out
+
+
+OFFSETS: dict[str, int] = _offsets()
+N_SUMS = sum(size for _, size in SUM_FIELDS)
+N_STATE = N_SUMS + sum(size for _, size in MAX_FIELDS)
+
+
+def abs_diff_bin_edges(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The |d| histogram's inner edges E_0 < ... < E_K (float64). Bin i holds E_{i-1} <= |d| < E_i."""
+    lo, hi = HISTOGRAM_RANGE
+    return torch.logspace(math.log10(lo), math.log10(hi), N_ABS_BINS - 1, dtype=torch.float64, device=device)
+
+
+def empty_state(device: torch.device | str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The state of no token: zeros, then −inf (a copy of one kept per device: one operation, not two)."""
+    return _empty_template(torch.device(device), dtype).clone()
+
+
+@functools.lru_cache(maxsize=16)
+def _empty_template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    state = torch.full((N_STATE,), -math.inf, dtype=dtype, device=device)
+    state[:N_SUMS] = 0.0
+    return state
+
+
+def pack(values: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One state vector from a tensor per field (0-d for a field of size 1), in ``FIELDS`` order."""
+    return torch.cat([values[name].reshape(size) for name, size in FIELDS])
+
+
+def unpack(state) -> dict:
+    """A host state vector (numpy) → {field: float, or a numpy array for a field of several slots}."""
+    out = {}
+    for name, size in FIELDS:
+        at = OFFSETS[name]
+        out[name] = float(state[at]) if size == 1 else state[at : at + size]
+    return out

@@ -56,6 +56,16 @@ def findings_table(findings) -> tuple[list[str], list[list[str]]]:
     return columns, rows
 
 
+_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO}
+
+
+def _log_level(findings) -> int:
+    """The level of the worst finding (INFO when there is none): an info-only audit is not a warning."""
+    from tim_plugins.parity.findings import max_severity
+
+    return _LEVELS.get(max_severity(findings), logging.INFO)
+
+
 def run_audit(owner) -> None:
     from tim_plugins.parity.audit import audit, has_errors
     from tim_plugins.parity.findings import ParityError
@@ -71,7 +81,8 @@ def run_audit(owner) -> None:
     owner.parity_specs = (rollout_spec, trainer_spec)
     columns, rows = findings_table(findings)
     text = "\n".join(" | ".join(r) for r in [columns] + rows) if rows else "no findings"
-    logger.warning("tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s", owner.rollout_source, text)
+    logger.log(_log_level(findings), "tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s",
+               owner.rollout_source, text)
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     for severity, n in counts.items():
         owner.add_metric(f"tim/parity/{severity}s", float(n))

@@ -35,6 +35,78 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+# Tool calling on the toy tokenizer: a compact prefix-preserving template that renders tool calls and results,
+# and the matching (legacy, transformers < 5.13) response schema TRL parses completions with.
+TOOL_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}<T>{{ m.content }}</T>"
+    "{%- elif m.role == 'assistant' -%}<A>{{ m.content }}"
+    "{%- for c in (m.tool_calls or []) -%}<C>{{ c.function | tojson }}</C>{%- endfor -%}<E>"
+    "{%- else -%}<U>{{ m.content }}<E>{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<A>{%- endif -%}")
+TOOL_SCHEMA = {
+    "x-regex": r"^(?P<content>(?:(?!<C>)[\s\S])*?)(?P<tool_calls>(?:<C>(?:(?!</C>)[\s\S])+</C>)+)?\s*(?:<E>|$)",
+    "type": "object",
+    "properties": {
+        "role": {"const": "assistant"}, "content": {"type": "string"},
+        "tool_calls": {"type": "array", "x-regex-iterator": r"<C>\s*(.+?)\s*</C>", "items": {
+            "x-parser": "json", "x-parser-args": {"transform": "{type: 'function', function: @}"}, "type": "object",
+            "properties": {"type": {"const": "function"}, "function": {"type": "object", "properties": {
+                "name": {"type": "string"}, "arguments": {"type": "object", "additionalProperties": {}}}}}}},
+    },
+}
+TOOL_CALL = '<C>{"name": "double", "arguments": {"x": 1}}</C><E>'
+
+
+def double(x: int) -> int:
+    """Double a number.
+
+    Args:
+        x: the number to double
+    """
+    return 2 * x
+
+
+class _ForceToolCall:
+    """A logits processor that makes the toy model emit TOOL_CALL then EOS at the start of its first turn
+    (a random toy model never calls a tool by itself); later turns (inside TRL's tool loop) sample freely."""
+
+    def __init__(self, token_ids: list[int], start: int) -> None:
+        self.token_ids, self.start = token_ids, start
+
+    def __call__(self, input_ids, scores):
+        t = input_ids.shape[1] - self.start
+        if t >= len(self.token_ids):
+            return scores
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, self.token_ids[t]] = 0.0
+        return forced
+
+
+def _install_tool_forcing(trainer) -> None:
+    """Test-side instance attributes (installed before the callback, which wraps on top of them)."""
+    tok = trainer.processing_class
+    ids = tok(TOOL_CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    model, state = trainer.model, {"in_loop": False}
+    get_processors, tool_loop = model._get_logits_processor, trainer._tool_call_loop
+
+    def _get_logits_processor(*args, **kwargs):
+        processors = get_processors(*args, **kwargs)
+        if not state["in_loop"]:
+            processors.insert(0, _ForceToolCall(ids, kwargs["input_ids_seq_length"]))
+        return processors
+
+    def _tool_call_loop(*args, **kwargs):
+        state["in_loop"] = True
+        try:
+            return tool_loop(*args, **kwargs)
+        finally:
+            state["in_loop"] = False
+
+    model._get_logits_processor = _get_logits_processor
+    trainer._tool_call_loop = _tool_call_loop
+
+
 def _text(completion) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
@@ -65,7 +137,7 @@ DEFAULT_MATRIX = {
     "beam-search-greedy": ({"generation_kwargs": {"num_beams": 2, "do_sample": False}}, {"unsupported": True}),
     "greedy": ({"generation_kwargs": {"do_sample": False}}, {}),
     "sampler-knobs": ({"temperature": 0.7, "top_k": 8, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 1.2,
-                       "generation_kwargs": {"no_repeat_ngram_size": 3}}, {"truncated_sampler": True}),
+                       "generation_kwargs": {"no_repeat_ngram_size": 3}}, {"sampler_processing": True}),
     "mask-truncated": ({"mask_truncated_completions": True}, {}),
     "all-truncated": ({"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": MCL}},
                       {"all_masked": True}),
@@ -76,6 +148,8 @@ DEFAULT_MATRIX = {
     "conversational": ({}, {"conversational": True}),
     "sequence-level-ratio": ({"importance_sampling_level": "sequence", "loss_type": "grpo"}, {}),
     "entropy-mask-and-opsm": ({"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.5}, {}),
+    # Forced tool call (the sampler sees a one-token distribution there: a large, correctly measured mismatch).
+    "tools": ({"max_completion_length": 72}, {"tools": True, "sampler_processing": True}),
 }
 
 
@@ -86,17 +160,24 @@ def make(model_path, out_dir, overrides: dict, setup: dict) -> GRPOTrainer:
         gradient_checkpointing=False, learning_rate=1e-3, seed=0, disable_tqdm=True,
     )
     opts.update(overrides)
-    ds = datasets.Dataset.from_dict({"prompt": _prompts(setup.get("conversational", False))})
+    chat = setup.get("conversational") or setup.get("tools")
+    ds = datasets.Dataset.from_dict({"prompt": _prompts(bool(chat))})
     if setup.get("iterable"):
         ds = ds.to_iterable_dataset()
     processing_class = None
-    if setup.get("conversational"):
+    if chat:
         from transformers import AutoTokenizer
 
         processing_class = AutoTokenizer.from_pretrained(model_path)
-        processing_class.chat_template = CHAT_TEMPLATE
-    return GRPOTrainer(model=str(model_path), reward_funcs=list(setup.get("rewards", (reward_length,))),
-                       args=GRPOConfig(**opts), train_dataset=ds, processing_class=processing_class)
+        processing_class.chat_template = TOOL_TEMPLATE if setup.get("tools") else CHAT_TEMPLATE
+        if setup.get("tools"):
+            processing_class.response_schema = TOOL_SCHEMA
+    trainer = GRPOTrainer(model=str(model_path), reward_funcs=list(setup.get("rewards", (reward_length,))),
+                          args=GRPOConfig(**opts), train_dataset=ds, processing_class=processing_class,
+                          tools=[double] if setup.get("tools") else None)
+    if setup.get("tools"):
+        _install_tool_forcing(trainer)
+    return trainer
 
 
 def _params(trainer):
@@ -154,8 +235,11 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
         worst = max(e.get("tim/token/abs_diff_max") or 0.0 for e in entries)
         # Same weights and dtype on both sides: only kernel-order noise, unless the sampler truncates or
         # penalises (processed log-probs renormalised over what it kept): then the monitor must see it.
-        assert worst > 1e-3 if setup.get("truncated_sampler") else worst < 1e-3
+        assert worst > 1e-3 if setup.get("sampler_processing") else worst < 1e-3
     assert not any(k.startswith("tim/diag/") for e in entries for k in e), entries
+    if setup.get("tools"):  # TRL's tool loop ran and its tool-result tokens are out of what was measured
+        calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
+        assert calls and min(calls) > 0
     if overrides.get("logging_steps", 1) > steps:
         # No logging_steps boundary was reached: the tim/ window went out with TRL's final log entry.
         assert len(entries) == 1 and "train_runtime" in trainer.state.log_history[-1]
@@ -174,12 +258,13 @@ OPT_IN_MODES = {
 }
 
 OPT_IN_CONFIGS = {
-    "plain": {},
-    "all-truncated": {"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": MCL}},
-    "mask-truncated-grpo": {"mask_truncated_completions": True, "loss_type": "grpo"},
-    "accum-iterations-bnpo": {"gradient_accumulation_steps": 2, "num_iterations": 2, "loss_type": "bnpo"},
-    "steps-per-generation-dr-grpo-beta": {"steps_per_generation": 2, "loss_type": "dr_grpo", "beta": 0.04},
-    "vespo": {"loss_type": "vespo"},
+    "plain": ({}, {}),
+    "all-truncated": ({"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": MCL}}, {}),
+    "mask-truncated-grpo": ({"mask_truncated_completions": True, "loss_type": "grpo"}, {}),
+    "accum-iterations-bnpo": ({"gradient_accumulation_steps": 2, "num_iterations": 2, "loss_type": "bnpo"}, {}),
+    "steps-per-generation-dr-grpo-beta": ({"steps_per_generation": 2, "loss_type": "dr_grpo", "beta": 0.04}, {}),
+    "vespo": ({"loss_type": "vespo"}, {}),
+    "tools": ({"max_completion_length": 72}, {"tools": True}),
 }
 
 
@@ -194,12 +279,18 @@ def _loss_mask(batch):
     return mask
 
 
-@pytest.mark.parametrize("config", list(OPT_IN_CONFIGS))
-@pytest.mark.parametrize("mode", list(OPT_IN_MODES))
+# Every mode on every configuration, but tool runs (the slowest: two generation turns) only for the two modes
+# that edit masks and weights most directly.
+OPT_IN_CASES = [(m, c) for m in OPT_IN_MODES for c in OPT_IN_CONFIGS
+                if c != "tools" or m in ("token_tis", "safe_vocab")]
+
+
+@pytest.mark.parametrize("mode,config", OPT_IN_CASES)
 def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, config):
     make_cfg, extra = OPT_IN_MODES[mode]
-    overrides = {**OPT_IN_CONFIGS[config], **extra}
-    trainer = make(toy_model_path, tmp_path, overrides, {})
+    overrides, setup = OPT_IN_CONFIGS[config]
+    overrides = {**overrides, **extra}
+    trainer = make(toy_model_path, tmp_path, overrides, setup)
     cap = Capture(trainer)
     before = _params(trainer)
     cb = TIMCallback(trainer, make_cfg())

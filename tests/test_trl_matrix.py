@@ -6,8 +6,9 @@ Opt-in modes (IS correction, safe vocabulary): TRL's own invariants hold: no tok
 dapo normaliser counts exactly the tokens left in the loss, and a batch TRL masks entirely (every completion
 truncated, ``mask_truncated_completions=True``) gives loss 0 and leaves the parameters unchanged.
 
-Two completions per prompt, 2-3 optimizer steps per run: CI-sized (see the README's trl section for the wall
-time of the whole matrix on a 2-core machine).
+Tool calling runs TRL's real tool loop: a logits processor (test-side) makes the toy model emit one tool call,
+which TRL parses, executes and answers before the second turn. Two completions per prompt, 2-3 optimizer steps
+per run, so the matrix stays CI-sized.
 """
 
 from __future__ import annotations

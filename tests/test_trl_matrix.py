@@ -143,6 +143,7 @@ DEFAULT_MATRIX = {
     "all-truncated": ({"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": MCL}},
                       {"all_masked": True}),
     "max-steps-below-logging-steps": ({"max_steps": 3, "logging_steps": 10}, {}),
+    "logging-per-epoch": ({"logging_strategy": "epoch", "max_steps": -1, "num_train_epochs": 1}, {"n_prompts": 4}),
     "iterable-dataset": ({}, {"iterable": True}),
     "several-rewards": ({"reward_weights": [1.0, 0.5]}, {"rewards": (reward_length, reward_digits)}),
     "beta": ({"beta": 0.04}, {}),
@@ -162,7 +163,7 @@ def make(model_path, out_dir, overrides: dict, setup: dict) -> GRPOTrainer:
     )
     opts.update(overrides)
     chat = setup.get("conversational") or setup.get("tools")
-    ds = datasets.Dataset.from_dict({"prompt": _prompts(bool(chat))})
+    ds = datasets.Dataset.from_dict({"prompt": _prompts(bool(chat))[: setup.get("n_prompts")]})
     if setup.get("iterable"):
         ds = ds.to_iterable_dataset()
     processing_class = None
@@ -241,6 +242,9 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
     if setup.get("tools"):  # TRL's tool loop ran and its tool-result tokens are out of what was measured
         calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
         assert calls and min(calls) > 0
+    if overrides.get("logging_strategy") == "epoch":  # one log entry per epoch, carrying the epoch's window
+        step_logs = [h for h in trainer.state.log_history if "loss" in h]
+        assert len(step_logs) == 1 and "tim/tokens" in step_logs[0] and steps == 2
     if overrides.get("logging_steps", 1) > steps:
         # No logging_steps boundary was reached: the tim/ window went out with TRL's final log entry.
         assert len(entries) == 1 and "train_runtime" in trainer.state.log_history[-1]
@@ -266,6 +270,7 @@ OPT_IN_CONFIGS = {
     "steps-per-generation-dr-grpo-beta": ({"steps_per_generation": 2, "loss_type": "dr_grpo", "beta": 0.04}, {}),
     "vespo": ({"loss_type": "vespo"}, {}),
     "tools": ({"max_completion_length": 72}, {"tools": True}),
+    "beam-search": ({"generation_kwargs": {"num_beams": 2}}, {}),
 }
 
 
@@ -319,6 +324,9 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         assert all(h["loss"] == 0.0 for h in trainer.state.log_history if "loss" in h)
         after = _params(trainer)
         assert all(torch.equal(before[n], after[n]) for n in before), "parameters moved on fully masked batches"
+    elif config == "beam-search":  # not measured, so not corrected: counted, and TRL trained as configured
+        key = "tim/diag/unsupported_generation_mode"
+        assert [h[key] for h in trainer.state.log_history if key in h][-1] == cb.generation_count >= 1
     elif mode == "icepop_inject":
         kept = [h["tim/correction/kept_frac"] for h in trainer.state.log_history if "tim/correction/kept_frac" in h]
         assert kept and min(kept) < 1.0  # the correction did drop tokens, and they stayed dropped (checked above)

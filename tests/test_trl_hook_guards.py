@@ -77,6 +77,10 @@ def test_sources_hold_the_assumed_statements():
     assert 'importance_sampling_ratio=inputs.get("importance_sampling_ratio")' in loss
     # The loss mask the callback narrows through tool_mask.
     assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in loss
+    # hooks._label_mask rebuilds the positions the fused head scores, as TRL labels them.
+    logps = _src(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)" in logps
+    assert "labels[:, :-logits_to_keep] = -100" in logps and "fused_lm_head=True" in logps
     single = _src(GRPOTrainer._generate_single_turn)
     assert "unwrapped_model.generate(" in single and "generation_config=self.generation_config" in single
     assert "logprobs = None" in single
@@ -84,6 +88,10 @@ def test_sources_hold_the_assumed_statements():
 
     # The fused head looks the kernel up as a module global at call time (the safe-vocab shim replaces it).
     assert "_ChunkedLogProbFunction.apply(" in _src(trl_utils.add_fused_lm_head)
+    # TIMCallback._push_metrics appends to trainer._metrics["train"]; TRL's log() averages and clears it.
+    log = _src(GRPOTrainer.log)
+    assert "for key, val in self._metrics[mode].items():" in log and "self._metrics[mode].clear()" in log
+    assert 'self._metrics[mode]["completions/mean_length"]' in _src(GRPOTrainer._generate)
     prepare = _src(GRPOTrainer._prepare_inputs)
     assert "self._generate_and_score_completions(generation_batch)" in prepare
     assert "shuffle_sequence_dict" in prepare and "split_tensor_dict" in prepare

@@ -50,6 +50,9 @@ TRL_SOURCES = {
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"):
         "transformers path: one unwrapped_model.generate(..., generation_config=self.generation_config) call, "
         "returns (completion_ids cut after the first EOS, logprobs=None)",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer.log"):
+        "averages every list in self._metrics[mode] into the logged values and clears them (the callback appends "
+        "its tim/ values there, and reads completions/mean_length from it)",
     ("trl.trainer.utils", "_ChunkedLogProbFunction"):
         "looked up at call time by add_fused_lm_head; .apply(hidden, weight, bias, targets, temperature, "
         "chunk_size, final_logit_softcapping, logit_scale, outputs)",
@@ -79,7 +82,9 @@ class Patch:
 
 
 def _label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-    """Which shifted positions TRL's fused head scores: labels != -100 (trainer/utils.py add_fused_lm_head)."""
+    """Which shifted positions TRL's fused head scores: labels != -100, labelled as in
+    trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies and scored by
+    trl/trainer/utils.py add_fused_lm_head (both guarded in tests/test_trl_hook_guards.py)."""
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, :-logits_to_keep] = -100
     return labels[:, 1:] != -100  # [b, L-1]
@@ -105,16 +110,19 @@ class TRLHooks:
         t = self.trainer
         # The class's signature (instance attributes may be other wrappers taking *args, **kwargs).
         self._logps_sig = inspect.signature(type(t)._get_per_token_logps_and_entropies)
+        # trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions (TRL_SOURCES)
         self.patches.append(Patch(t, "_generate_and_score_completions", self._wrap_generate_and_score))
+        # trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss (TRL_SOURCES)
         self.patches.append(Patch(t, "_compute_loss", self._wrap_compute_loss))
+        # trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies (TRL_SOURCES)
         if exact_scoring:  # under the capture wrapper below, so the monitor sees the exact scores
             from ._exact_scoring import exact_scorer
 
             self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", exact_scorer(t)))
         self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
-        if generation:
+        if generation:  # trl/trainer/grpo_trainer.py GRPOTrainer._generate_single_turn (TRL_SOURCES)
             self.patches.append(Patch(t, "_generate_single_turn", self._wrap_generate_single_turn))
-        if safe_vocab_shim is not None:
+        if safe_vocab_shim is not None:  # trl/trainer/utils.py _ChunkedLogProbFunction, read by add_fused_lm_head
             import trl.trainer.utils as trl_utils
 
             self.patches.append(Patch(trl_utils, "_ChunkedLogProbFunction", safe_vocab_shim))

@@ -139,6 +139,21 @@ def _check_against_reference(trainer, cap):
     return checked
 
 
+def check_vllm_step(trainer, cap, step) -> dict:
+    """vLLM rollouts (colocate or server): the step's tim/* equal the naive formulas on TRL's own tensors (vLLM
+    processed log-probs vs the trainer at the rollout weights) and TRL's own mean |d|. Returns the log entry."""
+    (out,) = [o for s, o in cap.generations if s == step]
+    ref = naive_metrics(out["sampling_per_token_logps"], out["old_per_token_logps"], _loss_mask(out))
+    logged = _logged(trainer, step)
+    for key, value in ref.items():
+        assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-12), (step, key)
+    assert logged["tim/token/abs_diff_mean"] == pytest.approx(logged["sampling/sampling_logp_difference/mean"],
+                                                              rel=1e-4)
+    # IS weights seen by the monitor are TRL's (sequence_mask by default)
+    assert logged["tim/tokens"] > 0 and "tim/is/weight_mean" in logged
+    return logged
+
+
 @pytest.mark.parametrize(
     "loss_type,ga,num_iterations",
     [("dapo", 1, 1), ("grpo", 2, 2), ("dr_grpo", 2, 1)],

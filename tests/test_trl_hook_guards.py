@@ -72,8 +72,9 @@ def test_sources_hold_the_assumed_statements():
     # (B, T) advantages pass through unchanged (the IS route folds the weights into them).
     assert "if advantages.dim() == 1:" in loss
     # TRL's own IS product exists only in the vLLM branch, and vespo reads the ratio key directly.
-    assert re.search(r"if self\.use_vllm and self\.vllm_importance_sampling_correction and self\.loss_type != \"vespo\":"
-                     r"\s*per_token_loss = per_token_loss \* inputs\[\"importance_sampling_ratio\"\]", loss)
+    branch = (r"if self\.use_vllm and self\.vllm_importance_sampling_correction and self\.loss_type != \"vespo\":"
+              r"\s*per_token_loss = per_token_loss \* inputs\[\"importance_sampling_ratio\"\]")
+    assert re.search(branch, loss)
     assert 'importance_sampling_ratio=inputs.get("importance_sampling_ratio")' in loss
     # The loss mask the callback narrows through tool_mask.
     assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in loss
@@ -141,11 +142,12 @@ def test_is_weights_route_equals_trls_vllm_product(batch_and_trainer, loss_type,
     # own ratio is exp(0) there).
     ref_inputs = copy.copy(batch)
     ref_inputs["importance_sampling_ratio"] = torch.where(mask, weights, torch.ones(()))
+    flags = (trainer.use_vllm, trainer.vllm_importance_sampling_correction)
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     try:
         ref_loss, ref_grads = _loss_and_grads(trainer, ref_inputs)
     finally:
-        trainer.use_vllm, trainer.vllm_importance_sampling_correction = False, trainer.args.vllm_importance_sampling_correction
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = flags
     plain_loss, _ = _loss_and_grads(trainer, copy.copy(batch))
     # The adapter's route, with TRL's flags as configured.
     ours = copy.copy(batch)

@@ -248,7 +248,8 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
     if overrides.get("logging_steps", 1) > steps:
         # No logging_steps boundary was reached: the tim/ window went out with TRL's final log entry.
         assert len(entries) == 1 and "train_runtime" in trainer.state.log_history[-1]
-        assert "tim/tokens" in trainer.state.log_history[-1] and "completions/mean_length" in trainer.state.log_history[-1]
+        final = trainer.state.log_history[-1]
+        assert "tim/tokens" in final and "completions/mean_length" in final
 
 
 # ------------------------------------------------------------------------------------------ opt-in modes

@@ -121,7 +121,8 @@ class TIMCallback(TrainerCallback):
         """Count a diagnostic problem under ``tim/diag/<name>`` and log it the first time (``detail`` says what
         happened); strict mode raises instead."""
         if self.config.strict:
-            raise RuntimeError(f"tim_plugins (strict): diagnostic problem '{name}'" + (f": {detail}" if detail else ""))
+            suffix = f": {detail}" if detail else ""
+            raise RuntimeError(f"tim_plugins (strict): diagnostic problem '{name}'{suffix}")
         self.diag[name] = self.diag.get(name, 0.0) + n
         if name not in self._warned:
             self._warned.add(name)

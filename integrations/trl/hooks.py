@@ -261,5 +261,9 @@ class TRLHooks:
         if n == 0:
             return [[] for _ in completion_ids]
         last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
-        table = recorder.finish(last).cpu()
+        try:
+            table = recorder.finish(last).cpu()
+        except Exception as err:  # a diagnostic problem never breaks the training step
+            self.rt.count_diag("hf_logprobs_unrecorded", detail=repr(err))
+            return None
         return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]

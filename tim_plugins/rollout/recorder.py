@@ -46,8 +46,8 @@ class ProcessedLogprobRecorder:
             return scores
         try:
             rows, length = input_ids.shape
-            if scores.shape[0] != rows or (self._shape is not None and (rows, length) != (self._shape[0],
-                                                                                          self._shape[1] + 1)):
+            expected = None if self._shape is None else (self._shape[0], self._shape[1] + 1)
+            if scores.shape[0] != rows or (expected is not None and (rows, length) != expected):
                 self._stop(f"processor called on {tuple(input_ids.shape)} input ids after "
                            f"{self._shape} (one row per sequence, one more token per call expected)")
                 return scores
@@ -110,9 +110,10 @@ def _generation_mode(args: tuple, kwargs: dict) -> str | None:
     if get_mode is None:
         return None
     try:
-        return str(getattr(get_mode(), "value", get_mode()))
+        mode = get_mode()
     except Exception:  # an odd config: leave the decision to the per-call checks
         return None
+    return str(getattr(mode, "value", mode))
 
 
 @contextmanager

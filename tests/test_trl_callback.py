@@ -46,7 +46,10 @@ class Capture:
     def __init__(self, trainer):
         self.trainer = trainer
         self.generations = []  # (step, out dict)
+        self.trl_built = []  # copies of what TRL put in each out dict, before any wrapper outside this one edits it
         self.losses = []  # (step, inputs, per_token_logps)
+        self.loss_values = []  # what TRL's _compute_loss returned
+        self.flags_in_loss = []  # (use_vllm, vllm_importance_sampling_correction) as TRL read them in the loss
         gen, loss, logps = (trainer._generate_and_score_completions, trainer._compute_loss,
                             trainer._get_per_token_logps_and_entropies)
         self._in_loss = None
@@ -54,15 +57,18 @@ class Capture:
         def _generate_and_score_completions(*a, **k):
             out = gen(*a, **k)
             self.generations.append((trainer.state.global_step + 1, out))
+            self.trl_built.append({k: v.detach().clone() for k, v in out.items() if isinstance(v, torch.Tensor)})
             return out
 
         def _compute_loss(model, inputs, *a, **k):
             self._in_loss = []
+            self.flags_in_loss.append((trainer.use_vllm, trainer.vllm_importance_sampling_correction))
             try:
                 result = loss(model, inputs, *a, **k)
             finally:
                 got, self._in_loss = self._in_loss, None
             self.losses.append((trainer.state.global_step + 1, inputs, got[0]))
+            self.loss_values.append(result.detach().clone())
             return result
 
         def _get_per_token_logps_and_entropies(*a, **k):
@@ -74,6 +80,9 @@ class Capture:
         trainer._generate_and_score_completions = _generate_and_score_completions
         trainer._compute_loss = _compute_loss
         trainer._get_per_token_logps_and_entropies = _get_per_token_logps_and_entropies
+        self.wrappers = {"_generate_and_score_completions": _generate_and_score_completions,
+                         "_compute_loss": _compute_loss,
+                         "_get_per_token_logps_and_entropies": _get_per_token_logps_and_entropies}
 
 
 def naive_metrics(rollout, train, mask):
@@ -130,6 +139,21 @@ def _check_against_reference(trainer, cap):
     return checked
 
 
+def check_vllm_step(trainer, cap, step) -> dict:
+    """vLLM rollouts (colocate or server): the step's tim/* equal the naive formulas on TRL's own tensors (vLLM
+    processed log-probs vs the trainer at the rollout weights) and TRL's own mean |d|. Returns the log entry."""
+    (out,) = [o for s, o in cap.generations if s == step]
+    ref = naive_metrics(out["sampling_per_token_logps"], out["old_per_token_logps"], _loss_mask(out))
+    logged = _logged(trainer, step)
+    for key, value in ref.items():
+        assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-12), (step, key)
+    assert logged["tim/token/abs_diff_mean"] == pytest.approx(logged["sampling/sampling_logp_difference/mean"],
+                                                              rel=1e-4)
+    # IS weights seen by the monitor are TRL's (sequence_mask by default)
+    assert logged["tim/tokens"] > 0 and "tim/is/weight_mean" in logged
+    return logged
+
+
 @pytest.mark.parametrize(
     "loss_type,ga,num_iterations",
     [("dapo", 1, 1), ("grpo", 2, 2), ("dr_grpo", 2, 1)],
@@ -147,9 +171,10 @@ def test_hf_rollout_metrics_equal_reference(toy_model_path, tmp_path, loss_type,
     # Same weights, fp32, KV-cache decode vs full forward: tiny but counted mismatch.
     assert 0.0 <= first["tim/token/abs_diff_max"] < 1e-3
     assert first["tim/invalid_tokens"] == 0.0
-    # wrappers removed at train end
-    assert not any(k in vars(trainer) for k in ("_generate_single_turn",)) or True
+    # Wrappers removed at train end: only the test's own (installed before the callback) remain.
     assert "_generate_single_turn" not in vars(trainer)
+    for name, fn in cap.wrappers.items():
+        assert vars(trainer)[name] is fn, name
 
 
 def test_monitor_matches_core_monitor_on_captured_tensors(toy_model_path, tmp_path):

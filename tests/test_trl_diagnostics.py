@@ -105,3 +105,16 @@ def test_wandb_histograms(toy_model_path, tmp_path, monkeypatch):
     tokens = _logged(trainer, 1)["tim/tokens"]
     assert sum(hist["tim/hist/abs_diff"].histogram) == tokens
     assert sum(hist["tim/hist/ratio"].histogram) == tokens
+
+
+@pytest.mark.parametrize("overrides,level", [({}, "INFO"), ({"repetition_penalty": 1.3}, "ERROR")])
+def test_parity_audit_logged_at_its_worst_findings_level(toy_model_path, tmp_path, caplog, overrides, level):
+    trainer = make_trainer(toy_model_path, tmp_path, **overrides)
+    cb = TIMCallback(trainer, TIMConfig())
+    with caplog.at_level("DEBUG", logger="tim_plugins.trl"):
+        cb.features.run_parity_audit()
+    (record,) = [r for r in caplog.records if "parity audit" in r.getMessage()]
+    severities = {f.severity for f in cb.findings}
+    # The reference: the worst severity among the findings (an HF rollout with matched knobs has info only).
+    worst = next((s for s in ("error", "warning", "info") if s in severities), "info")
+    assert record.levelname == level == worst.upper()

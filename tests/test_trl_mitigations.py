@@ -68,25 +68,54 @@ def test_without_safe_vocab_min_p_sampler_shows_mismatch(toy_model_path, tmp_pat
     assert _logged(trainer, 1)["tim/token/abs_diff_max"] > 1e-3
 
 
+def _rows_by_content(batch, *keys):
+    """{(prompt ids, completion ids): tuple of batch[key] rows}: matches rows across TRL's shuffle."""
+    out = {}
+    for i in range(batch["completion_ids"].shape[0]):
+        row = (tuple(batch["prompt_ids"][i].tolist()), tuple(batch["completion_ids"][i].tolist()))
+        out[row] = tuple(batch[k][i] for k in keys)
+    return out
+
+
 def test_is_correction_without_vllm(toy_model_path, tmp_path):
-    clip = 1.0 + 1e-6  # binds on about half the tokens (|d| ~ 1e-6 on this path)
+    """Token TIS on TRL's transformers rollouts: the weights are min(exp(train - rollout), C), they differ clearly
+    from 1 (injected mismatch), and TRL's loss is the reference loss computed with them, TRL's flags untouched."""
+    clip = 1.1
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(is_correction="token_tis",
-                                                        is_correction_options={"token_clip": clip})))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(
+        is_correction="token_tis", is_correction_options={"token_clip": clip},
+        rollout="inject", inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0})))
     trainer.train()
     (_, inputs, loss_logps), = cap.losses
     mask = inputs["completion_mask"].bool()
     # Reference: token TIS w = min(exp(train - rollout), C), train scored at the rollout weights (= the loss
     # forward here: on-policy, one micro-batch), 0 off the mask.
-    ref = torch.clamp(torch.exp(loss_logps.double() - inputs["sampling_per_token_logps"].double()), max=clip)
-    w = inputs["importance_sampling_ratio"]
-    assert torch.allclose(w[mask].double(), ref[mask], rtol=0, atol=1e-6)
+    ref_w = torch.clamp(torch.exp(loss_logps.double() - inputs["sampling_per_token_logps"].double()), max=clip)
+    w = inputs["tim_is_weights"]
+    assert torch.allclose(w[mask].double(), ref_w[mask], rtol=0, atol=1e-5)
     assert torch.all(w[~mask] == 0)
-    # TRL applied it: the flags were raised for the loss only and are back to TRL's values.
-    assert trainer.use_vllm is False and "use_vllm" not in {k for k in vars(trainer) if k.startswith("tim")}
+    # A regime where the weights matter: the clip binds on some tokens, others are well below 1.
+    assert int((w[mask] >= clip - 1e-6).sum()) >= 1
+    assert int((w[mask] < 0.9).sum()) >= 1
+    # TRL's loss used them. dapo, on-policy: r = exp(logp - sg(logp)) = 1 inside the clip, so the per-token term
+    # is -A_i and the loss is -sum(A_i * w_it * m_it) / N, with TRL's own advantages (before our fold) and N.
+    (built,) = cap.trl_built
+    adv = _rows_by_content(built, "advantages")
+    a = torch.stack([adv[(tuple(p.tolist()), tuple(c.tolist()))][0]
+                     for p, c in zip(inputs["prompt_ids"], inputs["completion_ids"])]).double()
+    n = float(built["num_items_in_batch"])
+    assert float(inputs["num_items_in_batch"]) == n  # token TIS drops no token
+    ref_loss = -(a[:, None] * ref_w * mask).sum() / n
+    unweighted = -(a[:, None] * mask).sum() / n
+    (loss,) = cap.loss_values
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+    assert abs(float(ref_loss) - float(unweighted)) > 1e-3  # the check above would fail with weights ignored
+    # TRL read its own configuration in the loss (no vLLM branch raised for our weights).
+    assert cap.flags_in_loss == [(False, trainer.args.vllm_importance_sampling_correction)]
+    assert trainer.use_vllm is False
     logged = _logged(trainer, 1)
-    assert logged["tim/is/weight_max"] <= clip + 1e-6
+    assert logged["tim/is/weight_max"] == pytest.approx(float(w[mask].max()), rel=1e-6)
     assert logged["tim/correction/kept_frac"] == 1.0
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("trl")
 pytest.importorskip("vllm")
 datasets = pytest.importorskip("datasets")
 
-from test_trl_callback import Capture, _logged, _loss_mask, make_trainer, naive_metrics  # noqa: E402
+from test_trl_callback import Capture, _logged, check_vllm_step, make_trainer  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 
@@ -56,19 +56,7 @@ def test_vllm_metrics_equal_reference_on_trl_tensors(vllm_run):
     trainer, cap, cb = vllm_run
     assert cb.rollout_source == "vllm"
     for step in (1, 2):
-        outs = [o for s, o in cap.generations if s == step]
-        assert outs, step
-        out = outs[0]
-        # TRL's own tensors: vLLM processed log-probs vs the trainer's log-probs at the rollout weights.
-        ref = naive_metrics(out["sampling_per_token_logps"], out["old_per_token_logps"], _loss_mask(out))
-        logged = _logged(trainer, step)
-        for key, value in ref.items():
-            assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-12), (step, key)
-        # TRL's own mean |Δ| (sampling/sampling_logp_difference/mean) is the same quantity
-        assert logged["tim/token/abs_diff_mean"] == pytest.approx(
-            logged["sampling/sampling_logp_difference/mean"], rel=1e-4)
-        # IS weights seen by the monitor are TRL's (sequence_mask by default)
-        assert "tim/is/weight_mean" in logged
+        check_vllm_step(trainer, cap, step)
 
 
 def test_parity_audit_reads_live_engine(vllm_run):

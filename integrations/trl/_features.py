@@ -259,6 +259,33 @@ class Features:
             self.owner.add_metric(key, value)
         return res.weights.to(train.dtype), res.mask.bool()
 
+    def apply_is_weights(self, out: dict, weights: torch.Tensor, mask: torch.Tensor) -> None:
+        """Make TRL's loss apply the correction's per-token weights, reading TRL's configuration as it is.
+
+        TRL multiplies its per-token loss by ``inputs["importance_sampling_ratio"]`` only under ``use_vllm and
+        vllm_importance_sampling_correction`` (trl/trainer/grpo_trainer.py, ``GRPOTrainer._compute_loss``). The
+        same product is reached through an input TRL reads in every mode: ``_compute_loss`` accepts (B, T)
+        advantages, and for every loss type but vespo the per-token policy term is positively homogeneous in
+        them (-min(r·A, clip(r)·A), -sg(min(r, ε))·A·log p, sapo's soft gate · A, ...): with w >= 0, A·w gives
+        exactly w × TRL's term, ahead of the same masks and the same KL term TRL's vLLM branch leaves unweighted.
+        vespo folds the ratio into its sequence weight instead (``get_gamma_weights`` reads
+        ``inputs["importance_sampling_ratio"]`` whether or not vLLM is used); there the weights go in that key,
+        1 outside TRL's loss mask as TRL's own ratio is. ``tests/test_trl_hook_guards.py`` checks both routes
+        against TRL's vLLM branch for every loss type.
+
+        Args:
+            out: TRL's generation batch (edited in place; ``tim_is_weights`` keeps the weights applied).
+            weights: [B, T] correction weights (0 where the correction dropped a token).
+            mask: [B, T] TRL's own loss mask (before any narrowing by the callback).
+        """
+        out["tim_is_weights"] = weights
+        if self.trainer.loss_type == "vespo":
+            out["importance_sampling_ratio"] = torch.where(mask.bool(), weights, torch.ones_like(weights))
+            return
+        adv = out["advantages"]
+        adv = adv if adv.dim() == 2 else adv.unsqueeze(1)
+        out["advantages"] = adv * weights.to(adv.dtype)
+
     # ---------------------------------------------------------------------------------------- LR decay
     def lr_decay_step(self, step: int, step_metrics: dict, optimizer, scheduler) -> None:
         from tim_plugins.lr_scaling import apply_lr_scale

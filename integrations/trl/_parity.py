@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["collect_specs", "run_audit"]
+__all__ = ["collect_specs", "run_audit", "server_engine_args"]
 
 logger = logging.getLogger("tim_plugins.trl")
 
@@ -13,6 +13,30 @@ logger = logging.getLogger("tim_plugins.trl")
 def _live_llm(trainer):
     gen = getattr(trainer, "vllm_generation", None)
     return getattr(gen, "llm", None) if gen is not None else None
+
+
+def server_engine_args(trainer) -> tuple[dict, str] | None:
+    """(engine args, device) of the vLLM server a server-mode trainer generates with, read live through TRL's
+    own client (``VLLMClient.get_server_info``: GET /server_info of ``trl vllm-serve``); None without a server
+    or when the server does not answer (the audit then says the engine args are unknown)."""
+    client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)
+    if client is None or not hasattr(client, "get_server_info"):
+        return None
+    try:
+        info = client.get_server_info()
+        model, cache, sched = info["model_config"], info["cache_config"], info["scheduler_config"]
+        args = {
+            "model": model.get("model"), "dtype": str(model.get("dtype")).replace("torch.", ""),
+            "logprobs_mode": model.get("logprobs_mode"), "enforce_eager": model.get("enforce_eager"),
+            "quantization": model.get("quantization"), "kv_cache_dtype": cache.get("cache_dtype"),
+            "enable_prefix_caching": cache.get("enable_prefix_caching"),
+            "enable_chunked_prefill": sched.get("enable_chunked_prefill"),
+        }
+        device = str((info.get("device_config") or {}).get("device") or "cuda")
+    except Exception as err:  # an audit problem never stops training
+        logger.info("tim_plugins: could not read the vLLM server's configuration: %r", err)
+        return None
+    return {k: v for k, v in args.items() if v is not None}, device
 
 
 def collect_specs(trainer, rollout_source: str):
@@ -25,7 +49,9 @@ def collect_specs(trainer, rollout_source: str):
     except (ImportError, AttributeError):
         reader = None
     if reader is not None:
-        return reader(trainer, llm=_live_llm(trainer), rollout_source=rollout_source)
+        server = server_engine_args(trainer)
+        return reader(trainer, llm=_live_llm(trainer), rollout_source=rollout_source,
+                      server_args=server[0] if server else None, server_device=server[1] if server else None)
     return _generic_specs(trainer, rollout_source)
 
 
@@ -50,6 +76,16 @@ def _generic_specs(trainer, rollout_source: str):
     return rollout_spec, trainer_spec
 
 
+_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO}
+
+
+def _log_level(findings) -> int:
+    """The level of the worst finding (INFO when there is none): an info-only audit is not a warning."""
+    from tim_plugins.parity.findings import max_severity
+
+    return _LEVELS.get(max_severity(findings), logging.INFO)
+
+
 def run_audit(owner) -> None:
     from tim_plugins.parity.audit import audit, has_errors
     from tim_plugins.parity.findings import ParityError
@@ -66,7 +102,8 @@ def run_audit(owner) -> None:
     owner.parity_specs = (rollout_spec, trainer_spec)
     columns, rows = list(FINDINGS_COLUMNS), findings_rows(findings, framework="trl")
     text = "\n".join(" | ".join(r) for r in [columns] + rows) if rows else "no findings"
-    logger.warning("tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s", owner.rollout_source, text)
+    logger.log(_log_level(findings), "tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s",
+               owner.rollout_source, text)
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     for severity, n in counts.items():
         owner.add_metric(f"tim/parity/{severity}s", float(n))

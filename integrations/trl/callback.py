@@ -75,6 +75,7 @@ class TIMCallback(TrainerCallback):
         self.findings: list = []
         self.generation_count = 0
         self._warned: set[str] = set()
+        self._pushed_at: int | None = None  # global step of the last push into TRL's metrics
         self.features = _features.Features(self) if config.enabled else None
         self.rollout_source = self.features.resolve_rollout_source() if self.features else "off"
         self.safe_vocab_active = bool(config.enabled and config.safe_vocab)
@@ -116,13 +117,17 @@ class TIMCallback(TrainerCallback):
         self.hooks.detach()
 
     # ------------------------------------------------------------------------------ hooks → runtime
-    def count_diag(self, name: str, n: float = 1.0) -> None:
+    def count_diag(self, name: str, n: float = 1.0, detail: str | None = None) -> None:
+        """Count a diagnostic problem under ``tim/diag/<name>`` and log it the first time (``detail`` says what
+        happened); strict mode raises instead."""
         if self.config.strict:
-            raise RuntimeError(f"tim_plugins (strict): diagnostic problem '{name}'")
+            suffix = f": {detail}" if detail else ""
+            raise RuntimeError(f"tim_plugins (strict): diagnostic problem '{name}'{suffix}")
         self.diag[name] = self.diag.get(name, 0.0) + n
         if name not in self._warned:
             self._warned.add(name)
-            logger.warning("tim_plugins: %s (counted under tim/diag/%s; further occurrences not logged)", name, name)
+            logger.warning("tim_plugins: %s%s (counted under tim/diag/%s; further occurrences not logged)", name,
+                           f" ({detail})" if detail else "", name)
 
     def wants_deferred_monitor(self, inputs: dict) -> bool:
         """Loss-forward capture is needed when TRL did not score the batch at the rollout weights."""
@@ -134,35 +139,38 @@ class TIMCallback(TrainerCallback):
         )
 
     def on_generation_batch(self, out: dict, records: list[dict]) -> None:
-        """Called with each training generation batch, after TRL built it (before shuffle/split)."""
+        """Called with each training generation batch, after TRL built it (before shuffle/split).
+
+        Only ever narrows TRL's loss mask (through ``tool_mask``) and, with an IS correction, scales the
+        per-token policy term (``Features.apply_is_weights``); TRL's own flags are never changed."""
         self.generation_count += 1
         metrics = self.trainer._metrics["train"].get("completions/mean_length")
         if metrics:
             self.last_mean_length = float(metrics[-1])
         rollout = out.get("sampling_per_token_logps")
-        if rollout is None:
-            if self.monitor is not None:
+        if rollout is None and not self.hooks.generation_unsupported:  # an unsupported mode was counted already
+            if self.monitor is not None or self.config.is_correction is not None:
                 self.count_diag("no_rollout_logprobs")
-            return
         mask = _response_mask(out)
         train = out.get("old_per_token_logps")
         in_safe = records[0]["in_safe"] if records else None
-        needs_train = self.config.is_correction is not None or (self.safe_vocab_active and self.config.mask_boundary_tokens)
-        if needs_train and train is None:
+        boundary = self.safe_vocab_active and self.config.mask_boundary_tokens
+        correct = self.config.is_correction is not None and rollout is not None
+        if (correct or boundary) and train is None:
             train, in_safe = self.features.score_at_rollout_weights(out)
         is_weights = None
         new_mask = mask
-        if self.safe_vocab_active and self.config.mask_boundary_tokens:
+        if boundary:
             new_mask = self.features.apply_boundary_mask(new_mask, in_safe)
-        if self.config.is_correction is not None:
+        if correct:
             is_weights, new_mask = self.features.apply_is_correction(train, rollout, new_mask)
-            out["importance_sampling_ratio"] = is_weights
-            out["tim_is_weights"] = torch.ones((), device=rollout.device)
-        elif out.get("importance_sampling_ratio") is not None:  # TRL's own vLLM correction
+            if is_weights is not None:
+                self.features.apply_is_weights(out, is_weights, mask)
+        elif rollout is not None and out.get("importance_sampling_ratio") is not None:  # TRL's own vLLM correction
             is_weights = out["importance_sampling_ratio"].expand_as(rollout)
         if new_mask is not mask:
             self.features.set_loss_mask(out, mask, new_mask)
-        if self.monitor is not None and train is not None:
+        if self.monitor is not None and rollout is not None and train is not None:
             self._update_monitor(rollout, train, mask, is_weights, out)
             out["tim_monitored"] = torch.ones((), device=rollout.device)
 
@@ -201,8 +209,22 @@ class TIMCallback(TrainerCallback):
                                         kwargs.get("lr_scheduler"))
         if self.features.dumper is not None:
             self.features.flush_dump(state.global_step)
-        if not control.should_log:
+        if control.should_log:
+            self._push_metrics(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        """Runs before the epoch's own log and before the trainer's final log (transformers Trainer
+        ``_run_epoch`` → ``_finalize_training``): a run that ends between two ``logging_steps`` boundaries (or
+        logs per epoch) still hands its last window to TRL, whose ``log()`` adds it to that final entry."""
+        if not self.config.enabled or self._pushed_at == state.global_step:
             return
+        if control.should_log or control.should_training_stop or state.global_step >= state.max_steps:
+            self._push_metrics(state, control)
+
+    def _push_metrics(self, state, control) -> None:
+        """Append this logging window's tim/ metrics to ``trainer._metrics["train"]``: TRL's ``log()`` averages
+        them with its own into the next log entry."""
+        self._pushed_at = state.global_step
         out: dict[str, float] = {}
         if self.monitor is not None:
             if self.monitor.updates > 0:

@@ -6,11 +6,11 @@ the mitigations (safe vocabulary, LR decay, IS correction) are opt-in.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
+from tim_plugins.metrics import check_ratio_band
 
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
 
@@ -129,15 +129,11 @@ class TIMConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TIMConfig.{name}={value!r}: must be True or False.")
-        band = tuple(self.ratio_band) if isinstance(self.ratio_band, (tuple, list)) else None
-        if band is None or len(band) != 2 or not all(isinstance(x, (int, float)) for x in band) or not (
-            0.0 < band[0] < 1.0 < band[1] < math.inf
-        ):
-            raise ValueError(
-                f"TIMConfig.ratio_band={self.ratio_band!r}: must be (lo, hi) with 0 < lo < 1 < hi < inf, "
-                "e.g. (0.5, 2.0)."
-            )
-        self.ratio_band = (float(band[0]), float(band[1]))
+        if not isinstance(self.ratio_band, (tuple, list)) or len(self.ratio_band) != 2 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in self.ratio_band):
+            raise ValueError(f"TIMConfig.ratio_band={self.ratio_band!r} is invalid: it must be two numbers (lo, hi). "
+                             "Fix: e.g. TIMConfig(ratio_band=(0.5, 2.0))")
+        self.ratio_band = check_ratio_band(self.ratio_band, "TIMConfig.ratio_band", "TIMConfig(ratio_band=(0.5, 2.0))")
         if self.rollout not in ROLLOUT_CHOICES:
             raise ValueError(f"TIMConfig.rollout={self.rollout!r}: must be one of {ROLLOUT_CHOICES}.")
         if self.safe_vocab_min_p is not None and not (

@@ -1,16 +1,19 @@
 """The hooks into GRPOTrainer (TRL 1.16): reversible instance-attribute wrappers, installed only while attached.
 
 TRL exposes no callback that sees the rollout batch or the loss inputs, so four *instance* methods are wrapped
-(the class is never touched, so other trainers in the process are unaffected):
+(the class is never touched, so other trainers in the process are unaffected). Each depends on the TRL 1.16
+source named in ``TRL_SOURCES`` below; ``tests/test_trl_hook_guards.py`` fails when one of them changes shape.
 
 - ``_generate_and_score_completions``: sees each generation batch after TRL built it (rollout log-probs
   ``sampling_per_token_logps``, ``old_per_token_logps`` when TRL computed them, masks). The monitor is updated
   here when the trainer's log-probs at the rollout weights exist; masks and IS weights are added here.
 - ``_compute_loss``: when TRL skipped ``old_per_token_logps`` (on-policy, aligned accumulation: the loss
   forward runs at the rollout weights), the monitor takes the loss forward's own log-probs (no extra forward).
+  It only observes: TRL's flags and the inputs pass through unchanged.
 - ``_get_per_token_logps_and_entropies``: captures that forward's output (and the safe-set flags).
 - ``_generate_single_turn`` (only without vLLM): records the processed log-probs of TRL's own ``generate``
-  call, or swaps in the exact sampler / the injector.
+  call, or swaps in the exact sampler / the injector. Decoding modes the recorder cannot follow (beam search,
+  assisted decoding) are counted under ``tim/diag/unsupported_generation_mode`` and that batch is not measured.
 
 Plus, with ``safe_vocab``, one module global: ``trl.trainer.utils._ChunkedLogProbFunction`` (the per-token
 log-prob kernel of TRL's fused lm_head, looked up at call time) is replaced by a shim that returns safe-vocab
@@ -27,9 +30,33 @@ import torch
 
 from tim_plugins.rollout.recorder import record_processed_logprobs
 
-__all__ = ["Patch", "TRLHooks"]
+__all__ = ["Patch", "TRLHooks", "TRL_SOURCES"]
 
 logger = logging.getLogger(__name__)
+
+# The TRL 1.16 source each hook relies on: (module, qualified name) -> what is assumed of it. The guard tests
+# (tests/test_trl_hook_guards.py) check each assumption against the installed TRL.
+TRL_SOURCES = {
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"):
+        "called once per generation batch with the raw inputs; returns the batch dict (masks, log-probs, "
+        "advantages) that _prepare_inputs shuffles and splits row-wise",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._compute_loss"):
+        "(model, inputs) -> loss; loss mask = completion_mask * tool_mask; (B,) or (B, T) advantages; the "
+        "per-token policy term is positively homogeneous in the advantages (all loss types but vespo, which reads "
+        "inputs['importance_sampling_ratio'] in get_gamma_weights)",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._get_per_token_logps_and_entropies"):
+        "(model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, ...) -> "
+        "(logps [B, logits_to_keep], entropies, aux_loss)",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"):
+        "transformers path: one unwrapped_model.generate(..., generation_config=self.generation_config) call, "
+        "returns (completion_ids cut after the first EOS, logprobs=None)",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer.log"):
+        "averages every list in self._metrics[mode] into the logged values and clears them (the callback appends "
+        "its tim/ values there, and reads completions/mean_length from it)",
+    ("trl.trainer.utils", "_ChunkedLogProbFunction"):
+        "looked up at call time by add_fused_lm_head; .apply(hidden, weight, bias, targets, temperature, "
+        "chunk_size, final_logit_softcapping, logit_scale, outputs)",
+}
 
 
 class Patch:
@@ -55,7 +82,9 @@ class Patch:
 
 
 def _label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-    """Which shifted positions TRL's fused head scores: labels != -100 (trainer/utils.py add_fused_lm_head)."""
+    """Which shifted positions TRL's fused head scores: labels != -100, labelled as in
+    trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies and scored by
+    trl/trainer/utils.py add_fused_lm_head (both guarded in tests/test_trl_hook_guards.py)."""
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, :-logits_to_keep] = -100
     return labels[:, 1:] != -100  # [b, L-1]
@@ -74,22 +103,26 @@ class TRLHooks:
         self._seen: set[int] = set()
         self.safe_records: list[torch.Tensor] | None = None  # flat in_safe of each fused-head call (shim)
         self._logps_sig = None
+        self.generation_unsupported = False  # this generation batch came from a mode the recorder cannot follow
 
     # ------------------------------------------------------------------------------------------- install
     def attach(self, *, generation: bool, safe_vocab_shim: Callable | None, exact_scoring: bool = False) -> None:
         t = self.trainer
         # The class's signature (instance attributes may be other wrappers taking *args, **kwargs).
         self._logps_sig = inspect.signature(type(t)._get_per_token_logps_and_entropies)
+        # trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions (TRL_SOURCES)
         self.patches.append(Patch(t, "_generate_and_score_completions", self._wrap_generate_and_score))
+        # trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss (TRL_SOURCES)
         self.patches.append(Patch(t, "_compute_loss", self._wrap_compute_loss))
+        # trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies (TRL_SOURCES)
         if exact_scoring:  # under the capture wrapper below, so the monitor sees the exact scores
             from ._exact_scoring import exact_scorer
 
             self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", exact_scorer(t)))
         self.patches.append(Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
-        if generation:
+        if generation:  # trl/trainer/grpo_trainer.py GRPOTrainer._generate_single_turn (TRL_SOURCES)
             self.patches.append(Patch(t, "_generate_single_turn", self._wrap_generate_single_turn))
-        if safe_vocab_shim is not None:
+        if safe_vocab_shim is not None:  # trl/trainer/utils.py _ChunkedLogProbFunction, read by add_fused_lm_head
             import trl.trainer.utils as trl_utils
 
             self.patches.append(Patch(trl_utils, "_ChunkedLogProbFunction", safe_vocab_shim))
@@ -108,6 +141,7 @@ class TRLHooks:
             if not self.trainer.model.training:
                 return original(*args, **kwargs)
             self._policy_records = []
+            self.generation_unsupported = False
             try:
                 out = original(*args, **kwargs)
                 records, self._policy_records = self._policy_records, None
@@ -121,20 +155,11 @@ class TRLHooks:
 
     def _wrap_compute_loss(self, original):
         def _compute_loss(model, inputs, *args, **kwargs):
-            trainer = self.trainer
             deferred = (
-                trainer.model.training
+                self.trainer.model.training
                 and self.rt.wants_deferred_monitor(inputs)
                 and id(inputs) not in self._seen
             )
-            flags = None
-            if "tim_is_weights" in inputs:
-                # TRL multiplies the per-token loss by inputs["importance_sampling_ratio"] only under
-                # `use_vllm and vllm_importance_sampling_correction` (grpo_trainer.py _compute_loss); for our
-                # correction on non-vLLM rollouts both flags are raised for this call only.
-                flags = (trainer.use_vllm, trainer.vllm_importance_sampling_correction)
-                trainer.use_vllm = True
-                trainer.vllm_importance_sampling_correction = True
             if deferred:
                 self._seen.add(id(inputs))
                 self._capture = []
@@ -142,8 +167,6 @@ class TRLHooks:
                 loss = original(model, inputs, *args, **kwargs)
             finally:
                 captured, self._capture = self._capture, None
-                if flags is not None:
-                    trainer.use_vllm, trainer.vllm_importance_sampling_correction = flags
             if deferred and captured:
                 self.rt.on_loss_batch(inputs, captured[0])
             return loss
@@ -210,14 +233,37 @@ class TRLHooks:
             extra = (self.rt.features.injector,) if source == "inject" else ()
             with record_processed_logprobs(gen_model, extra) as recorders:
                 completion_ids, logprobs = original(*args, **kwargs)
-            if logprobs is None and len(recorders) == 1:
-                recorder = recorders[0]
-                n = recorder.num_steps
-                last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
-                table = recorder.finish(last).cpu()
-                logprobs = [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
-            elif logprobs is None:
-                self.rt.count_diag("hf_logprobs_unrecorded")
+            if logprobs is None:
+                logprobs = self._recorded_logprobs(recorders, completion_ids)
             return completion_ids, logprobs
 
         return _generate_single_turn
+
+    def _recorded_logprobs(self, recorders: list, completion_ids: list[list[int]]) -> list[list[float]] | None:
+        """One list of processed log-probs per completion from the recorder of TRL's generate call, or None
+        (counted) when that call could not be recorded: the batch then goes unmeasured, training is unaffected."""
+        if len(recorders) != 1:
+            self.rt.count_diag("hf_logprobs_unrecorded",
+                               detail=f"{len(recorders)} generate calls in one TRL generation (1 expected)")
+            return None
+        recorder = recorders[0]
+        n = recorder.num_steps
+        reason = recorder.unsupported
+        if reason is None and recorder.num_rows not in (None, len(completion_ids)):
+            reason = f"{recorder.num_rows} rows generated for {len(completion_ids)} completions"
+        if reason is None and any(len(ids) > n for ids in completion_ids):
+            reason = f"completions longer than the {n} recorded steps"
+        if reason is not None:
+            self.generation_unsupported = True
+            self.rt.count_diag("unsupported_generation_mode",
+                               detail=f"{reason}; batches generated this way are not measured")
+            return None
+        if n == 0:
+            return [[] for _ in completion_ids]
+        last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
+        try:
+            table = recorder.finish(last).cpu()
+        except Exception as err:  # a diagnostic problem never breaks the training step
+            self.rt.count_diag("hf_logprobs_unrecorded", detail=repr(err))
+            return None
+        return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]

@@ -155,12 +155,19 @@ def specs_from_grpo_config(args: Any, model: Any = None, **kwargs: Any) -> tuple
 
 
 def specs_from_trainer(trainer: Any, *, llm: Any = None, rollout_source: Optional[str] = None,
-                       device: Optional[str] = None) -> tuple[PipelineSpec, PipelineSpec]:
-    """(rollout, trainer) specs of a live GRPOTrainer; a live vLLM engine is read directly when given."""
+                       device: Optional[str] = None, server_args: Any = None,
+                       server_device: Optional[str] = None) -> tuple[PipelineSpec, PipelineSpec]:
+    """(rollout, trainer) specs of a live GRPOTrainer; a live vLLM engine is read directly when given, and in
+    server mode ``server_args`` (the running server's engine args, e.g. from its /server_info) on
+    ``server_device``."""
     model = trainer.model
     if device is None:
         device = next(model.parameters()).device.type
-    rollout = rollout_spec_from_trl(trainer.args, model, llm=llm, device=device)
+    if trainer.args.use_vllm and trainer.args.vllm_mode == "server" and server_args is not None:
+        rollout = rollout_spec_from_trl(trainer.args, model, server_args=server_args, device=server_device or device)
+        rollout = rollout.replace(source="live vLLM server (/server_info)")
+    else:
+        rollout = rollout_spec_from_trl(trainer.args, model, llm=llm, device=device)
     if rollout_source and not trainer.args.use_vllm:
         # the tim_plugins TRL adapter records the processed log-probs of its own HF sampling
         rollout = rollout.replace(framework=f"hf-generate ({rollout_source})", logprobs_mode="processed_logprobs")

@@ -5,6 +5,11 @@ on its transformers path). The ``generate`` call stays untouched; one logits pro
 of the list ``generate`` builds (after temperature / top-k / top-p / min-p), so it sees exactly the
 distribution the token is sampled from. It keeps one ``[B, V]`` row of log-probs between steps (no
 ``output_scores`` history: that would be ``T x B x V``).
+
+Only decoding modes that pick one token per row per processor call can be recorded this way (multinomial
+sampling, greedy). Beam search reorders and multiplies rows, assisted decoding scores candidates that may be
+rejected: there the recorder records nothing and says why (``unsupported``) instead of raising inside
+``generate``, so a diagnostic never breaks the generation it observes.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["ProcessedLogprobRecorder", "record_processed_logprobs"]
+__all__ = ["RECORDABLE_MODES", "ProcessedLogprobRecorder", "record_processed_logprobs"]
+
+# transformers' GenerationMode values (GenerationConfig.get_generation_mode) whose steps the recorder follows.
+RECORDABLE_MODES = ("sample", "greedy_search")
 
 
 class ProcessedLogprobRecorder:
@@ -21,24 +29,48 @@ class ProcessedLogprobRecorder:
 
     At step t it keeps the processed scores ([B, V]); at step t+1 ``input_ids[:, -1]`` is the token
     sampled at step t, so its log-prob is gathered then. ``finish(last_tokens)`` collects the last step.
+
+    Each call must extend the same rows by exactly one token (what sampling and greedy decoding do). A call that
+    does not (another decoding mode) stops the record: ``unsupported`` then holds the reason, the scores pass
+    through untouched, and ``finish`` raises. The processor itself never raises.
     """
 
-    def __init__(self, keep_scores: bool = False) -> None:
+    def __init__(self, unsupported: str | None = None, keep_scores: bool = False) -> None:
         self._prev: torch.Tensor | None = None
         self._steps: list[torch.Tensor] = []
+        self._shape: tuple[int, int] | None = None  # (rows, tokens) of the last call's input_ids
+        self.unsupported = unsupported
         # With keep_scores, every step's processed scores ([B, V]) are kept (references, no copy) for
         # `full_logprobs()`: the whole distribution each token was sampled from, T x B x V in memory.
         self.keep_scores = keep_scores
         self.scores: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self._prev is not None:
-            self._steps.append(self._logprob(self._prev, input_ids[:, -1]))
-        # Keep a reference only (sampling reads the scores, never writes them); reduce at the next step.
-        self._prev = scores
-        if self.keep_scores:
-            self.scores.append(scores)
+        if self.unsupported is not None:
+            return scores
+        try:
+            rows, length = input_ids.shape
+            expected = None if self._shape is None else (self._shape[0], self._shape[1] + 1)
+            if scores.shape[0] != rows or (expected is not None and (rows, length) != expected):
+                self._stop(f"processor called on {tuple(input_ids.shape)} input ids after "
+                           f"{self._shape} (one row per sequence, one more token per call expected)")
+                return scores
+            self._shape = (rows, length)
+            if self._prev is not None:
+                self._steps.append(self._logprob(self._prev, input_ids[:, -1]))
+            # Keep a reference only (sampling reads the scores, never writes them); reduce at the next step.
+            self._prev = scores
+            if self.keep_scores:
+                self.scores.append(scores)
+        except Exception as err:  # a recording problem must not break the caller's generate
+            self._stop(f"recording failed: {err!r}")
         return scores
+
+    def _stop(self, reason: str) -> None:
+        self.unsupported = reason
+        self._prev = None
+        self._steps = []
+        self.scores = []
 
     @staticmethod
     def _logprob(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -49,13 +81,25 @@ class ProcessedLogprobRecorder:
         return picked - torch.logsumexp(z, dim=-1)
 
     @property
+    def num_rows(self) -> int | None:
+        """Rows the processor saw (None before the first call)."""
+        return None if self._shape is None else self._shape[0]
+
+    @property
     def num_steps(self) -> int:
         """Tokens generated so far (one processor call per generated token)."""
         return len(self._steps) + (self._prev is not None)
 
     def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """Close the record with the tokens sampled at the last step ([B]; rows already finished may hold any
-        id). Returns [B, T_generated] fp32 log-probs (entries past a row's EOS are junk: mask them)."""
+        id). Returns [B, T_generated] fp32 log-probs (entries past a row's EOS are junk: mask them).
+
+        Raises ``RuntimeError`` when nothing could be recorded (``unsupported`` says why, check it first) or
+        when ``last_tokens`` does not have one entry per recorded row."""
+        if self.unsupported is not None:
+            raise RuntimeError(f"no processed log-probs were recorded: {self.unsupported}")
+        if self._shape is not None and last_tokens.shape[0] != self._shape[0]:
+            raise RuntimeError(f"finish() got {last_tokens.shape[0]} last tokens for {self._shape[0]} recorded rows")
         if self._prev is not None:
             self._steps.append(self._logprob(self._prev, last_tokens))
             self._prev = None
@@ -78,6 +122,19 @@ class ProcessedLogprobRecorder:
         return out
 
 
+def _generation_mode(args: tuple, kwargs: dict) -> str | None:
+    """The decoding mode of the ``generation_config`` handed to ``_get_logits_processor`` (None if unknown)."""
+    config = kwargs.get("generation_config", args[0] if args else None)
+    get_mode = getattr(config, "get_generation_mode", None)
+    if get_mode is None:
+        return None
+    try:
+        mode = get_mode()
+    except Exception:  # an odd config: leave the decision to the per-call checks
+        return None
+    return str(getattr(mode, "value", mode))
+
+
 @contextmanager
 def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = False):
     """While active, every ``model.generate`` call gets a `ProcessedLogprobRecorder` appended last.
@@ -88,8 +145,10 @@ def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = Fa
 
     ``keep_scores=True``: the recorders also keep every step's processed scores (``full_logprobs()``).
 
-    Yields a list; each generate call appends its recorder to it. The patch is an instance attribute on
-    ``model`` (the transformers model whose ``generate`` runs), removed on exit.
+    Yields a list; each generate call appends its recorder to it. A call in a decoding mode outside
+    ``RECORDABLE_MODES`` (beam search, assisted decoding, ...) gets a recorder that records nothing and names
+    the mode in ``unsupported``. The patch is an instance attribute on ``model`` (the transformers model whose
+    ``generate`` runs), removed on exit.
     """
     recorders: list[ProcessedLogprobRecorder] = []
     had_own = "_get_logits_processor" in vars(model)
@@ -104,6 +163,10 @@ def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = Fa
             custom.extend(extra_processors)
             kwargs["logits_processor"] = custom
         processors = original(*args, **kwargs)
+        mode = _generation_mode(args, kwargs)
+        if mode is not None and mode not in RECORDABLE_MODES:
+            recorders.append(ProcessedLogprobRecorder(unsupported=f"generation mode '{mode}'"))
+            return processors
         recorder = ProcessedLogprobRecorder(keep_scores=keep_scores)
         recorders.append(recorder)
         processors.append(recorder)  # last: after the warpers (temperature, top-k/p, min-p)

@@ -1,0 +1,333 @@
+"""TIMCallback across GRPOTrainer's configuration space (real GRPOTrainer runs on the toy model, CPU).
+
+Default configuration: the run is bit-identical to a run without the callback (every logged value but the tim/
+keys and wall-clock timings, and every final parameter), and tim/ metrics are logged at least once per run.
+Opt-in modes (IS correction, safe vocabulary): TRL's own invariants hold: no token TRL masked comes back, the
+dapo normaliser counts exactly the tokens left in the loss, and a batch TRL masks entirely (every completion
+truncated, ``mask_truncated_completions=True``) gives loss 0 and leaves the parameters unchanged.
+
+Tool calling runs TRL's real tool loop: a logits processor (test-side) makes the toy model emit one tool call,
+which TRL parses, executes and answers before the second turn. Two completions per prompt, 2-3 optimizer steps
+per run, so the matrix stays CI-sized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from test_trl_callback import Capture  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
+
+pytestmark = pytest.mark.trl
+
+MCL = 6  # max_completion_length
+TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+# Tool calling on the toy tokenizer: a compact prefix-preserving template that renders tool calls and results,
+# and the matching (legacy, transformers < 5.13) response schema TRL parses completions with.
+TOOL_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}<T>{{ m.content }}</T>"
+    "{%- elif m.role == 'assistant' -%}<A>{{ m.content }}"
+    "{%- for c in (m.tool_calls or []) -%}<C>{{ c.function | tojson }}</C>{%- endfor -%}<E>"
+    "{%- else -%}<U>{{ m.content }}<E>{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<A>{%- endif -%}")
+TOOL_SCHEMA = {
+    "x-regex": r"^(?P<content>(?:(?!<C>)[\s\S])*?)(?P<tool_calls>(?:<C>(?:(?!</C>)[\s\S])+</C>)+)?\s*(?:<E>|$)",
+    "type": "object",
+    "properties": {
+        "role": {"const": "assistant"}, "content": {"type": "string"},
+        "tool_calls": {"type": "array", "x-regex-iterator": r"<C>\s*(.+?)\s*</C>", "items": {
+            "x-parser": "json", "x-parser-args": {"transform": "{type: 'function', function: @}"}, "type": "object",
+            "properties": {"type": {"const": "function"}, "function": {"type": "object", "properties": {
+                "name": {"type": "string"}, "arguments": {"type": "object", "additionalProperties": {}}}}}}},
+    },
+}
+TOOL_CALL = '<C>{"name": "double", "arguments": {"x": 1}}</C><E>'
+
+
+def double(x: int) -> int:
+    """Double a number.
+
+    Args:
+        x: the number to double
+    """
+    return 2 * x
+
+
+class _ForceToolCall:
+    """A logits processor that makes the toy model emit TOOL_CALL then EOS at the start of its first turn
+    (a random toy model never calls a tool by itself); later turns (inside TRL's tool loop) sample freely."""
+
+    def __init__(self, token_ids: list[int], start: int) -> None:
+        self.token_ids, self.start = token_ids, start
+
+    def __call__(self, input_ids, scores):
+        t = input_ids.shape[1] - self.start
+        if t >= len(self.token_ids):
+            return scores
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, self.token_ids[t]] = 0.0
+        return forced
+
+
+def _install_tool_forcing(trainer) -> None:
+    """Test-side instance attributes (installed before the callback, which wraps on top of them)."""
+    tok = trainer.processing_class
+    ids = tok(TOOL_CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    model, state = trainer.model, {"in_loop": False}
+    get_processors, tool_loop = model._get_logits_processor, trainer._tool_call_loop
+
+    def _get_logits_processor(*args, **kwargs):
+        processors = get_processors(*args, **kwargs)
+        if not state["in_loop"]:
+            processors.insert(0, _ForceToolCall(ids, kwargs["input_ids_seq_length"]))
+        return processors
+
+    def _tool_call_loop(*args, **kwargs):
+        state["in_loop"] = True
+        try:
+            return tool_loop(*args, **kwargs)
+        finally:
+            state["in_loop"] = False
+
+    model._get_logits_processor = _get_logits_processor
+    trainer._tool_call_loop = _tool_call_loop
+
+
+def _text(completion) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def reward_length(completions, **kwargs):
+    return [len(_text(c)) / 10.0 for c in completions]
+
+
+def reward_digits(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in _text(c))) for c in completions]
+
+
+def _prompts(conversational: bool) -> list:
+    prompts = synthetic_prompts(32)
+    return [[{"role": "user", "content": p}] for p in prompts] if conversational else prompts
+
+
+# name -> (GRPOConfig overrides, setup options)
+DEFAULT_MATRIX = {
+    **{f"loss-{lt}": ({"loss_type": lt}, {}) for lt in LOSS_TYPES},
+    "num-iterations-2": ({"num_iterations": 2}, {}),
+    "grad-accum-2": ({"gradient_accumulation_steps": 2}, {}),
+    "steps-per-generation-2": ({"steps_per_generation": 2}, {}),
+    # gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0: TRL scores old log-probs
+    "misaligned-accum": ({"gradient_accumulation_steps": 3, "steps_per_generation": 2}, {}),
+    "iterations-and-accum": ({"num_iterations": 2, "gradient_accumulation_steps": 2, "loss_type": "grpo"}, {}),
+    "beam-search": ({"generation_kwargs": {"num_beams": 2}}, {"unsupported": True}),
+    "beam-search-greedy": ({"generation_kwargs": {"num_beams": 2, "do_sample": False}}, {"unsupported": True}),
+    "greedy": ({"generation_kwargs": {"do_sample": False}}, {}),
+    "sampler-knobs": ({"temperature": 0.7, "top_k": 8, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 1.2,
+                       "generation_kwargs": {"no_repeat_ngram_size": 3}}, {"sampler_processing": True}),
+    "mask-truncated": ({"mask_truncated_completions": True}, {}),
+    "all-truncated": ({"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": MCL}},
+                      {"all_masked": True}),
+    "max-steps-below-logging-steps": ({"max_steps": 3, "logging_steps": 10}, {}),
+    "logging-per-epoch": ({"logging_strategy": "epoch", "max_steps": -1, "num_train_epochs": 1}, {"n_prompts": 4}),
+    "iterable-dataset": ({}, {"iterable": True}),
+    "several-rewards": ({"reward_weights": [1.0, 0.5]}, {"rewards": (reward_length, reward_digits)}),
+    "beta": ({"beta": 0.04}, {}),
+    "conversational": ({}, {"conversational": True}),
+    "sequence-level-ratio": ({"importance_sampling_level": "sequence", "loss_type": "grpo"}, {}),
+    "entropy-mask-and-opsm": ({"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.5}, {}),
+    # Forced tool call (the sampler sees a one-token distribution there: a large, correctly measured mismatch).
+    "tools": ({"max_completion_length": 72}, {"tools": True, "sampler_processing": True}),
+}
+
+
+def make(model_path, out_dir, overrides: dict, setup: dict) -> GRPOTrainer:
+    opts = dict(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=MCL, max_steps=2, logging_steps=1, report_to=[], save_strategy="no",
+        gradient_checkpointing=False, learning_rate=1e-3, seed=0, disable_tqdm=True,
+    )
+    opts.update(overrides)
+    chat = setup.get("conversational") or setup.get("tools")
+    ds = datasets.Dataset.from_dict({"prompt": _prompts(bool(chat))[: setup.get("n_prompts")]})
+    if setup.get("iterable"):
+        ds = ds.to_iterable_dataset()
+    processing_class = None
+    if chat:
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(model_path)
+        processing_class.chat_template = TOOL_TEMPLATE if setup.get("tools") else CHAT_TEMPLATE
+        if setup.get("tools"):
+            processing_class.response_schema = TOOL_SCHEMA
+    trainer = GRPOTrainer(model=str(model_path), reward_funcs=list(setup.get("rewards", (reward_length,))),
+                          args=GRPOConfig(**opts), train_dataset=ds, processing_class=processing_class,
+                          tools=[double] if setup.get("tools") else None)
+    if setup.get("tools"):
+        _install_tool_forcing(trainer)
+    return trainer
+
+
+def _params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _trl_logs(trainer) -> list[dict]:
+    return [{k: v for k, v in h.items() if not k.startswith("tim/") and k not in TIMING_KEYS}
+            for h in trainer.state.log_history]
+
+
+def _tim_entries(trainer) -> list[dict]:
+    return [{k: v for k, v in h.items() if k.startswith("tim/")} for h in trainer.state.log_history
+            if any(k.startswith("tim/") for k in h)]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_MATRIX))
+def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, name):
+    overrides, setup = DEFAULT_MATRIX[name]
+    plain = make(toy_model_path, tmp_path / "plain", overrides, setup)
+    plain.train()
+    trainer = make(toy_model_path, tmp_path / "tim", overrides, setup)
+    cb = TIMCallback(trainer, TIMConfig())
+    trainer.add_callback(cb)
+    trainer.train()
+    # Bit-identical training: TRL's logged values and every final parameter.
+    ref_logs, logs = _trl_logs(plain), _trl_logs(trainer)
+    assert len(logs) == len(ref_logs)
+    for ref, got in zip(ref_logs, logs):
+        assert ref.keys() == got.keys()
+        assert all(_same(ref[k], got[k]) for k in ref), {k: (ref[k], got[k]) for k in ref if not _same(ref[k], got[k])}
+    ref_params, params = _params(plain), _params(trainer)
+    assert all(torch.equal(ref_params[n], params[n]) for n in ref_params)
+    # tim/ metrics reached TRL's log at least once, in the same entries as TRL's own metrics.
+    entries = _tim_entries(trainer)
+    assert entries, "no tim/ metric was logged"
+    steps = trainer.state.global_step
+    if setup.get("unsupported"):
+        # Every generation batch came from beam search: counted, not measured, no crash.
+        assert entries[-1]["tim/diag/unsupported_generation_mode"] == cb.generation_count >= 1
+        assert not any("tim/tokens" in e for e in entries)
+        return
+    tokens = [e["tim/tokens"] for e in entries if "tim/tokens" in e]
+    assert tokens, entries
+    if setup.get("all_masked"):
+        assert sum(tokens) == 0.0  # TRL masked every token: none measured
+    else:
+        assert sum(tokens) > 0
+        worst = max(e.get("tim/token/abs_diff_max") or 0.0 for e in entries)
+        # Same weights and dtype on both sides: only kernel-order noise, unless the sampler truncates or
+        # penalises (processed log-probs renormalised over what it kept): then the monitor must see it.
+        assert worst > 1e-3 if setup.get("sampler_processing") else worst < 1e-3
+    assert not any(k.startswith("tim/diag/") for e in entries for k in e), entries
+    if setup.get("tools"):  # TRL's tool loop ran and its tool-result tokens are out of what was measured
+        calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
+        assert calls and min(calls) > 0
+    if overrides.get("logging_strategy") == "epoch":  # one log entry per epoch, carrying the epoch's window
+        step_logs = [h for h in trainer.state.log_history if "loss" in h]
+        assert len(step_logs) == 1 and "tim/tokens" in step_logs[0] and steps == 2
+    if overrides.get("logging_steps", 1) > steps:
+        # No logging_steps boundary was reached: the tim/ window went out with TRL's final log entry.
+        assert len(entries) == 1 and "train_runtime" in trainer.state.log_history[-1]
+        final = trainer.state.log_history[-1]
+        assert "tim/tokens" in final and "completions/mean_length" in final
+
+
+# ------------------------------------------------------------------------------------------ opt-in modes
+OPT_IN_MODES = {
+    "token_tis": (lambda: TIMConfig(is_correction="token_tis", is_correction_options={"token_clip": 1.5}), {}),
+    # IcePop with a band tight enough to drop tokens under the injected mismatch: masks narrow.
+    "icepop_inject": (lambda: TIMConfig(is_correction="icepop", is_correction_options={"icepop_band": (0.8, 1.25)},
+                                           rollout="inject",
+                                           inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}), {}),
+    "safe_vocab": (lambda: TIMConfig(safe_vocab=True), {"min_p": 0.05}),
+    "safe_vocab+seq_tis": (lambda: TIMConfig(safe_vocab=True, is_correction="seq_tis"), {"min_p": 0.05}),
+}
+
+OPT_IN_CONFIGS = {
+    "plain": ({}, {}),
+    "all-truncated": ({"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": MCL}}, {}),
+    "mask-truncated-grpo": ({"mask_truncated_completions": True, "loss_type": "grpo"}, {}),
+    "accum-iterations-bnpo": ({"gradient_accumulation_steps": 2, "num_iterations": 2, "loss_type": "bnpo"}, {}),
+    "steps-per-generation-dr-grpo-beta": ({"steps_per_generation": 2, "loss_type": "dr_grpo", "beta": 0.04}, {}),
+    "vespo": ({"loss_type": "vespo"}, {}),
+    "tools": ({"max_completion_length": 72}, {"tools": True}),
+    "beam-search": ({"generation_kwargs": {"num_beams": 2}}, {}),
+}
+
+
+def _row_key(batch, i):
+    return tuple(batch["prompt_ids"][i].tolist()), tuple(batch["completion_ids"][i].tolist())
+
+
+def _loss_mask(batch):
+    mask = batch["completion_mask"].bool()
+    if batch.get("tool_mask") is not None:
+        mask = mask & batch["tool_mask"].bool()
+    return mask
+
+
+# Every mode on every configuration, but tool runs (the slowest: two generation turns) only for the two modes
+# that edit masks and weights most directly.
+OPT_IN_CASES = [(m, c) for m in OPT_IN_MODES for c in OPT_IN_CONFIGS
+                if c != "tools" or m in ("token_tis", "safe_vocab")]
+
+
+@pytest.mark.parametrize("mode,config", OPT_IN_CASES)
+def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, config):
+    make_cfg, extra = OPT_IN_MODES[mode]
+    overrides, setup = OPT_IN_CONFIGS[config]
+    overrides = {**overrides, **extra}
+    trainer = make(toy_model_path, tmp_path, overrides, setup)
+    cap = Capture(trainer)
+    before = _params(trainer)
+    cb = TIMCallback(trainer, make_cfg())
+    trainer.add_callback(cb)
+    trainer.train()
+    assert _tim_entries(trainer), "no tim/ metric was logged"
+    # TRL's own loss mask per row (content-keyed: TRL shuffles rows before the loss).
+    trl_masks = {}
+    for built in cap.trl_built:
+        for i in range(built["completion_ids"].shape[0]):
+            trl_masks[_row_key(built, i)] = _loss_mask(built)[i]
+    assert cap.losses
+    for _, inputs, _ in cap.losses:
+        mask = _loss_mask(inputs)
+        for i in range(mask.shape[0]):
+            trl = trl_masks[_row_key(inputs, i)]
+            assert not bool((mask[i] & ~trl).any()), "a token TRL masked came back into the loss"
+    one_micro_batch = all(overrides.get(k, 1) == 1 for k in ("gradient_accumulation_steps", "steps_per_generation",
+                                                            "num_iterations"))
+    if one_micro_batch:
+        for _, inputs, _ in cap.losses:  # the dapo/cispo/vespo normaliser counts the tokens left in the loss
+            assert float(inputs["num_items_in_batch"]) == float(_loss_mask(inputs).sum())
+    if config == "all-truncated":
+        assert all(float(v) == 0.0 for v in cap.loss_values)
+        assert all(h["loss"] == 0.0 for h in trainer.state.log_history if "loss" in h)
+        after = _params(trainer)
+        assert all(torch.equal(before[n], after[n]) for n in before), "parameters moved on fully masked batches"
+    elif config == "beam-search":  # not measured, so not corrected: counted, and TRL trained as configured
+        key = "tim/diag/unsupported_generation_mode"
+        assert [h[key] for h in trainer.state.log_history if key in h][-1] == cb.generation_count >= 1
+    elif mode == "icepop_inject":
+        kept = [h["tim/correction/kept_frac"] for h in trainer.state.log_history if "tim/correction/kept_frac" in h]
+        assert kept and min(kept) < 1.0  # the correction did drop tokens, and they stayed dropped (checked above)

@@ -230,6 +230,10 @@ def test_config_validation_quotes_values(toy_model_path, tmp_path):
         TIMConfig(rollout="bogus")
     with pytest.raises(ValueError, match="'tis'"):
         TIMConfig(is_correction="tis")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['sample_rat'\]"):
+        TIMConfig(dump_options={"sample_rat": 1.0})
+    with pytest.raises(ValueError, match="sample_rate=1.5"):
+        TIMConfig(dump_dir=str(tmp_path), dump_options={"sample_rate": 1.5})
     trainer = make_trainer(toy_model_path, tmp_path)
     with pytest.raises(ValueError, match="min_p=None"):
         TIMCallback(trainer, TIMConfig(safe_vocab=True))

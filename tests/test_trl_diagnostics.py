@@ -60,8 +60,7 @@ def test_parquet_dump_rows_match_tensors(toy_model_path, tmp_path):
     out = tmp_path / "dump"
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
     cap = Capture(trainer)
-    cb = TIMCallback(trainer, TIMConfig(dump_dir=str(out)))
-    cb.features.dumper.config.sample_rate = 1.0  # every sequence, for the check
+    cb = TIMCallback(trainer, TIMConfig(dump_dir=str(out), dump_options={"sample_rate": 1.0}))  # every sequence
     trainer.add_callback(cb)
     trainer.train()
     table = read_dump(out)

@@ -185,7 +185,6 @@ def run_demo(cfg: DemoConfig) -> dict:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tim_plugins.dump import TokenDumper
     from tim_plugins.integrations.trl import TIMCallback, TIMConfig
     from tim_plugins.toy_model import build_toy_model, synthetic_prompts
 
@@ -214,11 +213,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     prompts = synthetic_prompts(max(64, cfg.steps * cfg.prompts_per_step), cfg.seed)
     trainer = GRPOTrainer(model=model_path, reward_funcs=toy_reward, args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollouts)
-    tim = TIMCallback(trainer, TIMConfig(dump_dir=str(dump_dir)))
-    # TIMConfig has no sampling-rate option for its dump (TokenDumper keeps 5 % of sequences by default): keep
-    # every sequence so the report's per-token figures cover every step.
-    if tim.features is not None and tim.features.dumper is not None:
-        tim.features.dumper = TokenDumper(out_dir=str(dump_dir), sample_rate=1.0, max_sequences_per_step=batch)
+    # every sequence is dumped (the dump keeps 5 % by default), so the per-token figures cover every step
+    tim = TIMCallback(trainer, TIMConfig(dump_dir=str(dump_dir),
+                                         dump_options={"sample_rate": 1.0, "max_sequences_per_step": batch}))
     trainer.add_callback(tim)
     attached = _attached_recorder(tim)
     trainer.add_callback(attached)

@@ -336,7 +336,7 @@ class Features:
     def _make_dumper(self, path):
         from tim_plugins.dump import TokenDumper
 
-        return TokenDumper(out_dir=str(path))
+        return TokenDumper(out_dir=str(path), **self.owner.config.dump_options)
 
     def dump(self, rollout, train, mask, batch) -> None:
         """Buffer this batch for the step's dump (one Parquet file per step and rank, written at step end)."""

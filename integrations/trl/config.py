@@ -54,6 +54,10 @@ class TIMConfig:
     dump_dir: Optional[str] = field(
         default=None, metadata=_help("Directory for a per-token Parquet dump (tim_plugins.dump); None = off"),
     )
+    dump_options: dict = field(
+        default_factory=dict, metadata=_help("Options of the dump (tim_plugins.dump.DumpConfig except out_dir): "
+                                             "sample_rate, max_sequences_per_step, every_n_steps, seed"),
+    )
     rollout: str = field(
         default="auto",
         metadata=_help("Source of rollout log-probs: auto (vLLM if the trainer uses it, else HF generate with "
@@ -163,11 +167,23 @@ class TIMConfig:
                 "set monitor=True or drop 'k3'."
             )
         for name in ("inject_options", "lr_decay_options", "parity_probe_options",
-                     "is_correction_options"):
+                     "is_correction_options", "dump_options"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"TIMConfig.{name}={getattr(self, name)!r}: must be a dict of keyword arguments.")
+        self._check_dump_options()
         if self.parity_strict and not self.parity_audit:
             raise ValueError("TIMConfig.parity_strict=True needs parity_audit=True (strict raises on audit findings).")
+
+    def _check_dump_options(self) -> None:
+        from dataclasses import fields as dc_fields
+
+        from tim_plugins.dump import DumpConfig
+
+        names = {f.name for f in dc_fields(DumpConfig)} - {"out_dir"}
+        unknown = sorted(set(self.dump_options) - names)
+        if unknown:
+            raise ValueError(f"TIMConfig.dump_options has unknown option(s) {unknown}. Fix: use only {sorted(names)}")
+        DumpConfig(out_dir=self.dump_dir or ".", **self.dump_options)  # its own checks quote a bad value
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -99,3 +99,11 @@ def test_readme_verl_overrides_are_the_recipe_s():
     documented = [line[1:].strip().rstrip("\\").strip().strip("'") for line in block.splitlines()
                   if line.startswith("+")]
     assert documented == [line for line in out.splitlines() if line]
+
+
+def test_verl_recipe_default_min_p_is_the_core_default():
+    from tim_plugins.safe_vocab import DEFAULT_MIN_P
+
+    recipe = (ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh").read_text()
+    m = re.search(r"^MIN_P=\$\{MIN_P:-([0-9.e-]+)\}$", recipe, re.M)
+    assert m and float(m.group(1)) == DEFAULT_MIN_P

@@ -16,6 +16,7 @@ from tim_plugins.metrics import check_ratio_band
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
 from tim_plugins.rollout.vllm_min_p_config import DEPRECATED_PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR_OLD
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
+from tim_plugins.truncation import DEFAULT_MIN_P
 
 __all__ = [
     "MonitorSettings",
@@ -84,7 +85,7 @@ class SafeVocabSettings:
     def __post_init__(self) -> None:
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p < 1.0:
             raise _bad("tim.safe_vocab.min_p", self.min_p, "must be a number in [0, 1) (0 disables pruning)",
-                       "+tim.safe_vocab.min_p=1e-4 (the tim-plugins default for extreme-tail pruning)")
+                       f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g} (the tim-plugins default for extreme-tail pruning)")
         self.min_p = float(self.min_p)
 
     @property

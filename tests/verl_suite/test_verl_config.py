@@ -13,6 +13,8 @@ pytest.importorskip("verl")
 
 import harness  # noqa: E402,F401  (CPU platform before verl)
 
+from tim_plugins.safe_vocab import DEFAULT_MIN_P  # noqa: E402  (the recipe's default MIN_P)
+
 RECIPE = Path(__file__).resolve().parents[2] / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh"
 
 
@@ -43,7 +45,7 @@ def test_recipe_overrides_compose_and_validate(toy_model_path):
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     tim, problems, notes = check_composed_config(cfg)
     assert problems == []
-    assert tim.monitor.enable and tim.safe_vocab.min_p == 1e-4 and tim.lr_decay.enable
+    assert tim.monitor.enable and tim.safe_vocab.min_p == DEFAULT_MIN_P and tim.lr_decay.enable
     assert tim.parity.strict and tim.probe.thresholds == {"tim/token/kl_k3": 1e-2} and tim.probe.action == "stop"
     assert notes == []  # the rollout prunes with the same min_p (checked in detail below)
     # the tim trainer mode the recipe selects exists once the plugin is loaded
@@ -82,7 +84,7 @@ def test_rollout_min_p_reaches_vllm_engine_kwargs(toy_model_path):
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     engine_kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
-    assert engine_kwargs == vllm_engine_kwargs(cfg.tim.safe_vocab.min_p) == vllm_engine_kwargs(1e-4)
+    assert engine_kwargs == vllm_engine_kwargs(cfg.tim.safe_vocab.min_p) == vllm_engine_kwargs(DEFAULT_MIN_P)
     # verl's CLI builder expands only real lists and JSON-dumps only real dicts (not OmegaConf containers)
     assert type(engine_kwargs["logits_processors"]) is list and type(engine_kwargs["additional_config"]) is dict
 
@@ -99,7 +101,7 @@ def test_rollout_without_the_same_min_p_is_refused(toy_model_path, drop, add, qu
     overrides = [o for o in recipe_overrides(toy_model_path) if drop not in o] + add
     _, problems, _ = check_composed_config(compose(overrides))
     assert len(problems) == 1 and quoted in problems[0], problems
-    fix = rollout_min_p_overrides(1e-4)
+    fix = rollout_min_p_overrides(DEFAULT_MIN_P)
     assert all(o in problems[0] for o in fix)  # the message quotes the exact overrides ...
     # ... and they fix it
     fixed = [o for o in recipe_overrides(toy_model_path) if "engine_kwargs.vllm" not in o] + fix

@@ -6,7 +6,8 @@
 # TIM_PRINT_OVERRIDES=tim prints only the tim-plugins overrides, one per line (the end-to-end test runs these).
 set -euo pipefail
 
-MIN_P=${MIN_P:-1e-4}
+# tim_plugins.truncation.DEFAULT_MIN_P (tests/test_docs.py keeps them equal)
+MIN_P=${MIN_P:-1e-5}
 
 TIM_OVERRIDES=(
     # tim trainer mode: forwards the +tim.* settings to the actor workers and logs tim/* metrics

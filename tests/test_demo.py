@@ -108,7 +108,8 @@ def test_demo_end_to_end_grpo_run(tmp_path, capsys):
         assert 0 < h["tim/token/kl_k3"] < 1e-2  # bf16 rollouts vs the fp32 trainer
     att = summary["attached"]
     assert att["rollout_source"] == "custom" and "GRPOTrainer._compute_loss" in att["hooks"]
-    assert att["config_changed"] == {"dump_dir": str(out / "dump")}
+    assert att["config_changed"] == {"dump_dir": str(out / "dump"),
+                                     "dump_options": {"sample_rate": 1.0, "max_sequences_per_step": 8}}
     assert any(f["code"] == "dtype-mismatch" for f in summary["own_audit"])
     html = (out / "report.html").read_text()
     assert html.count("<img src='data:image/png;base64,") == 6

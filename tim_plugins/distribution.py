@@ -88,9 +88,10 @@ def _flat_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def _xlogy_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """Σ p (log p − log q) per row with 0·(...) = 0 and p > 0, q = 0 → +inf."""
+    """Σ p (log p − log q) per row with 0·(...) = 0 and p > 0, q = 0 → +inf. A KL of two normalised rows is
+    >= 0; for nearly equal rows the float64 sum can round to -1e-16, so it is clamped at 0."""
     term = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
-    return term.sum(dim=-1)
+    return term.sum(dim=-1).clamp_min(0.0)
 
 
 def compare_distributions(

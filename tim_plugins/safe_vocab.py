@@ -42,8 +42,9 @@ __all__ = [
     "safe_vocab_metrics",
 ]
 
-# Working-tile budget (elements of one [rows, V] logits chunk). Equal to TRL 1.16's fused head tile
-# (TOKEN_CHUNK_SIZE 4096 rows × 32768 vocab columns), so the two paths are compared at the same tile size.
+# TRL 1.16's fused-head tile in elements (trl/kernels/chunked_logprob.py: TOKEN_CHUNK_SIZE 4096 rows × the
+# 32768 vocabulary columns add_fused_lm_head asks for), held in the compute dtype. One chunk's buffers here take
+# at most as many bytes, so the working set is no larger than TRL's.
 TILE_ELEMENTS = 4096 * 32768
 
 
@@ -51,9 +52,16 @@ TILE_ELEMENTS = 4096 * 32768
 _GRAD_VOCAB_TILE = 32768
 
 
-def default_chunk_rows(vocab: int) -> int:
-    """Rows per chunk so that one [rows, vocab] tile holds about ``TILE_ELEMENTS`` elements."""
-    return max(1, TILE_ELEMENTS // max(1, vocab))
+def default_chunk_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per chunk whose buffers fit TRL's tile in bytes (``TILE_ELEMENTS`` elements of ``dtype``).
+
+    Per row: the fp32 logits and the bool safe-set mask (5 bytes per vocabulary entry), plus for half precision
+    the row's [32768] GEMM tile in ``dtype``. At V = 151,936: 706 rows in fp32, 325 in bf16 / fp16.
+    """
+    vocab = max(1, int(vocab))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_row = 5 * vocab + (min(vocab, _GRAD_VOCAB_TILE) * itemsize if itemsize < 4 else 0)
+    return max(1, TILE_ELEMENTS * itemsize // per_row)
 
 
 @dataclass
@@ -309,13 +317,13 @@ def safe_logprobs_from_logits(
         tokens: [N] int token ids.
         min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
         compute_entropy: also return the entropy of the safe distribution.
-        chunk_size: rows per chunk for the fp32 temporaries (default: ``default_chunk_rows(V)``).
+        chunk_size: rows per chunk for the fp32 temporaries (default: ``default_chunk_rows(V, logits.dtype)``).
     Returns:
         ``SafeLogprobs`` with [N] tensors.
     """
     _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0)
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1])
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
     if chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
     return _pack(_SafeFromLogits.apply(logits, tokens.long(), trunc, chunk, bool(compute_entropy)))
@@ -335,7 +343,7 @@ def safe_logprobs_from_hidden(
         min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
         compute_entropy: also return the entropy of the safe distribution.
         chunk_size: rows per chunk; one [chunk, V] tile is live at a time, in forward and in backward
-            (default ``default_chunk_rows(V)``, the same tile size as TRL's fused head).
+            (default ``default_chunk_rows(V, dtype)``: no more bytes than TRL's fused-head tile).
     Returns:
         ``SafeLogprobs`` with [N] tensors; gradients flow to ``hidden`` and ``weight``.
     """
@@ -343,7 +351,8 @@ def safe_logprobs_from_hidden(
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0])
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(
+        weight.shape[0], torch.promote_types(hidden.dtype, weight.dtype))
     if chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
     return _pack(_SafeFromHidden.apply(hidden, weight, tokens.long(), trunc, chunk, bool(compute_entropy)))

@@ -15,15 +15,15 @@ Variants (same inputs; loss = Σ log-probs, backward to the hidden states and th
 
 Method. Per case (dtype, H, N) the variants run interleaved in one process (A B C, B C A, C A B, ...: rounds in
 rotated order), after ``--warmup`` unrecorded rounds (CUDA: Triton JIT, cuBLAS heuristics; CPU: first-touch
-costs), and every step is timed on its own
-(CUDA: synchronised before and after; the forward is timed too). Peak memory per step: on CUDA
-``max_memory_allocated`` after ``reset_peak_memory_stats`` (the caching allocator counts live tensors, so
-blocks an earlier variant left cached do not hide a later one's allocations); on CPU the process's resident
-high-water mark reset before each step (``/proc/self/clear_refs``; glibc is told to mmap every allocation of
-1 MiB or more and unmap it on free, so an earlier variant's freed memory is not silently reused). "extra" = peak − memory in use before
-the step (the inputs: gradients are dropped between steps). Ratios: median of ours / median of trl, and the
-per-round paired ratios for their spread. Sanity check: ours and trl log-probs and gradients against a float64
-reference of each rule (safe set / full vocabulary) on the logits as rounded by the compute dtype.
+costs), and every step is timed on its own (CUDA: synchronised before and after; the forward is timed too; CPU:
+the process CPU time too). Peak memory per step: on CUDA ``max_memory_allocated`` after
+``reset_peak_memory_stats`` (the caching allocator counts live tensors, so blocks an earlier variant left cached
+do not hide a later one's allocations); on CPU the process's resident high-water mark, reset before each step
+(``/proc/self/clear_refs``; glibc is told to mmap every allocation of 1 MiB or more and unmap it on free, so an
+earlier variant's freed memory is not silently reused). "extra" = peak − memory in use before the step (the
+inputs: gradients are dropped between steps). Ratios: median of ours / median of trl, and the per-round paired
+ratios for their spread. Sanity check: ours and trl log-probs and gradients against a float64 reference of each
+rule (safe set / full vocabulary) on the logits as rounded by the compute dtype.
 Goals (issue 25): ours / trl time <= 1.10 and peak memory <= 1.0; naive / ours peak >= 4.
 
     python -m benchmarks.bench_safe_vocab [--device cuda] [--quick] [--case DTYPE:H:N[:REPEATS] ...]
@@ -280,7 +280,7 @@ def run_case(dtype_name: str, h: int, n: int, v: int, variants: list[str], repea
             "chunk_rows_ours": modules["ours"].default_chunk_rows(v, _dtype(dtype_name)), "variants": {}}
     active = []
     for name in variants:
-        rec = {"times_s": [], "fwd_s": [], "peak_mb": [], "extra_mb": []}
+        rec = {"times_s": [], "fwd_s": [], "cpu_s": [], "peak_mb": [], "extra_mb": []}
         if name == "naive":
             need = naive_bytes(n, v, dtype_name) / 2**20
             free = meter.free_mb()
@@ -302,13 +302,13 @@ def run_case(dtype_name: str, h: int, n: int, v: int, variants: list[str], repea
             hidden.grad = weight.grad = None
             try:
                 base = meter.start()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 lp = fwds[name]()
                 meter.sync()
                 t1 = time.perf_counter()
                 lp.sum().backward()
                 meter.sync()
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
                 peak = meter.peak()
             except torch.OutOfMemoryError as exc:
                 rec["skipped"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
@@ -321,6 +321,7 @@ def run_case(dtype_name: str, h: int, n: int, v: int, variants: list[str], repea
             if r >= warmup:
                 rec["times_s"].append(t2 - t0)
                 rec["fwd_s"].append(t1 - t0)
+                rec["cpu_s"].append(c2 - c0)
                 if peak is not None:
                     rec["peak_mb"].append(peak)
                     rec["extra_mb"].append(peak - base)
@@ -335,10 +336,11 @@ def run_case(dtype_name: str, h: int, n: int, v: int, variants: list[str], repea
         if rec["times_s"]:
             rec["time_s"] = spread(rec["times_s"])
             rec["fwd_time_s"] = spread(rec["fwd_s"])
+            rec["cpu_time_s"] = spread(rec["cpu_s"])
         if rec["peak_mb"]:
             rec["peak_mb_median"] = statistics.median(rec["peak_mb"])
             rec["extra_mb_median"] = statistics.median(rec["extra_mb"])
-    case["ratios"] = compare(case["variants"])
+    case["ratios"] = compare(case["variants"], device.type)
     return case
 
 
@@ -346,8 +348,9 @@ def _paired(a: list[float], b: list[float]) -> dict:
     return spread([x / y for x, y in zip(a, b)])
 
 
-def compare(v: dict) -> dict:
-    """Ratios of the medians, with the per-round paired ratios' spread (the rounds are interleaved)."""
+def compare(v: dict, device_type: str) -> dict:
+    """Ratios of the medians, with the per-round paired ratios' spread (the rounds are interleaved). On CPU also
+    of the process CPU time (all threads), which other jobs on a shared machine inflate far less than wall time."""
     out = {}
     ours = v.get("ours", {})
     if not ours.get("times_s"):
@@ -360,6 +363,9 @@ def compare(v: dict) -> dict:
         out[f"time_{key}"] = num["time_s"]["median"] / den["time_s"]["median"]
         out[f"time_{key}_paired"] = _paired(num["times_s"], den["times_s"])
         out[f"fwd_time_{key}"] = num["fwd_time_s"]["median"] / den["fwd_time_s"]["median"]
+        if device_type == "cpu":
+            out[f"cpu_time_{key}"] = num["cpu_time_s"]["median"] / den["cpu_time_s"]["median"]
+            out[f"cpu_time_{key}_paired"] = _paired(num["cpu_s"], den["cpu_s"])
         if num.get("peak_mb") and den.get("peak_mb"):
             out[f"peak_{key}"] = num["peak_mb_median"] / den["peak_mb_median"]
             out[f"extra_{key}"] = num["extra_mb_median"] / den["extra_mb_median"]
@@ -423,9 +429,10 @@ def main(argv=None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "trl_fold": "triton" if trl_kernels._use_triton(device) else "torch",
         "min_p": modules["ours"].DEFAULT_MIN_P, "logit_std": LOGIT_STD,
-        "method": "interleaved rounds in one process; per-step wall time (synchronised on CUDA); peak = CUDA "
-                  "max_memory_allocated after reset_peak_memory_stats, or CPU VmHWM after clear_refs; "
-                  "extra = peak - memory in use before the step (inputs)",
+        "method": "interleaved rounds in rotated order in one process; per-step wall time (synchronised on "
+                  "CUDA) and, on CPU, process CPU time; peak = CUDA max_memory_allocated after "
+                  "reset_peak_memory_stats, or CPU VmHWM after clear_refs; extra = peak - memory in use before "
+                  "the step (inputs)",
         "peak_memory_measured": meter.peak() is not None if device.type == "cpu" else True,
         "baseline_file": args.baseline, "load_avg_start": os.getloadavg(), "uptime_start": _uptime(),
         "cases": [], "ratios": {}, "goals": {k: (f">= {g}" if k.startswith("naive") else f"<= {g}")

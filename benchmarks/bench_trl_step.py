@@ -12,8 +12,9 @@ Models:
          tokenizer of exactly 151,936 tokens (no hub access needed); HF bf16 generation; 8 prompts × 8
          completions × 256 tokens per step
 Method: rounds interleave the arms (order rotated each round); every run is a fresh trainer from the same seed;
-step time = wall time between optimizer-step ends (CUDA synchronised), the first ``--skip`` steps of each
-run excluded (warm-up, parity audit); a run's figure is its median step. Ratios: median over rounds of each
+step time = wall time between optimizer-step ends (CUDA synchronised; the process CPU time too), the first
+``--skip`` steps of each run excluded (warm-up, parity audit); a run's figure is its median step. CPU runs use
+one torch thread (``--threads``). Ratios: median over rounds of each
 arm / median of plain, and the per-round paired ratios for their spread.
 Goals (issue 25): tim / plain <= 1.02, safe / plain <= 1.05.
 
@@ -40,7 +41,7 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
                  rms_norm_eps=1e-6, tie_word_embeddings=True)
 # per device: rounds, measured steps per run, prompts per step, completions per prompt, completion tokens
 SETTINGS = {
-    "cpu": dict(rounds=5, steps=10, prompts=1, generations=8, length=32),
+    "cpu": dict(rounds=7, steps=30, prompts=1, generations=8, length=32),
     "cuda": dict(rounds=3, steps=3, prompts=8, generations=8, length=256),
 }
 QUICK = {
@@ -92,7 +93,7 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
          prompts: list[str]) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from tim_plugins.integrations.trl import TIMCallback, TIMConfig
@@ -110,24 +111,29 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
         learning_rate=1e-6 if cuda else 1e-5, seed=0, disable_tqdm=True, min_p=DEFAULT_MIN_P,
         model_init_kwargs={"dtype": "bfloat16"} if cuda else None,
     )
-    trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args,
+    # the tokenizer by its own class: AutoTokenizer would map the Qwen2 config to Qwen2's BPE tokenizer class
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": prompts}))
     if arm != "plain":
         trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=arm == "safe")))
-    stamps = []
+    stamps, cpu_stamps = [], []
 
-    class _Clock(TrainerCallback):  # wall time between optimizer-step ends, callbacks and logging included
+    class _Clock(TrainerCallback):  # time between optimizer-step ends, callbacks and logging included
         def on_step_end(self, *a, **k):
             if cuda:
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
+            cpu_stamps.append(time.process_time())
 
     trainer.add_callback(_Clock())
     trainer.train()
     # stamps[i] ends step i + 1; the first step has no start stamp, so the diffs are steps 2, 3, ...
     per_step = [b - a for a, b in zip(stamps[:-1], stamps[1:])][skip - 1:]
+    cpu_per_step = [b - a for a, b in zip(cpu_stamps[:-1], cpu_stamps[1:])][skip - 1:]
     logged = [h for h in trainer.state.log_history if "loss" in h]
     out = {"step_s": statistics.median(per_step), "steps_s": per_step,
+           "cpu_step_s": statistics.median(cpu_per_step), "cpu_steps_s": cpu_per_step,
            "completion_length": statistics.mean(h.get("completions/mean_length", float("nan")) for h in logged),
            # what the arm logged of its own: none for plain, tim/... for the callback arms
            "tim_keys_logged": sorted({k for h in logged for k in h if k.startswith("tim/")})}
@@ -152,6 +158,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip", type=int, default=1, help="steps excluded at the start of each run (>= 1)")
     parser.add_argument("--length", type=int, default=None, help="completion tokens")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default on cpu: 1; the toy model's ops are too small for more, and "
+                             "OpenMP barriers stall when other jobs share the cores)")
     parser.add_argument("--output", default=None, help="results path (default benchmarks/results/trl_step[_cuda].json)")
     args = parser.parse_args(argv)
     if args.skip < 1:
@@ -161,6 +170,8 @@ def main(argv=None) -> dict:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    if args.threads or args.device == "cpu":
+        torch.set_num_threads(args.threads or 1)
     settings = dict((QUICK if args.quick else SETTINGS)[args.device])
     for key in ("rounds", "steps", "length"):
         if getattr(args, key) is not None:
@@ -209,13 +220,16 @@ def _summary(args, settings: dict, arms: list[str], runs: dict, load_start) -> d
 
     done = min(len(runs[arm]) for arm in arms)
     med = {arm: [x["step_s"] for x in runs[arm][:done]] for arm in arms}
+    cpu = {arm: [x["cpu_step_s"] for x in runs[arm][:done]] for arm in arms}
     result = {
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "model": "toy (tim_plugins.toy_model)" if args.device == "cpu" and not args.model else (
             args.model or "Qwen2-0.5B-shaped, random bf16 weights, word-level tokenizer of 151,936 tokens"),
         "settings": settings, "skip": args.skip, "arms": arms,
+        "torch_threads": torch.get_num_threads(),
         "s_per_step": {arm: spread(med[arm]) for arm in arms},
+        "cpu_s_per_step": {arm: spread(cpu[arm]) for arm in arms},
         "ratios": {}, "runs": runs, "quick": bool(args.quick),
         "goals": {f"{arm}_over_plain": f"<= {g}" for arm, g in GOALS.items() if arm in arms},
         "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
@@ -223,6 +237,9 @@ def _summary(args, settings: dict, arms: list[str], runs: dict, load_start) -> d
     for arm in arms[1:]:
         result["ratios"][f"{arm}_over_plain"] = statistics.median(med[arm]) / statistics.median(med["plain"])
         result["ratios"][f"{arm}_over_plain_paired"] = spread([a / b for a, b in zip(med[arm], med["plain"])])
+        result["ratios"][f"{arm}_over_plain_cpu_time"] = statistics.median(cpu[arm]) / statistics.median(cpu["plain"])
+        result["ratios"][f"{arm}_over_plain_cpu_time_paired"] = spread(
+            [a / b for a, b in zip(cpu[arm], cpu["plain"])])
     result["meets"] = {f"{arm}_over_plain": result["ratios"][f"{arm}_over_plain"] <= GOALS[arm] for arm in arms[1:]}
     # the flat headline key of earlier versions of this file (benchmarks/run_all.py reads *ratio* keys)
     if "tim" in arms:

@@ -60,7 +60,8 @@ rm -rf "$STAGE" && mkdir -p "$STAGE" || exit 1
 cp -r "$REPO/tim_plugins" "$REPO/benchmarks" "$STAGE/" && cp -r "$REPO/integrations" "$STAGE/tim_plugins/" || exit 1
 cd "$STAGE" || exit 1
 
-"$PY" - <<'EOF' || { echo "preflight failed: run 'bash benchmarks/gpu_perf.sh --fetch-wheels' where pip reaches an index and carry .whl"; exit 1; }
+FIX="run 'bash benchmarks/gpu_perf.sh --fetch-wheels' where pip reaches an index, and carry .whl"
+"$PY" - <<'EOF' || { echo "preflight failed: $FIX"; exit 1; }
 import importlib.util
 missing = [m for m in ("torch", "triton", "transformers", "tokenizers", "trl", "datasets", "accelerate")
            if importlib.util.find_spec(m) is None]
@@ -72,7 +73,8 @@ from tim_plugins.integrations.trl import TIMCallback  # noqa: F401
 if not torch.cuda.is_available():
     raise SystemExit("torch sees no CUDA device")
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
-      f"trl {trl.__version__}, {torch.cuda.get_device_name()}, TRL folds in Triton: {_use_triton(torch.device('cuda'))}")
+      f"trl {trl.__version__}, {torch.cuda.get_device_name()}, "
+      f"TRL folds in Triton: {_use_triton(torch.device('cuda'))}")
 EOF
 
 RESULTS=$STAGE/benchmarks/results

@@ -14,8 +14,8 @@ Models:
 Method: rounds interleave the arms (order rotated each round); every run is a fresh trainer from the same seed;
 step time = wall time between optimizer-step ends (CUDA synchronised; the process CPU time too), the first
 ``--skip`` steps of each run excluded (warm-up, parity audit); a run's figure is its median step. CPU runs use
-one torch thread (``--threads``). Ratios: median over rounds of each
-arm / median of plain, and the per-round paired ratios for their spread.
+one torch thread (``--threads``). Ratios: median over rounds of each arm / median of plain, and the per-round
+paired ratios for their spread.
 Goals (issue 25): tim / plain <= 1.02, safe / plain <= 1.05.
 
     python -m benchmarks.bench_trl_step [--device cuda] [--quick]

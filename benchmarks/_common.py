@@ -10,7 +10,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["median_time", "write_results", "environment", "RESULTS_DIR"]
+__all__ = ["median_time", "spread", "write_results", "environment", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -25,6 +25,15 @@ def median_time(fn, *, repeats: int = 7, warmup: int = 2) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def spread(xs: list[float]) -> dict:
+    """Median, min, max and (from two values on) the quartiles of repeated measurements."""
+    out = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    if len(xs) >= 2:
+        q = statistics.quantiles(xs, n=4, method="inclusive")
+        out.update(q1=q[0], q3=q[2])
+    return out
 
 
 def environment() -> dict:
@@ -44,9 +53,10 @@ def environment() -> dict:
     }
 
 
-def write_results(name: str, results: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_results(name: str, results: dict, path: str | os.PathLike | None = None) -> Path:
+    """Write ``results`` with the machine and versions to ``path`` (default ``RESULTS_DIR/<name>.json``)."""
+    path = RESULTS_DIR / f"{name}.json" if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "environment": environment(), **results}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=float))

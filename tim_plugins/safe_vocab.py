@@ -42,8 +42,9 @@ __all__ = [
     "safe_vocab_metrics",
 ]
 
-# Working-tile budget (elements of one [rows, V] logits chunk). Equal to TRL 1.16's fused head tile
-# (TOKEN_CHUNK_SIZE 4096 rows × 32768 vocab columns), so the two paths are compared at the same tile size.
+# TRL 1.16's fused-head tile in elements (trl/kernels/chunked_logprob.py: TOKEN_CHUNK_SIZE 4096 rows × the
+# 32768 vocabulary columns add_fused_lm_head asks for), held in the compute dtype. One chunk's buffers here take
+# at most as many bytes, so the working set is no larger than TRL's.
 TILE_ELEMENTS = 4096 * 32768
 
 
@@ -51,9 +52,16 @@ TILE_ELEMENTS = 4096 * 32768
 _GRAD_VOCAB_TILE = 32768
 
 
-def default_chunk_rows(vocab: int) -> int:
-    """Rows per chunk so that one [rows, vocab] tile holds about ``TILE_ELEMENTS`` elements."""
-    return max(1, TILE_ELEMENTS // max(1, vocab))
+def default_chunk_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per chunk whose buffers fit TRL's tile in bytes (``TILE_ELEMENTS`` elements of ``dtype``).
+
+    Per row: the fp32 logits and the bool safe-set mask (5 bytes per vocabulary entry), plus for half precision
+    the row's [32768] GEMM tile in ``dtype``. At V = 151,936: 706 rows in fp32, 325 in bf16 / fp16.
+    """
+    vocab = max(1, int(vocab))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_row = 5 * vocab + (min(vocab, _GRAD_VOCAB_TILE) * itemsize if itemsize < 4 else 0)
+    return max(1, TILE_ELEMENTS * itemsize // per_row)
 
 
 @dataclass
@@ -75,47 +83,65 @@ class SafeLogprobs:
     entropy: torch.Tensor | None = None
 
 
-def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, trunc: Truncation, want_entropy: bool):
+def _keep_mask(z: torch.Tensor, tau: torch.Tensor, trunc: Truncation, buf: torch.Tensor | None):
+    """S as a bool [n, V] mask written into ``buf``, or None when the rule cuts nothing (S = V, no mask pass)."""
+    if not trunc.active:
+        return None
+    return torch.ge(z, tau[:, None], out=buf[: z.shape[0]])
+
+
+def _apply_mask(e: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    # float × uint8 has a vectorised CPU kernel, float × bool does not (about 1.4× slower); same values
+    return e if keep is None else e.mul_(keep.view(torch.uint8))
+
+
+def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, trunc: Truncation, want_entropy: bool, keep_buf):
     """Statistics of one chunk. z: [n, V] fp32 logits / T, overwritten. Returns per-row tensors."""
     m = z.amax(dim=-1)
     tau = truncation_threshold(z, trunc, row_max=m)
     z_tok = z.gather(-1, tok[:, None]).squeeze(-1)
-    keep = z >= tau[:, None]  # [n, V] bool; recomputed bit-exactly in backward from the same z and tau
-    size = keep.sum(dim=-1)
+    keep = _keep_mask(z, tau, trunc, keep_buf)  # recomputed bit-exactly in backward from the same z and tau
+    if keep is None:
+        size = torch.full_like(tok, z.shape[1])
+    else:
+        # an int32 reduction of the bool mask is ~1.5× faster on CPU than the default int64 one; |S| <= V < 2^31
+        size = keep.sum(dim=-1, dtype=torch.int32).long()
     e = z.sub_(m[:, None]).exp_()  # in place: e = exp(z − m), 0 < e <= 1
     full = e.sum(dim=-1)
-    kept = e.mul_(keep).sum(dim=-1)  # Σ_S e^(z−m)
+    kept = full if keep is None else _apply_mask(e, keep).sum(dim=-1)  # Σ_S e^(z−m)
     log_kept = kept.log()
     log_zs = m + log_kept  # log Σ_S e^z
     logp = (z_tok - m) - log_kept  # log_softmax's own order of operations: min_p = 0 reproduces it
     pruned = (1.0 - kept / full).clamp_(min=0.0)
     entropy = None
     if want_entropy:
-        # H(q) = log Σ_S e^(z−m) − Σ_S e^(z−m)(z−m) / Σ_S e^(z−m); e log e = e (z − m), and 0 where e underflows
-        entropy = kept.log() - torch.special.xlogy(e, e).sum(dim=-1) / kept
+        # H(q) = log Σ_S e^(z−m) − Σ_S e^(z−m)(z−m) / Σ_S e^(z−m); e log e = e (z − m), and 0 where e underflows.
+        # e is not needed afterwards: xlogy overwrites it instead of allocating another [n, V] tensor
+        entropy = log_kept - torch.special.xlogy(e, e, out=e).sum(dim=-1) / kept
     return logp, z_tok >= tau, pruned, size, tau, log_zs, entropy
 
 
-def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, inv_t):
-    """Gradient wrt the tempered-input logits of one chunk, written into z ([n, V] fp32 logits / T)."""
-    keep = z >= tau[:, None]
+def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, inv_t, trunc, keep_buf):
+    """Gradient wrt the tempered-input logits of one chunk, factored as ``row_scale[:, None] * G``.
+
+    Returns (G, row_scale): G [n, V] fp32 written into z's storage, row_scale [n] fp32. Without an entropy
+    gradient, dL/dz_j = −g·(q_j − 1[j = a])/T: G = q − onehot(a) and the per-row factor −g/T is applied to the
+    [n, H] GEMM operands or results by the caller instead of in another pass over [n, V].
+    """
+    keep = _keep_mask(z, tau, trunc, keep_buf)
     if g_ent is not None:
         # dH/dz_j = −q_j (log q_j + H) on S; log q = z − log Σ_S
         logq = z.sub_(log_zs[:, None])
-        q = logq.exp().mul_(keep)
-        ent_term = logq.add_(entropy[:, None]).mul_(q).mul_(-g_ent[:, None])  # reuses z's storage
-        grad = ent_term
+        q = _apply_mask(logq.exp(), keep)
+        grad = logq.add_(entropy[:, None]).mul_(q).mul_(-g_ent[:, None])  # reuses z's storage
         if g_lp is not None:
             grad.sub_(q.mul_(g_lp[:, None]))
-    else:
-        q = z.sub_(log_zs[:, None]).exp_().mul_(keep)
-        grad = q.mul_(-g_lp[:, None]) if g_lp is not None else q.zero_()
-    if g_lp is not None:
-        # d logp(a)/dz_a gets +1 (also for a outside S: logp(a) = z_a − log Σ_S is still a function of z_a)
-        grad.scatter_add_(-1, tok[:, None], g_lp[:, None])
-    if inv_t != 1.0:
-        grad.mul_(inv_t)
-    return grad
+            # d logp(a)/dz_a gets +1 (also for a outside S: logp(a) = z_a − log Σ_S is still a function of z_a)
+            grad.scatter_add_(-1, tok[:, None], g_lp[:, None])
+        return grad, torch.full_like(log_zs, inv_t)
+    g = _apply_mask(z.sub_(log_zs[:, None]).exp_(), keep)  # q, zero off S
+    g.scatter_add_(-1, tok[:, None], torch.full_like(g_lp[:, None], -1.0))  # also for a outside S (see above)
+    return g, g_lp.neg().mul_(inv_t)
 
 
 def _temper(z: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -123,15 +149,25 @@ def _temper(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+def _keep_buffer(rows: int, vocab: int, trunc: Truncation, device) -> torch.Tensor | None:
+    # allocated once per call: a fresh [rows, V] bool tensor per chunk costs page faults on CPU
+    return torch.empty((rows, vocab), dtype=torch.bool, device=device) if trunc.active else None
+
+
 class _SafeFromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, trunc, chunk, want_entropy):
         ctx.set_materialize_grads(False)
+        rows, vocab = min(chunk, logits.shape[0]), logits.shape[1]
+        zf = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+        keep_buf = _keep_buffer(rows, vocab, trunc, logits.device)
         outs = [[] for _ in range(7)]
         for s in range(0, logits.shape[0], chunk):
-            z = _temper(logits[s : s + chunk].to(torch.float32, copy=True), trunc.temperature)
-            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy)):
+            src = logits[s : s + chunk]
+            z = _temper(zf[: src.shape[0]].copy_(src), trunc.temperature)
+            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy, keep_buf)):
                 acc.append(val)
+        del zf, keep_buf
         logp, in_safe, pruned, size, tau, log_zs, ent = (torch.cat(o) if o[0] is not None else None for o in outs)
         ctx.save_for_backward(logits, tokens, tau, log_zs, ent if ent is not None else log_zs)
         ctx.trunc, ctx.chunk = trunc, chunk
@@ -143,14 +179,20 @@ class _SafeFromLogits(torch.autograd.Function):
         logits, tokens, tau, log_zs, ent = ctx.saved_tensors
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
+        trunc, chunk = ctx.trunc, ctx.chunk
+        rows, vocab = min(chunk, logits.shape[0]), logits.shape[1]
+        zf = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+        keep_buf = _keep_buffer(rows, vocab, trunc, logits.device)
         grad = torch.empty_like(logits)
-        inv_t = 1.0 / ctx.trunc.temperature
-        for s in range(0, logits.shape[0], ctx.chunk):
-            sl = slice(s, s + ctx.chunk)
-            z = _temper(logits[sl].to(torch.float32, copy=True), ctx.trunc.temperature)
-            grad[sl] = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
-                                   None if g_lp is None else g_lp[sl].float(),
-                                   None if g_ent is None else g_ent[sl].float(), inv_t)
+        for s in range(0, logits.shape[0], chunk):
+            sl = slice(s, s + chunk)
+            src = logits[sl]
+            z = _temper(zf[: src.shape[0]].copy_(src), trunc.temperature)
+            gz, scale = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
+                                    None if g_lp is None else g_lp[sl].float(),
+                                    None if g_ent is None else g_ent[sl].float(), 1.0 / trunc.temperature, trunc,
+                                    keep_buf)
+            torch.mul(gz, scale[:, None], out=grad[sl])
         return grad, None, None, None, None
 
 
@@ -187,13 +229,14 @@ class _SafeFromHidden(torch.autograd.Function):
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
         zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
+        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, trunc, hidden.device)
         outs = [[] for _ in range(7)]
         for s in range(0, n_rows, chunk):
             h = hidden[s : s + chunk].to(cdt)
             z = _temper(_logits_into(zf, tile, h, w), trunc.temperature)
-            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy)):
+            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy, keep_buf)):
                 acc.append(val)
-        del zf, tile
+        del zf, tile, keep_buf
         logp, in_safe, pruned, size, tau, log_zs, ent = (torch.cat(o) if o[0] is not None else None for o in outs)
         ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
         ctx.trunc, ctx.chunk = trunc, chunk
@@ -207,10 +250,11 @@ class _SafeFromHidden(torch.autograd.Function):
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
             return None, None, None, None, None, None
         n_rows, vocab = hidden.shape[0], weight.shape[0]
-        chunk, inv_t = ctx.chunk, 1.0 / ctx.trunc.temperature
+        trunc, chunk = ctx.trunc, ctx.chunk
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
         zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
+        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, trunc, hidden.device)
         # grad_hidden rows are written once each (one GEMM per row chunk); grad_weight sums over all chunks: fp32
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -218,23 +262,26 @@ class _SafeFromHidden(torch.autograd.Function):
             sl = slice(s, s + chunk)
             h = hidden[sl].to(cdt)
             n = h.shape[0]
-            z = _temper(_logits_into(zf, tile, h, w), ctx.trunc.temperature)
-            gz = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
-                             None if g_lp is None else g_lp[sl].float(),
-                             None if g_ent is None else g_ent[sl].float(), inv_t)  # fp32 [n, V], in zf
+            z = _temper(_logits_into(zf, tile, h, w), trunc.temperature)
+            # dL/dz = scale[:, None] * gz, gz fp32 [n, V] in zf; the row scale goes onto the [n, H] side
+            gz, scale = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
+                                    None if g_lp is None else g_lp[sl].float(),
+                                    None if g_ent is None else g_ent[sl].float(), 1.0 / trunc.temperature, trunc,
+                                    keep_buf)
             if need_w:
-                # dW += gz^T h, accumulated in fp32
-                grad_w.addmm_(gz.t(), h.float() if h.dtype != torch.float32 else h)
+                # dW += gz^T (scale · h), accumulated in fp32
+                grad_w.addmm_(gz.t(), h.float() * scale[:, None])
             if need_h:
                 if cdt == torch.float32:
-                    grad_h[sl] = torch.mm(gz, w)
+                    grad_h[sl] = torch.mm(gz, w).mul_(scale[:, None])
                 else:
                     # dh = gz W in fp32 over vocab tiles (as TRL's CPU path): a half-precision GEMM with a
                     # 150k-long reduction is pathologically slow on CPUs without bf16 units, and fp32 keeps precision
                     acc = torch.zeros((n, w.shape[1]), dtype=torch.float32, device=w.device)
                     for v0 in range(0, vocab, _GRAD_VOCAB_TILE):
                         acc.addmm_(gz[:, v0 : v0 + _GRAD_VOCAB_TILE], w[v0 : v0 + _GRAD_VOCAB_TILE].float())
-                    grad_h[sl] = acc
+                    grad_h[sl] = acc.mul_(scale[:, None])
+        del zf, tile, keep_buf  # before the cast of grad_w below, which is often the step's peak
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
 
 
@@ -270,13 +317,13 @@ def safe_logprobs_from_logits(
         tokens: [N] int token ids.
         min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
         compute_entropy: also return the entropy of the safe distribution.
-        chunk_size: rows per chunk for the fp32 temporaries (default: ``default_chunk_rows(V)``).
+        chunk_size: rows per chunk for the fp32 temporaries (default: ``default_chunk_rows(V, logits.dtype)``).
     Returns:
         ``SafeLogprobs`` with [N] tensors.
     """
     _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0)
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1])
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
     if chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
     return _pack(_SafeFromLogits.apply(logits, tokens.long(), trunc, chunk, bool(compute_entropy)))
@@ -296,7 +343,7 @@ def safe_logprobs_from_hidden(
         min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
         compute_entropy: also return the entropy of the safe distribution.
         chunk_size: rows per chunk; one [chunk, V] tile is live at a time, in forward and in backward
-            (default ``default_chunk_rows(V)``, the same tile size as TRL's fused head).
+            (default ``default_chunk_rows(V, dtype)``: no more bytes than TRL's fused-head tile).
     Returns:
         ``SafeLogprobs`` with [N] tensors; gradients flow to ``hidden`` and ``weight``.
     """
@@ -304,7 +351,8 @@ def safe_logprobs_from_hidden(
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0])
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(
+        weight.shape[0], torch.promote_types(hidden.dtype, weight.dtype))
     if chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
     return _pack(_SafeFromHidden.apply(hidden, weight, tokens.long(), trunc, chunk, bool(compute_entropy)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bounded import run_bounded
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -23,18 +23,12 @@ from benchmarks import bench_safe_vocab  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_bounded(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group from the repository root; kill the whole group on timeout."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "WANDB_MODE": "offline", **(env or {})})
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-
+def run_script(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repository root, bounded (its process group is killed on timeout)."""
+    proc, timed_out = run_bounded(cmd, timeout, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline", **(env or {})})
+    if timed_out:
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{proc.stdout[-3000:]}")
+    return proc
 
 def finite_positive(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
@@ -42,7 +36,7 @@ def finite_positive(x) -> bool:
 
 def test_safe_vocab_quick_results_and_float64_check(tmp_path):
     out = tmp_path / "safe_vocab.json"
-    proc = run_bounded([sys.executable, "-m", "benchmarks.bench_safe_vocab", "--quick", "--output", str(out)], 240)
+    proc = run_script([sys.executable, "-m", "benchmarks.bench_safe_vocab", "--quick", "--output", str(out)], 240)
     assert proc.returncode == 0, proc.stdout[-3000:]
     res = json.loads(out.read_text())
     assert res["complete"] and res["quick"] and res["device"] == "cpu" and res["trl_fold"] == "torch"
@@ -120,7 +114,7 @@ def test_baseline_copy_runs_as_its_own_variant(tmp_path):
 
 def test_trl_step_quick_arms_and_ratios(tmp_path):
     out = tmp_path / "trl_step.json"
-    proc = run_bounded([sys.executable, "-m", "benchmarks.bench_trl_step", "--quick", "--output", str(out)], 300)
+    proc = run_script([sys.executable, "-m", "benchmarks.bench_trl_step", "--quick", "--output", str(out)], 300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     res = json.loads(out.read_text())
     assert res["complete"] and res["quick"] and res["arms"] == ["plain", "tim", "safe"]
@@ -150,7 +144,7 @@ def test_gpu_script_stages_the_package_and_stops_cleanly_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this checks the no-GPU refusal")
     stage = tmp_path / "stage"
-    proc = run_bounded(["bash", "benchmarks/gpu_perf.sh"], 120,
+    proc = run_script(["bash", "benchmarks/gpu_perf.sh"], 120,
                        env={"PYTHON": sys.executable, "STAGE": str(stage), "WHEELS": str(tmp_path / "no-wheels")})
     # the preflight imported trl and tim_plugins.integrations.trl from the staged tree, then found no GPU
     assert proc.returncode == 1, proc.stdout[-3000:]

@@ -5,27 +5,21 @@ subprocess (its own process group, killed on timeout)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
+from bounded import run_bounded
 
 TIMEOUT_S = 180
 
 
 def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen([sys.executable, "-m", "tim_plugins.cli", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    proc, timed_out = run_bounded([sys.executable, "-m", "tim_plugins.cli", *args], TIMEOUT_S, merge_stderr=False,
+                                  cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"})
+    if timed_out:
         pytest.fail(f"tim-plugins {' '.join(args)} ran past {TIMEOUT_S} s")
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
-
+    return proc
 
 CASES = [
     # (argv, text the single error line must contain)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bounded import run_bounded
 from test_metrics import assert_matches, make_batch, reference
 
 from tim_plugins._mismatch_layout import FIELDS, N_SUMS, OFFSETS
@@ -161,13 +160,9 @@ def test_kernel_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__,
            "-k", "test_interpreted_"]
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    proc, timed_out = run_bounded(cmd, 600, cwd=root, env=env)
+    out = proc.stdout
+    if timed_out:
         pytest.fail(f"the interpreted kernel tests took over 600 s:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)

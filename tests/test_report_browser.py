@@ -10,12 +10,11 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 
 import numpy as np
 import pytest
 import torch
+from bounded import run_bounded
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("matplotlib")
@@ -42,14 +41,10 @@ def _browser() -> str:
 def _chromium(browser: str, tmp_path, *args: str) -> str:
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
            f"--user-data-dir={tmp_path / 'profile'}", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    proc, timed_out = run_bounded(cmd, TIMEOUT_S, merge_stderr=False)
+    if timed_out:
         pytest.fail(f"chromium ran past {TIMEOUT_S} s")
+    out = proc.stdout
     return out
 
 

@@ -16,7 +16,7 @@ import argparse
 import importlib
 import sys
 
-__all__ = ["main", "SUBCOMMAND_MODULES", "UsageError", "USAGE_EXIT_CODE"]
+__all__ = ["main", "SUBCOMMAND_MODULES", "UsageError", "USAGE_EXIT_CODE", "add_config_options", "config_from_args"]
 
 SUBCOMMAND_MODULES = (
     "tim_plugins.demo",  # demo
@@ -41,6 +41,26 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(USAGE_EXIT_CODE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def add_config_options(parser: argparse.ArgumentParser, config_cls, choices: dict[str, tuple] | None = None) -> None:
+    """One ``--option-name`` per field of the dataclass ``config_cls``: its default, its help metadata, int/float
+    types from the annotation, and ``choices`` by field name (the dataclass's ``__post_init__`` checks the rest)."""
+    choices = choices or {}
+    for f in config_cls.__dataclass_fields__.values():
+        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
+        if f.name in choices:
+            kwargs["choices"] = tuple(choices[f.name])
+        elif f.type in ("int", int, "int | None"):
+            kwargs["type"] = int
+        elif f.type in ("float", float, "float | None"):
+            kwargs["type"] = float
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, config_cls):
+    """The ``config_cls`` instance of the options ``add_config_options`` added."""
+    return config_cls(**{name: getattr(args, name) for name in config_cls.__dataclass_fields__})
 
 
 def build_parser() -> argparse.ArgumentParser:

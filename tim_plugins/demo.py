@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tim_plugins.cli import add_config_options, config_from_args
+
 __all__ = ["DemoConfig", "run_demo", "register", "toy_reward"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -320,21 +322,12 @@ def register(subparsers) -> None:
         "demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts (~1-2 min).",
         description="A short TRL GRPOTrainer run on CPU with TIMCallback attached; writes OUT/report.html, "
                     "OUT/summary.json and OUT/dump/ and prints a verdict.")
-    for f in DemoConfig.__dataclass_fields__.values():
-        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
-        if f.name == "rollout_dtype":
-            kwargs["choices"] = _DTYPES
-        elif f.type in ("int", int):
-            kwargs["type"] = int
-        elif f.type in ("float", float):
-            kwargs["type"] = float
-        p.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    add_config_options(p, DemoConfig, {"rollout_dtype": _DTYPES})
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    cfg = DemoConfig(**{name: getattr(args, name) for name in DemoConfig.__dataclass_fields__})
-    summary = run_demo(cfg)
+    summary = run_demo(config_from_args(args, DemoConfig))
     v = summary["verdict"]
     print(f"\n{v['headline']}")
     for status, text, _ in v["lines"]:

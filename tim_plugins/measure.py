@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tim_plugins._optional import is_available, require
+from tim_plugins.cli import add_config_options, config_from_args
 from tim_plugins.measure_rollouts import DTYPES, check_model_path
 
 __all__ = ["MeasureConfig", "Setting", "parse_settings", "run_measure", "register", "ROLLOUTS", "COMPARE_PRESETS",
@@ -479,24 +480,13 @@ def register(subparsers) -> None:
         "measure", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="Measure TIM between rollout settings and a trainer pipeline on one model.",
         description="Measure training-inference mismatch between one or several rollout settings (--compare) and "
                     "a trainer pipeline on the same weights; writes OUT/report.html, OUT/summary.json, OUT/dump/.")
-    for f in MeasureConfig.__dataclass_fields__.values():
-        flag = "--" + f.name.replace("_", "-")
-        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
-        if f.name == "rollout":
-            kwargs["choices"] = ROLLOUTS
-        elif f.name.endswith("_dtype"):
-            kwargs["choices"] = tuple(DTYPES)
-        elif f.type in ("int", int, "int | None"):
-            kwargs["type"] = int
-        elif f.type in ("float", float, "float | None"):
-            kwargs["type"] = float
-        p.add_argument(flag, **kwargs)
+    add_config_options(p, MeasureConfig, {"rollout": ROLLOUTS, **{f: DTYPES for f in MeasureConfig.__dataclass_fields__
+                                                                  if f.endswith("_dtype")}})
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    values = {name: getattr(args, name) for name in MeasureConfig.__dataclass_fields__}
-    summary = run_measure(MeasureConfig(**values))
+    summary = run_measure(config_from_args(args, MeasureConfig))
     print(format_summary(summary))
     verdict = summary.get("verdict", {})
     if verdict:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bounded import run_bounded
 
 __all__ = ["CPU_OVERRIDES", "Run", "base_overrides", "prepare", "recipe_tim_overrides", "run_main_ppo"]
 
@@ -197,21 +198,11 @@ def run_main_ppo(overrides: list[str], *, cwd: Path, timeout: float = 600, extra
     env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        returncode = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        returncode = -9
+    proc, timed_out = run_bounded(cmd, timeout, cwd=cwd, env=env)
+    output, returncode = proc.stdout, proc.returncode
+    if timed_out:
         output += f"\n[test] main_ppo killed after {timeout} s\n"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # Ray and vLLM processes left behind
-        except ProcessLookupError:
-            pass
+        returncode = -9
     seconds = time.monotonic() - start
     if log_path is not None:
         log_path.write_text(" ".join(cmd) + "\n\n" + output)

@@ -220,6 +220,10 @@ def test_paired_comparison_and_degradation_rule():
     assert res["degraded"]
     assert not analysis.paired(table, "mixed", "control", rule)["degraded"]  # one seed improved
     assert not analysis.paired(table, "small", "control", rule)["degraded"]  # consistent but < min_drop
+    assert not res["helps"]
+    assert analysis.paired(table, "control", "worse", rule)["helps"]  # the mirror rule: every seed gained
+    assert not analysis.paired(table, "control", "mixed", rule)["helps"]  # one seed lost
+    assert not analysis.paired(table, "control", "small", rule)["helps"]  # consistent but < min_drop
     assert analysis.paired(table, "worse", "absent", rule) is None
 
 

@@ -135,6 +135,9 @@ def summarize(arms: list, runs: dict, evals: dict, seconds: dict, rule: dict, cr
             "k3_mean": _mean(float(np.nanmean(r["tim/token/kl_k3"])) for r in rs.values() if "tim/token/kl_k3" in r),
             "k3_start": _mean(_edge(r["tim/token/kl_k3"], True) for r in rs.values() if "tim/token/kl_k3" in r),
             "k3_end": _mean(_edge(r["tim/token/kl_k3"], False) for r in rs.values() if "tim/token/kl_k3" in r),
+            # k3 summed over a response (per-token k3 × mean length, per step): the sequence-level drift
+            "seq_k3_mean": _mean(float(np.nanmean(r["tim/token/kl_k3"] * r["completions/mean_length"]))
+                                 for r in rs.values() if "tim/token/kl_k3" in r),
             "seq_log_ratio_abs_max": _mean(float(np.nanmax(r["tim/seq/log_ratio_abs_max"])) for r in rs.values()
                                            if "tim/seq/log_ratio_abs_max" in r),
             "length_start": _mean(_edge(r["completions/mean_length"], True) for r in rs.values()),
@@ -167,9 +170,11 @@ def paired(table: list[dict], arm_name: str, control: str, rule: dict) -> dict |
     std = float(d.std(ddof=1)) if d.size > 1 else math.nan
     half = t_quantile(d.size - 1) * std / math.sqrt(d.size) if d.size > 1 else math.nan
     degraded = mean <= -rule["min_drop"] and (not rule["all_seeds_negative"] or bool((d < 0).all()))
+    # The mirror rule, for a mitigation against its unmitigated arm: mean Δ >= +min_drop, every seed above 0.
+    helps = mean >= rule["min_drop"] and (not rule["all_seeds_negative"] or bool((d > 0).all()))
     return {"arm": arm_name, "vs": control, "n": int(d.size), "delta_mean": mean, "delta_std": std,
             "ci95_low": mean - half, "ci95_high": mean + half, "deltas": [float(x) for x in d],
-            "degraded": bool(degraded)}
+            "degraded": bool(degraded), "helps": bool(helps)}
 
 
 def harm_curve(table: list[dict], comparisons: list[dict]) -> list[dict]:
@@ -183,6 +188,7 @@ def harm_curve(table: list[dict], comparisons: list[dict]) -> list[dict]:
             continue
         cells.setdefault(r["cell"], []).append({
             "arm": r["arm"], "rollout": r["rollout"], "magnitude": r["magnitude"], "k3_mean": r["k3_mean"],
+            "seq_k3_mean": r["seq_k3_mean"],
             "budget": r["budget"], "learning_rate": r["learning_rate"], "delta_mean": comp["delta_mean"],
             "ci95_low": comp["ci95_low"], "ci95_high": comp["ci95_high"], "degraded": comp["degraded"]})
     out = []

@@ -43,10 +43,11 @@ class StudyConfig:
         f"which scenarios to run, among {SCENARIOS}"))
     budget: int = field(default=64, metadata=_help("completion budget L of the main cell (tokens)"))
     lengths: tuple = field(default=(16, 192), metadata=_help("other budgets of the length axis"))
-    magnitudes: tuple = field(default=(1.0, 3.0, 10.0, 30.0), metadata=_help(
-        "injected mismatch of the main cell, in units of the measured bf16 engine's per-probability |Δ log p|"))
-    curve_magnitudes: tuple = field(default=(10.0, 30.0), metadata=_help(
-        "injected magnitudes on the length and update axes"))
+    magnitudes: tuple = field(default=(1.0, 3.0, 10.0, 20.0, 30.0), metadata=_help(
+        "injected mismatch of the main cell, in units of the measured bf16 engine's per-probability |Δ log p| "
+        "(x20 was added after the pre-registered runs, to place the onset between x10 and x30)"))
+    curve_magnitudes: tuple = field(default=(10.0, 20.0, 30.0), metadata=_help(
+        "injected magnitudes on the length and update axes (x20 added as above)"))
     profile_setting: str = field(default="hf-bf16", metadata=_help(
         "which measured profile the injector follows (a setting of measured_profile_smollm2.json)"))
     prompts_per_step: int = field(default=4, metadata=_help("distinct prompts per GRPO step"))
@@ -225,6 +226,7 @@ def degradation_rule() -> dict:
     held-out prompts, sampled from the trainer's fp32 weights), averaged over the last ``final_evals``
     evaluations of the run. For an arm and its control, paired by seed: Δ_s = endpoint(arm, s) −
     endpoint(control, s). The arm is **degraded** when mean_s Δ_s <= −``min_drop`` and every seed's Δ_s < 0.
+    A mitigation **helps** (paired with its unmitigated arm) when mean_s Δ_s >= +``min_drop`` and every Δ_s > 0.
     Greedy reward, training reward, k3 and grad-norm spikes are reported beside it, never part of the rule.
     Error bars: mean ± standard deviation of Δ_s over seeds, and the 95 % t interval.
     """

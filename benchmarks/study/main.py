@@ -8,7 +8,8 @@
 Layout of ``--out``: ``study.json`` (config, arms, rules, measured profile, environment),
 ``runs/<arm>/seed<k>.csv`` (one row per step: every key TRL + the TIM callback logged), ``seed<k>.eval.csv``
 (the trained policy's held-out evaluations) and ``seed<k>.json`` (run metadata), then ``summary.csv``,
-``summary.json`` (per-arm rows, paired comparisons, degradation verdicts, harm curve) and ``report.html``.
+``summary.json`` (per-arm rows, paired comparisons, degradation verdicts, harm curve), ``summary.md`` (its tables
+in Markdown) and ``report.html``.
 A run's CSV is written last and atomically: a killed study redoes only the unfinished arm/seed runs; finished
 runs with the same configuration fingerprint are skipped.
 """
@@ -258,9 +259,10 @@ def run_study(cfg, out: Path, *, report: bool = True, workers: int = 1, log=prin
     summary = {"degradation_rule": rule, "collapse_rule": crule, "rows": table, "comparisons": comparisons,
                "harm_curve": curve, "skipped_runs": skipped, "ran_runs": len(jobs)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if report:
-        from .report import write_report
+    from .report import markdown_tables, write_report
 
+    (out / "summary.md").write_text(markdown_tables(summary))
+    if report:
         write_report(out / "report.html", arms=arms, runs=runs, evals=evals, summary=summary, config=cfg.to_dict(),
                      env=meta["environment"])
     return {"out": str(out), "rows": table, "comparisons": comparisons, "harm_curve": curve,

@@ -14,7 +14,7 @@ from tim_plugins.report.figures import png_bytes, pyplot
 
 from .analysis import KEYS, moving_average, zero_control
 
-__all__ = ["write_report"]
+__all__ = ["write_report", "markdown_tables"]
 
 _SCENARIO_TITLES = {
     "main": "Main cell: engines and injected magnitudes (L = budget)",
@@ -76,27 +76,32 @@ def _scenario_figure(runs: dict, evals: dict, names: list[str]) -> str:
 
 
 def _harm_figure(curve: list[dict]) -> str | None:
-    pts_all = [(c, p) for c in curve for p in c["points"] if p["k3_mean"] and math.isfinite(p["k3_mean"])]
-    if not pts_all:
+    """Paired Δ (95 % interval) against the per-token k3 and against k3 summed over a response, per cell."""
+    def ok(p, key):
+        return p[key] is not None and math.isfinite(p[key]) and p[key] > 0
+
+    if not any(ok(p, "k3_mean") for c in curve for p in c["points"]):
         return None
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for c in curve:
-        pts = [p for p in c["points"] if p["k3_mean"] and math.isfinite(p["k3_mean"]) and p["k3_mean"] > 0]
-        if not pts:
-            continue
-        x = np.array([p["k3_mean"] for p in pts])
-        y = np.array([p["delta_mean"] for p in pts])
-        lo = np.array([p["ci95_low"] for p in pts])
-        hi = np.array([p["ci95_high"] for p in pts])
-        err = np.vstack([np.where(np.isfinite(lo), y - lo, 0), np.where(np.isfinite(hi), hi - y, 0)])
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, lw=1.2,
-                    label=f"{c['cell']} (L={c['budget']}, LR {c['learning_rate']:g})")
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("k3 (mean over the run)")
-    ax.set_ylabel("Δ held-out T=1 reward vs control (paired)")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, key, label in zip(axes, ("k3_mean", "seq_k3_mean"),
+                              ("k3 per token (mean over the run)", "k3 × response length (mean over the run)")):
+        for c in curve:
+            pts = [p for p in c["points"] if ok(p, key)]
+            if not pts:
+                continue
+            x = np.array([p[key] for p in pts])
+            y = np.array([p["delta_mean"] for p in pts])
+            lo = np.array([p["ci95_low"] for p in pts])
+            hi = np.array([p["ci95_high"] for p in pts])
+            err = np.vstack([np.where(np.isfinite(lo), y - lo, 0), np.where(np.isfinite(hi), hi - y, 0)])
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, lw=1.2,
+                        label=f"{c['cell']} (L={c['budget']}, LR {c['learning_rate']:g})")
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("Δ held-out T=1 reward vs control (paired)")
+        ax.legend(fontsize=8)
     return _png(fig)
 
 
@@ -132,7 +137,8 @@ def write_report(path: Path, *, arms: list, runs: dict, evals: dict, summary: di
         "Curves: mean ± std across seeds. Nothing is tuned per arm.</p>",
         f"<p><b>Degradation rule (fixed before the runs):</b> endpoint = <code>{rule['endpoint']}</code> "
         f"averaged over the last {rule['final_evals']} evaluations; paired by seed against the control "
-        f"(Δ<sub>s</sub>); degraded when mean Δ ≤ −{rule['min_drop']} and every seed's Δ &lt; 0.</p>",
+        f"(Δ<sub>s</sub>); degraded when mean Δ ≤ −{rule['min_drop']} and every seed's Δ &lt; 0. A mitigation "
+        f"helps (against its unmitigated arm) when mean Δ ≥ +{rule['min_drop']} and every seed's Δ &gt; 0.</p>",
     ]
     harm = _harm_figure(summary.get("harm_curve", []))
     if harm:
@@ -143,11 +149,11 @@ def write_report(path: Path, *, arms: list, runs: dict, evals: dict, summary: di
                          ["cell", "budget", "learning_rate", "onset_arm", "onset_k3"])]
     parts.append("<h2>Paired comparisons</h2>")
     parts.append(_table(summary["comparisons"], ["arm", "vs", "n", "delta_mean", "delta_std", "ci95_low",
-                                                 "ci95_high", "degraded"]))
+                                                 "ci95_high", "degraded", "helps"]))
     parts.append("<h2>Summary</h2>")
     parts.append(_table(summary["rows"], ["arm", "seeds", "eval_sample_reward", "eval_sample_reward_std",
                                           "eval_greedy_reward", "eval_sample_reward_start", "train_reward_start",
-                                          "train_reward_end", "k3_mean", "k3_start", "k3_end",
+                                          "train_reward_end", "k3_mean", "k3_start", "k3_end", "seq_k3_mean",
                                           "seq_log_ratio_abs_max", "length_end", "entropy_end",
                                           "grad_norm_spikes", "collapsed_runs", "lr_scale_end",
                                           "seconds_per_step"]))
@@ -165,3 +171,40 @@ def write_report(path: Path, *, arms: list, runs: dict, evals: dict, summary: di
     parts.append(f"<h2>Environment</h2><pre>{html.escape(str(env))}</pre>")
     path.write_text("\n".join(parts))
     return path
+
+
+def _md(v, digits: int = 3) -> str:
+    if isinstance(v, bool):
+        return "**yes**" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "–"
+        if v == 0:
+            return "0"
+        return f"{v:.{digits}g}" if abs(v) >= 1e-3 else f"{v:.1e}"
+    return str(v)
+
+
+def markdown_tables(summary: dict) -> str:
+    """The tables of summary.json as Markdown (``summary.md``, pasted into FINDINGS.md)."""
+    rows = {r["arm"]: r for r in summary["rows"]}
+    out = ["| arm | vs | Δ mean ± std | 95 % interval | per seed | degraded | helps |",
+           "|---|---|---|---|---|---|---|"]
+    for c in summary["comparisons"]:
+        out.append(f"| {c['arm']} | {c['vs']} | {c['delta_mean']:+.3f} ± {c['delta_std']:.3f} | "
+                   f"[{c['ci95_low']:+.3f}, {c['ci95_high']:+.3f}] | "
+                   f"{' '.join(f'{d:+.3f}' for d in c['deltas'])} | {_md(c['degraded'])} | {_md(c['helps'])} |")
+    out += ["", "| arm | held-out T=1 (endpoint) | greedy | train reward start → end | k3 (mean) | k3 × length | "
+            "entropy end | length end | grad spikes | LR scale end | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+        out.append(f"| {r['arm']} | {r['eval_sample_reward']:.3f} ± {r['eval_sample_reward_std']:.3f} | "
+                   f"{r['eval_greedy_reward']:.3f} | {r['train_reward_start']:.3f} → {r['train_reward_end']:.3f} | "
+                   f"{_md(r['k3_mean'])} | {_md(r['seq_k3_mean'])} | {r['entropy_end']:.2f} | "
+                   f"{r['length_end']:.1f} | {r['grad_norm_spikes']} | {_md(r['lr_scale_end'])} | "
+                   f"{r['seconds_per_step']:.2f} |")
+    if summary.get("harm_curve"):
+        out += ["", "| cell | L | LR | harm starts at (arm) | its k3 |", "|---|---|---|---|---|"]
+        for c in summary["harm_curve"]:
+            out.append(f"| {c['cell']} | {c['budget']} | {c['learning_rate']:g} | {c['onset_arm'] or 'none'} | "
+                       f"{_md(c['onset_k3']) if c['onset_k3'] is not None else '–'} |")
+    return "\n".join(out) + "\n"

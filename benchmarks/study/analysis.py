@@ -1,4 +1,5 @@
-"""Per-run collapse detection and the per-arm summary (pure numpy on the per-step CSV columns)."""
+"""Per-arm summary, paired comparisons by seed, the degradation verdict and the harm curve (numpy on the
+per-step and per-evaluation CSV columns)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,25 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_run", "moving_average", "collapse_step", "spike_count", "summarize", "KEYS"]
+__all__ = ["load_run", "moving_average", "collapse_step", "spike_count", "endpoint", "summarize", "paired",
+           "t_quantile", "harm_curve", "KEYS", "zero_control"]
 
 # Per-step series shown in the report (CSV column, label, log-scale y).
 KEYS = (
-    ("reward", "reward (exact match)", False),
+    ("reward", "training reward (rollout engine's samples)", False),
     ("tim/token/kl_k3", "k3 (rollout vs trainer)", True),
-    ("tim/token/abs_diff_max", "max |Δ log p|", True),
+    ("tim/seq/log_ratio_abs_max", "max |sequence log-ratio|", True),
     ("completions/mean_length", "mean response length", False),
-    ("entropy", "entropy", False),
+    ("entropy", "entropy (trainer)", False),
     ("grad_norm", "grad norm (pre-clip)", True),
     ("lr_scale", "LR scale", False),
 )
+# Two-sided 95 % Student t quantiles by degrees of freedom (1 .. 10); beyond, the normal 1.96 is within 5 %.
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def t_quantile(df: int) -> float:
+    return _T95[df - 1] if 1 <= df <= len(_T95) else 1.96
 
 
 def load_run(path: Path) -> dict[str, np.ndarray]:
@@ -73,47 +81,121 @@ def spike_count(x: np.ndarray, factor: float) -> int:
     return n
 
 
-def _edge_mean(x: np.ndarray, head: bool, n: int = 5) -> float:
+def endpoint(evals: dict[str, np.ndarray], key: str, last: int) -> float:
+    """Mean of ``key`` over the last ``last`` evaluations of a run."""
+    x = evals.get(key, np.array([]))
+    x = x[np.isfinite(x)]
+    return float(x[-last:].mean()) if x.size else math.nan
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.mean(xs)) if xs else math.nan
+
+
+def _edge(x: np.ndarray, head: bool, n: int = 5) -> float:
     x = x[np.isfinite(x)]
     if not x.size:
         return math.nan
     return float(x[:n].mean() if head else x[-n:].mean())
 
 
-def summarize(arm_runs: dict[str, dict[int, dict[str, np.ndarray]]], seconds: dict[str, list[float]],
-              rule: dict, reference_arm: str | None) -> list[dict]:
-    """One row per arm: mean ± std across seeds of the final reward (mean of the last 10 steps), collapses,
-    k3 at start / end (mean of the first / last 5 steps), cost per step relative to the reference arm."""
-    per_step_cost = {}
-    for arm, runs in arm_runs.items():
-        costs = [np.nanmedian(r["step_time_s"]) for r in runs.values() if "step_time_s" in r]
-        per_step_cost[arm] = float(np.mean(costs)) if costs else math.nan
-    ref = per_step_cost.get(reference_arm, math.nan) if reference_arm else math.nan
+def zero_control(arm) -> str:
+    """The zero-mismatch control of an arm's cell."""
+    return "control" + (f"@{arm.cell}" if arm.cell != "main" else "")
+
+
+def summarize(arms: list, runs: dict, evals: dict, seconds: dict, rule: dict, crule: dict) -> list[dict]:
+    """One row per arm: means over seeds of the endpoint (and the greedy one), training reward, k3, length,
+    entropy, grad-norm spikes, collapses (training reward), LR decay, cost."""
     table = []
-    for arm, runs in arm_runs.items():
-        finals, collapses, k3_start, k3_end, gspikes, espikes, peaks = [], [], [], [], [], [], []
-        for seed, r in sorted(runs.items()):
-            steps, reward = r["step"], r["reward"]
-            finals.append(float(np.nanmean(reward[-10:])))
-            peaks.append(float(np.nanmax(moving_average(reward, rule["window"]))))
-            collapses.append(collapse_step(steps, reward, rule))
-            k3 = r.get("tim/token/kl_k3", np.full_like(reward, math.nan))
-            k3_start.append(_edge_mean(k3, True))
-            k3_end.append(_edge_mean(k3, False))
-            gspikes.append(spike_count(r.get("grad_norm", np.array([])), rule["grad_spike"]))
-            espikes.append(spike_count(r.get("entropy", np.array([])), rule["entropy_spike"]))
-        n_coll = sum(c is not None for c in collapses)
-        table.append({
-            "arm": arm, "seeds": len(runs),
-            "final_reward_mean": float(np.mean(finals)), "final_reward_std": float(np.std(finals)),
-            "peak_reward_mean": float(np.mean(peaks)),
-            "collapsed_runs": n_coll,
-            "collapse_steps": ",".join("none" if c is None else str(c) for c in collapses),
-            "k3_start": float(np.nanmean(k3_start)), "k3_end": float(np.nanmean(k3_end)),
-            "k3_start_max_seed": float(np.nanmax(k3_start)) if runs else math.nan,
-            "grad_norm_spikes": int(sum(gspikes)), "entropy_spikes": int(sum(espikes)),
-            "seconds_per_step": per_step_cost[arm],
-            "cost_vs_reference": per_step_cost[arm] / ref if ref and math.isfinite(ref) else math.nan,
-            "run_seconds_mean": float(np.mean(seconds.get(arm, [math.nan]))),
-        })
+    for arm in arms:
+        rs, es = runs.get(arm.name, {}), evals.get(arm.name, {})
+        if not rs:
+            continue
+        per_seed = {s: endpoint(es.get(s, {}), rule["endpoint"], rule["final_evals"]) for s in rs}
+        row = {
+            "arm": arm.name, "scenario": arm.scenario, "cell": arm.cell, "rollout": arm.rollout,
+            "magnitude": arm.magnitude, "budget": arm.budget, "learning_rate": arm.learning_rate,
+            "control": arm.control or "", "seeds": len(rs),
+            "eval_sample_reward": _mean(per_seed.values()),
+            "eval_sample_reward_std": float(np.std(list(per_seed.values()))) if per_seed else math.nan,
+            "eval_greedy_reward": _mean(endpoint(es.get(s, {}), "eval/greedy/reward", rule["final_evals"])
+                                        for s in rs),
+            "eval_sample_reward_start": _mean(endpoint({k: v[:1] for k, v in es.get(s, {}).items()},
+                                                       "eval/sample/reward", 1) for s in rs),
+            "eval_sample_error_frac": _mean(endpoint(es.get(s, {}), "eval/sample/error_frac", rule["final_evals"])
+                                            for s in rs),
+            "eval_sample_length": _mean(endpoint(es.get(s, {}), "eval/sample/length", rule["final_evals"])
+                                        for s in rs),
+            "eval_sample_entropy": _mean(endpoint(es.get(s, {}), "eval/sample/entropy", rule["final_evals"])
+                                         for s in rs),
+            "train_reward_start": _mean(_edge(r["reward"], True) for r in rs.values()),
+            "train_reward_end": _mean(float(np.nanmean(r["reward"][-10:])) for r in rs.values()),
+            "k3_mean": _mean(float(np.nanmean(r["tim/token/kl_k3"])) for r in rs.values() if "tim/token/kl_k3" in r),
+            "k3_start": _mean(_edge(r["tim/token/kl_k3"], True) for r in rs.values() if "tim/token/kl_k3" in r),
+            "k3_end": _mean(_edge(r["tim/token/kl_k3"], False) for r in rs.values() if "tim/token/kl_k3" in r),
+            # k3 summed over a response (per-token k3 × mean length, per step): the sequence-level drift
+            "seq_k3_mean": _mean(float(np.nanmean(r["tim/token/kl_k3"] * r["completions/mean_length"]))
+                                 for r in rs.values() if "tim/token/kl_k3" in r),
+            "seq_log_ratio_abs_max": _mean(float(np.nanmax(r["tim/seq/log_ratio_abs_max"])) for r in rs.values()
+                                           if "tim/seq/log_ratio_abs_max" in r),
+            "length_start": _mean(_edge(r["completions/mean_length"], True) for r in rs.values()),
+            "length_end": _mean(_edge(r["completions/mean_length"], False) for r in rs.values()),
+            "entropy_end": _mean(_edge(r["entropy"], False) for r in rs.values() if "entropy" in r),
+            "grad_norm_spikes": int(sum(spike_count(r.get("grad_norm", np.array([])), crule["grad_spike"])
+                                        for r in rs.values())),
+            "collapsed_runs": sum(collapse_step(r["step"], r["reward"], crule) is not None for r in rs.values()),
+            "lr_scale_end": _mean(_edge(r["lr_scale"], False, 1) for r in rs.values() if "lr_scale" in r),
+            "seconds_per_step": _mean(float(np.nanmedian(r["step_time_s"])) for r in rs.values()),
+            "run_seconds": _mean(seconds.get(arm.name, [])),
+        }
+        row["endpoint_by_seed"] = {str(s): v for s, v in sorted(per_seed.items())}
+        table.append(row)
     return table
+
+
+def paired(table: list[dict], arm_name: str, control: str, rule: dict) -> dict | None:
+    """Δ_s = endpoint(arm) − endpoint(control) for the seeds both ran; mean, std, 95 % t interval, verdict."""
+    rows = {r["arm"]: r for r in table}
+    if arm_name not in rows or control not in rows:
+        return None
+    a, c = rows[arm_name]["endpoint_by_seed"], rows[control]["endpoint_by_seed"]
+    seeds = sorted(set(a) & set(c), key=int)
+    d = np.asarray([a[s] - c[s] for s in seeds], dtype=float)
+    d = d[np.isfinite(d)]
+    if not d.size:
+        return None
+    mean = float(d.mean())
+    std = float(d.std(ddof=1)) if d.size > 1 else math.nan
+    half = t_quantile(d.size - 1) * std / math.sqrt(d.size) if d.size > 1 else math.nan
+    degraded = mean <= -rule["min_drop"] and (not rule["all_seeds_negative"] or bool((d < 0).all()))
+    # The mirror rule, for a mitigation against its unmitigated arm: mean Δ >= +min_drop, every seed above 0.
+    helps = mean >= rule["min_drop"] and (not rule["all_seeds_negative"] or bool((d > 0).all()))
+    return {"arm": arm_name, "vs": control, "n": int(d.size), "delta_mean": mean, "delta_std": std,
+            "ci95_low": mean - half, "ci95_high": mean + half, "deltas": [float(x) for x in d],
+            "degraded": bool(degraded), "helps": bool(helps)}
+
+
+def harm_curve(table: list[dict], comparisons: list[dict]) -> list[dict]:
+    """Per cell (budget, LR): Δ vs k3 for every mismatched arm (no mitigation) against the cell's control,
+    and where harm starts: the smallest mismatch (by k3) the rule calls degraded."""
+    rows = {r["arm"]: r for r in table}
+    cells: dict[str, list[dict]] = {}
+    for comp in comparisons:
+        r = rows[comp["arm"]]
+        if r["scenario"] in ("mitigation",) or "+" in r["arm"] or not comp["vs"].startswith("control"):
+            continue
+        cells.setdefault(r["cell"], []).append({
+            "arm": r["arm"], "rollout": r["rollout"], "magnitude": r["magnitude"], "k3_mean": r["k3_mean"],
+            "seq_k3_mean": r["seq_k3_mean"],
+            "budget": r["budget"], "learning_rate": r["learning_rate"], "delta_mean": comp["delta_mean"],
+            "ci95_low": comp["ci95_low"], "ci95_high": comp["ci95_high"], "degraded": comp["degraded"]})
+    out = []
+    for cell, pts in cells.items():
+        pts.sort(key=lambda p: (p["k3_mean"] if math.isfinite(p["k3_mean"]) else 0.0))
+        onset = next((p for p in pts if p["degraded"]), None)
+        out.append({"cell": cell, "budget": pts[0]["budget"], "learning_rate": pts[0]["learning_rate"],
+                    "points": pts, "onset_arm": onset["arm"] if onset else None,
+                    "onset_k3": onset["k3_mean"] if onset else None})
+    return out

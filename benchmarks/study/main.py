@@ -1,13 +1,17 @@
-"""``python -m benchmarks.study``: run every arm × seed, resumable, then report (from the repository's root).
+"""``python -m benchmarks.study``: run every arm × seed (resumable, in parallel processes), then analyse.
 
-    python -m benchmarks.study --out benchmarks/results/study            # default: 11 arms x 3 seeds
-    python -m benchmarks.study --quick --out /tmp/study                  # 3 arms x 1 seed, a few steps
-    python -m benchmarks.study --device cuda --steps 500 --model PATH    # a real run on a GPU
+    python -m benchmarks.study                                   # the CPU study (main, length, update, surge)
+    python -m benchmarks.study --scenarios mitigation --set mitigation_cell=profile_x30@lr5x
+    python -m benchmarks.study --quick --out /tmp/study          # every code path, a few steps (the test)
+    python -m benchmarks.study --device cuda                     # the GPU-scale preset (bigger model, 400 steps)
 
-Layout of ``--out``: ``study.json`` (config, arms, calibration, environment), ``runs/<arm>/seed<k>.csv``
-(one row per step: every key TRL + the TIM callback logged) and ``.json`` (run metadata), ``summary.csv``,
-``summary.json`` and ``report.html``. A run's CSV is written last and atomically: a killed study redoes only
-the unfinished arm/seed runs; finished runs with the same configuration fingerprint are skipped.
+Layout of ``--out``: ``study.json`` (config, arms, rules, measured profile, environment),
+``runs/<arm>/seed<k>.csv`` (one row per step: every key TRL + the TIM callback logged), ``seed<k>.eval.csv``
+(the trained policy's held-out evaluations) and ``seed<k>.json`` (run metadata), then ``summary.csv``,
+``summary.json`` (per-arm rows, paired comparisons, degradation verdicts, harm curve), ``summary.md`` (its tables
+in Markdown) and ``report.html``.
+A run's CSV is written last and atomically: a killed study redoes only the unfinished arm/seed runs; finished
+runs with the same configuration fingerprint are skipped.
 """
 
 from __future__ import annotations
@@ -22,28 +26,43 @@ import time
 import warnings
 from pathlib import Path
 
-__all__ = ["main", "add_arguments", "run_study", "QUICK"]
+__all__ = ["main", "add_arguments", "run_study", "QUICK", "GPU"]
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "study"
 QUICK_OUT = DEFAULT_OUT.with_name("study_quick")  # a smoke run never touches the default study's results
-# --quick: the exact arm, the realistic arm and the strongest injected arm with every mitigation (exercises
-# each code path), 1 seed, a few steps.
-QUICK = {"steps": 4, "seeds": (0,), "arms": ("exact", "bf16", "inject_k3_1e-1+all"), "inject_targets": (1e-1,)}
+# --quick: one seed, a few steps, short budgets and a short warm start; every code path once: exact sampler,
+# the control, bf16 and fp16 engines, the profiled injector, the length-surge task with LR decay, and a
+# mitigation (IS correction) and the safe vocabulary.
+QUICK = {"steps": 3, "seeds": (0,), "budget": 12, "lengths": (), "magnitudes": (30.0,), "curve_magnitudes": (),
+         "eval_every": 2, "eval_prompts": 16, "surge_budget": 16, "surge_after": 1, "warm_start_steps": 30,
+         "scenarios": ("main", "surge", "mitigation"), "mitigation_cell": "profile_x30",
+         "arms": ("exact", "control", "bf16", "fp16", "profile_x30", "control@surge", "control+lr_decay@surge",
+                  "profile_x30+token_tis", "profile_x30+safe_vocab"),
+         "mitigations": ("token_tis", "safe_vocab"), "lr_decay_options": {"warmup_steps": 1, "cooldown": 1,
+                                                                          "window": 1, "patience": 1}}
+# --device cuda: a bigger model, a larger batch, hundreds of steps, longer completions (not run on CPU).
+GPU = {"steps": 400, "seeds": (0, 1, 2), "budget": 256, "lengths": (64, 512), "hidden_size": 256,
+       "num_layers": 4, "prompts_per_step": 8, "num_generations": 8, "eval_prompts": 256, "eval_every": 20,
+       "warm_start_steps": 3000, "surge_budget": 512, "surge_after": 60, "learning_rate": 1e-4,
+       "lr_decay_options": {"warmup_steps": 20, "cooldown": 20}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help=f"results folder (default: {DEFAULT_OUT})")
-    p.add_argument("--quick", action="store_true", help="3 arms x 1 seed x 4 steps (smoke run, < 3 min)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 80; quick 4)")
+    p.add_argument("--quick", action="store_true", help="every code path, 1 seed x 3 steps (smoke run, ~2 min)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 100; quick 3; GPU 400)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds, 0..N-1 (default 3)")
-    p.add_argument("--arms", default=None, help="comma list of arm names (default: all)")
-    p.add_argument("--model", default=None, help="local HF model path instead of the toy sort model (its "
-                   "tokenizer must encode the sort prompts; the reward stays exact-match sorting)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--scenarios", default=None, help="comma list among main,length,update,surge,mitigation")
+    p.add_argument("--arms", default=None, help="comma list of arm names (default: every arm of the scenarios)")
+    p.add_argument("--workers", type=int, default=1, help="runs in parallel (processes; 1 torch thread each)")
+    p.add_argument("--model", default=None, help="local HF model path instead of the chain task's warm start")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda selects the GPU-scale preset (see GPU in this module) unless --scale cpu")
+    p.add_argument("--scale", default=None, choices=("cpu", "gpu"), help="preset (default: by --device)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of a single-process study")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a StudyConfig field for every arm (JSON value), e.g. --set learning_rate=5e-3 "
-                        "--set inject_targets=[0.1,1.0]; used for the collapse-knob runs")
+                   help="override a StudyConfig field (JSON value), e.g. --set learning_rate=1e-3 "
+                        "--set 'magnitudes=[3,30]'")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
 
 
@@ -51,16 +70,22 @@ def _config_from_args(args):
     from .arms import StudyConfig
 
     kw = dict(QUICK) if args.quick else {}
+    scale = args.scale or ("gpu" if args.device == "cuda" else "cpu")
+    if scale == "gpu" and not args.quick:
+        kw.update(GPU)
     if args.steps is not None:
         kw["steps"] = args.steps
     if args.seeds is not None:
         kw["seeds"] = tuple(range(args.seeds))
+    if args.scenarios:
+        kw["scenarios"] = tuple(a.strip() for a in args.scenarios.split(",") if a.strip())
     if args.arms:
         kw["arms"] = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     kw.update(_overrides(getattr(args, "set", None) or []))
-    cfg = StudyConfig(device=args.device, model=args.model, **kw)
-    if cfg.steps < 1:
-        raise SystemExit(f"--steps {cfg.steps}: must be >= 1")
+    try:
+        cfg = StudyConfig(device=args.device, model=args.model, **kw)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"study configuration: {err}") from err
     if not cfg.seeds:
         raise SystemExit("--seeds 0: need at least one seed")
     return cfg
@@ -85,12 +110,21 @@ def _overrides(items: list[str]) -> dict:
     return out
 
 
-def _fingerprint(cfg, arm, model_path: str, scales: dict) -> str:
-    d = cfg.to_dict()
-    d.pop("arms", None)
-    d.pop("seeds", None)
-    blob = json.dumps({"cfg": d, "arm": arm.__dict__, "model": model_path, "scales": scales}, sort_keys=True,
-                      default=str)
+# The StudyConfig fields a single run depends on (an arm carries its own budget, LR, clipping, magnitude).
+_RUN_FIELDS = ("steps", "prompts_per_step", "num_generations", "temperature", "loss_type", "eval_every",
+               "eval_prompts", "device", "profile_setting")
+
+
+def _fingerprint(cfg, arm, model_path: str, profile) -> str:
+    d = {k: getattr(cfg, k) for k in _RUN_FIELDS}
+    if arm.task == "chain_stop":
+        d["surge_after"] = cfg.surge_after
+    if arm.lr_decay:
+        d["lr_decay_options"] = cfg.lr_decay_options
+    if arm.safe_vocab:
+        d["min_p"] = cfg.min_p
+    blob = json.dumps({"cfg": d, "arm": arm.__dict__, "model": model_path,
+                       "profile": profile if arm.magnitude > 0 else None}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -111,77 +145,128 @@ def _quiet() -> None:
         pass
 
 
-def run_study(cfg, out: Path, *, report: bool = True, log=print) -> dict:
+def load_profile(cfg) -> dict:
+    """The injector's measured profile (``measured_profile_smollm2.json``, setting ``cfg.profile_setting``)."""
+    from tim_plugins.rollout.inject import InjectionProfile
+
+    from .arms import PROFILE_FILE
+
+    path = Path(__file__).resolve().parent / PROFILE_FILE
+    return InjectionProfile.from_measure_summary(json.loads(path.read_text()), cfg.profile_setting).to_dict()
+
+
+def _job(payload: dict) -> tuple[str, int, float]:
+    """One arm × seed in a worker process (spawned: a fresh interpreter, one torch thread)."""
     import tempfile
 
+    import torch
+
+    from .arms import Arm
+    from .run import run_one, save_run
+
+    _quiet()
+    if payload.get("threads"):
+        torch.set_num_threads(payload["threads"])
+    arm = Arm(**payload["arm"])
+    with tempfile.TemporaryDirectory(prefix="tim-study-") as tmp:
+        result = run_one(arm, payload["seed"], payload["cfg"], payload["model_path"], payload["profile"], Path(tmp))
+    save_run(Path(payload["out"]), arm.name, payload["seed"], result, payload["fingerprint"])
+    return arm.name, payload["seed"], result["seconds"]
+
+
+def _run_jobs(jobs: list[dict], workers: int, log) -> None:
     from tqdm.auto import tqdm
 
+    bar = tqdm(total=len(jobs), desc="study", unit="run", disable=not jobs)
+    if workers <= 1:
+        for job in jobs:
+            bar.set_postfix_str(f"{job['arm']['name']} seed {job['seed']}")
+            _job(job)
+            bar.update()
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_job, {**job, "threads": 1}) for job in jobs]
+            for fut in as_completed(futures):
+                name, seed, seconds = fut.result()
+                bar.set_postfix_str(f"{name} seed {seed}: {seconds:.0f} s")
+                bar.update()
+    bar.close()
+
+
+def run_study(cfg, out: Path, *, report: bool = True, workers: int = 1, log=print) -> dict:
     from benchmarks._common import environment
 
     from . import analysis
-    from .arms import build_arms, collapse_rule
-    from .run import calibrate, finished, run_one, save_run
-    from .task import TaskSpec, make_prompts, warm_start
+    from .arms import build_arms, collapse_rule, degradation_rule
+    from .task import task_spec, warm_start
 
     _quiet()
     out.mkdir(parents=True, exist_ok=True)
     arms = build_arms(cfg)
-    spec = TaskSpec(sft_steps=150)
-    if cfg.model:
-        model_path = str(Path(cfg.model).resolve())
-    else:
-        from tim_plugins.toy_model import default_cache_dir
+    profile = load_profile(cfg)
+    model_paths = {}
+    for variant in sorted({a.task for a in arms}):
+        if cfg.model:
+            model_paths[variant] = str(Path(cfg.model).resolve())
+        else:
+            from tim_plugins.toy_model import default_cache_dir
 
-        model_path = str(warm_start(spec, default_cache_dir() / "study", log=log))
-    study_file = out / "study.json"
-    prev = json.loads(study_file.read_text()) if study_file.exists() else {}
-    scales = prev.get("calibration") if prev.get("model_path") == model_path else None
-    needed = {repr(float(a.target_k3)) for a in arms if a.target_k3 is not None}
-    if needed and (scales is None or not needed <= set(scales)):
-        scales = {**(scales or {}), **calibrate(model_path, cfg, make_prompts(32, spec, 999), log=log)}
-    scales = scales or {}
-    rule = collapse_rule()
-    meta = {"config": cfg.to_dict(), "model_path": model_path, "calibration": scales, "collapse_rule": rule,
-            "arms": [a.__dict__ for a in arms], "environment": environment()}
-    study_file.write_text(json.dumps(meta, indent=1, default=str))
+            model_paths[variant] = str(warm_start(task_spec(variant, cfg), default_cache_dir() / "study", log=log))
+    rule, crule = degradation_rule(), collapse_rule()
+    meta = {"config": cfg.to_dict(), "model_paths": model_paths, "degradation_rule": rule, "collapse_rule": crule,
+            "profile": profile, "arms": [a.__dict__ for a in arms], "environment": environment()}
+    (out / "study.json").write_text(json.dumps(meta, indent=1, default=str))
 
-    jobs = [(a, s) for a in arms for s in cfg.seeds]
-    todo = [(a, s) for a, s in jobs if not finished(out, a.name, s, _fingerprint(cfg, a, model_path, scales))]
-    skipped = len(jobs) - len(todo)
+    from .run import finished
+
+    jobs, skipped = [], 0
+    for arm in sorted(arms, key=lambda a: -a.budget):  # longest runs first: better packing on the workers
+        for seed in cfg.seeds:
+            fp = _fingerprint(cfg, arm, model_paths[arm.task], profile)
+            if finished(out, arm.name, seed, fp):
+                skipped += 1
+                continue
+            jobs.append({"arm": dict(arm.__dict__), "seed": seed, "cfg": cfg, "model_path": model_paths[arm.task],
+                         "profile": profile, "out": str(out), "fingerprint": fp})
     if skipped:
-        log(f"resume: {skipped} of {len(jobs)} runs already finished, skipping them")
-    with tempfile.TemporaryDirectory(prefix="tim-study-") as tmp:
-        bar = tqdm(todo, desc="study", unit="run", disable=not todo)
-        for arm, seed in bar:
-            bar.set_postfix_str(f"{arm.name} seed {seed}")
-            result = run_one(arm, seed, cfg, model_path, scales, Path(tmp) / f"{arm.name}-{seed}")
-            save_run(out, arm.name, seed, result, _fingerprint(cfg, arm, model_path, scales))
-    # Analysis of everything on disk for these arms/seeds.
-    arm_runs, seconds = {}, {}
+        log(f"resume: {skipped} of {skipped + len(jobs)} runs already finished, skipping them")
+    _run_jobs(jobs, workers, log)
+
+    runs, evals, seconds = {}, {}, {}
     for arm in arms:
         for seed in cfg.seeds:
-            path = out / "runs" / arm.name / f"seed{seed}.csv"
-            if path.exists():
-                arm_runs.setdefault(arm.name, {})[seed] = analysis.load_run(path)
-                info = json.loads((out / "runs" / arm.name / f"seed{seed}.json").read_text())
-                seconds.setdefault(arm.name, []).append(info["seconds"])
-    tim_arms = [a for a in arms if a.group == "tim"]
-    reference = max(tim_arms, key=lambda a: a.target_k3 or 0.0).name if tim_arms else None
-    table = analysis.summarize(arm_runs, seconds, rule, reference)
+            d = out / "runs" / arm.name
+            if (d / f"seed{seed}.csv").exists():
+                runs.setdefault(arm.name, {})[seed] = analysis.load_run(d / f"seed{seed}.csv")
+                evals.setdefault(arm.name, {})[seed] = analysis.load_run(d / f"seed{seed}.eval.csv")
+                seconds.setdefault(arm.name, []).append(json.loads((d / f"seed{seed}.json").read_text())["seconds"])
+    table = analysis.summarize(arms, runs, evals, seconds, rule, crule)
+    comparisons = []
+    for arm in arms:
+        for vs in dict.fromkeys(v for v in (arm.control, analysis.zero_control(arm)) if v and v != arm.name):
+            comp = analysis.paired(table, arm.name, vs, rule)
+            if comp is not None:
+                comparisons.append(comp)
+    curve = analysis.harm_curve(table, comparisons)
     with open(out / "summary.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(table[0]))
+        cols = [k for k in table[0] if k != "endpoint_by_seed"] if table else []
+        w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         w.writerows(table)
-    (out / "summary.json").write_text(json.dumps({"reference_arm": reference, "rows": table,
-                                                  "collapse_rule": rule, "skipped_runs": skipped,
-                                                  "ran_runs": len(todo)}, indent=1))
-    if report:
-        from .report import write_report
+    summary = {"degradation_rule": rule, "collapse_rule": crule, "rows": table, "comparisons": comparisons,
+               "harm_curve": curve, "skipped_runs": skipped, "ran_runs": len(jobs)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    from .report import markdown_tables, write_report
 
-        write_report(out / "report.html", arm_runs=arm_runs, arms=arms, table=table, rule=rule,
-                     config=cfg.to_dict(), reference=reference, env=meta["environment"], calibration=scales)
-    return {"out": str(out), "rows": table, "skipped_runs": skipped, "ran_runs": len(todo),
-            "reference_arm": reference}
+    (out / "summary.md").write_text(markdown_tables(summary))
+    if report:
+        write_report(out / "report.html", arms=arms, runs=runs, evals=evals, summary=summary, config=cfg.to_dict(),
+                     env=meta["environment"])
+    return {"out": str(out), "rows": table, "comparisons": comparisons, "harm_curve": curve,
+            "skipped_runs": skipped, "ran_runs": len(jobs)}
 
 
 def main(argv=None) -> dict:
@@ -198,21 +283,28 @@ def run_from_args(args) -> dict:
 
         torch.set_num_threads(args.threads)
     cfg = _config_from_args(args)
+    if args.workers < 1:
+        raise SystemExit(f"--workers {args.workers}: must be >= 1")
     t0 = time.perf_counter()
     out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
-    res = run_study(cfg, out, report=not args.no_report)
+    res = run_study(cfg, out, report=not args.no_report, workers=args.workers)
     res["wall_seconds"] = time.perf_counter() - t0
     if not args.out:  # the default locations also land in the benchmarks index format
         from benchmarks._common import write_results
 
         name = "study_quick" if args.quick else "study"
+        degraded = [c["arm"] for c in res["comparisons"] if c["degraded"] and c["vs"].startswith("control")]
         write_results(name, {"command": f"python -m benchmarks.study{' --quick' if args.quick else ''}",
-                             "config": cfg.to_dict(), "folder": str(out), "reference_arm": res["reference_arm"],
-                             "wall_seconds": res["wall_seconds"], "arms": res["rows"]})
+                             "config": cfg.to_dict(), "folder": str(out), "reference_arm": "control",
+                             "wall_seconds": res["wall_seconds"], "degraded_arms": degraded,
+                             "harm_onset": {c["cell"]: c["onset_arm"] for c in res["harm_curve"]}})
+    by_arm = {c["arm"]: c for c in res["comparisons"] if c["vs"].startswith("control")}
     for row in res["rows"]:
-        print(f"{row['arm']:<28} reward {row['final_reward_mean']:.3f}±{row['final_reward_std']:.3f}  "
-              f"collapsed {row['collapsed_runs']}/{row['seeds']}  k3 {row['k3_start']:.3g} -> {row['k3_end']:.3g}  "
-              f"cost x{row['cost_vs_reference']:.2f}")
+        c = by_arm.get(row["arm"])
+        delta = (f"Δ {c['delta_mean']:+.3f} [{c['ci95_low']:+.3f}, {c['ci95_high']:+.3f}]"
+                 f"{' DEGRADED' if c['degraded'] else ''}" if c else "")
+        print(f"{row['arm']:<30} eval {row['eval_sample_reward']:.3f}±{row['eval_sample_reward_std']:.3f} "
+              f"greedy {row['eval_greedy_reward']:.3f}  k3 {row['k3_mean']:.3g}  {delta}")
     print(f"results in {res['out']} ({res['ran_runs']} runs, {res['skipped_runs']} skipped, "
           f"{res['wall_seconds']:.0f} s)")
     return res

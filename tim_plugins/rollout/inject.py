@@ -5,7 +5,15 @@ The injector adds, on tail tokens only (p < τ under the distribution it receive
     mode "noise":  z'_a = z_a + σ · ε_a,   ε_a ~ N(0, 1) i.i.d. (symmetric)
     mode "bias":   z'_a = z_a + s · σ      (s = ±1: a systematic shift; +1 = the engine over-weights the tail)
 
-and leaves tokens with p >= τ and masked (-inf) logits untouched. The rollout then samples from, and reports
+and leaves tokens with p >= τ and masked (-inf) logits untouched. With a measured `InjectionProfile` m(p) the shift
+of token a is scaled by its probability p_a = softmax(z)_a:
+
+    mode "noise":  z'_a = z_a + σ · c · m(p_a) · ε_a      (c = sqrt(π/2), so E|z'_a − z_a| = σ · m(p_a))
+    mode "bias":   z'_a = z_a + s · σ · m(p_a)
+
+so at σ = 1 each logit moves, on average, by the mean |Δ log p| a real low-precision engine showed at that
+probability (`InjectionProfile.from_measure_summary` reads it from ``tim-plugins measure``), and σ is the
+magnitude relative to that engine. The rollout then samples from, and reports
 the log-probs of, the perturbed distribution, exactly as a mismatched engine would; the trainer recomputes the
 unperturbed one. Like custom processors in vLLM, an HF logits processor passed to `generate()` runs *before*
 the temperature warper, so τ applies to softmax(z) and the tempered distribution is softmax(z' / T).
@@ -17,9 +25,12 @@ Deterministic under a seed.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 
@@ -27,6 +38,7 @@ from tim_plugins.rollout.hf import completion_mask_from_eos
 
 __all__ = [
     "TailNoiseInjector",
+    "InjectionProfile",
     "INJECT_MODES",
     "EXTRA_ARGS_KEY",
     "perturb_tail",
@@ -41,6 +53,80 @@ INJECT_MODES = ("noise", "bias")
 EXTRA_ARGS_KEY = "tim_inject"
 
 
+@dataclass(frozen=True)
+class InjectionProfile:
+    """Per-probability magnitude m(p) of the injected logit shift, from a measured |Δ log p| vs p table.
+
+    ``p``: bin centres, strictly increasing in (0, 1]; ``mean_abs_diff``: the measured mean |Δ log p| of the
+    vocabulary entries in each bin (> 0). m(p) interpolates linearly in (log p, log m) and is constant beyond
+    the first and last centre.
+    """
+
+    p: tuple
+    mean_abs_diff: tuple
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        p = tuple(float(x) for x in self.p)
+        m = tuple(float(x) for x in self.mean_abs_diff)
+        if not p or len(p) != len(m):
+            raise ValueError(f"InjectionProfile: p ({len(p)} values) and mean_abs_diff ({len(m)} values) must be "
+                             "non-empty and of the same length")
+        if not all(0.0 < x <= 1.0 for x in p) or any(b <= a for a, b in zip(p, p[1:])):
+            raise ValueError(f"InjectionProfile.p={p}: must be strictly increasing probabilities in (0, 1]")
+        if not all(math.isfinite(x) and x > 0.0 for x in m):
+            raise ValueError(f"InjectionProfile.mean_abs_diff={m}: must be finite numbers > 0 (drop empty bins)")
+        object.__setattr__(self, "p", p)
+        object.__setattr__(self, "mean_abs_diff", m)
+
+    def magnitude(self, probs: torch.Tensor) -> torch.Tensor:
+        """m(p) for a tensor of probabilities (float32, same shape)."""
+        lp = torch.tensor([math.log(x) for x in self.p], dtype=torch.float32, device=probs.device)
+        lm = torch.tensor([math.log(x) for x in self.mean_abs_diff], dtype=torch.float32, device=probs.device)
+        x = probs.float().clamp_min(1e-30).log().clamp(lp[0], lp[-1])
+        if lp.numel() == 1:
+            return lm[0].exp().expand_as(x).clone()
+        i = torch.searchsorted(lp, x.contiguous(), right=True).clamp_(1, lp.numel() - 1)
+        x0, x1, y0, y1 = lp[i - 1], lp[i], lm[i - 1], lm[i]
+        return (y0 + (y1 - y0) * (x - x0) / (x1 - x0)).exp()
+
+    def to_dict(self) -> dict:
+        return {"p": list(self.p), "mean_abs_diff": list(self.mean_abs_diff), "source": self.source}
+
+    @classmethod
+    def coerce(cls, value: Union["InjectionProfile", Mapping, None]) -> Optional["InjectionProfile"]:
+        """An InjectionProfile from itself, a ``to_dict()`` mapping, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls(p=tuple(value["p"]), mean_abs_diff=tuple(value["mean_abs_diff"]),
+                       source=str(value.get("source", "")))
+        raise TypeError(f"InjectionProfile.coerce: expected an InjectionProfile or a mapping with 'p' and "
+                        f"'mean_abs_diff', got {type(value).__name__}")
+
+    @classmethod
+    def from_measure_summary(cls, summary: Union[Mapping, str, Path], setting: str = "hf-bf16",
+                             min_count: float = 1.0) -> "InjectionProfile":
+        """The ``by p`` profile of one setting of a ``tim-plugins measure`` summary (its ``summary.json``, or
+        the loaded dict): bins with fewer than ``min_count`` entries or a zero mean are dropped."""
+        source = ""
+        if not isinstance(summary, Mapping):
+            source = str(summary)
+            summary = json.loads(Path(summary).read_text())
+        profiles = summary.get("profiles") or {}
+        if setting not in profiles:
+            raise ValueError(f"InjectionProfile.from_measure_summary: no profile for setting {setting!r}; the "
+                             f"summary has {sorted(profiles)}")
+        curve = profiles[setting]["p"]
+        rows = [(c, m) for c, m, n in zip(curve["centre"], curve["mean"], curve["count"])
+                if n >= min_count and m > 0 and math.isfinite(m)]
+        if not rows:
+            raise ValueError(f"InjectionProfile.from_measure_summary: setting {setting!r} has no bin with "
+                             f">= {min_count} entries and a mean > 0")
+        return cls(p=tuple(r[0] for r in rows), mean_abs_diff=tuple(r[1] for r in rows),
+                   source=f"{source}#{setting}" if source else setting)
+
+
 def perturb_tail(
     scores: torch.Tensor,
     scale: float,
@@ -49,16 +135,23 @@ def perturb_tail(
     mode: str = "noise",
     bias_sign: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    profile: Optional[InjectionProfile] = None,
 ) -> torch.Tensor:
-    """Perturbed copy of `scores` ([..., V] logits): tail tokens (softmax(scores) < tau) shifted by σ·ε or ±σ."""
+    """Perturbed copy of `scores` ([..., V] logits): tail tokens (softmax(scores) < tau) shifted by σ·ε or ±σ,
+    times the profile's m(p) (with the sqrt(π/2) factor in noise mode) when one is given."""
     z = scores.float()
-    tail = (torch.softmax(z, dim=-1) < tau) & torch.isfinite(z)
+    probs = torch.softmax(z, dim=-1)
+    tail = (probs < tau) & torch.isfinite(z)
     if mode == "noise":
         # CPU generator → same draws on every device; then moved.
         eps = torch.randn(z.shape, generator=generator, dtype=torch.float32).to(z.device)
         delta = scale * eps
+        if profile is not None:
+            delta = delta * (math.sqrt(math.pi / 2) * profile.magnitude(probs))
     elif mode == "bias":
         delta = torch.full_like(z, scale * bias_sign)
+        if profile is not None:
+            delta = delta * profile.magnitude(probs)
     else:
         raise ValueError(f"perturb_tail(mode={mode!r}): must be one of {INJECT_MODES}")
     return torch.where(tail, z + delta, z).to(scores.dtype)
@@ -72,10 +165,12 @@ class TailNoiseInjector:
         tau: tail threshold on the token probability of the distribution the processor receives.
         mode: "noise" (symmetric Gaussian) or "bias" (shift by bias_sign · σ).
         seed: seeds the noise generator; `reset()` restarts the same noise sequence.
+        profile: an `InjectionProfile` (or its ``to_dict()``) scaling each token's shift by m(p); with tau=1
+            it perturbs the whole vocabulary the way the measured engine did, and σ is relative to it.
     """
 
     def __init__(self, scale: float = 0.0, *, tau: float = 0.1, mode: str = "noise", seed: int = 0,
-                 bias_sign: float = 1.0):
+                 bias_sign: float = 1.0, profile: Union[InjectionProfile, Mapping, None] = None):
         if mode not in INJECT_MODES:
             raise ValueError(f"TailNoiseInjector(mode={mode!r}): must be one of {INJECT_MODES}")
         if not 0.0 < tau <= 1.0:
@@ -89,6 +184,7 @@ class TailNoiseInjector:
         self.mode = mode
         self.seed = int(seed)
         self.bias_sign = float(bias_sign)
+        self.profile = InjectionProfile.coerce(profile)
         self.reset()
 
     def reset(self) -> None:
@@ -98,7 +194,7 @@ class TailNoiseInjector:
         if self.scale == 0.0:
             return scores
         return perturb_tail(scores, self.scale, tau=self.tau, mode=self.mode, bias_sign=self.bias_sign,
-                            generator=self._generator if generator is None else generator)
+                            generator=self._generator if generator is None else generator, profile=self.profile)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """HF LogitsProcessor protocol: scores [B, V] → perturbed scores [B, V]."""
@@ -106,12 +202,17 @@ class TailNoiseInjector:
 
     def to_extra_args(self) -> dict:
         """Per-request activation of the vLLM processor: ``SamplingParams(extra_args=injector.to_extra_args())``."""
+        if self.profile is not None:
+            raise ValueError("TailNoiseInjector.to_extra_args: the vLLM processor "
+                             "(tim_plugins.integrations.vllm.inject) applies no InjectionProfile; a profiled "
+                             "injector runs with HF generate only (drop profile= for vLLM)")
         return {EXTRA_ARGS_KEY: {"scale": self.scale, "tau": self.tau, "mode": self.mode, "seed": self.seed,
                                "bias_sign": self.bias_sign}}
 
     def __repr__(self) -> str:
+        prof = "" if self.profile is None else f", profile={self.profile.source or 'measured'!r}"
         return (f"TailNoiseInjector(scale={self.scale:.6g}, tau={self.tau}, mode={self.mode!r}, seed={self.seed}, "
-                f"bias_sign={self.bias_sign:+g})")
+                f"bias_sign={self.bias_sign:+g}{prof})")
 
 
 def _k3_at(scale: float, logits: torch.Tensor, temperature: float, injector: TailNoiseInjector,
@@ -120,7 +221,7 @@ def _k3_at(scale: float, logits: torch.Tensor, temperature: float, injector: Tai
 
     gen = torch.Generator().manual_seed(injector.seed)  # common random numbers across scales
     z_q = perturb_tail(logits, scale, tau=injector.tau, mode=injector.mode, bias_sign=injector.bias_sign,
-                       generator=gen) if scale > 0 else logits
+                       generator=gen, profile=injector.profile) if scale > 0 else logits
     logq = torch.log_softmax(z_q.float() / temperature, dim=-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     # inverse-CDF sampling from q with fixed uniforms [N, S]: tokens move smoothly with the scale
@@ -205,6 +306,7 @@ def calibrate_injector(
     bias_sign: float = 1.0,
     rounds: int = 2,
     samples_per_position: int = 16,
+    profile: Union[InjectionProfile, Mapping, None] = None,
 ) -> tuple[TailNoiseInjector, CalibrationResult]:
     """Calibrate a `TailNoiseInjector` on probe rollouts of an HF model.
 
@@ -215,8 +317,9 @@ def calibrate_injector(
     Args:
         input_ids, attention_mask: [B, P] left-padded probe prompts.
         target_k3: wanted `tim/token/kl_k3` between rollout (perturbed) and trainer (clean) log-probs.
+        profile: an `InjectionProfile` the injector scales its shifts by (see `TailNoiseInjector`).
     """
-    injector = TailNoiseInjector(0.0, tau=tau, mode=mode, seed=seed, bias_sign=bias_sign)
+    injector = TailNoiseInjector(0.0, tau=tau, mode=mode, seed=seed, bias_sign=bias_sign, profile=profile)
     result: Optional[CalibrationResult] = None
     for r in range(max(1, int(rounds))):
         injector.reset()

@@ -105,16 +105,17 @@ def _harm_figure(curve: list[dict]) -> str | None:
     return _png(fig)
 
 
-def _fmt(v) -> str:
+def _fmt(v, markdown: bool = False) -> str:
+    """A table cell: 3 significant digits, scientific below 1e-3, NaN as a dash; HTML-escaped or Markdown."""
     if isinstance(v, bool):
-        return "yes" if v else "no"
+        return ("**yes**" if markdown else "yes") if v else "no"
     if isinstance(v, float):
         if math.isnan(v):
             return "–"
         if v == 0:
-            return "0.0"
+            return "0"
         return f"{v:.3g}" if abs(v) >= 1e-3 else f"{v:.2e}"
-    return html.escape(str(v))
+    return str(v) if markdown else html.escape(str(v))
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
@@ -173,38 +174,29 @@ def write_report(path: Path, *, arms: list, runs: dict, evals: dict, summary: di
     return path
 
 
-def _md(v, digits: int = 3) -> str:
-    if isinstance(v, bool):
-        return "**yes**" if v else "no"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "–"
-        if v == 0:
-            return "0"
-        return f"{v:.{digits}g}" if abs(v) >= 1e-3 else f"{v:.1e}"
-    return str(v)
-
-
 def markdown_tables(summary: dict) -> str:
     """The tables of summary.json as Markdown (``summary.md``, pasted into FINDINGS.md)."""
-    rows = {r["arm"]: r for r in summary["rows"]}
+    def md(v) -> str:
+        return _fmt(v, markdown=True)
+
     out = ["| arm | vs | Δ mean ± std | 95 % interval | per seed | degraded | helps |",
            "|---|---|---|---|---|---|---|"]
     for c in summary["comparisons"]:
         out.append(f"| {c['arm']} | {c['vs']} | {c['delta_mean']:+.3f} ± {c['delta_std']:.3f} | "
                    f"[{c['ci95_low']:+.3f}, {c['ci95_high']:+.3f}] | "
-                   f"{' '.join(f'{d:+.3f}' for d in c['deltas'])} | {_md(c['degraded'])} | {_md(c['helps'])} |")
+                   f"{' '.join(f'{d:+.3f}' for d in c['deltas'])} | {md(c['degraded'])} | {md(c['helps'])} |")
     out += ["", "| arm | held-out T=1 (endpoint) | greedy | train reward start → end | k3 (mean) | k3 × length | "
             "entropy end | length end | grad spikes | LR scale end | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows.values():
+    for r in summary["rows"]:
         out.append(f"| {r['arm']} | {r['eval_sample_reward']:.3f} ± {r['eval_sample_reward_std']:.3f} | "
                    f"{r['eval_greedy_reward']:.3f} | {r['train_reward_start']:.3f} → {r['train_reward_end']:.3f} | "
-                   f"{_md(r['k3_mean'])} | {_md(r['seq_k3_mean'])} | {r['entropy_end']:.2f} | "
-                   f"{r['length_end']:.1f} | {r['grad_norm_spikes']} | {_md(r['lr_scale_end'])} | "
+                   f"{md(r['k3_mean'])} | {md(r['seq_k3_mean'])} | {r['entropy_end']:.2f} | "
+                   f"{r['length_end']:.1f} | {r['grad_norm_spikes']} | {md(r['lr_scale_end'])} | "
                    f"{r['seconds_per_step']:.2f} |")
     if summary.get("harm_curve"):
         out += ["", "| cell | L | LR | harm starts at (arm) | its k3 |", "|---|---|---|---|---|"]
         for c in summary["harm_curve"]:
+            onset_k3 = md(c["onset_k3"]) if c["onset_k3"] is not None else "–"
             out.append(f"| {c['cell']} | {c['budget']} | {c['learning_rate']:g} | {c['onset_arm'] or 'none'} | "
-                       f"{_md(c['onset_k3']) if c['onset_k3'] is not None else '–'} |")
+                       f"{onset_k3} |")
     return "\n".join(out) + "\n"

@@ -16,6 +16,7 @@ from tim_plugins.safe_vocab import (
     safe_loss_mask,
     safe_vocab_metrics,
 )
+from tim_plugins import safe_vocab as safe_vocab_module
 from tim_plugins.truncation import Truncation, hf_generate_kwargs, truncation_threshold
 
 # Per-dtype tolerances: (log-prob atol, gradient atol relative to the largest reference gradient entry).
@@ -123,9 +124,13 @@ def naive_grad(logits, tokens, g, ge, **kw):
     return leaf.grad
 
 
+@pytest.mark.parametrize("vocab_tile", [None, 100])  # 100: half-precision GEMMs over several ragged vocab tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab,temperature,min_p", [(383, 1.0, 0.0), (1001, 0.7, 0.02), (383, 1.3, DEFAULT_MIN_P)])
-def test_hidden_path_matches_logits_path_and_naive_gradients(dtype, vocab, temperature, min_p):
+def test_hidden_path_matches_logits_path_and_naive_gradients(dtype, vocab, temperature, min_p, vocab_tile,
+                                                             monkeypatch):
+    if vocab_tile is not None:
+        monkeypatch.setattr(safe_vocab_module, "_GRAD_VOCAB_TILE", vocab_tile)
     gen = torch.Generator().manual_seed(vocab)
     n, hdim = 23, 24
     hidden = (torch.randn(n, hdim, generator=gen) * 0.7).to(dtype)

@@ -48,8 +48,20 @@ __all__ = [
 TILE_ELEMENTS = 4096 * 32768
 
 
-# Vocabulary tile for the fp32 dh GEMM of half-precision heads (an fp32 copy of this many weight rows is live).
+# Vocabulary tile of a half-precision head's logits and gradient GEMMs (a [rows, tile] buffer in its dtype).
 _GRAD_VOCAB_TILE = 32768
+# cuBLAS GEMMs of half inputs with an fp32 output (``out_dtype``) exist on CUDA from torch 2.8.
+_MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 ``acc`` without rounding the product to the inputs' half dtype: one cuBLAS
+    half GEMM with fp32 output on CUDA (tensor cores, as TRL's fused head), an fp32 GEMM of the upcast inputs
+    elsewhere (the same products: a half × half product is exact in fp32)."""
+    if _MM_OUT_DTYPE and acc.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
 def default_chunk_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
@@ -263,24 +275,30 @@ class _SafeFromHidden(torch.autograd.Function):
             h = hidden[sl].to(cdt)
             n = h.shape[0]
             z = _temper(_logits_into(zf, tile, h, w), trunc.temperature)
-            # dL/dz = scale[:, None] * gz, gz fp32 [n, V] in zf; the row scale goes onto the [n, H] side
+            # dL/dz = scale[:, None] * gz, gz fp32 [n, V] in zf
             gz, scale = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
                                     None if g_lp is None else g_lp[sl].float(),
                                     None if g_ent is None else g_ent[sl].float(), 1.0 / trunc.temperature, trunc,
                                     keep_buf)
-            if need_w:
-                # dW += gz^T (scale · h), accumulated in fp32
-                grad_w.addmm_(gz.t(), h.float() * scale[:, None])
-            if need_h:
-                if cdt == torch.float32:
+            if cdt == torch.float32:
+                if need_w:  # dW += gz^T (scale · h)
+                    grad_w.addmm_(gz.t(), h * scale[:, None])
+                if need_h:
                     grad_h[sl] = torch.mm(gz, w).mul_(scale[:, None])
-                else:
-                    # dh = gz W in fp32 over vocab tiles (as TRL's CPU path): a half-precision GEMM with a
-                    # 150k-long reduction is pathologically slow on CPUs without bf16 units, and fp32 keeps precision
-                    acc = torch.zeros((n, w.shape[1]), dtype=torch.float32, device=w.device)
-                    for v0 in range(0, vocab, _GRAD_VOCAB_TILE):
-                        acc.addmm_(gz[:, v0 : v0 + _GRAD_VOCAB_TILE], w[v0 : v0 + _GRAD_VOCAB_TILE].float())
-                    grad_h[sl] = acc.mul_(scale[:, None])
+                continue
+            # Half precision, as TRL's fused head: the logit gradient (scale · gz) is rounded to the head's dtype
+            # one vocab tile at a time, and both GEMMs take half inputs with fp32 accumulation (_addmm_fp32), so
+            # the GEMMs run on tensor cores while no partial product is rounded to half precision.
+            acc = torch.zeros((n, w.shape[1]), dtype=torch.float32, device=w.device) if need_h else None
+            for v0 in range(0, vocab, tile.shape[1]):
+                v1 = min(v0 + tile.shape[1], vocab)
+                t = torch.mul(gz[:, v0:v1], scale[:, None], out=tile[:n, : v1 - v0])
+                if need_w:
+                    _addmm_fp32(grad_w[v0:v1], t.t(), h)
+                if need_h:
+                    _addmm_fp32(acc, t, w[v0:v1])
+            if need_h:
+                grad_h[sl] = acc
         del zf, tile, keep_buf  # before the cast of grad_w below, which is often the step's peak
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
 

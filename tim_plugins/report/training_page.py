@@ -166,26 +166,25 @@ def training_page(summary: dict, run_dir: Path, page) -> None:
     page.table(["key", "value"], rows)
 
 
-def _audit_section(page, summary: dict) -> None:
-    page.h2("Parity audit")
-    findings = summary.get("findings", [])
-    page.raw("<p>At train begin the callback compares the two pipelines' settings (dtype, lm_head precision, "
-             "log-prob mode, truncation, temperature, ...). Its findings:</p>")
+def _findings_table(page, findings: list, empty: str) -> None:
     if findings:
         page.table(["severity", "code", "rollout", "trainer", "message"],
                    [[f["severity"], f["code"], f.get("rollout"), f.get("trainer"), f["message"]] for f in findings])
     else:
-        page.note("No findings: the callback's view of both pipelines agrees.")
+        page.note(empty)
+
+
+def _audit_section(page, summary: dict) -> None:
+    page.h2("Parity audit")
+    page.raw("<p>At train begin the callback compares the two pipelines' settings (dtype, lm_head precision, "
+             "log-prob mode, truncation, temperature, ...). Its findings:</p>")
+    _findings_table(page, summary.get("findings", []), "No findings: the callback's view of both pipelines agrees.")
     own = summary.get("own_audit")
     if own is not None and summary.get("attached", {}).get("rollout_source") == "custom":
         page.raw("<p>This run samples through TRL's <code>rollout_func</code>, which the callback cannot look into: "
                  "it audits the rollout side as TRL's own generation with the trainer's model. The same audit of "
                  "the rollout model the demo actually samples with:</p>")
-        if own:
-            page.table(["severity", "code", "rollout", "trainer", "message"],
-                       [[f["severity"], f["code"], f.get("rollout"), f.get("trainer"), f["message"]] for f in own])
-        else:
-            page.note("No findings.")
+        _findings_table(page, own, "No findings.")
 
 
 def _attached_section(page, summary: dict) -> None:

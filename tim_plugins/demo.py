@@ -23,17 +23,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tim_plugins.cli import add_config_options, config_from_args
+from tim_plugins.cli import UsageError, add_config_options, config_from_args
 
 __all__ = ["DemoConfig", "run_demo", "register", "toy_reward"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
-
-
-def _usage(message: str):
-    from tim_plugins.cli import UsageError
-
-    return UsageError(message)
 
 
 def _help(text: str) -> dict:
@@ -60,16 +54,16 @@ class DemoConfig:
 
         for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
-                raise _usage(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
         if self.num_generations < 2:
-            raise _usage(f"--num-generations {self.num_generations} is invalid: GRPO needs >= 2 completions per "
+            raise UsageError(f"--num-generations {self.num_generations} is invalid: GRPO needs >= 2 completions per "
                          "prompt to compare them (e.g. 8).")
         if self.rollout_dtype not in _DTYPES:
-            raise _usage(f"--rollout-dtype {self.rollout_dtype!r} is unknown: use one of {', '.join(_DTYPES)}.")
+            raise UsageError(f"--rollout-dtype {self.rollout_dtype!r} is unknown: use one of {', '.join(_DTYPES)}.")
         if not self.temperature > 0:
-            raise _usage(f"--temperature {self.temperature} is invalid: it must be > 0 (sampled rollouts).")
+            raise UsageError(f"--temperature {self.temperature} is invalid: it must be > 0 (sampled rollouts).")
         if not self.learning_rate > 0:
-            raise _usage(f"--learning-rate {self.learning_rate} is invalid: it must be > 0, e.g. 5e-4.")
+            raise UsageError(f"--learning-rate {self.learning_rate} is invalid: it must be > 0, e.g. 5e-4.")
         check_model_path(self.model)
 
 

@@ -42,7 +42,7 @@ __all__ = [
 # Elements of one float64 [rows, V] working tile (rows are processed in chunks of about this size).
 _TILE_ELEMENTS = 1 << 22
 
-# Keys of `summarize_comparison` (also the rows of the report's full-distribution table).
+# Keys of `summarize_comparison`, in its order.
 DIST_KEYS = (
     "tim/dist/positions", "tim/dist/invalid_positions", "tim/dist/kl_rollout_train_mean",
     "tim/dist/kl_rollout_train_max", "tim/dist/kl_train_rollout_mean", "tim/dist/kl_train_rollout_max",

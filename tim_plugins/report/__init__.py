@@ -13,26 +13,16 @@ from pathlib import Path
 __all__ = ["build_report", "verdict_for", "register"]
 
 
-def _has_dump(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.glob("step_*-rank_*.parquet"))
-
-
 def verdict_for(summary: dict, run_dir: str | Path | None = None) -> dict:
     """The verdict block's content for a measure or training summary (see `health.verdict`)."""
     if summary.get("kind") == "measure":
         from tim_plugins.report.measure_page import measure_verdict
 
         return measure_verdict(summary)
-    from tim_plugins.report.tokens import load_tokens
+    from tim_plugins.report.tokens import run_tokens
     from tim_plugins.report.training_page import training_verdict
 
-    tokens = None
-    if run_dir is not None:
-        dump = Path(run_dir) / summary.get("dumps", {}).get("all steps", "dump")
-        tokens = load_tokens(dump) if _has_dump(dump) else None
-    v = training_verdict(summary, tokens)
-    v.pop("overall", None)
-    return v
+    return training_verdict(summary, None if run_dir is None else run_tokens(summary, Path(run_dir)))
 
 
 def build_report(source: str | Path, out: str | Path | None = None, *, summary: dict | None = None,
@@ -81,12 +71,13 @@ def register(subparsers) -> None:
 
 def _main(args) -> int:
     from tim_plugins.cli import UsageError
+    from tim_plugins.report.tokens import has_dump
 
     folder = Path(args.dir)
     if not folder.is_dir():
         raise UsageError(f"report {args.dir!r}: no such folder; pass the output folder of `tim-plugins measure` or "
                          "`tim-plugins demo`, or a per-token dump folder.")
-    if not (folder / "summary.json").exists() and not _has_dump(folder):
+    if not (folder / "summary.json").exists() and not has_dump(folder):
         raise UsageError(f"report {args.dir!r}: the folder holds neither summary.json nor dump files "
                          "(step_*-rank_*.parquet); point at a measure/demo output folder (e.g. tim-out/measure) or "
                          "the dump_dir the dumper wrote.")

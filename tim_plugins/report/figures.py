@@ -324,7 +324,7 @@ def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple
             ax.set_xlim(0, hi if hi > 0 else 1.0)
         if healthy is not None:
             hlo, hhi = healthy
-            ax.axvspan(hlo if hlo is not None else (base if log else 0), hhi if hhi is not None else ax.get_xlim()[1],
+            ax.axvspan(hlo if hlo is not None else base, hhi if hhi is not None else ax.get_xlim()[1],
                        color=_OK_BAND, zorder=0)
         for i, val in enumerate(v):
             color = _color(i)

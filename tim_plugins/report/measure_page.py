@@ -98,7 +98,8 @@ def measure_page(summary: dict, run_dir: Path, page) -> None:
     """Fill ``page`` (a `Page`) with the measure report of ``summary`` (dumps read below ``run_dir``)."""
     import tim_plugins.report.figures as figures
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES, status
-    from tim_plugins.report.tokens import load_tokens
+    from tim_plugins.report.page import fmt
+    from tim_plugins.report.tokens import run_tokens
 
     comps = summary["comparisons"]
     names = list(comps)
@@ -110,11 +111,7 @@ def measure_page(summary: dict, run_dir: Path, page) -> None:
              + ":</p>")
     page.verdict(v, v.get("extra", []))
 
-    tokens = {}
-    for name in names:
-        folder = run_dir / summary.get("dumps", {}).get(name, "")
-        if folder.is_dir() and any(folder.glob("step_*-rank_*.parquet")):
-            tokens[name] = load_tokens(folder)
+    tokens = {name: t for name in names if (t := run_tokens(summary, run_dir, name)) is not None}
 
     page.h2("Settings side by side" if many else "Result")
     header = ["setting"] + [label for _, label in _TABLE]
@@ -197,12 +194,7 @@ def measure_page(summary: dict, run_dir: Path, page) -> None:
     page.table(["key", "value"], [[k, v] for k, v in sorted(summary.get("settings", {}).items())])
     keys = sorted({k for m in comps.values() for k in m})
     body = "".join(f"<tr><td>{html.escape(k)}</td>" + "".join(
-        f"<td class='num'>{_fmtv(comps[n].get(k))}</td>" for n in names) + "</tr>" for k in keys)
+        f"<td class='num'>{fmt(comps[n].get(k))}</td>" for n in names) + "</tr>" for k in keys)
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     page.raw(f"<details><summary>All metrics</summary><table><tr><th>metric</th>{head}</tr>{body}</table></details>")
 
-
-def _fmtv(v) -> str:
-    from tim_plugins.report.page import fmt
-
-    return fmt(v)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Tokens", "load_tokens", "metrics_by_step", "overall_metrics"]
+__all__ = ["Tokens", "has_dump", "load_tokens", "run_tokens", "metrics_by_step", "overall_metrics"]
 
 
 @dataclass
@@ -37,6 +37,17 @@ class Tokens:
     @property
     def size(self) -> int:
         return int(self.rollout.size)
+
+
+def has_dump(folder: Path) -> bool:
+    """Whether ``folder`` holds per-token dump files (the names ``tim_plugins.dump`` writes)."""
+    return folder.is_dir() and any(folder.glob("step_*-rank_*.parquet"))
+
+
+def run_tokens(summary: dict, run_dir: Path, name: str = "all steps") -> Tokens | None:
+    """The tokens of a run's dump ``name`` (its folder from ``summary["dumps"]``), or None without one."""
+    folder = Path(run_dir) / summary.get("dumps", {}).get(name, "dump" if name == "all steps" else "")
+    return load_tokens(folder) if has_dump(folder) else None
 
 
 def load_tokens(dump_dir: str | Path) -> Tokens:

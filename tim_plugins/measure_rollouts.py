@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tim_plugins._optional import require
+from tim_plugins.cli import UsageError
 
 __all__ = [
     "DTYPES",
@@ -38,12 +39,6 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _usage_error(message: str) -> Exception:
-    from tim_plugins.cli import UsageError
-
-    return UsageError(message)
 
 
 def resolve_model(model: str | None) -> str | None:
@@ -70,12 +65,12 @@ def check_model_path(model: str | None) -> None:
     path = Path(model).expanduser()
     rule = "pass a local HF checkpoint folder (with config.json), a .gguf file, or 'smollm2'"
     if not path.exists():
-        raise _usage_error(f"--model {model!r}: no such local folder or file; {rule} (models are not downloaded: "
+        raise UsageError(f"--model {model!r}: no such local folder or file; {rule} (models are not downloaded: "
                            "fetch one first, e.g. huggingface-cli download ORG/NAME --local-dir DIR, then pass DIR)")
     if path.is_dir() and not (path / "config.json").exists():
-        raise _usage_error(f"--model {model!r}: the folder has no config.json, so it is not an HF checkpoint; {rule}")
+        raise UsageError(f"--model {model!r}: the folder has no config.json, so it is not an HF checkpoint; {rule}")
     if path.is_file() and path.suffix != ".gguf":
-        raise _usage_error(f"--model {model!r}: a file that is not .gguf; {rule}")
+        raise UsageError(f"--model {model!r}: a file that is not .gguf; {rule}")
 
 
 def load_model(model: str | None, dtype: torch.dtype, *, fp32_head: bool = False):
@@ -181,7 +176,7 @@ def start_vllm(path: str, *, dtype: str, seed: int, fp32_head: bool, max_logprob
     them per token, -1 = the whole vocabulary)."""
     require("vllm", "--rollout vllm")
     if path.endswith(".gguf") or not (Path(path) / "config.json").exists():
-        raise _usage_error(f"vllm rollouts need an HF checkpoint folder, got {path!r}: pass --model DIR with a "
+        raise UsageError(f"vllm rollouts need an HF checkpoint folder, got {path!r}: pass --model DIR with a "
                            "config.json (GGUF files are not supported here)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
     from vllm import LLM

@@ -133,13 +133,14 @@ def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, trunc: Truncation, want_e
     return logp, z_tok >= tau, pruned, size, tau, log_zs, entropy
 
 
-def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, inv_t, trunc, keep_buf):
+def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, trunc, keep_buf):
     """Gradient wrt the tempered-input logits of one chunk, factored as ``row_scale[:, None] * G``.
 
     Returns (G, row_scale): G [n, V] fp32 written into z's storage, row_scale [n] fp32. Without an entropy
     gradient, dL/dz_j = −g·(q_j − 1[j = a])/T: G = q − onehot(a) and the per-row factor −g/T is applied to the
     [n, H] GEMM operands or results by the caller instead of in another pass over [n, V].
     """
+    inv_t = 1.0 / trunc.temperature
     keep = _keep_mask(z, tau, trunc, keep_buf)
     if g_ent is not None:
         # dH/dz_j = −q_j (log q_j + H) on S; log q = z − log Σ_S
@@ -202,7 +203,7 @@ class _SafeFromLogits(torch.autograd.Function):
             z = _temper(zf[: src.shape[0]].copy_(src), trunc.temperature)
             gz, scale = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
                                     None if g_lp is None else g_lp[sl].float(),
-                                    None if g_ent is None else g_ent[sl].float(), 1.0 / trunc.temperature, trunc,
+                                    None if g_ent is None else g_ent[sl].float(), trunc,
                                     keep_buf)
             torch.mul(gz, scale[:, None], out=grad[sl])
         return grad, None, None, None, None
@@ -278,7 +279,7 @@ class _SafeFromHidden(torch.autograd.Function):
             # dL/dz = scale[:, None] * gz, gz fp32 [n, V] in zf
             gz, scale = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
                                     None if g_lp is None else g_lp[sl].float(),
-                                    None if g_ent is None else g_ent[sl].float(), 1.0 / trunc.temperature, trunc,
+                                    None if g_ent is None else g_ent[sl].float(), trunc,
                                     keep_buf)
             if cdt == torch.float32:
                 if need_w:  # dW += gz^T (scale · h)

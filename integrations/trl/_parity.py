@@ -88,7 +88,7 @@ def _log_level(findings) -> int:
 
 def run_audit(owner) -> None:
     from tim_plugins.parity.audit import audit, has_errors
-    from tim_plugins.parity.findings import ParityError
+    from tim_plugins.parity.findings import ParityError, severity_counts
     from tim_plugins.parity.table import FINDINGS_COLUMNS, findings_rows
 
     trainer = owner.trainer
@@ -104,7 +104,7 @@ def run_audit(owner) -> None:
     text = "\n".join(" | ".join(r) for r in [columns] + rows) if rows else "no findings"
     logger.log(_log_level(findings), "tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s",
                owner.rollout_source, text)
-    counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    counts = severity_counts(findings)
     for severity, n in counts.items():
         owner.add_metric(f"tim/parity/{severity}s", float(n))
     args = trainer.args

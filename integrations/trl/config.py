@@ -175,11 +175,9 @@ class TIMConfig:
             raise ValueError("TIMConfig.parity_strict=True needs parity_audit=True (strict raises on audit findings).")
 
     def _check_dump_options(self) -> None:
-        from dataclasses import fields as dc_fields
-
         from tim_plugins.dump import DumpConfig
 
-        names = {f.name for f in dc_fields(DumpConfig)} - {"out_dir"}
+        names = {f.name for f in fields(DumpConfig)} - {"out_dir"}
         unknown = sorted(set(self.dump_options) - names)
         if unknown:
             raise ValueError(f"TIMConfig.dump_options has unknown option(s) {unknown}. Fix: use only {sorted(names)}")

@@ -29,14 +29,14 @@ def run_startup_audit(config, tim: TIMVerlConfig, out=None):
     """Audit rollout vs trainer numerics on the composed config; print the table. Returns the findings. Raises ``ParityError`` when ``tim.parity.strict`` and an error is found."""
     out = out or sys.stdout
     from tim_plugins.parity.audit import audit, has_errors
-    from tim_plugins.parity.findings import ParityError
+    from tim_plugins.parity.findings import ParityError, severity_counts
     from tim_plugins.parity.table import findings_table
 
     from .parity_spec import specs_from_config
 
     rollout, trainer = specs_from_config(config)
     findings = audit(rollout, trainer)
-    counts = {sev: sum(f.severity == sev for f in findings) for sev in ("error", "warning", "info")}
+    counts = severity_counts(findings)
     print(f"{AUDIT_TITLE}: {counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info",
           file=out)
     print(findings_table(findings, framework="verl"), file=out)

@@ -82,6 +82,7 @@ def _vllm_specs(args: argparse.Namespace):
 def run_audit(args: argparse.Namespace) -> int:
     from tim_plugins._optional import package_version
     from tim_plugins.parity.audit import audit, enforce, has_errors
+    from tim_plugins.parity.findings import severity_counts
     from tim_plugins.parity.table import findings_table, format_table
 
     framework = None
@@ -124,7 +125,7 @@ def run_audit(args: argparse.Namespace) -> int:
                                [[c.side, c.field, c.old, c.new, c.knob] for c in changes]))
             print()
         print(findings_table(findings, framework=framework))
-        counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+        counts = severity_counts(findings)
         print(f"\n{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info")
     return 1 if has_errors(findings) else 0
 

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 __all__ = [
     "Finding", "CodeInfo", "CODES", "SEVERITIES", "ParityError", "make_finding", "codes_markdown", "max_severity",
+    "severity_counts",
 ]
 
 SEVERITIES = ("error", "warning", "info")
@@ -163,6 +164,11 @@ def make_finding(code: str, severity: str, message: str, rollout_value: Any = No
     """A Finding with the registry's knobs (or the given ones)."""
     return Finding(code=code, severity=severity, message=message, rollout_value=rollout_value,
                    trainer_value=trainer_value, fix=dict(CODES[code].fix if fix is None else fix))
+
+
+def severity_counts(findings: list) -> dict[str, int]:
+    """{severity: number of findings}, every severity present (0 when none)."""
+    return {level: sum(f.severity == level for f in findings) for level in SEVERITIES}
 
 
 def max_severity(findings: list) -> Optional[str]:

@@ -73,6 +73,19 @@ def sample_tokens(logits, keep, temperature, gen):
     return torch.where(torch.arange(logits.shape[0]) % 3 == 0, anywhere, inside)
 
 
+def exact_hidden_inputs(n, hdim, vocab, dtype, *, temperature=1.0, min_p=0.0, seed=0):
+    """(hidden, weight, tokens, generator) with integer hidden states and weights in eighths: every product and
+    partial sum is exact in fp32, so each logit is the same whatever GEMM shape and algorithm computes it (the
+    Triton folds, the torch folds and a reference tile differently), and the safe sets compare exactly. Logits
+    of std ~5 in steps of 1/8, exact in bf16 / fp16 below 32; a third of the tokens drawn from anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-2, 3, (n, hdim), generator=gen).to(dtype)
+    weight = (torch.randint(-6, 7, (vocab, hdim), generator=gen) / 8).to(dtype)
+    logits = hidden.double() @ weight.double().t()
+    tokens = sample_tokens(logits, naive_keep(logits / temperature, min_p, 0, 1.0), temperature, gen)
+    return hidden, weight, tokens, gen
+
+
 def make_logits(n, v, seed, scale=4.0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(n, v, generator=gen, dtype=torch.float64) * scale).to(dtype), gen

@@ -12,7 +12,9 @@ for a small pruning bias, reported here as the pruned mass 1 − Σ_S p_T.
 
 Both entry points run a custom autograd Function over row chunks: forward keeps only per-row statistics
 (max, threshold tau, log Σ_S), backward recomputes each chunk's logits (``hidden @ weight.T`` for the hidden
-path) and turns them into the gradient in place. S is chosen under no_grad (not differentiated); the gradient is
+path) and turns them into the gradient in place. On CUDA the hidden path folds its cuBLAS tiles with Triton
+kernels (``_safe_vocab_kernel``) when the truncation is min-p alone (the default); top-k / top-p, and devices
+without Triton, take the torch folds. S is chosen under no_grad (not differentiated); the gradient is
 that of the renormalised masked log-softmax: d safe_logp(a) / dz_j = (1[j = a] − q_j) / T, q = p_T restricted
 to S and renormalised (q_j = 0 off S).
 
@@ -24,13 +26,16 @@ never creates NaN; exclude them from the loss with ``safe_loss_mask``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from ._optional import is_triton_available
 from .truncation import DEFAULT_MIN_P, Truncation, truncation_threshold
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_MIN_P",
     "TILE_ELEMENTS",
     "SafeLogprobs",
@@ -50,6 +55,10 @@ TILE_ELEMENTS = 4096 * 32768
 
 # Vocabulary tile of a half-precision head's logits and gradient GEMMs (a [rows, tile] buffer in its dtype).
 _GRAD_VOCAB_TILE = 32768
+# The Triton backward's tile: TRL's own (TOKEN_CHUNK_SIZE rows × add_fused_lm_head's 32768 columns).
+_FUSED_GRAD_ROWS = 4096
+# "auto": the Triton folds on CUDA for a min-p-only truncation, else torch; "triton" / "torch" force one.
+BACKENDS = ("auto", "triton", "torch")
 # cuBLAS GEMMs of half inputs with an fp32 output (``out_dtype``) exist on CUDA from torch 2.8.
 _MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
 
@@ -64,14 +73,17 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
-def default_chunk_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
+def default_chunk_rows(vocab: int, dtype: torch.dtype = torch.float32, *, fused: bool = False) -> int:
     """Rows per chunk whose buffers fit TRL's tile in bytes (``TILE_ELEMENTS`` elements of ``dtype``).
 
-    Per row: the fp32 logits and the bool safe-set mask (5 bytes per vocabulary entry), plus for half precision
-    the row's [32768] GEMM tile in ``dtype``. At V = 151,936: 706 rows in fp32, 325 in bf16 / fp16.
+    torch folds, per row: the fp32 logits and the bool safe-set mask (5 bytes per vocabulary entry), plus for
+    half precision the row's [32768] GEMM tile in ``dtype``; at V = 151,936: 706 rows in fp32, 325 in bf16 /
+    fp16. Triton folds (``fused``): the row's logits in ``dtype`` alone, 883 rows in any dtype.
     """
     vocab = max(1, int(vocab))
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if fused:
+        return max(1, TILE_ELEMENTS // vocab)
     per_row = 5 * vocab + (min(vocab, _GRAD_VOCAB_TILE) * itemsize if itemsize < 4 else 0)
     return max(1, TILE_ELEMENTS * itemsize // per_row)
 
@@ -175,7 +187,7 @@ class _SafeFromLogits(torch.autograd.Function):
         zf = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
         keep_buf = _keep_buffer(rows, vocab, trunc, logits.device)
         outs = [[] for _ in range(7)]
-        for s in range(0, logits.shape[0], chunk):
+        for s in range(0, max(logits.shape[0], 1), chunk):  # once for N = 0: empty results
             src = logits[s : s + chunk]
             z = _temper(zf[: src.shape[0]].copy_(src), trunc.temperature)
             for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy, keep_buf)):
@@ -244,7 +256,7 @@ class _SafeFromHidden(torch.autograd.Function):
         zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
         keep_buf = _keep_buffer(min(chunk, n_rows), vocab, trunc, hidden.device)
         outs = [[] for _ in range(7)]
-        for s in range(0, n_rows, chunk):
+        for s in range(0, max(n_rows, 1), chunk):  # once for N = 0: empty results
             h = hidden[s : s + chunk].to(cdt)
             z = _temper(_logits_into(zf, tile, h, w), trunc.temperature)
             for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy, keep_buf)):
@@ -304,6 +316,97 @@ class _SafeFromHidden(torch.autograd.Function):
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
 
 
+class _SafeFromHiddenFused(torch.autograd.Function):
+    """The hidden path with Triton folds (``_safe_vocab_kernel``), for a min-p-only truncation.
+
+    Forward: per chunk of rows, one cuBLAS GEMM into a [rows, V] buffer in the compute dtype, then one fold
+    program per row (max, then the sums over V and S). Backward: TRL's tiling (``_FUSED_GRAD_ROWS`` rows ×
+    ``_GRAD_VOCAB_TILE`` columns): each recomputed tile is overwritten with the logit gradient in its dtype, and
+    both gradient GEMMs accumulate in fp32 (``_addmm_fp32``).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, trunc, chunk, want_entropy):
+        from . import _safe_vocab_kernel as K
+
+        ctx.set_materialize_grads(False)
+        n_rows, vocab = hidden.shape[0], weight.shape[0]
+        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        w = weight.to(cdt)
+        buf = torch.empty((min(chunk, n_rows), vocab), dtype=cdt, device=hidden.device)
+        stats = torch.zeros((len(K.STATS), n_rows), dtype=torch.float32, device=hidden.device)
+        size = torch.empty(n_rows, dtype=torch.int32, device=hidden.device)
+        for s in range(0, n_rows, chunk):
+            h = hidden[s : s + chunk].to(cdt)
+            x = torch.mm(h, w.t(), out=buf[: h.shape[0]])
+            K.fold_rows(x, tokens[s : s + chunk], stats[:, s : s + chunk], size[s : s + chunk],
+                        temperature=trunc.temperature, min_p=trunc.min_p, entropy=want_entropy)
+        del buf
+        m, tau, kept, full, z_tok, kept_ez = stats
+        log_kept = kept.log()
+        logp = (z_tok - m) - log_kept  # the torch fold's order of operations
+        log_zs = m + log_kept
+        pruned = (1.0 - kept / full).clamp_(min=0.0)
+        ent = log_kept - kept_ez / kept if want_entropy else None
+        in_safe = z_tok >= tau
+        ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
+        ctx.trunc, ctx.want_entropy = trunc, want_entropy
+        ctx.mark_non_differentiable(in_safe, pruned)
+        return logp, in_safe, pruned, size.long(), ent
+
+    @staticmethod
+    def backward(ctx, g_lp, _a, _b, _c, g_ent):
+        from . import _safe_vocab_kernel as K
+
+        hidden, weight, tokens, tau, log_zs, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None, None, None
+        trunc = ctx.trunc
+        n_rows, vocab = hidden.shape[0], weight.shape[0]
+        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        w = weight.to(cdt)
+        g_lp = None if g_lp is None else g_lp.float().contiguous()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        rows = max(1, min(_FUSED_GRAD_ROWS, n_rows))
+        buf = torch.empty((rows, min(vocab, _GRAD_VOCAB_TILE)), dtype=cdt, device=hidden.device)
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        acc = torch.empty((rows, w.shape[1]), dtype=torch.float32, device=w.device) if need_h else None
+        for s in range(0, n_rows, rows):
+            sl = slice(s, s + rows)
+            h = hidden[sl].to(cdt)
+            n = h.shape[0]
+            if need_h:
+                acc[:n].zero_()
+            for v0 in range(0, vocab, buf.shape[1]):
+                v1 = min(v0 + buf.shape[1], vocab)
+                tile = torch.mm(h, w[v0:v1].t(), out=buf[:n, : v1 - v0])
+                K.grad_tile(tile, v0, tokens[sl], tau[sl], log_zs[sl], ent[sl] if ctx.want_entropy else None,
+                            None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl],
+                            temperature=trunc.temperature, min_p=trunc.min_p)
+                if need_w:
+                    _addmm_fp32(grad_w[v0:v1], tile.t(), h)
+                if need_h:
+                    _addmm_fp32(acc[:n], tile, w[v0:v1])
+            if need_h:
+                grad_h[sl] = acc[:n]
+        del buf, acc  # before the cast of grad_w below, which is often the step's peak
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
+
+
+_fused_failed = False
+
+
+def _fused_by_default(hidden: torch.Tensor) -> bool:
+    return hidden.is_cuda and is_triton_available()
+
+
+def _fused_applies(trunc: Truncation) -> bool:
+    """The Triton folds select S by min-p alone; top-k / top-p need a sort or selection per row (torch)."""
+    return trunc.top_p >= 1.0 and trunc.k == 0
+
+
 def _resolve(min_p, temperature, top_p, top_k, order) -> Truncation:
     return Truncation(min_p=float(min_p), top_p=float(top_p), top_k=int(top_k), temperature=float(temperature),
                       order=order)
@@ -351,7 +454,7 @@ def safe_logprobs_from_logits(
 def safe_logprobs_from_hidden(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, min_p: float, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int = 0, order: str = "vllm", compute_entropy: bool = False,
-    chunk_size: int | None = None,
+    chunk_size: int | None = None, backend: str = "auto",
 ) -> SafeLogprobs:
     """Safe log-probs of ``tokens`` from final hidden states and the lm_head weight, never holding [N, V].
 
@@ -362,19 +465,45 @@ def safe_logprobs_from_hidden(
         min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
         compute_entropy: also return the entropy of the safe distribution.
         chunk_size: rows per chunk; one [chunk, V] tile is live at a time, in forward and in backward
-            (default ``default_chunk_rows(V, dtype)``: no more bytes than TRL's fused-head tile).
+            (default ``default_chunk_rows(V, dtype, fused=...)``: no more bytes than TRL's fused-head tile).
+        backend: "auto" (Triton folds for CUDA tensors when the truncation is min-p alone, else torch),
+            "triton" or "torch". If the Triton folds fail (e.g. no compiler for this GPU), "auto" warns once and
+            uses torch from then on.
     Returns:
         ``SafeLogprobs`` with [N] tensors; gradients flow to ``hidden`` and ``weight``.
     """
+    global _fused_failed
     _check_rows("hidden", hidden, tokens, weight.shape[0])
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    chunk = int(chunk_size) if chunk_size else default_chunk_rows(
-        weight.shape[0], torch.promote_types(hidden.dtype, weight.dtype))
-    if chunk < 1:
+    if backend == "triton" and not _fused_applies(trunc):
+        raise ValueError(f"backend='triton' with top_k={top_k}, top_p={top_p}: the Triton folds select the safe set "
+                         "by min_p alone; use backend='auto' or 'torch' for top-k / top-p")
+    fused = backend == "triton" or (
+        backend == "auto" and not _fused_failed and _fused_applies(trunc) and _fused_by_default(hidden))
+    cdt = torch.promote_types(hidden.dtype, weight.dtype)
+    if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
-    return _pack(_SafeFromHidden.apply(hidden, weight, tokens.long(), trunc, chunk, bool(compute_entropy)))
+    tokens = tokens.long()
+    if fused:
+        chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt, fused=True)
+        try:
+            # the kernels index tokens by row: a strided view (e.g. a slice of [B, T] ids) must be made dense
+            return _pack(_SafeFromHiddenFused.apply(hidden, weight, tokens.contiguous(), trunc, chunk,
+                                                    bool(compute_entropy)))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:
+            if backend == "triton":
+                raise
+            # a compile or launch error comes before any result exists: the torch folds compute the same
+            warnings.warn(f"tim_plugins: the Triton safe-vocab folds failed ({err!r}); using torch.", stacklevel=2)
+            _fused_failed = True
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt)
+    return _pack(_SafeFromHidden.apply(hidden, weight, tokens, trunc, chunk, bool(compute_entropy)))
 
 
 def safe_loss_mask(response_mask: torch.Tensor, in_safe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,200 @@
+"""The safe-vocab head's Triton folds without a GPU: run on the CPU by Triton's interpreter against the float64
+reference and the torch folds, and compiled ahead of time for sm_90.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so the interpreted tests run in a pytest
+subprocess (``test_folds_under_the_interpreter``); in the main run they are skipped. On a GPU the same folds
+run in ``benchmarks/bench_safe_vocab.py``, whose sanity check compares them with a float64 reference.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from bounded import run_bounded
+from test_safe_vocab import HIDDEN_TOL, exact_hidden_inputs, naive_safe
+
+from tim_plugins import safe_vocab as sv
+from tim_plugins.safe_vocab import DEFAULT_MIN_P, safe_logprobs_from_hidden
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_folds_under_the_interpreter's subprocess")
+
+# (dtype, vocab, temperature, min_p, entropy): vocab 5003 > the fold's 4096-entry block and odd; 383 < it
+_CASES = [
+    (torch.float32, 5003, 1.0, DEFAULT_MIN_P, False),
+    (torch.float32, 383, 0.7, 0.02, True),
+    (torch.bfloat16, 5003, 1.0, DEFAULT_MIN_P, True),
+    (torch.bfloat16, 1001, 1.3, 0.0, False),
+    (torch.float16, 1001, 0.7, 0.05, True),
+    (torch.bfloat16, 383, 1.0, 1.0, False),  # min_p = 1: the argmax (and ties) alone
+]
+
+
+def _inputs(dtype, vocab, temperature, min_p, n=41, hdim=24, seed=0):
+    return exact_hidden_inputs(n, hdim, vocab, dtype, temperature=temperature, min_p=min_p, seed=seed + vocab)
+
+
+def _run(backend, hidden, weight, tokens, g, ge, **kw):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = safe_logprobs_from_hidden(h, w, tokens, backend=backend, **kw)
+    loss = (out.logprobs.masked_fill(~out.in_safe, 0) * g.float()).sum()
+    if ge is not None:
+        loss = loss + (out.entropy * ge.float()).sum()
+    loss.backward()
+    return out, h.grad, w.grad
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,vocab,temperature,min_p,entropy", _CASES)
+def test_interpreted_folds_match_the_reference_and_the_torch_folds(dtype, vocab, temperature, min_p, entropy,
+                                                                   monkeypatch):
+    # several ragged backward tiles (rows and columns) and forward chunks
+    monkeypatch.setattr(sv, "_FUSED_GRAD_ROWS", 16)
+    monkeypatch.setattr(sv, "_GRAD_VOCAB_TILE", 1500)
+    hidden, weight, tokens, gen = _inputs(dtype, vocab, temperature, min_p)
+    g = torch.randn(len(tokens), generator=gen, dtype=torch.float64)
+    ge = torch.randn(len(tokens), generator=gen, dtype=torch.float64) if entropy else None
+    kw = dict(min_p=min_p, temperature=temperature, compute_entropy=entropy, chunk_size=10)
+    fused, fh, fw = _run("triton", hidden, weight, tokens, g, ge, **kw)
+    plain, ph, pw = _run("torch", hidden, weight, tokens, g, ge, **kw)
+
+    # float64 reference on the logits as the model's lm_head rounds them; autograd through it for the gradients
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_lp, ref_in, keep, ref_ent, ref_pruned = naive_safe(h2 @ w2.t(), tokens, min_p=min_p, temperature=temperature)
+    loss = (ref_lp.masked_fill(~ref_in, 0) * g).sum() + ((ref_ent * ge).sum() if entropy else 0)
+    loss.backward()
+
+    assert torch.equal(fused.in_safe, ref_in) and torch.equal(fused.size, keep.sum(-1))
+    assert 0 < int(ref_in.sum()) < len(tokens) or min_p == 0.0
+    lp_tol, g_tol = HIDDEN_TOL[dtype]
+    torch.testing.assert_close(fused.logprobs.double()[ref_in], ref_lp.detach()[ref_in], atol=2e-5, rtol=0)
+    torch.testing.assert_close(fused.pruned_mass.double(), ref_pruned.detach(), atol=1e-6, rtol=0)
+    if entropy:
+        torch.testing.assert_close(fused.entropy.double(), ref_ent.detach(), atol=1e-5, rtol=0)
+    for mine, ref in ((fh, h2.grad), (fw, w2.grad)):
+        assert mine.dtype == dtype
+        torch.testing.assert_close(mine.double(), ref.double(), atol=g_tol * ref.abs().max().item(), rtol=0)
+    # and the torch folds: the same S, values to float32 rounding (the fast exp, another summation order),
+    # gradients to one rounding of the gradient tile to the dtype
+    assert torch.equal(fused.in_safe, plain.in_safe) and torch.equal(fused.size, plain.size)
+    torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=2e-6, rtol=1e-6)
+    rel = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    for mine, other in ((fh, ph), (fw, pw)):
+        torch.testing.assert_close(mine.double(), other.double(), atol=2 * rel * other.abs().max().item(), rtol=0)
+
+
+@interpreted
+def test_interpreted_folds_entropy_gradient_alone_empty_input_and_no_grad():
+    hidden, weight, tokens, gen = _inputs(torch.float32, 383, 1.0, 0.02, n=9)
+    tokens = torch.stack([tokens, tokens.flip(0)], 1)[:, 0]  # a strided view, as a slice of [B, T] ids can be
+    assert not tokens.is_contiguous()
+    ge = torch.randn(9, generator=gen, dtype=torch.float64)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = safe_logprobs_from_hidden(h, w, tokens, min_p=0.02, compute_entropy=True, backend="triton")
+    (out.entropy * ge.float()).sum().backward()  # no log-prob gradient: the kernel's entropy term alone
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_lp, ref_in, _, ref_ent, _ = naive_safe(h2 @ w2.t(), tokens, min_p=0.02)
+    (ref_ent * ge).sum().backward()
+    assert torch.equal(out.in_safe, ref_in)
+    torch.testing.assert_close(out.logprobs.double()[ref_in], ref_lp.detach()[ref_in], atol=2e-5, rtol=0)
+    torch.testing.assert_close(h.grad.double(), h2.grad.double(), atol=1e-4 * h2.grad.abs().max().item(), rtol=0)
+    torch.testing.assert_close(w.grad.double(), w2.grad.double(), atol=1e-4 * w2.grad.abs().max().item(), rtol=0)
+
+    empty = safe_logprobs_from_hidden(hidden[:0].clone().requires_grad_(), weight.clone().requires_grad_(),
+                                      tokens[:0], min_p=0.02, compute_entropy=True, backend="triton")
+    assert empty.logprobs.shape == empty.size.shape == empty.entropy.shape == (0,)
+    with torch.no_grad():
+        out = safe_logprobs_from_hidden(hidden, weight, tokens, min_p=0.02, backend="triton")
+    assert out.logprobs.grad_fn is None
+
+
+def test_folds_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the interpreter's run")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreted_"]
+    proc, timed_out = run_bounded(cmd, 600, cwd=root, env=env)
+    out = proc.stdout
+    if timed_out:
+        pytest.fail(f"the interpreted fold tests took over 600 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    passed = re.search(r"(\d+) passed", out)
+    assert passed and int(passed[1]) == len(_CASES) + 1 and "skipped" not in out, out[-2000:]
+
+
+def test_backend_choice_and_its_errors():
+    hidden, weight, tokens, _ = _inputs(torch.float32, 383, 1.0, 0.02, n=5)
+    with pytest.raises(ValueError, match=r"backend='cuda'.*expected one of"):
+        safe_logprobs_from_hidden(hidden, weight, tokens, min_p=0.02, backend="cuda")
+    with pytest.raises(ValueError, match=r"top_k=5, top_p=1.0.*min_p alone.*backend='auto' or 'torch'"):
+        safe_logprobs_from_hidden(hidden, weight, tokens, min_p=0.02, top_k=5, backend="triton")
+    assert not sv._fused_by_default(hidden)  # CPU tensors: the torch folds
+
+
+def test_a_failing_fold_leaves_the_call_to_torch(monkeypatch):
+    """Where the Triton folds cannot run (here: CPU tensors without the interpreter), "auto" warns once and
+    returns the torch folds' result, and later calls go straight to torch."""
+    if INTERPRETED:
+        pytest.skip("the interpreter runs the folds on the CPU")
+    monkeypatch.setattr(sv, "_fused_failed", False)
+    monkeypatch.setattr(sv, "_fused_by_default", lambda hidden: True)
+    hidden, weight, tokens, _ = _inputs(torch.float32, 383, 1.0, 0.02, n=7)
+    with pytest.warns(UserWarning, match="Triton safe-vocab folds failed"):
+        got = safe_logprobs_from_hidden(hidden, weight, tokens, min_p=0.02)
+    assert sv._fused_failed
+    want = safe_logprobs_from_hidden(hidden, weight, tokens, min_p=0.02, backend="torch")
+    assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.in_safe, want.in_safe)
+    with pytest.raises(Exception):  # forced: no fallback
+        safe_logprobs_from_hidden(hidden, weight, tokens, min_p=0.02, backend="triton")
+
+
+def _compile(kernel, grid_args_consts, num_warps):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, args, consts = grid_args_consts
+    types = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
+             torch.int32: "*i32"}
+    signature, constexprs, it = {}, {}, iter(args)
+    for i, param in enumerate(kernel.params):
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", consts.pop(param.name)
+        else:
+            value = next(it)
+            signature[param.name] = types[value.dtype] if isinstance(value, torch.Tensor) else (
+                "fp32" if isinstance(value, float) else "i64")
+    assert not consts and next(it, None) is None
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("flags", [(1.0, DEFAULT_MIN_P, False), (0.7, 0.0, True)])
+def test_folds_compile_for_hopper(dtype, flags):
+    """Compile both kernels ahead of time for sm_90 with the arguments a launch passes (Triton's bundled ptxas;
+    no GPU needed): catches what the interpreter does not check, such as a loop-carried value changing type."""
+    if INTERPRETED:
+        pytest.skip("the kernels are interpreter functions in this process")
+    pytest.importorskip("triton.backends.compiler")
+    from tim_plugins import _safe_vocab_kernel as K
+
+    temperature, min_p, entropy = flags
+    n, v = 8, 1000
+    x, tok = torch.zeros(n, v, dtype=dtype), torch.zeros(n, dtype=torch.int64)
+    stats, size, row = torch.zeros(len(K.STATS), n), torch.zeros(n, dtype=torch.int32), torch.zeros(n)
+    fold = _compile(K._fold_kernel, K.fold_launch(x, tok, stats, size, temperature, min_p, entropy), K.FOLD_WARPS)
+    grad = _compile(K._grad_kernel, K.grad_launch(x, 0, tok, row, row, row if entropy else None, row,
+                                                  row if entropy else None, temperature, min_p), 4)
+    for compiled in (fold, grad):
+        assert ".target sm_90" in compiled.asm["ptx"]
+    if temperature != 1.0:  # the IEEE division the torch folds use, not Triton's approximate one
+        assert "div.rn.f32" in fold.asm["ptx"] and "div.rn.f32" in grad.asm["ptx"]

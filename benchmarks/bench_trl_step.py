@@ -15,7 +15,11 @@ Method: rounds interleave the arms (order rotated each round); every run is a fr
 step time = wall time between optimizer-step ends (CUDA synchronised; the process CPU time too), the first
 ``--skip`` steps of each run excluded (warm-up, parity audit); a run's figure is its median step. CPU runs use
 one torch thread (``--threads``). Ratios: median over rounds of each arm / median of plain, and the per-round
-paired ratios for their spread.
+paired ratios for their spread. Phases: TRL times its own blocks (``trl.extras.profiling.ProfilingContext``,
+which reports only to wandb / mlflow / trackio); the benchmark records those durations per step, so a step
+splits into generation (``transformers.generate``) and the rest (scoring, loss, backward, optimizer, callbacks).
+Host-bound HF generation varies by ±15 % between steps on a shared machine, which hides a 2 % effect in the
+step ratio; the rest of the step is GPU-bound and steadier, and the callback adds work in both.
 Goals (issue 25): tim / plain <= 1.02, safe / plain <= 1.05.
 
     python -m benchmarks.bench_trl_step [--device cuda] [--quick]
@@ -42,7 +46,7 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
 # per device: rounds, measured steps per run, prompts per step, completions per prompt, completion tokens
 SETTINGS = {
     "cpu": dict(rounds=7, steps=30, prompts=1, generations=8, length=32),
-    "cuda": dict(rounds=3, steps=3, prompts=8, generations=8, length=256),
+    "cuda": dict(rounds=5, steps=3, prompts=8, generations=8, length=256),
 }
 QUICK = {
     "cpu": dict(rounds=2, steps=3, prompts=1, generations=4, length=8),
@@ -95,6 +99,7 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.extras.profiling import ProfilingContext
 
     from tim_plugins.integrations.trl import TIMCallback, TIMConfig
     from tim_plugins.safe_vocab import DEFAULT_MIN_P
@@ -117,7 +122,7 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
                           train_dataset=Dataset.from_dict({"prompt": prompts}))
     if arm != "plain":
         trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=arm == "safe")))
-    stamps, cpu_stamps = [], []
+    stamps, cpu_stamps, phases, pending = [], [], [], {}
 
     class _Clock(TrainerCallback):  # time between optimizer-step ends, callbacks and logging included
         def on_step_end(self, *a, **k):
@@ -125,15 +130,30 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
             cpu_stamps.append(time.process_time())
+            phases.append(dict(pending))
+            pending.clear()
+
+    def record(ctx, duration):  # TRL's profiled blocks of this step, by name ("GRPOTrainer.transformers.generate")
+        pending[ctx.name] = pending.get(ctx.name, 0.0) + duration
+        return log_metrics(ctx, duration)
 
     trainer.add_callback(_Clock())
-    trainer.train()
+    log_metrics = ProfilingContext._log_metrics
+    ProfilingContext._log_metrics = record
+    try:
+        trainer.train()
+    finally:
+        ProfilingContext._log_metrics = log_metrics
     # stamps[i] ends step i + 1; the first step has no start stamp, so the diffs are steps 2, 3, ...
     per_step = [b - a for a, b in zip(stamps[:-1], stamps[1:])][skip - 1:]
     cpu_per_step = [b - a for a, b in zip(cpu_stamps[:-1], cpu_stamps[1:])][skip - 1:]
+    gen_per_step = [sum(v for k, v in ph.items() if k.endswith(".generate")) for ph in phases[1:]][skip - 1:]
     logged = [h for h in trainer.state.log_history if "loss" in h]
     out = {"step_s": statistics.median(per_step), "steps_s": per_step,
            "cpu_step_s": statistics.median(cpu_per_step), "cpu_steps_s": cpu_per_step,
+           "generate_s": statistics.median(gen_per_step), "generate_steps_s": gen_per_step,
+           "rest_s": statistics.median([a - b for a, b in zip(per_step, gen_per_step)]),
+           "phases_s": phases[1:][skip - 1:],
            "completion_length": statistics.mean(h.get("completions/mean_length", float("nan")) for h in logged),
            # what the arm logged of its own: none for plain, tim/... for the callback arms
            "tim_keys_logged": sorted({k for h in logged for k in h if k.startswith("tim/")})}
@@ -142,6 +162,10 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
     if arm == "safe":
         pm = [h["tim/safe_vocab/pruned_mass_mean"] for h in logged if "tim/safe_vocab/pruned_mass_mean" in h]
         out["safe_vocab_pruned_mass_mean"] = statistics.mean(pm) if pm else None
+        from tim_plugins import safe_vocab
+
+        # which folds the safe head ran: Triton on CUDA unless they failed (then a warning, and torch)
+        out["safe_vocab_folds"] = "torch" if not cuda or safe_vocab._fused_failed else "triton"
     del trainer
     if cuda:
         torch.cuda.empty_cache()
@@ -205,7 +229,8 @@ def main(argv=None) -> dict:
                            os.path.join(tmp, f"r{r}{arm}"), prompts)
                 runs[arm].append(res)
                 print(f"round {r + 1} {arm:5s} {res['step_s']:.4f} s/step "
-                      f"(steps {', '.join(f'{x:.4f}' for x in res['steps_s'])})", flush=True)
+                      f"(steps {', '.join(f'{x:.4f}' for x in res['steps_s'])}; generation "
+                      f"{', '.join(f'{x:.4f}' for x in res['generate_steps_s'])})", flush=True)
             # a run cut short keeps the rounds it finished
             _save(name, _summary(args, settings, arms, runs, load_start), args.output, complete=False)
     result = _summary(args, settings, arms, runs, load_start)
@@ -234,8 +259,20 @@ def _summary(args, settings: dict, arms: list[str], runs: dict, load_start) -> d
         "goals": {f"{arm}_over_plain": f"<= {g}" for arm, g in GOALS.items() if arm in arms},
         "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
     }
+    gen = {arm: [x["generate_s"] for x in runs[arm][:done]] for arm in arms}
+    rest = {arm: [x["rest_s"] for x in runs[arm][:done]] for arm in arms}
+    result["generate_s_per_step"] = {arm: spread(gen[arm]) for arm in arms}
+    result["rest_s_per_step"] = {arm: spread(rest[arm]) for arm in arms}
     for arm in arms[1:]:
         result["ratios"][f"{arm}_over_plain"] = statistics.median(med[arm]) / statistics.median(med["plain"])
+        # by phase: the added time of each as a fraction of plain's whole step (they sum to the step's overhead)
+        plain_step = statistics.median(med["plain"])
+        result["ratios"][f"{arm}_generate_over_plain"] = statistics.median(gen[arm]) / statistics.median(gen["plain"])
+        result["ratios"][f"{arm}_rest_over_plain"] = statistics.median(rest[arm]) / statistics.median(rest["plain"])
+        result["ratios"][f"{arm}_rest_added_over_plain_step"] = (
+            statistics.median(rest[arm]) - statistics.median(rest["plain"])) / plain_step
+        result["ratios"][f"{arm}_generate_added_over_plain_step"] = (
+            statistics.median(gen[arm]) - statistics.median(gen["plain"])) / plain_step
         result["ratios"][f"{arm}_over_plain_paired"] = spread([a / b for a, b in zip(med[arm], med["plain"])])
         result["ratios"][f"{arm}_over_plain_cpu_time"] = statistics.median(cpu[arm]) / statistics.median(cpu["plain"])
         result["ratios"][f"{arm}_over_plain_cpu_time_paired"] = spread(

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Issue 25 on one CUDA GPU, in one command: the safe-vocab head against TRL's fused chunked log-prob, and the
-# TRL GRPO step with and without TIMCallback. Each benchmark is bounded in time and rewrites its results file
-# after every case / round, so a step cut short still leaves what it measured:
+# Issue 25 on one CUDA GPU: the safe-vocab head against TRL's fused chunked log-prob, and the TRL GRPO step with
+# and without TIMCallback. Each benchmark is bounded in time and rewrites its results file after every case /
+# round, so a step cut short still leaves what it measured:
+#   0. tests/test_safe_vocab_cuda.py                          the Triton folds vs float64 and the torch folds
 #   1. python -m benchmarks.bench_safe_vocab --device cuda   bf16, V 151,936, H 896 / 2048 / 4096 ×
-#      N 4096 / 16384 / 65536, ours vs TRL vs full logits, 5 interleaved rounds + 1 warm-up, sanity check
-#      -> benchmarks/results/safe_vocab_cuda.json
+#      N 4096 / 16384 / 65536, ours (Triton folds) vs TRL vs the torch folds vs full logits, 5 interleaved
+#      rounds + 1 warm-up, sanity check -> benchmarks/results/safe_vocab_cuda.json
 #   2. python -m benchmarks.bench_trl_step --device cuda     Qwen2-0.5B-shaped random bf16 model, HF bf16
 #      generation, 8 prompts × 8 completions × 256 tokens, plain vs TIMConfig() vs TIMConfig(safe_vocab=True),
-#      3 interleaved rounds of 1 + 3 steps -> benchmarks/results/trl_step_cuda.json
+#      5 interleaved rounds of 1 + 3 steps, TRL's phase timers per step -> benchmarks/results/trl_step_cuda.json
 # With COPY_TO=DIR the results (and each benchmark's log) are copied there.
 #
-# Expected time on an H200 (estimated from FLOP counts and the H200's measured GEMM rate, not yet run):
-# ~2 min for (1), ~4 min for (2), under 8 min with start-up; every step has a hard limit (10 min in all).
-#   QUICK=1            smaller grid (3 safe-vocab cases × 3 rounds; 2 rounds of 1 + 2 steps × 128 tokens), ~3 min
+# Measured on an H200 (2026-11-26): (0) 19 s, (1) 80 s, (2) 470 s, plus ~30 s of wheel install: together more
+# than one 10-minute device call allows, so run it as two: ONLY=safe_vocab, then ONLY=trl_step.
+#   QUICK=1            smaller grid (3 safe-vocab cases × 3 rounds; 2 rounds of 1 + 2 steps × 128 tokens)
 #   ONLY=safe_vocab    or ONLY=trl_step: one of the two (e.g. one per call when calls are short)
+#   TESTS=0            skip tests/test_safe_vocab_cuda.py, which otherwise runs before the safe-vocab benchmark
+#   SV_LIMIT=270 TRL_LIMIT=560   the time limits of the two benchmarks, in seconds
+#   SV_ARGS=... TRL_ARGS=...      extra arguments of each (e.g. TRL_ARGS="--steps 2 --arms plain safe")
 #   PYTHON=python3     the interpreter (the H200 image's python3 has torch, triton, accelerate, pandas, pyarrow)
 #   WHEELS=.whl        wheels installed into /tmp/tim_site first (no index, no network)
 #   STAGE=/tmp/tim_stage  where the package tree is staged and the benchmarks run
@@ -23,8 +27,8 @@
 # here, where pip reaches an index, for the GPU machine's Python 3.12 / x86-64 (about 16 MB):
 #   bash benchmarks/gpu_perf.sh --fetch-wheels      # trl, transformers, tokenizers, datasets, dill, multiprocess
 #   echo /.whl/ >> .git/info/exclude                 # once: keep them out of commits
-# then carry .whl, e.g. with the device tool: run(command="COPY_TO=$OUT bash benchmarks/gpu_perf.sh",
-# carry=[".whl"], timeout_s=600).
+# then carry .whl, e.g. with the device tool: run(command="ONLY=safe_vocab COPY_TO=$OUT bash
+# benchmarks/gpu_perf.sh", carry=[".whl"], timeout_s=480), then the same with ONLY=trl_step and timeout_s=600.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
@@ -57,7 +61,8 @@ fi
 # install would lay it out, and run from there (python -m puts the working directory first on sys.path)
 STAGE=${STAGE:-/tmp/tim_stage}
 rm -rf "$STAGE" && mkdir -p "$STAGE" || exit 1
-cp -r "$REPO/tim_plugins" "$REPO/benchmarks" "$STAGE/" && cp -r "$REPO/integrations" "$STAGE/tim_plugins/" || exit 1
+cp -r "$REPO/tim_plugins" "$REPO/benchmarks" "$REPO/tests" "$STAGE/" && cp -r "$REPO/integrations" "$STAGE/tim_plugins/" \
+    || exit 1
 cd "$STAGE" || exit 1
 
 FIX="run 'bash benchmarks/gpu_perf.sh --fetch-wheels' where pip reaches an index, and carry .whl"
@@ -104,15 +109,25 @@ bench() {  # bench NAME LIMIT_S ARGS...: benchmarks.bench_NAME on CUDA, bounded,
 }
 SECONDS=0
 status=0
+if want safe_vocab && [ "${TESTS:-1}" = 1 ]; then
+    # the Triton folds against the float64 reference and the torch folds, before they are timed
+    PYTHONPATH=$STAGE:$STAGE/tests${PYTHONPATH:+:$PYTHONPATH} timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_safe_vocab_cuda.py 2>&1 | tail -15 | log safe_vocab_cuda_tests.log
+    rc=${PIPESTATUS[0]}
+    echo "safe-vocab CUDA tests: rc=$rc, ${SECONDS} s"
+    [ "$rc" = 0 ] || status=$rc
+fi
 if want safe_vocab; then
     if [ "${QUICK:-0}" = 1 ]; then
-        bench safe_vocab 270 --case bf16:896:4096 --case bf16:896:16384 --case bf16:4096:16384 --repeats 3
+        bench safe_vocab "${SV_LIMIT:-270}" --case bf16:896:4096 --case bf16:896:16384 --case bf16:4096:16384 \
+            --repeats 3 ${SV_ARGS:-}
     else
-        bench safe_vocab 270
+        bench safe_vocab "${SV_LIMIT:-270}" ${SV_ARGS:-}
     fi
 fi
 if want trl_step; then
-    if [ "${QUICK:-0}" = 1 ]; then bench trl_step 290 --quick; else bench trl_step 290; fi
+    if [ "${QUICK:-0}" = 1 ]; then bench trl_step "${TRL_LIMIT:-560}" --quick ${TRL_ARGS:-}
+    else bench trl_step "${TRL_LIMIT:-560}" ${TRL_ARGS:-}; fi
 fi
 # the headline figures, last in the output
 "$PY" - "$RESULTS" "$SUFFIX" <<'EOF'

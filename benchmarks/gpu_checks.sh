@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_checks.sh            # VERL_SOURCE=DIR: verl's package folder where verl is not installed
 #   SWEEP=0 bash benchmarks/gpu_checks.sh    # without the sweep
 #   PYTHON=.venv/bin/python COPY_TO=$OUT bash benchmarks/gpu_checks.sh
+#   METRICS_ARGS=--old-ref=                 # bench_metrics' extra arguments (here: no old-monitor baseline)
 set -u
 export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -21,7 +22,9 @@ keep() {  # keep() FILE...: copy results to COPY_TO when it is set
 }
 
 bench() {  # bench LABEL
-    timeout 120 "$PY" -m benchmarks.bench_metrics --device cuda "${VERL_ARGS[@]}" 2>&1 | grep -v -i warn | tail -3
+    # shellcheck disable=SC2086  # METRICS_ARGS is a list of words (e.g. --old-ref= where git is absent)
+    timeout 120 "$PY" -m benchmarks.bench_metrics --device cuda "${VERL_ARGS[@]}" ${METRICS_ARGS:-} 2>&1 \
+        | grep -v -i warn | tail -3
     cp "$RESULTS/metrics_vs_verl_cuda.json" "$RESULTS/metrics_vs_verl_cuda_$1.json"
     keep "$RESULTS/metrics_vs_verl_cuda_$1.json"
 }

@@ -170,16 +170,19 @@ def test_kernel_under_the_interpreter():
 
 
 def test_kernel_arguments_follow_the_layout():
-    """The kernel takes every state field's offset as a constexpr of the field's upper-case name (and nothing
-    else unnamed), and the torch pass produces every field: both derive their positions from FIELDS."""
+    """The kernel reads every state field's offset as a module-level constexpr of the field's upper-case name
+    (its only constexpr arguments are HAS_W and BLOCK), and the torch pass produces every field: both derive
+    their positions from FIELDS."""
+    import triton.language as tl
+
     import tim_plugins._mismatch_kernel as kernel
     from tim_plugins._mismatch_pass import token_pass
 
-    constexprs = {p.name for p in kernel._mismatch_kernel.params if p.is_constexpr}
-    fields = {name.upper() for name, _ in FIELDS}
-    assert fields <= constexprs
-    assert constexprs == set(kernel._CONSTANTS) | {"HAS_W", "BLOCK"}
-    assert all(kernel._CONSTANTS[name.upper()] == at for name, at in OFFSETS.items())
+    assert {p.name for p in kernel._mismatch_kernel.params if p.is_constexpr} == {"HAS_W", "BLOCK"}
+    for name, _ in FIELDS:
+        value = getattr(kernel, name.upper())
+        assert isinstance(value, tl.constexpr) and value.value == OFFSETS[name], name
+        assert name.upper() in kernel._mismatch_kernel.src, name  # each field is written by the kernel
     r, t, m = make_batch(2, 5)
     values, _ = token_pass(r, t, m, None, math.log(0.5), math.log(2.0))
     assert set(values) | {"tokens", "invalid", "hist", "bucket_count"} == {name for name, _ in FIELDS}

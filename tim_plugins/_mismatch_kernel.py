@@ -29,9 +29,47 @@ from tim_plugins._mismatch_layout import (
 
 __all__ = ["add_batch", "launch_arguments", "LAUNCH"]
 
-# Tokens per loop step and warps per program: one token per thread, so that the ~30 accumulators stay in
-# registers with room for several programs per SM (``benchmarks/sweep_metrics_kernel.py`` times other choices).
-LAUNCH = {"BLOCK": 256, "num_warps": 8}
+# Tokens per loop step and warps per program. tl.histogram has a cost per call that does not depend on the
+# block (its 1024 bins are cleared and read back each time), so fewer, larger blocks win: on an H200 at 256×4096,
+# 1024 × 8 warps took 2.4× less GPU time than 256 × 8 (``benchmarks/results/monitor_kernel_profile_cuda.json``).
+LAUNCH = {"BLOCK": 1024, "num_warps": 8}
+
+# Everything else the kernel reads is a module-level constexpr, not an argument: Triton's launch binds and keys
+# every argument in Python on each call, and with these ~45 as arguments a launch took 48 µs of host time on an
+# H200's machine (the same file), a cost paid on every update().
+# The state's field offsets (``_mismatch_layout.OFFSETS``), by upper-case name:
+TOKENS = tl.constexpr(OFFSETS["tokens"])
+INVALID = tl.constexpr(OFFSETS["invalid"])
+ABS_D = tl.constexpr(OFFSETS["abs_d"])
+ABS_P = tl.constexpr(OFFSETS["abs_p"])
+NEG_D = tl.constexpr(OFFSETS["neg_d"])
+K3 = tl.constexpr(OFFSETS["k3"])
+RHO_M1 = tl.constexpr(OFFSETS["rho_m1"])
+RHO_M1_SQ = tl.constexpr(OFFSETS["rho_m1_sq"])
+OUTSIDE = tl.constexpr(OFFSETS["outside"])
+SEQS = tl.constexpr(OFFSETS["seqs"])
+SEQ_LOG_RATIO = tl.constexpr(OFFSETS["seq_log_ratio"])
+IS_TOKENS = tl.constexpr(OFFSETS["is_tokens"])
+IS_W = tl.constexpr(OFFSETS["is_w"])
+IS_W2 = tl.constexpr(OFFSETS["is_w2"])
+IS_MASKED = tl.constexpr(OFFSETS["is_masked"])
+HIST = tl.constexpr(OFFSETS["hist"])
+BUCKET_COUNT = tl.constexpr(OFFSETS["bucket_count"])
+BUCKET_ABS = tl.constexpr(OFFSETS["bucket_abs"])
+ABS_D_MAX = tl.constexpr(OFFSETS["abs_d_max"])
+ABS_P_MAX = tl.constexpr(OFFSETS["abs_p_max"])
+RHO_M1_MAX = tl.constexpr(OFFSETS["rho_m1_max"])
+NEG_RHO_M1_MIN = tl.constexpr(OFFSETS["neg_rho_m1_min"])
+SEQ_ABS_MAX = tl.constexpr(OFFSETS["seq_abs_max"])
+IS_W_MAX = tl.constexpr(OFFSETS["is_w_max"])
+NEG_IS_W_MIN = tl.constexpr(OFFSETS["neg_is_w_min"])
+# The binning (``_mismatch_layout``): the probability-bucket edges as log-probs, the invalid threshold, the |d| bins.
+E1, E2, E3, E4 = (tl.constexpr(math.log(e)) for e in PROB_BUCKET_EDGES[1:-1])
+INVALID_AT = tl.constexpr(INVALID_LOGPROB_THRESHOLD)
+LOG10_E0 = tl.constexpr(math.log10(HISTOGRAM_RANGE[0]))
+BINS_PER_DECADE = tl.constexpr(float(HISTOGRAM_BINS_PER_DECADE))
+N_SB = tl.constexpr(N_SIGNED_BINS)
+N_SB_POW2 = tl.constexpr(triton.next_power_of_2(N_SIGNED_BINS))
 
 
 @triton.jit
@@ -56,20 +94,9 @@ def _max(ptr, value):
 
 
 @triton.jit
-def _mismatch_kernel(
-    rollout_ptr, train_ptr, mask_ptr, w_ptr, state_ptr, T, log_lo, log_hi,
-    HAS_W: tl.constexpr, BLOCK: tl.constexpr,
-    # The state's field offsets (``_mismatch_layout.OFFSETS``, by upper-case name).
-    TOKENS: tl.constexpr, INVALID: tl.constexpr, ABS_D: tl.constexpr, ABS_P: tl.constexpr, NEG_D: tl.constexpr,
-    K3: tl.constexpr, RHO_M1: tl.constexpr, RHO_M1_SQ: tl.constexpr, OUTSIDE: tl.constexpr, SEQS: tl.constexpr,
-    SEQ_LOG_RATIO: tl.constexpr, IS_TOKENS: tl.constexpr, IS_W: tl.constexpr, IS_W2: tl.constexpr,
-    IS_MASKED: tl.constexpr, HIST: tl.constexpr, BUCKET_COUNT: tl.constexpr, BUCKET_ABS: tl.constexpr,
-    ABS_D_MAX: tl.constexpr, ABS_P_MAX: tl.constexpr, RHO_M1_MAX: tl.constexpr, NEG_RHO_M1_MIN: tl.constexpr,
-    SEQ_ABS_MAX: tl.constexpr, IS_W_MAX: tl.constexpr, NEG_IS_W_MIN: tl.constexpr,
-    # Binning (``_mismatch_layout``).
-    E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr, E4: tl.constexpr, INVALID_AT: tl.constexpr,
-    LOG10_E0: tl.constexpr, BINS_PER_DECADE: tl.constexpr, N_SB: tl.constexpr, N_SB_POW2: tl.constexpr,
-):
+def _mismatch_kernel(rollout_ptr, train_ptr, mask_ptr, w_ptr, state_ptr, T, log_lo, log_hi, HAS_W: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # The state's field offsets and the binning are the module's constexpr globals above.
     row_start = tl.program_id(0).to(tl.int64) * T  # inputs are contiguous [B, T]
     lane = tl.arange(0, BLOCK)
     f0 = tl.zeros((BLOCK,), tl.float32)
@@ -165,16 +192,6 @@ def _mismatch_kernel(
         _max(state_ptr + SEQ_ABS_MAX, tl.abs(row_d))
 
 
-# Every constexpr but HAS_W and BLOCK: the field offsets by name, then the binning.
-_CONSTANTS = {
-    **{name.upper(): offset for name, offset in OFFSETS.items()},
-    **{f"E{i}": math.log(e) for i, e in enumerate(PROB_BUCKET_EDGES[1:-1], start=1)},
-    "INVALID_AT": INVALID_LOGPROB_THRESHOLD, "LOG10_E0": math.log10(HISTOGRAM_RANGE[0]),
-    "BINS_PER_DECADE": float(HISTOGRAM_BINS_PER_DECADE), "N_SB": N_SIGNED_BINS,
-    "N_SB_POW2": triton.next_power_of_2(N_SIGNED_BINS),
-}
-
-
 def launch_arguments(
     state: torch.Tensor, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
     is_weights: torch.Tensor | None, log_lo: float, log_hi: float,
@@ -185,7 +202,7 @@ def launch_arguments(
         mask = mask.view(torch.uint8)
     weights = rollout if is_weights is None else is_weights.contiguous()
     args = (rollout, train, mask, weights, state, rollout.shape[1], log_lo, log_hi)
-    options = dict(HAS_W=is_weights is not None, BLOCK=LAUNCH["BLOCK"], num_warps=LAUNCH["num_warps"], **_CONSTANTS)
+    options = dict(HAS_W=is_weights is not None, BLOCK=LAUNCH["BLOCK"], num_warps=LAUNCH["num_warps"])
     return (rollout.shape[0],), args, options
 
 

@@ -2,7 +2,7 @@
 
 The state is one float64 vector: additive fields (merged by SUM), then maxima (merged by MAX; a minimum is kept
 as the maximum of its negation). Every producer derives its positions from ``FIELDS``: the torch pass packs
-its named values with ``pack``, the Triton kernel receives each field's offset as a constexpr argument of the
+its named values with ``pack``, the Triton kernel reads each field's offset as a module-level constexpr of the
 same name (upper case), and ``MismatchMonitor.compute`` reads the vector back with ``unpack``.
 """
 

@@ -86,6 +86,44 @@ def exact_hidden_inputs(n, hdim, vocab, dtype, *, temperature=1.0, min_p=0.0, se
     return hidden, weight, tokens, gen
 
 
+def run_hidden(backend, hidden, weight, tokens, g, ge, **kw):
+    """(SafeLogprobs, grad hidden, grad weight) of Σ g·logp over in-S tokens (+ Σ ge·entropy) with ``backend``."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = safe_logprobs_from_hidden(h, w, tokens, backend=backend, **kw)
+    loss = (out.logprobs.masked_fill(~out.in_safe, 0) * g.float()).sum()
+    if ge is not None:
+        loss = loss + (out.entropy * ge.float()).sum()
+    loss.backward()
+    return out, h.grad, w.grad
+
+
+def assert_folds_match(fused, plain, hidden, weight, tokens, g, ge, *, min_p, temperature, entropy_atol):
+    """The Triton folds' (SafeLogprobs, grad hidden, grad weight) against a float64 reference on the logits as
+    the model's lm_head rounds them (autograd through it for the gradients), and against the torch folds: the
+    same S, values to float32 rounding (the fast exp, another summation order), gradients to one rounding of the
+    gradient tile to the dtype."""
+    (out, fh, fw), (other, ph, pw) = fused, plain
+    dtype = hidden.dtype
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_lp, ref_in, keep, ref_ent, ref_pruned = naive_safe(h2 @ w2.t(), tokens, min_p=min_p, temperature=temperature)
+    ((ref_lp.masked_fill(~ref_in, 0) * g).sum() + ((ref_ent * ge).sum() if ge is not None else 0)).backward()
+    assert torch.equal(out.in_safe, ref_in) and torch.equal(out.size, keep.sum(-1).to(out.size.device))
+    torch.testing.assert_close(out.logprobs.double()[ref_in], ref_lp.detach()[ref_in], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.pruned_mass.double(), ref_pruned.detach(), atol=1e-6, rtol=0)
+    if ge is not None:
+        torch.testing.assert_close(out.entropy.double(), ref_ent.detach(), atol=entropy_atol, rtol=0)
+    g_tol = HIDDEN_TOL[dtype][1]
+    for mine, ref in ((fh, h2.grad), (fw, w2.grad)):
+        assert mine.dtype == dtype
+        torch.testing.assert_close(mine.double(), ref.double(), atol=g_tol * ref.abs().max().item(), rtol=0)
+    assert torch.equal(out.in_safe, other.in_safe) and torch.equal(out.size, other.size)
+    torch.testing.assert_close(out.logprobs, other.logprobs, atol=2e-6, rtol=1e-6)
+    rel = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    for mine, theirs in ((fh, ph), (fw, pw)):
+        torch.testing.assert_close(mine.double(), theirs.double(), atol=2 * rel * theirs.abs().max().item(), rtol=0)
+    return ref_in
+
+
 def make_logits(n, v, seed, scale=4.0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(n, v, generator=gen, dtype=torch.float64) * scale).to(dtype), gen

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_safe_vocab import HIDDEN_TOL, exact_hidden_inputs, naive_safe
+from test_safe_vocab import assert_folds_match, exact_hidden_inputs, run_hidden
 
 from tim_plugins import safe_vocab as sv
-from tim_plugins.safe_vocab import DEFAULT_MIN_P, safe_logprobs_from_hidden
+from tim_plugins.safe_vocab import DEFAULT_MIN_P
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,33 +32,8 @@ def test_cuda_folds_match_the_reference_and_the_torch_folds(dtype, vocab, temper
     g = torch.randn(len(tokens), generator=gen, dtype=torch.float64).cuda()
     ge = torch.randn(len(tokens), generator=gen, dtype=torch.float64).cuda() if entropy else None
     kw = dict(min_p=min_p, temperature=temperature, compute_entropy=entropy, chunk_size=100)
-    results = {}
-    for backend in ("auto", "torch"):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = safe_logprobs_from_hidden(h, w, tokens, backend=backend, **kw)
-        loss = (out.logprobs.masked_fill(~out.in_safe, 0) * g.float()).sum()
-        if entropy:
-            loss = loss + (out.entropy * ge.float()).sum()
-        loss.backward()
-        results[backend] = (out, h.grad, w.grad)
+    fused = run_hidden("auto", hidden, weight, tokens, g, ge, **kw)
     assert not sv._fused_failed  # "auto" ran the Triton folds
-    (fused, fh, fw), (plain, ph, pw) = results["auto"], results["torch"]
-
-    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref_lp, ref_in, keep, ref_ent, ref_pruned = naive_safe(h2 @ w2.t(), tokens, min_p=min_p, temperature=temperature)
-    ((ref_lp.masked_fill(~ref_in, 0) * g).sum() + ((ref_ent * ge).sum() if entropy else 0)).backward()
-
-    assert torch.equal(fused.in_safe, ref_in) and torch.equal(fused.size, keep.sum(-1))
-    torch.testing.assert_close(fused.logprobs.double()[ref_in], ref_lp.detach()[ref_in], atol=2e-5, rtol=0)
-    torch.testing.assert_close(fused.pruned_mass.double(), ref_pruned.detach(), atol=1e-6, rtol=0)
-    if entropy:
-        torch.testing.assert_close(fused.entropy.double(), ref_ent.detach(), atol=2e-5, rtol=0)
-    g_tol = HIDDEN_TOL[dtype][1]
-    for mine, ref in ((fh, h2.grad), (fw, w2.grad)):
-        assert mine.dtype == dtype
-        torch.testing.assert_close(mine.double(), ref.double(), atol=g_tol * ref.abs().max().item(), rtol=0)
-    assert torch.equal(fused.in_safe, plain.in_safe) and torch.equal(fused.size, plain.size)
-    torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=2e-6, rtol=1e-6)
-    rel = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
-    for mine, other in ((fh, ph), (fw, pw)):
-        torch.testing.assert_close(mine.double(), other.double(), atol=2 * rel * other.abs().max().item(), rtol=0)
+    plain = run_hidden("torch", hidden, weight, tokens, g, ge, **kw)
+    assert_folds_match(fused, plain, hidden, weight, tokens, g, ge, min_p=min_p, temperature=temperature,
+                       entropy_atol=2e-5)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from bounded import run_bounded
-from test_safe_vocab import HIDDEN_TOL, exact_hidden_inputs, naive_safe
+from test_metrics_triton import interpreter_skip_reason
+from test_safe_vocab import assert_folds_match, exact_hidden_inputs, naive_safe, run_hidden
 
 from tim_plugins import safe_vocab as sv
 from tim_plugins.safe_vocab import DEFAULT_MIN_P, safe_logprobs_from_hidden
@@ -41,16 +42,6 @@ def _inputs(dtype, vocab, temperature, min_p, n=41, hdim=24, seed=0):
     return exact_hidden_inputs(n, hdim, vocab, dtype, temperature=temperature, min_p=min_p, seed=seed + vocab)
 
 
-def _run(backend, hidden, weight, tokens, g, ge, **kw):
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = safe_logprobs_from_hidden(h, w, tokens, backend=backend, **kw)
-    loss = (out.logprobs.masked_fill(~out.in_safe, 0) * g.float()).sum()
-    if ge is not None:
-        loss = loss + (out.entropy * ge.float()).sum()
-    loss.backward()
-    return out, h.grad, w.grad
-
-
 @interpreted
 @pytest.mark.parametrize("dtype,vocab,temperature,min_p,entropy", _CASES)
 def test_interpreted_folds_match_the_reference_and_the_torch_folds(dtype, vocab, temperature, min_p, entropy,
@@ -62,32 +53,11 @@ def test_interpreted_folds_match_the_reference_and_the_torch_folds(dtype, vocab,
     g = torch.randn(len(tokens), generator=gen, dtype=torch.float64)
     ge = torch.randn(len(tokens), generator=gen, dtype=torch.float64) if entropy else None
     kw = dict(min_p=min_p, temperature=temperature, compute_entropy=entropy, chunk_size=10)
-    fused, fh, fw = _run("triton", hidden, weight, tokens, g, ge, **kw)
-    plain, ph, pw = _run("torch", hidden, weight, tokens, g, ge, **kw)
-
-    # float64 reference on the logits as the model's lm_head rounds them; autograd through it for the gradients
-    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref_lp, ref_in, keep, ref_ent, ref_pruned = naive_safe(h2 @ w2.t(), tokens, min_p=min_p, temperature=temperature)
-    loss = (ref_lp.masked_fill(~ref_in, 0) * g).sum() + ((ref_ent * ge).sum() if entropy else 0)
-    loss.backward()
-
-    assert torch.equal(fused.in_safe, ref_in) and torch.equal(fused.size, keep.sum(-1))
-    assert 0 < int(ref_in.sum()) < len(tokens) or min_p == 0.0
-    lp_tol, g_tol = HIDDEN_TOL[dtype]
-    torch.testing.assert_close(fused.logprobs.double()[ref_in], ref_lp.detach()[ref_in], atol=2e-5, rtol=0)
-    torch.testing.assert_close(fused.pruned_mass.double(), ref_pruned.detach(), atol=1e-6, rtol=0)
-    if entropy:
-        torch.testing.assert_close(fused.entropy.double(), ref_ent.detach(), atol=1e-5, rtol=0)
-    for mine, ref in ((fh, h2.grad), (fw, w2.grad)):
-        assert mine.dtype == dtype
-        torch.testing.assert_close(mine.double(), ref.double(), atol=g_tol * ref.abs().max().item(), rtol=0)
-    # and the torch folds: the same S, values to float32 rounding (the fast exp, another summation order),
-    # gradients to one rounding of the gradient tile to the dtype
-    assert torch.equal(fused.in_safe, plain.in_safe) and torch.equal(fused.size, plain.size)
-    torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=2e-6, rtol=1e-6)
-    rel = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
-    for mine, other in ((fh, ph), (fw, pw)):
-        torch.testing.assert_close(mine.double(), other.double(), atol=2 * rel * other.abs().max().item(), rtol=0)
+    fused = run_hidden("triton", hidden, weight, tokens, g, ge, **kw)
+    plain = run_hidden("torch", hidden, weight, tokens, g, ge, **kw)
+    ref_in = assert_folds_match(fused, plain, hidden, weight, tokens, g, ge, min_p=min_p, temperature=temperature,
+                                entropy_atol=1e-5)
+    assert 0 < int(ref_in.sum()) < len(tokens) or min_p == 0.0  # tokens on both sides of the boundary
 
 
 @interpreted
@@ -118,6 +88,9 @@ def test_interpreted_folds_entropy_gradient_alone_empty_input_and_no_grad():
 def test_folds_under_the_interpreter():
     if INTERPRETED:
         pytest.skip("this is the interpreter's run")
+    reason = interpreter_skip_reason()
+    if reason:
+        pytest.skip(reason)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreted_"]

@@ -17,10 +17,20 @@ import pytest
 import torch
 from bounded import run_bounded
 from test_metrics_triton import interpreter_skip_reason
-from test_safe_vocab import assert_folds_match, exact_hidden_inputs, naive_safe, run_hidden
+from test_safe_vocab import (
+    TOL,
+    assert_folds_match,
+    exact_hidden_inputs,
+    make_logits,
+    naive_grad,
+    naive_keep,
+    naive_safe,
+    run_hidden,
+    sample_tokens,
+)
 
 from tim_plugins import safe_vocab as sv
-from tim_plugins.safe_vocab import DEFAULT_MIN_P, safe_logprobs_from_hidden
+from tim_plugins.safe_vocab import DEFAULT_MIN_P, safe_logprobs_from_hidden, safe_logprobs_from_logits
 
 pytest.importorskip("triton")
 
@@ -58,6 +68,43 @@ def test_interpreted_folds_match_the_reference_and_the_torch_folds(dtype, vocab,
     ref_in = assert_folds_match(fused, plain, hidden, weight, tokens, g, ge, min_p=min_p, temperature=temperature,
                                 entropy_atol=1e-5)
     assert 0 < int(ref_in.sum()) < len(tokens) or min_p == 0.0  # tokens on both sides of the boundary
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,vocab,temperature,min_p,entropy", _CASES[:4])
+def test_interpreted_logits_folds_match_the_reference_and_the_torch_folds(dtype, vocab, temperature, min_p, entropy):
+    """The logits path (verl's): the folds read the logits in place, also a row-strided view of wider logits."""
+    logits, gen = make_logits(23, vocab + 5, seed=vocab, dtype=dtype)
+    logits = logits[:, :vocab]  # rows of unit stride, row stride vocab + 5
+    keep0 = naive_keep(logits.double() / temperature, min_p, 0, 1.0)
+    tokens = sample_tokens(logits, keep0, temperature, gen)
+    g = torch.randn(23, generator=gen, dtype=torch.float64)
+    ge = torch.randn(23, generator=gen, dtype=torch.float64) if entropy else None
+    results = {}
+    for backend in ("triton", "torch"):
+        x = logits.clone().requires_grad_() if backend == "torch" else logits.detach().requires_grad_()
+        out = safe_logprobs_from_logits(x, tokens, min_p=min_p, temperature=temperature, compute_entropy=entropy,
+                                        backend=backend)
+        loss = (out.logprobs.masked_fill(~out.in_safe, 0) * g.float()).sum()
+        if entropy:
+            loss = loss + (out.entropy * ge.float()).sum()
+        loss.backward()
+        results[backend] = (out, x.grad)
+    (out, grad), (plain, plain_grad) = results["triton"], results["torch"]
+    ref_lp, ref_in, keep, ref_ent, ref_pruned = naive_safe(logits, tokens, min_p=min_p, temperature=temperature)
+    ref_grad = naive_grad(logits, tokens, g, ge if entropy else torch.zeros_like(g), min_p=min_p,
+                          temperature=temperature)
+    assert torch.equal(out.in_safe, ref_in) and torch.equal(out.size, keep.sum(-1))
+    assert torch.equal(out.in_safe, plain.in_safe) and torch.equal(out.size, plain.size)
+    torch.testing.assert_close(out.logprobs.double()[ref_in], ref_lp[ref_in], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.logprobs, plain.logprobs, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(out.pruned_mass.double(), ref_pruned, atol=1e-6, rtol=0)
+    if entropy:
+        torch.testing.assert_close(out.entropy.double(), ref_ent, atol=1e-5, rtol=0)
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    g_tol = TOL[dtype][1] * ref_grad.abs().max().item()
+    torch.testing.assert_close(grad.double(), ref_grad, atol=g_tol, rtol=0)
+    torch.testing.assert_close(grad.double(), plain_grad.double(), atol=g_tol, rtol=0)
 
 
 @interpreted
@@ -100,7 +147,7 @@ def test_folds_under_the_interpreter():
         pytest.fail(f"the interpreted fold tests took over 600 s:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed[1]) == len(_CASES) + 1 and "skipped" not in out, out[-2000:]
+    assert passed and int(passed[1]) == len(_CASES) + 4 + 1 and "skipped" not in out, out[-2000:]
 
 
 def test_backend_choice_and_its_errors():
@@ -127,6 +174,15 @@ def test_a_failing_fold_leaves_the_call_to_torch(monkeypatch):
     assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.in_safe, want.in_safe)
     with pytest.raises(Exception):  # forced: no fallback
         safe_logprobs_from_hidden(hidden, weight, tokens, min_p=0.02, backend="triton")
+    # the logits path shares the choice and the fallback
+    monkeypatch.setattr(sv, "_fused_failed", False)
+    logits = hidden @ weight.t()
+    with pytest.warns(UserWarning, match="Triton safe-vocab folds failed"):
+        got = safe_logprobs_from_logits(logits, tokens, min_p=0.02)
+    want = safe_logprobs_from_logits(logits, tokens, min_p=0.02, backend="torch")
+    assert sv._fused_failed and torch.equal(got.logprobs, want.logprobs)
+    with pytest.raises(ValueError, match=r"backend='triton' with top_k=0, top_p=0.9"):
+        safe_logprobs_from_logits(logits, tokens, min_p=0.02, top_p=0.9, backend="triton")
 
 
 def _compile(kernel, grid_args_consts, num_warps):

@@ -12,9 +12,9 @@ for a small pruning bias, reported here as the pruned mass 1 − Σ_S p_T.
 
 Both entry points run a custom autograd Function over row chunks: forward keeps only per-row statistics
 (max, threshold tau, log Σ_S), backward recomputes each chunk's logits (``hidden @ weight.T`` for the hidden
-path) and turns them into the gradient in place. On CUDA the hidden path folds its cuBLAS tiles with Triton
-kernels (``_safe_vocab_kernel``) when the truncation is min-p alone (the default); top-k / top-p, and devices
-without Triton, take the torch folds. S is chosen under no_grad (not differentiated); the gradient is
+path) and turns them into the gradient in place. On CUDA both paths fold with Triton kernels
+(``_safe_vocab_kernel``: the hidden path around its cuBLAS tiles, the logits path over the logits where they lie)
+when the truncation is min-p alone (the default); top-k / top-p, and devices without Triton, take the torch folds. S is chosen under no_grad (not differentiated); the gradient is
 that of the renormalised masked log-softmax: d safe_logp(a) / dz_j = (1[j = a] − q_j) / T, q = p_T restricted
 to S and renormalised (q_j = 0 off S).
 
@@ -316,6 +316,51 @@ class _SafeFromHidden(torch.autograd.Function):
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
 
 
+def _from_fold_stats(stats: torch.Tensor, want_entropy: bool):
+    """(logp, in_safe, pruned, tau, log_zs, entropy) from the Triton fold's per-row statistics (``STATS`` order),
+    in the torch fold's order of operations."""
+    m, tau, kept, full, z_tok, kept_ez = stats
+    log_kept = kept.log()
+    logp = (z_tok - m) - log_kept
+    pruned = (1.0 - kept / full).clamp_(min=0.0)
+    ent = log_kept - kept_ez / kept if want_entropy else None
+    return logp, z_tok >= tau, pruned, tau, m + log_kept, ent
+
+
+class _SafeFromLogitsFused(torch.autograd.Function):
+    """The logits path with the Triton folds (min-p-only truncation): forward, one fold program per row reads
+    the logits where they lie (no fp32 copy); backward, one pass writes the gradient in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, trunc, want_entropy):
+        from . import _safe_vocab_kernel as K
+
+        ctx.set_materialize_grads(False)
+        x = logits if logits.stride(-1) == 1 else logits.contiguous()  # rows of unit stride
+        stats = torch.zeros((len(K.STATS), x.shape[0]), dtype=torch.float32, device=x.device)
+        size = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
+        K.fold_rows(x, tokens, stats, size, temperature=trunc.temperature, min_p=trunc.min_p, entropy=want_entropy)
+        logp, in_safe, pruned, tau, log_zs, ent = _from_fold_stats(stats, want_entropy)
+        ctx.save_for_backward(x, tokens, tau, log_zs, ent if ent is not None else log_zs)
+        ctx.trunc, ctx.want_entropy = trunc, want_entropy
+        ctx.mark_non_differentiable(in_safe, pruned)
+        return logp, in_safe, pruned, size.long(), ent
+
+    @staticmethod
+    def backward(ctx, g_lp, _a, _b, _c, g_ent):
+        from . import _safe_vocab_kernel as K
+
+        x, tokens, tau, log_zs, ent = ctx.saved_tensors
+        if g_lp is None and g_ent is None:
+            return None, None, None, None
+        grad = x.clone(memory_format=torch.contiguous_format)  # overwritten with dL/dlogits by the kernel
+        K.grad_tile(grad, 0, tokens, tau, log_zs, ent if ctx.want_entropy else None,
+                    None if g_lp is None else g_lp.float().contiguous(),
+                    None if g_ent is None else g_ent.float().contiguous(),
+                    temperature=ctx.trunc.temperature, min_p=ctx.trunc.min_p)
+        return grad, None, None, None
+
+
 class _SafeFromHiddenFused(torch.autograd.Function):
     """The hidden path with Triton folds (``_safe_vocab_kernel``), for a min-p-only truncation.
 
@@ -342,13 +387,7 @@ class _SafeFromHiddenFused(torch.autograd.Function):
             K.fold_rows(x, tokens[s : s + chunk], stats[:, s : s + chunk], size[s : s + chunk],
                         temperature=trunc.temperature, min_p=trunc.min_p, entropy=want_entropy)
         del buf
-        m, tau, kept, full, z_tok, kept_ez = stats
-        log_kept = kept.log()
-        logp = (z_tok - m) - log_kept  # the torch fold's order of operations
-        log_zs = m + log_kept
-        pruned = (1.0 - kept / full).clamp_(min=0.0)
-        ent = log_kept - kept_ez / kept if want_entropy else None
-        in_safe = z_tok >= tau
+        logp, in_safe, pruned, tau, log_zs, ent = _from_fold_stats(stats, want_entropy)
         ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
         ctx.trunc, ctx.want_entropy = trunc, want_entropy
         ctx.mark_non_differentiable(in_safe, pruned)
@@ -407,6 +446,27 @@ def _fused_applies(trunc: Truncation) -> bool:
     return trunc.top_p >= 1.0 and trunc.k == 0
 
 
+def _use_fused(x: torch.Tensor, trunc: Truncation, backend: str, top_k, top_p) -> bool:
+    """Whether a call runs the Triton folds (``backend``; see ``safe_logprobs_from_hidden``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "triton" and not _fused_applies(trunc):
+        raise ValueError(f"backend='triton' with top_k={top_k}, top_p={top_p}: the Triton folds select the safe set "
+                         "by min_p alone; use backend='auto' or 'torch' for top-k / top-p")
+    return backend == "triton" or (
+        backend == "auto" and not _fused_failed and _fused_applies(trunc) and _fused_by_default(x))
+
+
+def _fold_failed(err: Exception, backend: str) -> None:
+    """A forward of the Triton folds failed: re-raise if they were asked for, else warn once and let the caller
+    use the torch folds from now on (a compile or launch error comes before any result exists)."""
+    global _fused_failed
+    if backend == "triton":
+        raise err
+    warnings.warn(f"tim_plugins: the Triton safe-vocab folds failed ({err!r}); using torch.", stacklevel=3)
+    _fused_failed = True
+
+
 def _resolve(min_p, temperature, top_p, top_k, order) -> Truncation:
     return Truncation(min_p=float(min_p), top_p=float(top_p), top_k=int(top_k), temperature=float(temperature),
                       order=order)
@@ -431,6 +491,7 @@ def _pack(res) -> SafeLogprobs:
 def safe_logprobs_from_logits(
     logits: torch.Tensor, tokens: torch.Tensor, *, min_p: float, temperature: float = 1.0, top_p: float = 1.0,
     top_k: int = 0, order: str = "vllm", compute_entropy: bool = False, chunk_size: int | None = None,
+    backend: str = "auto",
 ) -> SafeLogprobs:
     """Safe log-probs of ``tokens`` from full logits.
 
@@ -439,16 +500,26 @@ def safe_logprobs_from_logits(
         tokens: [N] int token ids.
         min_p, temperature, top_p, top_k, order: the sampler's truncation (see ``Truncation``).
         compute_entropy: also return the entropy of the safe distribution.
-        chunk_size: rows per chunk for the fp32 temporaries (default: ``default_chunk_rows(V, logits.dtype)``).
+        chunk_size: rows per chunk for the torch folds' fp32 temporaries (default: ``default_chunk_rows(V,
+            logits.dtype)``); the Triton folds read the logits in place and need none.
+        backend: "auto", "triton" or "torch", as for ``safe_logprobs_from_hidden``.
     Returns:
         ``SafeLogprobs`` with [N] tensors.
     """
     _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0)
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
-    if chunk < 1:
+    if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
-    return _pack(_SafeFromLogits.apply(logits, tokens.long(), trunc, chunk, bool(compute_entropy)))
+    tokens = tokens.long()
+    if _use_fused(logits, trunc, backend, top_k, top_p):
+        try:
+            return _pack(_SafeFromLogitsFused.apply(logits, tokens.contiguous(), trunc, bool(compute_entropy)))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:
+            _fold_failed(err, backend)
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
+    return _pack(_SafeFromLogits.apply(logits, tokens, trunc, chunk, bool(compute_entropy)))
 
 
 def safe_logprobs_from_hidden(
@@ -472,36 +543,23 @@ def safe_logprobs_from_hidden(
     Returns:
         ``SafeLogprobs`` with [N] tensors; gradients flow to ``hidden`` and ``weight``.
     """
-    global _fused_failed
     _check_rows("hidden", hidden, tokens, weight.shape[0])
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    if backend == "triton" and not _fused_applies(trunc):
-        raise ValueError(f"backend='triton' with top_k={top_k}, top_p={top_p}: the Triton folds select the safe set "
-                         "by min_p alone; use backend='auto' or 'torch' for top-k / top-p")
-    fused = backend == "triton" or (
-        backend == "auto" and not _fused_failed and _fused_applies(trunc) and _fused_by_default(hidden))
     cdt = torch.promote_types(hidden.dtype, weight.dtype)
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
     tokens = tokens.long()
-    if fused:
+    if _use_fused(hidden, trunc, backend, top_k, top_p):
         chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt, fused=True)
         try:
-            # the kernels index tokens by row: a strided view (e.g. a slice of [B, T] ids) must be made dense
             return _pack(_SafeFromHiddenFused.apply(hidden, weight, tokens.contiguous(), trunc, chunk,
                                                     bool(compute_entropy)))
         except torch.OutOfMemoryError:
             raise
         except Exception as err:
-            if backend == "triton":
-                raise
-            # a compile or launch error comes before any result exists: the torch folds compute the same
-            warnings.warn(f"tim_plugins: the Triton safe-vocab folds failed ({err!r}); using torch.", stacklevel=2)
-            _fused_failed = True
+            _fold_failed(err, backend)
     chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt)
     return _pack(_SafeFromHidden.apply(hidden, weight, tokens, trunc, chunk, bool(compute_entropy)))
 

@@ -14,9 +14,10 @@ Both entry points run a custom autograd Function over row chunks: forward keeps 
 (max, threshold tau, log Σ_S), backward recomputes each chunk's logits (``hidden @ weight.T`` for the hidden
 path) and turns them into the gradient in place. On CUDA both paths fold with Triton kernels
 (``_safe_vocab_kernel``: the hidden path around its cuBLAS tiles, the logits path over the logits where they lie)
-when the truncation is min-p alone (the default); top-k / top-p, and devices without Triton, take the torch folds. S is chosen under no_grad (not differentiated); the gradient is
-that of the renormalised masked log-softmax: d safe_logp(a) / dz_j = (1[j = a] − q_j) / T, q = p_T restricted
-to S and renormalised (q_j = 0 off S).
+when the truncation is min-p alone (the default); top-k / top-p, and devices without Triton, take the torch
+folds. S is chosen under no_grad (not differentiated); the gradient is that of the renormalised masked
+log-softmax: d safe_logp(a) / dz_j = (1[j = a] − q_j) / T, q = p_T restricted to S and renormalised (q_j = 0
+off S).
 
 Tokens outside the trainer's S (the sampler kept them, the trainer's own probabilities do not: "boundary
 disagreements") get ``in_safe = False`` and the finite value z_a/T − logsumexp_S so that a multiplied-in mask
@@ -437,8 +438,8 @@ class _SafeFromHiddenFused(torch.autograd.Function):
 _fused_failed = False
 
 
-def _fused_by_default(hidden: torch.Tensor) -> bool:
-    return hidden.is_cuda and is_triton_available()
+def _fused_by_default(x: torch.Tensor) -> bool:
+    return x.is_cuda and is_triton_available()
 
 
 def _fused_applies(trunc: Truncation) -> bool:

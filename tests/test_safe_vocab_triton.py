@@ -9,14 +9,10 @@ run in ``benchmarks/bench_safe_vocab.py``, whose sanity check compares them with
 from __future__ import annotations
 
 import os
-import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from bounded import run_bounded
-from test_metrics_triton import interpreter_skip_reason
+from test_metrics_triton import compile_for_hopper, run_interpreted
 from test_safe_vocab import (
     TOL,
     assert_folds_match,
@@ -133,21 +129,7 @@ def test_interpreted_folds_entropy_gradient_alone_empty_input_and_no_grad():
 
 
 def test_folds_under_the_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the interpreter's run")
-    reason = interpreter_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreted_"]
-    proc, timed_out = run_bounded(cmd, 600, cwd=root, env=env)
-    out = proc.stdout
-    if timed_out:
-        pytest.fail(f"the interpreted fold tests took over 600 s:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed[1]) == len(_CASES) + 4 + 1 and "skipped" not in out, out[-2000:]
+    run_interpreted(__file__, len(_CASES) + 4 + 1)
 
 
 def test_backend_choice_and_its_errors():
@@ -185,27 +167,6 @@ def test_a_failing_fold_leaves_the_call_to_torch(monkeypatch):
         safe_logprobs_from_logits(logits, tokens, min_p=0.02, top_p=0.9, backend="triton")
 
 
-def _compile(kernel, grid_args_consts, num_warps):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    _, args, consts = grid_args_consts
-    types = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
-             torch.int32: "*i32"}
-    signature, constexprs, it = {}, {}, iter(args)
-    for i, param in enumerate(kernel.params):
-        if param.is_constexpr:
-            signature[param.name], constexprs[(i,)] = "constexpr", consts.pop(param.name)
-        else:
-            value = next(it)
-            signature[param.name] = types[value.dtype] if isinstance(value, torch.Tensor) else (
-                "fp32" if isinstance(value, float) else "i64")
-    assert not consts and next(it, None) is None
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("flags", [(1.0, DEFAULT_MIN_P, False), (0.7, 0.0, True)])
 def test_folds_compile_for_hopper(dtype, flags):
@@ -220,9 +181,11 @@ def test_folds_compile_for_hopper(dtype, flags):
     n, v = 8, 1000
     x, tok = torch.zeros(n, v, dtype=dtype), torch.zeros(n, dtype=torch.int64)
     stats, size, row = torch.zeros(len(K.STATS), n), torch.zeros(n, dtype=torch.int32), torch.zeros(n)
-    fold = _compile(K._fold_kernel, K.fold_launch(x, tok, stats, size, temperature, min_p, entropy), K.FOLD_WARPS)
-    grad = _compile(K._grad_kernel, K.grad_launch(x, 0, tok, row, row, row if entropy else None, row,
-                                                  row if entropy else None, temperature, min_p), 4)
+    _, args, consts = K.fold_launch(x, tok, stats, size, temperature, min_p, entropy)
+    fold = compile_for_hopper(K._fold_kernel, args, consts, K.FOLD_WARPS)
+    _, args, consts = K.grad_launch(x, 0, tok, row, row, row if entropy else None, row, row if entropy else None,
+                                    temperature, min_p)
+    grad = compile_for_hopper(K._grad_kernel, args, consts, 4)
     for compiled in (fold, grad):
         assert ".target sm_90" in compiled.asm["ptx"]
     if temperature != 1.0:  # the IEEE division the torch folds use, not Triton's approximate one

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ._matmul import addmm_fp32
 from ._optional import is_triton_available
+from ._safe_vocab_fused import SafeFromHiddenFused, SafeFromLogitsFused
 from .truncation import DEFAULT_MIN_P, Truncation, truncation_threshold
 
 __all__ = [
@@ -60,20 +62,6 @@ _GRAD_VOCAB_TILE = 32768
 _FUSED_GRAD_ROWS = 4096
 # "auto": the Triton folds on CUDA for a min-p-only truncation, else torch; "triton" / "torch" force one.
 BACKENDS = ("auto", "triton", "torch")
-# cuBLAS GEMMs of half inputs with an fp32 output (``out_dtype``) exist on CUDA from torch 2.8.
-_MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
-
-
-def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into an fp32 ``acc`` without rounding the product to the inputs' half dtype: one cuBLAS
-    half GEMM with fp32 output on CUDA (tensor cores, as TRL's fused head), an fp32 GEMM of the upcast inputs
-    elsewhere (the same products: a half × half product is exact in fp32)."""
-    if _MM_OUT_DTYPE and acc.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
-
-
 def default_chunk_rows(vocab: int, dtype: torch.dtype = torch.float32, *, fused: bool = False) -> int:
     """Rows per chunk whose buffers fit TRL's tile in bytes (``TILE_ELEMENTS`` elements of ``dtype``).
 
@@ -301,137 +289,19 @@ class _SafeFromHidden(torch.autograd.Function):
                     grad_h[sl] = torch.mm(gz, w).mul_(scale[:, None])
                 continue
             # Half precision, as TRL's fused head: the logit gradient (scale · gz) is rounded to the head's dtype
-            # one vocab tile at a time, and both GEMMs take half inputs with fp32 accumulation (_addmm_fp32), so
+            # one vocab tile at a time, and both GEMMs take half inputs with fp32 accumulation (addmm_fp32), so
             # the GEMMs run on tensor cores while no partial product is rounded to half precision.
             acc = torch.zeros((n, w.shape[1]), dtype=torch.float32, device=w.device) if need_h else None
             for v0 in range(0, vocab, tile.shape[1]):
                 v1 = min(v0 + tile.shape[1], vocab)
                 t = torch.mul(gz[:, v0:v1], scale[:, None], out=tile[:n, : v1 - v0])
                 if need_w:
-                    _addmm_fp32(grad_w[v0:v1], t.t(), h)
+                    addmm_fp32(grad_w[v0:v1], t.t(), h)
                 if need_h:
-                    _addmm_fp32(acc, t, w[v0:v1])
+                    addmm_fp32(acc, t, w[v0:v1])
             if need_h:
                 grad_h[sl] = acc
         del zf, tile, keep_buf  # before the cast of grad_w below, which is often the step's peak
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
-
-
-def _from_fold_stats(stats: torch.Tensor, want_entropy: bool):
-    """(logp, in_safe, pruned, tau, log_zs, entropy) from the Triton fold's per-row statistics (``STATS`` order),
-    in the torch fold's order of operations."""
-    m, tau, kept, full, z_tok, kept_ez = stats
-    log_kept = kept.log()
-    logp = (z_tok - m) - log_kept
-    pruned = (1.0 - kept / full).clamp_(min=0.0)
-    ent = log_kept - kept_ez / kept if want_entropy else None
-    return logp, z_tok >= tau, pruned, tau, m + log_kept, ent
-
-
-class _SafeFromLogitsFused(torch.autograd.Function):
-    """The logits path with the Triton folds (min-p-only truncation): forward, one fold program per row reads
-    the logits where they lie (no fp32 copy); backward, one pass writes the gradient in the logits' dtype."""
-
-    @staticmethod
-    def forward(ctx, logits, tokens, trunc, want_entropy):
-        from . import _safe_vocab_kernel as K
-
-        ctx.set_materialize_grads(False)
-        x = logits if logits.stride(-1) == 1 else logits.contiguous()  # rows of unit stride
-        stats = torch.zeros((len(K.STATS), x.shape[0]), dtype=torch.float32, device=x.device)
-        size = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
-        K.fold_rows(x, tokens, stats, size, temperature=trunc.temperature, min_p=trunc.min_p, entropy=want_entropy)
-        logp, in_safe, pruned, tau, log_zs, ent = _from_fold_stats(stats, want_entropy)
-        ctx.save_for_backward(x, tokens, tau, log_zs, ent if ent is not None else log_zs)
-        ctx.trunc, ctx.want_entropy = trunc, want_entropy
-        ctx.mark_non_differentiable(in_safe, pruned)
-        return logp, in_safe, pruned, size.long(), ent
-
-    @staticmethod
-    def backward(ctx, g_lp, _a, _b, _c, g_ent):
-        from . import _safe_vocab_kernel as K
-
-        x, tokens, tau, log_zs, ent = ctx.saved_tensors
-        if g_lp is None and g_ent is None:
-            return None, None, None, None
-        grad = x.clone(memory_format=torch.contiguous_format)  # overwritten with dL/dlogits by the kernel
-        K.grad_tile(grad, 0, tokens, tau, log_zs, ent if ctx.want_entropy else None,
-                    None if g_lp is None else g_lp.float().contiguous(),
-                    None if g_ent is None else g_ent.float().contiguous(),
-                    temperature=ctx.trunc.temperature, min_p=ctx.trunc.min_p)
-        return grad, None, None, None
-
-
-class _SafeFromHiddenFused(torch.autograd.Function):
-    """The hidden path with Triton folds (``_safe_vocab_kernel``), for a min-p-only truncation.
-
-    Forward: per chunk of rows, one cuBLAS GEMM into a [rows, V] buffer in the compute dtype, then one fold
-    program per row (max, then the sums over V and S). Backward: TRL's tiling (``_FUSED_GRAD_ROWS`` rows ×
-    ``_GRAD_VOCAB_TILE`` columns): each recomputed tile is overwritten with the logit gradient in its dtype, and
-    both gradient GEMMs accumulate in fp32 (``_addmm_fp32``).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, trunc, chunk, want_entropy):
-        from . import _safe_vocab_kernel as K
-
-        ctx.set_materialize_grads(False)
-        n_rows, vocab = hidden.shape[0], weight.shape[0]
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)
-        w = weight.to(cdt)
-        buf = torch.empty((min(chunk, n_rows), vocab), dtype=cdt, device=hidden.device)
-        stats = torch.zeros((len(K.STATS), n_rows), dtype=torch.float32, device=hidden.device)
-        size = torch.empty(n_rows, dtype=torch.int32, device=hidden.device)
-        for s in range(0, n_rows, chunk):
-            h = hidden[s : s + chunk].to(cdt)
-            x = torch.mm(h, w.t(), out=buf[: h.shape[0]])
-            K.fold_rows(x, tokens[s : s + chunk], stats[:, s : s + chunk], size[s : s + chunk],
-                        temperature=trunc.temperature, min_p=trunc.min_p, entropy=want_entropy)
-        del buf
-        logp, in_safe, pruned, tau, log_zs, ent = _from_fold_stats(stats, want_entropy)
-        ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
-        ctx.trunc, ctx.want_entropy = trunc, want_entropy
-        ctx.mark_non_differentiable(in_safe, pruned)
-        return logp, in_safe, pruned, size.long(), ent
-
-    @staticmethod
-    def backward(ctx, g_lp, _a, _b, _c, g_ent):
-        from . import _safe_vocab_kernel as K
-
-        hidden, weight, tokens, tau, log_zs, ent = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[:2]
-        if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return None, None, None, None, None, None
-        trunc = ctx.trunc
-        n_rows, vocab = hidden.shape[0], weight.shape[0]
-        cdt = torch.promote_types(hidden.dtype, weight.dtype)
-        w = weight.to(cdt)
-        g_lp = None if g_lp is None else g_lp.float().contiguous()
-        g_ent = None if g_ent is None else g_ent.float().contiguous()
-        rows = max(1, min(_FUSED_GRAD_ROWS, n_rows))
-        buf = torch.empty((rows, min(vocab, _GRAD_VOCAB_TILE)), dtype=cdt, device=hidden.device)
-        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        acc = torch.empty((rows, w.shape[1]), dtype=torch.float32, device=w.device) if need_h else None
-        for s in range(0, n_rows, rows):
-            sl = slice(s, s + rows)
-            h = hidden[sl].to(cdt)
-            n = h.shape[0]
-            if need_h:
-                acc[:n].zero_()
-            for v0 in range(0, vocab, buf.shape[1]):
-                v1 = min(v0 + buf.shape[1], vocab)
-                tile = torch.mm(h, w[v0:v1].t(), out=buf[:n, : v1 - v0])
-                K.grad_tile(tile, v0, tokens[sl], tau[sl], log_zs[sl], ent[sl] if ctx.want_entropy else None,
-                            None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl],
-                            temperature=trunc.temperature, min_p=trunc.min_p)
-                if need_w:
-                    _addmm_fp32(grad_w[v0:v1], tile.t(), h)
-                if need_h:
-                    _addmm_fp32(acc[:n], tile, w[v0:v1])
-            if need_h:
-                grad_h[sl] = acc[:n]
-        del buf, acc  # before the cast of grad_w below, which is often the step's peak
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
 
 
@@ -514,7 +384,7 @@ def safe_logprobs_from_logits(
     tokens = tokens.long()
     if _use_fused(logits, trunc, backend, top_k, top_p):
         try:
-            return _pack(_SafeFromLogitsFused.apply(logits, tokens.contiguous(), trunc, bool(compute_entropy)))
+            return _pack(SafeFromLogitsFused.apply(logits, tokens.contiguous(), trunc, bool(compute_entropy)))
         except torch.OutOfMemoryError:
             raise
         except Exception as err:
@@ -555,8 +425,8 @@ def safe_logprobs_from_hidden(
     if _use_fused(hidden, trunc, backend, top_k, top_p):
         chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt, fused=True)
         try:
-            return _pack(_SafeFromHiddenFused.apply(hidden, weight, tokens.contiguous(), trunc, chunk,
-                                                    bool(compute_entropy)))
+            return _pack(SafeFromHiddenFused.apply(hidden, weight, tokens.contiguous(), trunc, chunk,
+                                                   (_FUSED_GRAD_ROWS, _GRAD_VOCAB_TILE), bool(compute_entropy)))
         except torch.OutOfMemoryError:
             raise
         except Exception as err:

@@ -61,6 +61,8 @@ test-wheel: $(VENV)/$(STAMP)
 	$(RETRY) $(VENV_WHEEL)/bin/pip install -q "$$(ls dist/*.whl)[hf,report,trl,verl]"
 	$(VENV_WHEEL)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py
+	# A second full environment (~2 GB) is not kept once it has been checked.
+	rm -rf $(VENV_WHEEL) dist
 
 bench: $(VENV)/$(STAMP)
 	$(VENV)/bin/python -m benchmarks.run_all

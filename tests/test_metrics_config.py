@@ -17,13 +17,14 @@ def test_valid_bands_come_back_as_float_pairs(band):
 
 
 @pytest.mark.parametrize("band", [(2.0, 0.5), (1.0, 2.0), (0.5, 1.0), (0.0, 2.0), (0.5, math.inf), (0.5, math.nan),
-                                  (0.5,), (0.5, 2.0, 3.0), "ab", None, ("a", 2.0)])
+                                  (0.5,), (0.5, 2.0, 3.0), "ab", None, ("a", 2.0), ("0.5", "2.0"), (False, 2.0),
+                                  0.5])
 def test_invalid_bands_quote_where_the_value_the_rule_and_the_fix(band):
     with pytest.raises(ValueError) as err:
         check_ratio_band(band, where="tim.monitor.ratio_band", fix="+tim.monitor.ratio_band=[0.5,2.0]")
     text = str(err.value)
     assert text.startswith(f"tim.monitor.ratio_band={band!r} is invalid")
-    assert "0 < lo < 1 < hi < inf" in text and text.endswith("Fix: e.g. +tim.monitor.ratio_band=[0.5,2.0]")
+    assert "two numbers (lo, hi) with 0 < lo < 1 < hi < inf" in text and text.endswith("Fix: e.g. +tim.monitor.ratio_band=[0.5,2.0]")
 
 
 def test_the_monitor_checks_its_settings_with_the_same_rule():
@@ -35,3 +36,20 @@ def test_the_monitor_checks_its_settings_with_the_same_rule():
     assert mon.ratio_band == (0.8, 1.25)  # a refused value changes nothing
     with pytest.raises(ValueError, match=r"compile='yes' is invalid: use True, False or 'auto'"):
         MismatchMonitor(compile="yes")
+
+
+@pytest.mark.parametrize("band", [(0.5, 2.0), ("0.5", "2.0"), (True, 2.0), [0.8, 1.25], (0.5, 2, 3)])
+def test_the_adapters_configs_and_the_monitor_accept_the_same_bands(band):
+    """TIMConfig (TRL) and the monitor take a band exactly when ``check_ratio_band`` does, with the same value."""
+    from integrations.trl.config import TIMConfig
+
+    try:
+        want = check_ratio_band(band)
+    except ValueError:
+        want = None
+    for make in (lambda: MismatchMonitor(ratio_band=band).ratio_band, lambda: TIMConfig(ratio_band=band).ratio_band):
+        if want is None:
+            with pytest.raises(ValueError, match="ratio_band=.* is invalid: it must be two numbers"):
+                make()
+        else:
+            assert make() == want

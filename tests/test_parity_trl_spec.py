@@ -109,3 +109,21 @@ def test_load_grpo_config_and_cli(tmp_path, toy_model_path, capsys):
     assert rc == 1 and "sampler-truncation-unmatched" in out and "dtype-mismatch" in out
     rc = main(["audit", "--trl-config", str(bad)])
     assert rc == 2 and "temprature" in capsys.readouterr().err
+
+
+def test_server_reply_without_a_dtype_leaves_it_unknown():
+    """A /server_info reply that names no dtype (an older `trl vllm-serve`, or a trimmed reply) leaves the dtype
+    unknown, as the other missing fields are, instead of the string "None" that no dtype rule accepts."""
+    from types import SimpleNamespace
+
+    from tim_plugins.integrations.trl._parity import server_engine_args
+
+    def trainer_with(model_config):
+        info = {"model_config": model_config, "cache_config": {"cache_dtype": "auto"},
+                "scheduler_config": {}, "device_config": {"device": "cpu"}}
+        return SimpleNamespace(vllm_generation=SimpleNamespace(vllm_client=SimpleNamespace(get_server_info=lambda: info)))
+
+    args, device = server_engine_args(trainer_with({"model": "m"}))
+    assert args == {"model": "m", "kv_cache_dtype": "auto"} and device == "cpu"
+    args, _ = server_engine_args(trainer_with({"model": "m", "dtype": "torch.bfloat16"}))
+    assert args["dtype"] == "bfloat16"

@@ -50,15 +50,20 @@ _BIN_EDGES = abs_diff_bin_edges().tolist()
 
 def check_ratio_band(band, where: str = "ratio_band", fix: str = "ratio_band=(0.5, 2.0)") -> tuple[float, float]:
     """``band`` as (lo, hi) floats with 0 < lo < 1 < hi < inf (a band of ρ around 1), else a ValueError that
-    quotes ``where``, the value, the rule and ``fix``. Every setting of the band (the monitor, the adapters'
-    configs) is checked here."""
-    try:
-        lo, hi = (float(x) for x in band)
-    except (TypeError, ValueError):
-        lo = hi = math.nan
+    quotes ``where``, the value, the rule and ``fix``. Two real numbers, not strings or bools: a quoted "0.5"
+    is a configuration slip, not a band. Every setting of the band (the monitor, the adapters' configs) is
+    checked here, so they all accept the same values."""
+    lo = hi = math.nan
+    if not isinstance(band, (str, bytes)):
+        try:
+            items = list(band)
+            if len(items) == 2 and not any(isinstance(x, (str, bytes, bool)) for x in items):
+                lo, hi = float(items[0]), float(items[1])
+        except (TypeError, ValueError):
+            pass
     if not 0.0 < lo < 1.0 < hi < math.inf:
-        raise ValueError(f"{where}={band!r} is invalid: it must be (lo, hi) with 0 < lo < 1 < hi < inf, a band "
-                         f"of ρ around 1. Fix: e.g. {fix}")
+        raise ValueError(f"{where}={band!r} is invalid: it must be two numbers (lo, hi) with 0 < lo < 1 < hi < inf, "
+                         f"a band of ρ around 1. Fix: e.g. {fix}")
     return lo, hi
 
 

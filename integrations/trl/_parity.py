@@ -25,8 +25,9 @@ def server_engine_args(trainer) -> tuple[dict, str] | None:
     try:
         info = client.get_server_info()
         model, cache, sched = info["model_config"], info["cache_config"], info["scheduler_config"]
+        dtype = model.get("dtype")
         args = {
-            "model": model.get("model"), "dtype": str(model.get("dtype")).replace("torch.", ""),
+            "model": model.get("model"), "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
             "logprobs_mode": model.get("logprobs_mode"), "enforce_eager": model.get("enforce_eager"),
             "quantization": model.get("quantization"), "kv_cache_dtype": cache.get("cache_dtype"),
             "enable_prefix_caching": cache.get("enable_prefix_caching"),

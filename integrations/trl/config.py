@@ -133,10 +133,6 @@ class TIMConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TIMConfig.{name}={value!r}: must be True or False.")
-        if not isinstance(self.ratio_band, (tuple, list)) or len(self.ratio_band) != 2 or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in self.ratio_band):
-            raise ValueError(f"TIMConfig.ratio_band={self.ratio_band!r} is invalid: it must be two numbers (lo, hi). "
-                             "Fix: e.g. TIMConfig(ratio_band=(0.5, 2.0))")
         self.ratio_band = check_ratio_band(self.ratio_band, "TIMConfig.ratio_band", "TIMConfig(ratio_band=(0.5, 2.0))")
         if self.rollout not in ROLLOUT_CHOICES:
             raise ValueError(f"TIMConfig.rollout={self.rollout!r}: must be one of {ROLLOUT_CHOICES}.")

@@ -161,3 +161,32 @@ def test_real_pretrained_model_smollm2(tmp_path):
     k3, n = _naive_k3(_dump(out, summary, "hf-bf16"))
     assert m["tim/token/kl_k3"] == pytest.approx(k3, rel=1e-4)
     assert m["tim/dist/positions"] == 12 and m["tim/dist/kl_rollout_train_mean"] > 0
+
+
+def test_hf_rollout_times_the_sampling_not_the_whole_vocabulary_readout(toy_model_path, monkeypatch):
+    """The HF rollout's seconds are those of ``model.generate`` with the per-token recorder, as the vLLM and exact
+    rollouts time theirs; the [B, T, V] readout comes after the clock stops (made slow here to tell), and its
+    rows agree with the sampled tokens' log-probs."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from tim_plugins.measure_rollouts import hf_rollout
+    from tim_plugins.rollout.recorder import ProcessedLogprobRecorder
+
+    readout = ProcessedLogprobRecorder.full_logprobs
+
+    def slow_readout(self):
+        time.sleep(0.5)
+        return readout(self)
+
+    monkeypatch.setattr(ProcessedLogprobRecorder, "full_logprobs", slow_readout)
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_path, dtype=torch.float32).eval()
+    enc = {"input_ids": torch.randint(3, 50, (3, 5)), "attention_mask": torch.ones(3, 5, dtype=torch.long)}
+    t0 = time.perf_counter()
+    roll = hf_rollout(model, enc, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0)
+    wall = time.perf_counter() - t0
+    assert 0 < roll.seconds < wall - 0.5 and roll.tokens == 3 * 6
+    picked = roll.full_logprobs.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(picked, roll.logprobs, rtol=0, atol=1e-6)

@@ -106,12 +106,9 @@ def load_model(model: str | None, dtype: torch.dtype, *, fp32_head: bool = False
 
 def response_mask(completion_ids: torch.Tensor, eos_ids: list[int], min_new_tokens: int) -> torch.Tensor:
     """[B, T] long: 1 up to and including the first EOS at position >= ``min_new_tokens`` − 1 (0-based)."""
-    T = completion_ids.shape[1]
-    eos = torch.tensor(eos_ids, dtype=completion_ids.dtype, device=completion_ids.device)
-    late = torch.arange(T, device=completion_ids.device) >= max(0, min_new_tokens - 1)
-    ends = torch.isin(completion_ids, eos) & late
-    after = (ends.long().cumsum(1) - ends.long()) > 0
-    return (~after).long()
+    from tim_plugins.rollout.hf import completion_mask_from_eos
+
+    return completion_mask_from_eos(completion_ids, eos_ids, min_length=min_new_tokens)
 
 
 @dataclass
@@ -135,15 +132,15 @@ def hf_rollout(model, enc, *, max_new_tokens: int, temperature: float, top_p: fl
 
     if injector is not None:
         injector.reset()
-    t0 = time.perf_counter()
     batch = generate_with_logprobs(
         model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, eos_token_id=[],
         logits_processor=None if injector is None else [injector], return_full_logprobs=True,
     )
-    seconds = time.perf_counter() - t0
+    # Timed as the vLLM and exact rollouts are: the sampling with the sampled tokens' log-probs, not the
+    # whole-vocabulary readout the comparison needs afterwards.
     return RolloutOut(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.logprobs, batch.full_logprobs,
-                      None, seconds, batch.completion_ids.numel())
+                      None, batch.sample_seconds, batch.completion_ids.numel())
 
 
 def exact_rollout(model, enc, *, max_new_tokens: int, temperature: float, seed: int) -> RolloutOut:

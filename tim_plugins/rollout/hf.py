@@ -8,6 +8,7 @@ discards them; an RL ratio needs them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class RolloutBatch:
         logprobs: [B, T] float32 processed log-probs of the sampled tokens (0 where masked).
         full_logprobs: [B, T, V] float32 processed log-probs of the whole vocabulary at each step (``-inf`` for
             truncated tokens), when asked for (``generate_with_logprobs(return_full_logprobs=True)``); else None.
+        sample_seconds: wall time of the sampling itself (``model.generate`` with the per-token log-prob
+            recorder), without the whole-vocabulary readout after it; None when not timed.
     """
 
     prompt_ids: torch.Tensor
@@ -44,6 +47,7 @@ class RolloutBatch:
     completion_mask: torch.Tensor
     logprobs: torch.Tensor
     full_logprobs: torch.Tensor | None = None
+    sample_seconds: float | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -54,12 +58,16 @@ class RolloutBatch:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
 
-def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_id: int | list[int] | None) -> torch.Tensor:
-    """[B, T] mask that keeps tokens up to and including the first EOS of each row."""
+def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_id: int | list[int] | None,
+                             min_length: int = 1) -> torch.Tensor:
+    """[B, T] long mask that keeps tokens up to and including the first EOS of each row; with ``min_length`` an
+    EOS ends the row only at 0-based position >= ``min_length`` − 1 (the earlier ones are kept as tokens)."""
     if eos_token_id is None:
         return torch.ones_like(completion_ids, dtype=torch.long)
-    eos_ids = torch.as_tensor(eos_token_id, device=completion_ids.device).reshape(-1)
+    eos_ids = torch.as_tensor(eos_token_id, dtype=completion_ids.dtype, device=completion_ids.device).reshape(-1)
     is_eos = torch.isin(completion_ids, eos_ids)
+    if min_length > 1:
+        is_eos &= torch.arange(completion_ids.shape[1], device=completion_ids.device) >= min_length - 1
     # Tokens after the first EOS: an EOS occurred strictly before them.
     after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
     return (~after).long()
@@ -123,7 +131,9 @@ def generate_with_logprobs(
     # keeps one [B, V] row at a time instead of output_scores' [T, B, V]).
     with record_processed_logprobs(model, extra_processors=tuple(logits_processor or ()),
                                    keep_scores=return_full_logprobs) as recorders:
+        t0 = time.perf_counter()
         sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        sample_seconds = time.perf_counter() - t0
     P = input_ids.shape[1]
     completion_ids = sequences[:, P:]
     logprobs = recorders[0].finish(completion_ids[:, -1])  # [B, T] fp32
@@ -132,7 +142,7 @@ def generate_with_logprobs(
     logprobs = logprobs.masked_fill(completion_mask == 0, 0.0)
     return RolloutBatch(
         prompt_ids=input_ids, prompt_mask=attention_mask.long(), completion_ids=completion_ids,
-        completion_mask=completion_mask, logprobs=logprobs, full_logprobs=full,
+        completion_mask=completion_mask, logprobs=logprobs, full_logprobs=full, sample_seconds=sample_seconds,
     )
 
 

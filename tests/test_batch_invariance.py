@@ -12,8 +12,8 @@ from tim_plugins.parity import check_batch_invariance
 transformers = pytest.importorskip("transformers")
 
 # Per-dtype ceilings for the toy model (hidden 64): what a sane CPU forward stays under. Measured on the dev
-# machine: fp32 <= 3e-6, bf16 <= 3e-2 (KV cache vs full recompute is the worst case in bf16).
-TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}
+# machines: fp32 <= 3e-6, bf16 <= 5e-2 (KV cache vs full recompute is the worst case in bf16).
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +80,20 @@ def test_kv_cache_case_matches_a_manual_incremental_decode(toy, ids):
     report = check_batch_invariance(toy, ids[:1], batch_sizes=(), paddings=(), dtypes=("float32",))
     (case,) = report.cases
     k = ids.shape[1] // 2
+    # Log-probs in fp32 as the report computes them: the KV-cache difference is ~2e-6, below what a float64
+    # reference of the same fp32 logits would resolve.
     with torch.no_grad():
-        full = _naive_logp(toy(input_ids=ids[:1]).logits.float(), ids[:1])[:, k - 1:]
+        full = torch.log_softmax(toy(input_ids=ids[:1]).logits[:, :-1].float(), -1)
+        full = full.gather(-1, ids[:1, 1:].unsqueeze(-1)).squeeze(-1)[:, k - 1:]
         out = toy(input_ids=ids[:1, :k], use_cache=True)
         logits, past = [out.logits[:, -1:]], out.past_key_values
         for t in range(k, ids.shape[1] - 1):
             out = toy(input_ids=ids[:1, t:t + 1], past_key_values=past, use_cache=True)
             logits.append(out.logits)
             past = out.past_key_values
-    inc = torch.log_softmax(torch.cat(logits, 1).double(), -1).gather(-1, ids[:1, k:].unsqueeze(-1)).squeeze(-1)
-    assert case.max_abs_diff == pytest.approx((inc - full).abs().max().item(), abs=1e-6)
+    inc = torch.log_softmax(torch.cat(logits, 1).float(), -1).gather(-1, ids[:1, k:].unsqueeze(-1)).squeeze(-1)
+    want = (inc - full).abs().max().item()
+    assert case.max_abs_diff == pytest.approx(want, rel=1e-6)  # measured here: ~2e-6
 
 
 def test_input_validation(toy):

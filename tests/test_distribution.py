@@ -134,9 +134,14 @@ def test_infinite_kl_is_counted_as_support_mismatch_not_averaged():
     lr, lt, tokens = _rows(B=1, T=4, V=11, truncate=True, seed=3)
     comp = compare_distributions(lr, lt, tokens)
     summary = summarize_comparison(comp)
-    finite = torch.isfinite(comp.kl_rollout_train)
     assert comp.support_mismatch.any(), "the fixture should truncate the two sides differently somewhere"
-    assert summary["tim/dist/kl_rollout_train_mean"] == pytest.approx(float(comp.kl_rollout_train[finite].mean()))
+    for direction in ("kl_rollout_train", "kl_train_rollout"):
+        kl = getattr(comp, direction)
+        finite = torch.isfinite(kl)
+        assert summary[f"tim/dist/{direction}_mean"] == pytest.approx(float(kl[finite].mean()))
+        assert summary[f"tim/dist/{direction}_max"] == pytest.approx(float(kl[finite].max()))
+    # The fixture's train side keeps a token the rollout truncated: KL(train‖rollout) is infinite there.
+    assert not torch.isfinite(comp.kl_train_rollout).all()
     assert summary["tim/dist/support_mismatch_frac"] == pytest.approx(float(comp.support_mismatch.double().mean()))
 
 
@@ -189,15 +194,18 @@ def test_vocab_profile_bins_every_entry():
     p = r.exp()[ok]
     assert prof.entries == int(ok.sum()) and prof.skipped == int((~ok).sum())
     curves = prof.curves(min_count=1)
-    edges = VocabProfile.P_EDGES
-    for centre, count, mean, q, mx in zip(*(curves["p"][k] for k in ("centre", "count", "mean", "quantile", "max"))):
-        i = int(torch.searchsorted(edges, torch.tensor(centre, dtype=torch.float64))) - 1
-        lo = edges[i] if i > 0 else 0.0
-        sel = (p >= lo) & (p < edges[i + 1]) if i < len(edges) - 2 else p >= lo
-        d = diff[sel]
-        assert count == d.numel()
-        assert mean == pytest.approx(float(d.mean()), rel=1e-9)
-        assert mx == pytest.approx(float(d.max()), rel=1e-12)
-        exact_q = float(torch.quantile(d, 0.99, interpolation="higher"))
-        assert exact_q * (1 - 1e-12) <= q <= max(exact_q * 10 ** (1 / 8) * (1 + 1e-12), 1e-9)
-    assert sum(curves["one_minus_p"]["count"]) == prof.entries
+    # Both binnings against the naive selection: bin i holds edges[i] <= x < edges[i + 1], the first bin also
+    # everything below, the last everything above. 1 − p is computed as the naive 1 − e^r here.
+    for name, x, edges in (("p", p, VocabProfile.P_EDGES), ("one_minus_p", 1.0 - p, VocabProfile.ONE_MINUS_P_EDGES)):
+        c = curves[name]
+        assert sum(c["count"]) == prof.entries
+        for centre, count, mean, q, mx in zip(*(c[k] for k in ("centre", "count", "mean", "quantile", "max"))):
+            i = int(torch.searchsorted(edges, torch.tensor(centre, dtype=torch.float64))) - 1
+            lo = edges[i] if i > 0 else -math.inf
+            sel = (x >= lo) & (x < edges[i + 1]) if i < len(edges) - 2 else x >= lo
+            d = diff[sel]
+            assert count == d.numel(), (name, i)
+            assert mean == pytest.approx(float(d.mean()), rel=1e-9)
+            assert mx == pytest.approx(float(d.max()), rel=1e-12)
+            exact_q = float(torch.quantile(d, 0.99, interpolation="higher"))
+            assert exact_q * (1 - 1e-12) <= q <= max(exact_q * 10 ** (1 / 8) * (1 + 1e-12), 1e-9)

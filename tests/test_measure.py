@@ -113,9 +113,11 @@ def test_min_p_measures_with_and_without_pruning(tmp_path):
     assert "tim/safe_vocab/pruned_mass_mean" not in comps["hf-bf16"]
     # With truncation on both sides the trainer's full-vocabulary log-prob is off by log(kept mass):
     # the matched (safe) k3 must be far below the unmatched full-vocabulary one.
-    assert pruned["tim/token/kl_k3"] < pruned["tim/full_vocab/kl_k3"]
-    # Both whole distributions exclude the pruned tail: wherever their kept sets agree the KL stays small.
-    assert pruned["tim/dist/kl_rollout_train_mean"] < 1e-2
+    # (measured: 4e-5 against 2e-2)
+    assert pruned["tim/token/kl_k3"] < 0.05 * pruned["tim/full_vocab/kl_k3"]
+    # Both whole distributions exclude the pruned tail: wherever their kept sets agree the KL stays at the bf16
+    # level (measured: 4e-5).
+    assert pruned["tim/dist/kl_rollout_train_mean"] < 1e-3
 
 
 def test_compare_parsing_and_config_errors_quote_the_value():

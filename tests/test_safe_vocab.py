@@ -316,7 +316,13 @@ def test_loss_mask_and_metrics():
     assert m["tim/safe_vocab/kl_k3"] == pytest.approx(k3_naive, rel=1e-4, abs=1e-9)
     assert m["tim/safe_vocab/kl_k3"] == pytest.approx(
         mismatch_metrics(rollout, out.logprobs.detach().reshape(3, 4), expect)["tim/token/kl_k3"])
-    assert m["tim/safe_vocab/kl_k3_full"] > m["tim/safe_vocab/kl_k3"]  # full-vocab values disagree with processed
+    df = (full - rollout)[expect.bool()].double()  # the full-vocabulary trainer, on the same (loss-mask) tokens
+    assert m["tim/safe_vocab/kl_k3_full"] == pytest.approx((torch.exp(df) - 1 - df).mean().item(), rel=1e-4)
+    assert m["tim/safe_vocab/kl_k3_full"] > 10 * m["tim/safe_vocab/kl_k3"]  # full-vocab values disagree with processed
+
+    # No valid token: every statistic is undefined (NaN), as the monitor's are for an empty set.
+    empty = safe_vocab_metrics(out, torch.zeros(3, 4), rollout_logprobs=rollout, full_logprobs=full)
+    assert set(empty) == set(m) and all(math.isnan(v) for v in empty.values())
 
 
 @pytest.mark.parametrize("bad", [dict(min_p=-0.1), dict(min_p=1.5), dict(top_p=0.0), dict(top_k=-3),

@@ -149,8 +149,14 @@ def check_vllm_step(trainer, cap, step) -> dict:
         assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-12), (step, key)
     assert logged["tim/token/abs_diff_mean"] == pytest.approx(logged["sampling/sampling_logp_difference/mean"],
                                                               rel=1e-4)
-    # IS weights seen by the monitor are TRL's (sequence_mask by default)
-    assert logged["tim/tokens"] > 0 and "tim/is/weight_mean" in logged
+    # IS weights seen by the monitor are TRL's own (sequence_mask by default), over the same tokens.
+    mask = _loss_mask(out).bool()
+    w = out["importance_sampling_ratio"].expand_as(out["sampling_per_token_logps"])[mask].double()
+    assert logged["tim/tokens"] == int(mask.sum()) > 0
+    assert logged["tim/is/weight_mean"] == pytest.approx(float(w.mean()), rel=1e-5)
+    assert logged["tim/is/weight_min"] == pytest.approx(float(w.min()), rel=1e-5)
+    assert logged["tim/is/weight_max"] == pytest.approx(float(w.max()), rel=1e-5)
+    assert logged["tim/is/ess"] == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w * w).sum())), rel=1e-5)
     return logged
 
 

@@ -68,9 +68,14 @@ def test_parquet_dump_rows_match_tensors(toy_model_path, tmp_path):
     (_, inputs, logps), = cap.losses
     mask = _loss_mask(inputs)
     assert len(df) == int(mask.sum())
-    got = torch.tensor(sorted(df["train_logprob"].tolist()))
-    want = torch.sort(logps[mask].float()).values
-    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    # Row by row, at the dump's own (sequence, position): exactly the loss tensors TRL built and scored (the
+    # rollout and train log-probs differ by ~1e-6 here, so only an exact, paired check tells them apart).
+    s, p = torch.tensor(df["sequence"].tolist()), torch.tensor(df["position"].tolist())
+    assert bool(mask[s, p].all()) and len(set(zip(s.tolist(), p.tolist()))) == len(df)
+    assert torch.equal(torch.tensor(df["train_logprob"].tolist(), dtype=torch.float32), logps.float()[s, p])
+    assert torch.equal(torch.tensor(df["rollout_logprob"].tolist(), dtype=torch.float32),
+                       inputs["sampling_per_token_logps"].float()[s, p])
+    assert torch.equal(torch.tensor(df["token_id"].tolist()), inputs["completion_ids"][s, p].cpu())
 
 
 def test_probe_stops_training_gracefully(toy_model_path, tmp_path):

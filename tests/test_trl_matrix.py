@@ -310,11 +310,13 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         for i in range(built["completion_ids"].shape[0]):
             trl_masks[_row_key(built, i)] = _loss_mask(built)[i]
     assert cap.losses
+    dropped = 0  # tokens in TRL's loss mask that the callback took out of the loss
     for _, inputs, _ in cap.losses:
         mask = _loss_mask(inputs)
         for i in range(mask.shape[0]):
             trl = trl_masks[_row_key(inputs, i)]
             assert not bool((mask[i] & ~trl).any()), "a token TRL masked came back into the loss"
+            dropped += int((trl & ~mask[i]).sum())
     one_micro_batch = all(overrides.get(k, 1) == 1 for k in ("gradient_accumulation_steps", "steps_per_generation",
                                                             "num_iterations"))
     if one_micro_batch:
@@ -327,7 +329,8 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         assert all(torch.equal(before[n], after[n]) for n in before), "parameters moved on fully masked batches"
     elif config == "beam-search":  # not measured, so not corrected: counted, and TRL trained as configured
         key = "tim/diag/unsupported_generation_mode"
-        assert [h[key] for h in trainer.state.log_history if key in h][-1] == cb.generation_count >= 1
+        assert [h[key] for h in trainer.state.log_history if key in h][-1] == len(cap.trl_built) >= 1
     elif mode == "icepop_inject":
         kept = [h["tim/correction/kept_frac"] for h in trainer.state.log_history if "tim/correction/kept_frac" in h]
-        assert kept and min(kept) < 1.0  # the correction did drop tokens, and they stayed dropped (checked above)
+        assert kept and min(kept) < 1.0  # the correction dropped tokens ...
+        assert dropped > 0  # ... and TRL's loss saw them dropped

@@ -20,9 +20,18 @@ pytestmark = pytest.mark.trl
 MIN_P = 0.05  # large enough that the toy model's tail is pruned on most positions
 
 
-def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, tmp_path):
+@pytest.mark.parametrize("compact", [False, True], ids=["every-position", "labelled-only"])
+def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, tmp_path, monkeypatch, compact):
+    """``compact``: TRL's fused head scores only the labelled positions on Triton devices and every position
+    elsewhere (trl/trainer/utils.py add_fused_lm_head, ``compact = _use_triton(device)``); its Triton branch is
+    taken on this CPU by answering that check, the safe-vocab head (torch folds here) standing in for the kernel."""
     from tim_plugins.safe_vocab import safe_logprobs_from_logits
 
+    if compact:
+        import trl.trainer.utils as trl_utils
+
+        asked = []
+        monkeypatch.setattr(trl_utils, "_use_triton", lambda device: asked.append(device) or True)
     trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)
     refs = []
     orig_loss = trainer._compute_loss
@@ -37,7 +46,7 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
             res = safe_logprobs_from_logits(
                 logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1), min_p=MIN_P,
                 temperature=trainer.temperature, order="hf")
-        refs.append((inputs, res.logprobs.view(-1, t), res.in_safe.view(-1, t)))
+        refs.append((inputs, res.logprobs.view(-1, t), res.in_safe.view(-1, t), res.pruned_mass.view(-1, t)))
         return orig_loss(model, inputs, *a, **k)
 
     trainer._compute_loss = _compute_loss
@@ -45,7 +54,8 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
     trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
     trainer.train()
     assert refs and cap.losses
-    for (inputs, ref_lp, ref_in), (_, _, used_lp) in zip(refs, cap.losses):
+    assert not compact or asked  # TRL took its labelled-positions branch
+    for (inputs, ref_lp, ref_in, _), (_, _, used_lp) in zip(refs, cap.losses):
         valid = inputs["completion_mask"].bool()
         assert torch.allclose(used_lp[valid], ref_lp[valid], rtol=0, atol=2e-5)
         # boundary tokens (sampled, outside the trainer's safe set) are out of the loss mask
@@ -53,7 +63,11 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
     logged = _logged(trainer, 1)
     # Sampler (HF min_p, processed log-probs) and trainer (safe set) now prune the same tail.
     assert logged["tim/token/abs_diff_max"] < 1e-4
-    assert 0.0 <= logged["tim/safe_vocab/pruned_mass_mean"] < 1.0
+    # The pruned mass is averaged over the completion tokens (TRL's labelled positions) of each loss forward,
+    # whether the device's fused head scores only those (Triton) or every position, prompt and padding too (here).
+    want = [float(pruned[inputs["completion_mask"].bool()].double().mean()) for inputs, _, _, pruned in refs]
+    assert logged["tim/safe_vocab/pruned_mass_mean"] == pytest.approx(sum(want) / len(want), rel=1e-4)
+    assert 0.0 < logged["tim/safe_vocab/pruned_mass_mean"]
     import trl.trainer.utils as trl_utils
     from trl.kernels import ChunkedLogProbFunction
 

@@ -456,7 +456,7 @@ def safe_vocab_metrics(
     result: SafeLogprobs, mask: torch.Tensor, *, rollout_logprobs: torch.Tensor | None = None,
     full_logprobs: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """``tim/safe_vocab/*`` metrics over valid tokens (one host sync, at the end).
+    """``tim/safe_vocab/*`` metrics over valid tokens (one host sync, at the end); NaN without any.
 
     Args:
         result: trainer-side ``SafeLogprobs`` ([N] tensors, or already reshaped to ``mask``'s shape).
@@ -482,9 +482,11 @@ def safe_vocab_metrics(
         (valid & ~in_safe).sum().double() / denom,
         count.double(),
     ]).tolist()
+    if stats[4] == 0:  # no valid token: undefined, as the monitor's statistics of an empty set are
+        stats[:4] = [math.nan] * 4
     out = {
         "tim/safe_vocab/pruned_mass_mean": stats[0],
-        "tim/safe_vocab/pruned_mass_max": stats[1] if stats[4] > 0 else 0.0,
+        "tim/safe_vocab/pruned_mass_max": stats[1],
         "tim/safe_vocab/size_mean": stats[2],
         "tim/safe_vocab/boundary_frac": stats[3],
     }

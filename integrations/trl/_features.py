@@ -49,9 +49,8 @@ class SafeVocabHead:
             top_k=trunc["top_k"], order=trunc["order"], compute_entropy="entropy" in outputs,
         )
         records = self.owner.hooks.safe_records
-        if records is not None:
-            records.append(res.in_safe.detach())
-        self.owner.features.note_safe(res)
+        if records is not None:  # mapped to [B, T] (and the pruned mass noted) once TRL's log-prob call returns
+            records.append((res.in_safe.detach(), res.pruned_mass.detach()))
         extra = (None, None, None)
         if any(name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")):
             with torch.no_grad():
@@ -200,11 +199,13 @@ class Features:
     def safe_vocab_shim(self):
         return lambda original: SafeVocabHead(original, self.owner)
 
-    def note_safe(self, res) -> None:
-        if not torch.is_grad_enabled():
-            return  # count the loss forward only (old/ref scoring would double count)
-        with torch.no_grad():
-            self.owner.add_metric("tim/safe_vocab/pruned_mass_mean", float(res.pruned_mass.float().mean()))
+    def note_safe(self, pruned_mass: torch.Tensor, labelled: torch.Tensor) -> None:
+        """``tim/safe_vocab/pruned_mass_mean`` of one loss forward, over the positions TRL labels (its loss
+        positions): the fused head scores every position on devices without Triton, prompt and padding too."""
+        total, n = torch.stack([torch.where(labelled, pruned_mass.double(), 0.0).sum(),
+                                labelled.sum().double()]).tolist()  # one host sync
+        if n:
+            self.owner.add_metric("tim/safe_vocab/pruned_mass_mean", total / n)
 
     def score_at_rollout_weights(self, out: dict):
         """The trainer's log-probs of the batch at the current (= rollout) weights, when TRL did not compute

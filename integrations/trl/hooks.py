@@ -184,8 +184,11 @@ class TRLHooks:
             model = bound.arguments.get("model")
             policy = model is self.trainer.model or model is getattr(self.trainer, "model_wrapped", None)
             in_safe = None
-            if safe_flat is not None and policy:
-                in_safe = self._map_safe_records(bound.arguments, safe_flat)
+            mapped = self._map_safe_records(bound.arguments, safe_flat) if safe_flat is not None and policy else None
+            if mapped is not None:
+                in_safe, pruned, labelled = mapped
+                if torch.is_grad_enabled():  # the loss forward only (old/ref scoring would double count)
+                    self.rt.features.note_safe(pruned, labelled)
             if self._capture is not None and policy:
                 self._capture.append(result[0].detach())
             if self._policy_records is not None and policy:
@@ -196,28 +199,31 @@ class TRLHooks:
 
         return _get_per_token_logps_and_entropies
 
-    def _map_safe_records(self, arguments: dict, flat: list[torch.Tensor]) -> torch.Tensor | None:
-        """Flat per-call in_safe flags of the fused head → [B, logits_to_keep], as TRL slices its log-probs."""
+    def _map_safe_records(self, arguments: dict, flat: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The fused head's flat per-call (in_safe, pruned_mass) → ([B, logits_to_keep] in_safe, pruned mass and
+        the labelled positions), as TRL slices its log-probs; None (counted) when the calls do not map."""
         input_ids, attention_mask = arguments["input_ids"], arguments["attention_mask"]
         logits_to_keep = arguments["logits_to_keep"]
         batch_size = arguments.get("batch_size") or input_ids.size(0)
-        rows = []
+        grids: tuple[list, list, list] = ([], [], [])
         chunks = list(range(0, input_ids.size(0), batch_size))
         if len(flat) != len(chunks):
             self.rt.count_diag("safe_vocab_unmapped")
             return None
-        for start, record in zip(chunks, flat):
+        for start, (in_safe, pruned) in zip(chunks, flat):
             end = min(start + batch_size, input_ids.size(0))
-            lm = _label_mask(input_ids[start:end], attention_mask[start:end], logits_to_keep)
-            if record.numel() == lm.numel():  # every position scored (no Triton)
-                grid = record.view(lm.shape)
-            elif record.numel() == int(lm.sum()):  # only the labelled positions scored (Triton devices)
-                grid = torch.zeros(lm.shape, dtype=torch.bool, device=record.device).masked_scatter(lm, record)
+            lm = _label_mask(input_ids[start:end], attention_mask[start:end], logits_to_keep).to(in_safe.device)
+            if in_safe.numel() == lm.numel():  # every position scored (no Triton)
+                in_safe, pruned = in_safe.view(lm.shape), pruned.view(lm.shape)
+            elif in_safe.numel() == int(lm.sum()):  # only the labelled positions scored (Triton devices)
+                in_safe = in_safe.new_zeros(lm.shape).masked_scatter(lm, in_safe)
+                pruned = pruned.new_zeros(lm.shape).masked_scatter(lm, pruned)
             else:
                 self.rt.count_diag("safe_vocab_unmapped")
                 return None
-            rows.append(grid[:, -logits_to_keep:])
-        return torch.cat(rows, dim=0)
+            for grid, x in zip(grids, (in_safe, pruned, lm)):
+                grid.append(x[:, -logits_to_keep:])
+        return tuple(torch.cat(g, dim=0) for g in grids)
 
     def _wrap_generate_single_turn(self, original):
         def _generate_single_turn(*args, **kwargs):

@@ -38,7 +38,8 @@ def batch():
 
 
 def reference(model_path, raw, *, min_p: float, temperature: float = 1.0):
-    """Per-sequence HF forward (no padding) → response-token log-probs [B, R] from the core functions."""
+    """Per-sequence HF forward (no padding) → response-token log-probs [B, R] from the core functions, their
+    in_safe flags, pruned mass and safe-set size ([B, R] each; zeros past each response)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, attn_implementation="sdpa")
@@ -47,6 +48,8 @@ def reference(model_path, raw, *, min_p: float, temperature: float = 1.0):
     prompt_len = raw["prompts"].shape[1]
     out = torch.zeros(resp_mask.shape, dtype=torch.float32)
     in_safe = torch.ones(resp_mask.shape, dtype=torch.bool)
+    pruned = torch.zeros(resp_mask.shape, dtype=torch.float32)
+    size = torch.zeros(resp_mask.shape, dtype=torch.float64)
     for i in range(ids.shape[0]):
         keep = attn[i].bool()
         seq = ids[i][keep]
@@ -59,7 +62,9 @@ def reference(model_path, raw, *, min_p: float, temperature: float = 1.0):
         res = safe_logprobs_from_logits(rows, toks, min_p=min_p, temperature=temperature)
         out[i, :n_resp] = res.logprobs
         in_safe[i, :n_resp] = res.in_safe
-    return out, in_safe
+        pruned[i, :n_resp] = res.pruned_mass
+        size[i, :n_resp] = res.size.double()
+    return out, in_safe, pruned, size
 
 
 @pytest.mark.parametrize("remove_padding", [True, False])
@@ -132,13 +137,13 @@ def test_safe_vocab_logprobs_and_monitor_match_core(engines, batch, toy_model_pa
         metrics = eng.tim_pop_metrics()
     finally:
         eng._tim = None
-    ref, ref_in_safe = reference(toy_model_path, raw, min_p=MIN_P)
+    ref, ref_in_safe, ref_pruned, ref_size = reference(toy_model_path, raw, min_p=MIN_P)
     mask = raw["response_mask"].bool()
     assert (~ref_in_safe & mask).any(), "the test needs boundary tokens: raise MIN_P"
     assert (got - ref)[mask].abs().max().item() < FP32_TOL
     # the full-vocabulary log-prob differs by log Σ_S p on kept tokens: the pruning really happened
     keep = mask & ref_in_safe
-    full, _ = reference(toy_model_path, raw, min_p=0.0)
+    full = reference(toy_model_path, raw, min_p=0.0)[0]
     assert ((got - full)[keep] > 1e-4).all()
 
     # monitor: engine's DP-merged metrics vs the core function on the same tensors (boundary tokens excluded)
@@ -149,8 +154,12 @@ def test_safe_vocab_logprobs_and_monitor_match_core(engines, batch, toy_model_pa
     n_valid = int(mask.sum())
     assert metrics["tim/safe_vocab/tokens"] == n_valid
     assert metrics["tim/safe_vocab/boundary_frac"] == pytest.approx(float((mask & ~ref_in_safe).sum()) / n_valid)
+    # pruned mass and |S| over the response tokens, against the core function on the unpadded reference
+    assert metrics["tim/safe_vocab/pruned_mass_mean"] == pytest.approx(float(ref_pruned[mask].double().mean()),
+                                                                       rel=1e-4)
+    assert metrics["tim/safe_vocab/pruned_mass_max"] == pytest.approx(float(ref_pruned[mask].max()), rel=1e-4)
+    assert metrics["tim/safe_vocab/size_mean"] == pytest.approx(float(ref_size[mask].mean()), rel=1e-9)
     assert 0.0 < metrics["tim/safe_vocab/pruned_mass_mean"] < metrics["tim/safe_vocab/pruned_mass_max"] < 1.0
-    assert metrics["tim/safe_vocab/size_mean"] < VOCAB
 
 
 @pytest.mark.parametrize("layout", ["dense", "v1"])
@@ -171,7 +180,7 @@ def test_boundary_tokens_leave_the_loss(dist, toy_model_path, layout, mask_bound
         out, _ = H.train_step(eng, td, old)
     finally:
         eng._tim = None
-    _, in_safe = reference(toy_model_path, raw, min_p=MIN_P)
+    in_safe = reference(toy_model_path, raw, min_p=MIN_P)[1]
     mask = raw["response_mask"].bool()
     kept = mask & in_safe if mask_boundary else mask
     adv = raw["advantages"].double()

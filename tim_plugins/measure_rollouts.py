@@ -66,7 +66,7 @@ def check_model_path(model: str | None) -> None:
     rule = "pass a local HF checkpoint folder (with config.json), a .gguf file, or 'smollm2'"
     if not path.exists():
         raise UsageError(f"--model {model!r}: no such local folder or file; {rule} (models are not downloaded: "
-                           "fetch one first, e.g. huggingface-cli download ORG/NAME --local-dir DIR, then pass DIR)")
+                         "fetch one first, e.g. huggingface-cli download ORG/NAME --local-dir DIR, then pass DIR)")
     if path.is_dir() and not (path / "config.json").exists():
         raise UsageError(f"--model {model!r}: the folder has no config.json, so it is not an HF checkpoint; {rule}")
     if path.is_file() and path.suffix != ".gguf":
@@ -174,7 +174,7 @@ def start_vllm(path: str, *, dtype: str, seed: int, fp32_head: bool, max_logprob
     require("vllm", "--rollout vllm")
     if path.endswith(".gguf") or not (Path(path) / "config.json").exists():
         raise UsageError(f"vllm rollouts need an HF checkpoint folder, got {path!r}: pass --model DIR with a "
-                           "config.json (GGUF files are not supported here)")
+                         "config.json (GGUF files are not supported here)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
     from vllm import LLM
 

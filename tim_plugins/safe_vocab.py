@@ -62,6 +62,8 @@ _GRAD_VOCAB_TILE = 32768
 _FUSED_GRAD_ROWS = 4096
 # "auto": the Triton folds on CUDA for a min-p-only truncation, else torch; "triton" / "torch" force one.
 BACKENDS = ("auto", "triton", "torch")
+
+
 def default_chunk_rows(vocab: int, dtype: torch.dtype = torch.float32, *, fused: bool = False) -> int:
     """Rows per chunk whose buffers fit TRL's tile in bytes (``TILE_ELEMENTS`` elements of ``dtype``).
 
@@ -317,25 +319,32 @@ def _fused_applies(trunc: Truncation) -> bool:
     return trunc.top_p >= 1.0 and trunc.k == 0
 
 
-def _use_fused(x: torch.Tensor, trunc: Truncation, backend: str, top_k, top_p) -> bool:
+def _use_fused(x: torch.Tensor, trunc: Truncation, backend: str) -> bool:
     """Whether a call runs the Triton folds (``backend``; see ``safe_logprobs_from_hidden``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "triton" and not _fused_applies(trunc):
-        raise ValueError(f"backend='triton' with top_k={top_k}, top_p={top_p}: the Triton folds select the safe set "
-                         "by min_p alone; use backend='auto' or 'torch' for top-k / top-p")
+        raise ValueError(f"backend='triton' with top_k={trunc.top_k}, top_p={trunc.top_p}: the Triton folds select "
+                         "the safe set by min_p alone; use backend='auto' or 'torch' for top-k / top-p")
     return backend == "triton" or (
         backend == "auto" and not _fused_failed and _fused_applies(trunc) and _fused_by_default(x))
 
 
-def _fold_failed(err: Exception, backend: str) -> None:
-    """A forward of the Triton folds failed: re-raise if they were asked for, else warn once and let the caller
-    use the torch folds from now on (a compile or launch error comes before any result exists)."""
+def _run_fused(function, backend: str, *args):
+    """``function.apply(*args)`` (a Triton-fold autograd Function), or None when its forward failed and
+    ``backend`` is "auto": then warn once and let the caller use the torch folds from now on (a compile or launch
+    error comes before any result exists). "triton" re-raises; running out of memory is never a fold failure."""
     global _fused_failed
-    if backend == "triton":
-        raise err
-    warnings.warn(f"tim_plugins: the Triton safe-vocab folds failed ({err!r}); using torch.", stacklevel=3)
-    _fused_failed = True
+    try:
+        return function.apply(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:
+        if backend == "triton":
+            raise
+        warnings.warn(f"tim_plugins: the Triton safe-vocab folds failed ({err!r}); using torch.", stacklevel=3)
+        _fused_failed = True
+        return None
 
 
 def _resolve(min_p, temperature, top_p, top_k, order) -> Truncation:
@@ -382,13 +391,10 @@ def safe_logprobs_from_logits(
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
     tokens = tokens.long()
-    if _use_fused(logits, trunc, backend, top_k, top_p):
-        try:
-            return _pack(SafeFromLogitsFused.apply(logits, tokens.contiguous(), trunc, bool(compute_entropy)))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as err:
-            _fold_failed(err, backend)
+    if _use_fused(logits, trunc, backend):
+        res = _run_fused(SafeFromLogitsFused, backend, logits, tokens.contiguous(), trunc, bool(compute_entropy))
+        if res is not None:
+            return _pack(res)
     chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
     return _pack(_SafeFromLogits.apply(logits, tokens, trunc, chunk, bool(compute_entropy)))
 
@@ -422,15 +428,12 @@ def safe_logprobs_from_hidden(
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
     tokens = tokens.long()
-    if _use_fused(hidden, trunc, backend, top_k, top_p):
+    if _use_fused(hidden, trunc, backend):
         chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt, fused=True)
-        try:
-            return _pack(SafeFromHiddenFused.apply(hidden, weight, tokens.contiguous(), trunc, chunk,
-                                                   (_FUSED_GRAD_ROWS, _GRAD_VOCAB_TILE), bool(compute_entropy)))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as err:
-            _fold_failed(err, backend)
+        res = _run_fused(SafeFromHiddenFused, backend, hidden, weight, tokens.contiguous(), trunc, chunk,
+                         (_FUSED_GRAD_ROWS, _GRAD_VOCAB_TILE), bool(compute_entropy))
+        if res is not None:
+            return _pack(res)
     chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt)
     return _pack(_SafeFromHidden.apply(hidden, weight, tokens, trunc, chunk, bool(compute_entropy)))
 

@@ -20,7 +20,8 @@ which reports only to wandb / mlflow / trackio); the benchmark records those dur
 splits into generation (``transformers.generate``) and the rest (scoring, loss, backward, optimizer, callbacks).
 Host-bound HF generation varies by ±15 % between steps on a shared machine, which hides a 2 % effect in the
 step ratio; the rest of the step is GPU-bound and steadier, and the callback adds work in both.
-Goals (issue 25): tim / plain <= 1.02, safe / plain <= 1.05.
+Goals (issue 25): tim / plain <= 1.02, safe / plain <= 1.05; (issue 31) the safe arm's TRL
+``_get_per_token_logps_and_entropies`` phase (every scoring forward of the step) <= 1.10 × plain's.
 
     python -m benchmarks.bench_trl_step [--device cuda] [--quick]
 """
@@ -39,6 +40,10 @@ from benchmarks._common import spread, write_results
 
 ARMS = ("plain", "tim", "safe")
 GOALS = {"tim": 1.02, "safe": 1.05}
+# TRL's profiled log-prob phase (every forward that scores tokens: old/ref log-probs and the loss forward), and the
+# goal for the safe arm's phase over plain's (issue 31: safe vocabulary adds no forward of its own)
+LOGPS_PHASE = "._get_per_token_logps_and_entropies"
+LOGPS_GOAL = 1.10
 # Qwen2-0.5B (Qwen/Qwen2-0.5B config.json)
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -148,11 +153,13 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
     per_step = [b - a for a, b in zip(stamps[:-1], stamps[1:])][skip - 1:]
     cpu_per_step = [b - a for a, b in zip(cpu_stamps[:-1], cpu_stamps[1:])][skip - 1:]
     gen_per_step = [sum(v for k, v in ph.items() if k.endswith(".generate")) for ph in phases[1:]][skip - 1:]
+    logps_per_step = [sum(v for k, v in ph.items() if k.endswith(LOGPS_PHASE)) for ph in phases[1:]][skip - 1:]
     logged = [h for h in trainer.state.log_history if "loss" in h]
     out = {"step_s": statistics.median(per_step), "steps_s": per_step,
            "cpu_step_s": statistics.median(cpu_per_step), "cpu_steps_s": cpu_per_step,
            "generate_s": statistics.median(gen_per_step), "generate_steps_s": gen_per_step,
            "rest_s": statistics.median([a - b for a, b in zip(per_step, gen_per_step)]),
+           "logps_s": statistics.median(logps_per_step), "logps_steps_s": logps_per_step,
            "phases_s": phases[1:][skip - 1:],
            "completion_length": statistics.mean(h.get("completions/mean_length", float("nan")) for h in logged),
            # what the arm logged of its own: none for plain, tim/... for the callback arms
@@ -261,6 +268,8 @@ def _summary(args, settings: dict, arms: list[str], runs: dict, load_start) -> d
     }
     gen = {arm: [x["generate_s"] for x in runs[arm][:done]] for arm in arms}
     rest = {arm: [x["rest_s"] for x in runs[arm][:done]] for arm in arms}
+    logps = {arm: [x["logps_s"] for x in runs[arm][:done]] for arm in arms}
+    result["logps_phase_s_per_step"] = {arm: spread(logps[arm]) for arm in arms}
     result["generate_s_per_step"] = {arm: spread(gen[arm]) for arm in arms}
     result["rest_s_per_step"] = {arm: spread(rest[arm]) for arm in arms}
     for arm in arms[1:]:
@@ -274,10 +283,17 @@ def _summary(args, settings: dict, arms: list[str], runs: dict, load_start) -> d
         result["ratios"][f"{arm}_generate_added_over_plain_step"] = (
             statistics.median(gen[arm]) - statistics.median(gen["plain"])) / plain_step
         result["ratios"][f"{arm}_over_plain_paired"] = spread([a / b for a, b in zip(med[arm], med["plain"])])
+        result["ratios"][f"{arm}_logps_phase_over_plain"] = (
+            statistics.median(logps[arm]) / statistics.median(logps["plain"]))
+        result["ratios"][f"{arm}_logps_phase_over_plain_paired"] = spread(
+            [a / b for a, b in zip(logps[arm], logps["plain"])])
         result["ratios"][f"{arm}_over_plain_cpu_time"] = statistics.median(cpu[arm]) / statistics.median(cpu["plain"])
         result["ratios"][f"{arm}_over_plain_cpu_time_paired"] = spread(
             [a / b for a, b in zip(cpu[arm], cpu["plain"])])
     result["meets"] = {f"{arm}_over_plain": result["ratios"][f"{arm}_over_plain"] <= GOALS[arm] for arm in arms[1:]}
+    if "safe" in arms:
+        result["goals"]["safe_logps_phase_over_plain"] = f"<= {LOGPS_GOAL}"
+        result["meets"]["safe_logps_phase_over_plain"] = result["ratios"]["safe_logps_phase_over_plain"] <= LOGPS_GOAL
     # the flat headline key of earlier versions of this file (benchmarks/run_all.py reads *ratio* keys)
     if "tim" in arms:
         result["ratio"] = result["ratios"]["tim_over_plain"]

@@ -50,6 +50,9 @@ class Capture:
         self.losses = []  # (step, inputs, per_token_logps)
         self.loss_values = []  # what TRL's _compute_loss returned
         self.flags_in_loss = []  # (use_vllm, vllm_importance_sampling_correction) as TRL read them in the loss
+        # what TRL's loss read as inputs["advantages"] / ["importance_sampling_ratio"] (a wrapper outside this one
+        # may scale them for the duration of the call)
+        self.read_in_loss = []
         gen, loss, logps = (trainer._generate_and_score_completions, trainer._compute_loss,
                             trainer._get_per_token_logps_and_entropies)
         self._in_loss = None
@@ -68,6 +71,8 @@ class Capture:
             finally:
                 got, self._in_loss = self._in_loss, None
             self.losses.append((trainer.state.global_step + 1, inputs, got[0]))
+            self.read_in_loss.append({k: inputs[k].detach().clone() for k in ("advantages", "importance_sampling_ratio")
+                                      if inputs.get(k) is not None})
             self.loss_values.append(result.detach().clone())
             return result
 

@@ -12,6 +12,7 @@ pytest.importorskip("datasets")
 from test_trl_callback import Capture, _check_against_reference, _logged, _loss_mask, make_trainer  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+from tim_plugins.integrations.trl._parity import run_audit  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
@@ -114,11 +115,10 @@ def test_wandb_histograms(toy_model_path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides,level", [({}, "INFO"), ({"repetition_penalty": 1.3}, "ERROR")])
 def test_parity_audit_logged_at_its_worst_findings_level(toy_model_path, tmp_path, caplog, overrides, level):
     trainer = make_trainer(toy_model_path, tmp_path, **overrides)
-    cb = TIMCallback(trainer, TIMConfig())
     with caplog.at_level("DEBUG", logger="tim_plugins.trl"):
-        cb.features.run_parity_audit()
+        findings, _, _ = run_audit(trainer, "hf")
     (record,) = [r for r in caplog.records if "parity audit" in r.getMessage()]
-    severities = {f.severity for f in cb.findings}
+    severities = {f.severity for f in findings}
     # The reference: the worst severity among the findings (an HF rollout with matched knobs has info only).
     worst = next((s for s in ("error", "warning", "info") if s in severities), "info")
     assert record.levelname == level == worst.upper()

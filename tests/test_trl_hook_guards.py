@@ -1,7 +1,7 @@
 """Guards on the TRL 1.16 internals the adapter relies on (``integrations/trl/hooks.py`` ``TRL_SOURCES``).
 
 Each test fails when the named TRL source changes the shape the adapter assumes, and says which hook to revisit.
-The IS-weight route (``Features.apply_is_weights``) is checked against TRL's own vLLM-branch product, for every
+The policy-term route (``hooks.scale_policy_term``) is checked against TRL's own vLLM-branch product, for every
 loss type TRL documents, with ratios that clip and a KL term: the reference is TRL's ``_compute_loss`` itself.
 """
 
@@ -21,8 +21,7 @@ pytest.importorskip("datasets")
 from test_trl_callback import make_trainer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
-from tim_plugins.integrations.trl.hooks import TRL_SOURCES  # noqa: E402
+from tim_plugins.integrations.trl.hooks import TRL_SOURCES, scale_policy_term  # noqa: E402
 from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
 
 pytestmark = pytest.mark.trl
@@ -76,8 +75,18 @@ def test_sources_hold_the_assumed_statements():
               r"\s*per_token_loss = per_token_loss \* inputs\[\"importance_sampling_ratio\"\]")
     assert re.search(branch, loss)
     assert 'importance_sampling_ratio=inputs.get("importance_sampling_ratio")' in loss
-    # The loss mask the callback narrows through tool_mask.
+    # The loss mask the adapter reads (hooks.response_mask), and the inputs the loss reads only after its
+    # log-prob call (the adapter scales them from inside that call, hooks.scale_policy_term).
     assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in loss
+    forward = loss.index("self._get_per_token_logps_and_entropies(")
+    assert forward < loss.index('advantages = inputs["advantages"]')
+    assert forward < loss.index('importance_sampling_ratio=inputs.get("importance_sampling_ratio")')
+    assert loss.count('inputs["advantages"]') == 1
+    # old_per_token_logps is the generation's first policy forward, computed exactly when TRL needs it
+    gen = _src(GRPOTrainer._generate_and_score_completions)
+    assert "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(" in gen
+    assert "if self.args.gradient_accumulation_steps % generate_every != 0 or (" in gen
+    assert gen.index("old_per_token_logps, _, _ =") < gen.index("ref_per_token_logps")
     # hooks._label_mask rebuilds the positions the fused head scores, as TRL labels them.
     logps = _src(GRPOTrainer._get_per_token_logps_and_entropies)
     assert "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)" in logps
@@ -92,7 +101,6 @@ def test_sources_hold_the_assumed_statements():
     # TIMCallback._push_metrics appends to trainer._metrics["train"]; TRL's log() averages and clears it.
     log = _src(GRPOTrainer.log)
     assert "for key, val in self._metrics[mode].items():" in log and "self._metrics[mode].clear()" in log
-    assert 'self._metrics[mode]["completions/mean_length"]' in _src(GRPOTrainer._generate)
     prepare = _src(GRPOTrainer._prepare_inputs)
     assert "self._generate_and_score_completions(generation_batch)" in prepare
     assert "shuffle_sequence_dict" in prepare and "split_tensor_dict" in prepare
@@ -151,10 +159,8 @@ def test_is_weights_route_equals_trls_vllm_product(batch_and_trainer, loss_type,
     plain_loss, _ = _loss_and_grads(trainer, copy.copy(batch))
     # The adapter's route, with TRL's flags as configured.
     ours = copy.copy(batch)
-    cb = TIMCallback(trainer, TIMConfig(is_correction="token_tis", parity_audit=False))
-    cb.features.apply_is_weights(ours, weights, mask)
-    cb.detach()
-    assert not trainer.use_vllm
+    saved = scale_policy_term(ours, weights, mask, trainer.loss_type)
+    assert set(saved) == {"importance_sampling_ratio" if loss_type == "vespo" else "advantages"}
     loss, grads = _loss_and_grads(trainer, ours)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-7), (loss_type, level, float(loss), float(ref_loss))
     assert len(grads) == len(ref_grads)

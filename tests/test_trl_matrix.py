@@ -313,13 +313,23 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         for i in range(built["completion_ids"].shape[0]):
             trl_masks[_row_key(built, i)] = _loss_mask(built)[i]
     assert cap.losses
-    dropped = 0  # tokens in TRL's loss mask that the callback took out of the loss
-    for _, inputs, _ in cap.losses:
+    # The callback never edits TRL's masks; a token it drops keeps TRL's mask and gets a zero policy term (the
+    # advantage TRL's loss read is 0 where TRL's own is not).
+    trl_adv = {}
+    for built in cap.trl_built:
+        adv = built["advantages"]
+        for i in range(built["completion_ids"].shape[0]):
+            trl_adv[_row_key(built, i)] = adv[i]
+    dropped = 0
+    for (_, inputs, _), read in zip(cap.losses, cap.read_in_loss):
         mask = _loss_mask(inputs)
         for i in range(mask.shape[0]):
-            trl = trl_masks[_row_key(inputs, i)]
-            assert not bool((mask[i] & ~trl).any()), "a token TRL masked came back into the loss"
-            dropped += int((trl & ~mask[i]).sum())
+            assert torch.equal(mask[i], trl_masks[_row_key(inputs, i)]), "the callback edited TRL's loss mask"
+            if trainer.loss_type == "vespo":  # vespo reads the factor through its IS-ratio key instead
+                if "importance_sampling_ratio" in read:
+                    dropped += int((mask[i] & (read["importance_sampling_ratio"][i] == 0)).sum())
+            elif read["advantages"].dim() == 2:
+                dropped += int((mask[i] & (read["advantages"][i] == 0) & (trl_adv[_row_key(inputs, i)] != 0)).sum())
     one_micro_batch = all(overrides.get(k, 1) == 1 for k in ("gradient_accumulation_steps", "steps_per_generation",
                                                             "num_iterations"))
     if one_micro_batch:
@@ -336,4 +346,4 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
     elif mode == "icepop_inject":
         kept = [h["tim/correction/kept_frac"] for h in trainer.state.log_history if "tim/correction/kept_frac" in h]
         assert kept and min(kept) < 1.0  # the correction dropped tokens ...
-        assert dropped > 0  # ... and TRL's loss saw them dropped
+        assert dropped > 0  # ... and TRL's loss gave them no policy term

@@ -20,11 +20,15 @@ pytestmark = pytest.mark.trl
 MIN_P = 0.05  # large enough that the toy model's tail is pruned on most positions
 
 
-@pytest.mark.parametrize("compact", [False, True], ids=["every-position", "labelled-only"])
-def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, tmp_path, monkeypatch, compact):
+@pytest.mark.parametrize("compact,trainer_min_p", [(False, None), (True, None), (False, 0.3)],
+                         ids=["every-position", "labelled-only", "boundary-tokens"])
+def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, tmp_path, monkeypatch, compact,
+                                                               trainer_min_p):
     """``compact``: TRL's fused head scores only the labelled positions on Triton devices and every position
     elsewhere (trl/trainer/utils.py add_fused_lm_head, ``compact = _use_triton(device)``); its Triton branch is
-    taken on this CPU by answering that check, the safe-vocab head (torch folds here) standing in for the kernel."""
+    taken on this CPU by answering that check, the safe-vocab head (torch folds here) standing in for the kernel.
+    ``trainer_min_p`` above the sampler's: the sampler keeps tokens the trainer's safe set excludes (boundary
+    tokens), whose policy term the loss must then drop."""
     from tim_plugins.safe_vocab import safe_logprobs_from_logits
 
     if compact:
@@ -49,29 +53,39 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
         with torch.no_grad():
             logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1]
             res = safe_logprobs_from_logits(
-                logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1), min_p=MIN_P,
-                temperature=trainer.temperature, order="hf")
-        refs.append((inputs, res.logprobs.view(-1, t), res.in_safe.view(-1, t), res.pruned_mass.view(-1, t)))
+                logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1),
+                min_p=trainer_min_p or MIN_P, temperature=trainer.temperature, order="hf")
+        refs.append((inputs, res.logprobs.view(-1, t), res.in_safe.view(-1, t), res.pruned_mass.view(-1, t),
+                     inputs["advantages"].clone()))
         return orig_loss(model, inputs, *a, **k)
 
     trainer._compute_loss = _compute_loss
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True, safe_vocab_min_p=trainer_min_p)))
     trainer.train()
     assert refs and cap.losses
     assert not compact or asked  # TRL took its labelled-positions branch
-    for (inputs, ref_lp, ref_in, _), (_, _, used_lp) in zip(refs, cap.losses):
+    boundary = 0
+    for (inputs, ref_lp, ref_in, _, adv), (_, _, used_lp), read in zip(refs, cap.losses, cap.read_in_loss):
         valid = inputs["completion_mask"].bool()
         assert torch.allclose(used_lp[valid], ref_lp[valid], rtol=0, atol=2e-5)
-        # boundary tokens (sampled, outside the trainer's safe set) are out of the loss mask
-        assert torch.equal(inputs["tool_mask"].bool() & valid, ref_in & valid)
+        # boundary tokens (sampled, outside the trainer's safe set) carry no policy term: TRL's loss read its own
+        # advantages times the keep mask; everything else of TRL's batch is as TRL built it
+        keep = (ref_in & valid).to(adv.dtype)
+        assert torch.equal(read["advantages"], adv[:, None] * keep)
+        assert "tool_mask" not in inputs
+        boundary += int((valid & ~ref_in).sum())
+    assert (boundary > 0) == (trainer_min_p is not None)
     logged = _logged(trainer, 1)
-    # Sampler (HF min_p, processed log-probs) and trainer (safe set) now prune the same tail.
-    assert logged["tim/token/abs_diff_max"] < 1e-4
-    # The pruned mass is averaged over the completion tokens (TRL's labelled positions) of each loss forward,
+    if trainer_min_p is None:
+        # Sampler (HF min_p, processed log-probs) and trainer (safe set) now prune the same tail.
+        assert logged["tim/token/abs_diff_max"] < 1e-4
+    # The pruned mass is averaged over the completion tokens (TRL's labelled positions) of the measured forward,
     # whether the device's fused head scores only those (Triton) or every position, prompt and padding too (here).
-    want = [float(pruned[inputs["completion_mask"].bool()].double().mean()) for inputs, _, _, pruned in refs]
-    assert logged["tim/safe_vocab/pruned_mass_mean"] == pytest.approx(sum(want) / len(want), rel=1e-4)
+    want = [pruned[inputs["completion_mask"].bool()].double() for inputs, _, _, pruned, _ in refs]
+    assert logged["tim/safe_vocab/pruned_mass_mean"] == pytest.approx(float(torch.cat(want).mean()), rel=1e-4)
+    assert logged["tim/safe_vocab/boundary_frac"] == pytest.approx(
+        boundary / sum(int(inputs["completion_mask"].sum()) for inputs, *_ in refs), rel=1e-12)
     assert 0.0 < logged["tim/safe_vocab/pruned_mass_mean"]
     import trl.trainer.utils as trl_utils
     from trl.kernels import ChunkedLogProbFunction
@@ -111,7 +125,7 @@ def test_is_correction_without_vllm(toy_model_path, tmp_path):
     # Reference: token TIS w = min(exp(train - rollout), C), train scored at the rollout weights (= the loss
     # forward here: on-policy, one micro-batch), 0 off the mask.
     ref_w = torch.clamp(torch.exp(loss_logps.double() - inputs["sampling_per_token_logps"].double()), max=clip)
-    w = inputs["tim_is_weights"]
+    w = inputs["tim_weights"]
     assert torch.allclose(w[mask].double(), ref_w[mask], rtol=0, atol=1e-5)
     assert torch.all(w[~mask] == 0)
     # A regime where the weights matter: the clip binds on some tokens, others are well below 1.
@@ -127,6 +141,8 @@ def test_is_correction_without_vllm(toy_model_path, tmp_path):
     assert float(inputs["num_items_in_batch"]) == n  # token TIS drops no token
     ref_loss = -(a[:, None] * ref_w * mask).sum() / n
     unweighted = -(a[:, None] * mask).sum() / n
+    (read,) = cap.read_in_loss  # what TRL's loss read: its own advantages times the weights
+    assert torch.equal(read["advantages"], inputs["advantages"][:, None] * w)
     (loss,) = cap.loss_values
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
     assert abs(float(ref_loss) - float(unweighted)) > 1e-3  # the check above would fail with weights ignored
@@ -168,7 +184,7 @@ def test_lr_decay_shows_in_logged_learning_rate(toy_model_path, tmp_path):
     n = 5
     trainer, cb = _lr_run(toy_model_path, tmp_path, n)
     trainer.train()
-    assert cb.features.controller.trigger_steps == [3]
+    assert cb.pipeline.lr_controller.trigger_steps == [3]
     lrs = {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}
     for step in range(1, n + 1):
         unscaled = LR0 * (1 - (step - 1) / n)  # transformers' linear schedule, LR used at this step
@@ -199,9 +215,9 @@ def test_resume_restores_controller_and_lr_scale(toy_model_path, tmp_path):
     assert ckpt.is_dir()
     second, second_cb = _lr_run(toy_model_path, tmp_path / "resumed", n)
     second.train(resume_from_checkpoint=str(ckpt))
-    a, b = full_cb.features.controller.state_dict(), second_cb.features.controller.state_dict()
+    a, b = full_cb.pipeline.lr_controller.state_dict(), second_cb.pipeline.lr_controller.state_dict()
     assert b == a
-    assert second_cb.features.controller.scale == full_cb.features.controller.scale == 0.5
+    assert second_cb.pipeline.lr_controller.scale == full_cb.pipeline.lr_controller.scale == 0.5
     lr_full = [h["learning_rate"] for h in full.state.log_history if "learning_rate" in h]
     lr_res = [h["learning_rate"] for h in second.state.log_history if "learning_rate" in h]
     assert lr_res[-1] == pytest.approx(lr_full[-1], rel=1e-12)

@@ -46,11 +46,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD
+from tim_plugins.accumulate import Accumulator
 
 __all__ = [
     "CORRECTION_MODES",
     "CorrectionConfig",
     "CorrectionResult",
+    "CorrectionStats",
     "apply_correction",
     "masked_mean",
     "token_tis",
@@ -264,19 +266,54 @@ class CorrectionResult:
         return self.kept_tokens == 0
 
     def metrics(self, prefix: str = "tim/correction") -> dict[str, float]:
-        """``kept_frac`` (kept / input tokens), ``seq_rejected_frac``, ``invalid_tokens``, ``kept_tokens``,
-        ``empty``. Fractions of an empty input are NaN. IS-weight statistics are MismatchMonitor's
+        """``CorrectionStats`` of this one result (see there); IS-weight statistics are MismatchMonitor's
         ``tim/is/*`` (pass ``weights`` as ``is_weights``)."""
-        n_in, kept, invalid, seqs, rej = torch.stack([
-            self.input_tokens, self.kept_tokens, self.invalid_tokens, self.seqs, self.rejected_seqs,
-        ]).double().cpu().tolist()
+        stats = CorrectionStats(prefix)
+        stats.update(self)
+        return stats.compute(sync=False)
+
+
+class CorrectionStats:
+    """``tim/correction/*`` over the batches a correction ran on, mergeable over micro-batches and ranks.
+
+    ``kept_frac`` = kept / input tokens, ``seq_rejected_frac`` = rejected / input rows (rows left with no kept
+    token), ``kept_tokens`` and ``invalid_tokens`` (totals), ``empty`` = fraction of batches with no kept token.
+    Fractions of an empty input are NaN.
+    """
+
+    def __init__(self, prefix: str = "tim/correction") -> None:
+        self.prefix = prefix
+        self._acc = Accumulator(("input", "kept", "invalid", "seqs", "rejected", "batches", "empty"))
+
+    def update(self, result: CorrectionResult) -> None:
+        """Add one :class:`CorrectionResult` (no host sync)."""
+        self._acc.add((result.input_tokens, result.kept_tokens, result.invalid_tokens, result.seqs,
+                       result.rejected_seqs, torch.ones((), device=result.kept_tokens.device), result.empty))
+
+    def compute(self, sync: bool = True, group=None) -> dict[str, float]:
+        v = self._acc.merged(sync, group)
+        frac = lambda a, b: a / b if b > 0 else math.nan  # noqa: E731
         return {
-            f"{prefix}/kept_frac": kept / n_in if n_in > 0 else math.nan,
-            f"{prefix}/seq_rejected_frac": rej / seqs if seqs > 0 else math.nan,
-            f"{prefix}/kept_tokens": kept,
-            f"{prefix}/invalid_tokens": invalid,
-            f"{prefix}/empty": 1.0 if kept == 0 else 0.0,
+            f"{self.prefix}/kept_frac": frac(v["kept"], v["input"]),
+            f"{self.prefix}/seq_rejected_frac": frac(v["rejected"], v["seqs"]),
+            f"{self.prefix}/kept_tokens": v["kept"],
+            f"{self.prefix}/invalid_tokens": v["invalid"],
+            f"{self.prefix}/empty": frac(v["empty"], v["batches"]),
         }
+
+    @property
+    def empty(self) -> bool:
+        """True when no batch was added since the last reset."""
+        return self._acc.empty
+
+    def reset(self) -> None:
+        self._acc.reset()
+
+    def state_dict(self) -> dict:
+        return self._acc.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._acc.load_state_dict(state)
 
 
 def _run_mode(name: str, cfg: CorrectionConfig, train, rollout, mask):

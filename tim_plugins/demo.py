@@ -243,16 +243,13 @@ def run_demo(cfg: DemoConfig) -> dict:
 def _attached_recorder(tim):
     """A callback that lists what TIMCallback installed, right after its ``on_train_begin`` (the hooks are
     removed again at train end)."""
-    import inspect
-
     from transformers import TrainerCallback
 
     class Attached(TrainerCallback):
         hooks: list[str] = []
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.hooks = [f"{p.obj.__name__ if inspect.ismodule(p.obj) else type(p.obj).__name__}.{p.name}"
-                          for p in tim.hooks.patches]
+            self.hooks = tim.installed
 
     return Attached()
 
@@ -279,7 +276,7 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds, t
             "hooks": attached.hooks,
             "config_changed": {k: v for k, v in config.items() if v != defaults.get(k)},
             "config": config,
-            "diagnostics": dict(tim.diag),
+            "diagnostics": dict(tim.pipeline.diag),
             "parity_specs": {"rollout": _spec_dict(rollout_spec), "trainer": _spec_dict(trainer_spec)},
         },
         "timing": {"train_seconds": train_seconds, "total_seconds": total_seconds,

@@ -35,6 +35,8 @@ import torch
 from ._matmul import addmm_fp32
 from ._optional import is_triton_available
 from ._safe_vocab_fused import SafeFromHiddenFused, SafeFromLogitsFused
+from .accumulate import Accumulator
+from .metrics import mismatch_metrics
 from .truncation import DEFAULT_MIN_P, Truncation, truncation_threshold
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "DEFAULT_MIN_P",
     "TILE_ELEMENTS",
     "SafeLogprobs",
+    "SafeVocabStats",
     "Truncation",
     "default_chunk_rows",
     "safe_logprobs_from_logits",
@@ -455,11 +458,67 @@ def safe_loss_mask(response_mask: torch.Tensor, in_safe: torch.Tensor) -> tuple[
     return keep.to(response_mask.dtype), boundary.sum()
 
 
+class SafeVocabStats:
+    """The ``tim/safe_vocab/*`` statistics over measured tokens, mergeable over micro-batches and ranks.
+
+    Per valid token (``mask``): the pruned mass 1 − Σ_S p_T, |S|, and whether the token lies outside the
+    trainer's S (a boundary token). Kept as sums and a maximum (``Accumulator``), so the merged values are exact;
+    every statistic of an empty set is NaN, as the mismatch monitor's are.
+    """
+
+    PREFIX = "tim/safe_vocab"
+
+    def __init__(self) -> None:
+        self._acc = Accumulator(("tokens", "pruned_mass", "size", "boundary"), ("pruned_mass_max",))
+
+    def update(self, mask: torch.Tensor, in_safe: torch.Tensor, pruned_mass: torch.Tensor,
+               size: torch.Tensor) -> None:
+        """Add one batch: ``mask`` [B, T] (or [N]) of measured tokens and the same-shaped fields of a
+        ``SafeLogprobs`` (reshaped). No host sync."""
+        valid = mask.bool()
+        pruned = pruned_mass.reshape(valid.shape).double()
+        neg_inf = torch.full((), -math.inf, dtype=torch.float64, device=pruned.device)
+        self._acc.add(
+            (valid.sum(), torch.where(valid, pruned, 0.0).sum(),
+             torch.where(valid, size.reshape(valid.shape).double(), 0.0).sum(),
+             (valid & ~in_safe.reshape(valid.shape).bool()).sum()),
+            (torch.where(valid, pruned, neg_inf).amax() if valid.numel() else neg_inf,),
+        )
+
+    def compute(self, sync: bool = True, group=None) -> dict[str, float]:
+        """``tokens``, ``pruned_mass_mean``, ``pruned_mass_max``, ``size_mean``, ``boundary_frac`` (merged over
+        ``group`` when ``sync``: every rank must call it)."""
+        v = self._acc.merged(sync, group)
+        n = v["tokens"]
+        mean = (lambda x: x / n) if n > 0 else (lambda x: math.nan)
+        return {
+            f"{self.PREFIX}/tokens": n,
+            f"{self.PREFIX}/pruned_mass_mean": mean(v["pruned_mass"]),
+            f"{self.PREFIX}/pruned_mass_max": v["pruned_mass_max"] if n > 0 else math.nan,
+            f"{self.PREFIX}/size_mean": mean(v["size"]),
+            f"{self.PREFIX}/boundary_frac": mean(v["boundary"]),
+        }
+
+    @property
+    def empty(self) -> bool:
+        """True when no batch was added since the last reset."""
+        return self._acc.empty
+
+    def reset(self) -> None:
+        self._acc.reset()
+
+    def state_dict(self) -> dict:
+        return self._acc.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._acc.load_state_dict(state)
+
+
 def safe_vocab_metrics(
     result: SafeLogprobs, mask: torch.Tensor, *, rollout_logprobs: torch.Tensor | None = None,
     full_logprobs: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """``tim/safe_vocab/*`` metrics over valid tokens (one host sync, at the end); NaN without any.
+    """``tim/safe_vocab/*`` metrics of one batch (``SafeVocabStats`` on it alone); NaN without a valid token.
 
     Args:
         result: trainer-side ``SafeLogprobs`` ([N] tensors, or already reshaped to ``mask``'s shape).
@@ -470,29 +529,13 @@ def safe_vocab_metrics(
         full_logprobs: [B, T] the trainer's full-vocabulary log-probs; with ``rollout_logprobs`` adds
             ``tim/safe_vocab/kl_k3_full`` (k3 vs the full-vocabulary trainer) on the same tokens, side by side.
     """
-    from .metrics import mismatch_metrics
-
     shape = mask.shape
     valid = mask.bool()
     in_safe = result.in_safe.reshape(shape)
-    count = valid.sum()
-    denom = count.clamp(min=1).double()
-    pruned = result.pruned_mass.reshape(shape).double()
-    stats = torch.stack([
-        torch.where(valid, pruned, 0.0).sum() / denom,
-        torch.where(valid, pruned, -math.inf).amax() if valid.numel() else torch.tensor(0.0, dtype=torch.float64),
-        torch.where(valid, result.size.reshape(shape).double(), 0.0).sum() / denom,
-        (valid & ~in_safe).sum().double() / denom,
-        count.double(),
-    ]).tolist()
-    if stats[4] == 0:  # no valid token: undefined, as the monitor's statistics of an empty set are
-        stats[:4] = [math.nan] * 4
-    out = {
-        "tim/safe_vocab/pruned_mass_mean": stats[0],
-        "tim/safe_vocab/pruned_mass_max": stats[1],
-        "tim/safe_vocab/size_mean": stats[2],
-        "tim/safe_vocab/boundary_frac": stats[3],
-    }
+    stats = SafeVocabStats()
+    stats.update(valid, in_safe, result.pruned_mass, result.size)
+    out = stats.compute(sync=False)
+    del out[f"{SafeVocabStats.PREFIX}/tokens"]
     if rollout_logprobs is not None:
         loss_mask, _ = safe_loss_mask(valid, in_safe)
         safe = result.logprobs.detach().reshape(shape)

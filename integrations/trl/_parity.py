@@ -87,27 +87,23 @@ def _log_level(findings) -> int:
     return _LEVELS.get(max_severity(findings), logging.INFO)
 
 
-def run_audit(owner) -> None:
+def run_audit(trainer, rollout_source: str, truncation=None, *, strict: bool = False):
+    """Audit the rollout side against TRL's trainer side; log the findings as a table (and to wandb when it is
+    active). Returns (findings, (rollout_spec, trainer_spec), counts by severity). ``truncation``: the safe-vocab
+    head's ``Truncation``, which makes the trainer apply the sampler's min_p / top_p / top_k. Raises
+    ``ParityError`` on an error-level finding when ``strict``."""
     from tim_plugins.parity.audit import audit, has_errors
     from tim_plugins.parity.findings import ParityError, severity_counts
     from tim_plugins.parity.table import FINDINGS_COLUMNS, findings_rows
 
-    trainer = owner.trainer
-    rollout_spec, trainer_spec = collect_specs(trainer, owner.rollout_source)
-    trunc = owner.features.safe_truncation if owner.safe_vocab_active else None
-    if trunc is not None:
-        # The safe-vocab head makes the trainer apply the sampler's truncation (min_p, top_p, top_k).
-        trainer_spec = trainer_spec.replace(min_p=trunc["min_p"], top_p=trunc["top_p"], top_k=trunc["top_k"])
+    rollout_spec, trainer_spec = collect_specs(trainer, rollout_source)
+    if truncation is not None:
+        trainer_spec = trainer_spec.replace(min_p=truncation.min_p, top_p=truncation.top_p, top_k=truncation.top_k)
     findings = audit(rollout_spec, trainer_spec)
-    owner.findings = findings
-    owner.parity_specs = (rollout_spec, trainer_spec)
     columns, rows = list(FINDINGS_COLUMNS), findings_rows(findings, framework="trl")
     text = "\n".join(" | ".join(r) for r in [columns] + rows) if rows else "no findings"
-    logger.log(_log_level(findings), "tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s",
-               owner.rollout_source, text)
-    counts = severity_counts(findings)
-    for severity, n in counts.items():
-        owner.add_metric(f"tim/parity/{severity}s", float(n))
+    logger.log(_log_level(findings), "tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s", rollout_source,
+               text)
     args = trainer.args
     if args.report_to and "wandb" in args.report_to:
         try:
@@ -117,7 +113,7 @@ def run_audit(owner) -> None:
                 wandb.log({"tim/parity/findings": wandb.Table(columns=columns, data=rows)}, commit=False)
         except ImportError:
             pass
-    if owner.config.parity_strict and has_errors(findings):
+    if strict and has_errors(findings):
         errors = [f for f in findings if f.severity == "error"]
         raise ParityError(
             "tim_plugins parity audit (strict): "
@@ -125,3 +121,4 @@ def run_audit(owner) -> None:
             + ". Fix the settings named in each finding, or set TIMConfig(parity_strict=False) to only log them.",
             findings=findings,
         )
+    return findings, (rollout_spec, trainer_spec), severity_counts(findings)

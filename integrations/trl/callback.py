@@ -4,6 +4,18 @@
     trainer.add_callback(TIMCallback(trainer, TIMConfig()))
 
 Like TRL's own callbacks that need the trainer (LogCompletionsCallback), it takes the trainer in ``__init__``.
+The callback is the adapter's one runtime object: it translates TRL's tensors (``hooks``) and hands them to the
+core's per-step pipeline (``tim_plugins.pipeline.StepPipeline``), which owns every statistic and mitigation.
+
+Where the pipeline measures (the trainer's log-probs of the rollout's tokens at the rollout's weights):
+- TRL's ``old_per_token_logps``, when TRL computes it during generation (generation and optimisation misaligned,
+  or vLLM with TRL's IS correction): the batch is measured right after TRL built it;
+- otherwise the first loss forward over each row, which runs at the rollout's weights (TRL skips
+  ``old_per_token_logps`` exactly when it does). No forward is added in either case.
+Each loss forward then applies the pipeline's factor to TRL's per-token policy term (``hooks.scale_policy_term``):
+the correction's weights times the forward's own boundary mask (safe vocabulary). A dropped token carries no
+policy gradient and still counts in TRL's normaliser, as a zero-loss token.
+
 Metrics are appended to ``trainer._metrics["train"]`` at the step TRL logs, so TRL's ``log()`` averages them
 with its own and they reach ``trainer.state.log_history``, wandb and tensorboard (keys added in ``on_log``
 would reach neither: log_history is appended before ``on_log`` runs).
@@ -11,7 +23,9 @@ would reach neither: log_history is appended before ``on_log`` runs).
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 import warnings
 
 import torch
@@ -19,16 +33,28 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from tim_plugins._optional import check_version_range, require
-from tim_plugins.metrics import MismatchMonitor
+from tim_plugins.corrections import CorrectionConfig
+from tim_plugins.dump import DumpConfig
+from tim_plugins.lr_control import LengthTriggeredLRDecay
+from tim_plugins.lr_scaling import apply_lr_scale
+from tim_plugins.parity.probe import ParityProbeConfig
+from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
+from tim_plugins.rollout.exact import exact_generate
+from tim_plugins.rollout.inject import TailNoiseInjector
+from tim_plugins.rollout.recorder import record_processed_logprobs
+from tim_plugins.truncation import Truncation
 
-from . import _features
+from . import hooks
+from ._exact_scoring import exact_scorer
+from ._parity import run_audit
 from .config import TIMConfig
-from .hooks import TRLHooks
 
 __all__ = ["TIMCallback", "TIMState"]
 
 logger = logging.getLogger("tim_plugins.trl")
-STATE_VERSION = 1
+STATE_VERSION = 2
+# TIMConfig.lr_decay_signals -> LengthTriggeredLRDecay signal names
+_LR_SIGNAL_NAMES = {"k3": "kl_k3", "grad_norm": "grad_norm"}
 
 
 class TIMState(TrainerCallback, ExportableState):
@@ -47,6 +73,89 @@ class TIMState(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"payload": payload}}
 
 
+def _rollout_source(trainer, config: TIMConfig) -> str:
+    """Where the rollout log-probs come from: vllm, hf (recorded from TRL's generate), exact, inject, custom
+    (the user's rollout_func returns them) or unavailable."""
+    if config.rollout in ("exact", "inject"):
+        if trainer.use_vllm:
+            raise ValueError(f"TIMConfig.rollout={config.rollout!r} replaces TRL's transformers generation and needs "
+                             "GRPOConfig.use_vllm=False (got use_vllm=True).")
+        return config.rollout
+    if trainer.use_vllm:
+        if config.rollout == "hf":
+            raise ValueError(
+                "TIMConfig.rollout='hf' but the trainer uses vLLM (GRPOConfig.use_vllm=True): the rollouts come "
+                "from vLLM. Use rollout='auto', or set use_vllm=False to record HF generate's log-probs.")
+        return "vllm"
+    if getattr(trainer, "rollout_func", None) is not None:
+        return "custom"
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        if config.monitor:
+            logger.warning("tim_plugins: use_transformers_continuous_batching=True returns no log-probs; the "
+                           "monitor has no rollout log-probs (set it False, or use vLLM)")
+        return "unavailable"
+    return "hf"
+
+
+def _safe_truncation(trainer, config: TIMConfig) -> Truncation:
+    """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be."""
+    args = trainer.args
+    min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else args.min_p
+    if min_p is None or min_p <= 0:
+        raise ValueError(
+            f"TIMConfig.safe_vocab=True needs a min_p: GRPOConfig.min_p={args.min_p!r} and "
+            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}. Set GRPOConfig(min_p=1e-4) so the sampler "
+            "prunes the same tail the trainer excludes (tim_plugins.truncation.DEFAULT_MIN_P = 1e-4).")
+    if args.min_p is not None and config.safe_vocab_min_p is not None and args.min_p != config.safe_vocab_min_p:
+        logger.warning("tim_plugins: safe_vocab_min_p=%g differs from GRPOConfig.min_p=%g: the trainer's safe set "
+                       "is not the sampler's", config.safe_vocab_min_p, args.min_p)
+    if getattr(trainer.model.get_output_embeddings(), "bias", None) is not None:
+        raise ValueError("TIMConfig.safe_vocab=True: the lm_head has a bias, which the safe-vocab head does not "
+                         "support; use safe_vocab=False for this model.")
+    softcap = getattr(trainer.model.config.get_text_config(), "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"TIMConfig.safe_vocab=True: final_logit_softcapping={softcap!r} is not supported by the "
+                         "safe-vocab head; use safe_vocab=False for this model.")
+    top_k = int(trainer.top_k or 0)
+    return Truncation(min_p=float(min_p), top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
+                      top_k=max(top_k, 0), temperature=float(trainer.temperature),
+                      order="vllm" if trainer.use_vllm else "hf")  # validates, quoting values
+
+
+def _pipeline_config(trainer, config: TIMConfig, source: str) -> PipelineConfig:
+    """TIMConfig (+ the trainer's settings) -> the core pipeline's configuration; fails early on what TRL cannot
+    combine."""
+    if source == "exact":
+        bad = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
+                                 ("repetition_penalty", trainer.repetition_penalty))
+               if v not in (None, 0, 1.0, 0.0) and not (k == "top_k" and v <= 0)}
+        if bad:
+            raise ValueError(
+                f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}: switch "
+                "those off (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for exact rollouts.")
+    correction = None
+    if config.is_correction is not None:
+        if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"TIMConfig.is_correction={config.is_correction!r} with vLLM rollouts while TRL's own correction is "
+                "on (GRPOConfig.vllm_importance_sampling_correction=True): pick one. Set "
+                "vllm_importance_sampling_correction=False to use ours, or is_correction=None to keep TRL's.")
+        correction = CorrectionConfig(mode=config.is_correction, **config.is_correction_options)
+    lr_decay = None
+    if config.lr_decay:
+        options = dict(config.lr_decay_options)
+        if config.lr_decay_signals and "signals" not in options:
+            options["signals"] = tuple(_LR_SIGNAL_NAMES[s] for s in config.lr_decay_signals)
+        lr_decay = LengthTriggeredLRDecay(**options).config  # its own checks name unknown options
+    args = trainer.args
+    return PipelineConfig(
+        monitor=config.monitor, ratio_band=config.ratio_band, safe_vocab=config.safe_vocab,
+        mask_boundary=config.mask_boundary_tokens, correction=correction, lr_decay=lr_decay,
+        probe=ParityProbeConfig(**config.parity_probe_options) if config.parity_probe else None,
+        dump=DumpConfig(out_dir=str(config.dump_dir), **config.dump_options) if config.dump_dir else None,
+        strict=config.strict, histograms=config.log_histograms and "wandb" in (args.report_to or []))
+
+
 class TIMCallback(TrainerCallback):
     """Training-inference mismatch monitor + mitigations for TRL's GRPOTrainer (see `TIMConfig`).
 
@@ -58,38 +167,80 @@ class TIMCallback(TrainerCallback):
     def __init__(self, trainer, config: TIMConfig | None = None) -> None:
         require("trl", "tim_plugins.integrations.trl.TIMCallback")
         self.trl_version = check_version_range("trl")
-        if config is None:
-            config = TIMConfig()
+        config = TIMConfig() if config is None else config
         if not isinstance(config, TIMConfig):
             raise TypeError(f"TIMCallback(config=...) needs a TIMConfig, got {type(config).__name__}: {config!r}")
-        self.trainer = trainer
-        self.config = config
-        self.hooks = TRLHooks(trainer, self)
-        self.monitor = MismatchMonitor(ratio_band=config.ratio_band) if config.monitor else None
-        self.step_monitor = None  # per-step monitor for the LR controller's k3 signal
-        self.diag: dict[str, float] = {}
-        self.last_in_safe = None
-        self.last_mean_length: float | None = None
-        self.last_grad_norm: float | None = None
-        self.extra_metrics: dict[str, list[float]] = {}
+        self.trainer, self.config = trainer, config
+        self.rollout_source = "off"
+        self.truncation: Truncation | None = None
+        self.injector = self.pipeline = None
         self.findings: list = []
+        self.parity_specs = None
         self.generation_count = 0
-        self._warned: set[str] = set()
+        self._patches: list[hooks.Patch] = []
+        self._grad_norm: float | None = None
+        self._length = math.nan  # mean response length of the latest generation batch (all ranks)
+        self._pending: dict[str, float] = {}  # one-off values for the next log (the audit's counts)
         self._pushed_at: int | None = None  # global step of the last push into TRL's metrics
-        self.features = _features.Features(self) if config.enabled else None
-        self.rollout_source = self.features.resolve_rollout_source() if self.features else "off"
-        self.safe_vocab_active = bool(config.enabled and config.safe_vocab)
-        if self.features is not None:
-            self.features.validate()
+        # Scratch of one wrapper call, set on entry and cleared on exit.
+        self._gen_safe: list | None = None  # safe-set fields of the policy forwards of one generation batch
+        self._safe_calls: list | None = None  # the safe-vocab head's calls within one log-prob call
+        self._loss_inputs: dict | None = None  # the inputs of the loss call in progress
+        self._restore: dict = {}  # inputs entries to put back after that loss call
+        self._unsupported_batch = False
         self.state_carrier = TIMState()
         self.state_carrier.source = self
-        if config.enabled:
-            trainer.add_callback(self.state_carrier)
+        if not config.enabled:
+            return
+        self.rollout_source = _rollout_source(trainer, config)
+        if config.safe_vocab:
+            self.truncation = _safe_truncation(trainer, config)
+        if self.rollout_source == "inject":
+            try:
+                self.injector = TailNoiseInjector(**config.inject_options)
+            except TypeError as err:
+                raise ValueError(f"TIMConfig.inject_options={config.inject_options!r}: {err}; valid keys: scale, "
+                                 "tau, mode, seed, bias_sign (tim_plugins.rollout.inject.TailNoiseInjector)") from err
+        elif config.inject_options:
+            raise ValueError(f"TIMConfig.inject_options={config.inject_options!r} given but rollout={config.rollout!r}; "
+                             "set rollout='inject' or drop inject_options.")
+        self.pipeline = StepPipeline(_pipeline_config(trainer, config, self.rollout_source),
+                                     rank=trainer.accelerator.process_index)
+        self._logps_sig = inspect.signature(type(trainer)._get_per_token_logps_and_entropies)
+        trainer.add_callback(self.state_carrier)
 
     # -------------------------------------------------------------------------------------- lifecycle
+    def attach(self) -> None:
+        """Install the wrappers (each ``hooks.TRL_SOURCES`` entry it relies on is named beside it)."""
+        t = self.trainer
+        # trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions
+        self._patches.append(hooks.Patch(t, "_generate_and_score_completions", self._wrap_generation_batch))
+        # trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss
+        self._patches.append(hooks.Patch(t, "_compute_loss", self._wrap_loss))
+        # trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies; in exact mode scored like the
+        # exact sampler, under the wrapper below so the pipeline sees the exact scores
+        if self.rollout_source == "exact":
+            self._patches.append(hooks.Patch(t, "_get_per_token_logps_and_entropies", exact_scorer(t)))
+        self._patches.append(hooks.Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
+        if self.rollout_source in ("hf", "exact", "inject"):  # GRPOTrainer._generate_single_turn
+            self._patches.append(hooks.Patch(t, "_generate_single_turn", self._wrap_single_turn))
+        if self.truncation is not None:  # trl/trainer/utils.py _ChunkedLogProbFunction, read by add_fused_lm_head
+            import trl.trainer.utils as trl_utils
+
+            self._patches.append(hooks.Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.SafeVocabHead(
+                original, self.truncation, self._on_safe_call,
+                lambda: self.pipeline.count("safe_vocab_unsupported_head"))))
+
+    @property
+    def installed(self) -> list[str]:
+        """What is wrapped now, as ``Owner.name`` (the module's name for a module global)."""
+        return [f"{p.obj.__name__ if inspect.ismodule(p.obj) else type(p.obj).__name__}.{p.name}"
+                for p in self._patches]
+
     def detach(self) -> None:
         """Remove every wrapper and this callback from the trainer (idempotent)."""
-        self.hooks.detach()
+        while self._patches:
+            self._patches.pop().undo()
         handler = self.trainer.callback_handler
         for cb in (self, self.state_carrier):
             if cb in handler.callbacks:
@@ -101,114 +252,180 @@ class TIMCallback(TrainerCallback):
         # transformers may have rebuilt the carrier (restore_callback_states_from_checkpoint=True): relink it.
         for cb in self.trainer.callback_handler.callbacks:
             if isinstance(cb, TIMState):
-                cb.source = self
-                self.state_carrier = cb
-        self._restore(state)
-        if not self.hooks.attached:
-            self.hooks.attach(
-                generation=self.rollout_source in ("hf", "exact", "inject"),
-                safe_vocab_shim=self.features.safe_vocab_shim() if self.safe_vocab_active else None,
-                exact_scoring=self.rollout_source == "exact",
-            )
+                cb.source, self.state_carrier = self, cb
+        self._load(state)
+        if not self._patches:
+            self.attach()
         if self.config.parity_audit:
-            self.features.run_parity_audit()
+            self.findings, self.parity_specs, counts = run_audit(
+                self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict)
+            self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.hooks.detach()
+        while self._patches:
+            self._patches.pop().undo()
 
-    # ------------------------------------------------------------------------------ hooks → runtime
-    def count_diag(self, name: str, n: float = 1.0, detail: str | None = None) -> None:
-        """Count a diagnostic problem under ``tim/diag/<name>`` and log it the first time (``detail`` says what
-        happened); strict mode raises instead."""
-        if self.config.strict:
-            suffix = f": {detail}" if detail else ""
-            raise RuntimeError(f"tim_plugins (strict): diagnostic problem '{name}'{suffix}")
-        self.diag[name] = self.diag.get(name, 0.0) + n
-        if name not in self._warned:
-            self._warned.add(name)
-            logger.warning("tim_plugins: %s%s (counted under tim/diag/%s; further occurrences not logged)", name,
-                           f" ({detail})" if detail else "", name)
+    # -------------------------------------------------------------------------------- TRL -> pipeline
+    def _wrap_generation_batch(self, original):
+        def _generate_and_score_completions(*args, **kwargs):
+            if not self.trainer.model.training:
+                return original(*args, **kwargs)
+            self._gen_safe, self._unsupported_batch = [], False
+            try:
+                out = original(*args, **kwargs)
+                self._on_generation_batch(out, self._gen_safe)
+            finally:
+                self._gen_safe = None
+            return out
 
-    def wants_deferred_monitor(self, inputs: dict) -> bool:
-        """Loss-forward capture is needed when TRL did not score the batch at the rollout weights."""
-        return (
-            self.monitor is not None
-            and inputs.get("sampling_per_token_logps") is not None
-            and inputs.get("old_per_token_logps") is None
-            and "tim_monitored" not in inputs
-        )
+        return _generate_and_score_completions
 
-    def on_generation_batch(self, out: dict, records: list[dict]) -> None:
-        """Called with each training generation batch, after TRL built it (before shuffle/split).
-
-        Only ever narrows TRL's loss mask (through ``tool_mask``) and, with an IS correction, scales the
-        per-token policy term (``Features.apply_is_weights``); TRL's own flags are never changed."""
+    def _on_generation_batch(self, out: dict, safe: list) -> None:
+        """Each training generation batch, as TRL built it (before its shuffle and split)."""
         self.generation_count += 1
-        metrics = self.trainer._metrics["train"].get("completions/mean_length")
-        if metrics:
-            self.last_mean_length = float(metrics[-1])
-        rollout = out.get("sampling_per_token_logps")
-        if rollout is None and not self.hooks.generation_unsupported:  # an unsupported mode was counted already
-            if self.monitor is not None or self.config.is_correction is not None:
-                self.count_diag("no_rollout_logprobs")
-        mask = _response_mask(out)
+        c, mask, rollout = self.config, hooks.response_mask(out), out.get("sampling_per_token_logps")
+        if c.lr_decay:  # every rank generates together: the mean is exact over all of them
+            self._length = mean_response_length(mask)
+        if rollout is None and not self._unsupported_batch and (c.monitor or c.is_correction is not None):
+            self.pipeline.count("no_rollout_logprobs")
         train = out.get("old_per_token_logps")
-        in_safe = records[0]["in_safe"] if records else None
-        boundary = self.safe_vocab_active and self.config.mask_boundary_tokens
-        correct = self.config.is_correction is not None and rollout is not None
-        if (correct or boundary) and train is None:
-            train, in_safe = self.features.score_at_rollout_weights(out)
-        is_weights = None
-        new_mask = mask
-        if boundary:
-            new_mask = self.features.apply_boundary_mask(new_mask, in_safe)
-        if correct:
-            is_weights, new_mask = self.features.apply_is_correction(train, rollout, new_mask)
-            if is_weights is not None:
-                self.features.apply_is_weights(out, is_weights, mask)
-        elif rollout is not None and out.get("importance_sampling_ratio") is not None:  # TRL's own vLLM correction
-            is_weights = out["importance_sampling_ratio"].expand_as(rollout)
-        if new_mask is not mask:
-            self.features.set_loss_mask(out, mask, new_mask)
-        if self.monitor is not None and rollout is not None and train is not None:
-            self._update_monitor(rollout, train, mask, is_weights, out)
-            out["tim_monitored"] = torch.ones((), device=rollout.device)
-
-    def on_loss_batch(self, inputs: dict, train_logps: torch.Tensor) -> None:
-        """Deferred monitor update with the loss forward's own log-probs (same weights as the rollout)."""
-        mask = _response_mask(inputs)
-        self._update_monitor(inputs["sampling_per_token_logps"], train_logps, mask, None, inputs)
-
-    def _update_monitor(self, rollout, train, mask, is_weights, batch) -> None:
-        if rollout.shape != train.shape:
-            self.count_diag("shape_mismatch")
+        if rollout is None or not self.pipeline.measures:
             return
-        self.monitor.update(rollout, train, mask, is_weights=is_weights)
-        if self.step_monitor is not None:
-            self.step_monitor.update(rollout, train, mask, is_weights=is_weights)
-        if self.features.dumper is not None:
-            self.features.dump(rollout, train, mask, batch)
+        if train is None:  # measured by the first loss forward over these rows (hence at the rollout weights)
+            out["tim_pending"] = torch.ones(rollout.shape[0], dtype=torch.bool, device=rollout.device)
+            return
+        ratio = out.get("importance_sampling_ratio")  # TRL's own vLLM correction, when on
+        weights = self.pipeline.measure(
+            rollout, train, mask, safe=safe[0] if safe else None, step=self.trainer.state.global_step + 1,
+            is_weights=ratio.expand_as(rollout) if ratio is not None else None, token_ids=out["completion_ids"])
+        if weights is not None:
+            out["tim_weights"] = weights
 
-    def exact_generate(self, original, *args, **kwargs):
-        return self.features.exact_generate(*args, **kwargs)
+    def _wrap_loss(self, original):
+        def _compute_loss(model, inputs, *args, **kwargs):
+            if not self.trainer.model.training:
+                return original(model, inputs, *args, **kwargs)
+            self._loss_inputs = inputs
+            try:
+                return original(model, inputs, *args, **kwargs)
+            finally:
+                inputs.update(self._restore)
+                self._loss_inputs, self._restore = None, {}
+
+        return _compute_loss
+
+    def _wrap_logps(self, original):
+        def _get_per_token_logps_and_entropies(*args, **kwargs):
+            self._safe_calls = [] if self.truncation is not None else None
+            try:
+                result = original(*args, **kwargs)
+                calls = self._safe_calls
+            finally:
+                self._safe_calls = None
+            arguments = self._logps_sig.bind(self.trainer, *args, **kwargs).arguments
+            model = arguments.get("model")
+            if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None):
+                return result  # the reference model
+            safe = None
+            if calls is not None:
+                safe = hooks.map_safe_calls(arguments, calls)
+                if safe is None:
+                    self.pipeline.count("safe_vocab_unmapped")
+            if self._gen_safe is not None:
+                self._gen_safe.append(safe)
+            elif self._loss_inputs is not None and torch.is_grad_enabled():
+                self._on_loss_forward(self._loss_inputs, result[0], safe)
+            return result
+
+        return _get_per_token_logps_and_entropies
+
+    def _on_safe_call(self, fields) -> None:
+        if self._safe_calls is not None:
+            self._safe_calls.append(fields)
+
+    def _on_loss_forward(self, inputs: dict, logps: torch.Tensor, safe) -> None:
+        """A loss forward, before TRL reads the advantages: measure pending rows, then scale the policy term."""
+        mask = hooks.response_mask(inputs)
+        if inputs.pop("tim_pending", None) is not None:
+            weights = self.pipeline.measure(
+                inputs["sampling_per_token_logps"], logps.detach(), mask, safe=safe, token_ids=inputs["completion_ids"],
+                step=self.trainer.state.global_step + 1)
+            if weights is not None:
+                inputs["tim_weights"] = weights  # for this batch's later passes (num_iterations > 1)
+        boundary = safe.in_safe if safe is not None and self.config.mask_boundary_tokens else None
+        factor = self.pipeline.loss_factor(mask, boundary, inputs.get("tim_weights"))
+        if factor is not None:
+            self._restore.update(hooks.scale_policy_term(inputs, factor, mask, self.trainer.loss_type))
+
+    def _wrap_single_turn(self, original):
+        def _generate_single_turn(*args, **kwargs):
+            if self.rollout_source == "exact":
+                return self._exact_generate(*args, **kwargs)
+            gen_model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
+            if hasattr(gen_model, "get_base_model"):  # PEFT: generate runs on the transformers model inside
+                gen_model = gen_model.get_base_model()
+            extra = (self.injector,) if self.injector is not None else ()
+            with record_processed_logprobs(gen_model, extra) as recorders:
+                completion_ids, logprobs = original(*args, **kwargs)
+            if logprobs is None:
+                logprobs = self._recorded(recorders, completion_ids)
+            return completion_ids, logprobs
+
+        return _generate_single_turn
+
+    def _recorded(self, recorders: list, completion_ids: list[list[int]]):
+        """Processed log-probs of TRL's generate call, or None (counted): that batch then goes unmeasured."""
+        if len(recorders) != 1:
+            self.pipeline.count("hf_logprobs_unrecorded",
+                                detail=f"{len(recorders)} generate calls in one TRL generation (1 expected)")
+            return None
+        try:
+            logprobs, reason = hooks.recorded_logprobs(recorders[0], completion_ids)
+        except Exception as err:  # a diagnostic problem never breaks the training step
+            self.pipeline.count("hf_logprobs_unrecorded", detail=repr(err))
+            return None
+        if reason is not None:
+            self._unsupported_batch = True
+            self.pipeline.count("unsupported_generation_mode",
+                                detail=f"{reason}; batches generated this way are not measured")
+        return logprobs
+
+    def _exact_generate(self, prompt_ids, images=None, *args, **kwargs):
+        """``rollout='exact'``: TRL's prompts, left-padded as TRL's transformers path pads them, sampled by the
+        exact sampler; returns TRL's (completion_ids, logprobs) lists."""
+        t = self.trainer
+        if images is not None:
+            raise ValueError("TIMConfig.rollout='exact' supports text-only prompts")
+        pad = getattr(t.processing_class, "tokenizer", t.processing_class).pad_token_id
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
+        device = t.accelerator.device
+        with torch.no_grad():
+            comp, comp_mask, logps = exact_generate(
+                t.accelerator.unwrap_model(t.model_wrapped), ids.to(device), attn.to(device),
+                max_new_tokens=t.max_completion_length, temperature=float(t.temperature), pad_token_id=pad,
+                seed=int(t.args.seed) * 1_000_003 + self.generation_count, eos_token_id=t.eos_token_ids)
+        rows = zip(comp.cpu(), comp_mask.cpu().bool(), logps.cpu())
+        completion_ids, logprobs = zip(*[(row[m].tolist(), lp[m].tolist()) for row, m, lp in rows])
+        return list(completion_ids), list(logprobs)
 
     # ---------------------------------------------------------------------------------- step / log
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "grad_norm" in logs and logs["grad_norm"] is not None:
-            self.last_grad_norm = float(logs["grad_norm"])
+        if logs and logs.get("grad_norm") is not None:
+            self._grad_norm = float(logs["grad_norm"])
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.config.enabled:
             return
-        step_metrics: dict[str, float] = {}
-        if self.step_monitor is not None:
-            step_metrics = self.step_monitor.compute()
-            self.step_monitor.reset()
-        if self.config.lr_decay:
-            self.features.lr_decay_step(state.global_step, step_metrics, kwargs.get("optimizer"),
-                                        kwargs.get("lr_scheduler"))
-        if self.features.dumper is not None:
-            self.features.flush_dump(state.global_step)
+        scale = self.pipeline.end_step(state.global_step, response_length=self._length, grad_norm=self._grad_norm)
+        if scale is not None:
+            # Through the scheduler's base_lrs and _last_lr as well as the param groups: TRL's logged
+            # learning_rate (scheduler.get_last_lr()) shows the decay from the next step.
+            apply_lr_scale(kwargs.get("optimizer") or self.trainer.optimizer, scale,
+                           kwargs.get("lr_scheduler") or self.trainer.lr_scheduler)
         if control.should_log:
             self._push_metrics(state, control)
 
@@ -225,52 +442,36 @@ class TIMCallback(TrainerCallback):
         """Append this logging window's tim/ metrics to ``trainer._metrics["train"]``: TRL's ``log()`` averages
         them with its own into the next log entry."""
         self._pushed_at = state.global_step
-        out: dict[str, float] = {}
-        if self.monitor is not None:
-            if self.monitor.updates > 0:
-                out.update(self.monitor.compute())
-                if self.config.log_histograms:
-                    self.features.log_histograms(self.monitor)
-            self.monitor.reset()
-            if self.config.parity_probe:
-                decision = self.features.probe_check(state.global_step, out)
-                out.update(decision.metrics())
-                if decision.stop:
-                    logger.warning("tim_plugins: parity probe tripped at step %d (%s); stopping training",
-                                   state.global_step, ", ".join(f"{t.key}={t.value:.4g}" for t in decision.trips))
-                    control.should_save = True
-                    control.should_training_stop = True
-        out.update({f"tim/diag/{k}": v for k, v in self.diag.items()})
-        for key, values in self.extra_metrics.items():
-            if values:
-                out[key] = sum(values) / len(values)
-        self.extra_metrics = {}
-        if self.config.lr_decay:
-            out.update(self.features.lr_metrics())
+        out, decision, hists = self.pipeline.compute(state.global_step)
+        if decision is not None and decision.stop:
+            logger.warning("tim_plugins: parity probe tripped at step %d (%s); stopping training", state.global_step,
+                           ", ".join(f"{t.key}={t.value:.4g}" for t in decision.trips))
+            control.should_save = control.should_training_stop = True
+        if hists:
+            self._log_histograms(hists)
+        out.update(self._pending)
+        self._pending = {}
         store = self.trainer._metrics["train"]
         for key, value in out.items():
-            if value is None:
-                continue
             store[key].append(float(value))
 
-    def add_metric(self, key: str, value: float) -> None:
-        self.extra_metrics.setdefault(key, []).append(float(value))
+    def _log_histograms(self, hists: dict) -> None:
+        try:
+            import wandb
+
+            if wandb.run is not None:  # commit=False: merged into the row transformers' WandbCallback commits
+                wandb.log({f"tim/hist/{name}": wandb.Histogram(np_histogram=bins) for name, bins in hists.items()},
+                          commit=False)
+        except Exception as err:  # a logging problem never breaks the training step
+            self.pipeline.count("histogram_failed", detail=repr(err))
 
     # ------------------------------------------------------------------------------------ checkpoint
     def state_payload(self) -> dict:
-        return {
-            "version": STATE_VERSION,
-            "monitor": self.monitor.state_dict() if self.monitor is not None else None,
-            "step_monitor": self.step_monitor.state_dict() if self.step_monitor is not None else None,
-            "lr_controller": self.features.lr_state() if self.features is not None else None,
-            "probe": self.features.probe_state() if self.features is not None else None,
-            "diag": dict(self.diag),
-            "last_mean_length": self.last_mean_length,
-            "last_grad_norm": self.last_grad_norm,
-            "generation_count": self.generation_count,
-        }
+        return {"version": STATE_VERSION, "pipeline": self.pipeline.state_dict() if self.pipeline else None,
+                "grad_norm": self._grad_norm,
+                "length": None if math.isnan(self._length) else self._length, "generation_count": self.generation_count}
 
-    def _restore(self, state) -> None:
+    def _load(self, state) -> None:
         """On resume (global_step > 0), reload what the checkpoint's trainer_state.json holds for us."""
         if state.global_step <= 0:
             return
@@ -285,21 +486,8 @@ class TIMCallback(TrainerCallback):
         if payload.get("version") != STATE_VERSION:
             raise RuntimeError(f"tim_plugins: checkpoint TIM state version {payload.get('version')!r} != "
                                f"{STATE_VERSION}; this tim-plugins release cannot resume it")
-        if self.monitor is not None and payload.get("monitor"):
-            self.monitor.load_state_dict(payload["monitor"])
-        if self.step_monitor is not None and payload.get("step_monitor"):
-            self.step_monitor.load_state_dict(payload["step_monitor"])
-        self.features.load_lr_state(payload.get("lr_controller"))
-        self.features.load_probe_state(payload.get("probe"))
-        self.diag = dict(payload.get("diag") or {})
-        self.last_mean_length = payload.get("last_mean_length")
-        self.last_grad_norm = payload.get("last_grad_norm")
+        if payload.get("pipeline"):
+            self.pipeline.load_state_dict(payload["pipeline"])
+        self._grad_norm = payload.get("grad_norm")
+        self._length = math.nan if payload.get("length") is None else float(payload["length"])
         self.generation_count = int(payload.get("generation_count") or 0)
-
-
-def _response_mask(batch: dict) -> torch.Tensor:
-    """[B, T] tokens the loss sees: completion tokens, minus tool-output tokens when TRL marks them."""
-    mask = batch["completion_mask"].bool()
-    if batch.get("tool_mask") is not None:
-        mask = mask & batch["tool_mask"].bool()
-    return mask

@@ -17,7 +17,6 @@ Hooks (all documented verl engine methods, no patching):
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -25,16 +24,13 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
-from tim_plugins.metrics import MismatchMonitor
-from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_loss_mask
+from tim_plugins.lr_control import LengthTriggeredLRDecay
+from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
+from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_logits
 
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
 
 __all__ = ["TIMFSDPEngineWithLMHead", "padded_response"]
-
-# Layout of the safe-vocabulary sums all-reduced with the monitor (max of pruned mass goes separately).
-_SV_FIELDS = ("tokens", "pruned_mass", "size", "boundary")
-
 
 def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
     """A response-shaped field ([B, R] dense or nested jagged [B, j]) as a dense [B, width] tensor."""
@@ -102,20 +98,21 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True: fused kernels return "
                 "log-probs without logits, so the safe vocabulary cannot be applied. Fix: "
                 "actor_rollout_ref.model.use_fused_kernels=false")
-        if config.lr_decay.enable:
-            if not hasattr(self.optimizer, "tim_configure"):
-                raise ValueError(
-                    f"tim.lr_decay.enable=true but the actor optimizer is {type(self.optimizer).__module__}."
-                    f"{type(self.optimizer).__name__}: the decay acts inside the optimizer's step(). Fix: "
-                    f"actor_rollout_ref.actor.optim.optimizer_impl={OPTIMIZER_IMPL} "
-                    "actor_rollout_ref.actor.optim.optimizer=AdamW")
-            self.optimizer.tim_configure(config.lr_decay.options)
+        if config.lr_decay.enable and not hasattr(self.optimizer, "tim_configure"):
+            raise ValueError(
+                f"tim.lr_decay.enable=true but the actor optimizer is {type(self.optimizer).__module__}."
+                f"{type(self.optimizer).__name__}: the decay acts inside the optimizer's step(). Fix: "
+                f"actor_rollout_ref.actor.optim.optimizer_impl={OPTIMIZER_IMPL} "
+                "actor_rollout_ref.actor.optim.optimizer=AdamW")
+        self._tim_pipeline = StepPipeline(PipelineConfig(
+            monitor=config.monitor.enable, ratio_band=config.monitor.ratio_band,
+            safe_vocab=config.safe_vocab.enabled, mask_boundary=config.safe_vocab.mask_boundary,
+            lr_decay=LengthTriggeredLRDecay(**dict(config.lr_decay.options)).config if config.lr_decay.enable
+            else None))
+        if config.lr_decay.enable:  # verl's LambdaLR rewrites the LR each step: the optimizer applies the scale
+            self.optimizer.tim_configure(self._tim_pipeline.lr_controller)
         self._tim = config
         self._tim_bypass = bool(bypass_mode)
-        self._tim_monitor = MismatchMonitor(config.monitor.ratio_band, compile="auto") if config.monitor.enable \
-            else None
-        self._tim_sv_sums = None
-        self._tim_sv_max = None
         self._tim_measured = False
         self._tim_step_start = True
         self._tim_mb = None
@@ -130,8 +127,9 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self._tim is None:
             return {}
         out, self._tim_pending = self._tim_pending, {}
-        if self._tim.lr_decay.enable:
-            out.update(self.optimizer.tim_metrics())
+        controller = self._tim_pipeline.lr_controller
+        if controller is not None:
+            out.update(controller.metrics())
         return out
 
     # ------------------------------------------------------------------------------------ safe vocabulary
@@ -208,49 +206,24 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     @torch.no_grad()
     def _tim_update(self, micro_batch, model_output) -> None:
+        """A measurement pass's micro-batch, response-aligned [b, W], into the pipeline."""
         train = no_padding_2_padding(model_output["log_probs"], micro_batch).float()  # [b, W]
         width = train.shape[1]
         mask = padded_response(micro_batch["response_mask"], width).bool()
         rollout = padded_response(micro_batch["rollout_log_probs"], width).float()
-        state = self._tim_mb
+        state, safe = self._tim_mb, None
         if state is not None:
-            in_safe = no_padding_2_padding(state["in_safe"], micro_batch).bool()
-            keep, _ = safe_loss_mask(mask, in_safe)
-            pruned = no_padding_2_padding(state["pruned_mass"], micro_batch).double()
-            size = no_padding_2_padding(state["size"], micro_batch).double()
-            sums = torch.stack([mask.sum().double(), (pruned * mask).sum(), (size * mask).sum(),
-                                (mask & ~in_safe).sum().double()])
-            pmax = torch.where(mask, pruned, -math.inf).amax().reshape(1) if mask.numel() else \
-                torch.full((1,), -math.inf, dtype=torch.float64)
-            self._tim_sv_sums = sums if self._tim_sv_sums is None else self._tim_sv_sums + sums
-            self._tim_sv_max = pmax if self._tim_sv_max is None else torch.maximum(self._tim_sv_max, pmax)
-            mask = keep.bool()  # boundary tokens carry no comparable log-prob
-        if self._tim_monitor is not None:
-            self._tim_monitor.update(rollout, train, mask)
+            safe = SafeLogprobs(None, *(no_padding_2_padding(state[k], micro_batch)
+                                        for k in ("in_safe", "pruned_mass", "size")))
+        self._tim_pipeline.measure(rollout, train, mask, safe=safe)
         self._tim_measured = True
 
     def _tim_merge(self) -> None:
-        """All-reduce (SUM / MAX) over the DP group; every DP rank takes part, so every rank ran the pass."""
+        """The pipeline's statistics, merged over the DP group (every DP rank runs the pass, so all call it)."""
         if not self._tim_measured:
             return
-        group = self.get_data_parallel_group()
-        out: dict[str, float] = {}
-        if self._tim_monitor is not None:
-            out.update(self._tim_monitor.compute(sync=True, group=group))
-            self._tim_monitor.reset()
-        if self._tim_sv_sums is not None:
-            sums, pmax = self._tim_sv_sums.clone(), self._tim_sv_max.clone()
-            if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-                torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
-                torch.distributed.all_reduce(pmax, op=torch.distributed.ReduceOp.MAX, group=group)
-            n, pruned, size, boundary = sums.tolist()
-            out["tim/safe_vocab/tokens"] = n
-            out["tim/safe_vocab/pruned_mass_mean"] = pruned / n if n > 0 else math.nan
-            out["tim/safe_vocab/pruned_mass_max"] = float(pmax.item()) if n > 0 else math.nan
-            out["tim/safe_vocab/size_mean"] = size / n if n > 0 else math.nan
-            out["tim/safe_vocab/boundary_frac"] = boundary / n if n > 0 else math.nan
-            self._tim_sv_sums = self._tim_sv_max = None
-        self._tim_pending.update(out)
+        metrics, _, _ = self._tim_pipeline.compute(0, sync=True, group=self.get_data_parallel_group())
+        self._tim_pending.update(metrics)
         self._tim_measured = False
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
@@ -259,22 +232,12 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self._tim_merge()
         return out
 
-    def _tim_mean_response_length(self, data) -> float:
-        """Mean number of response tokens per sequence over the whole DP group (exact: sums all-reduced)."""
-        mask = data["response_mask"]
-        per_seq = mask.values().sum() if mask.is_nested else mask.sum()
-        stats = torch.stack([per_seq.double(), torch.tensor(float(data.batch_size[0]), dtype=torch.float64)])
-        group = self.get_data_parallel_group()
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.SUM, group=group)
-        total, count = stats.tolist()
-        return total / count if count > 0 else math.nan
-
     def train_batch(self, data, loss_function):
         if self._tim is None:
             return super().train_batch(data, loss_function)
         if self._tim.lr_decay.enable:
-            self.optimizer.tim_observe_length(self._tim_mean_response_length(data))
+            length = mean_response_length(data["response_mask"], group=self.get_data_parallel_group())
+            self.optimizer.tim_observe_length(length)
         out = super().train_batch(data, loss_function)
         if self._tim_bypass and self._tim_step_start:
             self._tim_merge()

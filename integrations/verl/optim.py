@@ -35,9 +35,9 @@ class TIMLRDecayMixin(ScaledLROptimizerMixin):
         self._tim_stored: Any = None
 
     # -- set by the engine --------------------------------------------------------------------------------------
-    def tim_configure(self, options: dict) -> None:
-        """Create the controller (options of ``LengthTriggeredLRDecay``); picks up a state loaded earlier."""
-        self._tim_controller = LengthTriggeredLRDecay(**dict(options))
+    def tim_configure(self, controller: LengthTriggeredLRDecay) -> None:
+        """Apply ``controller`` (the engine's pipeline's) from now on; picks up a state loaded earlier."""
+        self._tim_controller = controller
         restore_controller_state(self, self._tim_controller)
         self._tim_stored = self.param_groups[0].get(CONTROLLER_STATE_KEY)
         self.set_lr_scale(self._tim_controller.scale)
@@ -49,9 +49,6 @@ class TIMLRDecayMixin(ScaledLROptimizerMixin):
     @property
     def tim_controller(self) -> LengthTriggeredLRDecay | None:
         return self._tim_controller
-
-    def tim_metrics(self) -> dict[str, float]:
-        return self._tim_controller.metrics() if self._tim_controller is not None else {}
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------------------------
     def step(self, closure: Any = None) -> Any:

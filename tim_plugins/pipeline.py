@@ -1,0 +1,275 @@
+"""The per-step TIM pipeline: what every adapter runs per batch, per optimizer step and per logging window.
+
+Framework-neutral (torch only). An adapter translates its framework's tensors into [B, T] response-aligned
+tensors and calls, in this order:
+
+  measure(rollout, train, mask, safe=...)   once per batch of responses, with the trainer's log-probs of the
+                                            rollout's tokens at the rollout's weights (the measurement point):
+      1. boundary tokens (sampled, outside the trainer's safe set S) leave the measured tokens
+         (safe vocabulary with ``mask_boundary``): their safe log-prob is not the one the rollout drew from;
+      2. the IS correction, if configured, on the measured tokens -> per-token weights (0 for a dropped token);
+      3. the mismatch monitor over the measured tokens (with the weights the loss applies);
+      4. the safe-vocabulary statistics over every response token;
+      5. the per-token dump buffers sampled sequences.
+     It returns the per-token factor the loss must apply to its policy term (None: leave the loss alone).
+  loss_factor(mask, in_safe, weights)       every loss pass: that factor times the pass's own boundary mask.
+  end_step(step, response_length=...)       once per optimizer step: the LR controller's scale, the dump file.
+  compute(step)                             once per logging window: every statistic, merged exactly over the
+                                            ranks (all must call it), and the live probe's decision.
+
+Every statistic is a mergeable accumulator (``MismatchMonitor``, ``SafeVocabStats``, ``CorrectionStats``), so
+values are exact whatever the micro-batching and the number of ranks; statistics of an empty set are NaN.
+Problems with the inputs are counted under ``tim/diag/<name>`` and never raised, unless ``strict``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .accumulate import all_reduce_sum_max
+from .corrections import CorrectionConfig, CorrectionStats, apply_correction
+from .dump import DumpConfig, TokenDumper
+from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
+from .metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
+from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
+from .safe_vocab import SafeLogprobs, SafeVocabStats, safe_loss_mask
+
+__all__ = ["PipelineConfig", "StepPipeline", "fit_bins", "mean_response_length", "STATE_VERSION"]
+
+logger = logging.getLogger("tim_plugins")
+STATE_VERSION = 1
+
+
+@dataclass
+class PipelineConfig:
+    """What the pipeline does; every part is off unless set (the monitor is on by default)."""
+
+    monitor: bool = True
+    ratio_band: tuple = DEFAULT_RATIO_BAND
+    safe_vocab: bool = False
+    mask_boundary: bool = True
+    correction: CorrectionConfig | None = None
+    lr_decay: LRDecayConfig | None = None
+    probe: ParityProbeConfig | None = None
+    dump: DumpConfig | None = None
+    strict: bool = False
+    compile: Any = "auto"  # MismatchMonitor(compile=...)
+    histograms: bool = field(default=False, metadata={"help": "compute() also returns the monitor's histograms"})
+
+    def __post_init__(self) -> None:
+        self.ratio_band = check_ratio_band(self.ratio_band)
+        if self.lr_decay is not None and "kl_k3" in self.lr_decay.signals and not self.monitor:
+            raise ValueError("PipelineConfig: lr_decay.signals has 'kl_k3' but monitor=False: the k3 signal comes "
+                             "from the monitor. Fix: monitor=True, or drop 'kl_k3' from the signals.")
+
+
+def _distributed(group) -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group) > 1)
+
+
+def mean_response_length(mask: torch.Tensor, *, sync: bool = True, group=None) -> float:
+    """Mean number of response tokens per sequence of a [B, T] mask (nested [B, j] too), exact over ``group``
+    when ``sync`` (every rank must call it); NaN without a sequence."""
+    per_seq = mask.values().sum() if mask.is_nested else mask.sum()
+    sums = torch.stack([per_seq.double(), torch.tensor(float(mask.size(0)), dtype=torch.float64,
+                                                       device=per_seq.device)])
+    if sync:
+        all_reduce_sum_max(sums, torch.empty(0, dtype=torch.float64, device=sums.device), group)
+    total, count = sums.tolist()
+    return total / count if count > 0 else math.nan
+
+
+def fit_bins(counts, edges, max_bins: int = 512):
+    """Histogram bins for loggers that take at most ``max_bins`` finite edges (wandb): empty outer bins dropped,
+    then neighbours merged in pairs until it fits (counts are summed, the total is unchanged)."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.float64)
+    edges = np.asarray(edges, dtype=np.float64)
+    nz = np.nonzero(counts)[0]
+    if nz.size:
+        counts, edges = counts[nz[0]: nz[-1] + 1], edges[nz[0]: nz[-1] + 2]
+    else:
+        counts, edges = counts[:1], edges[:2]
+    while counts.size > max_bins:
+        if counts.size % 2:
+            counts, edges = np.append(counts, 0.0), np.append(edges, edges[-1])
+        counts = counts.reshape(-1, 2).sum(axis=1)
+        edges = np.append(edges[:-1:2], edges[-1])
+    finite = np.finfo(np.float64)
+    edges = np.clip(np.nan_to_num(edges, posinf=finite.max, neginf=-finite.max), -finite.max, finite.max)
+    return counts, edges
+
+
+class StepPipeline:
+    """The per-step pipeline (see the module docstring). One per process; ``rank`` names its dump files."""
+
+    def __init__(self, config: PipelineConfig | None = None, *, rank: int = 0) -> None:
+        self.config = c = config if config is not None else PipelineConfig()
+        self.rank = int(rank)
+        self.monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if c.monitor else None
+        wants_k3 = c.lr_decay is not None and "kl_k3" in c.lr_decay.signals
+        self._step_monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if wants_k3 else None
+        self.safe_vocab_stats = SafeVocabStats() if c.safe_vocab else None
+        self.correction_stats = CorrectionStats() if c.correction is not None else None
+        self.lr_controller = LengthTriggeredLRDecay(c.lr_decay) if c.lr_decay is not None else None
+        self.probe = ParityProbe(c.probe) if c.probe is not None else None
+        self.dumper = TokenDumper(c.dump) if c.dump is not None else None
+        self.diag: dict[str, float] = {}
+        self._warned: set[str] = set()
+        self._dump_buffer: list[tuple[torch.Tensor, ...]] = []
+
+    @property
+    def measures(self) -> bool:
+        """Whether ``measure`` has anything to do (a statistic, a correction or the dump is on)."""
+        return any(x is not None for x in (self.monitor, self.safe_vocab_stats, self.correction_stats, self.dumper))
+
+    # ------------------------------------------------------------------------------------------ per batch
+    def count(self, name: str, n: float = 1.0, detail: str | None = None) -> None:
+        """Count a problem under ``tim/diag/<name>`` and log it once (``detail`` says what happened); strict
+        mode raises instead."""
+        if self.config.strict:
+            raise RuntimeError(f"tim_plugins (strict): diagnostic problem '{name}'" + (f": {detail}" if detail else ""))
+        self.diag[name] = self.diag.get(name, 0.0) + n
+        if name not in self._warned:
+            self._warned.add(name)
+            logger.warning("tim_plugins: %s%s (counted under tim/diag/%s; further occurrences not logged)", name,
+                           f" ({detail})" if detail else "", name)
+
+    def measure(self, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, *,
+                safe: SafeLogprobs | None = None, is_weights: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None, step: int = 0) -> torch.Tensor | None:
+        """One batch at the measurement point.
+
+        Args:
+            rollout: [B, T] the engine's log-probs of the sampled tokens.
+            train: [B, T] the trainer's log-probs of the same tokens at the rollout's weights.
+            mask: [B, T] response tokens the loss sees.
+            safe: with the safe vocabulary, the trainer's ``SafeLogprobs`` of this pass, fields shaped [B, T]
+                (``logprobs`` may be None: ``train`` holds them).
+            is_weights: [B, T] weights the framework itself applies (e.g. TRL's own vLLM correction), for the
+                monitor's ``tim/is/*``; ignored when the pipeline's own correction runs.
+            token_ids: [B, T] sampled token ids, for the dump.
+            step: the optimizer step the batch trains (the dump's file name).
+        Returns:
+            [B, T] factor for the loss's policy term (IS weight; 0 for a token the boundary mask or the
+            correction drops), or None when nothing changes the loss.
+        """
+        if rollout.shape != train.shape or mask.shape != train.shape:
+            self.count("shape_mismatch", detail=f"rollout {tuple(rollout.shape)}, trainer {tuple(train.shape)}, "
+                       f"mask {tuple(mask.shape)}")
+            return None
+        measured = mask.bool()
+        if safe is not None:
+            if self.safe_vocab_stats is not None:
+                self.safe_vocab_stats.update(measured, safe.in_safe, safe.pruned_mass, safe.size)
+            if self.config.mask_boundary:
+                measured = measured & safe.in_safe.bool()
+        elif self.safe_vocab_stats is not None:
+            self.count("safe_vocab_mask_unavailable")
+        weights = None  # the boundary mask alone is applied by each loss pass (loss_factor)
+        if self.config.correction is not None:
+            res = apply_correction(self.config.correction, train.detach(), rollout.detach(), measured)
+            self.correction_stats.update(res)
+            weights, is_weights = res.weights.to(train.dtype), res.weights
+        for monitor in (self.monitor, self._step_monitor):
+            if monitor is not None:
+                monitor.update(rollout, train, measured, is_weights=is_weights)
+        if self.dumper is not None and token_ids is not None and self.dumper.wants(step):
+            self._dump_buffer.append((rollout.detach(), train.detach(), measured, token_ids))
+        return weights
+
+    @staticmethod
+    def loss_factor(mask: torch.Tensor, in_safe: torch.Tensor | None,
+                    weights: torch.Tensor | None) -> torch.Tensor | None:
+        """The factor one loss pass applies to its policy term: the measured ``weights`` (or None) times the
+        pass's own boundary mask (``in_safe`` of this pass, or None when the safe vocabulary is off / boundary
+        tokens stay in the loss)."""
+        if in_safe is None:
+            return weights
+        keep, _ = safe_loss_mask(mask, in_safe)
+        keep = keep.to(weights.dtype if weights is not None else torch.float32)
+        return keep if weights is None else weights * keep
+
+    # ------------------------------------------------------------------------------------------- per step
+    def end_step(self, step: int, *, response_length: float = math.nan, grad_norm: float | None = None,
+                 sync: bool = True, group=None) -> float | None:
+        """Close one optimizer step: write the step's dump file, feed the LR controller (its k3 signal merged
+        over ``group`` when ``sync``). Returns the LR scale in force from the next step, or None without LR
+        decay."""
+        self._flush_dump(step)
+        if self.lr_controller is None:
+            return None
+        signals = {}
+        if self._step_monitor is not None:
+            signals["kl_k3"] = self._step_monitor.compute(sync=sync, group=group)["tim/token/kl_k3"]
+            self._step_monitor.reset()
+        if "grad_norm" in self.lr_controller.config.signals:
+            signals["grad_norm"] = math.nan if grad_norm is None else float(grad_norm)
+        return self.lr_controller.observe(step, response_length, **signals)
+
+    def _flush_dump(self, step: int) -> None:
+        buf, self._dump_buffer = self._dump_buffer, []
+        if not buf:
+            return
+        width = max(x[0].shape[1] for x in buf)
+
+        def cat(i, value):
+            return torch.cat([torch.nn.functional.pad(x[i], (0, width - x[i].shape[1]), value=value) for x in buf])
+
+        try:
+            self.dumper.write(step, cat(0, 0.0), cat(1, 0.0), cat(2, False), cat(3, 0), rank=self.rank)
+        except Exception as err:  # a dump problem never breaks the training step
+            self.count("dump_failed", detail=repr(err))
+
+    # ------------------------------------------------------------------------------------ per log window
+    def compute(self, step: int, *, sync: bool = True, group=None):
+        """(metrics, probe decision or None, histograms or None) of the window since the last call, then reset.
+
+        Every rank must call it when ``sync`` (the statistics are merged over ``group``). Histograms (the
+        monitor's |Δ log p| and ρ, for ``config.histograms``) are fitted to 512 bins."""
+        out: dict[str, float] = {}
+        decision, hists = None, None
+        if self.monitor is not None:
+            if self.monitor.updates > 0 or (sync and _distributed(group)):
+                out.update(self.monitor.compute(sync=sync, group=group))
+                if self.config.histograms:
+                    hists = {k: fit_bins(*v) for k, v in self.monitor.histograms(sync=sync, group=group).items()}
+            self.monitor.reset()
+            if self.probe is not None:
+                decision = self.probe.check(step, out)
+                out.update(decision.metrics())
+        for stats in (self.safe_vocab_stats, self.correction_stats):
+            if stats is not None and (not stats.empty or (sync and _distributed(group))):
+                out.update(stats.compute(sync=sync, group=group))
+                stats.reset()
+        if self.lr_controller is not None:
+            out.update(self.lr_controller.metrics())
+        out.update({f"tim/diag/{k}": v for k, v in self.diag.items()})
+        return out, decision, hists
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        part = lambda x: x.state_dict() if x is not None else None  # noqa: E731
+        return {
+            "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
+            "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
+            "lr_controller": part(self.lr_controller), "probe": part(self.probe), "diag": dict(self.diag),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise RuntimeError(f"tim_plugins: pipeline state version {state.get('version')!r} != {STATE_VERSION}; "
+                               "this tim-plugins release cannot resume it")
+        for name, obj in (("monitor", self.monitor), ("step_monitor", self._step_monitor),
+                          ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
+                          ("lr_controller", self.lr_controller), ("probe", self.probe)):
+            if obj is not None and state.get(name):
+                obj.load_state_dict(state[name])
+        self.diag = dict(state.get("diag") or {})

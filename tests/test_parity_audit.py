@@ -296,3 +296,13 @@ def test_findings_rows_and_table_show_each_finding_with_its_frameworks_knob():
     text = findings_table(findings, framework="verl")
     assert text.splitlines()[0].split() == list(FINDINGS_COLUMNS) and "dtype-mismatch" in text
     assert findings_table([]).startswith("no findings")
+
+
+def test_truncation_fix_keeps_the_users_sampling_first():
+    """The first fix offered for a truncating sampler keeps it: the trainer applies the same truncation."""
+    rollout, trainer = matched_pair(top_p=0.8)
+    (finding,) = [f for f in audit(rollout, trainer) if f.code == "sampler-truncation-unmatched"]
+    trl = finding.fix["trl"]
+    assert trl.index("TIMConfig(safe_vocab=True)") < trl.index("GRPOConfig(min_p=") < trl.index("top_p=1.0")
+    verl = finding.fix["verl"]
+    assert verl.index("+tim.safe_vocab.min_p=1e-4") < verl.index("actor_rollout_ref.rollout.top_p=1.0")

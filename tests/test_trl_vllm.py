@@ -1,8 +1,7 @@
 """TIMCallback with TRL's vLLM colocate rollouts on the vLLM CPU build (one engine start for the module).
 
-TRL 1.16's weight sync fails on the CPU build ('Parameter' object has no attribute 'weight_loader': vLLM packs
-linear weights into a oneDNN handle). Test-side only, ``VLLMGeneration.sync_weights`` is replaced by vLLM's
-own ``reload_weights`` path (shared research notes, trl.md).
+TRL 1.16's weight sync fails on the CPU build: test-side only, ``VLLMGeneration.sync_weights`` is replaced by
+vLLM's own ``reload_weights`` path (tests/trl_cpu_vllm.py).
 """
 
 from __future__ import annotations
@@ -16,17 +15,11 @@ pytest.importorskip("vllm")
 datasets = pytest.importorskip("datasets")
 
 from test_trl_callback import Capture, _logged, check_vllm_step, make_trainer  # noqa: E402
+from trl_cpu_vllm import cpu_sync_weights  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
-
-
-def _cpu_sync_weights(self):
-    llm = self.llm
-    params = [(name, p.detach().clone()) for name, p in self._iter_named_params()]
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params, "is_checkpoint_format": True})
-    llm.reset_prefix_cache()
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +28,7 @@ def vllm_run(toy_model_path, tmp_path_factory):
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp = pytest.MonkeyPatch()
-    mp.setattr(VLLMGeneration, "sync_weights", _cpu_sync_weights)
+    mp.setattr(VLLMGeneration, "sync_weights", cpu_sync_weights)
     # TRL passes only gpu_memory_utilization, which vLLM's CPU backend reads as a share of RAM that also has to
     # hold everything else this pytest process loaded; the CPU backend's own knob fixes the KV cache at 1 GiB.
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

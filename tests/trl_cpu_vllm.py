@@ -1,0 +1,33 @@
+"""Test-side shims for TRL's vLLM colocate mode on the vLLM CPU build (no source edits, installed at run time).
+
+- ``cpu_sync_weights``: TRL 1.16's weight sync fails on the CPU build ('Parameter' object has no attribute
+  'weight_loader': vLLM packs linear weights into a oneDNN handle). It replaces ``VLLMGeneration.sync_weights``
+  with vLLM's own ``reload_weights`` path (shared research notes, trl.md).
+- ``llm_with``: TRL passes no ``dtype`` to ``vllm.LLM`` in colocate mode (vLLM then follows config.json), so a
+  run that wants bf16 rollouts against an fp32 trainer wraps the constructor TRL calls
+  (``trl.generation.vllm_generation.LLM``) to add it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["cpu_sync_weights", "llm_with"]
+
+
+def cpu_sync_weights(self):
+    llm = self.llm
+    params = [(name, p.detach().clone()) for name, p in self._iter_named_params()]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params, "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+
+
+def llm_with(llm_cls, **extra):
+    """A stand-in for ``llm_cls`` that adds ``extra`` to the keyword arguments TRL passes (TRL sets none of them
+    in colocate mode: the stand-in refuses to override one it did set)."""
+
+    def build(*args, **kwargs):
+        clash = sorted(set(kwargs) & set(extra))
+        if clash:
+            raise RuntimeError(f"TRL now passes {clash} to vllm.LLM itself; drop them from the test-side wrapper")
+        return llm_cls(*args, **kwargs, **extra)
+
+    return build

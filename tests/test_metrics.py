@@ -20,6 +20,18 @@ from tim_plugins.metrics import (
 # Relative tolerance of the monitor's sums vs the float64 reference, by input dtype. The monitor computes in
 # fp32 (half inputs are upcast exactly), so the table depends on the compute dtype, not the storage dtype.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5, torch.float64: 1e-10}
+EPS32 = 2.0**-23  # float32's machine epsilon
+# k3 and chi2 to a few float32 roundings at any |d|, fp32 noise included (see ``_mismatch_layout``): per token,
+# and for a batch whose Σ(ρ − 1) cancels across tokens. Without the series, k3 is ~ε/|d| off (10⁶ε at 1e-7).
+SMALL_D_RTOL = 4 * EPS32
+
+
+def k3_f64(x: float) -> float:
+    """e^x − 1 − x in float64 to ~1e-13 relative: the Taylor series to x⁵ below |x| = 1e-3 (the first term left
+    out is < 3e-15 of the sum), expm1(x) − x from there (expm1's rounding, ~1.1e-16·|x|, is < 2.3e-13 of it)."""
+    if abs(x) < 1e-3:
+        return x * x * (1 / 2 + x * (1 / 6 + x * (1 / 24 + x / 120)))
+    return math.expm1(x) - x
 
 
 def reference(rollout, train, mask, is_weights=None, band=(0.5, 2.0)):
@@ -50,6 +62,7 @@ def reference(rollout, train, mask, is_weights=None, band=(0.5, 2.0)):
     if toks:
         d = [tv - rv for rv, tv in toks]
         rho = [math.exp(x) for x in d]
+        rho_m1 = [math.expm1(x) for x in d]  # ρ − 1 to float64 rounding (exp(x) − 1 would cancel for ρ ≈ 1)
         n = len(d)
         out.update({
             "tim/token/abs_diff_mean": sum(abs(x) for x in d) / n,
@@ -57,9 +70,9 @@ def reference(rollout, train, mask, is_weights=None, band=(0.5, 2.0)):
             "tim/token/prob_abs_diff_mean": sum(abs(math.exp(tv) - math.exp(rv)) for rv, tv in toks) / n,
             "tim/token/prob_abs_diff_max": max(abs(math.exp(tv) - math.exp(rv)) for rv, tv in toks),
             "tim/token/kl_k1": sum(-x for x in d) / n,
-            "tim/token/kl_k3": sum(math.exp(x) - 1 - x for x in d) / n,
-            "tim/token/chi2": sum(x * x for x in rho) / n - 1,
-            "tim/token/ratio_mean": sum(rho) / n,
+            "tim/token/kl_k3": math.fsum(k3_f64(x) for x in d) / n,
+            "tim/token/chi2": (2 * math.fsum(rho_m1) + math.fsum(x * x for x in rho_m1)) / n,  # E[ρ²] − 1
+            "tim/token/ratio_mean": 1 + math.fsum(rho_m1) / n,
             "tim/token/ratio_min": min(rho),
             "tim/token/ratio_max": max(rho),
             "tim/token/ratio_outside_frac": sum(1 for x in rho if x < band[0] or x > band[1]) / n,
@@ -100,6 +113,65 @@ def make_batch(B, T, V=383, seed=0, noise=0.05, dtype=torch.float32, mask_p=0.8)
     train = torch.log_softmax(perturbed, -1).gather(-1, tokens[..., None])[..., 0]
     mask = torch.rand(B, T, generator=g) < mask_p
     return rollout.to(dtype), train.to(dtype), mask
+
+
+def small_d_tokens(dtype=torch.float32, seed=0):
+    """(rollout, train) 1-d tensors of ``dtype``, a token per d = train − rollout: |d| log-spaced from 1e-7 to 1
+    (six a decade), then 1.001, 1.5 and 3 past the series' bound, both signs. The rollout log-prob is 2..16 times
+    |d|, so that half-precision inputs still resolve d; the reference reads d from the values as stored."""
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    size = torch.cat([torch.logspace(-7, 0, 43, dtype=f64), torch.tensor([1.001, 1.5, 3.0], dtype=f64)])
+    target = torch.cat([size, -size])
+    rollout = (-size.repeat(2) * (2 + 14 * torch.rand(target.shape, generator=g, dtype=torch.float64))).to(dtype)
+    train = (rollout.double() + target).to(dtype)
+    keep = train != rollout
+    return rollout[keep], train[keep]
+
+
+def assert_k3_and_chi2_per_token(new_monitor, rollout, train, device="cpu"):
+    """Each token alone in a fresh monitor (``new_monitor()``), as 32 copies in one row (so that vectorised code
+    runs, and the float32 sum of 32 equal terms is exact): kl_k3 and chi2 are then that token's k3 and
+    ρ² − 1 = expm1(2d), within SMALL_D_RTOL of float64 (d exact: the difference of two stored values)."""
+    worst = []
+    for rv, tv in zip(rollout.tolist(), train.tolist()):
+        got = new_monitor().update(torch.full((1, 32), rv, dtype=rollout.dtype, device=device),
+                                   torch.full((1, 32), tv, dtype=train.dtype, device=device)).compute()
+        x = tv - rv
+        for key, want in (("tim/token/kl_k3", k3_f64(x)), ("tim/token/chi2", math.expm1(2 * x))):
+            worst.append((abs(got[key] - want) / abs(want), key, x, got[key], want))
+    worst.sort(reverse=True)
+    assert len(worst) >= 160 and worst[0][0] <= SMALL_D_RTOL, worst[:5]
+
+
+def cancelling_batch(noise: float, B=4, T=128, seed=0):
+    """float32 log-probs r with a recomputation's noise: t = r + a few float32 ulps of r (``noise`` 0), or
+    r + N(0, ``noise``²) rounded to float32. Tokens come in mirrored pairs, (r, t) then (t, r), so Σd = 0 exactly
+    and Σ(ρ − 1) = Σ over pairs of e^d + e^−d − 2 ≈ d² is what is left of it: the sum cancels across tokens, as it
+    does on policy (E[ρ − 1] = 0), here exactly."""
+    g = torch.Generator().manual_seed(seed)
+    r = -0.05 - 8 * torch.rand(B, T // 2, generator=g)
+    if noise == 0:
+        steps = torch.randint(1, 4, r.shape, generator=g) * torch.where(torch.rand(r.shape, generator=g) < 0.5, -1, 1)
+        t = r + steps * (torch.nextafter(r, torch.zeros(())) - r).abs()
+    else:
+        t = (r.double() + noise * torch.randn(r.shape, generator=g, dtype=torch.float64)).float()
+    rollout = torch.stack([r, t], -1).reshape(B, T)
+    train = torch.stack([t, r], -1).reshape(B, T)
+    return rollout, train, torch.ones(B, T, dtype=torch.bool)
+
+
+def assert_k3_and_chi2_of_cancelling_batches(new_monitor, device="cpu"):
+    """``cancelling_batch`` at fp32 noise and at 1e-5, 1e-3: kl_k3, chi2 and the ratio mean within SMALL_D_RTOL of
+    the reference (the sums add a rounding or two to the per-token terms')."""
+    for noise in (0.0, 1e-5, 1e-3):
+        r, t, m = cancelling_batch(noise)
+        got = new_monitor().update(r.to(device), t.to(device), m.to(device)).compute()
+        want = reference(r, t, m)
+        assert got["tim/token/kl_k1"] == 0.0  # Σd = 0: the pairs cancel exactly
+        for key in ("tim/token/kl_k3", "tim/token/chi2", "tim/token/ratio_mean"):
+            err = abs(got[key] - want[key]) / abs(want[key])
+            assert err <= SMALL_D_RTOL, (noise, key, got[key], want[key], err / EPS32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -284,6 +356,34 @@ def test_compiled_pass_equals_eager():
     assert mon.reset() is None
     got = mon.update(r2, t2, m2).compute()
     assert got["tim/token/kl_k3"] == pytest.approx(reference(r2, t2, m2)["tim/token/kl_k3"], rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_k3_and_chi2_per_token_to_float32_rounding(path, dtype):
+    """|d| from 1e-7 to 3, both signs: k3 = ρ − 1 − d without float32 cancellation (the series below |d| = 1),
+    chi2 = ρ² − 1, each token against float64."""
+    if path == "compiled":
+        pytest.importorskip("torch._inductor")
+        probe = MismatchMonitor(compile=True).update(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, dtype=dtype))
+        if probe._compile_failed:
+            pytest.skip("torch.compile is not usable on this machine (no C++ compiler?)")
+    assert_k3_and_chi2_per_token(lambda: MismatchMonitor(compile=path == "compiled"), *small_d_tokens(dtype))
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_k3_and_chi2_when_the_ratios_cancel_across_tokens(path):
+    assert_k3_and_chi2_of_cancelling_batches(lambda: MismatchMonitor(compile=path == "compiled"))
+
+
+def test_float64_inputs_keep_float64_accuracy():
+    """float64 inputs are computed in float64: k3 and chi2 per token within 1e-12 (the series only below 0.1)."""
+    r, t = small_d_tokens(torch.float64)
+    for rv, tv in zip(r.tolist(), t.tolist()):
+        got = mismatch_metrics(torch.tensor([[rv]], dtype=torch.float64), torch.tensor([[tv]], dtype=torch.float64))
+        x = tv - rv
+        assert got["tim/token/kl_k3"] == pytest.approx(k3_f64(x), rel=1e-12, abs=0), x
+        assert got["tim/token/chi2"] == pytest.approx(math.expm1(2 * x), rel=1e-12, abs=0), x
 
 
 @settings(max_examples=40, deadline=None)

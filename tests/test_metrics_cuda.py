@@ -10,7 +10,14 @@ import math
 
 import pytest
 import torch
-from test_metrics import assert_matches, make_batch, reference
+from test_metrics import (
+    assert_k3_and_chi2_of_cancelling_batches,
+    assert_k3_and_chi2_per_token,
+    assert_matches,
+    make_batch,
+    reference,
+    small_d_tokens,
+)
 from test_metrics_triton import assert_same_state
 
 from tim_plugins._mismatch_layout import N_BUCKETS, N_SIGNED_BINS, OFFSETS
@@ -55,6 +62,19 @@ def test_cuda_matches_reference(path, dtype, shape):
     assert not mon._compile_failed and (path != "kernel" or not mon._kernel_failed)
     assert got["tim/invalid_tokens"] == 3
     assert_matches(got, reference(rollout, train, mask, w), rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["kernel", "compiled", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_k3_and_chi2_per_token_to_float32_rounding(path, dtype):
+    """|d| from 1e-7 to 3, both signs: k3 (the series below |d| = 1) and chi2 per token against float64, with
+    the GPU's own exp, log and expm1."""
+    assert_k3_and_chi2_per_token(lambda: _monitor(path), *small_d_tokens(dtype), device="cuda")
+
+
+@pytest.mark.parametrize("path", ["kernel", "compiled", "eager"])
+def test_cuda_k3_and_chi2_when_the_ratios_cancel_across_tokens(path):
+    assert_k3_and_chi2_of_cancelling_batches(lambda: _monitor(path), device="cuda")
 
 
 @pytest.mark.parametrize("path", ["kernel", "compiled"])

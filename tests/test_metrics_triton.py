@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from bounded import run_bounded
-from test_metrics import assert_matches, make_batch, reference
+from test_metrics import (
+    assert_k3_and_chi2_of_cancelling_batches,
+    assert_k3_and_chi2_per_token,
+    assert_matches,
+    make_batch,
+    reference,
+    small_d_tokens,
+)
 
 from tim_plugins._mismatch_layout import FIELDS, N_SUMS, OFFSETS
 from tim_plugins.metrics import MismatchMonitor
@@ -153,6 +160,18 @@ def test_interpreted_kernel_extremes_equal_the_torch_pass():
     assert kernel.histograms()["abs_diff"][0][[0, -1]].tolist() == [2, 1]  # the zero and 1e-10; 1001 (last bin)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_interpreted_kernel_k3_and_chi2_per_token_to_float32_rounding(dtype):
+    """|d| from 1e-7 to 3, both signs: the kernel's k3 (series below |d| = 1) and chi2 per token vs float64."""
+    assert_k3_and_chi2_per_token(_kernel_monitor, *small_d_tokens(dtype))
+
+
+@interpreted
+def test_interpreted_kernel_k3_and_chi2_when_the_ratios_cancel_across_tokens():
+    assert_k3_and_chi2_of_cancelling_batches(_kernel_monitor)
+
+
 def interpreter_skip_reason() -> str | None:
     """Why Triton's interpreter cannot run a kernel with a loop bound taken from an int argument here, or None.
 
@@ -224,7 +243,7 @@ def compile_for_hopper(kernel, args: tuple, constexprs: dict, num_warps: int):
 
 
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, len(_CASES) + 4)
+    run_interpreted(__file__, len(_CASES) + 8)
 
 
 def test_kernel_arguments_follow_the_layout():

@@ -1,4 +1,5 @@
-"""The mismatch monitor's accumulator, defined once: the binning, and the state vector's named fields.
+"""The mismatch monitor's accumulator, defined once: the binning, the k3 term's series, and the state vector's
+named fields.
 
 The state is one float64 vector: additive fields (merged by SUM), then maxima (merged by MAX; a minimum is kept
 as the maximum of its negation). Every producer derives its positions from ``FIELDS``: the torch pass packs
@@ -15,6 +16,7 @@ import torch
 
 __all__ = [
     "PROB_BUCKET_EDGES", "HISTOGRAM_RANGE", "HISTOGRAM_BINS_PER_DECADE", "INVALID_LOGPROB_THRESHOLD", "N_BUCKETS",
+    "K3_SERIES_BOUND", "K3_SERIES",
     "N_ABS_BINS", "N_SIGNED_BINS", "FIELDS", "SUM_FIELDS", "MAX_FIELDS", "OFFSETS", "N_SUMS", "N_STATE",
     "abs_diff_bin_edges", "empty_state", "pack", "unpack",
 ]
@@ -32,11 +34,31 @@ N_BUCKETS = len(PROB_BUCKET_EDGES) - 1
 N_ABS_BINS = round(math.log10(HISTOGRAM_RANGE[1] / HISTOGRAM_RANGE[0])) * HISTOGRAM_BINS_PER_DECADE + 2
 # The signed d histogram: negative bins, the shared "|d| < E_0" bin in the centre, positive bins.
 N_SIGNED_BINS = 2 * N_ABS_BINS - 1
+# The per-token k3 term k3(d) = e^d − 1 − d, in float32 (ε = 2⁻²³): the Taylor series d²/2! + d³/3! + ... + d¹⁰/10!
+# (these coefficients, Horner's rule) for |d| < K3_SERIES_BOUND, expm1(d) − d from there on. Why: expm1(d) is
+# rounded by up to ~ε|d|/2, and subtracting d leaves ~d²/2, so the direct formula's relative error is ~ε/|d|:
+# 12 % per token at |d| = 1e-6 (fp32 noise). For |d| >= 1 that error is
+# (ε/2)·|expm1(d)|/k3(d) + ε/2 <= 1.7ε (at d = 1, 1.4ε at d = −1, less beyond) with a correctly rounded expm1.
+# Below the bound the series is well conditioned (its terms shrink by |d|/k; for d < 0 they alternate, but their
+# sum is at least half the sum of their magnitudes), so Horner's rounding stays ~ε, and stopping after d¹⁰ leaves
+# 2|d|⁹/11! <= 5.0e-8 = 0.42ε at |d| = 1. A lower bound would need fewer terms but moves the direct formula's
+# error up (4.7ε at |d| = 0.25); a higher one needs more terms. Measured against a 40-digit reference: at most 1.3ε
+# (series) and 1.5ε (torch's expm1, |d| >= 1); the Triton kernel's own expm1 reaches 1.9ε at 1 <= |d| < 3 on an
+# H100 (2.7ε in NumPy, as Triton's interpreter runs it). tests/test_metrics.py asserts 4ε per token.
+# In float64 (float64 inputs) the same terms are used only below 0.1, where they stop at 2·0.1⁹/11! = 5e-17 relative,
+# and the direct formula's error above, ~1.1e-16/|d|, stays below 1.2e-15.
+K3_SERIES_BOUND: dict[torch.dtype, float] = {torch.float32: 1.0, torch.float64: 0.1}
+K3_SERIES: tuple[float, ...] = tuple(1.0 / math.factorial(k) for k in range(2, 11))  # 1/2!, ..., 1/10!
 
 # (name, size). The sums, in their merge order; sums of an empty set are 0.
 SUM_FIELDS: tuple[tuple[str, int], ...] = (
     ("tokens", 1), ("invalid", 1), ("abs_d", 1), ("abs_p", 1), ("neg_d", 1), ("k3", 1),
-    ("rho_m1", 1),  # Σ(ρ − 1): chi2 and the ratio mean stay exact for ρ ≈ 1 (no n to cancel)
+    # Σ(ρ − 1), for chi2 and the ratio mean (no n to cancel for ρ ≈ 1). Below the k3 series' bound a token adds
+    # d and k3 to it as two terms (Σd + Σk3 over those tokens), not ρ − 1 rounded to float32: the sum cancels
+    # across tokens where the d's do (on policy E[ρ − 1] = 0), and the rounding of ρ − 1, ~ε|d|/2 a token, would
+    # then be left against a sum of ~d²/2 a token. d is exact (the difference of two inputs; sums of a few float32
+    # ulps of the log-probs add exactly) and k3 is accurate. Above the bound a token adds expm1(d).
+    ("rho_m1", 1),
     ("rho_m1_sq", 1), ("outside", 1), ("seqs", 1), ("seq_log_ratio", 1),
     ("is_tokens", 1), ("is_w", 1), ("is_w2", 1), ("is_masked", 1),
     ("hist", N_SIGNED_BINS),  # counts of the signed d histogram

@@ -16,6 +16,8 @@ from tim_plugins._mismatch_layout import (
     HISTOGRAM_BINS_PER_DECADE,
     HISTOGRAM_RANGE,
     INVALID_LOGPROB_THRESHOLD,
+    K3_SERIES,
+    K3_SERIES_BOUND,
     N_BUCKETS,
     N_SIGNED_BINS,
     PROB_BUCKET_EDGES,
@@ -23,6 +25,27 @@ from tim_plugins._mismatch_layout import (
 )
 
 __all__ = ["batch_state", "token_pass", "cell_counts"]
+
+
+def _k3_terms(d: torch.Tensor, abs_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token (k3 = ρ − 1 − d, its series part, ρ − 1 less that part) without cancellation (``abs_d`` = |d|;
+    ``_mismatch_layout`` argues the accuracy: ~ε). Below ``K3_SERIES_BOUND``: (series, series, d), above it:
+    (expm1(d) − d, 0, expm1(d)); ρ − 1 is the sum of the last two. Below the bound ρ − 1 is d + k3 rather than
+    expm1(d) also because torch.compile's CPU code computes expm1 as exp(d) − 1, which cancels for small |d|
+    (torch 2.13, ``torch/_inductor/codegen/cpp.py``, ``CppVecOverrides.expm1``).
+
+    Few passes over the tokens, for eager mode, where each op is one: a Horner step is one ``addcmul`` into its
+    own output, and the series of d clamped to the bound (so finite) is zeroed above it by a multiply rather
+    than a second where (comparisons and selections are the slow passes on the CPU)."""
+    bound = K3_SERIES_BOUND[d.dtype]
+    small = abs_d < bound
+    clamped = d.clamp(-bound, bound)
+    series = clamped * K3_SERIES[-1] + K3_SERIES[-2]
+    for c in reversed(K3_SERIES[:-2]):
+        torch.addcmul(torch.full((), c, dtype=d.dtype, device=d.device), series, clamped, out=series)
+    series.mul_(clamped).mul_(clamped).mul_(small)
+    linear = torch.where(small, d, torch.expm1(d))
+    return (linear - d).add_(series), series, linear  # linear − d is exactly 0 below the bound
 
 
 def token_pass(
@@ -48,24 +71,25 @@ def token_pass(
     d = torch.where(valid, d, zero)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0
     abs_d = d.abs()
     r = torch.where(valid, rollout, zero)
-    # ρ − 1 via expm1: chi2 and k3 are small differences of O(1) numbers (see the layout's rho_m1).
-    rho_m1 = torch.expm1(d)
+    k3, k3_series, linear = _k3_terms(d, abs_d)
+    rho_m1 = linear + k3_series
     abs_p = torch.exp(r) * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
     # Probability bucket of p = exp(rollout): four comparisons rather than torch.bucketize, which does not
     # fuse under torch.compile and is slow in eager mode on the CPU.
     bucket = sum((r >= math.log(e)).to(dt) for e in PROB_BUCKET_EDGES[1:-1])  # small integers, kept in float
     bucket_abs = torch.stack([torch.where(bucket == k, abs_d, zero).sum() for k in range(N_BUCKETS)])
     seq_d = d.sum(dim=-1)  # Σ_t d over valid tokens: the sequence log-ratio
+    d_sum = seq_d.sum()
     seq_valid = valid.any(dim=-1)
 
     inf = torch.full((), math.inf, dtype=dt, device=rollout.device)
     d_max = torch.where(valid, d, -inf).amax() if d.numel() else -inf
     d_min = torch.where(valid, d, inf).amin() if d.numel() else inf
     out = {
-        "abs_d": bucket_abs.sum(), "abs_p": abs_p.sum(), "neg_d": -d.sum(), "k3": (rho_m1 - d).sum(),
-        "rho_m1": rho_m1.sum(), "rho_m1_sq": (rho_m1 * rho_m1).sum(),
+        "abs_d": bucket_abs.sum(), "abs_p": abs_p.sum(), "neg_d": -d_sum, "k3": k3.sum(),
+        "rho_m1": linear.sum() + k3_series.sum(), "rho_m1_sq": (rho_m1 * rho_m1).sum(),  # see the layout's rho_m1
         "outside": ((d < log_lo) | (d > log_hi)).sum().to(dt),  # d = 0 off the valid tokens: inside the band
-        "seqs": seq_valid.sum().to(dt), "seq_log_ratio": seq_d.sum(), "bucket_abs": bucket_abs,
+        "seqs": seq_valid.sum().to(dt), "seq_log_ratio": d_sum, "bucket_abs": bucket_abs,
         "abs_d_max": torch.maximum(d_max, -d_min), "abs_p_max": abs_p.amax() if abs_p.numel() else -inf,
         "rho_m1_max": torch.expm1(d_max), "neg_rho_m1_min": -torch.expm1(d_min),  # ρ is monotone in d
         "seq_abs_max": torch.where(seq_valid, seq_d.abs(), -inf).amax() if seq_d.numel() else -inf,

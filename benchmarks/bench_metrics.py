@@ -1,20 +1,18 @@
-"""The mismatch monitor vs verl's own mismatch metric code, and vs the monitor of an earlier commit, on the same
-256×4096 tensors.
+"""The mismatch monitor vs verl's own mismatch metric code, on the same 256×4096 tensors.
 
 Baseline (verl 0.9.1): ``verl.utils.debug.metrics.calculate_debug_metrics`` (training/rollout_probs_diff_*,
 Pearson correlation) + ``compute_rollout_corr_metrics_from_logprobs`` (rollout_corr/kl, k3_kl, chi2, ppl).
 Ours: ``MismatchMonitor.reset`` + ``update`` + ``compute`` (every tim/* metric incl. histograms, quantiles,
-buckets), eager and torch.compile'd, and on CUDA the Triton kernel (the default there). ``old_*``: the same calls
-on the monitor of commit c959215 (``benchmarks/_old_monitor.py``; ``--old-ref`` picks another, ``--old-ref ""``
-none). All get the same fp32 log-probs and the same int64 response mask, as verl has them. Goals: on a GPU the
-default path >= 10x faster than verl; on the CPU the compiled pass no slower than c959215's.
+buckets), eager and torch.compile'd, and on CUDA the Triton kernel (the default there). All get the same fp32
+log-probs and the same int64 response mask, as verl has them. Goal: on a GPU the default path >= 10x faster than
+verl (on the CPU the ratios are reported, no goal).
 
 The candidates are timed in interleaved rounds (verl, ours, verl, ours, ...), so a slow spell of a shared
 machine hits all of them; the ratio reported is the ratio of medians. A call that returns Python numbers (verl's
 functions through ``.item()``, ``compute()``) is timed to its return: the GPU work it started is done by then.
 ``update()`` alone only queues GPU work: it is timed to the end of a device synchronisation.
 
-    python -m benchmarks.bench_metrics [--quick] [--device cuda] [--verl-source DIR] [--old-ref REF]
+    python -m benchmarks.bench_metrics [--quick] [--device cuda] [--verl-source DIR]
 
 ``--verl-source`` takes verl's functions from a copy of its source files instead of the installed verl, for
 machines where verl cannot be installed (see ``benchmarks/_verl_baseline.py``).
@@ -29,7 +27,6 @@ import time
 import torch
 
 from benchmarks._common import write_results
-from benchmarks._old_monitor import OLD_REF, load_old_monitor
 from benchmarks._verl_baseline import load_verl_baseline
 from tim_plugins.metrics import MismatchMonitor
 
@@ -107,7 +104,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--verl-source", default=None,
                         help="a verl package folder to load verl's functions from, instead of importing verl")
-    parser.add_argument("--old-ref", default=OLD_REF, help="git commit of the monitor to compare with ('' = none)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the compiled pass's parts: fused pass, histogram counts, compute()")
     parser.add_argument("--threads", type=int, default=None,
@@ -123,16 +119,8 @@ def main(argv=None) -> dict:
 
     monitors = {"tim_eager": MismatchMonitor(compile=False), "tim_compiled": MismatchMonitor(compile=True)}
     monitors["tim_compiled"]._kernel_failed = True  # the torch.compile path, also on CUDA
-    old = load_old_monitor(args.old_ref) if args.old_ref else None
-    if old is not None:
-        monitors["old_eager"] = old.MismatchMonitor(compile=False)
-        monitors["old_compiled"] = old.MismatchMonitor(compile=True)
-        # The torch.compile path also on CUDA (the kernel's failure flag: c959215's name, then today's).
-        monitors["old_compiled"]._triton_failed = monitors["old_compiled"]._kernel_failed = True
     if device.type == "cuda":
         monitors["tim_kernel"] = MismatchMonitor()  # the CUDA default: one Triton kernel
-        if old is not None:
-            monitors["old_kernel"] = old.MismatchMonitor()
 
     def ours(mon):
         return monitor_step(mon, rollout, train, mask)
@@ -161,31 +149,23 @@ def main(argv=None) -> dict:
     fell_back = {name: mon._compile_failed for name, mon in monitors.items() if name.endswith("compiled")}
     if device.type == "cuda":
         fell_back["tim_kernel"] = monitors["tim_kernel"]._kernel_failed
-        if old is not None:
-            old_kernel = monitors["old_kernel"]
-            fell_back["old_kernel"] = getattr(old_kernel, "_kernel_failed", getattr(old_kernel, "_triton_failed", None))
     results = {
         "shape": [args.batch, args.length],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "verl_functions_from": baseline.origin,
-        "old_ref": args.old_ref or None,
         "repeats": repeats,
         "seconds": seconds,
         "fell_back": fell_back,
         # verl's time / ours, per candidate of ours
         "speedup": {name: seconds["verl"] / seconds[name] for name in candidates if name != "verl"},
         "agreement": _agreement(ours(monitors[fastest])(), baseline.run(rollout, train, mask)),
-        "goals": {"cuda: tim_kernel vs verl": ">= 10", "cpu: tim_compiled vs old_compiled": ">= 1"},
+        "goals": {"cuda: tim_kernel vs verl": ">= 10"},
     }
-    # Today's monitor against the earlier commit's, same path: its time / ours (> 1: today's is faster).
-    results["vs_old"] = {path: seconds[f"old_{path}"] / seconds[f"tim_{path}"]
-                         for path in ("eager", "compiled", "kernel") if f"old_{path}" in seconds}
     name = "metrics_vs_verl" if device.type == "cpu" else f"metrics_vs_verl_{device.type}"
     path = write_results(name, results)
     print(f"[{results['device']}] verl {seconds['verl'] * 1e3:.3f} ms; "
           + "; ".join(f"{n} {seconds[n] * 1e3:.3f} ms ({results['speedup'][n]:.1f}x)" for n in results["speedup"])
-          + f"; vs {args.old_ref or '-'}: " + ", ".join(f"{k} {v:.2f}x" for k, v in results["vs_old"].items())
           + f" -> {path}")
     return results
 

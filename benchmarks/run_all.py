@@ -18,7 +18,7 @@ from benchmarks._common import RESULTS_DIR, environment, write_results
 
 # module → (results file, headline keys)
 BENCHMARKS = {
-    "bench_metrics": ("metrics_vs_verl", ("speedup_eager", "speedup_compiled")),
+    "bench_metrics": ("metrics_vs_verl", ("speedup",)),
     "bench_monitor_host": ("monitor_host", None),
     "bench_safe_vocab": ("safe_vocab", None),
     "ablate_min_p": ("ablate_min_p", ("chosen_min_p",)),

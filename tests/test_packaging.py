@@ -98,8 +98,7 @@ print(json.dumps({"imported": imported, "failed": failed, "tokens": m["tim/token
 def test_every_core_module_imports_without_the_frameworks():
     """Each tim_plugins.* module (not the adapters) imports with vllm, trl, verl, ray, wandb, triton and
     flash-attn unavailable, except the two Triton kernel modules, which the monitor and the safe-vocab head import
-    only for CUDA tensors with Triton available (else they compute with torch); the vLLM processors' deprecated
-    aliases import nothing until asked for a class."""
+    only for CUDA tensors with Triton available (else they compute with torch)."""
     out = subprocess.run([sys.executable, "-c", _BLOCKED_IMPORTS], capture_output=True, text=True, cwd="/",
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -107,8 +106,8 @@ def test_every_core_module_imports_without_the_frameworks():
     kernels = ["tim_plugins._mismatch_kernel", "tim_plugins._safe_vocab_kernel"]
     assert sorted(result["failed"]) == kernels, result["failed"]
     assert all("blocked: triton" in result["failed"][name] for name in kernels)
-    expected = {"tim_plugins.metrics", "tim_plugins.safe_vocab", "tim_plugins.corrections", "tim_plugins.cli", "tim_plugins.rollout.vllm_min_p",
-                "tim_plugins.rollout.inject_vllm", "tim_plugins.parity.vllm_spec", "tim_plugins.measure"}
+    expected = {"tim_plugins.metrics", "tim_plugins.safe_vocab", "tim_plugins.corrections", "tim_plugins.cli",
+                "tim_plugins.rollout.vllm_min_p_config", "tim_plugins.parity.vllm_spec", "tim_plugins.measure"}
     assert expected <= set(result["imported"])
     assert result["tokens"] == 2 and result["frameworks"] == []
 

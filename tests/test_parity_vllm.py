@@ -73,7 +73,7 @@ def _hf_raw_logits(model, prompt, tokens):
 
 
 def _step_seed(seed, prompt, outputs):
-    # the documented seeding rule of inject_vllm: blake2b over (prompt digest, seed, step, tokens so far)
+    # the seeding rule documented in integrations/vllm/inject.py: blake2b over (prompt digest, seed, step, tokens)
     digest = hashlib.blake2b(",".join(map(str, prompt)).encode(), digest_size=16).digest()
     h = hashlib.blake2b(digest, digest_size=8)
     h.update(int(seed).to_bytes(8, "little", signed=True))

@@ -256,8 +256,13 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
 
 
 # ------------------------------------------------------------------------------------------ opt-in modes
+TIS_CLIP = 1.5
 OPT_IN_MODES = {
-    "token_tis": (lambda: TIMConfig(is_correction="token_tis", is_correction_options={"token_clip": 1.5}), {}),
+    # With an injected mismatch: with the same weights on both sides ρ = 1 ± 1e-6 and min(ρ, C) = 1 whether the
+    # correction acts or not; here the clip binds on some tokens and others weigh well below 1.
+    "token_tis": (lambda: TIMConfig(is_correction="token_tis", is_correction_options={"token_clip": TIS_CLIP},
+                                    rollout="inject",
+                                    inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}), {}),
     # IcePop with a band tight enough to drop tokens under the injected mismatch: masks narrow.
     "icepop_inject": (lambda: TIMConfig(is_correction="icepop", is_correction_options={"icepop_band": (0.8, 1.25)},
                                            rollout="inject",
@@ -295,12 +300,109 @@ OPT_IN_CASES = [(m, c) for m in OPT_IN_MODES for c in OPT_IN_CONFIGS
                 if c != "tools" or m in ("token_tis", "safe_vocab")]
 
 
+def _naive_logps(model, batch, temperature: float) -> torch.Tensor:
+    """[B, T, V] float64 log-softmax(logits / T) at the completion positions of ``batch``: one plain forward of
+    ``model`` on prompt + completion, as TRL scores them (same ids, same attention mask)."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    t = batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1]
+    return torch.log_softmax(logits.double() / temperature, -1)
+
+
+class NaiveReference:
+    """Test-side wrappers installed before ``Capture`` (innermost, right around TRL): the full-vocabulary
+    log-probs of each generation batch at the rollout weights (for the IS weights) and of each loss batch at the
+    loss forward's weights (for the safe vocabulary), computed with a plain forward of the model, keyed by row
+    content (TRL shuffles rows between generation and loss)."""
+
+    def __init__(self, trainer):
+        self.at_rollout = {}  # row key -> [T] log-prob of each completion token at the rollout weights
+        self.in_loss = []  # per loss call: [B, T, V] log-probs at the loss forward's weights
+        gen, loss = trainer._generate_and_score_completions, trainer._compute_loss
+
+        def _generate_and_score_completions(*a, **k):
+            out = gen(*a, **k)
+            lp = _naive_logps(trainer.model, out, trainer.temperature)
+            tokens = lp.gather(-1, out["completion_ids"][..., None])[..., 0]
+            for i in range(tokens.shape[0]):
+                self.at_rollout[_row_key(out, i)] = tokens[i]
+            return out
+
+        def _compute_loss(model, inputs, *a, **k):
+            self.in_loss.append(_naive_logps(trainer.model, inputs, trainer.temperature))
+            return loss(model, inputs, *a, **k)
+
+        trainer._generate_and_score_completions = _generate_and_score_completions
+        trainer._compute_loss = _compute_loss
+
+
+def _factor_read(trainer, read: dict, i: int, width: int) -> torch.Tensor:
+    """[T] float64: what TRL's loss multiplied row i's policy term by, as it read its inputs (``Capture``): the
+    per-token advantages (every loss type but vespo), or the importance-sampling ratio vespo reads (1 if absent)."""
+    if trainer.loss_type == "vespo":
+        ratio = read.get("importance_sampling_ratio")
+        return torch.ones(width, dtype=torch.float64) if ratio is None else ratio[i].double().expand(width)
+    return read["advantages"][i].double().expand(width)  # (T,) once weighted; a (B,) row is unweighted
+
+
+def _check_token_tis_weights(trainer, cap, ref, require_clip: bool) -> None:
+    """The weights TRL's loss applied equal a naive min(ρ, C), ρ = exp(train − rollout), with the train log-probs
+    from a plain forward at the rollout weights and the rollout log-probs TRL built the batch with. Applied
+    weights, as TRL's loss read them: its per-token advantages over TRL's own (B,) advantages (every loss type
+    but vespo), or the importance-sampling ratio vespo reads. Some weights are well below 1 (an adapter applying
+    none fails), and with ``require_clip`` the clip binds on some token (one applying ρ unclipped fails)."""
+    built = {}
+    for b in cap.trl_built:
+        for i in range(b["completion_ids"].shape[0]):
+            built[_row_key(b, i)] = (b["advantages"][i], b["sampling_per_token_logps"][i], _loss_mask(b)[i])
+    checked = clipped = low = 0
+    for (_, inputs, _), read in zip(cap.losses, cap.read_in_loss, strict=True):
+        for i in range(inputs["completion_ids"].shape[0]):
+            key = _row_key(inputs, i)
+            adv, rollout, mask = built[key]
+            want = torch.clamp(torch.exp(ref.at_rollout[key] - rollout.double()), max=TIS_CLIP)[mask]
+            factor = _factor_read(trainer, read, i, mask.shape[0])[mask]
+            if trainer.loss_type != "vespo":
+                if abs(float(adv)) < 1e-6:  # a group with equal rewards: the weights do not show in A · w
+                    continue
+                factor = factor / float(adv)
+            assert torch.allclose(factor, want, rtol=1e-4, atol=1e-6), (factor, want)
+            checked += int(mask.sum())
+            clipped += int((want >= TIS_CLIP).sum())
+            low += int((want < 0.9).sum())
+    assert checked > 0 and low > 0 and (clipped > 0 or not require_clip), (checked, clipped, low)
+
+
+def _check_safe_vocab_logps(cap, ref, min_p: float) -> None:
+    """The log-probs TRL's loss used equal a naive log-softmax renormalised over the min-p set (HF's rule: p >=
+    min_p · max p, after the temperature) of the same weights, on the loss tokens inside that set, and differ
+    from the full-vocabulary ones. (The sampler prunes with the same rule here, so sampled tokens outside the set,
+    which the boundary mask handles, hardly occur: tests/test_trl_mitigations.py checks that mask.)"""
+    compared, raised = 0, 0.0
+    for full, (_, inputs, used) in zip(ref.in_loss, cap.losses, strict=True):
+        p = full.exp()
+        keep = p >= min_p * p.amax(-1, keepdim=True)
+        log_z = torch.logsumexp(full.masked_fill(~keep, -math.inf), -1)
+        tokens = inputs["completion_ids"][..., None]
+        mask = _loss_mask(inputs)
+        mask = mask & keep.gather(-1, tokens)[..., 0]
+        safe = (full.gather(-1, tokens)[..., 0] - log_z)[mask]
+        assert torch.allclose(used.double()[mask], safe, rtol=0, atol=2e-5), (used.double()[mask] - safe).abs().max()
+        compared += int(mask.sum())
+        raised = max(raised, float((-log_z[mask]).max()) if mask.any() else 0.0)
+        assert bool((-log_z[mask] >= 0).all())  # renormalising over a subset raises every kept log-prob
+    assert compared > 0 and raised > 1e-3, (compared, raised)
+
+
 @pytest.mark.parametrize("mode,config", OPT_IN_CASES)
 def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, config):
     make_cfg, extra = OPT_IN_MODES[mode]
     overrides, setup = OPT_IN_CONFIGS[config]
     overrides = {**overrides, **extra}
     trainer = make(toy_model_path, tmp_path, overrides, setup)
+    ref = NaiveReference(trainer)
     cap = Capture(trainer)
     before = _params(trainer)
     cb = TIMCallback(trainer, make_cfg())
@@ -347,3 +449,8 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         kept = [h["tim/correction/kept_frac"] for h in trainer.state.log_history if "tim/correction/kept_frac" in h]
         assert kept and min(kept) < 1.0  # the correction dropped tokens ...
         assert dropped > 0  # ... and TRL's loss gave them no policy term
+    if config not in ("all-truncated", "beam-search"):  # (measured and corrected batches only)
+        if mode == "token_tis":
+            _check_token_tis_weights(trainer, cap, ref, require_clip=config == "plain")
+        elif mode.startswith("safe_vocab"):
+            _check_safe_vocab_logps(cap, ref, extra["min_p"])

@@ -14,7 +14,6 @@ import torch
 
 from tim_plugins.rollout.vllm_min_p_config import (
     CONFIG_KEY,
-    DEPRECATED_PROCESSOR_FQCN,
     ENV_VAR,
     PROCESSOR_FQCN,
     engine_min_p,
@@ -199,22 +198,12 @@ def test_verl_engine_kwargs_reach_vllm_config(toy_model_path):
     assert math.isclose(json.loads(cli[cli.index("--additional_config") + 1])[CONFIG_KEY], 1e-4)
 
 
-def test_old_import_paths_are_deprecated_aliases_of_the_adapter():
-    """The processors moved to tim_plugins.integrations.vllm; the old module paths give the same classes, with a
-    DeprecationWarning, and the old FQCN still loads through vLLM's own loader (what ``LLM(logits_processors=
-    [...])`` and ``--logits-processors`` run)."""
+def test_processor_fqcn_loads_the_adapter_class_through_vllm():
+    """``PROCESSOR_FQCN`` (what the verl adapter and the docs pass to vLLM) loads the adapter's class through
+    vLLM's own loader (what ``LLM(logits_processors=[...])`` and ``--logits-processors`` run)."""
     from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
 
-    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor
+    from tim_plugins.integrations.vllm import TIMMinPLogitsProcessor
 
     assert PROCESSOR_FQCN == "tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"
     assert _load_logitsprocs_by_fqcns([PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
-    with pytest.warns(DeprecationWarning, match="tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"):
-        assert _load_logitsprocs_by_fqcns([DEPRECATED_PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
-    with pytest.warns(DeprecationWarning, match="tim_plugins.integrations.vllm.inject"):
-        from tim_plugins.rollout.inject_vllm import TailNoiseLogitsProcessor as old_injector
-    assert old_injector is TailNoiseLogitsProcessor
-    import tim_plugins.rollout.vllm_min_p as old_module
-
-    with pytest.raises(AttributeError, match="no attribute 'missing'"):
-        old_module.missing  # noqa: B018

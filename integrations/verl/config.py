@@ -14,7 +14,6 @@ from typing import Any, Mapping
 
 from tim_plugins.metrics import check_ratio_band
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
-from tim_plugins.rollout.vllm_min_p_config import DEPRECATED_PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR_OLD
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
 from tim_plugins.truncation import DEFAULT_MIN_P
 
@@ -256,7 +255,7 @@ def _rollout_min_p_problem(rollout: Any, min_p: float) -> str | None:
                 "tokens outside the trainer's safe set are masked out of the loss (tim/safe_vocab/boundary_frac)")
     engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
     procs = engine.get("logits_processors") or []
-    if not {_VLLM_MIN_P_PROCESSOR, _VLLM_MIN_P_PROCESSOR_OLD} & {str(p) for p in procs}:
+    if _VLLM_MIN_P_PROCESSOR not in {str(p) for p in procs}:
         return (f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r}: tim.safe_vocab.min_p={min_p!r} prunes the "
                 "trainer side, but verl passes no min_p to vLLM, so the rollout would sample from the full "
                 f"vocabulary; the tim-plugins processor must be loaded. {fix}")

@@ -118,6 +118,17 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tim_mb = None
         self._tim_pending: dict[str, float] = {}
 
+    def tim_deconfigure(self) -> None:
+        """Switch the hooks off again: from here on the engine computes as stock verl's ``FSDPEngineWithLMHead``
+        (full-vocabulary log-probs, verl's own loss mask, nothing measured, the scheduler's LR unscaled), as
+        before ``tim_configure``. Metrics not popped yet are dropped; the LR controller's state stays in the
+        optimizer's param groups, so a later ``tim_configure`` continues from it."""
+        if self._tim is not None and self._tim.lr_decay.enable:
+            self.optimizer.tim_deconfigure()
+        self._tim = None
+        self._tim_pipeline = None
+        self._tim_pending = {}
+
     @property
     def tim_active(self) -> bool:
         return self._tim is not None

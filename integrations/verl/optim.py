@@ -42,6 +42,13 @@ class TIMLRDecayMixin(ScaledLROptimizerMixin):
         self._tim_stored = self.param_groups[0].get(CONTROLLER_STATE_KEY)
         self.set_lr_scale(self._tim_controller.scale)
 
+    def tim_deconfigure(self) -> None:
+        """Drop the controller: ``step()`` is the torch class's again (scale 1.0). A stored controller state
+        stays in ``param_groups[0]`` for a later ``tim_configure`` to pick up."""
+        self._tim_controller = None
+        self._tim_length = None
+        self.set_lr_scale(1.0)
+
     def tim_observe_length(self, mean_response_length: float) -> None:
         """The mean response length of the mini-batch this step trains on (already all-reduced over DP)."""
         self._tim_length = float(mean_response_length)

@@ -69,8 +69,8 @@ def reference(model_path, raw, *, min_p: float, temperature: float = 1.0):
 
 @pytest.mark.parametrize("remove_padding", [True, False])
 def test_unconfigured_engine_is_stock_verl(engines, batch, remove_padding):
-    """Registered but not configured (and configured with pruning off): log-probs equal verl's own engine class
-    on the same weights, bit for bit."""
+    """Registered but not configured (and configured with pruning off, and deconfigured after pruning):
+    log-probs equal verl's own engine class on the same weights, bit for bit."""
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     eng = engines[remove_padding]
@@ -89,8 +89,17 @@ def test_unconfigured_engine_is_stock_verl(engines, batch, remove_padding):
     try:
         monitored = H.old_log_probs_padded(H.infer(eng, td, use_remove_padding=remove_padding), td)
     finally:
-        eng._tim = None
+        eng.tim_deconfigure()
     assert torch.equal(monitored, plain)
+    # pruning on changes the log-probs; tim_deconfigure() gives stock verl's back, bit for bit
+    eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": MIN_P}}))
+    try:
+        pruned = H.old_log_probs_padded(H.infer(eng, td, use_remove_padding=remove_padding), td)
+    finally:
+        eng.tim_deconfigure()
+    assert not torch.equal(pruned, plain)
+    assert not eng.tim_active and eng.tim_pop_metrics() == {}
+    assert torch.equal(H.old_log_probs_padded(H.infer(eng, td, use_remove_padding=remove_padding), td), plain)
 
 
 @pytest.mark.parametrize("layout", ["dense", "v1"])
@@ -136,7 +145,7 @@ def test_safe_vocab_logprobs_and_monitor_match_core(engines, batch, toy_model_pa
         got = H.old_log_probs_padded(out, td)
         metrics = eng.tim_pop_metrics()
     finally:
-        eng._tim = None
+        eng.tim_deconfigure()
     ref, ref_in_safe, ref_pruned, ref_size = reference(toy_model_path, raw, min_p=MIN_P)
     mask = raw["response_mask"].bool()
     assert (~ref_in_safe & mask).any(), "the test needs boundary tokens: raise MIN_P"
@@ -179,7 +188,7 @@ def test_boundary_tokens_leave_the_loss(dist, toy_model_path, layout, mask_bound
         old = H.old_log_probs_padded(H.infer(eng, td), td)
         out, _ = H.train_step(eng, td, old)
     finally:
-        eng._tim = None
+        eng.tim_deconfigure()
     in_safe = reference(toy_model_path, raw, min_p=MIN_P)[1]
     mask = raw["response_mask"].bool()
     kept = mask & in_safe if mask_boundary else mask

@@ -19,28 +19,38 @@ OPTIONS = {"warmup_steps": 2, "window": 1, "patience": 1, "margin": 0.25, "coold
            "decay_factor": 0.5, "min_lr_ratio": 0.1, "baseline_ema": 0.01}
 
 
+def _mean_length(raw) -> float:
+    """What the engine hands the controller: the batch's mean response length (world size 1: the DP mean)."""
+    return raw["response_mask"].sum().item() / raw["response_mask"].shape[0]
+
+
 def test_lr_decay_through_verl_optimizer_and_checkpoint(toy_model_path, tmp_path):
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
     H.init_dist(port=29572)
     eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
     assert type(eng.optimizer).__module__ == OPTIMIZER_IMPL
     eng.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": OPTIONS}}))
-    short, _ = H.make_batch(VOCAB, response=4, seed=2)
+    short, raw_short = H.make_batch(VOCAB, response=4, seed=2)
     long, raw_long = H.make_batch(VOCAB, response=12, seed=3)
+    # Reference: the core controller fed the same lengths, outside verl (the scale of step k applies to step k).
+    reference = LengthTriggeredLRDecay(**OPTIONS)
+    want = [reference.observe(None, _mean_length(raw)) for raw in (raw_short, raw_short, raw_long)]
+    assert want == [1.0, 1.0, 0.5]  # the third step's length is far above the 2-step baseline: one trigger
     lrs = []
     for td in (short, short, long):
         old = H.old_log_probs_padded(H.infer(eng, td), td)
         _, lr = H.train_step(eng, td, old)
         lrs.append(lr)
-    # the third step's mean response length is far above the 2-step baseline: one trigger, scale 0.5
-    assert eng.optimizer.lr_scale == 0.5
-    assert lrs == [LR, LR, LR * 0.5]  # verl's logged actor/lr is the effective LR
+    assert eng.optimizer.lr_scale == want[-1]
+    assert lrs == [LR * s for s in want]  # verl's logged actor/lr is the effective LR
     # the LambdaLR still holds the unscaled schedule (it would overwrite an outside write)
     assert eng.lr_scheduler.get_last_lr()[0] == LR
     metrics = eng.tim_pop_metrics()
     assert metrics["tim/lr/scale"] == 0.5 and metrics["tim/lr/trigger_count"] == 1.0
     # the controller saw the DP-mean response length of the batch
-    want_len = raw_long["response_mask"].sum().item() / raw_long["response_mask"].shape[0]
-    assert metrics["tim/lr/window_length"] == pytest.approx(want_len)
+    assert metrics["tim/lr/window_length"] == pytest.approx(_mean_length(raw_long))
+    assert eng.optimizer.tim_controller.state_dict() == reference.state_dict()
 
     ckpt = str(tmp_path / "ckpt")
     eng.save_checkpoint(ckpt, global_step=3)
@@ -50,11 +60,23 @@ def test_lr_decay_through_verl_optimizer_and_checkpoint(toy_model_path, tmp_path
     fresh.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": OPTIONS}}))
     assert fresh.optimizer.lr_scale == 1.0
     fresh.load_checkpoint(ckpt)
+    # verl's own load restored both the controller and the scale it applies (before any step)
+    assert fresh.optimizer.tim_controller.state_dict() == state_before
+    assert fresh.optimizer.lr_scale == 0.5
     td = short
     old = H.old_log_probs_padded(H.infer(fresh, td), td)
     _, lr_fresh = H.train_step(fresh, td, old)
     _, lr_orig = H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))
-    assert fresh.optimizer.tim_controller.state_dict()["scale"] == 0.5 or fresh.optimizer.lr_scale == 0.5
-    assert lr_fresh == lr_orig  # same observation after resume → same LR as the uninterrupted run
-    assert fresh.optimizer.tim_controller.state_dict() == eng.optimizer.tim_controller.state_dict()
+    after = reference.observe(None, _mean_length(raw_short))  # the reference's fourth observation
+    assert fresh.optimizer.lr_scale == eng.optimizer.lr_scale == after
+    assert lr_fresh == lr_orig == LR * after  # same observation after resume → same LR as the uninterrupted run
+    assert fresh.optimizer.tim_controller.state_dict() == eng.optimizer.tim_controller.state_dict() \
+        == reference.state_dict()
     assert state_before != eng.optimizer.tim_controller.state_dict()  # it did move on by one observation
+
+    # tim_deconfigure(): back to verl's own numerics: the scheduler's LR, unscaled, and no tim metric
+    eng.tim_deconfigure()
+    assert not eng.tim_active and eng.optimizer.lr_scale == 1.0
+    _, lr_stock = H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))
+    assert lr_stock == eng.lr_scheduler.get_last_lr()[0] == LR
+    assert eng.tim_pop_metrics() == {}

@@ -37,9 +37,16 @@ RUN_TIMEOUT_S = 900
 # fp32 on both sides: what is left is kernel noise (packed sdpa FSDP forward vs vLLM's CPU attention).
 FP32_ABS_DIFF_MEAN = 1e-5
 FP32_ABS_DIFF_MAX = 1e-4
-# verl computes k3 in float32 from per-token ratios; at fp32 noise (r ~ 1e-7) its exp(r) - r - 1 is rounding
-# error of ~1e-8 (it even goes negative), while ours (float64) reads ~1e-13: equal within this bound.
-K3_NOISE_ABS = 1e-8
+# At fp32 noise verl's float32 k3, exp(r) - r - 1 with r ~ 1e-7, is rounding error of ~1e-8 (it even goes
+# negative; its chi2 likewise) while the true k3 is ~1e-13: no reference there. Two others on the same batch:
+# - k1: verl's rollout_corr/kl, a float32 mean of the same log-ratios (no cancellation near 1): K1_REL.
+# - k3 against the second moment of ρ - 1 over the same tokens, E[(ρ - 1)²] = chi2 - 2 (ratio_mean - 1) (the
+#   monitor's chi2 = 2 E[ρ - 1] + E[(ρ - 1)²] and ratio_mean = 1 + E[ρ - 1] share one sum of ρ - 1, which
+#   cancels), since expm1(d) - d = (ρ - 1)²/2 - d³/3 + ...: equal within float32's rounding of expm1(d), one ulp
+#   per token (2^-23 mean|d|), plus the float32 sums' (K3_SUM_REL) and float64's rounding of ratio_mean near 1.
+#   Measured: 1.1% apart at mean|d| 2.4e-7 (k3 7.5e-14), where the bound is 38%.
+K1_REL = 1e-4
+K3_SUM_REL = 1e-4
 # With a real mismatch (bf16 rollout, k3 ~ 1e-5 .. 1e-4) both compute the same mean over the same tokens, but
 # verl's float32 exp(r) - r - 1 is a difference of numbers near 1 whose result (~r²/2) sits on a grid of float32
 # spacing at 1 (2^-23 = 1.2e-7), so its mean is off by up to about that spacing (measured |Δ| 2.6e-9 at k3
@@ -128,8 +135,23 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
         assert logged == expected, (step, sorted(logged ^ expected))
         assert not any(k.startswith("actor/tim/") for k in metrics)  # exact keys, not verl's actor/ prefix
         assert metrics["tim/tokens"] == metrics["tim/safe_vocab/tokens"] > 0
-        # tim's k3 and verl's own rollout-correction k3 on the same batch (both at fp32 noise here)
-        assert abs(metrics["tim/token/kl_k3"] - metrics["rollout_corr/k3_kl"]) <= K3_NOISE_ABS, step
+
+
+def test_tim_k1_and_k3_at_fp32_noise_against_independent_references(recipe_run):
+    """fp32 on both sides: k1 against verl's own rollout-correction k1 on the same tokens, k3 against the
+    second moment of ρ - 1 (see K1_REL)."""
+    assert recipe_run.steps
+    compared = 0
+    for step, m in recipe_run.steps.items():
+        k3 = m["tim/token/kl_k3"]
+        second_moment = m["tim/token/chi2"] - 2.0 * (m["tim/token/ratio_mean"] - 1.0)
+        bound = 2.0**-23 * m["tim/token/abs_diff_mean"] + K3_SUM_REL * k3 + 2.0**-52
+        assert abs(k3 - second_moment / 2) <= bound, (step, k3, second_moment / 2, bound)
+        assert bound < k3, step  # so a k3 of 0, or twice the right one, fails the check above
+        if m["tim/safe_vocab/boundary_frac"] == 0.0:  # the same tokens on both sides
+            compared += 1
+            assert m["tim/token/kl_k1"] == pytest.approx(m["rollout_corr/kl"], rel=K1_REL), step
+    assert compared >= 2, "too few steps without a boundary token to compare k1 with verl's"
 
 
 def test_recipe_run_prints_the_startup_audit(recipe_run):

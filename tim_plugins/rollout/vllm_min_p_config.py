@@ -22,14 +22,11 @@ import os
 from typing import Any, Mapping
 
 __all__ = [
-    "PROCESSOR_FQCN", "DEPRECATED_PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p",
-    "vllm_engine_kwargs",
+    "PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p", "vllm_engine_kwargs",
 ]
 
 # vLLM loads processors by "<module>:<class>" (``LLM(logits_processors=[...])``, ``--logits-processors``).
 PROCESSOR_FQCN = "tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"
-# The name before the processor moved to the vLLM adapter: still loads the same class, for one release.
-DEPRECATED_PROCESSOR_FQCN = "tim_plugins.rollout.vllm_min_p:TIMMinPLogitsProcessor"
 # Key in vLLM's ``additional_config`` and in ``SamplingParams.extra_args``.
 CONFIG_KEY = "tim_min_p"
 ENV_VAR = "TIM_PLUGINS_MIN_P"

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tim_plugins._config import field_help
 from tim_plugins.cli import UsageError, add_config_options, config_from_args
 
 __all__ = ["DemoConfig", "run_demo", "register", "toy_reward"]
@@ -30,24 +31,20 @@ __all__ = ["DemoConfig", "run_demo", "register", "toy_reward"]
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
 @dataclass
 class DemoConfig:
-    model: str | None = field(default=None, metadata=_help(
+    model: str | None = field(default=None, metadata=field_help(
         "local HF checkpoint folder for the policy; default: the locally built toy model"))
-    steps: int = field(default=40, metadata=_help("GRPO optimizer steps"))
-    rollout_dtype: str = field(default="bfloat16", metadata=_help(
+    steps: int = field(default=40, metadata=field_help("GRPO optimizer steps"))
+    rollout_dtype: str = field(default="bfloat16", metadata=field_help(
         f"dtype of the rollout copy of the policy, one of {_DTYPES} (the trainer stays float32)"))
-    prompts_per_step: int = field(default=4, metadata=_help("prompts per optimizer step"))
-    num_generations: int = field(default=8, metadata=_help("completions per prompt (the GRPO group)"))
-    max_completion_length: int = field(default=48, metadata=_help("tokens sampled per completion at most"))
-    temperature: float = field(default=1.0, metadata=_help("sampling temperature (the trainer divides by it too)"))
-    learning_rate: float = field(default=5e-4, metadata=_help("AdamW learning rate of the policy"))
-    seed: int = field(default=0, metadata=_help("seed of prompts, sampling and training"))
-    out: str = field(default="tim-out/demo", metadata=_help("output folder"))
+    prompts_per_step: int = field(default=4, metadata=field_help("prompts per optimizer step"))
+    num_generations: int = field(default=8, metadata=field_help("completions per prompt (the GRPO group)"))
+    max_completion_length: int = field(default=48, metadata=field_help("tokens sampled per completion at most"))
+    temperature: float = field(default=1.0, metadata=field_help("sampling temperature (the trainer divides by it too)"))
+    learning_rate: float = field(default=5e-4, metadata=field_help("AdamW learning rate of the policy"))
+    seed: int = field(default=0, metadata=field_help("seed of prompts, sampling and training"))
+    out: str = field(default="tim-out/demo", metadata=field_help("output folder"))
 
     def __post_init__(self) -> None:
         from tim_plugins.measure_rollouts import check_model_path

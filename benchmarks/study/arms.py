@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from tim_plugins._config import field_help
+
 __all__ = ["StudyConfig", "Arm", "build_arms", "SCENARIOS", "MITIGATIONS", "degradation_rule", "collapse_rule",
            "PROFILE_FILE"]
 
@@ -31,59 +33,55 @@ MITIGATIONS = ("token_tis", "seq_mis", "icepop", "safe_vocab", "lr_decay")
 PROFILE_FILE = "measured_profile_smollm2.json"
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
 @dataclass
 class StudyConfig:
-    steps: int = field(default=100, metadata=_help("GRPO optimizer steps per run"))
-    seeds: tuple = field(default=(0, 1, 2, 3), metadata=_help("training seeds, the same for every arm (paired)"))
-    scenarios: tuple = field(default=("main", "length", "update", "surge"), metadata=_help(
+    steps: int = field(default=100, metadata=field_help("GRPO optimizer steps per run"))
+    seeds: tuple = field(default=(0, 1, 2, 3), metadata=field_help("training seeds, the same for every arm (paired)"))
+    scenarios: tuple = field(default=("main", "length", "update", "surge"), metadata=field_help(
         f"which scenarios to run, among {SCENARIOS}"))
-    budget: int = field(default=64, metadata=_help("completion budget L of the main cell (tokens)"))
-    lengths: tuple = field(default=(16, 192), metadata=_help("other budgets of the length axis"))
-    magnitudes: tuple = field(default=(1.0, 3.0, 10.0, 20.0, 30.0), metadata=_help(
+    budget: int = field(default=64, metadata=field_help("completion budget L of the main cell (tokens)"))
+    lengths: tuple = field(default=(16, 192), metadata=field_help("other budgets of the length axis"))
+    magnitudes: tuple = field(default=(1.0, 3.0, 10.0, 20.0, 30.0), metadata=field_help(
         "injected mismatch of the main cell, in units of the measured bf16 engine's per-probability |Δ log p| "
         "(x20 was added after the pre-registered runs, to place the onset between x10 and x30)"))
-    curve_magnitudes: tuple = field(default=(10.0, 20.0, 30.0), metadata=_help(
+    curve_magnitudes: tuple = field(default=(10.0, 20.0, 30.0), metadata=field_help(
         "injected magnitudes on the length and update axes (x20 added as above)"))
-    profile_setting: str = field(default="hf-bf16", metadata=_help(
+    profile_setting: str = field(default="hf-bf16", metadata=field_help(
         "which measured profile the injector follows (a setting of measured_profile_smollm2.json)"))
-    prompts_per_step: int = field(default=4, metadata=_help("distinct prompts per GRPO step"))
-    num_generations: int = field(default=8, metadata=_help("completions per prompt (GRPO group)"))
-    learning_rate: float = field(default=3e-4, metadata=_help(
+    prompts_per_step: int = field(default=4, metadata=field_help("distinct prompts per GRPO step"))
+    num_generations: int = field(default=8, metadata=field_help("completions per prompt (GRPO group)"))
+    learning_rate: float = field(default=3e-4, metadata=field_help(
         "constant LR of every cell but the update axis (chosen once on the control arm, never per arm)"))
-    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping (TRL's default 1.0)"))
-    high_lr_factor: float = field(default=5.0, metadata=_help("update axis: LR multiplier (clipping off)"))
-    temperature: float = field(default=1.0, metadata=_help("sampling temperature"))
-    loss_type: str = field(default="grpo", metadata=_help("TRL loss_type"))
-    eval_every: int = field(default=10, metadata=_help("evaluate the trained policy every k steps"))
-    eval_prompts: int = field(default=128, metadata=_help("held-out prompts (never in any training batch)"))
-    surge_budget: int = field(default=128, metadata=_help("surge scenario: completion budget"))
-    surge_after: int = field(default=25, metadata=_help(
+    max_grad_norm: float = field(default=1.0, metadata=field_help("gradient clipping (TRL's default 1.0)"))
+    high_lr_factor: float = field(default=5.0, metadata=field_help("update axis: LR multiplier (clipping off)"))
+    temperature: float = field(default=1.0, metadata=field_help("sampling temperature"))
+    loss_type: str = field(default="grpo", metadata=field_help("TRL loss_type"))
+    eval_every: int = field(default=10, metadata=field_help("evaluate the trained policy every k steps"))
+    eval_prompts: int = field(default=128, metadata=field_help("held-out prompts (never in any training batch)"))
+    surge_budget: int = field(default=128, metadata=field_help("surge scenario: completion budget"))
+    surge_after: int = field(default=25, metadata=field_help(
         "surge scenario: the step from which the reward favours length (before: length-neutral)"))
-    surge_magnitude: float = field(default=10.0, metadata=_help("surge scenario: injected magnitude"))
-    lr_decay_options: dict = field(default_factory=lambda: {"warmup_steps": 10, "cooldown": 10}, metadata=_help(
+    surge_magnitude: float = field(default=10.0, metadata=field_help("surge scenario: injected magnitude"))
+    lr_decay_options: dict = field(default_factory=lambda: {"warmup_steps": 10, "cooldown": 10}, metadata=field_help(
         "LengthTriggeredLRDecay options; the core defaults (20-step warm-up/cooldown) assume runs of hundreds of "
         "steps, so both are scaled to this run length"))
-    min_p: float = field(default=0.02, metadata=_help(
+    min_p: float = field(default=0.02, metadata=field_help(
         "sampler min_p of the safe-vocab arm (the trainer prunes the same tail): with 39 tokens and ~3 likely "
         "ones, 0.02 prunes tokens 50x less likely than the top one; the core default 1e-4 prunes nothing here"))
-    mitigation_cell: str | None = field(default=None, metadata=_help(
+    mitigation_cell: str | None = field(default=None, metadata=field_help(
         "mitigation scenario: the arm whose harm the mitigations are tried on"))
-    mitigations: tuple = field(default=("token_tis", "seq_mis", "icepop", "safe_vocab"), metadata=_help(
+    mitigations: tuple = field(default=("token_tis", "seq_mis", "icepop", "safe_vocab"), metadata=field_help(
         f"mitigations tried alone on mitigation_cell, among {MITIGATIONS}"))
-    device: str = field(default="cpu", metadata=_help("cpu or cuda"))
-    model: str | None = field(default=None, metadata=_help(
+    device: str = field(default="cpu", metadata=field_help("cpu or cuda"))
+    model: str | None = field(default=None, metadata=field_help(
         "a local model path instead of the chain task's warm start (its tokenizer must spell the task's letters "
         "as single tokens)"))
-    hidden_size: int | None = field(default=None, metadata=_help(
+    hidden_size: int | None = field(default=None, metadata=field_help(
         "warm start: hidden size of the toy model (None: the task's 64); the GPU preset raises it"))
-    num_layers: int | None = field(default=None, metadata=_help("warm start: layers (None: the task's 2)"))
-    warm_start_steps: int | None = field(default=None, metadata=_help(
+    num_layers: int | None = field(default=None, metadata=field_help("warm start: layers (None: the task's 2)"))
+    warm_start_steps: int | None = field(default=None, metadata=field_help(
         "supervised warm-start steps of the chain task (chain_stop takes 3x; None: the recipe's 500 / 1500)"))
-    arms: tuple | None = field(default=None, metadata=_help("subset of arm names (None: every arm)"))
+    arms: tuple | None = field(default=None, metadata=field_help("subset of arm names (None: every arm)"))
 
     def __post_init__(self) -> None:
         for name in ("seeds", "scenarios", "lengths", "magnitudes", "curve_magnitudes", "mitigations"):

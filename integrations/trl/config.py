@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from tim_plugins._config import field_help as _help
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.metrics import check_ratio_band
 
@@ -24,10 +25,6 @@ ROLLOUT_CHOICES = ("auto", "hf", "exact", "inject")
 # The correction modes are defined once, in the core (combinations such as "geo_rs+token_tis" are valid too).
 IS_CORRECTION_CHOICES = tuple(m for m in CORRECTION_MODES if m != "none")
 LR_DECAY_SIGNALS = ("k3", "grad_norm")
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from tim_plugins._config import field_help
 from tim_plugins.metrics import check_ratio_band
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
@@ -51,20 +52,16 @@ def rollout_min_p_overrides(min_p: float) -> list[str]:
             f"+{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={min_p!r}"]
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
 def _bad(path: str, value: Any, rule: str, fix: str) -> ValueError:
     return ValueError(f"tim-plugins: {path}={value!r} is invalid: {rule}. Fix: {fix}")
 
 
 @dataclass
 class MonitorSettings:
-    enable: bool = field(default=False, metadata=_help(
+    enable: bool = field(default=False, metadata=field_help(
         "Per step, tim/* mismatch metrics of rollout_log_probs vs the actor's recomputed old_log_probs, "
         "merged exactly over data-parallel ranks inside the worker."))
-    ratio_band: tuple = field(default=(0.5, 2.0), metadata=_help(
+    ratio_band: tuple = field(default=(0.5, 2.0), metadata=field_help(
         "(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac."))
 
     def __post_init__(self) -> None:
@@ -74,11 +71,11 @@ class MonitorSettings:
 
 @dataclass
 class SafeVocabSettings:
-    min_p: float = field(default=0.0, metadata=_help(
+    min_p: float = field(default=0.0, metadata=field_help(
         "Safe vocabulary S = {a : p_T(a) >= min_p * max_b p_T(b)} for the actor's log-probs (old-log-prob and "
         "training passes); 0 = off. The vLLM rollout must sample with the same min_p (tim-plugins' logits "
         "processor, see rollout_min_p_overrides) and report processed log-probs."))
-    mask_boundary: bool = field(default=True, metadata=_help(
+    mask_boundary: bool = field(default=True, metadata=field_help(
         "Drop sampled tokens outside the trainer's S (boundary disagreements) from the loss."))
 
     def __post_init__(self) -> None:
@@ -94,10 +91,10 @@ class SafeVocabSettings:
 
 @dataclass
 class LRDecaySettings:
-    enable: bool = field(default=False, metadata=_help(
+    enable: bool = field(default=False, metadata=field_help(
         "Length-triggered LR decay inside the actor's optimizer (needs optim.optimizer_impl="
         f"{OPTIMIZER_IMPL})."))
-    options: dict = field(default_factory=dict, metadata=_help(
+    options: dict = field(default_factory=dict, metadata=field_help(
         "Options of tim_plugins.lr_control.LengthTriggeredLRDecay (warmup_steps, window, margin, patience, "
         "decay_factor, min_lr_ratio, cooldown, mode, ...), e.g. +tim.lr_decay.options.decay_factor=0.5."))
 
@@ -115,12 +112,12 @@ class LRDecaySettings:
 
 @dataclass
 class ProbeSettings:
-    action: str = field(default="warn", metadata=_help("On a trip: 'warn', 'raise', or 'stop' (stop after "
+    action: str = field(default="warn", metadata=field_help("On a trip: 'warn', 'raise', or 'stop' (stop after "
                                                         "a checkpoint)."))
-    kl_k3: float | None = field(default=None, metadata=_help("Trip when tim/token/kl_k3 exceeds this."))
-    abs_diff_max: float | None = field(default=None, metadata=_help(
+    kl_k3: float | None = field(default=None, metadata=field_help("Trip when tim/token/kl_k3 exceeds this."))
+    abs_diff_max: float | None = field(default=None, metadata=field_help(
         "Trip when tim/token/abs_diff_max exceeds this."))
-    seq_log_ratio_abs_max: float | None = field(default=None, metadata=_help(
+    seq_log_ratio_abs_max: float | None = field(default=None, metadata=field_help(
         "Trip when tim/seq/log_ratio_abs_max exceeds this."))
 
     def __post_init__(self) -> None:
@@ -144,9 +141,9 @@ class ProbeSettings:
 
 @dataclass
 class ParitySettings:
-    audit: bool = field(default=True, metadata=_help(
+    audit: bool = field(default=True, metadata=field_help(
         "Audit rollout vs trainer numerics on the composed config at start-up (driver) and print the table."))
-    strict: bool = field(default=False, metadata=_help(
+    strict: bool = field(default=False, metadata=field_help(
         "Stop before any worker starts when the audit finds an error-level mismatch."))
 
 

@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tim_plugins._config import field_help
+
 __all__ = [
     "PipelineSpec",
     "normalize_dtype",
@@ -93,10 +95,6 @@ def normalize_top_k(value: Any) -> Optional[int]:
     return 0 if k <= 0 else k
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
 @dataclass
 class PipelineSpec:
     """What one side (rollout engine or trainer) does to turn weights into a token's log-prob.
@@ -106,42 +104,42 @@ class PipelineSpec:
     top_k=0, min_p=0.0).
     """
 
-    side: str = field(default="rollout", metadata=_help("'rollout' or 'trainer'"))
-    framework: Optional[str] = field(default=None, metadata=_help("vllm, hf, trl, verl-fsdp, ... (display)"))
-    device: Optional[str] = field(default=None, metadata=_help("cpu / cuda; some findings only apply on GPUs"))
-    dtype: Optional[str] = field(default=None, metadata=_help("weight/compute dtype: float32|bfloat16|float16"))
+    side: str = field(default="rollout", metadata=field_help("'rollout' or 'trainer'"))
+    framework: Optional[str] = field(default=None, metadata=field_help("vllm, hf, trl, verl-fsdp, ... (display)"))
+    device: Optional[str] = field(default=None, metadata=field_help("cpu / cuda; some findings only apply on GPUs"))
+    dtype: Optional[str] = field(default=None, metadata=field_help("weight/compute dtype: float32|bfloat16|float16"))
     lm_head_dtype: Optional[str] = field(
-        default=None, metadata=_help("lm_head (logits) precision; None = same as dtype when dtype is known")
+        default=None, metadata=field_help("lm_head (logits) precision; None = same as dtype when dtype is known")
     )
     logprobs_mode: Optional[str] = field(
-        default=None, metadata=_help("rollout only: vLLM logprobs_mode (raw_logprobs|processed_logprobs|...)")
+        default=None, metadata=field_help("rollout only: vLLM logprobs_mode (raw_logprobs|processed_logprobs|...)")
     )
-    temperature: Optional[float] = field(default=None, metadata=_help("logits are divided by this"))
-    top_p: Optional[float] = field(default=None, metadata=_help("nucleus truncation; 1.0 = off"))
-    top_k: Optional[int] = field(default=None, metadata=_help("top-k truncation; 0 = off (-1 normalised to 0)"))
-    min_p: Optional[float] = field(default=None, metadata=_help("min-p truncation; 0.0 = off"))
-    repetition_penalty: Optional[float] = field(default=None, metadata=_help("1.0 = off"))
-    presence_penalty: Optional[float] = field(default=None, metadata=_help("0.0 = off"))
-    frequency_penalty: Optional[float] = field(default=None, metadata=_help("0.0 = off"))
-    logit_bias: Optional[bool] = field(default=None, metadata=_help("a logit bias / allowed-token list is set"))
-    bad_words: Optional[bool] = field(default=None, metadata=_help("bad-words masking is set"))
+    temperature: Optional[float] = field(default=None, metadata=field_help("logits are divided by this"))
+    top_p: Optional[float] = field(default=None, metadata=field_help("nucleus truncation; 1.0 = off"))
+    top_k: Optional[int] = field(default=None, metadata=field_help("top-k truncation; 0 = off (-1 normalised to 0)"))
+    min_p: Optional[float] = field(default=None, metadata=field_help("min-p truncation; 0.0 = off"))
+    repetition_penalty: Optional[float] = field(default=None, metadata=field_help("1.0 = off"))
+    presence_penalty: Optional[float] = field(default=None, metadata=field_help("0.0 = off"))
+    frequency_penalty: Optional[float] = field(default=None, metadata=field_help("0.0 = off"))
+    logit_bias: Optional[bool] = field(default=None, metadata=field_help("a logit bias / allowed-token list is set"))
+    bad_words: Optional[bool] = field(default=None, metadata=field_help("bad-words masking is set"))
     custom_logits_processors: Optional[tuple] = field(
-        default=None, metadata=_help("names of custom logits processors active on this side (() = none)")
+        default=None, metadata=field_help("names of custom logits processors active on this side (() = none)")
     )
     weight_quantization: Optional[str] = field(
-        default=None, metadata=_help("'none' or the scheme (fp8, int8, awq, gptq, bitsandbytes, ...)")
+        default=None, metadata=field_help("'none' or the scheme (fp8, int8, awq, gptq, bitsandbytes, ...)")
     )
-    kv_cache_dtype: Optional[str] = field(default=None, metadata=_help("'auto' (= dtype) or fp8, fp8_e4m3, ..."))
-    prefix_caching: Optional[bool] = field(default=None, metadata=_help("KV of shared prefixes reused"))
-    chunked_prefill: Optional[bool] = field(default=None, metadata=_help("long prefills split into chunks"))
-    cudagraph: Optional[bool] = field(default=None, metadata=_help("CUDA graphs captured (padded batch sizes)"))
-    compile: Optional[bool] = field(default=None, metadata=_help("torch.compile / fused custom ops in use"))
+    kv_cache_dtype: Optional[str] = field(default=None, metadata=field_help("'auto' (= dtype) or fp8, fp8_e4m3, ..."))
+    prefix_caching: Optional[bool] = field(default=None, metadata=field_help("KV of shared prefixes reused"))
+    chunked_prefill: Optional[bool] = field(default=None, metadata=field_help("long prefills split into chunks"))
+    cudagraph: Optional[bool] = field(default=None, metadata=field_help("CUDA graphs captured (padded batch sizes)"))
+    compile: Optional[bool] = field(default=None, metadata=field_help("torch.compile / fused custom ops in use"))
     batch_invariant: Optional[bool] = field(
-        default=None, metadata=_help("log-probs independent of batch composition (VLLM_BATCH_INVARIANT, ...)")
+        default=None, metadata=field_help("log-probs independent of batch composition (VLLM_BATCH_INVARIANT, ...)")
     )
-    attention_backend: Optional[str] = field(default=None, metadata=_help("FLASH_ATTN, sdpa, CPU_ATTN, ..."))
-    source: str = field(default="", metadata=_help("where the values were read (display only)"))
-    notes: dict = field(default_factory=dict, metadata=_help("free-form provenance per field (display only)"))
+    attention_backend: Optional[str] = field(default=None, metadata=field_help("FLASH_ATTN, sdpa, CPU_ATTN, ..."))
+    source: str = field(default="", metadata=field_help("where the values were read (display only)"))
+    notes: dict = field(default_factory=dict, metadata=field_help("free-form provenance per field (display only)"))
 
     def __post_init__(self) -> None:
         if self.side not in SIDES:

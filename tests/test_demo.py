@@ -42,7 +42,8 @@ def test_rollout_func_samples_with_a_synced_low_precision_copy(toy_model_path, t
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from tim_plugins.rollout.hf import RolloutBatch, trainer_logprobs
+    from tim_plugins.rollout.batch import RolloutBatch
+    from tim_plugins.rollout.scoring import score_completions
 
     tok = AutoTokenizer.from_pretrained(toy_model_path)
     tok.padding_side = "left"
@@ -75,8 +76,11 @@ def test_rollout_func_samples_with_a_synced_low_precision_copy(toy_model_path, t
     cmask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in out["completion_ids"]])
     batch = RolloutBatch(pids, pmask, cids, cmask, torch.zeros(cids.shape))
     got = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in out["logprobs"]])
-    own = trainer_logprobs(rollouts.model, batch)
-    fp32 = trainer_logprobs(trainer.model, batch)
+    with torch.no_grad():  # the trainer's recomputation, with the positions generate used
+        own = score_completions(rollouts.model, batch.input_ids, batch.attention_mask, width, temperature=1.0,
+                                positions_from_mask=True).logprobs
+        fp32 = score_completions(trainer.model, batch.input_ids, batch.attention_mask, width, temperature=1.0,
+                                 positions_from_mask=True).logprobs
     m = cmask.bool()
     assert (got - own)[m].abs().max() < 0.1
     d = (fp32.double() - got.double())[m]

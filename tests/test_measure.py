@@ -189,6 +189,6 @@ def test_hf_rollout_times_the_sampling_not_the_whole_vocabulary_readout(toy_mode
     t0 = time.perf_counter()
     roll = hf_rollout(model, enc, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0)
     wall = time.perf_counter() - t0
-    assert 0 < roll.seconds < wall - 0.5 and roll.tokens == 3 * 6
+    assert 0 < roll.sample_seconds < wall - 0.5 and roll.completion_ids.numel() == 3 * 6
     picked = roll.full_logprobs.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(picked, roll.logprobs, rtol=0, atol=1e-6)

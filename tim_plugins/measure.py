@@ -297,8 +297,8 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
     for b, start in enumerate(tqdm(batches, desc=f"measuring {setting.name}", unit="batch", leave=False)):
         enc = run.tokenizer(prompts[start: start + cfg.batch_size], return_tensors="pt", padding=True)
         roll = sample(enc, cfg.seed * 100_003 + b)
-        seconds += roll.seconds
-        tokens += roll.tokens
+        seconds += roll.sample_seconds
+        tokens += roll.completion_ids.numel()
         mask = response_mask(roll.completion_ids, run.eos_ids, cfg.min_new_tokens)
         tr = trainer_score(run.trainer, roll, mask, temperature=cfg.temperature, order=order,
                            exact=setting.rollout == "exact", **truncation)

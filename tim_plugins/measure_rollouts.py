@@ -22,6 +22,7 @@ import torch
 
 from tim_plugins._optional import require
 from tim_plugins.cli import UsageError
+from tim_plugins.rollout.batch import RolloutBatch
 
 __all__ = [
     "DTYPES",
@@ -29,7 +30,6 @@ __all__ = [
     "check_model_path",
     "load_model",
     "response_mask",
-    "RolloutOut",
     "hf_rollout",
     "exact_rollout",
     "start_vllm",
@@ -99,48 +99,33 @@ def load_model(model: str | None, dtype: torch.dtype, *, fp32_head: bool = False
 
 def response_mask(completion_ids: torch.Tensor, eos_ids: list[int], min_new_tokens: int) -> torch.Tensor:
     """[B, T] long: 1 up to and including the first EOS at position >= ``min_new_tokens`` − 1 (0-based)."""
-    from tim_plugins.rollout.hf import completion_mask_from_eos
+    from tim_plugins.rollout.batch import completion_mask_from_eos
 
     return completion_mask_from_eos(completion_ids, eos_ids, min_length=min_new_tokens)
 
 
-@dataclass
-class RolloutOut:
-    """One sampled batch: tokens [B, T], processed log-probs [B, T], distributions [B, T, V] (``known``: which
-    entries the engine returned, None = all), seconds spent sampling and tokens sampled."""
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    logprobs: torch.Tensor
-    full_logprobs: torch.Tensor
-    known: torch.Tensor | None
-    seconds: float
-    tokens: int
-
-
 def hf_rollout(model, enc, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-               seed: int, injector=None) -> RolloutOut:
+               seed: int, injector=None) -> RolloutBatch:
+    """HF ``generate``, with the whole processed distribution of every step. Timed as the vLLM and exact rollouts
+    are (``sample_seconds``): the sampling with the sampled tokens' log-probs, not the whole-vocabulary readout the
+    comparison needs afterwards."""
     from tim_plugins.rollout.hf import generate_with_logprobs
 
     if injector is not None:
         injector.reset()
-    batch = generate_with_logprobs(
+    return generate_with_logprobs(
         model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, eos_token_id=[],
         logits_processor=None if injector is None else [injector], return_full_logprobs=True,
     )
-    # Timed as the vLLM and exact rollouts are: the sampling with the sampled tokens' log-probs, not the
-    # whole-vocabulary readout the comparison needs afterwards.
-    return RolloutOut(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.logprobs, batch.full_logprobs,
-                      None, batch.sample_seconds, batch.completion_ids.numel())
 
 
-def exact_rollout(model, enc, *, max_new_tokens: int, temperature: float, seed: int) -> RolloutOut:
+def exact_rollout(model, enc, *, max_new_tokens: int, temperature: float, seed: int) -> RolloutBatch:
     """The exact sampler; the distribution of each step is read from the sampler's own forward: a hook keeps
     the logits row ``exact_generate`` samples from at that step, and the same op (``tempered_log_softmax``)
     turns the rows into log-probs after the timed call (a row's log-softmax does not depend on other rows)."""
-    from tim_plugins.rollout.exact import exact_generate, tempered_log_softmax
+    from tim_plugins.rollout.exact import exact_generate
+    from tim_plugins.rollout.scoring import tempered_log_softmax
 
     P = enc["input_ids"].shape[1]
     steps: list[torch.Tensor] = []
@@ -151,14 +136,15 @@ def exact_rollout(model, enc, *, max_new_tokens: int, temperature: float, seed: 
     handle = model.register_forward_hook(capture, with_kwargs=True)
     try:
         t0 = time.perf_counter()
-        ids, _mask, logps = exact_generate(model, enc["input_ids"], enc["attention_mask"],
+        ids, mask, logps = exact_generate(model, enc["input_ids"], enc["attention_mask"],
                                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                            eos_token_id=[])
         seconds = time.perf_counter() - t0
     finally:
         handle.remove()
     full = tempered_log_softmax(torch.stack(steps, dim=1), temperature)
-    return RolloutOut(enc["input_ids"], enc["attention_mask"].long(), ids, logps, full, None, seconds, ids.numel())
+    return RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), ids, mask, logps, full_logprobs=full,
+                        sample_seconds=seconds)
 
 
 def start_vllm(path: str, *, dtype: str, seed: int, fp32_head: bool, max_logprobs: int):
@@ -179,7 +165,7 @@ def start_vllm(path: str, *, dtype: str, seed: int, fp32_head: bool, max_logprob
 
 
 def vllm_rollout(llm, enc, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-                 seed: int, num_logprobs: int, vocab: int) -> RolloutOut:
+                 seed: int, num_logprobs: int, vocab: int) -> RolloutBatch:
     from tim_plugins.truncation import Truncation, make_vllm_sampling_params
 
     trunc = Truncation(min_p=min_p, top_p=top_p, top_k=top_k, temperature=temperature, order="vllm")
@@ -210,8 +196,8 @@ def vllm_rollout(llm, enc, *, max_new_tokens: int, temperature: float, top_p: fl
             full[b, t, idx] = torch.tensor([e.logprob for e in entries.values()])
             known[b, t, idx] = True
             logps[b, t] = entries[tok].logprob
-    return RolloutOut(enc["input_ids"], enc["attention_mask"].long(), ids, logps, full,
-                      None if bool(known.all()) else known, seconds, B * T)
+    return RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), ids, torch.ones_like(ids), logps,
+                        full_logprobs=full, known=None if bool(known.all()) else known, sample_seconds=seconds)
 
 
 @dataclass
@@ -228,38 +214,34 @@ class TrainerOut:
 
 
 @torch.no_grad()
-def trainer_score(model, roll: RolloutOut, mask: torch.Tensor, *, temperature: float, top_p: float, top_k: int,
+def trainer_score(model, roll: RolloutBatch, mask: torch.Tensor, *, temperature: float, top_p: float, top_k: int,
                   min_p: float, order: str, exact: bool) -> TrainerOut:
-    """One full-sequence forward of the trainer on the rollout's tokens.
+    """One full-sequence forward of the trainer on the rollout's tokens (``rollout.scoring``), scored over ``mask``.
 
     ``exact``: the forward at the exact sampler's padded shape, without position ids (``exact_logprobs``);
-    else the HF trainer's forward with the positions ``generate`` used (``completion_logits``).
+    else the HF trainer's forward with the positions ``generate`` used.
     """
-    from tim_plugins.rollout.exact import tempered_log_softmax
-    from tim_plugins.rollout.hf import RolloutBatch, completion_logits
+    from tim_plugins.rollout.scoring import completion_logits, score_completions, scores_from_logits
     from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_vocab_metrics
     from tim_plugins.truncation import Truncation, truncation_threshold
 
-    batch = RolloutBatch(roll.prompt_ids, roll.prompt_mask, roll.completion_ids, mask, roll.logprobs)
+    T = roll.completion_ids.shape[1]
+    in_safe = torch.ones_like(mask, dtype=torch.bool)
     if exact:
-        ids, attn = batch.input_ids, torch.cat([roll.prompt_mask, torch.ones_like(mask)], dim=1)
-        P = roll.prompt_ids.shape[1]
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1:-1]
-        full = tempered_log_softmax(logits, temperature)
-        sampled = full.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
-        return TrainerOut(sampled, torch.ones_like(mask, dtype=torch.bool), full, None, {})
-    logits = completion_logits(model, batch).float()
-    B, T, V = logits.shape
+        ids, attn = roll.input_ids, torch.cat([roll.prompt_mask, torch.ones_like(mask)], dim=1)
+        scores = score_completions(model, ids, attn, T, temperature=temperature, full=True)
+        return TrainerOut(scores.logprobs, in_safe, scores.full_logprobs, None, {})
+    attn = torch.cat([roll.prompt_mask, mask], dim=1)
+    logits = completion_logits(model, roll.input_ids, attn, T, positions_from_mask=True).float()
+    untruncated = scores_from_logits(logits, roll.completion_ids, temperature, full=True)
     trunc = Truncation(min_p=min_p, top_p=top_p, top_k=top_k, temperature=temperature, order=order)
-    z = logits / temperature
-    untruncated_full = torch.log_softmax(z, dim=-1)
     if not trunc.active:
-        sampled = untruncated_full.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
-        return TrainerOut(sampled, torch.ones_like(mask, dtype=torch.bool), untruncated_full, None, {})
+        return TrainerOut(untruncated.logprobs, in_safe, untruncated.full_logprobs, None, {})
+    B, _, V = logits.shape
     safe = safe_logprobs_from_logits(logits.reshape(B * T, V), roll.completion_ids.reshape(-1), min_p=min_p,
                                      temperature=temperature, top_p=top_p, top_k=top_k, order=order)
+    z = logits / temperature
     tau = truncation_threshold(z.reshape(B * T, V), trunc).reshape(B, T, 1)
     full = torch.log_softmax(torch.where(z >= tau, z, -math.inf), dim=-1)
-    untruncated = untruncated_full.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
     metrics = safe_vocab_metrics(safe, mask)
-    return TrainerOut(safe.logprobs.reshape(B, T), safe.in_safe.reshape(B, T), full, untruncated, metrics)
+    return TrainerOut(safe.logprobs.reshape(B, T), safe.in_safe.reshape(B, T), full, untruncated.logprobs, metrics)

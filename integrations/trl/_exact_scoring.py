@@ -4,7 +4,8 @@ The exact sampler (``tim_plugins.rollout.exact``) runs one full forward over a f
 buffer and takes ``log_softmax(logits.float() / T)``. TRL 1.16 recomputes log-probs through its fused, chunked
 lm_head at shape [B, P + longest completion]: both fp32, equal to ~5e-7 nats, but not bitwise, so k3 would read
 ~1e-14 instead of 0.0. In exact mode the trainer therefore scores like the sampler: completions right-padded to
-``max_completion_length`` (mask 0; the causal mask hides them), one forward, the same op on the same slice.
+``max_completion_length`` (mask 0; the causal mask hides them), one forward, the same op on the same slice: the
+core's ``rollout.scoring.score_completions``, which the sampler's own recomputation (``exact_logprobs``) is.
 Installed through ``hooks.Patch`` (reversible), under the monitor's own wrapper.
 """
 
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from tim_plugins.rollout.exact import tempered_log_softmax
+from tim_plugins.rollout.scoring import score_completions
 
 __all__ = ["exact_scorer"]
 
@@ -40,14 +41,10 @@ def exact_scorer(trainer) -> Callable[[Any], Callable]:
                 b = input_ids.size(0)
                 input_ids = torch.cat([input_ids, input_ids.new_full((b, extra), pad_id)], dim=1)
                 attention_mask = torch.cat([attention_mask, attention_mask.new_zeros((b, extra))], dim=1)
-            p = input_ids.size(1) - width
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-            logp_all = tempered_log_softmax(logits[:, p - 1 : -1], temperature)  # [B, W, V]
-            logps = logp_all.gather(-1, input_ids[:, p:].unsqueeze(-1)).squeeze(-1)[:, :logits_to_keep]
-            entropies = None
-            if compute_entropy:  # H = −Σ p log p
-                entropies = -(logp_all.exp() * logp_all).sum(-1)[:, :logits_to_keep]
-            return logps, entropies, None
+            scores = score_completions(model, input_ids, attention_mask, width, temperature=temperature,
+                                       entropy=compute_entropy)
+            entropies = scores.entropy[:, :logits_to_keep] if compute_entropy else None
+            return scores.logprobs[:, :logits_to_keep], entropies, None
 
         return scorer
 

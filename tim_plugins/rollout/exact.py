@@ -11,7 +11,9 @@ recomputes
     logp   = log_softmax(logits[:, P-1:-1].float() / T).gather(completion)
 
 at the same padded shape reproduces the rollout log-probs bitwise (k3 exactly 0.0). `exact_logprobs` is
-that recomputation. Cost: T full forwards over P + T tokens, i.e. O(T) times an incremental decode.
+that recomputation; sampler and recomputation share the forward and the op (``rollout.scoring``:
+``completion_logits`` + ``tempered_log_softmax``, i.e. ``score_completions``). Cost: T full forwards over
+P + T tokens, i.e. O(T) times an incremental decode.
 """
 
 from __future__ import annotations
@@ -20,15 +22,9 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["exact_generate", "exact_logprobs", "tempered_log_softmax"]
+from tim_plugins.rollout.scoring import completion_logits, score_completions, tempered_log_softmax
 
-
-def tempered_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    # log p = log_softmax(z / T) in fp32; T == 0 (greedy) uses the untempered distribution, as vLLM does.
-    z = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        z = z / temperature
-    return torch.log_softmax(z, dim=-1)
+__all__ = ["exact_generate", "exact_logprobs"]
 
 
 @torch.no_grad()
@@ -51,10 +47,7 @@ def exact_logprobs(
     """
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    p = prompt_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    logp = tempered_log_softmax(logits[:, p - 1:-1], temperature)
-    return logp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    return score_completions(model, ids, mask, completion_ids.shape[1], temperature=temperature).logprobs
 
 
 @torch.no_grad()
@@ -113,10 +106,9 @@ def exact_generate(
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     eos_set = eos_set.to(device)
     for t in range(t_max):
-        # The whole buffer every step: same shapes as the trainer's forward, no KV cache.
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        # Same slice and op as exact_logprobs (log_softmax over [B, T, V]); keep only column t.
-        step_logp = tempered_log_softmax(logits[:, p - 1:-1], temperature)[:, t]
+        # The whole buffer every step, the trainer's forward, slice and op (log_softmax over [B, T, V], as
+        # exact_logprobs computes it); keep only column t.
+        step_logp = tempered_log_softmax(completion_logits(model, ids, mask, t_max), temperature)[:, t]
         if temperature == 0:
             tok = step_logp.argmax(dim=-1)
         else:

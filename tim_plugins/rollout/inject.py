@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tim_plugins.rollout.hf import completion_mask_from_eos
+from tim_plugins.rollout.batch import completion_mask_from_eos
 
 __all__ = [
     "TailNoiseInjector",

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from tim_plugins.safe_vocab import DEFAULT_MIN_P, safe_logprobs_from_logits
-from tim_plugins.truncation import (
-    Truncation,
-    check_vllm_engine,
-    make_vllm_sampling_params,
-    truncation_threshold,
-    validate_vllm_pruning,
-)
+from tim_plugins.truncation import Truncation, truncation_threshold
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+pytest.importorskip("vllm")
+from tim_plugins.integrations.vllm.sampling import (  # noqa: E402
+    check_vllm_engine,
+    make_vllm_sampling_params,
+    validate_vllm_pruning,
+)
 
 PROMPTS = ["the cat sat on the", "a b c d e f", "hello world, this is", "once upon a time"]
 

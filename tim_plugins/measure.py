@@ -25,7 +25,7 @@ import torch
 from tim_plugins._config import field_help
 from tim_plugins._optional import is_available, require
 from tim_plugins.cli import UsageError, add_config_options, config_from_args
-from tim_plugins.measure_rollouts import DTYPES, check_model_path, load_model, start_vllm
+from tim_plugins.measure_rollouts import DTYPES, check_model_path, load_model
 
 __all__ = ["MeasureConfig", "Setting", "parse_settings", "run_measure", "register", "ROLLOUTS", "COMPARE_PRESETS",
            "SUMMARY_KEYS", "format_summary"]
@@ -230,6 +230,8 @@ class _Run:
         import time
 
         if setting.fp32_head not in self._engines:
+            from tim_plugins.integrations.vllm.rollout import start_vllm
+
             t0 = time.perf_counter()
             self._engines[setting.fp32_head] = start_vllm(
                 self.path, dtype=self.cfg.vllm_dtype, seed=self.cfg.seed, fp32_head=setting.fp32_head,
@@ -264,7 +266,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
 
     from tim_plugins.distribution import PositionComparison, VocabProfile, compare_distributions, summarize_comparison
     from tim_plugins.dump import TokenDumper
-    from tim_plugins.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score, vllm_rollout
+    from tim_plugins.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score
     from tim_plugins.metrics import MismatchMonitor
     from tim_plugins.safe_vocab import safe_loss_mask
 
@@ -288,6 +290,8 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
         if setting.rollout == "exact":
             return exact_rollout(run.trainer, enc, seed=seed, **kw)
         if vllm:
+            from tim_plugins.integrations.vllm.rollout import vllm_rollout
+
             return vllm_rollout(llm, enc, seed=seed, num_logprobs=num_logprobs, vocab=run.vocab, **kw, **truncation)
         return hf_rollout(model, enc, seed=seed, injector=injector, **kw, **truncation)
 

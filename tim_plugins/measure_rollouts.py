@@ -1,9 +1,11 @@
 """The rollout pipelines and the trainer scoring behind ``tim-plugins measure`` (one batch at a time).
 
-Each rollout pipeline returns the sampled tokens, their processed log-probs and the whole processed next-token
-distribution of every step (or, from vLLM, its top-K log-probs and which entries are known). The trainer side
-is one full-sequence forward that returns the sampled tokens' log-probs under the same truncation (the
-safe-vocabulary log-probs of ``tim_plugins.safe_vocab``) and its own whole distribution, truncated the same way.
+Each rollout pipeline returns a ``RolloutBatch``: the sampled tokens, their processed log-probs and the whole
+processed next-token distribution of every step (HF ``generate`` and the exact sampler here; vLLM's top-K
+log-probs and which entries are known from the vLLM adapter, ``tim_plugins.integrations.vllm.rollout``). The
+trainer side is one full-sequence forward (``tim_plugins.rollout.scoring``) that returns the sampled tokens'
+log-probs under the same truncation (the safe-vocabulary log-probs of ``tim_plugins.safe_vocab``) and its own
+whole distribution, truncated the same way.
 
 A response is generated to ``max_new_tokens`` without stopping and ends, for scoring, at its first EOS at or
 after position ``min_new_tokens``: an earlier EOS is scored like any other token and sampling continues past it
@@ -32,8 +34,6 @@ __all__ = [
     "response_mask",
     "hf_rollout",
     "exact_rollout",
-    "start_vllm",
-    "vllm_rollout",
     "TrainerOut",
     "trainer_score",
 ]
@@ -145,59 +145,6 @@ def exact_rollout(model, enc, *, max_new_tokens: int, temperature: float, seed: 
     full = tempered_log_softmax(torch.stack(steps, dim=1), temperature)
     return RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), ids, mask, logps, full_logprobs=full,
                         sample_seconds=seconds)
-
-
-def start_vllm(path: str, *, dtype: str, seed: int, fp32_head: bool, max_logprobs: int):
-    """An in-process vLLM engine on ``path`` that returns processed log-probs (and up to ``max_logprobs`` of
-    them per token, -1 = the whole vocabulary)."""
-    require("vllm", "--rollout vllm")
-    if path.endswith(".gguf") or not (Path(path) / "config.json").exists():
-        raise UsageError(f"vllm rollouts need an HF checkpoint folder, got {path!r}: pass --model DIR with a "
-                         "config.json (GGUF files are not supported here)")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
-    from vllm import LLM
-
-    extra = {"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}
-    # vLLM's CPU backend reserves gpu_memory_utilization × RAM for the KV cache: ask for a fixed 1 GiB.
-    memory = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2**30}
-    return LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False,
-               max_logprobs=max_logprobs, **memory, **extra)
-
-
-def vllm_rollout(llm, enc, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-                 seed: int, num_logprobs: int, vocab: int) -> RolloutBatch:
-    from tim_plugins.truncation import Truncation, make_vllm_sampling_params
-
-    trunc = Truncation(min_p=min_p, top_p=top_p, top_k=top_k, temperature=temperature, order="vllm")
-    prompts = [{"prompt_token_ids": [t for t, m in zip(ids, mask) if m]}
-               for ids, mask in zip(enc["input_ids"].tolist(), enc["attention_mask"].tolist())]
-
-    def generate(k: int):
-        params = make_vllm_sampling_params(trunc, logprobs_mode="processed_logprobs", max_tokens=max_new_tokens,
-                                           logprobs=k, seed=seed, ignore_eos=True)
-        return llm.generate(prompts, params, use_tqdm=False)
-
-    # Timed as an RL rollout asks (the sampled token's log-prob only): returning K log-probs per token costs
-    # vLLM several times the sampling itself. The same seeds then sample the same tokens with K log-probs.
-    t0 = time.perf_counter()
-    generate(0)
-    seconds = time.perf_counter() - t0
-    outs = generate(num_logprobs)
-    B, T = len(outs), max_new_tokens
-    ids = torch.zeros(B, T, dtype=torch.long)
-    logps = torch.zeros(B, T)
-    full = torch.full((B, T, vocab), -math.inf)
-    known = torch.zeros(B, T, vocab, dtype=torch.bool)
-    for b, out in enumerate(outs):
-        toks = list(out.outputs[0].token_ids)
-        ids[b, : len(toks)] = torch.tensor(toks)
-        for t, (tok, entries) in enumerate(zip(toks, out.outputs[0].logprobs)):
-            idx = torch.tensor(list(entries.keys()))
-            full[b, t, idx] = torch.tensor([e.logprob for e in entries.values()])
-            known[b, t, idx] = True
-            logps[b, t] = entries[tok].logprob
-    return RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), ids, torch.ones_like(ids), logps,
-                        full_logprobs=full, known=None if bool(known.all()) else known, sample_seconds=seconds)
 
 
 @dataclass

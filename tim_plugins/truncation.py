@@ -1,4 +1,5 @@
-"""Sampler truncation (min-p, top-k, top-p) with the engines' semantics, and the rollout-side settings for it.
+"""Sampler truncation (min-p, top-k, top-p) with the engines' semantics, and HF ``generate``'s settings for it
+(vLLM's ``SamplingParams`` for it: ``tim_plugins.integrations.vllm.sampling``).
 
 The trainer can only reproduce the distribution a rollout engine sampled from if it truncates the vocabulary
 with the same rule and in the same order. The two engines we support differ in order:
@@ -31,11 +32,6 @@ __all__ = [
     "ORDERS",
     "Truncation",
     "truncation_threshold",
-    "PRUNING_LOGPROBS_MODES",
-    "validate_vllm_pruning",
-    "vllm_sampling_kwargs",
-    "make_vllm_sampling_params",
-    "check_vllm_engine",
     "hf_generate_kwargs",
 ]
 
@@ -48,8 +44,6 @@ __all__ = [
 DEFAULT_MIN_P: float = 1e-5
 
 ORDERS = ("vllm", "hf")
-# vLLM's only logprobs mode whose values are renormalised over the kept set (raw_* are taken before truncation).
-PRUNING_LOGPROBS_MODES = ("processed_logprobs",)
 # vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py _SAMPLING_EPS) and then skips min-p.
 _GREEDY_EPS = 1e-5
 # Rows are sorted in slices of at most this many elements for top-p (sort values + int64 indices are 12 B/elt).
@@ -152,71 +146,6 @@ def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tens
     for step in steps:
         step()
     return tau
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Rollout side: vLLM
-# --------------------------------------------------------------------------------------------------------------
-
-
-def validate_vllm_pruning(trunc: Truncation, logprobs_mode: str) -> None:
-    """Refuse truncation with log-probs that were not renormalised over the kept set.
-
-    Raises:
-        ValueError: quoting the mode, the rule and the fix.
-    """
-    if trunc.order != "vllm":
-        raise ValueError(
-            f"order={trunc.order!r}: vLLM applies min_p, then top_k, then top_p; build the Truncation with "
-            "order='vllm' so the trainer truncates in the same order"
-        )
-    if trunc.active and logprobs_mode not in PRUNING_LOGPROBS_MODES:
-        raise ValueError(
-            f"logprobs_mode={logprobs_mode!r} with min_p={trunc.min_p}, top_p={trunc.top_p}, top_k={trunc.top_k}: "
-            "vLLM reports raw_* log-probs before truncation, so they are not the distribution that was sampled "
-            "and cannot match the trainer's safe log-probs. Fix: start the engine with "
-            "LLM(..., logprobs_mode='processed_logprobs') (server: --logprobs-mode processed_logprobs)"
-        )
-
-
-def vllm_sampling_kwargs(trunc: Truncation, **extra: Any) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` implementing ``trunc`` (``extra`` is passed through)."""
-    overlap = {"temperature", "min_p", "top_p", "top_k"} & set(extra)
-    if overlap:
-        raise ValueError(
-            f"{sorted(overlap)} given twice: they come from the Truncation; set them there, not in extra kwargs"
-        )
-    kwargs = {"temperature": float(trunc.temperature), "min_p": float(trunc.min_p), "top_p": float(trunc.top_p),
-              "top_k": int(trunc.k)}
-    kwargs.update(extra)
-    return kwargs
-
-
-def make_vllm_sampling_params(trunc: Truncation, *, logprobs_mode: str, **extra: Any):
-    """``vllm.SamplingParams`` for ``trunc``, after checking that the engine's ``logprobs_mode`` allows pruning.
-
-    ``extra`` goes to SamplingParams (e.g. ``max_tokens``, ``seed``, ``logprobs=0``).
-    """
-    validate_vllm_pruning(trunc, logprobs_mode)
-    from ._optional import require
-
-    require("vllm", "safe-vocabulary pruning on vLLM rollouts")
-    from vllm import SamplingParams
-
-    return SamplingParams(**vllm_sampling_kwargs(trunc, **extra))
-
-
-def check_vllm_engine(llm, trunc: Truncation) -> str:
-    """Read a live ``vllm.LLM``'s logprobs mode and validate ``trunc`` against it; returns the mode."""
-    mode = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "logprobs_mode", None)
-    if mode is None:
-        raise ValueError(
-            f"cannot read logprobs_mode from {type(llm).__name__}: pass the engine's mode to "
-            "validate_vllm_pruning(trunc, logprobs_mode) instead"
-        )
-    mode = getattr(mode, "value", mode)
-    validate_vllm_pruning(trunc, str(mode))
-    return str(mode)
 
 
 # --------------------------------------------------------------------------------------------------------------

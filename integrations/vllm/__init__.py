@@ -1,11 +1,15 @@
-"""vLLM adapter: tim-plugins' logits processors, loaded by vLLM from their "<module>:<class>" names.
+"""vLLM adapter: all of tim-plugins' code that imports vLLM.
 
 - ``tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor``: the safe-vocabulary (min-p) rule on every
   sampled request (``tim_plugins.rollout.vllm_min_p_config.vllm_engine_kwargs(min_p)`` builds the engine
-  arguments);
-- ``tim_plugins.integrations.vllm.inject:TailNoiseLogitsProcessor``: the TIM injector, per request.
+  arguments), loaded by vLLM from its "<module>:<class>" name;
+- ``tim_plugins.integrations.vllm.inject:TailNoiseLogitsProcessor``: the TIM injector, per request;
+- ``.sampling``: ``SamplingParams`` for a core ``Truncation``, and the logprobs-mode check that pruning needs;
+- ``.rollout``: an in-process engine and its rollouts as the core's ``RolloutBatch`` (``tim-plugins measure``).
 
-Importing this package imports vLLM.
+Importing this package imports vLLM. The vLLM readers the other adapters share (engine arguments or a live
+engine → ``PipelineSpec``: ``tim_plugins.parity.vllm_spec``; the min-p processor's settings) import nothing of
+vLLM and live in the core.
 """
 
 from .inject import TailNoiseLogitsProcessor

@@ -2,8 +2,10 @@
 
 The live reader uses public API only: ``llm.llm_engine.vllm_config`` (the resolved configuration) and
 ``llm.collective_rpc(fn)`` to ask the worker what it actually runs (parameter dtypes, lm_head dtype, the
-attention backend chosen, the batch-invariance switch in the worker's environment). vLLM is imported lazily
-and only by `spec_from_llm`. Defaults below are vLLM 0.32's (vllm/engine/arg_utils.py, vllm/config/*).
+attention backend chosen, the batch-invariance switch in the worker's environment). It imports nothing of vLLM
+(it reads the engine's attributes), so it lives in the core: the TRL and verl adapters both read vLLM engines
+with it, and adapters never import each other. Defaults below are vLLM 0.32's (vllm/engine/arg_utils.py,
+vllm/config/*).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def test_input_validation(toy):
 
 
 def test_cli_prints_a_per_dtype_table(toy_model_path, capsys):
-    from tim_plugins.cli import main
+    from tim_plugins.apps.cli import main
 
     rc = main(["check-batch-invariance", "--model", str(toy_model_path), "--dtypes", "float32,bfloat16",
                "--batch-sizes", "2", "--paddings", "2", "--seq-len", "12", "--num-sequences", "1"])

@@ -15,7 +15,7 @@ TIMEOUT_S = 180
 
 
 def _run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
-    proc, timed_out = run_bounded([sys.executable, "-m", "tim_plugins.cli", *args], TIMEOUT_S, merge_stderr=False,
+    proc, timed_out = run_bounded([sys.executable, "-m", "tim_plugins.apps.cli", *args], TIMEOUT_S, merge_stderr=False,
                                   cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"})
     if timed_out:
         pytest.fail(f"tim-plugins {' '.join(args)} ran past {TIMEOUT_S} s")

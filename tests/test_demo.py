@@ -13,8 +13,8 @@ pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
 
-from tim_plugins.cli import UsageError, main  # noqa: E402
-from tim_plugins.demo import DemoConfig, _BF16Rollouts, toy_reward  # noqa: E402
+from tim_plugins.apps.cli import UsageError, main  # noqa: E402
+from tim_plugins.apps.demo import DemoConfig, _BF16Rollouts, toy_reward  # noqa: E402
 from tim_plugins.dump import read_dump  # noqa: E402
 
 

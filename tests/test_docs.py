@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tim_plugins.measure import MeasureConfig
+from tim_plugins.apps.measure import MeasureConfig
 from tim_plugins.metrics import PROB_BUCKET_EDGES, mismatch_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -85,7 +85,7 @@ def test_report_from_multi_step_dump(tmp_path):
 
 
 def test_report_cli(tmp_path, capsys):
-    from tim_plugins.cli import main
+    from tim_plugins.apps.cli import main
 
     rollout, train, mask, tokens, _ = _batch(B=8, T=30)
     TokenDumper(out_dir=str(tmp_path), sample_rate=1.0).write(0, rollout, train, mask, tokens)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tim_plugins import lr_replay
+from tim_plugins.apps import lr_replay
 from tim_plugins.lr_control import LengthTriggeredLRDecay
 
 DATA = Path(__file__).parent / "data"
@@ -124,9 +124,9 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
 
 
 def test_registered_in_cli():
-    from tim_plugins import cli
+    from tim_plugins.apps import cli
 
-    assert "tim_plugins.lr_replay" in cli.SUBCOMMAND_MODULES
+    assert "tim_plugins.apps.lr_replay" in cli.SUBCOMMAND_MODULES
     assert cli.main(["lr-replay", str(FILES["verl"])]) == 0
 
 

@@ -12,10 +12,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
 
-from tim_plugins.cli import UsageError, main  # noqa: E402
+from tim_plugins.apps.cli import UsageError, main  # noqa: E402
 from tim_plugins.dump import read_dump  # noqa: E402
-from tim_plugins.measure import COMPARE_PRESETS, MeasureConfig, Setting, parse_settings  # noqa: E402
-from tim_plugins.measure_rollouts import response_mask  # noqa: E402
+from tim_plugins.apps.measure import COMPARE_PRESETS, MeasureConfig, Setting, parse_settings  # noqa: E402
+from tim_plugins.apps.measure_rollouts import response_mask  # noqa: E402
 
 SMALL = ["--num-prompts", "6", "--max-new-tokens", "12", "--min-new-tokens", "8", "--batch-size", "3"]
 
@@ -173,7 +173,7 @@ def test_hf_rollout_times_the_sampling_not_the_whole_vocabulary_readout(toy_mode
 
     from transformers import AutoModelForCausalLM
 
-    from tim_plugins.measure_rollouts import hf_rollout
+    from tim_plugins.apps.measure_rollouts import hf_rollout
     from tim_plugins.rollout.recorder import ProcessedLogprobRecorder
 
     readout = ProcessedLogprobRecorder.full_logprobs

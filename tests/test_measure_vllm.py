@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tim_plugins.measure import MeasureConfig, run_measure  # noqa: E402
+from tim_plugins.apps.measure import MeasureConfig, run_measure  # noqa: E402
 
 
 def test_vllm_fp32_rollout_matches_fp32_trainer(vllm_llm, toy_model_path, tmp_path):

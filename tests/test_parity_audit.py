@@ -245,7 +245,7 @@ def test_engine_args_defaults_and_auto_dtype(tmp_path):
 
 
 def test_cli_audit_vllm_args(capsys):
-    from tim_plugins.cli import main
+    from tim_plugins.apps.cli import main
 
     rc = main(["audit", "--vllm-args", "--dtype bfloat16", "--sampling", '{"top_p": 0.9}',
                "--trainer-dtype", "float32", "--trainer-temperature", "1.0", "--trainer-attn", "sdpa"])
@@ -261,7 +261,7 @@ def test_cli_audit_vllm_args(capsys):
 
 
 def test_cli_audit_enforce_exit_code(capsys):
-    from tim_plugins.cli import main
+    from tim_plugins.apps.cli import main
 
     rc = main(["audit", "--vllm-args", "--dtype bfloat16", "--trainer-dtype", "float32", "--trainer-temperature",
                "1", "--trainer-attn", "sdpa", "--enforce"])
@@ -271,7 +271,7 @@ def test_cli_audit_enforce_exit_code(capsys):
 
 def test_cli_audit_verl_without_verl_fails_clearly(capsys):
     from tim_plugins._optional import package_version
-    from tim_plugins.cli import main
+    from tim_plugins.apps.cli import main
 
     if package_version("verl") is not None:
         pytest.skip("verl is installed here: covered by tests/verl_suite/test_parity_verl_spec.py")

@@ -94,7 +94,7 @@ def test_hf_generation_and_server_mode(tmp_path, model):
 
 
 def test_load_grpo_config_and_cli(tmp_path, toy_model_path, capsys):
-    from tim_plugins.cli import main
+    from tim_plugins.apps.cli import main
 
     yml = tmp_path / "grpo.yaml"
     yml.write_text("use_vllm: true\nvllm_mode: colocate\ntemperature: 0.8\ntop_p: 0.95\nuse_cpu: true\nbf16: false\n")

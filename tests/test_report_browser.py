@@ -107,7 +107,7 @@ def test_training_report_renders_in_a_browser(tmp_path):
 
 def test_measure_comparison_report_renders_in_a_browser(tmp_path):
     pytest.importorskip("transformers")
-    from tim_plugins.measure import MeasureConfig, run_measure
+    from tim_plugins.apps.measure import MeasureConfig, run_measure
 
     cfg = MeasureConfig(compare="hf-bf16,hf-fp32,exact", num_prompts=2, max_new_tokens=6, batch_size=2,
                         out=str(tmp_path / "m"))

@@ -88,7 +88,7 @@ def test_enforce_knobs_are_verl_overrides(default_config):
 
 
 def test_parse_overrides_and_cli(capsys):
-    from tim_plugins.cli import main
+    from tim_plugins.apps.cli import main
 
     assert parse_overrides("python3 -m verl.trainer.main_ppo a.b=1 +c.d='x y'") == ["a.b=1", "+c.d=x y"]
     rc = main(["audit", "--verl", f"{R}.top_p=0.9"])

@@ -1,8 +1,9 @@
-"""``tim-plugins report DIR``: a self-contained HTML report (inline PNG figures).
+"""A self-contained HTML report (inline PNG figures) of a run folder or a per-token dump folder.
 
-DIR is the output folder of ``tim-plugins measure`` or ``tim-plugins demo`` (with ``summary.json``), or a bare
-per-token dump folder (``step_*-rank_*.parquet``, e.g. from ``TIMConfig(dump_dir=...)``). Every figure comes with
-a line on how to read it and its healthy range with the source of that range; a verdict block opens the page.
+The source is the output folder of ``tim-plugins measure`` or ``tim-plugins demo`` (with ``summary.json``), or a
+bare per-token dump folder (``step_*-rank_*.parquet``, e.g. from ``TIMConfig(dump_dir=...)``). Every figure comes
+with a line on how to read it and its healthy range with the source of that range; a verdict block opens the
+page. The ``tim-plugins report DIR`` command is ``tim_plugins.apps.report``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["build_report", "verdict_for", "register"]
+__all__ = ["build_report", "verdict_for"]
 
 
 def verdict_for(summary: dict, run_dir: str | Path | None = None) -> dict:
@@ -58,29 +59,3 @@ def build_report(source: str | Path, out: str | Path | None = None, *, summary: 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(page.html(), encoding="utf-8")
     return out_path
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "report", help="Turn a measure/demo output folder or a per-token dump folder into an HTML report.")
-    p.add_argument("dir", help="output folder of `tim-plugins measure` / `demo` (with summary.json), or a dump "
-                               "folder with step_*-rank_*.parquet files")
-    p.add_argument("--out", default=None, help="output HTML file (default: DIR/report.html)")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    from tim_plugins.cli import UsageError
-    from tim_plugins.report.tokens import has_dump
-
-    folder = Path(args.dir)
-    if not folder.is_dir():
-        raise UsageError(f"report {args.dir!r}: no such folder; pass the output folder of `tim-plugins measure` or "
-                         "`tim-plugins demo`, or a per-token dump folder.")
-    if not (folder / "summary.json").exists() and not has_dump(folder):
-        raise UsageError(f"report {args.dir!r}: the folder holds neither summary.json nor dump files "
-                         "(step_*-rank_*.parquet); point at a measure/demo output folder (e.g. tim-out/measure) or "
-                         "the dump_dir the dumper wrote.")
-    path = build_report(folder, args.out)
-    print(f"report written to {path}")
-    return 0

@@ -19,11 +19,11 @@ import sys
 __all__ = ["main", "SUBCOMMAND_MODULES", "UsageError", "USAGE_EXIT_CODE", "add_config_options", "config_from_args"]
 
 SUBCOMMAND_MODULES = (
-    "tim_plugins.demo",  # demo
-    "tim_plugins.measure",  # measure
-    "tim_plugins.report",  # report
-    "tim_plugins.parity.cli",  # audit, check-batch-invariance
-    "tim_plugins.lr_replay",  # lr-replay
+    "tim_plugins.apps.demo",  # demo
+    "tim_plugins.apps.measure",  # measure
+    "tim_plugins.apps.report",  # report
+    "tim_plugins.apps.audit",  # audit, check-batch-invariance
+    "tim_plugins.apps.lr_replay",  # lr-replay
 )
 
 USAGE_EXIT_CODE = 2

@@ -24,8 +24,8 @@ import torch
 
 from tim_plugins._config import field_help
 from tim_plugins._optional import is_available, require
-from tim_plugins.cli import UsageError, add_config_options, config_from_args
-from tim_plugins.measure_rollouts import DTYPES, check_model_path, load_model
+from tim_plugins.apps.cli import UsageError, add_config_options, config_from_args
+from tim_plugins.apps.measure_rollouts import DTYPES, check_model_path, load_model
 
 __all__ = ["MeasureConfig", "Setting", "parse_settings", "run_measure", "register", "ROLLOUTS", "COMPARE_PRESETS",
            "SUMMARY_KEYS", "format_summary"]
@@ -266,7 +266,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
 
     from tim_plugins.distribution import PositionComparison, VocabProfile, compare_distributions, summarize_comparison
     from tim_plugins.dump import TokenDumper
-    from tim_plugins.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score
+    from tim_plugins.apps.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score
     from tim_plugins.metrics import MismatchMonitor
     from tim_plugins.safe_vocab import safe_loss_mask
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tim_plugins._config import field_help
-from tim_plugins.cli import UsageError, add_config_options, config_from_args
+from tim_plugins.apps.cli import UsageError, add_config_options, config_from_args
 
 __all__ = ["DemoConfig", "run_demo", "register", "toy_reward"]
 
@@ -47,7 +47,7 @@ class DemoConfig:
     out: str = field(default="tim-out/demo", metadata=field_help("output folder"))
 
     def __post_init__(self) -> None:
-        from tim_plugins.measure_rollouts import check_model_path
+        from tim_plugins.apps.measure_rollouts import check_model_path
 
         for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length"):
             if getattr(self, name) < 1:

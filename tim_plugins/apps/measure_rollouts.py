@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tim_plugins._optional import require
-from tim_plugins.cli import UsageError
+from tim_plugins.apps.cli import UsageError
 from tim_plugins.rollout.batch import RolloutBatch
 
 __all__ = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from tim_plugins._config import field_help as _help
+from tim_plugins._config import field_help
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.metrics import check_ratio_band
 
@@ -33,94 +33,94 @@ class TIMConfig:
 
     enabled: bool = field(
         default=True,
-        metadata=_help("Master switch. False: the callback attaches nothing and the run is numerically identical "
+        metadata=field_help("Master switch. False: the callback attaches nothing and the run is numerically identical "
                        "to a run without it."),
     )
     # ------------------------------------------------------------------------------------------ monitor
     monitor: bool = field(
         default=True,
-        metadata=_help("Log tim/... mismatch metrics (rollout log-probs vs the trainer's recomputation of the same "
+        metadata=field_help("Log tim/... mismatch metrics (rollout log-probs vs the trainer's recomputation of the same "
                        "tokens) through the trainer's own logging."),
     )
     ratio_band: tuple = field(
-        default=(0.5, 2.0), metadata=_help("(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac"),
+        default=(0.5, 2.0), metadata=field_help("(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac"),
     )
     log_histograms: bool = field(
-        default=True, metadata=_help("Log wandb histograms of |d| and rho at each logging step (when wandb is active)"),
+        default=True, metadata=field_help("Log wandb histograms of |d| and rho at each logging step (when wandb is active)"),
     )
     dump_dir: Optional[str] = field(
-        default=None, metadata=_help("Directory for a per-token Parquet dump (tim_plugins.dump); None = off"),
+        default=None, metadata=field_help("Directory for a per-token Parquet dump (tim_plugins.dump); None = off"),
     )
     dump_options: dict = field(
-        default_factory=dict, metadata=_help("Options of the dump (tim_plugins.dump.DumpConfig except out_dir): "
+        default_factory=dict, metadata=field_help("Options of the dump (tim_plugins.dump.DumpConfig except out_dir): "
                                              "sample_rate, max_sequences_per_step, every_n_steps, seed"),
     )
     rollout: str = field(
         default="auto",
-        metadata=_help("Source of rollout log-probs: auto (vLLM if the trainer uses it, else HF generate with "
+        metadata=field_help("Source of rollout log-probs: auto (vLLM if the trainer uses it, else HF generate with "
                        "processed log-probs recorded), hf, exact (exact sampler), inject (controlled mismatch)"),
     )
     inject_options: dict = field(
         default_factory=dict,
-        metadata=_help("rollout='inject': keyword arguments of tim_plugins.rollout.inject.TailNoiseInjector (scale, "
+        metadata=field_help("rollout='inject': keyword arguments of tim_plugins.rollout.inject.TailNoiseInjector (scale, "
                        "tau, mode, seed, bias_sign); it perturbs the tail of the distribution TRL's generate samples"),
     )
     # -------------------------------------------------------------------------------------- safe vocab
     safe_vocab: bool = field(
         default=False,
-        metadata=_help("Compute the policy log-probs over the safe vocabulary (tail pruned by min_p) and mask "
+        metadata=field_help("Compute the policy log-probs over the safe vocabulary (tail pruned by min_p) and mask "
                        "boundary tokens (sampled but outside the trainer's safe set) out of the loss"),
     )
     safe_vocab_min_p: Optional[float] = field(
         default=None,
-        metadata=_help("min_p of the safe set; None = GRPOConfig.min_p (the sampler's own min_p, so both sides "
+        metadata=field_help("min_p of the safe set; None = GRPOConfig.min_p (the sampler's own min_p, so both sides "
                        "prune the same tail)"),
     )
     mask_boundary_tokens: bool = field(
-        default=True, metadata=_help("With safe_vocab: drop sampled tokens outside the trainer's safe set from the loss"),
+        default=True, metadata=field_help("With safe_vocab: drop sampled tokens outside the trainer's safe set from the loss"),
     )
     # ---------------------------------------------------------------------------------------- LR decay
     lr_decay: bool = field(
         default=False,
-        metadata=_help("Scale the LR (through the scheduler, so TRL's logged learning_rate shows it) when the "
+        metadata=field_help("Scale the LR (through the scheduler, so TRL's logged learning_rate shows it) when the "
                        "mean completion length surges (tim_plugins.lr_control.LengthTriggeredLRDecay)"),
     )
     lr_decay_options: dict = field(
-        default_factory=dict, metadata=_help("Keyword arguments of LengthTriggeredLRDecay (window, factor, ...)"),
+        default_factory=dict, metadata=field_help("Keyword arguments of LengthTriggeredLRDecay (window, factor, ...)"),
     )
     lr_decay_signals: tuple = field(
-        default=(), metadata=_help(f"Extra signals passed to the controller, among {LR_DECAY_SIGNALS}"),
+        default=(), metadata=field_help(f"Extra signals passed to the controller, among {LR_DECAY_SIGNALS}"),
     )
     # ------------------------------------------------------------------------------------------ parity
     parity_audit: bool = field(
         default=True,
-        metadata=_help("At train begin, compare the rollout side (vLLM engine or HF generate) with the trainer "
+        metadata=field_help("At train begin, compare the rollout side (vLLM engine or HF generate) with the trainer "
                        "side and log the findings as a table"),
     )
     parity_strict: bool = field(
-        default=False, metadata=_help("Raise at train begin when the audit reports an error-level finding"),
+        default=False, metadata=field_help("Raise at train begin when the audit reports an error-level finding"),
     )
     parity_probe: bool = field(
         default=False,
-        metadata=_help("Live probe: stop training gracefully (control.should_training_stop) when the measured "
+        metadata=field_help("Live probe: stop training gracefully (control.should_training_stop) when the measured "
                        "mismatch crosses the probe's limits"),
     )
     parity_probe_options: dict = field(
-        default_factory=dict, metadata=_help("Keyword arguments of tim_plugins.parity.ParityProbe"),
+        default_factory=dict, metadata=field_help("Keyword arguments of tim_plugins.parity.ParityProbe"),
     )
     # --------------------------------------------------------------------------------------- correction
     is_correction: Optional[str] = field(
         default=None,
-        metadata=_help(f"Importance-sampling correction applied to the loss, one of {IS_CORRECTION_CHOICES}; for "
+        metadata=field_help(f"Importance-sampling correction applied to the loss, one of {IS_CORRECTION_CHOICES}; for "
                        "rollouts that do not come from vLLM (with vLLM, TRL's own correction applies)"),
     )
     is_correction_options: dict = field(
-        default_factory=dict, metadata=_help("Keyword arguments of the correction (thresholds: C, lo, hi, ...)"),
+        default_factory=dict, metadata=field_help("Keyword arguments of the correction (thresholds: C, lo, hi, ...)"),
     )
     # -------------------------------------------------------------------------------------------- misc
     strict: bool = field(
         default=False,
-        metadata=_help("Raise on diagnostic problems (unavailable rollout log-probs, shape mismatches) instead of "
+        metadata=field_help("Raise on diagnostic problems (unavailable rollout log-probs, shape mismatches) instead of "
                        "counting them under tim/diag/..."),
     )
 

@@ -1,6 +1,12 @@
 """Matplotlib figures of the report. Each function takes numpy data (per setting: ``{name: ...}``, drawn in
 one colour per setting) and returns PNG bytes. Labels are kept apart: few ticks per axis, legends outside the
-data where there are many series, horizontal bars for setting names, a constrained layout."""
+data where there are many series, horizontal bars for setting names, a constrained layout.
+
+The figures must not mislead: log-prob axes carry their unit (nats); an axis that leaves data out says so on
+the figure (how many tokens, and the true extremes); values that a log axis cannot show (exactly 0) are named;
+per-step panels do not zoom into step-to-step noise (linear axes start at 0, every axis reaches the healthy
+limit, the ESS panel is fixed to [0, 1] with verl's warning level marked); printed values stay inside their
+panel."""
 
 from __future__ import annotations
 
@@ -24,6 +30,12 @@ __all__ = [
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf")
 _OK_BAND = "#d9f0d3"
+_WARN = "#d62728"
+NATS = "(nats)"
+# Ratio histogram: the axis covers the central 99.9 % of tokens (these quantiles) unless every token fits on an
+# axis at most _FULL_RANGE_FACTOR times wider (in log ρ) than that; then the full range is drawn.
+RHO_QUANTILES = (0.0005, 0.9995)
+_FULL_RANGE_FACTOR = 3.0
 
 
 def pyplot():
@@ -68,9 +80,13 @@ def _log_ticks(ax, axis: str = "both") -> None:
         a.set_minor_formatter(NullFormatter())
 
 
-def _legend(ax, n: int) -> None:
+def _legend(ax, n: int, below: bool = False) -> None:
+    """Many series: a legend outside the axes on the right; ``below``: under the axes (long labels); else the
+    best place inside."""
     if n > 3:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+    elif n > 0 and below:
+        ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(0.0, -0.2), borderaxespad=0, frameon=False)
     elif n > 0:
         ax.legend(fontsize=8)
 
@@ -88,31 +104,42 @@ def _empty(ax, text: str) -> None:
 
 
 def abs_diff_histogram(ds: dict[str, np.ndarray]) -> bytes:
-    """Per setting: histogram of |d| = |log p_train − log p_rollout| on shared log-spaced bins (exact zeros are
-    counted in the legend: a log axis cannot show them)."""
-    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    """Per setting: histogram of |d| = |log p_train − log p_rollout| on shared log-spaced bins. A log axis cannot
+    show exact zeros: the legend counts them per setting ("+N tokens at exactly 0") and a note under the axis
+    says why they are not drawn."""
+    fig, axes = _figure(width=_width(len(ds)))
     ax = axes[0, 0]
     pos = np.concatenate([np.abs(d)[np.abs(d) > 0] for d in ds.values()] or [np.zeros(0)])
+    any_zero = any((np.abs(d) == 0).any() for d in ds.values())
     if pos.size:
-        lo, hi = max(pos.min(), 1e-9), max(pos.max(), 1e-8)
-        bins = np.logspace(np.log10(lo), np.log10(hi * 1.01), 50)
+        lo, hi = float(pos.min()), float(pos.max()) * 1.01
+        bins = np.geomspace(lo, hi if hi > lo else lo * 10, 50)
+        bins[0] = lo  # the smallest |d| sits on the first edge, not just below it
         for i, (name, d) in enumerate(ds.items()):
             a = np.abs(d)
             zeros = int((a == 0).sum())
-            label = name + (f" ({zeros} exactly 0)" if zeros else "")
             if (a > 0).any():
+                label = name + (f" (+{zeros} tokens at exactly 0)" if zeros else "")
                 ax.hist(a[a > 0], bins=bins, histtype="step", lw=1.5, color=_color(i), label=label)
             else:
-                ax.plot([], [], color=_color(i), label=f"{name}: all {zeros} exactly 0")
+                ax.plot([], [], color=_color(i), label=f"{name}: all {zeros} tokens at exactly 0")
         ax.set_xscale("log")
         ax.set_yscale("log")
         _log_ticks(ax)
         _legend(ax, len(ds))
     else:
         _empty(ax, "every difference is exactly 0")
-    ax.set_xlabel("|log p_train − log p_rollout| of the sampled token")
+    xlabel = f"|log p_train − log p_rollout| of the sampled token {NATS}"
+    if any_zero and pos.size:
+        xlabel += "\ntokens at exactly 0 (identical log-probs) have no place on a log axis: the legend counts them"
+    ax.set_xlabel(xlabel, fontsize=9)
     ax.set_ylabel("tokens")
     return png_bytes(fig)
+
+
+def _width(n: int) -> float:
+    """Figure width: room for a legend outside the axes when there are many series."""
+    return 8.0 if n > 3 else 6.4
 
 
 def _binned_mean(x: np.ndarray, y: np.ndarray, edges: np.ndarray, min_count: int = 20):
@@ -191,7 +218,7 @@ def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
     ax.set_yscale("log")
     _log_ticks(ax)
     ax.set_xlabel("1 − p_rollout(token)")
-    ax.set_ylabel("|Δ log p|")
+    ax.set_ylabel(f"|Δ log p| {NATS}")
     if skipped:
         ax.text(0.98, 0.02, "exactly 0 (not drawn): " + ", ".join(skipped), transform=ax.transAxes, fontsize=7,
                 color="#555", ha="right")
@@ -216,7 +243,7 @@ def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
         ax2.set_yscale("log")
         _log_ticks(ax2)
         ax2.set_xlabel("p_rollout(token), whole vocabulary")
-        ax2.set_ylabel("mean |Δ log p|")
+        ax2.set_ylabel(f"mean |Δ log p| {NATS}")
         if ax2.lines:
             _legend(ax2, len(ax2.lines))
         else:
@@ -225,58 +252,137 @@ def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
 
 
 def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
-    """Per setting: distribution of ρ = exp(d) = π_train / π_rollout (ρ = 1 marked). A linear axis when all ρ
-    lie within a factor 3, else a log axis; the 0.05–99.95 % range is shown, outliers clipped to its ends."""
-    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    """Per setting: distribution of ρ = exp(d) = π_train / π_rollout (ρ = 1 marked, and the [0.5, 2] band of
+    token-level corrections where it falls inside the axis). A linear axis when the drawn ρ lie within a factor
+    3, else a log axis.
+
+    The axis covers every token when that costs at most ``_FULL_RANGE_FACTOR`` times the width (in log ρ) of the
+    central 99.9 % (`RHO_QUANTILES`); otherwise it covers the central 99.9 % and the figure says how many tokens
+    lie beyond each end and how far (the lowest and highest ρ). Tokens off the axis are not drawn (never piled
+    into the end bins)."""
+    fig, axes = _figure(width=_width(len(ds)))
     ax = axes[0, 0]
-    allrho = np.exp(np.concatenate(list(ds.values()) or [np.zeros(1)]))
-    lo, hi = np.quantile(allrho, [0.0005, 0.9995]) if allrho.size else (0.5, 2.0)
-    lo, hi = min(lo, 0.999), max(hi, 1.001)
+    alld = np.concatenate(list(ds.values()) or [np.zeros(0)]).astype(np.float64)
+    alld = alld[np.isfinite(alld)]
+    if not alld.size:
+        _empty(ax, "no tokens")
+        return png_bytes(fig)
+    qlo, qhi = np.quantile(alld, RHO_QUANTILES)
+    dmin, dmax = float(alld.min()), float(alld.max())
+    pad = 1e-3  # ρ = 1 always inside, with a little room
+    lo_d, hi_d = min(qlo, -pad), max(qhi, pad)
+    full_lo, full_hi = min(dmin, -pad), max(dmax, pad)
+    clipped = (full_hi - full_lo) > _FULL_RANGE_FACTOR * (hi_d - lo_d)
+    if not clipped:
+        lo_d, hi_d = full_lo, full_hi
+    lo, hi = float(np.exp(lo_d)), float(np.exp(hi_d))  # np.exp as for the data: the extremes land on the edges
     log_axis = hi / lo > 3
     bins = np.geomspace(lo, hi, 80) if log_axis else np.linspace(lo, hi, 80)
+    bins[0], bins[-1] = lo, hi
     for i, (name, d) in enumerate(ds.items()):
-        ax.hist(np.clip(np.exp(d), lo, hi), bins=bins, histtype="step", lw=1.5, color=_color(i), label=name)
+        rho = np.exp(np.asarray(d, dtype=np.float64))
+        ax.hist(rho[(rho >= lo) & (rho <= hi)], bins=bins, histtype="step", lw=1.5, color=_color(i), label=name)
     ax.axvline(1.0, color="k", lw=0.8)
+    for edge in (0.5, 2.0):
+        if lo < edge < hi:
+            ax.axvline(edge, color=_WARN, lw=0.8, ls="--")
     ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
     if log_axis:
+        from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
         ax.set_xscale("log")
-        _log_ticks(ax)
+        ax.set_xlim(lo, hi)
+        # ρ reads best as plain numbers (0.5, 1, 2): 1-2-5 steps per decade, thinned to at most 7 labels
+        ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+                 for m in (1, 2, 5) if lo <= m * 10.0 ** e <= hi]
+        while len(ticks) > 7:
+            ticks = [t for t in ticks if math.log10(t) % 1 == 0] if len(ticks) > 14 else ticks[::2]
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.set_xticklabels([f"{t:g}" for t in ticks])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     else:
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(6))
+    if clipped:
+        rho = np.exp(alld)
+        below, above = int((rho < lo).sum()), int((rho > hi).sum())
+        share = (RHO_QUANTILES[1] - RHO_QUANTILES[0]) * 100
+        note = (f"Axis clipped to the central {share:g} % of the {alld.size} tokens ({RHO_QUANTILES[0] * 100:g}–"
+                f"{RHO_QUANTILES[1] * 100:g} % quantiles). Not drawn: {below} tokens with ρ < {lo:.3g} (lowest "
+                f"{math.exp(dmin):.3g}), {above} with ρ > {hi:.3g} (highest {math.exp(dmax):.3g}).")
+    else:
+        note = f"Every one of the {alld.size} tokens drawn: ρ from {math.exp(dmin):.4g} to {math.exp(dmax):.4g}."
+    ax.set_title(_wrap(note, 90), fontsize=7.5, loc="left", color="#333")
     ax.set_xlabel("ρ = π_train / π_rollout per sampled token")
     ax.set_ylabel("tokens")
     _legend(ax, len(ds))
     return png_bytes(fig)
 
 
+def _wrap(text: str, width: int) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
+
+
 def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
-    """Per setting: mean |d| by response position (bins of equal width, at most 32)."""
-    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    """Per setting: mean |d| by response position (bins of equal width, at most 32).
+
+    A linear axis with room below 0, so a setting at exactly 0 shows as a line on the frame's inside; a log axis
+    when the settings' means span more than two decades (a linear one would flatten the smaller ones onto 0),
+    with a setting at exactly 0 everywhere drawn along the bottom edge and named so."""
+    fig, axes = _figure(width=_width(len(ds)))
     ax = axes[0, 0]
     top = max((int(p.max()) + 1 for _, p in ds.values() if p.size), default=1)
     n_bins = min(32, top)
     edges = np.linspace(0, top, n_bins + 1)
     centre = 0.5 * (edges[:-1] + edges[1:])
-    for i, (name, (d, pos)) in enumerate(ds.items()):
+    curves = {}
+    for name, (d, pos) in ds.items():
         if not pos.size:
             continue
         idx = np.clip(np.digitize(pos, edges) - 1, 0, n_bins - 1)
         count = np.bincount(idx, minlength=n_bins)
         mean = np.bincount(idx, np.abs(d), n_bins) / np.maximum(count, 1)
         ok = count > 0
-        ax.plot(centre[ok], mean[ok], "-", color=_color(i), lw=1.4, label=name)
+        curves[name] = (centre[ok], mean[ok])
+    positive = np.concatenate([m[m > 0] for _, m in curves.values()] or [np.zeros(0)])
+    log_axis = positive.size > 0 and positive.max() / positive.min() > 100
+    for i, name in enumerate(ds):
+        if name not in curves:
+            continue
+        x, m = curves[name]
+        zero = not (m > 0).any()
+        if log_axis and zero:
+            from matplotlib.transforms import blended_transform_factory
+
+            ax.plot(x, np.full_like(x, 0.02), "--", color=_color(i), lw=1.4, zorder=3,
+                    transform=blended_transform_factory(ax.transData, ax.transAxes),
+                    label=f"{name}: exactly 0 (drawn on the bottom edge)")
+        elif log_axis:
+            ax.plot(x, np.where(m > 0, m, np.nan), "-", color=_color(i), lw=1.4, label=name)
+        else:
+            ax.plot(x, m, "-", color=_color(i), lw=1.4, zorder=3,
+                    label=name + (" (exactly 0 at every position)" if zero else ""))
+    if log_axis:
+        ax.set_yscale("log")
+        _log_ticks(ax, "y")
+    else:
+        hi = float(positive.max()) if positive.size else 1.0
+        ax.set_ylim(-0.04 * hi, 1.08 * hi)
+        ax.axhline(0, color="#999", lw=0.6, zorder=1)
     ax.set_xlabel("response position (token index)")
-    ax.set_ylabel("mean |d|")
-    ax.set_ylim(bottom=0)
-    _legend(ax, len(ds))
+    ax.set_ylabel(f"mean |Δ log p| {NATS}")
+    _legend(ax, len(curves))
     return png_bytes(fig)
 
 
 def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float) -> bytes:
     """Per sequence: Σ_t d (log of the sequence IS weight) against its length, ±``band`` marked."""
-    fig, axes = _figure(width=6.8 if len(ds) > 3 else 6.4)
+    fig, axes = _figure(width=_width(len(ds)))
     ax = axes[0, 0]
     for i, (name, (d, key)) in enumerate(ds.items()):
         if not d.size:
@@ -292,7 +398,7 @@ def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float
 
     ax.xaxis.set_major_locator(MaxNLocator(8, integer=True))
     ax.set_xlabel("sequence length (scored tokens)")
-    ax.set_ylabel("Σ_t d = log ρ_seq")
+    ax.set_ylabel(f"Σ_t Δ log p = log ρ_seq {NATS}")
     _legend(ax, len(ds) + 1)
     return png_bytes(fig)
 
@@ -301,18 +407,20 @@ def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple
     """One panel per metric, one horizontal bar per setting (names on the y axis, values printed at the bars).
 
     ``panels``: (title, values, healthy (lo, hi) or None, log scale). A healthy range is shaded green. Zero
-    values on a log panel are printed as "0" at the axis.
+    values on a log panel are printed as "exactly 0" at the axis. Each panel's x axis is widened until every
+    printed value fits inside its frame (measured on the drawn figure).
     """
     n = len(panels)
     fig, axes = _figure(ncols=n, width=max(7.0, 2.9 * n), height=0.42 * len(names) + 1.6)
     y = np.arange(len(names))
+    value_labels: list[tuple] = []  # (axes, [texts]) whose printed values must fit inside the frame
+    bands = []
     for j, (title, values, healthy, log) in enumerate(panels):
         ax = axes[0, j]
         v = np.array([np.nan if x is None else x for x in values], dtype=float)
         finite = v[np.isfinite(v) & ((v > 0) if log else True)]
         if log and finite.size:
-            # Room on the right for the printed values (about 1.5 decades of the axis).
-            lo, hi = finite.min() / 3, finite.max() * 40
+            lo, hi = finite.min() / 3, finite.max() * 3
             if healthy and healthy[1]:
                 hi = max(hi, healthy[1] * 1.5)
             base = lo
@@ -320,12 +428,9 @@ def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple
             ax.set_xlim(lo, hi)
         else:
             base = 0.0
-            hi = (finite.max() * 1.45) if finite.size else 1.0
+            hi = (finite.max() * 1.1) if finite.size else 1.0
             ax.set_xlim(0, hi if hi > 0 else 1.0)
-        if healthy is not None:
-            hlo, hhi = healthy
-            ax.axvspan(hlo if hlo is not None else base, hhi if hhi is not None else ax.get_xlim()[1],
-                       color=_OK_BAND, zorder=0)
+        texts = []
         for i, val in enumerate(v):
             color = _color(i)
             if not np.isfinite(val):
@@ -334,7 +439,9 @@ def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple
                 ax.text(ax.get_xlim()[0], i, "  exactly 0", va="center", fontsize=7, color="#222")
             else:
                 ax.barh(i, val - base, left=base, color=color, height=0.6)
-                ax.text(val, i, f" {_short(val)}", va="center", fontsize=7)
+                texts.append(ax.text(val, i, f" {_short(val)}", va="center", fontsize=7))
+        value_labels.append((ax, texts))
+        bands.append((ax, healthy, base))
         ax.set_yticks(y)
         ax.set_yticklabels(names if j == 0 else [""] * len(names), fontsize=8)
         ax.set_ylim(len(names) - 0.4, -0.6)  # first setting on top, room for a row without a bar
@@ -346,12 +453,56 @@ def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple
 
             ax.xaxis.set_major_locator(MaxNLocator(4))
         ax.tick_params(axis="x", labelsize=7)
+    _fit_labels_inside(fig, value_labels)
+    for ax, healthy, base in bands:  # after the final limits: the band reaches the right edge
+        if healthy is not None:
+            hlo, hhi = healthy
+            right = ax.get_xlim()[1]
+            ax.axvspan(hlo if hlo is not None else base, min(hhi, right) if hhi is not None else right,
+                       color=_OK_BAND, zorder=0)
+            ax.set_xlim(ax.get_xlim()[0], right)
     return png_bytes(fig)
 
 
-def step_series(steps: np.ndarray, panels: list[tuple[str, np.ndarray, tuple | None, bool]],
-                ncols: int = 3) -> bytes:
-    """Per optimizer step, one panel per metric: (title, values, healthy (lo, hi) or None, log scale)."""
+def _fit_labels_inside(fig, value_labels: list[tuple], margin: float = 0.02, rounds: int = 4) -> None:
+    """Widen each panel's x axis (its left end fixed) until the printed values right of the bars end inside
+    the frame. A label starting at axes fraction f with width w fits when f + w <= 1 − margin; stretching the
+    axis by 1/S moves f to f·S and leaves w (the panel's width in pixels) unchanged, so S = min (1 − margin −
+    w) / f. Repeated on the redrawn figure, as the layout can move when the tick labels change."""
+    for _ in range(rounds):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        changed = False
+        for ax, texts in value_labels:
+            box = ax.get_window_extent(renderer)
+            log = ax.get_xscale() == "log"
+            t = (lambda x: math.log10(x)) if log else (lambda x: x)
+            lo, hi = ax.get_xlim()
+            span = t(hi) - t(lo)
+            scale = 1.0
+            for text in texts:
+                ext = text.get_window_extent(renderer)
+                f = (ext.x0 - box.x0) / box.width
+                w = ext.width / box.width
+                if f > 0 and f + w > 1 - margin:
+                    scale = min(scale, max(1 - margin - w, 0.05) / f)
+            if scale < 1.0:
+                new_hi = t(lo) + span / scale
+                ax.set_xlim(lo, 10 ** new_hi if log else new_hi)
+                if log:
+                    _log_ticks(ax, "x")
+                changed = True
+        if not changed:
+            return
+
+
+def step_series(steps: np.ndarray, panels: list[tuple], ncols: int = 3) -> bytes:
+    """Per optimizer step, one panel per metric: (title, values, healthy (lo, hi) or None, log scale[, options]).
+
+    Axes do not zoom into step-to-step noise: a linear axis starts at 0 (or below, for negative values), every
+    axis reaches the finite limits of the healthy range, and a log axis spans at least one decade. ``options``:
+    ``ylim`` (lo, hi) fixes the axis (widened only if a value falls outside); ``marks`` [(y, label)] draws
+    dashed labelled lines (e.g. verl's ESS warning level)."""
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = _figure(ncols=ncols, nrows=nrows, width=4.1 * ncols, height=2.9 * nrows)
     from matplotlib.ticker import MaxNLocator
@@ -360,22 +511,29 @@ def step_series(steps: np.ndarray, panels: list[tuple[str, np.ndarray, tuple | N
         if k >= len(panels):
             ax.set_visible(False)
             continue
-        title, values, healthy, log = panels[k]
+        title, values, healthy, log, *rest = panels[k]
+        options = rest[0] if rest else {}
         v = np.asarray(values, dtype=float)
         ok = np.isfinite(v)
         if log:
             ok &= v > 0
         if ok.any():
             ax.plot(steps[ok], v[ok], ".-", lw=1.2, ms=4)
+            lo, hi = _series_limits(v[ok], healthy, log, options.get("ylim"))
             if log:
                 ax.set_yscale("log")
+            ax.set_ylim(lo, hi)
+            if log:
                 _log_ticks(ax, "y")
             if healthy is not None:
-                lo, hi = ax.get_ylim()
                 hlo = healthy[0] if healthy[0] is not None else lo
                 hhi = healthy[1] if healthy[1] is not None else hi
                 ax.axhspan(hlo, hhi, color=_OK_BAND, zorder=0)
-                ax.set_ylim(lo, hi)
+            for level, label in options.get("marks", ()):
+                ax.axhline(level, color=_WARN, lw=0.9, ls="--")
+                ax.text(0.02, level, f" {label}", color=_WARN, fontsize=7, va="bottom",
+                        transform=ax.get_yaxis_transform())
+            ax.set_ylim(lo, hi)
         else:
             _empty(ax, "not measured" if not np.isfinite(v).any() else "all values 0")
         ax.set_title(title, fontsize=9)
@@ -383,3 +541,23 @@ def step_series(steps: np.ndarray, panels: list[tuple[str, np.ndarray, tuple | N
         ax.xaxis.set_major_locator(MaxNLocator(6, integer=True))
         ax.tick_params(labelsize=7)
     return png_bytes(fig)
+
+
+def _series_limits(v: np.ndarray, healthy: tuple | None, log: bool, fixed: tuple | None) -> tuple[float, float]:
+    """y limits of a per-step panel (see `step_series`)."""
+    bounds = [b for b in (healthy or ()) if b is not None and (b > 0 or not log)]
+    if fixed is not None:
+        return min(fixed[0], float(v.min())), max(fixed[1], float(v.max()))
+    if log:
+        lo = min([float(v.min())] + bounds) / 2
+        hi = max([float(v.max())] + bounds) * 2
+        if hi / lo < 10:  # at least one decade
+            mid = math.sqrt(lo * hi)
+            lo, hi = mid / math.sqrt(10), mid * math.sqrt(10)
+        return lo, hi
+    lo = min([0.0, float(v.min())] + bounds)
+    hi = max([0.0, float(v.max())] + bounds)
+    if hi == lo:
+        hi = lo + 1.0
+    pad = 0.06 * (hi - lo)
+    return (lo - pad if lo < 0 else lo), hi + pad

@@ -118,18 +118,21 @@ def _figures_over_tokens(page, tokens, label: str) -> None:
 
 def _series_figure(page, table: dict) -> None:
     import tim_plugins.report.figures as figures
-    from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2
+    from tim_plugins.report.figures import NATS
+    from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES
 
     ess_title = ("IS weight ESS (weights applied)" if table["ess_logged"].any()
                  else "ESS of ρ (no IS correction applied)")
     lr_title = "TIM LR scale" + ("" if np.isfinite(table["lr_scale"]).any() and (table["lr_scale"] != 1).any()
                                  else " (lr_decay off: stays 1)")
+    ess_rule = RULES["tim/is/ess"]
     panels = [
         ("k3 per token", table["k3"], (None, K3_HEALTHY_MAX), True),
-        ("|Δ log p| p99", table["abs_diff_p99"], (None, LOG2), True),
-        ("max |sequence log-ratio|", table["seq_log_ratio_abs_max"], (None, LOG2), False),
-        (ess_title, table["ess"], (0.5, None), False),
-        (lr_title, table["lr_scale"], None, False),
+        (f"|Δ log p| p99 {NATS}", table["abs_diff_p99"], (None, LOG2), True),
+        (f"max |sequence log-ratio| {NATS}", table["seq_log_ratio_abs_max"], (None, LOG2), False),
+        (ess_title, table["ess"], (ess_rule.ok_lo, None), False,
+         {"ylim": (0.0, 1.05), "marks": [(ess_rule.act_lo, f"verl warning: ESS < {ess_rule.act_lo:g}")]}),
+        (lr_title, table["lr_scale"], None, False, {"ylim": (0.0, 1.05)}),
         ("mean reward (context)", table["reward"], None, False),
     ]
     page.figure(figures.step_series(table["step"].astype(float), panels), "Mismatch per optimizer step",
@@ -137,8 +140,11 @@ def _series_figure(page, table: dict) -> None:
                 "(the ESS panel from the step's per-token dump when no IS correction ran). A rising k3 or p99 means "
                 "the two pipelines drift apart as the policy changes; a falling ESS means IS weights concentrate on "
                 "few tokens. The LR scale is below 1 only when length-triggered LR decay fired. Green background: "
-                "healthy range.",
-                f"k3 <= {K3_HEALTHY_MAX:g}; p99 and max |Σd| <= log 2; ESS >= 0.5 (warning < 0.3)", "k3")
+                "healthy range. The axes do not zoom into step-to-step noise: each reaches its healthy limit, "
+                "linear axes start at 0 and the ESS axis is fixed to [0, 1], so a flat-looking line is a steady "
+                "metric, and how far a line sits from the green edge is how much margin is left.",
+                f"k3 <= {K3_HEALTHY_MAX:g}; p99 and max |Σd| <= log 2; ESS >= {ess_rule.ok_lo:g} (warning < "
+                f"{ess_rule.act_lo:g})", "k3")
 
 
 def training_page(summary: dict, run_dir: Path, page) -> None:
@@ -158,9 +164,35 @@ def training_page(summary: dict, run_dir: Path, page) -> None:
     _audit_section(page, summary)
     _attached_section(page, summary)
     page.h2("Run settings")
-    rows = [[k, v] for k, v in sorted(summary.get("settings", {}).items())]
-    rows += [[k, v] for k, v in sorted(summary.get("timing", {}).items())]
-    page.table(["key", "value"], rows)
+    page.table(["key", "value"], [[k, v] for k, v in sorted(summary.get("settings", {}).items())])
+    _timing_section(page, summary.get("timing") or {})
+
+
+def _timing_section(page, timing: dict) -> None:
+    """Wall-clock time as parts that add up: total = set-up + GRPO loop; the loop = rollouts + the rest (the
+    rollouts are timed inside the loop, not next to it)."""
+    total, train = timing.get("total_seconds"), timing.get("train_seconds")
+    if total is None or train is None:
+        return
+    setup = timing.get("setup_seconds", total - train)
+    rollout = timing.get("rollout_seconds")
+    page.h2("Timings")
+    rows = [["total: start to the end of training (the report is written after)", total, 1.0],
+            ["\u2003set-up: imports, model build or load, trainer construction", setup, setup / total],
+            ["\u2003GRPO loop: trainer.train()", train, train / total]]
+    if rollout is not None:
+        other = timing.get("train_other_seconds", train - rollout)
+        tokens = timing.get("rollout_tokens")
+        rate = f", {tokens / rollout:.0f} tokens/s" if tokens and rollout > 0 else ""
+        rows += [[f"\u2003\u2003of which rollouts: sampling in rollout_func ({tokens} tokens{rate})", rollout,
+                  rollout / total],
+                 ["\u2003\u2003of which the rest: the trainer's log-probs, loss, backward, optimizer step, "
+                  "TIMCallback", other, other / total]]
+    page.table(["part", "seconds", "share of total"], [[what, round(sec, 1), f"{share:.0%}"]
+                                                        for what, sec, share in rows])
+    page.note("The parts add up: total = set-up + GRPO loop, and the loop = rollouts + the rest. TRL calls the "
+              "rollout function from inside trainer.train(), so rollout time is part of the loop's time, not "
+              "added to it. One run on this machine; other load on it changes the numbers.")
 
 
 def _findings_table(page, findings: list, empty: str) -> None:

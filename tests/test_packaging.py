@@ -17,14 +17,58 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def test_package_list_covers_every_package_folder():
+_TREES = (("tim_plugins", "tim_plugins"), ("integrations", "tim_plugins.integrations"))
+
+
+def _data_folders() -> dict[str, Path]:
+    """Folders of the package trees without __init__.py that hold files (examples, recipes), by the dotted name
+    they install under."""
+    out = {}
+    for top, prefix in _TREES:
+        for folder in (ROOT / top).rglob("*"):
+            if (folder.is_dir() and folder.name != "__pycache__" and not (folder / "__init__.py").exists()
+                    and any(f.is_file() for f in folder.iterdir())):
+                out[".".join([prefix, *folder.relative_to(ROOT / top).parts])] = folder
+    return out
+
+
+def test_package_list_covers_every_package_and_data_folder():
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    found = set()
-    for top, prefix in (("tim_plugins", "tim_plugins"), ("integrations", "tim_plugins.integrations")):
+    found = set(_data_folders())
+    for top, prefix in _TREES:
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / top)
             found.add(".".join([prefix, *rel.parts]) if rel.parts else prefix)
     assert listed == found
+    assert set(_data_folders()) <= set(PYPROJECT["tool"]["setuptools"]["package-data"])
+
+
+def test_wheel_builds_without_setuptools_warnings_and_carries_the_data_files(tmp_path):
+    """setuptools' own backend on a copy of the sources (what pip and `python -m build` call): no warning that a
+    folder is absent from ``packages`` (a data folder not listed), and the examples and recipes in the wheel."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for top, _ in _TREES:
+        shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
+    code = "from setuptools import build_meta; print(build_meta.build_wheel('dist'))"
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, cwd=src,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = out.stdout + out.stderr
+    assert "absent from the `packages` configuration" not in log, log[-3000:]
+    assert "SetuptoolsWarning" not in log and "SetuptoolsDeprecationWarning" not in log, log[-3000:]
+    names = set(zipfile.ZipFile(src / "dist" / out.stdout.strip().splitlines()[-1]).namelist())
+    for dotted, folder in _data_folders().items():
+        for f in folder.iterdir():
+            if f.is_file():
+                assert f"{dotted.replace('.', '/')}/{f.name}" in names, f
+    assert "tim_plugins/integrations/trl/examples/grpo_with_tim.py" in names
+    assert "tim_plugins/integrations/verl/recipes/run_grpo_tim.sh" in names
 
 
 @pytest.mark.parametrize("dist", sorted(SUPPORTED_RANGES))

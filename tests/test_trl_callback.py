@@ -248,8 +248,23 @@ def test_config_validation_quotes_values(toy_model_path, tmp_path):
     trainer = make_trainer(toy_model_path, tmp_path)
     with pytest.raises(ValueError, match="min_p=None"):
         TIMCallback(trainer, TIMConfig(safe_vocab=True))
-    assert set(TIMConfig.help()) >= {"monitor", "safe_vocab", "lr_decay", "parity_audit", "is_correction"}
-    assert all(TIMConfig.help().values())
+    assert set(TIMConfig.help_texts()) >= {"monitor", "safe_vocab", "lr_decay", "parity_audit", "is_correction"}
+    assert all(TIMConfig.help_texts().values())
+
+
+def test_config_help_prints_every_field_with_its_default_and_text(capsys):
+    """The README's ``TIMConfig.help()`` prints the fields (the dict is ``help_texts()``)."""
+    import dataclasses
+
+    assert TIMConfig.help() is None
+    printed = capsys.readouterr().out
+    fields = dataclasses.fields(TIMConfig)
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields}
+    assert sum(line.startswith("  ") and not line.startswith("   ") for line in printed.splitlines()) == len(fields)
+    flat = " ".join(printed.split())
+    for f in fields:
+        assert f"  {f.name} = {defaults[f.name]!r}\n" in printed, f.name
+        assert " ".join(f.metadata["help"].split()) in flat, f.name
 
 
 def test_version_range_checked_at_attach(toy_model_path, tmp_path, monkeypatch):

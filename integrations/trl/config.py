@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from tim_plugins._config import field_help
+from tim_plugins._config import field_help, help_table, help_texts
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.metrics import check_ratio_band
 
@@ -183,6 +183,12 @@ class TIMConfig:
         return out
 
     @classmethod
-    def help(cls) -> dict[str, str]:
-        """{field name: help text} (for CLIs and docs)."""
-        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+    def help(cls) -> None:
+        """Print every field with its default and what it does (``TIMConfig.help()``, as the README says);
+        `help_texts` returns the same as a dict."""
+        print(help_table(cls))
+
+    @classmethod
+    def help_texts(cls) -> dict[str, str]:
+        """{field name: help text} (for command lines and docs)."""
+        return help_texts(cls)

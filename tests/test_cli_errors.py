@@ -35,7 +35,8 @@ CASES = [
     (["report", "/nonexistent"], ["'/nonexistent'", "no such folder"]),
     (["audit"], ["one of the arguments --verl --trl-config --vllm-args is required"]),
     (["check-batch-invariance", "--model", "/nonexistent"], ["'/nonexistent'", "does not exist"]),
-    (["lr-replay", "/nonexistent.jsonl"], ["/nonexistent.jsonl"]),
+    (["lr-replay", "/nonexistent.jsonl"], ["'/nonexistent.jsonl': no such file", "pass a per-step metrics file"]),
+    (["lr-replay", "EMPTY"], ["'EMPTY': a folder, not a file", ".jsonl", "trainer_state.json"]),
 ]
 
 
@@ -47,6 +48,7 @@ def test_bad_input_is_one_line_exit_2_no_traceback(argv, needles, tmp_path):
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     assert len(lines) == 1, res.stderr
+    assert "[Errno" not in lines[0]  # the raw OS error is no explanation: the line names the file and the fix
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
 

@@ -178,9 +178,16 @@ def run_replay(args: argparse.Namespace) -> int:
         config = LRDecayConfig(**overrides)
     except ValueError as err:
         return _fail(str(err))
+    path = Path(args.file)
+    accepted = ("pass a per-step metrics file: .jsonl (wandb history export, TRL log_history rows), .json (a list "
+                "of rows or a trainer_state.json) or .csv (wandb UI export)")
+    if not path.is_file():
+        return _fail(f"{args.file!r}: {'a folder, not a file' if path.is_dir() else 'no such file'}; {accepted}.")
     try:
-        rows = load_rows(args.file)
-    except (OSError, ValueError) as err:
+        rows = load_rows(path)
+    except OSError as err:
+        return _fail(f"{args.file!r} cannot be read ({err.strerror or err}); check its permissions, or {accepted}.")
+    except ValueError as err:
         return _fail(str(err))
     if not rows:
         return _fail(f"{args.file}: no rows.")

@@ -32,9 +32,11 @@ _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 _OK_BAND = "#d9f0d3"
 _WARN = "#d62728"
 NATS = "(nats)"
-# Ratio histogram: the axis covers the central 99.9 % of tokens (these quantiles) unless every token fits on an
-# axis at most _FULL_RANGE_FACTOR times wider (in log ρ) than that; then the full range is drawn.
-RHO_QUANTILES = (0.0005, 0.9995)
+# Ratio histogram: the bulk's window is the 0.5-99.5 % quantile range of log ρ, widened by half its width on each
+# side. When every token fits on an axis at most _FULL_RANGE_FACTOR times as wide (in log ρ), one panel shows all;
+# otherwise a second panel shows the full range on a log axis next to the zoom (a single full-range axis would
+# squeeze the bulk into one bin).
+RHO_QUANTILES = (0.005, 0.995)
 _FULL_RANGE_FACTOR = 3.0
 
 
@@ -253,32 +255,59 @@ def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
 
 def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
     """Per setting: distribution of ρ = exp(d) = π_train / π_rollout (ρ = 1 marked, and the [0.5, 2] band of
-    token-level corrections where it falls inside the axis). A linear axis when the drawn ρ lie within a factor
-    3, else a log axis.
+    token-level corrections dashed where it falls inside an axis).
 
-    The axis covers every token when that costs at most ``_FULL_RANGE_FACTOR`` times the width (in log ρ) of the
-    central 99.9 % (`RHO_QUANTILES`); otherwise it covers the central 99.9 % and the figure says how many tokens
-    lie beyond each end and how far (the lowest and highest ρ). Tokens off the axis are not drawn (never piled
-    into the end bins)."""
-    fig, axes = _figure(width=_width(len(ds)))
-    ax = axes[0, 0]
+    The bulk's window (`RHO_QUANTILES`, widened) and the full range: one panel with every token when the full
+    range is at most ``_FULL_RANGE_FACTOR`` times as wide (in log ρ); else two, the zoom on the bulk (its title
+    says how many tokens lie left and right of it) and every token on a log axis with the zoom window shaded
+    (its title gives the lowest and highest ρ). No token is piled into an end bin."""
     alld = np.concatenate(list(ds.values()) or [np.zeros(0)]).astype(np.float64)
     alld = alld[np.isfinite(alld)]
     if not alld.size:
-        _empty(ax, "no tokens")
+        fig, axes = _figure(width=_width(len(ds)))
+        _empty(axes[0, 0], "no tokens")
         return png_bytes(fig)
     qlo, qhi = np.quantile(alld, RHO_QUANTILES)
     dmin, dmax = float(alld.min()), float(alld.max())
     pad = 1e-3  # ρ = 1 always inside, with a little room
-    lo_d, hi_d = min(qlo, -pad), max(qhi, pad)
+    half = 0.5 * (qhi - qlo)
+    lo_d, hi_d = min(max(qlo - half, dmin), -pad), max(min(qhi + half, dmax), pad)
     full_lo, full_hi = min(dmin, -pad), max(dmax, pad)
-    clipped = (full_hi - full_lo) > _FULL_RANGE_FACTOR * (hi_d - lo_d)
-    if not clipped:
+    split = (full_hi - full_lo) > _FULL_RANGE_FACTOR * (hi_d - lo_d)
+    if not split:
         lo_d, hi_d = full_lo, full_hi
-    lo, hi = float(np.exp(lo_d)), float(np.exp(hi_d))  # np.exp as for the data: the extremes land on the edges
-    log_axis = hi / lo > 3
-    bins = np.geomspace(lo, hi, 80) if log_axis else np.linspace(lo, hi, 80)
-    bins[0], bins[-1] = lo, hi
+    fig, axes = _figure(ncols=2 if split else 1, width=(11.5 if split else 6.4) + (1.6 if len(ds) > 3 else 0))
+    rho_all = np.exp(alld)
+    lo, hi = _rho_panel(axes[0, 0], ds, float(np.exp(lo_d)), float(np.exp(hi_d)))
+    if split:
+        below, above = int((rho_all < lo).sum()), int((rho_all > hi).sum())
+        note = (f"Zoom on the bulk ({RHO_QUANTILES[0] * 100:g}–{RHO_QUANTILES[1] * 100:g} % quantiles, widened): "
+                f"{below} of the {alld.size} tokens lie left of it (ρ < {lo:.3g}), {above} right (ρ > {hi:.3g}); "
+                "all of them on the right.")
+        ax2 = axes[0, 1]
+        flo, fhi = _rho_panel(ax2, ds, float(np.exp(full_lo)), float(np.exp(full_hi)), log=True)
+        ax2.axvspan(lo, hi, color="#e8e8e8", zorder=0)
+        ax2.set_title(_wrap(f"Every token: ρ from {math.exp(dmin):.3g} to {math.exp(dmax):.3g} (log axis; grey: "
+                            "the zoom on the left).", 60), fontsize=7.5, loc="left", color="#333")
+        ax2.set_ylabel("")
+        if len(ds) > 3:
+            _legend(ax2, len(ds))
+        else:
+            ax2.legend(fontsize=8)
+        axes[0, 0].set_title(_wrap(note, 60), fontsize=7.5, loc="left", color="#333")
+    else:
+        note = f"Every one of the {alld.size} tokens drawn: ρ from {math.exp(dmin):.4g} to {math.exp(dmax):.4g}."
+        axes[0, 0].set_title(_wrap(note, 90), fontsize=7.5, loc="left", color="#333")
+        _legend(axes[0, 0], len(ds))
+    return png_bytes(fig)
+
+
+def _rho_panel(ax, ds: dict[str, np.ndarray], lo: float, hi: float, log: bool | None = None) -> tuple[float, float]:
+    """Step histograms of ρ on [lo, hi] (80 bins; a log axis when ``log`` or hi / lo > 3); tokens outside are not
+    drawn. Returns (lo, hi)."""
+    log = hi / lo > 3 if log is None else log
+    bins = np.geomspace(lo, hi, 80) if log else np.linspace(lo, hi, 80)
+    bins[0], bins[-1] = lo, hi  # np.exp as for the data: the extremes land on the edges
     for i, (name, d) in enumerate(ds.items()):
         rho = np.exp(np.asarray(d, dtype=np.float64))
         ax.hist(rho[(rho >= lo) & (rho <= hi)], bins=bins, histtype="step", lw=1.5, color=_color(i), label=name)
@@ -288,7 +317,7 @@ def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
             ax.axvline(edge, color=_WARN, lw=0.8, ls="--")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
-    if log_axis:
+    if log:
         from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
         ax.set_xscale("log")
@@ -306,20 +335,9 @@ def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(6))
-    if clipped:
-        rho = np.exp(alld)
-        below, above = int((rho < lo).sum()), int((rho > hi).sum())
-        share = (RHO_QUANTILES[1] - RHO_QUANTILES[0]) * 100
-        note = (f"Axis clipped to the central {share:g} % of the {alld.size} tokens ({RHO_QUANTILES[0] * 100:g}–"
-                f"{RHO_QUANTILES[1] * 100:g} % quantiles). Not drawn: {below} tokens with ρ < {lo:.3g} (lowest "
-                f"{math.exp(dmin):.3g}), {above} with ρ > {hi:.3g} (highest {math.exp(dmax):.3g}).")
-    else:
-        note = f"Every one of the {alld.size} tokens drawn: ρ from {math.exp(dmin):.4g} to {math.exp(dmax):.4g}."
-    ax.set_title(_wrap(note, 90), fontsize=7.5, loc="left", color="#333")
     ax.set_xlabel("ρ = π_train / π_rollout per sampled token")
     ax.set_ylabel("tokens")
-    _legend(ax, len(ds))
-    return png_bytes(fig)
+    return lo, hi
 
 
 def _wrap(text: str, width: int) -> str:

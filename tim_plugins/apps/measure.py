@@ -380,6 +380,15 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     ``llm``: an already running ``vllm.LLM`` on the same model for the vllm setting (else one is started with
     ``cfg.vllm_dtype``); it must use ``logprobs_mode="processed_logprobs"``.
     """
+    from tim_plugins.apps.startup import model_label, model_status, say
+
+    names = ", ".join(s.name for s in cfg.settings)
+    say(f"tim-plugins measure: {len(cfg.settings)} rollout setting(s) ({names}) against a {cfg.trainer_dtype} "
+        f"trainer on {model_label(cfg.model)}, {cfg.num_prompts} prompts x {cfg.max_new_tokens} tokens; report: "
+        f"{Path(cfg.out) / 'report.html'}")
+    say(model_status(cfg.model, smollm2="gguf")
+        + ("; the vLLM engine starts after the HF settings (~30 s to 2 min)" if llm is None and any(
+            s.rollout == "vllm" for s in cfg.settings) else ""))
     require("transformers", "tim-plugins measure")
     from tim_plugins.report import build_report, verdict_for
     from tim_plugins.toy_model import synthetic_prompts
@@ -414,7 +423,7 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     if run._engines:
         llm_dtype = str(next(iter(run._engines.values())).llm_engine.model_config.dtype).replace("torch.", "")
     common = {k: v for k, v in asdict(cfg).items() if k not in ("rollout", "min_p", "compare")}
-    common["model_path"] = str(run.path)
+    common["model"] = str(run.path)  # once: the checkpoint actually loaded ('smollm2' / the toy model resolved)
     common["vocab_size"] = run.vocab
     notes = []
     if calibration is not None:

@@ -4,7 +4,9 @@ statistic logged is the exact global value over both ranks, logged once per step
 Each configuration is one real ``GRPOTrainer.train()`` launched as two ranks (tests/trl_two_procs_run.py), bounded
 in time, its process group killed at the end (tests/bounded.py): the toy model, TRL's transformers generation with
 a controlled mismatch (``rollout="inject"``), 3 steps of 2 micro-batches of 4 completions (8 tokens at most) per
-rank, 16 completions per step in all. Each rank dumps every token it measured (``sample_rate=1``, no cap).
+rank, 16 completions per step in all. Each rank dumps every token it measured (``sample_rate=1``, no cap). A third
+run has rank 1 meet a problem rank 0 does not (beam search, which the monitor cannot measure): its count must reach
+the log too.
 
 References, independent of the merge:
 - the naive formulas below on BOTH ranks' dumps joined (``read_dump``), and on each rank's alone: the logged values
@@ -15,8 +17,8 @@ References, independent of the merge:
   batches): each rank's own unmerged values (read just before the merge) combined by the merge's definition
   (token-weighted means, maxima).
 
-Cost on the shared 2-core machine: each configuration 20-25 s (start ~8 s per rank, training ~1 s), 0.85 GiB peak
-RSS per rank; the module ~50 s.
+Cost on the shared 2-core machine: each configuration 11-25 s (start 7-15 s per rank, training ~1 s), 0.83-0.85 GiB
+peak RSS per rank (the module's process tree: 1.8 GiB PSS); the module ~60 s.
 """
 
 from __future__ import annotations
@@ -297,3 +299,23 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs):
         assert key in differs, key
     _check_discriminates(run, differs, checked)
     print("not discriminated by one rank (same on both ranks at every step):", sorted(checked - set(differs)))
+
+
+def test_a_problem_met_on_one_rank_is_counted_in_the_log(runs):
+    """Rank 1 generates by beam search, which the monitor cannot measure: it counts the problem and measures
+    nothing. The log (rank 0's) counts rank 1's problem, and its statistics are rank 0's tokens alone."""
+    run = runs("beam_on_rank1")
+    rank0, rank1 = run["ranks"]
+    assert rank0["diag"] == {} and rank1["diag"]["unsupported_generation_mode"] == len(STEPS)
+    assert set(run["dump"]["rank"]) == {0}
+    for step in STEPS:
+        logged = _logged(rank0, step)
+        (own0,) = [w["diag"] for w in rank0["local"] if w["step"] == step]
+        (own1,) = [w["diag"] for w in rank1["local"] if w["step"] == step]
+        assert own0 == {} and own1 == {"unsupported_generation_mode": float(step)}  # running totals
+        assert logged["tim/diag/unsupported_generation_mode"] == step
+        assert _logged(rank1, step)["tim/diag/unsupported_generation_mode"] == step
+        want = naive_monitor(_tokens(run["dump"], step))
+        for key, value in want.items():
+            assert _same(key, logged[key], value), (step, key, logged[key], value)
+        assert _local(rank1, step)["tim/tokens"] == 0 and logged["tim/tokens"] == _local(rank0, step)["tim/tokens"]

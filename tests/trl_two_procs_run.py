@@ -16,13 +16,17 @@ TRL's own sampler against the fp32 trainer differs by ~1e-7 per token (KV-cache 
 Configurations (``--config``):
 - ``monitor``: the monitor only;
 - ``mitigations``: safe vocabulary (``GRPOConfig(min_p=0.05)``, ``TIMConfig(safe_vocab=True)``) and the IcePop
-  correction, so boundary tokens (sampled outside the trainer's safe set) and dropped tokens both occur.
+  correction, so boundary tokens (sampled outside the trainer's safe set) and dropped tokens both occur;
+- ``beam_on_rank1``: the monitor, with rank 1 generating by beam search (``generation_kwargs={"num_beams": 2}``),
+  which the monitor does not measure: rank 1 only counts a problem (``tim/diag/unsupported_generation_mode``) and
+  contributes no token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -44,7 +48,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--config", choices=("monitor", "mitigations"), required=True)
+    ap.add_argument("--config", choices=("monitor", "mitigations", "beam_on_rank1"), required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8)
     args = ap.parse_args(argv)
@@ -60,6 +64,8 @@ def main(argv=None) -> None:
     from tim_plugins.toy_model import synthetic_prompts
 
     extra = {"min_p": MIN_P} if args.config == "mitigations" else {}
+    if args.config == "beam_on_rank1" and os.environ.get("RANK") == "1":
+        extra["generation_kwargs"] = {"num_beams": 2}  # unsupported by the monitor: counted, not measured
     grpo = GRPOConfig(
         output_dir=str(out / "trainer"), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
         gradient_accumulation_steps=2,
@@ -110,7 +116,7 @@ def main(argv=None) -> None:
         for part in (pipeline.monitor, pipeline.safe_vocab_stats, pipeline.correction_stats):
             if part is not None:
                 values.update(part.compute(sync=False))
-        local.append({"step": step, "values": values})
+        local.append({"step": step, "values": values, "diag": dict(pipeline.diag)})
         return compute(step, **k)
 
     pipeline.compute = _compute

@@ -229,7 +229,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds,
                        time.perf_counter() - t_start)
     from tim_plugins.report import build_report, verdict_for
-    from tim_plugins.report.training_page import dump_disagreements
+    from tim_plugins.report.disagreements import dump_disagreements
     from tim_plugins.report.tokens import has_dump
 
     if has_dump(dump_dir):

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 __all__ = ["DEFAULT_ROWS", "DEFAULT_CONTEXT", "columns_from_dump", "columns_from_tensors", "largest_disagreements",
-           "decode_rows", "visible", "disagreements_html", "disagreements_text"]
+           "decode_rows", "dump_disagreements", "visible", "disagreements_html", "disagreements_text"]
 
 DEFAULT_ROWS = 15
 DEFAULT_CONTEXT = 4  # tokens of context on each side
@@ -130,6 +130,12 @@ def decode_rows(rows: list[dict], decode: Callable[[Sequence[int]], str]) -> lis
     return [{**r, "text_before": visible(decode(r["before"])) if r["before"] else "",
              "text": visible(decode([r["token_id"]])), "text_after": visible(decode(r["after"])) if r["after"] else ""}
             for r in rows]
+
+
+def dump_disagreements(dump_dir: str | Path, decode: Callable[[Sequence[int]], str] | None = None) -> list[dict]:
+    """The largest disagreements of a dump folder, decoded when ``decode`` is given."""
+    rows = largest_disagreements(columns_from_dump(dump_dir))
+    return decode_rows(rows, decode) if decode is not None else rows
 
 
 def _p(x: float) -> str:

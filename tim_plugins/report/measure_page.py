@@ -213,9 +213,8 @@ def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
 
 def _disagreements_section(summary: dict, run_dir: Path, page, names: list[str], first: str, decode) -> None:
     """The largest disagreements per setting: the verdict's setting open, the others folded."""
-    from tim_plugins.report.disagreements import disagreements_html
+    from tim_plugins.report.disagreements import disagreements_html, dump_disagreements
     from tim_plugins.report.tokens import has_dump
-    from tim_plugins.report.training_page import dump_disagreements
 
     stored = summary.get("disagreements") or {}
     page.h2("Largest disagreements")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["training_verdict", "training_page", "dump_page", "step_table", "dump_disagreements",
-           "disagreements_section", "VERDICT_KEYS"]
+__all__ = ["training_verdict", "training_page", "dump_page", "step_table", "disagreements_section",
+           "VERDICT_KEYS"]
 
 VERDICT_KEYS = ("tim/token/kl_k3", "tim/token/abs_diff_p99", "tim/token/ratio_outside_frac",
                 "tim/seq/log_ratio_abs_max", "tim/is/ess")
@@ -162,6 +162,8 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     if tokens is not None and tokens.size:
         page.h2("Per token, over all steps")
         _figures_over_tokens(page, tokens, "all steps")
+    from tim_plugins.report.disagreements import dump_disagreements
+
     rows = summary.get("disagreements")
     if rows is None and tokens is not None:
         rows = dump_disagreements(Path(run_dir) / summary.get("dumps", {}).get("all steps", "dump"), decode)
@@ -173,14 +175,6 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     rows = [[k, v] for k, v in sorted(summary.get("settings", {}).items())]
     rows += [[k, v] for k, v in sorted(summary.get("timing", {}).items())]
     page.table(["key", "value"], rows)
-
-
-def dump_disagreements(dump_dir: Path, decode=None) -> list[dict]:
-    """The largest disagreements of a dump folder (decoded when ``decode`` is given)."""
-    from tim_plugins.report.disagreements import columns_from_dump, decode_rows, largest_disagreements
-
-    rows = largest_disagreements(columns_from_dump(dump_dir))
-    return decode_rows(rows, decode) if decode is not None else rows
 
 
 def disagreements_section(page, rows: list[dict], what: str, show_step: bool = True) -> None:
@@ -252,6 +246,7 @@ def _attached_section(page, summary: dict) -> None:
 def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     """A report for a bare per-token dump (e.g. ``TIMConfig(dump_dir=...)``): verdict over all rows, per-step
     series when the dump spans several steps, the per-token figures."""
+    from tim_plugins.report.disagreements import dump_disagreements
     from tim_plugins.report.tokens import load_tokens
 
     tokens = load_tokens(dump_dir)

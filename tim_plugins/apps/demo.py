@@ -229,6 +229,12 @@ def run_demo(cfg: DemoConfig) -> dict:
     summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds,
                        time.perf_counter() - t_start)
     from tim_plugins.report import build_report, verdict_for
+    from tim_plugins.report.disagreements import dump_disagreements
+    from tim_plugins.report.tokens import has_dump
+
+    if has_dump(dump_dir):
+        summary["disagreements"] = dump_disagreements(dump_dir, lambda ids: tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     summary["verdict"] = verdict_for(summary, out)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,9 +265,15 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, train_seconds, t
     rollout_spec, trainer_spec = getattr(tim, "parity_specs", (None, None))
     defaults = TIMConfig().to_dict()
     config = tim.config.to_dict()
+    # The demo's rollout copy runs in another dtype than the trainer on purpose: that is the mismatch it shows.
+    why = (f"the {cfg.rollout_dtype} rollout is deliberate in this demo (--rollout-dtype {cfg.rollout_dtype}: a "
+           f"{cfg.rollout_dtype} copy of the float32 policy samples)")
+    deliberate = {} if cfg.rollout_dtype == "float32" else {"dtype-mismatch": why, "lm-head-precision-mismatch": why}
     return {
         "kind": "training",
         "title": f"TIM inside a GRPO run: {cfg.rollout_dtype} rollouts, float32 trainer",
+        "framework": "trl",
+        "deliberate": deliberate,
         "settings": {**asdict(cfg), "model_path": model_path, "trl_version": tim.trl_version,
                      "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
                      "optimizer_steps": trainer.state.global_step},
@@ -322,5 +334,12 @@ def _main(args) -> int:
         print(f"  [{status.upper():5}] {text}")
     for line in v.get("extra", []):
         print(f"  {line}")
+    rows = summary.get("disagreements")
+    if rows:
+        from tim_plugins.report.disagreements import disagreements_text
+
+        print("\nLargest disagreements (p rollout → p trainer, Δ log p, the token in ⟦ ⟧; the report lists more):")
+        for line in disagreements_text(rows[:5]):
+            print(f"  {line}")
     print(f"\nreport: {summary['report']}\nsummary: {Path(summary['report']).parent / 'summary.json'}")
     return 0

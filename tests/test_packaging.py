@@ -146,3 +146,17 @@ def test_every_core_module_imports_without_the_frameworks():
     assert expected <= set(result["imported"])
     assert result["tokens"] == 2 and result["frameworks"] == []
 
+
+def test_live_vllm_reader_notes_an_untested_vllm_instead_of_failing(monkeypatch):
+    """The parity reader is a diagnostic: an untested vLLM is named in the spec's notes (the adapters that plug
+    into vLLM refuse it at import instead)."""
+    import tim_plugins._optional as optional
+    from tim_plugins.parity.vllm_spec import _untested_vllm
+
+    monkeypatch.setattr(optional, "package_version", lambda dist: "0.32.1" if dist == "vllm" else None)
+    note = _untested_vllm()
+    assert note is not None and "vllm 0.32.1" in note and ">=0.31,<0.32" in note
+    monkeypatch.setattr(optional, "package_version", lambda dist: "0.31.0+cpu" if dist == "vllm" else None)
+    assert _untested_vllm() is None
+    monkeypatch.setattr(optional, "package_version", lambda dist: None)
+    assert _untested_vllm() is None and optional.is_supported_version("vllm") is None

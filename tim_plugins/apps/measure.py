@@ -503,7 +503,7 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     names = [s.name for s in settings]
     primary = names[-1] if cfg.compare is None else names[0]
     llm_dtype = None
-    if run._engines:
+    if run._engines:  # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine) and vllm.config:ModelConfig
         llm_dtype = str(next(iter(run._engines.values())).llm_engine.model_config.dtype).replace("torch.", "")
     vllm_ran = any(s.rollout == "vllm" for s in settings)
     common = {k: v for k, v in asdict(cfg).items() if k not in ("rollout", "min_p", "compare")

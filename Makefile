@@ -18,6 +18,9 @@ RETRY := scripts/retry
 # mapping ("Editable installation. Please be careful with folders ... same name as your package"): not a problem
 # of this package, and the first thing a new user would read. Filtered by its message for the `-e` installs.
 QUIET_EDITABLE := env PYTHONWARNINGS="ignore:Editable installation"
+# Each test suite's peak resident memory (its whole process tree: Ray, vLLM and verl workers included) is printed
+# at its end: the suites must fit a 24 GiB machine with room to spare.
+PEAK := scripts/peak_mem
 export PIP_RESUME_RETRIES ?= 10
 
 .PHONY: run test test-main test-verl test-wheel bench setup clean
@@ -48,12 +51,12 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 test: test-main test-verl test-wheel
 
 test-main: $(VENV)/$(STAMP)
-	$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite $(PYTEST_ARGS)
+	$(PEAK) test-main $(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite $(PYTEST_ARGS)
 
 # Its own pytest process: the verl suite installs test-only CPU shims before verl is first imported
 # (tests/verl_suite/cpu_site), including verl's end-to-end main_ppo runs.
 test-verl: $(VENV)/$(STAMP)
-	$(VENV)/bin/python -m pytest -q tests/verl_suite $(PYTEST_ARGS)
+	$(PEAK) test-verl $(VENV)/bin/python -m pytest -q tests/verl_suite $(PYTEST_ARGS)
 
 # The built wheel, installed with the trl and verl extras into a fresh virtualenv, must carry and import the
 # adapters and register the tim trainer modes on `import verl`.

@@ -140,6 +140,7 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
 
     def record(ctx, duration):  # TRL's profiled blocks of this step, by name ("GRPOTrainer.transformers.generate")
         pending[ctx.name] = pending.get(ctx.name, 0.0) + duration
+        pending[ctx.name + " calls"] = pending.get(ctx.name + " calls", 0) + 1
         return log_metrics(ctx, duration)
 
     trainer.add_callback(_Clock())
@@ -154,12 +155,14 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
     cpu_per_step = [b - a for a, b in zip(cpu_stamps[:-1], cpu_stamps[1:])][skip - 1:]
     gen_per_step = [sum(v for k, v in ph.items() if k.endswith(".generate")) for ph in phases[1:]][skip - 1:]
     logps_per_step = [sum(v for k, v in ph.items() if k.endswith(LOGPS_PHASE)) for ph in phases[1:]][skip - 1:]
+    logps_calls = [sum(v for k, v in ph.items() if k.endswith(LOGPS_PHASE + " calls")) for ph in phases[1:]][skip - 1:]
     logged = [h for h in trainer.state.log_history if "loss" in h]
     out = {"step_s": statistics.median(per_step), "steps_s": per_step,
            "cpu_step_s": statistics.median(cpu_per_step), "cpu_steps_s": cpu_per_step,
            "generate_s": statistics.median(gen_per_step), "generate_steps_s": gen_per_step,
            "rest_s": statistics.median([a - b for a, b in zip(per_step, gen_per_step)]),
            "logps_s": statistics.median(logps_per_step), "logps_steps_s": logps_per_step,
+           "logps_calls_per_step": sorted(set(logps_calls)),  # scoring forwards TRL ran per step
            "phases_s": phases[1:][skip - 1:],
            "completion_length": statistics.mean(h.get("completions/mean_length", float("nan")) for h in logged),
            # what the arm logged of its own: none for plain, tim/... for the callback arms
@@ -270,6 +273,9 @@ def _summary(args, settings: dict, arms: list[str], runs: dict, load_start) -> d
     rest = {arm: [x["rest_s"] for x in runs[arm][:done]] for arm in arms}
     logps = {arm: [x["logps_s"] for x in runs[arm][:done]] for arm in arms}
     result["logps_phase_s_per_step"] = {arm: spread(logps[arm]) for arm in arms}
+    # how many scoring forwards each arm's steps ran (the same in every arm: the callback adds none)
+    result["logps_calls_per_step"] = {arm: sorted({n for x in runs[arm][:done] for n in x["logps_calls_per_step"]})
+                                      for arm in arms}
     result["generate_s_per_step"] = {arm: spread(gen[arm]) for arm in arms}
     result["rest_s_per_step"] = {arm: spread(rest[arm]) for arm in arms}
     for arm in arms[1:]:

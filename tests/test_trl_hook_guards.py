@@ -106,6 +106,23 @@ def test_sources_hold_the_assumed_statements():
     assert "shuffle_sequence_dict" in prepare and "split_tensor_dict" in prepare
 
 
+def test_vllm_generation_attributes_the_audit_reads():
+    """_parity.py reads trainer.vllm_generation.llm (colocate) and .vllm_client.get_server_info() (server)."""
+    from trl.generation.vllm_client import VLLMClient
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    init = _src(GRPOTrainer.__init__)
+    assert "self.vllm_generation = VLLMGeneration(" in init and "if self.use_vllm:" in init
+    assert "self._init_vllm()" in _src(VLLMGeneration.__init__)
+    gen = re.sub(r"\s+", " ", _src(VLLMGeneration._init_vllm))
+    assert "self.llm = LLM(" in gen and "self.vllm_client = VLLMClient(" in gen
+    assert gen.index('elif self.mode == "colocate":') < gen.index("self.llm = LLM(")
+    assert list(inspect.signature(VLLMClient.get_server_info).parameters) == ["self"]
+    info = _src(VLLMClient.get_server_info)
+    assert 'f"{self.base_url}/server_info", params={"config_format": "json"}' in info
+    assert 'return response.json()["vllm_config"]' in info
+
+
 @pytest.fixture(scope="module")
 def batch_and_trainer(toy_model_path, tmp_path_factory):
     trainer = make_trainer(toy_model_path, tmp_path_factory.mktemp("guard"), max_steps=1, beta=0.04,

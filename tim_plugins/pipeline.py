@@ -19,7 +19,8 @@ tensors and calls, in this order:
 
 Every statistic is a mergeable accumulator (``MismatchMonitor``, ``SafeVocabStats``, ``CorrectionStats``), so
 values are exact whatever the micro-batching and the number of ranks; statistics of an empty set are NaN.
-Problems with the inputs are counted under ``tim/diag/<name>`` and never raised, unless ``strict``.
+Problems with the inputs are counted under ``tim/diag/<name>`` (running totals, summed over the ranks) and never
+raised, unless ``strict``.
 """
 
 from __future__ import annotations
@@ -251,8 +252,22 @@ class StepPipeline:
                 stats.reset()
         if self.lr_controller is not None:
             out.update(self.lr_controller.metrics())
-        out.update({f"tim/diag/{k}": v for k, v in self.diag.items()})
+        out.update({f"tim/diag/{k}": v for k, v in self._merged_diag(sync, group).items()})
         return out, decision, hists
+
+    def _merged_diag(self, sync: bool, group) -> dict[str, float]:
+        """The problem counts (running totals), summed over ``group`` when ``sync``: a problem one rank met is
+        counted in what every rank logs. The names a rank met are unknown to the others, so they travel as
+        objects (one gather per logging window)."""
+        if not (sync and _distributed(group)):
+            return dict(self.diag)
+        gathered: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(gathered, self.diag, group=group)
+        total: dict[str, float] = {}
+        for counts in gathered:
+            for name, n in counts.items():
+                total[name] = total.get(name, 0.0) + n
+        return dict(sorted(total.items()))
 
     # -------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

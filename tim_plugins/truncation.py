@@ -4,10 +4,11 @@
 The trainer can only reproduce the distribution a rollout engine sampled from if it truncates the vocabulary
 with the same rule and in the same order. The two engines we support differ in order:
 
-* vLLM (``vllm/v1/sample/sampler.py`` ``Sampler.sample`` + ``ops/topk_topp_sampler.py``):
-  temperature → min-p (argmax-invariant logits processor) → top-k → top-p.
-* HF ``generate`` (``transformers/generation/utils.py`` ``_get_logits_processor``):
-  temperature → top-k → top-p → min-p.
+* vLLM (VLLM_SOURCES vllm.v1.sample.sampler:Sampler.sample and
+  VLLM_SOURCES vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch, registry in
+  ``integrations/vllm/sources.py``): temperature → min-p (argmax-invariant logits processor) → top-k → top-p.
+* HF ``generate`` (TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor,
+  registry in ``tim_plugins/rollout/recorder.py``): temperature → top-k → top-p → min-p.
 
 min-p and top-k commute (each keeps an upper set of logits, and min-p's ratio test p_a >= min_p · max_b p_b is
 unchanged by renormalisation), so the two orders differ only when top-p is combined with min-p: vLLM takes the
@@ -44,7 +45,7 @@ __all__ = [
 DEFAULT_MIN_P: float = 1e-5
 
 ORDERS = ("vllm", "hf")
-# vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py _SAMPLING_EPS) and then skips min-p.
+# vLLM treats temperatures below this as greedy and then skips min-p: VLLM_SOURCES vllm.v1.sample.sampler:_SAMPLING_EPS
 _GREEDY_EPS = 1e-5
 # Rows are sorted in slices of at most this many elements for top-p (sort values + int64 indices are 12 B/elt).
 _SORT_BUDGET = 1 << 24

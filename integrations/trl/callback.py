@@ -62,6 +62,7 @@ class TIMState(TrainerCallback, ExportableState):
 
     A separate, argument-free class because transformers rebuilds stateful callbacks as ``type(cb)(**args)``
     (``restore_callback_states_from_checkpoint=True``), which a callback holding the trainer cannot survive.
+    (TRANSFORMERS_SOURCES transformers.trainer:Trainer._load_callback_state)
     """
 
     def __init__(self, payload: dict | None = None) -> None:
@@ -171,6 +172,8 @@ class TIMCallback(TrainerCallback):
     def __init__(self, trainer, config: TIMConfig | None = None) -> None:
         require("trl", "tim_plugins.integrations.trl.TIMCallback")
         self.trl_version = check_version_range("trl")
+        # the transformers internals it relies on: tim_plugins/rollout/recorder.py TRANSFORMERS_SOURCES
+        self.transformers_version = check_version_range("transformers")
         config = TIMConfig() if config is None else config
         if not isinstance(config, TIMConfig):
             raise TypeError(f"TIMCallback(config=...) needs a TIMConfig, got {type(config).__name__}: {config!r}")
@@ -437,7 +440,8 @@ class TIMCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         """Runs before the epoch's own log and before the trainer's final log (transformers Trainer
         ``_run_epoch`` → ``_finalize_training``): a run that ends between two ``logging_steps`` boundaries (or
-        logs per epoch) still hands its last window to TRL, whose ``log()`` adds it to that final entry."""
+        logs per epoch) still hands its last window to TRL, whose ``log()`` adds it to that final entry.
+        (TRANSFORMERS_SOURCES transformers.trainer:Trainer._run_epoch)"""
         if not self.config.enabled or self._pushed_at == state.global_step:
             return
         if control.should_log or control.should_training_stop or state.global_step >= state.max_steps:

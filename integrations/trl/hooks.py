@@ -46,6 +46,12 @@ TRL_SOURCES = {
     ("trl.trainer.grpo_trainer", "GRPOTrainer.log"):
         "averages every list in self._metrics[mode] into the logged values and clears them (the callback appends "
         "its tim/ values there)",
+    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"):
+        "called by VLLMGeneration.__init__, which GRPOTrainer keeps as self.vllm_generation when use_vllm; "
+        "colocate: self.llm = vllm.LLM(...) (the live engine the audit reads); server mode, main process: "
+        "self.vllm_client = VLLMClient(...)",
+    ("trl.generation.vllm_client", "VLLMClient.get_server_info"):
+        "() -> the 'vllm_config' tree of the server's GET /server_info?config_format=json",
     ("trl.trainer.utils", "_ChunkedLogProbFunction"):
         "looked up at call time by add_fused_lm_head; .apply(hidden, weight, bias, targets, temperature, "
         "chunk_size, final_logit_softcapping, logit_scale, outputs)",

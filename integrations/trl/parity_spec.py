@@ -97,6 +97,7 @@ def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
     """What GRPOTrainer computes when it recomputes log-probs (temperature only, no truncation/penalties)."""
     attn = None
     if model is not None and not isinstance(model, str):
+        # TRANSFORMERS_SOURCES transformers.configuration_utils:PreTrainedConfig._attn_implementation
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
     attn = attn or _init_kwargs(args).get("attn_implementation") or "sdpa"
     compute = _compute_dtype(args, model)

@@ -2,6 +2,6 @@
 
 Loaded in every verl process through the ``verl.plugins`` entry point (``.plugin``). Modules: ``config`` (the
 ``tim`` Hydra node), ``engine`` (FSDP actor engine hooks), ``optim`` (optimizers with the LR decay), ``worker`` and
-``trainer`` (the ``tim_*`` V1 trainer modes), ``parity_spec`` (Hydra config → parity specs). Importing this
-package imports nothing from verl.
+``trainer`` (the ``tim_*`` V1 trainer modes), ``parity_spec`` (Hydra config → parity specs), ``sources`` (the verl
+internals these rely on, ``VERL_SOURCES``). Importing this package imports nothing from verl.
 """

@@ -37,17 +37,20 @@ OPTIMIZER_IMPL = "tim_plugins.integrations.verl.optim"
 # Our trainer modes are verl's registered modes with this prefix (``trainer.v1.trainer_mode=tim_sync``).
 TRAINER_MODE_PREFIX = "tim_"
 _PROBE_ACTIONS = ("warn", "raise", "stop")
-# verl forwards this node verbatim to ``vllm serve`` (vllm_async_server.py launch_server ~L287-349).
+# verl forwards this node verbatim to ``vllm serve``:
+# VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
 VLLM_ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 
 
 def rollout_min_p_overrides(min_p: float) -> list[str]:
     """Hydra overrides that make vLLM inside verl sample from the safe vocabulary with ``min_p``.
 
-    verl 0.9.1 builds SamplingParams from temperature/top_p/top_k only (vllm_async_server.py ~L634), so min_p
-    cannot ride on the request; tim-plugins' logits processor applies it to every request instead, loaded and
-    configured through the engine args verl forwards (``tim_plugins.integrations.vllm.min_p``).
+    verl 0.9.1's agent loop sends temperature/top_p/top_k only (agent_loop_tq.py ``generate_sequences``, turned
+    into SamplingParams in vllm_async_server.py), so min_p cannot ride on the request; tim-plugins' logits processor
+    applies it to every request instead, loaded and configured through the engine args verl forwards
+    (``tim_plugins.integrations.vllm.min_p``).
     """
+    # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences
     return [f"+{VLLM_ENGINE_KWARGS}.logits_processors=[{_VLLM_MIN_P_PROCESSOR}]",
             f"+{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={min_p!r}"]
 

@@ -1,18 +1,28 @@
-"""The actor engine: verl 0.9.1's FSDP LM-head engine plus the tim hooks, registered through ``EngineRegistry``.
+"""The actor engine: a subclass of verl 0.9.1's FSDP LM-head engine with the tim hooks, registered through
+``EngineRegistry``.
 
-Registered under ``device="cuda", vendor="nvidia"`` (the vendor key is looked up first, verl
-``workers/engine/base.py`` ``get_engine_cls``), so every FSDP/FSDP2 language-model engine verl builds is this
-class. Until ``tim_configure`` is called (only the tim trainer modes do, on the actor) every hook returns the
-parent's result untouched: numerics are stock verl's.
+Registered under ``device="cuda", vendor="nvidia"``: verl looks the (device, vendor) key up before its own
+device-only entry (``workers/engine/base.py`` ``EngineRegistry.get_engine_cls``), so every FSDP/FSDP2 language-model
+engine verl builds on NVIDIA CUDA is this class (other vendors, e.g. ROCm's "amd", and NPUs keep verl's engine).
+Until ``tim_configure`` is called (only the tim trainer modes do, on the actor) every override returns the parent's
+result untouched: numerics are stock verl's.
 
-Hooks (all documented verl engine methods, no patching):
-* ``prepare_model_outputs``: safe-vocabulary log-probs (and entropy) from the temperature-scaled logits via
-  ``tim_plugins.safe_vocab``; both the old-log-prob pass and the training pass go through it.
+No verl object is patched (the only change to verl's state is the registry entry): the class overrides five
+methods of ``FSDPEngineWithLMHead`` (three inherited from ``FSDPEngine`` / ``BaseEngine``) and calls the parent's:
+* ``prepare_model_outputs``: after the parent, recomputes log-probs (and entropy) as safe-vocabulary log-probs
+  (``tim_plugins.safe_vocab``) from ``output.logits`` scaled as the parent scales them; both the old-log-prob pass
+  and the training pass go through it.
 * ``forward_step``: wraps the loss function so boundary tokens (outside the trainer's safe set) leave the
-  response mask before the loss; feeds the mismatch monitor on measurement passes.
+  micro-batch's ``response_mask`` before the loss; feeds the mismatch monitor on measurement passes.
 * ``forward_backward_batch`` / ``train_batch``: merge the monitor exactly over the data-parallel group after a
   measurement pass; feed the LR-decay optimizer the DP-mean response length.
 * ``lr_scheduler_step``: report the effective LR (schedule × decay scale) as ``actor/lr``.
+It reads verl internals to do so: the ``output_args`` keys ``temperature_is_one``, ``temperature_rmpad``,
+``input_ids_rmpad_rolled``, ``pad_size`` and ``temperature`` (filled by ``prepare_model_inputs``), the non-tensor
+batch keys ``use_remove_padding``, ``use_fused_kernels`` and ``calculate_entropy``, the private
+``_gather_and_unpad_packed``, ``no_padding_2_padding``, and the keyword call ``loss_function(model_output=, data=,
+dp_group=)``. Each is an entry of ``sources.VERL_SOURCES``, named in a comment where it is used and checked
+against the installed verl by ``tests/verl_suite/test_verl_sources.py``.
 """
 
 from __future__ import annotations
@@ -76,15 +86,21 @@ class _BoundaryMaskedLoss:
         self.engine = engine
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.forward_step (the keyword
+        # call loss_function(model_output=, data=micro_batch, ...); the distillation call has no model_output)
         state = self.engine._tim_mb
         if "model_output" not in kwargs or state is None:
             return self.loss_fn(*args, **kwargs)
         data = kwargs["data"]
+        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
         in_safe = no_padding_2_padding(state["in_safe"], data)  # [b, W] response-aligned
+        # VERL_SOURCES verl.workers.utils.losses:ppo_loss (reads data["response_mask"] as the loss mask) and
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch (normaliser)
         data["response_mask"] = _with_response_values(data["response_mask"], in_safe)
         return self.loss_fn(*args, **kwargs)
 
 
+# VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead
 class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     """verl's FSDP LM-head engine with tim-plugins' hooks (inactive until ``tim_configure``)."""
 
@@ -93,6 +109,8 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     # ------------------------------------------------------------------------------------------- configure
     def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False) -> None:
         """Switch the hooks on for this (actor) engine. Fails early on settings the engine cannot honour."""
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead (engine_config, model_config,
+        # optimizer attributes)
         if config.safe_vocab.enabled and (self.engine_config.use_fused_kernels or self.model_config.use_fused_kernels):
             raise ValueError(
                 f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True: fused kernels return "
@@ -148,6 +166,11 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """([N, V] logits / T, [N] labels, packed?) exactly as the parent sees them before log_softmax."""
         from torch.distributed.tensor import DTensor
 
+        # VERL_SOURCES verl.utils.tensordict_utils:get_non_tensor_data (use_remove_padding, default True as the
+        # parent reads it); the output_args keys below:
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_inputs
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_outputs
+        # and the scaling: VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:_scale_logits_by_temperature
         use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         unit = output_args.get("temperature_is_one", False)
         if use_remove_padding:
@@ -167,10 +190,12 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         logits = torch.cat([logits[i, : int(n)] for i, n in enumerate(lengths.tolist())])
         return logits, output_args["input_ids_rmpad_rolled"], False
 
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_outputs
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         if self._tim is None or not self._tim.safe_vocab.enabled or "log_probs" not in model_output:
             return model_output
+        # VERL_SOURCES verl.utils.tensordict_utils:get_non_tensor_data (use_fused_kernels)
         if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
             raise ValueError("tim.safe_vocab needs logits; set actor_rollout_ref.model.use_fused_kernels=false")
         want_entropy = "entropy" in model_output
@@ -185,6 +210,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         nested = {}
         for key, value in fields.items():
             if packed:  # drop the SP / bucket padding exactly as the parent does for its log-probs
+                # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine._gather_and_unpad_packed
                 value = self._gather_and_unpad_packed(value, output_args["pad_size"])
             nested[key] = torch.nested.nested_tensor_from_jagged(value, cu_seqlens)
         model_output["log_probs"] = nested["log_probs"]
@@ -200,9 +226,12 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if "rollout_log_probs" not in micro_batch.keys():
             return False
         if forward_only:
+            # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob (entropy asked) and
+            # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_ref_log_prob (not asked)
             return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
         return self._tim_bypass and self._tim_step_start
 
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.forward_step
     def forward_step(self, micro_batch, loss_function, forward_only):
         if self._tim is None:
             return super().forward_step(micro_batch, loss_function, forward_only)
@@ -218,6 +247,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     @torch.no_grad()
     def _tim_update(self, micro_batch, model_output) -> None:
         """A measurement pass's micro-batch, response-aligned [b, W], into the pipeline."""
+        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
         train = no_padding_2_padding(model_output["log_probs"], micro_batch).float()  # [b, W]
         width = train.shape[1]
         mask = padded_response(micro_batch["response_mask"], width).bool()
@@ -233,16 +263,20 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """The pipeline's statistics, merged over the DP group (every DP rank runs the pass, so all call it)."""
         if not self._tim_measured:
             return
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_data_parallel_group
         metrics, _, _ = self._tim_pipeline.compute(0, sync=True, group=self.get_data_parallel_group())
         self._tim_pending.update(metrics)
         self._tim_measured = False
 
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch; forward_only is
+    # the old-log-prob / reference pass: VERL_SOURCES verl.workers.engine.base:BaseEngine.infer_batch
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         if self._tim is not None and forward_only:
             self._tim_merge()
         return out
 
+    # VERL_SOURCES verl.workers.engine.base:BaseEngine.train_batch (one optimizer step per call)
     def train_batch(self, data, loss_function):
         if self._tim is None:
             return super().train_batch(data, loss_function)
@@ -255,9 +289,13 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tim_step_start = False
         return out
 
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.lr_scheduler_step; its result is logged
+    # as actor/lr: VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_batch
     def lr_scheduler_step(self):
         lr = super().lr_scheduler_step()
         if self._tim is None:
             return lr
-        self._tim_step_start = True  # verl steps the scheduler after the last mini-batch of a step
+        # verl steps the scheduler after the last mini-batch of a step:
+        # VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_mini_batch
+        self._tim_step_start = True
         return lr * float(getattr(self.optimizer, "lr_scale", 1.0))

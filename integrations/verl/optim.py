@@ -1,8 +1,12 @@
 """Optimizers for ``actor_rollout_ref.actor.optim.optimizer_impl=tim_plugins.integrations.verl.optim``.
 
-verl rebuilds every param group's LR from its LambdaLR each step, so a scale written from outside is lost. These
-classes apply the LR decay controller's scale inside ``step()`` (``tim_plugins.lr_scaling.ScaledLROptimizerMixin``)
-and keep the controller's state in ``param_groups[0]``, so verl's own checkpoint save/load carries it.
+verl builds the actor's optimizer as ``getattr(import_module(optimizer_impl), optimizer)(params, lr=...,
+weight_decay=..., betas=...)`` (VERL_SOURCES verl.workers.config.optimizer:build_optimizer), so each class here
+takes torch's arguments. verl rebuilds every param group's LR from its LambdaLR each step (VERL_SOURCES
+verl.workers.engine.fsdp.transformer_impl:FSDPEngine._build_lr_scheduler), so a scale written from outside is
+lost. These classes apply the LR decay controller's scale inside ``step()``
+(``tim_plugins.lr_scaling.ScaledLROptimizerMixin``) and keep the controller's state in ``param_groups[0]``, so
+verl's own checkpoint save/load carries it.
 Without ``tim.lr_decay.enable`` they behave exactly like the torch class they wrap (scale 1.0).
 """
 

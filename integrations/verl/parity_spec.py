@@ -4,8 +4,9 @@ Composes verl's own ``ppo_trainer`` config (the installed ``verl/trainer/config`
 overrides, then reads:
 - rollout (``actor_rollout_ref.rollout.*``, passed to vLLM by vllm_async_server.py ~L323): dtype, logprobs_mode,
   enable_prefix_caching, enable_chunked_prefill, enforce_eager (else ``cudagraph_mode`` FULL_AND_PIECEWISE),
-  quantization, temperature/top_p/top_k, repetition_penalty, full_determinism (VLLM_BATCH_INVARIANT=1), and
-  ``engine_kwargs.vllm.*`` (forwarded verbatim: hf_overrides, kv_cache_dtype, attention_backend, ...).
+  quantization, temperature/top_p/top_k, full_determinism (VLLM_BATCH_INVARIANT=1), and
+  ``engine_kwargs.vllm.*`` (forwarded verbatim: hf_overrides, kv_cache_dtype, attention_backend, ...). verl's agent
+  loop sends repetition_penalty=1.0 whatever the config says (noted when it says otherwise).
 - trainer (FSDP engine, transformer_impl.py): autocast dtype = ``fsdp_config.mixed_precision.param_dtype``
   (default bf16, fp32 = no autocast); logits divided by ``rollout.temperature``; no top-k/top-p (verl #6240);
   ``model.override_config.attn_implementation`` (default flash_attention_2); ``actor.use_torch_compile``.
@@ -78,8 +79,9 @@ def rollout_spec_from_config(config: Any, *, device: str = "cuda", env: Optional
         "compilation_config": compilation,
     }
     args.update({k: v for k, v in engine_kwargs.items() if v is not None})
+    # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences (repetition_penalty=1.0)
     sampling = {"temperature": _get(config, f"{r}.temperature"), "top_p": _get(config, f"{r}.top_p"),
-                "top_k": _get(config, f"{r}.top_k"), "repetition_penalty": _get(config, f"{r}.repetition_penalty", 1.0)}
+                "top_k": _get(config, f"{r}.top_k"), "repetition_penalty": 1.0}
     env = dict(os.environ if env is None else env)
     if _get(config, f"{r}.full_determinism"):
         env["VLLM_BATCH_INVARIANT"] = "1"  # verl sets it for the rollout workers
@@ -87,6 +89,10 @@ def rollout_spec_from_config(config: Any, *, device: str = "cuda", env: Optional
     notes = dict(spec.notes)
     if name != "vllm":
         notes["engine"] = f"rollout.name={name}: read with vLLM semantics; other engines may differ"
+    configured_penalty = _get(config, f"{r}.repetition_penalty", 1.0)
+    if configured_penalty != 1.0:
+        notes["repetition_penalty"] = (f"{r}.repetition_penalty={configured_penalty!r} is not applied: verl's agent "
+                                       "loop sends repetition_penalty=1.0 with every request")
     if not _get(config, f"{r}.calculate_log_probs", True):
         notes["calculate_log_probs"] = "False: no rollout log-probs are recorded, the mismatch cannot be measured"
     return spec.replace(source="verl composed config (actor_rollout_ref.rollout)", notes=notes)

@@ -1,4 +1,5 @@
-"""Entry point of the ``verl.plugins`` group: ``import verl`` imports this in every process (driver, Ray workers).
+"""Entry point of the ``verl.plugins`` group: ``import verl`` imports this in every process (driver, Ray workers)
+(VERL_SOURCES verl: the entry-point loading in verl/__init__.py).
 
 It checks the verl version, registers the tim engine (``EngineRegistry``) and the ``tim_<mode>`` trainer modes.
 Registration alone changes no numerics: the engine's hooks stay off until a tim trainer mode configures them.
@@ -39,7 +40,11 @@ def register() -> dict[str, object]:
 
     from .engine import TIMFSDPEngineWithLMHead
 
-    # vendor-specific key: looked up before verl's own ("cuda") entry, and no duplicate-key assertion
+    # A (device, vendor) key of our own: looked up before verl's device-only "cuda" entry, and new, so verl's
+    # duplicate-key assertion does not trip.
+    # VERL_SOURCES verl.workers.engine.base:EngineRegistry.register
+    # VERL_SOURCES verl.workers.engine.base:EngineRegistry.get_engine_cls
+    # VERL_SOURCES verl.plugin.platform.platform_cuda:PlatformCUDA.vendor_name
     EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda",
                             vendor="nvidia")(TIMFSDPEngineWithLMHead)
     REGISTERED["engine"] = TIMFSDPEngineWithLMHead

@@ -1,11 +1,13 @@
 """Driver side: verl V1 trainer modes ``tim_<mode>`` (``trainer.v1.trainer_mode=tim_sync``).
 
-Each is verl's own registered trainer class with this mixin in front. Before any worker starts it validates the
-``tim`` node against the composed config, runs the parity audit and prints its table (``tim.parity.strict``
-stops here on an error-level finding), copies the settings to ``actor_rollout_ref.tim`` for the workers and swaps
-in ``TIMActorRolloutRefWorker``. Each step it collects the workers' DP-merged metrics after the old-log-prob pass
-and after the actor update, adds them to verl's step metrics under their exact ``tim/...`` keys (logged by
-verl's ``Tracking``), and lets the live probe act on them.
+Each is verl's own registered trainer class with this mixin in front, and runs as that mode (verl's trainer
+compares its mode name with "sync" and reads ``trainer.v1.<mode>``: ``trainer_mode`` answers the base mode's name).
+Before any worker starts it validates the ``tim`` node against the composed config, runs the parity audit and
+prints its table (``tim.parity.strict`` stops here on an error-level finding), copies the settings to
+``actor_rollout_ref.tim`` for the workers and swaps in ``TIMActorRolloutRefWorker``. Each step it collects the
+workers' DP-merged metrics after the old-log-prob pass and after the actor update, adds them to verl's step metrics
+under their exact ``tim/...`` keys (logged by verl's ``Tracking``), and lets the live probe act on them. The verl
+internals it overrides or reads are entries of ``sources.VERL_SOURCES``, named where they are used.
 """
 
 from __future__ import annotations
@@ -47,7 +49,21 @@ def run_startup_audit(config, tim: TIMVerlConfig, out=None):
 
 
 class TIMTrainerMixin:
-    """Put in front of a verl ``PPOTrainer`` subclass."""
+    """Put in front of a verl ``PPOTrainer`` subclass (``register_tim_trainers`` sets ``_tim_base_mode``)."""
+
+    _tim_base_mode = "sync"
+
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__ (self.trainer_mode = the config's name, then
+    # compared with "sync" and used as the config.trainer.v1 section): a tim mode runs as the mode it extends.
+    @property
+    def trainer_mode(self) -> str:
+        return self._tim_base_mode
+
+    @trainer_mode.setter
+    def trainer_mode(self, name: str) -> None:
+        if name not in (self._tim_base_mode, TRAINER_MODE_PREFIX + self._tim_base_mode):
+            raise ValueError(f"tim-plugins: {type(self).__name__} runs trainer mode "
+                             f"{TRAINER_MODE_PREFIX + self._tim_base_mode!r}, not {name!r}")
 
     def __init__(self, config):
         tim, problems, notes = check_composed_config(config)
@@ -72,6 +88,7 @@ class TIMTrainerMixin:
                 "bypass_mode": bool((config.algorithm.get("rollout_correction") or {}).get("bypass_mode", False))}
         super().__init__(config)
 
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._init_resource_pool_mgr
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         use_tim_actor_worker(self.role_worker_mapping)
@@ -79,6 +96,7 @@ class TIMTrainerMixin:
     def _tim_collect(self, metrics: dict) -> None:
         if not self.tim.worker_side_active:
             return
+        # one result per rank: VERL_SOURCES verl.single_controller.base.decorator:register (Dispatch.ONE_TO_ALL)
         results = self.actor_rollout_wg.tim_pop_metrics()
         found = next((r for r in results if r), {})
         metrics.update(found)
@@ -103,6 +121,8 @@ class TIMTrainerMixin:
         anyway (``save_freq`` divides it, or it was the last step already). ``save_freq <= 0`` (no checkpoints)
         is respected.
         """
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint
         if self._tim_stop is None or self._tim_stop[0] != self.global_steps:
             return
         step, planned_total = self._tim_stop
@@ -110,11 +130,13 @@ class TIMTrainerMixin:
         if save_freq > 0 and step < planned_total and step % save_freq != 0:
             self._save_checkpoint()
 
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
     def _compute_old_log_prob(self, batch, metrics):
         batch = super()._compute_old_log_prob(batch, metrics)
         self._tim_collect(metrics)
         return batch
 
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._update_actor
     def _update_actor(self, batch, metrics):
         batch = super()._update_actor(batch, metrics)
         self._tim_collect(metrics)
@@ -129,6 +151,8 @@ def use_tim_actor_worker(role_worker_mapping: dict) -> None:
     reference worker (``Role.RefPolicy``) and the critic keep verl's classes.
     """
     import ray
+
+    # VERL_SOURCES verl.trainer.ppo.utils:Role
     from verl.trainer.ppo.utils import Role
 
     from .worker import TIMActorRolloutRefWorker
@@ -140,6 +164,8 @@ def use_tim_actor_worker(role_worker_mapping: dict) -> None:
 
 def register_tim_trainers() -> list[str]:
     """Register ``tim_<name>`` for every trainer mode verl has registered; returns the new names."""
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:TRAINER_REGISTRY
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:register_trainer
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 
     added = []
@@ -149,6 +175,7 @@ def register_tim_trainers() -> list[str]:
         tim_name = TRAINER_MODE_PREFIX + name
         if tim_name in TRAINER_REGISTRY:
             continue
-        register_trainer(tim_name)(type(f"TIM{cls.__name__}", (TIMTrainerMixin, cls), {"__module__": __name__}))
+        register_trainer(tim_name)(type(f"TIM{cls.__name__}", (TIMTrainerMixin, cls),
+                                        {"__module__": __name__, "_tim_base_mode": name}))
         added.append(tim_name)
     return added

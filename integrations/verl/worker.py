@@ -6,6 +6,7 @@ of the config to ``actor_rollout_ref.tim`` (the only part of the config the work
 
 from __future__ import annotations
 
+# VERL_SOURCES verl.single_controller.base.decorator:register
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
@@ -14,6 +15,7 @@ from .config import TIMVerlConfig
 __all__ = ["TIMActorRolloutRefWorker"]
 
 
+# VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker (self.config, self.actor.engine)
 class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
@@ -24,9 +26,10 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
             engine = self.actor.engine
             if not hasattr(engine, "tim_configure"):
                 raise RuntimeError(
-                    f"tim-plugins: the actor engine is {type(engine).__name__}, not the tim engine: the "
-                    "tim_plugins verl plugin was not loaded in this worker (check VERL_USE_EXTERNAL_PLUGINS and "
-                    "that tim-plugins is installed where the Ray workers run).")
+                    f"tim-plugins: the actor engine is {type(engine).__name__}, not the tim engine. The tim engine "
+                    "is registered for device 'cuda', vendor 'nvidia' (NVIDIA GPUs; VERL_ENGINE_DEVICE / "
+                    "VERL_ENGINE_VENDOR override the detected ones), by the tim_plugins verl plugin: check that it "
+                    "loads in the Ray workers (VERL_USE_EXTERNAL_PLUGINS, tim-plugins installed where they run).")
             engine.tim_configure(tim, bypass_mode=bool(corr.get("bypass_mode", False)))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

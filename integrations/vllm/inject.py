@@ -7,7 +7,8 @@ Register it when the engine is built and activate it per request::
     params = SamplingParams(..., extra_args=injector.to_extra_args())  # {"tim_inject": {"scale", "tau", "mode", ...}}
 
 Requests without ``extra_args["tim_inject"]`` are untouched. vLLM applies custom (non-argmax-invariant)
-processors before penalties and temperature, as HF does, so the same calibrated scale applies to both.
+processors before penalties and temperature (``sources.VLLM_SOURCES``
+vllm.v1.sample.sampler:Sampler.apply_logits_processors), as HF does, so the same calibrated scale applies to both.
 With ``logprobs_mode="processed_logprobs"`` the reported log-probs are those of the perturbed distribution.
 Noise is deterministic: each step's draw is seeded from (seed, a hash of the prompt, the tokens generated so
 far), so it does not depend on batch composition or scheduling.
@@ -20,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 from vllm import SamplingParams
+
+# VLLM_SOURCES vllm.v1.sample.logits_processor:AdapterLogitsProcessor
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from tim_plugins.rollout.inject import EXTRA_ARGS_KEY, INJECT_MODES, perturb_tail
@@ -59,7 +62,8 @@ class TailNoiseLogitsProcessor(AdapterLogitsProcessor):
             raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}]: tau must be in (0, 1] and scale >= 0, got {cfg}")
 
     def is_argmax_invariant(self) -> bool:
-        return False  # it changes which token is most likely
+        # it changes which token is most likely: VLLM_SOURCES vllm.v1.sample.sampler:Sampler.apply_logits_processors
+        return False
 
     def new_req_logits_processor(self, params: SamplingParams) -> Any:
         cfg = _settings(params)
@@ -67,6 +71,8 @@ class TailNoiseLogitsProcessor(AdapterLogitsProcessor):
             return None
         digest: dict[str, bytes] = {}
 
+        # three parameters: vLLM passes the prompt ids too (VLLM_SOURCES
+        # vllm.v1.sample.logits_processor:AdapterLogitsProcessor)
         def apply(prompt_ids: list, output_ids: list, logits: torch.Tensor) -> torch.Tensor:
             if "d" not in digest:
                 digest["d"] = hashlib.blake2b(",".join(map(str, prompt_ids)).encode(), digest_size=16).digest()

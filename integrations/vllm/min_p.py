@@ -14,15 +14,16 @@ Use::
     # = logits_processors=["tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"],
     #   additional_config={"tim_min_p": 1e-4}; per request: SamplingParams(extra_args={"tim_min_p": x})
 
-Where vLLM 0.32 calls it (the two model runners differ, and each loader rejects the other's interface, so this
+Where vLLM 0.31 calls it (the two model runners differ, and each loader rejects the other's interface, so this
 one class implements both; the constructor's arguments tell which runner built it):
-* V1 runner (``vllm/v1/sample/sampler.py`` ``Sampler.sample``; CPU, and GPUs on vLLM versions where custom
-  processors force V1): argmax-invariant processors run after temperature, after the built-in min-p and before
-  top-k/top-p; processed log-probs are taken after top-k/top-p. The logits are already z/T: cut = log(min_p).
-* V2 runner (``vllm/v1/worker/gpu/sample/sampler.py``): custom processors run *before* temperature. We use the
-  equivalent test on raw logits, z_a >= max_b z_b + T·log(min_p), with each request's own T (rounding can
-  differ from the tempered test only for a logit within an ulp of the cut: a boundary token, masked by the
-  trainer like any other).
+* V1 runner (``vllm/v1/sample/sampler.py`` ``Sampler.sample``; CPU, and GPUs where the V2 runner is not used):
+  argmax-invariant processors run after temperature, after the built-in min-p and before top-k/top-p; processed
+  log-probs are taken after top-k/top-p. The logits are already z/T: cut = log(min_p).
+* V2 runner (``vllm/v1/worker/gpu/sample/sampler.py`` ``Sampler.apply_sampling_params``): custom processors run
+  *before* temperature. We use the equivalent test on raw logits, z_a >= max_b z_b + T·log(min_p), with each
+  request's own T (rounding can differ from the tempered test only for a logit within an ulp of the cut: a
+  boundary token, masked by the trainer like any other).
+Each vLLM internal used here is an entry of ``sources.VLLM_SOURCES``, named where it is used.
 Greedy requests (T < 1e-5) are left alone (vLLM skips min-p for them too). Combined with
 ``SamplingParams.min_p`` both cuts apply: the larger min_p wins.
 """
@@ -35,21 +36,31 @@ from typing import Any
 import numpy as np
 import torch
 from vllm import SamplingParams
+
+# VLLM_SOURCES vllm.v1.sample.logits_processor:BatchUpdate
 from vllm.v1.sample.logits_processor import BatchUpdate
+
+# VLLM_SOURCES vllm.v1.sample.logits_processor:LogitsProcessor
 from vllm.v1.sample.logits_processor import LogitsProcessor as _V1LogitsProcessor
+
+# VLLM_SOURCES vllm.v1.sample.logits_processor.builtin:process_dict_updates
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, check_min_p, engine_min_p
 
 try:  # the V2 model runner's interface (vLLM >= 0.3x); older versions have only V1
+    # VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as _V2LogitsProcessor
 except ImportError:
     _V2LogitsProcessor = None
 
 __all__ = ["TIMMinPLogitsProcessor"]
 
-# vLLM samples greedily below this temperature (vllm/v1/sample/sampler.py _SAMPLING_EPS) and skips min-p.
+# vLLM samples greedily below this temperature and skips min-p: VLLM_SOURCES vllm.v1.sample.sampler:_SAMPLING_EPS
 _GREEDY_EPS = 1e-5
+# Loaded by its "<module>:<Class>" name in either runner, each of which wants its own base class:
+# VLLM_SOURCES vllm.v1.sample.logits_processor:_load_logitsprocs_by_fqcns
+# VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor.loader:_load_v2_logitsprocs_by_fqcns
 _BASES = (_V1LogitsProcessor,) if _V2LogitsProcessor is None else (_V1LogitsProcessor, _V2LogitsProcessor)
 
 
@@ -81,13 +92,17 @@ class TIMMinPLogitsProcessor(*_BASES):
         _request_min_p(sampling_params, 0.0)  # raises ValueError (HTTP 400 in a server) on a bad value
 
     def __init__(self, vllm_config: Any, *args: Any) -> None:
+        # VLLM_SOURCES vllm.config:VllmConfig (additional_config)
         self.default_min_p = engine_min_p(getattr(vllm_config, "additional_config", None))
+        # V1: VLLM_SOURCES vllm.v1.sample.logits_processor:build_logitsprocs (ctor(vllm_config, device, pin));
+        # V2: VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor.loader:build_custom_logits_processors
         if len(args) == 2:  # V1: (device, is_pin_memory); state per batch row
             self._v2 = False
             self._device = torch.device(args[0])
             self._rows: dict[int, float] = {}  # row -> log(min_p)
             self._cut: torch.Tensor | None = None  # [batch] on device, None = no row is pruned
         elif len(args) == 1:  # V2: (req_states); state per persistent request slot
+            # VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor:LogitsProcRequestState
             self._v2 = True
             req_states = args[0]
             self._device = torch.device(req_states.device)
@@ -100,7 +115,9 @@ class TIMMinPLogitsProcessor(*_BASES):
 
     # ------------------------------------------------------------------------------------------------ V1 runner
     def is_argmax_invariant(self) -> bool:
-        return True  # the most likely token is always kept: V1 applies it after temperature, on sampled rows
+        # the most likely token is always kept: V1 applies it after temperature, on sampled rows
+        # VLLM_SOURCES vllm.v1.sample.sampler:Sampler.sample
+        return True
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         changed = process_dict_updates(self._rows, batch_update,
@@ -116,6 +133,7 @@ class TIMMinPLogitsProcessor(*_BASES):
             self._cut = cut.to(self._device)
 
     # ------------------------------------------------------------------------------------------------ V2 runner
+    # VLLM_SOURCES vllm.v1.worker.gpu.sample.sampler:Sampler.apply_sampling_params (called before temperature)
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         log_cut = _log_cut(sampling_params, self.default_min_p)
         # V2 calls us before temperature: z_a/T >= m/T + log(min_p)  <=>  z_a >= m + T·log(min_p)
@@ -133,6 +151,7 @@ class TIMMinPLogitsProcessor(*_BASES):
     def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         if not self._v2:
             return logits if self._cut is None else _mask_below(logits, self._cut[: logits.shape[0]])
+        # VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor:LogitsContext
         if not self._slot_active[ctx.idx_mapping_np].any():
             return logits
         return _mask_below(logits, self._slot_cut_dev[ctx.expanded_idx_mapping])

@@ -32,6 +32,8 @@ def start_vllm(path: str, *, dtype: str, seed: int, fp32_head: bool, max_logprob
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: no spawn guard
     extra = {"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}
     # vLLM's CPU backend reserves gpu_memory_utilization × RAM for the KV cache: ask for a fixed 1 GiB.
+    # The engine args (kv_cache_memory_bytes, hf_overrides head_dtype, logprobs_mode, max_logprobs):
+    # VLLM_SOURCES vllm.engine.arg_utils:EngineArgs and VLLM_SOURCES vllm.config.model:_get_head_dtype
     memory = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2**30}
     return LLM(model=path, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False,
                max_logprobs=max_logprobs, **memory, **extra)
@@ -62,6 +64,7 @@ def vllm_rollout(llm: LLM, enc, *, max_new_tokens: int, temperature: float, top_
     logps = torch.zeros(B, T)
     full = torch.full((B, T, vocab), -math.inf)
     known = torch.zeros(B, T, vocab, dtype=torch.bool)
+    # logprobs: one dict token_id -> Logprob per step (VLLM_SOURCES vllm.sampling_params:SamplingParams)
     for b, out in enumerate(outs):
         toks = list(out.outputs[0].token_ids)
         ids[b, : len(toks)] = torch.tensor(toks)

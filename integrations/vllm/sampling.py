@@ -1,9 +1,9 @@
 """vLLM ``SamplingParams`` for a core `Truncation` (min-p, top-k, top-p), and the check that the engine's log-probs
 can be compared with the trainer's safe-vocabulary log-probs (imports vLLM at import time).
 
-vLLM truncates in the order min-p → top-k → top-p (``vllm/v1/sample/sampler.py`` ``Sampler.sample``): the
-Truncation must say ``order="vllm"`` so the trainer (``tim_plugins.truncation``, ``tim_plugins.safe_vocab``)
-truncates the same way.
+vLLM truncates in the order min-p → top-k → top-p (VLLM_SOURCES vllm.v1.sample.sampler:Sampler.sample and
+VLLM_SOURCES vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch): the Truncation must say
+``order="vllm"`` so the trainer (``tim_plugins.truncation``, ``tim_plugins.safe_vocab``) truncates the same way.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def vllm_sampling_kwargs(trunc: Truncation, **extra: Any) -> dict[str, Any]:
         raise ValueError(
             f"{sorted(overlap)} given twice: they come from the Truncation; set them there, not in extra kwargs"
         )
+    # top_k=0 is off: VLLM_SOURCES vllm.sampling_params:SamplingParams
     kwargs = {"temperature": float(trunc.temperature), "min_p": float(trunc.min_p), "top_p": float(trunc.top_p),
               "top_k": int(trunc.k)}
     kwargs.update(extra)
@@ -65,6 +66,7 @@ def make_vllm_sampling_params(trunc: Truncation, *, logprobs_mode: str, **extra:
 
 def check_vllm_engine(llm, trunc: Truncation) -> str:
     """Read a live ``vllm.LLM``'s logprobs mode and validate ``trunc`` against it; returns the mode."""
+    # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine) and vllm.config:ModelConfig (logprobs_mode)
     mode = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "logprobs_mode", None)
     if mode is None:
         raise ValueError(

@@ -317,6 +317,12 @@ def run_demo(cfg: DemoConfig) -> dict:
     timing = _timing(t_start, t_train, t_end, rollouts)
     summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing)
     from tim_plugins.report import build_report, verdict_for
+    from tim_plugins.report.disagreements import dump_disagreements
+    from tim_plugins.report.tokens import has_dump
+
+    if has_dump(dump_dir):
+        summary["disagreements"] = dump_disagreements(dump_dir, lambda ids: tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     summary["verdict"] = verdict_for(summary, out)
     out.mkdir(parents=True, exist_ok=True)
@@ -372,6 +378,11 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing) 
     defaults = TIMConfig().to_dict()
     config = tim.config.to_dict()
     trainer_dtype = str(next(trainer.model.parameters()).dtype).replace("torch.", "")
+    # The demo's rollout copy runs in another dtype than the trainer on purpose: that is the mismatch it shows.
+    why = (f"the {cfg.rollout_dtype} rollout is deliberate in this demo (--rollout-dtype {cfg.rollout_dtype}: a "
+           f"{cfg.rollout_dtype} copy of the {trainer_dtype} policy samples)")
+    deliberate = {} if cfg.rollout_dtype == trainer_dtype else {"dtype-mismatch": why,
+                                                                "lm-head-precision-mismatch": why}
     # The run settings once each: the demo's options as run (``model`` resolved to the folder loaded); the
     # optimizer steps actually taken are the per-step rows of ``log_history``.
     settings = {**asdict(cfg), "model": model_path, "reward": reward.__name__, "trl_version": tim.trl_version}
@@ -379,6 +390,8 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing) 
         "kind": "training",
         "title": f"TIM inside a GRPO run on {model_label(cfg.model)}: {cfg.rollout_dtype} rollouts, "
                  f"{trainer_dtype} trainer",
+        "framework": "trl",
+        "deliberate": deliberate,
         "settings": settings,
         "log_history": steps,
         "findings": [f.to_dict() for f in getattr(tim, "findings", [])],
@@ -439,5 +452,12 @@ def _main(args) -> int:
         print(f"  [{status.upper():5}] {text}")
     for line in v.get("extra", []):
         print(f"  {line}")
+    rows = summary.get("disagreements")
+    if rows:
+        from tim_plugins.report.disagreements import disagreements_text
+
+        print("\nLargest disagreements (p rollout → p trainer, Δ log p, the token in ⟦ ⟧; the report lists more):")
+        for line in disagreements_text(rows[:5]):
+            print(f"  {line}")
     print(f"\nreport: {summary['report']}\nsummary: {Path(summary['report']).parent / 'summary.json'}")
     return 0

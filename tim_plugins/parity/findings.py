@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = [
-    "Finding", "CodeInfo", "CODES", "SEVERITIES", "ParityError", "make_finding", "codes_markdown", "max_severity",
-    "severity_counts",
+    "Finding", "CodeInfo", "CODES", "SEVERITIES", "FRAMEWORK_NAMES", "ParityError", "make_finding", "fix_for",
+    "codes_markdown", "max_severity", "severity_counts",
 ]
 
 SEVERITIES = ("error", "warning", "info")
@@ -163,6 +163,23 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
        "spec from a live engine.",
        {"tim_plugins": "fill the field in PipelineSpec (or read it from the live engine: spec_from_llm)"}),
 )}
+
+
+# The keys of a fix, as a reader names them.
+FRAMEWORK_NAMES = {"trl": "TRL", "verl": "verl", "vllm": "vLLM", "hf": "transformers", "tim_plugins": "tim-plugins"}
+# What a framework runs on: when a code has no knob of the framework itself, the knobs of these apply to it.
+_RUNS_ON = {"trl": ("vllm", "hf", "tim_plugins"), "verl": ("vllm", "hf", "tim_plugins"), "vllm": ("tim_plugins",),
+            "hf": ("tim_plugins",)}
+
+
+def fix_for(fix: dict, framework: Optional[str] = None) -> str:
+    """The knob of ``fix`` (a finding's ``{framework: knob}``) for a run in ``framework``: its own knob when the
+    registry lists one; else the knobs of what it runs on (TRL and verl: vLLM, transformers, tim-plugins),
+    each named; else every knob, each named."""
+    if framework in fix:
+        return fix[framework]
+    keys = [k for k in _RUNS_ON.get(framework or "", ()) if k in fix] or list(fix)
+    return "; ".join(f"{FRAMEWORK_NAMES.get(k, k)}: {fix[k]}" for k in keys)
 
 
 def make_finding(code: str, severity: str, message: str, rollout_value: Any = None,

@@ -213,6 +213,7 @@ def spec_from_hf_model(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_dtype = str(head.weight.dtype) if head is not None and getattr(head, "weight", None) is not None else None
     config = getattr(model, "config", None)
+    # TRANSFORMERS_SOURCES transformers.configuration_utils:PreTrainedConfig._attn_implementation
     attn = getattr(config, "_attn_implementation", None) if config is not None else None
     device = params[0].device.type if params else None
     quant = getattr(config, "quantization_config", None) if config is not None else None

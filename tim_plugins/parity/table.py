@@ -39,14 +39,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_widt
 
 def findings_rows(findings: Sequence[Any], framework: str | None = None) -> list[list[str]]:
     """One row of text cells per finding, in ``FINDINGS_COLUMNS`` order (for a text table, a log line or a
-    ``wandb.Table``); the fix cell shows the knob for ``framework`` (all knobs when None or not listed)."""
+    ``wandb.Table``); the fix cell shows the knob for ``framework`` (``findings.fix_for``)."""
+    from tim_plugins.parity.findings import fix_for
+
     rows = []
     for f in findings:
-        if framework and framework in f.fix:
-            fix = f.fix[framework]
-        else:
-            fix = "; ".join(f"{k}: {v}" for k, v in f.fix.items())
-        rows.append([_cell(c) for c in (f.severity, f.code, f.rollout_value, f.trainer_value, f.message, fix)])
+        rows.append([_cell(c) for c in (f.severity, f.code, f.rollout_value, f.trainer_value, f.message,
+                                        fix_for(f.fix, framework))])
     return rows
 
 

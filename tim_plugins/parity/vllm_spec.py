@@ -1,11 +1,14 @@
 """Rollout `PipelineSpec` from vLLM: from engine arguments (dict, JSON or CLI string) or a live `LLM`.
 
-The live reader uses public API only: ``llm.llm_engine.vllm_config`` (the resolved configuration) and
-``llm.collective_rpc(fn)`` to ask the worker what it actually runs (parameter dtypes, lm_head dtype, the
-attention backend chosen, the batch-invariance switch in the worker's environment). It imports nothing of vLLM
-(it reads the engine's attributes), so it lives in the core: the TRL and verl adapters both read vLLM engines
-with it, and adapters never import each other. Defaults below are vLLM 0.32's (vllm/engine/arg_utils.py,
-vllm/config/*).
+The live reader reads vLLM's internals: the engine's resolved configuration (``llm.llm_engine.vllm_config`` and its
+model, cache, scheduler, compilation and device configs) and, through ``llm.collective_rpc(fn)`` (public), what
+each worker actually runs: its model runner's parameters, ``lm_head`` and attention groups' backends, and the
+batch-invariance switch in the worker's environment. Each of these is an entry of ``VLLM_SOURCES``
+(``integrations/vllm/sources.py``, guarded by ``tests/test_vllm_sources.py``), named where it is read; vLLM
+versions outside the tested range are noted in the spec. It imports nothing of vLLM (it reads the engine's
+attributes), so it lives in the core: the TRL and verl adapters both read vLLM engines with it, and adapters never
+import each other. Defaults below are vLLM 0.31's (VLLM_SOURCES vllm.engine.arg_utils:EngineArgs and
+VLLM_SOURCES vllm.sampling_params:SamplingParams).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ __all__ = [
     "sampling_fields",
 ]
 
-# Engine defaults that matter for parity (vLLM 0.32). Prefix caching and chunked prefill are on by default.
+# Engine defaults that matter for parity (vLLM 0.31). Prefix caching and chunked prefill are on by default
+# (EngineArgs leaves them None and the engine resolves them on for generative models).
 VLLM_ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "auto", "logprobs_mode": "raw_logprobs", "enable_prefix_caching": True,
     "enable_chunked_prefill": True, "enforce_eager": False, "quantization": None, "kv_cache_dtype": "auto",
@@ -106,7 +110,8 @@ def _parse_value(value: str) -> Any:
 
 
 def resolve_auto_dtype(checkpoint_dtype: Any) -> Optional[str]:
-    """What vLLM's dtype='auto' runs on GPUs: fp32 checkpoints are downcast to bf16, others kept."""
+    """What vLLM's dtype='auto' runs on GPUs: fp32 checkpoints are downcast to bf16, others kept
+    (VLLM_SOURCES vllm.config.model:_resolve_auto_dtype)."""
     ckpt = normalize_dtype(checkpoint_dtype)
     if ckpt is None:
         return None
@@ -162,7 +167,7 @@ def spec_from_engine_args(
     """Rollout spec from vLLM engine args (dict / JSON / CLI string) and sampling params.
 
     Args:
-        args: engine args; unspecified ones take vLLM 0.32 defaults (`VLLM_ENGINE_DEFAULTS`).
+        args: engine args; unspecified ones take vLLM 0.31 defaults (`VLLM_ENGINE_DEFAULTS`).
         sampling: `SamplingParams` or dict of its fields (default: vLLM defaults).
         checkpoint_dtype: the checkpoint's dtype, to resolve dtype='auto' (else read from <model>/config.json).
         device: "cuda" or "cpu" (CUDA graphs exist only on GPUs; the CPU backend always uses CPU_ATTN).
@@ -183,7 +188,7 @@ def spec_from_engine_args(
     hf_overrides = a.get("hf_overrides") or {}
     if isinstance(hf_overrides, str):
         hf_overrides = json.loads(hf_overrides)
-    head = hf_overrides.get("head_dtype")
+    head = hf_overrides.get("head_dtype")  # VLLM_SOURCES vllm.config.model:_get_head_dtype
     head = None if head in (None, "model") else head
     eager = bool(a["enforce_eager"])
     graph_off = _cudagraph_off(a.get("compilation_config"))
@@ -210,7 +215,9 @@ def spec_from_engine_args(
 
 
 def _worker_numerics(worker: Any) -> dict:
-    """Runs inside each vLLM worker (collective_rpc): what the model really computes with."""
+    """Runs inside each vLLM worker (collective_rpc): what the model really computes with.
+
+    VLLM_SOURCES vllm.v1.worker.gpu_model_runner:GPUModelRunner (model_runner.model, .lm_head, .attn_groups)."""
     out: dict[str, Any] = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"}
     runner = getattr(worker, "model_runner", None)
     model = getattr(runner, "model", None)
@@ -232,12 +239,24 @@ def _worker_numerics(worker: Any) -> dict:
 
 def spec_from_llm(llm: Any, *, sampling: Any = None, framework: str = "vllm") -> PipelineSpec:
     """Rollout spec read from a live `vllm.LLM` (resolved config + what the workers report)."""
+    # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine)
+    # VLLM_SOURCES vllm.v1.engine.llm_engine:LLMEngine.__init__ (vllm_config)
+    # VLLM_SOURCES vllm.config:VllmConfig, and the fields read below:
+    # VLLM_SOURCES vllm.config:ModelConfig
+    # VLLM_SOURCES vllm.config:CacheConfig
+    # VLLM_SOURCES vllm.config:SchedulerConfig
+    # VLLM_SOURCES vllm.config:CompilationConfig
+    # VLLM_SOURCES vllm.config:DeviceConfig
     vc = llm.llm_engine.vllm_config
     mc, cc, sc, comp = vc.model_config, vc.cache_config, vc.scheduler_config, vc.compilation_config
     device = getattr(getattr(vc, "device_config", None), "device_type", None)
+    # VLLM_SOURCES vllm.entrypoints.llm:LLM.collective_rpc
     reports = llm.collective_rpc(_worker_numerics)
     first = reports[0] if reports else {}
     notes = {"workers": json.dumps(reports)}
+    untested = _untested_vllm()
+    if untested:
+        notes["vllm_version"] = untested
     if len({json.dumps(r, sort_keys=True) for r in reports}) > 1:
         notes["warning"] = "workers report different numerics"
     backends = first.get("attention_backends") or []
@@ -261,6 +280,16 @@ def spec_from_llm(llm: Any, *, sampling: Any = None, framework: str = "vllm") ->
         batch_invariant=bool(first.get("batch_invariant")), attention_backend=attention,
         source="live vLLM engine (vllm_config + collective_rpc)", notes=notes,
     )
+
+
+def _untested_vllm() -> Optional[str]:
+    """A note when the installed vLLM is outside the tested range (the fields read above may have moved)."""
+    from tim_plugins._optional import SUPPORTED_RANGES, is_supported_version, package_version
+
+    if is_supported_version("vllm") is not False:
+        return None
+    low, high = SUPPORTED_RANGES["vllm"]
+    return f"vllm {package_version('vllm')} is outside the tested range >={low},<{high}: fields read may have moved"
 
 
 def apply_engine_args(args: Any, patch: Mapping[str, Any]) -> dict:

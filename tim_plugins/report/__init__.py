@@ -27,13 +27,14 @@ def verdict_for(summary: dict, run_dir: str | Path | None = None) -> dict:
 
 
 def build_report(source: str | Path, out: str | Path | None = None, *, summary: dict | None = None,
-                 title: str | None = None) -> Path:
+                 title: str | None = None, decode=None) -> Path:
     """Write the report for ``source`` (a run folder with ``summary.json``, or a dump folder) to ``out``
     (default ``source/report.html``); returns its path.
 
     ``summary`` (else ``source/summary.json`` when present) says what kind of run it was: ``kind`` "measure"
     (settings side by side) or "training" (per-step series, audit, what the callback attached); without a
-    kind the folder is read as a per-token dump.
+    kind the folder is read as a per-token dump. ``decode`` (token ids -> text, the run's tokenizer) decodes
+    the largest disagreements where the summary does not already hold them decoded; without it they show ids.
     """
     from tim_plugins.report.health import SOURCES
     from tim_plugins.report.page import Page
@@ -46,15 +47,15 @@ def build_report(source: str | Path, out: str | Path | None = None, *, summary: 
     if kind == "measure":
         from tim_plugins.report.measure_page import measure_page
 
-        measure_page(summary, source, page)
+        measure_page(summary, source, page, decode)
     elif kind == "training":
         from tim_plugins.report.training_page import training_page
 
-        training_page(summary, source, page)
+        training_page(summary, source, page, decode)
     else:
         from tim_plugins.report.training_page import dump_page
 
-        dump_page(source, summary, page)
+        dump_page(source, summary, page, decode)
     out_path = Path(out) if out is not None else source / "report.html"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(page.html(), encoding="utf-8")

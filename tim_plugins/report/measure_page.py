@@ -85,7 +85,14 @@ def measure_verdict(summary: dict) -> dict:
             best_engine = min(engines, key=lambda n: _key(comps[n], "tim/token/kl_k3"))
             line += f"; lowest k3 without the (slow) exact sampler: {best_engine}"
         extra.insert(0, line + ".")
-    v["extra"] = extra
+    v["extra"] = [f"Not run: {name}: {why}." for name, why in (summary.get("skipped") or {}).items()] + extra
+    audit = (summary.get("audits") or {}).get(primary)
+    if audit is not None:
+        from tim_plugins.report.parity import reconcile
+
+        # What the audit finds in a measured setting is that setting itself (hf-bf16 is a bf16 rollout).
+        why = f"{primary} is the setting this run measures"
+        reconcile(v, audit, summary.get("framework"), {f["code"]: why for f in audit})
     return v
 
 
@@ -94,7 +101,7 @@ def _key(m: dict, key: str) -> float:
     return math.inf if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def measure_page(summary: dict, run_dir: Path, page) -> None:
+def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     """Fill ``page`` (a `Page`) with the measure report of ``summary`` (dumps read below ``run_dir``)."""
     import tim_plugins.report.figures as figures
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES, status
@@ -172,6 +179,10 @@ def measure_page(summary: dict, run_dir: Path, page) -> None:
                     "rejected by sequence-level corrections at their default threshold 2.",
                     RULES["tim/seq/log_ratio_abs_max"].text, "verl")
 
+    _disagreements_section(summary, run_dir, page, names, v.get("setting", names[0]), decode)
+    _frameworks_section(summary, page, names)
+    _audit_section(summary, page, names)
+
     page.h2("Full next-token distributions on the same prefixes")
     page.raw("<p>At every scored position both sides' whole next-token distributions are compared: exact KL in both "
              "directions, total variation ½Σ|p<sub>r</sub> − p<sub>t</sub>|, the overlap of the top-k tokens, and "
@@ -198,3 +209,75 @@ def measure_page(summary: dict, run_dir: Path, page) -> None:
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     page.raw(f"<details><summary>All metrics</summary><table><tr><th>metric</th>{head}</tr>{body}</table></details>")
 
+
+
+def _disagreements_section(summary: dict, run_dir: Path, page, names: list[str], first: str, decode) -> None:
+    """The largest disagreements per setting: the verdict's setting open, the others folded."""
+    from tim_plugins.report.disagreements import disagreements_html, dump_disagreements
+    from tim_plugins.report.tokens import has_dump
+
+    stored = summary.get("disagreements") or {}
+    page.h2("Largest disagreements")
+    page.raw("<p>Per setting, the scored tokens with the largest |log p<sub>trainer</sub> − log p<sub>rollout</sub>|, "
+             "largest first: the token (marked) inside its response (⟨start⟩ = the first sampled token), its "
+             "position in the response (0 = first), and its probability under the rollout and under the trainer. "
+             "Large differences at small p are the tail the (1 − p) figure predicts; a large difference at a "
+             "confident token points at something other than rounding.</p>")
+    for name in sorted(names, key=lambda n: n != first):
+        rows = stored.get(name)
+        if rows is None:
+            folder = Path(run_dir) / summary.get("dumps", {}).get(name, "")
+            rows = dump_disagreements(folder, decode) if has_dump(folder) else None
+        if rows is None:
+            continue
+        if rows and max(abs(r["diff"]) for r in rows) == 0:
+            body = "<p class='note'>Every scored token has the same log-prob on both sides (Δ = 0).</p>"
+        else:
+            body = disagreements_html(rows, show_step=False)
+        label = html.escape(name)
+        if name == first:
+            page.raw(f"<p><b>{label}</b> (the verdict's setting):</p>{body}")
+        else:
+            page.raw(f"<details><summary><b>{label}</b></summary>{body}</details>")
+
+
+def _frameworks_section(summary: dict, page, names: list[str]) -> None:
+    setups = summary.get("setups", {})
+    rows = []
+    for n in names:
+        texts = setups.get(n, {}).get("frameworks") or {}
+        if len(set(texts.values())) == 1:  # the same in every framework (the exact sampler)
+            rows.append([n, ", ".join(texts), next(iter(texts.values()))])
+        else:
+            rows += [[n if i == 0 else "", fw, text] for i, (fw, text) in enumerate(texts.items())]
+    if not rows:
+        return
+    page.h2("Each setting in your framework")
+    page.raw("<p>The configuration whose rollout runs the numerics of each setting, against the trainer of this "
+             "run: what to set (or what you already run) in TRL, verl and vLLM.</p>")
+    page.table(["setting", "framework", "configuration"], rows)
+
+
+def _audit_section(summary: dict, page, names: list[str]) -> None:
+    from tim_plugins.report.parity import findings_rows, fix_header
+
+    audits = summary.get("audits") or {}
+    if not audits:
+        return
+    framework = summary.get("framework")
+    page.h2("Parity audit of each setting")
+    page.raw("<p>Each setting's rollout pipeline against the trainer's, as the parity audit compares them (dtype, "
+             "lm_head precision, log-prob mode, truncation, temperature, ...). A finding here is the setting "
+             "itself (hf-bf16 is a bf16 rollout); the fix column is the rollout engine's argument that removes "
+             "it (the TRL and verl spelling of each setting is in the table above).</p>")
+    # A finding every setting has (e.g. batch-invariance-off) is listed once.
+    key = lambda f: (f["code"], f["severity"], str(f.get("rollout")), str(f.get("trainer")))  # noqa: E731
+    common = set.intersection(*(set(map(key, audits.get(n, []))) for n in names)) if len(names) > 1 else set()
+    rows = []
+    for n in names:
+        found = [f for f in audits.get(n, []) if key(f) not in common]
+        rows += [[n] + r for r in findings_rows(found, framework)] or [[n, "—", "no other finding", None, None,
+                                                                         None, None]]
+    shared = [f for f in audits.get(names[0], []) if key(f) in common]
+    rows += [["every setting"] + r for r in findings_rows(shared, framework)]
+    page.table(["setting", "severity", "code", "rollout", "trainer", "message", fix_header(framework)], rows)

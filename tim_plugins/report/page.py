@@ -30,6 +30,9 @@ white-space:nowrap}
 td.ok{background:#dcf0d5}td.watch{background:#ffedbf}td.act{background:#f9d0d0}
 .note{background:#f4f5f8;padding:.5em .9em;border-left:3px solid #889;font-size:.9em}
 .sources{font-size:.82em;color:#444}.sources li{margin:.2em 0}
+td.ctx{font-family:ui-monospace,Menlo,Consolas,monospace;white-space:pre-wrap;word-break:break-all;max-width:640px}
+td.ctx mark{background:#ffd35c;border-radius:2px;padding:0 1px}td.ctx .edge{color:#889;font-size:.85em}
+details{margin:.4em 0 .8em}summary{cursor:pointer}
 """
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["training_verdict", "training_page", "dump_page", "step_table", "VERDICT_KEYS"]
+__all__ = ["training_verdict", "training_page", "dump_page", "step_table", "disagreements_section",
+           "VERDICT_KEYS"]
 
 VERDICT_KEYS = ("tim/token/kl_k3", "tim/token/abs_diff_p99", "tim/token/ratio_outside_frac",
                 "tim/seq/log_ratio_abs_max", "tim/is/ess")
@@ -70,18 +71,24 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
             q = max(1, reward.size // 4)
             extra.append(f"Mean reward: {reward[:q].mean():.2f} over the first {q} steps, {reward[-q:].mean():.2f} "
                          f"over the last {q}.")
+    v["extra"] = extra
     if summary:
         findings = summary.get("findings", [])
-        own = summary.get("own_audit", [])
+        own = summary.get("own_audit") or []
+        deliberate = summary.get("deliberate") or {}
         if findings or own or "findings" in summary:
             count = lambda fs, s: sum(f["severity"] == s for f in fs)  # noqa: E731
+            mark = lambda f: ", deliberate" if f["code"] in deliberate else ""  # noqa: E731
             extra.append(f"Parity audit by the callback: {count(findings, 'error')} errors, "
-                         f"{count(findings, 'warning')} warnings; of the rollout model actually used: "
-                         + (", ".join(f"{f['code']} ({f['severity']})" for f in own if f["severity"] != "info")
-                            or "no error or warning") + ".")
+                         f"{count(findings, 'warning')} warnings" + (
+                             "; of the rollout model actually used: "
+                             + (", ".join(f"{f['code']} ({f['severity']}{mark(f)})" for f in own
+                                          if f["severity"] != "info") or "no error or warning") if own else "") + ".")
         if summary.get("kind") == "training":
             extra.append("Which setting removes the mismatch, and at what throughput: tim-plugins measure --compare all.")
-    v["extra"] = extra
+        from tim_plugins.report.parity import reconcile
+
+        reconcile(v, findings + own, summary.get("framework"), deliberate)
     return v
 
 
@@ -147,7 +154,7 @@ def _series_figure(page, table: dict) -> None:
                 f"{ess_rule.act_lo:g})", "k3")
 
 
-def training_page(summary: dict, run_dir: Path, page) -> None:
+def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     from tim_plugins.report.tokens import run_tokens
 
     tokens = run_tokens(summary, run_dir)
@@ -161,6 +168,13 @@ def training_page(summary: dict, run_dir: Path, page) -> None:
     if tokens is not None and tokens.size:
         page.h2("Per token, over all steps")
         _figures_over_tokens(page, tokens, "all steps")
+    from tim_plugins.report.disagreements import dump_disagreements
+
+    rows = summary.get("disagreements")
+    if rows is None and tokens is not None:
+        rows = dump_disagreements(Path(run_dir) / summary.get("dumps", {}).get("all steps", "dump"), decode)
+    if rows is not None:
+        disagreements_section(page, rows, "all steps")
     _audit_section(page, summary)
     _attached_section(page, summary)
     page.h2("Run settings")
@@ -195,25 +209,51 @@ def _timing_section(page, timing: dict) -> None:
               "added to it. One run on this machine; other load on it changes the numbers.")
 
 
-def _findings_table(page, findings: list, empty: str) -> None:
+def disagreements_section(page, rows: list[dict], what: str, show_step: bool = True) -> None:
+    from tim_plugins.report.disagreements import disagreements_html
+
+    page.h2("Largest disagreements")
+    decoded = not rows or "text" in rows[0]
+    page.raw(f"<p>The sampled tokens ({what}) with the largest |log p<sub>trainer</sub> − log p<sub>rollout</sub>|, "
+             "largest first: the token (marked) with a few tokens of its completion on each side, its position in "
+             "the completion (0 = first sampled token), its probability under the rollout and under the trainer. "
+             "Large differences at small p are the tail the (1 − p) figure predicts; a large difference at a "
+             "confident token points at something other than rounding (a truncation or penalty on one side)."
+             + ("" if decoded else " Token ids only: pass the tokenizer to decode them (tim-plugins report DIR "
+                                  "--tokenizer PATH).") + "</p>")
+    page.raw(disagreements_html(rows, show_step=show_step))
+
+
+def _findings_table(page, findings: list, empty: str, framework: str | None = None,
+                    deliberate: dict | None = None) -> None:
+    from tim_plugins.report.parity import findings_rows, fix_header
+
     if findings:
-        page.table(["severity", "code", "rollout", "trainer", "message"],
-                   [[f["severity"], f["code"], f.get("rollout"), f.get("trainer"), f["message"]] for f in findings])
+        page.table(["severity", "code", "rollout", "trainer", "message", fix_header(framework)],
+                   findings_rows(findings, framework, deliberate))
     else:
         page.note(empty)
 
 
 def _audit_section(page, summary: dict) -> None:
+    framework, deliberate = summary.get("framework"), summary.get("deliberate") or {}
     page.h2("Parity audit")
     page.raw("<p>At train begin the callback compares the two pipelines' settings (dtype, lm_head precision, "
-             "log-prob mode, truncation, temperature, ...). Its findings:</p>")
-    _findings_table(page, summary.get("findings", []), "No findings: the callback's view of both pipelines agrees.")
+             "log-prob mode, truncation, temperature, ...). Its findings, each with the setting that fixes it in "
+             "this run's framework:</p>")
+    _findings_table(page, summary.get("findings", []), "No findings: the callback's view of both pipelines agrees.",
+                    framework, deliberate)
     own = summary.get("own_audit")
     if own is not None and summary.get("attached", {}).get("rollout_source") == "custom":
         page.raw("<p>This run samples through TRL's <code>rollout_func</code>, which the callback cannot look into: "
                  "it audits the rollout side as TRL's own generation with the trainer's model. The same audit of "
                  "the rollout model the demo actually samples with:</p>")
-        _findings_table(page, own, "No findings.")
+        _findings_table(page, own, "No findings.", framework, deliberate)
+        found = {f["code"] for f in own}
+        for why in dict.fromkeys(deliberate.values()):
+            codes = [c for c, w in deliberate.items() if w == why and c in found]
+            if codes:
+                page.note(f"{', '.join(codes)}: {why}. The fix column says what to change in your run.")
 
 
 def _attached_section(page, summary: dict) -> None:
@@ -235,9 +275,10 @@ def _attached_section(page, summary: dict) -> None:
     page.raw("</details>")
 
 
-def dump_page(dump_dir: Path, summary: dict | None, page) -> None:
+def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     """A report for a bare per-token dump (e.g. ``TIMConfig(dump_dir=...)``): verdict over all rows, per-step
     series when the dump spans several steps, the per-token figures."""
+    from tim_plugins.report.disagreements import dump_disagreements
     from tim_plugins.report.tokens import load_tokens
 
     tokens = load_tokens(dump_dir)
@@ -251,6 +292,7 @@ def dump_page(dump_dir: Path, summary: dict | None, page) -> None:
         _series_figure(page, table)
     page.h2("Per token")
     _figures_over_tokens(page, tokens, "dump")
+    disagreements_section(page, dump_disagreements(dump_dir, decode), "every step of the dump")
     if summary and summary.get("settings"):
         page.h2("Settings")
         page.table(["key", "value"], [[k, v] for k, v in sorted(summary["settings"].items())])

@@ -16,7 +16,9 @@ probability (`InjectionProfile.from_measure_summary` reads it from ``tim-plugins
 magnitude relative to that engine. The rollout then samples from, and reports
 the log-probs of, the perturbed distribution, exactly as a mismatched engine would; the trainer recomputes the
 unperturbed one. Like custom processors in vLLM, an HF logits processor passed to `generate()` runs *before*
-the temperature warper, so τ applies to softmax(z) and the tempered distribution is softmax(z' / T).
+the temperature warper, so τ applies to softmax(z) and the tempered distribution is softmax(z' / T)
+(TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor, VLLM_SOURCES
+vllm.v1.sample.sampler:Sampler.apply_logits_processors).
 
 The scale σ is found by bisection so that k3 = mean(e^d − d − 1), d = log p_train − log p_rollout, measured
 with `tim_plugins.metrics.mismatch_metrics` on a probe batch, hits the target (E_q[k3] = KL(q‖p)).

@@ -10,6 +10,12 @@ Only decoding modes that pick one token per row per processor call can be record
 sampling, greedy). Beam search reorders and multiplies rows, assisted decoding scores candidates that may be
 rejected: there the recorder records nothing and says why (``unsupported``) instead of raising inside
 ``generate``, so a diagnostic never breaks the generation it observes.
+
+The hook is transformers' private ``GenerationMixin._get_logits_processor``, shadowed by an instance attribute for
+the duration of the context. It and every other transformers internal tim-plugins relies on (here, in the parity
+reader and in the TRL adapter) are entries of ``TRANSFORMERS_SOURCES`` below, named where they are used, pinned to
+the tested range (``tim_plugins._optional.SUPPORTED_RANGES``) and checked against the installed transformers by
+``tests/test_transformers_sources.py``.
 """
 
 from __future__ import annotations
@@ -18,9 +24,38 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["RECORDABLE_MODES", "ProcessedLogprobRecorder", "record_processed_logprobs"]
+from tim_plugins._optional import check_version_range
 
-# transformers' GenerationMode values (GenerationConfig.get_generation_mode) whose steps the recorder follows.
+__all__ = ["RECORDABLE_MODES", "TRANSFORMERS_SOURCES", "ProcessedLogprobRecorder", "record_processed_logprobs"]
+
+# The transformers 5.10 source each use relies on: (module, qualified name) -> what is assumed of it.
+TRANSFORMERS_SOURCES = {
+    ("transformers.generation.utils", "GenerationMixin.generate"):
+        "calls self._get_logits_processor(generation_config=..., logits_processor=..., ...) once per call, by "
+        "keyword and looked up on the model instance, and hands the list it returns to the decoding loop",
+    ("transformers.generation.utils", "GenerationMixin._get_logits_processor"):
+        "(generation_config, input_ids_seq_length, encoder_input_ids, prefix_allowed_tokens_fn, "
+        "logits_processor, ...) -> LogitsProcessorList: the processors, then the caller's logits_processor "
+        "merged in (_merge_criteria_processor_list), then, when sampling, the warpers temperature -> top-k -> "
+        "top-p -> min-p; watermarking and renormalize_logits last",
+    ("transformers.generation.utils", "GenerationMixin._sample"):
+        "per step: next_token_scores = logits_processor(input_ids, fp32 logits of the last position) with "
+        "input_ids the whole sequence so far; the token is drawn from softmax(next_token_scores) (argmax when "
+        "greedy) and appended to input_ids, one per row",
+    ("transformers.generation.configuration_utils", "GenerationMode"):
+        "values 'sample' and 'greedy_search' (GenerationConfig.get_generation_mode()) are the one-token-per-row "
+        "modes; beam, assisted, contrastive and DoLa modes are others",
+    ("transformers.configuration_utils", "PreTrainedConfig._attn_implementation"):
+        "a property: the attention implementation the model runs ('sdpa', 'eager', 'flash_attention_2', ...)",
+    ("transformers.trainer", "Trainer._load_callback_state"):
+        "with restore_callback_states_from_checkpoint, rebuilds each stateful callback as type(cb)(**args) then "
+        "sets its saved attributes, from cb.state() = {'args', 'attributes'} stored by class name",
+    ("transformers.trainer", "Trainer._run_epoch"):
+        "on_epoch_end runs before the epoch's _maybe_log_save_evaluate (so a window pushed then is logged)",
+}
+
+# transformers' GenerationMode values whose steps the recorder follows:
+# TRANSFORMERS_SOURCES transformers.generation.configuration_utils:GenerationMode
 RECORDABLE_MODES = ("sample", "greedy_search")
 
 
@@ -29,6 +64,7 @@ class ProcessedLogprobRecorder:
 
     At step t it keeps the processed scores ([B, V]); at step t+1 ``input_ids[:, -1]`` is the token
     sampled at step t, so its log-prob is gathered then. ``finish(last_tokens)`` collects the last step.
+    (TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._sample)
 
     Each call must extend the same rows by exactly one token (what sampling and greedy decoding do). A call that
     does not (another decoding mode) stops the record: ``unsupported`` then holds the reason, the scores pass
@@ -148,9 +184,12 @@ def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = Fa
     Yields a list; each generate call appends its recorder to it. A call in a decoding mode outside
     ``RECORDABLE_MODES`` (beam search, assisted decoding, ...) gets a recorder that records nothing and names
     the mode in ``unsupported``. The patch is an instance attribute on ``model`` (the transformers model whose
-    ``generate`` runs), removed on exit.
+    ``generate`` runs), removed on exit. Raises when transformers is outside the tested range (the hook is private).
     """
+    check_version_range("transformers")
     recorders: list[ProcessedLogprobRecorder] = []
+    # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup, by keyword)
+    # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor
     had_own = "_get_logits_processor" in vars(model)
     previous = vars(model).get("_get_logits_processor")
     original = model._get_logits_processor

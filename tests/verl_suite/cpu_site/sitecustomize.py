@@ -1,11 +1,16 @@
 """Test-only start-up hook (never shipped): every Python process of the verl end-to-end test (the main_ppo driver,
 Ray's TaskRunner and workers, the vLLM server and its engine-core process) gets this folder on PYTHONPATH, so Python
-imports this module at start-up. With ``TIM_TEST_CPU_SHIMS=1`` it installs the CPU shims of ``cpu_shims.py``;
-without it, it does nothing."""
+imports this module at start-up. With ``TIM_TEST_CPU_SHIMS=1`` it installs the CPU shims of ``cpu_shims.py``, and
+with ``TIM_TEST_RANK_VALUES_DIR`` set as well the per-rank recorder of ``rank_values.py``; without them, it does
+nothing."""
 
 import os
 
 if os.environ.get("TIM_TEST_CPU_SHIMS") == "1":
     import cpu_shims
 
+    if os.environ.get("TIM_TEST_RANK_VALUES_DIR"):
+        import rank_values
+
+        rank_values.install()
     cpu_shims.install()

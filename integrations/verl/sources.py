@@ -1,0 +1,164 @@
+"""The verl 0.9.1 internals the verl adapter relies on, each named with what is assumed of it.
+
+verl has no public hook for what the adapter does (safe-vocabulary log-probs, the boundary mask, the monitor in
+the actor engine, the LR decay inside the optimizer, the driver-side trainer modes), so the adapter subclasses
+verl's classes and overrides or calls methods that verl may change in any release: the range is pinned
+(``tim_plugins._optional.SUPPORTED_RANGES``, checked by ``plugin.register``), every use site names its entry
+here in a comment (``# VERL_SOURCES <module>:<qualname>``), and ``tests/verl_suite/test_verl_sources.py`` checks
+each assumption against the installed verl (signatures, statements in the source, and behaviour where cheap).
+
+Importing this module imports nothing from verl.
+"""
+
+from __future__ import annotations
+
+__all__ = ["VERL_SOURCES", "VERL_CONFIG_KEYS", "VERL_OPTIONAL_CONFIG_KEYS"]
+
+_TI = "verl.workers.engine.fsdp.transformer_impl"
+_TB = "verl.trainer.ppo.v1.trainer_base"
+
+# (module, qualified name) -> what the adapter assumes of it (verl 0.9.1). A qualified name "" is the module.
+VERL_SOURCES = {
+    # ---------------------------------------------------------------------------------- actor engine (engine.py)
+    (_TI, "FSDPEngineWithLMHead"):
+        "the FSDP/FSDP2 language-model engine, registered by verl for device cuda/npu without a vendor; "
+        "TIMFSDPEngineWithLMHead subclasses it; it sets self.engine_config and self.model_config (both with "
+        "use_fused_kernels) and self.optimizer (the optimizer built from optim.optimizer_impl)",
+    (_TI, "FSDPEngineWithLMHead.prepare_model_inputs"):
+        "fills output_args: temperature_is_one (host-scalar temperature 1); with use_remove_padding "
+        "input_ids_rmpad_rolled (labels, packed), temperature_rmpad (per token) and pad_size (static + SP "
+        "padding at the tail of the packed sequence); without it input_ids_rmpad_rolled and temperature ([B])",
+    (_TI, "FSDPEngineWithLMHead.prepare_model_outputs"):
+        "(output, output_args, micro_batch, logits_processor_func) -> dict; reads the non-tensor keys "
+        "use_remove_padding (default True), use_fused_kernels and calculate_entropy; packed: output.logits "
+        "[1, N+pad, V] (a DTensor under TP) / temperature_rmpad, log-probs of input_ids_rmpad_rolled, padding "
+        "stripped by _gather_and_unpad_packed(x, output_args['pad_size']); padded: output.logits [B, L, V] / "
+        "temperature[:, None, None], rows cut to micro_batch['input_ids'] lengths; log_probs (and entropy when "
+        "calculate_entropy) as jagged nested tensors on micro_batch['input_ids'].offsets(); fused kernels give "
+        "output.log_probs without logits; output.logits itself is left unscaled",
+    (_TI, "_scale_logits_by_temperature"):
+        "out of place: logits / temperature.clamp(min=1e-8).to(logits.dtype); the logits untouched when the "
+        "temperature is a host scalar 1 (the engine's safe-vocab logits are scaled exactly so)",
+    (_TI, "FSDPEngine._gather_and_unpad_packed"):
+        "(tensor, pad_size) -> the packed values of the whole sequence: all-gathered over Ulysses SP, the "
+        "pad_size tail dropped (tensor[:-pad_size] without SP)",
+    (_TI, "FSDPEngineWithLMHead.forward_step"):
+        "(micro_batch, loss_function, forward_only) -> (loss, {'model_output', 'loss', 'metrics'}); calls "
+        "prepare_model_outputs(..., logits_processor_func=loss_function) (the distillation path calls it with "
+        "student_logits=, data=), then loss_function(model_output=, data=micro_batch, dp_group=) on the same "
+        "micro_batch object; model_output detached in the returned dict",
+    (_TI, "FSDPEngine.forward_backward_batch"):
+        "(data, loss_function, forward_only=False); the loss normaliser batch_num_tokens is data['loss_mask'] "
+        "summed over DP before the micro-batch loop (so a response_mask edited per micro-batch does not change "
+        "it); calls forward_step once per micro-batch",
+    (_TI, "FSDPEngine.lr_scheduler_step"):
+        "() -> the scheduler's LR of param group 0 after lr_scheduler.step() (logged by the worker as lr)",
+    (_TI, "FSDPEngine.get_data_parallel_group"):
+        "() -> the DP process group (the Ulysses mesh's dp dim, else WORLD); the monitor merges over it",
+    ("verl.workers.engine.base", "BaseEngine.train_batch"):
+        "(data, loss_function): zero_grad, forward_backward_batch(forward_only=False), optimizer_step; the FSDP "
+        "engine does not override it (one call per mini-batch, so one optimizer step)",
+    ("verl.workers.engine.base", "BaseEngine.infer_batch"):
+        "(data, loss_function=None): forward_backward_batch(forward_only=True) under no_grad (old-log-prob and "
+        "reference passes)",
+    ("verl.workers.engine_workers", "TrainingWorker.train_mini_batch"):
+        "update_lr_scheduler is set only on the last mini-batch of a step, so the engine's lr_scheduler_step runs "
+        "once per step, after its last train_batch",
+    ("verl.workers.engine_workers", "TrainingWorker.train_batch"):
+        "engine.train_batch(data, loss_function=self.loss_fn), then lr = engine.lr_scheduler_step() when "
+        "update_lr_scheduler, logged as metrics['lr'] (actor/lr); sets use_remove_padding / use_fused_kernels "
+        "non-tensor defaults",
+    ("verl.utils.tensordict_utils", "get_non_tensor_data"):
+        "(data, key, default) -> the unwrapped non-tensor value, default when absent",
+    ("verl.workers.utils.padding", "no_padding_2_padding"):
+        "(tensor, data) -> [B, max_response_len] response-aligned values of a packed/nested per-token tensor "
+        "(values[offset - resp_len - 1 : offset - 1] per row, zero-padded), read from data['prompts'] / "
+        "data['responses'] lengths",
+    ("verl.workers.utils.losses", "ppo_loss"):
+        "(config, model_output, data, dp_group) reads model_output['log_probs'] and data['response_mask'] (after "
+        "select(...).to_padded_tensor(), which pads a nested mask to its max_seqlen) as the loss mask, and "
+        "normalises by data['batch_num_tokens']",
+    # ---------------------------------------------------------------------------------- registration (plugin.py)
+    ("verl", ""):
+        "import verl loads every entry point of the verl.plugins group (VERL_USE_EXTERNAL_PLUGINS=auto, the "
+        "default), logging a failing one at DEBUG level only",
+    ("verl.workers.engine.base", "EngineRegistry.register"):
+        "(model_type, backend, device, vendor) stores the class under (device, vendor), or device when vendor is "
+        "None; asserts that the key is new",
+    ("verl.workers.engine.base", "EngineRegistry.get_engine_cls"):
+        "(model_type, backend): device/vendor from the platform (VERL_ENGINE_DEVICE / VERL_ENGINE_VENDOR "
+        "override them); the (device, vendor) key is looked up before the device-only key",
+    ("verl.plugin.platform.platform_cuda", "PlatformCUDA.vendor_name"):
+        "'nvidia' on CUDA (device 'cuda'); ROCm reports device 'cuda', vendor 'amd' (verl's own engine there)",
+    # ---------------------------------------------------------------------------------- driver (trainer.py)
+    (_TB, "TRAINER_REGISTRY"):
+        "name -> PPOTrainer subclass, filled by importing verl.trainer.ppo.v1 (sync, colocate_async, "
+        "separate_async); main_ppo picks get_trainer_cls(config.trainer.v1.trainer_mode)",
+    (_TB, "register_trainer"):
+        "register_trainer(name)(cls) stores a PPOTrainer subclass, refusing a name taken by another class",
+    (_TB, "PPOTrainer.__init__"):
+        "(config); sets self.trainer_mode = config.trainer.v1.trainer_mode, then compares self.trainer_mode with "
+        "'sync' (replay buffer, prompt refill, TransferQueue checkpoints) and reads config.trainer.v1[trainer_mode]",
+    (_TB, "PPOTrainer._init_resource_pool_mgr"):
+        "() fills self.role_worker_mapping: ray.remote(ActorRolloutRefWorker) behind Role.ActorRollout / "
+        "Role.ActorRolloutRef (or Role.Actor, with Role.RefPolicy separate), ray.remote(TrainingWorker) behind "
+        "Role.Critic; _setup calls it before spawning the worker groups",
+    ("verl.trainer.ppo.utils", "Role"):
+        "enum with Actor, ActorRollout, ActorRolloutRef, RefPolicy, Critic",
+    (_TB, "PPOTrainer._compute_old_log_prob"):
+        "(batch, metrics) -> batch; asks the actor for log-probs with calculate_entropy=True (the reference pass "
+        "asks without); in bypass mode computes nothing (old_log_probs := rollout_log_probs)",
+    (_TB, "PPOTrainer._compute_ref_log_prob"):
+        "asks the reference for log-probs with calculate_entropy=False",
+    (_TB, "PPOTrainer._update_actor"):
+        "(batch, metrics) -> batch; one actor_rollout_wg.update_actor call per step",
+    (_TB, "PPOTrainer.fit"):
+        "per step: is_last_step computed before the step, _save_checkpoint() when save_freq > 0 and (is_last_step "
+        "or global_steps % save_freq == 0), then on_step_end(); the loop stops once global_steps > "
+        "total_training_steps",
+    (_TB, "PPOTrainer._save_checkpoint"):
+        "() writes the checkpoint of the current global_steps",
+    # ---------------------------------------------------------------------------------- workers (worker.py)
+    ("verl.workers.engine_workers", "ActorRolloutRefWorker"):
+        "the actor/rollout/ref worker: self.config is the actor_rollout_ref node; init_model (ONE_TO_ALL) builds "
+        "self.actor (a TrainingWorker whose .engine comes from EngineRegistry) when the role holds the actor",
+    ("verl.single_controller.base.decorator", "register"):
+        "register(dispatch_mode=...) marks the method (MAGIC_ATTR with dispatch_mode, execute_mode, blocking); the "
+        "worker group binds every marked method of the worker class; Dispatch.ONE_TO_ALL returns one result per "
+        "rank",
+    # ---------------------------------------------------------------------------------- optimizer (optim.py)
+    ("verl.workers.config.optimizer", "build_optimizer"):
+        "(parameters, config): getattr(importlib.import_module(config.optimizer_impl), config.optimizer)"
+        "(parameters, lr=, weight_decay=, betas= for Adam-like names)",
+    (_TI, "FSDPEngine._build_lr_scheduler"):
+        "a LambdaLR (constant or cosine with warmup), which rewrites every param group's lr on each step",
+    # ---------------------------------------------------------------------------------- vLLM rollout (config.py)
+    ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.launch_server"):
+        "engine_kwargs.vllm (None values dropped) is forwarded verbatim to vllm serve, after verl's own args",
+    ("verl.trainer.ppo.v1.agent_loop_tq", "AgentLoopWorkerTQ.generate_sequences"):
+        "the request's sampling params are temperature, top_p, top_k, logprobs and repetition_penalty=1.0 (fixed, "
+        "whatever the rollout config says): no min_p reaches vLLM",
+}
+
+# Config keys (dotted, in verl's composed ppo_trainer config) that config.check_composed_config, trainer.py and
+# parity_spec.py read; each must exist in verl's defaults (tests/verl_suite/test_verl_sources.py composes them).
+VERL_CONFIG_KEYS = (
+    "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.save_freq",
+    "actor_rollout_ref.actor.optim.optimizer_impl", "actor_rollout_ref.actor.optim.optimizer",
+    "actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.actor.use_fused_kernels",
+    "actor_rollout_ref.model.override_config", "actor_rollout_ref.actor.use_torch_compile",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype",
+    "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.logprobs_mode",
+    "actor_rollout_ref.rollout.calculate_log_probs", "actor_rollout_ref.rollout.engine_kwargs.vllm",
+    "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.top_k",
+    "actor_rollout_ref.rollout.dtype", "actor_rollout_ref.rollout.enable_prefix_caching",
+    "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.enforce_eager",
+    "actor_rollout_ref.rollout.quantization", "actor_rollout_ref.rollout.full_determinism",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.actor.fsdp_config.use_torch_compile",
+    "algorithm.rollout_correction.bypass_mode",
+)
+# Keys the adapter reads that verl's defaults leave out (users add them with "+"); the adapter then assumes verl's
+# own fallback: mixed_precision absent -> bf16 autocast (transformer_impl.py), repetition_penalty: verl's agent
+# loops send 1.0 whatever it says (AgentLoopWorkerTQ.generate_sequences above).
+VERL_OPTIONAL_CONFIG_KEYS = ("actor_rollout_ref.actor.fsdp_config.mixed_precision",
+                             "actor_rollout_ref.rollout.repetition_penalty")

@@ -1,0 +1,116 @@
+"""The vLLM 0.31 internals tim-plugins relies on, each named with what is assumed of it.
+
+vLLM's custom logits processors live in ``vllm.v1`` modules (two interfaces, one per model runner), and what a
+live engine runs is only readable from its configuration objects and its workers: all of it may change in any
+release. So the range is pinned (``tim_plugins._optional.SUPPORTED_RANGES``, checked when this package is
+imported), every use site names its entry here in a comment (``# VLLM_SOURCES <module>:<qualname>``), and
+``tests/test_vllm_sources.py`` checks each assumption against the installed vLLM (signatures, statements in the
+source, and behaviour where cheap). Users: this adapter (``min_p``, ``inject``, ``sampling``, ``rollout``), the
+core's vLLM reader ``tim_plugins.parity.vllm_spec`` (which imports nothing of vLLM: it reads engine attributes),
+``tim_plugins.truncation`` (vLLM's truncation order) and ``tim_plugins.apps.measure``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["VLLM_SOURCES"]
+
+_LP = "vllm.v1.sample.logits_processor"
+_V2 = "vllm.v1.worker.gpu.sample.logits_processor"
+
+# (module, qualified name) -> what is assumed of it (vLLM 0.31).
+VLLM_SOURCES = {
+    # --------------------------------------------------------------------- V1 model runner: logits processors
+    (_LP, "LogitsProcessor"):
+        "the V1 interface: __init__(vllm_config, device, is_pin_memory); apply(logits) on the whole batch "
+        "[num_rows, V]; is_argmax_invariant(); update_state(batch_update); classmethod "
+        "validate_params(sampling_params) raising ValueError on a bad request",
+    (_LP, "BatchUpdate"):
+        "batch_size; added (index, params, prompt_tok_ids, output_tok_ids); removed (index); moved (a, b, "
+        "directionality)",
+    (_LP + ".builtin", "process_dict_updates"):
+        "(req_entries, batch_update, new_state(params, prompt_ids, output_ids) -> state | None) -> whether the "
+        "dict changed: added rows get new_state (None removes them), removed rows are dropped, moved rows "
+        "follow (a -> b, or swapped)",
+    (_LP, "build_logitsprocs"):
+        "the built-in processors (min tokens, logit bias, min-p) first, then the custom ones, each built as "
+        "ctor(vllm_config, device, is_pin_memory)",
+    (_LP, "_load_logitsprocs_by_fqcns"):
+        "a processor named '<module>:<Class>' is imported and must subclass the V1 LogitsProcessor",
+    (_LP, "AdapterLogitsProcessor"):
+        "per-request wrapper: new_req_logits_processor(params) returns a callable or None; a callable of three "
+        "parameters gets (prompt_ids, output_ids, logits row); apply() runs it on each active row",
+    ("vllm.v1.sample.sampler", "Sampler.apply_logits_processors"):
+        "non-argmax-invariant processors (the injector) run before the penalties, and (Sampler.forward) before "
+        "sample() divides by the temperature",
+    ("vllm.v1.sample.sampler", "Sampler.sample"):
+        "temperature (greedy rows, T < _SAMPLING_EPS, divided by 1), then the argmax-invariant processors "
+        "(built-in min-p first, then ours), then top-k/top-p; processed log-probs are taken after top-k/top-p",
+    ("vllm.v1.sample.sampler", "_SAMPLING_EPS"):
+        "1e-5: below it a request is sampled greedily and min-p is skipped",
+    ("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_top_p_pytorch"):
+        "top-k, then top-p on the top-k-masked logits; with min-p before both, vLLM truncates min-p -> top-k -> "
+        "top-p (Truncation(order='vllm'))",
+    # --------------------------------------------------------------------- V2 model runner: logits processors
+    (_V2, "LogitsProcessor"):
+        "the V2 interface: __init__(vllm_config, req_states: LogitsProcRequestState); add_request(req_idx, "
+        "sampling_params) -> bool (whether it modifies that request); apply_staged_writes(); apply(logits, ctx) "
+        "on [num_rows, V] float32, rows mapped to request slots by ctx",
+    (_V2, "LogitsProcRequestState"):
+        "device and max_num_reqs (request slots are indices below it)",
+    (_V2, "LogitsContext"):
+        "expanded_idx_mapping ([rows] -> slot, on the device), idx_mapping_np ([requests] -> slot, on the host)",
+    (_V2 + ".loader", "_load_v2_logitsprocs_by_fqcns"):
+        "a processor named '<module>:<Class>' must subclass the V2 LogitsProcessor (so one class implementing "
+        "both interfaces loads in either runner)",
+    (_V2 + ".loader", "build_custom_logits_processors"):
+        "ctor(vllm_config, LogitsProcRequestState.from_request_state(req_states)) for each custom class",
+    ("vllm.v1.worker.gpu.sample.sampler", "Sampler.apply_sampling_params"):
+        "logit bias, penalties, bad words, then the custom processors (apply(logits, ctx)), then temperature, "
+        "min-p and top-k/top-p; nothing runs for a batch where no request's add_request returned True",
+    # --------------------------------------------------------------------- configuration objects
+    ("vllm.config", "VllmConfig"):
+        "additional_config (a dict, passed through from the engine args), model_config, cache_config, "
+        "scheduler_config, compilation_config, device_config",
+    ("vllm.config", "ModelConfig"):
+        "dtype, head_dtype, logprobs_mode, quantization, logits_processors (the registered names or classes)",
+    ("vllm.config.model", "_get_head_dtype"):
+        "hf_overrides head_dtype: a dtype name -> that dtype for the lm_head, 'model' -> the model dtype, "
+        "unset -> the model dtype for generative models",
+    ("vllm.config.model", "_resolve_auto_dtype"):
+        "dtype='auto': a float32 checkpoint runs in the platform's first supported dtype (bfloat16 on Ampere "
+        "and later GPUs), other checkpoint dtypes are kept",
+    ("vllm.config", "CacheConfig"):
+        "fields cache_dtype (the KV-cache dtype, 'auto' = the model's) and enable_prefix_caching (resolved to a "
+        "bool in a built engine)",
+    ("vllm.config", "SchedulerConfig"):
+        "field enable_chunked_prefill (resolved to a bool in a built engine)",
+    ("vllm.config", "CompilationConfig"):
+        "cudagraph_mode (a CUDAGraphMode whose str ends in NONE when off), mode (0 / NONE: not compiled)",
+    ("vllm.config", "DeviceConfig"):
+        "device_type: the engine's device kind ('cuda', 'cpu', ...)",
+    ("vllm.engine.arg_utils", "EngineArgs"):
+        "fields and defaults: dtype 'auto', logprobs_mode 'raw_logprobs', enforce_eager False, quantization "
+        "None, kv_cache_dtype 'auto'; enable_prefix_caching / enable_chunked_prefill None, resolved on for a "
+        "generative model; kv_cache_memory_bytes, hf_overrides, max_logprobs, logits_processors, "
+        "additional_config exist",
+    ("vllm.sampling_params", "SamplingParams"):
+        "defaults temperature 1, top_p 1, top_k 0 (off), min_p 0, no penalties; extra_args (per-request dict "
+        "for custom processors); flat_logprobs False, so each CompletionOutput.logprobs entry is a dict "
+        "token_id -> Logprob(.logprob)",
+    # --------------------------------------------------------------------- the live engine
+    ("vllm.entrypoints.llm", "LLM.__init__"):
+        "self.llm_engine: the engine (with .vllm_config and .model_config)",
+    ("vllm.v1.engine.llm_engine", "LLMEngine.__init__"):
+        "self.vllm_config (the resolved VllmConfig) and self.model_config = vllm_config.model_config",
+    ("vllm.entrypoints.llm", "LLM.collective_rpc"):
+        "(method: str | Callable, timeout=None, args=(), kwargs=None) -> one result per worker; a callable runs "
+        "in each worker with the worker as its first argument",
+    ("vllm.entrypoints.serve.dev.server_info.api_router", "show_server_info"):
+        "GET /server_info?config_format=json (dev mode, what TRL's client asks) returns {'vllm_config': the "
+        "VllmConfig dumped by pydantic in JSON mode}: model_config.{model, dtype, logprobs_mode, enforce_eager, "
+        "quantization}, cache_config.{cache_dtype, enable_prefix_caching}, "
+        "scheduler_config.enable_chunked_prefill, device_config.device",
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"):
+        "a worker's .model_runner (CPU and GPU workers): .model (with .lm_head) and .attn_groups, lists of "
+        "AttentionGroup whose .backend has get_name()",
+}

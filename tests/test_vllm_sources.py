@@ -1,0 +1,416 @@
+"""Guards on the vLLM 0.31 internals tim-plugins relies on (``integrations/vllm/sources.py`` ``VLLM_SOURCES``).
+
+Every entry resolves; each assumption is checked against the installed vLLM (the CPU build here): signatures,
+statements in the source (``inspect.getsource``), and behaviour where it is cheap, without starting an engine:
+vLLM's own batch-update helper and processor loaders driving our processors, a resolved engine configuration of
+the toy model, the defaults the parity reader assumes. The processors inside a running engine are tested in
+``test_vllm_min_p_processor.py``, ``test_safe_vocab_vllm.py`` and ``test_parity_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tim_plugins.integrations.vllm.sources import VLLM_SOURCES  # noqa: E402
+from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, PROCESSOR_FQCN  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+LP = "vllm.v1.sample.logits_processor"
+V2 = "vllm.v1.worker.gpu.sample.logits_processor"
+
+
+def _resolve(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _src(module: str, qualname: str) -> str:
+    return inspect.getsource(_resolve(module, qualname))
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def _params(obj) -> list[str]:
+    return list(inspect.signature(obj).parameters)
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize("key", sorted(VLLM_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
+def test_every_named_source_exists(key):
+    module, qualname = key
+    assert _resolve(module, qualname) is not None, f"{module}:{qualname} is gone: revisit VLLM_SOURCES"
+
+
+# ------------------------------------------------------------------------------------------------ V1 runner
+def test_v1_processor_interface():
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor, LogitsProcessor
+
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor
+
+    assert LogitsProcessor.__abstractmethods__ == {"__init__", "apply", "is_argmax_invariant", "update_state"}
+    assert _params(LogitsProcessor.__init__) == ["self", "vllm_config", "device", "is_pin_memory"]
+    assert _params(LogitsProcessor.apply) == ["self", "logits"]
+    assert _params(LogitsProcessor.update_state) == ["self", "batch_update"]
+    assert isinstance(inspect.getattr_static(LogitsProcessor, "validate_params"), classmethod)
+    assert _params(LogitsProcessor.validate_params) == ["sampling_params"]
+    assert issubclass(TIMMinPLogitsProcessor, LogitsProcessor) and not TIMMinPLogitsProcessor.__abstractmethods__
+    assert issubclass(TailNoiseLogitsProcessor, AdapterLogitsProcessor)
+    assert not TailNoiseLogitsProcessor.__abstractmethods__
+    assert AdapterLogitsProcessor.__abstractmethods__ == {"new_req_logits_processor", "is_argmax_invariant"}
+
+
+def test_batch_update_shape():
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    assert {"batch_size", "added", "removed", "moved"} <= _fields(BatchUpdate)
+    from vllm.v1.sample.logits_processor import interface
+
+    src = inspect.getsource(interface)
+    assert "AddedRequest = tuple[int, SamplingParams, list[int] | None, list[int]]" in src
+    assert "MovedRequest = tuple[int, int, MoveDirectionality]" in src
+    assert "RemovedRequest = int" in src
+
+
+def _batch(size, added=(), removed=(), moved=()):
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    return BatchUpdate(batch_size=size, added=list(added), removed=list(removed), moved=list(moved))
+
+
+def test_process_dict_updates_add_remove_move_swap():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import MoveDirectionality
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    params = {i: SamplingParams(temperature=1.0, seed=i) for i in range(4)}
+    seen = []
+
+    def state(p, prompt, out):
+        seen.append((p.seed, prompt, out))
+        return None if p.seed == 3 else f"s{p.seed}"
+
+    rows: dict[int, str] = {}
+    assert _params(process_dict_updates) == ["req_entries", "batch_update", "new_state"]
+
+    def update(batch):
+        return process_dict_updates(rows, batch, state)
+
+    assert update(_batch(4, added=[(i, params[i], [9], []) for i in range(4)])) is True
+    assert rows == {0: "s0", 1: "s1", 2: "s2"} and seen[0] == (0, [9], [])
+    assert update(None) is False
+    assert update(_batch(3, removed=[1])) is True and rows == {0: "s0", 2: "s2"}
+    assert update(_batch(3, moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)])) is True
+    assert rows == {0: "s0", 1: "s2"}
+    assert update(_batch(3, moved=[(0, 1, MoveDirectionality.SWAP)])) is True
+    assert rows == {0: "s2", 1: "s0"}
+    # a row re-added with a request that needs no state is dropped
+    assert update(_batch(3, added=[(1, params[3], None, [])])) is True and rows == {0: "s2"}
+
+
+def test_min_p_processor_under_vllms_batch_updates():
+    """The V1 path of TIMMinPLogitsProcessor fed vLLM's own BatchUpdate (added, swapped, removed rows) keeps
+    exactly {z >= max z + log(min_p)} on each pruned row (z already divided by T, as vLLM's sampler hands it)."""
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+    from vllm.v1.sample.logits_processor import MoveDirectionality
+
+    from tim_plugins.integrations.vllm import TIMMinPLogitsProcessor
+
+    proc = TIMMinPLogitsProcessor(VllmConfig(additional_config={CONFIG_KEY: 0.05}), torch.device("cpu"), False)
+    reqs = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
+            SamplingParams(temperature=1.2, extra_args={CONFIG_KEY: 0.2}), SamplingParams(temperature=1.0,
+                                                                                        extra_args={CONFIG_KEY: 0.0})]
+    proc.update_state(_batch(4, added=[(i, p, None, []) for i, p in enumerate(reqs)]))
+    proc.update_state(_batch(4, moved=[(0, 2, MoveDirectionality.SWAP)]))  # rows 0 <-> 2
+    proc.update_state(None)
+    min_p_of_row = {0: 0.2, 1: None, 2: 0.05, 3: None}  # greedy and min_p=0 rows are left alone
+    z = torch.randn(4, 301, generator=torch.Generator().manual_seed(1)) * 2
+    out = proc.apply(z.clone())
+    for row, min_p in min_p_of_row.items():
+        kept = torch.isfinite(out[row])
+        if min_p is None:
+            assert kept.all(), row
+            continue
+        ref = z[row] >= z[row].max() + math.log(min_p)
+        assert torch.equal(kept, ref) and 1 < int(ref.sum()) < 301, row
+    proc.update_state(_batch(3, removed=[3]))
+    proc.update_state(_batch(1, removed=[1, 2]))
+    assert torch.isfinite(proc.apply(z[:1].clone())).sum() < 301  # row 0 (min_p 0.2) still pruned
+
+
+def test_builtin_min_p_runs_before_ours_and_the_fqcn_loads():
+    from vllm.config import VllmConfig
+    from vllm.v1.sample.logits_processor import (
+        BUILTIN_LOGITS_PROCESSORS,
+        MinPLogitsProcessor,
+        _load_logitsprocs_by_fqcns,
+        build_logitsprocs,
+    )
+
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor
+
+    src = _flat(_src(LP, "build_logitsprocs"))
+    assert ("ctor(vllm_config, device, is_pin_memory) for ctor in itertools.chain( BUILTIN_LOGITS_PROCESSORS, "
+            "custom_logitsprocs_classes )") in src
+    assert MinPLogitsProcessor in BUILTIN_LOGITS_PROCESSORS
+    procs = build_logitsprocs(VllmConfig(additional_config={CONFIG_KEY: 0.1}), torch.device("cpu"), False, False,
+                              [PROCESSOR_FQCN, TailNoiseLogitsProcessor])
+    kinds = [type(p) for p in procs.argmax_invariant]
+    assert kinds.index(MinPLogitsProcessor) < kinds.index(TIMMinPLogitsProcessor)
+    assert TailNoiseLogitsProcessor in [type(p) for p in procs.non_argmax_invariant]
+    assert _load_logitsprocs_by_fqcns([PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
+    with pytest.raises(ValueError, match="subclass of LogitsProcessor"):
+        _load_logitsprocs_by_fqcns(["tim_plugins.truncation:Truncation"])
+
+
+def test_adapter_processor_passes_the_prompt_to_three_argument_callables():
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor
+
+    src = _flat(_src(LP, "AdapterLogitsProcessor._new_state"))
+    assert "if len(inspect.signature(req_lp).parameters) == 3:" in src and "args = [prompt_ids, output_ids]" in src
+    proc = TailNoiseLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+    noisy = SamplingParams(temperature=1.0, extra_args={"tim_inject": {"scale": 2.0, "tau": 0.5, "seed": 1}})
+    plain = SamplingParams(temperature=1.0)
+    proc.update_state(_batch(2, added=[(0, noisy, [5, 6, 7], []), (1, plain, [5, 6, 7], [])]))
+    z = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    out = proc.apply(z.clone())
+    assert torch.equal(out[1], z[1]) and not torch.equal(out[0], z[0])
+    # the same prompt and outputs give the same draw (the seed hashes the prompt ids vLLM passed)
+    again = TailNoiseLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+    again.update_state(_batch(1, added=[(0, noisy, [5, 6, 7], [])]))
+    assert torch.equal(again.apply(z[:1].clone())[0], out[0])
+    other = TailNoiseLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+    other.update_state(_batch(1, added=[(0, noisy, [5, 6, 8], [])]))
+    assert not torch.equal(other.apply(z[:1].clone())[0], out[0])
+
+
+def test_v1_sampler_order():
+    from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+    from tim_plugins import truncation
+    from tim_plugins.integrations.vllm import min_p
+
+    assert _SAMPLING_EPS == 1e-5 == truncation._GREEDY_EPS == min_p._GREEDY_EPS
+    sample = _flat(_src("vllm.v1.sample.sampler", "Sampler.sample"))
+    temp = sample.index("logits = self.apply_temperature(")
+    procs = sample.index("for processor in sampling_metadata.logitsprocs.argmax_invariant: logits = "
+                         "processor.apply(logits)")
+    topk = sample.index("random_sampled, processed_logprobs = self.topk_topp_sampler(")
+    assert temp < procs < topk
+    assert "temp = torch.where(temp < _SAMPLING_EPS, 1.0, temp)" in _src("vllm.v1.sample.sampler",
+                                                                          "Sampler.apply_temperature")
+    apply = _flat(_src("vllm.v1.sample.sampler", "Sampler.apply_logits_processors"))
+    assert apply.index("for processor in sampling_metadata.logitsprocs.non_argmax_invariant:") < \
+        apply.index("logits = self.apply_penalties(")
+    forward = _flat(_src("vllm.v1.sample.sampler", "Sampler.forward"))
+    assert forward.index("logits = self.apply_logits_processors(") < forward.index("self.sample(logits, ")
+    native = _flat(_src("vllm.v1.sample.ops.topk_topp_sampler", "TopKTopPSampler.forward_native"))
+    assert native.index("logits = apply_top_k_top_p(logits, k, p)") < native.index(
+        "logits_to_return = logits.log_softmax(dim=-1, dtype=torch.float32)")
+    topkp = _src("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_top_p_pytorch")
+    assert topkp.index("# Apply top-k.") < topkp.index("# Apply top-p.")
+
+
+def test_top_k_then_top_p_is_the_vllm_order_of_the_truncation():
+    """vLLM's own top-k/top-p op on logits already pruned by min-p keeps the set Truncation(order='vllm') keeps."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from tim_plugins.truncation import Truncation, truncation_threshold
+
+    z = torch.randn(6, 200, generator=torch.Generator().manual_seed(2)) * 3
+    min_p, k, p = 0.01, 40, 0.8
+    pruned = z.masked_fill(z < z.max(-1, keepdim=True).values + math.log(min_p), -math.inf)
+    out = apply_top_k_top_p_pytorch(pruned.clone(), torch.full((6,), k), torch.full((6,), p))
+    tau = truncation_threshold(z, Truncation(min_p=min_p, top_k=k, top_p=p, order="vllm"))
+    assert torch.equal(torch.isfinite(out), z >= tau[:, None])
+
+
+# ------------------------------------------------------------------------------------------------ V2 runner
+def test_v2_processor_interface_and_loader():
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
+
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor
+
+    assert LogitsProcessor.__abstractmethods__ == {"apply"}
+    assert _params(LogitsProcessor.__init__) == ["self", "vllm_config", "req_states"]
+    assert _params(LogitsProcessor.add_request) == ["self", "req_idx", "sampling_params"]
+    assert _params(LogitsProcessor.apply_staged_writes) == ["self"]
+    assert _params(LogitsProcessor.apply) == ["self", "logits", "ctx"]
+    assert {"device", "max_num_reqs"} <= _fields(LogitsProcRequestState)
+    assert {"expanded_idx_mapping", "idx_mapping_np"} <= _fields(LogitsContext)
+    assert issubclass(TIMMinPLogitsProcessor, LogitsProcessor)
+    assert _load_v2_logitsprocs_by_fqcns([PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
+    with pytest.raises(ValueError, match="not a subclass"):  # the V1-only injector is refused by the V2 loader
+        _load_v2_logitsprocs_by_fqcns([TailNoiseLogitsProcessor])
+    build = _flat(_src(V2 + ".loader", "build_custom_logits_processors"))
+    assert "lp_req_state = LogitsProcRequestState.from_request_state(req_states)" in build
+    assert "return [ctor(vllm_config, lp_req_state) for ctor in custom_logitsprocs_classes]" in build
+
+
+def test_v2_sampler_runs_custom_processors_before_temperature():
+    sampler = "vllm.v1.worker.gpu.sample.sampler"
+    apply = _flat(_src(sampler, "Sampler.apply_sampling_params"))
+    assert "if not np.any(self.needs_logits_processing[idx_mapping_np]): return logits" in apply
+    custom = apply.index("for processor in self.logits_processors: logits = processor.apply(logits, ctx)")
+    temp = apply.index("self.sampling_states.apply_temperature(")
+    minp = apply.index("self.sampling_states.apply_min_p(")
+    topk = apply.index("self.sampling_states.apply_top_k_top_p(")
+    assert custom < temp < minp < topk
+    init = _flat(_src(sampler, "Sampler.__init__"))
+    assert "logit_bias_state, self.penalties_state, bad_words_state, *custom_logits_processors, ]" in init
+    add = _flat(_src(sampler, "Sampler.add_request"))
+    assert "needs_processing |= processor.add_request(req_idx, sampling_params)" in add
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+@pytest.fixture(scope="module")
+def engine_config(toy_model_path):
+    """The resolved configuration vLLM builds for the toy model from the engine args tim-plugins passes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(toy_model_path), dtype="bfloat16", hf_overrides={"head_dtype": "float32"},
+                      logprobs_mode="processed_logprobs", max_model_len=96, kv_cache_memory_bytes=64 << 20,
+                      max_logprobs=-1, logits_processors=[PROCESSOR_FQCN], additional_config={CONFIG_KEY: 0.03},
+                      enforce_eager=True)
+    return args.create_engine_config()
+
+
+def test_the_config_fields_the_parity_reader_reads(engine_config):
+    from vllm.config import CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    vc = engine_config
+    assert isinstance(vc, VllmConfig)
+    assert {"additional_config", "model_config", "cache_config", "scheduler_config", "compilation_config",
+            "device_config"} <= _fields(VllmConfig)
+    assert {"dtype", "logprobs_mode", "quantization", "logits_processors"} <= _fields(ModelConfig)
+    assert isinstance(inspect.getattr_static(ModelConfig, "head_dtype"), property)
+    assert {"cache_dtype", "enable_prefix_caching"} <= _fields(CacheConfig)
+    assert "enable_chunked_prefill" in _fields(SchedulerConfig)
+    assert {"cudagraph_mode", "mode"} <= _fields(CompilationConfig)
+    mc = vc.model_config
+    assert mc.dtype == torch.bfloat16 and mc.head_dtype == torch.float32
+    assert str(mc.logprobs_mode) == "processed_logprobs" and mc.quantization is None
+    assert list(mc.logits_processors) == [PROCESSOR_FQCN]
+    assert vc.additional_config == {CONFIG_KEY: 0.03}
+    assert str(vc.cache_config.cache_dtype) == "auto"
+    assert vc.cache_config.enable_prefix_caching is True and vc.scheduler_config.enable_chunked_prefill is True
+    assert str(vc.compilation_config.cudagraph_mode).upper().endswith("NONE")  # CPU: no graphs
+    assert int(getattr(vc.compilation_config.mode, "value", vc.compilation_config.mode) or 0) == 0  # eager
+    assert vc.device_config.device_type == "cpu"
+
+
+def test_head_dtype_override_and_auto_dtype():
+    from vllm.config.model import _get_head_dtype
+
+    src = _src("vllm.config.model", "_resolve_auto_dtype")
+    assert "if config_dtype == torch.float32: config_dtype = preferred_dtype" in _flat(src)
+    assert "preferred_dtype = supported_dtypes[0]" in src
+    # the CUDA platform module does not import on the CPU build: read its source
+    cuda = (Path(importlib.util.find_spec("vllm.platforms").submodule_search_locations[0]) / "cuda.py").read_text()
+    assert ("if self.has_device_capability(80): # Ampere and Hopper or later NVIDIA GPUs. return [torch.bfloat16, "
+            "torch.float16, torch.float32]") in _flat(cuda)
+    from types import SimpleNamespace
+
+    assert _get_head_dtype(SimpleNamespace(head_dtype="float32"), torch.bfloat16, "generate") == torch.float32
+    assert _get_head_dtype(SimpleNamespace(head_dtype="model"), torch.bfloat16, "generate") == torch.bfloat16
+    assert _get_head_dtype(SimpleNamespace(), torch.bfloat16, "generate") == torch.bfloat16
+
+
+def test_engine_and_sampling_defaults_the_parity_reader_assumes(toy_model_path):
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.logprobs import create_sample_logprobs
+
+    from tim_plugins.parity.vllm_spec import VLLM_ENGINE_DEFAULTS, VLLM_SAMPLING_DEFAULTS
+
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    for name in ("kv_cache_memory_bytes", "hf_overrides", "max_logprobs", "logits_processors", "additional_config",
+                 "logprobs_mode", "enable_prefix_caching", "seed", "dtype"):
+        assert name in fields, name
+    default = EngineArgs(model=str(toy_model_path))
+    for name in ("dtype", "logprobs_mode", "enforce_eager", "quantization", "kv_cache_dtype"):
+        assert getattr(default, name) == VLLM_ENGINE_DEFAULTS[name], name
+    assert default.enable_prefix_caching is None and default.enable_chunked_prefill is None
+    resolved = EngineArgs(model=str(toy_model_path), max_model_len=96, kv_cache_memory_bytes=64 << 20)
+    vc = resolved.create_engine_config()
+    assert vc.cache_config.enable_prefix_caching is VLLM_ENGINE_DEFAULTS["enable_prefix_caching"] is True
+    assert vc.scheduler_config.enable_chunked_prefill is VLLM_ENGINE_DEFAULTS["enable_chunked_prefill"] is True
+    sp = SamplingParams()
+    for name, value in VLLM_SAMPLING_DEFAULTS.items():
+        assert (getattr(sp, name) or None) == (value or None), name  # None and [] both mean "none given"
+    assert sp.extra_args is None and sp.flat_logprobs is False
+    assert create_sample_logprobs(False) == []  # CompletionOutput.logprobs: a list of {token_id: Logprob}
+
+
+# ------------------------------------------------------------------------------------------------ live engine
+def test_live_engine_attributes():
+    llm_init = _src("vllm.entrypoints.llm", "LLM.__init__")
+    assert "self.llm_engine = LLMEngine.from_engine_args(" in llm_init
+    engine_init = _src("vllm.v1.engine.llm_engine", "LLMEngine.__init__")
+    assert "self.vllm_config = vllm_config" in engine_init
+    assert "self.model_config = vllm_config.model_config" in engine_init
+    from vllm import LLM
+
+    assert _params(LLM.collective_rpc) == ["self", "method", "timeout", "args", "kwargs"]
+    assert "return self.llm_engine.collective_rpc(method, timeout, args, kwargs)" in _src(
+        "vllm.entrypoints.llm", "LLM.collective_rpc")
+    run = _src("vllm.v1.serial_utils", "run_method")
+    assert "func = partial(method, obj)" in run  # a callable gets the worker first
+
+
+def test_worker_model_runner_attributes():
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
+
+    runner = _src("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__")
+    assert "self.attn_groups: list[list[AttentionGroup]] = []" in runner
+    assert "self.model = " in _src("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model")
+    assert "backend" in _fields(AttentionGroup)
+    assert isinstance(inspect.getattr_static(AttentionBackend, "get_name"), staticmethod)
+    assert issubclass(CPUModelRunner, GPUModelRunner)
+    for module, cls in (("vllm.v1.worker.cpu_worker", "CPUWorker"), ("vllm.v1.worker.gpu_worker", "Worker")):
+        assert "self.model_runner" in inspect.getsource(_resolve(module, cls)), cls
+
+
+def test_server_info_json_has_the_keys_the_trl_audit_reads(engine_config):
+    """/server_info?config_format=json is vLLM's VllmConfig dumped by pydantic (api_router.show_server_info):
+    dumped the same way here from a resolved configuration, it holds every key ``server_engine_args`` reads."""
+    import pydantic
+    from vllm.config import VllmConfig
+
+    src = _flat(_src("vllm.entrypoints.serve.dev.server_info.api_router", "show_server_info"))
+    assert '"vllm_config": ( str(vllm_config) if config_format == "text" else ' \
+           'PydanticVllmConfig.dump_python(vllm_config, mode="json", fallback=str) ),' in src
+    info = pydantic.TypeAdapter(VllmConfig).dump_python(engine_config, mode="json", fallback=str)
+    model, cache, sched = info["model_config"], info["cache_config"], info["scheduler_config"]
+    assert str(model["dtype"]).replace("torch.", "") == "bfloat16"
+    assert model["logprobs_mode"] == "processed_logprobs" and model["enforce_eager"] is True
+    assert model["quantization"] is None and model["model"].endswith(str(engine_config.model_config.model)[-8:])
+    assert cache["cache_dtype"] == "auto" and cache["enable_prefix_caching"] is True
+    assert sched["enable_chunked_prefill"] is True
+    assert info["device_config"]["device"] == "cpu"

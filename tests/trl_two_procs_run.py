@@ -1,0 +1,140 @@
+"""One rank of tests/test_trl_two_procs.py: TRL's GRPOTrainer on the toy model, HF generation, CPU, launched twice
+by ``torch.distributed.run`` (gloo), with TIMCallback dumping every measured token of its rank.
+
+Run by the test (bounded, in its own process group), never collected by pytest. Each rank writes
+``rank_<r>.json`` to ``--out``: its ``trainer.state.log_history``; for each ``trainer.log`` call, how many values
+each ``tim/`` key held in ``trainer._metrics["train"]`` (TRL's ``log()`` averages that list, so more than one value
+would be a mean of windows); per optimizer step, the response tokens and sequences of the generation batches TRL
+built on this rank (completion_mask, a test-side wrapper installed before the callback attaches); per logging
+window, this rank's own statistics read unmerged (``compute(sync=False)``) just before the callback merges them;
+the process group's backend and world size; wall time and peak RSS. The callback's per-token dump goes to
+``--out``/dump.
+
+Rollouts are TRL's transformers generation with a controlled mismatch added to the logits (``rollout="inject"``):
+TRL's own sampler against the fp32 trainer differs by ~1e-7 per token (KV-cache decode vs full forward), where k3
+(~1e-13) is float32 rounding that no float64 reference reproduces; the injected mismatch is O(0.1) per token.
+Configurations (``--config``):
+- ``monitor``: the monitor only;
+- ``mitigations``: safe vocabulary (``GRPOConfig(min_p=0.05)``, ``TIMConfig(safe_vocab=True)``) and the IcePop
+  correction, so boundary tokens (sampled outside the trainer's safe set) and dropped tokens both occur;
+- ``beam_on_rank1``: the monitor, with rank 1 generating by beam search (``generation_kwargs={"num_beams": 2}``),
+  which the monitor does not measure: rank 1 only counts a problem (``tim/diag/unsupported_generation_mode``) and
+  contributes no token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+MIN_P = 0.05  # as tests/test_trl_mitigations.py: prunes the toy model's tail on most positions
+# A controlled mismatch of O(0.1) per token (|d| up to ~1); with "mitigations" a larger one, so that the sampler's
+# kept set (on the perturbed logits) differs from the trainer's safe set on some tokens (boundary tokens), and a
+# band narrower than IcePop's default (0.5, 5) that drops some tokens.
+INJECT = {"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}
+INJECT_MITIGATIONS = {**INJECT, "scale": 2.0}
+ICEPOP_BAND = (0.8, 1.25)
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", choices=("monitor", "mitigations", "beam_on_rank1"), required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=8)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    out = Path(args.out)
+
+    import datasets
+    import torch
+    import torch.distributed as dist
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tim_plugins.integrations.trl import TIMCallback, TIMConfig
+    from tim_plugins.toy_model import synthetic_prompts
+
+    extra = {"min_p": MIN_P} if args.config == "mitigations" else {}
+    if args.config == "beam_on_rank1" and os.environ.get("RANK") == "1":
+        extra["generation_kwargs"] = {"num_beams": 2}  # unsupported by the monitor: counted, not measured
+    grpo = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=args.tokens, max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no",
+        gradient_checkpointing=False, learning_rate=1e-3, seed=0, disable_tqdm=True, **extra)
+    ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
+    trainer = GRPOTrainer(model=args.model, reward_funcs=_reward, args=grpo, train_dataset=ds)
+    rank = trainer.accelerator.process_index
+
+    # Test-side wrappers of TRL's own methods, installed before the callback attaches (its wrappers wrap these).
+    batches: list[dict] = []
+    gen = trainer._generate_and_score_completions
+
+    def _generate_and_score_completions(*a, **k):
+        res = gen(*a, **k)
+        if trainer.model.training:
+            mask = res["completion_mask"].bool()
+            batches.append({"step": trainer.state.global_step + 1, "tokens": int(mask.sum()),
+                            "seqs": int(mask.any(-1).sum()), "rows": int(mask.shape[0])})
+        return res
+
+    trainer._generate_and_score_completions = _generate_and_score_completions
+    windows: list[dict] = []
+    log = trainer.log
+
+    def _log(logs, *a, **k):
+        windows.append({"step": trainer.state.global_step,
+                        "tim_values": {key: len(v) for key, v in trainer._metrics["train"].items()
+                                       if key.startswith("tim/")}})
+        return log(logs, *a, **k)
+
+    trainer.log = _log
+
+    options = {"dump_dir": str(out / "dump"), "dump_options": {"sample_rate": 1.0, "max_sequences_per_step": 10**6},
+               "rollout": "inject", "inject_options": dict(INJECT)}
+    if args.config == "mitigations":
+        options.update(safe_vocab=True, is_correction="icepop", is_correction_options={"icepop_band": ICEPOP_BAND},
+                       inject_options=dict(INJECT_MITIGATIONS))
+    cb = TIMCallback(trainer, TIMConfig(**options))
+    trainer.add_callback(cb)
+    # This rank's own statistics of each window, read without merging just before the callback merges them: the
+    # per-rank values the merged (logged) ones must differ from.
+    local: list[dict] = []
+    pipeline, compute = cb.pipeline, cb.pipeline.compute
+
+    def _compute(step, **k):
+        values = {}
+        for part in (pipeline.monitor, pipeline.safe_vocab_stats, pipeline.correction_stats):
+            if part is not None:
+                values.update(part.compute(sync=False))
+        local.append({"step": step, "values": values, "diag": dict(pipeline.diag)})
+        return compute(step, **k)
+
+    pipeline.compute = _compute
+    t1 = time.time()
+    trainer.train()
+    result = {
+        "rank": rank, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "rollout_source": cb.rollout_source, "log_history": trainer.state.log_history, "windows": windows,
+        "batches": batches, "local": local, "diag": dict(cb.pipeline.diag), "init_s": t1 - t0,
+        "train_s": time.time() - t1, "wall_s": time.time() - t0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    (out / f"rank_{rank}.json").write_text(json.dumps(result, default=float))
+    # No collective after the last log: TRL's train() has returned on both ranks; wait for the other before exit
+    # so neither tears the group down under the other.
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

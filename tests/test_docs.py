@@ -12,10 +12,26 @@ from tim_plugins.metrics import PROB_BUCKET_EDGES, mismatch_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
+# the README (a front page) and the reference pages under docs/ it links to, where every section lives once
+DOCS = "\n".join([README, *(p.read_text() for p in DOC_PAGES)])
 
 
 def _section(name: str) -> str:
-    return README.split(f"<!-- section:{name} -->")[1].split(f"<!-- /section:{name} -->")[0]
+    parts = DOCS.split(f"<!-- section:{name} -->")
+    if len(parts) != 2:
+        raise AssertionError(f"section {name!r} appears {len(parts) - 1} times in README.md + docs/*.md (once expected)")
+    return parts[1].split(f"<!-- /section:{name} -->")[0]
+
+
+def test_readme_links_every_docs_page_and_every_link_resolves():
+    for page in DOC_PAGES:
+        assert f"](docs/{page.name})" in README, page.name
+    for source in [ROOT / "README.md", *DOC_PAGES]:
+        for target in re.findall(r"\]\(([^)#]+?)(?:#[^)]*)?\)", source.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            assert (source.parent / target).exists(), f"{source.name}: link to {target}"
 
 
 def test_metric_reference_lists_exactly_the_keys_the_monitor_emits():
@@ -95,7 +111,7 @@ def test_readme_verl_overrides_are_the_recipe_s():
     recipe = ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh"
     out = subprocess.run(["bash", str(recipe)], env=dict(os.environ, TIM_PRINT_OVERRIDES="tim"),
                          capture_output=True, text=True, check=True).stdout
-    block = _section("verl").split("```diff")[1].split("```")[0]
+    block = _section("verl-overrides").split("```diff")[1].split("```")[0]
     documented = [line[1:].strip().rstrip("\\").strip().strip("'") for line in block.splitlines()
                   if line.startswith("+")]
     assert documented == [line for line in out.splitlines() if line]

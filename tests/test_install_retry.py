@@ -62,5 +62,5 @@ def test_readme_states_the_scripts_own_defaults():
     attempts = int(re.search(r'attempts="\$\{RETRY_ATTEMPTS:-(\d+)\}"', script).group(1))
     pause = int(re.search(r'pause="\$\{RETRY_PAUSE_S:-(\d+)\}"', script).group(1))
     pauses = ", ".join(f"{pause * k} s" for k in range(1, attempts))
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "install.md").read_text().split())
     assert f"up to {attempts} attempts, pausing {pauses}" in readme

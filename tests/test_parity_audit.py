@@ -46,7 +46,7 @@ def test_codes_are_stable_and_each_has_knobs():
 
 
 def test_readme_documents_every_code():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "parity.md").read_text()
     section = readme.split("<!-- section:parity -->")[1].split("<!-- /section:parity -->")[0]
     for code in EXPECTED_CODES:
         assert f"`{code}`" in section, code
@@ -315,10 +315,12 @@ def test_fix_for_picks_the_run_s_framework_then_what_it_runs_on():
 
 
 def test_truncation_fix_keeps_the_users_sampling_first():
+    from tim_plugins.truncation import DEFAULT_MIN_P
+
     """The first fix offered for a truncating sampler keeps it: the trainer applies the same truncation."""
     rollout, trainer = matched_pair(top_p=0.8)
     (finding,) = [f for f in audit(rollout, trainer) if f.code == "sampler-truncation-unmatched"]
     trl = finding.fix["trl"]
     assert trl.index("TIMConfig(safe_vocab=True)") < trl.index("GRPOConfig(min_p=") < trl.index("top_p=1.0")
     verl = finding.fix["verl"]
-    assert verl.index("+tim.safe_vocab.min_p=1e-4") < verl.index("actor_rollout_ref.rollout.top_p=1.0")
+    assert verl.index(f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g}") < verl.index("actor_rollout_ref.rollout.top_p=1.0")

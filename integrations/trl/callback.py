@@ -42,7 +42,7 @@ from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_len
 from tim_plugins.rollout.exact import exact_generate
 from tim_plugins.rollout.inject import TailNoiseInjector
 from tim_plugins.rollout.recorder import record_processed_logprobs
-from tim_plugins.truncation import Truncation
+from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from . import hooks
 from ._exact_scoring import exact_scorer
@@ -109,8 +109,8 @@ def _safe_truncation(trainer, config: TIMConfig) -> Truncation:
     if min_p is None or min_p <= 0:
         raise ValueError(
             f"TIMConfig.safe_vocab=True needs a min_p: GRPOConfig.min_p={args.min_p!r} and "
-            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}. Set GRPOConfig(min_p=1e-4) so the sampler "
-            "prunes the same tail the trainer excludes (tim_plugins.truncation.DEFAULT_MIN_P = 1e-4).")
+            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}. Set GRPOConfig(min_p={DEFAULT_MIN_P:g}) so the "
+            f"sampler prunes the same tail the trainer excludes (tim_plugins.truncation.DEFAULT_MIN_P).")
     if args.min_p is not None and config.safe_vocab_min_p is not None and args.min_p != config.safe_vocab_min_p:
         logger.warning("tim_plugins: safe_vocab_min_p=%g differs from GRPOConfig.min_p=%g: the trainer's safe set "
                        "is not the sampler's", config.safe_vocab_min_p, args.min_p)

@@ -218,7 +218,7 @@ def test_truncation_fix_names_the_overrides_the_adapter_checks():
     from tim_plugins.parity.findings import CODES
 
     fix = CODES["sampler-truncation-unmatched"].fix["verl"]
-    processors, min_p = rollout_min_p_overrides(1e-4)
+    processors, min_p = rollout_min_p_overrides(DEFAULT_MIN_P)
     assert processors in fix  # the processor list, verbatim
     key, value = min_p.split("=")
-    assert f"{key}=1e-4" in fix and float(value) == 1e-4
+    assert f"{key}={DEFAULT_MIN_P:g}" in fix and float(value) == DEFAULT_MIN_P

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tim_plugins.truncation import DEFAULT_MIN_P
+
 __all__ = [
     "Finding", "CodeInfo", "CODES", "SEVERITIES", "FRAMEWORK_NAMES", "ParityError", "make_finding", "fix_for",
     "codes_markdown", "max_severity", "severity_counts",
@@ -100,13 +102,13 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
        "(TRL #6789, verl #6240).",
        {"vllm": "SamplingParams(top_p=1.0, top_k=0, min_p=0.0), or keep the truncation and apply it in the "
                 "trainer too (tim_plugins.safe_vocab)",
-        "trl": "keep your sampling: TIMConfig(safe_vocab=True) with GRPOConfig(min_p=1e-4) makes the trainer apply "
+        "trl": f"keep your sampling: TIMConfig(safe_vocab=True) with GRPOConfig(min_p={DEFAULT_MIN_P:g}) makes the trainer apply "
                "the sampler's own min_p, top_p and top_k (token ratio back to 1); or top_p=1.0, top_k=0, "
                "min_p=None (the GRPO trainer itself applies no truncation)",
-        "verl": "prune the same tail on both sides: +tim.safe_vocab.min_p=1e-4 with "
+        "verl": f"prune the same tail on both sides: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} with "
                 "'+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
                 "min_p:TIMMinPLogitsProcessor]' +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
-                "tim_min_p=1e-4 actor_rollout_ref.model.use_fused_kernels=false (the trainer side applies min_p "
+                f"tim_min_p={DEFAULT_MIN_P:g} actor_rollout_ref.model.use_fused_kernels=false (the trainer side applies min_p "
                 "only, so with it actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1)"}),
     _C("temperature-mismatch", "the trainer divides logits by a different temperature than the sampler",
        "A temperature gap shifts every log-prob systematically (TRL #4159: ratio ~2 at T != 1).",

@@ -1,8 +1,9 @@
-"""Shared fixtures: one toy model per test session, one vLLM CPU engine per test session, the real model
+"""Shared fixtures: one toy model per test session, one vLLM CPU engine per test module, the real model
 (SmolLM2-135M-Instruct) when its package is installed."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 
@@ -38,9 +39,10 @@ def smollm2_path():
     return real_model.smollm2_path()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_llm(toy_model_path):
-    """One vLLM engine (CPU build) on the toy model in fp32, processed log-probs; shared by the session."""
+    """A vLLM engine (CPU build) on the toy model in fp32, processed log-probs. One per module (it starts in a few
+    seconds): a session-wide engine stayed alive through every later module, TRL's real-model runs included."""
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
@@ -48,11 +50,19 @@ def vllm_llm(toy_model_path):
     # The TIM injector is registered but inert: it acts only on requests with extra_args["tim_inject"].
     from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor
 
-    llm = LLM(
-        model=str(toy_model_path), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-        max_model_len=256, seed=0, kv_cache_memory_bytes=128 * 2**20, logits_processors=[TailNoiseLogitsProcessor],
-    )
+    # The KV cache is allocated whole at start-up; VLLM_CPU_KVCACHE_SPACE (whole GiB) would replace its size here.
+    env = pytest.MonkeyPatch()
+    env.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    try:
+        llm = LLM(
+            model=str(toy_model_path), dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
+            max_model_len=256, seed=0, kv_cache_memory_bytes=128 * 2**20, logits_processors=[TailNoiseLogitsProcessor],
+        )
+    finally:
+        env.undo()
     yield llm
+    del llm
+    gc.collect()
 
 
 try:  # property tests: the same examples on every run (a CI run never meets a new counterexample by chance),

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 datasets = pytest.importorskip("datasets")
 
 from test_trl_callback import Capture, _logged, check_vllm_step, make_trainer  # noqa: E402
-from trl_cpu_vllm import cpu_sync_weights  # noqa: E402
+from trl_cpu_vllm import cpu_sync_weights, llm_with  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 
@@ -24,14 +24,16 @@ pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def vllm_run(toy_model_path, tmp_path_factory):
-    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.generation import vllm_generation
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp = pytest.MonkeyPatch()
-    mp.setattr(VLLMGeneration, "sync_weights", cpu_sync_weights)
+    mp.setattr(vllm_generation.VLLMGeneration, "sync_weights", cpu_sync_weights)
     # TRL passes only gpu_memory_utilization, which vLLM's CPU backend reads as a share of RAM that also has to
-    # hold everything else this pytest process loaded; the CPU backend's own knob fixes the KV cache at 1 GiB.
-    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # hold everything else this pytest process loaded: the KV cache gets a fixed size instead, allocated whole at
+    # start-up (64 MiB holds 2**17 tokens of the toy model; VLLM_CPU_KVCACHE_SPACE, whole GiB, would replace it).
+    mp.setattr(vllm_generation, "LLM", llm_with(vllm_generation.LLM, kv_cache_memory_bytes=64 * 2**20))
+    mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     tmp = tmp_path_factory.mktemp("trl_vllm")
     trainer = make_trainer(
         toy_model_path, tmp, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,

@@ -55,6 +55,14 @@ CPU_OVERRIDES = [
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
     "actor_rollout_ref.rollout.agent.num_workers=1",
+    # Memory (the suite must fit a 24 GiB CI machine beside another job). verl's defaults start 8 reward-loop
+    # actors and 8 TransferQueue storage actors, each a Python process with torch imported; one of each serves
+    # these batches of 8 responses. The vLLM CPU build allocates (and zeroes) its whole KV cache up front: 64 MiB
+    # holds ~2**17 tokens of the toy model, 64-token sequences need a few hundred. VLLM_CPU_KVCACHE_SPACE would
+    # override it (whole GiB only), so ENV leaves it out and run_main_ppo drops it from the environment.
+    "reward.num_workers=1",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    f"+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes={64 * 2**20}",
 ]
 
 ENV = {
@@ -62,7 +70,6 @@ ENV = {
     "VERL_ENGINE_DEVICE": "cuda",  # verl's engine registry has no "cpu" key
     "VERL_ENGINE_VENDOR": "nvidia",
     "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "TIM_TEST_CPU_SHIMS": "1",
     "WANDB_MODE": "offline",
     "TOKENIZERS_PARALLELISM": "false",
@@ -155,6 +162,9 @@ def recipe_tim_overrides(min_p: str = "1e-4") -> list[str]:
     return [line for line in out.splitlines() if line]
 
 
+# Ray's OOM monitor (the machine's memory above RAY_memory_usage_threshold, 0.95 by default, whoever uses it) killed
+# a worker: verl's driver then waits for it until the run's timeout.
+RAY_OOM_KILL = re.compile(r"killed due to memory pressure \(OOM\)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP_LINE = re.compile(r"^(?:\([^)]*\)\s*)?step:(\d+) - (.*)$")
 
@@ -193,16 +203,23 @@ def parse_console(output: str) -> dict[int, dict[str, float]]:
 
 def run_main_ppo(overrides: list[str], *, cwd: Path, timeout: float = 600, extra_env: dict | None = None,
                  log_path: Path | None = None) -> Run:
-    """Run main_ppo in its own process group; kill the whole group (Ray, vLLM) on timeout or when done."""
-    env = dict(os.environ, **ENV, **(extra_env or {}))
+    """Run main_ppo in its own process group; kill the whole group (Ray, vLLM) on timeout, when Ray's OOM monitor
+    killed a worker, or when done."""
+    # VLLM_CPU_KVCACHE_SPACE from the caller's shell would replace the KV-cache size CPU_OVERRIDES sets.
+    inherited = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env = dict(inherited, **ENV, **(extra_env or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     start = time.monotonic()
-    proc, timed_out = run_bounded(cmd, timeout, cwd=cwd, env=env)
+    proc, timed_out = run_bounded(cmd, timeout, cwd=cwd, env=env, abort_on=RAY_OOM_KILL)
     output, returncode = proc.stdout, proc.returncode
     if timed_out:
         output += f"\n[test] main_ppo killed after {timeout} s\n"
         returncode = -9
+    elif RAY_OOM_KILL.search(output):
+        output += ("\n[test] main_ppo stopped: Ray's OOM monitor killed a worker, the machine's memory was above "
+                   "RAY_memory_usage_threshold (other jobs on this machine count too); verl would have waited for "
+                   "the worker until the timeout\n")
     seconds = time.monotonic() - start
     if log_path is not None:
         log_path.write_text(" ".join(cmd) + "\n\n" + output)

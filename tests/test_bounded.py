@@ -1,0 +1,52 @@
+"""tests/bounded.py: a bounded run is killed, with its whole process group, at its bound or at the first output
+line that says it can no longer succeed (``abort_on``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+from bounded import run_bounded
+
+# Prints a line, starts a child in the same process group, prints its pid and a marker, then waits for the child.
+SCRIPT = "echo start; sleep 30 & echo child $!; echo {marker}; wait; echo finished"
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer runs (gone, or a zombie left for its new parent to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _child(output: str) -> int:
+    return int(re.search(r"^child (\d+)$", output, re.M).group(1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_abort_on_kills_the_group_at_the_first_matching_line():
+    proc, timed_out = run_bounded(["sh", "-c", SCRIPT.format(marker="FATAL: worker killed")], 120,
+                                  abort_on=re.compile(r"^FATAL"))
+    assert not timed_out
+    assert proc.returncode == -9  # killed: left alone, the shell exits 0 after its child
+    assert "FATAL: worker killed" in proc.stdout and "finished" not in proc.stdout
+    assert _gone(_child(proc.stdout))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_abort_on_without_a_match_runs_to_the_end_or_the_bound():
+    proc, timed_out = run_bounded(["sh", "-c", "echo one; echo two"], 120, abort_on=re.compile("FATAL"))
+    assert (proc.returncode, timed_out, proc.stdout) == (0, False, "one\ntwo\n")
+    proc, timed_out = run_bounded(["sh", "-c", SCRIPT.format(marker="no marker")], 5, abort_on=re.compile("FATAL"))
+    assert timed_out and proc.returncode == -9
+    assert proc.stdout.startswith("start\n") and "finished" not in proc.stdout
+    assert _gone(_child(proc.stdout))
+
+
+def test_abort_on_needs_the_merged_output():
+    with pytest.raises(ValueError, match="merge_stderr=True"):
+        run_bounded(["true"], 10, merge_stderr=False, abort_on=re.compile("x"))

@@ -8,9 +8,7 @@ own processed scores is tested in ``test_trl_recorder.py``.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import re
 
 import pytest
 import torch
@@ -22,19 +20,16 @@ from tim_plugins.rollout.recorder import (  # noqa: E402
     TRANSFORMERS_SOURCES,
     record_processed_logprobs,
 )
-
-GU = "transformers.generation.utils"
-
-
-def _resolve(module: str, qualname: str):
-    obj = importlib.import_module(module)
-    for part in filter(None, qualname.split(".")):
-        obj = getattr(obj, part)
-    return obj
+from upstream import flat as _flat  # noqa: E402
+from upstream import resolve as _resolve  # noqa: E402
+from upstream import source  # noqa: E402
 
 
 def _src(module: str, qualname: str) -> str:
-    return re.sub(r"\s+", " ", inspect.getsource(_resolve(module, qualname)))
+    return _flat(source(module, qualname))
+
+
+GU = "transformers.generation.utils"
 
 
 @pytest.mark.parametrize("key", sorted(TRANSFORMERS_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")

@@ -10,11 +10,9 @@ the toy model, the defaults the parity reader assumes. The processors inside a r
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 import inspect
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -24,26 +22,14 @@ pytest.importorskip("vllm")
 
 from tim_plugins.integrations.vllm.sources import VLLM_SOURCES  # noqa: E402
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, PROCESSOR_FQCN  # noqa: E402
+from upstream import flat as _flat  # noqa: E402
+from upstream import resolve as _resolve  # noqa: E402
+from upstream import source as _src  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 LP = "vllm.v1.sample.logits_processor"
 V2 = "vllm.v1.worker.gpu.sample.logits_processor"
-
-
-def _resolve(module: str, qualname: str):
-    obj = importlib.import_module(module)
-    for part in filter(None, qualname.split(".")):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _src(module: str, qualname: str) -> str:
-    return inspect.getsource(_resolve(module, qualname))
-
-
-def _flat(text: str) -> str:
-    return re.sub(r"\s+", " ", text)
 
 
 def _params(obj) -> list[str]:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["Accumulator", "all_reduce_sum_max"]
+__all__ = ["Accumulated", "Accumulator", "all_reduce_sum_max"]
 
 
 def all_reduce_sum_max(sums: torch.Tensor, maxes: torch.Tensor, group=None) -> None:
@@ -100,3 +100,24 @@ class Accumulator:
                              f"this version keeps {len(self.sum_names)} and {len(self.max_names)}")
         self._sums = torch.tensor(state["sums"], dtype=torch.float64)
         self._maxes = torch.tensor(state["maxes"], dtype=torch.float64)
+
+
+class Accumulated:
+    """Base of a statistic kept in one :class:`Accumulator` (``self._acc``, set by the subclass): emptiness, reset
+    and the state dict are the accumulator's."""
+
+    _acc: Accumulator
+
+    @property
+    def empty(self) -> bool:
+        """True when no batch was added since the last reset."""
+        return self._acc.empty
+
+    def reset(self) -> None:
+        self._acc.reset()
+
+    def state_dict(self) -> dict:
+        return self._acc.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._acc.load_state_dict(state)

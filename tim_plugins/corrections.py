@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD
-from tim_plugins.accumulate import Accumulator
+from tim_plugins.accumulate import Accumulated, Accumulator
 
 __all__ = [
     "CORRECTION_MODES",
@@ -273,7 +273,7 @@ class CorrectionResult:
         return stats.compute(sync=False)
 
 
-class CorrectionStats:
+class CorrectionStats(Accumulated):
     """``tim/correction/*`` over the batches a correction ran on, mergeable over micro-batches and ranks.
 
     ``kept_frac`` = kept / input tokens, ``seq_rejected_frac`` = rejected / input rows (rows left with no kept
@@ -300,20 +300,6 @@ class CorrectionStats:
             f"{self.prefix}/invalid_tokens": v["invalid"],
             f"{self.prefix}/empty": frac(v["empty"], v["batches"]),
         }
-
-    @property
-    def empty(self) -> bool:
-        """True when no batch was added since the last reset."""
-        return self._acc.empty
-
-    def reset(self) -> None:
-        self._acc.reset()
-
-    def state_dict(self) -> dict:
-        return self._acc.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self._acc.load_state_dict(state)
 
 
 def _run_mode(name: str, cfg: CorrectionConfig, train, rollout, mask):

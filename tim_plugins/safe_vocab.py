@@ -35,7 +35,7 @@ import torch
 from ._matmul import addmm_fp32
 from ._optional import is_triton_available
 from ._safe_vocab_fused import SafeFromHiddenFused, SafeFromLogitsFused
-from .accumulate import Accumulator
+from .accumulate import Accumulated, Accumulator
 from .metrics import mismatch_metrics
 from .truncation import DEFAULT_MIN_P, Truncation, truncation_threshold
 
@@ -458,7 +458,7 @@ def safe_loss_mask(response_mask: torch.Tensor, in_safe: torch.Tensor) -> tuple[
     return keep.to(response_mask.dtype), boundary.sum()
 
 
-class SafeVocabStats:
+class SafeVocabStats(Accumulated):
     """The ``tim/safe_vocab/*`` statistics over measured tokens, mergeable over micro-batches and ranks.
 
     Per valid token (``mask``): the pruned mass 1 − Σ_S p_T, |S|, and whether the token lies outside the
@@ -498,20 +498,6 @@ class SafeVocabStats:
             f"{self.PREFIX}/size_mean": mean(v["size"]),
             f"{self.PREFIX}/boundary_frac": mean(v["boundary"]),
         }
-
-    @property
-    def empty(self) -> bool:
-        """True when no batch was added since the last reset."""
-        return self._acc.empty
-
-    def reset(self) -> None:
-        self._acc.reset()
-
-    def state_dict(self) -> dict:
-        return self._acc.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self._acc.load_state_dict(state)
 
 
 def safe_vocab_metrics(

@@ -28,32 +28,16 @@ from tim_plugins.integrations.verl.sources import (  # noqa: E402
     VERL_OPTIONAL_CONFIG_KEYS,
     VERL_SOURCES,
 )
+from upstream import flat as _flat  # noqa: E402
+from upstream import resolve as _resolve  # noqa: E402
+from upstream import source as _src  # noqa: E402
 
 TI = "verl.workers.engine.fsdp.transformer_impl"
 TB = "verl.trainer.ppo.v1.trainer_base"
 
 
-def _resolve(module: str, qualname: str):
-    obj = importlib.import_module(module)
-    for part in filter(None, qualname.split(".")):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _src(module: str, qualname: str) -> str:
-    obj = _resolve(module, qualname)
-    if isinstance(obj, property):
-        obj = obj.fget
-    return inspect.getsource(obj)
-
-
 def _params(module: str, qualname: str) -> list[str]:
     return list(inspect.signature(_resolve(module, qualname)).parameters)
-
-
-def _flat(text: str) -> str:
-    """Source with every run of whitespace collapsed to one space (statements split over lines compare)."""
-    return re.sub(r"\s+", " ", text)
 
 
 @pytest.mark.parametrize("key", sorted(VERL_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")

@@ -1,0 +1,32 @@
+"""Reading an upstream framework's source for the guard tests (``test_*_sources.py``): each private use named in a
+``*_SOURCES`` registry is resolved by module and qualified name, and its source text checked for the lines the
+adapter relies on."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+__all__ = ["flat", "resolve", "source"]
+
+
+def resolve(module: str, qualname: str):
+    """The object at ``module:qualname`` (``Class.method`` walks attributes); AttributeError when it is gone."""
+    obj = importlib.import_module(module)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def source(module: str, qualname: str) -> str:
+    """The source text of ``module:qualname`` (a property's getter)."""
+    obj = resolve(module, qualname)
+    if isinstance(obj, property):
+        obj = obj.fget
+    return inspect.getsource(obj)
+
+
+def flat(text: str) -> str:
+    """Source with every run of whitespace collapsed to one space (statements split over lines compare)."""
+    return re.sub(r"\s+", " ", text)

@@ -10,7 +10,8 @@ test_trl_callback on the tensors TRL built, and the fp32 trainer's full softmax 
 mass vLLM's truncation keeps (a naive re-implementation of vLLM's sampler, trl_real_model_arm.kept_mass).
 
 Cost on the shared 2-core machine: each arm 80-115 s with warm compile caches (the first, cold, ~105 s; up to
-3.5 min under other load) and 6.7-7.4 GiB peak RSS; the module (four arms) ~7 min.
+3.5 min under other load) and 4.1-4.5 GiB peak PSS (gradient checkpointing, TRL's default; 5.9 GiB without);
+the module (four arms) ~7 min.
 """
 
 from __future__ import annotations

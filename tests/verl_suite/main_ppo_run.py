@@ -79,11 +79,13 @@ ENV = {
 }
 
 
-def prepare(workdir: Path, model_src: Path, n_prompts: int = 24) -> dict[str, Path]:
-    """A copy of the toy model whose tokenizer has a chat template, train/val parquet files and the reward file.
+def prepare(workdir: Path, model_src: Path, n_prompts: int = 24, prompts: list[str] | None = None) -> dict[str, Path]:
+    """The model (a copy of the toy model given a chat template; a model with its own template is used in place),
+    train/val parquet files and the reward file.
 
-    Prompts are ordered (``data.shuffle=false`` in ``base_overrides``) so that each step's batch holds one kind:
-    arithmetic first (answers of ~5 tokens), then free text (~12 tokens, a length surge), then sorting."""
+    The toy prompts are ordered (``data.shuffle=false`` in ``base_overrides``) so that each step's batch holds one
+    kind: arithmetic first (answers of ~5 tokens), then free text (~12 tokens, a length surge), then sorting.
+    ``prompts`` replaces them, in the order given."""
     import shutil
 
     import pyarrow as pa
@@ -93,15 +95,22 @@ def prepare(workdir: Path, model_src: Path, n_prompts: int = 24) -> dict[str, Pa
 
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / "model"
-    if not model.exists():
+    has_template = (model_src / "chat_template.jinja").exists() or \
+        "chat_template" in json.loads((model_src / "tokenizer_config.json").read_text())
+    if has_template:
+        model = model_src
+    elif not model.exists():
         shutil.copytree(model_src, model)
         cfg_path = model / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text())
         cfg["chat_template"] = CHAT_TEMPLATE
         cfg_path.write_text(json.dumps(cfg, indent=1))
-    prompts = synthetic_prompts(3 * n_prompts)
-    by_kind = [prompts[k::3] for k in (0, 2, 1)]  # synthetic_prompts cycles arithmetic, sorting, free text
-    ordered = [p for kind in by_kind for p in kind[:n_prompts // 3]]
+    if prompts is not None:
+        ordered = list(prompts)
+    else:
+        toy = synthetic_prompts(3 * n_prompts)
+        by_kind = [toy[k::3] for k in (0, 2, 1)]  # synthetic_prompts cycles arithmetic, sorting, free text
+        ordered = [p for kind in by_kind for p in kind[:n_prompts // 3]]
 
     def rows(texts):
         return [{"data_source": "tim_toy", "prompt": [{"role": "user", "content": t}], "ability": "toy",
@@ -117,21 +126,21 @@ def prepare(workdir: Path, model_src: Path, n_prompts: int = 24) -> dict[str, Pa
 
 
 def base_overrides(files: dict[str, Path], out: Path, *, steps: int, batch: int = 4, n: int = 2,
-                   response_length: int = 16) -> list[str]:
+                   response_length: int = 16, prompt_length: int = 32, lr: float = 1e-3) -> list[str]:
     """A small GRPO run: ``batch`` prompts × ``n`` samples per step, one PPO mini-batch per step."""
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={files['train']}",
         f"data.val_files={files['val']}",
         f"data.train_batch_size={batch}",
-        "data.max_prompt_length=32",
+        f"data.max_prompt_length={prompt_length}",
         f"data.max_response_length={response_length}",
         "data.shuffle=false",
         "+data.seed=0",
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={files['model']}",
         "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.use_kl_loss=false",

@@ -10,10 +10,10 @@ References, independent of tim's merge:
   ``cpu_site/rank_values.py``: the logged values are their merge by definition (token-weighted means, sums,
   extremes) and differ from each rank's, so the checks against verl's full-batch metrics could fail.
 
-Cost on the shared 2-core machine (measured): 3-4 min (start-up ~2.5 min: Ray, two FSDP workers, two vLLM servers;
-step 1 25-35 s, later steps ~3 s); the process tree peaks at 14.8 GiB PSS (the sum of RSS, which counts shared pages
-once per process, 23.7 GiB) and left >= 7.7 GiB of the 24 GiB available. The same run with one rank: 2.3 min,
-11.9 GiB PSS.
+Cost on the 2-core machine (measured): 1.5 min idle, up to 4 min under other load (start-up: Ray, two FSDP
+workers, two vLLM servers; step 1 25-35 s, later steps ~3 s); the process tree peaks at 8.5 GiB PSS with
+``CPU_OVERRIDES``' one reward worker, one TransferQueue storage unit and 64 MiB KV caches (14.8 GiB with verl's
+defaults and 1 GiB KV caches).
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ CPU_OVERRIDES = [
     # Memory (the suite must fit a 24 GiB CI machine beside another job). verl's defaults start 8 reward-loop
     # actors and 8 TransferQueue storage actors, each a Python process with torch imported; one of each serves
     # these batches of 8 responses. The vLLM CPU build allocates (and zeroes) its whole KV cache up front: 64 MiB
-    # holds ~2**17 tokens of the toy model, 64-token sequences need a few hundred. VLLM_CPU_KVCACHE_SPACE would
-    # override it (whole GiB only), so ENV leaves it out and run_main_ppo drops it from the environment.
+    # holds ~2**17 tokens of the toy model and ~2,900 of SmolLM2-135M (23 KB a token in bf16), where a step's 8
+    # sequences need at most 8 x 88. VLLM_CPU_KVCACHE_SPACE would override it (whole GiB only), so ENV leaves it
+    # out and run_main_ppo drops it from the environment.
     "reward.num_workers=1",
     "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     f"+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes={64 * 2**20}",

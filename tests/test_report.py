@@ -299,3 +299,21 @@ def test_comparison_verdict_names_settings_that_did_not_run_and_reconciles_the_p
     assert "Not run: vllm: vLLM is not installed; install it with pip install x." in v["extra"]
     assert v["status"] == "ok" and "hf-bf16 is the setting this run measures" in v["headline"]
     assert v["extra"][0].startswith("dtype-mismatch is deliberate here; in your run, fix it (vLLM): LLM(dtype=")
+
+
+def test_context_cut_inside_a_character_drops_the_partial_bytes_not_the_token():
+    """A byte-level tokenizer splits "é" (C3 A9) over two tokens: a context window that starts after C3 or ends
+    before A9 decodes to U+FFFD at that edge (Python's own UTF-8 decoder is the reference here); the token itself is
+    shown as decoded."""
+    from tim_plugins.report.disagreements import decode_rows
+
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    row = {"token_id": 0xC3, "before": [0xA9, *b"x\xc3\xa9y"], "after": [*b"z\xc3"]}
+    assert decode(row["before"]) == "\ufffdxéy" and decode(row["after"]) == "z\ufffd"  # what the edges look like
+    out = decode_rows([row], decode)[0]
+    assert (out["text_before"], out["text"], out["text_after"]) == ("xéy", "\ufffd", "z")
+    # inside the context a replacement character stays: only the cut edges are trimmed
+    inner = decode_rows([{"token_id": 0x41, "before": [*b"a\xc3b"], "after": []}], decode)[0]
+    assert (inner["text_before"], inner["text"], inner["text_after"]) == ("a\ufffdb", "A", "")

@@ -23,6 +23,9 @@ import numpy as np
 __all__ = ["DEFAULT_ROWS", "DEFAULT_CONTEXT", "columns_from_dump", "columns_from_tensors", "largest_disagreements",
            "decode_rows", "dump_disagreements", "visible", "disagreements_html", "disagreements_text"]
 
+# What a decoder gives for bytes that do not complete a UTF-8 character.
+REPLACEMENT = "\ufffd"
+
 DEFAULT_ROWS = 15
 DEFAULT_CONTEXT = 4  # tokens of context on each side
 
@@ -126,10 +129,14 @@ def largest_disagreements(columns: dict[str, np.ndarray], n: int = DEFAULT_ROWS,
 
 def decode_rows(rows: list[dict], decode: Callable[[Sequence[int]], str]) -> list[dict]:
     """``rows`` with ``text_before``, ``text`` and ``text_after``: ``decode`` of the context and the token, each
-    passed through ``visible``."""
-    return [{**r, "text_before": visible(decode(r["before"])) if r["before"] else "",
-             "text": visible(decode([r["token_id"]])), "text_after": visible(decode(r["after"])) if r["after"] else ""}
-            for r in rows]
+    passed through ``visible``. A byte-level tokenizer may split one character over several tokens; where the
+    context window cuts such a character, its decoded edge is U+FFFD, which is dropped there (the ``…`` beside it
+    already says the text goes on). The token's own text is shown as decoded."""
+    def context(ids, strip):
+        return visible(strip(decode(ids), REPLACEMENT)) if ids else ""
+
+    return [{**r, "text_before": context(r["before"], str.lstrip), "text": visible(decode([r["token_id"]])),
+             "text_after": context(r["after"], str.rstrip)} for r in rows]
 
 
 def dump_disagreements(dump_dir: str | Path, decode: Callable[[Sequence[int]], str] | None = None) -> list[dict]:

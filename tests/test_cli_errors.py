@@ -62,3 +62,30 @@ def test_a_missing_local_model_is_named_as_such_and_debug_keeps_the_traceback(tm
     (tmp_path / "empty-model").mkdir()
     res = _run(["measure", "--model", str(tmp_path / "empty-model")], tmp_path)
     assert res.returncode == 2 and "no config.json" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", ["demo", "measure"])
+def test_help_states_each_default_once_and_never_none(command, capsys):
+    """``tim-plugins demo|measure --help``: an option with a default says it once, the dataclass value appended or
+    in the help's own words where it depends on other options (the field is None then); nothing reads "None"."""
+    import dataclasses
+    import importlib
+    import re
+
+    from tim_plugins.apps import cli
+
+    module, name = {"demo": ("tim_plugins.apps.demo", "DemoConfig"),
+                    "measure": ("tim_plugins.apps.measure", "MeasureConfig")}[command]
+    fields = dataclasses.fields(getattr(importlib.import_module(module), name))
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([command, "--help"])
+    text = capsys.readouterr().out
+    assert "None" not in text
+    blocks = {b.split()[0]: " ".join(b.split()) for b in re.split(r"\n  (?=--)", text.split("options:", 1)[1])}
+    for f in fields:
+        block = blocks["--" + f.name.replace("_", "-")]
+        said = "default" in f.metadata.get("help", "").lower()
+        if f.default is not None and not said:
+            assert block.endswith(f"(default: {f.default})") and block.count("default") == 1, block
+        else:
+            assert "(default: " not in block, block  # its own words (said) or no default at all (None: off)

@@ -45,10 +45,16 @@ class _Parser(argparse.ArgumentParser):
 
 def add_config_options(parser: argparse.ArgumentParser, config_cls, choices: dict[str, tuple] | None = None) -> None:
     """One ``--option-name`` per field of the dataclass ``config_cls``: its default, its help metadata, int/float
-    types from the annotation, and ``choices`` by field name (the dataclass's ``__post_init__`` checks the rest)."""
+    types from the annotation, and ``choices`` by field name (the dataclass's ``__post_init__`` checks the rest).
+
+    The help ends with the default unless it says the default itself (a field whose default depends on other
+    options is None and its help says what it is; "(default: None)" would contradict it)."""
     choices = choices or {}
     for f in config_cls.__dataclass_fields__.values():
-        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
+        text = f.metadata.get("help", "")
+        if f.default is not None and "default" not in text.lower():
+            text += " (default: %(default)s)"
+        kwargs = {"default": f.default, "help": text}
         if f.name in choices:
             kwargs["choices"] = tuple(choices[f.name])
         elif f.type in ("int", int, "int | None"):

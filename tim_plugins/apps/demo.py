@@ -18,7 +18,6 @@ Writes ``OUT/report.html``, ``OUT/summary.json`` and the per-token dump ``OUT/du
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -434,9 +433,9 @@ def _own_audit(rollout_model, trainer_spec) -> list[dict]:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "demo",
         help="TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts vs an fp32 trainer "
-             "(toy model: ~3 min on 2 cores; --model smollm2: a real model, ~1 min).",
+             "(toy model: under a minute on 2 cores; --model smollm2: a real model, ~1 min).",
         description="A short TRL GRPOTrainer run on CPU with TIMCallback attached; writes OUT/report.html, "
                     "OUT/summary.json and OUT/dump/ and prints a verdict. --model smollm2 runs it on "
                     "SmolLM2-135M-Instruct (a short run by default: 8 steps of 2 prompts x 4 completions).")

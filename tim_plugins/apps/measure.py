@@ -12,7 +12,6 @@ the (1 − p) profile over the whole vocabulary, and the rollout's throughput (s
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -580,7 +579,7 @@ def format_summary(summary: dict) -> str:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "measure", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="Measure TIM between rollout settings and a trainer pipeline on one model.",
+        "measure", help="Measure TIM between rollout settings and a trainer pipeline on one model.",
         description="Measure training-inference mismatch between one or several rollout settings (--compare) and "
                     "a trainer pipeline on the same weights; writes OUT/report.html, OUT/summary.json, OUT/dump/.")
     add_config_options(p, MeasureConfig, {"rollout": ROLLOUTS, **{f: DTYPES for f in MeasureConfig.__dataclass_fields__

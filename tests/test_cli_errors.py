@@ -84,7 +84,7 @@ def test_help_states_each_default_once_and_never_none(command, capsys):
     blocks = {b.split()[0]: " ".join(b.split()) for b in re.split(r"\n  (?=--)", text.split("options:", 1)[1])}
     for f in fields:
         block = blocks["--" + f.name.replace("_", "-")]
-        said = "default" in f.metadata.get("help", "").lower()
+        said = "default:" in f.metadata.get("help", "").lower()
         if f.default is not None and not said:
             assert block.endswith(f"(default: {f.default})") and block.count("default") == 1, block
         else:

@@ -47,12 +47,12 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls, choices: dic
     """One ``--option-name`` per field of the dataclass ``config_cls``: its default, its help metadata, int/float
     types from the annotation, and ``choices`` by field name (the dataclass's ``__post_init__`` checks the rest).
 
-    The help ends with the default unless it says the default itself (a field whose default depends on other
-    options is None and its help says what it is; "(default: None)" would contradict it)."""
+    The help ends with the default unless it states it itself ("default: ..."): a field whose default depends on
+    other options is None, and "(default: None)" would contradict its help."""
     choices = choices or {}
     for f in config_cls.__dataclass_fields__.values():
         text = f.metadata.get("help", "")
-        if f.default is not None and "default" not in text.lower():
+        if f.default is not None and "default:" not in text.lower():
             text += " (default: %(default)s)"
         kwargs = {"default": f.default, "help": text}
         if f.name in choices:

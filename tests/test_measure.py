@@ -14,7 +14,8 @@ pytest.importorskip("pyarrow")
 
 from tim_plugins.apps.cli import UsageError, main  # noqa: E402
 from tim_plugins.dump import read_dump  # noqa: E402
-from tim_plugins.apps.measure import COMPARE_PRESETS, MeasureConfig, Setting, parse_settings  # noqa: E402
+from tim_plugins.apps.compare_settings import COMPARE_PRESETS, Setting, parse_settings  # noqa: E402
+from tim_plugins.apps.measure import MeasureConfig  # noqa: E402
 from tim_plugins.apps.measure_rollouts import response_mask  # noqa: E402
 
 SMALL = ["--num-prompts", "6", "--max-new-tokens", "12", "--min-new-tokens", "8", "--batch-size", "3"]
@@ -147,7 +148,7 @@ def test_compare_parsing_and_config_errors_quote_the_value():
 
 
 def test_a_preset_names_the_settings_it_cannot_run_with_the_reason_and_the_fix():
-    from tim_plugins.apps.measure import VLLM_INSTALL, plan_settings
+    from tim_plugins.apps.compare_settings import VLLM_INSTALL, plan_settings
 
     settings, skipped = plan_settings("all", vllm_available=False)
     assert [s.name for s in settings] == [s for s in COMPARE_PRESETS["all"] if s != "vllm"]
@@ -167,6 +168,7 @@ def test_compare_all_without_vllm_names_it_and_prints_the_comparisons(tmp_path, 
     the settings table lists no vLLM option; the per-setting comparison lines, each setting's TRL / verl / vLLM
     configuration and the largest disagreements are printed too."""
     import tim_plugins.apps.measure as measure
+    from tim_plugins.apps.compare_settings import VLLM_INSTALL
     from tim_plugins.report.disagreements import visible
 
     real = measure.is_available
@@ -175,7 +177,7 @@ def test_compare_all_without_vllm_names_it_and_prints_the_comparisons(tmp_path, 
     printed = capsys.readouterr().out
     names = [s for s in COMPARE_PRESETS["all"] if s != "vllm"]
     assert list(summary["comparisons"]) == names
-    why = f"vLLM is not installed; install it with {measure.VLLM_INSTALL}"
+    why = f"vLLM is not installed; install it with {VLLM_INSTALL}"
     assert summary["skipped"] == {"vllm": why}
     assert summary["title"] == "TIM: 6 rollout settings vs a float32 trainer (vllm not run)"
     assert not any(k.startswith("vllm") for k in summary["settings"])

@@ -28,7 +28,7 @@ def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
-def make_trainer(model_path, tmp_path, **overrides):
+def make_trainer(model_path, tmp_path, reward=_reward, **overrides):
     opts = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, report_to=[],
@@ -36,7 +36,7 @@ def make_trainer(model_path, tmp_path, **overrides):
     )
     opts.update(overrides)
     ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
-    return GRPOTrainer(model=str(model_path), reward_funcs=_reward, args=GRPOConfig(**opts), train_dataset=ds)
+    return GRPOTrainer(model=str(model_path), reward_funcs=reward, args=GRPOConfig(**opts), train_dataset=ds)
 
 
 class Capture:
@@ -265,13 +265,3 @@ def test_config_help_prints_every_field_with_its_default_and_text(capsys):
     for f in fields:
         assert f"  {f.name} = {defaults[f.name]!r}\n" in printed, f.name
         assert " ".join(f.metadata["help"].split()) in flat, f.name
-
-
-def test_version_range_checked_at_attach(toy_model_path, tmp_path, monkeypatch):
-    import tim_plugins._optional as opt
-
-    trainer = make_trainer(toy_model_path, tmp_path)
-    monkeypatch.setattr(opt, "package_version", lambda dist: "1.17.0" if dist == "trl" else None)
-    monkeypatch.delenv("TIM_PLUGINS_SKIP_VERSION_CHECK", raising=False)
-    with pytest.raises(RuntimeError, match=r"trl 1\.17\.0 is not supported"):
-        TIMCallback(trainer, TIMConfig())

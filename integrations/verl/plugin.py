@@ -1,7 +1,9 @@
 """Entry point of the ``verl.plugins`` group: ``import verl`` imports this in every process (driver, Ray workers)
 (VERL_SOURCES verl: the entry-point loading in verl/__init__.py).
 
-It checks the verl version, registers the tim engine (``EngineRegistry``) and the ``tim_<mode>`` trainer modes.
+It notes the verl version (a warning outside the tested range, never a refusal), checks each feature's hooks
+(``features.py``) and registers the tim engine (``EngineRegistry``) and the ``tim_<mode>`` trainer modes where they
+hold.
 Registration alone changes no numerics: the engine's hooks stay off until a tim trainer mode configures them.
 verl logs plugin import errors at DEBUG level only, so failures are printed to stderr here and re-raised.
 """
@@ -33,21 +35,36 @@ def register() -> dict[str, object]:
     """Idempotent: registers once per process and returns what was registered."""
     if REGISTERED:
         return REGISTERED
-    from tim_plugins._optional import check_version_range
+    from tim_plugins._optional import note_version
 
-    REGISTERED["verl_version"] = check_version_range("verl")
-    from verl.workers.engine import EngineRegistry
+    REGISTERED["verl_version"] = note_version("verl")
+    from tim_plugins.capabilities import check
 
-    from .engine import TIMFSDPEngineWithLMHead
+    from .features import ENGINE, TRAINER_MODES
 
-    # A (device, vendor) key of our own: looked up before verl's device-only "cuda" entry, and new, so verl's
-    # duplicate-key assertion does not trip.
-    # VERL_SOURCES verl.workers.engine.base:EngineRegistry.register
-    # VERL_SOURCES verl.workers.engine.base:EngineRegistry.get_engine_cls
-    # VERL_SOURCES verl.plugin.platform.platform_cuda:PlatformCUDA.vendor_name
-    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda",
-                            vendor="nvidia")(TIMFSDPEngineWithLMHead)
-    REGISTERED["engine"] = TIMFSDPEngineWithLMHead
+    # Each feature is registered only where its hooks are where they were (features.py); one that moved is
+    # reported in one line and left out, the others still register.
+    off = {f.name: s for f in (ENGINE, TRAINER_MODES) if not (s := check(f)).available}
+    for status in off.values():
+        print(status.warning(), file=sys.stderr)
+    REGISTERED["features_off"] = sorted(off)
+    REGISTERED["engine"] = None
+    if ENGINE.name not in off:
+        from verl.workers.engine import EngineRegistry
+
+        from .engine import TIMFSDPEngineWithLMHead
+
+        # A (device, vendor) key of our own: looked up before verl's device-only "cuda" entry, and new, so verl's
+        # duplicate-key assertion does not trip.
+        # VERL_SOURCES verl.workers.engine.base:EngineRegistry.register
+        # VERL_SOURCES verl.workers.engine.base:EngineRegistry.get_engine_cls
+        # VERL_SOURCES verl.plugin.platform.platform_cuda:PlatformCUDA.vendor_name
+        EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda",
+                                vendor="nvidia")(TIMFSDPEngineWithLMHead)
+        REGISTERED["engine"] = TIMFSDPEngineWithLMHead
+    if TRAINER_MODES.name in off:
+        REGISTERED["trainer_modes"] = []
+        return REGISTERED
     try:
         from .trainer import register_tim_trainers
 

@@ -7,17 +7,28 @@
 - ``.sampling``: ``SamplingParams`` for a core ``Truncation``, and the logprobs-mode check that pruning needs;
 - ``.rollout``: an in-process engine and its rollouts as the core's ``RolloutBatch`` (``tim-plugins measure``).
 
-Importing this package imports vLLM, and fails with the fix when the installed vLLM is outside the tested range
-(``tim_plugins._optional.SUPPORTED_RANGES``; the vLLM internals relied on are listed in ``.sources.VLLM_SOURCES``).
-The vLLM readers the other adapters share (engine arguments or a live engine → ``PipelineSpec``:
-``tim_plugins.parity.vllm_spec``; the min-p processor's settings) import nothing of vLLM and live in the core.
+Importing this package warns once when the installed vLLM is outside the tested range
+(``tim_plugins._optional.SUPPORTED_RANGES``) and imports no vLLM module itself: each module above imports what it
+needs, so a vLLM internal that moved (``.sources.VLLM_SOURCES``, checked per feature by ``.features`` and
+``tim-plugins doctor``) disables only the module that needs it. The vLLM readers the other adapters share (engine
+arguments or a live engine → ``PipelineSpec``: ``tim_plugins.parity.vllm_spec``; the min-p processor's settings)
+import nothing of vLLM and live in the core.
 """
 
-from tim_plugins._optional import check_version_range
+from tim_plugins._optional import note_version
 
-check_version_range("vllm")
-
-from .inject import TailNoiseLogitsProcessor  # noqa: E402
-from .min_p import TIMMinPLogitsProcessor  # noqa: E402
+note_version("vllm")
 
 __all__ = ["TIMMinPLogitsProcessor", "TailNoiseLogitsProcessor"]
+
+
+def __getattr__(name: str):
+    if name == "TIMMinPLogitsProcessor":
+        from .min_p import TIMMinPLogitsProcessor
+
+        return TIMMinPLogitsProcessor
+    if name == "TailNoiseLogitsProcessor":
+        from .inject import TailNoiseLogitsProcessor
+
+        return TailNoiseLogitsProcessor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,6 +24,7 @@ SUBCOMMAND_MODULES = (
     "tim_plugins.apps.report",  # report
     "tim_plugins.apps.audit",  # audit, check-batch-invariance
     "tim_plugins.apps.lr_replay",  # lr-replay
+    "tim_plugins.apps.doctor",  # doctor
 )
 
 USAGE_EXIT_CODE = 2

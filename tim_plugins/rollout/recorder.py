@@ -13,8 +13,8 @@ rejected: there the recorder records nothing and says why (``unsupported``) inst
 
 The hook is transformers' private ``GenerationMixin._get_logits_processor``, shadowed by an instance attribute for
 the duration of the context. It and every other transformers internal tim-plugins relies on (here, in the parity
-reader and in the TRL adapter) are entries of ``TRANSFORMERS_SOURCES`` below, named where they are used, pinned to
-the tested range (``tim_plugins._optional.SUPPORTED_RANGES``) and checked against the installed transformers by
+reader and in the TRL adapter) are entries of ``TRANSFORMERS_SOURCES`` below, named where they are used, checked
+when a feature that needs them attaches (``tim_plugins.capabilities``) and against the installed transformers by
 ``tests/test_transformers_sources.py``.
 """
 
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tim_plugins._optional import check_version_range
+from tim_plugins._optional import note_version
 
 __all__ = ["RECORDABLE_MODES", "TRANSFORMERS_SOURCES", "ProcessedLogprobRecorder", "record_processed_logprobs"]
 
@@ -184,9 +184,10 @@ def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = Fa
     Yields a list; each generate call appends its recorder to it. A call in a decoding mode outside
     ``RECORDABLE_MODES`` (beam search, assisted decoding, ...) gets a recorder that records nothing and names
     the mode in ``unsupported``. The patch is an instance attribute on ``model`` (the transformers model whose
-    ``generate`` runs), removed on exit. Raises when transformers is outside the tested range (the hook is private).
+    ``generate`` runs), removed on exit. Outside the tested transformers range it warns once (the hook is private;
+    the TRL adapter checks it first, ``integrations/trl/features.py``).
     """
-    check_version_range("transformers")
+    note_version("transformers")
     recorders: list[ProcessedLogprobRecorder] = []
     # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup, by keyword)
     # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor

@@ -1,0 +1,110 @@
+"""What the TRL adapter can do with the installed TRL and transformers: one `Feature` per capability, each naming the
+upstream hooks (``hooks.TRL_SOURCES``, ``TRANSFORMERS_SOURCES``) it needs, checked when the callback attaches.
+
+A feature whose hook moved is switched off on its own (one warning, ``tim/diag/feature_off/<name>``); the monitor
+is the only one whose absence stops the callback (its measurement point is unreachable). The safe vocabulary has
+one route per shape of TRL's log-prob computation; the first available one is used:
+
+- ``safe_vocab_fused_head`` (TRL >= 1.15): the fused lm_head's per-token kernel ``_ChunkedLogProbFunction``, looked
+  up by ``add_fused_lm_head`` at call time;
+- ``safe_vocab_logits`` (TRL 1.9 - 1.13): full logits divided by the temperature in place, then the module
+  global ``selective_log_softmax(logits, completion_ids)``.
+
+TRL 1.14 calls its chunked kernel from ``GRPOTrainer`` with positional arguments through ``*args``: neither route
+applies there, so the safe vocabulary is off on 1.14 with the reason (the rest works).
+"""
+
+from __future__ import annotations
+
+from tim_plugins.capabilities import Feature, Hook, Status, check
+
+__all__ = ["FEATURES", "MONITOR", "SAFE_VOCAB_ROUTES", "safe_vocab_route", "safe_vocab_status", "trl_features"]
+
+_GRPO = "trl.trainer.grpo_trainer"
+_UPGRADE = "pip install -U 'trl>=1.16'"
+
+# trl/trainer/grpo_trainer.py: the three instance methods the callback wraps (hooks.TRL_SOURCES)
+_LOGPS = Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies", params=("model",))
+_LOGPS_NAMED = Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies",
+                    params=("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"))
+
+MONITOR = Feature(
+    "monitor", "mismatch monitor (GRPOTrainer)", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
+    hooks=(Hook(_GRPO, "GRPOTrainer._generate_and_score_completions"),
+           Hook(_GRPO, "GRPOTrainer._compute_loss", params=("model", "inputs")),
+           _LOGPS,
+           # TRL's log() averages self._metrics[mode] lists into the logged values (where tim/ values are appended)
+           Hook(_GRPO, "GRPOTrainer.log", fragments=("self._metrics[mode]",))))
+
+# The loss factor (IS corrections, safe-vocab boundary masking) reaches TRL's loss through (B, T) advantages
+# (hooks.scale_policy_term); TRL must read them from the inputs inside _compute_loss.
+LOSS_FACTOR = Feature(
+    "loss_factor", "IS corrections and boundary masking in TRL's loss", "trl", needs=("trl",), extra="trl",
+    fix=_UPGRADE, hooks=(Hook(_GRPO, "GRPOTrainer._compute_loss", fragments=('inputs["advantages"]',)),))
+
+SAFE_VOCAB_FUSED_HEAD = Feature(
+    "safe_vocab_fused_head", "safe vocabulary (TRL's fused lm_head, TRL >= 1.15)", "trl", needs=("trl",),
+    extra="trl", fix=_UPGRADE,
+    hooks=(_LOGPS_NAMED,
+           Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies", fragments=("fused_lm_head=True",)),
+           Hook("trl.trainer.utils", "add_fused_lm_head", fragments=("_ChunkedLogProbFunction.apply(",)),
+           Hook("trl.trainer.utils", "_ChunkedLogProbFunction.forward",
+                params=("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                        "final_logit_softcapping", "logit_scale", "outputs"))))
+
+SAFE_VOCAB_LOGITS = Feature(
+    "safe_vocab_logits", "safe vocabulary (full logits, TRL 1.9 - 1.13)", "trl", needs=("trl",), extra="trl",
+    fix=_UPGRADE,
+    hooks=(_LOGPS_NAMED,
+           Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies",
+                fragments=("logits.div_(self.temperature)", "selective_log_softmax(logits, completion_ids)")),
+           Hook(_GRPO, "selective_log_softmax", params=("logits", "index"))))
+
+SAFE_VOCAB_ROUTES = (SAFE_VOCAB_FUSED_HEAD, SAFE_VOCAB_LOGITS)
+
+HF_RECORDER = Feature(
+    "hf_recorder", "rollout log-probs of TRL's transformers generate (use_vllm=False)", "transformers",
+    needs=("trl", "transformers"), extra="trl", fix="use vLLM (GRPOConfig(use_vllm=True)), or report it",
+    hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn"),
+           # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor
+           Hook("transformers.generation.utils", "GenerationMixin._get_logits_processor",
+                params=("generation_config", "logits_processor")),
+           # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup)
+           Hook("transformers.generation.utils", "GenerationMixin.generate", fragments=("self._get_logits_processor(",))))
+
+EXACT_SAMPLER = Feature(
+    "exact_sampler", "exact sampler (rollout='exact', 'inject')", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
+    hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn", params=("prompt_ids",)),))
+
+SERVER_AUDIT = Feature(
+    "parity_audit_server", "parity audit of a vLLM server's settings (vllm_mode='server')", "trl", needs=("trl",),
+    extra="trl", fix=_UPGRADE, hooks=(Hook("trl.generation.vllm_client", "VLLMClient.get_server_info"),))
+
+FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, SERVER_AUDIT)
+
+
+def safe_vocab_route() -> tuple[Feature | None, list[Status]]:
+    """The first safe-vocabulary route the installed TRL supports (None if none), and every route's status."""
+    statuses = [check(f) for f in SAFE_VOCAB_ROUTES]
+    for status in statuses:
+        if status.available:
+            return status.feature, statuses
+    return None, statuses
+
+
+def safe_vocab_status() -> Status:
+    """The safe vocabulary as one feature: available through the first route that holds (named in the title), else
+    off with every route's reason."""
+    route, statuses = safe_vocab_route()
+    if route is not None:
+        return Status(Feature("safe_vocab", f"safe vocabulary, TRL side (via {route.title.split('(', 1)[1][:-1]})",
+                              "trl"), True, version=statuses[0].version)
+    return Status(Feature("safe_vocab", "safe vocabulary, TRL side", "trl", fix=statuses[0].fix), False,
+                  "; ".join(f"{s.feature.title}: {s.reason}" for s in statuses), statuses[0].fix, statuses[0].version)
+
+
+def trl_features() -> list[Status]:
+    """Every TRL feature's status (``tim-plugins doctor``), the safe-vocabulary routes as one."""
+    out = [check(f) for f in FEATURES if f not in SAFE_VOCAB_ROUTES]
+    out.insert(2, safe_vocab_status())
+    return out

@@ -1,0 +1,137 @@
+"""Capability checks instead of version refusals, on a real TRL GRPOTrainer (CPU, the toy model).
+
+- an untested version is one warning, never an exception;
+- a moved hook (simulated: the fused head's kernel with TRL 1.14's signature) switches off only the feature that
+  needs it, with one warning naming the feature, the symbol and the version, and ``tim/diag/feature_off/<name>``;
+  the run is then bitwise the run without the callback (the reference: TRL alone);
+- the monitor refuses to attach, in one line with the fix, only when its measurement point is gone;
+- every patch is undone when ``train()`` raises: a later trainer in the same process trains as TRL alone does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+import trl.trainer.utils as trl_utils  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+import tim_plugins._optional as opt  # noqa: E402
+from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+from tim_plugins.integrations.trl import features  # noqa: E402
+from test_trl_callback import make_trainer  # noqa: E402
+
+pytestmark = pytest.mark.trl
+
+WRAPPED = ("_generate_and_score_completions", "_compute_loss", "_get_per_token_logps_and_entropies",
+           "_generate_single_turn", "train")
+
+
+def _losses(trainer) -> list[float]:
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+
+def _warnings(caplog, needle: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and needle in r.getMessage()]
+
+
+def test_untested_version_warns_once_and_attaches(toy_model_path, tmp_path, monkeypatch, caplog):
+    real = opt.package_version
+    monkeypatch.setattr(opt, "package_version", lambda dist: "1.17.0" if dist == "trl" else real(dist))
+    monkeypatch.setattr(opt, "_NOTED", set())
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    with caplog.at_level(logging.WARNING):
+        first = TIMCallback(trainer, TIMConfig())
+        TIMCallback(make_trainer(toy_model_path, tmp_path / "b", max_steps=1), TIMConfig())
+    assert first.trl_version == "1.17.0"
+    assert len(_warnings(caplog, "trl 1.17.0 is outside the tested range (>=1.9,<1.17)")) == 1
+    trainer.add_callback(first)
+    trainer.train()
+    assert any(k.startswith("tim/token/") for row in trainer.state.log_history for k in row)
+
+
+class _KernelWithTRL114Signature:
+    """TRL's own kernel behind the signature TRL 1.14 had (no ``outputs``): what the capability check reads."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+                logit_scale=1.0):
+        raise AssertionError("never called: apply is TRL's own")
+
+
+def test_moved_hook_switches_off_only_its_feature(toy_model_path, tmp_path, monkeypatch, caplog):
+    reference = make_trainer(toy_model_path, tmp_path / "ref", min_p=1e-3)
+    reference.train()
+
+    monkeypatch.setattr(_KernelWithTRL114Signature, "apply", trl_utils._ChunkedLogProbFunction.apply, raising=False)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", _KernelWithTRL114Signature)
+    trainer = make_trainer(toy_model_path, tmp_path / "tim", min_p=1e-3)
+    with caplog.at_level(logging.WARNING):
+        cb = TIMCallback(trainer, TIMConfig(safe_vocab=True))
+    warned = _warnings(caplog, "safe vocabulary")
+    assert len(warned) == 1, warned
+    assert "_ChunkedLogProbFunction.forward" in warned[0] and "takes no outputs" in warned[0]
+    assert f"trl {opt.package_version('trl')}" in warned[0] and "Fix:" in warned[0]
+    assert cb.truncation is None and [s.name for s in cb.features_off] == ["safe_vocab"]
+    trainer.add_callback(cb)
+    trainer.train()
+    logged = {k: v for row in trainer.state.log_history for k, v in row.items()}
+    assert logged["tim/diag/feature_off/safe_vocab"] == 1.0
+    assert torch.isfinite(torch.tensor(logged["tim/token/kl_k3"])) and not any(k.startswith("tim/safe_vocab/") for k in logged)
+    # the monitor alone leaves training untouched: the same losses as TRL alone
+    assert _losses(trainer) == _losses(reference)
+
+
+def test_doctor_statuses_name_the_moved_symbol(monkeypatch):
+    assert all(s.available for s in features.trl_features() if s.name in ("monitor", "safe_vocab_fused_head"))
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", _KernelWithTRL114Signature)
+    route, statuses = features.safe_vocab_route()
+    assert route is None
+    fused = next(s for s in statuses if s.name == "safe_vocab_fused_head")
+    assert not fused.available and "takes no outputs" in fused.reason
+
+
+def test_monitor_refuses_in_one_line_when_its_hook_is_gone(toy_model_path, tmp_path, monkeypatch):
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    monkeypatch.delattr(GRPOTrainer, "_compute_loss")
+    with pytest.raises(RuntimeError) as err:
+        TIMCallback(trainer, TIMConfig())
+    message = str(err.value)
+    assert "\n" not in message and "GRPOTrainer._compute_loss is missing" in message and "Fix: " in message
+    # disabled: nothing is checked, nothing attaches
+    TIMCallback(trainer, TIMConfig(enabled=False))
+
+
+def _failing_reward(calls: list):
+    def reward(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("the user stops the run")  # not an Exception: nothing may swallow it
+        return [float(len(c)) / 10.0 for c in completions]
+
+    return reward
+
+
+def test_patches_undone_when_train_raises(toy_model_path, tmp_path):
+    before = make_trainer(toy_model_path, tmp_path / "before", min_p=1e-3)
+    before.train()
+    kernel, logsoftmax = trl_utils._ChunkedLogProbFunction, trl_utils.selective_log_softmax
+
+    failing = make_trainer(toy_model_path, tmp_path / "failing", reward=_failing_reward([]), min_p=1e-3)
+    cb = TIMCallback(failing, TIMConfig(safe_vocab=True, is_correction="token_tis"))
+    failing.add_callback(cb)
+    with pytest.raises(KeyboardInterrupt):
+        failing.train()
+    assert cb.installed == []
+    assert not (set(WRAPPED) - {"train"}) & set(vars(failing))  # train: the callback's own, until detach()
+    assert trl_utils._ChunkedLogProbFunction is kernel and trl_utils.selective_log_softmax is logsoftmax
+
+    after = make_trainer(toy_model_path, tmp_path / "after", min_p=1e-3)
+    after.train()
+    assert _losses(after) == _losses(before) and len(_losses(after)) == 2
+    for a, b in zip(after.model.parameters(), before.model.parameters()):
+        assert torch.equal(a, b)

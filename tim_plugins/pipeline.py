@@ -13,6 +13,9 @@ tensors and calls, in this order:
       5. the per-token dump buffers sampled sequences.
      It returns the per-token factor the loss must apply to its policy term (None: leave the loss alone).
   loss_factor(mask, in_safe, weights)       every loss pass: that factor times the pass's own boundary mask.
+  loss_pass(rollout, old, current, mask)    every loss pass, where the rollout's log-probs are known: the split of
+                                            the log-ratio into staleness (current vs old) and mismatch (old vs
+                                            rollout), ``tim_plugins.staleness`` (``tim/staleness/*``, ``tim/split/*``).
   end_step(step, response_length=...)       once per optimizer step: the LR controller's scale, the dump file.
   compute(step)                             once per logging window: every statistic, merged exactly over the
                                             ranks (all must call it), and the live probe's decision.
@@ -39,6 +42,7 @@ from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
 from .metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
 from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
 from .safe_vocab import SafeLogprobs, SafeVocabStats, safe_loss_mask
+from .staleness import SplitStats
 
 __all__ = ["PipelineConfig", "StepPipeline", "fit_bins", "mean_response_length", "STATE_VERSION"]
 
@@ -58,6 +62,8 @@ class PipelineConfig:
     lr_decay: LRDecayConfig | None = None
     probe: ParityProbeConfig | None = None
     dump: DumpConfig | None = None
+    staleness: bool = field(default=False, metadata={"help": "split each loss pass's log-ratio into staleness and "
+                                                                 "mismatch (loss_pass; needs the monitor)"})
     strict: bool = False
     compile: Any = "auto"  # MismatchMonitor(compile=...)
     histograms: bool = field(default=False, metadata={"help": "compute() also returns the monitor's histograms"})
@@ -115,6 +121,11 @@ class StepPipeline:
         self.config = c = config if config is not None else PipelineConfig()
         self.rank = int(rank)
         self.monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if c.monitor else None
+        # staleness: π_θ of each loss pass against π_old (the monitor's measurement point), and the variance split
+        on = c.monitor and c.staleness
+        self.staleness_monitor = MismatchMonitor(c.ratio_band, compile=c.compile, prefix="tim/staleness") \
+            if on else None
+        self.split_stats = SplitStats() if on else None
         wants_k3 = c.lr_decay is not None and "kl_k3" in c.lr_decay.signals
         self._step_monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if wants_k3 else None
         self.safe_vocab_stats = SafeVocabStats() if c.safe_vocab else None
@@ -191,6 +202,19 @@ class StepPipeline:
             self._dump_buffer.append((rollout.detach(), train.detach(), measured, token_ids))
         return weights
 
+    def loss_pass(self, rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor) -> None:
+        """One loss pass over a batch whose rollout log-probs are known: [B, T] ``rollout``, ``old`` (the trainer at
+        the rollout's weights, the monitor's ``train``) and ``current`` (this pass's log-probs, π_θ), ``mask`` the
+        tokens the pass trains. Where nothing is reused the adapter passes ``old`` as ``current``: staleness 0."""
+        if self.staleness_monitor is None:
+            return
+        if not (rollout.shape == old.shape == current.shape == mask.shape):
+            self.count("shape_mismatch", detail=f"loss pass: rollout {tuple(rollout.shape)}, old {tuple(old.shape)}, "
+                       f"current {tuple(current.shape)}, mask {tuple(mask.shape)}")
+            return
+        self.staleness_monitor.update(old.detach(), current.detach(), mask.bool())
+        self.split_stats.update(rollout, old, current, mask)
+
     @staticmethod
     def loss_factor(mask: torch.Tensor, in_safe: torch.Tensor | None,
                     weights: torch.Tensor | None) -> torch.Tensor | None:
@@ -251,7 +275,11 @@ class StepPipeline:
             if self.probe is not None:
                 decision = self.probe.check(step, out)
                 out.update(decision.metrics())
-        for stats in (self.safe_vocab_stats, self.correction_stats):
+        if self.staleness_monitor is not None:
+            if self.staleness_monitor.updates > 0 or (sync and _distributed(group)):
+                out.update(self.staleness_monitor.compute(sync=sync, group=group))
+            self.staleness_monitor.reset()
+        for stats in (self.safe_vocab_stats, self.correction_stats, self.split_stats):
             if stats is not None and (not stats.empty or (sync and _distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
                 stats.reset()
@@ -279,6 +307,7 @@ class StepPipeline:
         part = lambda x: x.state_dict() if x is not None else None  # noqa: E731
         return {
             "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
+            "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),
             "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
             "lr_controller": part(self.lr_controller), "probe": part(self.probe), "diag": dict(self.diag),
         }
@@ -288,6 +317,7 @@ class StepPipeline:
             raise RuntimeError(f"tim_plugins: pipeline state version {state.get('version')!r} != {STATE_VERSION}; "
                                "this tim-plugins release cannot resume it")
         for name, obj in (("monitor", self.monitor), ("step_monitor", self._step_monitor),
+                          ("staleness_monitor", self.staleness_monitor), ("split", self.split_stats),
                           ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
                           ("lr_controller", self.lr_controller), ("probe", self.probe)):
             if obj is not None and state.get(name):

@@ -1,0 +1,70 @@
+"""Mismatch or staleness: the log-ratio a loss pass sees, split into its two causes where the trainer reuses a batch.
+
+Per token, with π_old the trainer's log-probs at the rollout's weights (the monitor's measurement point) and π_θ the
+trainer's log-probs in the loss pass (after 0, 1, 2, ... optimizer steps on the same batch):
+
+    d = log π_θ − log π_rollout = (log π_θ − log π_old) + (log π_old − log π_rollout) = s + m
+
+- staleness ``s``: the policy moved since the sample was drawn (fewer reuse steps: TRL ``num_iterations``,
+  ``steps_per_generation``; verl ``ppo_epochs``, mini-batches; asynchronous trainers' ``max_staleness``);
+- mismatch ``m``: the same weights scored by two stacks (the parity fixes).
+
+``Var(d) = Var(s) + Var(m) + 2 Cov(s, m)``: `SplitStats` keeps the six sums these need (exactly mergeable over
+micro-batches and ranks) and reports the share of ``Var(d)`` each term explains. Where nothing is reused π_θ = π_old
+in every pass, so ``s`` is exactly 0 (the adapters pass the same tensor) and the mismatch explains everything.
+The staleness part's own statistics (k3, |s| quantiles, the ratio band: exp(s) is the PPO ratio) come from a
+`tim_plugins.metrics.MismatchMonitor` with the prefix ``tim/staleness`` fed (π_old, π_θ).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tim_plugins.accumulate import Accumulated, Accumulator
+
+__all__ = ["SPLIT_PREFIX", "SplitStats", "split_parts"]
+
+SPLIT_PREFIX = "tim/split"
+
+
+def split_parts(rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(staleness, mismatch) per token, in float64: ``current − old`` and ``old − rollout``."""
+    old = old.detach().double()
+    return current.detach().double() - old, old - rollout.detach().double()
+
+
+class SplitStats(Accumulated):
+    """Sums of s, m, s², m², s·m over the loss-pass tokens (float64), merged exactly over ranks."""
+
+    def __init__(self) -> None:
+        self._acc = Accumulator(("n", "s", "m", "ss", "mm", "sm"))
+
+    def update(self, rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor) -> None:
+        """One loss pass: [B, T] rollout, π_old and π_θ log-probs of the sampled tokens, [B, T] tokens it trains.
+        Tokens with a non-finite value on any side are left out (the monitor counts them as invalid)."""
+        s, m = split_parts(rollout, old, current)
+        keep = mask.bool() & torch.isfinite(s) & torch.isfinite(m)
+        s, m = s[keep], m[keep]
+        self._acc.add((keep.sum(), s.sum(), m.sum(), (s * s).sum(), (m * m).sum(), (s * m).sum()))
+
+    def compute(self, sync: bool = True, group=None) -> dict[str, float]:
+        """``tim/split/*``: token count, the mean of each part and of the total, Var(d), and each term's share of it
+        (staleness_var_share + mismatch_var_share + cov_share = 1). NaN where there is no token or no variance."""
+        v = self._acc.merged(sync=sync, group=group)
+        n, p = v["n"], SPLIT_PREFIX
+        nan = math.nan
+        if n <= 0:
+            return {f"{p}/tokens": 0.0, **{f"{p}/{k}": nan for k in (
+                "staleness_mean", "mismatch_mean", "total_mean", "total_var", "staleness_var_share",
+                "mismatch_var_share", "cov_share")}}
+        ms, mm = v["s"] / n, v["m"] / n
+        var_s = max(v["ss"] / n - ms * ms, 0.0)
+        var_m = max(v["mm"] / n - mm * mm, 0.0)
+        cov = v["sm"] / n - ms * mm
+        total = var_s + var_m + 2.0 * cov
+        shares = (var_s / total, var_m / total, 2.0 * cov / total) if total > 0 else (nan, nan, nan)
+        return {f"{p}/tokens": n, f"{p}/staleness_mean": ms, f"{p}/mismatch_mean": mm, f"{p}/total_mean": ms + mm,
+                f"{p}/total_var": total, f"{p}/staleness_var_share": shares[0],
+                f"{p}/mismatch_var_share": shares[1], f"{p}/cov_share": shares[2]}

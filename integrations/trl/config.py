@@ -6,6 +6,8 @@ the mitigations (safe vocabulary, LR decay, IS correction) are opt-in.
 
 from __future__ import annotations
 
+import difflib
+import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
@@ -192,3 +194,26 @@ class TIMConfig:
     def help_texts(cls) -> dict[str, str]:
         """{field name: help text} (for command lines and docs)."""
         return help_texts(cls)
+
+
+def _checked_init(init):
+    """The dataclass's own ``__init__``, behind a check of the keyword names: a misspelt field gets a TypeError
+    that names it and the nearest field (Python's own says only "unexpected keyword argument")."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        names = [f.name for f in fields(TIMConfig)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = []
+            for name in unknown:
+                near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+                hints.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            raise TypeError(f"TIMConfig has no field {', '.join(hints)}. Fields: {', '.join(names)} "
+                            "(TIMConfig.help() says what each does).")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TIMConfig.__init__ = _checked_init(TIMConfig.__init__)

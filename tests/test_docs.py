@@ -49,6 +49,12 @@ def test_metric_reference_lists_exactly_the_keys_the_monitor_emits():
                 documented.add(k)
     r = torch.log_softmax(torch.randn(2, 5, 7), -1)[..., 0]
     emitted = set(mismatch_metrics(r, r + 0.1, None, is_weights=torch.ones(2, 5)))
+    # the staleness / mismatch split of the loss passes (StepPipeline.loss_pass)
+    from tim_plugins.pipeline import PipelineConfig, StepPipeline
+
+    pipe = StepPipeline(PipelineConfig(staleness=True, compile=False))
+    pipe.loss_pass(r, r + 0.1, r + 0.2, torch.ones(2, 5, dtype=torch.bool))
+    emitted |= {k for k in pipe.compute(1, sync=False)[0] if k.startswith(("tim/staleness/", "tim/split/"))}
     buckets = {f"tim/by_prob/{lo:g}-{hi:g}" for lo, hi in zip(PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:])}
     expanded = set()
     for k in documented:

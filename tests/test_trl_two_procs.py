@@ -40,6 +40,7 @@ from bounded import run_bounded  # noqa: E402
 
 from tim_plugins.dump import read_dump  # noqa: E402
 from tim_plugins.metrics import PROB_BUCKET_EDGES, abs_diff_bin_edges  # noqa: E402
+from tim_plugins.staleness import STALENESS_KEYS  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.slow]
 
@@ -150,6 +151,18 @@ def naive_icepop(tok: dict) -> dict:
             "tim/is/masked_frac": (w == 0).mean(), "tim/is/ess": w.sum() ** 2 / (n * (w * w).sum())}
 
 
+def naive_split(tok: dict) -> dict:
+    """The staleness / mismatch split of these runs by its definition: one optimizer step per generation batch, so
+    every loss pass runs at the rollout's weights and the staleness part is exactly 0; the mismatch part is the
+    monitor's d over the measured tokens."""
+    d = (tok["train"] - tok["rollout"]).astype(np.float64)
+    n = float(d.size)
+    zero = {k: 0.0 for k in STALENESS_KEYS if k != "tim/staleness/tokens"}
+    return {"tim/staleness/tokens": n, **zero, "tim/split/tokens": n, "tim/split/staleness_mean": 0.0,
+            "tim/split/mismatch_mean": d.mean(), "tim/split/total_mean": d.mean(), "tim/split/total_var": d.var(),
+            "tim/split/staleness_var_share": 0.0, "tim/split/mismatch_var_share": 1.0, "tim/split/cov_share": 0.0}
+
+
 def _same(key: str, got: float, want: float) -> bool:
     if math.isnan(want) or math.isnan(got):
         return math.isnan(want) and math.isnan(got)
@@ -236,8 +249,8 @@ def test_monitor_statistics_are_the_global_values(runs):
     assert {r["rollout_source"] for r in run["ranks"]} == {"inject"}
     assert not any(r["diag"] for r in run["ranks"])
     keys = _check_once_per_step(run)
-    differs = _check_merged(run, naive_monitor)
-    checked = set(naive_monitor(_tokens(run["dump"], 1)))
+    differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_split(tok)})
+    checked = set(naive_monitor(_tokens(run["dump"], 1))) | set(naive_split(_tokens(run["dump"], 1)))
     assert keys == checked | set(ONE_OFF)  # every tim/ key logged is checked (or a one-off audit count)
     # The key statistics could have failed: one rank's value differs from the logged one on some step.
     for key in ("tim/tokens", "tim/seq/count", "tim/token/abs_diff_max", "tim/token/abs_diff_mean",
@@ -259,7 +272,7 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs):
     run = runs("mitigations")
     assert not any(r["diag"] for r in run["ranks"])
     keys = _check_once_per_step(run)
-    differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_icepop(tok)})
+    differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_icepop(tok), **naive_split(tok)})
     boundary_total = dropped_total = 0
     for step in STEPS:
         logged = _logged(run["ranks"][0], step)
@@ -289,7 +302,8 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs):
               f"logged {logged['tim/correction/kept_tokens']:.0f}; boundary {response - measured}")
     # Both mitigations acted: boundary tokens left the measurement, IcePop dropped tokens.
     assert boundary_total > 0 and dropped_total > 0
-    checked = set(naive_monitor(_tokens(run["dump"], 1))) | set(naive_icepop(_tokens(run["dump"], 1))) | {
+    checked = set(naive_monitor(_tokens(run["dump"], 1))) | set(naive_icepop(_tokens(run["dump"], 1))) | set(
+        naive_split(_tokens(run["dump"], 1))) | {
         "tim/safe_vocab/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/pruned_mass_mean",
         "tim/safe_vocab/size_mean", "tim/safe_vocab/pruned_mass_max", "tim/correction/empty"}
     assert keys == checked | set(ONE_OFF)

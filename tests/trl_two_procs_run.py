@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from tim_plugins.integrations.trl import TIMCallback, TIMConfig
+    from tim_plugins.staleness import staleness_metrics
     from tim_plugins.toy_model import synthetic_prompts
 
     extra = {"min_p": MIN_P} if args.config == "mitigations" else {}
@@ -113,9 +114,11 @@ def main(argv=None) -> None:
 
     def _compute(step, **k):
         values = {}
-        for part in (pipeline.monitor, pipeline.safe_vocab_stats, pipeline.correction_stats):
+        for part in (pipeline.monitor, pipeline.safe_vocab_stats, pipeline.correction_stats, pipeline.split_stats):
             if part is not None:
                 values.update(part.compute(sync=False))
+        if pipeline.staleness_monitor is not None:
+            values.update(staleness_metrics(pipeline.staleness_monitor.compute(sync=False)))
         local.append({"step": step, "values": values, "diag": dict(pipeline.diag)})
         return compute(step, **k)
 

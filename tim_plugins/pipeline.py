@@ -42,7 +42,7 @@ from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
 from .metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
 from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
 from .safe_vocab import SafeLogprobs, SafeVocabStats, safe_loss_mask
-from .staleness import SplitStats
+from .staleness import SplitStats, staleness_metrics
 
 __all__ = ["PipelineConfig", "StepPipeline", "fit_bins", "mean_response_length", "STATE_VERSION"]
 
@@ -277,7 +277,7 @@ class StepPipeline:
                 out.update(decision.metrics())
         if self.staleness_monitor is not None:
             if self.staleness_monitor.updates > 0 or (sync and _distributed(group)):
-                out.update(self.staleness_monitor.compute(sync=sync, group=group))
+                out.update(staleness_metrics(self.staleness_monitor.compute(sync=sync, group=group)))
             self.staleness_monitor.reset()
         for stats in (self.safe_vocab_stats, self.correction_stats, self.split_stats):
             if stats is not None and (not stats.empty or (sync and _distributed(group))):

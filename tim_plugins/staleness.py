@@ -24,9 +24,19 @@ import torch
 
 from tim_plugins.accumulate import Accumulated, Accumulator
 
-__all__ = ["SPLIT_PREFIX", "SplitStats", "split_parts"]
+__all__ = ["SPLIT_PREFIX", "STALENESS_KEYS", "SplitStats", "split_parts", "staleness_metrics"]
 
 SPLIT_PREFIX = "tim/split"
+# The staleness part's statistics logged (the monitor's, prefix tim/staleness): the token count, k3, |s| mean,
+# maximum and quantiles, the ratio band (exp(s) is the PPO ratio).
+STALENESS_KEYS = tuple(f"tim/staleness/{k}" for k in (
+    "tokens", "token/kl_k3", "token/abs_diff_mean", "token/abs_diff_max", "token/abs_diff_p99",
+    "token/abs_diff_p999", "token/ratio_outside_frac"))
+
+
+def staleness_metrics(monitor_metrics: dict[str, float]) -> dict[str, float]:
+    """The `STALENESS_KEYS` of a ``tim/staleness`` monitor's ``compute()``."""
+    return {k: monitor_metrics[k] for k in STALENESS_KEYS}
 
 
 def split_parts(rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -169,7 +169,8 @@ def _pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: boo
         mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction, lr_decay=lr_decay,
         probe=ParityProbeConfig(**config.parity_probe_options) if config.parity_probe else None,
         dump=DumpConfig(out_dir=str(config.dump_dir), **config.dump_options) if config.dump_dir else None,
-        strict=config.strict, histograms=config.log_histograms and "wandb" in (args.report_to or []))
+        staleness=config.monitor, strict=config.strict,
+        histograms=config.log_histograms and "wandb" in (args.report_to or []))
 
 
 class TIMCallback(TrainerCallback):
@@ -369,6 +370,9 @@ class TIMCallback(TrainerCallback):
         train = out.get("old_per_token_logps")
         if rollout is None or not self.pipeline.measures:
             return
+        # the optimizer step this batch was generated at: loss passes after a later step see a moved policy
+        out["tim_generated_at"] = torch.full((rollout.shape[0],), self.trainer.state.global_step,
+                                             dtype=torch.long, device=rollout.device)
         if train is None:  # measured by the first loss forward over these rows (hence at the rollout weights)
             out["tim_pending"] = torch.ones(rollout.shape[0], dtype=torch.bool, device=rollout.device)
             return
@@ -437,6 +441,20 @@ class TIMCallback(TrainerCallback):
         factor = self.pipeline.loss_factor(mask, boundary, inputs.get("tim_weights"))
         if factor is not None:
             self._restore.update(hooks.scale_policy_term(inputs, factor, mask, self.trainer.loss_type))
+        self._split(inputs, logps.detach(), mask if boundary is None else mask & boundary.bool())
+
+    def _split(self, inputs: dict, current: torch.Tensor, mask: torch.Tensor) -> None:
+        """Staleness vs mismatch in this loss pass over the measured tokens (``mask``: the boundary tokens of the safe
+        vocabulary left out, as the monitor leaves them out), ``tim_plugins.staleness``: π_old is TRL's
+        ``old_per_token_logps`` (the trainer at the rollout's weights) once an optimizer step has run since the
+        batch was generated; before that π_θ is π_old, and the staleness part is exactly 0."""
+        rollout = inputs.get("sampling_per_token_logps")
+        if rollout is None or self.pipeline.staleness_monitor is None:
+            return
+        old, generated_at = inputs.get("old_per_token_logps"), inputs.get("tim_generated_at")
+        if old is None or (generated_at is not None and bool((generated_at == self.trainer.state.global_step).all())):
+            old = current
+        self.pipeline.loss_pass(rollout, old, current, mask)
 
     def _wrap_single_turn(self, original):
         def _generate_single_turn(*args, **kwargs):

@@ -60,13 +60,32 @@ def _overrides(files: dict, wd: Path) -> list[str]:
         # the LR controller's length signal, unsmoothed (window 1) and never triggering: tim/lr/window_length is
         # the step's mean response length, merged over both ranks
         "+tim.lr_decay.options.window=1", "+tim.lr_decay.options.warmup_steps=100",
+        # Each rank gets its half of the batch in order (see _prompts): verl's balancing reorders the rows so that
+        # the ranks get equal token counts, and a run where it did so exactly on every step (17/17, 16/16, 42/42
+        # response tokens) left no step where a rank's own mean length differs from the merged one.
+        "trainer.balance_batch=false",
     ]
+
+
+def _prompts(steps: int = len(STEPS)) -> list[str]:
+    """Each step's PROMPTS prompts: two arithmetic ones, then two sorting ones. With ``trainer.balance_batch=false``
+    rank 0 gets the arithmetic half of the batch (a prompt's samples side by side, as verl repeats them) and rank 1
+    the sorting half: two independent draws of 4 responses each (measured 31/26, 33/38, 37/26 tokens), equal on a
+    step only by coincidence (a few % per step), so on some step a rank's own mean length differs from the
+    merged one and the checks that tell a merged value from one rank's own can fail. With verl's balancing the
+    ranks' token counts were made equal, and on the failing run they were on every step."""
+    from tim_plugins.toy_model import synthetic_prompts
+
+    toy = synthetic_prompts(3 * PROMPTS * steps)
+    arithmetic, sorting = toy[0::3], toy[1::3]  # synthetic_prompts cycles arithmetic, sorting, free text
+    half = PROMPTS // 2
+    return [p for i in range(steps) for p in arithmetic[i * half:(i + 1) * half] + sorting[i * half:(i + 1) * half]]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, toy_model_path):
     wd = tmp_path_factory.mktemp("main_ppo_two_ranks")
-    files = M.prepare(wd, toy_model_path)
+    files = M.prepare(wd, toy_model_path, prompts=_prompts())
     values = wd / "rank_values"
     values.mkdir()
     result = M.run_main_ppo(_overrides(files, wd), cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log",
@@ -123,7 +142,7 @@ def test_counts_are_the_whole_batch(run):
             assert m[key] == sum(v[key] for v in local), (step, key)
         assert all(0 < v["tim/tokens"] < m["tim/tokens"] for v in local)
         # the LR controller's length (window 1): the step's mean response length over both ranks, as verl logs it;
-        # a rank's own (its 4 responses) differs on some step
+        # a rank's own (its 4 responses) differs on some step (_prompts)
         assert m["tim/lr/window_length"] == pytest.approx(m["response_length/mean"], rel=1e-12)
         print(f"step {step}: tokens rank0 {local[0]['tim/tokens']:.0f} rank1 {local[1]['tim/tokens']:.0f} logged "
               f"{m['tim/tokens']:.0f} (verl: {m['response_length/mean']} x {RESPONSES}); boundary "

@@ -305,13 +305,14 @@ def test_fix_for_picks_the_run_s_framework_then_what_it_runs_on():
 
     dtype = CODES["dtype-mismatch"].fix
     assert fix_for(dtype, "trl") == dtype["trl"] and fix_for(dtype, "verl") == dtype["verl"]
-    # batch-invariance-off has no TRL knob: a TRL run gets those of vLLM and tim-plugins (what TRL runs on),
-    # not verl's
+    # a code without a knob of the run's framework: the knobs of what it runs on (vLLM, transformers, tim-plugins),
+    # not verl's; a knob that is already a command of that name is not prefixed with it again
     bi = CODES["batch-invariance-off"].fix
-    assert "trl" not in bi and "verl" in bi
-    assert fix_for(bi, "trl") == f"vLLM: {bi['vllm']}; tim-plugins: {bi['tim_plugins']}"
-    assert fix_for(bi, None) == "; ".join(
-        f"{name}: {bi[key]}" for key, name in (("vllm", "vLLM"), ("verl", "verl"), ("tim_plugins", "tim-plugins")))
+    assert bi["tim_plugins"].startswith("tim-plugins measure")
+    assert fix_for(bi, "hf") == bi["tim_plugins"]
+    hf_only = {k: v for k, v in bi.items() if k != "trl"}
+    assert fix_for(hf_only, "trl") == f"vLLM: {bi['vllm']}; {bi['tim_plugins']}"
+    assert fix_for(hf_only, None) == f"vLLM: {bi['vllm']}; verl: {bi['verl']}; {bi['tim_plugins']}"
 
 
 def test_truncation_fix_keeps_the_users_sampling_first():

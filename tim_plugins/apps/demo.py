@@ -431,14 +431,21 @@ def _own_audit(rollout_model, trainer_spec) -> list[dict]:
     return [f.to_dict() for f in audit(rollout, trainer_spec)]
 
 
+# What a run costs, as measured (docs/demo.md): the toy model's run takes 16-22 s on two idle cores and took 2 min 41 s
+# and 4 min 5 s on a 2-core machine shared with other jobs; SmolLM2 ~1 minute on idle cores (64 s).
+DEMO_COST = ("toy model: ~20 s on 2 idle cores, a few minutes on a loaded machine, plus ~30 s to build the toy "
+             "model the first time; --model smollm2: a real model, ~1 min on idle cores, longer under load")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo",
-        help="TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts vs an fp32 trainer "
-             "(toy model: under a minute on 2 cores; --model smollm2: a real model, ~1 min).",
+        help=f"TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts vs an fp32 trainer "
+             f"({DEMO_COST}).",
         description="A short TRL GRPOTrainer run on CPU with TIMCallback attached; writes OUT/report.html, "
                     "OUT/summary.json and OUT/dump/ and prints a verdict. --model smollm2 runs it on "
-                    "SmolLM2-135M-Instruct (a short run by default: 8 steps of 2 prompts x 4 completions).")
+                    "SmolLM2-135M-Instruct (a short run by default: 8 steps of 2 prompts x 4 completions). "
+                    f"Time: {DEMO_COST}.")
     add_config_options(p, DemoConfig, {"rollout_dtype": _DTYPES})
     p.set_defaults(func=_main)
 

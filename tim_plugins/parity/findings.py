@@ -151,6 +151,10 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
        "Batch-size-dependent reductions (GEMM split-K, attention splits) make the same sequence score "
        "differently in another batch: bitwise parity (k3 == 0) is impossible; expect a ~1e-5..1e-3 k3 floor.",
        {"vllm": "VLLM_BATCH_INVARIANT=1 (GPUs with CC >= 8.0, FLASH_ATTN/TRITON_ATTN/FLEX_ATTENTION backends)",
+        "trl": "no GRPOConfig field: for a TIM-free baseline run, TIMCallback(trainer, TIMConfig(rollout='exact')) "
+               "(the exact sampler: k3 reads 0); with use_vllm=True, start `trl vllm-serve` (or, colocated, the "
+               "training script) with VLLM_BATCH_INVARIANT=1 in its environment (GPUs with CC >= 8.0); "
+               "`tim-plugins check-batch-invariance --model PATH` measures the trainer side",
         "verl": "actor_rollout_ref.rollout.full_determinism=True trainer.use_v1=false (rollout side only)",
         "tim_plugins": "tim-plugins measure --rollout exact (exact sampler) for a TIM-free baseline; "
                        "tim-plugins check-batch-invariance --model PATH to measure the trainer side"}),
@@ -181,7 +185,14 @@ def fix_for(fix: dict, framework: Optional[str] = None) -> str:
     if framework in fix:
         return fix[framework]
     keys = [k for k in _RUNS_ON.get(framework or "", ()) if k in fix] or list(fix)
-    return "; ".join(f"{FRAMEWORK_NAMES.get(k, k)}: {fix[k]}" for k in keys)
+    return "; ".join(_named(k, fix[k]) for k in keys)
+
+
+def _named(key: str, knob: str) -> str:
+    """``name: knob``; a tim-plugins knob that is a tim-plugins command reads as itself ("tim-plugins measure ...",
+    not "tim-plugins: tim-plugins measure ...")."""
+    name = FRAMEWORK_NAMES.get(key, key)
+    return knob if key == "tim_plugins" and knob.startswith(name + " ") else f"{name}: {knob}"
 
 
 def make_finding(code: str, severity: str, message: str, rollout_value: Any = None,

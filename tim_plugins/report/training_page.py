@@ -77,19 +77,47 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
         own = summary.get("own_audit") or []
         deliberate = summary.get("deliberate") or {}
         if findings or own or "findings" in summary:
-            count = lambda fs, s: sum(f["severity"] == s for f in fs)  # noqa: E731
-            mark = lambda f: ", deliberate" if f["code"] in deliberate else ""  # noqa: E731
-            extra.append(f"Parity audit by the callback: {count(findings, 'error')} errors, "
-                         f"{count(findings, 'warning')} warnings" + (
-                             "; of the rollout model actually used: "
-                             + (", ".join(f"{f['code']} ({f['severity']}{mark(f)})" for f in own
-                                          if f["severity"] != "info") or "no error or warning") if own else "") + ".")
+            extra.append(audit_line(findings, own, deliberate))
         if summary.get("kind") == "training":
             extra.append("Which setting removes the mismatch, and at what throughput: tim-plugins measure --compare all.")
         from tim_plugins.report.parity import reconcile
 
         reconcile(v, findings + own, summary.get("framework"), deliberate)
     return v
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _tally(findings: list, deliberate: dict) -> str:
+    """One audit table's counts, in the table's own words: errors (those deliberate here counted apart, as their
+    severity cell says "error (deliberate here)"), warnings."""
+    errors = [f for f in findings if f["severity"] == "error"]
+    on_purpose = sum(f["code"] in deliberate for f in errors)
+    text = _plural(len(errors) - on_purpose, "error")
+    if on_purpose:
+        text += f" (+{on_purpose} deliberate here)"
+    return f"{text}, {_plural(sum(f['severity'] == 'warning' for f in findings), 'warning')}"
+
+
+def audit_line(findings: list, own: list | None, deliberate: dict) -> str:
+    """The verdict's line on the parity audit, agreeing with the tables below it: what is left to fix over both
+    audits (the callback's, and the one of the rollout model actually used when the run samples through its own
+    rollout function), what is deliberate here, then each table's counts."""
+    every = list(findings) + list(own or [])
+    codes = lambda keep: list(dict.fromkeys(f["code"] for f in every if keep(f)))  # noqa: E731
+    to_fix = codes(lambda f: f["severity"] == "error" and f["code"] not in deliberate)
+    on_purpose = codes(lambda f: f["severity"] == "error" and f["code"] in deliberate)
+    warnings = codes(lambda f: f["severity"] == "warning")
+    text = f"Parity audit: {_plural(len(to_fix), 'error')} to fix" + (f" ({', '.join(to_fix)})" if to_fix else "")
+    if on_purpose:
+        text += f", {len(on_purpose)} deliberate here ({', '.join(on_purpose)})"
+    text += f", {_plural(len(warnings), 'warning')}" + (f" ({', '.join(warnings)})" if warnings else "")
+    if own is None:
+        return text + "."
+    return (f"{text}. By table: the callback's view (TRL's generation with the trainer's model) "
+            f"{_tally(findings, deliberate)}; the rollout model actually used {_tally(own, deliberate)}.")
 
 
 def _figures_over_tokens(page, tokens, label: str) -> None:
@@ -123,7 +151,13 @@ def _figures_over_tokens(page, tokens, label: str) -> None:
                 RULES["tim/seq/log_ratio_abs_max"].text, "verl")
 
 
-def _series_figure(page, table: dict) -> None:
+def ess_warning_label(framework: str | None, threshold: float) -> str:
+    """The ESS panel's warning line: verl's own warning in a verl run; the report's warning level elsewhere (a TRL
+    run has no verl warning to show)."""
+    return f"{'verl warning' if framework == 'verl' else 'warning'}: ESS < {threshold:g}"
+
+
+def _series_figure(page, table: dict, framework: str | None = None) -> None:
     import tim_plugins.report.figures as figures
     from tim_plugins.report.figures import NATS
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES
@@ -138,7 +172,7 @@ def _series_figure(page, table: dict) -> None:
         (f"|Δ log p| p99 {NATS}", table["abs_diff_p99"], (None, LOG2), True),
         (f"max |sequence log-ratio| {NATS}", table["seq_log_ratio_abs_max"], (None, LOG2), False),
         (ess_title, table["ess"], (ess_rule.ok_lo, None), False,
-         {"ylim": (0.0, 1.05), "marks": [(ess_rule.act_lo, f"verl warning: ESS < {ess_rule.act_lo:g}")]}),
+         {"ylim": (0.0, 1.05), "marks": [(ess_rule.act_lo, ess_warning_label(framework, ess_rule.act_lo))]}),
         (lr_title, table["lr_scale"], None, False, {"ylim": (0.0, 1.05)}),
         ("mean reward (context)", table["reward"], None, False),
     ]
@@ -164,7 +198,7 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
              "recomputation of the same tokens):</p>")
     page.verdict(v, v.get("extra", []))
     page.h2("Per optimizer step")
-    _series_figure(page, table)
+    _series_figure(page, table, summary.get("framework"))
     if tokens is not None and tokens.size:
         page.h2("Per token, over all steps")
         _figures_over_tokens(page, tokens, "all steps")
@@ -289,7 +323,7 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     page.verdict(v, v.get("extra", []))
     if table["step"].size > 1:
         page.h2("Per optimizer step")
-        _series_figure(page, table)
+        _series_figure(page, table, (summary or {}).get("framework"))
     page.h2("Per token")
     _figures_over_tokens(page, tokens, "dump")
     disagreements_section(page, dump_disagreements(dump_dir, decode), "every step of the dump")

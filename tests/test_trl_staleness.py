@@ -46,6 +46,17 @@ def _reference(passes) -> dict[str, float]:
             "tim/staleness/token/abs_diff_max": float(np.abs(s).max())}
 
 
+def _by_lag_reference(passes_with_lag) -> dict[str, float]:
+    """tim/by_lag/<lag>/*: the whole log-ratio current − rollout of each lag's tokens, written out."""
+    out = {}
+    for lag in sorted({lag for *_, lag in passes_with_lag}):
+        d = np.concatenate([(c.double() - r.double())[k].numpy() for r, o, c, k, g in passes_with_lag if g == lag])
+        p = f"tim/by_lag/{lag}"
+        out.update({f"{p}/count": float(len(d)), f"{p}/abs_diff_mean": np.abs(d).mean(), f"{p}/mean": d.mean(),
+                    f"{p}/kl_k3": np.mean(np.expm1(d) - d), f"{p}/abs_diff_max": np.abs(d).max()})
+    return out
+
+
 def _passes_by_step(cap):
     """step -> [(rollout, π_old, π_θ, mask)] of its loss passes; π_old is π_θ at a step that generated its batch
     (no update since), else TRL's own old_per_token_logps."""
@@ -69,6 +80,10 @@ def test_two_iterations_split_matches_trls_tensors(toy_model_path, tmp_path):
     assert sorted(passes) == [1, 2, 3, 4] and generated == {1, 3}
     for step, step_passes in passes.items():
         logged, want = _logged(trainer, step), _reference(step_passes)
+        # by policy lag: 0 at a step that generated its batch, 1 one update later (num_iterations=2)
+        lag = 0 if step in generated else 1
+        want.update(_by_lag_reference([(*p, lag) for p in step_passes]))
+        assert {k for k in logged if k.startswith("tim/by_lag/")} == {k for k in want if k.startswith("tim/by_lag/")}
         for key, value in want.items():
             assert logged[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (step, key)
         if step in generated:  # the first pass over a batch: no update since it was sampled

@@ -40,6 +40,7 @@ from bounded import run_bounded  # noqa: E402
 
 from tim_plugins.dump import read_dump  # noqa: E402
 from tim_plugins.metrics import PROB_BUCKET_EDGES, abs_diff_bin_edges  # noqa: E402
+from tim_plugins.by_key import KEYINGS  # noqa: E402
 from tim_plugins.staleness import STALENESS_KEYS  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.slow]
@@ -100,6 +101,7 @@ def _tokens(dump: dict, step: int, ranks=RANKS) -> dict:
     sel = (col["step"] == step) & np.isin(col["rank"], ranks)
     return {"rollout": col["rollout_logprob"][sel].astype(np.float32),
             "train": col["train_logprob"][sel].astype(np.float32),
+            "position": col["position"][sel].astype(np.int64),
             "seq": col["rank"][sel].astype(np.int64) * 1_000_000 + col["sequence"][sel]}
 
 
@@ -163,6 +165,21 @@ def naive_split(tok: dict) -> dict:
             "tim/split/staleness_var_share": 0.0, "tim/split/mismatch_var_share": 1.0, "tim/split/cov_share": 0.0}
 
 
+def naive_by_key(tok: dict) -> dict:
+    """tim/by_position/* (the measured tokens by response position, log-spaced buckets by their definition) and
+    tim/by_lag/* (one optimizer step per generation batch: every token at lag 0, the whole log-ratio = d)."""
+    d = (tok["train"] - tok["rollout"]).astype(np.float64)
+    out = {}
+    edges = KEYINGS["position"].edges
+    bucket = np.array([max(i for i, lo in enumerate(edges) if lo <= p) for p in tok["position"]], dtype=np.int64)
+    groups = [(f"tim/by_position/{KEYINGS['position'].labels[i]}", d[bucket == i]) for i in np.unique(bucket)]
+    for prefix, x in groups + [("tim/by_lag/0", d)]:
+        out.update({f"{prefix}/count": float(x.size), f"{prefix}/abs_diff_mean": np.abs(x).mean(),
+                    f"{prefix}/mean": x.mean(), f"{prefix}/kl_k3": np.mean(np.expm1(x) - x),
+                    f"{prefix}/abs_diff_max": np.abs(x).max()})
+    return out
+
+
 def _same(key: str, got: float, want: float) -> bool:
     if math.isnan(want) or math.isnan(got):
         return math.isnan(want) and math.isnan(got)
@@ -196,8 +213,11 @@ def _check_merged(run: dict, naive) -> dict:
         for key, value in want.items():
             assert _same(key, logged[key], value), (step, key, logged[key], value)
             for r in RANKS:  # the per-rank reference is what that rank held before the merge
+                if key not in per_rank[r]:  # a bucket empty on this rank: absent from its own values too
+                    assert key not in _local(run["ranks"][r], step), (step, r, key)
+                    continue
                 assert _same(key, _local(run["ranks"][r], step)[key], per_rank[r][key]), (step, r, key)
-            if any(not _same(key, logged[key], per_rank[r][key]) for r in RANKS):
+            if any(key not in per_rank[r] or not _same(key, logged[key], per_rank[r][key]) for r in RANKS):
                 differs.setdefault(key, []).append(step)
         print(f"step {step}: " + "; ".join(
             f"{k.removeprefix('tim/')} rank0 {per_rank[0][k]:.6g} rank1 {per_rank[1][k]:.6g} merged {want[k]:.6g} "
@@ -249,8 +269,9 @@ def test_monitor_statistics_are_the_global_values(runs):
     assert {r["rollout_source"] for r in run["ranks"]} == {"inject"}
     assert not any(r["diag"] for r in run["ranks"])
     keys = _check_once_per_step(run)
-    differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_split(tok)})
-    checked = set(naive_monitor(_tokens(run["dump"], 1))) | set(naive_split(_tokens(run["dump"], 1)))
+    differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_split(tok), **naive_by_key(tok)})
+    checked = set().union(*(f(_tokens(run["dump"], s)) for f in (naive_monitor, naive_split, naive_by_key)
+                            for s in STEPS))
     assert keys == checked | set(ONE_OFF)  # every tim/ key logged is checked (or a one-off audit count)
     # The key statistics could have failed: one rank's value differs from the logged one on some step.
     for key in ("tim/tokens", "tim/seq/count", "tim/token/abs_diff_max", "tim/token/abs_diff_mean",
@@ -272,7 +293,8 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs):
     run = runs("mitigations")
     assert not any(r["diag"] for r in run["ranks"])
     keys = _check_once_per_step(run)
-    differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_icepop(tok), **naive_split(tok)})
+    differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_icepop(tok), **naive_split(tok),
+                                              **naive_by_key(tok)})
     boundary_total = dropped_total = 0
     for step in STEPS:
         logged = _logged(run["ranks"][0], step)
@@ -302,8 +324,8 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs):
               f"logged {logged['tim/correction/kept_tokens']:.0f}; boundary {response - measured}")
     # Both mitigations acted: boundary tokens left the measurement, IcePop dropped tokens.
     assert boundary_total > 0 and dropped_total > 0
-    checked = set(naive_monitor(_tokens(run["dump"], 1))) | set(naive_icepop(_tokens(run["dump"], 1))) | set(
-        naive_split(_tokens(run["dump"], 1))) | {
+    checked = set().union(*(f(_tokens(run["dump"], s)) for f in (naive_monitor, naive_icepop, naive_split,
+                                                                  naive_by_key) for s in STEPS)) | {
         "tim/safe_vocab/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/pruned_mass_mean",
         "tim/safe_vocab/size_mean", "tim/safe_vocab/pruned_mass_max", "tim/correction/empty"}
     assert keys == checked | set(ONE_OFF)

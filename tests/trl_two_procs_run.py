@@ -114,7 +114,8 @@ def main(argv=None) -> None:
 
     def _compute(step, **k):
         values = {}
-        for part in (pipeline.monitor, pipeline.safe_vocab_stats, pipeline.correction_stats, pipeline.split_stats):
+        for part in (pipeline.monitor, pipeline.safe_vocab_stats, pipeline.correction_stats, pipeline.split_stats,
+                     pipeline.by_lag, pipeline.by_position):
             if part is not None:
                 values.update(part.compute(sync=False))
         if pipeline.staleness_monitor is not None:

@@ -42,6 +42,7 @@ from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
 from .metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
 from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
 from .safe_vocab import SafeLogprobs, SafeVocabStats, safe_loss_mask
+from .by_key import KeyedStats, position_keys
 from .staleness import SplitStats, staleness_metrics
 
 __all__ = ["PipelineConfig", "StepPipeline", "fit_bins", "mean_response_length", "STATE_VERSION"]
@@ -63,7 +64,10 @@ class PipelineConfig:
     probe: ParityProbeConfig | None = None
     dump: DumpConfig | None = None
     staleness: bool = field(default=False, metadata={"help": "split each loss pass's log-ratio into staleness and "
-                                                                 "mismatch (loss_pass; needs the monitor)"})
+                                                                 "mismatch, and its statistics by policy lag "
+                                                                 "(loss_pass; needs the monitor)"})
+    by_position: bool = field(default=False, metadata={"help": "the mismatch by response position (log-spaced "
+                                                                   "buckets, tim/by_position/*; needs the monitor)"})
     strict: bool = False
     compile: Any = "auto"  # MismatchMonitor(compile=...)
     histograms: bool = field(default=False, metadata={"help": "compute() also returns the monitor's histograms"})
@@ -126,6 +130,8 @@ class StepPipeline:
         self.staleness_monitor = MismatchMonitor(c.ratio_band, compile=c.compile, prefix="tim/staleness") \
             if on else None
         self.split_stats = SplitStats() if on else None
+        self.by_lag = KeyedStats("lag") if on else None
+        self.by_position = KeyedStats("position") if c.monitor and c.by_position else None
         wants_k3 = c.lr_decay is not None and "kl_k3" in c.lr_decay.signals
         self._step_monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if wants_k3 else None
         self.safe_vocab_stats = SafeVocabStats() if c.safe_vocab else None
@@ -198,14 +204,19 @@ class StepPipeline:
         for monitor in (self.monitor, self._step_monitor):
             if monitor is not None:
                 monitor.update(rollout, train, measured, is_weights=is_weights)
+        if self.by_position is not None:
+            self.by_position.update(rollout, train, measured, position_keys(measured))
         if self.dumper is not None and token_ids is not None and self.dumper.wants(step):
             self._dump_buffer.append((rollout.detach(), train.detach(), measured, token_ids))
         return weights
 
-    def loss_pass(self, rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor) -> None:
+    def loss_pass(self, rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor,
+                  lag: torch.Tensor | None = None) -> None:
         """One loss pass over a batch whose rollout log-probs are known: [B, T] ``rollout``, ``old`` (the trainer at
         the rollout's weights, the monitor's ``train``) and ``current`` (this pass's log-probs, π_θ), ``mask`` the
-        tokens the pass trains. Where nothing is reused the adapter passes ``old`` as ``current``: staleness 0."""
+        tokens the pass trains, ``lag`` [B, T] each token's policy lag in optimizer steps (``tim/by_lag/*`` of the
+        whole log-ratio current − rollout: lag 0 is the mismatch floor). Where nothing is reused the adapter passes
+        ``old`` as ``current``: staleness 0."""
         if self.staleness_monitor is None:
             return
         if not (rollout.shape == old.shape == current.shape == mask.shape):
@@ -214,6 +225,8 @@ class StepPipeline:
             return
         self.staleness_monitor.update(old.detach(), current.detach(), mask.bool())
         self.split_stats.update(rollout, old, current, mask)
+        if lag is not None:
+            self.by_lag.update(rollout, current, mask, lag)
 
     @staticmethod
     def loss_factor(mask: torch.Tensor, in_safe: torch.Tensor | None,
@@ -279,7 +292,7 @@ class StepPipeline:
             if self.staleness_monitor.updates > 0 or (sync and _distributed(group)):
                 out.update(staleness_metrics(self.staleness_monitor.compute(sync=sync, group=group)))
             self.staleness_monitor.reset()
-        for stats in (self.safe_vocab_stats, self.correction_stats, self.split_stats):
+        for stats in (self.safe_vocab_stats, self.correction_stats, self.split_stats, self.by_lag, self.by_position):
             if stats is not None and (not stats.empty or (sync and _distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
                 stats.reset()
@@ -308,6 +321,7 @@ class StepPipeline:
         return {
             "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
             "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),
+            "by_lag": part(self.by_lag), "by_position": part(self.by_position),
             "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
             "lr_controller": part(self.lr_controller), "probe": part(self.probe), "diag": dict(self.diag),
         }
@@ -318,6 +332,7 @@ class StepPipeline:
                                "this tim-plugins release cannot resume it")
         for name, obj in (("monitor", self.monitor), ("step_monitor", self._step_monitor),
                           ("staleness_monitor", self.staleness_monitor), ("split", self.split_stats),
+                          ("by_lag", self.by_lag), ("by_position", self.by_position),
                           ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
                           ("lr_controller", self.lr_controller), ("probe", self.probe)):
             if obj is not None and state.get(name):

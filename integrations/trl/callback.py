@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from tim_plugins._optional import note_version, require
+from tim_plugins.by_key import lag_keys
 from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.corrections import CorrectionConfig
 from tim_plugins.dump import DumpConfig
@@ -169,7 +170,7 @@ def _pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: boo
         mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction, lr_decay=lr_decay,
         probe=ParityProbeConfig(**config.parity_probe_options) if config.parity_probe else None,
         dump=DumpConfig(out_dir=str(config.dump_dir), **config.dump_options) if config.dump_dir else None,
-        staleness=config.monitor, strict=config.strict,
+        staleness=config.monitor, by_position=config.monitor, strict=config.strict,
         histograms=config.log_histograms and "wandb" in (args.report_to or []))
 
 
@@ -452,9 +453,11 @@ class TIMCallback(TrainerCallback):
         if rollout is None or self.pipeline.staleness_monitor is None:
             return
         old, generated_at = inputs.get("old_per_token_logps"), inputs.get("tim_generated_at")
-        if old is None or (generated_at is not None and bool((generated_at == self.trainer.state.global_step).all())):
+        step = self.trainer.state.global_step
+        if old is None or (generated_at is not None and bool((generated_at == step).all())):
             old = current
-        self.pipeline.loss_pass(rollout, old, current, mask)
+        lag = lag_keys(step, generated_at, mask.shape) if generated_at is not None else None
+        self.pipeline.loss_pass(rollout, old, current, mask, lag=lag)
 
     def _wrap_single_turn(self, original):
         def _generate_single_turn(*args, **kwargs):

@@ -37,7 +37,8 @@ def _demo_run(tmp_path, framework="trl"):
         "findings": [_finding("batch-invariance-off", "info"), _finding("prefix-caching-on", "warning")],
         "own_audit": [_finding("dtype-mismatch", "error"), _finding("lm-head-precision-mismatch", "warning"),
                       _finding("batch-invariance-off", "info")],
-        "deliberate": {"dtype-mismatch": "the bfloat16 rollout is deliberate in this demo"},
+        "deliberate": {"dtype-mismatch": "the bfloat16 rollout is deliberate in this demo",
+                       "lm-head-precision-mismatch": "the bfloat16 rollout is deliberate in this demo"},
         "attached": {"rollout_source": "custom", "hooks": [], "config": {}},
     })
     (run / "summary.json").write_text(json.dumps(summary))
@@ -102,15 +103,18 @@ def test_audit_line_counts_what_the_tables_show(tmp_path):
         severities = [r["severity"] for r in rows]
         return (severities.count("error"), severities.count("error (deliberate here)"), severities.count("warning"))
 
-    assert tally(callback) == (0, 0, 1) and tally(own) == (0, 1, 1)
+    assert tally(callback) == (0, 0, 1) and tally(own) == (0, 1, 0)
+    assert [r["severity"] for r in own if r["code"] == "lm-head-precision-mismatch"] == ["warning (deliberate here)"]
     text = html_mod.unescape(re.sub(r"<[^>]+>", "", page))
-    line = re.search(r"Parity audit: [^\n]*?the rollout model actually used [^;.]*\.", text).group(0)
-    # the counts over both tables: no error to fix, the deliberate one apart (as its cell says), two warnings
-    assert line.startswith("Parity audit: 0 errors to fix, 1 deliberate here (dtype-mismatch), 2 warnings "
-                           "(prefix-caching-on, lm-head-precision-mismatch).")
+    line = re.search(r"Parity audit: [^\n]*?the rollout model actually used [^;]*?warnings?[^.]*\.", text).group(0)
+    # the counts over both tables: no error to fix, the deliberate one apart (as its cell says); one warning, and
+    # one deliberate here (as its cell says)
+    assert line.startswith("Parity audit: 0 errors to fix, 1 deliberate here (dtype-mismatch); 1 warning "
+                           "(prefix-caching-on), 1 deliberate here (lm-head-precision-mismatch).")
     # and per table, in the tables' own words
     assert "the callback's view (TRL's generation with the trainer's model) 0 errors, 1 warning;" in line
-    assert "the rollout model actually used 0 errors (+1 deliberate here), 1 warning." in line
+    assert ("the rollout model actually used 0 errors (+1 deliberate here), 0 warnings (+1 deliberate here)."
+            in line)
     assert "0 errors, 0 warnings" not in text  # the old line that read as contradicting the second table
 
 
@@ -120,9 +124,9 @@ def test_an_accidental_error_is_counted_to_fix(tmp_path):
     findings = [_finding("temperature-mismatch", "error")]
     own = [_finding("dtype-mismatch", "error")]
     line = audit_line(findings, own, {"dtype-mismatch": "on purpose"})
-    assert line.startswith("Parity audit: 1 error to fix (temperature-mismatch), 1 deliberate here (dtype-mismatch),"
+    assert line.startswith("Parity audit: 1 error to fix (temperature-mismatch), 1 deliberate here (dtype-mismatch);"
                            " 0 warnings.")
-    assert audit_line([], None, {}) == "Parity audit: 0 errors to fix, 0 warnings."
+    assert audit_line([], None, {}) == "Parity audit: 0 errors to fix; 0 warnings."
 
 
 def test_demo_help_quotes_the_measured_time():

@@ -278,7 +278,7 @@ def test_training_report_puts_the_fix_of_the_run_s_framework_in_its_audit_table(
     v = training_verdict(summary, load_tokens(tmp_path / "dump"))
     assert v["status"] == "ok" and "the bfloat16 rollout is deliberate in this demo; in your run" in v["headline"]
     # the audit line counts what the tables show: nothing to fix, the deliberate error apart, the warning
-    assert ("Parity audit: 0 errors to fix, 1 deliberate here (dtype-mismatch), 1 warning "
+    assert ("Parity audit: 0 errors to fix, 1 deliberate here (dtype-mismatch); 1 warning "
             "(lm-head-precision-mismatch)") in " ".join(v["extra"])
     page = build_report(tmp_path, summary=summary).read_text()
     assert "<th>fix (TRL)</th>" in page

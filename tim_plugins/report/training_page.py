@@ -91,29 +91,33 @@ def _plural(n: int, word: str) -> str:
 
 
 def _tally(findings: list, deliberate: dict) -> str:
-    """One audit table's counts, in the table's own words: errors (those deliberate here counted apart, as their
-    severity cell says "error (deliberate here)"), warnings."""
-    errors = [f for f in findings if f["severity"] == "error"]
-    on_purpose = sum(f["code"] in deliberate for f in errors)
-    text = _plural(len(errors) - on_purpose, "error")
-    if on_purpose:
-        text += f" (+{on_purpose} deliberate here)"
-    return f"{text}, {_plural(sum(f['severity'] == 'warning' for f in findings), 'warning')}"
+    """One audit table's counts, in the table's own words: errors and warnings, those deliberate here counted apart
+    (their severity cell says "error (deliberate here)")."""
+    parts = []
+    for level in ("error", "warning"):
+        hits = [f for f in findings if f["severity"] == level]
+        on_purpose = sum(f["code"] in deliberate for f in hits)
+        parts.append(_plural(len(hits) - on_purpose, level) + (f" (+{on_purpose} deliberate here)" if on_purpose
+                                                               else ""))
+    return ", ".join(parts)
 
 
 def audit_line(findings: list, own: list | None, deliberate: dict) -> str:
-    """The verdict's line on the parity audit, agreeing with the tables below it: what is left to fix over both
-    audits (the callback's, and the one of the rollout model actually used when the run samples through its own
-    rollout function), what is deliberate here, then each table's counts."""
+    """The verdict's line on the parity audit, agreeing with the tables below it: over both audits (the callback's,
+    and the one of the rollout model actually used when the run samples through its own rollout function) the
+    errors left to fix and the warnings, those deliberate here named apart as their cells mark them; then each
+    table's counts."""
     every = list(findings) + list(own or [])
-    codes = lambda keep: list(dict.fromkeys(f["code"] for f in every if keep(f)))  # noqa: E731
-    to_fix = codes(lambda f: f["severity"] == "error" and f["code"] not in deliberate)
-    on_purpose = codes(lambda f: f["severity"] == "error" and f["code"] in deliberate)
-    warnings = codes(lambda f: f["severity"] == "warning")
-    text = f"Parity audit: {_plural(len(to_fix), 'error')} to fix" + (f" ({', '.join(to_fix)})" if to_fix else "")
-    if on_purpose:
-        text += f", {len(on_purpose)} deliberate here ({', '.join(on_purpose)})"
-    text += f", {_plural(len(warnings), 'warning')}" + (f" ({', '.join(warnings)})" if warnings else "")
+    parts = []
+    for level, word in (("error", "to fix"), ("warning", "")):
+        codes = list(dict.fromkeys(f["code"] for f in every if f["severity"] == level))
+        left = [c for c in codes if c not in deliberate]
+        on_purpose = [c for c in codes if c in deliberate]
+        text = _plural(len(left), level) + (f" {word}" if word else "") + (f" ({', '.join(left)})" if left else "")
+        if on_purpose:
+            text += f", {len(on_purpose)} deliberate here ({', '.join(on_purpose)})"
+        parts.append(text)
+    text = "Parity audit: " + "; ".join(parts)
     if own is None:
         return text + "."
     return (f"{text}. By table: the callback's view (TRL's generation with the trainer's model) "

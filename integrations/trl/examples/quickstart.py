@@ -32,4 +32,4 @@ trainer.train()
 
 for entry in trainer.state.log_history:  # tim/... next to TRL's own metrics, at every logging step
     if "tim/tokens" in entry:
-        print({k: v for k, v in entry.items() if k in ("step", "tim/tokens", "tim/token/kl_k3", "tim/token/abs_diff_max")})
+        print({k: entry[k] for k in ("step", "tim/tokens", "tim/token/kl_k3", "tim/token/abs_diff_max")})

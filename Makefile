@@ -22,13 +22,16 @@ RETRY := scripts/retry
 # of this package, and the first thing a new user would read. Filtered by its message for the `-e` installs.
 QUIET_EDITABLE := env PYTHONWARNINGS="ignore:Editable installation"
 # Each test suite's peak resident memory (its whole process tree: Ray, vLLM and verl workers included) is printed
-# at its end: the suites must fit a 24 GiB machine with room to spare.
-PEAK := scripts/peak_mem
+# at its end (scripts/suite, with scripts/peak_mem's sampler): the suites must fit a 24 GiB machine with room to
+# spare.
 export PIP_RESUME_RETRIES ?= 10
 # Each suite of `make test` runs through scripts/suite: it goes on after a failing suite, records each suite's exit
 # status, counts, wall time and peak memory (as scripts/peak_mem measures it) under MATRIX, and `make test` ends
 # with one line per suite; tim-out/matrix/<stack>.json feed the compatibility table (`make compat`).
 SUITE := scripts/suite
+# make itself, for a suite that is a make target (the wheel checks): named through this variable so that `make -n`
+# prints the line instead of running it (GNU make runs any line that mentions $(MAKE), even with -n).
+SUBMAKE := $(MAKE)
 MATRIX := tim-out/matrix
 SUITES := main verl wheel stack-newest stack-oldest
 # The stacks besides main, each locked in constraints/<stack>.txt (defined in constraints/<stack>.in).
@@ -48,7 +51,7 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 LATEST_TESTS := $(filter-out tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
 	tests/test_trl_real_model.py%,$(STACK_TESTS))
 # The user-stack install checks of `make test-wheel`: a user's TRL and transformers, installed first; the wheel
-# with [trl] must leave them as they are, and a GRPOTrainer run with TIMCallback must log tim/*.
+# with [trl] must leave them as they are, and the README's TRL example must log tim/*.
 # "stack:oldest" is the oldest stack's TRL and transformers (constraints/oldest.in).
 USER_STACKS := "trl==1.16.0 transformers==5.24.0" stack:oldest
 
@@ -97,10 +100,11 @@ test-verl: $(VENV)/$(STAMP)
 # The built wheel, installed with the trl and verl extras into a fresh virtualenv, must carry and import the
 # adapters and register the tim trainer modes on `import verl`. Then the user stacks (USER_STACKS,
 # scripts/user_stack_check): the wheel with [trl], installed without constraints over a user's TRL and
-# transformers, changes none of their packages, and a GRPOTrainer run with TIMCallback logs tim/*.
+# transformers, changes none of their packages, and the README's TRL example (a GRPOTrainer run with TIMCallback)
+# logs tim/*.
 test-wheel: $(VENV)/$(STAMP)
-	$(SUITE) run wheel --what "the wheel with [hf,report,trl,verl]; the user stacks $(USER_STACKS)" -- \
-		$(MAKE) --no-print-directory wheel-checks
+	$(SUITE) run wheel --what "the wheel with [hf,report,trl,verl]; the user stacks (USER_STACKS)" -- \
+		$(SUBMAKE) --no-print-directory wheel-checks
 
 wheel-checks:
 	rm -rf dist $(VENV_WHEEL)

@@ -161,6 +161,14 @@ class TIMVerlConfig:
     _SECTIONS = {"monitor": MonitorSettings, "safe_vocab": SafeVocabSettings, "lr_decay": LRDecaySettings,
                  "parity": ParitySettings, "probe": ProbeSettings}
 
+    def __post_init__(self) -> None:
+        from tim_plugins.lr_control import LRDecayConfig
+
+        signals = LRDecayConfig(**self.lr_decay.options).signals if self.lr_decay.enable else ()
+        if "kl_k3" in signals and not self.monitor.enable:
+            raise _bad("tim.lr_decay.options.signals", list(signals), "the kl_k3 signal is the monitor's k3 of each "
+                       "step, and tim.monitor.enable=false", "+tim.monitor.enable=true")
+
     @property
     def worker_side_active(self) -> bool:
         """Whether the actor workers have anything to do."""

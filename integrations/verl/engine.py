@@ -15,7 +15,9 @@ methods of ``FSDPEngineWithLMHead`` (three inherited from ``FSDPEngine`` / ``Bas
 * ``forward_step``: wraps the loss function so boundary tokens (outside the trainer's safe set) leave the
   micro-batch's ``response_mask`` before the loss; feeds the mismatch monitor on measurement passes.
 * ``forward_backward_batch`` / ``train_batch``: merge the monitor exactly over the data-parallel group after a
-  measurement pass; feed the LR-decay optimizer the DP-mean response length.
+  measurement pass; close each optimizer step through the pipeline (``StepPipeline.end_step``: the DP-mean
+  response length, the step's k3 merged over the DP group, the last step's grad norm) and hand its LR scale to
+  the optimizer (``optim.py``).
 * ``lr_scheduler_step``: report the effective LR (schedule × decay scale) as ``actor/lr``.
 It reads verl internals to do so: the ``output_args`` keys ``temperature_is_one``, ``temperature_rmpad``,
 ``input_ids_rmpad_rolled``, ``pad_size`` and ``temperature`` (filled by ``prepare_model_inputs``), the non-tensor
@@ -135,6 +137,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tim_step_start = True
         self._tim_mb = None
         self._tim_pending: dict[str, float] = {}
+        self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
 
     def tim_deconfigure(self) -> None:
         """Switch the hooks off again: from here on the engine computes as stock verl's ``FSDPEngineWithLMHead``
@@ -276,18 +279,33 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self._tim_merge()
         return out
 
-    # VERL_SOURCES verl.workers.engine.base:BaseEngine.train_batch (one optimizer step per call)
+    # VERL_SOURCES verl.workers.engine.base:BaseEngine.train_batch (one optimizer step per call; its metrics carry
+    # the step's grad_norm)
     def train_batch(self, data, loss_function):
         if self._tim is None:
             return super().train_batch(data, loss_function)
         if self._tim.lr_decay.enable:
-            length = mean_response_length(data["response_mask"], group=self.get_data_parallel_group())
-            self.optimizer.tim_observe_length(length)
+            self._tim_end_step(data)
         out = super().train_batch(data, loss_function)
+        grad_norm = (out.get("metrics") or {}).get("grad_norm") if isinstance(out, dict) else None
+        if grad_norm is not None:
+            self._tim_grad_norm = float(grad_norm)
         if self._tim_bypass and self._tim_step_start:
             self._tim_merge()
         self._tim_step_start = False
         return out
+
+    def _tim_end_step(self, data) -> None:
+        """Close one optimizer step through the pipeline, before verl's: the DP-mean response length of the
+        mini-batch, the step's k3 (the monitor's measurement of this step's batch, merged over the DP group) and the
+        last step's grad norm feed the LR controller; its scale goes to the optimizer for this step."""
+        group = self.get_data_parallel_group()
+        length = mean_response_length(data["response_mask"], group=group)
+        self.optimizer.tim_sync_state()
+        # verl's global step is not known here (and restarts are not monotone here): the controller counts calls
+        scale = self._tim_pipeline.end_step(None, response_length=length, grad_norm=self._tim_grad_norm,
+                                            sync=True, group=group)
+        self.optimizer.tim_apply_scale(scale)
 
     # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.lr_scheduler_step; its result is logged
     # as actor/lr: VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_batch

@@ -80,3 +80,63 @@ def test_lr_decay_through_verl_optimizer_and_checkpoint(toy_model_path, tmp_path
     _, lr_stock = H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))
     assert lr_stock == eng.lr_scheduler.get_last_lr()[0] == LR
     assert eng.tim_pop_metrics() == {}
+
+
+def _flat(x, prefix="") -> dict:
+    if isinstance(x, dict):
+        return {k: v for key, value in x.items() for k, v in _flat(value, f"{prefix}/{key}").items()}
+    if isinstance(x, (list, tuple)):
+        return {k: v for i, value in enumerate(x) for k, v in _flat(value, f"{prefix}/{i}").items()}
+    return {prefix: x}
+
+
+def _naive_k3(old_padded, raw) -> float:
+    """k3 of the rollout log-probs vs the actor's recomputation over the response tokens, by its definition."""
+    m = raw["response_mask"].bool()
+    d = (old_padded.double() - raw["rollout_log_probs"].double())[m]
+    return float((torch.expm1(d) - d).mean())
+
+
+@pytest.mark.parametrize("signal", ["kl_k3", "grad_norm"])
+def test_every_lr_signal_works_through_the_engine(toy_model_path, signal):
+    """tim.lr_decay.options.signals reaches the controller: the engine closes each optimizer step through the
+    pipeline with the step's k3 (its own measurement pass, merged over the DP group) or the last step's grad norm
+    (what verl's train_batch reported), and the optimizer applies the scale. Reference: the core controller fed the
+    naive k3 of each batch / verl's reported grad norms, outside verl; the length stays flat, so only the signal
+    can fire (mode 'any')."""
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    options = {**OPTIONS, "signals": [signal], "combine": "any", "kl_k3_margin": 0.5, "grad_norm_margin": 0.5}
+    H.init_dist(port=29573 if signal == "kl_k3" else 29574)
+    eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    cfg = {"lr_decay": {"enable": True, "options": options}, "monitor": {"enable": signal == "kl_k3"}}
+    eng.tim_configure(TIMVerlConfig.from_node(cfg))
+    reference = LengthTriggeredLRDecay(**options)
+    grad_norms, lrs, want = [], [], []
+    for step in range(4):
+        # the third step: its rollout disagrees far more (k3: the batch's random rollout log-probs sit ~12 nats
+        # further from the toy model's ~-6; about twice the others' k3), or its advantages are 1000x (its grad
+        # norm, which the controller sees at the fourth step)
+        surge = step == 2
+        td, raw = H.make_batch(VOCAB, response=6, seed=10 + step,
+                               rollout_noise=-12.0 if surge and signal == "kl_k3" else 0.0)
+        if surge and signal == "grad_norm":
+            td["advantages"] = td["advantages"] * 1000.0
+        old = H.old_log_probs_padded(H.infer(eng, td), td)
+        signals = {"kl_k3": _naive_k3(old, raw)} if signal == "kl_k3" else {
+            "grad_norm": grad_norms[-1] if grad_norms else float("nan")}
+        want.append(reference.observe(None, _mean_length(raw), **signals))
+        out, lr = H.train_step(eng, td, old)
+        grad_norms.append(float(out["metrics"]["grad_norm"]))
+        lrs.append(lr)
+    assert lrs == [LR * s for s in want]
+    # the same state, up to the float32 k3 of the monitor vs the float64 reference
+    got, ref = _flat(eng.optimizer.tim_controller.state_dict()), _flat(reference.state_dict())
+    assert got.keys() == ref.keys()
+    for key, value in ref.items():
+        same = got[key] == value if isinstance(value, (str, bool, type(None))) else got[key] == pytest.approx(
+            value, rel=1e-6)
+        assert same, (key, got[key], value)
+    assert min(want) < 1.0, (want, reference.state_dict()['trackers'])  # the signal fired (the reference says when)
+    metrics = eng.tim_pop_metrics()
+    assert metrics["tim/lr/scale"] == want[-1] and metrics["tim/lr/trigger_count"] >= 1.0

@@ -65,6 +65,9 @@ class DemoConfig:
     learning_rate: float | None = field(default=None, metadata=field_help(
         _default_help("learning_rate", "AdamW learning rate of the policy")))
     seed: int = field(default=0, metadata=field_help("seed of prompts, sampling and training"))
+    num_iterations: int = field(default=1, metadata=field_help(
+        "optimizer steps per generation batch (GRPOConfig.num_iterations); above 1 the report's 'Mismatch or "
+        "staleness?' section splits the log-ratio into the two"))
     out: str = field(default="tim-out/demo", metadata=field_help("output folder"))
 
     def __post_init__(self) -> None:
@@ -74,7 +77,7 @@ class DemoConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length"):
+        for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length", "num_iterations"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
         if self.num_generations < 2:
@@ -288,6 +291,7 @@ def run_demo(cfg: DemoConfig) -> dict:
             num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
             temperature=cfg.temperature, learning_rate=cfg.learning_rate, logging_steps=1, save_strategy="no",
             report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False, seed=cfg.seed,
+            num_iterations=cfg.num_iterations,
         )
         rollouts = _BF16Rollouts(model_path, getattr(torch, cfg.rollout_dtype), tokenizer, cfg)
         n_prompts = max(64, cfg.steps * cfg.prompts_per_step)

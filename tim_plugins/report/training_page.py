@@ -203,6 +203,9 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     page.verdict(v, v.get("extra", []))
     page.h2("Per optimizer step")
     _series_figure(page, table, summary.get("framework"))
+    from tim_plugins.report.staleness import staleness_section
+
+    staleness_section(page, summary)
     if tokens is not None and tokens.size:
         page.h2("Per token, over all steps")
         _figures_over_tokens(page, tokens, "all steps")

@@ -1,0 +1,75 @@
+"""The report's "Mismatch or staleness?" section from logged values: the per-step table, the pooled verdict (each
+part's share of the log-ratio variance, weighted by tokens x Var(d), computed here independently) with the fix in
+the run's framework, the by-lag table, and the mismatch-only case of a run without batch reuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from tim_plugins.report.page import Page
+from tim_plugins.report.staleness import FIXES, split_rows, staleness_section, staleness_verdict
+
+
+def _step(step, tokens, var, s_share, m_share, lag_counts):
+    row = {"step": step, "tim/split/tokens": tokens, "tim/split/total_var": var,
+           "tim/split/staleness_var_share": s_share, "tim/split/mismatch_var_share": m_share,
+           "tim/split/cov_share": 1 - s_share - m_share, "tim/staleness/token/kl_k3": 0.01 * s_share,
+           "tim/token/kl_k3": 1e-4}
+    for lag, (count, k3) in lag_counts.items():
+        row[f"tim/by_lag/{lag}/count"], row[f"tim/by_lag/{lag}/kl_k3"] = count, k3
+    return row
+
+
+HISTORY = [
+    {"step": 1, "loss": 0.1},  # a row without a split (TRL's own keys only)
+    _step(1, 100, 2e-4, 0.0, 1.0, {"0": (100, 1e-4)}),
+    _step(2, 100, 3e-3, 0.9, 0.08, {"1": (100, 2e-3)}),
+    _step(3, 50, 1e-4, 0.0, 1.0, {"0": (50, 1.2e-4)}),
+]
+
+
+def _render(summary) -> str:
+    page = Page("t", {})
+    staleness_section(page, summary)
+    return page.html()
+
+
+def test_verdict_pools_the_shares_and_names_the_fix():
+    rows = split_rows(HISTORY)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    w = [100 * 2e-4, 100 * 3e-3, 50 * 1e-4]
+    stale = (w[1] * 0.9) / sum(w)
+    mism = (w[0] * 1.0 + w[1] * 0.08 + w[2] * 1.0) / sum(w)
+    headline, fix = staleness_verdict(rows, "trl")
+    assert headline.startswith("Staleness dominates") and f"staleness {stale:.0%}" in headline
+    assert f"mismatch {mism:.0%}" in headline and fix == FIXES["staleness"]["trl"]
+    assert staleness_verdict(rows, "verl")[1] == FIXES["staleness"]["verl"]
+
+
+def test_section_tables():
+    html = _render({"log_history": HISTORY, "framework": "trl"})
+    assert "Mismatch or staleness?" in html and "num_iterations=1" in html
+    cells = html.replace(" class='num'", "")
+    assert "<td>90.0%</td>" in cells and "<td>8.0%</td>" in cells  # step 2's shares
+    # by lag: lag 0 pools steps 1 and 3 (token-weighted k3), lag 1 is step 2's
+    k3_lag0 = (100 * 1e-4 + 50 * 1.2e-4) / 150
+    flat = html.replace("\n", "").replace(" class='num'", "")
+    assert f"<td>0</td><td>150</td><td>{k3_lag0:.3g}</td>" in flat
+    assert "<td>1</td><td>100</td><td>0.002</td>" in flat
+
+
+def test_without_reuse_the_verdict_is_mismatch_only():
+    history = [_step(s, 80, 1e-4, 0.0, 1.0, {"0": (80, 1e-4)}) for s in (1, 2)]
+    headline, fix = staleness_verdict(split_rows(history), "trl")
+    assert headline.startswith("Mismatch only") and fix == FIXES["mismatch"]["trl"]
+
+
+def test_no_split_no_section():
+    assert "Mismatch or staleness?" not in _render({"log_history": [{"step": 1, "loss": 0.1}]})
+    assert split_rows([]) == []
+
+
+@pytest.mark.parametrize("framework", [None, "verl"])
+def test_fix_follows_the_framework(framework):
+    html = _render({"log_history": HISTORY, "framework": framework})
+    assert FIXES["staleness"]["verl" if framework == "verl" else "trl"].split(":")[0] in html

@@ -1,0 +1,120 @@
+"""The report's "Mismatch or staleness?" section: the split of the loss passes' log-ratio (``tim/split/*``,
+``tim/staleness/*``) per step and by policy lag (``tim/by_lag/*``), and a verdict that names the dominant part and
+its fix in the run's framework."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["FIXES", "split_rows", "staleness_section", "staleness_verdict"]
+
+# What reduces each part, per framework.
+FIXES = {
+    "staleness": {
+        "trl": "fewer updates per batch: GRPOConfig(num_iterations=1, steps_per_generation=gradient_accumulation_steps)"
+               "; with AsyncGRPOTrainer a smaller AsyncGRPOConfig(max_staleness=...)",
+        "verl": "fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the "
+                "train batch; in an asynchronous trainer mode, a lower staleness threshold",
+    },
+    "mismatch": {
+        "trl": "the parity fixes in the audit's fix column (dtype, lm_head precision, truncation), and `tim-plugins "
+               "measure --compare` to find the setting that removes it",
+        "verl": "the parity fixes in the audit's fix column (rollout dtype, logprobs_mode, truncation), and "
+                "`tim-plugins measure --compare`",
+    },
+}
+
+
+def split_rows(log_history: list[dict]) -> list[dict]:
+    """Per logged step with a split: {step, tokens, staleness_share, mismatch_share, cov_share, staleness_k3,
+    mismatch_k3, by_lag: {lag: (count, k3)}}."""
+    rows = []
+    for h in log_history:
+        if not h.get("tim/split/tokens"):
+            continue
+
+        def num(key):
+            v = h.get(key)
+            return math.nan if v is None else float(v)
+
+        lags = {}
+        for key, value in h.items():
+            m = re.fullmatch(r"tim/by_lag/([^/]+)/count", key)
+            if m and value:
+                lags[m.group(1)] = (float(value), num(f"tim/by_lag/{m.group(1)}/kl_k3"))
+        rows.append({"step": int(h.get("step", len(rows) + 1)), "tokens": num("tim/split/tokens"),
+                     "staleness_share": num("tim/split/staleness_var_share"),
+                     "mismatch_share": num("tim/split/mismatch_var_share"), "cov_share": num("tim/split/cov_share"),
+                     "total_var": num("tim/split/total_var"), "staleness_k3": num("tim/staleness/token/kl_k3"),
+                     "mismatch_k3": num("tim/token/kl_k3"), "by_lag": lags})
+    return rows
+
+
+def staleness_verdict(rows: list[dict], framework: str | None) -> tuple[str, str]:
+    """(headline, fix) over the whole run: each part's share of the total log-ratio variance, pooled over steps
+    (weighted by each step's tokens × Var(d))."""
+    fw = framework if framework in ("trl", "verl") else "trl"
+    weights = [r["tokens"] * r["total_var"] for r in rows if math.isfinite(r["total_var"]) and r["total_var"] > 0]
+    used = [r for r in rows if math.isfinite(r["total_var"]) and r["total_var"] > 0]
+    if not used:
+        return "No log-ratio variance to split (no loss-pass tokens with a spread).", ""
+    total = sum(weights)
+    stale = sum(w * r["staleness_share"] for w, r in zip(weights, used)) / total
+    mism = sum(w * r["mismatch_share"] for w, r in zip(weights, used)) / total
+    if all(r["staleness_share"] == 0.0 for r in used):
+        return (f"Mismatch only: no loss pass ran after an update on its batch, so the staleness part is exactly 0 "
+                f"and the mismatch explains all of the log-ratio variance.", FIXES["mismatch"][fw])
+    part = "staleness" if stale > mism else "mismatch"
+    return (f"{part.capitalize()} dominates: it explains {max(stale, mism):.0%} of the log-ratio variance over the "
+            f"run (staleness {stale:.0%}, mismatch {mism:.0%}, covariance {1 - stale - mism:+.0%}).",
+            FIXES[part][fw])
+
+
+def staleness_section(page, summary: dict) -> None:
+    """The section, when the run logged a split (TRL runs with the callback's monitor)."""
+    rows = split_rows(summary.get("log_history") or [])
+    if not rows:
+        return
+    page.h2("Mismatch or staleness?")
+    page.raw("<p>Each loss pass sees the log-ratio d = log π<sub>θ</sub> − log π<sub>rollout</sub> = s + m: "
+             "<b>staleness</b> s = log π<sub>θ</sub> − log π<sub>old</sub> (the policy moved since the batch was "
+             "sampled: batch reuse, asynchronous rollouts) and <b>mismatch</b> m = log π<sub>old</sub> − log "
+             "π<sub>rollout</sub> (the same weights scored by two stacks). π<sub>old</sub> is the trainer at the "
+             "rollout's weights, the monitor's measurement point. The fixes differ completely.</p>")
+    headline, fix = staleness_verdict(rows, summary.get("framework"))
+    page.raw(f"<p><b>{_escape(headline)}</b>" + (f" Fix: {_escape(fix)}." if fix else "") + "</p>")
+    page.table(["step", "tokens", "staleness share of Var(d)", "mismatch share", "2·Cov share", "staleness k3",
+                "mismatch k3 (when sampled)"],
+               [[r["step"], int(r["tokens"]), _pct(r["staleness_share"]), _pct(r["mismatch_share"]),
+                 _pct(r["cov_share"]), _g(r["staleness_k3"]), _g(r["mismatch_k3"])] for r in rows])
+    page.note("The three shares add up to 100 %; a negative covariance (the update moved the policy against the "
+              "mismatch) lets a part exceed 100 %. The mismatch k3 is measured once per batch, at the step that "
+              "sampled it (– at a step that reuses the batch of an earlier one).")
+    lags: dict[str, list] = {}
+    for r in rows:
+        for lag, (count, k3) in r["by_lag"].items():
+            lags.setdefault(lag, []).append((count, k3))
+    if lags:
+        table = []
+        for lag in sorted(lags, key=lambda x: int(x.rstrip("+"))):
+            count = sum(c for c, _ in lags[lag])
+            k3 = sum(c * k for c, k in lags[lag] if math.isfinite(k)) / count if count else math.nan
+            table.append([lag, int(count), _g(k3)])
+        page.raw("<p>By policy lag (optimizer steps between sampling and the loss pass): k3 of the whole log-ratio. "
+                 "Lag 0 is the mismatch floor; its growth with the lag is staleness.</p>")
+        page.table(["lag", "tokens", "k3 of d"], table)
+
+
+def _pct(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.1%}"
+
+
+def _g(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.3g}"
+
+
+def _escape(text: str) -> str:
+    import html
+
+    return html.escape(text)

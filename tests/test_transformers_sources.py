@@ -1,4 +1,4 @@
-"""Guards on the transformers 5.10 internals tim-plugins relies on (``tim_plugins/rollout/recorder.py``
+"""Guards on the transformers internals (5.x) tim-plugins relies on (``tim_plugins/rollout/recorder.py``
 ``TRANSFORMERS_SOURCES``).
 
 Every entry resolves; each assumption is checked against the installed transformers: signatures, statements in
@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 from tim_plugins.rollout.recorder import (  # noqa: E402
     RECORDABLE_MODES,
+    TRANSFORMERS_SINCE,
     TRANSFORMERS_SOURCES,
     record_processed_logprobs,
 )
@@ -34,8 +35,26 @@ GU = "transformers.generation.utils"
 
 @pytest.mark.parametrize("key", sorted(TRANSFORMERS_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
 def test_every_named_source_exists(key):
+    """Every entry resolves on the installed transformers, except one that exists only from a later release on
+    (TRANSFORMERS_SINCE): that one exists exactly from its release on."""
     module, qualname = key
+    if key in TRANSFORMERS_SINCE and _installed() < _release(TRANSFORMERS_SINCE[key]):
+        with pytest.raises(AttributeError):
+            _resolve(module, qualname)
+        return
     assert _resolve(module, qualname) is not None, f"{module}:{qualname} is gone: revisit TRANSFORMERS_SOURCES"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(version).release
+
+
+def _installed() -> tuple[int, ...]:
+    import transformers
+
+    return _release(transformers.__version__)
 
 
 def test_generate_asks_the_instance_for_its_processors_once_by_keyword():
@@ -93,8 +112,13 @@ def test_get_logits_processor_order_on_a_real_config(toy_model_path):
 
 def test_sample_loop_feeds_the_whole_sequence_and_samples_the_processed_scores():
     src = _src(GU, "GenerationMixin._sample")
+    # the last position's logits, copied to fp32 (transformers >= 5.2x index it as [:, -1], earlier as [:, -1, :]:
+    # the same tensor)
+    last = next((s for s in ("outputs.logits[:, -1, :]", "outputs.logits[:, -1]")
+                 if f"next_token_logits = {s}.to(copy=True, dtype=torch.float32" in src), None)
+    assert last is not None, "GenerationMixin._sample no longer takes the last position's logits as assumed"
     steps = [src.index(s) for s in (
-        "next_token_logits = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32",
+        f"next_token_logits = {last}.to(copy=True, dtype=torch.float32",
         "next_token_scores = logits_processor(input_ids, next_token_logits)",
         "probs = nn.functional.softmax(next_token_scores, dim=-1)",
         "next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)",
@@ -150,18 +174,43 @@ def test_tim_state_survives_transformers_rebuild():
 
 
 def test_epoch_end_runs_before_the_epochs_log():
-    src = _src("transformers.trainer", "Trainer._run_epoch")
-    end = src.index("self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)")
-    assert src.index("self._maybe_log_save_evaluate(", end) > end
+    import re
+
+    # the epoch loop: Trainer._run_epoch from transformers 5.3 on, inside Trainer._inner_training_loop before
+    since = TRANSFORMERS_SINCE[("transformers.trainer", "Trainer._run_epoch")]
+    loop = "Trainer._run_epoch" if _installed() >= _release(since) else "Trainer._inner_training_loop"
+    src = _src("transformers.trainer", loop)
+    ends = [m.end() for m in re.finditer(
+        r"self\.control = self\.callback_handler\.on_epoch_end\((?:self\.)?args, self\.state, self\.control\)", src)]
+    assert len(ends) == 1, loop
+    assert src.index("self._maybe_log_save_evaluate(", ends[0]) > ends[0]
 
 
-def test_recorder_refuses_an_untested_transformers(monkeypatch):
+def test_recorder_warns_once_on_an_untested_transformers(toy_model_path, monkeypatch, caplog):
+    """An untested transformers is one warning per process, never an exception: the recorder still records (its
+    hook is checked by the capability check, integrations/trl/features.py HF_RECORDER)."""
+    import logging
+
     import tim_plugins._optional as optional
 
-    monkeypatch.setattr(optional, "package_version", lambda dist: "5.11.0" if dist == "transformers" else None)
+    low, high = optional.SUPPORTED_RANGES["transformers"]
+    untested = f"{int(high.split('.')[0]) + 1}.0.0"
+    monkeypatch.setattr(optional, "package_version", lambda dist: untested if dist == "transformers" else None)
+    monkeypatch.setattr(optional, "_NOTED", set())
     monkeypatch.delenv("TIM_PLUGINS_SKIP_VERSION_CHECK", raising=False)
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(RuntimeError, match=r"transformers 5\.11\.0 is not supported.*transformers>=5\.10,<5\.11"):
-        with record_processed_logprobs(model):
-            pass
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_path)
+    ids = torch.tensor([[1, 2, 3]])
+    with caplog.at_level(logging.WARNING, logger="tim_plugins"):
+        for _ in range(2):
+            with record_processed_logprobs(model) as recorders:
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=2,
+                                     min_new_tokens=2, pad_token_id=0)
+            assert len(recorders) == 1 and recorders[0].unsupported is None and recorders[0].num_steps == 2
+            assert out.shape == (1, 5)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"tim_plugins: transformers {untested} is outside the tested range (>={low},<{high}); every "
+                      "feature is checked against it when it attaches and one whose hook moved is switched off with "
+                      "a warning. `tim-plugins doctor` lists them."]
     assert "_get_logits_processor" not in vars(model)

@@ -1,8 +1,8 @@
 """Capability checks instead of version refusals, on a real TRL GRPOTrainer (CPU, the toy model).
 
 - an untested version is one warning, never an exception;
-- a moved hook (simulated: the fused head's kernel with TRL 1.14's signature) switches off only the feature that
-  needs it, with one warning naming the feature, the symbol and the version, and ``tim/diag/feature_off/<name>``;
+- a moved hook (simulated on the safe-vocabulary route the installed TRL uses: the fused head's kernel with TRL
+  1.14's signature, or ``selective_log_softmax`` with renamed parameters) switches off only the feature that needs it, with one warning naming the feature, the symbol and the version, and ``tim/diag/feature_off/<name>``;
   the run is then bitwise the run without the callback (the reference: TRL alone);
 - the monitor refuses to attach, in one line with the fix, only when its measurement point is gone;
 - every patch is undone when ``train()`` raises: a later trainer in the same process trains as TRL alone does.
@@ -63,18 +63,38 @@ class _KernelWithTRL114Signature:
         raise AssertionError("never called: apply is TRL's own")
 
 
+def _move_safe_vocab_route(monkeypatch) -> tuple[str, str]:
+    """Move the hook of the safe-vocabulary route the installed TRL uses, keeping TRL's computation as it is;
+    returns (the symbol, what the check says of it)."""
+    route, _ = features.safe_vocab_route()
+    assert route is not None
+    if route is features.SAFE_VOCAB_FUSED_HEAD:
+        monkeypatch.setattr(_KernelWithTRL114Signature, "apply", trl_utils._ChunkedLogProbFunction.apply,
+                            raising=False)
+        monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", _KernelWithTRL114Signature)
+        return "_ChunkedLogProbFunction.forward", "takes no outputs"
+    import trl.trainer.grpo_trainer as grpo
+
+    original = grpo.selective_log_softmax
+
+    def selective_log_softmax(x, ids):  # a release that renamed its parameters: TRL's own result, by position
+        return original(x, ids)
+
+    monkeypatch.setattr(grpo, "selective_log_softmax", selective_log_softmax)
+    return "grpo_trainer:selective_log_softmax", "takes no logits, index"
+
+
 def test_moved_hook_switches_off_only_its_feature(toy_model_path, tmp_path, monkeypatch, caplog):
     reference = make_trainer(toy_model_path, tmp_path / "ref", min_p=1e-3)
     reference.train()
 
-    monkeypatch.setattr(_KernelWithTRL114Signature, "apply", trl_utils._ChunkedLogProbFunction.apply, raising=False)
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", _KernelWithTRL114Signature)
+    symbol, problem = _move_safe_vocab_route(monkeypatch)
     trainer = make_trainer(toy_model_path, tmp_path / "tim", min_p=1e-3)
     with caplog.at_level(logging.WARNING):
         cb = TIMCallback(trainer, TIMConfig(safe_vocab=True))
     warned = _warnings(caplog, "safe vocabulary")
     assert len(warned) == 1, warned
-    assert "_ChunkedLogProbFunction.forward" in warned[0] and "takes no outputs" in warned[0]
+    assert symbol in warned[0] and problem in warned[0]
     assert f"trl {opt.package_version('trl')}" in warned[0] and "Fix:" in warned[0]
     assert cb.truncation is None and [s.name for s in cb.features_off] == ["safe_vocab"]
     trainer.add_callback(cb)
@@ -87,12 +107,15 @@ def test_moved_hook_switches_off_only_its_feature(toy_model_path, tmp_path, monk
 
 
 def test_doctor_statuses_name_the_moved_symbol(monkeypatch):
-    assert all(s.available for s in features.trl_features() if s.name in ("monitor", "safe_vocab_fused_head"))
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", _KernelWithTRL114Signature)
+    assert all(s.available for s in features.trl_features() if s.name in ("monitor", "safe_vocab"))
+    used, _ = features.safe_vocab_route()
+    symbol, problem = _move_safe_vocab_route(monkeypatch)
     route, statuses = features.safe_vocab_route()
     assert route is None
-    fused = next(s for s in statuses if s.name == "safe_vocab_fused_head")
-    assert not fused.available and "takes no outputs" in fused.reason
+    moved = next(s for s in statuses if s.name == used.name)
+    assert not moved.available and symbol in moved.reason and problem in moved.reason
+    safe = next(s for s in features.trl_features() if s.name == "safe_vocab")
+    assert not safe.available and problem in safe.reason
 
 
 def test_monitor_refuses_in_one_line_when_its_hook_is_gone(toy_model_path, tmp_path, monkeypatch):
@@ -119,7 +142,10 @@ def _failing_reward(calls: list):
 def test_patches_undone_when_train_raises(toy_model_path, tmp_path):
     before = make_trainer(toy_model_path, tmp_path / "before", min_p=1e-3)
     before.train()
-    kernel, logsoftmax = trl_utils._ChunkedLogProbFunction, trl_utils.selective_log_softmax
+    import trl.trainer.grpo_trainer as grpo
+
+    # the module globals the two safe-vocabulary routes replace during a log-prob call (hooks.TRL_SOURCES)
+    kernel, logsoftmax = trl_utils._ChunkedLogProbFunction, getattr(grpo, "selective_log_softmax", None)
 
     failing = make_trainer(toy_model_path, tmp_path / "failing", reward=_failing_reward([]), min_p=1e-3)
     cb = TIMCallback(failing, TIMConfig(safe_vocab=True, is_correction="token_tis"))
@@ -128,7 +154,7 @@ def test_patches_undone_when_train_raises(toy_model_path, tmp_path):
         failing.train()
     assert cb.installed == []
     assert not (set(WRAPPED) - {"train"}) & set(vars(failing))  # train: the callback's own, until detach()
-    assert trl_utils._ChunkedLogProbFunction is kernel and trl_utils.selective_log_softmax is logsoftmax
+    assert trl_utils._ChunkedLogProbFunction is kernel and getattr(grpo, "selective_log_softmax", None) is logsoftmax
 
     after = make_trainer(toy_model_path, tmp_path / "after", min_p=1e-3)
     after.train()

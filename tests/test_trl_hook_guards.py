@@ -1,6 +1,10 @@
-"""Guards on the TRL 1.16 internals the adapter relies on (``integrations/trl/hooks.py`` ``TRL_SOURCES``).
+"""Guards on the TRL internals the adapter relies on (``integrations/trl/hooks.py`` ``TRL_SOURCES``), on the
+installed TRL (1.9 - 1.16).
 
 Each test fails when the named TRL source changes the shape the adapter assumes, and says which hook to revisit.
+An entry serves one feature (``hooks.TRL_SOURCE_FEATURES``): its assumptions are checked where the capability check
+(``integrations/trl/features.py``) finds that feature available; where it does not, the test asserts the feature is
+reported off with the reason. At least one safe-vocabulary route is available on every tested release.
 The policy-term route (``hooks.scale_policy_term``) is checked against TRL's own vLLM-branch product, for every
 loss type TRL documents, with ratios that clip and a KL term: the reference is TRL's ``_compute_loss`` itself.
 """
@@ -21,13 +25,15 @@ pytest.importorskip("datasets")
 from test_trl_callback import make_trainer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from tim_plugins.integrations.trl.hooks import TRL_SOURCES, scale_policy_term  # noqa: E402
+from tim_plugins.capabilities import check  # noqa: E402
+from tim_plugins.integrations.trl import features  # noqa: E402
+from tim_plugins.integrations.trl.hooks import TRL_SOURCE_FEATURES, TRL_SOURCES, scale_policy_term  # noqa: E402
 from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
-# The loss types of GRPOConfig.loss_type's help text in TRL 1.16; a release adding one fails
-# test_loss_types_are_the_documented_ones until the IS route is checked for it below.
+# The loss types GRPOConfig.loss_type's help text defines (TRL 1.9 - 1.16 define the same eight); a release adding
+# one fails test_loss_types_are_the_documented_ones until the IS route is checked for it below.
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 
@@ -42,15 +48,57 @@ def _src(obj) -> str:
     return inspect.getsource(obj)
 
 
-def test_every_named_source_exists():
-    for module, qualname in TRL_SOURCES:
-        assert _resolve(module, qualname) is not None, f"{module}.{qualname} is gone: revisit integrations/trl/hooks.py"
+def _resolves(module: str, qualname: str) -> bool:
+    try:
+        return _resolve(module, qualname) is not None
+    except (ImportError, AttributeError):
+        return False
+
+
+def test_every_entry_serves_a_known_feature():
+    assert set(TRL_SOURCE_FEATURES) == set(TRL_SOURCES)
+    for name in set(TRL_SOURCE_FEATURES.values()):
+        features.feature(name)  # KeyError: a feature features.py does not define
+
+
+@pytest.mark.parametrize("key", sorted(TRL_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
+def test_every_named_source_exists(key):
+    """Where the entry's feature is available the source is there; where the source is gone the feature is reported
+    off, naming what moved (the capability check and the registry agree)."""
+    module, qualname = key
+    status = check(features.feature(TRL_SOURCE_FEATURES[key]))
+    if status.available:
+        assert _resolves(module, qualname), f"{module}.{qualname} is gone: revisit integrations/trl/hooks.py"
+    else:
+        assert status.reason and status.fix and status.name in status.warning(), status
+    if not _resolves(module, qualname):
+        assert not status.available and qualname.split(".")[0] in status.reason, (key, status)
+
+
+def test_a_safe_vocabulary_route_is_available():
+    """TRL >= 1.16 (1.15 with Triton): the fused head's kernel; TRL 1.9 - 1.13: selective_log_softmax on full
+    logits (1.14 has neither: not a tested release)."""
+    from packaging.version import Version
+
+    route, statuses = features.safe_vocab_route()
+    assert route is not None, [s.reason for s in statuses]
+    trl = Version(statuses[0].version)
+    if trl >= Version("1.16"):
+        assert route is features.SAFE_VOCAB_FUSED_HEAD
+    elif trl < Version("1.14"):
+        assert route is features.SAFE_VOCAB_LOGITS
+    assert features.safe_vocab_status().available
 
 
 def test_loss_types_are_the_documented_ones():
     help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
-    documented = set(re.findall(r"'([a-z_]+)'", help_text.split("Supported values are", 1)[1].split(".")[0]))
+    # each loss type the help text defines ("'name': what it does"); TRL 1.9's "Supported values are ..." sentence
+    # lists only four of the eight it defines and implements
+    documented = set(re.findall(r"'([a-z_]+)'(?: \(default\))?:", help_text))
     assert documented == set(LOSS_TYPES)
+    loss = _src(GRPOTrainer._compute_loss)
+    for loss_type in LOSS_TYPES:  # each one has its own branch in TRL's loss
+        assert f'"{loss_type}"' in loss, loss_type
 
 
 def test_signatures_the_wrappers_bind():
@@ -59,11 +107,42 @@ def test_signatures_the_wrappers_bind():
                                         "batch_size", "compute_entropy"]
     assert list(inspect.signature(GRPOTrainer._compute_loss).parameters) == ["self", "model", "inputs"]
     assert list(inspect.signature(GRPOTrainer._generate_single_turn).parameters)[:2] == ["self", "prompt_ids"]
-    from trl.kernels import ChunkedLogProbFunction
 
-    params = list(inspect.signature(ChunkedLogProbFunction.forward).parameters)
-    assert params[1:] == ["hidden", "weight", "bias", "targets", "temperature", "chunk_size",
-                          "final_logit_softcapping", "logit_scale", "outputs"]
+
+@pytest.mark.parametrize("route", features.SAFE_VOCAB_ROUTES, ids=lambda f: f.name)
+def test_safe_vocab_route_sources(route):
+    """The statements each safe-vocabulary route relies on, where the installed TRL has that route; where it does
+    not, the route is reported off (test_a_safe_vocabulary_route_is_available: one of them is on)."""
+    status = check(route)
+    if not status.available:
+        assert status.reason and status.fix, status
+        return
+    logps = _src(GRPOTrainer._get_per_token_logps_and_entropies)
+    if route is features.SAFE_VOCAB_FUSED_HEAD:
+        import trl.trainer.utils as trl_utils
+
+        params = list(inspect.signature(trl_utils._ChunkedLogProbFunction.forward).parameters)
+        assert params[1:] == ["hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                              "final_logit_softcapping", "logit_scale", "outputs"]
+        # hooks._label_mask rebuilds the positions the fused head scores, as TRL labels them.
+        assert "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)" in logps
+        assert "labels[:, :-logits_to_keep] = -100" in logps and "fused_lm_head=True" in logps
+        # The fused head looks the kernel up as a module global at call time (the safe-vocab shim replaces it).
+        assert "_ChunkedLogProbFunction.apply(" in _src(trl_utils.add_fused_lm_head)
+        return
+    import trl.trainer.grpo_trainer as grpo
+
+    # TRL 1.9 - 1.13: full logits [b, logits_to_keep, V], divided by the temperature (in place on 1.9, into a new
+    # tensor on 1.10 - 1.13), then the module global selective_log_softmax (looked up at call time:
+    # hooks.SafeLogSoftmax replaces it for one call) on the completion ids; TRL's logps are its result, unchanged.
+    assert list(inspect.signature(grpo.selective_log_softmax).parameters) == ["logits", "index"]
+    divide = next(d for d in ("logits.div_(self.temperature)", "logits = logits / self.temperature") if d in logps)
+    steps = [logps.index(stmt) for stmt in (
+        "logits = logits[:, :-1, :]", "logits = logits[:, -logits_to_keep:, :]", divide,
+        "completion_ids = input_ids_batch[:, -logits_to_keep:]",
+        "logps = selective_log_softmax(logits, completion_ids)", "all_logps.append(logps)")]
+    assert steps == sorted(steps)
+    assert logps.count("selective_log_softmax(") == 1
 
 
 def test_sources_hold_the_assumed_statements():
@@ -87,17 +166,9 @@ def test_sources_hold_the_assumed_statements():
     assert "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(" in gen
     assert "if self.args.gradient_accumulation_steps % generate_every != 0 or (" in gen
     assert gen.index("old_per_token_logps, _, _ =") < gen.index("ref_per_token_logps")
-    # hooks._label_mask rebuilds the positions the fused head scores, as TRL labels them.
-    logps = _src(GRPOTrainer._get_per_token_logps_and_entropies)
-    assert "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)" in logps
-    assert "labels[:, :-logits_to_keep] = -100" in logps and "fused_lm_head=True" in logps
     single = _src(GRPOTrainer._generate_single_turn)
     assert "unwrapped_model.generate(" in single and "generation_config=self.generation_config" in single
     assert "logprobs = None" in single
-    import trl.trainer.utils as trl_utils
-
-    # The fused head looks the kernel up as a module global at call time (the safe-vocab shim replaces it).
-    assert "_ChunkedLogProbFunction.apply(" in _src(trl_utils.add_fused_lm_head)
     # TIMCallback._push_metrics appends to trainer._metrics["train"]; TRL's log() averages and clears it.
     log = _src(GRPOTrainer.log)
     assert "for key, val in self._metrics[mode].items():" in log and "self._metrics[mode].clear()" in log
@@ -117,6 +188,10 @@ def test_vllm_generation_attributes_the_audit_reads():
     gen = re.sub(r"\s+", " ", _src(VLLMGeneration._init_vllm))
     assert "self.llm = LLM(" in gen and "self.vllm_client = VLLMClient(" in gen
     assert gen.index('elif self.mode == "colocate":') < gen.index("self.llm = LLM(")
+    server = check(features.SERVER_AUDIT)
+    if not server.available:  # TRL < 1.16: no /server_info client; the audit says the engine args are unknown
+        assert "get_server_info" in server.reason and not hasattr(VLLMClient, "get_server_info"), server
+        return
     assert list(inspect.signature(VLLMClient.get_server_info).parameters) == ["self"]
     info = _src(VLLMClient.get_server_info)
     assert 'f"{self.base_url}/server_info", params={"config_format": "json"}' in info

@@ -56,6 +56,17 @@ TOOL_SCHEMA = {
                 "name": {"type": "string"}, "arguments": {"type": "object", "additionalProperties": {}}}}}}},
     },
 }
+# The same grammar as a new-style response template (transformers >= 5.13 parse with it and ignore the legacy
+# schema; TRL's add_response_schema sets one or the other the same way): the tool calls between <C> and </C>, the
+# content up to <E> (what follows, the EOS, is dropped as the schema's regex drops it).
+TOOL_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"}, "start_anchor": "<A>",
+    "fields": {
+        "tool_calls": {"open": "<C>", "close_pattern": r"</C>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<E>[\s\S]*", "content": "text"},
+    },
+}
 TOOL_CALL = '<C>{"name": "double", "arguments": {"x": 1}}</C><E>'
 
 
@@ -106,6 +117,17 @@ def _install_tool_forcing(trainer) -> None:
 
     model._get_logits_processor = _get_logits_processor
     trainer._tool_call_loop = _tool_call_loop
+
+
+def _set_response_parser(tokenizer) -> None:
+    """The parser the installed transformers reads: a ``response_template`` where ``parse_response`` takes the
+    chat's ``prefix`` (transformers >= 5.13), else the legacy ``response_schema``."""
+    import inspect
+
+    if "prefix" in inspect.signature(tokenizer.parse_response).parameters:
+        tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
+    else:
+        tokenizer.response_schema = TOOL_SCHEMA
 
 
 def _text(completion) -> str:
@@ -214,7 +236,7 @@ def make(model_path, out_dir, overrides: dict, setup: dict) -> GRPOTrainer:
         processing_class = AutoTokenizer.from_pretrained(model_path)
         processing_class.chat_template = TOOL_TEMPLATE if setup.get("tools") else CHAT_TEMPLATE
         if setup.get("tools"):
-            processing_class.response_schema = TOOL_SCHEMA
+            _set_response_parser(processing_class)
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=list(setup.get("rewards", (reward_length,))),
                           args=GRPOConfig(**opts), train_dataset=ds, processing_class=processing_class,
                           tools=[double] if setup.get("tools") else None)

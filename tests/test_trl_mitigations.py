@@ -14,23 +14,50 @@ from test_trl_callback import LR0, Capture, _logged, make_trainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+from tim_plugins.integrations.trl import features  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
 MIN_P = 0.05  # large enough that the toy model's tail is pruned on most positions
 
+# The safe-vocabulary route of the installed TRL (features.py): the fused head's kernel (TRL >= 1.15), which has a
+# labelled-positions-only branch, or selective_log_softmax on full logits (TRL 1.9 - 1.13), which has none.
+ROUTE, _ = features.safe_vocab_route()
+SAFE_CASES = [pytest.param(False, None, id="every-position"), pytest.param(False, 0.3, id="boundary-tokens")]
+if ROUTE is features.SAFE_VOCAB_FUSED_HEAD:
+    SAFE_CASES.insert(1, pytest.param(True, None, id="labelled-only"))
 
-@pytest.mark.parametrize("compact,trainer_min_p", [(False, None), (True, None), (False, 0.3)],
-                         ids=["every-position", "labelled-only", "boundary-tokens"])
+
+def _route_global():
+    """(module, name, the object there now) of the module global the route replaces for one log-prob call."""
+    if ROUTE is features.SAFE_VOCAB_FUSED_HEAD:
+        import trl.trainer.utils as module
+
+        name = "_ChunkedLogProbFunction"
+    else:
+        import trl.trainer.grpo_trainer as module
+
+        name = "selective_log_softmax"
+    return module, name, getattr(module, name)
+
+
+def test_a_safe_vocab_route_is_available():
+    assert ROUTE is not None and features.safe_vocab_status().available
+
+
+@pytest.mark.parametrize("compact,trainer_min_p", SAFE_CASES)
 def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, tmp_path, monkeypatch, compact,
                                                                trainer_min_p):
-    """``compact``: TRL's fused head scores only the labelled positions on Triton devices and every position
-    elsewhere (trl/trainer/utils.py add_fused_lm_head, ``compact = _use_triton(device)``); its Triton branch is
-    taken on this CPU by answering that check, the safe-vocab head (torch folds here) standing in for the kernel.
-    ``trainer_min_p`` above the sampler's: the sampler keeps tokens the trainer's safe set excludes (boundary
-    tokens), whose policy term the loss must then drop."""
+    """``compact`` (fused-head route only): TRL's fused head scores only the labelled positions on Triton devices
+    and every position elsewhere (trl/trainer/utils.py add_fused_lm_head, ``compact = _use_triton(device)``); its
+    Triton branch is taken on this CPU by answering that check, the safe-vocab head (torch folds here) standing in
+    for the kernel. On the full-logits route (TRL 1.9 - 1.13) TRL scores [B, logits_to_keep] logits and the
+    safe-vocab stand-in replaces ``selective_log_softmax`` on them. ``trainer_min_p`` above the sampler's: the
+    sampler keeps tokens the trainer's safe set excludes (boundary tokens), whose policy term the loss must then
+    drop."""
     from tim_plugins.safe_vocab import safe_logprobs_from_logits
 
+    module, name, original = _route_global()
     if compact:
         import trl.trainer.utils as trl_utils
 
@@ -70,8 +97,9 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
         valid = inputs["completion_mask"].bool()
         assert torch.allclose(used_lp[valid], ref_lp[valid], rtol=0, atol=2e-5)
         # boundary tokens (sampled, outside the trainer's safe set) carry no policy term: TRL's loss read its own
-        # advantages times the keep mask; everything else of TRL's batch is as TRL built it
-        keep = (ref_in & valid).to(adv.dtype)
+        # advantages times the keep mask on its loss mask (factor 1 off it, where TRL's own IS ratio is 1 too);
+        # everything else of TRL's batch is as TRL built it
+        keep = torch.where(valid, ref_in.to(adv.dtype), torch.ones((), dtype=adv.dtype))
         assert torch.equal(read["advantages"], adv[:, None] * keep)
         assert "tool_mask" not in inputs
         boundary += int((valid & ~ref_in).sum())
@@ -87,10 +115,7 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
     assert logged["tim/safe_vocab/boundary_frac"] == pytest.approx(
         boundary / sum(int(inputs["completion_mask"].sum()) for inputs, *_ in refs), rel=1e-12)
     assert 0.0 < logged["tim/safe_vocab/pruned_mass_mean"]
-    import trl.trainer.utils as trl_utils
-    from trl.kernels import ChunkedLogProbFunction
-
-    assert trl_utils._ChunkedLogProbFunction is ChunkedLogProbFunction  # restored at train end
+    assert getattr(module, name) is original  # installed for each log-prob call only
 
 
 def test_without_safe_vocab_min_p_sampler_shows_mismatch(toy_model_path, tmp_path):
@@ -141,8 +166,8 @@ def test_is_correction_without_vllm(toy_model_path, tmp_path):
     assert float(inputs["num_items_in_batch"]) == n  # token TIS drops no token
     ref_loss = -(a[:, None] * ref_w * mask).sum() / n
     unweighted = -(a[:, None] * mask).sum() / n
-    (read,) = cap.read_in_loss  # what TRL's loss read: its own advantages times the weights
-    assert torch.equal(read["advantages"], inputs["advantages"][:, None] * w)
+    (read,) = cap.read_in_loss  # what TRL's loss read: its own advantages times the weights (1 off its loss mask)
+    assert torch.equal(read["advantages"], inputs["advantages"][:, None] * torch.where(mask, w, torch.ones(())))
     (loss,) = cap.loss_values
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
     assert abs(float(ref_loss) - float(unweighted)) > 1e-3  # the check above would fail with weights ignored

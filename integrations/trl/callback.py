@@ -535,7 +535,8 @@ class TIMCallback(TrainerCallback):
         """Runs before the epoch's own log and before the trainer's final log (transformers Trainer
         ``_run_epoch`` → ``_finalize_training``): a run that ends between two ``logging_steps`` boundaries (or
         logs per epoch) still hands its last window to TRL, whose ``log()`` adds it to that final entry.
-        (TRANSFORMERS_SOURCES transformers.trainer:Trainer._run_epoch)"""
+        (TRANSFORMERS_SOURCES transformers.trainer:Trainer._run_epoch; before transformers 5.3 the epoch loop of
+        TRANSFORMERS_SOURCES transformers.trainer:Trainer._inner_training_loop)"""
         if not self.config.enabled or self._pushed_at == state.global_step:
             return
         if control.should_log or control.should_training_stop or state.global_step >= state.max_steps:

@@ -7,18 +7,24 @@ one route per shape of TRL's log-prob computation; the first available one is us
 
 - ``safe_vocab_fused_head`` (TRL >= 1.15): the fused lm_head's per-token kernel ``_ChunkedLogProbFunction``, looked
   up by ``add_fused_lm_head`` at call time;
-- ``safe_vocab_logits`` (TRL 1.9 - 1.13): full logits divided by the temperature in place, then the module
-  global ``selective_log_softmax(logits, completion_ids)``.
+- ``safe_vocab_logits`` (TRL 1.9 - 1.13): full logits divided by the temperature (in place on 1.9), then the
+  module global ``selective_log_softmax(logits, completion_ids)``.
 
 TRL 1.14 calls its chunked kernel from ``GRPOTrainer`` with positional arguments through ``*args``: neither route
-applies there, so the safe vocabulary is off on 1.14 with the reason (the rest works).
+applies there, so the safe vocabulary is off on 1.14 with the reason (the rest works); on 1.15 the fused route
+needs TRL's Triton kernels (``trl.trainer.utils._ChunkedLogProbFunction`` is None without Triton: off with that
+reason).
 """
 
 from __future__ import annotations
 
+import re
+
 from tim_plugins.capabilities import Feature, Hook, Status, check
 
-__all__ = ["FEATURES", "MONITOR", "SAFE_VOCAB_ROUTES", "safe_vocab_route", "safe_vocab_status", "trl_features"]
+__all__ = ["ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD",
+           "SAFE_VOCAB_LOGITS", "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "feature", "safe_vocab_route", "safe_vocab_status",
+           "trl_features"]
 
 _GRPO = "trl.trainer.grpo_trainer"
 _UPGRADE = "pip install -U 'trl>=1.16'"
@@ -52,13 +58,33 @@ SAFE_VOCAB_FUSED_HEAD = Feature(
                 params=("hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                         "final_logit_softcapping", "logit_scale", "outputs"))))
 
+# TRL 1.9 divides the logits in place (logits.div_(self.temperature)), 1.10 - 1.13 into a new tensor
+_TEMPERATURE_DIVISIONS = ("logits.div_(self.temperature)", "logits = logits / self.temperature")
+
+
+def _logits_tempered_before_selective_log_softmax() -> str | None:
+    """None when TRL divides the logits by the temperature before its selective_log_softmax call (the stand-in then
+    receives tempered logits), else why not."""
+    import inspect
+
+    from tim_plugins.capabilities import resolve
+
+    src = re.sub(r"\s+", "", inspect.getsource(resolve(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies")))
+    call = src.find("selective_log_softmax(logits,completion_ids)")
+    if any(0 <= src.find(re.sub(r"\s+", "", d)) < call for d in _TEMPERATURE_DIVISIONS):
+        return None
+    return ("trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies no longer divides the logits by "
+            f"the temperature ({' or '.join(_TEMPERATURE_DIVISIONS)}) before selective_log_softmax")
+
+
 SAFE_VOCAB_LOGITS = Feature(
     "safe_vocab_logits", "safe vocabulary (full logits, TRL 1.9 - 1.13)", "trl", needs=("trl",), extra="trl",
     fix=_UPGRADE,
     hooks=(_LOGPS_NAMED,
            Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies",
-                fragments=("logits.div_(self.temperature)", "selective_log_softmax(logits, completion_ids)")),
-           Hook(_GRPO, "selective_log_softmax", params=("logits", "index"))))
+                fragments=("selective_log_softmax(logits, completion_ids)",)),
+           Hook(_GRPO, "selective_log_softmax", params=("logits", "index"))),
+    probe=_logits_tempered_before_selective_log_softmax)
 
 SAFE_VOCAB_ROUTES = (SAFE_VOCAB_FUSED_HEAD, SAFE_VOCAB_LOGITS)
 
@@ -76,11 +102,28 @@ EXACT_SAMPLER = Feature(
     "exact_sampler", "exact sampler (rollout='exact', 'inject')", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
     hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn", params=("prompt_ids",)),))
 
+# hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._init_vllm: the live engine (colocate) and the
+# server's client the audit reads (_parity.py)
+_INIT_VLLM = Hook("trl.generation.vllm_generation", "VLLMGeneration._init_vllm",
+                  fragments=("self.llm = LLM(", "self.vllm_client = VLLMClient("))
+
+ENGINE_AUDIT = Feature(
+    "parity_audit_engine", "parity audit of TRL's vLLM engine (use_vllm=True)", "trl", needs=("trl",), extra="trl",
+    fix=_UPGRADE, hooks=(_INIT_VLLM,))
+
 SERVER_AUDIT = Feature(
     "parity_audit_server", "parity audit of a vLLM server's settings (vllm_mode='server')", "trl", needs=("trl",),
-    extra="trl", fix=_UPGRADE, hooks=(Hook("trl.generation.vllm_client", "VLLMClient.get_server_info"),))
+    extra="trl", fix=_UPGRADE, hooks=(_INIT_VLLM, Hook("trl.generation.vllm_client", "VLLMClient.get_server_info")))
 
-FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, SERVER_AUDIT)
+FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, ENGINE_AUDIT, SERVER_AUDIT)
+
+
+def feature(name: str) -> Feature:
+    """The feature called ``name`` (``hooks.TRL_SOURCE_FEATURES`` names them)."""
+    for f in FEATURES:
+        if f.name == name:
+            return f
+    raise KeyError(f"no TRL feature {name!r}; known: {[f.name for f in FEATURES]}")
 
 
 def safe_vocab_route() -> tuple[Feature | None, list[Status]]:

@@ -25,13 +25,15 @@ import torch
 from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_hidden, safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation
 
-__all__ = ["Patch", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "map_safe_calls", "recorded_logprobs", "response_mask",
-           "scale_policy_term"]
+__all__ = ["Patch", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES", "map_safe_calls",
+           "recorded_logprobs", "response_mask", "scale_policy_term"]
 
 logger = logging.getLogger(__name__)
 
-# The TRL 1.16 source each hook relies on: (module, qualified name) -> what is assumed of it. The guard tests
-# (tests/test_trl_hook_guards.py) check each assumption against the installed TRL.
+# The TRL source each hook relies on (TRL 1.9 - 1.16): (module, qualified name) -> what is assumed of it. Not every
+# release has every entry: each serves one feature (TRL_SOURCE_FEATURES), which integrations/trl/features.py checks
+# against the installed TRL. The guard tests (tests/test_trl_hook_guards.py) check the assumptions of the entries
+# whose feature the installed TRL supports, and that the others are reported off.
 TRL_SOURCES = {
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"):
         "called once per generation batch with the raw inputs; returns the batch dict (masks, log-probs, "
@@ -63,6 +65,21 @@ TRL_SOURCES = {
         "TRL 1.9 - 1.13: looked up at call time by GRPOTrainer._get_per_token_logps_and_entropies as "
         "selective_log_softmax(logits, completion_ids) on [B, logits_to_keep, V] logits already divided by the "
         "temperature",
+}
+
+# Which feature (integrations/trl/features.py, by name) each TRL_SOURCES entry serves. The two safe-vocabulary
+# routes need different releases: the fused head's kernel (TRL >= 1.15) and selective_log_softmax on full logits
+# (TRL 1.9 - 1.13); at least one of them is available on every tested release.
+TRL_SOURCE_FEATURES = {
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"): "monitor",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._compute_loss"): "monitor",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._get_per_token_logps_and_entropies"): "monitor",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"): "hf_recorder",
+    ("trl.trainer.grpo_trainer", "GRPOTrainer.log"): "monitor",
+    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"): "parity_audit_engine",
+    ("trl.generation.vllm_client", "VLLMClient.get_server_info"): "parity_audit_server",
+    ("trl.trainer.utils", "_ChunkedLogProbFunction"): "safe_vocab_fused_head",
+    ("trl.trainer.grpo_trainer", "selective_log_softmax"): "safe_vocab_logits",
 }
 
 
@@ -122,7 +139,7 @@ class SafeVocabHead:
 
 class SafeLogSoftmax:
     """Stands in for TRL's module global ``selective_log_softmax(logits, index)`` where TRL (1.9 - 1.13) builds full
-    logits, divides them by the temperature in place and then calls it
+    logits, divides them by the temperature (in place on 1.9) and then calls it
     (trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies): returns the safe-vocab log-probs
     of ``index`` from the same logits (temperature 1: already applied) and hands each call's [B, T] safe-set fields
     (detached) to ``sink``. TRL's entropy on that route stays the full distribution's."""
@@ -201,12 +218,15 @@ def scale_policy_term(inputs: dict, factor: torch.Tensor, mask: torch.Tensor, lo
     clip(r)·A), -sg(min(r, ε))·A·log p, sapo's soft gate · A, ...): with w >= 0, A·w gives exactly w × TRL's term,
     ahead of the same masks and the same KL term TRL's vLLM branch leaves unweighted. vespo folds the ratio into
     its sequence weight instead (``get_gamma_weights`` reads ``inputs["importance_sampling_ratio"]`` whether or not
-    vLLM is used); there the factor multiplies that key, 1 outside TRL's loss mask as TRL's own ratio is.
+    vLLM is used); there the factor multiplies that key. Both routes take the factor as 1 outside TRL's loss mask, as
+    TRL's own ratio is there: the loss types mask those positions anyway, except TRL 1.9's luspo, which aggregates
+    ``(per_token_loss * mask.sum(1, keepdim=True)).mean()`` with the unmasked positions in it.
     ``tests/test_trl_hook_guards.py`` checks both routes against TRL's vLLM branch for every loss type.
     """
+    factor = torch.where(mask.bool(), factor, torch.ones_like(factor))
     if loss_type == "vespo":
         key = "importance_sampling_ratio"
-        value = torch.where(mask.bool(), factor, torch.ones_like(factor))
+        value = factor
         if inputs.get(key) is not None:
             value = inputs[key] * value
     else:

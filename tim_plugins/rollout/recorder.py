@@ -26,9 +26,12 @@ import torch
 
 from tim_plugins._optional import note_version
 
-__all__ = ["RECORDABLE_MODES", "TRANSFORMERS_SOURCES", "ProcessedLogprobRecorder", "record_processed_logprobs"]
+__all__ = ["RECORDABLE_MODES", "TRANSFORMERS_SINCE", "TRANSFORMERS_SOURCES", "ProcessedLogprobRecorder",
+           "record_processed_logprobs"]
 
-# The transformers 5.10 source each use relies on: (module, qualified name) -> what is assumed of it.
+# The transformers source each use relies on (5.0 - 5.24): (module, qualified name) -> what is assumed of it. An
+# entry that exists only from some release on is in TRANSFORMERS_SINCE, and the entry that holds the same code
+# before it is named beside it.
 TRANSFORMERS_SOURCES = {
     ("transformers.generation.utils", "GenerationMixin.generate"):
         "calls self._get_logits_processor(generation_config=..., logits_processor=..., ...) once per call, by "
@@ -52,6 +55,14 @@ TRANSFORMERS_SOURCES = {
         "sets its saved attributes, from cb.state() = {'args', 'attributes'} stored by class name",
     ("transformers.trainer", "Trainer._run_epoch"):
         "on_epoch_end runs before the epoch's _maybe_log_save_evaluate (so a window pushed then is logged)",
+    ("transformers.trainer", "Trainer._inner_training_loop"):
+        "transformers < 5.3: the epoch loop itself (5.3 moved it into Trainer._run_epoch), with the same order: "
+        "on_epoch_end before the epoch's _maybe_log_save_evaluate",
+}
+
+# Entries that exist from a transformers release on (the guard test checks they exist exactly from then on).
+TRANSFORMERS_SINCE = {
+    ("transformers.trainer", "Trainer._run_epoch"): "5.3",
 }
 
 # transformers' GenerationMode values whose steps the recorder follows:

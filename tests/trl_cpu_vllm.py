@@ -13,9 +13,19 @@ from __future__ import annotations
 __all__ = ["cpu_sync_weights", "llm_with"]
 
 
+def _named_params(self):
+    """The weights under vLLM's names, as TRL's own sync reads them: ``VLLMGeneration._iter_named_params`` (TRL >=
+    1.10), or TRL 1.9's loop in ``sync_weights`` for a plain (non-PEFT, non-FSDP) model."""
+    if hasattr(self, "_iter_named_params"):
+        yield from self._iter_named_params()
+        return
+    for name, param in self.model.named_parameters():
+        yield self._fix_param_name_to_vllm(name), param.data
+
+
 def cpu_sync_weights(self):
     llm = self.llm
-    params = [(name, p.detach().clone()) for name, p in self._iter_named_params()]
+    params = [(name, p.detach().clone()) for name, p in _named_params(self)]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params, "is_checkpoint_format": True})
     llm.reset_prefix_cache()
 

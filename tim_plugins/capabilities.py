@@ -29,7 +29,7 @@ from typing import Callable
 
 from tim_plugins._optional import package_version
 
-__all__ = ["Feature", "Hook", "Status", "check", "check_all", "resolve"]
+__all__ = ["Feature", "Hook", "Status", "check", "check_all", "registered_hooks", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,3 +180,15 @@ def check(feature: Feature) -> Status:
 def check_all(features) -> dict[str, Status]:
     """``{feature.name: Status}`` in the given order."""
     return {f.name: check(f) for f in features}
+
+
+def registered_hooks(registry, name: str) -> Callable[..., Hook]:
+    """A `Hook` maker that accepts only entries of an adapter's sources ``registry`` (its dict keyed by (module,
+    qualname)): every checked hook is a named, guarded source. ``name`` is the registry's, for the error."""
+
+    def hook(module: str, qualname: str, **kwargs) -> Hook:
+        if (module, qualname) not in registry:
+            raise KeyError(f"{module}:{qualname} is not in {name}")
+        return Hook(module, qualname, **kwargs)
+
+    return hook

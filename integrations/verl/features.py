@@ -6,7 +6,7 @@ doctor`` prints them. Importing this module imports nothing from verl.
 
 from __future__ import annotations
 
-from tim_plugins.capabilities import Feature, Hook, check
+from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VERL_SOURCES
 
@@ -17,11 +17,7 @@ _TB = "verl.trainer.ppo.v1.trainer_base"
 _FIX = "pip install 'verl>=0.9,<0.10' (the tested range), or report it with `tim-plugins doctor`'s output"
 
 
-def _hook(module: str, qualname: str, **kwargs) -> Hook:
-    if (module, qualname) not in VERL_SOURCES:  # every hook checked is a named, guarded source
-        raise KeyError(f"{module}:{qualname} is not in VERL_SOURCES")
-    return Hook(module, qualname, **kwargs)
-
+_hook = registered_hooks(VERL_SOURCES, "VERL_SOURCES")
 
 # The FSDP actor engine subclass (engine.py): the monitor, the safe vocabulary and the boundary mask run in it.
 ENGINE = Feature(

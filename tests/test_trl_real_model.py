@@ -60,9 +60,11 @@ SAME_VALUES_REL = 1e-4
 # k3 < 5e-7: the floor is 400x above that and 3.5x below the lowest measurement. A broken weight sync gives mean
 # |d| > 1 by step 2, so k3 >= ~0.5: the ceiling sits 5x below that and 7x above the highest measurement.
 K3_FLOOR, K3_CEILING = 2e-4, 0.1
-# A mean over ~370 per-token ratios carries bf16 noise: at top_p = 1 the same mean (tim/token/ratio_mean) reads
-# 1.001-1.002 here; the truncation bias it is compared with is 1 − kept mass ≈ 0.13-0.16.
-RATIO_TOL = 0.01
+# A mean over ~370 per-token ratios carries the bf16 mismatch: at top_p = 1 the same mean (tim/token/ratio_mean)
+# read 1.001-1.002 on earlier machines; on one with AVX512-BF16 (k3 ~10x higher, see above) the safe-vocabulary arm
+# read 0.963 at step 2 (2026-11-27, the oldest stack). The truncation bias it is compared with is 1 − kept mass ≈
+# 0.13-0.16, three times the tolerance.
+RATIO_TOL = 0.05
 
 
 @dataclass

@@ -93,9 +93,10 @@ def test_evaluation_leaves_the_training_run_untouched(quick_study):
     torch.manual_seed(123)
     state = torch.get_rng_state()
     # The study's worker processes run with one torch thread (main._run_jobs); so does this evaluation. The
-    # float32 matmuls reduce in a thread-count-dependent order: with this process's default (one thread per core)
-    # the entropies differed from the runs' in the 8th digit (2.8592010537783303 vs ...339101157 on 2 cores), with
-    # one thread they are the same bits, which is what the exact comparison below checks.
+    # float32 matmuls reduce in a thread-count-dependent order, and even with one thread here the entropies of a
+    # full `make test` run differed from the runs' in the 8th digit (2.8592010537783303 vs ...339101157, 7e-9
+    # relative; identical when this file runs alone): the comparison allows float32 rounding of a mean (1e-6
+    # relative) for the entropy, far below what a changed policy, prompt or seed moves; the rest is exact.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -111,7 +112,8 @@ def test_evaluation_leaves_the_training_run_untouched(quick_study):
         assert int(row["step"]) == 0
         for mode in ("greedy", "sample"):
             for key, value in got[mode].items():
-                assert float(row[f"eval/{mode}/{key}"]) == pytest.approx(value, rel=1e-12, abs=1e-12), (arm, key)
+                tol = 1e-6 if key == "entropy" else 1e-12  # the sampled tokens, rewards and lengths: exact
+                assert float(row[f"eval/{mode}/{key}"]) == pytest.approx(value, rel=tol, abs=1e-12), (arm, key)
     # an independent count of the greedy reward: decode, then the naive chain rule
     enc = tok(prompts, return_tensors="pt", padding=True)
     out = model.generate(**enc, do_sample=False, max_new_tokens=QUICK["budget"], pad_token_id=tok.pad_token_id)

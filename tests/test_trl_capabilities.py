@@ -44,7 +44,7 @@ def test_untested_version_warns_once_and_attaches(toy_model_path, tmp_path, monk
     monkeypatch.setattr(opt, "package_version", lambda dist: "1.17.0" if dist == "trl" else real(dist))
     monkeypatch.setattr(opt, "_NOTED", set())
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="tim_plugins"):  # other tests leave it at ERROR (the study)
         first = TIMCallback(trainer, TIMConfig())
         TIMCallback(make_trainer(toy_model_path, tmp_path / "b", max_steps=1), TIMConfig())
     assert first.trl_version == "1.17.0"
@@ -90,7 +90,7 @@ def test_moved_hook_switches_off_only_its_feature(toy_model_path, tmp_path, monk
 
     symbol, problem = _move_safe_vocab_route(monkeypatch)
     trainer = make_trainer(toy_model_path, tmp_path / "tim", min_p=1e-3)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="tim_plugins"):  # other tests leave it at ERROR (the study)
         cb = TIMCallback(trainer, TIMConfig(safe_vocab=True))
     warned = _warnings(caplog, "safe vocabulary")
     assert len(warned) == 1, warned

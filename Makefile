@@ -120,9 +120,16 @@ wheel-checks:
 		rm -rf dist; exit $$status
 
 # A stack of STACKS: its environment from its lock (skipped when up to date), then STACK_TESTS.
+# The oldest stack leaves out the SmolLM2 arms: transformers 5.5.3's GGUF reader converts SmolLM2-135M-Instruct
+# into a model that generates garbage (tests/test_real_model.py fails there on the reader's own output), so they
+# would measure a broken model; a user's own HF checkpoint is not affected. The toy-model tests and the vLLM CPU
+# arms run there.
+STACK_TESTS_oldest := $(filter-out tests/test_trl_real_model.py%,$(STACK_TESTS))
+STACK_TESTS_newest := $(STACK_TESTS)
+
 test-stack-%:
 	$(SUITE) run stack-$* --stack $* --venv .venv-$* --setup "scripts/stack install $*" \
-		--what "STACK_TESTS (Makefile)" -- .venv-$*/bin/python -m pytest -q $(STACK_TESTS) $(PYTEST_ARGS)
+		--what "STACK_TESTS (Makefile)" -- .venv-$*/bin/python -m pytest -q $(STACK_TESTS_$*) $(PYTEST_ARGS)
 
 # The canary for new releases, not part of `make test`: the newest TRL and transformers, unpinned, in .venv-latest
 # (kept between runs); the STACK_TESTS subset without the vLLM tests. Run it when TRL, transformers, vLLM or verl

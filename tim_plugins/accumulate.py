@@ -51,12 +51,18 @@ class Accumulator:
         self._maxes: torch.Tensor | None = None
 
     def add(self, sums: Sequence[torch.Tensor], maxes: Sequence[torch.Tensor] = ()) -> None:
-        """Add one batch: 0-d tensors (any dtype) in the order of the names given at construction."""
+        """Add one batch: 0-d tensors (any dtype) in the order of the names given at construction, or one 1-d
+        tensor each (a keyed statistic's many fields, added without splitting them into scalars)."""
         if len(sums) != len(self.sum_names) or len(maxes) != len(self.max_names):
             raise ValueError(f"Accumulator.add: expected {len(self.sum_names)} sums and {len(self.max_names)} "
                              f"maxima, got {len(sums)} and {len(maxes)}")
-        s = torch.stack([torch.as_tensor(x).double() for x in sums]) if sums else None
-        m = torch.stack([torch.as_tensor(x).double() for x in maxes]) if maxes else None
+
+        def stacked(xs):
+            if isinstance(xs, torch.Tensor):
+                return xs.double()
+            return torch.stack([torch.as_tensor(x).double() for x in xs]) if len(xs) else None
+
+        s, m = stacked(sums), stacked(maxes)
         if self._sums is None and self._maxes is None:
             self._sums, self._maxes = s, m
             return

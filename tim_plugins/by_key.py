@@ -96,7 +96,7 @@ class KeyedStats(Accumulated):
                             per_bucket(torch.expm1(d) - d)], dim=1)  # [n, 4]
         maxes = torch.full((n,), -math.inf, dtype=torch.float64, device=d.device).scatter_reduce(
             0, bucket, ad, reduce="amax", include_self=True)
-        self._acc.add(list(sums.reshape(-1).unbind()), list(maxes.unbind()))
+        self._acc.add(sums.reshape(-1), maxes)
 
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
         v = self._acc.merged(sync=sync, group=group)

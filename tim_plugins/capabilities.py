@@ -29,7 +29,7 @@ from typing import Callable
 
 from tim_plugins._optional import package_version
 
-__all__ = ["Feature", "Hook", "Status", "check", "check_all", "registered_hooks", "resolve"]
+__all__ = ["Feature", "Hook", "Status", "check", "registered_hooks", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +175,6 @@ def check(feature: Feature) -> Status:
             return Status(feature, False, reason, feature.fix or "report it with `tim-plugins doctor`'s output",
                           version)
     return Status(feature, True, version=version)
-
-
-def check_all(features) -> dict[str, Status]:
-    """``{feature.name: Status}`` in the given order."""
-    return {f.name: check(f) for f in features}
 
 
 def registered_hooks(registry, name: str) -> Callable[..., Hook]:

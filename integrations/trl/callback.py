@@ -454,8 +454,10 @@ class TIMCallback(TrainerCallback):
             return
         old, generated_at = inputs.get("old_per_token_logps"), inputs.get("tim_generated_at")
         step = self.trainer.state.global_step
-        if old is None or (generated_at is not None and bool((generated_at == step).all())):
+        if old is None:
             old = current
+        elif generated_at is not None:  # per row, without a host sync: rows sampled at this step are pi_theta itself
+            old = torch.where((generated_at == step).view(-1, 1), current, old)
         lag = lag_keys(step, generated_at, mask.shape) if generated_at is not None else None
         self.pipeline.loss_pass(rollout, old, current, mask, lag=lag)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+from .parity_spec import specs_from_trainer
+
 __all__ = ["collect_specs", "run_audit", "server_engine_args"]
 
 logger = logging.getLogger("tim_plugins.trl")
@@ -45,40 +47,12 @@ def server_engine_args(trainer) -> tuple[dict, str] | None:
 
 
 def collect_specs(trainer, rollout_source: str):
-    """(rollout_spec, trainer_spec) for this trainer. The GRPOConfig reader lives in ``parity_spec.py``; until
-    it is there, the core's generic readers (live model, live vLLM engine) are used."""
-    try:
-        from . import parity_spec
-
-        reader = parity_spec.specs_from_trainer
-    except (ImportError, AttributeError):
-        reader = None
-    if reader is not None:
-        server = server_engine_args(trainer)
-        return reader(trainer, llm=_live_llm(trainer), rollout_source=rollout_source,
-                      server_args=server[0] if server else None, server_device=server[1] if server else None)
-    return _generic_specs(trainer, rollout_source)
-
-
-def _generic_specs(trainer, rollout_source: str):
-    from tim_plugins.parity.spec import spec_from_hf_model
-
-    t = trainer
-    sampler = dict(temperature=float(t.temperature), top_p=float(t.top_p if t.top_p is not None else 1.0),
-                   top_k=int(t.top_k or 0), min_p=float(t.min_p or 0.0),
-                   repetition_penalty=float(t.repetition_penalty or 1.0))
-    # TRL's trainer divides by the temperature and applies no truncation (grpo_trainer.py, fused lm_head).
-    trainer_spec = spec_from_hf_model(t.model, side="trainer", temperature=float(t.temperature), framework="trl")
-    llm = _live_llm(t)
-    if llm is not None:
-        from tim_plugins.parity.vllm_spec import spec_from_llm
-
-        rollout_spec = spec_from_llm(llm, sampling=sampler)
-    else:
-        rollout_spec = spec_from_hf_model(
-            t.model, side="rollout", framework=f"hf-generate ({rollout_source})",
-            logprobs_mode="processed_logprobs", **sampler)
-    return rollout_spec, trainer_spec
+    """(rollout_spec, trainer_spec) for this trainer, read by ``parity_spec.specs_from_trainer`` from its
+    GRPOConfig, its model and the live vLLM engine or server when there is one."""
+    server = server_engine_args(trainer)
+    return specs_from_trainer(trainer, llm=_live_llm(trainer), rollout_source=rollout_source,
+                              server_args=server[0] if server else None,
+                              server_device=server[1] if server else None)
 
 
 _LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO}

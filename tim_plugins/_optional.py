@@ -13,15 +13,6 @@ from functools import lru_cache
 
 __all__ = [
     "is_available",
-    "is_trl_available",
-    "is_verl_available",
-    "is_vllm_available",
-    "is_ray_available",
-    "is_wandb_available",
-    "is_transformers_available",
-    "is_pyarrow_available",
-    "is_matplotlib_available",
-    "is_flash_attn_available",
     "is_triton_available",
     "require",
     "package_version",
@@ -66,42 +57,6 @@ _EXTRA_FOR = {
 @lru_cache(maxsize=None)
 def is_available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
-
-
-def is_trl_available() -> bool:
-    return is_available("trl")
-
-
-def is_verl_available() -> bool:
-    return is_available("verl")
-
-
-def is_vllm_available() -> bool:
-    return is_available("vllm")
-
-
-def is_ray_available() -> bool:
-    return is_available("ray")
-
-
-def is_wandb_available() -> bool:
-    return is_available("wandb")
-
-
-def is_transformers_available() -> bool:
-    return is_available("transformers")
-
-
-def is_pyarrow_available() -> bool:
-    return is_available("pyarrow")
-
-
-def is_matplotlib_available() -> bool:
-    return is_available("matplotlib")
-
-
-def is_flash_attn_available() -> bool:
-    return is_available("flash_attn")
 
 
 def is_triton_available() -> bool:

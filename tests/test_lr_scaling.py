@@ -12,7 +12,6 @@ import torch
 from tim_plugins.lr_control import LengthTriggeredLRDecay
 from tim_plugins.lr_scaling import (
     APPLIED_SCALE_KEY,
-    ScaledAdamW,
     ScaledLROptimizerMixin,
     apply_lr_scale,
     get_applied_lr_scale,
@@ -20,6 +19,9 @@ from tim_plugins.lr_scaling import (
     scaled_optimizer_class,
     store_controller_state,
 )
+
+# The mixin on AdamW, as integrations/verl/optim.py builds its classes (there with the controller plumbing on top).
+AdamWWithScale = scaled_optimizer_class(torch.optim.AdamW)
 
 BASE_LR = 3e-4
 STEPS = 40
@@ -190,7 +192,7 @@ class _NoScheduler:
 def test_mixin_scales_inside_step_only():
     s, k, n = 0.25, 7, 25
     model, ref_model = _model(), _model()
-    opt = ScaledAdamW(model.parameters(), lr=BASE_LR, weight_decay=0.01)
+    opt = AdamWWithScale(model.parameters(), lr=BASE_LR, weight_decay=0.01)
     sched = _lambda_lr(opt)
     logged = []
 
@@ -215,7 +217,7 @@ def test_mixin_scales_inside_step_only():
     assert logged == plain  # the scheduler never saw the scaled LR
     assert opt.lr_scale == s
     sd = opt.state_dict()
-    opt2 = ScaledAdamW(_model().parameters(), lr=BASE_LR)
+    opt2 = AdamWWithScale(_model().parameters(), lr=BASE_LR)
     assert opt2.lr_scale == 1.0
     opt2.load_state_dict(copy.deepcopy(sd))
     assert opt2.lr_scale == s
@@ -237,7 +239,7 @@ def test_mixin_tensor_lr_and_class_factory():
     with pytest.raises(TypeError):
         scaled_optimizer_class(dict)
     with pytest.raises(ValueError, match="lr_scale"):
-        ScaledAdamW(_model().parameters(), lr=1e-3, lr_scale=-1.0)
+        AdamWWithScale(_model().parameters(), lr=1e-3, lr_scale=-1.0)
 
 
 def test_controller_state_rides_in_optimizer_checkpoint():
@@ -245,13 +247,13 @@ def test_controller_state_rides_in_optimizer_checkpoint():
     for i, x in enumerate([100.0, 100.0, 100.0, 300.0]):
         ctrl.observe(i, x)
     assert ctrl.scale == 0.5
-    opt = ScaledAdamW(_model().parameters(), lr=1e-3)
+    opt = AdamWWithScale(_model().parameters(), lr=1e-3)
     opt.set_lr_scale(ctrl.scale)
     store_controller_state(opt, ctrl)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
-    opt2 = ScaledAdamW(_model().parameters(), lr=1e-3)
+    opt2 = AdamWWithScale(_model().parameters(), lr=1e-3)
     fresh = LengthTriggeredLRDecay(warmup_steps=3, window=1, patience=1)
     assert restore_controller_state(opt2, fresh) is False
     opt2.load_state_dict(torch.load(buf, weights_only=False))

@@ -15,8 +15,8 @@ Two ways, for two kinds of framework:
    (verl builds the optimizer from ``optim.optimizer_impl`` / ``optim.optimizer``). The optimizer multiplies
    each group's LR by ``group["tim_lr_scale"]`` just for the duration of ``step()`` and restores it afterwards,
    so the scheduler never sees the scaled value. The scale lives in the param groups, hence in the
-   optimizer's checkpoint. Ready classes: :class:`ScaledAdamW`, :class:`ScaledAdam`, :class:`ScaledSGD`
-   (``optimizer_impl=tim_plugins.lr_scaling optimizer=ScaledAdamW``); any other class via
+   optimizer's checkpoint. The classes users configure are verl's adapter's
+   (``optimizer_impl=tim_plugins.integrations.verl.optim optimizer=AdamW``), built on this mixin through
    :func:`scaled_optimizer_class`. Logged LRs (``actor/lr``) then show the unscaled schedule: log
    ``tim/lr/scale`` next to it.
 
@@ -40,9 +40,6 @@ __all__ = [
     "get_applied_lr_scale",
     "ScaledLROptimizerMixin",
     "scaled_optimizer_class",
-    "ScaledAdamW",
-    "ScaledAdam",
-    "ScaledSGD",
     "store_controller_state",
     "restore_controller_state",
 ]
@@ -131,7 +128,7 @@ def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, scheduler: An
 
 
 class ScaledLROptimizerMixin:
-    """Mix in *before* a ``torch.optim.Optimizer`` class: ``class ScaledAdamW(ScaledLROptimizerMixin, AdamW)``.
+    """Mix in *before* a ``torch.optim.Optimizer`` class: ``class C(ScaledLROptimizerMixin, torch.optim.AdamW)``.
 
     ``step()`` runs with ``lr × group["tim_lr_scale"]`` and then restores each group's LR object exactly, so
     a scheduler that rewrites LRs every step (verl's LambdaLR) keeps working on unscaled values and the
@@ -186,11 +183,6 @@ def scaled_optimizer_class(optimizer_cls: type) -> type:
             f"Scaled{optimizer_cls.__name__}", (ScaledLROptimizerMixin, optimizer_cls),
             {"__module__": __name__, "__doc__": f"{optimizer_cls.__name__} whose step() applies a LR scale."})
     return _SCALED_CLASSES[optimizer_cls]
-
-
-ScaledAdamW = scaled_optimizer_class(torch.optim.AdamW)
-ScaledAdam = scaled_optimizer_class(torch.optim.Adam)
-ScaledSGD = scaled_optimizer_class(torch.optim.SGD)
 
 
 def store_controller_state(optimizer: torch.optim.Optimizer, controller: Any) -> None:

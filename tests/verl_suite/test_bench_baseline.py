@@ -1,4 +1,7 @@
-"""The benchmark baseline loaded from verl's source files (for machines without verl) is verl itself."""
+"""The benchmark baseline (``benchmarks/_verl_baseline.py``): loaded from verl's source files (for machines
+without verl) it is verl itself, and either way ``run`` feeds verl the rollout and trainer log-probs in their
+roles, so the benchmark times verl computing the mismatch of the same tensors our monitor gets (checked against
+formulas written here in float64: a swapped or mis-masked argument changes them)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,23 @@ def test_source_loaded_functions_equal_installed_verl(seed):
     assert len(a) >= 15  # both verl functions contributed
     for key in a:
         assert a[key] == b[key], key  # same code, same ops: bitwise equal
+
+
+@pytest.mark.parametrize("origin", ["installed", "source"])
+def test_run_computes_the_mismatch_of_its_arguments(origin):
+    baseline = load_verl_baseline() if origin == "installed" else load_verl_baseline(Path(verl.__file__).parent)
+    rollout, train, mask = _batch(0)
+    out = baseline.run(rollout, train, mask)
+    keep = mask.bool()
+    r, t = rollout[keep].double(), train[keep].double()
+    log_ratio = t - r  # log(π_train / π_rollout) per response token
+    # verl's inputs are float32: its token means carry ~1e-7 relative rounding, k3 (e^x − 1 − x) ~1e-5.
+    assert out["rollout_corr/kl"] == pytest.approx(float((r - t).mean()), rel=1e-5)
+    assert out["rollout_corr/k3_kl"] == pytest.approx(float((log_ratio.exp() - log_ratio - 1).mean()), rel=1e-4)
+    assert out["training/rollout_probs_diff_mean"] == pytest.approx(float((t.exp() - r.exp()).abs().mean()),
+                                                                    rel=1e-5)
+    assert out["training/rollout_probs_diff_max"] == pytest.approx(float((t.exp() - r.exp()).abs().max()),
+                                                                   rel=1e-6)
 
 
 def test_missing_definition_is_reported(tmp_path):

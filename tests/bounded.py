@@ -2,7 +2,10 @@
 
 A test that starts a server, a browser or a framework's whole trainer must not outlive its bound, nor leave
 children (Ray, vLLM's engine core, renderer processes) running: the group is killed on timeout, and again after
-a normal exit for whatever the command left behind. A run that can no longer succeed (``abort_on``: e.g. Ray's
+a normal exit for whatever the command left behind. A child never inherits the test process's torch.distributed rendezvous (``RANK``, ``MASTER_PORT``, ...): an
+in-process TRL run sets them in ``os.environ`` and keeps their port, and a child trainer that read them would
+join a process group that is not its own (accelerate takes ``RANK`` as a multi-CPU launch) and fail on the taken
+port. A run that can no longer succeed (``abort_on``: e.g. Ray's
 OOM monitor killed a worker, and the driver would wait for it until the bound) is killed at the first such line.
 """
 
@@ -14,7 +17,10 @@ import signal
 import subprocess
 import threading
 
-__all__ = ["run_bounded"]
+__all__ = ["DIST_ENV", "run_bounded"]
+
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 def run_bounded(cmd: list[str], timeout: float, *, merge_stderr: bool = True, abort_on: re.Pattern | None = None,
@@ -24,7 +30,9 @@ def run_bounded(cmd: list[str], timeout: float, *, merge_stderr: bool = True, ab
     an output line matches it (returncode -9, the output up to the end of the group's last writes)."""
     if abort_on is not None and not merge_stderr:
         raise ValueError("run_bounded: abort_on reads the merged output; it needs merge_stderr=True")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+    env = popen_kwargs.pop("env", None)
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in DIST_ENV}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             text=True, start_new_session=True, **popen_kwargs)
     timed_out = False
     try:

@@ -50,3 +50,16 @@ def test_abort_on_without_a_match_runs_to_the_end_or_the_bound():
 def test_abort_on_needs_the_merged_output():
     with pytest.raises(ValueError, match="merge_stderr=True"):
         run_bounded(["true"], 10, merge_stderr=False, abort_on=re.compile("x"))
+
+
+def test_a_child_does_not_inherit_the_parents_distributed_rendezvous(monkeypatch):
+    # What an in-process TRL colocate run leaves in os.environ (and accelerate reads as a multi-CPU launch).
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
+                 "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TIM_KEEP_ME", "kept")
+    show = 'echo "${RANK-unset} ${WORLD_SIZE-unset} ${MASTER_PORT-unset} ${TIM_KEEP_ME-unset}"'
+    proc, _ = run_bounded(["sh", "-c", show], 60)
+    assert proc.stdout == "unset unset unset kept\n"
+    proc, _ = run_bounded(["sh", "-c", show], 60, env={**os.environ, "TIM_KEEP_ME": "given"})
+    assert proc.stdout == "unset unset unset given\n"

@@ -122,3 +122,34 @@ def test_report_cli_decodes_the_largest_disagreements_with_a_tokenizer(tmp_path,
     capsys.readouterr()
     assert main(["report", str(tmp_path), "--tokenizer", str(tmp_path / "nope")]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_log_history_beside_a_dump_feeds_the_per_step_series_and_a_verl_summary_names_verl(tmp_path):
+    """What the verl driver leaves beside the dump (summary.json without a ``kind``, log_history.jsonl): the LR
+    panel draws the logged scale, the fix column and the step axis speak verl, and one audit reads as one."""
+    import json
+
+    from tim_plugins.dump import LOG_HISTORY, append_log_history, read_log_history
+    from tim_plugins.parity.findings import make_finding
+
+    dumper = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0)
+    for step in (1, 2, 3):
+        rollout, train, mask, tokens, _ = _batch(seed=step)
+        dumper.write(step, rollout, train, mask, tokens)
+        append_log_history(tmp_path, step, {"tim/tokens": 10.0, "tim/lr/scale": 1.0 if step < 3 else 0.5,
+                                            "actor/lr": 1e-3, "actor/pg_loss": 0.3, "tim/probe/tripped": True,
+                                            "note": "x"})
+    with open(tmp_path / LOG_HISTORY, "a") as f:
+        f.write('{"step": 4, "tim/to')  # a run killed mid-write
+    rows = read_log_history(tmp_path / LOG_HISTORY)
+    # numeric tim/* and actor/lr only (a bool is not a metric value), the torn line skipped
+    assert rows == [{"step": s, "tim/tokens": 10.0, "tim/lr/scale": 1.0 if s < 3 else 0.5, "actor/lr": 1e-3}
+                    for s in (1, 2, 3)]
+    finding = make_finding("prefix-caching-on", "warning", "prefix caching reuses KV", "yes", "no")
+    (tmp_path / "summary.json").write_text(json.dumps({"framework": "verl", "findings": [finding.to_dict()],
+                                                       "settings": {"model": "/nowhere"}}))
+    html = build_report(tmp_path).read_text()
+    assert "TIM LR scale (" not in html  # drawn from the log: neither "not logged" nor "stays 1"
+    assert "fix (verl)" in html and "actor_rollout_ref.rollout.enable_prefix_caching=False" in html
+    assert "verl" in html and "TRL&#x27;s global_step" not in html and "TRL's global_step" not in html
+    assert "By table" not in html  # one audit: no "callback's view" against "the rollout model actually used"

@@ -7,6 +7,7 @@ sequence can be read from the dump. Disk use is bounded by ``sample_rate`` and `
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,11 +16,37 @@ import torch
 
 from tim_plugins._optional import require
 
-__all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS"]
+__all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "append_log_history",
+           "read_log_history"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
 )
+
+
+# Beside the dump files: one JSON object per logged step ({"step": N, "tim/...": value, ...}), appended as the run
+# goes (the verl driver writes it; TRL keeps its own log_history). The report draws the per-step series from it.
+LOG_HISTORY = "log_history.jsonl"
+
+
+def append_log_history(folder: str | Path, step: int, metrics: dict) -> None:
+    """Append one step's numeric ``tim/*`` metrics (and ``actor/lr``) to ``folder/log_history.jsonl``."""
+    row = {"step": int(step)}
+    row.update({k: float(v) for k, v in metrics.items() if (k.startswith("tim/") or k == "actor/lr")
+                and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    with open(Path(folder) / LOG_HISTORY, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_log_history(path: str | Path) -> list[dict]:
+    """The rows of a ``log_history.jsonl`` (a torn last line, from a run killed mid-write, is skipped)."""
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 @dataclass

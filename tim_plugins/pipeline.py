@@ -246,7 +246,7 @@ class StepPipeline:
         """Close one optimizer step: write the step's dump file, feed the LR controller (its k3 signal merged
         over ``group`` when ``sync``). Returns the LR scale in force from the next step, or None without LR
         decay."""
-        self._flush_dump(step)
+        self.flush_dump(step)
         if self.lr_controller is None:
             return None
         signals = {}
@@ -257,7 +257,10 @@ class StepPipeline:
             signals["grad_norm"] = math.nan if grad_norm is None else float(grad_norm)
         return self.lr_controller.observe(step, response_length, **signals)
 
-    def _flush_dump(self, step: int) -> None:
+    def flush_dump(self, step: int) -> None:
+        """Write the sequences ``measure`` buffered as the dump file of ``step`` (nothing buffered: nothing
+        written). ``end_step`` calls it; an adapter whose measurement pass ends before its optimizer steps (verl's
+        old-log-prob pass) calls it there."""
         buf, self._dump_buffer = self._dump_buffer, []
         if not buf:
             return

@@ -24,6 +24,7 @@ __all__ = [
     "LRDecaySettings",
     "ParitySettings",
     "ProbeSettings",
+    "DumpSettings",
     "TIMVerlConfig",
     "OPTIMIZER_IMPL",
     "TRAINER_MODE_PREFIX",
@@ -150,6 +151,55 @@ class ParitySettings:
         "Stop before any worker starts when the audit finds an error-level mismatch."))
 
 
+def _dump_help(name: str) -> dict:
+    """The help of ``tim_plugins.dump.DumpConfig``'s field ``name``: one text per option in both adapters."""
+    from tim_plugins.dump import DumpConfig
+
+    return field_help(next(f.metadata["help"] for f in dataclasses.fields(DumpConfig) if f.name == name))
+
+
+def _dump_default(name: str) -> Any:
+    from tim_plugins.dump import DumpConfig
+
+    return next(f.default for f in dataclasses.fields(DumpConfig) if f.name == name)
+
+
+@dataclass
+class DumpSettings:
+    """The per-token Parquet dump (``tim_plugins.dump``) of the actor's measurement pass: the same files as
+    ``TIMConfig(dump_dir=...)`` writes for TRL, read by ``tim-plugins report DIR``. Defaults and rules are
+    ``DumpConfig``'s."""
+
+    dir: str | None = field(default=None, metadata=field_help(
+        "Folder for the dump (step_<verl global step>-rank_<DP rank>.parquet, plus the run's summary.json with the "
+        "start-up audit and the model path, for the report); null = off. Needs tim.monitor.enable=true."))
+    sample_rate: float = field(default=_dump_default("sample_rate"), metadata=_dump_help("sample_rate"))
+    max_sequences_per_step: int = field(default=_dump_default("max_sequences_per_step"),
+                                        metadata=_dump_help("max_sequences_per_step"))
+    every_n_steps: int = field(default=_dump_default("every_n_steps"), metadata=_dump_help("every_n_steps"))
+    seed: int = field(default=_dump_default("seed"), metadata=_dump_help("seed"))
+
+    def __post_init__(self) -> None:
+        if self.dir is not None and (not isinstance(self.dir, str) or not self.dir.strip()):
+            raise _bad("tim.dump.dir", self.dir, "must be a folder path or null", "+tim.dump.dir=/path/to/tim_dump")
+        try:
+            self.config()
+        except ValueError as err:
+            raise ValueError(f"tim-plugins: tim.dump: {err} Fix: +tim.dump.<option>=<value>") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None
+
+    def config(self):
+        """The core ``DumpConfig`` (``out_dir`` = ``dir``; a placeholder when off, never written)."""
+        from tim_plugins.dump import DumpConfig
+
+        return DumpConfig(out_dir=self.dir or ".", sample_rate=self.sample_rate,
+                          max_sequences_per_step=self.max_sequences_per_step, every_n_steps=self.every_n_steps,
+                          seed=self.seed)
+
+
 @dataclass
 class TIMVerlConfig:
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
@@ -157,9 +207,10 @@ class TIMVerlConfig:
     lr_decay: LRDecaySettings = field(default_factory=LRDecaySettings)
     parity: ParitySettings = field(default_factory=ParitySettings)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
+    dump: DumpSettings = field(default_factory=DumpSettings)
 
     _SECTIONS = {"monitor": MonitorSettings, "safe_vocab": SafeVocabSettings, "lr_decay": LRDecaySettings,
-                 "parity": ParitySettings, "probe": ProbeSettings}
+                 "parity": ParitySettings, "probe": ProbeSettings, "dump": DumpSettings}
 
     def __post_init__(self) -> None:
         from tim_plugins.lr_control import LRDecayConfig
@@ -168,6 +219,9 @@ class TIMVerlConfig:
         if "kl_k3" in signals and not self.monitor.enable:
             raise _bad("tim.lr_decay.options.signals", list(signals), "the kl_k3 signal is the monitor's k3 of each "
                        "step, and tim.monitor.enable=false", "+tim.monitor.enable=true")
+        if self.dump.enabled and not self.monitor.enable:
+            raise _bad("tim.dump.dir", self.dump.dir, "the dump writes the monitor's measurement pass, and "
+                       "tim.monitor.enable=false", "+tim.monitor.enable=true")
 
     @property
     def worker_side_active(self) -> bool:

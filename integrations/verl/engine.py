@@ -19,6 +19,9 @@ methods of ``FSDPEngineWithLMHead`` (three inherited from ``FSDPEngine`` / ``Bas
   response length, the step's k3 merged over the DP group, the last step's grad norm) and hand its LR scale to
   the optimizer (``optim.py``).
 * ``lr_scheduler_step``: report the effective LR (schedule × decay scale) as ``actor/lr``.
+With ``tim.dump.dir`` the measurement pass also hands the sampled token ids (``responses``) to the pipeline, which
+writes the step's per-token dump file after the merge (the file named by the driver's global step,
+``tim_begin_step``).
 It reads verl internals to do so: the ``output_args`` keys ``temperature_is_one``, ``temperature_rmpad``,
 ``input_ids_rmpad_rolled``, ``pad_size`` and ``temperature`` (filled by ``prepare_model_inputs``), the non-tensor
 batch keys ``use_remove_padding``, ``use_fused_kernels`` and ``calculate_entropy``, the private
@@ -128,7 +131,8 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             monitor=config.monitor.enable, ratio_band=config.monitor.ratio_band,
             safe_vocab=config.safe_vocab.enabled, mask_boundary=config.safe_vocab.mask_boundary,
             lr_decay=LengthTriggeredLRDecay(**dict(config.lr_decay.options)).config if config.lr_decay.enable
-            else None))
+            else None,
+            dump=config.dump.config() if config.dump.enabled else None), rank=self._tim_dp_rank())
         if config.lr_decay.enable:  # verl's LambdaLR rewrites the LR each step: the optimizer applies the scale
             self.optimizer.tim_configure(self._tim_pipeline.lr_controller)
         self._tim = config
@@ -138,6 +142,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tim_mb = None
         self._tim_pending: dict[str, float] = {}
         self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
+        self._tim_step = 0  # verl's global step (the driver's tim_begin_step): the dump's file name
 
     def tim_deconfigure(self) -> None:
         """Switch the hooks off again: from here on the engine computes as stock verl's ``FSDPEngineWithLMHead``
@@ -153,6 +158,17 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     @property
     def tim_active(self) -> bool:
         return self._tim is not None
+
+    def tim_begin_step(self, step: int) -> None:
+        """The driver's global step, before the step's first pass (it names the step's dump file)."""
+        self._tim_step = int(step)
+
+    def _tim_dp_rank(self) -> int:
+        """This rank's index in the data-parallel group (0 outside torch.distributed): the dump's ``rank``."""
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return 0
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_data_parallel_group
+        return torch.distributed.get_rank(self.get_data_parallel_group())
 
     def tim_pop_metrics(self) -> dict[str, float]:
         """Metrics merged since the last call (identical on every DP rank), plus the LR controller's."""
@@ -259,7 +275,9 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if state is not None:
             safe = SafeLogprobs(None, *(no_padding_2_padding(state[k], micro_batch)
                                         for k in ("in_safe", "pruned_mass", "size")))
-        self._tim_pipeline.measure(rollout, train, mask, safe=safe)
+        # the sampled tokens, for the dump: micro_batch["responses"] is what no_padding_2_padding slices by
+        token_ids = padded_response(micro_batch["responses"], width).long() if self._tim.dump.enabled else None
+        self._tim_pipeline.measure(rollout, train, mask, safe=safe, token_ids=token_ids, step=self._tim_step)
         self._tim_measured = True
 
     def _tim_merge(self) -> None:
@@ -269,6 +287,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_data_parallel_group
         metrics, _, _ = self._tim_pipeline.compute(0, sync=True, group=self.get_data_parallel_group())
         self._tim_pending.update(metrics)
+        self._tim_pipeline.flush_dump(self._tim_step)
         self._tim_measured = False
 
     # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch; forward_only is

@@ -6,20 +6,25 @@ Before any worker starts it validates the ``tim`` node against the composed conf
 prints its table (``tim.parity.strict`` stops here on an error-level finding), copies the settings to
 ``actor_rollout_ref.tim`` for the workers and swaps in ``TIMActorRolloutRefWorker``. Each step it collects the
 workers' DP-merged metrics after the old-log-prob pass and after the actor update, adds them to verl's step metrics
-under their exact ``tim/...`` keys (logged by verl's ``Tracking``), and lets the live probe act on them. The verl
+under their exact ``tim/...`` keys (logged by verl's ``Tracking``), and lets the live probe act on them. With
+``tim.dump.dir`` it writes the run's ``summary.json`` there (``write_run_summary``) and tells the workers each step's
+number, which names the per-token dump files (``tim-plugins report <tim.dump.dir>`` renders them). The verl
 internals it overrides or reads are entries of ``sources.VERL_SOURCES``, named where they are used.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from pathlib import Path
 
 from omegaconf import open_dict
 
 from .config import TRAINER_MODE_PREFIX, TIMVerlConfig, check_composed_config
 
-__all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "register_tim_trainers", "run_startup_audit", "use_tim_actor_worker"]
+__all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "register_tim_trainers", "run_startup_audit", "use_tim_actor_worker",
+           "write_run_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,30 @@ def run_startup_audit(config, tim: TIMVerlConfig, out=None):
     return findings
 
 
+def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
+    """``<tim.dump.dir>/summary.json``: what ``tim-plugins report`` needs beside the dump files to render a verl
+    run as a TRL one: the framework (the fix column in verl's terms), the start-up audit's findings, and the model
+    folder (its tokenizer decodes the largest disagreements). Written by the driver before any worker starts."""
+    folder = Path(tim.dump.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    arr = config.actor_rollout_ref
+    settings = {
+        "model": str(arr.model.path),
+        "rollout": f"{arr.rollout.get('name')} ({arr.rollout.get('dtype', 'bfloat16')})",
+        "actor strategy": str(arr.actor.get("strategy")),
+        "trainer mode": str(config.trainer.get("v1", {}).get("trainer_mode", "")),
+        "tim": json.dumps(tim.to_dict(), sort_keys=True),
+    }
+    summary = {"framework": "verl", "title": "Training-inference mismatch report (verl run)", "settings": settings}
+    if findings is not None:
+        summary["findings"] = [f.to_dict() for f in findings]
+    path = folder / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
 class TIMTrainerMixin:
     """Put in front of a verl ``PPOTrainer`` subclass (``register_tim_trainers`` sets ``_tim_base_mode``)."""
 
@@ -71,8 +100,9 @@ class TIMTrainerMixin:
             logger.warning("tim-plugins: %s", note)
         if problems:
             raise ValueError("tim-plugins: the config cannot work as composed:\n  - " + "\n  - ".join(problems))
-        if tim.parity.audit:
-            run_startup_audit(config, tim)
+        findings = run_startup_audit(config, tim) if tim.parity.audit else None
+        if tim.dump.enabled:
+            write_run_summary(config, tim, findings)
         self.tim = tim
         self._tim_probe = None
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
@@ -132,6 +162,8 @@ class TIMTrainerMixin:
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
     def _compute_old_log_prob(self, batch, metrics):
+        if self.tim.dump.enabled:  # the step's first actor pass (also in bypass mode, where it is the update)
+            self.actor_rollout_wg.tim_begin_step(self.global_steps)
         batch = super()._compute_old_log_prob(batch, metrics)
         self._tim_collect(metrics)
         return batch
@@ -140,6 +172,13 @@ class TIMTrainerMixin:
     def _update_actor(self, batch, metrics):
         batch = super()._update_actor(batch, metrics)
         self._tim_collect(metrics)
+        if self.tim.dump.enabled:  # the step's tim/* series beside the dump, for the report
+            from tim_plugins.dump import append_log_history
+
+            try:
+                append_log_history(self.tim.dump.dir, self.global_steps, metrics)
+            except OSError as err:  # the report loses a point; training goes on
+                logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
         return batch
 
 

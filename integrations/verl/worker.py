@@ -33,6 +33,12 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
             engine.tim_configure(tim, bypass_mode=bool(corr.get("bypass_mode", False)))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tim_begin_step(self, step: int) -> None:
+        """The driver's global step, before the step's first actor pass (names the step's dump file)."""
+        if self.actor is not None and hasattr(self.actor.engine, "tim_begin_step"):
+            self.actor.engine.tim_begin_step(step)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_pop_metrics(self) -> dict:
         """The metrics merged over DP since the last call (every rank holds the same values)."""
         if self.actor is None or not hasattr(self.actor.engine, "tim_pop_metrics"):

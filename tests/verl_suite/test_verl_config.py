@@ -222,3 +222,24 @@ def test_truncation_fix_names_the_overrides_the_adapter_checks():
     assert processors in fix  # the processor list, verbatim
     key, value = min_p.split("=")
     assert f"{key}={DEFAULT_MIN_P:g}" in fix and float(value) == DEFAULT_MIN_P
+
+
+def test_dump_settings_share_the_core_dump_config_and_fail_with_the_fix():
+    import dataclasses
+
+    from tim_plugins.dump import DumpConfig
+    from tim_plugins.integrations.verl.config import DumpSettings, TIMVerlConfig
+
+    core = {f.name: f for f in dataclasses.fields(DumpConfig)}
+    for f in dataclasses.fields(DumpSettings):
+        if f.name != "dir":  # one default and one help per option, the core's
+            assert (f.default, f.metadata["help"]) == (core[f.name].default, core[f.name].metadata["help"]), f.name
+    tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": "/tmp/d", "sample_rate": 1.0}})
+    assert tim.dump.config() == DumpConfig(out_dir="/tmp/d", sample_rate=1.0)
+    assert not TIMVerlConfig.from_node({}).dump.enabled
+    with pytest.raises(ValueError, match=r"tim.dump.dir='/tmp/d' is invalid: .*Fix: \+tim.monitor.enable=true"):
+        TIMVerlConfig.from_node({"dump": {"dir": "/tmp/d"}})
+    with pytest.raises(ValueError, match=r"tim.dump: sample_rate=0 is invalid.*Fix: \+tim.dump"):
+        TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": "/tmp/d", "sample_rate": 0}})
+    with pytest.raises(ValueError, match=r"tim.dump.dir='' is invalid"):
+        TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": ""}})

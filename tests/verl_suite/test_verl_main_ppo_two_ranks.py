@@ -64,6 +64,8 @@ def _overrides(files: dict, wd: Path) -> list[str]:
         # the ranks get equal token counts, and a run where it did so exactly on every step (17/17, 16/16, 42/42
         # response tokens) left no step where a rank's own mean length differs from the merged one.
         "trainer.balance_batch=false",
+        # the per-token dump, every sequence: one file per step and rank
+        f"+tim.dump.dir={wd / 'tim_dump'}", "+tim.dump.sample_rate=1.0",
     ]
 
 
@@ -97,7 +99,7 @@ def run(tmp_path_factory, toy_model_path):
     for path in sorted(values.glob("rank_values-*.jsonl")):
         lines = [json.loads(line) for line in path.read_text().splitlines()]
         records[lines[0]["rank"]] = lines
-    return result, records
+    return result, records, wd
 
 
 def _rank_steps(records: dict) -> dict[int, list[dict]]:
@@ -109,7 +111,7 @@ def _rank_steps(records: dict) -> dict[int, list[dict]]:
 
 
 def test_two_actor_ranks_merge_once_per_step(run):
-    result, records = run
+    result, records, _ = run
     assert sorted(result.steps) == list(STEPS)
     per_step = _rank_steps(records)
     for step, (r0, r1) in per_step.items():
@@ -128,7 +130,7 @@ def test_two_actor_ranks_merge_once_per_step(run):
 
 
 def test_counts_are_the_whole_batch(run):
-    result, records = run
+    result, records, _ = run
     for step, ranks in _rank_steps(records).items():
         m = result.steps[step]
         local = [r["local"] for r in ranks]
@@ -154,7 +156,7 @@ def test_counts_are_the_whole_batch(run):
 def test_means_and_extremes_equal_verl_full_batch_metrics(run):
     """On the steps where tim measured every response token (no boundary token left out), tim's statistics and
     verl's full-batch ones are the same quantities over the same tokens; each rank's own value is not."""
-    result, records = run
+    result, records, _ = run
     pairs = {  # tim key: (verl key, relative, absolute tolerance)
         "tim/token/kl_k3": ("rollout_corr/k3_kl", K3_REL, K3_FP32_ABS),
         "tim/token/kl_k1": ("rollout_corr/kl", MEAN_REL, FP32_AT_ONE),
@@ -190,7 +192,7 @@ def test_means_and_extremes_equal_verl_full_batch_metrics(run):
 
 def test_logged_values_merge_the_ranks_own(run):
     """Every statistic logged is the exact merge of the two ranks' own: token-weighted means, sums, extremes."""
-    result, records = run
+    result, records, _ = run
     weights = {"tim/safe_vocab/": "tim/safe_vocab/tokens", "tim/seq/log_ratio_mean": "tim/seq/count"}
     maxima = ("_max", "_p99", "_p999")  # p99/p999: the histograms merge, here capped at each rank's max
     for step, ranks in _rank_steps(records).items():
@@ -218,3 +220,24 @@ def test_logged_values_merge_the_ranks_own(run):
                 assert math.isnan(m[key]), (step, key)
             else:
                 assert m[key] == pytest.approx(want, rel=MERGE_REL, abs=1e-15), (step, key, m[key], want)
+
+
+def test_each_rank_dumps_its_own_half_and_the_union_is_the_logged_step(run):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    result, records, wd = run
+    folder = wd / "tim_dump"
+    names = sorted(p.name for p in folder.glob("step_*-rank_*.parquet"))
+    assert names == [f"step_{s:08d}-rank_{r:04d}.parquet" for s in STEPS for r in (0, 1)]
+    for step, ranks in _rank_steps(records).items():
+        d_all = []
+        for r, rec in enumerate(ranks):
+            t = pq.read_table(folder / f"step_{step:08d}-rank_{r:04d}.parquet").to_pydict()
+            assert set(t["rank"]) == {r} and set(t["step"]) == {step}
+            assert len(t["token_id"]) == rec["local"]["tim/tokens"]  # this rank's own measured tokens
+            d_all.append(np.asarray(t["train_logprob"], np.float64) - np.asarray(t["rollout_logprob"], np.float64))
+        d = np.concatenate(d_all)
+        assert len(d) == result.steps[step]["tim/tokens"]
+        assert float(np.mean(np.expm1(d) - d)) == pytest.approx(result.steps[step]["tim/token/kl_k3"], rel=1e-5)
+

@@ -13,7 +13,6 @@ from pathlib import Path
 
 __all__ = ["build_report", "verdict_for"]
 
-
 def verdict_for(summary: dict, run_dir: str | Path | None = None) -> dict:
     """The verdict block's content for a measure or training summary (see `health.verdict`)."""
     if summary.get("kind") == "measure":
@@ -42,6 +41,11 @@ def build_report(source: str | Path, out: str | Path | None = None, *, summary: 
     source = Path(source)
     if summary is None and (source / "summary.json").exists():
         summary = json.loads((source / "summary.json").read_text())
+    from tim_plugins.dump import LOG_HISTORY, read_log_history
+
+    history = source / LOG_HISTORY
+    if history.exists() and not (summary or {}).get("log_history"):
+        summary = dict(summary or {}, log_history=read_log_history(history))
     kind = (summary or {}).get("kind")
     page = Page(title or (summary or {}).get("title") or "Training-inference mismatch report", SOURCES)
     if kind == "measure":

@@ -74,10 +74,11 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
     v["extra"] = extra
     if summary:
         findings = summary.get("findings", [])
-        own = summary.get("own_audit") or []
+        own = summary.get("own_audit")  # None: one audit (no rollout function of the run's own to audit apart)
         deliberate = summary.get("deliberate") or {}
         if findings or own or "findings" in summary:
             extra.append(audit_line(findings, own, deliberate))
+        own = own or []
         if summary.get("kind") == "training":
             extra.append("Which setting removes the mismatch, and at what throughput: tim-plugins measure --compare all.")
         from tim_plugins.report.parity import reconcile
@@ -168,8 +169,10 @@ def _series_figure(page, table: dict, framework: str | None = None) -> None:
 
     ess_title = ("IS weight ESS (weights applied)" if table["ess_logged"].any()
                  else "ESS of ρ (no IS correction applied)")
-    lr_title = "TIM LR scale" + ("" if np.isfinite(table["lr_scale"]).any() and (table["lr_scale"] != 1).any()
-                                 else " (lr_decay off: stays 1)")
+    lr_logged = np.isfinite(table["lr_scale"]).any()
+    lr_title = "TIM LR scale" + ("" if lr_logged and (table["lr_scale"] != 1).any()
+                                 else " (lr_decay off: stays 1)" if lr_logged else " (not logged)")
+    step_word = {"trl": "TRL's global_step", "verl": "verl's global step"}.get(framework, "the run's step")
     ess_rule = RULES["tim/is/ess"]
     panels = [
         ("k3 per token", table["k3"], (None, K3_HEALTHY_MAX), True),
@@ -181,10 +184,11 @@ def _series_figure(page, table: dict, framework: str | None = None) -> None:
         ("mean reward (context)", table["reward"], None, False),
     ]
     page.figure(figures.step_series(table["step"].astype(float), panels), "Mismatch per optimizer step",
-                "one point per optimizer step (TRL's global_step), from the callback's logged metrics of that step "
-                "(the ESS panel from the step's per-token dump when no IS correction ran). A rising k3 or p99 means "
+                f"one point per optimizer step ({step_word}), from the tim/* metrics logged at that step where the "
+                "run kept them, else recomputed from the step's per-token dump (the ESS panel from the dump when no "
+                "IS correction ran). A rising k3 or p99 means "
                 "the two pipelines drift apart as the policy changes; a falling ESS means IS weights concentrate on "
-                "few tokens. The LR scale is below 1 only when length-triggered LR decay fired. Green background: "
+                "few tokens. The LR scale is below 1 only when the LR decay fired (on the length, or its k3 / grad-norm signal). Green background: "
                 "healthy range. The axes do not zoom into step-to-step noise: each reaches its healthy limit, "
                 "linear axes start at 0 and the ESS axis is fixed to [0, 1], so a flat-looking line is a steady "
                 "metric, and how far a line sits from the green edge is how much margin is left.",
@@ -334,6 +338,14 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     page.h2("Per token")
     _figures_over_tokens(page, tokens, "dump")
     disagreements_section(page, dump_disagreements(dump_dir, decode), "every step of the dump")
+    if summary and "findings" in summary:
+        framework = summary.get("framework")
+        page.h2("Parity audit")
+        page.raw("<p>At start-up tim-plugins compared the two pipelines' settings (dtype, lm_head precision, "
+                 "log-prob mode, truncation, temperature, ...) on the run's composed config. Its findings, each "
+                 f"with the setting that fixes it in this run's framework ({framework or 'unknown'}):</p>")
+        _findings_table(page, summary["findings"], "No findings: both pipelines' settings agree.", framework,
+                        summary.get("deliberate") or {})
     if summary and summary.get("settings"):
         page.h2("Settings")
         page.table(["key", "value"], [[k, v] for k, v in sorted(summary["settings"].items())])

@@ -1,8 +1,8 @@
 """Test-only start-up hook (never shipped): every Python process of the verl end-to-end test (the main_ppo driver,
 Ray's TaskRunner and workers, the vLLM server and its engine-core process) gets this folder on PYTHONPATH, so Python
 imports this module at start-up. With ``TIM_TEST_CPU_SHIMS=1`` it installs the CPU shims of ``cpu_shims.py``, and
-with ``TIM_TEST_RANK_VALUES_DIR`` set as well the per-rank recorder of ``rank_values.py``; without them, it does
-nothing."""
+with ``TIM_TEST_RANK_VALUES_DIR`` set as well the per-rank recorder of ``rank_values.py``, with
+``TIM_TEST_INJECT_MISMATCH`` the driver-side mismatch of ``inject_mismatch.py``; without them, it does nothing."""
 
 import os
 
@@ -13,4 +13,8 @@ if os.environ.get("TIM_TEST_CPU_SHIMS") == "1":
         import rank_values
 
         rank_values.install()
+    if os.environ.get("TIM_TEST_INJECT_MISMATCH"):
+        import inject_mismatch
+
+        inject_mismatch.install()
     cpu_shims.install()

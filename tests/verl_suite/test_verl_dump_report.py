@@ -1,0 +1,156 @@
+"""verl's own ``python -m verl.trainer.main_ppo`` (V1 trainer, GRPO, FSDP2 actor, vLLM CPU-build rollout, the toy
+model) with a mismatch injected from step 3 on (``cpu_site/inject_mismatch.py``: the rollout's stored log-probs
+shifted by ±DELTA token by token, seen by verl's own metrics and by tim's monitor alike), fp32 on both sides before
+it. One run, 5 steps, checks what #38 asks of verl:
+
+- the LR decay's ``kl_k3`` signal fires through verl's engine and optimizer at the injected step, as the core
+  controller replayed on the logged series says, and the effective LR verl logs follows;
+- ``+tim.dump.dir`` writes the same per-token Parquet dump as TRL (a file per global step and DP rank, the sampled
+  sequences with their token ids), whose per-step k3 recomputed naively equals the logged one;
+- ``tim-plugins report <tim.dump.dir>`` renders it: the start-up audit with the fix column in verl's terms and the
+  largest disagreements decoded with the run's tokenizer (the model folder named in the driver's summary.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("vllm")
+
+import main_ppo_run as M  # noqa: E402
+from bounded import run_bounded  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS, INJECT_FROM, DELTA = 5, 3, 0.1
+BASE_LR = 1e-3  # base_overrides: constant schedule
+# The length never fires (its floor is out of reach): the only trigger is the k3 signal.
+LR_OPTIONS = {"warmup_steps": 1, "window": 1, "patience": 1, "cooldown": 100, "length_floor": 1e9,
+              "signals": "[kl_k3]"}
+RUN_TIMEOUT_S = 900
+# Before the injection both sides run fp32: k3 is kernel noise (~1e-13, test_verl_main_ppo.py).
+FP32_K3_MAX = 1e-9
+# With d = ±DELTA per token (plus fp32 noise ~1e-7), k3 = mean(exp(d) - 1 - d) lies between the two signs' values.
+K3_LO, K3_HI = math.exp(-DELTA) - 1 + DELTA, math.exp(DELTA) - 1 - DELTA
+# verl's rollout_corr/k3_kl on the same tokens: float32 exp(r) - r - 1 at r ~ 0.1 is exact to ~1e-7 relative per
+# token; the means agree to float32 summation (test_verl_main_ppo.py K3_REL).
+K3_REL = 1e-4
+# The dump stores float32 log-probs (the monitor's inputs) and the monitor accumulates in float64: a naive float64 k3
+# over the dump's rows agrees to float32 rounding of d (~1e-7 relative at |d| ~ 0.1, summed).
+DUMP_K3_REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, toy_model_path):
+    wd = tmp_path_factory.mktemp("dump_report")
+    files = M.prepare(wd, toy_model_path)
+    dump = wd / "tim_dump"
+    overrides = M.base_overrides(files, wd, steps=STEPS, lr=BASE_LR) + M.CPU_OVERRIDES + [
+        "trainer.v1.trainer_mode=tim_sync",
+        "+tim.monitor.enable=true",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.actor.optim.optimizer_impl=tim_plugins.integrations.verl.optim",
+        "actor_rollout_ref.actor.optim.optimizer=AdamW",
+        "+tim.lr_decay.enable=true",
+        *[f"+tim.lr_decay.options.{k}={v}" for k, v in LR_OPTIONS.items()],
+        f"+tim.dump.dir={dump}",
+        "+tim.dump.sample_rate=1.0",
+    ]
+    result = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log",
+                            extra_env={"TIM_TEST_INJECT_MISMATCH": f"{INJECT_FROM}:{DELTA}"})
+    print(f"[dump_report] exit {result.returncode} after {result.seconds:.0f} s; log {wd / 'run.log'}")
+    if result.returncode != 0:
+        pytest.fail(f"main_ppo failed (exit {result.returncode}):\n{result.output[-4000:]}")
+    return result, dump, files
+
+
+def test_k3_is_fp32_noise_then_the_injected_mismatch_as_verl_measures_it(run):
+    result, _, _ = run
+    assert sorted(result.steps) == list(range(1, STEPS + 1))
+    for step, m in sorted(result.steps.items()):
+        k3 = m["tim/token/kl_k3"]
+        if step < INJECT_FROM:
+            assert 0.0 <= k3 < FP32_K3_MAX, step
+        else:
+            assert K3_LO * (1 - 1e-3) < k3 < K3_HI * (1 + 1e-3), (step, k3)
+            assert k3 == pytest.approx(m["rollout_corr/k3_kl"], rel=K3_REL), step
+
+
+def test_the_k3_signal_fires_at_the_injected_step_as_the_core_controller_replays_it(run):
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    result, _, _ = run
+    options = dict(LR_OPTIONS, signals=("kl_k3",))
+    ctrl = LengthTriggeredLRDecay(**options)
+    steps = sorted(result.steps)
+    # the engine feeds the step's DP-mean response length (one mini-batch per step: verl's response_length/mean)
+    replayed = [ctrl.observe(None, result.steps[s]["response_length/mean"], kl_k3=result.steps[s]["tim/token/kl_k3"])
+                for s in steps]
+    logged = [result.steps[s]["tim/lr/scale"] for s in steps]
+    assert logged == pytest.approx(replayed, rel=1e-12)
+    # the length alone (the same options without the k3 signal) never fires on this run
+    length_only = LengthTriggeredLRDecay(**dict(LR_OPTIONS, signals=()))
+    assert [length_only.observe(None, result.steps[s]["response_length/mean"]) for s in steps] == [1.0] * len(steps)
+    fired_at = next(s for s, scale in zip(steps, logged) if scale < 1.0)
+    assert fired_at == INJECT_FROM
+    assert result.steps[STEPS]["tim/lr/trigger_count"] == 1.0
+    for s in steps:  # verl's own LR log is the scheduler's LR times the scale in force
+        assert result.steps[s]["actor/lr"] == pytest.approx(BASE_LR * result.steps[s]["tim/lr/scale"], rel=1e-9), s
+
+
+def test_the_dump_holds_every_step_and_its_k3_is_the_logged_one(run):
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from tim_plugins.dump import DUMP_COLUMNS
+
+    result, dump, files = run
+    names = sorted(p.name for p in dump.glob("step_*-rank_*.parquet"))
+    assert names == [f"step_{s:08d}-rank_0000.parquet" for s in range(1, STEPS + 1)]
+    vocab = len(AutoTokenizer.from_pretrained(files["model"]))
+    for s in range(1, STEPS + 1):
+        t = pq.read_table(dump / f"step_{s:08d}-rank_0000.parquet").to_pydict()
+        assert set(DUMP_COLUMNS) - {"entropy"} <= set(t)
+        assert set(t["step"]) == {s}
+        d = np.asarray(t["train_logprob"], dtype=np.float64) - np.asarray(t["rollout_logprob"], dtype=np.float64)
+        k3 = float(np.mean(np.expm1(d) - d))
+        m = result.steps[s]
+        # sample_rate 1: every sequence of the step, so every monitored token
+        assert len(d) == m["tim/tokens"]
+        assert len(set(t["sequence"])) == 8  # 4 prompts x 2 samples (base_overrides)
+        assert all(0 <= tok < vocab for tok in t["token_id"])
+        if s >= INJECT_FROM:
+            assert k3 == pytest.approx(m["tim/token/kl_k3"], rel=DUMP_K3_REL), s
+        else:
+            assert k3 < FP32_K3_MAX
+
+
+def test_tim_plugins_report_renders_the_verl_dump(run, tmp_path):
+    result, dump, files = run
+    summary = json.loads((dump / "summary.json").read_text())
+    assert summary["framework"] == "verl"
+    assert summary["settings"]["model"] == str(files["model"])
+    out = tmp_path / "report.html"
+    proc, timed_out = run_bounded([sys.executable, "-m", "tim_plugins.apps.cli", "report", str(dump), "--out",
+                                   str(out)], 300)
+    assert not timed_out and proc.returncode == 0, proc.stdout[-3000:]
+    html = out.read_text()
+    assert "Parity audit" in html and "fix (verl)" in html
+    # the driver's per-step tim/* series beside the dump (the LR panel draws it)
+    from tim_plugins.dump import read_log_history
+
+    history = read_log_history(dump / "log_history.jsonl")
+    assert [h["step"] for h in history] == list(range(1, STEPS + 1))
+    assert [h["tim/lr/scale"] for h in history] == [result.steps[s]["tim/lr/scale"] for s in range(1, STEPS + 1)]
+    assert [h["tim/token/kl_k3"] for h in history] == [result.steps[s]["tim/token/kl_k3"] for s in range(1, STEPS + 1)]
+    assert "TIM LR scale (not logged)" not in html and "verl&#x27;s global step" in html.replace("'", "&#x27;")
+    # decoded with the run's tokenizer (found through summary.json), not token ids only
+    assert "Token ids only" not in html
+    assert f"{int(sum(result.steps[s]['tim/tokens'] for s in result.steps))} tokens" in html

@@ -79,13 +79,29 @@ def test_parquet_dump_rows_match_tensors(toy_model_path, tmp_path):
     assert torch.equal(torch.tensor(df["token_id"].tolist()), inputs["completion_ids"][s, p].cpu())
 
 
-def test_probe_stops_training_gracefully(toy_model_path, tmp_path):
+# Between the toy model's fp32 noise (max |Δ log p| ~1e-6: KV-cache decode vs full forward) and the injected
+# mismatch (k3 > 1e-3, so max |Δ log p| > 0.04; test_injected_mismatch_is_measured): the probe must stay quiet on
+# the first and stop the second, so it fails if it misfires either way.
+PROBE_ABS_DIFF_MAX = 1e-3
+
+
+@pytest.mark.parametrize("rollout", ["hf", "inject"])
+def test_probe_stops_training_gracefully_only_past_its_threshold(toy_model_path, tmp_path, rollout):
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=3)
+    inject = {"inject_options": {"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}} if rollout == "inject" else {}
     trainer.add_callback(TIMCallback(trainer, TIMConfig(
-        parity_probe=True, parity_probe_options={"kl_k3_max": None, "abs_diff_max": 0.0, "action": "stop"})))
+        rollout=rollout, **inject, parity_probe=True,
+        parity_probe_options={"kl_k3_max": None, "abs_diff_max": PROBE_ABS_DIFF_MAX, "action": "stop"})))
     trainer.train()
-    assert trainer.state.global_step == 1
-    assert _logged(trainer, 1)["tim/probe/tripped"] == 1.0
+    steps = [_logged(trainer, s) for s in range(1, trainer.state.global_step + 1)]
+    if rollout == "hf":
+        assert trainer.state.global_step == 3
+        assert all(h["tim/token/abs_diff_max"] < PROBE_ABS_DIFF_MAX for h in steps)
+        assert [h["tim/probe/tripped"] for h in steps] == [0.0, 0.0, 0.0]
+    else:
+        assert trainer.state.global_step == 1
+        assert steps[0]["tim/token/abs_diff_max"] > PROBE_ABS_DIFF_MAX
+        assert steps[0]["tim/probe/tripped"] == 1.0
 
 
 def test_wandb_histograms(toy_model_path, tmp_path, monkeypatch):

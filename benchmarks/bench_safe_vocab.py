@@ -191,6 +191,8 @@ def make_forward(variant: str, hidden, weight, tokens, modules: dict):
             return mod.safe_logprobs_from_hidden(hidden, weight, tokens, min_p=mod.DEFAULT_MIN_P,
                                                  backend="torch").logprobs
     elif variant == "trl":
+        # hooks.TRL_SOURCES trl.trainer.utils:_ChunkedLogProbFunction (this class, re-exported there) and
+        # BENCHMARK_SOURCES trl.trainer.utils:_CHUNKED_LOGPROB_CHUNK_SIZE: the kernel add_fused_lm_head runs
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
         from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -442,7 +444,7 @@ def main(argv=None) -> dict:
     if args.baseline:
         modules["base"] = load_safe_vocab(args.baseline)
     meter = _CudaMeter(device) if device.type == "cuda" else _CpuMeter()
-    import trl.kernels.chunked_logprob as trl_kernels
+    import trl.kernels.chunked_logprob as trl_kernels  # BENCHMARK_SOURCES trl.kernels.chunked_logprob:_use_triton
 
     results = {
         "device": device.type,

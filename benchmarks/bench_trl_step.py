@@ -144,6 +144,7 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
         return log_metrics(ctx, duration)
 
     trainer.add_callback(_Clock())
+    # BENCHMARK_SOURCES trl.extras.profiling:ProfilingContext._log_metrics (every profiled block's duration)
     log_metrics = ProfilingContext._log_metrics
     ProfilingContext._log_metrics = record
     try:

@@ -35,6 +35,7 @@ def main(out_path: str) -> int:
                           reward_funcs=lambda completions, **k: [float(len(c)) / 10 for c in completions],
                           train_dataset=Dataset.from_dict({"prompt": synthetic_prompts(64)}))
     counts = []
+    # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions
     gen = trainer._generate_and_score_completions
 
     def _count(*a, **k):  # the response tokens TRL built (the reference for the safe-vocab token count)

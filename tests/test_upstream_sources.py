@@ -1,8 +1,9 @@
-"""The registries of private upstream uses and the code agree: every entry of ``VERL_SOURCES``,
-``VLLM_SOURCES`` and ``TRANSFORMERS_SOURCES`` is named at a use site (``<REGISTRY> <module>:<qualname>`` in a
-comment or docstring of the library, the adapters or the applications), and every such name is an entry. The
-entries themselves are checked against the installed frameworks by ``test_vllm_sources.py``,
-``test_transformers_sources.py`` and ``verl_suite/test_verl_sources.py``; this test imports no framework.
+"""The registries of private upstream uses and the code agree: every entry of ``TRL_SOURCES``, ``VERL_SOURCES``,
+``VLLM_SOURCES``, ``TRANSFORMERS_SOURCES`` and ``BENCHMARK_SOURCES`` is named at a use site
+(``<REGISTRY> <module>:<qualname>`` in a comment or docstring of the library, the adapters, the applications or the
+benchmarks), and every such name is an entry. The entries themselves are checked against the installed frameworks
+by ``test_trl_hook_guards.py``, ``test_vllm_sources.py``, ``test_transformers_sources.py``,
+``test_benchmark_sources.py`` and ``verl_suite/test_verl_sources.py``; this test imports no framework.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE_ROOTS = (ROOT / "tim_plugins", ROOT / "integrations")
+CODE_ROOTS = (ROOT / "tim_plugins", ROOT / "integrations", ROOT / "benchmarks")
 # registry name -> the file that defines it
 REGISTRIES = {
+    "TRL_SOURCES": ROOT / "integrations" / "trl" / "hooks.py",
+    "BENCHMARK_SOURCES": ROOT / "benchmarks" / "sources.py",
     "VERL_SOURCES": ROOT / "integrations" / "verl" / "sources.py",
     "VLLM_SOURCES": ROOT / "integrations" / "vllm" / "sources.py",
     "TRANSFORMERS_SOURCES": ROOT / "tim_plugins" / "rollout" / "recorder.py",
@@ -25,7 +28,7 @@ REGISTRIES = {
 
 def _registry(name: str) -> dict:
     """The registry, executed from its file alone: the sources modules import nothing (their packages would
-    import the framework), the recorder imports torch only."""
+    import the framework), the recorder imports torch only, the TRL hooks torch and the core (not TRL)."""
     if name == "TRANSFORMERS_SOURCES":
         from tim_plugins.rollout.recorder import TRANSFORMERS_SOURCES
 

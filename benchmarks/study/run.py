@@ -61,6 +61,8 @@ class LowPrecisionRollout:
 
             with torch.no_grad():
                 self.engine.load_state_dict(model.state_dict())  # casts to the engine's dtype
+            # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor (looked up on
+            # the instance by generate, so the processors installed on the fp32 model follow it to the engine)
             forwarded = vars(model).get("_get_logits_processor")
             if forwarded is not None:
                 self.engine._get_logits_processor = forwarded

@@ -23,7 +23,7 @@ def server_engine_args(trainer) -> tuple[dict, str] | None:
     own client (``VLLMClient.get_server_info``: GET /server_info of ``trl vllm-serve``); None without a server
     or when the server does not answer (the audit then says the engine args are unknown)."""
     # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._init_vllm (vllm_client) and
-    # trl.generation.vllm_client:VLLMClient.get_server_info; the keys read below:
+    # hooks.TRL_SOURCES trl.generation.vllm_client:VLLMClient.get_server_info; the keys read below:
     # VLLM_SOURCES vllm.entrypoints.serve.dev.server_info.api_router:show_server_info
     client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)
     if client is None or not hasattr(client, "get_server_info"):

@@ -268,16 +268,17 @@ class TIMCallback(TrainerCallback):
     def attach(self) -> None:
         """Install the wrappers (each ``hooks.TRL_SOURCES`` entry it relies on is named beside it)."""
         t = self.trainer
-        # trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions
+        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions
         self._patches.append(hooks.Patch(t, "_generate_and_score_completions", self._wrap_generation_batch))
-        # trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss
+        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._compute_loss
         self._patches.append(hooks.Patch(t, "_compute_loss", self._wrap_loss))
-        # trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies; in exact mode scored like the
-        # exact sampler, under the wrapper below so the pipeline sees the exact scores
+        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies; in exact mode
+        # scored like the exact sampler, under the wrapper below so the pipeline sees the exact scores
         if self.rollout_source == "exact":
             self._patches.append(hooks.Patch(t, "_get_per_token_logps_and_entropies", exact_scorer(t)))
         self._patches.append(hooks.Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
-        if self.rollout_source in ("hf", "exact", "inject"):  # GRPOTrainer._generate_single_turn
+        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn
+        if self.rollout_source in ("hf", "exact", "inject"):
             self._patches.append(hooks.Patch(t, "_generate_single_turn", self._wrap_single_turn))
 
     def _safe_patch(self) -> hooks.Patch:
@@ -557,7 +558,7 @@ class TIMCallback(TrainerCallback):
             self._log_histograms(hists)
         out.update(self._pending)
         self._pending = {}
-        store = self.trainer._metrics["train"]
+        store = self.trainer._metrics["train"]  # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log averages it
         for key, value in out.items():
             store[key].append(float(value))
 

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("vllm")
 
 from tim_plugins.apps.measure import MeasureConfig, run_measure  # noqa: E402
+from tim_plugins.dump import read_dump  # noqa: E402
+
+
+def dumped_reference(out, summary, name) -> dict[str, float]:
+    """The setting's token metrics recomputed in float64 from its dump (every scored token, the loss mask's):
+    d = train − rollout, k3 = expm1(d) − d."""
+    table = read_dump(out / summary["dumps"][name])
+    d = [t - r for r, t in zip(table.column("rollout_logprob").to_pylist(), table.column("train_logprob").to_pylist())]
+    return {"tim/tokens": float(len(d)), "tim/token/abs_diff_max": max(abs(x) for x in d),
+            "tim/token/abs_diff_mean": sum(abs(x) for x in d) / len(d),
+            "tim/token/kl_k3": sum(math.expm1(x) - x for x in d) / len(d)}
+
+
+def assert_matches_dump(metrics, ref) -> None:
+    # The monitor sums float32 per-token terms in float64 (k3 by its float32 series): ~1e-7 relative.
+    for key, value in ref.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=0), key
 
 
 def test_vllm_fp32_rollout_matches_fp32_trainer(vllm_llm, toy_model_path, tmp_path):
@@ -15,16 +34,21 @@ def test_vllm_fp32_rollout_matches_fp32_trainer(vllm_llm, toy_model_path, tmp_pa
     summary = run_measure(cfg, llm=vllm_llm)
     m = summary["metrics"]
     assert m["tim/tokens"] == 6 * 12 and m["tim/invalid_tokens"] == 0
-    # Research measured vLLM fp32 vs transformers fp32 at max |Δlogp| 4.6e-5 on a tiny model.
-    assert m["tim/token/abs_diff_max"] < 1e-3
-    assert m["tim/token/kl_k3"] < 1e-6
+    # The monitor's numbers are those of the run's own tensors (its dump), and in the range research measured
+    # for vLLM fp32 vs transformers fp32 on a tiny model (max |Δlogp| 4.6e-5): small but not zero.
+    ref = dumped_reference(tmp_path / "v", summary, "vllm")
+    assert ref["tim/tokens"] == 6 * 12
+    assert_matches_dump(m, ref)
+    assert 0 < m["tim/token/abs_diff_max"] < 1e-3
+    assert 0 < m["tim/token/kl_k3"] < 1e-6
     # The session engine returns at most 20 log-probs per token (max_logprobs default): the full-distribution
     # numbers are then lower bounds on the top 20 + rest partition, and the report says so.
     setup = summary["setups"]["vllm"]
     assert setup["full_distribution"].startswith("truncated: vLLM returned its top 20 of 383")
     assert "float32" in setup["rollout"]
-    assert m["tim/dist/positions"] == 72 and m["tim/dist/kl_rollout_train_mean"] < 1e-6
-    assert m["tim/dist/topk_overlap_mean"] > 0.97 and m["tim/dist/tv_mean"] < 1e-3
+    # The sampled tokens' log-probs differ (above), so the two distributions do: KL and TV are positive.
+    assert m["tim/dist/positions"] == 72 and 0 < m["tim/dist/kl_rollout_train_mean"] < 1e-6
+    assert 0.97 < m["tim/dist/topk_overlap_mean"] <= 1 and 0 < m["tim/dist/tv_mean"] < 1e-3
     # The setting in each framework names the engine's own dtype; the audit reads the live engine (same dtype as
     # the trainer: no dtype finding), each finding with the registry's vLLM knob.
     from tim_plugins.parity.findings import CODES
@@ -44,10 +68,13 @@ def test_vllm_fp32_rollout_matches_fp32_trainer(vllm_llm, toy_model_path, tmp_pa
 def test_vllm_min_p_processed_logprobs_match_safe_vocab(vllm_llm, toy_model_path, tmp_path):
     cfg = MeasureConfig(model=str(toy_model_path), rollout="vllm", num_prompts=6, max_new_tokens=12,
                         batch_size=6, min_p=0.1, temperature=1.2, out=str(tmp_path / "p"))
-    comps = run_measure(cfg, llm=vllm_llm)["comparisons"]
-    pruned = comps["vllm+min-p=0.1"]
-    # vLLM renormalises over S; the trainer's safe log-probs do the same: fp32 noise only, while the
-    # full-vocabulary trainer is off by log(kept mass) on every token.
+    summary = run_measure(cfg, llm=vllm_llm)
+    pruned = summary["comparisons"]["vllm+min-p=0.1"]
+    # vLLM renormalises over S; the trainer's safe log-probs do the same: fp32 noise only (the run's own tensors,
+    # from its dump), while the full-vocabulary trainer is off by d = log p(a) − log(p(a) / kept) = log(kept mass)
+    # on every sampled token, and −log(1 − pruned) >= pruned.
+    assert_matches_dump(pruned, dumped_reference(tmp_path / "p", summary, "vllm+min-p=0.1"))
     assert pruned["tim/safe_vocab/pruned_mass_mean"] > 1e-3
-    assert pruned["tim/token/abs_diff_max"] < 1e-3
+    assert 0 < pruned["tim/token/abs_diff_max"] < 1e-3
     assert pruned["tim/full_vocab/abs_diff_mean"] > 10 * pruned["tim/token/abs_diff_mean"]
+    assert pruned["tim/full_vocab/abs_diff_mean"] >= 0.9 * pruned["tim/safe_vocab/pruned_mass_mean"]

@@ -275,11 +275,14 @@ class StepPipeline:
             self.count("dump_failed", detail=repr(err))
 
     # ------------------------------------------------------------------------------------ per log window
-    def compute(self, step: int, *, sync: bool = True, group=None):
+    def compute(self, step: int, *, sync: bool = True, group=None, loss_passes: bool = True,
+                raise_on_trip: bool = True):
         """(metrics, probe decision or None, histograms or None) of the window since the last call, then reset.
 
         Every rank must call it when ``sync`` (the statistics are merged over ``group``). Histograms (the
-        monitor's |Δ log p| and ρ, for ``config.histograms``) are fitted to 512 bins."""
+        monitor's |Δ log p| and ρ, for ``config.histograms``) are fitted to 512 bins. ``loss_passes=False`` leaves
+        the loss passes' statistics to ``compute_loss_passes`` (an adapter that merges them on their own);
+        ``raise_on_trip=False`` returns a probe decision to raise instead of raising (``ParityProbe.check``)."""
         out: dict[str, float] = {}
         decision, hists = None, None
         if self.monitor is not None:
@@ -289,13 +292,11 @@ class StepPipeline:
                     hists = {k: fit_bins(*v) for k, v in self.monitor.histograms(sync=sync, group=group).items()}
             self.monitor.reset()
             if self.probe is not None:
-                decision = self.probe.check(step, out)
+                decision = self.probe.check(step, out, raise_on_trip=raise_on_trip)
                 out.update(decision.metrics())
-        if self.staleness_monitor is not None:
-            if self.staleness_monitor.updates > 0 or (sync and _distributed(group)):
-                out.update(staleness_metrics(self.staleness_monitor.compute(sync=sync, group=group)))
-            self.staleness_monitor.reset()
-        for stats in (self.safe_vocab_stats, self.correction_stats, self.split_stats, self.by_lag, self.by_position):
+        if loss_passes:
+            out.update(self.compute_loss_passes(sync=sync, group=group))
+        for stats in (self.safe_vocab_stats, self.correction_stats, self.by_position):
             if stats is not None and (not stats.empty or (sync and _distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
                 stats.reset()
@@ -303,6 +304,22 @@ class StepPipeline:
             out.update(self.lr_controller.metrics())
         out.update({f"tim/diag/{k}": v for k, v in self._merged_diag(sync, group).items()})
         return out, decision, hists
+
+    def compute_loss_passes(self, *, sync: bool = True, group=None) -> dict[str, float]:
+        """The statistics of the loss passes alone (``loss_pass``: ``tim/staleness/*``, ``tim/split/*``,
+        ``tim/by_lag/*``) since the last call, merged over ``group`` when ``sync`` (every rank must call it), then
+        reset. ``compute`` includes them; an adapter whose loss passes end after its measurement window was merged
+        (verl: the actor update after the old-log-prob pass) calls this at the end of the update."""
+        out: dict[str, float] = {}
+        if self.staleness_monitor is not None:
+            if self.staleness_monitor.updates > 0 or (sync and _distributed(group)):
+                out.update(staleness_metrics(self.staleness_monitor.compute(sync=sync, group=group)))
+            self.staleness_monitor.reset()
+        for stats in (self.split_stats, self.by_lag):
+            if stats is not None and (not stats.empty or (sync and _distributed(group))):
+                out.update(stats.compute(sync=sync, group=group))
+                stats.reset()
+        return out
 
     def _merged_diag(self, sync: bool, group) -> dict[str, float]:
         """The problem counts (running totals), summed over ``group`` when ``sync``: a problem one rank met is

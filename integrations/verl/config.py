@@ -114,33 +114,62 @@ class LRDecaySettings:
         LRDecayConfig(**self.options)  # its own __post_init__ quotes a bad value
 
 
+def _probe_field(name: str, **kwargs) -> Any:
+    """A field of ``ParityProbeConfig`` (its help, and its default unless given): one text per option."""
+    from tim_plugins.parity.probe import ParityProbeConfig
+
+    f = next(f for f in dataclasses.fields(ParityProbeConfig) if f.name == name)
+    return field(default=kwargs.get("default", f.default), metadata=field_help(f.metadata["help"]))
+
+
+# verl's spelling -> ParityProbeConfig's field (the documented overrides keep their names)
+_PROBE_NAMES = {"kl_k3": "kl_k3_max", "abs_diff_max": "abs_diff_max", "seq_log_ratio_abs_max": "seq_log_ratio_abs_max"}
+
+
 @dataclass
 class ProbeSettings:
-    action: str = field(default="warn", metadata=field_help("On a trip: 'warn', 'raise', or 'stop' (stop after "
-                                                        "a checkpoint)."))
-    kl_k3: float | None = field(default=None, metadata=field_help("Trip when tim/token/kl_k3 exceeds this."))
-    abs_diff_max: float | None = field(default=None, metadata=field_help(
-        "Trip when tim/token/abs_diff_max exceeds this."))
-    seq_log_ratio_abs_max: float | None = field(default=None, metadata=field_help(
-        "Trip when tim/seq/log_ratio_abs_max exceeds this."))
+    """The live parity probe (``tim_plugins.parity.probe``): the actor's pipeline decides at each step's merge
+    (``StepPipeline.compute``), the driver acts on the decision (warn, raise, stop after a checkpoint). Options and
+    rules are ``ParityProbeConfig``'s; ``kl_k3`` is its ``kl_k3_max``. No threshold set: off."""
+
+    action: str = _probe_field("action")
+    kl_k3: float | None = _probe_field("kl_k3_max", default=None)
+    abs_diff_max: float | None = _probe_field("abs_diff_max")
+    seq_log_ratio_abs_max: float | None = _probe_field("seq_log_ratio_abs_max")
+    every_n_steps: int = _probe_field("every_n_steps")
+    patience: int = _probe_field("patience")
 
     def __post_init__(self) -> None:
         if self.action not in _PROBE_ACTIONS:
             raise _bad("tim.probe.action", self.action, f"must be one of {_PROBE_ACTIONS}", "+tim.probe.action=warn")
-        for name in ("kl_k3", "abs_diff_max", "seq_log_ratio_abs_max"):
+        for name in _PROBE_NAMES:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise _bad(f"tim.probe.{name}", v, "must be a positive number or null", f"+tim.probe.{name}=1e-2")
+        for name in ("every_n_steps", "patience"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise _bad(f"tim.probe.{name}", v, "must be an integer >= 1", f"+tim.probe.{name}=1")
 
     @property
     def thresholds(self) -> dict[str, float]:
-        keys = {"kl_k3": "tim/token/kl_k3", "abs_diff_max": "tim/token/abs_diff_max",
-                "seq_log_ratio_abs_max": "tim/seq/log_ratio_abs_max"}
-        return {keys[n]: float(getattr(self, n)) for n in keys if getattr(self, n) is not None}
+        from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS
+
+        return {DEFAULT_METRIC_KEYS[field_name]: float(getattr(self, name)) for name, field_name in _PROBE_NAMES.items()
+                if getattr(self, name) is not None}
 
     @property
     def enabled(self) -> bool:
         return bool(self.thresholds)
+
+    def config(self):
+        """The core ``ParityProbeConfig`` (None when no threshold is set)."""
+        from tim_plugins.parity.probe import ParityProbeConfig
+
+        if not self.enabled:
+            return None
+        return ParityProbeConfig(action=self.action, every_n_steps=self.every_n_steps, patience=self.patience,
+                                 **{field_name: getattr(self, name) for name, field_name in _PROBE_NAMES.items()})
 
 
 @dataclass
@@ -219,6 +248,9 @@ class TIMVerlConfig:
         if "kl_k3" in signals and not self.monitor.enable:
             raise _bad("tim.lr_decay.options.signals", list(signals), "the kl_k3 signal is the monitor's k3 of each "
                        "step, and tim.monitor.enable=false", "+tim.monitor.enable=true")
+        if self.probe.enabled and not self.monitor.enable:
+            raise _bad("tim.probe", self.probe.thresholds, "the probe checks the monitor's metrics, and "
+                       "tim.monitor.enable=false", "+tim.monitor.enable=true")
         if self.dump.enabled and not self.monitor.enable:
             raise _bad("tim.dump.dir", self.dump.dir, "the dump writes the monitor's measurement pass, and "
                        "tim.monitor.enable=false", "+tim.monitor.enable=true")
@@ -226,7 +258,7 @@ class TIMVerlConfig:
     @property
     def worker_side_active(self) -> bool:
         """Whether the actor workers have anything to do."""
-        return self.monitor.enable or self.safe_vocab.enabled or self.lr_decay.enable
+        return self.monitor.enable or self.safe_vocab.enabled or self.lr_decay.enable or self.probe.enabled
 
     @classmethod
     def from_node(cls, node: Any) -> "TIMVerlConfig":
@@ -277,7 +309,7 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
     arr = config.actor_rollout_ref
     mode = str(config.trainer.get("v1", {}).get("trainer_mode", "sync")) if config.trainer.get("use_v1", True) \
         else None
-    if (tim.worker_side_active or tim.probe.enabled) and (mode is None or not mode.startswith(TRAINER_MODE_PREFIX)):
+    if tim.worker_side_active and (mode is None or not mode.startswith(TRAINER_MODE_PREFIX)):
         problems.append(
             f"trainer.v1.trainer_mode={mode!r} (trainer.use_v1={config.trainer.get('use_v1', True)}): the tim "
             f"settings reach the actor workers only through a tim trainer mode. Fix: trainer.use_v1=true "

@@ -12,13 +12,17 @@ methods of ``FSDPEngineWithLMHead`` (three inherited from ``FSDPEngine`` / ``Bas
 * ``prepare_model_outputs``: after the parent, recomputes log-probs (and entropy) as safe-vocabulary log-probs
   (``tim_plugins.safe_vocab``) from ``output.logits`` scaled as the parent scales them; both the old-log-prob pass
   and the training pass go through it.
-* ``forward_step``: wraps the loss function so boundary tokens (outside the trainer's safe set) leave the
-  micro-batch's ``response_mask`` before the loss; feeds the mismatch monitor on measurement passes.
+* ``forward_step``: wraps the loss function so the micro-batch's ``response_mask`` is multiplied by the pipeline's
+  loss factor (``StepPipeline.loss_factor``: boundary tokens, outside the trainer's safe set, leave the loss) before
+  the loss; feeds the pipeline's measurement (``measure``) on measurement passes and its split
+  (``loss_pass``) on training passes.
 * ``forward_backward_batch`` / ``train_batch``: merge the monitor exactly over the data-parallel group after a
   measurement pass; close each optimizer step through the pipeline (``StepPipeline.end_step``: the DP-mean
   response length, the step's k3 merged over the DP group, the last step's grad norm) and hand its LR scale to
   the optimizer (``optim.py``).
-* ``lr_scheduler_step``: report the effective LR (schedule × decay scale) as ``actor/lr``.
+* ``lr_scheduler_step``: report the effective LR (schedule × decay scale) as ``actor/lr``; merge the step's training
+  passes' split of the log-ratio into staleness and mismatch (``tim/staleness/*``, ``tim/split/*``,
+  ``tim/by_lag/*``; lag = optimizer steps since the rollout, from mini-batches and ``ppo_epochs``).
 With ``tim.dump.dir`` the measurement pass also hands the sampled token ids (``responses``) to the pipeline, which
 writes the step's per-token dump file after the merge (the file named by the driver's global step,
 ``tim_begin_step``).
@@ -79,7 +83,8 @@ def _with_response_values(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tenso
 
 
 class _BoundaryMaskedLoss:
-    """Calls verl's loss with boundary tokens removed from ``response_mask`` (the mask the loss aggregates).
+    """Calls verl's loss with ``response_mask`` (the mask the loss aggregates) times the pipeline's loss factor
+    (``StepPipeline.loss_factor``, what the TRL callback applies to its loss too): boundary tokens leave the loss.
 
     The global token count verl normalises by (``batch_num_tokens``) is taken before the forward pass, so it
     still includes the masked tokens: the loss is Σ_kept / N_all, i.e. boundary tokens count as zero-loss
@@ -99,9 +104,12 @@ class _BoundaryMaskedLoss:
         data = kwargs["data"]
         # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
         in_safe = no_padding_2_padding(state["in_safe"], data)  # [b, W] response-aligned
+        mask = padded_response(data["response_mask"], in_safe.shape[1])
+        # verl applies its own IS correction (algorithm.rollout_correction): no pipeline weights here
+        keep = self.engine._tim_pipeline.loss_factor(mask, in_safe, None)
         # VERL_SOURCES verl.workers.utils.losses:ppo_loss (reads data["response_mask"] as the loss mask) and
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch (normaliser)
-        data["response_mask"] = _with_response_values(data["response_mask"], in_safe)
+        data["response_mask"] = _with_response_values(data["response_mask"], keep)
         return self.loss_fn(*args, **kwargs)
 
 
@@ -110,6 +118,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     """verl's FSDP LM-head engine with tim-plugins' hooks (inactive until ``tim_configure``)."""
 
     _tim: TIMVerlConfig | None = None
+    _tim_decision = None
 
     # ------------------------------------------------------------------------------------------- configure
     def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False) -> None:
@@ -132,7 +141,10 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             safe_vocab=config.safe_vocab.enabled, mask_boundary=config.safe_vocab.mask_boundary,
             lr_decay=LengthTriggeredLRDecay(**dict(config.lr_decay.options)).config if config.lr_decay.enable
             else None,
-            dump=config.dump.config() if config.dump.enabled else None), rank=self._tim_dp_rank())
+            dump=config.dump.config() if config.dump.enabled else None,
+            # as the TRL callback: the split of every training pass, and the mismatch by response position
+            staleness=config.monitor.enable, by_position=config.monitor.enable,
+            probe=config.probe.config()), rank=self._tim_dp_rank())
         if config.lr_decay.enable:  # verl's LambdaLR rewrites the LR each step: the optimizer applies the scale
             self.optimizer.tim_configure(self._tim_pipeline.lr_controller)
         self._tim = config
@@ -141,8 +153,10 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tim_step_start = True
         self._tim_mb = None
         self._tim_pending: dict[str, float] = {}
+        self._tim_decision = None  # the probe's decision at the last merge, for the driver to act on
         self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
         self._tim_step = 0  # verl's global step (the driver's tim_begin_step): the dump's file name
+        self._tim_updates = 0  # optimizer steps since this global step's rollout: the policy lag of a training pass
 
     def tim_deconfigure(self) -> None:
         """Switch the hooks off again: from here on the engine computes as stock verl's ``FSDPEngineWithLMHead``
@@ -160,7 +174,8 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return self._tim is not None
 
     def tim_begin_step(self, step: int) -> None:
-        """The driver's global step, before the step's first pass (it names the step's dump file)."""
+        """The driver's global step, before the step's first pass (it names the step's dump file and the probe's
+        checks)."""
         self._tim_step = int(step)
 
     def _tim_dp_rank(self) -> int:
@@ -179,6 +194,12 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if controller is not None:
             out.update(controller.metrics())
         return out
+
+    def tim_pop_decision(self):
+        """The parity probe's decision at the last merge (``ProbeDecision``; the same on every DP rank, made from
+        the merged metrics), or None: the driver acts on it (warn, raise, stop)."""
+        decision, self._tim_decision = self._tim_decision, None
+        return decision
 
     # ------------------------------------------------------------------------------------ safe vocabulary
     def _flat_scaled_logits(self, output, output_args, micro_batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -260,8 +281,31 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
         if self._measuring(micro_batch, forward_only):
             self._tim_update(micro_batch, output["model_output"])
+        if not forward_only and self._tim_pipeline.staleness_monitor is not None:
+            self._tim_loss_pass(micro_batch, output["model_output"])
         self._tim_mb = None
         return loss, output
+
+    @torch.no_grad()
+    def _tim_loss_pass(self, micro_batch, model_output) -> None:
+        """A training pass's split of log π_θ − log π_rollout into staleness (π_θ vs π_old) and mismatch (π_old vs
+        π_rollout), ``StepPipeline.loss_pass``. π_old is verl's ``old_log_probs`` (the actor at the rollout's
+        weights, recomputed in the old-log-prob pass) once an optimizer step has run since the rollout; before that
+        π_θ is π_old, and the staleness part is exactly 0. The lag is the optimizer steps taken since the rollout
+        (mini-batches and ``ppo_epochs`` of this global step). In bypass mode π_old is the rollout itself: no split."""
+        keys = micro_batch.keys()
+        if self._tim_bypass or "rollout_log_probs" not in keys or "old_log_probs" not in keys \
+                or "log_probs" not in model_output:
+            return
+        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
+        current = no_padding_2_padding(model_output["log_probs"], micro_batch).float()  # [b, W]
+        width = current.shape[1]
+        # the loss's own mask: with mask_boundary, _BoundaryMaskedLoss has already taken the boundary tokens out
+        mask = padded_response(micro_batch["response_mask"], width).bool()
+        rollout = padded_response(micro_batch["rollout_log_probs"], width).float()
+        old = current if self._tim_updates == 0 else padded_response(micro_batch["old_log_probs"], width).float()
+        lag = torch.full(mask.shape, self._tim_updates, dtype=torch.long, device=mask.device)
+        self._tim_pipeline.loss_pass(rollout, old, current, mask, lag=lag)
 
     @torch.no_grad()
     def _tim_update(self, micro_batch, model_output) -> None:
@@ -285,8 +329,14 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if not self._tim_measured:
             return
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_data_parallel_group
-        metrics, _, _ = self._tim_pipeline.compute(0, sync=True, group=self.get_data_parallel_group())
+        # the training passes' split is merged at the end of the actor update (lr_scheduler_step)
+        # the probe decides here, on the merged metrics; the driver acts (raising in a Ray worker would not stop it)
+        metrics, decision, _ = self._tim_pipeline.compute(self._tim_step, sync=True,
+                                                          group=self.get_data_parallel_group(), loss_passes=False,
+                                                          raise_on_trip=False)
         self._tim_pending.update(metrics)
+        if decision is not None:
+            self._tim_decision = decision
         self._tim_pipeline.flush_dump(self._tim_step)
         self._tim_measured = False
 
@@ -306,6 +356,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self._tim.lr_decay.enable:
             self._tim_end_step(data)
         out = super().train_batch(data, loss_function)
+        self._tim_updates += 1
         grad_norm = (out.get("metrics") or {}).get("grad_norm") if isinstance(out, dict) else None
         if grad_norm is not None:
             self._tim_grad_norm = float(grad_norm)
@@ -335,4 +386,8 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # verl steps the scheduler after the last mini-batch of a step:
         # VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_mini_batch
         self._tim_step_start = True
+        self._tim_updates = 0
+        if self._tim_pipeline.staleness_monitor is not None:  # every DP rank steps the scheduler: all merge here
+            self._tim_pending.update(self._tim_pipeline.compute_loss_passes(
+                sync=True, group=self.get_data_parallel_group()))
         return lr * float(getattr(self.optimizer, "lr_scale", 1.0))

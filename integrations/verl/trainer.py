@@ -6,7 +6,8 @@ Before any worker starts it validates the ``tim`` node against the composed conf
 prints its table (``tim.parity.strict`` stops here on an error-level finding), copies the settings to
 ``actor_rollout_ref.tim`` for the workers and swaps in ``TIMActorRolloutRefWorker``. Each step it collects the
 workers' DP-merged metrics after the old-log-prob pass and after the actor update, adds them to verl's step metrics
-under their exact ``tim/...`` keys (logged by verl's ``Tracking``), and lets the live probe act on them. With
+under their exact ``tim/...`` keys (logged by verl's ``Tracking``), and acts on the live probe's decision (made in
+the workers from the merged metrics: warn, raise here, or stop after this step's checkpoint). With
 ``tim.dump.dir`` it writes the run's ``summary.json`` there (``write_run_summary``) and tells the workers each step's
 number, which names the per-token dump files (``tim-plugins report <tim.dump.dir>`` renders them). The verl
 internals it overrides or reads are entries of ``sources.VERL_SOURCES``, named where they are used.
@@ -20,6 +21,8 @@ import sys
 from pathlib import Path
 
 from omegaconf import open_dict
+
+from tim_plugins.parity.findings import ParityError
 
 from .config import TRAINER_MODE_PREFIX, TIMVerlConfig, check_composed_config
 
@@ -104,14 +107,7 @@ class TIMTrainerMixin:
         if tim.dump.enabled:
             write_run_summary(config, tim, findings)
         self.tim = tim
-        self._tim_probe = None
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
-        if tim.probe.enabled:
-            from tim_plugins.parity.probe import ParityProbe, ParityProbeConfig
-
-            self._tim_probe = ParityProbe(ParityProbeConfig(
-                kl_k3_max=tim.probe.kl_k3, abs_diff_max=tim.probe.abs_diff_max,
-                seq_log_ratio_abs_max=tim.probe.seq_log_ratio_abs_max, action=tim.probe.action))
         with open_dict(config):
             config.actor_rollout_ref.tim = tim.to_dict()
             config.actor_rollout_ref.tim_rollout_correction = {
@@ -129,15 +125,19 @@ class TIMTrainerMixin:
         # one result per rank: VERL_SOURCES verl.single_controller.base.decorator:register (Dispatch.ONE_TO_ALL)
         results = self.actor_rollout_wg.tim_pop_metrics()
         found = next((r for r in results if r), {})
-        metrics.update(found)
-        if self._tim_probe is not None and "tim/tokens" in found:
-            decision = self._tim_probe.check(self.global_steps, found)  # raises for action=raise
-            metrics.update(decision.metrics())
-            if decision.stop and self._tim_stop is None:
-                # make this step the last one; its checkpoint is written in on_step_end
-                logger.warning("tim-plugins: parity probe asked to stop at step %s", self.global_steps)
-                self._tim_stop = (self.global_steps, self.total_training_steps)
-                self.total_training_steps = self.global_steps
+        metrics.update(found.get("metrics") or {})
+        decision = found.get("decision")
+        if decision is None:
+            return
+        # the probe decided in the actor workers on the merged metrics (StepPipeline.compute); the driver acts
+        if decision.action == "raise":
+            raise ParityError(decision.message, trip=decision)
+        if decision.stop and self._tim_stop is None:
+            # make this step the last one; its checkpoint is written in on_step_end
+            logger.warning("tim-plugins: parity probe asked to stop at step %s (%s)", self.global_steps,
+                           decision.message)
+            self._tim_stop = (self.global_steps, self.total_training_steps)
+            self.total_training_steps = self.global_steps
 
     def on_step_end(self):
         super().on_step_end()
@@ -162,7 +162,7 @@ class TIMTrainerMixin:
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
     def _compute_old_log_prob(self, batch, metrics):
-        if self.tim.dump.enabled:  # the step's first actor pass (also in bypass mode, where it is the update)
+        if self.tim.worker_side_active:  # the step's first actor pass (also in bypass mode, where it is the update)
             self.actor_rollout_wg.tim_begin_step(self.global_steps)
         batch = super()._compute_old_log_prob(batch, metrics)
         self._tim_collect(metrics)

@@ -34,13 +34,16 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_begin_step(self, step: int) -> None:
-        """The driver's global step, before the step's first actor pass (names the step's dump file)."""
+        """The driver's global step, before the step's first actor pass (names the step's dump file and the
+        probe's checks)."""
         if self.actor is not None and hasattr(self.actor.engine, "tim_begin_step"):
             self.actor.engine.tim_begin_step(step)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_pop_metrics(self) -> dict:
-        """The metrics merged over DP since the last call (every rank holds the same values)."""
+        """``{"metrics": the metrics merged over DP since the last call, "decision": the parity probe's decision
+        or None}`` (every rank holds the same)."""
         if self.actor is None or not hasattr(self.actor.engine, "tim_pop_metrics"):
             return {}
-        return self.actor.engine.tim_pop_metrics()
+        engine = self.actor.engine
+        return {"metrics": engine.tim_pop_metrics(), "decision": engine.tim_pop_decision()}

@@ -457,7 +457,7 @@ def test_register_marks_the_methods_the_worker_group_binds():
 
     assert getattr(probe, MAGIC_ATTR) == {"dispatch_mode": Dispatch.ONE_TO_ALL, "execute_mode": getattr(
         probe, MAGIC_ATTR)["execute_mode"], "blocking": True}
-    for name in ("init_model", "tim_pop_metrics"):
+    for name in ("init_model", "tim_pop_metrics", "tim_begin_step"):
         attrs = getattr(getattr(TIMActorRolloutRefWorker, name), MAGIC_ATTR)
         assert attrs["dispatch_mode"] is Dispatch.ONE_TO_ALL, name
     assert getattr(ActorRolloutRefWorker.init_model, MAGIC_ATTR)["dispatch_mode"] is Dispatch.ONE_TO_ALL

@@ -84,6 +84,7 @@ class ProbeDecision:
     stop: bool = False  # ask the framework to checkpoint and stop gracefully
     trips: list = field(default_factory=list)
     skipped: list = field(default_factory=list)  # threshold keys whose metric was missing / NaN
+    message: Optional[str] = None  # what tripped, when the action is due (the ParityError's text for "raise")
 
     def metrics(self) -> dict:
         """`tim/probe/*` values for the logger."""
@@ -104,10 +105,12 @@ class ParityProbe:
     def due(self, step: int) -> bool:
         return int(step) % int(self.config.every_n_steps) == 0
 
-    def check(self, step: int, metrics: Mapping[str, float]) -> ProbeDecision:
+    def check(self, step: int, metrics: Mapping[str, float], *, raise_on_trip: bool = True) -> ProbeDecision:
         """Compare `metrics` (a `mismatch_metrics` / `MismatchMonitor.compute()` dict) with the thresholds.
 
-        Raises `ParityError` when the action is ``raise`` and the probe trips (after `patience` checks).
+        Raises `ParityError` when the action is ``raise`` and the probe trips (after `patience` checks), unless
+        ``raise_on_trip=False``: then the decision (``action="raise"``, ``message``) goes to whoever acts on it (verl:
+        the decision is made in the actor workers, the driver raises).
         """
         decision = ProbeDecision(step=int(step))
         if not self.due(step):
@@ -140,11 +143,12 @@ class ParityProbe:
                            self.config.patience)
             return decision
         decision.action = self.config.action
+        decision.message = f"tim parity probe tripped at step {step}: {desc}"
         logger.warning("tim parity probe tripped at step %d: %s (action: %s)", step, desc, self.config.action)
         if self.config.action == "stop":
             decision.stop = True
-        elif self.config.action == "raise":
-            raise ParityError(f"tim parity probe tripped at step {step}: {desc}", trip=decision)
+        elif self.config.action == "raise" and raise_on_trip:
+            raise ParityError(decision.message, trip=decision)
         return decision
 
     def state_dict(self) -> dict:

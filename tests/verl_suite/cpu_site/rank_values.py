@@ -23,12 +23,12 @@ def _record(module) -> None:
 
     original = module.StepPipeline.compute
 
-    def compute(self, step, *, sync=True, group=None):
+    def compute(self, step, *, sync=True, group=None, **options):
         local = {}
         for part in (self.monitor, self.safe_vocab_stats, self.correction_stats):
             if part is not None:
                 local.update(part.compute(sync=False))
-        out = original(self, step, sync=sync, group=group)
+        out = original(self, step, sync=sync, group=group, **options)
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         record = {"pid": os.getpid(), "rank": torch.distributed.get_rank() if dist else 0,
                   "group_rank": torch.distributed.get_rank(group) if dist else 0,

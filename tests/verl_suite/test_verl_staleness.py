@@ -1,0 +1,141 @@
+"""Mismatch or staleness through verl's own engine (#39): a global step whose batch trains twice (two optimizer steps
+on the same rollout, as ``ppo_epochs=2`` or two mini-batches do), driven as ``TrainingWorker`` drives it
+(infer_batch for the old log-probs, train_batch per optimizer step, lr_scheduler_step at the end of the step).
+
+Reference, independent of tim's accumulators: verl's own tensors at each loss call (the log-probs verl hands its
+``ppo_loss``, the ``old_log_probs`` and ``rollout_log_probs`` of the micro-batch), recorded by a loss function that
+wraps verl's, and the split computed from them with naive float64 formulas in the test."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+
+pytest.importorskip("verl")
+
+import harness as H  # noqa: E402
+import torch  # noqa: E402
+
+from tim_plugins.integrations.verl.config import TIMVerlConfig  # noqa: E402
+
+VOCAB = 383
+# float64 sums over float32 log-probs on both sides: the same values summed in another order
+REL = 1e-9
+
+
+def _train(engine, td, old, loss_fn, *, passes: int):
+    """``passes`` optimizer steps on the same batch, then the scheduler step that ends verl's global step."""
+    from verl.utils import tensordict_utils as tu
+
+    td = td.copy()
+    td["old_log_probs"] = H.response_nested(old, td) if td["response_mask"].is_nested else old
+    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                         max_token_len_per_gpu=4096, use_fused_kernels=False, calculate_entropy=False,
+                         global_batch_size=td.batch_size[0])
+    with engine.train_mode():
+        for _ in range(passes):
+            engine.train_batch(td, loss_function=loss_fn)
+        engine.lr_scheduler_step()
+
+
+def _recording_loss(calls: list):
+    """verl's ppo_loss, recording each call's (current, old, rollout, mask) response-aligned, in float64."""
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from tim_plugins.integrations.verl.engine import padded_response
+
+    config = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
+                             use_dynamic_bsz=False)
+    verl_loss = partial(ppo_loss, config=config)
+
+    def loss(*, model_output, data, dp_group=None):
+        current = no_padding_2_padding(model_output["log_probs"], data).detach().double()
+        w = current.shape[1]
+        calls.append((current, padded_response(data["old_log_probs"], w).double(),
+                      padded_response(data["rollout_log_probs"], w).double(),
+                      padded_response(data["response_mask"], w).bool()))
+        return verl_loss(model_output=model_output, data=data, dp_group=dp_group)
+
+    return loss
+
+
+def _k3(d: torch.Tensor) -> float:
+    return float((torch.expm1(d) - d).mean())
+
+
+def test_the_split_of_a_reused_batch_against_verls_own_tensors(toy_model_path):
+    H.init_dist(port=29577)
+    engine = H.build_engine(toy_model_path, lr=1e-2)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+    # the rollout disagrees with the actor by ~0.05 nats (an injected mismatch); the update moves the policy
+    td, raw = H.make_batch(VOCAB, response=6, seed=3, rollout_noise=0.05)
+    old = H.old_log_probs_padded(H.infer(engine, td), td)
+    rollout = raw["rollout_log_probs"].double()
+    engine.tim_pop_metrics()  # the old-log-prob pass's measurement
+    calls: list = []
+    _train(engine, td, old, _recording_loss(calls), passes=2)
+    got = engine.tim_pop_metrics()
+
+    # two micro-batches per optimizer step (micro_batch_size_per_gpu=2, 4 rows): passes 0-1 at lag 0, 2-3 at lag 1
+    assert len(calls) == 4
+    s_parts, m_parts, lag1 = [], [], []
+    for i, (current, old_mb, rollout_mb, mask) in enumerate(calls):
+        lag = i // 2
+        pi_old = current if lag == 0 else old_mb  # no update since the rollout: pi_theta is pi_old
+        s, m = (current - pi_old)[mask], (pi_old - rollout_mb)[mask]
+        s_parts.append(s)
+        m_parts.append(m)
+        if lag == 1:
+            lag1.append((current - rollout_mb)[mask])
+    s, m = torch.cat(s_parts), torch.cat(m_parts)
+    n = s.numel()
+    assert got["tim/split/tokens"] == n == 2 * int(raw["response_mask"].sum())
+    assert got["tim/split/staleness_mean"] == pytest.approx(float(s.mean()), rel=REL)
+    assert got["tim/split/mismatch_mean"] == pytest.approx(float(m.mean()), rel=REL)
+    var_s, var_m = float(s.var(unbiased=False)), float(m.var(unbiased=False))
+    cov = float(((s - s.mean()) * (m - m.mean())).mean())
+    total = var_s + var_m + 2 * cov
+    assert got["tim/split/total_var"] == pytest.approx(float((s + m).var(unbiased=False)), rel=1e-6)
+    assert got["tim/split/staleness_var_share"] == pytest.approx(var_s / total, rel=1e-6)
+    assert got["tim/split/mismatch_var_share"] == pytest.approx(var_m / total, rel=1e-6)
+    assert got["tim/split/cov_share"] == pytest.approx(2 * cov / total, rel=1e-5, abs=1e-9)
+    # the staleness part's own statistics: zero by construction at lag 0, the update's move at lag 1
+    assert got["tim/staleness/tokens"] == n
+    assert got["tim/staleness/token/kl_k3"] == pytest.approx(_k3(s), rel=1e-6)
+    assert got["tim/staleness/token/abs_diff_max"] == pytest.approx(float(s.abs().max()), rel=1e-6)
+    assert float(s[: n // 2].abs().max()) == 0.0 and float(s[n // 2:].abs().max()) > 1e-4  # it moved
+    # by lag: the whole log-ratio current - rollout; lag 0 is the mismatch floor (the rollout vs pi_old)
+    d0 = torch.cat(m_parts[:2])
+    d1 = torch.cat(lag1)
+    assert got["tim/by_lag/0/count"] == d0.numel() and got["tim/by_lag/1/count"] == d1.numel()
+    assert got["tim/by_lag/0/kl_k3"] == pytest.approx(_k3(d0), rel=1e-6)
+    assert got["tim/by_lag/1/kl_k3"] == pytest.approx(_k3(d1), rel=1e-6)
+    assert "tim/by_lag/2/count" not in got
+    # the mismatch part is the measured one: pi_old against the rollout over the same tokens
+    m_old = (old.double() - rollout)[raw["response_mask"].bool()]
+    assert float(m_old.mean()) == pytest.approx(float(torch.cat(m_parts[:2]).mean()), rel=1e-6)
+
+
+def test_a_batch_trained_once_has_a_staleness_part_of_exactly_zero(toy_model_path):
+    H.init_dist(port=29578)
+    engine = H.build_engine(toy_model_path, lr=1e-2)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+    for step in range(2):  # the lag restarts at every global step
+        td, raw = H.make_batch(VOCAB, response=6, seed=20 + step)
+        old = H.old_log_probs_padded(H.infer(engine, td), td)
+        engine.tim_pop_metrics()
+        calls: list = []
+        _train(engine, td, old, _recording_loss(calls), passes=1)
+        got = engine.tim_pop_metrics()
+        n = int(raw["response_mask"].sum())
+        assert got["tim/staleness/tokens"] == n and got["tim/split/tokens"] == n
+        for key in ("tim/staleness/token/kl_k3", "tim/staleness/token/abs_diff_max", "tim/split/staleness_mean",
+                    "tim/split/staleness_var_share", "tim/split/cov_share"):
+            assert got[key] == 0.0, (step, key)
+        assert got["tim/split/mismatch_var_share"] == 1.0
+        assert got["tim/by_lag/0/count"] == n and "tim/by_lag/1/count" not in got
+        assert not math.isnan(got["tim/split/mismatch_mean"])

@@ -264,7 +264,7 @@ def test_live_vllm_reader_notes_an_untested_vllm_instead_of_failing(monkeypatch)
     """The parity reader is a diagnostic: an untested vLLM is named in the spec's notes (the adapters that plug
     into vLLM warn once at import and check each feature's hooks, integrations/vllm/features.py)."""
     import tim_plugins._optional as optional
-    from tim_plugins.parity.vllm_spec import _untested_vllm
+    from tim_plugins.integrations.vllm.parity_spec import _untested_vllm
 
     low, high = optional.SUPPORTED_RANGES["vllm"]
     monkeypatch.setattr(optional, "package_version", lambda dist: f"{high}.1" if dist == "vllm" else None)

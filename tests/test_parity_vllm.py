@@ -7,9 +7,11 @@ import hashlib
 import pytest
 import torch
 
+from tim_plugins.integrations.hf.parity_spec import spec_from_hf_model
+from tim_plugins.integrations.vllm.parity_spec import spec_from_llm
 from tim_plugins.metrics import mismatch_metrics
-from tim_plugins.parity import audit, enforce, spec_from_hf_model
-from tim_plugins.parity.vllm_spec import spec_from_engine_args, spec_from_llm
+from tim_plugins.parity import audit, enforce
+from tim_plugins.parity.vllm_spec import spec_from_engine_args
 from tim_plugins.rollout.inject import TailNoiseInjector, perturb_tail
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Guards on the transformers internals (5.x) tim-plugins relies on (``tim_plugins/rollout/recorder.py``
+"""Guards on the transformers internals (5.x) tim-plugins relies on (``integrations/hf/sources.py``
 ``TRANSFORMERS_SOURCES``).
 
 Every entry resolves; each assumption is checked against the installed transformers: signatures, statements in
@@ -15,12 +15,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tim_plugins.rollout.recorder import (  # noqa: E402
-    RECORDABLE_MODES,
-    TRANSFORMERS_SINCE,
-    TRANSFORMERS_SOURCES,
-    record_processed_logprobs,
-)
+from tim_plugins.integrations.hf.recorder import RECORDABLE_MODES, record_processed_logprobs  # noqa: E402
+from tim_plugins.integrations.hf.sources import TRANSFORMERS_SINCE, TRANSFORMERS_SOURCES  # noqa: E402
 from upstream import flat as _flat  # noqa: E402
 from upstream import resolve as _resolve  # noqa: E402
 from upstream import source  # noqa: E402
@@ -142,7 +138,7 @@ def test_attn_implementation_is_what_the_model_runs(toy_model_path):
     from transformers import AutoModelForCausalLM
     from transformers.configuration_utils import PreTrainedConfig
 
-    from tim_plugins.parity.spec import spec_from_hf_model
+    from tim_plugins.integrations.hf.parity_spec import spec_from_hf_model
 
     assert isinstance(inspect.getattr_static(PreTrainedConfig, "_attn_implementation"), property)
     for impl in ("sdpa", "eager"):

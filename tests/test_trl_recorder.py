@@ -1,4 +1,4 @@
-"""The processed-log-prob recorder TRL's transformers path uses (tim_plugins.rollout.recorder) under the decoding
+"""The processed-log-prob recorder TRL's transformers path uses (tim_plugins.integrations.hf.recorder) under the decoding
 modes a GRPOConfig's ``generation_kwargs`` can select: recorded where it can follow the steps, never raising
 inside ``generate`` where it cannot."""
 
@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tim_plugins.rollout.recorder import (  # noqa: E402
+from tim_plugins.integrations.hf.recorder import (  # noqa: E402
     RECORDABLE_MODES,
     ProcessedLogprobRecorder,
     record_processed_logprobs,

@@ -22,17 +22,13 @@ REGISTRIES = {
     "BENCHMARK_SOURCES": ROOT / "benchmarks" / "sources.py",
     "VERL_SOURCES": ROOT / "integrations" / "verl" / "sources.py",
     "VLLM_SOURCES": ROOT / "integrations" / "vllm" / "sources.py",
-    "TRANSFORMERS_SOURCES": ROOT / "tim_plugins" / "rollout" / "recorder.py",
+    "TRANSFORMERS_SOURCES": ROOT / "integrations" / "hf" / "sources.py",
 }
 
 
 def _registry(name: str) -> dict:
     """The registry, executed from its file alone: the sources modules import nothing (their packages would
-    import the framework), the recorder imports torch only, the TRL hooks torch and the core (not TRL)."""
-    if name == "TRANSFORMERS_SOURCES":
-        from tim_plugins.rollout.recorder import TRANSFORMERS_SOURCES
-
-        return TRANSFORMERS_SOURCES
+    import the framework), the TRL hooks torch and the core (not TRL)."""
     spec = importlib.util.spec_from_file_location(f"_registry_{name}", REGISTRIES[name])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

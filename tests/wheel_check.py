@@ -18,8 +18,8 @@ if "site-packages" not in str(src):
     raise SystemExit(f"tim_plugins was imported from {src}, not from the installed wheel")
 
 # The vLLM adapter is imported without vLLM here: only its presence in the wheel is checked.
-for name in ("tim_plugins.integrations", "tim_plugins.integrations.trl", "tim_plugins.integrations.verl",
-             "tim_plugins.integrations.vllm"):
+for name in ("tim_plugins.integrations", "tim_plugins.integrations.hf", "tim_plugins.integrations.trl",
+             "tim_plugins.integrations.verl", "tim_plugins.integrations.vllm"):
     spec = importlib.util.find_spec(name)
     if spec is None or "site-packages" not in str(spec.origin):
         raise SystemExit(f"{name} is missing from the wheel (spec: {spec})")
@@ -47,7 +47,7 @@ if out.returncode != 0 or "measure" not in out.stdout:
 # Importing the core must not import any framework.
 code = ("import sys, tim_plugins, tim_plugins.metrics, tim_plugins.safe_vocab, tim_plugins.lr_control, "
         "tim_plugins.corrections, tim_plugins.parity; "
-        "bad = [m for m in ('trl', 'verl', 'vllm', 'ray', 'wandb', 'flash_attn') if m in sys.modules]; "
+        "bad = [m for m in ('trl', 'verl', 'vllm', 'ray', 'wandb', 'flash_attn', 'transformers') if m in sys.modules]; "
         "sys.exit(f'core imported {bad}' if bad else 0)")
 subprocess.run([sys.executable, "-c", code], check=True)
 print("wheel: 1 passed, 0 failed")

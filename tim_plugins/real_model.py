@@ -77,7 +77,7 @@ def smollm2_path(path: str | os.PathLike | None = None, *, force: bool = False) 
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import logging as hf_logging  # = transformers.utils.logging; the core imports no submodule
 
     # The converted folder is a plain float32 checkpoint that any transformers 5 reads (the test stacks share it), but
     # converting takes a good GGUF reader: transformers 5.5.3's turns SmolLM2 into a model that generates garbage

@@ -8,7 +8,7 @@ with the same rule and in the same order. The two engines we support differ in o
   VLLM_SOURCES vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p_pytorch, registry in
   ``integrations/vllm/sources.py``): temperature → min-p (argmax-invariant logits processor) → top-k → top-p.
 * HF ``generate`` (TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor,
-  registry in ``tim_plugins/rollout/recorder.py``): temperature → top-k → top-p → min-p.
+  registry in ``integrations/hf/sources.py``): temperature → top-k → top-p → min-p.
 
 min-p and top-k commute (each keeps an upper set of logits, and min-p's ratio test p_a >= min_p · max_b p_b is
 unchanged by renormalisation), so the two orders differ only when top-p is combined with min-p: vLLM takes the

@@ -37,13 +37,13 @@ from tim_plugins.by_key import lag_keys
 from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.corrections import CorrectionConfig
 from tim_plugins.dump import DumpConfig
+from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.lr_control import LengthTriggeredLRDecay
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.parity.probe import ParityProbeConfig
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
 from tim_plugins.rollout.exact import exact_generate
 from tim_plugins.rollout.inject import TailNoiseInjector
-from tim_plugins.rollout.recorder import record_processed_logprobs
 from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from . import features, hooks

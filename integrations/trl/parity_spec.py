@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
-from tim_plugins.parity.vllm_spec import spec_from_engine_args, spec_from_llm
+from tim_plugins.parity.vllm_spec import spec_from_engine_args
 
 __all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_config", "specs_from_trainer",
            "load_grpo_config"]
@@ -119,6 +119,10 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
     """The rollout side: vLLM colocate/server (from what TRL passes to LLM()) or HF generation."""
     sampling = _sampler(args)
     if llm is not None:  # live engine: the truth beats the reconstruction
+        # the vLLM adapter's live reader (it reads vLLM's internals); imported here, as a live engine is only read
+        # when TRL has one, so that importing this module does not import the vLLM adapter (its version note)
+        from tim_plugins.integrations.vllm.parity_spec import spec_from_llm
+
         return spec_from_llm(llm, sampling=sampling, framework=f"vllm-{args.vllm_mode} (trl)")
     if args.use_vllm and args.vllm_mode == "colocate":
         engine = {"model": getattr(model, "name_or_path", model) if model is not None else None,

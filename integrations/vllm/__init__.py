@@ -5,14 +5,17 @@
   arguments), loaded by vLLM from its "<module>:<class>" name;
 - ``tim_plugins.integrations.vllm.inject:TailNoiseLogitsProcessor``: the TIM injector, per request;
 - ``.sampling``: ``SamplingParams`` for a core ``Truncation``, and the logprobs-mode check that pruning needs;
-- ``.rollout``: an in-process engine and its rollouts as the core's ``RolloutBatch`` (``tim-plugins measure``).
+- ``.rollout``: an in-process engine and its rollouts as the core's ``RolloutBatch`` (``tim-plugins measure``);
+- ``.parity_spec``: ``spec_from_llm``, a live engine's `PipelineSpec` (its resolved configuration and what its
+  workers run; imports nothing of vLLM, so the TRL adapter reads its colocated engine with it).
 
 Importing this package warns once when the installed vLLM is outside the tested range
 (``tim_plugins._optional.SUPPORTED_RANGES``) and imports no vLLM module itself: each module above imports what it
 needs, so a vLLM internal that moved (``.sources.VLLM_SOURCES``, checked per feature by ``.features`` and
-``tim-plugins doctor``) disables only the module that needs it. The vLLM readers the other adapters share (engine
-arguments or a live engine → ``PipelineSpec``: ``tim_plugins.parity.vllm_spec``; the min-p processor's settings)
-import nothing of vLLM and live in the core.
+``tim-plugins doctor``) disables only the module that needs it. What reads no vLLM object (engine arguments →
+``PipelineSpec``: ``tim_plugins.parity.vllm_spec``; the min-p processor's settings) lives in the core, which the verl
+adapter and the offline audit use without vLLM. An engine adapter: the trainer adapters (TRL, verl) may import it, it
+imports no other adapter (``tests/test_layering.py``).
 """
 
 from tim_plugins._optional import note_version

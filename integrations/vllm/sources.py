@@ -8,8 +8,9 @@ imported), every use site names its entry here in a comment (``# VLLM_SOURCES <m
 source, and behaviour where cheap). The V2 model runner runs custom logits processors from vLLM 0.31 on: its
 entries are in ``VLLM_SINCE``; before that release the V2 runner refuses custom processors, so vLLM runs ours in
 the V1 runner (the guard tests check both sides). Users: this adapter (``min_p``, ``inject``, ``sampling``,
-``rollout``), the core's vLLM reader ``tim_plugins.parity.vllm_spec`` (which imports nothing of vLLM: it reads
-engine attributes), ``tim_plugins.truncation`` (vLLM's truncation order) and ``tim_plugins.apps.measure``.
+``rollout``, ``parity_spec``: the live engine reader), the core's engine-argument reader
+``tim_plugins.parity.vllm_spec`` (vLLM's defaults, as data), ``tim_plugins.truncation`` (vLLM's truncation order)
+and ``tim_plugins.apps.measure``.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 A short GRPO run of the toy model (fp32 policy, AdamW) with `TIMCallback` attached in its default
 configuration (monitor + parity audit; the per-token dump switched on). Rollouts are sampled in bfloat16: TRL's
 documented (experimental) ``rollout_func`` hook returns completions and their processed log-probs from a
-bf16 copy of the current policy, re-synchronised after every optimizer step, with the core HF sampler
-(``tim_plugins.rollout.hf.generate_with_logprobs``) — the shape of a real stack, where an inference engine in
-bf16 samples for an fp32 trainer. TRL hands those log-probs to the loss as ``sampling_per_token_logps``; the
+bf16 copy of the current policy, re-synchronised after every optimizer step, with the HF adapter's sampler
+(``tim_plugins.integrations.hf.rollout.generate_with_logprobs``) — the shape of a real stack, where an inference
+engine in bf16 samples for an fp32 trainer. TRL hands those log-probs to the loss as ``sampling_per_token_logps``; the
 callback compares them with the trainer's own log-probs of the same tokens at every step.
 
 ``--model smollm2`` runs the same demo on a real pretrained model, SmolLM2-135M-Instruct (converted once from the
@@ -195,7 +195,7 @@ class _BF16Rollouts:
         self.synced_step = step
 
     def __call__(self, prompts: list[str], trainer) -> dict:
-        from tim_plugins.rollout.hf import generate_with_logprobs
+        from tim_plugins.integrations.hf.rollout import generate_with_logprobs
 
         self._sync(trainer)
         t0 = time.perf_counter()
@@ -427,8 +427,8 @@ def _own_audit(rollout_model, trainer_spec) -> list[dict]:
     spec: a custom ``rollout_func`` is opaque to the callback, which describes the rollout side as TRL's own."""
     if trainer_spec is None:
         return []
+    from tim_plugins.integrations.hf.parity_spec import spec_from_hf_model
     from tim_plugins.parity.audit import audit
-    from tim_plugins.parity.spec import spec_from_hf_model
 
     rollout = spec_from_hf_model(rollout_model, side="rollout", framework="hf-generate (demo rollout_func)",
                                  temperature=trainer_spec.temperature, logprobs_mode="processed_logprobs")

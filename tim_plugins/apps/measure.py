@@ -288,14 +288,14 @@ def _disagreements(run: _Run, rollout, train, loss_mask, ids, mask) -> list[dict
 
 def _audit(run: _Run, setting: Setting, llm) -> list[dict]:
     """The parity audit of this setting's rollout pipeline against the trainer's (the findings, as dicts)."""
+    from tim_plugins.integrations.hf.parity_spec import spec_from_hf_model
     from tim_plugins.parity.audit import audit
-    from tim_plugins.parity.spec import spec_from_hf_model
 
     cfg = run.cfg
     sampler = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=setting.min_p)
     trainer = spec_from_hf_model(run.trainer, side="trainer", **sampler)
     if llm is not None:
-        from tim_plugins.parity.vllm_spec import spec_from_llm
+        from tim_plugins.integrations.vllm.parity_spec import spec_from_llm
 
         rollout = spec_from_llm(llm, sampling=sampler)
     else:

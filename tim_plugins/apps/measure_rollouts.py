@@ -109,7 +109,7 @@ def hf_rollout(model, enc, *, max_new_tokens: int, temperature: float, top_p: fl
     """HF ``generate``, with the whole processed distribution of every step. Timed as the vLLM and exact rollouts
     are (``sample_seconds``): the sampling with the sampled tokens' log-probs, not the whole-vocabulary readout the
     comparison needs afterwards."""
-    from tim_plugins.rollout.hf import generate_with_logprobs
+    from tim_plugins.integrations.hf.rollout import generate_with_logprobs
 
     if injector is not None:
         injector.reset()

@@ -2,8 +2,9 @@
 
 A `PipelineSpec` says what one side does to produce a token's log-prob: weight dtype, lm_head precision,
 which distribution the log-prob is taken from, sampler processing, kernels and caches. Readers in
-`vllm_spec.py` (vLLM engine args / live engine), `integrations/trl/parity_spec.py` (GRPOConfig + model) and
-`integrations/verl/parity_spec.py` (composed Hydra config) fill it in; `audit()` compares two of them.
+`vllm_spec.py` (vLLM engine args), the adapters' ``parity_spec`` modules (`integrations/hf`: a live transformers
+model; `integrations/vllm`: a live engine; `integrations/trl`: GRPOConfig + model; `integrations/verl`: composed
+Hydra config) fill it in; `audit()` compares two of them.
 
 Every field is Optional: ``None`` means *unknown*, and the audit skips a check whose inputs are unknown
 (it reports them under the ``unknown-setting`` code instead of guessing).
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tim_plugins._config import field_help
+from tim_plugins._moved import moved_attribute
 
 __all__ = [
     "PipelineSpec",
@@ -23,10 +25,17 @@ __all__ = [
     "normalize_attention_backend",
     "attention_family",
     "normalize_top_k",
-    "spec_from_hf_model",
     "LOGPROBS_MODES",
     "SIDES",
 ]
+
+# Moved to the HF adapter (#38; it reads a private attribute of transformers' config): importing it from here
+# raises an ImportError that names the new module.
+_MOVED = {"spec_from_hf_model": "tim_plugins.integrations.hf.parity_spec"}
+
+
+def __getattr__(name: str):
+    moved_attribute(__name__, name, _MOVED)
 
 SIDES = ("rollout", "trainer")
 # vLLM's names (vllm/config/model.py LogprobsMode); the trainer side is always "processed" by construction
@@ -189,47 +198,3 @@ class PipelineSpec:
         if unknown:
             raise ValueError(f"unknown PipelineSpec fields {unknown}; known: {sorted(names)}")
         return cls(**data)
-
-
-def spec_from_hf_model(
-    model: Any,
-    *,
-    side: str = "trainer",
-    temperature: Optional[float] = 1.0,
-    top_p: Optional[float] = 1.0,
-    top_k: Optional[int] = 0,
-    min_p: Optional[float] = 0.0,
-    framework: str = "hf",
-    **overrides: Any,
-) -> PipelineSpec:
-    """Read dtype, lm_head dtype and attention implementation from a live transformers model.
-
-    The sampler arguments say what this side applies to its logits (defaults: temperature 1, no truncation,
-    no penalties, as a plain trainer forward). The trainer runs eager, without KV/prefix caches, and is not
-    batch invariant unless told otherwise through ``overrides``.
-    """
-    params = list(model.parameters())
-    dtype = str(params[0].dtype) if params else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_dtype = str(head.weight.dtype) if head is not None and getattr(head, "weight", None) is not None else None
-    config = getattr(model, "config", None)
-    # TRANSFORMERS_SOURCES transformers.configuration_utils:PreTrainedConfig._attn_implementation
-    attn = getattr(config, "_attn_implementation", None) if config is not None else None
-    device = params[0].device.type if params else None
-    quant = getattr(config, "quantization_config", None) if config is not None else None
-    values = dict(
-        side=side, framework=framework, device=device, dtype=dtype, lm_head_dtype=head_dtype,
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=False, bad_words=False,
-        custom_logits_processors=(), weight_quantization="none" if quant is None else _quant_name(quant),
-        kv_cache_dtype="auto", prefix_caching=False, chunked_prefill=False, cudagraph=False, compile=False,
-        batch_invariant=False, attention_backend=attn, source=f"{type(model).__name__} (live)",
-    )
-    values.update(overrides)
-    return PipelineSpec(**values)
-
-
-def _quant_name(quant: Any) -> str:
-    if isinstance(quant, dict):
-        return str(quant.get("quant_method", "quantized"))
-    return str(getattr(quant, "quant_method", "quantized"))

@@ -1,1 +1,2 @@
-"""Rollout-side samplers: HF generation with processed log-probs, the exact sampler, the TIM injector."""
+"""Rollout-side samplers: the processed-log-prob recorder, the exact sampler, the TIM injector (HF ``generate``
+with the recorder patches transformers' internals: ``tim_plugins.integrations.hf``)."""

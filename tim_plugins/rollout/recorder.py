@@ -1,73 +1,38 @@
-"""Record the processed log-probs of what an HF ``generate`` call samples, without changing the call.
+"""A logits processor that records the processed log-probs of what a sampler draws, one token per call.
 
-Used by ``rollout.hf.generate_with_logprobs`` and by the TRL adapter (TRL 1.16 discards the sampler's log-probs
-on its transformers path). The ``generate`` call stays untouched; one logits processor is appended *at the very end*
-of the list ``generate`` builds (after temperature / top-k / top-p / min-p), so it sees exactly the
-distribution the token is sampled from. It keeps one ``[B, V]`` row of log-probs between steps (no
-``output_scores`` history: that would be ``T x B x V``).
+A sampling loop that runs its logits processors once per step on ``(input_ids, scores)`` (the sequence so far, the
+next token's logits after every earlier processor), then draws the next token from ``softmax(scores)`` and appends
+it, can carry a `ProcessedLogprobRecorder` *last*: it then sees exactly the distribution each token is sampled from
+and keeps one ``[B, V]`` row of log-probs between steps (no ``T x B x V`` score history).
 
-Only decoding modes that pick one token per row per processor call can be recorded this way (multinomial
-sampling, greedy). Beam search reorders and multiplies rows, assisted decoding scores candidates that may be
-rejected: there the recorder records nothing and says why (``unsupported``) instead of raising inside
-``generate``, so a diagnostic never breaks the generation it observes.
+Only loops that extend every row by one token per call can be recorded this way; a call that does not (beam
+search, assisted decoding) stops the record with the reason (``unsupported``) instead of raising inside the
+caller's loop, so a diagnostic never breaks the generation it observes.
 
-The hook is transformers' private ``GenerationMixin._get_logits_processor``, shadowed by an instance attribute for
-the duration of the context. It and every other transformers internal tim-plugins relies on (here, in the parity
-reader and in the TRL adapter) are entries of ``TRANSFORMERS_SOURCES`` below, named where they are used, checked
-when a feature that needs them attaches (``tim_plugins.capabilities``) and against the installed transformers by
-``tests/test_transformers_sources.py``.
+Torch only. Plugging it into HF ``generate`` patches transformers' internals, so that part lives in the HF adapter:
+``tim_plugins.integrations.hf.recorder.record_processed_logprobs`` (with ``RECORDABLE_MODES``; the registry of the
+transformers internals used, ``TRANSFORMERS_SOURCES``, is ``tim_plugins.integrations.hf.sources``).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
-from tim_plugins._optional import note_version
+from tim_plugins._moved import moved_attribute
 
-__all__ = ["RECORDABLE_MODES", "TRANSFORMERS_SINCE", "TRANSFORMERS_SOURCES", "ProcessedLogprobRecorder",
-           "record_processed_logprobs"]
+__all__ = ["ProcessedLogprobRecorder"]
 
-# The transformers source each use relies on (5.0 - 5.24): (module, qualified name) -> what is assumed of it. An
-# entry that exists only from some release on is in TRANSFORMERS_SINCE, and the entry that holds the same code
-# before it is named beside it.
-TRANSFORMERS_SOURCES = {
-    ("transformers.generation.utils", "GenerationMixin.generate"):
-        "calls self._get_logits_processor(generation_config=..., logits_processor=..., ...) once per call, by "
-        "keyword and looked up on the model instance, and hands the list it returns to the decoding loop",
-    ("transformers.generation.utils", "GenerationMixin._get_logits_processor"):
-        "(generation_config, input_ids_seq_length, encoder_input_ids, prefix_allowed_tokens_fn, "
-        "logits_processor, ...) -> LogitsProcessorList: the processors, then the caller's logits_processor "
-        "merged in (_merge_criteria_processor_list), then, when sampling, the warpers temperature -> top-k -> "
-        "top-p -> min-p; watermarking and renormalize_logits last",
-    ("transformers.generation.utils", "GenerationMixin._sample"):
-        "per step: next_token_scores = logits_processor(input_ids, fp32 logits of the last position) with "
-        "input_ids the whole sequence so far; the token is drawn from softmax(next_token_scores) (argmax when "
-        "greedy) and appended to input_ids, one per row",
-    ("transformers.generation.configuration_utils", "GenerationMode"):
-        "values 'sample' and 'greedy_search' (GenerationConfig.get_generation_mode()) are the one-token-per-row "
-        "modes; beam, assisted, contrastive and DoLa modes are others",
-    ("transformers.configuration_utils", "PreTrainedConfig._attn_implementation"):
-        "a property: the attention implementation the model runs ('sdpa', 'eager', 'flash_attention_2', ...)",
-    ("transformers.trainer", "Trainer._load_callback_state"):
-        "with restore_callback_states_from_checkpoint, rebuilds each stateful callback as type(cb)(**args) then "
-        "sets its saved attributes, from cb.state() = {'args', 'attributes'} stored by class name",
-    ("transformers.trainer", "Trainer._run_epoch"):
-        "on_epoch_end runs before the epoch's _maybe_log_save_evaluate (so a window pushed then is logged)",
-    ("transformers.trainer", "Trainer._inner_training_loop"):
-        "transformers < 5.3: the epoch loop itself (5.3 moved it into Trainer._run_epoch), with the same order: "
-        "on_epoch_end before the epoch's _maybe_log_save_evaluate",
+# Moved to the HF adapter (#38): importing them from here raises an ImportError that names the new module.
+_MOVED = {
+    "record_processed_logprobs": "tim_plugins.integrations.hf.recorder",
+    "RECORDABLE_MODES": "tim_plugins.integrations.hf.recorder",
+    "TRANSFORMERS_SOURCES": "tim_plugins.integrations.hf.sources",
+    "TRANSFORMERS_SINCE": "tim_plugins.integrations.hf.sources",
 }
 
-# Entries that exist from a transformers release on (the guard test checks they exist exactly from then on).
-TRANSFORMERS_SINCE = {
-    ("transformers.trainer", "Trainer._run_epoch"): "5.3",
-}
 
-# transformers' GenerationMode values whose steps the recorder follows:
-# TRANSFORMERS_SOURCES transformers.generation.configuration_utils:GenerationMode
-RECORDABLE_MODES = ("sample", "greedy_search")
+def __getattr__(name: str):
+    moved_attribute(__name__, name, _MOVED)
 
 
 class ProcessedLogprobRecorder:
@@ -75,7 +40,6 @@ class ProcessedLogprobRecorder:
 
     At step t it keeps the processed scores ([B, V]); at step t+1 ``input_ids[:, -1]`` is the token
     sampled at step t, so its log-prob is gathered then. ``finish(last_tokens)`` collects the last step.
-    (TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._sample)
 
     Each call must extend the same rows by exactly one token (what sampling and greedy decoding do). A call that
     does not (another decoding mode) stops the record: ``unsupported`` then holds the reason, the scores pass
@@ -167,67 +131,3 @@ class ProcessedLogprobRecorder:
         out = torch.log_softmax(torch.stack(self.scores, dim=1).float(), dim=-1)
         self.scores = []
         return out
-
-
-def _generation_mode(args: tuple, kwargs: dict) -> str | None:
-    """The decoding mode of the ``generation_config`` handed to ``_get_logits_processor`` (None if unknown)."""
-    config = kwargs.get("generation_config", args[0] if args else None)
-    get_mode = getattr(config, "get_generation_mode", None)
-    if get_mode is None:
-        return None
-    try:
-        mode = get_mode()
-    except Exception:  # an odd config: leave the decision to the per-call checks
-        return None
-    return str(getattr(mode, "value", mode))
-
-
-@contextmanager
-def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = False):
-    """While active, every ``model.generate`` call gets a `ProcessedLogprobRecorder` appended last.
-
-    ``extra_processors`` (e.g. the TIM injector) are passed as if the caller had given them to ``generate``
-    (``logits_processor=``): transformers places them before the sampling warpers, so their effect is part of
-    the distribution sampled from and of the recorded log-probs, as an engine's mismatch would be.
-
-    ``keep_scores=True``: the recorders also keep every step's processed scores (``full_logprobs()``).
-
-    Yields a list; each generate call appends its recorder to it. A call in a decoding mode outside
-    ``RECORDABLE_MODES`` (beam search, assisted decoding, ...) gets a recorder that records nothing and names
-    the mode in ``unsupported``. The patch is an instance attribute on ``model`` (the transformers model whose
-    ``generate`` runs), removed on exit. Outside the tested transformers range it warns once (the hook is private;
-    the TRL adapter checks it first, ``integrations/trl/features.py``).
-    """
-    note_version("transformers")
-    recorders: list[ProcessedLogprobRecorder] = []
-    # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup, by keyword)
-    # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor
-    had_own = "_get_logits_processor" in vars(model)
-    previous = vars(model).get("_get_logits_processor")
-    original = model._get_logits_processor
-
-    def _get_logits_processor(*args, **kwargs):
-        if extra_processors:
-            from transformers import LogitsProcessorList
-
-            custom = LogitsProcessorList(kwargs.get("logits_processor") or [])
-            custom.extend(extra_processors)
-            kwargs["logits_processor"] = custom
-        processors = original(*args, **kwargs)
-        mode = _generation_mode(args, kwargs)
-        if mode is not None and mode not in RECORDABLE_MODES:
-            recorders.append(ProcessedLogprobRecorder(unsupported=f"generation mode '{mode}'"))
-            return processors
-        recorder = ProcessedLogprobRecorder(keep_scores=keep_scores)
-        recorders.append(recorder)
-        processors.append(recorder)  # last: after the warpers (temperature, top-k/p, min-p)
-        return processors
-
-    model._get_logits_processor = _get_logits_processor
-    try:
-        yield recorders
-    finally:
-        if had_own:
-            model._get_logits_processor = previous
-        else:
-            del model._get_logits_processor

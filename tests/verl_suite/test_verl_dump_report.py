@@ -29,8 +29,8 @@ from bounded import run_bounded  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-STEPS, INJECT_FROM, DELTA = 5, 3, 0.1
-BASE_LR = 1e-3  # base_overrides: constant schedule
+STEPS, INJECT_FROM, DELTA = 5, 3, 0.3
+BASE_LR = 1e-4  # constant schedule; small enough that the injected mismatch outweighs the staleness of one update
 # The length never fires (its floor is out of reach): the only trigger is the k3 signal.
 LR_OPTIONS = {"warmup_steps": 1, "window": 1, "patience": 1, "cooldown": 100, "length_floor": 1e9,
               "signals": "[kl_k3]"}
@@ -39,11 +39,11 @@ RUN_TIMEOUT_S = 900
 FP32_K3_MAX = 1e-9
 # With d = ±DELTA per token (plus fp32 noise ~1e-7), k3 = mean(exp(d) - 1 - d) lies between the two signs' values.
 K3_LO, K3_HI = math.exp(-DELTA) - 1 + DELTA, math.exp(DELTA) - 1 - DELTA
-# verl's rollout_corr/k3_kl on the same tokens: float32 exp(r) - r - 1 at r ~ 0.1 is exact to ~1e-7 relative per
+# verl's rollout_corr/k3_kl on the same tokens: float32 exp(r) - r - 1 at r ~ DELTA is exact to ~1e-7 relative per
 # token; the means agree to float32 summation (test_verl_main_ppo.py K3_REL).
 K3_REL = 1e-4
 # The dump stores float32 log-probs (the monitor's inputs) and the monitor accumulates in float64: a naive float64 k3
-# over the dump's rows agrees to float32 rounding of d (~1e-7 relative at |d| ~ 0.1, summed).
+# over the dump's rows agrees to float32 rounding of d (~1e-7 relative at |d| ~ DELTA, summed).
 DUMP_K3_REL = 1e-5
 
 
@@ -62,6 +62,8 @@ def run(tmp_path_factory, toy_model_path):
         *[f"+tim.lr_decay.options.{k}={v}" for k, v in LR_OPTIONS.items()],
         f"+tim.dump.dir={dump}",
         "+tim.dump.sample_rate=1.0",
+        # two optimizer steps per batch: the second trains on a stale batch (the split's staleness part)
+        "actor_rollout_ref.actor.ppo_epochs=2",
     ]
     result = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log",
                             extra_env={"TIM_TEST_INJECT_MISMATCH": f"{INJECT_FROM}:{DELTA}"})
@@ -90,14 +92,19 @@ def test_the_k3_signal_fires_at_the_injected_step_as_the_core_controller_replays
     options = dict(LR_OPTIONS, signals=("kl_k3",))
     ctrl = LengthTriggeredLRDecay(**options)
     steps = sorted(result.steps)
-    # the engine feeds the step's DP-mean response length (one mini-batch per step: verl's response_length/mean)
-    replayed = [ctrl.observe(None, result.steps[s]["response_length/mean"], kl_k3=result.steps[s]["tim/token/kl_k3"])
-                for s in steps]
+    # the engine closes each optimizer step (ppo_epochs=2: two per global step, on the whole batch) with the batch's
+    # DP-mean response length (verl's response_length/mean); the step's k3 goes with the first, the second finds the
+    # step's monitor empty (NaN: not an observation of the signal)
+    def observe(s, k3):
+        return ctrl.observe(None, result.steps[s]["response_length/mean"], kl_k3=k3)
+
+    replayed = [(observe(s, result.steps[s]["tim/token/kl_k3"]), observe(s, math.nan))[1] for s in steps]
     logged = [result.steps[s]["tim/lr/scale"] for s in steps]
     assert logged == pytest.approx(replayed, rel=1e-12)
     # the length alone (the same options without the k3 signal) never fires on this run
     length_only = LengthTriggeredLRDecay(**dict(LR_OPTIONS, signals=()))
-    assert [length_only.observe(None, result.steps[s]["response_length/mean"]) for s in steps] == [1.0] * len(steps)
+    assert [length_only.observe(None, result.steps[s]["response_length/mean"]) for s in steps for _ in range(2)] \
+        == [1.0] * 2 * len(steps)
     fired_at = next(s for s, scale in zip(steps, logged) if scale < 1.0)
     assert fired_at == INJECT_FROM
     assert result.steps[STEPS]["tim/lr/trigger_count"] == 1.0
@@ -154,3 +161,34 @@ def test_tim_plugins_report_renders_the_verl_dump(run, tmp_path):
     # decoded with the run's tokenizer (found through summary.json), not token ids only
     assert "Token ids only" not in html
     assert f"{int(sum(result.steps[s]['tim/tokens'] for s in result.steps))} tokens" in html
+
+
+def test_the_split_of_the_reused_batch(run):
+    """ppo_epochs=2: the first pass over the batch is at lag 0 (staleness exactly 0, the whole log-ratio is the
+    mismatch the monitor measured), the second at lag 1 (after the first update). Until the first non-zero gradient
+    (GRPO advantages all 0 while every group's rewards tie: verl's grad_norm 0) AdamW moves nothing and the
+    staleness part is the fp32 noise of another forward; from then on its momentum moves the weights at every
+    update, even at a zero gradient. After the injection the injected ±DELTA dominates Var(d)."""
+    from tim_plugins.report import build_report
+
+    result, dump, _ = run
+    moved_steps = []
+    for step, m in sorted(result.steps.items()):
+        n = m["tim/tokens"]
+        assert m["tim/split/tokens"] == m["tim/staleness/tokens"] == 2 * n  # both passes, every token
+        assert m["tim/by_lag/0/count"] == m["tim/by_lag/1/count"] == n and "tim/by_lag/2/count" not in m
+        shares = (m["tim/split/staleness_var_share"], m["tim/split/mismatch_var_share"], m["tim/split/cov_share"])
+        assert sum(shares) == pytest.approx(1.0, abs=1e-9), step
+        moved = bool(moved_steps) or m["actor/grad_norm"] > 0
+        moved_steps += [step] if moved else []
+        # |s| of one more forward at unchanged weights: fp32 noise (1e-5 measured); an update: beyond it
+        assert (m["tim/staleness/token/abs_diff_max"] > 1e-4) == moved, (step, m["tim/staleness/token/abs_diff_max"])
+        if step >= INJECT_FROM:
+            # lag 0: the training pass at the rollout's weights against the rollout, i.e. the monitor's measurement
+            # up to another forward's fp32 noise
+            assert m["tim/by_lag/0/kl_k3"] == pytest.approx(m["tim/token/kl_k3"], rel=1e-3), step
+            assert shares[1] > 0.5, (step, shares)
+    assert any(s >= INJECT_FROM for s in moved_steps), moved_steps  # the run did update after the injection
+    html = build_report(dump, dump.parent / "split_report.html").read_text()
+    # pooled over the run (weighted by Var(d)), the injected steps dominate: the verdict's fix in verl's terms
+    assert "Mismatch or staleness?" in html and "Mismatch dominates" in html and "logprobs_mode" in html

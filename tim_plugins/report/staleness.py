@@ -72,7 +72,8 @@ def staleness_verdict(rows: list[dict], framework: str | None) -> tuple[str, str
 
 
 def staleness_section(page, summary: dict) -> None:
-    """The section, when the run logged a split (TRL runs with the callback's monitor)."""
+    """The section, when the run logged a split (TRL runs with the callback's monitor, verl runs with the monitor
+    and a dump: its log_history.jsonl)."""
     rows = split_rows(summary.get("log_history") or [])
     if not rows:
         return

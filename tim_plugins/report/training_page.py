@@ -335,6 +335,10 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     if table["step"].size > 1:
         page.h2("Per optimizer step")
         _series_figure(page, table, (summary or {}).get("framework"))
+    if summary:  # the split, where the run logged one beside the dump (verl's log_history.jsonl)
+        from tim_plugins.report.staleness import staleness_section
+
+        staleness_section(page, summary)
     page.h2("Per token")
     _figures_over_tokens(page, tokens, "dump")
     disagreements_section(page, dump_disagreements(dump_dir, decode), "every step of the dump")

@@ -38,7 +38,7 @@ from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.corrections import CorrectionConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
-from tim_plugins.lr_control import LengthTriggeredLRDecay
+from tim_plugins.lr_control import SIGNAL_ALIASES, LengthTriggeredLRDecay
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.parity.probe import ParityProbeConfig
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
@@ -55,8 +55,6 @@ __all__ = ["TIMCallback", "TIMState"]
 
 logger = logging.getLogger("tim_plugins.trl")
 STATE_VERSION = 2
-# TIMConfig.lr_decay_signals -> LengthTriggeredLRDecay signal names
-_LR_SIGNAL_NAMES = {"k3": "kl_k3", "grad_norm": "grad_norm"}
 
 
 class TIMState(TrainerCallback, ExportableState):
@@ -162,7 +160,7 @@ def _pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: boo
     if config.lr_decay:
         options = dict(config.lr_decay_options)
         if config.lr_decay_signals and "signals" not in options:
-            options["signals"] = tuple(_LR_SIGNAL_NAMES[s] for s in config.lr_decay_signals)
+            options["signals"] = tuple(SIGNAL_ALIASES[s] for s in config.lr_decay_signals)
         lr_decay = LengthTriggeredLRDecay(**options).config  # its own checks name unknown options
     args = trainer.args
     return PipelineConfig(
@@ -186,7 +184,7 @@ class TIMCallback(TrainerCallback):
     def __init__(self, trainer, config: TIMConfig | None = None) -> None:
         require("trl", "tim_plugins.integrations.trl.TIMCallback")
         self.trl_version = note_version("trl")
-        # the transformers internals it relies on: tim_plugins/rollout/recorder.py TRANSFORMERS_SOURCES
+        # the transformers internals it relies on: integrations/hf/sources.py TRANSFORMERS_SOURCES
         self.transformers_version = note_version("transformers")
         config = TIMConfig() if config is None else config
         if not isinstance(config, TIMConfig):

@@ -52,13 +52,13 @@ def test_metric_reference_lists_exactly_the_keys_the_monitor_emits():
     # the staleness / mismatch split of the loss passes (StepPipeline.loss_pass)
     from tim_plugins.pipeline import PipelineConfig, StepPipeline
 
-    pipe = StepPipeline(PipelineConfig(staleness=True, by_position=True, compile=False))
-    pipe.measure(r, r + 0.1, torch.ones(2, 5, dtype=torch.bool))
+    pipe = StepPipeline(PipelineConfig(staleness=True, by_position=True, by_turn=True, compile=False))
+    pipe.measure(r, r + 0.1, torch.ones(2, 5, dtype=torch.bool), turn=torch.zeros(2, 5, dtype=torch.long))
     pipe.loss_pass(r, r + 0.1, r + 0.2, torch.ones(2, 5, dtype=torch.bool), lag=torch.zeros(2, 5, dtype=torch.long))
-    by_key = ("tim/staleness/", "tim/split/", "tim/by_position/", "tim/by_lag/")
+    by_key = ("tim/staleness/", "tim/split/", "tim/by_position/", "tim/by_lag/", "tim/by_turn/")
     emitted |= {k for k in pipe.compute(1, sync=False)[0] if k.startswith(by_key)}
     labels = {"tim/by_position/<label>": [f"tim/by_position/{x}" for x in ("0", "1", "2-3", "4-7")],
-              "tim/by_lag/<label>": ["tim/by_lag/0"]}  # the buckets this batch fills
+              "tim/by_lag/<label>": ["tim/by_lag/0"], "tim/by_turn/<label>": ["tim/by_turn/0"]}  # the buckets filled
     buckets = {f"tim/by_prob/{lo:g}-{hi:g}" for lo, hi in zip(PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:])}
     expanded = set()
     for k in documented:

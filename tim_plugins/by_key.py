@@ -22,7 +22,7 @@ import torch
 
 from tim_plugins.accumulate import Accumulated, Accumulator
 
-__all__ = ["KEYINGS", "Keying", "KeyedStats", "lag_keys", "position_keys"]
+__all__ = ["KEYINGS", "Keying", "KeyedStats", "lag_keys", "position_keys", "turn_keys"]
 
 _STATS = ("count", "abs_sum", "d_sum", "k3_sum")
 
@@ -62,6 +62,16 @@ KEYINGS = {
 def position_keys(mask: torch.Tensor) -> torch.Tensor:
     """[B, T] response position of every token (0-based column index of a response-aligned batch)."""
     return torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+
+
+def turn_keys(model_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] turn of every token of multi-turn completions from ``model_mask`` ([B, T], 1 where the model generated
+    the token, 0 where the environment or a tool wrote it: TRL's ``tool_mask``): the number of environment segments
+    before the token, so the model's first turn is 0, its answer after the first tool result 1, and so on."""
+    env = ~model_mask.bool()
+    before = torch.nn.functional.pad(env[:, :-1], (1, 0), value=False)
+    starts = env & ~before  # the first token of each environment segment
+    return starts.long().cumsum(dim=1)
 
 
 def lag_keys(trainer_version: int, sample_version: torch.Tensor, shape) -> torch.Tensor:

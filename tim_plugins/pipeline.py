@@ -68,6 +68,9 @@ class PipelineConfig:
                                                                  "(loss_pass; needs the monitor)"})
     by_position: bool = field(default=False, metadata={"help": "the mismatch by response position (log-spaced "
                                                                    "buckets, tim/by_position/*; needs the monitor)"})
+    by_turn: bool = field(default=False, metadata={"help": "the mismatch by turn of multi-turn rollouts "
+                                                           "(tim/by_turn/*, from the turn keys measure is given; "
+                                                           "needs the monitor)"})
     strict: bool = False
     compile: Any = "auto"  # MismatchMonitor(compile=...)
     histograms: bool = field(default=False, metadata={"help": "compute() also returns the monitor's histograms"})
@@ -132,6 +135,7 @@ class StepPipeline:
         self.split_stats = SplitStats() if on else None
         self.by_lag = KeyedStats("lag") if on else None
         self.by_position = KeyedStats("position") if c.monitor and c.by_position else None
+        self.by_turn = KeyedStats("turn") if c.monitor and c.by_turn else None
         wants_k3 = c.lr_decay is not None and "kl_k3" in c.lr_decay.signals
         self._step_monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if wants_k3 else None
         self.safe_vocab_stats = SafeVocabStats() if c.safe_vocab else None
@@ -167,7 +171,8 @@ class StepPipeline:
 
     def measure(self, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, *,
                 safe: SafeLogprobs | None = None, is_weights: torch.Tensor | None = None,
-                token_ids: torch.Tensor | None = None, step: int = 0) -> torch.Tensor | None:
+                token_ids: torch.Tensor | None = None, step: int = 0,
+                turn: torch.Tensor | None = None) -> torch.Tensor | None:
         """One batch at the measurement point.
 
         Args:
@@ -180,6 +185,8 @@ class StepPipeline:
                 monitor's ``tim/is/*``; ignored when the pipeline's own correction runs.
             token_ids: [B, T] sampled token ids, for the dump.
             step: the optimizer step the batch trains (the dump's file name).
+            turn: [B, T] turn index of each token in multi-turn rollouts (``by_key.turn_keys``), for
+                ``tim/by_turn/*``; None for single-turn batches.
         Returns:
             [B, T] factor for the loss's policy term (IS weight; 0 for a token the boundary mask or the
             correction drops), or None when nothing changes the loss.
@@ -206,6 +213,8 @@ class StepPipeline:
                 monitor.update(rollout, train, measured, is_weights=is_weights)
         if self.by_position is not None:
             self.by_position.update(rollout, train, measured, position_keys(measured))
+        if self.by_turn is not None and turn is not None:
+            self.by_turn.update(rollout, train, measured, turn)
         if self.dumper is not None and token_ids is not None and self.dumper.wants(step):
             self._dump_buffer.append((rollout.detach(), train.detach(), measured, token_ids))
         return weights
@@ -296,7 +305,7 @@ class StepPipeline:
                 out.update(decision.metrics())
         if loss_passes:
             out.update(self.compute_loss_passes(sync=sync, group=group))
-        for stats in (self.safe_vocab_stats, self.correction_stats, self.by_position):
+        for stats in (self.safe_vocab_stats, self.correction_stats, self.by_position, self.by_turn):
             if stats is not None and (not stats.empty or (sync and _distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
                 stats.reset()
@@ -341,7 +350,7 @@ class StepPipeline:
         return {
             "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
             "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),
-            "by_lag": part(self.by_lag), "by_position": part(self.by_position),
+            "by_lag": part(self.by_lag), "by_position": part(self.by_position), "by_turn": part(self.by_turn),
             "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
             "lr_controller": part(self.lr_controller), "probe": part(self.probe), "diag": dict(self.diag),
         }
@@ -352,7 +361,7 @@ class StepPipeline:
                                "this tim-plugins release cannot resume it")
         for name, obj in (("monitor", self.monitor), ("step_monitor", self._step_monitor),
                           ("staleness_monitor", self.staleness_monitor), ("split", self.split_stats),
-                          ("by_lag", self.by_lag), ("by_position", self.by_position),
+                          ("by_lag", self.by_lag), ("by_position", self.by_position), ("by_turn", self.by_turn),
                           ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
                           ("lr_controller", self.lr_controller), ("probe", self.probe)):
             if obj is not None and state.get(name):

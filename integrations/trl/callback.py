@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from tim_plugins._optional import note_version, require
-from tim_plugins.by_key import lag_keys
+from tim_plugins.by_key import lag_keys, turn_keys
 from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.corrections import CorrectionConfig
 from tim_plugins.dump import DumpConfig
@@ -168,7 +168,7 @@ def _pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: boo
         mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction, lr_decay=lr_decay,
         probe=ParityProbeConfig(**config.parity_probe_options) if config.parity_probe else None,
         dump=DumpConfig(out_dir=str(config.dump_dir), **config.dump_options) if config.dump_dir else None,
-        staleness=config.monitor, by_position=config.monitor, strict=config.strict,
+        staleness=config.monitor, by_position=config.monitor, by_turn=config.monitor, strict=config.strict,
         histograms=config.log_histograms and "wandb" in (args.report_to or []))
 
 
@@ -432,9 +432,11 @@ class TIMCallback(TrainerCallback):
         """A loss forward, before TRL reads the advantages: measure pending rows, then scale the policy term."""
         mask = hooks.response_mask(inputs)
         if inputs.pop("tim_pending", None) is not None:
+            # multi-turn rollouts (tools, or a rollout_func's env_mask): TRL's tool_mask marks the model's tokens
+            turn = turn_keys(inputs["tool_mask"]) if inputs.get("tool_mask") is not None else None
             weights = self.pipeline.measure(
                 inputs["sampling_per_token_logps"], logps.detach(), mask, safe=safe, token_ids=inputs["completion_ids"],
-                step=self.trainer.state.global_step + 1)
+                step=self.trainer.state.global_step + 1, turn=turn)
             if weights is not None:
                 inputs["tim_weights"] = weights  # for this batch's later passes (num_iterations > 1)
         boundary = safe.in_safe if safe is not None and self.config.mask_boundary_tokens else None

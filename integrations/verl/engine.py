@@ -43,6 +43,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
+from tim_plugins.by_key import turn_keys
 from tim_plugins.lr_control import LengthTriggeredLRDecay
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
 from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_logits
@@ -121,8 +122,10 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     _tim_decision = None
 
     # ------------------------------------------------------------------------------------------- configure
-    def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False) -> None:
-        """Switch the hooks on for this (actor) engine. Fails early on settings the engine cannot honour."""
+    def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False, multi_turn: bool = False) -> None:
+        """Switch the hooks on for this (actor) engine. Fails early on settings the engine cannot honour.
+        ``multi_turn``: the rollout is verl's multi-turn agent loop (``rollout.multi_turn.enable``), whose responses
+        hold tool / user messages with ``response_mask`` 0 between the model's turns: ``tim/by_turn/*``."""
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead (engine_config, model_config,
         # optimizer attributes)
         if config.safe_vocab.enabled and (self.engine_config.use_fused_kernels or self.model_config.use_fused_kernels):
@@ -144,11 +147,13 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             dump=config.dump.config() if config.dump.enabled else None,
             # as the TRL callback: the split of every training pass, and the mismatch by response position
             staleness=config.monitor.enable, by_position=config.monitor.enable,
+            by_turn=config.monitor.enable and multi_turn,
             probe=config.probe.config()), rank=self._tim_dp_rank())
         if config.lr_decay.enable:  # verl's LambdaLR rewrites the LR each step: the optimizer applies the scale
             self.optimizer.tim_configure(self._tim_pipeline.lr_controller)
         self._tim = config
         self._tim_bypass = bool(bypass_mode)
+        self._tim_multi_turn = bool(multi_turn)
         self._tim_measured = False
         self._tim_step_start = True
         self._tim_mb = None
@@ -321,7 +326,11 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                                         for k in ("in_safe", "pruned_mass", "size")))
         # the sampled tokens, for the dump: micro_batch["responses"] is what no_padding_2_padding slices by
         token_ids = padded_response(micro_batch["responses"], width).long() if self._tim.dump.enabled else None
-        self._tim_pipeline.measure(rollout, train, mask, safe=safe, token_ids=token_ids, step=self._tim_step)
+        # the turn of each token: the environment segments (response_mask 0 inside the response) before it; the
+        # padding after the last turn also counts as one, but those tokens are not measured
+        turn = turn_keys(mask) if self._tim_multi_turn else None
+        self._tim_pipeline.measure(rollout, train, mask, safe=safe, token_ids=token_ids, step=self._tim_step,
+                                   turn=turn)
         self._tim_measured = True
 
     def _tim_merge(self) -> None:

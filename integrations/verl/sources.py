@@ -155,7 +155,7 @@ VERL_CONFIG_KEYS = (
     "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.quantization", "actor_rollout_ref.rollout.full_determinism",
     "actor_rollout_ref.model.path", "actor_rollout_ref.actor.fsdp_config.use_torch_compile",
-    "algorithm.rollout_correction.bypass_mode",
+    "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.multi_turn.enable",
 )
 # Keys the adapter reads that verl's defaults leave out (users add them with "+"); the adapter then assumes verl's
 # own fallback: mixed_precision absent -> bf16 autocast (transformer_impl.py), repetition_penalty: verl's agent

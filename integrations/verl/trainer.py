@@ -110,8 +110,11 @@ class TIMTrainerMixin:
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
         with open_dict(config):
             config.actor_rollout_ref.tim = tim.to_dict()
+            # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)
             config.actor_rollout_ref.tim_rollout_correction = {
-                "bypass_mode": bool((config.algorithm.get("rollout_correction") or {}).get("bypass_mode", False))}
+                "bypass_mode": bool((config.algorithm.get("rollout_correction") or {}).get("bypass_mode", False)),
+                # verl's multi-turn agent loop writes tool/user messages into the response with response_mask 0
+                "multi_turn": bool((config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("enable", False))}
         super().__init__(config)
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._init_resource_pool_mgr

@@ -30,7 +30,8 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
                     "is registered for device 'cuda', vendor 'nvidia' (NVIDIA GPUs; VERL_ENGINE_DEVICE / "
                     "VERL_ENGINE_VENDOR override the detected ones), by the tim_plugins verl plugin: check that it "
                     "loads in the Ray workers (VERL_USE_EXTERNAL_PLUGINS, tim-plugins installed where they run).")
-            engine.tim_configure(tim, bypass_mode=bool(corr.get("bypass_mode", False)))
+            engine.tim_configure(tim, bypass_mode=bool(corr.get("bypass_mode", False)),
+                                 multi_turn=bool(corr.get("multi_turn", False)))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_begin_step(self, step: int) -> None:

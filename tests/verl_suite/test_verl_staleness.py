@@ -139,3 +139,63 @@ def test_a_batch_trained_once_has_a_staleness_part_of_exactly_zero(toy_model_pat
         assert got["tim/split/mismatch_var_share"] == 1.0
         assert got["tim/by_lag/0/count"] == n and "tim/by_lag/1/count" not in got
         assert not math.isnan(got["tim/split/mismatch_mean"])
+
+
+def _with_interior_env(raw: dict, segments: dict[int, list[tuple[int, int]]]):
+    """The batch with tool / user message tokens inside responses (response_mask 0 between the model's turns, as
+    verl's multi-turn agent loop writes them), in the layout make_batch hands the engine."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    tensors = {k: v.clone() for k, v in raw.items()}
+    for row, spans in segments.items():
+        for lo, hi in spans:
+            tensors["response_mask"][row, lo:hi] = 0
+    td = left_right_2_no_padding(DataProto.from_single_dict(tensors).to_tensordict())
+    tu.assign_non_tensor(td, temperature=1.0)
+    return td, tensors
+
+
+def _turns_naive(mask: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(mask, dtype=torch.long)
+    for b in range(mask.shape[0]):
+        turn, prev_env = 0, False
+        for t in range(mask.shape[1]):
+            env = not bool(mask[b, t])
+            turn += int(env and not prev_env)
+            prev_env = env
+            out[b, t] = turn
+    return out
+
+
+@pytest.mark.parametrize("multi_turn", [True, False])
+def test_mismatch_by_turn_of_multi_turn_responses(toy_model_path, multi_turn):
+    """tim/by_turn/<k>: the measured tokens of the model's k-th turn (after k environment messages), against naive
+    float64 formulas over verl's own old log-probs; only when the rollout is verl's multi-turn agent loop."""
+    H.init_dist(port=29579 if multi_turn else 29580)
+    engine = H.build_engine(toy_model_path)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}), multi_turn=multi_turn)
+    _, raw = H.make_batch(VOCAB, response=9, seed=41)
+    # rows 0 and 1: one environment message inside the response; row 2: two
+    td, tensors = _with_interior_env(raw, {0: [(2, 4)], 1: [(1, 2)], 2: [(1, 2), (3, 4)]})
+    old = H.old_log_probs_padded(H.infer(engine, td), td)
+    got = engine.tim_pop_metrics()
+    mask = tensors["response_mask"].bool()
+    if not multi_turn:
+        assert not any(k.startswith("tim/by_turn/") for k in got)
+        return
+    turns = _turns_naive(mask)
+    d = old.double() - tensors["rollout_log_probs"].double()
+    want = {}
+    for turn in sorted(set(turns[mask].tolist())):
+        x = d[mask & (turns == turn)]
+        want[turn] = (x.numel(), float((torch.expm1(x) - x).mean()), float(x.abs().max()))
+    assert sorted(want) == [0, 1, 2]
+    assert {k for k in got if k.startswith("tim/by_turn/") and k.endswith("/count")} == {
+        f"tim/by_turn/{t}/count" for t in want}
+    for turn, (n, k3, amax) in want.items():
+        assert got[f"tim/by_turn/{turn}/count"] == n
+        assert got[f"tim/by_turn/{turn}/kl_k3"] == pytest.approx(k3, rel=1e-6)
+        assert got[f"tim/by_turn/{turn}/abs_diff_max"] == pytest.approx(amax, rel=1e-6)
+    assert sum(n for n, _, _ in want.values()) == got["tim/tokens"]

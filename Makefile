@@ -120,10 +120,11 @@ wheel-checks:
 		rm -rf dist; exit $$status
 
 # A stack of STACKS: its environment from its lock (skipped when up to date), then STACK_TESTS.
-# Both stacks run all of STACK_TESTS, the SmolLM2 arms included: they read the float32 checkpoint the main suite
-# converted into the shared cache (tim_plugins.real_model converts only under transformers >=5.10,<5.19; 5.5.3's
-# GGUF reader builds a model that generates garbage, but 5.5.3 reads the converted checkpoint correctly).
-STACK_TESTS_oldest := $(STACK_TESTS)
+# The oldest stack leaves out the SmolLM2 arms, for the CI budget (.ci/run within 45 minutes on the 2-core machine:
+# with them on both stacks a clean-clone run took 46 min 14 s, the oldest stack's arms 3 min of it). They pass there
+# when run by hand: transformers 5.5.3 reads the float32 checkpoint the main suite converted into the shared cache
+# correctly (tim_plugins.real_model converts only under >=5.10,<5.19: 5.5.3's own GGUF conversion generates garbage).
+STACK_TESTS_oldest := $(filter-out tests/test_trl_real_model.py%,$(STACK_TESTS))
 STACK_TESTS_newest := $(STACK_TESTS)
 
 test-stack-%:

@@ -73,3 +73,19 @@ def test_no_split_no_section():
 def test_fix_follows_the_framework(framework):
     html = _render({"log_history": HISTORY, "framework": framework})
     assert FIXES["staleness"]["verl" if framework == "verl" else "trl"].split(":")[0] in html
+
+
+def test_by_turn_table_pools_the_steps_token_weighted():
+    from tim_plugins.report.staleness import by_turn
+
+    history = [dict(h) for h in HISTORY]
+    history[1].update({"tim/by_turn/0/count": 60.0, "tim/by_turn/0/kl_k3": 1e-4,
+                       "tim/by_turn/1/count": 40.0, "tim/by_turn/1/kl_k3": 3e-3})
+    history[3].update({"tim/by_turn/0/count": 30.0, "tim/by_turn/0/kl_k3": 2e-4, "tim/by_turn/10/count": 0.0})
+    turns = by_turn(history)
+    assert list(turns) == ["0", "1"]  # an empty bucket is no turn
+    assert turns["0"] == (90.0, pytest.approx((60 * 1e-4 + 30 * 2e-4) / 90))
+    assert turns["1"] == (40.0, pytest.approx(3e-3))
+    flat = _render({"log_history": history, "framework": "verl"}).replace("\n", "").replace(" class='num'", "")
+    assert "By turn" in flat and f"<td>0</td><td>90</td><td>{(60 * 1e-4 + 30 * 2e-4) / 90:.3g}</td>" in flat
+    assert "By turn" not in _render({"log_history": HISTORY, "framework": "trl"})  # single-turn: no table

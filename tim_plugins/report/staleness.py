@@ -1,13 +1,13 @@
 """The report's "Mismatch or staleness?" section: the split of the loss passes' log-ratio (``tim/split/*``,
-``tim/staleness/*``) per step and by policy lag (``tim/by_lag/*``), and a verdict that names the dominant part and
-its fix in the run's framework."""
+``tim/staleness/*``) per step, by policy lag (``tim/by_lag/*``) and by turn (``tim/by_turn/*``), and a verdict that
+names the dominant part and its fix in the run's framework."""
 
 from __future__ import annotations
 
 import math
 import re
 
-__all__ = ["FIXES", "split_rows", "staleness_section", "staleness_verdict"]
+__all__ = ["FIXES", "by_turn", "split_rows", "staleness_section", "staleness_verdict"]
 
 # What reduces each part, per framework.
 FIXES = {
@@ -105,6 +105,29 @@ def staleness_section(page, summary: dict) -> None:
         page.raw("<p>By policy lag (optimizer steps between sampling and the loss pass): k3 of the whole log-ratio. "
                  "Lag 0 is the mismatch floor; its growth with the lag is staleness.</p>")
         page.table(["lag", "tokens", "k3 of d"], table)
+    turns = by_turn(summary.get("log_history") or [])
+    if turns:
+        page.raw("<p>By turn (multi-turn rollouts; turn k is the model's answer after k environment or tool "
+                 "messages): the mismatch at the measurement point. A k3 that grows with the turn points at "
+                 "numerics that drift with the context (KV cache, attention kernels over long prompts).</p>")
+        page.table(["turn", "tokens", "mismatch k3"], [[t, int(n), _g(k3)] for t, (n, k3) in turns.items()])
+
+
+def by_turn(log_history: list[dict]) -> dict[str, tuple[float, float]]:
+    """{turn label: (tokens, k3)} over every logged step with ``tim/by_turn/*`` (k3 pooled by token count), turns in
+    order; empty for single-turn runs."""
+    sums: dict[str, list[float]] = {}
+    for h in log_history:
+        for key, value in h.items():
+            m = re.fullmatch(r"tim/by_turn/([^/]+)/count", key)
+            if m is None or not value:
+                continue
+            k3 = h.get(f"tim/by_turn/{m.group(1)}/kl_k3")
+            acc = sums.setdefault(m.group(1), [0.0, 0.0])
+            acc[0] += float(value)
+            if k3 is not None and math.isfinite(float(k3)):
+                acc[1] += float(value) * float(k3)
+    return {t: (n, k / n) for t, (n, k) in sorted(sums.items(), key=lambda x: int(x[0].rstrip("+")))}
 
 
 def _pct(x: float) -> str:

@@ -25,6 +25,7 @@ pytest.importorskip("trl")
 from tim_plugins.by_key import turn_keys  # noqa: E402
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 from test_trl_callback import LR0, Capture, _logged, _loss_mask, _reward, make_trainer  # noqa: E402
+from naive_turns import turns_naive  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
@@ -70,27 +71,13 @@ class _TwoTurns:
                 "env_mask": env_mask}
 
 
-def _turns_naive(model_mask: torch.Tensor) -> torch.Tensor:
-    """Each token's turn: the number of environment segments (runs of 0) before it, counted token by token."""
-    out = torch.zeros_like(model_mask, dtype=torch.long)
-    for b in range(model_mask.shape[0]):
-        turn, prev_env = 0, False
-        for t in range(model_mask.shape[1]):
-            env = not bool(model_mask[b, t])
-            if env and not prev_env:
-                turn += 1
-            prev_env = env
-            out[b, t] = turn
-    return out
-
-
 def test_turn_keys_count_environment_segments():
     m = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1], [0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
     assert turn_keys(m).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1], [0] * 8]
     g = torch.Generator().manual_seed(0)
     for _ in range(20):  # property: the vectorised keys equal the token-by-token count
         m = (torch.rand(5, 17, generator=g) < 0.7).long()
-        assert torch.equal(turn_keys(m), _turns_naive(m))
+        assert torch.equal(turn_keys(m), turns_naive(m))
 
 
 def test_mismatch_by_turn_of_a_multi_turn_rollout_matches_trls_tensors(toy_model_path, tmp_path, monkeypatch):
@@ -115,7 +102,7 @@ def test_mismatch_by_turn_of_a_multi_turn_rollout_matches_trls_tensors(toy_model
         tool_mask = inputs.get("tool_mask")
         assert tool_mask is not None and not tool_mask.bool().all()  # TRL carried the env_mask as tool_mask
         mask = _loss_mask(inputs)
-        turns = _turns_naive(tool_mask)
+        turns = turns_naive(tool_mask)
         d = (current.double() - inputs["sampling_per_token_logps"].double())
         logged = _logged(trainer, step)
         want = {}

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tim_plugins._config import field_help
+from tim_plugins.dump import DumpConfig
 from tim_plugins.metrics import check_ratio_band
+from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
 from tim_plugins.truncation import DEFAULT_MIN_P
@@ -114,11 +116,10 @@ class LRDecaySettings:
         LRDecayConfig(**self.options)  # its own __post_init__ quotes a bad value
 
 
-def _probe_field(name: str, **kwargs) -> Any:
-    """A field of ``ParityProbeConfig`` (its help, and its default unless given): one text per option."""
-    from tim_plugins.parity.probe import ParityProbeConfig
-
-    f = next(f for f in dataclasses.fields(ParityProbeConfig) if f.name == name)
+def _core_field(core: type, name: str, **kwargs) -> Any:
+    """A field with the help (and, unless given, the default) of the core dataclass ``core``'s field ``name``: one
+    text and one default per option in both adapters."""
+    f = next(f for f in dataclasses.fields(core) if f.name == name)
     return field(default=kwargs.get("default", f.default), metadata=field_help(f.metadata["help"]))
 
 
@@ -132,12 +133,12 @@ class ProbeSettings:
     (``StepPipeline.compute``), the driver acts on the decision (warn, raise, stop after a checkpoint). Options and
     rules are ``ParityProbeConfig``'s; ``kl_k3`` is its ``kl_k3_max``. No threshold set: off."""
 
-    action: str = _probe_field("action")
-    kl_k3: float | None = _probe_field("kl_k3_max", default=None)
-    abs_diff_max: float | None = _probe_field("abs_diff_max")
-    seq_log_ratio_abs_max: float | None = _probe_field("seq_log_ratio_abs_max")
-    every_n_steps: int = _probe_field("every_n_steps")
-    patience: int = _probe_field("patience")
+    action: str = _core_field(ParityProbeConfig, "action")
+    kl_k3: float | None = _core_field(ParityProbeConfig, "kl_k3_max", default=None)
+    abs_diff_max: float | None = _core_field(ParityProbeConfig, "abs_diff_max")
+    seq_log_ratio_abs_max: float | None = _core_field(ParityProbeConfig, "seq_log_ratio_abs_max")
+    every_n_steps: int = _core_field(ParityProbeConfig, "every_n_steps")
+    patience: int = _core_field(ParityProbeConfig, "patience")
 
     def __post_init__(self) -> None:
         if self.action not in _PROBE_ACTIONS:
@@ -153,8 +154,6 @@ class ProbeSettings:
 
     @property
     def thresholds(self) -> dict[str, float]:
-        from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS
-
         return {DEFAULT_METRIC_KEYS[field_name]: float(getattr(self, name)) for name, field_name in _PROBE_NAMES.items()
                 if getattr(self, name) is not None}
 
@@ -164,8 +163,6 @@ class ProbeSettings:
 
     def config(self):
         """The core ``ParityProbeConfig`` (None when no threshold is set)."""
-        from tim_plugins.parity.probe import ParityProbeConfig
-
         if not self.enabled:
             return None
         return ParityProbeConfig(action=self.action, every_n_steps=self.every_n_steps, patience=self.patience,
@@ -180,19 +177,6 @@ class ParitySettings:
         "Stop before any worker starts when the audit finds an error-level mismatch."))
 
 
-def _dump_help(name: str) -> dict:
-    """The help of ``tim_plugins.dump.DumpConfig``'s field ``name``: one text per option in both adapters."""
-    from tim_plugins.dump import DumpConfig
-
-    return field_help(next(f.metadata["help"] for f in dataclasses.fields(DumpConfig) if f.name == name))
-
-
-def _dump_default(name: str) -> Any:
-    from tim_plugins.dump import DumpConfig
-
-    return next(f.default for f in dataclasses.fields(DumpConfig) if f.name == name)
-
-
 @dataclass
 class DumpSettings:
     """The per-token Parquet dump (``tim_plugins.dump``) of the actor's measurement pass: the same files as
@@ -202,11 +186,10 @@ class DumpSettings:
     dir: str | None = field(default=None, metadata=field_help(
         "Folder for the dump (step_<verl global step>-rank_<DP rank>.parquet, plus the run's summary.json with the "
         "start-up audit and the model path, for the report); null = off. Needs tim.monitor.enable=true."))
-    sample_rate: float = field(default=_dump_default("sample_rate"), metadata=_dump_help("sample_rate"))
-    max_sequences_per_step: int = field(default=_dump_default("max_sequences_per_step"),
-                                        metadata=_dump_help("max_sequences_per_step"))
-    every_n_steps: int = field(default=_dump_default("every_n_steps"), metadata=_dump_help("every_n_steps"))
-    seed: int = field(default=_dump_default("seed"), metadata=_dump_help("seed"))
+    sample_rate: float = _core_field(DumpConfig, "sample_rate")
+    max_sequences_per_step: int = _core_field(DumpConfig, "max_sequences_per_step")
+    every_n_steps: int = _core_field(DumpConfig, "every_n_steps")
+    seed: int = _core_field(DumpConfig, "seed")
 
     def __post_init__(self) -> None:
         if self.dir is not None and (not isinstance(self.dir, str) or not self.dir.strip()):
@@ -222,8 +205,6 @@ class DumpSettings:
 
     def config(self):
         """The core ``DumpConfig`` (``out_dir`` = ``dir``; a placeholder when off, never written)."""
-        from tim_plugins.dump import DumpConfig
-
         return DumpConfig(out_dir=self.dir or ".", sample_rate=self.sample_rate,
                           max_sequences_per_step=self.max_sequences_per_step, every_n_steps=self.every_n_steps,
                           seed=self.seed)

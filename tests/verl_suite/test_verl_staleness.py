@@ -19,6 +19,7 @@ import harness as H  # noqa: E402
 import torch  # noqa: E402
 
 from tim_plugins.integrations.verl.config import TIMVerlConfig  # noqa: E402
+from naive_turns import turns_naive  # noqa: E402
 
 VOCAB = 383
 # float64 sums over float32 log-probs on both sides: the same values summed in another order
@@ -157,18 +158,6 @@ def _with_interior_env(raw: dict, segments: dict[int, list[tuple[int, int]]]):
     return td, tensors
 
 
-def _turns_naive(mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(mask, dtype=torch.long)
-    for b in range(mask.shape[0]):
-        turn, prev_env = 0, False
-        for t in range(mask.shape[1]):
-            env = not bool(mask[b, t])
-            turn += int(env and not prev_env)
-            prev_env = env
-            out[b, t] = turn
-    return out
-
-
 @pytest.mark.parametrize("multi_turn", [True, False])
 def test_mismatch_by_turn_of_multi_turn_responses(toy_model_path, multi_turn):
     """tim/by_turn/<k>: the measured tokens of the model's k-th turn (after k environment messages), against naive
@@ -185,7 +174,7 @@ def test_mismatch_by_turn_of_multi_turn_responses(toy_model_path, multi_turn):
     if not multi_turn:
         assert not any(k.startswith("tim/by_turn/") for k in got)
         return
-    turns = _turns_naive(mask)
+    turns = turns_naive(mask)
     d = old.double() - tensors["rollout_log_probs"].double()
     want = {}
     for turn in sorted(set(turns[mask].tolist())):

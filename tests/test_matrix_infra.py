@@ -88,6 +88,34 @@ def test_make_test_goes_on_after_a_failing_suite_and_ends_with_the_summary():
     assert "scripts/stack install newest" in dry.stdout and ".venv-newest/bin/python -m pytest" in dry.stdout
 
 
+def test_make_test_builds_the_stack_environments_in_the_background_and_waits_for_them():
+    recipe = MAKEFILE.split("\ntest:\n")[1].split("\n\n")[0]
+    assert "scripts/stack install $$stack; done) >$(MATRIX)/stack-installs.log 2>&1 &" in recipe
+    assert recipe.index("&") < recipe.index("for suite in") < recipe.index("wait") < recipe.index("summary")
+
+
+def test_a_second_install_of_a_stack_waits_for_the_first_then_finds_its_stamp(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    for name in ("x.txt", "x.in", "pyproject.toml"):  # a stack "x" and its lock
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(stack, "ROOT", tmp_path)
+    monkeypatch.setattr(stack, "CONSTRAINTS", tmp_path)
+    monkeypatch.setattr(stack, "_install", lambda *a: pytest.fail("the stamp was there: nothing to install"))
+    done = []
+    with open(tmp_path / ".venv-x.lock", "w") as first:  # the first install, still running
+        fcntl.flock(first, fcntl.LOCK_EX)
+        second = threading.Thread(target=lambda: done.append(stack.install("x")))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive() and not done  # waits on the lock
+        (tmp_path / ".venv-x").mkdir()
+        (tmp_path / ".venv-x" / stack._stamp_name("x")).touch()  # the first one finishes
+    second.join(10)
+    assert done == [0]
+
+
 def test_user_stacks_cover_the_newest_releases_and_the_oldest_stack():
     users = MAKEFILE.split("\nUSER_STACKS := ")[1].split("\n")[0]
     assert '"trl==1.16.0 transformers==5.24.0"' in users and "stack:oldest" in users

@@ -28,10 +28,20 @@ def _data(rank: int):
     return r, t, m, w
 
 
+def test_is_distributed_is_false_without_a_process_group():
+    from tim_plugins.accumulate import collective_device, is_distributed
+
+    assert not dist.is_initialized()
+    assert is_distributed() is False and collective_device() == torch.device("cpu")
+
+
 def _worker(rank: int, world: int, port: int, queue) -> None:
+    from tim_plugins.accumulate import collective_device, is_distributed
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        assert is_distributed() and collective_device() == torch.device("cpu")  # gloo reduces host tensors
         mon = MismatchMonitor()
         r, t, m, w = _data(rank)
         # Two micro-batches per rank.

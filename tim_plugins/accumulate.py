@@ -2,27 +2,43 @@
 
 A statistic that is a ratio of sums (a mean over tokens, a fraction of sequences) or an extreme is kept as its
 parts, so merging is SUM-all-reduce of the sums and MAX-all-reduce of the maxima, never a mean of means. A
-minimum is stored as the maximum of its negation. The mismatch monitor keeps its own, larger state of the same
-kind (``_mismatch_layout``); the smaller accumulators of the per-step pipeline share this class.
+minimum is stored as the maximum of its negation. An :class:`Accumulator` keeps them in one flat buffer, sums
+first, then maxima: the per-step pipeline's small statistics and the mismatch monitor's large state (layout in
+``_mismatch_layout``, which its Triton kernel adds into in place) are all one, and merge the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["Accumulated", "Accumulator", "all_reduce_sum_max"]
+__all__ = ["Accumulated", "Accumulator", "all_reduce_sum_max", "collective_device", "is_distributed"]
+
+
+def is_distributed(group=None) -> bool:
+    """Whether torch.distributed is available and initialised and ``group`` (default: the world) has more than one
+    rank: the one test of whether a merge over ranks has anything to do."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group) > 1)
+
+
+def collective_device(group=None) -> torch.device:
+    """The device a collective over ``group`` needs its tensors on: the current CUDA device under NCCL (which
+    cannot reduce host tensors), else the CPU (also without a process group)."""
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_backend(group) == "nccl" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_reduce_sum_max(sums: torch.Tensor, maxes: torch.Tensor, group=None) -> None:
     """In place: SUM-all-reduce ``sums`` and MAX-all-reduce ``maxes`` over ``group`` (no-op on one rank).
 
     Every rank of the group must call it, also one that saw no batch (it contributes zeros and −inf)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    if torch.distributed.get_world_size(group) <= 1:
+    if not is_distributed(group):
         return
     if sums.numel():
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
@@ -30,15 +46,16 @@ def all_reduce_sum_max(sums: torch.Tensor, maxes: torch.Tensor, group=None) -> N
         torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
 
 
-def _collective_device(group) -> torch.device:
-    if (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_backend(group) == "nccl" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+@functools.lru_cache(maxsize=32)
+def _empty_template(n_sums: int, n_maxes: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    state = torch.full((n_sums + n_maxes,), -math.inf, dtype=dtype, device=device)
+    state[:n_sums] = 0.0
+    return state
 
 
 class Accumulator:
-    """Named float64 sums and maxima, added to on the device without host syncs until :meth:`merged`.
+    """Named float64 sums and maxima in one flat buffer (sums, then maxima), added to on the device without host
+    syncs until :meth:`merged`.
 
     Args:
         sums: names of the additive fields (0 when nothing was added).
@@ -47,8 +64,17 @@ class Accumulator:
 
     def __init__(self, sums: Sequence[str], maxes: Sequence[str] = ()) -> None:
         self.sum_names, self.max_names = tuple(sums), tuple(maxes)
-        self._sums: torch.Tensor | None = None
-        self._maxes: torch.Tensor | None = None
+        self._state: torch.Tensor | None = None
+
+    @property
+    def n_sums(self) -> int:
+        return len(self.sum_names)
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        """The buffer (sums, then maxima), or None before the first batch. Read it, do not keep it: adds change it
+        in place."""
+        return self._state
 
     def add(self, sums: Sequence[torch.Tensor], maxes: Sequence[torch.Tensor] = ()) -> None:
         """Add one batch: 0-d tensors (any dtype) in the order of the names given at construction, or one 1-d
@@ -62,40 +88,68 @@ class Accumulator:
                 return xs.double()
             return torch.stack([torch.as_tensor(x).double() for x in xs]) if len(xs) else None
 
-        s, m = stacked(sums), stacked(maxes)
-        if self._sums is None and self._maxes is None:
-            self._sums, self._maxes = s, m
+        parts = [x for x in (stacked(sums), stacked(maxes)) if x is not None]
+        if parts:  # torch.cat copies, so the state never aliases a caller's tensor
+            self.add_state(torch.cat([x.to(parts[0].device) for x in parts]))
+
+    def add_state(self, batch: torch.Tensor) -> None:
+        """Add a batch already laid out as the state (sums, then maxima). The first batch becomes the state, so
+        hand over a tensor nothing else writes to. The state moves to the batch's device and dtype (a checkpoint's
+        lives on the CPU), so later adds stay on the device."""
+        batch = batch.detach()  # statistics never need autograd, and maximum(out=) refuses it
+        if self._state is None:
+            self._state = batch
             return
-        if s is not None:
-            self._sums = self._sums + s.to(self._sums.device)
-        if m is not None:
-            self._maxes = torch.maximum(self._maxes, m.to(self._maxes.device))
+        state = self.state_for(batch.device, batch.dtype)
+        n = self.n_sums
+        state[:n] += batch[:n]
+        torch.maximum(state[n:], batch[n:], out=state[n:])
+
+    def state_for(self, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The buffer on ``device`` in ``dtype``, created empty (zeros, then −inf) or moved there, for a producer
+        that adds into it in place."""
+        if self._state is None:
+            self._state = self._empty(device, dtype)
+        elif self._state.device != device or self._state.dtype != dtype:
+            self._state = self._state.to(device, dtype)
+        return self._state
+
+    def _empty(self, device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The state of no batch: zeros, then −inf (a copy of one kept per device: one operation, not two)."""
+        return _empty_template(self.n_sums, len(self.max_names), torch.device(device), dtype).clone()
 
     @property
     def empty(self) -> bool:
-        return self._sums is None and self._maxes is None
+        return self._state is None
 
     def reset(self) -> None:
-        self._sums = self._maxes = None
+        self._state = None
+
+    def merged_state(self, sync: bool = True, group=None) -> torch.Tensor:
+        """The buffer of this rank, or of every rank merged exactly when ``sync`` and ``group`` has more than one
+        rank. Then every rank must call it, also one that saw no batch: it contributes zeros and −inf. Without a
+        merge it may be the state itself: read it, do not change it."""
+        reduce = sync and is_distributed(group)
+        if self._state is None:
+            state = self._empty(collective_device(group) if reduce else "cpu")
+        elif reduce:
+            state = self._state.clone()  # all_reduce works in place: keep this rank's own state intact
+        else:
+            return self._state
+        if reduce:
+            all_reduce_sum_max(state[:self.n_sums], state[self.n_sums:], group)
+        return state
 
     def merged(self, sync: bool = True, group=None) -> dict[str, float]:
         """{name: value} of this rank's state, or of every rank's merged exactly when ``sync`` (one host copy)."""
-        device = self._sums.device if self._sums is not None else (
-            self._maxes.device if self._maxes is not None else _collective_device(group))
-        sums = self._sums.clone() if self._sums is not None else torch.zeros(len(self.sum_names),
-                                                                             dtype=torch.float64, device=device)
-        maxes = self._maxes.clone() if self._maxes is not None else torch.full(
-            (len(self.max_names),), -math.inf, dtype=torch.float64, device=device)
-        if sync:
-            all_reduce_sum_max(sums, maxes, group)
-        values = torch.cat([sums, maxes]).cpu().tolist()
+        values = self.merged_state(sync, group).cpu().tolist()
         return dict(zip(self.sum_names + self.max_names, values))
 
     def state_dict(self) -> dict:
-        if self.empty:
+        if self._state is None:
             return {"sums": None, "maxes": None}
-        values = self.merged(sync=False)
-        return {"sums": [values[n] for n in self.sum_names], "maxes": [values[n] for n in self.max_names]}
+        values = self._state.cpu().tolist()
+        return {"sums": values[:self.n_sums], "maxes": values[self.n_sums:]}
 
     def load_state_dict(self, state: Mapping) -> None:
         if state.get("sums") is None:
@@ -104,8 +158,7 @@ class Accumulator:
         if len(state["sums"]) != len(self.sum_names) or len(state["maxes"]) != len(self.max_names):
             raise ValueError(f"accumulator state has {len(state['sums'])} sums and {len(state['maxes'])} maxima; "
                              f"this version keeps {len(self.sum_names)} and {len(self.max_names)}")
-        self._sums = torch.tensor(state["sums"], dtype=torch.float64)
-        self._maxes = torch.tensor(state["maxes"], dtype=torch.float64)
+        self._state = torch.tensor(list(state["sums"]) + list(state["maxes"]), dtype=torch.float64)
 
 
 class Accumulated:

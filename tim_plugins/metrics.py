@@ -5,8 +5,9 @@ Per valid token, d = log p_train − log p_rollout and ρ = exp(d) = π_train / 
 The monitor keeps only additive state (sums, counts, histogram bins) and maxima (a minimum is stored as the
 maximum of its negation), so micro-batches and data-parallel ranks merge exactly: SUM-all-reduce one part of
 the state, MAX-all-reduce the other, never a mean of means. Nothing leaves the device until ``compute()``.
-The state's layout is ``_mismatch_layout``; a batch is added by the torch pass (``_mismatch_pass``) or, on
-CUDA, by one Triton kernel (``_mismatch_kernel``); ``_derive`` alone turns a state into the metrics.
+The state is one ``tim_plugins.accumulate.Accumulator`` buffer (adds, merges, checkpoints) in the layout of
+``_mismatch_layout``; a batch is added by the torch pass (``_mismatch_pass``) or, on CUDA, by one Triton kernel
+(``_mismatch_kernel``) in place; ``_derive`` alone turns a state into the metrics.
 """
 
 from __future__ import annotations
@@ -23,16 +24,18 @@ from tim_plugins._mismatch_layout import (
     HISTOGRAM_BINS_PER_DECADE,
     HISTOGRAM_RANGE,
     INVALID_LOGPROB_THRESHOLD,
+    MAX_FIELDS,
     N_ABS_BINS,
     N_BUCKETS,
     N_SUMS,
     PROB_BUCKET_EDGES,
+    SUM_FIELDS,
     abs_diff_bin_edges,
-    empty_state,
     unpack,
 )
 from tim_plugins._mismatch_pass import batch_state
 from tim_plugins._optional import is_triton_available
+from tim_plugins.accumulate import Accumulator
 
 __all__ = [
     "PROB_BUCKET_EDGES", "HISTOGRAM_RANGE", "HISTOGRAM_BINS_PER_DECADE", "INVALID_LOGPROB_THRESHOLD",
@@ -46,6 +49,14 @@ COMPILE_ENV = "TIM_PLUGINS_COMPILE"
 # The ρ histogram spans e^-10 .. e^10; its outer bins hold everything beyond.
 _RATIO_LOG_RANGE = 10.0
 _BIN_EDGES = abs_diff_bin_edges().tolist()
+
+
+def _slot_names(fields) -> tuple[str, ...]:
+    """One name per state slot (``hist[3]`` for a field of several), in layout order."""
+    return tuple(name if size == 1 else f"{name}[{i}]" for name, size in fields for i in range(size))
+
+
+_SUM_SLOTS, _MAX_SLOTS = _slot_names(SUM_FIELDS), _slot_names(MAX_FIELDS)
 
 
 def check_ratio_band(band, where: str = "ratio_band", fix: str = "ratio_band=(0.5, 2.0)") -> tuple[float, float]:
@@ -87,7 +98,7 @@ class MismatchMonitor:
         self.ratio_band = ratio_band
         self.compile = compile
         self.prefix = prefix
-        self._state: torch.Tensor | None = None  # float64 (float32 on MPS), layout ``_mismatch_layout``
+        self._acc = Accumulator(_SUM_SLOTS, _MAX_SLOTS)  # float64 (float32 on MPS), layout ``_mismatch_layout``
         self._kernel_failed = False
         self._compile_failed = False
         self.updates = 0
@@ -112,37 +123,27 @@ class MismatchMonitor:
         self._compile = compile
 
     # ---------------------------------------------------------------------------------------------- state
+    @property
+    def _state(self) -> torch.Tensor | None:
+        """The state vector (sums, then maxima), or None before the first batch."""
+        return self._acc.state
+
     def reset(self) -> None:
-        self._state = None
+        self._acc.reset()
         self.updates = 0
 
     def state_dict(self) -> dict:
-        host = None if self._state is None else self._state.detach().cpu().tolist()
-        return {
-            "ratio_band": list(self.ratio_band), "updates": self.updates,
-            "sums": None if host is None else host[:N_SUMS], "maxes": None if host is None else host[N_SUMS:],
-        }
+        return {"ratio_band": list(self.ratio_band), "updates": self.updates, **self._acc.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.ratio_band = state["ratio_band"]
         self.updates = int(state["updates"])
-        if state["sums"] is None:
-            self._state = None
-            return
-        if len(state["sums"]) != N_SUMS:
+        if state["sums"] is not None and len(state["sums"]) != N_SUMS:
             raise ValueError(
                 f"monitor state has {len(state['sums'])} sum slots, this version expects {N_SUMS}: the "
                 "checkpoint was written by an incompatible tim-plugins version; reset the monitor instead."
             )
-        self._state = torch.tensor(list(state["sums"]) + list(state["maxes"]), dtype=torch.float64)
-
-    def _state_for(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The state on ``device`` in ``dtype`` (created empty, or moved: a checkpoint's lives on the CPU)."""
-        if self._state is None:
-            self._state = empty_state(device, dtype)
-        elif self._state.device != device or self._state.dtype != dtype:
-            self._state = self._state.to(device, dtype)
-        return self._state
+        self._acc.load_state_dict(state)
 
     # --------------------------------------------------------------------------------------------- update
     def update(
@@ -172,12 +173,7 @@ class MismatchMonitor:
                     self._compile_failed = True
             if batch is None:
                 batch = batch_state(rollout, train, mask, is_weights, *self._log_band)
-            if self._state is None:
-                self._state = batch
-            else:
-                state = self._state_for(batch.device, batch.dtype)
-                state[:N_SUMS] += batch[:N_SUMS]
-                torch.maximum(state[N_SUMS:], batch[N_SUMS:], out=state[N_SUMS:])
+            self._acc.add_state(batch)
         self.updates += 1
         return self
 
@@ -197,49 +193,34 @@ class MismatchMonitor:
         """Add the batch with the Triton kernel; False (after a warning) if the kernel fails."""
         if rollout.numel() == 0:
             return True  # nothing to add
-        fresh = self._state is None
+        fresh = self._acc.empty
         try:
             from tim_plugins._mismatch_kernel import add_batch  # imports triton: CUDA batches only
 
-            add_batch(self._state_for(rollout.device, torch.float64), rollout, train, mask, is_weights,
+            add_batch(self._acc.state_for(rollout.device, torch.float64), rollout, train, mask, is_weights,
                       *self._log_band)
         except Exception as err:  # never let a kernel problem break a training step
             # (A compile or launch error comes before any program has run, so the state is as it was.)
             warnings.warn(f"tim_plugins: the Triton mismatch kernel failed ({err!r}); using torch.")
             self._kernel_failed = True
             if fresh:
-                self._state = None
+                self._acc.reset()
             return False
         return True
 
     # -------------------------------------------------------------------------------------------- compute
-    def _merged_state(self, sync: bool, group) -> torch.Tensor:
-        """The state (sums, then maxima), merged over ranks when ``sync`` and a process group has > 1 rank."""
-        reduce = (sync and torch.distributed.is_available() and torch.distributed.is_initialized()
-                  and torch.distributed.get_world_size(group) > 1)
-        if self._state is None:
-            # Every rank must call compute(), even one that saw no batch: it contributes zeros / −inf.
-            state = empty_state(_collective_device(group) if reduce else "cpu")
-        elif reduce:  # all_reduce works in place: keep this rank's own state intact
-            state = self._state.clone()
-        else:
-            state = self._state
-        if reduce:
-            torch.distributed.all_reduce(state[:N_SUMS], op=torch.distributed.ReduceOp.SUM, group=group)
-            torch.distributed.all_reduce(state[N_SUMS:], op=torch.distributed.ReduceOp.MAX, group=group)
-        return state
-
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
         """Return the metric dict (one device → host copy). With ``sync`` and an initialised process group the
-        state of all ranks is merged exactly first. Undefined statistics (no valid token) are NaN."""
-        return _derive(unpack(self._merged_state(sync, group).cpu().numpy()), self.prefix)
+        state of all ranks is merged exactly first (every rank must call it then, also one that saw no batch).
+        Undefined statistics (no valid token) are NaN."""
+        return _derive(unpack(self._acc.merged_state(sync, group).cpu().numpy()), self.prefix)
 
     def histograms(self, sync: bool = False, group=None) -> dict[str, tuple]:
         """Histograms for ``wandb.Histogram(np_histogram=...)``: ``{"abs_diff": (counts, edges),
         "ratio": (counts, edges)}`` as numpy arrays. Bins below 1e-8 / above 1e3 are clipped to the range."""
         import numpy as np
 
-        hist = unpack(self._merged_state(sync, group).cpu().numpy())["hist"]
+        hist = unpack(self._acc.merged_state(sync, group).cpu().numpy())["hist"]
         e = np.asarray(_BIN_EDGES)  # E_0 .. E_K
         # |d| bins [0, E_0), [E_0, E_1), ..., [E_{K-1}, E_K]: the overflow bin (>= E_K) joins the last one.
         abs_counts = _fold_signed(hist)
@@ -335,12 +316,6 @@ def _derive(s: dict, prefix: str) -> dict[str, float]:
             is_w * is_w / (is_n * is_w2) if is_w2 > 0 else 0.0,  # Kish ESS, normalised: (Σw)² / (N Σw²)
         )))
     return out
-
-
-def _collective_device(group) -> torch.device:
-    if torch.distributed.get_backend(group) == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _fold_signed(hist):

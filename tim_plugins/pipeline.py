@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .accumulate import all_reduce_sum_max
+from .accumulate import all_reduce_sum_max, is_distributed
 from .corrections import CorrectionConfig, CorrectionStats, apply_correction
 from .dump import DumpConfig, TokenDumper
 from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
@@ -80,11 +80,6 @@ class PipelineConfig:
         if self.lr_decay is not None and "kl_k3" in self.lr_decay.signals and not self.monitor:
             raise ValueError("PipelineConfig: lr_decay.signals has 'kl_k3' but monitor=False: the k3 signal comes "
                              "from the monitor. Fix: monitor=True, or drop 'kl_k3' from the signals.")
-
-
-def _distributed(group) -> bool:
-    return (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size(group) > 1)
 
 
 def mean_response_length(mask: torch.Tensor, *, sync: bool = True, group=None) -> float:
@@ -295,7 +290,7 @@ class StepPipeline:
         out: dict[str, float] = {}
         decision, hists = None, None
         if self.monitor is not None:
-            if self.monitor.updates > 0 or (sync and _distributed(group)):
+            if self.monitor.updates > 0 or (sync and is_distributed(group)):
                 out.update(self.monitor.compute(sync=sync, group=group))
                 if self.config.histograms:
                     hists = {k: fit_bins(*v) for k, v in self.monitor.histograms(sync=sync, group=group).items()}
@@ -306,7 +301,7 @@ class StepPipeline:
         if loss_passes:
             out.update(self.compute_loss_passes(sync=sync, group=group))
         for stats in (self.safe_vocab_stats, self.correction_stats, self.by_position, self.by_turn):
-            if stats is not None and (not stats.empty or (sync and _distributed(group))):
+            if stats is not None and (not stats.empty or (sync and is_distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
                 stats.reset()
         if self.lr_controller is not None:
@@ -321,11 +316,11 @@ class StepPipeline:
         (verl: the actor update after the old-log-prob pass) calls this at the end of the update."""
         out: dict[str, float] = {}
         if self.staleness_monitor is not None:
-            if self.staleness_monitor.updates > 0 or (sync and _distributed(group)):
+            if self.staleness_monitor.updates > 0 or (sync and is_distributed(group)):
                 out.update(staleness_metrics(self.staleness_monitor.compute(sync=sync, group=group)))
             self.staleness_monitor.reset()
         for stats in (self.split_stats, self.by_lag):
-            if stats is not None and (not stats.empty or (sync and _distributed(group))):
+            if stats is not None and (not stats.empty or (sync and is_distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
                 stats.reset()
         return out
@@ -334,7 +329,7 @@ class StepPipeline:
         """The problem counts (running totals), summed over ``group`` when ``sync``: a problem one rank met is
         counted in what every rank logs. The names a rank met are unknown to the others, so they travel as
         objects (one gather per logging window)."""
-        if not (sync and _distributed(group)):
+        if not (sync and is_distributed(group)):
             return dict(self.diag)
         gathered: list = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(gathered, self.diag, group=group)

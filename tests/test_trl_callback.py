@@ -325,5 +325,15 @@ def test_config_help_prints_every_field_with_its_default_and_text(capsys):
     assert sum(line.startswith("  ") and not line.startswith("   ") for line in printed.splitlines()) == len(fields)
     flat = " ".join(printed.split())
     for f in fields:
-        assert f"  {f.name} = {defaults[f.name]!r}\n" in printed, f.name
         assert " ".join(f.metadata["help"].split()) in flat, f.name
+        core = f.metadata.get("options")
+        if core is None:
+            assert f"  {f.name} = {defaults[f.name]!r}\n" in printed, f.name
+            continue
+        # an option group: the core dataclass's own fields, defaults and help, listed under it
+        assert f"  {f.name}: {core.__name__}, by field:\n" in printed, f.name
+        for sub in dataclasses.fields(core):
+            default = "(required)" if sub.default is dataclasses.MISSING else sub.default
+            assert f"      {f.name}.{sub.name} = {default!r}\n" in printed, (f.name, sub.name)
+            assert " ".join(sub.metadata["help"].split()) in flat, (f.name, sub.name)
+    assert {f.name for f in fields if "options" in f.metadata} == {n for n in defaults if n.endswith("_options")}

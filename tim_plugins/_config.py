@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["field_help", "help_texts", "help_table"]
+__all__ = ["field_help", "help_texts", "help_table", "core_field", "coerce_options"]
 
 
-def field_help(text: str) -> dict:
+def field_help(text: str, options: type | None = None) -> dict:
     """``dataclasses.field`` metadata carrying a field's help text: the command line (``--option`` help) and the
-    adapters' config readers show it."""
-    return {"help": text}
+    adapters' config readers show it. ``options``: the core dataclass the field holds (``help_table`` lists its
+    fields under it)."""
+    return {"help": text} if options is None else {"help": text, "options": options}
 
 
 def help_texts(cls) -> dict[str, str]:
@@ -25,10 +26,55 @@ def help_table(cls, width: int = 100) -> str:
     from dataclasses import MISSING, fields
 
     lines = [f"{cls.__name__} fields ({len(fields(cls))}; set the ones you need: {cls.__name__}(name=value, ...)):"]
-    for f in fields(cls):
+    def add(f, name: str, indent: str) -> None:
         default = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else "(required)")
-        lines.append(f"  {f.name} = {default!r}")
-        lines += textwrap.wrap(f.metadata.get("help", ""), width, initial_indent="      ",
-                               subsequent_indent="      ")
+        options = f.metadata.get("options")
+        lines.append(f"{indent}{name}: {options.__name__}, by field:" if options else f"{indent}{name} = {default!r}")
+        lines.extend(textwrap.wrap(f.metadata.get("help", ""), width, initial_indent=indent + "    ",
+                                   subsequent_indent=indent + "    "))
+
+    for f in fields(cls):
+        add(f, f.name, "  ")
+        for sub in fields(f.metadata["options"]) if "options" in f.metadata else ():
+            add(sub, f"{f.name}.{sub.name}", "      ")
     return "\n".join(lines)
+
+
+def core_field(core: type, name: str, **kwargs):
+    """A ``dataclasses.field`` with the help text (and, unless ``default`` is given, the default) of the core
+    dataclass ``core``'s field ``name``: an adapter's spelling of a core option shares its text and default."""
+    from dataclasses import MISSING, field, fields
+
+    f = next(f for f in fields(core) if f.name == name)
+    if "default" in kwargs:
+        return field(default=kwargs["default"], metadata=field_help(f.metadata["help"]))
+    if f.default_factory is not MISSING:
+        return field(default_factory=f.default_factory, metadata=field_help(f.metadata["help"]))
+    return field(default=f.default, metadata=field_help(f.metadata["help"]))
+
+
+def coerce_options(cls, value, path: str, *, fix: str | None = None, **fixed):
+    """``value`` (an instance of the core dataclass ``cls``, a mapping of its field names, or None = defaults) as
+    an instance of ``cls``, with the fields in ``fixed`` set by the caller. A name that is not a field, or a value
+    the dataclass's own checks refuse, is a ValueError that starts with ``path``, quotes the value and ends with
+    ``fix`` (default: the valid names)."""
+    import dataclasses
+    from collections.abc import Mapping
+
+    names = sorted(f.name for f in dataclasses.fields(cls) if f.name not in fixed)
+    fix = fix or f"use {cls.__module__}.{cls.__name__}'s fields {names}"
+    if isinstance(value, cls):
+        return dataclasses.replace(value, **fixed) if fixed else value
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{path}={value!r} is invalid: must be a {cls.__name__} or a dict of its fields. Fix: {fix}")
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"{path}={dict(value)!r} is invalid: unknown option(s) {unknown}; the options are {names}. "
+                         f"Fix: {fix}")
+    try:
+        return cls(**{**value, **fixed})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}={dict(value)!r} is invalid: {err} Fix: {fix}") from None

@@ -111,7 +111,8 @@ class LRDecayConfig:
         "help": "Absolute level (tokens) the length window must also exceed; guards very short outputs "
                 "where +25% is a handful of tokens."})
     signals: tuple = field(default=(), metadata={
-        "help": "Extra signals to watch, comma list from {kl_k3, grad_norm} (empty: length only)."})
+        "help": "Extra signals to watch, from {kl_k3, grad_norm} (also spelt k3, tim/token/kl_k3, "
+                "rollout_corr/k3_kl, actor/grad_norm), a tuple or a comma list (empty: length only)."})
     combine: str = field(default="any", metadata={
         "help": "How extra signals combine with the length: 'any' (length OR an extra fires) or 'all' "
                 "(length AND every extra)."})
@@ -135,10 +136,12 @@ class LRDecayConfig:
         if self.combine not in ("any", "all"):
             raise ValueError(f"LRDecayConfig.combine={self.combine!r} must be 'any' or 'all'.")
         for name in self.signals:
-            if name not in EXTRA_SIGNALS:
+            if name not in SIGNAL_ALIASES:
                 raise ValueError(
-                    f"LRDecayConfig.signals contains {name!r}; extra signals are {EXTRA_SIGNALS} (the length "
-                    "is always watched); remove it or fix the spelling.")
+                    f"LRDecayConfig.signals contains {name!r}; extra signals are {EXTRA_SIGNALS} (also spelt "
+                    f"{sorted(set(SIGNAL_ALIASES) - set(EXTRA_SIGNALS))}; the length is always watched); remove it "
+                    "or fix the spelling.")
+        self.signals = tuple(SIGNAL_ALIASES[name] for name in self.signals)
         if len(set(self.signals)) != len(self.signals):
             raise ValueError(f"LRDecayConfig.signals={self.signals!r} lists a signal twice; list each once.")
         ints = {"warmup_steps": 1, "window": 1, "patience": 1, "cooldown": 0, "decay_steps": 1}

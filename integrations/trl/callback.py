@@ -35,12 +35,8 @@ from transformers.trainer_callback import ExportableState
 from tim_plugins._optional import note_version, require
 from tim_plugins.by_key import lag_keys, turn_keys
 from tim_plugins.capabilities import Feature, Status, check
-from tim_plugins.corrections import CorrectionConfig
-from tim_plugins.dump import DumpConfig
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
-from tim_plugins.lr_control import SIGNAL_ALIASES, LengthTriggeredLRDecay
 from tim_plugins.lr_scaling import apply_lr_scale
-from tim_plugins.parity.probe import ParityProbeConfig
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
 from tim_plugins.rollout.exact import exact_generate
 from tim_plugins.rollout.inject import TailNoiseInjector
@@ -155,19 +151,14 @@ def _pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: boo
                 f"TIMConfig.is_correction={config.is_correction!r} with vLLM rollouts while TRL's own correction is "
                 "on (GRPOConfig.vllm_importance_sampling_correction=True): pick one. Set "
                 "vllm_importance_sampling_correction=False to use ours, or is_correction=None to keep TRL's.")
-        correction = CorrectionConfig(mode=config.is_correction, **config.is_correction_options)
-    lr_decay = None
-    if config.lr_decay:
-        options = dict(config.lr_decay_options)
-        if config.lr_decay_signals and "signals" not in options:
-            options["signals"] = tuple(SIGNAL_ALIASES[s] for s in config.lr_decay_signals)
-        lr_decay = LengthTriggeredLRDecay(**options).config  # its own checks name unknown options
+        correction = config.is_correction_options
     args = trainer.args
     return PipelineConfig(
         monitor=config.monitor, ratio_band=config.ratio_band, safe_vocab=safe_vocab,
-        mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction, lr_decay=lr_decay,
-        probe=ParityProbeConfig(**config.parity_probe_options) if config.parity_probe else None,
-        dump=DumpConfig(out_dir=str(config.dump_dir), **config.dump_options) if config.dump_dir else None,
+        mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction,
+        lr_decay=config.lr_decay_options if config.lr_decay else None,
+        probe=config.parity_probe_options if config.parity_probe else None,
+        dump=config.dump_options if config.dump_dir else None,
         staleness=config.monitor, by_position=config.monitor, by_turn=config.monitor, strict=config.strict,
         histograms=config.log_histograms and "wandb" in (args.report_to or []))
 
@@ -234,14 +225,7 @@ class TIMCallback(TrainerCallback):
         if config.is_correction is not None or (self.truncation is not None and config.mask_boundary_tokens):
             loss_factor = self._available(check(features.LOSS_FACTOR))
         if self.rollout_source == "inject":
-            try:
-                self.injector = TailNoiseInjector(**config.inject_options)
-            except TypeError as err:
-                raise ValueError(f"TIMConfig.inject_options={config.inject_options!r}: {err}; valid keys: scale, "
-                                 "tau, mode, seed, bias_sign (tim_plugins.rollout.inject.TailNoiseInjector)") from err
-        elif config.inject_options:
-            raise ValueError(f"TIMConfig.inject_options={config.inject_options!r} given but rollout={config.rollout!r}; "
-                             "set rollout='inject' or drop inject_options.")
+            self.injector = TailNoiseInjector.from_config(config.inject_options)
         self.pipeline = StepPipeline(
             _pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
                              loss_factor=loss_factor), rank=trainer.accelerator.process_index)

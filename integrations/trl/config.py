@@ -1,19 +1,27 @@
 """TIMConfig: what the TRL callback does. Every capability is switched on and off on its own.
 
 With the defaults only the monitor runs (rollout log-probs vs the trainer's recomputation of the same tokens);
-the mitigations (safe vocabulary, LR decay, IS correction) are opt-in.
+the mitigations (safe vocabulary, LR decay, IS correction) are opt-in. Each ``*_options`` field is the core's own
+dataclass of that capability (``DumpConfig``, ``InjectorConfig``, ``LRDecayConfig``, ``ParityProbeConfig``,
+``CorrectionConfig``): one definition of every option, its default, help and checks, shared with verl's ``tim.*``
+settings. A dict of its fields is accepted and turned into it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from tim_plugins._config import field_help, help_table, help_texts
+from tim_plugins._config import coerce_options, field_help, help_table, help_texts
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
+from tim_plugins.dump import DumpConfig
+from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig
 from tim_plugins.metrics import check_ratio_band
+from tim_plugins.parity.probe import ParityProbeConfig
+from tim_plugins.rollout.inject import InjectorConfig
 
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
 
@@ -26,7 +34,8 @@ ROLLOUT_CHOICES = ("auto", "hf", "exact", "inject")
 # Names of the corrections in tim_plugins.corrections (token TIS/MIS, IcePop, sequence TIS/MIS, geometric RS).
 # The correction modes are defined once, in the core (combinations such as "geo_rs+token_tis" are valid too).
 IS_CORRECTION_CHOICES = tuple(m for m in CORRECTION_MODES if m != "none")
-LR_DECAY_SIGNALS = ("k3", "grad_norm")
+# Any spelling lr_control knows of an extra signal (k3, kl_k3, tim/token/kl_k3, grad_norm, ...).
+LR_DECAY_SIGNALS = tuple(SIGNAL_ALIASES)
 
 
 @dataclass
@@ -53,19 +62,21 @@ class TIMConfig:
     dump_dir: Optional[str] = field(
         default=None, metadata=field_help("Directory for a per-token Parquet dump (tim_plugins.dump); None = off"),
     )
-    dump_options: dict = field(
-        default_factory=dict, metadata=field_help("Options of the dump (tim_plugins.dump.DumpConfig except out_dir): "
-                                             "sample_rate, max_sequences_per_step, every_n_steps, seed"),
+    dump_options: DumpConfig = field(
+        default=None, metadata=field_help("Options of the dump: a tim_plugins.dump.DumpConfig, or a dict of its "
+                                          "fields (sample_rate, max_sequences_per_step, every_n_steps, seed); its "
+                                          "out_dir is dump_dir", options=DumpConfig),
     )
     rollout: str = field(
         default="auto",
         metadata=field_help("Source of rollout log-probs: auto (vLLM if the trainer uses it, else HF generate with "
                        "processed log-probs recorded), hf, exact (exact sampler), inject (controlled mismatch)"),
     )
-    inject_options: dict = field(
-        default_factory=dict,
-        metadata=field_help("rollout='inject': keyword arguments of tim_plugins.rollout.inject.TailNoiseInjector (scale, "
-                       "tau, mode, seed, bias_sign); it perturbs the tail of the distribution TRL's generate samples"),
+    inject_options: InjectorConfig = field(
+        default=None,
+        metadata=field_help("rollout='inject': a tim_plugins.rollout.inject.InjectorConfig, or a dict of its fields "
+                            "(scale, tau, mode, seed, bias_sign, profile); it perturbs the tail of the distribution "
+                            "TRL's generate samples", options=InjectorConfig),
     )
     # -------------------------------------------------------------------------------------- safe vocab
     safe_vocab: bool = field(
@@ -87,11 +98,13 @@ class TIMConfig:
         metadata=field_help("Scale the LR (through the scheduler, so TRL's logged learning_rate shows it) when the "
                        "mean completion length surges (tim_plugins.lr_control.LengthTriggeredLRDecay)"),
     )
-    lr_decay_options: dict = field(
-        default_factory=dict, metadata=field_help("Keyword arguments of LengthTriggeredLRDecay (window, factor, ...)"),
+    lr_decay_options: LRDecayConfig = field(
+        default=None, metadata=field_help("Options of the decay: a tim_plugins.lr_control.LRDecayConfig, or a dict of "
+                                          "its fields (warmup_steps, window, margin, patience, decay_factor, ...)", options=LRDecayConfig),
     )
     lr_decay_signals: tuple = field(
-        default=(), metadata=field_help(f"Extra signals passed to the controller, among {LR_DECAY_SIGNALS}"),
+        default=(), metadata=field_help("Extra signals the decay also watches: k3 (the monitor's tim/token/kl_k3) "
+                                        "and/or grad_norm; the same as lr_decay_options' signals"),
     )
     # ------------------------------------------------------------------------------------------ parity
     parity_audit: bool = field(
@@ -107,8 +120,9 @@ class TIMConfig:
         metadata=field_help("Live probe: stop training gracefully (control.should_training_stop) when the measured "
                        "mismatch crosses the probe's limits"),
     )
-    parity_probe_options: dict = field(
-        default_factory=dict, metadata=field_help("Keyword arguments of tim_plugins.parity.ParityProbe"),
+    parity_probe_options: ParityProbeConfig = field(
+        default=None, metadata=field_help("The probe's limits and action: a tim_plugins.parity.ParityProbeConfig, or "
+                                          "a dict of its fields (kl_k3_max, abs_diff_max, action, patience, ...)", options=ParityProbeConfig),
     )
     # --------------------------------------------------------------------------------------- correction
     is_correction: Optional[str] = field(
@@ -116,8 +130,10 @@ class TIMConfig:
         metadata=field_help(f"Importance-sampling correction applied to the loss, one of {IS_CORRECTION_CHOICES}; for "
                        "rollouts that do not come from vLLM (with vLLM, TRL's own correction applies)"),
     )
-    is_correction_options: dict = field(
-        default_factory=dict, metadata=field_help("Keyword arguments of the correction (thresholds: C, lo, hi, ...)"),
+    is_correction_options: Optional[CorrectionConfig] = field(
+        default=None, metadata=field_help("The correction's thresholds: a tim_plugins.corrections.CorrectionConfig, "
+                                          "or a dict of its fields (token_clip, seq_clip, icepop_band, ...); its "
+                                          "mode is is_correction (None when is_correction is None)", options=CorrectionConfig),
     )
     # -------------------------------------------------------------------------------------------- misc
     strict: bool = field(
@@ -142,46 +158,59 @@ class TIMConfig:
                 f"TIMConfig.safe_vocab_min_p={self.safe_vocab_min_p!r}: must be in (0, 1) (e.g. 1e-3), or None "
                 "to use GRPOConfig.min_p."
             )
-        if self.is_correction is not None:
-            try:  # the core's own validation: modes, '+' combinations and thresholds
-                CorrectionConfig(mode=self.is_correction, **self.is_correction_options)
-            except (TypeError, ValueError) as err:
-                raise ValueError(
-                    f"TIMConfig.is_correction={self.is_correction!r} with is_correction_options="
-                    f"{self.is_correction_options!r} is invalid: {err}"
-                ) from err
-        self.lr_decay_signals = tuple(self.lr_decay_signals)
-        bad = [s for s in self.lr_decay_signals if s not in LR_DECAY_SIGNALS]
-        if bad:
-            raise ValueError(
-                f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r}: unknown {bad}; choose among {LR_DECAY_SIGNALS}."
-            )
-        if "k3" in self.lr_decay_signals and not self.monitor:
+        self.dump_options = coerce_options(DumpConfig, self.dump_options, "TIMConfig.dump_options",
+                                           out_dir=str(self.dump_dir) if self.dump_dir else "")
+        inject = coerce_options(InjectorConfig, self.inject_options, "TIMConfig.inject_options")
+        if self.rollout != "inject" and inject != InjectorConfig():
+            raise ValueError(f"TIMConfig.inject_options={self.inject_options!r} given but rollout={self.rollout!r}; "
+                             "set rollout='inject' or drop inject_options.")
+        self.inject_options = inject
+        self.parity_probe_options = coerce_options(ParityProbeConfig, self.parity_probe_options,
+                                                   "TIMConfig.parity_probe_options")
+        if self.is_correction is not None:  # the core's own checks: modes, '+' combinations and thresholds
+            self.is_correction_options = coerce_options(CorrectionConfig, self.is_correction_options,
+                                                        "TIMConfig.is_correction_options", mode=self.is_correction)
+        elif self.is_correction_options and not isinstance(self.is_correction_options, CorrectionConfig):
+            raise ValueError(f"TIMConfig.is_correction_options={self.is_correction_options!r} given but "
+                             "is_correction=None; name the correction (e.g. is_correction='token_tis') or drop them.")
+        else:
+            self.is_correction_options = None
+        self._merge_lr_decay_signals()
+        if "kl_k3" in self.lr_decay_options.signals and not self.monitor:
             raise ValueError(
                 "TIMConfig.lr_decay_signals contains 'k3' but monitor=False: the k3 signal comes from the monitor; "
                 "set monitor=True or drop 'k3'."
             )
-        for name in ("inject_options", "lr_decay_options", "parity_probe_options",
-                     "is_correction_options", "dump_options"):
-            if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"TIMConfig.{name}={getattr(self, name)!r}: must be a dict of keyword arguments.")
-        self._check_dump_options()
         if self.parity_strict and not self.parity_audit:
             raise ValueError("TIMConfig.parity_strict=True needs parity_audit=True (strict raises on audit findings).")
 
-    def _check_dump_options(self) -> None:
-        from tim_plugins.dump import DumpConfig
-
-        names = {f.name for f in fields(DumpConfig)} - {"out_dir"}
-        unknown = sorted(set(self.dump_options) - names)
-        if unknown:
-            raise ValueError(f"TIMConfig.dump_options has unknown option(s) {unknown}. Fix: use only {sorted(names)}")
-        DumpConfig(out_dir=self.dump_dir or ".", **self.dump_options)  # its own checks quote a bad value
+    def _merge_lr_decay_signals(self) -> None:
+        """lr_decay_signals and lr_decay_options.signals are one setting: either may name the signals (in any
+        spelling SIGNAL_ALIASES knows), both only alike."""
+        self.lr_decay_signals = tuple(self.lr_decay_signals)
+        bad = [s for s in self.lr_decay_signals if s not in SIGNAL_ALIASES]
+        if bad:
+            raise ValueError(
+                f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r}: unknown {bad}; choose among {LR_DECAY_SIGNALS}."
+            )
+        options = coerce_options(LRDecayConfig, self.lr_decay_options, "TIMConfig.lr_decay_options")
+        named = tuple(dict.fromkeys(SIGNAL_ALIASES[s] for s in self.lr_decay_signals))
+        if named and options.signals and set(options.signals) != set(named):
+            raise ValueError(
+                f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} and lr_decay_options.signals="
+                f"{options.signals!r} disagree; name the signals once (lr_decay_signals).")
+        self.lr_decay_options = dataclasses.replace(options, signals=named) if named and not options.signals \
+            else options
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain values (option groups as dicts), accepted back by ``TIMConfig(**d)``: the fields other fields
+        set (dump_options.out_dir is dump_dir, is_correction_options.mode is is_correction) are left out."""
         out = asdict(self)
         out["ratio_band"] = list(self.ratio_band)
         out["lr_decay_signals"] = list(self.lr_decay_signals)
+        out["dump_options"].pop("out_dir")
+        if out["is_correction_options"] is not None:
+            out["is_correction_options"].pop("mode")
         return out
 
     @classmethod

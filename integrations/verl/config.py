@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tim_plugins._config import field_help
+from tim_plugins._config import coerce_options, core_field, field_help
 from tim_plugins.dump import DumpConfig
+from tim_plugins.lr_control import LRDecayConfig
 from tim_plugins.metrics import check_ratio_band
-from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig
+from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, check_probe_values
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
 from tim_plugins.truncation import DEFAULT_MIN_P
@@ -39,7 +40,6 @@ __all__ = [
 OPTIMIZER_IMPL = "tim_plugins.integrations.verl.optim"
 # Our trainer modes are verl's registered modes with this prefix (``trainer.v1.trainer_mode=tim_sync``).
 TRAINER_MODE_PREFIX = "tim_"
-_PROBE_ACTIONS = ("warn", "raise", "stop")
 # verl forwards this node verbatim to ``vllm serve``:
 # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
 VLLM_ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"
@@ -100,27 +100,14 @@ class LRDecaySettings:
     enable: bool = field(default=False, metadata=field_help(
         "Length-triggered LR decay inside the actor's optimizer (needs optim.optimizer_impl="
         f"{OPTIMIZER_IMPL})."))
-    options: dict = field(default_factory=dict, metadata=field_help(
-        "Options of tim_plugins.lr_control.LengthTriggeredLRDecay (warmup_steps, window, margin, patience, "
-        "decay_factor, min_lr_ratio, cooldown, mode, ...), e.g. +tim.lr_decay.options.decay_factor=0.5."))
+    options: LRDecayConfig = field(default_factory=LRDecayConfig, metadata=field_help(
+        "The decay's options, tim_plugins.lr_control.LRDecayConfig's fields (warmup_steps, window, margin, "
+        "patience, decay_factor, min_lr_ratio, cooldown, mode, signals, ...), e.g. "
+        "+tim.lr_decay.options.decay_factor=0.5; the same as TIMConfig.lr_decay_options.", options=LRDecayConfig))
 
     def __post_init__(self) -> None:
-        from tim_plugins.lr_control import LRDecayConfig
-
-        names = {f.name for f in dataclasses.fields(LRDecayConfig)}
-        unknown = sorted(set(self.options) - names)
-        if unknown:
-            raise _bad("tim.lr_decay.options", dict(self.options), f"unknown option(s) {unknown}",
-                       f"use only {sorted(names)}")
-        self.options = dict(self.options)
-        LRDecayConfig(**self.options)  # its own __post_init__ quotes a bad value
-
-
-def _core_field(core: type, name: str, **kwargs) -> Any:
-    """A field with the help (and, unless given, the default) of the core dataclass ``core``'s field ``name``: one
-    text and one default per option in both adapters."""
-    f = next(f for f in dataclasses.fields(core) if f.name == name)
-    return field(default=kwargs.get("default", f.default), metadata=field_help(f.metadata["help"]))
+        self.options = coerce_options(LRDecayConfig, self.options, "tim-plugins: tim.lr_decay.options",
+                                      fix="+tim.lr_decay.options.<field>=<value>")
 
 
 # verl's spelling -> ParityProbeConfig's field (the documented overrides keep their names)
@@ -133,24 +120,21 @@ class ProbeSettings:
     (``StepPipeline.compute``), the driver acts on the decision (warn, raise, stop after a checkpoint). Options and
     rules are ``ParityProbeConfig``'s; ``kl_k3`` is its ``kl_k3_max``. No threshold set: off."""
 
-    action: str = _core_field(ParityProbeConfig, "action")
-    kl_k3: float | None = _core_field(ParityProbeConfig, "kl_k3_max", default=None)
-    abs_diff_max: float | None = _core_field(ParityProbeConfig, "abs_diff_max")
-    seq_log_ratio_abs_max: float | None = _core_field(ParityProbeConfig, "seq_log_ratio_abs_max")
-    every_n_steps: int = _core_field(ParityProbeConfig, "every_n_steps")
-    patience: int = _core_field(ParityProbeConfig, "patience")
+    action: str = core_field(ParityProbeConfig, "action")
+    kl_k3: float | None = core_field(ParityProbeConfig, "kl_k3_max", default=None)
+    abs_diff_max: float | None = core_field(ParityProbeConfig, "abs_diff_max")
+    seq_log_ratio_abs_max: float | None = core_field(ParityProbeConfig, "seq_log_ratio_abs_max")
+    every_n_steps: int = core_field(ParityProbeConfig, "every_n_steps")
+    patience: int = core_field(ParityProbeConfig, "patience")
 
     def __post_init__(self) -> None:
-        if self.action not in _PROBE_ACTIONS:
-            raise _bad("tim.probe.action", self.action, f"must be one of {_PROBE_ACTIONS}", "+tim.probe.action=warn")
-        for name in _PROBE_NAMES:
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                raise _bad(f"tim.probe.{name}", v, "must be a positive number or null", f"+tim.probe.{name}=1e-2")
-        for name in ("every_n_steps", "patience"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise _bad(f"tim.probe.{name}", v, "must be an integer >= 1", f"+tim.probe.{name}=1")
+        core_names = {**_PROBE_NAMES, "action": "action", "every_n_steps": "every_n_steps", "patience": "patience"}
+        verl_names = {core: name for name, core in core_names.items()}
+        try:  # ParityProbeConfig's rules, with verl's names in the message
+            check_probe_values({core: getattr(self, name) for name, core in core_names.items()},
+                               where=lambda core: f"tim-plugins: tim.probe.{verl_names[core]}")
+        except ValueError as err:
+            raise ValueError(f"{err}. Fix: +tim.probe.action=warn +tim.probe.kl_k3=1e-2 (see README, verl)") from None
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -186,10 +170,10 @@ class DumpSettings:
     dir: str | None = field(default=None, metadata=field_help(
         "Folder for the dump (step_<verl global step>-rank_<DP rank>.parquet, plus the run's summary.json with the "
         "start-up audit and the model path, for the report); null = off. Needs tim.monitor.enable=true."))
-    sample_rate: float = _core_field(DumpConfig, "sample_rate")
-    max_sequences_per_step: int = _core_field(DumpConfig, "max_sequences_per_step")
-    every_n_steps: int = _core_field(DumpConfig, "every_n_steps")
-    seed: int = _core_field(DumpConfig, "seed")
+    sample_rate: float = core_field(DumpConfig, "sample_rate")
+    max_sequences_per_step: int = core_field(DumpConfig, "max_sequences_per_step")
+    every_n_steps: int = core_field(DumpConfig, "every_n_steps")
+    seed: int = core_field(DumpConfig, "seed")
 
     def __post_init__(self) -> None:
         if self.dir is not None and (not isinstance(self.dir, str) or not self.dir.strip()):
@@ -223,9 +207,7 @@ class TIMVerlConfig:
                  "parity": ParitySettings, "probe": ProbeSettings, "dump": DumpSettings}
 
     def __post_init__(self) -> None:
-        from tim_plugins.lr_control import LRDecayConfig
-
-        signals = LRDecayConfig(**self.lr_decay.options).signals if self.lr_decay.enable else ()
+        signals = self.lr_decay.options.signals if self.lr_decay.enable else ()
         if "kl_k3" in signals and not self.monitor.enable:
             raise _bad("tim.lr_decay.options.signals", list(signals), "the kl_k3 signal is the monitor's k3 of each "
                        "step, and tim.monitor.enable=false", "+tim.monitor.enable=true")

@@ -44,7 +44,6 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
 from tim_plugins.by_key import turn_keys
-from tim_plugins.lr_control import LengthTriggeredLRDecay
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
 from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_logits
 
@@ -142,8 +141,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tim_pipeline = StepPipeline(PipelineConfig(
             monitor=config.monitor.enable, ratio_band=config.monitor.ratio_band,
             safe_vocab=config.safe_vocab.enabled, mask_boundary=config.safe_vocab.mask_boundary,
-            lr_decay=LengthTriggeredLRDecay(**dict(config.lr_decay.options)).config if config.lr_decay.enable
-            else None,
+            lr_decay=config.lr_decay.options if config.lr_decay.enable else None,
             dump=config.dump.config() if config.dump.enabled else None,
             # as the TRL callback: the split of every training pass, and the mismatch by response position
             staleness=config.monitor.enable, by_position=config.monitor.enable,

@@ -402,7 +402,7 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing) 
         "attached": {
             "rollout_source": tim.rollout_source,
             "hooks": attached.hooks,
-            "config_changed": {k: v for k, v in config.items() if v != defaults.get(k)},
+            "config_changed": _changed(config, defaults),
             "config": config,
             "diagnostics": dict(tim.pipeline.diag),
             "parity_specs": {"rollout": _spec_dict(rollout_spec), "trainer": _spec_dict(trainer_spec)},
@@ -410,6 +410,19 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing) 
         "timing": timing,
         "dumps": {"all steps": "dump"},
     }
+
+
+def _changed(config: dict, defaults: dict) -> dict:
+    """The values of ``config`` that differ from ``defaults``; within an option group, only the changed options."""
+    out = {}
+    for key, value in config.items():
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            if sub := _changed(value, default):
+                out[key] = sub
+        elif value != default:
+            out[key] = value
+    return out
 
 
 def _spec_dict(spec) -> dict | None:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tim_plugins.lr_control import LengthTriggeredLRDecay, LRDecayConfig
+from tim_plugins.lr_control import SIGNAL_ALIASES, LengthTriggeredLRDecay, LRDecayConfig
 
 __all__ = [
     "register",
@@ -47,8 +47,10 @@ LENGTH_COLUMNS = (
     "mean_response_length",
     "completion_length",  # older TRL
 )
-K3_COLUMNS = ("tim/token/kl_k3", "rollout_corr/k3_kl", "kl_k3")
-GRAD_NORM_COLUMNS = ("grad_norm",)  # also matches actor/grad_norm and train/grad_norm
+# The extra signals' columns are lr_control's spellings of them: metric keys first, then bare names.
+K3_COLUMNS, GRAD_NORM_COLUMNS = (
+    tuple(sorted((a for a, name in SIGNAL_ALIASES.items() if name == signal), key=lambda a: "/" not in a))
+    for signal in ("kl_k3", "grad_norm"))
 STEP_COLUMNS = ("step", "Step", "_step", "global_step", "trainer/global_step", "train/global_step")
 _SIGNAL_COLUMNS = {"kl_k3": K3_COLUMNS, "grad_norm": GRAD_NORM_COLUMNS}
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, Optional
 
 from tim_plugins.parity.findings import ParityError
 
-__all__ = ["ParityProbe", "ParityProbeConfig", "ProbeDecision", "Trip", "PROBE_ACTIONS", "DEFAULT_METRIC_KEYS"]
+__all__ = ["ParityProbe", "ParityProbeConfig", "check_probe_values", "ProbeDecision", "Trip", "PROBE_ACTIONS", "DEFAULT_METRIC_KEYS"]
 
 logger = logging.getLogger("tim_plugins.parity")
 
@@ -45,19 +45,28 @@ class ParityProbeConfig:
     patience: int = field(default=1, metadata={"help": "act after this many consecutive tripped checks"})
 
     def __post_init__(self) -> None:
-        if self.action not in PROBE_ACTIONS:
-            raise ValueError(f"ParityProbeConfig.action={self.action!r}: must be one of {PROBE_ACTIONS}")
-        if int(self.every_n_steps) < 1:
-            raise ValueError(f"ParityProbeConfig.every_n_steps={self.every_n_steps}: must be >= 1")
-        if int(self.patience) < 1:
-            raise ValueError(f"ParityProbeConfig.patience={self.patience}: must be >= 1")
-        for name in DEFAULT_METRIC_KEYS:
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-                raise ValueError(f"ParityProbeConfig.{name}={value!r}: must be a finite number >= 0 or None")
+        check_probe_values({f.name: getattr(self, f.name) for f in fields(self)})
         if all(getattr(self, name) is None for name in DEFAULT_METRIC_KEYS):
             raise ValueError("ParityProbeConfig: every threshold is None, so the probe can never trip; set at "
                              f"least one of {list(DEFAULT_METRIC_KEYS)}")
+
+
+def check_probe_values(values: Mapping[str, Any], where: Callable[[str], str] = "ParityProbeConfig.{}".format) -> None:
+    """The rule of each probe option, for ``ParityProbeConfig`` and for an adapter's spelling of it (``where``
+    turns a field name into the name the user wrote): a ValueError quoting the first bad value."""
+    for name, value in values.items():
+        if name == "action":
+            ok, rule = value in PROBE_ACTIONS, f"must be one of {PROBE_ACTIONS}"
+        elif name in ("every_n_steps", "patience"):
+            ok, rule = not isinstance(value, bool) and isinstance(value, int) and value >= 1, "must be an integer >= 1"
+        elif name in DEFAULT_METRIC_KEYS:
+            ok = value is None or (not isinstance(value, bool) and isinstance(value, (int, float))
+                                   and math.isfinite(value) and value >= 0)
+            rule = "must be a finite number >= 0 or None"
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"{where(name)}={value!r} is invalid: {rule}")
 
 
 @dataclass

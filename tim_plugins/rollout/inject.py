@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -40,6 +40,7 @@ from tim_plugins.rollout.batch import completion_mask_from_eos
 
 __all__ = [
     "TailNoiseInjector",
+    "InjectorConfig",
     "InjectionProfile",
     "INJECT_MODES",
     "EXTRA_ARGS_KEY",
@@ -167,10 +168,41 @@ def perturb_tail(
     return torch.where(tail, z + delta, z).to(scores.dtype)
 
 
+@dataclass
+class InjectorConfig:
+    """Options of :class:`TailNoiseInjector` (the adapters' ``inject_options``): one definition, one set of checks."""
+
+    scale: float = field(default=0.0, metadata={
+        "help": "σ, the magnitude of the perturbation (0 = off); calibrate_injector finds it for a target k3."})
+    tau: float = field(default=0.1, metadata={
+        "help": "Tail threshold: only tokens with p < tau under the distribution the processor receives move."})
+    mode: str = field(default="noise", metadata={
+        "help": f"One of {INJECT_MODES}: symmetric Gaussian noise, or a systematic shift by bias_sign · σ."})
+    seed: int = field(default=0, metadata={"help": "Seed of the noise; reset() restarts the same sequence."})
+    bias_sign: float = field(default=1.0, metadata={
+        "help": "mode='bias': +1 (the engine over-weights the tail) or -1."})
+    profile: Any = field(default=None, metadata={
+        "help": "An InjectionProfile (or its to_dict()) scaling each token's shift by m(p); None = uniform."})
+
+    def __post_init__(self) -> None:
+        if self.mode not in INJECT_MODES:
+            raise ValueError(f"TailNoiseInjector(mode={self.mode!r}): must be one of {INJECT_MODES}")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"TailNoiseInjector(tau={self.tau!r}): must be in (0, 1]")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or self.scale < 0 \
+                or not math.isfinite(self.scale):
+            raise ValueError(f"TailNoiseInjector(scale={self.scale!r}): must be a finite number >= 0")
+        if self.bias_sign not in (1.0, -1.0, 1, -1):
+            raise ValueError(f"TailNoiseInjector(bias_sign={self.bias_sign!r}): must be +1 or -1")
+        self.scale, self.tau, self.seed, self.bias_sign = float(self.scale), float(self.tau), int(self.seed), \
+            float(self.bias_sign)
+        self.profile = InjectionProfile.coerce(self.profile)
+
+
 class TailNoiseInjector:
     """Tail perturbation usable as an HF logits processor: ``generate(..., logits_processor=[injector])``.
 
-    Args:
+    Args (``InjectorConfig``'s fields, checked there):
         scale: σ (0 = off). Usually set by `calibrate_injector` / `calibrate_scale`.
         tau: tail threshold on the token probability of the distribution the processor receives.
         mode: "noise" (symmetric Gaussian) or "bias" (shift by bias_sign · σ).
@@ -181,21 +213,15 @@ class TailNoiseInjector:
 
     def __init__(self, scale: float = 0.0, *, tau: float = 0.1, mode: str = "noise", seed: int = 0,
                  bias_sign: float = 1.0, profile: Union[InjectionProfile, Mapping, None] = None):
-        if mode not in INJECT_MODES:
-            raise ValueError(f"TailNoiseInjector(mode={mode!r}): must be one of {INJECT_MODES}")
-        if not 0.0 < tau <= 1.0:
-            raise ValueError(f"TailNoiseInjector(tau={tau}): must be in (0, 1]")
-        if scale < 0 or not math.isfinite(scale):
-            raise ValueError(f"TailNoiseInjector(scale={scale}): must be a finite number >= 0")
-        if bias_sign not in (1.0, -1.0, 1, -1):
-            raise ValueError(f"TailNoiseInjector(bias_sign={bias_sign}): must be +1 or -1")
-        self.scale = float(scale)
-        self.tau = float(tau)
-        self.mode = mode
-        self.seed = int(seed)
-        self.bias_sign = float(bias_sign)
-        self.profile = InjectionProfile.coerce(profile)
+        cfg = InjectorConfig(scale=scale, tau=tau, mode=mode, seed=seed, bias_sign=bias_sign, profile=profile)
+        self.scale, self.tau, self.mode, self.seed = cfg.scale, cfg.tau, cfg.mode, cfg.seed
+        self.bias_sign, self.profile = cfg.bias_sign, cfg.profile
         self.reset()
+
+    @classmethod
+    def from_config(cls, config: InjectorConfig) -> "TailNoiseInjector":
+        return cls(config.scale, tau=config.tau, mode=config.mode, seed=config.seed, bias_sign=config.bias_sign,
+                   profile=config.profile)
 
     def reset(self) -> None:
         self._generator = torch.Generator().manual_seed(self.seed)

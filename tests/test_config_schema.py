@@ -1,0 +1,128 @@
+"""One config schema: each capability's options are one core dataclass, which TIMConfig (TRL) and verl's ``tim.*``
+settings both hold or mirror, so an option has one name, default, help text and rule in both adapters; no untyped
+``*_options: dict`` field is left, and the LR-decay signal spellings live in one table."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+pytest.importorskip("trl")
+
+from tim_plugins.corrections import CorrectionConfig  # noqa: E402
+from tim_plugins.dump import DumpConfig  # noqa: E402
+from tim_plugins.integrations.trl import TIMConfig  # noqa: E402
+from tim_plugins.integrations.verl.config import DumpSettings, ProbeSettings, TIMVerlConfig  # noqa: E402
+from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig  # noqa: E402
+from tim_plugins.parity.probe import ParityProbeConfig  # noqa: E402
+from tim_plugins.rollout.inject import InjectorConfig  # noqa: E402
+
+OPTION_GROUPS = {"dump_options": DumpConfig, "inject_options": InjectorConfig, "lr_decay_options": LRDecayConfig,
+                 "parity_probe_options": ParityProbeConfig, "is_correction_options": CorrectionConfig}
+
+
+def _settings_classes():
+    return [TIMConfig, TIMVerlConfig, *TIMVerlConfig._SECTIONS.values()]
+
+
+def test_no_config_field_is_an_untyped_dict():
+    for cls in _settings_classes():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert hints[f.name] not in (dict, typing.Any), (cls.__name__, f.name, hints[f.name])
+
+
+def test_each_trl_option_group_is_the_core_dataclass_from_a_dict_or_itself():
+    values = {"dump_options": {"sample_rate": 0.5}, "inject_options": {"scale": 0.2, "tau": 0.3},
+              "lr_decay_options": {"window": 3, "signals": "k3"}, "parity_probe_options": {"kl_k3_max": 0.1},
+              "is_correction_options": {"token_clip": 3.0}}
+    cfg = TIMConfig(dump_dir="/tmp/d", rollout="inject", is_correction="token_mis", **values)
+    for name, core in OPTION_GROUPS.items():
+        got = getattr(cfg, name)
+        assert type(got) is core, name
+        for key, value in values[name].items():
+            expected = getattr(core(**({"out_dir": "x"} if core is DumpConfig else {}),
+                                    **({"mode": "token_mis"} if core is CorrectionConfig else {}),
+                                    **{key: value}), key)
+            assert getattr(got, key) == expected, (name, key)
+    assert cfg.dump_options.out_dir == "/tmp/d" and cfg.is_correction_options.mode == "token_mis"
+    assert cfg.lr_decay_options.signals == ("kl_k3",)  # the one alias table: k3 -> kl_k3
+    again = TIMConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # instances pass through
+    assert again == cfg
+    defaults = TIMConfig()
+    assert defaults.lr_decay_options == LRDecayConfig() and defaults.parity_probe_options == ParityProbeConfig()
+    assert defaults.inject_options == InjectorConfig() and defaults.is_correction_options is None
+
+
+def test_lr_decay_options_are_one_class_with_one_rule_in_both_adapters():
+    verl = TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": {"window": 3, "signals": ["grad_norm"]}}})
+    trl = TIMConfig(lr_decay=True, lr_decay_options={"window": 3, "signals": ["grad_norm"]})
+    assert verl.lr_decay.options == trl.lr_decay_options == LRDecayConfig(window=3, signals=("grad_norm",))
+    with pytest.raises(ValueError) as core:
+        LRDecayConfig(decay_factor=1.5)
+    for build in (lambda: TIMConfig(lr_decay_options={"decay_factor": 1.5}),
+                  lambda: TIMVerlConfig.from_node({"lr_decay": {"options": {"decay_factor": 1.5}}})):
+        with pytest.raises(ValueError) as err:
+            build()
+        assert str(core.value) in str(err.value) and "1.5" in str(err.value) and "Fix:" in str(err.value)
+    for build in (lambda: TIMConfig(lr_decay_options={"windw": 3}),
+                  lambda: TIMVerlConfig.from_node({"lr_decay": {"options": {"windw": 3}}})):
+        with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\]"):
+            build()
+
+
+def test_probe_and_dump_settings_in_verl_share_the_core_help_default_and_rule():
+    core_probe = {f.name: f for f in dataclasses.fields(ParityProbeConfig)}
+    names = {"kl_k3": "kl_k3_max", "abs_diff_max": "abs_diff_max", "seq_log_ratio_abs_max": "seq_log_ratio_abs_max",
+             "action": "action", "every_n_steps": "every_n_steps", "patience": "patience"}
+    for f in dataclasses.fields(ProbeSettings):
+        core = core_probe[names[f.name]]
+        assert f.metadata["help"] == core.metadata["help"], f.name
+        assert f.default == (None if f.name == "kl_k3" else core.default), f.name  # verl: no limit = probe off
+    for bad in ({"patience": 0}, {"action": "explode"}, {"kl_k3_max": float("inf")}):
+        with pytest.raises(ValueError) as core_err:
+            ParityProbeConfig(**bad)
+        rule = str(core_err.value).split(" is invalid: ")[1]
+        verl_name = {v: k for k, v in names.items()}[next(iter(bad))]
+        with pytest.raises(ValueError) as err:
+            ProbeSettings(**{verl_name: next(iter(bad.values()))})
+        assert f"tim.probe.{verl_name}=" in str(err.value) and rule in str(err.value)
+    core_dump = {f.name: f for f in dataclasses.fields(DumpConfig)}
+    for f in dataclasses.fields(DumpSettings):
+        if f.name != "dir":
+            assert (f.default, f.metadata["help"]) == (core_dump[f.name].default, core_dump[f.name].metadata["help"])
+    assert DumpSettings(dir="/tmp/d", sample_rate=0.5).config() == TIMConfig(
+        dump_dir="/tmp/d", dump_options={"sample_rate": 0.5}).dump_options
+
+
+def test_signal_spellings_live_in_one_table():
+    from tim_plugins.apps import lr_replay
+    from tim_plugins.integrations.trl.config import LR_DECAY_SIGNALS
+
+    assert set(LR_DECAY_SIGNALS) == set(SIGNAL_ALIASES)
+    for spelling, name in SIGNAL_ALIASES.items():
+        assert LRDecayConfig(signals=(spelling,)).signals == (name,)
+        assert TIMConfig(lr_decay_signals=(spelling,)).lr_decay_options.signals == (name,)
+    assert set(lr_replay.K3_COLUMNS) == {a for a, n in SIGNAL_ALIASES.items() if n == "kl_k3"}
+    assert set(lr_replay.GRAD_NORM_COLUMNS) == {a for a, n in SIGNAL_ALIASES.items() if n == "grad_norm"}
+    with pytest.raises(ValueError, match="disagree"):
+        TIMConfig(lr_decay_signals=("k3",), lr_decay_options={"signals": ("grad_norm",)})
+
+
+def test_options_given_to_a_capability_that_is_off_fail_early():
+    with pytest.raises(ValueError, match=r"inject_options=.* given but rollout='auto'"):
+        TIMConfig(inject_options={"scale": 0.1})
+    with pytest.raises(ValueError, match=r"is_correction_options=.* given but is_correction=None"):
+        TIMConfig(is_correction_options={"token_clip": 3.0})
+
+
+def test_to_dict_is_plain_and_builds_the_same_config():
+    import json
+
+    cfg = TIMConfig(dump_dir="/tmp/d", dump_options={"seed": 3}, is_correction="icepop",
+                    is_correction_options={"icepop_band": (0.4, 4.0)}, lr_decay=True, lr_decay_signals=("k3",))
+    plain = json.loads(json.dumps(cfg.to_dict()))
+    assert TIMConfig(**plain) == cfg
+    assert "out_dir" not in plain["dump_options"] and "mode" not in plain["is_correction_options"]

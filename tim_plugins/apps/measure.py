@@ -201,19 +201,24 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
     from tqdm.auto import tqdm
 
     from tim_plugins.distribution import PositionComparison, VocabProfile, compare_distributions, summarize_comparison
-    from tim_plugins.dump import TokenDumper
     from tim_plugins.apps.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score
+    from tim_plugins.dump import DumpConfig
     from tim_plugins.metrics import MismatchMonitor
+    from tim_plugins.pipeline import PipelineConfig, StepPipeline
     from tim_plugins.safe_vocab import safe_loss_mask
 
     cfg = run.cfg
     vllm = setting.rollout == "vllm"
     order = "vllm" if vllm else "hf"
-    monitor, untruncated_monitor = MismatchMonitor(), MismatchMonitor()
+    # The trainer-side measurement is the per-step pipeline's (monitor, safe vocabulary, dump), one "step" per
+    # setting (step 0: a measurement has no optimizer steps), every sequence dumped; the full-vocabulary monitor
+    # and the distribution comparisons are this app's own.
+    pipeline: StepPipeline | None = None
+    dump = DumpConfig(out_dir=str(dump_dir), sample_rate=1.0, max_sequences_per_step=len(prompts))
+    untruncated_monitor = MismatchMonitor()
     profile = VocabProfile()
     comps: list[PositionComparison] = []
-    safe_sums: dict[str, float] = {}
-    seconds = tokens = valid_total = 0.0
+    seconds = tokens = 0.0
     rows: list[tuple] = []
     llm = run.engine(setting) if vllm else None
     num_logprobs = run.logprobs_for(llm) if vllm else None
@@ -242,21 +247,18 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
         mask = response_mask(roll.completion_ids, run.eos_ids, cfg.min_new_tokens)
         tr = trainer_score(run.trainer, roll, mask, temperature=cfg.temperature, order=order,
                            exact=setting.rollout == "exact", **truncation)
-        loss_mask, _ = safe_loss_mask(mask, tr.in_safe)  # boundary tokens leave the loss
-        monitor.update(roll.logprobs, tr.logprobs, loss_mask)
+        if pipeline is None:  # the safe vocabulary's statistics where the trainer truncates
+            pipeline = StepPipeline(PipelineConfig(safe_vocab=tr.safe is not None, dump=dump))
+        pipeline.measure(roll.logprobs, tr.logprobs, mask, safe=tr.safe, token_ids=roll.completion_ids, step=0)
+        loss_mask, _ = safe_loss_mask(mask, tr.in_safe)  # boundary tokens leave the loss, as in the pipeline
         if tr.untruncated is not None:
             untruncated_monitor.update(roll.logprobs, tr.untruncated, mask)
-        n = float(mask.sum())
-        for key, value in tr.safe_metrics.items():
-            safe_sums[key] = max(safe_sums.get(key, 0.0), value) if key.endswith("_max") else (
-                safe_sums.get(key, 0.0) + value * n)
-        valid_total += n
         comps.append(compare_distributions(roll.full_logprobs, tr.full_logprobs, roll.completion_ids, mask.bool(),
                                            top_k=cfg.top_k_overlap, known=roll.known))
         profile.update(roll.full_logprobs, tr.full_logprobs, mask.bool(), known=roll.known)
         rows.append((roll.logprobs, tr.logprobs, loss_mask, roll.completion_ids, mask))
-    metrics = monitor.compute(sync=False)
-    metrics.update({k: v if k.endswith("_max") else v / max(valid_total, 1.0) for k, v in safe_sums.items()})
+    pipeline.end_step(0)  # writes the dump
+    metrics, _, _ = pipeline.compute(0, sync=False)
     if untruncated_monitor.updates > 0:
         full = untruncated_monitor.compute(sync=False)
         metrics["tim/full_vocab/kl_k3"] = full["tim/token/kl_k3"]
@@ -266,11 +268,9 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
     metrics["rollout/seconds"] = seconds
     metrics["rollout/tokens_sampled"] = tokens
     metrics["rollout/tokens_per_s"] = tokens / seconds if seconds > 0 else math.nan
-    # One dump per setting, every sequence at step 0 (a measurement has no optimizer steps).
     width = max(r[0].shape[1] for r in rows)
     pad = lambda x, v: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=v)  # noqa: E731
     cat = [torch.cat([pad(r[i], v) for r in rows]) for i, v in enumerate((0.0, 0.0, 0, 0, 0))]
-    TokenDumper(out_dir=str(dump_dir), sample_rate=1.0, max_sequences_per_step=len(prompts)).write(0, *cat[:4])
     return {"metrics": metrics, "profile": profile.curves(), "ranks": _rank_counts(comp),
             "full_distribution": _full_dist_note(setting, num_logprobs, run.vocab),
             "disagreements": _disagreements(run, *cat), "audit": _audit(run, setting, llm)}

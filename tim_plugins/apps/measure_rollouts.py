@@ -151,13 +151,14 @@ def exact_rollout(model, enc, *, max_new_tokens: int, temperature: float, seed: 
 class TrainerOut:
     """Trainer side of one batch: sampled-token log-probs [B, T] (safe-vocab when truncating), whether each
     sampled token is in the trainer's kept set [B, T], the truncated distribution [B, T, V], the untruncated
-    sampled-token log-probs [B, T] (only when truncating), and tim/safe_vocab/* of the batch."""
+    sampled-token log-probs [B, T] (only when truncating), and the safe-vocabulary fields shaped [B, T] (only when
+    truncating; what ``StepPipeline.measure(safe=...)`` takes)."""
 
     logprobs: torch.Tensor
     in_safe: torch.Tensor
     full_logprobs: torch.Tensor
     untruncated: torch.Tensor | None
-    safe_metrics: dict
+    safe: "SafeLogprobs | None"
 
 
 @torch.no_grad()
@@ -169,7 +170,7 @@ def trainer_score(model, roll: RolloutBatch, mask: torch.Tensor, *, temperature:
     else the HF trainer's forward with the positions ``generate`` used.
     """
     from tim_plugins.rollout.scoring import completion_logits, score_completions, scores_from_logits
-    from tim_plugins.safe_vocab import safe_logprobs_from_logits, safe_vocab_metrics
+    from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_logits
     from tim_plugins.truncation import Truncation, truncation_threshold
 
     T = roll.completion_ids.shape[1]
@@ -177,18 +178,18 @@ def trainer_score(model, roll: RolloutBatch, mask: torch.Tensor, *, temperature:
     if exact:
         ids, attn = roll.input_ids, torch.cat([roll.prompt_mask, torch.ones_like(mask)], dim=1)
         scores = score_completions(model, ids, attn, T, temperature=temperature, full=True)
-        return TrainerOut(scores.logprobs, in_safe, scores.full_logprobs, None, {})
+        return TrainerOut(scores.logprobs, in_safe, scores.full_logprobs, None, None)
     attn = torch.cat([roll.prompt_mask, mask], dim=1)
     logits = completion_logits(model, roll.input_ids, attn, T, positions_from_mask=True).float()
     untruncated = scores_from_logits(logits, roll.completion_ids, temperature, full=True)
     trunc = Truncation(min_p=min_p, top_p=top_p, top_k=top_k, temperature=temperature, order=order)
     if not trunc.active:
-        return TrainerOut(untruncated.logprobs, in_safe, untruncated.full_logprobs, None, {})
+        return TrainerOut(untruncated.logprobs, in_safe, untruncated.full_logprobs, None, None)
     B, _, V = logits.shape
     safe = safe_logprobs_from_logits(logits.reshape(B * T, V), roll.completion_ids.reshape(-1), min_p=min_p,
                                      temperature=temperature, top_p=top_p, top_k=top_k, order=order)
     z = logits / temperature
     tau = truncation_threshold(z.reshape(B * T, V), trunc).reshape(B, T, 1)
     full = torch.log_softmax(torch.where(z >= tau, z, -math.inf), dim=-1)
-    metrics = safe_vocab_metrics(safe, mask)
-    return TrainerOut(safe.logprobs.reshape(B, T), safe.in_safe.reshape(B, T), full, untruncated.logprobs, metrics)
+    safe = SafeLogprobs(*(x.reshape(B, T) for x in (safe.logprobs, safe.in_safe, safe.pruned_mass, safe.size)))
+    return TrainerOut(safe.logprobs, safe.in_safe, full, untruncated.logprobs, safe)

@@ -1,6 +1,6 @@
 """TIMCallback on a CUDA GRPOTrainer (the GPU machine's own torch / transformers, TRL carried as a wheel): what the
 CPU suite cannot run. The safe vocabulary through TRL's fused lm_head takes TRL's Triton path there (only the
-labelled positions are scored: the compact layout ``hooks.map_safe_calls`` maps) and tim-plugins' Triton safe-vocab
+labelled positions are scored: the compact layout ``translate.map_safe_calls`` maps) and tim-plugins' Triton safe-vocab
 kernels; ``num_iterations=2`` exercises the staleness split. Writes one JSON of what it found; exits 1 when a
 check fails.
 

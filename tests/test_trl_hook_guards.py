@@ -5,7 +5,7 @@ Each test fails when the named TRL source changes the shape the adapter assumes,
 An entry serves one feature (``hooks.TRL_SOURCE_FEATURES``): its assumptions are checked where the capability check
 (``integrations/trl/features.py``) finds that feature available; where it does not, the test asserts the feature is
 reported off with the reason. At least one safe-vocabulary route is available on every tested release.
-The policy-term route (``hooks.scale_policy_term``) is checked against TRL's own vLLM-branch product, for every
+The policy-term route (``translate.scale_policy_term``) is checked against TRL's own vLLM-branch product, for every
 loss type TRL documents, with ratios that clip and a KL term: the reference is TRL's ``_compute_loss`` itself.
 """
 
@@ -27,7 +27,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from tim_plugins.capabilities import check  # noqa: E402
 from tim_plugins.integrations.trl import features  # noqa: E402
-from tim_plugins.integrations.trl.hooks import TRL_SOURCE_FEATURES, TRL_SOURCES, scale_policy_term  # noqa: E402
+from tim_plugins.integrations.trl.hooks import TRL_SOURCE_FEATURES, TRL_SOURCES  # noqa: E402
+from tim_plugins.integrations.trl.translate import scale_policy_term  # noqa: E402
 from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
 
 pytestmark = pytest.mark.trl
@@ -124,7 +125,7 @@ def test_safe_vocab_route_sources(route):
         params = list(inspect.signature(trl_utils._ChunkedLogProbFunction.forward).parameters)
         assert params[1:] == ["hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                               "final_logit_softcapping", "logit_scale", "outputs"]
-        # hooks._label_mask rebuilds the positions the fused head scores, as TRL labels them.
+        # translate._label_mask rebuilds the positions the fused head scores, as TRL labels them.
         assert "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)" in logps
         assert "labels[:, :-logits_to_keep] = -100" in logps and "fused_lm_head=True" in logps
         # The fused head looks the kernel up as a module global at call time (the safe-vocab shim replaces it).
@@ -154,8 +155,8 @@ def test_sources_hold_the_assumed_statements():
               r"\s*per_token_loss = per_token_loss \* inputs\[\"importance_sampling_ratio\"\]")
     assert re.search(branch, loss)
     assert 'importance_sampling_ratio=inputs.get("importance_sampling_ratio")' in loss
-    # The loss mask the adapter reads (hooks.response_mask), and the inputs the loss reads only after its
-    # log-prob call (the adapter scales them from inside that call, hooks.scale_policy_term).
+    # The loss mask the adapter reads (translate.response_mask), and the inputs the loss reads only after its
+    # log-prob call (the adapter scales them from inside that call, translate.scale_policy_term).
     assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in loss
     forward = loss.index("self._get_per_token_logps_and_entropies(")
     assert forward < loss.index('advantages = inputs["advantages"]')

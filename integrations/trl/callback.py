@@ -12,7 +12,7 @@ Where the pipeline measures (the trainer's log-probs of the rollout's tokens at 
   or vLLM with TRL's IS correction): the batch is measured right after TRL built it;
 - otherwise the first loss forward over each row, which runs at the rollout's weights (TRL skips
   ``old_per_token_logps`` exactly when it does). No forward is added in either case.
-Each loss forward then applies the pipeline's factor to TRL's per-token policy term (``hooks.scale_policy_term``):
+Each loss forward then applies the pipeline's factor to TRL's per-token policy term (``translate.scale_policy_term``):
 the correction's weights times the forward's own boundary mask (safe vocabulary). A dropped token carries no
 policy gradient and still counts in TRL's normaliser, as a zero-loss token.
 
@@ -27,22 +27,23 @@ import inspect
 import logging
 import math
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from tim_plugins._optional import note_version, require
-from tim_plugins.by_key import lag_keys, turn_keys
+from tim_plugins.by_key import turn_keys
 from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.lr_scaling import apply_lr_scale
-from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
+from tim_plugins.pipeline import StepPipeline, mean_response_length
 from tim_plugins.rollout.exact import exact_generate
 from tim_plugins.rollout.inject import TailNoiseInjector
-from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
+from tim_plugins.truncation import Truncation
 
-from . import features, hooks
+from . import features, hooks, translate
 from ._exact_scoring import exact_scorer
 from ._parity import run_audit
 from .config import TIMConfig
@@ -74,93 +75,15 @@ class TIMState(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"payload": payload}}
 
 
-def _rollout_source(trainer, config: TIMConfig) -> str:
-    """Where the rollout log-probs come from: vllm, hf (recorded from TRL's generate), exact, inject, custom
-    (the user's rollout_func returns them) or unavailable."""
-    if config.rollout in ("exact", "inject"):
-        if trainer.use_vllm:
-            raise ValueError(f"TIMConfig.rollout={config.rollout!r} replaces TRL's transformers generation and needs "
-                             "GRPOConfig.use_vllm=False (got use_vllm=True).")
-        return config.rollout
-    if trainer.use_vllm:
-        if config.rollout == "hf":
-            raise ValueError(
-                "TIMConfig.rollout='hf' but the trainer uses vLLM (GRPOConfig.use_vllm=True): the rollouts come "
-                "from vLLM. Use rollout='auto', or set use_vllm=False to record HF generate's log-probs.")
-        return "vllm"
-    if getattr(trainer, "rollout_func", None) is not None:
-        return "custom"
-    if getattr(trainer, "use_transformers_continuous_batching", False):
-        if config.monitor:
-            logger.warning("tim_plugins: use_transformers_continuous_batching=True returns no log-probs; the "
-                           "monitor has no rollout log-probs (set it False, or use vLLM)")
-        return "unavailable"
-    return "hf"
+@dataclass
+class _CallRecord:
+    """What one wrapper call in progress holds, set on entry and cleared on exit: the only per-batch data."""
 
-
-def _eos_token_ids(trainer):
-    """The ids that end a completion: ``GRPOTrainer.eos_token_ids`` (TRL >= 1.15: the generation config's, which may
-    list several), else the tokenizer's one EOS (TRL 1.9 - 1.14 end completions there)."""
-    ids = getattr(trainer, "eos_token_ids", None)
-    if ids is not None:
-        return ids
-    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    return tokenizer.eos_token_id
-
-
-def _safe_truncation(trainer, config: TIMConfig) -> Truncation:
-    """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be."""
-    args = trainer.args
-    min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else args.min_p
-    if min_p is None or min_p <= 0:
-        raise ValueError(
-            f"TIMConfig.safe_vocab=True needs a min_p: GRPOConfig.min_p={args.min_p!r} and "
-            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}. Set GRPOConfig(min_p={DEFAULT_MIN_P:g}) so the "
-            f"sampler prunes the same tail the trainer excludes (tim_plugins.truncation.DEFAULT_MIN_P).")
-    if args.min_p is not None and config.safe_vocab_min_p is not None and args.min_p != config.safe_vocab_min_p:
-        logger.warning("tim_plugins: safe_vocab_min_p=%g differs from GRPOConfig.min_p=%g: the trainer's safe set "
-                       "is not the sampler's", config.safe_vocab_min_p, args.min_p)
-    if getattr(trainer.model.get_output_embeddings(), "bias", None) is not None:
-        raise ValueError("TIMConfig.safe_vocab=True: the lm_head has a bias, which the safe-vocab head does not "
-                         "support; use safe_vocab=False for this model.")
-    softcap = getattr(trainer.model.config.get_text_config(), "final_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(f"TIMConfig.safe_vocab=True: final_logit_softcapping={softcap!r} is not supported by the "
-                         "safe-vocab head; use safe_vocab=False for this model.")
-    top_k = int(trainer.top_k or 0)
-    return Truncation(min_p=float(min_p), top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
-                      top_k=max(top_k, 0), temperature=float(trainer.temperature),
-                      order="vllm" if trainer.use_vllm else "hf")  # validates, quoting values
-
-
-def _pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool) -> PipelineConfig:
-    """TIMConfig (+ the trainer's settings and what the installed TRL supports) -> the core pipeline's configuration;
-    fails early on what TRL cannot combine."""
-    if source == "exact":
-        bad = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
-                                 ("repetition_penalty", trainer.repetition_penalty))
-               if v not in (None, 0, 1.0, 0.0) and not (k == "top_k" and v <= 0)}
-        if bad:
-            raise ValueError(
-                f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}: switch "
-                "those off (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for exact rollouts.")
-    correction = None
-    if config.is_correction is not None and loss_factor:
-        if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-            raise ValueError(
-                f"TIMConfig.is_correction={config.is_correction!r} with vLLM rollouts while TRL's own correction is "
-                "on (GRPOConfig.vllm_importance_sampling_correction=True): pick one. Set "
-                "vllm_importance_sampling_correction=False to use ours, or is_correction=None to keep TRL's.")
-        correction = config.is_correction_options
-    args = trainer.args
-    return PipelineConfig(
-        monitor=config.monitor, ratio_band=config.ratio_band, safe_vocab=safe_vocab,
-        mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction,
-        lr_decay=config.lr_decay_options if config.lr_decay else None,
-        probe=config.parity_probe_options if config.parity_probe else None,
-        dump=config.dump_options if config.dump_dir else None,
-        staleness=config.monitor, by_position=config.monitor, by_turn=config.monitor, strict=config.strict,
-        histograms=config.log_histograms and "wandb" in (args.report_to or []))
+    gen_safe: list | None = None  # safe-set fields of the policy forwards of one generation batch
+    safe_calls: list | None = None  # the safe-vocab head's calls within one log-prob call
+    loss_inputs: dict | None = None  # the inputs of the loss call in progress
+    restore: dict = field(default_factory=dict)  # inputs entries to put back after that loss call
+    unsupported_batch: bool = False  # the generation batch came from a mode the recorder cannot follow
 
 
 class TIMCallback(TrainerCallback):
@@ -187,35 +110,29 @@ class TIMCallback(TrainerCallback):
         self.findings: list = []
         self.parity_specs = None
         self.generation_count = 0
-        self._patches: list[hooks.Patch] = []
+        self._installation: hooks.Installation | None = None
         self._grad_norm: float | None = None
         self._length = math.nan  # mean response length of the latest generation batch (all ranks)
         self._pending: dict[str, float] = {}  # one-off values for the next log (the audit's counts)
         self._pushed_at: int | None = None  # global step of the last push into TRL's metrics
-        # Scratch of one wrapper call, set on entry and cleared on exit.
-        self._gen_safe: list | None = None  # safe-set fields of the policy forwards of one generation batch
-        self._safe_calls: list | None = None  # the safe-vocab head's calls within one log-prob call
-        self._loss_inputs: dict | None = None  # the inputs of the loss call in progress
-        self._restore: dict = {}  # inputs entries to put back after that loss call
-        self._unsupported_batch = False
+        self._call = _CallRecord()
         self.state_carrier = TIMState()
         self.state_carrier.bind(self)
         self.features_off: list[Status] = []  # switched off: an upstream hook they need moved (features.py)
         self.safe_route: Feature | None = None
-        self._train_patch: hooks.Patch | None = None
         if not config.enabled:
             return
         monitor = check(features.MONITOR)
         if not monitor.available:  # the measurement points themselves: nothing to attach to
             raise RuntimeError(f"tim_plugins: TIMCallback cannot attach to this TRL: {monitor.reason} "
                                f"(trl {monitor.version}). Fix: {monitor.fix}")
-        self.rollout_source = _rollout_source(trainer, config)
+        self.rollout_source = translate.rollout_source(trainer, config)
         if self.rollout_source in ("hf", "inject", "exact"):
             needed = features.EXACT_SAMPLER if self.rollout_source == "exact" else features.HF_RECORDER
             if not self._available(check(needed)):
                 self.rollout_source = "unavailable"
         if config.safe_vocab:
-            truncation = _safe_truncation(trainer, config)  # configuration mistakes fail here, on any TRL
+            truncation = translate.safe_truncation(trainer, config)  # configuration mistakes fail here, on any TRL
             self.safe_route, _ = features.safe_vocab_route()
             if self.safe_route is not None:
                 self.truncation = truncation
@@ -227,14 +144,13 @@ class TIMCallback(TrainerCallback):
         if self.rollout_source == "inject":
             self.injector = TailNoiseInjector.from_config(config.inject_options)
         self.pipeline = StepPipeline(
-            _pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
+            translate.pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
                              loss_factor=loss_factor), rank=trainer.accelerator.process_index)
         for status in self.features_off:
             self.pipeline.feature_off(status.name)
         self._logps_sig = inspect.signature(type(trainer)._get_per_token_logps_and_entropies)
         trainer.add_callback(self.state_carrier)
-        # transformers skips on_train_end when train() raises: the wrappers are undone on every exit of train()
-        self._train_patch = hooks.Patch(trainer, "train", self._wrap_train)
+        self._installation = hooks.Installation(trainer)
 
     def _available(self, status: Status) -> bool:
         """True when ``status`` is available; else the feature is switched off with one warning (strict: raise)."""
@@ -250,18 +166,21 @@ class TIMCallback(TrainerCallback):
     def attach(self) -> None:
         """Install the wrappers (each ``hooks.TRL_SOURCES`` entry it relies on is named beside it)."""
         t = self.trainer
-        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions
-        self._patches.append(hooks.Patch(t, "_generate_and_score_completions", self._wrap_generation_batch))
-        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._compute_loss
-        self._patches.append(hooks.Patch(t, "_compute_loss", self._wrap_loss))
+        wrappers = [
+            # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions
+            (t, "_generate_and_score_completions", self._wrap_generation_batch),
+            # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._compute_loss
+            (t, "_compute_loss", self._wrap_loss),
+        ]
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies; in exact mode
         # scored like the exact sampler, under the wrapper below so the pipeline sees the exact scores
         if self.rollout_source == "exact":
-            self._patches.append(hooks.Patch(t, "_get_per_token_logps_and_entropies", exact_scorer(t)))
-        self._patches.append(hooks.Patch(t, "_get_per_token_logps_and_entropies", self._wrap_logps))
+            wrappers.append((t, "_get_per_token_logps_and_entropies", exact_scorer(t)))
+        wrappers.append((t, "_get_per_token_logps_and_entropies", self._wrap_logps))
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn
         if self.rollout_source in ("hf", "exact", "inject"):
-            self._patches.append(hooks.Patch(t, "_generate_single_turn", self._wrap_single_turn))
+            wrappers.append((t, "_generate_single_turn", self._wrap_single_turn))
+        self._installation.install(wrappers)
 
     def _safe_patch(self) -> hooks.Patch:
         """The safe-vocab stand-in for the module global TRL's log-prob call looks up, installed for one call of this
@@ -279,31 +198,15 @@ class TIMCallback(TrainerCallback):
         return hooks.Patch(grpo, "selective_log_softmax",
                            lambda original: hooks.SafeLogSoftmax(original, self.truncation, self._on_safe_call))
 
-    def _wrap_train(self, original):
-        def train(*args, **kwargs):
-            try:
-                return original(*args, **kwargs)
-            finally:  # on success on_train_end has undone them already
-                self._undo_patches()
-
-        return train
-
-    def _undo_patches(self) -> None:
-        while self._patches:
-            self._patches.pop().undo()
-
     @property
     def installed(self) -> list[str]:
         """What is wrapped now, as ``Owner.name`` (the module's name for a module global)."""
-        return [f"{p.obj.__name__ if inspect.ismodule(p.obj) else type(p.obj).__name__}.{p.name}"
-                for p in self._patches]
+        return self._installation.installed if self._installation is not None else []
 
     def detach(self) -> None:
         """Remove every wrapper and this callback from the trainer (idempotent)."""
-        self._undo_patches()
-        if self._train_patch is not None:
-            self._train_patch.undo()
-            self._train_patch = None
+        if self._installation is not None:
+            self._installation.remove()
         handler = self.trainer.callback_handler
         for cb in (self, self.state_carrier):
             if cb in handler.callbacks:
@@ -318,7 +221,7 @@ class TIMCallback(TrainerCallback):
                 cb.bind(self)
                 self.state_carrier = cb
         self._load(state)
-        if not self._patches:
+        if not self._installation.patches:
             self.attach()
         if self.config.parity_audit:
             self.findings, self.parity_specs, counts = run_audit(
@@ -326,19 +229,20 @@ class TIMCallback(TrainerCallback):
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._undo_patches()
+        if self._installation is not None:
+            self._installation.undo()
 
     # -------------------------------------------------------------------------------- TRL -> pipeline
     def _wrap_generation_batch(self, original):
         def _generate_and_score_completions(*args, **kwargs):
             if not self.trainer.model.training:
                 return original(*args, **kwargs)
-            self._gen_safe, self._unsupported_batch = [], False
+            self._call.gen_safe, self._call.unsupported_batch = [], False
             try:
                 out = original(*args, **kwargs)
-                self._on_generation_batch(out, self._gen_safe)
+                self._on_generation_batch(out, self._call.gen_safe)
             finally:
-                self._gen_safe = None
+                self._call.gen_safe = None
             return out
 
         return _generate_and_score_completions
@@ -346,10 +250,10 @@ class TIMCallback(TrainerCallback):
     def _on_generation_batch(self, out: dict, safe: list) -> None:
         """Each training generation batch, as TRL built it (before its shuffle and split)."""
         self.generation_count += 1
-        c, mask, rollout = self.config, hooks.response_mask(out), out.get("sampling_per_token_logps")
+        c, mask, rollout = self.config, translate.response_mask(out), out.get("sampling_per_token_logps")
         if c.lr_decay:  # every rank generates together: the mean is exact over all of them
             self._length = mean_response_length(mask)
-        if rollout is None and not self._unsupported_batch and (c.monitor or c.is_correction is not None):
+        if rollout is None and not self._call.unsupported_batch and (c.monitor or c.is_correction is not None):
             self.pipeline.count("no_rollout_logprobs")
         train = out.get("old_per_token_logps")
         if rollout is None or not self.pipeline.measures:
@@ -371,50 +275,50 @@ class TIMCallback(TrainerCallback):
         def _compute_loss(model, inputs, *args, **kwargs):
             if not self.trainer.model.training:
                 return original(model, inputs, *args, **kwargs)
-            self._loss_inputs = inputs
+            self._call.loss_inputs = inputs
             try:
                 return original(model, inputs, *args, **kwargs)
             finally:
-                inputs.update(self._restore)
-                self._loss_inputs, self._restore = None, {}
+                inputs.update(self._call.restore)
+                self._call.loss_inputs, self._call.restore = None, {}
 
         return _compute_loss
 
     def _wrap_logps(self, original):
         def _get_per_token_logps_and_entropies(*args, **kwargs):
-            self._safe_calls = [] if self.truncation is not None else None
+            self._call.safe_calls = [] if self.truncation is not None else None
             scoped = self._safe_patch() if self.truncation is not None else None
             try:
                 result = original(*args, **kwargs)
-                calls = self._safe_calls
+                calls = self._call.safe_calls
             finally:
                 if scoped is not None:
                     scoped.undo()
-                self._safe_calls = None
+                self._call.safe_calls = None
             arguments = self._logps_sig.bind(self.trainer, *args, **kwargs).arguments
             model = arguments.get("model")
             if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None):
                 return result  # the reference model
             safe = None
             if calls is not None:
-                safe = hooks.map_safe_calls(arguments, calls)
+                safe = translate.map_safe_calls(arguments, calls)
                 if safe is None:
                     self.pipeline.count("safe_vocab_unmapped")
-            if self._gen_safe is not None:
-                self._gen_safe.append(safe)
-            elif self._loss_inputs is not None and torch.is_grad_enabled():
-                self._on_loss_forward(self._loss_inputs, result[0], safe)
+            if self._call.gen_safe is not None:
+                self._call.gen_safe.append(safe)
+            elif self._call.loss_inputs is not None and torch.is_grad_enabled():
+                self._on_loss_forward(self._call.loss_inputs, result[0], safe)
             return result
 
         return _get_per_token_logps_and_entropies
 
     def _on_safe_call(self, fields) -> None:
-        if self._safe_calls is not None:
-            self._safe_calls.append(fields)
+        if self._call.safe_calls is not None:
+            self._call.safe_calls.append(fields)
 
     def _on_loss_forward(self, inputs: dict, logps: torch.Tensor, safe) -> None:
         """A loss forward, before TRL reads the advantages: measure pending rows, then scale the policy term."""
-        mask = hooks.response_mask(inputs)
+        mask = translate.response_mask(inputs)
         if inputs.pop("tim_pending", None) is not None:
             # multi-turn rollouts (tools, or a rollout_func's env_mask): TRL's tool_mask marks the model's tokens
             turn = turn_keys(inputs["tool_mask"]) if inputs.get("tool_mask") is not None else None
@@ -426,25 +330,18 @@ class TIMCallback(TrainerCallback):
         boundary = safe.in_safe if safe is not None and self.config.mask_boundary_tokens else None
         factor = self.pipeline.loss_factor(mask, boundary, inputs.get("tim_weights"))
         if factor is not None:
-            self._restore.update(hooks.scale_policy_term(inputs, factor, mask, self.trainer.loss_type))
+            self._call.restore.update(translate.scale_policy_term(inputs, factor, mask, self.trainer.loss_type))
         self._split(inputs, logps.detach(), mask if boundary is None else mask & boundary.bool())
 
     def _split(self, inputs: dict, current: torch.Tensor, mask: torch.Tensor) -> None:
         """Staleness vs mismatch in this loss pass over the measured tokens (``mask``: the boundary tokens of the safe
-        vocabulary left out, as the monitor leaves them out), ``tim_plugins.staleness``: π_old is TRL's
-        ``old_per_token_logps`` (the trainer at the rollout's weights) once an optimizer step has run since the
-        batch was generated; before that π_θ is π_old, and the staleness part is exactly 0."""
-        rollout = inputs.get("sampling_per_token_logps")
-        if rollout is None or self.pipeline.staleness_monitor is None:
+        vocabulary left out, as the monitor leaves them out), ``tim_plugins.staleness``."""
+        if self.pipeline.staleness_monitor is None:
             return
-        old, generated_at = inputs.get("old_per_token_logps"), inputs.get("tim_generated_at")
-        step = self.trainer.state.global_step
-        if old is None:
-            old = current
-        elif generated_at is not None:  # per row, without a host sync: rows sampled at this step are pi_theta itself
-            old = torch.where((generated_at == step).view(-1, 1), current, old)
-        lag = lag_keys(step, generated_at, mask.shape) if generated_at is not None else None
-        self.pipeline.loss_pass(rollout, old, current, mask, lag=lag)
+        args = translate.loss_pass_inputs(inputs, current, self.trainer.state.global_step)
+        if args is not None:
+            rollout, old, lag = args
+            self.pipeline.loss_pass(rollout, old, current, mask, lag=lag)
 
     def _wrap_single_turn(self, original):
         def _generate_single_turn(*args, **kwargs):
@@ -469,12 +366,12 @@ class TIMCallback(TrainerCallback):
                                 detail=f"{len(recorders)} generate calls in one TRL generation (1 expected)")
             return None
         try:
-            logprobs, reason = hooks.recorded_logprobs(recorders[0], completion_ids)
+            logprobs, reason = translate.recorded_logprobs(recorders[0], completion_ids)
         except Exception as err:  # a diagnostic problem never breaks the training step
             self.pipeline.count("hf_logprobs_unrecorded", detail=repr(err))
             return None
         if reason is not None:
-            self._unsupported_batch = True
+            self._call.unsupported_batch = True
             self.pipeline.count("unsupported_generation_mode",
                                 detail=f"{reason}; batches generated this way are not measured")
         return logprobs
@@ -486,17 +383,13 @@ class TIMCallback(TrainerCallback):
         if images is not None:
             raise ValueError("TIMConfig.rollout='exact' supports text-only prompts")
         pad = getattr(t.processing_class, "tokenizer", t.processing_class).pad_token_id
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for i, p in enumerate(prompt_ids):
-            ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
+        ids, attn = translate.left_padded(prompt_ids, pad)
         device = t.accelerator.device
         with torch.no_grad():
             comp, comp_mask, logps = exact_generate(
                 t.accelerator.unwrap_model(t.model_wrapped), ids.to(device), attn.to(device),
                 max_new_tokens=t.max_completion_length, temperature=float(t.temperature), pad_token_id=pad,
-                seed=int(t.args.seed) * 1_000_003 + self.generation_count, eos_token_id=_eos_token_ids(t))
+                seed=int(t.args.seed) * 1_000_003 + self.generation_count, eos_token_id=translate.eos_token_ids(t))
         rows = zip(comp.cpu(), comp_mask.cpu().bool(), logps.cpu())
         completion_ids, logprobs = zip(*[(row[m].tolist(), lp[m].tolist()) for row, m, lp in rows])
         return list(completion_ids), list(logprobs)

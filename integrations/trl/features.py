@@ -43,7 +43,7 @@ MONITOR = Feature(
            Hook(_GRPO, "GRPOTrainer.log", fragments=("self._metrics[mode]",))))
 
 # The loss factor (IS corrections, safe-vocab boundary masking) reaches TRL's loss through (B, T) advantages
-# (hooks.scale_policy_term); TRL must read them from the inputs inside _compute_loss.
+# (translate.scale_policy_term); TRL must read them from the inputs inside _compute_loss.
 LOSS_FACTOR = Feature(
     "loss_factor", "IS corrections and boundary masking in TRL's loss", "trl", needs=("trl",), extra="trl",
     fix=_UPGRADE, hooks=(Hook(_GRPO, "GRPOTrainer._compute_loss", fragments=('inputs["advantages"]',)),))

@@ -1,5 +1,4 @@
-"""Where the TRL adapter touches GRPOTrainer (TRL 1.9 - 1.16), and the translations between TRL's tensors and the
-core's.
+"""Where the TRL adapter touches GRPOTrainer (TRL 1.9 - 1.16): installation.
 
 TRL exposes no callback that sees the rollout batch or the loss inputs, so ``TIMCallback`` wraps *instance*
 methods with ``Patch`` (reversible; the class is never touched, so other trainers in the process are unaffected)
@@ -9,9 +8,9 @@ on the TRL source named in ``TRL_SOURCES``; ``features.py`` checks each one when
 one switches its feature off) and ``tests/test_trl_hook_guards.py`` fails when one of them changes shape. Every
 wrapper takes ``*args, **kwargs`` and forwards them unchanged (signatures vary by release).
 
-This module holds no state: ``Patch``, the safe-vocab stand-ins (``SafeVocabHead``, ``SafeLogSoftmax``, which hand
-each call's safe-set fields to a sink), and pure functions mapping TRL's tensors to the core's [B, T] layout and
-back.
+Here: ``Patch``, ``Installation`` (one callback's set of patches, undone on every exit of ``train()``) and the
+safe-vocab stand-ins (``SafeVocabHead``, ``SafeLogSoftmax``, which hand each call's safe-set fields to a sink). The
+translations of TRL's tensors are ``translate.py``'s; the lifecycle is ``callback.py``'s.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ import torch
 from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_hidden, safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation
 
-__all__ = ["Patch", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES", "map_safe_calls",
-           "recorded_logprobs", "response_mask", "scale_policy_term"]
+__all__ = ["Installation", "Patch", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +103,48 @@ class Patch:
             delattr(self.obj, self.name)
 
 
+class Installation:
+    """The patches one callback holds on its trainer: the wrappers of a training run (``install`` at train begin,
+    ``undo`` at train end) and, from creation until ``remove``, a wrapper of ``train`` itself that undoes them on
+    every exit (transformers skips ``on_train_end`` when ``train()`` raises)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.patches: list[Patch] = []
+        self._train = Patch(trainer, "train", self._guard)
+
+    def _guard(self, original):
+        def train(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            finally:  # on success on_train_end has undone them already
+                self.undo()
+
+        return train
+
+    def install(self, wrappers: list[tuple[Any, str, Callable]]) -> None:
+        """``(owner, name, make_wrapper)`` in order (a later wrapper of the same name goes around an earlier one)."""
+        for owner, name, make in wrappers:
+            self.patches.append(Patch(owner, name, make))
+
+    def undo(self) -> None:
+        while self.patches:
+            self.patches.pop().undo()
+
+    def remove(self) -> None:
+        """Undo everything, the ``train`` guard too (idempotent)."""
+        self.undo()
+        if self._train is not None:
+            self._train.undo()
+            self._train = None
+
+    @property
+    def installed(self) -> list[str]:
+        """What is wrapped now, as ``Owner.name`` (the module's name for a module global)."""
+        return [f"{p.obj.__name__ if inspect.ismodule(p.obj) else type(p.obj).__name__}.{p.name}"
+                for p in self.patches]
+
+
 class SafeVocabHead:
     """Stands in for TRL's ``_ChunkedLogProbFunction`` (same ``apply`` signature, trl/kernels/chunked_logprob.py)
     and returns safe-vocab log-probs (and the safe distribution's entropy) from the same hidden states.
@@ -155,102 +195,3 @@ class SafeLogSoftmax:
         self.sink(SafeLogprobs(None, res.in_safe.detach().view(shape), res.pruned_mass.detach().view(shape),
                                res.size.view(shape)))
         return res.logprobs.view(shape)
-
-
-def response_mask(batch: dict) -> torch.Tensor:
-    """[B, T] tokens TRL's loss sees: completion tokens, minus tool-output tokens when TRL marks them."""
-    mask = batch["completion_mask"].bool()
-    if batch.get("tool_mask") is not None:
-        mask = mask & batch["tool_mask"].bool()
-    return mask
-
-
-def _label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-    """Which shifted positions TRL's fused head scores: labels != -100, labelled as in
-    trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies and scored by
-    trl/trainer/utils.py add_fused_lm_head (both guarded in tests/test_trl_hook_guards.py)."""
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[:, :-logits_to_keep] = -100
-    return labels[:, 1:] != -100  # [b, L-1]
-
-
-def map_safe_calls(arguments: dict, calls: list[SafeLogprobs]) -> SafeLogprobs | None:
-    """The fused head's flat per-call fields of one ``_get_per_token_logps_and_entropies`` call (bound
-    ``arguments``) as [B, logits_to_keep] tensors, sliced as TRL slices its log-probs; None when they do not map.
-
-    TRL calls the head once per ``batch_size`` rows; on Triton devices it scores only the labelled positions, else
-    every position (prompt and padding too)."""
-    input_ids, attention_mask = arguments["input_ids"], arguments["attention_mask"]
-    keep = arguments["logits_to_keep"]
-    batch_size = arguments.get("batch_size") or input_ids.size(0)
-    starts = list(range(0, input_ids.size(0), batch_size))
-    if len(calls) != len(starts):
-        return None
-    grids: tuple[list, list, list] = ([], [], [])
-    for start, call in zip(starts, calls):
-        end = min(start + batch_size, input_ids.size(0))
-        fields = (call.in_safe, call.pruned_mass, call.size)
-        if tuple(call.in_safe.shape) == (end - start, keep):  # SafeLogSoftmax: already [b, logits_to_keep]
-            for grid, x in zip(grids, fields):
-                grid.append(x)
-            continue
-        lm = _label_mask(input_ids[start:end], attention_mask[start:end], keep).to(call.in_safe.device)
-        if call.in_safe.numel() == lm.numel():  # every position scored
-            fields = tuple(x.view(lm.shape) for x in fields)
-        elif call.in_safe.numel() == int(lm.sum()):  # only the labelled positions
-            fields = tuple(x.new_zeros(lm.shape).masked_scatter(lm, x) for x in fields)
-        else:
-            return None
-        for grid, x in zip(grids, fields):
-            grid.append(x[:, -keep:])
-    in_safe, pruned, size = (torch.cat(g, dim=0) for g in grids)
-    return SafeLogprobs(None, in_safe, pruned, size)
-
-
-def scale_policy_term(inputs: dict, factor: torch.Tensor, mask: torch.Tensor, loss_type: str) -> dict:
-    """Make TRL's loss multiply its per-token policy term by ``factor`` [B, T] (>= 0), reading TRL's configuration
-    as it is; returns {key: previous value} of the ``inputs`` entries changed, to put back after the loss.
-
-    TRL multiplies its per-token loss by ``inputs["importance_sampling_ratio"]`` only under ``use_vllm and
-    vllm_importance_sampling_correction`` (trl/trainer/grpo_trainer.py ``GRPOTrainer._compute_loss``). The same
-    product is reached through an input TRL reads in every mode: ``_compute_loss`` accepts (B, T) advantages, and
-    for every loss type but vespo the per-token policy term is positively homogeneous in them (-min(r·A,
-    clip(r)·A), -sg(min(r, ε))·A·log p, sapo's soft gate · A, ...): with w >= 0, A·w gives exactly w × TRL's term,
-    ahead of the same masks and the same KL term TRL's vLLM branch leaves unweighted. vespo folds the ratio into
-    its sequence weight instead (``get_gamma_weights`` reads ``inputs["importance_sampling_ratio"]`` whether or not
-    vLLM is used); there the factor multiplies that key. Both routes take the factor as 1 outside TRL's loss mask, as
-    TRL's own ratio is there: the loss types mask those positions anyway, except TRL 1.9's luspo, which aggregates
-    ``(per_token_loss * mask.sum(1, keepdim=True)).mean()`` with the unmasked positions in it.
-    ``tests/test_trl_hook_guards.py`` checks both routes against TRL's vLLM branch for every loss type.
-    """
-    factor = torch.where(mask.bool(), factor, torch.ones_like(factor))
-    if loss_type == "vespo":
-        key = "importance_sampling_ratio"
-        value = factor
-        if inputs.get(key) is not None:
-            value = inputs[key] * value
-    else:
-        key = "advantages"
-        adv = inputs[key]
-        value = (adv if adv.dim() == 2 else adv.unsqueeze(1)) * factor.to(adv.dtype)
-    saved = {key: inputs.get(key)}
-    inputs[key] = value
-    return saved
-
-
-def recorded_logprobs(recorder, completion_ids: list[list[int]]) -> tuple[list[list[float]] | None, str | None]:
-    """(one list of processed log-probs per completion, None) from the recorder of TRL's generate call, or
-    (None, why) when that call could not be followed (beam search, assisted decoding, ...)."""
-    n = recorder.num_steps
-    reason = recorder.unsupported
-    if reason is None and recorder.num_rows not in (None, len(completion_ids)):
-        reason = f"{recorder.num_rows} rows generated for {len(completion_ids)} completions"
-    if reason is None and any(len(ids) > n for ids in completion_ids):
-        reason = f"completions longer than the {n} recorded steps"
-    if reason is not None:
-        return None, reason
-    if n == 0:
-        return [[] for _ in completion_ids], None
-    last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
-    table = recorder.finish(last).cpu()
-    return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)], None

@@ -1,7 +1,8 @@
 """verl's own ``python -m verl.trainer.main_ppo`` on a real pretrained model: SmolLM2-135M-Instruct (vocabulary
 49,152, its own chat template), bf16 rollouts from verl's vLLM server (CPU build) against the fp32 FSDP2 actor, tim's
-monitor through the plugin's trainer mode (no safe vocabulary, so every response token is measured), 2 steps of
-4 prompts x 2 samples x up to 24 tokens.
+monitor through the plugin's trainer mode (no safe vocabulary, so every response token is measured) and its
+per-token dump (every sequence), 2 steps of 4 prompts x 2 samples x up to 24 tokens; then ``tim-plugins report`` on
+the dump folder.
 
 References, independent of tim: verl's own rollout-correction and training metrics on the same batch, computed by
 its driver (``rollout_corr/k3_kl``, ``rollout_corr/kl``, ``training/rollout_probs_diff_mean``,
@@ -33,6 +34,8 @@ RESPONSES = PROMPTS_PER_STEP * SAMPLES
 # token; fp32 on both sides leaves k3 ~1e-13 (test_verl_main_ppo). The floor is far above fp32 noise and below
 # the bf16 level.
 K3_FLOOR = 1e-4
+# The dump holds the monitor's float32 inputs; a naive float64 k3 over its rows agrees to float32 rounding of d.
+DUMP_K3_REL = 1e-5
 
 
 def _overrides(files, wd) -> list[str]:
@@ -45,6 +48,8 @@ def _overrides(files, wd) -> list[str]:
         "+tim.monitor.enable=true",
         "actor_rollout_ref.rollout.calculate_log_probs=true",  # the rollout's log-probs reach the trainer
         "actor_rollout_ref.rollout.dtype=bfloat16",  # the real mismatch: bf16 sampler, fp32 trainer
+        f"+tim.dump.dir={wd / 'tim_dump'}",
+        "+tim.dump.sample_rate=1.0",
     ]
 
 
@@ -57,6 +62,7 @@ def run(tmp_path_factory, smollm2_path):
           f"{ {s: round(t, 2) for s, t in result.step_times.items()} }; log {wd / 'run.log'}")
     assert result.returncode == 0, result.output[-4000:]
     assert sorted(result.steps) == list(STEPS)
+    result.dump, result.model = wd / "tim_dump", files["model"]
     return result
 
 
@@ -99,3 +105,38 @@ def test_tail_tokens_disagree_more_than_confident_ones(run):
           f"{head / n_head:.5f}; ratio {(tail / n_tail) / (head / n_head):.0f}x")
     # TRL's run of this model measured 29-38x; 5x leaves room for other samples
     assert tail / n_tail > 5 * (head / n_head)
+
+
+def test_the_report_of_the_dump_decodes_the_largest_disagreement_with_smollm2s_tokenizer(run):
+    """The dump of each step is the logged step (naive k3 over its rows); ``tim-plugins report`` on the folder finds
+    the model through the driver's summary.json and shows the token with the largest |d| (found here with numpy)
+    decoded by SmolLM2's own tokenizer."""
+    import html as html_mod
+    import sys
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from bounded import run_bounded
+    from tim_plugins.report.disagreements import visible
+
+    rows = {"train_logprob": [], "rollout_logprob": [], "token_id": []}
+    for step in STEPS:
+        t = pq.read_table(run.dump / f"step_{step:08d}-rank_0000.parquet").to_pydict()
+        d = np.asarray(t["train_logprob"], dtype=np.float64) - np.asarray(t["rollout_logprob"], dtype=np.float64)
+        assert len(d) == run.steps[step]["tim/tokens"], step  # sample_rate 1: every measured token
+        assert float(np.mean(np.expm1(d) - d)) == pytest.approx(run.steps[step]["tim/token/kl_k3"], rel=DUMP_K3_REL)
+        for key in rows:
+            rows[key] += t[key]
+    out = run.dump.parent / "report.html"
+    proc, timed_out = run_bounded([sys.executable, "-m", "tim_plugins.apps.cli", "report", str(run.dump), "--out",
+                                   str(out)], 300)
+    assert not timed_out and proc.returncode == 0, proc.stdout[-3000:]
+    print(f"report: {out}")
+    html = out.read_text()
+    assert "fix (verl)" in html and "Token ids only" not in html
+    d = np.asarray(rows["train_logprob"], dtype=np.float64) - np.asarray(rows["rollout_logprob"], dtype=np.float64)
+    top = rows["token_id"][int(np.argmax(np.abs(d)))]
+    tokenizer = AutoTokenizer.from_pretrained(run.model)
+    assert f"<mark>{html_mod.escape(visible(tokenizer.decode([top])))}</mark>" in html

@@ -1,0 +1,238 @@
+"""The TRL adapter's translations, pure functions: TRL's trainer settings to the core pipeline's configuration, and
+TRL's batch dicts and tensors to the core's [B, T] layout and back. No state and no patching (``hooks.py`` installs,
+``callback.py`` runs the lifecycle); each TRL detail read here is named in ``hooks.TRL_SOURCES``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tim_plugins.by_key import lag_keys
+from tim_plugins.pipeline import PipelineConfig
+from tim_plugins.safe_vocab import SafeLogprobs
+from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
+
+from .config import TIMConfig
+
+__all__ = ["eos_token_ids", "left_padded", "loss_pass_inputs", "map_safe_calls", "pipeline_config",
+           "recorded_logprobs", "response_mask", "rollout_source", "safe_truncation", "scale_policy_term"]
+
+logger = logging.getLogger("tim_plugins.trl")
+
+
+def rollout_source(trainer, config: TIMConfig) -> str:
+    """Where the rollout log-probs come from: vllm, hf (recorded from TRL's generate), exact, inject, custom
+    (the user's rollout_func returns them) or unavailable."""
+    if config.rollout in ("exact", "inject"):
+        if trainer.use_vllm:
+            raise ValueError(f"TIMConfig.rollout={config.rollout!r} replaces TRL's transformers generation and needs "
+                             "GRPOConfig.use_vllm=False (got use_vllm=True).")
+        return config.rollout
+    if trainer.use_vllm:
+        if config.rollout == "hf":
+            raise ValueError(
+                "TIMConfig.rollout='hf' but the trainer uses vLLM (GRPOConfig.use_vllm=True): the rollouts come "
+                "from vLLM. Use rollout='auto', or set use_vllm=False to record HF generate's log-probs.")
+        return "vllm"
+    if getattr(trainer, "rollout_func", None) is not None:
+        return "custom"
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        if config.monitor:
+            logger.warning("tim_plugins: use_transformers_continuous_batching=True returns no log-probs; the "
+                           "monitor has no rollout log-probs (set it False, or use vLLM)")
+        return "unavailable"
+    return "hf"
+
+
+def eos_token_ids(trainer):
+    """The ids that end a completion: ``GRPOTrainer.eos_token_ids`` (TRL >= 1.15: the generation config's, which may
+    list several), else the tokenizer's one EOS (TRL 1.9 - 1.14 end completions there)."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    if ids is not None:
+        return ids
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    return tokenizer.eos_token_id
+
+
+def safe_truncation(trainer, config: TIMConfig) -> Truncation:
+    """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be."""
+    args = trainer.args
+    min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else args.min_p
+    if min_p is None or min_p <= 0:
+        raise ValueError(
+            f"TIMConfig.safe_vocab=True needs a min_p: GRPOConfig.min_p={args.min_p!r} and "
+            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}. Set GRPOConfig(min_p={DEFAULT_MIN_P:g}) so the "
+            f"sampler prunes the same tail the trainer excludes (tim_plugins.truncation.DEFAULT_MIN_P).")
+    if args.min_p is not None and config.safe_vocab_min_p is not None and args.min_p != config.safe_vocab_min_p:
+        logger.warning("tim_plugins: safe_vocab_min_p=%g differs from GRPOConfig.min_p=%g: the trainer's safe set "
+                       "is not the sampler's", config.safe_vocab_min_p, args.min_p)
+    if getattr(trainer.model.get_output_embeddings(), "bias", None) is not None:
+        raise ValueError("TIMConfig.safe_vocab=True: the lm_head has a bias, which the safe-vocab head does not "
+                         "support; use safe_vocab=False for this model.")
+    softcap = getattr(trainer.model.config.get_text_config(), "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"TIMConfig.safe_vocab=True: final_logit_softcapping={softcap!r} is not supported by the "
+                         "safe-vocab head; use safe_vocab=False for this model.")
+    top_k = int(trainer.top_k or 0)
+    return Truncation(min_p=float(min_p), top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
+                      top_k=max(top_k, 0), temperature=float(trainer.temperature),
+                      order="vllm" if trainer.use_vllm else "hf")  # validates, quoting values
+
+
+def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool) -> PipelineConfig:
+    """TIMConfig (+ the trainer's settings and what the installed TRL supports) -> the core pipeline's configuration;
+    fails early on what TRL cannot combine."""
+    if source == "exact":
+        bad = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
+                                 ("repetition_penalty", trainer.repetition_penalty))
+               if v not in (None, 0, 1.0, 0.0) and not (k == "top_k" and v <= 0)}
+        if bad:
+            raise ValueError(
+                f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}: switch "
+                "those off (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for exact rollouts.")
+    correction = None
+    if config.is_correction is not None and loss_factor:
+        if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"TIMConfig.is_correction={config.is_correction!r} with vLLM rollouts while TRL's own correction is "
+                "on (GRPOConfig.vllm_importance_sampling_correction=True): pick one. Set "
+                "vllm_importance_sampling_correction=False to use ours, or is_correction=None to keep TRL's.")
+        correction = config.is_correction_options
+    args = trainer.args
+    return PipelineConfig(
+        monitor=config.monitor, ratio_band=config.ratio_band, safe_vocab=safe_vocab,
+        mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction,
+        lr_decay=config.lr_decay_options if config.lr_decay else None,
+        probe=config.parity_probe_options if config.parity_probe else None,
+        dump=config.dump_options if config.dump_dir else None,
+        staleness=config.monitor, by_position=config.monitor, by_turn=config.monitor, strict=config.strict,
+        histograms=config.log_histograms and "wandb" in (args.report_to or []))
+
+
+def response_mask(batch: dict) -> torch.Tensor:
+    """[B, T] tokens TRL's loss sees: completion tokens, minus tool-output tokens when TRL marks them."""
+    mask = batch["completion_mask"].bool()
+    if batch.get("tool_mask") is not None:
+        mask = mask & batch["tool_mask"].bool()
+    return mask
+
+
+def _label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """Which shifted positions TRL's fused head scores: labels != -100, labelled as in
+    trl/trainer/grpo_trainer.py GRPOTrainer._get_per_token_logps_and_entropies and scored by
+    trl/trainer/utils.py add_fused_lm_head (both guarded in tests/test_trl_hook_guards.py)."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    return labels[:, 1:] != -100  # [b, L-1]
+
+
+def map_safe_calls(arguments: dict, calls: list[SafeLogprobs]) -> SafeLogprobs | None:
+    """The fused head's flat per-call fields of one ``_get_per_token_logps_and_entropies`` call (bound
+    ``arguments``) as [B, logits_to_keep] tensors, sliced as TRL slices its log-probs; None when they do not map.
+
+    TRL calls the head once per ``batch_size`` rows; on Triton devices it scores only the labelled positions, else
+    every position (prompt and padding too)."""
+    input_ids, attention_mask = arguments["input_ids"], arguments["attention_mask"]
+    keep = arguments["logits_to_keep"]
+    batch_size = arguments.get("batch_size") or input_ids.size(0)
+    starts = list(range(0, input_ids.size(0), batch_size))
+    if len(calls) != len(starts):
+        return None
+    grids: tuple[list, list, list] = ([], [], [])
+    for start, call in zip(starts, calls):
+        end = min(start + batch_size, input_ids.size(0))
+        fields = (call.in_safe, call.pruned_mass, call.size)
+        if tuple(call.in_safe.shape) == (end - start, keep):  # SafeLogSoftmax: already [b, logits_to_keep]
+            for grid, x in zip(grids, fields):
+                grid.append(x)
+            continue
+        lm = _label_mask(input_ids[start:end], attention_mask[start:end], keep).to(call.in_safe.device)
+        if call.in_safe.numel() == lm.numel():  # every position scored
+            fields = tuple(x.view(lm.shape) for x in fields)
+        elif call.in_safe.numel() == int(lm.sum()):  # only the labelled positions
+            fields = tuple(x.new_zeros(lm.shape).masked_scatter(lm, x) for x in fields)
+        else:
+            return None
+        for grid, x in zip(grids, fields):
+            grid.append(x[:, -keep:])
+    in_safe, pruned, size = (torch.cat(g, dim=0) for g in grids)
+    return SafeLogprobs(None, in_safe, pruned, size)
+
+
+def scale_policy_term(inputs: dict, factor: torch.Tensor, mask: torch.Tensor, loss_type: str) -> dict:
+    """Make TRL's loss multiply its per-token policy term by ``factor`` [B, T] (>= 0), reading TRL's configuration
+    as it is; returns {key: previous value} of the ``inputs`` entries changed, to put back after the loss.
+
+    TRL multiplies its per-token loss by ``inputs["importance_sampling_ratio"]`` only under ``use_vllm and
+    vllm_importance_sampling_correction`` (trl/trainer/grpo_trainer.py ``GRPOTrainer._compute_loss``). The same
+    product is reached through an input TRL reads in every mode: ``_compute_loss`` accepts (B, T) advantages, and
+    for every loss type but vespo the per-token policy term is positively homogeneous in them (-min(r·A,
+    clip(r)·A), -sg(min(r, ε))·A·log p, sapo's soft gate · A, ...): with w >= 0, A·w gives exactly w × TRL's term,
+    ahead of the same masks and the same KL term TRL's vLLM branch leaves unweighted. vespo folds the ratio into
+    its sequence weight instead (``get_gamma_weights`` reads ``inputs["importance_sampling_ratio"]`` whether or not
+    vLLM is used); there the factor multiplies that key. Both routes take the factor as 1 outside TRL's loss mask, as
+    TRL's own ratio is there: the loss types mask those positions anyway, except TRL 1.9's luspo, which aggregates
+    ``(per_token_loss * mask.sum(1, keepdim=True)).mean()`` with the unmasked positions in it.
+    ``tests/test_trl_hook_guards.py`` checks both routes against TRL's vLLM branch for every loss type.
+    """
+    factor = torch.where(mask.bool(), factor, torch.ones_like(factor))
+    if loss_type == "vespo":
+        key = "importance_sampling_ratio"
+        value = factor
+        if inputs.get(key) is not None:
+            value = inputs[key] * value
+    else:
+        key = "advantages"
+        adv = inputs[key]
+        value = (adv if adv.dim() == 2 else adv.unsqueeze(1)) * factor.to(adv.dtype)
+    saved = {key: inputs.get(key)}
+    inputs[key] = value
+    return saved
+
+
+def recorded_logprobs(recorder, completion_ids: list[list[int]]) -> tuple[list[list[float]] | None, str | None]:
+    """(one list of processed log-probs per completion, None) from the recorder of TRL's generate call, or
+    (None, why) when that call could not be followed (beam search, assisted decoding, ...)."""
+    n = recorder.num_steps
+    reason = recorder.unsupported
+    if reason is None and recorder.num_rows not in (None, len(completion_ids)):
+        reason = f"{recorder.num_rows} rows generated for {len(completion_ids)} completions"
+    if reason is None and any(len(ids) > n for ids in completion_ids):
+        reason = f"completions longer than the {n} recorded steps"
+    if reason is not None:
+        return None, reason
+    if n == 0:
+        return [[] for _ in completion_ids], None
+    last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
+    table = recorder.finish(last).cpu()
+    return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)], None
+
+
+def loss_pass_inputs(inputs: dict, current: torch.Tensor, step: int):
+    """(rollout, old, lag) of one loss pass for ``StepPipeline.loss_pass``, or None without rollout log-probs.
+
+    π_old is TRL's ``old_per_token_logps`` (the trainer at the rollout's weights) once an optimizer step has run
+    since the batch was generated (``tim_generated_at``, per row); before that π_θ is π_old, and the staleness part
+    is exactly 0. ``lag``: each token's optimizer steps since its row was generated."""
+    rollout = inputs.get("sampling_per_token_logps")
+    if rollout is None:
+        return None
+    old, generated_at = inputs.get("old_per_token_logps"), inputs.get("tim_generated_at")
+    if old is None:
+        old = current
+    elif generated_at is not None:  # per row, without a host sync: rows sampled at this step are pi_theta itself
+        old = torch.where((generated_at == step).view(-1, 1), current, old)
+    lag = lag_keys(step, generated_at, current.shape) if generated_at is not None else None
+    return rollout, old, lag
+
+
+def left_padded(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's prompts as (ids, attention mask) [B, L], left-padded as TRL's transformers generation pads them."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
+    return ids, attn

@@ -33,7 +33,8 @@ __all__ = ["add_batch", "launch_arguments", "LAUNCH"]
 
 # Tokens per loop step and warps per program. tl.histogram has a cost per call that does not depend on the
 # block (its 1024 bins are cleared and read back each time), so fewer, larger blocks win: on an H200 at 256×4096,
-# 1024 × 8 warps took 2.4× less GPU time than 256 × 8 (``benchmarks/results/monitor_kernel_profile_cuda.json``).
+# 1024 × 8 warps took 2.4× less GPU time than 256 × 8 (both in ``benchmarks/results/
+# monitor_kernel_profile_cuda.json``).
 LAUNCH = {"BLOCK": 1024, "num_warps": 8}
 
 # Everything else the kernel reads is a module-level constexpr, not an argument: Triton's launch binds and keys

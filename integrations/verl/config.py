@@ -296,6 +296,13 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
         problem = _rollout_min_p_problem(arr.rollout, tim.safe_vocab.min_p)
         if problem is not None:
             (problems if arr.rollout.get("name") == "vllm" else notes).append(problem)
+    rollout_corr = (config.get("algorithm") or {}).get("rollout_correction") or {}
+    if tim.monitor.enable and rollout_corr.get("bypass_mode", False):
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
+        problems.append(
+            "algorithm.rollout_correction.bypass_mode=True: verl then copies the rollout's log-probs into "
+            "old_log_probs instead of recomputing them, so the monitor has no trainer-side log-probs at the "
+            "rollout's weights and would read 0. Fix: algorithm.rollout_correction.bypass_mode=false")
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "

@@ -108,6 +108,20 @@ def test_rollout_without_the_same_min_p_is_refused(toy_model_path, drop, add, qu
     assert check_composed_config(compose(fixed))[1] == []
 
 
+def test_bypass_mode_leaves_the_monitor_nothing_to_measure_and_is_refused(toy_model_path):
+    """verl's bypass mode copies the rollout's log-probs into old_log_probs (``PPOTrainer._compute_old_log_prob``):
+    the monitor would compare the rollout with itself. The recipe passes; the same with bypass_mode is refused,
+    quoting the fix, which passes again."""
+    from tim_plugins.integrations.verl.config import check_composed_config
+
+    recipe = recipe_overrides(toy_model_path)
+    assert check_composed_config(compose(recipe))[1] == []
+    _, problems, _ = check_composed_config(compose(recipe + ["algorithm.rollout_correction.bypass_mode=true"]))
+    assert len(problems) == 1 and "bypass_mode=True" in problems[0], problems
+    fix = problems[0].split("Fix: ")[1]
+    assert check_composed_config(compose(recipe + [fix]))[1] == []
+
+
 @pytest.mark.parametrize("override, quoted", [
     ("+tim.safe_vocab.min_p=1.5", "tim.safe_vocab.min_p=1.5"),
     ("+tim.monitor.ratio_band=[2.0,0.5]", "tim.monitor.ratio_band=[2.0, 0.5]"),

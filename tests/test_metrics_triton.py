@@ -285,7 +285,10 @@ def test_kernel_compiles_for_hopper(has_weights):
     compiled = compile_for_hopper(kernel._mismatch_kernel, args, options, num_warps)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx
-    assert "red.global.gpu.relaxed.add.f64" in ptx  # the row's totals go straight into the float64 state
+    # the row's totals go straight into the float64 state: one float64 atomic add to global memory (Triton 3.9
+    # writes red.global.gpu.relaxed.add.f64, Triton 3.6 atom.global.gpu.relaxed.add.f64:
+    # benchmarks/results/gpu_monitor_check.json)
+    assert re.search(r"\b(red|atom)\.global(\.gpu)?(\.(relaxed|acq_rel|release))?\.add\.f64\b", ptx)
     assert "shared.add" in ptx  # tl.histogram counts in shared memory
 
 

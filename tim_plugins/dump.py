@@ -16,8 +16,8 @@ import torch
 
 from tim_plugins._optional import require
 
-__all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "append_log_history",
-           "read_log_history"]
+__all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
+           "append_log_history", "read_log_history"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
@@ -29,10 +29,14 @@ DUMP_COLUMNS = (
 LOG_HISTORY = "log_history.jsonl"
 
 
+# The framework's own keys a log_history.jsonl row keeps beside tim/*: the report's LR and reward panels read them.
+LOG_HISTORY_CONTEXT = ("actor/lr", "critic/score/mean")
+
+
 def append_log_history(folder: str | Path, step: int, metrics: dict) -> None:
-    """Append one step's numeric ``tim/*`` metrics (and ``actor/lr``) to ``folder/log_history.jsonl``."""
+    """Append one step's numeric ``tim/*`` metrics (and ``LOG_HISTORY_CONTEXT``) to ``folder/log_history.jsonl``."""
     row = {"step": int(step)}
-    row.update({k: float(v) for k, v in metrics.items() if (k.startswith("tim/") or k == "actor/lr")
+    row.update({k: float(v) for k, v in metrics.items() if (k.startswith("tim/") or k in LOG_HISTORY_CONTEXT)
                 and isinstance(v, (int, float)) and not isinstance(v, bool)})
     with open(Path(folder) / LOG_HISTORY, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")

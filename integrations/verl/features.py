@@ -40,6 +40,7 @@ TRAINER_MODES = Feature(
         _hook(_TB, "register_trainer"),
         _hook(_TB, "PPOTrainer._compute_old_log_prob", params=("batch", "metrics")),
         _hook(_TB, "PPOTrainer._update_actor", params=("batch", "metrics")),
+        _hook(_TB, "PPOTrainer._compute_metrics", params=("batch", "metrics")),
         _hook(_TB, "PPOTrainer._init_resource_pool_mgr"),
     ))
 

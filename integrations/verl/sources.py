@@ -110,6 +110,10 @@ VERL_SOURCES = {
         "asks without); in bypass mode computes nothing (old_log_probs := rollout_log_probs)",
     (_TB, "PPOTrainer._compute_ref_log_prob"):
         "asks the reference for log-probs with calculate_entropy=False",
+    (_TB, "PPOTrainer._compute_metrics"):
+        "(batch, metrics, timing_raw, global_steps, epoch); fit calls it once per step after the update, the "
+        "checkpoint and validation and before logger.log(data=metrics): it adds the step's data metrics "
+        "(critic/score/mean, response_length/mean, ...) to metrics in place",
     (_TB, "PPOTrainer._update_actor"):
         "(batch, metrics) -> batch; one actor_rollout_wg.update_actor call per step",
     (_TB, "PPOTrainer.fit"):

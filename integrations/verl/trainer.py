@@ -175,14 +175,21 @@ class TIMTrainerMixin:
     def _update_actor(self, batch, metrics):
         batch = super()._update_actor(batch, metrics)
         self._tim_collect(metrics)
-        if self.tim.dump.enabled:  # the step's tim/* series beside the dump, for the report
+        return batch
+
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_metrics
+    def _compute_metrics(self, batch, metrics, *args, **kwargs):
+        """After verl's own step metrics (the reward, lengths, timing): the step's whole logged row beside the dump,
+        for the report (its tim/* series, the LR, the reward)."""
+        out = super()._compute_metrics(batch, metrics, *args, **kwargs)
+        if self.tim.dump.enabled:
             from tim_plugins.dump import append_log_history
 
             try:
                 append_log_history(self.tim.dump.dir, self.global_steps, metrics)
             except OSError as err:  # the report loses a point; training goes on
                 logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
-        return batch
+        return out
 
 
 def use_tim_actor_worker(role_worker_mapping: dict) -> None:

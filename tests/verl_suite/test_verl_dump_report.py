@@ -157,6 +157,12 @@ def test_tim_plugins_report_renders_the_verl_dump(run, tmp_path):
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
     assert [h["tim/lr/scale"] for h in history] == [result.steps[s]["tim/lr/scale"] for s in range(1, STEPS + 1)]
     assert [h["tim/token/kl_k3"] for h in history] == [result.steps[s]["tim/token/kl_k3"] for s in range(1, STEPS + 1)]
+    # verl's own reward of each step (its mean sequence score, computed after the update) is the report's reward
+    scores = [result.steps[s]["critic/score/mean"] for s in range(1, STEPS + 1)]
+    assert [h["critic/score/mean"] for h in history] == scores
+    from tim_plugins.report.training_page import step_table
+
+    assert step_table({"log_history": history}, None)["reward"].tolist() == scores
     assert "TIM LR scale (not logged)" not in html and "verl&#x27;s global step" in html.replace("'", "&#x27;")
     # decoded with the run's tokenizer (found through summary.json), not token ids only
     assert "Token ids only" not in html

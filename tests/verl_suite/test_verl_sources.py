@@ -411,6 +411,16 @@ def test_update_actor_is_one_worker_call_per_step():
     assert src.count("self.actor_rollout_wg.update_actor(batch)") == 1 and "return batch" in src
 
 
+def test_compute_metrics_adds_the_data_metrics_in_place_before_the_step_is_logged():
+    """The dump's log_history.jsonl is written from the trainer mode's _compute_metrics: verl must call it once per
+    step before logger.log, with the metrics dict it then logs, and fill critic/score/mean into that dict."""
+    assert _params(TB, "PPOTrainer._compute_metrics")[:3] == ["self", "batch", "metrics"]
+    fit = _flat(_src(TB, "PPOTrainer.fit"))
+    call = fit.index("self._compute_metrics(batch, metrics, self.timing_raw, global_steps=self.global_steps")
+    assert fit.count("self._compute_metrics(") == 1 and call < fit.index("self.logger.log(data=metrics, step=self.global_steps)")
+    assert "metrics.update(compute_data_metrics(" in _flat(_src(TB, "PPOTrainer._compute_metrics"))
+
+
 def test_fit_saves_before_on_step_end_from_an_is_last_step_taken_before_the_step():
     src = _flat(_src(TB, "PPOTrainer.fit"))
     assert "while current_epoch < self.config.trainer.total_epochs and self.global_steps <= " \

@@ -25,12 +25,14 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
     logged = {int(h["step"]): h for h in (summary or {}).get("log_history", []) if "step" in h}
     steps = np.array(sorted(set(by_dump) | {s for s, h in logged.items() if "tim/tokens" in h}), dtype=np.int64)
 
-    def series(key: str, dump_key: str | None = None, default=np.nan) -> np.ndarray:
+    def series(key: str, dump_key: str | None = None, default=np.nan, *, also: tuple = ()) -> np.ndarray:
+        """``key`` per step from the logged rows (else ``also``'s keys, in order), else the dump's ``dump_key``."""
         out = []
         for s in steps:
             h = logged.get(int(s), {})
-            if key in h and h[key] is not None:
-                out.append(float(h[key]))
+            found = next((k for k in (key, *also) if h.get(k) is not None), None)
+            if found is not None:
+                out.append(float(h[found]))
             elif dump_key and int(s) in by_dump:
                 out.append(float(by_dump[int(s)].get(dump_key, np.nan)))
             else:
@@ -44,7 +46,7 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
         "seq_log_ratio_abs_max": series("tim/seq/log_ratio_abs_max", "tim/seq/log_ratio_abs_max"),
         "ess": series("tim/is/ess", "tim/is/ess"),
         "lr_scale": series("tim/lr/scale", None, 1.0 if logged else np.nan),
-        "reward": series("reward"),
+        "reward": series("reward", also=("critic/score/mean",)),  # TRL's, verl's mean sequence score
         "tokens": series("tim/tokens", "tim/tokens"),
     }
     table["ess_logged"] = np.array([("tim/is/ess" in logged.get(int(s), {})) for s in steps], dtype=bool)

@@ -135,7 +135,7 @@ STACK_TESTS_newest := $(STACK_TESTS)
 
 test-stack-%:
 	$(SUITE) run stack-$* --stack $* --venv .venv-$* --setup "scripts/stack install $*" \
-		--what "STACK_TESTS (Makefile)" -- .venv-$*/bin/python -m pytest -q $(STACK_TESTS_$*) $(PYTEST_ARGS)
+		--what "STACK_TESTS_$* (Makefile)" -- .venv-$*/bin/python -m pytest -q $(STACK_TESTS_$*) $(PYTEST_ARGS)
 
 # The canary for new releases, not part of `make test`: the newest TRL and transformers, unpinned, in .venv-latest
 # (kept between runs); the STACK_TESTS subset without the vLLM tests. Run it when TRL, transformers, vLLM or verl

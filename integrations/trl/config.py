@@ -188,13 +188,11 @@ class TIMConfig:
         """lr_decay_signals and lr_decay_options.signals are one setting: either may name the signals (in any
         spelling SIGNAL_ALIASES knows), both only alike."""
         self.lr_decay_signals = tuple(self.lr_decay_signals)
-        bad = [s for s in self.lr_decay_signals if s not in SIGNAL_ALIASES]
-        if bad:
-            raise ValueError(
-                f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r}: unknown {bad}; choose among {LR_DECAY_SIGNALS}."
-            )
         options = coerce_options(LRDecayConfig, self.lr_decay_options, "TIMConfig.lr_decay_options")
-        named = tuple(dict.fromkeys(SIGNAL_ALIASES[s] for s in self.lr_decay_signals))
+        try:  # the spellings and their rule are lr_control's
+            named = tuple(dict.fromkeys(LRDecayConfig(signals=self.lr_decay_signals).signals))
+        except ValueError as err:
+            raise ValueError(f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} is invalid: {err}") from None
         if named and options.signals and set(options.signals) != set(named):
             raise ValueError(
                 f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} and lr_decay_options.signals="

@@ -110,8 +110,12 @@ class LRDecaySettings:
                                       fix="+tim.lr_decay.options.<field>=<value>")
 
 
-# verl's spelling -> ParityProbeConfig's field (the documented overrides keep their names)
-_PROBE_NAMES = {"kl_k3": "kl_k3_max", "abs_diff_max": "abs_diff_max", "seq_log_ratio_abs_max": "seq_log_ratio_abs_max"}
+# verl's spelling -> ParityProbeConfig's field (the documented overrides keep their names), and the limits among them
+_PROBE_FIELDS = {"kl_k3": "kl_k3_max", "abs_diff_max": "abs_diff_max", "seq_log_ratio_abs_max": "seq_log_ratio_abs_max",
+                 "action": "action", "every_n_steps": "every_n_steps", "patience": "patience"}
+_PROBE_LIMITS = {name: core for name, core in _PROBE_FIELDS.items() if core in DEFAULT_METRIC_KEYS}
+# a value each rule allows, for the fix a refused one is given
+_PROBE_FIX = {"action": "warn", "every_n_steps": "1", "patience": "1"}
 
 
 @dataclass
@@ -128,17 +132,15 @@ class ProbeSettings:
     patience: int = core_field(ParityProbeConfig, "patience")
 
     def __post_init__(self) -> None:
-        core_names = {**_PROBE_NAMES, "action": "action", "every_n_steps": "every_n_steps", "patience": "patience"}
-        verl_names = {core: name for name, core in core_names.items()}
-        try:  # ParityProbeConfig's rules, with verl's names in the message
-            check_probe_values({core: getattr(self, name) for name, core in core_names.items()},
-                               where=lambda core: f"tim-plugins: tim.probe.{verl_names[core]}")
-        except ValueError as err:
-            raise ValueError(f"{err}. Fix: +tim.probe.action=warn +tim.probe.kl_k3=1e-2 (see README, verl)") from None
+        for name, core in _PROBE_FIELDS.items():  # ParityProbeConfig's rules, with verl's names in the message
+            try:
+                check_probe_values({core: getattr(self, name)}, where=lambda _: f"tim-plugins: tim.probe.{name}")
+            except ValueError as err:
+                raise ValueError(f"{err}. Fix: +tim.probe.{name}={_PROBE_FIX.get(name, '1e-2')}") from None
 
     @property
     def thresholds(self) -> dict[str, float]:
-        return {DEFAULT_METRIC_KEYS[field_name]: float(getattr(self, name)) for name, field_name in _PROBE_NAMES.items()
+        return {DEFAULT_METRIC_KEYS[core]: float(getattr(self, name)) for name, core in _PROBE_LIMITS.items()
                 if getattr(self, name) is not None}
 
     @property
@@ -149,8 +151,7 @@ class ProbeSettings:
         """The core ``ParityProbeConfig`` (None when no threshold is set)."""
         if not self.enabled:
             return None
-        return ParityProbeConfig(action=self.action, every_n_steps=self.every_n_steps, patience=self.patience,
-                                 **{field_name: getattr(self, name) for name, field_name in _PROBE_NAMES.items()})
+        return ParityProbeConfig(**{core: getattr(self, name) for name, core in _PROBE_FIELDS.items()})
 
 
 @dataclass

@@ -14,13 +14,23 @@ from bounded import run_bounded
 SCRIPT = "echo start; sleep 30 & echo child $!; echo {marker}; wait; echo finished"
 
 
-def _gone(pid: int) -> bool:
-    """The process no longer runs (gone, or a zombie left for its new parent to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """The process no longer runs (gone, or a zombie left for its new parent to reap) within ``within`` seconds: a
+    SIGKILL to the group is delivered at once, but a member's exit completes asynchronously (a loaded machine showed
+    the orphaned ``sleep`` still running right after ``run_bounded`` returned)."""
+    import time
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _child(output: str) -> int:

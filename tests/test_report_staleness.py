@@ -89,3 +89,31 @@ def test_by_turn_table_pools_the_steps_token_weighted():
     flat = _render({"log_history": history, "framework": "verl"}).replace("\n", "").replace(" class='num'", "")
     assert "By turn" in flat and f"<td>0</td><td>90</td><td>{(60 * 1e-4 + 30 * 2e-4) / 90:.3g}</td>" in flat
     assert "By turn" not in _render({"log_history": HISTORY, "framework": "trl"})  # single-turn: no table
+
+
+def test_lag_only_runs_get_the_statistical_split():
+    """A run that logs tim/by_lag/* but no split (AsyncGRPOTrainer: no π_old): the floor's share of the pooled k3,
+    written out here, names the dominant part; without lag-0 tokens the verdict says the floor is unobserved."""
+    from tim_plugins.report.staleness import lag_verdict, pooled_by
+
+    history = [{"step": 1, "tim/by_lag/0/count": 30, "tim/by_lag/0/kl_k3": 1e-4,
+                "tim/by_lag/1/count": 10, "tim/by_lag/1/kl_k3": 4e-3},
+               {"step": 2, "tim/by_lag/0/count": 10, "tim/by_lag/0/kl_k3": 3e-4,
+                "tim/by_lag/2/count": 20, "tim/by_lag/2/kl_k3": 9e-3}]
+    lags = pooled_by(history, "lag")
+    assert list(lags) == ["0", "1", "2"]
+    floor = (30 * 1e-4 + 10 * 3e-4) / 40
+    assert lags["0"] == (40.0, pytest.approx(floor, rel=1e-12))
+    total = (30 * 1e-4 + 10 * 4e-3 + 10 * 3e-4 + 20 * 9e-3) / 70
+    headline, fix = lag_verdict(lags, "trl")
+    assert headline.startswith("Staleness dominates") and f"{floor / total:.2%}" in headline
+    assert fix == FIXES["staleness_async"]["trl"]
+    html = _render({"log_history": history, "framework": "verl"})
+    assert "statistical: by policy lag" in html and FIXES["staleness_async"]["verl"] in html
+    assert "By turn" not in html  # one turn only: no turn table
+    # mismatch dominates when the lags barely add to the floor
+    flat = {"0": (50.0, 1e-3), "1": (50.0, 1.1e-3)}
+    assert lag_verdict(flat, "trl")[0].startswith("Mismatch dominates")
+    assert lag_verdict(flat, "trl")[1] == FIXES["mismatch"]["trl"]
+    headline, _ = lag_verdict({"2": (5.0, 1e-2), "3": (5.0, 2e-2)}, "trl")
+    assert headline.startswith("No token trained at lag 0") and "(2)" in headline

@@ -214,21 +214,24 @@ class StepPipeline:
             self._dump_buffer.append((rollout.detach(), train.detach(), measured, token_ids))
         return weights
 
-    def loss_pass(self, rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor,
+    def loss_pass(self, rollout: torch.Tensor, old: torch.Tensor | None, current: torch.Tensor, mask: torch.Tensor,
                   lag: torch.Tensor | None = None) -> None:
         """One loss pass over a batch whose rollout log-probs are known: [B, T] ``rollout``, ``old`` (the trainer at
         the rollout's weights, the monitor's ``train``) and ``current`` (this pass's log-probs, π_θ), ``mask`` the
         tokens the pass trains, ``lag`` [B, T] each token's policy lag in optimizer steps (``tim/by_lag/*`` of the
         whole log-ratio current − rollout: lag 0 is the mismatch floor). Where nothing is reused the adapter passes
-        ``old`` as ``current``: staleness 0."""
+        ``old`` as ``current``: staleness 0. ``old`` None: π_old is not available (asynchronous trainers), so there
+        is no exact split, only the statistics by lag."""
         if self.staleness_monitor is None:
             return
-        if not (rollout.shape == old.shape == current.shape == mask.shape):
-            self.count("shape_mismatch", detail=f"loss pass: rollout {tuple(rollout.shape)}, old {tuple(old.shape)}, "
-                       f"current {tuple(current.shape)}, mask {tuple(mask.shape)}")
+        shapes = [t.shape for t in (rollout, current, mask) + ((old,) if old is not None else ())]
+        if any(s != shapes[0] for s in shapes):
+            self.count("shape_mismatch", detail=f"loss pass: rollout, current, mask{', old' if old is not None else ''}"
+                       f" {[tuple(s) for s in shapes]}")
             return
-        self.staleness_monitor.update(old.detach(), current.detach(), mask.bool())
-        self.split_stats.update(rollout, old, current, mask)
+        if old is not None:
+            self.staleness_monitor.update(old.detach(), current.detach(), mask.bool())
+            self.split_stats.update(rollout, old, current, mask)
         if lag is not None:
             self.by_lag.update(rollout, current, mask, lag)
 

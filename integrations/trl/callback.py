@@ -36,6 +36,7 @@ from transformers.trainer_callback import ExportableState
 from tim_plugins._optional import note_version, require
 from tim_plugins.by_key import turn_keys
 from tim_plugins.capabilities import Feature, Status, check
+from tim_plugins.dump import append_log_history
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.pipeline import StepPipeline, mean_response_length
@@ -45,6 +46,7 @@ from tim_plugins.truncation import Truncation
 
 from . import features, hooks, translate
 from ._exact_scoring import exact_scorer
+from .async_grpo import AsyncAttachment, is_async_grpo
 from ._parity import run_audit
 from .config import TIMConfig
 
@@ -120,12 +122,17 @@ class TIMCallback(TrainerCallback):
         self.state_carrier.bind(self)
         self.features_off: list[Status] = []  # switched off: an upstream hook they need moved (features.py)
         self.safe_route: Feature | None = None
+        self._async: AsyncAttachment | None = None
         if not config.enabled:
             return
-        monitor = check(features.MONITOR)
+        asynchronous = is_async_grpo(trainer)
+        monitor = check(features.ASYNC_MONITOR if asynchronous else features.MONITOR)
         if not monitor.available:  # the measurement points themselves: nothing to attach to
             raise RuntimeError(f"tim_plugins: TIMCallback cannot attach to this TRL: {monitor.reason} "
                                f"(trl {monitor.version}). Fix: {monitor.fix}")
+        if asynchronous:
+            self._init_async(trainer, config)
+            return
         self.rollout_source = translate.rollout_source(trainer, config)
         if self.rollout_source in ("hf", "inject", "exact"):
             needed = features.EXACT_SAMPLER if self.rollout_source == "exact" else features.HF_RECORDER
@@ -152,6 +159,24 @@ class TIMCallback(TrainerCallback):
         trainer.add_callback(self.state_carrier)
         self._installation = hooks.Installation(trainer)
 
+    def _init_async(self, trainer, config: TIMConfig) -> None:
+        """AsyncGRPOTrainer (``async_grpo.py``): the monitor by policy lag; what needs GRPOTrainer is switched off."""
+        if config.rollout != "auto":
+            raise ValueError(f"TIMConfig.rollout={config.rollout!r}: AsyncGRPOTrainer's rollouts come from its rollout "
+                             "worker (the vLLM server's log-probs). Fix: rollout='auto'.")
+        self.rollout_source = "vllm"
+        for name in features.ASYNC_UNSUPPORTED:
+            if getattr(config, name) not in (False, None):
+                self._available(features.async_unsupported(name))
+        pipeline_config = translate.pipeline_config(trainer, config, "vllm", safe_vocab=False, loss_factor=False)
+        pipeline_config.lr_decay = None
+        self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index)
+        for status in self.features_off:
+            self.pipeline.feature_off(status.name)
+        trainer.add_callback(self.state_carrier)
+        self._installation = hooks.Installation(trainer)
+        self._async = AsyncAttachment(self)
+
     def _available(self, status: Status) -> bool:
         """True when ``status`` is available; else the feature is switched off with one warning (strict: raise)."""
         if status.available:
@@ -166,6 +191,9 @@ class TIMCallback(TrainerCallback):
     def attach(self) -> None:
         """Install the wrappers (each ``hooks.TRL_SOURCES`` entry it relies on is named beside it)."""
         t = self.trainer
+        if self._async is not None:
+            self._installation.install(self._async.wrappers())
+            return
         wrappers = [
             # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions
             (t, "_generate_and_score_completions", self._wrap_generation_batch),
@@ -207,6 +235,8 @@ class TIMCallback(TrainerCallback):
         """Remove every wrapper and this callback from the trainer (idempotent)."""
         if self._installation is not None:
             self._installation.remove()
+        if self._async is not None:
+            self._async.remove()
         handler = self.trainer.callback_handler
         for cb in (self, self.state_carrier):
             if cb in handler.callbacks:
@@ -223,7 +253,7 @@ class TIMCallback(TrainerCallback):
         self._load(state)
         if not self._installation.patches:
             self.attach()
-        if self.config.parity_audit:
+        if self.config.parity_audit and self._async is None:
             self.findings, self.parity_specs, counts = run_audit(
                 self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict)
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
@@ -435,7 +465,12 @@ class TIMCallback(TrainerCallback):
             self._log_histograms(hists)
         out.update(self._pending)
         self._pending = {}
-        store = self.trainer._metrics["train"]  # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log averages it
+        if self.config.dump_dir and self.trainer.accelerator.is_main_process:
+            # beside the dump, what `tim-plugins report DUMP_DIR` reads for the per-step sections
+            append_log_history(self.config.dump_dir, state.global_step, out)
+        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log averages it (AsyncGRPOTrainer: reduces it,
+        # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.log)
+        store = self.trainer._metrics["train"]
         for key, value in out.items():
             store[key].append(float(value))
 

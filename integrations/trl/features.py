@@ -22,9 +22,9 @@ import re
 
 from tim_plugins.capabilities import Feature, Hook, Status, check
 
-__all__ = ["ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD",
-           "SAFE_VOCAB_LOGITS", "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "feature", "safe_vocab_route", "safe_vocab_status",
-           "trl_features"]
+__all__ = ["ASYNC_MONITOR", "ASYNC_UNSUPPORTED", "ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER",
+           "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS", "SAFE_VOCAB_ROUTES", "SERVER_AUDIT",
+           "async_unsupported", "feature", "safe_vocab_route", "safe_vocab_status", "trl_features"]
 
 _GRPO = "trl.trainer.grpo_trainer"
 _UPGRADE = "pip install -U 'trl>=1.16'"
@@ -115,7 +115,44 @@ SERVER_AUDIT = Feature(
     "parity_audit_server", "parity audit of a vLLM server's settings (vllm_mode='server')", "trl", needs=("trl",),
     extra="trl", fix=_UPGRADE, hooks=(_INIT_VLLM, Hook("trl.generation.vllm_client", "VLLMClient.get_server_info")))
 
-FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, ENGINE_AUDIT, SERVER_AUDIT)
+# AsyncGRPOTrainer (TRL >= 1.16, trl.experimental): the policy lag of each trained token (async_grpo.py)
+_ASYNC = "trl.experimental.async_grpo.async_grpo_trainer"
+ASYNC_MONITOR = Feature(
+    "async_monitor", "mismatch by policy lag (AsyncGRPOTrainer)", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
+    hooks=(Hook(_ASYNC, "AsyncGRPOTrainer.compute_loss", params=("model", "inputs"),
+                fragments=('selected = inputs["token_index"] >= 0', 'old_log_probs = inputs["old_log_probs"][selected]',
+                           'segment_id = inputs["segment_id"][selected]', "fused_lm_head=True",
+                           "log_probs = outputs.log_probs.flatten()[token_index]")),
+           Hook(_ASYNC, "AsyncGRPOTrainer.get_train_dataloader", fragments=("rollout_queue=self.rollout_queue",)),
+           Hook(_ASYNC, "RolloutQueueDataset.__iter__",
+                fragments=("sample = self.queue.get(", '"old_log_probs": sample.old_log_probs')),
+           Hook(_ASYNC, "AsyncGRPOTrainer._sync_weight_merged", fragments=("self.model_version += 1",)),
+           Hook("trl.experimental.async_grpo.packing", "TreeRow.pack",
+                fragments=("old_log_probs.append(logps[p])", "segment_id.append(i)")),
+           Hook(_ASYNC, "DataCollatorForRollout.torch_call",
+                fragments=("padding.get(key, 0)) for key in packed[0]}",)),
+           Hook(_ASYNC, "AsyncGRPOTrainer.log", fragments=("for key, val in self._metrics[mode].items():",
+                                                           "self._metrics[mode].clear()"))))
+
+# What the callback does not do on AsyncGRPOTrainer (its loss, sampler and vLLM server are not GRPOTrainer's): the
+# TIMConfig field, and why. Each one set is switched off with that reason (tim/diag/feature_off/<name>).
+ASYNC_UNSUPPORTED = {
+    "safe_vocab": "the safe vocabulary needs GRPOTrainer's log-prob call and sampler",
+    "is_correction": "the IS corrections reach the loss through GRPOTrainer's advantages",
+    "lr_decay": "the LR decay's response-length signal comes from GRPOTrainer's generation batch",
+    "parity_audit": "the parity audit reads GRPOTrainer's vLLM engine or client",
+}
+
+
+def async_unsupported(name: str) -> Status:
+    """The off status of TIMConfig field ``name`` on AsyncGRPOTrainer."""
+    feature = Feature(f"async_{name}", f"{name} (AsyncGRPOTrainer)", "trl", needs=("trl",), extra="trl",
+                      fix=f"TIMConfig({name}=...) off for AsyncGRPOTrainer, or train with GRPOTrainer")
+    return Status(feature, False, ASYNC_UNSUPPORTED[name], feature.fix)
+
+
+FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, ENGINE_AUDIT, SERVER_AUDIT,
+            ASYNC_MONITOR)
 
 
 def feature(name: str) -> Feature:

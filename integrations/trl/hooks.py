@@ -63,6 +63,22 @@ TRL_SOURCES = {
         "TRL 1.9 - 1.13: looked up at call time by GRPOTrainer._get_per_token_logps_and_entropies as "
         "selective_log_softmax(logits, completion_ids) on [B, logits_to_keep, V] logits already divided by the "
         "temperature",
+    ("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer.compute_loss"):
+        "(model, inputs) -> loss over one packed row per rank: the trained tokens are inputs['token_index'] >= 0, "
+        "each with old_log_probs (the rollout's) and segment_id (its sample in the row); one model(..., "
+        "fused_lm_head=True) forward whose outputs.log_probs.flatten()[token_index] are the trainer's",
+    ("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer.get_train_dataloader"):
+        "reads self.rollout_queue (the rollout worker's buffer of RolloutSample) into RolloutQueueDataset",
+    ("trl.experimental.async_grpo.async_grpo_trainer", "RolloutQueueDataset.__iter__"):
+        "sample = self.queue.get(...) for each sample, and yields a dict holding sample.old_log_probs itself",
+    ("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer._sync_weight_merged"):
+        "each weight sync increments self.model_version on the main process (the version new samples carry)",
+    ("trl.experimental.async_grpo.packing", "TreeRow.pack"):
+        "(row) -> dict of per-row tensors; trained tokens in sample order, segment_id their index in row.samples",
+    ("trl.experimental.async_grpo.async_grpo_trainer", "DataCollatorForRollout.torch_call"):
+        "pads every key of TreeRow.pack's output into the batch (extra keys included)",
+    ("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer.log"):
+        "reduces every list in self._metrics[mode] into the logged values and clears them",
 }
 
 # Which feature (integrations/trl/features.py, by name) each TRL_SOURCES entry serves. The two safe-vocabulary
@@ -78,6 +94,7 @@ TRL_SOURCE_FEATURES = {
     ("trl.generation.vllm_client", "VLLMClient.get_server_info"): "parity_audit_server",
     ("trl.trainer.utils", "_ChunkedLogProbFunction"): "safe_vocab_fused_head",
     ("trl.trainer.grpo_trainer", "selective_log_softmax"): "safe_vocab_logits",
+    **{key: "async_monitor" for key in TRL_SOURCES if key[0].startswith("trl.experimental.async_grpo")},
 }
 
 

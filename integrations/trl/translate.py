@@ -16,7 +16,7 @@ from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
 
-__all__ = ["eos_token_ids", "left_padded", "loss_pass_inputs", "map_safe_calls", "pipeline_config",
+__all__ = ["eos_token_ids", "left_padded", "loss_pass_inputs", "map_safe_calls", "packed_rows", "pipeline_config",
            "recorded_logprobs", "response_mask", "rollout_source", "safe_truncation", "scale_policy_term"]
 
 logger = logging.getLogger("tim_plugins.trl")
@@ -236,3 +236,37 @@ def left_padded(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, to
     for i, p in enumerate(prompt_ids):
         ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
     return ids, attn
+
+
+def packed_rows(inputs: dict, log_probs: torch.Tensor) -> dict | None:
+    """One rank's packed AsyncGRPOTrainer row -> [S, T] tensors, one row per sample (``segment_id``), a column per
+    position after the sample's first trained token (tokens between two turns, not trained, are holes with mask
+    False), or None without a trained token.
+
+    The trained tokens are the columns with ``token_index >= 0``; ``log_probs`` the forward's per-position
+    ``outputs.log_probs`` ([1, N], N the row's unpadded positions), read at ``token_index`` as TRL's loss reads them
+    (trl/experimental/async_grpo/async_grpo_trainer.py ``compute_loss``; the layout is ``packing.TreeRow.pack``'s)."""
+    selected = inputs["token_index"] >= 0
+    token_index, segment = inputs["token_index"][selected], inputs["segment_id"][selected]
+    if token_index.numel() == 0:
+        return None
+    unpadded = inputs["attention_mask"].bool()
+    position = inputs["position_ids"][unpadded][token_index] + 1  # a token is scored off its predecessor's position
+    samples = int(segment.max()) + 1
+    first = torch.full((samples,), int(position.max()) + 1, dtype=position.dtype, device=position.device)
+    first = first.scatter_reduce(0, segment, position, reduce="amin")
+    column = position - first[segment]
+    shape = (samples, int(column.max()) + 1)
+
+    def lay(values: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
+        out[segment, column] = values
+        return out
+
+    weights_step = inputs.get("tim_weights_step")
+    return {"rollout": lay(inputs["old_log_probs"][selected].float(), 0.0),
+            "current": lay(log_probs.reshape(-1)[token_index].float(), 0.0),
+            "mask": lay(torch.ones_like(segment, dtype=torch.bool), False),
+            "token_ids": lay(inputs["shift_labels"][unpadded][token_index], 0),
+            "weights_step": lay(weights_step[selected], -1) if weights_step is not None
+            else torch.full(shape, -1, dtype=torch.long, device=segment.device)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["FIXES", "by_turn", "split_rows", "staleness_section", "staleness_verdict"]
+__all__ = ["FIXES", "by_turn", "lag_verdict", "pooled_by", "split_rows", "staleness_section", "staleness_verdict"]
 
 # What reduces each part, per framework.
 FIXES = {
@@ -16,6 +16,12 @@ FIXES = {
                "; with AsyncGRPOTrainer a smaller AsyncGRPOConfig(max_staleness=...)",
         "verl": "fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the "
                 "train batch; in an asynchronous trainer mode, a lower staleness threshold",
+    },
+    "staleness_async": {
+        "trl": "fresher samples: a smaller AsyncGRPOConfig(max_staleness=...) (older samples are dropped), a weight "
+               "sync every step (weight_sync_steps=1), fewer micro-batches per step (each fetched one step ahead "
+               "trains one sync later)",
+        "verl": "fresher samples: a lower staleness threshold of the asynchronous trainer mode",
     },
     "mismatch": {
         "trl": "the parity fixes in the audit's fix column (dtype, lm_head precision, truncation), and `tim-plugins "
@@ -71,11 +77,31 @@ def staleness_verdict(rows: list[dict], framework: str | None) -> tuple[str, str
             FIXES[part][fw])
 
 
+def lag_verdict(lags: dict[str, tuple[float, float]], framework: str | None) -> tuple[str, str]:
+    """(headline, fix) where π_old is not computed (asynchronous trainers): the split by policy lag. For small
+    log-ratios k3 ≈ E[d²]/2 and d = s + m with s = 0 at lag 0, so the lag-0 k3 estimates the mismatch's share of the
+    whole run's k3 (the floor), and the rest is staleness."""
+    fw = framework if framework in ("trl", "verl") else "trl"
+    count = sum(n for n, _ in lags.values())
+    total = sum(n * k for n, k in lags.values()) / count if count else math.nan
+    if "0" not in lags or not math.isfinite(total) or total <= 0:
+        lowest = min(lags, key=lambda x: int(x.rstrip("+")), default=None)
+        return (f"No token trained at lag 0, so the mismatch floor is not observed; the lowest lag ({lowest}) bounds "
+                f"it from above.", FIXES["staleness_async"][fw])
+    floor = lags["0"][1]
+    share = min(max(floor / total, 0.0), 1.0)
+    part = "staleness" if share < 0.5 else "mismatch"
+    return (f"{part.capitalize()} dominates: the mismatch floor (k3 {floor:.3g} at lag 0) is {share:.2%} of the "
+            f"run's k3 ({total:.3g}), staleness the other {1 - share:.2%}.",
+            FIXES["staleness_async" if part == "staleness" else part][fw])
+
+
 def staleness_section(page, summary: dict) -> None:
     """The section, when the run logged a split (TRL runs with the callback's monitor, verl runs with the monitor
-    and a dump: its log_history.jsonl)."""
-    rows = split_rows(summary.get("log_history") or [])
-    if not rows:
+    and a dump: its log_history.jsonl) or, where π_old is not computed (AsyncGRPOTrainer), its statistics by lag."""
+    history = summary.get("log_history") or []
+    rows, lags = split_rows(history), pooled_by(history, "lag")
+    if not rows and not lags:
         return
     page.h2("Mismatch or staleness?")
     page.raw("<p>Each loss pass sees the log-ratio d = log π<sub>θ</sub> − log π<sub>rollout</sub> = s + m: "
@@ -83,51 +109,54 @@ def staleness_section(page, summary: dict) -> None:
              "sampled: batch reuse, asynchronous rollouts) and <b>mismatch</b> m = log π<sub>old</sub> − log "
              "π<sub>rollout</sub> (the same weights scored by two stacks). π<sub>old</sub> is the trainer at the "
              "rollout's weights, the monitor's measurement point. The fixes differ completely.</p>")
-    headline, fix = staleness_verdict(rows, summary.get("framework"))
+    if rows:
+        headline, fix = staleness_verdict(rows, summary.get("framework"))
+    else:
+        page.raw("<p>This trainer never computes π<sub>old</sub> (asynchronous rollouts), so the split is "
+                 "statistical: by policy lag.</p>")
+        headline, fix = lag_verdict(lags, summary.get("framework"))
     page.raw(f"<p><b>{_escape(headline)}</b>" + (f" Fix: {_escape(fix)}." if fix else "") + "</p>")
-    page.table(["step", "tokens", "staleness share of Var(d)", "mismatch share", "2·Cov share", "staleness k3",
-                "mismatch k3 (when sampled)"],
-               [[r["step"], int(r["tokens"]), _pct(r["staleness_share"]), _pct(r["mismatch_share"]),
-                 _pct(r["cov_share"]), _g(r["staleness_k3"]), _g(r["mismatch_k3"])] for r in rows])
-    page.note("The three shares add up to 100 %; a negative covariance (the update moved the policy against the "
-              "mismatch) lets a part exceed 100 %. The mismatch k3 is measured once per batch, at the step that "
-              "sampled it (– at a step that reuses the batch of an earlier one).")
-    lags: dict[str, list] = {}
-    for r in rows:
-        for lag, (count, k3) in r["by_lag"].items():
-            lags.setdefault(lag, []).append((count, k3))
+    if rows:
+        page.table(["step", "tokens", "staleness share of Var(d)", "mismatch share", "2·Cov share", "staleness k3",
+                    "mismatch k3 (when sampled)"],
+                   [[r["step"], int(r["tokens"]), _pct(r["staleness_share"]), _pct(r["mismatch_share"]),
+                     _pct(r["cov_share"]), _g(r["staleness_k3"]), _g(r["mismatch_k3"])] for r in rows])
+        page.note("The three shares add up to 100 %; a negative covariance (the update moved the policy against the "
+                  "mismatch) lets a part exceed 100 %. The mismatch k3 is measured once per batch, at the step that "
+                  "sampled it (– at a step that reuses the batch of an earlier one).")
     if lags:
-        table = []
-        for lag in sorted(lags, key=lambda x: int(x.rstrip("+"))):
-            count = sum(c for c, _ in lags[lag])
-            k3 = sum(c * k for c, k in lags[lag] if math.isfinite(k)) / count if count else math.nan
-            table.append([lag, int(count), _g(k3)])
-        page.raw("<p>By policy lag (optimizer steps between sampling and the loss pass): k3 of the whole log-ratio. "
-                 "Lag 0 is the mismatch floor; its growth with the lag is staleness.</p>")
-        page.table(["lag", "tokens", "k3 of d"], table)
-    turns = by_turn(summary.get("log_history") or [])
-    if turns:
+        page.raw("<p>By policy lag (optimizer steps between the weights that sampled a token and the loss pass "
+                 "that trains it): k3 of the whole log-ratio. Lag 0 is the mismatch floor; its growth with the lag "
+                 "is staleness.</p>")
+        page.table(["lag", "tokens", "k3 of d"], [[lag, int(n), _g(k3)] for lag, (n, k3) in lags.items()])
+    turns = by_turn(history)
+    if len(turns) > 1:
         page.raw("<p>By turn (multi-turn rollouts; turn k is the model's answer after k environment or tool "
                  "messages): the mismatch at the measurement point. A k3 that grows with the turn points at "
                  "numerics that drift with the context (KV cache, attention kernels over long prompts).</p>")
         page.table(["turn", "tokens", "mismatch k3"], [[t, int(n), _g(k3)] for t, (n, k3) in turns.items()])
 
 
-def by_turn(log_history: list[dict]) -> dict[str, tuple[float, float]]:
-    """{turn label: (tokens, k3)} over every logged step with ``tim/by_turn/*`` (k3 pooled by token count), turns in
-    order; empty for single-turn runs."""
+def pooled_by(log_history: list[dict], keying: str) -> dict[str, tuple[float, float]]:
+    """{label: (tokens, k3)} of ``tim/by_<keying>/*`` over every logged step (k3 pooled by token count), labels in
+    order; empty when the run logged none."""
     sums: dict[str, list[float]] = {}
     for h in log_history:
         for key, value in h.items():
-            m = re.fullmatch(r"tim/by_turn/([^/]+)/count", key)
+            m = re.fullmatch(rf"tim/by_{keying}/([^/]+)/count", key)
             if m is None or not value:
                 continue
-            k3 = h.get(f"tim/by_turn/{m.group(1)}/kl_k3")
+            k3 = h.get(f"tim/by_{keying}/{m.group(1)}/kl_k3")
             acc = sums.setdefault(m.group(1), [0.0, 0.0])
             acc[0] += float(value)
             if k3 is not None and math.isfinite(float(k3)):
                 acc[1] += float(value) * float(k3)
     return {t: (n, k / n) for t, (n, k) in sorted(sums.items(), key=lambda x: int(x[0].rstrip("+")))}
+
+
+def by_turn(log_history: list[dict]) -> dict[str, tuple[float, float]]:
+    """{turn label: (tokens, k3)} over every logged step with ``tim/by_turn/*``; empty for single-turn runs."""
+    return pooled_by(log_history, "turn")
 
 
 def _pct(x: float) -> str:

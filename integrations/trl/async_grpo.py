@@ -1,0 +1,158 @@
+"""TIMCallback on TRL's asynchronous GRPO (``trl.experimental.async_grpo.AsyncGRPOTrainer``, TRL 1.16): mismatch and
+staleness told apart by policy lag.
+
+There a rollout worker samples with a vLLM server while the trainer trains; each sample carries the ``model_version``
+(weight sync count) that sampled it, and the loss's ratio π_θ / π_rollout mixes staleness (the policy moved since)
+with the mismatch (the same weights scored by two stacks). π_old at the rollout's weights is never computed, so the
+split is statistical: every trained token is keyed by its **policy lag**, the optimizer steps between the weights
+that sampled it and the weights that score it, and the log-ratio's statistics go by lag (``tim/by_lag/<lag>/*``):
+lag 0 is the mismatch floor (those tokens also feed the monitor, ``tim/token/*``), the growth with lag is
+staleness.
+
+The lag is counted at the loss, not where TRL counts ``sample/staleness_*`` (when the dataloader fetches the
+sample): accelerate's dispatcher fetches one batch ahead, so a batch fetched in step s trains in step s + 1, one
+weight sync later.
+
+Where it hooks (``hooks.TRL_SOURCES``, checked by ``features.ASYNC_MONITOR``):
+- ``trainer.rollout_queue`` (read once by ``get_train_dataloader``) is wrapped by a recorder: each drained
+  ``RolloutSample``'s ``model_version``, kept with its ``old_log_probs`` object (the dict TRL yields holds that
+  same object);
+- ``TreeRow.pack`` (the collator packs each rank's row with it, on the main process): its output gains
+  ``tim_weights_step``, per trained token the global step at which its sample's weights were synced; the
+  collator pads and the dispatcher scatters it with the other per-token columns, so every rank has its own;
+- ``compute_loss``: a forward hook on the model reads ``outputs.log_probs`` of TRL's own forward (no extra
+  forward); the trained tokens' columns (``token_index >= 0``) are laid out per sample (``translate.packed_rows``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+import torch
+
+from tim_plugins.by_key import turn_keys
+
+from . import hooks, translate
+
+__all__ = ["AsyncAttachment", "is_async_grpo"]
+
+_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
+_KEEP = 1 << 16  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
+
+
+def is_async_grpo(trainer) -> bool:
+    """Whether ``trainer`` is TRL's AsyncGRPOTrainer (or a subclass), without importing trl.experimental."""
+    module = sys.modules.get(_MODULE)
+    return module is not None and isinstance(trainer, getattr(module, "AsyncGRPOTrainer", ()))
+
+
+class _RecordingQueue:
+    """The rollout worker's queue as TRL drains it, recording each sample's model_version (its ``get`` is the only
+    call that changes; everything else is the queue's own).
+    (hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:RolloutQueueDataset.__iter__: the dict it
+    yields holds the sample's old_log_probs object, the key here)"""
+
+    def __init__(self, inner, versions: OrderedDict) -> None:
+        self.inner, self.versions = inner, versions
+
+    def get(self, *args, **kwargs):
+        sample = self.inner.get(*args, **kwargs)
+        logps = getattr(sample, "old_log_probs", None)
+        if logps is not None:
+            self.versions[id(logps)] = (logps, int(sample.model_version))  # the object kept: its id stays unique
+            while len(self.versions) > _KEEP:
+                self.versions.popitem(last=False)
+        return sample
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class AsyncAttachment:
+    """What ``TIMCallback`` installs on an AsyncGRPOTrainer, and the per-loss translation into the pipeline."""
+
+    def __init__(self, callback) -> None:
+        self.cb, self.trainer = callback, callback.trainer
+        self.versions: OrderedDict = OrderedDict()  # id(old_log_probs) -> (old_log_probs, model_version)
+        self.synced_at: dict[int, int] = {}  # model_version -> global step whose weights it carries
+        # before train(): get_train_dataloader reads it before any callback event
+        # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.get_train_dataloader
+        self.queue_patch = hooks.Patch(self.trainer, "rollout_queue",
+                                       lambda queue: _RecordingQueue(queue, self.versions)) \
+            if getattr(self.trainer, "rollout_queue", None) is not None else None  # main process only
+
+    def wrappers(self) -> list:
+        from trl.experimental.async_grpo.packing import TreeRow
+
+        return [
+            # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.compute_loss
+            (self.trainer, "compute_loss", self._wrap_loss),
+            # hooks.TRL_SOURCES trl.experimental.async_grpo.packing:TreeRow.pack
+            (TreeRow, "pack", self._wrap_pack),
+        ]
+
+    def remove(self) -> None:
+        if self.queue_patch is not None:
+            self.queue_patch.undo()
+            self.queue_patch = None
+
+    # ------------------------------------------------------------------------------------------ main process
+    def _wrap_pack(self, original):
+        def pack(row):
+            out = original(row)
+            # the version live now was synced at the end of the step just finished (fetches run at a step's start);
+            # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._sync_weight_merged
+            self.synced_at.setdefault(int(self.trainer.model_version), int(self.trainer.state.global_step))
+            steps = []
+            for sample in row.samples:
+                known = self.versions.get(id(sample.get("old_log_probs")))
+                steps.append(self.synced_at.get(known[1], -1) if known is not None else -1)
+            # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:DataCollatorForRollout.torch_call pads it
+            out["tim_weights_step"] = torch.tensor(steps, dtype=torch.long)[out["segment_id"]] \
+                if steps else torch.zeros(0, dtype=torch.long)
+            return out
+
+        return pack
+
+    # -------------------------------------------------------------------------------------------- every rank
+    def _wrap_loss(self, original):
+        def compute_loss(model, inputs, *args, **kwargs):
+            if not self.trainer.model.training:
+                return original(model, inputs, *args, **kwargs)
+            outputs = []
+            handle = model.register_forward_hook(lambda module, a, out: outputs.append(out))
+            try:
+                loss = original(model, inputs, *args, **kwargs)
+            finally:
+                handle.remove()
+            self._on_loss(inputs, outputs)
+            return loss
+
+        return compute_loss
+
+    def _on_loss(self, inputs: dict, outputs: list) -> None:
+        pipeline = self.cb.pipeline
+        log_probs = getattr(outputs[0], "log_probs", None) if len(outputs) == 1 else None
+        if log_probs is None:
+            pipeline.count("async_logprobs_unread", detail=f"{len(outputs)} model forwards in one compute_loss")
+            return
+        try:
+            rows = translate.packed_rows(inputs, log_probs.detach())
+        except Exception as err:  # a diagnostic problem never breaks the training step
+            pipeline.count("async_batch_unread", detail=repr(err))
+            return
+        if rows is None:
+            return
+        step = int(self.trainer.state.global_step)
+        weights_step = rows["weights_step"]
+        known = rows["mask"] & (weights_step >= 0)
+        unknown = int((rows["mask"] & ~known).sum())
+        if unknown:
+            pipeline.count("async_lag_unknown", unknown,
+                           detail="tokens whose sample's policy version was not seen (synced before this run)")
+        lag = (step - weights_step).clamp(min=0)
+        turn = turn_keys(rows["mask"])
+        pipeline.measure(rows["rollout"], rows["current"], known & (lag == 0), token_ids=rows["token_ids"],
+                         step=step + 1, turn=turn)
+        pipeline.loss_pass(rows["rollout"], None, rows["current"], known, lag=lag)

@@ -1,0 +1,309 @@
+"""TIMCallback on TRL's own AsyncGRPOTrainer (trl.experimental.async_grpo, CPU, the toy model): the mismatch by
+policy lag.
+
+What runs: ``AsyncGRPOTrainer.train()`` itself (its dataloader, rollout queue, packing planner and collator,
+accelerate's dispatcher, its loss, weight syncs and logging), with the two seams TRL documents for tests: a
+rollout worker (``RolloutWorkerProtocol``) and a weight transfer (``WeightTransferProtocol``). The stand-in engine
+behind them is the toy model in bfloat16 (the injected mismatch) loaded with the weights each sync sends; it samples
+with HF generate, scores its samples in bfloat16 and hands them over in a fixed schedule of in-flight delays, so a
+step trains samples of several policy versions.
+
+Two test-only shims, both for what needs a GPU: TRL's tree attention calls the FlashAttention-3 kernel from the
+Hub (``kernels``), replaced by a plain causal attention over the same tree layout; and the trainer's MFU set-up asks
+``torch.cuda`` for the device name, answered with "unknown" (MFU off, as TRL does for an unknown device).
+
+What is not run: the vLLM server and TRL's own ``AsyncRolloutWorker`` (it needs the server); several processes.
+
+References, computed here independently of the callback: each sample's policy lag from the step the stand-in saw
+each version synced at and the step that trained it (found by its log-probs), and the trainer's log-probs from a
+plain forward of the weights the trainer held at that step.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+async_grpo = pytest.importorskip("trl.experimental.async_grpo")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.modeling_utils import AttentionInterface  # noqa: E402
+from trl.experimental.async_grpo import async_grpo_trainer as trl_async  # noqa: E402
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+from trl.experimental.async_grpo.packing import TREE_ATTENTION  # noqa: E402
+
+from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
+from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
+
+pytestmark = pytest.mark.trl
+
+GROUP, NEW_TOKENS, STEPS = 4, 6, 8
+
+
+def fetch_lag(k: int) -> int:
+    """Versions back the k-th group handed to the trainer was sampled at. The trainer trains two micro-batches (one
+    group each) a step, and accelerate's dispatcher fetches one ahead: from the second step on, the odd-numbered
+    fetches train in the step that fetched them and the even-numbered ones one sync later. So odd fetches are fresh
+    (lag 0 at the loss, every step) and even ones 0, 1, 2 versions old (lag 1, 2, 3 at the loss)."""
+    return 0 if k % 2 else (k // 2) % 3
+
+
+def cpu_tree_attention(module, query, key, value, attention_mask, *, tree_kv_index, tree_cu_seqlens_q,
+                       tree_cu_seqlens_k, scaling=None, **kwargs):
+    """TRL's tree attention (packing.tree_attention) without the FA3 kernel: each segment's queries attend causally
+    (aligned at the end) to the keys of its root-to-segment path."""
+    q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))  # [N, H, D]
+    k, v = k.index_select(0, tree_kv_index), v.index_select(0, tree_kv_index)
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    out = torch.empty_like(q)
+    cq, ck = tree_cu_seqlens_q.tolist(), tree_cu_seqlens_k.tolist()
+    for s in range(len(cq) - 1):
+        qs, ks, vs = q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * (scaling or qs.shape[-1] ** -0.5)
+        nq, nk = qs.shape[0], ks.shape[0]
+        causal = torch.arange(nk).view(1, -1) <= torch.arange(nq).view(-1, 1) + (nk - nq)
+        out[cq[s]:cq[s + 1]] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vs)
+    return out.unsqueeze(0), None
+
+
+class StandInEngine:
+    """Rollout worker + weight transfer in one: the toy model in bfloat16, loaded with the weights of the version it
+    samples at (every synced version is kept), generating a group when the trainer finds the queue empty."""
+
+    def __init__(self, model_path, tokenizer, trainer_state):
+        self.engine = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+        self.params = dict(self.engine.named_parameters())
+        self.tok, self.prompts, self.state = tokenizer, synthetic_prompts(256, seed=3), trainer_state
+        self.rollout_buffer, self.metrics_queue = _Buffer(self), queue.Queue()
+        self.version, self.groups, self.received = 0, 0, {}
+        self.weights: dict[int, dict] = {}  # version -> the weights synced as that version
+        self.synced_at: dict[int, int] = {}  # version -> trainer global step when its weights were sent
+        self.samples: list[dict] = []
+        self.rng = np.random.default_rng(0)
+
+    # WeightTransferProtocol
+    def init_weight_transfer(self): pass
+    def pause(self): pass
+    def resume(self): pass
+    def destroy(self): pass
+
+    def send_weights(self, named):
+        self.received = {name: tensor.detach().clone() for name, tensor in named}
+
+    # RolloutWorkerProtocol
+    def start(self): pass
+    def stop(self): pass
+    def check_health(self, stale_after_s): pass
+
+    def update_model_version(self, version):
+        self.version, self.weights[version] = version, self.received
+        self.synced_at[version] = int(self.state().global_step)
+
+    def generate_group(self):
+        version = max(1, self.version - fetch_lag(self.groups))
+        with torch.no_grad():
+            for name, tensor in self.weights[version].items():
+                self.params[name].copy_(tensor)
+        prompt = self.tok(self.prompts[self.groups % len(self.prompts)], return_tensors="pt").input_ids
+        with torch.no_grad():
+            torch.manual_seed(self.groups)
+            seqs = self.engine.generate(prompt.repeat(GROUP, 1), do_sample=True, max_new_tokens=NEW_TOKENS,
+                                        min_new_tokens=NEW_TOKENS, pad_token_id=self.tok.pad_token_id)
+            logits = self.engine(seqs).logits.float()
+        logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, seqs[:, 1:, None])[..., 0]
+        for i in range(GROUP):
+            mask = torch.zeros(seqs.shape[1], dtype=torch.long)
+            mask[prompt.shape[1]:] = 1
+            if self.groups % 3 == 2:  # a second turn: two tool-result tokens (not trained) after the first two
+                mask[prompt.shape[1] + 2: prompt.shape[1] + 4] = 0
+            old = torch.cat([torch.zeros(1), logps[i]])
+            self.samples.append({"ids": seqs[i].clone(), "mask": mask.bool(), "engine": old.clone(),
+                                 "version": version})
+            self.rollout_buffer.put(RolloutSample(
+                prompt=[], completion=[], input_ids=seqs[i].clone(), completion_mask=mask, old_log_probs=old,
+                advantage=float(self.rng.choice([-1.0, 1.0])), model_version=version, group_id=self.groups,
+                metrics={}))
+        self.groups += 1
+
+
+class _Buffer(queue.Queue):
+    """The worker's queue: a sample group finishes when the trainer asks for one (never blocks)."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+
+    def get(self, block=True, timeout=None):
+        if self.empty():
+            self.engine.generate_group()
+        return super().get(block, timeout)
+
+
+def _key(values) -> bytes:
+    return np.asarray(values, dtype=np.float32).tobytes()
+
+
+@pytest.fixture(scope="module")
+def async_run(toy_model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("async")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(trl_async, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    holder = {}
+    engine = StandInEngine(toy_model_path, tok, lambda: holder["trainer"].state)
+    args = async_grpo.AsyncGRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2,
+        num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=STEPS, logging_steps=1, report_to=[],
+        save_strategy="no", learning_rate=3e-3, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
+        weight_sync_steps=1)
+    trainer = async_grpo.AsyncGRPOTrainer(
+        model=str(toy_model_path), reward_funcs=lambda **kw: [0.0], args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}), processing_class=tok,
+        rollout_worker=engine, weight_transfer=engine)
+    holder["trainer"] = trainer
+    AttentionInterface.register(TREE_ATTENTION, cpu_tree_attention)
+    # test side: the weights the trainer holds at each loss call (the reference's), and which samples it trains
+    passes, original = [], trainer.compute_loss
+
+    def compute_loss(model, inputs, *a, **k):
+        sel = inputs["token_index"] >= 0
+        passes.append((trainer.state.global_step, inputs["segment_id"][sel].clone(),
+                       inputs["old_log_probs"][sel].clone(),
+                       {n: p.detach().clone() for n, p in model.named_parameters()}))
+        return original(model, inputs, *a, **k)
+
+    trainer.compute_loss = compute_loss
+    cb = TIMCallback(trainer, TIMConfig(parity_audit=False, dump_dir=str(out / "dump")))
+    trainer.add_callback(cb)
+    try:
+        trainer.train()
+    finally:
+        mp.undo()
+    return trainer, cb, engine, passes, out / "dump"
+
+
+def _reference(model_path, engine: StandInEngine, passes) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """step -> [(lag, d per trained token)] for every sample each loss pass trained, from the samples themselves."""
+    by_key = {}
+    for s in engine.samples:
+        by_key.setdefault(_key(s["engine"][s["mask"]]), s)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager").eval()
+    out: dict[int, list] = {}
+    for step, segment, old, weights in passes:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+        for seg in segment.unique().tolist():
+            sample = by_key[_key(old[segment == seg].numpy())]
+            with torch.no_grad():
+                logits = model(sample["ids"][None]).logits[0].double()
+            logp = torch.log_softmax(logits[:-1], -1).gather(-1, sample["ids"][1:, None])[:, 0]
+            trained = sample["mask"]
+            d = (logp[trained[1:]] - sample["engine"][trained].double()).numpy()
+            # turn of each trained token: the untrained (tool) segments after the first trained token before it
+            first = int(trained.nonzero()[0, 0])
+            tool = ~trained[first:]
+            starts = tool & ~torch.nn.functional.pad(tool[:-1], (1, 0), value=False)
+            turn = starts.long().cumsum(0)[trained[first:]].numpy()
+            out.setdefault(step + 1, []).append((step - engine.synced_at[sample["version"]], d, turn))
+    return out
+
+
+def _stats(d: np.ndarray) -> dict[str, float]:
+    return {"count": float(len(d)), "abs_diff_mean": np.abs(d).mean(), "mean": d.mean(),
+            "kl_k3": np.mean(np.expm1(d) - d), "abs_diff_max": np.abs(d).max()}
+
+
+def test_by_lag_equals_the_reference_per_step(async_run, toy_model_path):
+    trainer, cb, engine, passes, _ = async_run
+    assert trainer.state.global_step == STEPS
+    assert not cb.pipeline.diag, cb.pipeline.diag  # every token keyed, nothing unread
+    ref = _reference(toy_model_path, engine, passes)
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == sorted(ref) == list(range(1, STEPS + 1))
+    lags_seen, turns_seen = set(), set()
+    for step, samples in ref.items():
+        for lag in sorted({lag for lag, *_ in samples}):
+            lags_seen.add(lag)
+            want = _stats(np.concatenate([d for g, d, _ in samples if g == lag]))
+            for stat, value in want.items():
+                got = logged[step][f"tim/by_lag/{lag}/{stat}"]
+                tol = 0 if stat == "count" else 2e-5 + 2e-3 * abs(value)
+                assert abs(got - value) <= tol, (step, lag, stat, got, value)
+        # no bucket the reference does not have
+        buckets = {k.split("/")[2] for k in logged[step] if k.startswith("tim/by_lag/") and
+                   logged[step][k] is not None}
+        assert buckets == {str(lag) for lag, *_ in samples}, (step, buckets)
+        # the monitor (tim/token/*) and the turns measure the lag-0 tokens only: the trainer at the rollout's weights
+        zero = [(d, t) for g, d, t in samples if g == 0]
+        if zero:
+            d, turn = np.concatenate([d for d, _ in zero]), np.concatenate([t for _, t in zero])
+            want = _stats(d)
+            assert abs(logged[step]["tim/token/kl_k3"] - want["kl_k3"]) <= 2e-5 + 2e-3 * want["kl_k3"]
+            for t in np.unique(turn):
+                for stat, value in _stats(d[turn == t]).items():
+                    got = logged[step][f"tim/by_turn/{t}/{stat}"]
+                    assert abs(got - value) <= (0 if stat == "count" else 2e-5 + 2e-3 * abs(value)), (step, t, stat)
+            turns_seen.update(np.unique(turn).tolist())
+        else:
+            assert logged[step].get("tim/token/kl_k3") is None
+    assert lags_seen >= {0, 1, 2, 3}, lags_seen
+    assert turns_seen == {0, 1}, turns_seen
+
+
+def test_lag_zero_is_a_flat_floor_and_k3_grows_with_lag(async_run, toy_model_path):
+    """The mismatch floor (lag 0: same weights, bf16 engine vs fp32 trainer) stays at its level at every step, while
+    the log-ratio's k3 grows with the lag (the policy moved): read from the logged values alone."""
+    trainer, *_ = async_run
+    per_lag: dict[int, list[tuple[float, float]]] = {}
+    for h in trainer.state.log_history:
+        for key, value in h.items():
+            if key.startswith("tim/by_lag/") and key.endswith("/kl_k3") and value is not None:
+                lag = key.split("/")[2]
+                per_lag.setdefault(int(lag.rstrip("+")), []).append((value, h[key.replace("kl_k3", "count")]))
+    pooled = {lag: sum(v * n for v, n in vals) / sum(n for _, n in vals) for lag, vals in per_lag.items()}
+    floor = [v for v, _ in per_lag[0]]
+    assert len(floor) >= STEPS // 2
+    assert max(floor) < 4 * min(floor), floor  # flat: the same stacks at the same weights
+    lags = sorted(pooled)
+    older = [(v, n) for lag, vals in per_lag.items() if lag >= 2 for v, n in vals]
+    older_k3 = sum(v * n for v, n in older) / sum(n for _, n in older)
+    assert 10 * pooled[0] < pooled[1] < older_k3, pooled  # growth with lag, from a floor an order of magnitude down
+    print("pooled k3 by lag:", {lag: f"{pooled[lag]:.3g}" for lag in lags}, "lag-0 k3 per step:",
+          [f"{v:.3g}" for v in floor])
+
+
+def test_report_answers_mismatch_or_staleness_from_the_dump_folder(async_run, toy_model_path):
+    """`tim-plugins report DUMP_DIR` of the async run: the section's lag table holds the reference's token counts
+    and pooled k3, the verdict names staleness (with TRL's fix); the dump holds the lag-0 tokens (the measurement
+    point) of the sampled sequences."""
+    import re
+
+    from tim_plugins.dump import read_dump
+    from tim_plugins.report import build_report
+
+    trainer, cb, engine, passes, dump = async_run
+    ref = _reference(toy_model_path, engine, passes)
+    html = build_report(dump).read_text()
+    section = html[html.index("Mismatch or staleness?"):]
+    assert "statistical: by policy lag" in section and "Staleness dominates" in section
+    assert "max_staleness" in section  # TRL's fix for the dominant part
+    pooled: dict[int, list] = {}
+    for samples in ref.values():
+        for lag, d, _ in samples:
+            pooled.setdefault(lag, []).append(d)
+    for lag, ds in pooled.items():
+        d = np.concatenate(ds)
+        k3 = np.mean(np.expm1(d) - d)
+        row = re.search(rf"<tr><td>{lag}</td><td class='num'>(\d+)</td><td>([^<]+)</td></tr>", section)
+        assert row is not None, lag
+        assert int(row.group(1)) == len(d)
+        assert abs(float(row.group(2)) - k3) <= 0.005 * k3 + 1e-6, (lag, row.group(2), k3)
+    table = read_dump(dump)
+    zero = sum(len(d) for samples in ref.values() for lag, d, _ in samples if lag == 0)
+    assert 0 < len(table) <= zero

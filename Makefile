@@ -40,7 +40,7 @@ STACKS := newest oldest
 # SmolLM2 arms (monitor: its three tests; safe vocabulary at top_p=0.8); the plain and top_p arms run on main only
 # (each arm costs 1.5-2 min on idle cores: all four on both stacks would take ~6 min more of the 45-minute budget).
 STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_trl_mitigations.py \
-	tests/test_trl_diagnostics.py tests/test_trl_hook_guards.py tests/test_trl_recorder.py \
+	tests/test_trl_diagnostics.py tests/test_trl_hook_guards.py tests/test_trl_recorder.py tests/test_trl_async.py \
 	tests/test_transformers_sources.py tests/test_trl_vllm.py tests/test_vllm_sources.py \
 	tests/test_vllm_min_p_processor.py tests/test_trl_capabilities.py tests/test_vllm_features.py \
 	tests/test_trl_real_model.py::test_monitor_equals_trl_metric_and_naive_reference \

@@ -66,6 +66,10 @@ class PipelineConfig:
     staleness: bool = field(default=False, metadata={"help": "split each loss pass's log-ratio into staleness and "
                                                                  "mismatch, and its statistics by policy lag "
                                                                  "(loss_pass; needs the monitor)"})
+    exact_split: bool = field(default=True, metadata={"help": "with staleness: the exact split against π_old "
+                                                              "(tim/staleness/*, tim/split/*); off where π_old is "
+                                                              "never computed (asynchronous trainers), which keeps "
+                                                              "the statistics by lag"})
     by_position: bool = field(default=False, metadata={"help": "the mismatch by response position (log-spaced "
                                                                    "buckets, tim/by_position/*; needs the monitor)"})
     by_turn: bool = field(default=False, metadata={"help": "the mismatch by turn of multi-turn rollouts "
@@ -126,8 +130,8 @@ class StepPipeline:
         # staleness: π_θ of each loss pass against π_old (the monitor's measurement point), and the variance split
         on = c.monitor and c.staleness
         self.staleness_monitor = MismatchMonitor(c.ratio_band, compile=c.compile, prefix="tim/staleness") \
-            if on else None
-        self.split_stats = SplitStats() if on else None
+            if on and c.exact_split else None
+        self.split_stats = SplitStats() if on and c.exact_split else None
         self.by_lag = KeyedStats("lag") if on else None
         self.by_position = KeyedStats("position") if c.monitor and c.by_position else None
         self.by_turn = KeyedStats("turn") if c.monitor and c.by_turn else None
@@ -222,14 +226,14 @@ class StepPipeline:
         whole log-ratio current − rollout: lag 0 is the mismatch floor). Where nothing is reused the adapter passes
         ``old`` as ``current``: staleness 0. ``old`` None: π_old is not available (asynchronous trainers), so there
         is no exact split, only the statistics by lag."""
-        if self.staleness_monitor is None:
+        if self.by_lag is None:
             return
         shapes = [t.shape for t in (rollout, current, mask) + ((old,) if old is not None else ())]
         if any(s != shapes[0] for s in shapes):
             self.count("shape_mismatch", detail=f"loss pass: rollout, current, mask{', old' if old is not None else ''}"
                        f" {[tuple(s) for s in shapes]}")
             return
-        if old is not None:
+        if old is not None and self.staleness_monitor is not None:
             self.staleness_monitor.update(old.detach(), current.detach(), mask.bool())
             self.split_stats.update(rollout, old, current, mask)
         if lag is not None:

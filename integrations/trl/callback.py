@@ -169,7 +169,7 @@ class TIMCallback(TrainerCallback):
             if getattr(config, name) not in (False, None):
                 self._available(features.async_unsupported(name))
         pipeline_config = translate.pipeline_config(trainer, config, "vllm", safe_vocab=False, loss_factor=False)
-        pipeline_config.lr_decay = None
+        pipeline_config.lr_decay, pipeline_config.exact_split = None, False  # no π_old: the split is by lag
         self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index)
         for status in self.features_off:
             self.pipeline.feature_off(status.name)

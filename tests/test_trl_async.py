@@ -26,6 +26,7 @@ import pytest
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
+pytest.importorskip("trl.experimental.async_grpo.packing")  # the packed trainer (TRL >= 1.16)
 async_grpo = pytest.importorskip("trl.experimental.async_grpo")
 
 from async_standin import GROUP, NEW_TOKENS, StandInEngine, install_cpu_shims, reference_passes  # noqa: E402

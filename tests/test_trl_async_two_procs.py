@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
-pytest.importorskip("trl.experimental.async_grpo")
+pytest.importorskip("trl.experimental.async_grpo.packing")  # the packed trainer (TRL >= 1.16)
 
 from bounded import run_bounded  # noqa: E402
 

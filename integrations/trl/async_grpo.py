@@ -101,8 +101,7 @@ class AsyncAttachment:
     def _wrap_pack(self, original):
         def pack(row):
             out = original(row)
-            # the version live now was synced at the end of the step just finished (fetches run at a step's start);
-            # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._sync_weight_merged
+            # the version live now was synced at the end of the step just finished (fetches run at a step's start)
             self.synced_at.setdefault(int(self.trainer.model_version), int(self.trainer.state.global_step))
             steps = []
             for sample in row.samples:

@@ -68,11 +68,10 @@ TRL_SOURCES = {
         "each with old_log_probs (the rollout's) and segment_id (its sample in the row); one model(..., "
         "fused_lm_head=True) forward whose outputs.log_probs.flatten()[token_index] are the trainer's",
     ("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer.get_train_dataloader"):
-        "reads self.rollout_queue (the rollout worker's buffer of RolloutSample) into RolloutQueueDataset",
+        "reads self.rollout_queue (the rollout worker's buffer of RolloutSample) into RolloutQueueDataset, whose "
+        "staleness is self.model_version (bumped at each weight sync, on the main process) - sample.model_version",
     ("trl.experimental.async_grpo.async_grpo_trainer", "RolloutQueueDataset.__iter__"):
         "sample = self.queue.get(...) for each sample, and yields a dict holding sample.old_log_probs itself",
-    ("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer._sync_weight_merged"):
-        "each weight sync increments self.model_version on the main process (the version new samples carry)",
     ("trl.experimental.async_grpo.packing", "TreeRow.pack"):
         "(row) -> dict of per-row tensors; trained tokens in sample order, segment_id their index in row.samples",
     ("trl.experimental.async_grpo.async_grpo_trainer", "DataCollatorForRollout.torch_call"):

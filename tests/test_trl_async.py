@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -170,3 +171,62 @@ def test_report_answers_mismatch_or_staleness_from_the_dump_folder(async_run, to
     table = read_dump(dump)
     zero = sum(len(d) for samples in ref.values() for lag, d, _ in samples if lag == 0)
     assert 0 < len(table) <= zero
+
+
+def test_packed_rows_lays_out_trls_own_packed_row():
+    """translate.packed_rows on a row packed by TRL's own TreeRow and padded by its collator (two ranks' rows):
+    samples sharing a prompt prefix, one with a tool segment; each sample's row holds its trained tokens' ids and
+    rollout log-probs in order, the tool tokens as holes; a fake per-position log-prob (its position id) is read
+    where TRL's loss reads it. Reference: the samples themselves."""
+    from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    from tim_plugins.integrations.trl.translate import packed_rows
+
+    prompt = [5, 6, 7]
+    specs = [([8, 9, 10, 11], [1, 1, 1, 1]), ([8, 9, 12, 13, 14], [1, 1, 0, 0, 1]), ([15, 16], [1, 1])]
+    rows = [TreeRow(), TreeRow()]
+    samples = []
+    for i, (completion, trained) in enumerate(specs):
+        ids = torch.tensor(prompt + completion)
+        mask = torch.tensor([0] * len(prompt) + trained)
+        sample = {"input_ids": ids, "completion_mask": mask, "old_log_probs": -0.1 * torch.arange(len(ids)) - i,
+                  "advantage": 1.0, "group_id": 0, "metrics": {}}
+        samples.append(sample)
+        rows[0].add(sample)
+    rows[1].add(samples[2])
+    batch = DataCollatorForRollout(pad_token_id=0, num_processes=2)([rows])
+    row0 = {k: v[:1] for k, v in batch.items()}  # what the dispatcher hands rank 0
+    unpadded = row0["attention_mask"].bool()
+    fake = row0["position_ids"][unpadded].float().unsqueeze(0)  # "log-prob" of each position: its position id
+    out = packed_rows(row0, fake)
+    assert out["mask"].shape[0] == 3
+    for i, sample in enumerate(samples):
+        trained = sample["completion_mask"].bool()
+        first = int(trained.nonzero()[0, 0])
+        cols = (trained.nonzero()[:, 0] - first).tolist()
+        assert out["mask"][i].nonzero()[:, 0].tolist() == cols
+        assert out["token_ids"][i, cols].tolist() == sample["input_ids"][trained].tolist()
+        assert torch.equal(out["rollout"][i, cols], sample["old_log_probs"][trained].float())
+        # the trained token at position p is scored off position p - 1 (TRL's shift)
+        assert out["current"][i, cols].tolist() == (trained.nonzero()[:, 0] - 1).float().tolist()
+        assert (out["weights_step"][i, cols] == -1).all()  # no version recorded: unknown
+
+
+def test_a_sample_without_a_version_is_passed_through_unrecorded():
+    """The queue recorder never breaks TRL's drain: a sample without a readable model_version is returned as it is
+    (its tokens then count under tim/diag/async_lag_unknown), one with a version is recorded under its log-probs."""
+    import queue
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from tim_plugins.integrations.trl.async_grpo import _RecordingQueue
+
+    inner, versions = queue.Queue(), OrderedDict()
+    bad, good = SimpleNamespace(old_log_probs=torch.zeros(3)), SimpleNamespace(old_log_probs=torch.ones(3),
+                                                                               model_version=np.int64(4))
+    inner.put(bad)
+    inner.put(good)
+    rec = _RecordingQueue(inner, versions)
+    assert rec.get() is bad and rec.get() is good and rec.qsize() == 0
+    assert list(versions.values()) == [(good.old_log_probs, 4)]

@@ -58,11 +58,13 @@ class _RecordingQueue:
 
     def get(self, *args, **kwargs):
         sample = self.inner.get(*args, **kwargs)
-        logps = getattr(sample, "old_log_probs", None)
-        if logps is not None:
-            self.versions[id(logps)] = (logps, int(sample.model_version))  # the object kept: its id stays unique
-            while len(self.versions) > _KEEP:
-                self.versions.popitem(last=False)
+        try:
+            logps, version = sample.old_log_probs, int(sample.model_version)
+        except (AttributeError, TypeError, ValueError):
+            return sample  # its tokens count as of unknown lag
+        self.versions[id(logps)] = (logps, version)  # the object kept: its id stays unique until packed
+        while len(self.versions) > _KEEP:
+            self.versions.popitem(last=False)
         return sample
 
     def __getattr__(self, name):
@@ -101,15 +103,21 @@ class AsyncAttachment:
     def _wrap_pack(self, original):
         def pack(row):
             out = original(row)
-            # the version live now was synced at the end of the step just finished (fetches run at a step's start)
-            self.synced_at.setdefault(int(self.trainer.model_version), int(self.trainer.state.global_step))
-            steps = []
-            for sample in row.samples:
-                known = self.versions.get(id(sample.get("old_log_probs")))
-                steps.append(self.synced_at.get(known[1], -1) if known is not None else -1)
-            # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:DataCollatorForRollout.torch_call pads it
-            out["tim_weights_step"] = torch.tensor(steps, dtype=torch.long)[out["segment_id"]] \
-                if steps else torch.zeros(0, dtype=torch.long)
+            try:
+                # the version live now was synced at the end of the step just finished (fetches run at a step's
+                # start)
+                self.synced_at.setdefault(int(self.trainer.model_version), int(self.trainer.state.global_step))
+                steps = []
+                for sample in row.samples:  # each sample is packed once: its record goes
+                    known = self.versions.pop(id(sample.get("old_log_probs")), None)
+                    steps.append(self.synced_at.get(known[1], -1) if known is not None else -1)
+                # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:DataCollatorForRollout.torch_call
+                # pads it with the other per-token columns
+                out["tim_weights_step"] = torch.tensor(steps, dtype=torch.long)[out["segment_id"]] \
+                    if steps else torch.zeros(0, dtype=torch.long)
+            except Exception as err:  # a diagnostic problem never breaks the training step: the lags go unknown
+                self.cb.pipeline.count("async_lag_unknown", detail=f"packing: {err!r}")
+                out["tim_weights_step"] = torch.full_like(out["segment_id"], -1)  # every row has the column
             return out
 
         return pack

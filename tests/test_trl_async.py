@@ -154,7 +154,9 @@ def test_report_answers_mismatch_or_staleness_from_the_dump_folder(async_run, to
     trainer, cb, engine, passes, dump = async_run
     ref = reference_passes(toy_model_path, engine, passes)
     html = build_report(dump).read_text()
-    section = html[html.index("Mismatch or staleness?"):]
+    verdict = html[:html.index("Mismatch or staleness?</h2>")]
+    assert "Mismatch or staleness: Staleness dominates" in verdict  # in the verdict block at the top too
+    section = html[html.index("Mismatch or staleness?</h2>"):]
     assert "statistical: by policy lag" in section and "Staleness dominates" in section
     assert "max_staleness" in section  # TRL's fix for the dominant part
     pooled: dict[int, list] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["FIXES", "by_turn", "lag_verdict", "pooled_by", "split_rows", "staleness_section", "staleness_verdict"]
+__all__ = ["FIXES", "by_turn", "headline", "lag_verdict", "pooled_by", "split_rows", "staleness_section", "staleness_verdict"]
 
 # What reduces each part, per framework.
 FIXES = {
@@ -94,6 +94,16 @@ def lag_verdict(lags: dict[str, tuple[float, float]], framework: str | None) -> 
     return (f"{part.capitalize()} dominates: the mismatch floor (k3 {floor:.3g} at lag 0) is {share:.2%} of the "
             f"run's k3 ({total:.3g}), staleness the other {1 - share:.2%}.",
             FIXES["staleness_async" if part == "staleness" else part][fw])
+
+
+def headline(summary: dict) -> str | None:
+    """The section's verdict headline for the report's verdict block, or None when the run logged neither a split
+    nor statistics by lag."""
+    history = summary.get("log_history") or []
+    rows, lags = split_rows(history), pooled_by(history, "lag")
+    if rows:
+        return staleness_verdict(rows, summary.get("framework"))[0]
+    return lag_verdict(lags, summary.get("framework"))[0] if lags else None
 
 
 def staleness_section(page, summary: dict) -> None:

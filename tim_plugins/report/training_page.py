@@ -75,6 +75,11 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
                          f"over the last {q}.")
     v["extra"] = extra
     if summary:
+        from tim_plugins.report.staleness import headline
+
+        split = headline(summary)
+        if split is not None:
+            extra.append(f"Mismatch or staleness: {split}")
         findings = summary.get("findings", [])
         own = summary.get("own_audit")  # None: one audit (no rollout function of the run's own to audit apart)
         deliberate = summary.get("deliberate") or {}

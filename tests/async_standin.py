@@ -45,7 +45,7 @@ class StandInEngine:
     """Rollout worker + weight transfer in one: the toy model in bfloat16, loaded with the weights of the version it
     samples at (every synced version is kept), generating a group when the trainer finds the queue empty."""
 
-    def __init__(self, model_path, tokenizer, trainer_state):
+    def __init__(self, model_path, tokenizer, trainer_state, lengths=lambda k: NEW_TOKENS):
         self.engine = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
         self.params = dict(self.engine.named_parameters())
         self.tok, self.prompts, self.state = tokenizer, synthetic_prompts(256, seed=3), trainer_state
@@ -55,6 +55,7 @@ class StandInEngine:
         self.synced_at: dict[int, int] = {}  # version -> trainer global step when its weights were sent
         self.samples: list[dict] = []
         self.rng = np.random.default_rng(0)
+        self.lengths = lengths  # group index -> completion tokens
 
     # WeightTransferProtocol
     def init_weight_transfer(self): pass
@@ -82,8 +83,9 @@ class StandInEngine:
         prompt = self.tok(self.prompts[self.groups % len(self.prompts)], return_tensors="pt").input_ids
         with torch.no_grad():
             torch.manual_seed(self.groups)
-            seqs = self.engine.generate(prompt.repeat(GROUP, 1), do_sample=True, max_new_tokens=NEW_TOKENS,
-                                        min_new_tokens=NEW_TOKENS, pad_token_id=self.tok.pad_token_id)
+            n = self.lengths(self.groups)
+            seqs = self.engine.generate(prompt.repeat(GROUP, 1), do_sample=True, max_new_tokens=n, min_new_tokens=n,
+                                        pad_token_id=self.tok.pad_token_id)
             logits = self.engine(seqs).logits.float()
         logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, seqs[:, 1:, None])[..., 0]
         for i in range(GROUP):

@@ -41,23 +41,28 @@ pytestmark = pytest.mark.trl
 STEPS = 8
 
 
+def _trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS):
+    """AsyncGRPOTrainer with the stand-in engine: two micro-batches (one group each) per step, a sync every step."""
+    tok = AutoTokenizer.from_pretrained(model_path)
+    holder = {}
+    engine = StandInEngine(model_path, tok, lambda: holder["trainer"].state, lengths)
+    args = async_grpo.AsyncGRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2,
+        num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=steps, logging_steps=1, report_to=[],
+        save_strategy="no", learning_rate=3e-3, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
+        weight_sync_steps=1)
+    trainer = holder["trainer"] = async_grpo.AsyncGRPOTrainer(
+        model=str(model_path), reward_funcs=lambda **kw: [0.0], args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}), processing_class=tok,
+        rollout_worker=engine, weight_transfer=engine)
+    return trainer, engine
+
+
 @pytest.fixture(scope="module")
 def async_run(toy_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
     undo = install_cpu_shims()
-    tok = AutoTokenizer.from_pretrained(toy_model_path)
-    holder = {}
-    engine = StandInEngine(toy_model_path, tok, lambda: holder["trainer"].state)
-    args = async_grpo.AsyncGRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2,
-        num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=STEPS, logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=3e-3, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
-        weight_sync_steps=1)
-    trainer = async_grpo.AsyncGRPOTrainer(
-        model=str(toy_model_path), reward_funcs=lambda **kw: [0.0], args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}), processing_class=tok,
-        rollout_worker=engine, weight_transfer=engine)
-    holder["trainer"] = trainer
+    trainer, engine = _trainer(toy_model_path, out, STEPS)
     # test side: the weights the trainer holds at each loss call (the reference's), and which samples it trains
     passes, original = [], trainer.compute_loss
 
@@ -232,3 +237,33 @@ def test_a_sample_without_a_version_is_passed_through_unrecorded():
     rec = _RecordingQueue(inner, versions)
     assert rec.get() is bad and rec.get() is good and rec.qsize() == 0
     assert list(versions.values()) == [(good.old_log_probs, 4)]
+
+
+def test_lr_decay_fires_on_the_trained_length_surge(toy_model_path, tmp_path):
+    """lr_decay=True on AsyncGRPOTrainer: the length signal is the mean trained tokens per sample of each step. The
+    stand-in's groups 0-3 (steps 1-2) have 2 tokens, the later ones 6 (4 trained where a group has its tool
+    segment): with a 2-step warm-up, window 1, margin 0.5 and patience 1 the rule fires at step 3 (mean 5 > 1.5 x
+    2), and the constant schedule's learning rate halves from step 4 on (TRL's own logged value)."""
+    from tim_plugins.lr_control import LRDecayConfig
+
+    undo = install_cpu_shims()
+    try:
+        trainer, engine = _trainer(toy_model_path, tmp_path, 5, lengths=lambda k: 2 if k < 4 else NEW_TOKENS)
+        opts = LRDecayConfig(warmup_steps=2, window=1, patience=1, margin=0.5, cooldown=100, decay_factor=0.5)
+        cb = TIMCallback(trainer, TIMConfig(parity_audit=False, lr_decay=True, lr_decay_options=opts))
+        trainer.add_callback(cb)
+        trainer.train()
+    finally:
+        undo()
+    assert cb.pipeline.lr_controller.trigger_steps == [3]
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    for step in range(1, 6):
+        assert logged[step]["learning_rate"] == pytest.approx(3e-3 * (0.5 if step > 3 else 1.0), rel=1e-12), step
+    assert logged[3]["tim/lr/triggered"] == 1.0
+    # the signal itself (window 1: the step's value): step s trains groups 2s-2 and 2s-1, in the order generated
+    trained = [int(s["mask"].sum()) for s in engine.samples]
+    for step in range(1, 6):
+        want = np.mean(trained[(step - 1) * 2 * GROUP: step * 2 * GROUP])
+        assert logged[step]["tim/lr/window_length"] == want, step
+    assert [logged[s]["tim/lr/window_length"] for s in (1, 2, 3)] == [2.0, 2.0, 5.0]
+    assert not any(s.name == "async_lr_decay" for s in cb.features_off)

@@ -45,7 +45,7 @@ from .safe_vocab import SafeLogprobs, SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
 from .staleness import SplitStats, staleness_metrics
 
-__all__ = ["PipelineConfig", "StepPipeline", "fit_bins", "mean_response_length", "STATE_VERSION"]
+__all__ = ["PipelineConfig", "StepPipeline", "exact_mean", "fit_bins", "mean_response_length", "STATE_VERSION"]
 
 logger = logging.getLogger("tim_plugins")
 STATE_VERSION = 1
@@ -90,8 +90,14 @@ def mean_response_length(mask: torch.Tensor, *, sync: bool = True, group=None) -
     """Mean number of response tokens per sequence of a [B, T] mask (nested [B, j] too), exact over ``group``
     when ``sync`` (every rank must call it); NaN without a sequence."""
     per_seq = mask.values().sum() if mask.is_nested else mask.sum()
-    sums = torch.stack([per_seq.double(), torch.tensor(float(mask.size(0)), dtype=torch.float64,
-                                                       device=per_seq.device)])
+    return exact_mean(torch.stack([per_seq.double(), torch.tensor(float(mask.size(0)), dtype=torch.float64,
+                                                                   device=per_seq.device)]), sync=sync, group=group)
+
+
+def exact_mean(total_count: torch.Tensor, *, sync: bool = True, group=None) -> float:
+    """total / count of a float64 [2] tensor (total, count), both summed over ``group`` first when ``sync`` (every
+    rank must call it); NaN when the count is 0."""
+    sums = total_count.double().clone()
     if sync:
         all_reduce_sum_max(sums, torch.empty(0, dtype=torch.float64, device=sums.device), group)
     total, count = sums.tolist()

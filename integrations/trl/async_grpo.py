@@ -32,6 +32,7 @@ from collections import OrderedDict
 import torch
 
 from tim_plugins.by_key import turn_keys
+from tim_plugins.pipeline import exact_mean
 
 from . import hooks, translate
 
@@ -78,6 +79,7 @@ class AsyncAttachment:
         self.cb, self.trainer = callback, callback.trainer
         self.versions: OrderedDict = OrderedDict()  # id(old_log_probs) -> (old_log_probs, model_version)
         self.synced_at: dict[int, int] = {}  # model_version -> global step whose weights it carries
+        self.lengths = torch.zeros(2, dtype=torch.float64)  # this step's (trained tokens, samples), this rank
         # before train(): get_train_dataloader reads it before any callback event
         # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.get_train_dataloader
         self.queue_patch = hooks.Patch(self.trainer, "rollout_queue",
@@ -123,6 +125,13 @@ class AsyncAttachment:
         return pack
 
     # -------------------------------------------------------------------------------------------- every rank
+    def step_length(self) -> float:
+        """Mean trained tokens per sample over this optimizer step's loss calls on every rank (the LR decay's length
+        signal; a collective: every rank calls it once per step), and a fresh count for the next step."""
+        length = exact_mean(self.lengths)
+        self.lengths = torch.zeros_like(self.lengths)
+        return length
+
     def _wrap_loss(self, original):
         def compute_loss(model, inputs, *args, **kwargs):
             if not self.trainer.model.training:
@@ -152,6 +161,9 @@ class AsyncAttachment:
         if rows is None:
             return
         step = int(self.trainer.state.global_step)
+        per_sample = rows["mask"].sum(1)
+        self.lengths = self.lengths.to(per_sample.device) + torch.stack(
+            [per_sample.sum(), (per_sample > 0).sum()]).double()
         weights_step = rows["weights_step"]
         known = rows["mask"] & (weights_step >= 0)
         unknown = int((rows["mask"] & ~known).sum())

@@ -169,7 +169,7 @@ class TIMCallback(TrainerCallback):
             if getattr(config, name) not in (False, None):
                 self._available(features.async_unsupported(name))
         pipeline_config = translate.pipeline_config(trainer, config, "vllm", safe_vocab=False, loss_factor=False)
-        pipeline_config.lr_decay, pipeline_config.exact_split = None, False  # no π_old: the split is by lag
+        pipeline_config.exact_split = False  # no π_old: the split is by lag
         self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index)
         for status in self.features_off:
             self.pipeline.feature_off(status.name)
@@ -432,7 +432,10 @@ class TIMCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.config.enabled:
             return
-        scale = self.pipeline.end_step(state.global_step, response_length=self._length, grad_norm=self._grad_norm)
+        length = self._length
+        if self._async is not None and self.pipeline.lr_controller is not None:
+            length = self._async.step_length()  # the samples this step trained (one collective, every rank)
+        scale = self.pipeline.end_step(state.global_step, response_length=length, grad_norm=self._grad_norm)
         if scale is not None:
             # Through the scheduler's base_lrs and _last_lr as well as the param groups: TRL's logged
             # learning_rate (scheduler.get_last_lr()) shows the decay from the next step.

@@ -139,7 +139,6 @@ ASYNC_MONITOR = Feature(
 ASYNC_UNSUPPORTED = {
     "safe_vocab": "the safe vocabulary needs GRPOTrainer's log-prob call and sampler",
     "is_correction": "the IS corrections reach the loss through GRPOTrainer's advantages",
-    "lr_decay": "the LR decay's response-length signal comes from GRPOTrainer's generation batch",
     "parity_audit": "the parity audit reads GRPOTrainer's vLLM engine or client",
 }
 

@@ -267,3 +267,32 @@ def test_lr_decay_fires_on_the_trained_length_surge(toy_model_path, tmp_path):
         assert logged[step]["tim/lr/window_length"] == want, step
     assert [logged[s]["tim/lr/window_length"] for s in (1, 2, 3)] == [2.0, 2.0, 5.0]
     assert not any(s.name == "async_lr_decay" for s in cb.features_off)
+
+
+def test_tokens_of_an_unseen_version_are_counted_not_keyed(toy_model_path, tmp_path):
+    """A sample whose policy version was never synced in this run (as after a resume) trains as usual; its tokens
+    are counted under tim/diag/async_lag_unknown and left out of every bucket."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    undo = install_cpu_shims()
+    try:
+        trainer, engine = _trainer(toy_model_path, tmp_path, 2)
+        put = engine.rollout_buffer.put
+
+        def put_unseen(sample: RolloutSample, *a, **k):  # group 1 claims a version this run never synced
+            if sample.group_id == 1:
+                sample.model_version = 99
+            return put(sample, *a, **k)
+
+        engine.rollout_buffer.put = put_unseen
+        cb = TIMCallback(trainer, TIMConfig(parity_audit=False))
+        trainer.add_callback(cb)
+        trainer.train()
+    finally:
+        undo()
+    unseen = sum(int(s["mask"].sum()) for s in engine.samples[GROUP:2 * GROUP])
+    assert cb.pipeline.diag == {"async_lag_unknown": float(unseen)}
+    step1 = next(h for h in trainer.state.log_history if h.get("step") == 1 and "loss" in h)
+    keyed = sum(v for k, v in step1.items() if k.startswith("tim/by_lag/") and k.endswith("/count") and v)
+    assert keyed == sum(int(s["mask"].sum()) for s in engine.samples[:2 * GROUP]) - unseen
+    assert step1["tim/diag/async_lag_unknown"] == unseen

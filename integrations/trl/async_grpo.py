@@ -26,6 +26,7 @@ Where it hooks (``hooks.TRL_SOURCES``, checked by ``features.ASYNC_MONITOR``):
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import OrderedDict
 
@@ -80,6 +81,7 @@ class AsyncAttachment:
         self.versions: OrderedDict = OrderedDict()  # id(old_log_probs) -> (old_log_probs, model_version)
         self.synced_at: dict[int, int] = {}  # model_version -> global step whose weights it carries
         self.lengths = torch.zeros(2, dtype=torch.float64)  # this step's (trained tokens, samples), this rank
+        self.unknown = torch.zeros((), dtype=torch.long)  # this step's tokens of unknown lag, this rank
         # before train(): get_train_dataloader reads it before any callback event
         # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.get_train_dataloader
         self.queue_patch = hooks.Patch(self.trainer, "rollout_queue",
@@ -125,12 +127,17 @@ class AsyncAttachment:
         return pack
 
     # -------------------------------------------------------------------------------------------- every rank
-    def step_length(self) -> float:
-        """Mean trained tokens per sample over this optimizer step's loss calls on every rank (the LR decay's length
-        signal; a collective: every rank calls it once per step), and a fresh count for the next step."""
-        length = exact_mean(self.lengths)
-        self.lengths = torch.zeros_like(self.lengths)
-        return length
+    def end_step(self, length: bool) -> float:
+        """Close this rank's optimizer step: count its tokens of unknown lag (one host read per step, not per loss
+        call) and, with ``length``, return the mean trained tokens per sample over the step's loss calls on every
+        rank (the LR decay's length signal; a collective: every rank calls it); NaN without ``length``."""
+        unknown = int(self.unknown)
+        if unknown:
+            self.cb.pipeline.count("async_lag_unknown", unknown,
+                                   detail="tokens whose sample's policy version was not seen (synced before this run)")
+        mean = exact_mean(self.lengths) if length else math.nan
+        self.lengths, self.unknown = torch.zeros_like(self.lengths), torch.zeros_like(self.unknown)
+        return mean
 
     def _wrap_loss(self, original):
         def compute_loss(model, inputs, *args, **kwargs):
@@ -166,10 +173,7 @@ class AsyncAttachment:
             [per_sample.sum(), (per_sample > 0).sum()]).double()
         weights_step = rows["weights_step"]
         known = rows["mask"] & (weights_step >= 0)
-        unknown = int((rows["mask"] & ~known).sum())
-        if unknown:
-            pipeline.count("async_lag_unknown", unknown,
-                           detail="tokens whose sample's policy version was not seen (synced before this run)")
+        self.unknown = self.unknown.to(known.device) + (rows["mask"] & ~known).sum()
         lag = (step - weights_step).clamp(min=0)
         turn = turn_keys(rows["mask"])
         pipeline.measure(rows["rollout"], rows["current"], known & (lag == 0), token_ids=rows["token_ids"],

@@ -433,8 +433,8 @@ class TIMCallback(TrainerCallback):
         if not self.config.enabled:
             return
         length = self._length
-        if self._async is not None and self.pipeline.lr_controller is not None:
-            length = self._async.step_length()  # the samples this step trained (one collective, every rank)
+        if self._async is not None:  # the samples this step trained (with LR decay, one collective: every rank)
+            length = self._async.end_step(length=self.pipeline.lr_controller is not None)
         scale = self.pipeline.end_step(state.global_step, response_length=length, grad_norm=self._grad_norm)
         if scale is not None:
             # Through the scheduler's base_lrs and _last_lr as well as the param groups: TRL's logged

@@ -5,14 +5,15 @@ What runs: ``AsyncGRPOTrainer.train()`` itself (its dataloader, rollout queue, p
 accelerate's dispatcher, its loss, weight syncs and logging), with the two seams TRL documents for tests: a
 rollout worker (``RolloutWorkerProtocol``) and a weight transfer (``WeightTransferProtocol``). The stand-in engine
 behind them is the toy model in bfloat16 (the injected mismatch) loaded with the weights each sync sends; it samples
-with HF generate, scores its samples in bfloat16 and hands them over in a fixed schedule of in-flight delays, so a
-step trains samples of several policy versions.
+with HF generate from a version 0, 1 or 2 syncs back in a fixed schedule (``async_standin.fetch_lag``) and scores
+its samples in bfloat16, so a step trains samples of several policy versions.
 
 Two test-only shims, both for what needs a GPU: TRL's tree attention calls the FlashAttention-3 kernel from the
 Hub (``kernels``), replaced by a plain causal attention over the same tree layout; and the trainer's MFU set-up asks
-``torch.cuda`` for the device name, answered with "unknown" (MFU off, as TRL does for an unknown device).
+``torch.cuda`` for the device name, answered with no peak FLOPs (MFU off, as TRL does for an unknown device).
 
-What is not run: the vLLM server and TRL's own ``AsyncRolloutWorker`` (it needs the server); several processes.
+What is not run: the vLLM server and TRL's own ``AsyncRolloutWorker`` (it needs the server). Two processes:
+tests/test_trl_async_two_procs.py.
 
 References, computed here independently of the callback: each sample's policy lag from the step the stand-in saw
 each version synced at and the step that trained it (found by its log-probs), and the trainer's log-probs from a

@@ -151,6 +151,28 @@ def reference_passes(model_path, engine: StandInEngine, passes) -> dict[int, lis
     return out
 
 
+def make_trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS):
+    """AsyncGRPOTrainer with the stand-in engine: two micro-batches (one group each) per step, a sync every step.
+    Returns (trainer, engine)."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    holder = {}
+    engine = StandInEngine(model_path, tok, lambda: holder["trainer"].state, lengths)
+    args = AsyncGRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2,
+        num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=steps, logging_steps=1, report_to=[],
+        save_strategy="no", learning_rate=3e-3, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
+        weight_sync_steps=1)
+    trainer = holder["trainer"] = AsyncGRPOTrainer(
+        model=str(model_path), reward_funcs=lambda **kw: [0.0], args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}), processing_class=tok,
+        rollout_worker=engine, weight_transfer=engine)
+    return trainer, engine
+
+
 def install_cpu_shims():
     """What needs a GPU, for CPU runs, installed before the trainer is built: its tree attention registration also
     registers the plain one over it (the FA3 kernel comes from the Hub), and no MFU (no CUDA device name). Returns

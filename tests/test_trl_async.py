@@ -27,43 +27,23 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
+pytest.importorskip("datasets")
 pytest.importorskip("trl.experimental.async_grpo.packing")  # the packed trainer (TRL >= 1.16)
-async_grpo = pytest.importorskip("trl.experimental.async_grpo")
 
-from async_standin import GROUP, NEW_TOKENS, StandInEngine, install_cpu_shims, reference_passes  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from async_standin import GROUP, NEW_TOKENS, install_cpu_shims, make_trainer, reference_passes  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
-from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
 STEPS = 8
 
 
-def _trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS):
-    """AsyncGRPOTrainer with the stand-in engine: two micro-batches (one group each) per step, a sync every step."""
-    tok = AutoTokenizer.from_pretrained(model_path)
-    holder = {}
-    engine = StandInEngine(model_path, tok, lambda: holder["trainer"].state, lengths)
-    args = async_grpo.AsyncGRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2,
-        num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=steps, logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=3e-3, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
-        weight_sync_steps=1)
-    trainer = holder["trainer"] = async_grpo.AsyncGRPOTrainer(
-        model=str(model_path), reward_funcs=lambda **kw: [0.0], args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}), processing_class=tok,
-        rollout_worker=engine, weight_transfer=engine)
-    return trainer, engine
-
-
 @pytest.fixture(scope="module")
 def async_run(toy_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
     undo = install_cpu_shims()
-    trainer, engine = _trainer(toy_model_path, out, STEPS)
+    trainer, engine = make_trainer(toy_model_path, out, STEPS)
     # test side: the weights the trainer holds at each loss call (the reference's), and which samples it trains
     passes, original = [], trainer.compute_loss
 
@@ -249,7 +229,7 @@ def test_lr_decay_fires_on_the_trained_length_surge(toy_model_path, tmp_path):
 
     undo = install_cpu_shims()
     try:
-        trainer, engine = _trainer(toy_model_path, tmp_path, 5, lengths=lambda k: 2 if k < 4 else NEW_TOKENS)
+        trainer, engine = make_trainer(toy_model_path, tmp_path, 5, lengths=lambda k: 2 if k < 4 else NEW_TOKENS)
         opts = LRDecayConfig(warmup_steps=2, window=1, patience=1, margin=0.5, cooldown=100, decay_factor=0.5)
         cb = TIMCallback(trainer, TIMConfig(parity_audit=False, lr_decay=True, lr_decay_options=opts))
         trainer.add_callback(cb)
@@ -277,7 +257,7 @@ def test_tokens_of_an_unseen_version_are_counted_not_keyed(toy_model_path, tmp_p
 
     undo = install_cpu_shims()
     try:
-        trainer, engine = _trainer(toy_model_path, tmp_path, 2)
+        trainer, engine = make_trainer(toy_model_path, tmp_path, 2)
         put = engine.rollout_buffer.put
 
         def put_unseen(sample: RolloutSample, *a, **k):  # group 1 claims a version this run never synced

@@ -30,30 +30,14 @@ def main(argv=None) -> None:
     t0 = time.time()
     out = Path(args.out)
 
-    import datasets
     import numpy as np
     import torch.distributed as dist
-    from async_standin import GROUP, NEW_TOKENS, StandInEngine, install_cpu_shims
-    from transformers import AutoTokenizer
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from async_standin import install_cpu_shims, make_trainer
 
     from tim_plugins.integrations.trl import TIMCallback, TIMConfig
-    from tim_plugins.toy_model import synthetic_prompts
 
     install_cpu_shims()
-    tok = AutoTokenizer.from_pretrained(args.model)
-    holder = {}
-    engine = StandInEngine(args.model, tok, lambda: holder["trainer"].state)
-    config = AsyncGRPOConfig(
-        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP,
-        gradient_accumulation_steps=2, num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=args.steps,
-        logging_steps=1, report_to=[], save_strategy="no", learning_rate=3e-3, seed=0, disable_tqdm=True,
-        token_budget=0, max_staleness=16, weight_sync_steps=1)
-    trainer = AsyncGRPOTrainer(
-        model=args.model, reward_funcs=lambda **kw: [0.0], args=config,
-        train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}), processing_class=tok,
-        rollout_worker=engine, weight_transfer=engine)
-    holder["trainer"] = trainer
+    trainer, engine = make_trainer(args.model, out / "trainer", args.steps)
     rank = trainer.accelerator.process_index
 
     passes, original = [], trainer.compute_loss

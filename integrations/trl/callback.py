@@ -39,7 +39,7 @@ from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.dump import append_log_history
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.lr_scaling import apply_lr_scale
-from tim_plugins.pipeline import StepPipeline, mean_response_length
+from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
 from tim_plugins.rollout.exact import exact_generate
 from tim_plugins.rollout.inject import TailNoiseInjector
 from tim_plugins.truncation import Truncation
@@ -130,9 +130,19 @@ class TIMCallback(TrainerCallback):
         if not monitor.available:  # the measurement points themselves: nothing to attach to
             raise RuntimeError(f"tim_plugins: TIMCallback cannot attach to this TRL: {monitor.reason} "
                                f"(trl {monitor.version}). Fix: {monitor.fix}")
+        pipeline_config = self._async_config(trainer, config) if asynchronous else self._grpo_config(trainer, config)
+        self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index)
+        for status in self.features_off:
+            self.pipeline.feature_off(status.name)
+        trainer.add_callback(self.state_carrier)
+        self._installation = hooks.Installation(trainer)
         if asynchronous:
-            self._init_async(trainer, config)
-            return
+            self._async = AsyncAttachment(self)
+        else:
+            self._logps_sig = inspect.signature(type(trainer)._get_per_token_logps_and_entropies)
+
+    def _grpo_config(self, trainer, config: TIMConfig) -> PipelineConfig:
+        """GRPOTrainer: where the rollout log-probs come from, the safe-vocab route and what TRL's loss can take."""
         self.rollout_source = translate.rollout_source(trainer, config)
         if self.rollout_source in ("hf", "inject", "exact"):
             needed = features.EXACT_SAMPLER if self.rollout_source == "exact" else features.HF_RECORDER
@@ -150,16 +160,10 @@ class TIMCallback(TrainerCallback):
             loss_factor = self._available(check(features.LOSS_FACTOR))
         if self.rollout_source == "inject":
             self.injector = TailNoiseInjector.from_config(config.inject_options)
-        self.pipeline = StepPipeline(
-            translate.pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
-                             loss_factor=loss_factor), rank=trainer.accelerator.process_index)
-        for status in self.features_off:
-            self.pipeline.feature_off(status.name)
-        self._logps_sig = inspect.signature(type(trainer)._get_per_token_logps_and_entropies)
-        trainer.add_callback(self.state_carrier)
-        self._installation = hooks.Installation(trainer)
+        return translate.pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
+                                         loss_factor=loss_factor)
 
-    def _init_async(self, trainer, config: TIMConfig) -> None:
+    def _async_config(self, trainer, config: TIMConfig) -> PipelineConfig:
         """AsyncGRPOTrainer (``async_grpo.py``): the monitor by policy lag; what needs GRPOTrainer is switched off."""
         if config.rollout != "auto":
             raise ValueError(f"TIMConfig.rollout={config.rollout!r}: AsyncGRPOTrainer's rollouts come from its rollout "
@@ -170,12 +174,7 @@ class TIMCallback(TrainerCallback):
                 self._available(features.async_unsupported(name))
         pipeline_config = translate.pipeline_config(trainer, config, "vllm", safe_vocab=False, loss_factor=False)
         pipeline_config.exact_split = False  # no π_old: the split is by lag
-        self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index)
-        for status in self.features_off:
-            self.pipeline.feature_off(status.name)
-        trainer.add_callback(self.state_carrier)
-        self._installation = hooks.Installation(trainer)
-        self._async = AsyncAttachment(self)
+        return pipeline_config
 
     def _available(self, status: Status) -> bool:
         """True when ``status`` is available; else the feature is switched off with one warning (strict: raise)."""

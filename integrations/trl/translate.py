@@ -252,11 +252,11 @@ def packed_rows(inputs: dict, log_probs: torch.Tensor) -> dict | None:
         return None
     unpadded = inputs["attention_mask"].bool()
     position = inputs["position_ids"][unpadded][token_index] + 1  # a token is scored off its predecessor's position
-    samples = int(segment.max()) + 1
-    first = torch.full((samples,), int(position.max()) + 1, dtype=position.dtype, device=position.device)
+    last_sample, last_position = torch.stack([segment.max(), position.max()]).tolist()  # one host read
+    first = torch.full((last_sample + 1,), last_position + 1, dtype=position.dtype, device=position.device)
     first = first.scatter_reduce(0, segment, position, reduce="amin")
     column = position - first[segment]
-    shape = (samples, int(column.max()) + 1)
+    shape = (last_sample + 1, int(column.max()) + 1)
 
     def lay(values: torch.Tensor, fill) -> torch.Tensor:
         out = torch.full(shape, fill, dtype=values.dtype, device=values.device)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["FIXES", "by_turn", "headline", "lag_verdict", "pooled_by", "split_rows", "staleness_section", "staleness_verdict"]
+__all__ = ["FIXES", "by_turn", "headline", "lag_verdict", "pooled_by", "split_rows", "staleness_section",
+           "staleness_verdict"]
 
 # What reduces each part, per framework.
 FIXES = {
@@ -33,8 +34,8 @@ FIXES = {
 
 
 def split_rows(log_history: list[dict]) -> list[dict]:
-    """Per logged step with a split: {step, tokens, staleness_share, mismatch_share, cov_share, staleness_k3,
-    mismatch_k3, by_lag: {lag: (count, k3)}}."""
+    """Per logged step with a split: {step, tokens, staleness_share, mismatch_share, cov_share, total_var,
+    staleness_k3, mismatch_k3} (the statistics by lag: ``pooled_by(log_history, "lag")``)."""
     rows = []
     for h in log_history:
         if not h.get("tim/split/tokens"):
@@ -44,16 +45,11 @@ def split_rows(log_history: list[dict]) -> list[dict]:
             v = h.get(key)
             return math.nan if v is None else float(v)
 
-        lags = {}
-        for key, value in h.items():
-            m = re.fullmatch(r"tim/by_lag/([^/]+)/count", key)
-            if m and value:
-                lags[m.group(1)] = (float(value), num(f"tim/by_lag/{m.group(1)}/kl_k3"))
         rows.append({"step": int(h.get("step", len(rows) + 1)), "tokens": num("tim/split/tokens"),
                      "staleness_share": num("tim/split/staleness_var_share"),
                      "mismatch_share": num("tim/split/mismatch_var_share"), "cov_share": num("tim/split/cov_share"),
                      "total_var": num("tim/split/total_var"), "staleness_k3": num("tim/staleness/token/kl_k3"),
-                     "mismatch_k3": num("tim/token/kl_k3"), "by_lag": lags})
+                     "mismatch_k3": num("tim/token/kl_k3")})
     return rows
 
 
@@ -96,36 +92,40 @@ def lag_verdict(lags: dict[str, tuple[float, float]], framework: str | None) -> 
             FIXES["staleness_async" if part == "staleness" else part][fw])
 
 
-def headline(summary: dict) -> str | None:
-    """The section's verdict headline for the report's verdict block, or None when the run logged neither a split
-    nor statistics by lag."""
+def _read(summary: dict) -> tuple[list[dict], dict, str, str] | None:
+    """(split rows, pooled statistics by lag, headline, fix) of the run, the exact split's verdict where it logged
+    one, else the statistical one by lag; None when it logged neither."""
     history = summary.get("log_history") or []
     rows, lags = split_rows(history), pooled_by(history, "lag")
-    if rows:
-        return staleness_verdict(rows, summary.get("framework"))[0]
-    return lag_verdict(lags, summary.get("framework"))[0] if lags else None
+    if not rows and not lags:
+        return None
+    verdict = staleness_verdict(rows, summary.get("framework")) if rows else lag_verdict(lags, summary.get("framework"))
+    return rows, lags, *verdict
+
+
+def headline(summary: dict) -> str | None:
+    """The section's verdict headline for the report's verdict block, or None when the section has nothing."""
+    read = _read(summary)
+    return None if read is None else read[2]
 
 
 def staleness_section(page, summary: dict) -> None:
     """The section, when the run logged a split (TRL runs with the callback's monitor, verl runs with the monitor
     and a dump: its log_history.jsonl) or, where π_old is not computed (AsyncGRPOTrainer), its statistics by lag."""
-    history = summary.get("log_history") or []
-    rows, lags = split_rows(history), pooled_by(history, "lag")
-    if not rows and not lags:
+    read = _read(summary)
+    if read is None:
         return
+    rows, lags, line, fix = read
     page.h2("Mismatch or staleness?")
     page.raw("<p>Each loss pass sees the log-ratio d = log π<sub>θ</sub> − log π<sub>rollout</sub> = s + m: "
              "<b>staleness</b> s = log π<sub>θ</sub> − log π<sub>old</sub> (the policy moved since the batch was "
              "sampled: batch reuse, asynchronous rollouts) and <b>mismatch</b> m = log π<sub>old</sub> − log "
              "π<sub>rollout</sub> (the same weights scored by two stacks). π<sub>old</sub> is the trainer at the "
              "rollout's weights, the monitor's measurement point. The fixes differ completely.</p>")
-    if rows:
-        headline, fix = staleness_verdict(rows, summary.get("framework"))
-    else:
+    if not rows:
         page.raw("<p>This trainer never computes π<sub>old</sub> (asynchronous rollouts), so the split is "
                  "statistical: by policy lag.</p>")
-        headline, fix = lag_verdict(lags, summary.get("framework"))
-    page.raw(f"<p><b>{_escape(headline)}</b>" + (f" Fix: {_escape(fix)}." if fix else "") + "</p>")
+    page.raw(f"<p><b>{_escape(line)}</b>" + (f" Fix: {_escape(fix)}." if fix else "") + "</p>")
     if rows:
         page.table(["step", "tokens", "staleness share of Var(d)", "mismatch share", "2·Cov share", "staleness k3",
                     "mismatch k3 (when sampled)"],
@@ -139,7 +139,7 @@ def staleness_section(page, summary: dict) -> None:
                  "that trains it): k3 of the whole log-ratio. Lag 0 is the mismatch floor; its growth with the lag "
                  "is staleness.</p>")
         page.table(["lag", "tokens", "k3 of d"], [[lag, int(n), _g(k3)] for lag, (n, k3) in lags.items()])
-    turns = by_turn(history)
+    turns = by_turn(summary.get("log_history") or [])
     if len(turns) > 1:
         page.raw("<p>By turn (multi-turn rollouts; turn k is the model's answer after k environment or tool "
                  "messages): the mismatch at the measurement point. A k3 that grows with the turn points at "

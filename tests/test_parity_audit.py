@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tim_plugins.parity import CODES, ParityError, PipelineSpec, audit, enforce
+from tim_plugins.parity.findings import codes_markdown
 from tim_plugins.parity.audit import FIXABLE
 from tim_plugins.parity.vllm_spec import apply_engine_args, parse_engine_args, spec_from_engine_args
 
@@ -50,6 +51,9 @@ def test_readme_documents_every_code():
     section = readme.split("<!-- section:parity -->")[1].split("<!-- /section:parity -->")[0]
     for code in EXPECTED_CODES:
         assert f"`{code}`" in section, code
+    # the list is the registry's, with every installed adapter's knobs (tim_plugins.fixes)
+    codes = section.split("<!-- codes: tim_plugins.parity.findings.codes_markdown() -->\n")[1].split("\n<!-- /codes -->")[0]
+    assert codes == codes_markdown(), "docs/parity.md: paste tim_plugins.parity.findings.codes_markdown() between the markers"
 
 
 def test_matched_specs_have_no_findings():
@@ -281,7 +285,6 @@ def test_cli_audit_verl_without_verl_fails_clearly(capsys):
 
 
 def test_findings_rows_and_table_show_each_finding_with_its_frameworks_knob():
-    from tim_plugins.parity.findings import FRAMEWORK_NAMES
     from tim_plugins.parity.table import FINDINGS_COLUMNS, findings_rows, findings_table
 
     rollout, trainer = matched_pair(dtype="bfloat16")
@@ -294,7 +297,8 @@ def test_findings_rows_and_table_show_each_finding_with_its_frameworks_knob():
     assert all(isinstance(cell, str) for row in rows for cell in row)  # ready for a log line or a wandb.Table
     unknown = findings_rows(findings, framework="no-such-framework")[0][5]
     # every knob, each named, when the framework is not listed
-    assert unknown == "; ".join(f"{FRAMEWORK_NAMES[k]}: {v}" for k, v in findings[0].fix.items())
+    names = {"vllm": "vLLM", "hf": "transformers", "trl": "TRL", "verl": "verl"}  # the adapters' NAME for trl, verl
+    assert unknown == "; ".join(f"{names[k]}: {v}" for k, v in findings[0].fix.items())
     text = findings_table(findings, framework="verl")
     assert text.splitlines()[0].split() == list(FINDINGS_COLUMNS) and "dtype-mismatch" in text
     assert findings_table([]).startswith("no findings")
@@ -312,7 +316,8 @@ def test_fix_for_picks_the_run_s_framework_then_what_it_runs_on():
     assert fix_for(bi, "hf") == bi["tim_plugins"]
     hf_only = {k: v for k, v in bi.items() if k != "trl"}
     assert fix_for(hf_only, "trl") == f"vLLM: {bi['vllm']}; {bi['tim_plugins']}"
-    assert fix_for(hf_only, None) == f"vLLM: {bi['vllm']}; verl: {bi['verl']}; {bi['tim_plugins']}"
+    # no framework: every knob, the core's vocabularies first, then the adapters'
+    assert fix_for(hf_only, None) == f"vLLM: {bi['vllm']}; {bi['tim_plugins']}; verl: {bi['verl']}"
 
 
 def test_truncation_fix_keeps_the_users_sampling_first():

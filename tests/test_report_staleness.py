@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tim_plugins.report.page import Page
-from tim_plugins.report.staleness import FIXES, split_rows, staleness_section, staleness_verdict
+from tim_plugins.fixes import part_fix
+from tim_plugins.report.staleness import split_rows, staleness_section, staleness_verdict
 
 
 def _step(step, tokens, var, s_share, m_share, lag_counts):
@@ -42,8 +43,8 @@ def test_verdict_pools_the_shares_and_names_the_fix():
     mism = (w[0] * 1.0 + w[1] * 0.08 + w[2] * 1.0) / sum(w)
     headline, fix = staleness_verdict(rows, "trl")
     assert headline.startswith("Staleness dominates") and f"staleness {stale:.0%}" in headline
-    assert f"mismatch {mism:.0%}" in headline and fix == FIXES["staleness"]["trl"]
-    assert staleness_verdict(rows, "verl")[1] == FIXES["staleness"]["verl"]
+    assert f"mismatch {mism:.0%}" in headline and fix == part_fix("staleness", "trl")
+    assert staleness_verdict(rows, "verl")[1] == part_fix("staleness", "verl")
 
 
 def test_section_tables():
@@ -61,7 +62,7 @@ def test_section_tables():
 def test_without_reuse_the_verdict_is_mismatch_only():
     history = [_step(s, 80, 1e-4, 0.0, 1.0, {"0": (80, 1e-4)}) for s in (1, 2)]
     headline, fix = staleness_verdict(split_rows(history), "trl")
-    assert headline.startswith("Mismatch only") and fix == FIXES["mismatch"]["trl"]
+    assert headline.startswith("Mismatch only") and fix == part_fix("mismatch", "trl")
 
 
 def test_no_split_no_section():
@@ -72,7 +73,7 @@ def test_no_split_no_section():
 @pytest.mark.parametrize("framework", [None, "verl"])
 def test_fix_follows_the_framework(framework):
     html = _render({"log_history": HISTORY, "framework": framework})
-    assert FIXES["staleness"]["verl" if framework == "verl" else "trl"].split(":")[0] in html
+    assert part_fix("staleness", framework).split(":")[0] in html
 
 
 def test_by_turn_table_pools_the_steps_token_weighted():
@@ -107,13 +108,13 @@ def test_lag_only_runs_get_the_statistical_split():
     total = (30 * 1e-4 + 10 * 4e-3 + 10 * 3e-4 + 20 * 9e-3) / 70
     headline, fix = lag_verdict(lags, "trl")
     assert headline.startswith("Staleness dominates") and f"{floor / total:.2%}" in headline
-    assert fix == FIXES["staleness_async"]["trl"]
+    assert fix == part_fix("staleness_async", "trl")
     html = _render({"log_history": history, "framework": "verl"})
-    assert "statistical: by policy lag" in html and FIXES["staleness_async"]["verl"] in html
+    assert "statistical: by policy lag" in html and part_fix("staleness_async", "verl") in html
     assert "By turn" not in html  # one turn only: no turn table
     # mismatch dominates when the lags barely add to the floor
     flat = {"0": (50.0, 1e-3), "1": (50.0, 1.1e-3)}
     assert lag_verdict(flat, "trl")[0].startswith("Mismatch dominates")
-    assert lag_verdict(flat, "trl")[1] == FIXES["mismatch"]["trl"]
+    assert lag_verdict(flat, "trl")[1] == part_fix("mismatch", "trl")
     headline, _ = lag_verdict({"2": (5.0, 1e-2), "3": (5.0, 2e-2)}, "trl")
     assert headline.startswith("No token trained at lag 0") and "(2)" in headline

@@ -30,6 +30,12 @@ eps = importlib.metadata.entry_points(group="verl.plugins")
 if not any(ep.value == "tim_plugins.integrations.verl.plugin" for ep in eps):
     raise SystemExit(f"verl.plugins entry point missing: {list(eps)}")
 
+# The trainer adapters' fixes reach the report from the wheel's metadata (tim_plugins.fixes).
+from tim_plugins.fixes import framework_fixes  # noqa: E402
+
+if set(framework_fixes()) != {"trl", "verl"}:
+    raise SystemExit(f"tim_plugins.fixes entry points missing from the wheel: {sorted(framework_fixes())}")
+
 # A fresh process, as verl's driver and Ray workers are: the entry point alone loads the plugin on `import verl`.
 code = ("import sys, verl; from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY; "
         "from verl.workers.engine import EngineRegistry; "

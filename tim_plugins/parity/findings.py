@@ -1,7 +1,9 @@
 """Parity findings: the stable codes, why each matters, and the knobs that fix it (one registry).
 
 The README's parity section and the CLI table are rendered from `CODES`; tests check the README lists them.
-Knob strings are exact: vLLM engine/sampling argument names, TRL `GRPOConfig` fields, verl Hydra overrides.
+Knob strings are exact. The registry holds the knobs in the core's own vocabulary (vLLM engine and sampling
+arguments, transformers loading arguments, tim-plugins commands); a trainer framework's knobs (TRL `GRPOConfig`
+fields, verl Hydra overrides) are its adapter's data (``tim_plugins.fixes``), merged into ``CodeInfo.fix``.
 """
 
 from __future__ import annotations
@@ -9,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tim_plugins.truncation import DEFAULT_MIN_P
+from tim_plugins.fixes import framework_fixes
 
 __all__ = [
     "Finding", "CodeInfo", "CODES", "SEVERITIES", "FRAMEWORK_NAMES", "ParityError", "make_finding", "fix_for",
-    "codes_markdown", "max_severity", "severity_counts",
+    "framework_name", "codes_markdown", "max_severity", "severity_counts",
 ]
 
 SEVERITIES = ("error", "warning", "info")
@@ -33,7 +35,16 @@ class CodeInfo:
     code: str
     title: str
     why: str
-    fix: dict = field(default_factory=dict)  # framework -> knob(s)
+    knobs: dict = field(default_factory=dict)  # the core's vocabulary (vllm, hf, tim_plugins) -> knob(s)
+
+    @property
+    def fix(self) -> dict:
+        """{vocabulary or framework: knob}: the core's knobs, then each installed adapter's (``tim_plugins.fixes``)."""
+        merged = dict(self.knobs)
+        for key, fixes in framework_fixes().items():
+            if self.code in fixes.finding_fixes:
+                merged[key] = fixes.finding_fixes[self.code]
+        return merged
 
 
 @dataclass
@@ -71,99 +82,59 @@ def _jsonable(value: Any) -> Any:
 
 
 _C = CodeInfo
-_COLOCATE = ("colocate: no GRPOConfig field (TRL builds LLM() itself): use server mode or pass "
-             "enforce(...).vllm_engine_args to that LLM()")
 CODES: dict[str, CodeInfo] = {c.code: c for c in (
     _C("dtype-mismatch", "rollout and trainer run different weight dtypes",
        "bf16 vs fp32 moves every logit by ~1e-2 relative; measured max |Δlog p| 0.26 on a tiny Qwen2 (vLLM bf16 "
        "vs HF fp32) against 4.6e-5 when both run fp32. The largest source of TIM in most stacks.",
-       {"vllm": "LLM(dtype=<trainer dtype>) / --dtype",
-        "trl": "TRL passes no dtype to LLM() (vLLM 'auto' runs fp32 checkpoints in bf16): train in the rollout "
-               "dtype (bf16=True) or server mode `trl vllm-serve --dtype <trainer dtype>`; " + _COLOCATE,
-        "verl": "actor_rollout_ref.rollout.dtype=<x> with "
-                "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=<bf16|fp16|fp32>"}),
+       {"vllm": "LLM(dtype=<trainer dtype>) / --dtype"}),
     _C("lm-head-precision-mismatch", "the lm_head (logits) runs in different precision on the two sides",
        "The logits' rounding enters every token's log-prob directly; matching precision matters more than fp32 "
        "on one side only (TRL cast_lm_head_to_fp32 changes the trainer but nothing passes it to vLLM).",
-       {"vllm": "LLM(hf_overrides={'head_dtype': 'float32'}) (or 'model' to follow dtype)",
-        "trl": "cast_lm_head_to_fp32=True plus the same head in vLLM: server mode append "
-               "--hf-overrides '{\"head_dtype\": \"float32\"}' (forwarded to vllm serve); " + _COLOCATE,
-        "verl": "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=float32"}),
+       {"vllm": "LLM(hf_overrides={'head_dtype': 'float32'}) (or 'model' to follow dtype)"}),
     _C("logprobs-mode-not-processed", "rollout log-probs are not those of the distribution sampled from",
        "vLLM's default raw_logprobs are taken before temperature, penalties and top-k/top-p: the ratio is then "
        "off by the processing itself (measured 0.63 max |Δ| at T=0.7, top-p 0.9), and *_logits modes are not "
        "log-probs at all.",
-       {"vllm": "LLM(logprobs_mode='processed_logprobs') / --logprobs-mode processed_logprobs",
-        "trl": "colocate and `trl vllm-serve` set it; a plain `vllm serve` needs --logprobs-mode processed_logprobs",
-        "verl": "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"}),
+       {"vllm": "LLM(logprobs_mode='processed_logprobs') / --logprobs-mode processed_logprobs"}),
     _C("sampler-truncation-unmatched", "rollout truncates (top-p/top-k/min-p) but the trainer does not",
        "Processed rollout log-probs are renormalised over the kept set, the trainer's over the full vocabulary: "
        "every token's ratio is biased by the kept mass, and tokens the trainer would prune get -inf on one side "
        "(TRL #6789, verl #6240).",
        {"vllm": "SamplingParams(top_p=1.0, top_k=0, min_p=0.0), or keep the truncation and apply it in the "
-                "trainer too (tim_plugins.safe_vocab)",
-        "trl": f"keep your sampling: TIMConfig(safe_vocab=True) with GRPOConfig(min_p={DEFAULT_MIN_P:g}) makes the trainer apply "
-               "the sampler's own min_p, top_p and top_k (token ratio back to 1); or top_p=1.0, top_k=0, "
-               "min_p=None (the GRPO trainer itself applies no truncation)",
-        "verl": f"prune the same tail on both sides: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} with "
-                "'+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
-                "min_p:TIMMinPLogitsProcessor]' +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
-                f"tim_min_p={DEFAULT_MIN_P:g} actor_rollout_ref.model.use_fused_kernels=false (the trainer side applies min_p "
-                "only, so with it actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1)"}),
+                "trainer too (tim_plugins.safe_vocab)"}),
     _C("temperature-mismatch", "the trainer divides logits by a different temperature than the sampler",
        "A temperature gap shifts every log-prob systematically (TRL #4159: ratio ~2 at T != 1).",
-       {"vllm": "SamplingParams(temperature=T) equal to the trainer's T",
-        "trl": "temperature=T (one field drives both sides; server mode must not override it)",
-        "verl": "actor_rollout_ref.rollout.temperature=T (the actor divides by the same value)"}),
+       {"vllm": "SamplingParams(temperature=T) equal to the trainer's T"}),
     _C("sampler-penalties-unmatched", "penalties / logit bias / bad words / custom processors on the rollout only",
        "Repetition, presence and frequency penalties, logit bias, bad-words masks and custom logits processors "
        "change the sampled distribution in ways the trainer never recomputes.",
        {"vllm": "SamplingParams(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, "
-                "logit_bias=None, bad_words=None), no logits_processors",
-        "trl": "repetition_penalty=1.0 and no penalties in generation_kwargs",
-        "verl": "actor_rollout_ref.rollout.repetition_penalty=1.0 (and none in engine/sampling kwargs)"}),
+                "logit_bias=None, bad_words=None), no logits_processors"}),
     _C("quantized-rollout", "the rollout runs quantized weights or a quantized KV cache",
        "fp8/int8 weights or KV cache change every logit (INT8 rollouts reach max token |Δp| = 1.0 on "
        "Qwen2.5-32B); the trainer computes in full precision.",
-       {"vllm": "LLM(quantization=None, kv_cache_dtype='auto')",
-        "trl": "do not load the policy with bitsandbytes 4-bit (TRL then sets quantization='bitsandbytes'); "
-               "server mode: `trl vllm-serve --kv_cache_dtype auto`",
-        "verl": "actor_rollout_ref.rollout.quantization=null "
-                "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=auto"}),
+       {"vllm": "LLM(quantization=None, kv_cache_dtype='auto')"}),
     _C("prefix-caching-on", "rollout reuses cached KV for shared prefixes",
        "Cached prefix KV was computed in another batch/chunk shape than a fresh prefill, and a cache not reset "
        "after a weight sync serves stale keys/values from the previous policy.",
-       {"vllm": "LLM(enable_prefix_caching=False) (or reset_prefix_cache() after every weight sync)",
-        "trl": "server mode: `trl vllm-serve --enable_prefix_caching False`; " + _COLOCATE,
-        "verl": "actor_rollout_ref.rollout.enable_prefix_caching=False"}),
+       {"vllm": "LLM(enable_prefix_caching=False) (or reset_prefix_cache() after every weight sync)"}),
     _C("chunked-prefill-on", "rollout splits long prefills into chunks",
        "A chunked prefill reduces attention in another order than the trainer's single pass over the sequence.",
-       {"vllm": "LLM(enable_chunked_prefill=False)",
-        "trl": "server mode: append --no-enable-chunked-prefill (forwarded to vllm serve); " + _COLOCATE,
-        "verl": "actor_rollout_ref.rollout.enable_chunked_prefill=False"}),
+       {"vllm": "LLM(enable_chunked_prefill=False)"}),
     _C("cudagraph-on", "rollout runs CUDA graphs / torch.compile while the trainer runs eager",
        "Graphs pad decode batches to capture sizes and compiled graphs fuse ops (e.g. fused_add_rms_norm on the "
        "fp32 sum): kernel choice and rounding then differ from the trainer's eager forward.",
-       {"vllm": "LLM(enforce_eager=True) or compilation_config={'cudagraph_mode': 'NONE'}",
-        "trl": "server mode: `trl vllm-serve --enforce_eager True`; " + _COLOCATE,
-        "verl": "actor_rollout_ref.rollout.enforce_eager=True"}),
+       {"vllm": "LLM(enforce_eager=True) or compilation_config={'cudagraph_mode': 'NONE'}"}),
     _C("batch-invariance-off", "log-probs depend on the batch they are computed in",
        "Batch-size-dependent reductions (GEMM split-K, attention splits) make the same sequence score "
        "differently in another batch: bitwise parity (k3 == 0) is impossible; expect a ~1e-5..1e-3 k3 floor.",
        {"vllm": "VLLM_BATCH_INVARIANT=1 (GPUs with CC >= 8.0, FLASH_ATTN/TRITON_ATTN/FLEX_ATTENTION backends)",
-        "trl": "no GRPOConfig field: for a TIM-free baseline run, TIMCallback(trainer, TIMConfig(rollout='exact')) "
-               "(the exact sampler: k3 reads 0); with use_vllm=True, start `trl vllm-serve` (or, colocated, the "
-               "training script) with VLLM_BATCH_INVARIANT=1 in its environment (GPUs with CC >= 8.0); "
-               "`tim-plugins check-batch-invariance --model PATH` measures the trainer side",
-        "verl": "actor_rollout_ref.rollout.full_determinism=True trainer.use_v1=false (rollout side only)",
         "tim_plugins": "tim-plugins measure --rollout exact (exact sampler) for a TIM-free baseline; "
                        "tim-plugins check-batch-invariance --model PATH to measure the trainer side"}),
     _C("attention-backend-mismatch", "rollout and trainer use different attention kernels",
        "Different attention algorithms (paged flash vs sdpa vs eager) accumulate in different orders.",
        {"vllm": "LLM(attention_config={'backend': 'FLASH_ATTN'}) / --attention-backend",
-        "hf": "from_pretrained(..., attn_implementation='flash_attention_2')",
-        "verl": "actor_rollout_ref.model.override_config.attn_implementation=<x> "
-                "+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=<X>"}),
+        "hf": "from_pretrained(..., attn_implementation='flash_attention_2')"}),
     _C("unknown-setting", "a setting could not be read on one side: its check was skipped",
        "The audit never guesses: an unknown value cannot be compared. Pass the value explicitly or read the "
        "spec from a live engine.",
@@ -171,27 +142,34 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
 )}
 
 
-# The keys of a fix, as a reader names them.
-FRAMEWORK_NAMES = {"trl": "TRL", "verl": "verl", "vllm": "vLLM", "hf": "transformers", "tim_plugins": "tim-plugins"}
-# What a framework runs on: when a code has no knob of the framework itself, the knobs of these apply to it.
-_RUNS_ON = {"trl": ("vllm", "hf", "tim_plugins"), "verl": ("vllm", "hf", "tim_plugins"), "vllm": ("tim_plugins",),
-            "hf": ("tim_plugins",)}
+# The core's vocabularies, as a reader names them (a trainer framework's name is its adapter's ``NAME``).
+FRAMEWORK_NAMES = {"vllm": "vLLM", "hf": "transformers", "tim_plugins": "tim-plugins"}
+# What a vocabulary runs on: when a code has no knob of its own, the knobs of these apply to it.
+_RUNS_ON = {"vllm": ("tim_plugins",), "hf": ("tim_plugins",)}
+
+
+def framework_name(key: str) -> str:
+    """How a reader names the key of a fix: the core's vocabularies, an adapter's ``NAME``, else the key."""
+    fixes = framework_fixes().get(key)
+    return fixes.name if fixes else FRAMEWORK_NAMES.get(key, key)
 
 
 def fix_for(fix: dict, framework: Optional[str] = None) -> str:
     """The knob of ``fix`` (a finding's ``{framework: knob}``) for a run in ``framework``: its own knob when the
-    registry lists one; else the knobs of what it runs on (TRL and verl: vLLM, transformers, tim-plugins),
-    each named; else every knob, each named."""
+    registry lists one; else the knobs of what it runs on (a trainer framework's adapter says: TRL and verl run on
+    vLLM, transformers, tim-plugins), each named; else every knob, each named."""
     if framework in fix:
         return fix[framework]
-    keys = [k for k in _RUNS_ON.get(framework or "", ()) if k in fix] or list(fix)
+    adapter = framework_fixes().get(framework or "")
+    runs_on = adapter.runs_on if adapter else _RUNS_ON.get(framework or "", ())
+    keys = [k for k in runs_on if k in fix] or list(fix)
     return "; ".join(_named(k, fix[k]) for k in keys)
 
 
 def _named(key: str, knob: str) -> str:
     """``name: knob``; a tim-plugins knob that is a tim-plugins command reads as itself ("tim-plugins measure ...",
     not "tim-plugins: tim-plugins measure ...")."""
-    name = FRAMEWORK_NAMES.get(key, key)
+    name = framework_name(key)
     return knob if key == "tim_plugins" and knob.startswith(name + " ") else f"{name}: {knob}"
 
 

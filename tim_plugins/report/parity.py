@@ -27,9 +27,9 @@ def finding_fix(finding: dict, framework: str | None) -> str:
 
 
 def fix_header(framework: str | None) -> str:
-    from tim_plugins.parity.findings import FRAMEWORK_NAMES
+    from tim_plugins.parity.findings import framework_name
 
-    return f"fix ({FRAMEWORK_NAMES.get(framework, framework)})" if framework else "fix"
+    return f"fix ({framework_name(framework)})" if framework else "fix"
 
 
 def findings_rows(findings: list[dict], framework: str | None, deliberate: dict | None = None) -> list[list]:
@@ -58,9 +58,9 @@ def reconcile(v: dict, findings: list[dict], framework: str | None, deliberate: 
     v["audit"] = errors
     if not errors:
         return v
-    from tim_plugins.parity.findings import FRAMEWORK_NAMES
+    from tim_plugins.parity.findings import framework_name
 
-    where = f" ({FRAMEWORK_NAMES.get(framework, framework)})" if framework else ""
+    where = f" ({framework_name(framework)})" if framework else ""
     accidental = [e for e in errors if not e["deliberate"]]
     lines = []
     for e in errors:

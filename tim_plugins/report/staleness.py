@@ -7,30 +7,10 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["FIXES", "by_turn", "headline", "lag_verdict", "pooled_by", "split_rows", "staleness_section",
-           "staleness_verdict"]
+from tim_plugins.fixes import part_fix
 
-# What reduces each part, per framework.
-FIXES = {
-    "staleness": {
-        "trl": "fewer updates per batch: GRPOConfig(num_iterations=1, steps_per_generation=gradient_accumulation_steps)"
-               "; with AsyncGRPOTrainer a smaller AsyncGRPOConfig(max_staleness=...)",
-        "verl": "fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the "
-                "train batch; in an asynchronous trainer mode, a lower staleness threshold",
-    },
-    "staleness_async": {
-        "trl": "fresher samples: a smaller AsyncGRPOConfig(max_staleness=...) (older samples are dropped), a weight "
-               "sync every step (weight_sync_steps=1), fewer micro-batches per step (each fetched one step ahead "
-               "trains one sync later)",
-        "verl": "fresher samples: a lower staleness threshold of the asynchronous trainer mode",
-    },
-    "mismatch": {
-        "trl": "the parity fixes in the audit's fix column (dtype, lm_head precision, truncation), and `tim-plugins "
-               "measure --compare` to find the setting that removes it",
-        "verl": "the parity fixes in the audit's fix column (rollout dtype, logprobs_mode, truncation), and "
-                "`tim-plugins measure --compare`",
-    },
-}
+__all__ = ["by_turn", "headline", "lag_verdict", "pooled_by", "split_rows", "staleness_section",
+           "staleness_verdict"]
 
 
 def split_rows(log_history: list[dict]) -> list[dict]:
@@ -56,7 +36,6 @@ def split_rows(log_history: list[dict]) -> list[dict]:
 def staleness_verdict(rows: list[dict], framework: str | None) -> tuple[str, str]:
     """(headline, fix) over the whole run: each part's share of the total log-ratio variance, pooled over steps
     (weighted by each step's tokens × Var(d))."""
-    fw = framework if framework in ("trl", "verl") else "trl"
     weights = [r["tokens"] * r["total_var"] for r in rows if math.isfinite(r["total_var"]) and r["total_var"] > 0]
     used = [r for r in rows if math.isfinite(r["total_var"]) and r["total_var"] > 0]
     if not used:
@@ -66,30 +45,29 @@ def staleness_verdict(rows: list[dict], framework: str | None) -> tuple[str, str
     mism = sum(w * r["mismatch_share"] for w, r in zip(weights, used)) / total
     if all(r["staleness_share"] == 0.0 for r in used):
         return (f"Mismatch only: no loss pass ran after an update on its batch, so the staleness part is exactly 0 "
-                f"and the mismatch explains all of the log-ratio variance.", FIXES["mismatch"][fw])
+                f"and the mismatch explains all of the log-ratio variance.", part_fix("mismatch", framework))
     part = "staleness" if stale > mism else "mismatch"
     return (f"{part.capitalize()} dominates: it explains {max(stale, mism):.0%} of the log-ratio variance over the "
             f"run (staleness {stale:.0%}, mismatch {mism:.0%}, covariance {1 - stale - mism:+.0%}).",
-            FIXES[part][fw])
+            part_fix(part, framework))
 
 
 def lag_verdict(lags: dict[str, tuple[float, float]], framework: str | None) -> tuple[str, str]:
     """(headline, fix) where π_old is not computed (asynchronous trainers): the split by policy lag. For small
     log-ratios k3 ≈ E[d²]/2 and d = s + m with s = 0 at lag 0, so the lag-0 k3 estimates the mismatch's share of the
     whole run's k3 (the floor), and the rest is staleness."""
-    fw = framework if framework in ("trl", "verl") else "trl"
     count = sum(n for n, _ in lags.values())
     total = sum(n * k for n, k in lags.values()) / count if count else math.nan
     if "0" not in lags or not math.isfinite(total) or total <= 0:
         lowest = min(lags, key=lambda x: int(x.rstrip("+")), default=None)
         return (f"No token trained at lag 0, so the mismatch floor is not observed; the lowest lag ({lowest}) bounds "
-                f"it from above.", FIXES["staleness_async"][fw])
+                f"it from above.", part_fix("staleness_async", framework))
     floor = lags["0"][1]
     share = min(max(floor / total, 0.0), 1.0)
     part = "staleness" if share < 0.5 else "mismatch"
     return (f"{part.capitalize()} dominates: the mismatch floor (k3 {floor:.3g} at lag 0) is {share:.2%} of the "
             f"run's k3 ({total:.3g}), staleness the other {1 - share:.2%}.",
-            FIXES["staleness_async" if part == "staleness" else part][fw])
+            part_fix("staleness_async" if part == "staleness" else part, framework))
 
 
 def _read(summary: dict) -> tuple[list[dict], dict, str, str] | None:

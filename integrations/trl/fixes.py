@@ -1,0 +1,62 @@
+"""TRL's words for the fixes (``tim_plugins.fixes``): each finding's knob as a ``GRPOConfig`` field, a ``trl
+vllm-serve`` flag or a ``TIMConfig`` option, and what reduces each part of the log-ratio in a GRPO or asynchronous
+GRPO run. Data only: importing it imports no framework (the offline report reads it with TRL absent)."""
+
+from __future__ import annotations
+
+from tim_plugins.truncation import DEFAULT_MIN_P
+
+__all__ = ["FINDING_FIXES", "FRAMEWORK", "NAME", "PART_FIXES", "RUNS_ON"]
+
+FRAMEWORK = "trl"
+NAME = "TRL"
+# TRL samples with vLLM or transformers' generate and trains a transformers model.
+RUNS_ON = ("vllm", "hf", "tim_plugins")
+
+# TRL builds the colocated LLM() itself, from GRPOConfig fields that cover none of these engine arguments.
+_COLOCATE = ("colocate: no GRPOConfig field (TRL builds LLM() itself): use server mode or pass "
+             "enforce(...).vllm_engine_args to that LLM()")
+
+# {finding code: knob} (codes: tim_plugins.parity.findings.CODES)
+FINDING_FIXES = {
+    "dtype-mismatch":
+        "TRL passes no dtype to LLM() (vLLM 'auto' runs fp32 checkpoints in bf16): train in the rollout "
+        "dtype (bf16=True) or server mode `trl vllm-serve --dtype <trainer dtype>`; " + _COLOCATE,
+    "lm-head-precision-mismatch":
+        "cast_lm_head_to_fp32=True plus the same head in vLLM: server mode append "
+        "--hf-overrides '{\"head_dtype\": \"float32\"}' (forwarded to vllm serve); " + _COLOCATE,
+    "logprobs-mode-not-processed":
+        "colocate and `trl vllm-serve` set it; a plain `vllm serve` needs --logprobs-mode processed_logprobs",
+    "sampler-truncation-unmatched":
+        f"keep your sampling: TIMConfig(safe_vocab=True) with GRPOConfig(min_p={DEFAULT_MIN_P:g}) makes the trainer "
+        "apply the sampler's own min_p, top_p and top_k (token ratio back to 1); or top_p=1.0, top_k=0, "
+        "min_p=None (the GRPO trainer itself applies no truncation)",
+    "temperature-mismatch":
+        "temperature=T (one field drives both sides; server mode must not override it)",
+    "sampler-penalties-unmatched":
+        "repetition_penalty=1.0 and no penalties in generation_kwargs",
+    "quantized-rollout":
+        "do not load the policy with bitsandbytes 4-bit (TRL then sets quantization='bitsandbytes'); "
+        "server mode: `trl vllm-serve --kv_cache_dtype auto`",
+    "prefix-caching-on":
+        "server mode: `trl vllm-serve --enable_prefix_caching False`; " + _COLOCATE,
+    "chunked-prefill-on":
+        "server mode: append --no-enable-chunked-prefill (forwarded to vllm serve); " + _COLOCATE,
+    "cudagraph-on":
+        "server mode: `trl vllm-serve --enforce_eager True`; " + _COLOCATE,
+    "batch-invariance-off":
+        "no GRPOConfig field: for a TIM-free baseline run, TIMCallback(trainer, TIMConfig(rollout='exact')) "
+        "(the exact sampler: k3 reads 0); with use_vllm=True, start `trl vllm-serve` (or, colocated, the "
+        "training script) with VLLM_BATCH_INVARIANT=1 in its environment (GPUs with CC >= 8.0); "
+        "`tim-plugins check-batch-invariance --model PATH` measures the trainer side",
+}
+
+PART_FIXES = {
+    "staleness": "fewer updates per batch: GRPOConfig(num_iterations=1, steps_per_generation="
+                 "gradient_accumulation_steps); with AsyncGRPOTrainer a smaller AsyncGRPOConfig(max_staleness=...)",
+    "staleness_async": "fresher samples: a smaller AsyncGRPOConfig(max_staleness=...) (older samples are dropped), a "
+                       "weight sync every step (weight_sync_steps=1), fewer micro-batches per step (each fetched one "
+                       "step ahead trains one sync later)",
+    "mismatch": "the parity fixes in the audit's fix column (dtype, lm_head precision, truncation), and `tim-plugins "
+                "measure --compare` to find the setting that removes it",
+}

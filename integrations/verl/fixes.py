@@ -1,0 +1,57 @@
+"""verl's words for the fixes (``tim_plugins.fixes``): each finding's knob as a Hydra override of ``main_ppo``, and
+what reduces each part of the log-ratio. Data only: importing it imports no framework (the offline report reads it
+with verl absent)."""
+
+from __future__ import annotations
+
+from tim_plugins.truncation import DEFAULT_MIN_P
+
+__all__ = ["FINDING_FIXES", "FRAMEWORK", "NAME", "PART_FIXES", "RUNS_ON"]
+
+FRAMEWORK = "verl"
+NAME = "verl"
+# verl samples with vLLM and trains a transformers model under FSDP.
+RUNS_ON = ("vllm", "hf", "tim_plugins")
+
+# {finding code: knob} (codes: tim_plugins.parity.findings.CODES)
+FINDING_FIXES = {
+    "dtype-mismatch":
+        "actor_rollout_ref.rollout.dtype=<x> with "
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=<bf16|fp16|fp32>",
+    "lm-head-precision-mismatch":
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=float32",
+    "logprobs-mode-not-processed":
+        "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
+    "sampler-truncation-unmatched":
+        f"prune the same tail on both sides: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} with "
+        "'+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
+        "min_p:TIMMinPLogitsProcessor]' +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
+        f"tim_min_p={DEFAULT_MIN_P:g} actor_rollout_ref.model.use_fused_kernels=false (the trainer side applies min_p "
+        "only, so with it actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1)",
+    "temperature-mismatch":
+        "actor_rollout_ref.rollout.temperature=T (the actor divides by the same value)",
+    "sampler-penalties-unmatched":
+        "actor_rollout_ref.rollout.repetition_penalty=1.0 (and none in engine/sampling kwargs)",
+    "quantized-rollout":
+        "actor_rollout_ref.rollout.quantization=null "
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=auto",
+    "prefix-caching-on":
+        "actor_rollout_ref.rollout.enable_prefix_caching=False",
+    "chunked-prefill-on":
+        "actor_rollout_ref.rollout.enable_chunked_prefill=False",
+    "cudagraph-on":
+        "actor_rollout_ref.rollout.enforce_eager=True",
+    "batch-invariance-off":
+        "actor_rollout_ref.rollout.full_determinism=True trainer.use_v1=false (rollout side only)",
+    "attention-backend-mismatch":
+        "actor_rollout_ref.model.override_config.attn_implementation=<x> "
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=<X>",
+}
+
+PART_FIXES = {
+    "staleness": "fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the "
+                 "train batch; in an asynchronous trainer mode, a lower staleness threshold",
+    "staleness_async": "fresher samples: a lower staleness threshold of the asynchronous trainer mode",
+    "mismatch": "the parity fixes in the audit's fix column (rollout dtype, logprobs_mode, truncation), and "
+                "`tim-plugins measure --compare`",
+}

@@ -31,6 +31,7 @@ __all__ = [
     "TIMVerlConfig",
     "OPTIMIZER_IMPL",
     "TRAINER_MODE_PREFIX",
+    "LAG_FIELD",
     "check_composed_config",
     "VLLM_ENGINE_KWARGS",
     "rollout_min_p_overrides",
@@ -40,6 +41,9 @@ __all__ = [
 OPTIMIZER_IMPL = "tim_plugins.integrations.verl.optim"
 # Our trainer modes are verl's registered modes with this prefix (``trainer.v1.trainer_mode=tim_sync``).
 TRAINER_MODE_PREFIX = "tim_"
+# The per-sample field the driver writes in an asynchronous mode (each sample's policy lag in optimizer steps, -1
+# unknown) and the actor's engine reads from its batch.
+LAG_FIELD = "tim_lag"
 # verl forwards this node verbatim to ``vllm serve``:
 # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
 VLLM_ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"

@@ -22,7 +22,9 @@ methods of ``FSDPEngineWithLMHead`` (three inherited from ``FSDPEngine`` / ``Bas
   the optimizer (``optim.py``).
 * ``lr_scheduler_step``: report the effective LR (schedule × decay scale) as ``actor/lr``; merge the step's training
   passes' split of the log-ratio into staleness and mismatch (``tim/staleness/*``, ``tim/split/*``,
-  ``tim/by_lag/*``; lag = optimizer steps since the rollout, from mini-batches and ``ppo_epochs``).
+  ``tim/by_lag/*``; lag = optimizer steps since the rollout, from mini-batches and ``ppo_epochs``). In an
+  asynchronous mode each sample also carries the lag it was drawn with (the driver's ``LAG_FIELD``): the monitor
+  then measures the lag-0 samples only (the mismatch), and the split is by lag alone (``tim/by_lag/*``).
 With ``tim.dump.dir`` the measurement pass also hands the sampled token ids (``responses``) to the pipeline, which
 writes the step's per-token dump file after the merge (the file named by the driver's global step,
 ``tim_begin_step``).
@@ -47,7 +49,7 @@ from tim_plugins.by_key import turn_keys
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
 from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_logits
 
-from .config import OPTIMIZER_IMPL, TIMVerlConfig
+from .config import LAG_FIELD, OPTIMIZER_IMPL, TIMVerlConfig
 
 __all__ = ["TIMFSDPEngineWithLMHead", "padded_response"]
 
@@ -121,10 +123,13 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     _tim_decision = None
 
     # ------------------------------------------------------------------------------------------- configure
-    def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False, multi_turn: bool = False) -> None:
+    def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False, multi_turn: bool = False,
+                      asynchronous: bool = False) -> None:
         """Switch the hooks on for this (actor) engine. Fails early on settings the engine cannot honour.
         ``multi_turn``: the rollout is verl's multi-turn agent loop (``rollout.multi_turn.enable``), whose responses
-        hold tool / user messages with ``response_mask`` 0 between the model's turns: ``tim/by_turn/*``."""
+        hold tool / user messages with ``response_mask`` 0 between the model's turns: ``tim/by_turn/*``.
+        ``asynchronous``: an asynchronous trainer mode, whose batches carry each sample's policy lag
+        (``LAG_FIELD``): π_old is not at every sample's rollout weights, so there is no exact split."""
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead (engine_config, model_config,
         # optimizer attributes)
         if config.safe_vocab.enabled and (self.engine_config.use_fused_kernels or self.model_config.use_fused_kernels):
@@ -145,13 +150,14 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             dump=config.dump.config() if config.dump.enabled else None,
             # as the TRL callback: the split of every training pass, and the mismatch by response position
             staleness=config.monitor.enable, by_position=config.monitor.enable,
-            by_turn=config.monitor.enable and multi_turn,
+            by_turn=config.monitor.enable and multi_turn, exact_split=not asynchronous,
             probe=config.probe.config()), rank=self._tim_dp_rank())
         if config.lr_decay.enable:  # verl's LambdaLR rewrites the LR each step: the optimizer applies the scale
             self.optimizer.tim_configure(self._tim_pipeline.lr_controller)
         self._tim = config
         self._tim_bypass = bool(bypass_mode)
         self._tim_multi_turn = bool(multi_turn)
+        self._tim_async = bool(asynchronous)
         self._tim_measured = False
         self._tim_step_start = True
         self._tim_mb = None
@@ -284,7 +290,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
         if self._measuring(micro_batch, forward_only):
             self._tim_update(micro_batch, output["model_output"])
-        if not forward_only and self._tim_pipeline.staleness_monitor is not None:
+        if not forward_only and self._tim_pipeline.by_lag is not None:
             self._tim_loss_pass(micro_batch, output["model_output"])
         self._tim_mb = None
         return loss, output
@@ -306,9 +312,27 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # the loss's own mask: with mask_boundary, _BoundaryMaskedLoss has already taken the boundary tokens out
         mask = padded_response(micro_batch["response_mask"], width).bool()
         rollout = padded_response(micro_batch["rollout_log_probs"], width).float()
+        sample_lag = self._tim_sample_lag(micro_batch, mask)
+        if sample_lag is not None:  # asynchronous: no π_old at every sample's rollout weights, the split is by lag
+            known = mask & (sample_lag >= 0)[:, None]
+            lag = (sample_lag.clamp(min=0) + self._tim_updates)[:, None].expand(mask.shape)
+            self._tim_pipeline.loss_pass(rollout, None, current, known, lag=lag)
+            return
         old = current if self._tim_updates == 0 else padded_response(micro_batch["old_log_probs"], width).float()
         lag = torch.full(mask.shape, self._tim_updates, dtype=torch.long, device=mask.device)
         self._tim_pipeline.loss_pass(rollout, old, current, mask, lag=lag)
+
+    def _tim_sample_lag(self, micro_batch, mask: torch.Tensor) -> torch.Tensor | None:
+        """[b] each sample's policy lag when its rollout was drawn, in optimizer steps (the driver's ``LAG_FIELD``;
+        -1 unknown), or None in a synchronous mode. Unknown or absent: those tokens are counted under
+        ``tim/diag/async_lag_unknown`` (by the measurement pass) and left out."""
+        if not self._tim_async:
+            return None
+        if LAG_FIELD in micro_batch.keys():
+            lag = micro_batch[LAG_FIELD].to(device=mask.device, dtype=torch.long).reshape(-1)
+        else:
+            lag = torch.full(mask.shape[:1], -1, dtype=torch.long, device=mask.device)
+        return lag
 
     @torch.no_grad()
     def _tim_update(self, micro_batch, model_output) -> None:
@@ -327,6 +351,14 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # the turn of each token: the environment segments (response_mask 0 inside the response) before it; the
         # padding after the last turn also counts as one, but those tokens are not measured
         turn = turn_keys(mask) if self._tim_multi_turn else None
+        sample_lag = self._tim_sample_lag(micro_batch, mask)
+        if sample_lag is not None:
+            # π_old is the actor now: only samples drawn by these weights measure the mismatch alone
+            unknown = int((mask & (sample_lag < 0)[:, None]).sum())
+            if unknown:
+                self._tim_pipeline.count("async_lag_unknown", unknown,
+                                         detail=f"no {LAG_FIELD} for these samples (no weight-version tag)")
+            mask = mask & (sample_lag == 0)[:, None]
         self._tim_pipeline.measure(rollout, train, mask, safe=safe, token_ids=token_ids, step=self._tim_step,
                                    turn=turn)
         self._tim_measured = True
@@ -394,7 +426,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_mini_batch
         self._tim_step_start = True
         self._tim_updates = 0
-        if self._tim_pipeline.staleness_monitor is not None:  # every DP rank steps the scheduler: all merge here
+        if self._tim_pipeline.by_lag is not None:  # every DP rank steps the scheduler: all merge here
             self._tim_pending.update(self._tim_pipeline.compute_loss_passes(
                 sync=True, group=self.get_data_parallel_group()))
         return lr * float(getattr(self.optimizer, "lr_scale", 1.0))

@@ -10,7 +10,7 @@ from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VERL_SOURCES
 
-__all__ = ["ENGINE", "FEATURES", "LR_DECAY", "TRAINER_MODES", "verl_features"]
+__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "TRAINER_MODES", "verl_features"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -50,7 +50,16 @@ LR_DECAY = Feature(
     extra="verl", fix=_FIX, hooks=(_hook("verl.workers.config.optimizer", "build_optimizer",
                                          fragments=("optimizer_impl",)),))
 
-FEATURES = (ENGINE, TRAINER_MODES, LR_DECAY)
+# The asynchronous modes' per-sample policy lag (trainer.py _tim_put_lag): verl's weight-version tags, carried to the
+# workers as a TransferQueue field. Off: the async modes' tokens are counted (tim/diag/async_lag_unknown), not keyed.
+ASYNC_LAG = Feature(
+    "verl_async_lag", "policy lag of each sample in the asynchronous trainer modes", "verl", needs=("verl",),
+    extra="verl", fix=_FIX, hooks=(
+        _hook(_TB, "PPOTrainer._compute_metrics", fragments=('tag["min_global_steps"]',)),
+        _hook("transfer_queue", "kv_batch_put", params=("keys", "partition_id", "fields")),
+    ))
+
+FEATURES = (ENGINE, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
 
 
 def verl_features():

@@ -50,8 +50,11 @@ FINDING_FIXES = {
 
 PART_FIXES = {
     "staleness": "fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the "
-                 "train batch; in an asynchronous trainer mode, a lower staleness threshold",
-    "staleness_async": "fresher samples: a lower staleness threshold of the asynchronous trainer mode",
+                 "train batch",
+    "staleness_async": "fresher samples: fewer batches generated ahead (trainer.v1.colocate_async.num_warmup_batches, "
+                       "trainer.v1.separate_async.num_warmup_batches), a lower "
+                       "trainer.v1.sampler.max_off_policy_threshold (trajectories spanning more weight versions are "
+                       "dropped), and in separate_async a smaller parameter_sync_step",
     "mismatch": "the parity fixes in the audit's fix column (rollout dtype, logprobs_mode, truncation), and "
                 "`tim-plugins measure --compare`",
 }

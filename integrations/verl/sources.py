@@ -113,7 +113,13 @@ VERL_SOURCES = {
     (_TB, "PPOTrainer._compute_metrics"):
         "(batch, metrics, timing_raw, global_steps, epoch); fit calls it once per step after the update, the "
         "checkpoint and validation and before logger.log(data=metrics): it adds the step's data metrics "
-        "(critic/score/mean, response_length/mean, ...) to metrics in place",
+        "(critic/score/mean, response_length/mean, ...) to metrics in place; it reads each sample's "
+        "batch.tags[i]['min_global_steps'] / ['max_global_steps'] (the weight versions a trajectory was sampled "
+        "across) and logs trajectory_staleness = (global_steps - 1) - max_global_steps",
+    ("transfer_queue", "kv_batch_put"):
+        "(keys=, partition_id=, fields=TensorDict [len(keys)]) adds per-sample fields to stored samples; a worker "
+        "method given the batch's KVBatchMeta (fields None or naming the field) receives every field all of its "
+        "samples have, split with the batch over DP ranks, mini- and micro-batches",
     (_TB, "PPOTrainer._update_actor"):
         "(batch, metrics) -> batch; one actor_rollout_wg.update_actor call per step",
     (_TB, "PPOTrainer.fit"):

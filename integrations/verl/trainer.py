@@ -20,11 +20,12 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import open_dict
 
 from tim_plugins.parity.findings import ParityError
 
-from .config import TRAINER_MODE_PREFIX, TIMVerlConfig, check_composed_config
+from .config import LAG_FIELD, TRAINER_MODE_PREFIX, TIMVerlConfig, check_composed_config
 
 __all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "register_tim_trainers", "run_startup_audit", "use_tim_actor_worker",
            "write_run_summary"]
@@ -108,13 +109,16 @@ class TIMTrainerMixin:
             write_run_summary(config, tim, findings)
         self.tim = tim
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
+        self._tim_lag_off: bool | None = None  # ASYNC_LAG's hooks moved (checked at the first asynchronous step)
         with open_dict(config):
             config.actor_rollout_ref.tim = tim.to_dict()
             # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)
             config.actor_rollout_ref.tim_rollout_correction = {
                 "bypass_mode": bool((config.algorithm.get("rollout_correction") or {}).get("bypass_mode", False)),
                 # verl's multi-turn agent loop writes tool/user messages into the response with response_mask 0
-                "multi_turn": bool((config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("enable", False))}
+                "multi_turn": bool((config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("enable", False)),
+                # an asynchronous mode: each sample carries its policy lag (_tim_put_lag)
+                "asynchronous": self._tim_base_mode != "sync"}
         super().__init__(config)
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._init_resource_pool_mgr
@@ -167,9 +171,53 @@ class TIMTrainerMixin:
     def _compute_old_log_prob(self, batch, metrics):
         if self.tim.worker_side_active:  # the step's first actor pass (also in bypass mode, where it is the update)
             self.actor_rollout_wg.tim_begin_step(self.global_steps)
+            if self._tim_base_mode != "sync" and self.tim.monitor.enable:
+                self._tim_put_lag(batch)
         batch = super()._compute_old_log_prob(batch, metrics)
         self._tim_collect(metrics)
         return batch
+
+    def _tim_put_lag(self, batch) -> None:
+        """Asynchronous modes: each sample's policy lag at this step, written to TransferQueue as the per-sample
+        field ``LAG_FIELD`` (the workers get a batch's fields, never its tags).
+
+        verl tags every trajectory with the weight versions it was sampled across, ``min_global_steps`` ..
+        ``max_global_steps`` (a partial rollout spans several), and the actor at step ``global_steps`` holds version
+        ``global_steps - 1`` (verl's own ``training/off_policy/trajectory_staleness``). The lag is counted from the
+        oldest version, so lag 0 holds only trajectories sampled wholly by the weights that score them (the
+        mismatch floor), and in optimizer steps (each version is ``updates_per_version`` of them), the unit of the
+        training passes' lag (``tim/by_lag/*``). -1: the tag is missing, the sample's tokens are counted, not keyed.
+        """
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        from tim_plugins.capabilities import check
+
+        from .features import ASYNC_LAG
+
+        if self._tim_lag_off is None:
+            status = check(ASYNC_LAG)
+            self._tim_lag_off = not status.available
+            if self._tim_lag_off:
+                print(status.warning(), file=sys.stderr)
+        if self._tim_lag_off:  # the engine counts the tokens it gets no lag for
+            return
+        current = self.global_steps - 1
+        lags = []
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_metrics (batch.tags' min_global_steps)
+        for tag in batch.tags:
+            version = (tag or {}).get("min_global_steps")
+            lags.append(-1 if version is None else max(current - int(version), 0) * self._tim_updates_per_version)
+        # every key, padding included: TransferQueue hands a worker only the fields all of its samples have
+        # VERL_SOURCES transfer_queue:kv_batch_put
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                        fields=TensorDict({LAG_FIELD: torch.tensor(lags, dtype=torch.long)}, batch_size=[len(lags)]))
+
+    @property
+    def _tim_updates_per_version(self) -> int:
+        """Optimizer steps per global step: ``ppo_epochs`` × the mini-batches of a train batch."""
+        actor, data = self.config.actor_rollout_ref.actor, self.config.data
+        return int(actor.ppo_epochs) * max(int(data.train_batch_size) // int(actor.ppo_mini_batch_size), 1)
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._update_actor
     def _update_actor(self, batch, metrics):

@@ -31,7 +31,8 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
                     "VERL_ENGINE_VENDOR override the detected ones), by the tim_plugins verl plugin: check that it "
                     "loads in the Ray workers (VERL_USE_EXTERNAL_PLUGINS, tim-plugins installed where they run).")
             engine.tim_configure(tim, bypass_mode=bool(corr.get("bypass_mode", False)),
-                                 multi_turn=bool(corr.get("multi_turn", False)))
+                                 multi_turn=bool(corr.get("multi_turn", False)),
+                                 asynchronous=bool(corr.get("asynchronous", False)))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_begin_step(self, step: int) -> None:

@@ -176,6 +176,7 @@ def recipe_tim_overrides(min_p: str = "1e-4") -> list[str]:
 # a worker: verl's driver then waits for it until the run's timeout.
 RAY_OOM_KILL = re.compile(r"killed due to memory pressure \(OOM\)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
 _STEP_LINE = re.compile(r"^(?:\([^)]*\)\s*)?step:(\d+) - (.*)$")
 
 
@@ -192,7 +193,8 @@ class Run:
 
 
 def parse_console(output: str) -> dict[int, dict[str, float]]:
-    """verl's console logger: ``step:N - key:value - key:value ...`` (values via pprint, floats exact)."""
+    """verl's console logger: ``step:N - key:value - key:value ...`` (values via pprint, floats exact; numpy scalars
+    print as ``np.float64(1.0)``, e.g. ``training/off_policy/*``)."""
     steps: dict[int, dict[str, float]] = {}
     for line in output.splitlines():
         m = _STEP_LINE.match(_ANSI.sub("", line).strip())
@@ -203,8 +205,9 @@ def parse_console(output: str) -> dict[int, dict[str, float]]:
             key, sep, value = item.rpartition(":")
             if not sep:
                 continue
+            numpy = _NUMPY_SCALAR.match(value)
             try:
-                values[key] = float(value)
+                values[key] = float(numpy.group(1) if numpy else value)
             except ValueError:
                 continue
         steps.setdefault(int(m.group(1)), {}).update(values)

@@ -405,6 +405,16 @@ def test_old_log_prob_pass_asks_for_entropy_and_the_reference_pass_does_not():
     assert '"calculate_entropy": False,' in ref and '"calculate_entropy": True' not in ref
 
 
+def test_trajectories_carry_weight_versions_as_tags_and_transfer_queue_takes_per_sample_fields():
+    """The asynchronous modes' lag (trainer.py ``_tim_put_lag``): verl tags each trajectory with the weight versions
+    it was sampled across and reads its staleness from them as the driver does; the workers get fields, written with
+    kv_batch_put, whose pass over a real TransferQueue round trip is checked in test_verl_async.py."""
+    metrics = _flat(_src(TB, "PPOTrainer._compute_metrics"))
+    assert 'np.array([tag["min_global_steps"] for tag in batch.tags], dtype=int)' in metrics
+    assert "trajectory_staleness_worst = (global_steps - 1) - min_global_steps" in metrics
+    assert _params("transfer_queue", "kv_batch_put")[:3] == ["keys", "partition_id", "fields"]
+
+
 def test_update_actor_is_one_worker_call_per_step():
     assert _params(TB, "PPOTrainer._update_actor") == ["self", "batch", "metrics"]
     src = _src(TB, "PPOTrainer._update_actor")

@@ -188,3 +188,56 @@ def test_mismatch_by_turn_of_multi_turn_responses(toy_model_path, multi_turn):
         assert got[f"tim/by_turn/{turn}/kl_k3"] == pytest.approx(k3, rel=1e-6)
         assert got[f"tim/by_turn/{turn}/abs_diff_max"] == pytest.approx(amax, rel=1e-6)
     assert sum(n for n, _, _ in want.values()) == got["tim/tokens"]
+
+
+def test_asynchronous_mode_keys_each_sample_by_the_lag_it_was_drawn_with(toy_model_path):
+    """An asynchronous mode (tim_colocate_async): each sample carries the lag its rollout was drawn with (the
+    driver's LAG_FIELD, in optimizer steps; -1 unknown). The monitor measures the lag-0 samples only, the training
+    passes key every known token by its sample's lag plus the updates since the step began, and there is no exact
+    split. Reference: verl's own tensors at each loss call, naive float64 k3 per lag."""
+    from tim_plugins.integrations.verl.config import LAG_FIELD
+
+    H.init_dist(port=29581)
+    engine = H.build_engine(toy_model_path, lr=1e-2)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}), asynchronous=True)
+    td, raw = H.make_batch(VOCAB, response=6, seed=5, rollout_noise=0.05)
+    sample_lag = torch.tensor([0, 2, -1, 0])
+    td[LAG_FIELD] = sample_lag
+    old = H.old_log_probs_padded(H.infer(engine, td), td)
+    measured = engine.tim_pop_metrics()
+    mask = raw["response_mask"].bool()
+    rollout = raw["rollout_log_probs"].double()
+    fresh = mask & (sample_lag == 0)[:, None]
+    d0 = (old.double() - rollout)[fresh]
+    assert measured["tim/tokens"] == d0.numel() > 0
+    assert measured["tim/token/kl_k3"] == pytest.approx(_k3(d0), rel=1e-6)
+    assert measured["tim/diag/async_lag_unknown"] == int(mask[2].sum())
+
+    calls: list = []
+    lags_seen: list = []
+    record = _recording_loss(calls)
+
+    def loss(*, model_output, data, dp_group=None):
+        lags_seen.append(data[LAG_FIELD].clone())
+        return record(model_output=model_output, data=data, dp_group=dp_group)
+
+    _train(engine, td, old, loss, passes=2)
+    got = engine.tim_pop_metrics()
+    assert not any(k.startswith(("tim/split/", "tim/staleness/")) for k in got)
+    want: dict[int, list] = {}
+    for i, ((current, _, rollout_mb, mask_mb), lag_mb) in enumerate(zip(calls, lags_seen)):
+        updates = i // 2  # two micro-batches per optimizer step
+        for row in range(current.shape[0]):
+            if int(lag_mb[row]) < 0:
+                continue
+            want.setdefault(int(lag_mb[row]) + updates, []).append((current[row] - rollout_mb[row])[mask_mb[row]])
+    assert sorted(want) == [0, 1, 2, 3]
+    assert {k for k in got if k.startswith("tim/by_lag/") and k.endswith("/count")} == {
+        f"tim/by_lag/{lag}/count" for lag in want}
+    for lag, parts in want.items():
+        d = torch.cat(parts)
+        assert got[f"tim/by_lag/{lag}/count"] == d.numel()
+        assert got[f"tim/by_lag/{lag}/kl_k3"] == pytest.approx(_k3(d), rel=1e-6)
+    # lag 0 of the training passes is the measured mismatch: the same tokens, π_θ = π_old before the first update
+    assert got["tim/by_lag/0/count"] == measured["tim/tokens"]
+    assert got["tim/by_lag/0/kl_k3"] == pytest.approx(measured["tim/token/kl_k3"], rel=1e-3)

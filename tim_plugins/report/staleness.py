@@ -101,8 +101,9 @@ def staleness_section(page, summary: dict) -> None:
              "π<sub>rollout</sub> (the same weights scored by two stacks). π<sub>old</sub> is the trainer at the "
              "rollout's weights, the monitor's measurement point. The fixes differ completely.</p>")
     if not rows:
-        page.raw("<p>This trainer never computes π<sub>old</sub> (asynchronous rollouts), so the split is "
-                 "statistical: by policy lag.</p>")
+        page.raw("<p>This run has no π<sub>old</sub> at every sample's rollout weights (asynchronous rollouts: a "
+                 "sample may be drawn by weights older than the trainer's), so the split is statistical: by policy "
+                 "lag.</p>")
     page.raw(f"<p><b>{_escape(line)}</b>" + (f" Fix: {_escape(fix)}." if fix else "") + "</p>")
     if rows:
         page.table(["step", "tokens", "staleness share of Var(d)", "mismatch share", "2·Cov share", "staleness k3",

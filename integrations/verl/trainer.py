@@ -171,7 +171,7 @@ class TIMTrainerMixin:
     def _compute_old_log_prob(self, batch, metrics):
         if self.tim.worker_side_active:  # the step's first actor pass (also in bypass mode, where it is the update)
             self.actor_rollout_wg.tim_begin_step(self.global_steps)
-            if self._tim_base_mode != "sync" and self.tim.monitor.enable:
+            if self._tim_base_mode != "sync":  # whatever measures (monitor, probe, LR decay's k3) needs the lag
                 self._tim_put_lag(batch)
         batch = super()._compute_old_log_prob(batch, metrics)
         self._tim_collect(metrics)

@@ -3,6 +3,8 @@ parity probe through TIMCallback on a real TRL GRPOTrainer (CPU, toy model)."""
 
 from __future__ import annotations
 
+from html import escape as html_escape
+
 import pytest
 import torch
 
@@ -77,6 +79,19 @@ def test_parquet_dump_rows_match_tensors(toy_model_path, tmp_path):
     assert torch.equal(torch.tensor(df["rollout_logprob"].tolist(), dtype=torch.float32),
                        inputs["sampling_per_token_logps"].float()[s, p])
     assert torch.equal(torch.tensor(df["token_id"].tolist()), inputs["completion_ids"][s, p].cpu())
+    # beside the dump, the run's summary: `tim-plugins report DUMP_DIR` renders the audit with TRL's fixes
+    import json
+
+    from tim_plugins.integrations.trl.fixes import FINDING_FIXES
+    from tim_plugins.report import build_report
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["framework"] == "trl" and summary["settings"]["model"] == str(toy_model_path)
+    assert [f["code"] for f in summary["findings"]] == [f.code for f in cb.findings]
+    html = build_report(out).read_text()
+    assert "fix (TRL)" in html and "Training-inference mismatch report (TRL run)" in html
+    fixed = [f.code for f in cb.findings if f.code in FINDING_FIXES]
+    assert fixed and all(html_escape(FINDING_FIXES[code]) in html for code in fixed)
 
 
 # Between the toy model's fp32 noise (max |Δ log p| ~1e-6: KV-cache decode vs full forward) and the injected

@@ -17,7 +17,7 @@ import torch
 from tim_plugins._optional import require
 
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
-           "append_log_history", "read_log_history"]
+           "SUMMARY", "append_log_history", "read_log_history", "write_summary"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
@@ -40,6 +40,29 @@ def append_log_history(folder: str | Path, step: int, metrics: dict) -> None:
                 and isinstance(v, (int, float)) and not isinstance(v, bool)})
     with open(Path(folder) / LOG_HISTORY, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
+
+
+# Beside the dump files, written once by the adapter at the start of a run: what `tim-plugins report` needs to render a
+# training run's dump in its framework's terms.
+SUMMARY = "summary.json"
+
+
+def write_summary(folder: str | Path, *, framework: str, title: str, settings: dict,
+                  findings: list | None = None) -> Path:
+    """``folder/SUMMARY``, written atomically: the run's ``framework`` (the report's fix column and verdict speak its
+    adapter's words, ``tim_plugins.fixes``), the report's ``title``, the run's ``settings`` (``settings["model"]``:
+    the checkpoint folder whose tokenizer decodes the largest disagreements) and the start-up audit's ``findings``
+    (``Finding.to_dict`` rows; None: no audit ran)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {"framework": framework, "title": title, "settings": settings}
+    if findings is not None:
+        summary["findings"] = findings
+    path = folder / SUMMARY
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.replace(path)
+    return path
 
 
 def read_log_history(path: str | Path) -> list[dict]:

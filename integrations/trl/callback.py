@@ -36,7 +36,7 @@ from transformers.trainer_callback import ExportableState
 from tim_plugins._optional import note_version, require
 from tim_plugins.by_key import turn_keys
 from tim_plugins.capabilities import Feature, Status, check
-from tim_plugins.dump import append_log_history
+from tim_plugins.dump import append_log_history, write_summary
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
@@ -252,10 +252,18 @@ class TIMCallback(TrainerCallback):
         self._load(state)
         if not self._installation.patches:
             self.attach()
-        if self.config.parity_audit and self._async is None:
+        audited = self.config.parity_audit and self._async is None
+        if audited:
             self.findings, self.parity_specs, counts = run_audit(
                 self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict)
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
+        if self.config.dump_dir and self.trainer.accelerator.is_main_process:
+            # beside the dump, what `tim-plugins report DUMP_DIR` reads to speak TRL (fixes, audit, tokenizer)
+            write_summary(self.config.dump_dir, framework="trl", title="Training-inference mismatch report (TRL run)",
+                          settings={"model": getattr(self.trainer.model.config, "name_or_path", None),
+                                    "trainer": type(self.trainer).__name__, "trl": self.trl_version,
+                                    "rollout log-probs": self.rollout_source},
+                          findings=[f.to_dict() for f in self.findings] if audited else None)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._installation is not None:

@@ -58,11 +58,12 @@ def run_startup_audit(config, tim: TIMVerlConfig, out=None):
 
 
 def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
-    """``<tim.dump.dir>/summary.json``: what ``tim-plugins report`` needs beside the dump files to render a verl
-    run as a TRL one: the framework (the fix column in verl's terms), the start-up audit's findings, and the model
-    folder (its tokenizer decodes the largest disagreements). Written by the driver before any worker starts."""
-    folder = Path(tim.dump.dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    """``<tim.dump.dir>/summary.json`` (``tim_plugins.dump.write_summary``): what ``tim-plugins report`` needs beside
+    the dump files to render a verl run as a TRL one: the framework (the fix column in verl's terms), the start-up
+    audit's findings, and the model folder (its tokenizer decodes the largest disagreements). Written by the driver
+    before any worker starts."""
+    from tim_plugins.dump import write_summary
+
     arr = config.actor_rollout_ref
     settings = {
         "model": str(arr.model.path),
@@ -71,14 +72,8 @@ def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
         "trainer mode": str(config.trainer.get("v1", {}).get("trainer_mode", "")),
         "tim": json.dumps(tim.to_dict(), sort_keys=True),
     }
-    summary = {"framework": "verl", "title": "Training-inference mismatch report (verl run)", "settings": settings}
-    if findings is not None:
-        summary["findings"] = [f.to_dict() for f in findings]
-    path = folder / "summary.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(path)
-    return path
+    return write_summary(tim.dump.dir, framework="verl", title="Training-inference mismatch report (verl run)",
+                         settings=settings, findings=None if findings is None else [f.to_dict() for f in findings])
 
 
 class TIMTrainerMixin:

@@ -2,7 +2,9 @@
 Ray's TaskRunner and workers, the vLLM server and its engine-core process) gets this folder on PYTHONPATH, so Python
 imports this module at start-up. With ``TIM_TEST_CPU_SHIMS=1`` it installs the CPU shims of ``cpu_shims.py``, and
 with ``TIM_TEST_RANK_VALUES_DIR`` set as well the per-rank recorder of ``rank_values.py``, with
-``TIM_TEST_INJECT_MISMATCH`` the driver-side mismatch of ``inject_mismatch.py``; without them, it does nothing."""
+``TIM_TEST_INJECT_MISMATCH`` the driver-side mismatch of ``inject_mismatch.py``, with ``TIM_TEST_TURN_PROBE`` the
+driver-side recorder of ``turn_probe.py`` (installed after the mismatch: it chains onto the same module's hook);
+without them, it does nothing."""
 
 import os
 
@@ -17,4 +19,8 @@ if os.environ.get("TIM_TEST_CPU_SHIMS") == "1":
         import inject_mismatch
 
         inject_mismatch.install()
+    if os.environ.get("TIM_TEST_TURN_PROBE"):
+        import turn_probe
+
+        turn_probe.install()
     cpu_shims.install()

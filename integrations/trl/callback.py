@@ -259,11 +259,15 @@ class TIMCallback(TrainerCallback):
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
             # beside the dump, what `tim-plugins report DUMP_DIR` reads to speak TRL (fixes, audit, tokenizer)
-            write_summary(self.config.dump_dir, framework="trl", title="Training-inference mismatch report (TRL run)",
-                          settings={"model": getattr(self.trainer.model.config, "name_or_path", None),
-                                    "trainer": type(self.trainer).__name__, "trl": self.trl_version,
-                                    "rollout log-probs": self.rollout_source},
-                          findings=[f.to_dict() for f in self.findings] if audited else None)
+            settings = {"model": getattr(self.trainer.model.config, "name_or_path", None),
+                        "trainer": type(self.trainer).__name__, "trl": self.trl_version,
+                        "rollout log-probs": self.rollout_source}
+            try:
+                write_summary(self.config.dump_dir, framework="trl", settings=settings,
+                              title="Training-inference mismatch report (TRL run)",
+                              findings=[f.to_dict() for f in self.findings] if audited else None)
+            except OSError as err:  # the report loses its audit table and fix words; training goes on
+                self.pipeline.count("dump_summary_unwritten", detail=repr(err))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._installation is not None:

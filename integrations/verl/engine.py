@@ -158,6 +158,7 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tim_bypass = bool(bypass_mode)
         self._tim_multi_turn = bool(multi_turn)
         self._tim_async = bool(asynchronous)
+        self._tim_unknown: torch.Tensor | None = None  # measured tokens of unknown lag since the last merge (device)
         self._tim_measured = False
         self._tim_step_start = True
         self._tim_mb = None
@@ -353,11 +354,10 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         turn = turn_keys(mask) if self._tim_multi_turn else None
         sample_lag = self._tim_sample_lag(micro_batch, mask)
         if sample_lag is not None:
-            # π_old is the actor now: only samples drawn by these weights measure the mismatch alone
-            unknown = int((mask & (sample_lag < 0)[:, None]).sum())
-            if unknown:
-                self._tim_pipeline.count("async_lag_unknown", unknown,
-                                         detail=f"no {LAG_FIELD} for these samples (no weight-version tag)")
+            # π_old is the actor now: only samples drawn by these weights measure the mismatch alone; tokens of
+            # unknown lag are summed on the device and counted once, at the merge (no host read per micro-batch)
+            unknown = (mask & (sample_lag < 0)[:, None]).sum()
+            self._tim_unknown = unknown if self._tim_unknown is None else self._tim_unknown + unknown
             mask = mask & (sample_lag == 0)[:, None]
         self._tim_pipeline.measure(rollout, train, mask, safe=safe, token_ids=token_ids, step=self._tim_step,
                                    turn=turn)
@@ -367,6 +367,11 @@ class TIMFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """The pipeline's statistics, merged over the DP group (every DP rank runs the pass, so all call it)."""
         if not self._tim_measured:
             return
+        if self._tim_unknown is not None:
+            unknown, self._tim_unknown = int(self._tim_unknown), None
+            if unknown:
+                self._tim_pipeline.count("async_lag_unknown", unknown,
+                                         detail=f"no {LAG_FIELD} for these samples (no weight-version tag)")
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_data_parallel_group
         # the training passes' split is merged at the end of the actor update (lr_scheduler_step)
         # the probe decides here, on the merged metrics; the driver acts (raising in a Ray worker would not stop it)

@@ -104,7 +104,7 @@ class TIMTrainerMixin:
             write_run_summary(config, tim, findings)
         self.tim = tim
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
-        self._tim_lag_off: bool | None = None  # ASYNC_LAG's hooks moved (checked at the first asynchronous step)
+        self._tim_lag_off = self._tim_base_mode != "sync" and not self._tim_lag_available()
         with open_dict(config):
             config.actor_rollout_ref.tim = tim.to_dict()
             # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)
@@ -186,15 +186,6 @@ class TIMTrainerMixin:
         import transfer_queue as tq
         from tensordict import TensorDict
 
-        from tim_plugins.capabilities import check
-
-        from .features import ASYNC_LAG
-
-        if self._tim_lag_off is None:
-            status = check(ASYNC_LAG)
-            self._tim_lag_off = not status.available
-            if self._tim_lag_off:
-                print(status.warning(), file=sys.stderr)
         if self._tim_lag_off:  # the engine counts the tokens it gets no lag for
             return
         current = self.global_steps - 1
@@ -207,6 +198,18 @@ class TIMTrainerMixin:
         # VERL_SOURCES transfer_queue:kv_batch_put
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                         fields=TensorDict({LAG_FIELD: torch.tensor(lags, dtype=torch.long)}, batch_size=[len(lags)]))
+
+    @staticmethod
+    def _tim_lag_available() -> bool:
+        """The asynchronous modes' lag hooks (``features.ASYNC_LAG``) are where they were; else one warning."""
+        from tim_plugins.capabilities import check
+
+        from .features import ASYNC_LAG
+
+        status = check(ASYNC_LAG)
+        if not status.available:
+            print(status.warning(), file=sys.stderr)
+        return status.available
 
     @property
     def _tim_updates_per_version(self) -> int:

@@ -10,7 +10,7 @@ References, independent of tim's accumulators: verl's own ``training/off_policy/
 (computed by verl's driver from the same weight-version tags) for the lags, verl's ``response_length/mean`` for the
 token counts, and the injected DELTA for the mismatch floor. Checked: each token is keyed by its sample's lag; the
 monitor measures the samples drawn by the weights that score them only (lag 0: the injected mismatch, on every step
-whatever the staleness of the rest); the k3 by lag is flat at that floor at lag 0 and grows with the lag; the report
+whatever the staleness of the rest); the k3 by lag is flat at that floor at lag 0 and above it at every lag beyond; the report
 of the run's dump answers "Mismatch or staleness?" by lag, with the fix in verl's terms.
 """
 
@@ -84,7 +84,7 @@ def test_each_token_is_keyed_by_the_lag_verl_reports_for_its_trajectory(run):
     assert seen == {0, 1, 2, 3}, seen  # fresh and one-version-old batches, each trained twice
 
 
-def test_the_mismatch_floor_is_flat_at_lag_0_and_the_log_ratio_grows_with_the_lag(run):
+def test_the_mismatch_floor_is_flat_at_lag_0_and_every_stale_lag_lies_above_it(run):
     result, _ = run
     pooled: dict[int, list[float]] = {}
     for step, m in sorted(result.steps.items()):
@@ -99,8 +99,10 @@ def test_the_mismatch_floor_is_flat_at_lag_0_and_the_log_ratio_grows_with_the_la
     k3 = {lag: total / n for lag, (n, total) in pooled.items()}
     print("[verl_async] pooled k3 by lag:", {lag: round(v, 6) for lag, v in sorted(k3.items())})
     assert K3_LO * (1 - 1e-3) <= k3[0] <= K3_HI * (1 + 1e-3), k3
-    # the policy moved between sampling and training: every lag above the floor, three updates more than one
-    assert all(k3[lag] > K3_HI for lag in (1, 2, 3)) and k3[3] > k3[1], k3
+    # the policy moved between sampling and training: every lag above the floor. Not monotonic beyond that (seen
+    # run to run): a second epoch re-scores tokens the first one trained on, and a PPO update can move them toward
+    # the rollout as well as away from it.
+    assert all(k3[lag] > K3_HI for lag in (1, 2, 3)), k3
 
 
 def test_the_report_answers_mismatch_or_staleness_by_lag_in_verls_terms(run):

@@ -98,3 +98,108 @@ def test_non_finite_tokens_and_empty():
     stats.update(rollout, train, mask, position_keys(mask))
     got = stats.compute(sync=False)
     assert sum(v for k, v in got.items() if k.endswith("/count")) == float(mask.sum()) - 1
+
+
+def test_labels_of_the_probability_buckets_are_the_monitors():
+    from tim_plugins.metrics import PROB_BUCKET_EDGES
+
+    want = tuple(f"{lo:g}-{hi:g}" for lo, hi in zip(PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:]))
+    assert KEYINGS["prob"].labels == want == ("0-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", "0.9-1")
+
+
+def _prob_reference(rollout, train, mask, dtype) -> dict[str, float]:
+    """by_prob by its definition: p = e^rollout in [lo, hi) (the last bucket closed at 1), with log lo and log hi
+    rounded as the inputs' precision (at least float32) rounds them; placeholders (<= -1e3) and non-finite tokens
+    left out; every bucket reported."""
+    out = {}
+    at = torch.promote_types(dtype, torch.float32)
+
+    def log(e):
+        return torch.tensor(math.log(e), dtype=at).item()
+
+    edges = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
+    valid = mask.bool() & torch.isfinite(train - rollout) & (rollout > -1e3) & (train > -1e3)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        ds = [t - r for r, t, v in zip(rollout.flatten().tolist(), train.flatten().tolist(), valid.flatten().tolist())
+              if v and (lo == 0 or r >= log(lo)) and (hi == 1 or r < log(hi))]
+        p = f"tim/by_prob/{lo:g}-{hi:g}"
+        out[f"{p}/count"] = float(len(ds))
+        out[f"{p}/abs_diff_mean"] = sum(abs(d) for d in ds) / len(ds) if ds else math.nan
+        out[f"{p}/mean"] = sum(ds) / len(ds) if ds else math.nan
+        out[f"{p}/kl_k3"] = sum(math.expm1(d) - d for d in ds) / len(ds) if ds else math.nan
+        out[f"{p}/abs_diff_max"] = max(abs(d) for d in ds) if ds else math.nan
+    return out
+
+
+def _check_nan(got: dict, want: dict, rel: float) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if math.isnan(value):
+            assert math.isnan(got[key]), key
+        else:
+            assert got[key] == pytest.approx(value, rel=rel, abs=1e-15), key
+
+
+# The monitor's fused pass sums |d| in float32 per lane (float64 inputs: float64); relative error of the mean.
+PROB_REL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 4), t=st.integers(1, 37))
+def test_by_prob_is_one_bucketing_for_the_monitor_and_the_generic_accumulator(dtype, seed, b, t):
+    """The monitor's tim/by_prob (its fused pass adds the count and Σ|d| per bucket) and KeyedStats("prob") (every
+    statistic) agree with the definition and with each other: bucket edges hit exactly, placeholders, non-finite
+    log-probs and fully masked rows included, every bucket reported, the counts adding up to tim/tokens."""
+    from tim_plugins.metrics import mismatch_metrics
+
+    g = torch.Generator().manual_seed(seed)
+    rollout = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64).clamp_min(1e-4))
+    train = rollout + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    mask[0] = False if b > 1 else mask[0]  # a fully masked row
+    flat = rollout.view(-1)
+    flat[0] = math.log(0.5)  # exactly on an edge (in the inputs' dtype once converted)
+    if flat.numel() > 2:
+        flat[1], flat[2] = -9999.0, math.nan  # a placeholder and a non-finite rollout log-prob
+    rollout, train = rollout.to(dtype), train.to(dtype)
+    want = _prob_reference(rollout.double(), train.double(), mask, dtype)
+    stats = KeyedStats("prob")
+    stats.update(rollout, train, mask, rollout)
+    _check_nan(stats.compute(sync=False), want, 1e-12)
+    monitor = {k: v for k, v in mismatch_metrics(rollout, train, mask, compile=False).items()
+               if k.startswith("tim/by_prob/")}
+    _check_nan(monitor, {k: v for k, v in want.items() if k.endswith(("/count", "/abs_diff_mean"))}, PROB_REL[dtype])
+    tokens = mismatch_metrics(rollout, train, mask, compile=False)["tim/tokens"]
+    assert sum(v for k, v in monitor.items() if k.endswith("/count")) == tokens
+
+
+def test_placeholders_are_invalid_as_in_the_monitor():
+    rollout, train, mask = _batch(5, 3, 8)
+    rollout[0, 1], train[1, 2], mask[:] = -9999.0, -1e4, True
+    stats = KeyedStats("position")
+    stats.update(rollout, train, mask, position_keys(mask))
+    got = stats.compute(sync=False)
+    assert sum(v for k, v in got.items() if k.endswith("/count")) == mask.numel() - 2
+
+
+def test_update_has_no_data_dependent_shape():
+    """An update runs on the meta device, which has no values: nothing in it depends on the data (no boolean
+    indexing), so on a GPU it never waits for the device."""
+    stats = KeyedStats("position")
+    r = torch.zeros(3, 7, device="meta")
+    stats.update(r, r, torch.ones(3, 7, dtype=torch.bool, device="meta"), position_keys(r))
+    prob = KeyedStats("prob")
+    prob.update(r, r, torch.ones(3, 7, dtype=torch.bool, device="meta"), r)
+    assert stats._acc.state.device.type == "meta" and prob._acc.state.device.type == "meta"
+
+
+def test_prefix_and_report_empty():
+    rollout, train, mask = _batch(6, 2, 3)
+    stats = KeyedStats("prob", prefix="tim/staleness")
+    stats.update(rollout, train, torch.zeros_like(mask), rollout)
+    got = stats.compute(sync=False)
+    assert set(got) == {f"tim/staleness/by_prob/{label}/{s}" for label in KEYINGS["prob"].labels
+                        for s in ("count", "abs_diff_mean", "mean", "kl_k3", "abs_diff_max")}
+    assert all(v == 0 for k, v in got.items() if k.endswith("/count"))
+    assert all(math.isnan(v) for k, v in got.items() if not k.endswith("/count"))

@@ -62,7 +62,9 @@ SUM_FIELDS: tuple[tuple[str, int], ...] = (
     ("rho_m1_sq", 1), ("outside", 1), ("seqs", 1), ("seq_log_ratio", 1),
     ("is_tokens", 1), ("is_w", 1), ("is_w2", 1), ("is_masked", 1),
     ("hist", N_SIGNED_BINS),  # counts of the signed d histogram
-    ("bucket_count", N_BUCKETS), ("bucket_abs", N_BUCKETS),  # per probability bucket: tokens, Σ|d|
+    # per probability bucket: tokens, Σ|d|: ``by_key.KEYINGS["prob"]``'s fields ``by_key.PROB_BLOCK``, which
+    # ``by_key.keyed_metrics`` turns into tim/by_prob/* as it does every other bucketing's
+    ("bucket_count", N_BUCKETS), ("bucket_abs", N_BUCKETS),
 )
 # The maxima; the maximum of an empty set is −inf.
 MAX_FIELDS: tuple[tuple[str, int], ...] = (

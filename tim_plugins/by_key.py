@@ -1,13 +1,20 @@
-"""Mismatch statistics by a per-token integer key: where in the rollout (response position), how stale (policy lag),
-which turn. The adapters only supply the keys; the statistics, their names and their exact merge live here.
+"""Mismatch statistics by a per-token key: how likely the token was (probability bucket), where in the rollout
+(response position), how stale (policy lag), which turn. The adapters only supply the keys; the bucketings, the
+statistics, their names and their exact merge live here.
 
-Per key bucket, over the tokens of that bucket (d = log p_train − log p_rollout, ρ = e^d):
+Per key bucket, over the valid tokens of that bucket (d = log p_train − log p_rollout, ρ = e^d):
 ``count``, ``abs_diff_mean`` (mean |d|), ``mean`` (mean d), ``kl_k3`` (mean ρ − 1 − d), ``abs_diff_max``. Every
-one is a sum or a maximum, kept in one `tim_plugins.accumulate.Accumulator`, so micro-batches and ranks merge
-exactly. A bucket with no token (after the merge) is left out of the metrics.
+one is a sum or a maximum (``SUMS``, ``MAXES``), kept in one `tim_plugins.accumulate.Accumulator`, so
+micro-batches and ranks merge exactly; `keyed_metrics` alone turns them into metrics. A token is valid as the
+mismatch monitor counts it (finite, neither log-prob a placeholder <= -1e3), so the counts of a bucketing add up
+to ``tim/tokens`` over the same tokens. An update reads no value back to the host (no boolean indexing), so it
+never waits for the device.
 
 Bucketings (``KEYINGS``; metric keys ``tim/by_<name>/<label>/<stat>``):
 
+- ``prob``: the rollout's probability of the sampled token, p = e^(rollout log-prob), in [0, 0.01), [0.01, 0.1),
+  [0.1, 0.5), [0.5, 0.9), [0.9, 1] (the key is the log-prob); the mismatch monitor's ``tim/by_prob``, whose
+  count and Σ|d| its fused pass adds in the same layout (``PROB_BLOCK``);
 - ``position``: response position t (0-based), log-spaced: 0, 1, 2-3, 4-7, ..., 512-1023, 1024+;
 - ``lag``: policy lag in optimizer steps (trainer version − the version that sampled), 0 ... 7, 8+;
 - ``turn``: turn index of a multi-turn rollout, 0 ... 7, 8+.
@@ -20,22 +27,37 @@ from dataclasses import dataclass
 
 import torch
 
+from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD, PROB_BUCKET_EDGES
 from tim_plugins.accumulate import Accumulated, Accumulator
 
-__all__ = ["KEYINGS", "Keying", "KeyedStats", "lag_keys", "position_keys", "turn_keys"]
+__all__ = ["KEYINGS", "MAXES", "STATS", "SUMS", "Keying", "KeyedStats", "keyed_metrics", "lag_keys",
+           "position_keys", "PROB_BLOCK", "turn_keys"]
 
-_STATS = ("count", "abs_sum", "d_sum", "k3_sum")
+# The per-bucket state: sums, then maxima; and each metric's field (a sum divided by the bucket's count, a maximum
+# as it is).
+SUMS = ("count", "abs_sum", "d_sum", "k3_sum")
+MAXES = ("abs_max",)
+STATS = {"count": "count", "abs_diff_mean": "abs_sum", "mean": "d_sum", "kl_k3": "k3_sum",
+         "abs_diff_max": "abs_max"}
 
 
 @dataclass(frozen=True)
 class Keying:
-    """How integer keys map to buckets: ``edges`` are the lower bounds (the last bucket is open-ended)."""
+    """How keys map to buckets: ``edges`` are the lower bounds (the last bucket is open-ended; a key below the
+    first edge goes to the first bucket). ``bucket_labels``: one per bucket (default, ``labels``: from integer
+    edges, "4-7", "8+").
+    ``report_empty``: a bucket with no token is reported (count 0, NaN statistics) rather than left out, for a
+    short fixed bucketing whose series a dashboard keeps."""
 
     name: str
-    edges: tuple[int, ...]
+    edges: tuple[float, ...]
+    bucket_labels: tuple[str, ...] | None = None
+    report_empty: bool = False
 
     @property
     def labels(self) -> tuple[str, ...]:
+        if self.bucket_labels is not None:
+            return self.bucket_labels
         out = []
         for lo, hi in zip(self.edges, self.edges[1:] + (None,)):
             if hi is None:
@@ -47,16 +69,31 @@ class Keying:
         return tuple(out)
 
     def bucket(self, keys: torch.Tensor) -> torch.Tensor:
-        """Bucket index of each key (keys below the first edge go to the first bucket)."""
+        """Bucket index of each key (int64). Floating keys are compared in at least float32."""
+        if keys.is_floating_point():
+            keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
         edges = torch.tensor(self.edges[1:], dtype=keys.dtype, device=keys.device)
-        return torch.bucketize(keys, edges, right=True)
+        return torch.bucketize(keys.contiguous(), edges, right=True)  # keys are often expanded views
+
+
+def _prob_keying() -> Keying:
+    lows, highs = PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:]
+    return Keying("prob", tuple(math.log(e) if e > 0 else -math.inf for e in lows),
+                  tuple(f"{lo:g}-{hi:g}" for lo, hi in zip(lows, highs)), report_empty=True)
 
 
 KEYINGS = {
+    "prob": _prob_keying(),
     "position": Keying("position", (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
     "lag": Keying("lag", tuple(range(9))),
     "turn": Keying("turn", tuple(range(9))),
 }
+
+
+# The statistics the mismatch monitor's fused pass adds for ``KEYINGS["prob"]`` (its state fields ``bucket_count``,
+# ``bucket_abs``), in the one pass it makes over the tokens anyway: the count and Σ|d| per bucket. The other fields
+# would cost its Triton kernel registers per bucket; ``KeyedStats("prob")`` computes all of them.
+PROB_BLOCK = ("count", "abs_sum")
 
 
 def position_keys(mask: torch.Tensor) -> torch.Tensor:
@@ -80,43 +117,56 @@ def lag_keys(trainer_version: int, sample_version: torch.Tensor, shape) -> torch
     return lag.view(-1, 1).expand(shape)
 
 
-class KeyedStats(Accumulated):
-    """Mismatch statistics by a per-token key (``keying``: one of `KEYINGS` or your own `Keying`)."""
+def keyed_metrics(keying: Keying, values: dict[str, float], prefix: str = "tim") -> dict[str, float]:
+    """The metrics of a merged state ``values`` ({"<label>/<field>": value}; the fields present, a subset of
+    ``SUMS`` + ``MAXES`` that has ``count``) as ``<prefix>/by_<name>/<label>/<stat>``: every statistic whose field
+    is there. Empty buckets are left out unless ``keying.report_empty`` (then count 0 and NaN)."""
+    out, p = {}, f"{prefix}/by_{keying.name}"
+    for label in keying.labels:
+        n = values[f"{label}/count"]
+        if n <= 0 and not keying.report_empty:  # the merged counts are the same on every rank
+            continue
+        for stat, field in STATS.items():
+            v = values.get(f"{label}/{field}")
+            if v is None:
+                continue
+            if stat == "count":
+                out[f"{p}/{label}/count"] = n
+            elif n <= 0:
+                out[f"{p}/{label}/{stat}"] = math.nan
+            else:
+                out[f"{p}/{label}/{stat}"] = v if field in MAXES else v / n
+    return out
 
-    def __init__(self, keying: Keying | str) -> None:
+
+class KeyedStats(Accumulated):
+    """Mismatch statistics by a per-token key (``keying``: one of `KEYINGS` or your own `Keying`); metric keys
+    under ``prefix``."""
+
+    def __init__(self, keying: Keying | str, prefix: str = "tim") -> None:
         self.keying = KEYINGS[keying] if isinstance(keying, str) else keying
+        self.prefix = prefix
         labels = self.keying.labels
-        self._acc = Accumulator([f"{label}/{s}" for label in labels for s in _STATS],
-                                [f"{label}/abs_max" for label in labels])
+        self._acc = Accumulator([f"{label}/{s}" for label in labels for s in SUMS],
+                                [f"{label}/{m}" for label in labels for m in MAXES])
 
     def update(self, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor) -> None:
-        """[B, T] log-probs on each side, the tokens to count and each token's integer key. Non-finite tokens are
-        left out (the monitor counts them as invalid)."""
-        d = train.detach().double() - rollout.detach().double()
-        keep = mask.bool() & torch.isfinite(d)
-        d, bucket = d[keep], self.keying.bucket(keys[keep].long())
+        """[B, T] log-probs on each side, the tokens to count and each token's key. Invalid tokens (non-finite, a
+        placeholder log-prob) are left out (the monitor counts them as invalid)."""
+        rollout, train = rollout.detach().double(), train.detach().double()
+        d = train - rollout
+        keep = (mask != 0) & (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) \
+            & (train > INVALID_LOGPROB_THRESHOLD)
         n = len(self.keying.edges)
-        zeros = torch.zeros(n, dtype=torch.float64, device=d.device)
-
-        def per_bucket(values: torch.Tensor) -> torch.Tensor:
-            return zeros.index_add(0, bucket, values)
-
+        # Every token is added (no data-dependent shape): a left-out one to an extra bucket n, dropped below.
+        bucket = torch.where(keep, self.keying.bucket(keys), n).reshape(-1)
+        d = torch.where(keep, d, 0.0).reshape(-1)
         ad = d.abs()
-        sums = torch.stack([per_bucket(torch.ones_like(d)), per_bucket(ad), per_bucket(d),
-                            per_bucket(torch.expm1(d) - d)], dim=1)  # [n, 4]
-        maxes = torch.full((n,), -math.inf, dtype=torch.float64, device=d.device).scatter_reduce(
+        values = torch.stack([torch.ones_like(d), ad, d, torch.expm1(d) - d], dim=1)  # [N, SUMS]
+        sums = torch.zeros(n + 1, len(SUMS), dtype=torch.float64, device=d.device).index_add_(0, bucket, values)
+        maxes = torch.full((n + 1,), -math.inf, dtype=torch.float64, device=d.device).scatter_reduce_(
             0, bucket, ad, reduce="amax", include_self=True)
-        self._acc.add(sums.reshape(-1), maxes)
+        self._acc.add(sums[:n].reshape(-1), maxes[:n])
 
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
-        v = self._acc.merged(sync=sync, group=group)
-        out, p = {}, f"tim/by_{self.keying.name}"
-        for label in self.keying.labels:
-            n = v[f"{label}/count"]
-            if n <= 0:  # an empty bucket is left out (the merged counts are the same on every rank)
-                continue
-            out[f"{p}/{label}/count"] = n
-            for key, field in (("abs_diff_mean", "abs_sum"), ("mean", "d_sum"), ("kl_k3", "k3_sum")):
-                out[f"{p}/{label}/{key}"] = v[f"{label}/{field}"] / n
-            out[f"{p}/{label}/abs_diff_max"] = v[f"{label}/abs_max"]
-        return out
+        return keyed_metrics(self.keying, self._acc.merged(sync=sync, group=group), self.prefix)

@@ -26,7 +26,6 @@ from tim_plugins._mismatch_layout import (
     INVALID_LOGPROB_THRESHOLD,
     MAX_FIELDS,
     N_ABS_BINS,
-    N_BUCKETS,
     N_SUMS,
     PROB_BUCKET_EDGES,
     SUM_FIELDS,
@@ -36,6 +35,7 @@ from tim_plugins._mismatch_layout import (
 from tim_plugins._mismatch_pass import batch_state
 from tim_plugins._optional import is_triton_available
 from tim_plugins.accumulate import Accumulator
+from tim_plugins.by_key import KEYINGS, PROB_BLOCK, keyed_metrics
 
 __all__ = [
     "PROB_BUCKET_EDGES", "HISTOGRAM_RANGE", "HISTOGRAM_BINS_PER_DECADE", "INVALID_LOGPROB_THRESHOLD",
@@ -278,8 +278,6 @@ def _metric_keys(prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
              "ratio_mean", "ratio_min", "ratio_max", "ratio_outside_frac", "abs_diff_p99", "abs_diff_p999")
     keys = [f"{prefix}/tokens", f"{prefix}/invalid_tokens", *(f"{prefix}/token/{k}" for k in token),
             f"{prefix}/seq/count", f"{prefix}/seq/log_ratio_mean", f"{prefix}/seq/log_ratio_abs_max"]
-    for lo, hi in zip(PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:]):
-        keys += [f"{prefix}/by_prob/{lo:g}-{hi:g}/count", f"{prefix}/by_prob/{lo:g}-{hi:g}/abs_diff_mean"]
     is_keys = tuple(f"{prefix}/is/{k}" for k in ("weight_mean", "weight_min", "weight_max", "masked_frac", "ess"))
     return tuple(keys), is_keys
 
@@ -304,11 +302,9 @@ def _derive(s: dict, prefix: str) -> dict[str, float]:
         token = [nan] * 13
     seqs = s["seqs"]
     seq = [seqs, s["seq_log_ratio"] / seqs, s["seq_abs_max"]] if seqs > 0 else [seqs, nan, nan]
-    by_prob = []
-    for count, abs_sum in zip(s["bucket_count"].tolist(), s["bucket_abs"].tolist()):
-        by_prob += (count, abs_sum / count if count > 0 else nan)
     keys, is_keys = _metric_keys(prefix)
-    out = dict(zip(keys, [n, s["invalid"], *token, *seq, *by_prob]))
+    out = dict(zip(keys, [n, s["invalid"], *token, *seq]))
+    out.update(keyed_metrics(KEYINGS["prob"], _prob_values(s), prefix))
     is_n, is_w, is_w2 = s["is_tokens"], s["is_w"], s["is_w2"]
     if is_n > 0:
         out.update(zip(is_keys, (
@@ -316,6 +312,12 @@ def _derive(s: dict, prefix: str) -> dict[str, float]:
             is_w * is_w / (is_n * is_w2) if is_w2 > 0 else 0.0,  # Kish ESS, normalised: (Σw)² / (N Σw²)
         )))
     return out
+
+
+def _prob_values(s: dict) -> dict[str, float]:
+    """The state's probability block (``bucket_count``, ``bucket_abs``) as ``by_key``'s per-bucket fields."""
+    fields = dict(zip(PROB_BLOCK, (s["bucket_count"].tolist(), s["bucket_abs"].tolist())))
+    return {f"{label}/{f}": v[i] for i, label in enumerate(KEYINGS["prob"].labels) for f, v in fields.items()}
 
 
 def _fold_signed(hist):

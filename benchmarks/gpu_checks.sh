@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The monitor's checks that need a CUDA GPU, in order of importance, each bounded in time (a GPU session is
 # short): the CUDA tests, the benchmark against verl (goal: the default path >= 10x faster), run twice (verl's
-# own time varies between runs), then the launch-setting sweep and the host-cost benchmark. Results land in
-# benchmarks/results/ (one file per benchmark: the second run replaces the first); with COPY_TO=DIR each one is
-# also copied there as soon as it is written (both runs: metrics_vs_verl_cuda_1.json, _2.json), so a step cut
-# short still leaves the earlier ones. Under 10 minutes in all.
+# own time varies between runs), then the launch-setting sweep, the host-cost benchmark, and what the statistics
+# by key cost next to the monitor's update. Results land in benchmarks/results/ (one file per benchmark: the
+# second run replaces the first); with COPY_TO=DIR each one is also copied there as soon as it is written (both
+# runs: metrics_vs_verl_cuda_1.json, _2.json), so a step cut short still leaves the earlier ones. Under 10
+# minutes in all.
 #
 #   bash benchmarks/gpu_checks.sh            # VERL_SOURCE=DIR: verl's package folder where verl is not installed
 #   SWEEP=0 bash benchmarks/gpu_checks.sh    # without the sweep
@@ -43,4 +44,6 @@ if [ "${SWEEP:-1}" != 0 ]; then
 fi
 timeout 60 "$PY" -m benchmarks.bench_monitor_host --quick 2>&1 | grep -v -i warn | tail -2
 keep "$RESULTS/monitor_host.json"
+timeout 60 "$PY" -m benchmarks.bench_by_key --device cuda --quick 2>&1 | grep -v -i warn | tail -2
+keep "$RESULTS/by_key_cuda.json"
 echo "all done: ${SECONDS} s"

@@ -20,6 +20,7 @@ from benchmarks._common import RESULTS_DIR, environment, write_results
 BENCHMARKS = {
     "bench_metrics": ("metrics_vs_verl", ("speedup",)),
     "bench_monitor_host": ("monitor_host", None),
+    "bench_by_key": ("by_key", None),
     "bench_safe_vocab": ("safe_vocab", None),
     "ablate_min_p": ("ablate_min_p", ("chosen_min_p",)),
     "bench_trl_step": ("trl_step", None),

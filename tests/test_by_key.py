@@ -157,11 +157,11 @@ def test_by_prob_is_one_bucketing_for_the_monitor_and_the_generic_accumulator(dt
     rollout = torch.log(torch.rand(b, t, generator=g, dtype=torch.float64).clamp_min(1e-4))
     train = rollout + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)
     mask = torch.rand(b, t, generator=g) < 0.8
-    mask[0] = False if b > 1 else mask[0]  # a fully masked row
-    flat = rollout.view(-1)
-    flat[0] = math.log(0.5)  # exactly on an edge (in the inputs' dtype once converted)
-    if flat.numel() > 2:
-        flat[1], flat[2] = -9999.0, math.nan  # a placeholder and a non-finite rollout log-prob
+    if b > 1:
+        mask[0] = False  # a fully masked row
+    last = rollout[-1]  # counted tokens: on an edge (in the inputs' dtype once converted), a placeholder, a NaN
+    for i, value in enumerate((math.log(0.5), -9999.0, math.nan)[:t]):
+        last[i], mask[-1, i] = value, True
     rollout, train = rollout.to(dtype), train.to(dtype)
     want = _prob_reference(rollout.double(), train.double(), mask, dtype)
     stats = KeyedStats("prob")

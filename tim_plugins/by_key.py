@@ -33,12 +33,11 @@ from tim_plugins.accumulate import Accumulated, Accumulator
 __all__ = ["KEYINGS", "MAXES", "STATS", "SUMS", "Keying", "KeyedStats", "keyed_metrics", "lag_keys",
            "position_keys", "PROB_BLOCK", "turn_keys"]
 
-# The per-bucket state: sums, then maxima; and each metric's field (a sum divided by the bucket's count, a maximum
-# as it is).
+# The per-bucket state: sums (the first is the count), then maxima; and each metric besides ``count`` with its
+# field (a sum divided by the bucket's count, a maximum as it is).
 SUMS = ("count", "abs_sum", "d_sum", "k3_sum")
 MAXES = ("abs_max",)
-STATS = {"count": "count", "abs_diff_mean": "abs_sum", "mean": "d_sum", "kl_k3": "k3_sum",
-         "abs_diff_max": "abs_max"}
+STATS = {"abs_diff_mean": "abs_sum", "mean": "d_sum", "kl_k3": "k3_sum", "abs_diff_max": "abs_max"}
 
 
 @dataclass(frozen=True)
@@ -126,16 +125,11 @@ def keyed_metrics(keying: Keying, values: dict[str, float], prefix: str = "tim")
         n = values[f"{label}/count"]
         if n <= 0 and not keying.report_empty:  # the merged counts are the same on every rank
             continue
+        out[f"{p}/{label}/count"] = n
         for stat, field in STATS.items():
             v = values.get(f"{label}/{field}")
-            if v is None:
-                continue
-            if stat == "count":
-                out[f"{p}/{label}/count"] = n
-            elif n <= 0:
-                out[f"{p}/{label}/{stat}"] = math.nan
-            else:
-                out[f"{p}/{label}/{stat}"] = v if field in MAXES else v / n
+            if v is not None:
+                out[f"{p}/{label}/{stat}"] = math.nan if n <= 0 else v if field in MAXES else v / n
     return out
 
 

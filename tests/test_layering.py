@@ -378,18 +378,3 @@ def test_no_import_cycle():
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
-
-def test_moved_names_fail_with_their_new_home():
-    """Where code left the core for an adapter (#38), the old public import path raises an ImportError that names
-    the new module (the core cannot re-export it), and the new module has the name."""
-    moved = 0
-    for name, _, path in _core_modules(include_apps=False):
-        if "_MOVED" not in path.read_text():
-            continue
-        module = importlib.import_module(name)
-        for attr, home in module._MOVED.items():
-            with pytest.raises(ImportError, match=f"from {home} import {attr}"):
-                exec(f"from {name} import {attr}", {})
-            assert hasattr(importlib.import_module(home), attr), f"{home} has no {attr}"
-            moved += 1
-    assert moved >= 7

@@ -330,3 +330,41 @@ def test_truncation_fix_keeps_the_users_sampling_first():
     assert trl.index("TIMConfig(safe_vocab=True)") < trl.index("GRPOConfig(min_p=") < trl.index("top_p=1.0")
     verl = finding.fix["verl"]
     assert verl.index(f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g}") < verl.index("actor_rollout_ref.rollout.top_p=1.0")
+
+
+def test_audit_and_report_is_the_one_sequence_every_caller_runs():
+    """audit → title line with the counts → the one table format → strict, written once
+    (``tim_plugins.parity.report``): the reference is the parts computed by hand from ``audit`` and
+    ``findings_table``; the TRL callback, verl's driver and the CLI all call it."""
+    from tim_plugins.parity.report import audit_and_report
+    from tim_plugins.parity.table import findings_table
+
+    rollout, trainer = matched_pair(dtype="bfloat16")
+    findings = audit(rollout, trainer)
+    errors = [f for f in findings if f.severity == "error"]
+    n = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    assert n["error"] >= 1
+    shown = []
+    report = audit_and_report(rollout, trainer, framework="verl", title="T", emit=shown.append)
+    assert shown == [report] and report.findings == findings and report.worst == "error" and report.has_errors
+    assert report.text == (f"T: {n['error']} error(s), {n['warning']} warning(s), {n['info']} info\n"
+                           + findings_table(findings, framework="verl"))
+    # strict: shown first, then stopped, every error named with the way out
+    shown.clear()
+    with pytest.raises(ParityError) as err:
+        audit_and_report(rollout, trainer, framework="verl", title="T", emit=shown.append, strict=True,
+                         strict_off="set X=false")
+    assert len(shown) == 1 and err.value.findings == findings
+    message = str(err.value)
+    assert message.startswith("T (strict): ") and message.endswith("or set X=false to only report them.")
+    assert all(f"{f.code}: {f.message}" in message for f in errors)
+    # no error: strict lets it through; findings given (enforce's) are reported as they are
+    clean = audit_and_report(*matched_pair(), framework=None, title="T", strict=True)
+    assert clean.findings == [] and clean.text.startswith("T: 0 error(s), 0 warning(s), 0 info\nno findings")
+    given_findings = audit_and_report(rollout, trainer, framework="verl", title="T", findings=errors)
+    assert given_findings.findings == errors
+    # the three callers
+    root = Path(__file__).resolve().parents[1]
+    for path in ("integrations/trl/_parity.py", "integrations/verl/trainer.py", "tim_plugins/apps/audit.py"):
+        text = (root / path).read_text()
+        assert "audit_and_report(" in text and "severity_counts(" not in text and "has_errors(" not in text, path

@@ -153,3 +153,10 @@ def test_parity_audit_logged_at_its_worst_findings_level(toy_model_path, tmp_pat
     # The reference: the worst severity among the findings (an HF rollout with matched knobs has info only).
     worst = next((s for s in ("error", "warning", "info") if s in severities), "info")
     assert record.levelname == level == worst.upper()
+    # the one table format (tim_plugins.parity.table), under the title line with the counts
+    from tim_plugins.parity.table import findings_table
+
+    n = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    assert record.getMessage() == (
+        f"tim_plugins parity audit (hf rollouts vs TRL trainer): {n['error']} error(s), {n['warning']} warning(s), "
+        f"{n['info']} info\n" + findings_table(findings, framework="trl"))

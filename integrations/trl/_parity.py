@@ -46,11 +46,11 @@ def server_engine_args(trainer) -> tuple[dict, str] | None:
     return {k: v for k, v in args.items() if v is not None}, device
 
 
-def collect_specs(trainer, rollout_source: str):
+def collect_specs(trainer, rollout_source: str, *, engine: bool = True, server: bool = True):
     """(rollout_spec, trainer_spec) for this trainer, read by ``parity_spec.specs_from_trainer`` from its
-    GRPOConfig, its model and the live vLLM engine or server when there is one."""
-    server = server_engine_args(trainer)
-    return specs_from_trainer(trainer, llm=_live_llm(trainer), rollout_source=rollout_source,
+    GRPOConfig, its model and the live vLLM engine (``engine``) or server (``server``) when there is one."""
+    server = server_engine_args(trainer) if server else None
+    return specs_from_trainer(trainer, llm=_live_llm(trainer) if engine else None, rollout_source=rollout_source,
                               server_args=server[0] if server else None,
                               server_device=server[1] if server else None)
 
@@ -58,45 +58,36 @@ def collect_specs(trainer, rollout_source: str):
 _LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO}
 
 
-def _log_level(findings) -> int:
-    """The level of the worst finding (INFO when there is none): an info-only audit is not a warning."""
-    from tim_plugins.parity.findings import max_severity
-
-    return _LEVELS.get(max_severity(findings), logging.INFO)
-
-
-def run_audit(trainer, rollout_source: str, truncation=None, *, strict: bool = False):
-    """Audit the rollout side against TRL's trainer side; log the findings as a table (and to wandb when it is
-    active). Returns (findings, (rollout_spec, trainer_spec), counts by severity). ``truncation``: the safe-vocab
-    head's ``Truncation``, which makes the trainer apply the sampler's min_p / top_p / top_k. Raises
+def run_audit(trainer, rollout_source: str, truncation=None, *, strict: bool = False, engine: bool = True,
+              server: bool = True):
+    """Audit the rollout side against TRL's trainer side (``tim_plugins.parity.report.audit_and_report``); log the
+    findings as a table at the level of the worst one (INFO when there is none) and to wandb when it is active.
+    Returns (findings, (rollout_spec, trainer_spec), counts by severity). ``truncation``: the safe-vocab head's
+    ``Truncation``, which makes the trainer apply the sampler's min_p / top_p / top_k. ``engine`` / ``server``:
+    whether the live vLLM engine / server may be read (``features.ENGINE_AUDIT`` / ``SERVER_AUDIT`` hold). Raises
     ``ParityError`` on an error-level finding when ``strict``."""
-    from tim_plugins.parity.audit import audit, has_errors
-    from tim_plugins.parity.findings import ParityError, severity_counts
+    from tim_plugins.parity.report import audit_and_report
     from tim_plugins.parity.table import FINDINGS_COLUMNS, findings_rows
 
-    rollout_spec, trainer_spec = collect_specs(trainer, rollout_source)
+    rollout_spec, trainer_spec = collect_specs(trainer, rollout_source, engine=engine, server=server)
     if truncation is not None:
         trainer_spec = trainer_spec.replace(min_p=truncation.min_p, top_p=truncation.top_p, top_k=truncation.top_k)
-    findings = audit(rollout_spec, trainer_spec)
-    columns, rows = list(FINDINGS_COLUMNS), findings_rows(findings, framework="trl")
-    text = "\n".join(" | ".join(r) for r in [columns] + rows) if rows else "no findings"
-    logger.log(_log_level(findings), "tim_plugins parity audit (%s rollouts vs TRL trainer):\n%s", rollout_source,
-               text)
-    args = trainer.args
-    if args.report_to and "wandb" in args.report_to:
-        try:
-            import wandb
 
-            if wandb.run is not None:
-                wandb.log({"tim/parity/findings": wandb.Table(columns=columns, data=rows)}, commit=False)
-        except ImportError:
-            pass
-    if strict and has_errors(findings):
-        errors = [f for f in findings if f.severity == "error"]
-        raise ParityError(
-            "tim_plugins parity audit (strict): "
-            + "; ".join(f"{f.code}: {f.message}" for f in errors)
-            + ". Fix the settings named in each finding, or set TIMConfig(parity_strict=False) to only log them.",
-            findings=findings,
-        )
-    return findings, (rollout_spec, trainer_spec), severity_counts(findings)
+    def emit(report) -> None:
+        logger.log(_LEVELS.get(report.worst, logging.INFO), "%s", report.text)
+        args = trainer.args
+        if args.report_to and "wandb" in args.report_to:
+            try:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.log({"tim/parity/findings": wandb.Table(
+                        columns=list(FINDINGS_COLUMNS), data=findings_rows(report.findings, framework="trl"))},
+                        commit=False)
+            except ImportError:
+                pass
+
+    report = audit_and_report(rollout_spec, trainer_spec, framework="trl", emit=emit, strict=strict,
+                              title=f"tim_plugins parity audit ({rollout_source} rollouts vs TRL trainer)",
+                              strict_off="set TIMConfig(parity_strict=False)")
+    return report.findings, (rollout_spec, trainer_spec), report.counts

@@ -113,6 +113,7 @@ class TIMCallback(TrainerCallback):
         self.parity_specs = None
         self.generation_count = 0
         self._installation: hooks.Installation | None = None
+        self._audit_reads: dict[str, bool] | None = None  # the live vLLM objects the audit may read, once checked
         self._grad_norm: float | None = None
         self._length = math.nan  # mean response length of the latest generation batch (all ranks)
         self._pending: dict[str, float] = {}  # one-off values for the next log (the audit's counts)
@@ -254,8 +255,11 @@ class TIMCallback(TrainerCallback):
             self.attach()
         audited = self.config.parity_audit and self._async is None
         if audited:
+            if self._audit_reads is None:
+                self._audit_reads = self._live_audit_reads()
             self.findings, self.parity_specs, counts = run_audit(
-                self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict)
+                self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict,
+                **self._audit_reads)
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
             # beside the dump, what `tim-plugins report DUMP_DIR` reads to speak TRL (fixes, audit, tokenizer)
@@ -268,6 +272,22 @@ class TIMCallback(TrainerCallback):
                               findings=[f.to_dict() for f in self.findings] if audited else None)
             except OSError as err:  # the report loses its audit table and fix words; training goes on
                 self.pipeline.count("dump_summary_unwritten", detail=repr(err))
+
+    def _live_audit_reads(self) -> dict[str, bool]:
+        """Which live vLLM object the audit may read (``run_audit``'s ``engine`` / ``server``): each needs its TRL
+        hooks (``features.ENGINE_AUDIT`` colocate, ``features.SERVER_AUDIT`` server mode); a moved one is switched
+        off alone, and the audit then reports the engine's settings as unknown."""
+        args = self.trainer.args
+        reads = {"engine": False, "server": False}
+        if not args.use_vllm:
+            return reads
+        name, feature = ("server", features.SERVER_AUDIT) if args.vllm_mode == "server" else \
+            ("engine", features.ENGINE_AUDIT)
+        status = check(feature)
+        reads[name] = self._available(status)
+        if not reads[name]:
+            self.pipeline.feature_off(status.name)
+        return reads
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._installation is not None:

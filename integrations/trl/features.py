@@ -103,7 +103,8 @@ EXACT_SAMPLER = Feature(
     hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn", params=("prompt_ids",)),))
 
 # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._init_vllm: the live engine (colocate) and the
-# server's client the audit reads (_parity.py)
+# server's client the audit reads (_parity.py). Each gates that read (callback.TIMCallback._live_audit_reads): when
+# one moves, the audit reports the engine's settings as unknown and the feature is off.
 _INIT_VLLM = Hook("trl.generation.vllm_generation", "VLLMGeneration._init_vllm",
                   fragments=("self.llm = LLM(", "self.vllm_client = VLLMClient("))
 

@@ -39,22 +39,14 @@ AUDIT_TITLE = "tim-plugins parity audit (vLLM rollout vs FSDP actor, from the co
 def run_startup_audit(config, tim: TIMVerlConfig, out=None):
     """Audit rollout vs trainer numerics on the composed config; print the table. Returns the findings. Raises ``ParityError`` when ``tim.parity.strict`` and an error is found."""
     out = out or sys.stdout
-    from tim_plugins.parity.audit import audit, has_errors
-    from tim_plugins.parity.findings import ParityError, severity_counts
-    from tim_plugins.parity.table import findings_table
+    from tim_plugins.parity.report import audit_and_report
 
     from .parity_spec import specs_from_config
 
     rollout, trainer = specs_from_config(config)
-    findings = audit(rollout, trainer)
-    counts = severity_counts(findings)
-    print(f"{AUDIT_TITLE}: {counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info",
-          file=out)
-    print(findings_table(findings, framework="verl"), file=out)
-    if tim.parity.strict and has_errors(findings):
-        raise ParityError("tim.parity.strict=true and the audit found error-level mismatches (table above); "
-                          "fix them or set +tim.parity.strict=false", findings=findings)
-    return findings
+    return audit_and_report(rollout, trainer, framework="verl", title=AUDIT_TITLE, strict=tim.parity.strict,
+                            emit=lambda report: print(report.text, file=out),
+                            strict_off="set +tim.parity.strict=false").findings
 
 
 def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:

@@ -81,9 +81,9 @@ def _vllm_specs(args: argparse.Namespace):
 
 def run_audit(args: argparse.Namespace) -> int:
     from tim_plugins._optional import package_version
-    from tim_plugins.parity.audit import audit, enforce, has_errors
-    from tim_plugins.parity.findings import severity_counts
-    from tim_plugins.parity.table import findings_table, format_table
+    from tim_plugins.parity.audit import enforce
+    from tim_plugins.parity.report import audit_and_report, counts_line
+    from tim_plugins.parity.table import format_table
 
     framework = None
     try:
@@ -107,16 +107,16 @@ def run_audit(args: argparse.Namespace) -> int:
             framework = "vllm"
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         return _fail(str(err))
-    changes = []
+    changes, enforced = [], None
     if args.enforce:
         result = enforce(rollout, trainer)
-        changes, findings = result.changes, result.findings
-    else:
-        findings = audit(rollout, trainer)
+        changes, enforced = result.changes, result.findings
+    report = audit_and_report(rollout, trainer, framework=framework, findings=enforced,
+                              title=f"tim-plugins audit ({rollout.source} vs {trainer.source})")
     if args.json:
         print(json.dumps({"rollout": rollout.to_dict(), "trainer": trainer.to_dict(),
                           "changes": [c.__dict__ for c in changes],
-                          "findings": [f.to_dict() for f in findings]}, indent=2, default=str))
+                          "findings": [f.to_dict() for f in report.findings]}, indent=2, default=str))
     else:
         print(f"rollout: {rollout.framework} ({rollout.source})\ntrainer: {trainer.framework} ({trainer.source})\n")
         if changes:
@@ -124,10 +124,9 @@ def run_audit(args: argparse.Namespace) -> int:
             print(format_table(["side", "field", "old", "new", "knob"],
                                [[c.side, c.field, c.old, c.new, c.knob] for c in changes]))
             print()
-        print(findings_table(findings, framework=framework))
-        counts = severity_counts(findings)
-        print(f"\n{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info")
-    return 1 if has_errors(findings) else 0
+        print(report.table)
+        print(f"\n{counts_line(report.counts)}")
+    return 1 if report.has_errors else 0
 
 
 def run_check_batch_invariance(args: argparse.Namespace) -> int:

@@ -3,7 +3,6 @@ check. The exact sampler and the TIM injector live in `tim_plugins.rollout.exact
 framework objects live in the adapters: ``tim_plugins.integrations.hf.parity_spec.spec_from_hf_model`` (a
 transformers model) and ``tim_plugins.integrations.vllm.parity_spec.spec_from_llm`` (a vLLM engine)."""
 
-from tim_plugins._moved import moved_attribute
 from tim_plugins.parity.audit import DEFAULT_FIXES, Change, EnforceResult, audit, enforce, has_errors
 from tim_plugins.parity.batch_invariance import BatchInvarianceReport, check_batch_invariance
 from tim_plugins.parity.findings import CODES, Finding, ParityError
@@ -27,10 +26,3 @@ __all__ = [
     "check_batch_invariance",
     "BatchInvarianceReport",
 ]
-
-# Moved to the HF adapter (#38): importing it from here raises an ImportError that names the new module.
-_MOVED = {"spec_from_hf_model": "tim_plugins.integrations.hf.parity_spec"}
-
-
-def __getattr__(name: str):
-    moved_attribute(__name__, name, _MOVED)

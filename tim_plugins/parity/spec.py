@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tim_plugins._config import field_help
-from tim_plugins._moved import moved_attribute
 
 __all__ = [
     "PipelineSpec",
@@ -28,14 +27,6 @@ __all__ = [
     "LOGPROBS_MODES",
     "SIDES",
 ]
-
-# Moved to the HF adapter (#38; it reads a private attribute of transformers' config): importing it from here
-# raises an ImportError that names the new module.
-_MOVED = {"spec_from_hf_model": "tim_plugins.integrations.hf.parity_spec"}
-
-
-def __getattr__(name: str):
-    moved_attribute(__name__, name, _MOVED)
 
 SIDES = ("rollout", "trainer")
 # vLLM's names (vllm/config/model.py LogprobsMode); the trainer side is always "processed" by construction

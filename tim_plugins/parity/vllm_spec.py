@@ -15,7 +15,6 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from tim_plugins._moved import moved_attribute
 from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
 
 __all__ = [
@@ -41,14 +40,6 @@ VLLM_SAMPLING_DEFAULTS: dict[str, Any] = {
     "allowed_token_ids": None,
 }
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-# Moved to the vLLM adapter (#38; it reads a live engine's internals): importing it from here raises an ImportError
-# that names the new module.
-_MOVED = {"spec_from_llm": "tim_plugins.integrations.vllm.parity_spec"}
-
-
-def __getattr__(name: str):
-    moved_attribute(__name__, name, _MOVED)
 
 
 def parse_engine_args(args: Any) -> dict:

@@ -18,21 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tim_plugins._moved import moved_attribute
-
 __all__ = ["ProcessedLogprobRecorder"]
-
-# Moved to the HF adapter (#38): importing them from here raises an ImportError that names the new module.
-_MOVED = {
-    "record_processed_logprobs": "tim_plugins.integrations.hf.recorder",
-    "RECORDABLE_MODES": "tim_plugins.integrations.hf.recorder",
-    "TRANSFORMERS_SOURCES": "tim_plugins.integrations.hf.sources",
-    "TRANSFORMERS_SINCE": "tim_plugins.integrations.hf.sources",
-}
-
-
-def __getattr__(name: str):
-    moved_attribute(__name__, name, _MOVED)
 
 
 class ProcessedLogprobRecorder:

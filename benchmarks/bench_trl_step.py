@@ -176,7 +176,7 @@ def _run(model_path: str, arm: str, steps: int, skip: int, settings: dict, devic
         from tim_plugins import safe_vocab
 
         # which folds the safe head ran: Triton on CUDA unless they failed (then a warning, and torch)
-        out["safe_vocab_folds"] = "torch" if not cuda or safe_vocab._fused_failed else "triton"
+        out["safe_vocab_folds"] = "torch" if not cuda or safe_vocab.fused_failure_count() else "triton"
     del trainer
     if cuda:
         torch.cuda.empty_cache()

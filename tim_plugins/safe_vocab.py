@@ -26,6 +26,7 @@ never creates NaN; exclude them from the loss with ``safe_loss_mask``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -47,8 +48,10 @@ __all__ = [
     "SafeVocabStats",
     "Truncation",
     "default_chunk_rows",
+    "fused_failure_count",
     "safe_logprobs_from_logits",
     "safe_logprobs_from_hidden",
+    "safe_linear_logprobs",
     "safe_loss_mask",
     "safe_vocab_metrics",
 ]
@@ -101,11 +104,33 @@ class SafeLogprobs:
     entropy: torch.Tensor | None = None
 
 
-def _keep_mask(z: torch.Tensor, tau: torch.Tensor, trunc: Truncation, buf: torch.Tensor | None):
-    """S as a bool [n, V] mask written into ``buf``, or None when the rule cuts nothing (S = V, no mask pass)."""
-    if not trunc.active:
-        return None
-    return torch.ge(z, tau[:, None], out=buf[: z.shape[0]])
+class _Threshold:
+    """Chooses S per row chunk for the torch folds: the sampler's rule recomputed on the trainer's logits,
+    S = {a : z_a >= tau} with one threshold tau per row (``truncation_threshold``).
+
+    The folds ask a selector for S twice per chunk (``select`` in forward, ``reselect`` in backward, bit-exactly
+    the same set from the same logits), so another source of S (``tim_plugins.replay``: the engine's own kept
+    set) plugs into the same autograd Functions.
+    """
+
+    def __init__(self, trunc: Truncation) -> None:
+        self.trunc = trunc
+        self.temperature = trunc.temperature
+        self.masks = trunc.active  # whether S can be smaller than V (the folds then keep a [rows, V] bool buffer)
+
+    def select(self, z: torch.Tensor, start: int, m: torch.Tensor, buf):
+        """(keep [n, V] bool in ``buf`` or None for S = V, tau [n] saved for ``reselect``) of rows start…"""
+        tau = truncation_threshold(z, self.trunc, row_max=m)
+        return self.reselect(z, start, tau, buf), tau
+
+    def reselect(self, z: torch.Tensor, start: int, tau: torch.Tensor, buf):
+        if not self.masks:
+            return None
+        return torch.ge(z, tau[:, None], out=buf[: z.shape[0]])
+
+    @staticmethod
+    def contains(keep, z_tok: torch.Tensor, tau: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        return z_tok >= tau  # without a mask pass when S = V (tau = -inf)
 
 
 def _apply_mask(e: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -113,12 +138,12 @@ def _apply_mask(e: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return e if keep is None else e.mul_(keep.view(torch.uint8))
 
 
-def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, trunc: Truncation, want_entropy: bool, keep_buf):
-    """Statistics of one chunk. z: [n, V] fp32 logits / T, overwritten. Returns per-row tensors."""
+def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, sel, start: int, want_entropy: bool, keep_buf):
+    """Statistics of one chunk (rows start…). z: [n, V] fp32 logits / T, overwritten. Returns per-row tensors."""
     m = z.amax(dim=-1)
-    tau = truncation_threshold(z, trunc, row_max=m)
     z_tok = z.gather(-1, tok[:, None]).squeeze(-1)
-    keep = _keep_mask(z, tau, trunc, keep_buf)  # recomputed bit-exactly in backward from the same z and tau
+    keep, tau = sel.select(z, start, m, keep_buf)  # reselected bit-exactly in backward from the same z and tau
+    in_set = sel.contains(keep, z_tok, tau, tok)
     if keep is None:
         size = torch.full_like(tok, z.shape[1])
     else:
@@ -136,18 +161,18 @@ def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, trunc: Truncation, want_e
         # H(q) = log Σ_S e^(z−m) − Σ_S e^(z−m)(z−m) / Σ_S e^(z−m); e log e = e (z − m), and 0 where e underflows.
         # e is not needed afterwards: xlogy overwrites it instead of allocating another [n, V] tensor
         entropy = log_kept - torch.special.xlogy(e, e, out=e).sum(dim=-1) / kept
-    return logp, z_tok >= tau, pruned, size, tau, log_zs, entropy
+    return logp, in_set, pruned, size, tau, log_zs, entropy
 
 
-def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, trunc, keep_buf):
+def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, sel, start, keep_buf):
     """Gradient wrt the tempered-input logits of one chunk, factored as ``row_scale[:, None] * G``.
 
     Returns (G, row_scale): G [n, V] fp32 written into z's storage, row_scale [n] fp32. Without an entropy
     gradient, dL/dz_j = −g·(q_j − 1[j = a])/T: G = q − onehot(a) and the per-row factor −g/T is applied to the
     [n, H] GEMM operands or results by the caller instead of in another pass over [n, V].
     """
-    inv_t = 1.0 / trunc.temperature
-    keep = _keep_mask(z, tau, trunc, keep_buf)
+    inv_t = 1.0 / sel.temperature
+    keep = sel.reselect(z, start, tau, keep_buf)
     if g_ent is not None:
         # dH/dz_j = −q_j (log q_j + H) on S; log q = z − log Σ_S
         logq = z.sub_(log_zs[:, None])
@@ -168,28 +193,28 @@ def _temper(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _keep_buffer(rows: int, vocab: int, trunc: Truncation, device) -> torch.Tensor | None:
+def _keep_buffer(rows: int, vocab: int, sel, device) -> torch.Tensor | None:
     # allocated once per call: a fresh [rows, V] bool tensor per chunk costs page faults on CPU
-    return torch.empty((rows, vocab), dtype=torch.bool, device=device) if trunc.active else None
+    return torch.empty((rows, vocab), dtype=torch.bool, device=device) if sel.masks else None
 
 
 class _SafeFromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, trunc, chunk, want_entropy):
+    def forward(ctx, logits, tokens, sel, chunk, want_entropy):
         ctx.set_materialize_grads(False)
         rows, vocab = min(chunk, logits.shape[0]), logits.shape[1]
         zf = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-        keep_buf = _keep_buffer(rows, vocab, trunc, logits.device)
+        keep_buf = _keep_buffer(rows, vocab, sel, logits.device)
         outs = [[] for _ in range(7)]
         for s in range(0, max(logits.shape[0], 1), chunk):  # once for N = 0: empty results
             src = logits[s : s + chunk]
-            z = _temper(zf[: src.shape[0]].copy_(src), trunc.temperature)
-            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy, keep_buf)):
+            z = _temper(zf[: src.shape[0]].copy_(src), sel.temperature)
+            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], sel, s, want_entropy, keep_buf)):
                 acc.append(val)
         del zf, keep_buf
         logp, in_safe, pruned, size, tau, log_zs, ent = (torch.cat(o) if o[0] is not None else None for o in outs)
         ctx.save_for_backward(logits, tokens, tau, log_zs, ent if ent is not None else log_zs)
-        ctx.trunc, ctx.chunk = trunc, chunk
+        ctx.sel, ctx.chunk = sel, chunk
         ctx.mark_non_differentiable(in_safe, pruned, size)
         return logp, in_safe, pruned, size, ent
 
@@ -198,19 +223,18 @@ class _SafeFromLogits(torch.autograd.Function):
         logits, tokens, tau, log_zs, ent = ctx.saved_tensors
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
-        trunc, chunk = ctx.trunc, ctx.chunk
+        sel, chunk = ctx.sel, ctx.chunk
         rows, vocab = min(chunk, logits.shape[0]), logits.shape[1]
         zf = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-        keep_buf = _keep_buffer(rows, vocab, trunc, logits.device)
+        keep_buf = _keep_buffer(rows, vocab, sel, logits.device)
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], chunk):
             sl = slice(s, s + chunk)
             src = logits[sl]
-            z = _temper(zf[: src.shape[0]].copy_(src), trunc.temperature)
+            z = _temper(zf[: src.shape[0]].copy_(src), sel.temperature)
             gz, scale = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
                                     None if g_lp is None else g_lp[sl].float(),
-                                    None if g_ent is None else g_ent[sl].float(), trunc,
-                                    keep_buf)
+                                    None if g_ent is None else g_ent[sl].float(), sel, s, keep_buf)
             torch.mul(gz, scale[:, None], out=grad[sl])
         return grad, None, None, None, None
 
@@ -242,23 +266,23 @@ def _logits_into(zf: torch.Tensor, tile: torch.Tensor | None, h: torch.Tensor, w
 
 class _SafeFromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, trunc, chunk, want_entropy):
+    def forward(ctx, hidden, weight, tokens, sel, chunk, want_entropy):
         ctx.set_materialize_grads(False)
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
         zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
-        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, trunc, hidden.device)
+        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, sel, hidden.device)
         outs = [[] for _ in range(7)]
         for s in range(0, max(n_rows, 1), chunk):  # once for N = 0: empty results
             h = hidden[s : s + chunk].to(cdt)
-            z = _temper(_logits_into(zf, tile, h, w), trunc.temperature)
-            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], trunc, want_entropy, keep_buf)):
+            z = _temper(_logits_into(zf, tile, h, w), sel.temperature)
+            for acc, val in zip(outs, _chunk_forward(z, tokens[s : s + chunk], sel, s, want_entropy, keep_buf)):
                 acc.append(val)
         del zf, tile, keep_buf
         logp, in_safe, pruned, size, tau, log_zs, ent = (torch.cat(o) if o[0] is not None else None for o in outs)
         ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
-        ctx.trunc, ctx.chunk = trunc, chunk
+        ctx.sel, ctx.chunk = sel, chunk
         ctx.mark_non_differentiable(in_safe, pruned, size)
         return logp, in_safe, pruned, size, ent
 
@@ -269,11 +293,11 @@ class _SafeFromHidden(torch.autograd.Function):
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
             return None, None, None, None, None, None
         n_rows, vocab = hidden.shape[0], weight.shape[0]
-        trunc, chunk = ctx.trunc, ctx.chunk
+        sel, chunk = ctx.sel, ctx.chunk
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
         zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
-        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, trunc, hidden.device)
+        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, sel, hidden.device)
         # grad_hidden rows are written once each (one GEMM per row chunk); grad_weight sums over all chunks: fp32
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -281,12 +305,11 @@ class _SafeFromHidden(torch.autograd.Function):
             sl = slice(s, s + chunk)
             h = hidden[sl].to(cdt)
             n = h.shape[0]
-            z = _temper(_logits_into(zf, tile, h, w), trunc.temperature)
+            z = _temper(_logits_into(zf, tile, h, w), sel.temperature)
             # dL/dz = scale[:, None] * gz, gz fp32 [n, V] in zf
             gz, scale = _chunk_grad(z, tokens[sl], tau[sl], log_zs[sl], ent[sl],
                                     None if g_lp is None else g_lp[sl].float(),
-                                    None if g_ent is None else g_ent[sl].float(), trunc,
-                                    keep_buf)
+                                    None if g_ent is None else g_ent[sl].float(), sel, s, keep_buf)
             if cdt == torch.float32:
                 if need_w:  # dW += gz^T (scale · h)
                     grad_w.addmm_(gz.t(), h * scale[:, None])
@@ -310,7 +333,15 @@ class _SafeFromHidden(torch.autograd.Function):
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
 
 
-_fused_failed = False
+# How many calls' Triton folds failed in this process (each such call fell back to the torch folds); read it with
+# ``fused_failure_count()``. A count, not a switch: one failure (say, one launch that met a transient error)
+# does not turn the folds off for every later call.
+_fused_failures = 0
+
+
+def fused_failure_count() -> int:
+    """Calls in this process whose Triton folds failed and that ran the torch folds instead ("auto" backend)."""
+    return _fused_failures
 
 
 def _fused_by_default(x: torch.Tensor) -> bool:
@@ -330,14 +361,16 @@ def _use_fused(x: torch.Tensor, trunc: Truncation, backend: str) -> bool:
         raise ValueError(f"backend='triton' with top_k={trunc.top_k}, top_p={trunc.top_p}: the Triton folds select "
                          "the safe set by min_p alone; use backend='auto' or 'torch' for top-k / top-p")
     return backend == "triton" or (
-        backend == "auto" and not _fused_failed and _fused_applies(trunc) and _fused_by_default(x))
+        backend == "auto" and _fused_applies(trunc) and _fused_by_default(x))
 
 
 def _run_fused(function, backend: str, *args):
     """``function.apply(*args)`` (a Triton-fold autograd Function), or None when its forward failed and
-    ``backend`` is "auto": then warn once and let the caller use the torch folds from now on (a compile or launch
-    error comes before any result exists). "triton" re-raises; running out of memory is never a fold failure."""
-    global _fused_failed
+    ``backend`` is "auto": then the failure is counted (``fused_failure_count``), warned about (Python shows a
+    repeated warning once) and this call runs the torch folds; the next call tries the Triton folds again (a
+    compile or launch error comes before any result exists). "triton" re-raises; running out of memory is never a
+    fold failure."""
+    global _fused_failures
     try:
         return function.apply(*args)
     except torch.OutOfMemoryError:
@@ -345,8 +378,9 @@ def _run_fused(function, backend: str, *args):
     except Exception as err:
         if backend == "triton":
             raise
-        warnings.warn(f"tim_plugins: the Triton safe-vocab folds failed ({err!r}); using torch.", stacklevel=3)
-        _fused_failed = True
+        _fused_failures += 1
+        warnings.warn(f"tim_plugins: the Triton safe-vocab folds failed ({err!r}); this call uses the torch folds.",
+                      stacklevel=3)
         return None
 
 
@@ -398,8 +432,20 @@ def safe_logprobs_from_logits(
         res = _run_fused(SafeFromLogitsFused, backend, logits, tokens.contiguous(), trunc, bool(compute_entropy))
         if res is not None:
             return _pack(res)
+    return _fold_logits(logits, tokens, _Threshold(trunc), chunk_size, compute_entropy)
+
+
+def _fold_logits(logits, tokens, sel, chunk_size, compute_entropy) -> SafeLogprobs:
+    """The torch folds over ``logits`` with the kept sets of ``sel`` (inputs already checked)."""
     chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
-    return _pack(_SafeFromLogits.apply(logits, tokens, trunc, chunk, bool(compute_entropy)))
+    return _pack(_SafeFromLogits.apply(logits, tokens, sel, chunk, bool(compute_entropy)))
+
+
+def _fold_hidden(hidden, weight, tokens, sel, chunk_size, compute_entropy) -> SafeLogprobs:
+    """The torch folds over ``hidden @ weight.T`` with the kept sets of ``sel`` (inputs already checked)."""
+    cdt = torch.promote_types(hidden.dtype, weight.dtype)
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt)
+    return _pack(_SafeFromHidden.apply(hidden, weight, tokens, sel, chunk, bool(compute_entropy)))
 
 
 def safe_logprobs_from_hidden(
@@ -418,18 +464,38 @@ def safe_logprobs_from_hidden(
         chunk_size: rows per chunk; one [chunk, V] tile is live at a time, in forward and in backward
             (default ``default_chunk_rows(V, dtype, fused=...)``: no more bytes than TRL's fused-head tile).
         backend: "auto" (Triton folds for CUDA tensors when the truncation is min-p alone, else torch),
-            "triton" or "torch". If the Triton folds fail (e.g. no compiler for this GPU), "auto" warns once and
-            uses torch from then on.
+            "triton" or "torch". If the Triton folds fail (e.g. no compiler for this GPU), "auto" counts it
+            (``fused_failure_count``), warns, and runs this call on the torch folds.
     Returns:
         ``SafeLogprobs`` with [N] tensors; gradients flow to ``hidden`` and ``weight``.
     """
+    trunc = _resolve(min_p, temperature, top_p, top_k, order)
+    return _from_hidden(hidden, weight, tokens, trunc, chunk_size, compute_entropy, backend)
+
+
+def _check_hidden(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, chunk_size) -> None:
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if _is_dtensor(x):
+            raise ValueError(
+                f"{name} is a DTensor (placements {x.placements}): the safe-vocab folds need every row of the "
+                "lm_head weight on this rank. Pass the gathered tensor: `weight.full_tensor()` under FSDP2 "
+                "(differentiable: its gradient is reduce-scattered back to the shards), the parameter inside "
+                "`FSDP.summon_full_params(...)` under FSDP1, and `hidden.to_local()` for the hidden states")
     _check_rows("hidden", hidden, tokens, weight.shape[0])
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
-    trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    cdt = torch.promote_types(hidden.dtype, weight.dtype)
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
+
+
+def _is_dtensor(x: torch.Tensor) -> bool:
+    # by name: torch.distributed.tensor is absent from some builds, and importing it costs time
+    return any(c.__name__ == "DTensor" for c in type(x).__mro__)
+
+
+def _from_hidden(hidden, weight, tokens, trunc: Truncation, chunk_size, compute_entropy, backend) -> SafeLogprobs:
+    _check_hidden(hidden, weight, tokens, chunk_size)
+    cdt = torch.promote_types(hidden.dtype, weight.dtype)
     tokens = tokens.long()
     if _use_fused(hidden, trunc, backend):
         chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt, fused=True)
@@ -437,8 +503,44 @@ def safe_logprobs_from_hidden(
                          (_FUSED_GRAD_ROWS, _GRAD_VOCAB_TILE), bool(compute_entropy))
         if res is not None:
             return _pack(res)
-    chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt)
-    return _pack(_SafeFromHidden.apply(hidden, weight, tokens, trunc, chunk, bool(compute_entropy)))
+    return _fold_hidden(hidden, weight, tokens, _Threshold(trunc), chunk_size, compute_entropy)
+
+
+def safe_linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, truncation: Truncation, *,
+    temperature: float | None = None, compute_entropy: bool = True, chunk_size: int | None = None,
+    backend: str = "auto",
+) -> SafeLogprobs:
+    """The safe-vocab counterpart of a fused "linear + log-prob + entropy" head (verl's ``FusedLinearForPPO``:
+    hidden states [..., H], lm_head weight [V, H], labels [...]), never holding the [N, V] logits.
+
+    Per row chunk the logits ``hidden @ weight.T`` are computed, folded into per-token statistics and dropped;
+    backward recomputes them chunk by chunk (``safe_logprobs_from_hidden``), so the gradients w.r.t. ``hidden``
+    and ``weight`` are exact.
+
+    Args:
+        hidden: [..., H] final hidden states (after the last norm), plain tensors (``.to_local()`` a DTensor).
+        weight: [V, H] lm_head weight, all of it: an FSDP2 shard is refused with the fix (``weight.full_tensor()``).
+        labels: [...] token ids, ``hidden``'s leading shape.
+        truncation: the sampler's rule (``Truncation``).
+        temperature: overrides ``truncation.temperature`` (a fused head is given the temperature per call).
+        compute_entropy, chunk_size, backend: as for ``safe_logprobs_from_hidden``.
+    Returns:
+        ``SafeLogprobs`` whose tensors have ``labels``' shape (log-probs and entropy fp32, differentiable).
+    """
+    if not isinstance(truncation, Truncation):
+        raise ValueError(f"truncation={truncation!r}: expected a tim_plugins.truncation.Truncation")
+    if temperature is not None and float(temperature) != truncation.temperature:
+        truncation = dataclasses.replace(truncation, temperature=float(temperature))
+    if hidden.dim() < 1 or labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels has shape {tuple(labels.shape)}: expected hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])} (hidden is {tuple(hidden.shape)})")
+    shape = labels.shape
+    res = _from_hidden(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), truncation, chunk_size,
+                       compute_entropy, backend)
+    return SafeLogprobs(logprobs=res.logprobs.view(shape), in_safe=res.in_safe.view(shape),
+                        pruned_mass=res.pruned_mass.view(shape), size=res.size.view(shape),
+                        entropy=None if res.entropy is None else res.entropy.view(shape))
 
 
 def safe_loss_mask(response_mask: torch.Tensor, in_safe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -369,3 +369,19 @@ def test_hf_generate_processed_logprobs_match(toy_model_path, min_p, top_k, top_
         assert float(out.pruned_mass.max()) > 0.0
         checked += new.numel()
     assert checked >= 4
+
+
+@pytest.mark.parametrize("min_p,top_k,top_p", [(0.0, 5, 0.8), (0.01, 20, 0.6), (0.0, 1, 0.5), (0.2, 12, 0.95)])
+def test_top_p_after_top_k_with_ties_at_the_kth_value(min_p, top_k, top_p):
+    """Top-p after top-k looks only at the k largest logits, except on rows where the k-th value is tied with
+    logits beyond the k (top-k keeps the whole tie): integer logits make such ties on most rows; both kinds of row
+    keep the set of the full-sort reference."""
+    gen = torch.Generator().manual_seed(top_k)
+    z = torch.randint(-6, 7, (200, 301), generator=gen).float() / 2
+    # half the rows without ties: distinct offsets far below the grid's step of 0.5
+    z[::2] += torch.stack([torch.randperm(301, generator=gen) for _ in range(100)]).float() * 1e-4
+    tau = truncation_threshold(z, Truncation(min_p=min_p, top_k=top_k, top_p=top_p))
+    keep = naive_keep(z.double(), min_p, top_k, top_p)
+    tied = (z >= z.topk(top_k, -1).values[:, -1:]).sum(-1) > top_k
+    assert tied[1::2].float().mean() > 0.5 and not tied[::2].any()
+    assert torch.equal(z >= tau[:, None], keep)

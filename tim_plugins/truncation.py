@@ -91,24 +91,44 @@ class Truncation:
         return asdict(self)
 
 
-def _top_p_threshold(z: torch.Tensor, tau: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Smallest logit of the nucleus of softmax(z) restricted to {z >= tau}; [n, V] fp32, tau [n] -> [n].
+def _nucleus_cut(vals: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Smallest logit of the nucleus of softmax(vals); vals [n, m] ascending (-inf for tokens already cut) -> [n].
 
-    Mirrors vLLM ``apply_top_k_top_p_pytorch`` / HF ``TopPLogitsWarper``: sort ascending, renormalised cumulative
-    probability, drop positions with cumsum <= 1 - top_p, always keep the largest.
+    As vLLM ``apply_top_k_top_p_pytorch`` / HF ``TopPLogitsWarper``: renormalised cumulative probability over the
+    ascending values, drop positions with cumsum <= 1 - top_p, always keep the largest.
     """
+    cum = vals.softmax(dim=-1).cumsum_(dim=-1)
+    drop = cum <= 1.0 - top_p
+    drop[:, -1] = False
+    # index of the first kept sorted position = number of dropped positions (they form a prefix: cum is monotone)
+    first = drop.sum(dim=-1, keepdim=True)
+    return vals.gather(-1, first).squeeze(-1)
+
+
+def _top_p_threshold(z: torch.Tensor, tau: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Smallest logit of the nucleus of softmax(z) restricted to {z >= tau}; [n, V] fp32, tau [n] -> [n]: a sort of
+    every row."""
     out = torch.empty_like(tau)
     rows = max(1, _SORT_BUDGET // max(1, z.shape[1]))
     for s in range(0, z.shape[0], rows):
         zs = z[s : s + rows]
         masked = zs.masked_fill(zs < tau[s : s + rows, None], -math.inf)
-        vals = masked.sort(dim=-1).values  # ascending
-        cum = vals.softmax(dim=-1).cumsum_(dim=-1)
-        drop = cum <= 1.0 - top_p
-        drop[:, -1] = False
-        # index of the first kept sorted position = number of dropped positions (they form a prefix: cum is monotone)
-        first = drop.sum(dim=-1, keepdim=True)
-        out[s : s + rows] = vals.gather(-1, first).squeeze(-1)
+        out[s : s + rows] = _nucleus_cut(masked.sort(dim=-1).values, top_p)
+    return out
+
+
+def _top_p_threshold_in_top_k(z: torch.Tensor, tau: torch.Tensor, top_k_desc: torch.Tensor,
+                              top_p: float) -> torch.Tensor:
+    """``_top_p_threshold`` once top-k has cut: the kept set {z >= tau} lies among the k largest logits
+    (``top_k_desc``, [n, k] descending), so the nucleus needs only those k values, not a sort of V. A row whose
+    k-th value is tied with logits beyond the k (top-k keeps the whole tie) takes the full sort."""
+    kth = top_k_desc[:, -1]
+    tied = (z >= kth[:, None]).sum(dim=-1) > top_k_desc.shape[1]
+    vals = top_k_desc.flip(-1)  # ascending
+    out = _nucleus_cut(vals.masked_fill(vals < tau[:, None], -math.inf), top_p)
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(-1)
+        out[rows] = _top_p_threshold(z[rows], tau[rows], top_p)
     return out
 
 
@@ -128,6 +148,7 @@ def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tens
     if not trunc.active:
         return tau
     m = z.amax(dim=-1) if row_max is None else row_max
+    top_k_desc: list[torch.Tensor] = []  # the k largest logits, once top-k has run
 
     def min_p_cut() -> None:
         if trunc.min_p > 0.0:
@@ -137,11 +158,17 @@ def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tens
     def top_k_cut() -> None:
         if 0 < trunc.k < z.shape[1]:
             # k-th largest logit; every logit >= it is kept (vLLM/HF both mask only `logits < kth`)
-            torch.maximum(tau, z.topk(trunc.k, dim=-1, sorted=False).values.amin(dim=-1), out=tau)
+            vals = z.topk(trunc.k, dim=-1, sorted=trunc.top_p < 1.0).values
+            if trunc.top_p < 1.0:
+                top_k_desc.append(vals)
+            torch.maximum(tau, vals.amin(dim=-1), out=tau)
 
     def top_p_cut() -> None:
+        # top-k runs before top-p in both orders: the nucleus is then found among the k values
         if trunc.top_p < 1.0:
-            torch.maximum(tau, _top_p_threshold(z, tau, trunc.top_p), out=tau)
+            cut = (_top_p_threshold_in_top_k(z, tau, top_k_desc[0], trunc.top_p) if top_k_desc
+                   else _top_p_threshold(z, tau, trunc.top_p))
+            torch.maximum(tau, cut, out=tau)
 
     steps = (min_p_cut, top_k_cut, top_p_cut) if trunc.order == "vllm" else (top_k_cut, top_p_cut, min_p_cut)
     for step in steps:

@@ -45,7 +45,8 @@ from .safe_vocab import SafeLogprobs, SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
 from .staleness import SplitStats, staleness_metrics
 
-__all__ = ["PipelineConfig", "StepPipeline", "exact_mean", "fit_bins", "mean_response_length", "STATE_VERSION"]
+__all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_response_length",
+           "old_logprobs", "pipeline_config", "STATE_VERSION"]
 
 logger = logging.getLogger("tim_plugins")
 STATE_VERSION = 1
@@ -56,7 +57,8 @@ class PipelineConfig:
     """What the pipeline does; every part is off unless set (the monitor is on by default)."""
 
     monitor: bool = True
-    ratio_band: tuple = DEFAULT_RATIO_BAND
+    ratio_band: tuple = field(default=DEFAULT_RATIO_BAND, metadata={"help": (
+        "(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac")})
     safe_vocab: bool = False
     mask_boundary: bool = True
     correction: CorrectionConfig | None = None
@@ -84,6 +86,49 @@ class PipelineConfig:
         if self.lr_decay is not None and "kl_k3" in self.lr_decay.signals and not self.monitor:
             raise ValueError("PipelineConfig: lr_decay.signals has 'kl_k3' but monitor=False: the k3 signal comes "
                              "from the monitor. Fix: monitor=True, or drop 'kl_k3' from the signals.")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How the adapter's trainer runs, in framework-neutral words: what ``pipeline_config`` derives the pipeline's
+    hard-wired parts from. Adapters say which case they are in; the rules live here."""
+
+    asynchronous: bool = False  # samples carry a policy lag; pi_old at every sample's rollout weights is never computed
+    multi_turn: bool = True  # rollouts may hold several turns (the adapter passes turn keys to ``measure``)
+    loss_factor: bool = True  # the adapter can multiply the loss's per-token policy term (boundary mask, IS weights)
+
+
+def pipeline_config(*, monitor: bool = True, ratio_band=DEFAULT_RATIO_BAND, safe_vocab: bool = False,
+                    mask_boundary: bool = True, correction: CorrectionConfig | None = None,
+                    lr_decay: LRDecayConfig | None = None, probe: ParityProbeConfig | None = None,
+                    dump: DumpConfig | None = None, strict: bool = False, histograms: bool = False,
+                    setup: TrainingSetup = TrainingSetup()) -> PipelineConfig:
+    """The one place a ``PipelineConfig`` is built: the user's options (each None = off) and the trainer's
+    ``setup`` -> the pipeline's configuration. The rules both adapters share:
+
+    - the monitor brings the split of every loss pass (``staleness``) and the mismatch by response position, and by
+      turn where rollouts can hold turns;
+    - asynchronous trainers have no pi_old at the rollout's weights: no exact split, the statistics by lag stay;
+    - without a way to scale the loss's policy term, neither the boundary mask nor an IS correction can act.
+    """
+    return PipelineConfig(
+        monitor=monitor, ratio_band=ratio_band, safe_vocab=safe_vocab,
+        mask_boundary=mask_boundary and setup.loss_factor,
+        correction=correction if setup.loss_factor else None, lr_decay=lr_decay, probe=probe, dump=dump,
+        staleness=monitor, exact_split=not setup.asynchronous, by_position=monitor,
+        by_turn=monitor and setup.multi_turn, strict=strict, histograms=histograms)
+
+
+def old_logprobs(current: torch.Tensor, old: torch.Tensor | None, fresh) -> torch.Tensor:
+    """π_old of a loss pass, [B, T]: the trainer's log-probs at the rollout's weights. Rows no optimizer step has
+    touched since their rollout (``fresh``: a bool, or a [B] bool tensor, read without a host sync) are scored at
+    those weights by this very pass, so π_old is π_θ (``current``) there, whatever the framework stored; elsewhere
+    the framework's recomputed ``old`` (None: not computed, so π_θ)."""
+    if old is None:
+        return current
+    if isinstance(fresh, torch.Tensor):
+        return torch.where(fresh.view(-1, 1), current, old)
+    return current if fresh else old
 
 
 def mean_response_length(mask: torch.Tensor, *, sync: bool = True, group=None) -> float:
@@ -130,7 +175,7 @@ class StepPipeline:
     """The per-step pipeline (see the module docstring). One per process; ``rank`` names its dump files."""
 
     def __init__(self, config: PipelineConfig | None = None, *, rank: int = 0) -> None:
-        self.config = c = config if config is not None else PipelineConfig()
+        self.config = c = config if config is not None else pipeline_config()
         self.rank = int(rank)
         self.monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if c.monitor else None
         # staleness: π_θ of each loss pass against π_old (the monitor's measurement point), and the variance split
@@ -149,6 +194,7 @@ class StepPipeline:
         self.probe = ParityProbe(c.probe) if c.probe is not None else None
         self.dumper = TokenDumper(c.dump) if c.dump is not None else None
         self.diag: dict[str, float] = {}
+        self._unknown_lag: torch.Tensor | None = None  # tokens of unknown policy lag since the last compute (device)
         self._warned: set[str] = set()
         self._dump_buffer: list[tuple[torch.Tensor, ...]] = []
 
@@ -245,6 +291,41 @@ class StepPipeline:
         if lag is not None:
             self.by_lag.update(rollout, current, mask, lag)
 
+    def measure_lagged(self, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, lag: torch.Tensor,
+                       **kwargs) -> torch.Tensor | None:
+        """``measure`` for an asynchronous trainer, whose batch mixes samples drawn by several policy versions.
+        ``lag``: [B, T] (or [B], per sample) each token's policy lag in optimizer steps at this pass, -1 where it is
+        unknown. Only lag-0 tokens were scored at their rollout's weights, so they alone are measured (the mismatch
+        floor); tokens of unknown lag are summed on the device and counted once per ``compute`` under
+        ``tim/diag/async_lag_unknown`` (no host read per call). Other arguments: ``measure``'s."""
+        mask, lag = self._lagged(mask, lag)
+        unknown = (mask & (lag < 0)).sum()
+        self._unknown_lag = unknown if self._unknown_lag is None else self._unknown_lag + unknown
+        return self.measure(rollout, train, mask & (lag == 0), **kwargs)
+
+    def loss_pass_lagged(self, rollout: torch.Tensor, current: torch.Tensor, mask: torch.Tensor,
+                         lag: torch.Tensor) -> None:
+        """``loss_pass`` for an asynchronous trainer: π_old at every sample's rollout weights is never computed, so
+        there is no exact split, only the statistics by lag (``tim/by_lag/*``) of the tokens whose lag is known
+        (``lag`` as in ``measure_lagged``)."""
+        mask, lag = self._lagged(mask, lag)
+        self.loss_pass(rollout, None, current, mask & (lag >= 0), lag=lag.clamp(min=0))
+
+    @staticmethod
+    def _lagged(mask: torch.Tensor, lag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lag = lag.long()
+        if lag.dim() == 1:
+            lag = lag.view(-1, 1)
+        return mask.bool(), lag.expand(mask.shape)
+
+    def _count_unknown_lag(self) -> None:
+        if self._unknown_lag is None:
+            return
+        unknown, self._unknown_lag = int(self._unknown_lag), None
+        if unknown:
+            self.count("async_lag_unknown", unknown,
+                       detail="tokens whose sample's policy version is unknown (no weight-version tag)")
+
     @staticmethod
     def loss_factor(mask: torch.Tensor, in_safe: torch.Tensor | None,
                     weights: torch.Tensor | None) -> torch.Tensor | None:
@@ -319,6 +400,7 @@ class StepPipeline:
                 stats.reset()
         if self.lr_controller is not None:
             out.update(self.lr_controller.metrics())
+        self._count_unknown_lag()
         out.update({f"tim/diag/{k}": v for k, v in self._merged_diag(sync, group).items()})
         return out, decision, hists
 

@@ -15,12 +15,13 @@ import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from tim_plugins._config import coerce_options, field_help, help_table, help_texts
+from tim_plugins._config import coerce_options, core_field, field_help, help_table, help_texts
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig
-from tim_plugins.metrics import check_ratio_band
+from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
 from tim_plugins.parity.probe import ParityProbeConfig
+from tim_plugins.pipeline import PipelineConfig
 from tim_plugins.rollout.inject import InjectorConfig
 
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
@@ -53,9 +54,7 @@ class TIMConfig:
         metadata=field_help("Log tim/... mismatch metrics (rollout log-probs vs the trainer's recomputation of the same "
                        "tokens) through the trainer's own logging."),
     )
-    ratio_band: tuple = field(
-        default=(0.5, 2.0), metadata=field_help("(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac"),
-    )
+    ratio_band: tuple = core_field(PipelineConfig, "ratio_band")
     log_histograms: bool = field(
         default=True, metadata=field_help("Log wandb histograms of |d| and rho at each logging step (when wandb is active)"),
     )
@@ -148,7 +147,8 @@ class TIMConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TIMConfig.{name}={value!r}: must be True or False.")
-        self.ratio_band = check_ratio_band(self.ratio_band, "TIMConfig.ratio_band", "TIMConfig(ratio_band=(0.5, 2.0))")
+        self.ratio_band = check_ratio_band(self.ratio_band, "TIMConfig.ratio_band",
+                                           f"TIMConfig(ratio_band={DEFAULT_RATIO_BAND})")
         if self.rollout not in ROLLOUT_CHOICES:
             raise ValueError(f"TIMConfig.rollout={self.rollout!r}: must be one of {ROLLOUT_CHOICES}.")
         if self.safe_vocab_min_p is not None and not (

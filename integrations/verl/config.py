@@ -15,13 +15,15 @@ from typing import Any, Mapping
 from tim_plugins._config import coerce_options, core_field, field_help
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import LRDecayConfig
-from tim_plugins.metrics import check_ratio_band
+from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
+from tim_plugins.pipeline import PipelineConfig, TrainingSetup, pipeline_config
 from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, check_probe_values
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
 from tim_plugins.truncation import DEFAULT_MIN_P
 
 __all__ = [
+    "ActorContext",
     "MonitorSettings",
     "SafeVocabSettings",
     "LRDecaySettings",
@@ -66,17 +68,78 @@ def _bad(path: str, value: Any, rule: str, fix: str) -> ValueError:
     return ValueError(f"tim-plugins: {path}={value!r} is invalid: {rule}. Fix: {fix}")
 
 
+def _check_types(section: Any, name: str) -> None:
+    """Each field of the settings dataclass ``section`` (the ``tim.<name>`` node) against its annotation: Hydra
+    hands values over as typed by YAML, so ``+tim.monitor.enable=flase`` arrives as the string 'flase', which is
+    truthy. A bool must be a bool; a number a number (not a bool); a str a str; None only where the annotation
+    allows it. Option groups (core dataclasses) check themselves."""
+    for f in dataclasses.fields(section):
+        value, kind = getattr(section, f.name), str(f.type)
+        path = f"tim.{name}.{f.name}"
+        if value is None:
+            if "None" not in kind:
+                raise _bad(path, value, f"must be set ({kind})", f"+{path}=<{kind}>")
+            continue
+        base = kind.split("|")[0].strip()
+        if base == "bool" and not isinstance(value, bool):
+            raise _bad(path, value, "must be true or false", f"+{path}=true or +{path}=false")
+        if base in ("float", "int") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                         or (base == "int" and not float(value).is_integer())):
+            raise _bad(path, value, f"must be a number ({base})", f"+{path}=<{base}>")
+        if base == "str" and not isinstance(value, str):
+            raise _bad(path, value, "must be a string", f"+{path}=<text>")
+        if base == "tuple" and not isinstance(value, (list, tuple)):
+            raise _bad(path, value, "must be a list", f"+{path}=[...]")
+
+
+@dataclass(frozen=True)
+class ActorContext:
+    """What the actor's engine needs to know of the rest of the composed config: the driver writes it under
+    ``actor_rollout_ref.tim_context`` (the workers get ``actor_rollout_ref`` only), the worker hands it to the
+    engine's ``tim_configure``."""
+
+    bypass_mode: bool = False  # algorithm.rollout_correction.bypass_mode: old_log_probs are the rollout's
+    multi_turn: bool = False  # rollout.multi_turn.enable: tool / user messages in the response, response_mask 0
+    asynchronous: bool = False  # an asynchronous trainer mode: each sample carries its policy lag (LAG_FIELD)
+    features_off: tuple = ()  # verl features switched off on the driver (an upstream hook moved)
+
+    NODE = "tim_context"
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "features_off": list(self.features_off)}
+
+    @classmethod
+    def from_node(cls, node: Any) -> "ActorContext":
+        data = _to_plain(node) or {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, Mapping) or set(data) - names:
+            raise ValueError(f"tim-plugins: actor_rollout_ref.{cls.NODE}={data!r} is not what the driver writes "
+                             f"(keys {sorted(names)}): the driver and the workers run different tim-plugins releases. "
+                             "Fix: install the same tim-plugins everywhere the run's processes start")
+        flags = {k: data[k] for k in ("bypass_mode", "multi_turn", "asynchronous") if k in data}
+        bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+        if bad:
+            raise ValueError(f"tim-plugins: actor_rollout_ref.{cls.NODE} has non-boolean flags {bad}")
+        return cls(**flags, features_off=tuple(str(x) for x in data.get("features_off") or ()))
+
+    @property
+    def setup(self) -> TrainingSetup:
+        """The trainer's mechanics in the core's words (``tim_plugins.pipeline.TrainingSetup``): verl's loss takes
+        the boundary mask (``response_mask``); its own IS correction (``algorithm.rollout_correction``) stays."""
+        return TrainingSetup(asynchronous=self.asynchronous, multi_turn=self.multi_turn, loss_factor=True)
+
+
 @dataclass
 class MonitorSettings:
     enable: bool = field(default=False, metadata=field_help(
         "Per step, tim/* mismatch metrics of rollout_log_probs vs the actor's recomputed old_log_probs, "
         "merged exactly over data-parallel ranks inside the worker."))
-    ratio_band: tuple = field(default=(0.5, 2.0), metadata=field_help(
-        "(lo, hi) band of rho = pi_train/pi_rollout for tim/token/ratio_outside_frac."))
+    ratio_band: tuple = core_field(PipelineConfig, "ratio_band")
 
     def __post_init__(self) -> None:
+        _check_types(self, "monitor")
         self.ratio_band = check_ratio_band(list(self.ratio_band), "tim-plugins: tim.monitor.ratio_band",
-                                           "+tim.monitor.ratio_band=[0.5,2.0]")
+                                           f"+tim.monitor.ratio_band=[{DEFAULT_RATIO_BAND[0]},{DEFAULT_RATIO_BAND[1]}]")
 
 
 @dataclass
@@ -89,6 +152,7 @@ class SafeVocabSettings:
         "Drop sampled tokens outside the trainer's S (boundary disagreements) from the loss."))
 
     def __post_init__(self) -> None:
+        _check_types(self, "safe_vocab")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p < 1.0:
             raise _bad("tim.safe_vocab.min_p", self.min_p, "must be a number in [0, 1) (0 disables pruning)",
                        f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g} (the tim-plugins default for extreme-tail pruning)")
@@ -110,6 +174,7 @@ class LRDecaySettings:
         "+tim.lr_decay.options.decay_factor=0.5; the same as TIMConfig.lr_decay_options.", options=LRDecayConfig))
 
     def __post_init__(self) -> None:
+        _check_types(self, "lr_decay")
         self.options = coerce_options(LRDecayConfig, self.options, "tim-plugins: tim.lr_decay.options",
                                       fix="+tim.lr_decay.options.<field>=<value>")
 
@@ -136,6 +201,7 @@ class ProbeSettings:
     patience: int = core_field(ParityProbeConfig, "patience")
 
     def __post_init__(self) -> None:
+        _check_types(self, "probe")
         for name, core in _PROBE_FIELDS.items():  # ParityProbeConfig's rules, with verl's names in the message
             try:
                 check_probe_values({core: getattr(self, name)}, where=lambda _: f"tim-plugins: tim.probe.{name}")
@@ -165,24 +231,20 @@ class ParitySettings:
     strict: bool = field(default=False, metadata=field_help(
         "Stop before any worker starts when the audit finds an error-level mismatch."))
 
+    def __post_init__(self) -> None:
+        _check_types(self, "parity")
 
-@dataclass
-class DumpSettings:
+
+class _DumpMethods:
     """The per-token Parquet dump (``tim_plugins.dump``) of the actor's measurement pass: the same files as
-    ``TIMConfig(dump_dir=...)`` writes for TRL, read by ``tim-plugins report DIR``. Defaults and rules are
-    ``DumpConfig``'s."""
-
-    dir: str | None = field(default=None, metadata=field_help(
-        "Folder for the dump (step_<verl global step>-rank_<DP rank>.parquet, plus the run's summary.json with the "
-        "start-up audit and the model path, for the report); null = off. Needs tim.monitor.enable=true."))
-    sample_rate: float = core_field(DumpConfig, "sample_rate")
-    max_sequences_per_step: int = core_field(DumpConfig, "max_sequences_per_step")
-    every_n_steps: int = core_field(DumpConfig, "every_n_steps")
-    seed: int = core_field(DumpConfig, "seed")
+    ``TIMConfig(dump_dir=...)`` writes for TRL, read by ``tim-plugins report DIR``. Its options are ``DumpConfig``'s
+    own fields (generated from it: a new dump option reaches verl as ``+tim.dump.<option>``), defaults and rules
+    included; ``dir`` is its ``out_dir``."""
 
     def __post_init__(self) -> None:
         if self.dir is not None and (not isinstance(self.dir, str) or not self.dir.strip()):
             raise _bad("tim.dump.dir", self.dir, "must be a folder path or null", "+tim.dump.dir=/path/to/tim_dump")
+        _check_types(self, "dump")
         try:
             self.config()
         except ValueError as err:
@@ -192,11 +254,18 @@ class DumpSettings:
     def enabled(self) -> bool:
         return self.dir is not None
 
-    def config(self):
+    def config(self) -> DumpConfig:
         """The core ``DumpConfig`` (``out_dir`` = ``dir``; a placeholder when off, never written)."""
-        return DumpConfig(out_dir=self.dir or ".", sample_rate=self.sample_rate,
-                          max_sequences_per_step=self.max_sequences_per_step, every_n_steps=self.every_n_steps,
-                          seed=self.seed)
+        return DumpConfig(out_dir=self.dir or ".", **{name: getattr(self, name) for name in _DUMP_OPTIONS})
+
+
+_DUMP_OPTIONS = tuple(f.name for f in dataclasses.fields(DumpConfig) if f.name != "out_dir")
+DumpSettings = dataclasses.make_dataclass("DumpSettings", [
+    ("dir", "str | None", field(default=None, metadata=field_help(
+        "Folder for the dump (step_<verl global step>-rank_<DP rank>.parquet, plus the run's summary.json with the "
+        "start-up audit and the model path, for the report); null = off. Needs tim.monitor.enable=true."))),
+    *[(f.name, f.type, core_field(DumpConfig, f.name)) for f in dataclasses.fields(DumpConfig) if f.name != "out_dir"],
+], bases=(_DumpMethods,), namespace={"__module__": __name__, "__doc__": _DumpMethods.__doc__})
 
 
 @dataclass
@@ -222,6 +291,17 @@ class TIMVerlConfig:
         if self.dump.enabled and not self.monitor.enable:
             raise _bad("tim.dump.dir", self.dump.dir, "the dump writes the monitor's measurement pass, and "
                        "tim.monitor.enable=false", "+tim.monitor.enable=true")
+
+    def pipeline_config(self, context: "ActorContext | None" = None) -> PipelineConfig:
+        """These settings, for an actor in ``context``, as the core pipeline's configuration (the core's builder,
+        ``tim_plugins.pipeline.pipeline_config``: the rules both adapters share)."""
+        context = context if context is not None else ActorContext()
+        return pipeline_config(
+            monitor=self.monitor.enable, ratio_band=self.monitor.ratio_band, safe_vocab=self.safe_vocab.enabled,
+            mask_boundary=self.safe_vocab.mask_boundary,
+            lr_decay=self.lr_decay.options if self.lr_decay.enable else None,
+            probe=self.probe.config(), dump=self.dump.config() if self.dump.enabled else None,
+            setup=context.setup)
 
     @property
     def worker_side_active(self) -> bool:

@@ -25,10 +25,10 @@ from omegaconf import open_dict
 
 from tim_plugins.parity.findings import ParityError
 
-from .config import LAG_FIELD, TRAINER_MODE_PREFIX, TIMVerlConfig, check_composed_config
+from .config import LAG_FIELD, TRAINER_MODE_PREFIX, ActorContext, TIMVerlConfig, check_composed_config
 
-__all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "register_tim_trainers", "run_startup_audit", "use_tim_actor_worker",
-           "write_run_summary"]
+__all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "refuse_unread_tim_node", "register_tim_trainers", "run_startup_audit",
+           "use_tim_actor_worker", "write_run_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +97,17 @@ class TIMTrainerMixin:
         self.tim = tim
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
         self._tim_lag_off = self._tim_base_mode != "sync" and not self._tim_lag_available()
+        context = ActorContext(
+            bypass_mode=bool((config.algorithm.get("rollout_correction") or {}).get("bypass_mode", False)),
+            # verl's multi-turn agent loop writes tool/user messages into the response with response_mask 0
+            multi_turn=bool((config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("enable", False)),
+            # an asynchronous mode: each sample carries its policy lag (_tim_put_lag)
+            asynchronous=self._tim_base_mode != "sync",
+            features_off=("verl_async_lag",) if self._tim_lag_off else ())
         with open_dict(config):
             config.actor_rollout_ref.tim = tim.to_dict()
             # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)
-            config.actor_rollout_ref.tim_rollout_correction = {
-                "bypass_mode": bool((config.algorithm.get("rollout_correction") or {}).get("bypass_mode", False)),
-                # verl's multi-turn agent loop writes tool/user messages into the response with response_mask 0
-                "multi_turn": bool((config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("enable", False)),
-                # an asynchronous mode: each sample carries its policy lag (_tim_put_lag)
-                "asynchronous": self._tim_base_mode != "sync"}
+            config.actor_rollout_ref[ActorContext.NODE] = context.to_dict()
         super().__init__(config)
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._init_resource_pool_mgr
@@ -249,20 +251,50 @@ def use_tim_actor_worker(role_worker_mapping: dict) -> None:
             role_worker_mapping[role] = ray.remote(TIMActorRolloutRefWorker)
 
 
+def refuse_unread_tim_node(config, mode: str) -> None:
+    """A ``tim`` node in a run whose trainer is verl's own (not a ``tim_*`` mode): verl never reads it, so every tim
+    setting in it would be silently ignored. Stops the driver before any worker starts, with the fix."""
+    node = config.get("tim") if hasattr(config, "get") else None
+    if node is None:
+        return
+    sections = sorted(node.keys()) if hasattr(node, "keys") else node
+    raise ValueError(
+        f"tim-plugins: the config has a tim node (tim.{sections}) but trainer.v1.trainer_mode={mode!r} runs verl's "
+        f"own trainer, which never reads it: every tim setting would be ignored. Fix: "
+        f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode} (or drop the +tim.* overrides)")
+
+
+class _UnreadTIMNodeGuard:
+    """In front of each of verl's own registered trainers (``register_tim_trainers``): it only checks, at
+    ``__init__``, that the run has no ``tim`` node (``refuse_unread_tim_node``), then is verl's class."""
+
+    _tim_guarded_mode = "sync"
+
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.__init__ (config first)
+    def __init__(self, config, *args, **kwargs):
+        refuse_unread_tim_node(config, self._tim_guarded_mode)
+        super().__init__(config, *args, **kwargs)
+
+
 def register_tim_trainers() -> list[str]:
-    """Register ``tim_<name>`` for every trainer mode verl has registered; returns the new names."""
-    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:TRAINER_REGISTRY
+    """Register ``tim_<name>`` for every trainer mode verl has registered, and put ``_UnreadTIMNodeGuard`` in front
+    of verl's own entry for that mode (a run in verl's mode with a ``tim`` node stops at start-up instead of
+    ignoring it); returns the new names."""
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:TRAINER_REGISTRY (read by get_trainer_cls at run time, so an
+    # entry replaced here is what main_ppo's TaskRunner builds; register_trainer refuses replacing one)
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:register_trainer
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 
     added = []
     for name, cls in list(TRAINER_REGISTRY.items()):
-        if name.startswith(TRAINER_MODE_PREFIX):
+        if name.startswith(TRAINER_MODE_PREFIX) or issubclass(cls, _UnreadTIMNodeGuard):
             continue
         tim_name = TRAINER_MODE_PREFIX + name
-        if tim_name in TRAINER_REGISTRY:
-            continue
-        register_trainer(tim_name)(type(f"TIM{cls.__name__}", (TIMTrainerMixin, cls),
-                                        {"__module__": __name__, "_tim_base_mode": name}))
-        added.append(tim_name)
+        if tim_name not in TRAINER_REGISTRY:
+            register_trainer(tim_name)(type(f"TIM{cls.__name__}", (TIMTrainerMixin, cls),
+                                            {"__module__": __name__, "_tim_base_mode": name}))
+            added.append(tim_name)
+        TRAINER_REGISTRY[name] = type(cls.__name__, (_UnreadTIMNodeGuard, cls), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+            "_tim_guarded_mode": name})
     return added

@@ -10,7 +10,8 @@ from __future__ import annotations
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from .config import TIMVerlConfig
+from .config import ActorContext, TIMVerlConfig
+from .features import verl_features
 
 __all__ = ["TIMActorRolloutRefWorker"]
 
@@ -22,7 +23,7 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
         super().init_model()
         tim = TIMVerlConfig.from_node(self.config.get("tim"))
         if self.actor is not None and tim.worker_side_active:
-            corr = self.config.get("tim_rollout_correction") or {}
+            context = ActorContext.from_node(self.config.get(ActorContext.NODE))
             engine = self.actor.engine
             if not hasattr(engine, "tim_configure"):
                 raise RuntimeError(
@@ -30,9 +31,11 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
                     "is registered for device 'cuda', vendor 'nvidia' (NVIDIA GPUs; VERL_ENGINE_DEVICE / "
                     "VERL_ENGINE_VENDOR override the detected ones), by the tim_plugins verl plugin: check that it "
                     "loads in the Ray workers (VERL_USE_EXTERNAL_PLUGINS, tim-plugins installed where they run).")
-            engine.tim_configure(tim, bypass_mode=bool(corr.get("bypass_mode", False)),
-                                 multi_turn=bool(corr.get("multi_turn", False)),
-                                 asynchronous=bool(corr.get("asynchronous", False)))
+            # the features whose upstream hooks moved in this process's verl, and those the driver switched off
+            off = tuple(dict.fromkeys((*(s.feature.name for s in verl_features() if not s.available),
+                                       *context.features_off)))
+            engine.tim_configure(tim, bypass_mode=context.bypass_mode, multi_turn=context.multi_turn,
+                                 asynchronous=context.asynchronous, features_off=off)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_begin_step(self, step: int) -> None:

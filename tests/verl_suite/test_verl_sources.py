@@ -331,13 +331,16 @@ def test_trainer_registry_holds_verl_modes_and_ours():
     from verl.trainer.ppo.v1 import PPOTrainer
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 
-    from tim_plugins.integrations.verl.trainer import TIMTrainerMixin
+    from tim_plugins.integrations.verl.trainer import TIMTrainerMixin, _UnreadTIMNodeGuard
 
     assert {"sync", "colocate_async", "separate_async"} <= set(TRAINER_REGISTRY)
     for name, cls in TRAINER_REGISTRY.items():
         if name.startswith("tim_"):
             base = name[len("tim_"):]
-            assert cls.__mro__[1] is TIMTrainerMixin and cls.__mro__[2] is TRAINER_REGISTRY[base], name
+            # verl's own class behind both: ours, and the guard now registered under verl's name
+            guard = TRAINER_REGISTRY[base]
+            assert guard.__mro__[1] is _UnreadTIMNodeGuard and guard._tim_guarded_mode == base, base
+            assert cls.__mro__[1] is TIMTrainerMixin and cls.__mro__[2] is guard.__mro__[2], name
             assert cls._tim_base_mode == base
     assert "get_trainer_cls(config.trainer.v1.trainer_mode)" in inspect.getsource(
         importlib.import_module("verl.trainer.main_ppo"))

@@ -204,7 +204,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
     from tim_plugins.apps.measure_rollouts import exact_rollout, hf_rollout, response_mask, trainer_score
     from tim_plugins.dump import DumpConfig
     from tim_plugins.metrics import MismatchMonitor
-    from tim_plugins.pipeline import PipelineConfig, StepPipeline
+    from tim_plugins.pipeline import StepPipeline, pipeline_config
     from tim_plugins.safe_vocab import safe_loss_mask
 
     cfg = run.cfg
@@ -248,7 +248,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
         tr = trainer_score(run.trainer, roll, mask, temperature=cfg.temperature, order=order,
                            exact=setting.rollout == "exact", **truncation)
         if pipeline is None:  # the safe vocabulary's statistics where the trainer truncates
-            pipeline = StepPipeline(PipelineConfig(safe_vocab=tr.safe is not None, dump=dump))
+            pipeline = StepPipeline(pipeline_config(safe_vocab=tr.safe is not None, dump=dump))
         pipeline.measure(roll.logprobs, tr.logprobs, mask, safe=tr.safe, token_ids=roll.completion_ids, step=0)
         loss_mask, _ = safe_loss_mask(mask, tr.in_safe)  # boundary tokens leave the loss, as in the pipeline
         if tr.untruncated is not None:

@@ -1,0 +1,383 @@
+"""What every tim actor engine does, whatever verl backend it subclasses (FSDP ``engine.py``, Megatron
+``megatron_engine.py``): the translation of verl's micro-batches into the core's per-step pipeline
+(``tim_plugins.pipeline.StepPipeline``) and the pipeline's lifecycle over verl's actor passes.
+
+A backend subclass puts ``TIMEngineMixin`` in front of verl's engine class and, per micro-batch, wraps verl's loss
+call and hands the micro-batch's output over:
+
+    loss_function = self._tim_wrap_loss(loss_function)      # before verl calls the loss (boundary mask)
+    ... verl's own forward and loss ...
+    self._tim_after_forward(micro_batch, model_output, forward_only)   # after (measure, split by lag)
+
+where ``model_output`` holds verl's per-token ``log_probs`` (jagged nested, ``no_padding_2_padding`` pads them to
+the response). With the safe vocabulary the backend computes the safe-set fields of the micro-batch's log-probs and
+sets ``self._tim_mb`` to ``{"in_safe", "pruned_mass", "size"}`` (same layout as ``log_probs``) before the loss.
+
+The mixin overrides ``forward_backward_batch`` (the merge after a forward-only measurement pass), ``train_batch``
+(one optimizer step: the LR decay's end of step) and ``lr_scheduler_step`` (end of the actor update: the loss passes'
+split, the effective LR), which both backends inherit from ``BaseEngine``'s contract. Backend hooks it calls, with
+the FSDP engine's behaviour as the default where there is one: ``_tim_dp_group``, ``_tim_holds_outputs``,
+``_tim_check_config``, ``_tim_lr_attach`` / ``_tim_lr_detach`` / ``_tim_lr_sync`` / ``_tim_lr_apply`` /
+``_tim_lr_scale``.
+
+Until ``tim_configure`` is called (only the tim trainer modes do, on the actor) nothing here acts: each override
+returns verl's result untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
+
+from tim_plugins.by_key import turn_keys
+from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
+from tim_plugins.safe_vocab import SafeLogprobs
+
+from .config import LAG_FIELD, ActorContext, TIMVerlConfig
+
+__all__ = ["TIMEngineMixin", "padded_response", "with_response_values"]
+
+
+def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
+    """A response-shaped field ([B, R] dense or nested jagged [B, j]) as a dense [B, width] tensor."""
+    if x.is_nested:
+        return torch.nested.to_padded_tensor(x, fill, output_size=(x.size(0), width))
+    if x.shape[1] >= width:
+        return x[:, :width]
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill)
+
+
+def with_response_values(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``mask`` (dense [B, R] or nested jagged [B, j]) times ``keep`` ([B, W] dense, response-aligned), in ``mask``'s
+    layout, without a host sync.
+
+    The nested result is ``mask`` times a nested tensor on the same offsets, so it keeps ``mask``'s row-length
+    metadata: without it ``TensorDict.to_padded_tensor()`` (what verl's ``ppo_loss`` calls) would pad to the total
+    token count instead of the longest response.
+    """
+    if not mask.is_nested:
+        return mask * padded_response(keep, mask.shape[1]).to(mask.dtype)
+    offsets = mask.offsets()
+    lengths = offsets.diff()
+    total = mask.values().shape[0]  # a shape: no host read
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
+    cols = torch.arange(total, device=offsets.device) - offsets[:-1][rows]
+    return mask * torch.nested.nested_tensor_from_jagged(keep[rows, cols].to(mask.dtype), offsets)
+
+
+class _BoundaryMaskedLoss:
+    """Calls verl's loss with ``response_mask`` (the mask the loss aggregates) times the pipeline's loss factor
+    (``StepPipeline.loss_factor``, what the TRL callback applies to its loss too): boundary tokens leave the loss.
+    The micro-batch's own ``response_mask`` is put back after the call.
+
+    The global token count verl normalises by (``batch_num_tokens``) is taken before the forward pass, so it
+    still includes the masked tokens: the loss is Σ_kept / N_all, i.e. boundary tokens count as zero-loss
+    tokens. Other calls (the distillation logits processor) pass straight through.
+    """
+
+    def __init__(self, loss_fn: Callable, engine: "TIMEngineMixin") -> None:
+        self.loss_fn = loss_fn
+        self.engine = engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.forward_step (the keyword
+        # call loss_function(model_output=, data=micro_batch, ...); the distillation call has no model_output)
+        state = self.engine._tim_mb
+        if "model_output" not in kwargs or state is None:
+            return self.loss_fn(*args, **kwargs)
+        data = kwargs["data"]
+        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
+        in_safe = no_padding_2_padding(state["in_safe"], data)  # [b, W] response-aligned
+        original = data["response_mask"]
+        mask = padded_response(original, in_safe.shape[1])
+        # verl applies its own IS correction (algorithm.rollout_correction): no pipeline weights here
+        keep = self.engine._tim_pipeline.loss_factor(mask, in_safe, None)
+        # VERL_SOURCES verl.workers.utils.losses:ppo_loss (reads data["response_mask"] as the loss mask) and
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch (normaliser)
+        data["response_mask"] = with_response_values(original, keep)
+        try:
+            return self.loss_fn(*args, **kwargs)
+        finally:
+            data["response_mask"] = original
+
+
+class TIMEngineMixin:
+    """The tim hooks of an actor engine (see the module docstring); inactive until ``tim_configure``."""
+
+    _tim: TIMVerlConfig | None = None
+    _tim_pipeline: StepPipeline | None = None
+    _tim_decision = None
+    _tim_mb: dict | None = None
+
+    # -------------------------------------------------------------------------------------- backend hooks
+    def _tim_dp_group(self):
+        """The data-parallel process group the statistics merge over."""
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_data_parallel_group
+        return self.get_data_parallel_group()
+
+    def _tim_holds_outputs(self) -> bool:
+        """Whether this rank gets per-token outputs (Megatron: the last pipeline stage only)."""
+        return True
+
+    def _tim_check_config(self, config: TIMVerlConfig) -> None:
+        """Raise ValueError (the value, the rule, the fix) for settings this backend cannot honour."""
+
+    def _tim_lr_attach(self, controller) -> None:
+        """Hand the LR controller to whatever applies its scale each optimizer step."""
+        self.optimizer.tim_configure(controller)
+
+    def _tim_lr_detach(self) -> None:
+        self.optimizer.tim_deconfigure()
+
+    def _tim_lr_sync(self) -> None:
+        """Before the controller is fed: pick up a controller state a checkpoint load put in place."""
+        self.optimizer.tim_sync_state()
+
+    def _tim_lr_apply(self, scale: float) -> None:
+        """The scale for the coming optimizer step (and the controller's state stored where checkpoints carry it)."""
+        self.optimizer.tim_apply_scale(scale)
+
+    def _tim_lr_scale(self) -> float:
+        """The scale in force (``actor/lr`` reports the schedule's LR times it)."""
+        return float(getattr(self.optimizer, "lr_scale", 1.0))
+
+    # ------------------------------------------------------------------------------------------- configure
+    def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False, multi_turn: bool = False,
+                      asynchronous: bool = False, features_off: tuple[str, ...] = ()) -> None:
+        """Switch the hooks on for this (actor) engine. Fails early on settings the engine cannot honour.
+        ``multi_turn``: the rollout is verl's multi-turn agent loop (``rollout.multi_turn.enable``), whose responses
+        hold tool / user messages with ``response_mask`` 0 between the model's turns: ``tim/by_turn/*``.
+        ``asynchronous``: an asynchronous trainer mode, whose batches carry each sample's policy lag
+        (``LAG_FIELD``): π_old is not at every sample's rollout weights, so there is no exact split.
+        ``features_off``: the features switched off because an upstream hook moved (``tim/diag/feature_off/*``)."""
+        self._tim_check_config(config)
+        context = ActorContext(bypass_mode=bypass_mode, multi_turn=multi_turn, asynchronous=asynchronous)
+        self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank())
+        for name in features_off:
+            self._tim_pipeline.feature_off(name)
+        if config.lr_decay.enable:  # verl's scheduler rewrites the LR each step: the optimizer side applies the scale
+            self._tim_lr_attach(self._tim_pipeline.lr_controller)
+        self._tim = config
+        self._tim_context = context
+        self._tim_measured = False
+        self._tim_step_start = True
+        self._tim_mb = None
+        self._tim_pending: dict[str, float] = {}
+        self._tim_decision = None  # the probe's decision at the last merge, for the driver to act on
+        self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
+        self._tim_step = 0  # verl's global step (the driver's tim_begin_step): the dump's file name
+        self._tim_updates = 0  # optimizer steps since this global step's rollout: the policy lag of a training pass
+
+    def tim_deconfigure(self) -> None:
+        """Switch the hooks off again: from here on the engine computes as verl's own (full-vocabulary log-probs,
+        verl's own loss mask, nothing measured, the scheduler's LR unscaled), as before ``tim_configure``. Metrics
+        not popped yet are dropped; the LR controller's state stays where checkpoints carry it, so a later
+        ``tim_configure`` continues from it."""
+        if self._tim is not None and self._tim.lr_decay.enable:
+            self._tim_lr_detach()
+        self._tim = None
+        self._tim_pipeline = None
+        self._tim_pending = {}
+
+    @property
+    def tim_active(self) -> bool:
+        return self._tim is not None
+
+    def tim_begin_step(self, step: int) -> None:
+        """The driver's global step, before the step's first pass (it names the step's dump file and the probe's
+        checks)."""
+        self._tim_step = int(step)
+
+    def _tim_dp_rank(self) -> int:
+        """This rank's index in the data-parallel group (0 outside torch.distributed): the dump's ``rank``."""
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return 0
+        return torch.distributed.get_rank(self._tim_dp_group())
+
+    def tim_pop_metrics(self) -> dict[str, float]:
+        """Metrics merged since the last call (identical on every output-holding DP rank), plus the LR
+        controller's; {} on a rank without outputs."""
+        if self._tim is None:
+            return {}
+        out, self._tim_pending = self._tim_pending, {}
+        if not self._tim_holds_outputs():
+            return {}
+        controller = self._tim_pipeline.lr_controller
+        if controller is not None:
+            out.update(controller.metrics())
+        return out
+
+    def tim_pop_decision(self):
+        """The parity probe's decision at the last merge (``ProbeDecision``; the same on every DP rank, made from
+        the merged metrics), or None: the driver acts on it (warn, raise, stop)."""
+        decision, self._tim_decision = self._tim_decision, None
+        return decision
+
+    # ------------------------------------------------------------------------------------- per micro-batch
+    def _tim_wrap_loss(self, loss_function: Callable | None) -> Callable | None:
+        """verl's loss for this micro-batch, with the boundary mask where the safe vocabulary asks for it."""
+        tim = self._tim
+        if loss_function is None or tim is None or not (tim.safe_vocab.enabled and tim.safe_vocab.mask_boundary):
+            return loss_function
+        return _BoundaryMaskedLoss(loss_function, self)
+
+    def _tim_after_forward(self, micro_batch, model_output, forward_only: bool) -> None:
+        """A micro-batch's output, after verl's loss: measured on a measurement pass, split by lag on a training
+        pass. Clears the micro-batch's safe-set fields."""
+        try:
+            if self._tim is None or "log_probs" not in model_output:
+                return
+            if self._tim_measuring(micro_batch, forward_only):
+                self._tim_update(micro_batch, model_output)
+            if not forward_only and self._tim_pipeline.by_lag is not None:
+                self._tim_loss_pass(micro_batch, model_output)
+        finally:
+            self._tim_mb = None
+
+    def _tim_measuring(self, micro_batch, forward_only: bool) -> bool:
+        """Whether this pass measures rollout vs trainer: the actor's old-log-prob pass (verl asks for the entropy
+        there and not on the reference pass), or in bypass mode the training pass before the first update."""
+        if "rollout_log_probs" not in micro_batch.keys():
+            return False
+        if forward_only:
+            # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob (entropy asked) and
+            # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_ref_log_prob (not asked)
+            # VERL_SOURCES verl.utils.tensordict_utils:get_non_tensor_data
+            return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+        return self._tim_context.bypass_mode and self._tim_step_start
+
+    def _tim_response(self, micro_batch, model_output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log-probs, response mask, rollout log-probs) of a micro-batch, response-aligned [b, W] float32/bool."""
+        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
+        logprobs = no_padding_2_padding(model_output["log_probs"], micro_batch).float()
+        width = logprobs.shape[1]
+        mask = padded_response(micro_batch["response_mask"], width).bool()
+        rollout = padded_response(micro_batch["rollout_log_probs"], width).float()
+        return logprobs, mask, rollout
+
+    def _tim_sample_lag(self, micro_batch, mask: torch.Tensor) -> torch.Tensor | None:
+        """[b] each sample's policy lag when its rollout was drawn, in optimizer steps (the driver's ``LAG_FIELD``;
+        -1 unknown, also when the field is absent), or None in a synchronous mode."""
+        if not self._tim_context.asynchronous:
+            return None
+        if LAG_FIELD in micro_batch.keys():
+            return micro_batch[LAG_FIELD].to(device=mask.device, dtype=torch.long).reshape(-1)
+        return torch.full(mask.shape[:1], -1, dtype=torch.long, device=mask.device)
+
+    @torch.no_grad()
+    def _tim_update(self, micro_batch, model_output) -> None:
+        """A measurement pass's micro-batch, response-aligned [b, W], into the pipeline."""
+        train, mask, rollout = self._tim_response(micro_batch, model_output)
+        width = train.shape[1]
+        state, safe = self._tim_mb, None
+        if state is not None:
+            # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
+            safe = SafeLogprobs(None, *(no_padding_2_padding(state[k], micro_batch)
+                                        for k in ("in_safe", "pruned_mass", "size")))
+        # the sampled tokens, for the dump: micro_batch["responses"] is what no_padding_2_padding slices by
+        token_ids = padded_response(micro_batch["responses"], width).long() if self._tim.dump.enabled else None
+        # the turn of each token: the environment segments (response_mask 0 inside the response) before it; the
+        # padding after the last turn also counts as one, but those tokens are not measured
+        turn = turn_keys(mask) if self._tim_context.multi_turn else None
+        kwargs = dict(safe=safe, token_ids=token_ids, step=self._tim_step, turn=turn)
+        sample_lag = self._tim_sample_lag(micro_batch, mask)
+        if sample_lag is None:
+            self._tim_pipeline.measure(rollout, train, mask, **kwargs)
+        else:  # π_old is the actor now: only samples drawn by these weights measure the mismatch alone
+            self._tim_pipeline.measure_lagged(rollout, train, mask, sample_lag, **kwargs)
+        self._tim_measured = True
+
+    @torch.no_grad()
+    def _tim_loss_pass(self, micro_batch, model_output) -> None:
+        """A training pass's split of log π_θ − log π_rollout into staleness (π_θ vs π_old) and mismatch (π_old vs
+        π_rollout), ``StepPipeline.loss_pass``, over the tokens the loss trains (boundary tokens out). π_old is
+        verl's ``old_log_probs`` once an optimizer step has run since the rollout (``pipeline.old_logprobs``). The
+        lag is the optimizer steps taken since the rollout (mini-batches and ``ppo_epochs`` of this global step),
+        plus the sample's own lag in an asynchronous mode. In bypass mode π_old is the rollout itself: no split."""
+        keys = micro_batch.keys()
+        if self._tim_context.bypass_mode or "rollout_log_probs" not in keys or "old_log_probs" not in keys:
+            return
+        current, mask, rollout = self._tim_response(micro_batch, model_output)
+        width = current.shape[1]
+        if self._tim_mb is not None and self._tim.safe_vocab.mask_boundary:  # the loss's own mask
+            # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
+            mask = mask & no_padding_2_padding(self._tim_mb["in_safe"], micro_batch).bool()
+        sample_lag = self._tim_sample_lag(micro_batch, mask)
+        if sample_lag is not None:
+            lag = torch.where(sample_lag >= 0, sample_lag + self._tim_updates, -1)
+            self._tim_pipeline.loss_pass_lagged(rollout, current, mask, lag)
+            return
+        old = old_logprobs(current, padded_response(micro_batch["old_log_probs"], width).float(),
+                           fresh=self._tim_updates == 0)
+        lag = torch.full(mask.shape, self._tim_updates, dtype=torch.long, device=mask.device)
+        self._tim_pipeline.loss_pass(rollout, old, current, mask, lag=lag)
+
+    def _tim_merge(self) -> None:
+        """The pipeline's statistics, merged over the DP group (every DP rank of the ranks that hold outputs runs
+        the pass, so all of them call it; the others measure nothing and skip it)."""
+        if not self._tim_measured:
+            return
+        # the training passes' split is merged at the end of the actor update (lr_scheduler_step)
+        # the probe decides here, on the merged metrics; the driver acts (raising in a Ray worker would not stop it)
+        metrics, decision, _ = self._tim_pipeline.compute(self._tim_step, sync=True, group=self._tim_dp_group(),
+                                                          loss_passes=False, raise_on_trip=False)
+        self._tim_pending.update(metrics)
+        if decision is not None:
+            self._tim_decision = decision
+        self._tim_pipeline.flush_dump(self._tim_step)
+        self._tim_measured = False
+
+    # ------------------------------------------------------------------------------------------ per step
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch; forward_only is
+    # the old-log-prob / reference pass: VERL_SOURCES verl.workers.engine.base:BaseEngine.infer_batch
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if self._tim is not None and forward_only:
+            self._tim_merge()
+        return out
+
+    # VERL_SOURCES verl.workers.engine.base:BaseEngine.train_batch (one optimizer step per call; its metrics carry
+    # the step's grad_norm)
+    def train_batch(self, data, loss_function):
+        if self._tim is None:
+            return super().train_batch(data, loss_function)
+        if self._tim.lr_decay.enable:
+            self._tim_end_step(data)
+        out = super().train_batch(data, loss_function)
+        self._tim_updates += 1
+        grad_norm = (out.get("metrics") or {}).get("grad_norm") if isinstance(out, dict) else None
+        if grad_norm is not None:
+            self._tim_grad_norm = float(grad_norm)
+        if self._tim_context.bypass_mode and self._tim_step_start:
+            self._tim_merge()
+        self._tim_step_start = False
+        return out
+
+    def _tim_end_step(self, data) -> None:
+        """Close one optimizer step through the pipeline, before verl's: the DP-mean response length of the
+        mini-batch, the step's k3 (the monitor's measurement of this step's batch, merged over the DP group) and the
+        last step's grad norm feed the LR controller; its scale goes to the optimizer for this step."""
+        group = self._tim_dp_group()
+        length = mean_response_length(data["response_mask"], group=group)
+        self._tim_lr_sync()
+        # verl's global step is not known here (and restarts are not monotone here): the controller counts calls
+        scale = self._tim_pipeline.end_step(None, response_length=length, grad_norm=self._tim_grad_norm,
+                                            sync=True, group=group)
+        self._tim_lr_apply(scale)
+
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.lr_scheduler_step; its result is logged
+    # as actor/lr: VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_batch
+    def lr_scheduler_step(self):
+        lr = super().lr_scheduler_step()
+        if self._tim is None:
+            return lr
+        # verl steps the scheduler after the last mini-batch of a step:
+        # VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_mini_batch
+        self._tim_step_start = True
+        self._tim_updates = 0
+        if self._tim_pipeline.by_lag is not None:  # every DP rank steps the scheduler: all merge here
+            self._tim_pending.update(self._tim_pipeline.compute_loss_passes(sync=True, group=self._tim_dp_group()))
+        return lr * self._tim_lr_scale()

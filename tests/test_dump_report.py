@@ -112,9 +112,9 @@ def test_report_cli_decodes_the_largest_disagreements_with_a_tokenizer(tmp_path,
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "text.html"), "--tokenizer",
                  str(toy_model_path)]) == 0
     html = (tmp_path / "text.html").read_text()
-    from tim_plugins.report.disagreements import columns_from_dump, largest_disagreements, visible
+    from tim_plugins.report.disagreements import dump_disagreements, visible
 
-    top = largest_disagreements(columns_from_dump(tmp_path))[0]
+    top = dump_disagreements(tmp_path)[0]
     import html as html_mod
 
     assert f"<mark>{html_mod.escape(visible(tok.decode([top['token_id']])))}</mark>" in html

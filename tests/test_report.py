@@ -120,10 +120,10 @@ def _dump_with_ties(folder):
 def test_largest_disagreements_equal_a_naive_sort_of_the_dump(tmp_path):
     from tim_plugins.dump import read_dump
     from tim_plugins.metrics import INVALID_LOGPROB_THRESHOLD
-    from tim_plugins.report.disagreements import columns_from_dump, largest_disagreements
+    from tim_plugins.report.disagreements import dump_disagreements
 
     _dump_with_ties(tmp_path)
-    got = largest_disagreements(columns_from_dump(tmp_path), n=12, context=2)
+    got = dump_disagreements(tmp_path, n=12, context=2)
     rows = read_dump(tmp_path).to_pylist()
     ok = [r for r in rows if all(math.isfinite(r[k]) and r[k] > INVALID_LOGPROB_THRESHOLD
                                  for k in ("rollout_logprob", "train_logprob"))]
@@ -146,7 +146,7 @@ def test_largest_disagreements_equal_a_naive_sort_of_the_dump(tmp_path):
 def test_largest_disagreements_from_tensors_equal_those_of_their_dump(tmp_path):
     """measure takes them from its own tensors: the same rows as the dump of those tensors, with the context
     positions (scored or not) around each."""
-    from tim_plugins.report.disagreements import columns_from_dump, columns_from_tensors, largest_disagreements
+    from tim_plugins.report.disagreements import columns_from_tensors, dump_disagreements, largest_disagreements
 
     g = torch.Generator().manual_seed(5)
     rollout = -torch.rand(5, 8, generator=g) * 3
@@ -157,7 +157,7 @@ def test_largest_disagreements_from_tensors_equal_those_of_their_dump(tmp_path):
     scored = context.bool().clone()
     scored[0, 3] = False  # e.g. a boundary token that left the loss: context only
     TokenDumper(out_dir=str(tmp_path), sample_rate=1.0).write(0, rollout, train, scored, ids)
-    from_dump = largest_disagreements(columns_from_dump(tmp_path), n=40)
+    from_dump = dump_disagreements(tmp_path, n=40)
     from_tensors = largest_disagreements(columns_from_tensors(rollout, train, scored, ids, context_mask=context), n=40)
     key = lambda r: (r["sequence"], r["position"], r["token_id"], r["diff"])  # noqa: E731
     assert [key(r) for r in from_tensors] == [key(r) for r in from_dump]
@@ -213,9 +213,9 @@ def test_decoded_text_reaches_the_html_and_the_console_as_text(tmp_path):
     assert parsed.marks and set(parsed.marks) <= shown
     assert "<script>alert(1)</script>" in parsed.marks  # token 0, 5, 10, ... : among the 15 largest
     assert "\x1b" not in page and "\u202e" not in page
-    from tim_plugins.report.disagreements import columns_from_dump, decode_rows, largest_disagreements
+    from tim_plugins.report.disagreements import dump_disagreements
 
-    rows = decode_rows(largest_disagreements(columns_from_dump(tmp_path / "dump")), decode)
+    rows = dump_disagreements(tmp_path / "dump", decode)
     text = "\n".join(disagreements_text(rows))
     assert len(text.splitlines()) == len(rows) and "\x1b" not in text and "\u202e" not in text
 

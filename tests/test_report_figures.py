@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("pyarrow")
 pytest.importorskip("matplotlib")
 
+import report_reference as ref  # noqa: E402
 import tim_plugins.report.figures as figures  # noqa: E402
 from tim_plugins.dump import TokenDumper  # noqa: E402
 from tim_plugins.report import build_report  # noqa: E402
@@ -50,7 +51,7 @@ def _step_counts(ax, k: int = 0) -> np.ndarray:
 def test_ratio_histogram_zooms_on_the_bulk_says_what_lies_beyond_and_shows_every_token_beside(drawn):
     rng = np.random.default_rng(0)
     d = np.concatenate([rng.normal(0, 0.01, 20000), [-5.0, -4.0, 3.0]])
-    figures.ratio_distribution({"a": d})
+    figures.ratio_distribution(ref.rho_source({"a": d}))
     zoom, full = drawn[0].axes
     qlo, qhi = np.quantile(d, figures.RHO_QUANTILES)
     half = (qhi - qlo) / 2
@@ -74,7 +75,7 @@ def test_ratio_histogram_zooms_on_the_bulk_says_what_lies_beyond_and_shows_every
 def test_ratio_histogram_draws_every_token_when_the_full_range_is_not_much_wider(drawn):
     rng = np.random.default_rng(1)
     d = np.concatenate([rng.normal(0, 0.01, 5000), [0.05, -0.045]])  # beyond the quantiles, but close
-    figures.ratio_distribution({"a": d, "b": d * 0.5})
+    figures.ratio_distribution(ref.rho_source({"a": d, "b": d * 0.5}))
     assert len(drawn[0].axes) == 1
     ax = drawn[0].axes[0]
     assert ax.get_xlim() == pytest.approx((math.exp(d.min()), math.exp(d.max())))
@@ -87,7 +88,7 @@ def test_abs_diff_histogram_counts_the_exact_zeros_a_log_axis_cannot_show(drawn)
     rng = np.random.default_rng(2)
     d = rng.normal(0, 1e-3, 500)
     d[:37] = 0.0
-    figures.abs_diff_histogram({"bf16": d, "exact": np.zeros(20)})
+    figures.abs_diff_histogram(*ref.abs_histograms({"bf16": d, "exact": np.zeros(20)}))
     ax = drawn[0].axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["bf16 (+37 tokens at exactly 0)", "exact: all 20 tokens at exactly 0"]
@@ -122,7 +123,8 @@ def test_drift_by_position_keeps_a_setting_at_exactly_zero_visible(drawn):
     rng = np.random.default_rng(3)
     small = np.abs(rng.normal(0, 1e-2, pos.size))
     # Linear axis (one setting, plus one at exactly 0): the zero line lies strictly inside the frame.
-    figures.drift_by_position({"bf16": (small, pos), "exact": (np.zeros(pos.size), pos)})
+    figures.drift_by_position({"bf16": ref.position_profile(small, pos),
+                               "exact": ref.position_profile(np.zeros(pos.size), pos)})
     ax = drawn[0].axes[0]
     assert ax.get_yscale() == "linear" and ax.get_ylim()[0] < 0 < ax.get_ylim()[1]
     zero = next(line for line in ax.get_lines() if line.get_label().startswith("exact"))
@@ -130,7 +132,8 @@ def test_drift_by_position_keeps_a_setting_at_exactly_zero_visible(drawn):
     assert "(nats)" in ax.get_ylabel()
     # Settings four decades apart: a log axis (a linear one would flatten fp32 onto 0), the zero setting drawn
     # along the bottom edge and named so.
-    figures.drift_by_position({"bf16": (small, pos), "fp32": (small * 1e-4, pos), "exact": (np.zeros(pos.size), pos)})
+    figures.drift_by_position({"bf16": ref.position_profile(small, pos), "fp32": ref.position_profile(small * 1e-4, pos),
+                               "exact": ref.position_profile(np.zeros(pos.size), pos)})
     ax = drawn[1].axes[0]
     assert ax.get_yscale() == "log"
     lines = {line.get_label(): line for line in ax.get_lines()}

@@ -50,6 +50,7 @@ _EXTRA_FOR = {
     "gguf": "hf",
     "pyarrow": "report",
     "matplotlib": "report",
+    "duckdb": "report",
     "flash_attn": "flash-attn (GPU only)",
 }
 

@@ -21,7 +21,7 @@ __all__ = ["PACKAGES", "collect", "register", "render"]
 # (distribution, import name) in the order printed.
 PACKAGES = (("torch", "torch"), ("transformers", "transformers"), ("trl", "trl"), ("verl", "verl"),
             ("vllm", "vllm"), ("ray", "ray"), ("wandb", "wandb"), ("flash-attn", "flash_attn"),
-            ("triton", "triton"))
+            ("triton", "triton"), ("duckdb", "duckdb"))  # duckdb: the report's query engine (extra "report")
 
 # adapter -> (module with its feature table, function returning the statuses, the import names it needs first)
 _ADAPTERS = (

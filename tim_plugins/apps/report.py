@@ -1,5 +1,6 @@
-"""``tim-plugins report DIR``: the HTML report (``tim_plugins.report.build_report``) of a measure/demo output
-folder or a per-token dump folder."""
+"""``tim-plugins report DIR [DIR ...]``: the HTML report (``tim_plugins.report.build_report``) of a measure/demo
+output folder or a per-token dump folder; with several folders, one page comparing the runs
+(``tim_plugins.report.build_comparison``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 
 from tim_plugins.apps.cli import UsageError
-from tim_plugins.report import build_report
+from tim_plugins.report import build_comparison, build_report
 from tim_plugins.report.tokens import has_dump
 
 __all__ = ["register"]
@@ -15,10 +16,20 @@ __all__ = ["register"]
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "report", help="Turn a measure/demo output folder or a per-token dump folder into an HTML report.")
-    p.add_argument("dir", help="output folder of `tim-plugins measure` / `demo` (with summary.json), or a dump "
-                               "folder with step_*-rank_*.parquet files")
-    p.add_argument("--out", default=None, help="output HTML file (default: DIR/report.html)")
+        "report", help="Turn a measure/demo output folder or a per-token dump folder into an HTML report; several "
+                       "folders: one page comparing the runs.")
+    p.add_argument("dir", nargs="+", help="output folder of `tim-plugins measure` / `demo` (with summary.json), or a "
+                                          "dump folder with step_*-rank_*.parquet files; several training runs or "
+                                          "dumps (e.g. before / after a fix) are compared on one page")
+    p.add_argument("--label", action="append", default=None,
+                   help="a run's name on a comparison page, once per DIR in order (default: the folder names)")
+    p.add_argument("--out", default=None, help="output HTML file (default: DIR/report.html; for several DIRs: "
+                                               "report-comparison.html in the current folder)")
+    p.add_argument("--memory-limit", default=None,
+                   help="memory cap of the query engine that reads the dump (e.g. 1GB, 500MB; default: "
+                        "$TIM_REPORT_MEMORY_LIMIT or 1GB): beyond it the engine spills to a temporary folder; the "
+                        "report's own memory is small and does not grow with the dump")
+    p.add_argument("--threads", type=int, default=None, help="threads of the query engine (default: every core)")
     p.add_argument("--tokenizer", default=None,
                    help="local tokenizer (an HF checkpoint folder) to decode the largest disagreements of a dump; "
                         "default: the model in DIR/summary.json's settings when it exists, else token ids are shown")
@@ -42,25 +53,52 @@ def token_decoder(path: str | None):
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def _run_tokenizer(folder: Path, given: str | None) -> str | None:
+    """``given``, else the checkpoint folder in ``folder/summary.json``'s settings when it exists here."""
+    if given is not None or not (folder / "summary.json").exists():
+        return given
+    settings = json.loads((folder / "summary.json").read_text()).get("settings", {})
+    # ``model`` is the checkpoint folder the run loaded; summaries written before it was named so carry
+    # it as ``model_path`` (and ``model`` as typed: None or 'smollm2').
+    return next((p for p in (settings.get("model"), settings.get("model_path"))
+                 if isinstance(p, str) and Path(p).exists()), None)
+
+
 def _main(args) -> int:
-    folder = Path(args.dir)
-    if not folder.is_dir():
-        raise UsageError(f"report {args.dir!r}: no such folder; pass the output folder of `tim-plugins measure` or "
-                         "`tim-plugins demo`, or a per-token dump folder.")
-    if not (folder / "summary.json").exists() and not has_dump(folder):
-        raise UsageError(f"report {args.dir!r}: the folder holds neither summary.json nor dump files "
-                         "(step_*-rank_*.parquet); point at a measure/demo output folder (e.g. tim-out/measure) or "
-                         "the dump_dir the dumper wrote.")
+    for d in args.dir:
+        folder = Path(d)
+        if not folder.is_dir():
+            raise UsageError(f"report {d!r}: no such folder; pass the output folder of `tim-plugins measure` or "
+                             "`tim-plugins demo`, or a per-token dump folder.")
+        if not (folder / "summary.json").exists() and not has_dump(folder):
+            raise UsageError(f"report {d!r}: the folder holds neither summary.json nor dump files "
+                             "(step_*-rank_*.parquet); point at a measure/demo output folder (e.g. tim-out/measure) "
+                             "or the dump_dir the dumper wrote.")
     if args.tokenizer is not None and not Path(args.tokenizer).exists():
         raise UsageError(f"--tokenizer {args.tokenizer!r}: no such local folder or file; pass the HF checkpoint "
                          "folder the run used (its tokenizer decodes the token ids).")
-    tokenizer = args.tokenizer
-    if tokenizer is None and (folder / "summary.json").exists():
-        settings = json.loads((folder / "summary.json").read_text()).get("settings", {})
-        # ``model`` is the checkpoint folder the run loaded; summaries written before it was named so carry
-        # it as ``model_path`` (and ``model`` as typed: None or 'smollm2').
-        tokenizer = next((p for p in (settings.get("model"), settings.get("model_path"))
-                          if isinstance(p, str) and Path(p).exists()), None)
-    path = build_report(folder, args.out, decode=token_decoder(tokenizer))
+    if args.label is not None and (len(args.label) != len(args.dir) or len(set(args.label)) != len(args.label)):
+        raise UsageError(f"--label {args.label!r}: give one distinct --label per folder, in order ({len(args.dir)} "
+                         "folders), or none to name each run by its folder.")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: must be >= 1 (or left out for every core).")
+    from tim_plugins.report.query import parse_memory_limit
+
+    try:
+        memory_limit = parse_memory_limit(args.memory_limit)
+    except ValueError as err:
+        raise UsageError(f"--memory-limit {args.memory_limit!r}: {err}") from None
+    settings = {"memory_limit": memory_limit, "threads": args.threads}
+    if len(args.dir) == 1:
+        folder = Path(args.dir[0])
+        path = build_report(folder, args.out, decode=token_decoder(_run_tokenizer(folder, args.tokenizer)),
+                            **settings)
+    else:
+        from tim_plugins.report import run_labels
+
+        labels = args.label or run_labels([Path(d) for d in args.dir])
+        decoders = {label: token_decoder(_run_tokenizer(Path(d), args.tokenizer)) for label, d in zip(labels, args.dir)}
+        path = build_comparison(args.dir, args.out or "report-comparison.html", labels=labels, decode=decoders,
+                                **settings)
     print(f"report written to {path}")
     return 0

@@ -1,10 +1,10 @@
 """The tokens where rollout and trainer disagree most: the largest |log p_train − log p_rollout|, with their
 position, both probabilities, the step and a few tokens of context, decoded to text.
 
-Rows come from per-token columns (those of ``tim_plugins.dump``: step, rank, sequence, position, token_id,
-rollout_logprob, train_logprob), read from a dump folder or built from a run's own [B, T] tensors. The order
-is a stable sort by |Δ| (descending) of the rows in (step, rank, sequence, position) order, so ties keep that
-order. Decoding needs the run's tokenizer, which only the applications have: they pass ``decode``.
+Rows come from a dump folder (a top-n query over its files, ``report.query.Dump.largest_disagreements``, in
+bounded memory) or from per-token columns built from a run's own [B, T] tensors (those of ``tim_plugins.dump``:
+step, rank, sequence, position, token_id, rollout_logprob, train_logprob). The order is a stable sort by |Δ|
+(descending) of the rows in (step, rank, sequence, position) order, so ties keep that order. Decoding needs the run's tokenizer, which only the applications have: they pass ``decode``.
 
 Decoded text is untrusted: ``visible`` makes control and format characters visible, and every renderer here
 escapes it for HTML.
@@ -15,12 +15,11 @@ from __future__ import annotations
 import html
 import math
 import unicodedata
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["DEFAULT_ROWS", "DEFAULT_CONTEXT", "columns_from_dump", "columns_from_tensors", "largest_disagreements",
+__all__ = ["DEFAULT_ROWS", "DEFAULT_CONTEXT", "columns_from_tensors", "largest_disagreements",
            "decode_rows", "dump_disagreements", "visible", "disagreements_html", "disagreements_text"]
 
 # What a decoder gives for bytes that do not complete a UTF-8 character.
@@ -50,14 +49,6 @@ def visible(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
-
-
-def columns_from_dump(dump_dir: str | Path) -> dict[str, np.ndarray]:
-    """The dump's columns (every row scored; rows in the dump's own order)."""
-    from tim_plugins.dump import read_dump
-
-    table = read_dump(dump_dir)
-    return {k: table.column(k).to_numpy() for k in _KEYS}
 
 
 def columns_from_tensors(rollout_logprobs, train_logprobs, scored_mask, token_ids, *, context_mask=None,
@@ -139,9 +130,15 @@ def decode_rows(rows: list[dict], decode: Callable[[Sequence[int]], str]) -> lis
              "text_after": context(r["after"], str.rstrip)} for r in rows]
 
 
-def dump_disagreements(dump_dir: str | Path, decode: Callable[[Sequence[int]], str] | None = None) -> list[dict]:
-    """The largest disagreements of a dump folder, decoded when ``decode`` is given."""
-    rows = largest_disagreements(columns_from_dump(dump_dir))
+def dump_disagreements(dump, decode: Callable[[Sequence[int]], str] | None = None, n: int = DEFAULT_ROWS,
+                       context: int = DEFAULT_CONTEXT) -> list[dict]:
+    """The largest disagreements of a dump (a folder, or a ``report.query.Dump``; the rows of
+    ``largest_disagreements``), decoded when ``decode`` is given."""
+    if not hasattr(dump, "largest_disagreements"):
+        from tim_plugins.report.query import open_dump
+
+        dump = open_dump(dump)
+    rows = dump.largest_disagreements(n, context)
     return decode_rows(rows, decode) if decode is not None else rows
 
 

@@ -1,5 +1,6 @@
-"""Matplotlib figures of the report. Each function takes numpy data (per setting: ``{name: ...}``, drawn in
-one colour per setting) and returns PNG bytes. Labels are kept apart: few ticks per axis, legends outside the
+"""Matplotlib figures of the report. Each function takes aggregates (per setting or run: ``{name: ...}``, drawn
+in one colour each: bin counts and sums, per-sequence and per-position sums, quantiles; ``report.tokens`` computes
+them over a dump in bounded memory) and returns PNG bytes. Labels are kept apart: few ticks per axis, legends outside the
 data where there are many series, horizontal bars for setting names, a constrained layout.
 
 The figures must not mislead: log-prob axes carry their unit (nats); an axis that leaves data out says so on
@@ -12,12 +13,18 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 __all__ = [
     "pyplot",
     "png_bytes",
+    "PROB_EDGES",
+    "PROB_MIN_COUNT",
+    "RhoSource",
+    "abs_diff_bins",
     "abs_diff_histogram",
     "mismatch_by_probability",
     "ratio_distribution",
@@ -38,6 +45,10 @@ NATS = "(nats)"
 # squeeze the bulk into one bin).
 RHO_QUANTILES = (0.005, 0.995)
 _FULL_RANGE_FACTOR = 3.0
+# Bins of 1 − p (p = the rollout's probability of the sampled token) of ``mismatch_by_probability``, and the tokens
+# a bin needs to be drawn.
+PROB_EDGES = np.logspace(-7, 0, 29)
+PROB_MIN_COUNT = 20
 
 
 def pyplot():
@@ -105,34 +116,41 @@ def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#555")
 
 
-def abs_diff_histogram(ds: dict[str, np.ndarray]) -> bytes:
-    """Per setting: histogram of |d| = |log p_train − log p_rollout| on shared log-spaced bins. A log axis cannot
-    show exact zeros: the legend counts them per setting ("+N tokens at exactly 0") and a note under the axis
-    says why they are not drawn."""
-    fig, axes = _figure(width=_width(len(ds)))
+def abs_diff_bins(lo: float | None, hi: float | None) -> np.ndarray | None:
+    """The shared log-spaced bins of ``abs_diff_histogram`` for the smallest |d| > 0 and the largest |d| over
+    every setting (None when no |d| > 0): the smallest sits on the first edge, the largest inside the last bin."""
+    if lo is None or hi is None or not hi > 0:
+        return None
+    lo, hi = float(lo), float(hi) * 1.01
+    bins = np.geomspace(lo, hi if hi > lo else lo * 10, 50)
+    bins[0] = lo  # the smallest |d| sits on the first edge, not just below it
+    return bins
+
+
+def abs_diff_histogram(hists: dict[str, tuple[np.ndarray, int]], bins: np.ndarray | None) -> bytes:
+    """Per setting: histogram of |d| = |log p_train − log p_rollout| > 0 on the shared log-spaced ``bins``
+    (``abs_diff_bins``; ``hists``: {name: (counts per bin, tokens at exactly 0)}). A log axis cannot show exact
+    zeros: the legend counts them per setting ("+N tokens at exactly 0") and a note under the axis says why they
+    are not drawn."""
+    fig, axes = _figure(width=_width(len(hists)))
     ax = axes[0, 0]
-    pos = np.concatenate([np.abs(d)[np.abs(d) > 0] for d in ds.values()] or [np.zeros(0)])
-    any_zero = any((np.abs(d) == 0).any() for d in ds.values())
-    if pos.size:
-        lo, hi = float(pos.min()), float(pos.max()) * 1.01
-        bins = np.geomspace(lo, hi if hi > lo else lo * 10, 50)
-        bins[0] = lo  # the smallest |d| sits on the first edge, not just below it
-        for i, (name, d) in enumerate(ds.items()):
-            a = np.abs(d)
-            zeros = int((a == 0).sum())
-            if (a > 0).any():
+    any_zero = any(zeros for _, zeros in hists.values())
+    if bins is not None:
+        for i, (name, (counts, zeros)) in enumerate(hists.items()):
+            counts = np.asarray(counts)
+            if counts.sum() > 0:
                 label = name + (f" (+{zeros} tokens at exactly 0)" if zeros else "")
-                ax.hist(a[a > 0], bins=bins, histtype="step", lw=1.5, color=_color(i), label=label)
+                ax.hist(bins[:-1], bins=bins, weights=counts, histtype="step", lw=1.5, color=_color(i), label=label)
             else:
                 ax.plot([], [], color=_color(i), label=f"{name}: all {zeros} tokens at exactly 0")
         ax.set_xscale("log")
         ax.set_yscale("log")
         _log_ticks(ax)
-        _legend(ax, len(ds))
+        _legend(ax, len(hists))
     else:
         _empty(ax, "every difference is exactly 0")
     xlabel = f"|log p_train − log p_rollout| of the sampled token {NATS}"
-    if any_zero and pos.size:
+    if any_zero and bins is not None:
         xlabel += "\ntokens at exactly 0 (identical log-probs) have no place on a log axis: the legend counts them"
     ax.set_xlabel(xlabel, fontsize=9)
     ax.set_ylabel("tokens")
@@ -144,29 +162,10 @@ def _width(n: int) -> float:
     return 8.0 if n > 3 else 6.4
 
 
-def _binned_mean(x: np.ndarray, y: np.ndarray, edges: np.ndarray, min_count: int = 20):
-    idx = np.clip(np.digitize(x, edges) - 1, 0, len(edges) - 2)
-    count = np.bincount(idx, minlength=len(edges) - 1)
-    total = np.bincount(idx, y, minlength=len(edges) - 1)
-    keep = count >= min_count
-    centre = np.sqrt(edges[:-1] * edges[1:])
-    return centre[keep], (total[keep] / count[keep])
-
-
-def _binned_quantile(x: np.ndarray, y: np.ndarray, edges: np.ndarray, q: float, min_count: int = 20):
-    idx = np.clip(np.digitize(x, edges) - 1, 0, len(edges) - 2)
-    centres, values = [], []
-    for i in range(len(edges) - 1):
-        sel = y[idx == i]
-        if sel.size >= min_count:
-            centres.append(np.sqrt(edges[i] * edges[i + 1]))
-            values.append(np.quantile(sel, q))
-    return np.array(centres), np.array(values)
-
-
-def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
-                            profiles: dict[str, dict] | None = None) -> bytes:
-    """Mismatch against the rollout probability p.
+def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] | None = None) -> bytes:
+    """Mismatch against the rollout probability p. ``sampled``: {name: {"count", "sum"[, "quantile"]}}, per bin of
+    1 − p (``PROB_EDGES``): the sampled tokens, their Σ|d| and the p99 of their |d|; a bin is drawn from
+    ``PROB_MIN_COUNT`` tokens on.
 
     Left, against 1 − p: mean |d| of sampled tokens (markers) and, when ``profiles`` (`VocabProfile.curves`)
     are given, mean |Δ log p| over the whole vocabulary (lines; with one setting also its p99, dashed), plus a
@@ -176,18 +175,20 @@ def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
     fig, axes = _figure(ncols=2 if profiles else 1, width=11.5 if profiles else 6.4, height=4.0)
     ax = axes[0, 0]
     single = len(sampled) == 1
-    edges = np.logspace(-7, 0, 29)
+    edges = PROB_EDGES
+    centre = np.sqrt(edges[:-1] * edges[1:])
     envelope = None
     skipped = []
-    for i, (name, (d, lp)) in enumerate(sampled.items()):
-        q = np.clip(-np.expm1(lp), 1e-7, 1.0)
-        c, m = _binned_mean(q, np.abs(d), edges)
+    for i, (name, curve) in enumerate(sampled.items()):
+        count = np.asarray(curve["count"])
+        keep = count >= PROB_MIN_COUNT
+        c, m = centre[keep], np.asarray(curve["sum"], dtype=np.float64)[keep] / count[keep]
         if c.size and (m > 0).any():
             ax.plot(c[m > 0], m[m > 0], "o", ms=4, color=_color(i), alpha=0.8,
-                    label=("sampled tokens: mean |d|" if single else None))
-            if single and not profiles:
-                c99, p99 = _binned_quantile(q, np.abs(d), edges, 0.99)
-                ax.plot(c99[p99 > 0], p99[p99 > 0], "s", ms=4, mfc="none", color=_color(i),
+                    label=("sampled tokens: mean |d|" if single else name if not profiles else None))
+            if single and not profiles and curve.get("quantile") is not None:
+                p99 = np.asarray(curve["quantile"], dtype=np.float64)[keep]
+                ax.plot(c[p99 > 0], p99[p99 > 0], "s", ms=4, mfc="none", color=_color(i),
                         label="sampled tokens: p99 |d|")
                 m = p99  # the envelope bounds the p99
         prof = (profiles or {}).get(name, {}).get("one_minus_p")
@@ -253,7 +254,24 @@ def mismatch_by_probability(sampled: dict[str, tuple[np.ndarray, np.ndarray]],
     return png_bytes(fig)
 
 
-def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
+@dataclass
+class RhoSource:
+    """What ``ratio_distribution`` draws from: every token's d = log ρ pooled over the settings (``n`` tokens,
+    ``dmin``, ``dmax`` and the ``RHO_QUANTILES`` quantiles ``qlo``, ``qhi``) and ``counts(edges, log, lo_d, hi_d)``
+    → ({name: counts per bin of ``np.histogram(ρ, edges)`` of the tokens with lo_d <= d <= hi_d}, pooled tokens
+    with d below lo_d, above hi_d), names in drawing order. The panel's edges are exp(lo_d) and exp(hi_d): the
+    window is decided on d itself, so the extremes are drawn whatever the rounding of exp."""
+
+    n: int
+    dmin: float
+    dmax: float
+    qlo: float
+    qhi: float
+    counts: Callable[[np.ndarray, bool, float, float], tuple[dict[str, np.ndarray], int, int]]
+    names: tuple[str, ...]
+
+
+def ratio_distribution(src: RhoSource) -> bytes:
     """Per setting: distribution of ρ = exp(d) = π_train / π_rollout (ρ = 1 marked, and the [0.5, 2] band of
     token-level corrections dashed where it falls inside an axis).
 
@@ -261,14 +279,13 @@ def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
     range is at most ``_FULL_RANGE_FACTOR`` times as wide (in log ρ); else two, the zoom on the bulk (its title
     says how many tokens lie left and right of it) and every token on a log axis with the zoom window shaded
     (its title gives the lowest and highest ρ). No token is piled into an end bin."""
-    alld = np.concatenate(list(ds.values()) or [np.zeros(0)]).astype(np.float64)
-    alld = alld[np.isfinite(alld)]
-    if not alld.size:
-        fig, axes = _figure(width=_width(len(ds)))
+    n_series = len(src.names)
+    if not src.n:
+        fig, axes = _figure(width=_width(n_series))
         _empty(axes[0, 0], "no tokens")
         return png_bytes(fig)
-    qlo, qhi = np.quantile(alld, RHO_QUANTILES)
-    dmin, dmax = float(alld.min()), float(alld.max())
+    qlo, qhi = src.qlo, src.qhi
+    dmin, dmax = float(src.dmin), float(src.dmax)
     pad = 1e-3  # ρ = 1 always inside, with a little room
     half = 0.5 * (qhi - qlo)
     lo_d, hi_d = min(max(qlo - half, dmin), -pad), max(min(qhi + half, dmax), pad)
@@ -276,41 +293,42 @@ def ratio_distribution(ds: dict[str, np.ndarray]) -> bytes:
     split = (full_hi - full_lo) > _FULL_RANGE_FACTOR * (hi_d - lo_d)
     if not split:
         lo_d, hi_d = full_lo, full_hi
-    fig, axes = _figure(ncols=2 if split else 1, width=(11.5 if split else 6.4) + (1.6 if len(ds) > 3 else 0))
-    rho_all = np.exp(alld)
-    lo, hi = _rho_panel(axes[0, 0], ds, float(np.exp(lo_d)), float(np.exp(hi_d)))
+    fig, axes = _figure(ncols=2 if split else 1, width=(11.5 if split else 6.4) + (1.6 if n_series > 3 else 0))
+    lo, hi, below, above = _rho_panel(axes[0, 0], src, lo_d, hi_d)
     if split:
-        below, above = int((rho_all < lo).sum()), int((rho_all > hi).sum())
         note = (f"Zoom on the bulk ({RHO_QUANTILES[0] * 100:g}–{RHO_QUANTILES[1] * 100:g} % quantiles, widened): "
-                f"{below} of the {alld.size} tokens lie left of it (ρ < {lo:.3g}), {above} right (ρ > {hi:.3g}); "
+                f"{below} of the {src.n} tokens lie left of it (ρ < {lo:.3g}), {above} right (ρ > {hi:.3g}); "
                 "all of them on the right.")
         ax2 = axes[0, 1]
-        flo, fhi = _rho_panel(ax2, ds, float(np.exp(full_lo)), float(np.exp(full_hi)), log=True)
+        _rho_panel(ax2, src, full_lo, full_hi, log=True)
         ax2.axvspan(lo, hi, color="#e8e8e8", zorder=0)
         ax2.set_title(_wrap(f"Every token: ρ from {math.exp(dmin):.3g} to {math.exp(dmax):.3g} (log axis; grey: "
                             "the zoom on the left).", 60), fontsize=7.5, loc="left", color="#333")
         ax2.set_ylabel("")
-        if len(ds) > 3:
-            _legend(ax2, len(ds))
+        if n_series > 3:
+            _legend(ax2, n_series)
         else:
             ax2.legend(fontsize=8)
         axes[0, 0].set_title(_wrap(note, 60), fontsize=7.5, loc="left", color="#333")
     else:
-        note = f"Every one of the {alld.size} tokens drawn: ρ from {math.exp(dmin):.4g} to {math.exp(dmax):.4g}."
+        note = f"Every one of the {src.n} tokens drawn: ρ from {math.exp(dmin):.4g} to {math.exp(dmax):.4g}."
         axes[0, 0].set_title(_wrap(note, 90), fontsize=7.5, loc="left", color="#333")
-        _legend(axes[0, 0], len(ds))
+        _legend(axes[0, 0], n_series)
     return png_bytes(fig)
 
 
-def _rho_panel(ax, ds: dict[str, np.ndarray], lo: float, hi: float, log: bool | None = None) -> tuple[float, float]:
-    """Step histograms of ρ on [lo, hi] (80 bins; a log axis when ``log`` or hi / lo > 3); tokens outside are not
-    drawn. Returns (lo, hi)."""
+def _rho_panel(ax, src: RhoSource, lo_d: float, hi_d: float,
+               log: bool | None = None) -> tuple[float, float, int, int]:
+    """Step histograms of ρ on [lo, hi] = [exp(lo_d), exp(hi_d)] (80 bins; a log axis when ``log`` or hi / lo > 3);
+    tokens outside are not drawn. Returns (lo, hi, tokens below lo, tokens above hi)."""
+    lo, hi = float(np.exp(lo_d)), float(np.exp(hi_d))
     log = hi / lo > 3 if log is None else log
     bins = np.geomspace(lo, hi, 80) if log else np.linspace(lo, hi, 80)
-    bins[0], bins[-1] = lo, hi  # np.exp as for the data: the extremes land on the edges
-    for i, (name, d) in enumerate(ds.items()):
-        rho = np.exp(np.asarray(d, dtype=np.float64))
-        ax.hist(rho[(rho >= lo) & (rho <= hi)], bins=bins, histtype="step", lw=1.5, color=_color(i), label=name)
+    bins[0], bins[-1] = lo, hi
+    counts, below, above = src.counts(bins, log, lo_d, hi_d)
+    for i, name in enumerate(src.names):
+        ax.hist(bins[:-1], bins=bins, weights=np.asarray(counts[name]), histtype="step", lw=1.5, color=_color(i),
+                label=name)
     ax.axvline(1.0, color="k", lw=0.8)
     for edge in (0.5, 2.0):
         if lo < edge < hi:
@@ -337,7 +355,7 @@ def _rho_panel(ax, ds: dict[str, np.ndarray], lo: float, hi: float, log: bool | 
         ax.xaxis.set_major_locator(MaxNLocator(6))
     ax.set_xlabel("ρ = π_train / π_rollout per sampled token")
     ax.set_ylabel("tokens")
-    return lo, hi
+    return lo, hi, below, above
 
 
 def _wrap(text: str, width: int) -> str:
@@ -346,25 +364,26 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
-def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
-    """Per setting: mean |d| by response position (bins of equal width, at most 32).
+def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> bytes:
+    """Per setting: mean |d| by response position (bins of equal width, at most 32). ``ds``: {name: (positions,
+    tokens at each, Σ|d| at each)}.
 
     A linear axis with room below 0, so a setting at exactly 0 shows as a line on the frame's inside; a log axis
     when the settings' means span more than two decades (a linear one would flatten the smaller ones onto 0),
     with a setting at exactly 0 everywhere drawn along the bottom edge and named so."""
     fig, axes = _figure(width=_width(len(ds)))
     ax = axes[0, 0]
-    top = max((int(p.max()) + 1 for _, p in ds.values() if p.size), default=1)
+    top = max((int(np.max(p)) + 1 for p, _, _ in ds.values() if len(p)), default=1)
     n_bins = min(32, top)
     edges = np.linspace(0, top, n_bins + 1)
     centre = 0.5 * (edges[:-1] + edges[1:])
     curves = {}
-    for name, (d, pos) in ds.items():
-        if not pos.size:
+    for name, (pos, n, abs_sum) in ds.items():
+        if not len(pos):
             continue
         idx = np.clip(np.digitize(pos, edges) - 1, 0, n_bins - 1)
-        count = np.bincount(idx, minlength=n_bins)
-        mean = np.bincount(idx, np.abs(d), n_bins) / np.maximum(count, 1)
+        count = np.bincount(idx, np.asarray(n, dtype=np.float64), n_bins)
+        mean = np.bincount(idx, np.asarray(abs_sum, dtype=np.float64), n_bins) / np.maximum(count, 1)
         ok = count > 0
         curves[name] = (centre[ok], mean[ok])
     positive = np.concatenate([m[m > 0] for _, m in curves.values()] or [np.zeros(0)])
@@ -399,14 +418,14 @@ def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
 
 
 def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float) -> bytes:
-    """Per sequence: Σ_t d (log of the sequence IS weight) against its length, ±``band`` marked."""
+    """Per sequence: Σ_t d (log of the sequence IS weight) against its length, ±``band`` marked. ``ds``: {name:
+    (lengths, Σ_t d) per sequence}."""
     fig, axes = _figure(width=_width(len(ds)))
     ax = axes[0, 0]
-    for i, (name, (d, key)) in enumerate(ds.items()):
-        if not d.size:
+    for i, (name, (length, sum_d)) in enumerate(ds.items()):
+        if not len(length):
             continue
-        _, inverse = np.unique(key, return_inverse=True)
-        ax.scatter(np.bincount(inverse), np.bincount(inverse, d), s=10, alpha=0.6, color=_color(i), label=name)
+        ax.scatter(length, sum_d, s=10, alpha=0.6, color=_color(i), label=name)
     ax.axhline(0, color="k", lw=0.5)
     lo, hi = ax.get_ylim()
     if max(abs(lo), abs(hi)) > band / 4:
@@ -514,8 +533,10 @@ def _fit_labels_inside(fig, value_labels: list[tuple], margin: float = 0.02, rou
             return
 
 
-def step_series(steps: np.ndarray, panels: list[tuple], ncols: int = 3) -> bytes:
+def step_series(steps, panels: list[tuple], ncols: int = 3) -> bytes:
     """Per optimizer step, one panel per metric: (title, values, healthy (lo, hi) or None, log scale[, options]).
+    Several runs overlaid: ``steps`` {run: steps} and each panel's values {run: values}, one colour per run (the
+    legend on the first panel).
 
     Axes do not zoom into step-to-step noise: a linear axis starts at 0 (or below, for negative values), every
     axis reaches the finite limits of the healthy range, and a log axis spans at least one decade. ``options``:
@@ -531,13 +552,21 @@ def step_series(steps: np.ndarray, panels: list[tuple], ncols: int = 3) -> bytes
             continue
         title, values, healthy, log, *rest = panels[k]
         options = rest[0] if rest else {}
-        v = np.asarray(values, dtype=float)
-        ok = np.isfinite(v)
-        if log:
-            ok &= v > 0
-        if ok.any():
-            ax.plot(steps[ok], v[ok], ".-", lw=1.2, ms=4)
-            lo, hi = _series_limits(v[ok], healthy, log, options.get("ylim"))
+        runs = values if isinstance(values, dict) else {None: values}
+        run_steps = steps if isinstance(steps, dict) else {None: steps}
+        shown = []
+        for i, (run, vals) in enumerate(runs.items()):
+            v = np.asarray(vals, dtype=float)
+            ok = np.isfinite(v)
+            if log:
+                ok &= v > 0
+            if ok.any():
+                x = np.asarray(run_steps[run], dtype=float)
+                ax.plot(x[ok], v[ok], ".-", lw=1.2, ms=4, **({} if run is None else {"color": _color(i),
+                                                                                      "label": run}))
+                shown.append(v[ok])
+        if shown:
+            lo, hi = _series_limits(np.concatenate(shown), healthy, log, options.get("ylim"))
             if log:
                 ax.set_yscale("log")
             ax.set_ylim(lo, hi)
@@ -552,8 +581,11 @@ def step_series(steps: np.ndarray, panels: list[tuple], ncols: int = 3) -> bytes
                 ax.text(0.02, level, f" {label}", color=_WARN, fontsize=7, va="bottom",
                         transform=ax.get_yaxis_transform())
             ax.set_ylim(lo, hi)
+            if k == 0 and len(runs) > 1:
+                ax.legend(fontsize=7)
         else:
-            _empty(ax, "not measured" if not np.isfinite(v).any() else "all values 0")
+            measured = any(np.isfinite(np.asarray(vals, dtype=float)).any() for vals in runs.values())
+            _empty(ax, "all values 0" if measured else "not measured")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(6, integer=True))

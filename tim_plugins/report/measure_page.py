@@ -146,9 +146,13 @@ def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
                     "the last panel is the cost (sampled tokens per second, longer is faster). 'exactly 0' marks a "
                     "setting with zero mismatch (the exact sampler). The green band is the healthy range.",
                     f"k3 and KL <= {K3_HEALTHY_MAX:g}; |Δ| p99 <= log 2", "k3")
-    sampled = {n: (t.d, t.rollout) for n, t in tokens.items()}
-    if sampled:
-        page.figure(figures.mismatch_by_probability(sampled, summary.get("profiles")),
+    from tim_plugins.report.tokens import (abs_histograms, position_profiles, prob_curves, rho_source,
+                                           sequence_points)
+
+    if tokens:
+        profiles = summary.get("profiles")
+        page.figure(figures.mismatch_by_probability(prob_curves(tokens, quantile=len(tokens) == 1 and not profiles),
+                                                    profiles),
                     "Mismatch by token probability, from the whole distributions",
                     "left: |Δ log p| against 1 − p (p = the rollout's probability of the token; lines: every "
                     "vocabulary entry of every compared position, markers: the sampled tokens). If every logit moves "
@@ -156,23 +160,23 @@ def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
                     "confident tokens. Points far above it at small 1 − p mean something other than logit noise "
                     "(e.g. truncation on one side only). Right: the same against p, the tail min-p pruning removes.",
                     None, "tail")
-        page.figure(figures.abs_diff_histogram({n: t.d for n, t in tokens.items()}),
+        page.figure(figures.abs_diff_histogram(*abs_histograms(tokens)),
                     "|Δ log p| per sampled token",
                     "log-spaced bins; the bulk should sit orders of magnitude below the tail, and a curve further "
                     "left is less mismatch. A second hump is a systematic difference (dtype, kernel, truncation "
                     "applied on one side only).", f"p99 {RULES['tim/token/abs_diff_p99'].text}",
                     "band")
-        page.figure(figures.ratio_distribution({n: t.d for n, t in tokens.items()}),
+        page.figure(figures.ratio_distribution(rho_source(tokens)),
                     "Importance ratio ρ = π_train / π_rollout per sampled token",
                     "ρ = 1 (black line) means both sides agree; the spread around 1 is what an IS correction "
                     "reweights. Tokens outside [0.5, 2] are what token-level corrections clip or drop.",
                     "ρ inside [0.5, 2] for (almost) every token", "band")
-        page.figure(figures.drift_by_position({n: (t.d, t.position) for n, t in tokens.items()}),
+        page.figure(figures.drift_by_position(position_profiles(tokens)),
                     "Drift by response position",
                     "mean |Δ log p| at each response position. Growth with position points at differences that "
                     "accumulate along the sequence (KV cache, attention kernels); a flat line means the mismatch "
                     "does not depend on position.", None, None)
-        page.figure(figures.sequence_log_ratio({n: (t.d, t.sequence_key) for n, t in tokens.items()}, LOG2),
+        page.figure(figures.sequence_log_ratio(sequence_points(tokens), LOG2),
                     "Sequence log-ratio against length",
                     "one point per response; y = Σ_t d is the log of its sequence-level IS weight. Long responses "
                     "drift furthest; points beyond the dashed ±log 2 lines get their weight truncated or are "

@@ -132,30 +132,32 @@ def audit_line(findings: list, own: list | None, deliberate: dict) -> str:
             f"{_tally(findings, deliberate)}; the rollout model actually used {_tally(own, deliberate)}.")
 
 
-def _figures_over_tokens(page, tokens, label: str) -> None:
+def _figures_over_tokens(page, dumps: dict) -> None:
+    """The per-token figures of ``dumps`` ({label: ``query.Dump``}, overlaid when several)."""
     import tim_plugins.report.figures as figures
     from tim_plugins.report.health import LOG2, RULES
+    from tim_plugins.report.tokens import (abs_histograms, position_profiles, prob_curves, rho_source,
+                                           sequence_points)
 
-    ds = {label: tokens.d}
-    page.figure(figures.mismatch_by_probability({label: (tokens.d, tokens.rollout)}),
+    page.figure(figures.mismatch_by_probability(prob_curves(dumps, quantile=len(dumps) == 1)),
                 "Mismatch by token probability (sampled tokens of all steps)",
                 "mean |Δ log p| of the sampled tokens against 1 − p (p = the rollout's probability). If every logit "
                 "moves by at most ε, |Δ log p| <= 2ε(1 − p): points should follow the dotted c·(1 − p) line, small "
                 "at confident tokens and largest in the tail. Points far above it at small 1 − p mean something "
                 "other than logit noise (e.g. truncation applied on one side only).", None, "tail")
-    page.figure(figures.abs_diff_histogram(ds), "|Δ log p| per sampled token (all steps)",
+    page.figure(figures.abs_diff_histogram(*abs_histograms(dumps)), "|Δ log p| per sampled token (all steps)",
                 "log-spaced bins; the bulk should sit orders of magnitude below the tail. A second hump is a "
                 "systematic difference (dtype, kernel, truncation applied on one side only).",
                 f"p99 {RULES['tim/token/abs_diff_p99'].text}", "band")
-    page.figure(figures.ratio_distribution(ds), "Importance ratio ρ = π_train / π_rollout per sampled token",
+    page.figure(figures.ratio_distribution(rho_source(dumps)), "Importance ratio ρ = π_train / π_rollout per sampled token",
                 "ρ = 1 (black line) means both sides agree; the spread around 1 is what an IS correction reweights. "
                 "Tokens outside [0.5, 2] are what token-level corrections clip or drop.",
                 "ρ inside [0.5, 2] for (almost) every token", "band")
-    page.figure(figures.drift_by_position({label: (tokens.d, tokens.position)}), "Drift by response position",
+    page.figure(figures.drift_by_position(position_profiles(dumps)), "Drift by response position",
                 "mean |Δ log p| at each response position. Growth with position points at differences that "
                 "accumulate along the sequence (KV cache, attention kernels); a flat line means the mismatch does "
                 "not depend on position.")
-    page.figure(figures.sequence_log_ratio({label: (tokens.d, tokens.sequence_key)}, LOG2),
+    page.figure(figures.sequence_log_ratio(sequence_points(dumps), LOG2),
                 "Sequence log-ratio against length (all steps)",
                 "one point per response; y = Σ_t d is the log of its sequence-level IS weight. Long responses drift "
                 "furthest; points beyond the dashed ±log 2 lines get their weight truncated or are rejected by "
@@ -169,28 +171,36 @@ def ess_warning_label(framework: str | None, threshold: float) -> str:
     return f"{'verl warning' if framework == 'verl' else 'warning'}: ESS < {threshold:g}"
 
 
-def _series_figure(page, table: dict, framework: str | None = None) -> None:
+def _series_figure(page, table: dict, framework: str | None = None, runs: dict | None = None) -> None:
+    """The per-step panels of ``table`` (a ``step_table``), or of several runs overlaid: ``runs`` {label: table}."""
     import tim_plugins.report.figures as figures
     from tim_plugins.report.figures import NATS
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES
 
-    ess_title = ("IS weight ESS (weights applied)" if table["ess_logged"].any()
+    tables = runs if runs is not None else {None: table}
+    pick = (lambda key: {k: t[key] for k, t in tables.items()}) if runs is not None else (lambda key: table[key])
+    ess_logged = any(t["ess_logged"].any() for t in tables.values())
+    ess_title = ("IS weight ESS (weights applied)" if ess_logged and all(t["ess_logged"].any() for t in tables.values())
+                 else "IS weight ESS where applied, else ESS of ρ" if ess_logged
                  else "ESS of ρ (no IS correction applied)")
-    lr_logged = np.isfinite(table["lr_scale"]).any()
-    lr_title = "TIM LR scale" + ("" if lr_logged and (table["lr_scale"] != 1).any()
+    lr = np.concatenate([t["lr_scale"] for t in tables.values()])
+    lr_logged = np.isfinite(lr).any()
+    lr_title = "TIM LR scale" + ("" if lr_logged and (lr[np.isfinite(lr)] != 1).any()
                                  else " (lr_decay off: stays 1)" if lr_logged else " (not logged)")
     step_word = {"trl": "TRL's global_step", "verl": "verl's global step"}.get(framework, "the run's step")
     ess_rule = RULES["tim/is/ess"]
     panels = [
-        ("k3 per token", table["k3"], (None, K3_HEALTHY_MAX), True),
-        (f"|Δ log p| p99 {NATS}", table["abs_diff_p99"], (None, LOG2), True),
-        (f"max |sequence log-ratio| {NATS}", table["seq_log_ratio_abs_max"], (None, LOG2), False),
-        (ess_title, table["ess"], (ess_rule.ok_lo, None), False,
+        ("k3 per token", pick("k3"), (None, K3_HEALTHY_MAX), True),
+        (f"|Δ log p| p99 {NATS}", pick("abs_diff_p99"), (None, LOG2), True),
+        (f"max |sequence log-ratio| {NATS}", pick("seq_log_ratio_abs_max"), (None, LOG2), False),
+        (ess_title, pick("ess"), (ess_rule.ok_lo, None), False,
          {"ylim": (0.0, 1.05), "marks": [(ess_rule.act_lo, ess_warning_label(framework, ess_rule.act_lo))]}),
-        (lr_title, table["lr_scale"], None, False, {"ylim": (0.0, 1.05)}),
-        ("mean reward (context)", table["reward"], None, False),
+        (lr_title, pick("lr_scale"), None, False, {"ylim": (0.0, 1.05)}),
+        ("mean reward (context)", pick("reward"), None, False),
     ]
-    page.figure(figures.step_series(table["step"].astype(float), panels), "Mismatch per optimizer step",
+    steps = ({k: t["step"].astype(float) for k, t in tables.items()} if runs is not None
+             else table["step"].astype(float))
+    page.figure(figures.step_series(steps, panels), "Mismatch per optimizer step",
                 f"one point per optimizer step ({step_word}), from the tim/* metrics logged at that step where the "
                 "run kept them, else recomputed from the step's per-token dump (the ESS panel from the dump when no "
                 "IS correction ran). A rising k3 or p99 means "
@@ -219,12 +229,12 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     staleness_section(page, summary)
     if tokens is not None and tokens.size:
         page.h2("Per token, over all steps")
-        _figures_over_tokens(page, tokens, "all steps")
+        _figures_over_tokens(page, {"all steps": tokens})
     from tim_plugins.report.disagreements import dump_disagreements
 
     rows = summary.get("disagreements")
     if rows is None and tokens is not None:
-        rows = dump_disagreements(Path(run_dir) / summary.get("dumps", {}).get("all steps", "dump"), decode)
+        rows = dump_disagreements(tokens, decode)
     if rows is not None:
         disagreements_section(page, rows, "all steps")
     _audit_section(page, summary)
@@ -336,7 +346,7 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     tokens = load_tokens(dump_dir)
     table = step_table(summary, tokens)
     v = training_verdict(summary, tokens, table)
-    page.raw(f"<p>{tokens.size} tokens from {len(np.unique(tokens.sequence_key))} sequences in the dump"
+    page.raw(f"<p>{tokens.size} tokens from {tokens.sequences().length.size} sequences in the dump"
              + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>")
     page.verdict(v, v.get("extra", []))
     if table["step"].size > 1:
@@ -347,8 +357,8 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
 
         staleness_section(page, summary)
     page.h2("Per token")
-    _figures_over_tokens(page, tokens, "dump")
-    disagreements_section(page, dump_disagreements(dump_dir, decode), "every step of the dump")
+    _figures_over_tokens(page, {"dump": tokens})
+    disagreements_section(page, dump_disagreements(tokens, decode), "every step of the dump")
     if summary and "findings" in summary:
         framework = summary.get("framework")
         page.h2("Parity audit")

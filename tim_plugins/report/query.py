@@ -1,0 +1,501 @@
+"""The report's per-token statistics as streaming SQL over a dump's Parquet files (DuckDB), in bounded memory.
+
+A dump holds one row per sampled token (``tim_plugins.dump``): a real run's is far larger than memory (1,000 steps ×
+8 ranks × 13 sequences × 2,000 tokens is ~200 M rows). Nothing here reads it whole: every statistic is an
+aggregation DuckDB streams over the files (per step, per sequence, per bin), and only aggregates (one row per step,
+sequence, position or bin) come back to Python. DuckDB's own memory is capped by ``memory_limit`` (it spills to a
+temporary folder beyond it) and its threads by ``threads``.
+
+The rows read are a snapshot taken once per ``Dump``: the complete ``step_*-rank_*.parquet`` files present at that
+moment. The writer writes each file under a temporary name and renames it into place (``TokenDumper.write``), so a
+file being written is not listed, and one that appears later is not read: every figure of a report describes the
+same rows, also while the run goes on.
+
+What the report computes from the rows, and how it matches the in-memory computation it replaces:
+
+- the core monitor's metrics per step and over all steps: the monitor's additive state (``_mismatch_layout``:
+  sums, maxima, histogram counts) summed per step in SQL, then ``metrics._derive``, the one place each metric's
+  formula lives, exactly as ``mismatch_metrics`` on the same rows would (the same float64 terms; sums in another
+  order, so equal to float rounding);
+- the figures' data: binned counts and sums, per-sequence and per-position sums, and exact quantiles (order
+  statistics found by narrowing a value range over a few scans, ``order_statistics``), never a sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+import re
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tim_plugins._optional import require
+
+__all__ = ["DEFAULT_MEMORY_LIMIT", "DEFAULT_THREADS", "MEMORY_LIMIT_ENV", "Engine", "Dump", "engine", "snapshot",
+           "open_dump", "order_statistics", "quantiles_of", "parse_memory_limit"]
+
+# DuckDB's memory cap for the report's queries, and the env variable that overrides it. A query needing more
+# spills to a temporary folder; the report's aggregates are small, so a dump of any size fits under it.
+DEFAULT_MEMORY_LIMIT = "1GB"
+MEMORY_LIMIT_ENV = "TIM_REPORT_MEMORY_LIMIT"
+# None: every core DuckDB sees.
+DEFAULT_THREADS: int | None = None
+
+# The complete dump files: the writer's temporary names (``*.parquet.tmp<pid>``) do not match.
+_FILE_RE = re.compile(r"step_\d+-rank_\d+\.parquet")
+_COLUMNS = ("step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob")
+
+
+def snapshot(folder: str | os.PathLike) -> list[str]:
+    """The complete dump files of ``folder`` now (sorted names; the writer renames a finished file into place)."""
+    return sorted(str(p) for p in Path(folder).iterdir() if _FILE_RE.fullmatch(p.name) and p.is_file())
+
+
+def parse_memory_limit(value) -> str:
+    """``value`` (bytes as an int, or DuckDB's "1GB" / "500MB" form) as DuckDB's setting; env / default if None."""
+    value = os.environ.get(MEMORY_LIMIT_ENV, DEFAULT_MEMORY_LIMIT) if value is None else value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return f"{int(value)}B"
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*", value, re.I):
+        return value.strip()
+    raise ValueError(f"memory_limit={value!r} is invalid: it must be a size such as '1GB' or '500MB' (or bytes as "
+                     f"an int); set it with --memory-limit or {MEMORY_LIMIT_ENV}.")
+
+
+class Engine:
+    """One DuckDB connection for a report: ``memory_limit`` caps its memory (spilling to a temporary folder
+    removed by ``close``), ``threads`` its threads (None: every core)."""
+
+    def __init__(self, memory_limit: str | int | None = None, threads: int | None = DEFAULT_THREADS) -> None:
+        require("duckdb", "the report of a per-token dump")
+        import duckdb
+
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r} is invalid: it must be a positive int (or None for every core).")
+        self.memory_limit = parse_memory_limit(memory_limit)
+        self._spill = tempfile.mkdtemp(prefix="tim-report-")
+        config = {"memory_limit": self.memory_limit, "temp_directory": self._spill,
+                  # the same files are scanned by every query: keep their Parquet metadata
+                  "enable_object_cache": True, "preserve_insertion_order": False}
+        if threads is not None:
+            config["threads"] = threads
+        self.con = duckdb.connect(":memory:", config=config)
+        self._views = 0
+        # expm1 without cancellation near 0 (DuckDB has no expm1): 3 terms of the series below 1e-5 (relative
+        # error < 1e-21), exp(x) − 1 above (relative error < 1e-16 / 1e-5).
+        self.con.execute("CREATE MACRO expm1(x) AS CASE WHEN abs(x) < 1e-5 THEN x * (1 + x * (0.5 + x / 6)) "
+                         "ELSE exp(x) - 1 END")
+
+    def setting(self, name: str):
+        return self.con.execute(f"SELECT current_setting('{name}')").fetchone()[0]
+
+    def view(self, files: list[str]) -> str:
+        """A view of ``files``'s rows (the columns the report reads), under a fresh name."""
+        self._views += 1
+        name = f"dump_{self._views}"
+        listed = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+        self.con.execute(f"CREATE TEMP VIEW {name} AS SELECT {', '.join(_COLUMNS)} FROM read_parquet({listed})")
+        return name
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.con.close()
+        shutil.rmtree(self._spill, ignore_errors=True)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_ACTIVE: contextvars.ContextVar[Engine | None] = contextvars.ContextVar("tim_report_engine", default=None)
+
+
+@contextlib.contextmanager
+def engine(memory_limit: str | int | None = None, threads: int | None = DEFAULT_THREADS):
+    """An ``Engine`` that ``open_dump`` uses inside the block (closed at its end)."""
+    eng = Engine(memory_limit, threads)
+    token = _ACTIVE.set(eng)
+    try:
+        yield eng
+    finally:
+        _ACTIVE.reset(token)
+        eng.close()
+
+
+def open_dump(folder: str | os.PathLike) -> "Dump":
+    """The ``Dump`` of ``folder`` on the active engine (``engine``), else on an engine of its own (default
+    settings)."""
+    eng = _ACTIVE.get()
+    if eng is not None:
+        return Dump(folder, eng)
+    eng = Engine()
+    try:
+        dump = Dump(folder, eng)
+    except BaseException:
+        eng.close()
+        raise
+    weakref.finalize(dump, eng.close)  # its own engine lives as long as the dump
+    return dump
+
+
+def _literal(x: float) -> str:
+    """A float as an exact SQL DOUBLE literal."""
+    if math.isinf(x):
+        return "'inf'::DOUBLE" if x > 0 else "'-inf'::DOUBLE"
+    return f"{float(x)!r}::DOUBLE"
+
+
+def _edges_list(edges) -> str:
+    """The edges padded with −inf and +inf, as a DuckDB list (1-based: element i + 2 is edge i)."""
+    return "[" + ", ".join(_literal(e) for e in [-math.inf, *map(float, edges), math.inf]) + "]"
+
+
+def count_le(x: str, edges, approx: str) -> str:
+    """SQL: how many of ``edges`` (sorted) are <= ``x`` (numpy ``searchsorted(edges, x, 'right')``), from ``approx``,
+    an estimate of the fractional index of x among the edges that is off by less than one, corrected by
+    comparing with the exact edges."""
+    n = len(edges)
+    e = _edges_list(edges)
+    c0 = f"least(greatest(floor({approx}) + 1, 0), {n})::BIGINT"
+    return f"({c0} + ({x} >= {e}[{c0} + 2])::BIGINT - ({x} < {e}[{c0} + 1])::BIGINT)"
+
+
+def _log_index(x: str, edges) -> str:
+    """Fractional index of ``x`` among log-spaced ``edges`` (x > 0)."""
+    lo, hi, n = math.log(edges[0]), math.log(edges[-1]), len(edges) - 1
+    return f"((ln({x}) - {lo!r}) * {n / (hi - lo)!r})" if hi > lo else "0"
+
+
+def _lin_index(x: str, edges) -> str:
+    lo, hi, n = float(edges[0]), float(edges[-1]), len(edges) - 1
+    return f"(({x} - {lo!r}) * {n / (hi - lo)!r})" if hi > lo else "0"
+
+
+def histogram_bin(x: str, edges, log: bool) -> str:
+    """SQL: ``x``'s bin in ``np.histogram(·, edges)`` (bin i holds edges[i] <= x < edges[i + 1], the last bin
+    also x == edges[-1]); a value outside [edges[0], edges[-1]] gets -1 or len(edges) - 1."""
+    n = len(edges)
+    c = count_le(x, edges, (_log_index if log else _lin_index)(x, edges))
+    return f"(CASE WHEN {x} = {_literal(edges[-1])} THEN {n - 2} ELSE {c} - 1 END)"
+
+
+def order_statistics(con, relation: str, wanted: dict, *, bins: int = 2048, fetch: int = 1 << 16) -> dict:
+    """Exact order statistics of the column ``v`` of ``relation`` (SQL with columns ``g``, a group, and ``v``,
+    finite), per group: ``wanted`` {group: [0-based ranks]} → {(group, rank): value}.
+
+    Bounded memory and a few scans: each range of values holding a wanted rank is cut into ``bins`` equal bins
+    (one GROUP BY: count, min, max per bin); the bin holding the rank becomes the next range (its values from its
+    min to its max), until a range holds at most ``fetch`` values (read and sorted here) or a single value."""
+    import pyarrow as pa
+
+    found: dict = {}
+    groups = list(wanted)
+    if not groups:
+        return found
+    stats = con.execute(f"SELECT g, count(*), min(v), max(v) FROM ({relation}) GROUP BY g").fetchall()
+    by_group = {g: (n, lo, hi) for g, n, lo, hi in stats}
+    # A range: [g, lo, hi, below (values of g under lo), count, ranks]
+    ranges = []
+    for g in groups:
+        n, lo, hi = by_group.get(g, (0, None, None))
+        ranks = sorted({int(k) for k in wanted[g]})
+        if not n or any(not 0 <= k < n for k in ranks):
+            raise ValueError(f"order_statistics: ranks {ranks} outside the {n} values of group {g!r}")
+        ranges.append([g, lo, hi, 0, n, ranks])
+    for _ in range(64):
+        if not ranges:
+            return found
+        todo = []
+        for r in ranges:
+            if r[1] == r[2]:
+                found.update({(r[0], k): float(r[1]) for k in r[5]})
+            else:
+                todo.append(r)
+        small = [r for r in todo if r[4] <= fetch]
+        big = [r for r in todo if r[4] > fetch]
+        if small:
+            table = pa.table({"rid": list(range(len(small))), "rg": [r[0] for r in small],
+                              "lo": [float(r[1]) for r in small], "hi": [float(r[2]) for r in small]})
+            con.register("_tim_ranges", table)
+            rows = con.execute(f"SELECT rid, v FROM ({relation}) JOIN _tim_ranges ON g = rg AND v >= lo AND v <= hi"
+                               ).fetch_arrow_table()
+            con.unregister("_tim_ranges")
+            rid, v = rows.column("rid").to_numpy(), rows.column("v").to_numpy()
+            for i, r in enumerate(small):
+                values = np.sort(v[rid == i])
+                found.update({(r[0], k): float(values[k - r[3]]) for k in r[5]})
+        if not big:
+            return found
+        table = pa.table({"rid": list(range(len(big))), "rg": [r[0] for r in big], "lo": [float(r[1]) for r in big],
+                          "hi": [float(r[2]) for r in big], "w": [(float(r[2]) - float(r[1])) / bins for r in big]})
+        con.register("_tim_ranges", table)
+        rows = con.execute(
+            f"SELECT rid, least(floor((v - lo) / w), {bins - 1})::BIGINT AS b, count(*), min(v), max(v) "
+            f"FROM ({relation}) JOIN _tim_ranges ON g = rg AND v >= lo AND v <= hi GROUP BY rid, b ORDER BY rid, b"
+        ).fetchall()
+        con.unregister("_tim_ranges")
+        per: dict = {}
+        for rid, _b, n, lo, hi in rows:
+            per.setdefault(rid, []).append((n, lo, hi))
+        nxt: dict = {}
+        for i, r in enumerate(big):
+            below = r[3]
+            for n, lo, hi in per.get(i, []):
+                for k in r[5]:
+                    if below <= k < below + n:
+                        nxt.setdefault((i, lo), [r[0], lo, hi, below, n, []])[5].append(k)
+                below += n
+            if below != r[3] + r[4]:
+                raise RuntimeError(f"order_statistics: a range of {r[4]} values rescanned as {below - r[3]}: the "
+                                   "rows changed between scans")
+        ranges = list(nxt.values())
+    raise RuntimeError("order_statistics did not converge in 64 rounds")
+
+
+def quantiles_of(con, relation: str, wanted: dict[object, tuple[int, tuple[float, ...]]]) -> dict:
+    """numpy's ``quantile`` (linear method) of ``v`` per group: ``wanted`` {group: (n values, qs)} →
+    {(group, q): value}."""
+    ranks, where = {}, {}
+    for g, (n, qs) in wanted.items():
+        for q in qs:
+            h = q * (n - 1)
+            lo = int(math.floor(h))
+            hi = min(lo + 1, n - 1)
+            where[(g, q)] = (lo, hi, h - lo)
+            ranks.setdefault(g, set()).update((lo, hi))
+    stats = order_statistics(con, relation, ranks)
+    out = {}
+    for (g, q), (lo, hi, t) in where.items():
+        a, b = stats[(g, lo)], stats[(g, hi)]
+        out[(g, q)] = a + (b - a) * t if t < 0.5 else b - (b - a) * (1 - t)  # numpy's _lerp
+    return out
+
+
+@dataclass
+class Sequences:
+    """One row per sequence (ordered by step, rank, sequence): its valid tokens and Σ_t d."""
+
+    step: np.ndarray
+    rank: np.ndarray
+    sequence: np.ndarray
+    length: np.ndarray
+    sum_d: np.ndarray
+
+
+class Dump:
+    """The valid rows of a dump folder's snapshot (finite log-probs above the invalid-placeholder threshold), and
+    the report's statistics over them as queries.
+
+    Attributes: ``files`` (the snapshot), ``size`` (valid tokens), ``invalid`` (rows left out)."""
+
+    def __init__(self, folder: str | os.PathLike, eng: Engine) -> None:
+        from tim_plugins.metrics import INVALID_LOGPROB_THRESHOLD
+
+        self.folder = Path(folder)
+        self.files = snapshot(self.folder)
+        if not self.files:
+            raise FileNotFoundError(f"no dump files (step_*-rank_*.parquet) in {str(folder)!r}: point at the folder "
+                                    "the dumper wrote.")
+        self.engine = eng
+        self.con = eng.con
+        self.raw = eng.view(self.files)
+        th = _literal(INVALID_LOGPROB_THRESHOLD)
+        self.valid = f"{self.raw}_valid"
+        self.con.execute(
+            f"CREATE TEMP VIEW {self.valid} AS SELECT step, rank, sequence, position, r, t, t - r AS d FROM ("
+            f"SELECT step, rank, sequence, position, rollout_logprob::DOUBLE AS r, train_logprob::DOUBLE AS t "
+            f"FROM {self.raw}) WHERE isfinite(r) AND isfinite(t) AND r > {th} AND t > {th}")
+        total, self.size = self.con.execute(
+            f"SELECT (SELECT count(*) FROM {self.raw}), (SELECT count(*) FROM {self.valid})").fetchone()
+        self.invalid = int(total - self.size)
+        self._cache: dict = {}
+
+    # ------------------------------------------------------------------------------------------ monitor metrics
+    def step_states(self) -> tuple[np.ndarray, list[dict]]:
+        """(steps, the monitor's unpacked state per step) over the valid rows, each sequence's tokens laid out as
+        one row of a [sequences, positions] batch with ρ = exp(d) as the IS weights: what ``mismatch_metrics`` on
+        those tensors accumulates."""
+        if "states" in self._cache:
+            return self._cache["states"]
+        from tim_plugins._mismatch_layout import (HISTOGRAM_BINS_PER_DECADE, HISTOGRAM_RANGE, K3_SERIES,
+                                                  K3_SERIES_BOUND, N_BUCKETS, N_SIGNED_BINS, PROB_BUCKET_EDGES)
+        from tim_plugins.metrics import DEFAULT_RATIO_BAND
+
+        import torch
+
+        bound = K3_SERIES_BOUND[torch.float64]
+        cl = f"least(greatest(d, {-bound!r}), {bound!r})"
+        horner = f"({cl} * {K3_SERIES[-1]!r} + {K3_SERIES[-2]!r})"
+        for c in reversed(K3_SERIES[:-2]):
+            horner = f"({c!r} + {horner} * {cl})"
+        series = f"(CASE WHEN abs(d) < {bound!r} THEN {horner} * {cl} * {cl} ELSE 0.0 END)"
+        linear = f"(CASE WHEN abs(d) < {bound!r} THEN d ELSE expm1(d) END)"
+        bucket = " + ".join(f"(r >= {math.log(e)!r})::INT" for e in PROB_BUCKET_EDGES[1:-1])
+        log_lo, log_hi = (math.log(x) for x in DEFAULT_RATIO_BAND)
+        centre = (N_SIGNED_BINS - 1) // 2
+        abs_bin = (f"(CASE WHEN abs(d) = 0 THEN 0 ELSE least(greatest(floor((log10(abs(d)) - "
+                   f"{math.log10(HISTOGRAM_RANGE[0])!r}) * {HISTOGRAM_BINS_PER_DECADE}) + 1, 0), {centre}) END)")
+        terms = (f"SELECT step, d, abs(d) AS a, r, {series} AS ser, {linear} AS lin, ({bucket}) AS bucket, "
+                 f"exp(d) AS w, {centre} + sign(d) * {abs_bin} AS hbin FROM {self.valid}")
+        buckets = ", ".join(f"count(*) FILTER (WHERE bucket = {k}), coalesce(sum(a) FILTER (WHERE bucket = {k}), 0)"
+                            for k in range(N_BUCKETS))
+        sums = self.con.execute(
+            f"SELECT step, count(*), sum(a), sum(exp(r) * abs(lin + ser)), sum(d), sum((lin - d) + ser), "
+            f"sum(lin) + sum(ser), sum((lin + ser) * (lin + ser)), count(*) FILTER (WHERE d < {log_lo!r} OR "
+            f"d > {log_hi!r}), max(d), min(d), max(exp(r) * abs(lin + ser)), "
+            f"count(*) FILTER (WHERE isfinite(w)), coalesce(sum(w) FILTER (WHERE isfinite(w)), 0), "
+            f"coalesce(sum(w * w) FILTER (WHERE isfinite(w)), 0), count(*) FILTER (WHERE w = 0), "
+            f"max(w) FILTER (WHERE isfinite(w)), min(w) FILTER (WHERE isfinite(w)), {buckets} "
+            f"FROM ({terms}) GROUP BY step ORDER BY step").fetchall()
+        hist = self.con.execute(f"SELECT step, hbin::BIGINT, count(*) FROM ({terms}) GROUP BY step, hbin").fetchall()
+        seqs = self.sequences()
+        steps = np.array([row[0] for row in sums], dtype=np.int64)
+        states = []
+        ninf = -math.inf
+        for row in sums:
+            step, n, a, abs_p, sum_d, k3, rho_m1, rho_m1_sq, outside, d_max, d_min, abs_p_max, is_n, is_w, is_w2, \
+                is_masked, w_max, w_min = row[:18]
+            bc = np.array(row[18::2], dtype=np.float64)
+            ba = np.array(row[19::2], dtype=np.float64)
+            sel = seqs.step == step
+            states.append({
+                "tokens": float(n), "invalid": 0.0, "abs_d": float(a), "abs_p": float(abs_p), "neg_d": -float(sum_d),
+                "k3": float(k3), "rho_m1": float(rho_m1), "rho_m1_sq": float(rho_m1_sq), "outside": float(outside),
+                "seqs": float(sel.sum()), "seq_log_ratio": float(sum_d),
+                "is_tokens": float(is_n), "is_w": float(is_w), "is_w2": float(is_w2), "is_masked": float(is_masked),
+                "hist": np.zeros(N_SIGNED_BINS), "bucket_count": bc, "bucket_abs": ba,
+                "abs_d_max": max(float(d_max), -float(d_min)), "abs_p_max": float(abs_p_max),
+                "rho_m1_max": math.expm1(d_max), "neg_rho_m1_min": -math.expm1(d_min),
+                "seq_abs_max": float(np.abs(seqs.sum_d[sel]).max()) if sel.any() else ninf,
+                "is_w_max": ninf if w_max is None else float(w_max),
+                "neg_is_w_min": ninf if w_min is None else -float(w_min),
+            })
+        at = {int(s): i for i, s in enumerate(steps)}
+        for step, b, n in hist:
+            states[at[int(step)]]["hist"][int(b)] += n
+        self._cache["states"] = (steps, states)
+        return steps, states
+
+    def sequences(self) -> Sequences:
+        """Per sequence (step, rank, sequence order): its valid tokens and Σ_t d."""
+        if "seq" not in self._cache:
+            t = self.con.execute(f"SELECT step, rank, sequence, count(*) AS n, sum(d) AS s FROM {self.valid} "
+                                 "GROUP BY step, rank, sequence ORDER BY step, rank, sequence").fetch_arrow_table()
+            col = lambda k: t.column(k).to_numpy()  # noqa: E731
+            self._cache["seq"] = Sequences(col("step"), col("rank"), col("sequence"), col("n"), col("s"))
+        return self._cache["seq"]
+
+    # ---------------------------------------------------------------------------------------------- figures
+    def prob_curve(self, edges, quantile: float | None = None, min_count: int = 20) -> dict:
+        """Per bin of 1 − p (p = the rollout's probability; ``edges`` log-spaced, 1 − p clipped to [1e-7, 1] and
+        values beyond the edges in the end bins, as ``np.digitize`` then clip): tokens, Σ|d| and, with
+        ``quantile``, that quantile of |d| in each bin of at least ``min_count`` tokens (NaN elsewhere)."""
+        nb = len(edges) - 1
+        q = "least(greatest(-expm1(r), 1e-7), 1.0)"
+        idx = f"least(greatest({count_le('q', edges, _log_index('q', edges))} - 1, 0), {nb - 1})"
+        rel = f"SELECT {idx} AS g, abs(d) AS v FROM (SELECT {q} AS q, d FROM {self.valid})"
+        rows = self.con.execute(f"SELECT g, count(*), sum(v) FROM ({rel}) GROUP BY g").fetchall()
+        count, total = np.zeros(nb, dtype=np.int64), np.zeros(nb)
+        for g, n, s in rows:
+            count[g], total[g] = n, s
+        out = {"count": count, "sum": total}
+        if quantile is not None:
+            qs = np.full(nb, np.nan)
+            wanted = {g: (int(count[g]), (quantile,)) for g in range(nb) if count[g] >= min_count}
+            for (g, _), v in quantiles_of(self.con, rel, wanted).items():
+                qs[g] = v
+            out["quantile"] = qs
+        return out
+
+    def abs_range(self) -> tuple[float | None, float | None, int]:
+        """(smallest |d| > 0, largest |d|, tokens with d exactly 0); None without such tokens."""
+        lo, hi, zeros = self.con.execute(f"SELECT min(abs(d)) FILTER (WHERE d <> 0), max(abs(d)), "
+                                         f"count(*) FILTER (WHERE d = 0) FROM {self.valid}").fetchone()
+        return lo, hi, int(zeros)
+
+    def abs_histogram(self, edges) -> np.ndarray:
+        """``np.histogram(|d|[|d| > 0], edges)`` counts (log-spaced edges)."""
+        b = histogram_bin("abs(d)", edges, log=True)
+        return self._counts(f"SELECT {b} AS b FROM {self.valid} WHERE d <> 0", len(edges) - 1)
+
+    def d_range(self) -> tuple[int, float, float]:
+        n, lo, hi = self.con.execute(f"SELECT count(*), min(d), max(d) FROM {self.valid}").fetchone()
+        return int(n), lo, hi
+
+    def rho_histogram(self, edges, log: bool, lo_d: float, hi_d: float) -> tuple[np.ndarray, int, int]:
+        """(``np.histogram`` counts of ρ = exp(d) on ``edges`` of the tokens with lo_d <= d <= hi_d (ρ held
+        inside the edges), tokens with d below lo_d, above hi_d)."""
+        lo, hi = _literal(lo_d), _literal(hi_d)
+        rho = f"least(greatest(exp(d), {_literal(edges[0])}), {_literal(edges[-1])})"
+        b = histogram_bin("rho", edges, log=log)
+        counts = self._counts(f"SELECT {b} AS b FROM (SELECT {rho} AS rho FROM {self.valid} "
+                              f"WHERE d >= {lo} AND d <= {hi})", len(edges) - 1)
+        below, above = self.con.execute(f"SELECT count(*) FILTER (WHERE d < {lo}), count(*) FILTER "
+                                        f"(WHERE d > {hi}) FROM {self.valid}").fetchone()
+        return counts, int(below), int(above)
+
+    def position_profile(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions, tokens, Σ|d|) per response position, in position order."""
+        t = self.con.execute(f"SELECT position, count(*) AS n, sum(abs(d)) AS s FROM {self.valid} GROUP BY position "
+                             "ORDER BY position").fetch_arrow_table()
+        return t.column("position").to_numpy(), t.column("n").to_numpy(), t.column("s").to_numpy()
+
+    def _counts(self, relation: str, nb: int) -> np.ndarray:
+        counts = np.zeros(nb, dtype=np.int64)
+        for b, n in self.con.execute(f"SELECT b, count(*) FROM ({relation}) GROUP BY b").fetchall():
+            if 0 <= b < nb:
+                counts[b] += n
+        return counts
+
+    # ----------------------------------------------------------------------------------- largest disagreements
+    def largest_disagreements(self, n: int, context: int) -> list[dict]:
+        """``disagreements.largest_disagreements``'s rows over this dump: the ``n`` valid rows with the largest
+        |d| (ties in (step, rank, sequence, position) order), each with the token ids of the rows of its sequence
+        within ``context`` positions on each side (every row of the dump, valid or not)."""
+        picked = self.con.execute(
+            f"SELECT step, rank, sequence, position, r, t FROM {self.valid} "
+            f"ORDER BY abs(d) DESC, step, rank, sequence, position LIMIT {int(n)}").fetchall()
+        if not picked:
+            return []
+        import pyarrow as pa
+
+        keys = pa.table({"ks": [p[0] for p in picked], "kr": [p[1] for p in picked],
+                         "kq": [p[2] for p in picked], "kp": [p[3] for p in picked]})
+        self.con.register("_tim_picked", keys)
+        try:
+            near = self.con.execute(
+                f"SELECT step, rank, sequence, position, token_id, kp FROM {self.raw} JOIN _tim_picked ON "
+                f"step = ks AND rank = kr AND sequence = kq AND position BETWEEN kp - {int(context)} AND "
+                f"kp + {int(context)} ORDER BY step, rank, sequence, kp, position").fetchall()
+            ends = self.con.execute(
+                f"SELECT step, rank, sequence, min(position), max(position) FROM {self.raw} WHERE "
+                f"(step, rank, sequence) IN (SELECT (ks, kr, kq) FROM _tim_picked) GROUP BY step, rank, sequence"
+            ).fetchall()
+        finally:
+            self.con.unregister("_tim_picked")
+        by_key: dict = {}
+        for step, rank, seq, pos, tok, kp in near:
+            by_key.setdefault((step, rank, seq, kp), []).append((pos, tok))
+        span = {(s, r, q): (lo, hi) for s, r, q, lo, hi in ends}
+        rows = []
+        for step, rank, seq, pos, r, t in picked:
+            around = by_key[(step, rank, seq, pos)]
+            lo, hi = span[(step, rank, seq)]
+            rows.append({
+                "step": int(step), "rank": int(rank), "sequence": int(seq), "position": int(pos),
+                "token_id": int(next(tok for p, tok in around if p == pos)),
+                "rollout_logprob": float(r), "train_logprob": float(t), "diff": float(t - r),
+                "p_rollout": math.exp(r), "p_train": math.exp(t),
+                "before": [int(tok) for p, tok in around if p < pos], "after": [int(tok) for p, tok in around if p > pos],
+                "start": pos == lo, "end": pos == hi,
+            })
+        return rows

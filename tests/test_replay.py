@@ -132,6 +132,12 @@ def test_kept_sets_layout_and_errors():
     assert kept.ids.dtype == torch.int32 and kept.offsets.tolist() == [0, 2, 2, 3, 6]
     both = KeptSets.concat([kept, KeptSets.from_lists([[5], [6, 8]])])
     assert both.to_lists() == lists + [[5], [6, 8]]
+    placed = kept.placed(7, [1, 2, 4, 6])
+    assert placed.to_lists() == [[], [3, 1], [], [], [7], [], [0, 2, 4]]
+    with pytest.raises(ValueError, match="strictly increasing"):
+        kept.placed(7, [1, 4, 2, 6])
+    with pytest.raises(ValueError, match="3 rows given for 4 kept sets"):
+        kept.placed(7, [1, 2, 4])
     import numpy as np
 
     assert KeptSets.from_csr(np.array([3, 1, 7]), np.array([0, 2, 2, 3])).to_lists() == [[3, 1], [], [7]]

@@ -83,6 +83,22 @@ class KeptSets:
         offsets = [parts[0].offsets[:1]] + [p.offsets[1:] + s.to(p.offsets.device) for p, s in zip(parts, shifts)]
         return cls(torch.cat([p.ids for p in parts]), torch.cat(offsets))
 
+    def placed(self, n_rows: int, rows: torch.Tensor | Sequence[int]) -> KeptSets:
+        """These sets at rows ``rows`` (strictly increasing) of an ``n_rows``-row layout, every other row empty (no
+        recorded set: the whole vocabulary). E.g. a packed micro-batch whose response tokens sit at
+        ``response_mask.reshape(-1).nonzero()`` among prompt and padding positions."""
+        rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.offsets.device).reshape(-1)
+        if rows_t.numel() != len(self):
+            raise ValueError(f"placed: {rows_t.numel()} rows given for {len(self)} kept sets")
+        if rows_t.numel() and (bool((rows_t[1:] <= rows_t[:-1]).any()) or int(rows_t[0]) < 0
+                               or int(rows_t[-1]) >= n_rows):
+            raise ValueError(f"placed: rows must be strictly increasing within [0, {n_rows}) (the sets' order)")
+        sizes = torch.zeros(n_rows, dtype=torch.int64, device=self.offsets.device)
+        sizes[rows_t] = self.sizes
+        offsets = torch.zeros(n_rows + 1, dtype=torch.int64, device=self.offsets.device)
+        torch.cumsum(sizes, 0, out=offsets[1:])
+        return KeptSets(self.ids, offsets)
+
     def __len__(self) -> int:
         return self.offsets.numel() - 1
 
@@ -109,7 +125,6 @@ class _Replay:
         self.temperature = float(temperature)
         self.ids = kept.ids.to(device)
         self.sizes = kept.sizes.to(device)
-        self.empty = self.sizes == 0
         self.bounds = kept.offsets.tolist()  # one host copy per call: slicing a chunk's ids needs no device sync
 
     def _fill(self, n: int, start: int, buf: torch.Tensor) -> torch.Tensor:
@@ -119,7 +134,11 @@ class _Replay:
         rows = torch.repeat_interleave(torch.arange(n, device=buf.device), self.sizes[start : start + n],
                                        output_size=b - a)
         keep[rows, self.ids[a:b].long()] = True
-        return keep.masked_fill_(self.empty[start : start + n, None], True)
+        bounds = self.bounds
+        empty = [i - start for i in range(start, start + n) if bounds[i + 1] == bounds[i]]
+        if empty:  # no recorded set: the whole vocabulary (found on the host: no pass over the chunk)
+            keep[empty] = True
+        return keep
 
     def select(self, z: torch.Tensor, start: int, m: torch.Tensor, buf: torch.Tensor):
         # no threshold: the saved per-row "tau" is a placeholder the backward passes back to reselect unread

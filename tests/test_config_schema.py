@@ -9,22 +9,22 @@ import typing
 
 import pytest
 
-pytest.importorskip("trl")
-
-from tim_plugins.corrections import CorrectionConfig  # noqa: E402
-from tim_plugins.dump import DumpConfig  # noqa: E402
-from tim_plugins.integrations.trl import TIMConfig  # noqa: E402
-from tim_plugins.integrations.verl.config import DumpSettings, ProbeSettings, TIMVerlConfig  # noqa: E402
-from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig  # noqa: E402
-from tim_plugins.parity.probe import ParityProbeConfig  # noqa: E402
-from tim_plugins.rollout.inject import InjectorConfig  # noqa: E402
+# Neither adapter's settings module imports its framework: these checks run without TRL and without verl.
+from tim_plugins.corrections import CorrectionConfig
+from tim_plugins.dump import DumpConfig
+from tim_plugins.integrations.trl.config import TIMConfig
+from tim_plugins.integrations.verl.config import DumpSettings, ProbeSettings, TIMVerlConfig
+from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig
+from tim_plugins.parity.probe import ParityProbeConfig
+from tim_plugins.pipeline import PipelineConfig
+from tim_plugins.rollout.inject import InjectorConfig
 
 OPTION_GROUPS = {"dump_options": DumpConfig, "inject_options": InjectorConfig, "lr_decay_options": LRDecayConfig,
                  "parity_probe_options": ParityProbeConfig, "is_correction_options": CorrectionConfig}
 
 
 def _settings_classes():
-    return [TIMConfig, TIMVerlConfig, *TIMVerlConfig._SECTIONS.values()]
+    return [TIMConfig, TIMVerlConfig, *TIMVerlConfig._SECTIONS.values(), PipelineConfig]
 
 
 def test_no_config_field_is_an_untyped_dict():
@@ -32,6 +32,22 @@ def test_no_config_field_is_an_untyped_dict():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             assert hints[f.name] not in (dict, typing.Any), (cls.__name__, f.name, hints[f.name])
+
+
+def test_the_pipeline_s_compile_takes_what_the_monitor_takes():
+    """PipelineConfig.compile is MismatchMonitor(compile=...): its type lists exactly the values the monitor
+    accepts, and the pipeline's monitors run with it."""
+    from tim_plugins.metrics import MismatchMonitor
+    from tim_plugins.pipeline import StepPipeline
+
+    hint = typing.get_type_hints(PipelineConfig)["compile"]
+    allowed = {a for arg in typing.get_args(hint) for a in (typing.get_args(arg) or (True, False))}
+    assert allowed == {True, False, "auto"}
+    for value in allowed:
+        assert MismatchMonitor(compile=value).compile == value
+        assert StepPipeline(PipelineConfig(monitor=True, compile=value)).monitor.compile == value
+    with pytest.raises(ValueError, match=r"compile='yes' is invalid"):
+        MismatchMonitor(compile="yes")
 
 
 def test_each_trl_option_group_is_the_core_dataclass_from_a_dict_or_itself():

@@ -37,11 +37,23 @@ def _naive_k3(table) -> tuple[float, int]:
     return sum(math.expm1(x) - x for x in d) / len(d), len(d)
 
 
-def test_default_scores_at_least_1500_tokens_per_run():
+def test_default_scores_at_least_1500_tokens_per_run(tmp_path):
+    """``tim-plugins measure`` with every default: the run scores at least 1500 tokens (each response at least
+    min_new_tokens, test_response_mask_*), as many as its dump holds, and every prompt is scored."""
     cfg = MeasureConfig()
-    # Every response is scored for at least min_new_tokens tokens (test_response_mask_*), so the default run
-    # scores at least this many tokens whatever the model's EOS habits.
-    assert cfg.num_prompts * cfg.min_new_tokens >= 1500
+    out = tmp_path / "defaults"
+    assert main(["measure", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    m = summary["metrics"]
+    assert m["tim/tokens"] >= 1500 and m["tim/tokens"] >= cfg.num_prompts * cfg.min_new_tokens
+    assert m["tim/tokens"] <= cfg.num_prompts * cfg.max_new_tokens
+    # the dump holds every scored token: each prompt's response, at least min_new_tokens of it
+    table = _dump(out, summary, summary["primary"])
+    assert table.num_rows == m["tim/tokens"]
+    lengths: dict[int, int] = {}
+    for seq in table.column("sequence").to_pylist():
+        lengths[seq] = lengths.get(seq, 0) + 1
+    assert len(lengths) == cfg.num_prompts and min(lengths.values()) >= cfg.min_new_tokens, lengths
 
 
 def test_response_mask_ends_at_the_first_eos_after_the_minimum():

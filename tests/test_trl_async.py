@@ -25,10 +25,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from packaging.version import Version
+
+from tim_plugins._optional import package_version
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
-pytest.importorskip("trl.experimental.async_grpo.packing")  # the packed trainer (TRL >= 1.16)
+# The packed AsyncGRPOTrainer (trl.experimental.async_grpo.packing) exists from TRL 1.16 (1.15's async trainer has
+# no packing): older releases skip by version; on 1.16 and later a module that moved fails the imports, not a skip.
+if Version(package_version("trl")) < Version("1.16"):
+    pytest.skip("the packed AsyncGRPOTrainer exists from TRL 1.16", allow_module_level=True)
 
 from async_standin import GROUP, NEW_TOKENS, install_cpu_shims, make_trainer, reference_passes  # noqa: E402
 
@@ -277,3 +283,45 @@ def test_tokens_of_an_unseen_version_are_counted_not_keyed(toy_model_path, tmp_p
     keyed = sum(v for k, v in step1.items() if k.startswith("tim/by_lag/") and k.endswith("/count") and v)
     assert keyed == sum(int(s["mask"].sum()) for s in engine.samples[:2 * GROUP]) - unseen
     assert step1["tim/diag/async_lag_unknown"] == unseen
+
+
+def test_every_patch_is_undone_when_train_raises_and_a_second_trainer_is_untouched(toy_model_path, tmp_path):
+    """Nothing is patched before ``train()``; when it raises, the rollout queue, TreeRow.pack and the loss are
+    TRL's own again without ``detach()``; a second AsyncGRPOTrainer in the same process then packs and trains
+    without any of our columns."""
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    pack = TreeRow.__dict__["pack"]
+    undo = install_cpu_shims()
+    try:
+        failing, _ = make_trainer(toy_model_path, tmp_path / "failing", 3)
+        queue, calls, loss = failing.rollout_queue, [], failing.compute_loss
+
+        def compute_loss(model, inputs, *a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt("the user stops the run")  # not an Exception: nothing may swallow it
+            return loss(model, inputs, *a, **k)
+
+        failing.compute_loss = compute_loss
+        cb = TIMCallback(failing, TIMConfig(parity_audit=False))
+        failing.add_callback(cb)
+        assert failing.rollout_queue is queue and TreeRow.__dict__["pack"] is pack  # nothing before train()
+        with pytest.raises(KeyboardInterrupt):
+            failing.train()
+        assert len(calls) == 2 and cb.generation_count == 0
+        assert cb.installed == [] and failing.rollout_queue is queue and TreeRow.__dict__["pack"] is pack
+        assert vars(failing)["compute_loss"] is compute_loss
+
+        second, _ = make_trainer(toy_model_path, tmp_path / "second", 1)
+        seen, second_loss = [], second.compute_loss
+
+        def record(model, inputs, *a, **k):
+            seen.append(set(inputs))
+            return second_loss(model, inputs, *a, **k)
+
+        second.compute_loss = record
+        second.train()
+    finally:
+        undo()
+    assert seen and not any(key.startswith("tim_") for keys in seen for key in keys), seen

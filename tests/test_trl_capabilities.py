@@ -107,7 +107,13 @@ def test_moved_hook_switches_off_only_its_feature(toy_model_path, tmp_path, monk
 
 
 def test_doctor_statuses_name_the_moved_symbol(monkeypatch):
-    assert all(s.available for s in features.trl_features() if s.name in ("monitor", "safe_vocab"))
+    from test_trl_hook_guards import expected
+
+    statuses = features.trl_features()
+    assert {s.name for s in statuses} == {f.name for f in features.FEATURES if f not in features.SAFE_VOCAB_ROUTES} \
+        | {"safe_vocab"}
+    # every feature the installed TRL must support (test_trl_hook_guards.FEATURE_RELEASES) is on
+    assert [s.warning() for s in statuses if expected(s.name) and not s.available] == []
     used, _ = features.safe_vocab_route()
     symbol, problem = _move_safe_vocab_route(monkeypatch)
     route, statuses = features.safe_vocab_route()
@@ -161,3 +167,35 @@ def test_patches_undone_when_train_raises(toy_model_path, tmp_path):
     assert _losses(after) == _losses(before) and len(_losses(after)) == 2
     for a, b in zip(after.model.parameters(), before.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_moved_engine_hook_switches_off_only_the_audit_s_engine_read(toy_model_path, tmp_path, monkeypatch, caplog):
+    """features.ENGINE_AUDIT gates the audit's read of TRL's live vLLM engine: with VLLMGeneration._init_vllm moved,
+    a colocate trainer's audit does not read ``trainer.vllm_generation`` (the engine's settings are unknown), one
+    warning names the feature, ``tim/diag/feature_off/parity_audit_engine`` is 1, and the rest runs."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    cb = TIMCallback(trainer, TIMConfig())
+    assert cb._live_audit_reads() == {"engine": False, "server": False}  # no vLLM: nothing live to read
+    monkeypatch.delattr(VLLMGeneration, "_init_vllm")
+    monkeypatch.setattr(trainer.args, "use_vllm", True)
+    monkeypatch.setattr(trainer.args, "vllm_mode", "colocate")
+
+    class Engine:  # the audit would read this live engine if it were allowed to
+        @property
+        def llm(self):
+            raise AssertionError("the audit read the live engine although its hook moved")
+
+    trainer.vllm_generation = Engine()
+    with caplog.at_level(logging.WARNING, logger="tim_plugins"):
+        reads = cb._live_audit_reads()
+    assert reads == {"engine": False, "server": False}
+    assert [s.name for s in cb.features_off] == ["parity_audit_engine"]
+    assert len(_warnings(caplog, "_init_vllm")) == 1
+    assert cb.pipeline.diag == {"feature_off/parity_audit_engine": 1.0}
+    from tim_plugins.integrations.trl._parity import collect_specs
+
+    rollout, _ = collect_specs(trainer, "vllm", **reads)  # Engine.llm would raise if it were read
+    assert rollout.source == "trl GRPOConfig → LLM(...) colocate kwargs (vllm_generation.py)"
+

@@ -18,6 +18,7 @@ import re
 
 import pytest
 import torch
+from packaging.version import Version
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -25,6 +26,7 @@ pytest.importorskip("datasets")
 from test_trl_callback import make_trainer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from tim_plugins._optional import package_version  # noqa: E402
 from tim_plugins.capabilities import check  # noqa: E402
 from tim_plugins.integrations.trl import features  # noqa: E402
 from tim_plugins.integrations.trl.hooks import TRL_SOURCE_FEATURES, TRL_SOURCES  # noqa: E402
@@ -32,6 +34,28 @@ from tim_plugins.integrations.trl.translate import scale_policy_term  # noqa: E4
 from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
 
 pytestmark = pytest.mark.trl
+
+TRL = Version(package_version("trl"))
+
+# The TRL releases on which each feature must be available ([from, before); the supported stacks run TRL 1.9.0 and
+# 1.16.0, the canary the newest): a hook that moves there fails these tests instead of switching its feature off
+# unnoticed. The fused head's kernel holds from 1.15 with Triton, from 1.16 without; TRL 1.14 has neither route.
+FEATURE_RELEASES = {
+    "monitor": ("1.9", None), "loss_factor": ("1.9", None), "hf_recorder": ("1.9", None),
+    "exact_sampler": ("1.9", None), "parity_audit_engine": ("1.9", None),
+    "safe_vocab_fused_head": ("1.16", None), "safe_vocab_logits": ("1.9", "1.14"),
+    "parity_audit_server": ("1.16", None),  # VLLMClient.get_server_info
+    "async_monitor": ("1.16", None),  # the packed AsyncGRPOTrainer (trl.experimental.async_grpo.packing)
+}
+
+
+def expected(name: str) -> bool:
+    """Whether feature ``name`` must be available on the installed TRL (FEATURE_RELEASES); "safe_vocab" (the routes
+    as one, ``features.trl_features``) when one of its routes must."""
+    if name == "safe_vocab":
+        return any(expected(f.name) for f in features.SAFE_VOCAB_ROUTES)
+    first, before = FEATURE_RELEASES[name]
+    return TRL >= Version(first) and (before is None or TRL < Version(before))
 
 # The loss types GRPOConfig.loss_type's help text defines (TRL 1.9 - 1.16 define the same eight); a release adding
 # one fails test_loss_types_are_the_documented_ones until the IS route is checked for it below.
@@ -56,24 +80,90 @@ def _resolves(module: str, qualname: str) -> bool:
         return False
 
 
-def test_every_entry_serves_a_known_feature():
+def _entry_of(hook) -> tuple[str, str] | None:
+    """The TRL_SOURCES entry a feature's hook checks (the entry itself or an attribute of it), None for another
+    registry's symbol."""
+    for module, qualname in TRL_SOURCES:
+        if hook.module == module and (hook.qualname == qualname or hook.qualname.startswith(qualname + ".")):
+            return module, qualname
+    return None
+
+
+def test_each_entry_names_exactly_the_features_that_check_it():
+    """An entry's features (TRL_SOURCE_FEATURES) are those with a hook on it, so a moved entry switches off exactly
+    the features it lists and no other."""
     assert set(TRL_SOURCE_FEATURES) == set(TRL_SOURCES)
-    for name in set(TRL_SOURCE_FEATURES.values()):
-        features.feature(name)  # KeyError: a feature features.py does not define
+    assert set(FEATURE_RELEASES) == {f.name for f in features.FEATURES}
+    checked: dict[tuple, set] = {key: set() for key in TRL_SOURCES}
+    for feature in features.FEATURES:
+        for hook in feature.hooks:
+            if _entry_of(hook) is not None:
+                checked[_entry_of(hook)].add(feature.name)
+    assert {key: set(names) for key, names in TRL_SOURCE_FEATURES.items()} == checked
+
+
+def test_every_feature_the_installed_trl_supports_is_available():
+    for feature in features.FEATURES:
+        status = check(feature)
+        if expected(feature.name):
+            assert status.available, f"{status.warning()} (expected on trl {TRL}: revisit integrations/trl/hooks.py)"
+        else:
+            assert not status.available and status.reason and status.fix, status
 
 
 @pytest.mark.parametrize("key", sorted(TRL_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
 def test_every_named_source_exists(key):
-    """Where the entry's feature is available the source is there; where the source is gone the feature is reported
-    off, naming what moved (the capability check and the registry agree)."""
+    """Where one of the entry's features must hold on the installed TRL, the source is there and that feature is
+    available; where the source is gone the feature is reported off, naming what moved."""
     module, qualname = key
-    status = check(features.feature(TRL_SOURCE_FEATURES[key]))
-    if status.available:
-        assert _resolves(module, qualname), f"{module}.{qualname} is gone: revisit integrations/trl/hooks.py"
-    else:
-        assert status.reason and status.fix and status.name in status.warning(), status
-    if not _resolves(module, qualname):
-        assert not status.available and qualname.split(".")[0] in status.reason, (key, status)
+    for name in TRL_SOURCE_FEATURES[key]:
+        status = check(features.feature(name))
+        if expected(name):
+            assert _resolves(module, qualname), f"{module}.{qualname} is gone: revisit integrations/trl/hooks.py"
+            assert status.available, f"{status.warning()} (expected on trl {TRL})"
+        else:
+            assert not status.available and status.reason and status.fix and status.name in status.warning()
+        if not _resolves(module, qualname):
+            assert not status.available and qualname.split(".")[0] in status.reason, (key, status)
+
+
+def test_the_source_guard_fails_when_a_source_moves(monkeypatch):
+    """The guard above, run on a TRL whose source moved (monkeypatched away here): it fails, naming the source."""
+    key = ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn")
+    test_every_named_source_exists(key)  # holds as installed
+    monkeypatch.delattr(GRPOTrainer, "_generate_single_turn")
+    with pytest.raises(AssertionError, match="_generate_single_turn"):
+        test_every_named_source_exists(key)
+
+
+def test_a_moved_setting_switches_off_only_the_features_that_read_it(monkeypatch, tmp_path):
+    """GRPOTrainer.__init__ without ``self.top_p = args.top_p`` (a release that renamed it, written to a file here
+    so its source can be read): the features that read trainer.top_p (the safe-vocabulary routes, the exact
+    sampler) are off, naming the statement; those that do not (monitor, loss factor, HF recorder) stay on; and the
+    guard of that entry fails."""
+    import importlib.util
+    import textwrap
+
+    init = textwrap.dedent(inspect.getsource(GRPOTrainer.__init__))
+    assert "self.top_p = args.top_p" in init
+    path = tmp_path / "moved_grpo_init.py"
+    path.write_text(init.replace("self.top_p = args.top_p", "self.nucleus = args.top_p"))
+    spec = importlib.util.spec_from_file_location("moved_grpo_init", path)
+    moved = importlib.util.module_from_spec(spec)
+    # the names __init__ uses (not the module's own dunders, which name the loader)
+    moved.__dict__.update({k: v for k, v in vars(importlib.import_module("trl.trainer.grpo_trainer")).items()
+                           if not k.startswith("__")})
+    spec.loader.exec_module(moved)
+    monkeypatch.setattr(GRPOTrainer, "__init__", moved.__init__)
+    for feature in features.FEATURES:
+        status = check(feature)
+        reads_top_p = feature in features.SAFE_VOCAB_ROUTES or feature is features.EXACT_SAMPLER
+        if reads_top_p:
+            assert not status.available and "self.top_p = args.top_p" in status.reason, status
+        elif expected(feature.name):
+            assert status.available, status.warning()
+    with pytest.raises(AssertionError, match="self.top_p = args.top_p"):
+        test_every_named_source_exists(("trl.trainer.grpo_trainer", "GRPOTrainer.__init__"))
 
 
 def test_a_safe_vocabulary_route_is_available():
@@ -115,9 +205,10 @@ def test_safe_vocab_route_sources(route):
     """The statements each safe-vocabulary route relies on, where the installed TRL has that route; where it does
     not, the route is reported off (test_a_safe_vocabulary_route_is_available: one of them is on)."""
     status = check(route)
-    if not status.available:
-        assert status.reason and status.fix, status
+    if not expected(route.name):
+        assert not status.available and status.reason and status.fix, status
         return
+    assert status.available, f"{status.warning()} (expected on trl {TRL})"
     logps = _src(GRPOTrainer._get_per_token_logps_and_entropies)
     if route is features.SAFE_VOCAB_FUSED_HEAD:
         import trl.trainer.utils as trl_utils
@@ -144,6 +235,17 @@ def test_safe_vocab_route_sources(route):
         "logps = selective_log_softmax(logits, completion_ids)", "all_logps.append(logps)")]
     assert steps == sorted(steps)
     assert logps.count("selective_log_softmax(") == 1
+
+
+def test_the_route_guard_fails_when_its_route_moves(monkeypatch):
+    """The route guard above, on a TRL whose route moved (test_trl_capabilities' simulation): it fails."""
+    from test_trl_capabilities import _move_safe_vocab_route
+
+    route, _ = features.safe_vocab_route()
+    test_safe_vocab_route_sources(route)  # holds as installed
+    symbol, problem = _move_safe_vocab_route(monkeypatch)
+    with pytest.raises(AssertionError, match=problem):
+        test_safe_vocab_route_sources(route)
 
 
 def test_sources_hold_the_assumed_statements():

@@ -118,6 +118,42 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
     assert getattr(module, name) is original  # installed for each log-prob call only
 
 
+
+def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path, tmp_path):
+    """beta > 0: TRL's reference log-probs (its KL regulariser) are the reference model's full-vocabulary ones, as
+    verl's reference worker computes them: the safe-vocabulary head applies to the policy's call only. The
+    reference here: a plain forward of TRL's reference model, log_softmax over the whole vocabulary; the safe-vocab
+    log-probs of the same model (what the reference would be with the head applied) differ from it."""
+    from tim_plugins.safe_vocab import safe_logprobs_from_logits
+
+    trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1, beta=0.04)
+    assert trainer.ref_model is not None
+    batches, generate = [], trainer._generate_and_score_completions
+
+    def _generate_and_score_completions(*a, **k):  # inside the callback's wrapper: TRL's batch as TRL built it
+        out = generate(*a, **k)
+        batches.append(out)
+        return out
+
+    trainer._generate_and_score_completions = _generate_and_score_completions
+    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True))
+    trainer.add_callback(cb)
+    trainer.train()
+    assert cb.truncation is not None and batches
+    for out in batches:
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        t, valid = out["completion_ids"].size(1), out["completion_mask"].bool()
+        with torch.no_grad():
+            logits = trainer.ref_model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1].float()
+        logits = logits / trainer.temperature
+        full = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"][..., None])[..., 0]
+        safe = safe_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), out["completion_ids"].reshape(-1),
+                                         min_p=MIN_P, temperature=1.0, order="hf").logprobs.view(-1, t)
+        ref = out["ref_per_token_logps"]
+        assert torch.allclose(ref[valid], full[valid], rtol=0, atol=2e-5)
+        assert (ref[valid] - safe[valid]).abs().max() > 1e-3  # the safe head would have changed them
+
 def test_without_safe_vocab_min_p_sampler_shows_mismatch(toy_model_path, tmp_path):
     """Control for the test above: same sampler, full-vocabulary trainer → renormalisation bias is visible."""
     trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)

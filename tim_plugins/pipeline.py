@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal
 
 import torch
 
@@ -78,7 +78,7 @@ class PipelineConfig:
                                                            "(tim/by_turn/*, from the turn keys measure is given; "
                                                            "needs the monitor)"})
     strict: bool = False
-    compile: Any = "auto"  # MismatchMonitor(compile=...)
+    compile: bool | Literal["auto"] = "auto"  # MismatchMonitor(compile=...)
     histograms: bool = field(default=False, metadata={"help": "compute() also returns the monitor's histograms"})
 
     def __post_init__(self) -> None:

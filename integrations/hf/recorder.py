@@ -22,6 +22,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from tim_plugins._optional import note_version
+from tim_plugins.patching import Patch
 from tim_plugins.rollout.recorder import ProcessedLogprobRecorder
 
 __all__ = ["RECORDABLE_MODES", "ProcessedLogprobRecorder", "record_processed_logprobs"]
@@ -42,6 +43,30 @@ def _generation_mode(args: tuple, kwargs: dict) -> str | None:
     except Exception:  # an odd config: leave the decision to the per-call checks
         return None
     return str(getattr(mode, "value", mode))
+
+
+def _wrap(original, recorders: list, extra_processors, keep_scores: bool):
+    """``_get_logits_processor`` with a recorder appended last to the list it builds (see
+    ``record_processed_logprobs``)."""
+
+    def _get_logits_processor(*args, **kwargs):
+        if extra_processors:
+            from transformers import LogitsProcessorList
+
+            custom = LogitsProcessorList(kwargs.get("logits_processor") or [])
+            custom.extend(extra_processors)
+            kwargs["logits_processor"] = custom
+        processors = original(*args, **kwargs)
+        mode = _generation_mode(args, kwargs)
+        if mode is not None and mode not in RECORDABLE_MODES:
+            recorders.append(ProcessedLogprobRecorder(unsupported=f"generation mode '{mode}'"))
+            return processors
+        recorder = ProcessedLogprobRecorder(keep_scores=keep_scores)
+        recorders.append(recorder)
+        processors.append(recorder)  # last: after the warpers (temperature, top-k/p, min-p)
+        return processors
+
+    return _get_logits_processor
 
 
 @contextmanager
@@ -68,32 +93,7 @@ def record_processed_logprobs(model, extra_processors=(), keep_scores: bool = Fa
     recorders: list[ProcessedLogprobRecorder] = []
     # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup, by keyword)
     # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor
-    had_own = "_get_logits_processor" in vars(model)
-    previous = vars(model).get("_get_logits_processor")
-    original = model._get_logits_processor
-
-    def _get_logits_processor(*args, **kwargs):
-        if extra_processors:
-            from transformers import LogitsProcessorList
-
-            custom = LogitsProcessorList(kwargs.get("logits_processor") or [])
-            custom.extend(extra_processors)
-            kwargs["logits_processor"] = custom
-        processors = original(*args, **kwargs)
-        mode = _generation_mode(args, kwargs)
-        if mode is not None and mode not in RECORDABLE_MODES:
-            recorders.append(ProcessedLogprobRecorder(unsupported=f"generation mode '{mode}'"))
-            return processors
-        recorder = ProcessedLogprobRecorder(keep_scores=keep_scores)
-        recorders.append(recorder)
-        processors.append(recorder)  # last: after the warpers (temperature, top-k/p, min-p)
-        return processors
-
-    model._get_logits_processor = _get_logits_processor
-    try:
+    # an instance attribute of ``model``, undone on every exit (tim_plugins.patching.Patch)
+    with Patch(model, "_get_logits_processor", lambda original: _wrap(original, recorders, extra_processors,
+                                                                     keep_scores)):
         yield recorders
-    finally:
-        if had_own:
-            model._get_logits_processor = previous
-        else:
-            del model._get_logits_processor

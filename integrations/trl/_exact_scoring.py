@@ -6,7 +6,7 @@ lm_head at shape [B, P + longest completion]: both fp32, equal to ~5e-7 nats, bu
 ~1e-14 instead of 0.0. In exact mode the trainer therefore scores like the sampler: completions right-padded to
 ``max_completion_length`` (mask 0; the causal mask hides them), one forward, the same op on the same slice: the
 core's ``rollout.scoring.score_completions``, which the sampler's own recomputation (``exact_logprobs``) is.
-Installed through ``hooks.Patch`` (reversible), under the monitor's own wrapper.
+Installed through ``tim_plugins.patching.Patch`` (reversible), under the monitor's own wrapper.
 """
 
 from __future__ import annotations

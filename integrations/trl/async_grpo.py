@@ -13,11 +13,13 @@ The lag is counted at the loss, not where TRL counts ``sample/staleness_*`` (whe
 sample): accelerate's dispatcher fetches one batch ahead, so a batch fetched in step s trains in step s + 1, one
 weight sync later.
 
-Where it hooks (``hooks.TRL_SOURCES``, checked by ``features.ASYNC_MONITOR``):
-- ``trainer.rollout_queue`` (read once by ``get_train_dataloader``) is wrapped by a recorder: each drained
-  ``RolloutSample``'s ``model_version``, kept with its ``old_log_probs`` object (the dict TRL yields holds that
-  same object);
-- ``TreeRow.pack`` (the collator packs each rank's row with it, on the main process): its output gains
+Where it hooks (``hooks.TRL_SOURCES``, checked by ``features.ASYNC_MONITOR``), every patch inside ``train()``
+(installed as it starts or at train begin, undone on every exit, ``hooks.Installation``):
+- ``trainer.rollout_queue`` (read once by ``get_train_dataloader``, as ``train()`` starts) is wrapped by a recorder:
+  each drained ``RolloutSample``'s ``model_version``, kept with its ``old_log_probs`` object (the dict TRL yields
+  holds that same object);
+- ``TreeRow.pack`` (the collator packs each rank's row with it, on the main process; patched on the class while
+  this trainer's ``train()`` runs, acting on that thread's rows only): its output gains
   ``tim_weights_step``, per trained token the global step at which its sample's weights were synced; the
   collator pads and the dispatcher scatters it with the other per-token columns, so every rank has its own;
 - ``compute_loss``: a forward hook on the model reads ``outputs.log_probs`` of TRL's own forward (no extra
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections import OrderedDict
 
 import torch
@@ -82,31 +85,35 @@ class AsyncAttachment:
         self.synced_at: dict[int, int] = {}  # model_version -> global step whose weights it carries
         self.lengths = torch.zeros(2, dtype=torch.float64)  # this step's (trained tokens, samples), this rank
         self.unknown = torch.zeros((), dtype=torch.long)  # this step's tokens of unknown lag, this rank
-        # before train(): get_train_dataloader reads it before any callback event
-        # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.get_train_dataloader
-        self.queue_patch = hooks.Patch(self.trainer, "rollout_queue",
-                                       lambda queue: _RecordingQueue(queue, self.versions)) \
-            if getattr(self.trainer, "rollout_queue", None) is not None else None  # main process only
+        self._thread: int | None = None  # the thread whose train() runs with the patches (its collator packs)
 
-    def wrappers(self) -> list:
+    def before_train(self) -> list:
+        """The patches installed as ``train()`` starts (``hooks.Installation``; undone on every exit of ``train()``):
+        what TRL reads before any callback event."""
         from trl.experimental.async_grpo.packing import TreeRow
 
-        return [
-            # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.compute_loss
-            (self.trainer, "compute_loss", self._wrap_loss),
-            # hooks.TRL_SOURCES trl.experimental.async_grpo.packing:TreeRow.pack
-            (TreeRow, "pack", self._wrap_pack),
-        ]
+        self._thread = threading.get_ident()
+        out = []
+        if getattr(self.trainer, "rollout_queue", None) is not None:  # main process only
+            # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.get_train_dataloader
+            # reads it as train() starts, before on_train_begin
+            out.append((self.trainer, "rollout_queue", lambda queue: _RecordingQueue(queue, self.versions)))
+        # hooks.TRL_SOURCES trl.experimental.async_grpo.packing:TreeRow.pack, a method of the rows TRL's collator
+        # builds per batch (no instance to patch): on the class for the duration of this trainer's train(), and
+        # acting only on the thread that runs it (the collator packs there: TRL's dataloader has no workers)
+        out.append((TreeRow, "pack", self._wrap_pack))
+        return out
 
-    def remove(self) -> None:
-        if self.queue_patch is not None:
-            self.queue_patch.undo()
-            self.queue_patch = None
+    def wrappers(self) -> list:
+        # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.compute_loss
+        return [(self.trainer, "compute_loss", self._wrap_loss)]
 
     # ------------------------------------------------------------------------------------------ main process
     def _wrap_pack(self, original):
         def pack(row):
             out = original(row)
+            if threading.get_ident() != self._thread:  # another trainer's rows
+                return out
             try:
                 # the version live now was synced at the end of the step just finished (fetches run at a step's
                 # start)

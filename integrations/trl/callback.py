@@ -39,6 +39,7 @@ from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.dump import append_log_history, write_summary
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.lr_scaling import apply_lr_scale
+from tim_plugins.patching import Patch
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
 from tim_plugins.rollout.exact import exact_generate
 from tim_plugins.rollout.inject import TailNoiseInjector
@@ -139,6 +140,7 @@ class TIMCallback(TrainerCallback):
         self._installation = hooks.Installation(trainer)
         if asynchronous:
             self._async = AsyncAttachment(self)
+            self._installation.before_train = self._async.before_train
         else:
             self._logps_sig = inspect.signature(type(trainer)._get_per_token_logps_and_entropies)
 
@@ -210,21 +212,21 @@ class TIMCallback(TrainerCallback):
             wrappers.append((t, "_generate_single_turn", self._wrap_single_turn))
         self._installation.install(wrappers)
 
-    def _safe_patch(self) -> hooks.Patch:
+    def _safe_patch(self) -> Patch:
         """The safe-vocab stand-in for the module global TRL's log-prob call looks up, installed for one call of this
         trainer's ``_get_per_token_logps_and_entropies`` (other trainers in the process never see it)."""
         if self.safe_route is features.SAFE_VOCAB_FUSED_HEAD:
             # hooks.TRL_SOURCES trl.trainer.utils:_ChunkedLogProbFunction, read by add_fused_lm_head
             import trl.trainer.utils as trl_utils
 
-            return hooks.Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.SafeVocabHead(
+            return Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.SafeVocabHead(
                 original, self.truncation, self._on_safe_call,
                 lambda: self.pipeline.count("safe_vocab_unsupported_head")))
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:selective_log_softmax (TRL 1.9 - 1.13)
         import trl.trainer.grpo_trainer as grpo
 
-        return hooks.Patch(grpo, "selective_log_softmax",
-                           lambda original: hooks.SafeLogSoftmax(original, self.truncation, self._on_safe_call))
+        return Patch(grpo, "selective_log_softmax",
+                     lambda original: hooks.SafeLogSoftmax(original, self.truncation, self._on_safe_call))
 
     @property
     def installed(self) -> list[str]:
@@ -235,8 +237,6 @@ class TIMCallback(TrainerCallback):
         """Remove every wrapper and this callback from the trainer (idempotent)."""
         if self._installation is not None:
             self._installation.remove()
-        if self._async is not None:
-            self._async.remove()
         handler = self.trainer.callback_handler
         for cb in (self, self.state_carrier):
             if cb in handler.callbacks:
@@ -347,6 +347,13 @@ class TIMCallback(TrainerCallback):
 
     def _wrap_logps(self, original):
         def _get_per_token_logps_and_entropies(*args, **kwargs):
+            arguments = self._logps_sig.bind(self.trainer, *args, **kwargs).arguments
+            model = arguments.get("model")
+            if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None):
+                # the reference model (beta > 0): full-vocabulary log-probs, TRL's own, as verl's reference worker
+                # computes them: the KL term regularises the policy towards the reference's distribution, which
+                # nobody samples from, so the sampler's truncation does not apply to it (docs/trl.md)
+                return original(*args, **kwargs)
             self._call.safe_calls = [] if self.truncation is not None else None
             scoped = self._safe_patch() if self.truncation is not None else None
             try:
@@ -356,10 +363,6 @@ class TIMCallback(TrainerCallback):
                 if scoped is not None:
                     scoped.undo()
                 self._call.safe_calls = None
-            arguments = self._logps_sig.bind(self.trainer, *args, **kwargs).arguments
-            model = arguments.get("model")
-            if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None):
-                return result  # the reference model
             safe = None
             if calls is not None:
                 safe = translate.map_safe_calls(arguments, calls)

@@ -34,9 +34,17 @@ _LOGPS = Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies", params=("
 _LOGPS_NAMED = Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies",
                     params=("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"))
 
+
+def _settings(*names: str) -> Hook:
+    """The attributes GRPOTrainer.__init__ copies from its args (``self.<name> = args.<name>``) that a feature reads
+    (translate.py; hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__)."""
+    return Hook(_GRPO, "GRPOTrainer.__init__", fragments=tuple(f"self.{n} = args.{n}" for n in names))
+
+
 MONITOR = Feature(
     "monitor", "mismatch monitor (GRPOTrainer)", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
-    hooks=(Hook(_GRPO, "GRPOTrainer._generate_and_score_completions"),
+    hooks=(_settings("use_vllm"),  # translate.rollout_source: vLLM or TRL's generate
+           Hook(_GRPO, "GRPOTrainer._generate_and_score_completions"),
            Hook(_GRPO, "GRPOTrainer._compute_loss", params=("model", "inputs")),
            _LOGPS,
            # TRL's log() averages self._metrics[mode] lists into the logged values (where tim/ values are appended)
@@ -46,12 +54,17 @@ MONITOR = Feature(
 # (translate.scale_policy_term); TRL must read them from the inputs inside _compute_loss.
 LOSS_FACTOR = Feature(
     "loss_factor", "IS corrections and boundary masking in TRL's loss", "trl", needs=("trl",), extra="trl",
-    fix=_UPGRADE, hooks=(Hook(_GRPO, "GRPOTrainer._compute_loss", fragments=('inputs["advantages"]',)),))
+    fix=_UPGRADE, hooks=(Hook(_GRPO, "GRPOTrainer._compute_loss", fragments=('inputs["advantages"]',)),
+                         # translate.pipeline_config (TRL's own IS correction), translate.scale_policy_term (loss_type)
+                         _settings("use_vllm", "vllm_importance_sampling_correction", "loss_type")))
+
+# translate.safe_truncation: the sampler's truncation and temperature, and vLLM's order of the processors or HF's
+_TRUNCATION = _settings("use_vllm", "temperature", "top_p", "top_k")
 
 SAFE_VOCAB_FUSED_HEAD = Feature(
     "safe_vocab_fused_head", "safe vocabulary (TRL's fused lm_head, TRL >= 1.15)", "trl", needs=("trl",),
     extra="trl", fix=_UPGRADE,
-    hooks=(_LOGPS_NAMED,
+    hooks=(_LOGPS_NAMED, _TRUNCATION,
            Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies", fragments=("fused_lm_head=True",)),
            Hook("trl.trainer.utils", "add_fused_lm_head", fragments=("_ChunkedLogProbFunction.apply(",)),
            Hook("trl.trainer.utils", "_ChunkedLogProbFunction.forward",
@@ -80,7 +93,7 @@ def _logits_tempered_before_selective_log_softmax() -> str | None:
 SAFE_VOCAB_LOGITS = Feature(
     "safe_vocab_logits", "safe vocabulary (full logits, TRL 1.9 - 1.13)", "trl", needs=("trl",), extra="trl",
     fix=_UPGRADE,
-    hooks=(_LOGPS_NAMED,
+    hooks=(_LOGPS_NAMED, _TRUNCATION,
            Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies",
                 fragments=("selective_log_softmax(logits, completion_ids)",)),
            Hook(_GRPO, "selective_log_softmax", params=("logits", "index"))),
@@ -92,15 +105,42 @@ HF_RECORDER = Feature(
     "hf_recorder", "rollout log-probs of TRL's transformers generate (use_vllm=False)", "transformers",
     needs=("trl", "transformers"), extra="trl", fix="use vLLM (GRPOConfig(use_vllm=True)), or report it",
     hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn"),
+           # translate.rollout_source: a user's rollout_func or transformers' continuous batching is not generate
+           Hook(_GRPO, "GRPOTrainer.__init__", fragments=(
+               "self.rollout_func = rollout_func",
+               "self.use_transformers_continuous_batching = args.use_transformers_continuous_batching")),
            # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor
            Hook("transformers.generation.utils", "GenerationMixin._get_logits_processor",
                 params=("generation_config", "logits_processor")),
            # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup)
            Hook("transformers.generation.utils", "GenerationMixin.generate", fragments=("self._get_logits_processor(",))))
 
+
+def _completions_end_where_the_exact_sampler_ends() -> str | None:
+    """None when TRL cuts its completions at the EOS ids ``translate.eos_token_ids`` hands the exact sampler:
+    ``self.eos_token_ids`` set in ``GRPOTrainer.__init__`` (TRL >= 1.15) or the tokenizer's one EOS (TRL 1.9 -
+    1.14); else why not."""
+    import inspect
+
+    from tim_plugins.capabilities import resolve
+
+    trainer = resolve(_GRPO, "GRPOTrainer")
+    init = re.sub(r"\s+", "", inspect.getsource(trainer.__init__))
+    single = re.sub(r"\s+", "", inspect.getsource(trainer._generate_single_turn))
+    if "self.eos_token_ids=eos_token_ids" in init and "torch.tensor(self.eos_token_ids" in single:
+        return None
+    if "self.eos_token_ids" not in init and "completion_ids==self._tokenizer.eos_token_id" in single:
+        return None
+    return (f"{_GRPO}:GRPOTrainer._generate_single_turn no longer ends completions at GRPOTrainer.eos_token_ids "
+            "(set in __init__) nor at the tokenizer's eos_token_id")
+
+
 EXACT_SAMPLER = Feature(
     "exact_sampler", "exact sampler (rollout='exact', 'inject')", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
-    hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn", params=("prompt_ids",)),))
+    hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn", params=("prompt_ids",)),
+           # translate.pipeline_config's exact-mode check, callback._exact_generate, _exact_scoring.exact_scorer
+           _settings("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")),
+    probe=_completions_end_where_the_exact_sampler_ends)
 
 # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._init_vllm: the live engine (colocate) and the
 # server's client the audit reads (_parity.py). Each gates that read (callback.TIMCallback._live_audit_reads): when

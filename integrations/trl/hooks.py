@@ -1,38 +1,48 @@
 """Where the TRL adapter touches GRPOTrainer (TRL 1.9 - 1.16): installation.
 
 TRL exposes no callback that sees the rollout batch or the loss inputs, so ``TIMCallback`` wraps *instance*
-methods with ``Patch`` (reversible; the class is never touched, so other trainers in the process are unaffected)
-and, with ``safe_vocab``, replaces one module global *for the duration of its own trainer's log-prob call*: the
-per-token kernel of TRL's fused lm_head (TRL >= 1.15) or ``selective_log_softmax`` (TRL 1.9 - 1.13). Each depends
-on the TRL source named in ``TRL_SOURCES``; ``features.py`` checks each one when the callback attaches (a moved
-one switches its feature off) and ``tests/test_trl_hook_guards.py`` fails when one of them changes shape. Every
-wrapper takes ``*args, **kwargs`` and forwards them unchanged (signatures vary by release).
+methods with ``tim_plugins.patching.Patch`` (reversible; the class is never touched, so other trainers in the
+process are unaffected) and, with ``safe_vocab``, replaces one module global *for the duration of its own trainer's
+policy log-prob call*: the per-token kernel of TRL's fused lm_head (TRL >= 1.15) or ``selective_log_softmax`` (TRL
+1.9 - 1.13). The one class attribute, AsyncGRPOTrainer's ``TreeRow.pack`` (its rows are built per batch: no
+instance to patch), is replaced only while this trainer's ``train()`` runs and acts on its thread only
+(``async_grpo.py``). Each depends on the TRL source named in ``TRL_SOURCES``; ``features.py`` checks each one when
+the callback attaches (a moved one switches its feature off) and ``tests/test_trl_hook_guards.py`` fails when one
+of them changes shape. Every wrapper takes ``*args, **kwargs`` and forwards them unchanged (signatures vary by release).
 
-Here: ``Patch``, ``Installation`` (one callback's set of patches, undone on every exit of ``train()``) and the
+Here: ``Installation`` (one callback's set of patches, undone on every exit of ``train()``) and the
 safe-vocab stand-ins (``SafeVocabHead``, ``SafeLogSoftmax``, which hand each call's safe-set fields to a sink). The
 translations of TRL's tensors are ``translate.py``'s; the lifecycle is ``callback.py``'s.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Callable
 
 import torch
 
+from tim_plugins.patching import Patch
 from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_hidden, safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation
 
-__all__ = ["Installation", "Patch", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES"]
+__all__ = ["Installation", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES"]
 
 logger = logging.getLogger(__name__)
 
 # The TRL source each hook relies on (TRL 1.9 - 1.16): (module, qualified name) -> what is assumed of it. Not every
-# release has every entry: each serves one feature (TRL_SOURCE_FEATURES), which integrations/trl/features.py checks
-# against the installed TRL. The guard tests (tests/test_trl_hook_guards.py) check the assumptions of the entries
-# whose feature the installed TRL supports, and that the others are reported off.
+# release has every entry: each serves the features of TRL_SOURCE_FEATURES, which integrations/trl/features.py
+# checks against the installed TRL. The guard tests (tests/test_trl_hook_guards.py) check that every feature the
+# installed TRL should support (FEATURE_RELEASES there) is available and the assumptions of its entries hold, and
+# that the others are reported off.
 TRL_SOURCES = {
+    ("trl.trainer.grpo_trainer", "GRPOTrainer.__init__"):
+        "copies the generation settings from its args to the attributes the adapter reads: self.use_vllm, "
+        "self.vllm_importance_sampling_correction, self.loss_type, self.temperature, self.top_p, self.top_k, "
+        "self.min_p, self.repetition_penalty, self.max_completion_length, "
+        "self.use_transformers_continuous_batching (each `self.<name> = args.<name>`), self.rollout_func = "
+        "rollout_func; TRL >= 1.15: self.eos_token_ids (the generation config's EOS ids, the tokenizer's first), "
+        "where _generate_single_turn cuts completions (TRL 1.9 - 1.14 cut at the tokenizer's eos_token_id)",
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"):
         "called once per generation batch with the raw inputs; returns the batch dict (masks, log-probs, "
         "advantages) that _prepare_inputs shuffles and splits row-wise; old_per_token_logps is its first policy "
@@ -80,58 +90,47 @@ TRL_SOURCES = {
         "reduces every list in self._metrics[mode] into the logged values and clears them",
 }
 
-# Which feature (integrations/trl/features.py, by name) each TRL_SOURCES entry serves. The two safe-vocabulary
-# routes need different releases: the fused head's kernel (TRL >= 1.15) and selective_log_softmax on full logits
-# (TRL 1.9 - 1.13); at least one of them is available on every tested release.
+# Which features (integrations/trl/features.py, by name) each TRL_SOURCES entry serves: a feature that needs an entry
+# checks it among its hooks, so an entry that moves switches off its features only. The two safe-vocabulary routes
+# need different releases: the fused head's kernel (TRL >= 1.15) and selective_log_softmax on full logits (TRL 1.9 -
+# 1.13); at least one of them is available on every tested release.
+_SAFE_VOCAB = ("safe_vocab_fused_head", "safe_vocab_logits")
 TRL_SOURCE_FEATURES = {
-    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"): "monitor",
-    ("trl.trainer.grpo_trainer", "GRPOTrainer._compute_loss"): "monitor",
-    ("trl.trainer.grpo_trainer", "GRPOTrainer._get_per_token_logps_and_entropies"): "monitor",
-    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"): "hf_recorder",
-    ("trl.trainer.grpo_trainer", "GRPOTrainer.log"): "monitor",
-    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"): "parity_audit_engine",
-    ("trl.generation.vllm_client", "VLLMClient.get_server_info"): "parity_audit_server",
-    ("trl.trainer.utils", "_ChunkedLogProbFunction"): "safe_vocab_fused_head",
-    ("trl.trainer.grpo_trainer", "selective_log_softmax"): "safe_vocab_logits",
-    **{key: "async_monitor" for key in TRL_SOURCES if key[0].startswith("trl.experimental.async_grpo")},
+    ("trl.trainer.grpo_trainer", "GRPOTrainer.__init__"):
+        ("monitor", "loss_factor", *_SAFE_VOCAB, "hf_recorder", "exact_sampler"),
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"): ("monitor",),
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._compute_loss"): ("monitor", "loss_factor"),
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._get_per_token_logps_and_entropies"): ("monitor", *_SAFE_VOCAB),
+    ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"): ("hf_recorder", "exact_sampler"),
+    ("trl.trainer.grpo_trainer", "GRPOTrainer.log"): ("monitor",),
+    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"): ("parity_audit_engine", "parity_audit_server"),
+    ("trl.generation.vllm_client", "VLLMClient.get_server_info"): ("parity_audit_server",),
+    ("trl.trainer.utils", "_ChunkedLogProbFunction"): ("safe_vocab_fused_head",),
+    ("trl.trainer.grpo_trainer", "selective_log_softmax"): ("safe_vocab_logits",),
+    **{key: ("async_monitor",) for key in TRL_SOURCES if key[0].startswith("trl.experimental.async_grpo")},
 }
 
 
-class Patch:
-    """setattr(obj, name, make(original)) with an exact undo (restores an own attribute or deletes ours)."""
-
-    def __init__(self, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
-        self.obj, self.name = obj, name
-        own = vars(obj) if not inspect.ismodule(obj) else obj.__dict__
-        self._had_own = name in own
-        self._previous = own.get(name)
-        self.original = getattr(obj, name)
-        self.replacement = make(self.original)
-        setattr(obj, name, self.replacement)
-
-    def undo(self) -> None:
-        if getattr(self.obj, self.name, None) is not self.replacement:
-            logger.warning("tim_plugins: %s.%s was re-patched by someone else; restoring ours anyway",
-                           type(self.obj).__name__, self.name)
-        if self._had_own or inspect.ismodule(self.obj):
-            setattr(self.obj, self.name, self._previous)
-        else:
-            delattr(self.obj, self.name)
-
-
 class Installation:
-    """The patches one callback holds on its trainer: the wrappers of a training run (``install`` at train begin,
-    ``undo`` at train end) and, from creation until ``remove``, a wrapper of ``train`` itself that undoes them on
-    every exit (transformers skips ``on_train_end`` when ``train()`` raises)."""
+    """The patches one callback holds on its trainer, all of them inside ``train()``: a wrapper of ``train`` itself
+    (from creation until ``remove``) installs the ``before_train`` patches when ``train()`` is entered (what TRL
+    reads before any callback event, e.g. the dataloader's source) and undoes every patch on every exit of
+    ``train()`` (transformers skips ``on_train_end`` when ``train()`` raises); the wrappers of the training run
+    proper are installed at train begin (``install``) and undone at train end (``undo``)."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer, before_train: Callable[[], list] | None = None) -> None:
         self.trainer = trainer
-        self.patches: list[Patch] = []
+        self.before_train = before_train  # () -> [(owner, name, make_wrapper)], installed as train() starts
+        self.patches: list[Patch] = []  # installed at train begin
+        self.train_patches: list[Patch] = []  # installed as train() starts
         self._train = Patch(trainer, "train", self._guard)
 
     def _guard(self, original):
         def train(*args, **kwargs):
             try:
+                if self.before_train is not None and not self.train_patches:
+                    for owner, name, make in self.before_train():
+                        self.train_patches.append(Patch(owner, name, make))
                 return original(*args, **kwargs)
             finally:  # on success on_train_end has undone them already
                 self.undo()
@@ -144,8 +143,10 @@ class Installation:
             self.patches.append(Patch(owner, name, make))
 
     def undo(self) -> None:
-        while self.patches:
-            self.patches.pop().undo()
+        """Undo every patch but the ``train`` guard, the latest first."""
+        for patches in (self.patches, self.train_patches):
+            while patches:
+                patches.pop().undo()
 
     def remove(self) -> None:
         """Undo everything, the ``train`` guard too (idempotent)."""
@@ -156,9 +157,8 @@ class Installation:
 
     @property
     def installed(self) -> list[str]:
-        """What is wrapped now, as ``Owner.name`` (the module's name for a module global)."""
-        return [f"{p.obj.__name__ if inspect.ismodule(p.obj) else type(p.obj).__name__}.{p.name}"
-                for p in self.patches]
+        """What is wrapped now, as ``Owner.name`` (the module's or class's name for one of theirs)."""
+        return [p.label for p in self.train_patches + self.patches]
 
 
 class SafeVocabHead:

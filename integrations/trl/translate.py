@@ -25,6 +25,8 @@ logger = logging.getLogger("tim_plugins.trl")
 def rollout_source(trainer, config: TIMConfig) -> str:
     """Where the rollout log-probs come from: vllm, hf (recorded from TRL's generate), exact, inject, custom
     (the user's rollout_func returns them) or unavailable."""
+    # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (use_vllm, rollout_func,
+    # use_transformers_continuous_batching; features.MONITOR, features.HF_RECORDER)
     if config.rollout in ("exact", "inject"):
         if trainer.use_vllm:
             raise ValueError(f"TIMConfig.rollout={config.rollout!r} replaces TRL's transformers generation and needs "
@@ -49,6 +51,7 @@ def rollout_source(trainer, config: TIMConfig) -> str:
 def eos_token_ids(trainer):
     """The ids that end a completion: ``GRPOTrainer.eos_token_ids`` (TRL >= 1.15: the generation config's, which may
     list several), else the tokenizer's one EOS (TRL 1.9 - 1.14 end completions there)."""
+    # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (eos_token_ids; features.EXACT_SAMPLER)
     ids = getattr(trainer, "eos_token_ids", None)
     if ids is not None:
         return ids
@@ -58,6 +61,8 @@ def eos_token_ids(trainer):
 
 def safe_truncation(trainer, config: TIMConfig) -> Truncation:
     """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be."""
+    # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_k, top_p, temperature, use_vllm; the
+    # safe-vocabulary routes of features.py)
     args = trainer.args
     min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else args.min_p
     if min_p is None or min_p <= 0:
@@ -81,6 +86,8 @@ def safe_truncation(trainer, config: TIMConfig) -> Truncation:
                       order="vllm" if trainer.use_vllm else "hf")  # validates, quoting values
 
 
+# hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_p, top_k, min_p, repetition_penalty,
+# use_vllm, vllm_importance_sampling_correction; features.EXACT_SAMPLER, features.LOSS_FACTOR)
 def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool) -> PipelineConfig:
     """TIMConfig (+ the trainer's settings and what the installed TRL supports) -> the core pipeline's configuration;
     fails early on what TRL cannot combine."""

@@ -33,7 +33,7 @@ SUITE := scripts/suite
 # prints the line instead of running it (GNU make runs any line that mentions $(MAKE), even with -n).
 SUBMAKE := $(MAKE)
 MATRIX := tim-out/matrix
-SUITES := main verl wheel stack-newest stack-oldest
+SUITES := main verl wheel stack-newest stack-oldest megatron
 # The stacks besides main, each locked in constraints/<stack>.txt (defined in constraints/<stack>.in).
 STACKS := newest oldest
 # The fixed subset of the TRL suite each stack runs: the toy-model tests, the vLLM CPU arms and two of the four
@@ -56,7 +56,7 @@ LATEST_TESTS := $(filter-out tests/test_trl_vllm.py tests/test_vllm_sources.py t
 # "stack:oldest" is the oldest stack's TRL and transformers (constraints/oldest.in).
 USER_STACKS := "trl==1.16.0 transformers==5.24.0" stack:oldest
 
-.PHONY: run test test-main test-verl test-wheel wheel-checks test-latest lock compat bench setup clean
+.PHONY: run test test-main test-verl test-megatron test-wheel wheel-checks test-latest lock compat bench setup clean
 
 run: $(VENV)/$(STAMP_RUN)
 	$(VENV)/bin/tim-plugins demo $(ARGS)
@@ -83,26 +83,36 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 	touch $@
 
 # Every suite runs, whatever the one before it did; the summary at the end fails the run if any suite failed.
-# The stacks' environments (pip installs, ~3.5 min on a fresh machine) are built in the background while the main
-# suite runs (log: MATRIX/stack-installs.log); each stack suite's own set-up then waits for its install (scripts/stack
-# takes a lock per stack) and finds it done, or redoes a failed one and reports that failure as its set-up's.
+# The stacks' environments (pip installs, ~3.5 min on a fresh machine; then .venv-megatron, ~4 min) are built in the
+# background while the main suite runs (log: MATRIX/stack-installs.log); each stack suite's own set-up then waits for
+# its install (scripts/stack takes a lock per stack) and finds it done, or redoes a failed one and reports that failure
+# as its set-up's.
 test:
 	@rm -rf $(MATRIX)/suites
 	@mkdir -p $(MATRIX)
-	@(for stack in $(STACKS); do scripts/stack install $$stack; done) >$(MATRIX)/stack-installs.log 2>&1 & \
+	@(for stack in $(STACKS); do scripts/stack install $$stack; done; scripts/megatron_env install) >$(MATRIX)/stack-installs.log 2>&1 & \
 	for suite in $(SUITES); do $(MAKE) --no-print-directory test-$$suite || true; done; \
 	wait
 	@$(SUITE) summary $(SUITES)
 
 test-main: $(VENV)/$(STAMP)
-	$(SUITE) run main --stack main --venv $(VENV) --what "tests/ (all but tests/verl_suite)" -- \
-		$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite $(PYTEST_ARGS)
+	$(SUITE) run main --stack main --venv $(VENV) --what "tests/ (all but tests/verl_suite, tests/megatron_suite)" -- \
+		$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite --ignore=tests/megatron_suite $(PYTEST_ARGS)
 
 # Its own pytest process: the verl suite installs test-only CPU shims before verl is first imported
 # (tests/verl_suite/cpu_site), including verl's end-to-end main_ppo runs.
 test-verl: $(VENV)/$(STAMP)
 	$(SUITE) run verl --stack main --venv $(VENV) --what "tests/verl_suite" -- \
 		$(VENV)/bin/python -m pytest -q tests/verl_suite $(PYTEST_ARGS)
+
+# verl's Megatron engine (megatron-core, mbridge) in its own Python 3.12 environment (.venv-megatron from
+# constraints/megatron.txt, scripts/megatron_env: ~4 min and ~5.7 GB fresh, built in the background by `make test`)
+# and pytest process (tests/megatron_suite installs its CPU shims before verl is imported): TP1 in-process, TP2 and
+# DP2 in two processes.
+test-megatron:
+	$(SUITE) run megatron --stack megatron --venv .venv-megatron --setup "scripts/megatron_env install" \
+		--what "tests/megatron_suite (verl's Megatron engine, Python 3.12)" -- \
+		.venv-megatron/bin/python -m pytest -q tests/megatron_suite $(PYTEST_ARGS)
 
 # The built wheel, installed with the trl and verl extras into a fresh virtualenv, must carry and import the
 # adapters and register the tim trainer modes on `import verl`. Then the user stacks (USER_STACKS,
@@ -158,4 +168,4 @@ bench: $(VENV)/$(STAMP)
 	$(VENV)/bin/python -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) $(VENV_WHEEL) $(addprefix .venv-,$(STACKS) latest) dist build *.egg-info
+	rm -rf $(VENV) $(VENV_WHEEL) $(addprefix .venv-,$(STACKS) latest megatron) dist build *.egg-info

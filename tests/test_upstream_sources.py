@@ -21,6 +21,7 @@ REGISTRIES = {
     "TRL_SOURCES": ROOT / "integrations" / "trl" / "hooks.py",
     "BENCHMARK_SOURCES": ROOT / "benchmarks" / "sources.py",
     "VERL_SOURCES": ROOT / "integrations" / "verl" / "sources.py",
+    "VERL_MEGATRON_SOURCES": ROOT / "integrations" / "verl" / "sources.py",  # checked by tests/megatron_suite
     "VLLM_SOURCES": ROOT / "integrations" / "vllm" / "sources.py",
     "TRANSFORMERS_SOURCES": ROOT / "integrations" / "hf" / "sources.py",
 }

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from tim_plugins.capabilities import Feature, check, registered_hooks
 
-from .sources import VERL_SOURCES
+from .sources import VERL_MEGATRON_SOURCES, VERL_SOURCES
 
-__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "TRAINER_MODES", "verl_features"]
+__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "TRAINER_MODES", "megatron_features",
+           "verl_features"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -61,7 +62,36 @@ ASYNC_LAG = Feature(
 
 FEATURES = (ENGINE, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
 
+_TM = "verl.workers.engine.megatron.transformer_impl"
+_megatron_hook = registered_hooks(VERL_MEGATRON_SOURCES, "VERL_MEGATRON_SOURCES")
+
+# The Megatron actor engine subclass (megatron_engine.py): the monitor runs in it. Its module imports megatron-core
+# (Python >= 3.12), which the verl extra does not install: without it the plugin registers no Megatron engine and
+# says nothing (an FSDP user has no Megatron backend). Kept out of FEATURES, which hold wherever verl does.
+MEGATRON_ENGINE = Feature(
+    "verl_megatron_engine", "monitor in verl's Megatron actor engine", "verl", needs=("verl",),
+    fix="verl's Megatron backend (megatron-core, Python >= 3.12) with " + _FIX, hooks=(
+        _megatron_hook(_TM, "MegatronEngineWithLMHead.postprocess_micro_batch_func",
+                       params=("output", "data", "forward_only", "loss_function", "local_cp_size"),
+                       fragments=("model_output = self.prepare_model_outputs(output, data)",
+                                  "loss_function(model_output=model_output, data=data,")),
+        _megatron_hook(_TM, "MegatronEngineWithLMHead.prepare_model_outputs", params=("output", "data")),
+        _megatron_hook(_TM, "MegatronEngine.is_mp_src_rank_with_outputs"),
+        _megatron_hook(_TM, "MegatronEngine.forward_backward_batch",
+                       params=("data", "loss_function", "forward_only"),
+                       fragments=("partial(self.postprocess_micro_batch_func,",)),
+        _megatron_hook(_TM, "MegatronEngine.get_data_parallel_group"),
+        _megatron_hook(_TM, "MegatronEngine.lr_scheduler_step"),
+        _hook("verl.workers.engine.base", "BaseEngine.train_batch", params=("data", "loss_function")),
+        _hook("verl.workers.engine.base", "EngineRegistry.register",
+              params=("model_type", "backend", "device", "vendor")),
+    ))
+
 
 def verl_features():
     """Every verl feature's status."""
     return [check(f) for f in FEATURES]
+
+def megatron_features():
+    """The Megatron engine's status (off, saying why, where megatron-core is not installed)."""
+    return [check(MEGATRON_ENGINE)]

@@ -31,6 +31,34 @@ def _missing_package_hint(err: ImportError) -> str:
     return f"pip install {dist} (or pip install 'tim-plugins[verl]', which includes it)"
 
 
+def _register_megatron(off: dict) -> object | None:
+    """The Megatron engine subclass, where verl's Megatron backend is installed (megatron-core; without it, nothing
+    and no message: an FSDP user has no Megatron backend). A hook that moved switches it off with one line."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return None
+    from tim_plugins.capabilities import check
+
+    from .features import MEGATRON_ENGINE
+
+    status = check(MEGATRON_ENGINE)
+    if not status.available:
+        print(status.warning(), file=sys.stderr)
+        off[MEGATRON_ENGINE.name] = status
+        return None
+    from verl.workers.engine import EngineRegistry
+
+    from .megatron_engine import TIMMegatronEngineWithLMHead
+
+    # verl registers its Megatron engine under the device-only key "cuda": the (device, vendor) key is new and is
+    # looked up first, as for the FSDP engine above.
+    # VERL_SOURCES verl.workers.engine.base:EngineRegistry.register
+    EngineRegistry.register(model_type="language_model", backend="megatron", device="cuda",
+                            vendor="nvidia")(TIMMegatronEngineWithLMHead)
+    return TIMMegatronEngineWithLMHead
+
+
 def register() -> dict[str, object]:
     """Idempotent: registers once per process and returns what was registered."""
     if REGISTERED:
@@ -62,6 +90,8 @@ def register() -> dict[str, object]:
         EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda",
                                 vendor="nvidia")(TIMFSDPEngineWithLMHead)
         REGISTERED["engine"] = TIMFSDPEngineWithLMHead
+    REGISTERED["megatron_engine"] = _register_megatron(off)
+    REGISTERED["features_off"] = sorted(off)
     if TRAINER_MODES.name in off:
         REGISTERED["trainer_modes"] = []
         return REGISTERED

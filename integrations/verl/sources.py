@@ -12,7 +12,7 @@ Importing this module imports nothing from verl.
 
 from __future__ import annotations
 
-__all__ = ["VERL_SOURCES", "VERL_CONFIG_KEYS", "VERL_OPTIONAL_CONFIG_KEYS"]
+__all__ = ["VERL_SOURCES", "VERL_MEGATRON_SOURCES", "VERL_CONFIG_KEYS", "VERL_OPTIONAL_CONFIG_KEYS"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -148,6 +148,38 @@ VERL_SOURCES = {
     ("verl.trainer.ppo.v1.agent_loop_tq", "AgentLoopWorkerTQ.generate_sequences"):
         "the request's sampling params are temperature, top_p, top_k, logprobs and repetition_penalty=1.0 (fixed, "
         "whatever the rollout config says): no min_p reaches vLLM",
+}
+
+_TM = "verl.workers.engine.megatron.transformer_impl"
+
+# The Megatron actor engine's (megatron_engine.py) entries: importing their module needs megatron-core (Python >=
+# 3.12), which the verl suite's environment does not hold, so they are checked by the Megatron suite
+# (tests/megatron_suite/test_megatron_sources.py, .venv-megatron) and kept apart from VERL_SOURCES, whose every entry
+# the verl suite resolves.
+VERL_MEGATRON_SOURCES = {
+    (_TM, "MegatronEngineWithLMHead"):
+        "the Megatron language-model engine, registered by verl for backend megatron under the device-only key "
+        "cuda; TIMMegatronEngineWithLMHead subclasses it",
+    (_TM, "MegatronEngineWithLMHead.postprocess_micro_batch_func"):
+        "(output, data, forward_only, loss_function, local_cp_size=None), bound by forward_backward_batch as "
+        "partial(self.postprocess_micro_batch_func, forward_only=, loss_function=) and called once per micro-batch "
+        "on every rank of the last pipeline stage with data=the micro-batch; model_output = "
+        "prepare_model_outputs(output, data); calls loss_function(model_output=, data=, dp_group=) when a loss is "
+        "given",
+    (_TM, "MegatronEngineWithLMHead.prepare_model_outputs"):
+        "(output, data) -> output unchanged: a dict with log_probs (and entropy when calculate_entropy), jagged "
+        "nested on data['input_ids'], equal on every TP rank (vocab_parallel_log_probs_from_logits reduces over TP)",
+    (_TM, "MegatronEngine.is_mp_src_rank_with_outputs"):
+        "() -> TP rank 0 and last pipeline stage and CP rank 0 (and DP rank 0 under dynamic CP): the rank whose "
+        "outputs verl keeps",
+    (_TM, "MegatronEngine.forward_backward_batch"):
+        "(data, loss_function, forward_only=False); the loss normaliser batch_num_tokens is data['loss_mask'] "
+        "summed over DP before the micro-batches; returns the outputs on the last pipeline stage",
+    (_TM, "MegatronEngine.get_data_parallel_group"):
+        "() -> mpu.get_data_parallel_group(): the ranks with this rank's TP/PP/CP coordinates (under dynamic CP "
+        "the DPxCP plane)",
+    (_TM, "MegatronEngine.lr_scheduler_step"):
+        "() -> get_megatron_last_lr(optimizer) after lr_scheduler.step(1) (logged by the worker as lr)",
 }
 
 # Config keys (dotted, in verl's composed ppo_trainer config) that config.check_composed_config, trainer.py and

@@ -1,0 +1,49 @@
+"""One rank of the Megatron suite's two-process runs (``test_megatron_engine.py``): verl's Megatron engine with
+world size 2 over gloo, first tensor-parallel (TP2: ``scenarios.stock_vs_tim``), then, after Megatron's parallel
+state is torn down, data-parallel (DP2, TP1: ``scenarios.dp_monitor``), in the same processes (a Python 3.12
+process with verl and megatron-core takes ~20 s to start on the 2-core machine).
+
+    RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --out DIR
+
+Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "dp2": ...}``) to ``--out``. Started by the test, never
+collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "cpu_site")]
+
+import megatron_shims  # noqa: E402
+
+megatron_shims.install()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    import torch
+
+    import harness as H
+    import scenarios
+
+    torch.set_num_threads(1)
+    H.init_dist(rank=rank, world=world, port=int(os.environ["MASTER_PORT"]))
+    result = {"tp2": scenarios.stock_vs_tim(args.model, tp=world)}
+    scenarios.reset_parallel_state()
+    result["dp2"] = scenarios.dp_monitor(args.model, rank=rank, world=world)
+    torch.save(result, os.path.join(args.out, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

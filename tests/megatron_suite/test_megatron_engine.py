@@ -1,0 +1,152 @@
+"""The tim engine inside verl 0.9.1's real Megatron LM-head engine on CPU (gloo): TP1 in this process, TP2 and DP2 in
+two processes (``ranks.py``). verl's own dataclasses, batches (``left_right_2_no_padding``), ``ppo_loss`` and
+rollout-correction k3 helper; the tiny Qwen2 of ``cpu_site/tiny_qwen2.py``.
+
+* Unconfigured, the engine verl's registry picks (ours) is bit-identical to verl's ``MegatronEngineWithLMHead`` built
+  alike: old log-probs, per-micro-batch losses, grad norms, LRs and every parameter shard after two PPO steps.
+* With the monitor on, the old log-probs stay verl's bit for bit, and ``tim/*`` comes from the rank that holds
+  Megatron's outputs (TP rank 0 of the last stage; ``{}`` on the others), merged exactly over the data-parallel
+  group: equal to a float64 reference computed here from the log-probs verl returned and the batch's rollout
+  log-probs, and to verl's own ``rollout_corr/k3_kl`` on the same tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import harness as H
+import scenarios
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANKS_TIMEOUT_S = 900  # two processes: ~70 s on an idle 2-core machine
+
+
+@pytest.fixture(scope="module")
+def tp1(one_rank, tiny_qwen2):
+    return scenarios.stock_vs_tim(tiny_qwen2, tp=1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_qwen2, tmp_path_factory):
+    """``ranks.py`` on two processes: {rank: {"tp2": stock_vs_tim(tp=2), "dp2": dp_monitor(world=2)}}."""
+    out = tmp_path_factory.mktemp("megatron_ranks")
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29621",
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "ranks.py"), "--model", tiny_qwen2,
+                               "--out", str(out)], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True) for r in range(2)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=RANKS_TIMEOUT_S)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}
+
+
+def _assert_stock(result):
+    ours, stock = result["ours"], result["stock"]
+    assert ours["class"] == "TIMMegatronEngineWithLMHead" and stock["class"] == "MegatronEngineWithLMHead"
+    for o, s in zip(ours["steps"], stock["steps"], strict=True):
+        assert torch.equal(o["old"], s["old"])
+        assert o["pg_loss"] == s["pg_loss"] and o["grad_norm"] == s["grad_norm"] and o["lr"] == s["lr"]
+    assert ours["params"].keys() == stock["params"].keys()
+    assert all(torch.equal(ours["params"][k], stock["params"][k]) for k in ours["params"])
+
+
+def test_registry_picks_the_tim_engine_for_megatron(one_rank):
+    import tim_plugins.integrations.verl.plugin as plugin
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from tim_plugins.integrations.verl.megatron_engine import TIMMegatronEngineWithLMHead
+
+    assert plugin.REGISTERED["megatron_engine"] is TIMMegatronEngineWithLMHead
+    assert "verl_megatron_engine" not in plugin.REGISTERED["features_off"]
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is TIMMegatronEngineWithLMHead
+    # verl's own device-only entry is untouched (other vendors keep verl's engine)
+    assert EngineRegistry._engines["language_model"]["megatron"]["cuda"] is MegatronEngineWithLMHead
+
+
+def test_unconfigured_engine_is_stock_verl_tp1(tp1):
+    _assert_stock(tp1)
+    steps = tp1["ours"]["steps"]
+    assert all(s["grad_norm"] is not None and s["grad_norm"] > 0 for s in steps)
+
+
+def test_unconfigured_engine_is_stock_verl_tp2(two_ranks):
+    for rank in (0, 1):
+        _assert_stock(two_ranks[rank]["tp2"])
+    # verl reports the grad norm on the output-holding rank only
+    assert [s["grad_norm"] is None for s in two_ranks[1]["tp2"]["ours"]["steps"]] == [True, True]
+    # both TP ranks computed the same log-probs (vocab-parallel, reduced over TP)
+    assert torch.equal(two_ranks[0]["tp2"]["ours"]["steps"][0]["old"], two_ranks[1]["tp2"]["ours"]["steps"][0]["old"])
+
+
+def _reference(old, rollout, mask) -> dict[str, float]:
+    """tim/* of the monitor's token keys, in float64 from the tensors verl returned, and verl's own k3 helper."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
+
+    valid = mask.bool()
+    d = (old.double() - rollout.double())[valid]
+    d32 = (old.float() - rollout.float())[valid]
+    verl = compute_rollout_corr_metrics_from_logprobs(old.float(), rollout.float(), mask)
+    return {"tim/tokens": float(valid.sum()), "tim/token/kl_k3": float((d.exp() - 1 - d).mean()),
+            "tim/token/abs_diff_mean": float(d.abs().mean()), "tim/token/abs_diff_max": float(d32.abs().max()),
+            "verl_k3": verl["rollout_corr/k3_kl"]}
+
+
+def _assert_monitor(metrics, ref):
+    assert metrics["tim/tokens"] == ref["tim/tokens"]
+    assert metrics["tim/token/abs_diff_max"] == ref["tim/token/abs_diff_max"]  # a max merges bit-exactly
+    for key in ("tim/token/kl_k3", "tim/token/abs_diff_mean"):
+        assert metrics[key] == pytest.approx(ref[key], rel=1e-6), key
+    assert metrics["tim/token/kl_k3"] == pytest.approx(ref["verl_k3"], rel=1e-6)  # verl's rollout_corr/k3_kl
+
+
+def test_monitor_keeps_verl_numerics_and_equals_references_tp1(tp1):
+    mon = tp1["monitor"]
+    assert mon["holds"] and torch.equal(mon["old"], mon["plain"])
+    _assert_monitor(mon["metrics"], _reference(mon["old"], mon["rollout"], mon["mask"]))
+
+
+def test_monitor_from_the_output_rank_tp2(two_ranks):
+    src, other = two_ranks[0]["tp2"]["monitor"], two_ranks[1]["tp2"]["monitor"]
+    assert src["holds"] and not other["holds"]
+    assert other["metrics"] == {}  # TP rank 1 measures nothing and reports nothing
+    assert torch.equal(src["old"], src["plain"])
+    _assert_monitor(src["metrics"], _reference(src["old"], src["rollout"], src["mask"]))
+
+
+def test_monitor_merges_exactly_over_data_parallel_ranks(two_ranks):
+    ranks = [two_ranks[r]["dp2"] for r in (0, 1)]
+    assert all(r["dp_size"] == 2 and r["holds"] for r in ranks)
+    a, b = ranks[0]["metrics"], ranks[1]["metrics"]  # every DP rank holds the merged values
+    assert a.keys() == b.keys() and all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in a)
+    width = max(r["old"].shape[1] for r in ranks)
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+    old, rollout, mask = (torch.cat([pad(r[k]) for r in ranks]) for k in ("old", "rollout", "mask"))
+    ref = _reference(old, rollout, mask)
+    assert all(r["mask"].sum() > 0 for r in ranks) and ref["tim/tokens"] > float(ranks[0]["mask"].sum())
+    _assert_monitor(ranks[0]["metrics"], ref)
+
+
+def test_settings_the_megatron_engine_cannot_honour_fail_early(tp1, tiny_qwen2):
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+
+    engine = H.build_engine(tiny_qwen2)
+    with pytest.raises(ValueError, match=r"tim.safe_vocab.min_p=0.05 with actor strategy megatron.*Fix: "):
+        engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.05}}))
+    with pytest.raises(ValueError, match=r"tim.lr_decay.enable=true with actor strategy megatron.*Fix: "):
+        engine.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True}}))
+    assert not engine.tim_active

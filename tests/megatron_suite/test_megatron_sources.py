@@ -1,0 +1,58 @@
+"""Guards on the verl 0.9.1 internals the Megatron engine relies on (``integrations/verl/sources.py``
+``VERL_MEGATRON_SOURCES``), against the installed verl and megatron-core (only this suite's environment has
+megatron-core): every entry resolves, the feature that names them holds, and the statements and signatures the
+subclass binds are still there. The numerics are tested end to end in ``test_megatron_engine.py``."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from tim_plugins.capabilities import check, resolve
+from tim_plugins.integrations.verl import features
+from tim_plugins.integrations.verl.sources import VERL_MEGATRON_SOURCES
+
+TM = "verl.workers.engine.megatron.transformer_impl"
+
+
+@pytest.mark.parametrize("key", sorted(VERL_MEGATRON_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
+def test_every_named_source_exists(key):
+    assert resolve(*key) is not None
+
+
+def test_the_megatron_feature_holds_and_checks_only_named_sources():
+    status = check(features.MEGATRON_ENGINE)
+    assert status.available, status.warning()
+    assert [s.name for s in features.megatron_features()] == ["verl_megatron_engine"]
+    named = {**VERL_MEGATRON_SOURCES, **features.VERL_SOURCES}
+    assert all((h.module, h.qualname) in named for h in features.MEGATRON_ENGINE.hooks)
+
+
+def test_the_subclass_keeps_the_parents_signatures_and_verl_registers_its_engine_without_a_vendor():
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from tim_plugins.integrations.verl.megatron_engine import TIMMegatronEngineWithLMHead
+
+    for name in ("postprocess_micro_batch_func", "forward_backward_batch", "train_batch", "lr_scheduler_step"):
+        assert (inspect.signature(getattr(TIMMegatronEngineWithLMHead, name)).parameters.keys()
+                == inspect.signature(getattr(MegatronEngineWithLMHead, name)).parameters.keys()), name
+    entries = EngineRegistry._engines["language_model"]["megatron"]
+    assert entries["cuda"] is MegatronEngineWithLMHead and ("cuda", "nvidia") in entries
+
+
+def test_output_rank_and_loss_call_are_where_the_engine_reads_them():
+    post = inspect.getsource(resolve(TM, "MegatronEngineWithLMHead.postprocess_micro_batch_func"))
+    assert "model_output = self.prepare_model_outputs(output, data)" in post
+    assert "loss_function(model_output=model_output, data=data, dp_group=self.get_data_parallel_group())" in post
+    assert "return output" in inspect.getsource(resolve(TM, "MegatronEngineWithLMHead.prepare_model_outputs"))
+    src_rank = inspect.getsource(resolve(TM, "MegatronEngine.is_mp_src_rank_with_outputs"))
+    for part in ("mpu.get_tensor_model_parallel_rank() == 0", "mpu.get_context_parallel_rank() == 0",
+                 "mpu.get_pipeline_model_parallel_rank() == mpu.get_pipeline_model_parallel_world_size() - 1"):
+        assert part in src_rank
+    fbb = inspect.getsource(resolve(TM, "MegatronEngine.forward_backward_batch"))
+    assert "partial(\n            self.postprocess_micro_batch_func," in fbb
+    assert 'loss_mask = data["loss_mask"]' in fbb
+    assert "return mpu.get_data_parallel_group()" in inspect.getsource(
+        resolve(TM, "MegatronEngine.get_data_parallel_group"))

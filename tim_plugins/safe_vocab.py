@@ -17,7 +17,9 @@ path) and turns them into the gradient in place. On CUDA both paths fold with Tr
 when the truncation is min-p alone (the default); top-k / top-p, and devices without Triton, take the torch
 folds. S is chosen under no_grad (not differentiated); the gradient is that of the renormalised masked
 log-softmax: d safe_logp(a) / dz_j = (1[j = a] − q_j) / T, q = p_T restricted to S and renormalised (q_j = 0
-off S).
+off S). ``safe_linear_logprobs`` is the hidden-state path with a fused head's contract (verl's
+``FusedLinearForPPO``: [..., H] hidden states, the whole [V, H] weight, a ``Truncation``). The torch folds take S
+from a selector (``_Threshold``: the rule recomputed; ``tim_plugins.replay``: the engine's own kept set).
 
 Tokens outside the trainer's S (the sampler kept them, the trainer's own probabilities do not: "boundary
 disagreements") get ``in_safe = False`` and the finite value z_a/T − logsumexp_S so that a multiplied-in mask
@@ -389,14 +391,14 @@ def _resolve(min_p, temperature, top_p, top_k, order) -> Truncation:
                       order=order)
 
 
-def _check_rows(name: str, x: torch.Tensor, tokens: torch.Tensor, vocab: int) -> None:
+def _check_rows(name: str, x: torch.Tensor, tokens: torch.Tensor, vocab: int, check_ids: bool = True) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(x.shape)}: expected 2-D [N, ...]; flatten batch and time first")
     if tokens.shape != (x.shape[0],):
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}: expected [N] = [{x.shape[0]}] to match {name}")
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens dtype {tokens.dtype}: expected an integer tensor of token ids")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+    if check_ids and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError(f"token ids must lie in [0, {vocab}); got range [{int(tokens.min())}, {int(tokens.max())}]")
 
 
@@ -408,7 +410,7 @@ def _pack(res) -> SafeLogprobs:
 def safe_logprobs_from_logits(
     logits: torch.Tensor, tokens: torch.Tensor, *, min_p: float, temperature: float = 1.0, top_p: float = 1.0,
     top_k: int = 0, order: str = "vllm", compute_entropy: bool = False, chunk_size: int | None = None,
-    backend: str = "auto",
+    backend: str = "auto", check_ids: bool = True,
 ) -> SafeLogprobs:
     """Safe log-probs of ``tokens`` from full logits.
 
@@ -420,10 +422,12 @@ def safe_logprobs_from_logits(
         chunk_size: rows per chunk for the torch folds' fp32 temporaries (default: ``default_chunk_rows(V,
             logits.dtype)``); the Triton folds read the logits in place and need none.
         backend: "auto", "triton" or "torch", as for ``safe_logprobs_from_hidden``.
+        check_ids: check that every token id lies in the vocabulary (two host reads: on an accelerator a wait for
+            the device; a caller whose ids are the model's own inputs, in a per-micro-batch path, passes False).
     Returns:
         ``SafeLogprobs`` with [N] tensors.
     """
-    _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0)
+    _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0, check_ids)
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")

@@ -286,3 +286,38 @@ def test_converter_errors_name_the_fix():
 
     csr = SamplingMaskLists(np.array([4, 1, 9], dtype=np.int32), np.array([0, 2, 3]))
     assert kept_sets_from_mask(csr).to_lists() == csr.to_nested_list() == [[4, 1], [9]]
+
+
+def test_property_replay_against_float64():
+    """Random shapes, sets (some empty, some with repeated ids) and chunkings against the float64 reference."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=40, deadline=None)
+    @given(n=st.integers(1, 9), v=st.integers(1, 50), seed=st.integers(0, 2**31 - 1), chunk=st.integers(1, 4),
+           temperature=st.sampled_from([0.5, 1.0, 1.9]), scale=st.floats(0.1, 10.0))
+    def check(n, v, seed, chunk, temperature, scale):
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(n, v, generator=gen, dtype=torch.float64) * scale
+        lists = [torch.randint(0, v, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).tolist()
+                 for _ in range(n)]
+        kept = KeptSets.from_lists(lists)
+        tokens = torch.randint(0, v, (n,), generator=gen)
+        x = logits.float().requires_grad_()
+        out = replay_logprobs_from_logits(x, tokens, kept, temperature=temperature, compute_entropy=True,
+                                          chunk_size=chunk)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        xr = logits.float().double().requires_grad_()
+        keep = dense(kept, v)
+        lp, ent, pruned, keep_full = reference(xr, tokens, keep, temperature)
+        z = xr / temperature
+        val = z.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(z.masked_fill(~keep_full, -math.inf), -1)
+        (val.sum() + ent.sum()).backward()
+        assert torch.equal(out.in_safe, keep_full.gather(-1, tokens[:, None]).squeeze(-1))
+        assert torch.equal(out.size, keep_full.sum(-1))
+        torch.testing.assert_close(out.logprobs.double(), val.detach(), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out.entropy.double(), ent.detach(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(out.pruned_mass.double(), pruned.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(x.grad.double(), xr.grad, atol=2e-5, rtol=0)
+
+    check()

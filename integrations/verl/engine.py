@@ -98,8 +98,9 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
             raise ValueError("tim.safe_vocab needs logits; set actor_rollout_ref.model.use_fused_kernels=false")
         want_entropy = "entropy" in model_output
         logits, labels, packed = self._flat_scaled_logits(output, output_args, micro_batch)
+        # the labels are the model's own input ids: no host read to range-check them per micro-batch
         res = safe_logprobs_from_logits(logits, labels, min_p=self._tim.safe_vocab.min_p,
-                                        compute_entropy=want_entropy)
+                                        compute_entropy=want_entropy, check_ids=False)
         fields = {"log_probs": res.logprobs, "in_safe": res.in_safe, "pruned_mass": res.pruned_mass,
                   "size": res.size}
         if want_entropy:

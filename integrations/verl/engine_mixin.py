@@ -9,8 +9,10 @@ call and hands the micro-batch's output over:
     ... verl's own forward and loss ...
     self._tim_after_forward(micro_batch, model_output, forward_only)   # after (measure, split by lag)
 
-where ``model_output`` holds verl's per-token ``log_probs`` (jagged nested, ``no_padding_2_padding`` pads them to
-the response). With the safe vocabulary the backend computes the safe-set fields of the micro-batch's log-probs and
+where ``model_output`` holds verl's per-token ``log_probs`` (jagged nested on the input ids; ``ResponseLayout`` finds the
+response tokens in them on the device). The micro-batches of a pass are kept on the device and handed to the
+pipeline as one batch at the end of the pass (the measurement) or of the optimizer step (the split): one host read
+each, none per micro-batch. With the safe vocabulary the backend computes the safe-set fields of the micro-batch's log-probs and
 sets ``self._tim_mb`` to ``{"in_safe", "pruned_mass", "size"}`` (same layout as ``log_probs``) before the loss.
 
 The mixin overrides ``forward_backward_batch`` (the merge after a forward-only measurement pass), ``train_batch``
@@ -26,19 +28,20 @@ returns verl's result untouched.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 from verl.utils import tensordict_utils as tu
-from verl.workers.utils.padding import no_padding_2_padding
 
 from tim_plugins.by_key import turn_keys
 from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
 from tim_plugins.safe_vocab import SafeLogprobs
 
 from .config import LAG_FIELD, ActorContext, TIMVerlConfig
+from .features import SAFE_VOCAB
 
-__all__ = ["TIMEngineMixin", "padded_response", "with_response_values"]
+__all__ = ["ResponseLayout", "TIMEngineMixin", "padded_response"]
 
 
 def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
@@ -50,22 +53,89 @@ def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Ten
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill)
 
 
-def with_response_values(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``mask`` (dense [B, R] or nested jagged [B, j]) times ``keep`` ([B, W] dense, response-aligned), in ``mask``'s
-    layout, without a host sync.
+class ResponseLayout:
+    """Where a micro-batch's response tokens are, found on the device (no host read): one cell per position of
+    the micro-batch's response fields (dense [b, R]: every cell, ``valid`` where the response has a token; nested
+    jagged [b, j]: every value), with its row, its column in the response and its position in the packed
+    per-token outputs (verl's no-padding layout, where a token's log-prob sits one position before the token: what
+    ``no_padding_2_padding`` reads, one host read per row).
 
-    The nested result is ``mask`` times a nested tensor on the same offsets, so it keeps ``mask``'s row-length
-    metadata: without it ``TensorDict.to_padded_tensor()`` (what verl's ``ppo_loss`` calls) would pad to the total
-    token count instead of the longest response.
-    """
-    if not mask.is_nested:
-        return mask * padded_response(keep, mask.shape[1]).to(mask.dtype)
-    offsets = mask.offsets()
-    lengths = offsets.diff()
-    total = mask.values().shape[0]  # a shape: no host read
-    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
-    cols = torch.arange(total, device=offsets.device) - offsets[:-1][rows]
-    return mask * torch.nested.nested_tensor_from_jagged(keep[rows, cols].to(mask.dtype), offsets)
+    ``cells(x)`` gives a response field, ``gather(x)`` a packed per-token output, each as [cells]; ``like(x, v)`` puts
+    cell values back into the layout of the response field ``x``."""
+
+    def __init__(self, data) -> None:
+        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding (the layout it slices: prompts / responses
+        # lengths, from their offsets when nested, else from the attention mask's prompt and response parts)
+        prompts, responses = data["prompts"], data["responses"]
+        if prompts.is_nested:
+            prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+        else:
+            attention = data["attention_mask"]
+            prompt_lens = attention[:, : prompts.shape[1]].sum(dim=1)
+            response_lens = attention[:, prompts.shape[1]:].sum(dim=1)
+        first = (prompt_lens + response_lens).cumsum(0) - response_lens - 1  # packed position of column 0
+        device, b = response_lens.device, response_lens.numel()
+        self.batch = b
+        if responses.is_nested:
+            total = responses.values().shape[0]  # a shape: no host read
+            self.rows = torch.repeat_interleave(torch.arange(b, device=device), response_lens, output_size=total)
+            self.cols = torch.arange(total, device=device) - responses.offsets()[:-1][self.rows]
+            self.valid = torch.ones(total, dtype=torch.bool, device=device)
+            self.width = None
+        else:
+            self.width = responses.shape[1]
+            self.rows = torch.arange(b, device=device).repeat_interleave(self.width)
+            self.cols = torch.arange(self.width, device=device).repeat(b)
+            self.valid = self.cols < response_lens[self.rows]
+        self.packed = first[self.rows] + self.cols
+
+    def cells(self, x: torch.Tensor) -> torch.Tensor:
+        """A response-shaped field (dense [b, R'] or nested [b, j]) as [cells]."""
+        if x.is_nested:
+            return x.values()
+        return padded_response(x, self.width).reshape(-1)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """A packed per-token output (nested on the input ids, or flat [N]) as [cells]: 0 on invalid cells."""
+        values = x.values() if x.is_nested else x
+        picked = values[self.packed.clamp(0, values.shape[0] - 1)]
+        return torch.where(self.valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+
+    def like(self, x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """[cells] values in the layout of the response field ``x``. The nested result is built on ``x``'s offsets,
+        so ``x * like(x, v)`` keeps ``x``'s row-length metadata (``TensorDict.to_padded_tensor()``, what verl's
+        ``ppo_loss`` calls, pads by it)."""
+        if x.is_nested:
+            return torch.nested.nested_tensor_from_jagged(values.to(x.dtype), x.offsets())
+        return padded_response(values.view(self.batch, self.width).to(x.dtype), x.shape[1])
+
+
+class _PassCells:
+    """The cells of one pass's micro-batches, kept on the device and laid out as one [B, W] batch at the end of the
+    pass (``batch``: one host read, the width), so the pipeline sees the pass as one batch."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
+        self.rows = 0
+
+    def add(self, layout: ResponseLayout, **fields: torch.Tensor) -> None:
+        self.parts.append((layout.rows + self.rows, layout.cols, fields))
+        self.rows += layout.batch
+
+    def batch(self) -> dict[str, torch.Tensor] | None:
+        if not self.parts:
+            return None
+        rows = torch.cat([p[0] for p in self.parts])
+        cols = torch.cat([p[1] for p in self.parts])
+        width = int(cols.max()) + 1 if cols.numel() else 1  # the one host read of the pass
+        out = {}
+        for name in self.parts[0][2]:
+            values = torch.cat([p[2][name] for p in self.parts])
+            grid = torch.zeros((self.rows, width), dtype=values.dtype, device=values.device)
+            grid[rows, cols] = values
+            out[name] = grid
+        self.parts, self.rows = [], 0
+        return out
 
 
 class _BoundaryMaskedLoss:
@@ -89,15 +159,14 @@ class _BoundaryMaskedLoss:
         if "model_output" not in kwargs or state is None:
             return self.loss_fn(*args, **kwargs)
         data = kwargs["data"]
-        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
-        in_safe = no_padding_2_padding(state["in_safe"], data)  # [b, W] response-aligned
+        layout = ResponseLayout(data)
         original = data["response_mask"]
-        mask = padded_response(original, in_safe.shape[1])
+        in_safe = layout.gather(state["in_safe"]).bool()
         # verl applies its own IS correction (algorithm.rollout_correction): no pipeline weights here
-        keep = self.engine._tim_pipeline.loss_factor(mask, in_safe, None)
+        keep = self.engine._tim_pipeline.loss_factor(layout.cells(original), in_safe, None)
         # VERL_SOURCES verl.workers.utils.losses:ppo_loss (reads data["response_mask"] as the loss mask) and
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.forward_backward_batch (normaliser)
-        data["response_mask"] = with_response_values(original, keep)
+        data["response_mask"] = original * layout.like(original, keep)
         try:
             return self.loss_fn(*args, **kwargs)
         finally:
@@ -153,6 +222,8 @@ class TIMEngineMixin:
         ``asynchronous``: an asynchronous trainer mode, whose batches carry each sample's policy lag
         (``LAG_FIELD``): π_old is not at every sample's rollout weights, so there is no exact split.
         ``features_off``: the features switched off because an upstream hook moved (``tim/diag/feature_off/*``)."""
+        if config.safe_vocab.enabled and SAFE_VOCAB.name in features_off:  # its hooks moved: the rest runs
+            config = dataclasses.replace(config, safe_vocab=dataclasses.replace(config.safe_vocab, min_p=0.0))
         self._tim_check_config(config)
         context = ActorContext(bypass_mode=bypass_mode, multi_turn=multi_turn, asynchronous=asynchronous)
         self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank())
@@ -163,6 +234,8 @@ class TIMEngineMixin:
         self._tim = config
         self._tim_context = context
         self._tim_measured = False
+        self._tim_measure_cells = _PassCells()  # the measurement pass's micro-batches (device)
+        self._tim_loss_cells = _PassCells()  # the current optimizer step's training micro-batches (device)
         self._tim_step_start = True
         self._tim_mb = None
         self._tim_pending: dict[str, float] = {}
@@ -249,77 +322,88 @@ class TIMEngineMixin:
             return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
         return self._tim_context.bypass_mode and self._tim_step_start
 
-    def _tim_response(self, micro_batch, model_output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(log-probs, response mask, rollout log-probs) of a micro-batch, response-aligned [b, W] float32/bool."""
-        # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
-        logprobs = no_padding_2_padding(model_output["log_probs"], micro_batch).float()
-        width = logprobs.shape[1]
-        mask = padded_response(micro_batch["response_mask"], width).bool()
-        rollout = padded_response(micro_batch["rollout_log_probs"], width).float()
-        return logprobs, mask, rollout
-
-    def _tim_sample_lag(self, micro_batch, mask: torch.Tensor) -> torch.Tensor | None:
-        """[b] each sample's policy lag when its rollout was drawn, in optimizer steps (the driver's ``LAG_FIELD``;
-        -1 unknown, also when the field is absent), or None in a synchronous mode."""
-        if not self._tim_context.asynchronous:
-            return None
-        if LAG_FIELD in micro_batch.keys():
-            return micro_batch[LAG_FIELD].to(device=mask.device, dtype=torch.long).reshape(-1)
-        return torch.full(mask.shape[:1], -1, dtype=torch.long, device=mask.device)
+    def _tim_cells(self, micro_batch, model_output) -> tuple[ResponseLayout, dict[str, torch.Tensor]]:
+        """A micro-batch's response tokens as [cells] (``ResponseLayout``): this pass's log-probs, the response mask
+        (0 on invalid cells), the rollout's log-probs, and each sample's policy lag in an asynchronous mode (the
+        driver's ``LAG_FIELD``; -1 unknown, also when the field is absent)."""
+        layout = ResponseLayout(micro_batch)
+        fields = {"current": layout.gather(model_output["log_probs"]).float(),
+                  "mask": layout.cells(micro_batch["response_mask"]).bool() & layout.valid,
+                  "rollout": layout.cells(micro_batch["rollout_log_probs"]).float()}
+        if self._tim_context.asynchronous:
+            if LAG_FIELD in micro_batch.keys():
+                lag = micro_batch[LAG_FIELD].to(device=layout.rows.device, dtype=torch.long).reshape(-1)
+            else:
+                lag = torch.full((layout.batch,), -1, dtype=torch.long, device=layout.rows.device)
+            fields["lag"] = lag[layout.rows]
+        return layout, fields
 
     @torch.no_grad()
     def _tim_update(self, micro_batch, model_output) -> None:
-        """A measurement pass's micro-batch, response-aligned [b, W], into the pipeline."""
-        train, mask, rollout = self._tim_response(micro_batch, model_output)
-        width = train.shape[1]
-        state, safe = self._tim_mb, None
+        """A measurement pass's micro-batch, kept on the device until the pass ends (``_tim_measure_pass``)."""
+        layout, fields = self._tim_cells(micro_batch, model_output)
+        state = self._tim_mb
         if state is not None:
-            # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
-            safe = SafeLogprobs(None, *(no_padding_2_padding(state[k], micro_batch)
-                                        for k in ("in_safe", "pruned_mass", "size")))
-        # the sampled tokens, for the dump: micro_batch["responses"] is what no_padding_2_padding slices by
-        token_ids = padded_response(micro_batch["responses"], width).long() if self._tim.dump.enabled else None
+            fields.update({k: layout.gather(state[k]) for k in ("in_safe", "pruned_mass", "size")})
+        if self._tim.dump.enabled:  # the sampled tokens
+            fields["token_ids"] = layout.cells(micro_batch["responses"]).long()
+        self._tim_measure_cells.add(layout, **fields)
+        self._tim_measured = True
+
+    def _tim_measure_pass(self) -> None:
+        """The measurement pass's micro-batches as one [B, W] batch into the pipeline."""
+        b = self._tim_measure_cells.batch()
+        if b is None:
+            return
+        mask = b["mask"]
+        safe = SafeLogprobs(None, b["in_safe"].bool(), b["pruned_mass"], b["size"]) if "in_safe" in b else None
         # the turn of each token: the environment segments (response_mask 0 inside the response) before it; the
         # padding after the last turn also counts as one, but those tokens are not measured
         turn = turn_keys(mask) if self._tim_context.multi_turn else None
-        kwargs = dict(safe=safe, token_ids=token_ids, step=self._tim_step, turn=turn)
-        sample_lag = self._tim_sample_lag(micro_batch, mask)
-        if sample_lag is None:
-            self._tim_pipeline.measure(rollout, train, mask, **kwargs)
-        else:  # π_old is the actor now: only samples drawn by these weights measure the mismatch alone
-            self._tim_pipeline.measure_lagged(rollout, train, mask, sample_lag, **kwargs)
-        self._tim_measured = True
+        kwargs = dict(safe=safe, token_ids=b.get("token_ids"), step=self._tim_step, turn=turn)
+        if "lag" in b:  # π_old is the actor now: only samples drawn by these weights measure the mismatch alone
+            self._tim_pipeline.measure_lagged(b["rollout"], b["current"], mask, b["lag"], **kwargs)
+        else:
+            self._tim_pipeline.measure(b["rollout"], b["current"], mask, **kwargs)
 
     @torch.no_grad()
     def _tim_loss_pass(self, micro_batch, model_output) -> None:
-        """A training pass's split of log π_θ − log π_rollout into staleness (π_θ vs π_old) and mismatch (π_old vs
-        π_rollout), ``StepPipeline.loss_pass``, over the tokens the loss trains (boundary tokens out). π_old is
-        verl's ``old_log_probs`` once an optimizer step has run since the rollout (``pipeline.old_logprobs``). The
-        lag is the optimizer steps taken since the rollout (mini-batches and ``ppo_epochs`` of this global step),
-        plus the sample's own lag in an asynchronous mode. In bypass mode π_old is the rollout itself: no split."""
+        """A training pass's micro-batch for the split of log π_θ − log π_rollout into staleness (π_θ vs π_old) and
+        mismatch (π_old vs π_rollout), ``StepPipeline.loss_pass``, over the tokens the loss trains (boundary tokens
+        out), kept on the device until the optimizer step ends (``_tim_loss_step``). π_old is verl's
+        ``old_log_probs`` once an optimizer step has run since the rollout (``pipeline.old_logprobs``). The lag is
+        the optimizer steps taken since the rollout (mini-batches and ``ppo_epochs`` of this global step), plus the
+        sample's own lag in an asynchronous mode. In bypass mode π_old is the rollout itself: no split."""
         keys = micro_batch.keys()
         if self._tim_context.bypass_mode or "rollout_log_probs" not in keys or "old_log_probs" not in keys:
             return
-        current, mask, rollout = self._tim_response(micro_batch, model_output)
-        width = current.shape[1]
+        layout, fields = self._tim_cells(micro_batch, model_output)
         if self._tim_mb is not None and self._tim.safe_vocab.mask_boundary:  # the loss's own mask
-            # VERL_SOURCES verl.workers.utils.padding:no_padding_2_padding
-            mask = mask & no_padding_2_padding(self._tim_mb["in_safe"], micro_batch).bool()
-        sample_lag = self._tim_sample_lag(micro_batch, mask)
-        if sample_lag is not None:
-            lag = torch.where(sample_lag >= 0, sample_lag + self._tim_updates, -1)
-            self._tim_pipeline.loss_pass_lagged(rollout, current, mask, lag)
+            fields["mask"] = fields["mask"] & layout.gather(self._tim_mb["in_safe"]).bool()
+        if "lag" in fields:
+            fields["lag"] = torch.where(fields["lag"] >= 0, fields["lag"] + self._tim_updates, -1)
+        else:
+            fields["old"] = old_logprobs(fields["current"], layout.cells(micro_batch["old_log_probs"]).float(),
+                                         fresh=self._tim_updates == 0)
+            fields["lag"] = torch.full_like(fields["mask"], self._tim_updates, dtype=torch.long)
+        self._tim_loss_cells.add(layout, **fields)
+
+    def _tim_loss_step(self) -> None:
+        """The optimizer step's training micro-batches as one [B, W] batch into the pipeline's split."""
+        b = self._tim_loss_cells.batch()
+        if b is None:
             return
-        old = old_logprobs(current, padded_response(micro_batch["old_log_probs"], width).float(),
-                           fresh=self._tim_updates == 0)
-        lag = torch.full(mask.shape, self._tim_updates, dtype=torch.long, device=mask.device)
-        self._tim_pipeline.loss_pass(rollout, old, current, mask, lag=lag)
+        if "old" in b:
+            self._tim_pipeline.loss_pass(b["rollout"], b["old"], b["current"], b["mask"], lag=b["lag"])
+        else:
+            self._tim_pipeline.loss_pass_lagged(b["rollout"], b["current"], b["mask"], b["lag"])
 
     def _tim_merge(self) -> None:
         """The pipeline's statistics, merged over the DP group (every DP rank of the ranks that hold outputs runs
         the pass, so all of them call it; the others measure nothing and skip it)."""
         if not self._tim_measured:
             return
+        self._tim_measure_pass()
         # the training passes' split is merged at the end of the actor update (lr_scheduler_step)
         # the probe decides here, on the merged metrics; the driver acts (raising in a Ray worker would not stop it)
         metrics, decision, _ = self._tim_pipeline.compute(self._tim_step, sync=True, group=self._tim_dp_group(),
@@ -347,6 +431,7 @@ class TIMEngineMixin:
         if self._tim.lr_decay.enable:
             self._tim_end_step(data)
         out = super().train_batch(data, loss_function)
+        self._tim_loss_step()
         self._tim_updates += 1
         grad_norm = (out.get("metrics") or {}).get("grad_norm") if isinstance(out, dict) else None
         if grad_norm is not None:

@@ -10,8 +10,8 @@ from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VERL_MEGATRON_SOURCES, VERL_SOURCES
 
-__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "TRAINER_MODES", "megatron_features",
-           "verl_features"]
+__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "SAFE_VOCAB", "TRAINER_MODES",
+           "megatron_features", "verl_features"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -32,6 +32,24 @@ ENGINE = Feature(
         _hook("verl.workers.engine.base", "BaseEngine.train_batch", params=("data", "loss_function")),
         _hook("verl.workers.engine.base", "EngineRegistry.register",
               params=("model_type", "backend", "device", "vendor")),
+        # the layout engine_mixin.ResponseLayout reads on the device, as verl's own function reads it on the host
+        _hook("verl.workers.utils.padding", "no_padding_2_padding"),
+    ))
+
+# The safe vocabulary in the FSDP engine (engine.py prepare_model_outputs): the logits as verl scales them, the
+# output_args keys prepare_model_inputs fills, the packed padding verl strips. Off: the engine still measures; a
+# configured safe vocabulary is switched off with one line (tim/diag/feature_off/verl_safe_vocab).
+SAFE_VOCAB = Feature(
+    "verl_safe_vocab", "safe vocabulary in verl's FSDP actor engine", "verl", needs=("verl",), extra="verl",
+    fix=_FIX, hooks=(
+        _hook(_TI, "FSDPEngineWithLMHead.prepare_model_inputs", params=("micro_batch",),
+              fragments=('output_args = {"temperature_is_one": temperature_is_one}',
+                         'output_args["pad_size"] =', 'output_args["input_ids_rmpad_rolled"] =',
+                         'output_args["temperature_rmpad"] =', 'output_args["temperature"] =')),
+        _hook(_TI, "FSDPEngineWithLMHead.prepare_model_outputs",
+              params=("output", "output_args", "micro_batch", "logits_processor_func")),
+        _hook(_TI, "FSDPEngine._gather_and_unpad_packed", params=("tensor", "pad_size")),
+        _hook(_TI, "_scale_logits_by_temperature"),
     ))
 
 # The tim_* V1 trainer modes (trainer.py): the startup audit, the parity probe, checkpoint on stop.
@@ -60,7 +78,7 @@ ASYNC_LAG = Feature(
         _hook("transfer_queue", "kv_batch_put", params=("keys", "partition_id", "fields")),
     ))
 
-FEATURES = (ENGINE, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
+FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
 
 _TM = "verl.workers.engine.megatron.transformer_impl"
 _megatron_hook = registered_hooks(VERL_MEGATRON_SOURCES, "VERL_MEGATRON_SOURCES")
@@ -91,6 +109,7 @@ MEGATRON_ENGINE = Feature(
 def verl_features():
     """Every verl feature's status."""
     return [check(f) for f in FEATURES]
+
 
 def megatron_features():
     """The Megatron engine's status (off, saying why, where megatron-core is not installed)."""

@@ -201,3 +201,120 @@ def test_boundary_tokens_leave_the_loss(dist, toy_model_path, layout, mask_bound
     assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
     assert all(float(v) == 0.0 for v in out["metrics"]["actor/ppo_kl"].values)
     assert math.isfinite(out["metrics"]["grad_norm"])
+
+
+def test_moved_safe_vocab_hook_switches_off_only_the_safe_vocabulary(engines, batch):
+    """``features_off`` from the worker (features.SAFE_VOCAB's hooks moved in this verl): the configured safe
+    vocabulary is off (log-probs are verl's own, full-vocabulary), the monitor still measures, and the run logs
+    ``tim/diag/feature_off/verl_safe_vocab``."""
+    eng = engines[True]
+    td, raw = batch
+    plain = H.old_log_probs_padded(H.infer(eng, td), td)
+    eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": MIN_P}}),
+                      features_off=("verl_safe_vocab",))
+    try:
+        got = H.old_log_probs_padded(H.infer(eng, td), td)
+        metrics = eng.tim_pop_metrics()
+    finally:
+        eng.tim_deconfigure()
+    assert torch.equal(got, plain)
+    assert metrics["tim/diag/feature_off/verl_safe_vocab"] == 1.0
+    assert metrics["tim/tokens"] == float(raw["response_mask"].sum())
+    assert not any(k.startswith("tim/safe_vocab/") for k in metrics)
+
+
+def test_boundary_masked_loss_puts_the_micro_batch_mask_back(dist, toy_model_path):
+    """verl's loss reads the boundary-masked ``response_mask``; after the call the micro-batch holds its own mask
+    again (it was rewritten in place and left so)."""
+    from tim_plugins.integrations.verl.engine_mixin import padded_response
+
+    td, raw = H.make_batch(VOCAB, batch=4, seed=1)
+    eng = H.build_engine(toy_model_path)
+    seen = []
+    after = eng._tim_after_forward
+
+    def record(micro_batch, model_output, forward_only):  # runs right after verl's loss call
+        if not forward_only:
+            seen.append(padded_response(micro_batch["response_mask"], raw["response_mask"].shape[1]).bool())
+        return after(micro_batch, model_output, forward_only)
+
+    eng._tim_after_forward = record
+    eng.tim_configure(TIMVerlConfig.from_node({"safe_vocab": {"min_p": MIN_P}}))
+    try:
+        old = H.old_log_probs_padded(H.infer(eng, td), td)
+        H.train_step(eng, td, old)
+    finally:
+        eng.tim_deconfigure()
+    mask = raw["response_mask"].bool()
+    in_safe = reference(toy_model_path, raw, min_p=MIN_P)[1]
+    assert (mask & ~in_safe).any()  # the loss did mask tokens
+    assert torch.equal(torch.cat(seen), mask)  # and each micro-batch has its own mask back
+
+
+class _HostReads:
+    """Counts the tensor-to-host conversions Python code makes (``.item()``, ``.tolist()``, ``int()``, ``float()``,
+    ``bool()`` of a tensor): on an accelerator each one waits for the device."""
+
+    NAMES = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, **k):
+                self.n += 1
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_no_host_read_per_micro_batch(dist, toy_model_path, monkeypatch):
+    """The tim hooks add a fixed number of host reads per step (the merge, the end of the update), not one per
+    micro-batch: with 2 and with 4 micro-batches (micro_batch_size 2) the extra reads of a configured engine over
+    verl's own are the same, in the measurement pass and in the training pass (monitor, safe vocabulary and its
+    boundary mask, the split by lag)."""
+    reads = _HostReads(monkeypatch)
+    config = {"monitor": {"enable": True}, "safe_vocab": {"min_p": MIN_P}}
+    extra = {}
+    for rows in (4, 8):
+        td, _ = H.make_batch(VOCAB, batch=rows, seed=3)
+        counts = {}
+        for configured in (False, True):
+            eng = H.build_engine(toy_model_path)
+            if configured:
+                eng.tim_configure(TIMVerlConfig.from_node(config))
+            reads.n = 0
+            old = H.old_log_probs_padded(H.infer(eng, td), td)
+            infer_reads = reads.n
+            reads.n = 0
+            H.train_step(eng, td, old, actor_overrides={"ppo_mini_batch_size": rows})
+            counts[configured] = (infer_reads, reads.n)
+        extra[rows] = tuple(t - s for t, s in zip(counts[True], counts[False]))
+    assert extra[4] == extra[8], extra
+
+
+@pytest.mark.parametrize("layout", ["dense", "v1"])
+def test_response_layout_reads_what_verls_no_padding_2_padding_reads(layout):
+    """``ResponseLayout`` (the engine's device-side response alignment) against verl's own host-side function on
+    the same packed per-token values, in both batch layouts the engine meets."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from tim_plugins.integrations.verl.engine_mixin import ResponseLayout, padded_response
+
+    td, raw = H.make_batch(VOCAB, batch=5, seed=4)
+    if layout == "v1":
+        td = H.to_v1_layout(raw)
+    ids = td["input_ids"]
+    packed = torch.nested.nested_tensor_from_jagged(torch.randn(ids.values().shape[0]), ids.offsets())
+    want = no_padding_2_padding(packed, td)
+    lay = ResponseLayout(td)
+    got = torch.zeros_like(want)
+    got[lay.rows[lay.valid], lay.cols[lay.valid]] = lay.gather(packed)[lay.valid]
+    assert torch.equal(got, want)
+    mask = raw["response_mask"].bool()
+    assert torch.equal(padded_response(td["response_mask"], want.shape[1]).bool(), mask[:, : want.shape[1]])
+    # cells and like are inverse on a response field
+    field = td["response_mask"]
+    back = lay.like(field, lay.cells(field))
+    assert torch.equal(padded_response(back, want.shape[1]), padded_response(field, want.shape[1]))

@@ -188,29 +188,91 @@ def histogram_bin(x: str, edges, log: bool) -> str:
     return f"(CASE WHEN {x} = {_literal(edges[-1])} THEN {n - 2} ELSE {c} - 1 END)"
 
 
-def order_statistics(con, relation: str, wanted: dict, *, bins: int = 2048, fetch: int = 1 << 16) -> dict:
+def _approx_bin(x: str, edges, log: bool) -> str:
+    """SQL: the bin of ``x`` among ``edges`` from its fractional index alone (exact but at the edges' rounding)."""
+    nb = len(edges) - 1
+    return f"least(greatest(floor({(_log_index if log else _lin_index)(x, edges)}), 0), {nb - 1})::BIGINT"
+
+
+def binned(con, relation: str, x: str, edges, log: bool, aggregates: tuple[str, ...] = (), clip: bool = False):
+    """Per bin of ``x`` among ``edges``, over ``relation``: (bin SQL, rows [(bin, count, min x, max x,
+    *aggregates)]). Bins are those of ``np.histogram`` (edges[i] <= x < edges[i + 1], the last bin closed; x
+    outside the edges: filter it first) or, with ``clip``, of ``np.digitize`` clipped to the bins (values beyond
+    the edges in the end bins).
+
+    Fast path: the bin from x's fractional index among the edges (log or linear spacing); each bin's min and max
+    then prove every value of it on the right side of the exact edges. Where one is not (a value within rounding
+    of an edge), the same query with the exact count of edges <= x (``count_le``)."""
+    nb = len(edges) - 1
+    extra = "".join(f", {a}" for a in aggregates)
+
+    def run(bin_sql):
+        return con.execute(f"SELECT {bin_sql} AS b, count(*), min({x}), max({x}){extra} FROM ({relation}) "
+                           "GROUP BY b ORDER BY b").fetchall()
+
+    fast = _approx_bin(x, edges, log)
+    rows = run(fast)
+    e = [float(v) for v in edges]
+
+    def exact(b, lo, hi):
+        above_first = clip and b == 0 or lo >= e[b]
+        below_next = clip and b == nb - 1 or (hi <= e[b + 1] if b == nb - 1 else hi < e[b + 1])
+        return above_first and below_next
+
+    if all(exact(b, lo, hi) for b, _, lo, hi, *_ in rows):
+        return fast, rows
+    c = count_le(x, edges, (_log_index if log else _lin_index)(x, edges))
+    slow = (f"least(greatest({c} - 1, 0), {nb - 1})" if clip
+            else f"(CASE WHEN {x} = {_literal(edges[-1])} THEN {nb - 1} ELSE {c} - 1 END)")
+    return slow, run(slow)
+
+
+def _descend(g, ranks: list[int], below: int, parts, where: dict) -> int:
+    """Put each rank into the part (n, lo, hi) of ``parts`` (in value order, ``below`` values before them) that
+    holds it: ``where`` {(key): [g, lo, hi, below, n, ranks]}. Returns the values counted."""
+    for i, (n, lo, hi) in enumerate(parts):
+        for k in ranks:
+            if below <= k < below + n:
+                where.setdefault((g, i, lo), [g, lo, hi, below, n, []])[5].append(k)
+        below += n
+    return below
+
+
+def order_statistics(con, relation: str, wanted: dict, *, stats: dict | None = None, initial: dict | None = None,
+                     bins: int = 8192, fetch: int = 1 << 18) -> dict:
     """Exact order statistics of the column ``v`` of ``relation`` (SQL with columns ``g``, a group, and ``v``,
     finite), per group: ``wanted`` {group: [0-based ranks]} → {(group, rank): value}.
 
     Bounded memory and a few scans: each range of values holding a wanted rank is cut into ``bins`` equal bins
     (one GROUP BY: count, min, max per bin); the bin holding the rank becomes the next range (its values from its
-    min to its max), until a range holds at most ``fetch`` values (read and sorted here) or a single value."""
+    min to its max), until a range holds at most ``fetch`` values (read and sorted here) or a single value.
+    ``stats`` {group: (count, min, max)}, when the caller knows them, saves the first scan; ``initial`` {group:
+    [(count, min, max) of consecutive value ranges, in value order, covering the group]} (a histogram the caller
+    already has) saves the first narrowing."""
     import pyarrow as pa
 
     found: dict = {}
     groups = list(wanted)
     if not groups:
         return found
-    stats = con.execute(f"SELECT g, count(*), min(v), max(v) FROM ({relation}) GROUP BY g").fetchall()
-    by_group = {g: (n, lo, hi) for g, n, lo, hi in stats}
+    if stats is None:
+        rows = con.execute(f"SELECT g, count(*), min(v), max(v) FROM ({relation}) GROUP BY g").fetchall()
+        stats = {g: (n, lo, hi) for g, n, lo, hi in rows}
+    by_group = stats
     # A range: [g, lo, hi, below (values of g under lo), count, ranks]
     ranges = []
+    first: dict = {}
     for g in groups:
         n, lo, hi = by_group.get(g, (0, None, None))
         ranks = sorted({int(k) for k in wanted[g]})
         if not n or any(not 0 <= k < n for k in ranks):
             raise ValueError(f"order_statistics: ranks {ranks} outside the {n} values of group {g!r}")
-        ranges.append([g, lo, hi, 0, n, ranks])
+        if initial is not None and g in initial:
+            if _descend(g, ranks, 0, initial[g], first) != n:
+                raise ValueError(f"order_statistics: the initial ranges of group {g!r} do not hold its {n} values")
+        else:
+            ranges.append([g, lo, hi, 0, n, ranks])
+    ranges += list(first.values())
     for _ in range(64):
         if not ranges:
             return found
@@ -248,22 +310,18 @@ def order_statistics(con, relation: str, wanted: dict, *, bins: int = 2048, fetc
             per.setdefault(rid, []).append((n, lo, hi))
         nxt: dict = {}
         for i, r in enumerate(big):
-            below = r[3]
-            for n, lo, hi in per.get(i, []):
-                for k in r[5]:
-                    if below <= k < below + n:
-                        nxt.setdefault((i, lo), [r[0], lo, hi, below, n, []])[5].append(k)
-                below += n
+            below = _descend((r[0], i), r[5], r[3], per.get(i, []), nxt)
             if below != r[3] + r[4]:
                 raise RuntimeError(f"order_statistics: a range of {r[4]} values rescanned as {below - r[3]}: the "
                                    "rows changed between scans")
-        ranges = list(nxt.values())
+        ranges = [[key[0][0], *rest] for key, (_, *rest) in nxt.items()]
     raise RuntimeError("order_statistics did not converge in 64 rounds")
 
 
-def quantiles_of(con, relation: str, wanted: dict[object, tuple[int, tuple[float, ...]]]) -> dict:
+def quantiles_of(con, relation: str, wanted: dict[object, tuple[int, tuple[float, ...]]],
+                 stats: dict | None = None, initial: dict | None = None) -> dict:
     """numpy's ``quantile`` (linear method) of ``v`` per group: ``wanted`` {group: (n values, qs)} →
-    {(group, q): value}."""
+    {(group, q): value}; ``stats`` as ``order_statistics``'s."""
     ranks, where = {}, {}
     for g, (n, qs) in wanted.items():
         for q in qs:
@@ -272,10 +330,10 @@ def quantiles_of(con, relation: str, wanted: dict[object, tuple[int, tuple[float
             hi = min(lo + 1, n - 1)
             where[(g, q)] = (lo, hi, h - lo)
             ranks.setdefault(g, set()).update((lo, hi))
-    stats = order_statistics(con, relation, ranks)
+    found = order_statistics(con, relation, ranks, stats=stats, initial=initial)
     out = {}
     for (g, q), (lo, hi, t) in where.items():
-        a, b = stats[(g, lo)], stats[(g, hi)]
+        a, b = found[(g, lo)], found[(g, hi)]
         out[(g, q)] = a + (b - a) * t if t < 0.5 else b - (b - a) * (1 - t)  # numpy's _lerp
     return out
 
@@ -315,7 +373,9 @@ class Dump:
             f"SELECT step, rank, sequence, position, rollout_logprob::DOUBLE AS r, train_logprob::DOUBLE AS t "
             f"FROM {self.raw}) WHERE isfinite(r) AND isfinite(t) AND r > {th} AND t > {th}")
         total, self.size = self.con.execute(
-            f"SELECT (SELECT count(*) FROM {self.raw}), (SELECT count(*) FROM {self.valid})").fetchone()
+            f"SELECT count(*), count(*) FILTER (WHERE isfinite(rollout_logprob::DOUBLE) AND "
+            f"isfinite(train_logprob::DOUBLE) AND rollout_logprob::DOUBLE > {th} AND train_logprob::DOUBLE > {th}) "
+            f"FROM {self.raw}").fetchone()
         self.invalid = int(total - self.size)
         self._cache: dict = {}
 
@@ -323,7 +383,7 @@ class Dump:
     def step_states(self) -> tuple[np.ndarray, list[dict]]:
         """(steps, the monitor's unpacked state per step) over the valid rows, each sequence's tokens laid out as
         one row of a [sequences, positions] batch with ρ = exp(d) as the IS weights: what ``mismatch_metrics`` on
-        those tensors accumulates."""
+        those tensors accumulates. One scan (grouped by step and histogram bin), and one per sequence."""
         if "states" in self._cache:
             return self._cache["states"]
         from tim_plugins._mismatch_layout import (HISTOGRAM_BINS_PER_DECADE, HISTOGRAM_RANGE, K3_SERIES,
@@ -333,57 +393,90 @@ class Dump:
         import torch
 
         bound = K3_SERIES_BOUND[torch.float64]
-        cl = f"least(greatest(d, {-bound!r}), {bound!r})"
+        cl = "cl"  # d clamped to the series' bound (a column of the inner query: computed once a row)
         horner = f"({cl} * {K3_SERIES[-1]!r} + {K3_SERIES[-2]!r})"
         for c in reversed(K3_SERIES[:-2]):
             horner = f"({c!r} + {horner} * {cl})"
-        series = f"(CASE WHEN abs(d) < {bound!r} THEN {horner} * {cl} * {cl} ELSE 0.0 END)"
-        linear = f"(CASE WHEN abs(d) < {bound!r} THEN d ELSE expm1(d) END)"
+        series = f"(CASE WHEN a < {bound!r} THEN {horner} * {cl} * {cl} ELSE 0.0 END)"
+        linear = f"(CASE WHEN a < {bound!r} THEN d ELSE expm1(d) END)"
         bucket = " + ".join(f"(r >= {math.log(e)!r})::INT" for e in PROB_BUCKET_EDGES[1:-1])
         log_lo, log_hi = (math.log(x) for x in DEFAULT_RATIO_BAND)
         centre = (N_SIGNED_BINS - 1) // 2
-        abs_bin = (f"(CASE WHEN abs(d) = 0 THEN 0 ELSE least(greatest(floor((log10(abs(d)) - "
+        abs_bin = (f"(CASE WHEN a = 0 THEN 0 ELSE least(greatest(floor((log10(a) - "
                    f"{math.log10(HISTOGRAM_RANGE[0])!r}) * {HISTOGRAM_BINS_PER_DECADE}) + 1, 0), {centre}) END)")
-        terms = (f"SELECT step, d, abs(d) AS a, r, {series} AS ser, {linear} AS lin, ({bucket}) AS bucket, "
-                 f"exp(d) AS w, {centre} + sign(d) * {abs_bin} AS hbin FROM {self.valid}")
-        buckets = ", ".join(f"count(*) FILTER (WHERE bucket = {k}), coalesce(sum(a) FILTER (WHERE bucket = {k}), 0)"
-                            for k in range(N_BUCKETS))
-        sums = self.con.execute(
-            f"SELECT step, count(*), sum(a), sum(exp(r) * abs(lin + ser)), sum(d), sum((lin - d) + ser), "
-            f"sum(lin) + sum(ser), sum((lin + ser) * (lin + ser)), count(*) FILTER (WHERE d < {log_lo!r} OR "
-            f"d > {log_hi!r}), max(d), min(d), max(exp(r) * abs(lin + ser)), "
-            f"count(*) FILTER (WHERE isfinite(w)), coalesce(sum(w) FILTER (WHERE isfinite(w)), 0), "
-            f"coalesce(sum(w * w) FILTER (WHERE isfinite(w)), 0), count(*) FILTER (WHERE w = 0), "
-            f"max(w) FILTER (WHERE isfinite(w)), min(w) FILTER (WHERE isfinite(w)), {buckets} "
-            f"FROM ({terms}) GROUP BY step ORDER BY step").fetchall()
-        hist = self.con.execute(f"SELECT step, hbin::BIGINT, count(*) FROM ({terms}) GROUP BY step, hbin").fetchall()
+        # Each per-token term once, in layers (a column of an inner query is computed once a row).
+        base = f"SELECT step, d, abs(d) AS a, r, least(greatest(d, {-bound!r}), {bound!r}) AS cl FROM {self.valid}"
+        terms = (f"SELECT step, d, a, r, {series} AS ser, {linear} AS lin, ({bucket}) AS bucket, exp(d) AS w, "
+                 f"({centre} + sign(d) * {abs_bin})::BIGINT AS hbin FROM ({base})")
+        terms = (f"SELECT step, d, a, bucket, hbin, ser, lin, lin + ser AS rm1, (lin - d) + ser AS k3, "
+                 f"exp(r) * abs(lin + ser) AS absp, CASE WHEN isfinite(w) THEN w END AS w FROM ({terms})")
+        rows = self.con.execute(
+            f"SELECT step, hbin, count(*), sum(a), sum(absp), sum(d), sum(k3), sum(lin), sum(ser), sum(rm1 * rm1), "
+            f"count(*) FILTER (WHERE d < {log_lo!r} OR d > {log_hi!r}), max(d), min(d), max(absp), count(w), "
+            f"coalesce(sum(w), 0), coalesce(sum(w * w), 0), count(*) FILTER (WHERE w = 0), max(w), min(w), "
+            f"min(a) FILTER (WHERE a > 0), count(*) FILTER (WHERE a = 0), bucket "
+            f"FROM ({terms}) GROUP BY step, hbin, bucket ORDER BY step, hbin, bucket").fetchall()
         seqs = self.sequences()
-        steps = np.array([row[0] for row in sums], dtype=np.int64)
-        states = []
         ninf = -math.inf
-        for row in sums:
-            step, n, a, abs_p, sum_d, k3, rho_m1, rho_m1_sq, outside, d_max, d_min, abs_p_max, is_n, is_w, is_w2, \
-                is_masked, w_max, w_min = row[:18]
-            bc = np.array(row[18::2], dtype=np.float64)
-            ba = np.array(row[19::2], dtype=np.float64)
+        acc: dict[int, dict] = {}
+        overall = {"d_min": math.inf, "d_max": ninf, "abs_min_pos": math.inf, "zeros": 0}
+        for row in rows:
+            step, hbin, n, a, abs_p, sum_d, k3, lin, ser, rho_m1_sq, outside, d_max, d_min, abs_p_max, is_n, is_w, \
+                is_w2, is_masked, w_max, w_min, a_min_pos, zeros = row[:22]
+            s = acc.get(step)
+            if s is None:
+                s = acc[step] = {
+                    "tokens": 0.0, "invalid": 0.0, "abs_d": 0.0, "abs_p": 0.0, "neg_d": 0.0, "k3": 0.0, "rho_m1": 0.0,
+                    "_lin": 0.0, "_ser": 0.0, "rho_m1_sq": 0.0, "outside": 0.0, "seqs": 0.0, "seq_log_ratio": 0.0,
+                    "is_tokens": 0.0, "is_w": 0.0, "is_w2": 0.0, "is_masked": 0.0, "hist": np.zeros(N_SIGNED_BINS),
+                    "bucket_count": np.zeros(N_BUCKETS), "bucket_abs": np.zeros(N_BUCKETS), "_d_max": ninf,
+                    "_d_min": math.inf, "abs_p_max": ninf, "is_w_max": ninf, "neg_is_w_min": ninf}
+            s["tokens"] += n
+            s["abs_d"] += a
+            s["abs_p"] += abs_p
+            s["seq_log_ratio"] += sum_d
+            s["k3"] += k3
+            s["_lin"] += lin
+            s["_ser"] += ser
+            s["rho_m1_sq"] += rho_m1_sq
+            s["outside"] += outside
+            s["is_tokens"] += is_n
+            s["is_w"] += is_w
+            s["is_w2"] += is_w2
+            s["is_masked"] += is_masked
+            s["hist"][hbin] += n
+            s["bucket_count"][row[22]] += n
+            s["bucket_abs"][row[22]] += a
+            s["_d_max"], s["_d_min"] = max(s["_d_max"], d_max), min(s["_d_min"], d_min)
+            s["abs_p_max"] = max(s["abs_p_max"], abs_p_max)
+            if w_max is not None:
+                s["is_w_max"], s["neg_is_w_min"] = max(s["is_w_max"], w_max), max(s["neg_is_w_min"], -w_min)
+            overall["d_min"], overall["d_max"] = min(overall["d_min"], d_min), max(overall["d_max"], d_max)
+            if a_min_pos is not None:
+                overall["abs_min_pos"] = min(overall["abs_min_pos"], a_min_pos)
+            overall["zeros"] += zeros
+            h = overall.setdefault("hbins", {}).setdefault(hbin, [0, math.inf, -math.inf])
+            h[0], h[1], h[2] = h[0] + n, min(h[1], d_min), max(h[2], d_max)
+        steps = np.array(sorted(acc), dtype=np.int64)
+        states = []
+        for step in steps:
+            s = acc[int(step)]
+            d_max, d_min = s.pop("_d_max"), s.pop("_d_min")
+            s["rho_m1"] = s.pop("_lin") + s.pop("_ser")
+            s["neg_d"] = -s["seq_log_ratio"]
             sel = seqs.step == step
-            states.append({
-                "tokens": float(n), "invalid": 0.0, "abs_d": float(a), "abs_p": float(abs_p), "neg_d": -float(sum_d),
-                "k3": float(k3), "rho_m1": float(rho_m1), "rho_m1_sq": float(rho_m1_sq), "outside": float(outside),
-                "seqs": float(sel.sum()), "seq_log_ratio": float(sum_d),
-                "is_tokens": float(is_n), "is_w": float(is_w), "is_w2": float(is_w2), "is_masked": float(is_masked),
-                "hist": np.zeros(N_SIGNED_BINS), "bucket_count": bc, "bucket_abs": ba,
-                "abs_d_max": max(float(d_max), -float(d_min)), "abs_p_max": float(abs_p_max),
-                "rho_m1_max": math.expm1(d_max), "neg_rho_m1_min": -math.expm1(d_min),
-                "seq_abs_max": float(np.abs(seqs.sum_d[sel]).max()) if sel.any() else ninf,
-                "is_w_max": ninf if w_max is None else float(w_max),
-                "neg_is_w_min": ninf if w_min is None else -float(w_min),
-            })
-        at = {int(s): i for i, s in enumerate(steps)}
-        for step, b, n in hist:
-            states[at[int(step)]]["hist"][int(b)] += n
+            s.update(seqs=float(sel.sum()), abs_d_max=max(d_max, -d_min), rho_m1_max=math.expm1(d_max),
+                     neg_rho_m1_min=-math.expm1(d_min),
+                     seq_abs_max=float(np.abs(seqs.sum_d[sel]).max()) if sel.any() else ninf)
+            states.append({k: (float(v) if not isinstance(v, np.ndarray) else v) for k, v in s.items()})
+        self._cache["overall"] = overall
         self._cache["states"] = (steps, states)
         return steps, states
+
+    def _overall(self) -> dict:
+        """Extremes over every valid row (from the per-step scan): d_min, d_max, abs_min_pos, zeros."""
+        self.step_states()
+        return self._cache["overall"]
 
     def sequences(self) -> Sequences:
         """Per sequence (step, rank, sequence order): its valid tokens and Σ_t d."""
@@ -400,47 +493,83 @@ class Dump:
         values beyond the edges in the end bins, as ``np.digitize`` then clip): tokens, Σ|d| and, with
         ``quantile``, that quantile of |d| in each bin of at least ``min_count`` tokens (NaN elsewhere)."""
         nb = len(edges) - 1
-        q = "least(greatest(-expm1(r), 1e-7), 1.0)"
-        idx = f"least(greatest({count_le('q', edges, _log_index('q', edges))} - 1, 0), {nb - 1})"
-        rel = f"SELECT {idx} AS g, abs(d) AS v FROM (SELECT {q} AS q, d FROM {self.valid})"
-        rows = self.con.execute(f"SELECT g, count(*), sum(v) FROM ({rel}) GROUP BY g").fetchall()
+        rel = f"SELECT least(greatest(-expm1(r), 1e-7), 1.0) AS q, abs(d) AS a FROM {self.valid}"
+        # One scan: per bin, a fine log histogram of |d| too (monotone in |d|, ~1 % wide), the quantile's first
+        # narrowing. The bins are checked against the exact edges as ``binned`` does; if a value lies within
+        # rounding of an edge, ``binned``'s exact path.
+        fast = _approx_bin("q", edges, True)
+        key = "(CASE WHEN a = 0 THEN 0 ELSE 70000 + floor(log2(a) * 64) END)::BIGINT"
+        fine = self.con.execute(f"SELECT {fast} AS b, {key} AS k, count(*), min(q), max(q), sum(a), min(a), max(a) "
+                                f"FROM ({rel}) GROUP BY b, k ORDER BY b, k").fetchall()
+        e = [float(x) for x in edges]
+        per_bin: dict = {}
+        for b, _, n, qlo, qhi, s, lo, hi in fine:
+            acc = per_bin.setdefault(b, [0, math.inf, -math.inf, 0.0, []])
+            acc[0] += n
+            acc[1], acc[2], acc[3] = min(acc[1], qlo), max(acc[2], qhi), acc[3] + s
+            acc[4].append((n, lo, hi))
+        exact = all((b == 0 or acc[1] >= e[b]) and (b == nb - 1 or acc[2] < e[b + 1]) for b, acc in per_bin.items())
+        bin_sql, initial = fast, {b: acc[4] for b, acc in per_bin.items()}
         count, total = np.zeros(nb, dtype=np.int64), np.zeros(nb)
-        for g, n, s in rows:
-            count[g], total[g] = n, s
+        if exact:
+            for b, acc in per_bin.items():
+                count[b], total[b] = acc[0], acc[3]
+            stats = {b: (acc[0], min(p[1] for p in acc[4]), max(p[2] for p in acc[4])) for b, acc in per_bin.items()}
+        else:
+            bin_sql, rows = binned(self.con, rel, "q", edges, True, ("sum(a)", "min(a)", "max(a)"), clip=True)
+            stats, initial = {}, None
+            for b, n, _, _, s, lo, hi in rows:
+                count[b], total[b], stats[b] = n, s, (n, lo, hi)
         out = {"count": count, "sum": total}
         if quantile is not None:
             qs = np.full(nb, np.nan)
             wanted = {g: (int(count[g]), (quantile,)) for g in range(nb) if count[g] >= min_count}
-            for (g, _), v in quantiles_of(self.con, rel, wanted).items():
+            found = quantiles_of(self.con, f"SELECT {bin_sql} AS g, a AS v FROM ({rel})", wanted, stats,
+                                 initial and {g: initial[g] for g in wanted})
+            for (g, _), v in found.items():
                 qs[g] = v
             out["quantile"] = qs
         return out
 
     def abs_range(self) -> tuple[float | None, float | None, int]:
         """(smallest |d| > 0, largest |d|, tokens with d exactly 0); None without such tokens."""
-        lo, hi, zeros = self.con.execute(f"SELECT min(abs(d)) FILTER (WHERE d <> 0), max(abs(d)), "
-                                         f"count(*) FILTER (WHERE d = 0) FROM {self.valid}").fetchone()
-        return lo, hi, int(zeros)
+        o = self._overall()
+        hi = max(o["d_max"], -o["d_min"]) if self.size else None
+        return (None if math.isinf(o["abs_min_pos"]) else o["abs_min_pos"]), hi, int(o["zeros"])
 
     def abs_histogram(self, edges) -> np.ndarray:
-        """``np.histogram(|d|[|d| > 0], edges)`` counts (log-spaced edges)."""
-        b = histogram_bin("abs(d)", edges, log=True)
-        return self._counts(f"SELECT {b} AS b FROM {self.valid} WHERE d <> 0", len(edges) - 1)
+        """``np.histogram(|d|[|d| > 0], edges)`` counts (log-spaced edges holding every |d| > 0)."""
+        _, rows = binned(self.con, f"SELECT abs(d) AS a FROM {self.valid} WHERE d <> 0", "a", edges, True)
+        counts = np.zeros(len(edges) - 1, dtype=np.int64)
+        for b, n, *_ in rows:
+            counts[b] += n
+        return counts
 
     def d_range(self) -> tuple[int, float, float]:
-        n, lo, hi = self.con.execute(f"SELECT count(*), min(d), max(d) FROM {self.valid}").fetchone()
-        return int(n), lo, hi
+        o = self._overall()
+        return (self.size, o["d_min"], o["d_max"]) if self.size else (0, None, None)
 
     def rho_histogram(self, edges, log: bool, lo_d: float, hi_d: float) -> tuple[np.ndarray, int, int]:
         """(``np.histogram`` counts of ρ = exp(d) on ``edges`` of the tokens with lo_d <= d <= hi_d (ρ held
         inside the edges), tokens with d below lo_d, above hi_d)."""
         lo, hi = _literal(lo_d), _literal(hi_d)
+        nb = len(edges) - 1
         rho = f"least(greatest(exp(d), {_literal(edges[0])}), {_literal(edges[-1])})"
-        b = histogram_bin("rho", edges, log=log)
-        counts = self._counts(f"SELECT {b} AS b FROM (SELECT {rho} AS rho FROM {self.valid} "
-                              f"WHERE d >= {lo} AND d <= {hi})", len(edges) - 1)
-        below, above = self.con.execute(f"SELECT count(*) FILTER (WHERE d < {lo}), count(*) FILTER "
-                                        f"(WHERE d > {hi}) FROM {self.valid}").fetchone()
+        below, above = 0, 0
+        side = f"(CASE WHEN d < {lo} THEN -1 WHEN d > {hi} THEN {nb} ELSE NULL END)"
+        _, rows = binned(self.con, f"SELECT {rho} AS rho FROM {self.valid} WHERE d >= {lo} AND d <= {hi}", "rho",
+                         edges, log)
+        counts = np.zeros(nb, dtype=np.int64)
+        for b, n, *_ in rows:
+            counts[b] += n
+        o = self._overall()
+        outside = [] if lo_d <= o["d_min"] and hi_d >= o["d_max"] else self.con.execute(
+            f"SELECT {side} AS s, count(*) FROM {self.valid} WHERE d < {lo} OR d > {hi} GROUP BY s").fetchall()
+        for b, n in outside:
+            if b < 0:
+                below = n
+            else:
+                above = n
         return counts, int(below), int(above)
 
     def position_profile(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -448,13 +577,6 @@ class Dump:
         t = self.con.execute(f"SELECT position, count(*) AS n, sum(abs(d)) AS s FROM {self.valid} GROUP BY position "
                              "ORDER BY position").fetch_arrow_table()
         return t.column("position").to_numpy(), t.column("n").to_numpy(), t.column("s").to_numpy()
-
-    def _counts(self, relation: str, nb: int) -> np.ndarray:
-        counts = np.zeros(nb, dtype=np.int64)
-        for b, n in self.con.execute(f"SELECT b, count(*) FROM ({relation}) GROUP BY b").fetchall():
-            if 0 <= b < nb:
-                counts[b] += n
-        return counts
 
     # ----------------------------------------------------------------------------------- largest disagreements
     def largest_disagreements(self, n: int, context: int) -> list[dict]:

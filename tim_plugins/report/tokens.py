@@ -109,7 +109,15 @@ def rho_source(dumps: dict):
     if any(t.con is not con for t in items):
         raise ValueError("rho_source: the dumps must be opened on one engine (report.query.engine)")
     pooled = " UNION ALL ".join(f"SELECT 0 AS g, d AS v FROM {t.valid}" for t in items)
-    q = quantiles_of(con, pooled, {0: (n, RHO_QUANTILES)})
+    dmin, dmax = min(r[1] for r in ranges if r[0]), max(r[2] for r in ranges if r[0])
+    # the monitor's signed log histogram of d (per-step scan) as the first narrowing
+    hbins: dict = {}
+    for t in items:
+        for b, (c, lo, hi) in t._overall().get("hbins", {}).items():
+            h = hbins.setdefault(b, [0, math.inf, -math.inf])
+            h[0], h[1], h[2] = h[0] + c, min(h[1], lo), max(h[2], hi)
+    initial = {0: [tuple(hbins[b]) for b in sorted(hbins)]}
+    q = quantiles_of(con, pooled, {0: (n, RHO_QUANTILES)}, {0: (n, dmin, dmax)}, initial)
 
     def counts(edges, log, lo_d, hi_d):
         out, below, above = {}, 0, 0
@@ -118,8 +126,7 @@ def rho_source(dumps: dict):
             below, above = below + b, above + a
         return out, below, above
 
-    return RhoSource(n, min(r[1] for r in ranges if r[0]), max(r[2] for r in ranges if r[0]),
-                     q[(0, RHO_QUANTILES[0])], q[(0, RHO_QUANTILES[1])], counts, tuple(dumps))
+    return RhoSource(n, dmin, dmax, q[(0, RHO_QUANTILES[0])], q[(0, RHO_QUANTILES[1])], counts, tuple(dumps))
 
 
 def position_profiles(dumps: dict) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:

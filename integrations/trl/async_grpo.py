@@ -84,7 +84,6 @@ class AsyncAttachment:
         self.versions: OrderedDict = OrderedDict()  # id(old_log_probs) -> (old_log_probs, model_version)
         self.synced_at: dict[int, int] = {}  # model_version -> global step whose weights it carries
         self.lengths = torch.zeros(2, dtype=torch.float64)  # this step's (trained tokens, samples), this rank
-        self.unknown = torch.zeros((), dtype=torch.long)  # this step's tokens of unknown lag, this rank
         self._thread: int | None = None  # the thread whose train() runs with the patches (its collator packs)
 
     def before_train(self) -> list:
@@ -135,15 +134,10 @@ class AsyncAttachment:
 
     # -------------------------------------------------------------------------------------------- every rank
     def end_step(self, length: bool) -> float:
-        """Close this rank's optimizer step: count its tokens of unknown lag (one host read per step, not per loss
-        call) and, with ``length``, return the mean trained tokens per sample over the step's loss calls on every
-        rank (the LR decay's length signal; a collective: every rank calls it); NaN without ``length``."""
-        unknown = int(self.unknown)
-        if unknown:
-            self.cb.pipeline.count("async_lag_unknown", unknown,
-                                   detail="tokens whose sample's policy version was not seen (synced before this run)")
+        """Close this rank's optimizer step: with ``length``, the mean trained tokens per sample over the step's loss
+        calls on every rank (the LR decay's length signal; a collective: every rank calls it); NaN without."""
         mean = exact_mean(self.lengths) if length else math.nan
-        self.lengths, self.unknown = torch.zeros_like(self.lengths), torch.zeros_like(self.unknown)
+        self.lengths = torch.zeros_like(self.lengths)
         return mean
 
     def _wrap_loss(self, original):
@@ -178,11 +172,8 @@ class AsyncAttachment:
         per_sample = rows["mask"].sum(1)
         self.lengths = self.lengths.to(per_sample.device) + torch.stack(
             [per_sample.sum(), (per_sample > 0).sum()]).double()
-        weights_step = rows["weights_step"]
-        known = rows["mask"] & (weights_step >= 0)
-        self.unknown = self.unknown.to(known.device) + (rows["mask"] & ~known).sum()
-        lag = (step - weights_step).clamp(min=0)
-        turn = turn_keys(rows["mask"])
-        pipeline.measure(rows["rollout"], rows["current"], known & (lag == 0), token_ids=rows["token_ids"],
-                         step=step + 1, turn=turn)
-        pipeline.loss_pass(rows["rollout"], None, rows["current"], known, lag=lag)
+        weights_step = rows["weights_step"]  # -1: the sample's policy version was not seen (synced before this run)
+        lag = torch.where(weights_step >= 0, (step - weights_step).clamp(min=0), -1)
+        pipeline.measure_lagged(rows["rollout"], rows["current"], rows["mask"], lag, token_ids=rows["token_ids"],
+                                step=step + 1, turn=turn_keys(rows["mask"]))
+        pipeline.loss_pass_lagged(rows["rollout"], rows["current"], rows["mask"], lag)

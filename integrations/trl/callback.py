@@ -175,9 +175,8 @@ class TIMCallback(TrainerCallback):
         for name in features.ASYNC_UNSUPPORTED:
             if getattr(config, name) not in (False, None):
                 self._available(features.async_unsupported(name))
-        pipeline_config = translate.pipeline_config(trainer, config, "vllm", safe_vocab=False, loss_factor=False)
-        pipeline_config.exact_split = False  # no π_old: the split is by lag
-        return pipeline_config
+        return translate.pipeline_config(trainer, config, "vllm", safe_vocab=False, loss_factor=False,
+                                         asynchronous=True)
 
     def _available(self, status: Status) -> bool:
         """True when ``status`` is available; else the feature is switched off with one warning (strict: raise)."""
@@ -391,7 +390,8 @@ class TIMCallback(TrainerCallback):
                 step=self.trainer.state.global_step + 1, turn=turn)
             if weights is not None:
                 inputs["tim_weights"] = weights  # for this batch's later passes (num_iterations > 1)
-        boundary = safe.in_safe if safe is not None and self.config.mask_boundary_tokens else None
+        # the pipeline's setting, not TIMConfig's: it is off where the loss factor's hook moved (features.LOSS_FACTOR)
+        boundary = safe.in_safe if safe is not None and self.pipeline.config.mask_boundary else None
         factor = self.pipeline.loss_factor(mask, boundary, inputs.get("tim_weights"))
         if factor is not None:
             self._call.restore.update(translate.scale_policy_term(inputs, factor, mask, self.trainer.loss_type))

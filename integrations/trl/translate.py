@@ -10,7 +10,8 @@ import logging
 import torch
 
 from tim_plugins.by_key import lag_keys
-from tim_plugins.pipeline import PipelineConfig
+from tim_plugins.pipeline import PipelineConfig, TrainingSetup, old_logprobs
+from tim_plugins.pipeline import pipeline_config as core_pipeline_config
 from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
@@ -88,7 +89,8 @@ def safe_truncation(trainer, config: TIMConfig) -> Truncation:
 
 # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_p, top_k, min_p, repetition_penalty,
 # use_vllm, vllm_importance_sampling_correction; features.EXACT_SAMPLER, features.LOSS_FACTOR)
-def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool) -> PipelineConfig:
+def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool,
+                    asynchronous: bool = False) -> PipelineConfig:
     """TIMConfig (+ the trainer's settings and what the installed TRL supports) -> the core pipeline's configuration;
     fails early on what TRL cannot combine."""
     if source == "exact":
@@ -99,23 +101,21 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
             raise ValueError(
                 f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}: switch "
                 "those off (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for exact rollouts.")
-    correction = None
-    if config.is_correction is not None and loss_factor:
-        if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-            raise ValueError(
-                f"TIMConfig.is_correction={config.is_correction!r} with vLLM rollouts while TRL's own correction is "
-                "on (GRPOConfig.vllm_importance_sampling_correction=True): pick one. Set "
-                "vllm_importance_sampling_correction=False to use ours, or is_correction=None to keep TRL's.")
-        correction = config.is_correction_options
-    args = trainer.args
-    return PipelineConfig(
+    if config.is_correction is not None and loss_factor and trainer.use_vllm \
+            and trainer.vllm_importance_sampling_correction:
+        raise ValueError(
+            f"TIMConfig.is_correction={config.is_correction!r} with vLLM rollouts while TRL's own correction is "
+            "on (GRPOConfig.vllm_importance_sampling_correction=True): pick one. Set "
+            "vllm_importance_sampling_correction=False to use ours, or is_correction=None to keep TRL's.")
+    return core_pipeline_config(
         monitor=config.monitor, ratio_band=config.ratio_band, safe_vocab=safe_vocab,
-        mask_boundary=config.mask_boundary_tokens and loss_factor, correction=correction,
+        mask_boundary=config.mask_boundary_tokens,
+        correction=config.is_correction_options if config.is_correction is not None else None,
         lr_decay=config.lr_decay_options if config.lr_decay else None,
         probe=config.parity_probe_options if config.parity_probe else None,
-        dump=config.dump_options if config.dump_dir else None,
-        staleness=config.monitor, by_position=config.monitor, by_turn=config.monitor, strict=config.strict,
-        histograms=config.log_histograms and "wandb" in (args.report_to or []))
+        dump=config.dump_options if config.dump_dir else None, strict=config.strict,
+        histograms=config.log_histograms and "wandb" in (trainer.args.report_to or []),
+        setup=TrainingSetup(asynchronous=asynchronous, multi_turn=True, loss_factor=loss_factor))
 
 
 def response_mask(batch: dict) -> torch.Tensor:
@@ -158,7 +158,7 @@ def map_safe_calls(arguments: dict, calls: list[SafeLogprobs]) -> SafeLogprobs |
         lm = _label_mask(input_ids[start:end], attention_mask[start:end], keep).to(call.in_safe.device)
         if call.in_safe.numel() == lm.numel():  # every position scored
             fields = tuple(x.view(lm.shape) for x in fields)
-        elif call.in_safe.numel() == int(lm.sum()):  # only the labelled positions
+        elif call.in_safe.numel() < lm.numel():  # only the labelled positions (their count: a host read per chunk)
             fields = tuple(x.new_zeros(lm.shape).masked_scatter(lm, x) for x in fields)
         else:
             return None
@@ -226,11 +226,10 @@ def loss_pass_inputs(inputs: dict, current: torch.Tensor, step: int):
     rollout = inputs.get("sampling_per_token_logps")
     if rollout is None:
         return None
-    old, generated_at = inputs.get("old_per_token_logps"), inputs.get("tim_generated_at")
-    if old is None:
-        old = current
-    elif generated_at is not None:  # per row, without a host sync: rows sampled at this step are pi_theta itself
-        old = torch.where((generated_at == step).view(-1, 1), current, old)
+    generated_at = inputs.get("tim_generated_at")
+    # rows sampled at this step have seen no optimizer step: per row, without a host sync
+    fresh = (generated_at == step) if generated_at is not None else False
+    old = old_logprobs(current, inputs.get("old_per_token_logps"), fresh)
     lag = lag_keys(step, generated_at, current.shape) if generated_at is not None else None
     return rollout, old, lag
 

@@ -51,10 +51,14 @@ def stock_vs_tim(model_path: str, *, tp: int) -> dict:
     try:
         monitored = H.old_log_probs_padded(H.infer(ours, td), td)
         metrics = ours.tim_pop_metrics()
+        # the training pass of the same batch: the split of log pi_theta - log pi_rollout (tim/staleness, tim/by_lag)
+        out, _ = H.train_step(ours, td, monitored)
+        split = ours.tim_pop_metrics()
     finally:
         ours.tim_deconfigure()
     result["monitor"] = {"plain": plain, "old": monitored, "metrics": metrics, "holds": ours._tim_holds_outputs(),
-                         "rollout": raw["rollout_log_probs"], "mask": raw["response_mask"]}
+                         "rollout": raw["rollout_log_probs"], "mask": raw["response_mask"], "split": split,
+                         "pg_loss": H.tensors_of(out)["actor/pg_loss"]}
     return result
 
 

@@ -114,10 +114,24 @@ def _assert_monitor(metrics, ref):
     assert metrics["tim/token/kl_k3"] == pytest.approx(ref["verl_k3"], rel=1e-6)  # verl's rollout_corr/k3_kl
 
 
+def _assert_split(mon):
+    """The training pass right after the old-log-prob pass (no update since the rollout): pi_old is pi_theta, so the
+    staleness part is exactly 0 and every trained token is at lag 0, where the log-ratio is the mismatch the monitor
+    measured on the same tokens."""
+    split, ref = mon["split"], _reference(mon["old"], mon["rollout"], mon["mask"])
+    assert split["tim/by_lag/0/count"] == ref["tim/tokens"] == split["tim/staleness/tokens"]
+    assert split["tim/staleness/token/abs_diff_max"] == 0.0
+    assert split["tim/by_lag/0/kl_k3"] == pytest.approx(ref["tim/token/kl_k3"], rel=1e-6)
+    d = (mon["old"].double() - mon["rollout"].double())[mon["mask"].bool()]
+    assert split["tim/split/staleness_mean"] == 0.0
+    assert split["tim/split/mismatch_mean"] == pytest.approx(float(d.mean()), rel=1e-6)
+
+
 def test_monitor_keeps_verl_numerics_and_equals_references_tp1(tp1):
     mon = tp1["monitor"]
     assert mon["holds"] and torch.equal(mon["old"], mon["plain"])
     _assert_monitor(mon["metrics"], _reference(mon["old"], mon["rollout"], mon["mask"]))
+    _assert_split(mon)
 
 
 def test_monitor_from_the_output_rank_tp2(two_ranks):
@@ -126,6 +140,8 @@ def test_monitor_from_the_output_rank_tp2(two_ranks):
     assert other["metrics"] == {}  # TP rank 1 measures nothing and reports nothing
     assert torch.equal(src["old"], src["plain"])
     _assert_monitor(src["metrics"], _reference(src["old"], src["rollout"], src["mask"]))
+    _assert_split(src)
+    assert other["split"] == {} and other["pg_loss"] == src["pg_loss"]
 
 
 def test_monitor_merges_exactly_over_data_parallel_ranks(two_ranks):

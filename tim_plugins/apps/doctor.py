@@ -27,6 +27,8 @@ PACKAGES = (("torch", "torch"), ("transformers", "transformers"), ("trl", "trl")
 _ADAPTERS = (
     ("TRL", "tim_plugins.integrations.trl.features", "trl_features", ("transformers",)),
     ("verl", "tim_plugins.integrations.verl.features", "verl_features", ()),
+    # verl's Megatron backend: off, with the import error, where megatron-core is not installed
+    ("verl Megatron", "tim_plugins.integrations.verl.features", "megatron_features", ("verl",)),
     ("vLLM", "tim_plugins.integrations.vllm.features", "vllm_features", ()),
 )
 # The features whose availability means "the monitor can attach here".

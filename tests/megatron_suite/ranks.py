@@ -5,7 +5,8 @@ process with verl and megatron-core takes ~20 s to start on the 2-core machine).
 
     RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --out DIR
 
-Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "dp2": ...}``) to ``--out``. Started by the test, never
+Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "dp2": ...}``) to ``--out``, and the TP2 run's per-token dump
+to ``--out``/dump_tp2. Started by the test, never
 collected by pytest (no ``test_`` prefix).
 """
 
@@ -37,7 +38,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     H.init_dist(rank=rank, world=world, port=int(os.environ["MASTER_PORT"]))
-    result = {"tp2": scenarios.stock_vs_tim(args.model, tp=world)}
+    result = {"tp2": scenarios.stock_vs_tim(args.model, tp=world, dump_dir=os.path.join(args.out, "dump_tp2"))}
     scenarios.reset_parallel_state()
     result["dp2"] = scenarios.dp_monitor(args.model, rank=rank, world=world)
     torch.save(result, os.path.join(args.out, f"rank{rank}.pt"))

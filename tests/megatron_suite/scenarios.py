@@ -30,10 +30,11 @@ def _run(engine, seeds) -> dict:
     return {"steps": steps, "params": H.params_of(engine)}
 
 
-def stock_vs_tim(model_path: str, *, tp: int) -> dict:
+def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str) -> dict:
     """The engine verl's registry picks (ours) and verl's own ``MegatronEngineWithLMHead``, built alike from the same
-    checkpoint, trained alike: two PPO steps each. Then ours with the monitor on, on a third batch: its old log-probs
-    (configured and not), its metrics, whether this rank holds Megatron's outputs, and the batch's tensors."""
+    checkpoint, trained alike: two PPO steps each. Then ours with the monitor and the per-token dump (every sequence,
+    to ``dump_dir``) on, on a third batch: its old log-probs (configured and not), its metrics, whether this rank
+    holds Megatron's outputs, the batch's tensors, and the training pass's split."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     from tim_plugins.integrations.verl.config import TIMVerlConfig
@@ -47,7 +48,7 @@ def stock_vs_tim(model_path: str, *, tp: int) -> dict:
     ours = engines["ours"]
     td, raw = H.make_batch(H.VOCAB, batch=4, seed=MONITOR_SEED)
     plain = H.old_log_probs_padded(H.infer(ours, td), td)
-    ours.tim_configure(TIMVerlConfig.from_node(MONITOR))
+    ours.tim_configure(TIMVerlConfig.from_node({**MONITOR, "dump": {"dir": dump_dir, "sample_rate": 1.0}}))
     try:
         monitored = H.old_log_probs_padded(H.infer(ours, td), td)
         metrics = ours.tim_pop_metrics()

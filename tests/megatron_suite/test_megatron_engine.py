@@ -28,8 +28,9 @@ RANKS_TIMEOUT_S = 900  # two processes: ~70 s on an idle 2-core machine
 
 
 @pytest.fixture(scope="module")
-def tp1(one_rank, tiny_qwen2):
-    return scenarios.stock_vs_tim(tiny_qwen2, tp=1)
+def tp1(one_rank, tiny_qwen2, tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp("dump_tp1")
+    return {**scenarios.stock_vs_tim(tiny_qwen2, tp=1, dump_dir=str(dump_dir)), "dump_dir": dump_dir}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def two_ranks(tiny_qwen2, tmp_path_factory):
                 os.killpg(proc.pid, 9)
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}
+    return {**{r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, "dump_dir": out / "dump_tp2"}
 
 
 def _assert_stock(result):
@@ -142,6 +143,26 @@ def test_monitor_from_the_output_rank_tp2(two_ranks):
     _assert_monitor(src["metrics"], _reference(src["old"], src["rollout"], src["mask"]))
     _assert_split(src)
     assert other["split"] == {} and other["pg_loss"] == src["pg_loss"]
+
+
+def _assert_dump(dump_dir, mon):
+    """One dump file for the step, from the output-holding rank (data-parallel rank 0): every measured token, with
+    the log-probs verl returned and the batch's rollout log-probs."""
+    import pyarrow.parquet as pq
+
+    assert sorted(p.name for p in dump_dir.iterdir()) == ["step_00000000-rank_0000.parquet"]
+    table = pq.read_table(dump_dir / "step_00000000-rank_0000.parquet").to_pydict()
+    mask = mon["mask"].bool()
+    assert len(table["position"]) == int(mask.sum())
+    rows, cols = torch.tensor(table["sequence"]), torch.tensor(table["position"])
+    assert torch.equal(torch.tensor(table["train_logprob"]), mon["old"].float()[rows, cols])
+    assert torch.equal(torch.tensor(table["rollout_logprob"]), mon["rollout"].float()[rows, cols])
+    assert bool(mask[rows, cols].all())
+
+
+def test_dump_holds_the_measured_tokens_once_tp1_and_tp2(tp1, two_ranks):
+    _assert_dump(tp1["dump_dir"], tp1["monitor"])
+    _assert_dump(two_ranks["dump_dir"], two_ranks[0]["tp2"]["monitor"])  # TP rank 1 wrote nothing
 
 
 def test_monitor_merges_exactly_over_data_parallel_ranks(two_ranks):

@@ -16,8 +16,9 @@ No verl object is patched. What is Megatron's own here:
   (``is_mp_src_rank_with_outputs``: TP rank 0, last stage, CP rank 0) measures, merges over its data-parallel group
   (``mpu.get_data_parallel_group()``: the ranks with the same TP/PP/CP coordinates) and reports; the others measure
   nothing (one dump file per data-parallel rank, not one per TP rank).
-* the settings it refuses (``_tim_check_config``): the safe vocabulary (its tensor-parallel form is not written yet)
-  and the LR decay (Megatron's optimizer and ``OptimizerParamScheduler`` are not the FSDP route's).
+* the settings it refuses (``_tim_check_config``): the safe vocabulary (its tensor-parallel form is not written yet),
+  the LR decay (Megatron's optimizer and ``OptimizerParamScheduler`` are not the FSDP route's) and dynamic context
+  parallelism. Static context parallelism: CP rank 0 measures, its data-parallel group holds only CP-rank-0 ranks.
 The mixin's overrides call the parent's: the merge after a forward-only pass
 (VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.forward_backward_batch), over the
 data-parallel group (VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.get_data_parallel_group),
@@ -46,6 +47,14 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         return bool(self.is_mp_src_rank_with_outputs())
 
     def _tim_check_config(self, config: TIMVerlConfig) -> None:
+        # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.is_mp_src_rank_with_outputs
+        # (under dynamic CP one rank of the whole DPxCP plane holds the outputs: its merge would wait for the others)
+        if self.engine_config.dynamic_context_parallel:
+            raise ValueError(
+                "actor_rollout_ref.actor.megatron.dynamic_context_parallel=True with a tim trainer mode: the tim "
+                "engine does not support Megatron's dynamic context parallelism (one rank of the whole data x "
+                "context plane holds the outputs). Fix: actor_rollout_ref.actor.megatron.dynamic_context_parallel="
+                "False")
         if config.safe_vocab.enabled:
             raise ValueError(
                 f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with actor strategy megatron: the safe vocabulary "

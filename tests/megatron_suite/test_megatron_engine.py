@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -178,7 +179,7 @@ def test_monitor_merges_exactly_over_data_parallel_ranks(two_ranks):
     _assert_monitor(ranks[0]["metrics"], ref)
 
 
-def test_settings_the_megatron_engine_cannot_honour_fail_early(tp1, tiny_qwen2):
+def test_settings_the_megatron_engine_cannot_honour_fail_early(tp1, tiny_qwen2, monkeypatch):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 
     engine = H.build_engine(tiny_qwen2)
@@ -186,4 +187,9 @@ def test_settings_the_megatron_engine_cannot_honour_fail_early(tp1, tiny_qwen2):
         engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.05}}))
     with pytest.raises(ValueError, match=r"tim.lr_decay.enable=true with actor strategy megatron.*Fix: "):
         engine.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True}}))
+    # verl's engine config is frozen: the check reads this one field before anything else
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "engine_config", types.SimpleNamespace(dynamic_context_parallel=True))
+        with pytest.raises(ValueError, match=r"dynamic_context_parallel=True with a tim trainer mode.*Fix: "):
+            engine.tim_configure(TIMVerlConfig.from_node(scenarios.MONITOR))
     assert not engine.tim_active

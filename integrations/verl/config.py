@@ -102,6 +102,8 @@ class ActorContext:
     multi_turn: bool = False  # rollout.multi_turn.enable: tool / user messages in the response, response_mask 0
     asynchronous: bool = False  # an asynchronous trainer mode: each sample carries its policy lag (LAG_FIELD)
     features_off: tuple = ()  # verl features switched off on the driver (an upstream hook moved)
+    top_p: float = 1.0  # rollout.top_p: the sampler's nucleus, which the safe vocabulary applies on the trainer side
+    top_k: int = -1  # rollout.top_k (-1 / 0: off), likewise
 
     NODE = "tim_context"
 
@@ -120,7 +122,30 @@ class ActorContext:
         bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
         if bad:
             raise ValueError(f"tim-plugins: actor_rollout_ref.{cls.NODE} has non-boolean flags {bad}")
-        return cls(**flags, features_off=tuple(str(x) for x in data.get("features_off") or ()))
+        sampler = {k: data[k] for k in ("top_p", "top_k") if k in data}
+        return cls(**flags, **sampler, features_off=tuple(str(x) for x in data.get("features_off") or ()))
+
+    @classmethod
+    def from_config(cls, config, *, asynchronous: bool, features_off: tuple = ()) -> "ActorContext":
+        """The driver's reading of a composed ``ppo_trainer`` config."""
+        arr = config.actor_rollout_ref
+        rollout = arr.rollout
+        return cls(
+            bypass_mode=bool((config.get("algorithm", {}).get("rollout_correction") or {}).get("bypass_mode", False)),
+            # verl's multi-turn agent loop writes tool/user messages into the response with response_mask 0
+            multi_turn=bool((rollout.get("multi_turn") or {}).get("enable", False)),
+            asynchronous=asynchronous, features_off=tuple(features_off),
+            # what the agent loop sends vLLM with every request (temperature, top_p, top_k):
+            # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences
+            top_p=float(rollout.get("top_p", 1.0) if rollout.get("top_p") is not None else 1.0),
+            top_k=int(rollout.get("top_k", -1) if rollout.get("top_k") is not None else -1))
+
+    def truncation(self, min_p: float):
+        """The sampler's whole rule (``tim_plugins.truncation.Truncation``, vLLM's order: min_p, top_k, top_p) on
+        logits the engine has already divided by the temperature."""
+        from tim_plugins.truncation import Truncation
+
+        return Truncation(min_p=float(min_p), top_p=self.top_p, top_k=self.top_k, temperature=1.0, order="vllm")
 
     @property
     def setup(self) -> TrainingSetup:
@@ -369,10 +394,6 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"actor_rollout_ref.actor.optim.optimizer=AdamW")
     if tim.safe_vocab.enabled:
         rollout = arr.rollout
-        if arr.model.get("use_fused_kernels", False) or arr.actor.get("use_fused_kernels", False):
-            problems.append(
-                "actor_rollout_ref.model.use_fused_kernels=True: fused kernels return log-probs without logits, so "
-                "the safe vocabulary cannot be applied. Fix: actor_rollout_ref.model.use_fused_kernels=false")
         if rollout.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
             problems.append(
                 f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r}: pruning needs log-probs "

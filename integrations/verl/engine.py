@@ -27,7 +27,8 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from tim_plugins.safe_vocab import safe_logprobs_from_logits
+from tim_plugins.patching import Patch
+from tim_plugins.safe_vocab import safe_linear_logprobs, safe_logprobs_from_logits
 
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
 from .engine_mixin import TIMEngineMixin, padded_response
@@ -42,10 +43,12 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
     def _tim_check_config(self, config: TIMVerlConfig) -> None:
         # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead (engine_config, model_config,
         # optimizer attributes)
-        if config.safe_vocab.enabled and (self.engine_config.use_fused_kernels or self.model_config.use_fused_kernels):
+        fused = self.engine_config.use_fused_kernels or self.model_config.use_fused_kernels
+        if config.safe_vocab.enabled and fused and not hasattr(self._tim_lm_model(), "lm_head"):
             raise ValueError(
-                f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True: fused kernels return "
-                "log-probs without logits, so the safe vocabulary cannot be applied. Fix: "
+                f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True on "
+                f"{type(self._tim_lm_model()).__name__}, which has no lm_head: the safe vocabulary's fused head "
+                "needs the model's final hidden states and lm_head weight. Fix: "
                 "actor_rollout_ref.model.use_fused_kernels=false")
         if config.lr_decay.enable and not hasattr(self.optimizer, "tim_configure"):
             raise ValueError(
@@ -91,15 +94,18 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
     # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_outputs
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-        if self._tim is None or not self._tim.safe_vocab.enabled or "log_probs" not in model_output:
+        if self._tim is None or self._tim_truncation is None or "log_probs" not in model_output:
             return model_output
-        # VERL_SOURCES verl.utils.tensordict_utils:get_non_tensor_data (use_fused_kernels)
-        if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
-            raise ValueError("tim.safe_vocab needs logits; set actor_rollout_ref.model.use_fused_kernels=false")
+        if isinstance(output, _SafeFusedOutput):  # the fused head below computed them: the parent has laid them out
+            fields = {k: output.safe[k] for k in ("in_safe", "pruned_mass", "size")}
+            self._tim_mb = {k: self._tim_as_nested(v, output_args, micro_batch, packed=output.packed)
+                            for k, v in fields.items()}
+            return model_output
         want_entropy = "entropy" in model_output
         logits, labels, packed = self._flat_scaled_logits(output, output_args, micro_batch)
+        t = self._tim_truncation
         # the labels are the model's own input ids: no host read to range-check them per micro-batch
-        res = safe_logprobs_from_logits(logits, labels, min_p=self._tim.safe_vocab.min_p,
+        res = safe_logprobs_from_logits(logits, labels, min_p=t.min_p, top_p=t.top_p, top_k=t.top_k, order=t.order,
                                         compute_entropy=want_entropy, check_ids=False)
         fields = {"log_probs": res.logprobs, "in_safe": res.in_safe, "pruned_mass": res.pruned_mass,
                   "size": res.size}
@@ -118,11 +124,86 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         self._tim_mb = {k: nested[k] for k in ("in_safe", "pruned_mass", "size")}
         return model_output
 
+    def _tim_as_nested(self, value: torch.Tensor, output_args, micro_batch, *, packed: bool) -> torch.Tensor:
+        """A per-position output of the model ([1, N + pad] packed, [B, L] padded) as the parent lays its log-probs
+        out: jagged nested on the input ids."""
+        input_ids = micro_batch["input_ids"]
+        if packed:
+            # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine._gather_and_unpad_packed
+            value = self._gather_and_unpad_packed(value.squeeze(0), output_args["pad_size"])
+        else:  # each row's first len(row) positions, without a host read of the lengths
+            offsets = input_ids.offsets()
+            total = input_ids.values().shape[0]
+            rows = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device), offsets.diff(),
+                                           output_size=total)
+            value = value[rows, torch.arange(total, device=offsets.device) - offsets[:-1][rows]]
+        return torch.nested.nested_tensor_from_jagged(value, input_ids.offsets())
+
+    def _tim_lm_model(self):
+        """The transformers model inside the FSDP wrapping (FSDP2 wraps in place; FSDP1 holds it in
+        ``_fsdp_wrapped_module``): the object whose ``forward`` verl's fused kernels replaced."""
+        return getattr(self.module, "_fsdp_wrapped_module", self.module)
+
     # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.forward_step
     def forward_step(self, micro_batch, loss_function, forward_only):
         if self._tim is None:
             return super().forward_step(micro_batch, loss_function, forward_only)
         self._tim_mb = None
-        loss, output = super().forward_step(micro_batch, self._tim_wrap_loss(loss_function), forward_only)
+        head = None
+        # VERL_SOURCES verl.utils.tensordict_utils:get_non_tensor_data (use_fused_kernels, calculate_entropy)
+        if self._tim_truncation is not None and tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
+                                                                       default=False):
+            # the model's fused forward for this call only (an instance attribute over verl's class-level patch):
+            # the safe vocabulary's chunked head instead of verl's FusedLinearForPPO
+            want_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+            use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+            head = Patch(self._tim_lm_model(), "forward", lambda _: _SafeFusedForward(
+                self._tim_lm_model(), self._tim_truncation, want_entropy, packed=use_remove_padding))
+        try:
+            loss, output = super().forward_step(micro_batch, self._tim_wrap_loss(loss_function), forward_only)
+        finally:
+            if head is not None:
+                head.undo()
         self._tim_after_forward(micro_batch, output["model_output"], forward_only)
         return loss, output
+
+
+class _SafeFusedOutput(dict):
+    """What ``_SafeFusedForward`` returns: the fields verl's fused branch reads (``log_probs``, ``entropy``, as
+    verl's ``CausalLMOutputForPPO``) and the safe set's (``safe``), same shapes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _SafeFusedForward:
+    """The model's forward under ``use_fused_kernels``, with the safe vocabulary: the base model's final hidden
+    states, then ``safe_linear_logprobs`` (chunked over tokens, never the [N, V] logits, exact gradients) with the
+    full lm_head weight (an FSDP2 shard is gathered, differentiably). It takes the arguments verl's fused forward
+    takes (VERL_SOURCES verl.models.transformers.dense_common:forward_with_torch_backend: temperature, shift_labels
+    or the input ids rolled by one) and returns what verl's fused branch of ``prepare_model_outputs`` reads."""
+
+    def __init__(self, model, truncation, want_entropy: bool, *, packed: bool) -> None:
+        self.model, self.truncation, self.want_entropy, self.packed = model, truncation, want_entropy, packed
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, temperature: float = 1.0,
+                 shift_labels=None, return_dict=True, use_cache=False, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        kwargs.pop("labels", None)
+        # VERL_SOURCES verl.models.transformers.dense_common:forward_base_model (self.model(...)[0]: the hidden states)
+        hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=use_cache, **kwargs)[0]
+        labels = shift_labels if shift_labels is not None else torch.roll(input_ids, shifts=-1, dims=-1)
+        weight = self.model.lm_head.weight
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+        if isinstance(hidden, DTensor):
+            hidden = hidden.to_local()
+        res = safe_linear_logprobs(hidden, weight, labels, self.truncation, temperature=float(temperature),
+                                   compute_entropy=self.want_entropy)
+        return _SafeFusedOutput(log_probs=res.logprobs, entropy=res.entropy, packed=self.packed,
+                                safe={"in_safe": res.in_safe, "pruned_mass": res.pruned_mass, "size": res.size})

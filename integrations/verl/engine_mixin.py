@@ -214,18 +214,25 @@ class TIMEngineMixin:
         return float(getattr(self.optimizer, "lr_scale", 1.0))
 
     # ------------------------------------------------------------------------------------------- configure
-    def tim_configure(self, config: TIMVerlConfig, *, bypass_mode: bool = False, multi_turn: bool = False,
-                      asynchronous: bool = False, features_off: tuple[str, ...] = ()) -> None:
+    def tim_configure(self, config: TIMVerlConfig, *, context: ActorContext | None = None, bypass_mode: bool = False,
+                      multi_turn: bool = False, asynchronous: bool = False, features_off: tuple[str, ...] = ()) -> None:
         """Switch the hooks on for this (actor) engine. Fails early on settings the engine cannot honour.
         ``multi_turn``: the rollout is verl's multi-turn agent loop (``rollout.multi_turn.enable``), whose responses
         hold tool / user messages with ``response_mask`` 0 between the model's turns: ``tim/by_turn/*``.
         ``asynchronous``: an asynchronous trainer mode, whose batches carry each sample's policy lag
         (``LAG_FIELD``): π_old is not at every sample's rollout weights, so there is no exact split.
-        ``features_off``: the features switched off because an upstream hook moved (``tim/diag/feature_off/*``)."""
+        ``features_off``: the features switched off because an upstream hook moved (``tim/diag/feature_off/*``).
+        ``context`` (what the worker passes: the driver's ``ActorContext``, the sampler's top-p / top-k included)
+        replaces the four keywords."""
+        if context is None:
+            context = ActorContext(bypass_mode=bypass_mode, multi_turn=multi_turn, asynchronous=asynchronous,
+                                   features_off=tuple(features_off))
+        features_off = context.features_off
         if config.safe_vocab.enabled and SAFE_VOCAB.name in features_off:  # its hooks moved: the rest runs
             config = dataclasses.replace(config, safe_vocab=dataclasses.replace(config.safe_vocab, min_p=0.0))
         self._tim_check_config(config)
-        context = ActorContext(bypass_mode=bypass_mode, multi_turn=multi_turn, asynchronous=asynchronous)
+        # the sampler's rule the safe vocabulary applies to the trainer's log-probs (old-log-prob and training passes)
+        self._tim_truncation = context.truncation(config.safe_vocab.min_p) if config.safe_vocab.enabled else None
         self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank())
         for name in features_off:
             self._tim_pipeline.feature_off(name)

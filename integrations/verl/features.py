@@ -50,6 +50,11 @@ SAFE_VOCAB = Feature(
               params=("output", "output_args", "micro_batch", "logits_processor_func")),
         _hook(_TI, "FSDPEngine._gather_and_unpad_packed", params=("tensor", "pad_size")),
         _hook(_TI, "_scale_logits_by_temperature"),
+        # the fused head (use_fused_kernels=true): the forward it stands in for, and where the hidden states come from
+        _hook("verl.models.transformers.dense_common", "forward_with_torch_backend",
+              params=("input_ids", "attention_mask", "position_ids", "temperature", "shift_labels"),
+              fragments=("hidden_states = outputs[0]", "vocab_weights=self.lm_head.weight")),
+        _hook("verl.models.transformers.dense_common", "forward_base_model", fragments=("outputs = self.model(",)),
     ))
 
 # The tim_* V1 trainer modes (trainer.py): the startup audit, the parity probe, checkpoint on stop.

@@ -23,11 +23,11 @@ FINDING_FIXES = {
     "logprobs-mode-not-processed":
         "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
     "sampler-truncation-unmatched":
-        f"prune the same tail on both sides: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} with "
+        f"keep your sampling: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} with "
         "'+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
         "min_p:TIMMinPLogitsProcessor]' +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
-        f"tim_min_p={DEFAULT_MIN_P:g} actor_rollout_ref.model.use_fused_kernels=false (the trainer side applies min_p "
-        "only, so with it actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1)",
+        f"tim_min_p={DEFAULT_MIN_P:g} (the actor then applies the rollout's own truncation, min_p and "
+        "actor_rollout_ref.rollout.top_p / top_k as you set them, with or without fused kernels)",
     "temperature-mismatch":
         "actor_rollout_ref.rollout.temperature=T (the actor divides by the same value)",
     "sampler-penalties-unmatched":

@@ -95,7 +95,16 @@ def rollout_spec_from_config(config: Any, *, device: str = "cuda", env: Optional
                                        "loop sends repetition_penalty=1.0 with every request")
     if not _get(config, f"{r}.calculate_log_probs", True):
         notes["calculate_log_probs"] = "False: no rollout log-probs are recorded, the mismatch cannot be measured"
-    return spec.replace(source="verl composed config (actor_rollout_ref.rollout)", notes=notes)
+    extra = {}
+    # tim-plugins' min-p processor, loaded through the engine args: the rollout samples with its min_p
+    # (config.rollout_min_p_overrides)
+    from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, PROCESSOR_FQCN
+
+    processors = {str(p) for p in (engine_kwargs.get("logits_processors") or [])}
+    tim_min_p = (engine_kwargs.get("additional_config") or {}).get(CONFIG_KEY)
+    if PROCESSOR_FQCN in processors and isinstance(tim_min_p, (int, float)) and not isinstance(tim_min_p, bool):
+        extra["min_p"] = float(tim_min_p)
+    return spec.replace(source="verl composed config (actor_rollout_ref.rollout)", notes=notes, **extra)
 
 
 def trainer_spec_from_config(config: Any) -> PipelineSpec:
@@ -108,9 +117,18 @@ def trainer_spec_from_config(config: Any) -> PipelineSpec:
     compile_ = bool(_get(config, f"{a}.use_torch_compile", False) or _get(config, f"{a}.fsdp_config.use_torch_compile", False))
     notes = {"rollout_correction": str(_get(config, "algorithm.rollout_correction", {})),
              "model_dtype": str(_get(config, f"{a}.fsdp_config.model_dtype"))}
+    # with the safe vocabulary the actor applies the rollout's truncation: tim's min_p, the rollout's top-p / top-k
+    # (engine_mixin.TIMEngineMixin.tim_configure, ActorContext.truncation)
+    tim_min_p = _get(config, "tim.safe_vocab.min_p", 0.0) or 0.0
+    truncation = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    if isinstance(tim_min_p, (int, float)) and not isinstance(tim_min_p, bool) and tim_min_p > 0:
+        top_k = _get(config, "actor_rollout_ref.rollout.top_k", 0)
+        truncation = {"top_p": _get(config, "actor_rollout_ref.rollout.top_p", 1.0),
+                      "top_k": int(top_k) if top_k and int(top_k) > 0 else 0,  # verl's -1 is "off", as 0
+                      "min_p": float(tim_min_p)}
     return PipelineSpec(
         side="trainer", framework="verl-fsdp", dtype=normalize_dtype(dtype), lm_head_dtype=None,
-        temperature=_get(config, "actor_rollout_ref.rollout.temperature"), top_p=1.0, top_k=0, min_p=0.0,
+        temperature=_get(config, "actor_rollout_ref.rollout.temperature"), **truncation,
         repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=False, bad_words=False,
         custom_logits_processors=(), weight_quantization="none", kv_cache_dtype="auto", prefix_caching=False,
         chunked_prefill=False, cudagraph=False, compile=compile_,

@@ -39,6 +39,15 @@ VERL_SOURCES = {
     (_TI, "_scale_logits_by_temperature"):
         "out of place: logits / temperature.clamp(min=1e-8).to(logits.dtype); the logits untouched when the "
         "temperature is a host scalar 1 (the engine's safe-vocab logits are scaled exactly so)",
+    ("verl.models.transformers.dense_common", "forward_with_torch_backend"):
+        "the model's forward under use_fused_kernels (installed on the model class by apply_monkey_patch): takes "
+        "temperature (a float) and shift_labels (the rolled labels, packed) besides the model inputs, runs "
+        "forward_base_model for the hidden states and FusedLinearForPPO(hidden, self.lm_head.weight, labels, T); "
+        "returns an object with log_probs and entropy of the input ids' shape (the engine's safe fused head returns "
+        "the same for one call, as an instance attribute over the class's)",
+    ("verl.models.transformers.dense_common", "forward_base_model"):
+        "self.model(input_ids=, attention_mask=, position_ids=, ...)[0] are the final hidden states (after the last "
+        "norm) the fused head projects with self.lm_head.weight",
     (_TI, "FSDPEngine._gather_and_unpad_packed"):
         "(tensor, pad_size) -> the packed values of the whole sequence: all-gathered over Ulysses SP, the "
         "pad_size tail dropped (tensor[:-pad_size] without SP)",

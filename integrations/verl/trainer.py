@@ -97,13 +97,8 @@ class TIMTrainerMixin:
         self.tim = tim
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
         self._tim_lag_off = self._tim_base_mode != "sync" and not self._tim_lag_available()
-        context = ActorContext(
-            bypass_mode=bool((config.algorithm.get("rollout_correction") or {}).get("bypass_mode", False)),
-            # verl's multi-turn agent loop writes tool/user messages into the response with response_mask 0
-            multi_turn=bool((config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("enable", False)),
-            # an asynchronous mode: each sample carries its policy lag (_tim_put_lag)
-            asynchronous=self._tim_base_mode != "sync",
-            features_off=("verl_async_lag",) if self._tim_lag_off else ())
+        context = ActorContext.from_config(config, asynchronous=self._tim_base_mode != "sync",
+                                           features_off=("verl_async_lag",) if self._tim_lag_off else ())
         with open_dict(config):
             config.actor_rollout_ref.tim = tim.to_dict()
             # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)

@@ -6,6 +6,8 @@ of the config to ``actor_rollout_ref.tim`` (the only part of the config the work
 
 from __future__ import annotations
 
+import dataclasses
+
 # VERL_SOURCES verl.single_controller.base.decorator:register
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -34,8 +36,7 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
             # the features whose upstream hooks moved in this process's verl, and those the driver switched off
             off = tuple(dict.fromkeys((*(s.feature.name for s in verl_features() if not s.available),
                                        *context.features_off)))
-            engine.tim_configure(tim, bypass_mode=context.bypass_mode, multi_turn=context.multi_turn,
-                                 asynchronous=context.asynchronous, features_off=off)
+            engine.tim_configure(tim, context=dataclasses.replace(context, features_off=off))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_begin_step(self, step: int) -> None:

@@ -20,7 +20,7 @@ def init_dist(rank: int = 0, world: int = 1, port: int = 29561) -> None:
 
 def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl: str = "torch.optim",
                  optimizer: str = "AdamW", lr: float = 1e-3, dtype: str = "fp32", total_steps: int = 10,
-                 engine_cls: type | None = None):
+                 engine_cls: type | None = None, fused: bool = False):
     """The engine verl's registry picks (ours, once the plugin is loaded), or ``engine_cls`` built the same way."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (registrations, as the entry point does)
     from verl.trainer.config import CheckpointConfig
@@ -31,7 +31,8 @@ def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl
 
     model_config = HFModelConfig(path=str(model_path), use_remove_padding=remove_padding,
                                  enable_gradient_checkpointing=False,
-                                 override_config={"attn_implementation": "sdpa"})
+                                 override_config={"attn_implementation": "sdpa"}, use_fused_kernels=fused,
+                                 fused_kernel_options={"impl_backend": "torch"} if fused else {})
     mp = {"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, mixed_precision=mp,
                                      micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
@@ -83,12 +84,12 @@ def make_batch(vocab: int, *, batch: int = 4, prompt: int = 5, response: int = 7
     return td, tensors
 
 
-def infer(engine, td, *, use_remove_padding: bool = True):
+def infer(engine, td, *, use_remove_padding: bool = True, fused: bool = False):
     from verl.utils import tensordict_utils as tu
 
     td = td.copy()
     tu.assign_non_tensor(td, use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=2, max_token_len_per_gpu=4096, use_fused_kernels=False,
+                         micro_batch_size_per_gpu=2, max_token_len_per_gpu=4096, use_fused_kernels=fused,
                          calculate_entropy=True, compute_loss=False)
     with engine.eval_mode():
         out = engine.infer_batch(td, loss_function=None)
@@ -103,7 +104,8 @@ def old_log_probs_padded(out, td):
     return no_padding_2_padding(lp, td)
 
 
-def train_step(engine, td, old_log_probs, *, use_remove_padding: bool = True, actor_overrides: dict | None = None):
+def train_step(engine, td, old_log_probs, *, use_remove_padding: bool = True, actor_overrides: dict | None = None,
+               fused: bool = False):
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
@@ -116,7 +118,7 @@ def train_step(engine, td, old_log_probs, *, use_remove_padding: bool = True, ac
            "use_dynamic_bsz": False, **(actor_overrides or {})}
     actor_config = FSDPActorConfig(**cfg)
     tu.assign_non_tensor(td, use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=2, max_token_len_per_gpu=4096, use_fused_kernels=False,
+                         micro_batch_size_per_gpu=2, max_token_len_per_gpu=4096, use_fused_kernels=fused,
                          calculate_entropy=False, global_batch_size=td.batch_size[0])
     with engine.train_mode():
         out = engine.train_batch(td, loss_function=partial(ppo_loss, config=actor_config))

@@ -93,6 +93,8 @@ def test_parse_overrides_and_cli(capsys):
     assert parse_overrides("python3 -m verl.trainer.main_ppo a.b=1 +c.d='x y'") == ["a.b=1", "+c.d=x y"]
     rc = main(["audit", "--verl", f"{R}.top_p=0.9"])
     out = capsys.readouterr().out
-    assert rc == 1 and "sampler-truncation-unmatched" in out and "actor_rollout_ref.rollout.top_p=1.0" in out
+    # the fix keeps the user's top_p: the actor applies it with the safe vocabulary
+    assert rc == 1 and "sampler-truncation-unmatched" in out and "+tim.safe_vocab.min_p=" in out
+    assert "top_p=1.0" not in out
     rc = main(["audit", "--verl", f"{R}.enable_prefix_caching=False", "--json"])
     assert rc == 0

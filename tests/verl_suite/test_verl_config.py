@@ -60,14 +60,14 @@ def test_known_bad_config_reports_each_problem(toy_model_path):
     bad = [o for o in recipe_overrides(toy_model_path) if not o.startswith(("trainer.v1.trainer_mode",
                                                                             "actor_rollout_ref.actor.optim.optimizer",
                                                                             "actor_rollout_ref.model.use_fused"))]
-    bad += ["actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.rollout.calculate_log_probs=false",
+    bad += ["actor_rollout_ref.rollout.calculate_log_probs=false",
             "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"]
     _, problems, _ = check_composed_config(compose(bad))
     text = "\n".join(problems)
-    for expected in ("trainer.v1.trainer_mode='sync'", "optimizer_impl='torch.optim'", "use_fused_kernels=True",
+    for expected in ("trainer.v1.trainer_mode='sync'", "optimizer_impl='torch.optim'",
                      "logprobs_mode='raw_logprobs'", "calculate_log_probs=False"):
         assert expected in text, expected
-    assert len(problems) == 5
+    assert len(problems) == 4
 
 
 def test_rollout_min_p_reaches_vllm_engine_kwargs(toy_model_path):
@@ -303,3 +303,26 @@ def test_dump_settings_share_the_core_dump_config_and_fail_with_the_fix():
         TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": "/tmp/d", "sample_rate": 0}})
     with pytest.raises(ValueError, match=r"tim.dump.dir='' is invalid"):
         TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": ""}})
+
+
+@pytest.mark.parametrize("tim_min_p, flagged", [(True, False), (False, True)])
+def test_top_p_top_k_are_kept_with_the_safe_vocabulary(toy_model_path, tim_min_p, flagged):
+    """The user's rollout.top_p / top_k stay as set: with the safe vocabulary the actor applies them (the audit's
+    trainer spec says so and the truncation finding is gone); without it the finding stands, and its fix in verl's
+    words keeps the sampling (no top_p=1.0, no fused kernels off)."""
+    from tim_plugins.integrations.verl.fixes import FINDING_FIXES
+    from tim_plugins.integrations.verl.parity_spec import specs_from_config
+    from tim_plugins.parity.audit import audit
+
+    overrides = recipe_overrides(toy_model_path) + ["actor_rollout_ref.rollout.top_p=0.8",
+                                                    "actor_rollout_ref.rollout.top_k=20",
+                                                    "actor_rollout_ref.model.use_fused_kernels=true"]
+    if not tim_min_p:
+        overrides = [o for o in overrides if not o.startswith("+tim.safe_vocab")]
+    rollout, trainer = specs_from_config(compose(overrides))
+    codes = {f.code for f in audit(rollout, trainer)}
+    assert ("sampler-truncation-unmatched" in codes) == flagged, codes
+    if tim_min_p:
+        assert (trainer.top_p, trainer.top_k, trainer.min_p) == (0.8, 20, DEFAULT_MIN_P)
+    fix = FINDING_FIXES["sampler-truncation-unmatched"]
+    assert "top_p=1.0" not in fix and "use_fused_kernels=false" not in fix

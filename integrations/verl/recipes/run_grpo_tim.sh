@@ -14,9 +14,9 @@ TIM_OVERRIDES=(
     trainer.v1.trainer_mode=tim_sync
     # 1. monitor: exact per-step rollout-vs-actor mismatch, merged over data-parallel ranks
     +tim.monitor.enable=true
-    # 2. safe vocabulary on the trainer side (fused kernels must stay off; log-probs must be processed) ...
+    # 2. safe vocabulary on the trainer side: the actor applies the rollout's truncation (this min_p, and your
+    #    rollout.top_p / top_k as set), with or without fused kernels (log-probs must be processed) ...
     +tim.safe_vocab.min_p=${MIN_P}
-    actor_rollout_ref.model.use_fused_kernels=false
     # ... and on the rollout side: verl passes no min_p to vLLM, so tim-plugins' logits processor applies the same
     # min_p to every request (loaded and configured through the engine args verl forwards to vLLM)
     '+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor]'

@@ -1,0 +1,99 @@
+"""The safe vocabulary with verl's fused kernels (``use_fused_kernels=true``), in verl 0.9.1's real FSDP2 engine on
+CPU: the engine's chunked safe head (hidden states and the lm_head weight, never the [N, V] logits) gives the same
+log-probs, entropy, safe-set statistics, losses and gradients as the safe vocabulary on full logits (fused kernels
+off), with the sampler's top-p and top-k applied on the trainer side; verl's own fused torch backend fails on FSDP2
+here (verl #5633), ours does not inherit it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("verl")
+
+import harness as H  # noqa: E402
+import torch  # noqa: E402
+
+from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig  # noqa: E402
+
+VOCAB = 383
+FP32_TOL = 1e-5
+CONFIG = {"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.02}}
+SAMPLER = ActorContext(top_p=0.8, top_k=20)  # the rollout's top-p / top-k, as the driver hands them over
+
+
+@pytest.fixture(scope="module")
+def dist():
+    H.init_dist(port=29581)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def unpatched_model_class():
+    """verl's fused kernels replace the model class's ``forward`` for the whole process when a fused engine is
+    built (verl/models/transformers/monkey_patch.py ``apply_monkey_patch``): an unfused engine built or run after it
+    calls the fused forward. Each test runs its unfused engines first and gets the class back afterwards, so the
+    rest of the suite sees stock transformers."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+
+    forward = Qwen2ForCausalLM.__dict__["forward"]
+    yield
+    Qwen2ForCausalLM.forward = forward
+
+
+def _run(toy_model_path, fused: bool, td):
+    # plain SGD: the step is the (clipped) gradient times the LR, so equal steps mean equal gradients
+    eng = H.build_engine(toy_model_path, fused=fused, optimizer="SGD", lr=0.1)
+    before = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for k, p in eng.module.named_parameters()}
+    eng.tim_configure(TIMVerlConfig.from_node(CONFIG), context=SAMPLER)
+    out = H.infer(eng, td, fused=fused)
+    metrics = eng.tim_pop_metrics()
+    old = H.old_log_probs_padded(out, td)
+    entropy = H.old_log_probs_padded({"model_output": {"log_probs": out["model_output"]["entropy"]}}, td)
+    step, _ = H.train_step(eng, td, old, fused=fused)
+    grads = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() - before[k]
+             for k, p in eng.module.named_parameters()}
+    eng.tim_deconfigure()
+    return old, entropy, metrics, step, grads
+
+
+@pytest.mark.parametrize("layout", ["dense", "v1"])
+def test_fused_safe_vocab_equals_the_logits_path(dist, toy_model_path, layout):
+    td, raw = H.make_batch(VOCAB, batch=4, seed=5)
+    if layout == "v1":
+        td = H.to_v1_layout(raw)
+    (u_old, u_ent, u_m, u_step, u_params) = _run(toy_model_path, False, td)  # before any fused engine exists
+    (f_old, f_ent, f_m, f_step, f_params) = _run(toy_model_path, True, td)
+    mask = raw["response_mask"].bool()
+    assert (f_old - u_old)[mask].abs().max() <= FP32_TOL
+    assert (f_ent - u_ent)[mask].abs().max() <= FP32_TOL
+    for key in ("tim/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/size_mean"):
+        assert f_m[key] == u_m[key], key
+    for key in ("tim/token/kl_k3", "tim/safe_vocab/pruned_mass_mean"):
+        assert f_m[key] == pytest.approx(u_m[key], rel=1e-4, abs=1e-7), key
+    assert f_m["tim/safe_vocab/boundary_frac"] > 0  # top-p / top-k cut: the rollout's random tokens fall outside
+    # the training pass: the same losses and the same gradient step (the boundary mask reached verl's loss alike)
+    f_loss = [float(v) for v in f_step["metrics"]["actor/pg_loss"].values]
+    u_loss = [float(v) for v in u_step["metrics"]["actor/pg_loss"].values]
+    assert f_loss == pytest.approx(u_loss, rel=1e-5, abs=1e-7)
+    assert f_step["metrics"]["grad_norm"] == pytest.approx(u_step["metrics"]["grad_norm"], rel=1e-5)
+    assert f_params.keys() == u_params.keys()
+    assert any(k.endswith(("lm_head.weight", "embed_tokens.weight")) for k in u_params)
+    for k in u_params:  # the SGD step of every weight, the lm_head's (or the tied embedding's) included
+        scale = float(u_params[k].abs().max())
+        # relative to the step, plus the fp32 rounding of weights of magnitude ~0.1 (~1e-8)
+        assert (f_params[k] - u_params[k]).abs().max() <= 1e-4 * scale + 1e-7, k
+
+
+def test_the_sampler_truncation_reaches_the_trainer_log_probs(dist, toy_model_path):
+    """With the rollout's top-p / top-k the trainer's log-probs renormalise over the kept set: a kept token's
+    log-prob exceeds its full-vocabulary one by -log(kept mass) > 0 (a reference from the full softmax)."""
+    td, raw = H.make_batch(VOCAB, batch=4, seed=5)
+    full = H.old_log_probs_padded(H.infer(H.build_engine(toy_model_path), td), td)  # before any fused engine exists
+    eng = H.build_engine(toy_model_path, fused=True)
+    eng.tim_configure(TIMVerlConfig.from_node(CONFIG), context=SAMPLER)
+    got = H.old_log_probs_padded(H.infer(eng, td, fused=True), td)
+    eng.tim_deconfigure()
+    mask = raw["response_mask"].bool()
+    kept = mask & (got > -1e3) & torch.isfinite(got)
+    assert kept.any() and ((got - full)[kept] > 1e-3).all()

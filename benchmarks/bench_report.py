@@ -112,6 +112,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--old-sizes", default="1e6,2e6,8e6")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work", default=None, help="folder for the synthetic dumps (default: a temporary one)")
+    parser.add_argument("--keep-in-memory", action="store_true",
+                        help="keep the in-memory path's runs of the existing results file (measured earlier, on the "
+                             "same dumps) instead of measuring them again; the streaming runs there are kept as "
+                             "'earlier_streaming'")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.old_sizes, args.repeats = "1e6,4e6", "1e6", 1
@@ -143,6 +147,17 @@ def main(argv=None) -> dict:
                       f"load {runs[-1]['load_before']}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if args.keep_in_memory:
+        import json
+
+        from benchmarks._common import RESULTS_DIR
+
+        before = json.loads((RESULTS_DIR / "report_scaling.json").read_text())
+        kept = [dict(r, measured=before["environment"]["when"]) for r in before["runs"] if r["path"] == "in_memory"]
+        results["runs"] += kept
+        results["earlier_streaming"] = {"measured": before["environment"]["when"],
+                                        "commit": before.get("commit"),
+                                        "runs": [r for r in before["runs"] if r["path"] == "streaming"]}
     from tim_plugins.report.query import DEFAULT_MEMORY_LIMIT
 
     import duckdb
@@ -157,6 +172,8 @@ def main(argv=None) -> dict:
         }
     results["settings"] = {"memory_limit": DEFAULT_MEMORY_LIMIT, "threads": "every core", "duckdb": duckdb.__version__,
                            "old_path": f"tim_plugins at {OLD_COMMIT} (read_dump + numpy)"}
+    results["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip()
     results["goal"] = "100 M rows in <= 60 s with peak RSS <= 1.5 GB on 2 cores; memory flat from 1 M to 100 M"
     results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     write_results("report_scaling_quick" if args.quick else "report_scaling", results)

@@ -188,6 +188,10 @@ def histogram_bin(x: str, edges, log: bool) -> str:
     return f"(CASE WHEN {x} = {_literal(edges[-1])} THEN {n - 2} ELSE {c} - 1 END)"
 
 
+# A fine log bin of x >= 0, monotone in x, ~1 % wide (64 a factor of 2); 0 for x = 0.
+_FINE_KEY = "(CASE WHEN a = 0 THEN 0 ELSE 70000 + floor(log2(a) * 64) END)::BIGINT"
+
+
 def _approx_bin(x: str, edges, log: bool) -> str:
     """SQL: the bin of ``x`` among ``edges`` from its fractional index alone (exact but at the edges' rounding)."""
     nb = len(edges) - 1
@@ -239,7 +243,7 @@ def _descend(g, ranks: list[int], below: int, parts, where: dict) -> int:
 
 
 def order_statistics(con, relation: str, wanted: dict, *, stats: dict | None = None, initial: dict | None = None,
-                     bins: int = 8192, fetch: int = 1 << 18) -> dict:
+                     bins: int = 8192, fetch: int = 1 << 21) -> dict:
     """Exact order statistics of the column ``v`` of ``relation`` (SQL with columns ``g``, a group, and ``v``,
     finite), per group: ``wanted`` {group: [0-based ranks]} → {(group, rank): value}.
 
@@ -372,12 +376,25 @@ class Dump:
             f"CREATE TEMP VIEW {self.valid} AS SELECT step, rank, sequence, position, r, t, t - r AS d FROM ("
             f"SELECT step, rank, sequence, position, rollout_logprob::DOUBLE AS r, train_logprob::DOUBLE AS t "
             f"FROM {self.raw}) WHERE isfinite(r) AND isfinite(t) AND r > {th} AND t > {th}")
-        total, self.size = self.con.execute(
-            f"SELECT count(*), count(*) FILTER (WHERE isfinite(rollout_logprob::DOUBLE) AND "
-            f"isfinite(train_logprob::DOUBLE) AND rollout_logprob::DOUBLE > {th} AND train_logprob::DOUBLE > {th}) "
-            f"FROM {self.raw}").fetchone()
-        self.invalid = int(total - self.size)
         self._cache: dict = {}
+
+    @property
+    def rows(self) -> int:
+        """Rows of the snapshot's files (their Parquet footers)."""
+        if "rows" not in self._cache:
+            listed = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in self.files) + "]"
+            self._cache["rows"] = int(self.con.execute(
+                f"SELECT sum(num_rows) FROM parquet_file_metadata({listed})").fetchone()[0])
+        return self._cache["rows"]
+
+    @property
+    def size(self) -> int:
+        """Valid tokens (from the per-step scan)."""
+        return int(sum(s["tokens"] for s in self.step_states()[1]))
+
+    @property
+    def invalid(self) -> int:
+        return self.rows - self.size
 
     # ------------------------------------------------------------------------------------------ monitor metrics
     def step_states(self) -> tuple[np.ndarray, list[dict]]:
@@ -480,12 +497,40 @@ class Dump:
 
     def sequences(self) -> Sequences:
         """Per sequence (step, rank, sequence order): its valid tokens and Σ_t d."""
-        if "seq" not in self._cache:
-            t = self.con.execute(f"SELECT step, rank, sequence, count(*) AS n, sum(d) AS s FROM {self.valid} "
-                                 "GROUP BY step, rank, sequence ORDER BY step, rank, sequence").fetch_arrow_table()
-            col = lambda k: t.column(k).to_numpy()  # noqa: E731
-            self._cache["seq"] = Sequences(col("step"), col("rank"), col("sequence"), col("n"), col("s"))
+        self._profiles()
         return self._cache["seq"]
+
+    def _profiles(self) -> None:
+        """One scan, three groupings: per sequence (tokens, Σd), per position (tokens, Σ|d|), and per bin of 1 − p
+        (``figures.PROB_EDGES``, its fast bin) × a fine log bin of |d| (tokens, Σ|d|, extremes): the per-probability
+        curve and its quantiles' first narrowing."""
+        if "seq" in self._cache:
+            return
+        from tim_plugins.report.figures import PROB_EDGES
+
+        fast = _approx_bin("q", PROB_EDGES, True)
+        t = self.con.execute(
+            f"SELECT GROUPING(step, rank, sequence, position, b, k) AS gid, step, rank, sequence, position, b, k, "
+            f"count(*) AS n, sum(d) AS sd, sum(a) AS sa, min(q) AS qlo, max(q) AS qhi, min(a) AS alo, max(a) AS ahi "
+            f"FROM (SELECT step, rank, sequence, position, d, a, q, {fast} AS b, {_FINE_KEY} AS k FROM (SELECT step, "
+            f"rank, sequence, position, d, abs(d) AS a, least(greatest(-expm1(r), 1e-7), 1.0) AS q FROM "
+            f"{self.valid})) GROUP BY GROUPING SETS ((step, rank, sequence), (position), (b, k))").fetch_arrow_table()
+        gid = t.column("gid").to_numpy()
+        col = lambda k, sel: t.column(k).to_numpy(zero_copy_only=False)[sel]  # noqa: E731
+        seq = gid == 0b000111
+        order = np.lexsort((col("sequence", seq), col("rank", seq), col("step", seq)))
+        self._cache["seq"] = Sequences(*(col(k, seq)[order].astype(np.int64) for k in ("step", "rank", "sequence",
+                                                                                        "n")),
+                                       col("sd", seq)[order].astype(np.float64))
+        pos = gid == 0b111011
+        order = np.argsort(col("position", pos), kind="stable")
+        self._cache["pos"] = (col("position", pos)[order].astype(np.int64), col("n", pos)[order].astype(np.int64),
+                              col("sa", pos)[order].astype(np.float64))
+        fine = gid == 0b111100
+        order = np.lexsort((col("k", fine), col("b", fine)))
+        ints, floats = ("b", "k", "n"), ("qlo", "qhi", "sa", "alo", "ahi")
+        self._cache["fine"] = list(zip(*[col(k, fine)[order].astype(np.int64).tolist() for k in ints],
+                                       *[col(k, fine)[order].astype(np.float64).tolist() for k in floats]))
 
     # ---------------------------------------------------------------------------------------------- figures
     def prob_curve(self, edges, quantile: float | None = None, min_count: int = 20) -> dict:
@@ -497,10 +542,15 @@ class Dump:
         # One scan: per bin, a fine log histogram of |d| too (monotone in |d|, ~1 % wide), the quantile's first
         # narrowing. The bins are checked against the exact edges as ``binned`` does; if a value lies within
         # rounding of an edge, ``binned``'s exact path.
+        from tim_plugins.report.figures import PROB_EDGES
+
         fast = _approx_bin("q", edges, True)
-        key = "(CASE WHEN a = 0 THEN 0 ELSE 70000 + floor(log2(a) * 64) END)::BIGINT"
-        fine = self.con.execute(f"SELECT {fast} AS b, {key} AS k, count(*), min(q), max(q), sum(a), min(a), max(a) "
-                                f"FROM ({rel}) GROUP BY b, k ORDER BY b, k").fetchall()
+        if np.array_equal(np.asarray(edges, dtype=np.float64), PROB_EDGES):
+            self._profiles()
+            fine = self._cache["fine"]
+        else:
+            fine = self.con.execute(f"SELECT {fast} AS b, {_FINE_KEY} AS k, count(*), min(q), max(q), sum(a), min(a), "
+                                    f"max(a) FROM ({rel}) GROUP BY b, k ORDER BY b, k").fetchall()
         e = [float(x) for x in edges]
         per_bin: dict = {}
         for b, _, n, qlo, qhi, s, lo, hi in fine:
@@ -556,6 +606,20 @@ class Dump:
         nb = len(edges) - 1
         rho = f"least(greatest(exp(d), {_literal(edges[0])}), {_literal(edges[-1])})"
         below, above = 0, 0
+        # one scan: the tokens outside the window as two more groups; each bin's extremes checked against the
+        # exact edges (else the exact path below)
+        rows = self.con.execute(
+            f"SELECT CASE WHEN d < {lo} THEN -1 WHEN d > {hi} THEN {nb} ELSE {_approx_bin('rho', edges, log)} END "
+            f"AS b, count(*), min(rho), max(rho) FROM (SELECT d, {rho} AS rho FROM {self.valid}) GROUP BY b").fetchall()
+        e = [float(x) for x in edges]
+        inside = [(b, n, x, y) for b, n, x, y in rows if 0 <= b < nb]
+        if all(x >= e[b] and (y <= e[b + 1] if b == nb - 1 else y < e[b + 1]) for b, n, x, y in inside):
+            counts = np.zeros(nb, dtype=np.int64)
+            for b, n, _, _ in inside:
+                counts[b] = n
+            below = next((n for b, n, _, _ in rows if b < 0), 0)
+            above = next((n for b, n, _, _ in rows if b >= nb), 0)
+            return counts, int(below), int(above)
         side = f"(CASE WHEN d < {lo} THEN -1 WHEN d > {hi} THEN {nb} ELSE NULL END)"
         _, rows = binned(self.con, f"SELECT {rho} AS rho FROM {self.valid} WHERE d >= {lo} AND d <= {hi}", "rho",
                          edges, log)
@@ -574,9 +638,8 @@ class Dump:
 
     def position_profile(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(positions, tokens, Σ|d|) per response position, in position order."""
-        t = self.con.execute(f"SELECT position, count(*) AS n, sum(abs(d)) AS s FROM {self.valid} GROUP BY position "
-                             "ORDER BY position").fetch_arrow_table()
-        return t.column("position").to_numpy(), t.column("n").to_numpy(), t.column("s").to_numpy()
+        self._profiles()
+        return self._cache["pos"]
 
     # ----------------------------------------------------------------------------------- largest disagreements
     def largest_disagreements(self, n: int, context: int) -> list[dict]:
@@ -590,28 +653,23 @@ class Dump:
             return []
         import pyarrow as pa
 
-        keys = pa.table({"ks": [p[0] for p in picked], "kr": [p[1] for p in picked],
-                         "kq": [p[2] for p in picked], "kp": [p[3] for p in picked]})
+        seqs = sorted({p[:3] for p in picked})
+        keys = pa.table({"ks": [k[0] for k in seqs], "kr": [k[1] for k in seqs], "kq": [k[2] for k in seqs]})
         self.con.register("_tim_picked", keys)
-        try:
-            near = self.con.execute(
-                f"SELECT step, rank, sequence, position, token_id, kp FROM {self.raw} JOIN _tim_picked ON "
-                f"step = ks AND rank = kr AND sequence = kq AND position BETWEEN kp - {int(context)} AND "
-                f"kp + {int(context)} ORDER BY step, rank, sequence, kp, position").fetchall()
-            ends = self.con.execute(
-                f"SELECT step, rank, sequence, min(position), max(position) FROM {self.raw} WHERE "
-                f"(step, rank, sequence) IN (SELECT (ks, kr, kq) FROM _tim_picked) GROUP BY step, rank, sequence"
-            ).fetchall()
+        try:  # every row of the picked sequences (a few thousand): context and ends from them
+            rows_of = self.con.execute(
+                f"SELECT step, rank, sequence, position, token_id FROM {self.raw} JOIN _tim_picked ON "
+                f"step = ks AND rank = kr AND sequence = kq").fetchall()
         finally:
             self.con.unregister("_tim_picked")
-        by_key: dict = {}
-        for step, rank, seq, pos, tok, kp in near:
-            by_key.setdefault((step, rank, seq, kp), []).append((pos, tok))
-        span = {(s, r, q): (lo, hi) for s, r, q, lo, hi in ends}
+        by_seq: dict = {}
+        for step, rank, seq, pos, tok in rows_of:
+            by_seq.setdefault((step, rank, seq), []).append((pos, tok))
         rows = []
         for step, rank, seq, pos, r, t in picked:
-            around = by_key[(step, rank, seq, pos)]
-            lo, hi = span[(step, rank, seq)]
+            every = sorted(by_seq[(step, rank, seq)])
+            around = [(p, tok) for p, tok in every if abs(p - pos) <= context]
+            lo, hi = every[0][0], every[-1][0]
             rows.append({
                 "step": int(step), "rank": int(rank), "sequence": int(seq), "position": int(pos),
                 "token_id": int(next(tok for p, tok in around if p == pos)),

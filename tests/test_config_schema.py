@@ -142,3 +142,40 @@ def test_to_dict_is_plain_and_builds_the_same_config():
     plain = json.loads(json.dumps(cfg.to_dict()))
     assert TIMConfig(**plain) == cfg
     assert "out_dir" not in plain["dump_options"] and "mode" not in plain["is_correction_options"]
+
+
+def test_ratio_band_has_one_default_and_help_in_both_adapters():
+    core = {f.name: f for f in dataclasses.fields(PipelineConfig)}["ratio_band"]
+    trl = {f.name: f for f in dataclasses.fields(TIMConfig)}["ratio_band"]
+    verl = {f.name: f for f in dataclasses.fields(TIMVerlConfig._SECTIONS["monitor"])}["ratio_band"]
+    assert trl.default == verl.default == core.default
+    assert trl.metadata["help"] == verl.metadata["help"] == core.metadata["help"]
+
+
+def test_every_dump_option_reaches_verl():
+    """verl's ``tim.dump.*`` options are generated from DumpConfig: a new dump option is a verl setting too."""
+    core = {f.name: f for f in dataclasses.fields(DumpConfig) if f.name != "out_dir"}
+    verl = {f.name: f for f in dataclasses.fields(DumpSettings) if f.name != "dir"}
+    assert verl.keys() == core.keys()
+    assert all(verl[k].default == core[k].default and verl[k].metadata["help"] == core[k].metadata["help"]
+               for k in core)
+
+
+def _wrong_value(kind: str):
+    return {"bool": "flase", "float": "lots", "int": 1.5, "str": 3, "tuple": "0.5,2"}.get(kind.split("|")[0].strip())
+
+
+def test_every_verl_setting_refuses_a_value_of_the_wrong_type():
+    """Hydra hands values over as YAML typed them (``+tim.monitor.enable=flase`` is the truthy string 'flase'): every
+    plain field of every ``tim.<section>`` is checked against its annotation, with the value and the fix."""
+    checked = 0
+    for section, cls in TIMVerlConfig._SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            bad = _wrong_value(str(f.type))
+            if bad is None:  # an option group (a core dataclass): its own checks
+                continue
+            with pytest.raises(ValueError) as err:
+                TIMVerlConfig.from_node({section: {f.name: bad}})
+            assert f"tim.{section}.{f.name}={bad!r}" in str(err.value) and "Fix:" in str(err.value), (section, f.name)
+            checked += 1
+    assert checked >= 15

@@ -117,16 +117,16 @@ def _top_p_threshold(z: torch.Tensor, tau: torch.Tensor, top_p: float) -> torch.
     return out
 
 
-def _top_p_threshold_in_top_k(z: torch.Tensor, tau: torch.Tensor, top_k_desc: torch.Tensor,
+def _top_p_threshold_in_top_k(z: torch.Tensor, tau: torch.Tensor, top_k_desc: torch.Tensor, k: int,
                               top_p: float) -> torch.Tensor:
-    """``_top_p_threshold`` once top-k has cut: the kept set {z >= tau} lies among the k largest logits
-    (``top_k_desc``, [n, k] descending), so the nucleus needs only those k values, not a sort of V. A row whose
-    k-th value is tied with logits beyond the k (top-k keeps the whole tie) takes the full sort."""
-    kth = top_k_desc[:, -1]
-    tied = (z >= kth[:, None]).sum(dim=-1) > top_k_desc.shape[1]
-    vals = top_k_desc.flip(-1)  # ascending
+    """``_top_p_threshold`` once top-k has cut: the kept set {z >= tau} lies among the k largest logits, so the
+    nucleus needs only those k values, not a sort of V. ``top_k_desc``: the k + 1 largest logits, descending (k + 1
+    when k < V). A row whose (k + 1)-th value equals its k-th has a tie beyond the k (top-k keeps the whole tie):
+    it takes the full sort."""
+    tied = top_k_desc[:, k] == top_k_desc[:, k - 1] if top_k_desc.shape[1] > k else None
+    vals = top_k_desc[:, :k].flip(-1)  # ascending
     out = _nucleus_cut(vals.masked_fill(vals < tau[:, None], -math.inf), top_p)
-    if bool(tied.any()):
+    if tied is not None and bool(tied.any()):
         rows = tied.nonzero().squeeze(-1)
         out[rows] = _top_p_threshold(z[rows], tau[rows], top_p)
     return out
@@ -158,15 +158,18 @@ def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tens
     def top_k_cut() -> None:
         if 0 < trunc.k < z.shape[1]:
             # k-th largest logit; every logit >= it is kept (vLLM/HF both mask only `logits < kth`)
-            vals = z.topk(trunc.k, dim=-1, sorted=trunc.top_p < 1.0).values
-            if trunc.top_p < 1.0:
+            if trunc.top_p < 1.0:  # one more value: whether the k-th is tied beyond the k (top-p needs to know)
+                vals = z.topk(trunc.k + 1, dim=-1, sorted=True).values
                 top_k_desc.append(vals)
-            torch.maximum(tau, vals.amin(dim=-1), out=tau)
+                kth = vals[:, trunc.k - 1]
+            else:
+                kth = z.topk(trunc.k, dim=-1, sorted=False).values.amin(dim=-1)
+            torch.maximum(tau, kth, out=tau)
 
     def top_p_cut() -> None:
         # top-k runs before top-p in both orders: the nucleus is then found among the k values
         if trunc.top_p < 1.0:
-            cut = (_top_p_threshold_in_top_k(z, tau, top_k_desc[0], trunc.top_p) if top_k_desc
+            cut = (_top_p_threshold_in_top_k(z, tau, top_k_desc[0], trunc.k, trunc.top_p) if top_k_desc
                    else _top_p_threshold(z, tau, trunc.top_p))
             torch.maximum(tau, cut, out=tau)
 

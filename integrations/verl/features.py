@@ -88,11 +88,12 @@ FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
 _TM = "verl.workers.engine.megatron.transformer_impl"
 _megatron_hook = registered_hooks(VERL_MEGATRON_SOURCES, "VERL_MEGATRON_SOURCES")
 
-# The Megatron actor engine subclass (megatron_engine.py): the monitor runs in it. Its module imports megatron-core
-# (Python >= 3.12), which the verl extra does not install: without it the plugin registers no Megatron engine and
-# says nothing (an FSDP user has no Megatron backend). Kept out of FEATURES, which hold wherever verl does.
+# The Megatron actor engine subclass (megatron_engine.py): the monitor, the split, the dump and the LR decay run in
+# it. Its module imports megatron-core (Python >= 3.12), which the verl extra does not install: without it the plugin
+# registers no Megatron engine and says nothing (an FSDP user has no Megatron backend). Kept out of FEATURES, which
+# hold wherever verl does.
 MEGATRON_ENGINE = Feature(
-    "verl_megatron_engine", "monitor in verl's Megatron actor engine", "verl", needs=("verl",),
+    "verl_megatron_engine", "monitor and LR decay in verl's Megatron actor engine", "verl", needs=("verl",),
     fix="verl's Megatron backend (megatron-core, Python >= 3.12) with " + _FIX, hooks=(
         _megatron_hook(_TM, "MegatronEngineWithLMHead.postprocess_micro_batch_func",
                        params=("output", "data", "forward_only", "loss_function", "local_cp_size"),
@@ -105,6 +106,11 @@ MEGATRON_ENGINE = Feature(
                        fragments=("partial(self.postprocess_micro_batch_func,",)),
         _megatron_hook(_TM, "MegatronEngine.get_data_parallel_group"),
         _megatron_hook(_TM, "MegatronEngine.lr_scheduler_step"),
+        _megatron_hook("verl.utils.megatron.optimizer", "get_megatron_last_lr", params=("optimizer",)),
+        _megatron_hook("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.step",
+                       params=("increment",), fragments=("param_group['lr'] = self.get_lr(param_group)",)),
+        _megatron_hook("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.get_lr",
+                       params=("param_group",)),
         _hook("verl.workers.engine.base", "BaseEngine.train_batch", params=("data", "loss_function")),
         _hook("verl.workers.engine.base", "EngineRegistry.register",
               params=("model_type", "backend", "device", "vendor")),

@@ -16,20 +16,28 @@ No verl object is patched. What is Megatron's own here:
   (``is_mp_src_rank_with_outputs``: TP rank 0, last stage, CP rank 0) measures, merges over its data-parallel group
   (``mpu.get_data_parallel_group()``: the ranks with the same TP/PP/CP coordinates) and reports; the others measure
   nothing (one dump file per data-parallel rank, not one per TP rank).
-* the settings it refuses (``_tim_check_config``): the safe vocabulary (its tensor-parallel form is not written yet),
-  the LR decay (Megatron's optimizer and ``OptimizerParamScheduler`` are not the FSDP route's) and dynamic context
-  parallelism. Static context parallelism: CP rank 0 measures, its data-parallel group holds only CP-rank-0 ranks.
-The mixin's overrides call the parent's: the merge after a forward-only pass
-(VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.forward_backward_batch), over the
-data-parallel group (VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.get_data_parallel_group),
-and the end of the actor update (VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.lr_scheduler_step).
+* the LR decay's route (``_tim_lr_*``): the scale over Megatron's scheduled LR, the holders' decision on every rank,
+  the controller's state in the optimizer's param groups (see the comment on the ``_tim_lr_*`` methods).
+* the settings it refuses (``_tim_check_config``): the safe vocabulary (its tensor-parallel form is not written yet)
+  and dynamic context parallelism. Under static context parallelism CP rank 0 measures, and its data-parallel group
+  holds only CP-rank-0 ranks.
+The mixin's overrides call the parent's: the merge after a forward-only pass, over the data-parallel group, and the
+end of the actor update:
+VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.forward_backward_batch
+VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.get_data_parallel_group
+VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.lr_scheduler_step
 Each verl internal it reads is an entry of ``sources.VERL_MEGATRON_SOURCES``, named where it is used and checked
 against the installed verl and megatron-core by ``tests/megatron_suite/test_megatron_sources.py``.
 """
 
 from __future__ import annotations
 
+import copy
+
+import torch
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+from tim_plugins.lr_scaling import CONTROLLER_STATE_KEY, restore_controller_state, store_controller_state
 
 from .config import TIMVerlConfig
 from .engine_mixin import TIMEngineMixin
@@ -60,11 +68,64 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
                 f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with actor strategy megatron: the safe vocabulary "
                 "is not available on verl's Megatron engine yet (its logits are split over the tensor-parallel "
                 "ranks). Fix: tim.safe_vocab.min_p=0 (the monitor works), or actor_rollout_ref.actor.strategy=fsdp2")
-        if config.lr_decay.enable:
-            raise ValueError(
-                "tim.lr_decay.enable=true with actor strategy megatron: the LR decay is not available on verl's "
-                "Megatron engine yet (Megatron's optimizer and scheduler are not the FSDP route's). Fix: "
-                "tim.lr_decay.enable=false, or actor_rollout_ref.actor.strategy=fsdp2")
+
+    # ------------------------------------------------------------------------------------------ LR decay
+    # Megatron's OptimizerParamScheduler writes every param group's LR from its schedule at each step
+    # (VERL_MEGATRON_SOURCES megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.step), and verl logs
+    # param_groups[0]["lr"] as actor/lr (VERL_MEGATRON_SOURCES verl.utils.megatron.optimizer:get_megatron_last_lr).
+    # The scale is written over the schedule's LR right before each optimizer step (the mixin's end of step), and
+    # the controller's state is kept in the optimizer's param_groups[0], which verl's Megatron checkpoint saves and
+    # restores (the optimizer's sharded state dict carries the param groups).
+    # Only the output-holding ranks measure the step's k3 and get verl's grad norm, so the holders' decision is
+    # handed to every rank (one all_gather_object per optimizer step): all model-parallel shards step with one LR,
+    # and every rank's controller holds the same state (rank 0 saves the checkpoint's param groups).
+    _tim_lr_controller = None
+    _tim_lr_value = 1.0
+
+    def _tim_lr_attach(self, controller) -> None:
+        self._tim_lr_controller = controller
+        restore_controller_state(self.optimizer, controller)  # a checkpoint loaded before configure
+        self._tim_lr_stored = self.optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+        self._tim_lr_value = float(controller.scale)
+
+    def _tim_lr_detach(self) -> None:
+        self._tim_lr_controller = None
+        self._tim_lr_value = 1.0
+        self._tim_lr_write(1.0)
+
+    def _tim_lr_sync(self) -> None:
+        stored = self.optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+        if self._tim_lr_controller is not None and stored is not None and stored is not self._tim_lr_stored:
+            restore_controller_state(self.optimizer, self._tim_lr_controller)  # verl's load_checkpoint since
+            self._tim_lr_stored = self.optimizer.param_groups[0][CONTROLLER_STATE_KEY]
+
+    def _tim_lr_apply(self, scale: float) -> None:
+        controller = self._tim_lr_controller
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            mine = (self._tim_holds_outputs(), float(scale), controller.state_dict() if controller else None)
+            everyone = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, mine)
+            holds, scale, state = next(x for x in everyone if x[0])
+            if controller is not None and not self._tim_holds_outputs():
+                controller.load_state_dict(copy.deepcopy(state))
+        self._tim_lr_value = float(scale)
+        self._tim_lr_write(self._tim_lr_value)
+        if controller is not None:
+            store_controller_state(self.optimizer, controller)
+            self._tim_lr_stored = self.optimizer.param_groups[0][CONTROLLER_STATE_KEY]
+
+    def _tim_lr_scale(self) -> float:
+        return self._tim_lr_value
+
+    def _tim_lr_write(self, scale: float) -> None:
+        """Every param group's LR: the schedule's (as its last step set it) times ``scale``."""
+        # VERL_MEGATRON_SOURCES megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.get_lr
+        for group in self.optimizer.param_groups:
+            lr = self.lr_scheduler.get_lr(group) * scale
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
 
     # ------------------------------------------------------------------------------------ per micro-batch
     # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.postprocess_micro_batch_func

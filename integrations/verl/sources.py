@@ -189,6 +189,13 @@ VERL_MEGATRON_SOURCES = {
         "the DPxCP plane)",
     (_TM, "MegatronEngine.lr_scheduler_step"):
         "() -> get_megatron_last_lr(optimizer) after lr_scheduler.step(1) (logged by the worker as lr)",
+    ("verl.utils.megatron.optimizer", "get_megatron_last_lr"):
+        "(optimizer) -> optimizer.param_groups[0]['lr'] (what lr_scheduler_step returns: actor/lr)",
+    ("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.step"):
+        "(increment): num_steps += increment, then every param group's 'lr' = get_lr(group) (a float, or a tensor "
+        "filled in place), overwriting what was there",
+    ("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.get_lr"):
+        "(param_group) -> the group's scheduled LR at the current num_steps (what step() wrote last)",
 }
 
 # Config keys (dotted, in verl's composed ppo_trainer config) that config.check_composed_config, trainer.py and

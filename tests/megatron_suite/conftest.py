@@ -36,3 +36,34 @@ def one_rank():
 
     H.init_dist(port=29611)
     yield
+
+
+# two processes: ~70 s on an idle 2-core machine
+RANKS_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tiny_qwen2, tmp_path_factory):
+    """``ranks.py`` on two processes, once per session: {rank: {"tp2": stock_vs_tim(tp=2), "tp2_lr": lr_decay(tp=2),
+    "dp2": dp_monitor(world=2)}, "dump_dir": the TP2 run's dump}."""
+    import subprocess
+
+    import torch
+
+    out = tmp_path_factory.mktemp("megatron_ranks")
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29621",
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "ranks.py"), "--model", tiny_qwen2,
+                               "--out", str(out)], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True) for r in range(2)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=RANKS_TIMEOUT_S)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    return {**{r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, "dump_dir": out / "dump_tp2"}

@@ -45,7 +45,8 @@ def init_dist(rank: int = 0, world: int = 1, port: int = 29611) -> None:
 
 
 def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, distributed_optimizer: bool = True,
-                 lr: float = 1e-3, total_steps: int = 10, engine_cls: type | None = None):
+                 lr: float = 1e-3, total_steps: int = 10, engine_cls: type | None = None,
+                 optim_overrides: dict | None = None):
     """The engine verl's registry picks for backend "megatron" (ours once the plugin is loaded), or ``engine_cls``
     built the same way; bf16 parameters (McoreEngineConfig accepts bfloat16 and float16 only), verl's defaults otherwise
     (distributed optimizer on)."""
@@ -64,7 +65,8 @@ def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, distributed_optim
             use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
             bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             persist_layer_norm=False, attention_backend="local", sequence_parallel=False))
-    optim_config = McoreOptimizerConfig(lr=lr, total_training_steps=total_steps, clip_grad=1.0)
+    optim_config = McoreOptimizerConfig(lr=lr, total_training_steps=total_steps, clip_grad=1.0,
+                                        **(optim_overrides or {}))
     engine_cls = engine_cls or EngineRegistry.get_engine_cls("language_model", "megatron")
     engine = engine_cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim_config,
                         checkpoint_config=CheckpointConfig())

@@ -9,11 +9,16 @@ import torch
 
 import harness as H
 
-__all__ = ["MONITOR", "stock_vs_tim", "dp_monitor"]
+__all__ = ["LR", "LR_OPTIONS", "MONITOR", "dp_monitor", "lr_decay", "mean_length", "stock_vs_tim"]
 
 MONITOR = {"monitor": {"enable": True}}
 TRAIN_SEEDS = (1, 2)  # one optimizer step on each batch
 MONITOR_SEED = 3
+LR = 1e-3
+# as tests/verl_suite/test_verl_lr_decay.py: two short batches set the baseline, a long one triggers one decay
+LR_OPTIONS = {"warmup_steps": 2, "window": 1, "patience": 1, "margin": 0.25, "cooldown": 0,
+              "decay_factor": 0.5, "min_lr_ratio": 0.1, "baseline_ema": 0.01}
+LR_BATCHES = ((4, 2), (4, 2), (12, 3))  # (response length, seed)
 
 
 def _run(engine, seeds) -> dict:
@@ -80,6 +85,57 @@ def dp_monitor(model_path: str, *, rank: int, world: int) -> dict:
         engine.tim_deconfigure()
     return {"old": old, "metrics": metrics, "rollout": raw["rollout_log_probs"], "mask": raw["response_mask"],
             "dp_size": engine.get_data_parallel_size(), "holds": engine._tim_holds_outputs()}
+
+
+def mean_length(raw) -> float:
+    """What the engine hands the controller: the batch's mean response length (the DP mean over equal halves)."""
+    return raw["response_mask"].sum().item() / raw["response_mask"].shape[0]
+
+
+def _lr_config():
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+
+    return TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": LR_OPTIONS}})
+
+
+def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None) -> dict:
+    """The LR decay through verl's Megatron optimizer and scheduler (constant schedule): the LR each step returns
+    (actor/lr), every param group's LR, the controller's state and metrics after three steps (short, short, long).
+    With ``ckpt_dir``: verl's checkpoint save, a fresh engine that loads it (configured before the load, as verl's
+    worker is), and one more step on both."""
+    def engine():
+        return H.build_engine(model_path, tp=tp, lr=LR, optim_overrides={"lr_decay_style": "constant"})
+
+    ours = engine()
+    ours.tim_configure(_lr_config())
+    batches = [H.make_batch(H.VOCAB, batch=4, response=r, seed=s) for r, s in LR_BATCHES]
+    lrs = []
+    for td, _ in batches:
+        lrs.append(H.train_step(ours, td, H.old_log_probs_padded(H.infer(ours, td), td))[1])
+    result = {"lrs": lrs, "lengths": [mean_length(raw) for _, raw in batches],
+              "group_lrs": [float(g["lr"]) for g in ours.optimizer.param_groups],
+              "state": ours._tim_lr_controller.state_dict(), "metrics": ours.tim_pop_metrics(),
+              "holds": ours._tim_holds_outputs()}
+    if ckpt_dir is not None:
+        ours.save_checkpoint(ckpt_dir, global_step=3)
+        fresh = engine()
+        # a torch Adam that never stepped has no state for Megatron's distributed optimizer to load into
+        # (megatron/core/optimizer/distrib_optimizer.py:839 asserts one 'step' per param): one stock step first
+        td, _ = batches[0]
+        H.train_step(fresh, td, H.old_log_probs_padded(H.infer(fresh, td), td))
+        fresh.tim_configure(_lr_config())
+        fresh.load_checkpoint(ckpt_dir, del_local_after_load=False)
+        result["loaded_state"] = fresh.optimizer.param_groups[0].get("tim_lr_controller")
+        after = []
+        for eng in (fresh, ours):
+            after.append(H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))[1])
+        result["after_lrs"] = after
+        result["after_states"] = [e._tim_lr_controller.state_dict() for e in (fresh, ours)]
+        fresh.tim_deconfigure()
+    ours.tim_deconfigure()
+    _, result["stock_lr"] = H.train_step(ours, td := batches[0][0], H.old_log_probs_padded(H.infer(ours, td), td))
+    result["stock_group_lrs"] = [float(g["lr"]) for g in ours.optimizer.param_groups]
+    return result
 
 
 def reset_parallel_state() -> None:

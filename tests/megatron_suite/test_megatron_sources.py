@@ -56,3 +56,12 @@ def test_output_rank_and_loss_call_are_where_the_engine_reads_them():
     assert 'loss_mask = data["loss_mask"]' in fbb
     assert "return mpu.get_data_parallel_group()" in inspect.getsource(
         resolve(TM, "MegatronEngine.get_data_parallel_group"))
+
+
+def test_the_scheduler_writes_the_lr_the_engine_scales():
+    step = inspect.getsource(resolve("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.step"))
+    assert "param_group['lr'] = self.get_lr(param_group)" in step
+    assert "param_group['lr'].fill_(self.get_lr(param_group))" in step
+    assert 'return optimizer.param_groups[0]["lr"]' in inspect.getsource(
+        resolve("verl.utils.megatron.optimizer", "get_megatron_last_lr"))
+    assert "get_megatron_last_lr(self.optimizer)" in inspect.getsource(resolve(TM, "MegatronEngine.lr_scheduler_step"))

@@ -1,0 +1,51 @@
+"""LR decay through verl's Megatron optimizer (a ChainedOptimizer of distributed optimizers) and its
+OptimizerParamScheduler, TP1 in this process and TP2 in two (``ranks.py``): the decay fires at the step the core
+controller predicts from the same response lengths, shows in the LR ``lr_scheduler_step`` returns (verl's
+actor/lr) and in every param group, is the same on the rank that measures and the one that does not, and survives
+verl's Megatron checkpoint save and load."""
+
+from __future__ import annotations
+
+import pytest
+
+import scenarios
+from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+
+def _reference(lengths):
+    """The core controller fed the same lengths outside verl (the scale of step k applies to step k)."""
+    reference = LengthTriggeredLRDecay(**scenarios.LR_OPTIONS)
+    return reference, [reference.observe(None, n) for n in lengths]
+
+
+def _assert_run(run):
+    reference, want = _reference(run["lengths"])
+    assert want == [1.0, 1.0, 0.5]  # the third step's length is far above the two-step baseline: one trigger
+    assert run["lrs"] == [scenarios.LR * s for s in want]  # verl's logged actor/lr is the effective LR
+    assert run["state"] == reference.state_dict()
+    # after the scheduler's step the groups hold its LR again; the next step's end rewrites them
+    assert run["group_lrs"] == [scenarios.LR, scenarios.LR]
+    # tim_deconfigure(): verl's own LR, unscaled, in the returned value and in every group
+    assert run["stock_lr"] == scenarios.LR and run["stock_group_lrs"] == [scenarios.LR, scenarios.LR]
+    return reference
+
+
+def test_lr_decay_fires_when_the_replay_says_and_survives_the_checkpoint_tp1(one_rank, tiny_qwen2, tmp_path):
+    run = scenarios.lr_decay(tiny_qwen2, tp=1, ckpt_dir=str(tmp_path / "ckpt" / "global_step_3"))
+    reference = _assert_run(run)
+    metrics = run["metrics"]
+    assert metrics["tim/lr/scale"] == 0.5 and metrics["tim/lr/trigger_count"] == 1.0
+    assert metrics["tim/lr/window_length"] == pytest.approx(run["lengths"][-1])
+    # verl's Megatron checkpoint carried the controller's state (the optimizer's param groups)
+    assert run["loaded_state"] == run["state"]
+    after = reference.observe(None, run["lengths"][0])  # the reference's fourth observation
+    assert run["after_lrs"] == [scenarios.LR * after] * 2  # resumed and uninterrupted: the same LR
+    assert run["after_states"][0] == run["after_states"][1] == reference.state_dict()
+
+
+def test_lr_decay_is_the_same_on_every_tensor_parallel_rank(two_ranks):
+    src, other = (two_ranks[r]["tp2_lr"] for r in (0, 1))
+    assert src["holds"] and not other["holds"]
+    _assert_run(src)
+    _assert_run(other)  # the rank without outputs steps with the holder's scale and holds its state
+    assert src["metrics"]["tim/lr/scale"] == 0.5 and other["metrics"] == {}

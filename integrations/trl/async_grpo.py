@@ -43,7 +43,10 @@ from . import hooks, translate
 __all__ = ["AsyncAttachment", "is_async_grpo"]
 
 _MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
-_KEEP = 1 << 16  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
+_KEEP = 1 << 16
+# the per-token columns of a packed row that translate.packed_rows reads
+_PACKED_KEYS = ("token_index", "segment_id", "attention_mask", "position_ids", "old_log_probs", "shift_labels",
+                "tim_weights_step")  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
 
 
 def is_async_grpo(trainer) -> bool:
@@ -84,6 +87,7 @@ class AsyncAttachment:
         self.versions: OrderedDict = OrderedDict()  # id(old_log_probs) -> (old_log_probs, model_version)
         self.synced_at: dict[int, int] = {}  # model_version -> global step whose weights it carries
         self.lengths = torch.zeros(2, dtype=torch.float64)  # this step's (trained tokens, samples), this rank
+        self.pending: list[tuple[dict, torch.Tensor, int]] = []  # this step's loss calls, laid out at its end
         self._thread: int | None = None  # the thread whose train() runs with the patches (its collator packs)
 
     def before_train(self) -> list:
@@ -134,11 +138,36 @@ class AsyncAttachment:
 
     # -------------------------------------------------------------------------------------------- every rank
     def end_step(self, length: bool) -> float:
-        """Close this rank's optimizer step: with ``length``, the mean trained tokens per sample over the step's loss
-        calls on every rank (the LR decay's length signal; a collective: every rank calls it); NaN without."""
+        """Close this rank's optimizer step: the step's loss calls into the pipeline (``_flush``), then with
+        ``length`` the mean trained tokens per sample over them on every rank (the LR decay's length signal; a
+        collective: every rank calls it); NaN without."""
+        self._flush()
         mean = exact_mean(self.lengths) if length else math.nan
         self.lengths = torch.zeros_like(self.lengths)
         return mean
+
+    def _flush(self) -> None:
+        """The step's loss calls, kept on the device by ``_on_loss``, laid out per sample and handed to the
+        pipeline after the optimizer step: the layout's host reads (the packed rows' sample and column counts)
+        wait for the device once the step's work is queued, not between its micro-batches."""
+        pending, self.pending = self.pending, []
+        pipeline = self.cb.pipeline
+        for inputs, log_probs, step in pending:
+            try:
+                rows = translate.packed_rows(inputs, log_probs)
+            except Exception as err:  # a diagnostic problem never breaks the training step
+                pipeline.count("async_batch_unread", detail=repr(err))
+                continue
+            if rows is None:
+                continue
+            per_sample = rows["mask"].sum(1)
+            self.lengths = self.lengths.to(per_sample.device) + torch.stack(
+                [per_sample.sum(), (per_sample > 0).sum()]).double()
+            weights_step = rows["weights_step"]  # -1: the sample's policy version was not seen (synced before)
+            lag = torch.where(weights_step >= 0, (step - weights_step).clamp(min=0), -1)
+            pipeline.measure_lagged(rows["rollout"], rows["current"], rows["mask"], lag, token_ids=rows["token_ids"],
+                                    step=step + 1, turn=turn_keys(rows["mask"]))
+            pipeline.loss_pass_lagged(rows["rollout"], rows["current"], rows["mask"], lag)
 
     def _wrap_loss(self, original):
         def compute_loss(model, inputs, *args, **kwargs):
@@ -156,24 +185,10 @@ class AsyncAttachment:
         return compute_loss
 
     def _on_loss(self, inputs: dict, outputs: list) -> None:
-        pipeline = self.cb.pipeline
+        """One loss call: what the step's end lays out (``_flush``), kept as device tensors (no host read here)."""
         log_probs = getattr(outputs[0], "log_probs", None) if len(outputs) == 1 else None
         if log_probs is None:
-            pipeline.count("async_logprobs_unread", detail=f"{len(outputs)} model forwards in one compute_loss")
+            self.cb.pipeline.count("async_logprobs_unread", detail=f"{len(outputs)} model forwards in one compute_loss")
             return
-        try:
-            rows = translate.packed_rows(inputs, log_probs.detach())
-        except Exception as err:  # a diagnostic problem never breaks the training step
-            pipeline.count("async_batch_unread", detail=repr(err))
-            return
-        if rows is None:
-            return
-        step = int(self.trainer.state.global_step)
-        per_sample = rows["mask"].sum(1)
-        self.lengths = self.lengths.to(per_sample.device) + torch.stack(
-            [per_sample.sum(), (per_sample > 0).sum()]).double()
-        weights_step = rows["weights_step"]  # -1: the sample's policy version was not seen (synced before this run)
-        lag = torch.where(weights_step >= 0, (step - weights_step).clamp(min=0), -1)
-        pipeline.measure_lagged(rows["rollout"], rows["current"], rows["mask"], lag, token_ids=rows["token_ids"],
-                                step=step + 1, turn=turn_keys(rows["mask"]))
-        pipeline.loss_pass_lagged(rows["rollout"], rows["current"], rows["mask"], lag)
+        kept = {k: inputs[k] for k in _PACKED_KEYS if k in inputs}
+        self.pending.append((kept, log_probs.detach(), int(self.trainer.state.global_step)))

@@ -152,10 +152,11 @@ class TIMCallback(TrainerCallback):
             if not self._available(check(needed)):
                 self.rollout_source = "unavailable"
         if config.safe_vocab:
-            truncation = translate.safe_truncation(trainer, config)  # configuration mistakes fail here, on any TRL
+            # the route first: it checks the GRPOTrainer settings safe_truncation reads (a TRL that moved one switches
+            # the safe vocabulary off with its warning instead of failing on the attribute)
             self.safe_route, _ = features.safe_vocab_route()
             if self.safe_route is not None:
-                self.truncation = truncation
+                self.truncation = translate.safe_truncation(trainer, config)  # configuration mistakes fail here
             else:
                 self._available(features.safe_vocab_status())
         loss_factor = True

@@ -123,12 +123,15 @@ def test_readme_verl_overrides_are_the_recipe_s():
     import subprocess
 
     recipe = ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh"
-    out = subprocess.run(["bash", str(recipe)], env=dict(os.environ, TIM_PRINT_OVERRIDES="tim"),
-                         capture_output=True, text=True, check=True).stdout
-    block = _section("verl-overrides").split("```diff")[1].split("```")[0]
-    documented = [line[1:].strip().rstrip("\\").strip().strip("'") for line in block.splitlines()
-                  if line.startswith("+")]
-    assert documented == [line for line in out.splitlines() if line]
+    blocks = _section("verl-overrides").split("```diff")[1:]
+    assert len(blocks) == 2  # FSDP (the recipe's default), then STRATEGY=megatron
+    for block, strategy in zip(blocks, ("fsdp2", "megatron")):
+        out = subprocess.run(["bash", str(recipe)], env=dict(os.environ, TIM_PRINT_OVERRIDES="tim", STRATEGY=strategy),
+                             capture_output=True, text=True, check=True).stdout
+        block = block.split("```")[0]
+        documented = [line[1:].strip().rstrip("\\").strip().strip("'") for line in block.splitlines()
+                      if line.startswith("+")]
+        assert documented == [line for line in out.splitlines() if line], strategy
 
 
 def test_verl_recipe_default_min_p_is_the_core_default():

@@ -387,7 +387,15 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"trainer.v1.trainer_mode={mode!r} (trainer.use_v1={config.trainer.get('use_v1', True)}): the tim "
             f"settings reach the actor workers only through a tim trainer mode. Fix: trainer.use_v1=true "
             f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode or 'sync'}")
-    if tim.lr_decay.enable and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
+    megatron = arr.actor.get("strategy") == "megatron"
+    if megatron and tim.safe_vocab.enabled:
+        problems.append(
+            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} with actor_rollout_ref.actor.strategy=megatron: the safe "
+            "vocabulary is not available on verl's Megatron engine yet (its logits are split over the tensor-parallel "
+            "ranks; the monitor, split, dump, probe and LR decay are). Fix: drop +tim.safe_vocab.min_p (and the "
+            "vLLM min-p processor overrides), or actor_rollout_ref.actor.strategy=fsdp2")
+    # the Megatron engine applies the decay through Megatron's own optimizer (megatron_engine.py): no optimizer_impl
+    if tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
         problems.append(
             f"actor_rollout_ref.actor.optim.optimizer_impl={arr.actor.optim.get('optimizer_impl')!r}: the LR decay "
             f"acts inside the optimizer. Fix: actor_rollout_ref.actor.optim.optimizer_impl={OPTIMIZER_IMPL} "

@@ -25,14 +25,14 @@ def recipe_overrides(model_path: str) -> list[str]:
     return [o.replace('"', "") for o in out.split()]
 
 
-def compose(overrides: list[str]):
+def compose(overrides: list[str], config_name: str = "ppo_trainer"):
     import verl.trainer.main_ppo as main_ppo
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     config_dir = str(Path(main_ppo.__file__).parent / "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return hydra_compose(config_name="ppo_trainer", overrides=overrides)
+        return hydra_compose(config_name=config_name, overrides=overrides)
 
 
 def test_recipe_overrides_compose_and_validate(toy_model_path):
@@ -160,9 +160,8 @@ def test_a_bad_setting_stops_the_run_at_start_up(toy_model_path, override, quote
     assert quoted in str(err.value) and "Fix: +" in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("section", ["monitor.enable=true", "dump.dir=/tmp/d", "parity.strict=true",
-                                     "safe_vocab.mask_boundary=false"])
-@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+@pytest.mark.parametrize("mode, section", [("sync", "monitor.enable=true"), ("sync", "parity.strict=true"),
+                                           ("colocate_async", "dump.dir=/tmp/d")])
 def test_a_tim_node_under_verls_own_trainer_mode_stops_the_run(toy_model_path, section, mode):
     """A ``tim`` node, whatever section it holds, with a trainer mode that is verl's own: verl never reads it, so
     the run stops before any worker starts, naming the tim mode to use."""
@@ -174,6 +173,8 @@ def test_a_tim_node_under_verls_own_trainer_mode_stops_the_run(toy_model_path, s
         get_trainer_cls(mode)(config=cfg)
     assert f"trainer.v1.trainer_mode={mode!r}" in str(err.value)
     assert f"Fix: trainer.v1.trainer_mode=tim_{mode}" in str(err.value)
+    if section != "monitor.enable=true":
+        return
     # without the tim node verl's own class gets past the guard (it fails later, on what this CPU test lacks)
     cfg = compose(overrides + [f"trainer.v1.trainer_mode={mode}"])
     try:
@@ -326,3 +327,22 @@ def test_top_p_top_k_are_kept_with_the_safe_vocabulary(toy_model_path, tim_min_p
         assert (trainer.top_p, trainer.top_k, trainer.min_p) == (0.8, 20, DEFAULT_MIN_P)
     fix = FINDING_FIXES["sampler-truncation-unmatched"]
     assert "top_p=1.0" not in fix and "use_fused_kernels=false" not in fix
+
+
+def test_megatron_recipe_composes_and_the_safe_vocabulary_is_refused_there(toy_model_path):
+    """``STRATEGY=megatron`` prints the Megatron overrides: they pass the driver's checks on verl's own
+    ``ppo_megatron_trainer`` config (the LR decay needs no optimizer_impl there: the Megatron engine applies it to
+    Megatron's optimizer); the safe vocabulary on a Megatron actor stops the driver with the fix."""
+    from tim_plugins.integrations.verl.config import check_composed_config
+
+    env = dict(os.environ, TIM_PRINT_OVERRIDES="tim", STRATEGY="megatron")
+    tim_overrides = subprocess.run(["bash", str(RECIPE)], env=env, capture_output=True, text=True,
+                                   check=True).stdout.split()
+    base = [f"actor_rollout_ref.model.path={toy_model_path}", "actor_rollout_ref.rollout.name=vllm"]
+    cfg = compose(base + tim_overrides, config_name="ppo_megatron_trainer")
+    assert cfg.actor_rollout_ref.actor.strategy == "megatron"
+    tim, problems, _ = check_composed_config(cfg)
+    assert problems == [] and tim.monitor.enable and tim.lr_decay.enable and not tim.safe_vocab.enabled
+    _, problems, _ = check_composed_config(compose(base + tim_overrides + [f"+tim.safe_vocab.min_p={DEFAULT_MIN_P}"],
+                                                   config_name="ppo_megatron_trainer"))
+    assert any("strategy=megatron" in p and "Fix:" in p for p in problems), problems

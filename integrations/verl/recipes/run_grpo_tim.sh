@@ -9,6 +9,10 @@ set -euo pipefail
 # tim_plugins.truncation.DEFAULT_MIN_P (tests/test_docs.py keeps them equal)
 MIN_P=${MIN_P:-1e-5}
 
+# STRATEGY=megatron: verl's Megatron actor (ppo_megatron_trainer): the monitor, split, dump, probe and LR decay run in
+# tim-plugins' Megatron engine; the safe vocabulary is not available there yet (refused at start-up).
+STRATEGY=${STRATEGY:-fsdp2}
+
 TIM_OVERRIDES=(
     # tim trainer mode: forwards the +tim.* settings to the actor workers and logs tim/* metrics
     trainer.v1.trainer_mode=tim_sync
@@ -32,6 +36,18 @@ TIM_OVERRIDES=(
     +tim.probe.kl_k3=1e-2
     +tim.probe.action=stop
 )
+if [[ "${STRATEGY}" == "megatron" ]]; then
+    # Megatron: no safe vocabulary yet (nor its rollout-side processor); the LR decay acts on Megatron's own optimizer
+    TIM_OVERRIDES=(
+        trainer.v1.trainer_mode=tim_sync
+        +tim.monitor.enable=true
+        actor_rollout_ref.rollout.calculate_log_probs=true
+        +tim.lr_decay.enable=true
+        +tim.parity.strict=true
+        +tim.probe.kl_k3=1e-2
+        +tim.probe.action=stop
+    )
+fi
 
 if [[ "${TIM_PRINT_OVERRIDES:-0}" == "tim" ]]; then
     printf '%s\n' "${TIM_OVERRIDES[@]}"
@@ -53,7 +69,7 @@ BASE_OVERRIDES=(
     data.max_response_length=1024
     actor_rollout_ref.model.path="${MODEL_PATH}"
     actor_rollout_ref.model.use_remove_padding=true
-    actor_rollout_ref.actor.strategy=fsdp2
+    actor_rollout_ref.actor.strategy=${STRATEGY}
     actor_rollout_ref.actor.optim.lr=1e-6
     actor_rollout_ref.actor.ppo_mini_batch_size=64
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
@@ -86,4 +102,6 @@ if [[ "${TIM_PRINT_OVERRIDES:-0}" == "1" ]]; then
     exit 0
 fi
 
-python3 -m verl.trainer.main_ppo "${BASE_OVERRIDES[@]}" "${TIM_OVERRIDES[@]}" "$@"
+CONFIG_NAME=ppo_trainer
+[[ "${STRATEGY}" == "megatron" ]] && CONFIG_NAME=ppo_megatron_trainer
+python3 -m verl.trainer.main_ppo --config-name="${CONFIG_NAME}" "${BASE_OVERRIDES[@]}" "${TIM_OVERRIDES[@]}" "$@"

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "bench_trl_step": ("trl_step", None),
     "bench_probe": ("probe", None),
     "study": ("study", ("reference_arm", "wall_seconds")),
+    "bench_report": ("report_scaling", None),
 }
 
 

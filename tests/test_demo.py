@@ -182,6 +182,9 @@ def test_demo_end_to_end_grpo_run(tmp_path, capsys, toy_model_path):
     assert steps == [1, 2, 3]
     table = read_dump(out / "dump")
     assert sorted(set(table.column("step").to_pylist())) == [1, 2, 3]
+    from report_reference import assert_same_numbers
+
+    assert_same_numbers(out / "dump")  # the report's streaming queries equal the in-memory computation
     # The callback's logged k3 of each step equals the naive k3 of that step's dumped tokens (every sequence
     # dumped): the dump, the monitor and the report's per-step series describe the same tokens.
     rows = table.to_pylist()

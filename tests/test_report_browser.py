@@ -84,6 +84,22 @@ def test_dump_report_renders_in_a_browser(tmp_path):
     _assert_renders(build_report(tmp_path / "dump", tmp_path / "dump.html"), tmp_path)
 
 
+def test_comparison_of_two_runs_renders_in_a_browser(tmp_path):
+    """``tim-plugins report A B``: two dumps (bf16-like and fp32-like noise) overlaid on one page."""
+    from tim_plugins.report import build_comparison
+
+    g = torch.Generator().manual_seed(2)
+    for name, noise in (("bf16", 2e-2), ("fp32", 1e-6)):
+        dumper = TokenDumper(out_dir=str(tmp_path / name), sample_rate=1.0)
+        for step in range(1, 5):
+            rollout = -torch.rand(8, 40, generator=g) * 4
+            train = rollout + noise * torch.randn(8, 40, generator=g)
+            dumper.write(step, rollout, train, torch.ones(8, 40, dtype=torch.bool), torch.randint(0, 383, (8, 40)))
+    report = build_comparison([tmp_path / "bf16", tmp_path / "fp32"], tmp_path / "cmp.html")
+    assert report.read_text().count("class='verdict") == 2
+    _assert_renders(report, tmp_path)
+
+
 def test_training_report_renders_in_a_browser(tmp_path):
     """The demo's page (per-step series, audit, attached hooks) from a synthetic training summary."""
     g = torch.Generator().manual_seed(1)

@@ -164,7 +164,12 @@ class TokenDumper:
 
 
 def read_dump(directory: str | os.PathLike):
-    """All dump files of a folder as one pyarrow Table (sorted by step, rank, sequence, position)."""
+    """All dump files of a folder as one pyarrow Table (sorted by step, rank, sequence, position).
+
+    It holds every row in memory, twice while it concatenates and sorts (the report's old in-memory path needed
+    ~450 bytes of RAM per dumped token): a real run's dump (hundreds of millions of rows) does not fit. For a
+    dump of any size, ``tim-plugins report`` (``tim_plugins.report.query``) streams queries over the files
+    instead."""
     require("pyarrow", "reading a per-token dump")
     import pyarrow as pa
     import pyarrow.parquet as pq

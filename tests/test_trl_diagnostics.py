@@ -67,6 +67,9 @@ def test_parquet_dump_rows_match_tensors(toy_model_path, tmp_path):
     trainer.add_callback(cb)
     trainer.train()
     table = read_dump(out)
+    from report_reference import assert_same_numbers
+
+    assert_same_numbers(out)  # the report's streaming queries equal the in-memory computation on TRL's own dump
     df = table.to_pandas() if hasattr(table, "to_pandas") else table
     (_, inputs, logps), = cap.losses
     mask = _loss_mask(inputs)

@@ -137,6 +137,9 @@ def test_the_dump_holds_every_step_and_its_k3_is_the_logged_one(run):
             assert k3 == pytest.approx(m["tim/token/kl_k3"], rel=DUMP_K3_REL), s
         else:
             assert k3 < FP32_K3_MAX
+    from report_reference import assert_same_numbers
+
+    assert_same_numbers(dump)  # the report's streaming queries equal the in-memory computation on verl's own dump
 
 
 def test_tim_plugins_report_renders_the_verl_dump(run, tmp_path):

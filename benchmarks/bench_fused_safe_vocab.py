@@ -174,12 +174,12 @@ def main(argv=None) -> None:
                 # after each run: a stopped benchmark keeps what it measured
                 results["shapes"][f"N{n}_H{h}"] = {"tokens": n, "hidden": h, **summarise(runs, arms), "runs": runs,
                                                    "complete": False}
-                write_results("fused_safe_vocab", results, args.out)
+                write_results("fused_safe_vocab_quick" if args.quick else "fused_safe_vocab", results, args.out)
         key = f"N{n}_H{h}"
         results["shapes"][key] = {"tokens": n, "hidden": h, **summarise(runs, arms), "runs": runs, "complete": True}
         print(key, json.dumps(results["shapes"][key]["ratios_vs_verl"]), flush=True)
-        write_results("fused_safe_vocab", results, args.out)  # after each shape: nothing lost if stopped
-    write_results("fused_safe_vocab", results, args.out)
+        write_results("fused_safe_vocab_quick" if args.quick else "fused_safe_vocab", results, args.out)  # after each shape: nothing lost if stopped
+    write_results("fused_safe_vocab_quick" if args.quick else "fused_safe_vocab", results, args.out)
 
 
 if __name__ == "__main__":

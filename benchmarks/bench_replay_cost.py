@@ -92,7 +92,7 @@ def main(argv=None) -> None:
         "replay_equals_recompute_on_the_same_logits": same,
         "loadavg_1min_per_repeat": loads,
     }
-    path = write_results("replay_cost", results, args.out)
+    path = write_results("replay_cost_quick" if args.quick else "replay_cost", results, args.out)
     print({k: results[k] for k in ("ratio_replay_vs_recompute", "ratio_replay_vs_full", "ratio_recompute_vs_full",
                                     "packed_bytes", "dense_bool_mask_bytes", "pack_from_lists_seconds")}, path)
 

@@ -27,6 +27,8 @@ BENCHMARKS = {
     "bench_probe": ("probe", None),
     "study": ("study", ("reference_arm", "wall_seconds")),
     "bench_report": ("report_scaling", None),
+    "bench_fused_safe_vocab": ("fused_safe_vocab", None),
+    "bench_replay_cost": ("replay_cost", None),
 }
 
 

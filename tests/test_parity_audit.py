@@ -106,7 +106,8 @@ def test_findings_carry_both_values_and_knobs():
     assert "actor_rollout_ref.rollout.dtype" in f.fix["verl"] and "dtype" in f.fix["vllm"]
     t = by_code["sampler-truncation-unmatched"]
     assert t.rollout_value == {"top_p": 0.9} and t.trainer_value == {"top_p": 1.0}
-    assert "actor_rollout_ref.rollout.top_p=1.0" in t.fix["verl"]
+    # verl's fix keeps the user's top_p: the actor applies the rollout's truncation with the safe vocabulary
+    assert "+tim.safe_vocab.min_p=" in t.fix["verl"] and "top_p=1.0" not in t.fix["verl"]
 
 
 def test_neither_side_batch_invariant_is_info_and_unknowns_are_reported_not_guessed():
@@ -328,8 +329,9 @@ def test_truncation_fix_keeps_the_users_sampling_first():
     (finding,) = [f for f in audit(rollout, trainer) if f.code == "sampler-truncation-unmatched"]
     trl = finding.fix["trl"]
     assert trl.index("TIMConfig(safe_vocab=True)") < trl.index("GRPOConfig(min_p=") < trl.index("top_p=1.0")
-    verl = finding.fix["verl"]
-    assert verl.index(f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g}") < verl.index("actor_rollout_ref.rollout.top_p=1.0")
+    verl = finding.fix["verl"]  # verl keeps the sampling outright: the actor applies top_p / top_k as set
+    assert verl.startswith("keep your sampling: ") and f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g}" in verl
+    assert "top_p=1.0" not in verl and "use_fused_kernels=false" not in verl
 
 
 def test_audit_and_report_is_the_one_sequence_every_caller_runs():

@@ -360,6 +360,9 @@ def test_is_weights_route_equals_trls_vllm_product(batch_and_trainer, loss_type,
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-7), (loss_type, level, float(loss), float(ref_loss))
     assert len(grads) == len(ref_grads)
     for g, r in zip(grads, ref_grads):
-        assert torch.allclose(g, r, rtol=1e-4, atol=1e-7), (loss_type, level)
+        # float32 rounding scales with the tensor's largest entries, not each element's own size (measured: 8.3e-7
+        # at a largest |grad| of 3.5, TRL 1.9 luspo): relative to the tensor's scale
+        err, scale = float((g - r).abs().max()), float(r.abs().max())
+        assert err <= 1e-5 * scale + 1e-7, (loss_type, level, err, scale)
     # The weights matter here (the check above could not pass with weights ignored).
     assert abs(float(ref_loss) - float(plain_loss)) > 1e-3 * max(1.0, abs(float(plain_loss)))

@@ -125,11 +125,18 @@ def test_lag_zero_is_a_flat_floor_and_k3_grows_with_lag(async_run, toy_model_pat
     pooled = {lag: sum(v * n for v, n in vals) / sum(n for _, n in vals) for lag, vals in per_lag.items()}
     floor = [v for v, _ in per_lag[0]]
     assert len(floor) >= STEPS // 2
-    assert max(floor) < 4 * min(floor), floor  # flat: the same stacks at the same weights
+    # flat: the same stacks at the same weights. One step's lag-0 k3 rests on 16-48 tokens (measured per-step
+    # values 7e-6 .. 1.5e-4 on one machine), so the level is compared pooled: the first half of the steps against
+    # the second, and no single step reaches the first stale lag's pooled level
+    half = len(per_lag[0]) // 2
+    early, late = (sum(v * n for v, n in part) / sum(n for _, n in part)
+                   for part in (per_lag[0][:half], per_lag[0][half:]))
+    assert max(early, late) < 3 * min(early, late), per_lag[0]
     lags = sorted(pooled)
     older = [(v, n) for lag, vals in per_lag.items() if lag >= 2 for v, n in vals]
     older_k3 = sum(v * n for v, n in older) / sum(n for _, n in older)
     assert 10 * pooled[0] < pooled[1] < older_k3, pooled  # growth with lag, from a floor an order of magnitude down
+    assert max(floor) < pooled[1], (floor, pooled)
     print("pooled k3 by lag:", {lag: f"{pooled[lag]:.3g}" for lag in lags}, "lag-0 k3 per step:",
           [f"{v:.3g}" for v in floor])
 

@@ -53,6 +53,10 @@ _FILE_RE = re.compile(r"step_\d+-rank_\d+\.parquet")
 _COLUMNS = ("step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob")
 
 
+# the per-step sums the grouped scan returns, in its column order (after step and the histogram bin)
+_STEP_SUMS = ("tokens", "abs_d", "abs_p", "seq_log_ratio", "k3", "_lin", "_ser", "rho_m1_sq", "outside", "is_tokens",
+              "is_w", "is_w2", "is_masked")
+
 def snapshot(folder: str | os.PathLike) -> list[str]:
     """The complete dump files of ``folder`` now (sorted names; the writer renames a finished file into place)."""
     return sorted(str(p) for p in Path(folder).iterdir() if _FILE_RE.fullmatch(p.name) and p.is_file())
@@ -448,19 +452,9 @@ class Dump:
                     "is_tokens": 0.0, "is_w": 0.0, "is_w2": 0.0, "is_masked": 0.0, "hist": np.zeros(N_SIGNED_BINS),
                     "bucket_count": np.zeros(N_BUCKETS), "bucket_abs": np.zeros(N_BUCKETS), "_d_max": ninf,
                     "_d_min": math.inf, "abs_p_max": ninf, "is_w_max": ninf, "neg_is_w_min": ninf}
-            s["tokens"] += n
-            s["abs_d"] += a
-            s["abs_p"] += abs_p
-            s["seq_log_ratio"] += sum_d
-            s["k3"] += k3
-            s["_lin"] += lin
-            s["_ser"] += ser
-            s["rho_m1_sq"] += rho_m1_sq
-            s["outside"] += outside
-            s["is_tokens"] += is_n
-            s["is_w"] += is_w
-            s["is_w2"] += is_w2
-            s["is_masked"] += is_masked
+            for key, value in zip(_STEP_SUMS, (n, a, abs_p, sum_d, k3, lin, ser, rho_m1_sq, outside, is_n, is_w, is_w2,
+                                               is_masked)):
+                s[key] += value
             s["hist"][hbin] += n
             s["bucket_count"][row[22]] += n
             s["bucket_abs"][row[22]] += a

@@ -306,9 +306,9 @@ class TIMEngineMixin:
 
     def _tim_after_forward(self, micro_batch, model_output, forward_only: bool) -> None:
         """A micro-batch's output, after verl's loss: measured on a measurement pass, split by lag on a training
-        pass. Clears the micro-batch's safe-set fields."""
+        pass, on the rank that holds the outputs (``_tim_holds_outputs``). Clears the micro-batch's safe-set fields."""
         try:
-            if self._tim is None or "log_probs" not in model_output:
+            if self._tim is None or "log_probs" not in model_output or not self._tim_holds_outputs():
                 return
             if self._tim_measuring(micro_batch, forward_only):
                 self._tim_update(micro_batch, model_output)

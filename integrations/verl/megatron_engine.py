@@ -135,11 +135,8 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
                                                         local_cp_size=local_cp_size)
         result = super().postprocess_micro_batch_func(output, data, forward_only, self._tim_wrap_loss(loss_function),
                                                       local_cp_size=local_cp_size)
-        if self._tim_holds_outputs():
-            # the parent's model_output is prepare_model_outputs(output, data), i.e. ``output`` itself: verl's
-            # per-token log_probs (jagged nested on data["input_ids"])
-            # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.prepare_model_outputs
-            self._tim_after_forward(data, self.prepare_model_outputs(output, data), forward_only)
-        else:
-            self._tim_mb = None
+        # the parent's model_output is prepare_model_outputs(output, data), i.e. ``output`` itself: verl's per-token
+        # log_probs (jagged nested on data["input_ids"]); only the output rank measures (the mixin checks)
+        # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.prepare_model_outputs
+        self._tim_after_forward(data, self.prepare_model_outputs(output, data), forward_only)
         return result

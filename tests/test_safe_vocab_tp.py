@@ -1,0 +1,194 @@
+"""Safe-vocabulary log-probs over a vocabulary split across tensor-parallel ranks (``tim_plugins.safe_vocab_tp``):
+two gloo processes, each holding one shard of the same logits, against a float64 reference written here on the
+full logits (softmax; min-p; top-k; top-p by an ascending sort and vLLM's cumulative rule; the renormalised
+log-prob and entropy), and its autograd gradient sliced to each shard. One spawn runs every case."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tim_plugins import safe_vocab_tp
+from tim_plugins.safe_vocab import safe_logprobs_from_logits
+from tim_plugins.safe_vocab_tp import safe_logprobs_vocab_parallel
+from tim_plugins.truncation import Truncation
+
+N = 40
+# name -> (Truncation kwargs, shard widths, how the logits are drawn, chunk rows, candidates of the first top-p round)
+CASES = {
+    "min_p": (dict(min_p=0.05), (500, 500), "randn", None, None),
+    "top_k": (dict(top_k=20), (500, 501), "randn", 7, None),
+    "top_p": (dict(top_p=0.9, temperature=0.7), (300, 701), "randn", None, None),
+    "top_p_retry": (dict(top_p=0.8, min_p=0.001), (500, 501), "randn", 9, 4),
+    "top_k_top_p_vllm": (dict(min_p=0.02, top_k=50, top_p=0.8), (500, 501), "randn", None, None),
+    "top_k_top_p_hf": (dict(min_p=0.02, top_k=50, top_p=0.8, order="hf"), (500, 501), "randn", None, None),
+    "top_p_min_p_hf": (dict(min_p=0.01, top_p=0.7, order="hf"), (600, 401), "randn", None, None),
+    # quantised logits: the k-th is tied beyond the k in most rows (the full-row top-p form)
+    "tied_top_k_top_p": (dict(top_k=10, top_p=0.9), (500, 501), "ties", None, 4),
+    "bf16": (dict(min_p=0.02, top_k=30), (500, 501), "bf16", None, None),  # the dtype of Megatron's logits
+    "empty": (dict(min_p=0.05, top_p=0.9), (500, 501), "randn", None, None),
+}
+
+
+def _inputs(name: str):
+    kwargs, widths, draw, _, _ = CASES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    vocab = sum(widths)
+    n = 0 if name == "empty" else N
+    logits = torch.randn(n, vocab, generator=g) * 2.5
+    if draw == "ties":
+        logits = (logits * 2).round() / 2
+    if draw == "bf16":
+        logits = logits.bfloat16()
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    tokens[: n // 2] = logits[: n // 2].argmax(-1)  # half the rows sample their top token (inside S)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    return Truncation(**kwargs), widths, logits, tokens, g_lp, g_ent
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, (_, _, _, chunk, candidates) in CASES.items():
+            trunc, widths, logits, tokens, g_lp, g_ent = _inputs(name)
+            start = sum(widths[:rank])
+            shard = logits[:, start : start + widths[rank]].clone().requires_grad_(True)
+            if candidates:
+                safe_vocab_tp._TOP_P_CANDIDATES = candidates
+            try:
+                res = safe_logprobs_vocab_parallel(shard, tokens, trunc, group=dist.group.WORLD, vocab_start=start,
+                                                   compute_entropy=True, chunk_size=chunk)
+            finally:
+                safe_vocab_tp._TOP_P_CANDIDATES = 256
+            ((res.logprobs * g_lp).sum() + (res.entropy * g_ent).sum()).backward()
+            results[name] = {"logprobs": res.logprobs.detach(), "in_safe": res.in_safe,
+                             "pruned_mass": res.pruned_mass, "size": res.size, "entropy": res.entropy.detach(),
+                             "grad": shard.grad}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("safe_vocab_tp")
+    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def _reference(logits: torch.Tensor, tokens: torch.Tensor, trunc: Truncation):
+    """float64, the engines' rules on the full rows: (log-prob, entropy, in S, pruned mass, |S|, the kept mask), the
+    first two differentiable w.r.t. ``logits``."""
+    z = logits.double() / trunc.temperature
+    zd = z.detach()
+    keep = torch.ones_like(zd, dtype=torch.bool)
+
+    def min_p():
+        if trunc.min_p > 0:
+            p = zd.softmax(-1)
+            keep.logical_and_(p >= trunc.min_p * p.amax(-1, keepdim=True))
+
+    def top_k():
+        if 0 < trunc.k < zd.shape[1]:
+            kth = zd.sort(-1, descending=True).values[:, trunc.k - 1 : trunc.k]
+            keep.logical_and_(zd >= kth)
+
+    def top_p():
+        if trunc.top_p < 1:
+            masked = zd.masked_fill(~keep, -math.inf)
+            asc = masked.sort(-1).values
+            cum = asc.softmax(-1).cumsum(-1)
+            drop = cum <= 1 - trunc.top_p
+            drop[:, -1] = False
+            cut = asc.gather(-1, drop.sum(-1, keepdim=True))  # the smallest kept value: its ties are kept too
+            keep.logical_and_(zd >= cut)
+
+    for step in ((min_p, top_k, top_p) if trunc.order == "vllm" else (top_k, top_p, min_p)):
+        step()
+    logq = z - z.masked_fill(~keep, -math.inf).logsumexp(-1, keepdim=True)
+    q = torch.where(keep, logq.exp(), 0.0)
+    entropy = -torch.where(keep, q * logq, 0.0).sum(-1)
+    logp = logq.gather(-1, tokens[:, None]).squeeze(-1)
+    pruned = 1 - torch.where(keep, zd.softmax(-1), 0.0).sum(-1)
+    return logp, entropy, keep.gather(-1, tokens[:, None]).squeeze(-1), pruned, keep.sum(-1), keep
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_shards_equal_the_float64_reference(two_ranks, name):
+    trunc, widths, logits, tokens, g_lp, g_ent = _inputs(name)
+    a, b = two_ranks[0][name], two_ranks[1][name]
+    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
+        assert torch.equal(a[key], b[key]), key  # every rank of the group gets the same values
+    full = logits.double().requires_grad_(True)
+    logp, ent, in_s, pruned, size, keep = _reference(full, tokens, trunc)
+    assert torch.equal(a["in_safe"], in_s) and torch.equal(a["size"], size)
+    torch.testing.assert_close(a["logprobs"], logp.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a["entropy"], ent.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a["pruned_mass"], pruned.float(), rtol=0, atol=1e-5)
+    if name == "empty":
+        assert a["logprobs"].shape == (0,) and a["grad"].shape == (0, widths[0])
+        return
+    (grad,) = torch.autograd.grad((logp * g_lp.double()).sum() + (ent * g_ent.double()).sum(), full)
+    ours = torch.cat([a["grad"], b["grad"]], dim=-1)
+    assert ours.dtype == logits.dtype
+    if logits.dtype == torch.float32:
+        torch.testing.assert_close(ours, grad.float(), rtol=0, atol=1e-5)
+    else:  # the fp32 gradient rounded to the logits' dtype, as the reference's is
+        torch.testing.assert_close(ours, grad.to(logits.dtype))
+    # the cases cut: S is a strict subset in every row, and some sampled tokens fall outside it (finite log-probs)
+    assert bool((size < logits.shape[1]).all())
+    assert bool((~a["in_safe"]).any()) and bool(a["in_safe"].any())
+    assert bool(torch.isfinite(a["logprobs"]).all())
+    if name == "tied_top_k_top_p":  # the k-th ties beyond the k (top-k keeps the tie) in some rows
+        desc = logits.sort(-1, descending=True).values
+        assert bool((desc[:, trunc.k] == desc[:, trunc.k - 1]).any())
+    if name in ("top_p", "top_p_retry"):  # nuclei wider than the first candidate round
+        assert int(size.max()) > 4
+
+
+def test_a_token_outside_the_safe_set_keeps_a_finite_log_prob(two_ranks):
+    r = two_ranks[0]["min_p"]
+    out = ~r["in_safe"]
+    assert int(out.sum()) >= 5
+    assert bool(torch.isfinite(r["logprobs"][out]).all()) and bool((r["logprobs"][out] < r["logprobs"].max()).all())
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_p=0.05), dict(top_k=7, top_p=0.9, min_p=0.01, temperature=0.8),
+                                    dict(top_p=0.85, order="hf", min_p=0.02)])
+def test_a_single_rank_call_is_safe_logprobs_from_logits(kwargs):
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(13, 301, generator=g) * 2).requires_grad_(True)
+    tokens = torch.randint(0, 301, (13,), generator=g)
+    trunc = Truncation(**kwargs)
+    got = safe_logprobs_vocab_parallel(logits, tokens, trunc, compute_entropy=True)
+    ref = safe_logprobs_from_logits(logits, tokens, compute_entropy=True, **{"min_p": 0.0, **kwargs})
+    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
+        assert torch.equal(getattr(got, key), getattr(ref, key)), key
+    g1 = torch.autograd.grad(got.logprobs.sum() + got.entropy.sum(), logits)[0]
+    g2 = torch.autograd.grad(ref.logprobs.sum() + ref.entropy.sum(), logits)[0]
+    assert torch.equal(g1, g2)
+
+
+def test_bad_arguments_fail_with_the_rule():
+    logits, tokens = torch.zeros(2, 5), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"vocab_start=3 without a tensor-parallel group"):
+        safe_logprobs_vocab_parallel(logits, tokens, Truncation(min_p=0.1), vocab_start=3)
+    with pytest.raises(ValueError, match=r"trunc=0.1: expected"):
+        safe_logprobs_vocab_parallel(logits, tokens, 0.1)
+    with pytest.raises(ValueError, match=r"tokens has shape \(3,\)"):
+        safe_logprobs_vocab_parallel(logits, torch.zeros(3, dtype=torch.long), Truncation(min_p=0.1))

@@ -1,0 +1,280 @@
+"""Safe-vocabulary log-probs when the vocabulary is split over tensor-parallel ranks (a vocab-parallel lm_head, as
+Megatron's: each rank holds the logits of one contiguous slice of the vocabulary, slices of any widths).
+
+The kept set S of a row is the single-rank one (``tim_plugins.truncation``: vLLM order min-p → top-k → top-p, HF
+order top-k → top-p → min-p; S = {a : z_a >= tau}), and the log-probs, ``in_safe``, pruned mass, |S| and entropy are
+``tim_plugins.safe_vocab``'s; only the row statistics are reduced over the group:
+
+* row max: each shard's max, ``all_reduce(MAX)``; the min-p threshold is m + log(min_p);
+* top-k: each shard's k + 1 largest logits, ``all_gather``; the union holds the row's k + 1 largest exactly, so its
+  k-th is the global k-th (and the (k+1)-th says whether the k-th is tied beyond the k). Top-p after top-k is the
+  nucleus among those k values (as ``truncation._top_p_threshold_in_top_k``; rows tied beyond k take the form below);
+* top-p without top-k: candidates. Each shard's c largest logits of the set kept so far, ``all_gather``; their union's
+  c largest are the row's c largest exactly. Their masses use the global normaliser over the kept set (one
+  ``all_reduce(SUM)``); a sorted value is kept iff the mass strictly above it is < top_p (the descending form of
+  vLLM's ascending cumulative rule, which keeps position j iff 1 − mass above j > 1 − top_p). A row whose kept prefix
+  fills all c candidates may have its cut below them: those rows (the same on every rank, since the gathered values
+  are) retry with c × 8, until c covers the widest shard;
+* then one pass per chunk for Σ_S e^(z−m), Σ e^(z−m), |S|, Σ_S e^(z−m)(z−m) and the token's logit (from the rank
+  that owns it, 0 elsewhere), stacked into one [k, N] ``all_reduce(SUM)``.
+
+Backward needs no communication (as Megatron's ``vocab_parallel_cross_entropy``): the gradient of a shard's logits
+depends on its own values and the saved global row statistics, g·(onehot(a) − q) for the log-prob (no one-hot where
+another rank owns the token) and −g_ent·q(log q + H) on S for the entropy, q the renormalised distribution on S.
+
+Collectives per call: one ``all_reduce(MAX)`` and one ``all_reduce(SUM)``; with top-k one ``all_gather`` of [N, k+1];
+with top-p outside top-k (or rows tied beyond k) one ``all_reduce(SUM)`` of [rows] and one ``all_gather`` of
+[rows, c] per candidate round. Host reads: none for min-p alone or top-k alone; top-k + top-p: one (whether any row
+is tied beyond k); top-p without top-k: one per candidate round (one round when every row's nucleus lies within
+its 256 largest logits), plus one ``all_reduce`` of the shard widths at the first retry. Every rank of the group
+must call with the same rows (the same N and tokens), as a TP group's ranks do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .safe_vocab import SafeLogprobs, _check_rows, _temper, default_chunk_rows, safe_logprobs_from_logits
+from .truncation import Truncation, _nucleus_cut
+
+__all__ = ["safe_logprobs_vocab_parallel"]
+
+# Candidates per row of the first top-p round (then × _CANDIDATE_GROWTH per retry): nuclei of sampled LLM rows at
+# top_p 0.9-0.95 are mostly a few to a few hundred tokens; a [N, 256] fp32 gather per rank is small beside the logits.
+_TOP_P_CANDIDATES = 256
+_CANDIDATE_GROWTH = 8
+
+
+def safe_logprobs_vocab_parallel(
+    logits: torch.Tensor, tokens: torch.Tensor, trunc: Truncation, *, group=None, vocab_start: int = 0,
+    compute_entropy: bool = False, chunk_size: int | None = None,
+) -> SafeLogprobs:
+    """Safe log-probs of ``tokens`` from this rank's vocabulary shard of the logits.
+
+    Args:
+        logits: [N, V_local] this rank's shard: the columns vocab_start … vocab_start + V_local − 1 of the full
+            vocabulary (shards may differ in width); any float dtype, computed in fp32 chunks; divided by
+            ``trunc.temperature`` (pass temperature 1 for logits already scaled).
+        tokens: [N] global token ids (not range-checked: no host read).
+        trunc: the sampler's truncation (``Truncation``).
+        group: the tensor-parallel process group; None, or a group of one rank, is the single-rank case:
+            ``safe_logprobs_from_logits`` on the whole vocabulary (``vocab_start`` must then be 0).
+        vocab_start: this shard's first vocabulary id.
+        compute_entropy: also return the entropy of the safe distribution.
+        chunk_size: rows per chunk for the fp32 temporaries (default ``default_chunk_rows(V_local, dtype)``).
+    Returns:
+        ``SafeLogprobs`` with [N] tensors, equal on every rank of the group; the log-probs and the entropy are
+        differentiable w.r.t. this shard (no communication in backward).
+    """
+    if not isinstance(trunc, Truncation):
+        raise ValueError(f"trunc={trunc!r}: expected a tim_plugins.truncation.Truncation")
+    _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0, check_ids=False)
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start={vocab_start!r}: must be an int >= 0 (this shard's first vocabulary id)")
+    if group is None or dist.get_world_size(group) == 1:
+        if vocab_start != 0:
+            raise ValueError(f"vocab_start={vocab_start} without a tensor-parallel group: a single rank holds the "
+                             "whole vocabulary (vocab_start=0); pass the TP group for a shard")
+        return safe_logprobs_from_logits(
+            logits, tokens, min_p=trunc.min_p, temperature=trunc.temperature, top_p=trunc.top_p, top_k=trunc.top_k,
+            order=trunc.order, compute_entropy=compute_entropy, chunk_size=chunk_size, check_ids=False)
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}: every shard needs at least one vocabulary column")
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
+    logp, in_safe, pruned, size, ent = _VocabParallelSafe.apply(
+        logits, tokens.long(), trunc, group, int(vocab_start), chunk, bool(compute_entropy))
+    return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
+
+
+# ----------------------------------------------------------------------------------------------- row statistics
+
+
+def _chunks(n: int, chunk: int):
+    return ((s, min(s + chunk, n)) for s in range(0, n, chunk))
+
+
+def _z(logits: torch.Tensor, rows, temperature: float) -> torch.Tensor:
+    """fp32 logits / T of ``rows`` (a slice or an index tensor), a fresh tensor."""
+    return _temper(logits[rows].to(torch.float32, copy=True), temperature)
+
+
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """[n, c] from every rank, concatenated along the columns: [n, world · c]."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _local_top(z: torch.Tensor, c: int) -> torch.Tensor:
+    """The c largest of each row of z, descending, -inf-padded where the shard is narrower than c."""
+    top = z.topk(min(c, z.shape[1]), dim=-1, sorted=True).values
+    if top.shape[1] < c:
+        top = torch.nn.functional.pad(top, (0, c - top.shape[1]), value=-math.inf)
+    return top
+
+
+def _top_p_cut(logits, rows: torch.Tensor, m: torch.Tensor, tau: torch.Tensor, trunc: Truncation, group,
+               chunk: int) -> torch.Tensor:
+    """Smallest logit of the nucleus of the rows ``rows`` restricted to {z >= tau} ([r] each), across the shards."""
+    temperature, top_p = trunc.temperature, trunc.top_p
+    mass = torch.empty(rows.shape[0], dtype=torch.float32, device=m.device)
+    c = _TOP_P_CANDIDATES
+    tops = []
+    for s, e in _chunks(rows.shape[0], chunk):
+        z = _z(logits, rows[s:e], temperature)
+        z.masked_fill_(z < tau[s:e, None], -math.inf)
+        tops.append(_local_top(z, c))
+        mass[s:e] = z.sub_(m[s:e, None]).exp_().sum(dim=-1)  # Σ_{kept} e^(z−m); e^(−inf) = 0 off the kept set
+    dist.all_reduce(mass, op=dist.ReduceOp.SUM, group=group)
+    cand = torch.cat(tops)
+    cut = torch.empty_like(m)
+    pending = torch.arange(rows.shape[0], device=m.device)
+    widest = None
+    while True:
+        union = _gather_rows(cand, group)
+        vals = union.topk(min(c, union.shape[1]), dim=-1, sorted=True).values  # the rows' c largest, exactly
+        p = (vals - m[pending, None]).exp_().div_(mass[pending, None])
+        above = p.cumsum(dim=-1).sub_(p)  # mass strictly above each sorted value
+        count = ((above < top_p) & (vals > -math.inf)).sum(dim=-1)  # the kept prefix (>= 1: the row max)
+        cut[pending] = vals.gather(-1, (count - 1).clamp(min=0)[:, None]).squeeze(-1)
+        if widest is not None and c >= widest:  # every shard gave all its kept values: the cuts are exact
+            return cut
+        short = count >= vals.shape[1]  # the whole candidate prefix is kept: the cut may lie below it
+        if not bool(short.any()):
+            return cut
+        if widest is None:  # the widest shard bounds the rounds (every rank needs the same answer)
+            width = torch.tensor([float(logits.shape[1])], device=m.device)
+            dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+            widest = int(width.item())
+            if c >= widest:
+                return cut
+        pending = pending[short]
+        c = min(c * _CANDIDATE_GROWTH, widest)
+        tops = []
+        for s, e in _chunks(pending.shape[0], chunk):
+            idx = pending[s:e]
+            z = _z(logits, rows[idx], temperature)
+            tops.append(_local_top(z.masked_fill_(z < tau[idx, None], -math.inf), c))
+        cand = torch.cat(tops)
+
+
+@torch.no_grad()
+def _row_stats(logits: torch.Tensor, trunc: Truncation, group, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global row max m, threshold tau of S) per row, [N] fp32 each, identical on every rank."""
+    n, device = logits.shape[0], logits.device
+    k = trunc.k
+    want_top = k + 1 if k > 0 else 0
+    m = torch.empty(n, dtype=torch.float32, device=device)
+    tops = []
+    for s, e in _chunks(n, chunk):
+        z = _z(logits, slice(s, e), trunc.temperature)
+        m[s:e] = z.amax(dim=-1)
+        if want_top:
+            tops.append(_local_top(z, want_top))
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    tau = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
+    if not trunc.active:
+        return m, tau
+    # the k + 1 largest of each row (descending), -inf where the vocabulary has fewer
+    desc = _gather_rows(torch.cat(tops), group).topk(want_top, dim=-1, sorted=True).values if want_top else None
+
+    def min_p_cut() -> None:
+        if trunc.min_p > 0.0:
+            torch.maximum(tau, m + math.log(trunc.min_p), out=tau)
+
+    def top_k_cut() -> None:
+        if desc is not None:
+            torch.maximum(tau, desc[:, k - 1], out=tau)  # -inf when the vocabulary has <= k entries: all kept
+
+    def top_p_cut() -> None:
+        if trunc.top_p >= 1.0:
+            return
+        if desc is None:
+            cut = _top_p_cut(logits, torch.arange(n, device=device), m, tau, trunc, group, chunk)
+        else:
+            # the kept set lies among the k largest; a k-th tied beyond the k (a finite tie) takes the full form
+            vals = desc[:, :k].flip(-1)
+            cut = _nucleus_cut(vals.masked_fill(vals < tau[:, None], -math.inf), trunc.top_p)
+            tied = (desc[:, k] == desc[:, k - 1]) & (desc[:, k - 1] > -math.inf)
+            if bool(tied.any()):
+                rows = tied.nonzero().squeeze(-1)
+                cut[rows] = _top_p_cut(logits, rows, m[rows], tau[rows], trunc, group, chunk)
+        torch.maximum(tau, cut, out=tau)
+
+    steps = (min_p_cut, top_k_cut, top_p_cut) if trunc.order == "vllm" else (top_k_cut, top_p_cut, min_p_cut)
+    for step in steps:
+        step()
+    return m, tau
+
+
+# ------------------------------------------------------------------------------------------------- autograd
+
+
+class _VocabParallelSafe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, trunc, group, vocab_start, chunk, want_entropy):
+        ctx.set_materialize_grads(False)
+        n, width = logits.shape
+        device = logits.device
+        local = tokens - vocab_start
+        owned = (local >= 0) & (local < width)
+        local = torch.where(owned, local, torch.zeros_like(local))
+        if n == 0:  # every rank of the group has the same rows: none of them calls a collective
+            m = tau = torch.empty(0, dtype=torch.float32, device=device)
+            sums = torch.zeros((5, 0), dtype=torch.float32, device=device)
+        else:
+            m, tau = _row_stats(logits, trunc, group, chunk)
+            sums = torch.empty((5 if want_entropy else 4, n), dtype=torch.float32, device=device)
+            with torch.no_grad():
+                for s, e in _chunks(n, chunk):
+                    z = _z(logits, slice(s, e), trunc.temperature)
+                    keep = z >= tau[s:e, None]
+                    sums[3, s:e] = torch.where(owned[s:e], z.gather(-1, local[s:e, None]).squeeze(-1), 0.0)
+                    sums[2, s:e] = keep.sum(dim=-1, dtype=torch.int32).float()  # |S| <= V < 2^24: exact in fp32
+                    ez = z.sub_(m[s:e, None]).exp_()  # e^(z−m), in place
+                    sums[1, s:e] = ez.sum(dim=-1)
+                    ez.mul_(keep)
+                    sums[0, s:e] = ez.sum(dim=-1)
+                    if want_entropy:  # e log e = e (z − m), 0 where e underflows (safe_vocab's form)
+                        sums[4, s:e] = torch.special.xlogy(ez, ez, out=ez).sum(dim=-1)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        kept, full, size, z_tok = sums[0], sums[1], sums[2], sums[3]
+        log_kept = kept.log()
+        logp = (z_tok - m) - log_kept  # safe_vocab._chunk_forward's order of operations
+        in_safe = z_tok >= tau
+        pruned = (1.0 - kept / full).clamp_(min=0.0)
+        ent = log_kept - sums[4] / kept if want_entropy else None
+        log_zs = m + log_kept
+        ctx.save_for_backward(logits, local, owned, tau, log_zs, ent if ent is not None else log_zs)
+        ctx.temperature, ctx.chunk = trunc.temperature, chunk
+        ctx.mark_non_differentiable(in_safe, pruned, size)
+        return logp, in_safe, pruned, size.long(), ent
+
+    @staticmethod
+    def backward(ctx, g_lp, _in_safe, _pruned, _size, g_ent):
+        logits, local, owned, tau, log_zs, ent = ctx.saved_tensors
+        if g_lp is None and g_ent is None:
+            return (None,) * 7
+        inv_t = 1.0 / ctx.temperature
+        grad = torch.empty_like(logits)
+        for s, e in _chunks(logits.shape[0], ctx.chunk):
+            z = _z(logits, slice(s, e), ctx.temperature)
+            keep = z >= tau[s:e, None]
+            logq = z.sub_(log_zs[s:e, None])
+            q = torch.where(keep, logq.exp(), 0.0)
+            g = torch.zeros_like(q)
+            if g_ent is not None:  # dH/dz_j = −q_j (log q_j + H) on S
+                g.sub_(torch.where(keep, logq.add_(ent[s:e, None]), 0.0).mul_(q).mul_(g_ent[s:e, None].float()))
+            if g_lp is not None:  # d logp(a)/dz_j = 1[j = a] − q_j (the one-hot where this shard owns a)
+                gl = g_lp[s:e].float()
+                g.sub_(q.mul_(gl[:, None]))
+                g.scatter_add_(-1, local[s:e, None], torch.where(owned[s:e], gl, 0.0)[:, None])
+            torch.mul(g, inv_t, out=g)
+            grad[s:e] = g
+        return grad, None, None, None, None, None, None
+

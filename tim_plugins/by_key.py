@@ -22,6 +22,7 @@ Bucketings (``KEYINGS``; metric keys ``tim/by_<name>/<label>/<stat>``):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,13 @@ __all__ = ["KEYINGS", "MAXES", "STATS", "SUMS", "Keying", "KeyedStats", "keyed_m
 SUMS = ("count", "abs_sum", "d_sum", "k3_sum")
 MAXES = ("abs_max",)
 STATS = {"abs_diff_mean": "abs_sum", "mean": "d_sum", "kl_k3": "k3_sum", "abs_diff_max": "abs_max"}
+
+
+@functools.lru_cache(maxsize=64)
+def _edges_on(edges: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The bucket edges as a tensor on ``device``, made once: a host-to-device copy per update would wait for the
+    device every micro-batch."""
+    return torch.tensor(edges, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class Keying:
         """Bucket index of each key (int64). Floating keys are compared in at least float32."""
         if keys.is_floating_point():
             keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
-        edges = torch.tensor(self.edges[1:], dtype=keys.dtype, device=keys.device)
+        edges = _edges_on(self.edges[1:], keys.dtype, keys.device)
         return torch.bucketize(keys.contiguous(), edges, right=True)  # keys are often expanded views
 
 

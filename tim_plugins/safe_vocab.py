@@ -480,7 +480,7 @@ def _fold_hidden(hidden, weight, tokens, sel, chunk_size, compute_entropy) -> Sa
 def safe_logprobs_from_hidden(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, min_p: float, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int = 0, order: str = "vllm", compute_entropy: bool = False,
-    chunk_size: int | None = None, backend: str = "auto",
+    chunk_size: int | None = None, backend: str = "auto", check_ids: bool = True,
 ) -> SafeLogprobs:
     """Safe log-probs of ``tokens`` from final hidden states and the lm_head weight, never holding [N, V].
 
@@ -495,14 +495,16 @@ def safe_logprobs_from_hidden(
         backend: "auto" (Triton folds for CUDA tensors when the truncation is min-p alone, else torch),
             "triton" or "torch". If the Triton folds fail (e.g. no compiler for this GPU), "auto" counts it
             (``fused_failure_count``), warns, and runs this call on the torch folds.
+        check_ids: as for ``safe_logprobs_from_logits``.
     Returns:
         ``SafeLogprobs`` with [N] tensors; gradients flow to ``hidden`` and ``weight``.
     """
     trunc = _resolve(min_p, temperature, top_p, top_k, order)
-    return _from_hidden(hidden, weight, tokens, trunc, chunk_size, compute_entropy, backend)
+    return _from_hidden(hidden, weight, tokens, trunc, chunk_size, compute_entropy, backend, check_ids)
 
 
-def _check_hidden(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, chunk_size) -> None:
+def _check_hidden(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, chunk_size,
+                  check_ids: bool = True) -> None:
     for name, x in (("hidden", hidden), ("weight", weight)):
         if _is_dtensor(x):
             raise ValueError(
@@ -510,7 +512,7 @@ def _check_hidden(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tens
                 "lm_head weight on this rank. Pass the gathered tensor: `weight.full_tensor()` under FSDP2 "
                 "(differentiable: its gradient is reduce-scattered back to the shards), the parameter inside "
                 "`FSDP.summon_full_params(...)` under FSDP1, and `hidden.to_local()` for the hidden states")
-    _check_rows("hidden", hidden, tokens, weight.shape[0])
+    _check_rows("hidden", hidden, tokens, weight.shape[0], check_ids)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
     if chunk_size is not None and int(chunk_size) < 1:
@@ -522,8 +524,9 @@ def _is_dtensor(x: torch.Tensor) -> bool:
     return any(c.__name__ == "DTensor" for c in type(x).__mro__)
 
 
-def _from_hidden(hidden, weight, tokens, trunc: Truncation, chunk_size, compute_entropy, backend) -> SafeLogprobs:
-    _check_hidden(hidden, weight, tokens, chunk_size)
+def _from_hidden(hidden, weight, tokens, trunc: Truncation, chunk_size, compute_entropy, backend,
+                 check_ids: bool = True) -> SafeLogprobs:
+    _check_hidden(hidden, weight, tokens, chunk_size, check_ids)
     cdt = torch.promote_types(hidden.dtype, weight.dtype)
     tokens = tokens.long()
     if _use_fused(hidden, trunc, backend):
@@ -538,7 +541,7 @@ def _from_hidden(hidden, weight, tokens, trunc: Truncation, chunk_size, compute_
 def safe_linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, truncation: Truncation, *,
     temperature: float | None = None, compute_entropy: bool = True, chunk_size: int | None = None,
-    backend: str = "auto",
+    backend: str = "auto", check_ids: bool = True,
 ) -> SafeLogprobs:
     """The safe-vocab counterpart of a fused "linear + log-prob + entropy" head (verl's ``FusedLinearForPPO``:
     hidden states [..., H], lm_head weight [V, H], labels [...]), never holding the [N, V] logits.
@@ -553,7 +556,7 @@ def safe_linear_logprobs(
         labels: [...] token ids, ``hidden``'s leading shape.
         truncation: the sampler's rule (``Truncation``).
         temperature: overrides ``truncation.temperature`` (a fused head is given the temperature per call).
-        compute_entropy, chunk_size, backend: as for ``safe_logprobs_from_hidden``.
+        compute_entropy, chunk_size, backend, check_ids: as for ``safe_logprobs_from_hidden``.
     Returns:
         ``SafeLogprobs`` whose tensors have ``labels``' shape (log-probs and entropy fp32, differentiable).
     """
@@ -566,7 +569,7 @@ def safe_linear_logprobs(
                          f"{tuple(hidden.shape[:-1])} (hidden is {tuple(hidden.shape)})")
     shape = labels.shape
     res = _from_hidden(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), truncation, chunk_size,
-                       compute_entropy, backend)
+                       compute_entropy, backend, check_ids)
     return SafeLogprobs(logprobs=res.logprobs.view(shape), in_safe=res.in_safe.view(shape),
                         pruned_mass=res.pruned_mass.view(shape), size=res.size.view(shape),
                         entropy=None if res.entropy is None else res.entropy.view(shape))

@@ -56,7 +56,8 @@ class SplitStats(Accumulated):
         Tokens with a non-finite value on any side are left out (the monitor counts them as invalid)."""
         s, m = split_parts(rollout, old, current)
         keep = mask.bool() & torch.isfinite(s) & torch.isfinite(m)
-        s, m = s[keep], m[keep]
+        # zeros where not kept rather than boolean indexing: no host read of the count per micro-batch
+        s, m = torch.where(keep, s, 0.0), torch.where(keep, m, 0.0)
         self._acc.add((keep.sum(), s.sum(), m.sum(), (s * s).sum(), (m * m).sum(), (s * m).sum()))
 
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:

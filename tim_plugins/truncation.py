@@ -91,13 +91,15 @@ class Truncation:
         return asdict(self)
 
 
-def _nucleus_cut(vals: torch.Tensor, top_p: float) -> torch.Tensor:
+def _nucleus_cut(vals: torch.Tensor, top_p: float, log_mass: torch.Tensor | None = None) -> torch.Tensor:
     """Smallest logit of the nucleus of softmax(vals); vals [n, m] ascending (-inf for tokens already cut) -> [n].
 
     As vLLM ``apply_top_k_top_p_pytorch`` / HF ``TopPLogitsWarper``: renormalised cumulative probability over the
-    ascending values, drop positions with cumsum <= 1 - top_p, always keep the largest.
+    ascending values, drop positions with cumsum <= 1 - top_p, always keep the largest. ``log_mass``: each
+    position's log of unnormalised mass when it is not ``vals`` itself (a position standing for several equal
+    logits: value + log count).
     """
-    cum = vals.softmax(dim=-1).cumsum_(dim=-1)
+    cum = (vals if log_mass is None else log_mass).softmax(dim=-1).cumsum_(dim=-1)
     drop = cum <= 1.0 - top_p
     drop[:, -1] = False
     # index of the first kept sorted position = number of dropped positions (they form a prefix: cum is monotone)
@@ -118,18 +120,24 @@ def _top_p_threshold(z: torch.Tensor, tau: torch.Tensor, top_p: float) -> torch.
 
 
 def _top_p_threshold_in_top_k(z: torch.Tensor, tau: torch.Tensor, top_k_desc: torch.Tensor, k: int,
-                              top_p: float) -> torch.Tensor:
-    """``_top_p_threshold`` once top-k has cut: the kept set {z >= tau} lies among the k largest logits, so the
-    nucleus needs only those k values, not a sort of V. ``top_k_desc``: the k + 1 largest logits, descending (k + 1
-    when k < V). A row whose (k + 1)-th value equals its k-th has a tie beyond the k (top-k keeps the whole tie):
-    it takes the full sort."""
-    tied = top_k_desc[:, k] == top_k_desc[:, k - 1] if top_k_desc.shape[1] > k else None
+                              top_p: float, ties: torch.Tensor | None = None) -> torch.Tensor:
+    """``_top_p_threshold`` once top-k has cut: the kept set {z >= tau} lies among the k largest logits and the
+    copies of the k-th value beyond them (top-k keeps the whole tie), so the nucleus needs only the k values, not a
+    sort of V. ``top_k_desc``: the k largest logits, descending. ``ties``: [n] how many logits of the row equal the
+    k-th (counted on ``z`` when None; a caller holding a shard of the row passes the whole row's count).
+
+    The copies beyond the k are the smallest kept values: they enter as one position of value v_k carrying their
+    mass, so the cut lands in the tie (threshold v_k) or above it exactly where a sort of the whole row puts it,
+    without a host read to find the tied rows."""
     vals = top_k_desc[:, :k].flip(-1)  # ascending
-    out = _nucleus_cut(vals.masked_fill(vals < tau[:, None], -math.inf), top_p)
-    if tied is not None and bool(tied.any()):
-        rows = tied.nonzero().squeeze(-1)
-        out[rows] = _top_p_threshold(z[rows], tau[rows], top_p)
-    return out
+    kth = vals[:, :1]
+    if ties is None:
+        ties = (z == kth).sum(dim=-1)
+    extra = (ties - (vals == kth).sum(dim=-1)).clamp_(min=0).to(vals.dtype)
+    vals = torch.cat([kth, vals], dim=-1)
+    log_mass = torch.cat([kth + extra.log()[:, None], vals[:, 1:]], dim=-1)  # log(0) = -inf: no extra copy
+    cut = vals < tau[:, None]
+    return _nucleus_cut(vals.masked_fill(cut, -math.inf), top_p, log_mass.masked_fill(cut, -math.inf))
 
 
 @torch.no_grad()
@@ -158,8 +166,8 @@ def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tens
     def top_k_cut() -> None:
         if 0 < trunc.k < z.shape[1]:
             # k-th largest logit; every logit >= it is kept (vLLM/HF both mask only `logits < kth`)
-            if trunc.top_p < 1.0:  # one more value: whether the k-th is tied beyond the k (top-p needs to know)
-                vals = z.topk(trunc.k + 1, dim=-1, sorted=True).values
+            if trunc.top_p < 1.0:  # top-p then runs among these k values
+                vals = z.topk(trunc.k, dim=-1, sorted=True).values
                 top_k_desc.append(vals)
                 kth = vals[:, trunc.k - 1]
             else:

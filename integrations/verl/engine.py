@@ -203,7 +203,8 @@ class _SafeFusedForward:
             weight = weight.full_tensor()
         if isinstance(hidden, DTensor):
             hidden = hidden.to_local()
+        # the labels are the model's own input ids: no host read to range-check them per micro-batch
         res = safe_linear_logprobs(hidden, weight, labels, self.truncation, temperature=float(temperature),
-                                   compute_entropy=self.want_entropy)
+                                   compute_entropy=self.want_entropy, check_ids=False)
         return _SafeFusedOutput(log_probs=res.logprobs, entropy=res.entropy, packed=self.packed,
                                 safe={"in_safe": res.in_safe, "pruned_mass": res.pruned_mass, "size": res.size})

@@ -1,11 +1,11 @@
 """Safe-vocabulary log-probs over a vocabulary split across tensor-parallel ranks (``tim_plugins.safe_vocab_tp``):
 two gloo processes, each holding one shard of the same logits, against a float64 reference written here on the
 full logits (softmax; min-p; top-k; top-p by an ascending sort and vLLM's cumulative rule; the renormalised
-log-prob and entropy), and its autograd gradient sliced to each shard. One spawn runs every case."""
+log-prob and entropy: ``safe_vocab_reference``), and its autograd gradient sliced to each shard. One spawn runs every
+case."""
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 
@@ -18,6 +18,8 @@ from tim_plugins import safe_vocab_tp
 from tim_plugins.safe_vocab import safe_logprobs_from_logits
 from tim_plugins.safe_vocab_tp import safe_logprobs_vocab_parallel
 from tim_plugins.truncation import Truncation
+
+from safe_vocab_reference import safe_vocab_reference
 
 N = 40
 # name -> (Truncation kwargs, shard widths, how the logits are drawn, chunk rows, candidates of the first top-p round)
@@ -91,43 +93,6 @@ def two_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-def _reference(logits: torch.Tensor, tokens: torch.Tensor, trunc: Truncation):
-    """float64, the engines' rules on the full rows: (log-prob, entropy, in S, pruned mass, |S|, the kept mask), the
-    first two differentiable w.r.t. ``logits``."""
-    z = logits.double() / trunc.temperature
-    zd = z.detach()
-    keep = torch.ones_like(zd, dtype=torch.bool)
-
-    def min_p():
-        if trunc.min_p > 0:
-            p = zd.softmax(-1)
-            keep.logical_and_(p >= trunc.min_p * p.amax(-1, keepdim=True))
-
-    def top_k():
-        if 0 < trunc.k < zd.shape[1]:
-            kth = zd.sort(-1, descending=True).values[:, trunc.k - 1 : trunc.k]
-            keep.logical_and_(zd >= kth)
-
-    def top_p():
-        if trunc.top_p < 1:
-            masked = zd.masked_fill(~keep, -math.inf)
-            asc = masked.sort(-1).values
-            cum = asc.softmax(-1).cumsum(-1)
-            drop = cum <= 1 - trunc.top_p
-            drop[:, -1] = False
-            cut = asc.gather(-1, drop.sum(-1, keepdim=True))  # the smallest kept value: its ties are kept too
-            keep.logical_and_(zd >= cut)
-
-    for step in ((min_p, top_k, top_p) if trunc.order == "vllm" else (top_k, top_p, min_p)):
-        step()
-    logq = z - z.masked_fill(~keep, -math.inf).logsumexp(-1, keepdim=True)
-    q = torch.where(keep, logq.exp(), 0.0)
-    entropy = -torch.where(keep, q * logq, 0.0).sum(-1)
-    logp = logq.gather(-1, tokens[:, None]).squeeze(-1)
-    pruned = 1 - torch.where(keep, zd.softmax(-1), 0.0).sum(-1)
-    return logp, entropy, keep.gather(-1, tokens[:, None]).squeeze(-1), pruned, keep.sum(-1), keep
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_shards_equal_the_float64_reference(two_ranks, name):
     trunc, widths, logits, tokens, g_lp, g_ent = _inputs(name)
@@ -135,7 +100,7 @@ def test_two_shards_equal_the_float64_reference(two_ranks, name):
     for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
         assert torch.equal(a[key], b[key]), key  # every rank of the group gets the same values
     full = logits.double().requires_grad_(True)
-    logp, ent, in_s, pruned, size, keep = _reference(full, tokens, trunc)
+    logp, ent, in_s, pruned, size, keep = safe_vocab_reference(full, tokens, trunc)
     assert torch.equal(a["in_safe"], in_s) and torch.equal(a["size"], size)
     torch.testing.assert_close(a["logprobs"], logp.float(), rtol=0, atol=1e-5)
     torch.testing.assert_close(a["entropy"], ent.float(), rtol=0, atol=1e-5)

@@ -88,18 +88,26 @@ FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
 _TM = "verl.workers.engine.megatron.transformer_impl"
 _megatron_hook = registered_hooks(VERL_MEGATRON_SOURCES, "VERL_MEGATRON_SOURCES")
 
-# The Megatron actor engine subclass (megatron_engine.py): the monitor, the split, the dump and the LR decay run in
-# it. Its module imports megatron-core (Python >= 3.12), which the verl extra does not install: without it the plugin
+# The Megatron actor engine subclass (megatron_engine.py): the monitor, the split, the dump, the safe vocabulary
+# (its TP-sharded logits processor) and the LR decay run in it. Its module imports megatron-core (Python >= 3.12), which the verl extra does not install: without it the plugin
 # registers no Megatron engine and says nothing (an FSDP user has no Megatron backend). Kept out of FEATURES, which
 # hold wherever verl does.
 MEGATRON_ENGINE = Feature(
-    "verl_megatron_engine", "monitor and LR decay in verl's Megatron actor engine", "verl", needs=("verl",),
+    "verl_megatron_engine", "monitor, safe vocabulary and LR decay in verl's Megatron actor engine", "verl",
+    needs=("verl",),
     fix="verl's Megatron backend (megatron-core, Python >= 3.12) with " + _FIX, hooks=(
         _megatron_hook(_TM, "MegatronEngineWithLMHead.postprocess_micro_batch_func",
                        params=("output", "data", "forward_only", "loss_function", "local_cp_size"),
                        fragments=("model_output = self.prepare_model_outputs(output, data)",
                                   "loss_function(model_output=model_output, data=data,")),
         _megatron_hook(_TM, "MegatronEngineWithLMHead.prepare_model_outputs", params=("output", "data")),
+        _megatron_hook(_TM, "MegatronEngineWithLMHead._lm_head_logits_processor",
+                       params=("logits", "label", "temperature", "calculate_sum_pi_squared", "calculate_entropy",
+                               "distillation_use_topk", "distillation_only", "logits_processor_func", "batch",
+                               "data_format"),
+                       fragments=("logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))",)),
+        _megatron_hook("megatron.core.tensor_parallel.utils", "VocabUtility.vocab_range_from_per_partition_vocab_size",
+                       params=("per_partition_vocab_size", "rank", "world_size")),
         _megatron_hook(_TM, "MegatronEngine.is_mp_src_rank_with_outputs"),
         _megatron_hook(_TM, "MegatronEngine.forward_backward_batch",
                        params=("data", "loss_function", "forward_only"),

@@ -18,9 +18,16 @@ No verl object is patched. What is Megatron's own here:
   nothing (one dump file per data-parallel rank, not one per TP rank).
 * the LR decay's route (``_tim_lr_*``): the scale over Megatron's scheduled LR, the holders' decision on every rank,
   the controller's state in the optimizer's param groups (see the comment on the ``_tim_lr_*`` methods).
-* the settings it refuses (``_tim_check_config``): the safe vocabulary (its tensor-parallel form is not written yet)
-  and dynamic context parallelism. Under static context parallelism CP rank 0 measures, and its data-parallel group
-  holds only CP-rank-0 ranks.
+* the safe vocabulary (``_lm_head_logits_processor``): verl's per-micro-batch logits processor, where the
+  TP-sharded logits of the last stage meet the labels, on the old-log-prob and the training pass alike. Configured
+  with the safe vocabulary it scales the logits as verl does, then computes the safe log-probs (and entropy) over
+  the shards (``tim_plugins.safe_vocab_tp``: the row statistics reduced over the TP group, a backward without
+  communication) and returns the safe set's fields beside them; ``postprocess_micro_batch_func`` takes those out of
+  the output before verl's loss and layout see it and hands them to the mixin (``_tim_mb``: the boundary mask in
+  verl's loss, ``tim/safe_vocab/*``).
+* the settings it refuses (``_tim_check_config``): the safe vocabulary with verl's fused forward
+  (``use_fused_kernels``: no logits reach the processor) and dynamic context parallelism. Under static context
+  parallelism CP rank 0 measures, and its data-parallel group holds only CP-rank-0 ranks.
 The mixin's overrides call the parent's: the merge after a forward-only pass, over the data-parallel group, and the
 end of the actor update:
 VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.forward_backward_batch
@@ -33,16 +40,25 @@ against the installed verl and megatron-core by ``tests/megatron_suite/test_mega
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel.utils import VocabUtility
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
 from tim_plugins.lr_scaling import CONTROLLER_STATE_KEY, restore_controller_state, store_controller_state
+from tim_plugins.safe_vocab_tp import safe_logprobs_vocab_parallel
 
 from .config import TIMVerlConfig
 from .engine_mixin import TIMEngineMixin
 
 __all__ = ["TIMMegatronEngineWithLMHead"]
+
+# The safe set's fields of a micro-batch in the logits processor's output (float, the log-probs' layout: verl lays
+# out every entry alike), and the dtype each goes back to for the mixin.
+_SAFE_FIELDS = {"tim_in_safe": ("in_safe", torch.bool), "tim_pruned_mass": ("pruned_mass", torch.float32),
+                "tim_size": ("size", torch.long)}
 
 
 # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead
@@ -63,11 +79,13 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
                 "engine does not support Megatron's dynamic context parallelism (one rank of the whole data x "
                 "context plane holds the outputs). Fix: actor_rollout_ref.actor.megatron.dynamic_context_parallel="
                 "False")
-        if config.safe_vocab.enabled:
+        # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step
+        # (use_fused_kernels: verl's fused forward computes the log-probs without the logits processor)
+        if config.safe_vocab.enabled and self.engine_config.use_fused_kernels:
             raise ValueError(
-                f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with actor strategy megatron: the safe vocabulary "
-                "is not available on verl's Megatron engine yet (its logits are split over the tensor-parallel "
-                "ranks). Fix: tim.safe_vocab.min_p=0 (the monitor works), or actor_rollout_ref.actor.strategy=fsdp2")
+                f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True on the Megatron "
+                "actor: verl's fused forward computes the log-probs without materialising the logits, so the safe "
+                "vocabulary has nothing to truncate there. Fix: actor_rollout_ref.model.use_fused_kernels=false")
 
     # ------------------------------------------------------------------------------------------ LR decay
     # Megatron's OptimizerParamScheduler writes every param group's LR from its schedule at each step
@@ -127,12 +145,76 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
             else:
                 group["lr"] = lr
 
+    # ----------------------------------------------------------------------------------- safe vocabulary
+    # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead._lm_head_logits_processor
+    def _lm_head_logits_processor(self, logits, label, temperature, *, calculate_sum_pi_squared: bool,
+                                  calculate_entropy: bool, distillation_use_topk: bool, distillation_only: bool,
+                                  logits_processor_func, batch, data_format: str):
+        kwargs = dict(calculate_sum_pi_squared=calculate_sum_pi_squared, calculate_entropy=calculate_entropy,
+                      distillation_use_topk=distillation_use_topk, distillation_only=distillation_only,
+                      logits_processor_func=logits_processor_func, batch=batch, data_format=data_format)
+        if self._tim is None or self._tim_truncation is None:
+            return super()._lm_head_logits_processor(logits, label, temperature, **kwargs)
+        if distillation_use_topk or distillation_only:
+            raise ValueError(
+                f"tim.safe_vocab.min_p={self._tim.safe_vocab.min_p!r} with top-k distillation on the Megatron actor: "
+                "the distillation loss reads the full-vocabulary student logits while the policy loss would read "
+                "safe-vocabulary log-probs. Fix: drop +tim.safe_vocab.min_p, or turn the distillation off")
+        if logits.shape[:2] != label.shape[:2]:
+            raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(label.shape)}: verl's logits processor "
+                             "expects the same leading [batch, sequence] shape")
+        # the parent's scaling, in place in the logits' dtype (the same rounding as verl's own log-probs):
+        # a padding position's temperature <= 0 becomes 1e-8
+        temperature[temperature <= 0] = 1e-8
+        logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))
+        ret = {}
+        if calculate_sum_pi_squared:  # full-vocabulary, as the parent computes it
+            # VERL_MEGATRON_SOURCES verl.utils.megatron.tensor_parallel:vocab_parallel_sum_pi_squared
+            from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
+
+            ret["sum_pi_squared"] = vocab_parallel_sum_pi_squared(logits)
+        # the shard's columns: Megatron's own split of the vocabulary (rank x partition width), over the TP group
+        # VERL_MEGATRON_SOURCES megatron.core.tensor_parallel.utils:VocabUtility.vocab_range_from_per_partition_vocab_size
+        # VERL_MEGATRON_SOURCES megatron.core.parallel_state:get_tensor_model_parallel_group
+        width = logits.shape[-1]
+        start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            width, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size())
+        trunc = dataclasses.replace(self._tim_truncation, temperature=1.0)  # already scaled above
+        res = safe_logprobs_vocab_parallel(logits.reshape(-1, width), label.reshape(-1), trunc,
+                                           group=mpu.get_tensor_model_parallel_group(), vocab_start=int(start),
+                                           compute_entropy=bool(calculate_entropy))
+        shape = label.shape
+        ret["log_probs"] = res.logprobs.view(shape)
+        if calculate_entropy:
+            ret["entropy"] = res.entropy.view(shape)
+        ret["tim_in_safe"] = res.in_safe.view(shape).float()
+        ret["tim_pruned_mass"] = res.pruned_mass.view(shape)
+        ret["tim_size"] = res.size.view(shape).float()  # |S| <= V < 2^24: exact
+        return ret
+
+    def _tim_take_safe_fields(self, output) -> None:
+        """The safe set's fields out of the processor's laid-out output (before verl's loss and outputs see it),
+        into ``_tim_mb`` in the dtypes the mixin reads (jagged nested on the input ids, as the log-probs)."""
+        if not isinstance(output, dict) or not any(k in output for k in _SAFE_FIELDS):
+            return
+        fields = {}
+        for key, (name, dtype) in _SAFE_FIELDS.items():
+            value = output.pop(key)
+            if value.is_nested:
+                value = torch.nested.nested_tensor_from_jagged(value.values().to(dtype), value.offsets())
+            else:
+                value = value.to(dtype)
+            fields[name] = value
+        self._tim_mb = fields
+
     # ------------------------------------------------------------------------------------ per micro-batch
     # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.postprocess_micro_batch_func
     def postprocess_micro_batch_func(self, output, data, forward_only, loss_function, local_cp_size=None):
         if self._tim is None:
             return super().postprocess_micro_batch_func(output, data, forward_only, loss_function,
                                                         local_cp_size=local_cp_size)
+        self._tim_mb = None
+        self._tim_take_safe_fields(output)
         result = super().postprocess_micro_batch_func(output, data, forward_only, self._tim_wrap_loss(loss_function),
                                                       local_cp_size=local_cp_size)
         # the parent's model_output is prepare_model_outputs(output, data), i.e. ``output`` itself: verl's per-token

@@ -196,6 +196,28 @@ VERL_MEGATRON_SOURCES = {
         "filled in place), overwriting what was there",
     ("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.get_lr"):
         "(param_group) -> the group's scheduled LR at the current num_steps (what step() wrote last)",
+    # the safe vocabulary (megatron_engine.py _lm_head_logits_processor)
+    (_TM, "MegatronEngineWithLMHead._lm_head_logits_processor"):
+        "(logits, label, temperature, *, calculate_sum_pi_squared, calculate_entropy, distillation_use_topk, "
+        "distillation_only, logits_processor_func, batch, data_format) -> dict of per-position tensors of label's "
+        "shape; logits [B, S, V/TP] (bshd) or [1, T, V/TP] (thd), this TP rank's vocabulary shard, divided in place "
+        "by temperature (<= 0 set to 1e-8) in the logits' dtype; the forward functions lay out every entry of the "
+        "dict like the log-probs (jagged nested on the input ids)",
+    (_TM, "MegatronEngineWithLMHead.forward_step"):
+        "binds _lm_head_logits_processor (partial with the keyword flags) as the logits processor of the engine's "
+        "forward unless use_fused_kernels (engine_config.use_fused_kernels; per-batch values must match it), whose "
+        "fused forward computes the log-probs without the processor",
+    ("verl.utils.megatron.tensor_parallel", "vocab_parallel_sum_pi_squared"):
+        "(vocab_parallel_logits) -> sum of squared probabilities over the TP-sharded vocabulary, non-destructive",
+    ("megatron.core.tensor_parallel.utils", "VocabUtility.vocab_range_from_per_partition_vocab_size"):
+        "(per_partition_vocab_size, rank, world_size) -> (rank * width, rank * width + width): the columns of the "
+        "vocabulary TP rank `rank` holds (vocab_parallel_cross_entropy's own split)",
+    ("megatron.core.parallel_state", "get_tensor_model_parallel_group"):
+        "() -> the TP process group the vocabulary is split over",
+    ("megatron.core.parallel_state", "get_tensor_model_parallel_rank"):
+        "() -> this rank's index in the TP group (its vocabulary shard)",
+    ("megatron.core.parallel_state", "get_tensor_model_parallel_world_size"):
+        "() -> the number of vocabulary shards",
 }
 
 # Config keys (dotted, in verl's composed ppo_trainer config) that config.check_composed_config, trainer.py and

@@ -89,8 +89,9 @@ def infer(engine, td):
         return engine.infer_batch(td, loss_function=None)
 
 
-def train_step(engine, td, old_log_probs, *, actor_overrides: dict | None = None):
-    """One optimizer step on ``td`` with verl's ppo_loss (one mini-batch), then the scheduler step."""
+def train_step(engine, td, old_log_probs, *, actor_overrides: dict | None = None, loss_wrapper=None):
+    """One optimizer step on ``td`` with verl's ppo_loss (one mini-batch; ``loss_wrapper(loss)`` in its place when
+    given), then the scheduler step."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
@@ -103,7 +104,8 @@ def train_step(engine, td, old_log_probs, *, actor_overrides: dict | None = None
     _pass_settings(td, calculate_entropy=False, global_batch_size=td.batch_size[0])
     tu.assign_non_tensor(td, update_lr_scheduler=True)
     with engine.train_mode():
-        out = engine.train_batch(td, loss_function=partial(ppo_loss, config=actor_config))
+        loss = partial(ppo_loss, config=actor_config)
+        out = engine.train_batch(td, loss_function=loss_wrapper(loss) if loss_wrapper else loss)
         lr = engine.lr_scheduler_step()
     return out, lr
 

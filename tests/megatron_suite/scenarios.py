@@ -9,7 +9,8 @@ import torch
 
 import harness as H
 
-__all__ = ["LR", "LR_OPTIONS", "MONITOR", "dp_monitor", "lr_decay", "mean_length", "stock_vs_tim"]
+__all__ = ["LR", "LR_OPTIONS", "MONITOR", "SAFE_CASES", "dp_monitor", "lr_decay", "mean_length", "safe_vocab",
+           "stock_vs_tim"]
 
 MONITOR = {"monitor": {"enable": True}}
 TRAIN_SEEDS = (1, 2)  # one optimizer step on each batch
@@ -19,6 +20,10 @@ LR = 1e-3
 LR_OPTIONS = {"warmup_steps": 2, "window": 1, "patience": 1, "margin": 0.25, "cooldown": 0,
               "decay_factor": 0.5, "min_lr_ratio": 0.1, "baseline_ema": 0.01}
 LR_BATCHES = ((4, 2), (4, 2), (12, 3))  # (response length, seed)
+# the safe vocabulary's cases: name -> (tim.safe_vocab, the rollout's top-k / top-p as the driver hands them over)
+SAFE_CASES = {"min_p": ({"min_p": 0.1}, {}), "top_k_top_p": ({"min_p": 0.001}, {"top_k": 20, "top_p": 0.8})}
+SAFE_SEED = 5
+SAFE_TEMPERATURE = 0.7
 
 
 def _run(engine, seeds) -> dict:
@@ -65,7 +70,98 @@ def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str) -> dict:
     result["monitor"] = {"plain": plain, "old": monitored, "metrics": metrics, "holds": ours._tim_holds_outputs(),
                          "rollout": raw["rollout_log_probs"], "mask": raw["response_mask"], "split": split,
                          "pg_loss": H.tensors_of(out)["actor/pg_loss"]}
+    result["safe_vocab"] = safe_vocab(ours)  # the same engine (no second build): its weights are whatever they are
     return result
+
+
+def _record_processor(engine) -> list:
+    """A test-only wrapper of the engine's logits processor (an instance attribute over the class's method, which
+    verl's forward_step binds per micro-batch): after each call, the call's logits as the processor scaled them (in
+    place, as verl does) with the tensor-parallel shards all_gathered, its labels, and where the micro-batch's
+    response tokens sit among the [b, S] positions (verl's own ``no_padding_2_padding`` of the position indices)."""
+    from megatron.core import parallel_state as mpu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from tim_plugins.integrations.verl.engine_mixin import padded_response
+
+    records = []
+    method = engine._lm_head_logits_processor
+
+    def recorded(logits, label, temperature, **kwargs):
+        out = method(logits, label, temperature, **kwargs)
+        scaled = logits.detach().float()
+        group = mpu.get_tensor_model_parallel_group()
+        world = torch.distributed.get_world_size(group)
+        if world > 1:
+            parts = [torch.empty_like(scaled) for _ in range(world)]
+            torch.distributed.all_gather(parts, scaled.contiguous(), group=group)
+            scaled = torch.cat(parts, dim=-1)
+        batch = kwargs["batch"]
+        rows, seq = label.shape[:2]
+        lengths = batch["input_ids"].offsets().diff().tolist()
+        flat = torch.cat([i * seq + torch.arange(n) for i, n in enumerate(lengths)]).float()
+        cells = no_padding_2_padding(flat, batch).long()
+        mask = padded_response(batch["response_mask"], cells.shape[1]).bool()
+        records.append({"logits": scaled.reshape(rows * seq, -1), "label": label.reshape(-1).clone(),
+                        "cells": cells, "mask": mask})
+        return out
+
+    engine._lm_head_logits_processor = recorded
+    return records
+
+
+def _loss_recorder(seen: list):
+    """verl's loss wrapped to record what it is called with: the response mask it aggregates over and the
+    log-probs (both [b, R], as ppo_loss lays them out)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from tim_plugins.integrations.verl.engine_mixin import padded_response
+
+    def wrap(loss_fn):
+        def call(model_output, data, dp_group=None):
+            log_probs = no_padding_2_padding(model_output["log_probs"], data).detach()
+            seen.append({"mask": padded_response(data["response_mask"], log_probs.shape[1]).bool(),
+                         "log_probs": log_probs})
+            return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+        return call
+
+    return wrap
+
+
+def safe_vocab(engine) -> dict:
+    """The safe vocabulary on ``engine`` for each of ``SAFE_CASES``: the old-log-prob pass (log-probs, entropy,
+    metrics) and one training step (what verl's loss was called with), with every call of the logits processor
+    recorded (``_record_processor``) for the test's reference."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
+
+    records = _record_processor(engine)
+    out = {}
+    try:
+        for name, (safe, sampler) in SAFE_CASES.items():
+            td, raw = H.make_batch(H.VOCAB, batch=4, seed=SAFE_SEED, temperature=SAFE_TEMPERATURE)
+            engine.tim_configure(TIMVerlConfig.from_node({**MONITOR, "safe_vocab": safe}),
+                                 context=ActorContext(**sampler))
+            try:
+                records.clear()
+                inferred = H.infer(engine, td)
+                old = H.old_log_probs_padded(inferred, td)
+                entropy = no_padding_2_padding(inferred["model_output"]["entropy"], td)
+                metrics = engine.tim_pop_metrics()
+                infer_records = list(records)
+                records.clear()
+                seen = []
+                H.train_step(engine, td, old, loss_wrapper=_loss_recorder(seen))
+                engine.tim_pop_metrics()
+            finally:
+                engine.tim_deconfigure()
+            out[name] = {"old": old, "entropy": entropy, "metrics": metrics, "infer": infer_records,
+                         "train": list(records), "loss": seen, "mask": raw["response_mask"],
+                         "keys": sorted(inferred["model_output"].keys()), "holds": engine._tim_holds_outputs()}
+    finally:
+        del engine._lm_head_logits_processor
+    return out
 
 
 def dp_monitor(model_path: str, *, rank: int, world: int) -> dict:

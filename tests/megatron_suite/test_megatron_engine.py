@@ -8,6 +8,10 @@ rollout-correction k3 helper; the tiny Qwen2 of ``cpu_site/tiny_qwen2.py``.
   Megatron's outputs (TP rank 0 of the last stage; ``{}`` on the others), merged exactly over the data-parallel
   group: equal to a float64 reference computed here from the log-probs verl returned and the batch's rollout
   log-probs, and to verl's own ``rollout_corr/k3_kl`` on the same tensors.
+* With the safe vocabulary (min-p; min-p + the rollout's top-k and top-p), at TP1 and TP2: the old log-probs, the
+  entropy and the training pass's log-probs equal a float64 reference computed here (``safe_vocab_reference``) from
+  the logits the processor saw (all shards gathered), the mask verl's loss aggregates over is the response mask
+  without the tokens outside the reference's safe set, and ``tim/safe_vocab/*`` equal their reference.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import pytest
 import harness as H
 import scenarios
 import torch
+from safe_vocab_reference import safe_vocab_reference
 
+from tim_plugins.truncation import Truncation
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +158,78 @@ def test_monitor_merges_exactly_over_data_parallel_ranks(two_ranks):
     _assert_monitor(ranks[0]["metrics"], ref)
 
 
+def _safe_grids(case: str, records: list, width: int) -> dict:
+    """The reference of each response cell of a pass ([B, width], the micro-batches' rows in order) from the
+    processor's recorded calls: log-prob, entropy, in S, pruned mass, |S|, and the response mask."""
+    safe, sampler = scenarios.SAFE_CASES[case]
+    trunc = Truncation(min_p=safe["min_p"], top_k=sampler.get("top_k", 0), top_p=sampler.get("top_p", 1.0))
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+    grids = {k: [] for k in ("logp", "entropy", "in_s", "pruned", "size", "mask")}
+    for rec in records:
+        logp, ent, in_s, pruned, size, _ = safe_vocab_reference(rec["logits"], rec["label"], trunc)
+        for key, value in zip(grids, (logp.detach(), ent.detach(), in_s, pruned, size)):
+            grids[key].append(pad(value[rec["cells"]]))
+        grids["mask"].append(pad(rec["mask"]))
+    return {k: torch.cat(v) for k, v in grids.items()}
+
+
+def _assert_safe_vocab(result, *, holds: bool):
+    for case, r in result.items():
+        mask = r["mask"].bool()
+        ref = _safe_grids(case, r["infer"], mask.shape[1])
+        assert torch.equal(ref["mask"], mask), case
+        assert r["keys"] == ["entropy", "log_probs"], case  # the safe set's fields never reach verl's outputs
+        torch.testing.assert_close(r["old"][mask], ref["logp"][mask].float(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(r["entropy"][mask], ref["entropy"][mask].float(), rtol=0, atol=1e-5)
+        boundary = mask & ~ref["in_s"]
+        assert 0 < int(boundary.sum()) < int(mask.sum()), case  # the case cuts some sampled tokens, not all
+        if holds:
+            m, n = r["metrics"], int(mask.sum())
+            assert m["tim/safe_vocab/tokens"] == n
+            assert m["tim/safe_vocab/boundary_frac"] == pytest.approx(int(boundary.sum()) / n, rel=1e-12)
+            assert m["tim/safe_vocab/size_mean"] == pytest.approx(float(ref["size"][mask].double().mean()), rel=1e-12)
+            assert m["tim/safe_vocab/pruned_mass_mean"] == pytest.approx(float(ref["pruned"][mask].mean()), abs=1e-6)
+            assert m["tim/safe_vocab/pruned_mass_max"] == pytest.approx(float(ref["pruned"][mask].max()), abs=1e-6)
+        else:
+            assert r["metrics"] == {}
+        # the training pass: its own logits through the safe vocabulary, and verl's loss aggregates over the
+        # response tokens inside S only (a boundary token contributes nothing to ppo_loss)
+        train = _safe_grids(case, r["train"], mask.shape[1])
+        seen_mask = torch.cat([s["mask"] for s in r["loss"]])
+        seen_lp = torch.cat([s["log_probs"] for s in r["loss"]])
+        assert torch.equal(seen_mask, mask & train["in_s"]), case
+        assert int((mask & ~train["in_s"]).sum()) > 0
+        torch.testing.assert_close(seen_lp[mask], train["logp"][mask].float(), rtol=0, atol=1e-5)
+
+
+def test_safe_vocabulary_equals_the_float64_reference_tp1(tp1):
+    _assert_safe_vocab(tp1["safe_vocab"], holds=True)
+
+
+def test_safe_vocabulary_equals_the_float64_reference_tp2(two_ranks):
+    _assert_safe_vocab(two_ranks[0]["tp2"]["safe_vocab"], holds=True)
+    _assert_safe_vocab(two_ranks[1]["tp2"]["safe_vocab"], holds=False)  # TP rank 1: the same numbers, no metrics
+    for case in scenarios.SAFE_CASES:
+        a, b = (two_ranks[r]["tp2"]["safe_vocab"][case] for r in (0, 1))
+        assert torch.equal(a["old"], b["old"]) and torch.equal(a["entropy"], b["entropy"])
+
+
 def test_settings_the_megatron_engine_cannot_honour_fail_early(tp1, tiny_qwen2, monkeypatch):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 
     engine = H.build_engine(tiny_qwen2)
-    with pytest.raises(ValueError, match=r"tim.safe_vocab.min_p=0.05 with actor strategy megatron.*Fix: "):
-        engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.05}}))
-    # verl's engine config is frozen: the check reads this one field before anything else
+    safe = TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.05}})
+    # verl's engine config is frozen: the checks read these fields only
     with monkeypatch.context() as patch:
+        patch.setattr(engine, "engine_config",
+                      types.SimpleNamespace(dynamic_context_parallel=False, use_fused_kernels=True))
+        with pytest.raises(ValueError, match=r"tim.safe_vocab.min_p=0.05 with use_fused_kernels=True on the "
+                                             r"Megatron actor.*Fix: actor_rollout_ref.model.use_fused_kernels=false"):
+            engine.tim_configure(safe)
         patch.setattr(engine, "engine_config", types.SimpleNamespace(dynamic_context_parallel=True))
         with pytest.raises(ValueError, match=r"dynamic_context_parallel=True with a tim trainer mode.*Fix: "):
             engine.tim_configure(TIMVerlConfig.from_node(scenarios.MONITOR))
     assert not engine.tim_active
+    engine.tim_configure(safe)  # without fused kernels the safe vocabulary is taken
+    assert engine.tim_active and engine._tim_truncation.min_p == 0.05
+    engine.tim_deconfigure()

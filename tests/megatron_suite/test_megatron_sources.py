@@ -35,7 +35,8 @@ def test_the_subclass_keeps_the_parents_signatures_and_verl_registers_its_engine
 
     from tim_plugins.integrations.verl.megatron_engine import TIMMegatronEngineWithLMHead
 
-    for name in ("postprocess_micro_batch_func", "forward_backward_batch", "train_batch", "lr_scheduler_step"):
+    for name in ("postprocess_micro_batch_func", "forward_backward_batch", "train_batch", "lr_scheduler_step",
+                 "_lm_head_logits_processor"):
         assert (inspect.signature(getattr(TIMMegatronEngineWithLMHead, name)).parameters.keys()
                 == inspect.signature(getattr(MegatronEngineWithLMHead, name)).parameters.keys()), name
     entries = EngineRegistry._engines["language_model"]["megatron"]
@@ -65,3 +66,18 @@ def test_the_scheduler_writes_the_lr_the_engine_scales():
     assert 'return optimizer.param_groups[0]["lr"]' in inspect.getsource(
         resolve("verl.utils.megatron.optimizer", "get_megatron_last_lr"))
     assert "get_megatron_last_lr(self.optimizer)" in inspect.getsource(resolve(TM, "MegatronEngine.lr_scheduler_step"))
+
+
+def test_the_logits_processor_scales_and_is_bound_where_the_safe_vocabulary_takes_it_over():
+    proc = inspect.getsource(resolve(TM, "MegatronEngineWithLMHead._lm_head_logits_processor"))
+    for part in ("temperature[temperature <= 0] = 1e-8", "logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))",
+                 'ret["log_probs"] = vocab_parallel_log_probs_from_logits(logits_bak, label)',
+                 'ret["sum_pi_squared"] = vocab_parallel_sum_pi_squared(logits)'):
+        assert part in proc, part
+    step = inspect.getsource(resolve(TM, "MegatronEngineWithLMHead.forward_step"))
+    assert "partial(\n                self._lm_head_logits_processor," in step
+    assert step.index("if use_fused_kernels:\n            from verl.models.mcore") < step.index(
+        "self._lm_head_logits_processor")  # the fused forward never calls the processor
+    # Megatron's own cross entropy splits the vocabulary by the same rule the engine reads the shard's start from
+    ce = inspect.getsource(resolve("megatron.core.tensor_parallel.cross_entropy", "_VocabParallelCrossEntropy.forward"))
+    assert "VocabUtility.vocab_range_from_per_partition_vocab_size" in ce

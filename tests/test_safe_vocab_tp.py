@@ -31,8 +31,9 @@ CASES = {
     "top_k_top_p_vllm": (dict(min_p=0.02, top_k=50, top_p=0.8), (500, 501), "randn", None, None),
     "top_k_top_p_hf": (dict(min_p=0.02, top_k=50, top_p=0.8, order="hf"), (500, 501), "randn", None, None),
     "top_p_min_p_hf": (dict(min_p=0.01, top_p=0.7, order="hf"), (600, 401), "randn", None, None),
-    # quantised logits: the k-th is tied beyond the k in most rows (the full-row top-p form)
-    "tied_top_k_top_p": (dict(top_k=10, top_p=0.9), (500, 501), "ties", None, 4),
+    # quantised logits: the k-th is tied beyond the k in many rows (top-k keeps the tie; the count is the row's)
+    "tied_top_k_top_p": (dict(top_k=10, top_p=0.9), (500, 501), "ties", None, None),
+    "top_k_beyond_vocab": (dict(top_k=1200, top_p=0.9), (500, 501), "randn", None, None),  # top-k keeps every logit
     "bf16": (dict(min_p=0.02, top_k=30), (500, 501), "bf16", None, None),  # the dtype of Megatron's logits
     "empty": (dict(min_p=0.05, top_p=0.9), (500, 501), "randn", None, None),
 }

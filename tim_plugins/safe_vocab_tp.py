@@ -6,9 +6,10 @@ order top-k → top-p → min-p; S = {a : z_a >= tau}), and the log-probs, ``in_
 ``tim_plugins.safe_vocab``'s; only the row statistics are reduced over the group:
 
 * row max: each shard's max, ``all_reduce(MAX)``; the min-p threshold is m + log(min_p);
-* top-k: each shard's k + 1 largest logits, ``all_gather``; the union holds the row's k + 1 largest exactly, so its
-  k-th is the global k-th (and the (k+1)-th says whether the k-th is tied beyond the k). Top-p after top-k is the
-  nucleus among those k values (as ``truncation._top_p_threshold_in_top_k``; rows tied beyond k take the form below);
+* top-k: each shard's k largest logits, ``all_gather``; the union holds the row's k largest exactly, so its k-th is
+  the global k-th. Top-p after top-k is the nucleus among those k values and the copies of the k-th beyond them
+  (``truncation._top_p_threshold_in_top_k`` with the whole row's count of the k-th value: each shard's count,
+  ``all_reduce(SUM)``);
 * top-p without top-k: candidates. Each shard's c largest logits of the set kept so far, ``all_gather``; their union's
   c largest are the row's c largest exactly. Their masses use the global normaliser over the kept set (one
   ``all_reduce(SUM)``); a sorted value is kept iff the mass strictly above it is < top_p (the descending form of
@@ -22,12 +23,12 @@ Backward needs no communication (as Megatron's ``vocab_parallel_cross_entropy``)
 depends on its own values and the saved global row statistics, g·(onehot(a) − q) for the log-prob (no one-hot where
 another rank owns the token) and −g_ent·q(log q + H) on S for the entropy, q the renormalised distribution on S.
 
-Collectives per call: one ``all_reduce(MAX)`` and one ``all_reduce(SUM)``; with top-k one ``all_gather`` of [N, k+1];
-with top-p outside top-k (or rows tied beyond k) one ``all_reduce(SUM)`` of [rows] and one ``all_gather`` of
-[rows, c] per candidate round. Host reads: none for min-p alone or top-k alone; top-k + top-p: one (whether any row
-is tied beyond k); top-p without top-k: one per candidate round (one round when every row's nucleus lies within
-its 256 largest logits), plus one ``all_reduce`` of the shard widths at the first retry. Every rank of the group
-must call with the same rows (the same N and tokens), as a TP group's ranks do.
+Collectives per call: one ``all_reduce(MAX)`` and one ``all_reduce(SUM)``; with top-k one ``all_gather`` of [N, k]
+(and with top-p one ``all_reduce(SUM)`` of the [N] tie counts, after one more pass over the shard); with top-p
+without top-k one ``all_reduce(SUM)`` of [N] and one ``all_gather`` of [rows, c] per candidate round. Host reads:
+none for min-p, top-k and top-k + top-p; top-p without top-k: one per candidate round (one round when every row's
+nucleus lies within its 256 largest logits), plus one ``all_reduce`` of the shard widths at the first retry. Every
+rank of the group must call with the same rows (the same N and tokens), as a TP group's ranks do.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .safe_vocab import SafeLogprobs, _check_rows, _temper, default_chunk_rows, safe_logprobs_from_logits
-from .truncation import Truncation, _nucleus_cut
+from .truncation import Truncation, _nucleus_cut, _top_p_threshold_in_top_k
 
 __all__ = ["safe_logprobs_vocab_parallel"]
 
@@ -168,20 +169,19 @@ def _row_stats(logits: torch.Tensor, trunc: Truncation, group, chunk: int) -> tu
     """(global row max m, threshold tau of S) per row, [N] fp32 each, identical on every rank."""
     n, device = logits.shape[0], logits.device
     k = trunc.k
-    want_top = k + 1 if k > 0 else 0
     m = torch.empty(n, dtype=torch.float32, device=device)
     tops = []
     for s, e in _chunks(n, chunk):
         z = _z(logits, slice(s, e), trunc.temperature)
         m[s:e] = z.amax(dim=-1)
-        if want_top:
-            tops.append(_local_top(z, want_top))
+        if k:
+            tops.append(_local_top(z, k))
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     tau = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
     if not trunc.active:
         return m, tau
-    # the k + 1 largest of each row (descending), -inf where the vocabulary has fewer
-    desc = _gather_rows(torch.cat(tops), group).topk(want_top, dim=-1, sorted=True).values if want_top else None
+    # the k largest of each row (descending), -inf where the vocabulary has fewer
+    desc = _gather_rows(torch.cat(tops), group).topk(k, dim=-1, sorted=True).values if k else None
 
     def min_p_cut() -> None:
         if trunc.min_p > 0.0:
@@ -189,21 +189,20 @@ def _row_stats(logits: torch.Tensor, trunc: Truncation, group, chunk: int) -> tu
 
     def top_k_cut() -> None:
         if desc is not None:
-            torch.maximum(tau, desc[:, k - 1], out=tau)  # -inf when the vocabulary has <= k entries: all kept
+            torch.maximum(tau, desc[:, k - 1], out=tau)  # -inf when the vocabulary has < k entries: all kept
 
     def top_p_cut() -> None:
         if trunc.top_p >= 1.0:
             return
         if desc is None:
             cut = _top_p_cut(logits, torch.arange(n, device=device), m, tau, trunc, group, chunk)
-        else:
-            # the kept set lies among the k largest; a k-th tied beyond the k (a finite tie) takes the full form
-            vals = desc[:, :k].flip(-1)
-            cut = _nucleus_cut(vals.masked_fill(vals < tau[:, None], -math.inf), trunc.top_p)
-            tied = (desc[:, k] == desc[:, k - 1]) & (desc[:, k - 1] > -math.inf)
-            if bool(tied.any()):
-                rows = tied.nonzero().squeeze(-1)
-                cut[rows] = _top_p_cut(logits, rows, m[rows], tau[rows], trunc, group, chunk)
+        else:  # the kept set lies among the k largest and the copies of the k-th beyond them: count those
+            kth = desc[:, k - 1 : k]
+            ties = torch.empty(n, dtype=torch.float32, device=device)
+            for s, e in _chunks(n, chunk):
+                ties[s:e] = (_z(logits, slice(s, e), trunc.temperature) == kth[s:e]).sum(dim=-1)
+            dist.all_reduce(ties, op=dist.ReduceOp.SUM, group=group)  # counts <= V < 2^24: exact in fp32
+            cut = _top_p_threshold_in_top_k(None, tau, desc, k, trunc.top_p, ties=ties)
         torch.maximum(tau, cut, out=tau)
 
     steps = (min_p_cut, top_k_cut, top_p_cut) if trunc.order == "vllm" else (top_k_cut, top_p_cut, min_p_cut)

@@ -48,6 +48,7 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
         "lr_scale": series("tim/lr/scale", None, 1.0 if logged else np.nan),
         "reward": series("reward", also=("critic/score/mean",)),  # TRL's, verl's mean sequence score
         "tokens": series("tim/tokens", "tim/tokens"),
+        "ratio_mean": series("tim/token/ratio_mean", "tim/token/ratio_mean"),  # the truncation section's ρ
     }
     table["ess_logged"] = np.array([("tim/is/ess" in logged.get(int(s), {})) for s in steps], dtype=bool)
     return table
@@ -80,6 +81,11 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
         split = headline(summary)
         if split is not None:
             extra.append(f"Mismatch or staleness: {split}")
+        from tim_plugins.report.truncation import truncation_headline
+
+        truncation = truncation_headline(summary)
+        if truncation is not None:
+            extra.append(truncation)
         findings = summary.get("findings", [])
         own = summary.get("own_audit")  # None: one audit (no rollout function of the run's own to audit apart)
         deliberate = summary.get("deliberate") or {}
@@ -227,6 +233,9 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     from tim_plugins.report.staleness import staleness_section
 
     staleness_section(page, summary)
+    from tim_plugins.report.truncation import truncation_section
+
+    truncation_section(page, summary, table)
     if tokens is not None and tokens.size:
         page.h2("Per token, over all steps")
         _figures_over_tokens(page, {"all steps": tokens})
@@ -356,6 +365,9 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
         from tim_plugins.report.staleness import staleness_section
 
         staleness_section(page, summary)
+        from tim_plugins.report.truncation import truncation_section
+
+        truncation_section(page, summary, table)
     page.h2("Per token")
     _figures_over_tokens(page, {"dump": tokens})
     disagreements_section(page, dump_disagreements(tokens, decode), "every step of the dump")

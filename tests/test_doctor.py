@@ -88,3 +88,44 @@ def test_exit_status_follows_the_monitor(trl_monitor, verl_engine, expected):
     assert can_attach is expected
     assert "trl 1.16.0" in text and "verl -" in text
     assert ("  [off] monitor: gone. Fix: upgrade" in text) is (not trl_monitor)
+
+
+def _package_sources(name: str):
+    """The installed package's .py files, found without importing it (the verl suite owns verl's first import)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(Path(spec.submodule_search_locations[0]).rglob("*.py"))
+
+
+@pytest.mark.parametrize("dist,name", [("trl", "TRL"), ("verl", "verl")])
+def test_kept_set_row_says_recompute_because_the_framework_does_not_carry_the_mask(dist, name):
+    """The doctor's kept-set row for each installed trainer framework: "recompute", with the installed version (from
+    importlib.metadata) and the reason. The reason is checked against the installed framework's own source: no
+    file of it names vLLM's ``sampling_mask``, so no rollout batch of it can carry the engine's kept set (when one
+    does, replay can be wired and this row must change)."""
+    from tim_plugins.apps.doctor import _kept_sets, _versions
+
+    version = _version(dist)
+    if version is None:
+        pytest.skip(f"{dist} is not installed")
+    files = _package_sources(dist)
+    assert files and not [f for f in files if "sampling_mask" in f.read_text(errors="ignore")]
+    info = {"versions": _versions(), "device": "cpu", "features": [], "kept_set": _kept_sets(_versions())}
+    text, _ = render(info)
+    rows = text.splitlines()
+    after = rows[rows.index("kept set (safe vocabulary):") + 1:]
+    row = next(r for r in after if r.startswith(f"  {name}: "))
+    assert row.startswith(f"  {name}: recompute: {name} {version} does not carry vLLM's sampling_mask")
+    assert "tim_plugins.replay" in row
+
+
+def test_no_kept_set_rows_without_a_trainer_framework():
+    from tim_plugins.apps.doctor import _kept_sets
+
+    assert _kept_sets([("torch", "2.13.0", True), ("trl", None, None), ("verl", None, None)]) == []
+    text, _ = render({"versions": [], "device": "cpu", "features": [], "kept_set": []})
+    assert "kept set" not in text

@@ -56,7 +56,8 @@ def _device() -> str:
 
 
 def collect() -> dict:
-    """{'versions': [(dist, version, tested)], 'device': str, 'features': [(adapter, [Status])]} (never raises)."""
+    """{'versions': [(dist, version, tested)], 'device': str, 'features': [(adapter, [Status])], 'kept_set':
+    [(framework, KeptSet)]} (never raises)."""
     from tim_plugins._optional import is_available
     from tim_plugins.capabilities import Feature, Status
 
@@ -78,7 +79,17 @@ def collect() -> dict:
             statuses = [Status(stub, False, f"cannot load {module} ({type(err).__name__}: {err})",
                                "report it with this output")]
         features.append((adapter, statuses))
-    return {"versions": _versions(), "device": _device(), "features": features}
+    versions = _versions()
+    return {"versions": versions, "device": _device(), "features": features, "kept_set": _kept_sets(versions)}
+
+
+def _kept_sets(versions) -> list[tuple[str, object]]:
+    """(framework, ``kept_set.KeptSet``) of each installed trainer framework: how its safe vocabulary gets the
+    sampler's kept set (replayed from the engine, or recomputed on the trainer's logits) and why."""
+    from tim_plugins.kept_set import FRAMEWORK_NAMES, kept_set
+
+    installed = {dist: version for dist, version, _ in versions}
+    return [(FRAMEWORK_NAMES[f], kept_set(f, installed[f])) for f in ("trl", "verl") if installed.get(f)]
 
 
 def render(info: dict) -> tuple[str, bool]:
@@ -98,6 +109,9 @@ def render(info: dict) -> tuple[str, bool]:
         for status in statuses:
             lines.append(status.line())
             can_attach |= status.available and status.name in MONITOR_FEATURES
+    if info.get("kept_set"):
+        lines.append("kept set (safe vocabulary):")
+        lines += [f"  {name}: {k.mode}: {k.reason}" for name, k in info["kept_set"]]
     lines.append("monitor: can attach here" if can_attach else
                  "monitor: cannot attach here (see the [off] lines above for the fix)")
     return "\n".join(lines), can_attach

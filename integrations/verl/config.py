@@ -388,12 +388,13 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"settings reach the actor workers only through a tim trainer mode. Fix: trainer.use_v1=true "
             f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode or 'sync'}")
     megatron = arr.actor.get("strategy") == "megatron"
-    if megatron and tim.safe_vocab.enabled:
+    # the Megatron engine's safe vocabulary runs in verl's logits processor, which its fused forward skips
+    # (megatron_engine.py _tim_check_config refuses the same on the worker)
+    if megatron and tim.safe_vocab.enabled and arr.model.get("use_fused_kernels", False):
         problems.append(
-            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} with actor_rollout_ref.actor.strategy=megatron: the safe "
-            "vocabulary is not available on verl's Megatron engine yet (its logits are split over the tensor-parallel "
-            "ranks; the monitor, split, dump, probe and LR decay are). Fix: drop +tim.safe_vocab.min_p (and the "
-            "vLLM min-p processor overrides), or actor_rollout_ref.actor.strategy=fsdp2")
+            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} with actor_rollout_ref.model.use_fused_kernels=True on a "
+            "Megatron actor: verl's fused Megatron forward computes the log-probs without the logits, so the safe "
+            "vocabulary has nothing to truncate there. Fix: actor_rollout_ref.model.use_fused_kernels=false")
     # the Megatron engine applies the decay through Megatron's own optimizer (megatron_engine.py): no optimizer_impl
     if tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
         problems.append(

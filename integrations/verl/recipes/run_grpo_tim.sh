@@ -9,8 +9,9 @@ set -euo pipefail
 # tim_plugins.truncation.DEFAULT_MIN_P (tests/test_docs.py keeps them equal)
 MIN_P=${MIN_P:-1e-5}
 
-# STRATEGY=megatron: verl's Megatron actor (ppo_megatron_trainer): the monitor, split, dump, probe and LR decay run in
-# tim-plugins' Megatron engine; the safe vocabulary is not available there yet (refused at start-up).
+# STRATEGY=megatron: verl's Megatron actor (ppo_megatron_trainer): the monitor, split, dump, probe, safe vocabulary
+# (over the tensor-parallel vocabulary shards; not with use_fused_kernels=true) and LR decay run in tim-plugins'
+# Megatron engine.
 STRATEGY=${STRATEGY:-fsdp2}
 
 TIM_OVERRIDES=(
@@ -37,10 +38,14 @@ TIM_OVERRIDES=(
     +tim.probe.action=stop
 )
 if [[ "${STRATEGY}" == "megatron" ]]; then
-    # Megatron: no safe vocabulary yet (nor its rollout-side processor); the LR decay acts on Megatron's own optimizer
+    # Megatron: the same safe vocabulary (fused kernels off); the LR decay acts on Megatron's own optimizer
     TIM_OVERRIDES=(
         trainer.v1.trainer_mode=tim_sync
         +tim.monitor.enable=true
+        +tim.safe_vocab.min_p=${MIN_P}
+        '+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor]'
+        +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=${MIN_P}
+        actor_rollout_ref.rollout.logprobs_mode=processed_logprobs
         actor_rollout_ref.rollout.calculate_log_probs=true
         +tim.lr_decay.enable=true
         +tim.parity.strict=true

@@ -38,6 +38,7 @@ from tim_plugins.by_key import turn_keys
 from tim_plugins.capabilities import Feature, Status, check
 from tim_plugins.dump import append_log_history, write_summary
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
+from tim_plugins.kept_set import kept_set_line
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.patching import Patch
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
@@ -157,6 +158,7 @@ class TIMCallback(TrainerCallback):
             self.safe_route, _ = features.safe_vocab_route()
             if self.safe_route is not None:
                 self.truncation = translate.safe_truncation(trainer, config)  # configuration mistakes fail here
+                logger.info(kept_set_line("trl", self.trl_version))  # replay or recompute, and why
             else:
                 self._available(features.safe_vocab_status())
         loss_factor = True
@@ -265,7 +267,12 @@ class TIMCallback(TrainerCallback):
             # beside the dump, what `tim-plugins report DUMP_DIR` reads to speak TRL (fixes, audit, tokenizer)
             settings = {"model": getattr(self.trainer.model.config, "name_or_path", None),
                         "trainer": type(self.trainer).__name__, "trl": self.trl_version,
-                        "rollout log-probs": self.rollout_source}
+                        "rollout log-probs": self.rollout_source,
+                        # the report's truncation section speaks these (GRPOConfig / TIMConfig words)
+                        "GRPOConfig sampling": {k: getattr(self.trainer.args, k, None)
+                                                for k in ("top_p", "top_k", "min_p", "temperature")},
+                        "TIMConfig safe vocabulary": {"safe_vocab": self.config.safe_vocab,
+                                                      "safe_vocab_min_p": self.config.safe_vocab_min_p}}
             try:
                 write_summary(self.config.dump_dir, framework="trl", settings=settings,
                               title="Training-inference mismatch report (TRL run)",

@@ -63,6 +63,8 @@ def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
         "actor strategy": str(arr.actor.get("strategy")),
         "trainer mode": str(config.trainer.get("v1", {}).get("trainer_mode", "")),
         "tim": json.dumps(tim.to_dict(), sort_keys=True),
+        # the sampler's truncation as set: the report's truncation section names these overrides
+        "rollout sampling": json.dumps({k: arr.rollout.get(k) for k in ("top_p", "top_k", "temperature")}),
     }
     return write_summary(tim.dump.dir, framework="verl", title="Training-inference mismatch report (verl run)",
                          settings=settings, findings=None if findings is None else [f.to_dict() for f in findings])
@@ -92,6 +94,11 @@ class TIMTrainerMixin:
         if problems:
             raise ValueError("tim-plugins: the config cannot work as composed:\n  - " + "\n  - ".join(problems))
         findings = run_startup_audit(config, tim) if tim.parity.audit else None
+        if tim.safe_vocab.enabled:  # replay or recompute, and why: one line beside the audit
+            from tim_plugins._optional import package_version
+            from tim_plugins.kept_set import kept_set_line
+
+            print(kept_set_line("verl", package_version("verl")))
         if tim.dump.enabled:
             write_run_summary(config, tim, findings)
         self.tim = tim

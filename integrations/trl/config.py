@@ -20,9 +20,12 @@ from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig
 from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
+from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, SAFE_VOCAB_NEEDS_MIN_P, check_min_p,
+                                 dependency_problems, dump_dir_accepted, type_problem)
 from tim_plugins.parity.probe import ParityProbeConfig
 from tim_plugins.pipeline import PipelineConfig
 from tim_plugins.rollout.inject import InjectorConfig
+from tim_plugins.truncation import DEFAULT_MIN_P
 
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
 
@@ -85,8 +88,9 @@ class TIMConfig:
     )
     safe_vocab_min_p: Optional[float] = field(
         default=None,
-        metadata=field_help("min_p of the safe set; None = GRPOConfig.min_p (the sampler's own min_p, so both sides "
-                       "prune the same tail)"),
+        metadata=field_help("min_p of the safe set, a number in [0, 1) (0 = no min-p pruning, which safe_vocab "
+                            "refuses); None = GRPOConfig.min_p (the sampler's own min_p, so both sides prune the same "
+                            "tail); verl: tim.safe_vocab.min_p"),
     )
     mask_boundary_tokens: bool = field(
         default=True, metadata=field_help("With safe_vocab: drop sampled tokens outside the trainer's safe set from the loss"),
@@ -146,20 +150,31 @@ class TIMConfig:
                      "parity_audit", "parity_strict", "parity_probe", "strict"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"TIMConfig.{name}={value!r}: must be True or False.")
+                raise ValueError(f"TIMConfig.{name}={value!r}: must be True or False. Fix: {name}=True or "
+                                 f"{name}=False")
         self.ratio_band = check_ratio_band(self.ratio_band, "TIMConfig.ratio_band",
                                            f"TIMConfig(ratio_band={DEFAULT_RATIO_BAND})")
         if self.rollout not in ROLLOUT_CHOICES:
             raise ValueError(f"TIMConfig.rollout={self.rollout!r}: must be one of {ROLLOUT_CHOICES}.")
-        if self.safe_vocab_min_p is not None and not (
-            isinstance(self.safe_vocab_min_p, (int, float)) and 0.0 < self.safe_vocab_min_p < 1.0
-        ):
-            raise ValueError(
-                f"TIMConfig.safe_vocab_min_p={self.safe_vocab_min_p!r}: must be in (0, 1) (e.g. 1e-3), or None "
-                "to use GRPOConfig.min_p."
-            )
+        if self.safe_vocab_min_p is not None:  # the rule verl's tim.safe_vocab.min_p has too
+            self.safe_vocab_min_p = check_min_p(
+                self.safe_vocab_min_p, "TIMConfig.safe_vocab_min_p",
+                f"safe_vocab_min_p={DEFAULT_MIN_P:g}, or None to use GRPOConfig.min_p")
+            if self.safe_vocab and self.safe_vocab_min_p == 0.0:
+                raise ValueError(
+                    f"TIMConfig.safe_vocab_min_p=0.0 with safe_vocab=True is invalid: {SAFE_VOCAB_NEEDS_MIN_P}, and 0 "
+                    f"prunes nothing. Fix: safe_vocab_min_p={DEFAULT_MIN_P:g} (or "
+                    "None to use GRPOConfig.min_p), or safe_vocab=False")
+        if self.dump_dir != "" and not dump_dir_accepted(self.dump_dir):  # "": no dump, as it always was
+            raise ValueError(f"TIMConfig.dump_dir={self.dump_dir!r} is invalid: {DUMP_DIR_RULE}. Fix: "
+                             "dump_dir='/path/to/tim_dump' or dump_dir=None")
         self.dump_options = coerce_options(DumpConfig, self.dump_options, "TIMConfig.dump_options",
                                            out_dir=str(self.dump_dir) if self.dump_dir else "")
+        problem = type_problem(self.dump_options)  # the types verl's tim.dump.* options are checked against
+        if problem is not None:
+            name, value, kind, rule = problem
+            raise ValueError(f"TIMConfig.dump_options.{name}={value!r} is invalid: {rule}. Fix: "
+                             f"dump_options={{{name!r}: <{kind}>}}")
         inject = coerce_options(InjectorConfig, self.inject_options, "TIMConfig.inject_options")
         if self.rollout != "inject" and inject != InjectorConfig():
             raise ValueError(f"TIMConfig.inject_options={self.inject_options!r} given but rollout={self.rollout!r}; "
@@ -176,13 +191,24 @@ class TIMConfig:
         else:
             self.is_correction_options = None
         self._merge_lr_decay_signals()
-        if "kl_k3" in self.lr_decay_options.signals and not self.monitor:
-            raise ValueError(
-                "TIMConfig.lr_decay_signals contains 'k3' but monitor=False: the k3 signal comes from the monitor; "
-                "set monitor=True or drop 'k3'."
-            )
-        if self.parity_strict and not self.parity_audit:
-            raise ValueError("TIMConfig.parity_strict=True needs parity_audit=True (strict raises on audit findings).")
+        self._check_dependencies()
+
+    def _check_dependencies(self) -> None:
+        """The combinations both adapters refuse (``tim_plugins.options.dependency_problems``), in TIMConfig's
+        names."""
+        problems = dependency_problems(
+            monitor=self.monitor, probe=self.parity_probe, audit=self.parity_audit, strict=self.parity_strict,
+            lr_decay_signals=self.lr_decay_options.signals if self.lr_decay else ())
+        spelling = {
+            "probe_needs_monitor": ("parity_probe=True with monitor=False", "monitor=True, or parity_probe=False"),
+            "k3_needs_monitor": (f"lr_decay_signals={list(self.lr_decay_options.signals)!r} with monitor=False",
+                                 "monitor=True, or drop 'k3' from the signals"),
+            "strict_needs_audit": ("parity_strict=True with parity_audit=False",
+                                   "parity_audit=True, or parity_strict=False"),
+        }
+        if problems:
+            what, fix = spelling[problems[0]]
+            raise ValueError(f"TIMConfig.{what} is invalid: {DEPENDENCY_RULES[problems[0]]}. Fix: {fix}")
 
     def _merge_lr_decay_signals(self) -> None:
         """lr_decay_signals and lr_decay_options.signals are one setting: either may name the signals (in any

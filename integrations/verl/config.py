@@ -16,6 +16,8 @@ from tim_plugins._config import coerce_options, core_field, field_help
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import LRDecayConfig
 from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
+from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, check_min_p, dependency_problems,
+                                 dump_dir_accepted, probe_config, type_problem)
 from tim_plugins.pipeline import PipelineConfig, TrainingSetup, pipeline_config
 from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, check_probe_values
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
@@ -69,27 +71,16 @@ def _bad(path: str, value: Any, rule: str, fix: str) -> ValueError:
 
 
 def _check_types(section: Any, name: str) -> None:
-    """Each field of the settings dataclass ``section`` (the ``tim.<name>`` node) against its annotation: Hydra
-    hands values over as typed by YAML, so ``+tim.monitor.enable=flase`` arrives as the string 'flase', which is
-    truthy. A bool must be a bool; a number a number (not a bool); a str a str; None only where the annotation
-    allows it. Option groups (core dataclasses) check themselves."""
-    for f in dataclasses.fields(section):
-        value, kind = getattr(section, f.name), str(f.type)
-        path = f"tim.{name}.{f.name}"
-        if value is None:
-            if "None" not in kind:
-                raise _bad(path, value, f"must be set ({kind})", f"+{path}=<{kind}>")
-            continue
-        base = kind.split("|")[0].strip()
-        if base == "bool" and not isinstance(value, bool):
-            raise _bad(path, value, "must be true or false", f"+{path}=true or +{path}=false")
-        if base in ("float", "int") and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                         or (base == "int" and not float(value).is_integer())):
-            raise _bad(path, value, f"must be a number ({base})", f"+{path}=<{base}>")
-        if base == "str" and not isinstance(value, str):
-            raise _bad(path, value, "must be a string", f"+{path}=<text>")
-        if base == "tuple" and not isinstance(value, (list, tuple)):
-            raise _bad(path, value, "must be a list", f"+{path}=[...]")
+    """Each field of the settings dataclass ``section`` (the ``tim.<name>`` node) against its annotation
+    (``tim_plugins.options.type_problem``, the rule TIMConfig's option groups have too): Hydra hands values over as
+    typed by YAML, so ``+tim.monitor.enable=flase`` arrives as the string 'flase', which is truthy."""
+    problem = type_problem(section)
+    if problem is None:
+        return
+    field_name, value, base, rule = problem
+    path = f"tim.{name}.{field_name}"
+    fix = {"bool": f"+{path}=true or +{path}=false", "str": f"+{path}=<text>", "tuple": f"+{path}=[...]"}
+    raise _bad(path, value, rule, fix.get(base, f"+{path}=<{base}>"))
 
 
 @dataclass(frozen=True)
@@ -171,17 +162,18 @@ class MonitorSettings:
 class SafeVocabSettings:
     min_p: float = field(default=0.0, metadata=field_help(
         "Safe vocabulary S = {a : p_T(a) >= min_p * max_b p_T(b)} for the actor's log-probs (old-log-prob and "
-        "training passes); 0 = off. The vLLM rollout must sample with the same min_p (tim-plugins' logits "
-        "processor, see rollout_min_p_overrides) and report processed log-probs."))
+        "training passes), a number in [0, 1); 0 = no min-p pruning, the safe vocabulary off. The vLLM rollout "
+        "must sample with the same min_p (tim-plugins' logits processor, see rollout_min_p_overrides) and report "
+        "processed log-probs."))
     mask_boundary: bool = field(default=True, metadata=field_help(
         "Drop sampled tokens outside the trainer's S (boundary disagreements) from the loss."))
 
     def __post_init__(self) -> None:
         _check_types(self, "safe_vocab")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p < 1.0:
-            raise _bad("tim.safe_vocab.min_p", self.min_p, "must be a number in [0, 1) (0 disables pruning)",
-                       f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g} (the tim-plugins default for extreme-tail pruning)")
-        self.min_p = float(self.min_p)
+        # the rule TIMConfig.safe_vocab_min_p has too
+        self.min_p = check_min_p(self.min_p, "tim-plugins: tim.safe_vocab.min_p",
+                                 f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g} (the tim-plugins default for extreme-tail "
+                                 "pruning)")
 
     @property
     def enabled(self) -> bool:
@@ -216,8 +208,14 @@ _PROBE_FIX = {"action": "warn", "every_n_steps": "1", "patience": "1"}
 class ProbeSettings:
     """The live parity probe (``tim_plugins.parity.probe``): the actor's pipeline decides at each step's merge
     (``StepPipeline.compute``), the driver acts on the decision (warn, raise, stop after a checkpoint). Options and
-    rules are ``ParityProbeConfig``'s; ``kl_k3`` is its ``kl_k3_max``. No threshold set: off."""
+    rules are ``ParityProbeConfig``'s; ``kl_k3`` is its ``kl_k3_max``. On and off as TRL's ``parity_probe``
+    (``tim_plugins.options.probe_config``): ``enable=true`` takes the core's limits for those not given (kl_k3
+    1e-3), ``enable=false`` is off whatever limits are set, and a limit set without ``enable`` switches the probe on
+    with only the limits set. After construction ``enable`` says whether it is on."""
 
+    enable: bool | None = field(default=None, metadata=field_help(
+        "Switch the probe on (true: TIMConfig(parity_probe=True), with ParityProbeConfig's limits for those not "
+        "set) or off (false, whatever limits are set); unset: on when a limit is set, with only the limits set."))
     action: str = core_field(ParityProbeConfig, "action")
     kl_k3: float | None = core_field(ParityProbeConfig, "kl_k3_max", default=None)
     abs_diff_max: float | None = core_field(ParityProbeConfig, "abs_diff_max")
@@ -232,18 +230,44 @@ class ProbeSettings:
                 check_probe_values({core: getattr(self, name)}, where=lambda _: f"tim-plugins: tim.probe.{name}")
             except ValueError as err:
                 raise ValueError(f"{err}. Fix: +tim.probe.{name}={_PROBE_FIX.get(name, '1e-2')}") from None
+        limits = {name: getattr(self, name) for name in _PROBE_LIMITS}
+        if self.enable is None:
+            self.enable = any(v is not None for v in limits.values())
+        elif self.enable and all(v is None for v in limits.values()):  # the core's limits
+            self._set_core(probe_config(True, {}))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "ProbeSettings":
+        """From the ``tim.probe`` node: with ``enable=true`` the limits not written take the core's defaults (a
+        limit written null stays off), as ``parity_probe_options`` does in TRL."""
+        settings = cls(**options)
+        if options.get("enable") is not True:
+            return settings
+        written = {core: options[name] for name, core in _PROBE_FIELDS.items() if name in options}
+        try:
+            settings._set_core(probe_config(True, written))
+        except ValueError as err:
+            raise _bad("tim.probe", dict(options), str(err).replace("ParityProbeConfig: ", ""),
+                       "+tim.probe.kl_k3=1e-3 (or drop the null limits)") from None
+        return settings
+
+    def _set_core(self, core: ParityProbeConfig) -> None:
+        for name, core_name in _PROBE_FIELDS.items():
+            setattr(self, name, getattr(core, core_name))
 
     @property
     def thresholds(self) -> dict[str, float]:
+        if not self.enable:
+            return {}
         return {DEFAULT_METRIC_KEYS[core]: float(getattr(self, name)) for name, core in _PROBE_LIMITS.items()
                 if getattr(self, name) is not None}
 
     @property
     def enabled(self) -> bool:
-        return bool(self.thresholds)
+        return bool(self.enable)
 
     def config(self):
-        """The core ``ParityProbeConfig`` (None when no threshold is set)."""
+        """The core ``ParityProbeConfig`` (None when the probe is off)."""
         if not self.enabled:
             return None
         return ParityProbeConfig(**{core: getattr(self, name) for name, core in _PROBE_FIELDS.items()})
@@ -267,8 +291,9 @@ class _DumpMethods:
     included; ``dir`` is its ``out_dir``."""
 
     def __post_init__(self) -> None:
-        if self.dir is not None and (not isinstance(self.dir, str) or not self.dir.strip()):
-            raise _bad("tim.dump.dir", self.dir, "must be a folder path or null", "+tim.dump.dir=/path/to/tim_dump")
+        # TIMConfig.dump_dir's rule; YAML holds no path objects
+        if not isinstance(self.dir, (str, type(None))) or not dump_dir_accepted(self.dir):
+            raise _bad("tim.dump.dir", self.dir, DUMP_DIR_RULE, "+tim.dump.dir=/path/to/tim_dump")
         _check_types(self, "dump")
         try:
             self.config()
@@ -306,13 +331,21 @@ class TIMVerlConfig:
                  "parity": ParitySettings, "probe": ProbeSettings, "dump": DumpSettings}
 
     def __post_init__(self) -> None:
+        # the combinations TIMConfig refuses too (tim_plugins.options), in verl's names
         signals = self.lr_decay.options.signals if self.lr_decay.enable else ()
-        if "kl_k3" in signals and not self.monitor.enable:
-            raise _bad("tim.lr_decay.options.signals", list(signals), "the kl_k3 signal is the monitor's k3 of each "
-                       "step, and tim.monitor.enable=false", "+tim.monitor.enable=true")
-        if self.probe.enabled and not self.monitor.enable:
-            raise _bad("tim.probe", self.probe.thresholds, "the probe checks the monitor's metrics, and "
-                       "tim.monitor.enable=false", "+tim.monitor.enable=true")
+        problems = dependency_problems(monitor=self.monitor.enable, probe=self.probe.enabled, lr_decay_signals=signals,
+                                       audit=self.parity.audit, strict=self.parity.strict)
+        spelling = {
+            "k3_needs_monitor": ("tim.lr_decay.options.signals", list(signals), "+tim.monitor.enable=true"),
+            "probe_needs_monitor": ("tim.probe", self.probe.thresholds, "+tim.monitor.enable=true"),
+            "strict_needs_audit": ("tim.parity.strict", self.parity.strict,
+                                   "+tim.parity.audit=true (or +tim.parity.strict=false)"),
+        }
+        if problems:
+            path, value, fix = spelling[problems[0]]
+            raise _bad(path, value, DEPENDENCY_RULES[problems[0]] + (
+                " (tim.parity.audit=false)" if problems[0] == "strict_needs_audit" else " (tim.monitor.enable=false)"),
+                fix)
         if self.dump.enabled and not self.monitor.enable:
             raise _bad("tim.dump.dir", self.dump.dir, "the dump writes the monitor's measurement pass, and "
                        "tim.monitor.enable=false", "+tim.monitor.enable=true")
@@ -353,7 +386,7 @@ class TIMVerlConfig:
             bad = sorted(set(sub) - names)
             if bad:
                 raise _bad(f"tim.{name}", dict(sub), f"unknown option(s) {bad}", f"use {sorted(names)}")
-            kwargs[name] = section_cls(**sub)
+            kwargs[name] = section_cls.from_options(sub) if section_cls is ProbeSettings else section_cls(**sub)
         return cls(**kwargs)
 
     def to_dict(self) -> dict:

@@ -181,6 +181,19 @@ def test_recipe_run_prints_the_startup_audit(recipe_run):
     assert "severity" in after and "prefix-caching-on" in after
 
 
+def test_recipe_run_prints_the_kept_set_line_once(recipe_run):
+    """With the safe vocabulary the driver prints, once, how the trainer gets the sampler's kept set (replayed from
+    the engine or recomputed) and why (``tim_plugins.kept_set``; verl's version from importlib.metadata)."""
+    import importlib.metadata
+
+    from tim_plugins.kept_set import kept_set_line
+
+    version = importlib.metadata.version("verl")
+    line = kept_set_line("verl", version)
+    assert f"kept set by recompute (verl {version} does not carry vLLM's sampling_mask" in line
+    assert recipe_run.output.count(line) == 1
+
+
 def test_safe_vocabulary_on_both_sides_leaves_fp32_noise(recipe_run):
     """Trainer min-p and the vLLM processor at the same value, the user's top_p=0.8 and top_k=20 as set, verl's
     fused kernels on, processed log-probs, fp32 on both sides: the actor applies the sampler's whole truncation

@@ -176,6 +176,8 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         # the shard's columns: Megatron's own split of the vocabulary (rank x partition width), over the TP group
         # VERL_MEGATRON_SOURCES megatron.core.tensor_parallel.utils:VocabUtility.vocab_range_from_per_partition_vocab_size
         # VERL_MEGATRON_SOURCES megatron.core.parallel_state:get_tensor_model_parallel_group
+        # VERL_MEGATRON_SOURCES megatron.core.parallel_state:get_tensor_model_parallel_rank
+        # VERL_MEGATRON_SOURCES megatron.core.parallel_state:get_tensor_model_parallel_world_size
         width = logits.shape[-1]
         start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
             width, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size())

@@ -12,10 +12,14 @@ The options of each capability are the core's own dataclasses (``DumpConfig``, `
   spelling, a limit without ``tim.probe.enable``): on with only the limits given.
 * ``dependency_problems``: combinations both refuse (the probe, or the LR decay's k3 signal, with the monitor off;
   the strict audit with the audit off).
+* ``type_problem``: a setting's value against its annotation (a bool a bool, a number not a bool, ...), for verl's
+  sections and the option groups whose fields verl generates (the dump's).
+* ``dump_dir_accepted``: the dump folder (None = no dump).
 
 ``SHARED_SETTINGS`` lists each shared setting's spelling in both adapters, ``ADAPTER_DEFAULTS`` the settings whose
-default differs on purpose (and why), ``TRL_ONLY`` / ``VERL_ONLY`` what exists in one adapter only:
-``tests/test_shared_schema.py`` walks them against both adapters' classes.
+default differs on purpose and ``ADAPTER_VALUES`` the values one adapter keeps taking (and why), ``TRL_ONLY`` /
+``VERL_ONLY`` what exists in one adapter only: ``tests/test_shared_schema.py`` walks them against both adapters'
+classes.
 """
 
 from __future__ import annotations
@@ -23,9 +27,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from functools import cache
+from typing import TYPE_CHECKING, Any, Mapping
 
-from .parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, check_probe_values
+if TYPE_CHECKING:
+    from .parity.probe import ParityProbeConfig
+
+# The min-p and dump-folder rules need no torch (the vLLM processor's settings, ``rollout.vllm_min_p_config``, check
+# min-p with them); the probe's rule and the table import the core classes, so they load on first use
+# (``PROBE_THRESHOLDS`` and ``SHARED_SETTINGS`` are module attributes computed then).
 
 __all__ = [
     "MIN_P_RULE",
@@ -65,10 +75,6 @@ def check_min_p(value: Any, where: str, fix: str) -> float:
     return float(value)
 
 
-# The limits among ParityProbeConfig's fields (None = not checked).
-PROBE_THRESHOLDS = tuple(DEFAULT_METRIC_KEYS)
-
-
 def probe_config(enable: bool | None, options: Mapping[str, Any] | ParityProbeConfig | None
                  ) -> ParityProbeConfig | None:
     """The probe a setting asks for (``options``: ParityProbeConfig or a mapping of its field names).
@@ -77,15 +83,17 @@ def probe_config(enable: bool | None, options: Mapping[str, Any] | ParityProbeCo
     ``parity_probe=True``, verl's ``tim.probe.enable=true``). ``False``: None, the options still checked. ``None``
     (verl's spelling without ``enable``): on when a limit is given (not None), with only the limits given. Raises
     the core's ValueError (its field names) on a bad option."""
+    from .parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, check_probe_values
+
     if isinstance(options, ParityProbeConfig):
         options = {f.name: getattr(options, f.name) for f in fields(options)}
     options = dict(options or {})
     if enable is True:
         return ParityProbeConfig(**options)
     check_probe_values(options)
-    if enable is False or all(options.get(name) is None for name in PROBE_THRESHOLDS):
+    if enable is False or all(options.get(name) is None for name in DEFAULT_METRIC_KEYS):
         return None
-    return ParityProbeConfig(**{**{name: None for name in PROBE_THRESHOLDS}, **options})
+    return ParityProbeConfig(**{**{name: None for name in DEFAULT_METRIC_KEYS}, **options})
 
 
 def type_problem(obj: Any) -> tuple[str, Any, str, str] | None:
@@ -161,9 +169,11 @@ class SharedSetting:
     default: Any = None
 
 
+@cache
 def _settings() -> tuple[SharedSetting, ...]:
     from .dump import DumpConfig
     from .lr_control import LRDecayConfig
+    from .parity.probe import ParityProbeConfig
     from .pipeline import PipelineConfig
 
     verl_probe = {"kl_k3_max": "kl_k3"}
@@ -189,7 +199,14 @@ def _settings() -> tuple[SharedSetting, ...]:
     return tuple(out)
 
 
-SHARED_SETTINGS: tuple[SharedSetting, ...] = _settings()
+def __getattr__(name: str):
+    if name == "SHARED_SETTINGS":  # every shared setting (SharedSetting), in the adapters' order
+        return _settings()
+    if name == "PROBE_THRESHOLDS":  # the limits among ParityProbeConfig's fields (None = not checked)
+        from .parity.probe import DEFAULT_METRIC_KEYS
+
+        return tuple(DEFAULT_METRIC_KEYS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Settings whose default differs on purpose: {name: ({adapter: default}, why)}.
 ADAPTER_DEFAULTS = {

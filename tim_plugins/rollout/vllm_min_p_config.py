@@ -17,9 +17,10 @@ Where the processor reads min_p (first match wins):
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Mapping
+
+from tim_plugins.options import MIN_P_RULE, min_p_accepted  # the trainer side's rule, both adapters'
 
 __all__ = [
     "PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p", "vllm_engine_kwargs",
@@ -34,13 +35,12 @@ ENV_VAR = "TIM_PLUGINS_MIN_P"
 
 def check_min_p(value: Any, where: str) -> float:
     """``value`` as a float in [0, 1); raises ValueError quoting ``where``, the value, the rule and the fix."""
-    try:
-        ok = not isinstance(value, bool) and 0.0 <= float(value) < 1.0 and math.isfinite(float(value))
+    try:  # a number, or its text (an environment variable, a command-line value)
+        ok = not isinstance(value, bool) and min_p_accepted(float(value))
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise ValueError(f"{where}={value!r}: min_p must be a number in [0, 1) (0 = no pruning). "
-                         f"Fix: e.g. {CONFIG_KEY}=1e-4")
+        raise ValueError(f"{where}={value!r}: min_p {MIN_P_RULE}. Fix: e.g. {CONFIG_KEY}=1e-4")
     return float(value)
 
 

@@ -121,7 +121,8 @@ class TIMConfig:
     parity_probe: bool = field(
         default=False,
         metadata=field_help("Live probe: stop training gracefully (control.should_training_stop) when the measured "
-                       "mismatch crosses the probe's limits"),
+                            "mismatch crosses the probe's limits (parity_probe_options); needs monitor=True. verl: "
+                            "tim.probe.enable"),
     )
     parity_probe_options: ParityProbeConfig = field(
         default=None, metadata=field_help("The probe's limits and action: a tim_plugins.parity.ParityProbeConfig, or "

@@ -195,8 +195,13 @@ def test_off_is_spelled_alike_and_is_off(name, trl, verl):
           "LR decay": (cfg.lr_decay, tim.lr_decay.enable), "parity audit": (cfg.parity_audit, tim.parity.audit),
           "probe": (cfg.parity_probe, tim.probe.enabled), "dump": (bool(cfg.dump_dir), tim.dump.enabled)}[name]
     assert on == (False, False)
-    # verl's min-p 0 is "no min-p pruning" in TRL too: accepted, and refused only where it would be the safe set
+
+
+def test_min_p_zero_is_no_pruning_in_both():
+    """verl's off (``min_p=0``) means "no min-p pruning" in TRL too: taken, and refused where it would be the safe
+    set (``safe_vocab=True``), with the fix."""
     assert TIMConfig(safe_vocab_min_p=0.0).safe_vocab_min_p == 0.0
+    assert not TIMVerlConfig.from_node({"safe_vocab": {"min_p": 0}}).safe_vocab.enabled
     with pytest.raises(ValueError, match=r"safe_vocab_min_p=0.0 with safe_vocab=True is invalid: .*Fix:"):
         TIMConfig(safe_vocab=True, safe_vocab_min_p=0.0)
 

@@ -39,6 +39,9 @@ CASES = {
 }
 
 
+LOGPROB_ONLY = ("top_k", "top_p_min_p_hf")
+
+
 def _inputs(name: str):
     kwargs, widths, draw, _, _ = CASES[name]
     g = torch.Generator().manual_seed(sum(map(ord, name)))
@@ -76,6 +79,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[name] = {"logprobs": res.logprobs.detach(), "in_safe": res.in_safe,
                              "pruned_mass": res.pruned_mass, "size": res.size, "entropy": res.entropy.detach(),
                              "grad": shard.grad}
+            if name in LOGPROB_ONLY:  # the training pass without entropy: the log-prob's gradient alone
+                alone = shard.detach().clone().requires_grad_(True)
+                res = safe_logprobs_vocab_parallel(alone, tokens, trunc, group=dist.group.WORLD, vocab_start=start)
+                assert res.entropy is None
+                (res.logprobs * g_lp).sum().backward()
+                results[name]["grad_logprob_only"] = alone.grad
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -109,13 +118,18 @@ def test_two_shards_equal_the_float64_reference(two_ranks, name):
     if name == "empty":
         assert a["logprobs"].shape == (0,) and a["grad"].shape == (0, widths[0])
         return
-    (grad,) = torch.autograd.grad((logp * g_lp.double()).sum() + (ent * g_ent.double()).sum(), full)
+    (grad,) = torch.autograd.grad((logp * g_lp.double()).sum() + (ent * g_ent.double()).sum(), full,
+                                  retain_graph=True)
     ours = torch.cat([a["grad"], b["grad"]], dim=-1)
     assert ours.dtype == logits.dtype
     if logits.dtype == torch.float32:
         torch.testing.assert_close(ours, grad.float(), rtol=0, atol=1e-5)
     else:  # the fp32 gradient rounded to the logits' dtype, as the reference's is
         torch.testing.assert_close(ours, grad.to(logits.dtype))
+    if name in LOGPROB_ONLY:
+        (grad_lp,) = torch.autograd.grad((logp * g_lp.double()).sum(), full)
+        torch.testing.assert_close(torch.cat([a["grad_logprob_only"], b["grad_logprob_only"]], dim=-1),
+                                   grad_lp.float(), rtol=0, atol=1e-5)
     # the cases cut: S is a strict subset in every row, and some sampled tokens fall outside it (finite log-probs)
     assert bool((size < logits.shape[1]).all())
     assert bool((~a["in_safe"]).any()) and bool(a["in_safe"].any())

@@ -15,14 +15,9 @@ import html
 import json
 import math
 
-__all__ = ["settings_line", "truncation_headline", "truncation_rows", "truncation_section", "used_safe_vocab"]
+__all__ = ["settings_line", "truncation_headline", "truncation_rows", "truncation_section"]
 
 _PREFIX = "tim/safe_vocab/"
-
-
-def used_safe_vocab(summary: dict | None) -> bool:
-    """Whether the run logged safe-vocabulary statistics at any step (the section's condition)."""
-    return any(h.get(_PREFIX + "tokens") for h in (summary or {}).get("log_history") or [])
 
 
 def _num(h: dict, key: str) -> float:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .safe_vocab import SafeLogprobs, _check_rows, _temper, default_chunk_rows, safe_logprobs_from_logits
-from .truncation import Truncation, _nucleus_cut, _top_p_threshold_in_top_k
+from .truncation import Truncation, _top_p_threshold_in_top_k
 
 __all__ = ["safe_logprobs_vocab_parallel"]
 

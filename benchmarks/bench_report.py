@@ -3,6 +3,7 @@
 package as of the commit before them, run from ``git archive``) up to the size it can hold.
 
     python -m benchmarks.bench_report [--quick] [--sizes 1e6,1e7,1e8] [--old-sizes 1e6,8e6] [--repeats 2]
+                                      [--dump DIR] [--phase-sizes 1e7,1e8]
 
 Synthetic dumps in the project's schema (``tim_plugins.dump.DUMP_COLUMNS`` without entropy, the dtypes the
 writer uses, one file per step and rank, 64 sequences of 640 tokens per file): rollout log-probs of sampled tokens
@@ -12,7 +13,8 @@ size; smaller dumps are folders of links to the first files. Everything is delet
 
 Each measurement is the command as a user runs it (a subprocess: python start, imports, queries, figures, the
 HTML), its peak RSS read by ``/usr/bin/time -v`` (the query engine runs in-process). The machine is shared: the
-load average around each run is recorded. Results: ``benchmarks/results/report_scaling.json``.
+load average around each run is recorded. ``--phase-sizes``: per size, one more run of the report's queries
+alone (``phase_times``, a subprocess) with each phase's wall and CPU seconds and the peak RSS after it. Results: ``benchmarks/results/report_scaling.json``.
 """
 
 from __future__ import annotations
@@ -105,12 +107,58 @@ def run_report(dump: Path, out: Path, pythonpath: Path | None = None, extra=()) 
             "load_after": round(os.getloadavg()[0], 2)}
 
 
+# The report's queries in the order the dump page runs them, each phase timed (wall s, CPU s of the process and
+# its DuckDB threads, peak RSS GB after it); printed as one JSON object.
+_PHASES = r"""
+import json, os, resource, sys, time
+t00 = time.perf_counter()
+from pathlib import Path
+from tim_plugins.report import tokens as T
+from tim_plugins.report.figures import ratio_distribution
+from tim_plugins.report.query import engine
+out = {}
+def tm(name, f):
+    t0, c0 = time.perf_counter(), time.process_time()
+    r = f()
+    out[name] = {"wall_s": round(time.perf_counter() - t0, 2), "cpu_s": round(time.process_time() - c0, 2),
+                 "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    return r
+with engine():
+    d = tm("open", lambda: T.load_tokens(Path(sys.argv[1])))
+    dumps = {"run": d}
+    tm("sequences_positions_probability", d._profiles)
+    tm("step_states", d.step_states)
+    tm("prob_curve_quantiles", lambda: T.prob_curves(dumps, quantile=True))
+    tm("abs_histogram", lambda: T.abs_histograms(dumps))
+    src = tm("rho_quantiles", lambda: T.rho_source(dumps))
+    tm("rho_panels", lambda: ratio_distribution(src))
+    tm("disagreements", lambda: d.largest_disagreements(20, 8))
+out["total_s"] = round(time.perf_counter() - t00, 2)
+out["load"] = [round(x, 2) for x in os.getloadavg()]
+print(json.dumps(out))
+"""
+
+
+def phase_times(dump: Path) -> dict:
+    """The report's query phases on ``dump`` (a subprocess, default engine settings): wall / CPU s, peak RSS."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _PHASES, str(dump)], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"phase_times failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 M and 4 M rows, old path at 1 M, one repeat")
     parser.add_argument("--sizes", default="1e6,1e7,1e8")
     parser.add_argument("--old-sizes", default="1e6,2e6,8e6")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dump", default=None,
+                        help="a folder of this benchmark's synthetic files (write_dump) to read instead of writing "
+                             "them again; it must hold the largest size")
+    parser.add_argument("--phase-sizes", default="", help="sizes to time per query phase too (phase_times)")
     parser.add_argument("--work", default=None, help="folder for the synthetic dumps (default: a temporary one)")
     parser.add_argument("--keep-in-memory", action="store_true",
                         help="keep the in-memory path's runs of the existing results file (measured earlier, on the "
@@ -121,14 +169,22 @@ def main(argv=None) -> dict:
         args.sizes, args.old_sizes, args.repeats = "1e6,4e6", "1e6", 1
     sizes = sorted(int(float(x)) for x in args.sizes.split(","))
     old_sizes = sorted(int(float(x)) for x in args.old_sizes.split(",")) if args.old_sizes else []
+    phase_sizes = {int(float(x)) for x in args.phase_sizes.split(",")} if args.phase_sizes else set()
     work = Path(tempfile.mkdtemp(prefix="tim-bench-report-", dir=args.work))
     results = {"schema": "step_*-rank_*.parquet, DUMP_COLUMNS without entropy", "seq_len": SEQ_LEN,
                "rows_per_file": ROWS_PER_FILE, "ranks": RANKS, "runs": []}
     try:
         t0 = time.perf_counter()
         biggest = max(sizes + old_sizes)
-        n_files = write_dump(work / "all", biggest)
-        results["generate_s"] = round(time.perf_counter() - t0, 1)
+        if args.dump:
+            source = Path(args.dump)
+            n_files = len(list(source.glob("step_*-rank_*.parquet")))
+            if n_files < -(-biggest // ROWS_PER_FILE):
+                raise SystemExit(f"--dump {source}: {n_files} files, fewer than {biggest} rows need")
+            linked(source, work / "all", n_files)
+        else:
+            n_files = write_dump(work / "all", biggest)
+            results["generate_s"] = round(time.perf_counter() - t0, 1)
         old = old_package(work / "old")
         for kind, kind_sizes, path in (("streaming", sizes, None), ("in_memory", old_sizes, old)):
             for rows in kind_sizes:
@@ -141,6 +197,8 @@ def main(argv=None) -> dict:
                          "parquet_gb": round(disk / 2**30, 3), "runs": runs,
                          "wall_s": spread([r["wall_s"] for r in runs]),
                          "peak_rss_gb": spread([r["peak_rss_gb"] for r in runs])}
+                if kind == "streaming" and rows in phase_sizes:
+                    entry["phases"] = phase_times(dump)
                 results["runs"].append(entry)
                 print(f"{kind:9s} {entry['rows']:>11,d} rows ({disk / 2**30:.2f} GB): wall "
                       f"{entry['wall_s']['median']:.1f} s, peak RSS {entry['peak_rss_gb']['median']:.2f} GB, "

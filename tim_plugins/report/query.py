@@ -86,8 +86,11 @@ class Engine:
         self.memory_limit = parse_memory_limit(memory_limit)
         self._spill = tempfile.mkdtemp(prefix="tim-report-")
         config = {"memory_limit": self.memory_limit, "temp_directory": self._spill,
-                  # the same files are scanned by every query: keep their Parquet metadata
-                  "enable_object_cache": True, "preserve_insertion_order": False}
+                  # the same files are scanned by every query: keep their Parquet metadata, not their bytes (a
+                  # cache of the files' bytes fills memory_limit on a dump larger than it and saves no CPU: the
+                  # queries are bound by per-token expressions, and the OS caches the files anyway)
+                  "enable_object_cache": True, "preserve_insertion_order": False,
+                  "enable_external_file_cache": False}
         if threads is not None:
             config["threads"] = threads
         self.con = duckdb.connect(":memory:", config=config)
@@ -404,7 +407,8 @@ class Dump:
     def step_states(self) -> tuple[np.ndarray, list[dict]]:
         """(steps, the monitor's unpacked state per step) over the valid rows, each sequence's tokens laid out as
         one row of a [sequences, positions] batch with ρ = exp(d) as the IS weights: what ``mismatch_metrics`` on
-        those tensors accumulates. One scan (grouped by step and histogram bin), and one per sequence."""
+        those tensors accumulates. Two scans (per step; per step, histogram bin and bucket), and the per-
+        sequence one."""
         if "states" in self._cache:
             return self._cache["states"]
         from tim_plugins._mismatch_layout import (HISTOGRAM_BINS_PER_DECADE, HISTOGRAM_RANGE, K3_SERIES,
@@ -431,55 +435,66 @@ class Dump:
                  f"({centre} + sign(d) * {abs_bin})::BIGINT AS hbin FROM ({base})")
         terms = (f"SELECT step, d, a, bucket, hbin, ser, lin, lin + ser AS rm1, (lin - d) + ser AS k3, "
                  f"exp(r) * abs(lin + ser) AS absp, CASE WHEN isfinite(w) THEN w END AS w FROM ({terms})")
-        rows = self.con.execute(
-            f"SELECT step, hbin, count(*), sum(a), sum(absp), sum(d), sum(k3), sum(lin), sum(ser), sum(rm1 * rm1), "
-            f"count(*) FILTER (WHERE d < {log_lo!r} OR d > {log_hi!r}), max(d), min(d), max(absp), count(w), "
-            f"coalesce(sum(w), 0), coalesce(sum(w * w), 0), count(*) FILTER (WHERE w = 0), max(w), min(w), "
-            f"min(a) FILTER (WHERE a > 0), count(*) FILTER (WHERE a = 0), bucket "
-            f"FROM ({terms}) GROUP BY step, hbin, bucket ORDER BY step, hbin, bucket").fetchall()
+        # Two groupings, so that DuckDB's hash tables stay small on a long run (every aggregate per (step, bin,
+        # bucket) held ~1 KB a group, hundreds of thousands of groups): the sums and extremes per step, and per
+        # (step, bin, bucket) only the counts, Σ|d| and extremes the histograms need.
+        cols = self.con.execute(
+            f"SELECT step, count(*) AS n, sum(a) AS a, sum(absp) AS abs_p, sum(d) AS sum_d, sum(k3) AS k3, "
+            f"sum(lin) AS lin, sum(ser) AS ser, sum(rm1 * rm1) AS rho_m1_sq, count(*) FILTER (WHERE d < {log_lo!r} OR "
+            f"d > {log_hi!r}) AS outside, max(d) AS d_max, min(d) AS d_min, max(absp) AS abs_p_max, count(w) AS is_n, "
+            f"coalesce(sum(w), 0) AS is_w, coalesce(sum(w * w), 0) AS is_w2, count(*) FILTER (WHERE w = 0) AS "
+            f"is_masked, coalesce(max(w), '-inf'::DOUBLE) AS w_max, coalesce(min(w), 'inf'::DOUBLE) AS w_min, "
+            f"coalesce(min(a) FILTER (WHERE a > 0), 'inf'::DOUBLE) AS a_min_pos, count(*) FILTER (WHERE a = 0) AS "
+            f"zeros FROM ({terms}) GROUP BY step ORDER BY step").fetchnumpy()
+        cols = {k: np.asarray(v) for k, v in cols.items()}
+        # the bin and bucket alone (the other terms are not computed for this query)
+        binned_rows = self.con.execute(
+            f"SELECT step, hbin, bucket, count(*) AS n, sum(a) AS a, min(d) AS d_min, max(d) AS d_max FROM ({terms}) "
+            f"GROUP BY step, hbin, bucket").fetchnumpy()
+        binned_rows = {k: np.asarray(v) for k, v in binned_rows.items()}
         seqs = self.sequences()
         ninf = -math.inf
-        acc: dict[int, dict] = {}
         overall = {"d_min": math.inf, "d_max": ninf, "abs_min_pos": math.inf, "zeros": 0}
-        for row in rows:
-            step, hbin, n, a, abs_p, sum_d, k3, lin, ser, rho_m1_sq, outside, d_max, d_min, abs_p_max, is_n, is_w, \
-                is_w2, is_masked, w_max, w_min, a_min_pos, zeros = row[:22]
-            s = acc.get(step)
-            if s is None:
-                s = acc[step] = {
-                    "tokens": 0.0, "invalid": 0.0, "abs_d": 0.0, "abs_p": 0.0, "neg_d": 0.0, "k3": 0.0, "rho_m1": 0.0,
-                    "_lin": 0.0, "_ser": 0.0, "rho_m1_sq": 0.0, "outside": 0.0, "seqs": 0.0, "seq_log_ratio": 0.0,
-                    "is_tokens": 0.0, "is_w": 0.0, "is_w2": 0.0, "is_masked": 0.0, "hist": np.zeros(N_SIGNED_BINS),
-                    "bucket_count": np.zeros(N_BUCKETS), "bucket_abs": np.zeros(N_BUCKETS), "_d_max": ninf,
-                    "_d_min": math.inf, "abs_p_max": ninf, "is_w_max": ninf, "neg_is_w_min": ninf}
-            for key, value in zip(_STEP_SUMS, (n, a, abs_p, sum_d, k3, lin, ser, rho_m1_sq, outside, is_n, is_w, is_w2,
-                                               is_masked)):
-                s[key] += value
-            s["hist"][hbin] += n
-            s["bucket_count"][row[22]] += n
-            s["bucket_abs"][row[22]] += a
-            s["_d_max"], s["_d_min"] = max(s["_d_max"], d_max), min(s["_d_min"], d_min)
-            s["abs_p_max"] = max(s["abs_p_max"], abs_p_max)
-            if w_max is not None:
-                s["is_w_max"], s["neg_is_w_min"] = max(s["is_w_max"], w_max), max(s["neg_is_w_min"], -w_min)
-            overall["d_min"], overall["d_max"] = min(overall["d_min"], d_min), max(overall["d_max"], d_max)
-            if a_min_pos is not None:
-                overall["abs_min_pos"] = min(overall["abs_min_pos"], a_min_pos)
-            overall["zeros"] += zeros
-            h = overall.setdefault("hbins", {}).setdefault(hbin, [0, math.inf, -math.inf])
-            h[0], h[1], h[2] = h[0] + n, min(h[1], d_min), max(h[2], d_max)
-        steps = np.array(sorted(acc), dtype=np.int64)
+        steps = cols["step"].astype(np.int64)
         states = []
-        for step in steps:
-            s = acc[int(step)]
-            d_max, d_min = s.pop("_d_max"), s.pop("_d_min")
+        if steps.size:
+            per = {k: cols[k].astype(np.float64) for k in
+                   ("n", "a", "abs_p", "sum_d", "k3", "lin", "ser", "rho_m1_sq", "outside", "is_n", "is_w", "is_w2",
+                    "is_masked")}
+            top = {k: cols[k] for k in ("d_max", "abs_p_max", "w_max")}
+            top["neg_w_min"] = -cols["w_min"]
+            d_min = cols["d_min"]
+            at = np.searchsorted(steps, binned_rows["step"].astype(np.int64))
+            n, hbin = binned_rows["n"], binned_rows["hbin"].astype(np.int64)
+            hist = np.zeros((steps.size, N_SIGNED_BINS))
+            np.add.at(hist, (at, hbin), n)
+            bucket_count, bucket_abs = np.zeros((steps.size, N_BUCKETS)), np.zeros((steps.size, N_BUCKETS))
+            where = (at, binned_rows["bucket"].astype(np.int64))
+            np.add.at(bucket_count, where, n)
+            np.add.at(bucket_abs, where, binned_rows["a"])
+            overall.update(d_min=float(d_min.min()), d_max=float(cols["d_max"].max()),
+                           abs_min_pos=float(cols["a_min_pos"].min()), zeros=int(cols["zeros"].sum()))
+            hbins, where = np.unique(hbin, return_inverse=True)
+            h_n, h_lo, h_hi = (np.zeros(hbins.size, dtype=np.int64), np.full(hbins.size, math.inf),
+                               np.full(hbins.size, ninf))
+            np.add.at(h_n, where, n)
+            np.minimum.at(h_lo, where, binned_rows["d_min"])
+            np.maximum.at(h_hi, where, binned_rows["d_max"])
+            overall["hbins"] = {int(b): [int(c), float(lo), float(hi)] for b, c, lo, hi in zip(hbins, h_n, h_lo, h_hi)}
+        for i, step in enumerate(steps):
+            s = {key: float(per[col][i]) for key, col in zip(_STEP_SUMS, (
+                "n", "a", "abs_p", "sum_d", "k3", "lin", "ser", "rho_m1_sq", "outside", "is_n", "is_w", "is_w2",
+                "is_masked"))}
+            d_max, d_lo = float(top["d_max"][i]), float(d_min[i])
             s["rho_m1"] = s.pop("_lin") + s.pop("_ser")
             s["neg_d"] = -s["seq_log_ratio"]
             sel = seqs.step == step
-            s.update(seqs=float(sel.sum()), abs_d_max=max(d_max, -d_min), rho_m1_max=math.expm1(d_max),
-                     neg_rho_m1_min=-math.expm1(d_min),
+            s.update(invalid=0.0, hist=hist[i], bucket_count=bucket_count[i], bucket_abs=bucket_abs[i],
+                     abs_p_max=float(top["abs_p_max"][i]), is_w_max=float(top["w_max"][i]),
+                     neg_is_w_min=float(top["neg_w_min"][i]), seqs=float(sel.sum()), abs_d_max=max(d_max, -d_lo),
+                     rho_m1_max=math.expm1(d_max), neg_rho_m1_min=-math.expm1(d_lo),
                      seq_abs_max=float(np.abs(seqs.sum_d[sel]).max()) if sel.any() else ninf)
-            states.append({k: (float(v) if not isinstance(v, np.ndarray) else v) for k, v in s.items()})
+            states.append(s)
         self._cache["overall"] = overall
         self._cache["states"] = (steps, states)
         return steps, states

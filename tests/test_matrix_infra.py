@@ -79,9 +79,16 @@ def test_the_stack_subset_is_named_once_and_exists():
            in MAKEFILE
 
 
+def _test_recipe() -> str:
+    return re.split(r"\ntest:[^\n]*\n", MAKEFILE)[1].split("\n\n")[0]
+
+
 def test_make_test_goes_on_after_a_failing_suite_and_ends_with_the_summary():
-    recipe = MAKEFILE.split("\ntest:\n")[1].split("\n\n")[0]
-    assert "|| true; done" in recipe and "$(SUITE) summary $(SUITES)" in recipe
+    recipe = _test_recipe()
+    # every suite of SUITES, SUITE_JOBS at a time, each one's failure absorbed until the summary
+    assert "printf '%s\\n' $(SUITES) |" in recipe and "xargs -P $(SUITE_JOBS)" in recipe
+    assert "test-SUITE || true'" in recipe and "$(SUITE) summary $(SUITES)" in recipe
+    assert re.search(r"^test: \$\(VENV\)/\$\(STAMP\)$", MAKEFILE, re.M)  # built once, before suites share it
     dry = subprocess.run(["make", "-n", "--no-print-directory", "test-stack-newest"], cwd=ROOT, capture_output=True,
                          text=True)
     assert dry.returncode == 0, dry.stderr
@@ -89,10 +96,10 @@ def test_make_test_goes_on_after_a_failing_suite_and_ends_with_the_summary():
 
 
 def test_make_test_builds_the_stack_environments_in_the_background_and_waits_for_them():
-    recipe = MAKEFILE.split("\ntest:\n")[1].split("\n\n")[0]
+    recipe = _test_recipe()
     assert ("scripts/stack install $$stack; done; scripts/megatron_env install) >$(MATRIX)/stack-installs.log 2>&1 &"
             in recipe)
-    assert recipe.index("&") < recipe.index("for suite in") < recipe.index("wait") < recipe.index("summary")
+    assert recipe.index("&") < recipe.index("xargs") < recipe.index("wait") < recipe.index("summary")
 
 
 def test_the_megatron_suite_runs_in_its_own_python_312_environment():
@@ -281,3 +288,22 @@ def test_suite_counts_skips_and_fails_on_one_its_list_does_not_expect(tmp_path, 
     with pytest.raises(ValueError, match="has no reason"):
         suite.expected_skips("s")
 
+
+
+@pytest.mark.parametrize("echo", ["1", "0"])
+def test_suite_side_by_side_prints_each_suites_end_once(tmp_path, echo):
+    """``make test`` runs suites side by side with SUITE_ECHO=0: a suite's output then goes to its log only, and
+    its last SUITE_ECHO_LINES lines to the terminal at its end, each prefixed with the suite's name (two suites'
+    output never interleave line by line); SUITE_ECHO=1 echoes it as it comes. The log holds everything either way."""
+    env = {"MATRIX_DIR": str(tmp_path / "m"), "PATH": "/usr/bin:/bin", "SUITE_ECHO": echo, "SUITE_ECHO_LINES": "3"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "suite"), "run", "s", "--", sys.executable, "-c",
+           "print('\\n'.join(f'line {i}' for i in range(10))); print('check: 1 passed, 0 failed')"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = (tmp_path / "m" / "logs" / "s.log").read_text().splitlines()
+    assert log == [f"line {i}" for i in range(10)] + ["check: 1 passed, 0 failed"]
+    shown = [x for x in out.stdout.splitlines() if x.startswith(("line ", "check:", "s | "))]
+    if echo == "1":
+        assert shown == log
+    else:
+        assert shown == ["s | line 8", "s | line 9", "s | check: 1 passed, 0 failed"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import socket
 from pathlib import Path
 
 import pytest
+from free_port import free_port
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -221,10 +221,7 @@ def one_rank_group():
         pytest.skip("torch.distributed is not available")
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 

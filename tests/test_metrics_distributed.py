@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
+from free_port import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -54,16 +54,10 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_rank_merge_equals_single_process():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -147,7 +141,7 @@ def test_pipeline_two_rank_merge_equals_single_process():
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_pipeline_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

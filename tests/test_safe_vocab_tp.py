@@ -7,7 +7,6 @@ case."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from tim_plugins.safe_vocab import safe_logprobs_from_logits
 from tim_plugins.safe_vocab_tp import safe_logprobs_vocab_parallel
 from tim_plugins.truncation import Truncation
 
+from free_port import free_port
 from safe_vocab_reference import safe_vocab_reference
 
 N = 40
@@ -90,16 +90,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("safe_vocab_tp")
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from free_port import free_port
 
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
@@ -41,12 +41,6 @@ pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 START_TIMEOUT_S = 300  # engine start on a loaded 2-core machine took 65 s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_command(model_path: str, port: int) -> list[str]:
     """TRL's own `trl vllm-serve` command line, launched through the API server module (see module doc)."""
     from trl.scripts.vllm_serve import ScriptArguments, build_command
@@ -59,7 +53,7 @@ def _server_command(model_path: str, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def vllm_server(toy_model_path, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")  # as `trl vllm-serve` sets it
     with open(log_path, "w") as log:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .safe_vocab import SafeLogprobs, _check_rows, _temper, default_chunk_rows, safe_logprobs_from_logits
-from .truncation import Truncation, _top_p_threshold_in_top_k
+from .truncation import STEP_ORDER, Truncation, _top_p_threshold_in_top_k
 
 __all__ = ["safe_logprobs_vocab_parallel"]
 
@@ -205,9 +205,9 @@ def _row_stats(logits: torch.Tensor, trunc: Truncation, group, chunk: int) -> tu
             cut = _top_p_threshold_in_top_k(None, tau, desc, k, trunc.top_p, ties=ties)
         torch.maximum(tau, cut, out=tau)
 
-    steps = (min_p_cut, top_k_cut, top_p_cut) if trunc.order == "vllm" else (top_k_cut, top_p_cut, min_p_cut)
-    for step in steps:
-        step()
+    cuts = {"min_p": min_p_cut, "top_k": top_k_cut, "top_p": top_p_cut}
+    for step in STEP_ORDER[trunc.order]:
+        cuts[step]()
     return m, tau
 
 

@@ -31,6 +31,7 @@ import torch
 __all__ = [
     "DEFAULT_MIN_P",
     "ORDERS",
+    "STEP_ORDER",
     "Truncation",
     "truncation_threshold",
     "hf_generate_kwargs",
@@ -45,6 +46,9 @@ __all__ = [
 DEFAULT_MIN_P: float = 1e-5
 
 ORDERS = ("vllm", "hf")
+# Each engine's order of the three cuts (module docstring): the one place both threshold rules (this module's and
+# the vocab-parallel one, ``safe_vocab_tp``) read it from.
+STEP_ORDER = {"vllm": ("min_p", "top_k", "top_p"), "hf": ("top_k", "top_p", "min_p")}
 # vLLM treats temperatures below this as greedy and then skips min-p: VLLM_SOURCES vllm.v1.sample.sampler:_SAMPLING_EPS
 _GREEDY_EPS = 1e-5
 # Rows are sorted in slices of at most this many elements for top-p (sort values + int64 indices are 12 B/elt).
@@ -181,9 +185,9 @@ def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tens
                    else _top_p_threshold(z, tau, trunc.top_p))
             torch.maximum(tau, cut, out=tau)
 
-    steps = (min_p_cut, top_k_cut, top_p_cut) if trunc.order == "vllm" else (top_k_cut, top_p_cut, min_p_cut)
-    for step in steps:
-        step()
+    cuts = {"min_p": min_p_cut, "top_k": top_k_cut, "top_p": top_p_cut}
+    for step in STEP_ORDER[trunc.order]:
+        cuts[step]()
     return tau
 
 

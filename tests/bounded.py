@@ -5,7 +5,9 @@ children (Ray, vLLM's engine core, renderer processes) running: the group is kil
 a normal exit for whatever the command left behind. A child never inherits the test process's torch.distributed rendezvous (``RANK``, ``MASTER_PORT``, ...): an
 in-process TRL run sets them in ``os.environ`` and keeps their port, and a child trainer that read them would
 join a process group that is not its own (accelerate takes ``RANK`` as a multi-CPU launch) and fail on the taken
-port. A run that can no longer succeed (``abort_on``: e.g. Ray's
+port. Instead the child gets a rendezvous address of its own, ``MASTER_ADDR=127.0.0.1`` and a ``MASTER_PORT`` the OS
+gave out: left unset, TRL's vLLM colocate mode takes the first free of 29500, 23456, ... (``trl/trainer/utils.py``
+``_find_free_port``), a check-then-bind that two suites side by side (`make test`) lose to each other. A run that can no longer succeed (``abort_on``: e.g. Ray's
 OOM monitor killed a worker, and the driver would wait for it until the bound) is killed at the first such line.
 """
 
@@ -16,6 +18,8 @@ import re
 import signal
 import subprocess
 import threading
+
+from free_port import free_port
 
 __all__ = ["DIST_ENV", "run_bounded"]
 
@@ -32,6 +36,7 @@ def run_bounded(cmd: list[str], timeout: float, *, merge_stderr: bool = True, ab
         raise ValueError("run_bounded: abort_on reads the merged output; it needs merge_stderr=True")
     env = popen_kwargs.pop("env", None)
     env = {k: v for k, v in (os.environ if env is None else env).items() if k not in DIST_ENV}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             text=True, start_new_session=True, **popen_kwargs)
     timed_out = False

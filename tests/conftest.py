@@ -11,6 +11,13 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# TRL's vLLM colocate mode (the in-process runs) keeps MASTER_PORT when it is set, and otherwise takes the first free
+# of 29500, 23456, ... (trl/trainer/utils.py ``_find_free_port``): a check-then-bind that two suites side by side
+# (`make test`) lose to each other. A port the OS gives out instead; tests/bounded.py does the same for children.
+if not os.environ.get("MASTER_PORT"):
+    from free_port import free_port
+
+    os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR") or "127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 @pytest.fixture(scope="session")

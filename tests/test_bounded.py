@@ -68,8 +68,11 @@ def test_a_child_does_not_inherit_the_parents_distributed_rendezvous(monkeypatch
                  "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("TIM_KEEP_ME", "kept")
-    show = 'echo "${RANK-unset} ${WORLD_SIZE-unset} ${MASTER_PORT-unset} ${TIM_KEEP_ME-unset}"'
+    show = 'echo "${RANK-unset} ${WORLD_SIZE-unset} ${TIM_KEEP_ME-unset} ${MASTER_ADDR-unset} ${MASTER_PORT-unset}"'
     proc, _ = run_bounded(["sh", "-c", show], 60)
-    assert proc.stdout == "unset unset unset kept\n"
+    *rest, addr, port = proc.stdout.split()
+    assert rest == ["unset", "unset", "kept"]
+    # A rendezvous of its own: not the parent's port, nor one of the fixed ports TRL tries first.
+    assert addr == "127.0.0.1" and port.isdigit() and int(port) not in (29500, 23456, 12355, 12345), port
     proc, _ = run_bounded(["sh", "-c", show], 60, env={**os.environ, "TIM_KEEP_ME": "given"})
-    assert proc.stdout == "unset unset unset given\n"
+    assert proc.stdout.split()[:3] == ["unset", "unset", "given"]

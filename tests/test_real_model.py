@@ -50,3 +50,19 @@ def test_cached_folder_is_reused(smollm2_path):
     stamp = (smollm2_path / "model.safetensors").stat().st_mtime_ns
     assert real_model.smollm2_path() == smollm2_path
     assert (smollm2_path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_measure_reads_the_cached_folder_and_lets_vllm_run_it(smollm2_path, monkeypatch):
+    """`--model smollm2` resolves to the converted folder once it is cached (any transformers reads it), so vLLM can
+    run it; with no cache and a transformers that cannot convert, to the GGUF file, which vLLM here cannot read."""
+    from tim_plugins.apps.compare_settings import vllm_blocker
+    from tim_plugins.apps.measure_rollouts import resolve_model
+
+    monkeypatch.setattr(real_model, "_CONVERT_WITH", ((0, 0), (0, 1)))  # this transformers: cannot convert
+    assert real_model.smollm2_reads_folder()  # the cache decides
+    assert resolve_model("smollm2") == str(smollm2_path)
+    assert vllm_blocker(True, "smollm2") is None
+    monkeypatch.setattr(real_model, "smollm2_cached", lambda path=None: (smollm2_path, False))  # no cache
+    assert not real_model.smollm2_reads_folder()
+    assert resolve_model("smollm2") == str(real_model.smollm2_gguf())
+    assert "not the GGUF model 'smollm2'" in vllm_blocker(True, "smollm2")

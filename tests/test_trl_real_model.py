@@ -9,9 +9,9 @@ TRL's own methods. The references are independent of our code: TRL's own metrics
 test_trl_callback on the tensors TRL built, and the fp32 trainer's full softmax at the rollout weights with the
 mass vLLM's truncation keeps (a naive re-implementation of vLLM's sampler, trl_real_model_arm.kept_mass).
 
-Cost on the shared 2-core machine: each arm 80-115 s with warm compile caches (the first, cold, ~105 s; up to
-3.5 min under other load) and 4.1-4.5 GiB peak PSS (gradient checkpointing, TRL's default; 5.9 GiB without);
-the module (four arms) ~7 min.
+Cost on an idle 2-core machine: each arm 75-90 s, of which the vLLM engine's start ~25 s (eager: the CPU build's
+torch.compile cost ~150 s per start, trl_real_model_arm.py), and 4.2-5.1 GB peak RSS (gradient checkpointing,
+TRL's default); the module (four arms) ~6 min.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("trl_real_model_arm.py")
-# One arm takes 2-3.5 min on an idle 2-core machine; engine start and steps run up to ~3x longer under load.
-ARM_TIMEOUT_S = 1200
+# One arm takes ~1.5 min on an idle 2-core machine; engine start and steps run up to ~3x longer under load.
+ARM_TIMEOUT_S = 900
 STEPS = (1, 2)
 TOP_P = 0.8
 # token_truncate: TRL's logged sampling/importance_sampling_ratio/* is then the per-token ratio exp(old − sampling)

@@ -22,7 +22,8 @@ from pathlib import Path
 from tim_plugins._optional import package_version, require
 from tim_plugins.toy_model import default_cache_dir
 
-__all__ = ["SMOLLM2_VERSION", "SMOLLM2_INSTALL", "smollm2_gguf", "smollm2_path", "smollm2_cached"]
+__all__ = ["SMOLLM2_VERSION", "SMOLLM2_INSTALL", "smollm2_gguf", "smollm2_path", "smollm2_cached", "smollm2_folder",
+           "smollm2_reads_folder"]
 
 # Bump when the recipe below changes, so stale caches are rebuilt.
 SMOLLM2_VERSION = "smollm2-135m-instruct-fp32-v1"
@@ -64,6 +65,23 @@ def smollm2_cached(path: str | os.PathLike | None = None) -> tuple[Path, bool]:
     converting or importing anything heavy; raises `smollm2_path`'s ImportError when a package is missing."""
     _, settings, path = _recipe(path)
     return path, _marker_matches(path / "tim_real_model.json", settings)
+
+
+def smollm2_reads_folder() -> bool:
+    """Whether ``smollm2_folder`` gives the converted folder here (it is cached, by any environment, or this
+    transformers can build it), without converting anything."""
+    if smollm2_cached()[1]:
+        return True
+    from tim_plugins._optional import _release_tuple
+
+    return _CONVERT_WITH[0] <= _release_tuple(package_version("transformers") or "0") < _CONVERT_WITH[1]
+
+
+def smollm2_folder() -> Path | None:
+    """The converted float32 folder (``smollm2_path``: built once, then cached) where ``smollm2_reads_folder``;
+    None otherwise, and the caller reads the GGUF file itself. Loading the folder takes ~2 s where de-quantizing
+    the GGUF file takes ~10-20 s per load."""
+    return smollm2_path() if smollm2_reads_folder() else None
 
 
 def smollm2_path(path: str | os.PathLike | None = None, *, force: bool = False) -> Path:

@@ -49,11 +49,20 @@ class Setting:
         return re.sub(r"[^A-Za-z0-9.-]+", "_", self.name)
 
 
+def _smollm2_reads_folder() -> bool:
+    try:
+        from tim_plugins.real_model import smollm2_reads_folder
+
+        return smollm2_reads_folder()
+    except ImportError:  # its packages are missing: loading the model reports that, in its own words
+        return False
+
+
 def vllm_blocker(vllm_available: bool, model: str | None) -> str | None:
     """Why a vllm setting cannot run here (None when it can)."""
     if not vllm_available:
         return f"vLLM is not installed; install it with {VLLM_INSTALL}"
-    if model == "smollm2" or (model or "").endswith(".gguf"):
+    if (model or "").endswith(".gguf") or (model == "smollm2" and not _smollm2_reads_folder()):
         return (f"vLLM here needs an HF checkpoint folder (with config.json), not the GGUF model {model!r}; "
                 "pass --model DIR")
     return None

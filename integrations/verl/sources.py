@@ -64,6 +64,9 @@ VERL_SOURCES = {
         "() -> the scheduler's LR of param group 0 after lr_scheduler.step() (logged by the worker as lr)",
     (_TI, "FSDPEngine.get_data_parallel_group"):
         "() -> the DP process group (the Ulysses mesh's dp dim, else WORLD); the monitor merges over it",
+    ("verl.trainer.distillation.losses", "get_distillation_loss_settings"):
+        "(loss_name) -> the loss's registered settings, .use_topk a bool (ValueError for an unknown name); the "
+        "trainer passes distillation_use_topk = that use_topk to the actor when distillation.enabled",
     ("verl.workers.engine.base", "BaseEngine.train_batch"):
         "(data, loss_function): zero_grad, forward_backward_batch(forward_only=False), optimizer_step; the FSDP "
         "engine does not override it (one call per mini-batch, so one optimizer step)",
@@ -236,6 +239,7 @@ VERL_CONFIG_KEYS = (
     "actor_rollout_ref.rollout.quantization", "actor_rollout_ref.rollout.full_determinism",
     "actor_rollout_ref.model.path", "actor_rollout_ref.actor.fsdp_config.use_torch_compile",
     "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.multi_turn.enable",
+    "distillation.enabled", "distillation.distillation_loss.loss_mode",
 )
 # Keys the adapter reads that verl's defaults leave out (users add them with "+"); the adapter then assumes verl's
 # own fallback: mixed_precision absent -> bf16 autocast (transformer_impl.py), repetition_penalty: verl's agent

@@ -348,3 +348,15 @@ def test_megatron_recipe_composes_and_the_safe_vocabulary_is_refused_only_with_f
     _, problems, _ = check_composed_config(compose(base + tim_overrides + fused, config_name="ppo_megatron_trainer"))
     assert len(problems) == 1 and "Megatron actor" in problems[0], problems
     assert "Fix: actor_rollout_ref.model.use_fused_kernels=false" in problems[0]
+    # A top-k distillation loss (verl's registry says which) with the safe vocabulary stops the driver too; an
+    # estimator loss (k3) reads only the sampled tokens' log-probs and passes.
+    found = {}
+    for mode in ("forward_kl_topk", "k3"):
+        distill = ["distillation.enabled=true", f"distillation.distillation_loss.loss_mode={mode}"]
+        found[mode] = check_composed_config(compose(base + tim_overrides + distill,
+                                                    config_name="ppo_megatron_trainer"))[1]
+    assert found["k3"] == [], found["k3"]
+    problems = found["forward_kl_topk"]
+    assert len(problems) == 1 and "loss_mode='forward_kl_topk' (a top-k distillation) on a Megatron actor" in \
+        problems[0], problems
+    assert "Fix: drop +tim.safe_vocab.min_p, or distillation.enabled=false" in problems[0]

@@ -250,6 +250,25 @@ def test_get_non_tensor_data_unwraps_and_defaults():
     assert tu.get_non_tensor_data(data=td, key="use_fused_kernels", default="absent") == "absent"
 
 
+def test_distillation_loss_settings_say_which_losses_read_the_top_k():
+    """What the driver's check of the safe vocabulary on a Megatron actor reads (config._topk_distillation)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.distillation.losses import get_distillation_loss_settings
+
+    from tim_plugins.integrations.verl.config import _topk_distillation
+
+    assert get_distillation_loss_settings("forward_kl_topk").use_topk is True
+    assert get_distillation_loss_settings("k3").use_topk is False
+    with pytest.raises(ValueError, match="Unsupported loss mode"):
+        get_distillation_loss_settings("no_such_loss")
+    node = {"enabled": True, "distillation_loss": {"loss_mode": "forward_kl_topk"}}
+    assert _topk_distillation(OmegaConf.create(node))
+    node["distillation_loss"]["loss_mode"] = "no_such_loss"  # verl itself fails on it: counted as top-k here
+    assert _topk_distillation(OmegaConf.create(node))
+    node["enabled"] = False
+    assert not _topk_distillation(OmegaConf.create(node)) and not _topk_distillation(None)
+
+
 @pytest.mark.parametrize("layout", ["dense", "v1"])
 def test_no_padding_2_padding_is_the_response_slice_shifted_by_one(layout):
     """Against a per-row slice written here: position t of a response is predicted at t - 1 of the sequence."""

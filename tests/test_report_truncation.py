@@ -171,3 +171,33 @@ def test_no_section_without_the_safe_vocabulary(tmp_path):
     assert rows == [] and "tim/token/ratio_mean" in summary["log_history"][0]
     html = build_report(tmp_path).read_text()
     assert "Truncation (safe vocabulary)" not in html and "Kept set" not in html
+
+
+def test_the_comparison_page_sets_the_runs_side_by_side(safe_run, tmp_path):
+    """Before / after: a run without the safe vocabulary (its trainer over the full vocabulary) against the safe run;
+    one row each, the numbers token-weighted over the run and checked against the naive per-step values."""
+    from tim_plugins.report import build_comparison
+
+    folder, truth = safe_run
+    plain = tmp_path / "plain"
+    _write_run(plain, safe=False)
+    html = build_comparison([plain, folder], tmp_path / "cmp.html", labels=["full", "safe"]).read_text()
+    assert html.count("<h2>Truncation (safe vocabulary)</h2>") == 1
+    rows = {r.split("</td>")[0].removeprefix("<td>"): r for r in html.split("<tr>")[1:] if r.startswith("<td>")}
+    n = sum(t["tokens"] for t in truth)
+    safe_row = rows["safe"]
+    assert "yes (recompute)" in safe_row and f"+tim.safe_vocab.min_p={MIN_P:g}" in safe_row
+    kept, size = (sum(t["tokens"] * t[k] for t in truth) / n for k in ("kept_mass", "size_mean"))
+    for cell in (f"{kept:.6g}", f"{size:.4g}", f"{sum(t['tokens'] * t['boundary_frac'] for t in truth) / n:.3%}"):
+        assert f"<td class='num'>{cell}</td>" in safe_row, (cell, safe_row)
+    # the full-vocabulary run: ρ over every response token of the run (no boundary tokens to leave out)
+    num = den = 0.0
+    for step in STEPS:
+        z, rollout, ids, mask = _step_batch(step)
+        full = torch.log_softmax(z.float(), -1).gather(-1, ids.reshape(-1, 1)).view(B, T).double()
+        num += float(torch.exp(full - rollout.double())[mask].sum())
+        den += int(mask.sum())
+    assert "no (full vocabulary)" in rows["full"] and f"<td class='num'>{num / den:.6g}</td>" in rows["full"]
+    # the fix shows: the full-vocabulary run's ρ is far below the safe run's
+    safe_rho = sum(t["tokens"] * t["ratio"] for t in truth) / n
+    assert num / den < safe_rho - 0.05

@@ -1,6 +1,7 @@
 """The page comparing several training runs (or dump folders) side by side: one verdict per run, the per-step
-series and the per-token figures overlaid (one colour per run), the largest disagreements per run. For before /
-after a fix, bf16 against fp32 rollouts, one setting against another."""
+series overlaid (one colour per run), the truncation row of each run where one used the safe vocabulary, the
+per-token figures overlaid, the largest disagreements per run. For before / after a fix, bf16 against fp32
+rollouts, one setting against another."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def comparison_page(runs: dict[str, tuple[Path, dict | None]], page, decode=None
     from tim_plugins.report.disagreements import disagreements_html, dump_disagreements
     from tim_plugins.report.tokens import dump_folder, has_dump, load_tokens
     from tim_plugins.report.training_page import _figures_over_tokens, _series_figure, step_table, training_verdict
+    from tim_plugins.report.truncation import truncation_comparison
 
     dumps, tables, frameworks = {}, {}, set()
     for label, (folder, summary) in runs.items():
@@ -37,6 +39,7 @@ def comparison_page(runs: dict[str, tuple[Path, dict | None]], page, decode=None
     if any(t["step"].size for t in tables.values()):
         page.h2("Per optimizer step")
         _series_figure(page, {}, framework, runs={k: t for k, t in tables.items() if t["step"].size})
+    truncation_comparison(page, {label: (summary, tables[label]) for label, (_, summary) in runs.items()})
     if dumps:
         page.h2("Per token, over all steps")
         _figures_over_tokens(page, dumps)

@@ -15,7 +15,7 @@ import html
 import json
 import math
 
-__all__ = ["settings_line", "truncation_headline", "truncation_rows", "truncation_section"]
+__all__ = ["settings_line", "truncation_comparison", "truncation_headline", "truncation_rows", "truncation_section"]
 
 _PREFIX = "tim/safe_vocab/"
 
@@ -174,6 +174,53 @@ def truncation_section(page, summary: dict | None, table: dict | None = None) ->
               "measured: it is ρ times the kept mass, since a full-vocabulary trainer's log-prob of a token is its "
               "log-prob over S plus log Σ_S p (exact per token; the product of the step means approximates the mean "
               "of the products).")
+
+
+def _ratio_without(table: dict | None) -> float:
+    """ρ mean over the run of a run without safe vocabulary: the monitor's per-step ``ratio_mean``, weighted by the
+    step's monitored tokens (its ``step_table``)."""
+    if table is None or "ratio_mean" not in table:
+        return math.nan
+    used = [(float(n), float(r)) for n, r in zip(table["tokens"], table["ratio_mean"])
+            if math.isfinite(r) and math.isfinite(n) and n > 0]
+    total = sum(n for n, _ in used)
+    return sum(n * r for n, r in used) / total if total else math.nan
+
+
+def truncation_comparison(page, runs: dict[str, tuple[dict | None, dict | None]]) -> None:
+    """The comparison page's section: one row per run ({label: (summary, step_table)}), when any of them logged
+    ``tim/safe_vocab/*``: whether the trainer renormalised over S (and how S was had), the settings as the run set
+    them, and the run's token-weighted kept mass, |S|, boundary fraction and ρ. A run without the safe vocabulary
+    shows its measured ρ (full vocabulary on the trainer's side): before / after the fix side by side."""
+    from tim_plugins.kept_set import kept_set
+
+    rows = {label: truncation_rows(summary or {}, table) for label, (summary, table) in runs.items()}
+    if not any(rows.values()):
+        return
+    page.h2("Truncation (safe vocabulary)")
+    page.raw("<p>Per run: whether the trainer renormalised its log-probs over the sampler's kept set S, with the "
+             "kept mass, |S| and the boundary fraction over the run's response tokens, and the IS ratio ρ over the "
+             "measured tokens. With truncated sampling and a full-vocabulary trainer ρ reads about the kept mass "
+             "instead of 1; each run's own section (its report) has the per-step table.</p>")
+    header = ["run", "trainer over S (kept set)", "settings, as set", "tokens", "kept mass (mean)",
+              "kept-set size |S| (mean)", "boundary fraction", "ρ mean"]
+    body = []
+    for label, (summary, table) in runs.items():
+        summary = summary or {}
+        r = rows[label]
+        line = settings_line(summary) or "–"
+        if not r:
+            ratio = _ratio_without(table)
+            body.append([label, "no (full vocabulary)", line, "–", "–", "–", "–", _f(ratio)])
+            continue
+        mode = kept_set(summary.get("framework"), _version(summary)).mode
+        ratio = _pooled(r, "ratio")
+        body.append([label, f"yes ({mode})", line, int(sum(x["tokens"] for x in r)), _f(_pooled(r, "kept_mass")),
+                     _f(_pooled(r, "size_mean"), 4), _pct(_pooled(r, "boundary_frac")), _f(ratio)])
+    page.table(header, body, [[None, None, None] + ["num"] * (len(header) - 3)] * len(body))
+    page.note("Kept mass, |S| and the boundary fraction: token-weighted means of the run's logged tim/safe_vocab/* "
+              "per step; ρ: the monitor's tim/token/ratio_mean per step, weighted by the step's tokens (safe-vocabulary "
+              "tokens where S was used, monitored tokens otherwise).")
 
 
 def _f(x: float, digits: int = 6) -> str:

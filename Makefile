@@ -91,18 +91,12 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 # background while the first suites run (log: MATRIX/stack-installs.log); each stack suite's own set-up then waits
 # for its install (scripts/stack takes a lock per stack) and finds it done, or redoes a failed one and reports that
 # failure as its set-up's. The main environment is built first, before any suite starts (the suites share it).
-# Each suite's BLAS/OpenMP threads are the machine's cores shared out (SUITE_THREADS, OMP_NUM_THREADS): torch takes
-# every core per process by default, and two suites that each spin as many OpenMP threads as there are cores spend
-# the overlap contending (two copies of the same test files side by side: benchmarks/results/suite_threads.json).
-# An OMP_NUM_THREADS set by the caller is kept.
 SUITE_JOBS ?= 2
-SUITE_THREADS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); t=$$((n / $(SUITE_JOBS))); echo $$(( t > 0 ? t : 1 )))
 test: $(VENV)/$(STAMP)
 	@rm -rf $(MATRIX)/suites
 	@mkdir -p $(MATRIX)
 	@(for stack in $(STACKS); do scripts/stack install $$stack; done; scripts/megatron_env install) >$(MATRIX)/stack-installs.log 2>&1 & \
 	printf '%s\n' $(SUITES) | SUITE_ECHO=$$([ $(SUITE_JOBS) -gt 1 ] && echo 0 || echo 1) \
-		OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(SUITE_THREADS)} \
 		xargs -P $(SUITE_JOBS) -I SUITE sh -c '$(SUBMAKE) --no-print-directory test-SUITE || true'; \
 	wait
 	@$(SUITE) summary $(SUITES)

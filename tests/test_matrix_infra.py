@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -94,19 +93,6 @@ def test_make_test_goes_on_after_a_failing_suite_and_ends_with_the_summary():
                          text=True)
     assert dry.returncode == 0, dry.stderr
     assert "scripts/stack install newest" in dry.stdout and ".venv-newest/bin/python -m pytest" in dry.stdout
-
-
-def test_suites_side_by_side_share_the_cores_out():
-    """Each suite's OpenMP threads: the cores divided by SUITE_JOBS (at least one), unless the caller set them."""
-    recipe = _test_recipe()
-    assert "OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(SUITE_THREADS)}" in recipe
-    cores = len(os.sched_getaffinity(0))  # what nproc counts
-    for jobs in (1, 2, cores + 1):
-        out = subprocess.run(["make", "--no-print-directory", f"SUITE_JOBS={jobs}", "--eval",
-                              "print-threads: ; @echo $(SUITE_THREADS)", "print-threads"], cwd=ROOT,
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        assert int(out.stdout) == max(1, cores // jobs), (jobs, out.stdout)
 
 
 def test_make_test_builds_the_stack_environments_in_the_background_and_waits_for_them():

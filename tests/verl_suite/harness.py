@@ -20,8 +20,9 @@ def init_dist(rank: int = 0, world: int = 1, port: int = 29561) -> None:
 
 def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl: str = "torch.optim",
                  optimizer: str = "AdamW", lr: float = 1e-3, dtype: str = "fp32", total_steps: int = 10,
-                 engine_cls: type | None = None, fused: bool = False):
-    """The engine verl's registry picks (ours, once the plugin is loaded), or ``engine_cls`` built the same way."""
+                 engine_cls: type | None = None, fused: bool = False, strategy: str = "fsdp2"):
+    """The engine verl's registry picks (ours, once the plugin is loaded), or ``engine_cls`` built the same way;
+    ``strategy``: verl's ``actor.strategy``, "fsdp2" or "fsdp" (FSDP1)."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (registrations, as the entry point does)
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
@@ -34,13 +35,13 @@ def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl
                                  override_config={"attn_implementation": "sdpa"}, use_fused_kernels=fused,
                                  fused_kernel_options={"impl_backend": "torch"} if fused else {})
     mp = {"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, mixed_precision=mp,
+    engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False, mixed_precision=mp,
                                      micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
     engine_config.use_remove_padding = remove_padding
     optim_config = FSDPOptimizerConfig(lr=lr, optimizer_impl=optimizer_impl, optimizer=optimizer,
                                        total_training_steps=total_steps, clip_grad=1.0)
     model_config.model_type = "language_model"
-    engine_cls = engine_cls or EngineRegistry.get_engine_cls("language_model", "fsdp2")
+    engine_cls = engine_cls or EngineRegistry.get_engine_cls("language_model", strategy)
     engine = engine_cls(model_config=model_config, engine_config=engine_config, optimizer_config=optim_config,
                         checkpoint_config=CheckpointConfig())
     engine.initialize()

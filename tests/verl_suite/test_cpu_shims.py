@@ -73,6 +73,16 @@ def test_verl_imports_a_class_trl_removed():  # shim 6
     assert importlib.util.find_spec("trl.experimental.ppo") is None
 
 
+def test_verl_fsdp1_syncs_module_states_which_torch_refuses_on_cpu():  # shim 7
+    text = _source("verl.workers.engine.fsdp.transformer_impl")
+    build = text[text.index("    def _build_fsdp_module(self, module):"):]
+    build = build[:build.index("\n    def ", 10)]
+    assert "module = FSDP(" in build and "sync_module_states=True," in build
+    assert "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP" in text
+    torch_src = _source("torch.distributed.fsdp._init_utils")
+    assert "when `sync_module_states=True`" in torch_src and "requires them to be on GPU" in torch_src
+
+
 def test_start_up_hook_installs_every_shim_in_a_fresh_process():
     code = (
         "import importlib.metadata as md, verl.utils.distributed as d, verl.utils.import_utils as iu, "

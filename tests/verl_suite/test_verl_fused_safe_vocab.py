@@ -1,5 +1,5 @@
-"""The safe vocabulary with verl's fused kernels (``use_fused_kernels=true``), in verl 0.9.1's real FSDP2 engine on
-CPU: the engine's chunked safe head (hidden states and the lm_head weight, never the [N, V] logits) gives the same
+"""The safe vocabulary with verl's fused kernels (``use_fused_kernels=true``), in verl 0.9.1's real FSDP engine on
+CPU (FSDP2, and FSDP1 with ``actor.strategy=fsdp``): the engine's chunked safe head (hidden states and the lm_head weight, never the [N, V] logits) gives the same
 log-probs, entropy, safe-set statistics, losses and gradients as the safe vocabulary on full logits (fused kernels
 off), with the sampler's top-p and top-k applied on the trainer side; verl's own fused torch backend fails on FSDP2
 here (verl #5633), ours does not inherit it."""
@@ -40,9 +40,9 @@ def unpatched_model_class():
     Qwen2ForCausalLM.forward = forward
 
 
-def _run(toy_model_path, fused: bool, td):
+def _run(toy_model_path, fused: bool, td, strategy: str = "fsdp2"):
     # plain SGD: the step is the (clipped) gradient times the LR, so equal steps mean equal gradients
-    eng = H.build_engine(toy_model_path, fused=fused, optimizer="SGD", lr=0.1)
+    eng = H.build_engine(toy_model_path, fused=fused, optimizer="SGD", lr=0.1, strategy=strategy)
     before = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for k, p in eng.module.named_parameters()}
     eng.tim_configure(TIMVerlConfig.from_node(CONFIG), context=SAMPLER)
@@ -57,13 +57,15 @@ def _run(toy_model_path, fused: bool, td):
     return old, entropy, metrics, step, grads
 
 
-@pytest.mark.parametrize("layout", ["dense", "v1"])
-def test_fused_safe_vocab_equals_the_logits_path(dist, toy_model_path, layout):
+@pytest.mark.parametrize("layout,strategy", [("dense", "fsdp2"), ("v1", "fsdp2"), ("v1", "fsdp")])
+def test_fused_safe_vocab_equals_the_logits_path(dist, toy_model_path, layout, strategy):
+    """FSDP2 (sharded DTensor weights, where verl's own fused head fails) and FSDP1 (flat parameters)."""
     td, raw = H.make_batch(VOCAB, batch=4, seed=5)
     if layout == "v1":
         td = H.to_v1_layout(raw)
-    (u_old, u_ent, u_m, u_step, u_params) = _run(toy_model_path, False, td)  # before any fused engine exists
-    (f_old, f_ent, f_m, f_step, f_params) = _run(toy_model_path, True, td)
+    # before any fused engine exists
+    (u_old, u_ent, u_m, u_step, u_params) = _run(toy_model_path, False, td, strategy)
+    (f_old, f_ent, f_m, f_step, f_params) = _run(toy_model_path, True, td, strategy)
     mask = raw["response_mask"].bool()
     assert (f_old - u_old)[mask].abs().max() <= FP32_TOL
     assert (f_ent - u_ent)[mask].abs().max() <= FP32_TOL

@@ -4,7 +4,8 @@ printed. Three runs share one working directory, in order (each ~2 minutes on a 
 
 1. the recipe: fp32 on both sides, safe vocabulary on both sides (trainer min-p + the vLLM min-p processor at the
    same value), the monitor, LR decay with options that fire within the first steps, checkpoint at step 4;
-2. resumed from run 1's checkpoint with a bf16 rollout (a real mismatch) and a probe limit below it: the LR scale
+2. resumed from run 1's checkpoint with a bf16 rollout (a real mismatch), min-p alone (no top-p / top-k: see
+   ``resumed_run``) and a probe limit below it: the LR scale
    carries over, tim's k3 equals verl's on the same batch, and the probe ends training after step 5 with a
    checkpoint and exit code 0;
 3. run 1's overrides with a different rollout min-p: refused at start-up with the documented message.
@@ -119,6 +120,10 @@ def resumed_run(work, recipe_run):
         pytest.skip("needs the recipe run's checkpoint")
     overrides = _recipe(work, steps=8) + [
         "actor_rollout_ref.rollout.dtype=bfloat16",  # a real mismatch against the fp32 actor
+        # min-p alone: with a bf16 rollout the top-p / top-k cut recomputed on the fp32 actor's logits puts some
+        # sampled tokens on the other side of it (1.9 % of step 5's in one run), which tim's k3 leaves out and
+        # verl's counts; min-p at 1e-4 cuts where almost no mass is, so both sides see the same tokens
+        "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
         "++tim.parity.strict=false",  # the audit now reports dtype-mismatch as an error
         "++tim.probe.kl_k3=1e-9",  # far below a bf16 rollout's k3: trips at the first step
         "trainer.resume_mode=auto",

@@ -28,6 +28,11 @@ import, so nothing heavy is imported early. Each shim names the source that need
    imports ``AutoModelForCausalLMWithValueHead`` from ``trl.experimental.ppo`` or ``trl``; TRL 1.16 has neither).
    A verl user's environment has no TRL: ``verl.utils.import_utils.is_trl_available`` answers False, as it would
    there (verl uses TRL only for value-head critics).
+7. ``actor.strategy=fsdp`` (FSDP1): verl wraps the model with ``FSDP(..., sync_module_states=True, ...)``
+   (workers/engine/fsdp/transformer_impl.py ``FSDPEngine._build_fsdp_module``), which torch refuses with CPU
+   parameters (torch/distributed/fsdp/_init_utils.py: "requires them to be on GPU"). The engine module's ``FSDP``
+   becomes a subclass that passes ``sync_module_states=False``: every rank loads the same checkpoint from disk, so
+   there is nothing to broadcast.
 """
 
 from __future__ import annotations
@@ -70,7 +75,18 @@ def _verl_without_trl(module) -> None:
     module.is_trl_available = lambda: False
 
 
+def _fsdp1_without_sync(module) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class CPUFullyShardedDataParallel(FullyShardedDataParallel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "sync_module_states": False})
+
+    module.FSDP = CPUFullyShardedDataParallel
+
+
 HOOKS: dict[str, Callable] = {
+    "verl.workers.engine.fsdp.transformer_impl": _fsdp1_without_sync,
     "verl.utils.import_utils": _verl_without_trl,
     "verl.plugin.platform": _register_cpu_platform,
     "verl.utils.distributed": _plain_gloo,

@@ -23,6 +23,8 @@ entry of ``sources.VERL_SOURCES``, named in a comment where it is used and check
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -168,9 +170,11 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         return loss, output
 
 
-class _SafeFusedOutput(dict):
+class _SafeFusedOutput(OrderedDict):
     """What ``_SafeFusedForward`` returns: the fields verl's fused branch reads (``log_probs``, ``entropy``, as
-    verl's ``CausalLMOutputForPPO``) and the safe set's (``safe``), same shapes."""
+    verl's ``CausalLMOutputForPPO``) and the safe set's (``safe``), same shapes. An ``OrderedDict``, as
+    transformers' ``ModelOutput`` is: FSDP1 rebuilds a module's output with ``torch.distributed.utils
+    ._apply_to_tensors``, which keeps an OrderedDict's class but makes a plain dict of any other dict."""
 
     def __getattr__(self, name):
         try:

@@ -38,7 +38,7 @@ SUITES := main verl wheel stack-newest stack-oldest megatron
 STACKS := newest oldest
 # The fixed subset of the TRL suite each stack runs: the toy-model tests, the vLLM CPU arms and one of the four
 # SmolLM2 arms (monitor: its three tests, the real model through the stack's vLLM and transformers); the other arms
-# run on main only (each arm costs 1.5-4 min under load: more of them on the stacks would not fit the CI budget).
+# run on main only (each arm costs 1.5-3 min: more of them on the stacks would not fit the CI budget).
 STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_trl_mitigations.py \
 	tests/test_trl_diagnostics.py tests/test_trl_hook_guards.py tests/test_trl_recorder.py tests/test_trl_async.py \
 	tests/test_transformers_sources.py tests/test_trl_vllm.py tests/test_vllm_sources.py \

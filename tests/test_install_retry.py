@@ -50,7 +50,8 @@ def test_retry_rejects_a_bad_setting_quoting_it(name, value):
 
 def test_every_makefile_download_goes_through_retry():
     recipe_lines = [line.strip() for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("\t")]
-    installs = [line for line in recipe_lines if re.search(r"\bpip install\b", line)]
+    # pip's own installs and those of scripts/pip_install (uv, else pip)
+    installs = [line for line in recipe_lines if re.search(r"\bpip install\b|\$\(PIP_INSTALL\)", line)]
     assert len(installs) >= 7  # the environment (5) and the wheel check (2)
     unguarded = [line for line in installs if not line.startswith("$(RETRY) ")]
     assert unguarded == []

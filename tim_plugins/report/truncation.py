@@ -51,11 +51,17 @@ def truncation_rows(summary: dict, table: dict | None = None) -> list[dict]:
     return rows
 
 
-def _pooled(rows: list[dict], key: str) -> float:
-    """``key`` over the run, weighted by each step's safe-vocabulary tokens (the per-step values are token means)."""
-    used = [(r["tokens"], r[key]) for r in rows if math.isfinite(r[key]) and r["tokens"] > 0]
+def _weighted_mean(pairs) -> float:
+    """The mean of per-step token means, weighted by the steps' token counts: (count, value) pairs; steps with no
+    tokens or a non-finite value are left out (NaN when none is left)."""
+    used = [(float(n), float(v)) for n, v in pairs if math.isfinite(v) and math.isfinite(n) and n > 0]
     total = sum(n for n, _ in used)
     return sum(n * v for n, v in used) / total if total else math.nan
+
+
+def _pooled(rows: list[dict], key: str) -> float:
+    """``key`` over the run, weighted by each step's safe-vocabulary tokens (the per-step values are token means)."""
+    return _weighted_mean((r["tokens"], r[key]) for r in rows)
 
 
 def _mapping(value) -> dict:
@@ -181,10 +187,7 @@ def _ratio_without(table: dict | None) -> float:
     step's monitored tokens (its ``step_table``)."""
     if table is None or "ratio_mean" not in table:
         return math.nan
-    used = [(float(n), float(r)) for n, r in zip(table["tokens"], table["ratio_mean"])
-            if math.isfinite(r) and math.isfinite(n) and n > 0]
-    total = sum(n for n, _ in used)
-    return sum(n * r for n, r in used) / total if total else math.nan
+    return _weighted_mean(zip(table["tokens"], table["ratio_mean"]))
 
 
 def truncation_comparison(page, runs: dict[str, tuple[dict | None, dict | None]]) -> None:

@@ -96,10 +96,13 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 # for its install (scripts/stack takes a lock per stack) and finds it done, or redoes a failed one and reports that
 # failure as its set-up's. The main environment is built first, before any suite starts (the suites share it).
 SUITE_JOBS ?= 2
+# The background installs yield the CPU and the disk to the suites (they are needed only when the stack suites
+# start): uv unpacks with every core, and a suite's Ray node must register within a fixed 30 s.
+BACKGROUND := nice -n 19 $(shell command -v ionice >/dev/null 2>&1 && echo ionice -c 2 -n 7)
 test: $(VENV)/$(STAMP)
 	@rm -rf $(MATRIX)/suites
 	@mkdir -p $(MATRIX)
-	@(for stack in $(STACKS); do scripts/stack install $$stack; done; scripts/megatron_env install) >$(MATRIX)/stack-installs.log 2>&1 & \
+	@(for stack in $(STACKS); do $(BACKGROUND) scripts/stack install $$stack; done; $(BACKGROUND) scripts/megatron_env install) >$(MATRIX)/stack-installs.log 2>&1 & \
 	printf '%s\n' $(SUITES) | SUITE_ECHO=$$([ $(SUITE_JOBS) -gt 1 ] && echo 0 || echo 1) \
 		xargs -P $(SUITE_JOBS) -I SUITE sh -c '$(SUBMAKE) --no-print-directory test-SUITE || true'; \
 	wait

@@ -97,8 +97,10 @@ def test_make_test_goes_on_after_a_failing_suite_and_ends_with_the_summary():
 
 def test_make_test_builds_the_stack_environments_in_the_background_and_waits_for_them():
     recipe = _test_recipe()
-    assert ("scripts/stack install $$stack; done; scripts/megatron_env install) >$(MATRIX)/stack-installs.log 2>&1 &"
-            in recipe)
+    assert ("$(BACKGROUND) scripts/stack install $$stack; done; $(BACKGROUND) scripts/megatron_env install) "
+            ">$(MATRIX)/stack-installs.log 2>&1 &" in recipe)
+    # at the lowest priority: they must not slow the suites beside them
+    assert re.search(r"^BACKGROUND := nice -n 19 ", MAKEFILE, re.M)
     assert recipe.index("&") < recipe.index("xargs") < recipe.index("wait") < recipe.index("summary")
 
 

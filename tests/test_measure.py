@@ -129,8 +129,11 @@ def test_min_p_measures_with_and_without_pruning(tmp_path):
     # (measured: 4e-5 against 2e-2)
     assert pruned["tim/token/kl_k3"] < 0.05 * pruned["tim/full_vocab/kl_k3"]
     # Both whole distributions exclude the pruned tail: wherever their kept sets agree the KL stays at the bf16
-    # level (measured: 4e-5).
-    assert pruned["tim/dist/kl_rollout_train_mean"] < 1e-3
+    # level (4e-5, as the unpruned comparison's); a position where a token sits at the min-p cut on one side only
+    # adds a term of the order of that token's mass (one such position on an AVX2-only CPU: mean 2.4e-3, max 0.063).
+    # Either way far below the unmatched full-vocabulary mismatch, which reads the pruned mass (1.5e-2).
+    assert pruned["tim/dist/kl_rollout_train_mean"] < 0.25 * pruned["tim/full_vocab/kl_k3"]
+    assert comps["hf-bf16"]["tim/dist/kl_rollout_train_mean"] < 1e-3
 
 
 def test_compare_parsing_and_config_errors_quote_the_value(tmp_path):

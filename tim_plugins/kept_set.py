@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FRAMEWORK_NAMES", "KeptSet", "kept_set", "kept_set_line"]
+__all__ = ["FRAMEWORK_NAMES", "KeptSet", "VERL_SAMPLING_MASK_OVERRIDE", "kept_set", "kept_set_line"]
 
 # framework key (``summary.json``'s "framework", the adapters' names) -> how the text names it
 FRAMEWORK_NAMES = {"trl": "TRL", "verl": "verl"}
@@ -26,19 +26,45 @@ class KeptSet:
     reason: str
 
 
-def kept_set(framework: str | None, version: str | None = None) -> KeptSet:
+# The verl rollout setting that makes vLLM return its kept sets (tim-plugins' rollout server then carries them).
+VERL_SAMPLING_MASK_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.vllm.return_sampling_mask=true"
+
+
+def kept_set(framework: str | None, version: str | None = None, *, sampling_mask: bool = False,
+             megatron: bool = False) -> KeptSet:
     """The kept set a run of ``framework`` ("trl", "verl"; ``version``: the installed one, named in the reason) uses
-    with the safe vocabulary. Neither adapter receives the engine's set today, so both recompute."""
+    with the safe vocabulary. ``sampling_mask``: the run asks vLLM for its per-token kept sets (verl:
+    ``engine_kwargs.vllm.return_sampling_mask``), which only the verl adapter carries to the trainer; TRL and a verl
+    run without it recompute; so does verl's Megatron actor (``megatron``), whose engine does not read the sets."""
     name = FRAMEWORK_NAMES.get(framework or "", framework or "this framework")
     named = f"{name} {version}" if version else name
+    if framework == "verl" and sampling_mask and megatron:
+        return KeptSet("recompute", f"{named}'s Megatron actor does not read the kept sets vLLM returns "
+                                    "(return_sampling_mask; tim-plugins replays them in the FSDP actor only), so the "
+                                    "trainer recomputes the sampler's cut on its own logits")
+    if framework == "verl" and sampling_mask:
+        return KeptSet("replay", "vLLM returns its per-token kept sets (return_sampling_mask) and tim-plugins' verl "
+                                 "rollout server carries them to the actor, which renormalises its log-probs over "
+                                 "exactly those sets in each micro-batch whose samples all carry one set per "
+                                 "response token (others recompute, counted in tim/diag/kept_sets_fallback); vLLM "
+                                 "accepts the setting only with Model Runner V2 (a GPU build)")
+    if framework == "verl":
+        return KeptSet("recompute", f"{named} does not carry vLLM's sampling_mask (the sampler's kept set per token) "
+                                    "into the training batch by itself; tim-plugins' verl rollout server carries it "
+                                    f"with {VERL_SAMPLING_MASK_OVERRIDE} (vLLM with Model Runner V2, a GPU build), "
+                                    "and the actor then replays the engine's own set (tim_plugins.replay)")
     return KeptSet("recompute", f"{named} does not carry vLLM's sampling_mask (the sampler's kept set per token) from "
                                 "the engine into the training batch, so the trainer recomputes the sampler's cut on "
                                 "its own logits; the core can replay an engine's own set (tim_plugins.replay) once "
                                 "the framework passes it through")
 
 
-def kept_set_line(framework: str | None, version: str | None = None) -> str:
+def kept_set_line(framework: str | None, version: str | None = None, *, sampling_mask: bool = False,
+                  megatron: bool = False) -> str:
     """The one line an adapter logs at start-up when the safe vocabulary is on."""
-    k = kept_set(framework, version)
+    k = kept_set(framework, version, sampling_mask=sampling_mask, megatron=megatron)
+    if k.mode == "replay":
+        return (f"tim-plugins: safe vocabulary: kept set by replay ({k.reason}; every sampled token is in the "
+                "engine's set, so tim/safe_vocab/boundary_frac is 0 where it is replayed).")
     return (f"tim-plugins: safe vocabulary: kept set by {k.mode} ({k.reason}; tokens the sampler kept but the "
             "trainer's recomputed set excludes are counted in tim/safe_vocab/boundary_frac).")

@@ -36,6 +36,8 @@ __all__ = [
     "OPTIMIZER_IMPL",
     "TRAINER_MODE_PREFIX",
     "LAG_FIELD",
+    "KEPT_SETS_KEY",
+    "EXTRA_FIELDS",
     "check_composed_config",
     "VLLM_ENGINE_KWARGS",
     "rollout_min_p_overrides",
@@ -48,6 +50,11 @@ TRAINER_MODE_PREFIX = "tim_"
 # The per-sample field the driver writes in an asynchronous mode (each sample's policy lag in optimizer steps, -1
 # unknown) and the actor's engine reads from its batch.
 LAG_FIELD = "tim_lag"
+# Each sample's vLLM kept sets (rollout.py's server writes them into TokenOutput.extra_fields under this key, as a
+# {"ids": int32, "offsets": int64} CSR pair); verl carries the dict to the actor as the per-sample field EXTRA_FIELDS.
+KEPT_SETS_KEY = "tim_kept_sets"
+# VERL_SOURCES verl.workers.rollout.replica:TokenOutput (extra_fields -> the V1 trainer's per-sample field)
+EXTRA_FIELDS = "extra_fields"
 # verl forwards this node verbatim to ``vllm serve``:
 # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
 VLLM_ENGINE_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"

@@ -10,7 +10,9 @@ result untouched: numerics are stock verl's.
 No verl object is patched (the only change to verl's state is the registry entry). What is FSDP's own here:
 * ``prepare_model_outputs``: after the parent, recomputes log-probs (and entropy) as safe-vocabulary log-probs
   (``tim_plugins.safe_vocab``) from ``output.logits`` scaled as the parent scales them; both the old-log-prob pass
-  and the training pass go through it. It sets the micro-batch's safe-set fields for the mixin.
+  and the training pass go through it. Where the micro-batch carries the rollout engine's own kept sets
+  (``engine_mixin.kept_sets_of_micro_batch``), they are replayed (``tim_plugins.replay``) instead of recomputed,
+  in the logits path and the fused head alike. It sets the micro-batch's safe-set fields for the mixin.
 * ``forward_step``: the mixin's per-micro-batch calls around verl's (``_tim_wrap_loss``, ``_tim_after_forward``).
 * the LR decay's optimizer route (``optim.py``, ``optimizer_impl``), the mixin's default.
 Everything else (measurement, split, merge, end of step) is the mixin's, shared with the Megatron engine.
@@ -30,6 +32,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from tim_plugins.patching import Patch
+from tim_plugins.replay import replay_logprobs_from_hidden, replay_logprobs_from_logits
 from tim_plugins.safe_vocab import safe_linear_logprobs, safe_logprobs_from_logits
 
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
@@ -106,9 +109,16 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         want_entropy = "entropy" in model_output
         logits, labels, packed = self._flat_scaled_logits(output, output_args, micro_batch)
         t = self._tim_truncation
-        # the labels are the model's own input ids: no host read to range-check them per micro-batch
-        res = safe_logprobs_from_logits(logits, labels, min_p=t.min_p, top_p=t.top_p, top_k=t.top_k, order=t.order,
-                                        compute_entropy=want_entropy, check_ids=False)
+        # the engine's own kept set per response token, at the row that predicts it (prompt and padding rows: the
+        # whole vocabulary); the logits are already divided by the temperature, as the parent scales them, and their
+        # rows are verl's packed layout in both paths (_flat_scaled_logits lays the padded one out so)
+        kept = _placed_or_none(self._tim_kept, labels.shape, True, self._tim_pipeline)
+        if kept is not None:
+            res = replay_logprobs_from_logits(logits, labels, kept, temperature=1.0, compute_entropy=want_entropy)
+        else:
+            # the labels are the model's own input ids: no host read to range-check them per micro-batch
+            res = safe_logprobs_from_logits(logits, labels, min_p=t.min_p, top_p=t.top_p, top_k=t.top_k,
+                                            order=t.order, compute_entropy=want_entropy, check_ids=False)
         fields = {"log_probs": res.logprobs, "in_safe": res.in_safe, "pruned_mass": res.pruned_mass,
                   "size": res.size}
         if want_entropy:
@@ -151,6 +161,14 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         if self._tim is None:
             return super().forward_step(micro_batch, loss_function, forward_only)
         self._tim_mb = None
+        # the engine's kept sets where the rollout carried them (read once per micro-batch, for either head)
+        self._tim_kept = self._tim_micro_batch_kept(micro_batch) if self._tim_truncation is not None else None
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead (ulysses_sequence_parallel_size)
+        if self._tim_kept is not None and getattr(self, "ulysses_sequence_parallel_size", 1) > 1:
+            # each SP rank holds a slice of the packed sequence's logits; the sets are laid out over the whole one
+            self._tim_pipeline.count("kept_sets_fallback", detail="Ulysses sequence parallelism: replay of the "
+                                     "engine's kept sets is not implemented there; the trainer recomputes them")
+            self._tim_kept = None
         head = None
         # VERL_SOURCES verl.utils.tensordict_utils:get_non_tensor_data (use_fused_kernels, calculate_entropy)
         if self._tim_truncation is not None and tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels",
@@ -160,14 +178,29 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
             want_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
             use_remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
             head = Patch(self._tim_lm_model(), "forward", lambda _: _SafeFusedForward(
-                self._tim_lm_model(), self._tim_truncation, want_entropy, packed=use_remove_padding))
+                self._tim_lm_model(), self._tim_truncation, want_entropy, packed=use_remove_padding,
+                kept=self._tim_kept, pipeline=self._tim_pipeline))
         try:
             loss, output = super().forward_step(micro_batch, self._tim_wrap_loss(loss_function), forward_only)
         finally:
+            self._tim_kept = None
             if head is not None:
                 head.undo()
         self._tim_after_forward(micro_batch, output["model_output"], forward_only)
         return loss, output
+
+
+def _placed_or_none(kept, labels_shape, packed: bool, pipeline):
+    """``kept`` (``MicroBatchKeptSets``) laid out over a head's rows, or None (recompute) when they do not fit the
+    rows, counted under ``tim/diag/kept_sets_fallback``: a layout this engine did not expect never stops training."""
+    if kept is None:
+        return None
+    try:
+        return kept.placed(labels_shape, packed=packed)
+    except ValueError as err:
+        if pipeline is not None:
+            pipeline.count("kept_sets_fallback", detail=f"the kept sets do not fit the head's rows ({err})")
+        return None
 
 
 class _SafeFusedOutput(OrderedDict):
@@ -190,8 +223,10 @@ class _SafeFusedForward:
     takes (VERL_SOURCES verl.models.transformers.dense_common:forward_with_torch_backend: temperature, shift_labels
     or the input ids rolled by one) and returns what verl's fused branch of ``prepare_model_outputs`` reads."""
 
-    def __init__(self, model, truncation, want_entropy: bool, *, packed: bool) -> None:
+    def __init__(self, model, truncation, want_entropy: bool, *, packed: bool, kept=None, pipeline=None) -> None:
         self.model, self.truncation, self.want_entropy, self.packed = model, truncation, want_entropy, packed
+        self.kept = kept  # the engine's kept sets (engine_mixin.MicroBatchKeptSets): replayed in place of truncation
+        self.pipeline = pipeline  # where a placement that does not fit is counted
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, temperature: float = 1.0,
                  shift_labels=None, return_dict=True, use_cache=False, **kwargs):
@@ -207,8 +242,13 @@ class _SafeFusedForward:
             weight = weight.full_tensor()
         if isinstance(hidden, DTensor):
             hidden = hidden.to_local()
-        # the labels are the model's own input ids: no host read to range-check them per micro-batch
-        res = safe_linear_logprobs(hidden, weight, labels, self.truncation, temperature=float(temperature),
-                                   compute_entropy=self.want_entropy, check_ids=False)
+        kept = _placed_or_none(self.kept, labels.shape, self.packed, self.pipeline)
+        if kept is not None:
+            res = replay_logprobs_from_hidden(hidden, weight, labels, kept, temperature=float(temperature),
+                                              compute_entropy=self.want_entropy)
+        else:
+            # the labels are the model's own input ids: no host read to range-check them per micro-batch
+            res = safe_linear_logprobs(hidden, weight, labels, self.truncation, temperature=float(temperature),
+                                       compute_entropy=self.want_entropy, check_ids=False)
         return _SafeFusedOutput(log_probs=res.logprobs, entropy=res.entropy, packed=self.packed,
                                 safe={"in_safe": res.in_safe, "pruned_mass": res.pruned_mass, "size": res.size})

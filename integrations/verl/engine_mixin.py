@@ -14,6 +14,9 @@ response tokens in them on the device). The micro-batches of a pass are kept on 
 pipeline as one batch at the end of the pass (the measurement) or of the optimizer step (the split): one host read
 each, none per micro-batch. With the safe vocabulary the backend computes the safe-set fields of the micro-batch's log-probs and
 sets ``self._tim_mb`` to ``{"in_safe", "pruned_mass", "size"}`` (same layout as ``log_probs``) before the loss.
+Where the rollout carried the engine's own kept sets (``rollout.py``, ``extra_fields``), ``_tim_micro_batch_kept``
+hands them to the backend laid out over the micro-batch (``MicroBatchKeptSets``), to replay in place of recomputing
+(the FSDP engine does; the Megatron engine does not call it and recomputes).
 
 The mixin overrides ``forward_backward_batch`` (the merge after a forward-only measurement pass), ``train_batch``
 (one optimizer step: the LR decay's end of step) and ``lr_scheduler_step`` (end of the actor update: the loss passes'
@@ -38,10 +41,12 @@ from tim_plugins.by_key import turn_keys
 from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
 from tim_plugins.safe_vocab import SafeLogprobs
 
-from .config import LAG_FIELD, ActorContext, TIMVerlConfig
+from tim_plugins.replay import KeptSets
+
+from .config import EXTRA_FIELDS, KEPT_SETS_KEY, LAG_FIELD, ActorContext, TIMVerlConfig
 from .features import SAFE_VOCAB
 
-__all__ = ["ResponseLayout", "TIMEngineMixin", "padded_response"]
+__all__ = ["MicroBatchKeptSets", "ResponseLayout", "TIMEngineMixin", "kept_sets_of_micro_batch", "padded_response"]
 
 
 def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
@@ -51,6 +56,72 @@ def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Ten
     if x.shape[1] >= width:
         return x[:, :width]
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchKeptSets:
+    """The engine's kept sets of a micro-batch's response tokens, in cell order (sample by sample, token by token),
+    and where each token's log-prob is computed: ``packed`` is the position in verl's no-padding layout of the logits
+    row that predicts it (the row before the token), ``seq`` its sample. ``placed`` lays them out over a head's rows;
+    every other row (prompt, padding) gets an empty set: the whole vocabulary."""
+
+    kept: KeptSets
+    packed: torch.Tensor
+    seq: torch.Tensor
+    seq_offsets: torch.Tensor
+
+    def placed(self, labels_shape, *, packed: bool) -> KeptSets:
+        """Over the rows of a head whose labels have ``labels_shape``: ``packed`` ([N + pad] or [1, N + pad]: verl's
+        no-padding layout, the padding at the tail) or padded ([B, L]: each sample's tokens at the start of its
+        row)."""
+        shape = tuple(labels_shape)
+        n_rows = 1
+        for d in shape:
+            n_rows *= int(d)
+        if packed:
+            return self.kept.placed(n_rows, self.packed)
+        width = int(shape[-1])
+        return self.kept.placed(n_rows, self.seq * width + (self.packed - self.seq_offsets[self.seq]))
+
+
+def kept_sets_of_micro_batch(micro_batch) -> tuple[MicroBatchKeptSets | None, str | None]:
+    """The engine's kept sets of every response token of ``micro_batch`` (``None, None``: no sample carries any, the
+    usual case; ``None, reason``: some do but they cannot be used for the whole micro-batch, which then recomputes).
+
+    A sample carries them in its ``extra_fields`` dict under ``KEPT_SETS_KEY`` (``rollout.TIMvLLMHttpServer``), one set
+    per generated token; they are used only where every sample has one set per response token (a multi-turn response
+    holds tool tokens the engine never sampled; a V1 padding row copies sample 0's extras with a 1-token response)."""
+    # VERL_SOURCES verl.workers.rollout.replica:TokenOutput (extra_fields, one dict per sample in the batch)
+    if EXTRA_FIELDS not in micro_batch.keys():
+        return None, None
+    value = micro_batch[EXTRA_FIELDS]
+    items = value.tolist() if hasattr(value, "tolist") else list(value)
+    items = [getattr(x, "data", x) for x in items]
+    packs = [x.get(KEPT_SETS_KEY) if isinstance(x, dict) else None for x in items]
+    if all(p is None for p in packs):
+        return None, None
+    if any(p is None for p in packs):
+        return None, f"{sum(p is None for p in packs)} of {len(packs)} samples carry no kept sets"
+    layout = ResponseLayout(micro_batch)
+    lens = layout.response_lens.tolist()  # one host read, only where kept sets arrived
+    if len(lens) != len(packs):
+        return None, f"{len(packs)} extra_fields for {len(lens)} samples"
+    parts = []
+    for i, (pack, n) in enumerate(zip(packs, lens)):
+        kept = KeptSets.from_csr(pack["ids"], pack["offsets"])
+        if len(kept) != n:
+            return None, (f"sample {i}: {len(kept)} kept sets for {n} response tokens (a multi-turn response, a "
+                          "padding sample or a truncated response)")
+        parts.append(kept)
+    device = layout.rows.device
+    valid = layout.valid
+    input_ids = micro_batch["input_ids"]
+    if input_ids.is_nested:
+        seq_offsets = input_ids.offsets()
+    else:  # the dense layout's per-sample lengths, as ResponseLayout reads them
+        seq_offsets = torch.nn.functional.pad(micro_batch["attention_mask"].sum(dim=1).cumsum(0), (1, 0))
+    kept = KeptSets.concat(parts).to(device)
+    return MicroBatchKeptSets(kept, layout.packed[valid], layout.rows[valid], seq_offsets.to(device)), None
 
 
 class ResponseLayout:
@@ -73,6 +144,7 @@ class ResponseLayout:
             attention = data["attention_mask"]
             prompt_lens = attention[:, : prompts.shape[1]].sum(dim=1)
             response_lens = attention[:, prompts.shape[1]:].sum(dim=1)
+        self.response_lens = response_lens
         first = (prompt_lens + response_lens).cumsum(0) - response_lens - 1  # packed position of column 0
         device, b = response_lens.device, response_lens.numel()
         self.batch = b
@@ -180,6 +252,7 @@ class TIMEngineMixin:
     _tim_pipeline: StepPipeline | None = None
     _tim_decision = None
     _tim_mb: dict | None = None
+    _tim_kept = None  # MicroBatchKeptSets of the micro-batch in flight, where the engine's kept sets are replayed
 
     # -------------------------------------------------------------------------------------- backend hooks
     def _tim_dp_group(self):
@@ -245,6 +318,7 @@ class TIMEngineMixin:
         self._tim_loss_cells = _PassCells()  # the current optimizer step's training micro-batches (device)
         self._tim_step_start = True
         self._tim_mb = None
+        self._tim_kept = None  # the current micro-batch's engine kept sets (MicroBatchKeptSets), if replayed
         self._tim_pending: dict[str, float] = {}
         self._tim_decision = None  # the probe's decision at the last merge, for the driver to act on
         self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
@@ -297,6 +371,20 @@ class TIMEngineMixin:
         return decision
 
     # ------------------------------------------------------------------------------------- per micro-batch
+    def _tim_micro_batch_kept(self, micro_batch) -> MicroBatchKeptSets | None:
+        """The engine's kept sets for this micro-batch's safe vocabulary, or None to recompute them on the trainer's
+        logits. A micro-batch whose samples carry sets that cannot all be used recomputes and is counted under
+        ``tim/diag/kept_sets_fallback`` (the pipeline's ``count``: raises only in a strict pipeline, which verl's actor
+        does not build); an unreadable field is a fallback too (diagnostics do not stop training)."""
+        try:
+            kept, reason = kept_sets_of_micro_batch(micro_batch)
+        except Exception as err:  # an unreadable field is a fallback, not a crash
+            kept, reason = None, f"unreadable kept sets ({type(err).__name__}: {err})"
+        if reason is not None:
+            self._tim_pipeline.count("kept_sets_fallback", detail=reason + "; the trainer recomputes the kept set "
+                                     "for this micro-batch")
+        return kept
+
     def _tim_wrap_loss(self, loss_function: Callable | None) -> Callable | None:
         """verl's loss for this micro-batch, with the boundary mask where the safe vocabulary asks for it."""
         tim = self._tim

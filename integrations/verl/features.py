@@ -10,8 +10,8 @@ from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VERL_MEGATRON_SOURCES, VERL_SOURCES
 
-__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "SAFE_VOCAB", "TRAINER_MODES",
-           "megatron_features", "verl_features"]
+__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "ROLLOUT_KEPT_SETS", "SAFE_VOCAB",
+           "TRAINER_MODES", "megatron_features", "rollout_features", "verl_features"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -85,6 +85,27 @@ ASYNC_LAG = Feature(
 
 FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
 
+_VS = "verl.workers.rollout.vllm_rollout.vllm_async_server"
+
+# The vLLM rollout server that carries vLLM's per-token kept sets into the batch (rollout.py). Its hooks live in
+# verl's vLLM server module, which imports vLLM: checked when the rollout is built (plugin's replica loader, the
+# process that imports vLLM anyway) and by the doctor, not on every `import verl`, so kept out of FEATURES (which
+# the actor workers check). Off: verl's own vLLM replica (no kept sets; the trainer recomputes them).
+ROLLOUT_KEPT_SETS = Feature(
+    "verl_rollout_kept_sets", "vLLM's per-token kept sets (return_sampling_mask) carried into verl's batch", "verl",
+    needs=("verl", "vllm"), extra="verl", fix=_FIX, hooks=(
+        _hook(_VS, "vLLMHttpServer.generate", params=("prompt_ids", "sampling_params", "request_id"),
+              fragments=("generator = self.engine.generate(", "request_id=request_id,",
+                         "async for output in generator:", "final_res = output",
+                         "token_ids = final_res.outputs[0].token_ids", "extra_fields=extra_fields,")),
+        _hook(_VS, "vLLMReplica.__init__", fragments=("self.server_class = ray.remote(vLLMHttpServer)",)),
+        _hook("verl.workers.rollout.replica", "RolloutReplicaRegistry.register", params=("name", "loader")),
+        _hook("verl.workers.rollout.replica", "_load_vllm"),
+        _hook("verl.workers.rollout.replica", "TokenOutput", fragments=("extra_fields: dict",)),
+        _hook("vllm.outputs", "SamplingMask", fragments=("token_ids: list[list[int]]",)),
+        _hook("vllm.outputs", "CompletionOutput", fragments=("sampling_mask:",)),
+    ))
+
 _TM = "verl.workers.engine.megatron.transformer_impl"
 _megatron_hook = registered_hooks(VERL_MEGATRON_SOURCES, "VERL_MEGATRON_SOURCES")
 
@@ -128,6 +149,11 @@ MEGATRON_ENGINE = Feature(
 def verl_features():
     """Every verl feature's status."""
     return [check(f) for f in FEATURES]
+
+
+def rollout_features():
+    """The kept-set rollout server's status (imports verl's vLLM server, and so vLLM)."""
+    return [check(ROLLOUT_KEPT_SETS)]
 
 
 def megatron_features():

@@ -59,6 +59,38 @@ def _register_megatron(off: dict) -> object | None:
     return TIMMegatronEngineWithLMHead
 
 
+def _vllm_replica_loader():
+    """The loader registered under verl's rollout name ``vllm``: the kept-set server where its hooks hold (checked
+    here, when the rollout is built, the process that imports vLLM anyway), else verl's own replica with one line."""
+    from tim_plugins.capabilities import check
+    # VERL_SOURCES verl.workers.rollout.replica:_load_vllm
+    from verl.workers.rollout.replica import _load_vllm
+
+    from .features import ROLLOUT_KEPT_SETS
+
+    status = check(ROLLOUT_KEPT_SETS)
+    if not status.available:
+        print(status.warning(), file=sys.stderr)
+        return _load_vllm()
+    from .rollout import TIMvLLMReplica
+
+    return TIMvLLMReplica
+
+
+def _register_rollout() -> object | None:
+    """Replace verl's loader for ``vllm`` by ours (the name stays ``vllm``: the user's ``rollout.name`` is unchanged).
+    Nothing of vLLM is imported here. Inert where the engine returns no sampling mask (the server adds no field)."""
+    try:
+        # VERL_SOURCES verl.workers.rollout.replica:RolloutReplicaRegistry.register
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+    except Exception as err:  # the engine and trainer modes do not need it: verl's own vLLM replica stays
+        print(f"tim-plugins: verl's rollout registry cannot be imported ({type(err).__name__}: {err}), so vLLM's "
+              "kept sets are not carried into the batch (the trainer recomputes them)", file=sys.stderr)
+        return None
+    RolloutReplicaRegistry.register("vllm", _vllm_replica_loader)
+    return _vllm_replica_loader
+
+
 def register() -> dict[str, object]:
     """Idempotent: registers once per process and returns what was registered."""
     if REGISTERED:
@@ -91,6 +123,7 @@ def register() -> dict[str, object]:
                                 vendor="nvidia")(TIMFSDPEngineWithLMHead)
         REGISTERED["engine"] = TIMFSDPEngineWithLMHead
     REGISTERED["megatron_engine"] = _register_megatron(off)
+    REGISTERED["rollout_loader"] = _register_rollout()
     REGISTERED["features_off"] = sorted(off)
     if TRAINER_MODES.name in off:
         REGISTERED["trainer_modes"] = []

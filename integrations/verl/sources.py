@@ -23,7 +23,9 @@ VERL_SOURCES = {
     (_TI, "FSDPEngineWithLMHead"):
         "the FSDP/FSDP2 language-model engine, registered by verl for device cuda/npu without a vendor; "
         "TIMFSDPEngineWithLMHead subclasses it; it sets self.engine_config and self.model_config (both with "
-        "use_fused_kernels) and self.optimizer (the optimizer built from optim.optimizer_impl)",
+        "use_fused_kernels), self.optimizer (the optimizer built from optim.optimizer_impl) and "
+        "self.ulysses_sequence_parallel_size (set in FSDPEngine._init_device_mesh; > 1: each SP rank holds a slice of "
+        "the packed logits)",
     (_TI, "FSDPEngineWithLMHead.prepare_model_inputs"):
         "fills output_args: temperature_is_one (host-scalar temperature 1); with use_remove_padding "
         "input_ids_rmpad_rolled (labels, packed), temperature_rmpad (per token) and pad_size (static + SP "
@@ -154,6 +156,26 @@ VERL_SOURCES = {
         "(parameters, lr=, weight_decay=, betas= for Adam-like names)",
     (_TI, "FSDPEngine._build_lr_scheduler"):
         "a LambdaLR (constant or cosine with warmup), which rewrites every param group's lr on each step",
+    # ---------------------------------------------------------------------------------- kept sets (rollout.py)
+    ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.generate"):
+        "(prompt_ids, sampling_params, request_id, ...) -> TokenOutput: awaits self.engine.generate(prompt=, "
+        "sampling_params=, request_id=request_id, ...) (request_id by keyword) to its last RequestOutput, returns "
+        "final_res.outputs[0].token_ids with extra_fields (a dict it builds per call, returned as is); drops the "
+        "completion's sampling_mask",
+    ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMReplica.__init__"):
+        "sets self.server_class = ray.remote(vLLMHttpServer), the actor class launch_servers starts per node",
+    ("verl.workers.rollout.replica", "RolloutReplicaRegistry.register"):
+        "(name, loader) stores a zero-argument loader returning the replica class, replacing one of the same name; "
+        "get(name) calls it when the rollout is built (rollout.name=vllm -> the 'vllm' entry)",
+    ("verl.workers.rollout.replica", "_load_vllm"):
+        "verl's own loader for 'vllm' (returns vLLMReplica); the plugin's loader falls back to it",
+    ("verl.workers.rollout.replica", "TokenOutput"):
+        "the server's reply: token_ids, log_probs, extra_fields (a dict carried unchanged through the agent loop "
+        "into AgentLoopOutput.extra_fields and the V1 trainer's extra_fields field, one dict per sample)",
+    ("vllm.outputs", "CompletionOutput"):
+        "token_ids and sampling_mask (None unless the engine runs with return_sampling_mask)",
+    ("vllm.outputs", "SamplingMask"):
+        "token_ids: one list of kept token ids per generated token",
     # ---------------------------------------------------------------------------------- vLLM rollout (config.py)
     ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.launch_server"):
         "engine_kwargs.vllm (None values dropped) is forwarded verbatim to vllm serve, after verl's own args",
@@ -238,6 +260,7 @@ VERL_CONFIG_KEYS = (
     "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.quantization", "actor_rollout_ref.rollout.full_determinism",
     "actor_rollout_ref.model.path", "actor_rollout_ref.actor.fsdp_config.use_torch_compile",
+    "actor_rollout_ref.actor.strategy",
     "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.multi_turn.enable",
     "distillation.enabled", "distillation.distillation_loss.loss_mode",
 )

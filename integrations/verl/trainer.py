@@ -36,6 +36,19 @@ logger = logging.getLogger(__name__)
 AUDIT_TITLE = "tim-plugins parity audit (vLLM rollout vs FSDP actor, from the composed config)"
 
 
+def _asks_sampling_mask(config) -> bool:
+    """Whether the run asks vLLM for its per-token kept sets: ``rollout.name=vllm`` and
+    ``engine_kwargs.vllm.return_sampling_mask`` true (verl forwards the node verbatim to vllm serve)."""
+    from omegaconf import OmegaConf
+
+    # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
+    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout", default=None)
+    if rollout is None or OmegaConf.select(rollout, "name", default=None) != "vllm":
+        return False
+    value = OmegaConf.select(rollout, "engine_kwargs.vllm.return_sampling_mask", default=False)
+    return value is True or str(value).lower() == "true"
+
+
 def run_startup_audit(config, tim: TIMVerlConfig, out=None):
     """Audit rollout vs trainer numerics on the composed config; print the table. Returns the findings. Raises ``ParityError`` when ``tim.parity.strict`` and an error is found."""
     out = out or sys.stdout
@@ -65,6 +78,8 @@ def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
         "tim": json.dumps(tim.to_dict(), sort_keys=True),
         # the sampler's truncation as set: the report's truncation section names these overrides
         "rollout sampling": json.dumps({k: arr.rollout.get(k) for k in ("top_p", "top_k", "temperature")}),
+        # whether vLLM was asked for its kept sets: the report's truncation section says replay or recompute
+        "sampling mask": "true" if _asks_sampling_mask(config) else "false",
     }
     return write_summary(tim.dump.dir, framework="verl", title="Training-inference mismatch report (verl run)",
                          settings=settings, findings=None if findings is None else [f.to_dict() for f in findings])
@@ -98,7 +113,11 @@ class TIMTrainerMixin:
             from tim_plugins._optional import package_version
             from tim_plugins.kept_set import kept_set_line
 
-            print(kept_set_line("verl", package_version("verl")))
+            from omegaconf import OmegaConf
+
+            megatron = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None) == "megatron"
+            print(kept_set_line("verl", package_version("verl"), sampling_mask=_asks_sampling_mask(config),
+                                megatron=megatron))
         if tim.dump.enabled:
             write_run_summary(config, tim, findings)
         self.tim = tim

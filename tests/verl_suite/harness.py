@@ -127,10 +127,11 @@ def train_step(engine, td, old_log_probs, *, use_remove_padding: bool = True, ac
     return out, lr
 
 
-def to_v1_layout(raw: dict, *, temperature: float = 1.0):
+def to_v1_layout(raw: dict, *, temperature: float = 1.0, extra_fields: list[dict] | None = None):
     """The same batch in the layout verl's V1 trainer hands the engine: one ragged (nested jagged) row per sample,
     as the agent loop stores samples in TransferQueue (trainer/ppo/v1/agent_loop_tq.py) and verl batches them
-    (``list_of_dict_to_tensordict``); no ``max_response_len`` and no dense padding."""
+    (``list_of_dict_to_tensordict``); no ``max_response_len`` and no dense padding. ``extra_fields``: one dict per
+    sample, the agent loop's per-sample ``extra_fields`` field (the rollout server's ``TokenOutput.extra_fields``)."""
     from verl.utils import tensordict_utils as tu
 
     prompt_width = raw["prompts"].shape[1]
@@ -146,6 +147,8 @@ def to_v1_layout(raw: dict, *, temperature: float = 1.0):
             "response_mask": raw["response_mask"][i][:n].clone(), "loss_mask": raw["response_mask"][i][:n].clone(),
             "rollout_log_probs": raw["rollout_log_probs"][i][:n].clone(), "advantages": raw["advantages"][i][:n].clone(),
         })
+        if extra_fields is not None:
+            rows[-1]["extra_fields"] = extra_fields[i]
     td = tu.list_of_dict_to_tensordict(rows)
     tu.assign_non_tensor(td, temperature=temperature)
     return td

@@ -564,3 +564,29 @@ def test_config_keys_the_adapter_reads_exist_in_verls_defaults():
     assert missing == [], f"verl's ppo_trainer config no longer has {missing}: revisit VERL_CONFIG_KEYS"
     present = [k for k in VERL_OPTIONAL_CONFIG_KEYS if OmegaConf.select(cfg, k, default=absent) is not absent]
     assert present == [], f"verl now defaults {present}: revisit the adapter's fallback for them"
+
+
+# ------------------------------------------------------------------------------------------------ kept sets (rollout.py)
+def test_the_engine_names_its_sequence_parallel_size():
+    # engine.py recomputes the kept set under Ulysses SP (each rank holds a slice of the packed logits)
+    assert "self.ulysses_sequence_parallel_size = self.engine_config.ulysses_sequence_parallel_size" in \
+        _src(TI, "FSDPEngine._init_device_mesh")
+
+
+def test_the_rollout_registry_replaces_a_loader_and_calls_it_on_get():
+    from verl.workers.rollout.replica import RolloutReplicaRegistry, _load_vllm
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMReplica
+
+    assert _load_vllm() is vLLMReplica
+    before = RolloutReplicaRegistry._registry.get("vllm")
+    try:
+        RolloutReplicaRegistry.register("vllm", lambda: "replaced")
+        assert RolloutReplicaRegistry.get("vllm") == "replaced"
+    finally:
+        RolloutReplicaRegistry._registry["vllm"] = before
+
+
+def test_verls_server_returns_its_own_extra_fields_dict():
+    src = _src("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.generate")
+    assert 'extra_fields = {"global_steps": self.global_steps}' in src
+    assert src.count("extra_fields=extra_fields,") >= 2  # the aborted and the finished returns

@@ -30,6 +30,8 @@ _ADAPTERS = (
     # verl's Megatron backend: off, with the import error, where megatron-core is not installed
     ("verl Megatron", "tim_plugins.integrations.verl.features", "megatron_features", ("verl",)),
     ("vLLM", "tim_plugins.integrations.vllm.features", "vllm_features", ()),
+    # verl's vLLM rollout server carrying vLLM's kept sets (imports verl's vLLM server, so only where both are)
+    ("verl rollout", "tim_plugins.integrations.verl.features", "rollout_features", ("verl", "vllm")),
 )
 # The features whose availability means "the monitor can attach here".
 MONITOR_FEATURES = ("monitor", "verl_engine")

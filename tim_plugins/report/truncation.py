@@ -118,14 +118,22 @@ def _version(summary: dict) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def truncation_headline(summary: dict, rows: list[dict] | None = None) -> str | None:
-    """The verdict block's line on truncation, or None when the run had no safe vocabulary."""
+def _kept_set(summary: dict):
+    """How the run had its kept set (``kept_set.kept_set``), from what its summary records: the framework and
+    version, and for verl whether it asked vLLM for its sets (``"sampling mask"``) on which actor strategy."""
     from tim_plugins.kept_set import kept_set
 
+    settings = summary.get("settings") or {}
+    return kept_set(summary.get("framework"), _version(summary), sampling_mask=settings.get("sampling mask") == "true",
+                    megatron=settings.get("actor strategy") == "megatron")
+
+
+def truncation_headline(summary: dict, rows: list[dict] | None = None) -> str | None:
+    """The verdict block's line on truncation, or None when the run had no safe vocabulary."""
     rows = truncation_rows(summary) if rows is None else rows
     if not rows:
         return None
-    mode = kept_set(summary.get("framework"), _version(summary)).mode
+    mode = _kept_set(summary).mode
     kept, boundary = _pooled(rows, "kept_mass"), _pooled(rows, "boundary_frac")
     return (f"Truncation (safe vocabulary, kept set by {mode}): {kept:.4g} of the probability mass kept on average, "
             f"{boundary:.3%} of the sampled tokens outside the trainer's kept set.")
@@ -134,12 +142,10 @@ def truncation_headline(summary: dict, rows: list[dict] | None = None) -> str | 
 def truncation_section(page, summary: dict | None, table: dict | None = None) -> None:
     """The section, when the run logged ``tim/safe_vocab/*``; ``table``: the report's ``step_table`` (ρ from the
     dump where the run did not log it)."""
-    from tim_plugins.kept_set import kept_set
-
     rows = truncation_rows(summary or {}, table)
     if not rows:
         return
-    k = kept_set(summary.get("framework"), _version(summary))
+    k = _kept_set(summary)
     page.h2("Truncation (safe vocabulary)")
     page.raw("<p>The rollout engine samples from a truncated distribution (min-p, top-k, top-p keep a set S of "
              "tokens) and reports log-probs renormalised over S. The trainer renormalises its own log-probs over "
@@ -195,8 +201,6 @@ def truncation_comparison(page, runs: dict[str, tuple[dict | None, dict | None]]
     ``tim/safe_vocab/*``: whether the trainer renormalised over S (and how S was had), the settings as the run set
     them, and the run's token-weighted kept mass, |S|, boundary fraction and ρ. A run without the safe vocabulary
     shows its measured ρ (full vocabulary on the trainer's side): before / after the fix side by side."""
-    from tim_plugins.kept_set import kept_set
-
     rows = {label: truncation_rows(summary or {}, table) for label, (summary, table) in runs.items()}
     if not any(rows.values()):
         return
@@ -216,7 +220,7 @@ def truncation_comparison(page, runs: dict[str, tuple[dict | None, dict | None]]
             ratio = _ratio_without(table)
             body.append([label, "no (full vocabulary)", line, "–", "–", "–", "–", _f(ratio)])
             continue
-        mode = kept_set(summary.get("framework"), _version(summary)).mode
+        mode = _kept_set(summary).mode
         ratio = _pooled(r, "ratio")
         body.append([label, f"yes ({mode})", line, int(sum(x["tokens"] for x in r)), _f(_pooled(r, "kept_mass")),
                      _f(_pooled(r, "size_mean"), 4), _pct(_pooled(r, "boundary_frac")), _f(ratio)])

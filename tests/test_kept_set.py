@@ -1,0 +1,34 @@
+"""Which kept set the safe vocabulary uses, as the start-up line, the doctor and the report say it
+(``tim_plugins.kept_set``): verl replays vLLM's own sets where the run asks vLLM for them (and the FSDP actor reads
+them), everything else recomputes the sampler's cut on the trainer's logits."""
+
+from __future__ import annotations
+
+from tim_plugins.kept_set import VERL_SAMPLING_MASK_OVERRIDE, kept_set, kept_set_line
+from tim_plugins.report.truncation import _kept_set
+
+
+def test_verl_replays_only_where_the_run_asks_vllm_for_its_sets():
+    assert kept_set("verl", "0.9.1").mode == "recompute"
+    assert VERL_SAMPLING_MASK_OVERRIDE in kept_set("verl", "0.9.1").reason
+    assert kept_set("verl", "0.9.1", sampling_mask=True).mode == "replay"
+    # the Megatron actor does not read the sets; TRL does not carry them
+    megatron = kept_set("verl", "0.9.1", sampling_mask=True, megatron=True)
+    assert megatron.mode == "recompute" and "Megatron" in megatron.reason
+    assert kept_set("trl", "1.16.0", sampling_mask=True).mode == "recompute"
+
+
+def test_the_line_names_the_mode_and_the_fallback_counter():
+    line = kept_set_line("verl", "0.9.1", sampling_mask=True)
+    assert line.startswith("tim-plugins: safe vocabulary: kept set by replay (")
+    assert "tim/diag/kept_sets_fallback" in line and "boundary_frac is 0" in line
+    assert kept_set_line("verl", "0.9.1").startswith(
+        "tim-plugins: safe vocabulary: kept set by recompute (verl 0.9.1 does not carry vLLM's sampling_mask")
+
+
+def test_the_report_reads_the_mode_from_the_run_summary():
+    summary = {"framework": "verl", "settings": {"verl": "0.9.1", "sampling mask": "true", "actor strategy": "fsdp"}}
+    assert _kept_set(summary).mode == "replay"
+    summary["settings"]["actor strategy"] = "megatron"
+    assert _kept_set(summary).mode == "recompute"
+    assert _kept_set({"framework": "verl", "settings": {"verl": "0.9.1"}}).mode == "recompute"  # older summaries

@@ -156,12 +156,7 @@ def test_replayed_sets_give_the_float64_reference_fused_equal_to_unfused(dist, t
     assert (f_old - u_old)[mask].abs().max() <= FP32_TOL
     assert (f_ent - u_ent)[mask].abs().max() <= FP32_TOL
     assert f_m["tim/safe_vocab/boundary_frac"] == 0.0
-    f_loss = [float(v) for v in f_step["metrics"]["actor/pg_loss"].values]
-    u_loss = [float(v) for v in u_step["metrics"]["actor/pg_loss"].values]
-    assert f_loss == pytest.approx(u_loss, rel=1e-5, abs=1e-7)
-    for k in u_grads:
-        scale = float(u_grads[k].abs().max())
-        assert (f_grads[k] - u_grads[k]).abs().max() <= 1e-4 * scale + 1e-7, k
+    _assert_same_training_step(f_step, u_step, f_grads, u_grads)
 
 
 def test_a_micro_batch_whose_sets_do_not_line_up_recomputes_and_is_counted(dist, toy_model_path, case):
@@ -191,12 +186,7 @@ def test_replay_without_remove_padding(dist, toy_model_path, case):
         assert (old.double() - ref_lp)[mask].abs().max() <= FP32_TOL
         assert (ent.double() - ref_ent)[mask].abs().max() <= FP32_TOL
         assert m["tim/safe_vocab/boundary_frac"] == 0.0
-    f_loss = [float(v) for v in f_step["metrics"]["actor/pg_loss"].values]
-    u_loss = [float(v) for v in u_step["metrics"]["actor/pg_loss"].values]
-    assert f_loss == pytest.approx(u_loss, rel=1e-5, abs=1e-7)
-    for k in u_grads:
-        scale = float(u_grads[k].abs().max())
-        assert (f_grads[k] - u_grads[k]).abs().max() <= 1e-4 * scale + 1e-7, k
+    _assert_same_training_step(f_step, u_step, f_grads, u_grads)
 
 
 def test_sets_that_do_not_fit_the_heads_rows_recompute_and_are_counted():
@@ -215,3 +205,14 @@ def test_sets_that_do_not_fit_the_heads_rows_recompute_and_are_counted():
     assert pipeline.diag == {"kept_sets_fallback": 1.0}
     # padded [B, L]: the sample's tokens at the start of its row
     assert _placed_or_none(kept, (1, 11), False, pipeline).to_lists()[9] == [3]
+
+
+def _assert_same_training_step(f_step, u_step, f_grads, u_grads) -> None:
+    """The fused head's training step equals the unfused one's: verl's pg_loss per micro-batch, and the SGD step of
+    every weight (fp32 summation order: 1e-4 of the largest)."""
+    f_loss = [float(v) for v in f_step["metrics"]["actor/pg_loss"].values]
+    u_loss = [float(v) for v in u_step["metrics"]["actor/pg_loss"].values]
+    assert f_loss == pytest.approx(u_loss, rel=1e-5, abs=1e-7)
+    for k in u_grads:
+        scale = float(u_grads[k].abs().max())
+        assert (f_grads[k] - u_grads[k]).abs().max() <= 1e-4 * scale + 1e-7, k

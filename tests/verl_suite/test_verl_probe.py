@@ -66,7 +66,9 @@ def test_the_engine_decides_on_the_merged_k3_and_the_driver_acts(toy_model_path,
     td, raw = H.make_batch(VOCAB, response=6, seed=31, rollout_noise=-6.0)
     k3_b = _naive_k3(H.old_log_probs_padded(H.infer(engine, td), td), raw)
     engine.tim_pop_metrics(), engine.tim_pop_decision()
-    assert k3_b > 2 * k3_a
+    # the threshold below (their geometric mean) needs them apart by far more than float error; how far depends on
+    # the toy model, which is trained on the machine that runs the tests (1.76x on an AVX2-only CPU)
+    assert k3_b > 1.2 * k3_a
     threshold = (k3_a * k3_b) ** 0.5
     tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "probe": {"kl_k3": threshold, "action": action}})
     engine.tim_deconfigure()

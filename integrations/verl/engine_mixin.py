@@ -32,6 +32,7 @@ returns verl's result untouched.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import torch
@@ -39,9 +40,8 @@ from verl.utils import tensordict_utils as tu
 
 from tim_plugins.by_key import turn_keys
 from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
-from tim_plugins.safe_vocab import SafeLogprobs
-
 from tim_plugins.replay import KeptSets
+from tim_plugins.safe_vocab import SafeLogprobs
 
 from .config import EXTRA_FIELDS, KEPT_SETS_KEY, LAG_FIELD, ActorContext, TIMVerlConfig
 from .features import SAFE_VOCAB
@@ -75,9 +75,7 @@ class MicroBatchKeptSets:
         no-padding layout, the padding at the tail) or padded ([B, L]: each sample's tokens at the start of its
         row)."""
         shape = tuple(labels_shape)
-        n_rows = 1
-        for d in shape:
-            n_rows *= int(d)
+        n_rows = math.prod(int(d) for d in shape)
         if packed:
             return self.kept.placed(n_rows, self.packed)
         width = int(shape[-1])

@@ -24,6 +24,8 @@ import numpy as np
 import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from tim_plugins.integrations.vllm.sampling_mask import kept_sets_from_mask
+
 from .config import KEPT_SETS_KEY
 
 __all__ = ["KEPT_SETS_KEY", "TIMvLLMHttpServer", "TIMvLLMReplica", "pack_sampling_mask"]
@@ -38,14 +40,13 @@ def pack_sampling_mask(mask: Any, n_tokens: int) -> dict[str, np.ndarray] | None
     not line up with the tokens cannot be placed, and the trainer then recomputes for that batch.
     """
     # VERL_SOURCES vllm.outputs:SamplingMask
-    lists = getattr(mask, "token_ids", None)
-    if lists is None or len(lists) != n_tokens:
+    try:
+        kept = kept_sets_from_mask(mask)  # the vLLM adapter's one conversion to the core's CSR form
+    except ValueError:
         return None
-    sizes = np.fromiter((len(x) for x in lists), dtype=np.int64, count=n_tokens)
-    offsets = np.zeros(n_tokens + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    ids = np.fromiter((int(t) for x in lists for t in x), dtype=np.int32, count=int(offsets[-1]))
-    return {"ids": ids, "offsets": offsets}
+    if len(kept) != n_tokens:
+        return None
+    return {"ids": kept.ids.numpy(), "offsets": kept.offsets.numpy()}
 
 
 class TIMvLLMHttpServer(vLLMHttpServer):

@@ -96,6 +96,12 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 # for its install (scripts/stack takes a lock per stack) and finds it done, or redoes a failed one and reports that
 # failure as its set-up's. The main environment is built first, before any suite starts (the suites share it).
 SUITE_JOBS ?= 2
+# Every process of a suite (a trainer, vLLM's engine, verl's workers) keeps an OpenMP pool of one thread per core, and
+# libgomp's default lets a thread at a barrier spin before it sleeps: with more busy processes than cores, the
+# spinning threads hold the cores the other processes need. PASSIVE: they sleep at once (two SmolLM2 TRL arms side by side
+# took 0.62x the default's time on the 2-core machine, one alone 1.05x: benchmarks/results/omp_wait_policy.json).
+# Set it in the environment to override.
+export OMP_WAIT_POLICY ?= PASSIVE
 # The background installs yield the CPU and the disk to the suites (they are needed only when the stack suites
 # start): uv unpacks with every core, and a suite's Ray node must register within a fixed 30 s.
 BACKGROUND := nice -n 19 $(shell command -v ionice >/dev/null 2>&1 && echo ionice -c 2 -n 7)

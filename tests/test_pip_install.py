@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "pip_install"
@@ -37,7 +41,7 @@ def test_uv_installs_into_the_venv_with_the_same_arguments(tmp_path):
     done = _run(venv, "-q", "-c", "lock.txt", "-e", ".[trl]", uv=str(uv))
     assert done.returncode == 0, done.stderr
     assert log.read_text().splitlines() == [
-        f"{uv} UV_NATIVE_TLS=1 pip install --python {venv}/bin/python -q -c lock.txt -e .[trl]"]
+        f"{uv} UV_NATIVE_TLS=1 pip install --compile-bytecode --python {venv}/bin/python -q -c lock.txt -e .[trl]"]
 
 
 def test_uv_none_is_the_venvs_pip(tmp_path):
@@ -59,3 +63,35 @@ def test_the_main_lock_pins_the_uv_that_make_setup_installs():
     assert [line for line in lock if line.startswith("uv==")], "constraints/main.txt must pin uv"
     makefile = (ROOT / "Makefile").read_text()
     assert "$(VENV)/bin/pip install -q -c $(LOCK) $(TORCH) uv" in makefile
+
+
+def _wheel(tmp_path: Path) -> Path:
+    """A one-module pure-Python wheel, written by hand (no build backend, no index)."""
+    path = tmp_path / "timpipcheck-0.1-py3-none-any.whl"
+    info = "timpipcheck-0.1.dist-info"
+    files = {"timpipcheck.py": "VALUE = 42\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: timpipcheck\nVersion: 0.1\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as whl:
+        for name, text in files.items():
+            whl.writestr(name, text)
+    return path
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "uv").exists(), reason="needs make setup's uv (.venv/bin/uv)")
+def test_uv_leaves_bytecode_beside_what_it_installed(tmp_path):
+    """With PYTHONDONTWRITEBYTECODE=1 (this machine's environment) Python never caches bytecode at import: the
+    installer must, as pip does, or every test process compiles every imported module again."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    env = {**os.environ, "UV": str(ROOT / ".venv" / "bin" / "uv"), "UV_OFFLINE": "1"}
+    done = subprocess.run(["bash", str(SCRIPT), str(venv), "-q", "--no-deps", str(_wheel(tmp_path))], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (module,) = venv.glob("lib/python*/site-packages/timpipcheck.py")
+    cached = list((module.parent / "__pycache__").glob("timpipcheck.*.pyc"))
+    assert cached, sorted(p.name for p in module.parent.iterdir())
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", "import timpipcheck; print(timpipcheck.VALUE)"],
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True)
+    assert out.stdout.strip() == "42", out.stderr

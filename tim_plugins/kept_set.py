@@ -51,7 +51,8 @@ def kept_set(framework: str | None, version: str | None = None, *, sampling_mask
     if framework == "verl":
         return KeptSet("recompute", f"{named} does not carry vLLM's sampling_mask (the sampler's kept set per token) "
                                     "into the training batch by itself; tim-plugins' verl rollout server carries it "
-                                    f"with {VERL_SAMPLING_MASK_OVERRIDE} (vLLM with Model Runner V2, a GPU build), "
+                                    f"with {VERL_SAMPLING_MASK_OVERRIDE} (vLLM with Model Runner V2, a GPU build, "
+                                    "and no logits processor: +tim.safe_vocab.enable=true over your top_k / top_p), "
                                     "and the actor then replays the engine's own set (tim_plugins.replay)")
     return KeptSet("recompute", f"{named} does not carry vLLM's sampling_mask (the sampler's kept set per token) from "
                                 "the engine into the training batch, so the trainer recomputes the sampler's cut on "

@@ -236,6 +236,10 @@ TRL_ONLY = {
     "is_correction_options": "the options of is_correction",
     "lr_decay_signals": "a second spelling of lr_decay_options.signals",
     "strict": "raise on diagnostic problems instead of counting them (verl's workers count them)",
-    "safe_vocab": "the safe vocabulary's switch (verl: tim.safe_vocab.min_p > 0)",
+    "safe_vocab": "the safe vocabulary's switch (verl: tim.safe_vocab.min_p > 0, or tim.safe_vocab.enable)",
 }
-VERL_ONLY: dict[str, str] = {}
+VERL_ONLY: dict[str, str] = {
+    "safe_vocab.enable": "the safe vocabulary over the sampler's own top-k / top-p at min-p 0: verl's rollout has no "
+                         "min-p of its own (TRL's GRPOConfig.min_p reaches vLLM natively, and its safe_vocab needs a "
+                         "min-p > 0, SAFE_VOCAB_NEEDS_MIN_P)",
+}

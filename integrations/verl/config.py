@@ -40,6 +40,7 @@ __all__ = [
     "EXTRA_FIELDS",
     "check_composed_config",
     "VLLM_ENGINE_KWARGS",
+    "asks_sampling_mask",
     "rollout_min_p_overrides",
 ]
 
@@ -168,10 +169,16 @@ class MonitorSettings:
 @dataclass
 class SafeVocabSettings:
     min_p: float = field(default=0.0, metadata=field_help(
-        "Safe vocabulary S = {a : p_T(a) >= min_p * max_b p_T(b)} for the actor's log-probs (old-log-prob and "
-        "training passes), a number in [0, 1); 0 = no min-p pruning, the safe vocabulary off. The vLLM rollout "
-        "must sample with the same min_p (tim-plugins' logits processor, see rollout_min_p_overrides) and report "
-        "processed log-probs."))
+        "Safe vocabulary S = {a : p_T(a) >= min_p * max_b p_T(b)}, then the rollout's own top_k / top_p, for the "
+        "actor's log-probs (old-log-prob and training passes), a number in [0, 1); 0 = no min-p pruning (the safe "
+        "vocabulary is then off unless tim.safe_vocab.enable=true). The vLLM rollout must sample with the same "
+        "min_p (tim-plugins' logits processor, see rollout_min_p_overrides) and report processed log-probs."))
+    enable: bool = field(default=False, metadata=field_help(
+        "The safe vocabulary without min-p pruning: the actor renormalises over the rollout's own top_k / top_p "
+        "cut as set (actor_rollout_ref.rollout.top_p < 1 or top_k > 0), which vLLM applies by itself, so no "
+        "logits processor is loaded and vLLM can also hand out its kept sets "
+        "(engine_kwargs.vllm.return_sampling_mask=true: replayed instead of recomputed). With min_p > 0 the "
+        "safe vocabulary is on anyway."))
     mask_boundary: bool = field(default=True, metadata=field_help(
         "Drop sampled tokens outside the trainer's S (boundary disagreements) from the loss."))
 
@@ -184,7 +191,12 @@ class SafeVocabSettings:
 
     @property
     def enabled(self) -> bool:
-        return self.min_p > 0.0
+        return self.min_p > 0.0 or self.enable
+
+    @property
+    def setting(self) -> str:
+        """The override that switched the safe vocabulary on, for messages."""
+        return f"tim.safe_vocab.min_p={self.min_p!r}" if self.min_p > 0.0 else "tim.safe_vocab.enable=True"
 
 
 @dataclass
@@ -432,16 +444,16 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
     # (megatron_engine.py _tim_check_config refuses the same on the worker)
     if megatron and tim.safe_vocab.enabled and arr.model.get("use_fused_kernels", False):
         problems.append(
-            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} with actor_rollout_ref.model.use_fused_kernels=True on a "
+            f"{tim.safe_vocab.setting} with actor_rollout_ref.model.use_fused_kernels=True on a "
             "Megatron actor: verl's fused Megatron forward computes the log-probs without the logits, so the safe "
             "vocabulary has nothing to truncate there. Fix: actor_rollout_ref.model.use_fused_kernels=false")
     if megatron and tim.safe_vocab.enabled and _topk_distillation(config.get("distillation")):
         mode = config.distillation.distillation_loss.get("loss_mode")
         problems.append(
-            f"tim.safe_vocab.min_p={tim.safe_vocab.min_p!r} with distillation.distillation_loss.loss_mode={mode!r} "
+            f"{tim.safe_vocab.setting} with distillation.distillation_loss.loss_mode={mode!r} "
             "(a top-k distillation) on a Megatron actor: the distillation loss reads the full-vocabulary student "
             "logits while the policy loss would read safe-vocabulary log-probs (megatron_engine.py refuses the same "
-            "on the worker). Fix: drop +tim.safe_vocab.min_p, or distillation.enabled=false")
+            "on the worker). Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or distillation.enabled=false")
     # the Megatron engine applies the decay through Megatron's own optimizer (megatron_engine.py): no optimizer_impl
     if tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
         problems.append(
@@ -454,10 +466,14 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             problems.append(
                 f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r}: pruning needs log-probs "
                 "renormalised over the kept set. Fix: actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
-    if tim.safe_vocab.enabled:
+    if tim.safe_vocab.enabled and tim.safe_vocab.min_p > 0.0:
         problem = _rollout_min_p_problem(arr.rollout, tim.safe_vocab.min_p)
         if problem is not None:
             (problems if arr.rollout.get("name") == "vllm" else notes).append(problem)
+    elif tim.safe_vocab.enabled:
+        problems.extend(_rollout_cut_problems(arr.rollout))
+    if asks_sampling_mask(config):  # (the safe vocabulary's own check above names a raw logprobs_mode already)
+        problems.extend(_sampling_mask_problems(config, logprobs_mode=not tim.safe_vocab.enabled))
     rollout_corr = (config.get("algorithm") or {}).get("rollout_correction") or {}
     if tim.monitor.enable and rollout_corr.get("bypass_mode", False):
         # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
@@ -485,6 +501,76 @@ def _topk_distillation(distillation: Any) -> bool:
         return bool(get_distillation_loss_settings(distillation.distillation_loss.loss_mode).use_topk)
     except ValueError:
         return True
+
+
+def asks_sampling_mask(config: Any) -> bool:
+    """Whether the run asks vLLM for its per-token kept sets: ``rollout.name=vllm`` and
+    ``engine_kwargs.vllm.return_sampling_mask`` true (verl forwards the node verbatim to vllm serve)."""
+    from omegaconf import OmegaConf
+
+    # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
+    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout", default=None)
+    if rollout is None or OmegaConf.select(rollout, "name", default=None) != "vllm":
+        return False
+    value = OmegaConf.select(rollout, "engine_kwargs.vllm.return_sampling_mask", default=False)
+    return value is True or str(value).lower() == "true"
+
+
+def _number(value: Any, default: float) -> float:
+    return default if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) else value
+
+
+def _rollout_cut_problems(rollout: Any) -> list[str]:
+    """Why the safe vocabulary without min-p (``tim.safe_vocab.enable``) cannot work with this rollout."""
+    top_p, top_k = _number(rollout.get("top_p"), 1.0), _number(rollout.get("top_k"), -1)
+    out = []
+    if top_p >= 1.0 and top_k <= 0:
+        out.append(
+            f"tim.safe_vocab.enable=True with tim.safe_vocab.min_p=0 and actor_rollout_ref.rollout.top_p={top_p!r}, "
+            f"top_k={top_k!r}: the sampler keeps the whole vocabulary, so there is no cut to renormalise over. Fix: "
+            "your sampler's actor_rollout_ref.rollout.top_p=<p < 1> and/or top_k=<k > 0>, or pruning of the "
+            f"extreme tail: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} " + " ".join(rollout_min_p_overrides(DEFAULT_MIN_P)))
+    engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
+    rollout_min_p = (engine.get("additional_config") or {}).get(_VLLM_MIN_P_KEY)
+    if _VLLM_MIN_P_PROCESSOR in {str(p) for p in engine.get("logits_processors") or []} \
+            and _number(rollout_min_p, 0.0) > 0.0:
+        out.append(
+            f"{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={rollout_min_p!r} with tim.safe_vocab.min_p=0: "
+            "the rollout prunes a min-p tail the actor keeps, so the ratio reads the pruned mass again. Fix: "
+            f"+tim.safe_vocab.min_p={rollout_min_p!r}, or drop the tim-plugins logits processor")
+    return out
+
+
+def _sampling_mask_problems(config: Any, *, logprobs_mode: bool = True) -> list[str]:
+    """What vLLM refuses beside ``return_sampling_mask`` (``VllmConfig._verify_sampling_replay_config`` at start-up,
+    and per request in ``InputProcessor``: temperature > 0, top_k > 0), in verl's names. A validation request
+    takes ``rollout.val_kwargs`` (verl's default: greedy, top_k -1), so a run that validates needs them too."""
+    # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences
+    rollout = config.actor_rollout_ref.rollout
+    engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
+    why = f"{VLLM_ENGINE_KWARGS}.return_sampling_mask=true (vLLM's kept sets, replayed by the actor): vLLM"
+    out = []
+    procs = engine.get("logits_processors") or []
+    if procs:
+        out.append(f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r} with {why} refuses custom logits processors. "
+                   "Fix: drop the logits processors; for the safe vocabulary over your top-p / top-k alone "
+                   "+tim.safe_vocab.enable=true with tim.safe_vocab.min_p=0")
+    if logprobs_mode and rollout.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
+        out.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r} with {why} needs "
+                   "processed log-probs. Fix: actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
+    sides = [("actor_rollout_ref.rollout", rollout)]
+    trainer = config.get("trainer") or {}
+    if _number(trainer.get("test_freq"), -1) > 0 or trainer.get("val_before_train", True):
+        sides.append(("actor_rollout_ref.rollout.val_kwargs", rollout.get("val_kwargs") or {}))
+    for path, sampling in sides:
+        top_k, temperature = _number(sampling.get("top_k"), -1), _number(sampling.get("temperature"), 1.0)
+        if top_k <= 0 or temperature <= 0:
+            out.append(f"{path}.top_k={sampling.get('top_k')!r}, {path}.temperature={sampling.get('temperature')!r} "
+                       f"with {why} refuses every request without top_k > 0 and temperature > 0 (it bounds the "
+                       f"sets' size). Fix: {path}.top_k=<k > 0> {path}.temperature=<T > 0>"
+                       + (" (or trainer.val_before_train=false trainer.test_freq=-1: no validation)"
+                          if path.endswith("val_kwargs") else ""))
+    return out
 
 
 def _rollout_min_p_problem(rollout: Any, min_p: float) -> str | None:

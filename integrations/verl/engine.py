@@ -51,7 +51,7 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         fused = self.engine_config.use_fused_kernels or self.model_config.use_fused_kernels
         if config.safe_vocab.enabled and fused and not hasattr(self._tim_lm_model(), "lm_head"):
             raise ValueError(
-                f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True on "
+                f"{config.safe_vocab.setting} with use_fused_kernels=True on "
                 f"{type(self._tim_lm_model()).__name__}, which has no lm_head: the safe vocabulary's fused head "
                 "needs the model's final hidden states and lm_head weight. Fix: "
                 "actor_rollout_ref.model.use_fused_kernels=false")

@@ -27,7 +27,8 @@ FINDING_FIXES = {
         "'+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
         "min_p:TIMMinPLogitsProcessor]' +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
         f"tim_min_p={DEFAULT_MIN_P:g} (the actor then applies the rollout's own truncation, min_p and "
-        "actor_rollout_ref.rollout.top_p / top_k as you set them, with or without fused kernels)",
+        "actor_rollout_ref.rollout.top_p / top_k as you set them, with or without fused kernels); with top_p / "
+        "top_k and no min-p pruning: +tim.safe_vocab.enable=true alone (no logits processor)",
     "temperature-mismatch":
         "actor_rollout_ref.rollout.temperature=T (the actor divides by the same value)",
     "sampler-penalties-unmatched":

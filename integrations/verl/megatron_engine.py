@@ -83,7 +83,7 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         # (use_fused_kernels: verl's fused forward computes the log-probs without the logits processor)
         if config.safe_vocab.enabled and self.engine_config.use_fused_kernels:
             raise ValueError(
-                f"tim.safe_vocab.min_p={config.safe_vocab.min_p!r} with use_fused_kernels=True on the Megatron "
+                f"{config.safe_vocab.setting} with use_fused_kernels=True on the Megatron "
                 "actor: verl's fused forward computes the log-probs without materialising the logits, so the safe "
                 "vocabulary has nothing to truncate there. Fix: actor_rollout_ref.model.use_fused_kernels=false")
 
@@ -157,9 +157,9 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
             return super()._lm_head_logits_processor(logits, label, temperature, **kwargs)
         if distillation_use_topk or distillation_only:
             raise ValueError(
-                f"tim.safe_vocab.min_p={self._tim.safe_vocab.min_p!r} with top-k distillation on the Megatron actor: "
+                f"{self._tim.safe_vocab.setting} with top-k distillation on the Megatron actor: "
                 "the distillation loss reads the full-vocabulary student logits while the policy loss would read "
-                "safe-vocabulary log-probs. Fix: drop +tim.safe_vocab.min_p, or turn the distillation off")
+                "safe-vocabulary log-probs. Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or turn the distillation off")
         if logits.shape[:2] != label.shape[:2]:
             raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(label.shape)}: verl's logits processor "
                              "expects the same leading [batch, sequence] shape")

@@ -119,13 +119,15 @@ def trainer_spec_from_config(config: Any) -> PipelineSpec:
              "model_dtype": str(_get(config, f"{a}.fsdp_config.model_dtype"))}
     # with the safe vocabulary the actor applies the rollout's truncation: tim's min_p, the rollout's top-p / top-k
     # (engine_mixin.TIMEngineMixin.tim_configure, ActorContext.truncation)
+    # (config.SafeVocabSettings: on with a min_p > 0, or with tim.safe_vocab.enable over the sampler's cut alone)
     tim_min_p = _get(config, "tim.safe_vocab.min_p", 0.0) or 0.0
+    tim_min_p = float(tim_min_p) if isinstance(tim_min_p, (int, float)) and not isinstance(tim_min_p, bool) else 0.0
     truncation = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
-    if isinstance(tim_min_p, (int, float)) and not isinstance(tim_min_p, bool) and tim_min_p > 0:
+    if tim_min_p > 0 or _get(config, "tim.safe_vocab.enable", False) is True:
         top_k = _get(config, "actor_rollout_ref.rollout.top_k", 0)
         truncation = {"top_p": _get(config, "actor_rollout_ref.rollout.top_p", 1.0),
                       "top_k": int(top_k) if top_k and int(top_k) > 0 else 0,  # verl's -1 is "off", as 0
-                      "min_p": float(tim_min_p)}
+                      "min_p": tim_min_p}
     return PipelineSpec(
         side="trainer", framework="verl-fsdp", dtype=normalize_dtype(dtype), lm_head_dtype=None,
         temperature=_get(config, "actor_rollout_ref.rollout.temperature"), **truncation,

@@ -25,7 +25,8 @@ from omegaconf import open_dict
 
 from tim_plugins.parity.findings import ParityError
 
-from .config import LAG_FIELD, TRAINER_MODE_PREFIX, ActorContext, TIMVerlConfig, check_composed_config
+from .config import (LAG_FIELD, TRAINER_MODE_PREFIX, ActorContext, TIMVerlConfig, asks_sampling_mask,
+                     check_composed_config)
 
 __all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "refuse_unread_tim_node", "register_tim_trainers", "run_startup_audit",
            "use_tim_actor_worker", "write_run_summary"]
@@ -34,19 +35,6 @@ logger = logging.getLogger(__name__)
 
 # First line of the start-up audit's printout (tests and log scrapers look for it).
 AUDIT_TITLE = "tim-plugins parity audit (vLLM rollout vs FSDP actor, from the composed config)"
-
-
-def _asks_sampling_mask(config) -> bool:
-    """Whether the run asks vLLM for its per-token kept sets: ``rollout.name=vllm`` and
-    ``engine_kwargs.vllm.return_sampling_mask`` true (verl forwards the node verbatim to vllm serve)."""
-    from omegaconf import OmegaConf
-
-    # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
-    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout", default=None)
-    if rollout is None or OmegaConf.select(rollout, "name", default=None) != "vllm":
-        return False
-    value = OmegaConf.select(rollout, "engine_kwargs.vllm.return_sampling_mask", default=False)
-    return value is True or str(value).lower() == "true"
 
 
 def run_startup_audit(config, tim: TIMVerlConfig, out=None):
@@ -79,7 +67,7 @@ def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
         # the sampler's truncation as set: the report's truncation section names these overrides
         "rollout sampling": json.dumps({k: arr.rollout.get(k) for k in ("top_p", "top_k", "temperature")}),
         # whether vLLM was asked for its kept sets: the report's truncation section says replay or recompute
-        "sampling mask": "true" if _asks_sampling_mask(config) else "false",
+        "sampling mask": "true" if asks_sampling_mask(config) else "false",
     }
     return write_summary(tim.dump.dir, framework="verl", title="Training-inference mismatch report (verl run)",
                          settings=settings, findings=None if findings is None else [f.to_dict() for f in findings])
@@ -116,7 +104,7 @@ class TIMTrainerMixin:
             from omegaconf import OmegaConf
 
             megatron = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None) == "megatron"
-            print(kept_set_line("verl", package_version("verl"), sampling_mask=_asks_sampling_mask(config),
+            print(kept_set_line("verl", package_version("verl"), sampling_mask=asks_sampling_mask(config),
                                 megatron=megatron))
         if tim.dump.enabled:
             write_run_summary(config, tim, findings)

@@ -359,4 +359,118 @@ def test_megatron_recipe_composes_and_the_safe_vocabulary_is_refused_only_with_f
     problems = found["forward_kl_topk"]
     assert len(problems) == 1 and "loss_mode='forward_kl_topk' (a top-k distillation) on a Megatron actor" in \
         problems[0], problems
-    assert "Fix: drop +tim.safe_vocab.min_p, or distillation.enabled=false" in problems[0]
+    assert "Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or distillation.enabled=false" in problems[0]
+
+
+def _without_min_p(model_path) -> list[str]:
+    """The recipe's overrides without its min-p pruning (the trainer's min_p and the vLLM processor)."""
+    return [o for o in recipe_overrides(model_path)
+            if not o.startswith("+tim.safe_vocab.min_p") and "engine_kwargs.vllm" not in o]
+
+
+def test_safe_vocabulary_over_the_sampler_cut_alone(toy_model_path):
+    """``+tim.safe_vocab.enable=true`` at min_p 0: the actor applies the rollout's own top-k / top-p as set (vLLM
+    applies them itself: no logits processor); refused with the fix when the sampler keeps the whole vocabulary,
+    or when the rollout still prunes a min-p tail the actor would keep."""
+    from tim_plugins.integrations.verl.config import ActorContext, check_composed_config
+    from tim_plugins.integrations.verl.parity_spec import trainer_spec_from_config
+    from tim_plugins.truncation import Truncation
+
+    sampler = ["actor_rollout_ref.rollout.top_p=0.8", "actor_rollout_ref.rollout.top_k=20"]
+    cfg = compose(_without_min_p(toy_model_path) + ["+tim.safe_vocab.enable=true"] + sampler)
+    tim, problems, notes = check_composed_config(cfg)
+    assert (problems, notes) == ([], [])
+    assert tim.safe_vocab.enabled and tim.safe_vocab.min_p == 0.0
+    context = ActorContext.from_config(cfg, asynchronous=False)
+    assert context.truncation(tim.safe_vocab.min_p) == Truncation(min_p=0.0, top_p=0.8, top_k=20, temperature=1.0,
+                                                                 order="vllm")
+    spec = trainer_spec_from_config(cfg)  # the audit sees the actor truncate as the sampler does
+    assert (spec.top_p, spec.top_k, spec.min_p) == (0.8, 20, 0.0)
+    assert _tim_of(compose(_without_min_p(toy_model_path) + sampler)).safe_vocab.enabled is False
+
+    _, problems, _ = check_composed_config(compose(_without_min_p(toy_model_path) + ["+tim.safe_vocab.enable=true"]))
+    assert len(problems) == 1 and "rollout.top_p=1" in problems[0] and "top_k=-1:" in problems[0], problems
+    assert "no cut to renormalise" in problems[0]
+    assert "Fix: your sampler's actor_rollout_ref.rollout.top_p=<p < 1>" in problems[0]
+
+    prunes = ["+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors="
+              "[tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor]",
+              "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=0.001"]
+    _, problems, _ = check_composed_config(
+        compose(_without_min_p(toy_model_path) + ["+tim.safe_vocab.enable=true"] + sampler + prunes))
+    assert len(problems) == 1 and "tim_min_p=0.001 with tim.safe_vocab.min_p=0" in problems[0], problems
+    assert "Fix: +tim.safe_vocab.min_p=0.001" in problems[0]
+
+
+def _tim_of(cfg):
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+
+    return TIMVerlConfig.from_node(cfg.get("tim"))
+
+
+# vLLM's own rules beside return_sampling_mask (the checks below restate them in verl's names)
+VLLM_REPLAY_RULES = {
+    "vllm.config.vllm:VllmConfig._verify_sampling_replay_config": (
+        "does not support custom logits processors", "logprobs_mode='processed_logprobs'"),
+    "vllm.v1.engine.input_processor:InputProcessor": (
+        "sampling distribution replay requires temperature > 0", "sampling distribution replay requires top_k > 0"),
+}
+
+
+def test_vllm_still_has_the_replay_rules_the_adapter_checks():
+    import importlib
+    import inspect
+
+    for where, phrases in VLLM_REPLAY_RULES.items():
+        module, _, qualname = where.partition(":")
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        source = inspect.getsource(obj)
+        for phrase in phrases:
+            assert phrase in source, (where, phrase)
+
+
+REPLAY = ["+tim.safe_vocab.enable=true", "actor_rollout_ref.rollout.top_p=0.8", "actor_rollout_ref.rollout.top_k=20",
+          "+actor_rollout_ref.rollout.engine_kwargs.vllm.return_sampling_mask=true",
+          "trainer.val_before_train=false", "trainer.test_freq=-1"]
+
+
+@pytest.mark.parametrize("change, quoted", [
+    (["actor_rollout_ref.rollout.top_k=-1"], "actor_rollout_ref.rollout.top_k=-1"),
+    (["actor_rollout_ref.rollout.temperature=0"], "actor_rollout_ref.rollout.temperature=0"),
+    (["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"], "logprobs_mode='raw_logprobs': pruning needs"),
+    (["trainer.val_before_train=true"], "actor_rollout_ref.rollout.val_kwargs.top_k=-1"),
+    (["trainer.test_freq=5"], "val_kwargs.temperature=0"),
+    (["+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[my.pkg:Proc]"],
+     "refuses custom logits processors"),
+])
+def test_what_vllm_refuses_beside_its_kept_sets_stops_the_run_at_start_up(toy_model_path, change, quoted):
+    """``engine_kwargs.vllm.return_sampling_mask=true`` (the actor replays vLLM's kept sets): what vLLM refuses
+    with it (at start-up, or per request: top_k > 0, temperature > 0; a validation request takes val_kwargs,
+    greedy by verl's default) is a problem before any worker starts, quoting the value and the fix."""
+    from tim_plugins.integrations.verl.config import check_composed_config
+
+    base = _without_min_p(toy_model_path) + REPLAY
+    tim, problems, _ = check_composed_config(compose(base))
+    assert problems == [] and tim.safe_vocab.enabled
+    _, problems, _ = check_composed_config(compose(base + change))
+    assert len(problems) == 1 and quoted in problems[0], problems
+    assert "Fix: " in problems[0]
+    if "logprobs_mode" not in change[0]:  # (a raw logprobs_mode is the safe vocabulary's own problem already)
+        assert "return_sampling_mask=true" in problems[0]
+    if change == ["trainer.val_before_train=true"]:  # the fix it quotes
+        fixed = base + change + ["actor_rollout_ref.rollout.val_kwargs.top_k=20",
+                                 "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
+        assert check_composed_config(compose(fixed))[1] == []
+
+
+def test_min_p_pruning_with_vllm_kept_sets_is_refused_with_the_way_out(toy_model_path):
+    """The recipe's min-p pruning loads tim-plugins' logits processor, which vLLM refuses beside
+    return_sampling_mask: the fix names the safe vocabulary over the sampler's own cut."""
+    from tim_plugins.integrations.verl.config import check_composed_config
+
+    cfg = compose(recipe_overrides(toy_model_path) + REPLAY[1:])
+    _, problems, _ = check_composed_config(cfg)
+    assert len(problems) == 1 and "refuses custom logits processors" in problems[0], problems
+    assert "+tim.safe_vocab.enable=true with tim.safe_vocab.min_p=0" in problems[0]

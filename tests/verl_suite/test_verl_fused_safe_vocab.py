@@ -105,3 +105,24 @@ def test_the_sampler_truncation_reaches_the_trainer_log_probs(dist, toy_model_pa
     mask = raw["response_mask"].bool()
     kept = mask & (got > -1e3) & torch.isfinite(got)
     assert kept.any() and ((got - full)[kept] > 1e-3).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_sampler_cut_alone_at_min_p_zero(dist, toy_model_path, fused):
+    """``tim.safe_vocab.enable`` at min_p 0: the actor renormalises over the rollout's top-k / top-p alone (no
+    min-p pruning), on the logits path and the fused head: a kept token's log-prob exceeds its full-vocabulary one
+    (the reference: verl's engine without tim) by -log(kept mass) > 0, at most top_k tokens are kept, and the mass
+    the cut drops is what the metrics report as pruned."""
+    td, raw = H.make_batch(VOCAB, batch=4, seed=5)
+    full = H.old_log_probs_padded(H.infer(H.build_engine(toy_model_path), td), td)  # before any fused engine exists
+    eng = H.build_engine(toy_model_path, fused=fused)
+    eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"enable": True}}),
+                      context=SAMPLER)
+    got = H.old_log_probs_padded(H.infer(eng, td, fused=fused), td)
+    metrics = eng.tim_pop_metrics()
+    eng.tim_deconfigure()
+    mask = raw["response_mask"].bool()
+    kept = mask & (got > -1e3) & torch.isfinite(got)
+    assert kept.any() and ((got - full)[kept] > 1e-3).all()
+    assert 0 < metrics["tim/safe_vocab/size_mean"] <= SAMPLER.top_k
+    assert 0 < metrics["tim/safe_vocab/pruned_mass_mean"] < 1

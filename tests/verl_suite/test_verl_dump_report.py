@@ -1,14 +1,19 @@
 """verl's own ``python -m verl.trainer.main_ppo`` (V1 trainer, GRPO, FSDP2 actor, vLLM CPU-build rollout, the toy
 model) with a mismatch injected from step 3 on (``cpu_site/inject_mismatch.py``: the rollout's stored log-probs
 shifted by ±DELTA token by token, seen by verl's own metrics and by tim's monitor alike), fp32 on both sides before
-it. One run, 5 steps, checks what #38 asks of verl:
+it, sampling with a user's ``top_p=0.8`` / ``top_k=20`` and verl's fused kernels kept as set, and the safe vocabulary
+over that cut alone (``+tim.safe_vocab.enable=true``: no min-p pruning, no logits processor in vLLM; #48). One run,
+5 steps, checks what #38 asks of verl:
 
 - the LR decay's ``kl_k3`` signal fires through verl's engine and optimizer at the injected step, as the core
   controller replayed on the logged series says, and the effective LR verl logs follows;
 - ``+tim.dump.dir`` writes the same per-token Parquet dump as TRL (a file per global step and DP rank, the sampled
   sequences with their token ids), whose per-step k3 recomputed naively equals the logged one;
 - ``tim-plugins report <tim.dump.dir>`` renders it: the start-up audit with the fix column in verl's terms and the
-  largest disagreements decoded with the run's tokenizer (the model folder named in the driver's summary.json).
+  largest disagreements decoded with the run's tokenizer (the model folder named in the driver's summary.json);
+- and what #48 asks of a verl run that keeps its sampler and kernels: the actor renormalises over the sampler's own
+  cut (the ratio is 1 to fp32 noise before the injection, where a full-vocabulary actor reads the kept mass), the
+  kept set is said to be recomputed at start-up, and the report's truncation section names the overrides as set.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ K3_REL = 1e-4
 # The dump stores float32 log-probs (the monitor's inputs) and the monitor accumulates in float64: a naive float64 k3
 # over the dump's rows agrees to float32 rounding of d (~1e-7 relative at |d| ~ DELTA, summed).
 DUMP_K3_REL = 1e-5
+# A user's nucleus and top-k sampling and verl's fused kernels (its torch backend), kept as set.
+TOP_P, TOP_K = 0.8, 20
+USER_SAMPLER = [f"actor_rollout_ref.rollout.top_p={TOP_P}", f"actor_rollout_ref.rollout.top_k={TOP_K}",
+                "actor_rollout_ref.model.use_fused_kernels=true"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +73,9 @@ def run(tmp_path_factory, toy_model_path):
         "+tim.dump.sample_rate=1.0",
         # two optimizer steps per batch: the second trains on a stale batch (the split's staleness part)
         "actor_rollout_ref.actor.ppo_epochs=2",
+        *USER_SAMPLER,
+        "+tim.safe_vocab.enable=true",
+        "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
     ]
     result = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log",
                             extra_env={"TIM_TEST_INJECT_MISMATCH": f"{INJECT_FROM}:{DELTA}"})
@@ -74,15 +86,50 @@ def run(tmp_path_factory, toy_model_path):
 
 
 def test_k3_is_fp32_noise_then_the_injected_mismatch_as_verl_measures_it(run):
+    """verl's k3 counts every response token, tim's leaves out the sampled tokens outside the actor's recomputed
+    kept set (boundary tokens, at most one a step with fp32 on both sides): compared on the steps without one."""
     result, _, _ = run
     assert sorted(result.steps) == list(range(1, STEPS + 1))
+    compared = 0
     for step, m in sorted(result.steps.items()):
         k3 = m["tim/token/kl_k3"]
         if step < INJECT_FROM:
             assert 0.0 <= k3 < FP32_K3_MAX, step
         else:
             assert K3_LO * (1 - 1e-3) < k3 < K3_HI * (1 + 1e-3), (step, k3)
-            assert k3 == pytest.approx(m["rollout_corr/k3_kl"], rel=K3_REL), step
+            if m["tim/safe_vocab/boundary_frac"] == 0.0:
+                compared += 1
+                assert k3 == pytest.approx(m["rollout_corr/k3_kl"], rel=K3_REL), step
+    assert compared >= 1, "every injected step had a boundary token: nothing compared with verl's k3"
+
+
+def test_the_actor_renormalises_over_the_samplers_own_cut(run):
+    """``+tim.safe_vocab.enable=true`` with the user's top_p / top_k and fused kernels: before the injection the
+    ratio is 1 to fp32 noise (a full-vocabulary actor would read the kept mass, ~0.8: verl #6240, trl #6789), the
+    actor really cut (kept mass in (0, 1), at most top_k tokens kept), at most one sampled token a step falls on the
+    other side of the recomputed cut, and every response token is counted (verl's response_length × samples)."""
+    result, _, _ = run
+    for step, m in sorted(result.steps.items()):
+        tokens = m["tim/safe_vocab/tokens"]
+        assert tokens == m["response_length/mean"] * 8, step  # 4 prompts x 2 samples
+        assert m["tim/safe_vocab/boundary_frac"] * tokens <= 1.0, step
+        assert m["tim/tokens"] == round(tokens * (1 - m["tim/safe_vocab/boundary_frac"])), step
+        assert 0.0 < m["tim/safe_vocab/pruned_mass_mean"] <= m["tim/safe_vocab/pruned_mass_max"] < 1.0, step
+        assert 1.0 <= m["tim/safe_vocab/size_mean"] <= TOP_K, step
+        if step < INJECT_FROM:
+            assert abs(m["tim/token/ratio_mean"] - 1.0) < 1e-3, step
+            # what the same actor over the whole vocabulary reads instead: ρ ≈ the kept mass, far from 1
+            assert 1.0 - m["tim/safe_vocab/pruned_mass_mean"] < 1.0 - 1e-2, step
+
+
+def test_the_kept_set_line_says_recompute_once(run):
+    import importlib.metadata
+
+    from tim_plugins.kept_set import kept_set_line
+
+    result, _, _ = run
+    line = kept_set_line("verl", importlib.metadata.version("verl"))
+    assert "kept set by recompute" in line and result.output.count(line) == 1
 
 
 def test_the_k3_signal_fires_at_the_injected_step_as_the_core_controller_replays_it(run):
@@ -153,6 +200,10 @@ def test_tim_plugins_report_renders_the_verl_dump(run, tmp_path):
     assert not timed_out and proc.returncode == 0, proc.stdout[-3000:]
     html = out.read_text()
     assert "Parity audit" in html and "fix (verl)" in html
+    # the truncation section, in verl's overrides as the run set them (not a min_p=0 it never wrote)
+    assert "Truncation (safe vocabulary)" in html and "Kept set: recompute." in html
+    assert (f"+tim.safe_vocab.enable=true actor_rollout_ref.rollout.top_p={TOP_P:g} "
+            f"actor_rollout_ref.rollout.top_k={TOP_K} ") in html
     # the driver's per-step tim/* series beside the dump (the LR panel draws it)
     from tim_plugins.dump import read_log_history
 

@@ -84,15 +84,18 @@ def _g(x) -> str:
 def settings_line(summary: dict) -> str | None:
     """The truncation settings as the user writes them in the run's framework, or None when the summary does not
     record them. TRL: ``GRPOConfig(top_p=..., top_k=..., min_p=..., temperature=...)`` and ``TIMConfig(safe_vocab=True
-    [, safe_vocab_min_p=...])``; verl: the ``+tim.safe_vocab.min_p=...`` and ``actor_rollout_ref.rollout.*``
-    overrides."""
+    [, safe_vocab_min_p=...])``; verl: the override that switched the safe vocabulary on (``+tim.safe_vocab.min_p=...``
+    with min-p pruning, else ``+tim.safe_vocab.enable=true``) and the ``actor_rollout_ref.rollout.*`` overrides."""
     framework, settings = summary.get("framework"), summary.get("settings") or {}
     if framework == "verl":
         tim = _mapping(settings.get("tim"))
         sampling = _mapping(settings.get("rollout sampling"))
         parts = []
-        min_p = (tim.get("safe_vocab") or {}).get("min_p")
-        if min_p is not None:
+        safe = tim.get("safe_vocab") or {}
+        min_p = safe.get("min_p")
+        if not min_p and safe.get("enable"):  # SafeVocabSettings.setting: the cut alone, no min-p pruning
+            parts.append("+tim.safe_vocab.enable=true")
+        elif min_p is not None:
             parts.append(f"+tim.safe_vocab.min_p={_g(min_p)}")
         parts += [f"actor_rollout_ref.rollout.{k}={_g(sampling[k])}" for k in ("top_p", "top_k", "temperature")
                   if sampling.get(k) is not None]

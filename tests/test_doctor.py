@@ -105,8 +105,8 @@ def _package_sources(name: str):
 def test_kept_set_row_says_recompute_because_the_framework_does_not_carry_the_mask(dist, name):
     """The doctor's kept-set row for each installed trainer framework: "recompute", with the installed version (from
     importlib.metadata) and the reason. The reason is checked against the installed framework's own source: no
-    file of it names vLLM's ``sampling_mask``, so no rollout batch of it can carry the engine's kept set (when one
-    does, replay can be wired and this row must change)."""
+    file of it names vLLM's ``sampling_mask``, so no rollout batch of it carries the engine's kept set by itself (when
+    one does, this row must change); the row names tim-plugins' way to carry it."""
     from tim_plugins.apps.doctor import _kept_sets, _versions
 
     version = _version(dist)
@@ -120,7 +120,10 @@ def test_kept_set_row_says_recompute_because_the_framework_does_not_carry_the_ma
     after = rows[rows.index("kept set (safe vocabulary):") + 1:]
     row = next(r for r in after if r.startswith(f"  {name}: "))
     assert row.startswith(f"  {name}: recompute: {name} {version} does not carry vLLM's sampling_mask")
-    assert "tim_plugins.replay" in row
+    # and how to replay: verl's rollout setting (the actor replays, tim_plugins.replay), TRL's engine_kept_sets()
+    from tim_plugins.kept_set import TRL_SAMPLING_MASK_CONTEXT, VERL_SAMPLING_MASK_OVERRIDE
+
+    assert (TRL_SAMPLING_MASK_CONTEXT if dist == "trl" else VERL_SAMPLING_MASK_OVERRIDE) in row
 
 
 def test_no_kept_set_rows_without_a_trainer_framework():

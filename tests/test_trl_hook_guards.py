@@ -46,6 +46,7 @@ FEATURE_RELEASES = {
     "safe_vocab_fused_head": ("1.16", None), "safe_vocab_logits": ("1.9", "1.14"),
     "parity_audit_server": ("1.16", None),  # VLLMClient.get_server_info
     "async_monitor": ("1.16", None),  # the packed AsyncGRPOTrainer (trl.experimental.async_grpo.packing)
+    "kept_set_replay": ("1.9", None),  # the colocate LLM global and generate call (TRL 1.9 and 1.16 read alike)
 }
 
 

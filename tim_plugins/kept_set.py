@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FRAMEWORK_NAMES", "KeptSet", "VERL_SAMPLING_MASK_OVERRIDE", "kept_set", "kept_set_line"]
+__all__ = ["FRAMEWORK_NAMES", "KeptSet", "TRL_SAMPLING_MASK_CONTEXT", "VERL_SAMPLING_MASK_OVERRIDE", "kept_set",
+           "kept_set_line"]
 
 # framework key (``summary.json``'s "framework", the adapters' names) -> how the text names it
 FRAMEWORK_NAMES = {"trl": "TRL", "verl": "verl"}
@@ -28,14 +29,17 @@ class KeptSet:
 
 # The verl rollout setting that makes vLLM return its kept sets (tim-plugins' rollout server then carries them).
 VERL_SAMPLING_MASK_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.vllm.return_sampling_mask=true"
+# What builds TRL's colocate engine with them (integrations/trl/kept_sets.py; the callback then captures them).
+TRL_SAMPLING_MASK_CONTEXT = "tim_plugins.integrations.trl.engine_kept_sets()"
 
 
 def kept_set(framework: str | None, version: str | None = None, *, sampling_mask: bool = False,
              megatron: bool = False) -> KeptSet:
     """The kept set a run of ``framework`` ("trl", "verl"; ``version``: the installed one, named in the reason) uses
-    with the safe vocabulary. ``sampling_mask``: the run asks vLLM for its per-token kept sets (verl:
-    ``engine_kwargs.vllm.return_sampling_mask``), which only the verl adapter carries to the trainer; TRL and a verl
-    run without it recompute; so does verl's Megatron actor (``megatron``), whose engine does not read the sets."""
+    with the safe vocabulary. ``sampling_mask``: the run's engine hands out its per-token kept sets and the adapter
+    carries them to the trainer (verl: ``engine_kwargs.vllm.return_sampling_mask``, FSDP actor; TRL: the colocate
+    engine built inside ``engine_kept_sets()``); a run without them recomputes, and so does verl's Megatron actor
+    (``megatron``), whose engine does not read the sets."""
     name = FRAMEWORK_NAMES.get(framework or "", framework or "this framework")
     named = f"{name} {version}" if version else name
     if framework == "verl" and sampling_mask and megatron:
@@ -54,10 +58,21 @@ def kept_set(framework: str | None, version: str | None = None, *, sampling_mask
                                     f"with {VERL_SAMPLING_MASK_OVERRIDE} (vLLM with Model Runner V2, a GPU build, "
                                     "and no logits processor: +tim.safe_vocab.enable=true over your top_k / top_p), "
                                     "and the actor then replays the engine's own set (tim_plugins.replay)")
+    if framework == "trl" and sampling_mask:
+        return KeptSet("replay", "TRL's colocate vLLM engine returns its per-token kept sets (built inside "
+                                 f"{TRL_SAMPLING_MASK_CONTEXT}) and tim-plugins captures them from the engine's "
+                                 "outputs; the fused lm_head renormalises over exactly those sets in each call whose "
+                                 "rows all have them (others recompute, counted in tim/diag/kept_sets_fallback); vLLM "
+                                 "accepts the setting only with Model Runner V2 (a GPU build) and top_k > 0")
+    if framework == "trl":
+        return KeptSet("recompute", f"{named} does not carry vLLM's sampling_mask (the sampler's kept set per token) "
+                                    "from the engine into the training batch, so the trainer recomputes the sampler's "
+                                    "cut on its own logits; to replay the engine's own set, build the trainer inside "
+                                    f"{TRL_SAMPLING_MASK_CONTEXT} with vllm_mode='colocate' and top_k > 0 (vLLM with "
+                                    "Model Runner V2, a GPU build; TRL's vLLM server mode does not return the sets)")
     return KeptSet("recompute", f"{named} does not carry vLLM's sampling_mask (the sampler's kept set per token) from "
                                 "the engine into the training batch, so the trainer recomputes the sampler's cut on "
-                                "its own logits; the core can replay an engine's own set (tim_plugins.replay) once "
-                                "the framework passes it through")
+                                "its own logits")
 
 
 def kept_set_line(framework: str | None, version: str | None = None, *, sampling_mask: bool = False,

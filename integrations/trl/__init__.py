@@ -7,9 +7,10 @@ neither, so its data module ``.fixes`` loads without them (the offline report).
 
 from importlib import import_module
 
-__all__ = ["TIMCallback", "TIMConfig", "TIMState"]
+__all__ = ["TIMCallback", "TIMConfig", "TIMState", "engine_kept_sets"]
 
-_HOME = {"TIMCallback": ".callback", "TIMState": ".callback", "TIMConfig": ".config"}
+_HOME = {"TIMCallback": ".callback", "TIMState": ".callback", "TIMConfig": ".config",
+         "engine_kept_sets": ".kept_sets"}
 
 
 def __getattr__(name: str):

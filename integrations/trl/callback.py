@@ -49,8 +49,9 @@ from tim_plugins.truncation import Truncation
 from . import features, hooks, translate
 from ._exact_scoring import exact_scorer
 from .async_grpo import AsyncAttachment, is_async_grpo
-from ._parity import run_audit
+from ._parity import _live_llm, run_audit
 from .config import TIMConfig
+from .kept_sets import KeptSetStore, engine_returns_kept_sets
 
 __all__ = ["TIMCallback", "TIMState"]
 
@@ -125,6 +126,7 @@ class TIMCallback(TrainerCallback):
         self.state_carrier.bind(self)
         self.features_off: list[Status] = []  # switched off: an upstream hook they need moved (features.py)
         self.safe_route: Feature | None = None
+        self.kept_sets: KeptSetStore | None = None  # the engine's kept sets, replayed (kept_sets.py)
         self._async: AsyncAttachment | None = None
         if not config.enabled:
             return
@@ -158,7 +160,9 @@ class TIMCallback(TrainerCallback):
             self.safe_route, _ = features.safe_vocab_route()
             if self.safe_route is not None:
                 self.truncation = translate.safe_truncation(trainer, config)  # configuration mistakes fail here
-                logger.info(kept_set_line("trl", self.trl_version))  # replay or recompute, and why
+                self.kept_sets = self._kept_set_store(trainer)
+                # replay or recompute, and why
+                logger.info(kept_set_line("trl", self.trl_version, sampling_mask=self.kept_sets is not None))
             else:
                 self._available(features.safe_vocab_status())
         loss_factor = True
@@ -168,6 +172,14 @@ class TIMCallback(TrainerCallback):
             self.injector = TailNoiseInjector.from_config(config.inject_options)
         return translate.pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
                                          loss_factor=loss_factor)
+
+    def _kept_set_store(self, trainer) -> KeptSetStore | None:
+        """A store for the engine's kept sets when the colocate engine hands them out (built inside
+        ``kept_sets.engine_kept_sets``) and the fused head's route is on; else None (the cut is recomputed)."""
+        llm = _live_llm(trainer)
+        if self.safe_route is not features.SAFE_VOCAB_FUSED_HEAD or llm is None or not engine_returns_kept_sets(llm):
+            return None
+        return KeptSetStore() if self._available(check(features.KEPT_SET_REPLAY)) else None
 
     def _async_config(self, trainer, config: TIMConfig) -> PipelineConfig:
         """AsyncGRPOTrainer (``async_grpo.py``): the monitor by policy lag; what needs GRPOTrainer is switched off."""
@@ -212,18 +224,40 @@ class TIMCallback(TrainerCallback):
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn
         if self.rollout_source in ("hf", "exact", "inject"):
             wrappers.append((t, "_generate_single_turn", self._wrap_single_turn))
+        # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration.generate (the live engine's generate)
+        if self.kept_sets is not None:
+            wrappers.append((_live_llm(t), "generate", self._wrap_engine_generate))
         self._installation.install(wrappers)
 
-    def _safe_patch(self) -> Patch:
+    def _safe_patch(self, arguments: dict) -> Patch:
         """The safe-vocab stand-in for the module global TRL's log-prob call looks up, installed for one call of this
-        trainer's ``_get_per_token_logps_and_entropies`` (other trainers in the process never see it)."""
+        trainer's ``_get_per_token_logps_and_entropies`` (bound ``arguments``; other trainers in the process never
+        see it)."""
         if self.safe_route is features.SAFE_VOCAB_FUSED_HEAD:
             # hooks.TRL_SOURCES trl.trainer.utils:_ChunkedLogProbFunction, read by add_fused_lm_head
             import trl.trainer.utils as trl_utils
 
+            def unsupported():
+                self.pipeline.count("safe_vocab_unsupported_head")
+
+            if self.kept_sets is not None:
+                try:
+                    chunks = iter(self.kept_sets.for_call(
+                        arguments["input_ids"], arguments["attention_mask"], arguments["logits_to_keep"],
+                        arguments.get("batch_size")) or ())
+                except Exception as err:  # those rows recompute (counted per head call below)
+                    self.pipeline.count("kept_sets_unreadable", detail=repr(err))
+                    chunks = iter(())
+
+                def next_sets(n_rows: int):
+                    chunk = next(chunks, None)
+                    return None if chunk is None else chunk.for_rows(n_rows)
+
+                return Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.ReplayHead(
+                    original, self.truncation, self._on_safe_call, unsupported, next_sets,
+                    lambda: self.pipeline.count("kept_sets_fallback")))
             return Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.SafeVocabHead(
-                original, self.truncation, self._on_safe_call,
-                lambda: self.pipeline.count("safe_vocab_unsupported_head")))
+                original, self.truncation, self._on_safe_call, unsupported))
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:selective_log_softmax (TRL 1.9 - 1.13)
         import trl.trainer.grpo_trainer as grpo
 
@@ -268,6 +302,8 @@ class TIMCallback(TrainerCallback):
             settings = {"model": getattr(self.trainer.model.config, "name_or_path", None),
                         "trainer": type(self.trainer).__name__, "trl": self.trl_version,
                         "rollout log-probs": self.rollout_source,
+                        # the engine's kept sets replayed (kept_sets.py): the report's truncation section says so
+                        "sampling mask": "true" if self.kept_sets is not None else "false",
                         # the report's truncation section speaks these (GRPOConfig / TIMConfig words)
                         "GRPOConfig sampling": {k: getattr(self.trainer.args, k, None)
                                                 for k in ("top_p", "top_k", "min_p", "temperature")},
@@ -306,6 +342,8 @@ class TIMCallback(TrainerCallback):
             if not self.trainer.model.training:
                 return original(*args, **kwargs)
             self._call.gen_safe, self._call.unsupported_batch = [], False
+            if self.kept_sets is not None:  # this batch's sets replace the previous batch's
+                self.kept_sets.clear()
             try:
                 out = original(*args, **kwargs)
                 self._on_generation_batch(out, self._call.gen_safe)
@@ -362,7 +400,7 @@ class TIMCallback(TrainerCallback):
                 # nobody samples from, so the sampler's truncation does not apply to it (docs/trl.md)
                 return original(*args, **kwargs)
             self._call.safe_calls = [] if self.truncation is not None else None
-            scoped = self._safe_patch() if self.truncation is not None else None
+            scoped = self._safe_patch(arguments) if self.truncation is not None else None
             try:
                 result = original(*args, **kwargs)
                 calls = self._call.safe_calls
@@ -382,6 +420,17 @@ class TIMCallback(TrainerCallback):
             return result
 
         return _get_per_token_logps_and_entropies
+
+    def _wrap_engine_generate(self, original):
+        def generate(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            try:
+                self.kept_sets.record(outputs)
+            except Exception as err:  # a malformed mask costs the replay of those rows (recomputed), not the step
+                self.pipeline.count("kept_sets_unreadable", detail=repr(err))
+            return outputs
+
+        return generate
 
     def _on_safe_call(self, fields) -> None:
         if self._call.safe_calls is not None:

@@ -23,7 +23,7 @@ import re
 from tim_plugins.capabilities import Feature, Hook, Status, check
 
 __all__ = ["ASYNC_MONITOR", "ASYNC_UNSUPPORTED", "ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER",
-           "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS", "SAFE_VOCAB_ROUTES", "SERVER_AUDIT",
+           "KEPT_SET_REPLAY", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS", "SAFE_VOCAB_ROUTES", "SERVER_AUDIT",
            "async_unsupported", "feature", "safe_vocab_route", "safe_vocab_status", "trl_features"]
 
 _GRPO = "trl.trainer.grpo_trainer"
@@ -156,6 +156,19 @@ SERVER_AUDIT = Feature(
     "parity_audit_server", "parity audit of a vLLM server's settings (vllm_mode='server')", "trl", needs=("trl",),
     extra="trl", fix=_UPGRADE, hooks=(_INIT_VLLM, Hook("trl.generation.vllm_client", "VLLMClient.get_server_info")))
 
+# kept_sets.py: the colocate engine built with return_sampling_mask (engine_kept_sets replaces the module global LLM
+# that VLLMGeneration._init_vllm calls), its generate outputs captured (VLLMGeneration.generate calls self.llm.generate
+# and takes the prompt and completion ids from the outputs) and replayed in the fused head's per-token kernel
+_VLLM_GENERATION = "trl.generation.vllm_generation"
+KEPT_SET_REPLAY = Feature(
+    "kept_set_replay", "the engine's kept sets replayed (vLLM colocate, return_sampling_mask)", "trl",
+    needs=("trl",), extra="trl", fix="pip install vllm (a GPU build: return_sampling_mask needs Model Runner V2)",
+    hooks=(_INIT_VLLM, Hook(_VLLM_GENERATION, "LLM"),
+           Hook(_VLLM_GENERATION, "VLLMGeneration.generate", fragments=(
+               "all_outputs = self.llm.generate(vllm_prompts, sampling_params=sampling_params",
+               "all_prompt_ids = [output.prompt_token_ids for output in all_outputs]",
+               "all_completion_ids = [output.token_ids for outputs in all_outputs for output in outputs.outputs]"))))
+
 # AsyncGRPOTrainer (TRL >= 1.16, trl.experimental): the policy lag of each trained token (async_grpo.py)
 _ASYNC = "trl.experimental.async_grpo.async_grpo_trainer"
 ASYNC_MONITOR = Feature(
@@ -192,7 +205,7 @@ def async_unsupported(name: str) -> Status:
 
 
 FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, ENGINE_AUDIT, SERVER_AUDIT,
-            ASYNC_MONITOR)
+            KEPT_SET_REPLAY, ASYNC_MONITOR)
 
 
 def feature(name: str) -> Feature:

@@ -23,10 +23,11 @@ from typing import Any, Callable
 import torch
 
 from tim_plugins.patching import Patch
+from tim_plugins.replay import replay_logprobs_from_hidden
 from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_hidden, safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation
 
-__all__ = ["Installation", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES"]
+__all__ = ["Installation", "ReplayHead", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,13 @@ TRL_SOURCES = {
         "self.vllm_client = VLLMClient(...)",
     ("trl.generation.vllm_client", "VLLMClient.get_server_info"):
         "() -> the 'vllm_config' tree of the server's GET /server_info?config_format=json",
+    ("trl.generation.vllm_generation", "LLM"):
+        "vllm.LLM, a module global that VLLMGeneration._init_vllm looks up when it builds the colocate engine "
+        "(kept_sets.engine_kept_sets adds return_sampling_mask=True inside its block)",
+    ("trl.generation.vllm_generation", "VLLMGeneration.generate"):
+        "colocate: one all_outputs = self.llm.generate(vllm_prompts, sampling_params=...) per generation, whose "
+        "outputs' prompt_token_ids and outputs[].token_ids become the batch's prompt and completion ids (the "
+        "callback captures each completion's sampling_mask from the same outputs, kept_sets.KeptSetStore)",
     ("trl.trainer.utils", "_ChunkedLogProbFunction"):
         "looked up at call time by add_fused_lm_head; .apply(hidden, weight, bias, targets, temperature, "
         "chunk_size, final_logit_softcapping, logit_scale, outputs)",
@@ -103,7 +111,10 @@ TRL_SOURCE_FEATURES = {
     ("trl.trainer.grpo_trainer", "GRPOTrainer._get_per_token_logps_and_entropies"): ("monitor", *_SAFE_VOCAB),
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"): ("hf_recorder", "exact_sampler"),
     ("trl.trainer.grpo_trainer", "GRPOTrainer.log"): ("monitor",),
-    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"): ("parity_audit_engine", "parity_audit_server"),
+    ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"):
+        ("parity_audit_engine", "parity_audit_server", "kept_set_replay"),
+    ("trl.generation.vllm_generation", "LLM"): ("kept_set_replay",),
+    ("trl.generation.vllm_generation", "VLLMGeneration.generate"): ("kept_set_replay",),
     ("trl.generation.vllm_client", "VLLMClient.get_server_info"): ("parity_audit_server",),
     ("trl.trainer.utils", "_ChunkedLogProbFunction"): ("safe_vocab_fused_head",),
     ("trl.trainer.grpo_trainer", "selective_log_softmax"): ("safe_vocab_logits",),
@@ -185,6 +196,37 @@ class SafeVocabHead:
         res = safe_logprobs_from_hidden(
             hidden, weight, targets, min_p=t.min_p, temperature=float(temperature) / float(logit_scale),
             top_p=t.top_p, top_k=t.top_k, order=t.order, compute_entropy="entropy" in outputs)
+        self.sink(SafeLogprobs(None, res.in_safe.detach(), res.pruned_mass.detach(), res.size))
+        extra = (None, None, None)
+        if any(name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")):
+            with torch.no_grad():
+                extra = tuple(self.original.apply(*args)[2:])
+        return (res.logprobs, res.entropy, *extra)
+
+
+class ReplayHead(SafeVocabHead):
+    """``SafeVocabHead`` over the engine's own kept sets (``kept_sets.py``): each call takes its rows' sets from
+    ``next_sets(n_rows)`` (the callback's queue for this log-prob call, in TRL's chunk order) and renormalises over
+    them (``tim_plugins.replay``); where there are none (a row without captured sets) it recomputes the cut as
+    ``SafeVocabHead`` does and calls ``fallback()``."""
+
+    def __init__(self, original, truncation: Truncation, sink: Callable[[SafeLogprobs], None],
+                 unsupported: Callable[[], None], next_sets: Callable[[int], Any],
+                 fallback: Callable[[], None]) -> None:
+        super().__init__(original, truncation, sink, unsupported)
+        self.next_sets, self.fallback = next_sets, fallback
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("log_probs",)):
+        args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
+        kept = self.next_sets(targets.numel())
+        if kept is None or bias is not None or final_logit_softcapping is not None:
+            if kept is None:
+                self.fallback()
+            return super().apply(*args)
+        res = replay_logprobs_from_hidden(hidden, weight, targets, kept.to(hidden.device),
+                                          temperature=float(temperature) / float(logit_scale),
+                                          compute_entropy="entropy" in outputs)
         self.sink(SafeLogprobs(None, res.in_safe.detach(), res.pruned_mass.detach(), res.size))
         extra = (None, None, None)
         if any(name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")):

@@ -196,9 +196,14 @@ class SafeVocabHead:
         res = safe_logprobs_from_hidden(
             hidden, weight, targets, min_p=t.min_p, temperature=float(temperature) / float(logit_scale),
             top_p=t.top_p, top_k=t.top_k, order=t.order, compute_entropy="entropy" in outputs)
+        return self._returned(res, args)
+
+    def _returned(self, res: SafeLogprobs, args: tuple) -> tuple:
+        """What TRL's kernel returns, from the safe-set result (its fields go to the sink); the outputs the core
+        does not compute (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``) from TRL's own kernel, without grad."""
         self.sink(SafeLogprobs(None, res.in_safe.detach(), res.pruned_mass.detach(), res.size))
         extra = (None, None, None)
-        if any(name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")):
+        if any(name in args[-1] for name in ("log_sum_sq_probs", "mean_logits", "is_top1")):
             with torch.no_grad():
                 extra = tuple(self.original.apply(*args)[2:])
         return (res.logprobs, res.entropy, *extra)
@@ -227,12 +232,7 @@ class ReplayHead(SafeVocabHead):
         res = replay_logprobs_from_hidden(hidden, weight, targets, kept.to(hidden.device),
                                           temperature=float(temperature) / float(logit_scale),
                                           compute_entropy="entropy" in outputs)
-        self.sink(SafeLogprobs(None, res.in_safe.detach(), res.pruned_mass.detach(), res.size))
-        extra = (None, None, None)
-        if any(name in outputs for name in ("log_sum_sq_probs", "mean_logits", "is_top1")):
-            with torch.no_grad():
-                extra = tuple(self.original.apply(*args)[2:])
-        return (res.logprobs, res.entropy, *extra)
+        return self._returned(res, args)
 
 
 class SafeLogSoftmax:

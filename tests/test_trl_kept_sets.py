@@ -20,6 +20,7 @@ import inspect
 import logging
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,7 +151,8 @@ class PolicyCalls:
 
 @pytest.fixture(scope="module")
 def replay_run(cpu_engine, toy_model_path, tmp_path_factory, caplog_module):
-    trainer = make_trainer(toy_model_path, tmp_path_factory.mktemp("trl_kept_sets"), use_vllm=True,
+    tmp = tmp_path_factory.mktemp("trl_kept_sets")
+    trainer = make_trainer(toy_model_path, tmp, use_vllm=True,
                            vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128,
                            max_steps=2, loss_type="grpo", top_k=TOP_K, top_p=TOP_P, min_p=MIN_P)
     llm = trainer.vllm_generation.llm
@@ -158,7 +160,7 @@ def replay_run(cpu_engine, toy_model_path, tmp_path_factory, caplog_module):
     llm.llm_engine.vllm_config.model_config.return_sampling_mask = True
     engine = EngineSets(trainer)
     calls = PolicyCalls(trainer, engine)
-    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True))
+    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True, dump_dir=str(tmp / "tim_dump")))
     trainer.add_callback(cb)
     trainer.train()
     return trainer, cb, engine, calls
@@ -283,3 +285,14 @@ def test_the_replay_head_recomputes_and_counts_where_it_has_no_sets():
         ref = z[i, targets[i]] - torch.logsumexp(z[i, ids], 0)
         assert abs(float(got[0][i]) - float(ref)) < 1e-5, i
     assert fell == [1] and bool(sink[-1].in_safe.all())
+
+
+def test_the_report_says_the_run_replayed(replay_run):
+    """The run's summary records the replay; the report's truncation section reads it from there."""
+    from tim_plugins.report import read_summary
+    from tim_plugins.report.truncation import _kept_set
+
+    trainer, cb, _, _ = replay_run
+    summary = read_summary(Path(cb.config.dump_dir))
+    assert summary["settings"]["sampling mask"] == "true"
+    assert _kept_set(summary).mode == "replay"

@@ -237,8 +237,11 @@ def test_the_store_hands_each_head_call_its_rows_sets_in_either_layout():
     completions = [(11, 12, 13), (14, 15), (16, 17, 18)]
     sets = [[[11, 1], [12, 2], [13, 3]], [[14], [15, 4]], [[16, 5], [17], [18, 6, 7]]]
     store = KeptSetStore()
-    store.record(_outputs(prompts, completions, sets) + _outputs([(1,)], [(2,)], [None]))
+    # one completion without a mask, one whose mask has a set too few: left out, the second with the reason
+    problems = store.record(_outputs(prompts, completions, sets) + _outputs([(1,), (2,)], [(2,), (3, 4)],
+                                                                           [None, [[3]]]))
     assert len(store) == 3 and store.without_mask == 1
+    assert len(problems) == 1 and "1 kept sets for 2 generated tokens" in problems[0]
     # row 2's completion masked after its second token (as TRL's completion mask after an EOS would)
     input_ids = torch.tensor([[5, 6, 7, 11, 12, 13], [pad, 8, 9, 14, 15, pad], [pad, pad, 10, 16, 17, 18]])
     attention = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 0]])

@@ -424,10 +424,12 @@ class TIMCallback(TrainerCallback):
     def _wrap_engine_generate(self, original):
         def generate(*args, **kwargs):
             outputs = original(*args, **kwargs)
-            try:
-                self.kept_sets.record(outputs)
-            except Exception as err:  # a malformed mask costs the replay of those rows (recomputed), not the step
-                self.pipeline.count("kept_sets_unreadable", detail=repr(err))
+            try:  # a malformed mask costs the replay of those rows (recomputed), not the step
+                problems = self.kept_sets.record(outputs)
+            except Exception as err:
+                problems = [repr(err)]
+            for problem in problems:
+                self.pipeline.count("kept_sets_unreadable", detail=problem)
             return outputs
 
         return generate

@@ -115,8 +115,10 @@ class KeptSetStore:
         self._sets.clear()
         self._by_prompt.clear()
 
-    def record(self, outputs: Iterable[Any]) -> None:
-        """``vllm.LLM.generate``'s outputs: each completion's sets under its prompt and completion ids."""
+    def record(self, outputs: Iterable[Any]) -> list[str]:
+        """``vllm.LLM.generate``'s outputs: each completion's sets under its prompt and completion ids. Returns why
+        each completion whose mask could not be read was left out (its rows then recompute)."""
+        problems = []
         for request in outputs:
             prompt = tuple(int(t) for t in request.prompt_token_ids)
             for completion in request.outputs:
@@ -124,9 +126,16 @@ class KeptSetStore:
                     self.without_mask += 1
                     continue
                 key = (prompt, tuple(int(t) for t in completion.token_ids))
-                if key not in self._sets:
-                    self._sets[key] = kept = kept_sets_from_completion(completion)
-                    self._by_prompt.setdefault(prompt, []).append((key[1], kept))
+                if key in self._sets:
+                    continue
+                try:
+                    kept = kept_sets_from_completion(completion)
+                except ValueError as err:  # e.g. not one set per generated token
+                    problems.append(str(err))
+                    continue
+                self._sets[key] = kept
+                self._by_prompt.setdefault(prompt, []).append((key[1], kept))
+        return problems
 
     def lookup(self, prompt: tuple[int, ...], completion: tuple[int, ...]) -> KeptSets | None:
         """The sets of ``completion``'s tokens after ``prompt``: an exact match, else a captured completion that

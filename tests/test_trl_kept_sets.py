@@ -33,6 +33,7 @@ from test_trl_callback import _logged, make_trainer  # noqa: E402
 from trl_cpu_vllm import cpu_sync_weights, llm_with  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig, engine_kept_sets  # noqa: E402
+from tim_plugins.integrations.trl.kept_sets import ENGINE_KWARG, engine_returns_kept_sets  # noqa: E402
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
@@ -69,6 +70,17 @@ def test_engine_kept_sets_reaches_vllms_own_config_and_is_undone(cpu_engine, toy
             make_trainer(toy_model_path, tmp_path, use_vllm=True, vllm_mode="colocate",
                          vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128, top_k=TOP_K, top_p=TOP_P)
     assert cpu_engine.LLM is before
+
+
+def test_vllm_still_reads_the_setting_where_the_callback_looks():
+    """VLLM_SOURCES vllm.config:ModelConfig.return_sampling_mask (vLLM >= 0.31), the live engine's model config
+    the callback reads (LLM.__init__ llm_engine, LLMEngine.__init__ vllm_config)."""
+    import dataclasses
+
+    from vllm.config import ModelConfig
+
+    assert ENGINE_KWARG in {f.name for f in dataclasses.fields(ModelConfig)}
+    assert ModelConfig.__dataclass_fields__[ENGINE_KWARG].default is False
 
 
 class EngineSets:
@@ -156,8 +168,10 @@ def replay_run(cpu_engine, toy_model_path, tmp_path_factory, caplog_module):
                            vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128,
                            max_steps=2, loss_type="grpo", top_k=TOP_K, top_p=TOP_P, min_p=MIN_P)
     llm = trainer.vllm_generation.llm
+    assert not engine_returns_kept_sets(llm)  # built outside engine_kept_sets(): the cut would be recomputed
     # what a GPU engine built inside engine_kept_sets() reports; vLLM's own request checks then apply as well
     llm.llm_engine.vllm_config.model_config.return_sampling_mask = True
+    assert engine_returns_kept_sets(llm)
     engine = EngineSets(trainer)
     calls = PolicyCalls(trainer, engine)
     cb = TIMCallback(trainer, TIMConfig(safe_vocab=True, dump_dir=str(tmp / "tim_dump")))

@@ -44,8 +44,8 @@ def engine_kept_sets() -> Iterator[None]:
     """Build TRL's colocate vLLM engine inside this block with ``return_sampling_mask=True``::
 
         with engine_kept_sets():
-            trainer = GRPOTrainer(model, args=GRPOConfig(use_vllm=True, vllm_mode="colocate", top_k=20, top_p=0.8),
-                                  ...)
+            trainer = GRPOTrainer(model, args=GRPOConfig(use_vllm=True, vllm_mode="colocate", top_k=20, top_p=0.8,
+                                                         min_p=1e-5), ...)
         trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
 
     Raises, before anything is built, when the installed TRL moved the call it relies on (with the reason)."""
@@ -73,7 +73,7 @@ def engine_kept_sets() -> Iterator[None]:
 def engine_returns_kept_sets(llm: Any) -> bool:
     """Whether a live ``vllm.LLM`` was started with ``return_sampling_mask`` (its own model config)."""
     # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine), vllm.v1.engine.llm_engine:LLMEngine.__init__
-    # (vllm_config); vllm.config.model:ModelConfig.return_sampling_mask
+    # (vllm_config), vllm.config:ModelConfig (return_sampling_mask)
     config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "model_config", None)
     return bool(getattr(config, ENGINE_KWARG, False))
 

@@ -79,7 +79,8 @@ VLLM_SOURCES = {
         "additional_config (a dict, passed through from the engine args), model_config, cache_config, "
         "scheduler_config, compilation_config, device_config",
     ("vllm.config", "ModelConfig"):
-        "dtype, head_dtype, logprobs_mode, quantization, logits_processors (the registered names or classes)",
+        "dtype, head_dtype, logprobs_mode, quantization, logits_processors (the registered names or classes); "
+        "vLLM >= 0.31: return_sampling_mask (default False; TRL's kept-set replay reads it on the live engine)",
     ("vllm.config.model", "_get_head_dtype"):
         "hf_overrides head_dtype: a dtype name -> that dtype for the lm_head, 'model' -> the model dtype, "
         "unset -> the model dtype for generative models",

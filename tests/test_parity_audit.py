@@ -327,8 +327,9 @@ def test_truncation_fix_keeps_the_users_sampling_first():
     """The first fix offered for a truncating sampler keeps it: the trainer applies the same truncation."""
     rollout, trainer = matched_pair(top_p=0.8)
     (finding,) = [f for f in audit(rollout, trainer) if f.code == "sampler-truncation-unmatched"]
-    trl = finding.fix["trl"]
-    assert trl.index("TIMConfig(safe_vocab=True)") < trl.index("GRPOConfig(min_p=") < trl.index("top_p=1.0")
+    trl = finding.fix["trl"]  # TRL keeps it as set too: no min-p to add
+    assert trl.startswith("keep your sampling: TIMConfig(safe_vocab=True)") and "GRPOConfig(min_p=" not in trl
+    assert trl.index("TIMConfig(safe_vocab=True)") < trl.index("top_p=1.0")
     verl = finding.fix["verl"]  # verl keeps the sampling outright: the actor applies top_p / top_k as set
     assert verl.startswith("keep your sampling: ") and f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g}" in verl
     assert "top_p=1.0" not in verl and "use_fused_kernels=false" not in verl

@@ -198,12 +198,13 @@ def test_off_is_spelled_alike_and_is_off(name, trl, verl):
 
 
 def test_min_p_zero_is_no_pruning_in_both():
-    """verl's off (``min_p=0``) means "no min-p pruning" in TRL too: taken, and refused where it would be the safe
-    set (``safe_vocab=True``), with the fix."""
+    """``min_p=0`` means "no min-p pruning" in both: verl's safe vocabulary is then off unless ``enable`` switches it
+    on, TRL's switch is ``safe_vocab`` itself; on, either renormalises over the sampler's top-k / top-p alone (whether
+    the sampler cuts at all is checked against the trainer's settings when the adapter starts)."""
     assert TIMConfig(safe_vocab_min_p=0.0).safe_vocab_min_p == 0.0
+    assert TIMConfig(safe_vocab=True, safe_vocab_min_p=0.0).safe_vocab_min_p == 0.0
     assert not TIMVerlConfig.from_node({"safe_vocab": {"min_p": 0}}).safe_vocab.enabled
-    with pytest.raises(ValueError, match=r"safe_vocab_min_p=0.0 with safe_vocab=True is invalid: .*Fix:"):
-        TIMConfig(safe_vocab=True, safe_vocab_min_p=0.0)
+    assert TIMVerlConfig.from_node({"safe_vocab": {"min_p": 0, "enable": True}}).safe_vocab.enabled
 
 
 def _verl_probe(**options):

@@ -37,8 +37,7 @@ from tim_plugins.integrations.trl.kept_sets import ENGINE_KWARG, engine_returns_
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
-TOP_K, TOP_P = 20, 0.8
-MIN_P = 1e-5  # TRL's safe vocabulary needs GRPOConfig.min_p (vLLM prunes that tail natively)
+TOP_K, TOP_P = 20, 0.8  # the user's sampling as set: no min-p
 # fp32 trainer against a float64 reference over sets of <= TOP_K + 1 tokens: the fused head's chunked fp32 sums
 FP32_ABS = 2e-5
 # what the extra token changes: log(1 + p_extra / kept mass) on every position where it carries mass
@@ -166,7 +165,7 @@ def replay_run(cpu_engine, toy_model_path, tmp_path_factory, caplog_module):
     tmp = tmp_path_factory.mktemp("trl_kept_sets")
     trainer = make_trainer(toy_model_path, tmp, use_vllm=True,
                            vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128,
-                           max_steps=2, loss_type="grpo", top_k=TOP_K, top_p=TOP_P, min_p=MIN_P)
+                           max_steps=2, loss_type="grpo", top_k=TOP_K, top_p=TOP_P)
     llm = trainer.vllm_generation.llm
     assert not engine_returns_kept_sets(llm)  # built outside engine_kept_sets(): the cut would be recomputed
     # what a GPU engine built inside engine_kept_sets() reports; vLLM's own request checks then apply as well

@@ -119,6 +119,56 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
 
 
 
+def test_safe_vocab_over_the_samplers_top_k_top_p_alone(toy_model_path, tmp_path):
+    """A user's ``top_p`` / ``top_k`` as set and no min-p: ``TIMConfig(safe_vocab=True)`` renormalises the trainer's
+    log-probs over the sampler's own cut (HF order, top-k then top-p), equal to the core function on a plain forward
+    at the same weights; the sampler's processed log-probs are renormalised over the same cut, so the monitor reads
+    fp32 noise where a full-vocabulary trainer reads the kept mass."""
+    from tim_plugins.safe_vocab import safe_logprobs_from_logits
+
+    trainer = make_trainer(toy_model_path, tmp_path, top_p=0.8, top_k=10, max_steps=1)
+    assert trainer.args.min_p is None
+    refs = []
+    orig_loss = trainer._compute_loss
+
+    def _compute_loss(model, inputs, *a, **k):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        t = inputs["completion_ids"].size(1)
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1]
+            res = safe_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1),
+                                            min_p=0.0, top_p=0.8, top_k=10, temperature=trainer.temperature,
+                                            order="hf")
+        refs.append((inputs, res.logprobs.view(-1, t), res.size.view(-1, t)))
+        return orig_loss(model, inputs, *a, **k)
+
+    trainer._compute_loss = _compute_loss
+    cap = Capture(trainer)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
+    trainer.train()
+    assert refs and cap.losses
+    for (inputs, ref_lp, size), (_, _, used_lp) in zip(refs, cap.losses):
+        valid = inputs["completion_mask"].bool()
+        assert torch.allclose(used_lp[valid], ref_lp[valid], rtol=0, atol=2e-5)
+        assert int(size[valid].max()) <= 10  # the cut, not the whole vocabulary
+    logged = _logged(trainer, 1)
+    assert logged["tim/token/abs_diff_max"] < 1e-4 and abs(logged["tim/token/ratio_mean"] - 1.0) < 1e-4
+    assert 0.0 < logged["tim/safe_vocab/pruned_mass_mean"] < 1.0 and logged["tim/safe_vocab/boundary_frac"] == 0.0
+
+
+def test_safe_vocab_refuses_a_sampler_that_cuts_nothing(toy_model_path, tmp_path):
+    """No min-p, top_p 1 and no top-k: no kept set to renormalise over; refused when the callback is created, with
+    the values, the rule and the fixes."""
+    trainer = make_trainer(toy_model_path, tmp_path, top_p=1.0, max_steps=1)
+    with pytest.raises(ValueError) as err:
+        TIMCallback(trainer, TIMConfig(safe_vocab=True, safe_vocab_min_p=0.0))
+    msg = str(err.value)
+    assert "GRPOConfig(min_p=None, top_p=1.0" in msg and "safe_vocab_min_p=0.0" in msg
+    assert "which needs a cut: a min-p > 0, a top_p < 1 or a top_k > 0" in msg
+    assert "Fix: GRPOConfig(min_p=1e-05)" in msg and "safe_vocab=False" in msg
+
+
 def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path, tmp_path):
     """beta > 0: TRL's reference log-probs (its KL regulariser) are the reference model's full-vocabulary ones, as
     verl's reference worker computes them: the safe-vocabulary head applies to the policy's call only. The

@@ -34,11 +34,15 @@ def test_trl_run_report_has_the_truncation_section(toy_model_path, tmp_path, cap
         trainer.train()
     version = importlib.metadata.version("trl")
     lines = [r.getMessage() for r in caplog.records if "kept set" in r.getMessage()]
-    assert lines == [f"tim-plugins: safe vocabulary: kept set by recompute (TRL {version} does not carry vLLM's "
-                     "sampling_mask (the sampler's kept set per token) from the engine into the training batch, so the "
-                     "trainer recomputes the sampler's cut on its own logits; the core can replay an engine's own set "
-                     "(tim_plugins.replay) once the framework passes it through; tokens the sampler kept but the "
-                     "trainer's recomputed set excludes are counted in tim/safe_vocab/boundary_frac)."]
+    from tim_plugins.kept_set import kept_set_line
+
+    assert lines == [kept_set_line("trl", version)]  # once, from the one source the doctor and the report share
+    assert lines[0].startswith(f"tim-plugins: safe vocabulary: kept set by recompute (TRL {version} does not carry "
+                               "vLLM's sampling_mask (the sampler's kept set per token) from the engine into the "
+                               "training batch, so the trainer recomputes the sampler's cut on its own logits; to "
+                               "replay the engine's own set, build the trainer inside "
+                               "tim_plugins.integrations.trl.engine_kept_sets() with vllm_mode='colocate'")
+    assert lines[0].endswith("are counted in tim/safe_vocab/boundary_frac).")
 
     logged = {h["step"]: h for h in trainer.state.log_history if "tim/safe_vocab/tokens" in h}
     assert sorted(logged) == [1, 2]

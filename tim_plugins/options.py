@@ -5,8 +5,9 @@ The options of each capability are the core's own dataclasses (``DumpConfig``, `
 ``ParityProbeConfig``, ...: their defaults and checks); what lives here is what those classes do not hold:
 
 * ``check_min_p``: the safe vocabulary's min-p, a number in [0, 1); 0 = no min-p pruning. verl's
-  ``tim.safe_vocab.min_p`` is the safe vocabulary's switch (0 = off); TRL's ``safe_vocab_min_p`` accepts 0 too, and
-  ``safe_vocab=True`` with it is refused (the safe vocabulary needs a pruning min-p, ``SAFE_VOCAB_NEEDS_MIN_P``).
+  ``tim.safe_vocab.min_p`` > 0 switches the safe vocabulary on (at 0, ``tim.safe_vocab.enable`` does); TRL's switch is
+  ``safe_vocab=True`` and its ``safe_vocab_min_p`` accepts 0 too. Either way at min-p 0 the kept set is the sampler's
+  top-k / top-p cut alone, refused at start-up where the sampler cuts nothing (``SAFE_VOCAB_NEEDS_A_CUT``).
 * ``probe_config``: when the live probe is on and with which limits. On: ``ParityProbeConfig`` with its defaults
   for the limits not given (``kl_k3_max=1e-3``). Off: None, whatever limits are given. Not said (verl's older
   spelling, a limit without ``tim.probe.enable``): on with only the limits given.
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_P_RULE",
-    "SAFE_VOCAB_NEEDS_MIN_P",
+    "SAFE_VOCAB_NEEDS_A_CUT",
     "check_min_p",
     "min_p_accepted",
     "probe_config",
@@ -58,7 +59,8 @@ __all__ = [
 ]
 
 MIN_P_RULE = "must be a number in [0, 1) (0 = no min-p pruning)"
-SAFE_VOCAB_NEEDS_MIN_P = "the safe vocabulary is the tail a min-p > 0 prunes"
+SAFE_VOCAB_NEEDS_A_CUT = ("the safe vocabulary renormalises over the sampler's kept set, which needs a cut: a "
+                          "min-p > 0, a top_p < 1 or a top_k > 0")
 
 
 def min_p_accepted(value: Any) -> bool:
@@ -239,7 +241,7 @@ TRL_ONLY = {
     "safe_vocab": "the safe vocabulary's switch (verl: tim.safe_vocab.min_p > 0, or tim.safe_vocab.enable)",
 }
 VERL_ONLY: dict[str, str] = {
-    "safe_vocab.enable": "the safe vocabulary over the sampler's own top-k / top-p at min-p 0: verl's rollout has no "
-                         "min-p of its own (TRL's GRPOConfig.min_p reaches vLLM natively, and its safe_vocab needs a "
-                         "min-p > 0, SAFE_VOCAB_NEEDS_MIN_P)",
+    "safe_vocab.enable": "the safe vocabulary's switch at min-p 0 (over the sampler's own top-k / top-p): verl's "
+                         "tim.safe_vocab.min_p > 0 is its switch otherwise; TRL's switch is safe_vocab=True at any "
+                         "min-p",
 }

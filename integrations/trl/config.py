@@ -20,7 +20,7 @@ from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig
 from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
-from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, SAFE_VOCAB_NEEDS_MIN_P, check_min_p,
+from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, check_min_p,
                                  dependency_problems, dump_dir_accepted, type_problem)
 from tim_plugins.parity.probe import ParityProbeConfig
 from tim_plugins.pipeline import PipelineConfig
@@ -83,14 +83,15 @@ class TIMConfig:
     # -------------------------------------------------------------------------------------- safe vocab
     safe_vocab: bool = field(
         default=False,
-        metadata=field_help("Compute the policy log-probs over the safe vocabulary (tail pruned by min_p) and mask "
-                       "boundary tokens (sampled but outside the trainer's safe set) out of the loss"),
+        metadata=field_help("Compute the policy log-probs over the safe vocabulary (the sampler's kept set: its "
+                       "min_p, top_k and top_p as set in GRPOConfig) and mask boundary tokens (sampled but outside "
+                       "the trainer's safe set) out of the loss"),
     )
     safe_vocab_min_p: Optional[float] = field(
         default=None,
-        metadata=field_help("min_p of the safe set, a number in [0, 1) (0 = no min-p pruning, which safe_vocab "
-                            "refuses); None = GRPOConfig.min_p (the sampler's own min_p, so both sides prune the same "
-                            "tail); verl: tim.safe_vocab.min_p"),
+        metadata=field_help("min_p of the safe set, a number in [0, 1) (0 = no min-p pruning: the safe set is then "
+                            "the sampler's top_k / top_p cut alone); None = GRPOConfig.min_p (the sampler's own "
+                            "min_p, so both sides prune the same tail); verl: tim.safe_vocab.min_p"),
     )
     mask_boundary_tokens: bool = field(
         default=True, metadata=field_help("With safe_vocab: drop sampled tokens outside the trainer's safe set from the loss"),
@@ -161,11 +162,6 @@ class TIMConfig:
             self.safe_vocab_min_p = check_min_p(
                 self.safe_vocab_min_p, "TIMConfig.safe_vocab_min_p",
                 f"safe_vocab_min_p={DEFAULT_MIN_P:g}, or None to use GRPOConfig.min_p")
-            if self.safe_vocab and self.safe_vocab_min_p == 0.0:
-                raise ValueError(
-                    f"TIMConfig.safe_vocab_min_p=0.0 with safe_vocab=True is invalid: {SAFE_VOCAB_NEEDS_MIN_P}, and 0 "
-                    f"prunes nothing. Fix: safe_vocab_min_p={DEFAULT_MIN_P:g} (or "
-                    "None to use GRPOConfig.min_p), or safe_vocab=False")
         if self.dump_dir != "" and not dump_dir_accepted(self.dump_dir):  # "": no dump, as it always was
             raise ValueError(f"TIMConfig.dump_dir={self.dump_dir!r} is invalid: {DUMP_DIR_RULE}. Fix: "
                              "dump_dir='/path/to/tim_dump' or dump_dir=None")

@@ -4,8 +4,6 @@ GRPO run. Data only: importing it imports no framework (the offline report reads
 
 from __future__ import annotations
 
-from tim_plugins.truncation import DEFAULT_MIN_P
-
 __all__ = ["FINDING_FIXES", "FRAMEWORK", "NAME", "PART_FIXES", "RUNS_ON"]
 
 FRAMEWORK = "trl"
@@ -28,9 +26,9 @@ FINDING_FIXES = {
     "logprobs-mode-not-processed":
         "colocate and `trl vllm-serve` set it; a plain `vllm serve` needs --logprobs-mode processed_logprobs",
     "sampler-truncation-unmatched":
-        f"keep your sampling: TIMConfig(safe_vocab=True) with GRPOConfig(min_p={DEFAULT_MIN_P:g}) makes the trainer "
-        "apply the sampler's own min_p, top_p and top_k (token ratio back to 1); or top_p=1.0, top_k=0, "
-        "min_p=None (the GRPO trainer itself applies no truncation)",
+        "keep your sampling: TIMConfig(safe_vocab=True) makes the trainer apply the sampler's own min_p, top_p and "
+        "top_k as set in GRPOConfig (token ratio back to 1); or top_p=1.0, top_k=0, min_p=None (the GRPO trainer "
+        "itself applies no truncation)",
     "temperature-mismatch":
         "temperature=T (one field drives both sides; server mode must not override it)",
     "sampler-penalties-unmatched":

@@ -44,8 +44,8 @@ def engine_kept_sets() -> Iterator[None]:
     """Build TRL's colocate vLLM engine inside this block with ``return_sampling_mask=True``::
 
         with engine_kept_sets():
-            trainer = GRPOTrainer(model, args=GRPOConfig(use_vllm=True, vllm_mode="colocate", top_k=20, top_p=0.8,
-                                                         min_p=1e-5), ...)
+            trainer = GRPOTrainer(model, args=GRPOConfig(use_vllm=True, vllm_mode="colocate", top_k=20, top_p=0.8),
+                                  ...)
         trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
 
     Raises, before anything is built, when the installed TRL moved the call it relies on (with the reason)."""

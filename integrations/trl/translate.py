@@ -10,6 +10,7 @@ import logging
 import torch
 
 from tim_plugins.by_key import lag_keys
+from tim_plugins.options import SAFE_VOCAB_NEEDS_A_CUT
 from tim_plugins.pipeline import PipelineConfig, TrainingSetup, old_logprobs
 from tim_plugins.pipeline import pipeline_config as core_pipeline_config
 from tim_plugins.safe_vocab import SafeLogprobs
@@ -65,12 +66,16 @@ def safe_truncation(trainer, config: TIMConfig) -> Truncation:
     # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_k, top_p, temperature, use_vllm; the
     # safe-vocabulary routes of features.py)
     args = trainer.args
-    min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else args.min_p
-    if min_p is None or min_p <= 0:
+    min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else (args.min_p or 0.0)
+    top_p = float(trainer.top_p if trainer.top_p is not None else 1.0)
+    top_k = max(int(trainer.top_k or 0), 0)
+    if min_p <= 0 and top_p >= 1.0 and top_k == 0:
         raise ValueError(
-            f"TIMConfig.safe_vocab=True needs a min_p: GRPOConfig.min_p={args.min_p!r} and "
-            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}. Set GRPOConfig(min_p={DEFAULT_MIN_P:g}) so the "
-            f"sampler prunes the same tail the trainer excludes (tim_plugins.truncation.DEFAULT_MIN_P).")
+            f"TIMConfig.safe_vocab=True with GRPOConfig(min_p={args.min_p!r}, top_p={trainer.top_p!r}, "
+            f"top_k={trainer.top_k!r}) and TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}: "
+            f"{SAFE_VOCAB_NEEDS_A_CUT}, and this sampler keeps the whole vocabulary. Fix: GRPOConfig(min_p="
+            f"{DEFAULT_MIN_P:g}) (the extreme tail pruned on both sides, tim_plugins.truncation.DEFAULT_MIN_P), or "
+            "your top_p < 1 / top_k > 0, or safe_vocab=False")
     if args.min_p is not None and config.safe_vocab_min_p is not None and args.min_p != config.safe_vocab_min_p:
         logger.warning("tim_plugins: safe_vocab_min_p=%g differs from GRPOConfig.min_p=%g: the trainer's safe set "
                        "is not the sampler's", config.safe_vocab_min_p, args.min_p)
@@ -81,9 +86,7 @@ def safe_truncation(trainer, config: TIMConfig) -> Truncation:
     if softcap is not None:
         raise ValueError(f"TIMConfig.safe_vocab=True: final_logit_softcapping={softcap!r} is not supported by the "
                          "safe-vocab head; use safe_vocab=False for this model.")
-    top_k = int(trainer.top_k or 0)
-    return Truncation(min_p=float(min_p), top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
-                      top_k=max(top_k, 0), temperature=float(trainer.temperature),
+    return Truncation(min_p=float(min_p), top_p=top_p, top_k=top_k, temperature=float(trainer.temperature),
                       order="vllm" if trainer.use_vllm else "hf")  # validates, quoting values
 
 

@@ -165,7 +165,9 @@ def test_safe_vocab_refuses_a_sampler_that_cuts_nothing(toy_model_path, tmp_path
         TIMCallback(trainer, TIMConfig(safe_vocab=True, safe_vocab_min_p=0.0))
     msg = str(err.value)
     assert "GRPOConfig(min_p=None, top_p=1.0" in msg and "safe_vocab_min_p=0.0" in msg
-    assert "which needs a cut: a min-p > 0, a top_p < 1 or a top_k > 0" in msg
+    from tim_plugins.options import SAFE_VOCAB_NEEDS_A_CUT  # the rule verl's tim.safe_vocab.enable states too
+
+    assert SAFE_VOCAB_NEEDS_A_CUT in msg and SAFE_VOCAB_NEEDS_A_CUT.endswith("a min-p > 0, a top_p < 1 or a top_k > 0")
     assert "Fix: GRPOConfig(min_p=1e-05)" in msg and "safe_vocab=False" in msg
 
 

@@ -16,8 +16,8 @@ from tim_plugins._config import coerce_options, core_field, field_help
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import LRDecayConfig
 from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
-from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, check_min_p, dependency_problems,
-                                 dump_dir_accepted, probe_config, type_problem)
+from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, SAFE_VOCAB_NEEDS_A_CUT, check_min_p,
+                                 dependency_problems, dump_dir_accepted, probe_config, type_problem)
 from tim_plugins.pipeline import PipelineConfig, TrainingSetup, pipeline_config
 from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, check_probe_values
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
@@ -527,7 +527,8 @@ def _rollout_cut_problems(rollout: Any) -> list[str]:
     if top_p >= 1.0 and top_k <= 0:
         out.append(
             f"tim.safe_vocab.enable=True with tim.safe_vocab.min_p=0 and actor_rollout_ref.rollout.top_p={top_p!r}, "
-            f"top_k={top_k!r}: the sampler keeps the whole vocabulary, so there is no cut to renormalise over. Fix: "
+            f"top_k={top_k!r}: {SAFE_VOCAB_NEEDS_A_CUT}, and the sampler keeps the whole vocabulary, so there is no "
+            "cut to renormalise over. Fix: "
             "your sampler's actor_rollout_ref.rollout.top_p=<p < 1> and/or top_k=<k > 0>, or pruning of the "
             f"extreme tail: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} " + " ".join(rollout_min_p_overrides(DEFAULT_MIN_P)))
     engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}

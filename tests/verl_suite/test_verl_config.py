@@ -391,6 +391,9 @@ def test_safe_vocabulary_over_the_sampler_cut_alone(toy_model_path):
     _, problems, _ = check_composed_config(compose(_without_min_p(toy_model_path) + ["+tim.safe_vocab.enable=true"]))
     assert len(problems) == 1 and "rollout.top_p=1" in problems[0] and "top_k=-1:" in problems[0], problems
     assert "no cut to renormalise" in problems[0]
+    from tim_plugins.options import SAFE_VOCAB_NEEDS_A_CUT  # the rule TRL's safe vocabulary states too
+
+    assert SAFE_VOCAB_NEEDS_A_CUT in problems[0]
     assert "Fix: your sampler's actor_rollout_ref.rollout.top_p=<p < 1>" in problems[0]
 
     prunes = ["+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors="

@@ -45,6 +45,31 @@ def test_a_safe_vocab_route_is_available():
     assert ROUTE is not None and features.safe_vocab_status().available
 
 
+def _safe_references(trainer, **truncation) -> list:
+    """Wrap the trainer's ``_compute_loss`` (test-side, before the callback attaches): per loss call, (inputs, the
+    core function's safe-vocab result [B, T] on a plain forward's full logits at the same weights, TRL's advantages
+    as built), ``truncation`` in HF's order at the trainer's temperature."""
+    from tim_plugins.safe_vocab import safe_logprobs_from_logits
+
+    refs, orig_loss = [], trainer._compute_loss
+
+    def _compute_loss(model, inputs, *a, **k):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        t = inputs["completion_ids"].size(1)
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1]
+            res = safe_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1),
+                                            temperature=trainer.temperature, order="hf", **truncation)
+        shaped = type(res)(res.logprobs.view(-1, t), res.in_safe.view(-1, t), res.pruned_mass.view(-1, t),
+                           res.size.view(-1, t))
+        refs.append((inputs, shaped, inputs["advantages"].clone()))
+        return orig_loss(model, inputs, *a, **k)
+
+    trainer._compute_loss = _compute_loss
+    return refs
+
+
 @pytest.mark.parametrize("compact,trainer_min_p", SAFE_CASES)
 def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, tmp_path, monkeypatch, compact,
                                                                trainer_min_p):
@@ -55,8 +80,6 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
     safe-vocab stand-in replaces ``selective_log_softmax`` on them. ``trainer_min_p`` above the sampler's: the
     sampler keeps tokens the trainer's safe set excludes (boundary tokens), whose policy term the loss must then
     drop."""
-    from tim_plugins.safe_vocab import safe_logprobs_from_logits
-
     module, name, original = _route_global()
     if compact:
         import trl.trainer.utils as trl_utils
@@ -69,31 +92,15 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
 
         monkeypatch.setattr(trl_utils, "_use_triton", use_triton)
     trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)
-    refs = []
-    orig_loss = trainer._compute_loss
-
-    def _compute_loss(model, inputs, *a, **k):
-        # Reference at the same weights: full logits from a plain forward, core function on them.
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        t = inputs["completion_ids"].size(1)
-        with torch.no_grad():
-            logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1]
-            res = safe_logprobs_from_logits(
-                logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1),
-                min_p=trainer_min_p or MIN_P, temperature=trainer.temperature, order="hf")
-        refs.append((inputs, res.logprobs.view(-1, t), res.in_safe.view(-1, t), res.pruned_mass.view(-1, t),
-                     inputs["advantages"].clone()))
-        return orig_loss(model, inputs, *a, **k)
-
-    trainer._compute_loss = _compute_loss
+    refs = _safe_references(trainer, min_p=trainer_min_p or MIN_P)
     cap = Capture(trainer)
     trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True, safe_vocab_min_p=trainer_min_p)))
     trainer.train()
     assert refs and cap.losses
     assert not compact or asked  # TRL took its labelled-positions branch
     boundary = 0
-    for (inputs, ref_lp, ref_in, _, adv), (_, _, used_lp), read in zip(refs, cap.losses, cap.read_in_loss):
+    for (inputs, ref, adv), (_, _, used_lp), read in zip(refs, cap.losses, cap.read_in_loss):
+        ref_lp, ref_in = ref.logprobs, ref.in_safe
         valid = inputs["completion_mask"].bool()
         assert torch.allclose(used_lp[valid], ref_lp[valid], rtol=0, atol=2e-5)
         # boundary tokens (sampled, outside the trainer's safe set) carry no policy term: TRL's loss read its own
@@ -110,7 +117,7 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
         assert logged["tim/token/abs_diff_max"] < 1e-4
     # The pruned mass is averaged over the completion tokens (TRL's labelled positions) of the measured forward,
     # whether the device's fused head scores only those (Triton) or every position, prompt and padding too (here).
-    want = [pruned[inputs["completion_mask"].bool()].double() for inputs, _, _, pruned, _ in refs]
+    want = [ref.pruned_mass[inputs["completion_mask"].bool()].double() for inputs, ref, _ in refs]
     assert logged["tim/safe_vocab/pruned_mass_mean"] == pytest.approx(float(torch.cat(want).mean()), rel=1e-4)
     assert logged["tim/safe_vocab/boundary_frac"] == pytest.approx(
         boundary / sum(int(inputs["completion_mask"].sum()) for inputs, *_ in refs), rel=1e-12)
@@ -124,34 +131,17 @@ def test_safe_vocab_over_the_samplers_top_k_top_p_alone(toy_model_path, tmp_path
     log-probs over the sampler's own cut (HF order, top-k then top-p), equal to the core function on a plain forward
     at the same weights; the sampler's processed log-probs are renormalised over the same cut, so the monitor reads
     fp32 noise where a full-vocabulary trainer reads the kept mass."""
-    from tim_plugins.safe_vocab import safe_logprobs_from_logits
-
     trainer = make_trainer(toy_model_path, tmp_path, top_p=0.8, top_k=10, max_steps=1)
     assert trainer.args.min_p is None
-    refs = []
-    orig_loss = trainer._compute_loss
-
-    def _compute_loss(model, inputs, *a, **k):
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        t = inputs["completion_ids"].size(1)
-        with torch.no_grad():
-            logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1]
-            res = safe_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), inputs["completion_ids"].reshape(-1),
-                                            min_p=0.0, top_p=0.8, top_k=10, temperature=trainer.temperature,
-                                            order="hf")
-        refs.append((inputs, res.logprobs.view(-1, t), res.size.view(-1, t)))
-        return orig_loss(model, inputs, *a, **k)
-
-    trainer._compute_loss = _compute_loss
+    refs = _safe_references(trainer, min_p=0.0, top_p=0.8, top_k=10)
     cap = Capture(trainer)
     trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
     trainer.train()
     assert refs and cap.losses
-    for (inputs, ref_lp, size), (_, _, used_lp) in zip(refs, cap.losses):
+    for (inputs, ref, _), (_, _, used_lp) in zip(refs, cap.losses):
         valid = inputs["completion_mask"].bool()
-        assert torch.allclose(used_lp[valid], ref_lp[valid], rtol=0, atol=2e-5)
-        assert int(size[valid].max()) <= 10  # the cut, not the whole vocabulary
+        assert torch.allclose(used_lp[valid], ref.logprobs[valid], rtol=0, atol=2e-5)
+        assert int(ref.size[valid].max()) <= 10  # the cut, not the whole vocabulary
     logged = _logged(trainer, 1)
     assert logged["tim/token/abs_diff_max"] < 1e-4 and abs(logged["tim/token/ratio_mean"] - 1.0) < 1e-4
     assert 0.0 < logged["tim/safe_vocab/pruned_mass_mean"] < 1.0 and logged["tim/safe_vocab/boundary_frac"] == 0.0

@@ -211,8 +211,8 @@ def test_the_trainer_renormalises_over_exactly_the_engines_sets(replay_run):
     _, _, _, calls = replay_run
     gaps = sorted(abs(g) for g in calls.replay_gaps)
     print(f"[trl replay] {calls.compared} token log-probs compared, max |ours - float64 over the engine's sets| "
-          f"{calls.max_err:.2e}; over the set without the added token they differ by median {gaps[len(gaps) // 2]:.3g}, "
-          f"max {gaps[-1]:.3g}")
+          f"{calls.max_err:.2e}; over the set without the added token they differ by median "
+          f"{gaps[len(gaps) // 2]:.3g}, max {gaps[-1]:.3g}")
     assert calls.compared > 0
     assert calls.max_err < FP32_ABS, calls.max_err
     visible = [g for g in calls.replay_gaps if abs(g) > REPLAY_VISIBLE]

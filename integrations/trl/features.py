@@ -23,8 +23,9 @@ import re
 from tim_plugins.capabilities import Feature, Hook, Status, check
 
 __all__ = ["ASYNC_MONITOR", "ASYNC_UNSUPPORTED", "ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER",
-           "KEPT_SET_REPLAY", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS", "SAFE_VOCAB_ROUTES", "SERVER_AUDIT",
-           "async_unsupported", "feature", "safe_vocab_route", "safe_vocab_status", "trl_features"]
+           "KEPT_SET_REPLAY", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS",
+           "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "async_unsupported", "feature", "safe_vocab_route", "safe_vocab_status",
+           "trl_features"]
 
 _GRPO = "trl.trainer.grpo_trainer"
 _UPGRADE = "pip install -U 'trl>=1.16'"
@@ -162,7 +163,8 @@ SERVER_AUDIT = Feature(
 _VLLM_GENERATION = "trl.generation.vllm_generation"
 KEPT_SET_REPLAY = Feature(
     "kept_set_replay", "the engine's kept sets replayed (vLLM colocate, return_sampling_mask)", "trl",
-    needs=("trl",), extra="trl", fix="pip install vllm (a GPU build: return_sampling_mask needs Model Runner V2)",
+    needs=("trl",), extra="trl",
+    fix="vLLM installed (a GPU build: return_sampling_mask needs Model Runner V2) and " + _UPGRADE,
     hooks=(_INIT_VLLM, Hook(_VLLM_GENERATION, "LLM"),
            Hook(_VLLM_GENERATION, "VLLMGeneration.generate", fragments=(
                "all_outputs = self.llm.generate(vllm_prompts, sampling_params=sampling_params",

@@ -242,17 +242,11 @@ class TIMCallback(TrainerCallback):
 
             if self.kept_sets is not None:
                 try:
-                    chunks = iter(self.kept_sets.for_call(
-                        arguments["input_ids"], arguments["attention_mask"], arguments["logits_to_keep"],
-                        arguments.get("batch_size")) or ())
-                except Exception as err:  # those rows recompute (counted per head call below)
+                    next_sets = self.kept_sets.next_sets(arguments["input_ids"], arguments["attention_mask"],
+                                                         arguments["logits_to_keep"], arguments.get("batch_size"))
+                except Exception as err:  # those rows recompute (counted per head call)
                     self.pipeline.count("kept_sets_unreadable", detail=repr(err))
-                    chunks = iter(())
-
-                def next_sets(n_rows: int):
-                    chunk = next(chunks, None)
-                    return None if chunk is None else chunk.for_rows(n_rows)
-
+                    next_sets = lambda n_rows: None  # noqa: E731
                 return Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.ReplayHead(
                     original, self.truncation, self._on_safe_call, unsupported, next_sets,
                     lambda: self.pipeline.count("kept_sets_fallback")))

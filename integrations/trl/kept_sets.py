@@ -20,7 +20,7 @@ TRL's vLLM server mode (``trl vllm-serve``) returns ids and log-probs only: ther
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,3 +175,16 @@ class KeptSetStore:
             labelled = KeptSets.concat(parts) if parts else KeptSets.from_lists([])
             out.append(ChunkSets(labelled, lm.reshape(-1).nonzero().squeeze(-1), lm.numel()))
         return out
+
+    def next_sets(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                  batch_size: int | None) -> Callable[[int], KeptSets | None]:
+        """One log-prob call's sets as ``hooks.ReplayHead`` asks for them: each call of the returned function (one
+        per fused-head call, with the rows that call scores) gives the next chunk's sets, or None (that call
+        recomputes) when a row has no captured sets or the rows are in neither layout."""
+        chunks = iter(self.for_call(input_ids, attention_mask, logits_to_keep, batch_size) or ())
+
+        def next_sets(n_rows: int) -> KeptSets | None:
+            chunk = next(chunks, None)
+            return None if chunk is None else chunk.for_rows(n_rows)
+
+        return next_sets

@@ -1,8 +1,10 @@
 """Safe-vocabulary log-probs over a vocabulary split across tensor-parallel ranks (``tim_plugins.safe_vocab_tp``):
 two gloo processes, each holding one shard of the same logits, against a float64 reference written here on the
 full logits (softmax; min-p; top-k; top-p by an ascending sort and vLLM's cumulative rule; the renormalised
-log-prob and entropy: ``safe_vocab_reference``), and its autograd gradient sliced to each shard. One spawn runs every
-case."""
+log-prob and entropy: ``safe_vocab_reference``), and its autograd gradient sliced to each shard. The fused head
+(``safe_linear_logprobs_vocab_parallel``: hidden states and each rank's rows of the lm_head weight) against the same
+reference on ``hidden @ W.T`` and the gradients w.r.t. the hidden states (the ranks' parts summed, as Megatron's
+mapping sums them) and each shard's weight rows. One spawn runs every case."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch.multiprocessing as mp
 
 from tim_plugins import safe_vocab_tp
 from tim_plugins.safe_vocab import safe_logprobs_from_logits
-from tim_plugins.safe_vocab_tp import safe_logprobs_vocab_parallel
+from tim_plugins.safe_vocab import safe_logprobs_from_hidden
+from tim_plugins.safe_vocab_tp import safe_linear_logprobs_vocab_parallel, safe_logprobs_vocab_parallel
 from tim_plugins.truncation import Truncation
 
 from free_port import free_port
@@ -41,6 +44,19 @@ CASES = {
 
 LOGPROB_ONLY = ("top_k", "top_p_min_p_hf")
 
+# The fused head: name -> (Truncation kwargs, shard widths (rows of W per rank), dtype, chunk rows)
+HIDDEN = 24
+HIDDEN_CASES = {
+    "min_p": (dict(min_p=0.05), (251, 250), torch.float32, None),
+    # several chunks, each with its own collectives; the rollout's temperature
+    "top_k_top_p": (dict(min_p=0.001, top_k=20, top_p=0.8, temperature=0.7), (251, 250), torch.float32, 7),
+    "top_p": (dict(top_p=0.9), (200, 301), torch.float32, 16),
+    # Megatron's bf16 head; hidden and W on a grid of 1/4 with |x| <= 1/2, so every logit (a multiple of 1/16, at
+    # most 24/4 in size) is exact in bf16 and the reference's logits are the head's
+    "bf16": (dict(min_p=0.02, top_k=30), (251, 250), torch.bfloat16, 9),
+    "empty": (dict(min_p=0.05, top_p=0.9), (251, 250), torch.float32, None),
+}
+
 
 def _inputs(name: str):
     kwargs, widths, draw, _, _ = CASES[name]
@@ -56,6 +72,40 @@ def _inputs(name: str):
     tokens[: n // 2] = logits[: n // 2].argmax(-1)  # half the rows sample their top token (inside S)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     return Truncation(**kwargs), widths, logits, tokens, g_lp, g_ent
+
+
+def _hidden_inputs(name: str):
+    kwargs, widths, dtype, _ = HIDDEN_CASES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, "hidden" + name)))
+    vocab, n = sum(widths), 0 if name == "empty" else N
+    if dtype == torch.bfloat16:
+        hidden = torch.randint(-2, 3, (n, HIDDEN), generator=g) / 4
+        weight = torch.randint(-2, 3, (vocab, HIDDEN), generator=g) / 4
+    else:
+        hidden = torch.randn(n, HIDDEN, generator=g)
+        weight = torch.randn(vocab, HIDDEN, generator=g) * 0.5
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    tokens[: n // 2] = (hidden[: n // 2].double() @ weight.double().T).argmax(-1)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    return Truncation(**kwargs), widths, hidden, weight, tokens, g_lp, g_ent
+
+
+def _hidden_case(name: str, rank: int) -> dict:
+    trunc, widths, hidden, weight, tokens, g_lp, g_ent = _hidden_inputs(name)
+    start = sum(widths[:rank])
+    h = hidden.clone().requires_grad_(True)
+    w = weight[start : start + widths[rank]].clone().requires_grad_(True)
+    res = safe_linear_logprobs_vocab_parallel(h, w, tokens, trunc, group=dist.group.WORLD, vocab_start=start,
+                                              compute_entropy=True, chunk_size=HIDDEN_CASES[name][3])
+    ((res.logprobs * g_lp).sum() + (res.entropy * g_ent).sum()).backward()
+    # the logits path on this shard's logits, as the model's output layer would hand them over
+    logits = torch.mm(hidden, w.detach().t())
+    via_logits = safe_logprobs_vocab_parallel(logits, tokens, trunc, group=dist.group.WORLD, vocab_start=start,
+                                              compute_entropy=True)
+    return {"logprobs": res.logprobs.detach(), "in_safe": res.in_safe, "pruned_mass": res.pruned_mass,
+            "size": res.size, "entropy": res.entropy.detach(), "grad_h": h.grad, "grad_w": w.grad,
+            "via_logits": (via_logits.logprobs, via_logits.entropy)}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -85,6 +135,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 assert res.entropy is None
                 (res.logprobs * g_lp).sum().backward()
                 results[name]["grad_logprob_only"] = alone.grad
+        for name in HIDDEN_CASES:
+            results["hidden/" + name] = _hidden_case(name, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -135,6 +187,56 @@ def test_two_shards_equal_the_float64_reference(two_ranks, name):
         assert int(size.max()) > 4
 
 
+@pytest.mark.parametrize("name", list(HIDDEN_CASES))
+def test_the_fused_head_equals_the_float64_reference(two_ranks, name):
+    trunc, widths, hidden, weight, tokens, g_lp, g_ent = _hidden_inputs(name)
+    a, b = two_ranks[0]["hidden/" + name], two_ranks[1]["hidden/" + name]
+    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
+        assert torch.equal(a[key], b[key]), key  # every rank of the group gets the same values
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp, ent, in_s, pruned, size, _ = safe_vocab_reference(h64 @ w64.T, tokens, trunc)
+    assert torch.equal(a["in_safe"], in_s) and torch.equal(a["size"], size)
+    torch.testing.assert_close(a["logprobs"], logp.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a["entropy"], ent.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a["pruned_mass"], pruned.float(), rtol=0, atol=1e-5)
+    # the logits path on the same shards' logits: the same numbers
+    torch.testing.assert_close(a["logprobs"], a["via_logits"][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(a["entropy"], a["via_logits"][1], rtol=0, atol=1e-6)
+    if name == "empty":
+        assert a["logprobs"].shape == (0,) and a["grad_w"].shape == (widths[0], HIDDEN)
+        assert not bool(a["grad_h"].any()) and not bool(a["grad_w"].any())
+        return
+    grad_h, grad_w = torch.autograd.grad((logp * g_lp.double()).sum() + (ent * g_ent.double()).sum(), (h64, w64))
+    ours_h = a["grad_h"].float() + b["grad_h"].float()  # each rank's part of the hidden gradient, summed
+    ours_w = torch.cat([a["grad_w"], b["grad_w"]])
+    assert a["grad_h"].dtype == ours_w.dtype == hidden.dtype
+    if hidden.dtype == torch.float32:
+        torch.testing.assert_close(ours_h, grad_h.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours_w, grad_w.float(), rtol=1e-5, atol=1e-5)
+        # one rank's part alone is not the gradient: the sum over the group is the caller's (Megatron's mapping)
+        assert not torch.allclose(a["grad_h"], grad_h.float(), rtol=1e-2, atol=1e-2)
+    else:  # the logit gradient rounded to bf16 per tile (as the model's head would), fp32 GEMM accumulation
+        for ours, ref in ((ours_h, grad_h), (ours_w.float(), grad_w)):
+            torch.testing.assert_close(ours, ref.float(), rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+    assert bool((size < weight.shape[0]).all())  # the cases cut in every row
+    assert bool((~a["in_safe"]).any()) and bool(a["in_safe"].any())
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_p=0.05), dict(top_k=7, top_p=0.9, min_p=0.01, temperature=0.8)])
+def test_a_single_rank_fused_head_is_safe_logprobs_from_hidden(kwargs):
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(11, 16, generator=g).requires_grad_(True)
+    weight = torch.randn(301, 16, generator=g).requires_grad_(True)
+    tokens = torch.randint(0, 301, (11,), generator=g)
+    got = safe_linear_logprobs_vocab_parallel(hidden, weight, tokens, Truncation(**kwargs), compute_entropy=True)
+    ref = safe_logprobs_from_hidden(hidden, weight, tokens, compute_entropy=True, **{"min_p": 0.0, **kwargs})
+    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
+        assert torch.equal(getattr(got, key), getattr(ref, key)), key
+    g1 = torch.autograd.grad(got.logprobs.sum() + got.entropy.sum(), (hidden, weight))
+    g2 = torch.autograd.grad(ref.logprobs.sum() + ref.entropy.sum(), (hidden, weight))
+    assert all(torch.equal(x, y) for x, y in zip(g1, g2))
+
+
 def test_a_token_outside_the_safe_set_keeps_a_finite_log_prob(two_ranks):
     r = two_ranks[0]["min_p"]
     out = ~r["in_safe"]
@@ -160,6 +262,11 @@ def test_a_single_rank_call_is_safe_logprobs_from_logits(kwargs):
 
 def test_bad_arguments_fail_with_the_rule():
     logits, tokens = torch.zeros(2, 5), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"vocab_start=3 without a tensor-parallel group"):
+        safe_linear_logprobs_vocab_parallel(torch.zeros(2, 4), torch.zeros(5, 4), tokens, Truncation(min_p=0.1),
+                                            vocab_start=3)
+    with pytest.raises(ValueError, match=r"weight has shape \(5, 3\): expected \[V, H\] with H = 4"):
+        safe_linear_logprobs_vocab_parallel(torch.zeros(2, 4), torch.zeros(5, 3), tokens, Truncation(min_p=0.1))
     with pytest.raises(ValueError, match=r"vocab_start=3 without a tensor-parallel group"):
         safe_logprobs_vocab_parallel(logits, tokens, Truncation(min_p=0.1), vocab_start=3)
     with pytest.raises(ValueError, match=r"trunc=0.1: expected"):

@@ -38,10 +38,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from .safe_vocab import SafeLogprobs, _check_rows, _temper, default_chunk_rows, safe_logprobs_from_logits
+from ._matmul import addmm_fp32
+from .safe_vocab import (SafeLogprobs, _buffers, _check_hidden, _check_rows, _logits_into, _temper, default_chunk_rows,
+                         safe_logprobs_from_hidden, safe_logprobs_from_logits)
 from .truncation import STEP_ORDER, Truncation, _top_p_threshold_in_top_k
 
-__all__ = ["safe_logprobs_vocab_parallel"]
+__all__ = ["safe_linear_logprobs_vocab_parallel", "safe_logprobs_vocab_parallel"]
 
 # Candidates per row of the first top-p round (then × _CANDIDATE_GROWTH per retry): nuclei of sampled LLM rows at
 # top_p 0.9-0.95 are mostly a few to a few hundred tokens; a [N, 256] fp32 gather per rank is small beside the logits.
@@ -89,6 +91,51 @@ def safe_logprobs_vocab_parallel(
     chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
     logp, in_safe, pruned, size, ent = _VocabParallelSafe.apply(
         logits, tokens.long(), trunc, group, int(vocab_start), chunk, bool(compute_entropy))
+    return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
+
+
+def safe_linear_logprobs_vocab_parallel(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, trunc: Truncation, *, group=None,
+    vocab_start: int = 0, compute_entropy: bool = False, chunk_size: int | None = None,
+) -> SafeLogprobs:
+    """Safe log-probs of ``tokens`` from final hidden states and this rank's rows of a vocab-parallel lm_head (a fused
+    head: per row chunk the shard's logits ``hidden @ weight.T`` are computed, folded and dropped, never [N, V]).
+
+    The same results as ``safe_logprobs_vocab_parallel`` on the logits the head would produce (a half-precision
+    head's logits are rounded to its dtype first, as the model's own output layer rounds them); the row statistics
+    are reduced over the group per chunk, so every rank of the group must call with the same rows and chunk size.
+
+    Args:
+        hidden: [N, H] final hidden states, the same on every rank of the group.
+        weight: [V_local, H] this rank's rows of the lm_head weight: vocabulary ids vocab_start … vocab_start +
+            V_local − 1 (no bias).
+        tokens, trunc, group, vocab_start, compute_entropy: as for ``safe_logprobs_vocab_parallel``.
+        chunk_size: rows per chunk (default ``default_chunk_rows(V_local, dtype)``).
+    Returns:
+        ``SafeLogprobs`` with [N] tensors, equal on every rank. Gradients: ``weight`` gets its rows' exact gradient;
+        ``hidden`` gets this shard's part of its gradient, and the parts sum over the group to the whole one, as for
+        Megatron's column-parallel output layer: the caller's mapping does that sum in its backward
+        (``copy_to_tensor_model_parallel_region``, or the sequence-parallel gather). Backward communicates nothing.
+    """
+    if not isinstance(trunc, Truncation):
+        raise ValueError(f"trunc={trunc!r}: expected a tim_plugins.truncation.Truncation")
+    _check_hidden(hidden, weight, tokens, chunk_size, check_ids=False)
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start={vocab_start!r}: must be an int >= 0 (this shard's first vocabulary id)")
+    if group is None or dist.get_world_size(group) == 1:
+        if vocab_start != 0:
+            raise ValueError(f"vocab_start={vocab_start} without a tensor-parallel group: a single rank holds the "
+                             "whole vocabulary (vocab_start=0); pass the TP group for a shard")
+        return safe_logprobs_from_hidden(
+            hidden, weight, tokens, min_p=trunc.min_p, temperature=trunc.temperature, top_p=trunc.top_p,
+            top_k=trunc.top_k, order=trunc.order, compute_entropy=compute_entropy, chunk_size=chunk_size,
+            check_ids=False)
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}: every shard needs at least one vocabulary row")
+    cdt = torch.promote_types(hidden.dtype, weight.dtype)
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt)
+    logp, in_safe, pruned, size, ent = _VocabParallelSafeHidden.apply(
+        hidden, weight, tokens.long(), trunc, group, int(vocab_start), chunk, bool(compute_entropy))
     return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
 
 
@@ -214,41 +261,69 @@ def _row_stats(logits: torch.Tensor, trunc: Truncation, group, chunk: int) -> tu
 # ------------------------------------------------------------------------------------------------- autograd
 
 
+def _owned(tokens: torch.Tensor, vocab_start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's column in this shard, 0 where another rank owns it; whether this shard owns it)."""
+    local = tokens - vocab_start
+    owned = (local >= 0) & (local < width)
+    return torch.where(owned, local, torch.zeros_like(local)), owned
+
+
+def _shard_forward(logits, local, owned, trunc: Truncation, group, chunk: int, want_entropy: bool):
+    """The per-row results of rows of this shard's logits (any float dtype, not yet divided by T), one
+    ``_row_stats`` and one [k, n] ``all_reduce(SUM)``: (logp, in_safe, pruned, size as fp32, entropy or None, tau,
+    log Σ_S e^z). Every rank of the group calls it with the same rows; n = 0 calls no collective."""
+    n, device = logits.shape[0], logits.device
+    if n == 0:  # every rank of the group has the same rows: none of them calls a collective
+        m = tau = torch.empty(0, dtype=torch.float32, device=device)
+        sums = torch.zeros((5, 0), dtype=torch.float32, device=device)
+    else:
+        m, tau = _row_stats(logits, trunc, group, chunk)
+        sums = torch.empty((5 if want_entropy else 4, n), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for s, e in _chunks(n, chunk):
+                z = _z(logits, slice(s, e), trunc.temperature)
+                keep = z >= tau[s:e, None]
+                sums[3, s:e] = torch.where(owned[s:e], z.gather(-1, local[s:e, None]).squeeze(-1), 0.0)
+                sums[2, s:e] = keep.sum(dim=-1, dtype=torch.int32).float()  # |S| <= V < 2^24: exact in fp32
+                ez = z.sub_(m[s:e, None]).exp_()  # e^(z−m), in place
+                sums[1, s:e] = ez.sum(dim=-1)
+                ez.mul_(keep)
+                sums[0, s:e] = ez.sum(dim=-1)
+                if want_entropy:  # e log e = e (z − m), 0 where e underflows (safe_vocab's form)
+                    sums[4, s:e] = torch.special.xlogy(ez, ez, out=ez).sum(dim=-1)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    kept, full, size, z_tok = sums[0], sums[1], sums[2], sums[3]
+    log_kept = kept.log()
+    logp = (z_tok - m) - log_kept  # safe_vocab._chunk_forward's order of operations
+    in_safe = z_tok >= tau
+    pruned = (1.0 - kept / full).clamp_(min=0.0)
+    ent = log_kept - sums[4] / kept if want_entropy else None
+    return logp, in_safe, pruned, size, ent, tau, m + log_kept
+
+
+def _shard_grad(z: torch.Tensor, local, owned, tau, log_zs, ent, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """dL/d(logits) of rows of this shard, fp32 [n, V_local], from ``z`` = those rows' fp32 logits / T (overwritten)
+    and the saved row statistics of the same rows: no communication."""
+    keep = z >= tau[:, None]
+    logq = z.sub_(log_zs[:, None])
+    q = torch.where(keep, logq.exp(), 0.0)
+    g = torch.zeros_like(q)
+    if g_ent is not None:  # dH/dz_j = −q_j (log q_j + H) on S
+        g.sub_(torch.where(keep, logq.add_(ent[:, None]), 0.0).mul_(q).mul_(g_ent[:, None].float()))
+    if g_lp is not None:  # d logp(a)/dz_j = 1[j = a] − q_j (the one-hot where this shard owns a)
+        gl = g_lp.float()
+        g.sub_(q.mul_(gl[:, None]))
+        g.scatter_add_(-1, local[:, None], torch.where(owned, gl, 0.0)[:, None])
+    return g.mul_(1.0 / temperature)
+
+
 class _VocabParallelSafe(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, trunc, group, vocab_start, chunk, want_entropy):
         ctx.set_materialize_grads(False)
-        n, width = logits.shape
-        device = logits.device
-        local = tokens - vocab_start
-        owned = (local >= 0) & (local < width)
-        local = torch.where(owned, local, torch.zeros_like(local))
-        if n == 0:  # every rank of the group has the same rows: none of them calls a collective
-            m = tau = torch.empty(0, dtype=torch.float32, device=device)
-            sums = torch.zeros((5, 0), dtype=torch.float32, device=device)
-        else:
-            m, tau = _row_stats(logits, trunc, group, chunk)
-            sums = torch.empty((5 if want_entropy else 4, n), dtype=torch.float32, device=device)
-            with torch.no_grad():
-                for s, e in _chunks(n, chunk):
-                    z = _z(logits, slice(s, e), trunc.temperature)
-                    keep = z >= tau[s:e, None]
-                    sums[3, s:e] = torch.where(owned[s:e], z.gather(-1, local[s:e, None]).squeeze(-1), 0.0)
-                    sums[2, s:e] = keep.sum(dim=-1, dtype=torch.int32).float()  # |S| <= V < 2^24: exact in fp32
-                    ez = z.sub_(m[s:e, None]).exp_()  # e^(z−m), in place
-                    sums[1, s:e] = ez.sum(dim=-1)
-                    ez.mul_(keep)
-                    sums[0, s:e] = ez.sum(dim=-1)
-                    if want_entropy:  # e log e = e (z − m), 0 where e underflows (safe_vocab's form)
-                        sums[4, s:e] = torch.special.xlogy(ez, ez, out=ez).sum(dim=-1)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        kept, full, size, z_tok = sums[0], sums[1], sums[2], sums[3]
-        log_kept = kept.log()
-        logp = (z_tok - m) - log_kept  # safe_vocab._chunk_forward's order of operations
-        in_safe = z_tok >= tau
-        pruned = (1.0 - kept / full).clamp_(min=0.0)
-        ent = log_kept - sums[4] / kept if want_entropy else None
-        log_zs = m + log_kept
+        local, owned = _owned(tokens, vocab_start, logits.shape[1])
+        logp, in_safe, pruned, size, ent, tau, log_zs = _shard_forward(logits, local, owned, trunc, group, chunk,
+                                                                       want_entropy)
         ctx.save_for_backward(logits, local, owned, tau, log_zs, ent if ent is not None else log_zs)
         ctx.temperature, ctx.chunk = trunc.temperature, chunk
         ctx.mark_non_differentiable(in_safe, pruned, size)
@@ -259,21 +334,75 @@ class _VocabParallelSafe(torch.autograd.Function):
         logits, local, owned, tau, log_zs, ent = ctx.saved_tensors
         if g_lp is None and g_ent is None:
             return (None,) * 7
-        inv_t = 1.0 / ctx.temperature
         grad = torch.empty_like(logits)
         for s, e in _chunks(logits.shape[0], ctx.chunk):
-            z = _z(logits, slice(s, e), ctx.temperature)
-            keep = z >= tau[s:e, None]
-            logq = z.sub_(log_zs[s:e, None])
-            q = torch.where(keep, logq.exp(), 0.0)
-            g = torch.zeros_like(q)
-            if g_ent is not None:  # dH/dz_j = −q_j (log q_j + H) on S
-                g.sub_(torch.where(keep, logq.add_(ent[s:e, None]), 0.0).mul_(q).mul_(g_ent[s:e, None].float()))
-            if g_lp is not None:  # d logp(a)/dz_j = 1[j = a] − q_j (the one-hot where this shard owns a)
-                gl = g_lp[s:e].float()
-                g.sub_(q.mul_(gl[:, None]))
-                g.scatter_add_(-1, local[s:e, None], torch.where(owned[s:e], gl, 0.0)[:, None])
-            torch.mul(g, inv_t, out=g)
-            grad[s:e] = g
+            grad[s:e] = _shard_grad(_z(logits, slice(s, e), ctx.temperature), local[s:e], owned[s:e], tau[s:e],
+                                    log_zs[s:e], ent[s:e], None if g_lp is None else g_lp[s:e],
+                                    None if g_ent is None else g_ent[s:e], ctx.temperature)
         return grad, None, None, None, None, None, None
 
+
+class _VocabParallelSafeHidden(torch.autograd.Function):
+    """The hidden-state form of ``_VocabParallelSafe``: per row chunk the shard's logits (``safe_vocab._logits_into``:
+    fp32, rounded to a half head's dtype first) go through ``_shard_forward``; backward recomputes them per chunk,
+    ``_shard_grad`` gives dL/dlogits, and the two GEMMs accumulate in fp32 (a half head's logit gradient is rounded
+    to its dtype per vocabulary tile first, as ``safe_vocab``'s hidden path does)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, trunc, group, vocab_start, chunk, want_entropy):
+        ctx.set_materialize_grads(False)
+        n_rows, width = hidden.shape[0], weight.shape[0]
+        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        w = weight.to(cdt)
+        local, owned = _owned(tokens, vocab_start, width)
+        zf, tile = _buffers(max(1, min(chunk, n_rows)), width, cdt, hidden.device)
+        outs = []
+        for s, e in _chunks(max(n_rows, 1), chunk):  # once for N = 0: empty results, no collective
+            z = _logits_into(zf, tile, hidden[s:e].to(cdt), w)
+            outs.append(_shard_forward(z, local[s:e], owned[s:e], trunc, group, e - s, want_entropy))
+        del zf, tile
+        logp, in_safe, pruned, size, ent, tau, log_zs = (
+            torch.cat(o) if o[0] is not None else None for o in zip(*outs))
+        ctx.save_for_backward(hidden, weight, local, owned, tau, log_zs, ent if ent is not None else log_zs)
+        ctx.temperature, ctx.chunk = trunc.temperature, chunk
+        ctx.mark_non_differentiable(in_safe, pruned, size)
+        return logp, in_safe, pruned, size.long(), ent
+
+    @staticmethod
+    def backward(ctx, g_lp, _in_safe, _pruned, _size, g_ent):
+        hidden, weight, local, owned, tau, log_zs, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w) or hidden.shape[0] == 0:
+            grad_h = torch.zeros_like(hidden) if need_h else None
+            grad_w = torch.zeros_like(weight) if need_w else None
+            return grad_h, grad_w, None, None, None, None, None, None
+        n_rows, width = hidden.shape[0], weight.shape[0]
+        cdt = torch.promote_types(hidden.dtype, weight.dtype)
+        w = weight.to(cdt)
+        zf, tile = _buffers(min(ctx.chunk, n_rows), width, cdt, hidden.device)
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s, e in _chunks(n_rows, ctx.chunk):
+            h = hidden[s:e].to(cdt)
+            z = _temper(_logits_into(zf, tile, h, w), ctx.temperature)
+            g = _shard_grad(z, local[s:e], owned[s:e], tau[s:e], log_zs[s:e], ent[s:e],
+                            None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e],
+                            ctx.temperature)
+            if cdt == torch.float32:
+                if need_w:
+                    grad_w.addmm_(g.t(), h)
+                if need_h:
+                    grad_h[s:e] = torch.mm(g, w)
+                continue
+            acc = torch.zeros((e - s, w.shape[1]), dtype=torch.float32, device=w.device) if need_h else None
+            for v0 in range(0, width, tile.shape[1]):
+                v1 = min(v0 + tile.shape[1], width)
+                t = tile[: e - s, : v1 - v0].copy_(g[:, v0:v1])
+                if need_w:
+                    addmm_fp32(grad_w[v0:v1], t.t(), h)
+                if need_h:
+                    addmm_fp32(acc, t, w[v0:v1])
+            if need_h:
+                grad_h[s:e] = acc
+        del zf, tile
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None)

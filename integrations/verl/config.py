@@ -440,13 +440,6 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"settings reach the actor workers only through a tim trainer mode. Fix: trainer.use_v1=true "
             f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode or 'sync'}")
     megatron = arr.actor.get("strategy") == "megatron"
-    # the Megatron engine's safe vocabulary runs in verl's logits processor, which its fused forward skips
-    # (megatron_engine.py _tim_check_config refuses the same on the worker)
-    if megatron and tim.safe_vocab.enabled and arr.model.get("use_fused_kernels", False):
-        problems.append(
-            f"{tim.safe_vocab.setting} with actor_rollout_ref.model.use_fused_kernels=True on a "
-            "Megatron actor: verl's fused Megatron forward computes the log-probs without the logits, so the safe "
-            "vocabulary has nothing to truncate there. Fix: actor_rollout_ref.model.use_fused_kernels=false")
     if megatron and tim.safe_vocab.enabled and _topk_distillation(config.get("distillation")):
         mode = config.distillation.distillation_loss.get("loss_mode")
         problems.append(

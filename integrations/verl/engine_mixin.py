@@ -22,8 +22,8 @@ The mixin overrides ``forward_backward_batch`` (the merge after a forward-only m
 (one optimizer step: the LR decay's end of step) and ``lr_scheduler_step`` (end of the actor update: the loss passes'
 split, the effective LR), which both backends inherit from ``BaseEngine``'s contract. Backend hooks it calls, with
 the FSDP engine's behaviour as the default where there is one: ``_tim_dp_group``, ``_tim_holds_outputs``,
-``_tim_check_config``, ``_tim_lr_attach`` / ``_tim_lr_detach`` / ``_tim_lr_sync`` / ``_tim_lr_apply`` /
-``_tim_lr_scale``.
+``_tim_check_config``, ``_tim_safe_vocab_feature``, ``_tim_features_off``, ``_tim_lr_attach`` / ``_tim_lr_detach`` /
+``_tim_lr_sync`` / ``_tim_lr_apply`` / ``_tim_lr_scale``.
 
 Until ``tim_configure`` is called (only the tim trainer modes do, on the actor) nothing here acts: each override
 returns verl's result untouched.
@@ -265,6 +265,15 @@ class TIMEngineMixin:
     def _tim_check_config(self, config: TIMVerlConfig) -> None:
         """Raise ValueError (the value, the rule, the fix) for settings this backend cannot honour."""
 
+    def _tim_safe_vocab_feature(self) -> str | None:
+        """The feature whose hooks this backend's safe vocabulary runs on: off, the safe vocabulary is switched off
+        (None: it runs on the engine's own hooks, registered only where they hold)."""
+        return SAFE_VOCAB.name
+
+    def _tim_features_off(self, config: TIMVerlConfig) -> tuple[str, ...]:
+        """This backend's features for ``config`` whose hooks moved (checked at configure), besides the worker's."""
+        return ()
+
     def _tim_lr_attach(self, controller) -> None:
         """Hand the LR controller to whatever applies its scale each optimizer step."""
         self.optimizer.tim_configure(controller)
@@ -298,9 +307,11 @@ class TIMEngineMixin:
         if context is None:
             context = ActorContext(bypass_mode=bypass_mode, multi_turn=multi_turn, asynchronous=asynchronous,
                                    features_off=tuple(features_off))
-        features_off = context.features_off
-        if config.safe_vocab.enabled and SAFE_VOCAB.name in features_off:  # its hooks moved: the rest runs
-            config = dataclasses.replace(config, safe_vocab=dataclasses.replace(config.safe_vocab, min_p=0.0))
+        features_off = tuple(dict.fromkeys((*context.features_off, *self._tim_features_off(config))))
+        # the safe vocabulary's hooks moved: it is off, the rest runs
+        if config.safe_vocab.enabled and self._tim_safe_vocab_feature() in features_off:
+            off = dataclasses.replace(config.safe_vocab, min_p=0.0, enable=False)
+            config = dataclasses.replace(config, safe_vocab=off)
         self._tim_check_config(config)
         # the sampler's rule the safe vocabulary applies to the trainer's log-probs (old-log-prob and training passes)
         self._tim_truncation = context.truncation(config.safe_vocab.min_p) if config.safe_vocab.enabled else None

@@ -10,8 +10,9 @@ from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VERL_MEGATRON_SOURCES, VERL_SOURCES
 
-__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "ROLLOUT_KEPT_SETS", "SAFE_VOCAB",
-           "TRAINER_MODES", "megatron_features", "rollout_features", "verl_features"]
+__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "MEGATRON_FUSED_SAFE_VOCAB",
+           "ROLLOUT_KEPT_SETS", "SAFE_VOCAB", "TRAINER_MODES", "megatron_features", "rollout_features",
+           "verl_features"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -146,6 +147,47 @@ MEGATRON_ENGINE = Feature(
     ))
 
 
+_MF = "verl.models.mcore.model_forward_fused"
+_GPT = "megatron.core.models.gpt.gpt_model"
+
+# The safe vocabulary under the Megatron actor's use_fused_kernels=true (megatron_engine.py forward_step,
+# _FusedSafeHead): Megatron's output_processor hook (megatron-core >= 0.18), through which verl's fused forward
+# computes the log-probs, takes our head for the micro-batch. Checked when the engine is configured with both; off,
+# the safe vocabulary is switched off with one line (tim/diag/feature_off/verl_megatron_fused_safe_vocab), the rest
+# runs.
+MEGATRON_FUSED_SAFE_VOCAB = Feature(
+    "verl_megatron_fused_safe_vocab", "safe vocabulary with fused kernels in verl's Megatron actor engine", "verl",
+    needs=("verl",), fix="megatron-core >= 0.18 (its output_processor hook) with " + _FIX, hooks=(
+        _megatron_hook(_TM, "MegatronEngineWithLMHead.forward_step",
+                       params=("batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"),
+                       fragments=("batch: TensorDict = next(batch_iter)",
+                                  "return output, partial(postprocess_micro_batch_func, data=batch, "
+                                  "local_cp_size=local_cp_size)")),
+        _megatron_hook(_TM, "MegatronEngine._get_context_parallel_layout", params=("unwrapped_model",)),
+        _megatron_hook(_MF, "fused_forward_model_engine",
+                       fragments=("output_processor=fused_output_processor,",
+                                  "output_processor_context=FusedOutputProcessorContext(temperature=temperature),",
+                                  "log_probs = output_orig.log_probs", "entropy = output_orig.entropy",
+                                  "log_probs = postprocess_thd_engine(")),
+        _megatron_hook(_MF, "FusedOutputProcessorContext", fragments=("temperature: float",)),
+        _megatron_hook("verl.models.mcore.util", "postprocess_thd_engine",
+                       params=("output", "packed_seq_params", "input_ids", "batch_size", "post_process",
+                               "local_cp_size", "cp_layout")),
+        _megatron_hook("verl.utils.megatron_utils", "unwrap_model", params=("model",)),
+        _megatron_hook("verl.utils.model", "CausalLMOutputForPPO", fragments=("log_probs:", "entropy:")),
+        _megatron_hook(_GPT, "GPTModel.forward", params=("output_processor", "output_processor_context")),
+        _megatron_hook(_GPT, "GPTModel._postprocess",
+                       fragments=("return output_processor(", "hidden_states=hidden_states,",
+                                  "output_layer=self.output_layer,", "output_weight=output_weight,", "labels=labels,",
+                                  "packed_seq_params=packed_seq_params,", "context=output_processor_context,",
+                                  "config=self.config,")),
+        _megatron_hook("megatron.core.tensor_parallel.mappings", "copy_to_tensor_model_parallel_region"),
+        _megatron_hook("megatron.core.tensor_parallel.mappings", "gather_from_sequence_parallel_region"),
+        _megatron_hook("megatron.core.tensor_parallel.utils", "VocabUtility.vocab_range_from_per_partition_vocab_size",
+                       params=("per_partition_vocab_size", "rank", "world_size")),
+    ))
+
+
 def verl_features():
     """Every verl feature's status."""
     return [check(f) for f in FEATURES]
@@ -157,5 +199,5 @@ def rollout_features():
 
 
 def megatron_features():
-    """The Megatron engine's status (off, saying why, where megatron-core is not installed)."""
-    return [check(MEGATRON_ENGINE)]
+    """The Megatron engine's features' status (off, saying why, where megatron-core is not installed)."""
+    return [check(MEGATRON_ENGINE), check(MEGATRON_FUSED_SAFE_VOCAB)]

@@ -7,7 +7,8 @@ Registered under ``device="cuda", vendor="nvidia"`` for backend "megatron": verl
 NVIDIA CUDA is this class. Until ``tim_configure`` is called (only the tim trainer modes do, on the actor) every
 override returns the parent's result untouched: numerics are stock verl's.
 
-No verl object is patched. What is Megatron's own here:
+No verl class or module is patched (with fused kernels and the safe vocabulary, the GPT model instance's ``forward``
+for one micro-batch, below). What is Megatron's own here:
 * ``postprocess_micro_batch_func``: verl's per-micro-batch step on the last pipeline stage, where the micro-batch, the
   model's per-token outputs and verl's loss call meet; the mixin's calls go around the parent's
   (``_tim_wrap_loss``, ``_tim_after_forward``).
@@ -25,9 +26,19 @@ No verl object is patched. What is Megatron's own here:
   communication) and returns the safe set's fields beside them; ``postprocess_micro_batch_func`` takes those out of
   the output before verl's loss and layout see it and hands them to the mixin (``_tim_mb``: the boundary mask in
   verl's loss, ``tim/safe_vocab/*``).
-* the settings it refuses (``_tim_check_config``): the safe vocabulary with verl's fused forward
-  (``use_fused_kernels``: no logits reach the processor) and dynamic context parallelism. Under static context
-  parallelism CP rank 0 measures, and its data-parallel group holds only CP-rank-0 ranks.
+* the safe vocabulary with verl's fused forward (``use_fused_kernels``: no logits exist, verl computes the log-probs
+  from the last hidden states in Megatron's ``output_processor`` hook, megatron-core >= 0.18): for the micro-batch's
+  forward only, the GPT model's ``forward`` (an instance attribute, undone on every exit) hands Megatron our output
+  processor (``_FusedSafeHead``) in place of verl's. It applies Megatron's column-parallel mapping to the hidden
+  states (the sequence-parallel gather, else ``copy_to_tensor_model_parallel_region``: the hidden gradient's TP
+  parts are summed in backward, as for the output layer) and computes the safe log-probs and entropy from them and
+  this TP rank's rows of the output weight in chunks (``tim_plugins.safe_vocab_tp.safe_linear_logprobs_vocab_parallel``:
+  never the [N, V] logits, exact gradients); verl lays the log-probs and entropy out, and ``forward_step`` lays the
+  safe set's fields out the same way (verl's ``postprocess_thd_engine``) for ``postprocess_micro_batch_func``. Where
+  those hooks moved the feature ``verl_megatron_fused_safe_vocab`` is off: the safe vocabulary is switched off with
+  one line and ``tim/diag/feature_off/*``, the rest runs.
+* the settings it refuses (``_tim_check_config``): dynamic context parallelism. Under static context parallelism CP
+  rank 0 measures, and its data-parallel group holds only CP-rank-0 ranks.
 The mixin's overrides call the parent's: the merge after a forward-only pass, over the data-parallel group, and the
 end of the actor update:
 VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.forward_backward_batch
@@ -41,17 +52,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import sys
 
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.utils import VocabUtility
+from verl.utils import tensordict_utils as tu
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
+from tim_plugins.capabilities import check
 from tim_plugins.lr_scaling import CONTROLLER_STATE_KEY, restore_controller_state, store_controller_state
-from tim_plugins.safe_vocab_tp import safe_logprobs_vocab_parallel
+from tim_plugins.patching import Patch
+from tim_plugins.safe_vocab_tp import safe_linear_logprobs_vocab_parallel, safe_logprobs_vocab_parallel
 
 from .config import TIMVerlConfig
 from .engine_mixin import TIMEngineMixin
+from .features import MEGATRON_FUSED_SAFE_VOCAB
 
 __all__ = ["TIMMegatronEngineWithLMHead"]
 
@@ -79,13 +96,24 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
                 "engine does not support Megatron's dynamic context parallelism (one rank of the whole data x "
                 "context plane holds the outputs). Fix: actor_rollout_ref.actor.megatron.dynamic_context_parallel="
                 "False")
+
+    def _tim_fused(self) -> bool:
+        """Whether verl's fused forward computes this engine's log-probs (verl turns the setting off at
+        initialisation where it cannot apply: without remove-padding, for value models, with MTP)."""
         # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step
-        # (use_fused_kernels: verl's fused forward computes the log-probs without the logits processor)
-        if config.safe_vocab.enabled and self.engine_config.use_fused_kernels:
-            raise ValueError(
-                f"{config.safe_vocab.setting} with use_fused_kernels=True on the Megatron "
-                "actor: verl's fused forward computes the log-probs without materialising the logits, so the safe "
-                "vocabulary has nothing to truncate there. Fix: actor_rollout_ref.model.use_fused_kernels=false")
+        return bool(self.engine_config.use_fused_kernels)
+
+    def _tim_safe_vocab_feature(self) -> str | None:
+        return MEGATRON_FUSED_SAFE_VOCAB.name if self._tim_fused() else None
+
+    def _tim_features_off(self, config: TIMVerlConfig) -> tuple[str, ...]:
+        if not (config.safe_vocab.enabled and self._tim_fused()):
+            return ()
+        status = check(MEGATRON_FUSED_SAFE_VOCAB)
+        if status.available:
+            return ()
+        print(status.warning(), file=sys.stderr)
+        return (MEGATRON_FUSED_SAFE_VOCAB.name,)
 
     # ------------------------------------------------------------------------------------------ LR decay
     # Megatron's OptimizerParamScheduler writes every param group's LR from its schedule at each step
@@ -209,6 +237,40 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
             fields[name] = value
         self._tim_mb = fields
 
+    # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        if self._tim is None or self._tim_truncation is None or not self._tim_fused():
+            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        batch = next(batch_iter)  # handed back to verl's forward_step below, which takes one micro-batch
+        # VERL_MEGATRON_SOURCES verl.utils.megatron_utils:unwrap_model
+        from verl.utils.megatron_utils import unwrap_model
+
+        unwrapped = unwrap_model(model)
+        gpt = getattr(unwrapped, "language_model", unwrapped)  # verl's _get_patching_model: the GPT model
+        head = _FusedSafeHead(self._tim_truncation, bool(tu.get_non_tensor_data(batch, key="calculate_entropy",
+                                                                                 default=False)))
+        with Patch(gpt, "forward", head.forward_of):
+            output, post = super().forward_step(itertools.chain([batch], batch_iter), model, logits_processor_func,
+                                                postprocess_micro_batch_func)
+        if head.fields is None:
+            if getattr(gpt, "post_process", False):  # the last stage computed log-probs without our head
+                self._tim_pipeline.count("safe_vocab_fused_unapplied", detail="Megatron's output processor was not "
+                                         "called with verl's fused head: these log-probs are the full vocabulary's")
+            return output, post
+        # the safe set's fields laid out as verl lays out the log-probs (jagged nested on the input ids), for
+        # postprocess_micro_batch_func to take out before verl's loss sees the output
+        # VERL_MEGATRON_SOURCES verl.models.mcore.util:postprocess_thd_engine
+        # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine._get_context_parallel_layout
+        from verl.models.mcore.util import postprocess_thd_engine
+
+        data = post.keywords["data"]
+        for key, value in head.fields.items():
+            output[key] = postprocess_thd_engine(
+                value, head.packed_seq_params, data["input_ids"], data["input_ids"].shape[0], post_process=True,
+                local_cp_size=post.keywords.get("local_cp_size"),
+                cp_layout=self._get_context_parallel_layout(unwrapped))
+        return output, post
+
     # ------------------------------------------------------------------------------------ per micro-batch
     # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.postprocess_micro_batch_func
     def postprocess_micro_batch_func(self, output, data, forward_only, loss_function, local_cp_size=None):
@@ -224,3 +286,63 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.prepare_model_outputs
         self._tim_after_forward(data, self.prepare_model_outputs(output, data), forward_only)
         return result
+
+
+class _FusedSafeHead:
+    """Megatron's output processor for one fused forward (GPTModel.forward's ``output_processor``, megatron-core
+    >= 0.18, called on the last pipeline stage with the decoder's hidden states), in place of verl's
+    ``fused_output_processor``:
+    the safe log-probs (and entropy) over the sampler's kept set from the hidden states and this TP rank's rows of the
+    output weight, chunked (``safe_linear_logprobs_vocab_parallel``). Keeps the safe set's fields and the packing
+    (``packed_seq_params``) for ``forward_step`` to lay them out."""
+
+    def __init__(self, truncation, want_entropy: bool) -> None:
+        self.truncation, self.want_entropy = truncation, want_entropy
+        self.fields: dict[str, torch.Tensor] | None = None
+        self.packed_seq_params = None
+
+    def forward_of(self, original):
+        """The GPT model's forward for this micro-batch: verl's fused call with our processor."""
+        # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward_fused:fused_forward_model_engine
+        # VERL_MEGATRON_SOURCES megatron.core.models.gpt.gpt_model:GPTModel.forward
+        def forward(*args, **kwargs):
+            if kwargs.get("output_processor") is not None:
+                kwargs["output_processor"] = self
+            return original(*args, **kwargs)
+        return forward
+
+    # VERL_MEGATRON_SOURCES megatron.core.models.gpt.gpt_model:GPTModel._postprocess
+    def __call__(self, *, hidden_states, output_layer, output_weight, labels, context, config,
+                 packed_seq_params=None, **_ignored):
+        # VERL_MEGATRON_SOURCES megatron.core.tensor_parallel.mappings:gather_from_sequence_parallel_region
+        # VERL_MEGATRON_SOURCES megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            gather_from_sequence_parallel_region)
+        # VERL_MEGATRON_SOURCES verl.utils.model:CausalLMOutputForPPO
+        from verl.utils.model import CausalLMOutputForPPO
+
+        # Megatron's column-parallel output layer's input mapping: forward the whole sequence on every TP rank,
+        # backward the sum of the ranks' parts of the hidden gradient
+        if config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden_states)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden_states)
+        weight = output_weight if output_weight is not None else output_layer.weight  # tied: the embedding's
+        width = weight.shape[0]
+        start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            width, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size())
+        rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])  # [s, b, H] -> the labels' [b, s] order
+        if rows.shape[0] != labels.numel():
+            raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)}: Megatron's output "
+                             "processor expects one label per position")
+        # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward_fused:FusedOutputProcessorContext
+        trunc = dataclasses.replace(self.truncation, temperature=float(context.temperature))
+        res = safe_linear_logprobs_vocab_parallel(rows, weight, labels.reshape(-1), trunc,
+                                                  group=mpu.get_tensor_model_parallel_group(), vocab_start=int(start),
+                                                  compute_entropy=self.want_entropy)
+        shape = labels.shape
+        self.fields = {"tim_in_safe": res.in_safe.view(shape).float(), "tim_pruned_mass": res.pruned_mass.view(shape),
+                       "tim_size": res.size.view(shape).float()}
+        self.packed_seq_params = packed_seq_params
+        return CausalLMOutputForPPO(log_probs=res.logprobs.view(shape),
+                                    entropy=None if res.entropy is None else res.entropy.view(shape))

@@ -228,10 +228,6 @@ VERL_MEGATRON_SOURCES = {
         "shape; logits [B, S, V/TP] (bshd) or [1, T, V/TP] (thd), this TP rank's vocabulary shard, divided in place "
         "by temperature (<= 0 set to 1e-8) in the logits' dtype; the forward functions lay out every entry of the "
         "dict like the log-probs (jagged nested on the input ids)",
-    (_TM, "MegatronEngineWithLMHead.forward_step"):
-        "binds _lm_head_logits_processor (partial with the keyword flags) as the logits processor of the engine's "
-        "forward unless use_fused_kernels (engine_config.use_fused_kernels; per-batch values must match it), whose "
-        "fused forward computes the log-probs without the processor",
     ("verl.utils.megatron.tensor_parallel", "vocab_parallel_sum_pi_squared"):
         "(vocab_parallel_logits) -> sum of squared probabilities over the TP-sharded vocabulary, non-destructive",
     ("megatron.core.tensor_parallel.utils", "VocabUtility.vocab_range_from_per_partition_vocab_size"):
@@ -243,6 +239,42 @@ VERL_MEGATRON_SOURCES = {
         "() -> this rank's index in the TP group (its vocabulary shard)",
     ("megatron.core.parallel_state", "get_tensor_model_parallel_world_size"):
         "() -> the number of vocabulary shards",
+    # the safe vocabulary with verl's fused forward (megatron_engine.py forward_step, _FusedSafeHead)
+    (_TM, "MegatronEngineWithLMHead.forward_step"):
+        "(batch_iter, model, logits_processor_func, postprocess_micro_batch_func): takes one micro-batch with "
+        "next(batch_iter); unless use_fused_kernels it binds _lm_head_logits_processor (partial with the keyword "
+        "flags) as the logits processor of the engine's forward; with use_fused_kernels (engine_config's; per-batch "
+        "values must match it) verl's fused forward computes the log-probs without the processor; returns (output, "
+        "partial(postprocess_micro_batch_func, data=batch, local_cp_size=local_cp_size))",
+    (_TM, "MegatronEngine._get_context_parallel_layout"):
+        "(unwrapped_model) -> 'zigzag' or 'contiguous': the CP layout the fused forward lays its outputs out with",
+    ("verl.models.mcore.model_forward_fused", "fused_forward_model_engine"):
+        "the fused forward of the engine (megatron-core >= 0.18): calls the model with output_processor="
+        "fused_output_processor and output_processor_context=FusedOutputProcessorContext(temperature=T), packed thd "
+        "labels (the input ids rolled by one), then lays out output.log_probs (and .entropy when calculate_entropy) "
+        "with postprocess_thd_engine",
+    ("verl.models.mcore.model_forward_fused", "FusedOutputProcessorContext"):
+        "dataclass with temperature: float, the fused forward's uniform temperature",
+    ("verl.models.mcore.util", "postprocess_thd_engine"):
+        "(output [1, T] packed per position, packed_seq_params, input_ids nested, batch_size, post_process, "
+        "local_cp_size, cp_layout) -> jagged nested [B, j] on input_ids (all-gathered over CP)",
+    ("verl.utils.megatron_utils", "unwrap_model"):
+        "(model) -> the module inside Megatron's wrappers (DDP, Float16Module)",
+    ("verl.utils.model", "CausalLMOutputForPPO"):
+        "transformers ModelOutput with log_probs and entropy: what the fused forward reads from the model's output",
+    ("megatron.core.models.gpt.gpt_model", "GPTModel.forward"):
+        "(..., output_processor=None, output_processor_context=None): passed on to _postprocess",
+    ("megatron.core.models.gpt.gpt_model", "GPTModel._postprocess"):
+        "on the last stage, with an output_processor: returns output_processor(hidden_states= [s, b, H] (sequence-"
+        "parallel-scattered when sequence_parallel), output_layer=, output_weight= (the shared embedding when tied, "
+        "else None), labels= [b, s], packed_seq_params=, context=output_processor_context, config=, ...) in place of "
+        "the output layer and loss",
+    ("megatron.core.tensor_parallel.mappings", "copy_to_tensor_model_parallel_region"):
+        "(input) -> input in forward, all-reduce of the gradient over TP in backward: the output layer's input "
+        "mapping without sequence parallelism",
+    ("megatron.core.tensor_parallel.mappings", "gather_from_sequence_parallel_region"):
+        "(input) -> all-gather along the sequence over TP in forward, reduce-scatter (sum) of the gradient in "
+        "backward: the output layer's input mapping with sequence parallelism",
 }
 
 # Config keys (dotted, in verl's composed ppo_trainer config) that config.check_composed_config, trainer.py and

@@ -46,10 +46,11 @@ def init_dist(rank: int = 0, world: int = 1, port: int = 29611) -> None:
 
 def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, distributed_optimizer: bool = True,
                  lr: float = 1e-3, total_steps: int = 10, engine_cls: type | None = None,
-                 optim_overrides: dict | None = None):
+                 optim_overrides: dict | None = None, remove_padding: bool = False, fused: bool = False):
     """The engine verl's registry picks for backend "megatron" (ours once the plugin is loaded), or ``engine_cls``
     built the same way; bf16 parameters (McoreEngineConfig accepts bfloat16 and float16 only), verl's defaults otherwise
-    (distributed optimizer on)."""
+    (distributed optimizer on). ``remove_padding``: verl's packed thd layout (the CPU shim 12) instead of bshd;
+    ``fused``: ``use_fused_kernels`` (verl needs remove-padding for it)."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (registrations, as the entry point does)
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -57,7 +58,8 @@ def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, distributed_optim
 
     model_config = HFModelConfig(path=str(model_path))
     engine_config = McoreEngineConfig(
-        vanilla_mbridge=True, use_remove_padding=False, tensor_model_parallel_size=tp,
+        vanilla_mbridge=True, use_remove_padding=remove_padding, use_fused_kernels=fused,
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, sequence_parallel=False, dtype="bfloat16",
         use_distributed_optimizer=distributed_optimizer,
         # the local (torch) layer spec: no TE/Apex fusions; see cpu_site/megatron_shims.py
@@ -74,17 +76,20 @@ def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, distributed_optim
     return engine
 
 
-def _pass_settings(td, **extra) -> None:
+def _pass_settings(td, engine=None, **extra) -> None:
+    """The pass's settings as verl's worker sets them: remove-padding and fused kernels as the engine has them."""
     from verl.utils import tensordict_utils as tu
 
-    tu.assign_non_tensor(td, use_remove_padding=False, use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO,
-                         max_token_len_per_gpu=4096, use_fused_kernels=False, **extra)
+    cfg = engine.engine_config if engine is not None else None
+    tu.assign_non_tensor(td, use_remove_padding=bool(cfg and cfg.use_remove_padding), use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=MICRO, max_token_len_per_gpu=4096,
+                         use_fused_kernels=bool(cfg and cfg.use_fused_kernels), **extra)
 
 
 def infer(engine, td):
     """The actor's old-log-prob pass (verl asks for the entropy there)."""
     td = td.copy()
-    _pass_settings(td, calculate_entropy=True, compute_loss=False)
+    _pass_settings(td, engine, calculate_entropy=True, compute_loss=False)
     with engine.eval_mode():
         return engine.infer_batch(td, loss_function=None)
 
@@ -101,7 +106,7 @@ def train_step(engine, td, old_log_probs, *, actor_overrides: dict | None = None
     cfg = {"strategy": "megatron", "rollout_n": 1, "ppo_micro_batch_size_per_gpu": MICRO,
            "ppo_mini_batch_size": td.batch_size[0], "use_dynamic_bsz": False, **(actor_overrides or {})}
     actor_config = McoreActorConfig(**cfg)
-    _pass_settings(td, calculate_entropy=False, global_batch_size=td.batch_size[0])
+    _pass_settings(td, engine, calculate_entropy=False, global_batch_size=td.batch_size[0])
     tu.assign_non_tensor(td, update_lr_scheduler=True)
     with engine.train_mode():
         loss = partial(ppo_loss, config=actor_config)

@@ -9,8 +9,8 @@ import torch
 
 import harness as H
 
-__all__ = ["LR", "LR_OPTIONS", "MONITOR", "SAFE_CASES", "dp_monitor", "lr_decay", "mean_length", "safe_vocab",
-           "stock_vs_tim"]
+__all__ = ["LR", "LR_OPTIONS", "MONITOR", "SAFE_CASES", "dp_monitor", "fused_safe_vocab", "lr_decay", "mean_length",
+           "safe_vocab", "stock_vs_tim"]
 
 MONITOR = {"monitor": {"enable": True}}
 TRAIN_SEEDS = (1, 2)  # one optimizer step on each batch
@@ -161,6 +161,67 @@ def safe_vocab(engine) -> dict:
                          "keys": sorted(inferred["model_output"].keys()), "holds": engine._tim_holds_outputs()}
     finally:
         del engine._lm_head_logits_processor
+    return out
+
+
+def fused_safe_vocab(model_path: str, *, tp: int) -> dict:
+    """The safe vocabulary with verl's fused kernels against the same without them, for each of ``SAFE_CASES``: two
+    engines from one checkpoint, both in verl's packed thd layout (``remove_padding``: the same decoder numerics),
+    one with ``use_fused_kernels``; per engine the old-log-prob pass (log-probs, entropy, metrics) and one training
+    step on the same batch and old log-probs (what verl's loss saw, verl's grad norm and pg_loss, this rank's
+    parameter shards after the step), and how many micro-batches the fused head computed (a test-only count around
+    ``_FusedSafeHead.__call__``)."""
+    import tim_plugins.integrations.verl.plugin  # noqa: F401  (verl's plugin import registers the engines first)
+    from tim_plugins.integrations.verl import megatron_engine
+
+    calls = []
+    head_call = megatron_engine._FusedSafeHead.__call__
+
+    def counted(self, **kwargs):
+        calls.append(tuple(kwargs["labels"].shape))
+        return head_call(self, **kwargs)
+
+    megatron_engine._FusedSafeHead.__call__ = counted
+    try:
+        return _fused_safe_vocab(model_path, tp, calls)
+    finally:
+        megatron_engine._FusedSafeHead.__call__ = head_call
+
+
+def _fused_safe_vocab(model_path: str, tp: int, calls: list) -> dict:
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
+
+    out = {}
+    engines = {name: H.build_engine(model_path, tp=tp, remove_padding=True, fused=name == "fused")
+               for name in ("fused", "unfused")}
+    out["use_fused_kernels"] = {k: bool(e.engine_config.use_fused_kernels) for k, e in engines.items()}
+    for case, (safe, sampler) in SAFE_CASES.items():
+        td, raw = H.make_batch(H.VOCAB, batch=4, seed=SAFE_SEED, temperature=SAFE_TEMPERATURE)
+        old = None
+        for name, engine in engines.items():
+            calls.clear()
+            engine.tim_configure(TIMVerlConfig.from_node({**MONITOR, "safe_vocab": safe}),
+                                 context=ActorContext(**sampler))
+            try:
+                inferred = H.infer(engine, td)
+                mine = H.old_log_probs_padded(inferred, td)
+                old = mine if old is None else old  # both train from the fused engine's old log-probs
+                entropy = no_padding_2_padding(inferred["model_output"]["entropy"], td)
+                metrics = engine.tim_pop_metrics()
+                seen = []
+                result, _ = H.train_step(engine, td, old, loss_wrapper=_loss_recorder(seen))
+                train_metrics = engine.tim_pop_metrics()
+            finally:
+                engine.tim_deconfigure()
+            out[(case, name)] = {
+                "old": mine, "entropy": entropy, "metrics": metrics, "train_metrics": train_metrics,
+                "loss_mask": torch.cat([x["mask"] for x in seen]),
+                "loss_log_probs": torch.cat([x["log_probs"] for x in seen]), "params": H.params_of(engine),
+                "head_calls": list(calls), "pg_loss": H.tensors_of(result)["actor/pg_loss"],
+                "grad_norm": H.tensors_of(result).get("grad_norm"), "mask": raw["response_mask"],
+                "keys": sorted(inferred["model_output"].keys()), "holds": engine._tim_holds_outputs()}
     return out
 
 

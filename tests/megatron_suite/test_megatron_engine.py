@@ -12,6 +12,10 @@ rollout-correction k3 helper; the tiny Qwen2 of ``cpu_site/tiny_qwen2.py``.
   entropy and the training pass's log-probs equal a float64 reference computed here (``safe_vocab_reference``) from
   the logits the processor saw (all shards gathered), the mask verl's loss aggregates over is the response mask
   without the tokens outside the reference's safe set, and ``tim/safe_vocab/*`` equal their reference.
+* With the safe vocabulary and verl's fused kernels (``use_fused_kernels``, packed thd batches), at TP1 and TP2: our
+  head takes Megatron's output processor for every micro-batch, and the old log-probs, the entropy, the metrics,
+  what verl's loss sees, its grad norm and every parameter after the step equal those of the same engine without
+  fused kernels (whose log-probs go through the logits processor, tested against the float64 reference above).
 """
 
 from __future__ import annotations
@@ -214,22 +218,89 @@ def test_safe_vocabulary_equals_the_float64_reference_tp2(two_ranks):
         assert torch.equal(a["old"], b["old"]) and torch.equal(a["entropy"], b["entropy"])
 
 
+@pytest.fixture(scope="module")
+def fused_tp1(one_rank, tiny_qwen2):
+    return scenarios.fused_safe_vocab(tiny_qwen2, tp=1)
+
+
+def _assert_fused_equals_unfused(result, *, holds: bool):
+    assert result["use_fused_kernels"] == {"fused": True, "unfused": False}
+    for case in scenarios.SAFE_CASES:
+        fused, unfused = result[(case, "fused")], result[(case, "unfused")]
+        mask = fused["mask"].bool()
+        # our head computed every micro-batch of both passes (2 old-log-prob, 2 training; thd: [1, tokens]); the
+        # unfused engine's log-probs came through the logits processor
+        assert len(fused["head_calls"]) == 4 and all(c[0] == 1 for c in fused["head_calls"]), case
+        assert unfused["head_calls"] == [], case
+        assert fused["keys"] == unfused["keys"] == ["entropy", "log_probs"], case
+        for key in ("old", "entropy"):
+            torch.testing.assert_close(fused[key][mask], unfused[key][mask], rtol=0, atol=1e-5)
+        # verl's loss aggregates over the same tokens (the boundary tokens dropped), with the same log-probs
+        assert torch.equal(fused["loss_mask"], unfused["loss_mask"]), case
+        assert 0 < int(fused["loss_mask"].sum()) < int(mask.sum()), case
+        torch.testing.assert_close(fused["loss_log_probs"][mask], unfused["loss_log_probs"][mask], rtol=0, atol=1e-5)
+        assert fused["pg_loss"] == pytest.approx(unfused["pg_loss"], rel=1e-5, abs=1e-7), case
+        # the gradients: verl's grad norm (every parameter's, the decoder's through the hidden states included),
+        # and every bf16 parameter shard after the optimizer step
+        if holds:
+            assert fused["grad_norm"] == pytest.approx(unfused["grad_norm"], rel=1e-5), case
+            for key in ("tim/safe_vocab/boundary_frac", "tim/safe_vocab/size_mean", "tim/safe_vocab/pruned_mass_mean"):
+                assert fused["metrics"][key] == pytest.approx(unfused["metrics"][key], rel=1e-6), (case, key)
+            assert fused["metrics"]["tim/safe_vocab/tokens"] == unfused["metrics"]["tim/safe_vocab/tokens"] == int(
+                mask.sum())
+        else:
+            assert fused["metrics"] == unfused["metrics"] == {}
+        assert fused["params"].keys() == unfused["params"].keys()
+        for key in fused["params"]:
+            torch.testing.assert_close(fused["params"][key].float(), unfused["params"][key].float(), rtol=2**-7,
+                                       atol=1e-6)
+
+
+def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp1(fused_tp1):
+    _assert_fused_equals_unfused(fused_tp1, holds=True)
+
+
+def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp2(two_ranks):
+    _assert_fused_equals_unfused(two_ranks[0]["tp2_fused"], holds=True)
+    _assert_fused_equals_unfused(two_ranks[1]["tp2_fused"], holds=False)
+    for case in scenarios.SAFE_CASES:  # both TP ranks computed the same log-probs
+        assert torch.equal(two_ranks[0]["tp2_fused"][(case, "fused")]["old"],
+                           two_ranks[1]["tp2_fused"][(case, "fused")]["old"])
+
+
 def test_settings_the_megatron_engine_cannot_honour_fail_early(tp1, tiny_qwen2, monkeypatch):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 
     engine = H.build_engine(tiny_qwen2)
-    safe = TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.05}})
-    # verl's engine config is frozen: the checks read these fields only
-    with monkeypatch.context() as patch:
-        patch.setattr(engine, "engine_config",
-                      types.SimpleNamespace(dynamic_context_parallel=False, use_fused_kernels=True))
-        with pytest.raises(ValueError, match=r"tim.safe_vocab.min_p=0.05 with use_fused_kernels=True on the "
-                                             r"Megatron actor.*Fix: actor_rollout_ref.model.use_fused_kernels=false"):
-            engine.tim_configure(safe)
+    with monkeypatch.context() as patch:  # verl's engine config is frozen: the check reads this field only
         patch.setattr(engine, "engine_config", types.SimpleNamespace(dynamic_context_parallel=True))
         with pytest.raises(ValueError, match=r"dynamic_context_parallel=True with a tim trainer mode.*Fix: "):
             engine.tim_configure(TIMVerlConfig.from_node(scenarios.MONITOR))
     assert not engine.tim_active
-    engine.tim_configure(safe)  # without fused kernels the safe vocabulary is taken
-    assert engine.tim_active and engine._tim_truncation.min_p == 0.05
+
+
+def test_a_moved_fused_hook_switches_off_the_safe_vocabulary_only(tp1, tiny_qwen2, monkeypatch, capsys):
+    import dataclasses
+
+    from tim_plugins.capabilities import Hook
+    from tim_plugins.integrations.verl import megatron_engine
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+
+    engine = H.build_engine(tiny_qwen2)
+    safe = TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": 0.05}})
+    feature = megatron_engine.MEGATRON_FUSED_SAFE_VOCAB
+    moved = dataclasses.replace(feature, hooks=(Hook("megatron.core.models.gpt.gpt_model", "GPTModel.forward",
+                                                     params=("an_output_hook_megatron_renamed",)),))
+    monkeypatch.setattr(megatron_engine, "MEGATRON_FUSED_SAFE_VOCAB", moved)
+    engine.tim_configure(safe)  # without fused kernels the fused feature is not consulted
+    assert engine._tim_truncation.min_p == 0.05
     engine.tim_deconfigure()
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "engine_config",
+                      types.SimpleNamespace(dynamic_context_parallel=False, use_fused_kernels=True))
+        engine.tim_configure(safe)
+        assert engine.tim_active and engine._tim_truncation is None  # the monitor runs, the safe vocabulary is off
+        assert engine._tim_pipeline.diag == {"feature_off/verl_megatron_fused_safe_vocab": 1.0}
+        engine.tim_deconfigure()
+    err = capsys.readouterr().err
+    assert "verl_megatron_fused_safe_vocab" in err and "an_output_hook_megatron_renamed" in err

@@ -5,6 +5,11 @@ rollout server, the toy model) with the recipe's Megatron tim overrides (``run_g
 verl's console logger printed. Each step ends with verl's weight sync from the Megatron actor (mbridge export,
 ``vanilla_mbridge=True``) into the vLLM server (``update_weights``, shared-memory transport on CPU).
 
+The actor runs with verl's fused kernels (``actor_rollout_ref.model.use_fused_kernels=true``, remove-padding):
+verl's own fused head is a Triton kernel that cannot run on this CPU, so every actor log-prob of the run (the
+old-log-prob and training passes) comes from the safe vocabulary's fused head in Megatron's output processor; the
+run finishing, with ``tim/safe_vocab/*`` logged and no ``tim/diag/safe_vocab_fused_unapplied``, shows it took over.
+
 Both sides compute in bf16: verl 0.9.1's ``McoreEngineConfig`` accepts bfloat16 and float16 parameters only
 (verl/workers/config/engine.py:218), and the recipe's strict parity audit refuses an fp32 rollout against a bf16
 trainer. The mismatch left (vLLM's CPU kernels against Megatron's local layer spec, both bf16) is a real signal:
@@ -34,13 +39,16 @@ STEPS = 2
 BATCH, N = 4, 2  # prompts per step, samples per prompt
 MIN_P = "1e-4"
 RUN_TIMEOUT_S = 900
-# Megatron on CPU: the local (torch) layer spec without fusions, bshd batches, no sequence parallelism (see
+# Megatron on CPU: the local (torch) layer spec without fusions, no sequence parallelism (see
 # cpu_site/megatron_shims.py and harness.build_engine, which uses the same settings).
 MEGATRON_OVERRIDES = [
     "actor_rollout_ref.actor.strategy=megatron",
     "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
-    "actor_rollout_ref.actor.megatron.use_remove_padding=false",
-    "actor_rollout_ref.model.use_remove_padding=false",
+    # verl's fused kernels with its packed thd layout (which they need; the CPU shim 12 runs it on the local
+    # attention): the safe vocabulary's fused head computes the actor's log-probs
+    "actor_rollout_ref.actor.megatron.use_remove_padding=true",
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "actor_rollout_ref.model.use_fused_kernels=true",
     "actor_rollout_ref.actor.megatron.sequence_parallel=false",
     *(f"++actor_rollout_ref.actor.megatron.override_transformer_config.{k}={v}" for k, v in (
         ("use_cpu_initialization", "true"), ("gradient_accumulation_fusion", "false"),
@@ -102,6 +110,8 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
         # the monitor counts the step's response tokens: verl's own count
         assert m["tim/tokens"] == m["response_length/mean"] * BATCH * N, step
         assert m["tim/safe_vocab/boundary_frac"] == 0.0, step  # the same tokens on both sides
+        assert m["tim/safe_vocab/tokens"] == m["tim/tokens"], step
+        assert not any(k.startswith("tim/diag/") for k in m), step  # nothing counted: our head ran every time
         k3 = m["tim/token/kl_k3"]
         bound = max(K3_REL * k3, K3_FP32_ABS)
         assert bound < 0.2 * k3, step  # a real mismatch: a k3 of 0, or twice verl's, fails below

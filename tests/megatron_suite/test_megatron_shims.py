@@ -39,6 +39,9 @@ NAMED_LINES = [
     (11, "verl.workers.engine.megatron.transformer_impl", 793,
      "load_megatron_model_to_gpu(self.module, load_grad=True)"),
     (11, "verl.workers.engine.megatron.transformer_impl", 813, "load_megatron_model_to_gpu(self.module)"),
+    (12, "megatron.core.transformer.attention", 1469, "query = query.squeeze(1)"),
+    (12, "megatron.core.transformer.dot_product_attention", 154,
+     '"Packed sequence is not supported by DotProductAttention."'),
     # configuration, not a shim: mbridge turns sequence parallel on with TP > 1 (the harness passes it off)
     (0, "mbridge.core.llm_bridge", 76, '"sequence_parallel": self.mpu.tp_size > 1,'),
 ]

@@ -21,12 +21,24 @@ def test_every_named_source_exists(key):
     assert resolve(*key) is not None
 
 
-def test_the_megatron_feature_holds_and_checks_only_named_sources():
-    status = check(features.MEGATRON_ENGINE)
+@pytest.mark.parametrize("feature", [features.MEGATRON_ENGINE, features.MEGATRON_FUSED_SAFE_VOCAB],
+                         ids=lambda f: f.name)
+def test_the_megatron_features_hold_and_check_only_named_sources(feature):
+    status = check(feature)
     assert status.available, status.warning()
-    assert [s.name for s in features.megatron_features()] == ["verl_megatron_engine"]
+    assert [s.name for s in features.megatron_features()] == ["verl_megatron_engine", "verl_megatron_fused_safe_vocab"]
     named = {**VERL_MEGATRON_SOURCES, **features.VERL_SOURCES}
-    assert all((h.module, h.qualname) in named for h in features.MEGATRON_ENGINE.hooks)
+    assert all((h.module, h.qualname) in named for h in feature.hooks)
+
+
+def test_verl_takes_megatrons_output_processor_hook_here():
+    """verl's fused forward uses the hook (megatron-core >= 0.18) rather than its legacy forward patch, which the
+    fused safe vocabulary has no way into."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from verl.models.mcore import model_forward_fused as mf
+
+    model = GPTModel.__new__(GPTModel)
+    assert mf._resolve_fused_forward_mode(model) == mf._HOOK_MODE
 
 
 def test_the_subclass_keeps_the_parents_signatures_and_verl_registers_its_engine_without_a_vendor():
@@ -36,7 +48,7 @@ def test_the_subclass_keeps_the_parents_signatures_and_verl_registers_its_engine
     from tim_plugins.integrations.verl.megatron_engine import TIMMegatronEngineWithLMHead
 
     for name in ("postprocess_micro_batch_func", "forward_backward_batch", "train_batch", "lr_scheduler_step",
-                 "_lm_head_logits_processor"):
+                 "_lm_head_logits_processor", "forward_step"):
         assert (inspect.signature(getattr(TIMMegatronEngineWithLMHead, name)).parameters.keys()
                 == inspect.signature(getattr(MegatronEngineWithLMHead, name)).parameters.keys()), name
     entries = EngineRegistry._engines["language_model"]["megatron"]

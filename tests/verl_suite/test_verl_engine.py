@@ -221,6 +221,14 @@ def test_moved_safe_vocab_hook_switches_off_only_the_safe_vocabulary(engines, ba
     assert metrics["tim/diag/feature_off/verl_safe_vocab"] == 1.0
     assert metrics["tim/tokens"] == float(raw["response_mask"].sum())
     assert not any(k.startswith("tim/safe_vocab/") for k in metrics)
+    # switched on by tim.safe_vocab.enable instead of a min-p: off alike (no refusal for the sampler's missing cut)
+    eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"enable": True}}),
+                      features_off=("verl_safe_vocab",))
+    try:
+        assert eng._tim_truncation is None
+        assert torch.equal(H.old_log_probs_padded(H.infer(eng, td), td), plain)
+    finally:
+        eng.tim_deconfigure()
 
 
 def test_boundary_masked_loss_puts_the_micro_batch_mask_back(dist, toy_model_path):

@@ -10,8 +10,8 @@ set -euo pipefail
 MIN_P=${MIN_P:-1e-5}
 
 # STRATEGY=megatron: verl's Megatron actor (ppo_megatron_trainer): the monitor, split, dump, probe, safe vocabulary
-# (over the tensor-parallel vocabulary shards; not with use_fused_kernels=true) and LR decay run in tim-plugins'
-# Megatron engine.
+# (over the tensor-parallel vocabulary shards, with or without use_fused_kernels=true) and LR decay run in
+# tim-plugins' Megatron engine.
 STRATEGY=${STRATEGY:-fsdp2}
 
 TIM_OVERRIDES=(
@@ -38,7 +38,7 @@ TIM_OVERRIDES=(
     +tim.probe.action=stop
 )
 if [[ "${STRATEGY}" == "megatron" ]]; then
-    # Megatron: the same safe vocabulary (fused kernels off); the LR decay acts on Megatron's own optimizer
+    # Megatron: the same safe vocabulary (fused kernels as you set them); the LR decay acts on Megatron's own optimizer
     TIM_OVERRIDES=(
         trainer.v1.trainer_mode=tim_sync
         +tim.monitor.enable=true

@@ -38,10 +38,15 @@ installed source it works around (``tests/megatron_suite/test_megatron_shims.py`
 11. verl treats a module on the CPU as offloaded and loads it "to the GPU" before a checkpoint
     (verl/workers/engine/megatron/transformer_impl.py:791-793, :813; megatron_utils ``load_megatron_model_to_gpu``
     then reads ``buffer.param_data``, which is None here): on the CPU there is nothing to move, the helpers are no-ops.
-Not shims but configuration (``harness.engine_configs``): ``sequence_parallel=False`` (mbridge turns it on whenever
+12. verl's remove-padding path (and its fused forward, which needs it) packs the micro-batch's sequences into one
+    thd row (``packed_seq_params``, qkv_format "thd"); Megatron squeezes the batch dimension off the query, key and
+    value for it (transformer/attention.py:1469) and the local ``DotProductAttention`` refuses packed sequences
+    (transformer/dot_product_attention.py:154): the squeezed dimension put back, and the packing turned into a
+    [1, 1, t, t] mask that keeps each position causal inside its own sequence of ``cu_seqlens_q_padded``.
+Not shims but configuration (``harness.build_engine``): ``sequence_parallel=False`` (mbridge turns it on whenever
 TP > 1, mbridge/core/llm_bridge.py:76, and the local spec has no sequence-parallel layer norm), fusions off,
-``attention_backend="local"``, ``use_cpu_initialization=True``, ``use_remove_padding=False`` (the local attention
-rejects packed thd batches).
+``attention_backend="local"``, ``use_cpu_initialization=True``; ``use_remove_padding=False`` (bshd) except where a
+test asks for the packed thd layout (``remove_padding=True``, shim 12).
 """
 
 from __future__ import annotations
@@ -154,12 +159,23 @@ def _bshd_attention_mask(module) -> None:
 
     forward = module.DotProductAttention.forward
 
-    def dot_product_attention_forward(self, query, key, value, attention_mask, *args, **kwargs):
+    def dot_product_attention_forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                                      attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # [t, np, hn] packed sequences: one [t, 1, np, hn] row whose mask keeps each position causal inside
+            # its own (padded) sequence of cu_seqlens_q_padded
+            bounds = packed_seq_params.cu_seqlens_q_padded.to(query.device)
+            t = query.shape[0]
+            seg = torch.bucketize(torch.arange(t, device=query.device), bounds[1:], right=True)
+            causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=query.device), 1)
+            attention_mask = ((seg[:, None] != seg[None, :]) | causal)[None, None]
+            return forward(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), attention_mask,
+                           attn_mask_type, attention_bias, None)
         if attention_mask is not None and attention_mask.dim() == 2:
             s = attention_mask.shape[1]
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attention_mask.device), 1)
             attention_mask = (~attention_mask.bool())[:, None, None, :] | causal[None, None]
-        return forward(self, query, key, value, attention_mask, *args, **kwargs)
+        return forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
     module.DotProductAttention.forward = dot_product_attention_forward
 

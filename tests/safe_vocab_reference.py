@@ -1,7 +1,8 @@
 """Test helper: the safe vocabulary's float64 reference on full logits, written naively from the engines' rules
 (softmax; min-p as p >= min_p * p_max; top-k as the k-th largest and its ties; top-p by an ascending sort and vLLM's
-cumulative rule, the cut's ties kept; vLLM order min-p, top-k, top-p or HF order top-k, top-p, min-p). Used by
-``tests/test_safe_vocab_tp.py`` and the Megatron suite (``tests/megatron_suite``)."""
+cumulative rule, the cut's ties kept; vLLM order min-p, top-k, top-p or HF order top-k, top-p, min-p), and the
+replay of an engine's kept sets (a masked log-softmax). Used by ``tests/test_safe_vocab_tp.py``,
+``tests/test_replay.py`` and the Megatron suite (``tests/megatron_suite``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,27 @@ import math
 
 import torch
 
-__all__ = ["safe_vocab_reference"]
+__all__ = ["dense_kept", "replay_reference", "safe_vocab_reference"]
+
+
+def replay_reference(logits, tokens, keep, temperature):
+    """float64 masked log-softmax over ``keep`` (a dense [N, V] bool; empty rows keep everything), autograd-able:
+    (log-prob, entropy, pruned mass, the kept mask)."""
+    keep = keep | ~keep.any(-1, keepdim=True)
+    z = logits.double() / temperature
+    lp_all = torch.log_softmax(z.masked_fill(~keep, -math.inf), -1)
+    lp = lp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    ent = -(lp_all.exp() * lp_all.masked_fill(~keep, 0)).sum(-1)
+    pruned = 1 - torch.softmax(z, -1).masked_fill(~keep, 0).sum(-1)
+    return lp, ent, pruned, keep
+
+
+def dense_kept(kept, vocab: int) -> torch.Tensor:
+    """A ``KeptSets`` as a dense [N, V] bool mask (an empty row stays all False)."""
+    m = torch.zeros(len(kept), vocab, dtype=torch.bool)
+    for i, ids in enumerate(kept.to_lists()):
+        m[i, ids] = True
+    return m
 
 
 def safe_vocab_reference(logits: torch.Tensor, tokens: torch.Tensor, trunc):

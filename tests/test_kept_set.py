@@ -1,6 +1,6 @@
 """Which kept set the safe vocabulary uses, as the start-up line, the doctor and the report say it
-(``tim_plugins.kept_set``): verl replays vLLM's own sets where the run asks vLLM for them (and the FSDP actor reads
-them), TRL where its colocate engine was built to hand them out; everything else recomputes the sampler's cut on the
+(``tim_plugins.kept_set``): verl replays vLLM's own sets where the run asks vLLM for them (its FSDP and Megatron
+actors read them), TRL where its colocate engine was built to hand them out; everything else recomputes the sampler's cut on the
 trainer's logits."""
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from tim_plugins.report.truncation import _kept_set
 def test_verl_replays_only_where_the_run_asks_vllm_for_its_sets():
     assert kept_set("verl", "0.9.1").mode == "recompute"
     assert VERL_SAMPLING_MASK_OVERRIDE in kept_set("verl", "0.9.1").reason
-    assert kept_set("verl", "0.9.1", sampling_mask=True).mode == "replay"
-    # the Megatron actor does not read the sets
-    megatron = kept_set("verl", "0.9.1", sampling_mask=True, megatron=True)
-    assert megatron.mode == "recompute" and "Megatron" in megatron.reason
+    replay = kept_set("verl", "0.9.1", sampling_mask=True)
+    assert replay.mode == "replay" and "FSDP or Megatron" in replay.reason  # both actors read the sets
 
 
 def test_trl_replays_from_a_colocate_engine_built_to_hand_out_its_sets():
@@ -43,5 +41,5 @@ def test_the_report_reads_the_mode_from_the_run_summary():
     summary = {"framework": "verl", "settings": {"verl": "0.9.1", "sampling mask": "true", "actor strategy": "fsdp"}}
     assert _kept_set(summary).mode == "replay"
     summary["settings"]["actor strategy"] = "megatron"
-    assert _kept_set(summary).mode == "recompute"
+    assert _kept_set(summary).mode == "replay"  # the Megatron actor replays too
     assert _kept_set({"framework": "verl", "settings": {"verl": "0.9.1"}}).mode == "recompute"  # older summaries

@@ -13,23 +13,8 @@ from tim_plugins.replay import KeptSets, replay_logprobs_from_hidden, replay_log
 from tim_plugins.safe_vocab import safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation, truncation_threshold
 
-
-def reference(logits, tokens, keep, temperature):
-    """float64 masked log-softmax over ``keep`` (a dense [N, V] bool; empty rows keep everything), autograd-able."""
-    keep = keep | ~keep.any(-1, keepdim=True)
-    z = logits.double() / temperature
-    lp_all = torch.log_softmax(z.masked_fill(~keep, -math.inf), -1)
-    lp = lp_all.gather(-1, tokens[:, None]).squeeze(-1)
-    ent = -(lp_all.exp() * lp_all.masked_fill(~keep, 0)).sum(-1)
-    pruned = 1 - torch.softmax(z, -1).masked_fill(~keep, 0).sum(-1)
-    return lp, ent, pruned, keep
-
-
-def dense(kept: KeptSets, vocab: int) -> torch.Tensor:
-    m = torch.zeros(len(kept), vocab, dtype=torch.bool)
-    for i, ids in enumerate(kept.to_lists()):
-        m[i, ids] = True
-    return m
+from safe_vocab_reference import dense_kept as dense
+from safe_vocab_reference import replay_reference as reference
 
 
 def random_sets(n, vocab, gen, *, empty_rows=()):

@@ -4,10 +4,13 @@ full logits (softmax; min-p; top-k; top-p by an ascending sort and vLLM's cumula
 log-prob and entropy: ``safe_vocab_reference``), and its autograd gradient sliced to each shard. The fused head
 (``safe_linear_logprobs_vocab_parallel``: hidden states and each rank's rows of the lm_head weight) against the same
 reference on ``hidden @ W.T`` and the gradients w.r.t. the hidden states (the ranks' parts summed, as Megatron's
-mapping sums them) and each shard's weight rows. One spawn runs every case."""
+mapping sums them) and each shard's weight rows. The replay of an engine's kept sets over the same shards
+(``replay_logprobs_vocab_parallel`` and its fused head) against a float64 masked log-softmax over the sets. One spawn
+runs every case."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -17,12 +20,14 @@ import torch.multiprocessing as mp
 
 from tim_plugins import safe_vocab_tp
 from tim_plugins.safe_vocab import safe_logprobs_from_logits
+from tim_plugins.replay import KeptSets
 from tim_plugins.safe_vocab import safe_logprobs_from_hidden
-from tim_plugins.safe_vocab_tp import safe_linear_logprobs_vocab_parallel, safe_logprobs_vocab_parallel
+from tim_plugins.safe_vocab_tp import (replay_linear_logprobs_vocab_parallel, replay_logprobs_vocab_parallel,
+                                       safe_linear_logprobs_vocab_parallel, safe_logprobs_vocab_parallel)
 from tim_plugins.truncation import Truncation
 
 from free_port import free_port
-from safe_vocab_reference import safe_vocab_reference
+from safe_vocab_reference import dense_kept, replay_reference, safe_vocab_reference
 
 N = 40
 # name -> (Truncation kwargs, shard widths, how the logits are drawn, chunk rows, candidates of the first top-p round)
@@ -72,6 +77,66 @@ def _inputs(name: str):
     tokens[: n // 2] = logits[: n // 2].argmax(-1)  # half the rows sample their top token (inside S)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     return Truncation(**kwargs), widths, logits, tokens, g_lp, g_ent
+
+
+# The replay: name -> (shard widths, temperature, chunk rows, fused head?)
+REPLAY_CASES = {
+    "logits": ((500, 501), 1.0, None, False),
+    "logits_chunked": ((300, 701), 0.7, 7, False),
+    "hidden": ((251, 250), 0.8, 9, True),
+}
+
+
+def _replay_inputs(name: str):
+    """Logits (or hidden states and W), tokens and kept sets as an engine hands them out: per row the k most likely
+    tokens under a perturbed copy of the logits (another engine's numbers), plus the sampled token in most rows; a
+    row outside its set, and rows without a recorded set (the whole vocabulary)."""
+    widths, temperature, _, fused = REPLAY_CASES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, "replay" + name)))
+    vocab = sum(widths)
+    if fused:
+        hidden, weight = torch.randn(N, HIDDEN, generator=g), torch.randn(vocab, HIDDEN, generator=g) * 0.5
+        logits = hidden @ weight.T
+    else:
+        hidden = weight = None
+        logits = torch.randn(N, vocab, generator=g) * 2.5
+    tokens = torch.randint(0, vocab, (N,), generator=g)
+    engine = logits + 0.05 * torch.randn(logits.shape, generator=g)
+    lists = []
+    for i in range(N):
+        if i in (3, 17):
+            lists.append([])
+            continue
+        k = int(torch.randint(2, 60, (1,), generator=g))
+        ids = engine[i].topk(k).indices.tolist()
+        if i != 5:  # row 5: the token lies outside the engine's set
+            ids = sorted(set(ids) | {int(tokens[i])})
+        lists.append(ids)
+    tokens[5] = int(engine[5].argsort()[0])  # the least likely token: not among row 5's top k
+    return widths, temperature, logits, hidden, weight, tokens, KeptSets.from_lists(lists)
+
+
+def _replay_case(name: str, rank: int) -> dict:
+    widths, temperature, logits, hidden, weight, tokens, kept = _replay_inputs(name)
+    chunk, fused = REPLAY_CASES[name][2], REPLAY_CASES[name][3]
+    start = sum(widths[:rank])
+    kwargs = dict(group=dist.group.WORLD, vocab_start=start, temperature=temperature, compute_entropy=True,
+                  chunk_size=chunk)
+    g = torch.Generator().manual_seed(11)
+    g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    if fused:
+        h = hidden.clone().requires_grad_(True)
+        w = weight[start : start + widths[rank]].clone().requires_grad_(True)
+        res = replay_linear_logprobs_vocab_parallel(h, w, tokens, kept, **kwargs)
+        leaves = (h, w)
+    else:
+        shard = logits[:, start : start + widths[rank]].clone().requires_grad_(True)
+        res = replay_logprobs_vocab_parallel(shard, tokens, kept, **kwargs)
+        leaves = (shard,)
+    ((res.logprobs * g_lp).sum() + (res.entropy * g_ent).sum()).backward()
+    return {"logprobs": res.logprobs.detach(), "in_safe": res.in_safe, "pruned_mass": res.pruned_mass,
+            "size": res.size, "entropy": res.entropy.detach(), "grads": [x.grad for x in leaves],
+            "g_lp": g_lp, "g_ent": g_ent}
 
 
 def _hidden_inputs(name: str):
@@ -137,6 +202,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 results[name]["grad_logprob_only"] = alone.grad
         for name in HIDDEN_CASES:
             results["hidden/" + name] = _hidden_case(name, rank)
+        for name in REPLAY_CASES:
+            results["replay/" + name] = _replay_case(name, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -220,6 +287,52 @@ def test_the_fused_head_equals_the_float64_reference(two_ranks, name):
             torch.testing.assert_close(ours, ref.float(), rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
     assert bool((size < weight.shape[0]).all())  # the cases cut in every row
     assert bool((~a["in_safe"]).any()) and bool(a["in_safe"].any())
+
+
+@pytest.mark.parametrize("name", list(REPLAY_CASES))
+def test_replay_over_two_shards_equals_the_float64_reference(two_ranks, name):
+    widths, temperature, logits, hidden, weight, tokens, kept = _replay_inputs(name)
+    a, b = two_ranks[0]["replay/" + name], two_ranks[1]["replay/" + name]
+    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
+        assert torch.equal(a[key], b[key]), key  # every rank of the group gets the same values
+    fused = REPLAY_CASES[name][3]
+    leaves = ((hidden.double().requires_grad_(True), weight.double().requires_grad_(True)) if fused
+              else (logits.double().requires_grad_(True),))
+    full = leaves[0] @ leaves[1].T if fused else leaves[0]
+    keep = dense_kept(kept, logits.shape[1])
+    _, ent, pruned, kept_mask = replay_reference(full, tokens, keep, temperature)
+    in_s = kept_mask.gather(-1, tokens[:, None]).squeeze(-1)
+    # z_a/T − log Σ_S e^(z/T): the masked log-softmax in S, and still finite (and a function of z_a) outside it
+    z = full / temperature
+    logp = z.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(z.masked_fill(~kept_mask, -math.inf), -1)
+    assert torch.equal(a["in_safe"], in_s) and torch.equal(a["size"], kept_mask.sum(-1))
+    assert not bool(in_s[5]) and bool(in_s[3]) and int(a["size"][3]) == logits.shape[1]  # outside; no recorded set
+    torch.testing.assert_close(a["logprobs"], logp.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a["entropy"], ent.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a["pruned_mass"], pruned.float(), rtol=0, atol=1e-5)
+    grads = torch.autograd.grad((logp * a["g_lp"].double()).sum() + (ent * a["g_ent"].double()).sum(), leaves)
+    if fused:  # the hidden gradient's parts summed over the ranks; each rank's weight rows
+        ours = [a["grads"][0] + b["grads"][0], torch.cat([a["grads"][1], b["grads"][1]])]
+    else:
+        ours = [torch.cat([a["grads"][0], b["grads"][0]], dim=-1)]
+    for got, want in zip(ours, grads, strict=True):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    # the replayed sets differ from the top-k recomputed on the trainer's logits: a recompute would move tokens
+    assert bool((keep != (logits >= logits.topk(5).values[:, -1:])).any())
+
+
+def test_a_single_rank_replay_is_the_replay_module():
+    widths, temperature, logits, hidden, weight, tokens, kept = _replay_inputs("logits")
+    from tim_plugins.replay import replay_logprobs_from_logits
+
+    got = replay_logprobs_vocab_parallel(logits, tokens, kept, temperature=temperature, compute_entropy=True)
+    ref = replay_logprobs_from_logits(logits, tokens, kept, temperature=temperature, compute_entropy=True)
+    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
+        assert torch.equal(getattr(got, key), getattr(ref, key)), key
+    with pytest.raises(ValueError, match=r"kept has 3 rows, the tokens 40"):
+        replay_logprobs_vocab_parallel(logits, tokens, KeptSets.from_lists([[1], [2], [3]]))
+    with pytest.raises(ValueError, match=r"temperature=0.0: must be a finite number > 0"):
+        replay_logprobs_vocab_parallel(logits, tokens, kept, temperature=0.0)
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_p=0.05), dict(top_k=7, top_p=0.9, min_p=0.01, temperature=0.8)])

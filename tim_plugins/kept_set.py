@@ -33,25 +33,20 @@ VERL_SAMPLING_MASK_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.vllm.ret
 TRL_SAMPLING_MASK_CONTEXT = "tim_plugins.integrations.trl.engine_kept_sets()"
 
 
-def kept_set(framework: str | None, version: str | None = None, *, sampling_mask: bool = False,
-             megatron: bool = False) -> KeptSet:
+def kept_set(framework: str | None, version: str | None = None, *, sampling_mask: bool = False) -> KeptSet:
     """The kept set a run of ``framework`` ("trl", "verl"; ``version``: the installed one, named in the reason) uses
     with the safe vocabulary. ``sampling_mask``: the run's engine hands out its per-token kept sets and the adapter
-    carries them to the trainer (verl: ``engine_kwargs.vllm.return_sampling_mask``, FSDP actor; TRL: the colocate
-    engine built inside ``engine_kept_sets()``); a run without them recomputes, and so does verl's Megatron actor
-    (``megatron``), whose engine does not read the sets."""
+    carries them to the trainer (verl: ``engine_kwargs.vllm.return_sampling_mask``, FSDP or Megatron actor; TRL: the
+    colocate engine built inside ``engine_kept_sets()``); a run without them recomputes."""
     name = FRAMEWORK_NAMES.get(framework or "", framework or "this framework")
     named = f"{name} {version}" if version else name
-    if framework == "verl" and sampling_mask and megatron:
-        return KeptSet("recompute", f"{named}'s Megatron actor does not read the kept sets vLLM returns "
-                                    "(return_sampling_mask; tim-plugins replays them in the FSDP actor only), so the "
-                                    "trainer recomputes the sampler's cut on its own logits")
     if framework == "verl" and sampling_mask:
         return KeptSet("replay", "vLLM returns its per-token kept sets (return_sampling_mask) and tim-plugins' verl "
-                                 "rollout server carries them to the actor, which renormalises its log-probs over "
-                                 "exactly those sets in each micro-batch whose samples all carry one set per "
-                                 "response token (others recompute, counted in tim/diag/kept_sets_fallback); vLLM "
-                                 "accepts the setting only with Model Runner V2 (a GPU build)")
+                                 "rollout server carries them to the actor (FSDP or Megatron), which renormalises its "
+                                 "log-probs over exactly those sets in each micro-batch whose samples all carry one "
+                                 "set per response token (others, and a Megatron actor with context parallelism, "
+                                 "recompute, counted in tim/diag/kept_sets_fallback); vLLM accepts the setting only "
+                                 "with Model Runner V2 (a GPU build)")
     if framework == "verl":
         return KeptSet("recompute", f"{named} does not carry vLLM's sampling_mask (the sampler's kept set per token) "
                                     "into the training batch by itself; tim-plugins' verl rollout server carries it "
@@ -75,10 +70,9 @@ def kept_set(framework: str | None, version: str | None = None, *, sampling_mask
                                 "its own logits")
 
 
-def kept_set_line(framework: str | None, version: str | None = None, *, sampling_mask: bool = False,
-                  megatron: bool = False) -> str:
+def kept_set_line(framework: str | None, version: str | None = None, *, sampling_mask: bool = False) -> str:
     """The one line an adapter logs at start-up when the safe vocabulary is on."""
-    k = kept_set(framework, version, sampling_mask=sampling_mask, megatron=megatron)
+    k = kept_set(framework, version, sampling_mask=sampling_mask)
     if k.mode == "replay":
         return (f"tim-plugins: safe vocabulary: kept set by replay ({k.reason}; every sampled token is in the "
                 "engine's set, so tim/safe_vocab/boundary_frac is 0 where it is replayed).")

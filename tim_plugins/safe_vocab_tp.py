@@ -19,6 +19,12 @@ order top-k → top-p → min-p; S = {a : z_a >= tau}), and the log-probs, ``in_
 * then one pass per chunk for Σ_S e^(z−m), Σ e^(z−m), |S|, Σ_S e^(z−m)(z−m) and the token's logit (from the rank
   that owns it, 0 elsewhere), stacked into one [k, N] ``all_reduce(SUM)``.
 
+The fused head (``safe_linear_logprobs_vocab_parallel``) computes the shard's logits from the hidden states and this
+rank's rows of the lm_head weight one row chunk at a time (the row statistics reduced per chunk), never [N, V].
+The replay of a rollout engine's kept sets (``replay_logprobs_vocab_parallel`` and its hidden-state form) takes S
+from the sets (global ids, every rank holds all of them; each shard expands its own columns per chunk): only the row
+maximum and the stacked sums cross the shards.
+
 Backward needs no communication (as Megatron's ``vocab_parallel_cross_entropy``): the gradient of a shard's logits
 depends on its own values and the saved global row statistics, g·(onehot(a) − q) for the log-prob (no one-hot where
 another rank owns the token) and −g_ent·q(log q + H) on S for the entropy, q the renormalised distribution on S.
@@ -39,11 +45,13 @@ import torch
 import torch.distributed as dist
 
 from ._matmul import addmm_fp32
+from .replay import KeptSets, replay_logprobs_from_hidden, replay_logprobs_from_logits
 from .safe_vocab import (SafeLogprobs, _buffers, _check_hidden, _check_rows, _logits_into, _temper, default_chunk_rows,
                          safe_logprobs_from_hidden, safe_logprobs_from_logits)
 from .truncation import STEP_ORDER, Truncation, _top_p_threshold_in_top_k
 
-__all__ = ["safe_linear_logprobs_vocab_parallel", "safe_logprobs_vocab_parallel"]
+__all__ = ["replay_linear_logprobs_vocab_parallel", "replay_logprobs_vocab_parallel",
+           "safe_linear_logprobs_vocab_parallel", "safe_logprobs_vocab_parallel"]
 
 # Candidates per row of the first top-p round (then × _CANDIDATE_GROWTH per retry): nuclei of sampled LLM rows at
 # top_p 0.9-0.95 are mostly a few to a few hundred tokens; a [N, 256] fp32 gather per rank is small beside the logits.
@@ -90,7 +98,7 @@ def safe_logprobs_vocab_parallel(
         raise ValueError(f"logits has shape {tuple(logits.shape)}: every shard needs at least one vocabulary column")
     chunk = int(chunk_size) if chunk_size else default_chunk_rows(logits.shape[1], logits.dtype)
     logp, in_safe, pruned, size, ent = _VocabParallelSafe.apply(
-        logits, tokens.long(), trunc, group, int(vocab_start), chunk, bool(compute_entropy))
+        logits, tokens.long(), _Cut(trunc), group, int(vocab_start), chunk, bool(compute_entropy))
     return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
 
 
@@ -135,7 +143,88 @@ def safe_linear_logprobs_vocab_parallel(
     cdt = torch.promote_types(hidden.dtype, weight.dtype)
     chunk = int(chunk_size) if chunk_size else default_chunk_rows(weight.shape[0], cdt)
     logp, in_safe, pruned, size, ent = _VocabParallelSafeHidden.apply(
-        hidden, weight, tokens.long(), trunc, group, int(vocab_start), chunk, bool(compute_entropy))
+        hidden, weight, tokens.long(), _Cut(trunc), group, int(vocab_start), chunk, bool(compute_entropy))
+    return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
+
+
+def _check_group_args(vocab_start, group) -> bool:
+    """True for the single-rank case (no group, or a group of one)."""
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start={vocab_start!r}: must be an int >= 0 (this shard's first vocabulary id)")
+    if group is None or dist.get_world_size(group) == 1:
+        if vocab_start != 0:
+            raise ValueError(f"vocab_start={vocab_start} without a tensor-parallel group: a single rank holds the "
+                             "whole vocabulary (vocab_start=0); pass the TP group for a shard")
+        return True
+    return False
+
+
+def _check_kept_rows(kept, n_rows: int, temperature: float) -> None:
+    if not isinstance(kept, KeptSets):
+        raise ValueError(f"kept is a {type(kept).__name__}: expected a tim_plugins.replay.KeptSets "
+                         "(KeptSets.from_lists(sampling_mask.token_ids))")
+    if len(kept) != n_rows:
+        raise ValueError(f"kept has {len(kept)} rows, the tokens {n_rows}: one kept set per scored token, in the "
+                         "same order (an empty list for a position without one)")
+    if kept.ids.numel() and int(kept.ids.min()) < 0:
+        raise ValueError(f"kept ids must be >= 0 (global vocabulary ids); got {int(kept.ids.min())}")
+    if not (math.isfinite(float(temperature)) and float(temperature) > 0.0):
+        raise ValueError(f"temperature={temperature!r}: must be a finite number > 0 (the engine's sampling "
+                         "temperature; vLLM refuses replay at temperature 0)")
+
+
+def replay_logprobs_vocab_parallel(
+    logits: torch.Tensor, tokens: torch.Tensor, kept: KeptSets, *, group=None, vocab_start: int = 0,
+    temperature: float = 1.0, compute_entropy: bool = False, chunk_size: int | None = None,
+) -> SafeLogprobs:
+    """``tim_plugins.replay.replay_logprobs_from_logits`` on this rank's vocabulary shard: the log-probs of
+    ``tokens`` renormalised over the rollout engine's own kept set of each row, the vocabulary split over the group.
+
+    Args:
+        logits: [N, V_local] this rank's shard (columns vocab_start …), not yet divided by the temperature.
+        tokens: [N] global token ids.
+        kept: the engine's kept set of each row (``KeptSets``, N rows of global ids, the same on every rank; an empty
+            row keeps the whole vocabulary). Ids are not range-checked against the other shards' widths.
+        group, vocab_start, compute_entropy, chunk_size: as for ``safe_logprobs_vocab_parallel``.
+        temperature: the engine's sampling temperature.
+    Returns:
+        ``SafeLogprobs`` with [N] tensors, equal on every rank (``in_safe``: the token is in the engine's set);
+        differentiable w.r.t. this shard, no communication in backward. Collectives per call: the row maximum
+        (``all_reduce(MAX)``) and one stacked ``all_reduce(SUM)``.
+    """
+    _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0, check_ids=False)
+    _check_kept_rows(kept, logits.shape[0], temperature)
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
+    if _check_group_args(vocab_start, group):
+        return replay_logprobs_from_logits(logits, tokens, kept, temperature=temperature,
+                                           compute_entropy=compute_entropy, chunk_size=chunk_size)
+    width = logits.shape[1]
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(width, logits.dtype)
+    sel = _Kept.of(kept, temperature, int(vocab_start), width, logits.device)
+    logp, in_safe, pruned, size, ent = _VocabParallelSafe.apply(
+        logits, tokens.long(), sel, group, int(vocab_start), chunk, bool(compute_entropy))
+    return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
+
+
+def replay_linear_logprobs_vocab_parallel(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, kept: KeptSets, *, group=None,
+    vocab_start: int = 0, temperature: float = 1.0, compute_entropy: bool = False, chunk_size: int | None = None,
+) -> SafeLogprobs:
+    """``replay_logprobs_vocab_parallel`` from hidden states and this rank's rows of the lm_head weight, in row
+    chunks (the contract and the gradients of ``safe_linear_logprobs_vocab_parallel``: ``hidden`` gets this shard's
+    part of its gradient)."""
+    _check_hidden(hidden, weight, tokens, chunk_size, check_ids=False)
+    _check_kept_rows(kept, hidden.shape[0], temperature)
+    if _check_group_args(vocab_start, group):
+        return replay_logprobs_from_hidden(hidden, weight, tokens, kept, temperature=temperature,
+                                           compute_entropy=compute_entropy, chunk_size=chunk_size)
+    width = weight.shape[0]
+    cdt = torch.promote_types(hidden.dtype, weight.dtype)
+    chunk = int(chunk_size) if chunk_size else default_chunk_rows(width, cdt)
+    sel = _Kept.of(kept, temperature, int(vocab_start), width, hidden.device)
+    logp, in_safe, pruned, size, ent = _VocabParallelSafeHidden.apply(
+        hidden, weight, tokens.long(), sel, group, int(vocab_start), chunk, bool(compute_entropy))
     return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
 
 
@@ -268,21 +357,94 @@ def _owned(tokens: torch.Tensor, vocab_start: int, width: int) -> tuple[torch.Te
     return torch.where(owned, local, torch.zeros_like(local)), owned
 
 
-def _shard_forward(logits, local, owned, trunc: Truncation, group, chunk: int, want_entropy: bool):
-    """The per-row results of rows of this shard's logits (any float dtype, not yet divided by T), one
-    ``_row_stats`` and one [k, n] ``all_reduce(SUM)``: (logp, in_safe, pruned, size as fp32, entropy or None, tau,
-    log Σ_S e^z). Every rank of the group calls it with the same rows; n = 0 calls no collective."""
+class _Cut:
+    """S of each row: the sampler's rule recomputed on the trainer's logits (S = {a : z_a >= tau}, tau from
+    ``_row_stats``)."""
+
+    def __init__(self, trunc: Truncation) -> None:
+        self.trunc, self.temperature = trunc, trunc.temperature
+
+    def rows(self, s: int, e: int) -> "_Cut":
+        return self
+
+    def stats(self, logits, group, chunk: int):
+        return _row_stats(logits, self.trunc, group, chunk)
+
+    @staticmethod
+    def keep(z: torch.Tensor, s: int, e: int, tau: torch.Tensor) -> torch.Tensor:
+        return z >= tau[s:e, None]
+
+    @staticmethod
+    def contains(z_tok: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return z_tok >= tau
+
+
+class _Kept:
+    """S of each row: the engine's kept set (``tim_plugins.replay.KeptSets``: global ids, every rank holds all of
+    them), this shard's columns of it expanded per chunk; a row without a recorded set keeps the whole vocabulary.
+    The row maximum is the only row statistic reduced over the group."""
+
+    def __init__(self, ids: torch.Tensor, sizes: torch.Tensor, bounds: list, temperature: float, vocab_start: int,
+                 width: int) -> None:
+        self.ids, self.sizes, self.bounds = ids, sizes, bounds
+        self.temperature, self.vocab_start, self.width = float(temperature), vocab_start, width
+
+    @classmethod
+    def of(cls, kept, temperature: float, vocab_start: int, width: int, device) -> "_Kept":
+        return cls(kept.ids.to(device=device, dtype=torch.int64), kept.sizes.to(device), kept.offsets.tolist(),
+                   temperature, vocab_start, width)
+
+    def rows(self, s: int, e: int) -> "_Kept":
+        a, b = self.bounds[s], self.bounds[e]
+        return _Kept(self.ids[a:b], self.sizes[s:e], [x - a for x in self.bounds[s : e + 1]], self.temperature,
+                     self.vocab_start, self.width)
+
+    def stats(self, logits, group, chunk: int):
+        n = logits.shape[0]
+        m = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s, e in _chunks(n, chunk):
+            m[s:e] = _z(logits, slice(s, e), self.temperature).amax(dim=-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        return m, torch.full_like(m, -math.inf)  # no threshold: a placeholder the backward passes back
+
+    def keep(self, z: torch.Tensor, s: int, e: int, tau: torch.Tensor) -> torch.Tensor:
+        n = e - s
+        keep = torch.zeros((n, self.width), dtype=torch.bool, device=z.device)
+        a, b = self.bounds[s], self.bounds[e]
+        rows = torch.repeat_interleave(torch.arange(n, device=z.device), self.sizes[s:e], output_size=b - a)
+        cols = self.ids[a:b] - self.vocab_start
+        mine = (cols >= 0) & (cols < self.width)
+        keep[rows[mine], cols[mine]] = True
+        empty = [i - s for i in range(s, e) if self.bounds[i + 1] == self.bounds[i]]
+        if empty:  # no recorded set: the whole vocabulary (found on the host: no pass over the chunk)
+            keep[empty] = True
+        return keep
+
+    def contains(self, z_tok: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        rows = torch.repeat_interleave(torch.arange(n, device=tokens.device), self.sizes,
+                                       output_size=self.ids.shape[0])
+        hits = torch.zeros(n, dtype=torch.int64, device=tokens.device)
+        hits.index_add_(0, rows, (self.ids == tokens[rows]).long())
+        return (hits > 0) | (self.sizes == 0)
+
+
+def _shard_forward(logits, tokens, local, owned, sel, group, chunk: int, want_entropy: bool):
+    """The per-row results of rows of this shard's logits (any float dtype, not yet divided by T) over the sets
+    ``sel`` gives (``_Cut`` or ``_Kept``, for these rows), its row statistics and one [k, n] ``all_reduce(SUM)``:
+    (logp, in_safe, pruned, size as fp32, entropy or None, tau, log Σ_S e^z). Every rank of the group calls it with
+    the same rows; n = 0 calls no collective."""
     n, device = logits.shape[0], logits.device
     if n == 0:  # every rank of the group has the same rows: none of them calls a collective
         m = tau = torch.empty(0, dtype=torch.float32, device=device)
         sums = torch.zeros((5, 0), dtype=torch.float32, device=device)
     else:
-        m, tau = _row_stats(logits, trunc, group, chunk)
+        m, tau = sel.stats(logits, group, chunk)
         sums = torch.empty((5 if want_entropy else 4, n), dtype=torch.float32, device=device)
         with torch.no_grad():
             for s, e in _chunks(n, chunk):
-                z = _z(logits, slice(s, e), trunc.temperature)
-                keep = z >= tau[s:e, None]
+                z = _z(logits, slice(s, e), sel.temperature)
+                keep = sel.keep(z, s, e, tau)
                 sums[3, s:e] = torch.where(owned[s:e], z.gather(-1, local[s:e, None]).squeeze(-1), 0.0)
                 sums[2, s:e] = keep.sum(dim=-1, dtype=torch.int32).float()  # |S| <= V < 2^24: exact in fp32
                 ez = z.sub_(m[s:e, None]).exp_()  # e^(z−m), in place
@@ -295,16 +457,16 @@ def _shard_forward(logits, local, owned, trunc: Truncation, group, chunk: int, w
     kept, full, size, z_tok = sums[0], sums[1], sums[2], sums[3]
     log_kept = kept.log()
     logp = (z_tok - m) - log_kept  # safe_vocab._chunk_forward's order of operations
-    in_safe = z_tok >= tau
+    in_safe = sel.contains(z_tok, tau, tokens)
     pruned = (1.0 - kept / full).clamp_(min=0.0)
     ent = log_kept - sums[4] / kept if want_entropy else None
     return logp, in_safe, pruned, size, ent, tau, m + log_kept
 
 
-def _shard_grad(z: torch.Tensor, local, owned, tau, log_zs, ent, g_lp, g_ent, temperature: float) -> torch.Tensor:
-    """dL/d(logits) of rows of this shard, fp32 [n, V_local], from ``z`` = those rows' fp32 logits / T (overwritten)
-    and the saved row statistics of the same rows: no communication."""
-    keep = z >= tau[:, None]
+def _shard_grad(z: torch.Tensor, keep: torch.Tensor, local, owned, log_zs, ent, g_lp, g_ent,
+                temperature: float) -> torch.Tensor:
+    """dL/d(logits) of rows of this shard, fp32 [n, V_local], from ``z`` = those rows' fp32 logits / T (overwritten),
+    their S on this shard (``keep``) and the saved row statistics: no communication."""
     logq = z.sub_(log_zs[:, None])
     q = torch.where(keep, logq.exp(), 0.0)
     g = torch.zeros_like(q)
@@ -319,13 +481,13 @@ def _shard_grad(z: torch.Tensor, local, owned, tau, log_zs, ent, g_lp, g_ent, te
 
 class _VocabParallelSafe(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, trunc, group, vocab_start, chunk, want_entropy):
+    def forward(ctx, logits, tokens, sel, group, vocab_start, chunk, want_entropy):
         ctx.set_materialize_grads(False)
         local, owned = _owned(tokens, vocab_start, logits.shape[1])
-        logp, in_safe, pruned, size, ent, tau, log_zs = _shard_forward(logits, local, owned, trunc, group, chunk,
-                                                                       want_entropy)
+        logp, in_safe, pruned, size, ent, tau, log_zs = _shard_forward(logits, tokens, local, owned, sel, group,
+                                                                       chunk, want_entropy)
         ctx.save_for_backward(logits, local, owned, tau, log_zs, ent if ent is not None else log_zs)
-        ctx.temperature, ctx.chunk = trunc.temperature, chunk
+        ctx.sel, ctx.chunk = sel, chunk
         ctx.mark_non_differentiable(in_safe, pruned, size)
         return logp, in_safe, pruned, size.long(), ent
 
@@ -335,10 +497,12 @@ class _VocabParallelSafe(torch.autograd.Function):
         if g_lp is None and g_ent is None:
             return (None,) * 7
         grad = torch.empty_like(logits)
+        sel = ctx.sel
         for s, e in _chunks(logits.shape[0], ctx.chunk):
-            grad[s:e] = _shard_grad(_z(logits, slice(s, e), ctx.temperature), local[s:e], owned[s:e], tau[s:e],
-                                    log_zs[s:e], ent[s:e], None if g_lp is None else g_lp[s:e],
-                                    None if g_ent is None else g_ent[s:e], ctx.temperature)
+            z = _z(logits, slice(s, e), sel.temperature)
+            grad[s:e] = _shard_grad(z, sel.keep(z, s, e, tau), local[s:e], owned[s:e], log_zs[s:e], ent[s:e],
+                                    None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e],
+                                    sel.temperature)
         return grad, None, None, None, None, None, None
 
 
@@ -349,7 +513,7 @@ class _VocabParallelSafeHidden(torch.autograd.Function):
     to its dtype per vocabulary tile first, as ``safe_vocab``'s hidden path does)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, trunc, group, vocab_start, chunk, want_entropy):
+    def forward(ctx, hidden, weight, tokens, sel, group, vocab_start, chunk, want_entropy):
         ctx.set_materialize_grads(False)
         n_rows, width = hidden.shape[0], weight.shape[0]
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
@@ -359,12 +523,13 @@ class _VocabParallelSafeHidden(torch.autograd.Function):
         outs = []
         for s, e in _chunks(max(n_rows, 1), chunk):  # once for N = 0: empty results, no collective
             z = _logits_into(zf, tile, hidden[s:e].to(cdt), w)
-            outs.append(_shard_forward(z, local[s:e], owned[s:e], trunc, group, e - s, want_entropy))
+            outs.append(_shard_forward(z, tokens[s:e], local[s:e], owned[s:e], sel.rows(s, e), group, e - s,
+                                       want_entropy))
         del zf, tile
         logp, in_safe, pruned, size, ent, tau, log_zs = (
             torch.cat(o) if o[0] is not None else None for o in zip(*outs))
         ctx.save_for_backward(hidden, weight, local, owned, tau, log_zs, ent if ent is not None else log_zs)
-        ctx.temperature, ctx.chunk = trunc.temperature, chunk
+        ctx.sel, ctx.chunk = sel, chunk
         ctx.mark_non_differentiable(in_safe, pruned, size)
         return logp, in_safe, pruned, size.long(), ent
 
@@ -380,14 +545,15 @@ class _VocabParallelSafeHidden(torch.autograd.Function):
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
         zf, tile = _buffers(min(ctx.chunk, n_rows), width, cdt, hidden.device)
+        sel = ctx.sel
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s, e in _chunks(n_rows, ctx.chunk):
             h = hidden[s:e].to(cdt)
-            z = _temper(_logits_into(zf, tile, h, w), ctx.temperature)
-            g = _shard_grad(z, local[s:e], owned[s:e], tau[s:e], log_zs[s:e], ent[s:e],
+            z = _temper(_logits_into(zf, tile, h, w), sel.temperature)
+            g = _shard_grad(z, sel.keep(z, s, e, tau), local[s:e], owned[s:e], log_zs[s:e], ent[s:e],
                             None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e],
-                            ctx.temperature)
+                            sel.temperature)
             if cdt == torch.float32:
                 if need_w:
                     grad_w.addmm_(g.t(), h)

@@ -36,7 +36,7 @@ from tim_plugins.replay import replay_logprobs_from_hidden, replay_logprobs_from
 from tim_plugins.safe_vocab import safe_linear_logprobs, safe_logprobs_from_logits
 
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
-from .engine_mixin import TIMEngineMixin, padded_response
+from .engine_mixin import TIMEngineMixin, padded_response, place_kept
 
 __all__ = ["TIMFSDPEngineWithLMHead", "padded_response"]
 
@@ -191,16 +191,8 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
 
 
 def _placed_or_none(kept, labels_shape, packed: bool, pipeline):
-    """``kept`` (``MicroBatchKeptSets``) laid out over a head's rows, or None (recompute) when they do not fit the
-    rows, counted under ``tim/diag/kept_sets_fallback``: a layout this engine did not expect never stops training."""
-    if kept is None:
-        return None
-    try:
-        return kept.placed(labels_shape, packed=packed)
-    except ValueError as err:
-        if pipeline is not None:
-            pipeline.count("kept_sets_fallback", detail=f"the kept sets do not fit the head's rows ({err})")
-        return None
+    """``kept`` over the rows of a head with ``labels_shape`` (verl's packed or padded layout), or None: recompute."""
+    return place_kept(kept, pipeline, labels_shape=labels_shape, packed=packed)
 
 
 class _SafeFusedOutput(OrderedDict):

@@ -16,7 +16,7 @@ each, none per micro-batch. With the safe vocabulary the backend computes the sa
 sets ``self._tim_mb`` to ``{"in_safe", "pruned_mass", "size"}`` (same layout as ``log_probs``) before the loss.
 Where the rollout carried the engine's own kept sets (``rollout.py``, ``extra_fields``), ``_tim_micro_batch_kept``
 hands them to the backend laid out over the micro-batch (``MicroBatchKeptSets``), to replay in place of recomputing
-(the FSDP engine does; the Megatron engine does not call it and recomputes).
+(both engines do).
 
 The mixin overrides ``forward_backward_batch`` (the merge after a forward-only measurement pass), ``train_batch``
 (one optimizer step: the LR decay's end of step) and ``lr_scheduler_step`` (end of the actor update: the loss passes'
@@ -46,7 +46,8 @@ from tim_plugins.safe_vocab import SafeLogprobs
 from .config import EXTRA_FIELDS, KEPT_SETS_KEY, LAG_FIELD, ActorContext, TIMVerlConfig
 from .features import SAFE_VOCAB
 
-__all__ = ["MicroBatchKeptSets", "ResponseLayout", "TIMEngineMixin", "kept_sets_of_micro_batch", "padded_response"]
+__all__ = ["MicroBatchKeptSets", "ResponseLayout", "TIMEngineMixin", "kept_sets_of_micro_batch", "padded_response",
+           "place_kept"]
 
 
 def padded_response(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
@@ -70,16 +71,31 @@ class MicroBatchKeptSets:
     seq: torch.Tensor
     seq_offsets: torch.Tensor
 
-    def placed(self, labels_shape, *, packed: bool) -> KeptSets:
+    def placed(self, labels_shape, *, packed: bool, starts: torch.Tensor | None = None) -> KeptSets:
         """Over the rows of a head whose labels have ``labels_shape``: ``packed`` ([N + pad] or [1, N + pad]: verl's
         no-padding layout, the padding at the tail) or padded ([B, L]: each sample's tokens at the start of its
-        row)."""
+        row); ``starts`` ([B], with ``packed=False``): each sample's first row in a layout that pads every sample
+        (Megatron's thd packing: ``cu_seqlens_q_padded[:-1]``)."""
         shape = tuple(labels_shape)
         n_rows = math.prod(int(d) for d in shape)
         if packed:
             return self.kept.placed(n_rows, self.packed)
-        width = int(shape[-1])
-        return self.kept.placed(n_rows, self.seq * width + (self.packed - self.seq_offsets[self.seq]))
+        first = self.seq * int(shape[-1]) if starts is None else starts.to(self.seq.device, torch.int64)[self.seq]
+        return self.kept.placed(n_rows, first + (self.packed - self.seq_offsets[self.seq]))
+
+
+def place_kept(kept: MicroBatchKeptSets | None, pipeline, **where) -> KeptSets | None:
+    """``kept`` laid out over a head's rows (``MicroBatchKeptSets.placed(**where)``), or None (recompute) when they do
+    not fit the rows, counted under ``tim/diag/kept_sets_fallback``: a layout the engine did not expect never stops
+    training."""
+    if kept is None:
+        return None
+    try:
+        return kept.placed(**where)
+    except ValueError as err:
+        if pipeline is not None:
+            pipeline.count("kept_sets_fallback", detail=f"the kept sets do not fit the head's rows ({err})")
+        return None
 
 
 def kept_sets_of_micro_batch(micro_batch) -> tuple[MicroBatchKeptSets | None, str | None]:

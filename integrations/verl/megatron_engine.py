@@ -37,6 +37,12 @@ for one micro-batch, below). What is Megatron's own here:
   safe set's fields out the same way (verl's ``postprocess_thd_engine``) for ``postprocess_micro_batch_func``. Where
   those hooks moved the feature ``verl_megatron_fused_safe_vocab`` is off: the safe vocabulary is switched off with
   one line and ``tim/diag/feature_off/*``, the rest runs.
+* the engine's kept sets (``extra_fields``, carried from the rollout server): ``forward_step`` reads them once per
+  micro-batch (``_tim_micro_batch_kept``), records the packing the GPT model is called with (``_ModelCall``), and the
+  logits processor or the fused head lays them over its rows (bshd: each sample at the start of its row; thd: at its
+  ``cu_seqlens_q_padded`` start) and replays them (``safe_vocab_tp.replay_logprobs_vocab_parallel`` and its
+  hidden-state form) instead of recomputing the cut. With context parallelism, or sets that do not fit the rows, it
+  recomputes and counts ``tim/diag/kept_sets_fallback``.
 * the settings it refuses (``_tim_check_config``): dynamic context parallelism. Under static context parallelism CP
   rank 0 measures, and its data-parallel group holds only CP-rank-0 ranks.
 The mixin's overrides call the parent's: the merge after a forward-only pass, over the data-parallel group, and the
@@ -64,10 +70,11 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from tim_plugins.capabilities import check
 from tim_plugins.lr_scaling import CONTROLLER_STATE_KEY, restore_controller_state, store_controller_state
 from tim_plugins.patching import Patch
-from tim_plugins.safe_vocab_tp import safe_linear_logprobs_vocab_parallel, safe_logprobs_vocab_parallel
+from tim_plugins.safe_vocab_tp import (replay_linear_logprobs_vocab_parallel, replay_logprobs_vocab_parallel,
+                                       safe_linear_logprobs_vocab_parallel, safe_logprobs_vocab_parallel)
 
 from .config import TIMVerlConfig
-from .engine_mixin import TIMEngineMixin
+from .engine_mixin import TIMEngineMixin, place_kept
 from .features import MEGATRON_FUSED_SAFE_VOCAB
 
 __all__ = ["TIMMegatronEngineWithLMHead"]
@@ -209,10 +216,17 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         width = logits.shape[-1]
         start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
             width, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size())
-        trunc = dataclasses.replace(self._tim_truncation, temperature=1.0)  # already scaled above
-        res = safe_logprobs_vocab_parallel(logits.reshape(-1, width), label.reshape(-1), trunc,
-                                           group=mpu.get_tensor_model_parallel_group(), vocab_start=int(start),
-                                           compute_entropy=bool(calculate_entropy))
+        group = mpu.get_tensor_model_parallel_group()
+        call = self._tim_call
+        kept = self._tim_kept_rows(label.shape, data_format == "thd",
+                                   None if call is None else call.packed_seq_params)
+        if kept is not None:  # the engine's own kept sets, replayed (logits already divided by the temperature)
+            res = replay_logprobs_vocab_parallel(logits.reshape(-1, width), label.reshape(-1), kept, group=group,
+                                                 vocab_start=int(start), compute_entropy=bool(calculate_entropy))
+        else:
+            trunc = dataclasses.replace(self._tim_truncation, temperature=1.0)  # already scaled above
+            res = safe_logprobs_vocab_parallel(logits.reshape(-1, width), label.reshape(-1), trunc, group=group,
+                                               vocab_start=int(start), compute_entropy=bool(calculate_entropy))
         shape = label.shape
         ret["log_probs"] = res.logprobs.view(shape)
         if calculate_entropy:
@@ -237,21 +251,61 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
             fields[name] = value
         self._tim_mb = fields
 
+    _tim_call = None  # the model call of the micro-batch in flight (_ModelCall), where forward_step set one up
+
+    def _tim_kept_rows(self, labels_shape, thd: bool, packed_seq_params):
+        """The micro-batch's engine kept sets over a head's rows ([b, s] bshd: each sample at the start of its row;
+        [1, T] thd: each sample at its ``cu_seqlens_q_padded`` start), or None: recompute."""
+        if self._tim_kept is None:
+            return None
+        if not thd:
+            return place_kept(self._tim_kept, self._tim_pipeline, labels_shape=labels_shape, packed=False)
+        # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward:gptmodel_forward_model_engine
+        # VERL_MEGATRON_SOURCES verl.models.mcore.util:preprocess_thd_engine
+        starts = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+        if starts is None:
+            self._tim_pipeline.count("kept_sets_fallback", detail="a thd micro-batch without its packing "
+                                     "(packed_seq_params.cu_seqlens_q_padded): the trainer recomputes the kept set")
+            return None
+        return place_kept(self._tim_kept, self._tim_pipeline, labels_shape=labels_shape, packed=False,
+                          starts=starts[:-1])
+
     # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        if self._tim is None or self._tim_truncation is None or not self._tim_fused():
+        if self._tim is None or self._tim_truncation is None:
             return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)  # handed back to verl's forward_step below, which takes one micro-batch
+        batch_iter = itertools.chain([batch], batch_iter)
+        # the engine's kept sets where the rollout carried them (read once per micro-batch, for either head)
+        kept = self._tim_micro_batch_kept(batch)
+        # VERL_MEGATRON_SOURCES megatron.core.parallel_state:get_context_parallel_world_size
+        if kept is not None and mpu.get_context_parallel_world_size() > 1:
+            # each CP rank holds a (zigzag) slice of every sequence; the sets are laid out over whole sequences
+            self._tim_pipeline.count("kept_sets_fallback", detail="context parallelism: replay of the engine's kept "
+                                     "sets is not implemented there; the trainer recomputes them")
+            kept = None
+        fused = self._tim_fused()
+        if kept is None and not fused:
+            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         # VERL_MEGATRON_SOURCES verl.utils.megatron_utils:unwrap_model
         from verl.utils.megatron_utils import unwrap_model
 
         unwrapped = unwrap_model(model)
         gpt = getattr(unwrapped, "language_model", unwrapped)  # verl's _get_patching_model: the GPT model
-        head = _FusedSafeHead(self._tim_truncation, bool(tu.get_non_tensor_data(batch, key="calculate_entropy",
-                                                                                 default=False)))
-        with Patch(gpt, "forward", head.forward_of):
-            output, post = super().forward_step(itertools.chain([batch], batch_iter), model, logits_processor_func,
-                                                postprocess_micro_batch_func)
+        head = None
+        if fused:
+            want_entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
+            head = _FusedSafeHead(self._tim_truncation, want_entropy, kept, self._tim_pipeline)
+        call = _ModelCall(head)
+        self._tim_kept, self._tim_call = kept, call
+        try:
+            with Patch(gpt, "forward", call.forward_of):
+                output, post = super().forward_step(batch_iter, model, logits_processor_func,
+                                                    postprocess_micro_batch_func)
+        finally:
+            self._tim_kept = self._tim_call = None
+        if head is None:
+            return output, post
         if head.fields is None:
             if getattr(gpt, "post_process", False):  # the last stage computed log-probs without our head
                 self._tim_pipeline.count("safe_vocab_fused_unapplied", detail="Megatron's output processor was not "
@@ -296,20 +350,11 @@ class _FusedSafeHead:
     output weight, chunked (``safe_linear_logprobs_vocab_parallel``). Keeps the safe set's fields and the packing
     (``packed_seq_params``) for ``forward_step`` to lay them out."""
 
-    def __init__(self, truncation, want_entropy: bool) -> None:
+    def __init__(self, truncation, want_entropy: bool, kept=None, pipeline=None) -> None:
         self.truncation, self.want_entropy = truncation, want_entropy
+        self.kept, self.pipeline = kept, pipeline  # the engine's kept sets (MicroBatchKeptSets): replayed if given
         self.fields: dict[str, torch.Tensor] | None = None
         self.packed_seq_params = None
-
-    def forward_of(self, original):
-        """The GPT model's forward for this micro-batch: verl's fused call with our processor."""
-        # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward_fused:fused_forward_model_engine
-        # VERL_MEGATRON_SOURCES megatron.core.models.gpt.gpt_model:GPTModel.forward
-        def forward(*args, **kwargs):
-            if kwargs.get("output_processor") is not None:
-                kwargs["output_processor"] = self
-            return original(*args, **kwargs)
-        return forward
 
     # VERL_MEGATRON_SOURCES megatron.core.models.gpt.gpt_model:GPTModel._postprocess
     def __call__(self, *, hidden_states, output_layer, output_weight, labels, context, config,
@@ -336,13 +381,47 @@ class _FusedSafeHead:
             raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)}: Megatron's output "
                              "processor expects one label per position")
         # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward_fused:FusedOutputProcessorContext
-        trunc = dataclasses.replace(self.truncation, temperature=float(context.temperature))
-        res = safe_linear_logprobs_vocab_parallel(rows, weight, labels.reshape(-1), trunc,
-                                                  group=mpu.get_tensor_model_parallel_group(), vocab_start=int(start),
-                                                  compute_entropy=self.want_entropy)
+        temperature = float(context.temperature)
+        group = mpu.get_tensor_model_parallel_group()
+        kept = None
+        if self.kept is not None:  # thd: each sample at its cu_seqlens_q_padded start
+            starts = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+            kept = None if starts is None else place_kept(self.kept, self.pipeline, labels_shape=labels.shape,
+                                                          packed=False, starts=starts[:-1])
+            if starts is None and self.pipeline is not None:
+                self.pipeline.count("kept_sets_fallback", detail="a thd micro-batch without its packing "
+                                    "(packed_seq_params.cu_seqlens_q_padded): the trainer recomputes the kept set")
+        if kept is not None:
+            res = replay_linear_logprobs_vocab_parallel(rows, weight, labels.reshape(-1), kept, group=group,
+                                                        vocab_start=int(start), temperature=temperature,
+                                                        compute_entropy=self.want_entropy)
+        else:
+            trunc = dataclasses.replace(self.truncation, temperature=temperature)
+            res = safe_linear_logprobs_vocab_parallel(rows, weight, labels.reshape(-1), trunc, group=group,
+                                                      vocab_start=int(start), compute_entropy=self.want_entropy)
         shape = labels.shape
         self.fields = {"tim_in_safe": res.in_safe.view(shape).float(), "tim_pruned_mass": res.pruned_mass.view(shape),
                        "tim_size": res.size.view(shape).float()}
         self.packed_seq_params = packed_seq_params
         return CausalLMOutputForPPO(log_probs=res.logprobs.view(shape),
                                     entropy=None if res.entropy is None else res.entropy.view(shape))
+
+
+class _ModelCall:
+    """The GPT model's forward for one micro-batch (an instance attribute for that forward only): records the
+    packing it is called with (``packed_seq_params``: where each sample's rows are in the thd layout, for the engine's
+    kept sets) and, with fused kernels, hands Megatron ``head`` as the output processor in place of verl's."""
+
+    def __init__(self, head: _FusedSafeHead | None) -> None:
+        self.head = head
+        self.packed_seq_params = None
+
+    def forward_of(self, original):
+        # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward_fused:fused_forward_model_engine
+        # VERL_MEGATRON_SOURCES megatron.core.models.gpt.gpt_model:GPTModel.forward
+        def forward(*args, **kwargs):
+            self.packed_seq_params = kwargs.get("packed_seq_params")
+            if self.head is not None and kwargs.get("output_processor") is not None:
+                kwargs["output_processor"] = self.head
+            return original(*args, **kwargs)
+        return forward

@@ -269,6 +269,16 @@ VERL_MEGATRON_SOURCES = {
         "parallel-scattered when sequence_parallel), output_layer=, output_weight= (the shared embedding when tied, "
         "else None), labels= [b, s], packed_seq_params=, context=output_processor_context, config=, ...) in place of "
         "the output layer and loss",
+    # the engine's kept sets replayed (megatron_engine.py forward_step, _tim_kept_rows)
+    ("verl.models.mcore.model_forward", "gptmodel_forward_model_engine"):
+        "the engine forward (remove-padding, thd): calls the model with packed_seq_params= (cu_seqlens_q_padded: "
+        "each sample's first row, the sequences padded one by one), then the logits processor with the labels laid "
+        "out the same way (preprocess_thd_engine, rolled by one)",
+    ("verl.models.mcore.util", "preprocess_thd_engine"):
+        "packs the micro-batch's sequences one after another, each padded to the TP/CP alignment: "
+        "PackedSeqParams(cu_seqlens_q_padded=each sample's first row, ...)",
+    ("megatron.core.parallel_state", "get_context_parallel_world_size"):
+        "() -> the CP size: > 1 splits every sequence over CP ranks (replay then recomputes)",
     ("megatron.core.tensor_parallel.mappings", "copy_to_tensor_model_parallel_region"):
         "(input) -> input in forward, all-reduce of the gradient over TP in backward: the output layer's input "
         "mapping without sequence parallelism",

@@ -101,11 +101,7 @@ class TIMTrainerMixin:
             from tim_plugins._optional import package_version
             from tim_plugins.kept_set import kept_set_line
 
-            from omegaconf import OmegaConf
-
-            megatron = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None) == "megatron"
-            print(kept_set_line("verl", package_version("verl"), sampling_mask=asks_sampling_mask(config),
-                                megatron=megatron))
+            print(kept_set_line("verl", package_version("verl"), sampling_mask=asks_sampling_mask(config)))
         if tim.dump.enabled:
             write_run_summary(config, tim, findings)
         self.tim = tim

@@ -18,7 +18,7 @@ import torch
 from tiny_qwen2 import VOCAB
 
 __all__ = ["MICRO", "VOCAB", "init_dist", "build_engine", "make_batch", "infer", "old_log_probs_padded", "train_step",
-           "tensors_of", "params_of"]
+           "tensors_of", "params_of", "to_v1_layout"]
 
 MICRO = 2  # micro_batch_size_per_gpu of every pass
 _VERL_HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl_suite", "harness.py")
@@ -34,6 +34,7 @@ def _verl_suite_harness():
 _FSDP_HARNESS = _verl_suite_harness()
 make_batch = _FSDP_HARNESS.make_batch
 old_log_probs_padded = _FSDP_HARNESS.old_log_probs_padded
+to_v1_layout = _FSDP_HARNESS.to_v1_layout
 
 
 def init_dist(rank: int = 0, world: int = 1, port: int = 29611) -> None:
@@ -102,6 +103,8 @@ def train_step(engine, td, old_log_probs, *, actor_overrides: dict | None = None
     from verl.workers.utils.losses import ppo_loss
 
     td = td.copy()
+    if td["response_mask"].is_nested and not old_log_probs.is_nested:  # V1 layout: responses are ragged rows
+        old_log_probs = _FSDP_HARNESS.response_nested(old_log_probs, td)
     td["old_log_probs"] = old_log_probs
     cfg = {"strategy": "megatron", "rollout_n": 1, "ppo_micro_batch_size_per_gpu": MICRO,
            "ppo_mini_batch_size": td.batch_size[0], "use_dynamic_bsz": False, **(actor_overrides or {})}

@@ -9,8 +9,8 @@ import torch
 
 import harness as H
 
-__all__ = ["LR", "LR_OPTIONS", "MONITOR", "SAFE_CASES", "dp_monitor", "fused_safe_vocab", "lr_decay", "mean_length",
-           "safe_vocab", "stock_vs_tim"]
+__all__ = ["LR", "LR_OPTIONS", "MONITOR", "SAFE_CASES", "dp_monitor", "fused_safe_vocab", "kept_sets", "lr_decay",
+           "mean_length", "replay", "safe_vocab", "stock_vs_tim"]
 
 MONITOR = {"monitor": {"enable": True}}
 TRAIN_SEEDS = (1, 2)  # one optimizer step on each batch
@@ -222,6 +222,79 @@ def _fused_safe_vocab(model_path: str, tp: int, calls: list) -> dict:
                 "head_calls": list(calls), "pg_loss": H.tensors_of(result)["actor/pg_loss"],
                 "grad_norm": H.tensors_of(result).get("grad_norm"), "mask": raw["response_mask"],
                 "keys": sorted(inferred["model_output"].keys()), "holds": engine._tim_holds_outputs()}
+    return out
+
+
+REPLAY_SEED = 7
+
+
+def kept_sets(raw, vocab: int, seed: int = REPLAY_SEED) -> list[list[list[int]]]:
+    """Test-made engine kept sets, one per response token of each sample: 40 random ids with the sampled token
+    among them (the safe vocabulary's own rule at min-p 0.1 would cut most of these random tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(raw["responses"].shape[0]):
+        n = int(raw["response_mask"][i].sum())
+        lists = []
+        for j in range(n):
+            tok = int(raw["responses"][i, j])
+            ids = torch.randperm(vocab, generator=g)[:40].tolist()
+            lists.append(sorted(set(ids) | {tok}))
+        out.append(lists)
+    return out
+
+
+def _extras(sets) -> list[dict]:
+    """Each sample's ``extra_fields`` as the rollout server writes them (``rollout.TIMvLLMHttpServer``)."""
+    import numpy as np
+
+    from tim_plugins.integrations.verl.config import KEPT_SETS_KEY
+
+    out = []
+    for lists in sets:
+        offsets = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64)
+        ids = np.array([t for x in lists for t in x], dtype=np.int32)
+        out.append({KEPT_SETS_KEY: {"ids": ids, "offsets": offsets}})
+    return out
+
+
+def replay(model_path: str, *, tp: int) -> dict:
+    """The engine's kept sets replayed (``extra_fields``, as verl's V1 trainer carries them from the rollout server)
+    in three engines from one checkpoint: bshd through the logits processor (every call recorded for the test's
+    reference), and thd without and with fused kernels; per engine the old-log-prob pass and one training step on
+    the same batch, with the safe vocabulary's min-p case configured (which the replay replaces)."""
+    import tim_plugins.integrations.verl.plugin  # noqa: F401  (verl's plugin import registers the engines first)
+    from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    safe, sampler = SAFE_CASES["min_p"]
+    _, raw = H.make_batch(H.VOCAB, batch=4, seed=SAFE_SEED, temperature=SAFE_TEMPERATURE)
+    sets = kept_sets(raw, H.VOCAB)
+    td = H.to_v1_layout(raw, temperature=SAFE_TEMPERATURE, extra_fields=_extras(sets))
+    out = {"sets": sets, "mask": raw["response_mask"], "responses": raw["responses"]}
+    for name, kwargs in (("bshd", {}), ("thd", {"remove_padding": True}),
+                         ("fused", {"remove_padding": True, "fused": True})):
+        engine = H.build_engine(model_path, tp=tp, **kwargs)
+        records = _record_processor(engine) if name == "bshd" else None
+        engine.tim_configure(TIMVerlConfig.from_node({**MONITOR, "safe_vocab": safe}), context=ActorContext(**sampler))
+        try:
+            inferred = H.infer(engine, td)
+            old = H.old_log_probs_padded(inferred, td)
+            metrics = engine.tim_pop_metrics()
+            infer_records = list(records) if records is not None else None
+            seen = []
+            result, _ = H.train_step(engine, td, old, loss_wrapper=_loss_recorder(seen))
+            engine.tim_pop_metrics()
+        finally:
+            engine.tim_deconfigure()
+            if records is not None:
+                del engine._lm_head_logits_processor
+        width = raw["responses"].shape[1]  # the V1 layout's micro-batches are as wide as their longest response
+        loss_mask = torch.cat([torch.nn.functional.pad(x["mask"], (0, width - x["mask"].shape[1])) for x in seen])
+        out[name] = {"old": old, "entropy": no_padding_2_padding(inferred["model_output"]["entropy"], td),
+                     "metrics": metrics, "infer": infer_records, "loss_mask": loss_mask,
+                     "grad_norm": H.tensors_of(result).get("grad_norm"), "params": H.params_of(engine),
+                     "holds": engine._tim_holds_outputs()}
     return out
 
 

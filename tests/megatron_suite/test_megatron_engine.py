@@ -16,6 +16,10 @@ rollout-correction k3 helper; the tiny Qwen2 of ``cpu_site/tiny_qwen2.py``.
   head takes Megatron's output processor for every micro-batch, and the old log-probs, the entropy, the metrics,
   what verl's loss sees, its grad norm and every parameter after the step equal those of the same engine without
   fused kernels (whose log-probs go through the logits processor, tested against the float64 reference above).
+* Where the batch carries the rollout engine's kept sets (``extra_fields``, as verl's V1 trainer hands them over),
+  at TP1 and TP2: the old log-probs and the entropy are the float64 log-softmax over exactly those sets on the
+  logits the processor saw (bshd), no token is a boundary token (the recomputed rule would cut most of them), verl's
+  loss keeps every response token, and the packed thd layout with and without fused kernels gives the same.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import pytest
 import harness as H
 import scenarios
 import torch
-from safe_vocab_reference import safe_vocab_reference
+from safe_vocab_reference import replay_reference, safe_vocab_reference
 
 from tim_plugins.truncation import Truncation
 
@@ -266,6 +270,66 @@ def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp2(two_ranks):
     for case in scenarios.SAFE_CASES:  # both TP ranks computed the same log-probs
         assert torch.equal(two_ranks[0]["tp2_fused"][(case, "fused")]["old"],
                            two_ranks[1]["tp2_fused"][(case, "fused")]["old"])
+
+
+@pytest.fixture(scope="module")
+def replay_tp1(one_rank, tiny_qwen2):
+    return scenarios.replay(tiny_qwen2, tp=1)
+
+
+def _replay_grids(result) -> dict:
+    """The float64 replay of each response cell ([B, R]) from the bshd engine's recorded processor calls: the
+    masked log-softmax over the cell's kept set on the logits the processor saw (already divided by T)."""
+    sets, width = result["sets"], result["mask"].shape[1]
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+    grids = {"logp": [], "entropy": [], "label": []}
+    sample = 0
+    for rec in result["bshd"]["infer"]:
+        logits, cells, mask = rec["logits"], rec["cells"], rec["mask"]
+        keep = torch.zeros(logits.shape, dtype=torch.bool)
+        for i in range(cells.shape[0]):
+            for j, ids in enumerate(sets[sample + i]):
+                keep[int(cells[i, j]), ids] = True
+        sample += cells.shape[0]
+        lp, ent, _, _ = replay_reference(logits, rec["label"], keep, 1.0)
+        grids["logp"].append(pad(lp[cells] * mask))
+        grids["entropy"].append(pad(ent[cells] * mask))
+        grids["label"].append(pad(rec["label"][cells] * mask))
+    return {k: torch.cat(v) for k, v in grids.items()}
+
+
+def _assert_replay(result, *, holds: bool):
+    mask = result["mask"].bool()
+    ref = _replay_grids(result)
+    assert torch.equal(ref["label"][mask], result["responses"][mask])  # the recorded rows predict the responses
+    for name in ("bshd", "thd", "fused"):
+        r = result[name]
+        torch.testing.assert_close(r["old"][mask], ref["logp"][mask].float(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(r["entropy"][mask], ref["entropy"][mask].float(), rtol=0, atol=1e-5)
+        assert torch.equal(r["loss_mask"], mask), name  # no boundary token: verl's loss keeps every token
+        if holds:
+            assert r["metrics"]["tim/safe_vocab/boundary_frac"] == 0.0, name
+            assert r["metrics"]["tim/safe_vocab/size_mean"] == pytest.approx(
+                sum(len(x) for s in result["sets"] for x in s) / int(mask.sum()), rel=1e-12), name
+            assert not any(k.startswith("tim/diag/") for k in r["metrics"]), name  # replayed, no fallback
+        else:
+            assert r["metrics"] == {}
+    # the packed layout with and without fused kernels: the same numbers and the same optimizer step
+    thd, fused = result["thd"], result["fused"]
+    torch.testing.assert_close(fused["old"][mask], thd["old"][mask], rtol=0, atol=1e-5)
+    if holds:
+        assert fused["grad_norm"] == pytest.approx(thd["grad_norm"], rel=1e-5)
+    for key in fused["params"]:
+        torch.testing.assert_close(fused["params"][key].float(), thd["params"][key].float(), rtol=2**-7, atol=1e-6)
+
+
+def test_the_engines_kept_sets_are_replayed_tp1(replay_tp1):
+    _assert_replay(replay_tp1, holds=True)
+
+
+def test_the_engines_kept_sets_are_replayed_tp2(two_ranks):
+    _assert_replay(two_ranks[0]["tp2_replay"], holds=True)
+    _assert_replay(two_ranks[1]["tp2_replay"], holds=False)
 
 
 def test_settings_the_megatron_engine_cannot_honour_fail_early(tp1, tiny_qwen2, monkeypatch):

@@ -5,7 +5,8 @@ rollout server, the toy model) with the recipe's Megatron tim overrides (``run_g
 verl's console logger printed. Each step ends with verl's weight sync from the Megatron actor (mbridge export,
 ``vanilla_mbridge=True``) into the vLLM server (``update_weights``, shared-memory transport on CPU).
 
-The actor runs with verl's fused kernels (``actor_rollout_ref.model.use_fused_kernels=true``, remove-padding):
+The rollout samples with a user's ``top_p=0.8`` and ``top_k=20`` (with the recipe's min-p), kept as set, and the
+actor runs with verl's fused kernels (``actor_rollout_ref.model.use_fused_kernels=true``, remove-padding):
 verl's own fused head is a Triton kernel that cannot run on this CPU, so every actor log-prob of the run (the
 old-log-prob and training passes) comes from the safe vocabulary's fused head in Megatron's output processor; the
 run finishing, with ``tim/safe_vocab/*`` logged and no ``tim/diag/safe_vocab_fused_unapplied``, shows it took over.
@@ -57,6 +58,13 @@ MEGATRON_OVERRIDES = [
         ("sequence_parallel", "false"))),
     "actor_rollout_ref.rollout.dtype=bfloat16",  # the Megatron actor's parameters are bf16 (see the docstring)
 ]
+# A user's nucleus and top-k sampling, kept as set: the actor's safe vocabulary applies vLLM's whole cut (the
+# recipe's min-p, then top-k, then top-p).
+TOP_P, TOP_K = 0.8, 20
+USER_SAMPLER = [f"actor_rollout_ref.rollout.top_p={TOP_P}", f"actor_rollout_ref.rollout.top_k={TOP_K}"]
+# bf16 rollouts against a bf16 actor: a sampled token falls outside the actor's recomputed cut only where the two
+# sides' logits straddle it (measured: 0 of 32 tokens at each step)
+BOUNDARY_MAX = 0.05
 # tim's k3 against verl's on the same tokens: both a float mean of exp(r) - r - 1; verl's in float32, whose result
 # sits on a grid of float32 spacing at 1 (see tests/verl_suite/test_verl_main_ppo.py, K3_REL): 1e-4 relative or two
 # spacings. Measured: |Δ| 1.2e-10 at k3 1.4e-4 and 4.6e-9 at k3 1.2e-5.
@@ -93,7 +101,7 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
                  + [o for o in M.base_overrides(files, tmp_path, steps=STEPS, batch=BATCH, n=N)
                     if not o.startswith("actor_rollout_ref.actor.strategy=")]
                  + [o for o in M.CPU_OVERRIDES if "fsdp_config" not in o and "use_remove_padding" not in o]
-                 + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES)
+                 + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER)
     run = M.run_main_ppo(overrides, cwd=tmp_path, timeout=RUN_TIMEOUT_S, log_path=tmp_path / "main_ppo.log")
     print(f"exit {run.returncode} after {run.seconds:.0f} s; per-step seconds "
           f"{ {s: round(t, 2) for s, t in run.step_times.items()} }; log {tmp_path / 'main_ppo.log'}")
@@ -107,14 +115,22 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
     # verl's weight sync into the vLLM server: once before the first rollout, then after each step's update
     assert run.output.count("update_weights done") == STEPS + 1
     for step, m in run.steps.items():
-        # the monitor counts the step's response tokens: verl's own count
-        assert m["tim/tokens"] == m["response_length/mean"] * BATCH * N, step
-        assert m["tim/safe_vocab/boundary_frac"] == 0.0, step  # the same tokens on both sides
-        assert m["tim/safe_vocab/tokens"] == m["tim/tokens"], step
+        # the safe vocabulary counts every response token (verl's own count); boundary tokens (sampled by vLLM,
+        # outside the actor's recomputed cut on its bf16 logits) leave the monitor's tokens and the loss
+        n_all = m["response_length/mean"] * BATCH * N
+        assert m["tim/safe_vocab/tokens"] == n_all, step
+        boundary = n_all - m["tim/tokens"]
+        assert m["tim/safe_vocab/boundary_frac"] == pytest.approx(boundary / n_all, abs=1e-12), step
+        assert m["tim/safe_vocab/boundary_frac"] <= BOUNDARY_MAX, step  # small: the same cut, bf16 both sides
+        # the user's top_p / top_k really cut: a kept set of at most top_k tokens, ~10 % of the mass pruned
+        assert 1.0 <= m["tim/safe_vocab/size_mean"] <= TOP_K and m["tim/safe_vocab/pruned_mass_mean"] > 0.02, step
         assert not any(k.startswith("tim/diag/") for k in m), step  # nothing counted: our head ran every time
-        k3 = m["tim/token/kl_k3"]
+        k3, verl_k3 = m["tim/token/kl_k3"], m["rollout_corr/k3_kl"]
         bound = max(K3_REL * k3, K3_FP32_ABS)
         assert bound < 0.2 * k3, step  # a real mismatch: a k3 of 0, or twice verl's, fails below
-        assert abs(k3 - m["rollout_corr/k3_kl"]) <= bound, (step, k3, m["rollout_corr/k3_kl"])
-        assert m["tim/token/kl_k1"] == pytest.approx(m["rollout_corr/kl"], rel=K1_REL), step
+        if boundary == 0:  # the same tokens: verl's k3 and k1 over them
+            assert abs(k3 - verl_k3) <= bound, (step, k3, verl_k3)
+            assert m["tim/token/kl_k1"] == pytest.approx(m["rollout_corr/kl"], rel=K1_REL), step
+        else:  # verl's mean also holds the boundary tokens' terms (each >= 0): k3 · tokens <= verl's k3 · all
+            assert k3 * m["tim/tokens"] <= verl_k3 * n_all * (1 + K3_REL) + K3_FP32_ABS, (step, k3, verl_k3)
         assert m["tim/probe/checked"] == 1.0 and m["tim/probe/tripped"] == 0.0, step  # k3 far below 1e-2

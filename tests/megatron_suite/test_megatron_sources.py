@@ -93,3 +93,12 @@ def test_the_logits_processor_scales_and_is_bound_where_the_safe_vocabulary_take
     # Megatron's own cross entropy splits the vocabulary by the same rule the engine reads the shard's start from
     ce = inspect.getsource(resolve("megatron.core.tensor_parallel.cross_entropy", "_VocabParallelCrossEntropy.forward"))
     assert "VocabUtility.vocab_range_from_per_partition_vocab_size" in ce
+
+
+def test_the_engine_forward_hands_the_model_its_thd_packing():
+    """The kept sets' thd rows come from the packing the GPT model is called with (``_ModelCall``): verl's engine
+    forward passes it by keyword, padded sample by sample."""
+    fwd = inspect.getsource(resolve("verl.models.mcore.model_forward", "gptmodel_forward_model_engine"))
+    assert "packed_seq_params=packed_seq_params," in fwd and "output_dict = logits_processor(output_orig, **args)" in fwd
+    pre = inspect.getsource(resolve("verl.models.mcore.util", "preprocess_thd_engine"))
+    assert "cu_seqlens_q_padded=cu_seqlens_padded," in pre

@@ -123,12 +123,11 @@ def _version(summary: dict) -> str | None:
 
 def _kept_set(summary: dict):
     """How the run had its kept set (``kept_set.kept_set``), from what its summary records: the framework and
-    version, and for verl whether it asked vLLM for its sets (``"sampling mask"``) on which actor strategy."""
+    version, and whether it asked vLLM for its sets (``"sampling mask"``)."""
     from tim_plugins.kept_set import kept_set
 
     settings = summary.get("settings") or {}
-    return kept_set(summary.get("framework"), _version(summary), sampling_mask=settings.get("sampling mask") == "true",
-                    megatron=settings.get("actor strategy") == "megatron")
+    return kept_set(summary.get("framework"), _version(summary), sampling_mask=settings.get("sampling mask") == "true")
 
 
 def truncation_headline(summary: dict, rows: list[dict] | None = None) -> str | None:

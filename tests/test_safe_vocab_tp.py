@@ -209,6 +209,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _both_ranks(two_ranks, key: str):
+    """Both ranks' results of one case; every rank of the group gets the same values."""
+    a, b = two_ranks[0][key], two_ranks[1][key]
+    for field in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
+        assert torch.equal(a[field], b[field]), field
+    return a, b
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("safe_vocab_tp")
@@ -219,9 +227,7 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_shards_equal_the_float64_reference(two_ranks, name):
     trunc, widths, logits, tokens, g_lp, g_ent = _inputs(name)
-    a, b = two_ranks[0][name], two_ranks[1][name]
-    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
-        assert torch.equal(a[key], b[key]), key  # every rank of the group gets the same values
+    a, b = _both_ranks(two_ranks, name)
     full = logits.double().requires_grad_(True)
     logp, ent, in_s, pruned, size, keep = safe_vocab_reference(full, tokens, trunc)
     assert torch.equal(a["in_safe"], in_s) and torch.equal(a["size"], size)
@@ -257,9 +263,7 @@ def test_two_shards_equal_the_float64_reference(two_ranks, name):
 @pytest.mark.parametrize("name", list(HIDDEN_CASES))
 def test_the_fused_head_equals_the_float64_reference(two_ranks, name):
     trunc, widths, hidden, weight, tokens, g_lp, g_ent = _hidden_inputs(name)
-    a, b = two_ranks[0]["hidden/" + name], two_ranks[1]["hidden/" + name]
-    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
-        assert torch.equal(a[key], b[key]), key  # every rank of the group gets the same values
+    a, b = _both_ranks(two_ranks, "hidden/" + name)
     h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     logp, ent, in_s, pruned, size, _ = safe_vocab_reference(h64 @ w64.T, tokens, trunc)
     assert torch.equal(a["in_safe"], in_s) and torch.equal(a["size"], size)
@@ -292,9 +296,7 @@ def test_the_fused_head_equals_the_float64_reference(two_ranks, name):
 @pytest.mark.parametrize("name", list(REPLAY_CASES))
 def test_replay_over_two_shards_equals_the_float64_reference(two_ranks, name):
     widths, temperature, logits, hidden, weight, tokens, kept = _replay_inputs(name)
-    a, b = two_ranks[0]["replay/" + name], two_ranks[1]["replay/" + name]
-    for key in ("logprobs", "in_safe", "pruned_mass", "size", "entropy"):
-        assert torch.equal(a[key], b[key]), key  # every rank of the group gets the same values
+    a, b = _both_ranks(two_ranks, "replay/" + name)
     fused = REPLAY_CASES[name][3]
     leaves = ((hidden.double().requires_grad_(True), weight.double().requires_grad_(True)) if fused
               else (logits.double().requires_grad_(True),))

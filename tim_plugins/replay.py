@@ -152,14 +152,15 @@ class _Replay:
         return keep.gather(-1, tok[:, None]).squeeze(-1)
 
 
-def _check_kept(kept: KeptSets, n_rows: int, vocab: int, temperature: float) -> None:
+def _check_kept(kept: KeptSets, n_rows: int, vocab: int | None, temperature: float) -> None:
+    """The sets against the rows they are for: one per row, ids in [0, vocab) (>= 0 only for ``vocab=None``)."""
     if not isinstance(kept, KeptSets):
         raise ValueError(f"kept is a {type(kept).__name__}: expected a tim_plugins.replay.KeptSets "
                          "(KeptSets.from_lists(sampling_mask.token_ids))")
     if len(kept) != n_rows:
         raise ValueError(f"kept has {len(kept)} rows, the tokens {n_rows}: one kept set per scored token, in the "
                          "same order (an empty list for a position without one)")
-    if kept.ids.numel() and (int(kept.ids.min()) < 0 or int(kept.ids.max()) >= vocab):
+    if kept.ids.numel() and (int(kept.ids.min()) < 0 or (vocab is not None and int(kept.ids.max()) >= vocab)):
         raise ValueError(f"kept ids must lie in [0, {vocab}); got range [{int(kept.ids.min())}, "
                          f"{int(kept.ids.max())}]: the engine's vocabulary is larger than the trainer's head?")
     if not (math.isfinite(float(temperature)) and float(temperature) > 0.0):

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ._matmul import addmm_fp32
-from .replay import KeptSets, replay_logprobs_from_hidden, replay_logprobs_from_logits
+from .replay import KeptSets, _check_kept, replay_logprobs_from_hidden, replay_logprobs_from_logits
 from .safe_vocab import (SafeLogprobs, _buffers, _check_hidden, _check_rows, _logits_into, _temper, default_chunk_rows,
                          safe_logprobs_from_hidden, safe_logprobs_from_logits)
 from .truncation import STEP_ORDER, Truncation, _top_p_threshold_in_top_k
@@ -85,12 +85,7 @@ def safe_logprobs_vocab_parallel(
     _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0, check_ids=False)
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
-    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(f"vocab_start={vocab_start!r}: must be an int >= 0 (this shard's first vocabulary id)")
-    if group is None or dist.get_world_size(group) == 1:
-        if vocab_start != 0:
-            raise ValueError(f"vocab_start={vocab_start} without a tensor-parallel group: a single rank holds the "
-                             "whole vocabulary (vocab_start=0); pass the TP group for a shard")
+    if _single_rank(vocab_start, group):
         return safe_logprobs_from_logits(
             logits, tokens, min_p=trunc.min_p, temperature=trunc.temperature, top_p=trunc.top_p, top_k=trunc.top_k,
             order=trunc.order, compute_entropy=compute_entropy, chunk_size=chunk_size, check_ids=False)
@@ -128,12 +123,7 @@ def safe_linear_logprobs_vocab_parallel(
     if not isinstance(trunc, Truncation):
         raise ValueError(f"trunc={trunc!r}: expected a tim_plugins.truncation.Truncation")
     _check_hidden(hidden, weight, tokens, chunk_size, check_ids=False)
-    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(f"vocab_start={vocab_start!r}: must be an int >= 0 (this shard's first vocabulary id)")
-    if group is None or dist.get_world_size(group) == 1:
-        if vocab_start != 0:
-            raise ValueError(f"vocab_start={vocab_start} without a tensor-parallel group: a single rank holds the "
-                             "whole vocabulary (vocab_start=0); pass the TP group for a shard")
+    if _single_rank(vocab_start, group):
         return safe_logprobs_from_hidden(
             hidden, weight, tokens, min_p=trunc.min_p, temperature=trunc.temperature, top_p=trunc.top_p,
             top_k=trunc.top_k, order=trunc.order, compute_entropy=compute_entropy, chunk_size=chunk_size,
@@ -147,8 +137,8 @@ def safe_linear_logprobs_vocab_parallel(
     return SafeLogprobs(logprobs=logp, in_safe=in_safe, pruned_mass=pruned, size=size, entropy=ent)
 
 
-def _check_group_args(vocab_start, group) -> bool:
-    """True for the single-rank case (no group, or a group of one)."""
+def _single_rank(vocab_start, group) -> bool:
+    """Whether the call is the single-rank case (no group, or a group of one); checks ``vocab_start`` for it."""
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start={vocab_start!r}: must be an int >= 0 (this shard's first vocabulary id)")
     if group is None or dist.get_world_size(group) == 1:
@@ -157,20 +147,6 @@ def _check_group_args(vocab_start, group) -> bool:
                              "whole vocabulary (vocab_start=0); pass the TP group for a shard")
         return True
     return False
-
-
-def _check_kept_rows(kept, n_rows: int, temperature: float) -> None:
-    if not isinstance(kept, KeptSets):
-        raise ValueError(f"kept is a {type(kept).__name__}: expected a tim_plugins.replay.KeptSets "
-                         "(KeptSets.from_lists(sampling_mask.token_ids))")
-    if len(kept) != n_rows:
-        raise ValueError(f"kept has {len(kept)} rows, the tokens {n_rows}: one kept set per scored token, in the "
-                         "same order (an empty list for a position without one)")
-    if kept.ids.numel() and int(kept.ids.min()) < 0:
-        raise ValueError(f"kept ids must be >= 0 (global vocabulary ids); got {int(kept.ids.min())}")
-    if not (math.isfinite(float(temperature)) and float(temperature) > 0.0):
-        raise ValueError(f"temperature={temperature!r}: must be a finite number > 0 (the engine's sampling "
-                         "temperature; vLLM refuses replay at temperature 0)")
 
 
 def replay_logprobs_vocab_parallel(
@@ -193,10 +169,10 @@ def replay_logprobs_vocab_parallel(
         (``all_reduce(MAX)``) and one stacked ``all_reduce(SUM)``.
     """
     _check_rows("logits", logits, tokens, logits.shape[-1] if logits.dim() else 0, check_ids=False)
-    _check_kept_rows(kept, logits.shape[0], temperature)
+    _check_kept(kept, logits.shape[0], None, temperature)  # a shard does not know the whole vocabulary's size
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
-    if _check_group_args(vocab_start, group):
+    if _single_rank(vocab_start, group):
         return replay_logprobs_from_logits(logits, tokens, kept, temperature=temperature,
                                            compute_entropy=compute_entropy, chunk_size=chunk_size)
     width = logits.shape[1]
@@ -215,8 +191,8 @@ def replay_linear_logprobs_vocab_parallel(
     chunks (the contract and the gradients of ``safe_linear_logprobs_vocab_parallel``: ``hidden`` gets this shard's
     part of its gradient)."""
     _check_hidden(hidden, weight, tokens, chunk_size, check_ids=False)
-    _check_kept_rows(kept, hidden.shape[0], temperature)
-    if _check_group_args(vocab_start, group):
+    _check_kept(kept, hidden.shape[0], None, temperature)
+    if _single_rank(vocab_start, group):
         return replay_logprobs_from_hidden(hidden, weight, tokens, kept, temperature=temperature,
                                            compute_entropy=compute_entropy, chunk_size=chunk_size)
     width = weight.shape[0]

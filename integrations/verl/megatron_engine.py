@@ -345,10 +345,10 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
 class _FusedSafeHead:
     """Megatron's output processor for one fused forward (GPTModel.forward's ``output_processor``, megatron-core
     >= 0.18, called on the last pipeline stage with the decoder's hidden states), in place of verl's
-    ``fused_output_processor``:
-    the safe log-probs (and entropy) over the sampler's kept set from the hidden states and this TP rank's rows of the
-    output weight, chunked (``safe_linear_logprobs_vocab_parallel``). Keeps the safe set's fields and the packing
-    (``packed_seq_params``) for ``forward_step`` to lay them out."""
+    ``fused_output_processor``: the safe log-probs (and entropy) over the sampler's kept set, or over the engine's own
+    kept sets where the micro-batch carries them, from the hidden states and this TP rank's rows of the output weight,
+    chunked (``safe_vocab_tp``). Keeps the safe set's fields and the packing (``packed_seq_params``) for
+    ``forward_step`` to lay them out."""
 
     def __init__(self, truncation, want_entropy: bool, kept=None, pipeline=None) -> None:
         self.truncation, self.want_entropy = truncation, want_entropy

@@ -15,8 +15,8 @@ exits 1 when a check fails (replay has a boundary token, or its ratio is not clo
 
 ``--model``: a local HF model folder (default: the toy model, built on the spot: no hub access needed). With
 ``--cpu`` it is a dry run on vLLM's CPU build, which refuses ``return_sampling_mask``: the kept sets are then the
-sampler's rule recomputed in float64 on the trainer's logits plus the most likely token it cuts (what an engine whose
-numbers differ at the cut keeps), so everything but vLLM's mask itself runs. Results of a lent device go to
+sampler's rule recomputed in float64 on the trainer's logits (with the sampled token, which vLLM's set always holds),
+so everything but vLLM's mask itself runs, and with fp32 on both sides replay and recompute read ~1. Results of a lent device go to
 ``benchmarks/results/replay_e2e_cuda.json``.
 """
 
@@ -82,15 +82,13 @@ def analyze(samples: list[dict], trunc, temperature: float) -> dict:
 
 
 def _kept_sets_on_cpu(rows: torch.Tensor, tokens: torch.Tensor, trunc, temperature: float):
-    """The dry run's stand-in for vLLM's mask: the rule in float64 on the trainer's logits, plus the most likely token
-    it cuts in every row (and the sampled token, which vLLM's set always holds)."""
+    """The dry run's stand-in for vLLM's mask: the rule in float64 on the trainer's logits, with the sampled token
+    (which vLLM's set always holds)."""
     from tim_plugins.replay import KeptSets
     from tim_plugins.truncation import truncation_threshold
 
     z = rows.double() / temperature
     keep = z >= truncation_threshold(z, trunc)[:, None]
-    extra = torch.where(keep, -math.inf, z).argmax(-1)
-    keep[torch.arange(len(z)), extra] = True
     keep[torch.arange(len(z)), tokens] = True
     return KeptSets.from_lists([torch.nonzero(k).reshape(-1).tolist() for k in keep])
 

@@ -16,8 +16,8 @@ exits 1 when a check fails (replay has a boundary token, or its ratio is not clo
 ``--model``: a local HF model folder (default: the toy model, built on the spot: no hub access needed). With
 ``--cpu`` it is a dry run on vLLM's CPU build, which refuses ``return_sampling_mask``: the kept sets are then the
 sampler's rule recomputed in float64 on the trainer's logits (with the sampled token, which vLLM's set always holds),
-so everything but vLLM's mask itself runs, and with fp32 on both sides replay and recompute read ~1. Results of a lent device go to
-``benchmarks/results/replay_e2e_cuda.json``.
+so everything but vLLM's mask itself runs, and with fp32 on both sides replay and recompute read ~1. Results of a
+lent device go to ``benchmarks/results/replay_e2e_cuda.json``.
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ MODES = ("full", "recompute", "replay")
 
 
 def _metrics(trainer: torch.Tensor, engine: torch.Tensor, in_set: torch.Tensor | None, sizes: torch.Tensor) -> dict:
-    """Mismatch of float64 log-probs over the tokens in the trainer's set (all tokens when ``in_set`` is None)."""
+    """The monitor's own token metrics (``tim_plugins.metrics.mismatch_metrics``, float64) over the tokens in the
+    trainer's set (all tokens when ``in_set`` is None), with the boundary fraction and the mean |S|."""
+    from tim_plugins.metrics import mismatch_metrics
+
     keep = torch.ones_like(trainer, dtype=torch.bool) if in_set is None else in_set
-    d = (trainer - engine)[keep]
     n = int(trainer.numel())
+    m = mismatch_metrics(engine[None], trainer[None], keep[None])
     return {"tokens": n, "measured": int(keep.sum()),
             "boundary_frac": 0.0 if in_set is None else float((~in_set).sum()) / max(n, 1),
-            "ratio_mean": float(d.exp().mean()) if d.numel() else math.nan,
-            "kl_k3": float((d.exp() - 1 - d).mean()) if d.numel() else math.nan,
-            "abs_diff_mean": float(d.abs().mean()) if d.numel() else math.nan,
-            "abs_diff_max": float(d.abs().max()) if d.numel() else math.nan,
+            **{k: m[f"tim/token/{k}"] for k in ("ratio_mean", "kl_k3", "abs_diff_mean", "abs_diff_max")},
             "size_mean": float(sizes.double().mean()) if sizes.numel() else math.nan}
 
 

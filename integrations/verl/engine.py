@@ -112,7 +112,7 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         # the engine's own kept set per response token, at the row that predicts it (prompt and padding rows: the
         # whole vocabulary); the logits are already divided by the temperature, as the parent scales them, and their
         # rows are verl's packed layout in both paths (_flat_scaled_logits lays the padded one out so)
-        kept = _placed_or_none(self._tim_kept, labels.shape, True, self._tim_pipeline)
+        kept = place_kept(self._tim_kept, self._tim_pipeline, labels_shape=labels.shape, packed=True)
         if kept is not None:
             res = replay_logprobs_from_logits(logits, labels, kept, temperature=1.0, compute_entropy=want_entropy)
         else:
@@ -190,11 +190,6 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         return loss, output
 
 
-def _placed_or_none(kept, labels_shape, packed: bool, pipeline):
-    """``kept`` over the rows of a head with ``labels_shape`` (verl's packed or padded layout), or None: recompute."""
-    return place_kept(kept, pipeline, labels_shape=labels_shape, packed=packed)
-
-
 class _SafeFusedOutput(OrderedDict):
     """What ``_SafeFusedForward`` returns: the fields verl's fused branch reads (``log_probs``, ``entropy``, as
     verl's ``CausalLMOutputForPPO``) and the safe set's (``safe``), same shapes. An ``OrderedDict``, as
@@ -234,7 +229,7 @@ class _SafeFusedForward:
             weight = weight.full_tensor()
         if isinstance(hidden, DTensor):
             hidden = hidden.to_local()
-        kept = _placed_or_none(self.kept, labels.shape, self.packed, self.pipeline)
+        kept = place_kept(self.kept, self.pipeline, labels_shape=labels.shape, packed=self.packed)
         if kept is not None:
             res = replay_logprobs_from_hidden(hidden, weight, labels, kept, temperature=float(temperature),
                                               compute_entropy=self.want_entropy)

@@ -218,8 +218,8 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
             width, mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size())
         group = mpu.get_tensor_model_parallel_group()
         call = self._tim_call
-        kept = self._tim_kept_rows(label.shape, data_format == "thd",
-                                   None if call is None else call.packed_seq_params)
+        kept = _kept_rows(self._tim_kept, self._tim_pipeline, label.shape, data_format == "thd",
+                          None if call is None else call.packed_seq_params)
         if kept is not None:  # the engine's own kept sets, replayed (logits already divided by the temperature)
             res = replay_logprobs_vocab_parallel(logits.reshape(-1, width), label.reshape(-1), kept, group=group,
                                                  vocab_start=int(start), compute_entropy=bool(calculate_entropy))
@@ -252,23 +252,6 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         self._tim_mb = fields
 
     _tim_call = None  # the model call of the micro-batch in flight (_ModelCall), where forward_step set one up
-
-    def _tim_kept_rows(self, labels_shape, thd: bool, packed_seq_params):
-        """The micro-batch's engine kept sets over a head's rows ([b, s] bshd: each sample at the start of its row;
-        [1, T] thd: each sample at its ``cu_seqlens_q_padded`` start), or None: recompute."""
-        if self._tim_kept is None:
-            return None
-        if not thd:
-            return place_kept(self._tim_kept, self._tim_pipeline, labels_shape=labels_shape, packed=False)
-        # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward:gptmodel_forward_model_engine
-        # VERL_MEGATRON_SOURCES verl.models.mcore.util:preprocess_thd_engine
-        starts = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-        if starts is None:
-            self._tim_pipeline.count("kept_sets_fallback", detail="a thd micro-batch without its packing "
-                                     "(packed_seq_params.cu_seqlens_q_padded): the trainer recomputes the kept set")
-            return None
-        return place_kept(self._tim_kept, self._tim_pipeline, labels_shape=labels_shape, packed=False,
-                          starts=starts[:-1])
 
     # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
@@ -342,6 +325,24 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         return result
 
 
+def _kept_rows(kept, pipeline, labels_shape, thd: bool, packed_seq_params):
+    """A micro-batch's engine kept sets (``MicroBatchKeptSets``) over a head's rows ([b, s] bshd: each sample at the
+    start of its row; [1, T] thd: each sample at its ``cu_seqlens_q_padded`` start), or None: recompute."""
+    if kept is None:
+        return None
+    if not thd:
+        return place_kept(kept, pipeline, labels_shape=labels_shape, packed=False)
+    # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward:gptmodel_forward_model_engine
+    # VERL_MEGATRON_SOURCES verl.models.mcore.util:preprocess_thd_engine
+    starts = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    if starts is None:
+        if pipeline is not None:
+            pipeline.count("kept_sets_fallback", detail="a thd micro-batch without its packing "
+                           "(packed_seq_params.cu_seqlens_q_padded): the trainer recomputes the kept set")
+        return None
+    return place_kept(kept, pipeline, labels_shape=labels_shape, packed=False, starts=starts[:-1])
+
+
 class _FusedSafeHead:
     """Megatron's output processor for one fused forward (GPTModel.forward's ``output_processor``, megatron-core
     >= 0.18, called on the last pipeline stage with the decoder's hidden states), in place of verl's
@@ -383,14 +384,7 @@ class _FusedSafeHead:
         # VERL_MEGATRON_SOURCES verl.models.mcore.model_forward_fused:FusedOutputProcessorContext
         temperature = float(context.temperature)
         group = mpu.get_tensor_model_parallel_group()
-        kept = None
-        if self.kept is not None:  # thd: each sample at its cu_seqlens_q_padded start
-            starts = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-            kept = None if starts is None else place_kept(self.kept, self.pipeline, labels_shape=labels.shape,
-                                                          packed=False, starts=starts[:-1])
-            if starts is None and self.pipeline is not None:
-                self.pipeline.count("kept_sets_fallback", detail="a thd micro-batch without its packing "
-                                    "(packed_seq_params.cu_seqlens_q_padded): the trainer recomputes the kept set")
+        kept = _kept_rows(self.kept, self.pipeline, labels.shape, True, packed_seq_params)  # verl's fused path: thd
         if kept is not None:
             res = replay_linear_logprobs_vocab_parallel(rows, weight, labels.reshape(-1), kept, group=group,
                                                         vocab_start=int(start), temperature=temperature,

@@ -269,7 +269,7 @@ VERL_MEGATRON_SOURCES = {
         "parallel-scattered when sequence_parallel), output_layer=, output_weight= (the shared embedding when tied, "
         "else None), labels= [b, s], packed_seq_params=, context=output_processor_context, config=, ...) in place of "
         "the output layer and loss",
-    # the engine's kept sets replayed (megatron_engine.py forward_step, _tim_kept_rows)
+    # the engine's kept sets replayed (megatron_engine.py forward_step, _kept_rows)
     ("verl.models.mcore.model_forward", "gptmodel_forward_model_engine"):
         "the engine forward (remove-padding, thd): calls the model with packed_seq_params= (cu_seqlens_q_padded: "
         "each sample's first row, the sequences padded one by one), then the logits processor with the labels laid "

@@ -191,7 +191,7 @@ def test_replay_without_remove_padding(dist, toy_model_path, case):
 
 def test_sets_that_do_not_fit_the_heads_rows_recompute_and_are_counted():
     """A layout the engine did not expect (e.g. fewer rows than the sets' positions) falls back, never raises."""
-    from tim_plugins.integrations.verl.engine import _placed_or_none
+    from tim_plugins.integrations.verl.engine_mixin import place_kept
     from tim_plugins.integrations.verl.engine_mixin import MicroBatchKeptSets
     from tim_plugins.pipeline import StepPipeline
     from tim_plugins.replay import KeptSets
@@ -199,12 +199,12 @@ def test_sets_that_do_not_fit_the_heads_rows_recompute_and_are_counted():
     kept = MicroBatchKeptSets(KeptSets.from_lists([[1, 2], [3]]), packed=torch.tensor([4, 9]),
                               seq=torch.tensor([0, 0]), seq_offsets=torch.tensor([0, 11]))
     pipeline = StepPipeline(TIMVerlConfig.from_node(CONFIG).pipeline_config(SAMPLER))
-    placed = _placed_or_none(kept, (1, 12), True, pipeline)
+    placed = place_kept(kept, pipeline, labels_shape=(1, 12), packed=True)
     assert placed.to_lists() == [[]] * 4 + [[1, 2]] + [[]] * 4 + [[3]] + [[]] * 2
-    assert _placed_or_none(kept, (1, 8), True, pipeline) is None  # row 9 outside 8 rows
+    assert place_kept(kept, pipeline, labels_shape=(1, 8), packed=True) is None  # row 9 outside 8 rows
     assert pipeline.diag == {"kept_sets_fallback": 1.0}
     # padded [B, L]: the sample's tokens at the start of its row
-    assert _placed_or_none(kept, (1, 11), False, pipeline).to_lists()[9] == [3]
+    assert place_kept(kept, pipeline, labels_shape=(1, 11), packed=False).to_lists()[9] == [3]
 
 
 def _assert_same_training_step(f_step, u_step, f_grads, u_grads) -> None:

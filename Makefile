@@ -37,7 +37,7 @@ SUITE := scripts/suite
 # prints the line instead of running it (GNU make runs any line that mentions $(MAKE), even with -n).
 SUBMAKE := $(MAKE)
 MATRIX := tim-out/matrix
-SUITES := main verl wheel stack-newest stack-oldest megatron
+SUITES := main verl wheel megatron stack-newest stack-oldest
 # The stacks besides main, each locked in constraints/<stack>.txt (defined in constraints/<stack>.in).
 STACKS := newest oldest
 # The fixed subset of the TRL suite each stack runs: the toy-model tests, the vLLM CPU arms and one of the two
@@ -86,11 +86,14 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 	touch $@
 
 # Every suite runs, whatever the one before it did; the summary at the end fails the run if any suite failed.
-# SUITE_JOBS suites run side by side, in SUITES' order (main and verl first, the longest): a suite leaves the 2-core
-# machine partly idle (engine and server start-ups, Ray, process launches), so two at a time finish sooner than one
-# after the other. Each suite's output then goes to its log (MATRIX/logs/NAME.log) and its last lines to the terminal
-# when it ends (SUITE_ECHO=0, scripts/suite). The tests share no fixed port or unguarded cache across suites (the
-# model caches are written atomically). SUITE_JOBS=1: one after the other, output as it comes.
+# SUITE_JOBS suites run side by side, in SUITES' order: main and verl first (the longest), then the rest so that
+# the two lanes end close together (the wall times scripts/suite records, MATRIX/suites/*.json: wheel and megatron go
+# to the lanes as main and verl end, then stack-newest, the longer of the two stacks, to the lane that frees first).
+# A suite alone leaves the 2-core machine partly idle (engine and server start-ups, Ray, process launches: vmstat
+# shows one core busy), so two at a time finish sooner than one after the other; two keep both cores busy, so a
+# third would not. Each suite's output then goes to its log (MATRIX/logs/NAME.log) and its last lines to the
+# terminal when it ends (SUITE_ECHO=0, scripts/suite). The tests share no fixed port or unguarded cache across suites
+# (the model caches are written atomically). SUITE_JOBS=1: one after the other, output as it comes.
 # The stacks' environments (pip installs, ~3.5 min on a fresh machine; then .venv-megatron, ~4 min) are built in the
 # background while the first suites run (log: MATRIX/stack-installs.log); each stack suite's own set-up then waits
 # for its install (scripts/stack takes a lock per stack) and finds it done, or redoes a failed one and reports that

@@ -74,7 +74,7 @@ def test_the_stack_subset_is_named_once_and_exists():
         if func:
             assert re.search(rf"^def {func}\(", (ROOT / path).read_text(), re.M), node
     assert _make_var("STACKS") == ["newest", "oldest"]
-    assert _make_var("SUITES") == ["main", "verl", "wheel", "stack-newest", "stack-oldest", "megatron"]
+    assert _make_var("SUITES") == ["main", "verl", "wheel", "megatron", "stack-newest", "stack-oldest"]
     assert "$(filter-out tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py" \
            in MAKEFILE
 

@@ -50,6 +50,9 @@ K3_REL = 1e-4
 # The dump stores float32 log-probs (the monitor's inputs) and the monitor accumulates in float64: a naive float64 k3
 # over the dump's rows agrees to float32 rounding of d (~1e-7 relative at |d| ~ DELTA, summed).
 DUMP_K3_REL = 1e-5
+# Sampled tokens of one step that an update moves across the recomputed top-p / top-k cut (the second PPO epoch's
+# loss leaves them out): 0 or 1 measured on ~60 tokens a step at BASE_LR.
+MOVED_ACROSS_THE_CUT = 2
 # A user's nucleus and top-k sampling and verl's fused kernels (its torch backend), kept as set.
 TOP_P, TOP_K = 0.8, 20
 USER_SAMPLER = [f"actor_rollout_ref.rollout.top_p={TOP_P}", f"actor_rollout_ref.rollout.top_k={TOP_K}",
@@ -228,15 +231,21 @@ def test_the_split_of_the_reused_batch(run):
     mismatch the monitor measured), the second at lag 1 (after the first update). Until the first non-zero gradient
     (GRPO advantages all 0 while every group's rewards tie: verl's grad_norm 0) AdamW moves nothing and the
     staleness part is the fp32 noise of another forward; from then on its momentum moves the weights at every
-    update, even at a zero gradient. After the injection the injected ±DELTA dominates Var(d)."""
+    update, even at a zero gradient. After the injection the injected ±DELTA dominates Var(d).
+
+    Each pass counts the tokens its loss trains: the safe vocabulary's boundary tokens of that pass's own forward
+    are out of the loss. The first pass is at the measurement's weights (its tokens are the monitor's); the second
+    recomputes the top-p / top-k cut after an update, which can move a sampled token across it (one of 59 tokens at
+    step 5 in one run)."""
     from tim_plugins.report import build_report
 
     result, dump, _ = run
     moved_steps = []
     for step, m in sorted(result.steps.items()):
-        n = m["tim/tokens"]
-        assert m["tim/split/tokens"] == m["tim/staleness/tokens"] == 2 * n  # both passes, every token
-        assert m["tim/by_lag/0/count"] == m["tim/by_lag/1/count"] == n and "tim/by_lag/2/count" not in m
+        n, lag0, lag1 = m["tim/tokens"], m["tim/by_lag/0/count"], m["tim/by_lag/1/count"]
+        assert m["tim/split/tokens"] == m["tim/staleness/tokens"] == lag0 + lag1  # both passes
+        assert lag0 == n and "tim/by_lag/2/count" not in m
+        assert n - MOVED_ACROSS_THE_CUT <= lag1 <= n, (step, n, lag1)
         shares = (m["tim/split/staleness_var_share"], m["tim/split/mismatch_var_share"], m["tim/split/cov_share"])
         assert sum(shares) == pytest.approx(1.0, abs=1e-9), step
         moved = bool(moved_steps) or m["actor/grad_norm"] > 0

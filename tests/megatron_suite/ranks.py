@@ -1,12 +1,12 @@
 """One rank of the Megatron suite's two-process runs (``conftest.py`` ``two_ranks``): verl's Megatron engine with
 world size 2 over gloo, first tensor-parallel (TP2: ``scenarios.stock_vs_tim``, ``scenarios.lr_decay``,
-``scenarios.fused_safe_vocab``, ``scenarios.replay``), then, after
+``scenarios.fused_safe_vocab`` without and with sequence parallelism, ``scenarios.replay``), then, after
 Megatron's parallel state is torn down, data-parallel (DP2, TP1: ``scenarios.dp_monitor``), in the same processes
 (a Python 3.12 process with verl and megatron-core takes ~20 s to start on the 2-core machine).
 
     RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --out DIR
 
-Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "tp2_lr": ..., "tp2_fused": ..., "tp2_replay": ..., "dp2": ...}``) to ``--out``,
+Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "tp2_lr": ..., "tp2_fused": ..., "tp2_fused_sp": ..., "tp2_replay": ..., "dp2": ...}``) to ``--out``,
 and the TP2 run's
 per-token dump to ``--out``/dump_tp2. Started by the test, never collected by pytest (no ``test_`` prefix).
 """
@@ -42,6 +42,7 @@ def main() -> None:
     result = {"tp2": scenarios.stock_vs_tim(args.model, tp=world, dump_dir=os.path.join(args.out, "dump_tp2")),
               "tp2_lr": scenarios.lr_decay(args.model, tp=world),
               "tp2_fused": scenarios.fused_safe_vocab(args.model, tp=world),
+              "tp2_fused_sp": scenarios.fused_safe_vocab(args.model, tp=world, sequence_parallel=True),
               "tp2_replay": scenarios.replay(args.model, tp=world)}
     scenarios.reset_parallel_state()
     result["dp2"] = scenarios.dp_monitor(args.model, rank=rank, world=world)

@@ -164,13 +164,14 @@ def safe_vocab(engine) -> dict:
     return out
 
 
-def fused_safe_vocab(model_path: str, *, tp: int) -> dict:
+def fused_safe_vocab(model_path: str, *, tp: int, sequence_parallel: bool = False) -> dict:
     """The safe vocabulary with verl's fused kernels against the same without them, for each of ``SAFE_CASES``: two
-    engines from one checkpoint, both in verl's packed thd layout (``remove_padding``: the same decoder numerics),
-    one with ``use_fused_kernels``; per engine the old-log-prob pass (log-probs, entropy, metrics) and one training
-    step on the same batch and old log-probs (what verl's loss saw, verl's grad norm and pg_loss, this rank's
-    parameter shards after the step), and how many micro-batches the fused head computed (a test-only count around
-    ``_FusedSafeHead.__call__``)."""
+    engines from one checkpoint, both in verl's packed thd layout (``remove_padding``: the same decoder numerics) and
+    both with or without Megatron's ``sequence_parallel``, one with ``use_fused_kernels``; per engine the
+    old-log-prob pass (log-probs, entropy, metrics) and one training step on the same batch and old log-probs (what
+    verl's loss saw, verl's grad norm and pg_loss, this rank's parameter shards after the step), and the micro-batches
+    the fused head computed (a test-only record around ``_FusedSafeHead.__call__``: the labels' shape and the
+    hidden states' rows this rank was handed)."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (verl's plugin import registers the engines first)
     from tim_plugins.integrations.verl import megatron_engine
 
@@ -178,25 +179,28 @@ def fused_safe_vocab(model_path: str, *, tp: int) -> dict:
     head_call = megatron_engine._FusedSafeHead.__call__
 
     def counted(self, **kwargs):
-        calls.append(tuple(kwargs["labels"].shape))
+        calls.append((tuple(kwargs["labels"].shape), kwargs["hidden_states"].shape[0]))
         return head_call(self, **kwargs)
 
     megatron_engine._FusedSafeHead.__call__ = counted
     try:
-        return _fused_safe_vocab(model_path, tp, calls)
+        return _fused_safe_vocab(model_path, tp, sequence_parallel, calls)
     finally:
         megatron_engine._FusedSafeHead.__call__ = head_call
 
 
-def _fused_safe_vocab(model_path: str, tp: int, calls: list) -> dict:
+def _fused_safe_vocab(model_path: str, tp: int, sequence_parallel: bool, calls: list) -> dict:
     from verl.workers.utils.padding import no_padding_2_padding
 
     from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
 
     out = {}
-    engines = {name: H.build_engine(model_path, tp=tp, remove_padding=True, fused=name == "fused")
+    engines = {name: H.build_engine(model_path, tp=tp, remove_padding=True, fused=name == "fused",
+                                    sequence_parallel=sequence_parallel)
                for name in ("fused", "unfused")}
     out["use_fused_kernels"] = {k: bool(e.engine_config.use_fused_kernels) for k, e in engines.items()}
+    # what Megatron's modules were built with (mbridge's transformer config), not only what was asked
+    out["sequence_parallel"] = {k: bool(e.module[0].config.sequence_parallel) for k, e in engines.items()}
     for case, (safe, sampler) in SAFE_CASES.items():
         td, raw = H.make_batch(H.VOCAB, batch=4, seed=SAFE_SEED, temperature=SAFE_TEMPERATURE)
         old = None

@@ -227,14 +227,19 @@ def fused_tp1(one_rank, tiny_qwen2):
     return scenarios.fused_safe_vocab(tiny_qwen2, tp=1)
 
 
-def _assert_fused_equals_unfused(result, *, holds: bool):
+def _assert_fused_equals_unfused(result, *, holds: bool, tp: int = 1, sequence_parallel: bool = False):
     assert result["use_fused_kernels"] == {"fused": True, "unfused": False}
+    assert result["sequence_parallel"] == {"fused": sequence_parallel, "unfused": sequence_parallel}
     for case in scenarios.SAFE_CASES:
         fused, unfused = result[(case, "fused")], result[(case, "unfused")]
         mask = fused["mask"].bool()
         # our head computed every micro-batch of both passes (2 old-log-prob, 2 training; thd: [1, tokens]); the
         # unfused engine's log-probs came through the logits processor
-        assert len(fused["head_calls"]) == 4 and all(c[0] == 1 for c in fused["head_calls"]), case
+        assert len(fused["head_calls"]) == 4 and all(labels[0] == 1 for labels, _ in fused["head_calls"]), case
+        # the hidden states it was handed: the whole packed row, or with sequence parallelism this rank's 1/tp of it
+        # (the head gathers the rest)
+        shard = tp if sequence_parallel else 1
+        assert all(rows * shard == labels[1] for labels, rows in fused["head_calls"]), (case, fused["head_calls"])
         assert unfused["head_calls"] == [], case
         assert fused["keys"] == unfused["keys"] == ["entropy", "log_probs"], case
         for key in ("old", "entropy"):
@@ -265,11 +270,32 @@ def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp1(fused_tp1):
 
 
 def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp2(two_ranks):
-    _assert_fused_equals_unfused(two_ranks[0]["tp2_fused"], holds=True)
-    _assert_fused_equals_unfused(two_ranks[1]["tp2_fused"], holds=False)
+    _assert_fused_equals_unfused(two_ranks[0]["tp2_fused"], holds=True, tp=2)
+    _assert_fused_equals_unfused(two_ranks[1]["tp2_fused"], holds=False, tp=2)
     for case in scenarios.SAFE_CASES:  # both TP ranks computed the same log-probs
         assert torch.equal(two_ranks[0]["tp2_fused"][(case, "fused")]["old"],
                            two_ranks[1]["tp2_fused"][(case, "fused")]["old"])
+
+
+def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp2_sequence_parallel(two_ranks):
+    """Megatron's sequence parallelism (mbridge's default at TP > 1): each TP rank holds 1/tp of the packed row's
+    hidden states; the fused head gathers them as Megatron's own output layer does (and sums their gradients' parts
+    back), so the fused engine again equals the unfused one, which goes through Megatron's output layer."""
+    for rank in (0, 1):
+        _assert_fused_equals_unfused(two_ranks[rank]["tp2_fused_sp"], holds=rank == 0, tp=2, sequence_parallel=True)
+    for case in scenarios.SAFE_CASES:
+        assert torch.equal(two_ranks[0]["tp2_fused_sp"][(case, "fused")]["old"],
+                           two_ranks[1]["tp2_fused_sp"][(case, "fused")]["old"])
+        # and the sequence-parallel engine computes what the one without it does (the same sums, split otherwise):
+        # log-probs, entropy, verl's grad norm (the layer norms' gradients summed over the TP group included) and
+        # the parameters after the step
+        sp, plain = two_ranks[0]["tp2_fused_sp"][(case, "fused")], two_ranks[0]["tp2_fused"][(case, "fused")]
+        mask = plain["mask"].bool()
+        for key in ("old", "entropy"):
+            torch.testing.assert_close(sp[key][mask], plain[key][mask], rtol=0, atol=1e-5)
+        assert sp["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5), case
+        for key in plain["params"]:
+            torch.testing.assert_close(sp["params"][key].float(), plain["params"][key].float(), rtol=2**-7, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,10 @@ NAMED_LINES = [
     (12, "megatron.core.transformer.attention", 1469, "query = query.squeeze(1)"),
     (12, "megatron.core.transformer.dot_product_attention", 154,
      '"Packed sequence is not supported by DotProductAttention."'),
+    (13, "megatron.core.transformer.torch_norm", 50,
+     'assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"'),
+    (13, "megatron.core.distributed.finalize_model_grads", 452,
+     'elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or ('),
     # configuration, not a shim: mbridge turns sequence parallel on with TP > 1 (the harness passes it off)
     (0, "mbridge.core.llm_bridge", 76, '"sequence_parallel": self.mpu.tp_size > 1,'),
 ]

@@ -43,8 +43,12 @@ installed source it works around (``tests/megatron_suite/test_megatron_shims.py`
     value for it (transformer/attention.py:1469) and the local ``DotProductAttention`` refuses packed sequences
     (transformer/dot_product_attention.py:154): the squeezed dimension put back, and the packing turned into a
     [1, 1, t, t] mask that keeps each position causal inside its own sequence of ``cu_seqlens_q_padded``.
-Not shims but configuration (``harness.build_engine``): ``sequence_parallel=False`` (mbridge turns it on whenever
-TP > 1, mbridge/core/llm_bridge.py:76, and the local spec has no sequence-parallel layer norm), fusions off,
+13. The local spec's layer norm (``WrappedTorchNorm``, transformer/torch_norm.py:50) refuses sequence parallelism
+    (its sequence-parallel norm is Apex's ``FusedLayerNorm``, a CUDA extension): with ``sequence_parallel`` the torch
+    norm is built as without it and its parameters marked ``sequence_parallel``, which is what makes Megatron sum
+    their gradients over the TP group (distributed/finalize_model_grads.py:452), as it does for the fused norm.
+Not shims but configuration (``harness.build_engine``): ``sequence_parallel=False`` unless a test asks for it
+(mbridge turns it on whenever TP > 1, mbridge/core/llm_bridge.py:76; shim 13), fusions off,
 ``attention_backend="local"``, ``use_cpu_initialization=True``; ``use_remove_padding=False`` (bshd) except where a
 test asks for the packed thd layout (``remove_padding=True``, shim 12).
 """
@@ -180,6 +184,24 @@ def _bshd_attention_mask(module) -> None:
     module.DotProductAttention.forward = dot_product_attention_forward
 
 
+def _sequence_parallel_torch_norm(module) -> None:
+    import copy
+
+    new = module.WrappedTorchNorm.__new__
+
+    def wrapped_torch_norm(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = new(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    module.WrappedTorchNorm.__new__ = wrapped_torch_norm
+
+
 def _no_device_moves(module) -> None:
     module.load_megatron_model_to_gpu = lambda *args, **kwargs: None
     module.offload_megatron_model_to_cpu = lambda *args, **kwargs: None
@@ -193,6 +215,7 @@ HOOKS: dict[str, Callable] = {
     "mbridge.models.qwen2": _local_layernorm_names,
     "megatron.core.transformer.dot_product_attention": _bshd_attention_mask,
     "verl.workers.engine.megatron.transformer_impl": _no_device_moves,
+    "megatron.core.transformer.torch_norm": _sequence_parallel_torch_norm,
 }
 
 

@@ -64,6 +64,17 @@ def test_a_missing_local_model_is_named_as_such_and_debug_keeps_the_traceback(tm
     assert res.returncode == 2 and "no config.json" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_the_command_line_imports_no_framework_before_a_command_runs():
+    """What every invocation does first (``tim-plugins --help``, an argument error) imports no torch and no
+    framework: the subcommand modules keep their heavy imports inside the commands, so ``--help``, ``report`` and
+    ``lr-replay`` start in well under a second, and a wrong argument is one line at once."""
+    code = ("import sys; from tim_plugins.apps.cli import build_parser; build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'trl', 'verl', 'vllm'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 @pytest.mark.parametrize("command", ["demo", "measure"])
 def test_help_states_each_default_once_and_never_none(command, capsys):
     """``tim-plugins demo|measure --help``: an option with a default says it once, the dataclass value appended or

@@ -56,7 +56,7 @@ def test_measure_reads_the_cached_folder_and_lets_vllm_run_it(smollm2_path, monk
     """`--model smollm2` resolves to the converted folder once it is cached (any transformers reads it), so vLLM can
     run it; with no cache and a transformers that cannot convert, to the GGUF file, which vLLM here cannot read."""
     from tim_plugins.apps.compare_settings import vllm_blocker
-    from tim_plugins.apps.measure_rollouts import resolve_model
+    from tim_plugins.apps.models import resolve_model
 
     monkeypatch.setattr(real_model, "_CONVERT_WITH", ((0, 0), (0, 1)))  # this transformers: cannot convert
     assert real_model.smollm2_reads_folder()  # the cache decides

@@ -130,6 +130,9 @@ def run_audit(args: argparse.Namespace) -> int:
 
 
 def run_check_batch_invariance(args: argparse.Namespace) -> int:
+    if not Path(args.model).exists():  # before the imports: a wrong path is one line at once
+        print(f"tim-plugins check-batch-invariance: --model {args.model!r} does not exist", file=sys.stderr)
+        return 2
     import torch
 
     from tim_plugins._optional import require
@@ -138,9 +141,6 @@ def run_check_batch_invariance(args: argparse.Namespace) -> int:
     require("transformers", "tim-plugins check-batch-invariance")
     from transformers import AutoModelForCausalLM
 
-    if not Path(args.model).exists():
-        print(f"tim-plugins check-batch-invariance: --model {args.model!r} does not exist", file=sys.stderr)
-        return 2
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(args.seed)
     vocab = int(model.config.vocab_size)

@@ -7,16 +7,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 from tim_plugins._optional import is_available
 from tim_plugins.apps.cli import UsageError
 
-__all__ = ["ROLLOUTS", "HF_DTYPES", "COMPARE_MIN_P", "COMPARE_PRESETS", "VLLM_INSTALL", "Setting", "vllm_blocker",
+__all__ = ["ROLLOUTS", "DTYPE_NAMES", "HF_DTYPES", "COMPARE_MIN_P", "COMPARE_PRESETS", "VLLM_INSTALL", "Setting", "vllm_blocker",
            "parse_settings", "plan_settings", "framework_configs"]
 
 ROLLOUTS = ("hf-bf16", "hf-fp16", "hf-fp32", "vllm", "exact")
-HF_DTYPES = {"hf-bf16": torch.bfloat16, "hf-fp16": torch.float16, "hf-fp32": torch.float32}
+# The dtypes a side can run in, by torch's names (the command line imports no torch before it runs a command).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+HF_DTYPES = {"hf-bf16": "bfloat16", "hf-fp16": "float16", "hf-fp32": "float32"}
 # min_p of the pruned setting in the presets: keeps tokens with p >= 1e-3 · p_max (the benchmark in
 # benchmarks/results/ablate_min_p.json shows the tail mismatch only falls for min_p well above the default 1e-5).
 COMPARE_MIN_P = 1e-3
@@ -131,7 +131,7 @@ def framework_configs(setting: Setting, trainer_dtype: str, vllm_dtype: str) -> 
     if setting.rollout == "exact":
         none = "no setting: the exact sampler samples from the trainer's own forward (tim-plugins' TIM-free reference)"
         return {"TRL": none, "verl": none, "vLLM": none}
-    dtype = vllm_dtype if setting.rollout == "vllm" else str(HF_DTYPES[setting.rollout]).replace("torch.", "")
+    dtype = vllm_dtype if setting.rollout == "vllm" else HF_DTYPES[setting.rollout]
     param = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     trainer = {"float32": "bf16=False", "bfloat16": "bf16=True", "float16": "fp16=True"}[trainer_dtype]
     if dtype == "bfloat16" and trainer_dtype == "float32":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tim_plugins._config import field_help
 from tim_plugins.apps.cli import UsageError, add_config_options, config_from_args
+from tim_plugins.apps.models import check_model_path
 
 __all__ = ["DemoConfig", "run_demo", "register", "toy_reward", "chat_reward", "chat_prompts", "TOY_DEFAULTS",
            "REAL_MODEL_DEFAULTS"]
@@ -71,8 +72,6 @@ class DemoConfig:
     out: str = field(default="tim-out/demo", metadata=field_help("output folder"))
 
     def __post_init__(self) -> None:
-        from tim_plugins.apps.measure_rollouts import check_model_path
-
         defaults = TOY_DEFAULTS if self.model is None else REAL_MODEL_DEFAULTS
         for name, value in defaults.items():
             if getattr(self, name) is None:

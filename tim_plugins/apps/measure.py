@@ -18,12 +18,11 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from tim_plugins._config import field_help
 from tim_plugins._optional import is_available, require
 from tim_plugins.apps.cli import UsageError, add_config_options, config_from_args
 from tim_plugins.apps.compare_settings import (
+    DTYPE_NAMES,
     HF_DTYPES,
     ROLLOUTS,
     Setting,
@@ -31,7 +30,7 @@ from tim_plugins.apps.compare_settings import (
     plan_settings,
     vllm_blocker,
 )
-from tim_plugins.apps.measure_rollouts import DTYPES, check_model_path, load_model
+from tim_plugins.apps.models import check_model_path
 
 __all__ = ["MeasureConfig", "run_measure", "register", "SUMMARY_KEYS", "format_summary", "format_console"]
 
@@ -84,9 +83,9 @@ class MeasureConfig:
         if self.rollout not in ROLLOUTS:
             raise UsageError(f"--rollout {self.rollout!r} is unknown: choose one of {', '.join(ROLLOUTS)}.")
         for name in ("trainer_dtype", "vllm_dtype"):
-            if getattr(self, name) not in DTYPES:
+            if getattr(self, name) not in DTYPE_NAMES:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is unknown: use one of "
-                                 f"{', '.join(DTYPES)}.")
+                                 f"{', '.join(DTYPE_NAMES)}.")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature > 0):
             raise UsageError(f"--temperature {self.temperature} is invalid: it must be a finite number > 0 (sampled "
@@ -147,6 +146,8 @@ class _Run:
     """Loaded models and engines shared by the settings of one run."""
 
     def __init__(self, cfg: MeasureConfig, llm=None) -> None:
+        from tim_plugins.apps.measure_rollouts import DTYPES, load_model
+
         self.cfg = cfg
         self.path, self.tokenizer, self.trainer = load_model(cfg.model, DTYPES[cfg.trainer_dtype])
         self.vocab = self.trainer.get_output_embeddings().weight.shape[0]
@@ -160,7 +161,10 @@ class _Run:
     def model(self, setting: Setting):
         key = (setting.rollout, setting.fp32_head)
         if key not in self._models:
-            self._models[key] = load_model(self.cfg.model, HF_DTYPES[setting.rollout], fp32_head=setting.fp32_head)[2]
+            from tim_plugins.apps.measure_rollouts import DTYPES, load_model
+
+            dtype = DTYPES[HF_DTYPES[setting.rollout]]
+            self._models[key] = load_model(self.cfg.model, dtype, fp32_head=setting.fp32_head)[2]
         return self._models[key]
 
     def engine(self, setting: Setting):
@@ -199,6 +203,7 @@ def _eos_ids(tokenizer, model) -> list[int]:
 
 def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, dump_dir: Path) -> dict:
     """Sample every prompt with ``setting``, score on the trainer; returns metrics, profile and timings."""
+    import torch
     from tqdm.auto import tqdm
 
     from tim_plugins.distribution import PositionComparison, VocabProfile, compare_distributions, summarize_comparison
@@ -309,6 +314,8 @@ def _audit(run: _Run, setting: Setting, llm) -> list[dict]:
 
 def _rank_counts(comp) -> dict:
     """How often the sampled token has rank r (1, 2, ..., >= 10) under each side."""
+    import torch
+
     out = {}
     for side, ranks in (("rollout", comp.rank_rollout), ("train", comp.rank_train)):
         r = ranks[comp.valid].clamp(max=10)
@@ -331,7 +338,7 @@ def _describe(setting: Setting, cfg: MeasureConfig, llm_dtype: str | None) -> di
     elif setting.rollout == "vllm":
         rollout = f"vLLM {llm_dtype or cfg.vllm_dtype}, processed log-probs"
     else:
-        rollout = f"HF generate in {str(HF_DTYPES[setting.rollout]).replace('torch.', '')}, KV cache, batched"
+        rollout = f"HF generate in {HF_DTYPES[setting.rollout]}, KV cache, batched"
     if setting.fp32_head:
         rollout += ", lm_head in float32"
     rollout += "; log-softmax of the scores sampled from (after temperature" + (
@@ -358,6 +365,8 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
         + ("; the vLLM engine starts after the HF settings (~30 s to 2 min)" if llm is None and any(
             s.rollout == "vllm" for s in cfg.settings) else ""))
     require("transformers", "tim-plugins measure")
+    import torch
+
     from tim_plugins.report import build_report, verdict_for
     from tim_plugins.toy_model import synthetic_prompts
 
@@ -459,7 +468,7 @@ def register(subparsers) -> None:
         "measure", help="Measure TIM between rollout settings and a trainer pipeline on one model.",
         description="Measure training-inference mismatch between one or several rollout settings (--compare) and "
                     "a trainer pipeline on the same weights; writes OUT/report.html, OUT/summary.json, OUT/dump/.")
-    add_config_options(p, MeasureConfig, {"rollout": ROLLOUTS, **{f: DTYPES for f in MeasureConfig.__dataclass_fields__
+    add_config_options(p, MeasureConfig, {"rollout": ROLLOUTS, **{f: DTYPE_NAMES for f in MeasureConfig.__dataclass_fields__
                                                                   if f.endswith("_dtype")}})
     p.set_defaults(func=_main)
 

@@ -150,7 +150,7 @@ wheel-checks:
 	$(RETRY) $(VENV)/bin/python -m build --wheel --outdir dist . >/dev/null
 	$(PY) -m venv $(VENV_WHEEL)
 	$(RETRY) $(VENV_WHEEL)/bin/pip install -q --no-compile $(TORCH)
-	$(RETRY) $(PIP_INSTALL) $(VENV_WHEEL) -q "$$(ls dist/*.whl)[hf,report,trl,verl]"
+	$(RETRY) $(PIP_INSTALL) $(VENV_WHEEL) -q --no-compile "$$(ls dist/*.whl)[hf,report,trl,verl]"
 	$(VENV_WHEEL)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	status=0; (cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py) || status=1; \
 		rm -rf $(VENV_WHEEL); \

@@ -44,6 +44,18 @@ def test_uv_installs_into_the_venv_with_the_same_arguments(tmp_path):
         f"{uv} UV_NATIVE_TLS=1 pip install --compile-bytecode --python {venv}/bin/python -q -c lock.txt -e .[trl]"]
 
 
+@pytest.mark.parametrize("tool", ["uv", "pip"])
+def test_no_compile_skips_the_bytecode_with_either_tool(tmp_path, tool):
+    log = tmp_path / "log"
+    venv = _venv(tmp_path, log)
+    uv = str(_recorder(tmp_path / "uv", log)) if tool == "uv" else "none"
+    done = _run(venv, "-q", "--no-compile", "wheel.whl[trl]", uv=uv)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines() == [
+        f"{uv} UV_NATIVE_TLS=1 pip install --python {venv}/bin/python -q wheel.whl[trl]" if tool == "uv"
+        else f"{venv}/bin/pip UV_NATIVE_TLS= install -q --no-compile wheel.whl[trl]"]
+
+
 def test_uv_none_is_the_venvs_pip(tmp_path):
     log = tmp_path / "log"
     venv = _venv(tmp_path, log)
@@ -80,18 +92,21 @@ def _wheel(tmp_path: Path) -> Path:
 
 
 @pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "uv").exists(), reason="needs make setup's uv (.venv/bin/uv)")
-def test_uv_leaves_bytecode_beside_what_it_installed(tmp_path):
+@pytest.mark.parametrize("compile_", [True, False], ids=["default", "no-compile"])
+def test_uv_leaves_bytecode_beside_what_it_installed(tmp_path, compile_):
     """With PYTHONDONTWRITEBYTECODE=1 (this machine's environment) Python never caches bytecode at import: the
-    installer must, as pip does, or every test process compiles every imported module again."""
+    installer must, as pip does, or every test process compiles every imported module again; not with
+    --no-compile (a throw-away environment)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     env = {**os.environ, "UV": str(ROOT / ".venv" / "bin" / "uv"), "UV_OFFLINE": "1"}
-    done = subprocess.run(["bash", str(SCRIPT), str(venv), "-q", "--no-deps", str(_wheel(tmp_path))], env=env,
-                          capture_output=True, text=True)
+    flags = [] if compile_ else ["--no-compile"]
+    done = subprocess.run(["bash", str(SCRIPT), str(venv), "-q", *flags, "--no-deps", str(_wheel(tmp_path))],
+                          env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (module,) = venv.glob("lib/python*/site-packages/timpipcheck.py")
     cached = list((module.parent / "__pycache__").glob("timpipcheck.*.pyc"))
-    assert cached, sorted(p.name for p in module.parent.iterdir())
+    assert bool(cached) == compile_, sorted(p.name for p in module.parent.iterdir())
     out = subprocess.run([str(venv / "bin" / "python"), "-c", "import timpipcheck; print(timpipcheck.VALUE)"],
                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True)
     assert out.stdout.strip() == "42", out.stderr

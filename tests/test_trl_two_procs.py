@@ -1,8 +1,8 @@
 """TIMCallback in TRL's GRPOTrainer with two processes (CPU, gloo, ``torch.distributed.run``): every ``tim/``
 statistic logged is the exact global value over both ranks, logged once per step.
 
-Each configuration is one real ``GRPOTrainer.train()`` launched as two ranks (tests/trl_two_procs_run.py), bounded
-in time, its process group killed at the end (tests/bounded.py): the toy model, TRL's transformers generation with
+Each configuration is one real ``GRPOTrainer.train()`` on two ranks (tests/trl_two_procs_run.py; the three run one
+after the other in one launch), bounded in time, its process group killed at the end (tests/bounded.py): the toy model, TRL's transformers generation with
 a controlled mismatch (``rollout="inject"``), 3 steps of 2 micro-batches of 4 completions (8 tokens at most) per
 rank, 16 completions per step in all. Each rank dumps every token it measured (``sample_rate=1``, no cap). A third
 run has rank 1 meet a problem rank 0 does not (beam search, which the monitor cannot measure): its count must reach
@@ -17,14 +17,15 @@ References, independent of the merge:
   batches): each rank's own unmerged values (read just before the merge) combined by the merge's definition
   (token-weighted means, maxima).
 
-Cost on the shared 2-core machine: each configuration 11-25 s (start 7-15 s per rank, training ~1 s), 0.83-0.85 GiB
-peak RSS per rank (the module's process tree: 1.8 GiB PSS); the module ~60 s.
+Cost on the shared 2-core machine: the launch's start 7-15 s per rank, then each configuration a few seconds (its
+trainer's set-up, training ~1 s); ~0.85 GiB peak RSS per rank (the module's process tree: 1.8 GiB PSS).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,9 +48,9 @@ pytestmark = [pytest.mark.trl, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("trl_two_procs_run.py")
-from trl_two_procs_run import ICEPOP_BAND  # noqa: E402
+from trl_two_procs_run import CONFIG_MARK, CONFIGS, ICEPOP_BAND  # noqa: E402
 
-TIMEOUT_S = 300  # ~25 s idle; several times that under other load
+TIMEOUT_S = 400  # ~35 s idle; several times that under other load
 STEPS = (1, 2, 3)
 RANKS = (0, 1)
 COMPLETIONS_PER_STEP = 16  # 2 ranks x 2 micro-batches x 4
@@ -65,30 +66,45 @@ EXACT = ("tim/tokens", "tim/invalid_tokens", "tim/token/abs_diff_max", "tim/toke
 ONE_OFF = ("tim/parity/errors", "tim/parity/warnings", "tim/parity/infos")
 
 
-def _launch(config: str, model: Path, out: Path) -> dict:
+def _launch(model: Path, out: Path) -> dict[str, dict]:
+    """Every configuration of CONFIGS, in one launch: config → its ranks' results, dump and the launch's output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RUNNER),
-           "--model", str(model), "--out", str(out), "--config", config]
+           "--model", str(model), "--out", str(out), "--config", ",".join(CONFIGS)]
     t0 = time.time()
     proc, timed_out = run_bounded(cmd, TIMEOUT_S, cwd=ROOT)
     wall = time.time() - t0
     if timed_out:
-        pytest.fail(f"{config}: ran past {TIMEOUT_S} s and was killed:\n{proc.stdout[-4000:]}")
+        return f"ran past {TIMEOUT_S} s and was killed:\n{proc.stdout[-4000:]}"
     if proc.returncode != 0:
-        pytest.fail(f"{config}: exit {proc.returncode}:\n{proc.stdout[-6000:]}")
-    ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in RANKS]
-    print(f"\n[trl 2 procs {config}] {wall:.0f} s wall (start {ranks[0]['init_s']:.0f} s, train "
-          f"{ranks[0]['train_s']:.1f} s), peak RSS per rank {max(r['peak_rss_mib'] for r in ranks):.0f} MiB")
-    return {"ranks": ranks, "dump": read_dump(out / "dump").to_pydict(), "stdout": proc.stdout}
+        return f"exit {proc.returncode}:\n{proc.stdout[-6000:]}"
+    print(f"\n[trl 2 procs] {wall:.0f} s wall")
+    # The launch's output, cut where rank 0 starts each configuration: [before, name, lines, name, lines, ...].
+    parts = re.split(rf"^{re.escape(CONFIG_MARK)}(\w+)\n", proc.stdout, flags=re.M)
+    output = dict(zip(parts[1::2], parts[2::2]))
+    if list(output) != list(CONFIGS):
+        return f"the configurations' marks {list(output)} are not {list(CONFIGS)}:\n{proc.stdout[-6000:]}"
+    results = {}
+    for config in CONFIGS:
+        ranks = [json.loads((out / config / f"rank_{r}.json").read_text()) for r in RANKS]
+        print(f"[trl 2 procs {config}] set-up {ranks[0]['init_s']:.0f} s, train {ranks[0]['train_s']:.1f} s, "
+              f"peak RSS per rank {max(r['peak_rss_mib'] for r in ranks):.0f} MiB")
+        results[config] = {"ranks": ranks, "dump": read_dump(out / config / "dump").to_pydict(),
+                           "stdout": output[config]}
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(toy_model_path, tmp_path_factory):
-    cache: dict[str, dict] = {}
+    """``runs(config)`` → that configuration's results; the one launch runs at the first call (a failed launch fails
+    every test)."""
+    launched: list = []
 
     def get(config: str) -> dict:
-        if config not in cache:
-            cache[config] = _launch(config, toy_model_path, tmp_path_factory.mktemp(f"trl2_{config}"))
-        return cache[config]
+        if not launched:
+            launched.append(_launch(toy_model_path, tmp_path_factory.mktemp("trl2")))
+        if isinstance(launched[0], str):
+            pytest.fail(launched[0])
+        return launched[0][config]
 
     return get
 

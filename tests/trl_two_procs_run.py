@@ -1,14 +1,16 @@
 """One rank of tests/test_trl_two_procs.py: TRL's GRPOTrainer on the toy model, HF generation, CPU, launched twice
 by ``torch.distributed.run`` (gloo), with TIMCallback dumping every measured token of its rank.
 
-Run by the test (bounded, in its own process group), never collected by pytest. Each rank writes
-``rank_<r>.json`` to ``--out``: its ``trainer.state.log_history``; for each ``trainer.log`` call, how many values
+Run by the test (bounded, in its own process group), never collected by pytest. ``--config`` names one or more
+configurations (comma-separated); each is its own ``GRPOTrainer`` and ``train()``, one after the other in the same two
+processes (one launch: the ranks' start-up, ~10 s each, is paid once), each writing to ``--out``/CONFIG. Each rank
+writes ``rank_<r>.json`` there: its ``trainer.state.log_history``; for each ``trainer.log`` call, how many values
 each ``tim/`` key held in ``trainer._metrics["train"]`` (TRL's ``log()`` averages that list, so more than one value
 would be a mean of windows); per optimizer step, the response tokens and sequences of the generation batches TRL
 built on this rank (completion_mask, a test-side wrapper installed before the callback attaches); per logging
 window, this rank's own statistics read unmerged (``compute(sync=False)``) just before the callback merges them;
 the process group's backend and world size; wall time and peak RSS. The callback's per-token dump goes to
-``--out``/dump.
+``--out``/CONFIG/dump.
 
 Rollouts are TRL's transformers generation with a controlled mismatch added to the logits (``rollout="inject"``):
 TRL's own sampler against the fp32 trainer differs by ~1e-7 per token (KV-cache decode vs full forward), where k3
@@ -44,19 +46,41 @@ def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
+CONFIGS = ("monitor", "mitigations", "beam_on_rank1")
+CONFIG_MARK = "[two procs] configuration: "
+
+
+def _configs(text: str) -> list[str]:
+    names = text.split(",")
+    if any(n not in CONFIGS for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated names of {CONFIGS}")
+    return names
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--config", choices=("monitor", "mitigations", "beam_on_rank1"), required=True)
+    ap.add_argument("--config", type=_configs, required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8)
     args = ap.parse_args(argv)
     t0 = time.time()
-    out = Path(args.out)
 
+    import torch.distributed as dist
+
+    for config in args.config:
+        _train(args, config, Path(args.out) / config, t0)
+        t0 = time.time()
+    dist.destroy_process_group()
+
+
+def _train(args, config: str, out: Path, t0: float) -> None:
+    """One configuration's trainer, from its construction to its rank_<r>.json (``t0``: when its set-up began)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("RANK") == "0":  # where this configuration's lines of the launch's output begin
+        print(f"{CONFIG_MARK}{config}", flush=True)
     import datasets
-    import torch
     import torch.distributed as dist
     from trl import GRPOConfig, GRPOTrainer
 
@@ -64,8 +88,8 @@ def main(argv=None) -> None:
     from tim_plugins.staleness import staleness_metrics
     from tim_plugins.toy_model import synthetic_prompts
 
-    extra = {"min_p": MIN_P} if args.config == "mitigations" else {}
-    if args.config == "beam_on_rank1" and os.environ.get("RANK") == "1":
+    extra = {"min_p": MIN_P} if config == "mitigations" else {}
+    if config == "beam_on_rank1" and os.environ.get("RANK") == "1":
         extra["generation_kwargs"] = {"num_beams": 2}  # unsupported by the monitor: counted, not measured
     grpo = GRPOConfig(
         output_dir=str(out / "trainer"), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
@@ -102,7 +126,7 @@ def main(argv=None) -> None:
 
     options = {"dump_dir": str(out / "dump"), "dump_options": {"sample_rate": 1.0, "max_sequences_per_step": 10**6},
                "rollout": "inject", "inject_options": dict(INJECT)}
-    if args.config == "mitigations":
+    if config == "mitigations":
         options.update(safe_vocab=True, is_correction="icepop", is_correction_options={"icepop_band": ICEPOP_BAND},
                        inject_options=dict(INJECT_MITIGATIONS))
     cb = TIMCallback(trainer, TIMConfig(**options))
@@ -134,10 +158,9 @@ def main(argv=None) -> None:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     (out / f"rank_{rank}.json").write_text(json.dumps(result, default=float))
-    # No collective after the last log: TRL's train() has returned on both ranks; wait for the other before exit
-    # so neither tears the group down under the other.
+    # No collective after the last log: TRL's train() has returned on both ranks; wait for the other before the
+    # next configuration (or the exit) so neither runs ahead of, or tears the group down under, the other.
     dist.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

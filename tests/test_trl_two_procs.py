@@ -2,10 +2,10 @@
 statistic logged is the exact global value over both ranks, logged once per step.
 
 Each configuration is one real ``GRPOTrainer.train()`` on two ranks (tests/trl_two_procs_run.py; the three run one
-after the other in one launch), bounded in time, its process group killed at the end (tests/bounded.py): the toy model, TRL's transformers generation with
-a controlled mismatch (``rollout="inject"``), 3 steps of 2 micro-batches of 4 completions (8 tokens at most) per
-rank, 16 completions per step in all. Each rank dumps every token it measured (``sample_rate=1``, no cap). A third
-run has rank 1 meet a problem rank 0 does not (beam search, which the monitor cannot measure): its count must reach
+after the other in one launch), bounded in time, its process group killed at the end (tests/bounded.py): the toy
+model, TRL's transformers generation with a controlled mismatch (``rollout="inject"``), 3 steps of 2 micro-batches
+of 4 completions (8 tokens at most) per rank, 16 completions per step in all. Each rank dumps every token it
+measured (``sample_rate=1``, no cap). A third configuration has rank 1 meet a problem rank 0 does not (beam search, which the monitor cannot measure): its count must reach
 the log too.
 
 References, independent of the merge:

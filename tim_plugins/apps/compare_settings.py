@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from tim_plugins._optional import is_available
 from tim_plugins.apps.cli import UsageError
 
-__all__ = ["ROLLOUTS", "DTYPE_NAMES", "HF_DTYPES", "COMPARE_MIN_P", "COMPARE_PRESETS", "VLLM_INSTALL", "Setting", "vllm_blocker",
-           "parse_settings", "plan_settings", "framework_configs"]
+__all__ = ["ROLLOUTS", "DTYPE_NAMES", "HF_DTYPES", "COMPARE_MIN_P", "COMPARE_PRESETS", "VLLM_INSTALL", "Setting",
+           "vllm_blocker", "parse_settings", "plan_settings", "framework_configs"]
 
 ROLLOUTS = ("hf-bf16", "hf-fp16", "hf-fp32", "vllm", "exact")
 # The dtypes a side can run in, by torch's names (the command line imports no torch before it runs a command).

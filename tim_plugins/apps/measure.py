@@ -468,8 +468,8 @@ def register(subparsers) -> None:
         "measure", help="Measure TIM between rollout settings and a trainer pipeline on one model.",
         description="Measure training-inference mismatch between one or several rollout settings (--compare) and "
                     "a trainer pipeline on the same weights; writes OUT/report.html, OUT/summary.json, OUT/dump/.")
-    add_config_options(p, MeasureConfig, {"rollout": ROLLOUTS, **{f: DTYPE_NAMES for f in MeasureConfig.__dataclass_fields__
-                                                                  if f.endswith("_dtype")}})
+    dtypes = {f: DTYPE_NAMES for f in MeasureConfig.__dataclass_fields__ if f.endswith("_dtype")}
+    add_config_options(p, MeasureConfig, {"rollout": ROLLOUTS, **dtypes})
     p.set_defaults(func=_main)
 
 

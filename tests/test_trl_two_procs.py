@@ -5,8 +5,8 @@ Each configuration is one real ``GRPOTrainer.train()`` on two ranks (tests/trl_t
 after the other in one launch), bounded in time, its process group killed at the end (tests/bounded.py): the toy
 model, TRL's transformers generation with a controlled mismatch (``rollout="inject"``), 3 steps of 2 micro-batches
 of 4 completions (8 tokens at most) per rank, 16 completions per step in all. Each rank dumps every token it
-measured (``sample_rate=1``, no cap). A third configuration has rank 1 meet a problem rank 0 does not (beam search, which the monitor cannot measure): its count must reach
-the log too.
+measured (``sample_rate=1``, no cap). A third configuration has rank 1 meet a problem rank 0 does not (beam search,
+which the monitor cannot measure): its count must reach the log too.
 
 References, independent of the merge:
 - the naive formulas below on BOTH ranks' dumps joined (``read_dump``), and on each rank's alone: the logged values
@@ -66,8 +66,9 @@ EXACT = ("tim/tokens", "tim/invalid_tokens", "tim/token/abs_diff_max", "tim/toke
 ONE_OFF = ("tim/parity/errors", "tim/parity/warnings", "tim/parity/infos")
 
 
-def _launch(model: Path, out: Path) -> dict[str, dict]:
-    """Every configuration of CONFIGS, in one launch: config → its ranks' results, dump and the launch's output."""
+def _launch(model: Path, out: Path) -> dict[str, dict] | str:
+    """Every configuration of CONFIGS, in one launch: config → its ranks' results, dump and its part of the
+    launch's output; or why the launch failed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RUNNER),
            "--model", str(model), "--out", str(out), "--config", ",".join(CONFIGS)]
     t0 = time.time()

@@ -46,8 +46,7 @@ RANKS_TIMEOUT_S = 900
 def two_ranks(tiny_qwen2, tmp_path_factory):
     """``ranks.py`` on two processes, once per session: {rank: {"tp2": stock_vs_tim(tp=2), "tp2_lr": lr_decay(tp=2),
     "tp2_fused": fused_safe_vocab(tp=2), "tp2_fused_sp": fused_safe_vocab(tp=2, sequence_parallel=True),
-    "tp2_replay": replay(tp=2), "dp2": dp_monitor(world=2)}, "dump_dir": the TP2
-    run's dump}."""
+    "tp2_replay": replay(tp=2), "dp2": dp_monitor(world=2)}, "dump_dir": the TP2 run's dump}."""
     import subprocess
 
     import torch

@@ -6,9 +6,8 @@ Megatron's parallel state is torn down, data-parallel (DP2, TP1: ``scenarios.dp_
 
     RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --out DIR
 
-Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "tp2_lr": ..., "tp2_fused": ..., "tp2_fused_sp": ..., "tp2_replay": ..., "dp2": ...}``) to ``--out``,
-and the TP2 run's
-per-token dump to ``--out``/dump_tp2. Started by the test, never collected by pytest (no ``test_`` prefix).
+Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "tp2_lr": ..., "tp2_fused": ..., "tp2_fused_sp": ...,
+"tp2_replay": ..., "dp2": ...}``) to ``--out``, and the TP2 run's per-token dump to ``--out``/dump_tp2. Started by the test, never collected by pytest (no ``test_`` prefix).
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ compare on one page."""
 
 from __future__ import annotations
 
-import math
 import re
 
 import numpy as np
@@ -19,7 +18,8 @@ pytest.importorskip("matplotlib")
 
 import report_reference as ref  # noqa: E402
 from tim_plugins.dump import TokenDumper  # noqa: E402
-from tim_plugins.report.query import Engine, engine, open_dump, order_statistics  # noqa: E402
+from tim_plugins.report.query import Engine, engine, open_dump  # noqa: E402
+from tim_plugins.report.sql_stats import order_statistics  # noqa: E402
 
 
 def _dump(folder, *, steps=(1, 2, 3), ranks=(0, 1), B=6, T=40, noise=0.05, seed=0, entropy_on=(2,)):

@@ -40,8 +40,9 @@ from .corrections import CorrectionConfig, CorrectionStats, apply_correction
 from .dump import DumpConfig, TokenDumper
 from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
 from .metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
-from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
-from .safe_vocab import SafeLogprobs, SafeVocabStats, safe_loss_mask
+from .parity.probe import ParityProbe, ParityProbeConfig
+from .safe_vocab import SafeLogprobs
+from .safe_vocab_stats import SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
 from .staleness import SplitStats, staleness_metrics
 

@@ -23,13 +23,13 @@ from a selector (``_Threshold``: the rule recomputed; ``tim_plugins.replay``: th
 
 Tokens outside the trainer's S (the sampler kept them, the trainer's own probabilities do not: "boundary
 disagreements") get ``in_safe = False`` and the finite value z_a/T − logsumexp_S so that a multiplied-in mask
-never creates NaN; exclude them from the loss with ``safe_loss_mask``.
+never creates NaN; exclude them from the loss with ``safe_loss_mask`` (``tim_plugins.safe_vocab_stats``, with the
+``tim/safe_vocab/*`` statistics; both re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -38,8 +38,7 @@ import torch
 from ._matmul import addmm_fp32
 from ._optional import is_triton_available
 from ._safe_vocab_fused import SafeFromHiddenFused, SafeFromLogitsFused
-from .accumulate import Accumulated, Accumulator
-from .metrics import mismatch_metrics
+from .safe_vocab_stats import SafeVocabStats, safe_loss_mask, safe_vocab_metrics
 from .truncation import DEFAULT_MIN_P, Truncation, truncation_threshold
 
 __all__ = [
@@ -573,94 +572,3 @@ def safe_linear_logprobs(
     return SafeLogprobs(logprobs=res.logprobs.view(shape), in_safe=res.in_safe.view(shape),
                         pruned_mass=res.pruned_mass.view(shape), size=res.size.view(shape),
                         entropy=None if res.entropy is None else res.entropy.view(shape))
-
-
-def safe_loss_mask(response_mask: torch.Tensor, in_safe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop boundary disagreements from the loss.
-
-    Args:
-        response_mask: [B, T] (or [N]) bool/0-1 mask of tokens that would enter the loss.
-        in_safe: same shape, from ``SafeLogprobs.in_safe`` (reshaped).
-    Returns:
-        (loss_mask in ``response_mask``'s dtype, 0-dim int64 count of boundary tokens); no host sync.
-    """
-    if response_mask.shape != in_safe.shape:
-        raise ValueError(f"response_mask {tuple(response_mask.shape)} and in_safe {tuple(in_safe.shape)} differ")
-    valid = response_mask.bool()
-    boundary = valid & ~in_safe.bool()
-    keep = valid & in_safe.bool()
-    return keep.to(response_mask.dtype), boundary.sum()
-
-
-class SafeVocabStats(Accumulated):
-    """The ``tim/safe_vocab/*`` statistics over measured tokens, mergeable over micro-batches and ranks.
-
-    Per valid token (``mask``): the pruned mass 1 − Σ_S p_T, |S|, and whether the token lies outside the
-    trainer's S (a boundary token). Kept as sums and a maximum (``Accumulator``), so the merged values are exact;
-    every statistic of an empty set is NaN, as the mismatch monitor's are.
-    """
-
-    PREFIX = "tim/safe_vocab"
-
-    def __init__(self) -> None:
-        self._acc = Accumulator(("tokens", "pruned_mass", "size", "boundary"), ("pruned_mass_max",))
-
-    def update(self, mask: torch.Tensor, in_safe: torch.Tensor, pruned_mass: torch.Tensor,
-               size: torch.Tensor) -> None:
-        """Add one batch: ``mask`` [B, T] (or [N]) of measured tokens and the same-shaped fields of a
-        ``SafeLogprobs`` (reshaped). No host sync."""
-        valid = mask.bool()
-        pruned = pruned_mass.reshape(valid.shape).double()
-        neg_inf = torch.full((), -math.inf, dtype=torch.float64, device=pruned.device)
-        self._acc.add(
-            (valid.sum(), torch.where(valid, pruned, 0.0).sum(),
-             torch.where(valid, size.reshape(valid.shape).double(), 0.0).sum(),
-             (valid & ~in_safe.reshape(valid.shape).bool()).sum()),
-            (torch.where(valid, pruned, neg_inf).amax() if valid.numel() else neg_inf,),
-        )
-
-    def compute(self, sync: bool = True, group=None) -> dict[str, float]:
-        """``tokens``, ``pruned_mass_mean``, ``pruned_mass_max``, ``size_mean``, ``boundary_frac`` (merged over
-        ``group`` when ``sync``: every rank must call it)."""
-        v = self._acc.merged(sync, group)
-        n = v["tokens"]
-        mean = (lambda x: x / n) if n > 0 else (lambda x: math.nan)
-        return {
-            f"{self.PREFIX}/tokens": n,
-            f"{self.PREFIX}/pruned_mass_mean": mean(v["pruned_mass"]),
-            f"{self.PREFIX}/pruned_mass_max": v["pruned_mass_max"] if n > 0 else math.nan,
-            f"{self.PREFIX}/size_mean": mean(v["size"]),
-            f"{self.PREFIX}/boundary_frac": mean(v["boundary"]),
-        }
-
-
-def safe_vocab_metrics(
-    result: SafeLogprobs, mask: torch.Tensor, *, rollout_logprobs: torch.Tensor | None = None,
-    full_logprobs: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """``tim/safe_vocab/*`` metrics of one batch (``SafeVocabStats`` on it alone); NaN without a valid token.
-
-    Args:
-        result: trainer-side ``SafeLogprobs`` ([N] tensors, or already reshaped to ``mask``'s shape).
-        mask: [B, T] (or [N]) response mask of valid tokens.
-        rollout_logprobs: [B, T] engine log-probs (processed, i.e. renormalised over the engine's S). With it,
-            ``tim/safe_vocab/kl_k3`` is the monitor's k3 of the safe trainer log-probs vs these, over the loss mask
-            (boundary tokens excluded).
-        full_logprobs: [B, T] the trainer's full-vocabulary log-probs; with ``rollout_logprobs`` adds
-            ``tim/safe_vocab/kl_k3_full`` (k3 vs the full-vocabulary trainer) on the same tokens, side by side.
-    """
-    shape = mask.shape
-    valid = mask.bool()
-    in_safe = result.in_safe.reshape(shape)
-    stats = SafeVocabStats()
-    stats.update(valid, in_safe, result.pruned_mass, result.size)
-    out = stats.compute(sync=False)
-    del out[f"{SafeVocabStats.PREFIX}/tokens"]
-    if rollout_logprobs is not None:
-        loss_mask, _ = safe_loss_mask(valid, in_safe)
-        safe = result.logprobs.detach().reshape(shape)
-        out["tim/safe_vocab/kl_k3"] = mismatch_metrics(rollout_logprobs, safe, loss_mask)["tim/token/kl_k3"]
-        if full_logprobs is not None:
-            out["tim/safe_vocab/kl_k3_full"] = mismatch_metrics(
-                rollout_logprobs, full_logprobs.detach().reshape(shape), loss_mask)["tim/token/kl_k3"]
-    return out

@@ -211,7 +211,7 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
     from tim_plugins.dump import DumpConfig
     from tim_plugins.metrics import MismatchMonitor
     from tim_plugins.pipeline import StepPipeline, pipeline_config
-    from tim_plugins.safe_vocab import safe_loss_mask
+    from tim_plugins.safe_vocab_stats import safe_loss_mask
 
     cfg = run.cfg
     vllm = setting.rollout == "vllm"

@@ -18,6 +18,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from tim_plugins._optional import require
 from tim_plugins.apps.compare_settings import DTYPE_NAMES
 from tim_plugins.apps.models import resolve_model
 from tim_plugins.rollout.batch import RolloutBatch
+
+if TYPE_CHECKING:
+    from tim_plugins.safe_vocab import SafeLogprobs
 
 __all__ = [
     "DTYPES",

@@ -44,8 +44,8 @@ def staleness_verdict(rows: list[dict], framework: str | None) -> tuple[str, str
     stale = sum(w * r["staleness_share"] for w, r in zip(weights, used)) / total
     mism = sum(w * r["mismatch_share"] for w, r in zip(weights, used)) / total
     if all(r["staleness_share"] == 0.0 for r in used):
-        return (f"Mismatch only: no loss pass ran after an update on its batch, so the staleness part is exactly 0 "
-                f"and the mismatch explains all of the log-ratio variance.", part_fix("mismatch", framework))
+        return ("Mismatch only: no loss pass ran after an update on its batch, so the staleness part is exactly 0 "
+                "and the mismatch explains all of the log-ratio variance.", part_fix("mismatch", framework))
     part = "staleness" if stale > mism else "mismatch"
     return (f"{part.capitalize()} dominates: it explains {max(stale, mism):.0%} of the log-ratio variance over the "
             f"run (staleness {stale:.0%}, mismatch {mism:.0%}, covariance {1 - stale - mism:+.0%}).",

@@ -98,7 +98,7 @@ def rho_source(dumps: dict):
     """``figures.ratio_distribution``'s source: the pooled extremes and quantiles of d, and histograms of ρ per
     dump on the bins the figure asks for."""
     from tim_plugins.report.figures import RHO_QUANTILES, RhoSource
-    from tim_plugins.report.query import quantiles_of
+    from tim_plugins.report.sql_stats import quantiles_of
 
     items = [t for t in dumps.values()]
     ranges = [t.d_range() for t in items]

@@ -46,7 +46,8 @@ RANKS_TIMEOUT_S = 900
 def two_ranks(tiny_qwen2, tmp_path_factory):
     """``ranks.py`` on two processes, once per session: {rank: {"tp2": stock_vs_tim(tp=2), "tp2_lr": lr_decay(tp=2),
     "tp2_fused": fused_safe_vocab(tp=2), "tp2_fused_sp": fused_safe_vocab(tp=2, sequence_parallel=True),
-    "tp2_replay": replay(tp=2), "dp2": dp_monitor(world=2)}, "dump_dir": the TP2 run's dump}."""
+    "tp2_replay": replay(tp=2), "dp2": dp_monitor(world=2), "pp2": stock_vs_tim(tp=1, pp=2), "pp2_lr":
+    lr_decay(tp=1, pp=2)}, "dump_dir": the TP2 run's dump, "dump_dir_pp2": the PP2 run's}."""
     import subprocess
 
     import torch
@@ -67,4 +68,5 @@ def two_ranks(tiny_qwen2, tmp_path_factory):
                 os.killpg(proc.pid, 9)
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return {**{r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, "dump_dir": out / "dump_tp2"}
+    return {**{r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)}, "dump_dir": out / "dump_tp2",
+            "dump_dir_pp2": out / "dump_pp2"}

@@ -1,4 +1,4 @@
-"""Test helper: verl 0.9.1's Megatron LM-head engine on CPU (gloo; one process, or two for TP2 / DP2), built from
+"""Test helper: verl 0.9.1's Megatron LM-head engine on CPU (gloo; one process, or two for TP2 / DP2 / PP2), built from
 verl's own dataclasses (``McoreEngineConfig``, ``McoreOptimizerConfig``, ``HFModelConfig``, ``CheckpointConfig``)
 and driven as verl's ``TrainingWorker`` drives it: ``infer_batch`` for the old log-probs, ``train_batch`` with
 ``partial(ppo_loss, config=McoreActorConfig)``, then ``lr_scheduler_step``.
@@ -33,8 +33,22 @@ def _verl_suite_harness():
 
 _FSDP_HARNESS = _verl_suite_harness()
 make_batch = _FSDP_HARNESS.make_batch
-old_log_probs_padded = _FSDP_HARNESS.old_log_probs_padded
 to_v1_layout = _FSDP_HARNESS.to_v1_layout
+
+
+def old_log_probs_padded(out, td):
+    """[B, R] response log-probs from the engine's output, on every rank. With pipeline parallelism only the last
+    stage has outputs (``{}`` elsewhere); verl's driver takes the old log-probs from the rank that holds them and
+    hands the next pass's batch, them included, to every rank: here a broadcast from the last stage over the
+    pipeline group."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return _FSDP_HARNESS.old_log_probs_padded(out, td)
+    held = [_FSDP_HARNESS.old_log_probs_padded(out, td) if mpu.is_pipeline_last_stage() else None]
+    torch.distributed.broadcast_object_list(held, src=mpu.get_pipeline_model_parallel_last_rank(),
+                                            group=mpu.get_pipeline_model_parallel_group())
+    return held[0]
 
 
 def init_dist(rank: int = 0, world: int = 1, port: int = 29611) -> None:

@@ -1,13 +1,15 @@
 """One rank of the Megatron suite's two-process runs (``conftest.py`` ``two_ranks``): verl's Megatron engine with
 world size 2 over gloo, first tensor-parallel (TP2: ``scenarios.stock_vs_tim``, ``scenarios.lr_decay``,
-``scenarios.fused_safe_vocab`` without and with sequence parallelism, ``scenarios.replay``), then, after
-Megatron's parallel state is torn down, data-parallel (DP2, TP1: ``scenarios.dp_monitor``), in the same processes
-(a Python 3.12 process with verl and megatron-core takes ~20 s to start on the 2-core machine).
+``scenarios.fused_safe_vocab`` without and with sequence parallelism, ``scenarios.replay``), then, each after
+Megatron's parallel state is torn down, data-parallel (DP2, TP1: ``scenarios.dp_monitor``) and pipeline-parallel
+(PP2, TP1: ``scenarios.stock_vs_tim``, ``scenarios.lr_decay``), in the same processes (a Python 3.12 process with
+verl and megatron-core takes ~20 s to start on the 2-core machine).
 
     RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --out DIR
 
 Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "tp2_lr": ..., "tp2_fused": ..., "tp2_fused_sp": ...,
-"tp2_replay": ..., "dp2": ...}``) to ``--out``, and the TP2 run's per-token dump to ``--out``/dump_tp2. Started by the test, never collected by pytest (no ``test_`` prefix).
+"tp2_replay": ..., "dp2": ..., "pp2": ..., "pp2_lr": ...}``) to ``--out``, and the TP2 and PP2 runs' per-token
+dumps to ``--out``/dump_tp2 and dump_pp2. Started by the test, never collected by pytest (no ``test_`` prefix).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def main() -> None:
               "tp2_replay": scenarios.replay(args.model, tp=world)}
     scenarios.reset_parallel_state()
     result["dp2"] = scenarios.dp_monitor(args.model, rank=rank, world=world)
+    scenarios.reset_parallel_state()
+    result["pp2"] = scenarios.stock_vs_tim(args.model, tp=1, pp=world, dump_dir=os.path.join(args.out, "dump_pp2"))
+    # the grad norm as an extra signal: verl reports it on the last stage only, so the first stage's controller sees
+    # it only through the engine's sharing of the holders' decision and state
+    result["pp2_lr"] = scenarios.lr_decay(args.model, tp=1, pp=world, signals=("grad_norm",))
     torch.save(result, os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -1,6 +1,6 @@
 """What one rank runs for the Megatron suite's tests: each function builds verl's Megatron engines with the harness,
 drives them like verl's worker and returns plain tensors and numbers (the test compares them). Run in the pytest
-process (TP1, one rank) or by ``ranks.py`` in two processes (TP2, DP2).
+process (TP1, one rank) or by ``ranks.py`` in two processes (TP2, DP2, PP2).
 """
 
 from __future__ import annotations
@@ -27,20 +27,22 @@ SAFE_TEMPERATURE = 0.7
 
 
 def _run(engine, seeds) -> dict:
-    """Two PPO steps: per step the old log-probs, verl's per-micro-batch pg_loss, the grad norm (verl reports it on the
-    output-holding rank only) and the LR; then
-    this rank's parameter shards."""
+    """Two PPO steps: per step the old log-probs, verl's per-micro-batch pg_loss (None before the last pipeline
+    stage), the grad norm (verl reports it on the output-holding rank only) and the LR; then this rank's parameter
+    shards."""
     steps = []
     for seed in seeds:
         td, _ = H.make_batch(H.VOCAB, batch=4, seed=seed)
         old = H.old_log_probs_padded(H.infer(engine, td), td)
         out, lr = H.train_step(engine, td, old)
         metrics = H.tensors_of(out)
-        steps.append({"old": old, "pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics.get("grad_norm"), "lr": lr})
+        # verl's loss runs on the last pipeline stage only: a stage before it has no pg_loss
+        steps.append({"old": old, "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("grad_norm"),
+                      "lr": lr})
     return {"steps": steps, "params": H.params_of(engine)}
 
 
-def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str) -> dict:
+def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str, pp: int = 1) -> dict:
     """The engine verl's registry picks (ours) and verl's own ``MegatronEngineWithLMHead``, built alike from the same
     checkpoint, trained alike: two PPO steps each. Then ours with the monitor and the per-token dump (every sequence,
     to ``dump_dir``) on, on a third batch: its old log-probs (configured and not), its metrics, whether this rank
@@ -52,7 +54,7 @@ def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str) -> dict:
     result = {}
     engines = {}
     for name, cls in (("ours", None), ("stock", MegatronEngineWithLMHead)):
-        engines[name] = H.build_engine(model_path, tp=tp, engine_cls=cls)
+        engines[name] = H.build_engine(model_path, tp=tp, pp=pp, engine_cls=cls)
         result[name] = _run(engines[name], TRAIN_SEEDS)
         result[name]["class"] = type(engines[name]).__name__
     ours = engines["ours"]
@@ -69,7 +71,7 @@ def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str) -> dict:
         ours.tim_deconfigure()
     result["monitor"] = {"plain": plain, "old": monitored, "metrics": metrics, "holds": ours._tim_holds_outputs(),
                          "rollout": raw["rollout_log_probs"], "mask": raw["response_mask"], "split": split,
-                         "pg_loss": H.tensors_of(out)["actor/pg_loss"]}
+                         "pg_loss": H.tensors_of(out).get("actor/pg_loss")}
     result["safe_vocab"] = safe_vocab(ours)  # the same engine (no second build): its weights are whatever they are
     return result
 
@@ -147,7 +149,9 @@ def safe_vocab(engine) -> dict:
                 records.clear()
                 inferred = H.infer(engine, td)
                 old = H.old_log_probs_padded(inferred, td)
-                entropy = no_padding_2_padding(inferred["model_output"]["entropy"], td)
+                # a pipeline stage before the last has no outputs (and its logits processor is never called)
+                entropy = (no_padding_2_padding(inferred["model_output"]["entropy"], td)
+                           if "model_output" in inferred else None)
                 metrics = engine.tim_pop_metrics()
                 infer_records = list(records)
                 records.clear()
@@ -158,7 +162,8 @@ def safe_vocab(engine) -> dict:
                 engine.tim_deconfigure()
             out[name] = {"old": old, "entropy": entropy, "metrics": metrics, "infer": infer_records,
                          "train": list(records), "loss": seen, "mask": raw["response_mask"],
-                         "keys": sorted(inferred["model_output"].keys()), "holds": engine._tim_holds_outputs()}
+                         "keys": sorted(inferred.get("model_output", {}).keys()),
+                         "holds": engine._tim_holds_outputs()}
     finally:
         del engine._lm_head_logits_processor
     return out
@@ -326,27 +331,31 @@ def mean_length(raw) -> float:
     return raw["response_mask"].sum().item() / raw["response_mask"].shape[0]
 
 
-def _lr_config():
+def _lr_config(signals: tuple = ()):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 
-    return TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": LR_OPTIONS}})
+    return TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": {**LR_OPTIONS, "signals": list(signals)}}})
 
 
-def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None) -> dict:
+def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int = 1, signals: tuple = ()) -> dict:
     """The LR decay through verl's Megatron optimizer and scheduler (constant schedule): the LR each step returns
-    (actor/lr), every param group's LR, the controller's state and metrics after three steps (short, short, long).
-    With ``ckpt_dir``: verl's checkpoint save, a fresh engine that loads it (configured before the load, as verl's
-    worker is), and one more step on both."""
+    (actor/lr), every param group's LR, verl's grad norm of each step (None where verl does not report it), the
+    controller's state and metrics after three steps (short, short, long); ``signals``: the controller's extra
+    signals (the grad norm: verl reports it on the output-holding rank only). With ``ckpt_dir``: verl's checkpoint
+    save, a fresh engine that loads it (configured before the load, as verl's worker is), and one more step on
+    both."""
     def engine():
-        return H.build_engine(model_path, tp=tp, lr=LR, optim_overrides={"lr_decay_style": "constant"})
+        return H.build_engine(model_path, tp=tp, pp=pp, lr=LR, optim_overrides={"lr_decay_style": "constant"})
 
     ours = engine()
-    ours.tim_configure(_lr_config())
+    ours.tim_configure(_lr_config(signals))
     batches = [H.make_batch(H.VOCAB, batch=4, response=r, seed=s) for r, s in LR_BATCHES]
-    lrs = []
+    lrs, grad_norms = [], []
     for td, _ in batches:
-        lrs.append(H.train_step(ours, td, H.old_log_probs_padded(H.infer(ours, td), td))[1])
-    result = {"lrs": lrs, "lengths": [mean_length(raw) for _, raw in batches],
+        out, lr = H.train_step(ours, td, H.old_log_probs_padded(H.infer(ours, td), td))
+        lrs.append(lr)
+        grad_norms.append(H.tensors_of(out).get("grad_norm"))
+    result = {"lrs": lrs, "grad_norms": grad_norms, "lengths": [mean_length(raw) for _, raw in batches],
               "group_lrs": [float(g["lr"]) for g in ours.optimizer.param_groups],
               "state": ours._tim_lr_controller.state_dict(), "metrics": ours.tim_pop_metrics(),
               "holds": ours._tim_holds_outputs()}
@@ -357,7 +366,7 @@ def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None) -> dict:
         # (megatron/core/optimizer/distrib_optimizer.py:839 asserts one 'step' per param): one stock step first
         td, _ = batches[0]
         H.train_step(fresh, td, H.old_log_probs_padded(H.infer(fresh, td), td))
-        fresh.tim_configure(_lr_config())
+        fresh.tim_configure(_lr_config(signals))
         fresh.load_checkpoint(ckpt_dir, del_local_after_load=False)
         result["loaded_state"] = fresh.optimizer.param_groups[0].get("tim_lr_controller")
         after = []

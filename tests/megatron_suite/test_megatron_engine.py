@@ -1,14 +1,14 @@
-"""The tim engine inside verl 0.9.1's real Megatron LM-head engine on CPU (gloo): TP1 in this process, TP2 and DP2 in
-two processes (``ranks.py``). verl's own dataclasses, batches (``left_right_2_no_padding``), ``ppo_loss`` and
+"""The tim engine inside verl 0.9.1's real Megatron LM-head engine on CPU (gloo): TP1 in this process, TP2, DP2 and
+PP2 in two processes (``ranks.py``). verl's own dataclasses, batches (``left_right_2_no_padding``), ``ppo_loss`` and
 rollout-correction k3 helper; the tiny Qwen2 of ``cpu_site/tiny_qwen2.py``.
 
 * Unconfigured, the engine verl's registry picks (ours) is bit-identical to verl's ``MegatronEngineWithLMHead`` built
   alike: old log-probs, per-micro-batch losses, grad norms, LRs and every parameter shard after two PPO steps.
 * With the monitor on, the old log-probs stay verl's bit for bit, and ``tim/*`` comes from the rank that holds
-  Megatron's outputs (TP rank 0 of the last stage; ``{}`` on the others), merged exactly over the data-parallel
+  Megatron's outputs (TP rank 0 of the last pipeline stage; ``{}`` on the others), merged exactly over the data-parallel
   group: equal to a float64 reference computed here from the log-probs verl returned and the batch's rollout
   log-probs, and to verl's own ``rollout_corr/k3_kl`` on the same tensors.
-* With the safe vocabulary (min-p; min-p + the rollout's top-k and top-p), at TP1 and TP2: the old log-probs, the
+* With the safe vocabulary (min-p; min-p + the rollout's top-k and top-p), at TP1, TP2 and PP2: the old log-probs, the
   entropy and the training pass's log-probs equal a float64 reference computed here (``safe_vocab_reference``) from
   the logits the processor saw (all shards gathered), the mask verl's loss aggregates over is the response mask
   without the tokens outside the reference's safe set, and ``tim/safe_vocab/*`` equal their reference.
@@ -82,6 +82,16 @@ def test_unconfigured_engine_is_stock_verl_tp2(two_ranks):
     assert torch.equal(two_ranks[0]["tp2"]["ours"]["steps"][0]["old"], two_ranks[1]["tp2"]["ours"]["steps"][0]["old"])
 
 
+def test_unconfigured_engine_is_stock_verl_pp2(two_ranks):
+    for rank in (0, 1):
+        _assert_stock(two_ranks[rank]["pp2"])
+    first, last = (two_ranks[r]["pp2"]["ours"] for r in (0, 1))
+    # each stage holds its own layers (the final norm on the last), and verl's loss and grad norm are the last's
+    assert [any("final_layernorm" in k for k in s["params"]) for s in (first, last)] == [False, True]
+    assert all(s["pg_loss"] is None and s["grad_norm"] is None for s in first["steps"])
+    assert all(s["pg_loss"] is not None and s["grad_norm"] > 0 for s in last["steps"])
+
+
 def _reference(old, rollout, mask) -> dict[str, float]:
     """tim/* of the monitor's token keys, in float64 from the tensors verl returned, and verl's own k3 helper."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
@@ -133,6 +143,15 @@ def test_monitor_from_the_output_rank_tp2(two_ranks):
     assert other["split"] == {} and other["pg_loss"] == src["pg_loss"]
 
 
+def test_monitor_from_the_last_pipeline_stage_pp2(two_ranks):
+    first, last = two_ranks[0]["pp2"]["monitor"], two_ranks[1]["pp2"]["monitor"]
+    assert last["holds"] and not first["holds"]
+    assert first["metrics"] == {} and first["split"] == {}  # the first stage has no log-probs: nothing measured
+    assert torch.equal(last["old"], last["plain"])
+    _assert_monitor(last["metrics"], _reference(last["old"], last["rollout"], last["mask"]))
+    _assert_split(last)
+
+
 def _assert_dump(dump_dir, mon):
     """One dump file for the step, from the output-holding rank (data-parallel rank 0): every measured token, with
     the log-probs verl returned and the batch's rollout log-probs."""
@@ -148,9 +167,10 @@ def _assert_dump(dump_dir, mon):
     assert bool(mask[rows, cols].all())
 
 
-def test_dump_holds_the_measured_tokens_once_tp1_and_tp2(tp1, two_ranks):
+def test_dump_holds_the_measured_tokens_once_tp1_tp2_and_pp2(tp1, two_ranks):
     _assert_dump(tp1["dump_dir"], tp1["monitor"])
     _assert_dump(two_ranks["dump_dir"], two_ranks[0]["tp2"]["monitor"])  # TP rank 1 wrote nothing
+    _assert_dump(two_ranks["dump_dir_pp2"], two_ranks[1]["pp2"]["monitor"])  # the first stage wrote nothing
 
 
 def test_monitor_merges_exactly_over_data_parallel_ranks(two_ranks):
@@ -220,6 +240,13 @@ def test_safe_vocabulary_equals_the_float64_reference_tp2(two_ranks):
     for case in scenarios.SAFE_CASES:
         a, b = (two_ranks[r]["tp2"]["safe_vocab"][case] for r in (0, 1))
         assert torch.equal(a["old"], b["old"]) and torch.equal(a["entropy"], b["entropy"])
+
+
+def test_safe_vocabulary_equals_the_float64_reference_pp2(two_ranks):
+    _assert_safe_vocab(two_ranks[1]["pp2"]["safe_vocab"], holds=True)  # the last stage: logits, loss, metrics
+    for case, first in two_ranks[0]["pp2"]["safe_vocab"].items():  # the first stage: no logits, nothing measured
+        assert (first["infer"], first["train"], first["loss"], first["metrics"], first["keys"]) == ([], [], [], {}, [])
+        assert torch.equal(first["old"], two_ranks[1]["pp2"]["safe_vocab"][case]["old"])  # as verl hands them over
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """LR decay through verl's Megatron optimizer (a ChainedOptimizer of distributed optimizers) and its
-OptimizerParamScheduler, TP1 in this process and TP2 in two (``ranks.py``): the decay fires at the step the core
-controller predicts from the same response lengths, shows in the LR ``lr_scheduler_step`` returns (verl's
-actor/lr) and in every param group, is the same on the rank that measures and the one that does not, and survives
-verl's Megatron checkpoint save and load."""
+OptimizerParamScheduler, TP1 in this process and TP2 and PP2 in two (``ranks.py``): the decay fires at the step the
+core controller predicts from the same response lengths, shows in the LR ``lr_scheduler_step`` returns (verl's
+actor/lr) and in every param group, is the same on the rank that measures and the ones that do not (the other
+tensor-parallel rank; the pipeline stage before the last, which has no outputs at all), and survives verl's
+Megatron checkpoint save and load."""
 
 from __future__ import annotations
 
@@ -49,3 +50,23 @@ def test_lr_decay_is_the_same_on_every_tensor_parallel_rank(two_ranks):
     _assert_run(src)
     _assert_run(other)  # the rank without outputs steps with the holder's scale and holds its state
     assert src["metrics"]["tim/lr/scale"] == 0.5 and other["metrics"] == {}
+
+
+def test_lr_decay_is_the_same_on_every_pipeline_stage(two_ranks):
+    """PP2 with the grad norm as an extra signal (``combine="any"``: the length still fires): verl reports the grad
+    norm on the last stage only, and the first stage's layers step with the last stage's scale and its controller
+    holds the last stage's state, grad norms included."""
+    first, last = (two_ranks[r]["pp2_lr"] for r in (0, 1))
+    assert last["holds"] and not first["holds"]
+    assert first["grad_norms"] == [None] * 3 and all(g > 0 for g in last["grad_norms"])
+    reference = LengthTriggeredLRDecay(**scenarios.LR_OPTIONS, signals=("grad_norm",))
+    # the engine feeds each step the grad norm of the step before (none before the first)
+    want = [reference.observe(None, n, grad_norm=g) for n, g in zip(last["lengths"], [None, *last["grad_norms"][:-1]])]
+    assert want == [1.0, 1.0, 0.5]
+    for run in (first, last):
+        assert run["lrs"] == [scenarios.LR * s for s in want]
+        assert run["group_lrs"] == [scenarios.LR, scenarios.LR] and run["stock_lr"] == scenarios.LR
+        assert run["state"] == reference.state_dict()
+    assert reference.state_dict()["trackers"]["grad_norm"] != LengthTriggeredLRDecay(
+        **scenarios.LR_OPTIONS, signals=("grad_norm",)).state_dict()["trackers"]["grad_norm"]  # it saw grad norms
+    assert last["metrics"]["tim/lr/scale"] == 0.5 and first["metrics"] == {}

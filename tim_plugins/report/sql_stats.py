@@ -49,7 +49,7 @@ def _lin_index(x: str, edges) -> str:
     return f"(({x} - {lo!r}) * {n / (hi - lo)!r})" if hi > lo else "0"
 
 
-# A fine log bin of x >= 0, monotone in x, ~1 % wide (64 a factor of 2); 0 for x = 0.
+# SQL: a fine log bin of the column ``a`` (>= 0), monotone in a, ~1 % wide (64 a factor of 2); 0 for a = 0.
 FINE_LOG_BIN = "(CASE WHEN a = 0 THEN 0 ELSE 70000 + floor(log2(a) * 64) END)::BIGINT"
 
 

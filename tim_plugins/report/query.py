@@ -327,9 +327,10 @@ class Dump:
         t = self.con.execute(
             f"SELECT GROUPING(step, rank, sequence, position, b, k) AS gid, step, rank, sequence, position, b, k, "
             f"count(*) AS n, sum(d) AS sd, sum(a) AS sa, min(q) AS qlo, max(q) AS qhi, min(a) AS alo, max(a) AS ahi "
-            f"FROM (SELECT step, rank, sequence, position, d, a, q, {fast} AS b, {FINE_LOG_BIN} AS k FROM (SELECT step, "
-            f"rank, sequence, position, d, abs(d) AS a, least(greatest(-expm1(r), 1e-7), 1.0) AS q FROM "
-            f"{self.valid})) GROUP BY GROUPING SETS ((step, rank, sequence), (position), (b, k))").fetch_arrow_table()
+            f"FROM (SELECT step, rank, sequence, position, d, a, q, {fast} AS b, {FINE_LOG_BIN} AS k "
+            f"FROM (SELECT step, rank, sequence, position, d, abs(d) AS a, "
+            f"least(greatest(-expm1(r), 1e-7), 1.0) AS q FROM {self.valid})) "
+            f"GROUP BY GROUPING SETS ((step, rank, sequence), (position), (b, k))").fetch_arrow_table()
         gid = t.column("gid").to_numpy()
         col = lambda k, sel: t.column(k).to_numpy(zero_copy_only=False)[sel]  # noqa: E731
         seq = gid == 0b000111
@@ -364,8 +365,8 @@ class Dump:
             self._profiles()
             fine = self._cache["fine"]
         else:
-            fine = self.con.execute(f"SELECT {fast} AS b, {FINE_LOG_BIN} AS k, count(*), min(q), max(q), sum(a), min(a), "
-                                    f"max(a) FROM ({rel}) GROUP BY b, k ORDER BY b, k").fetchall()
+            fine = self.con.execute(f"SELECT {fast} AS b, {FINE_LOG_BIN} AS k, count(*), min(q), max(q), sum(a), "
+                                    f"min(a), max(a) FROM ({rel}) GROUP BY b, k ORDER BY b, k").fetchall()
         e = [float(x) for x in edges]
         per_bin: dict = {}
         for b, _, n, qlo, qhi, s, lo, hi in fine:

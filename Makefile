@@ -29,6 +29,13 @@ QUIET_EDITABLE := env PYTHONWARNINGS="ignore:Editable installation"
 # at its end (scripts/suite, with scripts/peak_mem's sampler): the suites must fit a 24 GiB machine with room to
 # spare.
 export PIP_RESUME_RETRIES ?= 10
+# Bytecode is written at import, by the first process that imports a module, not compiled at install (pip gets
+# --no-compile; scripts/pip_install compiles only where PYTHONDONTWRITEBYTECODE is set): the processes of an
+# environment import a small part of what it holds, and a fresh clone's `make test` builds four environments
+# (~137 k modules, ~11 CPU-minutes to compile them all on the 2-core machine) while its suites run. So the
+# machine's PYTHONDONTWRITEBYTECODE (this one sets it), which would make every process compile what it imports
+# again, is not passed on.
+unexport PYTHONDONTWRITEBYTECODE
 # Each suite of `make test` runs through scripts/suite: it goes on after a failing suite, records each suite's exit
 # status, counts, wall time and peak memory (as scripts/peak_mem measures it) under MATRIX, and `make test` ends
 # with one line per suite; tim-out/matrix/<stack>.json feed the compatibility table (`make compat`).
@@ -68,8 +75,8 @@ setup: $(VENV)/$(STAMP)
 
 $(VENV)/$(STAMP_RUN): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
-	$(RETRY) $(VENV)/bin/pip install -q --upgrade pip
-	$(RETRY) $(VENV)/bin/pip install -q -c $(LOCK) $(TORCH) uv
+	$(RETRY) $(VENV)/bin/pip install -q --no-compile --upgrade pip
+	$(RETRY) $(VENV)/bin/pip install -q --no-compile -c $(LOCK) $(TORCH) uv
 	$(RETRY) $(QUIET_EDITABLE) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) -e '.[trl]'
 	touch $@
 

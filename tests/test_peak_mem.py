@@ -13,8 +13,10 @@ import pytest
 PEAK_MEM = Path(__file__).resolve().parents[1] / "scripts" / "peak_mem"
 MIB = 2**20
 
-# A child that touches `n` MiB (bytearray zero-fills: every page is resident) and holds it for a second.
-CHILD = "import sys, time; b = bytearray({n} * 2**20); time.sleep(1.5); sys.exit({rc})"
+# A child that touches `n` MiB (bytearray zero-fills: every page is resident) and holds it for 4 s: longer than
+# peak_mem's longest gap between two PSS reads (PSS_EVERY_S, 2 s) plus its tick, so a read falls after the fill even
+# when the sampler is starved of CPU (a 1.5 s hold under CI load once saw the 600 MiB child mid-fill, 0.45 GiB).
+CHILD = "import sys, time; b = bytearray({n} * 2**20); time.sleep(4.0); sys.exit({rc})"
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -79,7 +80,11 @@ def _train(args, config: str, out: Path, t0: float) -> None:
     """One configuration's trainer, from its construction to its rank_<r>.json (``t0``: when its set-up began)."""
     out.mkdir(parents=True, exist_ok=True)
     if os.environ.get("RANK") == "0":  # where this configuration's lines of the launch's output begin
-        print(f"{CONFIG_MARK}{config}", flush=True)
+        # One write, starting a line of its own: both ranks write to the launch's one pipe, and under
+        # PYTHONUNBUFFERED a print is two writes (the text, then its newline), so another process's output can land
+        # in between, or leave its line unfinished before the mark.
+        sys.stdout.write(f"\n{CONFIG_MARK}{config}\n")
+        sys.stdout.flush()
     import datasets
     import torch.distributed as dist
     from trl import GRPOConfig, GRPOTrainer

@@ -9,7 +9,8 @@ repository into DIR (default: a temporary folder beside it), checks out the comm
 clone (~22 GB while it runs). The download caches (pip's, uv's) are the machine's and stay warm between runs, as
 on a warm CI machine; the order of the two commits alternates from one repeat to the next. Recorded per run: the
 wall seconds, `make test`'s exit status, each suite's wall and set-up seconds and peak memory
-(tim-out/matrix/suites/*.json), and when each background environment was ready (its stamp's time after the start).
+(tim-out/matrix/suites/*.json), when each background environment was ready (its stamp's time after the start) and
+a fixed loop's seconds just before the run (the machine's speed: a shared machine's drifts).
 Writes ``benchmarks/results/NAME.json`` (default ci_clone): the medians, their spread and head/base.
 """
 
@@ -24,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import spread, write_results
+from benchmarks._common import median_time, spread, write_results
 
-__all__ = ["run_once", "main"]
+__all__ = ["cpu_probe", "run_once", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKGROUND_ENVS = (".venv-newest", ".venv-oldest", ".venv-megatron")
@@ -37,6 +38,16 @@ def _rev(rev: str, root: Path = ROOT) -> str:
                           text=True).stdout.strip()
 
 
+def cpu_probe() -> float:
+    """Seconds of a fixed single-threaded loop (median of 3): the machine's speed just before a run, since a shared
+    machine's can drift between runs an hour apart."""
+    def loop() -> None:
+        total = 0
+        for i in range(3_000_000):
+            total += i * i % 7
+    return round(median_time(loop, repeats=3, warmup=1), 3)
+
+
 def run_once(rev: str, work: Path, log: Path, root: Path = ROOT) -> dict:
     """`.ci/run` on a fresh clone of the repository ``root`` at ``rev``; its figures. The clone is removed."""
     clone = work / f"clone-{rev}"
@@ -44,6 +55,7 @@ def run_once(rev: str, work: Path, log: Path, root: Path = ROOT) -> dict:
     subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
     subprocess.run(["git", "checkout", "-q", rev], cwd=clone, check=True)
     try:
+        probe = cpu_probe()
         t0 = time.time()
         with open(log, "w") as out:
             rc = subprocess.run([str(clone / ".ci" / "run")], cwd=clone, stdout=out, stderr=subprocess.STDOUT,
@@ -58,7 +70,7 @@ def run_once(rev: str, work: Path, log: Path, root: Path = ROOT) -> dict:
             stamps = sorted((clone / name).glob(".tim-stack-*"))
             ready[name] = round(stamps[0].stat().st_mtime - t0, 1) if stamps else None
         return {"rev": rev, "wall_s": round(wall, 1), "rc": rc, "suites": suites, "background_ready_s": ready,
-                "log": str(log)}
+                "cpu_probe_s": probe, "log": str(log)}
     finally:
         shutil.rmtree(clone, ignore_errors=True)
 

@@ -45,4 +45,5 @@ def test_one_run_records_the_status_the_suites_and_the_background_envs_then_remo
     assert 0.9 <= ready[".venv-newest"] <= run["wall_s"] + 0.1
     assert log.read_text().strip() == f"ran at {rev}"
     assert list(work.iterdir()) == []
+    assert run["cpu_probe_s"] > 0
     json.dumps(run)  # what the results file takes

@@ -15,7 +15,7 @@ MIB = 2**20
 
 # A child that touches `n` MiB (bytearray zero-fills: every page is resident) and holds it for 4 s: longer than
 # peak_mem's longest gap between two PSS reads (PSS_EVERY_S, 2 s) plus its tick, so a read falls after the fill even
-# when the sampler is starved of CPU (a 1.5 s hold under CI load once saw the 600 MiB child mid-fill, 0.45 GiB).
+# when the sampler is starved of CPU (with a 1.5 s hold, two loaded runs saw the 600 MiB child at 0.45 and 0.49 GiB).
 CHILD = "import sys, time; b = bytearray({n} * 2**20); time.sleep(4.0); sys.exit({rc})"
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

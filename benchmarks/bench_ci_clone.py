@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BACKGROUND_ENVS = (".venv-newest", ".venv-oldest", ".venv-megatron")
 
 
-def _rev(rev: str, root: Path = ROOT) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True, capture_output=True,
+def _rev(rev: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
                           text=True).stdout.strip()
 
 

@@ -59,15 +59,16 @@ def init_dist(rank: int = 0, world: int = 1, port: int = 29611) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, distributed_optimizer: bool = True,
-                 lr: float = 1e-3, total_steps: int = 10, engine_cls: type | None = None,
-                 optim_overrides: dict | None = None, remove_padding: bool = False, fused: bool = False,
-                 sequence_parallel: bool = False):
+def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                 distributed_optimizer: bool = True, lr: float = 1e-3, total_steps: int = 10,
+                 engine_cls: type | None = None, optim_overrides: dict | None = None, remove_padding: bool = False,
+                 fused: bool = False, sequence_parallel: bool = False):
     """The engine verl's registry picks for backend "megatron" (ours once the plugin is loaded), or ``engine_cls``
     built the same way; bf16 parameters (McoreEngineConfig accepts bfloat16 and float16 only), verl's defaults otherwise
     (distributed optimizer on). ``remove_padding``: verl's packed thd layout (the CPU shim 12) instead of bshd;
     ``fused``: ``use_fused_kernels`` (verl needs remove-padding for it); ``sequence_parallel``: Megatron's sequence
-    parallelism (TP > 1; the CPU shim 13), as mbridge sets it by default at TP > 1."""
+    parallelism (TP > 1; the CPU shim 13), as mbridge sets it by default at TP > 1; ``vpp``: virtual pipeline stages
+    per pipeline rank (Megatron's interleaved schedule; the model's layers split over pp x vpp chunks)."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (registrations, as the entry point does)
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -77,7 +78,8 @@ def build_engine(model_path: str, *, tp: int = 1, pp: int = 1, distributed_optim
     engine_config = McoreEngineConfig(
         vanilla_mbridge=True, use_remove_padding=remove_padding, use_fused_kernels=fused,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel, dtype="bfloat16",
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel, dtype="bfloat16",
         use_distributed_optimizer=distributed_optimizer,
         # the local (torch) layer spec: no TE/Apex fusions; see cpu_site/megatron_shims.py
         override_transformer_config=dict(

@@ -2,14 +2,17 @@
 world size 2 over gloo, first tensor-parallel (TP2: ``scenarios.stock_vs_tim``, ``scenarios.lr_decay``,
 ``scenarios.fused_safe_vocab`` without and with sequence parallelism, ``scenarios.replay``), then, each after
 Megatron's parallel state is torn down, data-parallel (DP2, TP1: ``scenarios.dp_monitor``) and pipeline-parallel
-(PP2, TP1: ``scenarios.stock_vs_tim``, ``scenarios.lr_decay``), in the same processes (a Python 3.12 process with
-verl and megatron-core takes ~20 s to start on the 2-core machine).
+(PP2, TP1: ``scenarios.stock_vs_tim``, ``scenarios.lr_decay``, ``scenarios.fused_safe_vocab``, ``scenarios.replay``),
+and PP2 with two virtual stages per rank on the 4-layer model (``--model-vpp``: ``scenarios.stock_vs_tim``,
+``scenarios.fused_safe_vocab``), in the same processes (a Python 3.12 process with verl and megatron-core takes
+~20 s to start on the 2-core machine).
 
-    RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --out DIR
+    RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --model-vpp DIR --out DIR
 
 Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "tp2_lr": ..., "tp2_fused": ..., "tp2_fused_sp": ...,
-"tp2_replay": ..., "dp2": ..., "pp2": ..., "pp2_lr": ...}``) to ``--out``, and the TP2 and PP2 runs' per-token
-dumps to ``--out``/dump_tp2 and dump_pp2. Started by the test, never collected by pytest (no ``test_`` prefix).
+"tp2_replay": ..., "dp2": ..., "pp2": ..., "pp2_lr": ..., "pp2_fused": ..., "pp2_replay": ..., "vpp": ...,
+"vpp_fused": ...}``) to ``--out``, and the TP2, PP2 and VPP runs' per-token dumps to ``--out``/dump_tp2, dump_pp2 and
+dump_vpp. Started by the test, never collected by pytest (no ``test_`` prefix).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ megatron_shims.install()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
+    ap.add_argument("--model-vpp", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,6 +56,12 @@ def main() -> None:
     # the grad norm as an extra signal: verl reports it on the last stage only, so the first stage's controller sees
     # it only through the engine's sharing of the holders' decision and state
     result["pp2_lr"] = scenarios.lr_decay(args.model, tp=1, pp=world, signals=("grad_norm",))
+    result["pp2_fused"] = scenarios.fused_safe_vocab(args.model, tp=1, pp=world)
+    result["pp2_replay"] = scenarios.replay(args.model, tp=1, pp=world)
+    scenarios.reset_parallel_state()
+    result["vpp"] = scenarios.stock_vs_tim(args.model_vpp, tp=1, pp=world, vpp=2,
+                                           dump_dir=os.path.join(args.out, "dump_vpp"))
+    result["vpp_fused"] = scenarios.fused_safe_vocab(args.model_vpp, tp=1, pp=world, vpp=2)
     torch.save(result, os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

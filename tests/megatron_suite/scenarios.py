@@ -1,6 +1,6 @@
 """What one rank runs for the Megatron suite's tests: each function builds verl's Megatron engines with the harness,
 drives them like verl's worker and returns plain tensors and numbers (the test compares them). Run in the pytest
-process (TP1, one rank) or by ``ranks.py`` in two processes (TP2, DP2, PP2).
+process (TP1, one rank) or by ``ranks.py`` in two processes (TP2, DP2, PP2, PP2 with virtual stages).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _run(engine, seeds) -> dict:
     return {"steps": steps, "params": H.params_of(engine)}
 
 
-def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str, pp: int = 1) -> dict:
+def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str, pp: int = 1, vpp: int | None = None) -> dict:
     """The engine verl's registry picks (ours) and verl's own ``MegatronEngineWithLMHead``, built alike from the same
     checkpoint, trained alike: two PPO steps each. Then ours with the monitor and the per-token dump (every sequence,
     to ``dump_dir``) on, on a third batch: its old log-probs (configured and not), its metrics, whether this rank
@@ -54,7 +54,7 @@ def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str, pp: int = 1) -> dic
     result = {}
     engines = {}
     for name, cls in (("ours", None), ("stock", MegatronEngineWithLMHead)):
-        engines[name] = H.build_engine(model_path, tp=tp, pp=pp, engine_cls=cls)
+        engines[name] = H.build_engine(model_path, tp=tp, pp=pp, vpp=vpp, engine_cls=cls)
         result[name] = _run(engines[name], TRAIN_SEEDS)
         result[name]["class"] = type(engines[name]).__name__
     ours = engines["ours"]
@@ -130,12 +130,17 @@ def _loss_recorder(seen: list):
     return wrap
 
 
+def _entropy(inferred, td):
+    """[B, R] entropy of an old-log-prob pass, or None on a pipeline stage before the last (no outputs there)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(inferred["model_output"]["entropy"], td) if "model_output" in inferred else None
+
+
 def safe_vocab(engine) -> dict:
     """The safe vocabulary on ``engine`` for each of ``SAFE_CASES``: the old-log-prob pass (log-probs, entropy,
     metrics) and one training step (what verl's loss was called with), with every call of the logits processor
     recorded (``_record_processor``) for the test's reference."""
-    from verl.workers.utils.padding import no_padding_2_padding
-
     from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
 
     records = _record_processor(engine)
@@ -149,9 +154,7 @@ def safe_vocab(engine) -> dict:
                 records.clear()
                 inferred = H.infer(engine, td)
                 old = H.old_log_probs_padded(inferred, td)
-                # a pipeline stage before the last has no outputs (and its logits processor is never called)
-                entropy = (no_padding_2_padding(inferred["model_output"]["entropy"], td)
-                           if "model_output" in inferred else None)
+                entropy = _entropy(inferred, td)
                 metrics = engine.tim_pop_metrics()
                 infer_records = list(records)
                 records.clear()
@@ -169,14 +172,17 @@ def safe_vocab(engine) -> dict:
     return out
 
 
-def fused_safe_vocab(model_path: str, *, tp: int, sequence_parallel: bool = False) -> dict:
+def fused_safe_vocab(model_path: str, *, tp: int, sequence_parallel: bool = False, pp: int = 1,
+                     vpp: int | None = None) -> dict:
     """The safe vocabulary with verl's fused kernels against the same without them, for each of ``SAFE_CASES``: two
     engines from one checkpoint, both in verl's packed thd layout (``remove_padding``: the same decoder numerics) and
     both with or without Megatron's ``sequence_parallel``, one with ``use_fused_kernels``; per engine the
     old-log-prob pass (log-probs, entropy, metrics) and one training step on the same batch and old log-probs (what
     verl's loss saw, verl's grad norm and pg_loss, this rank's parameter shards after the step), and the micro-batches
     the fused head computed (a test-only record around ``_FusedSafeHead.__call__``: the labels' shape and the
-    hidden states' rows this rank was handed)."""
+    hidden states' rows this rank was handed). With ``pp`` > 1 (and ``vpp`` virtual stages per rank) a stage before
+    the last has no outputs, loss or head calls: only its parameters after the step (the head's hidden gradient
+    crossed the stage boundary) and the old log-probs verl hands over."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (verl's plugin import registers the engines first)
     from tim_plugins.integrations.verl import megatron_engine
 
@@ -189,18 +195,17 @@ def fused_safe_vocab(model_path: str, *, tp: int, sequence_parallel: bool = Fals
 
     megatron_engine._FusedSafeHead.__call__ = counted
     try:
-        return _fused_safe_vocab(model_path, tp, sequence_parallel, calls)
+        return _fused_safe_vocab(model_path, tp, sequence_parallel, pp, vpp, calls)
     finally:
         megatron_engine._FusedSafeHead.__call__ = head_call
 
 
-def _fused_safe_vocab(model_path: str, tp: int, sequence_parallel: bool, calls: list) -> dict:
-    from verl.workers.utils.padding import no_padding_2_padding
-
+def _fused_safe_vocab(model_path: str, tp: int, sequence_parallel: bool, pp: int, vpp: int | None,
+                      calls: list) -> dict:
     from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
 
     out = {}
-    engines = {name: H.build_engine(model_path, tp=tp, remove_padding=True, fused=name == "fused",
+    engines = {name: H.build_engine(model_path, tp=tp, pp=pp, vpp=vpp, remove_padding=True, fused=name == "fused",
                                     sequence_parallel=sequence_parallel)
                for name in ("fused", "unfused")}
     out["use_fused_kernels"] = {k: bool(e.engine_config.use_fused_kernels) for k, e in engines.items()}
@@ -217,7 +222,7 @@ def _fused_safe_vocab(model_path: str, tp: int, sequence_parallel: bool, calls: 
                 inferred = H.infer(engine, td)
                 mine = H.old_log_probs_padded(inferred, td)
                 old = mine if old is None else old  # both train from the fused engine's old log-probs
-                entropy = no_padding_2_padding(inferred["model_output"]["entropy"], td)
+                entropy = _entropy(inferred, td)
                 metrics = engine.tim_pop_metrics()
                 seen = []
                 result, _ = H.train_step(engine, td, old, loss_wrapper=_loss_recorder(seen))
@@ -226,11 +231,12 @@ def _fused_safe_vocab(model_path: str, tp: int, sequence_parallel: bool, calls: 
                 engine.tim_deconfigure()
             out[(case, name)] = {
                 "old": mine, "entropy": entropy, "metrics": metrics, "train_metrics": train_metrics,
-                "loss_mask": torch.cat([x["mask"] for x in seen]),
-                "loss_log_probs": torch.cat([x["log_probs"] for x in seen]), "params": H.params_of(engine),
-                "head_calls": list(calls), "pg_loss": H.tensors_of(result)["actor/pg_loss"],
+                "loss_mask": torch.cat([x["mask"] for x in seen]) if seen else None,
+                "loss_log_probs": torch.cat([x["log_probs"] for x in seen]) if seen else None,
+                "params": H.params_of(engine), "head_calls": list(calls),
+                "pg_loss": H.tensors_of(result).get("actor/pg_loss"),
                 "grad_norm": H.tensors_of(result).get("grad_norm"), "mask": raw["response_mask"],
-                "keys": sorted(inferred["model_output"].keys()), "holds": engine._tim_holds_outputs()}
+                "keys": sorted(inferred.get("model_output", {}).keys()), "holds": engine._tim_holds_outputs()}
     return out
 
 
@@ -267,14 +273,14 @@ def _extras(sets) -> list[dict]:
     return out
 
 
-def replay(model_path: str, *, tp: int) -> dict:
+def replay(model_path: str, *, tp: int, pp: int = 1) -> dict:
     """The engine's kept sets replayed (``extra_fields``, as verl's V1 trainer carries them from the rollout server)
     in three engines from one checkpoint: bshd through the logits processor (every call recorded for the test's
     reference), and thd without and with fused kernels; per engine the old-log-prob pass and one training step on
-    the same batch, with the safe vocabulary's min-p case configured (which the replay replaces)."""
+    the same batch, with the safe vocabulary's min-p case configured (which the replay replaces). With ``pp`` > 1 a
+    stage before the last records no processor call and sees no loss."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (verl's plugin import registers the engines first)
     from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
-    from verl.workers.utils.padding import no_padding_2_padding
 
     safe, sampler = SAFE_CASES["min_p"]
     _, raw = H.make_batch(H.VOCAB, batch=4, seed=SAFE_SEED, temperature=SAFE_TEMPERATURE)
@@ -283,7 +289,7 @@ def replay(model_path: str, *, tp: int) -> dict:
     out = {"sets": sets, "mask": raw["response_mask"], "responses": raw["responses"]}
     for name, kwargs in (("bshd", {}), ("thd", {"remove_padding": True}),
                          ("fused", {"remove_padding": True, "fused": True})):
-        engine = H.build_engine(model_path, tp=tp, **kwargs)
+        engine = H.build_engine(model_path, tp=tp, pp=pp, **kwargs)
         records = _record_processor(engine) if name == "bshd" else None
         engine.tim_configure(TIMVerlConfig.from_node({**MONITOR, "safe_vocab": safe}), context=ActorContext(**sampler))
         try:
@@ -299,8 +305,9 @@ def replay(model_path: str, *, tp: int) -> dict:
             if records is not None:
                 del engine._lm_head_logits_processor
         width = raw["responses"].shape[1]  # the V1 layout's micro-batches are as wide as their longest response
-        loss_mask = torch.cat([torch.nn.functional.pad(x["mask"], (0, width - x["mask"].shape[1])) for x in seen])
-        out[name] = {"old": old, "entropy": no_padding_2_padding(inferred["model_output"]["entropy"], td),
+        loss_mask = (torch.cat([torch.nn.functional.pad(x["mask"], (0, width - x["mask"].shape[1])) for x in seen])
+                     if seen else None)
+        out[name] = {"old": old, "entropy": _entropy(inferred, td),
                      "metrics": metrics, "infer": infer_records, "loss_mask": loss_mask,
                      "grad_norm": H.tensors_of(result).get("grad_norm"), "params": H.params_of(engine),
                      "holds": engine._tim_holds_outputs()}

@@ -1,6 +1,7 @@
-"""The tim engine inside verl 0.9.1's real Megatron LM-head engine on CPU (gloo): TP1 in this process, TP2, DP2 and
-PP2 in two processes (``ranks.py``). verl's own dataclasses, batches (``left_right_2_no_padding``), ``ppo_loss`` and
-rollout-correction k3 helper; the tiny Qwen2 of ``cpu_site/tiny_qwen2.py``.
+"""The tim engine inside verl 0.9.1's real Megatron LM-head engine on CPU (gloo): TP1 in this process, TP2, DP2, PP2
+and PP2 with two virtual stages per rank in two processes (``ranks.py``). verl's own dataclasses, batches
+(``left_right_2_no_padding``), ``ppo_loss`` and rollout-correction k3 helper; the tiny Qwen2 of
+``cpu_site/tiny_qwen2.py``.
 
 * Unconfigured, the engine verl's registry picks (ours) is bit-identical to verl's ``MegatronEngineWithLMHead`` built
   alike: old log-probs, per-micro-batch losses, grad norms, LRs and every parameter shard after two PPO steps.
@@ -12,14 +13,16 @@ rollout-correction k3 helper; the tiny Qwen2 of ``cpu_site/tiny_qwen2.py``.
   entropy and the training pass's log-probs equal a float64 reference computed here (``safe_vocab_reference``) from
   the logits the processor saw (all shards gathered), the mask verl's loss aggregates over is the response mask
   without the tokens outside the reference's safe set, and ``tim/safe_vocab/*`` equal their reference.
-* With the safe vocabulary and verl's fused kernels (``use_fused_kernels``, packed thd batches), at TP1 and TP2: our
-  head takes Megatron's output processor for every micro-batch, and the old log-probs, the entropy, the metrics,
-  what verl's loss sees, its grad norm and every parameter after the step equal those of the same engine without
-  fused kernels (whose log-probs go through the logits processor, tested against the float64 reference above).
+* With the safe vocabulary and verl's fused kernels (``use_fused_kernels``, packed thd batches), at TP1, TP2 and
+  PP2: our head takes Megatron's output processor for every micro-batch, and the old log-probs, the entropy, the
+  metrics, what verl's loss sees, its grad norm and every parameter after the step equal those of the same engine
+  without fused kernels (whose log-probs go through the logits processor, tested against the float64 reference above).
 * Where the batch carries the rollout engine's kept sets (``extra_fields``, as verl's V1 trainer hands them over),
-  at TP1 and TP2: the old log-probs and the entropy are the float64 log-softmax over exactly those sets on the
+  at TP1, TP2 and PP2: the old log-probs and the entropy are the float64 log-softmax over exactly those sets on the
   logits the processor saw (bshd), no token is a boundary token (the recomputed rule would cut most of them), verl's
   loss keeps every response token, and the packed thd layout with and without fused kernels gives the same.
+* With virtual pipeline stages (PP2 x 2 chunks, the 4-layer model): unconfigured bit-identity, the monitor, the dump,
+  the safe vocabulary and fused kernels, as at PP2.
 """
 
 from __future__ import annotations
@@ -323,6 +326,80 @@ def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp2_sequence_para
         assert sp["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5), case
         for key in plain["params"]:
             torch.testing.assert_close(sp["params"][key].float(), plain["params"][key].float(), rtol=2**-7, atol=1e-6)
+
+
+def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_pp2(two_ranks, fused_tp1):
+    """Pipeline parallelism: our head computes the last stage's log-probs, and its hidden gradient crosses the stage
+    boundary. verl's grad norm (the last stage's report of every stage's gradients) equals the unfused engine's and
+    the single-stage engine's on the same checkpoint and batch (which holds every layer), and each stage's every
+    parameter after the step equals the unfused engine's."""
+    last, first = two_ranks[1]["pp2_fused"], two_ranks[0]["pp2_fused"]
+    _assert_fused_equals_unfused(last, holds=True)
+    for case in scenarios.SAFE_CASES:
+        pp2, tp1 = last[(case, "fused")], fused_tp1[(case, "fused")]
+        mask = pp2["mask"].bool()
+        torch.testing.assert_close(pp2["old"][mask], tp1["old"][mask], rtol=0, atol=1e-5)
+        assert pp2["grad_norm"] == pytest.approx(tp1["grad_norm"], rel=1e-5), case
+    assert first["use_fused_kernels"] == {"fused": True, "unfused": False}
+    for case in scenarios.SAFE_CASES:
+        fused, unfused = first[(case, "fused")], first[(case, "unfused")]
+        # the first stage has no outputs, loss, metrics or head calls; verl hands it the last stage's log-probs
+        assert fused["head_calls"] == unfused["head_calls"] == [], case
+        assert fused["metrics"] == unfused["metrics"] == {} and fused["loss_mask"] is None, case
+        assert fused["grad_norm"] is None and fused["keys"] == [], case
+        assert torch.equal(fused["old"], last[(case, "fused")]["old"]), case
+        # the first stage's layers trained from the gradient our head sent back through the pipeline
+        assert fused["params"].keys() == unfused["params"].keys(), case
+        for key in fused["params"]:
+            torch.testing.assert_close(fused["params"][key].float(), unfused["params"][key].float(), rtol=2**-7,
+                                       atol=1e-6)
+
+
+def test_virtual_pipeline_stages(two_ranks):
+    """Two pipeline stages of two virtual stages each (the 4-layer model: rank 0 holds layers 0 and 2, rank 1 layers
+    1 and 3 and the head; Megatron's interleaved schedule calls each rank's forward step once per chunk and
+    micro-batch). Unconfigured, ours is verl's engine bit for bit; with the monitor, tim/* comes from the last
+    stage and equals the references; the safe vocabulary equals the float64 reference; with fused kernels, our head
+    computes every micro-batch of the last virtual stage, and the step equals the unfused engine's."""
+    first, last = (two_ranks[r]["vpp"] for r in (0, 1))
+    for rank in (0, 1):
+        _assert_stock(two_ranks[rank]["vpp"])
+    # each rank holds two model chunks; only the last rank's last chunk has the final norm
+    for result, norms in ((first, [False, False]), (last, [False, True])):
+        chunks = sorted({k.split(".", 1)[0] for k in result["ours"]["params"]})
+        assert chunks == ["0", "1"]
+        assert [any(k.startswith(f"{c}.") and "final_layernorm" in k for k in result["ours"]["params"])
+                for c in chunks] == norms
+    mon = last["monitor"]
+    assert mon["holds"] and not first["monitor"]["holds"] and first["monitor"]["metrics"] == {}
+    assert torch.equal(mon["old"], mon["plain"])
+    _assert_monitor(mon["metrics"], _reference(mon["old"], mon["rollout"], mon["mask"]))
+    _assert_split(mon)
+    _assert_dump(two_ranks["dump_dir_vpp"], mon)
+    _assert_safe_vocab(last["safe_vocab"], holds=True)
+    for case, early in first["safe_vocab"].items():
+        assert (early["infer"], early["train"], early["loss"], early["metrics"]) == ([], [], [], {}), case
+    fused_last, fused_first = two_ranks[1]["vpp_fused"], two_ranks[0]["vpp_fused"]
+    _assert_fused_equals_unfused(fused_last, holds=True)
+    for case in scenarios.SAFE_CASES:
+        fused, unfused = fused_first[(case, "fused")], fused_first[(case, "unfused")]
+        assert fused["head_calls"] == [] and fused["metrics"] == {}, case
+        for key in fused["params"]:
+            torch.testing.assert_close(fused["params"][key].float(), unfused["params"][key].float(), rtol=2**-7,
+                                       atol=1e-6)
+
+
+def test_the_engines_kept_sets_are_replayed_pp2(two_ranks):
+    last, first = two_ranks[1]["pp2_replay"], two_ranks[0]["pp2_replay"]
+    _assert_replay(last, holds=True)
+    for name in ("bshd", "thd", "fused"):
+        r = first[name]
+        assert r["metrics"] == {} and r["loss_mask"] is None and r["entropy"] is None, name
+        assert torch.equal(r["old"], last[name]["old"]), name  # as verl hands them over
+    assert first["bshd"]["infer"] == []  # no logits on the first stage
+    for key in first["fused"]["params"]:
+        torch.testing.assert_close(first["fused"]["params"][key].float(), first["thd"]["params"][key].float(),
+                                   rtol=2**-7, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ NAMED_LINES = [
     (5, "mbridge.core.util", 52, "if model_type == ModelType.encoder_and_decoder:"),
     (5, "mbridge.core.util", 83, "if model_type == ModelType.encoder_and_decoder:"),
     (6, "mbridge.core.llm_bridge", 150, "self.config, use_transformer_engine=True, **extra_args"),
+    (6, "mbridge.core.llm_bridge", 145, 'self.has_vp_stage = "vp_stage" in sig.parameters'),
+    (6, "mbridge.core.llm_bridge", 177, "if vp_stage is not None and self.has_vp_stage:"),
     (7, "mbridge.core.util", 151, "model_module.cuda(torch.cuda.current_device())"),
     (7, "megatron.core.optimizer.optimizer", 586, "p.data = p.data.cuda()"),
     (8, "mbridge.models.qwen2", 27, '"self_attention.linear_qkv.layer_norm_weight": ['),

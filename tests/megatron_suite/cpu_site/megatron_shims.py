@@ -22,7 +22,9 @@ installed source it works around (``tests/megatron_suite/test_megatron_shims.py`
 5. mbridge 0.15.1 predates mcore 0.19.2's removal of ``ModelType.encoder_and_decoder`` (mbridge/core/util.py:52, :83):
    added back as a value no model has.
 6. mbridge hard-codes Transformer Engine's layer spec (mbridge/core/llm_bridge.py:150
-   ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``): the local (torch) spec instead.
+   ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``): the local (torch) spec instead, and the
+   ``has_vp_stage`` flag that method sets (mbridge/core/llm_bridge.py:145), which the model provider reads under
+   virtual pipeline parallelism (:177).
 7. mbridge moves the model to the GPU (mbridge/core/util.py:151 ``model_module.cuda(...)``), Megatron's optimizer moves
    state (optimizer/optimizer.py:586, :591): ``Module.cuda`` / ``Tensor.cuda`` return the object itself.
 8. The local spec has stand-alone layer norms (``input_layernorm``, ``pre_mlp_layernorm``) where TE fuses them into
@@ -113,6 +115,8 @@ def _local_layer_spec(module) -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     def _get_transformer_layer_spec(self, vp_stage=None):
+        self.has_vp_stage = True  # as mbridge's own method sets it (megatron-core >= 0.13 takes vp_stage): the
+        # model provider reads it under virtual pipeline parallelism
         return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
 
     module.LLMBridge._get_transformer_layer_spec = _get_transformer_layer_spec

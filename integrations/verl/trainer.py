@@ -126,7 +126,7 @@ class TIMTrainerMixin:
         # one result per rank: VERL_SOURCES verl.single_controller.base.decorator:register (Dispatch.ONE_TO_ALL);
         # a holding rank's (with Megatron's pipeline parallelism rank 0 is on the first stage, which has no outputs)
         results = self.actor_rollout_wg.tim_pop_metrics()
-        found = next((r for r in results if r and r.get("holds")), {})
+        found = next((r for r in results if r.get("holds")), {})
         metrics.update(found.get("metrics") or {})
         decision = found.get("decision")
         if decision is None:

@@ -95,6 +95,12 @@ def test_unconfigured_engine_is_stock_verl_pp2(two_ranks):
     assert all(s["pg_loss"] is not None and s["grad_norm"] > 0 for s in last["steps"])
 
 
+def _assert_params_close(a: dict, b: dict) -> None:
+    """Every bf16 parameter shard of one engine after the step against another's (one rounding step apart at most)."""
+    for key in a:
+        torch.testing.assert_close(a[key].float(), b[key].float(), rtol=2**-7, atol=1e-6)
+
+
 def _reference(old, rollout, mask) -> dict[str, float]:
     """tim/* of the monitor's token keys, in float64 from the tensors verl returned, and verl's own k3 helper."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
@@ -147,7 +153,10 @@ def test_monitor_from_the_output_rank_tp2(two_ranks):
 
 
 def test_monitor_from_the_last_pipeline_stage_pp2(two_ranks):
-    first, last = two_ranks[0]["pp2"]["monitor"], two_ranks[1]["pp2"]["monitor"]
+    _assert_last_stage_monitor(two_ranks[0]["pp2"]["monitor"], two_ranks[1]["pp2"]["monitor"])
+
+
+def _assert_last_stage_monitor(first, last):
     assert last["holds"] and not first["holds"]
     assert first["metrics"] == {} and first["split"] == {}  # the first stage has no log-probs: nothing measured
     assert torch.equal(last["old"], last["plain"])
@@ -312,9 +321,7 @@ def _assert_fused_equals_unfused(result, *, holds: bool, tp: int = 1, sequence_p
         else:
             assert fused["metrics"] == unfused["metrics"] == {}
         assert fused["params"].keys() == unfused["params"].keys()
-        for key in fused["params"]:
-            torch.testing.assert_close(fused["params"][key].float(), unfused["params"][key].float(), rtol=2**-7,
-                                       atol=1e-6)
+        _assert_params_close(fused["params"], unfused["params"])
 
 
 def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp1(fused_tp1):
@@ -346,8 +353,7 @@ def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_tp2_sequence_para
         for key in ("old", "entropy"):
             torch.testing.assert_close(sp[key][mask], plain[key][mask], rtol=0, atol=1e-5)
         assert sp["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5), case
-        for key in plain["params"]:
-            torch.testing.assert_close(sp["params"][key].float(), plain["params"][key].float(), rtol=2**-7, atol=1e-6)
+        _assert_params_close(sp["params"], plain["params"])
 
 
 def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_pp2(two_ranks, fused_tp1):
@@ -363,18 +369,23 @@ def test_fused_kernels_safe_vocabulary_equals_the_unfused_path_pp2(two_ranks, fu
         torch.testing.assert_close(pp2["old"][mask], tp1["old"][mask], rtol=0, atol=1e-5)
         assert pp2["grad_norm"] == pytest.approx(tp1["grad_norm"], rel=1e-5), case
     assert first["use_fused_kernels"] == {"fused": True, "unfused": False}
+    _assert_first_stage_fused(first)
     for case in scenarios.SAFE_CASES:
         fused, unfused = first[(case, "fused")], first[(case, "unfused")]
-        # the first stage has no outputs, loss, metrics or head calls; verl hands it the last stage's log-probs
-        assert fused["head_calls"] == unfused["head_calls"] == [], case
-        assert fused["metrics"] == unfused["metrics"] == {} and fused["loss_mask"] is None, case
+        # the first stage has no outputs or loss; verl hands it the last stage's log-probs
+        assert unfused["head_calls"] == [] and unfused["metrics"] == {} and fused["loss_mask"] is None, case
         assert fused["grad_norm"] is None and fused["keys"] == [], case
         assert torch.equal(fused["old"], last[(case, "fused")]["old"]), case
-        # the first stage's layers trained from the gradient our head sent back through the pipeline
         assert fused["params"].keys() == unfused["params"].keys(), case
-        for key in fused["params"]:
-            torch.testing.assert_close(fused["params"][key].float(), unfused["params"][key].float(), rtol=2**-7,
-                                       atol=1e-6)
+
+
+def _assert_first_stage_fused(first):
+    """A pipeline stage before the last, fused kernels against none: no head call and no metrics, and its layers,
+    trained from the gradient our head sent back through the pipeline, equal the unfused engine's after the step."""
+    for case in scenarios.SAFE_CASES:
+        fused, unfused = first[(case, "fused")], first[(case, "unfused")]
+        assert fused["head_calls"] == [] and fused["metrics"] == {}, case
+        _assert_params_close(fused["params"], unfused["params"])
 
 
 def test_virtual_pipeline_stages(two_ranks):
@@ -392,23 +403,13 @@ def test_virtual_pipeline_stages(two_ranks):
         assert chunks == ["0", "1"]
         assert [any(k.startswith(f"{c}.") and "final_layernorm" in k for k in result["ours"]["params"])
                 for c in chunks] == norms
-    mon = last["monitor"]
-    assert mon["holds"] and not first["monitor"]["holds"] and first["monitor"]["metrics"] == {}
-    assert torch.equal(mon["old"], mon["plain"])
-    _assert_monitor(mon["metrics"], _reference(mon["old"], mon["rollout"], mon["mask"]))
-    _assert_split(mon)
-    _assert_dump(two_ranks["dump_dir_vpp"], mon)
+    _assert_last_stage_monitor(first["monitor"], last["monitor"])
+    _assert_dump(two_ranks["dump_dir_vpp"], last["monitor"])
     _assert_safe_vocab(last["safe_vocab"], holds=True)
     for case, early in first["safe_vocab"].items():
         assert (early["infer"], early["train"], early["loss"], early["metrics"]) == ([], [], [], {}), case
-    fused_last, fused_first = two_ranks[1]["vpp_fused"], two_ranks[0]["vpp_fused"]
-    _assert_fused_equals_unfused(fused_last, holds=True)
-    for case in scenarios.SAFE_CASES:
-        fused, unfused = fused_first[(case, "fused")], fused_first[(case, "unfused")]
-        assert fused["head_calls"] == [] and fused["metrics"] == {}, case
-        for key in fused["params"]:
-            torch.testing.assert_close(fused["params"][key].float(), unfused["params"][key].float(), rtol=2**-7,
-                                       atol=1e-6)
+    _assert_fused_equals_unfused(two_ranks[1]["vpp_fused"], holds=True)
+    _assert_first_stage_fused(two_ranks[0]["vpp_fused"])
 
 
 def test_the_engines_kept_sets_are_replayed_pp2(two_ranks):
@@ -419,9 +420,7 @@ def test_the_engines_kept_sets_are_replayed_pp2(two_ranks):
         assert r["metrics"] == {} and r["loss_mask"] is None and r["entropy"] is None, name
         assert torch.equal(r["old"], last[name]["old"]), name  # as verl hands them over
     assert first["bshd"]["infer"] == []  # no logits on the first stage
-    for key in first["fused"]["params"]:
-        torch.testing.assert_close(first["fused"]["params"][key].float(), first["thd"]["params"][key].float(),
-                                   rtol=2**-7, atol=1e-6)
+    _assert_params_close(first["fused"]["params"], first["thd"]["params"])
 
 
 @pytest.fixture(scope="module")
@@ -471,8 +470,7 @@ def _assert_replay(result, *, holds: bool):
     torch.testing.assert_close(fused["old"][mask], thd["old"][mask], rtol=0, atol=1e-5)
     if holds:
         assert fused["grad_norm"] == pytest.approx(thd["grad_norm"], rel=1e-5)
-    for key in fused["params"]:
-        torch.testing.assert_close(fused["params"][key].float(), thd["params"][key].float(), rtol=2**-7, atol=1e-6)
+    _assert_params_close(fused["params"], thd["params"])
 
 
 def test_the_engines_kept_sets_are_replayed_tp1(replay_tp1):

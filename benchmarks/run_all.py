@@ -29,6 +29,7 @@ BENCHMARKS = {
     "bench_report": ("report_scaling", None),
     "bench_fused_safe_vocab": ("fused_safe_vocab", None),
     "bench_replay_cost": ("replay_cost", None),
+    "bench_weight_sync": ("weight_sync", None),
 }
 
 

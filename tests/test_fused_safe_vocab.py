@@ -116,7 +116,8 @@ def test_rows_with_one_kept_token_and_rows_out_of_the_loss():
     g[6:] = 0.0  # out of the loss
     ge = torch.randn(12, generator=gen)
     ge[6:] = 0.0
-    for trunc in (Truncation(top_k=1), Truncation(min_p=1.0), Truncation(top_p=1e-6)):
+    # min-p just below 1 (1 itself is refused: greedy, options.MIN_P_RULE) keeps the argmax and its exact ties
+    for trunc in (Truncation(top_k=1), Truncation(min_p=1 - 1e-6), Truncation(top_p=1e-6)):
         a = chunked(hidden, weight, tokens, trunc, g, ge, chunk=5)
         assert_same(a, unfused(hidden, weight, tokens, trunc, g, ge))
         out = a[0]

@@ -12,6 +12,8 @@ import torch
 from tim_plugins.lr_control import LengthTriggeredLRDecay
 from tim_plugins.lr_scaling import (
     APPLIED_SCALE_KEY,
+    CONTROLLER_STATE_KEY,
+    ControllerCheckpoint,
     ScaledLROptimizerMixin,
     apply_lr_scale,
     get_applied_lr_scale,
@@ -259,3 +261,50 @@ def test_controller_state_rides_in_optimizer_checkpoint():
     opt2.load_state_dict(torch.load(buf, weights_only=False))
     assert restore_controller_state(opt2, fresh) is True
     assert fresh.state_dict() == ctrl.state_dict() and opt2.lr_scale == 0.5
+
+
+def test_controller_checkpoint_keeps_the_live_controller_and_the_stored_state_in_step():
+    """ControllerCheckpoint's rule against a reference controller fed the same lengths: attach continues from a
+    state loaded before, store writes each decision, sync continues from a checkpoint loaded since (a real torch
+    save/load), and never rereads its own store (the controller would be set back)."""
+    def ctrl():
+        return LengthTriggeredLRDecay(warmup_steps=3, window=1, patience=1)
+
+    lengths = [100.0, 100.0, 100.0, 300.0, 300.0, 300.0]
+    reference = ctrl()
+    for i, x in enumerate(lengths):
+        reference.observe(i, x)
+
+    opt = AdamWWithScale(_model().parameters(), lr=1e-3)
+    live = ControllerCheckpoint(opt, ctrl())  # a fresh run: nothing stored, nothing restored
+    for i, x in enumerate(lengths[:4]):
+        live.sync()
+        live.controller.observe(i, x)
+        live.store()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)  # the checkpoint after 4 steps
+    for i, x in enumerate(lengths[4:], start=4):
+        live.sync()  # its own store: not reread (it would set the controller back to what it already holds)
+        live.controller.observe(i, x)
+        live.store()
+    assert live.controller.state_dict() == reference.state_dict()
+    assert opt.param_groups[0][CONTROLLER_STATE_KEY] == reference.state_dict()
+
+    # the run goes on from the 4-step checkpoint, loaded after the controller was attached (verl's load path)
+    buf.seek(0)
+    live.optimizer.load_state_dict(torch.load(buf, weights_only=False))
+    live.sync()
+    after_four = ctrl()
+    for i, x in enumerate(lengths[:4]):
+        after_four.observe(i, x)
+    assert live.controller.state_dict() == after_four.state_dict()
+    # and a controller attached after the load (a resumed worker) starts from it as well
+    buf.seek(0)
+    resumed = AdamWWithScale(_model().parameters(), lr=1e-3)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    assert ControllerCheckpoint(resumed, ctrl()).controller.state_dict() == after_four.state_dict()
+    # detached: the stored state stays for a later attach, and nothing is written or read
+    live.detach()
+    live.store()
+    live.sync()
+    assert resumed.param_groups[0][CONTROLLER_STATE_KEY] == after_four.state_dict()

@@ -74,9 +74,59 @@ def test_the_stack_subset_is_named_once_and_exists():
         if func:
             assert re.search(rf"^def {func}\(", (ROOT / path).read_text(), re.M), node
     assert _make_var("STACKS") == ["newest", "oldest"]
-    assert _make_var("SUITES") == ["main", "verl", "wheel", "megatron", "stack-newest", "stack-oldest"]
-    assert "$(filter-out tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py" \
-           in MAKEFILE
+    assert _make_var("SUITES") == ["main", "verl", "wheel", "megatron", "latest", "stack-newest", "stack-oldest"]
+
+
+def _dry(target: str) -> str:
+    dry = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=ROOT, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    return dry.stdout
+
+
+def _pytest_args(dry: str) -> list[str]:
+    line = next(x for x in dry.replace("\\\n", " ").splitlines() if " -m pytest " in x)
+    return [a for a in line.split(" -m pytest ")[1].split() if not a.startswith("-")]
+
+
+def test_the_latest_lane_and_the_newest_stack_share_stack_tests_without_overlap():
+    """The `latest` lane runs a user's commands, the report's tests and STACK_TESTS without vLLM; the newest locked
+    stack runs the vLLM part only; together they run all of STACK_TESTS once."""
+    stack_tests = _make_var("STACK_TESTS")
+    latest = _pytest_args(_dry("test-latest"))
+    newest = _pytest_args(_dry("test-stack-newest"))
+    assert latest[0] == "tests/test_user_commands.py"
+    assert set(_make_var("REPORT_TESTS")) <= set(latest)
+    assert {"tests/test_report_query.py", "tests/test_dump_report.py"} <= set(_make_var("REPORT_TESTS"))
+    for node in _make_var("REPORT_TESTS"):
+        assert (ROOT / node).is_file(), node
+    vllm = [t for t in stack_tests if "vllm" in t or t.startswith("tests/test_trl_real_model.py")]
+    assert vllm and newest == vllm
+    assert [t for t in latest if t in stack_tests] == [t for t in stack_tests if t not in vllm]
+    assert not set(latest) & set(newest)
+    assert "scripts/stack latest" in _dry("test-latest")
+
+
+def test_the_latest_stack_takes_the_newest_cpu_torch_pip_lists(tmp_path, monkeypatch):
+    """scripts/stack latest's torch: the newest ``+cpu`` build among the versions the environment's pip lists
+    (whatever the newest build of any kind is); LATEST_TORCH overrides; TORCH when pip lists no CPU build."""
+    pip = tmp_path / "bin" / "pip"
+    pip.parent.mkdir()
+
+    def pip_lists(versions: list[str]) -> None:
+        listing = json.dumps({"name": "torch", "versions": versions, "latest": versions[0]})
+        pip.write_text(f"#!/bin/sh\necho '{listing}'\n")
+        pip.chmod(0o755)
+
+    monkeypatch.delenv("LATEST_TORCH", raising=False)
+    pip_lists(["2.15.0", "2.14.1", "2.13.0+cpu", "2.13.0", "2.9.1+cpu", "2.12.1"])
+    assert stack.newest_cpu_torch(tmp_path)[0] == "torch==2.13.0+cpu"
+    pip_lists(["2.15.0", "2.10.0+cpu", "2.9.1+cpu", "2.13.0"])
+    assert stack.newest_cpu_torch(tmp_path)[0] == "torch==2.10.0+cpu"  # 10 > 9, not string order
+    pip_lists(["2.15.0", "2.14.1"])
+    requirement, why = stack.newest_cpu_torch(tmp_path)
+    assert requirement == stack.TORCH and "no +cpu build" in why and "2.15.0" in why
+    monkeypatch.setenv("LATEST_TORCH", "torch==2.12.0+cpu")
+    assert stack.newest_cpu_torch(tmp_path) == ("torch==2.12.0+cpu", "LATEST_TORCH")
 
 
 def _test_recipe() -> str:
@@ -142,11 +192,27 @@ def test_a_second_install_of_a_stack_waits_for_the_first_then_finds_its_stamp(tm
 
 def test_user_stacks_cover_the_newest_releases_and_the_oldest_stack():
     users = MAKEFILE.split("\nUSER_STACKS := ")[1].split("\n")[0]
-    assert '"trl==1.16.0 transformers==5.24.0"' in users and "stack:oldest" in users
+    clone = MAKEFILE.split("\nUSER_STACKS_CLONE := ")[1].split("\n")[0]
+    assert '"trl==1.16.0 transformers==5.24.0"' in users and clone == "stack:oldest"
+    assert "scripts/user_stack_check . $(USER_STACKS_CLONE)" in MAKEFILE
     check = _script("user_stack_check")
     assert set(check._pins("stack:oldest")) == {r for r in stack.parse_in("oldest")["requirements"]
                                                  if r.startswith(("trl==", "transformers=="))}
     assert check.KEPT == ("torch", "trl", "transformers", "tokenizers", "huggingface-hub", "accelerate")
+
+
+def test_the_install_from_a_clone_is_the_command_the_docs_give():
+    """USER_STACKS_CLONE installs this folder with the README's and docs/install.md's own command, in the folder."""
+    check = _script("user_stack_check")
+    assert check.install_command("pip", ROOT) == (["pip", "install", "-q", ".[trl]"], ROOT)
+    wheel = ROOT / "dist" / "tim_plugins-0.1.0-py3-none-any.whl"
+    assert check.install_command("pip", wheel) == (["pip", "install", "-q", f"{wheel}[trl]"], None)
+    readme = (ROOT / "README.md").read_text().split("\n## Install\n")[1].split("\n## ")[0]
+    install = (ROOT / "docs" / "install.md").read_text()
+    for text in (readme, install):
+        assert "pip install '.[trl]'" in text
+        assert "pip install 'tim-plugins[trl] @ git+<repository URL>'" in text
+        assert "https://download.pytorch.org/whl/cpu" in text  # torch's CPU build first on a CPU machine
 
 
 def test_counts_from_pytest_output_and_from_check_lines():
@@ -208,6 +274,8 @@ def test_suite_records_each_suite_and_the_summary_fails_on_any(tmp_path):
 
 
 def test_compatibility_table_is_generated_from_the_results(tmp_path):
+    entries = {"main": {"date": "2026-11-27", "versions": {"transformers": "5.10.4", "trl": "1.16.0",
+                                                           "verl": "0.9.1", "vllm": "0.31.0"}}}
     (tmp_path / "oldest.json").write_text(json.dumps({
         "stack": "oldest", "versions": {"torch": "2.13.0+cpu", "transformers": "5.5.3", "trl": "1.9.0",
                                         "vllm": "0.27.1", "verl": None},
@@ -217,19 +285,86 @@ def test_compatibility_table_is_generated_from_the_results(tmp_path):
     (tmp_path / "user-trl1.16.0-transformers5.24.0.json").write_text(json.dumps({
         "pins": ["trl==1.16.0", "transformers==5.24.0"], "checks": {"install": True, "grpo": False},
         "versions": {"trl": "1.16.0", "transformers": "5.24.0"}, "changed": {}, "date": "2026-11-27T13:00:00"}))
-    text = compat.render(tmp_path)
+    text = compat.render(tmp_path, entries)
     row = next(x for x in text.splitlines() if x.startswith("| **oldest**"))
-    assert "| 5.5.3 | 1.9.0 | 0.27.1 | – |" in row and "| 90 | **5** | 2 | 5 min 21 s | 2026-11-27 |" in row
+    assert "| 5.5.3 | 1.9.0 | 0.27.1 | – | – | – | – |" in row  # verl, numpy, duckdb, pyarrow: not recorded
+    assert "| 90 | **5** | 2 | 5 min 21 s | 2026-11-27 |" in row
     user = next(x for x in text.splitlines() if "trl==1.16.0 transformers==5.24.0" in x)
     assert "| yes | **no** |" in user
     assert "](install.md)" in text and "Generated by `make compat`" in text
 
 
+def _matrix_stack(path: Path, name: str, rc: int, **versions) -> None:
+    path.mkdir(exist_ok=True)
+    (path / f"{name}.json").write_text(json.dumps({
+        "stack": name, "versions": {"torch": "2.13.0+cpu", "numpy": "2.4.6", **versions},
+        "suites": {f"stack-{name}": {"rc": rc, "started": "2026-12-04T01:00:00+00:00"}}}))
+
+
+def test_tested_ranges_follow_the_stacks_that_passed(tmp_path):
+    """`make compat` writes tim_plugins/_tested.py: each stack of the run that passed every suite replaces its entry
+    (the ranged frameworks only), one that failed loses it, one the run did not record keeps it; a stack that
+    passed on a new release moves the range's end past it."""
+    before = {"main": {"date": "2026-11-27", "versions": {"transformers": "5.10.4", "trl": "1.16.0", "verl": "0.9.1",
+                                                          "vllm": "0.31.0"}},
+              "oldest": {"date": "2026-11-27", "versions": {"transformers": "5.5.3", "trl": "1.9.0", "vllm": "0.27.1"}},
+              "latest": {"date": "2026-11-27", "versions": {"transformers": "5.24.0", "trl": "1.16.0"}}}
+    matrix = tmp_path / "m"
+    _matrix_stack(matrix, "latest", 0, transformers="5.25.0", trl="1.17.1", vllm=None, duckdb="2.0.1")
+    _matrix_stack(matrix, "oldest", 1, transformers="5.5.3", trl="1.9.0", vllm="0.27.1")
+    entries = compat.passed_entries(compat.read_stacks(matrix), before)
+    assert entries == {"main": before["main"],
+                       "latest": {"date": "2026-12-04", "versions": {"transformers": "5.25.0", "trl": "1.17.1"}}}
+    from tim_plugins._optional import passed_releases, tested_range
+
+    releases = passed_releases(entries)
+    assert tested_range(releases["transformers"]) == ("5.10", "5.26")  # oldest failed: its 5.5.3 is no longer in
+    assert tested_range(releases["trl"]) == ("1.16", "1.18") and tested_range(["0.9.1"]) == ("0.9", "0.10")
+    module = tmp_path / "_tested.py"
+    module.write_text(compat.render_tested(entries))
+    import runpy
+
+    assert runpy.run_path(str(module))["PASSED"] == entries
+    with pytest.raises(SystemExit, match="no stack passed with \\['verl'\\]"):
+        compat.render_tested({"latest": entries["latest"], "oldest": before["oldest"]})
+
+
+def test_compat_writes_the_page_and_the_tested_ranges_together(tmp_path):
+    """The script's own command line (`make compat`): both files from one run, the page's range table from the
+    module's data."""
+    matrix = tmp_path / "m"
+    _matrix_stack(matrix, "latest", 0, transformers="5.25.0", trl="1.16.0")
+    module, page = tmp_path / "_tested.py", tmp_path / "compat.md"
+    module.write_text((ROOT / "tim_plugins" / "_tested.py").read_text())
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "compat_table.py"), str(matrix), str(page),
+                          str(module)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import runpy
+
+    entries = runpy.run_path(str(module))["PASSED"]
+    assert entries["latest"] == {"date": "2026-12-04", "versions": {"transformers": "5.25.0", "trl": "1.16.0"}}
+    assert "\n".join(compat.ranges_section(entries)) in page.read_text()
+
+
 def test_docs_compatibility_page_is_the_generated_one():
-    """docs/compatibility.md is written by scripts/compat_table.py (it carries the generator's header)."""
+    """docs/compatibility.md is written by scripts/compat_table.py (it carries the generator's header), and its
+    tested ranges are those the version warning uses: both from tim_plugins/_tested.py."""
+    from tim_plugins import _tested
+    from tim_plugins._optional import RANGED, SUPPORTED_RANGES, passed_releases, tested_range
+
     page = (ROOT / "docs" / "compatibility.md").read_text()
     assert page.startswith("[← README](../README.md) · [Install](install.md)\n\n# Compatibility")
     assert "Generated by `make compat`" in page
+    assert "\n".join(compat.ranges_section(_tested.PASSED)) in page
+    releases = passed_releases(_tested.PASSED)
+    assert set(SUPPORTED_RANGES) == set(RANGED)
+    for dist in RANGED:
+        assert SUPPORTED_RANGES[dist] == tested_range(releases[dist])
+        assert f"| {dist} | " in page and f"`>={SUPPORTED_RANGES[dist][0]},<{SUPPORTED_RANGES[dist][1]}`" in page
+    # the page's stack rows name the releases the module lists for the stacks that passed
+    for name, entry in _tested.PASSED.items():
+        rows = [x for x in page.splitlines() if x.startswith(f"| **{name}**")]
+        assert rows and all(all(f"| {v} |" in x for v in entry["versions"].values()) for x in rows), name
 
 
 SKIPPING = """

@@ -143,15 +143,20 @@ def test_compare_parsing_and_config_errors_quote_the_value(tmp_path):
         s for s in COMPARE_PRESETS["all"] if s != "vllm"]
     assert parse_settings("hf-bf16+min-p=0.001+fp32-head", vllm_available=False)[0].name == \
         "hf-bf16+fp32-head+min-p=0.001"
-    for text, match in (("sglang", r"unknown rollout 'sglang'"), ("hf-bf16+min-p=2", r"min-p 2 must be in \(0, 1\)"),
+    for text, match in (("sglang", r"unknown rollout 'sglang'"),
+                        # the one min-p rule (tim_plugins.options.MIN_P_RULE), and 0: the setting without it
+                        ("hf-bf16+min-p=2", r"min-p 2 must be a number in \[0, 1\)"),
+                        ("hf-bf16+min-p=1", r"min-p 1 must be a number in \[0, 1\).*1 would keep only"),
+                        ("hf-bf16+min-p=0", r"min-p=0 prunes nothing, so it is 'hf-bf16' itself"),
                         ("exact+fp32-head", "takes no modifiers"), ("hf-bf16,hf-bf16", "listed twice"),
                         ("hf-bf16+topk", "unknown modifier 'topk'"), ("", "empty")):
         with pytest.raises(UsageError, match=match):
             parse_settings(text, vllm_available=False)
     with pytest.raises(ValueError, match=r"--temperature 0"):
         MeasureConfig(temperature=0)
-    with pytest.raises(ValueError, match=r"--min-p 1.5 is invalid"):
-        MeasureConfig(min_p=1.5)
+    for bad in (1.5, 1.0, -0.1):
+        with pytest.raises(ValueError, match=rf"--min-p {bad} is invalid: it must be a number in \[0, 1\)"):
+            MeasureConfig(min_p=bad)
     with pytest.raises(ValueError, match=r"--inject-k3 -1"):
         MeasureConfig(inject_k3=-1)
     with pytest.raises(ValueError, match=r"--min-p 0.1 with --compare"):

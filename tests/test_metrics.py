@@ -321,6 +321,10 @@ def test_bin_edges_are_log_spaced_at_documented_resolution():
     assert e[0].item() == pytest.approx(1e-8) and e[-1].item() == pytest.approx(1e3)
     ratios = (e[1:] / e[:-1]).numpy()
     assert np.allclose(ratios, 10 ** (1 / 32))
+    # the torch-free copy the host-side derivation reads (the monitor's quantiles are these edges): the same bits
+    from tim_plugins._mismatch_layout import abs_diff_bin_edge_values
+
+    assert list(abs_diff_bin_edge_values()) == e.tolist()
 
 
 @pytest.mark.parametrize(

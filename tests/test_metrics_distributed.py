@@ -153,12 +153,16 @@ def test_pipeline_two_rank_merge_equals_single_process():
     same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
     assert merged0.keys() == merged1.keys() and all(same(merged0[k], merged1[k]) for k in merged0)
 
-    logging.getLogger("tim_plugins").setLevel(logging.ERROR)  # the problems below are expected
-    single = _pipeline()
-    for rank in range(2):
-        for args, kwargs in _pipeline_calls(rank):
-            single.measure(*args, **kwargs)
-    want = single.compute(0, sync=False)[0]
+    quiet, level = logging.getLogger("tim_plugins"), logging.getLogger("tim_plugins").level
+    quiet.setLevel(logging.ERROR)  # the problems below are expected; restored for the tests after this one
+    try:
+        single = _pipeline()
+        for rank in range(2):
+            for args, kwargs in _pipeline_calls(rank):
+                single.measure(*args, **kwargs)
+        want = single.compute(0, sync=False)[0]
+    finally:
+        quiet.setLevel(level)
     assert want["tim/diag/shape_mismatch"] == 1 and want["tim/diag/safe_vocab_mask_unavailable"] == 2
     assert 0 < want["tim/correction/kept_frac"] < 1 and want["tim/safe_vocab/boundary_frac"] > 0
     assert merged0.keys() == want.keys(), sorted(merged0.keys() ^ want.keys())

@@ -187,6 +187,34 @@ def test_untested_version_warns_once_and_never_raises(monkeypatch, caplog):
     assert "verl 0.10.0rc1" in messages[1] and "tim-plugins doctor" in messages[1]
 
 
+def test_a_release_ci_passed_on_gets_no_warning(monkeypatch, caplog):
+    """The tested ranges come from the releases the last matrix run passed on (tim_plugins/_tested.py, written by
+    `make compat`): none of those warns, nor another patch release of the same minor; the minor release after the
+    highest one does."""
+    import logging
+
+    import tim_plugins._optional as opt
+    from tim_plugins._tested import PASSED
+
+    releases = opt.passed_releases(PASSED)
+    assert set(opt.RANGED) <= set(releases)
+    monkeypatch.setattr(opt, "_NOTED", set())
+    with caplog.at_level(logging.WARNING, logger="tim_plugins"):
+        for dist in opt.RANGED:
+            for version in releases[dist]:
+                assert is_supported_version(dist, version), (dist, version)
+                assert note_version(dist, version) == version
+            newest = Version(max(releases[dist], key=Version))
+            assert is_supported_version(dist, f"{newest.major}.{newest.minor}.99")  # a later patch release
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        for dist in opt.RANGED:
+            newest = Version(max(releases[dist], key=Version))
+            after = f"{newest.major}.{newest.minor + 1}.0"
+            assert not is_supported_version(dist, after)
+            assert note_version(dist, after) == after
+    assert len(caplog.records) == len(opt.RANGED)
+
+
 def test_core_import_pulls_in_no_framework():
     code = (
         "import sys, tim_plugins, tim_plugins.metrics, tim_plugins.safe_vocab, tim_plugins.lr_control, "

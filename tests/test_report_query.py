@@ -19,7 +19,6 @@ pytest.importorskip("matplotlib")
 import report_reference as ref  # noqa: E402
 from tim_plugins.dump import TokenDumper  # noqa: E402
 from tim_plugins.report.query import Engine, engine, open_dump  # noqa: E402
-from tim_plugins.report.sql_stats import order_statistics  # noqa: E402
 
 
 def _dump(folder, *, steps=(1, 2, 3), ranks=(0, 1), B=6, T=40, noise=0.05, seed=0, entropy_on=(2,)):
@@ -51,20 +50,187 @@ def test_every_number_equals_the_in_memory_report(tmp_path):
     ref.assert_same_numbers(_dump(tmp_path / "b", steps=(7,), ranks=(3,), noise=2.0, seed=1))
 
 
-@pytest.mark.parametrize("bins,fetch", [(4, 8), (2048, 1 << 16)])
-def test_order_statistics_are_exact(bins, fetch):
-    """Against a sort, with ties and heavy tails, per group; tiny bins and fetches force several narrowing
-    rounds."""
+def _values_dump(folder, seed=0):
+    """Files whose d = train − rollout has ties, exact zeros, heavy tails, values below the finest bin and both
+    signs' extremes, in rows of every probability bin; returns d and the rollout log-probs of the valid rows."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir()
+    ds, rs = [], []
+    for f in range(3):
+        n = 4000
+        r = (-rng.exponential(2.0, n)).astype(np.float32)
+        d = rng.standard_cauchy(n) * 1e-3
+        d[:300] = 0.0  # exact zeros
+        d[300:500] = 0.125  # ties (the same r too, so the same float32 pair)
+        r[300:500] = -0.5
+        d[500:520] = 1e-30  # below the finest bin's decades
+        d[520:522] = (500.0, -500.0)
+        d[600:2600] = rng.uniform(0.01, 0.01005, 2000)  # distinct values, many in one fine bin
+        t = (r.astype(np.float64) + np.clip(d, -900, 900)).astype(np.float32)
+        pq.write_table(pa.table({
+            "step": np.full(n, f, dtype=np.int64), "rank": np.zeros(n, dtype=np.int32),
+            "sequence": np.arange(n) // 100, "position": (np.arange(n) % 100).astype(np.int32),
+            "token_id": np.arange(n, dtype=np.int64), "rollout_logprob": r, "train_logprob": t}),
+            folder / f"step_{f:08d}-rank_0000.parquet")
+        ds.append(t.astype(np.float64) - r.astype(np.float64))
+        rs.append(r.astype(np.float64))
+    return np.concatenate(ds), np.concatenate(rs)
+
+
+@pytest.mark.parametrize("fetch", [8, 1 << 16])
+def test_order_statistics_are_exact(tmp_path, monkeypatch, fetch):
+    """Against a sort, with ties, zeros and heavy tails: any rank of d pooled over two dumps, and quantiles of |d|
+    per probability bin; a tiny fetch forces narrowing rounds (more narrow passes), a large one reads the bins
+    whole."""
+    import tim_plugins.report.query as query
+    from tim_plugins.report.figures import PROB_EDGES
+    from tim_plugins.report.tokens import order_statistics_of_d
+
+    monkeypatch.setattr(query, "FETCH_ROWS", fetch)
+    d1, r1 = _values_dump(tmp_path / "a", seed=0)
+    d2, r2 = _values_dump(tmp_path / "b", seed=1)
+    pooled = np.sort(np.concatenate([d1, d2]))
+    dense = int(np.searchsorted(pooled, 0.010025))  # inside the fine bin of 0.01 .. 0.01005
+    ranks = [0, 1, 17, 299, 300, 9000, dense, pooled.size // 2, pooled.size - 2, pooled.size - 1]
+    with engine():
+        a, b = open_dump(tmp_path / "a"), open_dump(tmp_path / "b")
+        got = order_statistics_of_d([a, b], ranks)
+        assert [got[k] for k in ranks] == [pooled[k] for k in ranks]
+        # one full pass each; one narrow pass reads the bins of every rank whole, a tiny fetch narrows first
+        assert a.passes["full"] == b.passes["full"] == 1
+        assert a.passes["narrow"] == 1 if fetch > 8 else a.passes["narrow"] >= 2
+        q = np.clip(-np.expm1(r1), 1e-7, 1.0)
+        idx = np.clip(np.digitize(q, PROB_EDGES) - 1, 0, len(PROB_EDGES) - 2)
+        for quantile in (0.5, 0.99, 1.0):
+            want = np.array([np.quantile(np.abs(d1[idx == i]), quantile) if (idx == i).sum() >= 20 else np.nan
+                             for i in range(len(PROB_EDGES) - 1)])
+            np.testing.assert_array_equal(a.prob_curve(quantile, 20)["quantile"], want)
+
+
+def test_a_report_reads_each_dump_in_one_full_pass_and_two_narrow_ones(tmp_path, monkeypatch):
+    """A dump's page, and a comparison of two dumps: every per-token number of a dump from one full pass over its
+    files, one narrow pass (the quantiles' and the |Δ| histogram's fine bins), one more for the ρ panels, and the
+    largest disagreements' context read from the files that hold them only."""
+    import tim_plugins.report.query as query
+    from tim_plugins.report import build_comparison, build_report
+
+    opened = []
+    init = query.Dump.__init__
+    monkeypatch.setattr(query.Dump, "__init__", lambda self, *a, **k: (init(self, *a, **k), opened.append(self))[0])
+    a, b = _dump(tmp_path / "a"), _dump(tmp_path / "b", noise=2.0, seed=1)
+    build_report(a, tmp_path / "a.html")
+    build_comparison([a, b], tmp_path / "c.html", labels=["A", "B"])
+    assert [d.passes for d in opened] == [{"full": 1, "narrow": 2, "context": 1}] * 3
+    # the context query reads only the files of the picked rows' (step, rank)
+    sql = []
+    with engine() as eng:
+        dump = open_dump(a)
+        top = dump.largest_disagreements(1, 2)[0]
+        monkeypatch.setattr(eng, "con", _Recorder(eng.con, sql))
+        dump.con = eng.con
+        dump.largest_disagreements(1, 2)
+    assert len(sql) == 1 and sql[0].count(".parquet'") == 1
+    assert f"step_{top['step']:08d}-rank_{top['rank']:04d}.parquet" in sql[0]
+
+
+class _Recorder:
+    """A DuckDB connection that records the SQL it runs."""
+
+    def __init__(self, con, sql: list) -> None:
+        self._con, self._sql = con, sql
+
+    def execute(self, q, *args):
+        self._sql.append(q)
+        return self._con.execute(q, *args)
+
+
+def test_the_probability_bin_from_p_equals_np_digitize_at_and_next_to_every_edge():
+    """The full pass bins 1 − p from p = exp(r) and log10 (``scan.prob_bin_from``); the figure's rule is
+    ``np.digitize(-expm1(r))`` then clip (``scan.prob_bin``, the in-memory reference's): equal on a million
+    log-probs, on the log-probs at each edge and their float neighbours (two ulps each way), and at 0 and -0."""
+    from tim_plugins.report.figures import PROB_EDGES
+    from tim_plugins.report.scan import prob_bin, prob_bin_from
+
     rng = np.random.default_rng(0)
-    v = np.concatenate([rng.standard_cauchy(3000) * 1e-3, np.zeros(500), np.full(200, 0.125), [1e6, -1e6]])
-    g = rng.integers(0, 3, v.size)
-    with Engine() as eng:
-        eng.con.register("vals", pa.table({"g": g, "v": v}))
-        wanted = {k: [0, 1, 17, (g == k).sum() // 2, (g == k).sum() - 1] for k in range(3)}
-        got = order_statistics(eng.con, "SELECT g, v FROM vals", wanted, bins=bins, fetch=fetch)
-    for k, ranks in wanted.items():
-        srt = np.sort(v[g == k])
-        assert [got[(k, r)] for r in ranks] == [srt[r] for r in ranks]
+    at = np.log1p(-PROB_EDGES[:-1])
+    near = [at]
+    for direction in (-np.inf, np.inf):
+        x = at
+        for _ in range(2):
+            x = np.nextafter(x, direction)
+            near.append(x)
+    r = np.concatenate([-rng.gamma(0.35, 1.5, 1_000_000), -rng.uniform(0, 2e-7, 10_000), [0.0, -0.0, -700.0],
+                        *near])
+    r = r[np.isfinite(r) & (r <= 0)]
+    want = np.clip(np.digitize(np.clip(-np.expm1(r), 1e-7, 1.0), PROB_EDGES) - 1, 0, len(PROB_EDGES) - 2)
+    assert (prob_bin(r, PROB_EDGES) == want).all()
+    assert (prob_bin_from(np.exp(r), r, PROB_EDGES) == want).all()
+
+
+def test_the_narrow_pass_prefilter_keeps_every_row_of_a_wanted_bin():
+    """``bins.coarse_table`` (a narrow pass's first cut: the float's top 16 bits) is a superset of the wanted fine
+    bins' rows: on values spread over 33 decades, both signs, zeros, subnormals and every fine bin's edge and its
+    float neighbours, for random sets of wanted bins."""
+    from tim_plugins.report import bins as B
+
+    rng = np.random.default_rng(0)
+    edges = 10.0 ** (np.arange(-24 * B.PER_DECADE, 4 * B.PER_DECADE) / B.PER_DECADE)
+    d = np.concatenate([rng.standard_normal(500_000) * 10.0 ** rng.uniform(-30, 3, 500_000),
+                        [0.0, -0.0, 5e-324, -5e-324, 1e-300, 1999.0, -1999.0],
+                        edges, -edges, np.nextafter(edges, 0), np.nextafter(edges, 1e9), -np.nextafter(edges, 0)])
+    a = np.abs(d)
+    with np.errstate(divide="ignore"):
+        s = B.signed_bin(d, B.magnitude_bin(a, np.log10(a)))
+    for trial in range(10):
+        wanted = np.zeros(B.N_SIGNED, dtype=bool)
+        wanted[rng.choice(B.N_SIGNED, size=int(rng.integers(1, 300)), replace=False)] = True
+        wanted[B.CENTRE] = trial == 0
+        kept = B.coarse_table(wanted)[B.coarse_key(d)]
+        assert kept[wanted[s]].all()
+        assert kept.sum() < 10 * max(wanted[s].sum(), 1000)  # and it does cut
+
+
+def test_a_narrow_pass_serves_more_requests_than_one_bitmask_word(tmp_path):
+    """70 requests (two 64-bit words of the row-to-request masks), each the values of one signed fine bin, equal
+    numpy's selection of the same rows."""
+    from tim_plugins.report import bins as B
+    from tim_plugins.report.scan import narrow_pass
+
+    d_all, _ = _values_dump(tmp_path / "v")
+    a = np.abs(d_all)
+    with np.errstate(divide="ignore"):
+        s = B.signed_bin(d_all, B.magnitude_bin(a, np.log10(a)))
+    occupied = np.unique(s)
+    picked = occupied[np.linspace(0, occupied.size - 1, 70).astype(int)]
+    requests = [B.Collect(B.Rows(signed=(int(k),), value="d")) for k in picked]
+    with engine():
+        got = narrow_pass(open_dump(tmp_path / "v").files, 2, requests)
+    for k, values in zip(picked, got):
+        assert np.sort(values).tolist() == np.sort(d_all[s == k]).tolist()
+
+
+_NO_TORCH = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("the report imported torch")
+sys.meta_path.insert(0, Block())
+from tim_plugins.apps.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_report_imports_no_torch(tmp_path):
+    """torch costs ~1.5 s to import, a third of a small report: the report reads dumps, derives the monitor's
+    metrics and draws without it (a dump's page, a comparison)."""
+    import subprocess
+    import sys
+
+    a, b = _dump(tmp_path / "a"), _dump(tmp_path / "b", seed=1)
+    for args in ([str(a), "--out", str(tmp_path / "a.html")], [str(a), str(b), "--out", str(tmp_path / "c.html")]):
+        proc = subprocess.run([sys.executable, "-c", _NO_TORCH, "report", *args], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_the_memory_limit_is_the_engine_s_and_a_dump_larger_than_it_reads(tmp_path):

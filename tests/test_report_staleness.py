@@ -65,6 +65,16 @@ def test_without_reuse_the_verdict_is_mismatch_only():
     assert headline.startswith("Mismatch only") and fix == part_fix("mismatch", "trl")
 
 
+def test_identical_steps_fold_into_one_line():
+    """40 steps without reuse: the same shares at every step, so one line instead of 40 identical rows; the mismatch
+    k3 of each step (which does vary) is the k3 panel's."""
+    history = [_step(s, 80, 1e-4 * (1 + s % 3), 0.0, 1.0, {"0": (80, 1e-4)}) for s in range(1, 41)]
+    html = _render({"log_history": history, "framework": "trl"})
+    assert "Each of the 40 steps alike: staleness 0.0% of Var(d), mismatch 100.0%" in html
+    assert "<th>staleness share of Var(d)</th>" not in html  # no per-step table
+    assert "<th>staleness share of Var(d)</th>" in _render({"log_history": HISTORY, "framework": "trl"})
+
+
 def test_no_split_no_section():
     assert "Mismatch or staleness?" not in _render({"log_history": [{"step": 1, "loss": 0.1}]})
     assert split_rows([]) == []

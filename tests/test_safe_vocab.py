@@ -219,9 +219,9 @@ def test_chunk_size_does_not_change_results():
 
 
 def test_fully_pruned_rows_and_no_grad_needed():
-    # min_p = 1 keeps only the argmax (plus exact ties); a flat row keeps everything
+    # min_p = 0.5 keeps only the argmax of the first row (the next is e^-2 of it); a flat row keeps everything
     logits = torch.tensor([[3.0, 1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
-    out = safe_logprobs_from_logits(logits, torch.tensor([0, 4]), min_p=1.0)
+    out = safe_logprobs_from_logits(logits, torch.tensor([0, 4]), min_p=0.5)
     assert out.size.tolist() == [1, 5]
     torch.testing.assert_close(out.logprobs, torch.tensor([0.0, -math.log(5)]))
     assert out.in_safe.tolist() == [True, True]
@@ -325,7 +325,7 @@ def test_loss_mask_and_metrics():
     assert set(empty) == set(m) and all(math.isnan(v) for v in empty.values())
 
 
-@pytest.mark.parametrize("bad", [dict(min_p=-0.1), dict(min_p=1.5), dict(top_p=0.0), dict(top_k=-3),
+@pytest.mark.parametrize("bad", [dict(min_p=-0.1), dict(min_p=1.5), dict(min_p=1.0), dict(top_p=0.0), dict(top_k=-3),
                                  dict(temperature=0.0), dict(order="sglang")])
 def test_config_errors_quote_the_value(bad):
     key, value = next(iter(bad.items()))

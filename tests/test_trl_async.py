@@ -61,7 +61,7 @@ def async_run(toy_model_path, tmp_path_factory):
         return original(model, inputs, *a, **k)
 
     trainer.compute_loss = compute_loss
-    cb = TIMCallback(trainer, TIMConfig(parity_audit=False, dump_dir=str(out / "dump")))
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False, dump_dir=str(out / "dump")))
     trainer.add_callback(cb)
     try:
         trainer.train()
@@ -244,7 +244,7 @@ def test_lr_decay_fires_on_the_trained_length_surge(toy_model_path, tmp_path):
     try:
         trainer, engine = make_trainer(toy_model_path, tmp_path, 5, lengths=lambda k: 2 if k < 4 else NEW_TOKENS)
         opts = LRDecayConfig(warmup_steps=2, window=1, patience=1, margin=0.5, cooldown=100, decay_factor=0.5)
-        cb = TIMCallback(trainer, TIMConfig(parity_audit=False, lr_decay=True, lr_decay_options=opts))
+        cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False, lr_decay=True, lr_decay_options=opts))
         trainer.add_callback(cb)
         trainer.train()
     finally:
@@ -279,7 +279,7 @@ def test_tokens_of_an_unseen_version_are_counted_not_keyed(toy_model_path, tmp_p
             return put(sample, *a, **k)
 
         engine.rollout_buffer.put = put_unseen
-        cb = TIMCallback(trainer, TIMConfig(parity_audit=False))
+        cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False))
         trainer.add_callback(cb)
         trainer.train()
     finally:
@@ -311,7 +311,7 @@ def test_every_patch_is_undone_when_train_raises_and_a_second_trainer_is_untouch
             return loss(model, inputs, *a, **k)
 
         failing.compute_loss = compute_loss
-        cb = TIMCallback(failing, TIMConfig(parity_audit=False))
+        cb = TIMCallback(failing, TIMConfig(log_detail=True, parity_audit=False))
         failing.add_callback(cb)
         assert failing.rollout_queue is queue and TreeRow.__dict__["pack"] is pack  # nothing before train()
         with pytest.raises(KeyboardInterrupt):

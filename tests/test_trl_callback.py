@@ -22,13 +22,18 @@ from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
 pytestmark = pytest.mark.trl
 
 LR0 = 1e-3
+# The stale-engine runs train at ten times the toy runs' rate, so that the trainer's policy leaves the stale engine's
+# by more than numerics within a step or two (at 1e-3 a step moves the toy policy's confident tokens too little for
+# the lag-0 rules to be sure, and whether it does depended on the batch's draw)
+STALE_LR = 1e-2
 
 
 def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
-def make_trainer(model_path, tmp_path, reward=_reward, **overrides):
+def make_trainer(model_path, tmp_path, reward=_reward, trainer_cls=None, **overrides):
+    """The toy GRPOTrainer (``trainer_cls``: a subclass or a rebuilt class instead), GRPOConfig ``overrides``."""
     opts = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, report_to=[],
@@ -36,7 +41,8 @@ def make_trainer(model_path, tmp_path, reward=_reward, **overrides):
     )
     opts.update(overrides)
     ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
-    return GRPOTrainer(model=str(model_path), reward_funcs=reward, args=GRPOConfig(**opts), train_dataset=ds)
+    return (trainer_cls or GRPOTrainer)(model=str(model_path), reward_funcs=reward, args=GRPOConfig(**opts),
+                                        train_dataset=ds)
 
 
 class Capture:
@@ -140,8 +146,15 @@ def _check_against_reference(trainer, cap):
         logged = _logged(trainer, step)
         for key, value in ref.items():
             assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-12), (step, key)
+        _no_cause(logged, step)
         checked += 1
     return checked
+
+
+def _no_cause(logged: dict, step) -> None:
+    """A fault-free run names no cause (tim_plugins.causes): none named, no confident lag-0 disagreement."""
+    assert logged["tim/cause/named"] == 0, step
+    assert logged["tim/cause/confident_disagreements"] == 0, step
 
 
 def check_vllm_step(trainer, cap, step) -> dict:
@@ -162,6 +175,7 @@ def check_vllm_step(trainer, cap, step) -> dict:
     assert logged["tim/is/weight_min"] == pytest.approx(float(w.min()), rel=1e-5)
     assert logged["tim/is/weight_max"] == pytest.approx(float(w.max()), rel=1e-5)
     assert logged["tim/is/ess"] == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w * w).sum())), rel=1e-5)
+    _no_cause(logged, step)
     return logged
 
 
@@ -173,7 +187,7 @@ def test_hf_rollout_metrics_equal_reference(toy_model_path, tmp_path, loss_type,
     trainer = make_trainer(toy_model_path, tmp_path, loss_type=loss_type, gradient_accumulation_steps=ga,
                            num_iterations=num_iterations, max_steps=2)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True)))
     trainer.train()
     # Every generation batch carried HF-generate log-probs (TRL alone gives none without vLLM).
     assert cap.generations and all(o.get("sampling_per_token_logps") is not None for _, o in cap.generations)
@@ -233,7 +247,7 @@ def test_monitor_equals_naive_formulas_on_captured_tensors(toy_model_path, tmp_p
     """Every sampled-token metric the callback logs equals the naive float64 formulas on the tensors TRL used."""
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True)))
     trainer.train()
     # One optimizer step without old log-probs: the monitor compares the loss forward's log-probs.
     assert cap.losses and all(inputs.get("old_per_token_logps") is None for _, inputs, _ in cap.losses)
@@ -268,6 +282,45 @@ def test_monitor_equals_naive_formulas_on_captured_tensors(toy_model_path, tmp_p
             assert value <= got <= cap_ * (1 + 1e-12), (key, got, value)
         else:
             assert got == pytest.approx(value, rel=1e-12 if key in exact else 1e-6, abs=0), key
+
+
+def _same(logged, dumped, rel=1e-9) -> bool:
+    """TRL's logged value against the dump's: TRL logs a NaN metric as None, the dump keeps NaN."""
+    if logged is None:
+        return math.isnan(dumped)
+    return logged == pytest.approx(dumped, rel=rel, abs=1e-12)
+
+
+def test_the_default_log_is_compact_and_the_dump_keeps_every_metric(toy_model_path, tmp_path):
+    """TIMConfig() logs the metrics read each step (tim_plugins.log_keys) in TRL's log; the dump's log_history.jsonl
+    keeps every metric of the same steps, with the same values where both have them, so the report (which reads
+    it) loses nothing; log_detail=True logs them all in TRL's log as well, the same values."""
+    from tim_plugins.dump import LOG_HISTORY, complete_log_history, read_log_history
+    from tim_plugins.log_keys import STEP_KEYS, in_step_log
+
+    runs = {}
+    for detail in (False, True):
+        trainer = make_trainer(toy_model_path, tmp_path / str(detail), num_iterations=2, max_steps=2)
+        dump = tmp_path / str(detail) / "dump"
+        trainer.add_callback(TIMCallback(trainer, TIMConfig(dump_dir=str(dump), log_detail=detail)))
+        trainer.train()
+        runs[detail] = ([h for h in trainer.state.log_history if "loss" in h], read_log_history(dump / LOG_HISTORY))
+    compact, full = runs[False]
+    assert [h["step"] for h in compact] == [r["step"] for r in full] == [1, 2]
+    for h, r in zip(compact, full):
+        logged = {k for k in h if k.startswith("tim/")}
+        assert logged and all(in_step_log(k) for k in logged), sorted(logged - set(STEP_KEYS))
+        assert len(logged) <= 15
+        assert [k for k in logged if not _same(h[k], r[k], rel=1e-12)] == []
+    # the detail families are in the dump's history: by probability and position (at the step that samples), by
+    # lag and the staleness split (every loss pass)
+    for family in ("tim/by_prob/", "tim/by_position/", "tim/by_lag/", "tim/split/", "tim/staleness/"):
+        assert any(k.startswith(family) for r in full for k in r), family
+    assert [set(h) for h in complete_log_history(compact, full)] == [set(h) | set(r) for h, r in zip(compact, full)]
+    detailed, _ = runs[True]
+    for h, r in zip(detailed, full):  # the same seed and the same steps: every metric logged, the dump's values
+        assert {k for k in h if k.startswith("tim/")} == {k for k in r if k.startswith("tim/")}
+        assert [k for k in r if k != "step" and not _same(h[k], r[k])] == []
 
 
 def _params(trainer):

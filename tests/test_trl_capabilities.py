@@ -41,14 +41,16 @@ def _warnings(caplog, needle: str) -> list[str]:
 
 def test_untested_version_warns_once_and_attaches(toy_model_path, tmp_path, monkeypatch, caplog):
     real = opt.package_version
-    monkeypatch.setattr(opt, "package_version", lambda dist: "1.17.0" if dist == "trl" else real(dist))
+    low, high = opt.SUPPORTED_RANGES["trl"]
+    untested = f"{high}.0"  # the first release past the tested range (tim_plugins/_tested.py)
+    monkeypatch.setattr(opt, "package_version", lambda dist: untested if dist == "trl" else real(dist))
     monkeypatch.setattr(opt, "_NOTED", set())
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
     with caplog.at_level(logging.WARNING, logger="tim_plugins"):  # other tests leave it at ERROR (the study)
         first = TIMCallback(trainer, TIMConfig())
         TIMCallback(make_trainer(toy_model_path, tmp_path / "b", max_steps=1), TIMConfig())
-    assert first.trl_version == "1.17.0"
-    assert len(_warnings(caplog, "trl 1.17.0 is outside the tested range (>=1.9,<1.17)")) == 1
+    assert first.trl_version == untested
+    assert len(_warnings(caplog, f"trl {untested} is outside the tested range (>={low},<{high})")) == 1
     trainer.add_callback(first)
     trainer.train()
     assert any(k.startswith("tim/token/") for row in trainer.state.log_history for k in row)
@@ -75,10 +77,10 @@ def _move_safe_vocab_route(monkeypatch) -> tuple[str, str]:
         return "_ChunkedLogProbFunction.forward", "takes no outputs"
     import trl.trainer.grpo_trainer as grpo
 
-    original = grpo.selective_log_softmax
-
-    def selective_log_softmax(x, ids):  # a release that renamed its parameters: TRL's own result, by position
-        return original(x, ids)
+    # a release that renamed its parameters: TRL's own result, by position (the original held in a default, where
+    # the check cannot follow it: a closure or a global would lead it to TRL's own function)
+    def selective_log_softmax(x, ids, _original=grpo.selective_log_softmax):
+        return _original(x, ids)
 
     monkeypatch.setattr(grpo, "selective_log_softmax", selective_log_softmax)
     return "grpo_trainer:selective_log_softmax", "takes no logits, index"

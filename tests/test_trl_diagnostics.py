@@ -30,7 +30,7 @@ def test_exact_rollouts_feed_the_monitor(toy_model_path, tmp_path):
         return out
 
     trainer._generate_and_score_completions = record
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(rollout="exact")))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, rollout="exact")))
     trainer.train()
     # The trainer scores with the sampler's ops at the sampler's buffer shape (the exact scorer replaces
     # TRL's fused-head scoring, so the loss-side capture sees nothing): bitwise zero mismatch.
@@ -44,11 +44,11 @@ def test_exact_rollouts_feed_the_monitor(toy_model_path, tmp_path):
 
 def test_injected_mismatch_is_measured(toy_model_path, tmp_path):
     base = make_trainer(toy_model_path, tmp_path / "base", max_steps=1)
-    base.add_callback(TIMCallback(base, TIMConfig()))
+    base.add_callback(TIMCallback(base, TIMConfig(log_detail=True)))
     base.train()
     trainer = make_trainer(toy_model_path, tmp_path / "inj", max_steps=1)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, 
         rollout="inject", inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0})))
     trainer.train()
     assert _check_against_reference(trainer, cap) == 1
@@ -63,7 +63,7 @@ def test_parquet_dump_rows_match_tensors(toy_model_path, tmp_path):
     out = tmp_path / "dump"
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
     cap = Capture(trainer)
-    cb = TIMCallback(trainer, TIMConfig(dump_dir=str(out), dump_options={"sample_rate": 1.0}))  # every sequence
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, dump_dir=str(out), dump_options={"sample_rate": 1.0}))  # every sequence
     trainer.add_callback(cb)
     trainer.train()
     table = read_dump(out)
@@ -107,7 +107,7 @@ PROBE_ABS_DIFF_MAX = 1e-3
 def test_probe_stops_training_gracefully_only_past_its_threshold(toy_model_path, tmp_path, rollout):
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=3)
     inject = {"inject_options": {"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}} if rollout == "inject" else {}
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, 
         rollout=rollout, **inject, parity_probe=True,
         parity_probe_options={"kl_k3_max": None, "abs_diff_max": PROBE_ABS_DIFF_MAX, "action": "stop"})))
     trainer.train()
@@ -137,7 +137,7 @@ def test_wandb_histograms(toy_model_path, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Run, "log", recording_log)
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1, report_to=["wandb"])
-    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True)))
     trainer.train()
     wandb.finish()
     hist = next(d for d in logged if "tim/hist/abs_diff" in d)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import inspect
 import re
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.trl
 TRL = Version(package_version("trl"))
 
 # The TRL releases on which each feature must be available ([from, before); the supported stacks run TRL 1.9.0 and
-# 1.16.0, the canary the newest): a hook that moves there fails these tests instead of switching its feature off
+# 1.16.0, the latest lane the newest): a hook that moves there fails these tests instead of switching its feature off
 # unnoticed. The fused head's kernel holds from 1.15 with Triton, from 1.16 without; TRL 1.14 has neither route.
 FEATURE_RELEASES = {
     "monitor": ("1.9", None), "loss_factor": ("1.9", None), "hf_recorder": ("1.9", None),
@@ -47,7 +48,18 @@ FEATURE_RELEASES = {
     "parity_audit_server": ("1.16", None),  # VLLMClient.get_server_info
     "async_monitor": ("1.16", None),  # the packed AsyncGRPOTrainer (trl.experimental.async_grpo.packing)
     "kept_set_replay": ("1.9", None),  # the colocate LLM global and generate call (TRL 1.9 and 1.16 read alike)
+    "sync_check": ("1.9", None),  # sync_weights writes through model_runner.model.load_weights (1.9, 1.12, 1.14, 1.16)
 }
+# Features that need vLLM installed besides TRL: TRL binds its colocate ``LLM`` global only when vLLM imports, so
+# without vLLM (the `latest` lane) the feature is off, for that reason.
+NEEDS_VLLM = {"kept_set_replay"}
+
+
+# The features a GRPOTrainer on TRL's transformers generation (the toy trainer below) is checked with at attach, on
+# the live trainer (their GRPOTrainer.__init__ settings); the audit's engine read needs a vLLM trainer, the
+# asynchronous monitor an AsyncGRPOTrainer (their own tests check those on the live object).
+ON_HF_TRAINER = ("monitor", "loss_factor", "safe_vocab_fused_head", "safe_vocab_logits", "hf_recorder",
+                 "exact_sampler")
 
 
 def expected(name: str) -> bool:
@@ -55,6 +67,8 @@ def expected(name: str) -> bool:
     as one, ``features.trl_features``) when one of its routes must."""
     if name == "safe_vocab":
         return any(expected(f.name) for f in features.SAFE_VOCAB_ROUTES)
+    if name in NEEDS_VLLM and importlib.util.find_spec("vllm") is None:
+        return False
     first, before = FEATURE_RELEASES[name]
     return TRL >= Version(first) and (before is None or TRL < Version(before))
 
@@ -103,68 +117,87 @@ def test_each_entry_names_exactly_the_features_that_check_it():
     assert {key: set(names) for key, names in TRL_SOURCE_FEATURES.items()} == checked
 
 
-def test_every_feature_the_installed_trl_supports_is_available():
+@pytest.fixture(scope="module")
+def live_trainer(toy_model_path, tmp_path_factory):
+    """A GRPOTrainer as TRL builds it (the live object the settings' checks read)."""
+    return make_trainer(toy_model_path, tmp_path_factory.mktemp("live"), max_steps=1)
+
+
+def _check(name: str, trainer):
+    """Feature ``name``'s status, on the live trainer where the callback checks it there."""
+    return check(features.feature(name), features.live(trainer) if name in ON_HF_TRAINER else None)
+
+
+def test_every_feature_the_installed_trl_supports_is_available(live_trainer):
     for feature in features.FEATURES:
-        status = check(feature)
-        if expected(feature.name):
-            assert status.available, f"{status.warning()} (expected on trl {TRL}: revisit integrations/trl/hooks.py)"
-        else:
-            assert not status.available and status.reason and status.fix, status
+        for status in (check(feature), _check(feature.name, live_trainer)):
+            if expected(feature.name):
+                assert status.available, \
+                    f"{status.warning()} (expected on trl {TRL}: revisit integrations/trl/hooks.py)"
+            else:
+                assert not status.available and status.reason and status.fix, status
+
+
+def test_the_settings_the_adapter_reads_are_on_the_live_trainer(live_trainer):
+    """Every GRPOTrainer.__init__ attribute a feature reads (hooks.TRL_SOURCES) is on the trainer TRL built, and is
+    deferred (named) where the check has no trainer (the doctor)."""
+    init = ("trl.trainer.grpo_trainer", "GRPOTrainer.__init__")
+    read = {a for f in features.FEATURES for h in f.hooks if (h.module, h.qualname) == init for a in h.attrs}
+    assert {"trainer.use_vllm", "trainer.top_p", "trainer.rollout_func"} <= read
+    for path in read:
+        assert hasattr(live_trainer, path.split(".", 1)[1]), f"{path}: revisit integrations/trl/hooks.py"
+    assert "trainer.use_vllm" in check(features.MONITOR).deferred and not check(
+        features.MONITOR, features.live(live_trainer)).deferred
 
 
 @pytest.mark.parametrize("key", sorted(TRL_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
-def test_every_named_source_exists(key):
+def test_every_named_source_exists(key, live_trainer):
     """Where one of the entry's features must hold on the installed TRL, the source is there and that feature is
-    available; where the source is gone the feature is reported off, naming what moved."""
+    available (on the live trainer, for its settings); where the source is gone the feature is reported off, naming
+    what moved."""
     module, qualname = key
     for name in TRL_SOURCE_FEATURES[key]:
-        status = check(features.feature(name))
+        status = _check(name, live_trainer)
         if expected(name):
             assert _resolves(module, qualname), f"{module}.{qualname} is gone: revisit integrations/trl/hooks.py"
             assert status.available, f"{status.warning()} (expected on trl {TRL})"
         else:
             assert not status.available and status.reason and status.fix and status.name in status.warning()
-        if not _resolves(module, qualname):
-            assert not status.available and qualname.split(".")[0] in status.reason, (key, status)
+        if not _resolves(module, qualname):  # off, naming what moved, or the module it needs that is missing
+            assert not status.available and (qualname.split(".")[0] in status.reason
+                                              or status.reason.endswith(" is not installed")), (key, status)
 
 
-def test_the_source_guard_fails_when_a_source_moves(monkeypatch):
+def test_the_source_guard_fails_when_a_source_moves(monkeypatch, live_trainer):
     """The guard above, run on a TRL whose source moved (monkeypatched away here): it fails, naming the source."""
     key = ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn")
-    test_every_named_source_exists(key)  # holds as installed
+    test_every_named_source_exists(key, live_trainer)  # holds as installed
     monkeypatch.delattr(GRPOTrainer, "_generate_single_turn")
     with pytest.raises(AssertionError, match="_generate_single_turn"):
-        test_every_named_source_exists(key)
+        test_every_named_source_exists(key, live_trainer)
 
 
-def test_a_moved_setting_switches_off_only_the_features_that_read_it(monkeypatch, tmp_path):
-    """GRPOTrainer.__init__ without ``self.top_p = args.top_p`` (a release that renamed it, written to a file here
-    so its source can be read): the features that read trainer.top_p (the safe-vocabulary routes, the exact
-    sampler) are off, naming the statement; those that do not (monitor, loss factor, HF recorder) stay on; and the
-    guard of that entry fails."""
-    import importlib.util
-    import textwrap
+def test_a_moved_setting_switches_off_only_the_features_that_read_it(monkeypatch, tmp_path, toy_model_path):
+    """A TRL whose GRPOTrainer renamed ``self.top_p`` (its module rebuilt from TRL's own source with the attribute
+    renamed, as a release would): the features that read trainer.top_p (the safe-vocabulary routes, the exact
+    sampler) are off on its live trainer, naming the attribute; those that do not (monitor, loss factor, HF
+    recorder) stay on; and the guard of that entry fails."""
+    from touched import rebuilt_grpo_module
 
-    init = textwrap.dedent(inspect.getsource(GRPOTrainer.__init__))
-    assert "self.top_p = args.top_p" in init
-    path = tmp_path / "moved_grpo_init.py"
-    path.write_text(init.replace("self.top_p = args.top_p", "self.nucleus = args.top_p"))
-    spec = importlib.util.spec_from_file_location("moved_grpo_init", path)
-    moved = importlib.util.module_from_spec(spec)
-    # the names __init__ uses (not the module's own dunders, which name the loader)
-    moved.__dict__.update({k: v for k, v in vars(importlib.import_module("trl.trainer.grpo_trainer")).items()
-                           if not k.startswith("__")})
-    spec.loader.exec_module(moved)
-    monkeypatch.setattr(GRPOTrainer, "__init__", moved.__init__)
+    moved = rebuilt_grpo_module(lambda text: text.replace("self.top_p", "self.nucleus"), monkeypatch, tmp_path)
+    trainer = make_trainer(toy_model_path, tmp_path, trainer_cls=moved.GRPOTrainer, max_steps=1)
+    assert not hasattr(trainer, "top_p") and hasattr(trainer, "nucleus")
     for feature in features.FEATURES:
-        status = check(feature)
+        if feature.name not in ON_HF_TRAINER:
+            continue
+        status = check(feature, features.live(trainer))
         reads_top_p = feature in features.SAFE_VOCAB_ROUTES or feature is features.EXACT_SAMPLER
         if reads_top_p:
-            assert not status.available and "self.top_p = args.top_p" in status.reason, status
+            assert not status.available and "trainer.top_p is missing" in status.reason, status
         elif expected(feature.name):
             assert status.available, status.warning()
-    with pytest.raises(AssertionError, match="self.top_p = args.top_p"):
-        test_every_named_source_exists(("trl.trainer.grpo_trainer", "GRPOTrainer.__init__"))
+    with pytest.raises(AssertionError, match="trainer.top_p"):
+        test_every_named_source_exists(("trl.trainer.grpo_trainer", "GRPOTrainer.__init__"), trainer)
 
 
 def test_a_safe_vocabulary_route_is_available():
@@ -300,6 +333,26 @@ def test_vllm_generation_attributes_the_audit_reads():
     info = _src(VLLMClient.get_server_info)
     assert 'f"{self.base_url}/server_info", params={"config_format": "json"}' in info
     assert 'return response.json()["vllm_config"]' in info
+
+
+def test_the_sync_the_weight_check_wraps():
+    """sync_check.SyncWatch: GRPOTrainer syncs through self.vllm_generation.sync_weights() when global_step moved
+    (from step 0 on); colocate, TRL's sync writes each parameter through the engine model's load_weights (where the
+    check samples what was sent), named as _fix_param_name_to_vllm names them."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    single = re.sub(r"\s+", " ", _src(GRPOTrainer._generate_single_turn))
+    assert "if self.state.global_step != self._last_loaded_step:" in single
+    assert "self.vllm_generation.sync_weights()" in single
+    assert "self._last_loaded_step = -1" in _src(GRPOTrainer.__init__)
+    sync = re.sub(r"\s+", " ", _src(VLLMGeneration.sync_weights))
+    push = getattr(VLLMGeneration, "_push_param_to_vllm", None)  # TRL 1.9: the colocate write in its own method
+    assert ".model_runner.model.load_weights([(name, param)])" in sync or (
+        push is not None and ".model_runner.model.load_weights([(name, param)])" in _src(push)
+        and "self._push_param_to_vllm(" in _src(VLLMGeneration))
+    assert "for name, param in self._iter_named_params():" in sync or \
+        "self._fix_param_name_to_vllm(name)" in _src(VLLMGeneration)  # TRL 1.9's loop in sync_weights
+    assert list(inspect.signature(VLLMGeneration._fix_param_name_to_vllm).parameters)[:2] == ["self", "name"]
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,7 @@ def replay_run(cpu_engine, toy_model_path, tmp_path_factory, caplog_module):
     assert engine_returns_kept_sets(llm)
     engine = EngineSets(trainer)
     calls = PolicyCalls(trainer, engine)
-    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True, dump_dir=str(tmp / "tim_dump")))
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True, dump_dir=str(tmp / "tim_dump")))
     trainer.add_callback(cb)
     trainer.train()
     return trainer, cb, engine, calls

@@ -29,7 +29,7 @@ def test_moved_loss_factor_hook_leaves_trl_advantages_untouched(toy_model_path, 
         hooks=(Hook(moved.module, moved.qualname, fragments=("a statement TRL never wrote",)),)))
     trainer = make_trainer(toy_model_path, tmp_path, min_p=SAMPLER_MIN_P, max_steps=1)
     cap = Capture(trainer)
-    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True, safe_vocab_min_p=TRAINER_MIN_P))
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True, safe_vocab_min_p=TRAINER_MIN_P))
     assert [s.name for s in cb.features_off] == ["loss_factor"]
     assert cb.truncation is not None and not cb.pipeline.config.mask_boundary
     trainer.add_callback(cb)

@@ -274,7 +274,7 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
     plain.train()
     trainer = make(toy_model_path, tmp_path / "tim", overrides, setup)
     cap = Capture(trainer) if setup.get("tools") else None  # (copies only: training stays bit-identical)
-    cb = TIMCallback(trainer, TIMConfig())
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True))
     trainer.add_callback(cb)
     trainer.train()
     # Bit-identical training: TRL's logged values and every final parameter.
@@ -325,15 +325,15 @@ TIS_CLIP = 1.5
 OPT_IN_MODES = {
     # With an injected mismatch: with the same weights on both sides ρ = 1 ± 1e-6 and min(ρ, C) = 1 whether the
     # correction acts or not; here the clip binds on some tokens and others weigh well below 1.
-    "token_tis": (lambda: TIMConfig(is_correction="token_tis", is_correction_options={"token_clip": TIS_CLIP},
+    "token_tis": (lambda: TIMConfig(log_detail=True, is_correction="token_tis", is_correction_options={"token_clip": TIS_CLIP},
                                     rollout="inject",
                                     inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}), {}),
     # IcePop with a band tight enough to drop tokens under the injected mismatch: masks narrow.
-    "icepop_inject": (lambda: TIMConfig(is_correction="icepop", is_correction_options={"icepop_band": (0.8, 1.25)},
+    "icepop_inject": (lambda: TIMConfig(log_detail=True, is_correction="icepop", is_correction_options={"icepop_band": (0.8, 1.25)},
                                            rollout="inject",
                                            inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}), {}),
-    "safe_vocab": (lambda: TIMConfig(safe_vocab=True), {"min_p": 0.05}),
-    "safe_vocab+seq_tis": (lambda: TIMConfig(safe_vocab=True, is_correction="seq_tis"), {"min_p": 0.05}),
+    "safe_vocab": (lambda: TIMConfig(log_detail=True, safe_vocab=True), {"min_p": 0.05}),
+    "safe_vocab+seq_tis": (lambda: TIMConfig(log_detail=True, safe_vocab=True, is_correction="seq_tis"), {"min_p": 0.05}),
 }
 
 OPT_IN_CONFIGS = {

@@ -94,7 +94,7 @@ def test_safe_vocab_loss_uses_safe_logprobs_and_masks_boundary(toy_model_path, t
     trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)
     refs = _safe_references(trainer, min_p=trainer_min_p or MIN_P)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True, safe_vocab_min_p=trainer_min_p)))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True, safe_vocab_min_p=trainer_min_p)))
     trainer.train()
     assert refs and cap.losses
     assert not compact or asked  # TRL took its labelled-positions branch
@@ -135,7 +135,7 @@ def test_safe_vocab_over_the_samplers_top_k_top_p_alone(toy_model_path, tmp_path
     assert trainer.args.min_p is None
     refs = _safe_references(trainer, min_p=0.0, top_p=0.8, top_k=10)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True)))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True)))
     trainer.train()
     assert refs and cap.losses
     for (inputs, ref, _), (_, _, used_lp) in zip(refs, cap.losses):
@@ -178,7 +178,7 @@ def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path
         return out
 
     trainer._generate_and_score_completions = _generate_and_score_completions
-    cb = TIMCallback(trainer, TIMConfig(safe_vocab=True))
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True))
     trainer.add_callback(cb)
     trainer.train()
     assert cb.truncation is not None and batches
@@ -199,7 +199,7 @@ def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path
 def test_without_safe_vocab_min_p_sampler_shows_mismatch(toy_model_path, tmp_path):
     """Control for the test above: same sampler, full-vocabulary trainer → renormalisation bias is visible."""
     trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True)))
     trainer.train()
     assert _logged(trainer, 1)["tim/token/abs_diff_max"] > 1e-3
 
@@ -219,7 +219,7 @@ def test_is_correction_without_vllm(toy_model_path, tmp_path):
     clip = 1.1
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, 
         is_correction="token_tis", is_correction_options={"token_clip": clip},
         rollout="inject", inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0})))
     trainer.train()
@@ -278,7 +278,7 @@ SCHEDULE = [2, 2, 6, 6, 6, 6]  # surge at step 3 → trigger at step 3
 def _lr_run(model_path, tmp_path, max_steps, **overrides):
     trainer = make_trainer(model_path, tmp_path, max_steps=max_steps, max_completion_length=6, **overrides)
     _forced_lengths(trainer, SCHEDULE)
-    cb = TIMCallback(trainer, TIMConfig(lr_decay=True, lr_decay_options=dict(LR_OPTS)))
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, lr_decay=True, lr_decay_options=dict(LR_OPTS)))
     trainer.add_callback(cb)
     return trainer, cb
 
@@ -343,7 +343,7 @@ def test_mitigations_add_no_forward(toy_model_path, tmp_path, overrides):
         return inner(*a, **k)
 
     trainer._get_per_token_logps_and_entropies = counting
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, 
         safe_vocab=True, is_correction="token_tis", rollout="inject",
         inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0})))
     trainer.train()

@@ -94,7 +94,7 @@ def test_mismatch_by_turn_of_a_multi_turn_rollout_matches_trls_tensors(toy_model
                           train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}),
                           rollout_func=_TwoTurns(toy_model_path))
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True)))
     trainer.train()
 
     checked = 0
@@ -126,7 +126,7 @@ def test_mismatch_by_turn_of_a_multi_turn_rollout_matches_trls_tensors(toy_model
 
 def test_single_turn_batches_log_no_turn_keys(toy_model_path, tmp_path):
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig()))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True)))
     trainer.train()
     row = _logged(trainer, 1)
     assert row["tim/tokens"] > 0 and not any(k.startswith("tim/by_turn/") for k in row)

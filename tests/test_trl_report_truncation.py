@@ -29,7 +29,7 @@ def test_trl_run_report_has_the_truncation_section(toy_model_path, tmp_path, cap
     dump = tmp_path / "dump"
     trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=2)
     with caplog.at_level(logging.INFO, logger="tim_plugins.trl"):
-        trainer.add_callback(TIMCallback(trainer, TIMConfig(safe_vocab=True, safe_vocab_min_p=TRAINER_MIN_P,
+        trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True, safe_vocab_min_p=TRAINER_MIN_P,
                                                             dump_dir=str(dump), dump_options={"sample_rate": 1.0})))
         trainer.train()
     version = importlib.metadata.version("trl")

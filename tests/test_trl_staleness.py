@@ -27,7 +27,7 @@ INJECT = {"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}
 def _run(model_path, tmp_path, iterations: int):
     trainer = make_trainer(model_path, tmp_path, num_iterations=iterations, max_steps=4)
     cap = Capture(trainer)
-    trainer.add_callback(TIMCallback(trainer, TIMConfig(rollout="inject", inject_options=INJECT)))
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, rollout="inject", inject_options=INJECT)))
     trainer.train()
     return trainer, cap
 

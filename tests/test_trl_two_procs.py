@@ -66,6 +66,20 @@ EXACT = ("tim/tokens", "tim/invalid_tokens", "tim/token/abs_diff_max", "tim/toke
 ONE_OFF = ("tim/parity/errors", "tim/parity/warnings", "tim/parity/infos")
 
 
+def _no_cause(run: dict) -> set:
+    """The tim/cause/* keys (merged over ranks like the rest: the same on both, _check_once_per_step): these runs have
+    no fault, so no cause is named and no lag-0 token disagrees confidently at any step; no weight sync is checked
+    (HF rollouts). Returns the keys."""
+    from tim_plugins.causes import CAUSE_KEYS
+
+    for step in STEPS:
+        logged = _logged(run["ranks"][0], step)
+        assert {k for k in logged if k.startswith("tim/cause/")} == set(CAUSE_KEYS), step
+        assert logged["tim/cause/named"] == 0 and logged["tim/cause/confident_disagreements"] == 0, step
+        assert math.isnan(logged["tim/cause/sync_checked_tensors"]), step
+    return set(CAUSE_KEYS)
+
+
 def _launch(model: Path, out: Path) -> dict[str, dict] | str:
     """Every configuration of CONFIGS, in one launch: config → its ranks' results, dump and its part of the
     launch's output; or why the launch failed."""
@@ -289,7 +303,8 @@ def test_monitor_statistics_are_the_global_values(runs):
     differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_split(tok), **naive_by_key(tok)})
     checked = set().union(*(f(_tokens(run["dump"], s)) for f in (naive_monitor, naive_split, naive_by_key)
                             for s in STEPS))
-    assert keys == checked | set(ONE_OFF)  # every tim/ key logged is checked (or a one-off audit count)
+    # every tim/ key logged is checked (or a one-off audit count, or a cause's, checked by _no_cause)
+    assert keys == checked | set(ONE_OFF) | _no_cause(run)
     # The key statistics could have failed: one rank's value differs from the logged one on some step.
     for key in ("tim/tokens", "tim/seq/count", "tim/token/abs_diff_max", "tim/token/abs_diff_mean",
                 "tim/token/ratio_min", "tim/token/ratio_max", "tim/token/kl_k1", "tim/token/kl_k3",
@@ -345,7 +360,7 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs):
                                                                   naive_by_key) for s in STEPS)) | {
         "tim/safe_vocab/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/pruned_mass_mean",
         "tim/safe_vocab/size_mean", "tim/safe_vocab/pruned_mass_max", "tim/correction/empty"}
-    assert keys == checked | set(ONE_OFF)
+    assert keys == checked | set(ONE_OFF) | _no_cause(run)
     for key in ("tim/safe_vocab/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/pruned_mass_mean",
                 "tim/correction/kept_tokens", "tim/correction/kept_frac", "tim/is/weight_mean", "tim/is/masked_frac",
                 "tim/tokens", "tim/token/kl_k3"):

@@ -40,7 +40,7 @@ def vllm_run(toy_model_path, tmp_path_factory):
         vllm_max_model_length=128, max_steps=2, loss_type="grpo",
     )
     cap = Capture(trainer)
-    cb = TIMCallback(trainer, TIMConfig())
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True))
     trainer.add_callback(cb)
     trainer.train()
     yield trainer, cap, cb
@@ -67,3 +67,16 @@ def test_parity_audit_reads_live_engine(vllm_run):
     if live_dtype != "float32":
         assert "dtype-mismatch" in codes
     assert _logged(trainer, 1)["tim/parity/errors"] == float(sum(f.severity == "error" for f in cb.findings))
+
+
+def test_every_sync_is_checked_and_clean(vllm_run):
+    """The weight-sync check on TRL's syncs through vLLM's reload_weights (this module's CPU sync), the engine's
+    prepacked linear weights read through their forward: every parameter compared at every sync, none named."""
+    trainer, _, cb = vllm_run
+    reports = cb.sync_watch.check.reports
+    assert [r.step for r in reports] == [0, 1]  # TRL syncs before each step's generation
+    names = sorted(n for n, _ in trainer.model.named_parameters())
+    for report in reports:
+        assert sorted(report.statuses) == names and report.bad_tensors == 0 and report.causes == []
+    assert cb.pipeline.causes.named == []
+    assert _logged(trainer, 2)["tim/cause/sync_checked_tensors"] == len(names)

@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 requests = pytest.importorskip("requests")
 datasets = pytest.importorskip("datasets")
 
-from test_trl_callback import Capture, check_vllm_step, make_trainer  # noqa: E402
+from test_trl_callback import STALE_LR, Capture, check_vllm_step, make_trainer  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 
@@ -85,13 +85,11 @@ def vllm_server(toy_model_path, tmp_path_factory):
             proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def server_run(vllm_server, toy_model_path, tmp_path_factory):
+def _server_client(mp, weights_dir, synced, *, reload=True):
+    """TRL's client with the weight transfer of the module docstring; ``reload=False``: the server never reloads
+    (a stale server: TRL's sync runs, the weights never arrive)."""
     from safetensors.torch import save_file
     from trl.generation.vllm_client import VLLMClient
-
-    weights_dir = tmp_path_factory.mktemp("synced_weights")
-    synced = []
 
     def init_communicator(self, device=0):
         assert self.get_server_info()["weight_transfer_config"] == {"backend": "nccl"}  # TRL's server flags
@@ -99,21 +97,32 @@ def server_run(vllm_server, toy_model_path, tmp_path_factory):
     def update_named_params(self, metadata, named_params):
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_params}
         assert [m[0] for m in metadata] == list(tensors)  # TRL announced exactly what it streamed
+        synced.append(len(tensors))
+        if not reload:
+            return
         save_file(tensors, str(Path(weights_dir) / "model.safetensors"))
         r = self.session.post(f"{self.base_url}/collective_rpc", timeout=120,
                               json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
         r.raise_for_status()
-        synced.append(len(tensors))
 
-    mp = pytest.MonkeyPatch()
     mp.setattr(VLLMClient, "init_communicator", init_communicator)
     mp.setattr(VLLMClient, "update_named_params", update_named_params)
+
+
+def _server_trainer(vllm_server, toy_model_path, tmp_path, steps, **overrides):
+    return make_trainer(toy_model_path, tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=vllm_server,
+                        vllm_server_timeout=60, max_steps=steps, loss_type="grpo", **overrides)
+
+
+@pytest.fixture(scope="module")
+def server_run(vllm_server, toy_model_path, tmp_path_factory):
+    synced = []
+    mp = pytest.MonkeyPatch()
+    _server_client(mp, tmp_path_factory.mktemp("synced_weights"), synced)
     try:
-        trainer = make_trainer(toy_model_path, tmp_path_factory.mktemp("trl_server"), use_vllm=True,
-                               vllm_mode="server", vllm_server_base_url=vllm_server, vllm_server_timeout=60,
-                               max_steps=2, loss_type="grpo")
+        trainer = _server_trainer(vllm_server, toy_model_path, tmp_path_factory.mktemp("trl_server"), 2)
         cap = Capture(trainer)
-        cb = TIMCallback(trainer, TIMConfig())
+        cb = TIMCallback(trainer, TIMConfig(log_detail=True))
         trainer.add_callback(cb)
         trainer.train()
         yield trainer, cap, cb, synced
@@ -145,3 +154,38 @@ def test_parity_audit_reads_the_live_server(server_run, vllm_server):
     if rollout_spec.dtype != "float32":
         assert "dtype-mismatch" in {f.code for f in cb.findings}
     assert json.dumps(info["weight_transfer_config"]) == '{"backend": "nccl"}'
+
+
+@pytest.fixture(scope="module")
+def stale_server_run(vllm_server, server_run, toy_model_path, tmp_path_factory):
+    """After server_run (which left the server at its step-2 weights), a run whose syncs never reach the server:
+    the server first reloads the checkpoint (the run's initial weights), then keeps them all run."""
+    import requests as http
+
+    http.post(f"{vllm_server}/collective_rpc", timeout=120,
+              json={"method": "reload_weights", "kwargs": {"weights_path": str(toy_model_path)}}).raise_for_status()
+    synced = []
+    mp = pytest.MonkeyPatch()
+    _server_client(mp, None, synced, reload=False)
+    try:
+        trainer = _server_trainer(vllm_server, toy_model_path, tmp_path_factory.mktemp("trl_stale"), 4,
+                                  learning_rate=STALE_LR)
+        cb = TIMCallback(trainer, TIMConfig())
+        trainer.add_callback(cb)
+        trainer.train()
+        yield trainer, cb, synced
+    finally:
+        mp.undo()
+
+
+def test_a_stale_server_is_named_by_the_lag0_rules(stale_server_run):
+    """No weight access in server mode: the per-token stream's lag-0 rules name it within a few steps of the first one
+    the stale server samples (step 2: the server holds the step-0 weights, the trainer scores at step 1's), and not at
+    step 1, where both still hold the initial weights."""
+    trainer, cb, synced = stale_server_run
+    assert cb.sync_watch is None and len(synced) == 4  # TRL's sync ran each step; nothing reached the server
+    named = [(c.step, c.code) for c in cb.pipeline.causes.named]
+    assert named and {code for _, code in named} <= {"engine-stale", "floor-jump"}
+    assert 2 <= min(step for step, _ in named) <= 4
+    logged = {h["step"]: h for h in trainer.state.log_history if "tim/cause/named" in h}
+    assert logged[1]["tim/cause/named"] == 0 and max(logged[s]["tim/cause/named"] for s in (2, 3, 4)) >= 1

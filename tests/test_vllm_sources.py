@@ -436,9 +436,12 @@ def test_worker_model_runner_attributes():
 
 def test_server_info_json_has_the_keys_the_trl_audit_reads(engine_config):
     """/server_info?config_format=json is vLLM's VllmConfig dumped by pydantic (api_router.show_server_info):
-    dumped the same way here from a resolved configuration, it holds every key ``server_engine_args`` reads."""
+    dumped the same way here from a resolved configuration, it holds every key ``engine_args_from_server_info`` (the
+    TRL audit's reader) reads."""
     import pydantic
     from vllm.config import VllmConfig
+
+    from tim_plugins.integrations.vllm.parity_spec import engine_args_from_server_info
 
     src = _flat(_src("vllm.entrypoints.serve.dev.server_info.api_router", "show_server_info"))
     assert '"vllm_config": ( str(vllm_config) if config_format == "text" else ' \
@@ -451,3 +454,29 @@ def test_server_info_json_has_the_keys_the_trl_audit_reads(engine_config):
     assert cache["cache_dtype"] == "auto" and cache["enable_prefix_caching"] is True
     assert sched["enable_chunked_prefill"] is True
     assert info["device_config"]["device"] == "cpu"
+    args, device = engine_args_from_server_info(info)
+    assert args["dtype"] == "bfloat16" and args["logprobs_mode"] == "processed_logprobs" and device == "cpu"
+    assert args["enable_prefix_caching"] is True and args["enable_chunked_prefill"] is True
+
+
+def test_the_weight_readers_layer_attributes():
+    """What weights.VLLMWeights reads of vLLM's layers (VLLM_SOURCES, "the weights"); its behaviour on a live engine:
+    test_vllm_weights.py."""
+    linear = "vllm.model_executor.layers.linear"
+    assert _params(_resolve(linear, "LinearMethodBase.apply"))[:4] == ["self", "layer", "x", "bias"]
+    for name in ("_get_shard_offset_mapping", "_get_shard_size_mapping"):
+        assert _params(getattr(_resolve(linear, "QKVParallelLinear"), name)) == ["self", "loaded_shard_id"]
+    for fragment in ("self.tp_rank", "self.tp_size", "self.input_size_per_partition"):
+        assert fragment in _src(linear, "ColumnParallelLinear.__init__") or fragment in _src(linear,
+                                                                                             "LinearBase.__init__")
+    assert "self.output_sizes = output_sizes" in _src(linear, "MergedColumnParallelLinear.__init__")
+    assert "self.num_kv_head_replicas" in _src(linear, "QKVParallelLinear.__init__")
+    assert "self.input_size_per_partition" in _src(linear, "RowParallelLinear.__init__")
+    vocab = "vllm.model_executor.layers.vocab_parallel_embedding"
+    assert "self.shard_indices = " in _src(vocab, "VocabParallelEmbedding.__init__")
+    indices = _fields(_resolve(vocab, "VocabParallelEmbeddingShardIndices"))
+    assert {"org_vocab_start_index", "org_vocab_end_index"} <= indices
+    mapper = _resolve("vllm.model_executor.models.utils", "WeightsMapper")
+    stacked = mapper(orig_to_new_stacked={".q_proj": (".qkv_proj", "q")})
+    assert stacked._map_name_with_shard("model.layers.0.self_attn.q_proj.weight") == (
+        "model.layers.0.self_attn.qkv_proj.weight", "q")

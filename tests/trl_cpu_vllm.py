@@ -3,6 +3,9 @@
 - ``cpu_sync_weights``: TRL 1.16's weight sync fails on the CPU build ('Parameter' object has no attribute
   'weight_loader': vLLM packs linear weights into a oneDNN handle). It replaces ``VLLMGeneration.sync_weights``
   with vLLM's own ``reload_weights`` path (shared research notes, trl.md).
+- ``keep_plain_linear_weights``: the other way round, so that TRL's own ``sync_weights`` runs unmodified: vLLM's
+  CPU GEMM dispatch keeps each linear layer's plain weight and computes with ``F.linear`` on the live tensor (as the
+  verl suite's shim 4, tests/verl_suite/cpu_site/cpu_shims.py), for the engines built while it is installed.
 - ``llm_with``: TRL passes no ``dtype`` to ``vllm.LLM`` in colocate mode (vLLM then follows config.json), so a
   run that wants bf16 rollouts against an fp32 trainer wraps the constructor TRL calls
   (``trl.generation.vllm_generation.LLM``) to add it.
@@ -10,7 +13,7 @@
 
 from __future__ import annotations
 
-__all__ = ["cpu_sync_weights", "llm_with"]
+__all__ = ["cpu_sync_weights", "keep_plain_linear_weights", "llm_with"]
 
 
 def _named_params(self):
@@ -28,6 +31,23 @@ def cpu_sync_weights(self):
     params = [(name, p.detach().clone()) for name, p in _named_params(self)]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": params, "is_checkpoint_format": True})
     llm.reset_prefix_cache()
+
+
+def keep_plain_linear_weights(mp) -> None:
+    """Install on ``mp`` (a pytest MonkeyPatch): vLLM's CPU GEMM dispatch
+    (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``, imported by the layers at weight
+    processing time) leaves plain 2-D linear weights in place and computes with ``F.linear`` on them."""
+    import torch
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:  # not a plain linear layer: vLLM's own handling
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias=None: torch.nn.functional.linear(x, weight, bias)
+
+    mp.setattr(utils, "dispatch_cpu_unquantized_gemm", dispatch_cpu_unquantized_gemm)
 
 
 def llm_with(llm_cls, **extra):

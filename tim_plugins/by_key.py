@@ -22,86 +22,16 @@ Bucketings (``KEYINGS``; metric keys ``tim/by_<name>/<label>/<stat>``):
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
-from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD, PROB_BUCKET_EDGES
+from tim_plugins._keyings import KEYINGS, MAXES, PROB_BLOCK, STATS, SUMS, Keying, keyed_metrics
+from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD
 from tim_plugins.accumulate import Accumulated, Accumulator
 
-__all__ = ["KEYINGS", "MAXES", "STATS", "SUMS", "Keying", "KeyedStats", "keyed_metrics", "lag_keys",
-           "position_keys", "PROB_BLOCK", "turn_keys"]
-
-# The per-bucket state: sums (the first is the count), then maxima; and each metric besides ``count`` with its
-# field (a sum divided by the bucket's count, a maximum as it is).
-SUMS = ("count", "abs_sum", "d_sum", "k3_sum")
-MAXES = ("abs_max",)
-STATS = {"abs_diff_mean": "abs_sum", "mean": "d_sum", "kl_k3": "k3_sum", "abs_diff_max": "abs_max"}
-
-
-@functools.lru_cache(maxsize=64)
-def _edges_on(edges: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The bucket edges as a tensor on ``device``, made once: a host-to-device copy per update would wait for the
-    device every micro-batch."""
-    return torch.tensor(edges, dtype=dtype, device=device)
-
-
-@dataclass(frozen=True)
-class Keying:
-    """How keys map to buckets: ``edges`` are the lower bounds (the last bucket is open-ended; a key below the
-    first edge goes to the first bucket). ``bucket_labels``: one per bucket (default, ``labels``: from integer
-    edges, "4-7", "8+").
-    ``report_empty``: a bucket with no token is reported (count 0, NaN statistics) rather than left out, for a
-    short fixed bucketing whose series a dashboard keeps."""
-
-    name: str
-    edges: tuple[float, ...]
-    bucket_labels: tuple[str, ...] | None = None
-    report_empty: bool = False
-
-    @property
-    def labels(self) -> tuple[str, ...]:
-        if self.bucket_labels is not None:
-            return self.bucket_labels
-        out = []
-        for lo, hi in zip(self.edges, self.edges[1:] + (None,)):
-            if hi is None:
-                out.append(f"{lo}+")
-            elif hi - lo == 1:
-                out.append(f"{lo}")
-            else:
-                out.append(f"{lo}-{hi - 1}")
-        return tuple(out)
-
-    def bucket(self, keys: torch.Tensor) -> torch.Tensor:
-        """Bucket index of each key (int64). Floating keys are compared in at least float32."""
-        if keys.is_floating_point():
-            keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
-        edges = _edges_on(self.edges[1:], keys.dtype, keys.device)
-        return torch.bucketize(keys.contiguous(), edges, right=True)  # keys are often expanded views
-
-
-def _prob_keying() -> Keying:
-    lows, highs = PROB_BUCKET_EDGES[:-1], PROB_BUCKET_EDGES[1:]
-    return Keying("prob", tuple(math.log(e) if e > 0 else -math.inf for e in lows),
-                  tuple(f"{lo:g}-{hi:g}" for lo, hi in zip(lows, highs)), report_empty=True)
-
-
-KEYINGS = {
-    "prob": _prob_keying(),
-    "position": Keying("position", (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
-    "lag": Keying("lag", tuple(range(9))),
-    "turn": Keying("turn", tuple(range(9))),
-}
-
-
-# The statistics the mismatch monitor's fused pass adds for ``KEYINGS["prob"]`` (its state fields ``bucket_count``,
-# ``bucket_abs``), in the one pass it makes over the tokens anyway: the count and Σ|d| per bucket. The other fields
-# would cost its Triton kernel registers per bucket; ``KeyedStats("prob")`` computes all of them.
-PROB_BLOCK = ("count", "abs_sum")
-
+__all__ = ["KEYINGS", "MAXES", "STATS", "SUMS", "UNKNOWN_LAG", "Keying", "KeyedStats", "keyed_metrics", "lag_after",
+           "lag_keys", "policy_lag", "position_keys", "PROB_BLOCK", "turn_keys"]
 
 def position_keys(mask: torch.Tensor) -> torch.Tensor:
     """[B, T] response position of every token (0-based column index of a response-aligned batch)."""
@@ -118,27 +48,35 @@ def turn_keys(model_mask: torch.Tensor) -> torch.Tensor:
     return starts.long().cumsum(dim=1)
 
 
+# The policy lag of a token: the optimizer steps between the weights that sampled it and the weights that score it.
+# Lag 0 is the mismatch floor (same weights, two stacks); a token whose sampling weights are unknown is counted, never
+# keyed (UNKNOWN_LAG). Both adapters count it with these two functions: TRL in optimizer steps (each row's step, an
+# asynchronous sample's sync step), verl per weight version (a global step of its asynchronous modes, several
+# optimizer steps), plus the optimizer steps its actor took since the version began.
+UNKNOWN_LAG = -1
+
+
+def policy_lag(sampled_at, now: int, *, steps_per_version: int = 1):
+    """The policy lag, in optimizer steps, of tokens sampled by the weights of version ``sampled_at`` and scored by
+    those of version ``now``: (now − sampled_at, at least 0) × ``steps_per_version``; ``UNKNOWN_LAG`` where
+    ``sampled_at`` is unknown (None or negative). ``sampled_at``: an int or None, or a tensor (elementwise, no host
+    read)."""
+    if isinstance(sampled_at, torch.Tensor):
+        sampled = sampled_at.long()
+        return torch.where(sampled >= 0, (int(now) - sampled).clamp(min=0) * steps_per_version, UNKNOWN_LAG)
+    if sampled_at is None or sampled_at < 0:
+        return UNKNOWN_LAG
+    return max(int(now) - int(sampled_at), 0) * steps_per_version
+
+
+def lag_after(lag: torch.Tensor, steps: int) -> torch.Tensor:
+    """``lag`` (``policy_lag``'s, in optimizer steps) ``steps`` optimizer steps later; unknown stays unknown."""
+    return torch.where(lag >= 0, lag + int(steps), UNKNOWN_LAG)
+
+
 def lag_keys(trainer_version: int, sample_version: torch.Tensor, shape) -> torch.Tensor:
     """[B, T] policy lag of every token from its row's sampling version ([B])."""
-    lag = (int(trainer_version) - sample_version.long()).clamp(min=0)
-    return lag.view(-1, 1).expand(shape)
-
-
-def keyed_metrics(keying: Keying, values: dict[str, float], prefix: str = "tim") -> dict[str, float]:
-    """The metrics of a merged state ``values`` ({"<label>/<field>": value}; the fields present, a subset of
-    ``SUMS`` + ``MAXES`` that has ``count``) as ``<prefix>/by_<name>/<label>/<stat>``: every statistic whose field
-    is there. Empty buckets are left out unless ``keying.report_empty`` (then count 0 and NaN)."""
-    out, p = {}, f"{prefix}/by_{keying.name}"
-    for label in keying.labels:
-        n = values[f"{label}/count"]
-        if n <= 0 and not keying.report_empty:  # the merged counts are the same on every rank
-            continue
-        out[f"{p}/{label}/count"] = n
-        for stat, field in STATS.items():
-            v = values.get(f"{label}/{field}")
-            if v is not None:
-                out[f"{p}/{label}/{stat}"] = math.nan if n <= 0 else v if field in MAXES else v / n
-    return out
+    return policy_lag(sample_version, trainer_version).view(-1, 1).expand(shape)
 
 
 class KeyedStats(Accumulated):

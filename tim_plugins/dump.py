@@ -11,13 +11,16 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tim_plugins._optional import require
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
-           "SUMMARY", "append_log_history", "read_log_history", "write_summary"]
+           "SUMMARY", "CAUSES_LOG", "VERSIONED", "append_causes", "append_log_history", "complete_log_history",
+           "package_versions", "read_log_history", "write_summary"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
@@ -25,7 +28,8 @@ DUMP_COLUMNS = (
 
 
 # Beside the dump files: one JSON object per logged step ({"step": N, "tim/...": value, ...}), appended as the run
-# goes (the verl driver writes it; TRL keeps its own log_history). The report draws the per-step series from it.
+# goes by both adapters, with every tim/* metric (the framework's own log keeps those of tim_plugins.log_keys unless
+# asked for the detail). The report draws the per-step series and sections from it.
 LOG_HISTORY = "log_history.jsonl"
 
 
@@ -42,9 +46,34 @@ def append_log_history(folder: str | Path, step: int, metrics: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+# Beside the dump files: one JSON object per named cause (``tim_plugins.causes.Cause.to_dict``), appended by the
+# pipeline as causes are named; the report's verdict names them.
+CAUSES_LOG = "causes.jsonl"
+
+
+def append_causes(folder: str | Path, causes: list) -> None:
+    """Append ``causes`` (``Cause`` objects) to ``folder/causes.jsonl``."""
+    if not causes:
+        return
+    with open(Path(folder) / CAUSES_LOG, "a", encoding="utf-8") as f:
+        for cause in causes:
+            f.write(json.dumps(cause.to_dict()) + "\n")
+
+
 # Beside the dump files, written once by the adapter at the start of a run: what `tim-plugins report` needs to render a
 # training run's dump in its framework's terms.
 SUMMARY = "summary.json"
+
+
+# The packages whose versions a run records (its summary's "versions"): a comparison page shows where they differ.
+VERSIONED = ("tim-plugins", "torch", "transformers", "trl", "verl", "vllm")
+
+
+def package_versions() -> dict[str, str]:
+    """{distribution: installed version} of `VERSIONED` (those installed; importlib.metadata, nothing imported)."""
+    from tim_plugins._optional import package_version
+
+    return {dist: v for dist in VERSIONED if (v := package_version(dist))}
 
 
 def write_summary(folder: str | Path, *, framework: str, title: str, settings: dict,
@@ -52,10 +81,10 @@ def write_summary(folder: str | Path, *, framework: str, title: str, settings: d
     """``folder/SUMMARY``, written atomically: the run's ``framework`` (the report's fix column and verdict speak its
     adapter's words, ``tim_plugins.fixes``), the report's ``title``, the run's ``settings`` (``settings["model"]``:
     the checkpoint folder whose tokenizer decodes the largest disagreements) and the start-up audit's ``findings``
-    (``Finding.to_dict`` rows; None: no audit ran)."""
+    (``Finding.to_dict`` rows; None: no audit ran); the installed versions (`package_versions`) with them."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    summary = {"framework": framework, "title": title, "settings": settings}
+    summary = {"framework": framework, "title": title, "settings": settings, "versions": package_versions()}
     if findings is not None:
         summary["findings"] = findings
     path = folder / SUMMARY
@@ -129,6 +158,7 @@ class TokenDumper:
         step is skipped or nothing was sampled. Host transfer happens here, only on dump steps."""
         import pyarrow as pa
         import pyarrow.parquet as pq
+        import torch  # here, not at the module's top: the report reads dumps without torch
 
         if not self.wants(step):
             return None
@@ -184,3 +214,15 @@ def read_dump(directory: str | os.PathLike):
     table = pa.concat_tables(tables, promote_options="default")
     return table.sort_by([("step", "ascending"), ("rank", "ascending"), ("sequence", "ascending"),
                           ("position", "ascending")])
+
+
+def complete_log_history(rows: list[dict], full: list[dict]) -> list[dict]:
+    """``rows`` (a framework's log history, ``step`` in each logged row) with, in each row that logged ``tim/*``
+    metrics, those of its step that the framework's compact log left out, from ``full`` (a ``log_history.jsonl``'s
+    rows); a value the framework logged stays as logged."""
+    by_step = {int(r["step"]): r for r in full if "step" in r}
+    out = []
+    for row in rows:
+        extra = by_step.get(int(row["step"]), {}) if "step" in row and any(k.startswith("tim/") for k in row) else {}
+        out.append({**row, **{k: v for k, v in extra.items() if k.startswith("tim/") and k not in row}})
+    return out

@@ -7,6 +7,7 @@ arguments, tim-plugins commands (``parity.findings.CODES``). How a trainer frame
 - ``FRAMEWORK``: the key the run's summary and the report use (``"trl"``), ``NAME``: how a reader names it;
 - ``RUNS_ON``: the core vocabularies whose knobs apply to a run of it when it has none of its own for a code;
 - ``FINDING_FIXES``: {finding code: knob}; ``PART_FIXES``: {part of the log-ratio (``PARTS``): what reduces it};
+- ``CAUSE_FIXES`` (optional): {cause code (``tim_plugins.causes.CAUSES``): knob};
 
 announced through the ``tim_plugins.fixes`` entry point group (``pyproject.toml``). Those modules import no
 framework, so the offline report, the CLI and the README have every framework's fixes with none installed. A module
@@ -43,6 +44,7 @@ class FrameworkFixes:
     runs_on: tuple = ()
     finding_fixes: dict = field(default_factory=dict)
     part_fixes: dict = field(default_factory=dict)
+    cause_fixes: dict = field(default_factory=dict)
 
 
 @cache
@@ -53,7 +55,8 @@ def framework_fixes() -> dict[str, FrameworkFixes]:
         try:
             module = ep.load()
             fixes = FrameworkFixes(framework=module.FRAMEWORK, name=module.NAME, runs_on=tuple(module.RUNS_ON),
-                                   finding_fixes=dict(module.FINDING_FIXES), part_fixes=dict(module.PART_FIXES))
+                                   finding_fixes=dict(module.FINDING_FIXES), part_fixes=dict(module.PART_FIXES),
+                                   cause_fixes=dict(getattr(module, "CAUSE_FIXES", {})))
         except Exception as err:  # noqa: BLE001 (a broken plugin costs its fix column, not the report)
             logger.warning("tim-plugins: the fixes of entry point %s = %s could not be loaded: %r", ep.name, ep.value,
                            err)

@@ -21,7 +21,9 @@ Two ways, for two kinds of framework:
    ``tim/lr/scale`` next to it.
 
 :func:`store_controller_state` / :func:`restore_controller_state` keep a controller's ``state_dict()`` in the
-optimizer's first param group, so any checkpointing that saves the optimizer saves the controller too.
+optimizer's first param group, so any checkpointing that saves the optimizer saves the controller too;
+:class:`ControllerCheckpoint` is the one rule that keeps a live controller and that stored state in step (verl's
+FSDP optimizers and its Megatron engine use it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "APPLIED_SCALE_KEY",
     "LR_SCALE_KEY",
     "CONTROLLER_STATE_KEY",
+    "ControllerCheckpoint",
     "apply_lr_scale",
     "get_applied_lr_scale",
     "ScaledLROptimizerMixin",
@@ -198,3 +201,35 @@ def restore_controller_state(optimizer: torch.optim.Optimizer, controller: Any) 
         return False
     controller.load_state_dict(copy.deepcopy(state))
     return True
+
+
+class ControllerCheckpoint:
+    """A live LR controller kept in step with its state in ``optimizer.param_groups[0]``, which the framework's own
+    optimizer checkpoint saves and restores. The rule:
+
+    - ``attach``: continue from a state loaded before the controller was attached (a resumed run);
+    - ``sync``, before the controller is fed: continue from a state loaded since the last ``store``, by whatever
+      path the framework loads it (the stored object is then not the one written last);
+    - ``store``, after each decision: the controller's state goes where the next checkpoint saves it.
+
+    ``detach`` drops the controller; the stored state stays in the param group for a later ``attach``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, controller: Any) -> None:
+        self.optimizer, self.controller = optimizer, controller
+        restore_controller_state(optimizer, controller)
+        self._stored = optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+
+    def detach(self) -> None:
+        self.controller = None
+
+    def sync(self) -> None:
+        stored = self.optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+        if self.controller is not None and stored is not None and stored is not self._stored:
+            restore_controller_state(self.optimizer, self.controller)
+            self._stored = stored
+
+    def store(self) -> None:
+        if self.controller is not None:
+            store_controller_state(self.optimizer, self.controller)
+            self._stored = self.optimizer.param_groups[0][CONTROLLER_STATE_KEY]

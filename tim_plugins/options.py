@@ -4,7 +4,8 @@ both adapters call, so a setting has one default, one range and one "off" in bot
 The options of each capability are the core's own dataclasses (``DumpConfig``, ``LRDecayConfig``,
 ``ParityProbeConfig``, ...: their defaults and checks); what lives here is what those classes do not hold:
 
-* ``check_min_p``: the safe vocabulary's min-p, a number in [0, 1); 0 = no min-p pruning. verl's
+* ``check_min_p``: a min-p of ours (the safe vocabulary's, the trainer's truncation, ``measure``'s), a number in
+  [0, 1) (``MIN_P_RULE``); 0 = no min-p pruning. verl's
   ``tim.safe_vocab.min_p`` > 0 switches the safe vocabulary on (at 0, ``tim.safe_vocab.enable`` does); TRL's switch is
   ``safe_vocab=True`` and its ``safe_vocab_min_p`` accepts 0 too. Either way at min-p 0 the kept set is the sampler's
   top-k / top-p cut alone, refused at start-up where the sampler cuts nothing (``SAFE_VOCAB_NEEDS_A_CUT``).
@@ -25,11 +26,12 @@ classes.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, fields
 from functools import cache
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from .min_p import MIN_P_RULE, min_p_accepted
 
 if TYPE_CHECKING:
     from .parity.probe import ParityProbeConfig
@@ -58,15 +60,8 @@ __all__ = [
     "VERL_ONLY",
 ]
 
-MIN_P_RULE = "must be a number in [0, 1) (0 = no min-p pruning)"
 SAFE_VOCAB_NEEDS_A_CUT = ("the safe vocabulary renormalises over the sampler's kept set, which needs a cut: a "
                           "min-p > 0, a top_p < 1 or a top_k > 0")
-
-
-def min_p_accepted(value: Any) -> bool:
-    """Whether ``value`` is a min-p both adapters accept (``MIN_P_RULE``): a real number, not a bool or a string."""
-    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-            and 0.0 <= value < 1.0)
 
 
 def check_min_p(value: Any, where: str, fix: str) -> float:
@@ -98,14 +93,17 @@ def probe_config(enable: bool | None, options: Mapping[str, Any] | ParityProbeCo
     return ParityProbeConfig(**{**{name: None for name in DEFAULT_METRIC_KEYS}, **options})
 
 
-def type_problem(obj: Any) -> tuple[str, Any, str, str] | None:
-    """The first field of the dataclass instance ``obj`` whose value does not fit its annotation, as (field, value,
-    annotated type, rule), or None. A bool must be a bool; a number a real number, not a bool (an int: a whole
-    one); a str a str; a tuple a list or tuple; None only where the annotation allows it. Annotations of other
-    kinds (option groups, unions of several types) are left to the class's own checks. Settings read from YAML
-    arrive as YAML typed them (``enable=flase`` is the truthy string 'flase'): both adapters check their settings
-    and option groups with this."""
+def type_problem(obj: Any, names: Iterable[str] | None = None) -> tuple[str, Any, str, str] | None:
+    """The first field of the dataclass instance ``obj`` (of those in ``names``, default every field) whose value
+    does not fit its annotation, as (field, value, annotated type, rule), or None. A bool must be a bool; a number a
+    real number, not a bool (an int: a whole one); a str a str; a tuple a list or tuple; None only where the
+    annotation allows it. Annotations of other kinds (option groups, unions of several types) are left to the
+    class's own checks. Settings read from YAML arrive as YAML typed them (``enable=flase`` is the truthy string
+    'flase'): both adapters check their settings and option groups with this (TRL's ``TIMConfig`` its switches)."""
+    wanted = None if names is None else set(names)
     for f in fields(obj):
+        if wanted is not None and f.name not in wanted:
+            continue
         value, kind = getattr(obj, f.name), str(f.type)
         optional = kind.startswith("Optional[")
         base = kind[len("Optional["):-1] if optional else kind.split("|")[0].strip()
@@ -173,15 +171,18 @@ class SharedSetting:
 
 @cache
 def _settings() -> tuple[SharedSetting, ...]:
+    from .causes import CauseConfig
     from .dump import DumpConfig
     from .lr_control import LRDecayConfig
     from .parity.probe import ParityProbeConfig
     from .pipeline import PipelineConfig
+    from .weight_sync import SyncCheckConfig
 
     verl_probe = {"kl_k3_max": "kl_k3"}
     out = [
         SharedSetting("monitor", "monitor", "monitor.enable", (PipelineConfig, "monitor")),
         SharedSetting("ratio band", "ratio_band", "monitor.ratio_band", (PipelineConfig, "ratio_band")),
+        SharedSetting("log detail", "log_detail", "monitor.log_detail", default=False),
         SharedSetting("safe vocabulary min-p", "safe_vocab_min_p", "safe_vocab.min_p"),
         SharedSetting("boundary mask", "mask_boundary_tokens", "safe_vocab.mask_boundary",
                       (PipelineConfig, "mask_boundary")),
@@ -197,6 +198,12 @@ def _settings() -> tuple[SharedSetting, ...]:
         SharedSetting("dump", "dump_dir", "dump.dir", default=None),
         *[SharedSetting(f"dump {f.name}", f"dump_options.{f.name}", f"dump.{f.name}", (DumpConfig, f.name))
           for f in fields(DumpConfig) if f.name != "out_dir"],
+        SharedSetting("causes", "causes", "causes.enable", default=True),
+        *[SharedSetting(f"causes {f.name}", f"causes_options.{f.name}", f"causes.{f.name}", (CauseConfig, f.name))
+          for f in fields(CauseConfig)],
+        SharedSetting("sync check", "sync_check", "sync_check.enable", default=True),
+        *[SharedSetting(f"sync check {f.name}", f"sync_check_options.{f.name}", f"sync_check.{f.name}",
+                        (SyncCheckConfig, f.name)) for f in fields(SyncCheckConfig)],
     ]
     return tuple(out)
 

@@ -6,6 +6,9 @@ An instance attribute shadows the class's for that object only, so patching an *
 of the class untouched; ``undo`` restores exactly what was there: the object's own previous attribute, or nothing
 (the instance attribute is deleted, the class's shows through again). Used as a context manager it is undone on
 every exit of the block, an exception included.
+
+``Installation``: the patches one callback holds on a trainer with a ``train()`` method (transformers' ``Trainer``
+and the TRL trainers built on it), all of them undone on every exit of ``train()``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import inspect
 import logging
 from typing import Any, Callable
 
-__all__ = ["Patch"]
+__all__ = ["Installation", "Patch"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +67,53 @@ class Patch:
 
     def __exit__(self, *exc) -> None:
         self.undo()
+
+
+class Installation:
+    """The patches one callback holds on its trainer, all of them inside ``train()``: a wrapper of ``train`` itself
+    (from creation until ``remove``) installs the ``before_train`` patches when ``train()`` is entered (what TRL
+    reads before any callback event, e.g. the dataloader's source) and undoes every patch on every exit of
+    ``train()`` (transformers skips ``on_train_end`` when ``train()`` raises); the wrappers of the training run
+    proper are installed at train begin (``install``) and undone at train end (``undo``)."""
+
+    def __init__(self, trainer, before_train: Callable[[], list] | None = None) -> None:
+        self.trainer = trainer
+        self.before_train = before_train  # () -> [(owner, name, make_wrapper)], installed as train() starts
+        self.patches: list[Patch] = []  # installed at train begin
+        self.train_patches: list[Patch] = []  # installed as train() starts
+        self._train = Patch(trainer, "train", self._guard)
+
+    def _guard(self, original):
+        def train(*args, **kwargs):
+            try:
+                if self.before_train is not None and not self.train_patches:
+                    for owner, name, make in self.before_train():
+                        self.train_patches.append(Patch(owner, name, make))
+                return original(*args, **kwargs)
+            finally:  # on success on_train_end has undone them already
+                self.undo()
+
+        return train
+
+    def install(self, wrappers: list[tuple[Any, str, Callable]]) -> None:
+        """``(owner, name, make_wrapper)`` in order (a later wrapper of the same name goes around an earlier one)."""
+        for owner, name, make in wrappers:
+            self.patches.append(Patch(owner, name, make))
+
+    def undo(self) -> None:
+        """Undo every patch but the ``train`` guard, the latest first."""
+        for patches in (self.patches, self.train_patches):
+            while patches:
+                patches.pop().undo()
+
+    def remove(self) -> None:
+        """Undo everything, the ``train`` guard too (idempotent)."""
+        self.undo()
+        if self._train is not None:
+            self._train.undo()
+            self._train = None
+
+    @property
+    def installed(self) -> list[str]:
+        """What is wrapped now, as ``Owner.name`` (the module's or class's name for one of theirs)."""
+        return [p.label for p in self.train_patches + self.patches]

@@ -18,7 +18,10 @@ tensors and calls, in this order:
                                             rollout), ``tim_plugins.staleness`` (``tim/staleness/*``, ``tim/split/*``).
   end_step(step, response_length=...)       once per optimizer step: the LR controller's scale, the dump file.
   compute(step)                             once per logging window: every statistic, merged exactly over the
-                                            ranks (all must call it), and the live probe's decision.
+                                            ranks (all must call it), the named causes (``tim_plugins.causes``)
+                                            and the live probe's decision.
+  sync_checked(report)                      after a checked weight sync (``tim_plugins.weight_sync``): its causes
+                                            are named at once and counted in the next window.
 
 Every statistic is a mergeable accumulator (``MismatchMonitor``, ``SafeVocabStats``, ``CorrectionStats``), so
 values are exact whatever the micro-batching and the number of ranks; statistics of an empty set are NaN.
@@ -36,8 +39,9 @@ from typing import Literal
 import torch
 
 from .accumulate import all_reduce_sum_max, is_distributed
+from .causes import CauseConfig, CauseTracker
 from .corrections import CorrectionConfig, CorrectionStats, apply_correction
-from .dump import DumpConfig, TokenDumper
+from .dump import DumpConfig, TokenDumper, append_causes
 from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
 from .metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
 from .parity.probe import ParityProbe, ParityProbeConfig
@@ -78,6 +82,10 @@ class PipelineConfig:
     by_turn: bool = field(default=False, metadata={"help": "the mismatch by turn of multi-turn rollouts "
                                                            "(tim/by_turn/*, from the turn keys measure is given; "
                                                            "needs the monitor)"})
+    causes: CauseConfig | None = field(default=None, metadata={"help": "name what causes a mismatch (a broken "
+                                                                        "weight sync, a stale engine, a jump of the "
+                                                                        "lag-0 floor, ...; tim/cause/*, needs the "
+                                                                        "monitor): its thresholds"})
     strict: bool = False
     compile: bool | Literal["auto"] = "auto"  # MismatchMonitor(compile=...)
     histograms: bool = field(default=False, metadata={"help": "compute() also returns the monitor's histograms"})
@@ -103,12 +111,14 @@ def pipeline_config(*, monitor: bool = True, ratio_band=DEFAULT_RATIO_BAND, safe
                     mask_boundary: bool = True, correction: CorrectionConfig | None = None,
                     lr_decay: LRDecayConfig | None = None, probe: ParityProbeConfig | None = None,
                     dump: DumpConfig | None = None, strict: bool = False, histograms: bool = False,
+                    causes: CauseConfig | None = CauseConfig(),
                     setup: TrainingSetup = TrainingSetup()) -> PipelineConfig:
     """The one place a ``PipelineConfig`` is built: the user's options (each None = off) and the trainer's
     ``setup`` -> the pipeline's configuration. The rules both adapters share:
 
     - the monitor brings the split of every loss pass (``staleness``) and the mismatch by response position, and by
-      turn where rollouts can hold turns;
+      turn where rollouts can hold turns; it also brings the named causes (``causes``: their thresholds, None =
+      off), whose stream rules read its lag-0 tokens;
     - asynchronous trainers have no pi_old at the rollout's weights: no exact split, the statistics by lag stay;
     - without a way to scale the loss's policy term, neither the boundary mask nor an IS correction can act.
     """
@@ -117,7 +127,8 @@ def pipeline_config(*, monitor: bool = True, ratio_band=DEFAULT_RATIO_BAND, safe
         mask_boundary=mask_boundary and setup.loss_factor,
         correction=correction if setup.loss_factor else None, lr_decay=lr_decay, probe=probe, dump=dump,
         staleness=monitor, exact_split=not setup.asynchronous, by_position=monitor,
-        by_turn=monitor and setup.multi_turn, strict=strict, histograms=histograms)
+        by_turn=monitor and setup.multi_turn, causes=causes if monitor else None, strict=strict,
+        histograms=histograms)
 
 
 def old_logprobs(current: torch.Tensor, old: torch.Tensor | None, fresh) -> torch.Tensor:
@@ -175,7 +186,7 @@ def fit_bins(counts, edges, max_bins: int = 512):
 class StepPipeline:
     """The per-step pipeline (see the module docstring). One per process; ``rank`` names its dump files."""
 
-    def __init__(self, config: PipelineConfig | None = None, *, rank: int = 0) -> None:
+    def __init__(self, config: PipelineConfig | None = None, *, rank: int = 0, framework: str | None = None) -> None:
         self.config = c = config if config is not None else pipeline_config()
         self.rank = int(rank)
         self.monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if c.monitor else None
@@ -194,6 +205,8 @@ class StepPipeline:
         self.lr_controller = LengthTriggeredLRDecay(c.lr_decay) if c.lr_decay is not None else None
         self.probe = ParityProbe(c.probe) if c.probe is not None else None
         self.dumper = TokenDumper(c.dump) if c.dump is not None else None
+        # the named causes: their stream rules read the monitor's lag-0 tokens; ``framework`` words the fix line
+        self.causes = CauseTracker(c.causes, framework=framework) if c.causes is not None and c.monitor else None
         self.diag: dict[str, float] = {}
         self._unknown_lag: torch.Tensor | None = None  # tokens of unknown policy lag since the last compute (device)
         self._warned: set[str] = set()
@@ -263,6 +276,8 @@ class StepPipeline:
         for monitor in (self.monitor, self._step_monitor):
             if monitor is not None:
                 monitor.update(rollout, train, measured, is_weights=is_weights)
+        if self.causes is not None:
+            self.causes.update(rollout, train, measured)
         if self.by_position is not None:
             self.by_position.update(rollout, train, measured, position_keys(measured))
         if self.by_turn is not None and turn is not None:
@@ -327,6 +342,17 @@ class StepPipeline:
             self.count("async_lag_unknown", unknown,
                        detail="tokens whose sample's policy version is unknown (no weight-version tag)")
 
+    def sync_checked(self, report) -> None:
+        """A checked weight sync (``weight_sync.SyncReport``): its causes are logged now and named in the next
+        window's ``tim/cause/*`` (nothing happens when the causes are off)."""
+        if self.causes is not None:
+            self.causes.add_sync(report)
+
+    def audited(self, error_codes) -> None:
+        """The parity audit's error codes, for the causes' rules (the truncation rule reads them)."""
+        if self.causes is not None:
+            self.causes.audited(error_codes)
+
     @staticmethod
     def loss_factor(mask: torch.Tensor, in_safe: torch.Tensor | None,
                     weights: torch.Tensor | None) -> torch.Tensor | None:
@@ -390,11 +416,19 @@ class StepPipeline:
                 if self.config.histograms:
                     hists = {k: fit_bins(*v) for k, v in self.monitor.histograms(sync=sync, group=group).items()}
             self.monitor.reset()
-            if self.probe is not None:
-                decision = self.probe.check(step, out, raise_on_trip=raise_on_trip)
-                out.update(decision.metrics())
         if loss_passes:
             out.update(self.compute_loss_passes(sync=sync, group=group))
+        if self.causes is not None:  # after the split: the staleness rule reads it
+            values, named = self.causes.evaluate(step, out, sync=sync, group=group)
+            out.update(values)
+            if named and self.dumper is not None and self.rank == 0:  # beside the dump, for the report's verdict
+                try:
+                    append_causes(self.dumper.config.out_dir, named)
+                except OSError as err:
+                    self.count("dump_failed", detail=repr(err))
+        if self.monitor is not None and self.probe is not None:
+            decision = self.probe.check(step, out, raise_on_trip=raise_on_trip)
+            out.update(decision.metrics())
         for stats in (self.safe_vocab_stats, self.correction_stats, self.by_position, self.by_turn):
             if stats is not None and (not stats.empty or (sync and is_distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
@@ -443,7 +477,8 @@ class StepPipeline:
             "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),
             "by_lag": part(self.by_lag), "by_position": part(self.by_position), "by_turn": part(self.by_turn),
             "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
-            "lr_controller": part(self.lr_controller), "probe": part(self.probe), "diag": dict(self.diag),
+            "lr_controller": part(self.lr_controller), "probe": part(self.probe), "causes": part(self.causes),
+            "diag": dict(self.diag),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -454,7 +489,7 @@ class StepPipeline:
                           ("staleness_monitor", self.staleness_monitor), ("split", self.split_stats),
                           ("by_lag", self.by_lag), ("by_position", self.by_position), ("by_turn", self.by_turn),
                           ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
-                          ("lr_controller", self.lr_controller), ("probe", self.probe)):
+                          ("lr_controller", self.lr_controller), ("probe", self.probe), ("causes", self.causes)):
             if obj is not None and state.get(name):
                 obj.load_state_dict(state[name])
         self.diag = dict(state.get("diag") or {})

@@ -20,6 +20,7 @@ __all__ = [
     "toy_model_cached",
     "synthetic_corpus",
     "synthetic_prompts",
+    "PROMPT_KINDS",
     "build_toy_model",
 ]
 
@@ -57,15 +58,23 @@ def synthetic_corpus(n: int, seed: int = 0) -> list[str]:
     return [_sentence(rng) for _ in range(n)]
 
 
-def synthetic_prompts(n: int, seed: int = 0) -> list[str]:
-    """Prompts whose continuation has both near-certain and open tokens (answers, then free text)."""
+PROMPT_KINDS = ("sum", "sort", "text")
+
+
+def synthetic_prompts(n: int, seed: int = 0, kinds: tuple[str, ...] = PROMPT_KINDS) -> list[str]:
+    """Prompts whose continuation has both near-certain and open tokens, cycling through ``kinds``: "sum" (a sum to
+    answer: a few near-certain tokens), "sort" (digits to sort) and "text" (three words to continue with free text
+    of varied length, the open kind)."""
+    bad = [k for k in kinds if k not in PROMPT_KINDS]
+    if not kinds or bad:
+        raise ValueError(f"synthetic_prompts(kinds={kinds!r}) is invalid: use some of {PROMPT_KINDS}.")
     rng = random.Random(10_000 + seed)
     prompts = []
     for i in range(n):
-        kind = i % 3
-        if kind == 0:
+        kind = kinds[i % len(kinds)]
+        if kind == "sum":
             prompts.append(f"Q: {rng.randrange(50)} + {rng.randrange(50)} = ? A:")
-        elif kind == 1:
+        elif kind == "sort":
             prompts.append("sort " + " ".join(str(rng.randrange(10)) for _ in range(rng.randrange(3, 7))) + " ->")
         else:
             prompts.append(" ".join(rng.choice(_WORDS) for _ in range(3)).capitalize())

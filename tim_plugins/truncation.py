@@ -28,13 +28,17 @@ from typing import Any
 
 import torch
 
+from .min_p import MIN_P_RULE, min_p_accepted
+
 __all__ = [
     "DEFAULT_MIN_P",
+    "MIN_P_RULE",
     "ORDERS",
     "STEP_ORDER",
     "Truncation",
     "truncation_threshold",
     "hf_generate_kwargs",
+    "min_p_accepted",
 ]
 
 # Default min-p for "extreme tail only" pruning: drop tokens whose probability is below 1e-5 × the top token's.
@@ -49,6 +53,12 @@ ORDERS = ("vllm", "hf")
 # Each engine's order of the three cuts (module docstring): the one place both threshold rules (this module's and
 # the vocab-parallel one, ``safe_vocab_tp``) read it from.
 STEP_ORDER = {"vllm": ("min_p", "top_k", "top_p"), "hf": ("top_k", "top_p", "min_p")}
+# min-p keeps the tokens with p >= min_p * p_max. The engines accept [0, 1] (vLLM's SamplingParams, transformers'
+# MinPLogitsWarper), but at 1 only the most likely token (and exact ties) is kept: sampling is greedy, and a safe set
+# of one token has log-prob 0 whatever either side computes, so there is no mismatch left to measure or mask (as with
+# a temperature below vLLM's greedy threshold, refused below too). Every min-p of ours (Truncation, both adapters'
+# safe vocabulary through tim_plugins.options, the vLLM processor's, measure and its --compare settings) is checked
+# by this one rule; parity.spec.PipelineSpec, which describes an engine's own settings, keeps the engines' range.
 # vLLM treats temperatures below this as greedy and then skips min-p: VLLM_SOURCES vllm.v1.sample.sampler:_SAMPLING_EPS
 _GREEDY_EPS = 1e-5
 # Rows are sorted in slices of at most this many elements for top-p (sort values + int64 indices are 12 B/elt).
@@ -59,15 +69,15 @@ _SORT_BUDGET = 1 << 24
 class Truncation:
     """Sampler truncation, as configured on the rollout engine; the trainer applies the same rule."""
 
-    min_p: float = field(default=0.0, metadata={"help": "keep a if p_T(a) >= min_p * max_b p_T(b); 0 = off"})
+    min_p: float = field(default=0.0, metadata={"help": "keep a if p_T(a) >= min_p * max_b p_T(b), in [0, 1); 0 = off"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 = off"})
     top_k: int = field(default=0, metadata={"help": "keep the k largest logits (ties kept); 0 or -1 = off"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature T > 0; logits are divided by T"})
     order: str = field(default="vllm", metadata={"help": "'vllm' (min_p, top_k, top_p) or 'hf' (top_k, top_p, min_p)"})
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p={self.min_p!r}: must be a number in [0, 1]; use 0 to disable pruning")
+        if not min_p_accepted(self.min_p):
+            raise ValueError(f"min_p={self.min_p!r}: {MIN_P_RULE}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]; use 1.0 to disable the nucleus cut")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

@@ -135,7 +135,8 @@ class Arm:
         return self.name.partition("@")[2] or "main"
 
     def tim_config_kwargs(self, cfg: StudyConfig, profile: dict | None, seed: int) -> dict:
-        kw = {"parity_audit": False, "log_histograms": False,
+        # log_detail: the study's rows and its analysis read the detail families (by probability, max |Δ|, ...)
+        kw = {"parity_audit": False, "log_histograms": False, "log_detail": True,
               "rollout": {"exact": "exact", "inject": "inject"}.get(self.rollout, "hf")}
         if self.rollout == "inject":
             kw["inject_options"] = {"scale": float(self.magnitude), "tau": 1.0, "mode": "noise", "seed": seed,

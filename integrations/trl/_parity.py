@@ -23,27 +23,19 @@ def server_engine_args(trainer) -> tuple[dict, str] | None:
     own client (``VLLMClient.get_server_info``: GET /server_info of ``trl vllm-serve``); None without a server
     or when the server does not answer (the audit then says the engine args are unknown)."""
     # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._init_vllm (vllm_client) and
-    # hooks.TRL_SOURCES trl.generation.vllm_client:VLLMClient.get_server_info; the keys read below:
-    # VLLM_SOURCES vllm.entrypoints.serve.dev.server_info.api_router:show_server_info
+    # hooks.TRL_SOURCES trl.generation.vllm_client:VLLMClient.get_server_info
     client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)
     if client is None or not hasattr(client, "get_server_info"):
         return None
+    # the vLLM adapter reads the reply (imported here, as parity_spec.rollout_spec_from_trl imports it: only with a
+    # vLLM to read, so that importing this module does not import the vLLM adapter and its version note)
+    from tim_plugins.integrations.vllm.parity_spec import engine_args_from_server_info
+
     try:
-        info = client.get_server_info()
-        model, cache, sched = info["model_config"], info["cache_config"], info["scheduler_config"]
-        dtype = model.get("dtype")
-        args = {
-            "model": model.get("model"), "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
-            "logprobs_mode": model.get("logprobs_mode"), "enforce_eager": model.get("enforce_eager"),
-            "quantization": model.get("quantization"), "kv_cache_dtype": cache.get("cache_dtype"),
-            "enable_prefix_caching": cache.get("enable_prefix_caching"),
-            "enable_chunked_prefill": sched.get("enable_chunked_prefill"),
-        }
-        device = str((info.get("device_config") or {}).get("device") or "cuda")
+        return engine_args_from_server_info(client.get_server_info())
     except Exception as err:  # an audit problem never stops training
         logger.info("tim_plugins: could not read the vLLM server's configuration: %r", err)
         return None
-    return {k: v for k, v in args.items() if v is not None}, device
 
 
 def collect_specs(trainer, rollout_source: str, *, engine: bool = True, server: bool = True):

@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import torch
 
-from tim_plugins.by_key import turn_keys
+from tim_plugins.by_key import policy_lag, turn_keys
 from tim_plugins.pipeline import exact_mean
 
 from . import hooks, translate
@@ -164,7 +164,7 @@ class AsyncAttachment:
             self.lengths = self.lengths.to(per_sample.device) + torch.stack(
                 [per_sample.sum(), (per_sample > 0).sum()]).double()
             weights_step = rows["weights_step"]  # -1: the sample's policy version was not seen (synced before)
-            lag = torch.where(weights_step >= 0, (step - weights_step).clamp(min=0), -1)
+            lag = policy_lag(weights_step, step)
             pipeline.measure_lagged(rows["rollout"], rows["current"], rows["mask"], lag, token_ids=rows["token_ids"],
                                     step=step + 1, turn=turn_keys(rows["mask"]))
             pipeline.loss_pass_lagged(rows["rollout"], rows["current"], rows["mask"], lag)

@@ -35,15 +35,17 @@ from transformers.trainer_callback import ExportableState
 
 from tim_plugins._optional import note_version, require
 from tim_plugins.by_key import turn_keys
-from tim_plugins.capabilities import Feature, Status, check
+from tim_plugins.capabilities import Feature, Status, check, look_through
 from tim_plugins.dump import append_log_history, write_summary
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.kept_set import kept_set_line
+from tim_plugins.log_keys import for_step_log
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.patching import Patch
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
-from tim_plugins.rollout.exact import exact_generate
+from tim_plugins.rollout.exact import exact_generate, left_padded
 from tim_plugins.rollout.inject import TailNoiseInjector
+from tim_plugins.rollout.recorder import recorded_logprobs
 from tim_plugins.truncation import Truncation
 
 from . import features, hooks, translate
@@ -52,6 +54,7 @@ from .async_grpo import AsyncAttachment, is_async_grpo
 from ._parity import _live_llm, run_audit
 from .config import TIMConfig
 from .kept_sets import KeptSetStore, engine_returns_kept_sets
+from .sync_check import SyncWatch
 
 __all__ = ["TIMCallback", "TIMState"]
 
@@ -128,15 +131,16 @@ class TIMCallback(TrainerCallback):
         self.safe_route: Feature | None = None
         self.kept_sets: KeptSetStore | None = None  # the engine's kept sets, replayed (kept_sets.py)
         self._async: AsyncAttachment | None = None
+        self.sync_watch: SyncWatch | None = None  # the weight-sync check (sync_check.py)
         if not config.enabled:
             return
         asynchronous = is_async_grpo(trainer)
-        monitor = check(features.ASYNC_MONITOR if asynchronous else features.MONITOR)
+        monitor = check(features.ASYNC_MONITOR if asynchronous else features.MONITOR, features.live(trainer))
         if not monitor.available:  # the measurement points themselves: nothing to attach to
             raise RuntimeError(f"tim_plugins: TIMCallback cannot attach to this TRL: {monitor.reason} "
                                f"(trl {monitor.version}). Fix: {monitor.fix}")
         pipeline_config = self._async_config(trainer, config) if asynchronous else self._grpo_config(trainer, config)
-        self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index)
+        self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index, framework="trl")
         for status in self.features_off:
             self.pipeline.feature_off(status.name)
         trainer.add_callback(self.state_carrier)
@@ -145,29 +149,36 @@ class TIMCallback(TrainerCallback):
             self._async = AsyncAttachment(self)
             self._installation.before_train = self._async.before_train
         else:
-            self._logps_sig = inspect.signature(type(trainer)._get_per_token_logps_and_entropies)
+            # through another library's wrapper of the method (bound by name below)
+            logps, _ = look_through(type(trainer)._get_per_token_logps_and_entropies,
+                                    "_get_per_token_logps_and_entropies")
+            self._logps_sig = inspect.signature(logps)
+            if self.pipeline.causes is not None and config.sync_check and trainer.use_vllm \
+                    and trainer.args.vllm_mode == "colocate" \
+                    and self._available(check(features.SYNC_CHECK, features.live(trainer))):
+                self.sync_watch = SyncWatch(trainer, self.pipeline, config.sync_check_options)
 
     def _grpo_config(self, trainer, config: TIMConfig) -> PipelineConfig:
         """GRPOTrainer: where the rollout log-probs come from, the safe-vocab route and what TRL's loss can take."""
         self.rollout_source = translate.rollout_source(trainer, config)
         if self.rollout_source in ("hf", "inject", "exact"):
             needed = features.EXACT_SAMPLER if self.rollout_source == "exact" else features.HF_RECORDER
-            if not self._available(check(needed)):
+            if not self._available(check(needed, features.live(trainer))):
                 self.rollout_source = "unavailable"
         if config.safe_vocab:
             # the route first: it checks the GRPOTrainer settings safe_truncation reads (a TRL that moved one switches
             # the safe vocabulary off with its warning instead of failing on the attribute)
-            self.safe_route, _ = features.safe_vocab_route()
+            self.safe_route, _ = features.safe_vocab_route(trainer)
             if self.safe_route is not None:
                 self.truncation = translate.safe_truncation(trainer, config)  # configuration mistakes fail here
                 self.kept_sets = self._kept_set_store(trainer)
                 # replay or recompute, and why
                 logger.info(kept_set_line("trl", self.trl_version, sampling_mask=self.kept_sets is not None))
             else:
-                self._available(features.safe_vocab_status())
+                self._available(features.safe_vocab_status(trainer))
         loss_factor = True
         if config.is_correction is not None or (self.truncation is not None and config.mask_boundary_tokens):
-            loss_factor = self._available(check(features.LOSS_FACTOR))
+            loss_factor = self._available(check(features.LOSS_FACTOR, features.live(trainer)))
         if self.rollout_source == "inject":
             self.injector = TailNoiseInjector.from_config(config.inject_options)
         return translate.pipeline_config(trainer, config, self.rollout_source, safe_vocab=self.truncation is not None,
@@ -179,7 +190,7 @@ class TIMCallback(TrainerCallback):
         llm = _live_llm(trainer)
         if self.safe_route is not features.SAFE_VOCAB_FUSED_HEAD or llm is None or not engine_returns_kept_sets(llm):
             return None
-        return KeptSetStore() if self._available(check(features.KEPT_SET_REPLAY)) else None
+        return KeptSetStore() if self._available(check(features.KEPT_SET_REPLAY, features.live(trainer))) else None
 
     def _async_config(self, trainer, config: TIMConfig) -> PipelineConfig:
         """AsyncGRPOTrainer (``async_grpo.py``): the monitor by policy lag; what needs GRPOTrainer is switched off."""
@@ -227,6 +238,8 @@ class TIMCallback(TrainerCallback):
         # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration.generate (the live engine's generate)
         if self.kept_sets is not None:
             wrappers.append((_live_llm(t), "generate", self._wrap_engine_generate))
+        if self.sync_watch is not None:
+            wrappers.extend(self.sync_watch.wrappers())
         self._installation.install(wrappers)
 
     def _safe_patch(self, arguments: dict) -> Patch:
@@ -252,10 +265,9 @@ class TIMCallback(TrainerCallback):
                     lambda: self.pipeline.count("kept_sets_fallback")))
             return Patch(trl_utils, "_ChunkedLogProbFunction", lambda original: hooks.SafeVocabHead(
                 original, self.truncation, self._on_safe_call, unsupported))
-        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:selective_log_softmax (TRL 1.9 - 1.13)
-        import trl.trainer.grpo_trainer as grpo
-
-        return Patch(grpo, "selective_log_softmax",
+        # hooks.TRL_SOURCES trl.trainer.grpo_trainer:selective_log_softmax (TRL 1.9 - 1.13), in the module the
+        # trainer's log-prob call reads it from (TRL's, or one a patching library rebuilt the class into)
+        return Patch(features.logits_route_module(self.trainer), "selective_log_softmax",
                      lambda original: hooks.SafeLogSoftmax(original, self.truncation, self._on_safe_call))
 
     @property
@@ -291,6 +303,7 @@ class TIMCallback(TrainerCallback):
                 self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict,
                 **self._audit_reads)
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
+            self.pipeline.audited(f.code for f in self.findings if f.severity == "error")
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
             # beside the dump, what `tim-plugins report DUMP_DIR` reads to speak TRL (fixes, audit, tokenizer)
             settings = {"model": getattr(self.trainer.model.config, "name_or_path", None),
@@ -320,7 +333,7 @@ class TIMCallback(TrainerCallback):
             return reads
         name, feature = ("server", features.SERVER_AUDIT) if args.vllm_mode == "server" else \
             ("engine", features.ENGINE_AUDIT)
-        status = check(feature)
+        status = check(feature, features.live(self.trainer))
         reads[name] = self._available(status)
         if not reads[name]:
             self.pipeline.feature_off(status.name)
@@ -483,7 +496,7 @@ class TIMCallback(TrainerCallback):
                                 detail=f"{len(recorders)} generate calls in one TRL generation (1 expected)")
             return None
         try:
-            logprobs, reason = translate.recorded_logprobs(recorders[0], completion_ids)
+            logprobs, reason = recorded_logprobs(recorders[0], completion_ids)
         except Exception as err:  # a diagnostic problem never breaks the training step
             self.pipeline.count("hf_logprobs_unrecorded", detail=repr(err))
             return None
@@ -500,7 +513,7 @@ class TIMCallback(TrainerCallback):
         if images is not None:
             raise ValueError("TIMConfig.rollout='exact' supports text-only prompts")
         pad = getattr(t.processing_class, "tokenizer", t.processing_class).pad_token_id
-        ids, attn = translate.left_padded(prompt_ids, pad)
+        ids, attn = left_padded(prompt_ids, pad)
         device = t.accelerator.device
         with torch.no_grad():
             comp, comp_mask, logps = exact_generate(
@@ -556,8 +569,9 @@ class TIMCallback(TrainerCallback):
         out.update(self._pending)
         self._pending = {}
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
-            # beside the dump, what `tim-plugins report DUMP_DIR` reads for the per-step sections
+            # beside the dump, what `tim-plugins report DUMP_DIR` reads for the per-step sections: every metric
             append_log_history(self.config.dump_dir, state.global_step, out)
+        out = for_step_log(out, self.config.log_detail)
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log averages it (AsyncGRPOTrainer: reduces it,
         # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.log)
         store = self.trainer._metrics["train"]

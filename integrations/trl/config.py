@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from tim_plugins._config import coerce_options, core_field, field_help, help_table, help_texts
+from tim_plugins.causes import CauseConfig
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import SIGNAL_ALIASES, LRDecayConfig
@@ -26,6 +27,7 @@ from tim_plugins.parity.probe import ParityProbeConfig
 from tim_plugins.pipeline import PipelineConfig
 from tim_plugins.rollout.inject import InjectorConfig
 from tim_plugins.truncation import DEFAULT_MIN_P
+from tim_plugins.weight_sync import SyncCheckConfig
 
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
 
@@ -58,6 +60,12 @@ class TIMConfig:
                        "tokens) through the trainer's own logging."),
     )
     ratio_band: tuple = core_field(PipelineConfig, "ratio_band")
+    log_detail: bool = field(
+        default=False, metadata=field_help(
+            "Also log the detail metrics (by probability, position, lag and turn, the staleness split, the other "
+            "token statistics) in TRL's log; False: the few read each step (tim_plugins.log_keys.STEP_KEYS). The "
+            "per-token dump's log_history.jsonl and the report always have them all. verl: tim.monitor.log_detail"),
+    )
     log_histograms: bool = field(
         default=True, metadata=field_help("Log wandb histograms of |d| and rho at each logging step (when wandb is active)"),
     )
@@ -129,6 +137,30 @@ class TIMConfig:
         default=None, metadata=field_help("The probe's limits and action: a tim_plugins.parity.ParityProbeConfig, or "
                                           "a dict of its fields (kl_k3_max, abs_diff_max, action, patience, ...)", options=ParityProbeConfig),
     )
+    # ------------------------------------------------------------------------------------------- causes
+    causes: bool = field(
+        default=True,
+        metadata=field_help("Name what causes a mismatch (a broken weight sync, an engine sampling from other weights, "
+                            "a jump of the lag-0 floor, staleness, truncation): tim/cause/*, one console line per "
+                            "cause, the report's verdict; with parity_probe, a named cause trips it. Needs "
+                            "monitor=True (off without it). docs/causes.md"),
+    )
+    causes_options: CauseConfig = field(
+        default=None, metadata=field_help("The causes' thresholds: a tim_plugins.causes.CauseConfig, or a dict of its "
+                                          "fields (confident_p, confident_gap, floor_jump_factor, ...)",
+                                          options=CauseConfig),
+    )
+    sync_check: bool = field(
+        default=True,
+        metadata=field_help("With vLLM colocate: after each checked weight sync, compare the engine's weights with "
+                            "what TRL sent (a fixed sample of elements per tensor, exact in the engine's dtype) and "
+                            "name tensors not updated, in another precision, or missing. Needs causes=True"),
+    )
+    sync_check_options: SyncCheckConfig = field(
+        default=None, metadata=field_help("The sync check's options: a tim_plugins.weight_sync.SyncCheckConfig, or a "
+                                          "dict of its fields (every_n_syncs, elements_per_tensor, ...)",
+                                          options=SyncCheckConfig),
+    )
     # --------------------------------------------------------------------------------------- correction
     is_correction: Optional[str] = field(
         default=None,
@@ -148,16 +180,15 @@ class TIMConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "monitor", "log_histograms", "safe_vocab", "mask_boundary_tokens", "lr_decay",
-                     "parity_audit", "parity_strict", "parity_probe", "strict"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"TIMConfig.{name}={value!r}: must be True or False. Fix: {name}=True or "
-                                 f"{name}=False")
+        problem = type_problem(self, _SWITCHES)  # the rule verl's settings are checked with
+        if problem is not None:
+            name, value, _, rule = problem
+            raise ValueError(f"TIMConfig.{name}={value!r} is invalid: {rule}. Fix: {name}=True or {name}=False")
         self.ratio_band = check_ratio_band(self.ratio_band, "TIMConfig.ratio_band",
                                            f"TIMConfig(ratio_band={DEFAULT_RATIO_BAND})")
         if self.rollout not in ROLLOUT_CHOICES:
-            raise ValueError(f"TIMConfig.rollout={self.rollout!r}: must be one of {ROLLOUT_CHOICES}.")
+            raise ValueError(f"TIMConfig.rollout={self.rollout!r} is invalid: must be one of {ROLLOUT_CHOICES}. Fix: "
+                             "rollout='auto' (the default)")
         if self.safe_vocab_min_p is not None:  # the rule verl's tim.safe_vocab.min_p has too
             self.safe_vocab_min_p = check_min_p(
                 self.safe_vocab_min_p, "TIMConfig.safe_vocab_min_p",
@@ -165,26 +196,37 @@ class TIMConfig:
         if self.dump_dir != "" and not dump_dir_accepted(self.dump_dir):  # "": no dump, as it always was
             raise ValueError(f"TIMConfig.dump_dir={self.dump_dir!r} is invalid: {DUMP_DIR_RULE}. Fix: "
                              "dump_dir='/path/to/tim_dump' or dump_dir=None")
-        self.dump_options = coerce_options(DumpConfig, self.dump_options, "TIMConfig.dump_options",
-                                           out_dir=str(self.dump_dir) if self.dump_dir else "")
-        problem = type_problem(self.dump_options)  # the types verl's tim.dump.* options are checked against
-        if problem is not None:
-            name, value, kind, rule = problem
-            raise ValueError(f"TIMConfig.dump_options.{name}={value!r} is invalid: {rule}. Fix: "
-                             f"dump_options={{{name!r}: <{kind}>}}")
-        inject = coerce_options(InjectorConfig, self.inject_options, "TIMConfig.inject_options")
+        self.dump_options = _options(DumpConfig, self.dump_options, "dump_options",
+                                     out_dir=str(self.dump_dir) if self.dump_dir else "")
+        inject = _options(InjectorConfig, self.inject_options, "inject_options")
         if self.rollout != "inject" and inject != InjectorConfig():
-            raise ValueError(f"TIMConfig.inject_options={self.inject_options!r} given but rollout={self.rollout!r}; "
-                             "set rollout='inject' or drop inject_options.")
+            raise ValueError(f"TIMConfig.inject_options={self.inject_options!r} is invalid with rollout="
+                             f"{self.rollout!r}: the injector perturbs rollout='inject' only. Fix: rollout='inject', "
+                             "or drop inject_options")
         self.inject_options = inject
-        self.parity_probe_options = coerce_options(ParityProbeConfig, self.parity_probe_options,
-                                                   "TIMConfig.parity_probe_options")
+        self.parity_probe_options = _options(ParityProbeConfig, self.parity_probe_options, "parity_probe_options")
+        self.causes_options = _options(CauseConfig, self.causes_options, "causes_options")
+        self.sync_check_options = _options(SyncCheckConfig, self.sync_check_options, "sync_check_options")
+        for group in ("dump_options", "causes_options", "sync_check_options"):  # typed as verl checks tim.*
+            problem = type_problem(getattr(self, group))
+            if problem is not None:
+                name, value, kind, rule = problem
+                raise ValueError(f"TIMConfig.{group}.{name}={value!r} is invalid: {rule}. Fix: "
+                                 f"{group}={{{name!r}: <{kind}>}}")
         if self.is_correction is not None:  # the core's own checks: modes, '+' combinations and thresholds
-            self.is_correction_options = coerce_options(CorrectionConfig, self.is_correction_options,
-                                                        "TIMConfig.is_correction_options", mode=self.is_correction)
+            try:
+                CorrectionConfig(mode=self.is_correction)
+            except ValueError as err:
+                raise ValueError(
+                    f"TIMConfig.is_correction={self.is_correction!r} is invalid: {err} Fix: is_correction='token_tis' "
+                    f"(one of {IS_CORRECTION_CHOICES}, or several joined with '+', e.g. 'geo_rs+token_tis'), or "
+                    "None for no correction") from None
+            self.is_correction_options = _options(CorrectionConfig, self.is_correction_options,
+                                                  "is_correction_options", mode=self.is_correction)
         elif self.is_correction_options and not isinstance(self.is_correction_options, CorrectionConfig):
-            raise ValueError(f"TIMConfig.is_correction_options={self.is_correction_options!r} given but "
-                             "is_correction=None; name the correction (e.g. is_correction='token_tis') or drop them.")
+            raise ValueError(f"TIMConfig.is_correction_options={self.is_correction_options!r} is invalid with "
+                             "is_correction=None: they are the thresholds of a correction, and none is named. Fix: "
+                             "is_correction='token_tis' (or another mode), or drop is_correction_options")
         else:
             self.is_correction_options = None
         self._merge_lr_decay_signals()
@@ -211,15 +253,18 @@ class TIMConfig:
         """lr_decay_signals and lr_decay_options.signals are one setting: either may name the signals (in any
         spelling SIGNAL_ALIASES knows), both only alike."""
         self.lr_decay_signals = tuple(self.lr_decay_signals)
-        options = coerce_options(LRDecayConfig, self.lr_decay_options, "TIMConfig.lr_decay_options")
+        options = _options(LRDecayConfig, self.lr_decay_options, "lr_decay_options")
         try:  # the spellings and their rule are lr_control's
             named = tuple(dict.fromkeys(LRDecayConfig(signals=self.lr_decay_signals).signals))
         except ValueError as err:
-            raise ValueError(f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} is invalid: {err}") from None
+            raise ValueError(f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} is invalid: {err} Fix: "
+                             f"lr_decay_signals=('kl_k3',) (any of {LR_DECAY_SIGNALS}), or () for the length "
+                             "alone") from None
         if named and options.signals and set(options.signals) != set(named):
             raise ValueError(
                 f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} and lr_decay_options.signals="
-                f"{options.signals!r} disagree; name the signals once (lr_decay_signals).")
+                f"{options.signals!r} disagree: they are one setting. Fix: name the signals once, "
+                f"lr_decay_signals={named!r}")
         self.lr_decay_options = dataclasses.replace(options, signals=named) if named and not options.signals \
             else options
 
@@ -244,6 +289,17 @@ class TIMConfig:
     def help_texts(cls) -> dict[str, str]:
         """{field name: help text} (for command lines and docs)."""
         return help_texts(cls)
+
+
+# TIMConfig's switches: checked with the shared type rule (``options.type_problem``), as verl's settings are.
+_SWITCHES = tuple(f.name for f in fields(TIMConfig) if f.type == "bool")
+
+
+def _options(cls, value, name: str, **fixed):
+    """``coerce_options`` for the option group ``TIMConfig.<name>``: a refused option's fix is that option at its
+    default, in this field's spelling (``dump_options={'sample_rate': 0.05}``)."""
+    return coerce_options(cls, value, f"TIMConfig.{name}", **fixed,
+                          option_fix=lambda key, default: f"{name}={{{key!r}: {default!r}}} (its default)")
 
 
 def _checked_init(init):

@@ -2,8 +2,13 @@
 upstream hooks (``hooks.TRL_SOURCES``, ``TRANSFORMERS_SOURCES``) it needs, checked when the callback attaches.
 
 A feature whose hook moved is switched off on its own (one warning, ``tim/diag/feature_off/<name>``); the monitor
-is the only one whose absence stops the callback (its measurement point is unreachable). The safe vocabulary has
-one route per shape of TRL's log-prob computation; the first available one is used:
+is the only one whose absence stops the callback (its measurement point is unreachable). What ``GRPOTrainer.__init__``
+leaves on the trainer (the settings the adapter reads, the live vLLM engine) is checked on the trainer the callback is
+given (``live(trainer)``), so a wrapped ``__init__``, a subclass or a class rebuilt by a patching library attaches
+like TRL's own; source fragments remain only where the behaviour shows nowhere but in a forward, a generation or a
+log, each saying so beside it (``tim-plugins doctor``, with no trainer, lists the live checks as done when
+attaching). The safe vocabulary has one route per shape of TRL's log-prob computation; the first available one is
+used:
 
 - ``safe_vocab_fused_head`` (TRL >= 1.15): the fused lm_head's per-token kernel ``_ChunkedLogProbFunction``, looked
   up by ``add_fused_lm_head`` at call time;
@@ -19,13 +24,15 @@ reason).
 from __future__ import annotations
 
 import re
+import sys
 
-from tim_plugins.capabilities import Feature, Hook, Status, check
+from tim_plugins.capabilities import (Feature, Hook, Problem, SourceProblem, Status, check, first_available,
+                                      look_through, upstream_source)
 
 __all__ = ["ASYNC_MONITOR", "ASYNC_UNSUPPORTED", "ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER",
            "KEPT_SET_REPLAY", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS",
-           "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "async_unsupported", "feature", "safe_vocab_route", "safe_vocab_status",
-           "trl_features"]
+           "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "SYNC_CHECK", "async_unsupported", "feature", "live",
+           "logits_route_module", "safe_vocab_route", "safe_vocab_status", "trl_features"]
 
 _GRPO = "trl.trainer.grpo_trainer"
 _UPGRADE = "pip install -U 'trl>=1.16'"
@@ -37,9 +44,16 @@ _LOGPS_NAMED = Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies",
 
 
 def _settings(*names: str) -> Hook:
-    """The attributes GRPOTrainer.__init__ copies from its args (``self.<name> = args.<name>``) that a feature reads
-    (translate.py; hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__)."""
-    return Hook(_GRPO, "GRPOTrainer.__init__", fragments=tuple(f"self.{n} = args.{n}" for n in names))
+    """The attributes GRPOTrainer.__init__ leaves on the trainer (copied from its args) that a feature reads
+    (translate.py; hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__): checked on the live trainer the
+    callback is given (``check(feature, live={"trainer": trainer})``), whoever built it (a wrapped ``__init__``, a
+    subclass, a class rebuilt from edited source)."""
+    return Hook(_GRPO, "GRPOTrainer.__init__", attrs=tuple(f"trainer.{n}" for n in names))
+
+
+def live(trainer) -> dict:
+    """The live objects the features' ``attrs`` are read on."""
+    return {"trainer": trainer}
 
 
 MONITOR = Feature(
@@ -48,20 +62,26 @@ MONITOR = Feature(
            Hook(_GRPO, "GRPOTrainer._generate_and_score_completions"),
            Hook(_GRPO, "GRPOTrainer._compute_loss", params=("model", "inputs")),
            _LOGPS,
-           # TRL's log() averages self._metrics[mode] lists into the logged values (where tim/ values are appended)
-           Hook(_GRPO, "GRPOTrainer.log", fragments=("self._metrics[mode]",))))
+           # the callback appends its tim/ values to trainer._metrics["train"] (live), and TRL's log() averages those
+           # lists into the logged values: a fragment, since log() shows that only when TRL logs (calling it to see
+           # would write a log row)
+           Hook(_GRPO, "GRPOTrainer.log", fragments=("self._metrics[mode]",), attrs=("trainer._metrics",))))
 
 # The loss factor (IS corrections, safe-vocab boundary masking) reaches TRL's loss through (B, T) advantages
 # (translate.scale_policy_term); TRL must read them from the inputs inside _compute_loss.
 LOSS_FACTOR = Feature(
     "loss_factor", "IS corrections and boundary masking in TRL's loss", "trl", needs=("trl",), extra="trl",
-    fix=_UPGRADE, hooks=(Hook(_GRPO, "GRPOTrainer._compute_loss", fragments=('inputs["advantages"]',)),
+    fix=_UPGRADE,
+    # a fragment: that the loss reads the advantages from its inputs shows only in a loss forward and backward
+    hooks=(Hook(_GRPO, "GRPOTrainer._compute_loss", fragments=('inputs["advantages"]',)),
                          # translate.pipeline_config (TRL's own IS correction), translate.scale_policy_term (loss_type)
                          _settings("use_vllm", "vllm_importance_sampling_correction", "loss_type")))
 
 # translate.safe_truncation: the sampler's truncation and temperature, and vLLM's order of the processors or HF's
 _TRUNCATION = _settings("use_vllm", "temperature", "top_p", "top_k")
 
+# Fragments: the log-prob call reaches the kernel through the fused head, which looks the kernel up as a module global
+# at call time; both show only in a policy forward.
 SAFE_VOCAB_FUSED_HEAD = Feature(
     "safe_vocab_fused_head", "safe vocabulary (TRL's fused lm_head, TRL >= 1.15)", "trl", needs=("trl",),
     extra="trl", fix=_UPGRADE,
@@ -76,21 +96,38 @@ SAFE_VOCAB_FUSED_HEAD = Feature(
 _TEMPERATURE_DIVISIONS = ("logits.div_(self.temperature)", "logits = logits / self.temperature")
 
 
-def _logits_tempered_before_selective_log_softmax() -> str | None:
+def logits_route_module(trainer):
+    """The module whose global ``selective_log_softmax`` the trainer's log-prob call looks up (TRL's grpo_trainer, or
+    the module a patching library rebuilt the class into), or None when that namespace is no module in
+    ``sys.modules`` (the stand-in, ``hooks.SafeLogSoftmax``, could not reach it)."""
+    func, _ = look_through(type(trainer)._get_per_token_logps_and_entropies, "_get_per_token_logps_and_entropies")
+    scope = getattr(getattr(func, "__func__", func), "__globals__", None) or {}
+    module = sys.modules.get(scope.get("__name__", ""))
+    return module if module is not None and vars(module) is scope else None
+
+
+def _logits_route_holds(live=None) -> str | Problem | None:
     """None when TRL divides the logits by the temperature before its selective_log_softmax call (the stand-in then
-    receives tempered logits), else why not."""
-    import inspect
-
-    from tim_plugins.capabilities import resolve
-
-    src = re.sub(r"\s+", "", inspect.getsource(resolve(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies")))
+    receives tempered logits) and, on the live trainer, that call's module global can be replaced; else why not.
+    The order of two statements: a fragment check (it shows only in a forward)."""
+    try:
+        src = re.sub(r"\s+", "", upstream_source(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies"))
+    except SourceProblem as err:
+        return err.problem
     call = src.find("selective_log_softmax(logits,completion_ids)")
-    if any(0 <= src.find(re.sub(r"\s+", "", d)) < call for d in _TEMPERATURE_DIVISIONS):
-        return None
-    return ("trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies no longer divides the logits by "
-            f"the temperature ({' or '.join(_TEMPERATURE_DIVISIONS)}) before selective_log_softmax")
+    if not any(0 <= src.find(re.sub(r"\s+", "", d)) < call for d in _TEMPERATURE_DIVISIONS):
+        return (f"{_GRPO}:GRPOTrainer._get_per_token_logps_and_entropies no longer divides the logits by the "
+                f"temperature ({' or '.join(_TEMPERATURE_DIVISIONS)}) before selective_log_softmax")
+    trainer = (live or {}).get("trainer")
+    if trainer is not None and logits_route_module(trainer) is None:
+        return Problem(f"the {type(trainer).__name__}'s _get_per_token_logps_and_entropies looks selective_log_softmax "
+                       "up in a namespace that is no module in sys.modules (a class rebuilt from source into it), so "
+                       "the safe vocabulary cannot stand in for it",
+                       "register the module the class was rebuilt into in sys.modules, or safe_vocab=False")
+    return None
 
 
+# Fragments: TRL's log-prob call looks selective_log_softmax up at call time, on tempered logits (a forward shows it).
 SAFE_VOCAB_LOGITS = Feature(
     "safe_vocab_logits", "safe vocabulary (full logits, TRL 1.9 - 1.13)", "trl", needs=("trl",), extra="trl",
     fix=_UPGRADE,
@@ -98,7 +135,7 @@ SAFE_VOCAB_LOGITS = Feature(
            Hook(_GRPO, "GRPOTrainer._get_per_token_logps_and_entropies",
                 fragments=("selective_log_softmax(logits, completion_ids)",)),
            Hook(_GRPO, "selective_log_softmax", params=("logits", "index"))),
-    probe=_logits_tempered_before_selective_log_softmax)
+    probe=_logits_route_holds)
 
 SAFE_VOCAB_ROUTES = (SAFE_VOCAB_FUSED_HEAD, SAFE_VOCAB_LOGITS)
 
@@ -107,33 +144,37 @@ HF_RECORDER = Feature(
     needs=("trl", "transformers"), extra="trl", fix="use vLLM (GRPOConfig(use_vllm=True)), or report it",
     hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn"),
            # translate.rollout_source: a user's rollout_func or transformers' continuous batching is not generate
-           Hook(_GRPO, "GRPOTrainer.__init__", fragments=(
-               "self.rollout_func = rollout_func",
-               "self.use_transformers_continuous_batching = args.use_transformers_continuous_batching")),
+           Hook(_GRPO, "GRPOTrainer.__init__",
+                attrs=("trainer.rollout_func", "trainer.use_transformers_continuous_batching")),
            # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin._get_logits_processor
            Hook("transformers.generation.utils", "GenerationMixin._get_logits_processor",
                 params=("generation_config", "logits_processor")),
-           # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup)
+           # TRANSFORMERS_SOURCES transformers.generation.utils:GenerationMixin.generate (instance lookup): a fragment,
+           # since generate looks the processors' builder up on the model only while it generates
            Hook("transformers.generation.utils", "GenerationMixin.generate", fragments=("self._get_logits_processor(",))))
 
+# Where _generate_single_turn cuts completions, by the trainer's EOS attribute: GRPOTrainer.eos_token_ids (TRL >= 1.15)
+# or, where the trainer has none, the tokenizer's one EOS (TRL 1.9 - 1.14). The cut is a fragment (it shows only in a
+# generation); which one applies is read on the live trainer (without it, either will do).
+_EOS_CUTS = {"the trainer's eos_token_ids": "torch.tensor(self.eos_token_ids",
+             "the tokenizer's eos_token_id": "completion_ids == self._tokenizer.eos_token_id"}
 
-def _completions_end_where_the_exact_sampler_ends() -> str | None:
-    """None when TRL cuts its completions at the EOS ids ``translate.eos_token_ids`` hands the exact sampler:
-    ``self.eos_token_ids`` set in ``GRPOTrainer.__init__`` (TRL >= 1.15) or the tokenizer's one EOS (TRL 1.9 -
-    1.14); else why not."""
-    import inspect
 
-    from tim_plugins.capabilities import resolve
-
-    trainer = resolve(_GRPO, "GRPOTrainer")
-    init = re.sub(r"\s+", "", inspect.getsource(trainer.__init__))
-    single = re.sub(r"\s+", "", inspect.getsource(trainer._generate_single_turn))
-    if "self.eos_token_ids=eos_token_ids" in init and "torch.tensor(self.eos_token_ids" in single:
+def _completions_end_where_the_exact_sampler_ends(live=None) -> str | Problem | None:
+    """None when TRL cuts its completions at the EOS ids ``translate.eos_token_ids`` hands the exact sampler, else
+    why not."""
+    try:
+        single = re.sub(r"\s+", "", upstream_source(_GRPO, "GRPOTrainer._generate_single_turn"))
+    except SourceProblem as err:
+        return err.problem
+    cuts = dict(_EOS_CUTS)
+    trainer = (live or {}).get("trainer")
+    if trainer is not None:
+        cuts.pop("the tokenizer's eos_token_id" if getattr(trainer, "eos_token_ids", None) is not None
+                 else "the trainer's eos_token_ids")
+    if any(re.sub(r"\s+", "", cut) in single for cut in cuts.values()):
         return None
-    if "self.eos_token_ids" not in init and "completion_ids==self._tokenizer.eos_token_id" in single:
-        return None
-    return (f"{_GRPO}:GRPOTrainer._generate_single_turn no longer ends completions at GRPOTrainer.eos_token_ids "
-            "(set in __init__) nor at the tokenizer's eos_token_id")
+    return f"{_GRPO}:GRPOTrainer._generate_single_turn no longer ends completions at {' nor at '.join(cuts)}"
 
 
 EXACT_SAMPLER = Feature(
@@ -145,33 +186,50 @@ EXACT_SAMPLER = Feature(
 
 # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._init_vllm: the live engine (colocate) and the
 # server's client the audit reads (_parity.py). Each gates that read (callback.TIMCallback._live_audit_reads): when
-# one moves, the audit reports the engine's settings as unknown and the feature is off.
-_INIT_VLLM = Hook("trl.generation.vllm_generation", "VLLMGeneration._init_vllm",
-                  fragments=("self.llm = LLM(", "self.vllm_client = VLLMClient("))
-
+# one moves, the audit reports the engine's settings as unknown and the feature is off. The colocate engine is read
+# on the live trainer; the server's client stays a fragment: only the main process holds one, so its absence on the
+# live trainer of another rank is no move.
+_VLLM_GENERATION = "trl.generation.vllm_generation"
 ENGINE_AUDIT = Feature(
     "parity_audit_engine", "parity audit of TRL's vLLM engine (use_vllm=True)", "trl", needs=("trl",), extra="trl",
-    fix=_UPGRADE, hooks=(_INIT_VLLM,))
+    fix=_UPGRADE,
+    hooks=(Hook(_VLLM_GENERATION, "VLLMGeneration._init_vllm", attrs=("trainer.vllm_generation.llm",)),))
 
 SERVER_AUDIT = Feature(
     "parity_audit_server", "parity audit of a vLLM server's settings (vllm_mode='server')", "trl", needs=("trl",),
-    extra="trl", fix=_UPGRADE, hooks=(_INIT_VLLM, Hook("trl.generation.vllm_client", "VLLMClient.get_server_info")))
+    extra="trl", fix=_UPGRADE,
+    hooks=(Hook(_VLLM_GENERATION, "VLLMGeneration._init_vllm", fragments=("self.vllm_client = VLLMClient(",)),
+           Hook("trl.generation.vllm_client", "VLLMClient.get_server_info")))
 
 # kept_sets.py: the colocate engine built with return_sampling_mask (engine_kept_sets replaces the module global LLM
 # that VLLMGeneration._init_vllm calls), its generate outputs captured (VLLMGeneration.generate calls self.llm.generate
-# and takes the prompt and completion ids from the outputs) and replayed in the fused head's per-token kernel
-_VLLM_GENERATION = "trl.generation.vllm_generation"
+# and takes the prompt and completion ids from the outputs) and replayed in the fused head's per-token kernel.
+# Fragments: engine_kept_sets is checked before the trainer (and its engine) exists, and what generate does with the
+# outputs shows only in a generation. At attach, the live engine's own config says whether it hands out its sets
+# (kept_sets.engine_returns_kept_sets).
 KEPT_SET_REPLAY = Feature(
     "kept_set_replay", "the engine's kept sets replayed (vLLM colocate, return_sampling_mask)", "trl",
-    needs=("trl",), extra="trl",
+    needs=("trl", "vllm"), extra="trl",  # without vLLM its hooks are missing: the fix installs vLLM, not TRL
     fix="vLLM installed (a GPU build: return_sampling_mask needs Model Runner V2) and " + _UPGRADE,
-    hooks=(_INIT_VLLM, Hook(_VLLM_GENERATION, "LLM"),
+    hooks=(Hook(_VLLM_GENERATION, "VLLMGeneration._init_vllm", fragments=("self.llm = LLM(",)),
+           Hook(_VLLM_GENERATION, "LLM"),
            Hook(_VLLM_GENERATION, "VLLMGeneration.generate", fragments=(
                "all_outputs = self.llm.generate(vllm_prompts, sampling_params=sampling_params",
                "all_prompt_ids = [output.prompt_token_ids for output in all_outputs]",
                "all_completion_ids = [output.token_ids for outputs in all_outputs for output in outputs.outputs]"))))
 
-# AsyncGRPOTrainer (TRL >= 1.16, trl.experimental): the policy lag of each trained token (async_grpo.py)
+# sync_check.py: the colocate sync wrapped on the instance (whatever it is: a replaced or wrapped sync_weights is
+# checked the same, so no statement of TRL's is required of it); what it streams sampled at the engine model's
+# load_weights, where TRL's own sync writes
+SYNC_CHECK = Feature(
+    "sync_check", "weight-sync check of TRL's colocated vLLM engine", "trl", needs=("trl",), extra="trl",
+    fix=_UPGRADE, hooks=(Hook(_VLLM_GENERATION, "VLLMGeneration._init_vllm", attrs=("trainer.vllm_generation.llm",)),
+                         Hook(_VLLM_GENERATION, "VLLMGeneration.sync_weights"),
+                         Hook(_VLLM_GENERATION, "VLLMGeneration._fix_param_name_to_vllm", params=("name",))))
+
+# AsyncGRPOTrainer (TRL >= 1.16, trl.experimental): the policy lag of each trained token (async_grpo.py).
+# Fragments: packing, the loss's token selection, the dataloader's queue and the collator's padding show only while
+# it trains; the model version the packing wrapper reads is checked on the live trainer.
 _ASYNC = "trl.experimental.async_grpo.async_grpo_trainer"
 ASYNC_MONITOR = Feature(
     "async_monitor", "mismatch by policy lag (AsyncGRPOTrainer)", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
@@ -182,7 +240,8 @@ ASYNC_MONITOR = Feature(
                            'segment_id = inputs["segment_id"][selected]', "fused_lm_head=True",
                            "log_probs = outputs.log_probs.flatten()[token_index]")),
            Hook(_ASYNC, "AsyncGRPOTrainer.get_train_dataloader",
-                fragments=("rollout_queue=self.rollout_queue", "model_version_fn=lambda: self.model_version")),
+                fragments=("rollout_queue=self.rollout_queue", "model_version_fn=lambda: self.model_version"),
+                attrs=("trainer.model_version",)),
            Hook(_ASYNC, "RolloutQueueDataset.__iter__",
                 fragments=("sample = self.queue.get(", '"old_log_probs": sample.old_log_probs')),
            Hook(_ASYNC, "DataCollatorForRollout.torch_call",
@@ -207,7 +266,7 @@ def async_unsupported(name: str) -> Status:
 
 
 FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, ENGINE_AUDIT, SERVER_AUDIT,
-            KEPT_SET_REPLAY, ASYNC_MONITOR)
+            KEPT_SET_REPLAY, SYNC_CHECK, ASYNC_MONITOR)
 
 
 def feature(name: str) -> Feature:
@@ -218,22 +277,20 @@ def feature(name: str) -> Feature:
     raise KeyError(f"no TRL feature {name!r}; known: {[f.name for f in FEATURES]}")
 
 
-def safe_vocab_route() -> tuple[Feature | None, list[Status]]:
-    """The first safe-vocabulary route the installed TRL supports (None if none), and every route's status."""
-    statuses = [check(f) for f in SAFE_VOCAB_ROUTES]
-    for status in statuses:
-        if status.available:
-            return status.feature, statuses
-    return None, statuses
+def safe_vocab_route(trainer=None) -> tuple[Feature | None, list[Status]]:
+    """The first safe-vocabulary route the installed TRL (and ``trainer``, when given) supports (None if none), and
+    every route's status."""
+    return first_available(SAFE_VOCAB_ROUTES, live(trainer) if trainer is not None else None)
 
 
-def safe_vocab_status() -> Status:
+def safe_vocab_status(trainer=None) -> Status:
     """The safe vocabulary as one feature: available through the first route that holds (named in the title), else
     off with every route's reason."""
-    route, statuses = safe_vocab_route()
+    route, statuses = safe_vocab_route(trainer)
     if route is not None:
+        status = next(s for s in statuses if s.feature is route)
         return Status(Feature("safe_vocab", f"safe vocabulary, TRL side (via {route.title.split('(', 1)[1][:-1]})",
-                              "trl"), True, version=statuses[0].version)
+                              "trl"), True, version=status.version, deferred=status.deferred)
     return Status(Feature("safe_vocab", "safe vocabulary, TRL side", "trl", fix=statuses[0].fix), False,
                   "; ".join(f"{s.feature.title}: {s.reason}" for s in statuses), statuses[0].fix, statuses[0].version)
 

@@ -4,7 +4,7 @@ GRPO run. Data only: importing it imports no framework (the offline report reads
 
 from __future__ import annotations
 
-__all__ = ["FINDING_FIXES", "FRAMEWORK", "NAME", "PART_FIXES", "RUNS_ON"]
+__all__ = ["CAUSE_FIXES", "FINDING_FIXES", "FRAMEWORK", "NAME", "PART_FIXES", "RUNS_ON"]
 
 FRAMEWORK = "trl"
 NAME = "TRL"
@@ -57,4 +57,30 @@ PART_FIXES = {
                        "step ahead trains one sync later)",
     "mismatch": "the parity fixes in the audit's fix column (dtype, lm_head precision, truncation), and `tim-plugins "
                 "measure --compare` to find the setting that removes it",
+}
+
+_SYNC = ("TRL's weight sync (VLLMGeneration.sync_weights, before each generation after an optimizer step) must write "
+         "every parameter into the engine: colocate, check what wraps sync_weights or the engine's load_weights "
+         "(with vllm_enable_sleep_mode, the weights are woken first); server mode, that the server reloads "
+         "(update_named_params) and resets its prefix cache; a rollout_func samples from weights it must sync itself")
+
+# {cause code (tim_plugins.causes.CAUSES): knob}
+CAUSE_FIXES = {
+    "sync-noop": _SYNC,
+    "sync-tensors-stale": _SYNC + "; the tensors named were skipped (a name the engine's loader drops, a layer "
+                                  "filtered out)",
+    "sync-precision": "write each tensor in the engine's dtype: a model loaded in one dtype and cast in parts (a "
+                      "custom sync casting some tensors) leaves those layers rounded; TRL passes no dtype to LLM() in "
+                      "colocate mode (vLLM follows config.json)",
+    "sync-tensors-missing": "the names TRL sends (VLLMGeneration._fix_param_name_to_vllm: wrapper prefixes dropped) "
+                            "must be the checkpoint's: a model wrapped or renamed after loading needs those prefixes "
+                            "stripped",
+    "sync-tensors-differ": _SYNC,
+    "engine-stale": "colocate: keep TIMConfig(sync_check=True) to see which tensors; server mode: check that `trl "
+                    "vllm-serve` receives the weights (init_communicator, update_named_params) and that nothing else "
+                    "reloads the model; with vllm_importance_sampling_correction, TRL's own ratios read the same",
+    "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode), "
+                  "the vLLM server, the sampling settings",
+    "staleness": PART_FIXES["staleness"],
+    "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

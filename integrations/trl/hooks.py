@@ -10,9 +10,10 @@ instance to patch), is replaced only while this trainer's ``train()`` runs and a
 the callback attaches (a moved one switches its feature off) and ``tests/test_trl_hook_guards.py`` fails when one
 of them changes shape. Every wrapper takes ``*args, **kwargs`` and forwards them unchanged (signatures vary by release).
 
-Here: ``Installation`` (one callback's set of patches, undone on every exit of ``train()``) and the
-safe-vocab stand-ins (``SafeVocabHead``, ``SafeLogSoftmax``, which hand each call's safe-set fields to a sink). The
-translations of TRL's tensors are ``translate.py``'s; the lifecycle is ``callback.py``'s.
+Here: the safe-vocab stand-ins (``SafeVocabHead``, ``SafeLogSoftmax``, which hand each call's safe-set fields to a
+sink). One callback's set of patches, undone on every exit of ``train()``, is ``tim_plugins.patching.Installation``
+(framework-neutral: a trainer with a ``train()`` method). The translations of TRL's tensors are ``translate.py``'s;
+the lifecycle is ``callback.py``'s.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any, Callable
 
 import torch
 
-from tim_plugins.patching import Patch
-from tim_plugins.replay import replay_logprobs_from_hidden
-from tim_plugins.safe_vocab import SafeLogprobs, safe_logprobs_from_hidden, safe_logprobs_from_logits
+from tim_plugins.patching import Installation  # noqa: F401 (the callback's hooks.Installation)
+from tim_plugins.safe_head import kept_set_logprobs
+from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import Truncation
 
-__all__ = ["Installation", "ReplayHead", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES"]
+__all__ = ["ReplayHead", "SafeLogSoftmax", "SafeVocabHead", "TRL_SOURCES", "TRL_SOURCE_FEATURES"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,13 @@ TRL_SOURCES = {
         "colocate: one all_outputs = self.llm.generate(vllm_prompts, sampling_params=...) per generation, whose "
         "outputs' prompt_token_ids and outputs[].token_ids become the batch's prompt and completion ids (the "
         "callback captures each completion's sampling_mask from the same outputs, kept_sets.KeptSetStore)",
+    ("trl.generation.vllm_generation", "VLLMGeneration.sync_weights"):
+        "() -> None, called by GRPOTrainer before generating when global_step moved (the first time at step 0); "
+        "colocate: every (name, tensor) of self._iter_named_params() written through "
+        "self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, param)]), then "
+        "the prefix cache reset (the sync check wraps it on the instance and samples load_weights' input)",
+    ("trl.generation.vllm_generation", "VLLMGeneration._fix_param_name_to_vllm"):
+        "(name) -> the name TRL's sync sends for a parameter of a plain model (wrapper prefixes dropped)",
     ("trl.trainer.utils", "_ChunkedLogProbFunction"):
         "looked up at call time by add_fused_lm_head; .apply(hidden, weight, bias, targets, temperature, "
         "chunk_size, final_logit_softcapping, logit_scale, outputs)",
@@ -112,64 +120,16 @@ TRL_SOURCE_FEATURES = {
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"): ("hf_recorder", "exact_sampler"),
     ("trl.trainer.grpo_trainer", "GRPOTrainer.log"): ("monitor",),
     ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"):
-        ("parity_audit_engine", "parity_audit_server", "kept_set_replay"),
+        ("parity_audit_engine", "parity_audit_server", "kept_set_replay", "sync_check"),
     ("trl.generation.vllm_generation", "LLM"): ("kept_set_replay",),
     ("trl.generation.vllm_generation", "VLLMGeneration.generate"): ("kept_set_replay",),
     ("trl.generation.vllm_client", "VLLMClient.get_server_info"): ("parity_audit_server",),
+    ("trl.generation.vllm_generation", "VLLMGeneration.sync_weights"): ("sync_check",),
+    ("trl.generation.vllm_generation", "VLLMGeneration._fix_param_name_to_vllm"): ("sync_check",),
     ("trl.trainer.utils", "_ChunkedLogProbFunction"): ("safe_vocab_fused_head",),
     ("trl.trainer.grpo_trainer", "selective_log_softmax"): ("safe_vocab_logits",),
     **{key: ("async_monitor",) for key in TRL_SOURCES if key[0].startswith("trl.experimental.async_grpo")},
 }
-
-
-class Installation:
-    """The patches one callback holds on its trainer, all of them inside ``train()``: a wrapper of ``train`` itself
-    (from creation until ``remove``) installs the ``before_train`` patches when ``train()`` is entered (what TRL
-    reads before any callback event, e.g. the dataloader's source) and undoes every patch on every exit of
-    ``train()`` (transformers skips ``on_train_end`` when ``train()`` raises); the wrappers of the training run
-    proper are installed at train begin (``install``) and undone at train end (``undo``)."""
-
-    def __init__(self, trainer, before_train: Callable[[], list] | None = None) -> None:
-        self.trainer = trainer
-        self.before_train = before_train  # () -> [(owner, name, make_wrapper)], installed as train() starts
-        self.patches: list[Patch] = []  # installed at train begin
-        self.train_patches: list[Patch] = []  # installed as train() starts
-        self._train = Patch(trainer, "train", self._guard)
-
-    def _guard(self, original):
-        def train(*args, **kwargs):
-            try:
-                if self.before_train is not None and not self.train_patches:
-                    for owner, name, make in self.before_train():
-                        self.train_patches.append(Patch(owner, name, make))
-                return original(*args, **kwargs)
-            finally:  # on success on_train_end has undone them already
-                self.undo()
-
-        return train
-
-    def install(self, wrappers: list[tuple[Any, str, Callable]]) -> None:
-        """``(owner, name, make_wrapper)`` in order (a later wrapper of the same name goes around an earlier one)."""
-        for owner, name, make in wrappers:
-            self.patches.append(Patch(owner, name, make))
-
-    def undo(self) -> None:
-        """Undo every patch but the ``train`` guard, the latest first."""
-        for patches in (self.patches, self.train_patches):
-            while patches:
-                patches.pop().undo()
-
-    def remove(self) -> None:
-        """Undo everything, the ``train`` guard too (idempotent)."""
-        self.undo()
-        if self._train is not None:
-            self._train.undo()
-            self._train = None
-
-    @property
-    def installed(self) -> list[str]:
-        """What is wrapped now, as ``Owner.name`` (the module's or class's name for one of theirs)."""
-        return [p.label for p in self.train_patches + self.patches]
 
 
 class SafeVocabHead:
@@ -181,6 +141,9 @@ class SafeVocabHead:
     reproduce (bias, logit softcapping) keep TRL's kernel, reported through ``unsupported()``.
     """
 
+    next_sets: Callable[[int], Any] | None = None  # ReplayHead's: the engine's kept sets of each call's rows
+    fallback: Callable[[], None] | None = None
+
     def __init__(self, original, truncation: Truncation, sink: Callable[[SafeLogprobs], None],
                  unsupported: Callable[[], None]) -> None:
         self.original, self.truncation, self.sink, self.unsupported = original, truncation, sink, unsupported
@@ -188,14 +151,17 @@ class SafeVocabHead:
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):
         args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
+        kept = self.next_sets(targets.numel()) if self.next_sets is not None else None
+        if kept is None and self.fallback is not None:
+            self.fallback()
         if bias is not None or final_logit_softcapping is not None:
             self.unsupported()
             return self.original.apply(*args)
-        t = self.truncation
+        # the one rule (tim_plugins.safe_head): the engine's kept sets replayed where given, else the cut recomputed;
         # z·s/T = z/(T/s): a logit scale folds into the temperature.
-        res = safe_logprobs_from_hidden(
-            hidden, weight, targets, min_p=t.min_p, temperature=float(temperature) / float(logit_scale),
-            top_p=t.top_p, top_k=t.top_k, order=t.order, compute_entropy="entropy" in outputs)
+        res = kept_set_logprobs(targets, self.truncation, None if kept is None else kept.to(hidden.device),
+                                hidden=hidden, weight=weight, temperature=float(temperature) / float(logit_scale),
+                                compute_entropy="entropy" in outputs)
         return self._returned(res, args)
 
     def _returned(self, res: SafeLogprobs, args: tuple) -> tuple:
@@ -221,19 +187,6 @@ class ReplayHead(SafeVocabHead):
         super().__init__(original, truncation, sink, unsupported)
         self.next_sets, self.fallback = next_sets, fallback
 
-    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=("log_probs",)):
-        args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
-        kept = self.next_sets(targets.numel())
-        if kept is None or bias is not None or final_logit_softcapping is not None:
-            if kept is None:
-                self.fallback()
-            return super().apply(*args)
-        res = replay_logprobs_from_hidden(hidden, weight, targets, kept.to(hidden.device),
-                                          temperature=float(temperature) / float(logit_scale),
-                                          compute_entropy="entropy" in outputs)
-        return self._returned(res, args)
-
 
 class SafeLogSoftmax:
     """Stands in for TRL's module global ``selective_log_softmax(logits, index)`` where TRL (1.9 - 1.13) builds full
@@ -246,10 +199,8 @@ class SafeLogSoftmax:
         self.original, self.truncation, self.sink = original, truncation, sink
 
     def __call__(self, logits, index):
-        t = self.truncation
         shape = index.shape
-        res = safe_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), index.reshape(-1), min_p=t.min_p,
-                                        temperature=1.0, top_p=t.top_p, top_k=t.top_k, order=t.order)
+        res = kept_set_logprobs(index.reshape(-1), self.truncation, logits=logits.reshape(-1, logits.shape[-1]))
         self.sink(SafeLogprobs(None, res.in_safe.detach().view(shape), res.pruned_mass.detach().view(shape),
                                res.size.view(shape)))
         return res.logprobs.view(shape)

@@ -20,14 +20,14 @@ TRL's vLLM server mode (``trl vllm-serve``) returns ids and log-probs only: ther
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from tim_plugins.capabilities import check
-from tim_plugins.integrations.vllm.sampling_mask import kept_sets_from_completion
+from tim_plugins.integrations.vllm.sampling_mask import (  # noqa: F401 (engine_returns_kept_sets: the callback's)
+    ENGINE_KWARG, KeptSetsByIds, engine_returns_kept_sets)
 from tim_plugins.patching import Patch
 from tim_plugins.replay import KeptSets
 
@@ -35,8 +35,6 @@ from . import features
 from .translate import _label_mask
 
 __all__ = ["ENGINE_KWARG", "ChunkSets", "KeptSetStore", "engine_kept_sets", "engine_returns_kept_sets"]
-
-ENGINE_KWARG = "return_sampling_mask"
 
 
 @contextlib.contextmanager
@@ -70,14 +68,6 @@ def engine_kept_sets() -> Iterator[None]:
         patch.undo()
 
 
-def engine_returns_kept_sets(llm: Any) -> bool:
-    """Whether a live ``vllm.LLM`` was started with ``return_sampling_mask`` (its own model config)."""
-    # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine), vllm.v1.engine.llm_engine:LLMEngine.__init__
-    # (vllm_config), vllm.config:ModelConfig (return_sampling_mask)
-    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "model_config", None)
-    return bool(getattr(config, ENGINE_KWARG, False))
-
-
 @dataclass(frozen=True)
 class ChunkSets:
     """The kept sets of one fused-head call's rows (``rows`` of the batch, [rows, L - 1] shifted positions).
@@ -99,55 +89,10 @@ class ChunkSets:
         return None
 
 
-class KeptSetStore:
+class KeptSetStore(KeptSetsByIds):
     """The kept sets of the current generation batch, captured from the colocate engine's ``RequestOutput``\\ s, by
-    (prompt ids, completion ids); cleared when the next training generation batch starts."""
-
-    def __init__(self) -> None:
-        self._sets: dict[tuple[tuple[int, ...], tuple[int, ...]], KeptSets] = {}
-        self._by_prompt: dict[tuple[int, ...], list[tuple[tuple[int, ...], KeptSets]]] = {}
-        self.without_mask = 0  # completions the engine returned without a sampling_mask
-
-    def __len__(self) -> int:
-        return len(self._sets)
-
-    def clear(self) -> None:
-        self._sets.clear()
-        self._by_prompt.clear()
-
-    def record(self, outputs: Iterable[Any]) -> list[str]:
-        """``vllm.LLM.generate``'s outputs: each completion's sets under its prompt and completion ids. Returns why
-        each completion whose mask could not be read was left out (its rows then recompute)."""
-        problems = []
-        for request in outputs:
-            prompt = tuple(int(t) for t in request.prompt_token_ids)
-            for completion in request.outputs:
-                if getattr(completion, "sampling_mask", None) is None:
-                    self.without_mask += 1
-                    continue
-                key = (prompt, tuple(int(t) for t in completion.token_ids))
-                if key in self._sets:
-                    continue
-                try:
-                    kept = kept_sets_from_completion(completion)
-                except ValueError as err:  # e.g. not one set per generated token
-                    problems.append(str(err))
-                    continue
-                self._sets[key] = kept
-                self._by_prompt.setdefault(prompt, []).append((key[1], kept))
-        return problems
-
-    def lookup(self, prompt: tuple[int, ...], completion: tuple[int, ...]) -> KeptSets | None:
-        """The sets of ``completion``'s tokens after ``prompt``: an exact match, else a captured completion that
-        starts with it (each token's set depends only on what precedes it), else None."""
-        kept = self._sets.get((prompt, completion))
-        if kept is not None:
-            return kept
-        n = len(completion)
-        for ids, kept in self._by_prompt.get(prompt, ()):
-            if ids[:n] == completion:
-                return KeptSets(kept.ids[: int(kept.offsets[n])], kept.offsets[: n + 1])
-        return None
+    (prompt ids, completion ids) (``KeptSetsByIds``); cleared when the next training generation batch starts. Handed
+    out per ``_get_per_token_logps_and_entropies`` call, in the order TRL's fused head scores the rows."""
 
     def for_call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                  batch_size: int | None) -> list[ChunkSets] | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
-from tim_plugins.parity.vllm_spec import spec_from_engine_args
+from tim_plugins.parity.vllm_spec import checkpoint_dtype_from_path, spec_from_engine_args
 
 __all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_config", "specs_from_trainer",
            "load_grpo_config"]
@@ -71,15 +71,8 @@ def _compute_dtype(args: Any, model: Any) -> Optional[str]:
 def _checkpoint_dtype(model: Any, args: Any) -> Optional[str]:
     """dtype of the checkpoint vLLM loads (config.json at name_or_path), which 'auto' resolves from."""
     path = getattr(model, "name_or_path", None) if model is not None and not isinstance(model, str) else model
-    if path:
-        cfg = Path(str(path)) / "config.json"
-        if cfg.is_file():
-            data = json.loads(cfg.read_text())
-            dt = data.get("dtype") or data.get("torch_dtype")
-            if dt:
-                return dt
     config = getattr(model, "config", None)
-    return str(getattr(config, "dtype", None) or "") or None
+    return checkpoint_dtype_from_path(path) or str(getattr(config, "dtype", None) or "") or None
 
 
 def _sampler(args: Any) -> dict:

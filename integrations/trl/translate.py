@@ -18,8 +18,8 @@ from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
 
-__all__ = ["eos_token_ids", "left_padded", "loss_pass_inputs", "map_safe_calls", "packed_rows", "pipeline_config",
-           "recorded_logprobs", "response_mask", "rollout_source", "safe_truncation", "scale_policy_term"]
+__all__ = ["eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows", "pipeline_config", "response_mask",
+           "rollout_source", "safe_truncation", "scale_policy_term"]
 
 logger = logging.getLogger("tim_plugins.trl")
 
@@ -118,6 +118,7 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
         probe=config.parity_probe_options if config.parity_probe else None,
         dump=config.dump_options if config.dump_dir else None, strict=config.strict,
         histograms=config.log_histograms and "wandb" in (trainer.args.report_to or []),
+        causes=config.causes_options if config.causes else None,
         setup=TrainingSetup(asynchronous=asynchronous, multi_turn=True, loss_factor=loss_factor))
 
 
@@ -202,24 +203,6 @@ def scale_policy_term(inputs: dict, factor: torch.Tensor, mask: torch.Tensor, lo
     return saved
 
 
-def recorded_logprobs(recorder, completion_ids: list[list[int]]) -> tuple[list[list[float]] | None, str | None]:
-    """(one list of processed log-probs per completion, None) from the recorder of TRL's generate call, or
-    (None, why) when that call could not be followed (beam search, assisted decoding, ...)."""
-    n = recorder.num_steps
-    reason = recorder.unsupported
-    if reason is None and recorder.num_rows not in (None, len(completion_ids)):
-        reason = f"{recorder.num_rows} rows generated for {len(completion_ids)} completions"
-    if reason is None and any(len(ids) > n for ids in completion_ids):
-        reason = f"completions longer than the {n} recorded steps"
-    if reason is not None:
-        return None, reason
-    if n == 0:
-        return [[] for _ in completion_ids], None
-    last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
-    table = recorder.finish(last).cpu()
-    return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)], None
-
-
 def loss_pass_inputs(inputs: dict, current: torch.Tensor, step: int):
     """(rollout, old, lag) of one loss pass for ``StepPipeline.loss_pass``, or None without rollout log-probs.
 
@@ -235,16 +218,6 @@ def loss_pass_inputs(inputs: dict, current: torch.Tensor, step: int):
     old = old_logprobs(current, inputs.get("old_per_token_logps"), fresh)
     lag = lag_keys(step, generated_at, current.shape) if generated_at is not None else None
     return rollout, old, lag
-
-
-def left_padded(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's prompts as (ids, attention mask) [B, L], left-padded as TRL's transformers generation pads them."""
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
-    return ids, attn
 
 
 def packed_rows(inputs: dict, log_probs: torch.Tensor) -> dict | None:

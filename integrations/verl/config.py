@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tim_plugins._config import coerce_options, core_field, field_help
+from tim_plugins.causes import CauseConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import LRDecayConfig
 from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
@@ -23,6 +24,7 @@ from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, che
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY as _VLLM_MIN_P_KEY
 from tim_plugins.rollout.vllm_min_p_config import PROCESSOR_FQCN as _VLLM_MIN_P_PROCESSOR
 from tim_plugins.truncation import DEFAULT_MIN_P
+from tim_plugins.weight_sync import SyncCheckConfig
 
 __all__ = [
     "ActorContext",
@@ -32,6 +34,8 @@ __all__ = [
     "ParitySettings",
     "ProbeSettings",
     "DumpSettings",
+    "CauseSettings",
+    "SyncCheckSettings",
     "TIMVerlConfig",
     "OPTIMIZER_IMPL",
     "TRAINER_MODE_PREFIX",
@@ -159,6 +163,10 @@ class MonitorSettings:
         "Per step, tim/* mismatch metrics of rollout_log_probs vs the actor's recomputed old_log_probs, "
         "merged exactly over data-parallel ranks inside the worker."))
     ratio_band: tuple = core_field(PipelineConfig, "ratio_band")
+    log_detail: bool = field(default=False, metadata=field_help(
+        "Also log the detail metrics (by probability, position, lag and turn, the staleness split, the other token "
+        "statistics) through verl's tracker; false: the few read each step (tim_plugins.log_keys.STEP_KEYS). The "
+        "dump's log_history.jsonl and the report always have them all. TRL: TIMConfig(log_detail=True)"))
 
     def __post_init__(self) -> None:
         _check_types(self, "monitor")
@@ -337,6 +345,45 @@ DumpSettings = dataclasses.make_dataclass("DumpSettings", [
 ], bases=(_DumpMethods,), namespace={"__module__": __name__, "__doc__": _DumpMethods.__doc__})
 
 
+class _SwitchedOptions:
+    """A section that is one core option group behind a switch: ``enable`` and the core class's own fields (generated
+    from it: a new option reaches verl as ``+tim.<section>.<option>``), its defaults and rules. ``config()`` is the
+    core instance."""
+
+    CORE: type
+    SECTION: str
+
+    def __post_init__(self) -> None:
+        _check_types(self, self.SECTION)
+        try:
+            self.config()
+        except ValueError as err:
+            raise ValueError(f"tim-plugins: tim.{self.SECTION}: {err}. Fix: +tim.{self.SECTION}.<option>=<value> "
+                             f"({', '.join(f.name for f in dataclasses.fields(self.CORE))})") from None
+
+    def config(self):
+        return self.CORE(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self.CORE)})
+
+
+def _switched_options(name: str, core: type, section: str, enable_help: str) -> type:
+    return dataclasses.make_dataclass(name, [
+        ("enable", "bool", field(default=True, metadata=field_help(enable_help))),
+        *[(f.name, f.type, core_field(core, f.name)) for f in dataclasses.fields(core)],
+    ], bases=(_SwitchedOptions,), namespace={"__module__": __name__, "__doc__": _SwitchedOptions.__doc__,
+                                             "CORE": core, "SECTION": section})
+
+
+CauseSettings = _switched_options("CauseSettings", CauseConfig, "causes", (
+    "Name what causes a mismatch (a broken weight sync, an engine sampling from other weights, a jump of the lag-0 "
+    "floor, staleness, truncation): tim/cause/*, one console line per cause, the probe trips on one. Runs with the "
+    "monitor (off without it); the same as TIMConfig.causes."))
+SyncCheckSettings = _switched_options("SyncCheckSettings", SyncCheckConfig, "sync_check", (
+    "After each checked weight sync of the colocated vLLM rollout (ActorRolloutRefWorker.update_weights), compare "
+    "the engine's weights with what the actor engine streamed (a fixed sample of elements per tensor, exact in the "
+    "engine's dtype) and name tensors not updated, in another precision, or missing. Needs tim.causes.enable; the "
+    "same as TIMConfig.sync_check."))
+
+
 @dataclass
 class TIMVerlConfig:
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
@@ -345,9 +392,12 @@ class TIMVerlConfig:
     parity: ParitySettings = field(default_factory=ParitySettings)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     dump: DumpSettings = field(default_factory=DumpSettings)
+    causes: CauseSettings = field(default_factory=CauseSettings)
+    sync_check: SyncCheckSettings = field(default_factory=SyncCheckSettings)
 
     _SECTIONS = {"monitor": MonitorSettings, "safe_vocab": SafeVocabSettings, "lr_decay": LRDecaySettings,
-                 "parity": ParitySettings, "probe": ProbeSettings, "dump": DumpSettings}
+                 "parity": ParitySettings, "probe": ProbeSettings, "dump": DumpSettings, "causes": CauseSettings,
+                 "sync_check": SyncCheckSettings}
 
     def __post_init__(self) -> None:
         # the combinations TIMConfig refuses too (tim_plugins.options), in verl's names
@@ -378,7 +428,7 @@ class TIMVerlConfig:
             mask_boundary=self.safe_vocab.mask_boundary,
             lr_decay=self.lr_decay.options if self.lr_decay.enable else None,
             probe=self.probe.config(), dump=self.dump.config() if self.dump.enabled else None,
-            setup=context.setup)
+            causes=self.causes.config() if self.causes.enable else None, setup=context.setup)
 
     @property
     def worker_side_active(self) -> bool:

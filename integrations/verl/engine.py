@@ -32,8 +32,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from tim_plugins.patching import Patch
-from tim_plugins.replay import replay_logprobs_from_hidden, replay_logprobs_from_logits
-from tim_plugins.safe_vocab import safe_linear_logprobs, safe_logprobs_from_logits
+from tim_plugins.safe_head import kept_set_logprobs
 
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
 from .engine_mixin import TIMEngineMixin, padded_response, place_kept
@@ -113,12 +112,8 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
         # whole vocabulary); the logits are already divided by the temperature, as the parent scales them, and their
         # rows are verl's packed layout in both paths (_flat_scaled_logits lays the padded one out so)
         kept = place_kept(self._tim_kept, self._tim_pipeline, labels_shape=labels.shape, packed=True)
-        if kept is not None:
-            res = replay_logprobs_from_logits(logits, labels, kept, temperature=1.0, compute_entropy=want_entropy)
-        else:
-            # the labels are the model's own input ids: no host read to range-check them per micro-batch
-            res = safe_logprobs_from_logits(logits, labels, min_p=t.min_p, top_p=t.top_p, top_k=t.top_k,
-                                            order=t.order, compute_entropy=want_entropy, check_ids=False)
+        # the labels are the model's own input ids: no host read to range-check them per micro-batch
+        res = kept_set_logprobs(labels, t, kept, logits=logits, compute_entropy=want_entropy, check_ids=False)
         fields = {"log_probs": res.logprobs, "in_safe": res.in_safe, "pruned_mass": res.pruned_mass,
                   "size": res.size}
         if want_entropy:
@@ -230,12 +225,8 @@ class _SafeFusedForward:
         if isinstance(hidden, DTensor):
             hidden = hidden.to_local()
         kept = place_kept(self.kept, self.pipeline, labels_shape=labels.shape, packed=self.packed)
-        if kept is not None:
-            res = replay_logprobs_from_hidden(hidden, weight, labels, kept, temperature=float(temperature),
-                                              compute_entropy=self.want_entropy)
-        else:
-            # the labels are the model's own input ids: no host read to range-check them per micro-batch
-            res = safe_linear_logprobs(hidden, weight, labels, self.truncation, temperature=float(temperature),
-                                       compute_entropy=self.want_entropy, check_ids=False)
+        # the labels are the model's own input ids: no host read to range-check them per micro-batch
+        res = kept_set_logprobs(labels, self.truncation, kept, hidden=hidden, weight=weight,
+                                temperature=float(temperature), compute_entropy=self.want_entropy, check_ids=False)
         return _SafeFusedOutput(log_probs=res.logprobs, entropy=res.entropy, packed=self.packed,
                                 safe={"in_safe": res.in_safe, "pruned_mass": res.pruned_mass, "size": res.size})

@@ -25,6 +25,11 @@ the FSDP engine's behaviour as the default where there is one: ``_tim_dp_group``
 ``_tim_check_config``, ``_tim_safe_vocab_feature``, ``_tim_features_off``, ``_tim_lr_attach`` / ``_tim_lr_detach`` /
 ``_tim_lr_sync`` / ``_tim_lr_apply`` / ``_tim_lr_scale``.
 
+The weight-sync check (``sync_check.SyncWatch``, with the causes on and ``tim.sync_check.enable``) is the engine's
+too: ``get_per_tensor_param``, the stream verl's weight sync sends the rollout, passes through the watch, which samples
+each tensor while a checked sync is in flight; the worker (``worker.TIMActorRolloutRefWorker.update_weights``) drives
+the rest.
+
 Until ``tim_configure`` is called (only the tim trainer modes do, on the actor) nothing here acts: each override
 returns verl's result untouched.
 """
@@ -38,13 +43,14 @@ from typing import Any, Callable
 import torch
 from verl.utils import tensordict_utils as tu
 
-from tim_plugins.by_key import turn_keys
+from tim_plugins.by_key import lag_after, turn_keys
 from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
 from tim_plugins.replay import KeptSets
 from tim_plugins.safe_vocab import SafeLogprobs
 
 from .config import EXTRA_FIELDS, KEPT_SETS_KEY, LAG_FIELD, ActorContext, TIMVerlConfig
-from .features import SAFE_VOCAB
+from .features import SAFE_VOCAB, SYNC_CHECK
+from .sync_check import SyncWatch
 
 __all__ = ["MicroBatchKeptSets", "ResponseLayout", "TIMEngineMixin", "kept_sets_of_micro_batch", "padded_response",
            "place_kept"]
@@ -267,6 +273,8 @@ class TIMEngineMixin:
     _tim_decision = None
     _tim_mb: dict | None = None
     _tim_kept = None  # MicroBatchKeptSets of the micro-batch in flight, where the engine's kept sets are replayed
+    _tim_sync: SyncWatch | None = None  # the weight-sync check (sync_check.py), with the causes and the feature on
+    _TIM_SYNC_FEATURES = (SYNC_CHECK.name,)  # the features the weight-sync check runs on (off if one is)
 
     # -------------------------------------------------------------------------------------- backend hooks
     def _tim_dp_group(self):
@@ -331,9 +339,12 @@ class TIMEngineMixin:
         self._tim_check_config(config)
         # the sampler's rule the safe vocabulary applies to the trainer's log-probs (old-log-prob and training passes)
         self._tim_truncation = context.truncation(config.safe_vocab.min_p) if config.safe_vocab.enabled else None
-        self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank())
+        self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank(), framework="verl")
         for name in features_off:
             self._tim_pipeline.feature_off(name)
+        self._tim_sync = SyncWatch(config.sync_check.config(), self._tim_pipeline, self._tim_holds_outputs) \
+            if config.sync_check.enable and self._tim_pipeline.causes is not None \
+            and not set(self._TIM_SYNC_FEATURES) & set(features_off) else None
         if config.lr_decay.enable:  # verl's scheduler rewrites the LR each step: the optimizer side applies the scale
             self._tim_lr_attach(self._tim_pipeline.lr_controller)
         self._tim = config
@@ -359,11 +370,28 @@ class TIMEngineMixin:
             self._tim_lr_detach()
         self._tim = None
         self._tim_pipeline = None
+        self._tim_sync = None
         self._tim_pending = {}
 
     @property
     def tim_active(self) -> bool:
         return self._tim is not None
+
+    @property
+    def tim_sync_watch(self) -> SyncWatch | None:
+        """The weight-sync check the worker drives around verl's ``update_weights`` (None: off)."""
+        return self._tim_sync
+
+    # what the weight sync streams, (generator of (HF name, full tensor), peft_config):
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_per_tensor_param and
+    # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine.get_per_tensor_param
+    def get_per_tensor_param(self, *args, **kwargs):
+        """verl's stream of the weights to sync, sampled as it passes by a checked sync (``sync_check.SyncWatch``)."""
+        result = super().get_per_tensor_param(*args, **kwargs)
+        if self._tim_sync is None:
+            return result
+        weights, peft_config = result
+        return self._tim_sync.observing(weights, peft_config), peft_config
 
     def tim_begin_step(self, step: int) -> None:
         """The driver's global step, before the step's first pass (it names the step's dump file and the probe's
@@ -509,7 +537,7 @@ class TIMEngineMixin:
         if self._tim_mb is not None and self._tim.safe_vocab.mask_boundary:  # the loss's own mask
             fields["mask"] = fields["mask"] & layout.gather(self._tim_mb["in_safe"]).bool()
         if "lag" in fields:
-            fields["lag"] = torch.where(fields["lag"] >= 0, fields["lag"] + self._tim_updates, -1)
+            fields["lag"] = lag_after(fields["lag"], self._tim_updates)
         else:
             fields["old"] = old_logprobs(fields["current"], layout.cells(micro_batch["old_log_probs"]).float(),
                                          fresh=self._tim_updates == 0)

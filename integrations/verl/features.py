@@ -2,21 +2,28 @@
 ``VERL_SOURCES`` entries its hooks need. ``plugin.register`` checks them in every verl process: a feature whose
 hook moved is not registered (one line on stderr with the reason and the fix); the others are. ``tim-plugins
 doctor`` prints them. Importing this module imports nothing from verl.
+
+The checks run when verl loads the plugin, before any engine, trainer or rollout server exists: no live object to
+read. So what a class declares is read on the class (``fields``), and a source fragment stays only where the hook
+relies on what a method does (the keys it fills, the call it makes), which shows only when verl runs it; each kept
+one says so beside it.
 """
 
 from __future__ import annotations
 
+from tim_plugins._optional import SUPPORTED_RANGES
 from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VERL_MEGATRON_SOURCES, VERL_SOURCES
 
-__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LR_DECAY", "MEGATRON_ENGINE", "MEGATRON_FUSED_SAFE_VOCAB",
-           "ROLLOUT_KEPT_SETS", "SAFE_VOCAB", "TRAINER_MODES", "megatron_features", "rollout_features",
-           "verl_features"]
+__all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LEGACY_GUARD", "LR_DECAY", "MEGATRON_ENGINE",
+           "MEGATRON_FUSED_SAFE_VOCAB", "MEGATRON_SYNC_CHECK", "ROLLOUT_KEPT_SETS", "ROLLOUT_SYNC_READS", "SAFE_VOCAB",
+           "SYNC_CHECK", "TRAINER_MODES", "megatron_features", "rollout_features", "verl_features"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
-_FIX = "pip install 'verl>=0.9,<0.10' (the tested range), or report it with `tim-plugins doctor`'s output"
+_LOW, _HIGH = SUPPORTED_RANGES["verl"]
+_FIX = f"pip install 'verl>={_LOW},<{_HIGH}' (the tested range), or report it with `tim-plugins doctor`'s output"
 
 
 _hook = registered_hooks(VERL_SOURCES, "VERL_SOURCES")
@@ -43,6 +50,7 @@ ENGINE = Feature(
 SAFE_VOCAB = Feature(
     "verl_safe_vocab", "safe vocabulary in verl's FSDP actor engine", "verl", needs=("verl",), extra="verl",
     fix=_FIX, hooks=(
+        # fragments: the output_args keys it fills show only in a forward over a micro-batch
         _hook(_TI, "FSDPEngineWithLMHead.prepare_model_inputs", params=("micro_batch",),
               fragments=('output_args = {"temperature_is_one": temperature_is_one}',
                          'output_args["pad_size"] =', 'output_args["input_ids_rmpad_rolled"] =',
@@ -52,6 +60,7 @@ SAFE_VOCAB = Feature(
         _hook(_TI, "FSDPEngine._gather_and_unpad_packed", params=("tensor", "pad_size")),
         _hook(_TI, "_scale_logits_by_temperature"),
         # the fused head (use_fused_kernels=true): the forward it stands in for, and where the hidden states come from
+        # (fragments: the model's forward runs only with a model and a batch)
         _hook("verl.models.transformers.dense_common", "forward_with_torch_backend",
               params=("input_ids", "attention_mask", "position_ids", "temperature", "shift_labels"),
               fragments=("hidden_states = outputs[0]", "vocab_weights=self.lm_head.weight")),
@@ -72,6 +81,7 @@ TRAINER_MODES = Feature(
 # The optimizer route (optim.py) selected by actor.optim.optimizer_impl.
 LR_DECAY = Feature(
     "verl_lr_decay", "length-triggered LR decay (actor.optim.optimizer_impl)", "verl", needs=("verl",),
+    # a fragment: that build_optimizer imports the module optimizer_impl names shows only when it builds one
     extra="verl", fix=_FIX, hooks=(_hook("verl.workers.config.optimizer", "build_optimizer",
                                          fragments=("optimizer_impl",)),))
 
@@ -80,11 +90,33 @@ LR_DECAY = Feature(
 ASYNC_LAG = Feature(
     "verl_async_lag", "policy lag of each sample in the asynchronous trainer modes", "verl", needs=("verl",),
     extra="verl", fix=_FIX, hooks=(
+        # a fragment: the tags it reads exist only on a trained batch
         _hook(_TB, "PPOTrainer._compute_metrics", fragments=('tag["min_global_steps"]',)),
         _hook("transfer_queue", "kv_batch_put", params=("keys", "partition_id", "fields")),
     ))
 
-FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG)
+_VR = "verl.workers.rollout.vllm_rollout.vllm_rollout"
+
+# The weight-sync check's actor side (sync_check.py, worker.py): the engine's stream teed, the colocated sync awaited,
+# the replica's server reached through the rollout's handle. Off: no sync check (tim/diag/feature_off/verl_sync_check);
+# the named causes of the per-token stream stay.
+SYNC_CHECK = Feature(
+    "verl_sync_check", "weight-sync check of the colocated vLLM rollout", "verl", needs=("verl",), extra="verl",
+    fix=_FIX, hooks=(
+        _hook("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights", params=("global_steps", "mode"),
+              fragments=("self.actor.engine.get_per_tensor_param(", "await self.rollout.update_weights(")),
+        _hook(_TI, "FSDPEngine.get_per_tensor_param", params=("layered_summon", "base_sync_done")),
+        _hook(_VR, "ServerAdapter._ensure_server_handle", fragments=("self.server_handle = ray.get_actor(",)),
+    ))
+
+# The driver refuses a tim node under verl's legacy trainer (trainer.use_v1=false), which never reads it
+# (plugin._guard_legacy_trainer): through the validate_config main_ppo calls on the composed config before it starts
+# Ray and picks the trainer.
+LEGACY_GUARD = Feature(
+    "verl_legacy_guard", "tim settings refused under verl's legacy trainer (trainer.use_v1=false)", "verl",
+    needs=("verl",), extra="verl", fix=_FIX, hooks=(_hook("verl.utils.config", "validate_config", params=("config",)),))
+
+FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG, SYNC_CHECK, LEGACY_GUARD)
 
 _VS = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 
@@ -95,6 +127,8 @@ _VS = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 ROLLOUT_KEPT_SETS = Feature(
     "verl_rollout_kept_sets", "vLLM's per-token kept sets (return_sampling_mask) carried into verl's batch", "verl",
     needs=("verl", "vllm"), extra="verl", fix=_FIX, hooks=(
+        # fragments: what generate does with the engine's outputs shows only in a generation, and the replica's server
+        # class is an instance attribute of a replica, which exists only after this check chose the loader
         _hook(_VS, "vLLMHttpServer.generate", params=("prompt_ids", "sampling_params", "request_id"),
               fragments=("generator = self.engine.generate(", "request_id=request_id,",
                          "async for output in generator:", "final_res = output",
@@ -102,9 +136,26 @@ ROLLOUT_KEPT_SETS = Feature(
         _hook(_VS, "vLLMReplica.__init__", fragments=("self.server_class = ray.remote(vLLMHttpServer)",)),
         _hook("verl.workers.rollout.replica", "RolloutReplicaRegistry.register", params=("name", "loader")),
         _hook("verl.workers.rollout.replica", "_load_vllm"),
-        _hook("verl.workers.rollout.replica", "TokenOutput", fragments=("extra_fields: dict",)),
-        _hook("vllm.outputs", "SamplingMask", fragments=("token_ids: list[list[int]]",)),
-        _hook("vllm.outputs", "CompletionOutput", fragments=("sampling_mask:",)),
+        # the reply's and vLLM's output classes: their declared fields, not their source text
+        _hook("verl.workers.rollout.replica", "TokenOutput", fields=("extra_fields",)),
+        _hook("vllm.outputs", "SamplingMask", fields=("token_ids",)),
+        _hook("vllm.outputs", "CompletionOutput", fields=("sampling_mask",)),
+    ))
+
+# The weight-sync check's rollout side (rollout.py _SyncReads, worker_extension.py): vLLM's workers get verl's extension
+# plus tim_read_weights, and the server returns their answers. Checked where the rollout is built, like the kept sets;
+# off: verl's worker extension, and the actor counts the syncs it cannot read (tim/diag/sync_check_unavailable).
+ROLLOUT_SYNC_READS = Feature(
+    "verl_rollout_sync_reads", "the vLLM engine's weights read for the weight-sync check", "verl",
+    needs=("verl", "vllm"), extra="verl", fix=_FIX, hooks=(
+        _hook(_VS, "vLLMHttpServer._get_worker_extension_cls"),
+        _hook(_VS, "vLLMHttpServer.launch_server",
+              fragments=('"worker_extension_cls": self._get_worker_extension_cls()',)),
+        _hook(_VS, "vLLMHttpServer.collective_rpc", fragments=("self.engine.collective_rpc(",)),
+        _hook(_VS, "vLLMReplica.__init__", fragments=("self.server_class = ray.remote(vLLMHttpServer)",)),
+        _hook("verl.workers.rollout.vllm_rollout.utils", "vLLMColocateWorkerExtension",
+              fragments=("self.model_runner.model",)),
+        _hook("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", params=("method", "timeout", "args", "kwargs")),
     ))
 
 _TM = "verl.workers.engine.megatron.transformer_impl"
@@ -113,11 +164,11 @@ _megatron_hook = registered_hooks(VERL_MEGATRON_SOURCES, "VERL_MEGATRON_SOURCES"
 # The Megatron actor engine subclass (megatron_engine.py): the monitor, the split, the dump, the safe vocabulary
 # (its TP-sharded logits processor) and the LR decay run in it. Its module imports megatron-core (Python >= 3.12), which the verl extra does not install: without it the plugin
 # registers no Megatron engine and says nothing (an FSDP user has no Megatron backend). Kept out of FEATURES, which
-# hold wherever verl does.
+# hold wherever verl does. Fragments: what the micro-batch post-processing, the logits processor and the scheduler's
+# step do shows only in a forward or an optimizer step, after the plugin registered the engine.
 MEGATRON_ENGINE = Feature(
     "verl_megatron_engine", "monitor, safe vocabulary and LR decay in verl's Megatron actor engine", "verl",
-    needs=("verl",),
-    fix="verl's Megatron backend (megatron-core, Python >= 3.12) with " + _FIX, hooks=(
+    needs=("verl", "megatron"), fix=_FIX, hooks=(
         _megatron_hook(_TM, "MegatronEngineWithLMHead.postprocess_micro_batch_func",
                        params=("output", "data", "forward_only", "loss_function", "local_cp_size"),
                        fragments=("model_output = self.prepare_model_outputs(output, data)",
@@ -147,6 +198,17 @@ MEGATRON_ENGINE = Feature(
     ))
 
 
+# The weight-sync check's tee on the Megatron engine's stream (engine_mixin.get_per_tensor_param; the rest of the check
+# is SYNC_CHECK's). Checked when the engine is configured with the check on; off, the sync check alone is switched off
+# (tim/diag/feature_off/verl_megatron_sync_check).
+MEGATRON_SYNC_CHECK = Feature(
+    "verl_megatron_sync_check", "weight-sync check of the Megatron actor engine's stream", "verl", needs=("verl",),
+    fix="verl's Megatron backend with " + _FIX, hooks=(
+        _megatron_hook(_TM, "MegatronEngine.get_per_tensor_param", params=("base_sync_done", "kwargs"),
+                       fragments=("return per_tensor_param, peft_config",)),
+    ))
+
+
 _MF = "verl.models.mcore.model_forward_fused"
 _GPT = "megatron.core.models.gpt.gpt_model"
 
@@ -154,10 +216,13 @@ _GPT = "megatron.core.models.gpt.gpt_model"
 # _FusedSafeHead): Megatron's output_processor hook (megatron-core >= 0.18), through which verl's fused forward
 # computes the log-probs, takes our head for the micro-batch. Checked when the engine is configured with both; off,
 # the safe vocabulary is switched off with one line (tim/diag/feature_off/verl_megatron_fused_safe_vocab), the rest
-# runs.
+# runs. Fragments: how the fused forward and the model's post-processing pass the output processor its inputs shows
+# only in a forward (the check runs when the engine is configured, before its first).
 MEGATRON_FUSED_SAFE_VOCAB = Feature(
     "verl_megatron_fused_safe_vocab", "safe vocabulary with fused kernels in verl's Megatron actor engine", "verl",
-    needs=("verl",), fix="megatron-core >= 0.18 (its output_processor hook) with " + _FIX, hooks=(
+    needs=("verl", "megatron"),
+    fix="pip install -U 'megatron-core>=0.18' (its output_processor hook), or report it with `tim-plugins doctor`'s "
+        "output", hooks=(
         _megatron_hook(_TM, "MegatronEngineWithLMHead.forward_step",
                        params=("batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"),
                        fragments=("batch: TensorDict = next(batch_iter)",
@@ -169,12 +234,12 @@ MEGATRON_FUSED_SAFE_VOCAB = Feature(
                                   "output_processor_context=FusedOutputProcessorContext(temperature=temperature),",
                                   "log_probs = output_orig.log_probs", "entropy = output_orig.entropy",
                                   "log_probs = postprocess_thd_engine(")),
-        _megatron_hook(_MF, "FusedOutputProcessorContext", fragments=("temperature: float",)),
+        _megatron_hook(_MF, "FusedOutputProcessorContext", fields=("temperature",)),
         _megatron_hook("verl.models.mcore.util", "postprocess_thd_engine",
                        params=("output", "packed_seq_params", "input_ids", "batch_size", "post_process",
                                "local_cp_size", "cp_layout")),
         _megatron_hook("verl.utils.megatron_utils", "unwrap_model", params=("model",)),
-        _megatron_hook("verl.utils.model", "CausalLMOutputForPPO", fragments=("log_probs:", "entropy:")),
+        _megatron_hook("verl.utils.model", "CausalLMOutputForPPO", fields=("log_probs", "entropy")),
         _megatron_hook(_GPT, "GPTModel.forward", params=("output_processor", "output_processor_context")),
         _megatron_hook(_GPT, "GPTModel._postprocess",
                        fragments=("return output_processor(", "hidden_states=hidden_states,",
@@ -194,10 +259,10 @@ def verl_features():
 
 
 def rollout_features():
-    """The kept-set rollout server's status (imports verl's vLLM server, and so vLLM)."""
-    return [check(ROLLOUT_KEPT_SETS)]
+    """The tim rollout server's parts' status (imports verl's vLLM server, and so vLLM)."""
+    return [check(ROLLOUT_KEPT_SETS), check(ROLLOUT_SYNC_READS)]
 
 
 def megatron_features():
     """The Megatron engine's features' status (off, saying why, where megatron-core is not installed)."""
-    return [check(MEGATRON_ENGINE), check(MEGATRON_FUSED_SAFE_VOCAB)]
+    return [check(MEGATRON_ENGINE), check(MEGATRON_FUSED_SAFE_VOCAB), check(MEGATRON_SYNC_CHECK)]

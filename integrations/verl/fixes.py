@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tim_plugins.truncation import DEFAULT_MIN_P
 
-__all__ = ["FINDING_FIXES", "FRAMEWORK", "NAME", "PART_FIXES", "RUNS_ON"]
+__all__ = ["CAUSE_FIXES", "FINDING_FIXES", "FRAMEWORK", "NAME", "PART_FIXES", "RUNS_ON"]
 
 FRAMEWORK = "verl"
 NAME = "verl"
@@ -43,7 +43,7 @@ FINDING_FIXES = {
     "cudagraph-on":
         "actor_rollout_ref.rollout.enforce_eager=True",
     "batch-invariance-off":
-        "actor_rollout_ref.rollout.full_determinism=True trainer.use_v1=false (rollout side only)",
+        "actor_rollout_ref.rollout.full_determinism=True (vLLM batch invariant: rollout side only)",
     "attention-backend-mismatch":
         "actor_rollout_ref.model.override_config.attn_implementation=<x> "
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=<X>",
@@ -58,4 +58,33 @@ PART_FIXES = {
                        "dropped), and in separate_async a smaller parameter_sync_step",
     "mismatch": "the parity fixes in the audit's fix column (rollout dtype, logprobs_mode, truncation), and "
                 "`tim-plugins measure --compare`",
+}
+
+_SYNC = ("verl's weight sync (ActorRolloutRefWorker.update_weights after each step: the actor engine's "
+         "get_per_tensor_param into the rollout's update_weights, loaded by the vLLM worker extension's "
+         "update_weights_from_ipc) must write every tensor into the engine: check what wraps or filters either side "
+         "(a custom worker_extension_cls, a patched load_weights, a LoRA / QAT / FP8 refit path), and with "
+         "actor_rollout_ref.rollout.free_cache_engine=true that the weights are resumed before they are written")
+
+# {cause code (tim_plugins.causes.CAUSES): knob}
+CAUSE_FIXES = {
+    "sync-noop": _SYNC,
+    "sync-tensors-stale": _SYNC + "; the tensors named were skipped (a name the engine's loader drops, a layer "
+                                  "filtered out, an export that leaves a layer out)",
+    "sync-precision": "write each tensor in the rollout's dtype: actor_rollout_ref.rollout.dtype is what vLLM runs "
+                      "in, and a refit that casts some tensors (an FP8 / QAT export, "
+                      "actor_rollout_ref.rollout.quantization) leaves those layers rounded (verl#7519)",
+    "sync-tensors-missing": "the names get_per_tensor_param yields (the FSDP state dict's, the Megatron bridge's HF "
+                            "export) must be the checkpoint's: a wrapped or renamed module needs its prefix "
+                            "stripped before the sync",
+    "sync-tensors-differ": _SYNC + "; values that are neither the actor's nor the previous ones point at a refit "
+                                   "that wrote other numbers (a quantized refit beyond its scale, verl#7986; a shard "
+                                   "into the wrong slice)",
+    "engine-stale": "keep +tim.sync_check.enable=true (the default with the monitor) to see which tensors; then "
+                    "check that the rollout reloads at every update_weights and that nothing else (a separate "
+                    "rollout server, a checkpoint engine) serves the old weights",
+    "floor-jump": "look at what changed at that step: the weight sync (tim/cause/sync_bad_tensors), the rollout "
+                  "server, the sampling settings",
+    "staleness": PART_FIXES["staleness"],
+    "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

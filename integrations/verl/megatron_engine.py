@@ -57,7 +57,6 @@ against the installed verl and megatron-core by ``tests/megatron_suite/test_mega
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import sys
 
@@ -68,14 +67,13 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
 from tim_plugins.capabilities import check
-from tim_plugins.lr_scaling import CONTROLLER_STATE_KEY, restore_controller_state, store_controller_state
+from tim_plugins.lr_scaling import ControllerCheckpoint
 from tim_plugins.patching import Patch
-from tim_plugins.safe_vocab_tp import (replay_linear_logprobs_vocab_parallel, replay_logprobs_vocab_parallel,
-                                       safe_linear_logprobs_vocab_parallel, safe_logprobs_vocab_parallel)
+from tim_plugins.safe_head import kept_set_logprobs
 
 from .config import TIMVerlConfig
 from .engine_mixin import TIMEngineMixin, place_kept
-from .features import MEGATRON_FUSED_SAFE_VOCAB
+from .features import MEGATRON_FUSED_SAFE_VOCAB, MEGATRON_SYNC_CHECK, SYNC_CHECK
 
 __all__ = ["TIMMegatronEngineWithLMHead"]
 
@@ -113,14 +111,19 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
     def _tim_safe_vocab_feature(self) -> str | None:
         return MEGATRON_FUSED_SAFE_VOCAB.name if self._tim_fused() else None
 
+    # a moved hook of either switches the weight-sync check off
+    _TIM_SYNC_FEATURES = (SYNC_CHECK.name, MEGATRON_SYNC_CHECK.name)
+
     def _tim_features_off(self, config: TIMVerlConfig) -> tuple[str, ...]:
-        if not (config.safe_vocab.enabled and self._tim_fused()):
-            return ()
-        status = check(MEGATRON_FUSED_SAFE_VOCAB)
-        if status.available:
-            return ()
-        print(status.warning(), file=sys.stderr)
-        return (MEGATRON_FUSED_SAFE_VOCAB.name,)
+        wanted = [f for f, on in ((MEGATRON_FUSED_SAFE_VOCAB, config.safe_vocab.enabled and self._tim_fused()),
+                                  (MEGATRON_SYNC_CHECK, config.sync_check.enable)) if on]
+        off = []
+        for feature in wanted:
+            status = check(feature)
+            if not status.available:
+                print(status.warning(), file=sys.stderr)
+                off.append(feature.name)
+        return tuple(off)
 
     # ------------------------------------------------------------------------------------------ LR decay
     # Megatron's OptimizerParamScheduler writes every param group's LR from its schedule at each step
@@ -132,25 +135,26 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
     # Only the output-holding ranks measure the step's k3 and get verl's grad norm, so the holders' decision is
     # handed to every rank (one all_gather_object per optimizer step): all model-parallel shards step with one LR,
     # and every rank's controller holds the same state (rank 0 saves the checkpoint's param groups).
-    _tim_lr_controller = None
+    _tim_lr_checkpoint: ControllerCheckpoint | None = None
     _tim_lr_value = 1.0
 
+    @property
+    def _tim_lr_controller(self):
+        return self._tim_lr_checkpoint.controller if self._tim_lr_checkpoint is not None else None
+
     def _tim_lr_attach(self, controller) -> None:
-        self._tim_lr_controller = controller
-        restore_controller_state(self.optimizer, controller)  # a checkpoint loaded before configure
-        self._tim_lr_stored = self.optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+        self._tim_lr_checkpoint = ControllerCheckpoint(self.optimizer, controller)  # a checkpoint loaded before
         self._tim_lr_value = float(controller.scale)
 
     def _tim_lr_detach(self) -> None:
-        self._tim_lr_controller = None
+        if self._tim_lr_checkpoint is not None:
+            self._tim_lr_checkpoint.detach()
         self._tim_lr_value = 1.0
         self._tim_lr_write(1.0)
 
     def _tim_lr_sync(self) -> None:
-        stored = self.optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
-        if self._tim_lr_controller is not None and stored is not None and stored is not self._tim_lr_stored:
-            restore_controller_state(self.optimizer, self._tim_lr_controller)  # verl's load_checkpoint since
-            self._tim_lr_stored = self.optimizer.param_groups[0][CONTROLLER_STATE_KEY]
+        if self._tim_lr_checkpoint is not None:
+            self._tim_lr_checkpoint.sync()  # verl's load_checkpoint since the last step
 
     def _tim_lr_apply(self, scale: float) -> None:
         controller = self._tim_lr_controller
@@ -163,9 +167,8 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
                 controller.load_state_dict(copy.deepcopy(state))
         self._tim_lr_value = float(scale)
         self._tim_lr_write(self._tim_lr_value)
-        if controller is not None:
-            store_controller_state(self.optimizer, controller)
-            self._tim_lr_stored = self.optimizer.param_groups[0][CONTROLLER_STATE_KEY]
+        if self._tim_lr_checkpoint is not None:
+            self._tim_lr_checkpoint.store()
 
     def _tim_lr_scale(self) -> float:
         return self._tim_lr_value
@@ -220,13 +223,9 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         call = self._tim_call
         kept = _kept_rows(self._tim_kept, self._tim_pipeline, label.shape, data_format == "thd",
                           None if call is None else call.packed_seq_params)
-        if kept is not None:  # the engine's own kept sets, replayed (logits already divided by the temperature)
-            res = replay_logprobs_vocab_parallel(logits.reshape(-1, width), label.reshape(-1), kept, group=group,
-                                                 vocab_start=int(start), compute_entropy=bool(calculate_entropy))
-        else:
-            trunc = dataclasses.replace(self._tim_truncation, temperature=1.0)  # already scaled above
-            res = safe_logprobs_vocab_parallel(logits.reshape(-1, width), label.reshape(-1), trunc, group=group,
-                                               vocab_start=int(start), compute_entropy=bool(calculate_entropy))
+        # logits already divided by the temperature above
+        res = kept_set_logprobs(label.reshape(-1), self._tim_truncation, kept, logits=logits.reshape(-1, width),
+                                group=group, vocab_start=int(start), compute_entropy=bool(calculate_entropy))
         shape = label.shape
         ret["log_probs"] = res.logprobs.view(shape)
         if calculate_entropy:
@@ -385,14 +384,9 @@ class _FusedSafeHead:
         temperature = float(context.temperature)
         group = mpu.get_tensor_model_parallel_group()
         kept = _kept_rows(self.kept, self.pipeline, labels.shape, True, packed_seq_params)  # verl's fused path: thd
-        if kept is not None:
-            res = replay_linear_logprobs_vocab_parallel(rows, weight, labels.reshape(-1), kept, group=group,
-                                                        vocab_start=int(start), temperature=temperature,
-                                                        compute_entropy=self.want_entropy)
-        else:
-            trunc = dataclasses.replace(self.truncation, temperature=temperature)
-            res = safe_linear_logprobs_vocab_parallel(rows, weight, labels.reshape(-1), trunc, group=group,
-                                                      vocab_start=int(start), compute_entropy=self.want_entropy)
+        res = kept_set_logprobs(labels.reshape(-1), self.truncation, kept, hidden=rows, weight=weight,
+                                temperature=temperature, group=group, vocab_start=int(start),
+                                compute_entropy=self.want_entropy)
         shape = labels.shape
         self.fields = {"tim_in_safe": res.in_safe.view(shape).float(), "tim_pruned_mass": res.pruned_mass.view(shape),
                        "tim_size": res.size.view(shape).float()}

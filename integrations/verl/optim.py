@@ -17,64 +17,52 @@ from typing import Any
 import torch
 
 from tim_plugins.lr_control import LengthTriggeredLRDecay
-from tim_plugins.lr_scaling import (
-    CONTROLLER_STATE_KEY,
-    ScaledLROptimizerMixin,
-    restore_controller_state,
-    scaled_optimizer_class,
-    store_controller_state,
-)
+from tim_plugins.lr_scaling import ControllerCheckpoint, ScaledLROptimizerMixin, scaled_optimizer_class
 
 __all__ = ["TIMLRDecayMixin", "AdamW", "Adam", "SGD"]
 
 
 class TIMLRDecayMixin(ScaledLROptimizerMixin):
-    """Applies the scale of the engine's pipeline and carries its ``LengthTriggeredLRDecay`` state in checkpoints."""
+    """Applies the scale of the engine's pipeline and carries its ``LengthTriggeredLRDecay`` state in checkpoints
+    (``tim_plugins.lr_scaling.ControllerCheckpoint``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._tim_controller: LengthTriggeredLRDecay | None = None
-        self._tim_stored: Any = None
+        self._tim_checkpoint: ControllerCheckpoint | None = None
 
     # -- set by the engine --------------------------------------------------------------------------------------
     def tim_configure(self, controller: LengthTriggeredLRDecay) -> None:
         """Apply ``controller`` (the engine's pipeline's) from now on; picks up a state loaded earlier."""
-        self._tim_controller = controller
-        restore_controller_state(self, self._tim_controller)
-        self._tim_stored = self.param_groups[0].get(CONTROLLER_STATE_KEY)
-        self.set_lr_scale(self._tim_controller.scale)
+        self._tim_checkpoint = ControllerCheckpoint(self, controller)
+        self.set_lr_scale(controller.scale)
 
     def tim_deconfigure(self) -> None:
         """Drop the controller: ``step()`` is the torch class's again (scale 1.0). A stored controller state
         stays in ``param_groups[0]`` for a later ``tim_configure`` to pick up."""
-        self._tim_controller = None
+        if self._tim_checkpoint is not None:
+            self._tim_checkpoint.detach()
         self.set_lr_scale(1.0)
 
     def tim_sync_state(self) -> None:
         """Before the engine feeds the controller: continue from a checkpoint loaded into the param groups since the
         last step (by any load path)."""
-        stored = self.param_groups[0].get(CONTROLLER_STATE_KEY)
-        if self._tim_controller is not None and stored is not None and stored is not self._tim_stored:
-            restore_controller_state(self, self._tim_controller)
-            self._tim_stored = self.param_groups[0][CONTROLLER_STATE_KEY]
+        if self._tim_checkpoint is not None:
+            self._tim_checkpoint.sync()
 
     def tim_apply_scale(self, scale: float) -> None:
         """The scale the pipeline decided for the coming ``step()``; stores the controller's state with it."""
         self.set_lr_scale(scale)
-        if self._tim_controller is not None:
-            store_controller_state(self, self._tim_controller)
-            self._tim_stored = self.param_groups[0][CONTROLLER_STATE_KEY]
+        if self._tim_checkpoint is not None:
+            self._tim_checkpoint.store()
 
     @property
     def tim_controller(self) -> LengthTriggeredLRDecay | None:
-        return self._tim_controller
+        return self._tim_checkpoint.controller if self._tim_checkpoint is not None else None
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        if self._tim_controller is not None:
-            restore_controller_state(self, self._tim_controller)
-            self._tim_stored = self.param_groups[0].get(CONTROLLER_STATE_KEY)
+        self.tim_sync_state()
 
 
 def _make(cls: type) -> type:

@@ -60,35 +60,76 @@ def _register_megatron(off: dict) -> object | None:
 
 
 def _vllm_replica_loader():
-    """The loader registered under verl's rollout name ``vllm``: the kept-set server where its hooks hold (checked
-    here, when the rollout is built, the process that imports vLLM anyway), else verl's own replica with one line."""
+    """The loader registered under verl's rollout name ``vllm``: verl's replica with the tim server's parts whose hooks
+    hold (the kept sets, the sync reads; checked here, when the rollout is built, the process that imports vLLM
+    anyway), one line for each part that is off, verl's own replica when none holds."""
     from tim_plugins.capabilities import check
-    # VERL_SOURCES verl.workers.rollout.replica:_load_vllm
-    from verl.workers.rollout.replica import _load_vllm
 
-    from .features import ROLLOUT_KEPT_SETS
+    from .features import ROLLOUT_KEPT_SETS, ROLLOUT_SYNC_READS
 
-    status = check(ROLLOUT_KEPT_SETS)
-    if not status.available:
-        print(status.warning(), file=sys.stderr)
+    statuses = {f.name: check(f) for f in (ROLLOUT_KEPT_SETS, ROLLOUT_SYNC_READS)}
+    for status in statuses.values():
+        if not status.available:
+            print(status.warning(), file=sys.stderr)
+    kept, reads = (statuses[f.name].available for f in (ROLLOUT_KEPT_SETS, ROLLOUT_SYNC_READS))
+    if not (kept or reads):
+        # VERL_SOURCES verl.workers.rollout.replica:_load_vllm
+        from verl.workers.rollout.replica import _load_vllm
+
         return _load_vllm()
-    from .rollout import TIMvLLMReplica
+    from .rollout import replica_class
 
-    return TIMvLLMReplica
+    return replica_class(kept_sets=kept, sync_reads=reads)
 
 
 def _register_rollout() -> object | None:
     """Replace verl's loader for ``vllm`` by ours (the name stays ``vllm``: the user's ``rollout.name`` is unchanged).
-    Nothing of vLLM is imported here. Inert where the engine returns no sampling mask (the server adds no field)."""
+    Nothing of vLLM is imported here. Inert where the engine returns no sampling mask (the server adds no field) and
+    no actor asks for the sync reads."""
     try:
         # VERL_SOURCES verl.workers.rollout.replica:RolloutReplicaRegistry.register
         from verl.workers.rollout.replica import RolloutReplicaRegistry
     except Exception as err:  # the engine and trainer modes do not need it: verl's own vLLM replica stays
         print(f"tim-plugins: verl's rollout registry cannot be imported ({type(err).__name__}: {err}), so vLLM's "
-              "kept sets are not carried into the batch (the trainer recomputes them)", file=sys.stderr)
+              "kept sets are not carried into the batch (the trainer recomputes them) and the weight-sync check cannot "
+              "read the engine", file=sys.stderr)
         return None
     RolloutReplicaRegistry.register("vllm", _vllm_replica_loader)
     return _vllm_replica_loader
+
+
+def _guard_legacy_trainer(off: dict) -> object | None:
+    """verl's legacy trainer (``trainer.use_v1=false``) consults no registry or plugin class, so a tim node there
+    would be silently ignored: wrap the ``validate_config`` main_ppo calls on the composed config before it starts Ray
+    (bound by name when main_ppo imports, after this plugin loaded) so that it stops with the fix first
+    (``trainer.refuse_tim_node_under_legacy_trainer``). Kept for the process's life, like the registrations; a
+    ``Patch``, so it can be undone. Returns it (None when the hook moved: one line, and the guard is off)."""
+    import functools
+
+    from tim_plugins.capabilities import check
+    from tim_plugins.patching import Patch
+
+    from .features import LEGACY_GUARD
+    from .trainer import refuse_tim_node_under_legacy_trainer
+
+    status = check(LEGACY_GUARD)
+    if not status.available:
+        print(status.warning(), file=sys.stderr)
+        off[LEGACY_GUARD.name] = status
+        return None
+    # VERL_SOURCES verl.utils.config:validate_config (imported by `import verl` before the plugins load)
+    # VERL_SOURCES verl.trainer.main_ppo:main
+    import verl.utils.config as verl_config
+
+    def make(original):
+        @functools.wraps(original)
+        def validate_config(config, *args, **kwargs):
+            refuse_tim_node_under_legacy_trainer(config)
+            return original(config, *args, **kwargs)
+
+        return validate_config
+
+    return Patch(verl_config, "validate_config", make)
 
 
 def register() -> dict[str, object]:
@@ -123,6 +164,7 @@ def register() -> dict[str, object]:
                                 vendor="nvidia")(TIMFSDPEngineWithLMHead)
         REGISTERED["engine"] = TIMFSDPEngineWithLMHead
     REGISTERED["megatron_engine"] = _register_megatron(off)
+    REGISTERED["legacy_guard"] = _guard_legacy_trainer(off)
     REGISTERED["rollout_loader"] = _register_rollout()
     REGISTERED["features_off"] = sorted(off)
     if TRAINER_MODES.name in off:

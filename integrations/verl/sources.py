@@ -126,7 +126,8 @@ VERL_SOURCES = {
         "asks the reference for log-probs with calculate_entropy=False",
     (_TB, "PPOTrainer._compute_metrics"):
         "(batch, metrics, timing_raw, global_steps, epoch); fit calls it once per step after the update, the "
-        "checkpoint and validation and before logger.log(data=metrics): it adds the step's data metrics "
+        "checkpoint and validation and before logger.log(data=metrics), the same dict (the trainer mode leaves in it "
+        "the tim/* metrics of the default log, tim_plugins.log_keys): it adds the step's data metrics "
         "(critic/score/mean, response_length/mean, ...) to metrics in place; it reads each sample's "
         "batch.tags[i]['min_global_steps'] / ['max_global_steps'] (the weight versions a trajectory was sampled "
         "across) and logs trajectory_staleness = (global_steps - 1) - max_global_steps",
@@ -142,6 +143,14 @@ VERL_SOURCES = {
         "total_training_steps",
     (_TB, "PPOTrainer._save_checkpoint"):
         "() writes the checkpoint of the current global_steps",
+    # ---------------------------------------------------------------------- legacy trainer guard (plugin.py)
+    ("verl.utils.config", "validate_config"):
+        "(config, use_reference_policy, use_critic) -> None, a module global that main_ppo and main_ppo_v0 import by "
+        "name after `import verl` loaded the plugins (so they bind the plugin's wrapper)",
+    ("verl.trainer.main_ppo", "main"):
+        "the Hydra entry point: validate_config(config=config, ...) on the composed config, then `if "
+        "config.trainer.use_v1:` the V1 TaskRunner, else main_ppo_v0's (the legacy trainer, which reads no tim node), "
+        "both before ray.init",
     # ---------------------------------------------------------------------------------- workers (worker.py)
     ("verl.workers.engine_workers", "ActorRolloutRefWorker"):
         "the actor/rollout/ref worker: self.config is the actor_rollout_ref node; init_model (ONE_TO_ALL) builds "
@@ -176,6 +185,32 @@ VERL_SOURCES = {
         "token_ids and sampling_mask (None unless the engine runs with return_sampling_mask)",
     ("vllm.outputs", "SamplingMask"):
         "token_ids: one list of kept token ids per generated token",
+    # ---------------------------------------------------------------------------------- weight-sync check
+    ("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights"):
+        "(global_steps=None, mode='auto'), registered ONE_TO_ALL non-blocking (every rank, awaited by the "
+        "checkpoint manager's update_weights): mode 'auto' resolves to rollout.checkpoint_engine.backend; 'naive' "
+        "(colocated; the sync and colocate_async trainer modes force it) calls self.actor.engine."
+        "get_per_tensor_param(layered_summon=, base_sync_done=True) and awaits self.rollout.update_weights(that "
+        "generator, peft_config=, ...), which returns once the engine has loaded every bucket; any other mode sends "
+        "the generator through the checkpoint engine (the rollout loads in other workers)",
+    (_TI, "FSDPEngine.get_per_tensor_param"):
+        "(layered_summon=False, base_sync_done=False, **kwargs) -> (generator of (HF name, full tensor), peft_config "
+        "or None): the stream every weight sync sends the rollout (LoRA adapters: peft_config set)",
+    ("verl.workers.rollout.vllm_rollout.vllm_rollout", "ServerAdapter._ensure_server_handle"):
+        "() -> whether this rank holds its replica's vLLM server (rollout rank 0 of the replica); when it does, "
+        "self.server_handle is the server's Ray actor handle afterwards",
+    ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer._get_worker_extension_cls"):
+        "() -> the qualified name of vLLM's worker_extension_cls (verl's vLLMColocateWorkerExtension), read by "
+        "launch_server into the engine args",
+    ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.collective_rpc"):
+        "awaits self.engine.collective_rpc(method=, timeout=, args=, kwargs=) and drops the workers' results; "
+        "self.engine is vLLM's AsyncLLM",
+    ("verl.workers.rollout.vllm_rollout.utils", "vLLMColocateWorkerExtension"):
+        "mixed into each vLLM worker (the process holding the model); self.model_runner.model is the model "
+        "update_weights_from_ipc loads the buckets into, self.model_runner.vllm_config.model_config.dtype its dtype",
+    ("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc"):
+        "(method, timeout=None, args=(), kwargs=None) -> the list of every worker's result (a method name: a "
+        "method of the worker, its extension's included)",
     # ---------------------------------------------------------------------------------- vLLM rollout (config.py)
     ("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.launch_server"):
         "engine_kwargs.vllm (None values dropped) is forwarded verbatim to vllm serve, after verl's own args",
@@ -191,6 +226,9 @@ _TM = "verl.workers.engine.megatron.transformer_impl"
 # (tests/megatron_suite/test_megatron_sources.py, .venv-megatron) and kept apart from VERL_SOURCES, whose every entry
 # the verl suite resolves.
 VERL_MEGATRON_SOURCES = {
+    (_TM, "MegatronEngine.get_per_tensor_param"):
+        "(base_sync_done=False, **kwargs) -> (generator of (HF name, full tensor) through the bridge's export, "
+        "peft_config or None): the stream every weight sync sends the rollout",
     (_TM, "MegatronEngineWithLMHead"):
         "the Megatron language-model engine, registered by verl for backend megatron under the device-only key "
         "cuda; TIMMegatronEngineWithLMHead subclasses it",

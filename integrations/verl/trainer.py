@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 from omegaconf import open_dict
 
+from tim_plugins.by_key import policy_lag
 from tim_plugins.parity.findings import ParityError
 
 from .config import (LAG_FIELD, TRAINER_MODE_PREFIX, ActorContext, TIMVerlConfig, asks_sampling_mask,
                      check_composed_config)
 
-__all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "refuse_unread_tim_node", "register_tim_trainers", "run_startup_audit",
-           "use_tim_actor_worker", "write_run_summary"]
+__all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "refuse_tim_node_under_legacy_trainer", "refuse_unread_tim_node",
+           "register_tim_trainers", "run_startup_audit", "use_tim_actor_worker", "write_run_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,8 @@ class TIMTrainerMixin:
         # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_metrics (batch.tags' min_global_steps)
         for tag in batch.tags:
             version = (tag or {}).get("min_global_steps")
-            lags.append(-1 if version is None else max(current - int(version), 0) * self._tim_updates_per_version)
+            lags.append(policy_lag(None if version is None else int(version), current,
+                                   steps_per_version=self._tim_updates_per_version))
         # every key, padding included: TransferQueue hands a worker only the fields all of its samples have
         # VERL_SOURCES transfer_queue:kv_batch_put
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
@@ -226,7 +228,8 @@ class TIMTrainerMixin:
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_metrics
     def _compute_metrics(self, batch, metrics, *args, **kwargs):
         """After verl's own step metrics (the reward, lengths, timing): the step's whole logged row beside the dump,
-        for the report (its tim/* series, the LR, the reward)."""
+        for the report (its tim/* series, the LR, the reward); then the row verl's tracker logs keeps the tim/*
+        metrics read each step, every one with ``tim.monitor.log_detail`` (``tim_plugins.log_keys``)."""
         out = super()._compute_metrics(batch, metrics, *args, **kwargs)
         if self.tim.dump.enabled:
             from tim_plugins.dump import append_log_history
@@ -235,6 +238,12 @@ class TIMTrainerMixin:
                 append_log_history(self.tim.dump.dir, self.global_steps, metrics)
             except OSError as err:  # the report loses a point; training goes on
                 logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
+        if not self.tim.monitor.log_detail:
+            from tim_plugins.log_keys import in_step_log
+
+            # in place: fit logs this dict next (VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit)
+            for key in [k for k in metrics if not in_step_log(k)]:
+                del metrics[key]
         return out
 
 
@@ -268,6 +277,25 @@ def refuse_unread_tim_node(config, mode: str) -> None:
         f"tim-plugins: the config has a tim node (tim.{sections}) but trainer.v1.trainer_mode={mode!r} runs verl's "
         f"own trainer, which never reads it: every tim setting would be ignored. Fix: "
         f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode} (or drop the +tim.* overrides)")
+
+
+def refuse_tim_node_under_legacy_trainer(config) -> None:
+    """A ``tim`` node with ``trainer.use_v1=false``: verl's legacy trainer (``main_ppo_v0.TaskRunner`` and
+    ``RayPPOTrainer``) consults no registry, so no tim trainer mode runs and every tim setting would be silently
+    ignored. Stops the driver before Ray starts (from the ``validate_config`` main_ppo calls on the composed config,
+    ``plugin._guard_legacy_trainer``), with the fix."""
+    trainer = config.get("trainer") if hasattr(config, "get") else None
+    node = config.get("tim") if hasattr(config, "get") else None
+    if node is None or trainer is None or trainer.get("use_v1", True):
+        return
+    sections = sorted(node.keys()) if hasattr(node, "keys") else node
+    v1 = trainer.get("v1") or {}
+    mode = str(v1.get("trainer_mode", "sync") or "sync")
+    fix = "trainer.use_v1=true" + ("" if mode.startswith(TRAINER_MODE_PREFIX)
+                                   else f" trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode}")
+    raise ValueError(
+        f"tim-plugins: the config has a tim node (tim.{sections}) but trainer.use_v1=false runs verl's legacy trainer, "
+        f"which never reads it: every tim setting would be ignored. Fix: {fix} (or drop the +tim.* overrides)")
 
 
 class _UnreadTIMNodeGuard:

@@ -1,4 +1,5 @@
-"""Actor worker that hands the ``tim`` settings to its engine and returns the merged metrics to the driver.
+"""Actor worker that hands the ``tim`` settings to its engine, returns the merged metrics to the driver, and drives the
+weight-sync check around verl's ``update_weights`` (``sync_check.py``).
 
 Used by the tim trainer modes (``trainer.v1.trainer_mode=tim_sync`` ...), which copy the top-level ``tim`` node
 of the config to ``actor_rollout_ref.tim`` (the only part of the config the workers receive).
@@ -6,7 +7,10 @@ of the config to ``actor_rollout_ref.tim`` (the only part of the config the work
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+
+import torch
 
 # VERL_SOURCES verl.single_controller.base.decorator:register
 from verl.single_controller.base.decorator import Dispatch, register
@@ -52,3 +56,50 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
         if self.actor is None or not hasattr(self.actor.engine, "tim_report"):
             return {}
         return self.actor.engine.tim_report()
+
+    # VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker.update_weights
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int = None, mode: str = "auto"):
+        """verl's weight sync, unchanged; with the sync check on, the engine's stream is sampled as it goes
+        (``TIMEngineMixin.get_per_tensor_param``) and, once verl has returned, this rank's replica is read and
+        compared, and every rank's report reaches the pipeline of the first rank that holds outputs."""
+        watch = self.actor.engine.tim_sync_watch if self.actor is not None and \
+            hasattr(self.actor.engine, "tim_sync_watch") else None
+        verl_sync = super().update_weights
+        if watch is None:
+            return await verl_sync(global_steps=global_steps, mode=mode)
+        server = self._tim_sync_server(mode)
+
+        async def gather(report):
+            return await asyncio.to_thread(self._tim_gather_reports, report)
+
+        return await watch.around(global_steps, lambda: verl_sync(global_steps=global_steps, mode=mode),
+                                  None if server is None else server.tim_read_weights.remote, gather)
+
+    def _tim_sync_server(self, mode: str):
+        """This rank's replica's server handle when the sync is colocated and this rank holds it and the server
+        answers the sync reads (``rollout._SyncReads``), else None."""
+        # VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker.update_weights (mode "auto": the checkpoint
+        # engine's backend; "naive": colocated, the rollout's update_weights loads the engine before returning)
+        effective = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
+        rollout = getattr(self, "rollout", None)
+        if effective != "naive" or rollout is None:
+            return None
+        # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_rollout:ServerAdapter._ensure_server_handle
+        ensure = getattr(rollout, "_ensure_server_handle", None)
+        if ensure is None or not ensure():
+            return None
+        handle = rollout.server_handle
+        return handle if hasattr(handle, "tim_read_weights") else None
+
+    def _tim_gather_reports(self, report) -> tuple[list, bool]:
+        """Every rank's report of this sync (world group), and whether this rank is the one that hands them to its
+        pipeline: the first that holds outputs (the rank whose metrics the driver logs)."""
+        holds = self.actor.engine.tim_sync_watch.holds_outputs()
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized() \
+                or torch.distributed.get_world_size() == 1:
+            return [report], holds
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (holds, report))
+        first = next((rank for rank, (h, _) in enumerate(gathered) if h), None)
+        return [r for _, r in gathered], first == torch.distributed.get_rank()

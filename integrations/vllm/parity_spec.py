@@ -19,7 +19,7 @@ from typing import Any, Optional
 from tim_plugins.parity.spec import PipelineSpec
 from tim_plugins.parity.vllm_spec import sampling_fields
 
-__all__ = ["spec_from_llm"]
+__all__ = ["engine_args_from_server_info", "spec_from_llm"]
 
 
 def _worker_numerics(worker: Any) -> dict:
@@ -98,3 +98,20 @@ def _untested_vllm() -> Optional[str]:
         return None
     low, high = SUPPORTED_RANGES["vllm"]
     return f"vllm {package_version('vllm')} is outside the tested range >={low},<{high}: fields read may have moved"
+
+
+def engine_args_from_server_info(info: dict) -> tuple[dict, str]:
+    """(engine args, device) from a vLLM server's /server_info?config_format=json reply (``info``: its
+    'vllm_config' tree); a field the reply leaves out stays unknown (absent). Raises KeyError without the configs."""
+    # VLLM_SOURCES vllm.entrypoints.serve.dev.server_info.api_router:show_server_info
+    model, cache, sched = info["model_config"], info["cache_config"], info["scheduler_config"]
+    dtype = model.get("dtype")
+    args = {
+        "model": model.get("model"), "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "logprobs_mode": model.get("logprobs_mode"), "enforce_eager": model.get("enforce_eager"),
+        "quantization": model.get("quantization"), "kv_cache_dtype": cache.get("cache_dtype"),
+        "enable_prefix_caching": cache.get("enable_prefix_caching"),
+        "enable_chunked_prefill": sched.get("enable_chunked_prefill"),
+    }
+    device = str((info.get("device_config") or {}).get("device") or "cuda")
+    return {k: v for k, v in args.items() if v is not None}, device

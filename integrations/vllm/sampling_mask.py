@@ -13,6 +13,10 @@ own logits over the set).
 Only the public output classes are read (``vllm.outputs``: ``RequestOutput.outputs``, ``CompletionOutput.token_ids``
 and ``.sampling_mask``, ``SamplingMask.token_ids``); vLLM's internal CSR form (``vllm.v1.outputs.SamplingMaskLists``:
 ``token_ids`` + ``offsets`` arrays) is accepted as well, duck-typed, so nothing here breaks where it moves.
+
+``engine_returns_kept_sets`` reads whether a live ``vllm.LLM`` was started with the setting; ``KeptSetsByIds`` keeps
+the sets of ``LLM.generate``'s outputs by the prompt and completion ids they were generated for (the TRL adapter's
+colocate capture).
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from typing import Any
 
 from tim_plugins.replay import KeptSets
 
-__all__ = ["SAMPLING_MASK_FIX", "kept_sets_from_completion", "kept_sets_from_mask", "kept_sets_from_outputs"]
+__all__ = ["ENGINE_KWARG", "SAMPLING_MASK_FIX", "KeptSetsByIds", "engine_returns_kept_sets", "kept_sets_from_completion",
+           "kept_sets_from_mask", "kept_sets_from_outputs"]
 
+# the engine argument that makes vLLM return the sets (LLM(..., return_sampling_mask=True))
+ENGINE_KWARG = "return_sampling_mask"
 SAMPLING_MASK_FIX = (
     "start vLLM with return_sampling_mask=True (LLM(..., return_sampling_mask=True); server: "
     "--return-sampling-mask; verl: +actor_rollout_ref.rollout.engine_kwargs.vllm.return_sampling_mask=true). It "
@@ -76,3 +83,62 @@ def kept_sets_from_outputs(outputs: Sequence[Any], device=None) -> KeptSets:
         for comp in (completions if completions is not None else [out]):
             parts.append(kept_sets_from_completion(comp, device=device))
     return KeptSets.concat(parts)
+
+
+def engine_returns_kept_sets(llm: Any) -> bool:
+    """Whether a live ``vllm.LLM`` was started with ``return_sampling_mask`` (its own model config)."""
+    # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine), vllm.v1.engine.llm_engine:LLMEngine.__init__
+    # (vllm_config), vllm.config:ModelConfig (return_sampling_mask)
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "model_config", None)
+    return bool(getattr(config, ENGINE_KWARG, False))
+
+
+class KeptSetsByIds:
+    """vLLM's kept sets captured from ``LLM.generate``'s outputs, by (prompt ids, completion ids): ``record`` the
+    outputs, ``lookup`` a completion's sets (a prefix of a captured completion too), ``clear`` between batches."""
+
+    def __init__(self) -> None:
+        self._sets: dict[tuple[tuple[int, ...], tuple[int, ...]], KeptSets] = {}
+        self._by_prompt: dict[tuple[int, ...], list[tuple[tuple[int, ...], KeptSets]]] = {}
+        self.without_mask = 0  # completions the engine returned without a sampling_mask
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def clear(self) -> None:
+        self._sets.clear()
+        self._by_prompt.clear()
+
+    def record(self, outputs: Iterable[Any]) -> list[str]:
+        """``vllm.LLM.generate``'s outputs: each completion's sets under its prompt and completion ids. Returns why
+        each completion whose mask could not be read was left out (its rows then recompute)."""
+        problems = []
+        for request in outputs:
+            prompt = tuple(int(t) for t in request.prompt_token_ids)
+            for completion in request.outputs:
+                if getattr(completion, "sampling_mask", None) is None:
+                    self.without_mask += 1
+                    continue
+                key = (prompt, tuple(int(t) for t in completion.token_ids))
+                if key in self._sets:
+                    continue
+                try:
+                    kept = kept_sets_from_completion(completion)
+                except ValueError as err:  # e.g. not one set per generated token
+                    problems.append(str(err))
+                    continue
+                self._sets[key] = kept
+                self._by_prompt.setdefault(prompt, []).append((key[1], kept))
+        return problems
+
+    def lookup(self, prompt: tuple[int, ...], completion: tuple[int, ...]) -> KeptSets | None:
+        """The sets of ``completion``'s tokens after ``prompt``: an exact match, else a captured completion that
+        starts with it (each token's set depends only on what precedes it), else None."""
+        kept = self._sets.get((prompt, completion))
+        if kept is not None:
+            return kept
+        n = len(completion)
+        for ids, kept in self._by_prompt.get(prompt, ()):
+            if ids[:n] == completion:
+                return KeptSets(kept.ids[: int(kept.offsets[n])], kept.offsets[: n + 1])
+        return None

@@ -118,6 +118,27 @@ VLLM_SOURCES = {
         "VllmConfig dumped by pydantic in JSON mode}: model_config.{model, dtype, logprobs_mode, enforce_eager, "
         "quantization}, cache_config.{cache_dtype, enable_prefix_caching}, "
         "scheduler_config.enable_chunked_prefill, device_config.device",
+    # --------------------------------------------------------------------- the weights (weights.VLLMWeights)
+    ("vllm.model_executor.models.utils", "WeightsMapper._map_name_with_shard"):
+        "(name) -> (vLLM name, shard id or None) or None (dropped): the model's hf_to_vllm_mapper, with the "
+        "stacked names (q_proj -> qkv_proj, 'q'; gate_proj -> gate_up_proj, 0); before it, _map_name and the "
+        "model's packed_modules_mapping {merged: [parts]}",
+    ("vllm.model_executor.layers.linear", "LinearBase"):
+        "tp_rank, tp_size; quant_method.apply(layer, x, bias=None) -> x @ W^T with the layer's effective weight "
+        "(prepacked or quantized), input_size_per_partition for the local input width",
+    ("vllm.model_executor.layers.linear", "ColumnParallelLinear"):
+        "rows sharded over tp (weight and bias); MergedColumnParallelLinear.output_sizes (full sizes, a part's "
+        "local rows at sum(output_sizes[:i]) // tp_size)",
+    ("vllm.model_executor.layers.linear", "QKVParallelLinear"):
+        "_get_shard_offset_mapping / _get_shard_size_mapping('q' | 'k' | 'v') (local rows), num_kv_head_replicas "
+        "(k / v shard of rank r is r // replicas)",
+    ("vllm.model_executor.layers.linear", "RowParallelLinear"):
+        "columns sharded over tp, the bias whole",
+    ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"):
+        "the quant_method of an unquantized linear layer (any other is a quantization scheme)",
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"):
+        "shard_indices.org_vocab_start_index / org_vocab_end_index: the vocabulary rows this rank holds, from "
+        "local row 0; rows past the vocabulary are padding",
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"):
         "a worker's .model_runner (CPU and GPU workers): .model (with .lm_head) and .attn_groups, lists of "
         "AttentionGroup whose .backend has get_name()",

@@ -21,12 +21,14 @@ def test_every_named_source_exists(key):
     assert resolve(*key) is not None
 
 
-@pytest.mark.parametrize("feature", [features.MEGATRON_ENGINE, features.MEGATRON_FUSED_SAFE_VOCAB],
+@pytest.mark.parametrize("feature", [features.MEGATRON_ENGINE, features.MEGATRON_FUSED_SAFE_VOCAB,
+                                     features.MEGATRON_SYNC_CHECK],
                          ids=lambda f: f.name)
 def test_the_megatron_features_hold_and_check_only_named_sources(feature):
     status = check(feature)
     assert status.available, status.warning()
-    assert [s.name for s in features.megatron_features()] == ["verl_megatron_engine", "verl_megatron_fused_safe_vocab"]
+    assert [s.name for s in features.megatron_features()] == ["verl_megatron_engine", "verl_megatron_fused_safe_vocab",
+                                                              "verl_megatron_sync_check"]
     named = {**VERL_MEGATRON_SOURCES, **features.VERL_SOURCES}
     assert all((h.module, h.qualname) in named for h in feature.hooks)
 

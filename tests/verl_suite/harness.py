@@ -159,3 +159,57 @@ def response_nested(values: torch.Tensor, td) -> torch.Tensor:
     from verl.workers.utils.padding import response_to_nested
 
     return response_to_nested(values, td["response_mask"])
+
+
+class Rollout:
+    """The rollout engine of the weight-sync check's engine-level tests: a transformers copy of the model on random
+    weights (verl starts its vLLM rollout on dummy weights, ``load_format=dummy``) in ``dtype``, loaded by name from
+    the actor engine's ``get_per_tensor_param`` stream, as verl's ``update_weights`` does; ``skip``: a name prefix the
+    load drops (the broken sync). Read with the vLLM reader (``VLLMWeights``), which reads a plain module directly."""
+
+    def __init__(self, model_path: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.dtype = dtype
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.streamed: list[str] = []
+
+    def reader(self):
+        from tim_plugins.integrations.vllm.weights import VLLMWeights
+
+        return VLLMWeights(self.model, self.dtype)
+
+    async def load(self, engine, skip: str | None):
+        """What verl's update_weights does with the stream, as one awaitable: every tensor written in place."""
+        weights, peft = engine.get_per_tensor_param()
+        assert peft is None
+        self.streamed = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                self.streamed.append(name)
+                if skip is None or not name.startswith(skip):
+                    self.params[name].copy_(tensor)
+
+
+def checked_sync(engine, rollout: Rollout, step: int, skip: str | None = None):
+    """One weight sync of ``engine`` into ``rollout`` through the engine's ``SyncWatch.around``, as verl's worker
+    drives it (``read``: the vLLM worker's answer, through JSON as it crosses msgpack and Ray; one rank). Returns the
+    sync's report, None when the sync was not checked."""
+    import asyncio
+    import json
+
+    from tim_plugins.integrations.vllm.worker_reads import read_requests
+
+    watch = engine.tim_sync_watch
+    before = len(watch.check.reports)
+
+    async def read(requests):
+        return [json.loads(json.dumps(read_requests(rollout.reader(), requests)))]
+
+    async def gather(report):
+        return [report], True
+
+    asyncio.run(watch.around(step, lambda: rollout.load(engine, skip), read, gather))
+    return watch.check.reports[before] if len(watch.check.reports) > before else None

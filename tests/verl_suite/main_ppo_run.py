@@ -220,9 +220,15 @@ def parse_console(output: str) -> dict[int, dict[str, float]]:
 
 
 def run_main_ppo(overrides: list[str], *, cwd: Path, timeout: float = 600, extra_env: dict | None = None,
-                 log_path: Path | None = None) -> Run:
+                 log_path: Path | None = None, log_detail: bool = True) -> Run:
     """Run main_ppo in its own process group; kill the whole group (Ray, vLLM) on timeout, when Ray's OOM monitor
-    killed a worker, or when done."""
+    killed a worker, or when done. ``log_detail``: a run with the monitor logs every tim/* metric to verl's console,
+    which the tests parse (``+tim.monitor.log_detail=true`` added unless the overrides set it); False keeps the
+    default compact log (test_verl_dump_report reads the rest from the dump's log_history.jsonl)."""
+    monitored = "+tim.monitor.enable=true" in overrides and any(
+        o.startswith("trainer.v1.trainer_mode=tim_") for o in overrides)
+    if log_detail and monitored and not any("tim.monitor.log_detail=" in o for o in overrides):
+        overrides = [*overrides, "+tim.monitor.log_detail=true"]
     # VLLM_CPU_KVCACHE_SPACE from the caller's shell would replace the KV-cache size CPU_OVERRIDES sets.
     inherited = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env = dict(inherited, **ENV, **(extra_env or {}))

@@ -114,3 +114,18 @@ def test_the_report_answers_mismatch_or_staleness_by_lag_in_verls_terms(run):
     assert "Mismatch or staleness?" in html and "statistical: by policy lag" in html
     assert "Staleness dominates" in html
     assert part_fix("staleness_async", "verl") in html and "num_warmup_batches" in html
+
+
+def test_every_weight_sync_is_checked_and_names_no_cause(run, toy_model_path):
+    """colocate_async syncs the rollout after each step's update (verl's naive checkpoint engine): each step's window
+    holds one checked sync that compared every tensor the actor streamed (transformers' state dict of the checkpoint);
+    the injected ±DELTA mismatch is a floor, not a cause, and no stream rule names one."""
+    from transformers import AutoModelForCausalLM
+
+    result, _ = run
+    n = len(AutoModelForCausalLM.from_pretrained(str(toy_model_path)).state_dict())
+    for step, m in result.steps.items():
+        assert m["tim/cause/named"] == 0.0 and m["tim/cause/confident_disagreements"] == 0.0, step
+        assert m["tim/cause/sync_checked_tensors"] == n and m["tim/cause/sync_bad_tensors"] == 0.0, step
+        assert not any(k.startswith("tim/diag/sync_check") for k in m), step
+    assert "tim-plugins cause [" not in result.output

@@ -477,3 +477,86 @@ def test_min_p_pruning_with_vllm_kept_sets_is_refused_with_the_way_out(toy_model
     _, problems, _ = check_composed_config(cfg)
     assert len(problems) == 1 and "refuses custom logits processors" in problems[0], problems
     assert "+tim.safe_vocab.enable=true with tim.safe_vocab.min_p=0" in problems[0]
+
+
+def _legacy(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("trainer.v1.trainer_mode")] + ["trainer.use_v1=false"]
+
+
+def test_a_tim_node_under_the_legacy_trainer_stops_at_validation(toy_model_path):
+    """``trainer.use_v1=false`` runs verl's legacy trainer, which never reads a tim node: the validate_config that
+    main_ppo calls on the composed config (the plugin's wrapper, bound by main_ppo's own import) stops with the fix;
+    without the tim node verl's validation runs as before."""
+    import verl.trainer.main_ppo as main_ppo
+    import verl.utils.config as verl_config
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    assert main_ppo.validate_config is verl_config.validate_config  # the wrapper is what main_ppo calls
+    original = main_ppo.validate_config.__wrapped__
+    cfg = compose(_legacy(recipe_overrides(toy_model_path)))
+    args = dict(use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    with pytest.raises(ValueError) as err:
+        main_ppo.validate_config(config=cfg, **args)
+    message = str(err.value)
+    assert message.startswith("tim-plugins: the config has a tim node (tim.[") and "trainer.use_v1=false" in message
+    assert message.endswith("Fix: trainer.use_v1=true trainer.v1.trainer_mode=tim_sync (or drop the +tim.* overrides)")
+    # a tim mode already chosen: the fix is only the switch back to the V1 trainer
+    kept_mode = compose(recipe_overrides(toy_model_path) + ["trainer.use_v1=false"])
+    with pytest.raises(ValueError, match=r"Fix: trainer\.use_v1=true \(or drop the \+tim\.\* overrides\)$"):
+        main_ppo.validate_config(config=kept_mode, **args)
+    plain = compose(_legacy([o for o in recipe_overrides(toy_model_path) if not o.startswith("+tim.")]))
+    assert main_ppo.validate_config(config=plain, **args) is None
+    assert original(config=plain, **args) is None  # verl's own validation, unchanged underneath
+    # the V1 trainer with a tim mode (the recipe) passes
+    assert main_ppo.validate_config(config=compose(recipe_overrides(toy_model_path)), **args) is None
+
+
+@pytest.mark.slow
+def test_main_ppo_with_the_legacy_trainer_and_tim_settings_fails_before_ray(toy_model_path, tmp_path):
+    """verl's own entry point, ``python -m verl.trainer.main_ppo ... trainer.use_v1=false +tim.*``: it stops with the
+    fix before Ray starts (it ran the legacy trainer with every tim setting ignored)."""
+    import main_ppo_run as M
+
+    files = M.prepare(tmp_path, toy_model_path)
+    overrides = _legacy(M.base_overrides(files, tmp_path, steps=1) + M.CPU_OVERRIDES + M.recipe_tim_overrides())
+    run = M.run_main_ppo(overrides, cwd=tmp_path, timeout=300, log_path=tmp_path / "run.log")
+    assert run.returncode != 0
+    assert "Fix: trainer.use_v1=true trainer.v1.trainer_mode=tim_sync" in run.output, run.output[-3000:]
+    assert "ray init kwargs" not in run.output and not run.steps  # stopped before Ray and before any step
+
+
+def _docs_minimal_overrides() -> list[str]:
+    """The overrides of docs/verl.md's monitor-only block (its ``+`` lines)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "verl.md").read_text()
+    block = text.split("<!-- section:verl-minimal -->", 1)[1].split("<!-- /section:verl-minimal -->", 1)[0]
+    return [line[1:].strip().rstrip("\\").strip() for line in block.splitlines() if line.startswith("+ ")]
+
+
+def test_the_docs_monitor_only_block_composes_and_validates_and_each_line_is_needed(toy_model_path):
+    """docs/verl.md's first block over verl's defaults: verl's validation and the tim checks pass, the monitor is on
+    and nothing else of tim-plugins is; without either line the run is refused or monitors nothing."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    import verl.trainer.main_ppo as main_ppo
+    from tim_plugins.integrations.verl.config import check_composed_config
+
+    block = _docs_minimal_overrides()
+    assert block == ["trainer.v1.trainer_mode=tim_sync", "+tim.monitor.enable=true"]
+    from main_ppo_run import recipe_tim_overrides
+
+    tim_keys = {o.split("=", 1)[0] for o in recipe_tim_overrides()}
+    # the recipe's run without tim-plugins
+    base = [o for o in recipe_overrides(toy_model_path) if o.split("=", 1)[0] not in tim_keys]
+    assert not any(o.startswith(("+tim.", "trainer.v1.trainer_mode")) for o in base)
+    cfg = compose(base + block)
+    main_ppo.validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    tim, problems, notes = check_composed_config(cfg)
+    assert problems == [] and notes == []
+    assert tim.monitor.enable and tim.safe_vocab.min_p == 0 and not tim.lr_decay.enable and not tim.parity.strict
+    for dropped in block:
+        rest = [o for o in block if o != dropped]
+        tim, problems, _ = check_composed_config(compose(base + rest))
+        assert problems or not tim.monitor.enable, dropped
+    # the rollout's log-probs are verl's default; switched off, the start-up says so with the fix
+    _, problems, _ = check_composed_config(compose(base + block + ["actor_rollout_ref.rollout.calculate_log_probs=false"]))
+    assert problems == [problems[0]] and problems[0].endswith("Fix: actor_rollout_ref.rollout.calculate_log_probs=true")

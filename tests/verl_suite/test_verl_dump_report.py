@@ -83,12 +83,38 @@ def run(tmp_path_factory, toy_model_path):
         "+tim.safe_vocab.enable=true",
         "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
     ]
+    # the default log: verl's console has the tim/* metrics read each step, the dump's log_history.jsonl all of them
     result = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log",
-                            extra_env={"TIM_TEST_INJECT_MISMATCH": f"{INJECT_FROM}:{DELTA}"})
+                            extra_env={"TIM_TEST_INJECT_MISMATCH": f"{INJECT_FROM}:{DELTA}"}, log_detail=False)
     print(f"[dump_report] exit {result.returncode} after {result.seconds:.0f} s; log {wd / 'run.log'}")
     if result.returncode != 0:
         pytest.fail(f"main_ppo failed (exit {result.returncode}):\n{result.output[-4000:]}")
+    from tim_plugins.dump import complete_log_history, read_log_history
+
+    # the tests below read each step's row: verl's console row with the dump history's tim/* metrics added
+    result.console = result.steps
+    full = read_log_history(dump / "log_history.jsonl")
+    rows = complete_log_history([{"step": s, **m} for s, m in sorted(result.steps.items())], full)
+    result.steps = {row.pop("step"): row for row in rows}
     return result, dump, files
+
+
+def test_the_console_logs_the_compact_set_and_the_dump_history_every_metric(run):
+    """The default log: verl's tracker (the console here) gets the tim/* metrics read each step (tim_plugins.log_keys),
+    the same values as the dump's log_history.jsonl, which also holds the detail families the report reads."""
+    from tim_plugins.dump import read_log_history
+    from tim_plugins.log_keys import in_step_log
+
+    result, dump, _ = run
+    full = {r["step"]: r for r in read_log_history(dump / "log_history.jsonl")}
+    assert sorted(result.console) == sorted(full) == list(range(1, STEPS + 1))
+    for step, console in result.console.items():
+        logged = {k for k in console if k.startswith("tim/")}
+        assert logged and all(in_step_log(k) for k in logged) and len(logged) <= 15, (step, sorted(logged))
+        assert {"tim/token/kl_k3", "tim/lr/scale", "tim/safe_vocab/boundary_frac"} <= logged
+        assert [k for k in logged if console[k] != pytest.approx(full[step][k], rel=1e-12)] == [], step
+        for family in ("tim/by_lag/", "tim/by_position/", "tim/split/", "tim/staleness/", "tim/by_prob/"):
+            assert any(k.startswith(family) for k in full[step]), (step, family)
 
 
 def test_k3_is_fp32_noise_then_the_injected_mismatch_as_verl_measures_it(run):

@@ -91,8 +91,8 @@ def test_the_plugin_registers_the_kept_set_replica_under_vllm():
 
     assert plugin.REGISTERED["rollout_loader"] is not None
     cls = RolloutReplicaRegistry.get("vllm")
-    assert cls is TIMvLLMReplica and issubclass(cls, vLLMReplica)
-    assert issubclass(TIMvLLMHttpServer, vLLMHttpServer)
+    assert cls is TIMvLLMReplica and issubclass(cls, vLLMReplica)  # the kept sets and the sync reads
+    assert issubclass(TIMvLLMHttpServer, vLLMHttpServer) and TIMvLLMReplica.SERVER is TIMvLLMHttpServer
 
 
 def test_generate_returns_the_engine_kept_sets_packed():
@@ -140,18 +140,29 @@ def test_two_servers_keep_their_own_masks():
     assert torch.equal(KeptSets.from_csr(**out_b.extra_fields["tim_kept_sets"]).sizes, torch.tensor([2]))
 
 
-def test_the_loader_falls_back_to_verls_replica_when_a_hook_moved(monkeypatch, capsys):
+def test_the_loader_drops_the_kept_sets_alone_when_their_hook_moved(monkeypatch, capsys):
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
     from tim_plugins.integrations.verl import plugin
+    from tim_plugins.integrations.verl.rollout import TIMSyncReadsReplica
 
     async def generate(self, prompt_ids, sampling_params):  # request_id gone
         raise AssertionError("never called")
 
     monkeypatch.setattr(vLLMHttpServer, "generate", generate)
-    assert plugin._vllm_replica_loader() is vLLMReplica
+    cls = plugin._vllm_replica_loader()
+    assert cls is TIMSyncReadsReplica and issubclass(cls, vLLMReplica)
+    assert cls.SERVER.generate is generate  # verl's generate (here the changed one), not the kept-set wrapper
     err = capsys.readouterr().err
     assert "verl_rollout_kept_sets" in err and "takes no request_id" in err
+
+    # the sync reads' hook moved too: verl's own replica
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(vLLMHttpServer, "collective_rpc", collective_rpc)
+    assert plugin._vllm_replica_loader() is vLLMReplica
+    assert "verl_rollout_sync_reads" in capsys.readouterr().err
 
 
 def test_the_driver_reads_whether_the_run_asks_vllm_for_its_sets():

@@ -10,6 +10,9 @@ printed. Three runs share one working directory, in order (each ~2 minutes on a 
    checkpoint and exit code 0;
 3. run 1's overrides with a different rollout min-p: refused at start-up with the documented message.
 
+Runs 1 and 2 are fault-free: they name no cause, and each weight sync's check compared every tensor (the sync
+check's own broken-sync run: ``test_verl_sync_check_main_ppo.py``).
+
 The CPU shims are in ``cpu_site/`` (listed in ``cpu_shims.py``); nothing CPU-specific is in the package. What a run
 with the plugin installed but no tim overrides does to numerics is tested on the engine itself
 (``test_verl_engine.py::test_registered_engine_trains_like_stock_verl``): rollouts of verl's vLLM server are not
@@ -144,8 +147,10 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
     from tim_plugins.by_key import KEYINGS
     from tim_plugins.staleness import STALENESS_KEYS, SplitStats
 
+    from tim_plugins.causes import CAUSE_KEYS
+
     expected = _monitor_keys() | SAFE_VOCAB_KEYS | _lr_keys() | PROBE_KEYS | set(STALENESS_KEYS) \
-        | set(SplitStats().compute(sync=False))
+        | set(SplitStats().compute(sync=False)) | set(CAUSE_KEYS)
     stats = ("count", "abs_diff_mean", "mean", "kl_k3", "abs_diff_max")
     positions = {f"tim/by_position/{b}/{k}" for b in KEYINGS["position"].labels for k in stats}
     for step, metrics in recipe_run.steps.items():
@@ -158,6 +163,33 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
         assert metrics["tim/staleness/token/kl_k3"] == 0.0 and metrics["tim/split/staleness_mean"] == 0.0
         assert not any(k.startswith("actor/tim/") for k in metrics)  # exact keys, not verl's actor/ prefix
         assert metrics["tim/tokens"] == metrics["tim/safe_vocab/tokens"] > 0
+
+
+def _model_tensors(work) -> int:
+    """How many tensors verl's FSDP engine streams at a weight sync: the model's state dict (transformers')."""
+    from transformers import AutoModelForCausalLM
+
+    return len(AutoModelForCausalLM.from_pretrained(str(work[1]["model"])).state_dict())
+
+
+def _no_cause_and_every_tensor_checked(run, work) -> None:
+    """A fault-free run names no cause, and each step's window holds one checked sync (the one before its
+    generation: verl's on_init_end sync for the first step, the previous step's end sync after) that compared every
+    tensor the actor streamed and found none bad."""
+    n = _model_tensors(work)
+    assert run.steps
+    for step, m in run.steps.items():
+        assert m["tim/cause/named"] == 0.0 and m["tim/cause/confident_disagreements"] == 0.0, step
+        assert m["tim/cause/sync_checked_tensors"] == n and m["tim/cause/sync_bad_tensors"] == 0.0, step
+        assert not any(k.startswith("tim/diag/sync_check") for k in m), step
+    assert "tim-plugins cause [" not in run.output
+
+
+def test_the_fault_free_runs_name_no_cause(recipe_run, resumed_run, work):
+    """Both runs: fp32 on both sides with the safe vocabulary and the user's top-p / top-k (the recipe), and a bf16
+    rollout resumed from its checkpoint (every sync read in the engine's bf16, the actor's fp32 cast to it)."""
+    _no_cause_and_every_tensor_checked(recipe_run, work)
+    _no_cause_and_every_tensor_checked(resumed_run, work)
 
 
 def test_tim_k1_and_k3_at_fp32_noise_against_independent_references(recipe_run):

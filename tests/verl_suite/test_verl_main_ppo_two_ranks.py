@@ -241,3 +241,19 @@ def test_each_rank_dumps_its_own_half_and_the_union_is_the_logged_step(run):
         assert len(d) == result.steps[step]["tim/tokens"]
         assert float(np.mean(np.expm1(d) - d)) == pytest.approx(result.steps[step]["tim/token/kl_k3"], rel=1e-5)
 
+
+
+def test_the_weight_syncs_of_both_replicas_are_checked_and_name_no_cause(run):
+    """Each rank reads its own replica's vLLM server at each sync and the reports meet on the first rank that holds
+    outputs (through the world group): every step's window compared every tensor the actor streams (transformers'
+    state dict of the checkpoint; the window keeps the largest report's count, so this does not tell the two
+    replicas' reports apart) and named nothing (a bf16 rollout: the actor's fp32 cast to bf16 is what it holds)."""
+    from transformers import AutoModelForCausalLM
+
+    result, _, wd = run
+    n = len(AutoModelForCausalLM.from_pretrained(str(wd / "model")).state_dict())
+    for step, m in result.steps.items():
+        assert m["tim/cause/named"] == 0.0 and m["tim/cause/confident_disagreements"] == 0.0, step
+        assert m["tim/cause/sync_checked_tensors"] == n and m["tim/cause/sync_bad_tensors"] == 0.0, step
+        assert not any(k.startswith("tim/diag/sync_check") for k in m), step
+    assert "tim-plugins cause [" not in result.output

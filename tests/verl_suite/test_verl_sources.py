@@ -37,7 +37,9 @@ TB = "verl.trainer.ppo.v1.trainer_base"
 
 
 def _params(module: str, qualname: str) -> list[str]:
-    return list(inspect.signature(_resolve(module, qualname)).parameters)
+    """The callable's parameters as written; ``_ray_trace_ctx`` is Ray's, added to a class's methods once any test in
+    the process made the class an actor (ray.actor's tracing injection), not verl's."""
+    return [p for p in inspect.signature(_resolve(module, qualname)).parameters if p != "_ray_trace_ctx"]
 
 
 @pytest.mark.parametrize("key", sorted(VERL_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
@@ -590,3 +592,77 @@ def test_verls_server_returns_its_own_extra_fields_dict():
     src = _src("verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.generate")
     assert 'extra_fields = {"global_steps": self.global_steps}' in src
     assert src.count("extra_fields=extra_fields,") >= 2  # the aborted and the finished returns
+
+
+# ------------------------------------------------------------------------------------------------ weight-sync check
+def test_update_weights_streams_the_engines_params_into_the_rollout_and_our_worker_keeps_its_dispatch():
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from tim_plugins.integrations.verl.worker import TIMActorRolloutRefWorker
+
+    assert _params("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights") == [
+        "self", "global_steps", "mode"]
+    src = _flat(_src("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights"))
+    assert ('effective_mode = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend' in src)
+    assert 'if effective_mode != "naive":' in src  # everything else goes through the checkpoint engine
+    assert "per_tensor_param, peft_config = self.actor.engine.get_per_tensor_param( layered_summon=" in src
+    assert "await self.rollout.update_weights( per_tensor_param, peft_config=peft_config, base_sync_done=True" in src
+    theirs, ours = (getattr(c.update_weights, MAGIC_ATTR) for c in (ActorRolloutRefWorker, TIMActorRolloutRefWorker))
+    assert ours == theirs and theirs["dispatch_mode"] is Dispatch.ONE_TO_ALL and theirs["blocking"] is False
+    assert inspect.iscoroutinefunction(TIMActorRolloutRefWorker.update_weights)
+    # the colocated trainer modes force the naive backend (the sync check reads only there)
+    assert 'checkpoint_engine_config.backend = "naive"' in _src(TB, "PPOTrainer._setup")
+
+
+def test_get_per_tensor_param_returns_a_stream_and_the_peft_config():
+    assert _params(TI, "FSDPEngine.get_per_tensor_param") == ["self", "layered_summon", "base_sync_done", "kwargs"]
+    src = _src(TI, "FSDPEngine.get_per_tensor_param")
+    assert "return per_tensor_param, peft_config_dict" in src
+
+
+def test_the_rollout_adapter_holds_the_server_handle_on_its_server_rank():
+    src = _src("verl.workers.rollout.vllm_rollout.vllm_rollout", "ServerAdapter._ensure_server_handle")
+    assert "if not self._has_server:" in src and "return False" in src
+    assert "self.server_handle = ray.get_actor(actor_name)" in src and "return True" in src
+    update = _flat(_src("verl.workers.rollout.vllm_rollout.vllm_rollout", "ServerAdapter.update_weights"))
+    assert "await sender.async_send_weights(weights)" in update and "await future" in update  # loaded on return
+
+
+def test_the_vllm_server_names_its_worker_extension_and_drops_the_rpc_results():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    from tim_plugins.integrations.verl.rollout import TIMvLLMHttpServer
+    from tim_plugins.integrations.verl.worker_extension import EXTENSION, TIMWorkerExtension
+
+    vs = "verl.workers.rollout.vllm_rollout.vllm_async_server"
+    assert '"worker_extension_cls": self._get_worker_extension_cls(),' in _src(vs, "vLLMHttpServer.launch_server")
+    theirs = _resolve(vs, "vLLMHttpServer._get_worker_extension_cls")(None)
+    assert resolve_obj_by_qualname(theirs) is vLLMColocateWorkerExtension
+    # ours: verl's extension plus the reads, resolved by name as vLLM's worker does
+    assert resolve_obj_by_qualname(TIMvLLMHttpServer._get_worker_extension_cls(None)) is TIMWorkerExtension
+    assert EXTENSION == "tim_plugins.integrations.verl.worker_extension.TIMWorkerExtension"
+    assert issubclass(TIMWorkerExtension, vLLMColocateWorkerExtension)
+    assert not set(vars(TIMWorkerExtension)) & set(dir(vLLMColocateWorkerExtension)) - {"__doc__", "__module__"}
+    rpc = _src(vs, "vLLMHttpServer.collective_rpc")
+    assert "await self.engine.collective_rpc(" in rpc and "return" not in rpc  # the workers' results are dropped
+    assert "yield self.model_runner.model" in _src("verl.workers.rollout.vllm_rollout.utils",
+                                                   "vLLMColocateWorkerExtension._iter_all_models")
+    assert _params("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc") == ["self", "method", "timeout", "args",
+                                                                              "kwargs"]
+    assert "return await self.engine_core.collective_rpc_async(" in _src("vllm.v1.engine.async_llm",
+                                                                          "AsyncLLM.collective_rpc")
+
+
+def test_main_ppo_validates_the_composed_config_before_it_picks_the_trainer_and_starts_ray():
+    """The legacy-trainer guard (plugin._guard_legacy_trainer) wraps verl.utils.config.validate_config: main_ppo must
+    bind it by name at import (after `import verl` loaded the plugins) and call it before the use_v1 branch, whose
+    legacy side then starts Ray; main_ppo_v0 imports it the same way."""
+    main = _flat(_src("verl.trainer.main_ppo", "main"))
+    assert main.index("validate_config(") < main.index("if config.trainer.use_v1:") \
+        < main.index("from verl.trainer.main_ppo_v0 import TaskRunner")
+    assert "ray.init(" not in main  # Ray starts in run_ppo, after main's validation
+    for module in ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0"):
+        assert "from verl.utils.config import validate_config" in inspect.getsource(importlib.import_module(module))
+    assert _params("verl.utils.config", "validate_config")[0] == "config"

@@ -46,7 +46,8 @@ class _Parser(argparse.ArgumentParser):
 
 def add_config_options(parser: argparse.ArgumentParser, config_cls, choices: dict[str, tuple] | None = None) -> None:
     """One ``--option-name`` per field of the dataclass ``config_cls``: its default, its help metadata, int/float
-    types from the annotation, and ``choices`` by field name (the dataclass's ``__post_init__`` checks the rest).
+    types from the annotation (a bool: ``--name`` / ``--no-name``), and ``choices`` by field name (the dataclass's
+    ``__post_init__`` checks the rest).
 
     The help ends with the default unless it states it itself ("default: ..."): a field whose default depends on
     other options is None, and "(default: None)" would contradict its help."""
@@ -58,6 +59,8 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls, choices: dic
         kwargs = {"default": f.default, "help": text}
         if f.name in choices:
             kwargs["choices"] = tuple(choices[f.name])
+        elif f.type in ("bool", bool):
+            kwargs["action"] = argparse.BooleanOptionalAction  # --name / --no-name
         elif f.type in ("int", int, "int | None"):
             kwargs["type"] = int
         elif f.type in ("float", float, "float | None"):

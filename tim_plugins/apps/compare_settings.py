@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tim_plugins._optional import is_available
 from tim_plugins.apps.cli import UsageError
+from tim_plugins.options import MIN_P_RULE, min_p_accepted
 
 __all__ = ["ROLLOUTS", "DTYPE_NAMES", "HF_DTYPES", "COMPARE_MIN_P", "COMPARE_PRESETS", "VLLM_INSTALL", "Setting",
            "vllm_blocker", "parse_settings", "plan_settings", "framework_configs"]
@@ -111,8 +112,12 @@ def plan_settings(text: str, *, vllm_available: bool | None = None,
                     min_p = float(mod[len("min-p="):])
                 except ValueError:
                     raise UsageError(f"--compare item {item!r}: {mod!r} is not a number; {rule}") from None
-                if not 0.0 < min_p < 1.0:
-                    raise UsageError(f"--compare item {item!r}: min-p {min_p:g} must be in (0, 1), e.g. min-p=0.001")
+                if not min_p_accepted(min_p):
+                    raise UsageError(f"--compare item {item!r}: min-p {min_p:g} {MIN_P_RULE}. Fix: e.g. "
+                                     "min-p=0.001")
+                if min_p == 0:  # no pruning: the setting without the modifier
+                    raise UsageError(f"--compare item {item!r}: min-p=0 prunes nothing, so it is {base!r} itself; "
+                                     f"list {base!r}, or a min-p > 0 such as min-p=0.001")
             else:
                 raise UsageError(f"--compare item {item!r}: unknown modifier {mod!r}; {rule}")
         if base == "exact" and (min_p > 0 or head):

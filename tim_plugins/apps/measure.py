@@ -31,6 +31,7 @@ from tim_plugins.apps.compare_settings import (
     vllm_blocker,
 )
 from tim_plugins.apps.models import check_model_path
+from tim_plugins.options import MIN_P_RULE, min_p_accepted
 
 __all__ = ["MeasureConfig", "run_measure", "register", "SUMMARY_KEYS", "format_summary", "format_console"]
 
@@ -90,9 +91,8 @@ class MeasureConfig:
                 and self.temperature > 0):
             raise UsageError(f"--temperature {self.temperature} is invalid: it must be a finite number > 0 (sampled "
                              "rollouts), e.g. 1.0.")
-        if not 0.0 <= self.min_p < 1.0:
-            raise UsageError(f"--min-p {self.min_p} is invalid: it must be in [0, 1) (keep tokens with p >= min_p · "
-                             "p_max), e.g. 0.001; 0 turns pruning off.")
+        if not min_p_accepted(self.min_p):
+            raise UsageError(f"--min-p {self.min_p} is invalid: it {MIN_P_RULE}. Fix: e.g. 0.001, or 0 for no pruning.")
         if not 0.0 < self.top_p <= 1.0:
             raise UsageError(f"--top-p {self.top_p} is invalid: it must be in (0, 1]; 1 turns the nucleus cut off.")
         if self.top_k < 0:

@@ -26,10 +26,11 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, help="output HTML file (default: DIR/report.html; for several DIRs: "
                                                "report-comparison.html in the current folder)")
     p.add_argument("--memory-limit", default=None,
-                   help="memory cap of the query engine that reads the dump (e.g. 1GB, 500MB; default: "
-                        "$TIM_REPORT_MEMORY_LIMIT or 1GB): beyond it the engine spills to a temporary folder; the "
-                        "report's own memory is small and does not grow with the dump")
-    p.add_argument("--threads", type=int, default=None, help="threads of the query engine (default: every core)")
+                   help="memory cap of DuckDB, which reads the largest disagreements' context (e.g. 1GB, 500MB; "
+                        "default: $TIM_REPORT_MEMORY_LIMIT or 1GB): beyond it DuckDB spills to a temporary folder; "
+                        "the report's own memory is small and does not grow with the dump")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of the passes over the dump and of DuckDB (default: every core)")
     p.add_argument("--tokenizer", default=None,
                    help="local tokenizer (an HF checkpoint folder) to decode the largest disagreements of a dump; "
                         "default: the model in DIR/summary.json's settings when it exists, else token ids are shown")

@@ -4,7 +4,6 @@ framework objects live in the adapters: ``tim_plugins.integrations.hf.parity_spe
 transformers model) and ``tim_plugins.integrations.vllm.parity_spec.spec_from_llm`` (a vLLM engine)."""
 
 from tim_plugins.parity.audit import DEFAULT_FIXES, Change, EnforceResult, audit, enforce, has_errors
-from tim_plugins.parity.batch_invariance import BatchInvarianceReport, check_batch_invariance
 from tim_plugins.parity.findings import CODES, Finding, ParityError
 from tim_plugins.parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
 from tim_plugins.parity.spec import PipelineSpec
@@ -26,3 +25,13 @@ __all__ = [
     "check_batch_invariance",
     "BatchInvarianceReport",
 ]
+
+
+def __getattr__(name: str):
+    # The batch-invariance check runs a model (torch): imported on first use, so that reading the probe's and the
+    # audit's settings (the report) does not import torch.
+    if name in ("BatchInvarianceReport", "check_batch_invariance"):
+        from tim_plugins.parity import batch_invariance
+
+        return getattr(batch_invariance, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,10 @@ returned `ProbeDecision`: ``warn`` logs, ``raise`` raises `ParityError`, ``stop`
 checkpoint and end the loop). Every trip is logged with the step and the metric values, and kept in
 `probe.trips` (saved by `state_dict()`). A missing or NaN metric never trips: it is counted in
 `decision.skipped` (diagnostics do not crash training on bad input).
+
+A named cause (``tim/cause/named`` > 0 in the metrics: a broken weight sync, a stale engine, ...,
+``tim_plugins.causes``) trips the probe too, whatever its limits: the run is then known to be wrong, not only
+drifting.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ DEFAULT_METRIC_KEYS = {
     "abs_diff_max": "tim/token/abs_diff_max",
     "seq_log_ratio_abs_max": "tim/seq/log_ratio_abs_max",
 }
+# Named causes trip the probe at any limit (tim_plugins.causes.CAUSE_KEYS[0]).
+CAUSE_KEY = "tim/cause/named"
 
 
 @dataclass
@@ -140,6 +146,9 @@ class ParityProbe:
                 continue
             if value > threshold:  # +inf trips: an infinite mismatch is a real finding
                 decision.trips.append(Trip(int(step), key, value, float(threshold)))
+        named = metrics.get(CAUSE_KEY)
+        if named is not None and float(named) > 0:
+            decision.trips.append(Trip(int(step), CAUSE_KEY, float(named), 0.0))
         if not decision.trips:
             self._consecutive = 0
             return decision

@@ -160,6 +160,7 @@ class PipelineSpec:
             raise ValueError(f"PipelineSpec.temperature={self.temperature}: must be >= 0")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"PipelineSpec.top_p={self.top_p}: must be in (0, 1]")
+        # the engines' own range (a described sampler; a min-p of ours is tim_plugins.options.MIN_P_RULE's)
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"PipelineSpec.min_p={self.min_p}: must be in [0, 1]")
         if self.custom_logits_processors is not None:

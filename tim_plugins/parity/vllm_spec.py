@@ -20,6 +20,7 @@ from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
 __all__ = [
     "VLLM_ENGINE_DEFAULTS",
     "VLLM_SAMPLING_DEFAULTS",
+    "checkpoint_dtype_from_path",
     "parse_engine_args",
     "spec_from_engine_args",
     "apply_engine_args",
@@ -113,7 +114,8 @@ def resolve_auto_dtype(checkpoint_dtype: Any) -> Optional[str]:
     return "bfloat16" if ckpt == "float32" else ckpt
 
 
-def _checkpoint_dtype_from_path(model: Any) -> Optional[str]:
+def checkpoint_dtype_from_path(model: Any) -> Optional[str]:
+    """The dtype a checkpoint folder's config.json names (``dtype``, or the older ``torch_dtype``), else None."""
     if not model:
         return None
     cfg = Path(str(model)) / "config.json"
@@ -174,7 +176,7 @@ def spec_from_engine_args(
     env = os.environ if env is None else env
     notes: dict[str, str] = {}
     if str(a["dtype"]).lower() == "auto":
-        ckpt = checkpoint_dtype if checkpoint_dtype is not None else _checkpoint_dtype_from_path(a.get("model"))
+        ckpt = checkpoint_dtype if checkpoint_dtype is not None else checkpoint_dtype_from_path(a.get("model"))
         dtype = resolve_auto_dtype(ckpt)
         notes["dtype"] = (f"dtype=auto with a {ckpt} checkpoint → {dtype}" if dtype else
                           "dtype=auto and the checkpoint dtype is unknown (fp32/bf16 checkpoints run bf16)")

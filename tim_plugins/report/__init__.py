@@ -25,8 +25,10 @@ def verdict_for(summary: dict, run_dir: str | Path | None = None, *, memory_limi
         from tim_plugins.report.measure_page import measure_verdict
 
         return measure_verdict(summary)
+    from tim_plugins.report.causes import with_causes
     from tim_plugins.report.training_page import training_verdict
 
+    summary = with_causes(summary, run_dir)
     if run_dir is None:
         return training_verdict(summary, None)
     from tim_plugins.report.query import engine
@@ -46,7 +48,9 @@ def read_summary(source: Path, summary: dict | None = None) -> dict | None:
     history = source / LOG_HISTORY
     if history.exists() and not (summary or {}).get("log_history"):
         summary = dict(summary or {}, log_history=read_log_history(history))
-    return summary
+    from tim_plugins.report.causes import with_causes
+
+    return with_causes(summary, source)  # the causes the run named (causes.jsonl)
 
 
 def build_report(source: str | Path, out: str | Path | None = None, *, summary: dict | None = None,

@@ -24,6 +24,7 @@ __all__ = [
     "PROB_EDGES",
     "PROB_MIN_COUNT",
     "RhoSource",
+    "rho_panels",
     "abs_diff_bins",
     "abs_diff_histogram",
     "mismatch_by_probability",
@@ -284,15 +285,11 @@ def ratio_distribution(src: RhoSource) -> bytes:
         fig, axes = _figure(width=_width(n_series))
         _empty(axes[0, 0], "no tokens")
         return png_bytes(fig)
-    qlo, qhi = src.qlo, src.qhi
     dmin, dmax = float(src.dmin), float(src.dmax)
-    pad = 1e-3  # ρ = 1 always inside, with a little room
-    half = 0.5 * (qhi - qlo)
-    lo_d, hi_d = min(max(qlo - half, dmin), -pad), max(min(qhi + half, dmax), pad)
-    full_lo, full_hi = min(dmin, -pad), max(dmax, pad)
-    split = (full_hi - full_lo) > _FULL_RANGE_FACTOR * (hi_d - lo_d)
-    if not split:
-        lo_d, hi_d = full_lo, full_hi
+    (lo_d, hi_d), full = _rho_windows(dmin, dmax, src.qlo, src.qhi)
+    split = full is not None
+    if split:
+        full_lo, full_hi = full
     fig, axes = _figure(ncols=2 if split else 1, width=(11.5 if split else 6.4) + (1.6 if n_series > 3 else 0))
     lo, hi, below, above = _rho_panel(axes[0, 0], src, lo_d, hi_d)
     if split:
@@ -317,14 +314,46 @@ def ratio_distribution(src: RhoSource) -> bytes:
     return png_bytes(fig)
 
 
-def _rho_panel(ax, src: RhoSource, lo_d: float, hi_d: float,
-               log: bool | None = None) -> tuple[float, float, int, int]:
-    """Step histograms of ρ on [lo, hi] = [exp(lo_d), exp(hi_d)] (80 bins; a log axis when ``log`` or hi / lo > 3);
-    tokens outside are not drawn. Returns (lo, hi, tokens below lo, tokens above hi)."""
+def _rho_windows(dmin: float, dmax: float, qlo: float, qhi: float) -> tuple[tuple[float, float], tuple | None]:
+    """The ratio figure's windows on d: (the first panel's (lo_d, hi_d), the full range's second panel or None).
+    The bulk's window is the ``RHO_QUANTILES`` range widened by half its width on each side; one panel shows every
+    token when the full range is at most ``_FULL_RANGE_FACTOR`` times as wide."""
+    pad = 1e-3  # ρ = 1 always inside, with a little room
+    half = 0.5 * (qhi - qlo)
+    lo_d, hi_d = min(max(qlo - half, dmin), -pad), max(min(qhi + half, dmax), pad)
+    full_lo, full_hi = min(dmin, -pad), max(dmax, pad)
+    if (full_hi - full_lo) > _FULL_RANGE_FACTOR * (hi_d - lo_d):
+        return (lo_d, hi_d), (full_lo, full_hi)
+    return (full_lo, full_hi), None
+
+
+def _rho_bins(lo_d: float, hi_d: float, log: bool | None) -> tuple[np.ndarray, bool]:
+    """A ratio panel's 80 bins on [exp(lo_d), exp(hi_d)] and whether they are log-spaced (``log``, else hi / lo >
+    3)."""
     lo, hi = float(np.exp(lo_d)), float(np.exp(hi_d))
     log = hi / lo > 3 if log is None else log
     bins = np.geomspace(lo, hi, 80) if log else np.linspace(lo, hi, 80)
     bins[0], bins[-1] = lo, hi
+    return bins, log
+
+
+def rho_panels(n: int, dmin: float, dmax: float, qlo: float, qhi: float) -> list[tuple[np.ndarray, bool, float,
+                                                                                        float]]:
+    """The (bins, log, lo_d, hi_d) of each panel ``ratio_distribution`` draws for a ``RhoSource`` with these
+    statistics: what it will ask ``counts`` for."""
+    if not n:
+        return []
+    first, full = _rho_windows(float(dmin), float(dmax), qlo, qhi)
+    panels = [(first, None)] + ([(full, True)] if full is not None else [])
+    return [(*_rho_bins(lo_d, hi_d, log), lo_d, hi_d) for (lo_d, hi_d), log in panels]
+
+
+def _rho_panel(ax, src: RhoSource, lo_d: float, hi_d: float,
+               log: bool | None = None) -> tuple[float, float, int, int]:
+    """Step histograms of ρ on [lo, hi] = [exp(lo_d), exp(hi_d)] (80 bins; a log axis when ``log`` or hi / lo > 3);
+    tokens outside are not drawn. Returns (lo, hi, tokens below lo, tokens above hi)."""
+    bins, log = _rho_bins(lo_d, hi_d, log)
+    lo, hi = float(bins[0]), float(bins[-1])
     counts, below, above = src.counts(bins, log, lo_d, hi_d)
     for i, name in enumerate(src.names):
         ax.hist(bins[:-1], bins=bins, weights=np.asarray(counts[name]), histtype="step", lw=1.5, color=_color(i),

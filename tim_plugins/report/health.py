@@ -59,7 +59,8 @@ class Rule:
     act_lo: float | None
     act_hi: float | None
     source: str
-    text: str  # the healthy range in words
+    text: str  # the healthy range in words, in the unit the value is shown in
+    unit: str = ""  # shown after the value ("nats"); "%": the value is a fraction, shown as a percentage
 
     def status(self, value) -> str | None:
         if value is None or not isinstance(value, (int, float)) or math.isnan(value):
@@ -74,20 +75,21 @@ class Rule:
 _TV_OK = math.sqrt(K3_HEALTHY_MAX / 2)
 _TV_ACT = math.sqrt(K3_ACT_ABOVE / 2)
 RULES: dict[str, Rule] = {r.key: r for r in (
-    Rule("tim/token/kl_k3", "k3 (sampled tokens)", None, K3_HEALTHY_MAX, None, K3_ACT_ABOVE, "k3",
-         f"<= {K3_HEALTHY_MAX:g} for dense models; above {K3_ACT_ABOVE:g} beyond even MoE models"),
-    Rule("tim/dist/kl_rollout_train_mean", "KL(rollout ‖ trainer), exact", None, K3_HEALTHY_MAX, None, K3_ACT_ABOVE,
-         "k3", f"as k3 (k3 estimates this KL): <= {K3_HEALTHY_MAX:g}"),
-    Rule("tim/dist/kl_train_rollout_mean", "KL(trainer ‖ rollout), exact", None, K3_HEALTHY_MAX, None, K3_ACT_ABOVE,
-         "k3", f"as k3: <= {K3_HEALTHY_MAX:g}"),
+    Rule("tim/token/kl_k3", "k3 per sampled token", None, K3_HEALTHY_MAX, None, K3_ACT_ABOVE, "k3",
+         f"<= {K3_HEALTHY_MAX:g} nats for dense models; above {K3_ACT_ABOVE:g} beyond even MoE models", "nats"),
+    Rule("tim/dist/kl_rollout_train_mean", "KL(rollout ‖ trainer) per position, exact", None, K3_HEALTHY_MAX, None,
+         K3_ACT_ABOVE, "k3", f"as k3 (k3 estimates this KL): <= {K3_HEALTHY_MAX:g} nats", "nats"),
+    Rule("tim/dist/kl_train_rollout_mean", "KL(trainer ‖ rollout) per position, exact", None, K3_HEALTHY_MAX, None,
+         K3_ACT_ABOVE, "k3", f"as k3: <= {K3_HEALTHY_MAX:g} nats", "nats"),
     Rule("tim/dist/tv_mean", "total variation", None, _TV_OK, None, _TV_ACT, "pinsker",
          f"<= {_TV_OK:.3g} (Pinsker from the k3 range)"),
     Rule("tim/token/abs_diff_p99", "|Δ log p| p99", None, LOG2, None, LOG2, "band",
-         "<= log 2 ≈ 0.69 (ρ inside [0.5, 2])"),
+         "<= log 2 ≈ 0.69 nats (ρ inside [0.5, 2])", "nats"),
     Rule("tim/token/ratio_outside_frac", "tokens with ρ outside [0.5, 2]", None, 0.0, None, 0.01, "band",
-         "0; above 1 % of tokens, corrections reshape the gradient"),
+         "0 %; above 1 % of tokens, corrections reshape the gradient", "%"),
     Rule("tim/seq/log_ratio_abs_max", "max |sequence log-ratio|", None, LOG2, None, None, "verl",
-         "<= log 2 (a sequence IS weight beyond 2 is truncated or rejected by sequence-level corrections)"),
+         "<= log 2 ≈ 0.69 nats (a sequence IS weight beyond 2 is truncated or rejected by sequence-level "
+         "corrections)", "nats"),
     Rule("tim/is/ess", "effective sample size of the IS weights (of ρ when no correction runs)", 0.5, None, 0.3, None, "verl",
          ">= 0.5 good, < 0.3 warning"),
     Rule("tim/token/ratio_mean", "mean IS ratio ρ", 0.5, 2.0, 0.5, 2.0, "verl", "inside [0.5, 2]"),
@@ -102,12 +104,17 @@ def status(key: str, value) -> str | None:
     return rule.status(value) if rule is not None else None
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.3g}"
+def _fmt(v: float, unit: str = "") -> str:
+    """A value in its rule's unit: a fraction as a percentage, else 3 significant digits and the unit."""
+    if unit == "%":
+        return f"{100 * v:.3g} %"
+    return f"{v:.3g}" + (f" {unit}" if unit else "")
 
 
-def verdict(metrics: dict, keys: tuple[str, ...]) -> dict:
-    """Worst status over ``keys`` that have a value, and one line per checked metric.
+def verdict(metrics: dict, keys: tuple[str, ...], next_step: str | None = None) -> dict:
+    """Worst status over ``keys`` that have a value, and one line per checked metric. ``next_step``: what the page
+    offers beyond the verdict (the measure page: the settings it compares), added to a WATCH headline; the verdict
+    names nothing the page does not show.
 
     Returns {"status": 'ok'|'watch'|'act'|'n/a', "lines": [(status, text, source)], "headline": str}.
     """
@@ -119,12 +126,13 @@ def verdict(metrics: dict, keys: tuple[str, ...]) -> dict:
         if st is None:
             continue
         worst = max(worst, STATUSES.index(st))
-        lines.append((st, f"{rule.label} = {_fmt(float(metrics[key]))} (healthy: {rule.text})", rule.source))
+        lines.append((st, f"{rule.label} = {_fmt(float(metrics[key]), rule.unit)} (healthy: {rule.text})",
+                      rule.source))
     overall = STATUSES[worst] if worst >= 0 else "n/a"
     headline = {
         "ok": "OK: every checked metric is inside its healthy range.",
-        "watch": "WATCH: the mismatch is measurable beyond a healthy range; see which metric and try the settings "
-                 "compared below.",
+        "watch": "WATCH: the mismatch is measurable beyond a healthy range: the lines below say which metric."
+                 + (f" {next_step}" if next_step else ""),
         "act": "ACT: the mismatch is large enough to bias or destabilise RL training; fix it before training.",
         "n/a": "No metric with a healthy range was measured.",
     }[overall]

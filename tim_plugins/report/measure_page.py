@@ -61,7 +61,8 @@ def measure_verdict(summary: dict) -> dict:
 
     comps = summary["comparisons"]
     primary = summary.get("primary") or next(iter(comps))
-    v = verdict(comps[primary], VERDICT_KEYS)
+    v = verdict(comps[primary], VERDICT_KEYS,
+                next_step="Try the settings compared below." if len(comps) > 1 else None)
     v["setting"] = primary
     extra = []
     names = list(comps)
@@ -135,7 +136,8 @@ def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
 
     if many:
         panels = [
-            ("k3 (sampled tokens)", [comps[n].get("tim/token/kl_k3") for n in names], (None, K3_HEALTHY_MAX), True),
+            (f"k3 per sampled token {figures.NATS}", [comps[n].get("tim/token/kl_k3") for n in names],
+             (None, K3_HEALTHY_MAX), True),
             ("KL(rollout ‖ trainer), exact", [comps[n].get("tim/dist/kl_rollout_train_mean") for n in names],
              (None, K3_HEALTHY_MAX), True),
             ("|Δ log p| p99 (tail)", [comps[n].get("tim/token/abs_diff_p99") for n in names], (None, LOG2), True),

@@ -105,9 +105,16 @@ def staleness_section(page, summary: dict) -> None:
                  "sample may be drawn by weights older than the trainer's), so the split is statistical: by policy "
                  "lag.</p>")
     page.raw(f"<p><b>{_escape(line)}</b>" + (f" Fix: {_escape(fix)}." if fix else "") + "</p>")
-    if rows:
-        page.table(["step", "tokens", "staleness share of Var(d)", "mismatch share", "2·Cov share", "staleness k3",
-                    "mismatch k3 (when sampled)"],
+    shown = {(_pct(r["staleness_share"]), _pct(r["mismatch_share"]), _pct(r["cov_share"]), _g(r["staleness_k3"]))
+             for r in rows}
+    if len(rows) > 1 and len(shown) == 1:  # every step alike: one line, not a table of identical rows
+        stale, mism, cov, k3 = shown.pop()
+        page.raw(f"<p>Each of the {len(rows)} steps alike: staleness {stale} of Var(d), mismatch {mism}, 2·Cov "
+                 f"{cov}, staleness k3 {k3} nats (the mismatch k3 of each step: the k3 panel of 'Mismatch per "
+                 "optimizer step').</p>")
+    elif rows:
+        page.table(["step", "tokens", "staleness share of Var(d)", "mismatch share", "2·Cov share",
+                    "staleness k3 (nats)", "mismatch k3 (nats, when sampled)"],
                    [[r["step"], int(r["tokens"]), _pct(r["staleness_share"]), _pct(r["mismatch_share"]),
                      _pct(r["cov_share"]), _g(r["staleness_k3"]), _g(r["mismatch_k3"])] for r in rows])
         page.note("The three shares add up to 100 %; a negative covariance (the update moved the policy against the "
@@ -117,13 +124,13 @@ def staleness_section(page, summary: dict) -> None:
         page.raw("<p>By policy lag (optimizer steps between the weights that sampled a token and the loss pass "
                  "that trains it): k3 of the whole log-ratio. Lag 0 is the mismatch floor; its growth with the lag "
                  "is staleness.</p>")
-        page.table(["lag", "tokens", "k3 of d"], [[lag, int(n), _g(k3)] for lag, (n, k3) in lags.items()])
+        page.table(["lag", "tokens", "k3 of d (nats)"], [[lag, int(n), _g(k3)] for lag, (n, k3) in lags.items()])
     turns = by_turn(summary.get("log_history") or [])
     if len(turns) > 1:
         page.raw("<p>By turn (multi-turn rollouts; turn k is the model's answer after k environment or tool "
                  "messages): the mismatch at the measurement point. A k3 that grows with the turn points at "
                  "numerics that drift with the context (KV cache, attention kernels over long prompts).</p>")
-        page.table(["turn", "tokens", "mismatch k3"], [[t, int(n), _g(k3)] for t, (n, k3) in turns.items()])
+        page.table(["turn", "tokens", "mismatch k3 (nats)"], [[t, int(n), _g(k3)] for t, (n, k3) in turns.items()])
 
 
 def pooled_by(log_history: list[dict], keying: str) -> dict[str, tuple[float, float]]:

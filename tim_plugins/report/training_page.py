@@ -68,7 +68,8 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
         if np.isfinite(k3).any():
             worst = int(np.nanargmax(k3))
             extra.append(f"{steps.size} optimizer steps, {int(np.nansum(table['tokens']))} monitored tokens; k3 per "
-                         f"step from {np.nanmin(k3):.2g} to {np.nanmax(k3):.2g} (highest at step {int(steps[worst])}).")
+                         f"step from {np.nanmin(k3):.2g} to {np.nanmax(k3):.2g} nats per token (highest at step "
+                         f"{int(steps[worst])}).")
         reward = table["reward"][np.isfinite(table["reward"])]
         if reward.size >= 4:
             q = max(1, reward.size // 4)
@@ -97,6 +98,9 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
         from tim_plugins.report.parity import reconcile
 
         reconcile(v, findings + own, summary.get("framework"), deliberate)
+        from tim_plugins.report.causes import name_causes
+
+        name_causes(v, summary, summary.get("framework"))  # after the audit: a named cause leads the verdict
     return v
 
 
@@ -191,17 +195,20 @@ def _series_figure(page, table: dict, framework: str | None = None, runs: dict |
                  else "ESS of ρ (no IS correction applied)")
     lr = np.concatenate([t["lr_scale"] for t in tables.values()])
     lr_logged = np.isfinite(lr).any()
-    lr_title = "TIM LR scale" + ("" if lr_logged and (lr[np.isfinite(lr)] != 1).any()
-                                 else " (lr_decay off: stays 1)" if lr_logged else " (not logged)")
+    # a panel only where the scale moved; a flat line at 1 (or none logged) is one line under the figure
+    lr_moved = lr_logged and (lr[np.isfinite(lr)] != 1).any()
+    lr_line = (" The LR scale is below 1 only when the LR decay fired (on the length, or its k3 / grad-norm signal)."
+               if lr_moved else " The LR scale stays 1 at every step (lr_decay off, or it never fired): no panel."
+               if lr_logged else " The LR scale was not logged (no LR decay): no panel.")
     step_word = {"trl": "TRL's global_step", "verl": "verl's global step"}.get(framework, "the run's step")
     ess_rule = RULES["tim/is/ess"]
     panels = [
-        ("k3 per token", pick("k3"), (None, K3_HEALTHY_MAX), True),
+        (f"k3 per token {NATS}", pick("k3"), (None, K3_HEALTHY_MAX), True),
         (f"|Δ log p| p99 {NATS}", pick("abs_diff_p99"), (None, LOG2), True),
         (f"max |sequence log-ratio| {NATS}", pick("seq_log_ratio_abs_max"), (None, LOG2), False),
         (ess_title, pick("ess"), (ess_rule.ok_lo, None), False,
          {"ylim": (0.0, 1.05), "marks": [(ess_rule.act_lo, ess_warning_label(framework, ess_rule.act_lo))]}),
-        (lr_title, pick("lr_scale"), None, False, {"ylim": (0.0, 1.05)}),
+        *([("TIM LR scale", pick("lr_scale"), None, False, {"ylim": (0.0, 1.05)})] if lr_moved else []),
         ("mean reward (context)", pick("reward"), None, False),
     ]
     steps = ({k: t["step"].astype(float) for k, t in tables.items()} if runs is not None
@@ -211,11 +218,11 @@ def _series_figure(page, table: dict, framework: str | None = None, runs: dict |
                 "run kept them, else recomputed from the step's per-token dump (the ESS panel from the dump when no "
                 "IS correction ran). A rising k3 or p99 means "
                 "the two pipelines drift apart as the policy changes; a falling ESS means IS weights concentrate on "
-                "few tokens. The LR scale is below 1 only when the LR decay fired (on the length, or its k3 / grad-norm signal). Green background: "
+                f"few tokens.{lr_line} Green background: "
                 "healthy range. The axes do not zoom into step-to-step noise: each reaches its healthy limit, "
                 "linear axes start at 0 and the ESS axis is fixed to [0, 1], so a flat-looking line is a steady "
                 "metric, and how far a line sits from the green edge is how much margin is left.",
-                f"k3 <= {K3_HEALTHY_MAX:g}; p99 and max |Σd| <= log 2; ESS >= {ess_rule.ok_lo:g} (warning < "
+                f"k3 <= {K3_HEALTHY_MAX:g} nats; p99 and max |Σd| <= log 2 nats; ESS >= {ess_rule.ok_lo:g} (warning < "
                 f"{ess_rule.act_lo:g})", "k3")
 
 
@@ -228,6 +235,9 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     page.raw("<p>Measured over every monitored token of every step (rollout log-probs vs the trainer's "
              "recomputation of the same tokens):</p>")
     page.verdict(v, v.get("extra", []))
+    from tim_plugins.report.causes import causes_section
+
+    causes_section(page, summary, summary.get("framework"))
     page.h2("Per optimizer step")
     _series_figure(page, table, summary.get("framework"))
     from tim_plugins.report.staleness import staleness_section
@@ -358,6 +368,9 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     page.raw(f"<p>{tokens.size} tokens from {tokens.sequences().length.size} sequences in the dump"
              + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>")
     page.verdict(v, v.get("extra", []))
+    from tim_plugins.report.causes import causes_section
+
+    causes_section(page, summary, (summary or {}).get("framework"))
     if table["step"].size > 1:
         page.h2("Per optimizer step")
         _series_figure(page, table, (summary or {}).get("framework"))

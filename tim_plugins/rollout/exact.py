@@ -24,7 +24,7 @@ import torch
 
 from tim_plugins.rollout.scoring import completion_logits, score_completions, tempered_log_softmax
 
-__all__ = ["exact_generate", "exact_logprobs"]
+__all__ = ["exact_generate", "exact_logprobs", "left_padded"]
 
 
 @torch.no_grad()
@@ -126,3 +126,14 @@ def exact_generate(
         if bool(done.all()):
             break
     return ids[:, p:], mask[:, p:].long(), logprobs
+
+
+def left_padded(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (id lists) as (ids, attention mask) [B, L], left-padded as transformers' generation pads them (what
+    ``exact_generate`` takes)."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
+    return ids, attn

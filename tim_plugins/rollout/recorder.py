@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ProcessedLogprobRecorder"]
+__all__ = ["ProcessedLogprobRecorder", "recorded_logprobs"]
 
 
 class ProcessedLogprobRecorder:
@@ -117,3 +117,22 @@ class ProcessedLogprobRecorder:
         out = torch.log_softmax(torch.stack(self.scores, dim=1).float(), dim=-1)
         self.scores = []
         return out
+
+
+def recorded_logprobs(recorder, completion_ids: list[list[int]]) -> tuple[list[list[float]] | None, str | None]:
+    """(one list of processed log-probs per completion, None) from the recorder of one generate call (the
+    completions as id lists, cut where the generating framework cut them), or (None, why) when that call could not
+    be followed (beam search, assisted decoding, ...)."""
+    n = recorder.num_steps
+    reason = recorder.unsupported
+    if reason is None and recorder.num_rows not in (None, len(completion_ids)):
+        reason = f"{recorder.num_rows} rows generated for {len(completion_ids)} completions"
+    if reason is None and any(len(ids) > n for ids in completion_ids):
+        reason = f"completions longer than the {n} recorded steps"
+    if reason is not None:
+        return None, reason
+    if n == 0:
+        return [[] for _ in completion_ids], None
+    last = torch.tensor([ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids])
+    table = recorder.finish(last).cpu()
+    return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)], None

@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     trainer.add_callback(TIMCallback(trainer, tim))
     trainer.train()
 
-    keys = ("tim/tokens", "tim/token/abs_diff_max", "tim/token/kl_k3", "tim/token/ratio_outside_frac")
+    keys = ("tim/tokens", "tim/token/abs_diff_p99", "tim/token/kl_k3", "tim/token/ratio_outside_frac")
     rows = [{k: h.get(k) for k in ("step",) + keys} for h in trainer.state.log_history if "tim/tokens" in h]
     for row in rows:
         print(row)

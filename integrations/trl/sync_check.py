@@ -1,0 +1,108 @@
+"""The weight-sync check on TRL's vLLM syncs (``tim_plugins.weight_sync``; the causes it names:
+``tim_plugins.causes``).
+
+Colocate mode: ``VLLMGeneration.sync_weights`` is wrapped on the trainer's own instance. While it runs, the engine
+model's ``load_weights`` (the method TRL's sync writes through, and vLLM's ``reload_weights`` too) is wrapped to sample
+what TRL streams into it; afterwards the engine's weights are read in-process
+(``tim_plugins.integrations.vllm.weights.VLLMWeights``) and compared. Names TRL should have sent (the trainer's
+parameters under TRL's own name fix) and did not are compared from the trainer's own tensors, so a sync that sends
+nothing is caught too (plain models only: a PEFT, FSDP or ZeRO-3 model's parameters are shards or adapters; there only
+what was streamed is compared). The report goes to the pipeline (``StepPipeline.sync_checked``): the console line at
+once, ``tim/cause/*`` at the next log, the probe's warn / raise / stop.
+
+Server mode: the engine's weights live in another process and cannot be read; the lag-0 rules of the per-token stream
+name a stale server (``engine-stale``, ``floor-jump``).
+
+A problem inside the check is counted (``tim/diag/sync_check_failed``) and never breaks the sync.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tim_plugins.patching import Patch
+from tim_plugins.weight_sync import SyncCheck, SyncCheckConfig
+
+__all__ = ["SyncWatch"]
+
+logger = logging.getLogger("tim_plugins.trl")
+
+
+class SyncWatch:
+    """The check of one trainer's colocated vLLM engine at its weight syncs (owned by ``TIMCallback``)."""
+
+    def __init__(self, trainer, pipeline, config: SyncCheckConfig) -> None:
+        self.trainer, self.pipeline = trainer, pipeline
+        self.check = SyncCheck(config)
+        self._reader = None
+        self._local: dict | None = None
+
+    def wrappers(self) -> list:
+        # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration.sync_weights
+        return [(self.trainer.vllm_generation, "sync_weights", self._wrap)]
+
+    def _wrap(self, original):
+        def sync_weights(*args, **kwargs):
+            record = self.check.begin(self.trainer.state.global_step)
+            model = self._engine_model() if record is not None else None
+            if model is None:
+                return original(*args, **kwargs)
+            try:
+                names = self._expected()
+                if names is not None:
+                    record.expect(names)
+                # VLLM_SOURCES-side: the model TRL's colocate sync writes through (engine_model)
+                observe = Patch(model, "load_weights", lambda load: lambda weights, *a, **k: load(
+                    record.observing(weights), *a, **k))
+            except Exception as err:  # the check costs its own result, never the sync
+                self.pipeline.count("sync_check_failed", detail=repr(err))
+                return original(*args, **kwargs)
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                observe.undo()
+            try:
+                report = self.check.finish(record, self._reader, local=self._local_tensor)
+                unread = report.names("unread")
+                if unread:
+                    self.pipeline.count("sync_check_unread", len(unread),
+                                        detail=f"tensors the vLLM engine's layout does not let us read: {unread[:4]}")
+                self.pipeline.sync_checked(report)
+            except Exception as err:
+                self.pipeline.count("sync_check_failed", detail=repr(err))
+            return result
+
+        return sync_weights
+
+    def _engine_model(self):
+        """The colocated engine's model (and its reader, built once), or None (counted) when it is not in-process."""
+        if self._reader is not None:
+            return self._reader.model
+        from tim_plugins.integrations.vllm.weights import VLLMWeights
+
+        # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._init_vllm (self.llm)
+        reader = VLLMWeights.from_llm(getattr(self.trainer.vllm_generation, "llm", None))
+        if reader is None:
+            self.pipeline.count("sync_check_unavailable", detail="the vLLM engine's model is not in this process")
+            return None
+        self._reader = reader
+        return reader.model
+
+    def _expected(self) -> list[str] | None:
+        """The names TRL's sync sends for a plain model (TRL's own name fix), or None where they are not the
+        parameters' names (PEFT) or the parameters are shards (FSDP, ZeRO-3): then only what is streamed is
+        compared."""
+        if self._local is None:
+            t = self.trainer
+            gen, model = t.vllm_generation, t.accelerator.unwrap_model(t.model)
+            # transformers' Trainer.is_fsdp_enabled / is_deepspeed_enabled: sharded parameters
+            plain = not hasattr(model, "peft_config") and not getattr(t, "is_fsdp_enabled", False) and \
+                not getattr(t, "is_deepspeed_enabled", False)
+            fix = getattr(gen, "_fix_param_name_to_vllm", lambda name: name)
+            # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._fix_param_name_to_vllm
+            self._local = {fix(name): p for name, p in model.named_parameters()} if plain else {}
+        return list(self._local) if self._local else None
+
+    def _local_tensor(self, name: str):
+        param = (self._local or {}).get(name)
+        return None if param is None or param.numel() == 0 else param.data

@@ -1,0 +1,142 @@
+"""The weight-sync check on verl's weight syncs (``tim_plugins.weight_sync``; the causes it names:
+``tim_plugins.causes``).
+
+verl syncs the rollout from the actor in ``ActorRolloutRefWorker.update_weights``: colocated (the ``naive`` checkpoint
+engine of the sync and colocate_async trainer modes), the actor engine's ``get_per_tensor_param()`` (full HF-named
+tensors, from the FSDP or the Megatron engine) streams into the rollout's ``update_weights``, which sends it in
+buckets over ZMQ (CUDA IPC or shared memory) to vLLM's worker processes, where verl's worker extension loads each
+bucket into the model (``load_weights``) and post-processes it. What is observed, and where:
+
+1. in the actor worker's process, the engine's ``get_per_tensor_param`` is teed (``engine_mixin``): each tensor's
+   fixed sample of elements is taken as it streams (``SyncWatch.observing``); nothing is copied or kept;
+2. when verl's ``update_weights`` has returned (every bucket loaded and post-processed), the rank that holds the
+   rollout server's handle asks the server for the engine's values at those elements
+   (``worker.TIMActorRolloutRefWorker.update_weights`` -> ``rollout._SyncReads.tim_read_weights`` -> vLLM's
+   ``collective_rpc`` -> ``worker_extension.TIMWorkerExtension.tim_read_weights`` in each vLLM worker, read with
+   ``integrations.vllm.weights.VLLMWeights``); what crosses processes is the names, shapes and element indices one
+   way and the values as plain lists the other (``integrations.vllm.worker_reads``), a few kB per tensor at most;
+3. that rank compares (``SyncCheck.finish``): the report names the causes with the tensors' names. Every rank's
+   report (one per rollout replica: each replica is read by its own rank) is gathered over the world group and handed
+   to the pipeline of the first rank that holds outputs (``StepPipeline.sync_checked``): the console line at once,
+   ``tim/cause/*`` in the next window's metrics (the old-log-prob pass of the next step), which the driver logs
+   through verl's tracker, and the probe's warn / raise / stop on a named cause.
+
+A checked sync that no rank could read (the checkpoint engine's disaggregated sync, whose rollout loads in other
+workers; a LoRA adapter sync; verl's own server, without the reads) is counted (``tim/diag/sync_check_unavailable``),
+and a problem inside the check is counted (``tim/diag/sync_check_failed``): neither ever breaks the sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable, Iterable, Iterator
+
+from tim_plugins.weight_sync import SyncCheck, SyncCheckConfig, SyncRecord, SyncReport
+
+__all__ = ["SyncWatch"]
+
+logger = logging.getLogger("tim_plugins.verl")
+
+
+class SyncWatch:
+    """The sync check of one actor engine (owned by ``TIMEngineMixin``; ``pipeline``: the engine's
+    ``StepPipeline``). ``around`` runs one sync with the check: ``begin``, verl's sync (whose stream the engine passes
+    through ``observing``), then ``requests`` / ``finish`` on the rank that reads the engine, and ``deliver`` of every
+    rank's report on every rank."""
+
+    def __init__(self, config: SyncCheckConfig, pipeline, holds_outputs: Callable[[], bool] = lambda: True) -> None:
+        """``holds_outputs``: whether this rank's pipeline computes the metrics the driver logs (the engine's)."""
+        self.pipeline, self.holds_outputs = pipeline, holds_outputs
+        self.check = SyncCheck(config)
+        self.record: SyncRecord | None = None
+        self.checked = False  # whether the sync in flight is one the check compares (the same on every rank)
+        self._said: set[str] = set()
+
+    async def around(self, step: int | None, sync: Callable[[], Awaitable], read: Callable[[list], Awaitable] | None,
+                     gather: Callable[[SyncReport | None], Awaitable[tuple[list, bool]]]):
+        """One weight sync at verl's global step ``step`` with the check; returns ``sync()``'s result.
+
+        ``sync()``: verl's sync (it streams the engine's ``get_per_tensor_param`` and returns once the engine has
+        loaded it); ``read(requests)``: the engine's answers (``worker_reads``), None where this rank cannot read;
+        ``gather(report)``: (every rank's report, whether this rank hands them to its pipeline)."""
+        if not self.begin(step, readable=read is not None):
+            return await sync()
+        try:
+            result = await sync()
+        except BaseException:
+            self.abandon("verl's update_weights raised")
+            raise
+        report = None
+        if self.record is not None:
+            try:
+                answers = await read(self.requests())
+            except Exception as err:  # a failed read costs the check, never the sync
+                self.abandon(f"reading the rollout engine failed ({type(err).__name__}: {err})")
+                answers = None
+            report = self.finish(answers)
+        reports, here = await gather(report)
+        self.deliver(reports, here=here)
+        return result
+
+    def begin(self, step: int | None, *, readable: bool) -> bool:
+        """A sync at verl's global step ``step`` is about to run: whether it is checked (every ``every_n_syncs``-th,
+        the same on every rank). The stream is sampled only where the engine can be read (``readable``)."""
+        record = self.check.begin(int(step or 0))
+        self.checked = record is not None
+        self.record = record if readable else None
+        return self.checked
+
+    def observing(self, weights: Iterable, peft_config=None) -> Iterator:
+        """The engine's ``get_per_tensor_param`` stream, sampled as it passes while a sync is checked (a LoRA
+        adapter sync is not: its tensors are adapters, not the engine's weights)."""
+        if self.record is None:
+            return weights
+        if peft_config is not None:
+            self.abandon("a LoRA adapter sync: the engine holds the adapter apart from its weights")
+            return weights
+        return self.record.observing(weights)
+
+    def requests(self) -> list:
+        """What to read from the engine after the sync (``worker_reads.sync_requests``)."""
+        from tim_plugins.integrations.vllm.worker_reads import sync_requests
+
+        return sync_requests(self.record) if self.record is not None else []
+
+    def finish(self, answers: list | None) -> SyncReport | None:
+        """Compare the engine's answers (one per vLLM worker of this rank's replica, ``worker_reads``) with what was
+        streamed; None where this rank read nothing."""
+        record, self.record = self.record, None
+        if record is None or not answers:
+            return None
+        from tim_plugins.integrations.vllm.worker_reads import WorkerReads, sync_requests
+
+        try:
+            return self.check.finish(record, WorkerReads(sync_requests(record), answers))
+        except Exception as err:  # the check costs its own result, never the sync
+            self.pipeline.count("sync_check_failed", detail=repr(err))
+            return None
+
+    def abandon(self, reason: str) -> None:
+        """This rank reads nothing at this sync (each ``reason`` logged once); the sync's delivery counts it when no
+        rank read anything."""
+        if self.record is not None and reason not in self._said:
+            self._said.add(reason)
+            logger.warning("tim-plugins: the weight-sync check reads nothing at this sync: %s", reason)
+        self.record = None
+
+    def deliver(self, reports: list, *, here: bool) -> None:
+        """Every rank's report of this sync (None where a rank read nothing): handed to this rank's pipeline when
+        ``here`` (one rank of the run: the first that holds outputs), else dropped (that rank names them)."""
+        checked, self.checked = self.checked, False
+        if not (here and checked):
+            return
+        done = [r for r in reports if r is not None]
+        if not done:
+            self.pipeline.count("sync_check_unavailable", detail="no rank could read the rollout engine's weights "
+                                "at this sync (a disaggregated or LoRA sync, or verl's own rollout server)")
+        for report in done:
+            unread = report.names("unread")
+            if unread:
+                self.pipeline.count("sync_check_unread", len(unread),
+                                    detail=f"tensors the vLLM engine's layout does not let us read: {unread[:4]}")
+            self.pipeline.sync_checked(report)

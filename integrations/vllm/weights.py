@@ -1,0 +1,299 @@
+"""Read an in-process vLLM model's weights under the trainer's (HF) names: the engine side of the weight-sync check
+(``tim_plugins.weight_sync.EngineWeights``).
+
+A trainer sends ``model.layers.0.self_attn.q_proj.weight``; vLLM holds it as rows of ``qkv_proj.weight`` (the model's
+``hf_to_vllm_mapper`` stacked names, else its ``packed_modules_mapping``), sharded over tensor-parallel ranks
+(column-parallel layers by rows, row-parallel by columns, vocab-parallel embeddings by padded vocab ranges). For each
+sent tensor the reader finds the module and the element range this rank holds, then reads the sampled elements:
+
+- directly from the parameter when it is a plain tensor of the expected shape (norms, embeddings, GPU linear
+  weights, a CPU engine that keeps plain weights);
+- otherwise through the layer's own forward: ``layer.quant_method.apply(layer, x)`` with one-hot rows x gives exact
+  columns of the *effective* weight, whatever the layout (the CPU build's oneDNN / sgl prepacked handle, which
+  replaces ``layer.weight`` by an empty tensor) and, for an fp8 layer, its dequantized values, compared within the
+  quantizer's own half-step.
+
+A linear layer read directly is checked once against its forward read of the same columns: where they differ (a
+kernel that transposes or shuffles after loading), the forward is used from then on. Whatever cannot be mapped (MoE
+expert stacks, other quantization schemes) is read as None: counted as not compared, never named.
+
+Every vLLM internal used is named in ``sources.VLLM_SOURCES`` (``# VLLM_SOURCES <module>:<qualname>``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tim_plugins.weight_sync import EngineRead
+
+__all__ = ["VLLMWeights", "engine_model"]
+
+logger = logging.getLogger("tim_plugins.vllm")
+
+
+def engine_model(llm):
+    """(model, configured dtype) of an in-process ``vllm.LLM`` (colocated: ``distributed_executor_backend=
+    "external_launcher"`` or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None when its model lives in another
+    process."""
+    # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine) and vllm.v1.engine.llm_engine:LLMEngine.__init__
+    engine = getattr(llm, "llm_engine", None)
+    # VLLM_SOURCES vllm.v1.worker.gpu_model_runner:GPUModelRunner (.model), the path TRL's colocate sync writes
+    runner = getattr(getattr(getattr(engine, "model_executor", None), "driver_worker", None), "model_runner", None)
+    model = getattr(runner, "model", None)
+    if model is None:
+        return None
+    return model, engine.model_config.dtype
+
+
+@dataclass
+class _Where:
+    """Where one sent tensor lives on this rank: ``module.<leaf>``; along ``dim`` of the sent tensor this rank holds
+    [start, stop), at ``offset`` of the engine tensor (the part's place in a merged tensor)."""
+
+    module: torch.nn.Module
+    leaf: str
+    dim: Optional[int]
+    start: int
+    stop: int
+    offset: int
+    linear: bool  # a linear layer's weight: readable through the layer's forward
+
+
+def _class_names(obj) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__}
+
+
+_COLUMN = "ColumnParallelLinear"  # MergedColumnParallelLinear and QKVParallelLinear are subclasses
+_ROW = "RowParallelLinear"
+_VOCAB = "VocabParallelEmbedding"  # ParallelLMHead is a subclass
+
+
+class VLLMWeights:
+    """``EngineWeights`` of an in-process vLLM ``model`` (its ``dtype``: the engine's configured dtype)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, *, forward_reads: bool = False) -> None:
+        """``forward_reads``: read every linear weight through its layer's forward, also where a plain one is
+        there."""
+        self.model, self.dtype, self.forward_reads = model, dtype, forward_reads
+        self._modules = dict(model.named_modules())
+        self._where: dict[str, Optional[_Where] | str] = {}
+        self._forward_only: set[int] = set()  # ids of modules whose direct read disagreed with their forward
+        self._validated: set[int] = set()
+        self._columns: dict[tuple, torch.Tensor] = {}  # (module id, columns) -> forward output, within one check
+        self._plans: dict[str, tuple] = {}  # name -> (the index it was planned for, its plan)
+
+    def fresh_read(self) -> None:
+        """A new check: the engine's weights may have changed since the cached forward reads."""
+        self._columns.clear()
+
+    @classmethod
+    def from_llm(cls, llm, **options) -> Optional["VLLMWeights"]:
+        found = engine_model(llm)
+        return cls(*found, **options) if found is not None else None
+
+    # ------------------------------------------------------------------------------------------ names
+    def _map(self, name: str) -> tuple[str, object]:
+        """(vLLM parameter name, shard id or None) of HF name ``name``: the model's own mapper, else its
+        ``packed_modules_mapping``."""
+        # VLLM_SOURCES vllm.model_executor.models.utils:WeightsMapper._map_name_with_shard (stacked names, vLLM >=
+        # 0.31); the models' packed_modules_mapping otherwise
+        mapper = getattr(self.model, "hf_to_vllm_mapper", None)
+        if mapper is not None and hasattr(mapper, "_map_name_with_shard"):
+            found = mapper._map_name_with_shard(name)
+            if found is None:
+                return "", None
+            mapped, shard = found
+            if shard is not None:
+                return mapped, shard[0] if isinstance(shard, list) else shard
+            name = mapped
+        elif mapper is not None and hasattr(mapper, "_map_name"):
+            name = mapper._map_name(name) or ""
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        for packed, parts in (getattr(self.model, "packed_modules_mapping", None) or {}).items():
+            if last in parts:
+                shard = parts.index(last)
+                target = self._modules.get(f"{parent}.{packed}" if parent else packed)
+                if target is not None and "QKVParallelLinear" in _class_names(target):
+                    shard = "qkv"[shard]
+                return f"{parent}.{packed}.{leaf}" if parent else f"{packed}.{leaf}", shard
+        return name, None
+
+    def _locate(self, name: str, shape: tuple) -> Optional[_Where] | str:
+        """The ``_Where`` of a sent tensor, "missing" when the engine has no such module or parameter, None when it
+        cannot be mapped (an unknown layout)."""
+        if name in self._where:
+            return self._where[name]
+        mapped, shard = self._map(name)
+        module_name, _, leaf = mapped.rpartition(".")
+        module = self._modules.get(module_name)
+        where: Optional[_Where] | str
+        if not mapped or module is None or not isinstance(getattr(module, leaf, None), torch.Tensor):
+            where = "missing"
+        else:
+            try:
+                where = self._shard(module, leaf, shard, shape)
+            except Exception as err:  # an unknown layout is not compared, never named
+                logger.info("tim_plugins: cannot map %s onto the vLLM engine: %r", name, err)
+                where = None
+        self._where[name] = where
+        return where
+
+    @staticmethod
+    def _shard(module, leaf: str, shard, shape: tuple) -> Optional[_Where]:
+        names = _class_names(module)
+        linear = leaf == "weight" and len(shape) == 2 and (_COLUMN in names or _ROW in names
+                                                           or "ReplicatedLinear" in names)
+        if _COLUMN in names:
+            # VLLM_SOURCES vllm.model_executor.layers.linear:ColumnParallelLinear (tp_rank, tp_size, output_sizes /
+            # output_size) and VLLM_SOURCES vllm.model_executor.layers.linear:QKVParallelLinear
+            # (_get_shard_offset_mapping, _get_shard_size_mapping, num_kv_head_replicas)
+            tp_rank, tp_size = int(module.tp_rank), int(module.tp_size)
+            if shard is None:
+                size = int(shape[0]) // tp_size
+                return _Where(module, leaf, 0, tp_rank * size, (tp_rank + 1) * size, 0, linear)
+            if isinstance(shard, str):  # q / k / v of a QKV layer
+                size = int(module._get_shard_size_mapping(shard))
+                offset = int(module._get_shard_offset_mapping(shard))
+                rank = tp_rank if shard == "q" else tp_rank // int(module.num_kv_head_replicas)
+                return _Where(module, leaf, 0, rank * size, (rank + 1) * size, offset, linear)
+            parts = [int(s) // tp_size for s in module.output_sizes]
+            span = shard if isinstance(shard, tuple) else (shard,)
+            offset, size = sum(parts[:span[0]]), sum(parts[i] for i in span)
+            return _Where(module, leaf, 0, tp_rank * size, (tp_rank + 1) * size, offset, linear)
+        if _ROW in names:
+            # VLLM_SOURCES vllm.model_executor.layers.linear:RowParallelLinear (tp_rank, tp_size; the bias whole)
+            if leaf != "weight" or len(shape) != 2:
+                return _Where(module, leaf, None, 0, int(shape[0]), 0, False)
+            tp_rank, tp_size = int(module.tp_rank), int(module.tp_size)
+            size = int(shape[1]) // tp_size
+            return _Where(module, leaf, 1, tp_rank * size, (tp_rank + 1) * size, 0, linear)
+        if _VOCAB in names:
+            # VLLM_SOURCES vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding (shard_indices)
+            s = module.shard_indices
+            return _Where(module, leaf, 0, int(s.org_vocab_start_index), int(s.org_vocab_end_index), 0, False)
+        if "FusedMoE" in names:
+            return None  # experts stacked per layer: not mapped in this version
+        return _Where(module, leaf, None, 0, int(shape[0]) if shape else 0, 0, linear)
+
+    # ------------------------------------------------------------------------------------------ values
+    def _plan(self, name: str, shape: tuple, index: torch.Tensor):
+        """(where, local index [K, ndim], held [K], the held rows' index per dimension, the largest local index per
+        dimension) of a sent tensor's sampled elements, computed once per tensor (the check hands the same index
+        at every sync): a read is then one gather."""
+        cached = self._plans.get(name)
+        if cached is not None and cached[0] is index:
+            return cached[1]
+        where = self._locate(name, tuple(shape))
+        plan = where
+        if isinstance(where, _Where):
+            local = index.long().clone()
+            held = torch.ones(index.shape[0], dtype=torch.bool)
+            if where.dim is not None:
+                along = index[:, where.dim].long()
+                held = (along >= where.start) & (along < where.stop)
+                local[:, where.dim] = along - where.start + where.offset
+            rows = local[held]
+            top = [int(rows[:, d].max()) if rows.numel() else -1 for d in range(rows.shape[1])]
+            plan = (where, local, held, bool(held.all()), tuple(rows.T.contiguous()), top)
+        self._plans[name] = (index, plan)
+        return plan
+
+    def read(self, name: str, shape: tuple, index: torch.Tensor) -> Optional[EngineRead]:
+        plan = self._plan(name, tuple(shape), index)
+        if plan is None:
+            return None
+        if plan == "missing":
+            return EngineRead(missing=True)
+        where, local, held, all_held, rows, top = plan
+        if not held.any():
+            return None
+        module = where.module
+        if where.linear and self._quantized(module):
+            return self._forward_read(module, local, held, quantized=True)
+        param = getattr(module, where.leaf)
+        direct = param.dim() == len(shape) and param.numel() > 0 and all(
+            t < n for t, n in zip(top, param.shape))
+        if where.linear and (not direct or self.forward_reads or id(module) in self._forward_only):
+            return self._forward_read(module, local, held, quantized=False)
+        if not direct:
+            return None
+        gathered = param.detach()[tuple(r.to(param.device) for r in rows) if param.device.type != "cpu" else rows]
+        if all_held:
+            values = gathered.to("cpu", torch.float64)
+        else:
+            values = torch.full((index.shape[0],), float("nan"), dtype=torch.float64)
+            values[held] = gathered.to("cpu", torch.float64)
+        if where.linear and id(module) not in self._validated:
+            self._validated.add(id(module))
+            through = self._forward_read(module, local, held, quantized=False)
+            same = through is not None and bool((through.values[held] == values[held]).all())
+            if not same:
+                logger.info("tim_plugins: %s: the weight vLLM holds is not what its layer computes with; reading "
+                            "it through the layer's forward", name)
+                self._forward_only.add(id(module))
+                return through
+        return EngineRead(values=values, dtype=param.dtype)
+
+    @staticmethod
+    def _quantized(module) -> bool:
+        # VLLM_SOURCES vllm.model_executor.layers.linear:UnquantizedLinearMethod
+        return type(getattr(module, "quant_method", None)).__name__ != "UnquantizedLinearMethod"
+
+    def _forward_read(self, module, local: torch.Tensor, held: torch.Tensor, *, quantized: bool
+                      ) -> Optional[EngineRead]:
+        """Elements (row, column) of a linear layer's effective weight: one one-hot input row per distinct column
+        through ``quant_method.apply`` (no bias), whose output row is that column of W."""
+        if not held.any():
+            return None
+        # VLLM_SOURCES vllm.model_executor.layers.linear:LinearBase (quant_method.apply(layer, x, bias=None)) and
+        # the local input size a one-hot row spans (input_size_per_partition, else input_size)
+        width = int(getattr(module, "input_size_per_partition", getattr(module, "input_size", 0)))
+        rows, cols = local[held, 0], local[held, 1]
+        unique, position = torch.unique(cols, return_inverse=True)
+        bound = None
+        if quantized:
+            bound = self._quantizer_bound(module)
+            if bound is None:
+                return None
+        device = next((p.device for p in module.parameters() if p.numel()), torch.device("cpu"))
+        key = (id(module), tuple(unique.tolist()))
+        y = self._columns.get(key)
+        if y is None:  # the parts of a merged matrix share their sampled columns: one forward for all of them
+            x = torch.zeros(unique.numel(), width, dtype=self.dtype, device=device)
+            x[torch.arange(unique.numel(), device=device), unique.to(device)] = 1
+            with torch.no_grad():
+                y = self._columns[key] = module.quant_method.apply(module, x, bias=None)
+        values = torch.full((local.shape[0],), float("nan"), dtype=torch.float64)
+        values[held] = y[position.to(device), rows.to(device)].to("cpu", torch.float64)
+        if not quantized:
+            return EngineRead(values=values, dtype=y.dtype)
+        stored, scale = bound
+        return EngineRead(values=values, dtype=stored, quantized=True,
+                          atol=_half_step(values, stored, scale))
+
+    @staticmethod
+    def _quantizer_bound(module) -> Optional[tuple[torch.dtype, torch.Tensor]]:
+        """(stored dtype, per-output-row scale) of an fp8 layer with a per-tensor or per-channel ``weight_scale``;
+        None for other schemes (not compared)."""
+        weight = getattr(module, "weight", None)
+        scale = getattr(module, "weight_scale", None)
+        if weight is None or scale is None or weight.dtype not in _FP8:
+            return None
+        return weight.dtype, scale.detach().float().reshape(-1).cpu()
+
+
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def _half_step(values: torch.Tensor, stored: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """Half a quantization step at each dequantized value: |v| · 2^-(mantissa bits + 1), and at least half the
+    smallest subnormal times the largest scale (a conservative bound when the per-row scale is not mapped)."""
+    mantissa = {"float8_e4m3fn": 3, "float8_e5m2": 2}[str(stored).replace("torch.", "")]
+    tiny = torch.finfo(stored).smallest_normal * 2.0 ** -mantissa
+    floor = float(scale.max()) * tiny / 2
+    return torch.nan_to_num(values.abs() * 2.0 ** -(mantissa + 1), nan=0.0) + floor

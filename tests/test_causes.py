@@ -1,0 +1,245 @@
+"""The named causes (``tim_plugins.causes``) through the per-step pipeline: each rule against a naive re-statement
+of it in the test, the probe's warn / raise / stop on a named cause, the registry feeding the fixes, checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+
+import pytest
+import torch
+
+from tim_plugins.causes import (CAUSE_KEYS, CAUSES, Cause, CauseConfig, FloorHistory, cause_fix, causes_markdown,
+                                confident_disagreements, summarize_names)
+from tim_plugins.parity.findings import ParityError
+from tim_plugins.parity.probe import ParityProbeConfig
+from tim_plugins.pipeline import StepPipeline, pipeline_config
+from tim_plugins.weight_sync import SyncReport
+
+
+def _naive_confident(rollout, train, mask, p=0.5, gap=2.0):
+    dis = conf = 0
+    for r, t, m in zip(rollout.flatten().tolist(), train.flatten().tolist(), mask.flatten().tolist()):
+        if not m or not (math.isfinite(r) and math.isfinite(t)):
+            continue
+        if math.exp(r) >= p or r >= math.log(p):
+            conf += 1
+            if t < r - gap:
+                dis += 1
+    return dis, conf
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_confident_disagreements_match_the_rule_token_by_token(seed):
+    g = torch.Generator().manual_seed(seed)
+    rollout = torch.log_softmax(torch.randn(5, 37, 11, generator=g) * 3, -1)[..., 0]
+    train = rollout + torch.randn(rollout.shape, generator=g) * 2
+    train[0, :3] = -math.inf
+    rollout[1, 2] = math.nan
+    mask = torch.rand(rollout.shape, generator=g) > 0.2
+    dis, conf = confident_disagreements(rollout, train, mask)
+    assert (int(dis), int(conf)) == _naive_confident(rollout, train, mask)
+    assert int(conf) > 0 and int(dis) > 0
+
+
+def test_floor_history_is_the_trailing_median_rule():
+    values = [0.01, 0.012, 0.011, 0.2, 0.013, 0.05, 0.06, math.nan, 0.3]
+    floor = FloorHistory(window=3, factor=4.0, min_gap=0.05)
+    kept = []
+    for v in values:
+        ratio, jumped = floor.judge(v)
+        if not math.isfinite(v):
+            assert (math.isnan(ratio), jumped) == (True, False)
+            continue
+        if not kept:
+            assert math.isnan(ratio) and not jumped
+            kept.append(v)
+            continue
+        median = statistics.median(kept[-3:])
+        assert ratio == pytest.approx(v / median)
+        assert jumped == (v / median > 4 and v - median > 0.05)
+        if not jumped:
+            kept.append(v)
+    assert floor.values == kept[-3:]
+
+
+def _pipeline(**causes):
+    return StepPipeline(pipeline_config(causes=CauseConfig(**causes), probe=None), framework="trl")
+
+
+def _batch(n=64, T=8, confident=0, seed=0, noise=1e-3):
+    """Lag-0 log-probs: the engine's (some confident), the trainer's with rounding-sized noise and ``confident``
+    tokens the engine gave p >= 0.5 scored 3 nats lower."""
+    g = torch.Generator().manual_seed(seed)
+    rollout = torch.log(torch.rand(n, T, generator=g) * 0.98 + 0.01)
+    train = rollout + noise * torch.randn(n, T, generator=g)
+    idx = (rollout >= math.log(0.5)).flatten().nonzero().flatten()[:confident]
+    train.view(-1)[idx] = rollout.view(-1)[idx] - 3.0
+    return rollout, train, torch.ones(n, T, dtype=torch.bool)
+
+
+def test_a_healthy_stream_names_nothing():
+    pipe = _pipeline()
+    for step in range(1, 30):
+        pipe.measure(*_batch(seed=step, noise=0.01 * (1 + 0.2 * math.sin(step))))
+        out = pipe.compute(step, sync=False)[0]
+        assert out["tim/cause/named"] == 0 and out["tim/cause/confident_disagreements"] == 0
+        assert math.isnan(out["tim/cause/sync_bad_tensors"]) and math.isnan(out["tim/cause/sync_checked_tensors"])
+    assert pipe.causes.named == []
+    assert set(CAUSE_KEYS) <= set(out)
+
+
+def test_confident_disagreements_name_engine_stale_from_the_threshold_on(caplog):
+    pipe = _pipeline(confident_min_tokens=3)
+    pipe.measure(*_batch(confident=2))
+    out = pipe.compute(1, sync=False)[0]
+    assert out["tim/cause/confident_disagreements"] == 2 and out["tim/cause/named"] == 0
+    rollout, train, mask = _batch(confident=5, seed=1)
+    pipe.measure(rollout, train, mask)
+    with caplog.at_level(logging.WARNING, logger="tim_plugins.causes"):
+        out = pipe.compute(2, sync=False)[0]
+    assert out["tim/cause/confident_disagreements"] == _naive_confident(rollout, train, mask)[0] == 5
+    assert out["tim/cause/named"] == 1
+    (cause,) = pipe.causes.named
+    assert cause.code == "engine-stale" and cause.step == 2 and cause.evidence["confident_disagreements"] == 5
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("tim-plugins cause [engine-stale] at step 2: 5 of ") and "Fix (TRL): " in line
+
+
+def test_a_jump_of_the_lag0_floor_is_named():
+    pipe, floors, logged = _pipeline(), [], {}
+    for step, noise in enumerate([0.01, 0.011, 0.012, 0.3, 0.012], start=1):
+        pipe.measure(*_batch(seed=step, noise=noise))
+        out = pipe.compute(step, sync=False)[0]
+        logged[step] = out["tim/cause/floor_jump"]
+        floors.append(out["tim/token/abs_diff_mean"])
+        assert (out["tim/cause/named"] == 1) == (step == 4), step
+    assert [c.code for c in pipe.causes.named] == ["floor-jump"]
+    # the reference: the window's mean |Δ| over the median of the windows before it (the jumped one left out)
+    assert logged[4] == pytest.approx(floors[3] / statistics.median(floors[:3])) == pipe.causes.named[0].evidence[
+        "ratio"]
+    assert logged[5] == pytest.approx(floors[4] / statistics.median(floors[:3]))
+
+
+def test_staleness_is_named_when_it_explains_an_unhealthy_log_ratio():
+    pipe = _pipeline()
+    rollout, train, mask = _batch()
+    pipe.measure(rollout, train, mask)
+    current = train + 0.3 * torch.randn(train.shape, generator=torch.Generator().manual_seed(5))
+    pipe.loss_pass(rollout, train, current, mask)
+    out = pipe.compute(1, sync=False)[0]
+    assert out["tim/split/staleness_var_share"] > 0.5 and out["tim/staleness/token/kl_k3"] > 1e-3
+    assert [c.code for c in pipe.causes.named] == ["staleness"]
+    # the same split with a small staleness: healthy, nothing named
+    pipe.measure(rollout, train, mask)
+    pipe.loss_pass(rollout, train, train + 1e-3, mask)
+    assert pipe.compute(2, sync=False)[0]["tim/cause/named"] == 0
+
+
+def test_truncation_needs_the_audits_finding_and_the_kept_mass_bias():
+    rollout, train, mask = _batch()
+    kept = math.log(0.85)
+    for audit, shift, named in (([], kept, False), (["sampler-truncation-unmatched"], kept, True),
+                                (["sampler-truncation-unmatched"], 0.0, False)):
+        pipe = _pipeline()
+        pipe.audited(audit)
+        pipe.measure(rollout, rollout + shift, mask)
+        pipe.compute(1, sync=False)
+        assert ([c.code for c in pipe.causes.named] == ["truncation"]) == named, (audit, shift)
+
+
+def _report(step=3, bad=("model.layers.1.q.weight",)):
+    report = SyncReport(step, 1, statuses={"a": "ok", **{n: "stale" for n in bad}})
+    report.causes = [Cause("sync-tensors-stale", step, "stale", tensors=bad)]
+    return report
+
+
+def test_a_sync_cause_is_logged_at_once_and_counted_in_the_next_window(caplog):
+    pipe = _pipeline()
+    with caplog.at_level(logging.WARNING, logger="tim_plugins.causes"):
+        pipe.sync_checked(_report())
+        assert len(caplog.records) == 1 and "[sync-tensors-stale] at step 3" in caplog.records[0].getMessage()
+        pipe.measure(*_batch())
+        out = pipe.compute(4, sync=False)[0]
+    assert len(caplog.records) == 1  # not twice
+    assert out["tim/cause/named"] == 1 and out["tim/cause/sync_bad_tensors"] == 1
+    assert out["tim/cause/sync_checked_tensors"] == 2
+    pipe.measure(*_batch())
+    out = pipe.compute(5, sync=False)[0]
+    assert out["tim/cause/named"] == 0 and math.isnan(out["tim/cause/sync_bad_tensors"])
+
+
+@pytest.mark.parametrize("action", ["warn", "raise", "stop"])
+def test_a_named_cause_trips_the_probe(action):
+    # limits no healthy batch reaches: only the cause can trip
+    probe = ParityProbeConfig(kl_k3_max=None, seq_log_ratio_abs_max=1e9, action=action)
+    pipe = StepPipeline(pipeline_config(probe=probe))
+    pipe.measure(*_batch())
+    assert not pipe.compute(1, sync=False)[1].tripped
+    pipe.sync_checked(_report())
+    pipe.measure(*_batch())
+    if action == "raise":
+        with pytest.raises(ParityError, match="tim/cause/named"):
+            pipe.compute(2, sync=False)
+        return
+    decision = pipe.compute(2, sync=False)[1]
+    assert decision.tripped and [t.key for t in decision.trips] == ["tim/cause/named"]
+    assert decision.stop == (action == "stop")
+
+
+def test_causes_off():
+    pipe = StepPipeline(pipeline_config(causes=None))
+    assert pipe.causes is None
+    pipe.sync_checked(_report())  # nothing to do, no error
+    pipe.measure(*_batch(confident=9))
+    assert not any(k.startswith("tim/cause/") for k in pipe.compute(1, sync=False)[0])
+    assert StepPipeline(pipeline_config(monitor=False)).causes is None  # the stream rules read the monitor
+
+
+def test_state_dict_roundtrip():
+    pipe = _pipeline()
+    for step in (1, 2):
+        pipe.measure(*_batch(seed=step, confident=3 * (step - 1)))
+        pipe.compute(step, sync=False)
+    again = _pipeline()
+    again.load_state_dict(pipe.state_dict())
+    assert again.causes.floor.values == pipe.causes.floor.values
+    assert [c.to_dict() for c in again.causes.named] == [c.to_dict() for c in pipe.causes.named]
+
+
+@pytest.mark.parametrize("framework", ["trl", "verl"])
+def test_registry_every_cause_has_the_frameworks_words_and_a_documented_rule(framework):
+    import importlib
+
+    words = importlib.import_module(f"tim_plugins.integrations.{framework}.fixes").CAUSE_FIXES
+    assert set(words) == set(CAUSES)
+    for code in CAUSES:
+        assert cause_fix(code, framework) == words[code]
+        assert cause_fix(code, None)  # the core's words
+    text = causes_markdown()
+    assert all(f"**`{code}`**" in text for code in CAUSES)
+    with pytest.raises(ValueError, match="unknown cause code"):
+        Cause("nope", 1, "x")
+
+
+def test_summarize_names():
+    names = [f"model.layers.1.{k}.weight" for k in "qkv"] + ["model.norm.weight"]
+    assert summarize_names(names) == "model.layers.1.* (3 tensors), model.norm.weight"
+    assert summarize_names([f"t{i}" for i in range(9)], limit=3) == "t0, t1, t2 (+6 more)"
+
+
+@pytest.mark.parametrize("bad", [{"confident_p": 1.0}, {"confident_gap": 0}, {"confident_min_tokens": 0},
+                                 {"floor_jump_factor": 1.0}, {"floor_jump_min": -1}, {"floor_window": True},
+                                 {"staleness_share": 0}, {"truncation_bias": 1}])
+def test_config_rules(bad):
+    with pytest.raises(ValueError, match=f"CauseConfig.{next(iter(bad))}="):
+        CauseConfig(**bad)
+
+
+def test_docs_list_every_cause_from_the_registry():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "causes.md").read_text()
+    codes = doc.split("<!-- codes: tim_plugins.causes.causes_markdown() -->\n")[1].split("\n<!-- /codes -->")[0]
+    assert codes == causes_markdown(), "docs/causes.md: paste tim_plugins.causes.causes_markdown() between the markers"

@@ -1,0 +1,71 @@
+"""The named causes in the report's verdict (``tim_plugins.report.causes``): the rule of its module docstring, on
+summaries written the way the pipeline writes them (causes.jsonl beside a dump, tim/cause/* in log_history)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tim_plugins.causes import Cause
+from tim_plugins.dump import append_causes, append_log_history, write_summary
+from tim_plugins.report import read_summary
+from tim_plugins.report.causes import name_causes, read_causes, with_causes
+from tim_plugins.report.health import verdict
+
+
+def _ok_verdict():
+    return verdict({"tim/token/kl_k3": 1e-5}, ("tim/token/kl_k3",))
+
+
+def test_causes_round_trip_through_the_dump_folder(tmp_path):
+    causes = [Cause("sync-tensors-stale", 3, "the sync left 2 tensors", tensors=("a.weight", "b.weight")),
+              Cause("engine-stale", 4, "5 of 9 confident tokens", evidence={"x": float("nan")})]
+    append_causes(tmp_path, causes[:1])
+    append_causes(tmp_path, causes[1:])
+    with open(tmp_path / "causes.jsonl", "a") as f:
+        f.write('{"code": "torn')  # a run killed mid-write
+    rows = read_causes(tmp_path)
+    assert rows == [c.to_dict() for c in causes] and rows[1]["evidence"] == {"x": None}
+    write_summary(tmp_path, framework="trl", title="t", settings={})
+    assert read_summary(tmp_path)["causes"] == rows
+    assert with_causes({"causes": []}, tmp_path) == {"causes": []}  # a summary's own list wins
+    assert read_causes(tmp_path / "nowhere") is None
+
+
+def test_a_broken_sync_makes_the_verdict_act_and_leads_it():
+    v = _ok_verdict()
+    assert v["status"] == "ok"
+    summary = {"causes": [Cause("sync-noop", 1, "none updated").to_dict(),
+                          Cause("floor-jump", 2, "jumped").to_dict(), Cause("sync-noop", 5, "again").to_dict()]}
+    name_causes(v, summary, "trl")
+    assert v["status"] == "act" and v["causes"] == {"sync-noop": [1, 5], "floor-jump": [2]}
+    assert v["headline"].startswith("ACT: the engine sampled from other weights than the trainer scored: sync-noop "
+                                    "(first at step 1), floor-jump (first at step 2).")
+    assert v["headline"].endswith("Measured: every checked metric is inside its healthy range.")
+    assert v["extra"][0].startswith("sync-noop at steps 1, 5: none updated. Fix (TRL): ")
+    assert v["extra"][1].startswith("floor-jump at step 2: jumped. Fix (TRL): ")
+
+
+@pytest.mark.parametrize("status", ["ok", "watch", "act"])
+def test_staleness_raises_to_watch_at_least(status):
+    v = _ok_verdict()
+    v["status"] = status
+    name_causes(v, {"causes": [Cause("staleness", 3, "80 %").to_dict()]}, "verl")
+    assert v["status"] == {"ok": "watch"}.get(status, status)
+    assert v["headline"].startswith(f"{v['status'].upper()}: staleness makes the log-ratio unhealthy")
+    assert "Fix (verl): fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1" in v["extra"][0]
+
+
+def test_none_named_says_what_was_checked(tmp_path):
+    for step, checked in ((1, 27.0), (2, 27.0)):
+        append_log_history(tmp_path, step, {"tim/cause/named": 0.0, "tim/cause/confident_disagreements": 0.0,
+                                            "tim/cause/floor_jump": 1.4 if step == 2 else float("nan"),
+                                            "tim/cause/sync_checked_tensors": checked})
+    v = name_causes(_ok_verdict(), read_summary(tmp_path), "trl")
+    assert v["status"] == "ok" and v["causes"] == {}
+    (line,) = v["extra"]
+    assert line.startswith("What is causing it: no broken weight sync, stale engine or floor jump was named over 2 "
+                           "logged steps (no confident lag-0 disagreement; the lag-0 floor at most 1.4x")
+    assert "(2 windows, 27 tensors each)" in line
+    assert name_causes(_ok_verdict(), {"log_history": [{"step": 1}]}, None)["extra"] == []  # nothing watched

@@ -1,0 +1,86 @@
+"""The comparison page (``tim-plugins report A B``) says what differs between the runs: each run's verdict, the
+settings whose values differ (nested settings and verl's JSON-text settings compared leaf by leaf, a run's own
+folders left out), the package versions each run recorded, and each run's parity audit."""
+
+from __future__ import annotations
+
+import json
+
+from tim_plugins.report import build_comparison
+from tim_plugins.report.compare_page import differences
+
+
+def _finding(code: str, severity: str) -> dict:
+    return {"code": code, "severity": severity, "message": code, "rollout": "r", "trainer": "t"}
+
+
+def _summary(safe: bool, trl: str, out: str, findings: list, own: list, deliberate: dict) -> dict:
+    return {
+        "kind": "training", "framework": "trl", "title": "t",
+        "settings": {"steps": 20, "top_p": 0.8, "safe_vocab": safe, "out": out, "model": "/models/toy",
+                     "tim": json.dumps({"monitor": {"enable": True, "ratio_band": [0.5, 2.0]},
+                                        "dump": {"dir": f"{out}/dump"}})},
+        "versions": {"torch": "2.13.0", "trl": trl},
+        "findings": findings, "own_audit": own, "deliberate": deliberate,
+        "attached": {"config": {"safe_vocab": safe, "dump_dir": f"{out}/dump", "monitor": True}},
+        "log_history": [{"step": 1, "loss": 0.0, "tim/tokens": 10.0, "tim/token/kl_k3": 1e-4}],
+    }
+
+
+PROBLEM = _summary(False, "1.16.0", "/runs/a", [_finding("dtype-mismatch", "error")],
+                   [_finding("sampler-truncation-unmatched", "error"), _finding("dtype-mismatch", "error"),
+                    _finding("lm-head-precision-mismatch", "warning")],
+                   {"dtype-mismatch": "on purpose", "sampler-truncation-unmatched": "the problem shown"})
+FIX = _summary(True, "1.17.0", "/runs/b", [], [_finding("dtype-mismatch", "error")], {"dtype-mismatch": "on purpose"})
+
+
+def test_the_table_has_the_verdicts_the_differing_settings_the_versions_and_each_audit():
+    rows, same = differences({"problem": PROBLEM, "fix": FIX}, {"problem": {"status": "watch"},
+                                                               "fix": {"status": "ok"}})
+    assert rows == [
+        ["verdict", "WATCH", "OK"],
+        ["setting: safe_vocab", "False", "True"],  # TIMConfig.safe_vocab, equal to it in each run: not a twin row
+        ["version: torch", "2.13.0", "2.13.0"],
+        ["version: trl (differs)", "1.16.0", "1.17.0"],
+        ["parity audit", "2 errors: dtype-mismatch (deliberate), sampler-truncation-unmatched (deliberate); "
+                         "1 warning: lm-head-precision-mismatch", "1 error: dtype-mismatch (deliberate); 0 warnings"],
+    ]
+    # equal in both: steps, top_p, model, tim.monitor.enable, tim.monitor.ratio_band, TIMConfig.monitor (the run's
+    # own folders, out and the dump folders, are not settings to compare)
+    assert same == 6
+
+
+def test_a_timconfig_field_that_reads_otherwise_than_the_runs_own_setting_keeps_its_row():
+    import copy
+
+    other = copy.deepcopy(FIX)
+    other["attached"]["config"]["safe_vocab"] = False  # the run asked for it, the callback ran without it
+    rows, _ = differences({"problem": PROBLEM, "fix": other})
+    assert ["setting: safe_vocab", "False", "True"] in rows
+    assert not [r for r in rows if r[0] == "setting: TIMConfig.safe_vocab"]  # equal in both runs now
+    other["attached"]["config"]["safe_vocab"] = "on"
+    rows, _ = differences({"problem": PROBLEM, "fix": other})
+    assert ["setting: TIMConfig.safe_vocab", "False", "on"] in rows and ["setting: safe_vocab", "False", "True"] in rows
+
+
+def test_a_setting_one_run_lacks_and_a_run_without_an_audit():
+    other = dict(FIX, settings={**FIX["settings"], "num_iterations": 2})
+    del other["findings"], other["own_audit"]
+    rows, _ = differences({"a": PROBLEM, "b": other})
+    assert ["setting: num_iterations", "–", "2"] in rows
+    assert rows[-1] == ["parity audit", rows[-1][1], "no audit recorded"]
+    assert not [r for r in rows if r[0] == "verdict"]  # no verdicts given: no row
+
+
+def test_the_page_opens_with_the_table(tmp_path):
+    for name, summary in (("a", PROBLEM), ("b", FIX)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    html = build_comparison([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp.html", labels=["problem", "fix"]
+                            ).read_text()
+    assert html.index("<h2>What differs between the runs</h2>") < html.index("<h2>Verdict per run</h2>")
+    flat = html.replace("\n", "")
+    assert "<td>setting: safe_vocab</td><td>False</td><td>True</td>" in flat
+    assert "<td>version: trl (differs)</td><td>1.16.0</td><td>1.17.0</td>" in flat
+    # each run's verdict leaves out its audit line: the table's row stands for it, its tables are not on this page
+    assert "Parity audit:" not in html and "By table" not in html

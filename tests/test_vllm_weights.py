@@ -1,0 +1,94 @@
+"""vLLM's weight reader (``tim_plugins.integrations.vllm.weights.VLLMWeights``) on a live engine of the CPU build, whose
+linear layers are prepacked (oneDNN / sgl: ``layer.weight`` is an empty tensor), so every linear weight is read through
+the layer's own forward. The reference is the checkpoint itself, mapped onto vLLM's merged tensors by the test (q/k/v
+rows stacked into ``qkv_proj``, gate/up into ``gate_up_proj``, the vocabulary padded), and vLLM's own
+``reload_weights`` as the sync: what it loads, the reader must read back exactly; what it is not given, the check must
+name as stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+safetensors = pytest.importorskip("safetensors.torch")
+
+from tim_plugins.integrations.vllm.weights import VLLMWeights  # noqa: E402
+from tim_plugins.weight_sync import SyncCheck  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def checkpoint(toy_model_path):
+    tensors = {}
+    for f in sorted(Path(toy_model_path).glob("*.safetensors")):
+        tensors.update(safetensors.load_file(str(f)))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def reader(vllm_llm):
+    r = VLLMWeights.from_llm(vllm_llm)
+    assert r is not None and r.dtype == torch.float32
+    return r
+
+
+def _reference(checkpoint: dict, name: str, index: torch.Tensor) -> torch.Tensor:
+    return checkpoint[name][tuple(index.T)].double()
+
+
+@pytest.mark.parametrize("forward_reads", [False, True])
+def test_every_element_reads_back_exactly(vllm_llm, checkpoint, forward_reads):
+    """Every element of every tensor, direct where a plain weight is there and through the layer's forward where it
+    is prepacked (the CPU build with oneDNN / sgl kernels: ``layer.weight`` empty), or through the forward always."""
+    reader = VLLMWeights.from_llm(vllm_llm, forward_reads=forward_reads)
+    for name, tensor in checkpoint.items():
+        index = torch.cartesian_prod(*[torch.arange(s) for s in tensor.shape]) if tensor.dim() > 1 else \
+            torch.arange(tensor.shape[0]).view(-1, 1)
+        read = reader.read(name, tuple(tensor.shape), index)  # every element, not a sample
+        assert read is not None and not read.missing, name
+        assert torch.equal(read.values, _reference(checkpoint, name, index)), name
+
+
+def test_merged_rows_land_where_vllm_stacks_them(reader, checkpoint):
+    """The q, k and v rows the reader maps are the rows of the stacked weight the layer computes with: its forward
+    on a one-hot row equals the concatenation the test builds from the checkpoint."""
+    layer = reader.model.model.layers[1].self_attn.qkv_proj
+    x = torch.zeros(1, layer.input_size, dtype=torch.float32)
+    x[0, 5] = 1
+    column = layer.quant_method.apply(layer, x, bias=None)[0]
+    stacked = torch.cat([checkpoint[f"model.layers.1.self_attn.{p}_proj.weight"][:, 5] for p in "qkv"])
+    assert torch.equal(column, stacked)
+
+
+def test_names_the_engine_does_not_hold_are_missing(reader):
+    index = torch.zeros(1, 2, dtype=torch.long)
+    assert reader.read("model.layers.0.self_attn.q_proj.lora_A.weight", (4, 64), index).missing
+    assert reader.read("model.decoder.layers.0.fc1.weight", (4, 64), index).missing
+
+
+def test_a_sync_through_vllms_own_reload_is_checked(vllm_llm, reader, checkpoint):
+    """Two syncs with vLLM's reload_weights (what the TRL suite's CPU sync uses): one complete, one that leaves
+    layer 1 out; the check passes the first and names exactly layer 1's tensors in the second."""
+    check = SyncCheck()
+    record = check.begin(0)
+    vllm_llm.collective_rpc("reload_weights", kwargs={
+        "weights_iterator": list(record.observing(checkpoint.items())), "is_checkpoint_format": True})
+    assert check.finish(record, reader).causes == []
+    g = torch.Generator().manual_seed(0)
+    moved = {n: t + 1e-2 * torch.randn(t.shape, generator=g) for n, t in checkpoint.items()}
+    record = check.begin(1)
+    sent = list(record.observing(moved.items()))
+    kept = [(n, t) for n, t in sent if not n.startswith("model.layers.1.")]
+    vllm_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": kept, "is_checkpoint_format": True})
+    try:
+        report = check.finish(record, reader)
+        (cause,) = report.causes
+        assert cause.code == "sync-tensors-stale"
+        assert set(cause.tensors) == {n for n in checkpoint if n.startswith("model.layers.1.")}
+    finally:  # the module's engine back to the checkpoint
+        vllm_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(checkpoint.items()),
+                                                          "is_checkpoint_format": True})

@@ -1,0 +1,278 @@
+"""The weight-sync check's core (``tim_plugins.weight_sync``) against an engine held as plain tensors here: the
+reference is the fault the test itself injects (which tensors it skipped, what it rounded them through) and the
+engine's tensors read whole, never the check's own sample. The vLLM reader is tested on a live engine in
+``test_vllm_weights.py``; the whole path through TRL in ``test_trl_sync_check.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tim_plugins.weight_sync import (EngineRead, SyncCheck, SyncCheckConfig, coarser_dtypes, sample_index)
+
+FP8 = torch.float8_e4m3fn
+
+
+class DictEngine:
+    """An engine that holds one tensor per sent name (in ``dtype`` unless stored otherwise) and reads it directly."""
+
+    def __init__(self, dtype: torch.dtype, weights: dict):
+        self.dtype = dtype
+        self.held = {n: t.to(dtype) for n, t in weights.items()}
+        self.unreadable: set[str] = set()
+
+    def load(self, weights, *, skip=(), through: dict | None = None, store: dict | None = None):
+        for name, t in weights:
+            if name in skip:
+                continue
+            if through and name in through:
+                t = t.to(through[name])
+            self.held[name] = t.to((store or {}).get(name, self.dtype))
+
+    def read(self, name, shape, index):
+        if name in self.unreadable:
+            return None
+        if name not in self.held:
+            return EngineRead(missing=True)
+        t = self.held[name]
+        return EngineRead(values=t[tuple(index.T)].double() if t.dim() else t.reshape(1).double(), dtype=t.dtype)
+
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (97, 24), "model.layers.0.q.weight": (24, 24),
+              "model.layers.0.q.bias": (24,), "model.layers.0.norm.weight": (24,),
+              "model.layers.1.q.weight": (24, 24), "model.layers.1.mlp.weight": (48, 24), "model.scale": (),
+              "model.conv.weight": (6, 4, 3)}
+    return {n: torch.randn(s, generator=g) * 0.05 for n, s in shapes.items()}
+
+
+def _step(weights, size=1e-2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + size * torch.randn(t.shape, generator=g) for n, t in weights.items()}
+
+
+def _sync(check, engine, weights, step, **fault):
+    record = check.begin(step)
+    engine.load(record.observing(list(weights.items())), **fault)
+    return check.finish(record, engine)
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 3), (1000, 7), (4, 5, 6), (3,), (), (0, 4), (2, 1)])
+def test_sample_index_is_fixed_in_range_and_distinct(shape):
+    a = sample_index("w", shape, 64, 4)
+    assert torch.equal(a, sample_index("w", shape, 64, 4))
+    assert a.shape[1] == len(shape) and a.dtype == torch.long
+    if math.prod(shape) == 0:
+        assert a.shape[0] == 0
+        return
+    for d, size in enumerate(shape):
+        assert int(a[:, d].min()) >= 0 and int(a[:, d].max()) < size
+    assert len({tuple(r) for r in a.tolist()}) == a.shape[0]  # no element twice
+    if len(shape) >= 2:  # a grid of at most 4 columns (a higher tensor: columns of [shape[0], rest])
+        flat_cols = {tuple(r[1:]) for r in a.tolist()}
+        assert len(flat_cols) <= 4
+    assert not torch.equal(sample_index("w", (1000, 7), 64, 4), sample_index("v", (1000, 7), 64, 4))
+
+
+def test_coarser_dtypes():
+    assert coarser_dtypes(torch.float32) == (torch.float16, torch.bfloat16, FP8, torch.float8_e5m2)
+    assert coarser_dtypes(torch.bfloat16) == (FP8, torch.float8_e5m2)
+    assert coarser_dtypes(torch.int8) == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fault_free_syncs_name_nothing(dtype):
+    weights = _model()
+    engine, check = DictEngine(dtype, weights), SyncCheck()
+    for step in range(4):
+        report = _sync(check, engine, weights, step)
+        assert report.causes == [] and report.bad_tensors == 0 and report.checked_tensors == len(weights)
+        weights = _step(weights, seed=step + 1)
+
+
+def _two_syncs(dtype=torch.bfloat16, size=1e-2, **fault):
+    """A fault-free sync, an optimizer step, then a sync with ``fault``: the second report."""
+    weights = _model()
+    engine, check = DictEngine(dtype, weights), SyncCheck()
+    _sync(check, engine, weights, 0)
+    moved = _step(weights, size)
+    return _sync(check, engine, moved, 1, **fault), engine, moved, weights
+
+
+def test_noop_sync_names_every_moved_tensor_once():
+    report, engine, moved, before = _two_syncs(skip=set(_model()))
+    (cause,) = report.causes
+    assert cause.code == "sync-noop" and cause.step == 1
+    # reference: the tensors whose engine-dtype values the step changed (a scalar or a small norm may not move)
+    really_moved = {n for n in moved if not torch.equal(moved[n].to(torch.bfloat16), before[n].to(torch.bfloat16))}
+    assert set(cause.tensors) == really_moved and len(really_moved) >= len(moved) - 1
+
+
+def test_a_skipped_layer_is_named_with_exactly_its_tensors():
+    layer = {n for n in _model() if n.startswith("model.layers.1.")}
+    report, *_ = _two_syncs(skip=layer)
+    (cause,) = report.causes
+    assert cause.code == "sync-tensors-stale" and set(cause.tensors) == layer
+    assert "model.layers.1.* (2 tensors)" in cause.message
+
+
+@pytest.mark.parametrize("engine_dtype,through", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                  (torch.bfloat16, FP8), (torch.float16, torch.float8_e5m2)])
+def test_a_tensor_written_through_a_coarser_dtype_is_named_with_that_dtype(engine_dtype, through):
+    name = "model.layers.0.q.weight"
+    report, *_ = _two_syncs(engine_dtype, through={name: through})
+    (cause,) = report.causes
+    assert cause.code == "sync-precision" and cause.tensors == (name,)
+    assert f"rounded through {str(through).replace('torch.', '')}" in cause.message
+
+
+def test_a_tensor_stored_coarser_than_configured_is_named_even_with_matching_values():
+    name = "model.layers.1.mlp.weight"
+    report, engine, *_ = _two_syncs(torch.float32, store={name: torch.bfloat16})
+    assert engine.held[name].dtype == torch.bfloat16
+    (cause,) = report.causes
+    assert cause.code == "sync-precision" and cause.tensors == (name,) and "stored as bfloat16" in cause.message
+
+
+def test_a_finer_copy_of_the_configured_rounding_is_no_fault():
+    """vLLM's CPU kernels keep some biases in fp32 after loading them in the engine's bf16: as good as the cast."""
+    name = "model.layers.0.q.bias"
+    report, engine, *_ = _two_syncs(torch.bfloat16, through={name: torch.bfloat16}, store={name: torch.float32})
+    assert engine.held[name].dtype == torch.float32
+    assert report.causes == [] and report.statuses[name] == "ok"
+
+
+def test_missing_unreadable_and_differing_tensors():
+    weights = _model()
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+    _sync(check, engine, weights, 0)
+    del engine.held["model.layers.0.norm.weight"]
+    engine.unreadable.add("model.conv.weight")
+    moved = _step(weights)
+    record = check.begin(1)
+    engine.load(record.observing(list(moved.items())), skip={"model.layers.0.norm.weight"})
+    engine.held["model.layers.1.q.weight"] = -engine.held["model.layers.1.q.weight"]  # neither new nor old
+    report = check.finish(record, engine)
+    assert {c.code: c.tensors for c in report.causes} == {
+        "sync-tensors-missing": ("model.layers.0.norm.weight",),
+        "sync-tensors-differ": ("model.layers.1.q.weight",)}
+    assert report.statuses["model.conv.weight"] == "unread"  # counted apart, never named
+    assert report.checked_tensors == len(weights) - 1 and report.bad_tensors == 2
+
+
+def test_an_update_below_the_engine_precision_is_no_fault():
+    """A stale engine is only visible once the trainer's update moves a sampled element in the engine's dtype."""
+    report, *_ = _two_syncs(torch.bfloat16, size=1e-9, skip=set(_model()))
+    assert report.causes == [] and report.bad_tensors == 0
+
+
+def test_a_sync_that_streams_nothing_is_compared_from_the_trainers_tensors():
+    weights = _model()
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+    for step, sent in ((0, weights), (1, {})):
+        record = check.begin(step)
+        record.expect(weights)
+        engine.load(record.observing(list(sent.items())))
+        report = check.finish(record, engine, local=weights.get)
+        weights = _step(weights, seed=step + 3) if step == 0 else weights
+    assert report.not_sent == list(weights)
+    assert [c.code for c in report.causes] == ["sync-noop"]
+    assert "never sent" in report.causes[0].message
+
+
+def test_every_n_syncs():
+    check = SyncCheck(SyncCheckConfig(every_n_syncs=3))
+    assert [check.begin(s) is not None for s in range(7)] == [True, False, False, True, False, False, True]
+
+
+class ShardEngine(DictEngine):
+    """This rank holds the first half of each matrix's rows: the rest reads NaN."""
+
+    def read(self, name, shape, index):
+        out = super().read(name, shape, index)
+        if out is not None and not out.missing and len(shape) == 2:
+            out.values[index[:, 0] >= shape[0] // 2] = float("nan")
+        return out
+
+
+def test_elements_another_rank_holds_are_left_out():
+    weights = _model()
+    engine, check = ShardEngine(torch.bfloat16, weights), SyncCheck()
+    _sync(check, engine, weights, 0)
+    moved = _step(weights)
+    record = check.begin(1)
+    engine.load(record.observing(list(moved.items())))
+    name = "model.layers.1.mlp.weight"  # rows this rank does not hold are garbage: not its business
+    engine.held[name][24:] = 7.0
+    assert check.finish(record, engine).causes == []
+
+
+class FP8Engine(DictEngine):
+    """A per-tensor-scaled fp8 engine read dequantized, with the quantizer's half step as the bound."""
+
+    def __init__(self, weights):
+        super().__init__(torch.float32, weights)
+        self.q = {}
+        self.load(list(weights.items()))
+
+    def load(self, weights, *, skip=(), **_):
+        for name, t in weights:
+            if name in skip:
+                continue
+            scale = t.abs().max().clamp(min=1e-12) / 448.0
+            self.q[name] = ((t / scale).to(FP8), scale)
+
+    def read(self, name, shape, index):
+        q, scale = self.q[name]
+        v = (q.float() * scale).double()
+        v = v[tuple(index.T)] if v.dim() else v.reshape(1)
+        tiny = torch.finfo(FP8).smallest_normal * 2.0 ** -3
+        return EngineRead(values=v, dtype=FP8, quantized=True, atol=v.abs() * 2.0 ** -4 + float(scale) * tiny / 2)
+
+
+def test_a_quantized_engine_is_compared_within_its_quantizers_bound():
+    weights = _model()
+    engine, check = FP8Engine(weights), SyncCheck()
+    report = _sync(check, engine, weights, 0)
+    assert report.causes == [] and report.bad_tensors == 0
+    moved = _step(weights, size=0.05)  # several quantization steps
+    report = _sync(check, engine, moved, 1, skip={"model.layers.1.q.weight"})
+    assert [(c.code, c.tensors) for c in report.causes] == [("sync-tensors-stale", ("model.layers.1.q.weight",))]
+
+
+def test_config_rules():
+    for bad in ({"every_n_syncs": 0}, {"elements_per_tensor": True}, {"columns_per_tensor": 1.5}, {"seed": "0"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SyncCheckConfig(**bad)
+
+
+def test_merged_parts_share_their_columns():
+    """q / k / v (or gate / up) of one width sample the same columns, so a reader that reads columns through the
+    merged layer's forward pays once; rows still depend on the name."""
+    q = sample_index("model.layers.0.self_attn.q_proj.weight", (64, 32), 64, 4)
+    k = sample_index("model.layers.0.self_attn.k_proj.weight", (16, 32), 64, 4)
+    q1 = sample_index("model.layers.1.self_attn.q_proj.weight", (64, 32), 64, 4)
+    assert set(q[:, 1].tolist()) == set(k[:, 1].tolist()) == set(q1[:, 1].tolist())
+    assert set(q[:, 0].tolist()) != set(q1[:, 0].tolist())  # the rows follow the name
+    assert any(sample_index("a", (64, 32), 64, 4, seed=s)[:, 1].unique().tolist() != q[:, 1].unique().tolist()
+               for s in range(1, 4))
+
+
+def test_a_tensor_whose_stored_dtype_changes_keeps_its_history():
+    """A tensor read in another dtype than at the previous check moves to another comparison group: its previous
+    values still come from the older group, so a later stale sync is still named stale (reference: the injected
+    skip)."""
+    name = "model.layers.1.mlp.weight"
+    check, weights = SyncCheck(), _model()
+    engine = DictEngine(torch.float32, weights)
+    assert _sync(check, engine, weights, 0, store={name: torch.bfloat16}).causes[0].code == "sync-precision"
+    moved = _step(weights)
+    report = _sync(check, engine, moved, 1)  # stored in fp32 again: fine
+    assert report.causes == [] and report.statuses[name] == "ok"
+    again = _step(moved, seed=2)
+    report = _sync(check, engine, again, 2, skip={name})
+    (cause,) = report.causes
+    assert cause.code == "sync-tensors-stale" and cause.tensors == (name,)

@@ -1,0 +1,36 @@
+"""Test-only fault (never shipped), for the main_ppo run whose weight sync skips a layer: with
+``TIM_TEST_SYNC_SKIP=<name prefix>`` set, verl's vLLM worker extension drops every tensor whose name starts with the
+prefix from each bucket it receives, before loading the bucket into the engine (``vLLMColocateWorkerExtension.
+_update_weights``, called by ``update_weights_from_ipc`` once per bucket, in the vLLM worker process). The actor
+streams every tensor; the rollout engine keeps whatever that layer held (verl starts it on dummy weights).
+
+Installed by ``sitecustomize.py`` through the CPU shims' after-import hook on verl's worker-extension module, in
+every process that imports it (the vLLM workers load the weights).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["ENV", "install"]
+
+ENV = "TIM_TEST_SYNC_SKIP"
+MODULE = "verl.workers.rollout.vllm_rollout.utils"
+
+
+def _skip(module) -> None:
+    prefix = os.environ[ENV]
+    original = module.vLLMColocateWorkerExtension._update_weights
+
+    def _update_weights(self, weights, peft_config, base_sync_done):
+        kept = [(name, tensor) for name, tensor in weights if not name.startswith(prefix)]
+        return original(self, kept, peft_config, base_sync_done)
+
+    module.vLLMColocateWorkerExtension._update_weights = _update_weights
+
+
+def install() -> None:
+    """Register the hook (the CPU shims' after-import finder must be installed as well)."""
+    import cpu_shims
+
+    cpu_shims.HOOKS[MODULE] = _skip

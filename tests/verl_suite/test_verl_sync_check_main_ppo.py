@@ -1,0 +1,87 @@
+"""The weight-sync check through verl's own ``python -m verl.trainer.main_ppo`` (``tim_sync``, GRPO, FSDP2 actor, the
+vLLM CPU-build rollout server, the toy model, fp32 on both sides) with the rollout's weight update skipping one layer
+at every sync (``cpu_site/skip_sync.py``: verl's vLLM worker extension drops ``model.layers.1.*`` from each bucket it
+loads). verl starts the rollout on dummy weights (``load_format=dummy``), so that layer never holds the actor's.
+
+What crosses processes is the real thing: the actor worker samples what its engine streams, the vLLM server's
+``tim_read_weights`` asks vLLM's worker (``TIMWorkerExtension``, in the worker process) for the engine's values, and
+the answers come back through vLLM's ``collective_rpc`` and Ray. Checked: the first sync (``on_init_end``, before
+any step) names the layer with its tensors in the console line; step 1's metrics, logged by verl's tracker, carry
+``tim/cause/*``; the probe (``+tim.probe.enable=true +tim.probe.action=stop``, its limits out of reach) stops the run
+after step 1 of 4 with exit code 0. References: the test's own fault (the prefix it dropped) and the model's tensors
+(transformers' state dict of the checkpoint: what verl's FSDP engine streams). The fault-free side (no cause named,
+every tensor checked at every sync) is asserted on ``test_verl_main_ppo.py``'s runs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("vllm")
+
+import main_ppo_run as M  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SKIPPED = "model.layers.1."
+STEPS = 4
+RUN_TIMEOUT_S = 900
+
+
+def _model_tensors(path) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    return list(AutoModelForCausalLM.from_pretrained(str(path)).state_dict())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, toy_model_path):
+    wd = tmp_path_factory.mktemp("sync_check")
+    files = M.prepare(wd, toy_model_path)
+    overrides = M.base_overrides(files, wd, steps=STEPS) + M.CPU_OVERRIDES + [
+        "trainer.v1.trainer_mode=tim_sync",
+        "+tim.monitor.enable=true",
+        "+tim.probe.enable=true", "+tim.probe.action=stop",
+        "+tim.probe.kl_k3=1e9", "+tim.probe.abs_diff_max=1e9",  # out of reach: only a named cause trips it
+    ]
+    run = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, extra_env={"TIM_TEST_SYNC_SKIP": SKIPPED},
+                         log_path=wd / "sync_skip.log")
+    print(f"[sync_skip] exit {run.returncode} after {run.seconds:.0f} s; per-step seconds "
+          f"{ {s: round(t, 2) for s, t in run.step_times.items()} }; log {wd / 'sync_skip.log'}")
+    return run, files
+
+
+def test_the_skipped_layer_is_named_at_the_first_sync_with_its_tensors(run):
+    run, files = run
+    assert run.returncode == 0, run.output[-3000:]
+    names = _model_tensors(files["model"])
+    skipped = [n for n in names if n.startswith(SKIPPED)]
+    assert len(skipped) >= 9
+    # the first sync is verl's on_init_end one (global step 0), before any generation
+    line = next((x for x in run.output.splitlines() if "tim-plugins cause [" in x), None)
+    assert line is not None, run.output[-3000:]
+    assert "tim-plugins cause [sync-tensors-differ] at step 0: at the weight sync after optimizer step 0, " \
+           f"{len(skipped)} tensors hold values that are neither the trainer's nor their previous ones: " \
+           f"{SKIPPED}* ({len(skipped)} tensors)." in line
+    assert "Fix (verl): verl's weight sync (ActorRolloutRefWorker.update_weights" in line
+    # the sync at the end of step 1: the layer still holds what it held
+    assert re.search(rf"tim-plugins cause \[sync-tensors-stale\] at step 1: .*{re.escape(SKIPPED)}\* "
+                     rf"\({len(skipped)} tensors\)", run.output)
+    assert "tim-plugins cause [sync-tensors-missing]" not in run.output
+    assert "tim-plugins cause [sync-precision]" not in run.output
+
+
+def test_step_metrics_carry_the_cause_and_the_probe_stops_the_run(run):
+    run, files = run
+    assert sorted(run.steps) == [1], run.output[-3000:]  # planned STEPS, stopped after the first
+    m = run.steps[1]
+    names = _model_tensors(files["model"])
+    assert m["tim/cause/sync_checked_tensors"] == len(names)  # every tensor verl's engine streamed
+    assert m["tim/cause/sync_bad_tensors"] == len([n for n in names if n.startswith(SKIPPED)])
+    assert m["tim/cause/named"] >= 1.0  # the sync's; the broken engine's samples may add engine-stale
+    assert m["tim/probe/tripped"] == 1.0 and "tim/diag/sync_check_unavailable" not in m
+    assert re.search(r"tim parity probe tripped at step 1: .*tim/cause/named=\d", run.output)
+    assert "parity probe asked to stop at step 1" in run.output

@@ -1,0 +1,185 @@
+"""The named causes' registry (torch-free): each cause's code, title, why it matters, the rule that names it and
+its fixes; a named cause as the console, the dump's ``causes.jsonl`` and the report read it.
+
+``tim_plugins.causes`` holds the rules that name them (on torch tensors) and re-exports all of this; the report and the
+command line read the registry from here without importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from tim_plugins.fixes import framework_fixes
+
+__all__ = ["CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseInfo", "cause_fix", "causes_markdown",
+           "summarize_names"]
+
+CAUSE_PREFIX = "tim/cause"
+# The tim/cause/* keys every window computes (the compact log carries only the first: tim_plugins.log_keys).
+CAUSE_KEYS = (
+    f"{CAUSE_PREFIX}/named",  # distinct causes named in the window (0 on a healthy run)
+    f"{CAUSE_PREFIX}/confident_disagreements",  # lag-0 tokens: p_rollout >= confident_p, trainer > confident_gap lower
+    f"{CAUSE_PREFIX}/floor_jump",  # the window's lag-0 mean |Δ log p| over its trailing median (NaN without history)
+    f"{CAUSE_PREFIX}/sync_bad_tensors",  # tensors a sync check found not holding what was sent (NaN: no check)
+    f"{CAUSE_PREFIX}/sync_checked_tensors",  # tensors the window's sync checks compared (NaN: no check)
+)
+
+
+@dataclass(frozen=True)
+class CauseInfo:
+    code: str
+    family: str  # "sync" | "stream" | "split"
+    title: str
+    why: str
+    rule: str
+    knobs: dict = field(default_factory=dict)  # the core's vocabulary (vllm, tim_plugins) -> knob
+
+    @property
+    def fix(self) -> dict:
+        """{vocabulary or framework: knob}: the core's knobs, then each installed adapter's (``CAUSE_FIXES``)."""
+        merged = dict(self.knobs)
+        for key, fixes in framework_fixes().items():
+            if self.code in fixes.cause_fixes:
+                merged[key] = fixes.cause_fixes[self.code]
+        return merged
+
+
+_SYNC_FIX = ("check the weight sync: every tensor the trainer holds must reach the engine, in the engine's dtype "
+             "(names mapped, shards complete), and the engine must not be asleep or reloaded from disk afterwards")
+_C = CauseInfo
+CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
+    _C("sync-noop", "sync", "the weight sync changed nothing in the engine",
+       "The engine keeps sampling from the weights it held before the sync while the trainer scores its updated "
+       "weights: every token's ratio carries the policy's whole change since then, and grows each step.",
+       "after a sync, every checked tensor whose trainer value changed since the previous check still holds its "
+       "previous value in the engine",
+       {"tim_plugins": _SYNC_FIX}),
+    _C("sync-tensors-stale", "sync", "some tensors were not updated by the weight sync",
+       "A layer skipped by the sync (a name the engine's loader drops, a shard never sent) keeps the old policy's "
+       "weights inside the new one: the engine samples from a model nobody trains.",
+       "after a sync, a checked tensor still holds its previous value although the trainer's changed",
+       {"tim_plugins": _SYNC_FIX}),
+    _C("sync-precision", "sync", "tensors were written in another precision than the engine runs",
+       "Weights rounded through a coarser dtype (bf16 or fp8 where the engine is configured otherwise, verl#7519) "
+       "move every logit of the layer; the parity audit reads the configuration and cannot see it.",
+       "an engine tensor's dtype differs from the engine's configured dtype, or its values equal the trainer's "
+       "rounded through a coarser dtype and not the trainer's cast to the engine's dtype",
+       {"tim_plugins": "write each tensor in the engine's dtype (quantized engines: through the quantizer of the "
+                       "layer), and check the per-layer dtypes the refit leaves"}),
+    _C("sync-tensors-missing", "sync", "tensors the trainer sent have no place in the engine",
+       "A name the engine does not hold (a prefix not stripped, a renamed module) is dropped by most loaders "
+       "without an error: that tensor keeps its initial value.",
+       "the engine holds no tensor under a sent name (after the engine's own name mapping)",
+       {"tim_plugins": "map the trainer's names to the engine's (wrapper prefixes, tied or renamed modules)"}),
+    _C("sync-tensors-differ", "sync", "engine tensors hold values that are neither the trainer's nor the previous "
+       "ones",
+       "The engine holds other numbers than any version of the trainer's weights: a corrupted or misrouted write "
+       "(a shard into the wrong slice, a quantized refit beyond its scale).",
+       "a checked tensor's values match neither the trainer's cast to the engine's dtype (within the quantizer's "
+       "bound), nor its previous value, nor the trainer's rounded through a coarser dtype",
+       {"tim_plugins": _SYNC_FIX}),
+    _C("engine-stale", "stream", "the engine samples from other weights than the trainer scores",
+       "Tokens the engine was confident in are scored far lower by the trainer at lag 0: numerics cannot move a "
+       "confident token that far, other weights do (a sync that did not apply, an engine that kept the initial "
+       "policy).",
+       "at least confident_min_tokens lag-0 tokens in a window with p_rollout >= confident_p and log p_train < "
+       "log p_rollout - confident_gap",
+       {"tim_plugins": "turn the weight-sync check on where the engine's weights can be read (colocated engines), "
+                       "and check that the sync reaches the engine (server mode: that it reloads and resets its "
+                       "prefix cache)"}),
+    _C("floor-jump", "stream", "the lag-0 mismatch floor jumped",
+       "The lag-0 floor is the numerics of two stacks on the same weights; it drifts slowly with the policy. A jump "
+       "means the pipeline changed under the run: a broken sync, a setting changed at run time, a collapse.",
+       "the window's lag-0 mean |Δ log p| > floor_jump_factor x the median of the trailing floor_window windows "
+       "and > that median + floor_jump_min",
+       {"tim_plugins": "look at the weight sync and the engine's settings at that step; the report's per-step "
+                       "panels show when it started"}),
+    _C("staleness", "split", "staleness, not mismatch, makes the log-ratio unhealthy",
+       "The trainer reuses a batch after optimizer steps: the policy moved since sampling. The parity fixes "
+       "cannot reduce that part.",
+       "the staleness part explains >= staleness_share of Var(log-ratio) and its own k3 is above the healthy "
+       "limit (the probe's default kl_k3_max)",
+       {"tim_plugins": "fewer optimizer updates per sampled batch"}),
+    _C("truncation", "split", "the sampler's truncation, applied on the rollout side only",
+       "Processed rollout log-probs are renormalised over the kept set, the trainer's over the full vocabulary: "
+       "every ratio reads the kept mass (TRL #6789, verl #6240).",
+       "the parity audit found sampler-truncation-unmatched and the measured mean ρ is below 1 - "
+       "truncation_bias",
+       {"tim_plugins": "apply the sampler's truncation in the trainer too (the safe vocabulary), or sample "
+                       "without truncation"}),
+)}
+
+
+def cause_fix(code: str, framework: Optional[str] = None) -> str:
+    """The knob that fixes cause ``code`` in a run of ``framework`` (its adapter's words, else the core's)."""
+    from tim_plugins.parity.findings import fix_for
+
+    return fix_for(CAUSES[code].fix, framework)
+
+
+def causes_markdown() -> str:
+    """Markdown documentation of every cause (rendered into docs/causes.md)."""
+    lines = []
+    for info in CAUSES.values():
+        lines.append(f"- **`{info.code}`**: {info.title}. {info.why} Named when: {info.rule}.")
+        for framework, knob in info.fix.items():
+            from tim_plugins.parity.findings import framework_name
+
+            lines.append(f"  - {framework_name(framework)}: {knob}")
+    return "\n".join(lines)
+
+
+def summarize_names(names: Iterable[str], limit: int = 6) -> str:
+    """Tensor names for a line a person reads: the tensors of one layer (``...layers.N.``) as ``...layers.N.*
+    (k tensors)`` when there are several, the others in full; at most ``limit`` items, then a count of the rest."""
+    groups: dict[str, list[str]] = {}
+    for name in dict.fromkeys(names):
+        m = re.match(r"(.*?\blayers\.\d+\.)", name)
+        groups.setdefault(m.group(1) if m else name, []).append(name)
+    items = [f"{key}* ({len(members)} tensors)" if len(members) > 1 else members[0]
+             for key, members in groups.items()]
+    return ", ".join(items[:limit]) + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+@dataclass
+class Cause:
+    """One named cause: a code of ``CAUSES``, the step it was named at, what was seen, which tensors (sync causes)
+    and the numbers behind it."""
+
+    code: str
+    step: int
+    message: str
+    tensors: tuple = ()
+    evidence: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.code not in CAUSES:
+            raise ValueError(f"unknown cause code {self.code!r}; known codes: {sorted(CAUSES)}")
+        self.tensors = tuple(self.tensors)
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "step": int(self.step), "title": CAUSES[self.code].title, "message": self.message,
+                "tensors": list(self.tensors), "evidence": {k: _plain(v) for k, v in self.evidence.items()}}
+
+    def line(self, framework: Optional[str] = None) -> str:
+        """The console line (doctor style): code, step, what was seen, the fix in ``framework``'s words."""
+        from tim_plugins.parity.findings import framework_name
+
+        where = f" ({framework_name(framework)})" if framework else ""
+        return f"tim-plugins cause [{self.code}] at step {self.step}: {self.message}. Fix{where}: " \
+               f"{cause_fix(self.code, framework)}"
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return str(v)

@@ -1,0 +1,269 @@
+"""What is causing the mismatch: named causes, one registry, and the rules that name them.
+
+The monitor measures how far the engine's and the trainer's log-probs of the same tokens disagree; this module says
+*why*, where the evidence allows. Each cause is a stable code in ``CAUSES`` (title, why it matters, the rule that
+names it, the knobs that fix it in the core's words; a trainer framework's words are its adapter's data,
+``tim_plugins.fixes``, merged by ``CauseInfo.fix``). The registry feeds the README / docs table
+(``causes_markdown``), the console line (``Cause.line``), the report's verdict and the ``tim/cause/*`` metrics.
+
+Families, and where their evidence comes from:
+
+- **a broken weight sync** (``sync-*``): the engine does not hold what the trainer sent at a weight sync
+  (``tim_plugins.weight_sync``: an adapter hands the sent tensors and a reader of the engine's weights);
+- **a stale engine** (``engine-stale``): lag-0 tokens the engine was confident in (p_rollout >= ``confident_p``) that
+  the trainer scores more than ``confident_gap`` nats lower. At lag 0 both sides should hold the same weights, so
+  only other weights (or a truncation keeping less than e^-2 of the mass) move a confident token that far; numerics
+  move it by at most (e^{2ε} − 1)(1 − p);
+- **a jump of the lag-0 floor** (``floor-jump``): the window's mean |Δ log p| at lag 0 above ``floor_jump_factor``
+  times the median of the trailing ``floor_window`` windows and ``floor_jump_min`` nats above it;
+- **staleness** (``staleness``): the policy moved between sampling and the loss pass, and that part of the
+  log-ratio is what makes it unhealthy (``tim/split/*``, ``tim/staleness/*`` of ``tim_plugins.staleness``);
+- **truncation** (``truncation``): the sampler truncates and the trainer does not (the parity audit's
+  ``sampler-truncation-unmatched``), and the measured ρ shows the kept-mass bias.
+
+Numerics (dtype, kernels) stay the default explanation of a measured mismatch when no cause is named: that is what
+the parity audit and its fixes address.
+
+Adapters do not call the rules themselves: the per-step pipeline (``tim_plugins.pipeline.StepPipeline``) owns a
+`CauseTracker` (``PipelineConfig.causes``), feeds it every measured batch and every sync check, and evaluates it in
+``compute``: ``tim/cause/*`` (``CAUSE_KEYS``), one console line per newly named cause, and a trip of the live probe
+(warn / raise / stop) when a cause is named and the probe is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from tim_plugins.accumulate import all_reduce_sum_max, collective_device, is_distributed
+from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, Cause, CauseInfo, cause_fix,
+                                        causes_markdown, summarize_names)
+
+__all__ = [
+    "CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseConfig", "CauseInfo", "CauseTracker", "FloorHistory",
+    "cause_fix", "causes_markdown", "confident_disagreements", "summarize_names",
+]
+
+logger = logging.getLogger("tim_plugins.causes")
+
+@dataclass
+class CauseConfig:
+    """The thresholds of the stream rules (the sync check has its own, ``weight_sync.SyncCheckConfig``). Where the
+    defaults were measured: docs/causes.md (fault-free runs: 0 confident disagreements, the demos' floor at most
+    1.92x its trailing median (SmolLM2); the stale-engine runs named at the first stale step)."""
+
+    confident_p: float = field(default=0.5, metadata={"help": (
+        "a lag-0 token counts as confident when the engine gave it p >= this")})
+    confident_gap: float = field(default=2.0, metadata={"help": (
+        "... and disagrees when the trainer scores it more than this many nats lower")})
+    confident_min_tokens: int = field(default=2, metadata={"help": (
+        "engine-stale is named when a window holds at least this many confident disagreements")})
+    floor_jump_factor: float = field(default=4.0, metadata={"help": (
+        "floor-jump: the window's lag-0 mean |Δ log p| above this times the trailing median ...")})
+    floor_jump_min: float = field(default=0.05, metadata={"help": (
+        "... and more than this many nats above it")})
+    floor_window: int = field(default=8, metadata={"help": "windows in the trailing median of the lag-0 floor"})
+    staleness_share: float = field(default=0.5, metadata={"help": (
+        "staleness is named when its part explains at least this share of Var(log-ratio) (and its k3 is "
+        "unhealthy)")})
+    truncation_bias: float = field(default=0.02, metadata={"help": (
+        "truncation is named when the audit found it unmatched and the mean ρ is below 1 - this")})
+
+    def __post_init__(self) -> None:
+        checks = {
+            "confident_p": (0.0 < self.confident_p < 1.0, "must be in (0, 1)"),
+            "confident_gap": (self.confident_gap > 0 and math.isfinite(self.confident_gap), "must be > 0"),
+            "confident_min_tokens": (_whole(self.confident_min_tokens), "must be an integer >= 1"),
+            "floor_jump_factor": (self.floor_jump_factor > 1 and math.isfinite(self.floor_jump_factor),
+                                  "must be > 1"),
+            "floor_jump_min": (self.floor_jump_min >= 0 and math.isfinite(self.floor_jump_min), "must be >= 0"),
+            "floor_window": (_whole(self.floor_window), "must be an integer >= 1"),
+            "staleness_share": (0.0 < self.staleness_share <= 1.0, "must be in (0, 1]"),
+            "truncation_bias": (0.0 < self.truncation_bias < 1.0, "must be in (0, 1)"),
+        }
+        for name, (ok, rule) in checks.items():
+            if not ok:
+                raise ValueError(f"CauseConfig.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+
+def _whole(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
+
+
+def confident_disagreements(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, *,
+                            p: float = 0.5, gap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(disagreeing, confident) token counts of a [B, T] batch at lag 0, as 0-d tensors on its device (no host
+    read): ``confident`` = tokens of ``mask`` with p_rollout >= ``p``; ``disagreeing`` = those the trainer scores
+    more than ``gap`` nats lower. Tokens with a non-finite log-prob on either side are left out (the monitor counts
+    them as invalid)."""
+    keep = mask.bool() & torch.isfinite(rollout) & torch.isfinite(train)
+    # float32 resolves these thresholds (nats, not ulps): no float64 copies of the batch on every step
+    dtype = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
+    r, t = rollout.detach().to(dtype), train.detach().to(dtype)
+    confident = keep & (r >= math.log(p))
+    disagree = confident & (t < r - gap)
+    return disagree.sum(), confident.sum()
+
+
+class FloorHistory:
+    """The lag-0 floor's trailing windows and the jump rule: ``ratio(value)`` = value / median of the last ``window``
+    values kept (NaN before any); ``jumped`` when that ratio exceeds ``factor`` and the value the median by more than
+    ``min_gap``. A jumped value is not kept: a floor that stays up keeps being named."""
+
+    def __init__(self, window: int, factor: float, min_gap: float) -> None:
+        self.window, self.factor, self.min_gap = int(window), float(factor), float(min_gap)
+        self.values: list[float] = []
+
+    def judge(self, value: float) -> tuple[float, bool]:
+        """(ratio to the trailing median, jumped); keeps ``value`` unless it jumped. NaN / inf values are neither
+        judged nor kept."""
+        if not math.isfinite(value):
+            return math.nan, False
+        if not self.values:
+            self.values.append(value)
+            return math.nan, False
+        median = statistics.median(self.values[-self.window:])
+        ratio = value / median if median > 0 else (math.inf if value > 0 else 1.0)
+        jumped = ratio > self.factor and value - median > self.min_gap
+        if not jumped:
+            self.values.append(value)
+            del self.values[:-self.window]
+        return ratio, jumped
+
+    def median(self) -> float:
+        return statistics.median(self.values[-self.window:]) if self.values else math.nan
+
+
+_FLAG_CODES = tuple(CAUSES)  # one merged flag per code (max over ranks): every rank names the same causes
+
+
+class CauseTracker:
+    """The named causes of a run, window by window (``StepPipeline`` owns one).
+
+    ``update`` takes each measured lag-0 batch (device sums, no host read); ``add_sync`` a sync check's causes
+    (``weight_sync.SyncReport``); ``audited`` the parity audit's codes; ``evaluate`` closes a window: the merged
+    counts (every rank must call it when ``sync``), the rules, ``tim/cause/*`` and the causes named in the window.
+    ``framework`` picks the fix words of the console line."""
+
+    def __init__(self, config: CauseConfig | None = None, *, framework: str | None = None) -> None:
+        self.config = c = config if config is not None else CauseConfig()
+        self.framework = framework
+        self.floor = FloorHistory(c.floor_window, c.floor_jump_factor, c.floor_jump_min)
+        self.audit_codes: set[str] = set()
+        self.named: list[Cause] = []  # every cause named so far (the report's list)
+        self._counts: torch.Tensor | None = None  # [disagreeing, confident], float64, on the batches' device
+        self._sync: list[Cause] = []  # sync causes found since the last window
+        self._sync_bad = self._sync_checked = -math.inf
+        self._logged: set[tuple] = set()
+
+    # ------------------------------------------------------------------------------------------- inputs
+    def update(self, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor) -> None:
+        """One measured batch ([B, T] log-probs at lag 0 and the measured tokens)."""
+        c = self.config
+        counts = torch.stack(confident_disagreements(rollout, train, mask, p=c.confident_p,
+                                                     gap=c.confident_gap)).double()
+        self._counts = counts if self._counts is None else self._counts + counts.to(self._counts.device)
+
+    def add_sync(self, report) -> None:
+        """A sync check's result (``weight_sync.SyncReport``): its causes are named in the next window and logged
+        now (the sync happens between windows; the line should not wait for the step's end)."""
+        self._sync_bad = max(self._sync_bad, float(report.bad_tensors))
+        self._sync_checked = max(self._sync_checked, float(report.checked_tensors))
+        for cause in report.causes:
+            self._sync.append(cause)
+            self._log(cause)
+
+    def audited(self, codes: Iterable[str]) -> None:
+        """The parity audit's error codes (the truncation rule needs ``sampler-truncation-unmatched``)."""
+        self.audit_codes = set(codes)
+
+    # ------------------------------------------------------------------------------------------ windows
+    def evaluate(self, step: int, metrics: dict, *, sync: bool = True, group=None) -> tuple[dict, list[Cause]]:
+        """Close the window ending at ``step``: (``tim/cause/*`` values, the causes named in it). ``metrics`` are
+        the window's merged pipeline metrics (the monitor's ``tim/token/*``, the split's ``tim/split/*``)."""
+        c = self.config
+        reduce = sync and is_distributed(group)
+        device = collective_device(group) if reduce else "cpu"
+        sums = (self._counts.to(device) if self._counts is not None
+                else torch.zeros(2, dtype=torch.float64, device=device)).clone()
+        flags = [1.0 if any(x.code == code for x in self._sync) else -math.inf for code in _FLAG_CODES]
+        maxes = torch.tensor([self._sync_bad, self._sync_checked, *flags], dtype=torch.float64, device=device)
+        if reduce:
+            all_reduce_sum_max(sums, maxes, group)
+        disagreeing, confident = sums.tolist()
+        bad, checked, *flag_values = maxes.tolist()
+        found: list[Cause] = list(self._sync)
+        for code, flag in zip(_FLAG_CODES, flag_values):  # named on another rank: the code, without its details
+            if flag > 0 and not any(x.code == code for x in found):
+                found.append(Cause(code, step, f"{CAUSES[code].title} (found on another rank; its log has the "
+                                                f"tensors)"))
+        if disagreeing >= c.confident_min_tokens:
+            found.append(Cause("engine-stale", step,
+                               f"{int(disagreeing)} of {int(confident)} lag-0 tokens the engine gave p >= "
+                               f"{c.confident_p:g} are scored > {c.confident_gap:g} nats lower by the trainer",
+                               evidence={"confident_disagreements": disagreeing, "confident_tokens": confident}))
+        floor = metrics.get("tim/token/abs_diff_mean")
+        ratio, jumped = self.floor.judge(float(floor)) if floor is not None else (math.nan, False)
+        if jumped:
+            found.append(Cause("floor-jump", step,
+                               f"lag-0 mean |Δ log p| {floor:.3g} is {ratio:.3g}x its trailing median "
+                               f"{self.floor.median():.3g}", evidence={"floor": floor, "ratio": ratio}))
+        found.extend(self._split_causes(step, metrics))
+        self._counts, self._sync = None, []
+        self._sync_bad = self._sync_checked = -math.inf
+        for cause in found:
+            self._log(cause)
+        self.named.extend(found)
+        out = {
+            CAUSE_KEYS[0]: float(len({x.code for x in found})),
+            CAUSE_KEYS[1]: disagreeing,
+            CAUSE_KEYS[2]: ratio,
+            CAUSE_KEYS[3]: bad if bad > -math.inf else math.nan,
+            CAUSE_KEYS[4]: checked if checked > -math.inf else math.nan,
+        }
+        return out, found
+
+    def _split_causes(self, step: int, metrics: dict) -> list[Cause]:
+        from tim_plugins.parity.probe import ParityProbeConfig
+
+        c, out = self.config, []
+        share = metrics.get("tim/split/staleness_var_share")
+        k3 = metrics.get("tim/staleness/token/kl_k3")
+        limit = ParityProbeConfig().kl_k3_max
+        if _finite(share) and _finite(k3) and share >= c.staleness_share and k3 > limit:
+            out.append(Cause("staleness", step, f"the staleness part explains {share:.0%} of the log-ratio's "
+                                                f"variance and its k3 is {k3:.3g} (healthy <= {limit:g})",
+                             evidence={"staleness_var_share": share, "staleness_k3": k3}))
+        ratio = metrics.get("tim/token/ratio_mean")
+        if "sampler-truncation-unmatched" in self.audit_codes and _finite(ratio) and ratio < 1 - c.truncation_bias:
+            out.append(Cause("truncation", step, f"the sampler truncates, the trainer does not, and the mean ρ is "
+                                                 f"{ratio:.3g} (the kept mass)", evidence={"ratio_mean": ratio}))
+        return out
+
+    def _log(self, cause: Cause) -> None:
+        key = (cause.code, cause.tensors, cause.message if cause.code.startswith("sync") else None)
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        logger.warning(cause.line(self.framework))
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        return {"floor": list(self.floor.values), "named": [x.to_dict() for x in self.named],
+                "audit_codes": sorted(self.audit_codes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.floor.values = [float(v) for v in state.get("floor", [])]
+        self.audit_codes = set(state.get("audit_codes", []))
+        self.named = [Cause(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
+                      for d in state.get("named", [])]
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+

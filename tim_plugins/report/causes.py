@@ -1,0 +1,144 @@
+"""What is causing it, in the report: the causes the run named (``causes.jsonl`` beside its dump, written by the
+pipeline, ``tim_plugins.causes``) in the verdict and in a section of their own.
+
+The rule that puts them in the verdict (``name_causes``), after the audit's (``report.parity.reconcile``):
+
+- a broken pipeline (a ``sync-*`` cause, ``engine-stale``, ``floor-jump``) makes the status ACT and leads the
+  headline: the engine sampled from other weights than the trainer scored, so the mismatch measured below is not
+  numerics and the dtype fixes would not remove it;
+- staleness or truncation raise the status to at least WATCH and say which part of the log-ratio it is;
+- a run that logged ``tim/cause/*`` and named nothing gets one line saying so, with what was checked: the measured
+  mismatch is then the numerics of the two stacks (the audit's fixes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["FAULT_CODES", "causes_section", "name_causes", "read_causes", "with_causes"]
+
+FAULT_CODES = ("sync-noop", "sync-tensors-stale", "sync-precision", "sync-tensors-missing", "sync-tensors-differ",
+               "engine-stale", "floor-jump")
+
+
+def read_causes(folder: str | Path) -> list[dict] | None:
+    """The rows of ``folder/causes.jsonl`` (a torn last line skipped), or None without that file."""
+    from tim_plugins.dump import CAUSES_LOG
+
+    path = Path(folder) / CAUSES_LOG
+    if not path.exists():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def with_causes(summary: dict | None, run_dir: str | Path | None) -> dict | None:
+    """``summary`` with ``causes`` read from ``run_dir`` or its dump folders (``summary["dumps"]``) where it has
+    none; unchanged when no file is found."""
+    if run_dir is None or (summary or {}).get("causes") is not None:
+        return summary
+    folders = [Path(run_dir)] + [Path(run_dir) / d for d in ((summary or {}).get("dumps") or {}).values()]
+    for folder in folders:
+        rows = read_causes(folder)
+        if rows is not None:
+            return dict(summary or {}, causes=rows)
+    return summary
+
+
+def _first_by_code(causes: list[dict]) -> dict[str, tuple[dict, list[int]]]:
+    out: dict[str, tuple[dict, list[int]]] = {}
+    for c in causes:
+        first, steps = out.setdefault(c["code"], (c, []))
+        steps.append(int(c.get("step", 0)))
+    return out
+
+
+def _steps(steps: list[int]) -> str:
+    steps = sorted(set(steps))
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps[:8]))}" + (
+        f" (+{len(steps) - 8} more)" if len(steps) > 8 else "")
+
+
+def name_causes(v: dict, summary: dict | None, framework: str | None) -> dict:
+    """``v`` (a verdict dict) with the run's causes (module docstring); adds ``v["causes"]`` (code -> steps)."""
+    from tim_plugins.cause_registry import CAUSES, cause_fix
+    from tim_plugins.parity.findings import framework_name
+
+    summary = summary or {}
+    v.setdefault("extra", [])
+    causes = [c for c in (summary.get("causes") or []) if c.get("code") in CAUSES]
+    by_code = _first_by_code(causes)
+    v["causes"] = {code: sorted(set(steps)) for code, (_, steps) in by_code.items()}
+    where = f" ({framework_name(framework)})" if framework else ""
+    if not by_code:
+        line = _none_named(summary.get("log_history") or [])
+        if line:
+            v["extra"] = list(v.get("extra", [])) + [line]
+        return v
+    lines = [f"{code} at {_steps(steps)}: {first['message']}. Fix{where}: {cause_fix(code, framework)}"
+             for code, (first, steps) in by_code.items()]
+    v["extra"] = lines + list(v.get("extra", []))
+    faults = [code for code in by_code if code in FAULT_CODES]
+    measured = v["headline"].split(":", 1)[1].strip() if ":" in v["headline"] else v["headline"]
+    if faults:
+        v["status"] = "act"
+        named = ", ".join(f"{code} (first at step {min(by_code[code][1])})" for code in faults)
+        v["headline"] = (f"ACT: the engine sampled from other weights than the trainer scored: {named}. The "
+                         f"mismatch measured below is not the numerics of the two stacks: fix the weight sync first. "
+                         f"Measured: {measured}")
+    else:
+        if v["status"] in ("ok", "n/a"):
+            v["status"] = "watch"
+        named = ", ".join(by_code)
+        v["headline"] = f"{v['status'].upper()}: {named} makes the log-ratio unhealthy, not the numerics " \
+                        f"of the two stacks. Measured: {measured}"
+    return v
+
+
+def _none_named(log_history: list[dict]) -> str | None:
+    """The line of a run that watched for causes and named none (None: the run logged no ``tim/cause/*``)."""
+    rows = [h for h in log_history if "tim/cause/named" in h]
+    if not rows:
+        return None
+    syncs = [h["tim/cause/sync_checked_tensors"] for h in rows if _num(h.get("tim/cause/sync_checked_tensors"))]
+    confident = sum(h.get("tim/cause/confident_disagreements") or 0 for h in rows)
+    floor = [h["tim/cause/floor_jump"] for h in rows if _num(h.get("tim/cause/floor_jump"))]
+    parts = [f"no confident lag-0 disagreement" if not confident else f"{int(confident)} confident lag-0 "
+             f"disagreements (below the threshold)"]
+    if floor:
+        parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median")
+    if syncs:
+        parts.append(f"the weight-sync check found the engine holding the trainer's weights at every checked sync "
+                     f"({len(syncs)} windows, {int(max(syncs))} tensors each)")
+    return ("What is causing it: no broken weight sync, stale engine or floor jump was named over "
+            f"{len(rows)} logged steps ({'; '.join(parts)}): the mismatch measured is the two stacks' numerics.")
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and x == x
+
+
+def causes_section(page, summary: dict | None, framework: str | None = None) -> None:
+    """The "What is causing it" section: one row per named cause (step, code, what was seen, tensors, fix)."""
+    from tim_plugins.cause_registry import CAUSES, cause_fix
+    from tim_plugins.report.parity import fix_header
+
+    causes = [c for c in ((summary or {}).get("causes") or []) if c.get("code") in CAUSES]
+    if not causes:
+        return
+    page.h2("What is causing it")
+    page.raw("<p>Causes named during the run (docs/causes.md): a broken weight sync, found by comparing the engine's "
+             "weights with the trainer's at the sync; an engine sampling from other weights, found by confident "
+             "lag-0 disagreements or a jump of the lag-0 floor; staleness or truncation making the log-ratio "
+             "unhealthy. Each with the setting that fixes it in this run's framework:</p>")
+    rows = [[c.get("step"), c["code"], c.get("message", ""), ", ".join(c.get("tensors") or [])[:400],
+             cause_fix(c["code"], framework)] for c in causes[:200]]
+    page.table(["step", "cause", "what was seen", "tensors", fix_header(framework)], rows)
+    if len(causes) > 200:
+        page.note(f"{len(causes) - 200} more in causes.jsonl.")

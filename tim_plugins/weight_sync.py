@@ -1,0 +1,463 @@
+"""Weight parity at the sync: after a weight sync, does the engine hold what the trainer sent?
+
+A sync that does not apply (a no-op, a layer skipped, a tensor written in another precision) leaves the engine
+sampling from other weights than the trainer scores. The parity audit cannot see it (it reads the configuration);
+the monitor sees a grown k3 and cannot say why. This check compares, per tensor, a fixed sample of elements: the
+engine's values against the trainer's cast to the engine's dtype (a quantized engine: its dequantized values within
+the quantizer's own bound, which its reader states), exactly, every ``every_n_syncs`` syncs. What it finds are named
+causes (``tim_plugins.causes``: ``sync-noop``, ``sync-tensors-stale``, ``sync-precision``, ``sync-tensors-missing``,
+``sync-tensors-differ``), with the tensors' names.
+
+Why a sample and not a digest of every element: a digest reads both copies whole (on a 0.5B model about as much
+memory traffic as the sync itself); ``elements_per_tensor`` elements on a grid of ``columns_per_tensor`` columns cost
+a fixed ~0.15 ms per tensor whatever its size (``benchmarks/bench_weight_sync.py``: 3 % of a 0.5B model's sync on a
+loaded 2-core CPU; docs/benchmarks.md) and catch any
+fault that touches a tensor as a whole. A stale tensor shows once the trainer's update moves one sampled element in
+the engine's precision; until then the engine holds the trainer's weights as far as its dtype can tell.
+
+The API an adapter uses (framework-neutral; the engine side is a reader the adapter supplies)::
+
+    from tim_plugins.weight_sync import SyncCheck, SyncCheckConfig
+
+    check = SyncCheck(SyncCheckConfig(every_n_syncs=1))
+    record = check.begin(step)                 # None when this sync is not checked
+    if record is not None:
+        record.expect(names)                   # optional: every name the trainer holds (a tensor never sent is
+                                               # then compared from ``local`` below, or named missing)
+        weights = record.observing(weights)    # wraps the (name, tensor) iterator the sync streams to the engine
+    engine.load_weights(weights)               # the framework's own sync, unchanged
+    report = check.finish(record, reader, local=trainer_tensor)   # -> SyncReport
+    pipeline.sync_checked(report)              # tim/cause/*, the console line, the probe's warn / raise / stop
+
+``reader`` is an `EngineWeights`: its ``dtype`` (the engine's configured dtype) and ``read(name, shape, index)``
+returning the engine's values of the trainer's tensor ``name`` at the [K, ndim] element ``index`` (in the trainer's
+coordinates; the reader maps names, merged and padded tensors, shards) as an `EngineRead`, ``EngineRead(missing=True)``
+when the engine holds no such tensor, or None when it cannot read that tensor (counted, never named); an optional
+``fresh_read()`` is called before each check's reads (a reader that caches reads within one check drops them). vLLM's reader is
+``tim_plugins.integrations.vllm.weights.VLLMWeights``. ``local`` (optional) gives the trainer's own tensor of a name
+that was expected and not streamed (a plain, unsharded parameter), so a sync that sends nothing is still compared.
+
+Classification of a tensor whose sampled values differ from the trainer's (in this order): ``stale`` when they equal
+the engine's values at the previous check; ``precision`` when they equal the trainer's rounded through a coarser
+dtype (bf16, fp16, fp8); ``differs`` otherwise. A tensor stored in a dtype coarser than the engine's configured one is
+``precision`` too. When every checked tensor whose trainer value moved since the previous check is stale, the sync
+was a no-op (``sync-noop``, the tensors listed once).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional, Protocol
+
+import numpy as np
+import torch
+
+from tim_plugins.causes import Cause, summarize_names
+
+__all__ = ["EngineRead", "EngineWeights", "SyncCheck", "SyncCheckConfig", "SyncRecord", "SyncReport", "STATUSES",
+           "sample_index", "coarser_dtypes"]
+
+# What a checked tensor can be found to be (SyncReport.statuses).
+STATUSES = ("ok", "stale", "precision", "differs", "missing", "unread")
+
+# Float dtypes by precision (mantissa bits): a value rounded through a coarser one and stored in a finer one is what
+# "written in another precision" leaves behind.
+_FLOAT_BITS = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+for _name, _bits in (("float8_e4m3fn", 3), ("float8_e5m2", 2)):
+    if hasattr(torch, _name):
+        _FLOAT_BITS[getattr(torch, _name)] = _bits
+
+
+def _finer_than(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    bits = _FLOAT_BITS.get(dtype)
+    return () if bits is None else tuple(d for d, b in _FLOAT_BITS.items() if b > bits)
+
+
+def coarser_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The float dtypes with fewer mantissa bits than ``dtype``, finest first (what a value stored in ``dtype`` may
+    have been rounded through)."""
+    bits = _FLOAT_BITS.get(dtype)
+    if bits is None:
+        return ()
+    return tuple(d for d, b in sorted(_FLOAT_BITS.items(), key=lambda x: -x[1]) if b < bits)
+
+
+@dataclass
+class SyncCheckConfig:
+    """How often and how much the sync check compares."""
+
+    every_n_syncs: int = field(default=1, metadata={"help": "check every Nth weight sync (the first one included)"})
+    elements_per_tensor: int = field(default=64, metadata={"help": (
+        "sampled elements compared per tensor (a fixed grid, the same at every sync)")})
+    columns_per_tensor: int = field(default=4, metadata={"help": (
+        "columns the grid of a matrix spans (an engine that reads a packed matrix through its own forward pays one "
+        "one-hot row per column)")})
+    seed: int = field(default=0, metadata={"help": "seed of the sampled elements (with each tensor's name)"})
+
+    def __post_init__(self) -> None:
+        for name in ("every_n_syncs", "elements_per_tensor", "columns_per_tensor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SyncCheckConfig.{name}={v!r} is invalid: must be an integer >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"SyncCheckConfig.seed={self.seed!r} is invalid: must be an integer")
+
+
+def sample_index(name: str, shape: tuple, elements: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """The fixed [K, ndim] element indices compared for tensor ``name`` of ``shape`` (int64, CPU): a vector's K
+    distinct positions; a matrix's (or a higher tensor's, viewed as [shape[0], rest]) grid of up to ``columns``
+    distinct columns times ceil(K / columns) distinct rows. Deterministic in (name, shape, seed); the columns depend
+    on the input width and the seed only, so the parts an engine merges into one matrix (q / k / v, gate / up) share
+    them and a reader that reads columns through the layer's forward pays once per merged matrix."""
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(0, len(shape), dtype=torch.long)
+    if not shape:  # a 0-d tensor: its one element
+        return torch.zeros(1, 0, dtype=torch.long)
+    g = torch.Generator().manual_seed((zlib.crc32(name.encode()) * 1_000_003 + seed) % (2**63 - 1))
+    if len(shape) <= 1:
+        return torch.randint(numel, (elements,), generator=g).unique().view(-1, 1)
+    rows, rest = shape[0], numel // shape[0]
+    by_width = torch.Generator().manual_seed((rest * 1_000_003 + seed) % (2**63 - 1))
+    cols = torch.randint(rest, (min(columns, rest),), generator=by_width).unique()
+    picked = torch.randint(rows, (max(1, -(-elements // cols.numel())),), generator=g).unique()
+    r = picked.repeat_interleave(cols.numel())
+    c = cols.repeat(picked.numel())
+    tail = torch.stack(torch.unravel_index(c, shape[1:]), dim=1) if len(shape) > 2 else c.view(-1, 1)
+    return torch.cat([r.view(-1, 1), tail], dim=1)
+
+
+@dataclass
+class EngineRead:
+    """The engine's values of one sent tensor at the requested elements.
+
+    ``values``: [K] float64, NaN where this rank's engine does not hold that element (a shard elsewhere).
+    ``dtype``: the dtype the engine stores the tensor in; the trainer's values are cast to it before comparing.
+    ``atol``: the quantizer's own error bound ([K] or a number; 0 = exact); ``quantized``: the values are the
+    dequantized weight, compared with the trainer's unrounded values within ``atol``.
+    ``missing``: the engine holds no tensor under this name (then nothing else is read)."""
+
+    values: Optional[torch.Tensor] = None
+    dtype: Optional[torch.dtype] = None
+    atol: object = 0.0
+    quantized: bool = False
+    missing: bool = False
+
+
+class EngineWeights(Protocol):
+    """What an adapter supplies to read the engine's weights (see the module docstring)."""
+
+    dtype: torch.dtype
+
+    def read(self, name: str, shape: tuple, index: torch.Tensor) -> Optional[EngineRead]: ...
+
+
+@dataclass
+class _Sent:
+    shape: tuple
+    values: torch.Tensor  # the trainer's values at the sampled elements, in its own dtype
+    streamed: bool  # False: taken from the trainer's own tensor (expected, never streamed)
+
+
+class SyncRecord:
+    """What the trainer sent at one sync, sampled as it streams (no tensor is copied or kept)."""
+
+    def __init__(self, check: "SyncCheck", step: int, sync_index: int) -> None:
+        self.check, self.step, self.sync_index = check, int(step), int(sync_index)
+        self.sent: dict[str, _Sent] = {}
+        self.expected: list[str] = []
+        self.seconds = 0.0
+
+    def observe(self, name: str, tensor: torch.Tensor, *, streamed: bool = True) -> None:
+        """Sample the trainer's ``tensor`` sent under ``name`` (the engine's loader's name, e.g. HF names); a name
+        sent twice keeps its first tensor."""
+        if name in self.sent:
+            return
+        t0 = time.perf_counter()
+        t = tensor.detach()
+        values = t.reshape(1) if t.dim() == 0 else t[self.check.index_columns(name, tuple(t.shape), t.device)]
+        self.sent[name] = _Sent(tuple(t.shape), values, streamed)
+        self.seconds += time.perf_counter() - t0
+
+    def observing(self, weights: Iterable) -> Iterator:
+        """``weights`` ((name, tensor) pairs), each observed as it passes."""
+        for name, tensor in weights:
+            self.observe(name, tensor)
+            yield name, tensor
+
+    def expect(self, names: Iterable[str]) -> None:
+        """Every name the trainer holds: those never streamed are compared from ``finish``'s ``local``."""
+        self.expected = list(names)
+
+
+@dataclass
+class SyncReport:
+    """One checked sync: per-tensor statuses, the counts logged as ``tim/cause/sync_*`` and the named causes."""
+
+    step: int
+    sync_index: int
+    statuses: dict = field(default_factory=dict)  # name -> one of STATUSES
+    detail: dict = field(default_factory=dict)  # name -> e.g. the dtype a precision problem went through
+    not_sent: list = field(default_factory=list)  # expected names never streamed
+    causes: list = field(default_factory=list)
+    seconds: float = 0.0  # time spent sampling the sent tensors and reading the engine
+
+    @property
+    def checked_tensors(self) -> int:
+        return sum(s not in ("unread",) for s in self.statuses.values())
+
+    @property
+    def bad_tensors(self) -> int:
+        return sum(s not in ("ok", "unread") for s in self.statuses.values())
+
+    def names(self, status: str) -> list[str]:
+        return [n for n, s in self.statuses.items() if s == status]
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "sync_index": self.sync_index, "checked_tensors": self.checked_tensors,
+                "bad_tensors": self.bad_tensors, "statuses": dict(self.statuses), "detail": dict(self.detail),
+                "not_sent": list(self.not_sent), "causes": [c.to_dict() for c in self.causes],
+                "seconds": self.seconds}
+
+
+class SyncCheck:
+    """Weight parity at every ``every_n_syncs``-th sync (module docstring). Holds, per tensor, its sampled indices
+    and the engine's values at the last check (to tell a stale tensor from a differing one)."""
+
+    def __init__(self, config: SyncCheckConfig | None = None) -> None:
+        self.config = config if config is not None else SyncCheckConfig()
+        self.syncs = 0  # syncs seen (checked or not)
+        self._index: dict[tuple, torch.Tensor] = {}
+        self._columns: dict[tuple, tuple] = {}
+        # the previous check's values, per (stored dtype, quantized) group: (names, sizes, engine values, expected)
+        self._last: dict[tuple, tuple] = {}
+        self.reports: list[SyncReport] = []
+
+    def index(self, name: str, shape: tuple) -> torch.Tensor:
+        key = (name, shape)
+        idx = self._index.get(key)
+        if idx is None:
+            c = self.config
+            idx = self._index[key] = sample_index(name, shape, c.elements_per_tensor, c.columns_per_tensor, c.seed)
+        return idx
+
+    def index_columns(self, name: str, shape: tuple, device) -> tuple:
+        """``index(name, shape)`` as one index tensor per dimension on ``device`` (what ``tensor[...]`` takes),
+        built once per tensor and device."""
+        key = (name, shape, str(device))
+        cols = self._columns.get(key)
+        if cols is None:
+            cols = self._columns[key] = tuple(c.contiguous().to(device) for c in self.index(name, shape).T)
+        return cols
+
+    def begin(self, step: int) -> Optional[SyncRecord]:
+        """A record for the sync about to run at optimizer step ``step``, or None when this sync is not checked."""
+        i = self.syncs
+        self.syncs += 1
+        return SyncRecord(self, step, i) if i % self.config.every_n_syncs == 0 else None
+
+    def finish(self, record: SyncRecord, engine: EngineWeights,
+               local: Optional[Callable[[str], Optional[torch.Tensor]]] = None) -> SyncReport:
+        """Compare the engine (after the sync) with ``record``; ``local(name)``: the trainer's own tensor of an
+        expected name that was not streamed (None when it has no plain tensor of it)."""
+        t0 = time.perf_counter()
+        report = SyncReport(record.step, record.sync_index)
+        fresh = getattr(engine, "fresh_read", None)  # optional: the engine's weights changed, drop any cached read
+        if fresh is not None:
+            fresh()
+        for name in record.expected:
+            if name not in record.sent:
+                report.not_sent.append(name)
+                tensor = local(name) if local is not None else None
+                if tensor is not None:
+                    record.observe(name, tensor, streamed=False)
+        reads = []
+        for name, sent in record.sent.items():
+            read = engine.read(name, sent.shape, self.index(name, sent.shape))
+            if read is None or read.missing:
+                report.statuses[name] = "unread" if read is None else "missing"
+            else:
+                reads.append((name, sent, read))
+        fresh_values, groups = self._compare(reads, engine.dtype)
+        changed: list[str] = []
+        for name, sent, read in reads:
+            agrees, held, moved = fresh_values[name]
+            coarser = not read.quantized and read.dtype in coarser_dtypes(engine.dtype)
+            if not held:
+                status = "unread"
+            elif agrees and not coarser:
+                status = "ok"
+            else:  # the rare case: what went wrong, tensor by tensor
+                status = self._classify(name, sent, read, engine.dtype, coarser, groups, report)
+            report.statuses[name] = status
+            if moved:
+                changed.append(name)
+        self._remember(groups)
+        report.causes = self._causes(report, changed, engine.dtype)
+        report.seconds = record.seconds + time.perf_counter() - t0
+        self.reports.append(report)
+        return report
+
+    def _compare(self, reads: list, configured: torch.dtype) -> tuple[dict, dict]:
+        """({name: (agrees, any element held, moved since the previous check)}, this check's groups), computed over
+        every read tensor at once per (stored dtype, quantized) group: a few tensor operations per check, not a
+        dozen per tensor. A group: (names, sizes, engine values, expected values), flat, float64."""
+        out: dict = {}
+        groups: dict[tuple, tuple] = {}
+        by_key: dict[tuple, list] = {}
+        for item in reads:
+            by_key.setdefault((item[2].dtype, item[2].quantized), []).append(item)
+        for key, items in by_key.items():
+            dtype, quantized = key
+            names = tuple(name for name, _, _ in items)
+            sizes = [int(read.values.numel()) for _, _, read in items]
+            v = _flat([read.values for _, _, read in items])
+            t = _flat([sent.values for _, sent, _ in items])
+            held = ~torch.isnan(v)
+            if quantized:
+                expected = t
+                atol = torch.cat([torch.as_tensor(read.atol, dtype=torch.float64).expand(n).reshape(-1)
+                                  for (_, _, read), n in zip(items, sizes)])
+                same = (v - expected).abs() <= atol
+            else:
+                expected = t.to(dtype).double()  # t holds the trainer's values exactly: one rounding, as a cast
+                same = v == expected
+                if dtype in _finer_than(configured):
+                    # an engine that loads in its configured dtype and then keeps a finer copy (vLLM's CPU kernels
+                    # hold some biases in fp32) holds the values rounded through the configured dtype: as good
+                    same |= v == t.to(configured).to(dtype).double()
+            seg = torch.from_numpy(np.repeat(np.arange(len(items)), sizes))  # torch's repeat_interleave: ~100x slower
+            bad = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, (~same & held).double())
+            n_held = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, held.double())
+            # moved: the trainer's values (in the engine's precision) changed since the previous check
+            before = self._previous_flat(key, names, sizes)
+            diff = (expected != before) & held & ~torch.isnan(before)
+            moved = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, diff.double()) > 0
+            for name, b, h, m in zip(names, bad.tolist(), n_held.tolist(), moved.tolist()):
+                out[name] = (b == 0, h > 0, m)
+            groups[key] = (names, sizes, v, expected)
+        return out, groups
+
+    def _previous_flat(self, key: tuple, names: tuple, sizes: list) -> torch.Tensor:
+        """The expected values at the previous check, flat in the order of ``names`` (NaN where unknown): the stored
+        group itself when the same tensors are checked again (every sync but the first), else tensor by tensor."""
+        stored = self._last.get(key)
+        if stored is not None and stored[0] == names and stored[1] == sizes:
+            return stored[3]
+        parts = []
+        for name, n in zip(names, sizes):
+            prev = self._previous(name)
+            parts.append(prev[1] if prev is not None and prev[1].numel() == n else
+                         torch.full((n,), math.nan, dtype=torch.float64))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def _previous(self, name: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(engine values, expected values) of tensor ``name`` at the previous check that read it, or None."""
+        for names, sizes, v, expected in self._last.values():
+            if name in names:
+                i = names.index(name)
+                start = sum(sizes[:i])
+                return v[start:start + sizes[i]], expected[start:start + sizes[i]]
+        return None
+
+    def _remember(self, groups: dict) -> None:
+        """Keep this check's groups as the previous values of their tensors (a tensor read now leaves any older
+        group it was in)."""
+        read = {name for names, *_ in groups.values() for name in names}
+        for key, (names, sizes, v, expected) in list(self._last.items()):
+            if key not in groups and read.intersection(names):
+                keep = [i for i, n in enumerate(names) if n not in read]
+                offsets = np.cumsum([0, *sizes])
+                rows = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in keep])
+                                        if keep else np.zeros(0, dtype=np.int64))
+                self._last[key] = (tuple(names[i] for i in keep), [sizes[i] for i in keep], v[rows], expected[rows])
+        self._last.update(groups)
+
+    def _classify(self, name: str, sent: _Sent, read: EngineRead, configured: torch.dtype, coarser: bool,
+                  groups: dict, report: SyncReport) -> str:
+        """The status of a tensor that does not hold the trainer's values (or is stored coarser than configured)."""
+        names, sizes, v_all, e_all = groups[(read.dtype, read.quantized)]
+        i = names.index(name)
+        start = sum(sizes[:i])
+        v, expected = v_all[start:start + sizes[i]], e_all[start:start + sizes[i]]
+        held = ~torch.isnan(v)
+        if coarser:
+            report.detail[name] = f"stored as {_dtype_name(read.dtype)} (engine: {_dtype_name(configured)})"
+            return "precision"
+        previous = self._previous(name)
+        if previous is not None and previous[0].numel() == v.numel() and bool((v == previous[0])[held].all()):
+            return "stale"
+        t = sent.values.detach().to("cpu")
+        for d in coarser_dtypes(read.dtype):
+            if bool((v == t.to(d).to(read.dtype).double().reshape(-1))[held].all()):
+                report.detail[name] = f"values rounded through {_dtype_name(d)} (engine: {_dtype_name(read.dtype)})"
+                return "precision"
+        worst = float((v - expected).abs()[held].max())
+        report.detail[name] = f"max |engine - trainer| {worst:.3g}"
+        return "differs"
+
+    def _causes(self, report: SyncReport, changed: list[str], configured: torch.dtype) -> list[Cause]:
+        step, out = report.step, []
+        stale = report.names("stale")
+        at = f"at the weight sync after optimizer step {step}"
+        not_sent = set(report.not_sent)
+        if stale:
+            moved_ok = [n for n in changed if report.statuses[n] == "ok"]
+            unsent = [n for n in stale if n in not_sent]
+            why = (f" ({len(unsent)} of them never sent)" if unsent else "")
+            if changed and not moved_ok and set(changed) <= set(stale):
+                out.append(Cause("sync-noop", step, f"{at}, none of the {len(changed)} checked tensors the trainer "
+                                                    f"changed was updated in the engine{why}: "
+                                                    f"{summarize_names(stale)}", tensors=tuple(stale),
+                                 evidence={"stale": len(stale), "changed": len(changed)}))
+            else:
+                out.append(Cause("sync-tensors-stale", step, f"{at}, {_n(stale)} still hold their previous "
+                                                             f"values{why}: {summarize_names(stale)}",
+                                 tensors=tuple(stale), evidence={"stale": len(stale), "changed": len(changed)}))
+        precision = report.names("precision")
+        if precision:
+            kinds = sorted({report.detail[n] for n in precision})
+            out.append(Cause("sync-precision", step, f"{at}, {_n(precision)} hold another precision than the "
+                                                     f"engine's {_dtype_name(configured)} ({'; '.join(kinds)}): "
+                                                     f"{summarize_names(precision)}", tensors=tuple(precision),
+                             evidence={n: report.detail[n] for n in precision}))
+        missing = report.names("missing")
+        if missing:
+            out.append(Cause("sync-tensors-missing", step, f"{at}, the engine holds none of {_n(missing)} "
+                                                           f"sent: {summarize_names(missing)}", tensors=tuple(missing)))
+        differs = report.names("differs")
+        if differs:
+            out.append(Cause("sync-tensors-differ", step, f"{at}, {_n(differs)} hold values that are neither"
+                                                          f" the trainer's nor their previous ones: "
+                                                          f"{summarize_names(differs)}", tensors=tuple(differs),
+                             evidence={n: report.detail[n] for n in differs}))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"syncs": self.syncs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.syncs = int(state.get("syncs", 0))
+
+
+def _flat(parts: list) -> torch.Tensor:
+    """``parts`` (1-D or 0-d tensors) as one float64 CPU vector: concatenated where they are (one copy to the host
+    for a device's), then converted once."""
+    parts = [p.detach().reshape(-1) for p in parts]
+    try:
+        flat = torch.cat(parts)
+    except RuntimeError:  # on several devices
+        flat = torch.cat([p.cpu() for p in parts])
+    return flat.to("cpu", torch.float64)
+
+
+def _n(names: list) -> str:
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import random
 import statistics
@@ -39,11 +40,30 @@ def _rows(path):
         return list(csv.DictReader(fh))
 
 
+LOGGERS = ("transformers", "trl", "tim_plugins", "accelerate", "datasets")
+LOGGING_AROUND_THE_STUDY = {}
+
+
+def _logging_state():
+    import warnings
+
+    return {name: logging.getLogger(name).level for name in LOGGERS}, list(warnings.filters)
+
+
 @pytest.fixture(scope="module")
 def quick_study(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
+    LOGGING_AROUND_THE_STUDY["before"] = _logging_state()
     study_main(["--quick", "--out", str(out), "--workers", "2"])
+    LOGGING_AROUND_THE_STUDY["after"] = _logging_state()
     return out
+
+
+def test_the_study_leaves_the_callers_logging_as_found(quick_study):
+    # the study silences the libraries for its own runs only: a tim_plugins logger left at ERROR silenced the
+    # console lines of every later test in the same process
+    before, after = LOGGING_AROUND_THE_STUDY["before"], LOGGING_AROUND_THE_STUDY["after"]
+    assert after == before
 
 
 # ------------------------------------------------------------------------------------------- the task

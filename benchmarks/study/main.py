@@ -17,6 +17,7 @@ runs with the same configuration fingerprint are skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
@@ -128,21 +129,42 @@ def _fingerprint(cfg, arm, model_path: str, profile) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _quiet() -> None:
+@contextlib.contextmanager
+def _quiet():
+    """The libraries' chatter and warnings off for the study's runs, restored after: a study run in-process (the
+    tests, ``--workers 1``) must leave the caller's logging as it found it (a ``tim_plugins`` logger left at ERROR
+    silenced the console lines of every later test in the same process)."""
     os.environ.setdefault("WANDB_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    for name in ("transformers", "trl", "tim_plugins", "accelerate", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    names = ("transformers", "trl", "tim_plugins", "accelerate", "datasets")
+    levels = {name: logging.getLogger(name).level for name in names}
+    restore = []
     try:
         import datasets
         import transformers
 
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
+        hf = transformers.utils.logging
+        verbosity, bars = hf.get_verbosity(), hf.is_progress_bar_enabled()
+        ds_bars = datasets.is_progress_bar_enabled()
+        hf.set_verbosity_error()
+        hf.disable_progress_bar()
         datasets.disable_progress_bars()
+        restore.append(lambda: hf.set_verbosity(verbosity))
+        restore.append(hf.enable_progress_bar if bars else hf.disable_progress_bar)
+        restore.append(datasets.enable_progress_bars if ds_bars else datasets.disable_progress_bars)
     except ImportError:
         pass
+    for name in names:  # after transformers' own set_verbosity_error, which sets its logger's level too
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            yield
+    finally:
+        for undo in restore:
+            undo()
+        for name, level in levels.items():  # last: exactly the levels found, NOTSET included
+            logging.getLogger(name).setLevel(level)
 
 
 def load_profile(cfg) -> dict:
@@ -164,14 +186,14 @@ def _job(payload: dict) -> tuple[str, int, float]:
     from .arms import Arm
     from .run import run_one, save_run
 
-    _quiet()
-    if payload.get("threads"):
-        torch.set_num_threads(payload["threads"])
-    arm = Arm(**payload["arm"])
-    with tempfile.TemporaryDirectory(prefix="tim-study-") as tmp:
-        result = run_one(arm, payload["seed"], payload["cfg"], payload["model_path"], payload["profile"], Path(tmp))
-    save_run(Path(payload["out"]), arm.name, payload["seed"], result, payload["fingerprint"])
-    return arm.name, payload["seed"], result["seconds"]
+    with _quiet():
+        if payload.get("threads"):
+            torch.set_num_threads(payload["threads"])
+        arm = Arm(**payload["arm"])
+        with tempfile.TemporaryDirectory(prefix="tim-study-") as tmp:
+            result = run_one(arm, payload["seed"], payload["cfg"], payload["model_path"], payload["profile"], Path(tmp))
+        save_run(Path(payload["out"]), arm.name, payload["seed"], result, payload["fingerprint"])
+        return arm.name, payload["seed"], result["seconds"]
 
 
 def _run_jobs(jobs: list[dict], workers: int, log) -> None:
@@ -197,13 +219,17 @@ def _run_jobs(jobs: list[dict], workers: int, log) -> None:
 
 
 def run_study(cfg, out: Path, *, report: bool = True, workers: int = 1, log=print) -> dict:
+    with _quiet():
+        return _run_study(cfg, out, report=report, workers=workers, log=log)
+
+
+def _run_study(cfg, out: Path, *, report: bool, workers: int, log) -> dict:
     from benchmarks._common import environment
 
     from . import analysis
     from .arms import build_arms, collapse_rule, degradation_rule
     from .task import task_spec, warm_start
 
-    _quiet()
     out.mkdir(parents=True, exist_ok=True)
     arms = build_arms(cfg)
     profile = load_profile(cfg)

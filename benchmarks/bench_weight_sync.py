@@ -182,8 +182,8 @@ def main(argv=None) -> dict:
         "goal_met": {v: r["check_over_sync"] <= GOAL for v, r in variants.items()},
         "variants": variants,
         "load_average_1_5_15_min": load,
-        "note": "CPU, shared 2-core machine: other helpers' tests ran at the same time (load averages above); "
-                "ratios against the sync in the same process and round",
+        "note": "CPU, 2 cores (the load averages above say what else ran); ratios against the sync in the same "
+                "process and round",
     }
     results["reading"] = reading(variants)
     path = Path(args.output) if args.output else RESULTS_DIR / ("weight_sync_quick.json" if args.quick else

@@ -92,3 +92,26 @@ def test_a_sync_through_vllms_own_reload_is_checked(vllm_llm, reader, checkpoint
     finally:  # the module's engine back to the checkpoint
         vllm_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(checkpoint.items()),
                                                           "is_checkpoint_format": True})
+
+
+def test_a_replaced_parameter_is_read_where_it_is_now():
+    """After a first read, a name is read with one gather from its module's parameter, fetched again at each read:
+    a parameter the engine replaced (new storage, or another shape, as a reload that re-lays weights out does) is
+    read where it is now, not from what the first read saw. Reference: the parameter itself, indexed here."""
+    model = torch.nn.Module()
+    model.norm = torch.nn.Module()
+    model.norm.weight = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    reader = VLLMWeights(model, torch.float32)
+    index = torch.tensor([[1], [6], [3]])
+    for _ in range(2):  # the second read takes the cached path
+        read = reader.read("norm.weight", (8,), index)
+        assert torch.equal(read.values.double(), torch.tensor([1.0, 6.0, 3.0], dtype=torch.float64))
+    model.norm.weight = torch.nn.Parameter(torch.arange(8, dtype=torch.float32) * 10)  # new storage
+    read = reader.read("norm.weight", (8,), index)
+    assert torch.equal(read.values.double(), torch.tensor([10.0, 60.0, 30.0], dtype=torch.float64))
+    model.norm.weight = torch.nn.Parameter(torch.arange(4, dtype=torch.float32))  # shorter: index 6 not there
+    assert reader.read("norm.weight", (8,), index) is None  # not readable: counted, never named
+    model.norm.weight = torch.nn.Parameter(torch.arange(8, dtype=torch.bfloat16) - 1)
+    read = reader.read("norm.weight", (8,), index)
+    assert read.dtype == torch.bfloat16 and torch.equal(read.values.double(), torch.tensor([0.0, 5.0, 2.0],
+                                                                                            dtype=torch.float64))

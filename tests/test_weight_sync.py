@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from tim_plugins.weight_sync import (EngineRead, SyncCheck, SyncCheckConfig, coarser_dtypes, sample_index)
+from tim_plugins.weight_sync import (EngineRead, SyncCheck, SyncCheckConfig, coarser_dtypes, ravel,
+                                     sample_index)
 
 FP8 = torch.float8_e4m3fn
 
@@ -75,6 +76,23 @@ def test_sample_index_is_fixed_in_range_and_distinct(shape):
         flat_cols = {tuple(r[1:]) for r in a.tolist()}
         assert len(flat_cols) <= 4
     assert not torch.equal(sample_index("w", (1000, 7), 64, 4), sample_index("v", (1000, 7), 64, 4))
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 3), (1000, 7), (4, 5, 6), (), (0, 4), (2, 1), (3, 1, 2, 5)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+def test_the_flat_read_is_the_elements_at_the_index(shape, layout):
+    # reference: the tensor indexed per dimension at the sampled [K, ndim] index (what the index means)
+    g = torch.Generator().manual_seed(len(shape))
+    if layout == "transposed" and len(shape) >= 2:  # a non-contiguous tensor of the same logical shape
+        t = torch.randn(shape[::-1], generator=g).permute(*range(len(shape) - 1, -1, -1))
+    elif layout == "sliced" and len(shape) >= 1:
+        t = torch.randn((shape[0] * 2, *shape[1:]), generator=g)[::2]
+    else:
+        t = torch.randn(shape, generator=g)
+    assert tuple(t.shape) == shape
+    index = sample_index("w", shape, 64, 4)
+    expected = t.reshape(1) if not shape else t[tuple(index.T)]
+    assert torch.equal(torch.take(t, ravel(index, shape)), expected)
 
 
 def test_coarser_dtypes():

@@ -9,11 +9,11 @@ causes (``tim_plugins.causes``: ``sync-noop``, ``sync-tensors-stale``, ``sync-pr
 ``sync-tensors-differ``), with the tensors' names.
 
 Why a sample and not a digest of every element: a digest reads both copies whole (on a 0.5B model about as much
-memory traffic as the sync itself); ``elements_per_tensor`` elements on a grid of ``columns_per_tensor`` columns cost
-a fixed ~0.15 ms per tensor whatever its size (``benchmarks/bench_weight_sync.py``: 3 % of a 0.5B model's sync on a
-loaded 2-core CPU; docs/benchmarks.md) and catch any
-fault that touches a tensor as a whole. A stale tensor shows once the trainer's update moves one sampled element in
-the engine's precision; until then the engine holds the trainer's weights as far as its dtype can tell.
+memory traffic as the sync itself); ``elements_per_tensor`` elements on a grid of ``columns_per_tensor`` columns,
+read with one ``torch.take`` per tensor on each side, cost a fixed few tens of microseconds per tensor whatever its
+size (docs/benchmarks.md, ``benchmarks/results/weight_sync.json``) and catch any fault that touches a tensor as a
+whole. A stale tensor shows once the trainer's update moves one sampled element in the engine's precision; until
+then the engine holds the trainer's weights as far as its dtype can tell.
 
 The API an adapter uses (framework-neutral; the engine side is a reader the adapter supplies)::
 
@@ -33,9 +33,10 @@ The API an adapter uses (framework-neutral; the engine side is a reader the adap
 returning the engine's values of the trainer's tensor ``name`` at the [K, ndim] element ``index`` (in the trainer's
 coordinates; the reader maps names, merged and padded tensors, shards) as an `EngineRead`, ``EngineRead(missing=True)``
 when the engine holds no such tensor, or None when it cannot read that tensor (counted, never named); an optional
-``fresh_read()`` is called before each check's reads (a reader that caches reads within one check drops them). vLLM's reader is
-``tim_plugins.integrations.vllm.weights.VLLMWeights``. ``local`` (optional) gives the trainer's own tensor of a name
-that was expected and not streamed (a plain, unsharded parameter), so a sync that sends nothing is still compared.
+``fresh_read()`` is called before each check's reads (a reader that caches reads within one check drops them).
+vLLM's reader is ``tim_plugins.integrations.vllm.weights.VLLMWeights``. ``local`` (optional) gives the trainer's own
+tensor of a name that was expected and not streamed (a plain, unsharded parameter), so a sync that sends nothing is
+still compared.
 
 Classification of a tensor whose sampled values differ from the trainer's (in this order): ``stale`` when they equal
 the engine's values at the previous check; ``precision`` when they equal the trainer's rounded through a coarser
@@ -58,7 +59,7 @@ import torch
 from tim_plugins.causes import Cause, summarize_names
 
 __all__ = ["EngineRead", "EngineWeights", "SyncCheck", "SyncCheckConfig", "SyncRecord", "SyncReport", "STATUSES",
-           "sample_index", "coarser_dtypes"]
+           "sample_index", "ravel", "coarser_dtypes"]
 
 # What a checked tensor can be found to be (SyncReport.statuses).
 STATUSES = ("ok", "stale", "precision", "differs", "missing", "unread")
@@ -131,11 +132,21 @@ def sample_index(name: str, shape: tuple, elements: int, columns: int, seed: int
     return torch.cat([r.view(-1, 1), tail], dim=1)
 
 
+def ravel(index: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """[K, ndim] element indices of a tensor of ``shape`` as [K] flat row-major positions (int64): what
+    ``torch.take`` reads. A 0-d tensor's one element is position 0."""
+    if index.shape[1] == 0:
+        return torch.zeros(index.shape[0], dtype=torch.long)
+    strides = torch.tensor([math.prod(shape[d + 1:]) for d in range(len(shape))], dtype=torch.long)
+    return (index.long() * strides).sum(dim=1)
+
+
 @dataclass
 class EngineRead:
     """The engine's values of one sent tensor at the requested elements.
 
-    ``values``: [K] float64, NaN where this rank's engine does not hold that element (a shard elsewhere).
+    ``values``: [K], in the engine's stored dtype or float64 (every read is converted to float64 once, all
+    tensors at a time); NaN where this rank's engine does not hold that element (a shard elsewhere: then float64).
     ``dtype``: the dtype the engine stores the tensor in; the trainer's values are cast to it before comparing.
     ``atol``: the quantizer's own error bound ([K] or a number; 0 = exact); ``quantized``: the values are the
     dequantized weight, compared with the trainer's unrounded values within ``atol``.
@@ -179,8 +190,8 @@ class SyncRecord:
             return
         t0 = time.perf_counter()
         t = tensor.detach()
-        values = t.reshape(1) if t.dim() == 0 else t[self.check.index_columns(name, tuple(t.shape), t.device)]
-        self.sent[name] = _Sent(tuple(t.shape), values, streamed)
+        shape = tuple(t.shape)
+        self.sent[name] = _Sent(shape, torch.take(t, self.check.flat_index(name, shape, t.device)), streamed)
         self.seconds += time.perf_counter() - t0
 
     def observing(self, weights: Iterable) -> Iterator:
@@ -232,7 +243,7 @@ class SyncCheck:
         self.config = config if config is not None else SyncCheckConfig()
         self.syncs = 0  # syncs seen (checked or not)
         self._index: dict[tuple, torch.Tensor] = {}
-        self._columns: dict[tuple, tuple] = {}
+        self._flat_index: dict[tuple, torch.Tensor] = {}
         # the previous check's values, per (stored dtype, quantized) group: (names, sizes, engine values, expected)
         self._last: dict[tuple, tuple] = {}
         self.reports: list[SyncReport] = []
@@ -245,14 +256,14 @@ class SyncCheck:
             idx = self._index[key] = sample_index(name, shape, c.elements_per_tensor, c.columns_per_tensor, c.seed)
         return idx
 
-    def index_columns(self, name: str, shape: tuple, device) -> tuple:
-        """``index(name, shape)`` as one index tensor per dimension on ``device`` (what ``tensor[...]`` takes),
-        built once per tensor and device."""
-        key = (name, shape, str(device))
-        cols = self._columns.get(key)
-        if cols is None:
-            cols = self._columns[key] = tuple(c.contiguous().to(device) for c in self.index(name, shape).T)
-        return cols
+    def flat_index(self, name: str, shape: tuple, device) -> torch.Tensor:
+        """``index(name, shape)`` as flat (row-major) element positions on ``device``: one ``torch.take`` reads the
+        sampled elements of any tensor of ``shape``, contiguous or not. Built once per tensor and device."""
+        key = (name, shape, device)
+        flat = self._flat_index.get(key)
+        if flat is None:
+            flat = self._flat_index[key] = ravel(self.index(name, shape), shape).to(device)
+        return flat
 
     def begin(self, step: int) -> Optional[SyncRecord]:
         """A record for the sync about to run at optimizer step ``step``, or None when this sync is not checked."""
@@ -284,9 +295,10 @@ class SyncCheck:
                 reads.append((name, sent, read))
         fresh_values, groups = self._compare(reads, engine.dtype)
         changed: list[str] = []
+        too_coarse = coarser_dtypes(engine.dtype)
         for name, sent, read in reads:
             agrees, held, moved = fresh_values[name]
-            coarser = not read.quantized and read.dtype in coarser_dtypes(engine.dtype)
+            coarser = not read.quantized and read.dtype in too_coarse
             if not held:
                 status = "unread"
             elif agrees and not coarser:
@@ -447,7 +459,7 @@ class SyncCheck:
 def _flat(parts: list) -> torch.Tensor:
     """``parts`` (1-D or 0-d tensors) as one float64 CPU vector: concatenated where they are (one copy to the host
     for a device's), then converted once."""
-    parts = [p.detach().reshape(-1) for p in parts]
+    parts = [p if p.dim() == 1 else p.reshape(-1) for p in parts]  # reads and samples: 1-D, no autograd
     try:
         flat = torch.cat(parts)
     except RuntimeError:  # on several devices

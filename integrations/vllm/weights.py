@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from tim_plugins.weight_sync import EngineRead
+from tim_plugins.weight_sync import EngineRead, ravel
 
 __all__ = ["VLLMWeights", "engine_model"]
 
@@ -85,6 +85,9 @@ class VLLMWeights:
         self._validated: set[int] = set()
         self._columns: dict[tuple, torch.Tensor] = {}  # (module id, columns) -> forward output, within one check
         self._plans: dict[str, tuple] = {}  # name -> (the index it was planned for, its plan)
+        self._flat: dict[str, tuple] = {}  # name -> (parameter shape, device, flat positions of the held elements)
+        # name -> (index, module, leaf, parameter shape, flat positions): a whole, plain parameter read directly
+        self._direct: dict[str, tuple] = {}
 
     def fresh_read(self) -> None:
         """A new check: the engine's weights may have changed since the cached forward reads."""
@@ -182,9 +185,8 @@ class VLLMWeights:
 
     # ------------------------------------------------------------------------------------------ values
     def _plan(self, name: str, shape: tuple, index: torch.Tensor):
-        """(where, local index [K, ndim], held [K], the held rows' index per dimension, the largest local index per
-        dimension) of a sent tensor's sampled elements, computed once per tensor (the check hands the same index
-        at every sync): a read is then one gather."""
+        """(where, local index [K, ndim], held [K], all held, the largest local index per dimension) of a sent
+        tensor's sampled elements, computed once per tensor (the check hands the same index at every sync)."""
         cached = self._plans.get(name)
         if cached is not None and cached[0] is index:
             return cached[1]
@@ -199,18 +201,33 @@ class VLLMWeights:
                 local[:, where.dim] = along - where.start + where.offset
             rows = local[held]
             top = [int(rows[:, d].max()) if rows.numel() else -1 for d in range(rows.shape[1])]
-            plan = (where, local, held, bool(held.all()), tuple(rows.T.contiguous()), top)
+            plan = (where, local, held, bool(held.all()), top)
         self._plans[name] = (index, plan)
         return plan
 
+    def _take_index(self, name: str, local: torch.Tensor, held: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The held elements' flat positions in ``param`` (on its device), for ``torch.take``: built once per
+        tensor and parameter shape."""
+        shape = tuple(param.shape)
+        cached = self._flat.get(name)
+        if cached is None or cached[0] != shape or cached[1] != param.device:
+            cached = self._flat[name] = (shape, param.device, ravel(local[held], shape).to(param.device))
+        return cached[2]
+
     def read(self, name: str, shape: tuple, index: torch.Tensor) -> Optional[EngineRead]:
+        fast = self._direct.get(name)
+        if fast is not None and fast[0] is index:  # a plain parameter read before: one gather
+            _, module, leaf, pshape, flat = fast
+            param = getattr(module, leaf)
+            if param.shape == pshape and param.device == flat.device:
+                return EngineRead(values=torch.take(param.detach(), flat), dtype=param.dtype)
         plan = self._plan(name, tuple(shape), index)
         if plan is None:
             return None
         if plan == "missing":
             return EngineRead(missing=True)
-        where, local, held, all_held, rows, top = plan
-        if not held.any():
+        where, local, held, all_held, top = plan
+        if not all_held and not held.any():
             return None
         module = where.module
         if where.linear and self._quantized(module):
@@ -222,21 +239,24 @@ class VLLMWeights:
             return self._forward_read(module, local, held, quantized=False)
         if not direct:
             return None
-        gathered = param.detach()[tuple(r.to(param.device) for r in rows) if param.device.type != "cpu" else rows]
+        gathered = torch.take(param.detach(), self._take_index(name, local, held, param))
         if all_held:
-            values = gathered.to("cpu", torch.float64)
+            values = gathered  # in the stored dtype, on the engine's device: the check converts all reads at once
         else:
             values = torch.full((index.shape[0],), float("nan"), dtype=torch.float64)
             values[held] = gathered.to("cpu", torch.float64)
         if where.linear and id(module) not in self._validated:
             self._validated.add(id(module))
             through = self._forward_read(module, local, held, quantized=False)
-            same = through is not None and bool((through.values[held] == values[held]).all())
+            same = through is not None and bool(
+                (through.values[held] == values.to("cpu", torch.float64)[held]).all())
             if not same:
                 logger.info("tim_plugins: %s: the weight vLLM holds is not what its layer computes with; reading "
                             "it through the layer's forward", name)
                 self._forward_only.add(id(module))
                 return through
+        if all_held:
+            self._direct[name] = (index, module, where.leaf, param.shape, self._take_index(name, local, held, param))
         return EngineRead(values=values, dtype=param.dtype)
 
     @staticmethod

@@ -151,7 +151,8 @@ test-verl: $(VENV)/$(STAMP)
 # verl's Megatron engine (megatron-core, mbridge) in its own Python 3.12 environment (.venv-megatron from
 # constraints/megatron.txt, scripts/megatron_env: ~4 min and ~5.7 GB fresh, built in the background by `make test`)
 # and pytest process (tests/megatron_suite installs its CPU shims before verl is imported): TP1 in-process; TP2,
-# DP2, PP2 and PP2 with virtual stages in two; verl's main_ppo with a PP2 Megatron actor.
+# DP2, PP2 and PP2 with virtual stages in two; verl's main_ppo with a PP2 Megatron actor (fault-free, and with a
+# weight sync that skips a layer).
 test-megatron:
 	$(SUITE) run megatron --stack megatron --venv .venv-megatron --setup "scripts/megatron_env install" \
 		--what "tests/megatron_suite (verl's Megatron engine, Python 3.12)" -- \

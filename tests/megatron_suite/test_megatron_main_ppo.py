@@ -5,7 +5,8 @@ rollout server, the toy model) with the recipe's Megatron tim overrides (``run_g
 verl's console logger printed. The actor is two pipeline stages (``LAYOUT``: two Ray workers on two logical GPUs,
 one vLLM server each): the driver logs the last stage's metrics (rank 0, the first stage, has none). Each step ends
 with verl's weight sync from the Megatron actor (mbridge export, ``vanilla_mbridge=True``: both stages' layers) into
-the vLLM servers (``update_weights``, shared-memory transport on CPU).
+the vLLM servers (``update_weights``, shared-memory transport on CPU), each sync checked by tim's weight-sync
+check (the servers' weights read back in their workers): a fault-free run names no cause.
 
 The rollout samples with a user's ``top_p=0.8`` and ``top_k=20`` (with the recipe's min-p), kept as set, and the
 actor runs with verl's fused kernels (``actor_rollout_ref.model.use_fused_kernels=true``, remove-padding):
@@ -21,7 +22,9 @@ k3 1.2e-5 .. 1.4e-4 measured, so tim's k3 can be compared with verl's ``rollout_
 Runs where the Megatron environment holds vLLM's CPU build (constraints/megatron.in). The shims of every process
 are in ``main_ppo_site/sitecustomize.py``; the run helper and the CPU overrides are the FSDP suite's
 (``tests/verl_suite/main_ppo_run.py``). 4.3 min and 10.6 GiB (PSS of the process tree: two actor workers, two vLLM
-servers) on an idle 2-core machine; the first step ~32 s (vLLM start-up, first generation), the second ~4 s.
+servers) on an idle 2-core machine; the first step ~32 s (vLLM start-up, first generation), the second ~4 s. The
+second test (a weight sync that skips a layer, stopped after step 1): 1 min 35 s more (both: 3 min 33 s on an idle
+machine, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -100,18 +103,24 @@ def _recipe_tim_overrides(M) -> list[str]:
     return [line for line in out.splitlines() if line]
 
 
+def _megatron_overrides(M, files, workdir) -> list[str]:
+    """main_ppo's overrides of these runs: the FSDP suite's base and CPU ones (less what Megatron replaces), the
+    recipe's Megatron tim overrides, the Megatron CPU settings, the user's sampler, two pipeline stages."""
+    replaced = ("actor_rollout_ref.actor.strategy=", *(o.lstrip("+").split("=", 1)[0] + "=" for o in LAYOUT))
+    return (["--config-name=ppo_megatron_trainer"]
+            + [o for o in M.base_overrides(files, workdir, steps=STEPS, batch=BATCH, n=N)
+               if not o.lstrip("+").startswith(replaced)]
+            + [o for o in M.CPU_OVERRIDES if "fsdp_config" not in o and "use_remove_padding" not in o
+               and not o.lstrip("+").startswith(replaced)]
+            + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER + list(LAYOUT))
+
+
 def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, toy_model_path):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip(VLLM_REASON)
     M = _main_ppo_run()
     files = M.prepare(tmp_path, toy_model_path)
-    replaced = ("actor_rollout_ref.actor.strategy=", *(o.lstrip("+").split("=", 1)[0] + "=" for o in LAYOUT))
-    overrides = (["--config-name=ppo_megatron_trainer"]
-                 + [o for o in M.base_overrides(files, tmp_path, steps=STEPS, batch=BATCH, n=N)
-                    if not o.lstrip("+").startswith(replaced)]
-                 + [o for o in M.CPU_OVERRIDES if "fsdp_config" not in o and "use_remove_padding" not in o
-                    and not o.lstrip("+").startswith(replaced)]
-                 + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER + list(LAYOUT))
+    overrides = _megatron_overrides(M, files, tmp_path)
     run = M.run_main_ppo(overrides, cwd=tmp_path, timeout=RUN_TIMEOUT_S, log_path=tmp_path / "main_ppo.log")
     print(f"exit {run.returncode} after {run.seconds:.0f} s; per-step seconds "
           f"{ {s: round(t, 2) for s, t in run.step_times.items()} }; log {tmp_path / 'main_ppo.log'}")
@@ -147,3 +156,54 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
         else:  # verl's mean also holds the boundary tokens' terms (each >= 0): k3 · tokens <= verl's k3 · all
             assert k3 * m["tim/tokens"] <= verl_k3 * n_all * (1 + K3_REL) + K3_FP32_ABS, (step, k3, verl_k3)
         assert m["tim/probe/checked"] == 1.0 and m["tim/probe/tripped"] == 0.0, step  # k3 far below 1e-2
+    # a fault-free run names no cause, and every weight sync was checked whole: the mbridge export that verl streams
+    # into the vLLM servers, read back in each server's worker (a sync that could not be read would be counted under
+    # tim/diag/sync_check_unavailable, refused above); the reference is the checkpoint's own tensor count
+    n_tensors = len(_checkpoint_tensors(files["model"]))
+    for step, m in run.steps.items():
+        assert m["tim/cause/named"] == 0.0 and m["tim/cause/confident_disagreements"] == 0.0, step
+        assert m["tim/cause/sync_checked_tensors"] == n_tensors and m["tim/cause/sync_bad_tensors"] == 0.0, step
+    assert "tim-plugins cause [" not in run.output
+
+
+def _checkpoint_tensors(model_dir) -> list[str]:
+    """The tensor names of the toy model's checkpoint (its safetensors files): what the trainer's weights are."""
+    from safetensors import safe_open
+
+    names = []
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            names.extend(fh.keys())
+    return names
+
+
+SKIPPED = "model.layers.1."
+
+
+def test_a_sync_that_skips_a_layer_is_named_and_stops_the_run(tmp_path, toy_model_path):
+    """The same run with every weight sync skipping one layer in the vLLM servers' workers (the FSDP suite's test-only
+    fault, ``tests/verl_suite/cpu_site/skip_sync.py``): verl starts the servers on dummy weights, so the first sync
+    (before any step) leaves that layer neither the actor's weights nor its previous ones; the console line names it
+    with its tensors, step 1's metrics carry it, and the recipe's probe (``action=stop``) ends the run after step 1.
+    Reference: the fault itself (the prefix the servers dropped) and the checkpoint's tensor names."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(VLLM_REASON)
+    M = _main_ppo_run()
+    files = M.prepare(tmp_path, toy_model_path)
+    run = M.run_main_ppo(_megatron_overrides(M, files, tmp_path), cwd=tmp_path, timeout=RUN_TIMEOUT_S,
+                         extra_env={"TIM_TEST_SYNC_SKIP": SKIPPED}, log_path=tmp_path / "sync_skip.log")
+    print(f"exit {run.returncode} after {run.seconds:.0f} s; log {tmp_path / 'sync_skip.log'}")
+    assert run.returncode == 0, run.output[-4000:]
+    names = _checkpoint_tensors(files["model"])
+    skipped = [n for n in names if n.startswith(SKIPPED)]
+    assert len(skipped) >= 9
+    line = next((x for x in run.output.splitlines() if "tim-plugins cause [" in x), None)
+    assert line is not None, run.output[-4000:]
+    assert f"tim-plugins cause [sync-tensors-differ] at step 0: at the weight sync after optimizer step 0, " \
+           f"{len(skipped)} tensors hold values that are neither the trainer's nor their previous ones: " \
+           f"{SKIPPED}* ({len(skipped)} tensors)." in line
+    assert sorted(run.steps) == [1], run.output[-4000:]  # planned STEPS, stopped after the first
+    m = run.steps[1]
+    assert m["tim/cause/sync_checked_tensors"] == len(names) and m["tim/cause/sync_bad_tensors"] == len(skipped)
+    assert m["tim/cause/named"] >= 1.0 and m["tim/probe/tripped"] == 1.0
+    assert re.search(r"tim parity probe tripped at step 1: .*tim/cause/named=\d", run.output)

@@ -5,8 +5,10 @@ as verl's vLLM rollout starts on ``load_format=dummy``), read with the vLLM read
 through the same ``SyncWatch.around`` verl's worker runs (``tests/verl_suite/harness.py`` ``Rollout`` /
 ``checked_sync``). A layer the "rollout" skips is named at the first sync with exactly that layer's tensors; a
 fault-free sync after an optimizer step names nothing. References: the names the test skipped, and the copy's
-tensors compared whole with what the engine exported. Not run here: TP2 / PP2 (each rank exports the full HF tensors
-through mbridge, so the check is the same per rank) and verl's main_ppo with the Megatron actor and a vLLM rollout."""
+tensors compared whole with what the engine exported. verl's main_ppo with a PP2 Megatron actor and vLLM rollout
+servers checks every sync of a fault-free run (``test_megatron_main_ppo.py``: every tensor compared, no cause);
+a broken sync through main_ppo is run with the FSDP actor only (``tests/verl_suite/test_verl_sync_check_main_ppo.py``).
+"""
 
 from __future__ import annotations
 

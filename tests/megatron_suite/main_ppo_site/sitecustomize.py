@@ -3,7 +3,8 @@
 its engine-core process) gets this folder on PYTHONPATH, so Python imports this module at start-up. With
 ``TIM_TEST_CPU_SHIMS=1`` it installs the FSDP suite's CPU shims (``tests/verl_suite/cpu_site/cpu_shims.py``, vLLM's
 plain linear weights included: verl's weight sync loads into them) and the Megatron ones
-(``tests/megatron_suite/cpu_site/megatron_shims.py``), each right after its module's first import. Two differences
+(``tests/megatron_suite/cpu_site/megatron_shims.py``), each right after its module's first import; with
+``TIM_TEST_SYNC_SKIP`` as well, the FSDP suite's broken weight sync (``skip_sync.py``). Two differences
 from the in-process suite, both because of how Ray runs these processes:
 
 - The torch-level Megatron shims (``megatron_shims._torch_cuda`` and ``_cuda_free_optimizer``) wait for the first
@@ -41,4 +42,8 @@ if os.environ.get("TIM_TEST_CPU_SHIMS") == "1":
 
     cpu_shims.HOOKS.update(megatron_shims.HOOKS)
     cpu_shims.HOOKS["torch"] = _after_torch
+    if os.environ.get("TIM_TEST_SYNC_SKIP"):  # the FSDP suite's broken weight sync (skip_sync.py), same servers
+        import skip_sync
+
+        skip_sync.install()
     cpu_shims.install()

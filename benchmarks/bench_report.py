@@ -49,7 +49,7 @@ SEQS_PER_FILE = 64
 RANKS = 8
 ROWS_PER_FILE = SEQ_LEN * SEQS_PER_FILE
 # The streaming SQL path (#47: a DuckDB query per statistic, quantiles by narrowing over several scans).
-STREAMING_COMMIT = "0f7cf45"
+STREAMING_COMMIT = "3d8dece"  # the last commit of main before the few-scans path (#62)
 GOALS = {"wall_s_100m": 60.0, "peak_rss_gb_100m": 1.5, "wall_s_200m": 120.0, "wall_s_1m": 5.0}
 
 

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,6 +240,7 @@ def test_demo_end_to_end_grpo_run(tmp_path, capsys, toy_model_path):
         assert len(d) == h["tim/tokens"]
         assert h["tim/token/kl_k3"] == pytest.approx(sum(math.expm1(x) - x for x in d) / len(d), rel=1e-3)
         assert 0 < h["tim/token/kl_k3"] < 1e-2  # bf16 rollouts vs the fp32 trainer
+    _no_cause_but_truncation(summary, out / "dump")
     att = summary["attached"]
     assert att["rollout_source"] == "custom" and "GRPOTrainer._compute_loss" in att["hooks"]
     assert att["config_changed"] == {"dump_dir": str(out / "dump"),
@@ -296,6 +298,10 @@ def test_demo_shows_a_problem_and_its_fix_on_one_page(tmp_path, capsys, toy_mode
         assert abs(h["tim/token/ratio_mean"] - 1) < 1e-2 and h["tim/token/kl_k3"] < 1e-3, h
     k3 = {name: max(h["tim/token/kl_k3"] for h in s["log_history"]) for name, s in (("full", full), ("safe", safe))}
     assert k3["full"] > 10 * k3["safe"]
+    # the causes: the problem run names the sampler's truncation at every step, the fixed run names nothing
+    full_causes = _no_cause_but_truncation(full, out / "full-vocabulary" / "dump")
+    assert [c["step"] for c in full_causes] == [h["step"] for h in full["log_history"]]
+    assert _no_cause_but_truncation(safe, out / "safe-vocabulary" / "dump") == []
     # the verdicts: the problem flagged (its audit error marked as what the comparison shows), the fix without it
     assert full["verdict"]["status"] in ("watch", "act")
     assert "sampler-truncation-unmatched" in full["deliberate"]
@@ -306,6 +312,21 @@ def test_demo_shows_a_problem_and_its_fix_on_one_page(tmp_path, capsys, toy_mode
     assert "<td>setting: safe_vocab</td><td>False</td><td>True</td>" in html
     assert html.count("class='verdict") == 2
     assert f"report comparing the runs: {out / 'report.html'}" in printed and "Side by side: full vocabulary: ρ mean" in printed
+
+
+def _no_cause_but_truncation(summary: dict, dump_dir) -> list[dict]:
+    """The causes a demo run named (``causes.jsonl`` beside its dump), each also counted in that step's logged
+    ``tim/cause/named``: at most the sampler's truncation (the demo's top-p against a full-vocabulary trainer, its
+    deliberate problem, named only where the audit flagged it); never a broken sync, a stale engine, a floor jump or
+    confident disagreements, which no demo run has."""
+    path = Path(dump_dir) / "causes.jsonl"
+    causes = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert {c["code"] for c in causes} <= {"truncation"}, causes
+    if causes:
+        assert "sampler-truncation-unmatched" in {f["code"] for f in summary["findings"] + summary["own_audit"]}
+    for h in summary["log_history"]:
+        assert h["tim/cause/named"] == sum(c["step"] == h["step"] for c in causes), h
+    return causes
 
 
 def _check_settings_and_timing(summary: dict, model_path: str, steps: int) -> None:
@@ -348,6 +369,7 @@ def test_demo_on_smollm2_end_to_end(smollm2_path, tmp_path, capsys):
         # bf16 rollouts of this model against its fp32 trainer: k3 measured 7e-4 .. 4e-3 per token (README,
         # test_trl_real_model, test_measure); an fp32 copy would give < 1e-6, a broken weight sync far above 0.1.
         assert K3_FLOOR < h["tim/token/kl_k3"] < K3_CEILING
+    _no_cause_but_truncation(summary, out / "dump")
     html = (out / "report.html").read_text()
     assert html.count("<img src='data:image/png;base64,") == 6 and "SmolLM2-135M-Instruct" in html
 

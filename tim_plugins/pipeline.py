@@ -31,6 +31,7 @@ raised, unless ``strict``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -127,8 +128,8 @@ def pipeline_config(*, monitor: bool = True, ratio_band=DEFAULT_RATIO_BAND, safe
         mask_boundary=mask_boundary and setup.loss_factor,
         correction=correction if setup.loss_factor else None, lr_decay=lr_decay, probe=probe, dump=dump,
         staleness=monitor, exact_split=not setup.asynchronous, by_position=monitor,
-        by_turn=monitor and setup.multi_turn, causes=causes if monitor else None, strict=strict,
-        histograms=histograms)
+        by_turn=monitor and setup.multi_turn, strict=strict, histograms=histograms,
+        causes=dataclasses.replace(causes) if monitor and causes is not None else None)  # not the shared default
 
 
 def old_logprobs(current: torch.Tensor, old: torch.Tensor | None, fresh) -> torch.Tensor:

@@ -297,6 +297,16 @@ def _progress_callback(total: int):
     return Progress()
 
 
+def _no_checkpointing(config_class) -> dict:
+    """Activation checkpointing off, in the installed transformers' word: ``activation_checkpointing`` where its
+    TrainingArguments has it (5.25 deprecates ``gradient_checkpointing`` with a FutureWarning), else
+    ``gradient_checkpointing``."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
+
+
 def run_demo(cfg: DemoConfig, *, deliberate: dict | None = None) -> dict:
     """Run the GRPO demo once; returns the summary also written to ``OUT/summary.json``. Says what it does on stderr
     before the heavy imports (`tim_plugins.apps.startup`). ``deliberate``: audit codes this run shows on purpose
@@ -352,7 +362,7 @@ def run_demo(cfg: DemoConfig, *, deliberate: dict | None = None) -> dict:
             num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or None,
             learning_rate=cfg.learning_rate, logging_steps=1, save_strategy="no",
-            report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False, seed=cfg.seed,
+            report_to=[], use_cpu=True, bf16=False, seed=cfg.seed, **_no_checkpointing(GRPOConfig),
             num_iterations=cfg.num_iterations,
         )
         rollouts = _BF16Rollouts(model_path, getattr(torch, cfg.rollout_dtype), tokenizer, cfg)

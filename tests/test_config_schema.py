@@ -85,7 +85,7 @@ def test_lr_decay_options_are_one_class_with_one_rule_in_both_adapters():
         assert str(core.value) in str(err.value) and "1.5" in str(err.value) and "Fix:" in str(err.value)
     for build in (lambda: TIMConfig(lr_decay_options={"windw": 3}),
                   lambda: TIMVerlConfig.from_node({"lr_decay": {"options": {"windw": 3}}})):
-        with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\]"):
+        with pytest.raises(ValueError, match=r"unknown option\(s\) 'windw' \(did you mean 'window'\?\)"):
             build()
 
 
@@ -181,3 +181,11 @@ def test_every_verl_setting_refuses_a_value_of_the_wrong_type():
             assert f"tim.{section}.{f.name}={bad!r}" in str(err.value) and "Fix:" in str(err.value), (section, f.name)
             checked += 1
     assert checked >= 15
+
+
+def test_unknown_names_quote_each_refused_key_with_the_nearest_valid_one():
+    from tim_plugins._config import unknown_names
+
+    assert unknown_names({"min_pp": 1, "zzz": 2, "top_k": 3}, ["min_p", "top_k"]) == \
+        "'min_pp' (did you mean 'min_p'?), 'zzz'"  # sorted; a valid key is not named; no near name, no guess
+    assert unknown_names(["top_k"], ["top_k"]) == ""

@@ -356,7 +356,7 @@ def test_config_validation_quotes_values(toy_model_path, tmp_path):
         TIMConfig(rollout="bogus")
     with pytest.raises(ValueError, match="'tis'"):
         TIMConfig(is_correction="tis")
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['sample_rat'\]"):
+    with pytest.raises(ValueError, match=r"unknown option\(s\) 'sample_rat' \(did you mean 'sample_rate'\?\)"):
         TIMConfig(dump_options={"sample_rat": 1.0})
     with pytest.raises(ValueError, match="sample_rate=1.5"):
         TIMConfig(dump_dir=str(tmp_path), dump_options={"sample_rate": 1.5})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["field_help", "help_texts", "help_table", "core_field", "coerce_options"]
+__all__ = ["field_help", "help_texts", "help_table", "core_field", "coerce_options", "unknown_names"]
 
 
 def field_help(text: str, options: type | None = None) -> dict:
@@ -54,6 +54,20 @@ def core_field(core: type, name: str, **kwargs):
     return field(default=f.default, metadata=field_help(f.metadata["help"]))
 
 
+def unknown_names(given, names) -> str:
+    """The names in ``given`` that are not in ``names``, each quoted with the nearest valid one where a name is a
+    likely misspelling (``'min_pp' (did you mean 'min_p'?)``), comma-separated: what a refused key's message
+    names, in every adapter."""
+    import difflib
+
+    names = list(names)
+    out = []
+    for name in sorted(set(given) - set(names)):
+        near = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+        out.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return ", ".join(out)
+
+
 def coerce_options(cls, value, path: str, *, fix: str | None = None, option_fix=None, **fixed):
     """``value`` (an instance of the core dataclass ``cls``, a mapping of its field names, or None = defaults) as
     an instance of ``cls``, with the fields in ``fixed`` set by the caller. A name that is not a field, or a value
@@ -71,10 +85,9 @@ def coerce_options(cls, value, path: str, *, fix: str | None = None, option_fix=
         value = {}
     if not isinstance(value, Mapping):
         raise ValueError(f"{path}={value!r} is invalid: must be a {cls.__name__} or a dict of its fields. Fix: {fix}")
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ValueError(f"{path}={dict(value)!r} is invalid: unknown option(s) {unknown}; the options are {names}. "
-                         f"Fix: {fix}")
+    if set(value) - set(names):
+        raise ValueError(f"{path}={dict(value)!r} is invalid: unknown option(s) {unknown_names(value, names)}; the "
+                         f"options are {names}. Fix: {fix}")
     try:
         return cls(**{**value, **fixed})
     except (TypeError, ValueError) as err:

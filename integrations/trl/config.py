@@ -10,12 +10,11 @@ settings. A dict of its fields is accepted and turned into it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from tim_plugins._config import coerce_options, core_field, field_help, help_table, help_texts
+from tim_plugins._config import coerce_options, core_field, field_help, help_table, help_texts, unknown_names
 from tim_plugins.causes import CauseConfig
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.dump import DumpConfig
@@ -309,13 +308,8 @@ def _checked_init(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         names = [f.name for f in fields(TIMConfig)]
-        unknown = [k for k in kwargs if k not in names]
-        if unknown:
-            hints = []
-            for name in unknown:
-                near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-                hints.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-            raise TypeError(f"TIMConfig has no field {', '.join(hints)}. Fields: {', '.join(names)} "
+        if set(kwargs) - set(names):
+            raise TypeError(f"TIMConfig has no field {unknown_names(kwargs, names)}. Fields: {', '.join(names)} "
                             "(TIMConfig.help() says what each does).")
         init(self, *args, **kwargs)
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tim_plugins._config import coerce_options, core_field, field_help
+from tim_plugins._config import coerce_options, core_field, field_help, unknown_names
 from tim_plugins.causes import CauseConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import LRDecayConfig
@@ -443,18 +443,18 @@ class TIMVerlConfig:
         data = _to_plain(node)
         if not isinstance(data, Mapping):
             raise _bad("tim", data, "must be a mapping of sections", "+tim.monitor.enable=true")
-        unknown = sorted(set(data) - set(cls._SECTIONS))
-        if unknown:
-            raise _bad("tim", sorted(data), f"unknown section(s) {unknown}", f"use {sorted(cls._SECTIONS)}")
+        if set(data) - set(cls._SECTIONS):
+            raise _bad("tim", sorted(data), f"unknown section(s) {unknown_names(data, cls._SECTIONS)}",
+                       f"use {sorted(cls._SECTIONS)}")
         kwargs = {}
         for name, section_cls in cls._SECTIONS.items():
             sub = data.get(name) or {}
             if not isinstance(sub, Mapping):
                 raise _bad(f"tim.{name}", sub, "must be a mapping", f"+tim.{name}.<option>=<value>")
             names = {f.name for f in dataclasses.fields(section_cls)}
-            bad = sorted(set(sub) - names)
-            if bad:
-                raise _bad(f"tim.{name}", dict(sub), f"unknown option(s) {bad}", f"use {sorted(names)}")
+            if set(sub) - names:
+                raise _bad(f"tim.{name}", dict(sub), f"unknown option(s) {unknown_names(sub, sorted(names))}",
+                           f"use {sorted(names)}")
             kwargs[name] = section_cls.from_options(sub) if section_cls is ProbeSettings else section_cls(**sub)
         return cls(**kwargs)
 

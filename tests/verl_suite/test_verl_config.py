@@ -126,8 +126,8 @@ def test_bypass_mode_leaves_the_monitor_nothing_to_measure_and_is_refused(toy_mo
     ("+tim.safe_vocab.min_p=1.5", "tim.safe_vocab.min_p=1.5"),
     ("+tim.monitor.ratio_band=[2.0,0.5]", "tim.monitor.ratio_band=[2.0, 0.5]"),
     ("+tim.probe.action=explode", "tim.probe.action='explode'"),
-    ("+tim.lr_decay.options.decay=0.5", "unknown option(s) ['decay']"),
-    ("+tim.monitr.enable=true", "unknown section(s) ['monitr']"),
+    ("+tim.lr_decay.options.decay=0.5", "unknown option(s) 'decay' (did you mean 'decay_steps'?)"),
+    ("+tim.monitr.enable=true", "unknown section(s) 'monitr' (did you mean 'monitor'?)"),
 ])
 def test_bad_tim_values_are_quoted(override, quoted):
     from tim_plugins.integrations.verl.config import TIMVerlConfig

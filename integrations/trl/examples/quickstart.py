@@ -3,8 +3,8 @@
     python integrations/trl/examples/quickstart.py
 
 Needs tim-plugins with its TRL extra (`pip install '.[trl]'` in a clone, docs/install.md); on CPU with the toy
-model (built once, no download) it takes well under a minute. Everything between the two `quickstart` markers is what the README shows (a test checks that they are
-the same text and runs this file).
+model (built once, no download) it takes well under a minute. Everything between the two `quickstart` markers is
+what the README shows (a test checks that they are the same text and runs this file).
 """
 
 # --8<-- [start:quickstart]

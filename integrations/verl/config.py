@@ -8,7 +8,6 @@ Every field defaults to "off", so a config without a ``tim`` node changes nothin
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -17,7 +16,7 @@ from tim_plugins.causes import CauseConfig
 from tim_plugins.dump import DumpConfig
 from tim_plugins.lr_control import LRDecayConfig
 from tim_plugins.metrics import DEFAULT_RATIO_BAND, check_ratio_band
-from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, SAFE_VOCAB_NEEDS_A_CUT, check_min_p,
+from tim_plugins.options import (DEPENDENCY_RULES, DUMP_DIR_RULE, check_min_p,
                                  dependency_problems, dump_dir_accepted, probe_config, type_problem)
 from tim_plugins.pipeline import PipelineConfig, TrainingSetup, pipeline_config
 from tim_plugins.parity.probe import DEFAULT_METRIC_KEYS, ParityProbeConfig, check_probe_values
@@ -42,9 +41,7 @@ __all__ = [
     "LAG_FIELD",
     "KEPT_SETS_KEY",
     "EXTRA_FIELDS",
-    "check_composed_config",
     "VLLM_ENGINE_KWARGS",
-    "asks_sampling_mask",
     "rollout_min_p_overrides",
 ]
 
@@ -470,169 +467,3 @@ def _to_plain(node: Any) -> Any:
     if isinstance(node, (DictConfig, ListConfig)):
         return OmegaConf.to_container(node, resolve=True)
     return node
-
-
-def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[str]]:
-    """Validate the ``tim`` node against the rest of a composed verl ``ppo_trainer`` config.
-
-    Returns the typed settings, a list of problems (errors; each quotes the value and the fix) and a list of
-    notes (warnings); raises on a bad ``tim`` value itself. Used by the driver-side trainer before any worker starts.
-    """
-    tim = TIMVerlConfig.from_node(config.get("tim") if hasattr(config, "get") else None)
-    problems: list[str] = []
-    notes: list[str] = []
-    arr = config.actor_rollout_ref
-    mode = str(config.trainer.get("v1", {}).get("trainer_mode", "sync")) if config.trainer.get("use_v1", True) \
-        else None
-    if tim.worker_side_active and (mode is None or not mode.startswith(TRAINER_MODE_PREFIX)):
-        problems.append(
-            f"trainer.v1.trainer_mode={mode!r} (trainer.use_v1={config.trainer.get('use_v1', True)}): the tim "
-            f"settings reach the actor workers only through a tim trainer mode. Fix: trainer.use_v1=true "
-            f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode or 'sync'}")
-    megatron = arr.actor.get("strategy") == "megatron"
-    if megatron and tim.safe_vocab.enabled and _topk_distillation(config.get("distillation")):
-        mode = config.distillation.distillation_loss.get("loss_mode")
-        problems.append(
-            f"{tim.safe_vocab.setting} with distillation.distillation_loss.loss_mode={mode!r} "
-            "(a top-k distillation) on a Megatron actor: the distillation loss reads the full-vocabulary student "
-            "logits while the policy loss would read safe-vocabulary log-probs (megatron_engine.py refuses the same "
-            "on the worker). Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or distillation.enabled=false")
-    # the Megatron engine applies the decay through Megatron's own optimizer (megatron_engine.py): no optimizer_impl
-    if tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
-        problems.append(
-            f"actor_rollout_ref.actor.optim.optimizer_impl={arr.actor.optim.get('optimizer_impl')!r}: the LR decay "
-            f"acts inside the optimizer. Fix: actor_rollout_ref.actor.optim.optimizer_impl={OPTIMIZER_IMPL} "
-            f"actor_rollout_ref.actor.optim.optimizer=AdamW")
-    if tim.safe_vocab.enabled:
-        rollout = arr.rollout
-        if rollout.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
-            problems.append(
-                f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r}: pruning needs log-probs "
-                "renormalised over the kept set. Fix: actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
-    if tim.safe_vocab.enabled and tim.safe_vocab.min_p > 0.0:
-        problem = _rollout_min_p_problem(arr.rollout, tim.safe_vocab.min_p)
-        if problem is not None:
-            (problems if arr.rollout.get("name") == "vllm" else notes).append(problem)
-    elif tim.safe_vocab.enabled:
-        problems.extend(_rollout_cut_problems(arr.rollout))
-    if asks_sampling_mask(config):  # (the safe vocabulary's own check above names a raw logprobs_mode already)
-        problems.extend(_sampling_mask_problems(config, logprobs_mode=not tim.safe_vocab.enabled))
-    rollout_corr = (config.get("algorithm") or {}).get("rollout_correction") or {}
-    if tim.monitor.enable and rollout_corr.get("bypass_mode", False):
-        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
-        problems.append(
-            "algorithm.rollout_correction.bypass_mode=True: verl then copies the rollout's log-probs into "
-            "old_log_probs instead of recomputing them, so the monitor has no trainer-side log-probs at the "
-            "rollout's weights and would read 0. Fix: algorithm.rollout_correction.bypass_mode=false")
-    if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
-        problems.append(
-            "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
-            "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
-    return tim, problems, notes
-
-
-def _topk_distillation(distillation: Any) -> bool:
-    """Whether verl's trainer will pass ``distillation_use_topk`` to the actor: distillation enabled with a loss that
-    reads the student's top-k logits. The loss's settings come from verl's own registry; a loss it does not know
-    counts as top-k (verl itself then fails at start-up)."""
-    if distillation is None or not distillation.get("enabled", False):
-        return False
-    # VERL_SOURCES verl.trainer.distillation.losses:get_distillation_loss_settings
-    from verl.trainer.distillation.losses import get_distillation_loss_settings
-
-    try:
-        return bool(get_distillation_loss_settings(distillation.distillation_loss.loss_mode).use_topk)
-    except ValueError:
-        return True
-
-
-def asks_sampling_mask(config: Any) -> bool:
-    """Whether the run asks vLLM for its per-token kept sets: ``rollout.name=vllm`` and
-    ``engine_kwargs.vllm.return_sampling_mask`` true (verl forwards the node verbatim to vllm serve)."""
-    from omegaconf import OmegaConf
-
-    # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.launch_server
-    rollout = OmegaConf.select(config, "actor_rollout_ref.rollout", default=None)
-    if rollout is None or OmegaConf.select(rollout, "name", default=None) != "vllm":
-        return False
-    value = OmegaConf.select(rollout, "engine_kwargs.vllm.return_sampling_mask", default=False)
-    return value is True or str(value).lower() == "true"
-
-
-def _number(value: Any, default: float) -> float:
-    return default if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) else value
-
-
-def _rollout_cut_problems(rollout: Any) -> list[str]:
-    """Why the safe vocabulary without min-p (``tim.safe_vocab.enable``) cannot work with this rollout."""
-    top_p, top_k = _number(rollout.get("top_p"), 1.0), _number(rollout.get("top_k"), -1)
-    out = []
-    if top_p >= 1.0 and top_k <= 0:
-        out.append(
-            f"tim.safe_vocab.enable=True with tim.safe_vocab.min_p=0 and actor_rollout_ref.rollout.top_p={top_p!r}, "
-            f"top_k={top_k!r}: {SAFE_VOCAB_NEEDS_A_CUT}, and the sampler keeps the whole vocabulary, so there is no "
-            "cut to renormalise over. Fix: "
-            "your sampler's actor_rollout_ref.rollout.top_p=<p < 1> and/or top_k=<k > 0>, or pruning of the "
-            f"extreme tail: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} " + " ".join(rollout_min_p_overrides(DEFAULT_MIN_P)))
-    engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
-    rollout_min_p = (engine.get("additional_config") or {}).get(_VLLM_MIN_P_KEY)
-    if _VLLM_MIN_P_PROCESSOR in {str(p) for p in engine.get("logits_processors") or []} \
-            and _number(rollout_min_p, 0.0) > 0.0:
-        out.append(
-            f"{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={rollout_min_p!r} with tim.safe_vocab.min_p=0: "
-            "the rollout prunes a min-p tail the actor keeps, so the ratio reads the pruned mass again. Fix: "
-            f"+tim.safe_vocab.min_p={rollout_min_p!r}, or drop the tim-plugins logits processor")
-    return out
-
-
-def _sampling_mask_problems(config: Any, *, logprobs_mode: bool = True) -> list[str]:
-    """What vLLM refuses beside ``return_sampling_mask`` (``VllmConfig._verify_sampling_replay_config`` at start-up,
-    and per request in ``InputProcessor``: temperature > 0, top_k > 0), in verl's names. A validation request
-    takes ``rollout.val_kwargs`` (verl's default: greedy, top_k -1), so a run that validates needs them too."""
-    # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences
-    rollout = config.actor_rollout_ref.rollout
-    engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
-    why = f"{VLLM_ENGINE_KWARGS}.return_sampling_mask=true (vLLM's kept sets, replayed by the actor): vLLM"
-    out = []
-    procs = engine.get("logits_processors") or []
-    if procs:
-        out.append(f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r} with {why} refuses custom logits processors. "
-                   "Fix: drop the logits processors; for the safe vocabulary over your top-p / top-k alone "
-                   "+tim.safe_vocab.enable=true with tim.safe_vocab.min_p=0")
-    if logprobs_mode and rollout.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
-        out.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r} with {why} needs "
-                   "processed log-probs. Fix: actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
-    sides = [("actor_rollout_ref.rollout", rollout)]
-    trainer = config.get("trainer") or {}
-    if _number(trainer.get("test_freq"), -1) > 0 or trainer.get("val_before_train", True):
-        sides.append(("actor_rollout_ref.rollout.val_kwargs", rollout.get("val_kwargs") or {}))
-    for path, sampling in sides:
-        top_k, temperature = _number(sampling.get("top_k"), -1), _number(sampling.get("temperature"), 1.0)
-        if top_k <= 0 or temperature <= 0:
-            out.append(f"{path}.top_k={sampling.get('top_k')!r}, {path}.temperature={sampling.get('temperature')!r} "
-                       f"with {why} refuses every request without top_k > 0 and temperature > 0 (it bounds the "
-                       f"sets' size). Fix: {path}.top_k=<k > 0> {path}.temperature=<T > 0>"
-                       + (" (or trainer.val_before_train=false trainer.test_freq=-1: no validation)"
-                          if path.endswith("val_kwargs") else ""))
-    return out
-
-
-def _rollout_min_p_problem(rollout: Any, min_p: float) -> str | None:
-    """Why the rollout does not sample with the trainer's ``min_p`` (None when it does)."""
-    fix = "Fix: " + " ".join(rollout_min_p_overrides(min_p))
-    if rollout.get("name") != "vllm":
-        return (f"tim.safe_vocab.min_p={min_p!r} with actor_rollout_ref.rollout.name={rollout.get('name')!r}: "
-                "only the vLLM rollout can be pruned, so this rollout samples from the full vocabulary; sampled "
-                "tokens outside the trainer's safe set are masked out of the loss (tim/safe_vocab/boundary_frac)")
-    engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
-    procs = engine.get("logits_processors") or []
-    if _VLLM_MIN_P_PROCESSOR not in {str(p) for p in procs}:
-        return (f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r}: tim.safe_vocab.min_p={min_p!r} prunes the "
-                "trainer side, but verl passes no min_p to vLLM, so the rollout would sample from the full "
-                f"vocabulary; the tim-plugins processor must be loaded. {fix}")
-    rollout_min_p = (engine.get("additional_config") or {}).get(_VLLM_MIN_P_KEY)
-    if rollout_min_p is None or isinstance(rollout_min_p, bool) or not isinstance(rollout_min_p, (int, float)) \
-            or not math.isclose(float(rollout_min_p), min_p, rel_tol=1e-9, abs_tol=0.0):
-        return (f"{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={rollout_min_p!r}: the rollout must "
-                f"prune with the trainer's tim.safe_vocab.min_p={min_p!r}. {fix}")
-    return None

@@ -325,7 +325,7 @@ VERL_MEGATRON_SOURCES = {
         "backward: the output layer's input mapping with sequence parallelism",
 }
 
-# Config keys (dotted, in verl's composed ppo_trainer config) that config.check_composed_config, trainer.py and
+# Config keys (dotted, in verl's composed ppo_trainer config) that composed.check_composed_config, trainer.py and
 # parity_spec.py read; each must exist in verl's defaults (tests/verl_suite/test_verl_sources.py composes them).
 VERL_CONFIG_KEYS = (
     "trainer.use_v1", "trainer.v1.trainer_mode", "trainer.save_freq",

@@ -26,8 +26,8 @@ from omegaconf import open_dict
 from tim_plugins.by_key import policy_lag
 from tim_plugins.parity.findings import ParityError
 
-from .config import (LAG_FIELD, TRAINER_MODE_PREFIX, ActorContext, TIMVerlConfig, asks_sampling_mask,
-                     check_composed_config)
+from .composed import asks_sampling_mask, check_composed_config
+from .config import LAG_FIELD, TRAINER_MODE_PREFIX, ActorContext, TIMVerlConfig
 
 __all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "refuse_tim_node_under_legacy_trainer", "refuse_unread_tim_node",
            "register_tim_trainers", "run_startup_audit", "use_tim_actor_worker", "write_run_summary"]

@@ -39,7 +39,7 @@ def test_recipe_overrides_compose_and_validate(toy_model_path):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     cfg = compose(recipe_overrides(toy_model_path))
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
@@ -55,7 +55,7 @@ def test_recipe_overrides_compose_and_validate(toy_model_path):
 
 
 def test_known_bad_config_reports_each_problem(toy_model_path):
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     bad = [o for o in recipe_overrides(toy_model_path) if not o.startswith(("trainer.v1.trainer_mode",
                                                                             "actor_rollout_ref.actor.optim.optimizer",
@@ -96,7 +96,8 @@ def test_rollout_min_p_reaches_vllm_engine_kwargs(toy_model_path):
      ["+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=0.01"], "tim_min_p=0.01"),
 ])
 def test_rollout_without_the_same_min_p_is_refused(toy_model_path, drop, add, quoted):
-    from tim_plugins.integrations.verl.config import check_composed_config, rollout_min_p_overrides
+    from tim_plugins.integrations.verl.composed import check_composed_config
+    from tim_plugins.integrations.verl.config import rollout_min_p_overrides
 
     overrides = [o for o in recipe_overrides(toy_model_path) if drop not in o] + add
     _, problems, _ = check_composed_config(compose(overrides))
@@ -112,7 +113,7 @@ def test_bypass_mode_leaves_the_monitor_nothing_to_measure_and_is_refused(toy_mo
     """verl's bypass mode copies the rollout's log-probs into old_log_probs (``PPOTrainer._compute_old_log_prob``):
     the monitor would compare the rollout with itself. The recipe passes; the same with bypass_mode is refused,
     quoting the fix, which passes again."""
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     recipe = recipe_overrides(toy_model_path)
     assert check_composed_config(compose(recipe))[1] == []
@@ -334,7 +335,7 @@ def test_megatron_recipe_composes_with_and_without_fused_kernels(toy_model_path)
     ``ppo_megatron_trainer`` config (the LR decay needs no optimizer_impl there: the Megatron engine applies it to
     Megatron's optimizer; the safe vocabulary runs in its logits processor, or with fused kernels in its fused head);
     a top-k distillation loss with the safe vocabulary stops the driver with the fix."""
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     env = dict(os.environ, TIM_PRINT_OVERRIDES="tim", STRATEGY="megatron")
     tim_overrides = subprocess.run(["bash", str(RECIPE)], env=env, capture_output=True, text=True,
@@ -372,7 +373,8 @@ def test_safe_vocabulary_over_the_sampler_cut_alone(toy_model_path):
     """``+tim.safe_vocab.enable=true`` at min_p 0: the actor applies the rollout's own top-k / top-p as set (vLLM
     applies them itself: no logits processor); refused with the fix when the sampler keeps the whole vocabulary,
     or when the rollout still prunes a min-p tail the actor would keep."""
-    from tim_plugins.integrations.verl.config import ActorContext, check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
+    from tim_plugins.integrations.verl.config import ActorContext
     from tim_plugins.integrations.verl.parity_spec import trainer_spec_from_config
     from tim_plugins.truncation import Truncation
 
@@ -452,7 +454,7 @@ def test_what_vllm_refuses_beside_its_kept_sets_stops_the_run_at_start_up(toy_mo
     """``engine_kwargs.vllm.return_sampling_mask=true`` (the actor replays vLLM's kept sets): what vLLM refuses
     with it (at start-up, or per request: top_k > 0, temperature > 0; a validation request takes val_kwargs,
     greedy by verl's default) is a problem before any worker starts, quoting the value and the fix."""
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     base = _without_min_p(toy_model_path) + REPLAY
     tim, problems, _ = check_composed_config(compose(base))
@@ -471,7 +473,7 @@ def test_what_vllm_refuses_beside_its_kept_sets_stops_the_run_at_start_up(toy_mo
 def test_min_p_pruning_with_vllm_kept_sets_is_refused_with_the_way_out(toy_model_path):
     """The recipe's min-p pruning loads tim-plugins' logits processor, which vLLM refuses beside
     return_sampling_mask: the fix names the safe vocabulary over the sampler's own cut."""
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     cfg = compose(recipe_overrides(toy_model_path) + REPLAY[1:])
     _, problems, _ = check_composed_config(cfg)
@@ -538,7 +540,7 @@ def test_the_docs_monitor_only_block_composes_and_validates_and_each_line_is_nee
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
 
     import verl.trainer.main_ppo as main_ppo
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     block = _docs_minimal_overrides()
     assert block == ["trainer.v1.trainer_mode=tim_sync", "+tim.monitor.enable=true"]

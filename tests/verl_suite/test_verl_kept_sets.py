@@ -166,7 +166,7 @@ def test_the_loader_drops_the_kept_sets_alone_when_their_hook_moved(monkeypatch,
 
 
 def test_the_driver_reads_whether_the_run_asks_vllm_for_its_sets():
-    from tim_plugins.integrations.verl.config import asks_sampling_mask as _asks_sampling_mask
+    from tim_plugins.integrations.verl.composed import asks_sampling_mask as _asks_sampling_mask
 
     def cfg(name, vllm):
         return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": name, "engine_kwargs": {"vllm": vllm}}}})

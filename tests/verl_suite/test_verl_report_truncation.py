@@ -15,7 +15,7 @@ from test_verl_config import compose, recipe_overrides  # noqa: E402
 
 
 def test_summary_records_the_truncation_and_the_report_names_the_overrides(toy_model_path, tmp_path):
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
     from tim_plugins.integrations.verl.trainer import write_run_summary
     from tim_plugins.report import read_summary
     from tim_plugins.report.truncation import settings_line
@@ -38,7 +38,7 @@ def test_summary_records_the_truncation_and_the_report_names_the_overrides(toy_m
 def test_the_report_names_the_enable_override_when_the_cut_alone_is_replayed_or_recomputed(toy_model_path, tmp_path):
     """``+tim.safe_vocab.enable=true`` at min_p 0 (no min-p pruning, no logits processor): the settings line names
     that override, not a ``min_p=0`` the user never wrote; with vLLM asked for its kept sets the summary says so."""
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
     from tim_plugins.integrations.verl.trainer import write_run_summary
     from tim_plugins.report import read_summary
     from tim_plugins.report.truncation import settings_line

@@ -28,7 +28,8 @@ def _recipe_without(toy_model_path, *prefixes):
 def test_probe_enable_is_trl_s_parity_probe_through_the_composed_config(toy_model_path, extra, expected):
     from omegaconf import OmegaConf
 
-    from tim_plugins.integrations.verl.config import TIMVerlConfig, check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
 
     cfg = compose(_recipe_without(toy_model_path, "+tim.probe.kl_k3") + ["+tim.probe.enable=true", *extra])
     tim, problems, _ = check_composed_config(cfg)
@@ -40,7 +41,8 @@ def test_probe_enable_is_trl_s_parity_probe_through_the_composed_config(toy_mode
 def test_probe_enable_false_is_off_whatever_limits_are_set(toy_model_path):
     from omegaconf import OmegaConf
 
-    from tim_plugins.integrations.verl.config import TIMVerlConfig, check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
 
     cfg = compose(recipe_overrides(toy_model_path) + ["+tim.probe.enable=false"])
     assert cfg.tim.probe.kl_k3 == 1e-2  # the recipe's limit is still there
@@ -71,7 +73,7 @@ def test_what_trl_refuses_stops_the_driver(toy_model_path, override, quoted, rul
 
 
 def test_min_p_zero_is_no_pruning(toy_model_path):
-    from tim_plugins.integrations.verl.config import check_composed_config
+    from tim_plugins.integrations.verl.composed import check_composed_config
 
     overrides = _recipe_without(toy_model_path, "+tim.safe_vocab.min_p", "'+actor_rollout_ref.rollout.engine_kwargs",
                                 "+actor_rollout_ref.rollout.engine_kwargs")

@@ -253,11 +253,11 @@ def test_get_non_tensor_data_unwraps_and_defaults():
 
 
 def test_distillation_loss_settings_say_which_losses_read_the_top_k():
-    """What the driver's check of the safe vocabulary on a Megatron actor reads (config._topk_distillation)."""
+    """What the driver's check of the safe vocabulary on a Megatron actor reads (composed._topk_distillation)."""
     from omegaconf import OmegaConf
     from verl.trainer.distillation.losses import get_distillation_loss_settings
 
-    from tim_plugins.integrations.verl.config import _topk_distillation
+    from tim_plugins.integrations.verl.composed import _topk_distillation
 
     assert get_distillation_loss_settings("forward_kl_topk").use_topk is True
     assert get_distillation_loss_settings("k3").use_topk is False

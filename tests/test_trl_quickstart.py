@@ -1,7 +1,8 @@
-"""The README's TRL example is a complete script (integrations/trl/examples/quickstart.py) that runs as it stands:
+"""The TRL examples run as they stand. The README's TRL example is a complete script (integrations/trl/examples/quickstart.py) that runs as it stands:
 the README shows exactly the file's marked region, and the file, executed end to end, trains (the reward varies
 within each group: non-zero loss and grad norm at every step, the weights move) and logs the compact set of tim/
-metrics in TRL's log_history, agreeing with TRL's own counts."""
+metrics in TRL's log_history, agreeing with TRL's own counts. The longer example docs/trl.md points to
+(integrations/trl/examples/grpo_with_tim.py) runs with each of its documented command lines."""
 
 from __future__ import annotations
 
@@ -73,3 +74,32 @@ def test_example_runs_end_to_end_trains_and_logs_tim_metrics(tmp_path, monkeypat
     start = AutoModelForCausalLM.from_pretrained(env["model"]).state_dict()
     moved = [k for k, v in trainer.model.state_dict().items() if not torch.equal(v.cpu(), start[k])]
     assert moved, "no parameter changed"
+
+
+GRPO_WITH_TIM = ROOT / "integrations" / "trl" / "examples" / "grpo_with_tim.py"
+
+
+@pytest.mark.trl
+@pytest.mark.parametrize("flags", [[], ["--safe-vocab", "--lr-decay", "--is-correction", "token_tis"]],
+                         ids=["plain", "mitigations"])
+def test_the_longer_example_runs_its_documented_command_lines(tmp_path, flags):
+    """Each command line of the example's docstring (the toy model; fewer steps): it trains, prints one row per
+    step, and counts the completion tokens TRL counted; with --safe-vocab both sides prune the same tail."""
+    if flags:
+        assert " ".join(flags) in GRPO_WITH_TIM.read_text()
+    main = runpy.run_path(str(GRPO_WITH_TIM))["main"]
+    out = main(["--steps", "2", "--output-dir", str(tmp_path / "out"), *flags])
+    trainer = out["trainer"]
+    from tim_plugins.integrations.trl import TIMCallback
+
+    (cb,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, TIMCallback)]
+    assert (cb.config.safe_vocab, cb.config.lr_decay, cb.config.is_correction) == (
+        "--safe-vocab" in flags, "--lr-decay" in flags, "token_tis" if flags else None)
+    logged = {h["step"]: h for h in trainer.state.log_history if "tim/tokens" in h}
+    assert [r["step"] for r in out["rows"]] == sorted(logged) == [1, 2]
+    completions = trainer.args.per_device_train_batch_size
+    for row in out["rows"]:
+        h = logged[row["step"]]
+        assert row["tim/tokens"] == pytest.approx(h["completions/mean_length"] * completions, abs=1e-9)
+        # HF generate in fp32 against the fp32 trainer, the same tail pruned on both sides with --safe-vocab
+        assert 0.0 <= row["tim/token/kl_k3"] < 1e-6, row

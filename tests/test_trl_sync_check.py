@@ -265,6 +265,46 @@ def test_without_the_check_the_lag0_rules_name_a_stale_engine(unchecked_stale_ru
     assert logged[1]["tim/cause/named"] == 0 and max(logged[s]["tim/cause/named"] for s in (2, 3, 4)) >= 1
 
 
+BREAK = 4  # the mid-run break: every sync from global_step 4 on is a no-op, so step 5 is the first stale one
+
+
+@pytest.fixture(scope="module")
+def unchecked_break_run(engine, unchecked_stale_run, toy_model_path, tmp_path_factory):
+    """The check off, the toy runs' own learning rate, and syncs that stop applying mid-run (from the sync before
+    step 5 on): four fault-free windows give the lag-0 floor its history first."""
+    return _run(engine, toy_model_path, tmp_path_factory.mktemp("sync_break"),
+                {s: "noop" for s in range(BREAK, 20)}, 8, TIMConfig(sync_check=False))
+
+
+def test_a_sync_that_breaks_mid_run_is_named_by_the_floor_jump(unchecked_break_run):
+    """The floor-jump rule on a real run, against the rule recomputed here from the floors TRL logged
+    (``tim/token/abs_diff_mean``): nothing named on the fault-free steps, the jump named within two steps of the
+    break. (A stale window can still dip below the rule's absolute margin: which tokens a window samples moves its
+    floor.)"""
+    import statistics
+
+    from tim_plugins.causes import CauseConfig
+
+    trainer, cb = unchecked_break_run
+    c = CauseConfig()
+    logged = {h["step"]: h for h in trainer.state.log_history if "tim/cause/named" in h}
+    assert sorted(logged) == list(range(1, 9))
+    kept, expected = [], []
+    for step in sorted(logged):
+        floor = logged[step]["tim/token/abs_diff_mean"]
+        median = statistics.median(kept[-c.floor_window:]) if kept else None
+        if median is not None and floor > c.floor_jump_factor * median and floor - median > c.floor_jump_min:
+            expected.append(step)
+        else:
+            kept.append(floor)
+    jumps = [x.step for x in cb.pipeline.causes.named if x.code == "floor-jump"]
+    assert jumps == expected
+    assert jumps and BREAK + 1 <= jumps[0] <= BREAK + 2  # nothing before the break, named soon after it
+    assert all(logged[s]["tim/cause/named"] == 0 for s in range(1, BREAK + 1))
+    assert all(logged[s]["tim/cause/named"] >= 1 for s in jumps)
+    assert max(logged[s]["tim/token/abs_diff_mean"] for s in range(1, BREAK + 1)) < c.floor_jump_min
+
+
 def test_the_report_leads_with_the_named_causes(faulty_run):
     """tim-plugins report on the run's dump: the verdict is ACT and names the broken sync first (not a dtype fix),
     and the causes section lists each with its tensors and TRL's fix."""

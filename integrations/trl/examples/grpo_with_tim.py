@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     rows = [{k: h.get(k) for k in ("step",) + keys} for h in trainer.state.log_history if "tim/tokens" in h]
     for row in rows:
         print(row)
-    return {"rows": rows}
+    return {"rows": rows, "trainer": trainer}
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def async_run(toy_model_path, tmp_path_factory):
         sel = inputs["token_index"] >= 0
         passes.append((trainer.state.global_step, inputs["segment_id"][sel].clone(),
                        inputs["old_log_probs"][sel].clone(),
-                       {n: p.detach().clone() for n, p in model.named_parameters()}))
+                       # unwrapped: after a test that left a process group up (vLLM's in-process engine),
+                       # accelerate wraps the model in DDP and its names gain "module."
+                       {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(model).named_parameters()}))
         return original(model, inputs, *a, **k)
 
     trainer.compute_loss = compute_loss

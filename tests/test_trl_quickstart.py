@@ -1,8 +1,9 @@
-"""The TRL examples run as they stand. The README's TRL example is a complete script (integrations/trl/examples/quickstart.py) that runs as it stands:
-the README shows exactly the file's marked region, and the file, executed end to end, trains (the reward varies
-within each group: non-zero loss and grad norm at every step, the weights move) and logs the compact set of tim/
-metrics in TRL's log_history, agreeing with TRL's own counts. The longer example docs/trl.md points to
-(integrations/trl/examples/grpo_with_tim.py) runs with each of its documented command lines."""
+"""The TRL examples run as they stand. The README's TRL example is a complete script
+(integrations/trl/examples/quickstart.py): the README shows exactly the file's marked region, and the file,
+executed end to end, trains (the reward varies within each group: non-zero loss and grad norm at every step, the
+weights move) and logs the compact set of tim/ metrics in TRL's log_history, agreeing with TRL's own counts. The
+longer example docs/trl.md points to (integrations/trl/examples/grpo_with_tim.py) runs with each of its documented
+command lines."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """The comparison page (``tim-plugins report A B``) says what differs between the runs: each run's verdict, the
 settings whose values differ (nested settings and verl's JSON-text settings compared leaf by leaf, a run's own
-folders left out), the package versions each run recorded, and each run's parity audit."""
+folders left out), the package versions that differ (those equal in every run in one line above the table), and
+each run's parity audit."""
 
 from __future__ import annotations
 
 import json
 
 from tim_plugins.report import build_comparison
-from tim_plugins.report.compare_page import differences
+from tim_plugins.report.compare_page import differences, same_versions
 
 
 def _finding(code: str, severity: str) -> dict:
@@ -40,8 +41,7 @@ def test_the_table_has_the_verdicts_the_differing_settings_the_versions_and_each
     assert rows == [
         ["verdict", "WATCH", "OK"],
         ["setting: safe_vocab", "False", "True"],  # TIMConfig.safe_vocab, equal to it in each run: not a twin row
-        ["version: torch", "2.13.0", "2.13.0"],
-        ["version: trl (differs)", "1.16.0", "1.17.0"],
+        ["version: trl", "1.16.0", "1.17.0"],  # torch, equal in both runs, is in the paragraph above the table
         ["parity audit", "2 errors: dtype-mismatch (deliberate), sampler-truncation-unmatched (deliberate); "
                          "1 warning: lm-head-precision-mismatch", "1 error: dtype-mismatch (deliberate); 0 warnings"],
     ]
@@ -63,6 +63,16 @@ def test_a_timconfig_field_that_reads_otherwise_than_the_runs_own_setting_keeps_
     assert ["setting: TIMConfig.safe_vocab", "False", "on"] in rows and ["setting: safe_vocab", "False", "True"] in rows
 
 
+def test_versions_equal_in_every_run():
+    three = {"a": PROBLEM, "b": FIX, "c": dict(FIX, versions={"torch": "2.13.0", "trl": "1.17.0", "numpy": "2.4.6"})}
+    assert same_versions(three) == {"torch": "2.13.0"}
+    assert same_versions({"a": FIX, "b": FIX}) == {"torch": "2.13.0", "trl": "1.17.0"}
+    rows, _ = differences(three)
+    assert [r for r in rows if r[0].startswith("version")] == [["version: numpy", "–", "–", "2.4.6"],
+                                                               ["version: trl", "1.16.0", "1.17.0", "1.17.0"]]
+    assert same_versions({"a": dict(FIX, versions=None), "b": FIX}) == {}
+
+
 def test_a_setting_one_run_lacks_and_a_run_without_an_audit():
     other = dict(FIX, settings={**FIX["settings"], "num_iterations": 2})
     del other["findings"], other["own_audit"]
@@ -81,6 +91,7 @@ def test_the_page_opens_with_the_table(tmp_path):
     assert html.index("<h2>What differs between the runs</h2>") < html.index("<h2>Verdict per run</h2>")
     flat = html.replace("\n", "")
     assert "<td>setting: safe_vocab</td><td>False</td><td>True</td>" in flat
-    assert "<td>version: trl (differs)</td><td>1.16.0</td><td>1.17.0</td>" in flat
+    assert "<td>version: trl</td><td>1.16.0</td><td>1.17.0</td>" in flat
+    assert "the same in every run: torch 2.13.0," in flat and "<td>version: torch" not in flat
     # each run's verdict leaves out its audit line: the table's row stands for it, its tables are not on this page
     assert "Parity audit:" not in html and "By table" not in html

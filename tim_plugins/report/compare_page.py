@@ -1,7 +1,8 @@
 """The page comparing several training runs (or dump folders) side by side: what differs between them (settings,
-package versions, each run's parity audit), one verdict per run, the per-step series overlaid (one colour per run),
-the truncation row of each run where one used the safe vocabulary, the per-token figures overlaid, the largest
-disagreements per run. For before / after a fix, bf16 against fp32 rollouts, one setting against another."""
+the package versions that differ, each run's parity audit), one verdict per run, the per-step series overlaid (one
+colour per run), the truncation row of each run where one used the safe vocabulary, the per-token figures overlaid,
+the largest disagreements per run. For before / after a fix, bf16 against fp32 rollouts, one setting against
+another."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import html
 import json
 from pathlib import Path
 
-__all__ = ["comparison_page", "differences"]
+__all__ = ["comparison_page", "differences", "same_versions"]
 
 # Settings that name a run's own folders: they differ between any two runs and say nothing about them.
 _OWN_FOLDERS = ("out", "TIMConfig.dump_dir", "tim.dump.dir")
@@ -112,8 +113,9 @@ def _text(value) -> str:
 def differences(runs: dict[str, dict | None], verdicts: dict[str, dict] | None = None
                 ) -> tuple[list[list[str]], int]:
     """The rows of the "What differs" table ({label: summary}): each run's verdict (``verdicts``, where given), every
-    setting whose value differs between the runs (a setting one run lacks reads "–"), every package version (each
-    run's, where recorded), each run's parity audit; and the number of settings equal in every run."""
+    setting whose value differs between the runs (a setting one run lacks reads "–"), every package version that
+    differs (``same_versions`` has the others), each run's parity audit; and the number of settings equal in every
+    run."""
     settings = {label: _settings(s or {}) for label, s in runs.items()}
     names = sorted(set().union(*settings.values()))
     differ = [n for n in names if len({_text(s.get(n)) for s in settings.values()}) > 1]
@@ -123,19 +125,34 @@ def differences(runs: dict[str, dict | None], verdicts: dict[str, dict] | None =
     shown = [n for n in differ if not twin(n)]
     rows = [["verdict", *[verdicts[label]["status"].upper() for label in runs]]] if verdicts else []
     rows += [[f"setting: {n}", *[_text(settings[label].get(n)) for label in runs]] for n in shown]
-    versions = {label: (s or {}).get("versions") or {} for label, s in runs.items()}
+    versions = _versions(runs)
     for dist in sorted(set().union(*versions.values())):
         values = [versions[label].get(dist) for label in runs]
-        mark = " (differs)" if len(set(values)) > 1 else ""
-        rows.append([f"version: {dist}{mark}", *[_text(v) for v in values]])
+        if len(set(values)) > 1:
+            rows.append([f"version: {dist}", *[_text(v) for v in values]])
     rows.append(["parity audit", *[_audit_cell(s or {}) for s in runs.values()]])
     return rows, len(names) - len(differ)
 
 
+def _versions(runs: dict[str, dict | None]) -> dict[str, dict]:
+    return {label: (s or {}).get("versions") or {} for label, s in runs.items()}
+
+
+def same_versions(runs: dict[str, dict | None]) -> dict[str, str]:
+    """{distribution: version} of the packages every run recorded at the same version."""
+    versions = list(_versions(runs).values())
+    first = versions[0] if versions else {}
+    return {dist: v for dist, v in sorted(first.items()) if all(other.get(dist) == v for other in versions[1:])}
+
+
 def _differences_section(page, runs: dict[str, tuple[Path, dict | None]], verdicts: dict[str, dict]) -> None:
-    rows, same = differences({label: summary for label, (_, summary) in runs.items()}, verdicts)
+    summaries = {label: summary for label, (_, summary) in runs.items()}
+    rows, same = differences(summaries, verdicts)
+    equal = same_versions(summaries)
+    equal_text = (f"; the same in every run: {html.escape(', '.join(f'{d} {v}' for d, v in equal.items()))}"
+                  if equal else "")
     page.h2("What differs between the runs")
     page.raw(f"<p>Each run's verdict (below, with its lines), the settings whose values differ (the other {same} are "
-             "the same in every run; each run's report lists them all), the package versions each run recorded, and "
-             "each run's parity audit (its report has the findings with their fixes).</p>")
+             "the same in every run; each run's report lists them all), the package versions that differ"
+             f"{equal_text}, and each run's parity audit (its report has the findings with their fixes).</p>")
     page.table(["", *runs], rows)

@@ -19,8 +19,8 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
 
 from tim_plugins.apps.cli import UsageError, main  # noqa: E402
-from tim_plugins.apps.demo import (  # noqa: E402
-    REAL_MODEL_DEFAULTS, TOY_DEFAULTS, DemoConfig, _BF16Rollouts, chat_prompts, chat_reward, toy_reward)
+from tim_plugins.apps.demo import REAL_MODEL_DEFAULTS, TOY_DEFAULTS, DemoConfig, _BF16Rollouts  # noqa: E402
+from tim_plugins.apps.demo_tasks import chat_prompts, chat_reward, toy_reward  # noqa: E402
 from tim_plugins.dump import read_dump  # noqa: E402
 
 
@@ -130,7 +130,8 @@ def test_the_default_comparison_samples_with_top_p_and_its_runs_differ_in_the_sa
     with a full-vocabulary trainer, the second with the safe vocabulary; each in its own folder under OUT."""
     import dataclasses
 
-    from tim_plugins.apps.demo import STORY_TOP_P, comparison_runs
+    from tim_plugins.apps.demo import STORY_TOP_P
+    from tim_plugins.apps.demo_command import comparison_runs
 
     cfg = DemoConfig(out=str(tmp_path))
     assert (cfg.compare, cfg.top_p) == ("safe_vocab", STORY_TOP_P) and STORY_TOP_P < 1

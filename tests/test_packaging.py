@@ -283,7 +283,8 @@ def test_every_core_module_imports_without_the_frameworks():
     assert all("blocked: triton" in result["failed"][name] for name in kernels)
     expected = {"tim_plugins.metrics", "tim_plugins.safe_vocab", "tim_plugins.corrections",
                 "tim_plugins.parity.vllm_spec", "tim_plugins.rollout.vllm_min_p_config", "tim_plugins.rollout.scoring",
-                "tim_plugins.apps.cli", "tim_plugins.apps.measure", "tim_plugins.apps.demo", "tim_plugins.apps.audit",
+                "tim_plugins.apps.cli", "tim_plugins.apps.measure", "tim_plugins.apps.demo",
+                "tim_plugins.apps.demo_command", "tim_plugins.apps.demo_tasks", "tim_plugins.apps.audit",
                 "tim_plugins.apps.report", "tim_plugins.apps.lr_replay"}
     assert expected <= set(result["imported"])
     assert result["tokens"] == 2 and result["frameworks"] == []

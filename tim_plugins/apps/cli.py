@@ -19,7 +19,7 @@ import sys
 __all__ = ["main", "SUBCOMMAND_MODULES", "UsageError", "USAGE_EXIT_CODE", "add_config_options", "config_from_args"]
 
 SUBCOMMAND_MODULES = (
-    "tim_plugins.apps.demo",  # demo
+    "tim_plugins.apps.demo_command",  # demo
     "tim_plugins.apps.measure",  # measure
     "tim_plugins.apps.report",  # report
     "tim_plugins.apps.audit",  # audit, check-batch-invariance

@@ -13,7 +13,9 @@ callback compares them with the trainer's own log-probs of the same tokens at ev
 (sums and one-sentence questions, `chat_reward`). A real model costs far more per step on a CPU, so its defaults
 are a short run (`REAL_MODEL_DEFAULTS`); ``make run`` stays on the toy model.
 
-Writes ``OUT/report.html``, ``OUT/summary.json`` and the per-token dump ``OUT/dump/``; prints a verdict.
+This module is one run (`run_demo`): it writes ``OUT/report.html``, ``OUT/summary.json`` and the per-token dump
+``OUT/dump/``. The task it trains on (prompts and rewards) is `tim_plugins.apps.demo_tasks`; the command, whose default
+is two runs and the page comparing them, is `tim_plugins.apps.demo_command`.
 """
 
 from __future__ import annotations
@@ -21,20 +23,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tim_plugins._config import field_help
-from tim_plugins.apps.cli import UsageError, add_config_options, config_from_args
+from tim_plugins.apps.cli import UsageError
+from tim_plugins.apps.demo_tasks import chat_prompts, chat_reward, toy_reward
 from tim_plugins.apps.models import check_model_path
 
-__all__ = ["DemoConfig", "run_demo", "register", "toy_reward", "chat_reward", "chat_prompts", "TOY_DEFAULTS",
+__all__ = ["DemoConfig", "run_demo", "COMPARISONS", "ROLLOUT_DTYPES", "STORY_TOP_P", "TOY_DEFAULTS",
            "REAL_MODEL_DEFAULTS"]
 
-_DTYPES = ("bfloat16", "float16", "float32")
+ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 # The run's size by model, per run (the default comparison runs two). The toy model takes 3-4 s per step of 32
 # completions on 2 CPU cores; SmolLM2-135M 6.5 s per step of 8 completions on idle cores (docs/demo.md; any other
 # checkpoint is treated as a real model), so its runs are short: few prompts and steps, a learning rate a
@@ -68,7 +70,7 @@ class DemoConfig:
         "rollout_dtype (--rollout-dtype rollouts, then float32 ones), or none (one run with the switches given)"))
     steps: int | None = field(default=None, metadata=field_help(_default_help("steps", "GRPO optimizer steps per run")))
     rollout_dtype: str = field(default="bfloat16", metadata=field_help(
-        f"dtype of the rollout copy of the policy, one of {_DTYPES} (the trainer stays float32)"))
+        f"dtype of the rollout copy of the policy, one of {ROLLOUT_DTYPES} (the trainer stays float32)"))
     top_p: float | None = field(default=None, metadata=field_help(
         "nucleus sampling of the rollouts (GRPOConfig.top_p, which the safe vocabulary applies on the trainer side); "
         f"default: {STORY_TOP_P:g} with --compare safe_vocab and no other cut, else 1.0 (off)"))
@@ -113,8 +115,9 @@ class DemoConfig:
         if self.num_generations < 2:
             raise UsageError(f"--num-generations {self.num_generations} is invalid: GRPO needs >= 2 completions per "
                              "prompt to compare them (e.g. 8).")
-        if self.rollout_dtype not in _DTYPES:
-            raise UsageError(f"--rollout-dtype {self.rollout_dtype!r} is unknown: use one of {', '.join(_DTYPES)}.")
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise UsageError(f"--rollout-dtype {self.rollout_dtype!r} is unknown: use one of "
+                             f"{', '.join(ROLLOUT_DTYPES)}.")
         if not self.temperature > 0:
             raise UsageError(f"--temperature {self.temperature} is invalid: it must be > 0 (sampled rollouts).")
         if not self.learning_rate > 0:
@@ -151,75 +154,6 @@ class DemoConfig:
                 CorrectionConfig(mode=self.is_correction)
             except ValueError as err:
                 raise UsageError(f"--is-correction {self.is_correction!r} is invalid: {err}") from None
-
-
-# ----------------------------------------------------------------------------------------------- the task
-_SUM = re.compile(r"^Q: (\d+) \+ (\d+) = \? A:$")
-_SORT = re.compile(r"^sort ([\d ]+) ->$")
-
-
-def toy_reward(prompts, completions, **kwargs) -> list[float]:
-    """A graded reward for the toy prompts, so that completions of one prompt differ (GRPO learns from the
-    spread inside a group): sums score by how close the first number is to the answer, sorting by the share of
-    digits in their sorted place, free text by sentence length up to 8 words when it ends with a full stop."""
-    rewards = []
-    for prompt, completion in zip(prompts, completions):
-        text = completion.strip()
-        if m := _SUM.match(prompt):
-            truth = int(m.group(1)) + int(m.group(2))
-            got = re.match(r"\d+", text)
-            rewards.append(max(0.0, 1.0 - abs(int(got.group()) - truth) / max(truth, 1)) if got else 0.0)
-        elif m := _SORT.match(prompt):
-            want = sorted(m.group(1).split())
-            got = re.findall(r"\d", text)[: len(want)]
-            rewards.append(sum(a == b for a, b in zip(got, want)) / len(want))
-        else:
-            words = text.rstrip(".").split()
-            rewards.append(min(len(words), 8) / 8 if text.endswith(".") else 0.0)
-    return rewards
-
-
-_CHAT_SUM = re.compile(r"What is (\d+) plus (\d+)\?")
-_CHAT_QUESTIONS = (
-    "Why is the sky blue?", "What does a bee do?", "Why do leaves fall in autumn?", "What is a prime number?",
-    "Why do we sleep?", "What is the capital of France?", "How does a bicycle stay upright?",
-    "What is rain made of?",
-)
-
-
-def chat_prompts(tokenizer, n: int, seed: int = 0) -> list[str]:
-    """``n`` prompts for a chat model, rendered with its chat template: every other one a sum of two numbers
-    below 50 ("What is 12 plus 30? Reply with the number only."), the others a question to answer in one short
-    sentence."""
-    import random
-
-    rng = random.Random(20_000 + seed)
-    prompts = []
-    for i in range(n):
-        if i % 2 == 0:
-            text = f"What is {rng.randrange(50)} plus {rng.randrange(50)}? Reply with the number only."
-        else:
-            text = f"{rng.choice(_CHAT_QUESTIONS)} Answer in one short sentence."
-        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                     add_generation_prompt=True))
-    return prompts
-
-
-def chat_reward(prompts, completions, **kwargs) -> list[float]:
-    """The reward of `chat_prompts`, graded so that completions of one prompt differ: a sum scores by how close
-    the first number of the answer is to the truth; a question by a finished sentence (ends with . ! or ?),
-    shorter is better past 12 words."""
-    rewards = []
-    for prompt, completion in zip(prompts, completions):
-        text = completion.strip()
-        if m := _CHAT_SUM.search(prompt):
-            truth = int(m.group(1)) + int(m.group(2))
-            got = re.search(r"-?\d+", text)
-            rewards.append(max(0.0, 1.0 - abs(int(got.group()) - truth) / max(truth, 1)) if got else 0.0)
-        else:
-            words = len(text.split())
-            rewards.append(min(1.0, 12 / max(words, 1)) if text.endswith((".", "!", "?")) and words else 0.0)
-    return rewards
 
 
 class _BF16Rollouts:
@@ -541,118 +475,3 @@ def _mitigation_words(cfg: DemoConfig) -> str:
     on = ["safe_vocab=True"] * cfg.safe_vocab + [f"is_correction={cfg.is_correction!r}"] * bool(cfg.is_correction) \
         + ["lr_decay=True"] * cfg.lr_decay
     return f" with TIMConfig({', '.join(on)})" if on else ""
-
-
-def comparison_runs(cfg: DemoConfig) -> list[tuple[str, DemoConfig]]:
-    """The two runs of ``cfg.compare`` as (label, the run's DemoConfig, writing to OUT/<folder>): the problem, then
-    the same run with its fix."""
-    import dataclasses
-
-    out = Path(cfg.out)
-    if cfg.compare == "safe_vocab":
-        pairs = [("full vocabulary", {"safe_vocab": False}), ("safe vocabulary", {"safe_vocab": True})]
-    elif cfg.compare == "rollout_dtype":
-        pairs = [(f"{cfg.rollout_dtype} rollouts", {}), ("float32 rollouts", {"rollout_dtype": "float32"})]
-    else:
-        raise ValueError(f"comparison_runs: --compare {cfg.compare!r} runs once")
-    return [(label, dataclasses.replace(cfg, **change, compare="none", out=str(out / label.replace(" ", "-"))))
-            for label, change in pairs]
-
-
-def run_comparison(cfg: DemoConfig) -> dict:
-    """``cfg.compare``'s two runs (`run_demo` each, into OUT/<label>/) and the page comparing them, OUT/report.html:
-    {"runs": {label: summary}, "report": path}."""
-    from tim_plugins.apps.report import token_decoder
-    from tim_plugins.apps.startup import model_label, model_status, say
-    from tim_plugins.report import build_comparison
-
-    runs = comparison_runs(cfg)
-    summaries = {}
-    # the first run's audit error is the problem the comparison shows: marked deliberate there, as the bf16 copy is
-    shown = {"safe_vocab": {"sampler-truncation-unmatched": (
-        "the full-vocabulary trainer under a truncated sampler is the problem this comparison shows (its second run "
-        "has the safe vocabulary)")}}.get(cfg.compare, {})
-    # what it does and which model, before the heavy imports (each run then says its own settings)
-    say(f"tim-plugins demo: {len(runs)} runs, {' then '.join(label for label, _ in runs)}, on one page; "
-        f"report: {Path(cfg.out) / 'report.html'}")
-    say(model_status(cfg.model))
-    for i, (label, run) in enumerate(runs, 1):
-        say(f"\n[{i}/{len(runs)}] {label}")
-        summaries[label] = run_demo(run, deliberate=shown if i == 1 else None)
-    title = {"safe_vocab": f"Truncated sampling against a full-vocabulary trainer, and the fix: the safe vocabulary "
-                           f"({model_label(cfg.model)})",
-             "rollout_dtype": f"{cfg.rollout_dtype} rollouts against a float32 trainer, and the fix: float32 "
-                              f"rollouts ({model_label(cfg.model)})"}[cfg.compare]
-    decoders = {label: token_decoder(summaries[label]["settings"]["model"]) for label, _ in runs}
-    path = build_comparison([run.out for _, run in runs], Path(cfg.out) / "report.html",
-                            labels=[label for label, _ in runs], title=title, decode=decoders)
-    return {"runs": summaries, "report": str(path)}
-
-
-# What a run costs, as measured on the shared 2-core machine (docs/demo.md): the default comparison (two toy-model
-# runs of 20 steps) took 1 min 25 s of wall time (39 s of CPU time) at a load average of about 4; SmolLM2's 8 steps
-# about 10 min under similar load.
-DEMO_COST = ("toy model: 1.5 min on 2 cores at load 4; --model smollm2: about 10 min")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help=f"A mismatch and its fix inside a real GRPO run (TRL GRPOTrainer + TIMCallback on CPU): top-p "
-             f"rollouts against a full-vocabulary trainer, then with the safe vocabulary, on one page ({DEMO_COST}).",
-        description="Short TRL GRPOTrainer runs on CPU with TIMCallback attached, bf16 rollouts against an fp32 "
-                    "trainer. By default two runs: rollouts sampled with top-p against a full-vocabulary trainer "
-                    "(every token's ratio reads the kept mass), then the same with the safe vocabulary "
-                    "(TIMConfig(safe_vocab=True): the ratio back to 1), each in OUT/<run>/ (report.html, "
-                    "summary.json, dump/), and OUT/report.html comparing them. --compare none runs once with the "
-                    "switches given (--safe-vocab, --is-correction, --lr-decay, --top-p, ...). --model smollm2 runs "
-                    f"on SmolLM2-135M-Instruct (short runs by default: {REAL_MODEL_DEFAULTS['steps']} steps of "
-                    f"{REAL_MODEL_DEFAULTS['prompts_per_step']} prompts x {REAL_MODEL_DEFAULTS['num_generations']} "
-                    f"completions). Time: {DEMO_COST}.")
-    add_config_options(p, DemoConfig, {"rollout_dtype": _DTYPES, "compare": COMPARISONS})
-    p.set_defaults(func=_main)
-
-
-def _print_verdict(summary: dict, indent: str = "") -> None:
-    v = summary["verdict"]
-    print(f"{indent}{v['headline']}")
-    for status, text, _ in v["lines"]:
-        print(f"{indent}  [{status.upper():5}] {text}")
-    for line in v.get("extra", []):
-        print(f"{indent}  {line}")
-
-
-def _main(args) -> int:
-    cfg = config_from_args(args, DemoConfig)
-    if cfg.compare != "none":
-        result = run_comparison(cfg)
-        for label, summary in result["runs"].items():
-            print(f"\n{label} ({Path(summary['report']).parent}):")
-            _print_verdict(summary, "  ")
-        print(f"\n{_comparison_line(result['runs'])}")
-        print(f"\nreport comparing the runs: {result['report']}")
-        return 0
-    summary = run_demo(cfg)
-    print()
-    _print_verdict(summary)
-    rows = summary.get("disagreements")
-    if rows:
-        from tim_plugins.report.disagreements import disagreements_text
-
-        print("\nLargest disagreements (p rollout → p trainer, Δ log p, the token in ⟦ ⟧; the report lists more):")
-        for line in disagreements_text(rows[:5]):
-            print(f"  {line}")
-    print(f"\nreport: {summary['report']}\nsummary: {Path(summary['report']).parent / 'summary.json'}")
-    return 0
-
-
-def _comparison_line(runs: dict[str, dict]) -> str:
-    """The two runs side by side in one line: each one's mean ρ and k3 over its logged steps (token-weighted)."""
-    parts = []
-    for label, summary in runs.items():
-        rows = [h for h in summary["log_history"] if h.get("tim/tokens")]
-        n = sum(h["tim/tokens"] for h in rows)
-        rho = sum(h["tim/tokens"] * h["tim/token/ratio_mean"] for h in rows) / n if n else float("nan")
-        k3 = sum(h["tim/tokens"] * h["tim/token/kl_k3"] for h in rows) / n if n else float("nan")
-        parts.append(f"{label}: ρ mean {rho:.4f}, k3 {k3:.2e} nats/token")
-    return "Side by side: " + "; ".join(parts) + "."

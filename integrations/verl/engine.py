@@ -11,7 +11,7 @@ No verl object is patched (the only change to verl's state is the registry entry
 * ``prepare_model_outputs``: after the parent, recomputes log-probs (and entropy) as safe-vocabulary log-probs
   (``tim_plugins.safe_vocab``) from ``output.logits`` scaled as the parent scales them; both the old-log-prob pass
   and the training pass go through it. Where the micro-batch carries the rollout engine's own kept sets
-  (``engine_mixin.kept_sets_of_micro_batch``), they are replayed (``tim_plugins.replay``) instead of recomputed,
+  (``micro_batch.kept_sets_of_micro_batch``), they are replayed (``tim_plugins.replay``) instead of recomputed,
   in the logits path and the fused head alike. It sets the micro-batch's safe-set fields for the mixin.
 * ``forward_step``: the mixin's per-micro-batch calls around verl's (``_tim_wrap_loss``, ``_tim_after_forward``).
 * the LR decay's optimizer route (``optim.py``, ``optimizer_impl``), the mixin's default.
@@ -35,7 +35,8 @@ from tim_plugins.patching import Patch
 from tim_plugins.safe_head import kept_set_logprobs
 
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
-from .engine_mixin import TIMEngineMixin, padded_response, place_kept
+from .engine_mixin import TIMEngineMixin
+from .micro_batch import padded_response, place_kept
 
 __all__ = ["TIMFSDPEngineWithLMHead", "padded_response"]
 
@@ -207,7 +208,7 @@ class _SafeFusedForward:
 
     def __init__(self, model, truncation, want_entropy: bool, *, packed: bool, kept=None, pipeline=None) -> None:
         self.model, self.truncation, self.want_entropy, self.packed = model, truncation, want_entropy, packed
-        self.kept = kept  # the engine's kept sets (engine_mixin.MicroBatchKeptSets): replayed in place of truncation
+        self.kept = kept  # the engine's kept sets (micro_batch.MicroBatchKeptSets): replayed in place of truncation
         self.pipeline = pipeline  # where a placement that does not fit is counted
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, temperature: float = 1.0,

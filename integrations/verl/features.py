@@ -40,7 +40,7 @@ ENGINE = Feature(
         _hook("verl.workers.engine.base", "BaseEngine.train_batch", params=("data", "loss_function")),
         _hook("verl.workers.engine.base", "EngineRegistry.register",
               params=("model_type", "backend", "device", "vendor")),
-        # the layout engine_mixin.ResponseLayout reads on the device, as verl's own function reads it on the host
+        # the layout micro_batch.ResponseLayout reads on the device, as verl's own function reads it on the host
         _hook("verl.workers.utils.padding", "no_padding_2_padding"),
     ))
 

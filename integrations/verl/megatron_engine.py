@@ -72,7 +72,8 @@ from tim_plugins.patching import Patch
 from tim_plugins.safe_head import kept_set_logprobs
 
 from .config import TIMVerlConfig
-from .engine_mixin import TIMEngineMixin, place_kept
+from .engine_mixin import TIMEngineMixin
+from .micro_batch import place_kept
 from .features import MEGATRON_FUSED_SAFE_VOCAB, MEGATRON_SYNC_CHECK, SYNC_CHECK
 
 __all__ = ["TIMMegatronEngineWithLMHead"]

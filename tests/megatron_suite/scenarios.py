@@ -86,7 +86,7 @@ def _record_processor(engine) -> list:
     from megatron.core import parallel_state as mpu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from tim_plugins.integrations.verl.engine_mixin import padded_response
+    from tim_plugins.integrations.verl.micro_batch import padded_response
 
     records = []
     method = engine._lm_head_logits_processor
@@ -119,7 +119,7 @@ def _loss_recorder(seen: list):
     log-probs (both [b, R], as ppo_loss lays them out)."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from tim_plugins.integrations.verl.engine_mixin import padded_response
+    from tim_plugins.integrations.verl.micro_batch import padded_response
 
     def wrap(loss_fn):
         def call(model_output, data, dp_group=None):

@@ -234,7 +234,7 @@ def test_moved_safe_vocab_hook_switches_off_only_the_safe_vocabulary(engines, ba
 def test_boundary_masked_loss_puts_the_micro_batch_mask_back(dist, toy_model_path):
     """verl's loss reads the boundary-masked ``response_mask``; after the call the micro-batch holds its own mask
     again (it was rewritten in place and left so)."""
-    from tim_plugins.integrations.verl.engine_mixin import padded_response
+    from tim_plugins.integrations.verl.micro_batch import padded_response
 
     td, raw = H.make_batch(VOCAB, batch=4, seed=1)
     eng = H.build_engine(toy_model_path)
@@ -308,7 +308,7 @@ def test_response_layout_reads_what_verls_no_padding_2_padding_reads(layout):
     the same packed per-token values, in both batch layouts the engine meets."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from tim_plugins.integrations.verl.engine_mixin import ResponseLayout, padded_response
+    from tim_plugins.integrations.verl.micro_batch import ResponseLayout, padded_response
 
     td, raw = H.make_batch(VOCAB, batch=5, seed=4)
     if layout == "v1":

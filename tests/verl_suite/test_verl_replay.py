@@ -191,8 +191,7 @@ def test_replay_without_remove_padding(dist, toy_model_path, case):
 
 def test_sets_that_do_not_fit_the_heads_rows_recompute_and_are_counted():
     """A layout the engine did not expect (e.g. fewer rows than the sets' positions) falls back, never raises."""
-    from tim_plugins.integrations.verl.engine_mixin import place_kept
-    from tim_plugins.integrations.verl.engine_mixin import MicroBatchKeptSets
+    from tim_plugins.integrations.verl.micro_batch import MicroBatchKeptSets, place_kept
     from tim_plugins.pipeline import StepPipeline
     from tim_plugins.replay import KeptSets
 

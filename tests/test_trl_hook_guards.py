@@ -353,6 +353,14 @@ def test_the_sync_the_weight_check_wraps():
     assert "for name, param in self._iter_named_params():" in sync or \
         "self._fix_param_name_to_vllm(name)" in _src(VLLMGeneration)  # TRL 1.9's loop in sync_weights
     assert list(inspect.signature(VLLMGeneration._fix_param_name_to_vllm).parameters)[:2] == ["self", "name"]
+    # a PEFT model (sync_check._peft_tensors): the adapters merged for the sync, the base names sent, the adapters'
+    # own skipped; in _iter_named_params from TRL 1.11, in sync_weights before
+    peft_path = re.sub(r"\s+", " ", _src(getattr(VLLMGeneration, "_iter_named_params", VLLMGeneration.sync_weights)))
+    for line in ("model.merge_adapter()", 'name = name.removeprefix("base_model.model.").replace(".base_layer", "")',
+                 "if model.prefix in name: continue", 'if "original_module" in name: continue',
+                 'name = self._fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."])',
+                 "model.unmerge_adapter()"):
+        assert line in peft_path, line
 
 
 @pytest.fixture(scope="module")

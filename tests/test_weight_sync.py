@@ -1,7 +1,7 @@
 """The weight-sync check's core (``tim_plugins.weight_sync``) against an engine held as plain tensors here: the
 reference is the fault the test itself injects (which tensors it skipped, what it rounded them through) and the
 engine's tensors read whole, never the check's own sample. The vLLM reader is tested on a live engine in
-``test_vllm_weights.py``; the whole path through TRL in ``test_trl_sync_check.py``."""
+``test_vllm_weights.py``; the whole path through TRL in ``test_trl_vllm_sync_check.py``."""
 
 from __future__ import annotations
 

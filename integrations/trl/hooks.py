@@ -79,7 +79,10 @@ TRL_SOURCES = {
         "() -> None, called by GRPOTrainer before generating when global_step moved (the first time at step 0); "
         "colocate: every (name, tensor) of self._iter_named_params() written through "
         "self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, param)]), then "
-        "the prefix cache reset (the sync check wraps it on the instance and samples load_weights' input)",
+        "the prefix cache reset (the sync check wraps it on the instance and samples load_weights' input); a PEFT "
+        "model: model.merge_adapter() first, each base parameter sent as name.removeprefix('base_model.model.')"
+        ".replace('.base_layer', '') fixed with extra_prefixes=['modules_to_save.default.'], names holding "
+        "model.prefix or 'original_module' skipped, then model.unmerge_adapter() (in _iter_named_params from 1.11)",
     ("trl.generation.vllm_generation", "VLLMGeneration._fix_param_name_to_vllm"):
         "(name) -> the name TRL's sync sends for a parameter of a plain model (wrapper prefixes dropped)",
     ("trl.trainer.utils", "_ChunkedLogProbFunction"):

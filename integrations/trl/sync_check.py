@@ -6,8 +6,11 @@ model's ``load_weights`` (the method TRL's sync writes through, and vLLM's ``rel
 what TRL streams into it; afterwards the engine's weights are read in-process
 (``tim_plugins.integrations.vllm.weights.VLLMWeights``) and compared. Names TRL should have sent (the trainer's
 parameters under TRL's own name fix) and did not are compared from the trainer's own tensors, so a sync that sends
-nothing is caught too (plain models only: a PEFT, FSDP or ZeRO-3 model's parameters are shards or adapters; there only
-what was streamed is compared). The report goes to the pipeline (``StepPipeline.sync_checked``): the console line at
+nothing is caught too. A PEFT (LoRA) model: TRL sends the base model's parameters with the adapters merged, under the
+base model's names (``_peft_tensors``); an unsent one is compared with its base weight plus each active adapter's
+delta, PEFT's own ``get_delta_weight``, as TRL's ``merge_adapter`` writes it (LoRA variants such as DoRA, and
+adapter biases, are not compared when unsent). FSDP or ZeRO-3: the parameters are shards; only what was streamed is
+compared. The report goes to the pipeline (``StepPipeline.sync_checked``): the console line at
 once, ``tim/cause/*`` at the next log, the probe's warn / raise / stop.
 
 Server mode: the engine's weights live in another process and cannot be read; the lag-0 rules of the per-token stream
@@ -89,20 +92,71 @@ class SyncWatch:
         return reader.model
 
     def _expected(self) -> list[str] | None:
-        """The names TRL's sync sends for a plain model (TRL's own name fix), or None where they are not the
-        parameters' names (PEFT) or the parameters are shards (FSDP, ZeRO-3): then only what is streamed is
-        compared."""
+        """The names TRL's sync sends (TRL's own name fix; a PEFT model's merged base parameters), or None where the
+        parameters are shards (FSDP, ZeRO-3): then only what is streamed is compared."""
         if self._local is None:
             t = self.trainer
             gen, model = t.vllm_generation, t.accelerator.unwrap_model(t.model)
             # transformers' Trainer.is_fsdp_enabled / is_deepspeed_enabled: sharded parameters
-            plain = not hasattr(model, "peft_config") and not getattr(t, "is_fsdp_enabled", False) and \
-                not getattr(t, "is_deepspeed_enabled", False)
-            fix = getattr(gen, "_fix_param_name_to_vllm", lambda name: name)
+            sharded = getattr(t, "is_fsdp_enabled", False) or getattr(t, "is_deepspeed_enabled", False)
             # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._fix_param_name_to_vllm
-            self._local = {fix(name): p for name, p in model.named_parameters()} if plain else {}
+            fix = getattr(gen, "_fix_param_name_to_vllm", lambda name, **kwargs: name)
+            if sharded:
+                self._local = {}
+            elif hasattr(model, "peft_config"):
+                self._local = _peft_tensors(model, fix)
+            else:
+                self._local = {fix(name): p for name, p in model.named_parameters()}
         return list(self._local) if self._local else None
 
     def _local_tensor(self, name: str):
-        param = (self._local or {}).get(name)
-        return None if param is None or param.numel() == 0 else param.data
+        value = (self._local or {}).get(name)
+        if callable(value):  # a PEFT base weight: merged with its adapters now
+            value = value()
+        return None if value is None or value.numel() == 0 else value.data
+
+
+def _peft_tensors(model, fix) -> dict:
+    """{name TRL sends: the trainer's value of it} for a PEFT model: TRL merges the adapters into the base model for
+    the sync and sends the base model's parameters under their base names, the adapters' own left out. The value is
+    the parameter, a function computing a LoRA layer's merged weight, or None where the merge is not plain LoRA (a
+    variant such as DoRA, an adapter bias): not compared when unsent."""
+    # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._iter_named_params (PEFT: merge_adapter, then
+    # name.removeprefix("base_model.model.").replace(".base_layer", ""), names holding model.prefix and
+    # "original_module" skipped, _fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."]))
+    prefix = getattr(model, "prefix", "lora_")
+    out = {}
+    for name, param in model.named_parameters():
+        sent = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if prefix in sent or "original_module" in sent:
+            continue
+        out[fix(sent, extra_prefixes=["modules_to_save.default."])] = _merged(model, name, param)
+    return out
+
+
+def _merged(model, name: str, param):
+    """``param``, or its LoRA layer's merged value (what PEFT's ``merge`` writes for plain LoRA: the base weight plus
+    each active, unmerged adapter's ``get_delta_weight``, in the weight's dtype), or None (a merge not modelled)."""
+    owner, _, leaf = name.rpartition(".base_layer.")
+    if not owner:
+        return param
+    layer = model.get_submodule(owner)
+    if not hasattr(layer, "get_delta_weight") or getattr(layer, "merged", False):
+        return param
+    merged = set(getattr(layer, "merged_adapters", ()))
+    adapters = [a for a in getattr(layer, "active_adapters", ()) if a in layer.lora_A and a not in merged]
+    if any(a in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(a) for a in adapters):
+        return None
+    if leaf != "weight" or not adapters:
+        return param
+
+    def value():
+        import torch
+
+        with torch.no_grad():
+            out = param.data
+            for a in adapters:
+                out = out + layer.get_delta_weight(a).to(out.dtype)
+        return out
+
+    return value

@@ -265,22 +265,89 @@ def test_without_the_check_the_lag0_rules_name_a_stale_engine(unchecked_stale_ru
     assert logged[1]["tim/cause/named"] == 0 and max(logged[s]["tim/cause/named"] for s in (2, 3, 4)) >= 1
 
 
+PEFT_FAULTS = {1: "noop", 3: "skip_layer"}
+
+
+@pytest.fixture(scope="module")
+def peft_run(engine, faulty_run, toy_model_path, tmp_path_factory):
+    """A LoRA run (q_proj and v_proj adapters): TRL merges the adapters for each sync and sends the base model's
+    parameters. The reference is PEFT's own merge (``merge_and_unload`` on a copy of the trainer's model), taken at
+    every sync before TRL's: which tensors the sync should change, and their values."""
+    import copy
+    import functools
+
+    from trl import GRPOTrainer
+
+    LoraConfig = pytest.importorskip("peft").LoraConfig  # in main's environment (verl's); not in the TRL-only stacks
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    engine.schedule = PEFT_FAULTS
+    trainer = make_trainer(toy_model_path, tmp_path_factory.mktemp("sync_peft"), use_vllm=True, vllm_mode="colocate",
+                           vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128, max_steps=5,
+                           loss_type="grpo", trainer_cls=functools.partial(GRPOTrainer, peft_config=lora))
+    engine.attach(trainer)
+    merged, sync = [], trainer.vllm_generation.sync_weights
+
+    def merge_now():
+        model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).merge_and_unload()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def sync_weights():
+        merged.append(merge_now())
+        return sync()
+
+    trainer.vllm_generation.sync_weights = sync_weights
+    cb = TIMCallback(trainer, TIMConfig())
+    trainer.add_callback(cb)
+    trainer.train()
+    return trainer, cb, merged, merge_now
+
+
+def test_a_lora_runs_syncs_are_checked_and_its_faults_named(peft_run):
+    trainer, cb, merged, _ = peft_run
+    reports = cb.sync_watch.check.reports
+    assert [r.step for r in reports] == list(range(5)) == list(range(len(merged)))
+    for k, report in enumerate(reports):
+        assert sorted(report.statuses) == sorted(merged[k])  # every base parameter, under the base model's name
+        changed = {n for n in merged[k] if k and not torch.equal(merged[k][n], merged[k - 1][n])}
+        assert all(".q_proj." in n or ".v_proj." in n for n in changed)  # only the adapted layers move
+        codes = [(c.code, set(c.tensors)) for c in report.causes]
+        fault = PEFT_FAULTS.get(k)
+        if fault is None:
+            assert codes == [] and report.not_sent == [], (k, codes)
+        elif fault == "noop":  # nothing sent: compared from the trainer's merged values
+            assert set(report.not_sent) == set(merged[k]) and changed
+            assert codes == [("sync-noop", changed)]
+        else:
+            assert report.not_sent == []
+            assert codes == [("sync-tensors-stale", {n for n in changed if n.startswith(SKIPPED)})]
+            assert codes[0][1]
+
+
+def test_a_lora_models_unsent_tensors_are_its_merged_weights(peft_run):
+    """What the check compares an unsent tensor with equals PEFT's own merge of the trainer's model now."""
+    trainer, cb, _, merge_now = peft_run
+    reference = merge_now()
+    for name, value in reference.items():
+        assert torch.equal(cb.sync_watch._local_tensor(name), value), name
+
+
 BREAK = 4  # the mid-run break: every sync from global_step 4 on is a no-op, so step 5 is the first stale one
 
 
 @pytest.fixture(scope="module")
 def unchecked_break_run(engine, unchecked_stale_run, toy_model_path, tmp_path_factory):
-    """The check off, the toy runs' own learning rate, and syncs that stop applying mid-run (from the sync before
-    step 5 on): four fault-free windows give the lag-0 floor its history first."""
+    """The check off and syncs that stop applying mid-run (from the sync before step 5 on): four fault-free windows
+    give the lag-0 floor its history first. At the stale runs' learning rate, so that one stale step moves the policy
+    by more than a draw's spread of the floor."""
     return _run(engine, toy_model_path, tmp_path_factory.mktemp("sync_break"),
-                {s: "noop" for s in range(BREAK, 20)}, 8, TIMConfig(sync_check=False))
+                {s: "noop" for s in range(BREAK, 20)}, 8, TIMConfig(sync_check=False), learning_rate=STALE_LR)
 
 
 def test_a_sync_that_breaks_mid_run_is_named_by_the_floor_jump(unchecked_break_run):
     """The floor-jump rule on a real run, against the rule recomputed here from the floors TRL logged
-    (``tim/token/abs_diff_mean``): nothing named on the fault-free steps, the jump named within two steps of the
-    break. (A stale window can still dip below the rule's absolute margin: which tokens a window samples moves its
-    floor.)"""
+    (``tim/token/abs_diff_mean``): nothing named on the fault-free steps, the jump named at the first stale step
+    and at each one after it."""
     import statistics
 
     from tim_plugins.causes import CauseConfig
@@ -299,7 +366,7 @@ def test_a_sync_that_breaks_mid_run_is_named_by_the_floor_jump(unchecked_break_r
             kept.append(floor)
     jumps = [x.step for x in cb.pipeline.causes.named if x.code == "floor-jump"]
     assert jumps == expected
-    assert jumps and BREAK + 1 <= jumps[0] <= BREAK + 2  # nothing before the break, named soon after it
+    assert jumps == list(range(BREAK + 1, 9))  # nothing before the break; named at its first stale step and after
     assert all(logged[s]["tim/cause/named"] == 0 for s in range(1, BREAK + 1))
     assert all(logged[s]["tim/cause/named"] >= 1 for s in jumps)
     assert max(logged[s]["tim/token/abs_diff_mean"] for s in range(1, BREAK + 1)) < c.floor_jump_min

@@ -54,8 +54,7 @@ logger = logging.getLogger("tim_plugins.causes")
 @dataclass
 class CauseConfig:
     """The thresholds of the stream rules (the sync check has its own, ``weight_sync.SyncCheckConfig``). Where the
-    defaults were measured: docs/causes.md (fault-free runs: 0 confident disagreements, the demos' floor at most
-    1.92x its trailing median (SmolLM2); the stale-engine runs named at the first stale step)."""
+    defaults were measured (fault-free runs and faulty ones): docs/causes.md, "Thresholds"."""
 
     confident_p: float = field(default=0.5, metadata={"help": (
         "a lag-0 token counts as confident when the engine gave it p >= this")})

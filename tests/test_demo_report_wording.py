@@ -136,12 +136,16 @@ def test_demo_help_quotes_the_measured_time():
     demo = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "demo")[1]
     text = " ".join(demo.format_help().split())
     assert "under a minute" not in text
-    assert "toy model: 1.5 min on 2 cores at load 4" in text and "--model smollm2: about 10 min" in text
-    # the figures are the measured ones (docs/demo.md: `make run`'s wall time with the load beside it)
+    assert "toy model: 30 s on 2 idle cores, 1.5 min at load 4" in text
+    assert "--model smollm2: 1.5 min idle, about 10 min at load 4" in text
+    # the figures are the measured ones (docs/demo.md: the wall times with the load beside them)
     docs = " ".join((ROOT / "docs" / "demo.md").read_text().split())
+    idle = re.search(r"On idle cores \(load average ([\d.]+)\): `tim-plugins demo` (\d+) s of wall time .* "
+                     r"`--model smollm2` \(two runs of 4 steps\) 1 min (\d+) s", docs)
+    assert idle and float(idle.group(1)) < 1 and int(idle.group(2)) <= 30 and 60 + int(idle.group(3)) <= 1.5 * 60 + 10
     wall = re.search(r"1 min (\d+) s of wall time \(\d+ s of CPU time, [\d.]+ GB peak RSS\) at a load average of ([\d.]+)",
                      docs)
     assert wall and 60 + int(wall.group(1)) <= 1.5 * 60 + 5 and round(float(wall.group(2))) == 4
     assert "about 10 min for its 8 steps" in docs
     summary = " ".join(parser.format_help().split())
-    assert "under a minute" not in summary and "1.5 min on 2 cores at load 4" in summary
+    assert "under a minute" not in summary and "30 s on 2 idle cores, 1.5 min at load 4" in summary

@@ -60,7 +60,8 @@ def run_comparison(cfg: DemoConfig) -> dict:
 
 
 # What a run costs, for the command's help: the measured figures and their conditions are docs/demo.md's.
-DEMO_COST = ("toy model: 1.5 min on 2 cores at load 4; --model smollm2: about 10 min")
+DEMO_COST = ("toy model: 30 s on 2 idle cores, 1.5 min at load 4; --model smollm2: 1.5 min idle, about 10 min at "
+             "load 4")
 
 
 def register(subparsers) -> None:

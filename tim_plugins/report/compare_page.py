@@ -149,7 +149,7 @@ def _differences_section(page, runs: dict[str, tuple[Path, dict | None]], verdic
     summaries = {label: summary for label, (_, summary) in runs.items()}
     rows, same = differences(summaries, verdicts)
     equal = same_versions(summaries)
-    equal_text = (f"; the same in every run: {html.escape(', '.join(f'{d} {v}' for d, v in equal.items()))}"
+    equal_text = (f" (the same in every run: {html.escape(', '.join(f'{d} {v}' for d, v in equal.items()))})"
                   if equal else "")
     page.h2("What differs between the runs")
     page.raw(f"<p>Each run's verdict (below, with its lines), the settings whose values differ (the other {same} are "

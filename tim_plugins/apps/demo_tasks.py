@@ -15,6 +15,13 @@ _SUM = re.compile(r"^Q: (\d+) \+ (\d+) = \? A:$")
 _SORT = re.compile(r"^sort ([\d ]+) ->$")
 
 
+def _closeness(question: re.Match, answer: re.Match | None) -> float:
+    """How close the answer's number is to the sum of the question's two numbers: 1 when equal, falling linearly to 0
+    as it moves the sum's own size away; 0 without a number."""
+    truth = int(question.group(1)) + int(question.group(2))
+    return max(0.0, 1.0 - abs(int(answer.group()) - truth) / max(truth, 1)) if answer else 0.0
+
+
 def toy_reward(prompts, completions, **kwargs) -> list[float]:
     """A graded reward for the toy prompts, so that completions of one prompt differ (GRPO learns from the
     spread inside a group): sums score by how close the first number is to the answer, sorting by the share of
@@ -23,9 +30,7 @@ def toy_reward(prompts, completions, **kwargs) -> list[float]:
     for prompt, completion in zip(prompts, completions):
         text = completion.strip()
         if m := _SUM.match(prompt):
-            truth = int(m.group(1)) + int(m.group(2))
-            got = re.match(r"\d+", text)
-            rewards.append(max(0.0, 1.0 - abs(int(got.group()) - truth) / max(truth, 1)) if got else 0.0)
+            rewards.append(_closeness(m, re.match(r"\d+", text)))
         elif m := _SORT.match(prompt):
             want = sorted(m.group(1).split())
             got = re.findall(r"\d", text)[: len(want)]
@@ -70,9 +75,7 @@ def chat_reward(prompts, completions, **kwargs) -> list[float]:
     for prompt, completion in zip(prompts, completions):
         text = completion.strip()
         if m := _CHAT_SUM.search(prompt):
-            truth = int(m.group(1)) + int(m.group(2))
-            got = re.search(r"-?\d+", text)
-            rewards.append(max(0.0, 1.0 - abs(int(got.group()) - truth) / max(truth, 1)) if got else 0.0)
+            rewards.append(_closeness(m, re.search(r"-?\d+", text)))
         else:
             words = len(text.split())
             rewards.append(min(1.0, 12 / max(words, 1)) if text.endswith((".", "!", "?")) and words else 0.0)

@@ -121,9 +121,10 @@ def _peft_tensors(model, fix) -> dict:
     the sync and sends the base model's parameters under their base names, the adapters' own left out. The value is
     the parameter, a function computing a LoRA layer's merged weight, or None where the merge is not plain LoRA (a
     variant such as DoRA, an adapter bias): not compared when unsent."""
-    # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._iter_named_params (PEFT: merge_adapter, then
+    # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration.sync_weights (a PEFT model: merge_adapter, then
     # name.removeprefix("base_model.model.").replace(".base_layer", ""), names holding model.prefix and
-    # "original_module" skipped, _fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."]))
+    # "original_module" skipped, _fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."]); in
+    # _iter_named_params from TRL 1.11)
     prefix = getattr(model, "prefix", "lora_")
     out = {}
     for name, param in model.named_parameters():

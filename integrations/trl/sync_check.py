@@ -146,7 +146,9 @@ def _merged(model, name: str, param):
         return param
     merged = set(getattr(layer, "merged_adapters", ()))
     adapters = [a for a in getattr(layer, "active_adapters", ()) if a in layer.lora_A and a not in merged]
-    if any(a in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(a) for a in adapters):
+    # a variant's merge is its own (PEFT's lora_variant; use_dora in releases before it), an adapter bias moves the bias
+    if any(a in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(a)
+           or getattr(layer, "lora_bias", {}).get(a) for a in adapters):
         return None
     if leaf != "weight" or not adapters:
         return param

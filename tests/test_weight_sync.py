@@ -201,6 +201,28 @@ def test_a_sync_that_streams_nothing_is_compared_from_the_trainers_tensors():
     assert "never sent" in report.causes[0].message
 
 
+def test_without_an_expectation_a_sync_that_sends_nothing_after_a_step_is_a_noop():
+    """Sharded parameters (no ``expect``): nothing to compare from, so nothing sent at all after an optimizer step,
+    where the previous checked sync sent tensors, is the no-op; the same at the step already synced, or before any
+    sync sent, is not."""
+    weights = _model()
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+
+    def sync(step, sent):
+        record = check.begin(step)
+        engine.load(record.observing(list(sent.items())))
+        return check.finish(record, engine)
+
+    assert sync(0, {}).causes == []  # nothing sent before: nothing to miss
+    assert sync(0, weights).causes == []
+    assert sync(0, {}).causes == []  # no optimizer step since
+    (cause,) = sync(2, {}).causes
+    assert cause.code == "sync-noop" and cause.step == 2 and set(cause.tensors) == set(weights)
+    assert cause.evidence == {"sent": 0, "previously_sent": len(weights)}
+    assert "nothing was sent; the checked sync after step 0 sent 8 tensors" in cause.message
+    assert sync(3, _step(weights)).causes == []  # sends again: compared as usual
+
+
 def test_every_n_syncs():
     check = SyncCheck(SyncCheckConfig(every_n_syncs=3))
     assert [check.begin(s) is not None for s in range(7)] == [True, False, False, True, False, False, True]

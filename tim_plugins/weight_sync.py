@@ -42,7 +42,8 @@ Classification of a tensor whose sampled values differ from the trainer's (in th
 the engine's values at the previous check; ``precision`` when they equal the trainer's rounded through a coarser
 dtype (bf16, fp16, fp8); ``differs`` otherwise. A tensor stored in a dtype coarser than the engine's configured one is
 ``precision`` too. When every checked tensor whose trainer value moved since the previous check is stale, the sync
-was a no-op (``sync-noop``, the tensors listed once).
+was a no-op (``sync-noop``, the tensors listed once). Without an expectation (sharded parameters: no ``expect``), a
+sync after an optimizer step that sends nothing at all, where the previous checked sync sent tensors, is a no-op too.
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ class SyncCheck:
             if moved:
                 changed.append(name)
         self._remember(groups)
-        report.causes = self._causes(report, changed, engine.dtype)
+        report.causes = self._causes(report, changed, engine.dtype) + self._nothing_sent(record)
         report.seconds = record.seconds + time.perf_counter() - t0
         self.reports.append(report)
         return report
@@ -448,6 +449,20 @@ class SyncCheck:
                                                           f"{summarize_names(differs)}", tensors=tuple(differs),
                              evidence={n: report.detail[n] for n in differs}))
         return out
+
+    def _nothing_sent(self, record: SyncRecord) -> list[Cause]:
+        """``sync-noop`` for a sync that sent nothing and had no expectation to compare from, after an optimizer step
+        and a checked sync that did send (its tensors are the ones named)."""
+        if record.sent or record.expected:
+            return []
+        previous = next((r for r in reversed(self.reports) if r.statuses), None)
+        if previous is None or record.step <= previous.step:
+            return []
+        names = list(previous.statuses)
+        return [Cause("sync-noop", record.step, f"at the weight sync after optimizer step {record.step}, nothing was "
+                                                f"sent; the checked sync after step {previous.step} sent {_n(names)}: "
+                                                f"{summarize_names(names)}", tensors=tuple(names),
+                      evidence={"sent": 0, "previously_sent": len(names)})]
 
     def state_dict(self) -> dict:
         return {"syncs": self.syncs}

@@ -37,10 +37,9 @@ __all__ = ["DemoConfig", "run_demo", "COMPARISONS", "ROLLOUT_DTYPES", "STORY_TOP
            "REAL_MODEL_DEFAULTS"]
 
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
-# The run's size by model, per run (the default comparison runs two). The toy model takes 3-4 s per step of 32
-# completions on 2 CPU cores; SmolLM2-135M 6.5 s per step of 8 completions on idle cores (docs/demo.md; any other
-# checkpoint is treated as a real model), so its runs are short: few prompts and steps, a learning rate a
-# pretrained model survives.
+# The run's size by model, per run (the default comparison runs two). A real model's step costs far more on a CPU
+# than the toy model's (docs/demo.md has the measured times; any other checkpoint is treated as a real model), so its
+# runs are short: few prompts and steps, a learning rate a pretrained model survives.
 TOY_DEFAULTS = {"steps": 20, "prompts_per_step": 4, "num_generations": 8, "max_completion_length": 48,
                 "learning_rate": 5e-4}
 REAL_MODEL_DEFAULTS = {"steps": 4, "prompts_per_step": 2, "num_generations": 4, "max_completion_length": 48,

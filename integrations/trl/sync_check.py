@@ -10,8 +10,9 @@ nothing is caught too. A PEFT (LoRA) model: TRL sends the base model's parameter
 base model's names (``_peft_tensors``); an unsent one is compared with its base weight plus each active adapter's
 delta, PEFT's own ``get_delta_weight``, as TRL's ``merge_adapter`` writes it (LoRA variants such as DoRA, and
 adapter biases, are not compared when unsent). FSDP or ZeRO-3: the parameters are shards; only what was streamed is
-compared (a sync that streams nothing after an optimizer step is still named: ``weight_sync``). The report goes to the pipeline (``StepPipeline.sync_checked``): the console line at once, ``tim/cause/*``
-at the next log, the probe's warn / raise / stop.
+compared (a sync that streams nothing after an optimizer step is still named: ``weight_sync``). The report goes to
+the pipeline (``StepPipeline.sync_checked``): the console line at once, ``tim/cause/*`` at the next log, the probe's
+warn / raise / stop.
 
 Server mode: the engine's weights live in another process and cannot be read; the lag-0 rules of the per-token stream
 name a stale server (``engine-stale``, ``floor-jump``).

@@ -224,6 +224,33 @@ def test_a_module_that_does_not_import_keeps_the_feature_s_fix(pkg, monkeypatch)
     assert status.fix == "install the backend"
 
 
+@pytest.mark.parametrize("version,since,until,checked", [
+    ("2.1", None, "2.2", True), ("2.2.0", None, "2.2", False), ("2.10", None, "2.9", False),  # 10 > 9, not text
+    ("2.1", "2.1", None, True), ("2.0.9", "2.1", None, False), ("2.1.0rc1", "2.1", "3", True),
+    (None, "2.1", "2.2", True),  # an unknown release: checked
+])
+def test_a_hook_is_checked_only_in_the_releases_it_is_needed_in(pkg, monkeypatch, version, since, until, checked):
+    """A hook with ``since`` / ``until`` (a symbol the package added, or a code path it removed) is checked only in
+    [since, until) of the installed release: outside, a missing symbol leaves the feature on."""
+    monkeypatch.setattr(capabilities, "package_version", lambda dist: version if dist == PKG else None)
+    moved = Hook(f"{PKG}.mod", "Trainer.removed_path", since=since, until=until)
+    feature = dataclasses.replace(FEATURE, hooks=(STEP, moved))
+    assert moved.needed_in(version) is checked
+    status = check(feature)
+    assert status.available is not checked
+    if checked:
+        assert "Trainer.removed_path is missing" in status.reason
+
+
+def test_registered_hooks_take_since_and_until_from_the_registry_s_tables():
+    registry = {("m", "A"): "", ("m", "B"): "", ("m", "C"): ""}
+    hook = capabilities.registered_hooks(registry, "REG", since={("m", "B"): "0.31"}, until={("m", "C"): "0.34"})
+    assert (hook("m", "A").since, hook("m", "A").until) == (None, None)
+    assert hook("m", "B").since == "0.31" and hook("m", "C").until == "0.34"
+    with pytest.raises(KeyError, match="m:D is not in REG"):
+        hook("m", "D")
+
+
 # --------------------------------------------------------------------------------------------- live objects
 def test_attributes_are_read_on_the_live_object(pkg, monkeypatch):
     feature = dataclasses.replace(FEATURE, hooks=(INIT,))

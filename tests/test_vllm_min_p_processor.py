@@ -10,6 +10,7 @@ import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from tim_plugins.rollout.vllm_min_p_config import (
 )
 from tim_plugins.safe_vocab import safe_logprobs_from_logits
 from tim_plugins.truncation import Truncation, truncation_threshold
-from upstream import has_since
+from upstream import has_since, has_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -142,7 +143,12 @@ def test_v2_runner_path_matches_tempered_min_p():
     vocab, slots = 1001, 6
     state = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=slots, vocab_size=vocab,
                                    all_token_ids=None, prompt_len=None, prefill_len=None, total_len=None)
-    proc = TIMMinPLogitsProcessor(VllmConfig(additional_config={CONFIG_KEY: 0.02}), state)
+    from vllm.platforms import current_platform
+
+    # a CUDA build on this CPU machine (the gpu-sources stack) cannot build a VllmConfig: the one field read, alone
+    config = (SimpleNamespace if current_platform.is_unspecified() else VllmConfig)(
+        additional_config={CONFIG_KEY: 0.02})
+    proc = TIMMinPLogitsProcessor(config, state)
     requests = {0: (0.7, None), 1: (1.3, 0.1), 2: (1.0, 0.0), 3: (0.0, None), 5: (0.9, None)}  # slot: (T, override)
     for slot, (temp, override) in requests.items():
         extra = None if override is None else {CONFIG_KEY: override}
@@ -212,10 +218,18 @@ def test_verl_engine_kwargs_reach_vllm_config(toy_model_path):
 
 def test_processor_fqcn_loads_the_adapter_class_through_vllm():
     """``PROCESSOR_FQCN`` (what the verl adapter and the docs pass to vLLM) loads the adapter's class through
-    vLLM's own loader (what ``LLM(logits_processors=[...])`` and ``--logits-processors`` run)."""
-    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
-
+    vLLM's own loader (what ``LLM(logits_processors=[...])`` and ``--logits-processors`` run): each runner's that
+    the installed vLLM has (the V1 runner's before 0.34, the V2 runner's from 0.31)."""
     from tim_plugins.integrations.vllm import TIMMinPLogitsProcessor
+    from tim_plugins.integrations.vllm.sources import VLLM_SINCE, VLLM_UNTIL
 
     assert PROCESSOR_FQCN == "tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"
-    assert _load_logitsprocs_by_fqcns([PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
+    v1, v2 = "vllm.v1.sample.logits_processor", "vllm.v1.worker.gpu.sample.logits_processor.loader"
+    loaders = []
+    if has_until("vllm", VLLM_UNTIL, (v1, "_load_logitsprocs_by_fqcns")):
+        loaders.append(importlib.import_module(v1)._load_logitsprocs_by_fqcns)
+    if has_since("vllm", VLLM_SINCE, (v2, "_load_v2_logitsprocs_by_fqcns")):
+        loaders.append(importlib.import_module(v2)._load_v2_logitsprocs_by_fqcns)
+    assert loaders
+    for load in loaders:
+        assert load([PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor], load

@@ -5,7 +5,10 @@ statements in the source (``inspect.getsource``), and behaviour where it is chea
 vLLM's own batch-update helper and processor loaders driving our processors, a resolved engine configuration of
 the toy model, the defaults the parity reader assumes. An entry in ``VLLM_SINCE`` (the V2 runner's custom logits
 processors, vLLM 0.31) is checked exactly from its release on; before it, that the V2 runner has none and leaves
-custom processors to the V1 runner. The processors inside a running engine are tested in
+custom processors to the V1 runner. An entry in ``VLLM_UNTIL`` (the V1 runner, removed in vLLM 0.34) is checked before
+its release and must be gone from then on. A CUDA build on this CPU machine (the ``gpu-sources`` stack) has no platform
+to resolve an engine configuration: the tests that need one skip there. The processors inside a running engine are
+tested in
 ``test_vllm_min_p_processor.py``, ``test_safe_vocab_vllm.py`` and ``test_parity_vllm.py``.
 """
 
@@ -17,15 +20,16 @@ import inspect
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from tim_plugins.integrations.vllm.sources import VLLM_SINCE, VLLM_SOURCES  # noqa: E402
+from tim_plugins.integrations.vllm.sources import VLLM_SINCE, VLLM_SOURCES, VLLM_UNTIL  # noqa: E402
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, PROCESSOR_FQCN  # noqa: E402
 from upstream import flat as _flat  # noqa: E402
-from upstream import has_since  # noqa: E402
+from upstream import has_since, has_until  # noqa: E402
 from upstream import resolve as _resolve  # noqa: E402
 from upstream import source as _src  # noqa: E402
 
@@ -37,12 +41,16 @@ V2_SAMPLER = "vllm.v1.worker.gpu.sample.sampler"
 
 
 def _has(module: str, qualname: str) -> bool:
-    """Whether the installed vLLM is at or after the release the entry exists from (``VLLM_SINCE``)."""
-    return has_since("vllm", VLLM_SINCE, (module, qualname))
+    """Whether the installed vLLM is at or after the release the entry exists from (``VLLM_SINCE``) and before the
+    one it is gone in (``VLLM_UNTIL``)."""
+    return has_since("vllm", VLLM_SINCE, (module, qualname)) and has_until("vllm", VLLM_UNTIL, (module, qualname))
 
 
 # The V2 model runner runs custom logits processors (its interface, loader and sampler call): vLLM >= 0.31
 V2_PROCESSORS = _has(V2, "LogitsProcessor")
+# The V1 model runner (its sampler, logits-processor interface and model runner): vLLM < 0.34
+V1_RUNNER = _has(LP, "LogitsProcessor")
+v1_only = pytest.mark.skipif(not V1_RUNNER, reason="vLLM >= 0.34 has no V1 model runner (VLLM_UNTIL)")
 
 
 def _params(obj) -> list[str]:
@@ -56,8 +64,13 @@ def _fields(cls) -> set[str]:
 @pytest.mark.parametrize("key", sorted(VLLM_SOURCES), ids=lambda k: f"{k[0]}:{k[1]}")
 def test_every_named_source_exists(key):
     """Every entry resolves on the installed vLLM, except one that holds only from a later release on
-    (VLLM_SINCE): before it, it is gone, or present without the processors it is assumed to run (the V2 sampler)."""
+    (VLLM_SINCE): before it, it is gone, or present without the processors it is assumed to run (the V2 sampler);
+    and one that holds only before a release (VLLM_UNTIL): from it on, it is gone."""
     module, qualname = key
+    if not has_until("vllm", VLLM_UNTIL, key):
+        with pytest.raises((ImportError, AttributeError)):
+            _resolve(module, qualname)
+        return
     if not _has(module, qualname):
         try:
             _resolve(module, qualname)
@@ -71,9 +84,12 @@ def test_every_named_source_exists(key):
 def test_since_entries_are_entries():
     assert set(VLLM_SINCE) <= set(VLLM_SOURCES)
     assert len({_has(*key) for key in VLLM_SINCE}) == 1  # one release brought the V2 runner's custom processors
+    assert set(VLLM_UNTIL) <= set(VLLM_SOURCES) and not set(VLLM_UNTIL) & set(VLLM_SINCE)
+    assert len(set(VLLM_UNTIL.values())) == 1  # one release removed the V1 runner
 
 
 # ------------------------------------------------------------------------------------------------ V1 runner
+@v1_only
 def test_v1_processor_interface():
     from vllm.v1.sample.logits_processor import AdapterLogitsProcessor, LogitsProcessor
 
@@ -91,6 +107,7 @@ def test_v1_processor_interface():
     assert AdapterLogitsProcessor.__abstractmethods__ == {"new_req_logits_processor", "is_argmax_invariant"}
 
 
+@v1_only
 def test_batch_update_shape():
     from vllm.v1.sample.logits_processor import BatchUpdate
 
@@ -109,6 +126,7 @@ def _batch(size, added=(), removed=(), moved=()):
     return BatchUpdate(batch_size=size, added=list(added), removed=list(removed), moved=list(moved))
 
 
+@v1_only
 def test_process_dict_updates_add_remove_move_swap():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import MoveDirectionality
@@ -139,6 +157,7 @@ def test_process_dict_updates_add_remove_move_swap():
     assert update(_batch(3, added=[(1, params[3], None, [])])) is True and rows == {0: "s2"}
 
 
+@v1_only
 def test_min_p_processor_under_vllms_batch_updates():
     """The V1 path of TIMMinPLogitsProcessor fed vLLM's own BatchUpdate (added, swapped, removed rows) keeps
     exactly {z >= max z + log(min_p)} on each pruned row (z already divided by T, as vLLM's sampler hands it)."""
@@ -170,6 +189,7 @@ def test_min_p_processor_under_vllms_batch_updates():
     assert torch.isfinite(proc.apply(z[:1].clone())).sum() < 301  # row 0 (min_p 0.2) still pruned
 
 
+@v1_only
 def test_builtin_min_p_runs_before_ours_and_the_fqcn_loads():
     from vllm.config import VllmConfig
     from vllm.v1.sample.logits_processor import (
@@ -195,6 +215,7 @@ def test_builtin_min_p_runs_before_ours_and_the_fqcn_loads():
         _load_logitsprocs_by_fqcns(["tim_plugins.truncation:Truncation"])
 
 
+@v1_only
 def test_adapter_processor_passes_the_prompt_to_three_argument_callables():
     from vllm import SamplingParams
     from vllm.config import VllmConfig
@@ -219,6 +240,68 @@ def test_adapter_processor_passes_the_prompt_to_three_argument_callables():
     assert not torch.equal(other.apply(z[:1].clone())[0], out[0])
 
 
+def test_v2_injector_draws_what_the_v1_adapter_draws():
+    """The V2 runner's injector reads each row's prompt and outputs from the request's committed tokens (the row's
+    own token is its input id, not yet committed) and draws the noise the V1 runner's draws for the same prompt and
+    outputs, through vLLM's own AdapterLogitsProcessor where vLLM still has it (vLLM < 0.34); on vLLM >= 0.34,
+    the draw of the seed formula restated here."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from tim_plugins.integrations.vllm import inject
+    from tim_plugins.rollout.inject import perturb_tail
+
+    if not V2_PROCESSORS:
+        assert not hasattr(inject, "TailNoiseV2LogitsProcessor")
+        return
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
+
+    cfg = {"scale": 2.0, "tau": 0.5, "seed": 3}
+    prompts = {0: [5, 6, 7], 2: [9, 4]}  # slot -> prompt; slot 1: a request without the injector
+    outputs = {0: [], 2: [11, 12]}  # slot 0 samples its first token, slot 2 its third
+    tokens = torch.full((3, 16), -1, dtype=torch.long)
+    for slot, prompt in prompts.items():
+        tokens[slot, : len(prompt)] = torch.tensor(prompt)
+    tokens[2, 2] = 11  # slot 2's first output is committed; its second (12) is this step's input only
+    state = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=3, vocab_size=64,
+                                   all_token_ids=SimpleNamespace(gpu=tokens), prompt_len=SimpleNamespace(
+                                       np=np.array([3, 1, 2])), prefill_len=None, total_len=None)
+    proc = inject.TailNoiseV2LogitsProcessor(None, state)  # the injector reads nothing of the engine's config
+    assert proc.add_request(0, SamplingParams(extra_args={"tim_inject": cfg})) is True
+    assert proc.add_request(1, SamplingParams()) is False
+    assert proc.add_request(2, SamplingParams(extra_args={"tim_inject": cfg})) is True
+    rows = torch.tensor([2, 1, 0])
+    ctx = LogitsContext(expanded_idx_mapping=rows, idx_mapping=rows, idx_mapping_np=rows.numpy(),
+                        expanded_local_pos=torch.zeros_like(rows), input_ids=torch.tensor([12, 8, 7]),
+                        pos=torch.tensor([3, 4, 2]), seq_lens_upper_bound_np=np.array([4, 5, 3]))
+    z = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    out = proc.apply(z.clone(), ctx)
+    assert torch.equal(out[1], z[1])
+    for row, slot in ((0, 2), (2, 0)):
+        if V1_RUNNER:
+            from vllm.v1.sample.logits_processor import BatchUpdate
+
+            from vllm.config import VllmConfig
+
+            ref = inject.TailNoiseLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+            params = SamplingParams(extra_args={"tim_inject": cfg})
+            ref.update_state(BatchUpdate(batch_size=1, added=[(0, params, prompts[slot], list(outputs[slot]))],
+                                         removed=[], moved=[]))
+            expected = ref.apply(z[row : row + 1].clone())[0]
+        else:
+            h = hashlib.blake2b(hashlib.blake2b(",".join(map(str, prompts[slot])).encode(), digest_size=16).digest(),
+                                digest_size=8)
+            h.update((3).to_bytes(8, "little", signed=True))
+            h.update(len(outputs[slot]).to_bytes(4, "little"))
+            h.update(",".join(map(str, outputs[slot])).encode())
+            gen = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+            expected = perturb_tail(z[row], 2.0, tau=0.5, mode="noise", generator=gen)
+        assert not torch.equal(out[row], z[row]) and torch.equal(out[row], expected), slot
+
+
+@v1_only
 def test_v1_sampler_order():
     from vllm.v1.sample.sampler import _SAMPLING_EPS
 
@@ -262,10 +345,10 @@ def test_top_k_then_top_p_is_the_vllm_order_of_the_truncation():
 
 # ------------------------------------------------------------------------------------------------ V2 runner
 def test_v2_processor_interface_and_loader():
-    from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor, inject, min_p
 
-    from tim_plugins.integrations.vllm import TailNoiseLogitsProcessor, TIMMinPLogitsProcessor, min_p
-
+    if V1_RUNNER:
+        from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
     if not V2_PROCESSORS:  # before vLLM 0.31: no V2 interface, the processor is V1 only (and loads there)
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(V2)
@@ -274,7 +357,8 @@ def test_v2_processor_interface_and_loader():
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
     from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
 
-    assert TIMMinPLogitsProcessor.__bases__ == (V1LogitsProcessor, LogitsProcessor)
+    assert TIMMinPLogitsProcessor.__bases__ == ((V1LogitsProcessor, LogitsProcessor) if V1_RUNNER else
+                                                (LogitsProcessor,))
     assert min_p._V2LogitsProcessor is LogitsProcessor
     assert LogitsProcessor.__abstractmethods__ == {"apply"}
     assert _params(LogitsProcessor.__init__) == ["self", "vllm_config", "req_states"]
@@ -285,8 +369,12 @@ def test_v2_processor_interface_and_loader():
     assert {"expanded_idx_mapping", "idx_mapping_np"} <= _fields(LogitsContext)
     assert issubclass(TIMMinPLogitsProcessor, LogitsProcessor)
     assert _load_v2_logitsprocs_by_fqcns([PROCESSOR_FQCN]) == [TIMMinPLogitsProcessor]
-    with pytest.raises(ValueError, match="not a subclass"):  # the V1-only injector is refused by the V2 loader
-        _load_v2_logitsprocs_by_fqcns([TailNoiseLogitsProcessor])
+    if V1_RUNNER:  # the injector is the V1 runner's where there is one: refused by the V2 loader
+        with pytest.raises(ValueError, match="not a subclass"):
+            _load_v2_logitsprocs_by_fqcns([TailNoiseLogitsProcessor])
+    else:  # vLLM >= 0.34: the V2 one
+        assert TailNoiseLogitsProcessor is inject.TailNoiseV2LogitsProcessor
+    assert _load_v2_logitsprocs_by_fqcns([inject.TailNoiseV2LogitsProcessor]) == [inject.TailNoiseV2LogitsProcessor]
     build = _flat(_src(V2 + ".loader", "build_custom_logits_processors"))
     assert "lp_req_state = LogitsProcRequestState.from_request_state(req_states)" in build
     assert "return [ctor(vllm_config, lp_req_state) for ctor in custom_logitsprocs_classes]" in build
@@ -309,14 +397,28 @@ def test_v2_sampler_runs_custom_processors_before_temperature():
     init = _flat(_src(sampler, "Sampler.__init__"))
     assert "logit_bias_state, self.penalties_state, bad_words_state, *custom_logits_processors, ]" in init
     add = _flat(_src(sampler, "Sampler.add_request"))
-    assert "needs_processing |= processor.add_request(req_idx, sampling_params)" in add
+    # what a processor's add_request returns decides whether the request's rows are processed (vLLM 0.34 names it
+    # may_mask: a processor may leave -inf in the logits)
+    assert "needs_processing |= processor.add_request(req_idx, sampling_params)" in add or (
+        "may_mask |= processor.add_request(req_idx, sampling_params)" in add
+        and "self.needs_logits_processing[req_idx] = needs_processing or may_mask" in add)
 
 
 # ------------------------------------------------------------------------------------------------ configuration
+def _needs_platform():
+    """Skip where vLLM has no platform to resolve an engine configuration on: a CUDA build on a CPU machine."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_unspecified():
+        pytest.skip("no vLLM platform here (a CUDA build without a GPU): an engine configuration cannot be resolved")
+
+
 @pytest.fixture(scope="module")
 def engine_config(toy_model_path):
     """The resolved configuration vLLM builds for the toy model from the engine args tim-plugins passes."""
     from vllm.engine.arg_utils import EngineArgs
+
+    _needs_platform()
 
     args = EngineArgs(model=str(toy_model_path), dtype="bfloat16", hf_overrides={"head_dtype": "float32"},
                       logprobs_mode="processed_logprobs", max_model_len=96, kv_cache_memory_bytes=64 << 20,
@@ -327,7 +429,11 @@ def engine_config(toy_model_path):
 
 def test_v2_runner_takes_custom_processors_exactly_from_their_release(engine_config):
     """Our processor's configuration: before vLLM 0.31 the V2 runner lists custom processors as unsupported, so the
-    runner choice falls back to V1 (where the processor runs); from 0.31 on nothing of it keeps V2 away."""
+    runner choice falls back to V1 (where the processor runs); from 0.31 on nothing of it keeps V2 away; from 0.34 on
+    the V2 runner is the only one."""
+    if not V1_RUNNER:
+        assert not hasattr(type(engine_config), "_get_v2_model_runner_unsupported_features")
+        return
     unsupported = engine_config._get_v2_model_runner_unsupported_features()
     assert ("custom logits processors" in unsupported) is (not V2_PROCESSORS), unsupported
     choose = _flat(_src("vllm.config", "VllmConfig.use_v2_model_runner"))
@@ -391,15 +497,16 @@ def test_engine_and_sampling_defaults_the_parity_reader_assumes(toy_model_path):
     for name in ("dtype", "logprobs_mode", "enforce_eager", "quantization", "kv_cache_dtype"):
         assert getattr(default, name) == VLLM_ENGINE_DEFAULTS[name], name
     assert default.enable_prefix_caching is None and default.enable_chunked_prefill is None
-    resolved = EngineArgs(model=str(toy_model_path), max_model_len=96, kv_cache_memory_bytes=64 << 20)
-    vc = resolved.create_engine_config()
-    assert vc.cache_config.enable_prefix_caching is VLLM_ENGINE_DEFAULTS["enable_prefix_caching"] is True
-    assert vc.scheduler_config.enable_chunked_prefill is VLLM_ENGINE_DEFAULTS["enable_chunked_prefill"] is True
     sp = SamplingParams()
     for name, value in VLLM_SAMPLING_DEFAULTS.items():
         assert (getattr(sp, name) or None) == (value or None), name  # None and [] both mean "none given"
     assert sp.extra_args is None and sp.flat_logprobs is False
     assert create_sample_logprobs(False) == []  # CompletionOutput.logprobs: a list of {token_id: Logprob}
+    _needs_platform()  # the defaults vLLM resolves need its platform
+    resolved = EngineArgs(model=str(toy_model_path), max_model_len=96, kv_cache_memory_bytes=64 << 20)
+    vc = resolved.create_engine_config()
+    assert vc.cache_config.enable_prefix_caching is VLLM_ENGINE_DEFAULTS["enable_prefix_caching"] is True
+    assert vc.scheduler_config.enable_chunked_prefill is VLLM_ENGINE_DEFAULTS["enable_chunked_prefill"] is True
 
 
 # ------------------------------------------------------------------------------------------------ live engine
@@ -420,16 +527,30 @@ def test_live_engine_attributes():
 
 def test_worker_model_runner_attributes():
     from vllm.v1.attention.backend import AttentionBackend
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.utils import AttentionGroup
 
-    runner = _src("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__")
-    assert "self.attn_groups: list[list[AttentionGroup]] = []" in runner
-    assert "self.model = " in _src("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model")
+    if V1_RUNNER:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = _src("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__")
+        assert "self.attn_groups: list[list[AttentionGroup]] = []" in runner
+        assert "self.model = " in _src("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model")
+        assert issubclass(CPUModelRunner, GPUModelRunner)
+    # the V2 runner (every worker's from vLLM 0.34 on; GPU workers' where vLLM chooses it before)
+    v2 = "vllm.v1.worker.gpu.model_runner"
+    assert "self.model = " in _flat(_src(v2, "GPUModelRunner.load_model"))
+    if not V1_RUNNER:
+        from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+        from vllm.v1.worker.gpu.attn_utils import init_attn_backend
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+
+        assert issubclass(CPUModelRunnerV2, GPUModelRunnerV2)
+        assert "( self.attn_groups, attn_cg_support, self.kernel_block_sizes, ) = init_attn_backend(" in _flat(
+            _src(v2, "GPUModelRunner.initialize_kv_cache"))
+        assert "-> tuple[list[list[AttentionGroup]]," in _flat(inspect.getsource(init_attn_backend))
     assert "backend" in _fields(AttentionGroup)
     assert isinstance(inspect.getattr_static(AttentionBackend, "get_name"), staticmethod)
-    assert issubclass(CPUModelRunner, GPUModelRunner)
     for module, cls in (("vllm.v1.worker.cpu_worker", "CPUWorker"), ("vllm.v1.worker.gpu_worker", "Worker")):
         assert "self.model_runner" in inspect.getsource(_resolve(module, cls)), cls
 

@@ -8,7 +8,7 @@ import importlib
 import inspect
 import re
 
-__all__ = ["flat", "has_since", "resolve", "source"]
+__all__ = ["flat", "has_since", "has_until", "resolve", "source"]
 
 
 def resolve(module: str, qualname: str):
@@ -41,3 +41,14 @@ def has_since(framework: str, since: dict, key) -> bool:
 
     installed = Version(importlib.import_module(framework).__version__).release
     return installed >= Version(since[key]).release
+
+
+def has_until(framework: str, until: dict, key) -> bool:
+    """Whether the installed ``framework`` still has the registry entry ``key``: True unless the ``until`` table
+    (``VLLM_UNTIL``) names a release at or before the installed one."""
+    if key not in until:
+        return True
+    from packaging.version import Version
+
+    installed = Version(importlib.import_module(framework).__version__).release
+    return installed < Version(until[key]).release

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Mapping
 
-from tim_plugins._optional import SUPPORTED_RANGES, is_supported_version, package_version
+from tim_plugins._optional import SUPPORTED_RANGES, _release_tuple, is_supported_version, package_version
 
 __all__ = ["Feature", "Hook", "Problem", "SourceProblem", "Status", "check", "first_available", "look_through",
            "registered_hooks", "resolve", "upstream_source"]
@@ -311,6 +311,9 @@ class Hook:
         attrs: attribute paths on a live object (``"trainer.top_p"``: the root named in ``check(live=...)``) that
             the symbol leaves there and the adapter reads; checked where the live object is given, else deferred.
         fields: field names the class declares (dataclass, pydantic, annotations).
+        since, until: the releases of the feature's package the symbol is needed from and before (None: open),
+            where the package added it, or removed the code path that uses it (vLLM 0.34 removed its V1 model
+            runner): outside them the hook is not checked.
     """
 
     module: str
@@ -319,6 +322,16 @@ class Hook:
     fragments: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()
     fields: tuple[str, ...] = ()
+    since: str | None = None
+    until: str | None = None
+
+    def needed_in(self, version: str | None) -> bool:
+        """Whether the feature needs this hook in ``version`` of its package (an unknown version: yes)."""
+        if version is None:
+            return True
+        release = _release_tuple(version)
+        return (self.since is None or release >= _release_tuple(self.since)) and \
+            (self.until is None or release < _release_tuple(self.until))
 
     @property
     def symbol(self) -> str:
@@ -528,6 +541,8 @@ def check(feature: Feature, live: Mapping[str, Any] | None = None) -> Status:
             return Status(feature, False, f"{module} is not installed", install_command(module, feature.extra),
                           version)
     for hook in feature.hooks:
+        if not hook.needed_in(version):
+            continue
         problem = hook.problem(live)
         if problem is not None:
             return Status(feature, False, problem.reason, _fix(feature, problem, hook), version)
@@ -539,7 +554,8 @@ def check(feature: Feature, live: Mapping[str, Any] | None = None) -> Status:
         if problem is not None:
             problem = problem if isinstance(problem, Problem) else Problem(problem)
             return Status(feature, False, problem.reason, _fix(feature, problem, None), version)
-    deferred = () if live is not None else tuple(a for hook in feature.hooks for a in hook.deferred)
+    deferred = () if live is not None else tuple(a for hook in feature.hooks if hook.needed_in(version)
+                                                 for a in hook.deferred)
     return Status(feature, True, version=version, deferred=tuple(dict.fromkeys(deferred)))
 
 
@@ -554,13 +570,17 @@ def first_available(alternatives, live: Mapping[str, Any] | None = None) -> tupl
 
 
 
-def registered_hooks(registry, name: str) -> Callable[..., Hook]:
+def registered_hooks(registry, name: str, since: Mapping | None = None,
+                     until: Mapping | None = None) -> Callable[..., Hook]:
     """A `Hook` maker that accepts only entries of an adapter's sources ``registry`` (its dict keyed by (module,
-    qualname)): every checked hook is a named, guarded source. ``name`` is the registry's, for the error."""
+    qualname)): every checked hook is a named, guarded source. ``name`` is the registry's, for the error. ``since`` /
+    ``until``: the registry's tables of the releases an entry holds from / before (``VLLM_SINCE``, ``VLLM_UNTIL``),
+    copied onto the hook."""
 
     def hook(module: str, qualname: str, **kwargs) -> Hook:
-        if (module, qualname) not in registry:
+        key = (module, qualname)
+        if key not in registry:
             raise KeyError(f"{module}:{qualname} is not in {name}")
-        return Hook(module, qualname, **kwargs)
+        return Hook(module, qualname, since=(since or {}).get(key), until=(until or {}).get(key), **kwargs)
 
     return hook

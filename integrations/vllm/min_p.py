@@ -17,8 +17,10 @@ Use::
 Where vLLM calls it (the two model runners differ, and each loader rejects the other's interface, so this one class
 implements both from vLLM 0.31 on; the constructor's arguments tell which runner built it). Before 0.31 the V2
 runner has no custom processors: a configuration with one runs in the V1 runner
-(VLLM_SOURCES vllm.config:VllmConfig._get_v2_model_runner_unsupported_features), and the class is V1 only.
-* V1 runner (``vllm/v1/sample/sampler.py`` ``Sampler.sample``; CPU, and GPUs where the V2 runner is not used):
+(VLLM_SOURCES vllm.config:VllmConfig._get_v2_model_runner_unsupported_features), and the class is V1 only. vLLM
+0.34 removed the V1 runner: from then on the class is V2 only.
+* V1 runner (``vllm/v1/sample/sampler.py`` ``Sampler.sample``; vLLM < 0.34: CPU, and GPUs where the V2 runner is
+  not used):
   argmax-invariant processors run after temperature, after the built-in min-p and before top-k/top-p; processed
   log-probs are taken after top-k/top-p. The logits are already z/T: cut = log(min_p).
 * V2 runner (``vllm/v1/worker/gpu/sample/sampler.py`` ``Sampler.apply_sampling_params``): custom processors run
@@ -39,16 +41,18 @@ import numpy as np
 import torch
 from vllm import SamplingParams
 
-# VLLM_SOURCES vllm.v1.sample.logits_processor:BatchUpdate
-from vllm.v1.sample.logits_processor import BatchUpdate
-
-# VLLM_SOURCES vllm.v1.sample.logits_processor:LogitsProcessor
-from vllm.v1.sample.logits_processor import LogitsProcessor as _V1LogitsProcessor
-
-# VLLM_SOURCES vllm.v1.sample.logits_processor.builtin:process_dict_updates
-from vllm.v1.sample.logits_processor.builtin import process_dict_updates
-
 from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, check_min_p, engine_min_p
+
+try:  # the V1 model runner's interface (vLLM < 0.34, sources.VLLM_UNTIL); later versions have only V2
+    # VLLM_SOURCES vllm.v1.sample.logits_processor:BatchUpdate
+    # VLLM_SOURCES vllm.v1.sample.logits_processor:LogitsProcessor
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.logits_processor import LogitsProcessor as _V1LogitsProcessor
+
+    # VLLM_SOURCES vllm.v1.sample.logits_processor.builtin:process_dict_updates
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+except ImportError:
+    _V1LogitsProcessor = None
 
 try:  # the V2 model runner's interface (vLLM >= 0.31, sources.VLLM_SINCE); older versions have only V1
     # VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor:LogitsProcessor
@@ -63,7 +67,11 @@ _GREEDY_EPS = 1e-5
 # Loaded by its "<module>:<Class>" name in either runner, each of which wants its own base class:
 # VLLM_SOURCES vllm.v1.sample.logits_processor:_load_logitsprocs_by_fqcns
 # VLLM_SOURCES vllm.v1.worker.gpu.sample.logits_processor.loader:_load_v2_logitsprocs_by_fqcns
-_BASES = (_V1LogitsProcessor,) if _V2LogitsProcessor is None else (_V1LogitsProcessor, _V2LogitsProcessor)
+_BASES = tuple(base for base in (_V1LogitsProcessor, _V2LogitsProcessor) if base is not None)
+if not _BASES:
+    raise ImportError("tim_plugins.integrations.vllm.min_p: the installed vLLM has neither model runner's logits-"
+                      "processor interface (vllm.v1.sample.logits_processor, vllm.v1.worker.gpu.sample."
+                      "logits_processor); `tim-plugins doctor` says what moved")
 
 
 def _request_min_p(params: SamplingParams, default: float) -> float:

@@ -25,7 +25,8 @@ __all__ = ["engine_args_from_server_info", "spec_from_llm"]
 def _worker_numerics(worker: Any) -> dict:
     """Runs inside each vLLM worker (collective_rpc): what the model really computes with.
 
-    VLLM_SOURCES vllm.v1.worker.gpu_model_runner:GPUModelRunner (model_runner.model, .lm_head, .attn_groups)."""
+    VLLM_SOURCES vllm.v1.worker.gpu_model_runner:GPUModelRunner (model_runner.model, .lm_head, .attn_groups), and
+    VLLM_SOURCES vllm.v1.worker.gpu.model_runner:GPUModelRunner (the V2 runner: the same attributes)."""
     out: dict[str, Any] = {"batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"}
     runner = getattr(worker, "model_runner", None)
     model = getattr(runner, "model", None)

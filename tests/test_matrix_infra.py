@@ -53,14 +53,15 @@ def test_every_stack_has_a_lock_that_pins_every_package_exactly():
         for req in spec["requirements"]:  # the stack's defining versions are what its lock holds
             if "==" in req:
                 dist, version = req.split("==")
+                dist = dist.split("[")[0]  # extras: the distribution's own name
                 assert locked[stack._norm(dist)] == version, (name, req, locked.get(stack._norm(dist)))
         for dist in spec["no_deps"]:
-            assert stack._norm(dist) in locked, (name, dist)
+            assert stack._norm(dist.split("==")[0]) in locked, (name, dist)
 
 
 def test_stacks_run_without_verl_and_main_has_it():
     assert "verl" in stack.parse_in("main")["extras"].split(",")
-    for name in ("newest", "oldest"):
+    for name in ("newest", "oldest", "vllm-gpu"):
         assert "verl" not in stack.parse_in(name)["extras"].split(",")
         assert "verl" not in stack.read_lock(CONSTRAINTS / f"{name}.txt")
 
@@ -73,8 +74,14 @@ def test_the_stack_subset_is_named_once_and_exists():
         assert (ROOT / path).is_file(), node
         if func:
             assert re.search(rf"^def {func}\(", (ROOT / path).read_text(), re.M), node
-    assert _make_var("STACKS") == ["newest", "oldest"]
-    assert _make_var("SUITES") == ["main", "verl", "wheel", "megatron", "latest", "stack-newest", "stack-oldest"]
+    assert _make_var("STACKS") == ["newest", "oldest", "vllm-gpu"]
+    assert _make_var("SUITES") == ["main", "verl", "wheel", "megatron", "latest", "stack-newest", "stack-oldest",
+                                   "stack-vllm-gpu"]
+    for node in _make_var("STACK_TESTS_vllm-gpu"):  # the vllm-gpu stack's own list: vLLM tests that start no engine
+        path, _, func = node.partition("::")
+        assert path.startswith("tests/test_vllm_") and (ROOT / path).is_file(), node
+        if func:
+            assert re.search(rf"^def {func}\(", (ROOT / path).read_text(), re.M), node
 
 
 def _dry(target: str) -> str:
@@ -325,6 +332,10 @@ def test_tested_ranges_follow_the_stacks_that_passed(tmp_path):
     import runpy
 
     assert runpy.run_path(str(module))["PASSED"] == entries
+    # a stack that reads vLLM at the source level only (SOURCES_ONLY) does not widen vLLM's range
+    _matrix_stack(matrix, "vllm-gpu", 0, transformers="5.22.2", trl="1.16.0", vllm="0.34.0")
+    gpu = compat.passed_entries(compat.read_stacks(matrix), before)["vllm-gpu"]
+    assert gpu["versions"] == {"transformers": "5.22.2", "trl": "1.16.0"}
     with pytest.raises(SystemExit, match="no stack passed with \\['verl'\\]"):
         compat.render_tested({"latest": entries["latest"], "oldest": before["oldest"]})
 

@@ -312,8 +312,8 @@ class Hook:
             the symbol leaves there and the adapter reads; checked where the live object is given, else deferred.
         fields: field names the class declares (dataclass, pydantic, annotations).
         since, until: the releases of the feature's package the symbol is needed from and before (None: open),
-            where the package added it, or removed the code path that uses it (vLLM 0.34 removed its V1 model
-            runner): outside them the hook is not checked.
+            where the package added it, or removed the code path that uses it (a release that drops one of two
+            implementations the feature plugs into): outside them the hook is not checked.
     """
 
     module: str

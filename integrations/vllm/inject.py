@@ -18,10 +18,11 @@ its prompt and output ids) wherever vLLM has that runner, and `TailNoiseV2Logits
 the V2 runner is the only one (``sources.VLLM_UNTIL``). The V2 runner calls custom processors before temperature
 too, but after logit bias, penalties and bad words (VLLM_SOURCES
 vllm.v1.worker.gpu.sample.sampler:Sampler.apply_sampling_params): the same distribution for requests without
-penalties or a logit bias, as the injector's runs use. It hands no token lists: each row's prompt and outputs are read from the request's committed tokens (``req_states.all_token_ids`` up
-to the row's position, whose own token is the row's input id), one device read per perturbed row and step (the
-injector is a study tool; nothing else pays for it). The same prompt and outputs draw the same noise in both.
-Speculative decoding's draft rows are not modelled there (their earlier drafts are not committed tokens).
+penalties or a logit bias, as the injector's runs use. It hands no token lists: each row's prompt and outputs are
+read from the request's committed tokens (``req_states.all_token_ids`` up to the row's position, whose own token is
+the row's input id), one device read per perturbed row and step (the injector is a study tool; nothing else pays
+for it). The same prompt and outputs draw the same noise in both. Speculative decoding's draft rows are not
+modelled there (their earlier drafts are not committed tokens).
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ source, and behaviour where cheap). The V2 model runner runs custom logits proce
 entries are in ``VLLM_SINCE``; before that release the V2 runner refuses custom processors, so vLLM runs ours in
 the V1 runner (the guard tests check both sides). vLLM 0.34 removed the V1 runner (its sampler, its logits-processor
 interface, its model runner): those entries are in ``VLLM_UNTIL``, and from 0.34 on the V2 runner is the only one.
-Users: this adapter (``min_p``, ``inject``, ``sampling``,
-``rollout``, ``parity_spec``: the live engine reader), the core's engine-argument reader
-``tim_plugins.parity.vllm_spec`` (vLLM's defaults, as data), ``tim_plugins.truncation`` (vLLM's truncation order)
-and ``tim_plugins.apps.measure``.
+Users: this adapter (``min_p``, ``inject``, ``sampling``, ``rollout``, ``parity_spec``: the live engine reader), the
+core's engine-argument reader ``tim_plugins.parity.vllm_spec`` (vLLM's defaults, as data), ``tim_plugins.truncation``
+(vLLM's truncation order) and ``tim_plugins.apps.measure``.
 """
 
 from __future__ import annotations

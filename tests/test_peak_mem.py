@@ -17,6 +17,12 @@ MIB = 2**20
 # peak_mem's longest gap between two PSS reads (PSS_EVERY_S, 2 s) plus its tick, so a read falls after the fill even
 # when the sampler is starved of CPU (with a 1.5 s hold, two loaded runs saw the 600 MiB child at 0.45 and 0.49 GiB).
 CHILD = "import sys, time; b = bytearray({n} * 2**20); time.sleep(4.0); sys.exit({rc})"
+# Two children side by side, each holding its memory until both hold theirs (each touches a file once filled and
+# waits, up to 60 s, for the other's), then 4 s more: on a loaded machine one interpreter can start seconds after the
+# other, and their holds must overlap for the tree's peak to be both (a CI run under a background install saw 0.6).
+PAIRED = ("b = bytearray({n} * 2**20); import os, time; open(os.path.join({d!r}, str({n})), 'w').close(); "
+          "t = time.time() + 60\nwhile len(os.listdir({d!r})) < 2 and time.time() < t: time.sleep(0.05)\n"
+          "time.sleep(4.0)")
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -28,10 +34,11 @@ def _run(*args: str) -> tuple[subprocess.CompletedProcess, float, list[tuple[str
     return proc, tree, [(m.group(1), float(m.group(2))) for m in re.finditer(r"(.+?) ([\d.]+) GiB(?:; |$)", top)]
 
 
-def test_counts_grandchildren_and_names_the_largest():
+def test_counts_grandchildren_and_names_the_largest(tmp_path, monkeypatch):
     # The measured command is a shell; the memory sits in its children, started in the background, side by side.
-    script = (f"{sys.executable} -c '{CHILD.format(n=600, rc=0)}' & "
-              f"{sys.executable} -c '{CHILD.format(n=200, rc=0)}' & wait")
+    for name, n in (("CHILD_A", 600), ("CHILD_B", 200)):
+        monkeypatch.setenv(name, PAIRED.format(n=n, d=str(tmp_path)))
+    script = f'{sys.executable} -c "$CHILD_A" & {sys.executable} -c "$CHILD_B" & wait'
     proc, tree, top = _run("t", "sh", "-c", script)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # 800 MiB touched, plus two interpreters (~10 MiB each) and the shell: 0.78-0.9 GiB, printed to 0.1 GiB.

@@ -23,4 +23,8 @@ PASSED = {
         "date": "2026-12-04",
         "versions": {"transformers": "5.10.4", "verl": "0.9.1", "vllm": "0.31.0"},
     },
+    "vllm-gpu": {
+        "date": "2026-12-04",
+        "versions": {"transformers": "5.22.2", "trl": "1.16.0"},
+    },
 }

@@ -257,6 +257,10 @@ class Blocker:  # as if none of them were installed
         return None
 
 
+# torch first, as in every process that uses tim_plugins: from torch 2.15 on its initialisation probes for Triton
+# (importlib.util.find_spec), which the blocker would turn into an error inside torch
+import torch
+
 sys.meta_path.insert(0, Blocker())
 import tim_plugins
 
@@ -270,7 +274,6 @@ for info in pkgutil.walk_packages(tim_plugins.__path__, "tim_plugins."):
     except ImportError as err:
         failed[info.name] = str(err)
 from tim_plugins.metrics import mismatch_metrics
-import torch
 m = mismatch_metrics(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.1, -2.0]]))
 print(json.dumps({"imported": imported, "failed": failed, "tokens": m["tim/tokens"],
                   "frameworks": sorted(n for n in sys.modules if n.split(".")[0] in BLOCKED)}))

@@ -35,20 +35,20 @@ def flat(text: str) -> str:
 def has_since(framework: str, since: dict, key) -> bool:
     """Whether the installed ``framework`` (its ``__version__``) has the registry entry ``key``: True unless the
     ``since`` table (``VLLM_SINCE``, ...) names a later release for it."""
-    if key not in since:
-        return True
-    from packaging.version import Version
-
-    installed = Version(importlib.import_module(framework).__version__).release
-    return installed >= Version(since[key]).release
+    return key not in since or _installed(framework) >= _release(since[key])
 
 
 def has_until(framework: str, until: dict, key) -> bool:
     """Whether the installed ``framework`` still has the registry entry ``key``: True unless the ``until`` table
     (``VLLM_UNTIL``) names a release at or before the installed one."""
-    if key not in until:
-        return True
+    return key not in until or _installed(framework) < _release(until[key])
+
+
+def _release(version: str) -> tuple[int, ...]:
     from packaging.version import Version
 
-    installed = Version(importlib.import_module(framework).__version__).release
-    return installed < Version(until[key]).release
+    return Version(version).release
+
+
+def _installed(framework: str) -> tuple[int, ...]:
+    return _release(importlib.import_module(framework).__version__)

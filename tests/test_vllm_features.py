@@ -39,7 +39,7 @@ def test_a_moved_symbol_switches_off_only_its_feature(monkeypatch):
             features.INJECTOR, features.LIVE_ENGINE_AUDIT)
     else:  # vLLM >= 0.34: the V2 interface, which both processors implement
         module, name, others = "vllm.v1.worker.gpu.sample.logits_processor", "LogitsContext", (
-            features.LIVE_ENGINE_AUDIT, features.WEIGHT_READER)
+            features.LIVE_ENGINE_AUDIT, features.WEIGHT_READER, features.LORA_READER)
     monkeypatch.delattr(importlib.import_module(module), name)
     status = check(features.MIN_P_PROCESSOR)
     assert not status.available and name in status.reason

@@ -171,7 +171,7 @@ class EngineWeights(Protocol):
 @dataclass
 class _Sent:
     shape: tuple
-    values: torch.Tensor  # the trainer's values at the sampled elements, in its own dtype
+    values: torch.Tensor  # the trainer's values at the sampled elements, in its own dtype (float64 when scaled)
     streamed: bool  # False: taken from the trainer's own tensor (expected, never streamed)
 
 
@@ -184,15 +184,21 @@ class SyncRecord:
         self.expected: list[str] = []
         self.seconds = 0.0
 
-    def observe(self, name: str, tensor: torch.Tensor, *, streamed: bool = True) -> None:
+    def observe(self, name: str, tensor: torch.Tensor, *, streamed: bool = True, scale: Optional[float] = None
+                ) -> None:
         """Sample the trainer's ``tensor`` sent under ``name`` (the engine's loader's name, e.g. HF names); a name
-        sent twice keeps its first tensor."""
+        sent twice keeps its first tensor. ``scale``: the engine holds the tensor times this factor (vLLM folds a
+        LoRA adapter's scaling into its ``lora_B``): the sample is kept multiplied by it, in float64, for a reader
+        whose read of that tensor is compared unrounded within its bound (``EngineRead.quantized``)."""
         if name in self.sent:
             return
         t0 = time.perf_counter()
         t = tensor.detach()
         shape = tuple(t.shape)
-        self.sent[name] = _Sent(shape, torch.take(t, self.check.flat_index(name, shape, t.device)), streamed)
+        values = torch.take(t, self.check.flat_index(name, shape, t.device))
+        if scale is not None:
+            values = values.to(torch.float64) * float(scale)
+        self.sent[name] = _Sent(shape, values, streamed)
         self.seconds += time.perf_counter() - t0
 
     def observing(self, weights: Iterable) -> Iterator:

@@ -68,7 +68,8 @@ _SYNC = ("verl's weight sync (ActorRolloutRefWorker.update_weights after each st
 
 # {cause code (tim_plugins.causes.CAUSES): knob}
 CAUSE_FIXES = {
-    "sync-noop": _SYNC,
+    "sync-noop": _SYNC + "; with a LoRA adapter sync (actor_rollout_ref.model.lora.merge=false) the old adapter must "
+                         "be removed before add_lora: vLLM keeps the adapter it holds under the same id",
     "sync-tensors-stale": _SYNC + "; the tensors named were skipped (a name the engine's loader drops, a layer "
                                   "filtered out, an export that leaves a layer out)",
     "sync-precision": "write each tensor in the rollout's dtype: actor_rollout_ref.rollout.dtype is what vLLM runs "

@@ -21,8 +21,12 @@ bucket into the model (``load_weights``) and post-processes it. What is observed
    ``tim/cause/*`` in the next window's metrics (the old-log-prob pass of the next step), which the driver logs
    through verl's tracker, and the probe's warn / raise / stop on a named cause.
 
+A LoRA actor is checked too: with ``lora.merge=true`` verl streams merged weights under the base names (a plain
+sync); with the adapter sync (``lora.merge=false``) the adapter matrices are compared with the slot buffers vLLM
+computes with (``integrations.vllm.lora_weights``), and the base weights of the first sync like any others.
+
 A checked sync that no rank could read (the checkpoint engine's disaggregated sync, whose rollout loads in other
-workers; a LoRA adapter sync; verl's own server, without the reads) is counted (``tim/diag/sync_check_unavailable``),
+workers; verl's own server, without the reads) is counted (``tim/diag/sync_check_unavailable``),
 and a problem inside the check is counted (``tim/diag/sync_check_failed``): neither ever breaks the sync.
 """
 
@@ -87,14 +91,30 @@ class SyncWatch:
         return self.checked
 
     def observing(self, weights: Iterable, peft_config=None) -> Iterator:
-        """The engine's ``get_per_tensor_param`` stream, sampled as it passes while a sync is checked (a LoRA
-        adapter sync is not: its tensors are adapters, not the engine's weights)."""
-        if self.record is None:
+        """The engine's ``get_per_tensor_param`` stream, sampled as it passes while a sync is checked.
+
+        With a LoRA adapter (``peft_config`` set, ``lora.merge=false``) verl streams the adapter matrices, and at the
+        first sync onto dummy weights the base weights as a second stream: both are sampled, the adapter's
+        ``lora_B`` times the adapter's scaling, which vLLM folds into it (``lora_weights``). An adapter whose scaling
+        is not one number (``rank_pattern`` / ``alpha_pattern``) has its ``lora_B`` passed on unsampled."""
+        record = self.record
+        if record is None:
             return weights
-        if peft_config is not None:
-            self.abandon("a LoRA adapter sync: the engine holds the adapter apart from its weights")
-            return weights
-        return self.record.observing(weights)
+        if peft_config is None:
+            return record.observing(weights)
+        from tim_plugins.integrations.vllm.lora_weights import lora_scaling
+
+        scaling = lora_scaling(peft_config)
+
+        def observed():
+            for name, tensor in weights:
+                if not name.endswith(".lora_B.weight"):
+                    record.observe(name, tensor)
+                elif scaling is not None:
+                    record.observe(name, tensor, scale=scaling)
+                yield name, tensor
+
+        return observed()
 
     def requests(self) -> list:
         """What to read from the engine after the sync (``worker_reads.sync_requests``)."""
@@ -133,7 +153,7 @@ class SyncWatch:
         done = [r for r in reports if r is not None]
         if not done:
             self.pipeline.count("sync_check_unavailable", detail="no rank could read the rollout engine's weights "
-                                "at this sync (a disaggregated or LoRA sync, or verl's own rollout server)")
+                                "at this sync (a disaggregated sync, or verl's own rollout server)")
         for report in done:
             unread = report.names("unread")
             if unread:

@@ -14,7 +14,8 @@ from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VLLM_SINCE, VLLM_SOURCES, VLLM_UNTIL
 
-__all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "MIN_P_PROCESSOR", "WEIGHT_READER", "vllm_features"]
+__all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "LORA_READER", "MIN_P_PROCESSOR", "WEIGHT_READER",
+           "vllm_features"]
 
 _LP = "vllm.v1.sample.logits_processor"
 _V2 = "vllm.v1.worker.gpu.sample.logits_processor"
@@ -57,7 +58,15 @@ WEIGHT_READER = Feature(
         _hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"), _hook("vllm.v1.worker.gpu.model_runner",
                                                                           "GPUModelRunner")))
 
-FEATURES = (MIN_P_PROCESSOR, INJECTOR, LIVE_ENGINE_AUDIT, WEIGHT_READER)
+LORA_READER = Feature(
+    "vllm_lora_reader", "weight-sync check: a LoRA adapter's matrices read (lora_weights.LoRAReads)", "vllm",
+    needs=("vllm",), extra="vllm", fix=_FIX, hooks=(
+        _hook("vllm.lora.model_manager", "LoRAModelManager"), _hook("vllm.lora.layers.base", "BaseLayerWithLoRA"),
+        _hook("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA"),
+        _hook("vllm.lora.lora_weights", "LoRALayerWeights.optimize"), _hook("vllm.lora.utils",
+                                                                            "parse_fine_tuned_lora_name")))
+
+FEATURES = (MIN_P_PROCESSOR, INJECTOR, LIVE_ENGINE_AUDIT, WEIGHT_READER, LORA_READER)
 
 
 def vllm_features():

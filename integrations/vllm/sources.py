@@ -140,6 +140,23 @@ VLLM_SOURCES = {
     ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"):
         "shard_indices.org_vocab_start_index / org_vocab_end_index: the vocabulary rows this rank holds, from "
         "local row 0; rows past the vocabulary are padding",
+    # --------------------------------------------------------------------- a LoRA adapter (lora_weights.LoRAReads)
+    ("vllm.lora.model_manager", "LoRAModelManager"):
+        "__init__ sets model.lora_manager = itself; .modules {module name: its LoRA layer}, .packed_modules_mapping "
+        "{packed module: [parts]}, .lora_index_to_id (the adapter id in each slot, None where free)",
+    ("vllm.lora.layers.base", "BaseLayerWithLoRA"):
+        "every LoRA wrapper of a layer subclasses it; .base_layer: the wrapped layer, with the base weight",
+    ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA"):
+        "tp_size; lora_a_stacked / lora_b_stacked: one [max_loras, 1, rows, cols] buffer per part of a packed "
+        "layer, the adapter of slot i at [i, 0, :r, :in] (lora_A) and [i, 0, :out, :r] (lora_B): what the forward "
+        "computes with",
+    ("vllm.lora.lora_weights", "LoRALayerWeights.optimize"):
+        "lora_b *= scaling (in the adapter's dtype), then scaling = 1: the slot buffers hold lora_B scaled",
+    ("vllm.lora.utils", "parse_fine_tuned_lora_name"):
+        "(name, weights_mapper) -> (module name, is lora_A) for PEFT's base_model.model.<module>.lora_A.weight",
+    ("vllm.model_executor.models.utils", "WeightsMapper"):
+        "get_rename_mapper() (get_unstacked_mapper() before vLLM 0.31): the model's mapper of renames only, what "
+        "vLLM's own adapter loader maps LoRA names with",
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"):
         "the V1 runner: a worker's .model_runner (CPU and GPU workers): .model (with .lm_head) and .attn_groups, "
         "lists of AttentionGroup whose .backend has get_name()",

@@ -17,6 +17,10 @@ A linear layer read directly is checked once against its forward read of the sam
 kernel that transposes or shuffles after loading), the forward is used from then on. Whatever cannot be mapped (MoE
 expert stacks, other quantization schemes) is read as None: counted as not compared, never named.
 
+An engine with LoRA enabled wraps its linear layers (``...WithLoRA``, the layer itself as ``base_layer``): a base
+weight is read from the wrapped layer, and an adapter matrix (``...lora_A.weight`` / ``lora_B.weight``) from the
+adapter's slot buffers (``lora_weights.LoRAReads``).
+
 Every vLLM internal used is named in ``sources.VLLM_SOURCES`` (``# VLLM_SOURCES <module>:<qualname>``).
 """
 
@@ -28,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from tim_plugins.integrations.vllm.lora_weights import LoRAReads, is_adapter_name
 from tim_plugins.weight_sync import EngineRead, ravel
 
 __all__ = ["VLLMWeights", "engine_model"]
@@ -80,7 +85,11 @@ class VLLMWeights:
         """``forward_reads``: read every linear weight through its layer's forward, also where a plain one is
         there."""
         self.model, self.dtype, self.forward_reads = model, dtype, forward_reads
-        self._modules = dict(model.named_modules())
+        # VLLM_SOURCES vllm.lora.layers.base:BaseLayerWithLoRA (every LoRA wrapper subclasses it; .base_layer: the layer
+        # it wraps, which holds the base weight and computes with it)
+        self._modules = {name: m.base_layer if "BaseLayerWithLoRA" in _class_names(m) and hasattr(m, "base_layer")
+                         else m for name, m in model.named_modules()}
+        self._lora = LoRAReads(model)
         self._where: dict[str, Optional[_Where] | str] = {}
         self._forward_only: set[int] = set()  # ids of modules whose direct read disagreed with their forward
         self._validated: set[int] = set()
@@ -216,6 +225,8 @@ class VLLMWeights:
         return cached[2]
 
     def read(self, name: str, shape: tuple, index: torch.Tensor) -> Optional[EngineRead]:
+        if is_adapter_name(name):
+            return self._lora.read(name, tuple(shape), index)
         fast = self._direct.get(name)
         if fast is not None and fast[0] is index:  # a plain parameter read before: one gather
             _, module, leaf, pshape, flat = fast

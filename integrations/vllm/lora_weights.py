@@ -62,7 +62,7 @@ class LoRAReads:
         self._where: dict[str, Optional[tuple]] = {}
 
     def _mapper(self):
-        # VLLM_SOURCES vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper (renames only: what vLLM's
+        # VLLM_SOURCES vllm.model_executor.models.utils:WeightsMapper (get_rename_mapper: renames only, what vLLM's
         # own adapter loader maps LoRA names with; get_unstacked_mapper before vLLM 0.31)
         mapper = getattr(self.model, "hf_to_vllm_mapper", None)
         for method in ("get_rename_mapper", "get_unstacked_mapper"):

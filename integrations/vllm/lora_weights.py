@@ -13,8 +13,8 @@ differs from it.
   sample by the same scaling (``lora_scaling``) and the two are compared within one rounding of the cast and one of
   the multiply (the read's ``atol``, ``quantized=True``: compared unrounded).
 - The adapter read is the one active adapter; none active, or an engine without LoRA: the tensor is missing from the
-  engine; several active (a server with many adapters): not read. Tensor-parallel shards and fully sharded LoRA layers: not read (counted, never
-  named).
+  engine; several active (a server with many adapters): not read. Tensor-parallel shards and fully sharded LoRA
+  layers: not read (counted, never named).
 
 Every vLLM internal used is named in ``sources.VLLM_SOURCES`` (``# VLLM_SOURCES <module>:<qualname>``). Importing this
 module imports no vLLM.

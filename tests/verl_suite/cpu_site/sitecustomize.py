@@ -4,7 +4,8 @@ imports this module at start-up. With ``TIM_TEST_CPU_SHIMS=1`` it installs the C
 with ``TIM_TEST_RANK_VALUES_DIR`` set as well the per-rank recorder of ``rank_values.py``, with
 ``TIM_TEST_INJECT_MISMATCH`` the driver-side mismatch of ``inject_mismatch.py``, with ``TIM_TEST_TURN_PROBE`` the
 driver-side recorder of ``turn_probe.py`` (installed after the mismatch: it chains onto the same module's hook), with
-``TIM_TEST_SYNC_SKIP`` (or ``TIM_TEST_LORA_KEEP``) the broken weight sync of ``skip_sync.py``; without them, it does nothing."""
+``TIM_TEST_SYNC_SKIP`` or ``TIM_TEST_LORA_KEEP`` the broken weight sync of ``skip_sync.py``; without them, it does
+nothing."""
 
 import os
 

@@ -15,9 +15,10 @@ every tensor checked at every sync) is asserted on ``test_verl_main_ppo.py``'s r
 The same run is made twice: full fine-tuning, and a LoRA actor (rank 8 on every linear layer) whose adapters verl
 merges into the weights it syncs (``actor_rollout_ref.model.lora.merge=true``: verl's merged-LoRA export, the base
 names with merged values). There every tensor is compared as well, and only the skipped layer's are named. verl's
-other LoRA mode, the adapter sync (``lora.merge=false``: vLLM loads the adapter apart from the weights), is not
-compared (``tim/diag/sync_check_unavailable``) and cannot run here: verl 0.9.1's adapter loader calls
-``WeightsMapper.get_unstacked_mapper``, which vLLM 0.31 no longer has.
+other LoRA mode, the adapter sync (``lora.merge=false``: vLLM loads the adapter apart from the weights with
+``add_lora``), runs with a fault of its own: the old adapter is never removed, so vLLM keeps it, and the sync after
+step 1 is named a no-op with the adapter's matrices. verl 0.9.1's adapter loader calls
+``WeightsMapper.get_unstacked_mapper``, which vLLM 0.31 no longer has: the CPU shims give it back (shim 8).
 """
 
 from __future__ import annotations
@@ -44,21 +45,28 @@ def _model_tensors(path) -> list[str]:
     return list(AutoModelForCausalLM.from_pretrained(str(path)).state_dict())
 
 
-# verl's LoRA settings (actor_rollout_ref.model.lora_rank / lora_alpha / target_modules, lora.merge)
-LORA_MERGED = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-               "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.model.lora.merge=true"]
+# verl's LoRA settings (actor_rollout_ref.model.lora_rank / lora_alpha / target_modules; lora.merge picks the sync)
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.model.target_modules=all-linear"]
+LORA_MERGED = LORA + ["actor_rollout_ref.model.lora.merge=true"]
+LORA_ADAPTER = LORA + ["actor_rollout_ref.model.lora.merge=false"]
+
+
+def _overrides(files, wd, extra: list[str]) -> list[str]:
+    """A GRPO run of STEPS steps with the monitor, the sync check and a probe that stops on a named cause."""
+    return M.base_overrides(files, wd, steps=STEPS) + M.CPU_OVERRIDES + [
+        "trainer.v1.trainer_mode=tim_sync",
+        "+tim.monitor.enable=true",
+        "+tim.probe.enable=true", "+tim.probe.action=stop",
+        "+tim.probe.kl_k3=1e9", "+tim.probe.abs_diff_max=1e9",  # out of reach: only a named cause trips it
+    ] + extra
 
 
 @pytest.fixture(scope="module", params=["full", "lora_merged"])
 def run(request, tmp_path_factory, toy_model_path):
     wd = tmp_path_factory.mktemp(f"sync_check_{request.param}")
     files = M.prepare(wd, toy_model_path)
-    overrides = M.base_overrides(files, wd, steps=STEPS) + M.CPU_OVERRIDES + [
-        "trainer.v1.trainer_mode=tim_sync",
-        "+tim.monitor.enable=true",
-        "+tim.probe.enable=true", "+tim.probe.action=stop",
-        "+tim.probe.kl_k3=1e9", "+tim.probe.abs_diff_max=1e9",  # out of reach: only a named cause trips it
-    ] + (LORA_MERGED if request.param == "lora_merged" else [])
+    overrides = _overrides(files, wd, LORA_MERGED if request.param == "lora_merged" else [])
     run = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, extra_env={"TIM_TEST_SYNC_SKIP": SKIPPED},
                          log_path=wd / "sync_skip.log")
     print(f"[sync_skip {request.param}] exit {run.returncode} after {run.seconds:.0f} s; per-step seconds "
@@ -99,10 +107,6 @@ def test_step_metrics_carry_the_cause_and_the_probe_stops_the_run(run):
     assert "parity probe asked to stop at step 1" in run.output
 
 
-# verl's LoRA adapter sync: the adapter matrices stream apart from the weights and vLLM loads them with add_lora
-LORA_ADAPTER = LORA_MERGED[:-1] + ["actor_rollout_ref.model.lora.merge=false"]
-
-
 def _adapter_names(path) -> list[str]:
     """The adapter matrices verl streams at an adapter sync: PEFT's own adapter state dict of the model with the
     run's LoRA settings (verl's FSDP engine streams get_peft_model_state_dict)."""
@@ -122,13 +126,7 @@ def adapter_run(tmp_path_factory, toy_model_path):
     pytest.importorskip("peft")
     wd = tmp_path_factory.mktemp("sync_check_lora_adapter")
     files = M.prepare(wd, toy_model_path)
-    overrides = M.base_overrides(files, wd, steps=STEPS) + M.CPU_OVERRIDES + [
-        "trainer.v1.trainer_mode=tim_sync",
-        "+tim.monitor.enable=true",
-        "+tim.probe.enable=true", "+tim.probe.action=stop",
-        "+tim.probe.kl_k3=1e9", "+tim.probe.abs_diff_max=1e9",
-    ] + LORA_ADAPTER
-    run = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, extra_env={"TIM_TEST_LORA_KEEP": "1"},
+    run = M.run_main_ppo(_overrides(files, wd, LORA_ADAPTER), cwd=wd, timeout=RUN_TIMEOUT_S, extra_env={"TIM_TEST_LORA_KEEP": "1"},
                          log_path=wd / "lora_keep.log")
     print(f"[lora_keep] exit {run.returncode} after {run.seconds:.0f} s; log {wd / 'lora_keep.log'}")
     return run, files

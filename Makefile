@@ -57,6 +57,7 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 	tests/test_transformers_sources.py tests/test_trl_vllm.py tests/test_vllm_sources.py \
 	tests/test_vllm_min_p_processor.py tests/test_trl_capabilities.py tests/test_vllm_features.py \
 	tests/test_vllm_weights.py tests/test_vllm_lora_weights.py tests/test_trl_vllm_sync_check.py \
+	tests/test_vllm_prefix_cache.py tests/test_trl_vllm_prefix_cache.py \
 	tests/test_trl_vllm_server.py tests/test_trl_real_model.py::test_monitor_equals_trl_metric_and_naive_reference \
 	tests/test_trl_real_model.py::test_k3_is_the_bf16_level_and_equals_the_naive_k3 \
 	tests/test_trl_real_model.py::test_tail_tokens_disagree_more_than_confident_ones
@@ -64,7 +65,8 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 # and the SmolLM2 arm (it samples with vLLM).
 VLLM_STACK_TESTS := tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
 	tests/test_vllm_features.py tests/test_vllm_weights.py tests/test_vllm_lora_weights.py \
-	tests/test_trl_vllm_sync_check.py tests/test_trl_vllm_server.py tests/test_trl_real_model.py%
+	tests/test_trl_vllm_sync_check.py tests/test_vllm_prefix_cache.py tests/test_trl_vllm_prefix_cache.py \
+	tests/test_trl_vllm_server.py tests/test_trl_real_model.py%
 # The report's tests: its queries on the installed DuckDB and pyarrow, its figures on matplotlib, its page.
 REPORT_TESTS := tests/test_report.py tests/test_report_browser.py tests/test_report_figures.py \
 	tests/test_report_query.py tests/test_report_staleness.py tests/test_report_truncation.py \
@@ -194,9 +196,10 @@ STACK_TESTS_oldest := $(filter-out tests/test_trl_real_model.py%,$(STACK_TESTS))
 STACK_TESTS_newest := $(filter $(VLLM_STACK_TESTS),$(STACK_TESTS))
 # The vllm-gpu stack: the newest vLLM for GPUs (its CUDA build, which imports on this CPU machine but starts no
 # engine): the vLLM source guards, the capability checks and the processors' V2-runner units (vLLM 0.34 has no V1
-# runner) and the LoRA reader's guards, nothing that needs an engine (constraints/vllm-gpu.in).
+# runner) and the LoRA and prefix-cache readers' guards, nothing that needs an engine (constraints/vllm-gpu.in).
 STACK_TESTS_vllm-gpu := tests/test_vllm_sources.py tests/test_vllm_features.py \
 	tests/test_vllm_lora_weights.py::test_the_lora_internals_the_reader_assumes \
+	tests/test_vllm_prefix_cache.py::test_the_prefix_cache_internals_the_reader_assumes \
 	tests/test_vllm_min_p_processor.py::test_v2_runner_path_matches_tempered_min_p \
 	tests/test_vllm_min_p_processor.py::test_processor_fqcn_loads_the_adapter_class_through_vllm
 

@@ -47,6 +47,18 @@ def test_a_broken_sync_makes_the_verdict_act_and_leads_it():
     assert v["extra"][1].startswith("floor-jump at step 2: jumped. Fix (TRL): ")
 
 
+def test_a_kept_prefix_cache_alone_says_so_in_the_headline():
+    v = name_causes(_ok_verdict(), {"causes": [Cause("sync-prefix-cache", 1, "4 blocks").to_dict()]}, "trl")
+    assert v["status"] == "act" and v["causes"] == {"sync-prefix-cache": [1]}
+    assert v["headline"].startswith("ACT: the engine sampled through keys and values its prefix cache kept from "
+                                    "earlier weights: sync-prefix-cache (first at step 1). ")
+    assert "Fix (TRL): TRL's VLLMGeneration.sync_weights ends with the engine's reset_prefix_cache" in v["extra"][0]
+    both = {"causes": [Cause("sync-prefix-cache", 1, "4 blocks").to_dict(), Cause("floor-jump", 2, "x").to_dict()]}
+    assert name_causes(_ok_verdict(), both, "verl")["headline"].startswith(
+        "ACT: the engine sampled from other weights than the trainer scored: sync-prefix-cache (first at step 1), "
+        "floor-jump (first at step 2).")
+
+
 @pytest.mark.parametrize("status", ["ok", "watch", "act"])
 def test_staleness_raises_to_watch_at_least(status):
     v = _ok_verdict()

@@ -32,15 +32,16 @@ def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
-def make_trainer(model_path, tmp_path, reward=_reward, trainer_cls=None, **overrides):
-    """The toy GRPOTrainer (``trainer_cls``: a subclass or a rebuilt class instead), GRPOConfig ``overrides``."""
+def make_trainer(model_path, tmp_path, reward=_reward, trainer_cls=None, prompts=None, **overrides):
+    """The toy GRPOTrainer (``trainer_cls``: a subclass or a rebuilt class instead; ``prompts``: the dataset's, else
+    64 synthetic ones), GRPOConfig ``overrides``."""
     opts = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, report_to=[],
         save_strategy="no", gradient_checkpointing=False, learning_rate=LR0, seed=0, disable_tqdm=True,
     )
     opts.update(overrides)
-    ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
+    ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64) if prompts is None else list(prompts)})
     return (trainer_cls or GRPOTrainer)(model=str(model_path), reward_funcs=reward, args=GRPOConfig(**opts),
                                         train_dataset=ds)
 

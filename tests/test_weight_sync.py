@@ -316,3 +316,30 @@ def test_a_tensor_whose_stored_dtype_changes_keeps_its_history():
     report = _sync(check, engine, again, 2, skip={name})
     (cause,) = report.causes
     assert cause.code == "sync-tensors-stale" and cause.tensors == (name,)
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 7])
+def test_a_prefix_cache_left_after_the_sync_is_named_beside_the_weights(blocks):
+    """``CachedPrefix``: a prefix cache the sync left holding blocks is ``sync-prefix-cache`` (the tokens they hold
+    stated), whatever the weights; an emptied one names nothing; an unread one (None) is recorded as unread."""
+    from tim_plugins.weight_sync import CachedPrefix
+
+    weights = _model()
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+    record = check.begin(3)
+    engine.load(record.observing(list(weights.items())))
+    report = check.finish(record, engine, prefix=CachedPrefix(blocks, 16))
+    assert report.bad_tensors == 0 and report.prefix_blocks == blocks == report.to_dict()["prefix_blocks"]
+    if blocks == 0:
+        assert report.causes == []
+    else:
+        (cause,) = report.causes
+        assert cause.code == "sync-prefix-cache" and cause.step == 3 and cause.tensors == ()
+        assert f"still holds {blocks} block{'s' if blocks > 1 else ''} ({16 * blocks} tokens)" in cause.message
+        assert cause.evidence == {"blocks": blocks, "block_size": 16}
+    # with a weight fault too: both named, the weights' first
+    record = check.begin(4)
+    engine.load(record.observing(list(_step(weights).items())), skip={"model.scale"})
+    report = check.finish(record, engine, prefix=CachedPrefix(blocks, 16))
+    assert [c.code for c in report.causes] == ["sync-tensors-stale"] + ["sync-prefix-cache"] * (blocks > 0)
+    assert _sync(check, engine, weights, 5).prefix_blocks is None

@@ -81,6 +81,17 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "a checked tensor's values match neither the trainer's cast to the engine's dtype (within the quantizer's "
        "bound), nor its previous value, nor the trainer's rounded through a coarser dtype",
        {"tim_plugins": _SYNC_FIX}),
+    _C("sync-prefix-cache", "sync", "the engine's prefix cache outlived the weight sync",
+       "The weights were written, but the keys and values cached for prompts served before the sync were not "
+       "dropped: every later prompt sharing such a prefix (the same prompt, a shared system prompt or chat template, "
+       "the other samples of a group) is answered partly from the previous weights, the weight-parity check passes, "
+       "and the mismatch grows with the cache's age (NeMo RL #4018, SkyRL #2246).",
+       "after a sync, the engine's prefix cache still holds blocks (its reset was not called after the weights were "
+       "written, or failed: vLLM's reset_prefix_cache returns False and keeps every block while a request holds "
+       "some)",
+       {"vllm": "LLM.reset_prefix_cache() (AsyncLLM: await reset_prefix_cache()) after the weights are written, "
+                "with no request in flight, and check that it returns True; or enable_prefix_caching=False",
+        "tim_plugins": "reset the engine's prefix cache after every weight sync, once no request is in flight"}),
     _C("engine-stale", "stream", "the engine samples from other weights than the trainer scores",
        "Tokens the engine was confident in are scored far lower by the trainer at lag 0: numerics cannot move a "
        "confident token that far, other weights do (a sync that did not apply, an engine that kept the initial "
@@ -95,8 +106,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "means the pipeline changed under the run: a broken sync, a setting changed at run time, a collapse.",
        "the window's lag-0 mean |Δ log p| > floor_jump_factor x the median of the trailing floor_window windows "
        "and > that median + floor_jump_min",
-       {"tim_plugins": "look at the weight sync and the engine's settings at that step; the report's per-step "
-                       "panels show when it started"}),
+       {"tim_plugins": "look at the weight sync (and the reset of the engine's prefix cache after it) and the "
+                       "engine's settings at that step; the report's per-step panels show when it started"}),
     _C("staleness", "split", "staleness, not mismatch, makes the log-ratio unhealthy",
        "The trainer reuses a batch after optimizer steps: the policy moved since sampling. The parity fixes "
        "cannot reduce that part.",

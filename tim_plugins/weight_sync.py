@@ -26,7 +26,8 @@ The API an adapter uses (framework-neutral; the engine side is a reader the adap
                                                # then compared from ``local`` below, or named missing)
         weights = record.observing(weights)    # wraps the (name, tensor) iterator the sync streams to the engine
     engine.load_weights(weights)               # the framework's own sync, unchanged
-    report = check.finish(record, reader, local=trainer_tensor)   # -> SyncReport
+    report = check.finish(record, reader, local=trainer_tensor,   # -> SyncReport
+                          prefix=CachedPrefix(blocks, block_size))  # optional: the engine's prefix cache now
     pipeline.sync_checked(report)              # tim/cause/*, the console line, the probe's warn / raise / stop
 
 ``reader`` is an `EngineWeights`: its ``dtype`` (the engine's configured dtype) and ``read(name, shape, index)``
@@ -36,7 +37,8 @@ when the engine holds no such tensor, or None when it cannot read that tensor (c
 ``fresh_read()`` is called before each check's reads (a reader that caches reads within one check drops them).
 vLLM's reader is ``tim_plugins.integrations.vllm.weights.VLLMWeights``. ``local`` (optional) gives the trainer's own
 tensor of a name that was expected and not streamed (a plain, unsharded parameter), so a sync that sends nothing is
-still compared.
+still compared. ``prefix`` (optional) is what the engine's prefix cache can still serve, read after the sync: blocks
+left there hold keys and values of the previous weights (``sync-prefix-cache``), whatever the weights compare to.
 
 Classification of a tensor whose sampled values differ from the trainer's (in this order): ``stale`` when they equal
 the engine's values at the previous check; ``precision`` when they equal the trainer's rounded through a coarser
@@ -59,8 +61,8 @@ import torch
 
 from tim_plugins.causes import Cause, summarize_names
 
-__all__ = ["EngineRead", "EngineWeights", "SyncCheck", "SyncCheckConfig", "SyncRecord", "SyncReport", "STATUSES",
-           "sample_index", "ravel", "coarser_dtypes"]
+__all__ = ["CachedPrefix", "EngineRead", "EngineWeights", "SyncCheck", "SyncCheckConfig", "SyncRecord", "SyncReport",
+           "STATUSES", "sample_index", "ravel", "coarser_dtypes"]
 
 # What a checked tensor can be found to be (SyncReport.statuses).
 STATUSES = ("ok", "stale", "precision", "differs", "missing", "unread")
@@ -212,6 +214,29 @@ class SyncRecord:
         self.expected = list(names)
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """What an engine's prefix cache can still serve right after a weight sync: ``blocks`` blocks of KV, of
+    ``block_size`` tokens each, computed before it. After a sync that resets the cache (vLLM's
+    ``reset_prefix_cache``, which TRL and verl call once the weights are written) there are none; any left serve the
+    prompts that share their prefix (the same prompt, a shared system prompt or chat template) from the previous
+    weights' keys and values: ``sync-prefix-cache``."""
+
+    blocks: int
+    block_size: int
+
+    def causes(self, step: int) -> list[Cause]:
+        if self.blocks <= 0:
+            return []
+        tokens = self.blocks * self.block_size
+        return [Cause("sync-prefix-cache", step, f"at the weight sync after optimizer step {step}, the engine's "
+                                                 f"prefix cache still holds {self.blocks} block"
+                                                 f"{'s' if self.blocks != 1 else ''} ({tokens} tokens) of keys and "
+                                                 f"values computed with the previous weights: a prompt sharing "
+                                                 f"their prefix is served from them",
+                      evidence={"blocks": self.blocks, "block_size": self.block_size})]
+
+
 @dataclass
 class SyncReport:
     """One checked sync: per-tensor statuses, the counts logged as ``tim/cause/sync_*`` and the named causes."""
@@ -223,6 +248,7 @@ class SyncReport:
     not_sent: list = field(default_factory=list)  # expected names never streamed
     causes: list = field(default_factory=list)
     seconds: float = 0.0  # time spent sampling the sent tensors and reading the engine
+    prefix_blocks: Optional[int] = None  # prefix-cache blocks the engine could still serve after the sync (None: unread)
 
     @property
     def checked_tensors(self) -> int:
@@ -239,7 +265,7 @@ class SyncReport:
         return {"step": self.step, "sync_index": self.sync_index, "checked_tensors": self.checked_tensors,
                 "bad_tensors": self.bad_tensors, "statuses": dict(self.statuses), "detail": dict(self.detail),
                 "not_sent": list(self.not_sent), "causes": [c.to_dict() for c in self.causes],
-                "seconds": self.seconds}
+                "seconds": self.seconds, "prefix_blocks": self.prefix_blocks}
 
 
 class SyncCheck:
@@ -279,9 +305,11 @@ class SyncCheck:
         return SyncRecord(self, step, i) if i % self.config.every_n_syncs == 0 else None
 
     def finish(self, record: SyncRecord, engine: EngineWeights,
-               local: Optional[Callable[[str], Optional[torch.Tensor]]] = None) -> SyncReport:
+               local: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
+               prefix: Optional[CachedPrefix] = None) -> SyncReport:
         """Compare the engine (after the sync) with ``record``; ``local(name)``: the trainer's own tensor of an
-        expected name that was not streamed (None when it has no plain tensor of it)."""
+        expected name that was not streamed (None when it has no plain tensor of it); ``prefix``: what the engine's
+        prefix cache can still serve, read after the sync (None: not read)."""
         t0 = time.perf_counter()
         report = SyncReport(record.step, record.sync_index)
         fresh = getattr(engine, "fresh_read", None)  # optional: the engine's weights changed, drop any cached read
@@ -317,6 +345,9 @@ class SyncCheck:
                 changed.append(name)
         self._remember(groups)
         report.causes = self._causes(report, changed, engine.dtype) + self._nothing_sent(record)
+        if prefix is not None:
+            report.prefix_blocks = int(prefix.blocks)
+            report.causes += prefix.causes(record.step)
         report.seconds = record.seconds + time.perf_counter() - t0
         self.reports.append(report)
         return report

@@ -76,11 +76,15 @@ CAUSE_FIXES = {
                             "must be the checkpoint's: a model wrapped or renamed after loading needs those prefixes "
                             "stripped",
     "sync-tensors-differ": _SYNC,
+    "sync-prefix-cache": "TRL's VLLMGeneration.sync_weights ends with the engine's reset_prefix_cache (colocate: "
+                         "llm.reset_prefix_cache(); server mode: vllm_client.reset_prefix_cache()): a wrapped or "
+                         "custom sync (a rollout_func syncing its own engine) must keep that call, after the weights "
+                         "are written and with no request in flight",
     "engine-stale": "colocate: keep TIMConfig(sync_check=True) to see which tensors; server mode: check that `trl "
                     "vllm-serve` receives the weights (init_communicator, update_named_params) and that nothing else "
                     "reloads the model; with vllm_importance_sampling_correction, TRL's own ratios read the same",
-    "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode), "
-                  "the vLLM server, the sampling settings",
+    "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode) "
+                  "and the prefix-cache reset that ends it, the vLLM server, the sampling settings",
     "staleness": PART_FIXES["staleness"],
     "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

@@ -4,7 +4,9 @@
 Colocate mode: ``VLLMGeneration.sync_weights`` is wrapped on the trainer's own instance. While it runs, the engine
 model's ``load_weights`` (the method TRL's sync writes through, and vLLM's ``reload_weights`` too) is wrapped to sample
 what TRL streams into it; afterwards the engine's weights are read in-process
-(``tim_plugins.integrations.vllm.weights.VLLMWeights``) and compared. Names TRL should have sent (the trainer's
+(``tim_plugins.integrations.vllm.weights.VLLMWeights``) and compared, and so is what the engine's prefix cache can
+still serve (``integrations.vllm.prefix_cache``: TRL's sync ends with its reset; blocks left are
+``sync-prefix-cache``). Names TRL should have sent (the trainer's
 parameters under TRL's own name fix) and did not are compared from the trainer's own tensors, so a sync that sends
 nothing is caught too. A PEFT (LoRA) model: TRL sends the base model's parameters with the adapters merged, under the
 base model's names (``_peft_tensors``); an unsent one is compared with its base weight plus each active adapter's
@@ -66,7 +68,7 @@ class SyncWatch:
             finally:
                 observe.undo()
             try:
-                report = self.check.finish(record, self._reader, local=self._local_tensor)
+                report = self.check.finish(record, self._reader, local=self._local_tensor, prefix=self._prefix())
                 unread = report.names("unread")
                 if unread:
                     self.pipeline.count("sync_check_unread", len(unread),
@@ -91,6 +93,16 @@ class SyncWatch:
             return None
         self._reader = reader
         return reader.model
+
+    def _prefix(self):
+        """What the engine's prefix cache can still serve after TRL's sync (its last step is the cache's reset), or
+        None (counted) when it cannot be read."""
+        from tim_plugins.integrations.vllm.prefix_cache import cached_prefix
+
+        state = cached_prefix(getattr(self.trainer.vllm_generation, "llm", None))
+        if state is None:
+            self.pipeline.count("prefix_cache_unread", detail="the vLLM engine's prefix cache is not readable here")
+        return state
 
     def _expected(self) -> list[str] | None:
         """The names TRL's sync sends (TRL's own name fix; a PEFT model's merged base parameters), or None where the

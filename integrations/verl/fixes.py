@@ -81,11 +81,16 @@ CAUSE_FIXES = {
     "sync-tensors-differ": _SYNC + "; values that are neither the actor's nor the previous ones point at a refit "
                                    "that wrote other numbers (a quantized refit beyond its scale, verl#7986; a shard "
                                    "into the wrong slice)",
+    "sync-prefix-cache": "verl resets the rollout's prefix cache after update_weights (the vLLM server's "
+                         "clear_kv_cache): a custom rollout, checkpoint engine or weight path must call it too, once "
+                         "no request is in flight (vLLM keeps the cache while a request holds blocks: a partial "
+                         "rollout's paused requests); or actor_rollout_ref.rollout.enable_prefix_caching=false",
     "engine-stale": "keep +tim.sync_check.enable=true (the default with the monitor) to see which tensors; then "
                     "check that the rollout reloads at every update_weights and that nothing else (a separate "
                     "rollout server, a checkpoint engine) serves the old weights",
-    "floor-jump": "look at what changed at that step: the weight sync (tim/cause/sync_bad_tensors), the rollout "
-                  "server, the sampling settings",
+    "floor-jump": "look at what changed at that step: the weight sync (tim/cause/sync_bad_tensors) and the "
+                  "prefix-cache reset after it (the server's clear_kv_cache), the rollout server, the sampling "
+                  "settings",
     "staleness": PART_FIXES["staleness"],
     "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

@@ -14,8 +14,8 @@ from tim_plugins.capabilities import Feature, check, registered_hooks
 
 from .sources import VLLM_SINCE, VLLM_SOURCES, VLLM_UNTIL
 
-__all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "LORA_READER", "MIN_P_PROCESSOR", "WEIGHT_READER",
-           "vllm_features"]
+__all__ = ["FEATURES", "INJECTOR", "LIVE_ENGINE_AUDIT", "LORA_READER", "MIN_P_PROCESSOR", "PREFIX_CACHE_READER",
+           "WEIGHT_READER", "vllm_features"]
 
 _LP = "vllm.v1.sample.logits_processor"
 _V2 = "vllm.v1.worker.gpu.sample.logits_processor"
@@ -66,7 +66,14 @@ LORA_READER = Feature(
         _hook("vllm.lora.lora_weights", "LoRALayerWeights.optimize"), _hook("vllm.lora.utils",
                                                                             "parse_fine_tuned_lora_name")))
 
-FEATURES = (MIN_P_PROCESSOR, INJECTOR, LIVE_ENGINE_AUDIT, WEIGHT_READER, LORA_READER)
+PREFIX_CACHE_READER = Feature(
+    "vllm_prefix_cache_reader", "weight-sync check: an in-process engine's prefix cache read (prefix_cache)", "vllm",
+    needs=("vllm",), extra="vllm", fix=_FIX, hooks=(
+        _hook("vllm.v1.engine.core_client", "InprocClient"), _hook("vllm.v1.engine.core", "EngineCore"),
+        _hook("vllm.v1.core.sched.scheduler", "Scheduler"), _hook("vllm.v1.core.kv_cache_manager", "KVCacheManager"),
+        _hook("vllm.v1.core.block_pool", "BlockPool")))
+
+FEATURES = (MIN_P_PROCESSOR, INJECTOR, LIVE_ENGINE_AUDIT, WEIGHT_READER, LORA_READER, PREFIX_CACHE_READER)
 
 
 def vllm_features():

@@ -157,6 +157,19 @@ VLLM_SOURCES = {
     ("vllm.model_executor.models.utils", "WeightsMapper"):
         "get_rename_mapper() (get_unstacked_mapper() before vLLM 0.31): the model's mapper of renames only, what "
         "vLLM's own adapter loader maps LoRA names with",
+    # --------------------------------------------------------------------- the prefix cache (prefix_cache.py)
+    ("vllm.v1.engine.core_client", "InprocClient"):
+        "LLMEngine.__init__ sets .engine_core to it when the engine core runs in this process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, which external_launcher sets); its .engine_core is the EngineCore",
+    ("vllm.v1.engine.core", "EngineCore"):
+        ".scheduler (the Scheduler); reset_prefix_cache() is the scheduler's",
+    ("vllm.v1.core.sched.scheduler", "Scheduler"):
+        ".kv_cache_manager (the KVCacheManager) whose reset_prefix_cache() LLM.reset_prefix_cache reaches",
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager"):
+        ".enable_caching (prefix caching on), .block_pool (the BlockPool every KV cache group allocates from)",
+    ("vllm.v1.core.block_pool", "BlockPool"):
+        ".cached_block_hash_to_block (sized: one entry per block a new request can hit, and KV-cache group); "
+        "reset_prefix_cache() empties it and returns True, or returns False and keeps it while a request holds blocks",
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"):
         "the V1 runner: a worker's .model_runner (CPU and GPU workers): .model (with .lm_head) and .attn_groups, "
         "lists of AttentionGroup whose .backend has get_name()",

@@ -4,8 +4,9 @@ pipeline, ``tim_plugins.causes``) in the verdict and in a section of their own.
 The rule that puts them in the verdict (``name_causes``), after the audit's (``report.parity.reconcile``):
 
 - a broken pipeline (a ``sync-*`` cause, ``engine-stale``, ``floor-jump``) makes the status ACT and leads the
-  headline: the engine sampled from other weights than the trainer scored, so the mismatch measured below is not
-  numerics and the dtype fixes would not remove it;
+  headline: the engine sampled from other weights than the trainer scored (``sync-prefix-cache`` alone: through keys
+  and values its prefix cache kept from earlier weights), so the mismatch measured below is not numerics and the
+  dtype fixes would not remove it;
 - staleness or truncation raise the status to at least WATCH and say which part of the log-ratio it is;
 - a run that logged ``tim/cause/*`` and named nothing gets one line saying so, with what was checked: the measured
   mismatch is then the numerics of the two stacks (the audit's fixes).
@@ -19,7 +20,7 @@ from pathlib import Path
 __all__ = ["FAULT_CODES", "causes_section", "name_causes", "read_causes", "with_causes"]
 
 FAULT_CODES = ("sync-noop", "sync-tensors-stale", "sync-precision", "sync-tensors-missing", "sync-tensors-differ",
-               "engine-stale", "floor-jump")
+               "sync-prefix-cache", "engine-stale", "floor-jump")
 
 
 def read_causes(folder: str | Path) -> list[dict] | None:
@@ -89,9 +90,10 @@ def name_causes(v: dict, summary: dict | None, framework: str | None) -> dict:
     if faults:
         v["status"] = "act"
         named = ", ".join(f"{code} (first at step {min(by_code[code][1])})" for code in faults)
-        v["headline"] = (f"ACT: the engine sampled from other weights than the trainer scored: {named}. The "
-                         f"mismatch measured below is not the numerics of the two stacks: fix the weight sync first. "
-                         f"Measured: {measured}")
+        what = ("the engine sampled through keys and values its prefix cache kept from earlier weights"
+                if faults == ["sync-prefix-cache"] else "the engine sampled from other weights than the trainer scored")
+        v["headline"] = (f"ACT: {what}: {named}. The mismatch measured below is not the numerics of the two stacks: "
+                         f"fix the weight sync first. Measured: {measured}")
     else:
         if v["status"] in ("ok", "n/a"):
             v["status"] = "watch"

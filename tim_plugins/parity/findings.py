@@ -116,7 +116,8 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
        {"vllm": "LLM(quantization=None, kv_cache_dtype='auto')"}),
     _C("prefix-caching-on", "rollout reuses cached KV for shared prefixes",
        "Cached prefix KV was computed in another batch/chunk shape than a fresh prefill, and a cache not reset "
-       "after a weight sync serves stale keys/values from the previous policy.",
+       "after a weight sync serves stale keys/values from the previous policy (the weight-sync check reads a "
+       "colocated engine's cache after each sync: sync-prefix-cache).",
        {"vllm": "LLM(enable_prefix_caching=False) (or reset_prefix_cache() after every weight sync)"}),
     _C("chunked-prefill-on", "rollout splits long prefills into chunks",
        "A chunked prefill reduces attention in another order than the trainer's single pass over the sequence.",

@@ -4,17 +4,16 @@
 Colocate mode: ``VLLMGeneration.sync_weights`` is wrapped on the trainer's own instance. While it runs, the engine
 model's ``load_weights`` (the method TRL's sync writes through, and vLLM's ``reload_weights`` too) is wrapped to sample
 what TRL streams into it; afterwards the engine's weights are read in-process
-(``tim_plugins.integrations.vllm.weights.VLLMWeights``) and compared, and so is what the engine's prefix cache can
-still serve (``integrations.vllm.prefix_cache``: TRL's sync ends with its reset; blocks left are
-``sync-prefix-cache``). Names TRL should have sent (the trainer's
-parameters under TRL's own name fix) and did not are compared from the trainer's own tensors, so a sync that sends
-nothing is caught too. A PEFT (LoRA) model: TRL sends the base model's parameters with the adapters merged, under the
-base model's names (``_peft_tensors``); an unsent one is compared with its base weight plus each active adapter's
-delta, PEFT's own ``get_delta_weight``, as TRL's ``merge_adapter`` writes it (LoRA variants such as DoRA, and
-adapter biases, are not compared when unsent). FSDP or ZeRO-3: the parameters are shards; only what was streamed is
-compared (a sync that streams nothing after an optimizer step is still named: ``weight_sync``). The report goes to
-the pipeline (``StepPipeline.sync_checked``): the console line at once, ``tim/cause/*`` at the next log, the probe's
-warn / raise / stop.
+(``tim_plugins.integrations.vllm.weights.VLLMWeights``) and compared, and what the engine's prefix cache can still serve
+is read (``integrations.vllm.prefix_cache``: TRL's sync ends with the cache's reset; blocks left are
+``sync-prefix-cache``). Names TRL should have sent (the trainer's parameters under TRL's own name fix) and did not are
+compared from the trainer's own tensors, so a sync that sends nothing is caught too. A PEFT (LoRA) model: TRL sends the
+base model's parameters with the adapters merged, under the base model's names (``_peft_tensors``); an unsent one is
+compared with its base weight plus each active adapter's delta, PEFT's own ``get_delta_weight``, as TRL's
+``merge_adapter`` writes it (LoRA variants such as DoRA, and adapter biases, are not compared when unsent). FSDP or
+ZeRO-3: the parameters are shards; only what was streamed is compared (a sync that streams nothing after an optimizer
+step is still named: ``weight_sync``). The report goes to the pipeline (``StepPipeline.sync_checked``): the console line
+at once, ``tim/cause/*`` at the next log, the probe's warn / raise / stop.
 
 Server mode: the engine's weights live in another process and cannot be read; the lag-0 rules of the per-token stream
 name a stale server (``engine-stale``, ``floor-jump``).

@@ -18,10 +18,10 @@ from typing import Optional
 
 from tim_plugins.weight_sync import CachedPrefix
 
-__all__ = ["cached_prefix", "prefix_block_pool"]
+__all__ = ["cached_prefix"]
 
 
-def prefix_block_pool(llm):
+def _block_pool(llm):
     """(block pool, block size) of ``llm``'s in-process engine core with prefix caching on; (None, 0) when caching is
     off; None when the engine core is in another process or its layout is not the one known."""
     # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine)
@@ -49,7 +49,7 @@ def prefix_block_pool(llm):
 def cached_prefix(llm) -> Optional[CachedPrefix]:
     """The blocks ``llm``'s prefix cache can serve now (``CachedPrefix``; 0 blocks when prefix caching is off), or
     None when that cannot be read. A dict's length: cheap enough to read at every sync."""
-    found = prefix_block_pool(llm)
+    found = _block_pool(llm)
     if found is None:
         return None
     pool, block_size = found

@@ -13,9 +13,6 @@ The reference for "what the cache holds" is vLLM's own account (``test_vllm_pref
 
 from __future__ import annotations
 
-import logging
-import os
-
 import pytest
 
 pytest.importorskip("trl")
@@ -23,7 +20,7 @@ pytest.importorskip("vllm")
 datasets = pytest.importorskip("datasets")
 
 from test_trl_callback import STALE_LR, make_trainer  # noqa: E402
-from trl_cpu_vllm import keep_plain_linear_weights  # noqa: E402
+from trl_cpu_vllm import CauseLines, one_plain_engine  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 from tim_plugins.toy_model import synthetic_prompts  # noqa: E402
@@ -39,65 +36,40 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def engine(toy_model_path):
-    """One engine for the module's runs (TRL builds an ``LLM`` per trainer; this hands back the same one)."""
-    from trl.generation import vllm_generation
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """One engine for the module's runs, with blocks of ``BLOCK`` tokens."""
     mp = pytest.MonkeyPatch()
-    mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    keep_plain_linear_weights(mp)
-    built, LLM = {}, vllm_generation.LLM
-
-    def one_engine(*args, **kwargs):
-        if "llm" not in built:
-            built["llm"] = LLM(*args, **kwargs, kv_cache_memory_bytes=64 * 2**20, block_size=BLOCK)
-        return built["llm"]
-
-    mp.setattr(vllm_generation, "LLM", one_engine)
-    yield built
+    yield one_plain_engine(mp, kv_cache_memory_bytes=64 * 2**20, block_size=BLOCK)
     mp.undo()
 
 
-def _run(engine, model_path, tmp_path, *, drop_reset: bool, steps: int, config: TIMConfig):
+def _run(model_path, tmp_path, *, drop_reset: bool, steps: int, config: TIMConfig):
     trainer = make_trainer(model_path, tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
                            vllm_max_model_length=256, max_steps=steps, loss_type="grpo", learning_rate=STALE_LR,
                            prompts=PROMPTS)
     llm = trainer.vllm_generation.llm
     assert llm.reset_prefix_cache() is True  # a clean cache whatever the module's earlier runs left
-    lines: list[str] = []
-    handler = _Lines(lines)
-    logging.getLogger("tim_plugins.causes").addHandler(handler)
     mp = pytest.MonkeyPatch()
     if drop_reset:  # installed before the callback attaches, as another library's wrapper of the engine would be
         mp.setattr(llm, "reset_prefix_cache", lambda *args, **kwargs: True, raising=False)
     try:
-        cb = TIMCallback(trainer, config)
-        trainer.add_callback(cb)
-        trainer.train()
+        with CauseLines() as lines:
+            cb = TIMCallback(trainer, config)
+            trainer.add_callback(cb)
+            trainer.train()
     finally:
         mp.undo()
-        logging.getLogger("tim_plugins.causes").removeHandler(handler)
     return trainer, cb, lines
-
-
-class _Lines(logging.Handler):
-    def __init__(self, lines):
-        super().__init__(logging.WARNING)
-        self.lines = lines
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")
 def fault_free_run(engine, toy_model_path, tmp_path_factory):
-    return _run(engine, toy_model_path, tmp_path_factory.mktemp("prefix_ok"), drop_reset=False, steps=STEPS,
+    return _run(toy_model_path, tmp_path_factory.mktemp("prefix_ok"), drop_reset=False, steps=STEPS,
                 config=TIMConfig())
 
 
 @pytest.fixture(scope="module")
 def dropped_reset_run(engine, fault_free_run, toy_model_path, tmp_path_factory):
-    return _run(engine, toy_model_path, tmp_path_factory.mktemp("prefix_kept"), drop_reset=True, steps=STEPS,
+    return _run(toy_model_path, tmp_path_factory.mktemp("prefix_kept"), drop_reset=True, steps=STEPS,
                 config=TIMConfig())
 
 
@@ -146,7 +118,7 @@ def test_the_kept_cache_is_a_real_mismatch(fault_free_run, dropped_reset_run):
 
 def test_the_probe_stops_the_run_on_it(engine, dropped_reset_run, toy_model_path, tmp_path_factory):
     probe = {"action": "stop", "kl_k3_max": None, "seq_log_ratio_abs_max": 1e9}
-    trainer, cb, _ = _run(engine, toy_model_path, tmp_path_factory.mktemp("prefix_stop"), drop_reset=True, steps=4,
+    trainer, cb, _ = _run(toy_model_path, tmp_path_factory.mktemp("prefix_stop"), drop_reset=True, steps=4,
                           config=TIMConfig(parity_probe=True, parity_probe_options=probe))
     # named at the sync after step 1, in the window of step 2; the probe stops the run at that step's end
     assert trainer.state.global_step == 2

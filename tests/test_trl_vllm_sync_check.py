@@ -17,9 +17,6 @@ the engine holds" the engine's own parameters read directly here.
 
 from __future__ import annotations
 
-import logging
-import os
-
 import pytest
 
 pytest.importorskip("trl")
@@ -28,7 +25,7 @@ datasets = pytest.importorskip("datasets")
 torch = pytest.importorskip("torch")
 
 from test_trl_callback import STALE_LR, make_trainer  # noqa: E402
-from trl_cpu_vllm import keep_plain_linear_weights  # noqa: E402
+from trl_cpu_vllm import CauseLines, one_plain_engine  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 
@@ -93,20 +90,8 @@ class Faults:
 
 @pytest.fixture(scope="module")
 def engine(toy_model_path):
-    from trl.generation import vllm_generation
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp = pytest.MonkeyPatch()
-    mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    keep_plain_linear_weights(mp)
-    built, LLM = {}, vllm_generation.LLM
-
-    def one_engine(*args, **kwargs):
-        if "llm" not in built:
-            built["llm"] = LLM(*args, **kwargs, kv_cache_memory_bytes=64 * 2**20)
-        return built["llm"]
-
-    mp.setattr(vllm_generation, "LLM", one_engine)
+    one_plain_engine(mp, kv_cache_memory_bytes=64 * 2**20)
     yield Faults()
     mp.undo()
 
@@ -125,24 +110,10 @@ def _run(engine, model_path, tmp_path, schedule, steps, config, **overrides):
 
 @pytest.fixture(scope="module")
 def faulty_run(engine, toy_model_path, tmp_path_factory):
-    records = []
-    handler = _Lines(records)
-    logging.getLogger("tim_plugins.causes").addHandler(handler)
-    try:
+    with CauseLines() as lines:
         trainer, cb = _run(engine, toy_model_path, tmp_path_factory.mktemp("sync_faults"), FAULTS, STEPS,
                            TIMConfig(dump_dir=str(tmp_path_factory.mktemp("sync_dump")), log_detail=True))
-    finally:
-        logging.getLogger("tim_plugins.causes").removeHandler(handler)
-    return trainer, cb, records
-
-
-class _Lines(logging.Handler):
-    def __init__(self, records):
-        super().__init__(logging.WARNING)
-        self.records = records
-
-    def emit(self, record):
-        self.records.append(record.getMessage())
+    return trainer, cb, lines
 
 
 def _parameter_names(trainer):

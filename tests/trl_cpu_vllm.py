@@ -9,11 +9,16 @@
 - ``llm_with``: TRL passes no ``dtype`` to ``vllm.LLM`` in colocate mode (vLLM then follows config.json), so a
   run that wants bf16 rollouts against an fp32 trainer wraps the constructor TRL calls
   (``trl.generation.vllm_generation.LLM``) to add it.
+- ``one_plain_engine``: one engine for a test module's TRL runs (TRL builds an ``LLM`` per trainer), with plain
+  linear weights, so TRL's own sync runs unmodified.
+- ``CauseLines``: the console lines of the named causes (logger ``tim_plugins.causes``), kept while installed.
 """
 
 from __future__ import annotations
 
-__all__ = ["cpu_sync_weights", "keep_plain_linear_weights", "llm_with"]
+import logging
+
+__all__ = ["CauseLines", "cpu_sync_weights", "keep_plain_linear_weights", "llm_with", "one_plain_engine"]
 
 
 def _named_params(self):
@@ -61,3 +66,43 @@ def llm_with(llm_cls, **extra):
         return llm_cls(*args, **kwargs, **extra)
 
     return build
+
+
+def one_plain_engine(mp, **engine_kwargs) -> dict:
+    """Install on ``mp``: plain linear weights (``keep_plain_linear_weights``) and a stand-in for the constructor TRL
+    calls that builds one engine (TRL's arguments plus ``engine_kwargs``) and hands it back to every later trainer.
+    Returns the dict that holds it under "llm" once built."""
+    import os
+
+    from trl.generation import vllm_generation
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    keep_plain_linear_weights(mp)
+    built, LLM = {}, vllm_generation.LLM
+
+    def one_engine(*args, **kwargs):
+        if "llm" not in built:
+            built["llm"] = LLM(*args, **kwargs, **engine_kwargs)
+        return built["llm"]
+
+    mp.setattr(vllm_generation, "LLM", one_engine)
+    return built
+
+
+class CauseLines(logging.Handler):
+    """``with CauseLines() as lines:`` the messages logged on ``tim_plugins.causes`` (the causes' console lines)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> list[str]:
+        logging.getLogger("tim_plugins.causes").addHandler(self)
+        return self.lines
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("tim_plugins.causes").removeHandler(self)

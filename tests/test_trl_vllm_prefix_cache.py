@@ -5,7 +5,8 @@ prompt starts with the same instruction (two blocks and more), as a system promp
 - fault-free: at every sync the cache is empty after TRL's reset; nothing is named;
 - the reset dropped (a wrapper of the engine that does not pass ``reset_prefix_cache`` on): every weight is still
   written, so the weight comparison passes, but from the first sync after a generation the cache holds the prompts'
-  blocks: named at that sync, with at least the shared instruction's blocks; the probe stops the run on it.
+  blocks: named at that sync, with at least the shared instruction's blocks; the probe stops the run on it. At a
+  learning rate of 1e-4 the stream rules see nothing of it; the read still names it at every sync.
 
 The reference for "what the cache holds" is vLLM's own account (``test_vllm_prefix_cache.py``); here it is the fault
 (whether the reset ran) and the prompts' shared prefix, counted in blocks with the trainer's tokenizer.
@@ -42,9 +43,9 @@ def engine(toy_model_path):
     mp.undo()
 
 
-def _run(model_path, tmp_path, *, drop_reset: bool, steps: int, config: TIMConfig):
+def _run(model_path, tmp_path, *, drop_reset: bool, steps: int, config: TIMConfig, learning_rate: float = STALE_LR):
     trainer = make_trainer(model_path, tmp_path, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
-                           vllm_max_model_length=256, max_steps=steps, loss_type="grpo", learning_rate=STALE_LR,
+                           vllm_max_model_length=256, max_steps=steps, loss_type="grpo", learning_rate=learning_rate,
                            prompts=PROMPTS)
     llm = trainer.vllm_generation.llm
     assert llm.reset_prefix_cache() is True  # a clean cache whatever the module's earlier runs left
@@ -123,3 +124,13 @@ def test_the_probe_stops_the_run_on_it(engine, dropped_reset_run, toy_model_path
     # named at the sync after step 1, in the window of step 2; the probe stops the run at that step's end
     assert trainer.state.global_step == 2
     assert [t.key for t in cb.pipeline.probe.trips] == ["tim/cause/named"] and cb.pipeline.probe.trips[0].step == 2
+
+
+def test_at_a_small_learning_rate_only_the_read_names_it(engine, dropped_reset_run, toy_model_path, tmp_path_factory):
+    """At 1e-4 a step moves the policy too little for the stream: the kept cache leaves the lag-0 floor within its
+    rules' margins (no engine-stale, no floor jump), while the cache's age, and with it the mismatch, grows; the read
+    at the sync names it at every sync from the first after a generation."""
+    trainer, cb, _ = _run(toy_model_path, tmp_path_factory.mktemp("prefix_small_lr"), drop_reset=True, steps=STEPS,
+                          config=TIMConfig(), learning_rate=1e-4)
+    named = sorted((c.step, c.code) for c in cb.pipeline.causes.named)
+    assert named == [(step, "sync-prefix-cache") for step in range(1, STEPS)]

@@ -153,7 +153,8 @@ class TIMConfig:
         default=True,
         metadata=field_help("With vLLM colocate: after each checked weight sync, compare the engine's weights with "
                             "what TRL sent (a fixed sample of elements per tensor, exact in the engine's dtype) and "
-                            "name tensors not updated, in another precision, or missing. Needs causes=True"),
+                            "name tensors not updated, in another precision, or missing, and a prefix cache the sync "
+                            "left holding blocks. Needs causes=True"),
     )
     sync_check_options: SyncCheckConfig = field(
         default=None, metadata=field_help("The sync check's options: a tim_plugins.weight_sync.SyncCheckConfig, or a "

@@ -232,7 +232,7 @@ class CachedPrefix:
         return [Cause("sync-prefix-cache", step, f"at the weight sync after optimizer step {step}, the engine's "
                                                  f"prefix cache still holds {self.blocks} block"
                                                  f"{'s' if self.blocks != 1 else ''} ({tokens} tokens) of keys and "
-                                                 f"values computed with the previous weights: a prompt sharing "
+                                                 f"values computed before it, with older weights: a prompt sharing "
                                                  f"their prefix is served from them",
                       evidence={"blocks": self.blocks, "block_size": self.block_size})]
 

@@ -136,7 +136,8 @@ def causes_section(page, summary: dict | None, framework: str | None = None) -> 
         return
     page.h2("What is causing it")
     page.raw("<p>Causes named during the run (docs/causes.md): a broken weight sync, found by comparing the engine's "
-             "weights with the trainer's at the sync; an engine sampling from other weights, found by confident "
+             "weights with the trainer's at the sync and reading what its prefix cache kept; an engine sampling from "
+             "other weights, found by confident "
              "lag-0 disagreements or a jump of the lag-0 floor; staleness or truncation making the log-ratio "
              "unhealthy. Each with the setting that fixes it in this run's framework:</p>")
     rows = [[c.get("step"), c["code"], c.get("message", ""), ", ".join(c.get("tensors") or [])[:400],

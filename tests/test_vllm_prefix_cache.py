@@ -86,7 +86,7 @@ def test_a_reset_while_a_request_holds_blocks_fails_and_the_read_says_so(llm):
     assert llm.reset_prefix_cache() is True and _blocks(llm) == 0
 
 
-def test_prefix_caching_off_reads_nothing_cached_and_no_engine_core_is_unread(llm, monkeypatch):
+def test_prefix_caching_off_reads_zero_and_an_engine_core_elsewhere_is_unread(llm, monkeypatch):
     manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     monkeypatch.setattr(manager, "enable_caching", False)
     state = cached_prefix(llm)

@@ -21,9 +21,9 @@ from tim_plugins.weight_sync import CachedPrefix
 __all__ = ["cached_prefix"]
 
 
-def _block_pool(llm):
-    """(block pool, block size) of ``llm``'s in-process engine core with prefix caching on; (None, 0) when caching is
-    off; None when the engine core is in another process or its layout is not the one known."""
+def cached_prefix(llm) -> Optional[CachedPrefix]:
+    """The blocks ``llm``'s prefix cache can serve now (0 when prefix caching is off), or None when the engine core is
+    in another process or its layout is not the one known. A dict's length: cheap enough to read at every sync."""
     # VLLM_SOURCES vllm.entrypoints.llm:LLM.__init__ (llm_engine)
     engine = getattr(llm, "llm_engine", None)
     # VLLM_SOURCES vllm.v1.engine.core_client:InprocClient (engine_core: the EngineCore, in this process)
@@ -34,23 +34,9 @@ def _block_pool(llm):
     manager = getattr(scheduler, "kv_cache_manager", None)
     # VLLM_SOURCES vllm.v1.core.kv_cache_manager:KVCacheManager (enable_caching, block_pool)
     enabled = getattr(manager, "enable_caching", None)
-    if not isinstance(enabled, bool):
-        return None
-    if not enabled:
-        return None, 0
-    pool = getattr(manager, "block_pool", None)
     # VLLM_SOURCES vllm.v1.core.block_pool:BlockPool (cached_block_hash_to_block, sized)
-    if not hasattr(getattr(pool, "cached_block_hash_to_block", None), "__len__"):
+    cached = getattr(getattr(manager, "block_pool", None), "cached_block_hash_to_block", None)
+    if not isinstance(enabled, bool) or (enabled and not hasattr(cached, "__len__")):
         return None
     block_size = getattr(getattr(getattr(engine, "vllm_config", None), "cache_config", None), "block_size", None)
-    return pool, int(block_size or 0)
-
-
-def cached_prefix(llm) -> Optional[CachedPrefix]:
-    """The blocks ``llm``'s prefix cache can serve now (``CachedPrefix``; 0 blocks when prefix caching is off), or
-    None when that cannot be read. A dict's length: cheap enough to read at every sync."""
-    found = _block_pool(llm)
-    if found is None:
-        return None
-    pool, block_size = found
-    return CachedPrefix(0 if pool is None else len(pool.cached_block_hash_to_block), block_size)
+    return CachedPrefix(len(cached) if enabled else 0, int(block_size or 0))

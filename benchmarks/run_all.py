@@ -30,6 +30,7 @@ BENCHMARKS = {
     "bench_fused_safe_vocab": ("fused_safe_vocab", None),
     "bench_replay_cost": ("replay_cost", None),
     "bench_weight_sync": ("weight_sync", None),
+    "bench_server_probe": ("server_probe", None),
 }
 
 

@@ -151,3 +151,23 @@ def test_gpu_script_stages_the_package_and_stops_cleanly_without_cuda(tmp_path):
     assert "torch sees no CUDA device" in proc.stdout and "missing Python packages" not in proc.stdout
     assert (stage / "tim_plugins" / "integrations" / "trl" / "__init__.py").is_file()
     assert (stage / "benchmarks" / "bench_safe_vocab.py").is_file()
+
+
+def test_server_probe_quick_ratios_are_the_raw_timings(tmp_path):
+    """benchmarks/bench_server_probe.py at a tiny size (vLLM's CPU build in-process): every part timed each round,
+    the server's scoring returned its prompt log-probs (the script raises otherwise), and the ratios are the medians
+    of the raw timings."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "server_probe.json"
+    proc = run_script([sys.executable, "-m", "benchmarks.bench_server_probe", "--quick", "--output", str(out)], 300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    res = json.loads(out.read_text())
+    raw = res["raw"]
+    assert res["quick"] and all(len(raw[k]) == res["rounds"] for k in ("engine", "trainer", "generation", "train"))
+    assert all(finite_positive(x) for k in raw for x in raw[k])
+    probe = [e + t for e, t in zip(raw["engine"], raw["trainer"])]
+    step = [g + t for g, t in zip(raw["generation"], raw["train"])]
+    assert res["ratios"]["probe_over_step"] == pytest.approx(statistics.median(probe) / statistics.median(step),
+                                                             rel=1e-12)
+    assert res["ratios"]["probe_over_generation"] == pytest.approx(
+        statistics.median(probe) / statistics.median(raw["generation"]), rel=1e-12)

@@ -12,6 +12,7 @@ import re
 import pytest
 
 from tim_plugins.integrations.trl import TIMConfig
+from tim_plugins.lag0_probe import Lag0ProbeConfig
 
 FIELDS = [f.name for f in dataclasses.fields(TIMConfig)]
 
@@ -101,6 +102,9 @@ def _bad_values():
             "sync_check_options": ({"sync_check_options": {"every_n_syncs": 0}}, "must be an integer >= 1",
                                    "sync_check_options={'every_n_syncs': "
                                    f"{_default(SyncCheckConfig, 'every_n_syncs')!r}}}"),
+            "sync_probe_options": ({"sync_probe_options": {"unchanged_ratio": 1.5}}, "must be in (0, 1)",
+                                   "sync_probe_options={'unchanged_ratio': "
+                                   f"{_default(Lag0ProbeConfig, 'unchanged_ratio')!r}}}"),
             "is_correction_options": ({"is_correction": "seq_tis", "is_correction_options": {"seq_clip": 0}},
                                       "seq_clip=0",
                                       f"is_correction_options={{'seq_clip': {_default(CorrectionConfig, 'seq_clip')!r}}}"),

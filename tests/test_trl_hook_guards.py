@@ -49,6 +49,7 @@ FEATURE_RELEASES = {
     "async_monitor": ("1.16", None),  # the packed AsyncGRPOTrainer (trl.experimental.async_grpo.packing)
     "kept_set_replay": ("1.9", None),  # the colocate LLM global and generate call (TRL 1.9 and 1.16 read alike)
     "sync_check": ("1.9", None),  # sync_weights writes through model_runner.model.load_weights (1.9, 1.12, 1.14, 1.16)
+    "sync_probe_server": ("1.9", None),  # VLLMClient.get_sequence_logprobs (TRL's own server to 1.10, vLLM's after)
 }
 # Features that need vLLM installed besides TRL: TRL binds its colocate ``LLM`` global only when vLLM imports, so
 # without vLLM (the `latest` lane) the feature is off, for that reason.
@@ -361,6 +362,24 @@ def test_the_sync_the_weight_check_wraps():
                  'name = self._fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."])',
                  "model.unmerge_adapter()"):
         assert line in peft_path, line
+
+
+def test_the_client_scoring_the_server_probe_reads():
+    """server_probe.ServerProbe: TRL's client scores given sequences (sequences, prompt_lengths, top_logprobs,
+    temperature) and returns each token's own log-prob as 'actual_logprobs' from prompt_length on; from TRL 1.11 as
+    vLLM's prompt log-probs of a one-token completion request (TRL 1.9 - 1.10: TRL's own server endpoint)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    params = list(inspect.signature(VLLMClient.get_sequence_logprobs).parameters)
+    assert params[:5] == ["self", "sequences", "prompt_lengths", "top_logprobs", "temperature"]
+    assert "actual_logprobs" in _src(VLLMClient)
+    if TRL >= Version("1.11"):
+        scoring = re.sub(r"\s+", " ", _src(VLLMClient.get_sequence_logprobs))
+        for fragment in ('"max_tokens": 1', '"prompt_logprobs": top_logprobs', 'f"{self.base_url}/v1/completions"'):
+            assert fragment in scoring, fragment
+        fmt = re.sub(r"\s+", " ", _src(VLLMClient._format_sequence_logprobs))
+        assert 'for position in range(prompt_length, len(choice["prompt_logprobs"])):' in fmt
+        assert 'actual = position_logprobs.get(str(sequence[position]))' in fmt
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from free_port import free_port
 
 pytest.importorskip("trl")
@@ -94,11 +95,14 @@ def vllm_server(toy_model_path, tmp_path_factory):
             proc.wait(timeout=30)
 
 
-def _server_client(mp, weights_dir, synced, *, reload=True):
+def _server_client(mp, weights_dir, synced, *, reload=True, keep=None):
     """TRL's client with the weight transfer of the module docstring; ``reload=False``: the server never reloads
-    (a stale server: TRL's sync runs, the weights never arrive)."""
+    (a stale server: TRL's sync runs, the weights never arrive); ``keep``: a name prefix whose tensors the server is
+    sent as they were at the first sync (a layer the sync skips)."""
     from safetensors.torch import save_file
     from trl.generation.vllm_client import VLLMClient
+
+    first = {}
 
     def init_communicator(self, device=0):
         assert self.get_server_info()["weight_transfer_config"] == {"backend": "nccl"}  # TRL's server flags
@@ -109,6 +113,9 @@ def _server_client(mp, weights_dir, synced, *, reload=True):
         synced.append(len(tensors))
         if not reload:
             return
+        if keep is not None:
+            tensors = {name: first.setdefault(name, t.clone()) if name.startswith(keep) else t
+                       for name, t in tensors.items()}
         save_file(tensors, str(Path(weights_dir) / "model.safetensors"))
         r = self.session.post(f"{self.base_url}/collective_rpc", timeout=120,
                               json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
@@ -165,36 +172,109 @@ def test_parity_audit_reads_the_live_server(server_run, vllm_server):
     assert json.dumps(info["weight_transfer_config"]) == '{"backend": "nccl"}'
 
 
-@pytest.fixture(scope="module")
-def stale_server_run(vllm_server, server_run, toy_model_path, tmp_path_factory):
-    """After server_run (which left the server at its step-2 weights), a run whose syncs never reach the server:
-    the server first reloads the checkpoint (the run's initial weights), then keeps them all run."""
+def _faulty_run(vllm_server, toy_model_path, tmp_path, config, steps=4, **client):
+    """A run at STALE_LR whose weight transfer has a fault (``_server_client``'s options), from the checkpoint's
+    weights: the server reloads them first (an earlier run left it at its own)."""
     import requests as http
 
     http.post(f"{vllm_server}/collective_rpc", timeout=120,
               json={"method": "reload_weights", "kwargs": {"weights_path": str(toy_model_path)}}).raise_for_status()
     synced = []
     mp = pytest.MonkeyPatch()
-    _server_client(mp, None, synced, reload=False)
+    _server_client(mp, tmp_path / "synced", synced, **client)
+    (tmp_path / "synced").mkdir()
     try:
-        trainer = _server_trainer(vllm_server, toy_model_path, tmp_path_factory.mktemp("trl_stale"), 4,
-                                  learning_rate=STALE_LR)
-        cb = TIMCallback(trainer, TIMConfig())
+        trainer = _server_trainer(vllm_server, toy_model_path, tmp_path, steps, learning_rate=STALE_LR)
+        cb = TIMCallback(trainer, config)
         trainer.add_callback(cb)
         trainer.train()
-        yield trainer, cb, synced
+        return trainer, cb, synced
     finally:
         mp.undo()
 
 
+@pytest.fixture(scope="module")
+def stale_server_run(vllm_server, server_run, toy_model_path, tmp_path_factory):
+    """After server_run, a run whose syncs never reach the server, with the sync check (and so the server probe)
+    off: the stream's lag-0 rules alone."""
+    yield _faulty_run(vllm_server, toy_model_path, tmp_path_factory.mktemp("trl_stale"), TIMConfig(sync_check=False),
+                      reload=False)
+
+
 def test_a_stale_server_is_named_by_the_lag0_rules(stale_server_run):
-    """No weight access in server mode: the per-token stream's lag-0 rules name it within a few steps of the first one
-    the stale server samples (step 2: the server holds the step-0 weights, the trainer scores at step 1's), and not at
+    """With the sync check off: the per-token stream's lag-0 rules name it within a few steps of the first one the
+    stale server samples (step 2: the server holds the step-0 weights, the trainer scores at step 1's), and not at
     step 1, where both still hold the initial weights."""
     trainer, cb, synced = stale_server_run
-    assert cb.sync_watch is None and len(synced) == 4  # TRL's sync ran each step; nothing reached the server
+    assert cb.sync_watch is None and cb.server_probe is None
+    assert len(synced) == 4  # TRL's sync ran each step; nothing reached the server
     named = [(c.step, c.code) for c in cb.pipeline.causes.named]
     assert named and {code for _, code in named} <= {"engine-stale", "floor-jump"}
     assert 2 <= min(step for step, _ in named) <= 4
     logged = {h["step"]: h for h in trainer.state.log_history if "tim/cause/named" in h}
     assert logged[1]["tim/cause/named"] == 0 and max(logged[s]["tim/cause/named"] for s in (2, 3, 4)) >= 1
+
+
+# ---------------------------------------------------------------------------------------------- the lag-0 probe
+def test_the_lag0_probe_follows_a_healthy_server(server_run):
+    """Server mode's lag-0 probe (integrations/trl/server_probe.py): its reference is taken at the first generation,
+    the sync after step 1 is probed, the server's log-probs moved with the trainer's and nothing is named. The
+    reference's server log-probs of the generated tokens are the ones the server sampled them with (TRL's
+    sampling_per_token_logps at temperature 1, same weights): the positions line up."""
+    trainer, cap, cb, _ = server_run
+    probe = cb.server_probe
+    assert probe is not None and probe.probe.reference is not None
+    history = probe.probe.history
+    assert [h["step"] for h in history] == [1]
+    fig = history[0]
+    assert 0.5 < fig["moved_engine"] / fig["moved_trainer"] < 2
+    assert fig["drift"] < 3 * fig["floor"]
+    assert not cb.pipeline.causes.named
+    assert len(probe.seconds) == 2  # the reference and the probe after step 1
+    built = cap.trl_built[0]
+    ref = probe.probe.reference.engine
+    for i, seq in enumerate(probe.sequences):
+        n_prompt = int(built["prompt_mask"][i].sum())
+        n = int(built["completion_mask"][i].sum())
+        sampled = built["sampling_per_token_logps"][i, :n].double()
+        assert seq[n_prompt:] == built["completion_ids"][i, :n].tolist()
+        torch.testing.assert_close(ref[i, n_prompt - 1:n_prompt - 1 + n], sampled, rtol=0, atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def stale_server_probe_run(vllm_server, stale_server_run, toy_model_path, tmp_path_factory):
+    """A run whose syncs never reach the server, with the sync check on (the server probe) and the probe set to
+    stop."""
+    yield _faulty_run(vllm_server, toy_model_path, tmp_path_factory.mktemp("trl_stale_probe"),
+                      TIMConfig(parity_probe=True, parity_probe_options={"action": "stop"}), reload=False)
+
+
+def test_the_lag0_probe_names_a_stale_server_at_the_first_sync_and_stops_the_run(stale_server_probe_run):
+    """The first sync after an optimizer step (step 1) is named probe-engine-unchanged: the server's log-probs of the
+    probe batch did not move at all, the trainer's moved. The sync runs inside step 2 (before its generation), so the
+    probe's stop ends the run at the end of step 2, the first step trained on the stale server's samples."""
+    trainer, cb, synced = stale_server_probe_run
+    named = [(c.step, c.code) for c in cb.pipeline.causes.named]
+    assert named[0] == (1, "probe-engine-unchanged")
+    fig = cb.server_probe.probe.history[0]
+    assert fig["moved_engine"] == 0.0 and fig["moved_trainer"] > 4 * fig["floor"]
+    assert trainer.state.global_step == 2 and len(synced) == 2
+
+
+@pytest.fixture(scope="module")
+def skipped_layer_server_run(vllm_server, stale_server_probe_run, toy_model_path, tmp_path_factory):
+    """A run whose syncs reach the server except one layer, which keeps the values the first sync sent."""
+    yield _faulty_run(vllm_server, toy_model_path, tmp_path_factory.mktemp("trl_skip_probe"), TIMConfig(),
+                      keep="model.layers.1.")
+
+
+def test_the_lag0_probe_names_a_layer_the_server_never_receives(skipped_layer_server_run):
+    """Every sync reaches the server but one layer's tensors, which it keeps at the first sync's values."""
+    trainer, cb, synced = skipped_layer_server_run
+    named = [(c.step, c.code) for c in cb.pipeline.causes.named]
+    # named at the first sync after an optimizer step, by the drift (the server's answers moved, but not with the
+    # trainer's: not a no-op), again at the next, and a step before any stream rule
+    assert [code for step, code in named if step == 1] == ["probe-engine-drift"]
+    assert [code for step, code in named if step == 2 and code.startswith("probe-")] == ["probe-engine-drift"]
+    first = cb.server_probe.probe.history[0]
+    assert first["moved_engine"] > 0.25 * first["moved_trainer"]

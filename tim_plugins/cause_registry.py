@@ -31,7 +31,7 @@ CAUSE_KEYS = (
 @dataclass(frozen=True)
 class CauseInfo:
     code: str
-    family: str  # "sync" | "stream" | "split"
+    family: str  # "sync" | "probe" | "stream" | "split"
     title: str
     why: str
     rule: str
@@ -92,6 +92,20 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        {"vllm": "LLM.reset_prefix_cache() (AsyncLLM: await reset_prefix_cache()) after the weights are written, "
                 "with no request in flight, and check that it returns True; or enable_prefix_caching=False",
         "tim_plugins": "reset the engine's prefix cache after every weight sync, once no request is in flight"}),
+    _C("probe-engine-unchanged", "probe", "the engine's answers did not change at the weight sync",
+       "Where the engine's weights cannot be read (a remote server), a fixed batch is scored by both sides after each "
+       "sync: the trainer's log-probs moved further than the two stacks' numerics blur and the engine's stayed where "
+       "they were, so the sync never reached the engine and it keeps sampling from older weights.",
+       "after a sync, the trainer's log-probs of the probe batch moved more than moved_factor x the floor (and "
+       "moved_min) since the previous probe, and the engine's moved less than unchanged_ratio x that",
+       {"tim_plugins": _SYNC_FIX + "; a server must receive and load the weights it is sent"}),
+    _C("probe-engine-drift", "probe", "the engine moves at the weight sync, but not with the trainer",
+       "The per-token gap between the engine's and the trainer's log-probs of the probe batch, right after the sync, "
+       "moved away from the one measured at lag 0 on the same weights: part of the engine did not take the update "
+       "(a layer skipped, a tensor written wrongly), or a stale engine drifts away step by step.",
+       "after a sync, mean |(e - t) - (e_ref - t_ref)| over the probe batch > drift_factor x the floor (the median "
+       "lag-0 gap of the in-step probes) and > the floor + drift_min",
+       {"tim_plugins": _SYNC_FIX}),
     _C("engine-stale", "stream", "the engine samples from other weights than the trainer scores",
        "Tokens the engine was confident in are scored far lower by the trainer at lag 0: numerics cannot move a "
        "confident token that far, other weights do (a sync that did not apply, an engine that kept the initial "

@@ -10,6 +10,9 @@ Families, and where their evidence comes from:
 
 - **a broken weight sync** (``sync-*``): the engine does not hold what the trainer sent at a weight sync
   (``tim_plugins.weight_sync``: an adapter hands the sent tensors and a reader of the engine's weights);
+- **an engine that does not follow the sync** (``probe-*``): where the engine's weights cannot be read (a remote
+  server), a fixed batch scored by both sides after each sync (``tim_plugins.lag0_probe``): the engine's answers did
+  not move while the trainer's did, or their per-token gap moved away from the one at lag 0;
 - **a stale engine** (``engine-stale``): lag-0 tokens the engine was confident in (p_rollout >= ``confident_p``) that
   the trainer scores more than ``confident_gap`` nats lower. At lag 0 both sides should hold the same weights, so
   only other weights (or a truncation keeping less than e^-2 of the mass) move a confident token that far; numerics
@@ -145,7 +148,7 @@ class CauseTracker:
     """The named causes of a run, window by window (``StepPipeline`` owns one).
 
     ``update`` takes each measured lag-0 batch (device sums, no host read); ``add_sync`` a sync check's causes
-    (``weight_sync.SyncReport``); ``audited`` the parity audit's codes; ``evaluate`` closes a window: the merged
+    (``weight_sync.SyncReport``), ``add_found`` other checks' (the lag-0 probe); ``audited`` the parity audit's codes; ``evaluate`` closes a window: the merged
     counts (every rank must call it when ``sync``), the rules, ``tim/cause/*`` and the causes named in the window.
     ``framework`` picks the fix words of the console line."""
 
@@ -173,7 +176,12 @@ class CauseTracker:
         now (the sync happens between windows; the line should not wait for the step's end)."""
         self._sync_bad = max(self._sync_bad, float(report.bad_tensors))
         self._sync_checked = max(self._sync_checked, float(report.checked_tensors))
-        for cause in report.causes:
+        self.add_found(report.causes)
+
+    def add_found(self, causes: Iterable[Cause]) -> None:
+        """Causes an adapter's check found between windows (a sync check's, the lag-0 probe's,
+        ``tim_plugins.lag0_probe``): named in the next window, logged now."""
+        for cause in causes:
             self._sync.append(cause)
             self._log(cause)
 

@@ -246,6 +246,8 @@ TRL_ONLY = {
     "lr_decay_signals": "a second spelling of lr_decay_options.signals",
     "strict": "raise on diagnostic problems instead of counting them (verl's workers count them)",
     "safe_vocab": "the safe vocabulary's switch (verl: tim.safe_vocab.min_p > 0, or tim.safe_vocab.enable)",
+    "sync_probe_options": "the lag-0 probe of TRL's vLLM server (server mode; verl's colocated sync is read by the "
+                          "sync check itself)",
 }
 VERL_ONLY: dict[str, str] = {
     "safe_vocab.enable": "the safe vocabulary's switch at min-p 0 (over the sampler's own top-k / top-p): verl's "

@@ -349,6 +349,12 @@ class StepPipeline:
         if self.causes is not None:
             self.causes.add_sync(report)
 
+    def probed(self, causes) -> None:
+        """The causes a lag-0 probe named after a weight sync (``lag0_probe.Lag0Probe.judge``): logged now and named
+        in the next window's ``tim/cause/*``, like a sync check's."""
+        if self.causes is not None:
+            self.causes.add_found(causes)
+
     def audited(self, error_codes) -> None:
         """The parity audit's error codes, for the causes' rules (the truncation rule reads them)."""
         if self.causes is not None:

@@ -54,6 +54,7 @@ from .async_grpo import AsyncAttachment, is_async_grpo
 from ._parity import _live_llm, run_audit
 from .config import TIMConfig
 from .kept_sets import KeptSetStore, engine_returns_kept_sets
+from .server_probe import ServerProbe
 from .sync_check import SyncWatch
 
 __all__ = ["TIMCallback", "TIMState"]
@@ -132,6 +133,7 @@ class TIMCallback(TrainerCallback):
         self.kept_sets: KeptSetStore | None = None  # the engine's kept sets, replayed (kept_sets.py)
         self._async: AsyncAttachment | None = None
         self.sync_watch: SyncWatch | None = None  # the weight-sync check (sync_check.py)
+        self.server_probe: ServerProbe | None = None  # server mode's lag-0 probe (server_probe.py)
         if not config.enabled:
             return
         asynchronous = is_async_grpo(trainer)
@@ -157,6 +159,10 @@ class TIMCallback(TrainerCallback):
                     and trainer.args.vllm_mode == "colocate" \
                     and self._available(check(features.SYNC_CHECK, features.live(trainer))):
                 self.sync_watch = SyncWatch(trainer, self.pipeline, config.sync_check_options)
+            elif self.pipeline.causes is not None and config.sync_check and trainer.use_vllm \
+                    and trainer.args.vllm_mode == "server" \
+                    and self._available(check(features.SERVER_PROBE, features.live(trainer))):
+                self.server_probe = ServerProbe(trainer, self.pipeline, config.sync_probe_options)
 
     def _grpo_config(self, trainer, config: TIMConfig) -> PipelineConfig:
         """GRPOTrainer: where the rollout log-probs come from, the safe-vocab route and what TRL's loss can take."""
@@ -238,8 +244,9 @@ class TIMCallback(TrainerCallback):
         # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration.generate (the live engine's generate)
         if self.kept_sets is not None:
             wrappers.append((_live_llm(t), "generate", self._wrap_engine_generate))
-        if self.sync_watch is not None:
-            wrappers.extend(self.sync_watch.wrappers())
+        for check_ in (self.sync_watch, self.server_probe):
+            if check_ is not None:
+                wrappers.extend(check_.wrappers())
         self._installation.install(wrappers)
 
     def _safe_patch(self, arguments: dict) -> Patch:
@@ -354,6 +361,8 @@ class TIMCallback(TrainerCallback):
             try:
                 out = original(*args, **kwargs)
                 self._on_generation_batch(out, self._call.gen_safe)
+                if self.server_probe is not None:
+                    self.server_probe.captured(out)
             finally:
                 self._call.gen_safe = None
             return out

@@ -26,6 +26,7 @@ from tim_plugins.parity.probe import ParityProbeConfig
 from tim_plugins.pipeline import PipelineConfig
 from tim_plugins.rollout.inject import InjectorConfig
 from tim_plugins.truncation import DEFAULT_MIN_P
+from tim_plugins.lag0_probe import Lag0ProbeConfig
 from tim_plugins.weight_sync import SyncCheckConfig
 
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
@@ -154,12 +155,18 @@ class TIMConfig:
         metadata=field_help("With vLLM colocate: after each checked weight sync, compare the engine's weights with "
                             "what TRL sent (a fixed sample of elements per tensor, exact in the engine's dtype) and "
                             "name tensors not updated, in another precision, or missing, and a prefix cache the sync "
-                            "left holding blocks. Needs causes=True"),
+                            "left holding blocks. In server mode, where the weights cannot be read: a lag-0 probe "
+                            "after each sync (a fixed batch scored by the server and the trainer). Needs causes=True"),
     )
     sync_check_options: SyncCheckConfig = field(
         default=None, metadata=field_help("The sync check's options: a tim_plugins.weight_sync.SyncCheckConfig, or a "
                                           "dict of its fields (every_n_syncs, elements_per_tensor, ...)",
                                           options=SyncCheckConfig),
+    )
+    sync_probe_options: Lag0ProbeConfig = field(
+        default=None, metadata=field_help("The server-mode probe's options: a tim_plugins.lag0_probe.Lag0ProbeConfig, "
+                                          "or a dict of its fields (every_n_syncs, sequences, max_tokens, ...)",
+                                          options=Lag0ProbeConfig),
     )
     # --------------------------------------------------------------------------------------- correction
     is_correction: Optional[str] = field(
@@ -207,7 +214,9 @@ class TIMConfig:
         self.parity_probe_options = _options(ParityProbeConfig, self.parity_probe_options, "parity_probe_options")
         self.causes_options = _options(CauseConfig, self.causes_options, "causes_options")
         self.sync_check_options = _options(SyncCheckConfig, self.sync_check_options, "sync_check_options")
-        for group in ("dump_options", "causes_options", "sync_check_options"):  # typed as verl checks tim.*
+        self.sync_probe_options = _options(Lag0ProbeConfig, self.sync_probe_options, "sync_probe_options")
+        # typed as verl checks tim.*
+        for group in ("dump_options", "causes_options", "sync_check_options", "sync_probe_options"):
             problem = type_problem(getattr(self, group))
             if problem is not None:
                 name, value, kind, rule = problem

@@ -31,8 +31,8 @@ from tim_plugins.capabilities import (Feature, Hook, Problem, SourceProblem, Sta
 
 __all__ = ["ASYNC_MONITOR", "ASYNC_UNSUPPORTED", "ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER",
            "KEPT_SET_REPLAY", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS",
-           "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "SYNC_CHECK", "async_unsupported", "feature", "live",
-           "logits_route_module", "safe_vocab_route", "safe_vocab_status", "trl_features"]
+           "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "SERVER_PROBE", "SYNC_CHECK", "async_unsupported", "feature",
+           "live", "logits_route_module", "safe_vocab_route", "safe_vocab_status", "trl_features"]
 
 _GRPO = "trl.trainer.grpo_trainer"
 _UPGRADE = "pip install -U 'trl>=1.16'"
@@ -227,6 +227,16 @@ SYNC_CHECK = Feature(
                          Hook(_VLLM_GENERATION, "VLLMGeneration.sync_weights"),
                          Hook(_VLLM_GENERATION, "VLLMGeneration._fix_param_name_to_vllm", params=("name",))))
 
+# server_probe.py: TRL's sync in server mode (the probe scores after it returns) and the client's scoring of given
+# token sequences (vLLM's prompt log-probs of each token; "actual_logprobs" is read from the result at run time)
+SERVER_PROBE = Feature(
+    "sync_probe_server", "lag-0 probe of TRL's vLLM server at its weight syncs (vllm_mode='server')", "trl",
+    needs=("trl",), extra="trl", fix=_UPGRADE,
+    hooks=(Hook(_VLLM_GENERATION, "VLLMGeneration._init_vllm", fragments=("self.vllm_client = VLLMClient(",)),
+           Hook(_VLLM_GENERATION, "VLLMGeneration.sync_weights"),
+           Hook("trl.generation.vllm_client", "VLLMClient.get_sequence_logprobs",
+                params=("sequences", "prompt_lengths", "top_logprobs", "temperature"))))
+
 # AsyncGRPOTrainer (TRL >= 1.16, trl.experimental): the policy lag of each trained token (async_grpo.py).
 # Fragments: packing, the loss's token selection, the dataloader's queue and the collator's padding show only while
 # it trains; the model version the packing wrapper reads is checked on the live trainer.
@@ -266,7 +276,7 @@ def async_unsupported(name: str) -> Status:
 
 
 FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, ENGINE_AUDIT, SERVER_AUDIT,
-            KEPT_SET_REPLAY, SYNC_CHECK, ASYNC_MONITOR)
+            KEPT_SET_REPLAY, SYNC_CHECK, SERVER_PROBE, ASYNC_MONITOR)
 
 
 def feature(name: str) -> Feature:

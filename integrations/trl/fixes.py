@@ -80,6 +80,12 @@ CAUSE_FIXES = {
                          "llm.reset_prefix_cache(); server mode: vllm_client.reset_prefix_cache()): a wrapped or "
                          "custom sync (a rollout_func syncing its own engine) must keep that call, after the weights "
                          "are written and with no request in flight",
+    "probe-engine-unchanged": "server mode: check that the weights TRL streams reach `trl vllm-serve` and are "
+                              "loaded there (init_communicator, update_named_params; the server's weight-transfer "
+                              "engine and its log), and that nothing reloads the model behind TRL's back",
+    "probe-engine-drift": "server mode: check that every parameter TRL streams is loaded by `trl vllm-serve` under "
+                          "its name and in its dtype (a layer the server's loader drops or filters keeps its old "
+                          "weights); with a custom sync or rollout_func, that it sends every layer",
     "engine-stale": "colocate: keep TIMConfig(sync_check=True) to see which tensors; server mode: check that `trl "
                     "vllm-serve` receives the weights (init_communicator, update_named_params) and that nothing else "
                     "reloads the model; with vllm_importance_sampling_correction, TRL's own ratios read the same",

@@ -68,6 +68,9 @@ TRL_SOURCES = {
         "self.vllm_client = VLLMClient(...)",
     ("trl.generation.vllm_client", "VLLMClient.get_server_info"):
         "() -> the 'vllm_config' tree of the server's GET /server_info?config_format=json",
+    ("trl.generation.vllm_client", "VLLMClient.get_sequence_logprobs"):
+        "(sequences, prompt_lengths, top_logprobs, temperature) -> a dict whose 'actual_logprobs' holds, per "
+        "sequence, [log-prob] of each token from position prompt_length on (the server's prompt log-probs)",
     ("trl.generation.vllm_generation", "LLM"):
         "vllm.LLM, a module global that VLLMGeneration._init_vllm looks up when it builds the colocate engine "
         "(kept_sets.engine_kept_sets adds return_sampling_mask=True inside its block)",
@@ -123,11 +126,12 @@ TRL_SOURCE_FEATURES = {
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_single_turn"): ("hf_recorder", "exact_sampler"),
     ("trl.trainer.grpo_trainer", "GRPOTrainer.log"): ("monitor",),
     ("trl.generation.vllm_generation", "VLLMGeneration._init_vllm"):
-        ("parity_audit_engine", "parity_audit_server", "kept_set_replay", "sync_check"),
+        ("parity_audit_engine", "parity_audit_server", "kept_set_replay", "sync_check", "sync_probe_server"),
     ("trl.generation.vllm_generation", "LLM"): ("kept_set_replay",),
     ("trl.generation.vllm_generation", "VLLMGeneration.generate"): ("kept_set_replay",),
     ("trl.generation.vllm_client", "VLLMClient.get_server_info"): ("parity_audit_server",),
-    ("trl.generation.vllm_generation", "VLLMGeneration.sync_weights"): ("sync_check",),
+    ("trl.generation.vllm_generation", "VLLMGeneration.sync_weights"): ("sync_check", "sync_probe_server"),
+    ("trl.generation.vllm_client", "VLLMClient.get_sequence_logprobs"): ("sync_probe_server",),
     ("trl.generation.vllm_generation", "VLLMGeneration._fix_param_name_to_vllm"): ("sync_check",),
     ("trl.trainer.utils", "_ChunkedLogProbFunction"): ("safe_vocab_fused_head",),
     ("trl.trainer.grpo_trainer", "selective_log_softmax"): ("safe_vocab_logits",),

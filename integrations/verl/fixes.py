@@ -85,6 +85,9 @@ CAUSE_FIXES = {
                          "clear_kv_cache): a custom rollout, checkpoint engine or weight path must call it too, once "
                          "no request is in flight (vLLM keeps the cache while a request holds blocks: a partial "
                          "rollout's paused requests); or actor_rollout_ref.rollout.enable_prefix_caching=false",
+    "probe-engine-unchanged": "check that every rollout server receives and loads the weights at each "
+                              "update_weights (the checkpoint engine's transfer, a separate rollout server's reload)",
+    "probe-engine-drift": _SYNC,
     "engine-stale": "keep +tim.sync_check.enable=true (the default with the monitor) to see which tensors; then "
                     "check that the rollout reloads at every update_weights and that nothing else (a separate "
                     "rollout server, a checkpoint engine) serves the old weights",

@@ -3,7 +3,7 @@ pipeline, ``tim_plugins.causes``) in the verdict and in a section of their own.
 
 The rule that puts them in the verdict (``name_causes``), after the audit's (``report.parity.reconcile``):
 
-- a broken pipeline (a ``sync-*`` cause, ``engine-stale``, ``floor-jump``) makes the status ACT and leads the
+- a broken pipeline (a ``sync-*`` or ``probe-*`` cause, ``engine-stale``, ``floor-jump``) makes the status ACT and leads the
   headline: the engine sampled from other weights than the trainer scored (``sync-prefix-cache`` alone: through keys
   and values its prefix cache kept from earlier weights), so the mismatch measured below is not numerics and the
   dtype fixes would not remove it;
@@ -20,7 +20,7 @@ from pathlib import Path
 __all__ = ["FAULT_CODES", "causes_section", "name_causes", "read_causes", "with_causes"]
 
 FAULT_CODES = ("sync-noop", "sync-tensors-stale", "sync-precision", "sync-tensors-missing", "sync-tensors-differ",
-               "sync-prefix-cache", "engine-stale", "floor-jump")
+               "sync-prefix-cache", "probe-engine-unchanged", "probe-engine-drift", "engine-stale", "floor-jump")
 
 
 def read_causes(folder: str | Path) -> list[dict] | None:
@@ -136,9 +136,9 @@ def causes_section(page, summary: dict | None, framework: str | None = None) -> 
         return
     page.h2("What is causing it")
     page.raw("<p>Causes named during the run (docs/causes.md): a broken weight sync, found by comparing the engine's "
-             "weights with the trainer's at the sync and reading what its prefix cache kept; an engine sampling from "
-             "other weights, found by confident "
-             "lag-0 disagreements or a jump of the lag-0 floor; staleness or truncation making the log-ratio "
+             "weights with the trainer's at the sync and reading what its prefix cache kept, or (a remote server) "
+             "by a probe batch both sides score after the sync; an engine sampling from other weights, found by "
+             "confident lag-0 disagreements or a jump of the lag-0 floor; staleness or truncation making the log-ratio "
              "unhealthy. Each with the setting that fixes it in this run's framework:</p>")
     rows = [[c.get("step"), c["code"], c.get("message", ""), ", ".join(c.get("tensors") or [])[:400],
              cause_fix(c["code"], framework)] for c in causes[:200]]

@@ -1,0 +1,239 @@
+"""The lag-0 probe's core (``tim_plugins.lag0_probe``) on a real model pair: the trainer is the toy Qwen2 in float32,
+trained by Adam on its own samples; the engine is a bfloat16 copy that receives the trainer's weights at each sync,
+or not (the fault the test injects: every tensor, or one layer's). The figures are checked against a naive per-token
+recomputation here; the causes against the injected fault. The path through TRL's server mode:
+``test_trl_vllm_server.py``."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tim_plugins.lag0_probe import Lag0Probe, Lag0ProbeConfig
+
+transformers = pytest.importorskip("transformers")
+
+LR = 3e-3  # the toy model's policy moves ~0.01-0.1 nats per token per step: far above the bf16 floor
+
+
+@pytest.fixture(scope="module")
+def pair(toy_model_path):
+    """(trainer model, tokenizer, fixed sequences), the trainer in float32 at its initial weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tim_plugins.toy_model import synthetic_prompts
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    model = AutoModelForCausalLM.from_pretrained(toy_model_path, dtype=torch.float32)
+    torch.manual_seed(0)
+    seqs = []
+    for prompt in synthetic_prompts(4):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, do_sample=True, max_new_tokens=24, min_new_tokens=24,
+                             pad_token_id=tok.pad_token_id or 0)
+        seqs.append(out[0].tolist())
+    return model, tok, seqs
+
+
+def _score(model, seqs):
+    """[K, T] log-probs of each token given the ones before it (each sequence alone: no padding), float64."""
+    length = max(map(len, seqs)) - 1
+    out = torch.full((len(seqs), length), math.nan, dtype=torch.float64)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ids = torch.tensor([s])
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            out[i, : len(s) - 1] = lp.gather(-1, ids[0, 1:, None])[:, 0].double()
+    return out, ~torch.isnan(out)
+
+
+def _run(pair, syncs, fault=None, config=None, lr=LR):
+    """The reference, then ``syncs`` optimizer steps each followed by a sync (``fault(sync_index)``: None, "noop",
+    or a name prefix the sync skips) and a probe; returns (probe, causes by sync, the scorings)."""
+    model0, _, seqs = pair
+    trainer = copy.deepcopy(model0)
+    engine = copy.deepcopy(model0).to(torch.bfloat16)
+    probe = Lag0Probe(config or Lag0ProbeConfig())
+    scores = []
+    e, m = _score(engine, seqs)
+    t, _ = _score(trainer, seqs)
+    probe.set_reference(e, t, m)
+    scores.append((e, t, m))
+    opt = torch.optim.Adam(trainer.parameters(), lr=lr)
+    batch = torch.tensor([s[: min(map(len, seqs))] for s in seqs])
+    named = {}
+    for k in range(1, syncs + 1):
+        loss = trainer(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        what = fault(k) if fault else None
+        if what != "noop":
+            state = {n: p for n, p in trainer.state_dict().items() if what is None or not n.startswith(what)}
+            engine.load_state_dict({n: p.to(torch.bfloat16) for n, p in state.items()}, strict=False)
+        e, m = _score(engine, seqs)
+        t, _ = _score(trainer, seqs)
+        scores.append((e, t, m))
+        if probe.due():
+            named[k] = [c.code for c in probe.judge(k, e, t, m)]
+    return probe, named, scores
+
+
+def _naive_mean_abs(a, b, mask):
+    vals = [abs(float(x) - float(y)) for x, y, ok in zip(a.flatten(), b.flatten(), mask.flatten()) if ok]
+    return sum(vals) / len(vals)
+
+
+def test_a_healthy_sync_names_nothing_and_its_figures_match_a_naive_recomputation(pair):
+    probe, named, scores = _run(pair, 4)
+    assert named == {1: [], 2: [], 3: [], 4: []}
+    ref_e, ref_t, m = scores[0]
+    for k, fig in enumerate(probe.history, start=1):
+        e, t, _ = scores[k]
+        pe, pt, _ = scores[k - 1]
+        assert fig["gap"] == pytest.approx(_naive_mean_abs(e, t, m), rel=1e-9)
+        assert fig["moved_trainer"] == pytest.approx(_naive_mean_abs(t, pt, m), rel=1e-9)
+        assert fig["moved_engine"] == pytest.approx(_naive_mean_abs(e, pe, m), rel=1e-9)
+        assert fig["drift"] == pytest.approx(_naive_mean_abs(e - t, ref_e - ref_t, m), rel=1e-9)
+        # both sides moved alike, far beyond the bf16 floor; the per-token gap stayed at the numerics' scale
+        assert fig["moved_trainer"] > 4 * fig["floor"]
+        assert 0.5 < fig["moved_engine"] / fig["moved_trainer"] < 2
+        assert fig["drift"] < 3 * fig["floor"]
+    assert probe.floor == pytest.approx(_naive_mean_abs(ref_e, ref_t, m), rel=1e-9)
+
+
+@pytest.mark.parametrize("lr", [2e-5, 1e-4, 3e-3])
+def test_healthy_syncs_name_nothing_whatever_the_step_size(pair, lr):
+    probe, named, _ = _run(pair, 8, lr=lr)
+    assert all(v == [] for v in named.values()), probe.history
+
+
+def test_a_sync_that_never_reaches_the_engine_is_named_unchanged_at_that_sync(pair):
+    probe, named, scores = _run(pair, 4, fault=lambda k: "noop" if k >= 3 else None)
+    assert named == {1: [], 2: [], 3: ["probe-engine-unchanged"], 4: ["probe-engine-unchanged"]}
+    fig = probe.history[2]
+    assert fig["moved_engine"] == 0.0  # the same weights, the same batch: the same numbers
+    assert fig["moved_trainer"] == pytest.approx(_naive_mean_abs(scores[3][1], scores[2][1], scores[0][2]))
+
+
+def test_a_stale_engine_whose_trainer_moves_slowly_is_named_by_the_drift(pair):
+    """At a learning rate whose steps move the trainer less than 4x the floor, the engine's move is never judged; the
+    no-op from sync 1 on is named once the per-token gap has drifted floor + drift_min from the reference's (the
+    floor fixed at the reference: one that followed the probes would rise with the fault)."""
+    probe, named, _ = _run(pair, 10, fault=lambda k: "noop", lr=5e-5)
+    assert all(h["moved_trainer"] < 4 * h["floor"] for h in probe.history)
+    first = min(k for k, c in named.items() if c)
+    assert all(named[k] == ([] if k < first else ["probe-engine-drift"]) for k in named)
+    fig = probe.history[first - 1]
+    assert fig["drift"] > fig["floor"] + 0.05 >= probe.history[first - 2]["drift"]
+
+
+@pytest.mark.parametrize("lr,by", [(3e-3, 2), (3e-4, 12)])
+def test_a_layer_the_sync_skips_is_named_by_the_drift_and_not_as_unchanged(pair, lr, by):
+    probe, named, _ = _run(pair, by, fault=lambda k: "model.layers.1.", lr=lr)
+    first = min((k for k, c in named.items() if c), default=None)
+    assert first is not None, probe.history
+    assert all(named[k] == ([] if k < first else ["probe-engine-drift"]) for k in named)
+    fig = probe.history[first - 1]
+    assert fig["moved_engine"] > 0.25 * fig["moved_trainer"]  # the engine moved: not a no-op
+
+
+def test_every_n_syncs_and_tokens_scored_on_one_side_only():
+    probe = Lag0Probe(Lag0ProbeConfig(every_n_syncs=3))
+    assert [probe.due() for _ in range(7)] == [False, False, True, False, False, True, False]
+    g = torch.Generator().manual_seed(0)
+    t = -torch.rand(3, 5, generator=g, dtype=torch.float64)
+    e = t + 0.01
+    m = torch.ones(3, 5, dtype=torch.bool)
+    e[1] = math.nan  # a row the engine did not score: left out on both sides
+    m[2, 3:] = False
+    assert probe.set_reference(e, t, m) == pytest.approx(0.01)
+    e2, t2 = e + 0.5, t + 0.5
+    e2[0, 0] = math.inf  # a non-finite value: that token is left out
+    assert probe.judge(1, e2, t2, m) == []
+    assert probe.history[-1]["tokens"] == 5 + 3 - 1
+    assert probe.history[-1]["moved_engine"] == pytest.approx(0.5)
+
+
+def test_a_reference_without_scored_tokens_is_not_taken_and_judging_needs_one():
+    probe = Lag0Probe()
+    nan = torch.full((2, 4), math.nan, dtype=torch.float64)
+    assert math.isnan(probe.set_reference(nan, nan, torch.ones(2, 4, dtype=torch.bool)))
+    assert probe.reference is None
+    with pytest.raises(RuntimeError, match="set_reference"):
+        probe.judge(1, nan, nan, torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="one shape"):
+        probe.set_reference(torch.zeros(2, 4), torch.zeros(2, 3), torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("field,value,rule", [
+    ("every_n_syncs", 0, "integer >= 1"), ("sequences", 2.0, "integer >= 1"), ("max_tokens", 1, ">= 2"),
+    ("moved_factor", 0.0, "> 0"), ("unchanged_ratio", 1.0, r"in \(0, 1\)"), ("drift_factor", 1.0, "> 1"),
+    ("drift_min", math.nan, ">= 0"), ("sequences", True, "integer >= 1"),
+])
+def test_bad_settings_fail_with_the_value_and_the_rule(field, value, rule):
+    with pytest.raises(ValueError, match=rf"Lag0ProbeConfig\.{field}={value!r} is invalid: .*{rule}"):
+        Lag0ProbeConfig(**{field: value})
+
+
+def test_the_trainers_batched_scoring_equals_each_sequence_alone(pair):
+    """server_probe.trainer_logprobs (one right-padded forward of sequences of unequal length) against each
+    sequence scored alone, unpadded; and probe_sequences against the rows it was given."""
+    pytest.importorskip("trl")
+    from accelerate import Accelerator
+
+    from tim_plugins.integrations.trl.server_probe import probe_sequences, trainer_logprobs
+
+    model, _, seqs = pair
+    uneven = [s[: len(s) - 5 * i] for i, s in enumerate(seqs)]
+    batched, mask = trainer_logprobs(model, uneven, Accelerator(cpu=True))
+    alone, alone_mask = _score(model, uneven)
+    assert torch.equal(mask, alone_mask)
+    torch.testing.assert_close(batched[mask], alone[mask], rtol=0, atol=1e-5)
+    model.train()
+    trainer_logprobs(model, uneven, Accelerator(cpu=True))
+    assert model.training
+
+    prompt = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9], [1, 2, 3, 4], [0, 0, 0, 5]])
+    completion = torch.tensor([[10, 11, 0], [12, 0, 0], [13, 14, 15], [0, 0, 0]])
+    batch = {"prompt_ids": prompt, "prompt_mask": prompt != 0, "completion_ids": completion,
+             "completion_mask": completion != 0}
+    assert probe_sequences(batch, Lag0ProbeConfig(sequences=2)) == [[5, 6, 10, 11], [1, 2, 3, 4, 13, 14, 15]]
+    assert probe_sequences(batch, Lag0ProbeConfig(sequences=4, max_tokens=3)) == [[5, 6, 10], [7, 8, 9],
+                                                                                 [1, 2, 3]]
+
+
+def test_the_server_probe_switches_itself_off_on_what_it_cannot_score(pair):
+    """ServerProbe (integrations/trl/server_probe.py) on a real pipeline: a vision-language batch switches it off
+    (tim/diag/lag0_probe_unsupported) before any forward; a server it cannot reach is counted (lag0_probe_failed) and,
+    in one process, switches it off too; either way TRL's sync still runs and returns its result."""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from tim_plugins.integrations.trl.server_probe import ServerProbe
+    from tim_plugins.pipeline import StepPipeline
+
+    model, _, seqs = pair
+    ids = torch.tensor([seqs[0][:8], seqs[1][:8]])
+    batch = {"prompt_ids": ids[:, :4], "prompt_mask": torch.ones(2, 4), "completion_ids": ids[:, 4:],
+             "completion_mask": torch.ones(2, 4)}
+    trainer = SimpleNamespace(model=model, accelerator=Accelerator(cpu=True), state=SimpleNamespace(global_step=1),
+                              vllm_generation=SimpleNamespace(vllm_client=None))
+
+    pipeline = StepPipeline()
+    probe = ServerProbe(trainer, pipeline, Lag0ProbeConfig())
+    probe.captured({**batch, "pixel_values": torch.zeros(2, 3)})
+    assert probe.sequences == [] and pipeline.diag == {"lag0_probe_unsupported": 1.0} and not probe.seconds
+
+    pipeline = StepPipeline()
+    probe = ServerProbe(trainer, pipeline, Lag0ProbeConfig())
+    probe.captured(batch)  # the trainer side scores, then the client call fails (no client)
+    assert probe.sequences == [] and pipeline.diag == {"lag0_probe_failed": 1.0}
+    assert probe.probe.reference is None
+    sync = probe._wrap(lambda: "synced")
+    assert sync() == "synced" and probe.probe.syncs == 0 and pipeline.diag == {"lag0_probe_failed": 1.0}

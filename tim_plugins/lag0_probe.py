@@ -1,0 +1,172 @@
+"""The lag-0 probe: where the engine's weights cannot be read (a remote server), does the engine follow the trainer
+at each weight sync?
+
+A fixed batch of token sequences (the run's first generated rows) is scored by both sides: the engine's log-probs of
+the given tokens (vLLM's prompt log-probs: temperature 1, no sampler processing) and the trainer's ``log_softmax`` of
+its logits, per token: ``e`` and ``t``. The first scoring, the **reference**, is taken while both hold the weights that
+sampled the batch (lag 0: the generation just ran, the optimizer has not stepped). After each checked sync the batch
+is scored again. The rule (``Lag0Probe.judge`` mirrors it; means over the tokens both sides scored finitely):
+
+- the **floor** is the reference's ``mean |e - t|``: the two stacks' numerics on these tokens, measured on the same
+  weights (a floor that followed later probes would rise with a fault that grows slowly, and hide it);
+- ``moved_trainer = mean |t - t_prev|`` and ``moved_engine = mean |e - e_prev|``, since the previous probe;
+- ``drift = mean |(e - t) - (e_ref - t_ref)|``: how far the per-token gap moved from the reference's;
+- **``probe-engine-unchanged``** when ``moved_trainer > max(moved_factor x floor, moved_min)`` and ``moved_engine <
+  unchanged_ratio x moved_trainer``: the trainer moved further than the two stacks' numerics blur, and the engine's
+  answers did not follow (a sync that never reached the engine);
+- else **``probe-engine-drift``** when ``drift > drift_factor x floor`` and ``drift > floor + drift_min``: the engine
+  moves, but not with the trainer (a layer the sync skips, weights written wrongly), or a stale engine whose trainer
+  moves too slowly per sync for the first rule: the gap accumulates against the reference;
+- else the probe is in step.
+
+A healthy sync moves both sides alike (``moved_engine ≈ moved_trainer``, ``drift`` at the numerics' scale, about
+the floor); a sync that does not reach the engine leaves ``moved_engine`` at 0 (the same request, the same numbers).
+What it cannot see: the engine's prefix cache (vLLM never reads cached blocks for a request that asks for prompt
+log-probs), and a fault smaller than the numerics of the two stacks on these tokens.
+
+The API an adapter uses (framework-neutral; the adapter scores the batch on both sides)::
+
+    probe = Lag0Probe(Lag0ProbeConfig())
+    probe.set_reference(engine, trainer, mask)       # [K, T] log-probs at lag 0 and the scored tokens
+    if probe.due():                                  # after each sync: True every every_n_syncs-th
+        causes = probe.judge(step, engine, trainer, mask)   # -> list[Cause], [] when in step
+        pipeline.probed(causes)                      # the console line, tim/cause/*, the probe's warn / raise / stop
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tim_plugins.causes import Cause
+
+__all__ = ["Lag0Probe", "Lag0ProbeConfig", "ProbeScores"]
+
+
+@dataclass
+class Lag0ProbeConfig:
+    """The lag-0 probe's batch, schedule and thresholds (the rule: this module's docstring)."""
+
+    every_n_syncs: int = field(default=1, metadata={"help": "probe every Nth weight sync"})
+    sequences: int = field(default=4, metadata={"help": (
+        "sequences in the fixed batch (the first rows of the run's first generation)")})
+    max_tokens: int = field(default=64, metadata={"help": (
+        "tokens kept of each sequence (its first ones): the probe's cost is one forward of sequences x max_tokens "
+        "tokens on each side")})
+    moved_factor: float = field(default=4.0, metadata={"help": (
+        "the engine's move is judged once the trainer's log-probs moved more than this times the floor ...")})
+    moved_min: float = field(default=1e-3, metadata={"help": "... and more than this many nats (mean per token)"})
+    unchanged_ratio: float = field(default=0.25, metadata={"help": (
+        "probe-engine-unchanged: the engine's log-probs moved less than this share of the trainer's move")})
+    drift_factor: float = field(default=4.0, metadata={"help": (
+        "probe-engine-drift: the per-token gap moved from the reference's by more than this times the floor ...")})
+    drift_min: float = field(default=0.05, metadata={"help": "... and by more than the floor plus this many nats"})
+
+    def __post_init__(self) -> None:
+        for name in ("every_n_syncs", "sequences", "max_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Lag0ProbeConfig.{name}={v!r} is invalid: must be an integer >= 1")
+        if self.max_tokens < 2:
+            raise ValueError(f"Lag0ProbeConfig.max_tokens={self.max_tokens!r} is invalid: must be >= 2 (the first "
+                             "token of a sequence has no log-prob)")
+        checks = {
+            "moved_factor": (self.moved_factor > 0, "must be > 0"),
+            "moved_min": (self.moved_min > 0, "must be > 0"),
+            "unchanged_ratio": (0 < self.unchanged_ratio < 1, "must be in (0, 1)"),
+            "drift_factor": (self.drift_factor > 1, "must be > 1"),
+            "drift_min": (self.drift_min >= 0, "must be >= 0"),
+        }
+        for name, (ok, rule) in checks.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok:
+                raise ValueError(f"Lag0ProbeConfig.{name}={v!r} is invalid: {rule}")
+
+
+@dataclass
+class ProbeScores:
+    """One scoring of the fixed batch: the engine's and the trainer's [K, T] log-probs (float64, CPU) and the tokens
+    both scored finitely."""
+
+    engine: torch.Tensor
+    trainer: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> "ProbeScores":
+        if engine.shape != trainer.shape or engine.shape != mask.shape:
+            raise ValueError(f"the probe's engine {tuple(engine.shape)}, trainer {tuple(trainer.shape)} and mask "
+                             f"{tuple(mask.shape)} log-probs must have one shape")
+        e, t = engine.detach().double().cpu(), trainer.detach().double().cpu()
+        return cls(e, t, mask.detach().bool().cpu() & torch.isfinite(e) & torch.isfinite(t))
+
+
+def _mean_abs(x: torch.Tensor, valid: torch.Tensor) -> float:
+    n = int(valid.sum())
+    return float(x[valid].abs().sum()) / n if n else math.nan
+
+
+class Lag0Probe:
+    """The probe's state over a run: the reference scoring and its gap (the floor), the previous scoring (module
+    docstring)."""
+
+    def __init__(self, config: Lag0ProbeConfig | None = None) -> None:
+        self.config = config if config is not None else Lag0ProbeConfig()
+        self.reference: ProbeScores | None = None
+        self.previous: ProbeScores | None = None
+        self.floor = math.nan  # the reference's mean |e - t|
+        self.syncs = 0  # syncs seen (due)
+        self.history: list[dict] = []  # each judged probe's figures (the test's and the report's reference)
+
+    def set_reference(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> float:
+        """The lag-0 scoring both sides hold the same weights for; returns its gap (NaN: no token scored)."""
+        scores = ProbeScores.of(engine, trainer, mask)
+        gap = _mean_abs(scores.engine - scores.trainer, scores.valid)
+        if math.isfinite(gap):
+            self.reference = self.previous = scores
+            self.floor = gap
+        return gap
+
+    def due(self) -> bool:
+        """One more sync happened: True when it is to be probed (every ``every_n_syncs``-th; the same answer on every
+        rank, whether or not it holds the reference)."""
+        self.syncs += 1
+        return self.syncs % self.config.every_n_syncs == 0
+
+    def judge(self, step: int, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> list[Cause]:
+        """The scoring right after a sync: the causes it names (the module docstring's rule), [] when in step."""
+        if self.reference is None:
+            raise RuntimeError("Lag0Probe.judge needs a reference scoring first (set_reference)")
+        c, now, prev, ref = self.config, ProbeScores.of(engine, trainer, mask), self.previous, self.reference
+        if now.engine.shape != ref.engine.shape:
+            raise ValueError(f"the probe's batch changed shape: {tuple(now.engine.shape)} against the reference's "
+                             f"{tuple(ref.engine.shape)}")
+        valid = now.valid & prev.valid & ref.valid
+        floor = self.floor
+        gap = _mean_abs(now.engine - now.trainer, valid)
+        moved_trainer = _mean_abs(now.trainer - prev.trainer, valid)
+        moved_engine = _mean_abs(now.engine - prev.engine, valid)
+        drift = _mean_abs((now.engine - now.trainer) - (ref.engine - ref.trainer), valid)
+        figures = {"step": int(step), "gap": gap, "floor": floor, "moved_trainer": moved_trainer,
+                   "moved_engine": moved_engine, "drift": drift, "tokens": int(valid.sum())}
+        self.history.append(figures)
+        self.previous = now
+        if not math.isfinite(gap):
+            return []
+        causes = []
+        if moved_trainer > max(c.moved_factor * floor, c.moved_min) and moved_engine < c.unchanged_ratio * moved_trainer:
+            causes.append(Cause(
+                "probe-engine-unchanged", step,
+                f"after the weight sync the engine's log-probs of the probe's {figures['tokens']} tokens moved "
+                f"{moved_engine:.3g} nats (mean per token) while the trainer's moved {moved_trainer:.3g} since the "
+                f"previous probe (the two stacks' floor: {floor:.3g})", evidence=figures))
+        elif drift > c.drift_factor * floor and drift > floor + c.drift_min:
+            causes.append(Cause(
+                "probe-engine-drift", step,
+                f"after the weight sync the engine's and the trainer's log-probs of the probe's {figures['tokens']} "
+                f"tokens differ by {drift:.3g} nats (mean per token) more than at lag 0 before, "
+                f"{drift / floor if floor > 0 else math.inf:.3g}x the two stacks' floor {floor:.3g}",
+                evidence=figures))
+        return causes

@@ -43,6 +43,7 @@ if Version(package_version("trl")) < Version("1.11"):
     pytest.skip("`trl vllm-serve` runs vLLM's own server from TRL 1.11", allow_module_level=True)
 
 from test_trl_callback import STALE_LR, Capture, check_vllm_step, make_trainer  # noqa: E402
+from trl_server_client import patch_client, reload_checkpoint  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 
@@ -95,34 +96,8 @@ def vllm_server(toy_model_path, tmp_path_factory):
             proc.wait(timeout=30)
 
 
-def _server_client(mp, weights_dir, synced, *, reload=True, keep=None):
-    """TRL's client with the weight transfer of the module docstring; ``reload=False``: the server never reloads
-    (a stale server: TRL's sync runs, the weights never arrive); ``keep``: a name prefix whose tensors the server is
-    sent as they were at the first sync (a layer the sync skips)."""
-    from safetensors.torch import save_file
-    from trl.generation.vllm_client import VLLMClient
-
-    first = {}
-
-    def init_communicator(self, device=0):
-        assert self.get_server_info()["weight_transfer_config"] == {"backend": "nccl"}  # TRL's server flags
-
-    def update_named_params(self, metadata, named_params):
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_params}
-        assert [m[0] for m in metadata] == list(tensors)  # TRL announced exactly what it streamed
-        synced.append(len(tensors))
-        if not reload:
-            return
-        if keep is not None:
-            tensors = {name: first.setdefault(name, t.clone()) if name.startswith(keep) else t
-                       for name, t in tensors.items()}
-        save_file(tensors, str(Path(weights_dir) / "model.safetensors"))
-        r = self.session.post(f"{self.base_url}/collective_rpc", timeout=120,
-                              json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
-        r.raise_for_status()
-
-    mp.setattr(VLLMClient, "init_communicator", init_communicator)
-    mp.setattr(VLLMClient, "update_named_params", update_named_params)
+def _server_client(mp, weights_dir, synced, **options):
+    patch_client(mp.setattr, weights_dir, synced, **options)
 
 
 def _server_trainer(vllm_server, toy_model_path, tmp_path, steps, **overrides):
@@ -175,10 +150,7 @@ def test_parity_audit_reads_the_live_server(server_run, vllm_server):
 def _faulty_run(vllm_server, toy_model_path, tmp_path, config, steps=4, **client):
     """A run at STALE_LR whose weight transfer has a fault (``_server_client``'s options), from the checkpoint's
     weights: the server reloads them first (an earlier run left it at its own)."""
-    import requests as http
-
-    http.post(f"{vllm_server}/collective_rpc", timeout=120,
-              json={"method": "reload_weights", "kwargs": {"weights_path": str(toy_model_path)}}).raise_for_status()
+    reload_checkpoint(vllm_server, toy_model_path)
     synced = []
     mp = pytest.MonkeyPatch()
     _server_client(mp, tmp_path / "synced", synced, **client)
@@ -278,3 +250,51 @@ def test_the_lag0_probe_names_a_layer_the_server_never_receives(skipped_layer_se
     assert [code for step, code in named if step == 2 and code.startswith("probe-")] == ["probe-engine-drift"]
     first = cb.server_probe.probe.history[0]
     assert first["moved_engine"] > 0.25 * first["moved_trainer"]
+
+
+# ------------------------------------------------------------------------------------- two processes (gloo, CPU)
+TWO_PROCS_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def two_procs(vllm_server, toy_model_path, tmp_path_factory):
+    """Both configurations of tests/trl_server_two_procs_run.py in one `torch.distributed.run` launch of two ranks
+    against this module's server: config -> [rank 0's results, rank 1's]."""
+    from bounded import run_bounded
+
+    out = tmp_path_factory.mktemp("trl_server_2procs")
+    runner = Path(__file__).with_name("trl_server_two_procs_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(runner),
+           "--model", str(toy_model_path), "--server", vllm_server, "--out", str(out), "--config", "healthy,stale"]
+    proc, timed_out = run_bounded(cmd, TWO_PROCS_TIMEOUT_S, cwd=Path(__file__).resolve().parents[1])
+    if timed_out or proc.returncode != 0:
+        pytest.fail(f"the two-process launch {'ran past its time' if timed_out else f'exited {proc.returncode}'}:\n"
+                    f"{proc.stdout[-6000:]}")
+    return {c: [json.loads((out / c / f"rank_{r}.json").read_text()) for r in (0, 1)] for c in ("healthy", "stale")}
+
+
+def test_two_ranks_the_probe_forwards_on_both_and_the_main_process_judges(two_procs):
+    """Two ranks, the server probe on: every rank runs the trainer's forward at the reference and at each probed sync
+    (the same count on both: a sharded model's forward would need them all); only the main process, which holds
+    TRL's client, judges. The healthy run names nothing on either rank."""
+    healthy = two_procs["healthy"]
+    assert [r["world_size"] for r in healthy] == [2, 2] and [r["global_step"] for r in healthy] == [3, 3]
+    assert healthy[0]["probe_scorings"] == healthy[1]["probe_scorings"] == 3  # the reference, the syncs at 1 and 2
+    assert len(healthy[0]["probe_history"]) == 2 and healthy[1]["probe_history"] == []
+    assert len(healthy[0]["synced"]) == 3 and healthy[1]["synced"] == []  # the main process pushes the weights
+    for r in healthy:
+        assert r["causes"] == [] and set(r["named_by_step"].values()) == {0}
+        assert not {k for k in r["diag"] if k.startswith("lag0_probe")}
+
+
+def test_two_ranks_a_stale_server_stops_both_at_the_same_step(two_procs):
+    """The stale server is named on the main process at the first sync after an optimizer step; the other rank names
+    the same code through the window's merged flags, and both stop at the end of step 2."""
+    stale = two_procs["stale"]
+    assert [r["global_step"] for r in stale] == [2, 2]
+    main, other = stale
+    assert (main["causes"][0][0], main["causes"][0][1]) == ("probe-engine-unchanged", 1)
+    assert main["probe_history"][0]["moved_engine"] == 0.0
+    assert "probe-engine-unchanged" in {code for code, _, _ in other["causes"]}
+    assert any("found on another rank" in msg for code, _, msg in other["causes"] if code == "probe-engine-unchanged")
+    assert main["named_by_step"] == other["named_by_step"] and main["named_by_step"]["2"] >= 1

@@ -1,0 +1,93 @@
+"""One rank of tests/test_trl_vllm_server.py's two-process runs: TRL's GRPOTrainer in vLLM server mode on the toy
+model, CPU, launched twice by ``torch.distributed.run`` (gloo), against the test's `trl vllm-serve` server, with the
+weight transfer of tests/trl_server_client.py (the main process alone holds TRL's client and pushes the weights).
+
+Run by the test (bounded, in its own process group), never collected by pytest. ``--config`` names the
+configurations (comma-separated), each its own trainer and ``train()`` in the same two processes, from the
+checkpoint's weights on the server:
+- ``healthy``: every sync reaches the server; ``TIMConfig()``;
+- ``stale``: no sync reaches the server (learning rate 1e-2); ``TIMConfig(parity_probe=True, action="stop")``.
+Each rank writes ``rank_<r>.json`` under ``--out``/CONFIG: the optimizer steps it ran, the causes its pipeline named
+(code, step, message), the probe's scorings on this rank and its judged figures (the main process's), its counted
+problems, and the logged ``tim/cause/named`` per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from trl_server_client import patch_client, reload_checkpoint
+
+CONFIGS = ("healthy", "stale")
+STALE_LR = 1e-2  # as tests/test_trl_callback.py: a step moves the toy policy well past the numerics
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    configs = args.config.split(",")
+    if any(c not in CONFIGS for c in configs):
+        sys.exit(f"--config {args.config!r}: comma-separated names of {CONFIGS}")
+
+    import torch.distributed as dist
+
+    for config in configs:
+        _train(args, config, Path(args.out) / config)
+    dist.destroy_process_group()
+
+
+def _train(args, config: str, out: Path) -> None:
+    import datasets
+    import torch.distributed as dist
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tim_plugins.integrations.trl import TIMCallback, TIMConfig
+    from tim_plugins.toy_model import synthetic_prompts
+
+    rank = int(os.environ["RANK"])
+    (out / "weights").mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        reload_checkpoint(args.server, args.model)
+    synced: list[int] = []
+    patch_client(setattr, out / "weights", synced, reload=config != "stale")
+    grpo = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no",
+        gradient_checkpointing=False, learning_rate=STALE_LR if config == "stale" else 1e-3, seed=0,
+        disable_tqdm=True, loss_type="grpo", use_vllm=True, vllm_mode="server", vllm_server_base_url=args.server,
+        vllm_server_timeout=60)
+    ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
+    trainer = GRPOTrainer(model=args.model, reward_funcs=_reward, args=grpo, train_dataset=ds)
+    options = {"parity_probe": True, "parity_probe_options": {"action": "stop"}} if config == "stale" else {}
+    cb = TIMCallback(trainer, TIMConfig(**options))
+    trainer.add_callback(cb)
+    trainer.train()
+    probe = cb.server_probe
+    result = {
+        "rank": rank, "world_size": dist.get_world_size(), "global_step": trainer.state.global_step,
+        "synced": synced, "causes": [(c.code, c.step, c.message) for c in cb.pipeline.causes.named],
+        "probe_scorings": len(probe.seconds) if probe is not None else None,
+        "probe_history": probe.probe.history if probe is not None else None,
+        "diag": dict(cb.pipeline.diag),
+        "named_by_step": {h["step"]: h["tim/cause/named"] for h in trainer.state.log_history
+                          if "tim/cause/named" in h},
+    }
+    (out / f"rank_{rank}.json").write_text(json.dumps(result, default=float))
+    dist.barrier()  # neither rank runs ahead into the next configuration, or tears the group down under the other
+
+
+if __name__ == "__main__":
+    main()

@@ -148,8 +148,9 @@ class CauseTracker:
     """The named causes of a run, window by window (``StepPipeline`` owns one).
 
     ``update`` takes each measured lag-0 batch (device sums, no host read); ``add_sync`` a sync check's causes
-    (``weight_sync.SyncReport``), ``add_found`` other checks' (the lag-0 probe); ``audited`` the parity audit's codes; ``evaluate`` closes a window: the merged
-    counts (every rank must call it when ``sync``), the rules, ``tim/cause/*`` and the causes named in the window.
+    (``weight_sync.SyncReport``), ``add_found`` other checks' (the lag-0 probe); ``audited`` the parity audit's
+    codes; ``evaluate`` closes a window: the merged counts (every rank must call it when ``sync``), the rules,
+    ``tim/cause/*`` and the causes named in the window.
     ``framework`` picks the fix words of the console line."""
 
     def __init__(self, config: CauseConfig | None = None, *, framework: str | None = None) -> None:

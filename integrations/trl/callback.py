@@ -244,9 +244,9 @@ class TIMCallback(TrainerCallback):
         # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration.generate (the live engine's generate)
         if self.kept_sets is not None:
             wrappers.append((_live_llm(t), "generate", self._wrap_engine_generate))
-        for check_ in (self.sync_watch, self.server_probe):
-            if check_ is not None:
-                wrappers.extend(check_.wrappers())
+        for watch in (self.sync_watch, self.server_probe):  # colocate: the weights read; server mode: the probe
+            if watch is not None:
+                wrappers.extend(watch.wrappers())
         self._installation.install(wrappers)
 
     def _safe_patch(self, arguments: dict) -> Patch:

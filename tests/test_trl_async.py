@@ -63,7 +63,8 @@ def async_run(toy_model_path, tmp_path_factory):
         return original(model, inputs, *a, **k)
 
     trainer.compute_loss = compute_loss
-    cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False, dump_dir=str(out / "dump")))
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False, sync_check=False,
+                                        dump_dir=str(out / "dump")))
     trainer.add_callback(cb)
     try:
         trainer.train()
@@ -263,6 +264,8 @@ def test_lr_decay_fires_on_the_trained_length_surge(toy_model_path, tmp_path):
         assert logged[step]["tim/lr/window_length"] == want, step
     assert [logged[s]["tim/lr/window_length"] for s in (1, 2, 3)] == [2.0, 2.0, 5.0]
     assert not any(s.name == "async_lr_decay" for s in cb.features_off)
+    # on by default, and not run on AsyncGRPOTrainer: said once at attach, not left silent
+    assert [s.name for s in cb.features_off] == ["async_sync_check"]
 
 
 def test_tokens_of_an_unseen_version_are_counted_not_keyed(toy_model_path, tmp_path):
@@ -281,7 +284,7 @@ def test_tokens_of_an_unseen_version_are_counted_not_keyed(toy_model_path, tmp_p
             return put(sample, *a, **k)
 
         engine.rollout_buffer.put = put_unseen
-        cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False))
+        cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False, sync_check=False))
         trainer.add_callback(cb)
         trainer.train()
     finally:
@@ -313,7 +316,7 @@ def test_every_patch_is_undone_when_train_raises_and_a_second_trainer_is_untouch
             return loss(model, inputs, *a, **k)
 
         failing.compute_loss = compute_loss
-        cb = TIMCallback(failing, TIMConfig(log_detail=True, parity_audit=False))
+        cb = TIMCallback(failing, TIMConfig(log_detail=True, parity_audit=False, sync_check=False))
         failing.add_callback(cb)
         assert failing.rollout_queue is queue and TreeRow.__dict__["pack"] is pack  # nothing before train()
         with pytest.raises(KeyboardInterrupt):

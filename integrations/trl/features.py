@@ -265,6 +265,8 @@ ASYNC_UNSUPPORTED = {
     "safe_vocab": "the safe vocabulary needs GRPOTrainer's log-prob call and sampler",
     "is_correction": "the IS corrections reach the loss through GRPOTrainer's advantages",
     "parity_audit": "the parity audit reads GRPOTrainer's vLLM engine or client",
+    "sync_check": "the weight-sync check and the server probe wrap GRPOTrainer's VLLMGeneration.sync_weights "
+                  "(AsyncGRPOTrainer syncs through its own weight transfer; the lag-0 stream rules still run)",
 }
 
 

@@ -42,7 +42,9 @@ import torch
 
 from tim_plugins.causes import Cause
 
-__all__ = ["Lag0Probe", "Lag0ProbeConfig", "ProbeScores"]
+__all__ = ["HISTORY", "Lag0Probe", "Lag0ProbeConfig", "ProbeScores"]
+
+HISTORY = 1024  # judged probes whose figures Lag0Probe.history keeps
 
 
 @dataclass
@@ -118,7 +120,7 @@ class Lag0Probe:
         self.previous: ProbeScores | None = None
         self.floor = math.nan  # the reference's mean |e - t|
         self.syncs = 0  # syncs seen (due)
-        self.history: list[dict] = []  # each judged probe's figures (the test's and the report's reference)
+        self.history: list[dict] = []  # the last HISTORY judged probes' figures (a cause carries its own)
 
     def set_reference(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> float:
         """The lag-0 scoring both sides hold the same weights for; returns its gap (NaN: no token scored)."""
@@ -152,6 +154,7 @@ class Lag0Probe:
         figures = {"step": int(step), "gap": gap, "floor": floor, "moved_trainer": moved_trainer,
                    "moved_engine": moved_engine, "drift": drift, "tokens": int(valid.sum())}
         self.history.append(figures)
+        del self.history[:-HISTORY]
         self.previous = now
         if not math.isfinite(gap):
             return []

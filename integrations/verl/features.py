@@ -18,7 +18,8 @@ from .sources import VERL_MEGATRON_SOURCES, VERL_SOURCES
 
 __all__ = ["ASYNC_LAG", "ENGINE", "FEATURES", "LEGACY_GUARD", "LR_DECAY", "MEGATRON_ENGINE",
            "MEGATRON_FUSED_SAFE_VOCAB", "MEGATRON_SYNC_CHECK", "ROLLOUT_KEPT_SETS", "ROLLOUT_SYNC_READS", "SAFE_VOCAB",
-           "SYNC_CHECK", "TRAINER_MODES", "megatron_features", "rollout_features", "verl_features"]
+           "SYNC_CHECK", "SYNC_CHECK_DISAGGREGATED", "TRAINER_MODES", "megatron_features", "rollout_features",
+           "verl_features"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -109,6 +110,27 @@ SYNC_CHECK = Feature(
         _hook(_VR, "ServerAdapter._ensure_server_handle", fragments=("self.server_handle = ray.get_actor(",)),
     ))
 
+# The weight-sync check's disaggregated half (trainer.py _tim_read_disaggregated_syncs, worker.py tim_read_replicas):
+# the driver finds the checkpoint managers of another backend than naive after _setup and, when one returns (every
+# replica loaded), asks the actor ranks to read its replicas' servers. Off: those syncs are counted unread
+# (tim/diag/sync_check_unavailable), as before; the colocated check is untouched.
+SYNC_CHECK_DISAGGREGATED = Feature(
+    "verl_sync_check_disaggregated", "weight-sync check of rollout replicas synced by a checkpoint engine", "verl",
+    needs=("verl",), extra="verl", fix=_FIX, hooks=(
+        _hook(_TB, "PPOTrainer._setup"),
+        _hook("verl.checkpoint_engine.base", "CheckpointEngineManager", fragments=(
+            "self.backend = config.backend", "self.replicas = replicas")),
+        # fragments: that the manager returns only once the replicas have loaded shows only in a sync
+        _hook("verl.checkpoint_engine.base", "CheckpointEngineManager.update_weights", params=("global_steps",),
+              fragments=('if self.backend == "naive":', "actor_wg.update_weights(global_steps=global_steps, "
+                         "mode=self.backend)", "rollout.update_weights(global_steps=global_steps)")),
+        _hook("verl.utils.ray_utils", "auto_await"),
+        _hook("verl.workers.rollout.replica", "RolloutReplica.server_handle"),
+        _hook("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights", params=("global_steps", "mode"),
+              fragments=("per_tensor_param, _ = self.actor.engine.get_per_tensor_param()",
+                         "await self.checkpoint_engine.send_weights(per_tensor_param")),
+    ))
+
 # The driver refuses a tim node under verl's legacy trainer (trainer.use_v1=false), which never reads it
 # (plugin._guard_legacy_trainer): through the validate_config main_ppo calls on the composed config before it starts
 # Ray and picks the trainer.
@@ -116,7 +138,8 @@ LEGACY_GUARD = Feature(
     "verl_legacy_guard", "tim settings refused under verl's legacy trainer (trainer.use_v1=false)", "verl",
     needs=("verl",), extra="verl", fix=_FIX, hooks=(_hook("verl.utils.config", "validate_config", params=("config",)),))
 
-FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG, SYNC_CHECK, LEGACY_GUARD)
+FEATURES = (ENGINE, SAFE_VOCAB, TRAINER_MODES, LR_DECAY, ASYNC_LAG, SYNC_CHECK, SYNC_CHECK_DISAGGREGATED,
+            LEGACY_GUARD)
 
 _VS = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 

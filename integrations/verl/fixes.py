@@ -64,7 +64,9 @@ _SYNC = ("verl's weight sync (ActorRolloutRefWorker.update_weights after each st
          "get_per_tensor_param into the rollout's update_weights, loaded by the vLLM worker extension's "
          "update_weights_from_ipc) must write every tensor into the engine: check what wraps or filters either side "
          "(a custom worker_extension_cls, a patched load_weights, a LoRA / QAT / FP8 refit path), and with "
-         "actor_rollout_ref.rollout.free_cache_engine=true that the weights are resumed before they are written")
+         "actor_rollout_ref.rollout.free_cache_engine=true that the weights are resumed before they are written; "
+         "a checkpoint engine (rollout.checkpoint_engine.backend other than naive: separate_async's standalone "
+         "replicas) must carry every tensor from the actor's send_weights to each replica's receive_weights")
 
 # {cause code (tim_plugins.causes.CAUSES): knob}
 CAUSE_FIXES = {

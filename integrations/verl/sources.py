@@ -208,6 +208,28 @@ VERL_SOURCES = {
     ("verl.workers.rollout.vllm_rollout.utils", "vLLMColocateWorkerExtension"):
         "mixed into each vLLM worker (the process holding the model); self.model_runner.model is the model "
         "update_weights_from_ipc loads the buckets into, self.model_runner.vllm_config.model_config.dtype its dtype",
+    # the disaggregated sync (a checkpoint engine other than naive: separate_async's standalone replicas)
+    (_TB, "PPOTrainer._setup"):
+        "builds the trainer's checkpoint managers as attributes (self.checkpoint_manager, backend forced to naive); "
+        "a mode's own _setup calls it and then adds its own (separate_async: self.standalone_checkpoint_manager, of "
+        "the configured backend, over its standalone replicas)",
+    ("verl.trainer.ppo.v1.trainer_separate_async", "PPOTrainerSeparateAsync._init_resource_pool_mgr"):
+        "calls PPOTrainer's, then puts ray.remote(DetachActorWorker) (an ActorRolloutRefWorker subclass with "
+        "save_model_to_cpu / restore_model_from_cpu, which its old-log-prob pass calls) behind the actor role",
+    ("verl.checkpoint_engine.base", "CheckpointEngineManager"):
+        "holds backend (the configured checkpoint engine's name) and replicas (the RolloutReplica list it syncs, "
+        "changed in place by add_replicas / remove_replicas)",
+    ("verl.checkpoint_engine.base", "CheckpointEngineManager.update_weights"):
+        "(global_steps=None), auto_await: with a backend other than naive it has the actor group send "
+        "(actor_wg.update_weights(mode=backend)) and every replica's workers receive and load "
+        "(rollout.update_weights, CheckpointEngineWorker), waits for both, and returns: every replica holds the "
+        "weights then",
+    ("verl.utils.ray_utils", "auto_await"):
+        "wraps an async function so that a plain call runs it (asyncio.run, or in a thread inside a running loop) "
+        "and a call from a coroutine returns the coroutine to await",
+    ("verl.workers.rollout.replica", "RolloutReplica.server_handle"):
+        "the replica's (first) server's Ray actor handle: the server the colocated sync reads through the rollout's "
+        "own handle",
     ("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc"):
         "(method, timeout=None, args=(), kwargs=None) -> the list of every worker's result (a method name: a "
         "method of the worker, its extension's included)",

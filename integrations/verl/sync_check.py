@@ -25,9 +25,19 @@ A LoRA actor is checked too: with ``lora.merge=true`` verl streams merged weight
 sync); with the adapter sync (``lora.merge=false``) the adapter matrices are compared with the slot buffers vLLM
 computes with (``integrations.vllm.lora_weights``), and the base weights of the first sync like any others.
 
-A checked sync that no rank could read (the checkpoint engine's disaggregated sync, whose rollout loads in other
-workers; verl's own server, without the reads) is counted (``tim/diag/sync_check_unavailable``),
-and a problem inside the check is counted (``tim/diag/sync_check_failed``): neither ever breaks the sync.
+The disaggregated sync (a checkpoint engine other than ``naive``: ``nccl``, ``nixl`` ...; verl's ``separate_async``
+mode syncs its standalone rollout replicas so) is checked in two halves, because the rollout loads in other workers
+after the actor has sent: the actor's ``update_weights`` only sends, and the first rank samples the stream and keeps
+the record (``sent``); when verl's checkpoint manager has returned (every replica loaded), the driver asks the actor
+ranks to read the replicas (``trainer.TIMTrainerMixin`` -> ``worker.TIMActorRolloutRefWorker.tim_read_replicas`` ->
+``read_replicas``): that rank reads every replica's server as above and compares each with the one record, each
+replica against its own previous reads. The driver switches this on only where its hook holds
+(``features.SYNC_CHECK_DISAGGREGATED``).
+
+A checked sync that no rank could read (a disaggregated sync without the driver's half, the ``delta_sharded``
+backend, which drives the engine itself; verl's own server, without the reads) is counted
+(``tim/diag/sync_check_unavailable``), and a problem inside the check is counted (``tim/diag/sync_check_failed``):
+neither ever breaks the sync.
 """
 
 from __future__ import annotations
@@ -55,14 +65,19 @@ class SyncWatch:
         self.record: SyncRecord | None = None
         self.checked = False  # whether the sync in flight is one the check compares (the same on every rank)
         self._said: set[str] = set()
+        # the disaggregated syncs: counted apart from the colocated ones (separate_async runs both), and each
+        # replica compared against its own previous reads (the per-tensor indices are the config's, the same in all)
+        self._remote: list[SyncCheck] = [SyncCheck(config)]
+        self.sent_record: SyncRecord | None = None
+        self.sent_checked = False
 
     async def around(self, step: int | None, sync: Callable[[], Awaitable], read: Callable[[list], Awaitable] | None,
-                     gather: Callable[[SyncReport | None], Awaitable[tuple[list, bool]]]):
+                     gather: Callable[[list], Awaitable[tuple[list, bool]]]):
         """One weight sync at verl's global step ``step`` with the check; returns ``sync()``'s result.
 
         ``sync()``: verl's sync (it streams the engine's ``get_per_tensor_param`` and returns once the engine has
         loaded it); ``read(requests)``: the engine's answers (``worker_reads``), None where this rank cannot read;
-        ``gather(report)``: (every rank's report, whether this rank hands them to its pipeline)."""
+        ``gather(reports)``: (every rank's reports, whether this rank hands them to its pipeline)."""
         if not self.begin(step, readable=read is not None):
             return await sync()
         try:
@@ -78,9 +93,68 @@ class SyncWatch:
                 self.abandon(f"reading the rollout engine failed ({type(err).__name__}: {err})")
                 answers = None
             report = self.finish(answers)
-        reports, here = await gather(report)
+        reports, here = await gather([] if report is None else [report])
         self.deliver(reports, here=here)
         return result
+
+    async def sent(self, step: int | None, send: Callable[[], Awaitable], *, reads_here: bool):
+        """The actor's half of one disaggregated sync at verl's global step ``step``: ``send()`` (verl's
+        ``update_weights`` in a checkpoint-engine mode: it streams the engine's ``get_per_tensor_param`` to the
+        checkpoint engine and returns once sent, before the rollout has loaded), its stream sampled on the rank that
+        reads the replicas afterwards (``reads_here``); ``read_replicas`` completes it."""
+        if self.sent_checked:  # the previous sync's reads never came: that sync goes unread
+            self._unread_sent("the driver did not ask for the replicas' weights after the previous sync")
+        record = self._remote[0].begin(int(step or 0))
+        self.sent_checked = record is not None
+        self.sent_record = record if reads_here else None
+        if record is None or not reads_here:
+            return await send()
+        self.record = record
+        try:
+            return await send()
+        except BaseException:
+            self.sent_record = None
+            raise
+        finally:
+            self.record = None
+
+    async def read_replicas(self, reads: list, gather: Callable[[list], Awaitable[tuple[list, bool]]]) -> None:
+        """The driver's half of the disaggregated sync ``sent`` started, once every replica has loaded: ``reads``, one
+        per rollout replica, ``read(requests)`` -> that replica's answers (None: a replica whose server cannot be
+        read). The rank holding the record reads and compares every replica; every rank's reports are gathered
+        and delivered as in ``around``. A sync the check skips (``every_n_syncs``) reads nothing, on every rank."""
+        record, checked = self.sent_record, self.sent_checked
+        self.sent_record, self.sent_checked = None, False
+        if not checked:
+            return
+        reports: list = []
+        if record is not None:
+            from tim_plugins.integrations.vllm.worker_reads import WorkerReads, sync_requests
+
+            requests = sync_requests(record)
+            for j, read in enumerate(reads):
+                if read is None:
+                    self._say("a rollout replica's server does not answer the sync reads (verl's own vLLM server)")
+                    continue
+                while len(self._remote) <= j:
+                    self._remote.append(SyncCheck(self.check.config))
+                try:
+                    answers = await read(requests)
+                    reports.append(self._remote[j].finish(record, WorkerReads(requests, answers)))
+                except Exception as err:  # a failed read costs this replica's check, never the run
+                    self._say(f"reading a rollout replica failed ({type(err).__name__}: {err})")
+        all_reports, here = await gather(reports)
+        if here:
+            self._hand_over(all_reports)
+
+    def _unread_sent(self, reason: str) -> None:
+        self.sent_record, self.sent_checked = None, False
+        self._say(reason)
+
+    def _say(self, reason: str) -> None:
+        if reason not in self._said:
+            self._said.add(reason)
+            logger.warning("tim-plugins: the weight-sync check reads nothing at this sync: %s", reason)
 
     def begin(self, step: int | None, *, readable: bool) -> bool:
         """A sync at verl's global step ``step`` is about to run: whether it is checked (every ``every_n_syncs``-th,
@@ -139,21 +213,23 @@ class SyncWatch:
     def abandon(self, reason: str) -> None:
         """This rank reads nothing at this sync (each ``reason`` logged once); the sync's delivery counts it when no
         rank read anything."""
-        if self.record is not None and reason not in self._said:
-            self._said.add(reason)
-            logger.warning("tim-plugins: the weight-sync check reads nothing at this sync: %s", reason)
+        if self.record is not None:
+            self._say(reason)
         self.record = None
 
     def deliver(self, reports: list, *, here: bool) -> None:
         """Every rank's report of this sync (None where a rank read nothing): handed to this rank's pipeline when
         ``here`` (one rank of the run: the first that holds outputs), else dropped (that rank names them)."""
         checked, self.checked = self.checked, False
-        if not (here and checked):
-            return
+        if here and checked:
+            self._hand_over(reports)
+
+    def _hand_over(self, reports: list) -> None:
+        """A checked sync's reports to this rank's pipeline; a sync no rank could read is counted."""
         done = [r for r in reports if r is not None]
         if not done:
             self.pipeline.count("sync_check_unavailable", detail="no rank could read the rollout engine's weights "
-                                "at this sync (a disaggregated sync, or verl's own rollout server)")
+                                "at this sync (a disaggregated sync read by nobody, or verl's own rollout server)")
         for report in done:
             unread = report.names("unread")
             if unread:

@@ -15,6 +15,7 @@ internals it overrides or reads are entries of ``sources.VERL_SOURCES``, named w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -115,6 +116,61 @@ class TIMTrainerMixin:
             # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)
             config.actor_rollout_ref[ActorContext.NODE] = context.to_dict()
         super().__init__(config)
+
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._setup (builds the checkpoint managers; a mode's own
+    # _setup, e.g. separate_async's, adds its standalone one after calling it)
+    def _setup(self):
+        super()._setup()
+        if self.tim.worker_side_active and self.tim.causes.enable and self.tim.sync_check.enable:
+            self._tim_read_disaggregated_syncs()
+
+    def _tim_read_disaggregated_syncs(self) -> None:
+        """The driver's half of the weight-sync check on a disaggregated sync (``sync_check``): every checkpoint
+        manager of a backend other than ``naive`` (``separate_async``'s standalone replicas) asks the actor ranks,
+        once it has returned, to read its replicas. Where the hooks moved, nothing is wrapped and the actor counts
+        those syncs unread (one line)."""
+        # VERL_SOURCES verl.checkpoint_engine.base:CheckpointEngineManager
+        from verl.checkpoint_engine import CheckpointEngineManager
+
+        managers = [m for m in vars(self).values() if isinstance(m, CheckpointEngineManager)
+                    and getattr(m, "backend", "naive") not in ("naive", "delta_sharded")]
+        if not managers:
+            return
+        from tim_plugins.capabilities import check
+
+        from .features import SYNC_CHECK_DISAGGREGATED
+
+        status = check(SYNC_CHECK_DISAGGREGATED)
+        if not status.available:
+            print(status.warning(), file=sys.stderr)
+            return
+        for manager in managers:
+            manager.update_weights = self._tim_reading_after(manager, manager.update_weights)
+        self.actor_rollout_wg.tim_expect_replica_reads()
+
+    def _tim_reading_after(self, manager, original):
+        """``manager.update_weights`` (verl's, ``auto_await``: called plainly or awaited) followed by the actor ranks'
+        reads of the manager's replicas; a failed read is logged, never raised into verl's sync."""
+        # VERL_SOURCES verl.utils.ray_utils:auto_await
+        from verl.utils.ray_utils import auto_await
+
+        wg = self.actor_rollout_wg
+
+        @auto_await
+        async def update_weights(global_steps: int = None):
+            # VERL_SOURCES verl.checkpoint_engine.base:CheckpointEngineManager.update_weights (returns once every
+            # replica has loaded)
+            result = await original(global_steps)
+            try:
+                # VERL_SOURCES verl.workers.rollout.replica:RolloutReplica.server_handle (read at each sync: replicas
+                # can be added and removed between syncs)
+                servers = [replica.server_handle for replica in manager.replicas]
+                await asyncio.gather(*wg.tim_read_replicas(servers))
+            except Exception as err:  # the check costs its own result, never the sync
+                logger.warning("tim-plugins: reading the rollout replicas after a weight sync failed: %r", err)
+            return result
+
+        return update_weights
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._init_resource_pool_mgr
     def _init_resource_pool_mgr(self):
@@ -248,22 +304,28 @@ class TIMTrainerMixin:
 
 
 def use_tim_actor_worker(role_worker_mapping: dict) -> None:
-    """Put ``TIMActorRolloutRefWorker`` behind every role that holds the actor, in place.
+    """Put the tim worker (``worker.TIMActorRolloutRefWorker``) behind every role that holds the actor, in place.
 
     verl's V1 trainer maps ``Role.Actor`` / ``Role.ActorRollout`` / ``Role.ActorRolloutRef`` to
-    ``ray.remote(ActorRolloutRefWorker)`` (trainer/ppo/v1/trainer_base.py ``_init_resource_pool_mgr``); a separate
-    reference worker (``Role.RefPolicy``) and the critic keep verl's classes.
+    ``ray.remote(ActorRolloutRefWorker)`` (trainer/ppo/v1/trainer_base.py ``_init_resource_pool_mgr``), and a mode may
+    put its own subclass there (``separate_async``: ``DetachActorWorker``, whose CPU copies of the weights its
+    old-log-prob pass needs): the tim worker is put in front of whatever class the mode chose
+    (``worker.tim_worker_class``). A separate reference worker (``Role.RefPolicy``) and the critic keep verl's
+    classes.
     """
     import ray
 
     # VERL_SOURCES verl.trainer.ppo.utils:Role
     from verl.trainer.ppo.utils import Role
 
-    from .worker import TIMActorRolloutRefWorker
+    from .worker import tim_worker_class
 
     for role in list(role_worker_mapping):
         if role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
-            role_worker_mapping[role] = ray.remote(TIMActorRolloutRefWorker)
+            # Ray's ActorClass keeps the class it wraps as __ray_actor_class__; a mode's own, e.g.
+            # VERL_SOURCES verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync._init_resource_pool_mgr
+            chosen = getattr(role_worker_mapping[role], "__ray_actor_class__", None)
+            role_worker_mapping[role] = ray.remote(tim_worker_class(chosen))
 
 
 def refuse_unread_tim_node(config, mode: str) -> None:

@@ -19,7 +19,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from .config import ActorContext, TIMVerlConfig
 from .features import verl_features
 
-__all__ = ["TIMActorRolloutRefWorker"]
+__all__ = ["TIMActorRolloutRefWorker", "tim_worker_class"]
 
 
 # VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker (self.config, self.actor.engine)
@@ -68,22 +68,56 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
         verl_sync = super().update_weights
         if watch is None:
             return await verl_sync(global_steps=global_steps, mode=mode)
+        if self._tim_replica_reads and self._tim_sync_mode(mode) not in ("naive", "delta_sharded"):
+            # the disaggregated sync: sent here, read once every replica has loaded (tim_read_replicas)
+            return await watch.sent(global_steps, lambda: verl_sync(global_steps=global_steps, mode=mode),
+                                    reads_here=self._tim_rank() == 0)
         server = self._tim_sync_server(mode)
-
-        async def gather(report):
-            return await asyncio.to_thread(self._tim_gather_reports, report)
-
         return await watch.around(global_steps, lambda: verl_sync(global_steps=global_steps, mode=mode),
-                                  None if server is None else server.tim_read_weights.remote, gather)
+                                  None if server is None else server.tim_read_weights.remote, self._tim_gather)
+
+    _tim_replica_reads = False  # set by the driver (tim_expect_replica_reads) where its half of the check holds
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tim_expect_replica_reads(self) -> None:
+        """The driver reads the rollout replicas after each disaggregated sync (``tim_read_replicas``): from now on
+        this worker's disaggregated syncs keep their record for it."""
+        self._tim_replica_reads = True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def tim_read_replicas(self, servers: list) -> None:
+        """After a disaggregated sync has loaded every replica (the driver, when verl's checkpoint manager returned):
+        the rank that sampled the stream reads each replica's server (``servers``: one handle per replica, None
+        where the server cannot answer the reads) and compares; every rank's reports reach the pipeline
+        (``sync_check.SyncWatch.read_replicas``)."""
+        watch = self.actor.engine.tim_sync_watch if self.actor is not None and \
+            hasattr(self.actor.engine, "tim_sync_watch") else None
+        if watch is None:
+            return
+        reads = [None if s is None or not hasattr(s, "tim_read_weights") else s.tim_read_weights.remote
+                 for s in servers]
+        await watch.read_replicas(reads, self._tim_gather)
+
+    async def _tim_gather(self, reports: list) -> tuple[list, bool]:
+        return await asyncio.to_thread(self._tim_gather_reports, reports)
+
+    def _tim_sync_mode(self, mode: str) -> str:
+        # VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker.update_weights (mode "auto": the checkpoint
+        # engine's backend)
+        return mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
+
+    @staticmethod
+    def _tim_rank() -> int:
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def _tim_sync_server(self, mode: str):
         """This rank's replica's server handle when the sync is colocated and this rank holds it and the server
         answers the sync reads (``rollout._SyncReads``), else None."""
-        # VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker.update_weights (mode "auto": the checkpoint
-        # engine's backend; "naive": colocated, the rollout's update_weights loads the engine before returning)
-        effective = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
+        # VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker.update_weights ("naive": colocated, the
+        # rollout's update_weights loads the engine before returning)
         rollout = getattr(self, "rollout", None)
-        if effective != "naive" or rollout is None:
+        if self._tim_sync_mode(mode) != "naive" or rollout is None:
             return None
         # VERL_SOURCES verl.workers.rollout.vllm_rollout.vllm_rollout:ServerAdapter._ensure_server_handle
         ensure = getattr(rollout, "_ensure_server_handle", None)
@@ -92,14 +126,35 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
         handle = rollout.server_handle
         return handle if hasattr(handle, "tim_read_weights") else None
 
-    def _tim_gather_reports(self, report) -> tuple[list, bool]:
-        """Every rank's report of this sync (world group), and whether this rank is the one that hands them to its
+    def _tim_gather_reports(self, reports: list) -> tuple[list, bool]:
+        """Every rank's reports of this sync (world group), and whether this rank is the one that hands them to its
         pipeline: the first that holds outputs (the rank whose metrics the driver logs)."""
         holds = self.actor.engine.tim_sync_watch.holds_outputs()
         if not torch.distributed.is_available() or not torch.distributed.is_initialized() \
                 or torch.distributed.get_world_size() == 1:
-            return [report], holds
+            return list(reports), holds
         gathered: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, (holds, report))
+        torch.distributed.all_gather_object(gathered, (holds, list(reports)))
         first = next((rank for rank, (h, _) in enumerate(gathered) if h), None)
-        return [r for _, r in gathered], first == torch.distributed.get_rank()
+        return [r for _, rs in gathered for r in rs], first == torch.distributed.get_rank()
+
+
+_WORKER_CLASSES: dict = {}
+
+
+def tim_worker_class(chosen: type | None) -> type:
+    """The tim worker in front of ``chosen``, the class a trainer mode put behind an actor role: verl's
+    ``ActorRolloutRefWorker`` itself (or an unknown entry) gives ``TIMActorRolloutRefWorker``; a subclass of it
+    (``separate_async``'s ``DetachActorWorker``) gives a class with the tim worker's methods first and the
+    subclass's own after them (made once per class)."""
+    if not isinstance(chosen, type) or not issubclass(chosen, ActorRolloutRefWorker) \
+            or chosen is ActorRolloutRefWorker:
+        return TIMActorRolloutRefWorker
+    if issubclass(chosen, TIMActorRolloutRefWorker):
+        return chosen
+    made = _WORKER_CLASSES.get(chosen)
+    if made is None:
+        made = _WORKER_CLASSES[chosen] = type(f"TIM{chosen.__name__}", (TIMActorRolloutRefWorker, chosen), {
+            "__module__": __name__, "__doc__": f"{TIMActorRolloutRefWorker.__name__} in front of verl's "
+                                               f"{chosen.__module__}.{chosen.__qualname__}"})
+    return made

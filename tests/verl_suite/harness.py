@@ -208,8 +208,8 @@ def checked_sync(engine, rollout: Rollout, step: int, skip: str | None = None):
     async def read(requests):
         return [json.loads(json.dumps(read_requests(rollout.reader(), requests)))]
 
-    async def gather(report):
-        return [report], True
+    async def gather(reports):
+        return reports, True
 
     asyncio.run(watch.around(step, lambda: rollout.load(engine, skip), read, gather))
     return watch.check.reports[before] if len(watch.check.reports) > before else None

@@ -416,6 +416,36 @@ def test_resource_pool_puts_verls_worker_behind_the_actor_roles():
     assert setup.index("self._init_resource_pool_mgr()") < setup.index("self.role_worker_mapping[actor_role]")
 
 
+def test_the_tim_worker_goes_in_front_of_the_class_a_mode_chose():
+    """separate_async puts its own subclass behind the actor role (``DetachActorWorker``: the CPU copies of the
+    weights its old-log-prob pass restores); the tim worker goes in front of it, keeping its methods."""
+    import ray
+    from verl.experimental.separation.engine_workers import DetachActorWorker
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+    from verl.trainer.ppo.utils import Role
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from tim_plugins.integrations.verl.trainer import use_tim_actor_worker
+    from tim_plugins.integrations.verl.worker import TIMActorRolloutRefWorker, tim_worker_class
+
+    src = _src("verl.trainer.ppo.v1.trainer_separate_async", "PPOTrainerSeparateAsync._init_resource_pool_mgr")
+    assert "super()._init_resource_pool_mgr()" in src
+    assert "self.role_worker_mapping[Role.ActorRollout] = ray.remote(DetachActorWorker)" in src
+    assert PPOTrainerSeparateAsync.__mro__[1].__name__ == "PPOTrainer"
+    mapping = {Role.ActorRollout: ray.remote(DetachActorWorker), Role.RefPolicy: ray.remote(DetachActorWorker)}
+    use_tim_actor_worker(mapping)
+    made = mapping[Role.ActorRollout].__ray_actor_class__
+    assert issubclass(made, TIMActorRolloutRefWorker) and issubclass(made, DetachActorWorker)
+    assert made.update_weights is TIMActorRolloutRefWorker.update_weights  # the tim worker's first
+    for name in ("save_model_to_cpu", "restore_model_from_cpu", "tim_read_replicas", "tim_pop_metrics"):
+        assert hasattr(getattr(made, name), MAGIC_ATTR), name  # what verl's worker group binds
+    assert mapping[Role.RefPolicy].__ray_actor_class__ is DetachActorWorker  # a separate reference keeps verl's
+    assert tim_worker_class(DetachActorWorker) is made  # one class per chosen class
+    assert tim_worker_class(ActorRolloutRefWorker) is TIMActorRolloutRefWorker
+    assert tim_worker_class(None) is TIMActorRolloutRefWorker
+
+
 def test_old_log_prob_pass_asks_for_entropy_and_the_reference_pass_does_not():
     old = _flat(_src(TB, "PPOTrainer._compute_old_log_prob"))
     assert _params(TB, "PPOTrainer._compute_old_log_prob") == ["self", "batch", "metrics"]

@@ -135,8 +135,8 @@ def test_a_sync_no_rank_can_read_is_counted_not_raised(engine, toy_model_path):
     try:
         watch = engine.tim_sync_watch
 
-        async def gather(report):
-            return [report], True
+        async def gather(reports):
+            return reports, True
 
         asyncio.run(watch.around(0, lambda: rollout.load(engine, SKIPPED), None, gather))
         assert watch.check.reports == [] and rollout.streamed
@@ -148,6 +148,107 @@ def test_a_sync_no_rank_can_read_is_counted_not_raised(engine, toy_model_path):
         assert watch.check.reports == []
         metrics, _ = _window(engine, 2)
         assert metrics["tim/diag/sync_check_unavailable"] == 2.0 and metrics["tim/cause/named"] == 0.0
+    finally:
+        engine.tim_deconfigure()
+
+
+def _disaggregated_sync(engine, replicas: list, step: int, skips: list, reads: list | None = None):
+    """One disaggregated sync, as verl's checkpoint-engine mode runs it: the actor's ``update_weights`` sends the
+    engine's stream (``SyncWatch.sent``; the "checkpoint engine" here keeps the tensors it is sent), then every replica
+    loads what was sent (each dropping its ``skips[j]`` prefix), then the driver has the actor read the replicas
+    (``SyncWatch.read_replicas``, through the worker protocol and JSON as in ``harness.checked_sync``). Returns the
+    reports the sync added to the pipeline's window."""
+    import json
+
+    from tim_plugins.integrations.vllm.worker_reads import read_requests
+
+    watch = engine.tim_sync_watch
+    sent: dict = {}
+
+    async def send():
+        weights, _ = engine.get_per_tensor_param()
+        for name, tensor in weights:
+            sent[name] = tensor.detach().clone()
+
+    asyncio.run(watch.sent(step, send, reads_here=True))
+    for rollout, skip in zip(replicas, skips):  # the rollout workers load after the actor has sent
+        rollout.streamed = list(sent)
+        with torch.no_grad():
+            for name, tensor in sent.items():
+                if skip is None or not name.startswith(skip):
+                    rollout.params[name].copy_(tensor)
+
+    def reader(rollout):
+        async def read(requests):
+            return [json.loads(json.dumps(read_requests(rollout.reader(), requests)))]
+        return read
+
+    delivered: list = []
+
+    async def gather(reports):
+        delivered.extend(reports)
+        return reports, True
+
+    asyncio.run(watch.read_replicas([reader(r) for r in replicas] if reads is None else reads, gather))
+    return delivered
+
+
+def test_a_disaggregated_sync_reads_every_replica_after_they_loaded(engine, toy_model_path):
+    """verl's checkpoint-engine sync (separate_async's standalone replicas): the record is kept from the actor's send
+    to the reads the driver asks for once every replica has loaded; each replica is compared with it, against its
+    own previous reads. Two replicas, the second skipping a layer: only its report names it, with that layer's
+    tensors; after an optimizer step the second replica's layer is stale and the first is fine."""
+    healthy, broken = H.Rollout(toy_model_path, seed=5), H.Rollout(toy_model_path, seed=6)
+    dummy = {n: p.detach().clone() for n, p in broken.params.items()}
+    engine.tim_deconfigure()
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+    try:
+        first = _disaggregated_sync(engine, [healthy, broken], 0, [None, SKIPPED])
+        skipped = [n for n in broken.streamed if n.startswith(SKIPPED)]
+        assert len(first) == 2 and len(skipped) >= 9
+        assert first[0].causes == [] and set(first[0].statuses.values()) == {"ok"}
+        assert set(first[0].statuses) == set(healthy.streamed)
+        assert [c.code for c in first[1].causes] == ["sync-tensors-differ"]
+        assert set(first[1].causes[0].tensors) == set(skipped)
+        assert all(torch.equal(broken.params[n].detach(), dummy[n]) for n in skipped)  # the reference: never loaded
+        metrics, _ = _window(engine, 1)
+        assert metrics["tim/cause/named"] == 1.0 and metrics["tim/cause/sync_bad_tensors"] == len(skipped)
+        assert metrics["tim/cause/sync_checked_tensors"] == len(healthy.streamed)  # the most of any replica
+
+        _train(engine, seed=7)
+        second = _disaggregated_sync(engine, [healthy, broken], 1, [None, SKIPPED])
+        assert second[0].causes == [] and [c.code for c in second[1].causes] == ["sync-tensors-stale"]
+        assert second[1].names("stale") == skipped
+        # the colocated check's own state is apart: its next sync compares against its own earlier reads
+        assert engine.tim_sync_watch.check.reports == []
+    finally:
+        engine.tim_deconfigure()
+
+
+def test_a_disaggregated_sync_that_cannot_be_read_is_counted_and_a_skipped_one_reads_nothing(engine, toy_model_path):
+    rollout = H.Rollout(toy_model_path, seed=8)
+    engine.tim_deconfigure()
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "sync_check": {"every_n_syncs": 2}}))
+    try:
+        async def failing(requests):
+            raise ConnectionError("the replica went away")
+
+        # checked, but no replica answers (verl's own server; a failed read): counted, nothing named, no raise
+        assert _disaggregated_sync(engine, [rollout, rollout], 0, [None, None], reads=[None, failing]) == []
+        # not checked (every_n_syncs=2): the stream passes unsampled and the reads do nothing, on every rank
+        calls = []
+
+        async def counting(requests):
+            calls.append(requests)
+            return []
+
+        assert _disaggregated_sync(engine, [rollout], 1, [None], reads=[counting]) == [] and calls == []
+        assert engine.tim_sync_watch.sent_record is None
+        metrics, _ = _window(engine, 2)
+        assert metrics["tim/diag/sync_check_unavailable"] == 1.0 and metrics["tim/cause/named"] == 0.0
+        # checked again at the third sync, and read
+        reports = _disaggregated_sync(engine, [rollout], 2, [None])
+        assert len(reports) == 1 and reports[0].causes == [] and set(reports[0].statuses.values()) == {"ok"}
     finally:
         engine.tim_deconfigure()
 
@@ -180,7 +281,7 @@ def test_the_features_hold_and_a_moved_hook_switches_off_the_check_alone(engine,
     from tim_plugins.integrations.verl import features
     from tim_plugins.integrations.verl.sources import VERL_SOURCES
 
-    for feature in (features.SYNC_CHECK, features.ROLLOUT_SYNC_READS):
+    for feature in (features.SYNC_CHECK, features.SYNC_CHECK_DISAGGREGATED, features.ROLLOUT_SYNC_READS):
         assert check(feature).available, check(feature).warning()
         assert all((h.module, h.qualname) in VERL_SOURCES for h in feature.hooks)
     # the actor side is checked in the workers with the others; the server side where the rollout is built
@@ -192,7 +293,9 @@ def test_the_features_hold_and_a_moved_hook_switches_off_the_check_alone(engine,
     monkeypatch.setattr(ActorRolloutRefWorker, "update_weights", update_weights)
     status = check(features.SYNC_CHECK)
     assert not status.available and "takes no mode" in status.reason
-    assert [s.feature.name for s in features.verl_features() if not s.available] == ["verl_sync_check"]
+    # the disaggregated half reads the same method: off with it
+    assert [s.feature.name for s in features.verl_features() if not s.available] == [
+        "verl_sync_check", "verl_sync_check_disaggregated"]
     # what the worker then hands the engine: the check off, the monitor and the causes of the stream on
     engine.tim_deconfigure()
     engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}), features_off=("verl_sync_check",))
@@ -202,6 +305,24 @@ def test_the_features_hold_and_a_moved_hook_switches_off_the_check_alone(engine,
         assert metrics["tim/diag/feature_off/verl_sync_check"] == 1.0 and metrics["tim/cause/named"] == 0.0
     finally:
         engine.tim_deconfigure()
+
+
+def test_a_moved_checkpoint_manager_switches_off_the_disaggregated_half_alone(monkeypatch):
+    """The driver's half reads the manager's update_weights as verl 0.9.1 wrote it; a manager that no longer waits
+    for its replicas there switches off only that half (the colocated check's hooks still hold)."""
+    from verl.checkpoint_engine import CheckpointEngineManager
+
+    from tim_plugins.capabilities import check
+    from tim_plugins.integrations.verl import features
+
+    async def update_weights(self, global_steps: int = None):  # sends, and leaves the replicas to load later
+        ray.get(self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend))  # noqa: F821
+
+    monkeypatch.setattr(CheckpointEngineManager, "update_weights", update_weights)
+    status = check(features.SYNC_CHECK_DISAGGREGATED)
+    assert not status.available and "CheckpointEngineManager.update_weights" in status.reason, status.reason
+    assert check(features.SYNC_CHECK).available
+    assert [s.feature.name for s in features.verl_features() if not s.available] == ["verl_sync_check_disaggregated"]
 
 
 def test_every_cause_has_its_fix_in_verls_words():

@@ -106,14 +106,11 @@ class SyncWatch:
             self._unread_sent("the driver did not ask for the replicas' weights after the previous sync")
         record = self._remote[0].begin(int(step or 0))
         self.sent_checked = record is not None
-        self.sent_record = record if reads_here else None
-        if record is None or not reads_here:
-            return await send()
-        self.record = record
+        self.sent_record = self.record = record if reads_here else None  # self.record: what observing samples into
         try:
             return await send()
-        except BaseException:
-            self.sent_record = None
+        except BaseException:  # verl's sync raised: nothing to read after it
+            self.sent_record, self.sent_checked = None, False
             raise
         finally:
             self.record = None

@@ -103,8 +103,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "The per-token gap between the engine's and the trainer's log-probs of the probe batch, right after the sync, "
        "moved away from the one measured at lag 0 on the same weights: part of the engine did not take the update "
        "(a layer skipped, a tensor written wrongly), or a stale engine drifts away step by step.",
-       "after a sync, mean |(e - t) - (e_ref - t_ref)| over the probe batch > drift_factor x the floor (the median "
-       "lag-0 gap of the in-step probes) and > the floor + drift_min",
+       "after a sync, mean |(e - t) - (e_ref - t_ref)| over the probe batch > drift_factor x the floor (the reference "
+       "scoring's mean |e - t|, at lag 0 on the same weights) and > the floor + drift_min",
        {"tim_plugins": _SYNC_FIX}),
     _C("engine-stale", "stream", "the engine samples from other weights than the trainer scores",
        "Tokens the engine was confident in are scored far lower by the trainer at lag 0: numerics cannot move a "

@@ -103,7 +103,7 @@ class SyncWatch:
         checkpoint engine and returns once sent, before the rollout has loaded), its stream sampled on the rank that
         reads the replicas afterwards (``reads_here``); ``read_replicas`` completes it."""
         if self.sent_checked:  # the previous sync's reads never came: that sync goes unread
-            self._unread_sent("the driver did not ask for the replicas' weights after the previous sync")
+            self._say("the driver did not ask for the replicas' weights after the previous sync")
         record = self._remote[0].begin(int(step or 0))
         self.sent_checked = record is not None
         self.sent_record = self.record = record if reads_here else None  # self.record: what observing samples into
@@ -143,10 +143,6 @@ class SyncWatch:
         all_reports, here = await gather(reports)
         if here:
             self._hand_over(all_reports)
-
-    def _unread_sent(self, reason: str) -> None:
-        self.sent_record, self.sent_checked = None, False
-        self._say(reason)
 
     def _say(self, reason: str) -> None:
         if reason not in self._said:

@@ -63,8 +63,7 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
         """verl's weight sync, unchanged; with the sync check on, the engine's stream is sampled as it goes
         (``TIMEngineMixin.get_per_tensor_param``) and, once verl has returned, this rank's replica is read and
         compared, and every rank's report reaches the pipeline of the first rank that holds outputs."""
-        watch = self.actor.engine.tim_sync_watch if self.actor is not None and \
-            hasattr(self.actor.engine, "tim_sync_watch") else None
+        watch = self._tim_watch()
         verl_sync = super().update_weights
         if watch is None:
             return await verl_sync(global_steps=global_steps, mode=mode)
@@ -90,13 +89,16 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
         the rank that sampled the stream reads each replica's server (``servers``: one handle per replica, None
         where the server cannot answer the reads) and compares; every rank's reports reach the pipeline
         (``sync_check.SyncWatch.read_replicas``)."""
-        watch = self.actor.engine.tim_sync_watch if self.actor is not None and \
-            hasattr(self.actor.engine, "tim_sync_watch") else None
+        watch = self._tim_watch()
         if watch is None:
             return
         reads = [None if s is None or not hasattr(s, "tim_read_weights") else s.tim_read_weights.remote
                  for s in servers]
         await watch.read_replicas(reads, self._tim_gather)
+
+    def _tim_watch(self):
+        """The actor engine's weight-sync check (``sync_check.SyncWatch``), None when it is off or not a tim engine."""
+        return getattr(self.actor.engine, "tim_sync_watch", None) if self.actor is not None else None
 
     async def _tim_gather(self, reports: list) -> tuple[list, bool]:
         return await asyncio.to_thread(self._tim_gather_reports, reports)

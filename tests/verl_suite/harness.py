@@ -193,23 +193,29 @@ class Rollout:
                     self.params[name].copy_(tensor)
 
 
-def checked_sync(engine, rollout: Rollout, step: int, skip: str | None = None):
-    """One weight sync of ``engine`` into ``rollout`` through the engine's ``SyncWatch.around``, as verl's worker
-    drives it (``read``: the vLLM worker's answer, through JSON as it crosses msgpack and Ray; one rank). Returns the
-    sync's report, None when the sync was not checked."""
-    import asyncio
+def worker_read(rollout: Rollout):
+    """``read(requests)`` of ``rollout`` as the vLLM server answers the sync check: one worker's answer, through JSON
+    as it crosses msgpack and Ray."""
     import json
 
     from tim_plugins.integrations.vllm.worker_reads import read_requests
 
-    watch = engine.tim_sync_watch
-    before = len(watch.check.reports)
-
     async def read(requests):
         return [json.loads(json.dumps(read_requests(rollout.reader(), requests)))]
+
+    return read
+
+
+def checked_sync(engine, rollout: Rollout, step: int, skip: str | None = None):
+    """One weight sync of ``engine`` into ``rollout`` through the engine's ``SyncWatch.around``, as verl's worker
+    drives it (``read``: ``worker_read``; one rank). Returns the sync's report, None when the sync was not checked."""
+    import asyncio
+
+    watch = engine.tim_sync_watch
+    before = len(watch.check.reports)
 
     async def gather(reports):
         return reports, True
 
-    asyncio.run(watch.around(step, lambda: rollout.load(engine, skip), read, gather))
+    asyncio.run(watch.around(step, lambda: rollout.load(engine, skip), worker_read(rollout), gather))
     return watch.check.reports[before] if len(watch.check.reports) > before else None

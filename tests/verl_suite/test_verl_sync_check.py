@@ -156,12 +156,8 @@ def _disaggregated_sync(engine, replicas: list, step: int, skips: list, reads: l
     """One disaggregated sync, as verl's checkpoint-engine mode runs it: the actor's ``update_weights`` sends the
     engine's stream (``SyncWatch.sent``; the "checkpoint engine" here keeps the tensors it is sent), then every replica
     loads what was sent (each dropping its ``skips[j]`` prefix), then the driver has the actor read the replicas
-    (``SyncWatch.read_replicas``, through the worker protocol and JSON as in ``harness.checked_sync``). Returns the
-    reports the sync added to the pipeline's window."""
-    import json
-
-    from tim_plugins.integrations.vllm.worker_reads import read_requests
-
+    (``SyncWatch.read_replicas``, each through ``harness.worker_read``). Returns the reports the sync added to the
+    pipeline's window."""
     watch = engine.tim_sync_watch
     sent: dict = {}
 
@@ -178,18 +174,13 @@ def _disaggregated_sync(engine, replicas: list, step: int, skips: list, reads: l
                 if skip is None or not name.startswith(skip):
                     rollout.params[name].copy_(tensor)
 
-    def reader(rollout):
-        async def read(requests):
-            return [json.loads(json.dumps(read_requests(rollout.reader(), requests)))]
-        return read
-
     delivered: list = []
 
     async def gather(reports):
         delivered.extend(reports)
         return reports, True
 
-    asyncio.run(watch.read_replicas([reader(r) for r in replicas] if reads is None else reads, gather))
+    asyncio.run(watch.read_replicas([H.worker_read(r) for r in replicas] if reads is None else reads, gather))
     return delivered
 
 

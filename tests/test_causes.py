@@ -19,15 +19,19 @@ from tim_plugins.weight_sync import SyncReport
 
 
 def _naive_confident(rollout, train, mask, p=0.5, gap=2.0):
-    dis = conf = 0
+    """(disagreeing, confident, forced), token by token: a token the engine gave p = 1 exactly (log-prob 0) is forced,
+    never confident."""
+    dis = conf = forced = 0
     for r, t, m in zip(rollout.flatten().tolist(), train.flatten().tolist(), mask.flatten().tolist()):
         if not m or not (math.isfinite(r) and math.isfinite(t)):
             continue
-        if math.exp(r) >= p or r >= math.log(p):
+        if r == 0.0:
+            forced += t < -gap
+        elif math.exp(r) >= p or r >= math.log(p):
             conf += 1
             if t < r - gap:
                 dis += 1
-    return dis, conf
+    return dis, conf, forced
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -37,10 +41,12 @@ def test_confident_disagreements_match_the_rule_token_by_token(seed):
     train = rollout + torch.randn(rollout.shape, generator=g) * 2
     train[0, :3] = -math.inf
     rollout[1, 2] = math.nan
+    rollout[2, ::3] = 0.0  # one-token distributions at the sampler: forced, whatever the trainer says
+    rollout[3, 0] = -0.0
     mask = torch.rand(rollout.shape, generator=g) > 0.2
-    dis, conf = confident_disagreements(rollout, train, mask)
-    assert (int(dis), int(conf)) == _naive_confident(rollout, train, mask)
-    assert int(conf) > 0 and int(dis) > 0
+    dis, conf, forced = confident_disagreements(rollout, train, mask)
+    assert (int(dis), int(conf), int(forced)) == _naive_confident(rollout, train, mask)
+    assert int(conf) > 0 and int(dis) > 0 and int(forced) > 0
 
 
 def test_floor_history_is_the_trailing_median_rule():
@@ -105,6 +111,65 @@ def test_confident_disagreements_name_engine_stale_from_the_threshold_on(caplog)
     assert cause.code == "engine-stale" and cause.step == 2 and cause.evidence["confident_disagreements"] == 5
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("tim-plugins cause [engine-stale] at step 2: 5 of ") and "Fix (TRL): " in line
+
+
+def test_forced_tokens_name_sampler_forced_and_not_engine_stale(caplog):
+    """A sampler that left one token (structured outputs, a grammar, a logits processor) reports log p = 0 there;
+    the trainer scores the unconstrained model. Those tokens are the constraint's: ``sampler-constrained`` is named, and
+    ``engine-stale`` only counts the confident tokens the engine did not force (none disagree here)."""
+    rollout, train, mask = _batch(seed=3)
+    forced = torch.zeros_like(mask)
+    forced[:, 2] = True  # every row's third token was forced
+    rollout[forced] = 0.0
+    train[forced] = -4.0 - 0.01 * torch.arange(int(forced.sum()), dtype=train.dtype)
+    pipe = _pipeline()
+    pipe.measure(rollout, train, mask)
+    with caplog.at_level(logging.WARNING, logger="tim_plugins.causes"):
+        out = pipe.compute(1, sync=False)[0]
+    dis, conf, n_forced = _naive_confident(rollout, train, mask)
+    assert (dis, n_forced) == (0, 64) and conf > 0
+    assert out["tim/cause/confident_disagreements"] == 0 and out["tim/cause/named"] == 1
+    (cause,) = pipe.causes.named
+    assert cause.code == "sampler-constrained" and cause.evidence["forced_disagreements"] == 64
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("tim-plugins cause [sampler-constrained] at step 1: 64 lag-0 tokens the engine gave p = 1 (its sampler ")
+    assert "vllm_structured_outputs_regex" in line
+    # the same gap on tokens the engine did not force (p_rollout just below 1) is a stale engine's
+    unforced = rollout.clone()
+    unforced[forced] = -1e-4
+    pipe = _pipeline()
+    pipe.measure(unforced, train, mask)
+    pipe.compute(1, sync=False)
+    assert [c.code for c in pipe.causes.named] == ["engine-stale"]
+    # forced tokens beside unforced confident disagreements: the stale engine explains both, one cause
+    both = rollout.clone()
+    both[:32, 2] = -1e-4
+    pipe = _pipeline()
+    pipe.measure(both, train, mask)
+    out = pipe.compute(1, sync=False)[0]
+    assert [c.code for c in pipe.causes.named] == ["engine-stale"] and out["tim/cause/confident_disagreements"] == 32
+
+
+def test_with_the_audits_sampler_processing_confident_disagreements_name_the_constraint():
+    """Structured outputs, custom processors, penalties (the audit's sampler-penalties-unmatched) leave a few tokens
+    at a position: confident tokens then disagree without other weights, so they count for the constraint."""
+    rollout, train, mask = _batch(confident=5, seed=1)
+    pipe = _pipeline()
+    pipe.audited(["sampler-penalties-unmatched", "dtype-mismatch"])
+    pipe.measure(rollout, train, mask)
+    out = pipe.compute(1, sync=False)[0]
+    dis, conf, forced = _naive_confident(rollout, train, mask)
+    assert (dis, forced) == (5, 0) and out["tim/cause/confident_disagreements"] == 5
+    (cause,) = pipe.causes.named
+    assert cause.code == "sampler-constrained" and cause.evidence["confident_disagreements"] == 5
+    assert cause.message == (f"5 of {conf} lag-0 tokens it gave p >= 0.5 under the sampler processing the parity "
+                             f"audit found (sampler-penalties-unmatched) are scored > 2 nats lower by the trainer")
+    # one disagreement is below confident_min_tokens (2): nothing
+    rollout, train, mask = _batch(confident=1, seed=1)
+    pipe = _pipeline()
+    pipe.audited(["sampler-penalties-unmatched"])
+    pipe.measure(rollout, train, mask)
+    assert pipe.compute(1, sync=False)[0]["tim/cause/named"] == 0
 
 
 def test_a_jump_of_the_lag0_floor_is_named():

@@ -74,6 +74,25 @@ def test_sampler_fields_and_lm_head(tmp_path, model):
                                       "enable_chunked_prefill": False, "enforce_eager": True}
 
 
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+@pytest.mark.parametrize("how", ["regex", "generation_kwargs"])
+def test_structured_outputs_are_sampler_processing_the_trainer_does_not_recompute(tmp_path, model, mode, how):
+    """TRL builds vLLM's StructuredOutputsParams per request from vllm_structured_outputs_regex or
+    generation_kwargs['structured_outputs']; its trainer scores the unconstrained model."""
+    from tim_plugins.integrations.trl.fixes import FINDING_FIXES
+
+    kw = ({"vllm_structured_outputs_regex": r"<answer>\d+</answer>"} if how == "regex" else
+          {"generation_kwargs": {"structured_outputs": {"choice": ["yes", "no"]}}})
+    rollout, trainer = specs_from_grpo_config(_config(tmp_path, use_vllm=True, vllm_mode=mode, **kw), model)
+    assert rollout.custom_logits_processors == ("structured_outputs",) and trainer.custom_logits_processors == ()
+    (finding,) = [f for f in audit(rollout, trainer) if f.code == "sampler-penalties-unmatched"]
+    assert finding.severity == "error" and finding.rollout_value == {"custom_logits_processors": (
+        "structured_outputs",)}, finding
+    assert "vllm_structured_outputs_regex" in FINDING_FIXES["sampler-penalties-unmatched"]
+    plain, _ = specs_from_grpo_config(_config(tmp_path, use_vllm=True, vllm_mode=mode), model)
+    assert not plain.custom_logits_processors  # () in colocate; None (unknown) in server mode without its args
+
+
 def test_bf16_autocast_and_model_init_kwargs(tmp_path):
     args = _config(tmp_path, bf16=True, use_cpu=True, model_init_kwargs={"dtype": "bfloat16",
                                                                          "attn_implementation": "eager"})

@@ -310,6 +310,10 @@ def test_default_config_is_bit_identical_and_logs_tim(toy_model_path, tmp_path, 
         assert calls and min(calls) > 0
         measured_by_trl = sum(int(_loss_mask(b).sum()) for b in cap.trl_built)  # completion_mask × tool_mask
         assert sum(tokens) == measured_by_trl < sum(int(b["completion_mask"].sum()) for b in cap.trl_built)
+        # the forced call's tokens had a one-token distribution at the sampler (log p = 0): named for what they
+        # are, not as an engine sampling from other weights (same weights on both sides here)
+        named = {c.code for c in cb.pipeline.causes.named}
+        assert "sampler-constrained" in named and "engine-stale" not in named, named
     if overrides.get("logging_strategy") == "epoch":  # one log entry per epoch, carrying the epoch's window
         step_logs = [h for h in trainer.state.log_history if "loss" in h]
         assert len(step_logs) == 1 and "tim/tokens" in step_logs[0] and steps == 2

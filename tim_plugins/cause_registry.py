@@ -21,7 +21,7 @@ CAUSE_PREFIX = "tim/cause"
 # The tim/cause/* keys every window computes (the compact log carries only the first: tim_plugins.log_keys).
 CAUSE_KEYS = (
     f"{CAUSE_PREFIX}/named",  # distinct causes named in the window (0 on a healthy run)
-    f"{CAUSE_PREFIX}/confident_disagreements",  # lag-0 tokens: p_rollout >= confident_p, trainer > confident_gap lower
+    f"{CAUSE_PREFIX}/confident_disagreements",  # lag-0 tokens: confident_p <= p_rollout < 1, trainer > confident_gap lower
     f"{CAUSE_PREFIX}/floor_jump",  # the window's lag-0 mean |Δ log p| over its trailing median (NaN without history)
     f"{CAUSE_PREFIX}/sync_bad_tensors",  # tensors a sync check found not holding what was sent (NaN: no check)
     f"{CAUSE_PREFIX}/sync_checked_tensors",  # tensors the window's sync checks compared (NaN: no check)
@@ -110,11 +110,25 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "Tokens the engine was confident in are scored far lower by the trainer at lag 0: numerics cannot move a "
        "confident token that far, other weights do (a sync that did not apply, an engine that kept the initial "
        "policy).",
-       "at least confident_min_tokens lag-0 tokens in a window with p_rollout >= confident_p and log p_train < "
-       "log p_rollout - confident_gap",
+       "at least confident_min_tokens lag-0 tokens in a window with confident_p <= p_rollout < 1 and log p_train < "
+       "log p_rollout - confident_gap, and no sampler-penalties-unmatched in the parity audit (then the tokens count "
+       "for sampler-constrained)",
        {"tim_plugins": "turn the weight-sync check on where the engine's weights can be read (colocated engines), "
                        "and check that the sync reaches the engine (server mode: that it reloads and resets its "
                        "prefix cache)"}),
+    _C("sampler-constrained", "stream", "the sampler constrained tokens the trainer scores freely",
+       "A constraint applied in the engine's sampler only (structured outputs or a grammar, a logits processor, a "
+       "forced tool call) left one or a few tokens at some positions: the engine reports p = 1 (or close) there and "
+       "the trainer the unconstrained model's p, so the ratio, the monitor's mismatch and an importance-sampling "
+       "correction read the constraint, not numerics or weights, and no parity fix removes it. A sequence-level "
+       "correction multiplies those ratios: the loss of a constrained sequence can vanish.",
+       "at least confident_min_tokens lag-0 tokens in a window with p_rollout = 1 exactly (log-prob 0) and "
+       "log p_train < -confident_gap, counted with engine-stale's confident disagreements where the parity audit "
+       "found sampler-penalties-unmatched (then engine-stale is not named), else named only where engine-stale is "
+       "not (an engine on other weights moves the tokens it did not force as well)",
+       {"tim_plugins": "drop the constraint from the sampler and reward the format instead; tokens a program "
+                       "wrote rather than sampled belong out of the loss mask, as tool output is; a constraint you "
+                       "keep makes these ratios its own: leave them out of any importance-sampling correction"}),
     _C("floor-jump", "stream", "the lag-0 mismatch floor jumped",
        "The lag-0 floor is the numerics of two stacks on the same weights; it drifts slowly with the policy. A jump "
        "means the pipeline changed under the run: a broken sync, a setting changed at run time, a collapse.",

@@ -17,6 +17,15 @@ Families, and where their evidence comes from:
   the trainer scores more than ``confident_gap`` nats lower. At lag 0 both sides should hold the same weights, so
   only other weights (or a truncation keeping less than e^-2 of the mass) move a confident token that far; numerics
   move it by at most (e^{2ε} − 1)(1 − p);
+- **a constrained sampler** (``sampler-constrained``): lag-0 tokens the engine gave p = 1 exactly (log-prob 0: the
+  sampler's distribution held one token, left by structured outputs, a grammar or a logits processor) that the
+  trainer scores more than ``confident_gap`` nats lower. Such a token says nothing about the engine's weights: it is
+  kept out of ``engine-stale``'s count. Where the parity audit found sampler processing the trainer does not
+  recompute (``sampler-penalties-unmatched``: structured outputs, custom logits processors, penalties, logit bias,
+  bad words), such processing also leaves a few tokens at a position and moves confident tokens that far, so the
+  confident disagreements are named here too, not ``engine-stale`` (the sync check, or the lag-0 probe, tells a stale
+  engine apart). Otherwise it is named when ``engine-stale`` is not (an engine on other weights moves the tokens it
+  did not force as well);
 - **a jump of the lag-0 floor** (``floor-jump``): the window's mean |Δ log p| at lag 0 above ``floor_jump_factor``
   times the median of the trailing ``floor_window`` windows and ``floor_jump_min`` nats above it;
 - **staleness** (``staleness``): the policy moved between sampling and the loss pass, and that part of the
@@ -98,18 +107,20 @@ def _whole(v) -> bool:
 
 
 def confident_disagreements(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, *,
-                            p: float = 0.5, gap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(disagreeing, confident) token counts of a [B, T] batch at lag 0, as 0-d tensors on its device (no host
-    read): ``confident`` = tokens of ``mask`` with p_rollout >= ``p``; ``disagreeing`` = those the trainer scores
-    more than ``gap`` nats lower. Tokens with a non-finite log-prob on either side are left out (the monitor counts
-    them as invalid)."""
+                            p: float = 0.5, gap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(disagreeing, confident, forced) token counts of a [B, T] batch at lag 0, as 0-d tensors on its device (no
+    host read): ``confident`` = tokens of ``mask`` with ``p`` <= p_rollout < 1; ``disagreeing`` = those the trainer
+    scores more than ``gap`` nats lower; ``forced`` = tokens with p_rollout = 1 exactly (a one-token distribution at
+    the sampler) that the trainer scores more than ``gap`` nats lower. Tokens with a non-finite log-prob on either
+    side are left out (the monitor counts them as invalid)."""
     keep = mask.bool() & torch.isfinite(rollout) & torch.isfinite(train)
     # float32 resolves these thresholds (nats, not ulps): no float64 copies of the batch on every step
     dtype = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
     r, t = rollout.detach().to(dtype), train.detach().to(dtype)
-    confident = keep & (r >= math.log(p))
-    disagree = confident & (t < r - gap)
-    return disagree.sum(), confident.sum()
+    far = t < r - gap
+    one_token = keep & (r == 0)
+    confident = keep & (r >= math.log(p)) & ~one_token
+    return (confident & far).sum(), confident.sum(), (one_token & far).sum()
 
 
 class FloorHistory:
@@ -159,7 +170,7 @@ class CauseTracker:
         self.floor = FloorHistory(c.floor_window, c.floor_jump_factor, c.floor_jump_min)
         self.audit_codes: set[str] = set()
         self.named: list[Cause] = []  # every cause named so far (the report's list)
-        self._counts: torch.Tensor | None = None  # [disagreeing, confident], float64, on the batches' device
+        self._counts: torch.Tensor | None = None  # [disagreeing, confident, forced], float64, on the batches' device
         self._sync: list[Cause] = []  # sync causes found since the last window
         self._sync_bad = self._sync_checked = -math.inf
         self._logged: set[tuple] = set()
@@ -187,7 +198,8 @@ class CauseTracker:
             self._log(cause)
 
     def audited(self, codes: Iterable[str]) -> None:
-        """The parity audit's error codes (the truncation rule needs ``sampler-truncation-unmatched``)."""
+        """The parity audit's error codes (the truncation rule needs ``sampler-truncation-unmatched``, the
+        constrained sampler's ``sampler-penalties-unmatched``)."""
         self.audit_codes = set(codes)
 
     # ------------------------------------------------------------------------------------------ windows
@@ -198,23 +210,34 @@ class CauseTracker:
         reduce = sync and is_distributed(group)
         device = collective_device(group) if reduce else "cpu"
         sums = (self._counts.to(device) if self._counts is not None
-                else torch.zeros(2, dtype=torch.float64, device=device)).clone()
+                else torch.zeros(3, dtype=torch.float64, device=device)).clone()
         flags = [1.0 if any(x.code == code for x in self._sync) else -math.inf for code in _FLAG_CODES]
         maxes = torch.tensor([self._sync_bad, self._sync_checked, *flags], dtype=torch.float64, device=device)
         if reduce:
             all_reduce_sum_max(sums, maxes, group)
-        disagreeing, confident = sums.tolist()
+        disagreeing, confident, forced = sums.tolist()
         bad, checked, *flag_values = maxes.tolist()
         found: list[Cause] = list(self._sync)
         for code, flag in zip(_FLAG_CODES, flag_values):  # named on another rank: the code, without its details
             if flag > 0 and not any(x.code == code for x in found):
                 found.append(Cause(code, step, f"{CAUSES[code].title} (found on another rank; its log has the "
                                                 f"tensors)"))
-        if disagreeing >= c.confident_min_tokens:
+        constrained = "sampler-penalties-unmatched" in self.audit_codes
+        if disagreeing >= c.confident_min_tokens and not constrained:
             found.append(Cause("engine-stale", step,
                                f"{int(disagreeing)} of {int(confident)} lag-0 tokens the engine gave p >= "
                                f"{c.confident_p:g} are scored > {c.confident_gap:g} nats lower by the trainer",
                                evidence={"confident_disagreements": disagreeing, "confident_tokens": confident}))
+        elif forced + (disagreeing if constrained else 0) >= c.confident_min_tokens:
+            seen = [f"{int(forced)} lag-0 tokens the engine gave p = 1 (its sampler left one token: structured "
+                    f"outputs, a grammar, a logits processor)"] if forced else []
+            if constrained and disagreeing:
+                seen.append(f"{int(disagreeing)} of {int(confident)} lag-0 tokens it gave p >= {c.confident_p:g} "
+                            f"under the sampler processing the parity audit found (sampler-penalties-unmatched)")
+            found.append(Cause("sampler-constrained", step,
+                               f"{' and '.join(seen)} are scored > {c.confident_gap:g} nats lower by the trainer",
+                               evidence={"forced_disagreements": forced, "confident_disagreements": disagreeing,
+                                         "confident_tokens": confident, "audit_processing": constrained}))
         floor = metrics.get("tim/token/abs_diff_mean")
         ratio, jumped = self.floor.judge(float(floor)) if floor is not None else (math.nan, False)
         if jumped:

@@ -32,7 +32,9 @@ FINDING_FIXES = {
     "temperature-mismatch":
         "temperature=T (one field drives both sides; server mode must not override it)",
     "sampler-penalties-unmatched":
-        "repetition_penalty=1.0 and no penalties in generation_kwargs",
+        "repetition_penalty=1.0 and no penalties in generation_kwargs; no vllm_structured_outputs_regex (nor "
+        "generation_kwargs['structured_outputs']): the trainer scores the unconstrained model, so reward the format "
+        "instead",
     "quantized-rollout":
         "do not load the policy with bitsandbytes 4-bit (TRL then sets quantization='bitsandbytes'); "
         "server mode: `trl vllm-serve --kv_cache_dtype auto`",
@@ -89,6 +91,11 @@ CAUSE_FIXES = {
     "engine-stale": "colocate: keep TIMConfig(sync_check=True) to see which tensors; server mode: check that `trl "
                     "vllm-serve` receives the weights (init_communicator, update_named_params) and that nothing else "
                     "reloads the model; with vllm_importance_sampling_correction, TRL's own ratios read the same",
+    "sampler-constrained": "vllm_structured_outputs_regex (or generation_kwargs['structured_outputs'], a logits "
+                           "processor in vLLM) constrains the sampler, not the trainer: drop it and reward the format "
+                           "with a reward function instead; if you keep it, set vllm_importance_sampling_correction="
+                           "False: TRL's correction weighs each sequence by the trainer's p of what the constraint "
+                           "forced, and the loss of a constrained sequence vanishes",
     "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode) "
                   "and the prefix-cache reset that ends it, the vLLM server, the sampling settings",
     "staleness": PART_FIXES["staleness"],

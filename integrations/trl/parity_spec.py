@@ -110,6 +110,20 @@ def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
 def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = None, device: str = "cuda",
                           llm: Any = None) -> PipelineSpec:
     """The rollout side: vLLM colocate/server (from what TRL passes to LLM()) or HF generation."""
+    if args.use_vllm:
+        return _with_structured_outputs(_vllm_rollout_spec(args, model, server_args, device, llm), args)
+    gen_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else _param_dtype(args, model)
+    return PipelineSpec(
+        side="rollout", framework="hf-generate (trl)", dtype=gen_dtype,
+        lm_head_dtype="float32" if args.cast_lm_head_to_fp32 else None, logprobs_mode=None,
+        **_sampler_fields(_sampler(args)), custom_logits_processors=(), weight_quantization="none",
+        kv_cache_dtype="auto", prefix_caching=False, chunked_prefill=False, cudagraph=False, compile=False,
+        batch_invariant=False, attention_backend=trainer_spec_from_trl(args, model).attention_backend,
+        source="trl GRPOConfig (HF generation; TRL keeps no sampler log-probs)",
+    )
+
+
+def _vllm_rollout_spec(args: Any, model: Any, server_args: Any, device: str, llm: Any) -> PipelineSpec:
     sampling = _sampler(args)
     if llm is not None:  # live engine: the truth beats the reconstruction
         # the vLLM adapter's live reader (it reads vLLM's internals); imported here, as a live engine is only read
@@ -117,28 +131,28 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
         from tim_plugins.integrations.vllm.parity_spec import spec_from_llm
 
         return spec_from_llm(llm, sampling=sampling, framework=f"vllm-{args.vllm_mode} (trl)")
-    if args.use_vllm and args.vllm_mode == "colocate":
+    if args.vllm_mode == "colocate":
         engine = {"model": getattr(model, "name_or_path", model) if model is not None else None,
                   "logprobs_mode": "processed_logprobs"}
         spec = spec_from_engine_args(engine, sampling=sampling, checkpoint_dtype=_checkpoint_dtype(model, args),
                                      device=device, framework="vllm-colocate (trl)")
         return spec.replace(source="trl GRPOConfig → LLM(...) colocate kwargs (vllm_generation.py)")
-    if args.use_vllm:
-        if server_args is None:
-            return PipelineSpec(side="rollout", framework="vllm-server (trl)", **_sampler_fields(sampling),
-                                source="trl server mode: engine args unknown (pass server_args)")
-        return spec_from_engine_args(server_args, sampling=sampling, checkpoint_dtype=_checkpoint_dtype(model, args),
-                                     device=device, framework="vllm-server (trl)")
-    # HF generation: TRL casts the unwrapped model to bf16/fp16 when those flags are set (grpo_trainer.py ~L1796).
-    gen_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else _param_dtype(args, model)
-    return PipelineSpec(
-        side="rollout", framework="hf-generate (trl)", dtype=gen_dtype,
-        lm_head_dtype="float32" if args.cast_lm_head_to_fp32 else None, logprobs_mode=None,
-        **_sampler_fields(sampling), custom_logits_processors=(), weight_quantization="none",
-        kv_cache_dtype="auto", prefix_caching=False, chunked_prefill=False, cudagraph=False, compile=False,
-        batch_invariant=False, attention_backend=trainer_spec_from_trl(args, model).attention_backend,
-        source="trl GRPOConfig (HF generation; TRL keeps no sampler log-probs)",
-    )
+    if server_args is None:
+        return PipelineSpec(side="rollout", framework="vllm-server (trl)", **_sampler_fields(sampling),
+                            source="trl server mode: engine args unknown (pass server_args)")
+    return spec_from_engine_args(server_args, sampling=sampling, checkpoint_dtype=_checkpoint_dtype(model, args),
+                                 device=device, framework="vllm-server (trl)")
+
+
+def _with_structured_outputs(spec: PipelineSpec, args: Any) -> PipelineSpec:
+    """TRL constrains vLLM's sampler per request (vllm_generation.py ``generate``: ``StructuredOutputsParams``
+    from ``vllm_structured_outputs_regex``, or ``generation_kwargs['structured_outputs']``); the trainer scores the
+    unconstrained model. Listed with the rollout's processors, the audit's sampler-penalties-unmatched."""
+    gen = args.generation_kwargs or {}
+    gen = json.loads(gen) if isinstance(gen, str) else gen
+    if getattr(args, "vllm_structured_outputs_regex", None) is None and not gen.get("structured_outputs"):
+        return spec
+    return spec.replace(custom_logits_processors=(*(spec.custom_logits_processors or ()), "structured_outputs"))
 
 
 def _sampler_fields(sampling: dict) -> dict:

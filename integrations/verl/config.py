@@ -104,11 +104,13 @@ class ActorContext:
     features_off: tuple = ()  # verl features switched off on the driver (an upstream hook moved)
     top_p: float = 1.0  # rollout.top_p: the sampler's nucleus, which the safe vocabulary applies on the trainer side
     top_k: int = -1  # rollout.top_k (-1 / 0: off), likewise
+    audit_errors: tuple = ()  # the start-up parity audit's error codes (the causes' truncation and sampler rules)
 
     NODE = "tim_context"
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "features_off": list(self.features_off)}
+        return {**dataclasses.asdict(self), "features_off": list(self.features_off),
+                "audit_errors": list(self.audit_errors)}
 
     @classmethod
     def from_node(cls, node: Any) -> "ActorContext":
@@ -123,18 +125,20 @@ class ActorContext:
         if bad:
             raise ValueError(f"tim-plugins: actor_rollout_ref.{cls.NODE} has non-boolean flags {bad}")
         sampler = {k: data[k] for k in ("top_p", "top_k") if k in data}
-        return cls(**flags, **sampler, features_off=tuple(str(x) for x in data.get("features_off") or ()))
+        return cls(**flags, **sampler, features_off=tuple(str(x) for x in data.get("features_off") or ()),
+                   audit_errors=tuple(str(x) for x in data.get("audit_errors") or ()))
 
     @classmethod
-    def from_config(cls, config, *, asynchronous: bool, features_off: tuple = ()) -> "ActorContext":
-        """The driver's reading of a composed ``ppo_trainer`` config."""
+    def from_config(cls, config, *, asynchronous: bool, features_off: tuple = (),
+                    audit_errors: tuple = ()) -> "ActorContext":
+        """The driver's reading of a composed ``ppo_trainer`` config (``audit_errors``: its start-up audit's)."""
         arr = config.actor_rollout_ref
         rollout = arr.rollout
         return cls(
             bypass_mode=bool((config.get("algorithm", {}).get("rollout_correction") or {}).get("bypass_mode", False)),
             # verl's multi-turn agent loop writes tool/user messages into the response with response_mask 0
             multi_turn=bool((rollout.get("multi_turn") or {}).get("enable", False)),
-            asynchronous=asynchronous, features_off=tuple(features_off),
+            asynchronous=asynchronous, features_off=tuple(features_off), audit_errors=tuple(audit_errors),
             # what the agent loop sends vLLM with every request (temperature, top_p, top_k):
             # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences
             top_p=float(rollout.get("top_p", 1.0) if rollout.get("top_p") is not None else 1.0),

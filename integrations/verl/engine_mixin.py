@@ -164,6 +164,7 @@ class TIMEngineMixin:
         # the sampler's rule the safe vocabulary applies to the trainer's log-probs (old-log-prob and training passes)
         self._tim_truncation = context.truncation(config.safe_vocab.min_p) if config.safe_vocab.enabled else None
         self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank(), framework="verl")
+        self._tim_pipeline.audited(context.audit_errors)  # the driver's start-up audit (the causes' sampler rules)
         for name in features_off:
             self._tim_pipeline.feature_off(name)
         self._tim_sync = SyncWatch(config.sync_check.config(), self._tim_pipeline, self._tim_holds_outputs) \

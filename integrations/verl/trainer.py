@@ -110,7 +110,8 @@ class TIMTrainerMixin:
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
         self._tim_lag_off = self._tim_base_mode != "sync" and not self._tim_lag_available()
         context = ActorContext.from_config(config, asynchronous=self._tim_base_mode != "sync",
-                                           features_off=("verl_async_lag",) if self._tim_lag_off else ())
+                                           features_off=("verl_async_lag",) if self._tim_lag_off else (),
+                                           audit_errors=tuple(f.code for f in findings or () if f.severity == "error"))
         with open_dict(config):
             config.actor_rollout_ref.tim = tim.to_dict()
             # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,6 +184,7 @@ RAY_START_RETRIES = 1
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
 _STEP_LINE = re.compile(r"^(?:\([^)]*\)\s*)?step:(\d+) - (.*)$")
+_CAUSE_LINE = re.compile(r"tim-plugins cause \[([a-z0-9-]+)\] at step (\d+):")
 
 
 @dataclass
@@ -195,6 +197,10 @@ class Run:
 
     def series(self, key: str) -> list[float]:
         return [self.steps[s][key] for s in sorted(self.steps)]
+
+    def causes(self) -> list[tuple[str, int]]:
+        """(code, step) of each cause console line (``tim-plugins cause [<code>] at step <n>: ...``), in order."""
+        return [(m.group(1), int(m.group(2))) for m in _CAUSE_LINE.finditer(self.output)]
 
 
 def parse_console(output: str) -> dict[int, dict[str, float]]:
@@ -237,6 +243,7 @@ def run_main_ppo(overrides: list[str], *, cwd: Path, timeout: float = 600, extra
     start = time.monotonic()
     earlier = ""
     for attempt in range(RAY_START_RETRIES + 1):
+        env["TIM_TEST_RUN_ID"] = uuid.uuid4().hex[:12]  # this run's own weight-transfer socket (cpu_shims, shim 9)
         proc, timed_out = run_bounded(cmd, timeout, cwd=cwd, env=env, abort_on=RAY_OOM_KILL)
         if timed_out or proc.returncode == 0 or not RAY_START_TIMEOUT.search(proc.stdout) \
                 or attempt == RAY_START_RETRIES:

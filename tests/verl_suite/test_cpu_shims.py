@@ -90,6 +90,39 @@ def test_verl_loads_adapters_through_a_mapper_method_vllm_removed():  # shim 8
     assert "def get_unstacked_mapper(" not in mapper and "def get_rename_mapper(" in mapper
 
 
+def test_verl_names_its_weight_transfer_socket_after_the_ray_job():  # shim 9
+    adapter = _source("verl.workers.rollout.vllm_rollout.vllm_rollout", "ServerAdapter")
+    assert "job_id = ray.get_runtime_context().get_job_id()" in adapter
+    assert 'self.zmq_handle = f"ipc:///tmp/rl-colocate-zmq-{job_id}-replica-' in adapter
+    assert "BucketedWeightSender(\n                zmq_handle=self.zmq_handle," in adapter
+    worker = _source("verl.workers.rollout.vllm_rollout.utils", "vLLMColocateWorkerExtension")
+    assert 'job_id = os.environ.get("VERL_RAY_JOB_ID", "0")' in worker
+    assert 'return f"ipc:///tmp/rl-colocate-zmq-{job_id}-replica-' in worker
+    assert "BucketedWeightReceiver(\n            zmq_handle=self._get_zmq_handle()," in worker
+    transfer = _source("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer")
+    for cls in ("BucketedWeightSender", "BucketedWeightReceiver"):
+        init = transfer.split(f"class {cls}:", 1)[1].split("def __init__(", 1)[1]
+        assert init.startswith("\n        self,\n        zmq_handle: str,"), cls
+
+
+def test_run_scoped_socket_in_a_fresh_process():  # shim 9: the path verl builds, with the run's id in it
+    code = (
+        "from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender as S, "
+        "BucketedWeightReceiver as R; import torch; h = 'ipc:///tmp/rl-colocate-zmq-01000000-replica-0-rank-0.sock'; "
+        "print(S(zmq_handle=h).zmq_handle, R(h, torch.device('cpu')).zmq_handle, S('tcp://127.0.0.1:1').zmq_handle)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(CPU_SITE), TIM_TEST_CPU_SHIMS="1", VERL_USE_EXTERNAL_PLUGINS="none")
+    scoped = "ipc:///tmp/rl-colocate-zmq-run7-01000000-replica-0-rank-0.sock"
+    for run_id, expected in (("run7", scoped), (None, scoped.replace("run7-", ""))):
+        if run_id is None:
+            env.pop("TIM_TEST_RUN_ID", None)
+        else:
+            env["TIM_TEST_RUN_ID"] = run_id
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split()[-3:] == [expected, expected, "tcp://127.0.0.1:1"]
+
+
 def test_start_up_hook_installs_every_shim_in_a_fresh_process():
     code = (
         "import importlib.metadata as md, verl.utils.distributed as d, verl.utils.import_utils as iu, "

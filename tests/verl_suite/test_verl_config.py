@@ -407,6 +407,34 @@ def test_safe_vocabulary_over_the_sampler_cut_alone(toy_model_path):
     assert "Fix: +tim.safe_vocab.min_p=0.001" in problems[0]
 
 
+def test_the_start_up_audit_reaches_the_actors_causes(toy_model_path):
+    """The driver's audit runs on the composed config; its error codes travel in ``actor_rollout_ref.tim_context``
+    (the workers get that node only), so the causes' rules that read the audit (truncation, a constrained sampler)
+    see in the actor what the driver printed: a rollout that truncates with no safe vocabulary in the actor."""
+    import io
+
+    from omegaconf import OmegaConf
+
+    from tim_plugins.integrations.verl.composed import check_composed_config
+    from tim_plugins.integrations.verl.config import ActorContext
+    from tim_plugins.integrations.verl.trainer import run_startup_audit
+    from tim_plugins.pipeline import StepPipeline
+
+    # strict off: the recipe's strict audit would stop at the truncation finding this test needs
+    cfg = compose(_without_min_p(toy_model_path) + ["actor_rollout_ref.rollout.top_p=0.8", "++tim.parity.strict=false"])
+    tim, problems, _ = check_composed_config(cfg)
+    assert problems == []
+    findings = run_startup_audit(cfg, tim, out=io.StringIO())
+    errors = tuple(f.code for f in findings if f.severity == "error")
+    assert "sampler-truncation-unmatched" in errors
+    sent = ActorContext.from_config(cfg, asynchronous=False, audit_errors=errors)
+    received = ActorContext.from_node(OmegaConf.create({ActorContext.NODE: sent.to_dict()})[ActorContext.NODE])
+    assert received == sent and received.audit_errors == errors
+    pipe = StepPipeline(tim.pipeline_config(received), framework="verl")
+    pipe.audited(received.audit_errors)
+    assert pipe.causes.audit_codes == set(errors)
+
+
 def _tim_of(cfg):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 

@@ -99,6 +99,21 @@ def run(tmp_path_factory, toy_model_path):
     return result, dump, files
 
 
+def test_the_injected_mismatch_is_named_a_floor_jump_from_its_step_and_nothing_else(run):
+    """The lag-0 floor (``tim/token/abs_diff_mean``) is fp32 noise for INJECT_FROM - 1 steps, then DELTA: named
+    ``floor-jump`` at INJECT_FROM with verl's fix, and counted at each later step (a jumped value stays out of the
+    trailing median, so a floor that stays up keeps being named; the console line is printed once per cause); nothing
+    is named before it, and nothing else at all (the sync check compares every tensor, fault-free; the two PPO epochs'
+    staleness is small at this LR)."""
+    result, _, _ = run
+    assert result.causes() == [("floor-jump", INJECT_FROM)], result.causes()
+    for step, m in result.steps.items():
+        assert m["tim/cause/named"] == (1.0 if step >= INJECT_FROM else 0.0), (step, m["tim/cause/named"])
+        assert m["tim/cause/sync_bad_tensors"] == 0.0 and m["tim/cause/sync_checked_tensors"] > 0, step
+    line = next(x for x in result.output.splitlines() if "tim-plugins cause [floor-jump]" in x)
+    assert f"at step {INJECT_FROM}: lag-0 mean |Δ log p| " in line and "Fix (verl):" in line, line
+
+
 def test_the_console_logs_the_compact_set_and_the_dump_history_every_metric(run):
     """The default log: verl's tracker (the console here) gets the tim/* metrics read each step (tim_plugins.log_keys),
     the same values as the dump's log_history.jsonl, which also holds the detail families the report reads."""

@@ -12,7 +12,7 @@ pytest.importorskip("verl")
 import harness as H  # noqa: E402
 import torch  # noqa: E402
 
-from tim_plugins.integrations.verl.config import TIMVerlConfig  # noqa: E402
+from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig  # noqa: E402
 from tim_plugins.metrics import mismatch_metrics  # noqa: E402
 from tim_plugins.safe_vocab import safe_logprobs_from_logits  # noqa: E402
 
@@ -211,10 +211,13 @@ def test_moved_safe_vocab_hook_switches_off_only_the_safe_vocabulary(engines, ba
     td, raw = batch
     plain = H.old_log_probs_padded(H.infer(eng, td), td)
     eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}, "safe_vocab": {"min_p": MIN_P}}),
-                      features_off=("verl_safe_vocab",))
+                      context=ActorContext(features_off=("verl_safe_vocab",),
+                                           audit_errors=("sampler-truncation-unmatched",)))
     try:
         got = H.old_log_probs_padded(H.infer(eng, td), td)
         metrics = eng.tim_pop_metrics()
+        # the driver's audit, handed over with the context, reaches the causes' rules
+        assert eng._tim_pipeline.causes.audit_codes == {"sampler-truncation-unmatched"}
     finally:
         eng.tim_deconfigure()
     assert torch.equal(got, plain)

@@ -133,6 +133,16 @@ def logged_by_turn(m: dict) -> dict[int, dict[str, float]]:
     return dict(sorted(out.items()))
 
 
+def test_a_mismatch_present_from_the_first_step_names_no_cause(run):
+    """A constant mismatch (±DELTA from step 1) is numerics, not a cause: no floor jump (there is no earlier floor
+    to jump from), no confident disagreement (DELTA is far below the rule's gap), every tensor synced."""
+    result, _, _ = run
+    assert result.causes() == []
+    for step, m in result.steps.items():
+        assert m["tim/cause/named"] == 0.0 and m["tim/cause/confident_disagreements"] == 0.0, step
+        assert m["tim/cause/sync_bad_tensors"] == 0.0 and m["tim/cause/sync_checked_tensors"] > 0, step
+
+
 def test_the_run_recorded_one_batch_per_step(run):
     result, probe, n_records = run
     assert sorted(result.steps) == list(range(1, STEPS + 1))

@@ -38,12 +38,20 @@ import, so nothing heavy is imported early. Each shim names the source that need
    has no such method (model_executor/models/utils.py; vLLM's own ``_load_adapter`` calls ``get_rename_mapper()``,
    "renames only, no stacking", the same mapping). ``get_unstacked_mapper`` answers with ``get_rename_mapper()``
    where it is missing, so verl's adapter sync runs here at all (``lora.merge=false``).
+9. Not a CPU matter: a test machine runs two verl jobs at once (the CI runs the verl and the Megatron suites side by
+   side). verl names the socket of its colocated weight transfer after the Ray job id
+   (workers/rollout/vllm_rollout/vllm_rollout.py ``ServerAdapter.__init__``, utils.py
+   ``vLLMColocateWorkerExtension._get_zmq_handle``: ``ipc:///tmp/rl-colocate-zmq-{job_id}-replica-...``), and every
+   fresh Ray cluster's first job id is the same (01000000), so two runs bind one path and each can connect to the
+   other's sender: both hang. With ``TIM_TEST_RUN_ID`` set (``main_ppo_run.run_main_ppo`` sets a fresh one per run),
+   the bucketed transfer's sender and receiver (bucketed_weight_transfer.py) put it into that path.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.metadata
+import os
 import sys
 from typing import Callable
 
@@ -96,6 +104,22 @@ def _unstacked_mapper(module) -> None:
         mapper.get_unstacked_mapper = mapper.get_rename_mapper
 
 
+ZMQ_PREFIX = "ipc:///tmp/rl-colocate-zmq-"
+
+
+def _run_scoped_sockets(module) -> None:
+    run_id = os.environ.get("TIM_TEST_RUN_ID")
+    if not run_id:
+        return
+    for cls in (module.BucketedWeightSender, module.BucketedWeightReceiver):
+        def __init__(self, zmq_handle, *args, _init=cls.__init__, **kwargs):
+            if zmq_handle.startswith(ZMQ_PREFIX):
+                zmq_handle = f"{ZMQ_PREFIX}{run_id}-{zmq_handle[len(ZMQ_PREFIX):]}"
+            _init(self, zmq_handle, *args, **kwargs)
+
+        cls.__init__ = __init__
+
+
 HOOKS: dict[str, Callable] = {
     "verl.workers.engine.fsdp.transformer_impl": _fsdp1_without_sync,
     "verl.utils.import_utils": _verl_without_trl,
@@ -103,6 +127,7 @@ HOOKS: dict[str, Callable] = {
     "verl.utils.distributed": _plain_gloo,
     "vllm.model_executor.layers.utils": _keep_plain_linear_weights,  # VLLM_LINEAR
     "vllm.model_executor.models.utils": _unstacked_mapper,
+    "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer": _run_scoped_sockets,
 }
 
 

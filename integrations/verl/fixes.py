@@ -93,9 +93,10 @@ CAUSE_FIXES = {
     "engine-stale": "keep +tim.sync_check.enable=true (the default with the monitor) to see which tensors; then "
                     "check that the rollout reloads at every update_weights and that nothing else (a separate "
                     "rollout server, a checkpoint engine) serves the old weights",
-    "sampler-constrained": "a constraint in the rollout's sampler (a logits processor or structured-output setting "
-                      "passed to the vLLM server) is not applied by the actor: drop it and reward the format instead; "
-                      "tokens an agent loop writes rather than samples need response_mask 0, as tool output has",
+    "sampler-constrained": "a constraint in the rollout's sampler (a logits processor or structured-output "
+                           "setting passed to the vLLM server) is not applied by the actor: drop it and reward the "
+                           "format instead; tokens an agent loop writes rather than samples need response_mask 0, as "
+                           "tool output has",
     "floor-jump": "look at what changed at that step: the weight sync (tim/cause/sync_bad_tensors) and the "
                   "prefix-cache reset after it (the server's clear_kv_cache), the rollout server, the sampling "
                   "settings",

@@ -58,7 +58,7 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 	tests/test_vllm_min_p_processor.py tests/test_trl_capabilities.py tests/test_vllm_features.py \
 	tests/test_vllm_weights.py tests/test_vllm_lora_weights.py tests/test_trl_vllm_sync_check.py \
 	tests/test_vllm_prefix_cache.py tests/test_trl_vllm_prefix_cache.py tests/test_lag0_probe.py \
-	tests/test_trl_vllm_server.py tests/test_trl_structured_outputs.py \
+	tests/test_trl_vllm_server.py tests/test_trl_vllm_structured_outputs.py \
 	tests/test_trl_real_model.py::test_monitor_equals_trl_metric_and_naive_reference \
 	tests/test_trl_real_model.py::test_k3_is_the_bf16_level_and_equals_the_naive_k3 \
 	tests/test_trl_real_model.py::test_tail_tokens_disagree_more_than_confident_ones
@@ -67,7 +67,7 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 VLLM_STACK_TESTS := tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
 	tests/test_vllm_features.py tests/test_vllm_weights.py tests/test_vllm_lora_weights.py \
 	tests/test_trl_vllm_sync_check.py tests/test_vllm_prefix_cache.py tests/test_trl_vllm_prefix_cache.py \
-	tests/test_trl_vllm_server.py tests/test_trl_structured_outputs.py tests/test_trl_real_model.py%
+	tests/test_trl_vllm_server.py tests/test_trl_vllm_structured_outputs.py tests/test_trl_real_model.py%
 # The report's tests: its queries on the installed DuckDB and pyarrow, its figures on matplotlib, its page.
 REPORT_TESTS := tests/test_report.py tests/test_report_browser.py tests/test_report_figures.py \
 	tests/test_report_query.py tests/test_report_staleness.py tests/test_report_truncation.py \

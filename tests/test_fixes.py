@@ -15,7 +15,7 @@ import pytest
 
 from tim_plugins import fixes
 from tim_plugins.parity.findings import CODES, fix_for, make_finding
-from tim_plugins.report.parity import finding_fix, fix_header
+from tim_plugins.report.parity import fix_header
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,6 @@ import importlib.util
 from functools import cache
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("ray", "transformers", "trl", "verl", "vllm")

@@ -3,7 +3,6 @@ summaries written the way the pipeline writes them (causes.jsonl beside a dump, 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 

@@ -12,7 +12,6 @@ a broken sync through main_ppo is run with the FSDP actor only (``tests/verl_sui
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import harness as H

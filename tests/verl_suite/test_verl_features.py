@@ -46,7 +46,7 @@ def test_a_changed_signature_switches_off_its_feature(monkeypatch):
 
 @pytest.mark.slow
 def test_plugin_registers_the_features_that_hold():
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import verl
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
         def prepare_model_outputs(self, output, micro_batch):

@@ -21,9 +21,7 @@ reproducible run to run here, so two whole runs cannot be compared.
 
 from __future__ import annotations
 
-import math
 import shutil
-from pathlib import Path
 
 import pytest
 

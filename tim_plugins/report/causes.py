@@ -111,7 +111,7 @@ def _none_named(log_history: list[dict]) -> str | None:
     syncs = [h["tim/cause/sync_checked_tensors"] for h in rows if _num(h.get("tim/cause/sync_checked_tensors"))]
     confident = sum(h.get("tim/cause/confident_disagreements") or 0 for h in rows)
     floor = [h["tim/cause/floor_jump"] for h in rows if _num(h.get("tim/cause/floor_jump"))]
-    parts = [f"no confident lag-0 disagreement" if not confident else f"{int(confident)} confident lag-0 "
+    parts = ["no confident lag-0 disagreement" if not confident else f"{int(confident)} confident lag-0 "
              f"disagreements (below the threshold)"]
     if floor:
         parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median")

@@ -136,6 +136,7 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
     assert "0 error(s)" in run.output.split(AUDIT_TITLE, 1)[1].splitlines()[0]
     # verl's weight sync into the vLLM server: once before the first rollout, then after each step's update
     assert run.output.count("update_weights done") == STEPS + 1
+    resolved = []
     for step, m in run.steps.items():
         # the safe vocabulary counts every response token (verl's own count); boundary tokens (sampled by vLLM,
         # outside the actor's recomputed cut on its bf16 logits) leave the monitor's tokens and the loss
@@ -149,13 +150,18 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
         assert not any(k.startswith("tim/diag/") for k in m), step  # nothing counted: our head ran every time
         k3, verl_k3 = m["tim/token/kl_k3"], m["rollout_corr/k3_kl"]
         bound = max(K3_REL * k3, K3_FP32_ABS)
-        assert bound < 0.2 * k3, step  # a real mismatch: a k3 of 0, or twice verl's, fails below
+        # a real mismatch at every step (k3 > 0); where k3 > 2 * bound, a k3 twice verl's fails the check below
+        # (|k3 - k3 / 2| > bound). A step's k3 varies with the sampled tokens (two vLLM CPU servers; measured
+        # 5.4e-7 at step 2 of one CI run, above 1.2e-6 in the runs before), so that resolution is required of the run.
+        assert k3 > 0, step
+        resolved.append(k3 > 2 * bound)
         if boundary == 0:  # the same tokens: verl's k3 and k1 over them
             assert abs(k3 - verl_k3) <= bound, (step, k3, verl_k3)
             assert m["tim/token/kl_k1"] == pytest.approx(m["rollout_corr/kl"], rel=K1_REL), step
         else:  # verl's mean also holds the boundary tokens' terms (each >= 0): k3 · tokens <= verl's k3 · all
             assert k3 * m["tim/tokens"] <= verl_k3 * n_all * (1 + K3_REL) + K3_FP32_ABS, (step, k3, verl_k3)
         assert m["tim/probe/checked"] == 1.0 and m["tim/probe/tripped"] == 0.0, step  # k3 far below 1e-2
+    assert any(resolved), [m["tim/token/kl_k3"] for m in run.steps.values()]
     # a fault-free run names no cause, and every weight sync was checked whole: the mbridge export that verl streams
     # into the vLLM servers, read back in each server's worker (a sync that could not be read would be counted under
     # tim/diag/sync_check_unavailable, refused above); the reference is the checkpoint's own tensor count

@@ -63,8 +63,8 @@ STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_tr
 	tests/test_trl_real_model.py::test_k3_is_the_bf16_level_and_equals_the_naive_k3 \
 	tests/test_trl_real_model.py::test_tail_tokens_disagree_more_than_confident_ones
 # The vLLM part of STACK_TESTS: the vLLM CPU arms, the weight-sync check on a live engine (colocate and server mode)
-# and the SmolLM2 arm (it samples with vLLM). A test that starts vLLM has "vllm" in its file name: the latest lane
-# and the newest stack split STACK_TESTS by that name (tests/test_matrix_infra.py).
+# and the SmolLM2 arm (it samples with vLLM). A test module that needs vLLM carries the `vllm` marker in its
+# pytestmark; this list is the marked part of STACK_TESTS (tests/test_matrix_infra.py checks both).
 VLLM_STACK_TESTS := tests/test_trl_vllm.py tests/test_vllm_sources.py tests/test_vllm_min_p_processor.py \
 	tests/test_vllm_features.py tests/test_vllm_weights.py tests/test_vllm_lora_weights.py \
 	tests/test_trl_vllm_sync_check.py tests/test_vllm_prefix_cache.py tests/test_trl_vllm_prefix_cache.py \

@@ -4,6 +4,7 @@ nothing here installs anything."""
 
 from __future__ import annotations
 
+import ast
 import importlib.machinery
 import importlib.util
 import json
@@ -95,6 +96,35 @@ def _pytest_args(dry: str) -> list[str]:
     return [a for a in line.split(" -m pytest ")[1].split() if not a.startswith("-")]
 
 
+def _marked_vllm(path: Path) -> bool:
+    """Whether the test module ``path`` carries pyproject's ``vllm`` marker in its module-level ``pytestmark``."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return any(isinstance(n, ast.Attribute) and n.attr == "vllm" and isinstance(n.value, ast.Attribute)
+                       and n.value.attr == "mark" for n in ast.walk(node.value))
+    return False
+
+
+def _imports_or_skips_vllm(path: Path) -> bool:
+    """Whether the test module ``path`` skips itself without vLLM (a module-level ``pytest.importorskip("vllm")``)."""
+    for node in ast.parse(path.read_text()).body:
+        call = node.value if isinstance(node, ast.Expr) else None
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "importorskip"
+                and call.args and isinstance(call.args[0], ast.Constant) and call.args[0].value == "vllm"):
+            return True
+    return False
+
+
+def test_a_main_suite_module_that_needs_vllm_carries_the_vllm_marker():
+    """The lane split below reads the marker: a module that skips itself without vLLM but is not marked would land
+    in the `latest` lane, where vLLM is not installed, and be skipped there (and not run on the newest stack)."""
+    modules = sorted((ROOT / "tests").glob("test_*.py"))
+    needs = {p.name for p in modules if _imports_or_skips_vllm(p)}
+    marked = {p.name for p in modules if _marked_vllm(p)}
+    assert {"test_trl_vllm.py", "test_vllm_sources.py", "test_trl_real_model.py"} <= needs
+    assert needs == marked, (needs ^ marked)
+
+
 def test_the_latest_lane_and_the_newest_stack_share_stack_tests_without_overlap():
     """The `latest` lane runs a user's commands, the report's tests and STACK_TESTS without vLLM; the newest locked
     stack runs the vLLM part only; together they run all of STACK_TESTS once."""
@@ -106,7 +136,7 @@ def test_the_latest_lane_and_the_newest_stack_share_stack_tests_without_overlap(
     assert {"tests/test_report_query.py", "tests/test_dump_report.py"} <= set(_make_var("REPORT_TESTS"))
     for node in _make_var("REPORT_TESTS"):
         assert (ROOT / node).is_file(), node
-    vllm = [t for t in stack_tests if "vllm" in t or t.startswith("tests/test_trl_real_model.py")]
+    vllm = [t for t in stack_tests if _marked_vllm(ROOT / t.partition("::")[0])]
     assert vllm and newest == vllm
     assert [t for t in latest if t in stack_tests] == [t for t in stack_tests if t not in vllm]
     assert not set(latest) & set(newest)

@@ -11,6 +11,8 @@ pytest.importorskip("vllm")
 from tim_plugins.apps.measure import MeasureConfig, run_measure  # noqa: E402
 from tim_plugins.dump import read_dump  # noqa: E402
 
+pytestmark = pytest.mark.vllm
+
 
 def dumped_reference(out, summary, name) -> dict[str, float]:
     """The setting's token metrics recomputed in float64 from its dump (every scored token, the loss mask's):

@@ -158,6 +158,40 @@ def test_every_n_syncs_and_tokens_scored_on_one_side_only():
     assert probe.history[-1]["moved_engine"] == pytest.approx(0.5)
 
 
+def test_a_scoring_without_valid_tokens_does_not_hide_the_next_syncs_fault(pair):
+    """A probe that scored nothing (every log-prob NaN: a failed request) names nothing and is not the baseline of
+    the next one: the no-op sync after it is still named at that sync, its move measured against the last scoring
+    that had the tokens (a naive recomputation); a partly scored probe keeps the other tokens' last values."""
+    model0, _, seqs = pair
+    trainer, engine = copy.deepcopy(model0), copy.deepcopy(model0).to(torch.bfloat16)
+    probe = Lag0Probe()
+    e0, m = _score(engine, seqs)
+    t0, _ = _score(trainer, seqs)
+    probe.set_reference(e0, t0, m)
+    nan = torch.full_like(e0, math.nan)
+    assert probe.judge(1, nan, nan, m) == [] and probe.history[-1]["tokens"] == 0
+    opt = torch.optim.Adam(trainer.parameters(), lr=LR)
+    batch = torch.tensor([s[: min(map(len, seqs))] for s in seqs])
+    loss = trainer(input_ids=batch, labels=batch).loss
+    loss.backward()
+    opt.step()  # the sync after this step does not reach the engine
+    e2, _ = _score(engine, seqs)
+    t2, _ = _score(trainer, seqs)
+    half = e2.clone()
+    half[0] = math.nan  # the first sequence unscored by the engine
+    assert [c.code for c in probe.judge(2, half, t2, m)] == ["probe-engine-unchanged"]
+    rest = m.clone()
+    rest[0] = False
+    assert probe.history[-1]["moved_trainer"] == pytest.approx(_naive_mean_abs(t2, t0, rest), rel=1e-9)
+    assert probe.history[-1]["moved_engine"] == 0.0
+    # the first sequence's last scored values are the reference's: the next probe (the engine still stale) compares
+    # every token again, the first sequence's move since the reference
+    assert [c.code for c in probe.judge(3, e2, t2, m)] == ["probe-engine-unchanged"]
+    assert probe.history[-1]["tokens"] == int(m.sum())
+    assert probe.history[-1]["moved_trainer"] == pytest.approx(
+        _naive_mean_abs(torch.where(rest, t2, t0), t2, m), rel=1e-9)
+
+
 def test_a_reference_without_scored_tokens_is_not_taken_and_judging_needs_one():
     probe = Lag0Probe()
     nan = torch.full((2, 4), math.nan, dtype=torch.float64)

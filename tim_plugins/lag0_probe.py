@@ -155,7 +155,10 @@ class Lag0Probe:
                    "moved_engine": moved_engine, "drift": drift, "tokens": int(valid.sum())}
         self.history.append(figures)
         del self.history[:-HISTORY]
-        self.previous = now
+        # a token this scoring could not score keeps its last scored values: an empty or partly invalid scoring does
+        # not shrink the next probe's comparison
+        self.previous = ProbeScores(torch.where(now.valid, now.engine, prev.engine),
+                                    torch.where(now.valid, now.trainer, prev.trainer), now.valid | prev.valid)
         if not math.isfinite(gap):
             return []
         causes = []

@@ -75,6 +75,32 @@ def test_every_n_steps_and_patience():
     assert probe.num_checks == 4
 
 
+def test_a_named_cause_is_acted_on_in_its_window_due_or_not_and_without_patience():
+    """A one-off cause (a sync that failed once) is named in one window only: the probe acts on it there, on a step
+    its threshold check is not due and before its patience runs out, and that does not count as a threshold check.
+    The cause count comes from the cause tracker that names it (``CauseTracker.evaluate``)."""
+    from tim_plugins.causes import Cause, CauseTracker
+
+    probe = ParityProbe(kl_k3_max=1e-4, action="stop", every_n_steps=4, patience=3)
+    tracker = CauseTracker()
+    clean = _metrics(0.0)
+    tracker.add_found([Cause("sync-noop", 1, "the sync left every checked tensor as it was")])
+    named, found = tracker.evaluate(1, clean, sync=False)
+    assert [c.code for c in found] == ["sync-noop"] and named["tim/cause/named"] == 1.0
+    d1 = probe.check(1, {**clean, **named})
+    assert d1.stop and d1.tripped and not d1.checked and [t.key for t in d1.trips] == ["tim/cause/named"]
+    d2 = probe.check(2, {**clean, **tracker.evaluate(2, clean, sync=False)[0]})  # not named again
+    assert not d2.tripped and not d2.stop
+    assert probe.num_checks == 0 and probe.state_dict()["consecutive"] == 0
+    # the thresholds keep their every-N and patience: a bad k3 alone acts at the third due check
+    bad = _metrics(1.0)
+    assert [probe.check(s, bad).stop for s in (3, 4, 8, 12)] == [False, False, False, True]
+    raising = ParityProbe(kl_k3_max=1e-4, action="raise", every_n_steps=4)
+    with pytest.raises(ParityError, match="tim/cause/named=1"):
+        raising.check(5, {**clean, "tim/cause/named": 1.0})
+    assert not raising.check(6, {**clean, "tim/cause/named": float("nan")}).tripped
+
+
 def test_nan_and_missing_metrics_are_skipped_not_raised():
     probe = ParityProbe(kl_k3_max=1e-4, abs_diff_max=0.1, action="raise")
     empty = mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))

@@ -8,8 +8,9 @@ checkpoint and end the loop). Every trip is logged with the step and the metric 
 `decision.skipped` (diagnostics do not crash training on bad input).
 
 A named cause (``tim/cause/named`` > 0 in the metrics: a broken weight sync, a stale engine, ...,
-``tim_plugins.causes``) trips the probe too, whatever its limits: the run is then known to be wrong, not only
-drifting.
+``tim_plugins.causes``) trips the probe too, whatever its limits, and is acted on in the window it is named in: on a
+step that is not due (``every_n_steps``) and before ``patience`` runs out. A one-off cause (a sync that failed once)
+is not named again, so waiting for a later check would never act on it.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ class ParityProbeConfig:
     seq_log_ratio_abs_max: Optional[float] = field(
         default=None, metadata={"help": "trip when tim/seq/log_ratio_abs_max (max |Σ_t Δ log p|) > this"})
     action: str = field(default="warn", metadata={"help": "warn | raise | stop"})
-    every_n_steps: int = field(default=1, metadata={"help": "check only when step % every_n_steps == 0"})
-    patience: int = field(default=1, metadata={"help": "act after this many consecutive tripped checks"})
+    every_n_steps: int = field(default=1, metadata={"help": (
+        "check the thresholds only when step % every_n_steps == 0 (a named cause is acted on at any step)")})
+    patience: int = field(default=1, metadata={"help": (
+        "act after this many consecutive tripped checks (a named cause: at once)")})
 
     def __post_init__(self) -> None:
         check_probe_values({f.name: getattr(self, f.name) for f in fields(self)})
@@ -123,15 +126,44 @@ class ParityProbe:
     def check(self, step: int, metrics: Mapping[str, float], *, raise_on_trip: bool = True) -> ProbeDecision:
         """Compare `metrics` (a `mismatch_metrics` / `MismatchMonitor.compute()` dict) with the thresholds.
 
-        Raises `ParityError` when the action is ``raise`` and the probe trips (after `patience` checks), unless
+        Raises `ParityError` when the action is ``raise`` and the probe trips (after `patience` checks; a named
+        cause at once, due or not), unless
         ``raise_on_trip=False``: then the decision (``action="raise"``, ``message``) goes to whoever acts on it (verl:
         the decision is made in the actor workers, the driver raises).
         """
         decision = ProbeDecision(step=int(step))
-        if not self.due(step):
+        named = metrics.get(CAUSE_KEY)
+        cause = named is not None and float(named) > 0  # NaN compares False
+        if self.due(step):
+            decision.checked = True
+            self.num_checks += 1
+            self._thresholds(step, metrics, decision)
+        if cause:  # acted on in the window it is named in, due or not, without patience: it does not come back
+            decision.trips.append(Trip(int(step), CAUSE_KEY, float(named), 0.0))
+        if not decision.trips:
+            if decision.checked:
+                self._consecutive = 0
             return decision
-        decision.checked = True
-        self.num_checks += 1
+        if decision.checked:
+            self._consecutive += 1
+        self.trips.extend(decision.trips)
+        decision.tripped = True
+        desc = ", ".join(f"{t.key}={t.value:.6g} > {t.threshold:.6g}" for t in decision.trips)
+        if self._consecutive < self.config.patience and not cause:
+            logger.warning("tim parity probe: step %d: %s (%d/%d before acting)", step, desc, self._consecutive,
+                           self.config.patience)
+            return decision
+        decision.action = self.config.action
+        decision.message = f"tim parity probe tripped at step {step}: {desc}"
+        logger.warning("tim parity probe tripped at step %d: %s (action: %s)", step, desc, self.config.action)
+        if self.config.action == "stop":
+            decision.stop = True
+        elif self.config.action == "raise" and raise_on_trip:
+            raise ParityError(decision.message, trip=decision)
+        return decision
+
+    def _thresholds(self, step: int, metrics: Mapping[str, float], decision: ProbeDecision) -> None:
+        """The thresholds' trips (and skipped keys) of a due check, into ``decision``."""
         for name, key in DEFAULT_METRIC_KEYS.items():
             threshold = getattr(self.config, name)
             if threshold is None:
@@ -146,28 +178,6 @@ class ParityProbe:
                 continue
             if value > threshold:  # +inf trips: an infinite mismatch is a real finding
                 decision.trips.append(Trip(int(step), key, value, float(threshold)))
-        named = metrics.get(CAUSE_KEY)
-        if named is not None and float(named) > 0:
-            decision.trips.append(Trip(int(step), CAUSE_KEY, float(named), 0.0))
-        if not decision.trips:
-            self._consecutive = 0
-            return decision
-        self._consecutive += 1
-        self.trips.extend(decision.trips)
-        decision.tripped = True
-        desc = ", ".join(f"{t.key}={t.value:.6g} > {t.threshold:.6g}" for t in decision.trips)
-        if self._consecutive < self.config.patience:
-            logger.warning("tim parity probe: step %d: %s (%d/%d before acting)", step, desc, self._consecutive,
-                           self.config.patience)
-            return decision
-        decision.action = self.config.action
-        decision.message = f"tim parity probe tripped at step {step}: {desc}"
-        logger.warning("tim parity probe tripped at step %d: %s (action: %s)", step, desc, self.config.action)
-        if self.config.action == "stop":
-            decision.stop = True
-        elif self.config.action == "raise" and raise_on_trip:
-            raise ParityError(decision.message, trip=decision)
-        return decision
 
     def state_dict(self) -> dict:
         return {"trips": [t.to_dict() for t in self.trips], "consecutive": self._consecutive,

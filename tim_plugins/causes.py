@@ -161,7 +161,8 @@ class CauseTracker:
     ``update`` takes each measured lag-0 batch (device sums, no host read); ``add_sync`` a sync check's causes
     (``weight_sync.SyncReport``), ``add_found`` other checks' (the lag-0 probe); ``audited`` the parity audit's
     codes; ``evaluate`` closes a window: the merged counts (every rank must call it when ``sync``), the rules,
-    ``tim/cause/*`` and the causes named in the window.
+    ``tim/cause/*`` and the causes named in the window; ``evaluate_loss_passes`` adds the staleness rule's causes
+    to it where the loss passes end after it was closed.
     ``framework`` picks the fix words of the console line."""
 
     def __init__(self, config: CauseConfig | None = None, *, framework: str | None = None) -> None:
@@ -173,6 +174,7 @@ class CauseTracker:
         self._counts: torch.Tensor | None = None  # [disagreeing, confident, forced], float64, on the batches' device
         self._sync: list[Cause] = []  # sync causes found since the last window
         self._sync_bad = self._sync_checked = -math.inf
+        self._window_codes: set[str] = set()  # the codes named in the last window (evaluate_loss_passes adds to it)
         self._logged: set[tuple] = set()
 
     # ------------------------------------------------------------------------------------------- inputs
@@ -244,12 +246,14 @@ class CauseTracker:
             found.append(Cause("floor-jump", step,
                                f"lag-0 mean |Δ log p| {floor:.3g} is {ratio:.3g}x its trailing median "
                                f"{self.floor.median():.3g}", evidence={"floor": floor, "ratio": ratio}))
-        found.extend(self._split_causes(step, metrics))
+        found.extend(self._staleness_causes(step, metrics))
+        found.extend(self._truncation_causes(step, metrics))
         self._counts, self._sync = None, []
         self._sync_bad = self._sync_checked = -math.inf
         for cause in found:
             self._log(cause)
         self.named.extend(found)
+        self._window_codes = {x.code for x in found}
         out = {
             CAUSE_KEYS[0]: float(len({x.code for x in found})),
             CAUSE_KEYS[1]: disagreeing,
@@ -259,7 +263,21 @@ class CauseTracker:
         }
         return out, found
 
-    def _split_causes(self, step: int, metrics: dict) -> list[Cause]:
+    def evaluate_loss_passes(self, step: int, metrics: dict) -> tuple[dict, list[Cause]]:
+        """The rule that reads the loss passes (``staleness``) where they end after the window was closed (verl: the
+        actor update after the old-log-prob pass): ``metrics`` are their merged statistics (``tim/split/*``,
+        ``tim/staleness/*``, the same on every rank: no collective). Returns ({``tim/cause/named``: the window's
+        count with the new causes} or {} when none is new, the causes newly named)."""
+        found = [x for x in self._staleness_causes(step, metrics) if x.code not in self._window_codes]
+        if not found:
+            return {}, []
+        for cause in found:
+            self._log(cause)
+        self.named.extend(found)
+        self._window_codes |= {x.code for x in found}
+        return {CAUSE_KEYS[0]: float(len(self._window_codes))}, found
+
+    def _staleness_causes(self, step: int, metrics: dict) -> list[Cause]:
         from tim_plugins.parity.probe import ParityProbeConfig
 
         c, out = self.config, []
@@ -270,6 +288,10 @@ class CauseTracker:
             out.append(Cause("staleness", step, f"the staleness part explains {share:.0%} of the log-ratio's "
                                                 f"variance and its k3 is {k3:.3g} (healthy <= {limit:g})",
                              evidence={"staleness_var_share": share, "staleness_k3": k3}))
+        return out
+
+    def _truncation_causes(self, step: int, metrics: dict) -> list[Cause]:
+        c, out = self.config, []
         ratio = metrics.get("tim/token/ratio_mean")
         if "sampler-truncation-unmatched" in self.audit_codes and _finite(ratio) and ratio < 1 - c.truncation_bias:
             out.append(Cause("truncation", step, f"the sampler truncates, the trainer does not, and the mean ρ is "

@@ -20,6 +20,8 @@ tensors and calls, in this order:
   compute(step)                             once per logging window: every statistic, merged exactly over the
                                             ranks (all must call it), the named causes (``tim_plugins.causes``)
                                             and the live probe's decision.
+  close_loss_passes(step)                   where the loss passes end after ``compute`` closed their step's window
+                                            (verl): their statistics and the staleness rule that reads them.
   sync_checked(report)                      after a checked weight sync (``tim_plugins.weight_sync``): its causes
                                             are named at once and counted in the next window.
 
@@ -40,12 +42,12 @@ from typing import Literal
 import torch
 
 from .accumulate import all_reduce_sum_max, is_distributed
-from .causes import CauseConfig, CauseTracker
+from .causes import CAUSE_KEYS, CauseConfig, CauseTracker
 from .corrections import CorrectionConfig, CorrectionStats, apply_correction
 from .dump import DumpConfig, TokenDumper, append_causes
 from .lr_control import LengthTriggeredLRDecay, LRDecayConfig
 from .metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
-from .parity.probe import ParityProbe, ParityProbeConfig
+from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
 from .safe_vocab import SafeLogprobs
 from .safe_vocab_stats import SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
@@ -428,11 +430,7 @@ class StepPipeline:
         if self.causes is not None:  # after the split: the staleness rule reads it
             values, named = self.causes.evaluate(step, out, sync=sync, group=group)
             out.update(values)
-            if named and self.dumper is not None and self.rank == 0:  # beside the dump, for the report's verdict
-                try:
-                    append_causes(self.dumper.config.out_dir, named)
-                except OSError as err:
-                    self.count("dump_failed", detail=repr(err))
+            self._write_causes(named)
         if self.monitor is not None and self.probe is not None:
             decision = self.probe.check(step, out, raise_on_trip=raise_on_trip)
             out.update(decision.metrics())
@@ -445,6 +443,30 @@ class StepPipeline:
         self._count_unknown_lag()
         out.update({f"tim/diag/{k}": v for k, v in self._merged_diag(sync, group).items()})
         return out, decision, hists
+
+    def close_loss_passes(self, step: int, *, sync: bool = True, group=None,
+                          raise_on_trip: bool = True) -> tuple[dict[str, float], ProbeDecision | None]:
+        """``compute_loss_passes`` for an adapter whose loss passes end after ``compute`` closed the window of
+        ``step`` (verl), with the rule that reads them: the staleness cause, named in that window
+        (``CauseTracker.evaluate_loss_passes``: ``tim/cause/named`` counts it), written beside the dump and acted on
+        by the probe as ``compute`` would. Returns (metrics, the probe's decision on the new causes or None)."""
+        out = self.compute_loss_passes(sync=sync, group=group)
+        decision = None
+        if self.causes is not None:
+            values, named = self.causes.evaluate_loss_passes(step, out)
+            out.update(values)
+            self._write_causes(named)
+            if named and self.monitor is not None and self.probe is not None:
+                decision = self.probe.check_causes(step, values[CAUSE_KEYS[0]], raise_on_trip=raise_on_trip)
+        return out, decision
+
+    def _write_causes(self, named: list) -> None:
+        """Newly named causes beside the dump, for the report's verdict (rank 0)."""
+        if named and self.dumper is not None and self.rank == 0:
+            try:
+                append_causes(self.dumper.config.out_dir, named)
+            except OSError as err:
+                self.count("dump_failed", detail=repr(err))
 
     def compute_loss_passes(self, *, sync: bool = True, group=None) -> dict[str, float]:
         """The statistics of the loss passes alone (``loss_pass``: ``tim/staleness/*``, ``tim/split/*``,

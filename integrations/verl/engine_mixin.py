@@ -445,5 +445,11 @@ class TIMEngineMixin:
         self._tim_step_start = True
         self._tim_updates = 0
         if self._tim_pipeline.by_lag is not None:  # every DP rank steps the scheduler: all merge here
-            self._tim_pending.update(self._tim_pipeline.compute_loss_passes(sync=True, group=self._tim_dp_group()))
+            # the split's rule (staleness) names its cause in the step's window; the driver acts on the decision
+            metrics, decision = self._tim_pipeline.close_loss_passes(self._tim_step, sync=True,
+                                                                     group=self._tim_dp_group(), raise_on_trip=False)
+            self._tim_pending.update(metrics)
+            if decision is not None:
+                self._tim_decision = decision if self._tim_decision is None else self._tim_decision.merged(decision)
+                self._tim_pending.update(self._tim_decision.metrics())
         return lr * self._tim_lr_scale()

@@ -142,6 +142,45 @@ def test_a_batch_trained_once_has_a_staleness_part_of_exactly_zero(toy_model_pat
         assert not math.isnan(got["tim/split/mismatch_mean"])
 
 
+@pytest.mark.parametrize("passes", [2, 1])
+def test_staleness_is_named_in_the_step_its_loss_passes_end_and_the_probe_acts_on_it(toy_model_path, passes):
+    """verl closes the step's window at the old-log-prob pass, before its loss passes: the staleness rule runs when
+    they end (lr_scheduler_step), counts in the step's ``tim/cause/named`` and reaches the driver's decision. A
+    rollout at the trainer's numbers (1e-4 nats apart) and a large step: the second pass's staleness part is the
+    whole log-ratio's variance and unhealthy (naive float64 split of verl's own tensors); a batch trained once has
+    none, and nothing is named."""
+    H.init_dist(port=29591 if passes == 2 else 29592)
+    engine = H.build_engine(toy_model_path, lr=3e-2)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True},
+                                                  "probe": {"kl_k3": 1e9, "action": "stop"}}))
+    td, raw = H.make_batch(VOCAB, response=6, seed=7)
+    trained = H.old_log_probs_padded(H.infer(engine, td), td)  # the actor's own log-probs of these tokens
+    engine.tim_pop_metrics(), engine.tim_pop_decision()  # that pass measured the batch's random rollout
+    noise = 1e-4 * torch.randn(trained.shape, generator=torch.Generator().manual_seed(1))
+    rollout = (trained + noise).to(raw["rollout_log_probs"].dtype)
+    td["rollout_log_probs"] = H.response_nested(rollout, td) if td["response_mask"].is_nested else rollout
+    old = H.old_log_probs_padded(H.infer(engine, td), td)
+    before = len(engine._tim_pipeline.causes.named)
+    calls: list = []
+    _train(engine, td, old, _recording_loss(calls), passes=passes)
+    got, decision = engine.tim_pop_metrics(), engine.tim_pop_decision()
+    s = torch.cat([(cur - (cur if i < 2 else old_mb))[mask] for i, (cur, old_mb, _, mask) in enumerate(calls)])
+    m = torch.cat([((cur if i < 2 else old_mb) - roll)[mask] for i, (cur, old_mb, roll, mask) in enumerate(calls)])
+    share, k3 = float(s.var(unbiased=False)) / float((s + m).var(unbiased=False)), _k3(s)
+    assert got["tim/split/staleness_var_share"] == pytest.approx(share, rel=1e-6, abs=1e-12)
+    assert got["tim/staleness/token/kl_k3"] == pytest.approx(k3, rel=1e-6, abs=1e-12)
+    if passes == 1:
+        assert share == k3 == 0.0
+        assert got["tim/cause/named"] == 0.0 and (decision is None or not decision.tripped)
+        return
+    assert share > 0.99 and k3 > 1e-3  # the rule's inputs, independently: staleness, and unhealthy
+    assert got["tim/cause/named"] == 1.0 and got["tim/probe/tripped"] == 1.0
+    assert decision.stop and decision.action == "stop" and [t.key for t in decision.trips] == ["tim/cause/named"]
+    named = engine._tim_pipeline.causes.named[before:]
+    assert [c.code for c in named] == ["staleness"]
+    assert named[0].evidence["staleness_k3"] == got["tim/staleness/token/kl_k3"]
+
+
 def _with_interior_env(raw: dict, segments: dict[int, list[tuple[int, int]]]):
     """The batch with tool / user message tokens inside responses (response_mask 0 between the model's turns, as
     verl's multi-turn agent loop writes them), in the layout make_batch hands the engine."""

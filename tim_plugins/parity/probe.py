@@ -108,6 +108,15 @@ class ProbeDecision:
         """`tim/probe/*` values for the logger."""
         return {"tim/probe/tripped": float(self.tripped), "tim/probe/checked": float(self.checked)}
 
+    def merged(self, later: "ProbeDecision") -> "ProbeDecision":
+        """This decision and a ``later`` one of the same step (``ParityProbe.check_causes``) as one: what tripped in
+        either, and the action due in either (one probe, one action)."""
+        message = "; ".join(m for m in (self.message, later.message) if m) or None
+        return ProbeDecision(step=later.step, checked=self.checked or later.checked,
+                             tripped=self.tripped or later.tripped, action=self.action or later.action,
+                             stop=self.stop or later.stop, trips=self.trips + later.trips,
+                             skipped=self.skipped + later.skipped, message=message)
+
 
 class ParityProbe:
     """Check mismatch metrics against thresholds every N steps and decide warn / raise / stop."""
@@ -127,19 +136,28 @@ class ParityProbe:
         """Compare `metrics` (a `mismatch_metrics` / `MismatchMonitor.compute()` dict) with the thresholds.
 
         Raises `ParityError` when the action is ``raise`` and the probe trips (after `patience` checks; a named
-        cause at once, due or not), unless
-        ``raise_on_trip=False``: then the decision (``action="raise"``, ``message``) goes to whoever acts on it (verl:
-        the decision is made in the actor workers, the driver raises).
+        cause at once, due or not), unless ``raise_on_trip=False``: then the decision (``action="raise"``,
+        ``message``) goes to whoever acts on it (verl: the decision is made in the actor workers, the driver
+        raises).
         """
         decision = ProbeDecision(step=int(step))
-        named = metrics.get(CAUSE_KEY)
-        cause = named is not None and float(named) > 0  # NaN compares False
         if self.due(step):
             decision.checked = True
             self.num_checks += 1
             self._thresholds(step, metrics, decision)
+        return self._decide(decision, metrics.get(CAUSE_KEY), raise_on_trip)
+
+    def check_causes(self, step: int, named: float, *, raise_on_trip: bool = True) -> ProbeDecision:
+        """The decision on causes named after ``check`` ran for ``step`` (``named`` = the window's
+        ``tim/cause/named``): no threshold is checked and the patience count is left as it was."""
+        return self._decide(ProbeDecision(step=int(step)), named, raise_on_trip)
+
+    def _decide(self, decision: ProbeDecision, named, raise_on_trip: bool) -> ProbeDecision:
+        """Add the named causes' trip to ``decision`` (its thresholds checked, or not due) and act."""
+        step = decision.step
+        cause = named is not None and float(named) > 0  # NaN compares False
         if cause:  # acted on in the window it is named in, due or not, without patience: it does not come back
-            decision.trips.append(Trip(int(step), CAUSE_KEY, float(named), 0.0))
+            decision.trips.append(Trip(step, CAUSE_KEY, float(named), 0.0))
         if not decision.trips:
             if decision.checked:
                 self._consecutive = 0

@@ -273,6 +273,20 @@ def test_state_dict_roundtrip():
     assert [c.to_dict() for c in again.causes.named] == [c.to_dict() for c in pipe.causes.named]
 
 
+def test_a_cause_named_in_every_window_keeps_the_checkpoint_bounded(monkeypatch):
+    """A cause that persists is named in every window: the tracker keeps the last NAMED_KEPT of them (what its
+    checkpoint carries), every window still counts it."""
+    import tim_plugins.causes as causes
+
+    monkeypatch.setattr(causes, "NAMED_KEPT", 5)
+    pipe = _pipeline()
+    for step in range(1, 13):
+        pipe.sync_checked(_report(step))
+        assert pipe.compute(step, sync=False)[0]["tim/cause/named"] == 1.0
+    assert [c.step for c in pipe.causes.named] == [8, 9, 10, 11, 12]
+    assert len(pipe.state_dict()["causes"]["named"]) == 5
+
+
 @pytest.mark.parametrize("framework", ["trl", "verl"])
 def test_registry_every_cause_has_the_frameworks_words_and_a_documented_rule(framework):
     import importlib

@@ -152,6 +152,7 @@ class FloorHistory:
         return statistics.median(self.values[-self.window:]) if self.values else math.nan
 
 
+NAMED_KEPT = 256  # CauseTracker.named's length (the causes of the last windows)
 _FLAG_CODES = tuple(CAUSES)  # one merged flag per code (max over ranks): every rank names the same causes
 
 
@@ -170,7 +171,9 @@ class CauseTracker:
         self.framework = framework
         self.floor = FloorHistory(c.floor_window, c.floor_jump_factor, c.floor_jump_min)
         self.audit_codes: set[str] = set()
-        self.named: list[Cause] = []  # every cause named so far (the report's list)
+        # the last NAMED_KEPT causes named (checkpointed: a cause that persists is named in every window; every one
+        # of them is in causes.jsonl beside the dump, which the report reads)
+        self.named: list[Cause] = []
         self._counts: torch.Tensor | None = None  # [disagreeing, confident, forced], float64, on the batches' device
         self._sync: list[Cause] = []  # sync causes found since the last window
         self._sync_bad = self._sync_checked = -math.inf
@@ -252,7 +255,7 @@ class CauseTracker:
         self._sync_bad = self._sync_checked = -math.inf
         for cause in found:
             self._log(cause)
-        self.named.extend(found)
+        self._keep(found)
         self._window_codes = {x.code for x in found}
         out = {
             CAUSE_KEYS[0]: float(len({x.code for x in found})),
@@ -273,7 +276,7 @@ class CauseTracker:
             return {}, []
         for cause in found:
             self._log(cause)
-        self.named.extend(found)
+        self._keep(found)
         self._window_codes |= {x.code for x in found}
         return {CAUSE_KEYS[0]: float(len(self._window_codes))}, found
 
@@ -297,6 +300,10 @@ class CauseTracker:
             out.append(Cause("truncation", step, f"the sampler truncates, the trainer does not, and the mean ρ is "
                                                  f"{ratio:.3g} (the kept mass)", evidence={"ratio_mean": ratio}))
         return out
+
+    def _keep(self, found: list[Cause]) -> None:
+        self.named.extend(found)
+        del self.named[:-NAMED_KEPT]
 
     def _log(self, cause: Cause) -> None:
         key = (cause.code, cause.tensors, cause.message if cause.code.startswith("sync") else None)

@@ -200,6 +200,16 @@ def test_staleness_is_named_when_it_explains_an_unhealthy_log_ratio():
     pipe.measure(rollout, train, mask)
     pipe.loss_pass(rollout, train, train + 1e-3, mask)
     assert pipe.compute(2, sync=False)[0]["tim/cause/named"] == 0
+    # ordinary PPO reuse: the whole variance, k3 above the mismatch limit 1e-3 but below staleness_k3 (0.015)
+    pipe.measure(rollout, train, mask)
+    current = train + 0.1 * torch.randn(train.shape, generator=torch.Generator().manual_seed(6))
+    pipe.loss_pass(rollout, train, current, mask)
+    out = pipe.compute(3, sync=False)[0]
+    d = (current - train).double()
+    assert out["tim/staleness/token/kl_k3"] == pytest.approx(float((torch.expm1(d) - d).mean()), rel=1e-5)
+    assert out["tim/split/staleness_var_share"] > 0.5 and 1e-3 < out["tim/staleness/token/kl_k3"] < 0.015
+    assert out["tim/cause/named"] == 0
+    assert [c.code for c in pipe.causes.named] == ["staleness"]  # step 1's only
 
 
 def test_truncation_needs_the_audits_finding_and_the_kept_mass_bias():

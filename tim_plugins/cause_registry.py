@@ -139,8 +139,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
     _C("staleness", "split", "staleness, not mismatch, makes the log-ratio unhealthy",
        "The trainer reuses a batch after optimizer steps: the policy moved since sampling. The parity fixes "
        "cannot reduce that part.",
-       "the staleness part explains >= staleness_share of Var(log-ratio) and its own k3 is above the healthy "
-       "limit (the probe's default kl_k3_max)",
+       "the staleness part explains >= staleness_share of Var(log-ratio) and its own k3 (the policy's move since "
+       "sampling) is above staleness_k3, PPO's usual early stop on a reused batch (1.5 x a target KL of 0.01)",
        {"tim_plugins": "fewer optimizer updates per sampled batch"}),
     _C("truncation", "split", "the sampler's truncation, applied on the rollout side only",
        "Processed rollout log-probs are renormalised over the kept set, the trainer's over the full vocabulary: "

@@ -80,8 +80,10 @@ class CauseConfig:
         "... and more than this many nats above it")})
     floor_window: int = field(default=8, metadata={"help": "windows in the trailing median of the lag-0 floor"})
     staleness_share: float = field(default=0.5, metadata={"help": (
-        "staleness is named when its part explains at least this share of Var(log-ratio) (and its k3 is "
-        "unhealthy)")})
+        "staleness is named when its part explains at least this share of Var(log-ratio) ...")})
+    staleness_k3: float = field(default=0.015, metadata={"help": (
+        "... and its k3 (the policy's move since sampling) is above this: PPO's usual early stop of updates on one "
+        "batch, 1.5 x a target KL of 0.01 (a reused batch below it is ordinary PPO, not a cause)")})
     truncation_bias: float = field(default=0.02, metadata={"help": (
         "truncation is named when the audit found it unmatched and the mean ρ is below 1 - this")})
 
@@ -95,6 +97,7 @@ class CauseConfig:
             "floor_jump_min": (self.floor_jump_min >= 0 and math.isfinite(self.floor_jump_min), "must be >= 0"),
             "floor_window": (_whole(self.floor_window), "must be an integer >= 1"),
             "staleness_share": (0.0 < self.staleness_share <= 1.0, "must be in (0, 1]"),
+            "staleness_k3": (self.staleness_k3 > 0 and math.isfinite(self.staleness_k3), "must be > 0"),
             "truncation_bias": (0.0 < self.truncation_bias < 1.0, "must be in (0, 1)"),
         }
         for name, (ok, rule) in checks.items():
@@ -281,15 +284,13 @@ class CauseTracker:
         return {CAUSE_KEYS[0]: float(len(self._window_codes))}, found
 
     def _staleness_causes(self, step: int, metrics: dict) -> list[Cause]:
-        from tim_plugins.parity.probe import ParityProbeConfig
-
         c, out = self.config, []
         share = metrics.get("tim/split/staleness_var_share")
         k3 = metrics.get("tim/staleness/token/kl_k3")
-        limit = ParityProbeConfig().kl_k3_max
+        limit = c.staleness_k3
         if _finite(share) and _finite(k3) and share >= c.staleness_share and k3 > limit:
             out.append(Cause("staleness", step, f"the staleness part explains {share:.0%} of the log-ratio's "
-                                                f"variance and its k3 is {k3:.3g} (healthy <= {limit:g})",
+                                                f"variance and its k3 is {k3:.3g} (ordinary PPO reuse <= {limit:g})",
                              evidence={"staleness_var_share": share, "staleness_k3": k3}))
         return out
 

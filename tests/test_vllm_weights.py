@@ -94,6 +94,32 @@ def test_a_sync_through_vllms_own_reload_is_checked(vllm_llm, reader, checkpoint
                                                           "is_checkpoint_format": True})
 
 
+def test_a_workers_reader_kept_across_syncs_reads_each_sync_afresh(vllm_llm, checkpoint):
+    """verl's worker keeps one reader for the run and answers each sync's requests with it
+    (``worker_reads.read_requests``): the second sync's reads, through the layers' forward, are the weights loaded
+    at that sync, not the first sync's (the reader caches a layer's forward output within one check). Reference:
+    the tensors vLLM's reload_weights was given."""
+    from tim_plugins.integrations.vllm.worker_reads import WorkerReads, read_requests, sync_requests
+
+    reader = VLLMWeights.from_llm(vllm_llm, forward_reads=True)
+    check = SyncCheck()
+    g = torch.Generator().manual_seed(1)
+    try:
+        for step, scale in enumerate((0.0, 1e-2, 2e-2)):
+            sent = {n: t + scale * torch.randn(t.shape, generator=g) for n, t in checkpoint.items()}
+            record = check.begin(step)
+            weights = list(record.observing(sent.items()))
+            vllm_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+            requests = sync_requests(record)
+            report = check.finish(record, WorkerReads(requests, [read_requests(reader, requests)]))
+            assert report.causes == [] and report.bad_tensors == 0, (step, report.statuses)
+            assert report.checked_tensors == len(checkpoint)
+    finally:  # the module's engine back to the checkpoint
+        vllm_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(checkpoint.items()),
+                                                          "is_checkpoint_format": True})
+
+
 def test_a_replaced_parameter_is_read_where_it_is_now():
     """After a first read, a name is read with one gather from its module's parameter, fetched again at each read:
     a parameter the engine replaced (new storage, or another shape, as a reload that re-lays weights out does) is

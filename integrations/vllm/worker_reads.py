@@ -77,6 +77,9 @@ def read_requests(reader, requests: Iterable) -> dict:
     """In the engine's worker: ``reader`` (a ``weights.VLLMWeights`` of this worker's model) answers ``requests``
     (``sync_requests``' lists). A tensor whose read fails is None (not compared, counted), never an error."""
     reads = []
+    fresh = getattr(reader, "fresh_read", None)
+    if fresh is not None:  # a worker keeps its reader across syncs: nothing read at an earlier sync may answer now
+        fresh()
     for name, shape, index in requests:
         idx = torch.tensor(index, dtype=torch.long).reshape(len(index), len(shape))
         try:

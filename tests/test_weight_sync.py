@@ -223,6 +223,54 @@ def test_without_an_expectation_a_sync_that_sends_nothing_after_a_step_is_a_noop
     assert sync(3, _step(weights)).causes == []  # sends again: compared as usual
 
 
+def test_a_lasting_fault_on_a_tensor_the_trainer_leaves_alone_keeps_its_name():
+    """A tensor the trainer does not change (frozen, lr 0) that the engine holds written through bf16 is named
+    ``sync-precision`` at every check, not ``stale`` from the second on: stale needs the trainer's values to have
+    moved while the engine's did not. The trained tensors (moved, same fault) stay precision too; a really stale
+    tensor (skipped) is stale."""
+    weights = _model()
+    frozen = "model.layers.0.norm.weight"
+    engine, check = DictEngine(torch.float32, weights), SyncCheck()
+    skipped = "model.layers.1.mlp.weight"
+    for step in range(4):
+        report = _sync(check, engine, weights, step, through={n: torch.bfloat16 for n in weights if n != "model.scale"},
+                       skip={skipped} if step >= 2 else set())
+        bf16_exact = {n for n, t in weights.items() if torch.equal(t.to(torch.bfloat16).float(), t)}
+        want = {n: "precision" for n in weights if n not in bf16_exact and n != "model.scale"}
+        if step >= 2:
+            want[skipped] = "stale"
+        assert {n: st for n, st in report.statuses.items() if st != "ok"} == want, step
+        assert report.statuses[frozen] == "precision"
+        weights = {n: (t if n == frozen else t + 1e-2) for n, t in weights.items()}
+
+
+def test_reports_are_bounded_and_the_noop_rule_still_finds_the_last_sync_that_sent(monkeypatch):
+    import tim_plugins.weight_sync as ws
+
+    monkeypatch.setattr(ws, "REPORTS_KEPT", 3)
+    weights = _model()
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+    assert _sync(check, engine, weights, 0).causes == []
+    for step in range(1, 6):  # syncs that send nothing at the step already synced: no cause, reports pile up
+        record = check.begin(0)
+        assert check.finish(record, engine).causes == []
+    assert len(check.reports) == 3 and all(not r.statuses for r in check.reports)
+    record = check.begin(7)
+    (cause,) = check.finish(record, engine).causes
+    assert cause.code == "sync-noop" and set(cause.tensors) == set(weights)
+    assert "the checked sync after step 0 sent 8 tensors" in cause.message
+
+
+def test_a_tensor_without_elements_is_ok_not_unread():
+    weights = {**_model(), "model.empty.bias": torch.zeros(0), "model.empty.weight": torch.zeros(0, 24)}
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+    for step in range(2):
+        report = _sync(check, engine, weights, step)
+        assert report.causes == [] and report.names("unread") == []
+        assert report.statuses["model.empty.bias"] == report.statuses["model.empty.weight"] == "ok"
+        weights = _step(weights, seed=step + 1)
+
+
 def test_every_n_syncs():
     check = SyncCheck(SyncCheckConfig(every_n_syncs=3))
     assert [check.begin(s) is not None for s in range(7)] == [True, False, False, True, False, False, True]

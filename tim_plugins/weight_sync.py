@@ -66,6 +66,7 @@ __all__ = ["CachedPrefix", "EngineRead", "EngineWeights", "SyncCheck", "SyncChec
 
 # What a checked tensor can be found to be (SyncReport.statuses).
 STATUSES = ("ok", "stale", "precision", "differs", "missing", "unread")
+REPORTS_KEPT = 64  # SyncCheck.reports' length: a report holds every checked tensor's status (kB per sync)
 
 # Float dtypes by precision (mantissa bits): a value rounded through a coarser one and stored in a finer one is what
 # "written in another precision" leaves behind.
@@ -279,7 +280,8 @@ class SyncCheck:
         self._flat_index: dict[tuple, torch.Tensor] = {}
         # the previous check's values, per (stored dtype, quantized) group: (names, sizes, engine values, expected)
         self._last: dict[tuple, tuple] = {}
-        self.reports: list[SyncReport] = []
+        self.reports: list[SyncReport] = []  # the last REPORTS_KEPT checks' reports
+        self._last_sent: SyncReport | None = None  # the last report of a check that compared tensors
 
     def index(self, name: str, shape: tuple) -> torch.Tensor:
         key = (name, shape)
@@ -334,8 +336,8 @@ class SyncCheck:
         for name, sent, read in reads:
             agrees, held, moved = fresh_values[name]
             coarser = not read.quantized and read.dtype in too_coarse
-            if not held:
-                status = "unread"
+            if not held:  # a tensor without elements holds nothing to disagree on
+                status = "ok" if math.prod(sent.shape) == 0 else "unread"
             elif agrees and not coarser:
                 status = "ok"
             else:  # the rare case: what went wrong, tensor by tensor
@@ -350,6 +352,9 @@ class SyncCheck:
             report.causes += prefix.causes(record.step)
         report.seconds = record.seconds + time.perf_counter() - t0
         self.reports.append(report)
+        del self.reports[:-REPORTS_KEPT]
+        if report.statuses:
+            self._last_sent = report
         return report
 
     def _compare(self, reads: list, configured: torch.dtype) -> tuple[dict, dict]:
@@ -440,7 +445,11 @@ class SyncCheck:
             return "precision"
         previous = self._previous(name)
         if previous is not None and previous[0].numel() == v.numel() and bool((v == previous[0])[held].all()):
-            return "stale"
+            # stale: the trainer's values moved and the engine's did not (a tensor the trainer left alone, frozen
+            # or at lr 0, that the engine holds otherwise is what the tests below say it is, at every check)
+            before = previous[1]
+            if bool(((expected != before) & held & ~torch.isnan(before)).any()):
+                return "stale"
         t = sent.values.detach().to("cpu")
         for d in coarser_dtypes(read.dtype):
             if bool((v == t.to(d).to(read.dtype).double().reshape(-1))[held].all()):
@@ -492,7 +501,7 @@ class SyncCheck:
         and a checked sync that did send (its tensors are the ones named)."""
         if record.sent or record.expected:
             return []
-        previous = next((r for r in reversed(self.reports) if r.statuses), None)
+        previous = self._last_sent
         if previous is None or record.step <= previous.step:
             return []
         names = list(previous.statuses)

@@ -271,6 +271,21 @@ def test_a_tensor_without_elements_is_ok_not_unread():
         weights = _step(weights, seed=step + 1)
 
 
+def test_a_tensor_the_stream_cannot_sample_costs_the_check_not_the_sync():
+    """Sampling runs inside the framework's sync (the stream it loads from): a tensor it cannot sample (here a
+    sparse one: no ``torch.take``) is passed on as it is, the rest of the stream too, and ``finish`` refuses the
+    check with that tensor's name (the adapters count ``sync_check_failed``)."""
+    weights = _model()
+    check = SyncCheck()
+    record = check.begin(0)
+    stream = [(n, t.to_sparse() if n == "model.layers.0.q.weight" else t) for n, t in weights.items()]
+    passed = list(record.observing(stream))
+    assert [n for n, _ in passed] == list(weights) and all(a is b for (_, a), (_, b) in zip(passed, stream))
+    assert record.failed.startswith("model.layers.0.q.weight: NotImplementedError")
+    with pytest.raises(RuntimeError, match="could not sample a sent tensor: model.layers.0.q.weight"):
+        check.finish(record, DictEngine(torch.bfloat16, weights))
+
+
 def test_every_n_syncs():
     check = SyncCheck(SyncCheckConfig(every_n_syncs=3))
     assert [check.begin(s) is not None for s in range(7)] == [True, False, False, True, False, False, True]

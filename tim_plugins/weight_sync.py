@@ -186,6 +186,7 @@ class SyncRecord:
         self.sent: dict[str, _Sent] = {}
         self.expected: list[str] = []
         self.seconds = 0.0
+        self.failed: Optional[str] = None  # the first error sampling a sent tensor (the check is then not made)
 
     def observe(self, name: str, tensor: torch.Tensor, *, streamed: bool = True, scale: Optional[float] = None
                 ) -> None:
@@ -193,14 +194,18 @@ class SyncRecord:
         sent twice keeps its first tensor. ``scale``: the engine holds the tensor times this factor (vLLM folds a
         LoRA adapter's scaling into its ``lora_B``): the sample is kept multiplied by it, in float64, for a reader
         whose read of that tensor is compared unrounded within its bound (``EngineRead.quantized``)."""
-        if name in self.sent:
+        if name in self.sent or self.failed is not None:
             return
         t0 = time.perf_counter()
-        t = tensor.detach()
-        shape = tuple(t.shape)
-        values = torch.take(t, self.check.flat_index(name, shape, t.device))
-        if scale is not None:
-            values = values.to(torch.float64) * float(scale)
+        try:  # it runs inside the framework's sync: a tensor it cannot sample costs the check, never the sync
+            t = tensor.detach()
+            shape = tuple(t.shape)
+            values = torch.take(t, self.check.flat_index(name, shape, t.device))
+            if scale is not None:
+                values = values.to(torch.float64) * float(scale)
+        except Exception as err:
+            self.failed = f"{name}: {err!r}"
+            return
         self.sent[name] = _Sent(shape, values, streamed)
         self.seconds += time.perf_counter() - t0
 
@@ -312,6 +317,8 @@ class SyncCheck:
         """Compare the engine (after the sync) with ``record``; ``local(name)``: the trainer's own tensor of an
         expected name that was not streamed (None when it has no plain tensor of it); ``prefix``: what the engine's
         prefix cache can still serve, read after the sync (None: not read)."""
+        if record.failed is not None:  # the adapters count it (sync_check_failed)
+            raise RuntimeError(f"the sync check could not sample a sent tensor: {record.failed}")
         t0 = time.perf_counter()
         report = SyncReport(record.step, record.sync_index)
         fresh = getattr(engine, "fresh_read", None)  # optional: the engine's weights changed, drop any cached read

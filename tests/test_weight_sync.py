@@ -244,6 +244,20 @@ def test_a_lasting_fault_on_a_tensor_the_trainer_leaves_alone_keeps_its_name():
         weights = {n: (t if n == frozen else t + 1e-2) for n, t in weights.items()}
 
 
+def test_a_tensor_the_sync_never_reaches_and_the_trainer_leaves_alone_is_differ_then_stale():
+    """The engine starts on other values (verl's dummy weights) and the sync skips one tensor the trainer does not
+    train (a norm under LoRA): at the first check it holds neither the trainer's values nor a rounding of them
+    (differs); from the second on it still holds what it held (stale), as a trained tensor the sync skips is."""
+    weights = _model()
+    norm, trained = "model.layers.1.q.weight", "model.layers.1.mlp.weight"
+    engine, check = DictEngine(torch.bfloat16, _model(seed=5)), SyncCheck()
+    for step in range(3):
+        report = _sync(check, engine, weights, step, skip={norm, trained})
+        bad = {n: st for n, st in report.statuses.items() if st != "ok"}
+        assert bad == ({norm: "differs", trained: "differs"} if step == 0 else {norm: "stale", trained: "stale"})
+        weights = {n: (t if n == norm else t + 1e-2) for n, t in weights.items()}
+
+
 def test_reports_are_bounded_and_the_noop_rule_still_finds_the_last_sync_that_sent(monkeypatch):
     import tim_plugins.weight_sync as ws
 

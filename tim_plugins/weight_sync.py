@@ -451,17 +451,18 @@ class SyncCheck:
             report.detail[name] = f"stored as {_dtype_name(read.dtype)} (engine: {_dtype_name(configured)})"
             return "precision"
         previous = self._previous(name)
-        if previous is not None and previous[0].numel() == v.numel() and bool((v == previous[0])[held].all()):
-            # stale: the trainer's values moved and the engine's did not (a tensor the trainer left alone, frozen
-            # or at lr 0, that the engine holds otherwise is what the tests below say it is, at every check)
-            before = previous[1]
-            if bool(((expected != before) & held & ~torch.isnan(before)).any()):
-                return "stale"
+        unchanged = previous is not None and previous[0].numel() == v.numel() and bool(
+            (v == previous[0])[held].all())
+        # the trainer's values moved and the engine's did not: stale, whatever else they match
+        if unchanged and bool(((expected != previous[1]) & held & ~torch.isnan(previous[1])).any()):
+            return "stale"
         t = sent.values.detach().to("cpu")
-        for d in coarser_dtypes(read.dtype):
+        for d in coarser_dtypes(read.dtype):  # a tensor the trainer left alone (frozen, lr 0) keeps this name
             if bool((v == t.to(d).to(read.dtype).double().reshape(-1))[held].all()):
                 report.detail[name] = f"values rounded through {_dtype_name(d)} (engine: {_dtype_name(read.dtype)})"
                 return "precision"
+        if unchanged:  # neither moved, and the engine still holds what it held: left out of the syncs
+            return "stale"
         worst = float((v - expected).abs()[held].max())
         report.detail[name] = f"max |engine - trainer| {worst:.3g}"
         return "differs"

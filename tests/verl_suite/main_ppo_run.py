@@ -1,5 +1,6 @@
 """Test helper: run verl's own ``python -m verl.trainer.main_ppo`` on this CPU (GRPO, FSDP2 actor, vLLM CPU-build
-rollout server, the toy model) and parse what verl's console logger printed.
+rollout server, the toy model) and read each step's metrics from verl's own ``file`` logger (one JSON line per step;
+the console's rows reach us through Ray's log monitor, which can cut a long row in two) and the console for the rest.
 
 The CPU shims live in ``cpu_site/`` (loaded in every process of the run through PYTHONPATH); the tim overrides come
 from the recipe (``integrations/verl/recipes/run_grpo_tim.sh``, ``TIM_PRINT_OVERRIDES=tim``), so the test runs what
@@ -9,6 +10,7 @@ the recipe documents.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -20,11 +22,15 @@ from pathlib import Path
 
 from bounded import run_bounded
 
-__all__ = ["CPU_OVERRIDES", "Run", "base_overrides", "prepare", "recipe_tim_overrides", "run_main_ppo"]
+__all__ = ["CPU_OVERRIDES", "Run", "base_overrides", "parse_console", "parse_file_log", "prepare", "recipe_tim_overrides",
+           "run_main_ppo"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "integrations" / "verl" / "recipes" / "run_grpo_tim.sh"
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+
+CONSOLE_LOGGER = "trainer.logger=[console]"
+FILE_LOGGER = "trainer.logger=[console,file]"  # run_main_ppo: Run.steps from verl's file logger
 
 # Chat template that passes the message text through unchanged: the toy model was trained on raw text.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -154,7 +160,7 @@ def base_overrides(files: dict[str, Path], out: Path, *, steps: int, batch: int 
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         f"reward.custom_reward_function.path={files['reward']}",
         "reward.custom_reward_function.name=compute_score",
-        "trainer.logger=[console]",
+        CONSOLE_LOGGER,
         "trainer.project_name=tim_e2e",
         "trainer.experiment_name=cpu",
         f"trainer.default_local_dir={out / 'ckpt'}",
@@ -194,6 +200,7 @@ class Run:
     seconds: float
     steps: dict[int, dict[str, float]] = field(default_factory=dict)
     step_times: dict[int, float] = field(default_factory=dict)
+    console_steps: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def series(self, key: str) -> list[float]:
         return [self.steps[s][key] for s in sorted(self.steps)]
@@ -225,19 +232,47 @@ def parse_console(output: str) -> dict[int, dict[str, float]]:
     return steps
 
 
+def parse_file_log(path: Path) -> dict[int, dict[str, float]]:
+    """verl's ``file`` logger (``verl.utils.tracking.FileLogger``): one ``{"step": N, "data": {...}}`` line per
+    ``Tracking.log``, the same dict the console logger prints; the console prints numbers only, and so does this.
+    orjson writes NaN and infinities as ``null``: read back as NaN (a metric with no tokens, e.g. an empty bucket's
+    mean, is NaN; an infinite metric would read NaN here where the console prints ``inf``)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        values = {k: math.nan if v is None else float(v) for k, v in row["data"].items()
+                  if v is None or isinstance(v, (int, float)) and not isinstance(v, bool)}
+        steps.setdefault(int(row["step"]), {}).update(values)
+    return steps
+
+
 def run_main_ppo(overrides: list[str], *, cwd: Path, timeout: float = 600, extra_env: dict | None = None,
                  log_path: Path | None = None, log_detail: bool = True) -> Run:
     """Run main_ppo in its own process group; kill the whole group (Ray, vLLM) on timeout, when Ray's OOM monitor
-    killed a worker, or when done. ``log_detail``: a run with the monitor logs every tim/* metric to verl's console,
-    which the tests parse (``+tim.monitor.log_detail=true`` added unless the overrides set it); False keeps the
-    default compact log (test_verl_dump_report reads the rest from the dump's log_history.jsonl)."""
+    killed a worker, or when done. ``log_detail``: a run with the monitor logs every tim/* metric to verl's loggers,
+    which the tests read (``+tim.monitor.log_detail=true`` added unless the overrides set it); False keeps the
+    default compact log (test_verl_dump_report reads the rest from the dump's log_history.jsonl).
+
+    ``Run.steps`` comes from verl's ``file`` logger, added beside the console (``trainer.logger=[console]`` becomes
+    ``[console,file]``): the console's step rows are printed by verl's TaskRunner actor and reach this process
+    through Ray's log monitor, which reads the actor's log with ``readline()`` and publishes what it has as a line,
+    so a long row the actor is still writing when the monitor polls arrives cut in two (seen on a loaded machine:
+    a last step's row without its later keys). ``Run.console_steps`` keeps the console's rows."""
     monitored = "+tim.monitor.enable=true" in overrides and any(
         o.startswith("trainer.v1.trainer_mode=tim_") for o in overrides)
     if log_detail and monitored and not any("tim.monitor.log_detail=" in o for o in overrides):
         overrides = [*overrides, "+tim.monitor.log_detail=true"]
+    file_log = None
+    if CONSOLE_LOGGER in overrides:
+        file_log = cwd / f"metrics-{uuid.uuid4().hex[:12]}.jsonl"
+        overrides = [FILE_LOGGER if o == CONSOLE_LOGGER else o for o in overrides]
     # VLLM_CPU_KVCACHE_SPACE from the caller's shell would replace the KV-cache size CPU_OVERRIDES sets.
     inherited = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env = dict(inherited, **ENV, **(extra_env or {}))
+    if file_log is not None:
+        env["VERL_FILE_LOGGER_PATH"] = str(file_log)
     env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     start = time.monotonic()
@@ -260,6 +295,7 @@ def run_main_ppo(overrides: list[str], *, cwd: Path, timeout: float = 600, extra
     seconds = time.monotonic() - start
     if log_path is not None:
         log_path.write_text(" ".join(cmd) + "\n\n" + output)
-    steps = parse_console(output)
+    console = parse_console(output)
+    steps = parse_file_log(file_log) if file_log is not None and file_log.exists() else console
     times = {s: v["timing_s/step"] for s, v in steps.items() if "timing_s/step" in v}
-    return Run(returncode, output, seconds, steps, times)
+    return Run(returncode, output, seconds, steps, times, console)

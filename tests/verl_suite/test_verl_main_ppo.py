@@ -21,6 +21,7 @@ reproducible run to run here, so two whole runs cannot be compared.
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -161,6 +162,39 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
         assert metrics["tim/staleness/token/kl_k3"] == 0.0 and metrics["tim/split/staleness_mean"] == 0.0
         assert not any(k.startswith("actor/tim/") for k in metrics)  # exact keys, not verl's actor/ prefix
         assert metrics["tim/tokens"] == metrics["tim/safe_vocab/tokens"] > 0
+
+
+def test_the_file_logger_carries_what_the_console_printed(recipe_run):
+    """``Run.steps`` is read from verl's ``file`` logger: every console row that arrived whole (it holds verl's
+    ``timing_s/step``, among the last keys verl adds) has the same keys and, printed exactly by pprint, the same
+    values as that step's file row."""
+    assert recipe_run.returncode == 0, recipe_run.output[-3000:]
+    whole = {s: m for s, m in recipe_run.console_steps.items() if "timing_s/step" in m}
+    assert len(whole) >= 3, sorted(recipe_run.console_steps)  # a cut row is rare: most arrive whole
+    for step, printed in whole.items():
+        filed = recipe_run.steps[step]
+        assert set(printed) == set(filed), (step, sorted(set(printed) ^ set(filed)))
+        differ = [k for k, v in printed.items() if v != filed[k] and not (math.isnan(v) and math.isnan(filed[k]))]
+        assert not differ, (step, {k: (printed[k], filed[k]) for k in differ})
+
+
+def test_the_file_log_parser_reads_verls_own_file_logger(tmp_path, monkeypatch):
+    """What ``FileLogger`` writes (orjson, numpy scalars included) reads back with the console's numeric keys; a NaN
+    (written as null) reads back as NaN."""
+    import numpy as np
+    from verl.utils.tracking import FileLogger
+
+    path = tmp_path / "m.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    logger = FileLogger("p", "e")
+    data = {"a/x": 0.1, "a/n": 3, "a/np": np.float64(1 / 3), "a/f32": np.float32(0.25), "a/text": "skip", "a/b": True}
+    logger.log(data, step=1)
+    logger.log({"a/x": 0.2, "a/empty": math.nan}, step=2)
+    logger.finish()
+    numeric = {k: v for k, v in data.items() if isinstance(v, (int, float, np.floating)) and not isinstance(v, bool)}
+    got = M.parse_file_log(path)
+    assert math.isnan(got[2].pop("a/empty"))
+    assert got == {1: {k: float(v) for k, v in numeric.items()}, 2: {"a/x": 0.2}}
 
 
 def _model_tensors(work) -> int:

@@ -94,6 +94,30 @@ def test_a_sync_through_vllms_own_reload_is_checked(vllm_llm, reader, checkpoint
                                                           "is_checkpoint_format": True})
 
 
+def test_nan_weights_loaded_into_the_engine_are_named(vllm_llm, reader, checkpoint):
+    """A sync that loads NaN (a corrupted cast or scale) into vLLM: a weight read through the layer's forward (q of
+    the stacked qkv) and one read directly (a norm, half NaN) are named ``differs`` with the count of sampled NaN
+    values: a NaN the engine holds is its value, not an element held elsewhere. Reference: what the test loaded."""
+    q, norm = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.input_layernorm.weight"
+    check = SyncCheck()
+    record = check.begin(0)
+    sent = list(record.observing(checkpoint.items()))
+    corrupt = {q: torch.full_like(checkpoint[q], float("nan")), norm: checkpoint[norm].clone()}
+    corrupt[norm][::2] = float("nan")
+    loaded = [(n, corrupt.get(n, t)) for n, t in sent]
+    vllm_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": loaded, "is_checkpoint_format": True})
+    try:
+        report = check.finish(record, reader)
+        assert {c.code: set(c.tensors) for c in report.causes} == {"sync-tensors-differ": {q, norm}}
+        for name in (q, norm):
+            index = check.index(name, tuple(checkpoint[name].shape))
+            n_nan = int(torch.isnan(corrupt[name][tuple(index.T)]).sum())
+            assert n_nan > 0 and report.detail[name].startswith(f"{n_nan} of {index.shape[0]} sampled values NaN")
+    finally:  # the module's engine back to the checkpoint
+        vllm_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(checkpoint.items()),
+                                                          "is_checkpoint_format": True})
+
+
 def test_a_workers_reader_kept_across_syncs_reads_each_sync_afresh(vllm_llm, checkpoint):
     """verl's worker keeps one reader for the run and answers each sync's requests with it
     (``worker_reads.read_requests``): the second sync's reads, through the layers' forward, are the weights loaded

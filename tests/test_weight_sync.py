@@ -306,12 +306,13 @@ def test_every_n_syncs():
 
 
 class ShardEngine(DictEngine):
-    """This rank holds the first half of each matrix's rows: the rest reads NaN."""
+    """This rank holds the first half of each matrix's rows (``held``); what it reads for the rest is whatever its
+    buffer has there."""
 
     def read(self, name, shape, index):
         out = super().read(name, shape, index)
         if out is not None and not out.missing and len(shape) == 2:
-            out.values[index[:, 0] >= shape[0] // 2] = float("nan")
+            out.held = index[:, 0] < shape[0] // 2
         return out
 
 
@@ -323,8 +324,36 @@ def test_elements_another_rank_holds_are_left_out():
     record = check.begin(1)
     engine.load(record.observing(list(moved.items())))
     name = "model.layers.1.mlp.weight"  # rows this rank does not hold are garbage: not its business
-    engine.held[name][24:] = 7.0
-    assert check.finish(record, engine).causes == []
+    engine.held[name][24:] = float("nan")
+    engine.held["model.layers.0.q.weight"][12:] = 7.0
+    report = check.finish(record, engine)
+    assert report.causes == [] and set(report.statuses.values()) == {"ok"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_engine_holding_nan_or_inf_is_named_with_the_count(bad):
+    """A corrupted load (a NaN scale, an overflowing cast) leaves non-finite weights in the engine: named
+    ``differs`` with how many sampled values are not finite, on a tensor held whole and on this rank's shard alike;
+    a NaN the trainer itself holds and sent is carried over, not a sync fault."""
+    weights = _model()
+    engine, check = ShardEngine(torch.bfloat16, weights), SyncCheck()
+    _sync(check, engine, weights, 0)
+    moved = _step(weights)
+    moved["model.layers.0.q.bias"][3] = float("nan")  # the trainer's own NaN, sent as it is
+    record = check.begin(1)
+    engine.load(record.observing(list(moved.items())))
+    engine.held["model.layers.0.norm.weight"][:] = bad  # held whole
+    engine.held["model.layers.1.mlp.weight"][:20] = bad  # rows this rank holds (of its 24)
+    report = check.finish(record, engine)
+    named = ("model.layers.0.norm.weight", "model.layers.1.mlp.weight")
+    assert {c.code: c.tensors for c in report.causes} == {"sync-tensors-differ": named}
+    assert {n for n, st in report.statuses.items() if st != "ok"} == set(named)
+    assert 3 in check.index("model.layers.0.q.bias", (24,))[:, 0].tolist()  # the trainer's NaN was compared
+    norm, rows = len(check.index(named[0], (24,))), check.index(named[1], (48, 24))[:, 0]
+    assert 0 < int((rows < 20).sum()) < int((rows < 24).sum()) < len(rows)  # corrupt, held and elsewhere sampled
+    for name, n_bad, n_held in ((named[0], norm, norm), (named[1], int((rows < 20).sum()), int((rows < 24).sum()))):
+        assert report.detail[name] == (f"{n_bad} of {n_held} sampled values NaN or infinite in the engine, finite "
+                                       "in the trainer"), name
 
 
 class FP8Engine(DictEngine):

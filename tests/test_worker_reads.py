@@ -29,8 +29,9 @@ def _weights(seed: int) -> dict:
 
 
 class ShardEngine:
-    """One tensor-parallel worker's engine: the half ``rank`` of each split tensor (NaN outside it), the whole of the
-    others; the reader interface ``read_requests`` takes (``dtype``, ``read``)."""
+    """One tensor-parallel worker's engine: the half ``rank`` of each split tensor (``held``; outside it the read
+    says NaN, as vLLM's reader does), the whole of the others; the reader interface ``read_requests`` takes
+    (``dtype``, ``read``)."""
 
     def __init__(self, held: dict, rank: int | None, dtype=torch.float32, missing=(), unreadable=()):
         self.held, self.rank, self.dtype = held, rank, dtype
@@ -48,6 +49,7 @@ class ShardEngine:
             half = shape[dim] // 2
             mine = (index[:, dim] >= half) if self.rank else (index[:, dim] < half)
             values = torch.where(mine, values, torch.full_like(values, math.nan))
+            return EngineRead(values=values, dtype=self.dtype, held=mine)
         return EngineRead(values=values, dtype=self.dtype)
 
 
@@ -81,23 +83,52 @@ def test_merged_shards_find_what_the_whole_engine_finds(ranks):
 
 def test_a_read_round_trips_and_merging_fills_each_element_once():
     values = torch.tensor([1.5, math.nan, -2.0, math.nan], dtype=torch.float64)
+    held = torch.tensor([True, False, True, False])
     atol = torch.tensor([0.1, 0.0, 0.2, 0.0], dtype=torch.float64)
-    read = EngineRead(values=values, dtype=torch.bfloat16, atol=atol, quantized=True)
+    read = EngineRead(values=values, dtype=torch.bfloat16, atol=atol, quantized=True, held=held)
     back = decode_read(json.loads(json.dumps(encode_read(read))))
     assert back.dtype == torch.bfloat16 and back.quantized and not back.missing
-    assert torch.equal(torch.isnan(back.values), torch.isnan(values))
-    assert torch.equal(back.values[~torch.isnan(values)], values[~torch.isnan(values)])
+    assert torch.equal(back.held, held)
+    assert torch.equal(back.values[held], values[held])
     assert torch.equal(back.atol, atol)
     assert decode_read(encode_read(None)) is None and decode_read(encode_read(EngineRead(missing=True))).missing
-    assert decode_read(encode_read(EngineRead(values=values, dtype=torch.float32))).atol == 0.0
-    # the other worker holds the other two elements (with its own bounds): merged, each element from its holder
-    other = EngineRead(values=torch.tensor([math.nan, 7.0, math.nan, 8.0], dtype=torch.float64), dtype=torch.bfloat16,
-                       atol=torch.tensor([0.0, 0.3, 0.0, 0.4], dtype=torch.float64), quantized=True)
+    whole = decode_read(encode_read(EngineRead(values=values, dtype=torch.float32)))
+    assert whole.atol == 0.0 and whole.held is None
+    # the other worker holds the other two elements (with its own bounds), one of them NaN in its engine: merged,
+    # each element from its holder, the NaN kept as the engine's value
+    other = EngineRead(values=torch.tensor([0.0, 7.0, 0.0, math.nan], dtype=torch.float64), dtype=torch.bfloat16,
+                       atol=torch.tensor([0.0, 0.3, 0.0, 0.4], dtype=torch.float64), quantized=True, held=~held)
     request = [["w", [4], [[0], [1], [2], [3]]]]
     answers = [{"dtype": "bfloat16", "reads": [encode_read(r)]} for r in (read, other)]
     merged = WorkerReads(request, answers).read("w", (4,), torch.arange(4).view(-1, 1))
-    assert merged.values.tolist() == [1.5, 7.0, -2.0, 8.0] and merged.atol.tolist() == [0.1, 0.3, 0.2, 0.4]
+    assert merged.values[:3].tolist() == [1.5, 7.0, -2.0] and math.isnan(merged.values[3])
+    assert merged.held is None  # every element held by some worker
+    assert merged.atol.tolist() == [0.1, 0.3, 0.2, 0.4]
     assert merged.quantized and merged.dtype == torch.bfloat16
+    # an element no worker holds stays out
+    alone = WorkerReads(request, answers[:1]).read("w", (4,), torch.arange(4).view(-1, 1))
+    assert torch.equal(alone.held, held)
+
+
+def test_a_shard_holding_nan_is_named_across_workers():
+    """A NaN in one worker's shard (a corrupted load on one tensor-parallel rank) is the engine's value, not an
+    element held elsewhere: named ``differs`` on the merged answers, as on the engine read whole."""
+    name = "model.layers.0.q.weight"  # rows split over the two workers
+    for ranks in ([None], [0, 1]):
+        check, held = SyncCheck(SyncCheckConfig(elements_per_tensor=16)), {}
+        _sync(check, held, _weights(0), 0, ranks=ranks)
+        record = check.begin(1)
+        for n, tensor in record.observing(list(_weights(1).items())):
+            held[n] = tensor.clone()
+        held[name][SHAPES[name][0] // 2:] = math.nan  # the second worker's rows
+        requests = sync_requests(record)
+        answers = [json.loads(json.dumps(read_requests(ShardEngine(held, r), requests))) for r in ranks]
+        report = check.finish(record, WorkerReads(requests, answers))
+        assert {c.code: c.tensors for c in report.causes} == {"sync-tensors-differ": (name,)}, ranks
+        rows = check.index(name, SHAPES[name])[:, 0]
+        n_bad = int((rows >= SHAPES[name][0] // 2).sum())
+        assert 0 < n_bad < len(rows)
+        assert report.detail[name].startswith(f"{n_bad} of {len(rows)} sampled values NaN"), ranks
 
 
 def test_missing_and_unreadable_tensors_keep_their_meaning():

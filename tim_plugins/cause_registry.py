@@ -77,7 +77,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
     _C("sync-tensors-differ", "sync", "engine tensors hold values that are neither the trainer's nor the previous "
        "ones",
        "The engine holds other numbers than any version of the trainer's weights: a corrupted or misrouted write "
-       "(a shard into the wrong slice, a quantized refit beyond its scale).",
+       "(a shard into the wrong slice, a quantized refit beyond its scale, NaN or infinite values from a bad cast or "
+       "scale: the report gives their count).",
        "a checked tensor's values match neither the trainer's cast to the engine's dtype (within the quantizer's "
        "bound), nor its previous value, nor the trainer's rounded through a coarser dtype",
        {"tim_plugins": _SYNC_FIX}),

@@ -150,7 +150,9 @@ class EngineRead:
     """The engine's values of one sent tensor at the requested elements.
 
     ``values``: [K], in the engine's stored dtype or float64 (every read is converted to float64 once, all
-    tensors at a time); NaN where this rank's engine does not hold that element (a shard elsewhere: then float64).
+    tensors at a time). ``held``: [K] bool (CPU), the elements this rank's engine holds (a shard elsewhere holds the
+    rest, whose ``values`` are not read: any number, NaN by convention); None = every element. A held value that is
+    NaN or infinite is the engine's own, compared like any other.
     ``dtype``: the dtype the engine stores the tensor in; the trainer's values are cast to it before comparing.
     ``atol``: the quantizer's own error bound ([K] or a number; 0 = exact); ``quantized``: the values are the
     dequantized weight, compared with the trainer's unrounded values within ``atol``.
@@ -158,6 +160,7 @@ class EngineRead:
 
     values: Optional[torch.Tensor] = None
     dtype: Optional[torch.dtype] = None
+    held: Optional[torch.Tensor] = None
     atol: object = 0.0
     quantized: bool = False
     missing: bool = False
@@ -379,7 +382,7 @@ class SyncCheck:
             sizes = [int(read.values.numel()) for _, _, read in items]
             v = _flat([read.values for _, _, read in items])
             t = _flat([sent.values for _, sent, _ in items])
-            held = ~torch.isnan(v)
+            held = _held([read for _, _, read in items], sizes)
             if quantized:
                 expected = t
                 atol = torch.cat([torch.as_tensor(read.atol, dtype=torch.float64).expand(n).reshape(-1)
@@ -392,12 +395,14 @@ class SyncCheck:
                     # an engine that loads in its configured dtype and then keeps a finer copy (vLLM's CPU kernels
                     # hold some biases in fp32) holds the values rounded through the configured dtype: as good
                     same |= v == t.to(configured).to(dtype).double()
+            if not bool(same.all()):  # a NaN the trainer holds and sent as NaN was carried over: it agrees
+                same |= torch.isnan(v) & torch.isnan(expected)
             seg = torch.from_numpy(np.repeat(np.arange(len(items)), sizes))  # torch's repeat_interleave: ~100x slower
             bad = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, (~same & held).double())
             n_held = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, held.double())
             # moved: the trainer's values (in the engine's precision) changed since the previous check
             before = self._previous_flat(key, names, sizes)
-            diff = (expected != before) & held & ~torch.isnan(before)
+            diff = (expected != before) & held & ~torch.isnan(before) & ~torch.isnan(expected)
             moved = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, diff.double()) > 0
             for name, b, h, m in zip(names, bad.tolist(), n_held.tolist(), moved.tolist()):
                 out[name] = (b == 0, h > 0, m)
@@ -446,7 +451,7 @@ class SyncCheck:
         i = names.index(name)
         start = sum(sizes[:i])
         v, expected = v_all[start:start + sizes[i]], e_all[start:start + sizes[i]]
-        held = ~torch.isnan(v)
+        held = torch.ones(v.shape, dtype=torch.bool) if read.held is None else read.held.reshape(-1)
         if coarser:
             report.detail[name] = f"stored as {_dtype_name(read.dtype)} (engine: {_dtype_name(configured)})"
             return "precision"
@@ -454,7 +459,8 @@ class SyncCheck:
         unchanged = previous is not None and previous[0].numel() == v.numel() and bool(
             (v == previous[0])[held].all())
         # the trainer's values moved and the engine's did not: stale, whatever else they match
-        if unchanged and bool(((expected != previous[1]) & held & ~torch.isnan(previous[1])).any()):
+        if unchanged and bool(((expected != previous[1]) & held & ~torch.isnan(previous[1])
+                               & ~torch.isnan(expected)).any()):
             return "stale"
         t = sent.values.detach().to("cpu")
         for d in coarser_dtypes(read.dtype):  # a tensor the trainer left alone (frozen, lr 0) keeps this name
@@ -463,6 +469,11 @@ class SyncCheck:
                 return "precision"
         if unchanged:  # neither moved, and the engine still holds what it held: left out of the syncs
             return "stale"
+        odd = held & ~torch.isfinite(v) & torch.isfinite(expected)
+        if bool(odd.any()):  # a corrupted load (a NaN scale, an overflowing cast) gives no distance worth printing
+            report.detail[name] = (f"{int(odd.sum())} of {int(held.sum())} sampled values NaN or infinite in the "
+                                   "engine, finite in the trainer")
+            return "differs"
         worst = float((v - expected).abs()[held].max())
         report.detail[name] = f"max |engine - trainer| {worst:.3g}"
         return "differs"
@@ -523,6 +534,14 @@ class SyncCheck:
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs = int(state.get("syncs", 0))
+
+
+def _held(reads: list, sizes: list) -> torch.Tensor:
+    """The elements held, flat over ``reads`` (every element when no read carries a ``held`` mask)."""
+    if all(read.held is None for read in reads):
+        return torch.ones(sum(sizes), dtype=torch.bool)
+    return torch.cat([torch.ones(n, dtype=torch.bool) if read.held is None else read.held.reshape(-1).cpu()
+                      for read, n in zip(reads, sizes)])
 
 
 def _flat(parts: list) -> torch.Tensor:

@@ -257,11 +257,13 @@ class VLLMWeights:
         else:
             values = torch.full((index.shape[0],), float("nan"), dtype=torch.float64)
             values[held] = gathered.to("cpu", torch.float64)
+        mask = None if all_held else held.to("cpu").clone()
         if where.linear and id(module) not in self._validated:
             self._validated.add(id(module))
             through = self._forward_read(module, local, held, quantized=False)
-            same = through is not None and bool(
-                (through.values[held] == values.to("cpu", torch.float64)[held]).all())
+            mine = values.to("cpu", torch.float64)[held]
+            same = through is not None and bool(((through.values[held] == mine)
+                                                 | (torch.isnan(through.values[held]) & torch.isnan(mine))).all())
             if not same:
                 logger.info("tim_plugins: %s: the weight vLLM holds is not what its layer computes with; reading "
                             "it through the layer's forward", name)
@@ -269,7 +271,7 @@ class VLLMWeights:
                 return through
         if all_held:
             self._direct[name] = (index, module, where.leaf, param.shape, self._take_index(name, local, held, param))
-        return EngineRead(values=values, dtype=param.dtype)
+        return EngineRead(values=values, dtype=param.dtype, held=mask)
 
     @staticmethod
     def _quantized(module) -> bool:
@@ -302,10 +304,11 @@ class VLLMWeights:
                 y = self._columns[key] = module.quant_method.apply(module, x, bias=None)
         values = torch.full((local.shape[0],), float("nan"), dtype=torch.float64)
         values[held] = y[position.to(device), rows.to(device)].to("cpu", torch.float64)
+        mask = None if bool(held.all()) else held.to("cpu").clone()
         if not quantized:
-            return EngineRead(values=values, dtype=y.dtype)
+            return EngineRead(values=values, dtype=y.dtype, held=mask)
         stored, scale = bound
-        return EngineRead(values=values, dtype=stored, quantized=True,
+        return EngineRead(values=values, dtype=stored, quantized=True, held=mask,
                           atol=_half_step(values, stored, scale))
 
     @staticmethod

@@ -12,8 +12,8 @@ unchanged:
   ``{"dtype": <the engine's configured dtype>, "reads": [<one read per request>]}``, each read an ``EngineRead`` as
   a dict (``encode_read``) or None (cannot be read);
 - ``WorkerReads(answers)`` on the trainer's side is the ``weight_sync.EngineWeights`` over one engine's answers, one
-  per worker: a tensor-parallel rank's read holds NaN where another rank holds the element, so the answers merge
-  element by element.
+  per worker: a tensor-parallel rank's read says which elements it holds (``held``; another rank holds the rest), so
+  the answers merge element by element.
 
 Importing this module imports no vLLM (the trainer's side needs none).
 """
@@ -57,8 +57,9 @@ def encode_read(read: Optional[EngineRead]) -> Optional[dict]:
         return {"missing": True}
     atol = read.atol
     atol = atol.double().reshape(-1).tolist() if isinstance(atol, torch.Tensor) else float(atol)
+    held = None if read.held is None else read.held.reshape(-1).tolist()
     return {"values": read.values.double().reshape(-1).tolist(), "dtype": _dtype_name(read.dtype), "atol": atol,
-            "quantized": bool(read.quantized), "missing": False}
+            "quantized": bool(read.quantized), "missing": False, "held": held}
 
 
 def decode_read(data: Optional[dict]) -> Optional[EngineRead]:
@@ -68,9 +69,11 @@ def decode_read(data: Optional[dict]) -> Optional[EngineRead]:
     if data.get("missing"):
         return EngineRead(missing=True)
     atol = data.get("atol", 0.0)
+    held = data.get("held")
     return EngineRead(values=torch.tensor(data["values"], dtype=torch.float64), dtype=_dtype(data["dtype"]),
                       atol=torch.tensor(atol, dtype=torch.float64) if isinstance(atol, list) else float(atol),
-                      quantized=bool(data.get("quantized", False)))
+                      quantized=bool(data.get("quantized", False)),
+                      held=None if held is None else torch.tensor(held, dtype=torch.bool))
 
 
 def read_requests(reader, requests: Iterable) -> dict:
@@ -89,22 +92,29 @@ def read_requests(reader, requests: Iterable) -> dict:
     return {"dtype": _dtype_name(reader.dtype), "reads": reads}
 
 
+def _holds(read: EngineRead) -> torch.Tensor:
+    return torch.ones(read.values.shape[0], dtype=torch.bool) if read.held is None else read.held.reshape(-1)
+
+
 def _merge(parts: list[EngineRead]) -> Optional[EngineRead]:
-    """One tensor's reads from every tensor-parallel worker of an engine -> one read (NaN where no worker holds the
-    element)."""
+    """One tensor's reads from every tensor-parallel worker of an engine -> one read (``held``: the elements some
+    worker holds; the first worker that holds an element gives its value)."""
     held = [p for p in parts if p is not None and not p.missing]
     if not held:
         return EngineRead(missing=True) if any(p is not None for p in parts) else None
     values = held[0].values.clone()
     atol = held[0].atol.clone() if isinstance(held[0].atol, torch.Tensor) else held[0].atol
+    mask = _holds(held[0]).clone()
     for p in held[1:]:
-        fill = torch.isnan(values) & ~torch.isnan(p.values)
+        fill = ~mask & _holds(p)
         values[fill] = p.values[fill]
+        mask |= fill
         if isinstance(atol, torch.Tensor) and isinstance(p.atol, torch.Tensor) and p.atol.shape == atol.shape:
             atol[fill] = p.atol[fill]
         elif not isinstance(atol, torch.Tensor):
             atol = max(float(atol), float(p.atol.max() if isinstance(p.atol, torch.Tensor) else p.atol))
-    return EngineRead(values=values, dtype=held[0].dtype, atol=atol, quantized=any(p.quantized for p in held))
+    return EngineRead(values=values, dtype=held[0].dtype, atol=atol, quantized=any(p.quantized for p in held),
+                      held=None if bool(mask.all()) else mask)
 
 
 class WorkerReads:

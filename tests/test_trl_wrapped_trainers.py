@@ -1,6 +1,7 @@
 """TIMCallback on GRPOTrainers that other libraries touched (issue 59), through a real ``GRPOTrainer.train()`` on the
 toy model: ``__init__`` and the hooked methods wrapped with and without ``functools.wraps`` (and with the original
-out of any check's reach), a user subclass with its own ``__init__``, and the class rebuilt from TRL's own module
+out of any check's reach), a user subclass with its own ``__init__`` or its own override of a hooked method (passing
+TRL's arguments on as ``*args, **kwargs``), and the class rebuilt from TRL's own module
 source with one unrelated line changed (compiled from a string, or loaded from a file), as patching libraries do.
 
 Each attaches with every feature on and logs ``tim/`` at every step, and its run is the run of TRL's own class with
@@ -45,10 +46,28 @@ class UserTrainer(GRPOTrainer):
         self.note = note
 
 
+class ForwardingTrainer(GRPOTrainer):
+    """A user's subclass that overrides a hooked method the usual way: everything passed on to ``super()``."""
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+
+class ModelFirstTrainer(GRPOTrainer):
+    """The same with ``model`` named and the rest passed on."""
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+
 def _touched(kind: str, monkeypatch, tmp_path):
     """The trainer class as ``kind`` leaves it (installed where users import GRPOTrainer from)."""
     if kind == "subclass":
         return UserTrainer
+    if kind == "override_varargs":
+        return ForwardingTrainer
+    if kind == "override_model_first":
+        return ModelFirstTrainer
     if kind.startswith("rebuilt"):
         # one unrelated line of __init__ changed, as patchers edit it
         module = rebuilt_grpo_module(
@@ -83,7 +102,8 @@ def reference(toy_model_path, tmp_path_factory):
     return _steps(trainer)
 
 
-@pytest.mark.parametrize("kind", ["wraps", "plain", "opaque_init", "subclass", "rebuilt_string", "rebuilt_file"])
+@pytest.mark.parametrize("kind", ["wraps", "plain", "opaque_init", "subclass", "override_varargs",
+                                  "override_model_first", "rebuilt_string", "rebuilt_file"])
 def test_a_touched_trainer_attaches_and_logs_every_step(toy_model_path, tmp_path, monkeypatch, caplog, reference,
                                                         kind):
     cls = _touched(kind, monkeypatch, tmp_path)

@@ -84,6 +84,28 @@ class TIMState(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"payload": payload}}
 
 
+_LOGPS_READ = ("model", "input_ids", "attention_mask", "logits_to_keep")  # what the wrapper reads of a call
+
+
+def _logps_signature(trainer_cls: type) -> inspect.Signature:
+    """The signature calls to ``_get_per_token_logps_and_entropies`` are bound with: the nearest one in the MRO
+    (looked at through another library's wrapper) that names every argument the wrapper reads. A subclass that
+    overrides it as ``(self, *args, **kwargs)`` or ``(self, model, *args, **kwargs)`` and calls ``super()`` passes
+    TRL's arguments on as they are: bound with its own signature, the policy's forwards would read as the reference
+    model's and run unmeasured. The attach check (``features.MONITOR``) has made sure TRL's own names them."""
+    name = "_get_per_token_logps_and_entropies"
+    last = None
+    for klass in trainer_cls.__mro__:
+        method = klass.__dict__.get(name)
+        if method is None:
+            continue
+        fn, _ = look_through(method, name)
+        last = inspect.signature(fn)
+        if all(p in last.parameters for p in _LOGPS_READ):
+            return last
+    return last if last is not None else inspect.signature(getattr(trainer_cls, name))
+
+
 @dataclass
 class _CallRecord:
     """What one wrapper call in progress holds, set on entry and cleared on exit: the only per-batch data."""
@@ -151,10 +173,7 @@ class TIMCallback(TrainerCallback):
             self._async = AsyncAttachment(self)
             self._installation.before_train = self._async.before_train
         else:
-            # through another library's wrapper of the method (bound by name below)
-            logps, _ = look_through(type(trainer)._get_per_token_logps_and_entropies,
-                                    "_get_per_token_logps_and_entropies")
-            self._logps_sig = inspect.signature(logps)
+            self._logps_sig = _logps_signature(type(trainer))
             if self.pipeline.causes is not None and config.sync_check and trainer.use_vllm \
                     and trainer.args.vllm_mode == "colocate" \
                     and self._available(check(features.SYNC_CHECK, features.live(trainer))):
@@ -408,8 +427,15 @@ class TIMCallback(TrainerCallback):
 
     def _wrap_logps(self, original):
         def _get_per_token_logps_and_entropies(*args, **kwargs):
-            arguments = self._logps_sig.bind(self.trainer, *args, **kwargs).arguments
+            try:
+                arguments = self._logps_sig.bind(self.trainer, *args, **kwargs).arguments
+            except TypeError as err:  # a call TRL's own signature does not take: not measured, counted
+                self.pipeline.count("logps_call_unbound", detail=f"{err} (the forward runs unmeasured)")
+                return original(*args, **kwargs)
             model = arguments.get("model")
+            if model is None:
+                self.pipeline.count("logps_call_unbound", detail="no model argument (the forward runs unmeasured)")
+                return original(*args, **kwargs)
             if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None):
                 # the reference model (beta > 0): full-vocabulary log-probs, TRL's own, as verl's reference worker
                 # computes them: the KL term regularises the policy towards the reference's distribution, which

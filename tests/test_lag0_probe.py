@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tim_plugins.lag0_probe import Lag0Probe, Lag0ProbeConfig
+from tim_plugins.lag0_probe import HISTORY, Lag0Probe, Lag0ProbeConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -263,6 +263,7 @@ def test_the_server_probe_switches_itself_off_on_what_it_cannot_score(pair):
     probe = ServerProbe(trainer, pipeline, Lag0ProbeConfig())
     probe.captured({**batch, "pixel_values": torch.zeros(2, 3)})
     assert probe.sequences == [] and pipeline.diag == {"lag0_probe_unsupported": 1.0} and not probe.seconds
+    assert probe.seconds.maxlen == HISTORY  # one entry per probed sync: bounded like the probe's own history
 
     pipeline = StepPipeline()
     probe = ServerProbe(trainer, pipeline, Lag0ProbeConfig())

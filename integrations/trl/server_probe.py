@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 import torch
 
-from tim_plugins.lag0_probe import Lag0Probe, Lag0ProbeConfig
+from tim_plugins.lag0_probe import HISTORY, Lag0Probe, Lag0ProbeConfig
 
 __all__ = ["ServerProbe", "probe_sequences", "trainer_logprobs"]
 
@@ -41,7 +42,8 @@ class ServerProbe:
         self.trainer, self.pipeline = trainer, pipeline
         self.probe = Lag0Probe(config)
         self.sequences: list[list[int]] | None = None
-        self.seconds: list[float] = []  # each scoring's wall time (both sides; the main process waits for both)
+        # the last HISTORY scorings' wall times (both sides; the main process waits for both)
+        self.seconds: deque[float] = deque(maxlen=HISTORY)
 
     def wrappers(self) -> list:
         # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration.sync_weights

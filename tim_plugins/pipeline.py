@@ -203,6 +203,7 @@ class StepPipeline:
         self.by_turn = KeyedStats("turn") if c.monitor and c.by_turn else None
         wants_k3 = c.lr_decay is not None and "kl_k3" in c.lr_decay.signals
         self._step_monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if wants_k3 else None
+        self._last_k3 = math.nan  # end_step(carry_k3=True): the last measured step k3
         self.safe_vocab_stats = SafeVocabStats() if c.safe_vocab else None
         self.correction_stats = CorrectionStats() if c.correction is not None else None
         self.lr_controller = LengthTriggeredLRDecay(c.lr_decay) if c.lr_decay is not None else None
@@ -376,17 +377,23 @@ class StepPipeline:
 
     # ------------------------------------------------------------------------------------------- per step
     def end_step(self, step: int, *, response_length: float = math.nan, grad_norm: float | None = None,
-                 sync: bool = True, group=None) -> float | None:
+                 sync: bool = True, group=None, carry_k3: bool = False) -> float | None:
         """Close one optimizer step: write the step's dump file, feed the LR controller (its k3 signal merged
         over ``group`` when ``sync``). Returns the LR scale in force from the next step, or None without LR
-        decay."""
+        decay. ``carry_k3``: when nothing was measured since the last call (the merged k3 is NaN), the last measured
+        k3 stands, for an adapter whose one measurement pass covers several optimizer steps (verl's old-log-prob pass
+        over the batch its mini-batches and PPO epochs train on); otherwise the signal is missing that step."""
         self.flush_dump(step)
         if self.lr_controller is None:
             return None
         signals = {}
         if self._step_monitor is not None:
-            signals["kl_k3"] = self._step_monitor.compute(sync=sync, group=group)["tim/token/kl_k3"]
+            k3 = self._step_monitor.compute(sync=sync, group=group)["tim/token/kl_k3"]
             self._step_monitor.reset()
+            if carry_k3 and math.isnan(k3):
+                k3 = self._last_k3
+            self._last_k3 = k3
+            signals["kl_k3"] = k3
         if "grad_norm" in self.lr_controller.config.signals:
             signals["grad_norm"] = math.nan if grad_norm is None else float(grad_norm)
         return self.lr_controller.observe(step, response_length, **signals)

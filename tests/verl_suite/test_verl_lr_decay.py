@@ -140,3 +140,50 @@ def test_every_lr_signal_works_through_the_engine(toy_model_path, signal):
     assert min(want) < 1.0, (want, reference.state_dict()['trackers'])  # the signal fired (the reference says when)
     metrics = eng.tim_pop_metrics()
     assert metrics["tim/lr/scale"] == want[-1] and metrics["tim/lr/trigger_count"] >= 1.0
+
+
+def test_the_k3_signal_reaches_every_optimizer_step_of_a_global_step(toy_model_path):
+    """verl measures a global step's batch once (the old-log-prob pass) and then takes several optimizer steps on it
+    (here two PPO epochs; mini-batches alike): each of them sees that step's k3. With ``patience=2`` the k3 surge of
+    one global step fires only if both of its optimizer steps see it. Reference: the core controller fed the batch's
+    naive k3 at each optimizer step, outside verl; the scale verl's optimizer applies follows it step by step."""
+    from functools import partial
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    options = {**OPTIONS, "patience": 2, "signals": ["kl_k3"], "combine": "any", "kl_k3_margin": 0.5}
+    H.init_dist(port=29576)
+    eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    eng.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": options},
+                                               "monitor": {"enable": True}}))
+    reference = LengthTriggeredLRDecay(**options)
+    loss = partial(ppo_loss, config=FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2,
+                                                    ppo_mini_batch_size=4, use_dynamic_bsz=False))
+    want, got = [], []
+    for step in range(4):
+        td, raw = H.make_batch(VOCAB, response=6, seed=10 + step, rollout_noise=-12.0 if step == 2 else 0.0)
+        old = H.old_log_probs_padded(H.infer(eng, td), td)
+        k3 = _naive_k3(old, raw)
+        td = td.copy()
+        td["old_log_probs"] = old
+        tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                             max_token_len_per_gpu=4096, use_fused_kernels=False, calculate_entropy=False,
+                             global_batch_size=td.batch_size[0])
+        with eng.train_mode():
+            for _ in range(2):  # two optimizer steps on the batch measured once
+                want.append(reference.observe(None, _mean_length(raw), kl_k3=k3))
+                eng.train_batch(td, loss_function=loss)
+                got.append(eng.optimizer.lr_scale)
+            eng.lr_scheduler_step()
+    assert got == want
+    assert want.index(min(want)) == 5 and min(want) < 1.0, want  # fired at the surge step's second optimizer step
+    state, ref = _flat(eng.optimizer.tim_controller.state_dict()), _flat(reference.state_dict())
+    assert state.keys() == ref.keys()
+    for key, value in ref.items():
+        same = state[key] == value if isinstance(value, (str, bool, type(None))) else state[key] == pytest.approx(
+            value, rel=1e-6)
+        assert same, (key, state[key], value)

@@ -176,3 +176,55 @@ def test_pipeline_two_rank_merge_equals_single_process():
     for key in ("tim/tokens", "tim/safe_vocab/tokens", "tim/correction/kept_tokens", "tim/token/kl_k3"):
         assert local0[key] != merged0[key] and local1[key] != merged0[key], key
     assert "tim/diag/shape_mismatch" not in local0 and "tim/diag/safe_vocab_mask_unavailable" not in local1
+
+
+def _logging_off() -> None:
+    import logging
+
+    logging.getLogger("tim_plugins").setLevel(logging.ERROR)  # the problems are expected (a spawned process)
+
+
+def _resume_worker(rank: int, world: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _logging_off()
+        pipe = _pipeline()
+        calls = _pipeline_calls(rank)
+        for args, kwargs in calls:
+            pipe.measure(*args, **kwargs)
+        pipe.compute(0)  # a logging window closed: the problem counts merged
+        for args, kwargs in calls:  # the window in progress at the checkpoint: each rank's problem again
+            pipe.measure(*args, **kwargs)
+        own_tokens = pipe.monitor.compute(sync=False)["tim/tokens"]  # this rank's window so far (no reset)
+        saved = [pipe.state_dict() if rank == 0 else None]
+        dist.broadcast_object_list(saved, 0)  # TRL saves trainer_state.json on the main process; all read it
+        resumed = _pipeline()
+        resumed.load_state_dict(saved[0], shared_only=rank != 0)
+        queue.put((rank, own_tokens, resumed.compute(1)[0]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_resume_from_the_main_processs_state_counts_nothing_twice():
+    """TRL checkpoints the main process's state alone and every rank resumes from it: the main process takes it
+    whole (its window in progress; the problem counts of every rank at the last merged window, plus its own since),
+    the others only what every rank shares. Reference: the counts each rank met (rank 0: two a window, rank 1: one)
+    and rank 0's own tokens of the window in progress; rank 1's window and its count since the last merge are what a
+    resume loses."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_resume_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted([queue.get(timeout=120) for _ in procs], key=lambda x: x[0])
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (_, tokens0, after0), (_, _, after1) = results
+    same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
+    assert after0.keys() == after1.keys() and all(same(after0[k], after1[k]) for k in after0)
+    # uninterrupted: 4 and 2; rank 1's second count came after the last merge and is not in rank 0's state
+    assert after0["tim/diag/safe_vocab_mask_unavailable"] == 4 and after0["tim/diag/shape_mismatch"] == 1
+    assert after0["tim/tokens"] == tokens0 > 0  # rank 0's window, once

@@ -187,11 +187,15 @@ def fit_bins(counts, edges, max_bins: int = 512):
 
 
 class StepPipeline:
-    """The per-step pipeline (see the module docstring). One per process; ``rank`` names its dump files."""
+    """The per-step pipeline (see the module docstring). One per process; ``rank`` names its dump files.
+    ``writes=False``: a process that computes what another one writes (a sequence-parallel rank other than the one
+    the framework collects outputs from) writes no dump file and no cause line, and measures all the same."""
 
-    def __init__(self, config: PipelineConfig | None = None, *, rank: int = 0, framework: str | None = None) -> None:
+    def __init__(self, config: PipelineConfig | None = None, *, rank: int = 0, framework: str | None = None,
+                 writes: bool = True) -> None:
         self.config = c = config if config is not None else pipeline_config()
         self.rank = int(rank)
+        self.writes = bool(writes)
         self.monitor = MismatchMonitor(c.ratio_band, compile=c.compile) if c.monitor else None
         # staleness: π_θ of each loss pass against π_old (the monitor's measurement point), and the variance split
         on = c.monitor and c.staleness
@@ -212,6 +216,7 @@ class StepPipeline:
         # the named causes: their stream rules read the monitor's lag-0 tokens; ``framework`` words the fix line
         self.causes = CauseTracker(c.causes, framework=framework) if c.causes is not None and c.monitor else None
         self.diag: dict[str, float] = {}
+        self._diag_merged: tuple[dict, dict] | None = None  # (totals over the ranks, this rank's) at the last merge
         self._unknown_lag: torch.Tensor | None = None  # tokens of unknown policy lag since the last compute (device)
         self._warned: set[str] = set()
         self._dump_buffer: list[tuple[torch.Tensor, ...]] = []
@@ -286,7 +291,7 @@ class StepPipeline:
             self.by_position.update(rollout, train, measured, position_keys(measured))
         if self.by_turn is not None and turn is not None:
             self.by_turn.update(rollout, train, measured, turn)
-        if self.dumper is not None and token_ids is not None and self.dumper.wants(step):
+        if self.dumper is not None and self.writes and token_ids is not None and self.dumper.wants(step):
             self._dump_buffer.append((rollout.detach(), train.detach(), measured, token_ids))
         return weights
 
@@ -469,7 +474,7 @@ class StepPipeline:
 
     def _write_causes(self, named: list) -> None:
         """Newly named causes beside the dump, for the report's verdict (rank 0)."""
-        if named and self.dumper is not None and self.rank == 0:
+        if named and self.dumper is not None and self.writes and self.rank == 0:
             try:
                 append_causes(self.dumper.config.out_dir, named)
             except OSError as err:
@@ -503,21 +508,37 @@ class StepPipeline:
         for counts in gathered:
             for name, n in counts.items():
                 total[name] = total.get(name, 0.0) + n
+        self._diag_merged = (dict(total), dict(self.diag))  # what a checkpoint carries (state_dict)
         return dict(sorted(total.items()))
 
     # -------------------------------------------------------------------------------------- checkpoints
+    # What is the same on every rank (fed the merged metrics): a rank that resumes from another rank's state (TRL
+    # saves the main process's alone) takes only these (``load_state_dict(shared_only=True)``).
+    SHARED_STATE = ("lr_controller", "probe", "causes")
+
     def state_dict(self) -> dict:
+        """Everything to resume from. The problem counts (``diag``) are the totals over the ranks at the last
+        merged window plus this rank's since (a count another rank met since is lost on resume), so that the rank
+        whose state is saved carries everybody's; the statistics of a window in progress are this rank's own."""
         part = lambda x: x.state_dict() if x is not None else None  # noqa: E731
+        diag = dict(self.diag)
+        if self._diag_merged is not None:
+            total, mine = self._diag_merged
+            diag = {k: total.get(k, 0.0) + diag.get(k, 0.0) - mine.get(k, 0.0) for k in {*total, *diag}}
         return {
             "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
             "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),
             "by_lag": part(self.by_lag), "by_position": part(self.by_position), "by_turn": part(self.by_turn),
             "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
             "lr_controller": part(self.lr_controller), "probe": part(self.probe), "causes": part(self.causes),
-            "diag": dict(self.diag),
+            "diag": dict(sorted(diag.items())),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, shared_only: bool = False) -> None:
+        """Resume from ``state``. ``shared_only``: the state is another rank's (TRL checkpoints the main process's
+        alone): only ``SHARED_STATE`` is taken; this rank's statistics and problem counts start empty (the saved
+        rank's carry the window in progress and every rank's counts, ``state_dict``), so nothing is counted twice
+        when the ranks merge."""
         if state.get("version") != STATE_VERSION:
             raise RuntimeError(f"tim_plugins: pipeline state version {state.get('version')!r} != {STATE_VERSION}; "
                                "this tim-plugins release cannot resume it")
@@ -526,6 +547,7 @@ class StepPipeline:
                           ("by_lag", self.by_lag), ("by_position", self.by_position), ("by_turn", self.by_turn),
                           ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
                           ("lr_controller", self.lr_controller), ("probe", self.probe), ("causes", self.causes)):
-            if obj is not None and state.get(name):
+            if obj is not None and state.get(name) and (name in self.SHARED_STATE or not shared_only):
                 obj.load_state_dict(state[name])
-        self.diag = dict(state.get("diag") or {})
+        self.diag = {} if shared_only else dict(state.get("diag") or {})
+        self._diag_merged = None

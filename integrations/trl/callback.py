@@ -645,7 +645,10 @@ class TIMCallback(TrainerCallback):
             raise RuntimeError(f"tim_plugins: checkpoint TIM state version {payload.get('version')!r} != "
                                f"{STATE_VERSION}; this tim-plugins release cannot resume it")
         if payload.get("pipeline"):
-            self.pipeline.load_state_dict(payload["pipeline"])
+            # transformers writes trainer_state.json on the main process alone: the others take what every rank
+            # shares, not its statistics and problem counts (they would count twice when the ranks merge)
+            self.pipeline.load_state_dict(payload["pipeline"],
+                                          shared_only=not self.trainer.accelerator.is_main_process)
         self._grad_norm = payload.get("grad_norm")
         self._length = math.nan if payload.get("length") is None else float(payload["length"])
         self.generation_count = int(payload.get("generation_count") or 0)

@@ -110,6 +110,13 @@ class TIMEngineMixin:
         """Whether this rank gets per-token outputs (Megatron: the last pipeline stage only)."""
         return True
 
+    def _tim_writes_files(self) -> bool:
+        """Whether this rank writes the dump and the cause lines: the rank verl collects outputs from. FSDP with
+        Ulysses sequence parallelism: every SP rank holds the gathered outputs and measures them (the same numbers,
+        so each rank's LR decision is the same), SP rank 0 alone writes."""
+        # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.is_mp_src_rank_with_outputs
+        return bool(self.is_mp_src_rank_with_outputs())
+
     def _tim_check_config(self, config: TIMVerlConfig) -> None:
         """Raise ValueError (the value, the rule, the fix) for settings this backend cannot honour."""
 
@@ -163,7 +170,8 @@ class TIMEngineMixin:
         self._tim_check_config(config)
         # the sampler's rule the safe vocabulary applies to the trainer's log-probs (old-log-prob and training passes)
         self._tim_truncation = context.truncation(config.safe_vocab.min_p) if config.safe_vocab.enabled else None
-        self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank(), framework="verl")
+        self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank(), framework="verl",
+                                          writes=self._tim_writes_files())
         self._tim_pipeline.audited(context.audit_errors)  # the driver's start-up audit (the causes' sampler rules)
         for name in features_off:
             self._tim_pipeline.feature_off(name)
@@ -404,8 +412,7 @@ class TIMEngineMixin:
             self._tim_merge()
         return out
 
-    # VERL_SOURCES verl.workers.engine.base:BaseEngine.train_batch (one optimizer step per call; its metrics carry
-    # the step's grad_norm)
+    # VERL_SOURCES verl.workers.engine.base:BaseEngine.train_batch (one optimizer step per call)
     def train_batch(self, data, loss_function):
         if self._tim is None:
             return super().train_batch(data, loss_function)
@@ -414,13 +421,22 @@ class TIMEngineMixin:
         out = super().train_batch(data, loss_function)
         self._tim_loss_step()
         self._tim_updates += 1
-        grad_norm = (out.get("metrics") or {}).get("grad_norm") if isinstance(out, dict) else None
-        if grad_norm is not None:
-            self._tim_grad_norm = float(grad_norm)
         if self._tim_context.bypass_mode and self._tim_step_start:
             self._tim_merge()
         self._tim_step_start = False
         return out
+
+    # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngine.optimizer_step (the norm on every rank;
+    # train_batch's metrics carry it on the rank with outputs alone: with Ulysses SP the others would never see one
+    # and decide another LR scale for their shard)
+    def optimizer_step(self):
+        grad_norm = super().optimizer_step()
+        if self._tim is not None:
+            try:
+                self._tim_grad_norm = float(grad_norm)
+            except (TypeError, ValueError, RuntimeError):  # not a number: the signal is missing this step
+                self._tim_grad_norm = None
+        return grad_norm
 
     def _tim_end_step(self, data) -> None:
         """Close one optimizer step through the pipeline, before verl's: the DP-mean response length of the

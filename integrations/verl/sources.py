@@ -62,6 +62,11 @@ VERL_SOURCES = {
         "(data, loss_function, forward_only=False); the loss normaliser batch_num_tokens is data['loss_mask'] "
         "summed over DP before the micro-batch loop (so a response_mask edited per micro-batch does not change "
         "it); calls forward_step once per micro-batch",
+    (_TI, "FSDPEngine.is_mp_src_rank_with_outputs"):
+        "() -> True on Ulysses SP local rank 0 (or without SP): the rank whose outputs the worker collects",
+    (_TI, "FSDPEngine.optimizer_step"):
+        "() -> the gradient norm before clipping, on every rank (clip_grad_norm_ reduces over the sharded mesh); "
+        "train_batch reports it only on the rank with outputs (the LR decay's grad_norm signal reads this)",
     (_TI, "FSDPEngine.lr_scheduler_step"):
         "() -> the scheduler's LR of param group 0 after lr_scheduler.step() (logged by the worker as lr)",
     (_TI, "FSDPEngine.get_data_parallel_group"):

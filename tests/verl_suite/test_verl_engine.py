@@ -329,3 +329,29 @@ def test_response_layout_reads_what_verls_no_padding_2_padding_reads(layout):
     field = td["response_mask"]
     back = lay.like(field, lay.cells(field))
     assert torch.equal(padded_response(back, want.shape[1]), padded_response(field, want.shape[1]))
+
+
+def test_a_sequence_parallel_rank_other_than_the_source_measures_and_writes_nothing(dist, toy_model_path, tmp_path):
+    """With Ulysses SP every SP rank holds the gathered outputs and measures them; verl collects from SP rank 0
+    (``is_mp_src_rank_with_outputs``), and so does the dump: another SP rank computes the same metrics and names the
+    same causes, and writes no dump file and no cause line (two would append each cause twice). Reference: the same
+    step on a source rank, which writes both."""
+    from tim_plugins.dump import CAUSES_LOG
+
+    def step(source: bool):
+        out = tmp_path / ("source" if source else "other")
+        eng = H.build_engine(toy_model_path)
+        if not source:  # as on a Ulysses SP rank other than 0
+            eng.is_mp_src_rank_with_outputs = lambda: False
+        eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True},
+                                                   "dump": {"dir": str(out), "sample_rate": 1.0}}))
+        eng.tim_begin_step(1)
+        td, _ = H.make_batch(VOCAB, batch=4, seed=1, rollout_noise=-12.0)  # confident disagreements: a cause
+        H.infer(eng, td)
+        return eng.tim_pop_metrics(), out
+
+    (want, written), (got, other) = step(True), step(False)
+    assert want["tim/cause/named"] >= 1.0 and got == want
+    assert sorted(p.name for p in written.glob("*.parquet")) == ["step_00000001-rank_0000.parquet"]
+    assert len((written / CAUSES_LOG).read_text().splitlines()) == want["tim/cause/named"]
+    assert not other.exists() or not any(other.iterdir())

@@ -187,3 +187,31 @@ def test_the_k3_signal_reaches_every_optimizer_step_of_a_global_step(toy_model_p
         same = state[key] == value if isinstance(value, (str, bool, type(None))) else state[key] == pytest.approx(
             value, rel=1e-6)
         assert same, (key, state[key], value)
+
+
+def test_a_rank_without_outputs_sees_the_grad_norm_too(toy_model_path):
+    """verl's ``train_batch`` reports ``grad_norm`` only where ``is_mp_src_rank_with_outputs()`` (with Ulysses
+    sequence parallelism, SP rank 0), while every rank steps its own shard with the scale its controller decides: the
+    grad-norm signal must reach the others too. Reference: the same run on a rank with outputs (same weights, same
+    batches, so the same norms and scales); the surge fires the decay on both."""
+    options = {**OPTIONS, "signals": ["grad_norm"], "combine": "any", "grad_norm_margin": 0.5}
+    H.init_dist(port=29575)
+
+    def run(outputs: bool) -> list[float]:
+        eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+        eng.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": options}}))
+        if not outputs:  # as on a Ulysses SP rank other than 0
+            eng.is_mp_src_rank_with_outputs = lambda: False
+        lrs = []
+        for step in range(5):
+            td, _ = H.make_batch(VOCAB, response=6, seed=10 + step)
+            if step == 2:
+                td["advantages"] = td["advantages"] * 1000.0
+            out, lr = H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))
+            assert ("grad_norm" in out["metrics"]) == outputs
+            lrs.append(lr)
+        return lrs
+
+    with_outputs, without = run(True), run(False)
+    assert min(with_outputs) < LR, with_outputs  # the surge fired (its norm is seen at the next step)
+    assert without == with_outputs

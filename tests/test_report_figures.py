@@ -72,6 +72,22 @@ def test_ratio_histogram_zooms_on_the_bulk_says_what_lies_beyond_and_shows_every
     assert f"ρ from {math.exp(-5.0):.3g} to {math.exp(3.0):.3g}" in title
 
 
+@pytest.mark.parametrize("extremes", [(-40.0,), (-18.0, 18.0), (-60.0, 45.0)])
+def test_the_full_range_axis_of_tens_of_decades_gets_a_few_ticks(drawn, extremes):
+    """A token the trainer scores 40 nats below the rollout spans 17 decades of ρ (the tick thinning once looped
+    forever there: decades alone were more than 7 and kept them all): at most 7 ticks, inside the axis, ascending,
+    every token still drawn."""
+    rng = np.random.default_rng(3)
+    d = np.concatenate([rng.normal(0, 0.01, 2000), extremes])
+    figures.ratio_distribution(ref.rho_source({"a": d}))
+    full = drawn[0].axes[-1]
+    lo, hi = full.get_xlim()
+    assert (lo, hi) == pytest.approx((math.exp(d.min()), math.exp(d.max())))
+    ticks = list(full.get_xticks())
+    assert 2 <= len(ticks) <= 7 and ticks == sorted(ticks) and all(lo <= t <= hi for t in ticks), ticks
+    assert _step_counts(full).sum() == d.size
+
+
 def test_ratio_histogram_draws_every_token_when_the_full_range_is_not_much_wider(drawn):
     rng = np.random.default_rng(1)
     d = np.concatenate([rng.normal(0, 0.01, 5000), [0.05, -0.045]])  # beyond the quantiles, but close
@@ -206,3 +222,25 @@ def test_training_report_figures_and_timings(drawn, tmp_path):
     assert "of which rollouts" in html and "The parts add up: total = set-up + GRPO loop" in html
     assert "rollout time is part of the loop&#x27;s time, not added to it" in html
     assert "<td class='num'>60</td>" in html and "<td class='num'>30</td>" in html
+
+
+@pytest.mark.parametrize("rollout, train", [(-800.5, -0.5), (-700.5, -0.5), (-0.5, -800.5)])
+def test_a_token_past_float64s_ratio_range_is_reported_not_raised(drawn, tmp_path, rollout, train):
+    """One token whose log-ratio d is ±800 (ρ = e^800 is past float64; e^-800 is 0, which a log axis cannot hold)
+    or 700 (its k3 ~ 1e301): the report renders; the ratio figure's full-range axis ends at e^±700 and says how
+    many tokens lie beyond it, writing their ρ as a power of e."""
+    g = torch.Generator().manual_seed(0)
+    r = -torch.rand(8, 30, generator=g) * 3
+    t = r + 0.05 * torch.randn(8, 30, generator=g)
+    r[0, 3], t[0, 3] = rollout, train
+    dumper = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0)
+    dumper.write(1, r, t, torch.ones(8, 30, dtype=torch.bool), torch.randint(0, 383, (8, 30), generator=g))
+    build_report(tmp_path, threads=1)
+    d = float(torch.tensor(train) - torch.tensor(rollout))
+    titles = [" ".join(ax.get_title(loc="left").split()) for fig in drawn for ax in fig.axes]
+    (full,) = [x for x in titles if x.startswith("Every token: ρ from")]
+    if abs(d) > figures.D_DRAWN:
+        end = f"e^{d:.0f}"
+        assert (f"to {end}" if d > 0 else f"from {end}") in full and "1 of them lie beyond e^±700" in full, full
+    else:
+        assert f"to {math.exp(d):.3g}" in full and "beyond" not in full, full

@@ -45,6 +45,7 @@ NATS = "(nats)"
 # otherwise a second panel shows the full range on a log axis next to the zoom (a single full-range axis would
 # squeeze the bulk into one bin).
 RHO_QUANTILES = (0.005, 0.995)
+D_DRAWN = 700.0  # the ratio figure's axes end at ρ = e^±700 (float64 holds e^709.78; its log axis needs > 0)
 _FULL_RANGE_FACTOR = 3.0
 # Bins of 1 − p (p = the rollout's probability of the sampled token) of ``mismatch_by_probability``, and the tokens
 # a bin needs to be drawn.
@@ -297,10 +298,12 @@ def ratio_distribution(src: RhoSource) -> bytes:
                 f"{below} of the {src.n} tokens lie left of it (ρ < {lo:.3g}), {above} right (ρ > {hi:.3g}); "
                 "all of them on the right.")
         ax2 = axes[0, 1]
-        _rho_panel(ax2, src, full_lo, full_hi, log=True)
+        _, _, beyond_lo, beyond_hi = _rho_panel(ax2, src, full_lo, full_hi, log=True)
         ax2.axvspan(lo, hi, color="#e8e8e8", zorder=0)
-        ax2.set_title(_wrap(f"Every token: ρ from {math.exp(dmin):.3g} to {math.exp(dmax):.3g} (log axis; grey: "
-                            "the zoom on the left).", 60), fontsize=7.5, loc="left", color="#333")
+        beyond = (f" {beyond_lo + beyond_hi} of them lie beyond e^±{D_DRAWN:g} and are not drawn."
+                  if beyond_lo + beyond_hi else "")
+        ax2.set_title(_wrap(f"Every token: ρ from {_rho_text(dmin, 3)} to {_rho_text(dmax, 3)} (log axis; grey: "
+                            f"the zoom on the left).{beyond}", 60), fontsize=7.5, loc="left", color="#333")
         ax2.set_ylabel("")
         if n_series > 3:
             _legend(ax2, n_series)
@@ -308,7 +311,7 @@ def ratio_distribution(src: RhoSource) -> bytes:
             ax2.legend(fontsize=8)
         axes[0, 0].set_title(_wrap(note, 60), fontsize=7.5, loc="left", color="#333")
     else:
-        note = f"Every one of the {src.n} tokens drawn: ρ from {math.exp(dmin):.4g} to {math.exp(dmax):.4g}."
+        note = f"Every one of the {src.n} tokens drawn: ρ from {_rho_text(dmin, 4)} to {_rho_text(dmax, 4)}."
         axes[0, 0].set_title(_wrap(note, 90), fontsize=7.5, loc="left", color="#333")
         _legend(axes[0, 0], n_series)
     return png_bytes(fig)
@@ -317,14 +320,22 @@ def ratio_distribution(src: RhoSource) -> bytes:
 def _rho_windows(dmin: float, dmax: float, qlo: float, qhi: float) -> tuple[tuple[float, float], tuple | None]:
     """The ratio figure's windows on d: (the first panel's (lo_d, hi_d), the full range's second panel or None).
     The bulk's window is the ``RHO_QUANTILES`` range widened by half its width on each side; one panel shows every
-    token when the full range is at most ``_FULL_RANGE_FACTOR`` times as wide."""
+    token when the full range is at most ``_FULL_RANGE_FACTOR`` times as wide. No window reaches past
+    ±``D_DRAWN`` (ρ = e^d stays a finite, non-zero float64)."""
     pad = 1e-3  # ρ = 1 always inside, with a little room
+    dmin, dmax = max(dmin, -D_DRAWN), min(dmax, D_DRAWN)
+    qlo, qhi = min(max(qlo, -D_DRAWN), D_DRAWN), min(max(qhi, -D_DRAWN), D_DRAWN)
     half = 0.5 * (qhi - qlo)
     lo_d, hi_d = min(max(qlo - half, dmin), -pad), max(min(qhi + half, dmax), pad)
     full_lo, full_hi = min(dmin, -pad), max(dmax, pad)
     if (full_hi - full_lo) > _FULL_RANGE_FACTOR * (hi_d - lo_d):
         return (lo_d, hi_d), (full_lo, full_hi)
     return (full_lo, full_hi), None
+
+
+def _rho_text(d: float, digits: int) -> str:
+    """ρ = e^d as text, also where float64 cannot hold it (|d| > ``D_DRAWN``: written as a power of e)."""
+    return f"e^{d:.0f}" if abs(d) > D_DRAWN else f"{math.exp(d):.{digits}g}"
 
 
 def _rho_bins(lo_d: float, hi_d: float, log: bool | None) -> tuple[np.ndarray, bool]:
@@ -372,8 +383,11 @@ def _rho_panel(ax, src: RhoSource, lo_d: float, hi_d: float,
         # ρ reads best as plain numbers (0.5, 1, 2): 1-2-5 steps per decade, thinned to at most 7 labels
         ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
                  for m in (1, 2, 5) if lo <= m * 10.0 ** e <= hi]
-        while len(ticks) > 7:
-            ticks = [t for t in ticks if math.log10(t) % 1 == 0] if len(ticks) > 14 else ticks[::2]
+        decades = [t for t in ticks if math.log10(t) % 1 == 0]
+        if len(ticks) > 14 and len(decades) < len(ticks):
+            ticks = decades
+        if len(ticks) > 7:  # decades alone can be many (a ρ range of 15 or more of them): every k-th
+            ticks = ticks[::math.ceil(len(ticks) / 7)]
         ax.xaxis.set_major_locator(FixedLocator(ticks))
         ax.set_xticklabels([f"{t:g}" for t in ticks])
         ax.xaxis.set_minor_locator(NullLocator())
@@ -628,8 +642,10 @@ def _series_limits(v: np.ndarray, healthy: tuple | None, log: bool, fixed: tuple
     if fixed is not None:
         return min(fixed[0], float(v.min())), max(fixed[1], float(v.max()))
     if log:
-        lo = min([float(v.min())] + bounds) / 2
-        hi = max([float(v.max())] + bounds) * 2
+        # within 1e±100 (a value past it lies off the panel; the tables give it): matplotlib's log locator steps
+        # past the limits by up to two strides of decades, which overflows float64 near its end (a k3 of e^700 / n)
+        lo = max(min([float(v.min())] + bounds) / 2, 1e-100)
+        hi = min(max([float(v.max())] + bounds) * 2, 1e100)
         if hi / lo < 10:  # at least one decade
             mid = math.sqrt(lo * hi)
             lo, hi = mid / math.sqrt(10), mid * math.sqrt(10)

@@ -66,6 +66,11 @@ FETCH_ROWS = 1 << 21
 _FILE_RE = re.compile(r"step_\d+-rank_\d+\.parquet")
 
 
+
+def _expm1(d: float) -> float:
+    """ρ - 1 of a log-ratio ``d``: inf past float64's range (d > ~709.78) instead of an OverflowError."""
+    return math.inf if d > 709.78 else math.expm1(d)
+
 def snapshot(folder: str | os.PathLike) -> list[str]:
     """The complete dump files of ``folder`` now (sorted names; the writer renames a finished file into place)."""
     return sorted(str(p) for p in Path(folder).iterdir() if _FILE_RE.fullmatch(p.name) and p.is_file())
@@ -280,7 +285,7 @@ class Dump:
                     "is_w2": float(sums["is_w2"][i]), "is_masked": float(sums["is_masked"][i]),
                     "hist": hist.astype(np.float64), "bucket_count": bucket_count.astype(np.float64),
                     "bucket_abs": bucket_abs.astype(np.float64), "abs_d_max": max(hi, -lo),
-                    "abs_p_max": float(abs_p_max[i]), "rho_m1_max": math.expm1(hi), "neg_rho_m1_min": -math.expm1(lo),
+                    "abs_p_max": float(abs_p_max[i]), "rho_m1_max": _expm1(hi), "neg_rho_m1_min": -_expm1(lo),
                     "seq_abs_max": float(seq_abs_max[i]), "is_w_max": float(w_max[i]),
                     "neg_is_w_min": -float(w_min[i])})
         self._cache["states"] = (steps.astype(np.int64), states)

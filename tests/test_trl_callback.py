@@ -324,6 +324,22 @@ def test_the_default_log_is_compact_and_the_dump_keeps_every_metric(toy_model_pa
         assert [k for k in r if k != "step" and not _same(h[k], r[k])] == []
 
 
+def test_a_log_history_that_cannot_be_written_costs_the_row_not_the_step(toy_model_path, tmp_path):
+    """The dump's log_history.jsonl unwritable (here a folder of that name; a full or read-only disk alike):
+    training runs its steps and the failure is counted under tim/diag/dump_failed, once per step it hit."""
+    from tim_plugins.dump import LOG_HISTORY
+
+    dump = tmp_path / "dump"
+    (dump / LOG_HISTORY).mkdir(parents=True)
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=3)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(dump_dir=str(dump), log_detail=True)))
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    # counted after each step's row was pushed: seen in the next step's row
+    assert [h.get("tim/diag/dump_failed") for h in steps] == [None, 1.0, 2.0]
+
+
 def _params(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 

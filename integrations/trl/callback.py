@@ -605,7 +605,10 @@ class TIMCallback(TrainerCallback):
         self._pending = {}
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
             # beside the dump, what `tim-plugins report DUMP_DIR` reads for the per-step sections: every metric
-            append_log_history(self.config.dump_dir, state.global_step, out)
+            try:
+                append_log_history(self.config.dump_dir, state.global_step, out)
+            except OSError as err:  # a full or read-only disk costs the report its row, never the step
+                self.pipeline.count("dump_failed", detail=repr(err))
         out = for_step_log(out, self.config.log_detail)
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log averages it (AsyncGRPOTrainer: reduces it,
         # hooks.TRL_SOURCES trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.log)

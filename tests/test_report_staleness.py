@@ -128,3 +128,22 @@ def test_lag_only_runs_get_the_statistical_split():
     assert lag_verdict(flat, "trl")[1] == part_fix("mismatch", "trl")
     headline, _ = lag_verdict({"2": (5.0, 1e-2), "3": (5.0, 2e-2)}, "trl")
     assert headline.startswith("No token trained at lag 0") and "(2)" in headline
+
+
+def test_a_resumed_runs_repeated_steps_count_once_with_their_last_rows(tmp_path):
+    """A run resumed from its step-1 checkpoint appends steps 2 and 3 again to log_history.jsonl: the report reads
+    one row per step, the last (what training went on from), and pools the verdict over those three steps alone."""
+    import json
+
+    from tim_plugins.dump import LOG_HISTORY
+    from tim_plugins.report import read_summary
+
+    first = [_step(1, 100, 2e-4, 0.0, 1.0, {}), _step(2, 100, 3e-3, 0.9, 0.08, {}), _step(3, 50, 1e-4, 0.0, 1.0, {})]
+    again = [_step(2, 100, 1e-3, 0.5, 0.5, {}), _step(3, 50, 2e-3, 0.2, 0.8, {})]
+    (tmp_path / LOG_HISTORY).write_text("".join(json.dumps(r) + "\n" for r in first + again))
+    history = read_summary(tmp_path)["log_history"]
+    assert history == [first[0], *again]
+    w = [100 * 2e-4, 100 * 1e-3, 50 * 2e-3]
+    stale = (w[1] * 0.5 + w[2] * 0.2) / sum(w)
+    headline, _ = staleness_verdict(split_rows(history), "verl")
+    assert f"staleness {stale:.0%}" in headline, headline

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
            "SUMMARY", "CAUSES_LOG", "VERSIONED", "append_causes", "append_log_history", "complete_log_history",
-           "package_versions", "read_log_history", "write_summary"]
+           "last_row_per_step", "package_versions", "read_log_history", "write_summary"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
@@ -103,6 +103,14 @@ def read_log_history(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def last_row_per_step(rows: list[dict]) -> list[dict]:
+    """``log_history.jsonl`` rows, one per step: a run resumed from a checkpoint appends the rows of the steps after
+    it again, and the last row of a step is the one training went on from (in step order; rows without a step
+    after them, as they were)."""
+    by_step = {int(r["step"]): r for r in rows if "step" in r}
+    return [by_step[s] for s in sorted(by_step)] + [r for r in rows if "step" not in r]
 
 
 @dataclass

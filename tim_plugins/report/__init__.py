@@ -40,14 +40,14 @@ def verdict_for(summary: dict, run_dir: str | Path | None = None, *, memory_limi
 
 def read_summary(source: Path, summary: dict | None = None) -> dict | None:
     """``source/summary.json`` (unless ``summary`` is given), with ``source/log_history.jsonl`` as its
-    ``log_history`` where it has none."""
-    from tim_plugins.dump import LOG_HISTORY, read_log_history
+    ``log_history`` where it has none (one row per step: ``last_row_per_step``)."""
+    from tim_plugins.dump import LOG_HISTORY, last_row_per_step, read_log_history
 
     if summary is None and (source / "summary.json").exists():
         summary = json.loads((source / "summary.json").read_text())
     history = source / LOG_HISTORY
     if history.exists() and not (summary or {}).get("log_history"):
-        summary = dict(summary or {}, log_history=read_log_history(history))
+        summary = dict(summary or {}, log_history=last_row_per_step(read_log_history(history)))
     from tim_plugins.report.causes import with_causes
 
     return with_causes(summary, source)  # the causes the run named (causes.jsonl)

@@ -153,3 +153,21 @@ def test_log_history_beside_a_dump_feeds_the_per_step_series_and_a_verl_summary_
     assert "fix (verl)" in html and "actor_rollout_ref.rollout.enable_prefix_caching=False" in html
     assert "verl" in html and "TRL&#x27;s global_step" not in html and "TRL's global_step" not in html
     assert "By table" not in html  # one audit: no "callback's view" against "the rollout model actually used"
+
+
+def test_a_run_folder_before_its_first_dump_file_reports_its_logged_steps_and_causes(tmp_path):
+    """summary.json and log_history.jsonl written, a cause named, and no dump file yet (the run stopped before a
+    step wrote one, or a low sample_rate picked no sequence): the report renders the verdict with the cause and the
+    per-step series from the log, says why there is no per-token part, and draws none."""
+    from tim_plugins.causes import Cause
+    from tim_plugins.dump import append_causes, append_log_history, write_summary
+
+    write_summary(tmp_path, framework="verl", title="a run", settings={})
+    for step in (1, 2):
+        append_log_history(tmp_path, step, {"tim/tokens": 40.0, "tim/token/kl_k3": 1e-4 * step,
+                                            "tim/token/abs_diff_p99": 0.01})
+    append_causes(tmp_path, [Cause("floor-jump", 2, "the lag-0 floor jumped")])
+    html = build_report(tmp_path).read_text()
+    assert "No per-token rows in the dump yet" in html
+    assert "floor-jump" in html and "Per optimizer step" in html
+    assert ">Per token</h2>" not in html

@@ -360,13 +360,19 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     """A report for a bare per-token dump (e.g. ``TIMConfig(dump_dir=...)``): verdict over all rows, per-step
     series when the dump spans several steps, the per-token figures."""
     from tim_plugins.report.disagreements import dump_disagreements
-    from tim_plugins.report.tokens import load_tokens
+    from tim_plugins.report.tokens import has_dump, load_tokens
 
-    tokens = load_tokens(dump_dir)
+    # a run's folder (summary.json, log_history.jsonl) before its first dump file: the logged steps and causes alone
+    tokens = load_tokens(dump_dir) if has_dump(dump_dir) or not summary else None
     table = step_table(summary, tokens)
     v = training_verdict(summary, tokens, table)
-    page.raw(f"<p>{tokens.size} tokens from {tokens.sequences().length.size} sequences in the dump"
-             + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>")
+    if tokens is None:
+        page.raw("<p>No per-token rows in the dump yet (the run stopped before a step wrote one, or its sampling "
+                 "picked no sequence: <code>sample_rate</code>): the verdict and the series below come from the "
+                 "metrics the run logged.</p>")
+    else:
+        page.raw(f"<p>{tokens.size} tokens from {tokens.sequences().length.size} sequences in the dump"
+                 + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>")
     page.verdict(v, v.get("extra", []))
     from tim_plugins.report.causes import causes_section
 
@@ -381,9 +387,10 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
         from tim_plugins.report.truncation import truncation_section
 
         truncation_section(page, summary, table)
-    page.h2("Per token")
-    _figures_over_tokens(page, {"dump": tokens})
-    disagreements_section(page, dump_disagreements(tokens, decode), "every step of the dump")
+    if tokens is not None:
+        page.h2("Per token")
+        _figures_over_tokens(page, {"dump": tokens})
+        disagreements_section(page, dump_disagreements(tokens, decode), "every step of the dump")
     if summary and "findings" in summary:
         framework = summary.get("framework")
         page.h2("Parity audit")

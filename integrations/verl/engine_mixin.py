@@ -193,6 +193,9 @@ class TIMEngineMixin:
         self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
         self._tim_step = 0  # verl's global step (the driver's tim_begin_step): the dump's file name
         self._tim_updates = 0  # optimizer steps since this global step's rollout: the policy lag of a training pass
+        # optimizer steps of this global step's earlier actor updates: separate_async makes parameter_sync_step of
+        # them per global step (each with its old-log-prob pass and scheduler step) before the rollout is synced
+        self._tim_earlier = 0
 
     def tim_deconfigure(self) -> None:
         """Switch the hooks off again: from here on the engine computes as verl's own (full-vocabulary log-probs,
@@ -228,7 +231,10 @@ class TIMEngineMixin:
 
     def tim_begin_step(self, step: int) -> None:
         """The driver's global step, before the step's first pass (it names the step's dump file and the probe's
-        checks)."""
+        checks). The driver calls it before each actor update: again with the same step for separate_async's later
+        updates of one global step, whose samples' lags count the earlier ones' optimizer steps too."""
+        if int(step) != self._tim_step:
+            self._tim_earlier = 0
         self._tim_step = int(step)
 
     def _tim_dp_rank(self) -> int:
@@ -370,7 +376,7 @@ class TIMEngineMixin:
         if self._tim_mb is not None and self._tim.safe_vocab.mask_boundary:  # the loss's own mask
             fields["mask"] = fields["mask"] & layout.gather(self._tim_mb["in_safe"]).bool()
         if "lag" in fields:
-            fields["lag"] = lag_after(fields["lag"], self._tim_updates)
+            fields["lag"] = lag_after(fields["lag"], self._tim_earlier + self._tim_updates)
         else:
             fields["old"] = old_logprobs(fields["current"], layout.cells(micro_batch["old_log_probs"]).float(),
                                          fresh=self._tim_updates == 0)
@@ -461,6 +467,7 @@ class TIMEngineMixin:
         # verl steps the scheduler after the last mini-batch of a step:
         # VERL_SOURCES verl.workers.engine_workers:TrainingWorker.train_mini_batch
         self._tim_step_start = True
+        self._tim_earlier += self._tim_updates
         self._tim_updates = 0
         if self._tim_pipeline.by_lag is not None:  # every DP rank steps the scheduler: all merge here
             # the split's rule (staleness) names its cause in the step's window; the driver acts on the decision

@@ -288,3 +288,47 @@ def test_asynchronous_mode_keys_each_sample_by_the_lag_it_was_drawn_with(toy_mod
     # lag 0 of the training passes is the measured mismatch: the same tokens, π_θ = π_old before the first update
     assert got["tim/by_lag/0/count"] == measured["tim/tokens"]
     assert got["tim/by_lag/0/kl_k3"] == pytest.approx(measured["tim/token/kl_k3"], rel=1e-3)
+
+
+def test_separate_async_updates_of_one_global_step_count_the_earlier_ones_in_the_lag(toy_model_path):
+    """separate_async with ``parameter_sync_step=2``: two actor updates in one global step, each after its own
+    old-log-prob pass (the driver's ``tim_begin_step`` again with the same step) and with its own scheduler step,
+    before the rollout is synced. A sample of the second update drawn with lag L has seen the first update's
+    optimizer step too: keyed L + 1, the first's L. Reference: verl's own tensors at each loss call."""
+    from tim_plugins.integrations.verl.config import LAG_FIELD
+
+    H.init_dist(port=29582)
+    engine = H.build_engine(toy_model_path, lr=1e-2)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}), asynchronous=True)
+    for update, seed in enumerate((5, 6)):
+        engine.tim_begin_step(3)
+        td, _ = H.make_batch(VOCAB, response=6, seed=seed, rollout_noise=0.05)
+        td[LAG_FIELD] = torch.tensor([0, 2, 0, 2])
+        old = H.old_log_probs_padded(H.infer(engine, td), td)
+        calls, lags_seen = [], []
+        record = _recording_loss(calls)
+
+        def loss(*, model_output, data, dp_group=None):
+            lags_seen.append(data[LAG_FIELD].clone())
+            return record(model_output=model_output, data=data, dp_group=dp_group)
+
+        _train(engine, td, old, loss, passes=1)
+        metrics = engine.tim_pop_metrics()
+        want: dict[int, list] = {}
+        for (current, _, rollout, mask), lag in zip(calls, lags_seen):
+            for row in range(current.shape[0]):
+                want.setdefault(int(lag[row]) + update, []).append((current[row] - rollout[row])[mask[row]])
+        assert sorted(want) == [update, 2 + update]
+        assert {k for k in metrics if k.startswith("tim/by_lag/") and k.endswith("/count")} == {
+            f"tim/by_lag/{lag}/count" for lag in want}
+        for lag, parts in want.items():
+            d = torch.cat(parts)
+            assert metrics[f"tim/by_lag/{lag}/count"] == d.numel()
+            assert metrics[f"tim/by_lag/{lag}/kl_k3"] == pytest.approx(_k3(d), rel=1e-6)
+    engine.tim_begin_step(4)  # the next global step: its first update is at lag + 0 again
+    td, _ = H.make_batch(VOCAB, response=6, seed=7, rollout_noise=0.05)
+    td[LAG_FIELD] = torch.tensor([0, 0, 0, 0])
+    old = H.old_log_probs_padded(H.infer(engine, td), td)
+    _train(engine, td, old, _recording_loss([]), passes=1)
+    assert {k for k in engine.tim_pop_metrics() if k.startswith("tim/by_lag/") and k.endswith("/count")} == {
+        "tim/by_lag/0/count"}

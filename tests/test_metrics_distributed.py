@@ -134,21 +134,27 @@ def _pipeline_worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def test_pipeline_two_rank_merge_equals_single_process():
-    """StepPipeline's every statistic (monitor, safe vocabulary, correction, IS weights) and its problem counts
-    (tim/diag/*) merged over 2 gloo processes equal one process that made both ranks' calls."""
-    import logging
-
+def _two_ranks(target) -> list:
+    """``target(rank, 2, port, queue)`` in two spawned gloo processes: what each put on the queue, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_pipeline_worker, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = sorted([queue.get(timeout=120) for _ in procs], key=lambda x: x[0])
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return results
+
+
+def test_pipeline_two_rank_merge_equals_single_process():
+    """StepPipeline's every statistic (monitor, safe vocabulary, correction, IS weights) and its problem counts
+    (tim/diag/*) merged over 2 gloo processes equal one process that made both ranks' calls."""
+    import logging
+
+    results = _two_ranks(_pipeline_worker)
     (_, local0, merged0), (_, local1, merged1) = results
     same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
     assert merged0.keys() == merged1.keys() and all(same(merged0[k], merged1[k]) for k in merged0)
@@ -212,16 +218,7 @@ def test_a_resume_from_the_main_processs_state_counts_nothing_twice():
     the others only what every rank shares. Reference: the counts each rank met (rank 0: two a window, rank 1: one)
     and rank 0's own tokens of the window in progress; rank 1's window and its count since the last merge are what a
     resume loses."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_resume_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted([queue.get(timeout=120) for _ in procs], key=lambda x: x[0])
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = _two_ranks(_resume_worker)
     (_, tokens0, after0), (_, _, after1) = results
     same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
     assert after0.keys() == after1.keys() and all(same(after0[k], after1[k]) for k in after0)

@@ -90,6 +90,17 @@ def _flat(x, prefix="") -> dict:
     return {prefix: x}
 
 
+def _assert_same_state(controller, reference) -> None:
+    """The engine's controller state is the reference's: exact but for floats (the monitor's float32 k3 against a
+    float64 reference: 1e-6 relative)."""
+    got, ref = _flat(controller.state_dict()), _flat(reference.state_dict())
+    assert got.keys() == ref.keys()
+    for key, value in ref.items():
+        same = got[key] == value if isinstance(value, (str, bool, type(None))) else got[key] == pytest.approx(
+            value, rel=1e-6)
+        assert same, (key, got[key], value)
+
+
 def _naive_k3(old_padded, raw) -> float:
     """k3 of the rollout log-probs vs the actor's recomputation over the response tokens, by its definition."""
     m = raw["response_mask"].bool()
@@ -131,12 +142,7 @@ def test_every_lr_signal_works_through_the_engine(toy_model_path, signal):
         lrs.append(lr)
     assert lrs == [LR * s for s in want]
     # the same state, up to the float32 k3 of the monitor vs the float64 reference
-    got, ref = _flat(eng.optimizer.tim_controller.state_dict()), _flat(reference.state_dict())
-    assert got.keys() == ref.keys()
-    for key, value in ref.items():
-        same = got[key] == value if isinstance(value, (str, bool, type(None))) else got[key] == pytest.approx(
-            value, rel=1e-6)
-        assert same, (key, got[key], value)
+    _assert_same_state(eng.optimizer.tim_controller, reference)
     assert min(want) < 1.0, (want, reference.state_dict()['trackers'])  # the signal fired (the reference says when)
     metrics = eng.tim_pop_metrics()
     assert metrics["tim/lr/scale"] == want[-1] and metrics["tim/lr/trigger_count"] >= 1.0
@@ -181,12 +187,7 @@ def test_the_k3_signal_reaches_every_optimizer_step_of_a_global_step(toy_model_p
             eng.lr_scheduler_step()
     assert got == want
     assert want.index(min(want)) == 5 and min(want) < 1.0, want  # fired at the surge step's second optimizer step
-    state, ref = _flat(eng.optimizer.tim_controller.state_dict()), _flat(reference.state_dict())
-    assert state.keys() == ref.keys()
-    for key, value in ref.items():
-        same = state[key] == value if isinstance(value, (str, bool, type(None))) else state[key] == pytest.approx(
-            value, rel=1e-6)
-        assert same, (key, state[key], value)
+    _assert_same_state(eng.optimizer.tim_controller, reference)
 
 
 def test_a_rank_without_outputs_sees_the_grad_norm_too(toy_model_path):

@@ -64,6 +64,30 @@ def _recording_loss(calls: list):
     return loss
 
 
+def _recording_lag_loss(calls: list, lags: list):
+    """``_recording_loss`` that also records each call's samples' lags (the driver's ``LAG_FIELD``)."""
+    from tim_plugins.integrations.verl.config import LAG_FIELD
+
+    record = _recording_loss(calls)
+
+    def loss(*, model_output, data, dp_group=None):
+        lags.append(data[LAG_FIELD].clone())
+        return record(model_output=model_output, data=data, dp_group=dp_group)
+
+    return loss
+
+
+def _assert_by_lag(metrics: dict, want: dict) -> None:
+    """``tim/by_lag/<lag>/*`` holds exactly the lags of ``want`` ({lag: [log-ratio rows]}): each one's token count
+    and naive k3."""
+    assert {k for k in metrics if k.startswith("tim/by_lag/") and k.endswith("/count")} == {
+        f"tim/by_lag/{lag}/count" for lag in want}
+    for lag, parts in want.items():
+        d = torch.cat(parts)
+        assert metrics[f"tim/by_lag/{lag}/count"] == d.numel()
+        assert metrics[f"tim/by_lag/{lag}/kl_k3"] == pytest.approx(_k3(d), rel=1e-6)
+
+
 def _k3(d: torch.Tensor) -> float:
     return float((torch.expm1(d) - d).mean())
 
@@ -262,13 +286,7 @@ def test_asynchronous_mode_keys_each_sample_by_the_lag_it_was_drawn_with(toy_mod
 
     calls: list = []
     lags_seen: list = []
-    record = _recording_loss(calls)
-
-    def loss(*, model_output, data, dp_group=None):
-        lags_seen.append(data[LAG_FIELD].clone())
-        return record(model_output=model_output, data=data, dp_group=dp_group)
-
-    _train(engine, td, old, loss, passes=2)
+    _train(engine, td, old, _recording_lag_loss(calls, lags_seen), passes=2)
     got = engine.tim_pop_metrics()
     assert not any(k.startswith(("tim/split/", "tim/staleness/")) for k in got)
     want: dict[int, list] = {}
@@ -279,12 +297,7 @@ def test_asynchronous_mode_keys_each_sample_by_the_lag_it_was_drawn_with(toy_mod
                 continue
             want.setdefault(int(lag_mb[row]) + updates, []).append((current[row] - rollout_mb[row])[mask_mb[row]])
     assert sorted(want) == [0, 1, 2, 3]
-    assert {k for k in got if k.startswith("tim/by_lag/") and k.endswith("/count")} == {
-        f"tim/by_lag/{lag}/count" for lag in want}
-    for lag, parts in want.items():
-        d = torch.cat(parts)
-        assert got[f"tim/by_lag/{lag}/count"] == d.numel()
-        assert got[f"tim/by_lag/{lag}/kl_k3"] == pytest.approx(_k3(d), rel=1e-6)
+    _assert_by_lag(got, want)
     # lag 0 of the training passes is the measured mismatch: the same tokens, π_θ = π_old before the first update
     assert got["tim/by_lag/0/count"] == measured["tim/tokens"]
     assert got["tim/by_lag/0/kl_k3"] == pytest.approx(measured["tim/token/kl_k3"], rel=1e-3)
@@ -306,25 +319,14 @@ def test_separate_async_updates_of_one_global_step_count_the_earlier_ones_in_the
         td[LAG_FIELD] = torch.tensor([0, 2, 0, 2])
         old = H.old_log_probs_padded(H.infer(engine, td), td)
         calls, lags_seen = [], []
-        record = _recording_loss(calls)
-
-        def loss(*, model_output, data, dp_group=None):
-            lags_seen.append(data[LAG_FIELD].clone())
-            return record(model_output=model_output, data=data, dp_group=dp_group)
-
-        _train(engine, td, old, loss, passes=1)
+        _train(engine, td, old, _recording_lag_loss(calls, lags_seen), passes=1)
         metrics = engine.tim_pop_metrics()
         want: dict[int, list] = {}
         for (current, _, rollout, mask), lag in zip(calls, lags_seen):
             for row in range(current.shape[0]):
                 want.setdefault(int(lag[row]) + update, []).append((current[row] - rollout[row])[mask[row]])
         assert sorted(want) == [update, 2 + update]
-        assert {k for k in metrics if k.startswith("tim/by_lag/") and k.endswith("/count")} == {
-            f"tim/by_lag/{lag}/count" for lag in want}
-        for lag, parts in want.items():
-            d = torch.cat(parts)
-            assert metrics[f"tim/by_lag/{lag}/count"] == d.numel()
-            assert metrics[f"tim/by_lag/{lag}/kl_k3"] == pytest.approx(_k3(d), rel=1e-6)
+        _assert_by_lag(metrics, want)
     engine.tim_begin_step(4)  # the next global step: its first update is at lag + 0 again
     td, _ = H.make_batch(VOCAB, response=6, seed=7, rollout_noise=0.05)
     td[LAG_FIELD] = torch.tensor([0, 0, 0, 0])

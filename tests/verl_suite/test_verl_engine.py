@@ -351,7 +351,8 @@ def test_a_sequence_parallel_rank_other_than_the_source_measures_and_writes_noth
         return eng.tim_pop_metrics(), out
 
     (want, written), (got, other) = step(True), step(False)
-    assert want["tim/cause/named"] >= 1.0 and got == want
+    assert want["tim/cause/named"] >= 1.0 and got.keys() == want.keys()
+    assert all(got[k] == v or (math.isnan(got[k]) and math.isnan(v)) for k, v in want.items())
     assert sorted(p.name for p in written.glob("*.parquet")) == ["step_00000001-rank_0000.parquet"]
     assert len((written / CAUSES_LOG).read_text().splitlines()) == want["tim/cause/named"]
     assert not other.exists() or not any(other.iterdir())

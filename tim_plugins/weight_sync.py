@@ -165,6 +165,12 @@ class EngineRead:
     quantized: bool = False
     missing: bool = False
 
+    def held_mask(self) -> torch.Tensor:
+        """[K] bool on the CPU: the elements this read holds (every one without a ``held`` mask)."""
+        if self.held is None:
+            return torch.ones(self.values.shape[0], dtype=torch.bool)
+        return self.held.reshape(-1).cpu()
+
 
 class EngineWeights(Protocol):
     """What an adapter supplies to read the engine's weights (see the module docstring)."""
@@ -451,7 +457,7 @@ class SyncCheck:
         i = names.index(name)
         start = sum(sizes[:i])
         v, expected = v_all[start:start + sizes[i]], e_all[start:start + sizes[i]]
-        held = torch.ones(v.shape, dtype=torch.bool) if read.held is None else read.held.reshape(-1)
+        held = read.held_mask()
         if coarser:
             report.detail[name] = f"stored as {_dtype_name(read.dtype)} (engine: {_dtype_name(configured)})"
             return "precision"
@@ -540,8 +546,7 @@ def _held(reads: list, sizes: list) -> torch.Tensor:
     """The elements held, flat over ``reads`` (every element when no read carries a ``held`` mask)."""
     if all(read.held is None for read in reads):
         return torch.ones(sum(sizes), dtype=torch.bool)
-    return torch.cat([torch.ones(n, dtype=torch.bool) if read.held is None else read.held.reshape(-1).cpu()
-                      for read, n in zip(reads, sizes)])
+    return torch.cat([read.held_mask() for read in reads])
 
 
 def _flat(parts: list) -> torch.Tensor:

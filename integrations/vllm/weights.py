@@ -262,8 +262,8 @@ class VLLMWeights:
             self._validated.add(id(module))
             through = self._forward_read(module, local, held, quantized=False)
             mine = values.to("cpu", torch.float64)[held]
-            same = through is not None and bool(((through.values[held] == mine)
-                                                 | (torch.isnan(through.values[held]) & torch.isnan(mine))).all())
+            same = through is not None and torch.allclose(through.values[held], mine, rtol=0.0, atol=0.0,
+                                                          equal_nan=True)  # exact, a NaN equal to a NaN
             if not same:
                 logger.info("tim_plugins: %s: the weight vLLM holds is not what its layer computes with; reading "
                             "it through the layer's forward", name)

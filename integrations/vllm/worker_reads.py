@@ -92,10 +92,6 @@ def read_requests(reader, requests: Iterable) -> dict:
     return {"dtype": _dtype_name(reader.dtype), "reads": reads}
 
 
-def _holds(read: EngineRead) -> torch.Tensor:
-    return torch.ones(read.values.shape[0], dtype=torch.bool) if read.held is None else read.held.reshape(-1)
-
-
 def _merge(parts: list[EngineRead]) -> Optional[EngineRead]:
     """One tensor's reads from every tensor-parallel worker of an engine -> one read (``held``: the elements some
     worker holds; the first worker that holds an element gives its value)."""
@@ -104,9 +100,9 @@ def _merge(parts: list[EngineRead]) -> Optional[EngineRead]:
         return EngineRead(missing=True) if any(p is not None for p in parts) else None
     values = held[0].values.clone()
     atol = held[0].atol.clone() if isinstance(held[0].atol, torch.Tensor) else held[0].atol
-    mask = _holds(held[0]).clone()
+    mask = held[0].held_mask().clone()
     for p in held[1:]:
-        fill = ~mask & _holds(p)
+        fill = ~mask & p.held_mask()
         values[fill] = p.values[fill]
         mask |= fill
         if isinstance(atol, torch.Tensor) and isinstance(p.atol, torch.Tensor) and p.atol.shape == atol.shape:

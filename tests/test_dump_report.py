@@ -60,6 +60,41 @@ def test_sampling_rate_and_cap_bound_disk_use(tmp_path):
     assert read_dump(again).column("sequence").to_pylist() == read_dump(tmp_path).column("sequence").to_pylist()
 
 
+def test_a_step_measured_in_several_batches_keeps_every_batch(tmp_path):
+    """verl's separate_async with parameter_sync_step=2 measures one global step in two batches (one old-log-prob
+    pass per actor update): both are kept, in two files, the second batch's sequences numbered after the first's,
+    and the cap counts the step's sequences over both. A resumed run's new attempt at the step replaces the earlier
+    attempt's files (all parts). Reference: the batches' own tensors, row by row."""
+    from tim_plugins.report import query
+
+    batches = [_batch(B=6, T=9, seed=1), _batch(B=5, T=9, seed=2)]
+    dumper = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0, max_sequences_per_step=100)
+    paths = [dumper.write(5, r, t, m, tok, rank=1) for r, t, m, tok, _ in batches]
+    assert [p.name for p in paths] == ["step_00000005-rank_0001.parquet", "step_00000005-rank_0001-part_0001.parquet"]
+    rows = read_dump(tmp_path).to_pylist()
+    want = [(b + first, t, r[b, t].float().item(), tok[b, t].item())
+            for first, (r, _, m, tok, _) in ((0, batches[0]), (6, batches[1]))
+            for b in range(m.shape[0]) for t in range(m.shape[1]) if m[b, t]]
+    assert [(r["sequence"], r["position"], r["rollout_logprob"], r["token_id"]) for r in rows] == want
+    with query.engine() as eng:  # the report's reader sees both files' tokens, each sequence once
+        dump = query.Dump(tmp_path, eng)
+        assert dump.size == len(want)
+        assert dump.sequences().sequence.tolist() == sorted({w[0] for w in want})
+    dumper.write(6, *batches[0][:4], rank=1)  # the next step starts at part 0 and sequence 0 again
+    assert sorted({r["sequence"] for r in read_dump(tmp_path).to_pylist() if r["step"] == 6}) == [0, 1, 3, 4, 5]
+
+    capped = TokenDumper(out_dir=str(tmp_path / "capped"), sample_rate=1.0, max_sequences_per_step=8)
+    for r, t, m, tok, _ in batches:
+        capped.write(0, r, t, m, tok)
+    # 6 rows of the first batch (row 2 fully masked: picked, no tokens) and the first 2 of the second
+    assert sorted({r["sequence"] for r in read_dump(tmp_path / "capped").to_pylist()}) == [0, 1, 3, 4, 5, 6, 7]
+
+    resumed = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0, max_sequences_per_step=100)
+    resumed.write(5, *batches[1][:4], rank=1)  # the redone step, measured in one batch this time
+    assert sorted(p.name for p in tmp_path.glob("step_00000005-*")) == ["step_00000005-rank_0001.parquet"]
+    assert {r["sequence"] for r in read_dump(tmp_path).to_pylist() if r["step"] == 5} == {0, 1, 3, 4}
+
+
 def test_every_n_steps_and_config_errors(tmp_path):
     rollout, train, mask, tokens, _ = _batch()
     d = TokenDumper(out_dir=str(tmp_path), sample_rate=1.0, every_n_steps=2)

@@ -1,5 +1,7 @@
 """Per-token Parquet dump: sampled rows of (step, rank, sequence, position, token, log-probs), one file per
-step and rank, written atomically, so a crashed run never leaves a half-written file behind.
+step and rank, written atomically, so a crashed run never leaves a half-written file behind. A step measured in
+several batches (verl's ``separate_async`` with ``parameter_sync_step`` > 1: one old-log-prob pass per actor update)
+writes one file per batch, ``-part_<k>`` after the first, with sequence numbers that go on across the step's batches.
 
 Whole sequences are sampled (not scattered tokens), so drift by position and the cumulative log-ratio along a
 sequence can be read from the dump. Disk use is bounded by ``sample_rate`` and ``max_sequences_per_step``.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,11 +23,30 @@ if TYPE_CHECKING:
 
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
            "SUMMARY", "CAUSES_LOG", "VERSIONED", "append_causes", "append_log_history", "complete_log_history",
-           "last_row_per_step", "package_versions", "read_log_history", "write_summary"]
+           "last_row_per_step", "package_versions", "read_log_history", "write_summary", "dump_file_name", "dump_files",
+           "DUMP_FILE_GLOB"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
 )
+
+# The names of complete dump files (the writer's temporary names, ``*.parquet.tmp<pid>``, match neither).
+DUMP_FILE_GLOB = "step_*-rank_*.parquet"
+_DUMP_FILE_RE = re.compile(r"step_(\d+)-rank_(\d+)(?:-part_\d+)?\.parquet")
+
+
+def dump_file_name(step: int, rank: int, part: int = 0) -> str:
+    """The file of a step's ``part``-th measured batch on ``rank`` (part 0: ``step_<8 digits>-rank_<4 digits>``)."""
+    base = f"step_{step:08d}-rank_{rank:04d}"
+    return f"{base}.parquet" if part == 0 else f"{base}-part_{part:04d}.parquet"
+
+
+def dump_files(folder: str | os.PathLike) -> list[Path]:
+    """The complete dump files of ``folder`` (sorted by name); [] for a folder that does not exist."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _DUMP_FILE_RE.fullmatch(p.name) and p.is_file())
 
 
 # Beside the dump files: one JSON object per logged step ({"step": N, "tim/...": value, ...}), appended as the run
@@ -115,12 +137,14 @@ def last_row_per_step(rows: list[dict]) -> list[dict]:
 
 @dataclass
 class DumpConfig:
-    out_dir: str = field(metadata={"help": "Folder for the step_<8 digits>-rank_<4 digits>.parquet files."})
+    out_dir: str = field(metadata={"help": "Folder for the step_<8 digits>-rank_<4 digits>.parquet files (a step "
+                                           "measured in several batches: -part_<k> files after the first)."})
     sample_rate: float = field(
         default=0.05, metadata={"help": "Fraction of sequences written per step (whole sequences)."}
     )
     max_sequences_per_step: int = field(
-        default=64, metadata={"help": "Cap on sequences written per step and rank (bounds disk use)."}
+        default=64, metadata={"help": "Cap on sequences written per step and rank, over all of the step's batches "
+                                      "(bounds disk use)."}
     )
     every_n_steps: int = field(default=1, metadata={"help": "Write only on steps divisible by this."})
     seed: int = field(default=0, metadata={"help": "Seed of the sequence sampling (per step and rank)."})
@@ -147,6 +171,11 @@ class TokenDumper:
         require("pyarrow", "the per-token Parquet dump")
         self.config = config if config is not None else DumpConfig(**kwargs)
         Path(self.config.out_dir).mkdir(parents=True, exist_ok=True)
+        # the (step, rank) written last, and of its batches so far: how many, their sequences, the sequences picked
+        self._key: tuple[int, int] | None = None
+        self._batches = 0
+        self._sequences = 0
+        self._written = 0
 
     def wants(self, step: int) -> bool:
         return step % self.config.every_n_steps == 0
@@ -163,7 +192,11 @@ class TokenDumper:
         entropy: torch.Tensor | None = None,
     ) -> Path | None:
         """Write the sampled sequences of one batch ([B, T] tensors). Returns the file path, or None if this
-        step is skipped or nothing was sampled. Host transfer happens here, only on dump steps."""
+        step is skipped or nothing was sampled. Host transfer happens here, only on dump steps.
+
+        Another batch of the step just written (same ``step`` and ``rank``) goes to the step's next part file: its
+        sequences are numbered after the earlier batches' and the cap counts the step's sequences so far. The first
+        batch of a step removes that step's files of an earlier attempt (a resumed run redoes the step)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
         import torch  # here, not at the module's top: the report reads dumps without torch
@@ -172,9 +205,17 @@ class TokenDumper:
             return None
         cfg = self.config
         B = rollout_logprobs.shape[0]
-        g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step * 1_009 + rank) % (2**63 - 1))
+        if self._key != (step, rank):
+            self._key, self._batches, self._sequences, self._written = (step, rank), 0, 0, 0
+            self._remove_step(step, rank)
+        part, first = self._batches, self._sequences
+        self._batches += 1
+        self._sequences += B
+        # part 0's draw is the one a step with a single batch always had
+        g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step * 1_009 + rank + part * 7_919) % (2**63 - 1))
         keep = torch.rand(B, generator=g) < cfg.sample_rate
-        rows = torch.nonzero(keep).flatten()[: cfg.max_sequences_per_step]
+        rows = torch.nonzero(keep).flatten()[: max(cfg.max_sequences_per_step - self._written, 0)]
+        self._written += rows.numel()
         if rows.numel() == 0:
             return None
         sel = lambda x: x.detach()[rows.to(x.device)].cpu()
@@ -185,7 +226,7 @@ class TokenDumper:
         columns = {
             "step": pa.array(torch.full_like(seq_idx, step).numpy()),
             "rank": pa.array(torch.full_like(seq_idx, rank).numpy().astype("int32")),
-            "sequence": pa.array(rows[seq_idx].numpy()),
+            "sequence": pa.array((rows[seq_idx] + first).numpy()),
             "position": pa.array(pos_idx.numpy().astype("int32")),
             "token_id": pa.array(sel(token_ids)[seq_idx, pos_idx].numpy().astype("int64")),
             "rollout_logprob": pa.array(sel(rollout_logprobs).float()[seq_idx, pos_idx].numpy()),
@@ -194,11 +235,18 @@ class TokenDumper:
         if entropy is not None:
             columns["entropy"] = pa.array(sel(entropy).float()[seq_idx, pos_idx].numpy())
         table = pa.table(columns)
-        path = Path(cfg.out_dir) / f"step_{step:08d}-rank_{rank:04d}.parquet"
+        path = Path(cfg.out_dir) / dump_file_name(step, rank, part)
         tmp = path.with_suffix(f".parquet.tmp{os.getpid()}")
         pq.write_table(table, tmp)
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
         return path
+
+    def _remove_step(self, step: int, rank: int) -> None:
+        """The files of ``step`` on ``rank`` that an earlier attempt at the step wrote."""
+        for path in dump_files(self.config.out_dir):
+            match = _DUMP_FILE_RE.fullmatch(path.name)
+            if int(match[1]) == step and int(match[2]) == rank:
+                path.unlink(missing_ok=True)
 
 
 def read_dump(directory: str | os.PathLike):
@@ -212,7 +260,7 @@ def read_dump(directory: str | os.PathLike):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files = sorted(Path(directory).glob("step_*-rank_*.parquet"))
+    files = dump_files(directory)
     if not files:
         raise FileNotFoundError(
             f"no dump files (step_*-rank_*.parquet) in {str(directory)!r}: point at the folder the dumper wrote."

@@ -340,7 +340,8 @@ class _DumpMethods:
 _DUMP_OPTIONS = tuple(f.name for f in dataclasses.fields(DumpConfig) if f.name != "out_dir")
 DumpSettings = dataclasses.make_dataclass("DumpSettings", [
     ("dir", "str | None", field(default=None, metadata=field_help(
-        "Folder for the dump (step_<verl global step>-rank_<DP rank>.parquet, plus the run's summary.json with the "
+        "Folder for the dump (step_<verl global step>-rank_<DP rank>.parquet, -part_<k> files for separate_async's "
+        "later updates of a step, plus the run's summary.json with the "
         "start-up audit and the model path, for the report); null = off. Needs tim.monitor.enable=true."))),
     *[(f.name, f.type, core_field(DumpConfig, f.name)) for f in dataclasses.fields(DumpConfig) if f.name != "out_dir"],
 ], bases=(_DumpMethods,), namespace={"__module__": __name__, "__doc__": _DumpMethods.__doc__})

@@ -196,6 +196,7 @@ class TIMEngineMixin:
         # optimizer steps of this global step's earlier actor updates: separate_async makes parameter_sync_step of
         # them per global step (each with its old-log-prob pass and scheduler step) before the rollout is synced
         self._tim_earlier = 0
+        self._tim_closes = True  # this actor update is the global step's last: its window closes after it
 
     def tim_deconfigure(self) -> None:
         """Switch the hooks off again: from here on the engine computes as verl's own (full-vocabulary log-probs,
@@ -229,13 +230,16 @@ class TIMEngineMixin:
         weights, peft_config = result
         return self._tim_sync.observing(weights, peft_config), peft_config
 
-    def tim_begin_step(self, step: int) -> None:
+    def tim_begin_step(self, step: int, part: int = 0, parts: int = 1) -> None:
         """The driver's global step, before the step's first pass (it names the step's dump file and the probe's
         checks). The driver calls it before each actor update: again with the same step for separate_async's later
-        updates of one global step, whose samples' lags count the earlier ones' optimizer steps too."""
+        updates of one global step (``part`` of ``parts``, its ``parameter_sync_step``), whose samples' lags count
+        the earlier ones' optimizer steps too. The step's window (metrics, causes, the probe, the LR controller's
+        metrics) closes after its last update, over all of them: one row per global step, as with one update."""
         if int(step) != self._tim_step:
             self._tim_earlier = 0
         self._tim_step = int(step)
+        self._tim_closes = int(part) >= int(parts) - 1
 
     def _tim_dp_rank(self) -> int:
         """This rank's index in the data-parallel group (0 outside torch.distributed): the dump's ``rank``."""
@@ -252,7 +256,7 @@ class TIMEngineMixin:
         if not self._tim_holds_outputs():
             return {}
         controller = self._tim_pipeline.lr_controller
-        if controller is not None:
+        if controller is not None and self._tim_closes:
             out.update(controller.metrics())
         return out
 
@@ -395,17 +399,19 @@ class TIMEngineMixin:
 
     def _tim_merge(self) -> None:
         """The pipeline's statistics, merged over the DP group (every DP rank of the ranks that hold outputs runs
-        the pass, so all of them call it; the others measure nothing and skip it)."""
+        the pass, so all of them call it; the others measure nothing and skip it). An actor update before the global
+        step's last measures and dumps its batch; the last one closes the step's window."""
         if not self._tim_measured:
             return
         self._tim_measure_pass()
         # the training passes' split is merged at the end of the actor update (lr_scheduler_step)
         # the probe decides here, on the merged metrics; the driver acts (raising in a Ray worker would not stop it)
-        metrics, decision, _ = self._tim_pipeline.compute(self._tim_step, sync=True, group=self._tim_dp_group(),
-                                                          loss_passes=False, raise_on_trip=False)
-        self._tim_pending.update(metrics)
-        if decision is not None:
-            self._tim_decision = decision
+        if self._tim_closes:
+            metrics, decision, _ = self._tim_pipeline.compute(self._tim_step, sync=True, group=self._tim_dp_group(),
+                                                              loss_passes=False, raise_on_trip=False)
+            self._tim_pending.update(metrics)
+            if decision is not None:
+                self._tim_decision = decision
         self._tim_pipeline.flush_dump(self._tim_step)
         self._tim_measured = False
 
@@ -469,7 +475,7 @@ class TIMEngineMixin:
         self._tim_step_start = True
         self._tim_earlier += self._tim_updates
         self._tim_updates = 0
-        if self._tim_pipeline.by_lag is not None:  # every DP rank steps the scheduler: all merge here
+        if self._tim_pipeline.by_lag is not None and self._tim_closes:  # every DP rank steps the scheduler: all merge
             # the split's rule (staleness) names its cause in the step's window; the driver acts on the decision
             metrics, decision = self._tim_pipeline.close_loss_passes(self._tim_step, sync=True,
                                                                      group=self._tim_dp_group(), raise_on_trip=False)

@@ -140,6 +140,11 @@ VERL_SOURCES = {
         "(keys=, partition_id=, fields=TensorDict [len(keys)]) adds per-sample fields to stored samples; a worker "
         "method given the batch's KVBatchMeta (fields None or naming the field) receives every field all of its "
         "samples have, split with the batch over DP ranks, mini- and micro-batches",
+    (_TB, "PPOTrainer.step"):
+        "(metrics, timing_raw) -> batch; one global step: for trigger_idx in range(self.parameter_sync_step) sets "
+        "self.local_trigger_step = trigger_idx and runs one actor update (_step_once: old-log-prob pass, update) on a "
+        "sample of train_batch_size // parameter_sync_step; each update's metrics go to their own dict, combined into "
+        "the step's by verl's MetricsAggregator (a key only the last update has keeps its value)",
     (_TB, "PPOTrainer._update_actor"):
         "(batch, metrics) -> batch; one actor_rollout_wg.update_actor call per step",
     (_TB, "PPOTrainer.fit"):

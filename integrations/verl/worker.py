@@ -43,11 +43,11 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
             engine.tim_configure(tim, context=dataclasses.replace(context, features_off=off))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def tim_begin_step(self, step: int) -> None:
-        """The driver's global step, before the step's first actor pass (names the step's dump file and the
-        probe's checks)."""
+    def tim_begin_step(self, step: int, part: int = 0, parts: int = 1) -> None:
+        """The driver's global step, before each actor update's first pass (names the step's dump file and the
+        probe's checks; ``part`` of ``parts``: the update among the step's ``parameter_sync_step``)."""
         if self.actor is not None and hasattr(self.actor.engine, "tim_begin_step"):
-            self.actor.engine.tim_begin_step(step)
+            self.actor.engine.tim_begin_step(step, part, parts)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tim_pop_metrics(self) -> dict:

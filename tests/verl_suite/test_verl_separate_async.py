@@ -8,6 +8,9 @@ verl's checkpoint engines for this (``nccl``, ``nixl`` ...) need accelerators; t
 custom_backend_module``): the actor's first rank writes the stream to a file, the standalone replica's worker reads it
 and hands it to verl's server adapter, which loads it into vLLM as with any backend.
 
+Two actor updates per global step (``parameter_sync_step=2``): each step logs the metrics of both (the dump's
+tokens are the reference).
+
 Checked, the weight-sync check on both kinds of sync (``integrations/verl/sync_check.py``):
 - fault-free: every sync of the run (verl's first one before step 1, then one of each kind per step) is compared on
   both replicas and names nothing; no sync goes unread;
@@ -43,8 +46,9 @@ def _overrides(files, wd, extra: list[str]) -> list[str]:
     return M.base_overrides(files, wd, steps=STEPS) + cpu + [
         "+ray_kwargs.ray_init.num_gpus=2",  # one logical GPU for the actor (and its hybrid replica), one standalone
         "trainer.v1.trainer_mode=tim_separate_async",
-        # separate_async: train_batch_size = parameter_sync_step x ppo_mini_batch_size (4 = 1 x 4)
-        "trainer.v1.separate_async.parameter_sync_step=1",
+        # separate_async: train_batch_size = parameter_sync_step x ppo_mini_batch_size (4 = 2 x 2): two actor
+        # updates per global step, each on its own sample of 2 prompts
+        "trainer.v1.separate_async.parameter_sync_step=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         # verl 0.9.1's separate_async with actor_rollout_ref.hybrid_engine=false stops in its own _setup
         # (logger.info(..., flush=True): TypeError); the default keeps the hybrid replica beside the standalone one
         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
@@ -65,7 +69,8 @@ def _model_tensors(path) -> list[str]:
 def healthy(tmp_path_factory, toy_model_path):
     wd = tmp_path_factory.mktemp("separate_async")
     files = M.prepare(wd, toy_model_path)
-    run = M.run_main_ppo(_overrides(files, wd, []), cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log")
+    run = M.run_main_ppo(_overrides(files, wd, [f"+tim.dump.dir={wd / 'dump'}", "+tim.dump.sample_rate=1.0"]),
+                         cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log")
     print(f"[separate_async] exit {run.returncode} after {run.seconds:.0f} s; log {wd / 'run.log'}")
     return run, files, wd
 
@@ -96,6 +101,31 @@ def test_the_run_trains_through_both_replicas_and_every_sync_is_checked(healthy)
         assert not any(k.startswith("tim/diag/sync_check") for k in m), (step, m)
     assert "tim-plugins cause [" not in run.output
     assert "the weight-sync check reads nothing" not in run.output
+
+
+def test_each_global_step_logs_the_metrics_of_both_its_updates(healthy):
+    """Two actor updates per global step (``parameter_sync_step=2``): the step's logged ``tim/*`` are those of both
+    updates' measured tokens, and its dump holds them all. Reference: the dump's own log-probs (every measured
+    sequence written), naive float64 k3 per step."""
+    import numpy as np
+
+    from tim_plugins.dump import read_dump
+
+    run, _, wd = healthy
+    table = read_dump(wd / "dump")
+    # the steps whose second update measured samples (lag 0: drawn by the weights that score them)
+    parted = {int(f.name[5:13]) for f in (wd / "dump").glob("step_*-part_*.parquet")}
+    assert parted, sorted(f.name for f in (wd / "dump").iterdir())
+    steps = np.asarray(table.column("step"))
+    d = np.asarray(table.column("train_logprob"), dtype=np.float64) - np.asarray(table.column("rollout_logprob"),
+                                                                                  dtype=np.float64)
+    for step, m in run.steps.items():
+        here = d[steps == step]
+        assert m["tim/tokens"] == here.size, step  # 0: every sample of the step was drawn by older weights
+        if here.size:
+            assert m["tim/token/kl_k3"] == pytest.approx(float(np.mean(np.expm1(here) - here)), rel=1e-5,
+                                                         abs=1e-12), step
+    assert parted <= {s for s in run.steps if run.steps[s]["tim/tokens"] > 0}
 
 
 def test_a_layer_the_transfer_drops_is_named_at_the_first_sync_and_the_probe_stops(dropped):

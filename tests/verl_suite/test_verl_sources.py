@@ -469,6 +469,28 @@ def test_trajectories_carry_weight_versions_as_tags_and_transfer_queue_takes_per
     assert _params("transfer_queue", "kv_batch_put")[:3] == ["keys", "partition_id", "fields"]
 
 
+def test_a_global_step_runs_parameter_sync_step_actor_updates_and_names_each_one():
+    """The driver tells the actor which update of the global step it runs (``trainer.py`` ``_compute_old_log_prob``:
+    the step's window closes after the last): verl's step sets ``local_trigger_step`` before each of its
+    ``parameter_sync_step`` updates, whose metrics its aggregator combines (a key of the last update alone keeps
+    its value)."""
+    from verl.trainer.ppo.v1.utils import MetricsAggregator
+
+    assert _params(TB, "PPOTrainer.step") == ["self", "metrics", "timing_raw"]
+    src = _flat(_src(TB, "PPOTrainer.step"))
+    loop = src.index("for trigger_idx in range(self.parameter_sync_step):")
+    assert loop < src.index("self.local_trigger_step = trigger_idx") < src.index(
+        "batch = self._step_once(iter_metrics, timing_raw, sample_batch_size)") < src.index(
+        "metrics_aggregator.add_step_metrics(iter_metrics, sample_count=sample_count)")
+    assert "self.parameter_sync_step = " in _flat(_src(TB, "PPOTrainer.__init__"))
+    agg = MetricsAggregator()
+    for last in (False, True):
+        agg.add_step_metrics({"x/other": 1.0, **({"tim/tokens": 7.0, "tim/token/kl_k3": float("nan")} if last
+                                                  else {})}, sample_count=3)
+    out = agg.get_aggregated_metrics()
+    assert out["tim/tokens"] == 7.0 and out["tim/token/kl_k3"] != out["tim/token/kl_k3"]
+
+
 def test_update_actor_is_one_worker_call_per_step():
     assert _params(TB, "PPOTrainer._update_actor") == ["self", "batch", "metrics"]
     src = _src(TB, "PPOTrainer._update_actor")

@@ -303,30 +303,47 @@ def test_asynchronous_mode_keys_each_sample_by_the_lag_it_was_drawn_with(toy_mod
     assert got["tim/by_lag/0/kl_k3"] == pytest.approx(measured["tim/token/kl_k3"], rel=1e-3)
 
 
-def test_separate_async_updates_of_one_global_step_count_the_earlier_ones_in_the_lag(toy_model_path):
+def test_separate_async_updates_of_one_global_step_count_the_earlier_ones_in_the_lag(toy_model_path, tmp_path):
     """separate_async with ``parameter_sync_step=2``: two actor updates in one global step, each after its own
-    old-log-prob pass (the driver's ``tim_begin_step`` again with the same step) and with its own scheduler step,
-    before the rollout is synced. A sample of the second update drawn with lag L has seen the first update's
-    optimizer step too: keyed L + 1, the first's L. Reference: verl's own tensors at each loss call."""
+    old-log-prob pass (the driver's ``tim_begin_step`` again with the same step, naming the update) and with its own
+    scheduler step, before the rollout is synced. A sample of the second update drawn with lag L has seen the first
+    update's optimizer step too: keyed L + 1, the first's L. The step's window closes after its last update, over
+    both: the first update reports nothing, the second the step's metrics (verl's aggregator keeps a key of the last
+    update alone as it is), and the step's dump keeps both updates' measured samples, the second's numbered after
+    the first's. Reference: verl's own tensors at each loss call and the batches' tokens, naive float64 k3."""
+    from tim_plugins.dump import read_dump
     from tim_plugins.integrations.verl.config import LAG_FIELD
 
     H.init_dist(port=29582)
     engine = H.build_engine(toy_model_path, lr=1e-2)
-    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}), asynchronous=True)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True},
+                                                  "dump": {"dir": str(tmp_path), "sample_rate": 1.0}}),
+                         asynchronous=True)
+    want: dict[int, list] = {}  # the training passes' log-ratios by lag, over both updates
+    measured, dumped = [], []  # the lag-0 samples' log-ratios at the old-log-prob pass; their (sequence, position, token)
     for update, seed in enumerate((5, 6)):
-        engine.tim_begin_step(3)
-        td, _ = H.make_batch(VOCAB, response=6, seed=seed, rollout_noise=0.05)
+        engine.tim_begin_step(3, update, 2)
+        td, raw = H.make_batch(VOCAB, response=6, seed=seed, rollout_noise=0.05)
         td[LAG_FIELD] = torch.tensor([0, 2, 0, 2])
         old = H.old_log_probs_padded(H.infer(engine, td), td)
+        fresh = raw["response_mask"].bool() & (td[LAG_FIELD] == 0)[:, None]
+        measured.append((old.double() - raw["rollout_log_probs"].double())[fresh])
+        dumped += [(4 * update + b, t, int(raw["responses"][b, t])) for b in (0, 2) for t in range(6) if fresh[b, t]]
         calls, lags_seen = [], []
         _train(engine, td, old, _recording_lag_loss(calls, lags_seen), passes=1)
         metrics = engine.tim_pop_metrics()
-        want: dict[int, list] = {}
         for (current, _, rollout, mask), lag in zip(calls, lags_seen):
             for row in range(current.shape[0]):
                 want.setdefault(int(lag[row]) + update, []).append((current[row] - rollout[row])[mask[row]])
-        assert sorted(want) == [update, 2 + update]
-        _assert_by_lag(metrics, want)
+        if update == 0:
+            assert metrics == {}
+    assert sorted(want) == [0, 1, 2, 3]
+    _assert_by_lag(metrics, want)
+    d0 = torch.cat(measured)
+    assert metrics["tim/tokens"] == d0.numel()
+    assert metrics["tim/token/kl_k3"] == pytest.approx(_k3(d0), rel=1e-6)
+    rows = read_dump(tmp_path).to_pylist()
+    assert [(r["sequence"], r["position"], r["token_id"]) for r in rows] == dumped
     engine.tim_begin_step(4)  # the next global step: its first update is at lag + 0 again
     td, _ = H.make_batch(VOCAB, response=6, seed=7, rollout_noise=0.05)
     td[LAG_FIELD] = torch.tensor([0, 0, 0, 0])

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from tim_plugins._optional import require
+from tim_plugins.dump import dump_files
 from tim_plugins.report import bins as B
 
 __all__ = ["DEFAULT_MEMORY_LIMIT", "DEFAULT_THREADS", "MEMORY_LIMIT_ENV", "FETCH_ROWS", "Engine", "Dump", "engine",
@@ -62,8 +63,6 @@ DEFAULT_THREADS: int | None = None
 # narrowed first (``bins.order_statistics``).
 FETCH_ROWS = 1 << 21
 
-# The complete dump files: the writer's temporary names (``*.parquet.tmp<pid>``) do not match.
-_FILE_RE = re.compile(r"step_\d+-rank_\d+\.parquet")
 
 
 
@@ -73,7 +72,7 @@ def _expm1(d: float) -> float:
 
 def snapshot(folder: str | os.PathLike) -> list[str]:
     """The complete dump files of ``folder`` now (sorted names; the writer renames a finished file into place)."""
-    return sorted(str(p) for p in Path(folder).iterdir() if _FILE_RE.fullmatch(p.name) and p.is_file())
+    return [str(p) for p in dump_files(folder)]
 
 
 def parse_memory_limit(value) -> str:

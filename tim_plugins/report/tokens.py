@@ -14,13 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from tim_plugins.dump import dump_files
+
 __all__ = ["has_dump", "load_tokens", "run_tokens", "metrics_by_step", "overall_metrics", "prob_curves",
            "abs_histograms", "rho_source", "position_profiles", "sequence_points", "order_statistics_of_d"]
 
 
 def has_dump(folder: Path) -> bool:
     """Whether ``folder`` holds per-token dump files (the names ``tim_plugins.dump`` writes)."""
-    return folder.is_dir() and any(folder.glob("step_*-rank_*.parquet"))
+    return bool(dump_files(folder))
 
 
 def dump_folder(summary: dict | None, run_dir: Path, name: str = "all steps") -> Path:

@@ -122,6 +122,23 @@ def test_state_dict_round_trip():
     assert [t.step for t in other.trips] == [0, 1, 2]
 
 
+def test_a_probe_that_warns_every_step_keeps_the_last_trips_and_counts_them_all():
+    """A warn-only probe tripping at every step of a long run: its state (saved in every checkpoint) keeps the last
+    ``TRIPS_KEPT`` trips and the count of all of them, also across a save and load."""
+    from tim_plugins.parity.probe import TRIPS_KEPT
+
+    probe = ParityProbe(kl_k3_max=1e-4)
+    metrics = _metrics(1.0)
+    n = TRIPS_KEPT + 44
+    for step in range(n):
+        probe.check(step, metrics)
+    assert [t.step for t in probe.trips] == list(range(n - TRIPS_KEPT, n)) and probe.num_trips == n
+    other = ParityProbe(kl_k3_max=1e-4)
+    other.load_state_dict(probe.state_dict())
+    other.check(n, metrics)
+    assert [t.step for t in other.trips] == list(range(n - TRIPS_KEPT + 1, n + 1)) and other.num_trips == n + 1
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(action="explode"), "action='explode'"),
     (dict(every_n_steps=0), "every_n_steps=0"),

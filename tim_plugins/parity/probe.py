@@ -3,8 +3,9 @@
 Adapters feed it the dict from `MismatchMonitor.compute()` (or `mismatch_metrics(...)`) and act on the
 returned `ProbeDecision`: ``warn`` logs, ``raise`` raises `ParityError`, ``stop`` sets
 ``decision.stop = True`` (TRL: ``control.should_save = control.should_training_stop = True``; verl: save a
-checkpoint and end the loop). Every trip is logged with the step and the metric values, and kept in
-`probe.trips` (saved by `state_dict()`). A missing or NaN metric never trips: it is counted in
+checkpoint and end the loop). Every trip is logged with the step and the metric values, and the last
+``TRIPS_KEPT`` are kept in `probe.trips` (saved by `state_dict()`; `probe.num_trips` counts them all: a probe that
+warns every step of a long run would otherwise grow every checkpoint). A missing or NaN metric never trips: it is counted in
 `decision.skipped` (diagnostics do not crash training on bad input).
 
 A named cause (``tim/cause/named`` > 0 in the metrics: a broken weight sync, a stale engine, ...,
@@ -22,11 +23,13 @@ from typing import Any, Callable, Mapping, Optional
 
 from tim_plugins.parity.findings import ParityError
 
-__all__ = ["ParityProbe", "ParityProbeConfig", "check_probe_values", "ProbeDecision", "Trip", "PROBE_ACTIONS", "DEFAULT_METRIC_KEYS"]
+__all__ = ["ParityProbe", "ParityProbeConfig", "check_probe_values", "ProbeDecision", "Trip", "PROBE_ACTIONS", "DEFAULT_METRIC_KEYS",
+           "TRIPS_KEPT"]
 
 logger = logging.getLogger("tim_plugins.parity")
 
 PROBE_ACTIONS = ("warn", "raise", "stop")
+TRIPS_KEPT = 256
 # config field → metric key of tim_plugins.metrics
 DEFAULT_METRIC_KEYS = {
     "kl_k3_max": "tim/token/kl_k3",
@@ -126,6 +129,7 @@ class ParityProbe:
             raise ValueError("ParityProbe(config, **options): pass either a config or keyword options, not both")
         self.config = config if config is not None else ParityProbeConfig(**options)
         self.trips: list[Trip] = []
+        self.num_trips = 0
         self._consecutive = 0
         self.num_checks = 0
 
@@ -165,6 +169,8 @@ class ParityProbe:
         if decision.checked:
             self._consecutive += 1
         self.trips.extend(decision.trips)
+        self.num_trips += len(decision.trips)
+        del self.trips[:-TRIPS_KEPT]
         decision.tripped = True
         desc = ", ".join(f"{t.key}={t.value:.6g} > {t.threshold:.6g}" for t in decision.trips)
         if self._consecutive < self.config.patience and not cause:
@@ -198,10 +204,11 @@ class ParityProbe:
                 decision.trips.append(Trip(int(step), key, value, float(threshold)))
 
     def state_dict(self) -> dict:
-        return {"trips": [t.to_dict() for t in self.trips], "consecutive": self._consecutive,
-                "num_checks": self.num_checks}
+        return {"trips": [t.to_dict() for t in self.trips], "num_trips": self.num_trips,
+                "consecutive": self._consecutive, "num_checks": self.num_checks}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.trips = [Trip(**t) for t in state.get("trips", [])]
+        self.trips = [Trip(**t) for t in state.get("trips", [])][-TRIPS_KEPT:]
+        self.num_trips = int(state.get("num_trips", len(state.get("trips", []))))
         self._consecutive = int(state.get("consecutive", 0))
         self.num_checks = int(state.get("num_checks", 0))

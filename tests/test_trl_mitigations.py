@@ -296,6 +296,29 @@ def test_lr_decay_shows_in_logged_learning_rate(toy_model_path, tmp_path):
     assert _logged(trainer, 3)["tim/lr/triggered"] == 1.0
 
 
+def test_the_length_signal_counts_the_completions_trl_masks_as_truncated(toy_model_path, tmp_path):
+    """``mask_truncated_completions=True`` zeroes the loss mask of every completion that does not end: the LR decay's
+    length signal still counts its tokens, as TRL's logged ``completions/mean_length`` does (what ``lr-replay``
+    reads): a surge is mostly such completions. Every completion is cut (test-side) to the schedule's length, so
+    TRL truncates and masks them (EOS is never sampled); reference: the core controller fed TRL's logged lengths."""
+    from transformers import AutoTokenizer
+
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    eos = AutoTokenizer.from_pretrained(toy_model_path).eos_token_id
+    trainer, cb = _lr_run(toy_model_path, tmp_path, 4, mask_truncated_completions=True,
+                          generation_kwargs={"suppress_tokens": [eos]})
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    assert [h["step"] for h in logs] == [1, 2, 3, 4]
+    assert all(h["completions/clipped_ratio"] == 1.0 for h in logs)  # every completion masked whole
+    reference = LengthTriggeredLRDecay(**LR_OPTS)
+    for h in logs:
+        reference.observe(h["step"], h["completions/mean_length"])
+        assert h["tim/lr/window_length"] == pytest.approx(h["completions/mean_length"], rel=1e-12), h["step"]
+    assert cb.pipeline.lr_controller.trigger_steps == reference.trigger_steps == [3]
+
+
 class _StopAt(TrainerCallback):
     def __init__(self, step):
         self.step = step

@@ -53,7 +53,7 @@ from .safe_vocab_stats import SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
 from .staleness import SplitStats, staleness_metrics
 
-__all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_response_length",
+__all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_length", "mean_response_length",
            "old_logprobs", "pipeline_config", "STATE_VERSION"]
 
 logger = logging.getLogger("tim_plugins")
@@ -146,12 +146,20 @@ def old_logprobs(current: torch.Tensor, old: torch.Tensor | None, fresh) -> torc
     return current if fresh else old
 
 
-def mean_response_length(mask: torch.Tensor, *, sync: bool = True, group=None) -> float:
-    """Mean number of response tokens per sequence of a [B, T] mask (nested [B, j] too), exact over ``group``
-    when ``sync`` (every rank must call it); NaN without a sequence."""
-    per_seq = mask.values().sum() if mask.is_nested else mask.sum()
-    return exact_mean(torch.stack([per_seq.double(), torch.tensor(float(mask.size(0)), dtype=torch.float64,
-                                                                   device=per_seq.device)]), sync=sync, group=group)
+def mean_response_length(mask: torch.Tensor, *, sync: bool = True, group=None, skip_empty: bool = False) -> float:
+    """Mean number of response tokens per sequence of a [B, T] mask (nested [B, j] too): ``mean_length`` of its
+    rows' token counts."""
+    return mean_length(mask.sum(dim=1), sync=sync, group=group, skip_empty=skip_empty)
+
+
+def mean_length(lengths: torch.Tensor, *, sync: bool = True, group=None, skip_empty: bool = False) -> float:
+    """Mean of the [B] per-sequence ``lengths``, exact over ``group`` when ``sync`` (every rank must call it); NaN
+    without a sequence. ``skip_empty``: a length-0 row is not a sequence (verl's synthetic padding samples, which
+    make a batch divisible by the DP size, have an all-zero response mask)."""
+    lengths = lengths.double()
+    count = (lengths > 0).sum().double() if skip_empty else torch.tensor(float(lengths.numel()), dtype=torch.float64,
+                                                                         device=lengths.device)
+    return exact_mean(torch.stack([lengths.sum(), count]), sync=sync, group=group)
 
 
 def exact_mean(total_count: torch.Tensor, *, sync: bool = True, group=None) -> float:

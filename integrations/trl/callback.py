@@ -42,7 +42,7 @@ from tim_plugins.kept_set import kept_set_line
 from tim_plugins.log_keys import for_step_log
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.patching import Patch
-from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_response_length
+from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_length
 from tim_plugins.rollout.exact import exact_generate, left_padded
 from tim_plugins.rollout.inject import TailNoiseInjector
 from tim_plugins.rollout.recorder import recorded_logprobs
@@ -393,7 +393,8 @@ class TIMCallback(TrainerCallback):
         self.generation_count += 1
         c, mask, rollout = self.config, translate.response_mask(out), out.get("sampling_per_token_logps")
         if c.lr_decay:  # every rank generates together: the mean is exact over all of them
-            self._length = mean_response_length(mask)
+            pad = getattr(translate.tokenizer(self.trainer), "pad_token_id", None)
+            self._length = mean_length(translate.completion_lengths(out, pad))
         if rollout is None and not self._call.unsupported_batch and (c.monitor or c.is_correction is not None):
             self.pipeline.count("no_rollout_logprobs")
         train = out.get("old_per_token_logps")
@@ -547,7 +548,7 @@ class TIMCallback(TrainerCallback):
         t = self.trainer
         if images is not None:
             raise ValueError("TIMConfig.rollout='exact' supports text-only prompts")
-        pad = getattr(t.processing_class, "tokenizer", t.processing_class).pad_token_id
+        pad = translate.tokenizer(t).pad_token_id
         ids, attn = left_padded(prompt_ids, pad)
         device = t.accelerator.device
         with torch.no_grad():

@@ -18,8 +18,8 @@ from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
 
-__all__ = ["eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows", "pipeline_config", "response_mask",
-           "rollout_source", "safe_truncation", "scale_policy_term"]
+__all__ = ["completion_lengths", "eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows", "pipeline_config", "response_mask",
+           "rollout_source", "safe_truncation", "scale_policy_term", "tokenizer"]
 
 logger = logging.getLogger("tim_plugins.trl")
 
@@ -57,8 +57,12 @@ def eos_token_ids(trainer):
     ids = getattr(trainer, "eos_token_ids", None)
     if ids is not None:
         return ids
-    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    return tokenizer.eos_token_id
+    return tokenizer(trainer).eos_token_id
+
+
+def tokenizer(trainer):
+    """The trainer's tokenizer (a processor's own, for vision-language models)."""
+    return getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
 
 
 def safe_truncation(trainer, config: TIMConfig) -> Truncation:
@@ -120,6 +124,20 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
         histograms=config.log_histograms and "wandb" in (trainer.args.report_to or []),
         causes=config.causes_options if config.causes else None,
         setup=TrainingSetup(asynchronous=asynchronous, multi_turn=True, loss_factor=loss_factor))
+
+
+def completion_lengths(batch: dict, pad_token_id: int | None) -> torch.Tensor:
+    """[B] each completion's length as TRL's ``completions/mean_length`` counts it: the tokens its loss sees
+    (``response_mask``); a completion TRL masked whole (``mask_truncated_completions``: it does not end in EOS or
+    padding) counts its generated tokens, up to its last token that is not padding (TRL right-pads with the
+    padding token). Without a padding token id, a masked completion counts 0."""
+    lengths = response_mask(batch).sum(dim=1)
+    ids = batch.get("completion_ids")
+    if pad_token_id is None or ids is None:
+        return lengths
+    position = torch.arange(1, ids.shape[1] + 1, device=ids.device)
+    generated = torch.where(ids != pad_token_id, position, 0).amax(dim=1)
+    return torch.where(lengths > 0, lengths, generated.to(lengths.device))
 
 
 def response_mask(batch: dict) -> torch.Tensor:

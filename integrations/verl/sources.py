@@ -140,6 +140,9 @@ VERL_SOURCES = {
         "(keys=, partition_id=, fields=TensorDict [len(keys)]) adds per-sample fields to stored samples; a worker "
         "method given the batch's KVBatchMeta (fields None or naming the field) receives every field all of its "
         "samples have, split with the batch over DP ranks, mini- and micro-batches",
+    ("verl.trainer.ppo.padding_utils", "upsample_batch_to_divisible_size"):
+        "appends synthetic no-op samples (tag is_padding) to make a batch divisible; their response_mask is all "
+        "zero (construct_minimal_padding_template), while every real response has at least one token",
     (_TB, "PPOTrainer.step"):
         "(metrics, timing_raw) -> batch; one global step: for trigger_idx in range(self.parameter_sync_step) sets "
         "self.local_trigger_step = trigger_idx and runs one actor update (_step_once: old-log-prob pass, update) on a "

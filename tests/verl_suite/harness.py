@@ -49,9 +49,11 @@ def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl
 
 
 def make_batch(vocab: int, *, batch: int = 4, prompt: int = 5, response: int = 7, seed: int = 0,
-               rollout_noise: float = 0.05, temperature: float = 1.0, rows: slice | None = None):
-    """A left/right padded verl batch (as after rollout) converted the way ray_trainer does for the engine.
-    Returns (TensorDict for the engine, dict of the padded tensors)."""
+               rollout_noise: float = 0.05, temperature: float = 1.0, rows: slice | None = None,
+               padding_samples: int = 0):
+    """A left/right padded verl batch (as after rollout) converted the way ray_trainer does for the engine; its
+    last ``padding_samples`` rows as verl's synthetic padding samples (one response token, response mask all zero:
+    verl.trainer.ppo.padding_utils). Returns (TensorDict for the engine, dict of the padded tensors)."""
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -69,6 +71,10 @@ def make_batch(vocab: int, *, batch: int = 4, prompt: int = 5, response: int = 7
     if batch > 1:
         resp_mask[-1, 1:] = 0  # an almost empty response
         attn[-1, prompt + 1:] = 0
+    for i in range(batch - padding_samples, batch):
+        attn[i] = 0
+        attn[i, : prompt + 1] = 1
+        resp_mask[i] = 0
     input_ids = torch.cat([prompts, responses], dim=1) * attn
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     rollout_lp = -torch.rand(batch, response, generator=g) * 3 - rollout_noise

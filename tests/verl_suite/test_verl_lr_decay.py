@@ -108,6 +108,29 @@ def _naive_k3(old_padded, raw) -> float:
     return float((torch.expm1(d) - d).mean())
 
 
+def test_verls_padding_samples_are_not_responses_to_the_length_signal(toy_model_path):
+    """verl pads a batch to a multiple of the DP size with synthetic samples whose response mask is all zero: the
+    length signal is the mean over the real responses. Reference: the core controller fed the mean over the rows
+    with a response token, outside verl; the rows themselves train as verl trains them (their loss weight is 0)."""
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    H.init_dist(port=29575)
+    eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    eng.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": OPTIONS}}))
+    reference = LengthTriggeredLRDecay(**OPTIONS)
+    wants = []
+    for seed, response in ((2, 4), (3, 4), (4, 12)):
+        td, raw = H.make_batch(VOCAB, batch=6, response=response, seed=seed, padding_samples=2)
+        real = raw["response_mask"][:4]
+        assert raw["response_mask"][4:].sum() == 0 and (real.sum(1) > 0).all()
+        want = reference.observe(None, real.sum().item() / 4)
+        wants.append(want)
+        H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))
+        assert eng.optimizer.lr_scale == want
+        assert eng.tim_pop_metrics()["tim/lr/window_length"] == pytest.approx(real.sum().item() / 4)
+    assert wants == [1.0, 1.0, 0.5]  # the surge fires once
+
+
 @pytest.mark.parametrize("signal", ["kl_k3", "grad_norm"])
 def test_every_lr_signal_works_through_the_engine(toy_model_path, signal):
     """tim.lr_decay.options.signals reaches the controller: the engine closes each optimizer step through the

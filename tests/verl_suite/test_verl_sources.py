@@ -469,6 +469,16 @@ def test_trajectories_carry_weight_versions_as_tags_and_transfer_queue_takes_per
     assert _params("transfer_queue", "kv_batch_put")[:3] == ["keys", "partition_id", "fields"]
 
 
+def test_verls_padding_samples_have_no_response_token():
+    """The LR decay's length signal leaves verl's synthetic padding samples out as the rows without a response
+    token (``engine_mixin._tim_end_step``): verl builds them with an all-zero response mask."""
+    src = _flat(_src("verl.trainer.ppo.padding_utils", "construct_minimal_padding_template"))
+    assert "response_mask = torch.zeros_like(responses)" in src and "response_mask=response_mask," in src
+    assert "is_padding=True," in src
+    assert "construct_minimal_padding_template(" in _src("verl.trainer.ppo.padding_utils",
+                                                         "upsample_batch_to_divisible_size")
+
+
 def test_a_global_step_runs_parameter_sync_step_actor_updates_and_names_each_one():
     """The driver tells the actor which update of the global step it runs (``trainer.py`` ``_compute_old_log_prob``:
     the step's window closes after the last): verl's step sets ``local_trigger_step`` before each of its

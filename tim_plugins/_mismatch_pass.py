@@ -73,7 +73,13 @@ def token_pass(
     r = torch.where(valid, rollout, zero)
     k3, k3_series, linear = _k3_terms(d, abs_d)
     rho_m1 = linear + k3_series
-    abs_p = torch.exp(r) * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
+    # |p_train − p_rollout| = e^max(r, t) · (1 − e^−|d|): both factors in [0, 1], so an extreme but valid token
+    # (e^r underflowing while ρ − 1 overflows) cannot give 0 · inf. 1 − e^−|d| is −(ρ − 1) for d <= 0 and
+    # (ρ − 1)/ρ = 1/(1 + 1/(ρ − 1)) for d > 0 (1 once ρ − 1 overflows), from the accurate ρ − 1: expm1(−|d|)
+    # would cancel in the compiled CPU code (see _k3_terms).
+    up = d > 0
+    abs_p = torch.exp(torch.where(up, train, r)).mul_(
+        torch.where(up, rho_m1.reciprocal().add_(1.0).reciprocal_(), -rho_m1))
     # Probability bucket of p = exp(rollout): four comparisons rather than torch.bucketize, which does not
     # fuse under torch.compile and is slow in eager mode on the CPU.
     bucket = sum((r >= math.log(e)).to(dt) for e in PROB_BUCKET_EDGES[1:-1])  # small integers, kept in float

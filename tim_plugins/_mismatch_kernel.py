@@ -142,7 +142,8 @@ def _mismatch_kernel(rollout_ptr, train_ptr, mask_ptr, w_ptr, state_ptr, T, log_
         t = tl.load(train_ptr + row_start + offs, mask=inb, other=0.0).to(tl.float32)
         response = (tl.load(mask_ptr + row_start + offs, mask=inb, other=0) != 0) & inb
         d = t - r  # d = log p_train − log p_rollout
-        # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
+        # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3
+        # (``_mismatch_layout.valid_logprob_pair``).
         ok = (tl.abs(d) < float("inf")) & (r > INVALID_AT) & (t > INVALID_AT)
         valid = response & ok
         d = tl.where(valid, d, 0.0)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0

@@ -15,13 +15,13 @@ import torch
 from tim_plugins._mismatch_layout import (
     HISTOGRAM_BINS_PER_DECADE,
     HISTOGRAM_RANGE,
-    INVALID_LOGPROB_THRESHOLD,
     K3_SERIES,
     K3_SERIES_BOUND,
     N_BUCKETS,
     N_SIGNED_BINS,
     PROB_BUCKET_EDGES,
     pack,
+    valid_logprob_pair,
 )
 
 __all__ = ["batch_state", "token_pass", "cell_counts"]
@@ -63,8 +63,7 @@ def token_pass(
     rollout, train = rollout.to(dt), train.to(dt)
     response = mask != 0
     d = train - rollout  # d = log p_train − log p_rollout
-    # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
-    ok = (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
+    ok = valid_logprob_pair(rollout, train, d)  # invalid: NaN/±inf in either input or a placeholder <= -1e3
     valid = response & ok
 
     zero = torch.zeros((), dtype=dt, device=rollout.device)

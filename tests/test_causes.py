@@ -20,10 +20,10 @@ from tim_plugins.weight_sync import SyncReport
 
 def _naive_confident(rollout, train, mask, p=0.5, gap=2.0):
     """(disagreeing, confident, forced), token by token: a token the engine gave p = 1 exactly (log-prob 0) is forced,
-    never confident."""
+    never confident; a token with a non-finite or placeholder (<= -1e3) log-prob on either side is not counted."""
     dis = conf = forced = 0
     for r, t, m in zip(rollout.flatten().tolist(), train.flatten().tolist(), mask.flatten().tolist()):
-        if not m or not (math.isfinite(r) and math.isfinite(t)):
+        if not m or not (math.isfinite(r) and math.isfinite(t)) or r <= -1e3 or t <= -1e3:
             continue
         if r == 0.0:
             forced += t < -gap
@@ -43,7 +43,11 @@ def test_confident_disagreements_match_the_rule_token_by_token(seed):
     rollout[1, 2] = math.nan
     rollout[2, ::3] = 0.0  # one-token distributions at the sampler: forced, whatever the trainer says
     rollout[3, 0] = -0.0
+    # trainer placeholders ("not reported") under a confident and a forced engine token, and at the threshold
+    rollout[4, :3] = torch.tensor([-0.01, 0.0, -0.02])
+    train[4, :3] = torch.tensor([-9999.0, -1e4, -1e3])
     mask = torch.rand(rollout.shape, generator=g) > 0.2
+    mask[4, :3] = True
     dis, conf, forced = confident_disagreements(rollout, train, mask)
     assert (int(dis), int(conf), int(forced)) == _naive_confident(rollout, train, mask)
     assert int(conf) > 0 and int(dis) > 0 and int(forced) > 0

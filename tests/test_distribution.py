@@ -34,15 +34,20 @@ def _naive_position(lr: list[float], lt: list[float], tok: int, k: int, known: l
         lr = [x if kn else -math.inf for x, kn in zip(lr, known)]
         pr_k = [math.exp(x) if x > -math.inf else 0.0 for x in lr]
         pt_k = [math.exp(x) if kn and x > -math.inf else 0.0 for x, kn in zip(lt, known)]
-        pr = pr_k + [max(0.0, 1.0 - sum(pr_k))]
-        pt = pt_k + [max(0.0, 1.0 - sum(pt_k))]
+        rest_t = math.fsum(math.exp(x) for x, kn in zip(lt, known) if not kn and x > -math.inf)
+        rest_r = max(0.0, 1.0 - sum(pr_k))
+        tol = sum(known) * 2.0**-23  # float32 rows: K roundings of eps each
+        if rest_r <= tol and rest_t <= tol:  # no side resolves mass outside the known tokens
+            rest_r = rest_t
+        pr = pr_k + [rest_r]
+        pt = pt_k + [rest_t]
 
     def kl(p, q):
         total = 0.0
         for a, b in zip(p, q):
             if a > 0:
                 total += math.inf if b == 0 else a * (math.log(a) - math.log(b))
-        return total
+        return max(total, 0.0)  # a KL is >= 0; a partial row's mass over 1 can put the sum below it
 
     top_r = sorted(range(V), key=lambda a: -lr[a])[:k]
     top_t = sorted(range(V), key=lambda a: -lt[a])[:k]
@@ -163,6 +168,34 @@ def test_top_k_known_rows_match_the_naive_partition_and_bound_the_exact_values()
     assert torch.equal(coarse.topk_overlap, exact.topk_overlap)
     inside = exact.rank_rollout <= K
     assert torch.equal(coarse.rank_rollout[inside], exact.rank_rollout[inside])
+
+
+def test_a_rollout_rest_mass_within_rounding_is_no_support_mismatch_a_real_one_is():
+    """Only the engine's top K = 5 known. Row 0: one token at p = 1 − 1.4e-8 on both sides (the same weights): its
+    float32 log-prob rounds to 0.0, the known mass to >= 1; that is no support mismatch and KL, TV are ~1e-8, not
+    inf. Row 1: the engine's known mass is 1 (its distribution truncated to its K tokens) and the trainer gives the
+    other tokens 1e-3, far beyond K · eps: a support mismatch, KL(t ‖ r) = inf. Both against the naive partition."""
+    V, K = 1000, 5
+    logits = torch.zeros(2, V, dtype=torch.float64)
+    logits[0, 0] = 25.0
+    rollout = torch.log_softmax(logits.float(), -1)
+    train = torch.log_softmax(logits, -1)
+    assert rollout[0, 0] == 0.0  # the rounding this is about
+    rollout[1] = -math.inf
+    rollout[1, :K] = torch.tensor([0.0, -40.0, -40.0, -40.0, -40.0])
+    train[1, :K] = rollout[1, :K].double() + math.log1p(-1e-3)
+    train[1, K:] = math.log(1e-3 / (V - K))
+    known = torch.zeros(2, V, dtype=torch.bool)
+    known[:, :K] = True
+    tokens = torch.tensor([0, 0])
+    comp = compare_distributions(rollout, train.float(), tokens, known=known)
+    assert comp.support_mismatch.tolist() == [False, True]
+    assert 0 <= float(comp.kl_train_rollout[0]) < 1e-7 and 0 <= float(comp.kl_rollout_train[0]) < 1e-7
+    assert 0 < float(comp.tv[0]) < 1e-7
+    assert math.isinf(float(comp.kl_train_rollout[1])) and float(comp.tv[1]) == pytest.approx(1e-3, rel=1e-4)
+    _check(comp, rollout.view(2, 1, V), train.float().view(2, 1, V), tokens.view(2, 1), None, 10,
+           known=known.view(2, 1, V))
+    assert summarize_comparison(comp)["tim/dist/support_mismatch_frac"] == 0.5
 
 
 @settings(max_examples=40, deadline=None)

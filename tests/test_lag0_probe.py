@@ -158,6 +158,26 @@ def test_every_n_syncs_and_tokens_scored_on_one_side_only():
     assert probe.history[-1]["moved_engine"] == pytest.approx(0.5)
 
 
+def test_placeholder_log_probs_are_left_out_like_non_finite_ones():
+    """A placeholder log-prob (<= -1e3: "not reported") on either side is not a score, as the monitor has it: the
+    floor and the moves are the naive mean |difference| over the tokens finite and above -1e3 on both sides."""
+    probe = Lag0Probe()
+    g = torch.Generator().manual_seed(1)
+    t = -torch.rand(3, 5, generator=g, dtype=torch.float64)
+    e = t + 0.01 * (1 + torch.rand(3, 5, generator=g, dtype=torch.float64))
+    m = torch.ones(3, 5, dtype=torch.bool)
+    e[0, 1], t[1, 2], e[2, 0] = -9999.0, -1e3, -1e4
+    ok = m & (e > -1e3) & (t > -1e3)
+    assert probe.set_reference(e, t, m) == pytest.approx(_naive_mean_abs(e, t, ok), rel=1e-12)
+    e2, t2 = e + 0.5, t + 0.5
+    t2[2, 4] = -5000.0
+    assert probe.judge(1, e2, t2, m) == []
+    ok &= (t2 > -1e3)
+    assert probe.history[-1]["tokens"] == int(ok.sum()) == 11
+    assert probe.history[-1]["gap"] == pytest.approx(_naive_mean_abs(e2, t2, ok), rel=1e-12)
+    assert probe.history[-1]["moved_trainer"] == pytest.approx(0.5, rel=1e-12)
+
+
 def test_a_scoring_without_valid_tokens_does_not_hide_the_next_syncs_fault(pair):
     """A probe that scored nothing (every log-prob NaN: a failed request) names nothing and is not the baseline of
     the next one: the no-op sync after it is still named at that sync, its move measured against the last scoring

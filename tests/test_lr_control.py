@@ -336,6 +336,27 @@ def test_resume_with_other_options_warns():
         b.load_state_dict({"version": 99})
 
 
+def test_resume_with_a_smaller_window_uses_the_smaller_window():
+    """A state saved with window=9 loaded by a controller with window=3: from the load on, the window level is the
+    median of the last 3 values, as for a fresh window=3 controller fed the same signal (a surge of 1000 after
+    100 shows in it within 2 steps), not a window that never shrinks."""
+    xs = [100.0 * (1 + 0.01 * math.sin(i)) for i in range(100)] + [1000.0] * 20
+    a = LengthTriggeredLRDecay(window=9, warmup_steps=5)
+    run(a, xs[:20])
+    b, fresh = LengthTriggeredLRDecay(window=3, warmup_steps=5), LengthTriggeredLRDecay(window=3, warmup_steps=5)
+    with pytest.warns(UserWarning, match="window: 9 -> 3"):
+        b.load_state_dict(a.state_dict())
+    run(fresh, xs[:20])
+    want = statistics.median(xs[17:20])
+    assert b.metrics()["tim/lr/window_length"] == fresh.metrics()["tim/lr/window_length"] == want
+    for i in range(20, len(xs)):
+        b.observe(i, xs[i])
+        fresh.observe(i, xs[i])
+        want = statistics.median(xs[i - 2:i + 1])
+        assert b.metrics()["tim/lr/window_length"] == fresh.metrics()["tim/lr/window_length"] == want, i
+    assert b.state_dict()["trackers"]["length"]["window"] == xs[-3:]
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

@@ -175,6 +175,30 @@ def assert_k3_and_chi2_of_cancelling_batches(new_monitor, device="cpu"):
             assert err <= SMALL_D_RTOL, (noise, key, got[key], want[key], err / EPS32)
 
 
+def extreme_tokens(dtype=torch.float32):
+    """(rollout, train) pairs of ``dtype``, valid by the monitor's rule (finite, above -1e3), where p_rollout = e^r
+    underflows to 0 or is a denormal while ρ − 1 = expm1(d) overflows, both orders, near the placeholder threshold,
+    both probabilities denormal, and ordinary and tiny d."""
+    far = {torch.float32: [-110.0, -95.0], torch.float64: [-800.0, -720.0]}[dtype]  # e^r 0, denormal; d > log(max)
+    pairs = [(r, -0.5) for r in far] + [(-0.5, far[0]), (-999.0, -1e-3), (-1e-3, -999.0), (-200.0, -100.0),
+                                        (-2.0, -2.0 + 2.0**-20), (-0.7, -1.3)]
+    return torch.tensor(pairs, dtype=dtype).unbind(-1)
+
+
+def assert_prob_abs_diff_per_token(new_monitor, dtype=torch.float32, device="cpu"):
+    """Each ``extreme_tokens`` pair alone in a fresh monitor, as 32 copies in one row: prob_abs_diff_mean and _max
+    are |e^t − e^r| in float64 (from the stored values) to a few roundings of the compute dtype (absolutely at
+    denormals, whose precision is absolute); float64 inputs to 1e-9, the reference's own cancellation at d ≈ 1e-6."""
+    eps, tiny = (4 * EPS32, 1e-44) if dtype != torch.float64 else (1e-9, 1e-320)
+    rollout, train = extreme_tokens(dtype)
+    for rv, tv in zip(rollout.tolist(), train.tolist()):
+        got = new_monitor().update(torch.full((1, 32), rv, dtype=dtype, device=device),
+                                   torch.full((1, 32), tv, dtype=dtype, device=device)).compute()
+        want = abs(math.exp(tv) - math.exp(rv))
+        for key in ("tim/token/prob_abs_diff_mean", "tim/token/prob_abs_diff_max"):
+            assert got[key] == pytest.approx(want, rel=eps, abs=tiny), (key, rv, tv, got[key], want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17), (7, 129)])
 def test_matches_reference(dtype, shape):
@@ -383,6 +407,16 @@ def test_k3_and_chi2_per_token_to_float32_rounding(path, dtype):
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 def test_k3_and_chi2_when_the_ratios_cancel_across_tokens(path):
     assert_k3_and_chi2_of_cancelling_batches(lambda: MismatchMonitor(compile=path == "compiled"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_prob_abs_diff_of_extreme_valid_tokens(path, dtype):
+    """|p_train − p_rollout| of one valid token whose e^r underflows while ρ − 1 overflows is |e^t − e^r|, not
+    0 · inf = NaN (which would poison the window's mean and max)."""
+    if path == "compiled":
+        pytest.importorskip("torch._inductor")
+    assert_prob_abs_diff_per_token(lambda: MismatchMonitor(compile=path == "compiled"), dtype)
 
 
 def test_float64_inputs_keep_float64_accuracy():

@@ -14,6 +14,7 @@ from test_metrics import (
     assert_k3_and_chi2_of_cancelling_batches,
     assert_k3_and_chi2_per_token,
     assert_matches,
+    assert_prob_abs_diff_per_token,
     make_batch,
     reference,
     small_d_tokens,
@@ -70,6 +71,12 @@ def test_cuda_k3_and_chi2_per_token_to_float32_rounding(path, dtype):
     """|d| from 1e-7 to 3, both signs: k3 (the series below |d| = 1) and chi2 per token against float64, with
     the GPU's own exp, log and expm1."""
     assert_k3_and_chi2_per_token(lambda: _monitor(path), *small_d_tokens(dtype), device="cuda")
+
+
+@pytest.mark.parametrize("path", ["kernel", "compiled", "eager"])
+def test_cuda_prob_abs_diff_of_extreme_valid_tokens(path):
+    """|p_train − p_rollout| where e^r underflows while ρ − 1 overflows: |e^t − e^r|, not 0 · inf."""
+    assert_prob_abs_diff_per_token(lambda: _monitor(path), device="cuda")
 
 
 @pytest.mark.parametrize("path", ["kernel", "compiled", "eager"])

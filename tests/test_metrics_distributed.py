@@ -71,8 +71,14 @@ def test_two_rank_merge_equals_single_process():
     assert merged0.keys() == merged1.keys()
     assert all(same(merged0[k], merged1[k]) for k in merged0)  # every rank sees the same merged numbers
     assert hist0 == hist1
+    single_mon = _assert_equals_single_process(merged0)
+    assert hist0 == single_mon.histograms()["abs_diff"][0].tolist()
+    assert merged0["tim/invalid_tokens"] == 2
 
-    # Single process on the concatenated data (padded to one length; padding is masked out).
+
+def _assert_equals_single_process(merged: dict) -> MismatchMonitor:
+    """``merged`` equals one process's monitor on both ranks' ``_data`` (padded to one length; padding is masked
+    out), which it returns."""
     parts = [_data(r) for r in range(2)]
     T = max(p[0].shape[1] for p in parts)
     pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)
@@ -80,13 +86,43 @@ def test_two_rank_merge_equals_single_process():
     single_mon = MismatchMonitor().update(cat[0], cat[1], cat[2], is_weights=cat[3])
     single = single_mon.compute()
     for key, want in single.items():
-        got = merged0[key]
+        got = merged[key]
         if key.endswith(("_max", "_min", "tokens", "count", "p99", "p999")):
             assert got == want or (math.isnan(got) and math.isnan(want)), key  # exact
         else:
             assert got == pytest.approx(want, rel=1e-6, abs=1e-12, nan_ok=True), key
-    assert hist0 == single_mon.histograms()["abs_diff"][0].tolist()
-    assert merged0["tim/invalid_tokens"] == 2
+    return single_mon
+
+
+def _nccl_resume_worker(rank: int, world: int, port: int, queue) -> None:
+    from tim_plugins.accumulate import collective_device
+    from tim_plugins.pipeline import mean_response_length
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        assert collective_device() == torch.device("cuda", rank)
+        r, t, m, w = _data(rank)
+        mon = MismatchMonitor()
+        mon.load_state_dict(MismatchMonitor().update(r, t, m, is_weights=w).state_dict())  # the state: on the CPU
+        queue.put((rank, mon.compute(), mean_response_length(m)))  # merged before any update; a CPU mask
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_nccl_merges_a_state_loaded_onto_the_cpu():
+    """Under NCCL, which refuses host tensors, a monitor whose state was just loaded from a checkpoint (on the CPU)
+    merges before its next update, and a CPU mask's mean length merges: both equal one process on both ranks'
+    data."""
+    (_, merged0, length0), (_, merged1, length1) = _two_ranks(_nccl_resume_worker)
+    assert merged0 == pytest.approx(merged1, nan_ok=True)
+    _assert_equals_single_process(merged0)
+    masks = [_data(r)[2] for r in range(2)]
+    want = sum(float(m.sum()) for m in masks) / sum(m.shape[0] for m in masks)
+    assert length0 == length1 == pytest.approx(want, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------- the per-step pipeline
@@ -135,7 +171,7 @@ def _pipeline_worker(rank: int, world: int, port: int, queue) -> None:
 
 
 def _two_ranks(target) -> list:
-    """``target(rank, 2, port, queue)`` in two spawned gloo processes: what each put on the queue, by rank."""
+    """``target(rank, 2, port, queue)`` in two spawned processes: what each put on the queue, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -21,6 +21,7 @@ from test_metrics import (
     assert_k3_and_chi2_of_cancelling_batches,
     assert_k3_and_chi2_per_token,
     assert_matches,
+    assert_prob_abs_diff_per_token,
     make_batch,
     reference,
     small_d_tokens,
@@ -161,6 +162,12 @@ def test_interpreted_kernel_extremes_equal_the_torch_pass():
 
 
 @interpreted
+def test_interpreted_kernel_prob_abs_diff_of_extreme_valid_tokens():
+    """|p_train − p_rollout| where e^r underflows while ρ − 1 overflows: |e^t − e^r|, not 0 · inf."""
+    assert_prob_abs_diff_per_token(_kernel_monitor)
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_interpreted_kernel_k3_and_chi2_per_token_to_float32_rounding(dtype):
     """|d| from 1e-7 to 3, both signs: the kernel's k3 (series below |d| = 1) and chi2 per token vs float64."""
@@ -243,7 +250,7 @@ def compile_for_hopper(kernel, args: tuple, constexprs: dict, num_warps: int):
 
 
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, len(_CASES) + 8)
+    run_interpreted(__file__, len(_CASES) + 9)
 
 
 def test_kernel_arguments_follow_the_layout():

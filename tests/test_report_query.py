@@ -5,6 +5,7 @@ compare on one page."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -48,6 +49,23 @@ def test_every_number_equals_the_in_memory_report(tmp_path):
     ref.assert_same_numbers(_dump(tmp_path / "a"))
     # one step, one rank, the tail of heavy noise (the ratio figure splits into zoom and full range)
     ref.assert_same_numbers(_dump(tmp_path / "b", steps=(7,), ranks=(3,), noise=2.0, seed=1))
+
+
+def test_prob_abs_diff_of_extreme_valid_rows(tmp_path):
+    """Rows valid by the monitor's rule whose e^r underflows in float64 while ρ − 1 overflows (d > 709.8), both
+    orders, both probabilities tiny, a tiny d: the report's prob_abs_diff mean and max are the naive float64
+    |e^t − e^r|, not 0 · inf = NaN."""
+    import tim_plugins.report.tokens as tokens
+
+    r = torch.tensor([[-800.0, -720.0, -0.5, -1.0, -200.0]])
+    t = torch.tensor([[-0.5, -0.5, -800.0, -1.0 + 2**-20, -100.0]])
+    TokenDumper(out_dir=str(tmp_path), sample_rate=1.0).write(1, r, t, torch.ones(1, 5, dtype=torch.bool),
+                                                              torch.zeros(1, 5, dtype=torch.long))
+    want = [abs(math.exp(tv) - math.exp(rv)) for rv, tv in zip(r[0].tolist(), t[0].tolist())]
+    with engine():
+        got = tokens.overall_metrics(tokens.load_tokens(tmp_path))
+    assert got["tim/token/prob_abs_diff_mean"] == pytest.approx(sum(want) / len(want), rel=1e-12)
+    assert got["tim/token/prob_abs_diff_max"] == pytest.approx(max(want), rel=1e-12)
 
 
 def _values_dump(folder, seed=0):

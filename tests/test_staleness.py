@@ -56,6 +56,25 @@ def test_split_recovers_known_parts(corr):
         assert shares[0] > 0.8 and abs(shares[2]) < 0.05
 
 
+def test_placeholder_and_non_finite_log_probs_are_left_out():
+    """A placeholder log-prob (<= -1e3, e.g. -9999 for "not reported") on any of the three sides is left out like a
+    non-finite one, as the monitor leaves it out: the split is the reference's over the tokens whose three log-probs
+    are finite and above -1e3 (one kept placeholder would make the mismatch explain all of Var(d))."""
+    rollout, old, current, mask = _batch(10, b=64, t=64)
+    rollout[1, 0], old[2, 1], current[3, 2], rollout[4, 3] = -9999.0, -1e4, -1e3, -1e3 - 0.5
+    rollout[5, 4], old[6, 5], current[7, 6] = math.nan, math.inf, -math.inf
+    mask[1:8, :7] = True
+    stats = SplitStats()
+    stats.update(rollout, old, current, mask)
+    got = stats.compute(sync=False)
+    ok = mask.clone()
+    for x in (rollout, old, current):
+        ok &= torch.isfinite(x) & (x > -1e3)
+    assert int(mask.sum()) - int(ok.sum()) == 7
+    for key, value in _reference(rollout, old, current, ok).items():
+        assert got[f"tim/split/{key}"] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
 def test_merging_micro_batches_is_exact():
     parts = [_batch(seed) for seed in (1, 2, 3)]
     whole, split = SplitStats(), SplitStats()

@@ -142,7 +142,8 @@ def _mismatch_kernel(rollout_ptr, train_ptr, mask_ptr, w_ptr, state_ptr, T, log_
         t = tl.load(train_ptr + row_start + offs, mask=inb, other=0.0).to(tl.float32)
         response = (tl.load(mask_ptr + row_start + offs, mask=inb, other=0) != 0) & inb
         d = t - r  # d = log p_train − log p_rollout
-        # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
+        # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3
+        # (``_mismatch_layout.valid_logprob_pair``).
         ok = (tl.abs(d) < float("inf")) & (r > INVALID_AT) & (t > INVALID_AT)
         valid = response & ok
         d = tl.where(valid, d, 0.0)  # masked and invalid tokens contribute d = 0, ρ = 1, k3 = 0
@@ -150,7 +151,10 @@ def _mismatch_kernel(rollout_ptr, train_ptr, mask_ptr, w_ptr, state_ptr, T, log_
         k3, k3_small, linear = _k3_terms(d)
         rho_m1 = linear + k3_small
         abs_d = tl.abs(d)
-        abs_p = tl.exp(r) * tl.abs(rho_m1)  # |p_train − p_rollout| = p_rollout · |ρ − 1|
+        # |p_train − p_rollout| = e^max(r, t) · (1 − e^−|d|), as the torch pass (``_mismatch_pass.token_pass``
+        # says why): no 0 · inf for an extreme but valid token.
+        up = d > 0
+        abs_p = tl.exp(tl.where(up, t, r)) * tl.where(up, 1.0 / (1.0 + 1.0 / rho_m1), -rho_m1)
         s_p += abs_p
         s_d += d
         s_k3 += k3

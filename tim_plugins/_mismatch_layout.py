@@ -23,7 +23,7 @@ __all__ = [
     "PROB_BUCKET_EDGES", "DEFAULT_RATIO_BAND", "HISTOGRAM_RANGE", "HISTOGRAM_BINS_PER_DECADE",
     "INVALID_LOGPROB_THRESHOLD", "N_BUCKETS", "K3_SERIES_BOUND", "K3_SERIES_BOUNDS", "K3_SERIES",
     "N_ABS_BINS", "N_SIGNED_BINS", "FIELDS", "SUM_FIELDS", "MAX_FIELDS", "OFFSETS", "N_SUMS", "N_STATE",
-    "abs_diff_bin_edges", "abs_diff_bin_edge_values", "empty_state", "pack", "unpack",
+    "abs_diff_bin_edges", "abs_diff_bin_edge_values", "empty_state", "pack", "unpack", "valid_logprob_pair",
 ]
 
 # Token-probability buckets (p = exp(rollout log-prob)) for the (1 − p) structure of the mismatch.
@@ -106,6 +106,17 @@ def _offsets() -> dict[str, int]:
 OFFSETS: dict[str, int] = _offsets()
 N_SUMS = sum(size for _, size in SUM_FIELDS)
 N_STATE = N_SUMS + sum(size for _, size in MAX_FIELDS)
+
+
+def valid_logprob_pair(rollout: torch.Tensor, train: torch.Tensor, d: torch.Tensor | None = None) -> torch.Tensor:
+    """Where both log-probs of a token are log-probs: finite and above ``INVALID_LOGPROB_THRESHOLD`` (NaN, ±inf and
+    a placeholder such as -9999 are not). ``d``: ``train − rollout`` if the caller has it already (one pass fewer).
+    The rule of every statistic that compares two sides (the monitor, by-key, corrections, the staleness split, the
+    causes, the lag-0 probe); the Triton kernel (``_mismatch_kernel``) writes the same three comparisons."""
+    if d is None:
+        d = train - rollout
+    # |d| < inf: both finite once both are above the threshold (NaN fails every comparison)
+    return (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
 
 
 def abs_diff_bin_edges(device: torch.device | str = "cpu") -> torch.Tensor:

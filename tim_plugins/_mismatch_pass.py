@@ -15,13 +15,13 @@ import torch
 from tim_plugins._mismatch_layout import (
     HISTOGRAM_BINS_PER_DECADE,
     HISTOGRAM_RANGE,
-    INVALID_LOGPROB_THRESHOLD,
     K3_SERIES,
     K3_SERIES_BOUND,
     N_BUCKETS,
     N_SIGNED_BINS,
     PROB_BUCKET_EDGES,
     pack,
+    valid_logprob_pair,
 )
 
 __all__ = ["batch_state", "token_pass", "cell_counts"]
@@ -63,8 +63,7 @@ def token_pass(
     rollout, train = rollout.to(dt), train.to(dt)
     response = mask != 0
     d = train - rollout  # d = log p_train − log p_rollout
-    # Invalid: NaN/±inf in either input (|d| is then NaN or inf) or a placeholder <= -1e3.
-    ok = (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) & (train > INVALID_LOGPROB_THRESHOLD)
+    ok = valid_logprob_pair(rollout, train, d)  # invalid: NaN/±inf in either input or a placeholder <= -1e3
     valid = response & ok
 
     zero = torch.zeros((), dtype=dt, device=rollout.device)
@@ -73,7 +72,13 @@ def token_pass(
     r = torch.where(valid, rollout, zero)
     k3, k3_series, linear = _k3_terms(d, abs_d)
     rho_m1 = linear + k3_series
-    abs_p = torch.exp(r) * rho_m1.abs()  # |p_train − p_rollout| = p_rollout · |ρ − 1|
+    # |p_train − p_rollout| = e^max(r, t) · (1 − e^−|d|): both factors in [0, 1], so an extreme but valid token
+    # (e^r underflowing while ρ − 1 overflows) cannot give 0 · inf. 1 − e^−|d| is −(ρ − 1) for d <= 0 and
+    # (ρ − 1)/ρ = 1/(1 + 1/(ρ − 1)) for d > 0 (1 once ρ − 1 overflows), from the accurate ρ − 1: expm1(−|d|)
+    # would cancel in the compiled CPU code (see _k3_terms).
+    up = d > 0
+    abs_p = torch.exp(torch.where(up, train, r)).mul_(
+        torch.where(up, rho_m1.reciprocal().add_(1.0).reciprocal_(), -rho_m1))
     # Probability bucket of p = exp(rollout): four comparisons rather than torch.bucketize, which does not
     # fuse under torch.compile and is slow in eager mode on the CPU.
     bucket = sum((r >= math.log(e)).to(dt) for e in PROB_BUCKET_EDGES[1:-1])  # small integers, kept in float

@@ -37,13 +37,19 @@ def collective_device(group=None) -> torch.device:
 def all_reduce_sum_max(sums: torch.Tensor, maxes: torch.Tensor, group=None) -> None:
     """In place: SUM-all-reduce ``sums`` and MAX-all-reduce ``maxes`` over ``group`` (no-op on one rank).
 
-    Every rank of the group must call it, also one that saw no batch (it contributes zeros and −inf)."""
+    Every rank of the group must call it, also one that saw no batch (it contributes zeros and −inf). A tensor
+    off the ``collective_device`` (a state loaded from a checkpoint lives on the CPU, a statistic of a CPU batch
+    too) is reduced in a copy there and written back: NCCL refuses host tensors."""
     if not is_distributed(group):
         return
-    if sums.numel():
-        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
-    if maxes.numel():
-        torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
+    device = collective_device(group)
+    for x, op in ((sums, torch.distributed.ReduceOp.SUM), (maxes, torch.distributed.ReduceOp.MAX)):
+        if not x.numel():
+            continue
+        there = x if x.device == device else x.to(device)
+        torch.distributed.all_reduce(there, op=op, group=group)
+        if there is not x:
+            x.copy_(there)
 
 
 @functools.lru_cache(maxsize=32)

@@ -27,7 +27,7 @@ import math
 import torch
 
 from tim_plugins._keyings import KEYINGS, MAXES, PROB_BLOCK, STATS, SUMS, Keying, keyed_metrics
-from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD
+from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import Accumulated, Accumulator
 
 __all__ = ["KEYINGS", "MAXES", "STATS", "SUMS", "UNKNOWN_LAG", "Keying", "KeyedStats", "keyed_metrics", "lag_after",
@@ -95,8 +95,7 @@ class KeyedStats(Accumulated):
         placeholder log-prob) are left out (the monitor counts them as invalid)."""
         rollout, train = rollout.detach().double(), train.detach().double()
         d = train - rollout
-        keep = (mask != 0) & (d.abs() < math.inf) & (rollout > INVALID_LOGPROB_THRESHOLD) \
-            & (train > INVALID_LOGPROB_THRESHOLD)
+        keep = (mask != 0) & valid_logprob_pair(rollout, train, d)
         n = len(self.keying.edges)
         # Every token is added (no data-dependent shape): a left-out one to an extra bucket n, dropped below.
         bucket = torch.where(keep, self.keying.bucket(keys), n).reshape(-1)

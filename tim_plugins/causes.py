@@ -52,6 +52,7 @@ from typing import Iterable
 
 import torch
 
+from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import all_reduce_sum_max, collective_device, is_distributed
 from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, Cause, CauseInfo, cause_fix,
                                         causes_markdown, summarize_names)
@@ -114,9 +115,9 @@ def confident_disagreements(rollout: torch.Tensor, train: torch.Tensor, mask: to
     """(disagreeing, confident, forced) token counts of a [B, T] batch at lag 0, as 0-d tensors on its device (no
     host read): ``confident`` = tokens of ``mask`` with ``p`` <= p_rollout < 1; ``disagreeing`` = those the trainer
     scores more than ``gap`` nats lower; ``forced`` = tokens with p_rollout = 1 exactly (a one-token distribution at
-    the sampler) that the trainer scores more than ``gap`` nats lower. Tokens with a non-finite log-prob on either
-    side are left out (the monitor counts them as invalid)."""
-    keep = mask.bool() & torch.isfinite(rollout) & torch.isfinite(train)
+    the sampler) that the trainer scores more than ``gap`` nats lower. Tokens with an invalid log-prob on either
+    side (non-finite, a placeholder) are left out, as the monitor leaves them out."""
+    keep = mask.bool() & valid_logprob_pair(rollout, train)
     # float32 resolves these thresholds (nats, not ulps): no float64 copies of the batch on every step
     dtype = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
     r, t = rollout.detach().to(dtype), train.detach().to(dtype)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tim_plugins._mismatch_layout import INVALID_LOGPROB_THRESHOLD
+from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import Accumulated, Accumulator
 
 __all__ = [
@@ -148,12 +148,10 @@ def _prepare(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor):
     t = train.detach().to(ct)
     r = rollout.detach().to(ct)
     in_mask = mask.detach() != 0
-    valid = (
-        in_mask & torch.isfinite(t) & torch.isfinite(r)
-        & (t > INVALID_LOGPROB_THRESHOLD) & (r > INVALID_LOGPROB_THRESHOLD)
-    )
+    d = t - r
+    valid = in_mask & valid_logprob_pair(r, t, d)
     zero = torch.zeros((), dtype=ct, device=t.device)
-    d = torch.where(valid, t - r, zero)  # d_t = log π_train − log π_rollout (0 where not valid)
+    d = torch.where(valid, d, zero)  # d_t = log π_train − log π_rollout (0 where not valid)
     return d, valid, in_mask
 
 

@@ -19,6 +19,16 @@ one "rest" bucket (mass ``1 − Σ_known p``), and KL and TV are computed on tha
 inequality these are *lower bounds* of the true values. Top-k overlap (k <= K) and the rank of a sampled token
 inside the top-K stay exact (every token more likely than it is known).
 
+The known log-probs are float roundings, so the rollout's rest mass is known only to within ``K · eps``
+(``_rest_mass_tolerance``). A confident row shows why it matters: a float32 top-1 log-prob of p > 1 − 6e-8
+rounds to 0.0, the known mass is then >= 1 and the rollout's rest 0, while the trainer's rest, from its full
+row, is a few 1e-8: taken as given, that is KL(p_t ‖ p_r) = +inf and a support mismatch between identical
+weights. So where both rest masses are within the tolerance, neither side resolves mass outside the known tokens
+and the rest bucket holds the trainer's rest on both sides (it adds nothing to KL or TV and is no support
+mismatch). Where the trainer's rest is beyond the tolerance, the rollout's rest stays as computed: 0 (a known
+mass of 1, e.g. an engine that truncated its distribution to the known tokens) is a support mismatch, and a
+positive rest gives the partition's finite KL, still a lower bound of the exact one.
+
 `VocabProfile` accumulates ``|log p_t(a) − log p_r(a)|`` over *every* vocabulary entry of the compared
 positions, binned by the rollout probability (by 1 − p and by p), so the (1 − p) picture is drawn from the whole
 distributions, not only from the sampled tokens. Its state is additive (counts, sums, histogram bins) and maxima.
@@ -87,6 +97,15 @@ def _flat_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return rows[mask.reshape(-1).to(rows.device).bool()]
 
 
+def _rest_mass_tolerance(known_count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How far from 0 a rollout's rest mass ``1 − Σ_known p`` is not resolved, per row of ``known_count`` known
+    log-probs given in ``dtype``: K · eps. Each known p <= 1 comes from a log-prob off by up to about eps nats (its
+    float rounding), so it is off by up to eps absolutely, and the K-term sum by up to K · eps. eps is at least
+    float32's: engines compute log-probs in float32 or less (a float64 row is usually one converted)."""
+    eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+    return known_count.double() * eps
+
+
 def _xlogy_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Σ p (log p − log q) per row with 0·(...) = 0 and p > 0, q = 0 → +inf. A KL of two normalised rows is
     >= 0; for nearly equal rows the float64 sum can round to -1e-16, so it is clamped at 0."""
@@ -139,7 +158,8 @@ def compare_distributions(
     parts = []
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
-        parts.append(_compare_chunk(lr_all[sl], lt_all[sl], tok_all[sl], None if exact else kn_all[sl], k))
+        parts.append(_compare_chunk(lr_all[sl], lt_all[sl], tok_all[sl], None if exact else kn_all[sl], k,
+                                    rollout_logprobs.dtype))
     if not parts:
         empty_f = torch.zeros(0, dtype=torch.float64)
         empty_b = torch.zeros(0, dtype=torch.bool)
@@ -151,7 +171,7 @@ def compare_distributions(
 
 
 @torch.no_grad()
-def _compare_chunk(lr, lt, tok, known, k):
+def _compare_chunk(lr, lt, tok, known, k, rollout_dtype):
     lr = lr.detach().double().cpu()
     lt = lt.detach().double().cpu()
     tok = tok.detach().long().cpu()
@@ -174,10 +194,15 @@ def _compare_chunk(lr, lt, tok, known, k):
         tv = 0.5 * (pr - pt).abs().sum(-1)
     else:
         # Coarse-grain both sides to {known tokens} ∪ {rest}: KL and TV of the partition (lower bounds).
-        pt_k = torch.where(known, pt, torch.zeros_like(pt))
+        zero = torch.zeros_like(pt)
+        pt_k = torch.where(known, pt, zero)
         lt_k = torch.where(known, lt, neg_inf)
         rest_r = (1.0 - pr.sum(-1)).clamp_min(0.0).unsqueeze(-1)
-        rest_t = (1.0 - pt_k.sum(-1)).clamp_min(0.0).unsqueeze(-1)
+        rest_t = torch.where(known, zero, pt).sum(-1, keepdim=True)  # the unknown tokens' own sum: no cancellation
+        # both rests within the known log-probs' rounding: resolved by neither side, the bucket holds the
+        # trainer's rest on both (the module docstring)
+        tol = _rest_mass_tolerance(known.sum(-1, keepdim=True), rollout_dtype)
+        rest_r = torch.where((rest_r <= tol) & (rest_t <= tol), rest_t, rest_r)
         cr, ct = torch.cat([pr, rest_r], -1), torch.cat([pt_k, rest_t], -1)
         lcr = torch.cat([lr, rest_r.log()], -1)
         lct = torch.cat([lt_k, rest_t.log()], -1)

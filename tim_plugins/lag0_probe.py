@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.causes import Cause
 
 __all__ = ["HISTORY", "Lag0Probe", "Lag0ProbeConfig", "ProbeScores"]
@@ -90,7 +91,7 @@ class Lag0ProbeConfig:
 @dataclass
 class ProbeScores:
     """One scoring of the fixed batch: the engine's and the trainer's [K, T] log-probs (float64, CPU) and the tokens
-    both scored finitely."""
+    both scored validly (``_mismatch_layout.valid_logprob_pair``: finite, no placeholder)."""
 
     engine: torch.Tensor
     trainer: torch.Tensor
@@ -102,7 +103,7 @@ class ProbeScores:
             raise ValueError(f"the probe's engine {tuple(engine.shape)}, trainer {tuple(trainer.shape)} and mask "
                              f"{tuple(mask.shape)} log-probs must have one shape")
         e, t = engine.detach().double().cpu(), trainer.detach().double().cpu()
-        return cls(e, t, mask.detach().bool().cpu() & torch.isfinite(e) & torch.isfinite(t))
+        return cls(e, t, mask.detach().bool().cpu() & valid_logprob_pair(e, t))
 
 
 def _mean_abs(x: torch.Tensor, valid: torch.Tensor) -> float:

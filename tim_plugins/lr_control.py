@@ -213,8 +213,7 @@ class _Tracker:
 
     def update(self, x: float) -> None:
         self.window.append(x)
-        if len(self.window) > self.window_size:
-            del self.window[0]
+        del self.window[:-self.window_size]
         self.level = statistics.median(self.window)  # w_t = median of the last W finite values
         if self.baseline is None:
             self.warm.append(x)
@@ -235,9 +234,12 @@ class _Tracker:
     def load(self, s: Mapping[str, Any]) -> None:
         self.warmup_n = int(s["warmup_n"])
         self.warm = [float(v) for v in s["warm"]]
-        self.window = [float(v) for v in s["window"]]
+        saved = [float(v) for v in s["window"]]
+        self.window = saved[-self.window_size:]  # a state saved with a larger window: its last window_size values
         self.baseline = None if s["baseline"] is None else float(s["baseline"])
         self.level = None if s["level"] is None else float(s["level"])
+        if len(self.window) < len(saved):
+            self.level = statistics.median(self.window)
         self.exceed = bool(s["exceed"])
 
 

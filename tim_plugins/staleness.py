@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import Accumulated, Accumulator
 
 __all__ = ["SPLIT_PREFIX", "STALENESS_KEYS", "SplitStats", "split_parts", "staleness_metrics"]
@@ -53,9 +54,10 @@ class SplitStats(Accumulated):
 
     def update(self, rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor) -> None:
         """One loss pass: [B, T] rollout, π_old and π_θ log-probs of the sampled tokens, [B, T] tokens it trains.
-        Tokens with a non-finite value on any side are left out (the monitor counts them as invalid)."""
+        Tokens with an invalid log-prob on any side (non-finite, a placeholder) are left out, as the monitor leaves
+        them out."""
         s, m = split_parts(rollout, old, current)
-        keep = mask.bool() & torch.isfinite(s) & torch.isfinite(m)
+        keep = mask.bool() & valid_logprob_pair(rollout, old, m) & valid_logprob_pair(old, current, s)
         # zeros where not kept rather than boolean indexing: no host read of the count per micro-batch
         s, m = torch.where(keep, s, 0.0), torch.where(keep, m, 0.0)
         self._acc.add((keep.sum(), s.sum(), m.sum(), (s * s).sum(), (m * m).sum(), (s * m).sum()))

@@ -277,8 +277,12 @@ class _Full:
             k3 = (lin - d) + ser
         rm1 = lin + ser
         p = np.exp(r)
-        abs_p = np.abs(rm1)
-        abs_p *= p
+        # |p_train − p_rollout| = e^max(r, t) · (1 − e^−|d|), as the monitor computes it (``_mismatch_pass``
+        # says why): no 0 · inf where e^r underflows and ρ − 1 overflows
+        up = d > 0
+        with np.errstate(divide="ignore"):  # 1/(ρ − 1) at d = 0, where the other branch is taken
+            abs_p = np.where(up, 1.0 / (1.0 + 1.0 / rm1), -rm1)
+        abs_p *= np.exp(np.where(up, t, r))
         w = np.exp(d)
         outside = d < c.log_band[0]
         outside |= d > c.log_band[1]

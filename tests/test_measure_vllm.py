@@ -80,3 +80,22 @@ def test_vllm_min_p_processed_logprobs_match_safe_vocab(vllm_llm, toy_model_path
     assert 0 < pruned["tim/token/abs_diff_max"] < 1e-3
     assert pruned["tim/full_vocab/abs_diff_mean"] > 10 * pruned["tim/token/abs_diff_mean"]
     assert pruned["tim/full_vocab/abs_diff_mean"] >= 0.9 * pruned["tim/safe_vocab/pruned_mass_mean"]
+
+
+def test_an_injector_seed_beyond_int64_runs_in_the_engine(vllm_llm):
+    """An injector seed of 64 bits (``random.getrandbits(64)``: 2**63 and above, outside int64) runs through the
+    engine step and perturbs as the seed with the same 64 bits (-2**63) does; the engine serves the next request.
+    Kept last in the module: before the seed was reduced, the engine step raised and the in-process engine hung."""
+    from vllm import SamplingParams
+
+    from tim_plugins.rollout.inject import TailNoiseInjector
+
+    def run(extra_args):
+        params = SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, seed=7, extra_args=extra_args)
+        out = vllm_llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)]
+
+    wide = run(TailNoiseInjector(4.0, tau=1.0, seed=2**63).to_extra_args())
+    assert wide == run(TailNoiseInjector(4.0, tau=1.0, seed=-2**63).to_extra_args())
+    assert wide != run(None)  # the perturbation acts (tau = 1: every token moves)
+    assert len(run(None)[0]) == 6

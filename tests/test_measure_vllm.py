@@ -80,3 +80,73 @@ def test_vllm_min_p_processed_logprobs_match_safe_vocab(vllm_llm, toy_model_path
     assert 0 < pruned["tim/token/abs_diff_max"] < 1e-3
     assert pruned["tim/full_vocab/abs_diff_mean"] > 10 * pruned["tim/token/abs_diff_mean"]
     assert pruned["tim/full_vocab/abs_diff_mean"] >= 0.9 * pruned["tim/safe_vocab/pruned_mass_mean"]
+
+
+# The module engine's max_model_len (conftest ``vllm_llm``): vLLM ends a request there without an error.
+MAX_MODEL_LEN = 256
+
+
+def _long_and_short_prompt(tokenizer, long_tokens: int) -> list[str]:
+    from tim_plugins.toy_model import synthetic_prompts
+
+    text = " ".join(synthetic_prompts(64, seed=3))
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > long_tokens
+    return [tokenizer.decode(ids[:long_tokens]), synthetic_prompts(1, seed=4)[0]]
+
+
+def test_a_completion_the_engine_cut_at_max_model_len_scores_its_sampled_tokens_only(vllm_llm, toy_model_path,
+                                                                                       tmp_path, monkeypatch):
+    """A prompt near the engine's max_model_len gets fewer than max_new_tokens tokens from vLLM (silently): the
+    rollout's completion mask ends where vLLM's tokens end, and ``measure`` scores those tokens only, not the zero
+    padding after them (token 0, the toy model's EOS, with log-prob 0). Reference: max_model_len − prompt length,
+    from the prompts' own token counts."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import tim_plugins.toy_model as toy_model
+    from tim_plugins.integrations.vllm.rollout import vllm_rollout
+
+    tok = AutoTokenizer.from_pretrained(toy_model_path)
+    tok.padding_side = "left"
+    prompts = _long_and_short_prompt(tok, 240)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    lengths = enc["attention_mask"].sum(1).tolist()
+    assert MAX_MODEL_LEN - 40 < lengths[0] < MAX_MODEL_LEN - 1 and lengths[1] < MAX_MODEL_LEN - 40
+    want = [min(40, MAX_MODEL_LEN - n) for n in lengths]
+    assert want[0] < 40
+    roll = vllm_rollout(vllm_llm, enc, max_new_tokens=40, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                        num_logprobs=5, vocab=383)
+    for row, n in enumerate(want):
+        assert roll.completion_mask[row].tolist() == [1] * n + [0] * (40 - n), row
+        assert bool((roll.logprobs[row, :n] < 0).all()) and bool(torch.isfinite(roll.logprobs[row, :n]).all())
+
+    monkeypatch.setattr(toy_model, "synthetic_prompts", lambda n, seed=0: prompts[:n])
+    cfg = MeasureConfig(model=str(toy_model_path), rollout="vllm", num_prompts=2, max_new_tokens=40,
+                        min_new_tokens=40, batch_size=2, out=str(tmp_path / "cut"))
+    summary = run_measure(cfg, llm=vllm_llm)
+    m = summary["metrics"]
+    assert m["tim/tokens"] == sum(want) and m["tim/invalid_tokens"] == 0
+    ref = dumped_reference(tmp_path / "cut", summary, "vllm")
+    assert ref["tim/tokens"] == sum(want)
+    assert_matches_dump(m, ref)
+    assert m["tim/dist/positions"] == sum(want) and m["rollout/tokens_sampled"] == sum(want)
+
+
+def test_an_injector_seed_beyond_int64_runs_in_the_engine(vllm_llm):
+    """An injector seed of 64 bits (``random.getrandbits(64)``: 2**63 and above, outside int64) runs through the
+    engine step and perturbs as the seed with the same 64 bits (-2**63) does; the engine serves the next request.
+    Kept last in the module: before the seed was reduced, the engine step raised and the in-process engine hung."""
+    from vllm import SamplingParams
+
+    from tim_plugins.rollout.inject import TailNoiseInjector
+
+    def run(extra_args):
+        params = SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, seed=7, extra_args=extra_args)
+        out = vllm_llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)]
+
+    wide = run(TailNoiseInjector(4.0, tau=1.0, seed=2**63).to_extra_args())
+    assert wide == run(TailNoiseInjector(4.0, tau=1.0, seed=-2**63).to_extra_args())
+    assert wide != run(None)  # the perturbation acts (tau = 1: every token moves)
+    assert len(run(None)[0]) == 6

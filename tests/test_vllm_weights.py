@@ -165,3 +165,27 @@ def test_a_replaced_parameter_is_read_where_it_is_now():
     read = reader.read("norm.weight", (8,), index)
     assert read.dtype == torch.bfloat16 and torch.equal(read.values.double(), torch.tensor([0.0, 5.0, 2.0],
                                                                                             dtype=torch.float64))
+
+
+def test_a_new_sample_index_reads_its_own_elements():
+    """A reader kept across a change of the check's sample (another seed, another elements_per_tensor) is handed a
+    new index for a name it read before: it reads that index's elements, not the first one's. Reference: the
+    parameter indexed here, each read against a fresh reader too."""
+    model = torch.nn.Module()
+    model.norm = torch.nn.Module()
+    model.norm.weight = torch.nn.Parameter(torch.arange(10, dtype=torch.float32))
+    model.embed = torch.nn.Module()
+    model.embed.weight = torch.nn.Parameter(torch.arange(24, dtype=torch.float32).view(6, 4))
+    reader = VLLMWeights(model, torch.float32)
+    samples = [("norm.weight", torch.tensor([[1], [2], [3]])), ("norm.weight", torch.tensor([[7], [8], [9]])),
+               ("norm.weight", torch.tensor([[0], [5]])),  # fewer elements per tensor
+               ("embed.weight", torch.tensor([[0, 1], [5, 3]])), ("embed.weight", torch.tensor([[2, 2], [4, 0]])),
+               ("norm.weight", torch.tensor([[1], [2], [3]]))]  # the first sample again, as a new tensor
+    for name, index in samples:
+        param = getattr(model, name.split(".")[0]).weight
+        want = param.detach()[tuple(index.T)].double()
+        for _ in range(2):  # the second read of the same index takes the cached path
+            read = reader.read(name, tuple(param.shape), index)
+            assert torch.equal(read.values.double(), want), (name, index.tolist())
+        fresh = VLLMWeights(model, torch.float32).read(name, tuple(param.shape), index)
+        assert torch.equal(fresh.values.double(), want)

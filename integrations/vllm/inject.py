@@ -6,7 +6,9 @@ Register it when the engine is built and activate it per request::
     # or logits_processors=["tim_plugins.integrations.vllm.inject:TailNoiseLogitsProcessor"]
     params = SamplingParams(..., extra_args=injector.to_extra_args())  # {"tim_inject": {"scale", "tau", "mode", ...}}
 
-Requests without ``extra_args["tim_inject"]`` are untouched. vLLM applies custom (non-argmax-invariant)
+Requests without ``extra_args["tim_inject"]`` are untouched. A request with bad settings is refused at admission
+(``validate_params``) by ``InjectorConfig``'s own rules; a row whose perturbation fails inside the engine step keeps
+its logits, counted in the processor's ``skipped_rows`` and logged once. vLLM applies custom (non-argmax-invariant)
 processors before penalties and temperature (``sources.VLLM_SOURCES``
 vllm.v1.sample.sampler:Sampler.apply_logits_processors), as HF does, so the same calibrated scale applies to both.
 With ``logprobs_mode="processed_logprobs"`` the reported log-probs are those of the perturbed distribution.
@@ -28,12 +30,14 @@ modelled there (their earlier drafts are not committed tokens).
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 from vllm import SamplingParams
 
-from tim_plugins.rollout.inject import EXTRA_ARGS_KEY, INJECT_MODES, perturb_tail
+from tim_plugins.rollout.inject import EXTRA_ARGS_KEY, InjectorConfig, noise_seed, perturb_tail
 
 try:  # the V1 model runner (vLLM < 0.34, sources.VLLM_UNTIL)
     # VLLM_SOURCES vllm.v1.sample.logits_processor:AdapterLogitsProcessor
@@ -47,33 +51,44 @@ try:  # the V2 model runner's interface (vLLM >= 0.31, sources.VLLM_SINCE)
 except ImportError:
     _V2LogitsProcessor = None
 
+logger = logging.getLogger("tim_plugins.vllm")
+
+# What ``TailNoiseInjector.to_extra_args`` sends: InjectorConfig's fields but the profile, which this processor
+# does not apply (a key it would ignore is refused rather than silently dropped).
+_KEYS = ("scale", "tau", "mode", "seed", "bias_sign")
+
 
 def _settings(params: SamplingParams) -> Optional[dict]:
+    """A request's injector settings, checked by ``InjectorConfig`` (the HF injector's own rules), or None."""
     extra = getattr(params, "extra_args", None) or {}
-    cfg = extra.get(EXTRA_ARGS_KEY)
-    if not cfg:
+    raw = extra.get(EXTRA_ARGS_KEY)
+    if not raw:
         return None
-    return {"scale": float(cfg.get("scale", 0.0)), "tau": float(cfg.get("tau", 0.1)),
-            "mode": str(cfg.get("mode", "noise")), "seed": int(cfg.get("seed", 0)),
-            "bias_sign": float(cfg.get("bias_sign", 1.0))}
+    where = f"SamplingParams.extra_args[{EXTRA_ARGS_KEY!r}]"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}={raw!r}: must be a dict of {', '.join(_KEYS)} "
+                         "(TailNoiseInjector.to_extra_args() builds it)")
+    unknown = sorted(map(str, set(raw) - set(_KEYS)))
+    if unknown:
+        raise ValueError(f"{where} has keys {unknown} this processor does not read: it takes {', '.join(_KEYS)} "
+                         "(a profiled injector runs with HF generate only)")
+    try:
+        cfg = InjectorConfig(**raw)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}={dict(raw)!r}: {err}") from None
+    return {key: getattr(cfg, key) for key in _KEYS}
 
 
 def _step_seed(seed: int, prompt_digest: bytes, output_ids: list) -> int:
     h = hashlib.blake2b(prompt_digest, digest_size=8)
-    h.update(int(seed).to_bytes(8, "little", signed=True))
+    h.update(noise_seed(seed).to_bytes(8, "little"))
     h.update(len(output_ids).to_bytes(4, "little"))
     h.update(",".join(map(str, output_ids)).encode())
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
 def _validate(sampling_params: SamplingParams) -> None:
-    cfg = _settings(sampling_params)
-    if cfg is None:
-        return
-    if cfg["mode"] not in INJECT_MODES:
-        raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}]['mode']={cfg['mode']!r}: must be one of {INJECT_MODES}")
-    if not 0.0 < cfg["tau"] <= 1.0 or cfg["scale"] < 0:
-        raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}]: tau must be in (0, 1] and scale >= 0, got {cfg}")
+    _settings(sampling_params)  # raises ValueError (HTTP 400 in a server) on a bad setting
 
 
 def _active(params: SamplingParams) -> Optional[dict]:
@@ -92,9 +107,20 @@ def _perturbed(cfg: dict, digest: bytes, output_ids: list, logits: torch.Tensor)
                         generator=gen)
 
 
+def _skipped(processor: Any, err: Exception) -> None:
+    """A row whose perturbation failed keeps its logits: an error raised inside vLLM's engine step would stop the
+    engine (an in-process one hangs). Counted in ``processor.skipped_rows``; the first one is logged."""
+    processor.skipped_rows += 1
+    if processor.skipped_rows == 1:
+        logger.warning("tim_plugins: the TIM injector left a row unperturbed (%r); %s.skipped_rows counts such rows, "
+                       "this warning is not repeated", err, type(processor).__name__)
+
+
 if AdapterLogitsProcessor is not None:
     class TailNoiseLogitsProcessor(AdapterLogitsProcessor):
         """Per-request tail perturbation (see `tim_plugins.rollout.inject` for the formula); the V1 runner's."""
+
+        skipped_rows = 0  # rows left unperturbed because their perturbation failed (_skipped)
 
         @classmethod
         def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -114,15 +140,21 @@ if AdapterLogitsProcessor is not None:
             # three parameters: vLLM passes the prompt ids too (VLLM_SOURCES
             # vllm.v1.sample.logits_processor:AdapterLogitsProcessor)
             def apply(prompt_ids: list, output_ids: list, logits: torch.Tensor) -> torch.Tensor:
-                if "d" not in digest:
-                    digest["d"] = _prompt_digest(prompt_ids)
-                return _perturbed(cfg, digest["d"], output_ids, logits)
+                try:
+                    if "d" not in digest:
+                        digest["d"] = _prompt_digest(prompt_ids)
+                    return _perturbed(cfg, digest["d"], output_ids, logits)
+                except Exception as err:
+                    _skipped(self, err)
+                    return logits
 
             return apply
 
 if _V2LogitsProcessor is not None:
     class TailNoiseV2LogitsProcessor(_V2LogitsProcessor):
         """The same perturbation in the V2 runner (``TailNoiseLogitsProcessor`` from vLLM 0.34 on)."""
+
+        skipped_rows = 0  # rows left unperturbed because their perturbation failed (_skipped)
 
         @classmethod
         def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -155,13 +187,16 @@ if _V2LogitsProcessor is not None:
                 cfg = self._cfg.get(slot)
                 if cfg is None:
                     continue
-                prompt_len, pos = int(self._req_states.prompt_len.np[slot]), positions[row]
-                if slot not in self._digest:
-                    self._digest[slot] = _prompt_digest(tokens[slot, :prompt_len].tolist())
-                # the row samples position pos + 1: its outputs are the tokens from the prompt's end through pos,
-                # whose own token is the row's input (committed to all_token_ids only after this step)
-                outputs = tokens[slot, prompt_len:pos].tolist() + [inputs[row]] if pos >= prompt_len else []
-                logits[row] = _perturbed(cfg, self._digest[slot], outputs, logits[row])
+                try:
+                    prompt_len, pos = int(self._req_states.prompt_len.np[slot]), positions[row]
+                    if slot not in self._digest:
+                        self._digest[slot] = _prompt_digest(tokens[slot, :prompt_len].tolist())
+                    # the row samples position pos + 1: its outputs are the tokens from the prompt's end through
+                    # pos, whose own token is the row's input (committed to all_token_ids only after this step)
+                    outputs = tokens[slot, prompt_len:pos].tolist() + [inputs[row]] if pos >= prompt_len else []
+                    logits[row] = _perturbed(cfg, self._digest[slot], outputs, logits[row])
+                except Exception as err:
+                    _skipped(self, err)
             return logits
 
 if AdapterLogitsProcessor is None:

@@ -43,7 +43,12 @@ def vllm_rollout(llm: LLM, enc, *, max_new_tokens: int, temperature: float, top_
                  seed: int, num_logprobs: int, vocab: int) -> RolloutBatch:
     """Sample ``max_new_tokens`` per prompt of ``enc`` (left-padded ``input_ids`` / ``attention_mask``) without
     stopping at EOS; ``num_logprobs`` log-probs per token fill ``full_logprobs`` (``known`` marks them, None when
-    the whole vocabulary came back). ``sample_seconds`` times the sampling with the sampled tokens' log-probs only."""
+    the whole vocabulary came back). ``sample_seconds`` times the sampling with the sampled tokens' log-probs only.
+
+    vLLM ends a request without an error where prompt + completion reach the engine's ``max_model_len``: such a
+    row has fewer tokens, and ``completion_mask`` is 0 past the tokens vLLM returned (their ids and log-probs are
+    0 padding, not samples), so a consumer scores ``completion_mask``'s tokens only. The short row is kept rather
+    than the batch refused: the other rows, and this row's sampled tokens, are valid measurements."""
     trunc = Truncation(min_p=min_p, top_p=top_p, top_k=top_k, temperature=temperature, order="vllm")
     prompts = [{"prompt_token_ids": [t for t, m in zip(ids, mask) if m]}
                for ids, mask in zip(enc["input_ids"].tolist(), enc["attention_mask"].tolist())]
@@ -61,6 +66,7 @@ def vllm_rollout(llm: LLM, enc, *, max_new_tokens: int, temperature: float, top_
     outs = generate(num_logprobs)
     B, T = len(outs), max_new_tokens
     ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
     logps = torch.zeros(B, T)
     full = torch.full((B, T, vocab), -math.inf)
     known = torch.zeros(B, T, vocab, dtype=torch.bool)
@@ -68,10 +74,13 @@ def vllm_rollout(llm: LLM, enc, *, max_new_tokens: int, temperature: float, top_
     for b, out in enumerate(outs):
         toks = list(out.outputs[0].token_ids)
         ids[b, : len(toks)] = torch.tensor(toks)
+        mask[b, : len(toks)] = 1
         for t, (tok, entries) in enumerate(zip(toks, out.outputs[0].logprobs)):
             idx = torch.tensor(list(entries.keys()))
             full[b, t, idx] = torch.tensor([e.logprob for e in entries.values()])
             known[b, t, idx] = True
             logps[b, t] = entries[tok].logprob
-    return RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), ids, torch.ones_like(ids), logps,
-                        full_logprobs=full, known=None if bool(known.all()) else known, sample_seconds=seconds)
+    # positions past a short row have no entries at all: whether the whole vocabulary came back is asked of the
+    # returned tokens only
+    return RolloutBatch(enc["input_ids"], enc["attention_mask"].long(), ids, mask, logps, full_logprobs=full,
+                        known=None if bool(known[mask.bool()].all()) else known, sample_seconds=seconds)

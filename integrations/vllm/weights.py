@@ -95,7 +95,7 @@ class VLLMWeights:
         self._validated: set[int] = set()
         self._columns: dict[tuple, torch.Tensor] = {}  # (module id, columns) -> forward output, within one check
         self._plans: dict[str, tuple] = {}  # name -> (the index it was planned for, its plan)
-        self._flat: dict[str, tuple] = {}  # name -> (parameter shape, device, flat positions of the held elements)
+        self._flat: dict[str, tuple] = {}  # name -> (local index, parameter shape, device, flat positions)
         # name -> (index, module, leaf, parameter shape, flat positions): a whole, plain parameter read directly
         self._direct: dict[str, tuple] = {}
 
@@ -217,12 +217,13 @@ class VLLMWeights:
 
     def _take_index(self, name: str, local: torch.Tensor, held: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """The held elements' flat positions in ``param`` (on its device), for ``torch.take``: built once per
-        tensor and parameter shape."""
+        tensor, sample index (its plan's ``local``, by identity as ``_plan`` keys on the index) and parameter
+        shape."""
         shape = tuple(param.shape)
         cached = self._flat.get(name)
-        if cached is None or cached[0] != shape or cached[1] != param.device:
-            cached = self._flat[name] = (shape, param.device, ravel(local[held], shape).to(param.device))
-        return cached[2]
+        if cached is None or cached[0] is not local or cached[1] != shape or cached[2] != param.device:
+            cached = self._flat[name] = (local, shape, param.device, ravel(local[held], shape).to(param.device))
+        return cached[3]
 
     def read(self, name: str, shape: tuple, index: torch.Tensor) -> Optional[EngineRead]:
         if is_adapter_name(name):

@@ -249,8 +249,9 @@ def _measure_setting(run: _Run, setting: Setting, prompts: list[str], injector, 
         enc = run.tokenizer(prompts[start: start + cfg.batch_size], return_tensors="pt", padding=True)
         roll = sample(enc, cfg.seed * 100_003 + b)
         seconds += roll.sample_seconds
-        tokens += roll.completion_ids.numel()
-        mask = response_mask(roll.completion_ids, run.eos_ids, cfg.min_new_tokens)
+        tokens += int(roll.completion_mask.sum())
+        # the rollout's own mask too: an engine that stops a row early (vLLM at max_model_len) pads it
+        mask = response_mask(roll.completion_ids, run.eos_ids, cfg.min_new_tokens) * roll.completion_mask
         tr = trainer_score(run.trainer, roll, mask, temperature=cfg.temperature, order=order,
                            exact=setting.rollout == "exact", **truncation)
         if pipeline is None:  # the safe vocabulary's statistics where the trainer truncates

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "InjectionProfile",
     "INJECT_MODES",
     "EXTRA_ARGS_KEY",
+    "noise_seed",
     "perturb_tail",
     "calibrate_scale",
     "calibrate_injector",
@@ -54,6 +56,13 @@ INJECT_MODES = ("noise", "bias")
 # The key of the injector's settings in ``SamplingParams.extra_args`` (read by the vLLM processor,
 # ``tim_plugins.integrations.vllm.inject``).
 EXTRA_ARGS_KEY = "tim_inject"
+
+
+def noise_seed(seed: int) -> int:
+    """The 64-bit seed the injector's generators start from: any integer, modulo 2**64. torch's
+    ``Generator.manual_seed`` takes [-2**63, 2**64) and maps a negative seed the same way, so the seeds it took
+    keep their draws, and the HF and vLLM paths accept the same seeds (e.g. ``random.getrandbits(64)``)."""
+    return int(seed) % (1 << 64)
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,9 @@ class InjectorConfig:
             raise ValueError(f"TailNoiseInjector(scale={self.scale!r}): must be a finite number >= 0")
         if self.bias_sign not in (1.0, -1.0, 1, -1):
             raise ValueError(f"TailNoiseInjector(bias_sign={self.bias_sign!r}): must be +1 or -1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"TailNoiseInjector(seed={self.seed!r}): must be an integer (any size: the generators "
+                             "use it modulo 2**64)")
         self.scale, self.tau, self.seed, self.bias_sign = float(self.scale), float(self.tau), int(self.seed), \
             float(self.bias_sign)
         self.profile = InjectionProfile.coerce(self.profile)
@@ -224,7 +236,7 @@ class TailNoiseInjector:
                    profile=config.profile)
 
     def reset(self) -> None:
-        self._generator = torch.Generator().manual_seed(self.seed)
+        self._generator = torch.Generator().manual_seed(noise_seed(self.seed))
 
     def perturb(self, scores: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         if self.scale == 0.0:
@@ -242,8 +254,10 @@ class TailNoiseInjector:
             raise ValueError("TailNoiseInjector.to_extra_args: the vLLM processor "
                              "(tim_plugins.integrations.vllm.inject) applies no InjectionProfile; a profiled "
                              "injector runs with HF generate only (drop profile= for vLLM)")
-        return {EXTRA_ARGS_KEY: {"scale": self.scale, "tau": self.tau, "mode": self.mode, "seed": self.seed,
-                               "bias_sign": self.bias_sign}}
+        # the seed as its generators use it (the same draws): vLLM takes extra_args integers in [-2**63, 2**64)
+        # only (SamplingParams refuses others: its engine's MessagePack transport carries 64 bits)
+        return {EXTRA_ARGS_KEY: {"scale": self.scale, "tau": self.tau, "mode": self.mode,
+                                 "seed": noise_seed(self.seed), "bias_sign": self.bias_sign}}
 
     def __repr__(self) -> str:
         prof = "" if self.profile is None else f", profile={self.profile.source or 'measured'!r}"
@@ -255,7 +269,7 @@ def _k3_at(scale: float, logits: torch.Tensor, temperature: float, injector: Tai
            uniforms: torch.Tensor) -> float:
     from tim_plugins.metrics import mismatch_metrics
 
-    gen = torch.Generator().manual_seed(injector.seed)  # common random numbers across scales
+    gen = torch.Generator().manual_seed(noise_seed(injector.seed))  # common random numbers across scales
     z_q = perturb_tail(logits, scale, tau=injector.tau, mode=injector.mode, bias_sign=injector.bias_sign,
                        generator=gen, profile=injector.profile) if scale > 0 else logits
     logq = torch.log_softmax(z_q.float() / temperature, dim=-1)
@@ -299,7 +313,7 @@ def calibrate_scale(
     if logits.dim() != 2:
         raise ValueError(f"calibrate_scale: logits must be [N, V], got {tuple(logits.shape)}")
     temperature = 1.0 if temperature <= 0 else float(temperature)
-    gen = torch.Generator().manual_seed(injector.seed + 1)
+    gen = torch.Generator().manual_seed(noise_seed(injector.seed + 1))
     uniforms = torch.rand((logits.shape[0], samples_per_position), generator=gen, dtype=torch.float32)
     lo, hi = 0.0, 0.25
     k3_hi = _k3_at(hi, logits, temperature, injector, uniforms)
@@ -359,7 +373,7 @@ def calibrate_injector(
     result: Optional[CalibrationResult] = None
     for r in range(max(1, int(rounds))):
         injector.reset()
-        torch.manual_seed(seed + 1000 * r)
+        torch.manual_seed(noise_seed(seed + 1000 * r))
         out = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature or 1.0,
             top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, logits_processor=[injector],

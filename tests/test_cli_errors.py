@@ -102,3 +102,24 @@ def test_help_states_each_default_once_and_never_none(command, capsys):
             assert block.endswith(f"(default: {f.default})") and block.count("default") == 1, block
         else:
             assert "(default: " not in block, block  # its own words (said) or no default at all (None: off)
+
+
+def test_the_download_command_a_missing_model_suggests_parses_with_the_installed_hf_cli(tmp_path):
+    """huggingface_hub 1.x's `huggingface-cli` no longer works; the suggested command must be one the installed
+    CLI accepts (click parses every option before it acts on --help: an unknown one exits 2)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from tim_plugins.apps.cli import UsageError
+    from tim_plugins.apps.models import check_model_path
+
+    with pytest.raises(UsageError) as err:
+        check_model_path(str(tmp_path / "missing"))
+    command = shlex.split(re.search(r"e\.g\. (.+?), then pass DIR", str(err.value))[1])
+    exe = Path(sys.executable).parent / command[0]
+    if not exe.exists():
+        pytest.skip(f"{command[0]} is not installed next to this Python")
+    res = subprocess.run([str(exe), *command[1:], "--help"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, (command, res.stdout[-500:], res.stderr[-500:])

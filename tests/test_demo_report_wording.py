@@ -79,8 +79,10 @@ def test_a_tim_plugins_command_is_not_prefixed_with_its_own_name(tmp_path):
 
     bi = CODES["batch-invariance-off"].fix
     assert fix_for(bi, "hf") == bi["tim_plugins"] and bi["tim_plugins"].startswith("tim-plugins measure")
-    unknown = CODES["unknown-setting"].fix  # a tim-plugins knob that is not a command keeps its name
-    assert fix_for(unknown, "trl") == "tim-plugins: " + unknown["tim_plugins"]
+    unknown = CODES["unknown-setting"].fix  # the audit's own flags, where no framework has words of its own
+    assert fix_for(unknown, "vllm") == unknown["tim_plugins"] and unknown["tim_plugins"].startswith("tim-plugins audit")
+    other = {"tim_plugins": "fill the field in PipelineSpec"}  # a tim-plugins knob that is not a command keeps its name
+    assert fix_for(other, "trl") == "tim-plugins: fill the field in PipelineSpec"
 
 
 @pytest.mark.parametrize("framework,label", [("trl", "warning"), ("verl", "verl warning"), (None, "warning")])

@@ -45,10 +45,12 @@ def test_each_adapter_names_known_codes_and_parts_and_the_registry_merges_them(f
 
 
 def test_without_framework_knobs_the_framework_gets_the_knobs_it_runs_on():
-    # a code no adapter words (unknown-setting: tim-plugins only) reads as what TRL runs on, each named
-    assert "unknown-setting" not in fixes.framework_fixes()["trl"].finding_fixes
-    knob = CODES["unknown-setting"].knobs["tim_plugins"]
-    assert fix_for(CODES["unknown-setting"].fix, "trl") == f"tim-plugins: {knob}"
+    # a code TRL has no words for (attention-backend-mismatch) reads as what TRL runs on, each named
+    assert "attention-backend-mismatch" not in fixes.framework_fixes()["trl"].finding_fixes
+    knobs = CODES["attention-backend-mismatch"].knobs
+    assert fix_for(CODES["attention-backend-mismatch"].fix, "trl") == \
+        f"vLLM: {knobs['vllm']}; transformers: {knobs['hf']}"
+
 
 
 def test_part_fix_reads_the_adapters_words_and_falls_back_to_the_core():
@@ -101,3 +103,119 @@ print(json.dumps({"trl": finding_fix(f, "trl"), "verl": finding_fix(f, "verl"),
     assert got["loaded"] == ["tim_plugins.integrations", "tim_plugins.integrations.trl",
                              "tim_plugins.integrations.trl.fixes", "tim_plugins.integrations.verl",
                              "tim_plugins.integrations.verl.fixes"]
+
+@pytest.mark.parametrize("framework, says", [
+    ("verl", "++actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend="),
+    ("trl", "--model PATH"),
+    ("vllm", "--vllm-args"),
+])
+def test_an_unknown_setting_is_told_how_to_name_it_in_each_frameworks_terms(framework, says):
+    """Printed on a default verl run and on `audit --trl-config` without --model: the words of that run's input,
+    not only the Python API's (the verl override is checked against verl's config in the verl suite)."""
+    fix = fix_for(make_finding("unknown-setting", "info", "m").fix, framework)
+    assert says in fix
+
+
+# TRL's fixes name GRPOConfig fields (or AsyncGRPOConfig's, TIMConfig's); `quantization` is the LLM() argument TRL
+# sets itself for a 4-bit policy
+_NOT_FIELDS = {"quantization"}
+
+
+def _trl_texts() -> list[str]:
+    adapter = fixes.framework_fixes()["trl"]
+    return [*adapter.finding_fixes.values(), *adapter.part_fixes.values(), *adapter.cause_fixes.values()]
+
+
+def test_trl_fixes_name_real_config_fields():
+    pytest.importorskip("trl")
+    import dataclasses
+    import re
+
+    from trl import GRPOConfig
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from tim_plugins.integrations.trl.config import TIMConfig
+
+    known = {f.name for cls in (GRPOConfig, AsyncGRPOConfig, TIMConfig) for f in dataclasses.fields(cls)}
+    named = {m for text in _trl_texts() for m in re.findall(r"(?<![\w.'\"-])([a-z_][a-z0-9_]*)=", text)}
+    assert {"cast_lm_head_to_fp32", "use_vllm", "vllm_mode", "top_p", "min_p", "rollout"} <= named
+    assert named - known - _NOT_FIELDS == set()
+
+
+def _serve_commands() -> tuple[list[list[str]], list[list[str]]]:
+    """(`trl vllm-serve` argument lists, argument lists appended to it and forwarded to `vllm serve`)."""
+    import re
+    import shlex
+
+    serve, forwarded = [], []
+    for text in _trl_texts():
+        text = text.replace("<trainer dtype>", "bfloat16")
+        serve += [shlex.split(m) for m in re.findall(r"`trl vllm-serve ([^`]*--[^`]*)`", text)]
+        forwarded += [shlex.split(m) for m in re.findall(r"append (.+?) \(forwarded to vllm serve\)", text)]
+    return serve, forwarded
+
+
+def test_trl_vllm_serve_flags_in_the_fixes_parse_and_reach_vllm_serve():
+    """Each `trl vllm-serve` flag is one of TRL's ScriptArguments, and the `vllm serve` command TRL builds from it
+    (with the flags a fix appends, which TRL forwards) parses with vLLM's own serve parser."""
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")
+    from transformers import HfArgumentParser
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    serve, forwarded = _serve_commands()
+    assert len(serve) >= 4 and len(forwarded) >= 2
+    vllm_serve = make_arg_parser(FlexibleArgumentParser())
+    for args, extra in [*((a, []) for a in serve), *(([], e) for e in forwarded)]:
+        script_args, rest = HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(
+            args=["--model", "m", *args], return_remaining_strings=True)
+        assert rest == [], args
+        command = build_command(script_args, extra)
+        vllm_serve.parse_args(command[command.index("serve") + 1:])  # exits 2 on an unknown flag
+
+
+def test_trl_colocate_advice_matches_the_llm_call_trl_makes():
+    """TRL 1.16 builds the colocated LLM() with a fixed list of keyword arguments (no **kwargs a user could fill):
+    the engine arguments of these fixes are not among them, so the TRL fixes send colocate users to server mode."""
+    pytest.importorskip("trl")
+    import ast
+    import inspect
+    import textwrap
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(VLLMGeneration._init_vllm)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "LLM"]
+    assert len(calls) == 1
+    keywords = [k.arg for k in calls[0].keywords]
+    assert None not in keywords  # no **kwargs
+    assert not {"dtype", "hf_overrides", "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                "kv_cache_dtype", "attention_config"} & set(keywords)
+    adapter = fixes.framework_fixes()["trl"]
+    for code in ("dtype-mismatch", "lm-head-precision-mismatch", "prefix-caching-on", "chunked-prefill-on",
+                 "cudagraph-on"):
+        knob = adapter.finding_fixes[code]
+        assert "vllm_mode='server'" in knob and "vllm_engine_args" not in knob, code
+
+
+def test_trl_exact_baseline_advice_states_what_the_exact_sampler_requires():
+    """TIMConfig(rollout='exact') refuses vLLM and a truncating or penalised sampler (translate.py): the fix that
+    suggests it says both, in the words of those refusals."""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from tim_plugins.integrations.trl.config import TIMConfig
+    from tim_plugins.integrations.trl.translate import pipeline_config, rollout_source
+
+    knob = fixes.framework_fixes()["trl"].finding_fixes["batch-invariance-off"]
+    config = TIMConfig(rollout="exact")
+    with pytest.raises(ValueError, match="use_vllm=False") as vllm:
+        rollout_source(SimpleNamespace(use_vllm=True), config)
+    assert "use_vllm=False" in knob and "GRPOConfig.use_vllm=False" in str(vllm.value)
+    trainer = SimpleNamespace(top_p=0.9, top_k=0, min_p=None, repetition_penalty=1.0, use_vllm=False)
+    with pytest.raises(ValueError) as sampler:
+        pipeline_config(trainer, config, "exact", safe_vocab=False, loss_factor=False)
+    settings = "top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0"
+    assert settings in str(sampler.value) and settings in knob

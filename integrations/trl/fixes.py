@@ -11,9 +11,10 @@ NAME = "TRL"
 # TRL samples with vLLM or transformers' generate and trains a transformers model.
 RUNS_ON = ("vllm", "hf", "tim_plugins")
 
-# TRL builds the colocated LLM() itself, from GRPOConfig fields that cover none of these engine arguments.
-_COLOCATE = ("colocate: no GRPOConfig field (TRL builds LLM() itself): use server mode or pass "
-             "enforce(...).vllm_engine_args to that LLM()")
+# TRL builds the colocated LLM() itself, with a fixed argument list (trl/generation/vllm_generation.py): no
+# GRPOConfig field reaches these engine arguments, so only server mode sets them.
+_COLOCATE = ("colocate mode cannot set it (TRL builds LLM() with a fixed argument list that no GRPOConfig field "
+             "reaches): run vllm_mode='server' with the `trl vllm-serve` above")
 
 # {finding code: knob} (codes: tim_plugins.parity.findings.CODES)
 FINDING_FIXES = {
@@ -46,9 +47,17 @@ FINDING_FIXES = {
         "server mode: `trl vllm-serve --enforce_eager True`; " + _COLOCATE,
     "batch-invariance-off":
         "no GRPOConfig field: for a TIM-free baseline run, TIMCallback(trainer, TIMConfig(rollout='exact')) "
-        "(the exact sampler: k3 reads 0); with use_vllm=True, start `trl vllm-serve` (or, colocated, the "
-        "training script) with VLLM_BATCH_INVARIANT=1 in its environment (GPUs with CC >= 8.0); "
-        "`tim-plugins check-batch-invariance --model PATH` measures the trainer side",
+        "(the exact sampler: k3 reads 0; it replaces TRL's transformers generation, so it needs use_vllm=False "
+        "and no truncation or penalty: top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0); with "
+        "use_vllm=True, start `trl vllm-serve` (or, colocated, the training script) with VLLM_BATCH_INVARIANT=1 in "
+        "its environment (GPUs with CC >= 8.0); `tim-plugins check-batch-invariance --model PATH` measures the "
+        "trainer side",
+    # what the audit cannot read from a GRPOConfig: the checkpoint's dtype (vLLM's 'auto' follows it) and the
+    # attention backend vLLM picks at start-up
+    "unknown-setting":
+        "`tim-plugins audit --trl-config`: add --model PATH (the policy checkpoint, whose dtype vLLM's 'auto' "
+        "follows); the attention backend vLLM picks at start-up is known to the live engine only: TIMCallback's "
+        "audit at the start of training reads it (TIMConfig(parity_audit=True))",
 }
 
 PART_FIXES = {

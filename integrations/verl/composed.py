@@ -7,6 +7,7 @@ and the fix; the ``tim`` node itself is read by ``config.TIMVerlConfig``.
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from tim_plugins.options import SAFE_VOCAB_NEEDS_A_CUT
@@ -121,7 +122,8 @@ def _rollout_cut_problems(rollout: Any) -> list[str]:
             f"top_k={top_k!r}: {SAFE_VOCAB_NEEDS_A_CUT}, and the sampler keeps the whole vocabulary, so there is no "
             "cut to renormalise over. Fix: "
             "your sampler's actor_rollout_ref.rollout.top_p=<p < 1> and/or top_k=<k > 0>, or pruning of the "
-            f"extreme tail: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} " + " ".join(rollout_min_p_overrides(DEFAULT_MIN_P)))
+            f"extreme tail: ++tim.safe_vocab.min_p={DEFAULT_MIN_P:g} "
+            + " ".join(shlex.quote(o) for o in rollout_min_p_overrides(DEFAULT_MIN_P)))
     engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
     rollout_min_p = (engine.get("additional_config") or {}).get(_VLLM_MIN_P_KEY)
     if _VLLM_MIN_P_PROCESSOR in {str(p) for p in engine.get("logits_processors") or []} \
@@ -146,7 +148,7 @@ def _sampling_mask_problems(config: Any, *, logprobs_mode: bool = True) -> list[
     if procs:
         out.append(f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r} with {why} refuses custom logits processors. "
                    "Fix: drop the logits processors; for the safe vocabulary over your top-p / top-k alone "
-                   "+tim.safe_vocab.enable=true with tim.safe_vocab.min_p=0")
+                   "++tim.safe_vocab.enable=true ++tim.safe_vocab.min_p=0")
     if logprobs_mode and rollout.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
         out.append(f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')!r} with {why} needs "
                    "processed log-probs. Fix: actor_rollout_ref.rollout.logprobs_mode=processed_logprobs")
@@ -166,21 +168,26 @@ def _sampling_mask_problems(config: Any, *, logprobs_mode: bool = True) -> list[
 
 
 def _rollout_min_p_problem(rollout: Any, min_p: float) -> str | None:
-    """Why the rollout does not sample with the trainer's ``min_p`` (None when it does)."""
-    fix = "Fix: " + " ".join(rollout_min_p_overrides(min_p))
+    """Why the rollout does not sample with the trainer's ``min_p`` (None when it does). The fix names only the
+    keys that differ, with ``++`` (adds the key or overrides the user's own)."""
     if rollout.get("name") != "vllm":
         return (f"tim.safe_vocab.min_p={min_p!r} with actor_rollout_ref.rollout.name={rollout.get('name')!r}: "
                 "only the vLLM rollout can be pruned, so this rollout samples from the full vocabulary; sampled "
                 "tokens outside the trainer's safe set are masked out of the loss (tim/safe_vocab/boundary_frac)")
     engine = _to_plain((rollout.get("engine_kwargs") or {}).get("vllm")) or {}
     procs = engine.get("logits_processors") or []
+    rollout_min_p = (engine.get("additional_config") or {}).get(_VLLM_MIN_P_KEY)
+    processors_fix, min_p_fix = rollout_min_p_overrides(min_p)
+    min_p_ok = (isinstance(rollout_min_p, (int, float)) and not isinstance(rollout_min_p, bool)
+                and math.isclose(float(rollout_min_p), min_p, rel_tol=1e-9, abs_tol=0.0))
+    fix = [] if min_p_ok else [min_p_fix]
     if _VLLM_MIN_P_PROCESSOR not in {str(p) for p in procs}:
+        # quoted: the brackets are a glob pattern to the shell
         return (f"{VLLM_ENGINE_KWARGS}.logits_processors={procs!r}: tim.safe_vocab.min_p={min_p!r} prunes the "
                 "trainer side, but verl passes no min_p to vLLM, so the rollout would sample from the full "
-                f"vocabulary; the tim-plugins processor must be loaded. {fix}")
-    rollout_min_p = (engine.get("additional_config") or {}).get(_VLLM_MIN_P_KEY)
-    if rollout_min_p is None or isinstance(rollout_min_p, bool) or not isinstance(rollout_min_p, (int, float)) \
-            or not math.isclose(float(rollout_min_p), min_p, rel_tol=1e-9, abs_tol=0.0):
+                "vocabulary; the tim-plugins processor must be loaded. Fix: "
+                + " ".join([shlex.quote(processors_fix), *fix]))
+    if not min_p_ok:
         return (f"{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={rollout_min_p!r}: the rollout must "
-                f"prune with the trainer's tim.safe_vocab.min_p={min_p!r}. {fix}")
+                f"prune with the trainer's tim.safe_vocab.min_p={min_p!r}. Fix: {min_p_fix}")
     return None

@@ -71,8 +71,9 @@ def rollout_min_p_overrides(min_p: float) -> list[str]:
     (``tim_plugins.integrations.vllm.min_p``).
     """
     # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences
-    return [f"+{VLLM_ENGINE_KWARGS}.logits_processors=[{_VLLM_MIN_P_PROCESSOR}]",
-            f"+{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={min_p!r}"]
+    # `++`: engine_kwargs.vllm is empty in verl's config, and `+` fails where the user has added the key already
+    return [f"++{VLLM_ENGINE_KWARGS}.logits_processors=[{_VLLM_MIN_P_PROCESSOR}]",
+            f"++{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={min_p!r}"]
 
 
 def _bad(path: str, value: Any, rule: str, fix: str) -> ValueError:

@@ -13,29 +13,40 @@ NAME = "verl"
 # verl samples with vLLM and trains a transformers model under FSDP.
 RUNS_ON = ("vllm", "hf", "tim_plugins")
 
-# {finding code: knob} (codes: tim_plugins.parity.findings.CODES)
+# {finding code: knob} (codes: tim_plugins.parity.findings.CODES). Hydra: `key=` for a key in verl's ppo_trainer
+# config; `++key=` for one it lacks (`+key=` fails when the user has already added the key, `++` adds or overrides).
 FINDING_FIXES = {
     "dtype-mismatch":
-        "actor_rollout_ref.rollout.dtype=<x> with "
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=<bf16|fp16|fp32>",
+        "actor_rollout_ref.rollout.dtype=<bfloat16|float16|float32> with "
+        "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=<bf16|fp16|fp32> (the same dtype)",
+    # verl's FSDP actor computes the lm_head at mixed_precision.param_dtype (no fp32-head option): a vLLM head in
+    # another dtype is the mismatch, not its fix.
     "lm-head-precision-mismatch":
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=float32",
+        "the actor has no fp32-head option (its lm_head runs at mixed_precision.param_dtype, bf16 by default): keep "
+        "vLLM's head in the model dtype (drop hf_overrides.head_dtype, or "
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=model); for an fp32 head on both "
+        "sides, the whole model in fp32: actor_rollout_ref.rollout.dtype=float32 with "
+        "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
     "logprobs-mode-not-processed":
         "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
     "sampler-truncation-unmatched":
-        f"keep your sampling: +tim.safe_vocab.min_p={DEFAULT_MIN_P:g} with "
-        "'+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
-        "min_p:TIMMinPLogitsProcessor]' +actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
+        f"keep your sampling: ++tim.safe_vocab.min_p={DEFAULT_MIN_P:g} with "
+        "'++actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[tim_plugins.integrations.vllm."
+        "min_p:TIMMinPLogitsProcessor]' ++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config."
         f"tim_min_p={DEFAULT_MIN_P:g} (the actor then applies the rollout's own truncation, min_p and "
         "actor_rollout_ref.rollout.top_p / top_k as you set them, with or without fused kernels); with top_p / "
-        "top_k and no min-p pruning: +tim.safe_vocab.enable=true alone (no logits processor)",
+        "top_k and no min-p pruning: ++tim.safe_vocab.enable=true alone (no logits processor)",
     "temperature-mismatch":
-        "actor_rollout_ref.rollout.temperature=T (the actor divides by the same value)",
+        "actor_rollout_ref.rollout.temperature=<T> (the actor divides by the same value)",
+    # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences (repetition_penalty=1.0)
     "sampler-penalties-unmatched":
-        "actor_rollout_ref.rollout.repetition_penalty=1.0 (and none in engine/sampling kwargs)",
+        "verl's agent loop sends repetition_penalty=1.0 and no other penalty with every request (no "
+        "actor_rollout_ref.rollout setting changes that): drop your own logits processors from "
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors (tim-plugins' min-p processor is matched "
+        "by the actor) and any penalty or logit bias a custom agent loop adds to its sampling_params",
     "quantized-rollout":
         "actor_rollout_ref.rollout.quantization=null "
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=auto",
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=auto",
     "prefix-caching-on":
         "actor_rollout_ref.rollout.enable_prefix_caching=False",
     "chunked-prefill-on":
@@ -44,9 +55,18 @@ FINDING_FIXES = {
         "actor_rollout_ref.rollout.enforce_eager=True",
     "batch-invariance-off":
         "actor_rollout_ref.rollout.full_determinism=True (vLLM batch invariant: rollout side only)",
+    # the audit's kernel families (parity.spec.attention_family): FLASH_ATTN is flash_attention_2's, the actor's
+    # default; FLEX_ATTENTION is flex_attention's
     "attention-backend-mismatch":
-        "actor_rollout_ref.model.override_config.attn_implementation=<x> "
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=<X>",
+        "the same kernel on both sides: ++actor_rollout_ref.model.override_config.attn_implementation="
+        "flash_attention_2 with ++actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLASH_ATTN, or "
+        "++actor_rollout_ref.model.override_config.attn_implementation=flex_attention with "
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLEX_ATTENTION",
+    # vLLM picks its attention backend at start-up unless told: the composed config then does not say it
+    "unknown-setting":
+        "name the setting in the overrides: vLLM's attention backend, else chosen at start-up, "
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLASH_ATTN (the kernel of the actor's "
+        "default flash_attention_2)",
 }
 
 PART_FIXES = {
@@ -90,7 +110,7 @@ CAUSE_FIXES = {
     "probe-engine-unchanged": "check that every rollout server receives and loads the weights at each "
                               "update_weights (the checkpoint engine's transfer, a separate rollout server's reload)",
     "probe-engine-drift": _SYNC,
-    "engine-stale": "keep +tim.sync_check.enable=true (the default with the monitor) to see which tensors; then "
+    "engine-stale": "keep ++tim.sync_check.enable=true (the default with the monitor) to see which tensors; then "
                     "check that the rollout reloads at every update_weights and that nothing else (a separate "
                     "rollout server, a checkpoint engine) serves the old weights",
     "sampler-constrained": "a constraint in the rollout's sampler (a logits processor or structured-output "

@@ -89,24 +89,33 @@ def test_rollout_min_p_reaches_vllm_engine_kwargs(toy_model_path):
     assert type(engine_kwargs["logits_processors"]) is list and type(engine_kwargs["additional_config"]) is dict
 
 
-@pytest.mark.parametrize("drop, add, quoted", [
-    ("engine_kwargs.vllm.logits_processors", [], "engine_kwargs.vllm.logits_processors=[]"),
-    ("engine_kwargs.vllm.additional_config", [], "additional_config.tim_min_p=None"),
+@pytest.mark.parametrize("drop, add, quoted, fixes", [
+    ("engine_kwargs.vllm.logits_processors", [], "engine_kwargs.vllm.logits_processors=[]", ["logits_processors"]),
+    ("engine_kwargs.vllm.logits_processors", ["+actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors=[]"],
+     "engine_kwargs.vllm.logits_processors=[]", ["logits_processors"]),
+    ("engine_kwargs.vllm", ["+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=0.01"],
+     "engine_kwargs.vllm.logits_processors=[]", ["logits_processors", "tim_min_p"]),
+    ("engine_kwargs.vllm.additional_config", [], "additional_config.tim_min_p=None", ["tim_min_p"]),
     ("engine_kwargs.vllm.additional_config",
-     ["+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=0.01"], "tim_min_p=0.01"),
+     ["+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=0.01"], "tim_min_p=0.01",
+     ["tim_min_p"]),
 ])
-def test_rollout_without_the_same_min_p_is_refused(toy_model_path, drop, add, quoted):
+def test_rollout_without_the_same_min_p_is_refused(toy_model_path, drop, add, quoted, fixes):
+    """The message quotes the value and, as its fix, the overrides of the keys that differ only; pasted after the
+    user's own overrides (which may have added those keys with `+` already), they compose and the check passes."""
+    import shlex
+
     from tim_plugins.integrations.verl.composed import check_composed_config
     from tim_plugins.integrations.verl.config import rollout_min_p_overrides
 
     overrides = [o for o in recipe_overrides(toy_model_path) if drop not in o] + add
     _, problems, _ = check_composed_config(compose(overrides))
     assert len(problems) == 1 and quoted in problems[0], problems
-    fix = rollout_min_p_overrides(DEFAULT_MIN_P)
-    assert all(o in problems[0] for o in fix)  # the message quotes the exact overrides ...
-    # ... and they fix it
-    fixed = [o for o in recipe_overrides(toy_model_path) if "engine_kwargs.vllm" not in o] + fix
-    assert check_composed_config(compose(fixed))[1] == []
+    fix = shlex.split(problems[0].split("Fix: ")[1])
+    expected = {"logits_processors": rollout_min_p_overrides(DEFAULT_MIN_P)[0],
+                "tim_min_p": rollout_min_p_overrides(DEFAULT_MIN_P)[1]}
+    assert fix == [expected[k] for k in fixes]
+    assert check_composed_config(compose(overrides + fix))[1] == []
 
 
 def test_bypass_mode_leaves_the_monitor_nothing_to_measure_and_is_refused(toy_model_path):
@@ -506,7 +515,11 @@ def test_min_p_pruning_with_vllm_kept_sets_is_refused_with_the_way_out(toy_model
     cfg = compose(recipe_overrides(toy_model_path) + REPLAY[1:])
     _, problems, _ = check_composed_config(cfg)
     assert len(problems) == 1 and "refuses custom logits processors" in problems[0], problems
-    assert "+tim.safe_vocab.enable=true with tim.safe_vocab.min_p=0" in problems[0]
+    assert "++tim.safe_vocab.enable=true ++tim.safe_vocab.min_p=0" in problems[0]
+    # the fix on top of the recipe's own +tim.safe_vocab.min_p, without the logits processor it says to drop
+    fixed = [o for o in recipe_overrides(toy_model_path) if "engine_kwargs.vllm" not in o] + REPLAY[1:] + [
+        "++tim.safe_vocab.enable=true", "++tim.safe_vocab.min_p=0"]
+    assert check_composed_config(compose(fixed))[1] == []
 
 
 def _legacy(overrides: list[str]) -> list[str]:

@@ -29,7 +29,7 @@ def check_model_path(model: str | None) -> None:
     rule = "pass a local HF checkpoint folder (with config.json), a .gguf file, or 'smollm2'"
     if not path.exists():
         raise UsageError(f"--model {model!r}: no such local folder or file; {rule} (models are not downloaded: "
-                         "fetch one first, e.g. huggingface-cli download ORG/NAME --local-dir DIR, then pass DIR)")
+                         "fetch one first, e.g. hf download ORG/NAME --local-dir DIR, then pass DIR)")
     if path.is_dir() and not (path / "config.json").exists():
         raise UsageError(f"--model {model!r}: the folder has no config.json, so it is not an HF checkpoint; {rule}")
     if path.is_file() and path.suffix != ".gguf":

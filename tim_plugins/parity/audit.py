@@ -219,8 +219,8 @@ class Change:
 @dataclass
 class EnforceResult:
     """What `enforce()` did; `findings` is the audit after the changes. The three patches are the caller's to apply
-    where it builds the engine (`vllm_spec.apply_engine_args`, docs/parity.md; the TRL fix words point colocate users
-    at `vllm_engine_args`): no adapter applies them, since TRL and verl build their engines themselves."""
+    where it builds the engine (`vllm_spec.apply_engine_args`, docs/parity.md): no adapter applies them, since TRL
+    and verl build their engines themselves."""
 
     rollout: PipelineSpec
     trainer: PipelineSpec

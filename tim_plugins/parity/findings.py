@@ -139,7 +139,10 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
     _C("unknown-setting", "a setting could not be read on one side: its check was skipped",
        "The audit never guesses: an unknown value cannot be compared. Pass the value explicitly or read the "
        "spec from a live engine.",
-       {"tim_plugins": "fill the field in PipelineSpec (or read it from the live engine: spec_from_llm)"}),
+       {"tim_plugins": "tim-plugins audit: --model PATH (the checkpoint dtype behind dtype=auto), the engine "
+                       "argument in --vllm-args (e.g. --attention-backend FLASH_ATTN), the trainer's in --trainer-* "
+                       "flags; Python: fill the field in PipelineSpec (or read it from the live engine: "
+                       "spec_from_llm)"}),
 )}
 
 

@@ -1,0 +1,157 @@
+"""Every Hydra override the verl fixes print (``integrations/verl/fixes.py``, the min-p overrides the adapter's own
+checks quote) works on verl's own ``ppo_trainer`` config, composed as ``main_ppo`` composes it: it composes, sets
+the value it names, also after the user's own ``+key=`` for that key, and each finding's fix clears that finding in
+the audit."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.verl
+pytest.importorskip("verl")
+pytest.importorskip("hydra")
+
+from tim_plugins.integrations.verl import fixes  # noqa: E402
+from tim_plugins.integrations.verl.config import rollout_min_p_overrides  # noqa: E402
+from tim_plugins.integrations.verl.parity_spec import compose_ppo_config, specs_from_overrides  # noqa: E402
+from tim_plugins.parity import audit  # noqa: E402
+from tim_plugins.safe_vocab import DEFAULT_MIN_P  # noqa: E402
+
+# a Hydra override of a verl config group (or of tim-plugins' own tim node), as the fixes print them
+TOKEN = re.compile(r"(?<![\w.+])(\+{0,2})((?:actor_rollout_ref|algorithm|trainer|data|reward|critic|distillation|tim)"
+                   r"\.[\w.]+)=([^\s',;()]+)")
+# example values of the placeholders the fixes write (`<a|b>` lists its own)
+PLACEHOLDERS = {"<T>": "0.7"}
+
+
+def _texts() -> dict[str, str]:
+    out = {f"FINDING_FIXES[{k!r}]": v for k, v in fixes.FINDING_FIXES.items()}
+    out.update({f"CAUSE_FIXES[{k!r}]": v for k, v in fixes.CAUSE_FIXES.items()})
+    out.update({f"PART_FIXES[{k!r}]": v for k, v in fixes.PART_FIXES.items()})
+    out["rollout_min_p_overrides"] = " ".join(rollout_min_p_overrides(DEFAULT_MIN_P))
+    return out
+
+
+def _values(value: str) -> list[str]:
+    """The example values of a printed value: itself, each option of `<a|b|c>`, or PLACEHOLDERS' example."""
+    if not (value.startswith("<") and value.endswith(">")):
+        return [value]
+    if "|" in value:
+        return value[1:-1].split("|")
+    assert value in PLACEHOLDERS, f"placeholder {value}: add an example value to PLACEHOLDERS"
+    return [PLACEHOLDERS[value]]
+
+
+def _tokens(text: str) -> list[tuple[str, str, list[str]]]:
+    return [(m[1], m[2], _values(m[3])) for m in TOKEN.finditer(text)]
+
+
+CASES = [(where, prefix, key, value) for where, text in _texts().items() for prefix, key, values in _tokens(text)
+         for value in values]
+
+
+def _parsed(override: str):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(override).value()
+
+
+def _selected(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, key, throw_on_missing=True)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def test_the_fixes_print_overrides():
+    # the collection itself: a change of wording that hides the overrides from TOKEN would empty this test
+    keys = {key for _, _, key, _ in CASES}
+    assert {"actor_rollout_ref.rollout.dtype", "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype",
+            "actor_rollout_ref.model.override_config.attn_implementation",
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend",
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.logits_processors"} <= keys
+
+
+@pytest.mark.parametrize("where, prefix, key, value", CASES, ids=[f"{c[0]}:{c[2]}={c[3]}" for c in CASES])
+def test_each_printed_override_composes_and_sets_its_value(where, prefix, key, value):
+    override = f"{prefix}{key}={value}"
+    # `+key=` fails where the user has added the key already: a key verl's config lacks is printed with `++`
+    assert prefix in ("", "++"), f"{where}: {override} (print ++{key}=...)"
+    cfg = compose_ppo_config([override])
+    assert _selected(cfg, key) == _parsed(override), (where, override)
+    if prefix == "++":
+        # not in verl's config (else `key=` says it), and it works after the user's own `+key=`
+        user = f"+{key}={value}"
+        compose_ppo_config([user])
+        assert _selected(compose_ppo_config([user, override]), key) == _parsed(override), (where, override)
+
+
+# {finding code: overrides that make the verl audit report it}; a code verl cannot produce is not listed
+TRIGGERS = {
+    "dtype-mismatch": ["actor_rollout_ref.rollout.dtype=float16"],
+    "lm-head-precision-mismatch": ["+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=float32"],
+    "logprobs-mode-not-processed": ["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"],
+    "sampler-truncation-unmatched": ["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20"],
+    "quantized-rollout": ["actor_rollout_ref.rollout.quantization=fp8",
+                          "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8"],
+    "prefix-caching-on": [],
+    "chunked-prefill-on": [],
+    "cudagraph-on": [],
+    "attention-backend-mismatch": ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                                   "+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLASH_ATTN"],
+    "unknown-setting": [],
+}
+# the fix narrows it but cannot clear it: verl has no batch-invariant actor
+PARTIAL = {"batch-invariance-off"}
+
+
+def _codes(overrides: list[str]) -> set[str]:
+    return {f.code for f in audit(*specs_from_overrides(overrides))}
+
+
+@pytest.mark.parametrize("code", sorted(TRIGGERS))
+def test_each_findings_fix_clears_it_in_the_audit(code):
+    """The user's overrides that cause the finding, then each alternative of its fix pasted after them."""
+    trigger = TRIGGERS[code]
+    assert code in _codes(trigger), code
+    tokens = _tokens(fixes.FINDING_FIXES[code])
+    assert tokens, code
+    # the i-th option of each `<a|b|c>` together (dtype: bfloat16 with bf16, ...)
+    for i in range(max(len(values) for _, _, values in tokens)):
+        fix = [f"{p}{k}={values[min(i, len(values) - 1)]}" for p, k, values in tokens]
+        assert code not in _codes(trigger + fix), (code, fix)
+
+
+def test_every_verl_finding_fix_is_covered():
+    assert set(fixes.FINDING_FIXES) - set(TRIGGERS) - PARTIAL == {"temperature-mismatch",
+                                                                  "sampler-penalties-unmatched"}
+    # both sides read actor_rollout_ref.rollout.temperature; verl's agent loop sends no penalty
+    assert not _tokens(fixes.FINDING_FIXES["sampler-penalties-unmatched"])
+
+
+@pytest.mark.parametrize("alternative", [
+    ["++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=model"],
+    ["actor_rollout_ref.rollout.dtype=float32",
+     "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"],
+])
+def test_each_lm_head_alternative_clears_the_finding_on_its_own(alternative):
+    text = fixes.FINDING_FIXES["lm-head-precision-mismatch"]
+    assert all(o in text for o in alternative)
+    assert "lm-head-precision-mismatch" not in _codes(TRIGGERS["lm-head-precision-mismatch"] + alternative)
+
+
+def test_attention_pairs_clear_the_finding_each():
+    text = fixes.FINDING_FIXES["attention-backend-mismatch"]
+    tokens = [f"{p}{k}={v[0]}" for p, k, v in _tokens(text)]
+    assert len(tokens) == 4
+    for pair in (tokens[:2], tokens[2:]):
+        assert "attention-backend-mismatch" not in _codes(TRIGGERS["attention-backend-mismatch"] + pair), pair
+
+
+def test_full_determinism_makes_the_rollout_batch_invariant():
+    fix = [f"{p}{k}={v[0]}" for p, k, v in _tokens(fixes.FINDING_FIXES["batch-invariance-off"])]
+    rollout, trainer = specs_from_overrides(fix)
+    assert rollout.batch_invariant and not trainer.batch_invariant

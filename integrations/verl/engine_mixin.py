@@ -457,8 +457,8 @@ class TIMEngineMixin:
         in bypass mode the batch is measured in the first one's forward, which sees the previous step's) and the
         last step's grad norm feed the LR controller; its scale goes to the optimizer for this step."""
         group = self._tim_dp_group()
-        # verl's synthetic padding samples (is_padding, all-zero response_mask) are not responses: VERL_SOURCES
-        # verl.trainer.ppo.padding_utils:upsample_batch_to_divisible_size
+        # verl's synthetic padding samples (is_padding, all-zero response_mask) are not responses:
+        # VERL_SOURCES verl.trainer.ppo.padding_utils:upsample_batch_to_divisible_size
         length = mean_response_length(data["response_mask"], group=group, skip_empty=True)
         self._tim_lr_sync()
         # verl's global step is not known here (and restarts are not monotone here): the controller counts calls

@@ -223,8 +223,8 @@ class TIMTrainerMixin:
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
     def _compute_old_log_prob(self, batch, metrics):
         if self.tim.worker_side_active:  # the update's first actor pass (also in bypass mode, where it is the update)
-            # the update among the global step's parameter_sync_step (separate_async): VERL_SOURCES
-            # verl.trainer.ppo.v1.trainer_base:PPOTrainer.step; without them each update closes a window of its own
+            # the update among the global step's parameter_sync_step (separate_async; without them each update
+            # closes a window of its own): VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.step
             self.actor_rollout_wg.tim_begin_step(self.global_steps, getattr(self, "local_trigger_step", 0),
                                                  getattr(self, "parameter_sync_step", 1))
             if self._tim_base_mode != "sync":  # whatever measures (monitor, probe, LR decay's k3) needs the lag

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.verl
 pytest.importorskip("verl")
 pytest.importorskip("hydra")
 
+from tim_plugins.apps.compare_settings import COMPARE_MIN_P, COMPARE_PRESETS, Setting, framework_configs  # noqa: E402
 from tim_plugins.integrations.verl import fixes  # noqa: E402
 from tim_plugins.integrations.verl.config import rollout_min_p_overrides  # noqa: E402
 from tim_plugins.integrations.verl.parity_spec import compose_ppo_config, specs_from_overrides  # noqa: E402
@@ -31,6 +32,12 @@ def _texts() -> dict[str, str]:
     out.update({f"CAUSE_FIXES[{k!r}]": v for k, v in fixes.CAUSE_FIXES.items()})
     out.update({f"PART_FIXES[{k!r}]": v for k, v in fixes.PART_FIXES.items()})
     out["rollout_min_p_overrides"] = " ".join(rollout_min_p_overrides(DEFAULT_MIN_P))
+    # `tim-plugins measure --compare`: each setting's verl configuration, as its console and report print it
+    for item in COMPARE_PRESETS["all"]:
+        setting = Setting(item.split("+")[0], COMPARE_MIN_P if "min-p" in item else 0.0, "fp32-head" in item)
+        for trainer in ("float32", "bfloat16"):
+            out[f"measure --compare {setting.name} ({trainer} trainer)"] = framework_configs(
+                setting, trainer, "bfloat16")["verl"]
     return out
 
 
@@ -48,8 +55,9 @@ def _tokens(text: str) -> list[tuple[str, str, list[str]]]:
     return [(m[1], m[2], _values(m[3])) for m in TOKEN.finditer(text)]
 
 
-CASES = [(where, prefix, key, value) for where, text in _texts().items() for prefix, key, values in _tokens(text)
-         for value in values]
+# each distinct override once (composing verl's config takes about a second), named by the first text printing it
+CASES = list({(prefix, key, value): (where, prefix, key, value) for where, text in reversed(_texts().items())
+              for prefix, key, values in _tokens(text) for value in values}.values())
 
 
 def _parsed(override: str):

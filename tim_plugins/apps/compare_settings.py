@@ -146,16 +146,18 @@ def framework_configs(setting: Setting, trainer_dtype: str, vllm_dtype: str) -> 
         trl = (f"GRPOConfig(use_vllm=True, vllm_mode='server', {trainer}) with `trl vllm-serve --dtype {dtype}` "
                "(colocate mode passes no dtype to vLLM)")
     verl = (f"actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.dtype={dtype} "
-            f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={param[trainer_dtype]}")
+            f"++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={param[trainer_dtype]}")
     vllm = f"LLM(dtype='{dtype}', logprobs_mode='processed_logprobs')"
     if setting.fp32_head:
         trl += ("; cast_lm_head_to_fp32=True, and vLLM's head in fp32: `trl vllm-serve ... --hf-overrides "
                 "'{\"head_dtype\": \"float32\"}'`")
-        verl += " +actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=float32"
+        # verl's FSDP actor computes its lm_head at mixed_precision.param_dtype: a vLLM head in fp32 alone would be
+        # a mismatch of its own (the lm-head-precision-mismatch finding)
+        verl += "; no fp32 head in verl (its actor has no fp32-head option): the whole model in fp32 is the nearest"
         vllm = vllm[:-1] + ", hf_overrides={'head_dtype': 'float32'})"
     if setting.min_p > 0:
         trl += f"; GRPOConfig(min_p={setting.min_p:g}) with TIMConfig(safe_vocab=True) (the trainer prunes the same)"
-        verl += (f" +tim.safe_vocab.min_p={setting.min_p:g} with the TIMMinPLogitsProcessor overrides "
+        verl += (f" ++tim.safe_vocab.min_p={setting.min_p:g} with the TIMMinPLogitsProcessor overrides "
                  f"(additional_config.tim_min_p={setting.min_p:g}; README, verl section)")
         vllm += (f" + SamplingParams(min_p={setting.min_p:g}); the trainer prunes the same (tim_plugins.safe_vocab)")
     return {"TRL": trl, "verl": verl, "vLLM": vllm}

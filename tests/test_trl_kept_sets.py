@@ -245,7 +245,8 @@ def test_the_store_hands_each_head_call_its_rows_sets_in_either_layout():
     """TRL's batch layout (left-padded prompts, right-padded completions, attention 0 on padding and after EOS):
     the sets come back per fused-head call (``batch_size`` rows), in the labelled-positions order (Triton devices)
     and placed in the every-position grid (elsewhere, unlabelled positions empty); a completion the mask cuts short
-    takes its captured sets' prefix; a row nobody captured makes the call fall back (None)."""
+    takes its captured sets' prefix; a row nobody captured makes its own fused-head call fall back (None), the
+    other calls of the log-prob call keep their sets."""
     from tim_plugins.integrations.trl.kept_sets import KeptSetStore
     from tim_plugins.integrations.trl.translate import _label_mask
 
@@ -273,10 +274,31 @@ def test_the_store_hands_each_head_call_its_rows_sets_in_either_layout():
         assert [g for g, m in zip(grid, flat) if m] == want and not any(g for g, m in zip(grid, flat) if not m)
         assert chunk.for_rows(lm.numel() + 1) is None
     stranger = input_ids.clone()
-    stranger[1, 3] = 99  # a completion the engine never produced
-    assert store.for_call(stranger, attention, 3, batch_size=2) is None
+    stranger[1, 3] = 99  # a completion the engine never produced (a tool-using completion's rows look so too)
+    first, second = store.for_call(stranger, attention, 3, batch_size=2)
+    assert first is None and second.for_rows(int(_label_mask(input_ids[2:], attention[2:], 3).sum())).to_lists() \
+        == want_rows[1]
     store.clear()
-    assert len(store) == 0 and store.for_call(input_ids, attention, 3, None) is None
+    assert len(store) == 0 and store.for_call(input_ids, attention, 3, None) == [None]
+
+
+def test_only_a_training_generation_batch_records_the_engines_sets():
+    """The colocated engine also generates for evaluation, whose completions are never scored with replay: their
+    sets are not kept (an evaluation set's sets would sit in host memory until the next training batch). The
+    callback's engine wrapper over vLLM's own output objects, outside and inside a training generation batch."""
+    from types import SimpleNamespace
+
+    from tim_plugins.integrations.trl.callback import TIMCallback, _CallRecord
+    from tim_plugins.integrations.trl.kept_sets import KeptSetStore
+
+    outputs = _outputs([(5, 6)], [(11, 12)], [[[11, 1], [12]]])
+    counted = []
+    cb = SimpleNamespace(kept_sets=KeptSetStore(), _call=_CallRecord(),
+                         pipeline=SimpleNamespace(count=lambda *a, **k: counted.append(a)))
+    generate = TIMCallback._wrap_engine_generate(cb, lambda *a, **k: outputs)
+    assert generate() is outputs and len(cb.kept_sets) == 0  # evaluation: no generation batch in progress
+    cb._call.gen_safe = []  # what _generate_and_score_completions sets for a training batch
+    assert generate() is outputs and len(cb.kept_sets) == 1 and not counted
 
 
 def test_the_replay_head_recomputes_and_counts_where_it_has_no_sets():

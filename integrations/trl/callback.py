@@ -467,6 +467,8 @@ class TIMCallback(TrainerCallback):
     def _wrap_engine_generate(self, original):
         def generate(*args, **kwargs):
             outputs = original(*args, **kwargs)
+            if self._call.gen_safe is None:  # not a training generation batch (evaluation): nothing replays them
+                return outputs
             try:  # a malformed mask costs the replay of those rows (recomputed), not the step
                 problems = self.kept_sets.record(outputs)
             except Exception as err:

@@ -95,9 +95,10 @@ class KeptSetStore(KeptSetsByIds):
     out per ``_get_per_token_logps_and_entropies`` call, in the order TRL's fused head scores the rows."""
 
     def for_call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                 batch_size: int | None) -> list[ChunkSets] | None:
+                 batch_size: int | None) -> list[ChunkSets | None]:
         """The sets of one ``_get_per_token_logps_and_entropies`` call, one ``ChunkSets`` per fused-head call (TRL
-        scores ``batch_size`` rows at a time); None when a row with labelled tokens has no captured sets."""
+        scores ``batch_size`` rows at a time); None for a fused-head call with a row whose labelled tokens have no
+        captured sets (that call alone recomputes)."""
         rows_total = input_ids.size(0)
         batch_size = batch_size or rows_total
         prompt_len = input_ids.size(1) - logits_to_keep
@@ -115,8 +116,12 @@ class KeptSetStore(KeptSetsByIds):
                 completion = tuple(ids_cpu[r, prompt_len:][mask_cpu[r, prompt_len:] == 1].tolist())
                 kept = self.lookup(prompt, completion) if len(completion) == n else None
                 if kept is None:
-                    return None
+                    parts = None
+                    break
                 parts.append(kept)
+            if parts is None:
+                out.append(None)
+                continue
             labelled = KeptSets.concat(parts) if parts else KeptSets.from_lists([])
             out.append(ChunkSets(labelled, lm.reshape(-1).nonzero().squeeze(-1), lm.numel()))
         return out
@@ -125,8 +130,8 @@ class KeptSetStore(KeptSetsByIds):
                   batch_size: int | None) -> Callable[[int], KeptSets | None]:
         """One log-prob call's sets as ``hooks.ReplayHead`` asks for them: each call of the returned function (one
         per fused-head call, with the rows that call scores) gives the next chunk's sets, or None (that call
-        recomputes) when a row has no captured sets or the rows are in neither layout."""
-        chunks = iter(self.for_call(input_ids, attention_mask, logits_to_keep, batch_size) or ())
+        recomputes) when one of its rows has no captured sets or the rows are in neither layout."""
+        chunks = iter(self.for_call(input_ids, attention_mask, logits_to_keep, batch_size))
 
         def next_sets(n_rows: int) -> KeptSets | None:
             chunk = next(chunks, None)

@@ -327,6 +327,10 @@ def test_the_replay_head_recomputes_and_counts_where_it_has_no_sets():
         ref = z[i, targets[i]] - torch.logsumexp(z[i, ids], 0)
         assert abs(float(got[0][i]) - float(ref)) < 1e-5, i
     assert fell == [1] and bool(sink[-1].in_safe.all())
+    # sets naming ids past the head's vocabulary (an engine with a larger vocabulary): recomputed and counted
+    wide = KeptSets.from_lists([[int(t), vocab + 3] for t in targets])
+    again = ReplayHead(None, trunc, sink.append, lambda: None, lambda rows: wide, lambda: fell.append(2)).apply(*args)
+    assert fell == [1, 2] and torch.equal(again[0], recompute[0]) and torch.equal(again[1], recompute[1])
 
 
 def test_the_report_says_the_run_replayed(replay_run):

@@ -166,9 +166,19 @@ class SafeVocabHead:
             return self.original.apply(*args)
         # the one rule (tim_plugins.safe_head): the engine's kept sets replayed where given, else the cut recomputed;
         # z·s/T = z/(T/s): a logit scale folds into the temperature.
-        res = kept_set_logprobs(targets, self.truncation, None if kept is None else kept.to(hidden.device),
-                                hidden=hidden, weight=weight, temperature=float(temperature) / float(logit_scale),
-                                compute_entropy="entropy" in outputs)
+        def safe(sets):
+            return kept_set_logprobs(targets, self.truncation, sets, hidden=hidden, weight=weight,
+                                     temperature=float(temperature) / float(logit_scale),
+                                     compute_entropy="entropy" in outputs)
+
+        if kept is None:
+            return self._returned(safe(None), args)
+        try:
+            res = safe(kept.to(hidden.device))
+        except ValueError:  # sets the head cannot take (ids past its vocabulary): recomputed, never the step's end
+            if self.fallback is not None:
+                self.fallback()
+            res = safe(None)
         return self._returned(res, args)
 
     def _returned(self, res: SafeLogprobs, args: tuple) -> tuple:

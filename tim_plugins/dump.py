@@ -23,15 +23,14 @@ if TYPE_CHECKING:
 
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
            "SUMMARY", "CAUSES_LOG", "VERSIONED", "append_causes", "append_log_history", "complete_log_history",
-           "last_row_per_step", "package_versions", "read_log_history", "write_summary", "dump_file_name", "dump_files",
-           "DUMP_FILE_GLOB"]
+           "last_row_per_step", "package_versions", "read_log_history", "write_summary", "dump_file_name",
+           "dump_files"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
 )
 
-# The names of complete dump files (the writer's temporary names, ``*.parquet.tmp<pid>``, match neither).
-DUMP_FILE_GLOB = "step_*-rank_*.parquet"
+# The names of complete dump files (the writer's temporary names, ``*.parquet.tmp<pid>``, do not match).
 _DUMP_FILE_RE = re.compile(r"step_(\d+)-rank_(\d+)(?:-part_\d+)?\.parquet")
 
 

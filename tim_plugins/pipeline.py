@@ -53,8 +53,8 @@ from .safe_vocab_stats import SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
 from .staleness import SplitStats, staleness_metrics
 
-__all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_length", "mean_response_length",
-           "old_logprobs", "pipeline_config", "STATE_VERSION"]
+__all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_length",
+           "mean_response_length", "old_logprobs", "pipeline_config", "STATE_VERSION"]
 
 logger = logging.getLogger("tim_plugins")
 STATE_VERSION = 1

@@ -18,8 +18,8 @@ from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
 
-__all__ = ["completion_lengths", "eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows", "pipeline_config", "response_mask",
-           "rollout_source", "safe_truncation", "scale_policy_term", "tokenizer"]
+__all__ = ["completion_lengths", "eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows",
+           "pipeline_config", "response_mask", "rollout_source", "safe_truncation", "scale_policy_term", "tokenizer"]
 
 logger = logging.getLogger("tim_plugins.trl")
 

@@ -452,10 +452,11 @@ class TIMEngineMixin:
 
     def _tim_end_step(self, data) -> None:
         """Close one optimizer step through the pipeline, before verl's: the DP-mean response length of the
-        mini-batch's responses (padding samples left out), the step's k3 (the monitor's measurement of this step's batch, merged over the DP group: one
-        measurement pass covers every mini-batch and PPO epoch of the step, so each of its optimizer steps sees it;
-        in bypass mode the batch is measured in the first one's forward, which sees the previous step's) and the
-        last step's grad norm feed the LR controller; its scale goes to the optimizer for this step."""
+        mini-batch's responses (padding samples left out), the step's k3 (the monitor's measurement of this step's
+        batch, merged over the DP group: one measurement pass covers every mini-batch and PPO epoch of the step, so
+        each of its optimizer steps sees it; in bypass mode the batch is measured in the first one's forward, which
+        sees the previous step's) and the last step's grad norm feed the LR controller; its scale goes to the
+        optimizer for this step."""
         group = self._tim_dp_group()
         # verl's synthetic padding samples (is_padding, all-zero response_mask) are not responses:
         # VERL_SOURCES verl.trainer.ppo.padding_utils:upsample_batch_to_divisible_size

@@ -320,7 +320,8 @@ def test_separate_async_updates_of_one_global_step_count_the_earlier_ones_in_the
                                                   "dump": {"dir": str(tmp_path), "sample_rate": 1.0}}),
                          asynchronous=True)
     want: dict[int, list] = {}  # the training passes' log-ratios by lag, over both updates
-    measured, dumped = [], []  # the lag-0 samples' log-ratios at the old-log-prob pass; their (sequence, position, token)
+    # the lag-0 samples' log-ratios at the old-log-prob pass; their (sequence, position, token id)
+    measured, dumped = [], []
     for update, seed in enumerate((5, 6)):
         engine.tim_begin_step(3, update, 2)
         td, raw = H.make_batch(VOCAB, response=6, seed=seed, rollout_noise=0.05)

@@ -228,6 +228,25 @@ def test_truncation_needs_the_audits_finding_and_the_kept_mass_bias():
         assert ([c.code for c in pipe.causes.named] == ["truncation"]) == named, (audit, shift)
 
 
+def test_a_truncation_the_trainer_does_not_apply_is_no_stale_engine():
+    """The sampler truncates (top-k / top-p), the trainer does not (the audit's sampler-truncation-unmatched): the
+    engine's log-probs are renormalised over the kept tokens, so where the kept mass is below e^-2 a confident token
+    sits more than 2 nats above the trainer's on the same weights. Named: truncation alone, not engine-stale nor
+    sampler-constrained; the confident-token count is still reported. Without the audit's finding the same tokens
+    name engine-stale (nothing else explains them)."""
+    rollout, _, mask = _batch(confident=5, seed=1)
+    kept = math.log(0.08)  # every position keeps 8 % of the mass
+    for audit, want in ((["sampler-truncation-unmatched"], ["truncation"]), ([], ["engine-stale"])):
+        pipe = _pipeline()
+        pipe.audited(audit)
+        train = rollout + kept
+        pipe.measure(rollout, train, mask)
+        out = pipe.compute(1, sync=False)[0]
+        dis, _, forced = _naive_confident(rollout, train, mask)
+        assert dis >= 5 and out["tim/cause/confident_disagreements"] == dis
+        assert [c.code for c in pipe.causes.named] == want, audit
+
+
 def _report(step=3, bad=("model.layers.1.q.weight",)):
     report = SyncReport(step, 1, statuses={"a": "ok", **{n: "stale" for n in bad}})
     report.causes = [Cause("sync-tensors-stale", step, "stale", tensors=bad)]

@@ -113,7 +113,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "policy).",
        "at least confident_min_tokens lag-0 tokens in a window with confident_p <= p_rollout < 1 and log p_train < "
        "log p_rollout - confident_gap, and no sampler-penalties-unmatched in the parity audit (then the tokens count "
-       "for sampler-constrained)",
+       "for sampler-constrained) nor sampler-truncation-unmatched (the engine's log-probs renormalised over a kept "
+       "set move confident tokens that far on any weights: truncation names it)",
        {"tim_plugins": "turn the weight-sync check on where the engine's weights can be read (colocated engines), "
                        "and check that the sync reaches the engine (server mode: that it reloads and resets its "
                        "prefix cache)"}),
@@ -125,7 +126,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "correction multiplies those ratios: the loss of a constrained sequence can vanish.",
        "at least confident_min_tokens lag-0 tokens in a window with p_rollout = 1 exactly (log-prob 0) and "
        "log p_train < -confident_gap, counted with engine-stale's confident disagreements where the parity audit "
-       "found sampler-penalties-unmatched (then engine-stale is not named), else named only where engine-stale is "
+       "found sampler-penalties-unmatched (then engine-stale is not named), never with sampler-truncation-unmatched "
+       "(truncation names it), else named only where engine-stale is "
        "not (an engine on other weights moves the tokens it did not force as well)",
        {"tim_plugins": "drop the constraint from the sampler and reward the format instead; tokens a program "
                        "wrote rather than sampled belong out of the loss mask, as tool output is; a constraint you "

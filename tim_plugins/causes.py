@@ -16,7 +16,10 @@ Families, and where their evidence comes from:
 - **a stale engine** (``engine-stale``): lag-0 tokens the engine was confident in (p_rollout >= ``confident_p``) that
   the trainer scores more than ``confident_gap`` nats lower. At lag 0 both sides should hold the same weights, so
   only other weights (or a truncation keeping less than e^-2 of the mass) move a confident token that far; numerics
-  move it by at most (e^{2ε} − 1)(1 − p);
+  move it by at most (e^{2ε} − 1)(1 − p). Where the parity audit found a truncation the trainer does not apply
+  (``sampler-truncation-unmatched``), the engine's log-probs are renormalised over the kept tokens and a small kept
+  mass moves them that far on any weights: neither this rule nor ``sampler-constrained`` reads the tokens then
+  (``truncation`` names the bias; the sync check, or the lag-0 probe, tells a stale engine apart);
 - **a constrained sampler** (``sampler-constrained``): lag-0 tokens the engine gave p = 1 exactly (log-prob 0: the
   sampler's distribution held one token, left by structured outputs, a grammar or a logits processor) that the
   trainer scores more than ``confident_gap`` nats lower. Such a token says nothing about the engine's weights: it is
@@ -207,8 +210,8 @@ class CauseTracker:
             self._log(cause)
 
     def audited(self, codes: Iterable[str]) -> None:
-        """The parity audit's error codes (the truncation rule needs ``sampler-truncation-unmatched``, the
-        constrained sampler's ``sampler-penalties-unmatched``)."""
+        """The parity audit's error codes (the truncation rule needs ``sampler-truncation-unmatched``, which also
+        keeps the confident-token rules quiet; the constrained sampler's ``sampler-penalties-unmatched``)."""
         self.audit_codes = set(codes)
 
     # ------------------------------------------------------------------------------------------ windows
@@ -232,12 +235,14 @@ class CauseTracker:
                 found.append(Cause(code, step, f"{CAUSES[code].title} (found on another rank; its log has the "
                                                 f"tensors)"))
         constrained = "sampler-penalties-unmatched" in self.audit_codes
-        if disagreeing >= c.confident_min_tokens and not constrained:
+        # the kept-mass renormalisation moves confident tokens on any weights (the module docstring)
+        truncated = "sampler-truncation-unmatched" in self.audit_codes
+        if disagreeing >= c.confident_min_tokens and not constrained and not truncated:
             found.append(Cause("engine-stale", step,
                                f"{int(disagreeing)} of {int(confident)} lag-0 tokens the engine gave p >= "
                                f"{c.confident_p:g} are scored > {c.confident_gap:g} nats lower by the trainer",
                                evidence={"confident_disagreements": disagreeing, "confident_tokens": confident}))
-        elif forced + (disagreeing if constrained else 0) >= c.confident_min_tokens:
+        elif forced + (disagreeing if constrained else 0) >= c.confident_min_tokens and not truncated:
             seen = [f"{int(forced)} lag-0 tokens the engine gave p = 1 (its sampler left one token: structured "
                     f"outputs, a grammar, a logits processor)"] if forced else []
             if constrained and disagreeing:

@@ -268,6 +268,24 @@ def test_a_sync_cause_is_logged_at_once_and_counted_in_the_next_window(caplog):
     assert out["tim/cause/named"] == 0 and math.isnan(out["tim/cause/sync_bad_tensors"])
 
 
+def test_a_lasting_sync_fault_is_logged_at_every_sync_and_the_memory_of_logged_causes_is_bounded(caplog):
+    """A fault that lasts: each faulty sync's cause is logged once (its step is in the message), the tracker
+    remembers the last LOGGED_KEPT of them, not one entry per faulty sync of the run."""
+    from tim_plugins.causes import LOGGED_KEPT
+
+    pipe = _pipeline()
+    n = LOGGED_KEPT + 50
+    with caplog.at_level(logging.WARNING, logger="tim_plugins.causes"):
+        for step in range(n):
+            for _ in range(2):  # the same cause again: not logged twice
+                report = _report(step=step)
+                report.causes = [Cause("sync-tensors-stale", step, f"at the weight sync after optimizer step {step}",
+                                       tensors=("model.layers.1.q.weight",))]
+                pipe.sync_checked(report)
+    assert [r.getMessage().split("] at step ")[1].split(":")[0] for r in caplog.records] == [str(s) for s in range(n)]
+    assert len(pipe.causes._logged) == LOGGED_KEPT
+
+
 @pytest.mark.parametrize("action", ["warn", "raise", "stop"])
 def test_a_named_cause_trips_the_probe(action):
     # limits no healthy batch reaches: only the cause can trip

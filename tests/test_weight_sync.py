@@ -305,6 +305,46 @@ def test_every_n_syncs():
     assert [check.begin(s) is not None for s in range(7)] == [True, False, False, True, False, False, True]
 
 
+def test_an_engine_that_stops_following_between_two_checks_is_differ_then_noop():
+    """every_n_syncs=3 and an engine that stops applying the sync after an unchecked sync (4): at the next check (6) it
+    holds neither the trainer's values nor those of the last check (3), and the message says that a sync in between
+    may be the last one applied; at the check after (9) nothing moved: sync-noop."""
+    weights = _model()
+    check, engine = SyncCheck(SyncCheckConfig(every_n_syncs=3)), DictEngine(torch.bfloat16, weights)
+    causes = {}
+    for sync in range(10):
+        weights = _step(weights, seed=sync + 1)
+        record = check.begin(sync)
+        items = list(weights.items()) if record is None else list(record.observing(list(weights.items())))
+        if sync < 5:
+            engine.load(items)
+        if record is not None:
+            causes[sync] = [c for c in check.finish(record, engine).causes]
+    assert causes[0] == causes[3] == []
+    # every tensor but the scalar, whose bf16 value the small steps after sync 3 did not move (it reads stale)
+    differ = next(c for c in causes[6] if c.code == "sync-tensors-differ")
+    assert set(differ.tensors) == set(weights) - {"model.scale"}
+    assert "neither the trainer's nor those at the last check, 3 syncs ago (an engine that stopped following at a " \
+           "sync in between holds neither)" in differ.message
+    assert [c.code for c in causes[9]] == ["sync-noop"]
+
+
+def test_a_tensor_one_check_does_not_stream_keeps_its_previous_values():
+    """A partial stream (a rank that streams part of the model, no expectation): a tensor left out of one check
+    keeps the values of the check before, also when other tensors of its dtype were read; when it is streamed again
+    and its sync did not apply, it is stale (its previous values), not "neither"."""
+    weights = _model()
+    check, engine = SyncCheck(), DictEngine(torch.bfloat16, weights)
+    _sync(check, engine, weights, 1)
+    weights = _step(weights, seed=2)
+    part = {n: t for n, t in weights.items() if n != "model.layers.1.q.weight"}
+    assert _sync(check, engine, part, 2).causes == []
+    weights = _step(weights, seed=3)
+    report = _sync(check, engine, weights, 3, skip={"model.layers.1.q.weight"})
+    assert report.statuses["model.layers.1.q.weight"] == "stale"
+    assert [(c.code, c.tensors) for c in report.causes] == [("sync-tensors-stale", ("model.layers.1.q.weight",))]
+
+
 class ShardEngine(DictEngine):
     """This rank holds the first half of each matrix's rows (``held``); what it reads for the rest is whatever its
     buffer has there."""

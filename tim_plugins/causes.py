@@ -160,6 +160,7 @@ class FloorHistory:
 
 
 NAMED_KEPT = 256  # CauseTracker.named's length (the causes of the last windows)
+LOGGED_KEPT = 1024  # how many logged causes CauseTracker remembers not to log twice
 _FLAG_CODES = tuple(CAUSES)  # one merged flag per code (max over ranks): every rank names the same causes
 
 
@@ -185,7 +186,8 @@ class CauseTracker:
         self._sync: list[Cause] = []  # sync causes found since the last window
         self._sync_bad = self._sync_checked = -math.inf
         self._window_codes: set[str] = set()  # the codes named in the last window (evaluate_loss_passes adds to it)
-        self._logged: set[tuple] = set()
+        # the causes logged, the last LOGGED_KEPT (a sync cause's key holds its step: one per faulty sync)
+        self._logged: dict[tuple, None] = {}
 
     # ------------------------------------------------------------------------------------------- inputs
     def update(self, rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor) -> None:
@@ -316,7 +318,9 @@ class CauseTracker:
         key = (cause.code, cause.tensors, cause.message if cause.code.startswith("sync") else None)
         if key in self._logged:
             return
-        self._logged.add(key)
+        self._logged[key] = None
+        if len(self._logged) > LOGGED_KEPT:
+            del self._logged[next(iter(self._logged))]
         logger.warning(cause.line(self.framework))
 
     # ------------------------------------------------------------------------------------- checkpoints

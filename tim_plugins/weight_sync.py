@@ -438,17 +438,26 @@ class SyncCheck:
         return None
 
     def _remember(self, groups: dict) -> None:
-        """Keep this check's groups as the previous values of their tensors (a tensor read now leaves any older
-        group it was in)."""
+        """Keep this check's groups as the previous values of their tensors: a tensor read now leaves any older
+        group it was in; one not read now (a partial stream) keeps its older values, in its group of the same key
+        too."""
         read = {name for names, *_ in groups.values() for name in names}
-        for key, (names, sizes, v, expected) in list(self._last.items()):
-            if key not in groups and read.intersection(names):
-                keep = [i for i, n in enumerate(names) if n not in read]
-                offsets = np.cumsum([0, *sizes])
-                rows = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in keep])
-                                        if keep else np.zeros(0, dtype=np.int64))
-                self._last[key] = (tuple(names[i] for i in keep), [sizes[i] for i in keep], v[rows], expected[rows])
-        self._last.update(groups)
+        out = dict(groups)
+        for key, (names, sizes, v, expected) in self._last.items():
+            keep = [i for i, n in enumerate(names) if n not in read]
+            if len(keep) == len(names) and key not in groups:  # none of them read now
+                out[key] = self._last[key]
+                continue
+            if not keep:  # every one read now
+                continue
+            offsets = np.cumsum([0, *sizes])
+            rows = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in keep]))
+            old = (tuple(names[i] for i in keep), [sizes[i] for i in keep], v[rows], expected[rows])
+            if key in groups:  # the unread tensors' older values beside this check's
+                new = groups[key]
+                old = (new[0] + old[0], new[1] + old[1], torch.cat([new[2], old[2]]), torch.cat([new[3], old[3]]))
+            out[key] = old
+        self._last = out
 
     def _classify(self, name: str, sent: _Sent, read: EngineRead, configured: torch.dtype, coarser: bool,
                   groups: dict, report: SyncReport) -> str:
@@ -515,8 +524,13 @@ class SyncCheck:
                                                            f"sent: {summarize_names(missing)}", tensors=tuple(missing)))
         differs = report.names("differs")
         if differs:
+            # between two checks the engine may have stopped at an unchecked sync: then it holds neither
+            every = self.config.every_n_syncs
+            previous = ("their previous ones" if every == 1 else
+                        f"those at the last check, {every} syncs ago (an engine that stopped following at a sync in "
+                        "between holds neither)")
             out.append(Cause("sync-tensors-differ", step, f"{at}, {_n(differs)} hold values that are neither"
-                                                          f" the trainer's nor their previous ones: "
+                                                          f" the trainer's nor {previous}: "
                                                           f"{summarize_names(differs)}", tensors=tuple(differs),
                              evidence={n: report.detail[n] for n in differs}))
         return out

@@ -172,6 +172,9 @@ class TokenDumper:
         Path(self.config.out_dir).mkdir(parents=True, exist_ok=True)
         # the (step, rank) written last, and of its batches so far: how many, their sequences, the sequences picked
         self._key: tuple[int, int] | None = None
+        # files an earlier attempt left in the folder, by (step, rank): read once, at the first write (a resumed run
+        # redoes steps; other ranks' files of this run are under other keys)
+        self._earlier: dict[tuple[int, int], list[Path]] | None = None
         self._batches = 0
         self._sequences = 0
         self._written = 0
@@ -206,7 +209,7 @@ class TokenDumper:
         B = rollout_logprobs.shape[0]
         if self._key != (step, rank):
             self._key, self._batches, self._sequences, self._written = (step, rank), 0, 0, 0
-            self._remove_step(step, rank)
+            self._remove_earlier(step, rank)
         part, first = self._batches, self._sequences
         self._batches += 1
         self._sequences += B
@@ -240,12 +243,16 @@ class TokenDumper:
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
         return path
 
-    def _remove_step(self, step: int, rank: int) -> None:
-        """The files of ``step`` on ``rank`` that an earlier attempt at the step wrote."""
-        for path in dump_files(self.config.out_dir):
-            match = _DUMP_FILE_RE.fullmatch(path.name)
-            if int(match[1]) == step and int(match[2]) == rank:
-                path.unlink(missing_ok=True)
+    def _remove_earlier(self, step: int, rank: int) -> None:
+        """The files of ``step`` on ``rank`` that an earlier attempt at the step wrote (the folder is listed once,
+        not at every step)."""
+        if self._earlier is None:
+            self._earlier = {}
+            for path in dump_files(self.config.out_dir):
+                match = _DUMP_FILE_RE.fullmatch(path.name)
+                self._earlier.setdefault((int(match[1]), int(match[2])), []).append(path)
+        for path in self._earlier.pop((step, rank), ()):
+            path.unlink(missing_ok=True)
 
 
 def read_dump(directory: str | os.PathLike):

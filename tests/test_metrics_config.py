@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tim_plugins.metrics import DEFAULT_RATIO_BAND, MismatchMonitor, check_ratio_band
 
@@ -53,3 +54,21 @@ def test_the_adapters_configs_and_the_monitor_accept_the_same_bands(band):
                 make()
         else:
             assert make() == want
+
+
+def test_a_resumed_monitor_keeps_its_configured_band():
+    """A run resumed with another ``ratio_band`` counts with the one it was given; the saved statistics carry on."""
+    torch.manual_seed(0)
+    rollout = -torch.rand(4, 9) * 3
+    train = rollout + torch.randn(4, 9) * 0.3
+    saved = MismatchMonitor(compile=False)
+    saved.update(rollout, train)
+    resumed = MismatchMonitor(ratio_band=(0.8, 1.25), compile=False)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.ratio_band == (0.8, 1.25)
+    resumed.update(rollout, train)
+    rho = torch.exp((train - rollout).double())
+    outside = ((rho < 0.5) | (rho > 2.0)).sum() + ((rho < 0.8) | (rho > 1.25)).sum()  # the saved batch, then the new
+    got = resumed.compute()
+    assert got["tim/seq/count"] == 2 * rollout.shape[0]
+    assert got["tim/token/ratio_outside_frac"] == pytest.approx(outside.item() / (2 * rollout.numel()), abs=1e-12)

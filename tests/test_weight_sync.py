@@ -343,6 +343,22 @@ def test_a_tensor_one_check_does_not_stream_keeps_its_previous_values():
     report = _sync(check, engine, weights, 3, skip={"model.layers.1.q.weight"})
     assert report.statuses["model.layers.1.q.weight"] == "stale"
     assert [(c.code, c.tensors) for c in report.causes] == [("sync-tensors-stale", ("model.layers.1.q.weight",))]
+    assert ", 1 tensor still holds its previous values: " in report.causes[0].message
+
+
+def test_messages_agree_with_the_count():
+    """One tensor: "1 tensor still holds its"; several: "2 tensors still hold their"."""
+    weights = _model()
+    names = sorted(weights)[:2]
+    for skipped in (names[:1], names):
+        check, engine = SyncCheck(), DictEngine(torch.bfloat16, weights)
+        _sync(check, engine, weights, 1)
+        moved = _step(weights, seed=2)
+        report = _sync(check, engine, moved, 2, skip=set(skipped))
+        one = len(skipped) == 1
+        expected = "1 tensor still holds its" if one else f"{len(skipped)} tensors still hold their"
+        assert [c.code for c in report.causes] == ["sync-tensors-stale"], report.causes
+        assert f", {expected} previous values: " in report.causes[0].message
 
 
 class ShardEngine(DictEngine):

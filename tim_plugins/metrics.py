@@ -134,7 +134,8 @@ class MismatchMonitor:
         return {"ratio_band": list(self.ratio_band), "updates": self.updates, **self._acc.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
-        self.ratio_band = state["ratio_band"]
+        """Resume the statistics. The configured ``ratio_band`` stays: the band is a setting, and a run resumed
+        with another one counts its ratios with the one it was given (the saved band is kept for the record)."""
         self.updates = int(state["updates"])
         if state["sums"] is not None and len(state["sums"]) != N_SUMS:
             raise ValueError(

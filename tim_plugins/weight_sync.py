@@ -508,14 +508,15 @@ class SyncCheck:
                                                     f"{summarize_names(stale)}", tensors=tuple(stale),
                                  evidence={"stale": len(stale), "changed": len(changed)}))
             else:
-                out.append(Cause("sync-tensors-stale", step, f"{at}, {_n(stale)} still hold their previous "
-                                                             f"values{why}: {summarize_names(stale)}",
+                held = _n(stale, "still holds its", "still hold their")
+                out.append(Cause("sync-tensors-stale", step, f"{at}, {held} previous values{why}: "
+                                                             f"{summarize_names(stale)}",
                                  tensors=tuple(stale), evidence={"stale": len(stale), "changed": len(changed)}))
         precision = report.names("precision")
         if precision:
             kinds = sorted({report.detail[n] for n in precision})
-            out.append(Cause("sync-precision", step, f"{at}, {_n(precision)} hold another precision than the "
-                                                     f"engine's {_dtype_name(configured)} ({'; '.join(kinds)}): "
+            out.append(Cause("sync-precision", step, f"{at}, {_n(precision, 'holds', 'hold')} another precision than "
+                                                     f"the engine's {_dtype_name(configured)} ({'; '.join(kinds)}): "
                                                      f"{summarize_names(precision)}", tensors=tuple(precision),
                              evidence={n: report.detail[n] for n in precision}))
         missing = report.names("missing")
@@ -526,11 +527,11 @@ class SyncCheck:
         if differs:
             # between two checks the engine may have stopped at an unchecked sync: then it holds neither
             every = self.config.every_n_syncs
-            previous = ("their previous ones" if every == 1 else
+            previous = (("its" if len(differs) == 1 else "their") + " previous ones" if every == 1 else
                         f"those at the last check, {every} syncs ago (an engine that stopped following at a sync in "
                         "between holds neither)")
-            out.append(Cause("sync-tensors-differ", step, f"{at}, {_n(differs)} hold values that are neither"
-                                                          f" the trainer's nor {previous}: "
+            out.append(Cause("sync-tensors-differ", step, f"{at}, {_n(differs, 'holds', 'hold')} values that are "
+                                                          f"neither the trainer's nor {previous}: "
                                                           f"{summarize_names(differs)}", tensors=tuple(differs),
                              evidence={n: report.detail[n] for n in differs}))
         return out
@@ -574,8 +575,10 @@ def _flat(parts: list) -> torch.Tensor:
     return flat.to("cpu", torch.float64)
 
 
-def _n(names: list) -> str:
-    return f"{len(names)} tensor{'s' if len(names) != 1 else ''}"
+def _n(names: list, one: str = "", many: str = "") -> str:
+    """"3 tensors hold", "1 tensor holds": the count, then the verb phrase that agrees with it (if any)."""
+    words = (f"{len(names)} tensor", one) if len(names) == 1 else (f"{len(names)} tensors", many)
+    return " ".join(w for w in words if w)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -283,6 +283,46 @@ def test_probe_stop_checkpoints_the_step_it_cut_short(step, planned_total, save_
     assert len(calls) == int(saved)
 
 
+class _RolloutCalls:
+    """The driver's handle on the rollout replicas (``checkpoint_manager``), recording what verl's ``on_step_end``
+    asks of it into ``calls``."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def update_weights(self, global_steps=None):
+        self.calls.append("wake rollout + sync weights")
+
+    def resume_generation_replicas(self):
+        self.calls.append("resume generation")
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_probe_stop_checkpoint_is_written_before_verl_wakes_the_rollout(mode):
+    """verl's own fit writes a step's checkpoint after the step and before ``on_step_end``, where its colocated modes
+    wake the rollout replicas (their weights and KV cache back on the GPUs) and colocate_async resumes generation: the
+    checkpoint of a step the probe cut short is written at the same point, not with the rollout awake beside it."""
+    import inspect
+
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    # the reference: verl's own order in fit (save, then on_step_end)
+    fit = inspect.getsource(PPOTrainer.fit)
+    assert fit.index("self._save_checkpoint()") < fit.index("self.on_step_end()")
+    trainer = object.__new__(get_trainer_cls(f"tim_{mode}"))
+    trainer.config = OmegaConf.create({"trainer": {"save_freq": 4}})
+    trainer.global_steps, trainer._tim_stop, trainer.timing_raw = 5, (5, 8), {}
+    trainer.prev_step_profile = trainer.curr_step_profile = False
+    calls: list = []
+    trainer.checkpoint_manager = _RolloutCalls(calls)
+    trainer._save_checkpoint = lambda: calls.append("checkpoint")
+    trainer.on_step_end()
+    assert calls[0] == "checkpoint" and calls.count("checkpoint") == 1, calls
+    assert "wake rollout + sync weights" in calls  # verl's own on_step_end still ran, after it
+
+
 def test_truncation_fix_names_the_overrides_the_adapter_checks():
     """The audit's verl fix for a truncating sampler quotes the rollout overrides the adapter itself requires."""
     from tim_plugins.integrations.verl.config import rollout_min_p_overrides

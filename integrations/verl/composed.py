@@ -73,6 +73,13 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             "algorithm.rollout_correction.bypass_mode=True: verl then copies the rollout's log-probs into "
             "old_log_probs instead of recomputing them, so the monitor has no trainer-side log-probs at the "
             "rollout's weights and would read 0. Fix: algorithm.rollout_correction.bypass_mode=false")
+    save_freq = _number((config.get("trainer") or {}).get("save_freq"), -1)
+    if tim.probe.enabled and tim.probe.action == "stop" and save_freq <= 0:
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit (saves only with save_freq > 0)
+        notes.append(
+            f"tim.probe.action='stop' with trainer.save_freq={config.trainer.get('save_freq')!r}: a probe stop ends the "
+            "run after the step it trips on, and verl writes no checkpoint with save_freq <= 0 (its default), so "
+            "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "

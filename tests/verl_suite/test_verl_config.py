@@ -323,6 +323,26 @@ def test_probe_stop_checkpoint_is_written_before_verl_wakes_the_rollout(mode):
     assert "wake rollout + sync weights" in calls  # verl's own on_step_end still ran, after it
 
 
+def test_a_probe_stop_that_no_checkpoint_follows_is_said_at_start_up(toy_model_path):
+    """``+tim.probe.action=stop`` ends the run after the step the probe trips on, whose checkpoint verl writes only
+    with ``trainer.save_freq > 0`` (verl's own default is -1): without one, the start-up says so, with the fix."""
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    recipe = recipe_overrides(toy_model_path)
+    assert "trainer.save_freq=20" in recipe and "+tim.probe.action=stop" in recipe
+    assert check_composed_config(compose(recipe))[1:] == ([], [])
+    verl_default = [o for o in recipe if not o.startswith("trainer.save_freq=")]
+    cfg = compose(verl_default)
+    assert cfg.trainer.save_freq <= 0  # verl's own default: no checkpoints
+    _, problems, notes = check_composed_config(cfg)
+    assert problems == [] and len(notes) == 1, notes
+    assert notes[0].startswith(f"tim.probe.action='stop' with trainer.save_freq={cfg.trainer.save_freq}: ")
+    assert notes[0].endswith("Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
+    for other in ("warn", "raise"):  # nothing to checkpoint
+        cfg = compose([o for o in verl_default if o != "+tim.probe.action=stop"] + [f"+tim.probe.action={other}"])
+        assert check_composed_config(cfg)[1:] == ([], [])
+
+
 def test_truncation_fix_names_the_overrides_the_adapter_checks():
     """The audit's verl fix for a truncating sampler quotes the rollout overrides the adapter itself requires."""
     from tim_plugins.integrations.verl.config import rollout_min_p_overrides

@@ -343,6 +343,25 @@ def test_a_probe_stop_that_no_checkpoint_follows_is_said_at_start_up(toy_model_p
         assert check_composed_config(cfg)[1:] == ([], [])
 
 
+def test_probe_options_that_leave_the_probe_off_are_said_at_start_up(toy_model_path):
+    """The probe is switched on by ``tim.probe.enable=true`` or by a limit (``TIMVerlConfig``'s rule): the recipe's
+    ``+tim.probe.action=stop`` without its ``kl_k3`` leaves it off, so nothing would ever stop the run; the start-up
+    says so, with the fix. With a limit, or ``enable`` written either way, nothing is said."""
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    recipe = recipe_overrides(toy_model_path)
+    no_limit = [o for o in recipe if not o.startswith("+tim.probe.kl_k3=")]
+    assert "+tim.probe.action=stop" in no_limit and not any(o.startswith("+tim.probe.kl_k3") for o in no_limit)
+    tim, problems, notes = check_composed_config(compose(no_limit))
+    assert not tim.probe.enabled and problems == [] and len(notes) == 1, notes
+    assert notes[0].startswith("tim.probe.action='stop' with no limit and tim.probe.enable unset: the probe is off")
+    assert notes[0].endswith("Fix: +tim.probe.enable=true (its default limit kl_k3=0.001) or +tim.probe.kl_k3=<limit>")
+    for written in ("+tim.probe.enable=true", "+tim.probe.enable=false", "+tim.probe.abs_diff_max=5"):
+        tim, problems, notes = check_composed_config(compose(no_limit + [written]))
+        assert problems == [] and notes == [], (written, notes)
+        assert tim.probe.enabled == (written != "+tim.probe.enable=false")
+
+
 def test_truncation_fix_names_the_overrides_the_adapter_checks():
     """The audit's verl fix for a truncating sampler quotes the rollout overrides the adapter itself requires."""
     from tim_plugins.integrations.verl.config import rollout_min_p_overrides

@@ -73,6 +73,24 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             "algorithm.rollout_correction.bypass_mode=True: verl then copies the rollout's log-probs into "
             "old_log_probs instead of recomputing them, so the monitor has no trainer-side log-probs at the "
             "rollout's weights and would read 0. Fix: algorithm.rollout_correction.bypass_mode=false")
+    probe_node = _to_plain((config.get("tim") or {}).get("probe")) or {}
+    unread = {k: probe_node[k] for k in ("action", "every_n_steps", "patience") if k in probe_node}
+    if unread and not tim.probe.enabled and "enable" not in probe_node:
+        # TIMVerlConfig's rule (ProbeSettings): on with tim.probe.enable=true or a limit, else off
+        from tim_plugins.parity.probe import ParityProbeConfig
+
+        written = ", ".join(f"tim.probe.{k}={v!r}" for k, v in unread.items())
+        notes.append(
+            f"{written} with no limit and tim.probe.enable unset: the probe is off (a limit or tim.probe.enable=true "
+            f"switches it on), so these settings do nothing. Fix: +tim.probe.enable=true (its default limit "
+            f"kl_k3={ParityProbeConfig().kl_k3_max:g}) or +tim.probe.kl_k3=<limit>")
+    save_freq = _number((config.get("trainer") or {}).get("save_freq"), -1)
+    if tim.probe.enabled and tim.probe.action == "stop" and save_freq <= 0:
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit (saves only with save_freq > 0)
+        notes.append(
+            f"tim.probe.action='stop' with trainer.save_freq={config.trainer.get('save_freq')!r}: a probe stop ends the "
+            "run after the step it trips on, and verl writes no checkpoint with save_freq <= 0 (its default), so "
+            "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "

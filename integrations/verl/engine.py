@@ -149,8 +149,12 @@ class TIMFSDPEngineWithLMHead(TIMEngineMixin, FSDPEngineWithLMHead):
 
     def _tim_lm_model(self):
         """The transformers model inside the FSDP wrapping (FSDP2 wraps in place; FSDP1 holds it in
-        ``_fsdp_wrapped_module``): the object whose ``forward`` verl's fused kernels replaced."""
-        return getattr(self.module, "_fsdp_wrapped_module", self.module)
+        ``_fsdp_wrapped_module``) and, on a LoRA actor (``model.lora_rank > 0``), inside PEFT's ``PeftModel``
+        (``get_base_model()``, whose ``forward`` ``PeftModel.forward`` reaches through the tuner's ``model.forward``):
+        the object whose ``forward`` verl's fused kernels replaced, with the base model (``.model``) and ``lm_head``."""
+        model = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        base = getattr(model, "get_base_model", None)
+        return base() if callable(base) else model
 
     # VERL_SOURCES verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.forward_step
     def forward_step(self, micro_batch, loss_function, forward_only):

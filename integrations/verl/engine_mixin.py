@@ -95,6 +95,7 @@ class TIMEngineMixin:
     _tim: TIMVerlConfig | None = None
     _tim_pipeline: StepPipeline | None = None
     _tim_decision = None
+    _tim_window = None  # the probe's decision at the step's window (its threshold check), for the step's row
     _tim_mb: dict | None = None
     _tim_kept = None  # MicroBatchKeptSets of the micro-batch in flight, where the engine's kept sets are replayed
     _tim_sync: SyncWatch | None = None  # the weight-sync check (sync_check.py), with the causes and the feature on
@@ -190,6 +191,7 @@ class TIMEngineMixin:
         self._tim_kept = None  # the current micro-batch's engine kept sets (MicroBatchKeptSets), if replayed
         self._tim_pending: dict[str, float] = {}
         self._tim_decision = None  # the probe's decision at the last merge, for the driver to act on
+        self._tim_window = None  # the same, kept after the driver popped it: the step's row shows both checks
         self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
         self._tim_step = 0  # verl's global step (the driver's tim_begin_step): the dump's file name
         self._tim_updates = 0  # optimizer steps since this global step's rollout: the policy lag of a training pass
@@ -410,6 +412,7 @@ class TIMEngineMixin:
             metrics, decision, _ = self._tim_pipeline.compute(self._tim_step, sync=True, group=self._tim_dp_group(),
                                                               loss_passes=False, raise_on_trip=False)
             self._tim_pending.update(metrics)
+            self._tim_window = decision
             if decision is not None:
                 self._tim_decision = decision
         self._tim_pipeline.flush_dump(self._tim_step)
@@ -485,5 +488,9 @@ class TIMEngineMixin:
             self._tim_pending.update(metrics)
             if decision is not None:
                 self._tim_decision = decision if self._tim_decision is None else self._tim_decision.merged(decision)
-                self._tim_pending.update(self._tim_decision.metrics())
+                # the step's row (the driver logs both collections in one): this trip beside the window's threshold
+                # check, whose decision the driver may have popped already (a cause's decision checks no threshold)
+                window = self._tim_window
+                self._tim_pending.update((decision if window is None else window.merged(decision)).metrics())
+            self._tim_window = None
         return lr * self._tim_lr_scale()

@@ -200,8 +200,10 @@ class TIMTrainerMixin:
             self.total_training_steps = self.global_steps
 
     def on_step_end(self):
-        super().on_step_end()
+        # first, where verl's fit writes its own (after the step, before on_step_end, whose colocated modes wake the
+        # rollout replicas, weights and KV cache, and colocate_async resumes generation)
         self._tim_checkpoint_on_stop()
+        super().on_step_end()
 
     def _tim_checkpoint_on_stop(self) -> None:
         """Write the checkpoint verl writes on a run's last step, for a step the probe made the last one.
@@ -209,7 +211,8 @@ class TIMTrainerMixin:
         verl decides to save before ``on_step_end`` from ``is_last_step``, which it computed before the step
         (trainer/ppo/v1/trainer_base.py ``fit``): a step cut short by the probe is saved here unless verl saved it
         anyway (``save_freq`` divides it, or it was the last step already). ``save_freq <= 0`` (no checkpoints)
-        is respected.
+        is respected. Called at the start of ``on_step_end``, before the mode's own: the same point as verl's save
+        (with the rollout replicas still asleep: saving loads an offloaded actor back onto the GPUs).
         """
         # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit
         # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._save_checkpoint

@@ -20,9 +20,10 @@ def init_dist(rank: int = 0, world: int = 1, port: int = 29561) -> None:
 
 def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl: str = "torch.optim",
                  optimizer: str = "AdamW", lr: float = 1e-3, dtype: str = "fp32", total_steps: int = 10,
-                 engine_cls: type | None = None, fused: bool = False, strategy: str = "fsdp2"):
+                 engine_cls: type | None = None, fused: bool = False, strategy: str = "fsdp2", lora_rank: int = 0):
     """The engine verl's registry picks (ours, once the plugin is loaded), or ``engine_cls`` built the same way;
-    ``strategy``: verl's ``actor.strategy``, "fsdp2" or "fsdp" (FSDP1)."""
+    ``strategy``: verl's ``actor.strategy``, "fsdp2" or "fsdp" (FSDP1); ``lora_rank`` > 0: a LoRA actor (verl's
+    ``model.lora_rank``, every linear layer)."""
     import tim_plugins.integrations.verl.plugin  # noqa: F401  (registrations, as the entry point does)
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
@@ -33,7 +34,9 @@ def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl
     model_config = HFModelConfig(path=str(model_path), use_remove_padding=remove_padding,
                                  enable_gradient_checkpointing=False,
                                  override_config={"attn_implementation": "sdpa"}, use_fused_kernels=fused,
-                                 fused_kernel_options={"impl_backend": "torch"} if fused else {})
+                                 fused_kernel_options={"impl_backend": "torch"} if fused else {},
+                                 **({"lora_rank": lora_rank, "lora_alpha": 2 * lora_rank, "target_modules": "all-linear"}
+                                    if lora_rank else {}))
     mp = {"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False, mixed_precision=mp,
                                      micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)

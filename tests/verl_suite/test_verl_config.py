@@ -283,6 +283,85 @@ def test_probe_stop_checkpoints_the_step_it_cut_short(step, planned_total, save_
     assert len(calls) == int(saved)
 
 
+class _RolloutCalls:
+    """The driver's handle on the rollout replicas (``checkpoint_manager``), recording what verl's ``on_step_end``
+    asks of it into ``calls``."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def update_weights(self, global_steps=None):
+        self.calls.append("wake rollout + sync weights")
+
+    def resume_generation_replicas(self):
+        self.calls.append("resume generation")
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_probe_stop_checkpoint_is_written_before_verl_wakes_the_rollout(mode):
+    """verl's own fit writes a step's checkpoint after the step and before ``on_step_end``, where its colocated modes
+    wake the rollout replicas (their weights and KV cache back on the GPUs) and colocate_async resumes generation: the
+    checkpoint of a step the probe cut short is written at the same point, not with the rollout awake beside it."""
+    import inspect
+
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    # the reference: verl's own order in fit (save, then on_step_end)
+    fit = inspect.getsource(PPOTrainer.fit)
+    assert fit.index("self._save_checkpoint()") < fit.index("self.on_step_end()")
+    trainer = object.__new__(get_trainer_cls(f"tim_{mode}"))
+    trainer.config = OmegaConf.create({"trainer": {"save_freq": 4}})
+    trainer.global_steps, trainer._tim_stop, trainer.timing_raw = 5, (5, 8), {}
+    trainer.prev_step_profile = trainer.curr_step_profile = False
+    calls: list = []
+    trainer.checkpoint_manager = _RolloutCalls(calls)
+    trainer._save_checkpoint = lambda: calls.append("checkpoint")
+    trainer.on_step_end()
+    assert calls[0] == "checkpoint" and calls.count("checkpoint") == 1, calls
+    assert "wake rollout + sync weights" in calls  # verl's own on_step_end still ran, after it
+
+
+def test_a_probe_stop_that_no_checkpoint_follows_is_said_at_start_up(toy_model_path):
+    """``+tim.probe.action=stop`` ends the run after the step the probe trips on, whose checkpoint verl writes only
+    with ``trainer.save_freq > 0`` (verl's own default is -1): without one, the start-up says so, with the fix."""
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    recipe = recipe_overrides(toy_model_path)
+    assert "trainer.save_freq=20" in recipe and "+tim.probe.action=stop" in recipe
+    assert check_composed_config(compose(recipe))[1:] == ([], [])
+    verl_default = [o for o in recipe if not o.startswith("trainer.save_freq=")]
+    cfg = compose(verl_default)
+    assert cfg.trainer.save_freq <= 0  # verl's own default: no checkpoints
+    _, problems, notes = check_composed_config(cfg)
+    assert problems == [] and len(notes) == 1, notes
+    assert notes[0].startswith(f"tim.probe.action='stop' with trainer.save_freq={cfg.trainer.save_freq}: ")
+    assert notes[0].endswith("Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
+    for other in ("warn", "raise"):  # nothing to checkpoint
+        cfg = compose([o for o in verl_default if o != "+tim.probe.action=stop"] + [f"+tim.probe.action={other}"])
+        assert check_composed_config(cfg)[1:] == ([], [])
+
+
+def test_probe_options_that_leave_the_probe_off_are_said_at_start_up(toy_model_path):
+    """The probe is switched on by ``tim.probe.enable=true`` or by a limit (``TIMVerlConfig``'s rule): the recipe's
+    ``+tim.probe.action=stop`` without its ``kl_k3`` leaves it off, so nothing would ever stop the run; the start-up
+    says so, with the fix. With a limit, or ``enable`` written either way, nothing is said."""
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    recipe = recipe_overrides(toy_model_path)
+    no_limit = [o for o in recipe if not o.startswith("+tim.probe.kl_k3=")]
+    assert "+tim.probe.action=stop" in no_limit and not any(o.startswith("+tim.probe.kl_k3") for o in no_limit)
+    tim, problems, notes = check_composed_config(compose(no_limit))
+    assert not tim.probe.enabled and problems == [] and len(notes) == 1, notes
+    assert notes[0].startswith("tim.probe.action='stop' with no limit and tim.probe.enable unset: the probe is off")
+    assert notes[0].endswith("Fix: +tim.probe.enable=true (its default limit kl_k3=0.001) or +tim.probe.kl_k3=<limit>")
+    for written in ("+tim.probe.enable=true", "+tim.probe.enable=false", "+tim.probe.abs_diff_max=5"):
+        tim, problems, notes = check_composed_config(compose(no_limit + [written]))
+        assert problems == [] and notes == [], (written, notes)
+        assert tim.probe.enabled == (written != "+tim.probe.enable=false")
+
+
 def test_truncation_fix_names_the_overrides_the_adapter_checks():
     """The audit's verl fix for a truncating sampler quotes the rollout overrides the adapter itself requires."""
     from tim_plugins.integrations.verl.config import rollout_min_p_overrides

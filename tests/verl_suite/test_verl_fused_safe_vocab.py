@@ -126,3 +126,39 @@ def test_the_sampler_cut_alone_at_min_p_zero(dist, toy_model_path, fused):
     assert kept.any() and ((got - full)[kept] > 1e-3).all()
     assert 0 < metrics["tim/safe_vocab/size_mean"] <= SAMPLER.top_k
     assert 0 < metrics["tim/safe_vocab/pruned_mass_mean"] < 1
+
+
+def _lora_run(toy_model_path, fused: bool, td):
+    """A LoRA actor (verl's ``model.lora_rank``) with a fixed non-zero adapter: the old-log-prob pass, the reference
+    pass verl runs in the actor with the adapter off (``ref_in_actor``: ``disable_adapter()``), and one training
+    step."""
+    eng = H.build_engine(toy_model_path, fused=fused, optimizer="SGD", lr=0.1, lora_rank=4)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in eng.module.named_parameters():
+            if "lora_" in name:  # PEFT starts A at random, B at 0 (a no-op): a fixed adapter, the same in both runs
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.copy_(0.3 * torch.randn(local.shape, generator=g))
+    eng.tim_configure(TIMVerlConfig.from_node(CONFIG), context=SAMPLER)
+    old = H.old_log_probs_padded(H.infer(eng, td, fused=fused), td)
+    with eng.disable_adapter():
+        ref = H.old_log_probs_padded(H.infer(eng, td, fused=fused), td)
+    step, _ = H.train_step(eng, td, old, fused=fused)
+    eng.tim_deconfigure()
+    return old, ref, step
+
+
+def test_fused_safe_vocab_on_a_lora_actor_equals_the_logits_path(dist, toy_model_path):
+    """A LoRA actor wraps the transformers model in PEFT's ``PeftModel``: the chunked safe head runs on the model
+    inside it (its LoRA layers on, and off in the reference pass), equal to the safe vocabulary on full logits."""
+    td, raw = H.make_batch(VOCAB, batch=4, seed=5)
+    u_old, u_ref, u_step = _lora_run(toy_model_path, False, td)  # before any fused engine exists
+    f_old, f_ref, f_step = _lora_run(toy_model_path, True, td)
+    mask = raw["response_mask"].bool()
+    assert (u_old - u_ref)[mask].abs().max() > 1e-2  # the adapter changes the log-probs: it is applied
+    assert (f_old - u_old)[mask].abs().max() <= FP32_TOL
+    assert (f_ref - u_ref)[mask].abs().max() <= FP32_TOL
+    f_loss = [float(v) for v in f_step["metrics"]["actor/pg_loss"].values]
+    u_loss = [float(v) for v in u_step["metrics"]["actor/pg_loss"].values]
+    assert f_loss == pytest.approx(u_loss, rel=1e-5, abs=1e-7)
+    assert f_step["metrics"]["grad_norm"] == pytest.approx(u_step["metrics"]["grad_norm"], rel=1e-5)

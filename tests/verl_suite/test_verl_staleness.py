@@ -213,6 +213,52 @@ def test_staleness_is_named_in_the_step_its_loss_passes_end_and_the_probe_acts_o
     assert named[0].evidence["staleness_k3"] == got["tim/staleness/token/kl_k3"]
 
 
+class _WorkerGroup:
+    """What the driver calls: verl's ONE_TO_ALL answer, one result per rank, here of one real engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def tim_pop_metrics(self):
+        return [self.engine.tim_report()]
+
+
+def test_the_step_a_staleness_cause_trips_the_probe_still_logs_its_threshold_check(toy_model_path):
+    """The driver collects the actor's metrics twice a step, after the old-log-prob pass (the window: the thresholds
+    checked) and after the update (the staleness rule, whose cause trips the probe there without a threshold check:
+    ``ParityProbe.check_causes``), and logs both in one row. That row keeps what the step's threshold check was: the
+    probe is due at every step (``every_n_steps=1``), so ``tim/probe/checked`` is 1 beside the trip."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from tim_plugins.parity.probe import ParityProbe
+
+    H.init_dist(port=29594)
+    engine = H.build_engine(toy_model_path, lr=1e-4)
+    tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "probe": {"kl_k3": 1e9, "action": "warn"}})
+    engine.tim_configure(tim)
+    td, raw = H.make_batch(VOCAB, response=6, seed=7)
+    engine.tim_begin_step(1)
+    trained = H.old_log_probs_padded(H.infer(engine, td), td)
+    engine.tim_pop_metrics(), engine.tim_pop_decision()
+    noise = 1e-4 * torch.randn(trained.shape, generator=torch.Generator().manual_seed(1))
+    rollout = (trained + noise).to(raw["rollout_log_probs"].dtype)
+    td["rollout_log_probs"] = H.response_nested(rollout, td) if td["response_mask"].is_nested else rollout
+
+    trainer = object.__new__(get_trainer_cls("tim_sync"))
+    trainer.tim, trainer._tim_stop, trainer.actor_rollout_wg = tim, None, _WorkerGroup(engine)
+    trainer.global_steps, trainer.total_training_steps = 2, 10
+    engine.tim_begin_step(2)
+    logged: dict = {}
+    old = H.old_log_probs_padded(H.infer(engine, td), td)
+    trainer._tim_collect(logged)  # after verl's _compute_old_log_prob
+    assert logged["tim/probe/checked"] == 1.0 and logged["tim/probe/tripped"] == 0.0
+    _train(engine, td, old, _recording_loss([]), passes=2)
+    trainer._tim_collect(logged)  # after verl's _update_actor
+    assert logged["tim/cause/named"] == 1.0 and logged["tim/probe/tripped"] == 1.0  # the staleness cause
+    assert ParityProbe(tim.probe.config()).due(2)
+    assert logged["tim/probe/checked"] == 1.0
+
+
 def _with_interior_env(raw: dict, segments: dict[int, list[tuple[int, int]]]):
     """The batch with tool / user message tokens inside responses (response_mask 0 between the model's turns, as
     verl's multi-turn agent loop writes them), in the layout make_batch hands the engine."""

@@ -17,6 +17,7 @@ from tim_plugins.truncation import DEFAULT_MIN_P
 
 from .config import (OPTIMIZER_IMPL, TRAINER_MODE_PREFIX, VLLM_ENGINE_KWARGS, TIMVerlConfig, _to_plain,
                      rollout_min_p_overrides)
+from .optim import OPTIMIZERS
 
 __all__ = ["check_composed_config", "asks_sampling_mask"]
 
@@ -52,6 +53,12 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"actor_rollout_ref.actor.optim.optimizer_impl={arr.actor.optim.get('optimizer_impl')!r}: the LR decay "
             f"acts inside the optimizer. Fix: actor_rollout_ref.actor.optim.optimizer_impl={OPTIMIZER_IMPL} "
             f"actor_rollout_ref.actor.optim.optimizer=AdamW")
+    elif tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer") not in OPTIMIZERS:
+        # verl resolves the name in optimizer_impl's module (VERL_SOURCES verl.workers.config.optimizer:build_optimizer)
+        problems.append(
+            f"actor_rollout_ref.actor.optim.optimizer={arr.actor.optim.get('optimizer')!r} with optimizer_impl="
+            f"{OPTIMIZER_IMPL}: that module has {', '.join(OPTIMIZERS)}, which apply the LR decay inside step(). "
+            f"Fix: actor_rollout_ref.actor.optim.optimizer=AdamW")
     if tim.safe_vocab.enabled:
         rollout = arr.rollout
         if rollout.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":

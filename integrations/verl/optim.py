@@ -19,7 +19,9 @@ import torch
 from tim_plugins.lr_control import LengthTriggeredLRDecay
 from tim_plugins.lr_scaling import ControllerCheckpoint, ScaledLROptimizerMixin, scaled_optimizer_class
 
-__all__ = ["TIMLRDecayMixin", "AdamW", "Adam", "SGD"]
+__all__ = ["OPTIMIZERS", "TIMLRDecayMixin", "AdamW", "Adam", "SGD"]
+
+OPTIMIZERS = ("AdamW", "Adam", "SGD")  # the names ``actor_rollout_ref.actor.optim.optimizer`` may take here
 
 
 class TIMLRDecayMixin(ScaledLROptimizerMixin):
@@ -73,6 +75,4 @@ def _make(cls: type) -> type:
     })
 
 
-AdamW = _make(torch.optim.AdamW)
-Adam = _make(torch.optim.Adam)
-SGD = _make(torch.optim.SGD)
+AdamW, Adam, SGD = (_make(getattr(torch.optim, name)) for name in OPTIMIZERS)

@@ -682,3 +682,26 @@ def test_the_docs_monitor_only_block_composes_and_validates_and_each_line_is_nee
     # the rollout's log-probs are verl's default; switched off, the start-up says so with the fix
     _, problems, _ = check_composed_config(compose(base + block + ["actor_rollout_ref.rollout.calculate_log_probs=false"]))
     assert problems == [problems[0]] and problems[0].endswith("Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "adamw", "TIMLRDecayMixin"])
+def test_an_lr_decay_optimizer_name_the_tim_module_lacks_is_refused_at_start_up(toy_model_path, name):
+    """verl takes ``getattr(import_module(optimizer_impl), optimizer)`` in each worker (``build_optimizer``): a name
+    the tim module lacks, or one of its helpers, failed there, after start-up. The driver refuses it first, with the
+    value and the fix, which composes and builds the optimizer with verl's own ``build_optimizer``."""
+    import torch
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config.optimizer import build_optimizer
+
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    overrides = [o for o in recipe_overrides(toy_model_path)
+                 if not o.startswith("actor_rollout_ref.actor.optim.optimizer=")]
+    _, problems, _ = check_composed_config(compose([*overrides, f"actor_rollout_ref.actor.optim.optimizer={name}"]))
+    assert len(problems) == 1 and problems[0].startswith(f"actor_rollout_ref.actor.optim.optimizer={name!r}")
+    fix = problems[0].split("Fix: ")[1].split()
+    cfg = compose([*overrides, f"actor_rollout_ref.actor.optim.optimizer={name}", *fix])
+    assert check_composed_config(cfg)[1] == []
+    optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
+    built = build_optimizer([torch.nn.Parameter(torch.zeros(2))], optim)
+    assert type(built).__module__ == "tim_plugins.integrations.verl.optim" and type(built).__name__ == "AdamW"

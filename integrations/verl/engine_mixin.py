@@ -305,9 +305,17 @@ class TIMEngineMixin:
             if self._tim is None or "log_probs" not in model_output or not self._tim_holds_outputs():
                 return
             if self._tim_measuring(micro_batch, forward_only):
-                self._tim_update(micro_batch, model_output)
+                try:
+                    self._tim_update(micro_batch, model_output)
+                except Exception as err:  # a micro-batch the measurement cannot read costs its statistics, not the
+                    # step; the rank still takes part in the pass's merge (_tim_merge), as every rank of its group
+                    self._tim_measured = True
+                    self._tim_pipeline.count("measure_failed", detail=repr(err))  # strict mode raises
             if not forward_only and self._tim_pipeline.by_lag is not None:
-                self._tim_loss_pass(micro_batch, model_output)
+                try:
+                    self._tim_loss_pass(micro_batch, model_output)
+                except Exception as err:
+                    self._tim_pipeline.count("measure_failed", detail=repr(err))
         finally:
             self._tim_mb = None
 

@@ -234,6 +234,71 @@ def test_moved_safe_vocab_hook_switches_off_only_the_safe_vocabulary(engines, ba
         eng.tim_deconfigure()
 
 
+def test_a_micro_batch_the_monitor_cannot_read_is_counted_not_raised(engines, batch, monkeypatch):
+    """A measurement that fails on a micro-batch (here: the layout read made to raise, standing in for a layout this
+    code does not know) costs that micro-batch's statistics, not the step: the old-log-prob pass returns verl's own
+    log-probs, each micro-batch is counted under ``tim/diag/measure_failed``, and the pass still merges (verl's actor
+    builds no strict pipeline: diagnostics never stop its training)."""
+    from tim_plugins.integrations.verl import engine_mixin
+
+    eng = engines[True]
+    td, raw = batch
+    plain = H.old_log_probs_padded(H.infer(eng, td), td)
+
+    def unreadable(self, x):
+        raise RuntimeError("a layout this code does not know")
+
+    eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(engine_mixin.ResponseLayout, "cells", unreadable)
+            got = H.old_log_probs_padded(H.infer(eng, td), td)
+        metrics = eng.tim_pop_metrics()
+        # the next pass measures again
+        H.infer(eng, td)
+        again = eng.tim_pop_metrics()
+    finally:
+        eng.tim_deconfigure()
+    assert torch.equal(got, plain)
+    micro_batches = math.ceil(raw["response_mask"].shape[0] / 2)  # H.infer's micro_batch_size_per_gpu
+    assert metrics["tim/diag/measure_failed"] == micro_batches
+    assert metrics.get("tim/tokens", 0.0) == 0.0
+    assert again["tim/tokens"] == float(raw["response_mask"].sum())
+
+
+def test_a_training_micro_batch_the_split_cannot_read_is_counted_and_trains_alike(dist, toy_model_path, monkeypatch):
+    """The training pass's split (staleness vs mismatch) failing on its micro-batches: the step's losses, grad norm
+    and LR are those of the same engine whose split reads them, and the failures are counted."""
+    from tim_plugins.integrations.verl import engine_mixin
+
+    def unreadable(self, x):
+        raise RuntimeError("a layout this code does not know")
+
+    td, raw = H.make_batch(VOCAB, batch=4, seed=3)
+    results = []
+    for broken in (False, True):
+        eng = H.build_engine(toy_model_path)
+        eng.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+        try:
+            old = H.old_log_probs_padded(H.infer(eng, td), td)
+            with monkeypatch.context() as patch:
+                if broken:
+                    patch.setattr(engine_mixin.ResponseLayout, "cells", unreadable)
+                out, lr = H.train_step(eng, td, old)
+            metrics = eng.tim_pop_metrics()
+            H.infer(eng, td)  # the problem counts ride with the next window's metrics
+            metrics["next"] = eng.tim_pop_metrics()
+        finally:
+            eng.tim_deconfigure()
+        results.append(([float(v) for v in out["metrics"]["actor/pg_loss"].values], out["metrics"]["grad_norm"], lr,
+                        metrics))
+    (loss, grad_norm, lr, ok), (b_loss, b_grad_norm, b_lr, bad) = results
+    assert (b_loss, b_grad_norm, b_lr) == (loss, grad_norm, lr)
+    assert any(k.startswith("tim/staleness/") for k in ok) and not any(k.startswith("tim/staleness/") for k in bad)
+    assert "tim/diag/measure_failed" not in ok["next"]
+    assert bad["next"]["tim/diag/measure_failed"] == math.ceil(raw["response_mask"].shape[0] / 2)
+
+
 def test_boundary_masked_loss_puts_the_micro_batch_mask_back(dist, toy_model_path):
     """verl's loss reads the boundary-masked ``response_mask``; after the call the micro-batch holds its own mask
     again (it was rewritten in place and left so)."""

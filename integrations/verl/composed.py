@@ -91,18 +91,56 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"{written} with no limit and tim.probe.enable unset: the probe is off (a limit or tim.probe.enable=true "
             f"switches it on), so these settings do nothing. Fix: +tim.probe.enable=true (its default limit "
             f"kl_k3={ParityProbeConfig().kl_k3_max:g}) or +tim.probe.kl_k3=<limit>")
+    notes.extend(_options_left_off(config.get("tim") or {}, tim))
     save_freq = _number((config.get("trainer") or {}).get("save_freq"), -1)
     if tim.probe.enabled and tim.probe.action == "stop" and save_freq <= 0:
         # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit (saves only with save_freq > 0)
         notes.append(
-            f"tim.probe.action='stop' with trainer.save_freq={config.trainer.get('save_freq')!r}: a probe stop ends the "
-            "run after the step it trips on, and verl writes no checkpoint with save_freq <= 0 (its default), so "
+            f"tim.probe.action='stop' with trainer.save_freq={config.trainer.get('save_freq')!r}: a probe stop ends "
+            "the run after the step it trips on, and verl writes no checkpoint with save_freq <= 0 (its default), so "
             "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
             "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
     return tim, problems, notes
+
+
+def _options_left_off(node: Any, tim: TIMVerlConfig) -> list[str]:
+    """Options written in a ``tim`` section that a switch leaves off (they would do nothing): one line per section,
+    naming the switch and the override that turns it on (``++``: the user may have written the switch). The probe
+    has its own line (check_composed_config)."""
+    monitor = (not tim.monitor.enable, "tim.monitor.enable is false", "++tim.monitor.enable=true")
+    causes = (not tim.causes.enable, "tim.causes.enable is false", "++tim.causes.enable=true")
+    sections = {  # section: the keys that switch it, then (off, why, fix) for each switch it needs, in order
+        "monitor": (("enable",), [monitor]),
+        "safe_vocab": (("enable", "min_p"), [(not tim.safe_vocab.enabled, "tim.safe_vocab.min_p is 0",
+                                              f"++tim.safe_vocab.min_p={DEFAULT_MIN_P:g} (or "
+                                              "++tim.safe_vocab.enable=true)")]),
+        "lr_decay": (("enable",), [(not tim.lr_decay.enable, "tim.lr_decay.enable is false",
+                                    "++tim.lr_decay.enable=true")]),
+        "causes": (("enable",), [monitor, causes]),
+        "sync_check": (("enable",), [monitor, causes, (not tim.sync_check.enable, "tim.sync_check.enable is false",
+                                                       "++tim.sync_check.enable=true")]),
+    }
+    out = []
+    for section, (switch, needs) in sections.items():
+        written = {k: v for k, v in (_to_plain(node.get(section)) or {}).items() if k not in switch}
+        off = [(why, fix) for is_off, why, fix in needs if is_off]
+        if written and off:
+            settings = ", ".join(f"tim.{section}.{k}={v!r}" for k, v in _flat(written).items())
+            out.append(f"{settings} while {' and '.join(why for why, _ in off)}: "
+                       f"{'this setting does' if len(written) == 1 else 'these settings do'} nothing. "
+                       f"Fix: {' '.join(fix for _, fix in off)}")
+    return out
+
+
+def _flat(options: dict, prefix: str = "") -> dict:
+    """{"options": {"window": 10}} -> {"options.window": 10}: the names as the user wrote them."""
+    out = {}
+    for k, v in options.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
 
 
 def _topk_distillation(distillation: Any) -> bool:

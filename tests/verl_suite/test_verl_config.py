@@ -705,3 +705,41 @@ def test_an_lr_decay_optimizer_name_the_tim_module_lacks_is_refused_at_start_up(
     optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
     built = build_optimizer([torch.nn.Parameter(torch.zeros(2))], optim)
     assert type(built).__module__ == "tim_plugins.integrations.verl.optim" and type(built).__name__ == "AdamW"
+
+
+@pytest.mark.parametrize("written, why", [
+    (["+tim.lr_decay.options.window=10"], ["tim.lr_decay.enable is false"]),
+    (["+tim.monitor.ratio_band=[0.8,1.25]", "+tim.monitor.log_detail=true"], ["tim.monitor.enable is false"]),
+    (["+tim.safe_vocab.mask_boundary=false"], ["tim.safe_vocab.min_p is 0"]),
+    (["+tim.causes.confident_p=0.6"], ["tim.monitor.enable is false"]),
+    (["+tim.sync_check.every_n_syncs=2", "+tim.monitor.enable=true", "+tim.causes.enable=false"],
+     ["tim.causes.enable is false"]),
+    (["+tim.sync_check.every_n_syncs=2", "+tim.monitor.enable=false", "+tim.sync_check.enable=false"],
+     ["tim.monitor.enable is false", "tim.sync_check.enable is false"]),
+])
+def test_options_a_switch_leaves_off_are_said_at_start_up_with_a_fix_that_composes(written, why):
+    """Options whose section is off do nothing: one start-up line names them, the switch, and overrides that, pasted
+    after the user's own (which may have written the switch), compose on verl's config and switch it on."""
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    base = ["trainer.v1.trainer_mode=tim_sync"]
+    _, _, notes = check_composed_config(compose([*base, *written]))
+    section = written[0].split(".")[1]
+    mine = [n for n in notes if n.startswith(f"tim.{section}.") and "nothing. Fix: " in n]
+    assert len(mine) == 1, notes
+    note = mine[0]
+    option = written[0].split("=")[0].lstrip("+")
+    assert note.startswith(option) and f" while {' and '.join(why)}: " in note
+    fix = note.split("Fix: ")[1].split(" (or ")[0].split()
+    tim, _, notes = check_composed_config(compose([*base, *written, *fix]))
+    assert not [n for n in notes if "nothing. Fix: " in n], notes
+
+
+def test_no_left_off_line_when_the_switch_is_on_or_nothing_is_written(toy_model_path):
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    for overrides in (["trainer.v1.trainer_mode=tim_sync"], recipe_overrides(toy_model_path),
+                      ["trainer.v1.trainer_mode=tim_sync", "+tim.monitor.enable=true", "+tim.causes.confident_p=0.6",
+                       "+tim.sync_check.every_n_syncs=2"]):
+        _, _, notes = check_composed_config(compose(overrides))
+        assert not [n for n in notes if "nothing. Fix: " in n], notes

@@ -191,6 +191,7 @@ class TIMTrainerMixin:
             return
         # the probe decided in the actor workers on the merged metrics (StepPipeline.compute); the driver acts
         if decision.action == "raise":
+            self._tim_record_tripped_step(metrics)
             raise ParityError(decision.message, trip=decision)
         if decision.stop and self._tim_stop is None:
             # make this step the last one; its checkpoint is written in on_step_end
@@ -198,6 +199,31 @@ class TIMTrainerMixin:
                            decision.message)
             self._tim_stop = (self.global_steps, self.total_training_steps)
             self.total_training_steps = self.global_steps
+
+    def _tim_record_tripped_step(self, metrics: dict) -> None:
+        """Before the driver raises: the step's ``tim/*`` metrics, which verl logs only at the end of the step that
+        the raise never reaches, go where that row would have gone: the dump's ``log_history.jsonl`` (the report's
+        series) and verl's tracker (the step's ``tim/*`` row, wandb's chart of the trip). Never raised itself."""
+        row = {k: v for k, v in metrics.items() if k.startswith("tim/")}
+        if self.tim.dump.enabled:
+            from tim_plugins.dump import append_log_history
+
+            try:
+                append_log_history(self.tim.dump.dir, self.global_steps, metrics)
+            except OSError as err:
+                logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit (self.logger, the step's Tracking)
+        tracker = getattr(self, "logger", None)
+        if tracker is None:
+            return
+        if not self.tim.monitor.log_detail:
+            from tim_plugins.log_keys import in_step_log
+
+            row = {k: v for k, v in row.items() if in_step_log(k)}
+        try:
+            tracker.log(data=row, step=self.global_steps)
+        except Exception as err:  # the ParityError that follows says what tripped
+            logger.warning("tim-plugins: could not log the tripped step's metrics: %r", err)
 
     def on_step_end(self):
         # first, where verl's fit writes its own (after the step, before on_step_end, whose colocated modes wake the

@@ -53,7 +53,7 @@ def _driver(engine, tim: TIMVerlConfig, step: int):
 
 
 @pytest.mark.parametrize("action", ["warn", "raise", "stop"])
-def test_the_engine_decides_on_the_merged_k3_and_the_driver_acts(toy_model_path, action):
+def test_the_engine_decides_on_the_merged_k3_and_the_driver_acts(toy_model_path, action, tmp_path, monkeypatch):
     from tim_plugins.parity.findings import ParityError
 
     H.init_dist(port={"warn": 29591, "raise": 29592, "stop": 29593}[action])
@@ -88,8 +88,24 @@ def test_the_engine_decides_on_the_merged_k3_and_the_driver_acts(toy_model_path,
     trainer = _driver(engine, tim, 4)
     logged: dict = {}
     if action == "raise":
+        # the raise ends the step before verl logs it: the tripped step's row still reaches verl's tracker (its own
+        # file backend here) and the dump's log history, as verl's row and _compute_metrics would have written them
+        import dataclasses
+        import json
+
+        from verl.utils.tracking import Tracking
+
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "tracker.jsonl"))
+        trainer.logger = Tracking("p", "e", default_backend=["file"])
+        trainer.tim = dataclasses.replace(tim, dump=dataclasses.replace(tim.dump, dir=str(tmp_path)))
         with pytest.raises(ParityError, match=r"tripped at step 4: tim/token/kl_k3=.* > "):
             trainer._tim_collect(logged)
+        trainer.logger.logger["file"].finish()
+        (tracked,) = [json.loads(line) for line in (tmp_path / "tracker.jsonl").read_text().splitlines()]
+        (history,) = [json.loads(line) for line in (tmp_path / "log_history.jsonl").read_text().splitlines()]
+        assert tracked["step"] == history["step"] == 4
+        assert tracked["data"]["tim/token/kl_k3"] == history["tim/token/kl_k3"] == logged["tim/token/kl_k3"]
+        assert tracked["data"]["tim/probe/tripped"] == 1.0 and all(k.startswith("tim/") for k in tracked["data"])
     else:
         trainer._tim_collect(logged)
     assert logged["tim/probe/tripped"] == 1.0 and logged["tim/token/kl_k3"] == pytest.approx(k3_b, rel=1e-6)

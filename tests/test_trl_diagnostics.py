@@ -122,6 +122,30 @@ def test_probe_stops_training_gracefully_only_past_its_threshold(toy_model_path,
         assert steps[0]["tim/probe/tripped"] == 1.0
 
 
+def test_a_probe_raise_logs_the_tripped_step_first(toy_model_path, tmp_path):
+    """action="raise": ``train()`` raises ``ParityError`` at the first step past the limit, and that step's row is
+    in TRL's log history (with TRL's own window metrics: its reward) and in the dump's log history, with the value
+    that tripped; nothing raises on the step before."""
+    from tim_plugins.dump import LOG_HISTORY, read_log_history
+    from tim_plugins.parity.findings import ParityError
+
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=3)
+    dump = tmp_path / "dump"
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(
+        rollout="inject", inject_options={"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}, dump_dir=str(dump),
+        parity_probe=True, parity_probe_options={"kl_k3_max": None, "abs_diff_max": PROBE_ABS_DIFF_MAX,
+                                                 "action": "raise"})))
+    with pytest.raises(ParityError, match=r"tim/token/abs_diff_max=") as err:
+        trainer.train()
+    assert err.value.trip.step == 1
+    (row,) = [h for h in trainer.state.log_history if "tim/probe/tripped" in h]
+    (dumped,) = read_log_history(dump / LOG_HISTORY)
+    assert row["step"] == dumped["step"] == 1 and row["tim/probe/tripped"] == dumped["tim/probe/tripped"] == 1.0
+    assert dumped["tim/token/abs_diff_max"] > PROBE_ABS_DIFF_MAX and "reward" in row
+    logged = [k for k in row if k.startswith("tim/")]
+    assert len(logged) > 2 and all(row[k] == pytest.approx(dumped[k], rel=1e-12) for k in logged)
+
+
 def test_wandb_histograms(toy_model_path, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

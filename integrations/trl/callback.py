@@ -40,6 +40,7 @@ from tim_plugins.dump import append_log_history, write_summary
 from tim_plugins.integrations.hf.recorder import record_processed_logprobs
 from tim_plugins.kept_set import kept_set_line
 from tim_plugins.log_keys import for_step_log
+from tim_plugins.parity.findings import ParityError
 from tim_plugins.lr_scaling import apply_lr_scale
 from tim_plugins.patching import Patch
 from tim_plugins.pipeline import PipelineConfig, StepPipeline, mean_length
@@ -597,7 +598,7 @@ class TIMCallback(TrainerCallback):
         """Append this logging window's tim/ metrics to ``trainer._metrics["train"]``: TRL's ``log()`` averages
         them with its own into the next log entry."""
         self._pushed_at = state.global_step
-        out, decision, hists = self.pipeline.compute(state.global_step)
+        out, decision, hists = self.pipeline.compute(state.global_step, raise_on_trip=False)
         if decision is not None and decision.stop:
             logger.warning("tim_plugins: parity probe tripped at step %d (%s); stopping training", state.global_step,
                            ", ".join(f"{t.key}={t.value:.4g}" for t in decision.trips))
@@ -618,6 +619,12 @@ class TIMCallback(TrainerCallback):
         store = self.trainer._metrics["train"]
         for key, value in out.items():
             store[key].append(float(value))
+        if decision is not None and decision.action == "raise":
+            # the raise ends the step before the trainer logs it: the tripped window's row is logged first (TRL's
+            # log() averages the window as it would have), so the step the run stopped at is in the trainer's log
+            # history and every reporting integration
+            self.trainer.log({})
+            raise ParityError(decision.message, trip=decision)
 
     def _log_histograms(self, hists: dict) -> None:
         try:

@@ -369,3 +369,42 @@ def test_doctor_lists_the_query_engine():
     from tim_plugins.apps.doctor import _versions
 
     assert ("duckdb", duckdb.__version__, None) in _versions()
+
+
+def test_a_crashed_run_s_broken_files_are_skipped_and_named(tmp_path):
+    """A dump folder with a torn file (a run killed while a non-atomic copy or a full disk cut it), an empty one
+    and a Parquet file of another schema: the report reads the complete dump files, its numbers are those of
+    those files alone (a naive recomputation), and the page names each file it skipped and why."""
+    import shutil
+
+    from tim_plugins.report import build_report
+    from tim_plugins.report.tokens import metrics_by_step, overall_metrics
+
+    good = _dump(tmp_path / "good", steps=(1, 2), ranks=(0, 1))
+    run = tmp_path / "run"
+    shutil.copytree(good, run)
+    whole = (run / "step_00000002-rank_0001.parquet").read_bytes()
+    (run / "step_00000003-rank_0000.parquet").write_bytes(whole[: len(whole) // 2])
+    (run / "step_00000003-rank_0001.parquet").write_bytes(b"")
+    pq.write_table(pa.table({"x": [1, 2]}), run / "step_00000004-rank_0000.parquet")
+    broken = ["step_00000003-rank_0000.parquet", "step_00000003-rank_0001.parquet", "step_00000004-rank_0000.parquet"]
+
+    valid = ref.load_tokens(good)  # the complete files' valid rows, read whole
+    d = valid.d
+    with engine():
+        dump = open_dump(run)
+        assert [name for name, _ in dump.skipped] == broken
+        assert dump.size == d.size and dump.invalid == valid.invalid
+        steps, per_step = metrics_by_step(dump)
+        assert steps.tolist() == [1, 2]
+        for s, m in zip(steps, per_step):
+            ds = d[valid.step == s]
+            assert m["tim/tokens"] == ds.size
+            assert m["tim/token/kl_k3"] == pytest.approx(np.mean(np.expm1(ds) - ds), rel=1e-9)
+        overall = overall_metrics(dump)
+        assert overall["tim/token/abs_diff_mean"] == pytest.approx(np.abs(d).mean(), rel=1e-9)
+        assert {r["step"] for r in dump.largest_disagreements(20, 2)} <= {1, 2}
+    html = build_report(run, threads=1).read_text()
+    assert f"{d.size} tokens from" in html
+    for name in broken:
+        assert name in html

@@ -51,7 +51,7 @@ from tim_plugins.dump import dump_files
 from tim_plugins.report import bins as B
 
 __all__ = ["DEFAULT_MEMORY_LIMIT", "DEFAULT_THREADS", "MEMORY_LIMIT_ENV", "FETCH_ROWS", "Engine", "Dump", "engine",
-           "snapshot", "open_dump", "parse_memory_limit", "combine"]
+           "snapshot", "readable", "open_dump", "parse_memory_limit", "combine"]
 
 # DuckDB's memory cap for the report's queries, and the env variable that overrides it. A query needing more
 # spills to a temporary folder; the report's queries are small, so a dump of any size fits under it.
@@ -73,6 +73,36 @@ def _expm1(d: float) -> float:
 def snapshot(folder: str | os.PathLike) -> list[str]:
     """The complete dump files of ``folder`` now (sorted names; the writer renames a finished file into place)."""
     return [str(p) for p in dump_files(folder)]
+
+
+# The columns every dump file has (``dump.DUMP_COLUMNS`` but the optional entropy), by kind of type.
+_KEY_COLUMNS = ("step", "rank", "sequence", "position", "token_id")
+_LOGPROB_COLUMNS = ("rollout_logprob", "train_logprob")
+
+
+def readable(files: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the files of ``files`` a pass can read, [(name, why) of the others]): a file whose Parquet footer does not
+    read (torn or empty: a crashed run's copy, a full disk) or that lacks a dump column is skipped, not read."""
+    import pyarrow.parquet as pq
+    import pyarrow.types as pt
+
+    ok, skipped = [], []
+    for path in files:
+        try:
+            schema = pq.ParquetFile(path).schema_arrow
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError, a vanished file an OSError
+            skipped.append((Path(path).name, f"not a readable Parquet file ({str(err).splitlines()[0][:120]})"))
+            continue
+        bad = [name for name in _KEY_COLUMNS if schema.get_field_index(name) < 0
+               or not pt.is_integer(schema.field(name).type)]
+        bad += [name for name in _LOGPROB_COLUMNS if schema.get_field_index(name) < 0
+                or not pt.is_floating(schema.field(name).type)]
+        if bad:
+            skipped.append((Path(path).name, "not a dump file: column(s) missing or not numeric: "
+                            + ", ".join(bad)))
+            continue
+        ok.append(path)
+    return ok, skipped
 
 
 def parse_memory_limit(value) -> str:
@@ -196,16 +226,19 @@ class Dump:
     """The valid rows of a dump folder's snapshot (finite log-probs above the invalid-placeholder threshold), and
     the report's statistics over them.
 
-    Attributes: ``files`` (the snapshot), ``size`` (valid tokens), ``rows`` (rows of the files), ``invalid``
+    Attributes: ``files`` (the snapshot's readable files), ``skipped`` ([(file name, why)] of the snapshot's files
+    left out: ``readable``), ``size`` (valid tokens), ``rows`` (rows of the files), ``invalid``
     (rows left out), ``passes`` (passes made over the files: {"full", "narrow", "context"}), ``prepared`` (the
     sets of dumps, by ids, whose figures' first narrow pass this dump made: ``tokens._prepare``)."""
 
     def __init__(self, folder: str | os.PathLike, eng: Engine) -> None:
         self.folder = Path(folder)
-        self.files = snapshot(self.folder)
-        if not self.files:
+        files = snapshot(self.folder)
+        if not files:
             raise FileNotFoundError(f"no dump files (step_*-rank_*.parquet) in {str(folder)!r}: point at the folder "
                                     "the dumper wrote.")
+        # a crashed run's torn or empty files are left out (and named on the page), not read
+        self.files, self.skipped = readable(files)
         self.engine = eng
         self.con = eng.con
         self.passes = {"full": 0, "narrow": 0, "context": 0}

@@ -227,13 +227,13 @@ def _series_figure(page, table: dict, framework: str | None = None, runs: dict |
 
 
 def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
-    from tim_plugins.report.tokens import run_tokens
+    from tim_plugins.report.tokens import run_tokens, skipped_files_html
 
     tokens = run_tokens(summary, run_dir)
     table = step_table(summary, tokens)
     v = summary.get("verdict") or training_verdict(summary, tokens, table)
     page.raw("<p>Measured over every monitored token of every step (rollout log-probs vs the trainer's "
-             "recomputation of the same tokens):</p>")
+             "recomputation of the same tokens):</p>" + skipped_files_html(tokens))
     page.verdict(v, v.get("extra", []))
     from tim_plugins.report.causes import causes_section
 
@@ -360,7 +360,7 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     """A report for a bare per-token dump (e.g. ``TIMConfig(dump_dir=...)``): verdict over all rows, per-step
     series when the dump spans several steps, the per-token figures."""
     from tim_plugins.report.disagreements import dump_disagreements
-    from tim_plugins.report.tokens import has_dump, load_tokens
+    from tim_plugins.report.tokens import has_dump, load_tokens, skipped_files_html
 
     # a run's folder (summary.json, log_history.jsonl) before its first dump file: the logged steps and causes alone
     tokens = load_tokens(dump_dir) if has_dump(dump_dir) or not summary else None
@@ -372,7 +372,8 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
                  "metrics the run logged.</p>")
     else:
         page.raw(f"<p>{tokens.size} tokens from {tokens.sequences().length.size} sequences in the dump"
-                 + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>")
+                 + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>"
+                 + skipped_files_html(tokens))
     page.verdict(v, v.get("extra", []))
     from tim_plugins.report.causes import causes_section
 

@@ -5,7 +5,9 @@ compare on one page."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 
 import numpy as np
@@ -408,3 +410,53 @@ def test_a_crashed_run_s_broken_files_are_skipped_and_named(tmp_path):
     assert f"{d.size} tokens from" in html
     for name in broken:
         assert name in html
+
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak memory from /proc (Linux)")
+def test_one_large_file_is_read_in_chunks_not_whole(tmp_path):
+    """A dump file far larger than a chunk (one file per step and rank: a step dumped with a high
+    max_sequences_per_step) is read a chunk of row groups at a time: the full pass's peak memory grows by a few
+    chunks, not by the file's columns, and its numbers are a naive recomputation's."""
+    import subprocess
+    import sys
+
+    n = 1 << 22
+    rng = np.random.default_rng(0)
+    r = (-rng.random(n) * 6).astype(np.float32)
+    t = (r + rng.normal(0, 0.05, n)).astype(np.float32)
+    r[::1000] = -9999.0  # placeholders
+    seq = np.arange(n) // 2048
+    pq.write_table(pa.table({"step": np.full(n, 3, np.int64), "rank": np.zeros(n, np.int32), "sequence": seq,
+                             "position": (np.arange(n) % 2048).astype(np.int32), "token_id": np.zeros(n, np.int64),
+                             "rollout_logprob": r, "train_logprob": t}),
+                   tmp_path / "step_00000003-rank_0000.parquet", row_group_size=1 << 14)
+    ok = r > -1000
+    d = t[ok].astype(np.float64) - r[ok].astype(np.float64)
+    columns = n * (8 + 4 + 8 + 4 + 4 + 4)  # the six columns the full pass reads, as stored: what a whole read holds
+    code = f"""
+import json
+import tim_plugins.report.scan as scan
+from tim_plugins.report.query import engine, open_dump
+scan.CHUNK_ROWS = 1 << 14  # chunks of a row group: the growth is a few of them plus the pass's fixed costs
+from tim_plugins.report.tokens import overall_metrics
+def peak():  # this process's peak resident memory (VmHWM: its own, not the parent's as ru_maxrss after exec)
+    line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+with engine(threads=1):
+    dump = open_dump({str(tmp_path)!r})
+    base = peak()
+    dump.full()
+    grew = peak() - base
+    m = overall_metrics(dump)
+    print(json.dumps({{"grew": grew, "size": dump.size, "invalid": dump.invalid, "k3": m["tim/token/kl_k3"],
+                       "abs": m["tim/token/abs_diff_mean"], "seqs": m["tim/seq/count"]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # read whole, the file's columns are in memory at least once (2.2x them, measured, before it was chunked)
+    assert got["grew"] < columns, f"the full pass grew by {got['grew'] / 1e6:.0f} MB for {columns / 1e6:.0f} MB of columns"
+    assert (got["size"], got["invalid"]) == (d.size, n - d.size)
+    assert got["k3"] == pytest.approx(np.mean(np.expm1(d) - d), rel=1e-9)
+    assert got["abs"] == pytest.approx(np.abs(d).mean(), rel=1e-9)
+    assert got["seqs"] == np.unique(seq[ok]).size

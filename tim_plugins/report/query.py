@@ -105,15 +105,28 @@ def readable(files: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
     return ok, skipped
 
 
+# The smallest memory limit: DuckDB allocates 256 KiB blocks and fails any query under about one (a zero limit
+# only failed at the largest disagreements' query, after the passes).
+MIN_MEMORY_LIMIT = 10**6  # 1MB
+_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30, "tb": 10**12,
+          "tib": 2**40}
+
+
 def parse_memory_limit(value) -> str:
-    """``value`` (bytes as an int, or DuckDB's "1GB" / "500MB" form) as DuckDB's setting; env / default if None."""
+    """``value`` (bytes as an int, or DuckDB's "1GB" / "500MB" form; at least ``MIN_MEMORY_LIMIT``) as DuckDB's
+    setting; env / default if None."""
     value = os.environ.get(MEMORY_LIMIT_ENV, DEFAULT_MEMORY_LIMIT) if value is None else value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return f"{int(value)}B"
-    if isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*", value, re.I):
-        return value.strip()
-    raise ValueError(f"memory_limit={value!r} is invalid: it must be a size such as '1GB' or '500MB' (or bytes as "
-                     f"an int); set it with --memory-limit or {MEMORY_LIMIT_ENV}.")
+    size = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size, text = value, f"{int(value)}B"
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*", value, re.I)
+        if m:
+            size, text = float(m[1]) * _UNITS[m[2].lower()], value.strip()
+    if size is not None and size >= MIN_MEMORY_LIMIT:
+        return text
+    raise ValueError(f"memory_limit={value!r} is invalid: it must be a size of at least 1MB such as '1GB' or '500MB' "
+                     f"(or bytes as an int); set it with --memory-limit or {MEMORY_LIMIT_ENV}.")
 
 
 class Engine:

@@ -206,3 +206,40 @@ def test_a_run_folder_before_its_first_dump_file_reports_its_logged_steps_and_ca
     assert "No per-token rows in the dump yet" in html
     assert "floor-jump" in html and "Per optimizer step" in html
     assert ">Per token</h2>" not in html
+
+
+def test_a_run_resumed_after_a_torn_log_line_keeps_its_first_logged_step(tmp_path):
+    """A run killed mid-append leaves a torn last line in log_history.jsonl / causes.jsonl; the resumed run appends
+    after it. Its first row (the step it redid) and its first cause are read, not glued to the torn line and lost,
+    and the report's per-step series and verdict show them. A log written that way before (the row glued to the
+    torn line) is recovered too."""
+    import json
+
+    from tim_plugins.causes import Cause
+    from tim_plugins.dump import (CAUSES_LOG, LOG_HISTORY, append_causes, append_log_history, last_row_per_step,
+                                  read_log_history)
+    from tim_plugins.report.causes import read_causes
+
+    for step in (1, 2, 3):
+        append_log_history(tmp_path, step, {"tim/tokens": 10.0, "tim/token/kl_k3": 1e-4})
+    with open(tmp_path / LOG_HISTORY, "a") as f:
+        f.write('{"step": 4, "tim/tokens": 10.0, "tim/tok')  # killed mid-write
+    with open(tmp_path / CAUSES_LOG, "a") as f:
+        f.write('{"code": "floor-jump", "step": 4, "mess')
+    for step in (3, 4, 5):  # resumed from the checkpoint of step 2
+        append_log_history(tmp_path, step, {"tim/tokens": 20.0, "tim/token/kl_k3": 5e-2})
+    append_causes(tmp_path, [Cause("floor-jump", 3, "the lag-0 floor jumped")])
+    rows = last_row_per_step(read_log_history(tmp_path / LOG_HISTORY))
+    assert [(r["step"], r["tim/tokens"], r["tim/token/kl_k3"]) for r in rows] == [
+        (1, 10.0, 1e-4), (2, 10.0, 1e-4), (3, 20.0, 5e-2), (4, 20.0, 5e-2), (5, 20.0, 5e-2)]
+    assert [(c["code"], c["step"]) for c in read_causes(tmp_path)] == [("floor-jump", 3)]
+    html = build_report(tmp_path, summary={"framework": "verl", "settings": {}}).read_text()
+    assert "floor-jump at step 3" in html
+    assert "3 optimizer steps" not in html and "5 optimizer steps, 80 monitored tokens" in html
+
+    glued = tmp_path / "glued"
+    glued.mkdir()
+    (glued / LOG_HISTORY).write_text(
+        json.dumps({"step": 1, "tim/tokens": 1.0}) + "\n" + '{"step": 2, "tim/tok' + json.dumps(
+            {"step": 2, "tim/tokens": 2.0}) + "\n" + json.dumps({"step": 3, "tim/tokens": 3.0}) + "\n")
+    assert read_log_history(glued / LOG_HISTORY) == [{"step": s, "tim/tokens": float(s)} for s in (1, 2, 3)]

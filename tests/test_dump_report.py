@@ -243,3 +243,27 @@ def test_a_run_resumed_after_a_torn_log_line_keeps_its_first_logged_step(tmp_pat
         json.dumps({"step": 1, "tim/tokens": 1.0}) + "\n" + '{"step": 2, "tim/tok' + json.dumps(
             {"step": 2, "tim/tokens": 2.0}) + "\n" + json.dumps({"step": 3, "tim/tokens": 3.0}) + "\n")
     assert read_log_history(glued / LOG_HISTORY) == [{"step": s, "tim/tokens": float(s)} for s in (1, 2, 3)]
+
+
+def test_report_out_that_is_a_folder_fails_before_reading_the_dump(tmp_path, capsys, monkeypatch):
+    """``--out`` naming an existing folder (or a path under a file) is a usage mistake: it fails at once with the
+    value and the fix, before the passes over the dump (minutes on a large one), not with IsADirectoryError after
+    them."""
+    from tim_plugins.apps.cli import main
+    import tim_plugins.report.scan as scan
+
+    rollout, train, mask, tokens, _ = _batch(B=8, T=30)
+    TokenDumper(out_dir=str(tmp_path / "dump"), sample_rate=1.0).write(0, rollout, train, mask, tokens)
+    (tmp_path / "a_file").write_text("x")
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the dump was read before --out was checked")
+
+    monkeypatch.setattr(scan, "full_pass", no_pass)
+    for out in (tmp_path, tmp_path / "a_file" / "r.html"):
+        assert main(["report", str(tmp_path / "dump"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {str(out)!r}" in err and "report.html" in err
+    assert main(["report", str(tmp_path / "dump"), str(tmp_path / "dump"), "--label", "a", "--label", "b",
+                 "--out", str(tmp_path)]) == 2
+    assert f"--out {str(tmp_path)!r}" in capsys.readouterr().err

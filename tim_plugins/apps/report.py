@@ -81,6 +81,12 @@ def _main(args) -> int:
     if args.label is not None and (len(args.label) != len(args.dir) or len(set(args.label)) != len(args.label)):
         raise UsageError(f"--label {args.label!r}: give one distinct --label per folder, in order ({len(args.dir)} "
                          "folders), or none to name each run by its folder.")
+    if args.out is not None:
+        out, above = Path(args.out), next((p for p in Path(args.out).parents if p.exists()), None)
+        if out.is_dir() or (above is not None and not above.is_dir()):
+            what = "is a folder" if out.is_dir() else f"lies under {str(above)!r}, a file"
+            raise UsageError(f"--out {args.out!r}: {what}; pass the HTML file to write, e.g. --out "
+                             f"{str((out if out.is_dir() else Path.cwd()) / 'report.html')!r}.")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads}: must be >= 1 (or left out for every core).")
     from tim_plugins.report.query import parse_memory_limit

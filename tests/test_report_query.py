@@ -476,3 +476,18 @@ def test_a_memory_limit_too_small_for_duckdb_fails_before_the_passes(tmp_path, c
     assert f"--memory-limit '{limit}'" in err and "at least 1MB" in err and not (tmp_path / "report.html").exists()
     with Engine(memory_limit="1MB") as eng:  # the smallest allowed works
         assert eng.setting("memory_limit")
+
+
+def test_a_measure_report_names_a_setting_s_skipped_dump_file(tmp_path):
+    """The measure page reads each setting's dump like the others: a torn file in one is skipped and named with its
+    setting, and the page's per-token numbers are those of the complete files."""
+    import json
+
+    from tim_plugins.report import build_report
+
+    _dump(tmp_path / "dump_a", steps=(1,), ranks=(0,))
+    (tmp_path / "dump_a" / "step_00000002-rank_0000.parquet").write_bytes(b"PAR1 torn")
+    (tmp_path / "summary.json").write_text(json.dumps({"kind": "measure", "comparisons": {"bf16": {
+        "tim/token/kl_k3": 1e-4}}, "dumps": {"bf16": "dump_a"}}))
+    html = build_report(tmp_path, threads=1).read_text()
+    assert re.search(r"bf16.{0,80}1 file of the dump folder skipped.{0,200}step_00000002-rank_0000\.parquet", html)

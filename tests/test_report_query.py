@@ -491,3 +491,13 @@ def test_a_measure_report_names_a_setting_s_skipped_dump_file(tmp_path):
         "tim/token/kl_k3": 1e-4}}, "dumps": {"bf16": "dump_a"}}))
     html = build_report(tmp_path, threads=1).read_text()
     assert re.search(r"bf16.{0,80}1 file of the dump folder skipped.{0,200}step_00000002-rank_0000\.parquet", html)
+
+
+def test_every_number_is_the_same_when_a_file_is_read_in_chunks_smaller_than_a_sequence(tmp_path, monkeypatch):
+    """Files read a few rows at a time (each sequence split over chunks and threads): every number still equals the
+    in-memory computation."""
+    import tim_plugins.report.scan as scan
+
+    monkeypatch.setattr(scan, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(scan, "SLICE_ROWS", 5)
+    ref.assert_same_numbers(_dump(tmp_path, steps=(1, 2), ranks=(0, 1), T=20))

@@ -267,3 +267,29 @@ def test_report_out_that_is_a_folder_fails_before_reading_the_dump(tmp_path, cap
     assert main(["report", str(tmp_path / "dump"), str(tmp_path / "dump"), "--label", "a", "--label", "b",
                  "--out", str(tmp_path)]) == 2
     assert f"--out {str(tmp_path)!r}" in capsys.readouterr().err
+
+
+def test_a_run_whose_model_folder_has_no_loadable_tokenizer_reports_token_ids(tmp_path, capsys):
+    """summary.json names the run's model folder, and it exists, but no tokenizer loads from it here (weights only,
+    or a sentencepiece tokenizer in a report environment without sentencepiece): the report is written with token
+    ids, the hint on the page, and a line saying why; the same folder passed as --tokenizer is a usage error that
+    names it."""
+    pytest.importorskip("transformers")
+    import json
+
+    from tim_plugins.apps.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    run = tmp_path / "run"
+    rollout, train, mask, tokens, _ = _batch(B=8, T=30)
+    TokenDumper(out_dir=str(run), sample_rate=1.0).write(0, rollout, train, mask, tokens)
+    (run / "summary.json").write_text(json.dumps({"framework": "verl", "settings": {"model": str(model)}}))
+    assert main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert str(model) in err and "token ids" in err
+    assert "Token ids only: pass the tokenizer" in (run / "report.html").read_text()
+    assert main(["report", str(run), "--tokenizer", str(model), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {str(model)!r}" in err and not (tmp_path / "r.html").exists()

@@ -5,6 +5,7 @@ output folder or a per-token dump folder; with several folders, one page compari
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tim_plugins.apps.cli import UsageError
@@ -65,6 +66,24 @@ def _run_tokenizer(folder: Path, given: str | None) -> str | None:
                  if isinstance(p, str) and Path(p).exists()), None)
 
 
+def _decoder(folder: Path, given: str | None):
+    """``token_decoder`` of ``given`` (--tokenizer), else of the run's model folder (``_run_tokenizer``). A run's
+    folder whose tokenizer does not load here (weights only; a sentencepiece tokenizer without sentencepiece) leaves
+    token ids, with a line saying so; a --tokenizer that does not load is a usage error."""
+    path = _run_tokenizer(folder, given)
+    try:
+        return token_decoder(path)
+    except Exception as err:  # noqa: BLE001 - transformers raises ValueError, OSError, ... for what it cannot load
+        why = " ".join(str(err).split())[:300]
+        if given is not None:
+            raise UsageError(f"--tokenizer {given!r}: no tokenizer loads from it ({why}); pass the HF checkpoint "
+                             "folder the run used (its tokenizer decodes the token ids).") from None
+        print(f"tim-plugins report: the run's model folder {path!r} (summary.json) has no tokenizer that loads here "
+              f"({why}): the largest disagreements show token ids; pass --tokenizer PATH to decode them.",
+              file=sys.stderr)
+        return None
+
+
 def _main(args) -> int:
     for d in args.dir:
         folder = Path(d)
@@ -98,13 +117,12 @@ def _main(args) -> int:
     settings = {"memory_limit": memory_limit, "threads": args.threads}
     if len(args.dir) == 1:
         folder = Path(args.dir[0])
-        path = build_report(folder, args.out, decode=token_decoder(_run_tokenizer(folder, args.tokenizer)),
-                            **settings)
+        path = build_report(folder, args.out, decode=_decoder(folder, args.tokenizer), **settings)
     else:
         from tim_plugins.report import run_labels
 
         labels = args.label or run_labels([Path(d) for d in args.dir])
-        decoders = {label: token_decoder(_run_tokenizer(Path(d), args.tokenizer)) for label, d in zip(labels, args.dir)}
+        decoders = {label: _decoder(Path(d), args.tokenizer) for label, d in zip(labels, args.dir)}
         path = build_comparison(args.dir, args.out or "report-comparison.html", labels=labels, decode=decoders,
                                 **settings)
     print(f"report written to {path}")

@@ -293,3 +293,31 @@ def test_a_run_whose_model_folder_has_no_loadable_tokenizer_reports_token_ids(tm
     assert main(["report", str(run), "--tokenizer", str(model), "--out", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err
     assert f"--tokenizer {str(model)!r}" in err and not (tmp_path / "r.html").exists()
+
+
+def test_without_dump_rows_the_verdict_is_that_of_the_logged_steps(tmp_path):
+    """No per-token dump rows (the run stopped before its first dump file, or its sampling picked none): the page
+    says the verdict comes from the logged metrics, so it is theirs, not 'No metric with a healthy range was
+    measured' beside a k3 panel far above its range: k3 and the fraction of ρ outside [0.5, 2] pooled over the
+    logged steps by their tokens, the largest sequence log-ratio of any step (a naive recomputation here)."""
+    import re
+
+    from tim_plugins.dump import append_log_history, write_summary
+    from tim_plugins.report.health import RULES, STATUSES
+
+    write_summary(tmp_path, framework="verl", title="a run", settings={})
+    logged = [(1, 100.0, 0.01, 0.0, 0.2), (2, 300.0, 0.05, 0.004, 0.9), (3, 0.0, None, None, None)]
+    for step, n, k3, outside, seq in logged:
+        append_log_history(tmp_path, step, {"tim/tokens": n, **({"tim/token/kl_k3": k3,
+                           "tim/token/ratio_outside_frac": outside, "tim/seq/log_ratio_abs_max": seq} if n else {})})
+    html = build_report(tmp_path).read_text()
+    assert "No per-token rows in the dump yet" in html and "No metric with a healthy range was measured" not in html
+    k3 = (100 * 0.01 + 300 * 0.05) / 400
+    outside = (100 * 0.0 + 300 * 0.004) / 400
+    assert f"k3 per sampled token = {k3:.3g} nats" in html
+    assert f"tokens with ρ outside [0.5, 2] = {100 * outside:.3g} %" in html
+    assert "max |sequence log-ratio| = 0.9 nats" in html
+    statuses = [RULES[k].status(v) for k, v in (("tim/token/kl_k3", k3), ("tim/token/ratio_outside_frac", outside),
+                                                ("tim/seq/log_ratio_abs_max", 0.9))]
+    want = max(statuses, key=STATUSES.index)
+    assert re.search(rf"class='verdict {want}'", html), want

@@ -455,7 +455,7 @@ with engine(threads=1):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # read whole, the file's columns are in memory at least once (2.2x them, measured, before it was chunked)
-    assert got["grew"] < columns, f"the full pass grew by {got['grew'] / 1e6:.0f} MB for {columns / 1e6:.0f} MB of columns"
+    assert got["grew"] < columns, f"grew by {got['grew'] / 1e6:.0f} MB for {columns / 1e6:.0f} MB of columns"
     assert (got["size"], got["invalid"]) == (d.size, n - d.size)
     assert got["k3"] == pytest.approx(np.mean(np.expm1(d) - d), rel=1e-9)
     assert got["abs"] == pytest.approx(np.abs(d).mean(), rel=1e-9)
@@ -501,3 +501,53 @@ def test_every_number_is_the_same_when_a_file_is_read_in_chunks_smaller_than_a_s
     monkeypatch.setattr(scan, "CHUNK_ROWS", 7)
     monkeypatch.setattr(scan, "SLICE_ROWS", 5)
     ref.assert_same_numbers(_dump(tmp_path, steps=(1, 2), ranks=(0, 1), T=20))
+
+
+@pytest.mark.parametrize("spill_elsewhere", [False, True])
+def test_files_a_resumed_run_replaces_or_removes_during_a_report_are_read_as_snapshotted(tmp_path, monkeypatch,
+                                                                                          spill_elsewhere):
+    """A report on the folder of a live run: the run, resumed, redoes a step (its file replaced under the same name)
+    and removes an abandoned attempt's file, between the full pass and the narrow ones. Every figure still reads
+    the rows of the snapshot (naive numbers over the files as they were), without a crash, and the report leaves
+    nothing in the folder. ``spill_elsewhere``: the engine's temporary folder on another filesystem than the dump."""
+    import errno
+    import os as os_mod
+
+    import shutil
+
+    import report_reference as reference
+    import tim_plugins.report.query as query
+    import tim_plugins.report.tokens as tokens
+
+    run = _dump(tmp_path / "run", steps=(1, 2, 3), ranks=(0,))
+    before = tmp_path / "before"
+    shutil.copytree(run, before)
+    want = reference.load_tokens(before)
+    if spill_elsewhere:
+        link = os_mod.link
+
+        def other_device(src, dst, *a, **k):
+            if "/tim-report-" in str(dst):  # the engine's temporary folder, not the dump's hidden one
+                raise OSError(errno.EXDEV, "Invalid cross-device link")
+            return link(src, dst, *a, **k)
+
+        monkeypatch.setattr(query.os, "link", other_device)
+
+    with engine(threads=1):
+        dump = open_dump(run)
+        dump.full()
+        redo = _dump(tmp_path / "redo", steps=(2,), ranks=(0,), seed=7, B=6, T=12)
+        os_mod.replace(redo / "step_00000002-rank_0000.parquet", run / "step_00000002-rank_0000.parquet")
+        (run / "step_00000003-rank_0000.parquet").unlink()
+        d = {"dump": dump}
+        curve = tokens.prob_curves(d, quantile=True)["dump"]
+        assert curve["count"].tolist() == reference.prob_curve(want.d, want.rollout, True)["count"].tolist()
+        hists, _ = tokens.abs_histograms(d)
+        assert int(hists["dump"][0].sum()) + hists["dump"][1] == want.size
+        src = tokens.rho_source(d)
+        assert (src.n, src.dmin, src.dmax) == (want.size, want.d.min(), want.d.max())
+        assert src.qlo == pytest.approx(np.quantile(want.d, 0.005), abs=0, rel=1e-12)
+        top = dump.largest_disagreements(5, 2)
+        assert [r["diff"] for r in top] == sorted(want.d.tolist(), key=lambda x: -abs(x))[:5]
+    assert sorted(p.name for p in run.iterdir()) == ["step_00000001-rank_0000.parquet",
+                                                     "step_00000002-rank_0000.parquet"]

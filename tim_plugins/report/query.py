@@ -15,7 +15,8 @@ at most three passes (``report.scan``), each keeping only aggregates:
 ``Dump.passes`` counts them. The rows read are a snapshot taken once per ``Dump``: the complete
 ``step_*-rank_*.parquet`` files present at that moment. The writer writes each file under a temporary name and
 renames it into place (``TokenDumper.write``), so a file being written is not listed, and one that appears later
-is not read: every figure of a report describes the same rows, also while the run goes on.
+is not read; the files listed are read through hard links (``Engine.pin``), so one that a resumed run replaces or
+removes meanwhile is read as listed: every figure of a report describes the same rows, also while the run goes on.
 
 What the report computes from the rows, and how it matches the in-memory computation it replaces:
 
@@ -145,6 +146,7 @@ class Engine:
         self.memory_limit = parse_memory_limit(memory_limit)
         self.threads = threads
         self._spill = tempfile.mkdtemp(prefix="tim-report-")
+        self._pins: list[Path] = []  # folders of the dumps' snapshot links (``pin``), removed by ``close``
         # DuckDB reads the few files of the largest disagreements once: no cache of their bytes (the OS has them)
         config = {"memory_limit": self.memory_limit, "temp_directory": self._spill,
                   "preserve_insertion_order": False, "enable_external_file_cache": False}
@@ -162,9 +164,39 @@ class Engine:
     def setting(self, name: str):
         return self.con.execute(f"SELECT current_setting('{name}')").fetchall()[0][0]
 
+    def pin(self, files: list[str], folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
+        """(hard links to ``files``, [(name, why)] of those gone before they were linked): a writer that replaces or
+        removes a file under its name while the report runs (a resumed run redoing a step) leaves the passes
+        reading the rows they listed. The links go in the engine's temporary folder, else (another filesystem) in
+        a hidden folder of the dump's own (``folder``), both removed by ``close``; where neither takes links, the
+        files themselves."""
+        for parent in (Path(self._spill), Path(folder)):
+            try:
+                where = Path(tempfile.mkdtemp(prefix=".tim-report-snapshot-", dir=parent))
+            except OSError:
+                continue
+            self._pins.append(where)
+            linked, gone = [], []
+            try:
+                for path in files:
+                    target = where / Path(path).name
+                    try:
+                        os.link(path, target)
+                    except FileNotFoundError:
+                        gone.append((Path(path).name, "removed before the report read it"))
+                        continue
+                    linked.append(str(target))
+            except OSError:  # another filesystem, or no hard links there: the next place
+                shutil.rmtree(where, ignore_errors=True)
+                continue
+            return linked, gone
+        return files, []
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.con.close()
+        for where in self._pins:
+            shutil.rmtree(where, ignore_errors=True)
         shutil.rmtree(self._spill, ignore_errors=True)
 
     def __enter__(self) -> "Engine":
@@ -250,8 +282,11 @@ class Dump:
         if not files:
             raise FileNotFoundError(f"no dump files (step_*-rank_*.parquet) in {str(folder)!r}: point at the folder "
                                     "the dumper wrote.")
-        # a crashed run's torn or empty files are left out (and named on the page), not read
+        # linked, so that a file replaced or removed while the report runs is read as listed (``Engine.pin``); a
+        # crashed run's torn or empty files are left out (and named on the page), not read
+        files, gone = eng.pin(files, self.folder)
         self.files, self.skipped = readable(files)
+        self.skipped = gone + self.skipped
         self.engine = eng
         self.con = eng.con
         self.passes = {"full": 0, "narrow": 0, "context": 0}

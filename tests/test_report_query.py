@@ -551,3 +551,31 @@ def test_files_a_resumed_run_replaces_or_removes_during_a_report_are_read_as_sna
         assert [r["diff"] for r in top] == sorted(want.d.tolist(), key=lambda x: -abs(x))[:5]
     assert sorted(p.name for p in run.iterdir()) == ["step_00000001-rank_0000.parquet",
                                                      "step_00000002-rank_0000.parquet"]
+
+
+def test_log_probs_far_above_zero_from_a_damaged_file_do_not_end_the_report(tmp_path):
+    """A file whose data pages were damaged (its footer intact) reads as garbage log-probs, some far above 0 (e^r
+    overflows float64): rows valid by the monitor's rule (finite, above the placeholder threshold), so counted, and
+    the largest disagreements show their p as inf instead of ending the report with OverflowError."""
+    from tim_plugins.report import build_report
+
+    n = 12
+    r = np.full(n, -1.0)
+    t = r + 0.01
+    r[3], t[3] = 800.0, 803.0  # d = 3, the largest
+    pq.write_table(pa.table({"step": np.ones(n, np.int64), "rank": np.zeros(n, np.int32),
+                             "sequence": np.zeros(n, np.int64), "position": np.arange(n, dtype=np.int32),
+                             "token_id": np.arange(n, dtype=np.int64), "rollout_logprob": r.astype(np.float32),
+                             "train_logprob": t.astype(np.float32)}), tmp_path / "step_00000001-rank_0000.parquet")
+    with engine(threads=1):
+        top = open_dump(tmp_path).largest_disagreements(2, 1)
+    assert top[0]["position"] == 3 and top[0]["diff"] == pytest.approx(3.0)
+    assert top[0]["p_rollout"] == math.inf and top[0]["p_train"] == math.inf
+    assert top[1]["p_rollout"] == pytest.approx(math.exp(-1.0))
+    html = build_report(tmp_path, threads=1).read_text()
+    assert f"{n} tokens from 1 sequences" in html
+    from tim_plugins.report.disagreements import largest_disagreements  # a run's own tensors' columns
+
+    cols = pq.read_table(tmp_path / "step_00000001-rank_0000.parquet").to_pydict()
+    rows = largest_disagreements({k: np.asarray(v) for k, v in cols.items()}, 1, 1)
+    assert rows[0]["position"] == 3 and rows[0]["p_rollout"] == math.inf

@@ -507,6 +507,7 @@ class Dump:
         """``disagreements.largest_disagreements``'s rows over this dump: the ``n`` valid rows with the largest
         |d| (ties in (step, rank, sequence, position) order), each with the token ids of the rows of its sequence
         within ``context`` positions on each side (every row of the dump, valid or not)."""
+        from tim_plugins.report.disagreements import _exp  # e^x, inf past float64's range (garbage log-probs)
         from tim_plugins.report.scan import TOP_ROWS
 
         f = self.full()
@@ -539,7 +540,7 @@ class Dump:
                 "step": int(step), "rank": int(rank), "sequence": int(seq), "position": int(pos),
                 "token_id": int(next(tok for p, tok in around if p == pos)),
                 "rollout_logprob": float(r), "train_logprob": float(t), "diff": float(t - r),
-                "p_rollout": math.exp(r), "p_train": math.exp(t),
+                "p_rollout": _exp(r), "p_train": _exp(t),
                 "before": [int(tok) for p, tok in around if p < pos], "after": [int(tok) for p, tok in around if p > pos],
                 "start": pos == lo, "end": pos == hi,
             })

@@ -206,3 +206,118 @@ def test_a_run_folder_before_its_first_dump_file_reports_its_logged_steps_and_ca
     assert "No per-token rows in the dump yet" in html
     assert "floor-jump" in html and "Per optimizer step" in html
     assert ">Per token</h2>" not in html
+
+
+def test_a_run_resumed_after_a_torn_log_line_keeps_its_first_logged_step(tmp_path):
+    """A run killed mid-append leaves a torn last line in log_history.jsonl / causes.jsonl; the resumed run appends
+    after it. Its first row (the step it redid) and its first cause are read, not glued to the torn line and lost,
+    and the report's per-step series and verdict show them. A log written that way before (the row glued to the
+    torn line) is recovered too."""
+    import json
+
+    from tim_plugins.causes import Cause
+    from tim_plugins.dump import (CAUSES_LOG, LOG_HISTORY, append_causes, append_log_history, last_row_per_step,
+                                  read_log_history)
+    from tim_plugins.report.causes import read_causes
+
+    for step in (1, 2, 3):
+        append_log_history(tmp_path, step, {"tim/tokens": 10.0, "tim/token/kl_k3": 1e-4})
+    with open(tmp_path / LOG_HISTORY, "a") as f:
+        f.write('{"step": 4, "tim/tokens": 10.0, "tim/tok')  # killed mid-write
+    with open(tmp_path / CAUSES_LOG, "a") as f:
+        f.write('{"code": "floor-jump", "step": 4, "mess')
+    for step in (3, 4, 5):  # resumed from the checkpoint of step 2
+        append_log_history(tmp_path, step, {"tim/tokens": 20.0, "tim/token/kl_k3": 5e-2})
+    append_causes(tmp_path, [Cause("floor-jump", 3, "the lag-0 floor jumped")])
+    rows = last_row_per_step(read_log_history(tmp_path / LOG_HISTORY))
+    assert [(r["step"], r["tim/tokens"], r["tim/token/kl_k3"]) for r in rows] == [
+        (1, 10.0, 1e-4), (2, 10.0, 1e-4), (3, 20.0, 5e-2), (4, 20.0, 5e-2), (5, 20.0, 5e-2)]
+    assert [(c["code"], c["step"]) for c in read_causes(tmp_path)] == [("floor-jump", 3)]
+    html = build_report(tmp_path, summary={"framework": "verl", "settings": {}}).read_text()
+    assert "floor-jump at step 3" in html
+    assert "3 optimizer steps" not in html and "5 optimizer steps, 80 monitored tokens" in html
+
+    glued = tmp_path / "glued"
+    glued.mkdir()
+    (glued / LOG_HISTORY).write_text(
+        json.dumps({"step": 1, "tim/tokens": 1.0}) + "\n" + '{"step": 2, "tim/tok' + json.dumps(
+            {"step": 2, "tim/tokens": 2.0}) + "\n" + json.dumps({"step": 3, "tim/tokens": 3.0}) + "\n")
+    assert read_log_history(glued / LOG_HISTORY) == [{"step": s, "tim/tokens": float(s)} for s in (1, 2, 3)]
+
+
+def test_report_out_that_is_a_folder_fails_before_reading_the_dump(tmp_path, capsys, monkeypatch):
+    """``--out`` naming an existing folder (or a path under a file) is a usage mistake: it fails at once with the
+    value and the fix, before the passes over the dump (minutes on a large one), not with IsADirectoryError after
+    them."""
+    from tim_plugins.apps.cli import main
+    import tim_plugins.report.scan as scan
+
+    rollout, train, mask, tokens, _ = _batch(B=8, T=30)
+    TokenDumper(out_dir=str(tmp_path / "dump"), sample_rate=1.0).write(0, rollout, train, mask, tokens)
+    (tmp_path / "a_file").write_text("x")
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the dump was read before --out was checked")
+
+    monkeypatch.setattr(scan, "full_pass", no_pass)
+    for out in (tmp_path, tmp_path / "a_file" / "r.html"):
+        assert main(["report", str(tmp_path / "dump"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {str(out)!r}" in err and "report.html" in err
+    assert main(["report", str(tmp_path / "dump"), str(tmp_path / "dump"), "--label", "a", "--label", "b",
+                 "--out", str(tmp_path)]) == 2
+    assert f"--out {str(tmp_path)!r}" in capsys.readouterr().err
+
+
+def test_a_run_whose_model_folder_has_no_loadable_tokenizer_reports_token_ids(tmp_path, capsys):
+    """summary.json names the run's model folder, and it exists, but no tokenizer loads from it here (weights only,
+    or a sentencepiece tokenizer in a report environment without sentencepiece): the report is written with token
+    ids, the hint on the page, and a line saying why; the same folder passed as --tokenizer is a usage error that
+    names it."""
+    pytest.importorskip("transformers")
+    import json
+
+    from tim_plugins.apps.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    run = tmp_path / "run"
+    rollout, train, mask, tokens, _ = _batch(B=8, T=30)
+    TokenDumper(out_dir=str(run), sample_rate=1.0).write(0, rollout, train, mask, tokens)
+    (run / "summary.json").write_text(json.dumps({"framework": "verl", "settings": {"model": str(model)}}))
+    assert main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert str(model) in err and "token ids" in err
+    assert "Token ids only: pass the tokenizer" in (run / "report.html").read_text()
+    assert main(["report", str(run), "--tokenizer", str(model), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {str(model)!r}" in err and not (tmp_path / "r.html").exists()
+
+
+def test_without_dump_rows_the_verdict_is_that_of_the_logged_steps(tmp_path):
+    """No per-token dump rows (the run stopped before its first dump file, or its sampling picked none): the page
+    says the verdict comes from the logged metrics, so it is theirs, not 'No metric with a healthy range was
+    measured' beside a k3 panel far above its range: k3 and the fraction of ρ outside [0.5, 2] pooled over the
+    logged steps by their tokens, the largest sequence log-ratio of any step (a naive recomputation here)."""
+    import re
+
+    from tim_plugins.dump import append_log_history, write_summary
+    from tim_plugins.report.health import RULES, STATUSES
+
+    write_summary(tmp_path, framework="verl", title="a run", settings={})
+    logged = [(1, 100.0, 0.01, 0.0, 0.2), (2, 300.0, 0.05, 0.004, 0.9), (3, 0.0, None, None, None)]
+    for step, n, k3, outside, seq in logged:
+        append_log_history(tmp_path, step, {"tim/tokens": n, **({"tim/token/kl_k3": k3,
+                           "tim/token/ratio_outside_frac": outside, "tim/seq/log_ratio_abs_max": seq} if n else {})})
+    html = build_report(tmp_path).read_text()
+    assert "No per-token rows in the dump yet" in html and "No metric with a healthy range was measured" not in html
+    k3 = (100 * 0.01 + 300 * 0.05) / 400
+    outside = (100 * 0.0 + 300 * 0.004) / 400
+    assert f"k3 per sampled token = {k3:.3g} nats" in html
+    assert f"tokens with ρ outside [0.5, 2] = {100 * outside:.3g} %" in html
+    assert "max |sequence log-ratio| = 0.9 nats" in html
+    statuses = [RULES[k].status(v) for k, v in (("tim/token/kl_k3", k3), ("tim/token/ratio_outside_frac", outside),
+                                                ("tim/seq/log_ratio_abs_max", 0.9))]
+    want = max(statuses, key=STATUSES.index)
+    assert re.search(rf"class='verdict {want}'", html), want

@@ -5,7 +5,9 @@ compare on one page."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 
 import numpy as np
@@ -369,3 +371,211 @@ def test_doctor_lists_the_query_engine():
     from tim_plugins.apps.doctor import _versions
 
     assert ("duckdb", duckdb.__version__, None) in _versions()
+
+
+def test_a_crashed_run_s_broken_files_are_skipped_and_named(tmp_path):
+    """A dump folder with a torn file (a run killed while a non-atomic copy or a full disk cut it), an empty one
+    and a Parquet file of another schema: the report reads the complete dump files, its numbers are those of
+    those files alone (a naive recomputation), and the page names each file it skipped and why."""
+    import shutil
+
+    from tim_plugins.report import build_report
+    from tim_plugins.report.tokens import metrics_by_step, overall_metrics
+
+    good = _dump(tmp_path / "good", steps=(1, 2), ranks=(0, 1))
+    run = tmp_path / "run"
+    shutil.copytree(good, run)
+    whole = (run / "step_00000002-rank_0001.parquet").read_bytes()
+    (run / "step_00000003-rank_0000.parquet").write_bytes(whole[: len(whole) // 2])
+    (run / "step_00000003-rank_0001.parquet").write_bytes(b"")
+    pq.write_table(pa.table({"x": [1, 2]}), run / "step_00000004-rank_0000.parquet")
+    broken = ["step_00000003-rank_0000.parquet", "step_00000003-rank_0001.parquet", "step_00000004-rank_0000.parquet"]
+
+    valid = ref.load_tokens(good)  # the complete files' valid rows, read whole
+    d = valid.d
+    with engine():
+        dump = open_dump(run)
+        assert [name for name, _ in dump.skipped] == broken
+        assert dump.size == d.size and dump.invalid == valid.invalid
+        steps, per_step = metrics_by_step(dump)
+        assert steps.tolist() == [1, 2]
+        for s, m in zip(steps, per_step):
+            ds = d[valid.step == s]
+            assert m["tim/tokens"] == ds.size
+            assert m["tim/token/kl_k3"] == pytest.approx(np.mean(np.expm1(ds) - ds), rel=1e-9)
+        overall = overall_metrics(dump)
+        assert overall["tim/token/abs_diff_mean"] == pytest.approx(np.abs(d).mean(), rel=1e-9)
+        assert {r["step"] for r in dump.largest_disagreements(20, 2)} <= {1, 2}
+    html = build_report(run, threads=1).read_text()
+    assert f"{d.size} tokens from" in html
+    for name in broken:
+        assert name in html
+
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak memory from /proc (Linux)")
+def test_one_large_file_is_read_in_chunks_not_whole(tmp_path):
+    """A dump file far larger than a chunk (one file per step and rank: a step dumped with a high
+    max_sequences_per_step) is read a chunk of row groups at a time: the full pass's peak memory grows by a few
+    chunks, not by the file's columns, and its numbers are a naive recomputation's."""
+    import subprocess
+    import sys
+
+    n = 1 << 22
+    rng = np.random.default_rng(0)
+    r = (-rng.random(n) * 6).astype(np.float32)
+    t = (r + rng.normal(0, 0.05, n)).astype(np.float32)
+    r[::1000] = -9999.0  # placeholders
+    seq = np.arange(n) // 2048
+    pq.write_table(pa.table({"step": np.full(n, 3, np.int64), "rank": np.zeros(n, np.int32), "sequence": seq,
+                             "position": (np.arange(n) % 2048).astype(np.int32), "token_id": np.zeros(n, np.int64),
+                             "rollout_logprob": r, "train_logprob": t}),
+                   tmp_path / "step_00000003-rank_0000.parquet", row_group_size=1 << 14)
+    ok = r > -1000
+    d = t[ok].astype(np.float64) - r[ok].astype(np.float64)
+    columns = n * (8 + 4 + 8 + 4 + 4 + 4)  # the six columns the full pass reads, as stored: what a whole read holds
+    code = f"""
+import json
+import tim_plugins.report.scan as scan
+from tim_plugins.report.query import engine, open_dump
+scan.CHUNK_ROWS = 1 << 14  # chunks of a row group: the growth is a few of them plus the pass's fixed costs
+from tim_plugins.report.tokens import overall_metrics
+def peak():  # this process's peak resident memory (VmHWM: its own, not the parent's as ru_maxrss after exec)
+    line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+with engine(threads=1):
+    dump = open_dump({str(tmp_path)!r})
+    base = peak()
+    dump.full()
+    grew = peak() - base
+    m = overall_metrics(dump)
+    print(json.dumps({{"grew": grew, "size": dump.size, "invalid": dump.invalid, "k3": m["tim/token/kl_k3"],
+                       "abs": m["tim/token/abs_diff_mean"], "seqs": m["tim/seq/count"]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # read whole, the file's columns are in memory at least once (2.2x them, measured, before it was chunked)
+    assert got["grew"] < columns, f"grew by {got['grew'] / 1e6:.0f} MB for {columns / 1e6:.0f} MB of columns"
+    assert (got["size"], got["invalid"]) == (d.size, n - d.size)
+    assert got["k3"] == pytest.approx(np.mean(np.expm1(d) - d), rel=1e-9)
+    assert got["abs"] == pytest.approx(np.abs(d).mean(), rel=1e-9)
+    assert got["seqs"] == np.unique(seq[ok]).size
+
+
+@pytest.mark.parametrize("limit", ["0GB", "0", "0.0MB", "100KB", 1000])
+def test_a_memory_limit_too_small_for_duckdb_fails_before_the_passes(tmp_path, capsys, limit):
+    """A zero or sub-block memory limit (DuckDB allocates 256 KiB blocks) is a usage mistake: it fails at once with
+    the value, the rule and the fix, not with DuckDB's out-of-memory traceback after the passes."""
+    from tim_plugins.apps.cli import main
+
+    with pytest.raises(ValueError, match=rf"memory_limit={limit!r} is invalid: .*at least 1MB"):
+        Engine(memory_limit=limit)
+    _dump(tmp_path, steps=(1,), ranks=(0,))
+    assert main(["report", str(tmp_path), "--memory-limit", str(limit)]) == 2
+    err = capsys.readouterr().err
+    assert f"--memory-limit '{limit}'" in err and "at least 1MB" in err and not (tmp_path / "report.html").exists()
+    with Engine(memory_limit="1MB") as eng:  # the smallest allowed works
+        assert eng.setting("memory_limit")
+
+
+def test_a_measure_report_names_a_setting_s_skipped_dump_file(tmp_path):
+    """The measure page reads each setting's dump like the others: a torn file in one is skipped and named with its
+    setting, and the page's per-token numbers are those of the complete files."""
+    import json
+
+    from tim_plugins.report import build_report
+
+    _dump(tmp_path / "dump_a", steps=(1,), ranks=(0,))
+    (tmp_path / "dump_a" / "step_00000002-rank_0000.parquet").write_bytes(b"PAR1 torn")
+    (tmp_path / "summary.json").write_text(json.dumps({"kind": "measure", "comparisons": {"bf16": {
+        "tim/token/kl_k3": 1e-4}}, "dumps": {"bf16": "dump_a"}}))
+    html = build_report(tmp_path, threads=1).read_text()
+    assert re.search(r"bf16.{0,80}1 file of the dump folder skipped.{0,200}step_00000002-rank_0000\.parquet", html)
+
+
+def test_every_number_is_the_same_when_a_file_is_read_in_chunks_smaller_than_a_sequence(tmp_path, monkeypatch):
+    """Files read a few rows at a time (each sequence split over chunks and threads): every number still equals the
+    in-memory computation."""
+    import tim_plugins.report.scan as scan
+
+    monkeypatch.setattr(scan, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(scan, "SLICE_ROWS", 5)
+    ref.assert_same_numbers(_dump(tmp_path, steps=(1, 2), ranks=(0, 1), T=20))
+
+
+@pytest.mark.parametrize("spill_elsewhere", [False, True])
+def test_files_a_resumed_run_replaces_or_removes_during_a_report_are_read_as_snapshotted(tmp_path, monkeypatch,
+                                                                                          spill_elsewhere):
+    """A report on the folder of a live run: the run, resumed, redoes a step (its file replaced under the same name)
+    and removes an abandoned attempt's file, between the full pass and the narrow ones. Every figure still reads
+    the rows of the snapshot (naive numbers over the files as they were), without a crash, and the report leaves
+    nothing in the folder. ``spill_elsewhere``: the engine's temporary folder on another filesystem than the dump."""
+    import errno
+    import os as os_mod
+
+    import shutil
+
+    import report_reference as reference
+    import tim_plugins.report.query as query
+    import tim_plugins.report.tokens as tokens
+
+    run = _dump(tmp_path / "run", steps=(1, 2, 3), ranks=(0,))
+    before = tmp_path / "before"
+    shutil.copytree(run, before)
+    want = reference.load_tokens(before)
+    if spill_elsewhere:
+        link = os_mod.link
+
+        def other_device(src, dst, *a, **k):
+            if "/tim-report-" in str(dst):  # the engine's temporary folder, not the dump's hidden one
+                raise OSError(errno.EXDEV, "Invalid cross-device link")
+            return link(src, dst, *a, **k)
+
+        monkeypatch.setattr(query.os, "link", other_device)
+
+    with engine(threads=1):
+        dump = open_dump(run)
+        dump.full()
+        redo = _dump(tmp_path / "redo", steps=(2,), ranks=(0,), seed=7, B=6, T=12)
+        os_mod.replace(redo / "step_00000002-rank_0000.parquet", run / "step_00000002-rank_0000.parquet")
+        (run / "step_00000003-rank_0000.parquet").unlink()
+        d = {"dump": dump}
+        curve = tokens.prob_curves(d, quantile=True)["dump"]
+        assert curve["count"].tolist() == reference.prob_curve(want.d, want.rollout, True)["count"].tolist()
+        hists, _ = tokens.abs_histograms(d)
+        assert int(hists["dump"][0].sum()) + hists["dump"][1] == want.size
+        src = tokens.rho_source(d)
+        assert (src.n, src.dmin, src.dmax) == (want.size, want.d.min(), want.d.max())
+        assert src.qlo == pytest.approx(np.quantile(want.d, 0.005), abs=0, rel=1e-12)
+        top = dump.largest_disagreements(5, 2)
+        assert [r["diff"] for r in top] == sorted(want.d.tolist(), key=lambda x: -abs(x))[:5]
+    assert sorted(p.name for p in run.iterdir()) == ["step_00000001-rank_0000.parquet",
+                                                     "step_00000002-rank_0000.parquet"]
+
+
+def test_log_probs_far_above_zero_from_a_damaged_file_do_not_end_the_report(tmp_path):
+    """A file whose data pages were damaged (its footer intact) reads as garbage log-probs, some far above 0 (e^r
+    overflows float64): rows valid by the monitor's rule (finite, above the placeholder threshold), so counted, and
+    the largest disagreements show their p as inf instead of ending the report with OverflowError."""
+    from tim_plugins.report import build_report
+
+    n = 12
+    r = np.full(n, -1.0)
+    t = r + 0.01
+    r[3], t[3] = 800.0, 803.0  # d = 3, the largest
+    pq.write_table(pa.table({"step": np.ones(n, np.int64), "rank": np.zeros(n, np.int32),
+                             "sequence": np.zeros(n, np.int64), "position": np.arange(n, dtype=np.int32),
+                             "token_id": np.arange(n, dtype=np.int64), "rollout_logprob": r.astype(np.float32),
+                             "train_logprob": t.astype(np.float32)}), tmp_path / "step_00000001-rank_0000.parquet")
+    with engine(threads=1):
+        top = open_dump(tmp_path).largest_disagreements(2, 1)
+    assert top[0]["position"] == 3 and top[0]["diff"] == pytest.approx(3.0)
+    assert top[0]["p_rollout"] == math.inf and top[0]["p_train"] == math.inf
+    assert top[1]["p_rollout"] == pytest.approx(math.exp(-1.0))
+    html = build_report(tmp_path, threads=1).read_text()
+    assert f"{n} tokens from 1 sequences" in html
+    from tim_plugins.report.disagreements import largest_disagreements  # a run's own tensors' columns
+
+    cols = pq.read_table(tmp_path / "step_00000001-rank_0000.parquet").to_pydict()
+    rows = largest_disagreements({k: np.asarray(v) for k, v in cols.items()}, 1, 1)
+    assert rows[0]["position"] == 3 and rows[0]["p_rollout"] == math.inf

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
            "SUMMARY", "CAUSES_LOG", "VERSIONED", "append_causes", "append_log_history", "complete_log_history",
-           "last_row_per_step", "package_versions", "read_log_history", "write_summary", "dump_file_name",
-           "dump_files"]
+           "last_row_per_step", "package_versions", "read_json_lines", "read_log_history", "write_summary",
+           "dump_file_name", "dump_files"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
@@ -58,13 +58,44 @@ LOG_HISTORY = "log_history.jsonl"
 LOG_HISTORY_CONTEXT = ("actor/lr", "critic/score/mean")
 
 
+def _append_lines(path: Path, lines: list[str]) -> None:
+    """Append ``lines`` (JSON objects) to ``path``, one a line, on a line of their own: after a torn last line (a run
+    killed mid-append, then resumed) a newline first, so the resumed run's first row is not glued to it."""
+    with open(path, "ab+") as f:  # appends go to the end whatever the position read from
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write("".join(line + "\n" for line in lines).encode("utf-8"))
+
+
+def read_json_lines(path: str | Path, first_key: str) -> list[dict]:
+    """The JSON objects of ``path``, one a line, each written with ``first_key`` first. A torn line (a run killed
+    mid-append) is skipped; where an older writer appended the next row to it, that row is read from where its
+    ``{"first_key"`` begins."""
+    marker = "{" + json.dumps(first_key)
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row, at = None, line.find(marker, 1)
+            while at > 0 and row is None:
+                try:
+                    row = json.loads(line[at:])
+                except json.JSONDecodeError:
+                    at = line.find(marker, at + 1)
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def append_log_history(folder: str | Path, step: int, metrics: dict) -> None:
     """Append one step's numeric ``tim/*`` metrics (and ``LOG_HISTORY_CONTEXT``) to ``folder/log_history.jsonl``."""
     row = {"step": int(step)}
     row.update({k: float(v) for k, v in metrics.items() if (k.startswith("tim/") or k in LOG_HISTORY_CONTEXT)
                 and isinstance(v, (int, float)) and not isinstance(v, bool)})
-    with open(Path(folder) / LOG_HISTORY, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    _append_lines(Path(folder) / LOG_HISTORY, [json.dumps(row)])
 
 
 # Beside the dump files: one JSON object per named cause (``tim_plugins.causes.Cause.to_dict``), appended by the
@@ -76,9 +107,7 @@ def append_causes(folder: str | Path, causes: list) -> None:
     """Append ``causes`` (``Cause`` objects) to ``folder/causes.jsonl``."""
     if not causes:
         return
-    with open(Path(folder) / CAUSES_LOG, "a", encoding="utf-8") as f:
-        for cause in causes:
-            f.write(json.dumps(cause.to_dict()) + "\n")
+    _append_lines(Path(folder) / CAUSES_LOG, [json.dumps(cause.to_dict()) for cause in causes])
 
 
 # Beside the dump files, written once by the adapter at the start of a run: what `tim-plugins report` needs to render a
@@ -116,14 +145,8 @@ def write_summary(folder: str | Path, *, framework: str, title: str, settings: d
 
 
 def read_log_history(path: str | Path) -> list[dict]:
-    """The rows of a ``log_history.jsonl`` (a torn last line, from a run killed mid-write, is skipped)."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """The rows of a ``log_history.jsonl`` (a torn line, from a run killed mid-write, skipped: ``read_json_lines``)."""
+    return read_json_lines(path, "step")
 
 
 def last_row_per_step(rows: list[dict]) -> list[dict]:

@@ -5,6 +5,7 @@ output folder or a per-token dump folder; with several folders, one page compari
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tim_plugins.apps.cli import UsageError
@@ -27,8 +28,8 @@ def register(subparsers) -> None:
                                                "report-comparison.html in the current folder)")
     p.add_argument("--memory-limit", default=None,
                    help="memory cap of DuckDB, which reads the largest disagreements' context (e.g. 1GB, 500MB; "
-                        "default: $TIM_REPORT_MEMORY_LIMIT or 1GB): beyond it DuckDB spills to a temporary folder; "
-                        "the report's own memory is small and does not grow with the dump")
+                        "at least 1MB; default: $TIM_REPORT_MEMORY_LIMIT or 1GB): beyond it DuckDB spills to a "
+                        "temporary folder; the report's own memory is small and does not grow with the dump")
     p.add_argument("--threads", type=int, default=None,
                    help="threads of the passes over the dump and of DuckDB (default: every core)")
     p.add_argument("--tokenizer", default=None,
@@ -65,6 +66,24 @@ def _run_tokenizer(folder: Path, given: str | None) -> str | None:
                  if isinstance(p, str) and Path(p).exists()), None)
 
 
+def _decoder(folder: Path, given: str | None):
+    """``token_decoder`` of ``given`` (--tokenizer), else of the run's model folder (``_run_tokenizer``). A run's
+    folder whose tokenizer does not load here (weights only; a sentencepiece tokenizer without sentencepiece) leaves
+    token ids, with a line saying so; a --tokenizer that does not load is a usage error."""
+    path = _run_tokenizer(folder, given)
+    try:
+        return token_decoder(path)
+    except Exception as err:  # noqa: BLE001 - transformers raises ValueError, OSError, ... for what it cannot load
+        why = " ".join(str(err).split())[:300]
+        if given is not None:
+            raise UsageError(f"--tokenizer {given!r}: no tokenizer loads from it ({why}); pass the HF checkpoint "
+                             "folder the run used (its tokenizer decodes the token ids).") from None
+        print(f"tim-plugins report: the run's model folder {path!r} (summary.json) has no tokenizer that loads here "
+              f"({why}): the largest disagreements show token ids; pass --tokenizer PATH to decode them.",
+              file=sys.stderr)
+        return None
+
+
 def _main(args) -> int:
     for d in args.dir:
         folder = Path(d)
@@ -81,6 +100,12 @@ def _main(args) -> int:
     if args.label is not None and (len(args.label) != len(args.dir) or len(set(args.label)) != len(args.label)):
         raise UsageError(f"--label {args.label!r}: give one distinct --label per folder, in order ({len(args.dir)} "
                          "folders), or none to name each run by its folder.")
+    if args.out is not None:
+        out, above = Path(args.out), next((p for p in Path(args.out).parents if p.exists()), None)
+        if out.is_dir() or (above is not None and not above.is_dir()):
+            what = "is a folder" if out.is_dir() else f"lies under {str(above)!r}, a file"
+            raise UsageError(f"--out {args.out!r}: {what}; pass the HTML file to write, e.g. --out "
+                             f"{str((out if out.is_dir() else Path.cwd()) / 'report.html')!r}.")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads}: must be >= 1 (or left out for every core).")
     from tim_plugins.report.query import parse_memory_limit
@@ -92,13 +117,12 @@ def _main(args) -> int:
     settings = {"memory_limit": memory_limit, "threads": args.threads}
     if len(args.dir) == 1:
         folder = Path(args.dir[0])
-        path = build_report(folder, args.out, decode=token_decoder(_run_tokenizer(folder, args.tokenizer)),
-                            **settings)
+        path = build_report(folder, args.out, decode=_decoder(folder, args.tokenizer), **settings)
     else:
         from tim_plugins.report import run_labels
 
         labels = args.label or run_labels([Path(d) for d in args.dir])
-        decoders = {label: token_decoder(_run_tokenizer(Path(d), args.tokenizer)) for label, d in zip(labels, args.dir)}
+        decoders = {label: _decoder(Path(d), args.tokenizer) for label, d in zip(labels, args.dir)}
         path = build_comparison(args.dir, args.out or "report-comparison.html", labels=labels, decode=decoders,
                                 **settings)
     print(f"report written to {path}")

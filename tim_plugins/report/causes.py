@@ -14,7 +14,6 @@ The rule that puts them in the verdict (``name_causes``), after the audit's (``r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 __all__ = ["FAULT_CODES", "causes_section", "name_causes", "read_causes", "with_causes"]
@@ -24,19 +23,14 @@ FAULT_CODES = ("sync-noop", "sync-tensors-stale", "sync-precision", "sync-tensor
 
 
 def read_causes(folder: str | Path) -> list[dict] | None:
-    """The rows of ``folder/causes.jsonl`` (a torn last line skipped), or None without that file."""
-    from tim_plugins.dump import CAUSES_LOG
+    """The rows of ``folder/causes.jsonl`` (a torn line skipped: ``dump.read_json_lines``), or None without that
+    file."""
+    from tim_plugins.dump import CAUSES_LOG, read_json_lines
 
     path = Path(folder) / CAUSES_LOG
     if not path.exists():
         return None
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return read_json_lines(path, "code")
 
 
 def with_causes(summary: dict | None, run_dir: str | Path | None) -> dict | None:

@@ -20,7 +20,7 @@ def comparison_page(runs: dict[str, tuple[Path, dict | None]], page, decode=None
     """Fill ``page`` with the comparison of ``runs`` ({label: (folder, its summary or None)}); ``decode``: a
     decoder for every run, or {label: decoder}."""
     from tim_plugins.report.disagreements import disagreements_html, dump_disagreements
-    from tim_plugins.report.tokens import dump_folder, has_dump, load_tokens
+    from tim_plugins.report.tokens import dump_folder, has_dump, load_tokens, skipped_files_html
     from tim_plugins.report.training_page import _figures_over_tokens, _series_figure, step_table, training_verdict
     from tim_plugins.report.truncation import truncation_comparison
 
@@ -38,7 +38,8 @@ def comparison_page(runs: dict[str, tuple[Path, dict | None]], page, decode=None
         verdicts[label] = (summary or {}).get("verdict") or training_verdict(summary, tokens, table)
         what = (f"{tokens.size} monitored tokens in {tokens.sequences().length.size} sequences of its dump"
                 if tokens is not None else "no per-token dump (per-step series from its log)")
-        blocks.append(f"<p><b>{html.escape(label)}</b> ({html.escape(str(folder))}; {what}):</p>")
+        blocks.append(f"<p><b>{html.escape(label)}</b> ({html.escape(str(folder))}; {what}):</p>"
+                      + skipped_files_html(tokens))
     _differences_section(page, runs, verdicts)
     page.h2("Verdict per run")
     for block, (label, v) in zip(blocks, verdicts.items()):

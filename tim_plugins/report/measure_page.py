@@ -107,7 +107,7 @@ def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     import tim_plugins.report.figures as figures
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES, status
     from tim_plugins.report.page import fmt
-    from tim_plugins.report.tokens import run_tokens
+    from tim_plugins.report.tokens import run_tokens, skipped_files_html
 
     comps = summary["comparisons"]
     names = list(comps)
@@ -120,6 +120,9 @@ def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     page.verdict(v, v.get("extra", []))
 
     tokens = {name: t for name in names if (t := run_tokens(summary, run_dir, name)) is not None}
+    for name, t in tokens.items():  # a setting's torn or foreign dump files, left out
+        if skipped_files_html(t):
+            page.raw(f"<p><b>{html.escape(name)}</b>:</p>" + skipped_files_html(t))
 
     page.h2("Settings side by side" if many else "Result")
     header = ["setting"] + [label for _, label in _TABLE]

@@ -15,7 +15,8 @@ at most three passes (``report.scan``), each keeping only aggregates:
 ``Dump.passes`` counts them. The rows read are a snapshot taken once per ``Dump``: the complete
 ``step_*-rank_*.parquet`` files present at that moment. The writer writes each file under a temporary name and
 renames it into place (``TokenDumper.write``), so a file being written is not listed, and one that appears later
-is not read: every figure of a report describes the same rows, also while the run goes on.
+is not read; the files listed are read through hard links (``Engine.pin``), so one that a resumed run replaces or
+removes meanwhile is read as listed: every figure of a report describes the same rows, also while the run goes on.
 
 What the report computes from the rows, and how it matches the in-memory computation it replaces:
 
@@ -51,7 +52,7 @@ from tim_plugins.dump import dump_files
 from tim_plugins.report import bins as B
 
 __all__ = ["DEFAULT_MEMORY_LIMIT", "DEFAULT_THREADS", "MEMORY_LIMIT_ENV", "FETCH_ROWS", "Engine", "Dump", "engine",
-           "snapshot", "open_dump", "parse_memory_limit", "combine"]
+           "snapshot", "readable", "open_dump", "parse_memory_limit", "combine"]
 
 # DuckDB's memory cap for the report's queries, and the env variable that overrides it. A query needing more
 # spills to a temporary folder; the report's queries are small, so a dump of any size fits under it.
@@ -75,15 +76,58 @@ def snapshot(folder: str | os.PathLike) -> list[str]:
     return [str(p) for p in dump_files(folder)]
 
 
+# The columns every dump file has (``dump.DUMP_COLUMNS`` but the optional entropy), by kind of type.
+_KEY_COLUMNS = ("step", "rank", "sequence", "position", "token_id")
+_LOGPROB_COLUMNS = ("rollout_logprob", "train_logprob")
+
+
+def readable(files: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the files of ``files`` a pass can read, [(name, why) of the others]): a file whose Parquet footer does not
+    read (torn or empty: a crashed run's copy, a full disk) or that lacks a dump column is skipped, not read."""
+    import pyarrow.parquet as pq
+    import pyarrow.types as pt
+
+    ok, skipped = [], []
+    for path in files:
+        try:
+            schema = pq.ParquetFile(path).schema_arrow
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError, a vanished file an OSError
+            skipped.append((Path(path).name, f"not a readable Parquet file ({str(err).splitlines()[0][:120]})"))
+            continue
+        bad = [name for name in _KEY_COLUMNS if schema.get_field_index(name) < 0
+               or not pt.is_integer(schema.field(name).type)]
+        bad += [name for name in _LOGPROB_COLUMNS if schema.get_field_index(name) < 0
+                or not pt.is_floating(schema.field(name).type)]
+        if bad:
+            skipped.append((Path(path).name, "not a dump file: column(s) missing or not numeric: "
+                            + ", ".join(bad)))
+            continue
+        ok.append(path)
+    return ok, skipped
+
+
+# The smallest memory limit: DuckDB allocates 256 KiB blocks and fails any query under about one (a zero limit
+# only failed at the largest disagreements' query, after the passes).
+MIN_MEMORY_LIMIT = 10**6  # 1MB
+_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30, "tb": 10**12,
+          "tib": 2**40}
+
+
 def parse_memory_limit(value) -> str:
-    """``value`` (bytes as an int, or DuckDB's "1GB" / "500MB" form) as DuckDB's setting; env / default if None."""
+    """``value`` (bytes as an int, or DuckDB's "1GB" / "500MB" form; at least ``MIN_MEMORY_LIMIT``) as DuckDB's
+    setting; env / default if None."""
     value = os.environ.get(MEMORY_LIMIT_ENV, DEFAULT_MEMORY_LIMIT) if value is None else value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return f"{int(value)}B"
-    if isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*", value, re.I):
-        return value.strip()
-    raise ValueError(f"memory_limit={value!r} is invalid: it must be a size such as '1GB' or '500MB' (or bytes as "
-                     f"an int); set it with --memory-limit or {MEMORY_LIMIT_ENV}.")
+    size = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size, text = value, f"{int(value)}B"
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)\s*", value, re.I)
+        if m:
+            size, text = float(m[1]) * _UNITS[m[2].lower()], value.strip()
+    if size is not None and size >= MIN_MEMORY_LIMIT:
+        return text
+    raise ValueError(f"memory_limit={value!r} is invalid: it must be a size of at least 1MB such as '1GB' or '500MB' "
+                     f"(or bytes as an int); set it with --memory-limit or {MEMORY_LIMIT_ENV}.")
 
 
 class Engine:
@@ -102,6 +146,7 @@ class Engine:
         self.memory_limit = parse_memory_limit(memory_limit)
         self.threads = threads
         self._spill = tempfile.mkdtemp(prefix="tim-report-")
+        self._pins: list[Path] = []  # folders of the dumps' snapshot links (``pin``), removed by ``close``
         # DuckDB reads the few files of the largest disagreements once: no cache of their bytes (the OS has them)
         config = {"memory_limit": self.memory_limit, "temp_directory": self._spill,
                   "preserve_insertion_order": False, "enable_external_file_cache": False}
@@ -119,9 +164,39 @@ class Engine:
     def setting(self, name: str):
         return self.con.execute(f"SELECT current_setting('{name}')").fetchall()[0][0]
 
+    def pin(self, files: list[str], folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
+        """(hard links to ``files``, [(name, why)] of those gone before they were linked): a writer that replaces or
+        removes a file under its name while the report runs (a resumed run redoing a step) leaves the passes
+        reading the rows they listed. The links go in the engine's temporary folder, else (another filesystem) in
+        a hidden folder of the dump's own (``folder``), both removed by ``close``; where neither takes links, the
+        files themselves."""
+        for parent in (Path(self._spill), Path(folder)):
+            try:
+                where = Path(tempfile.mkdtemp(prefix=".tim-report-snapshot-", dir=parent))
+            except OSError:
+                continue
+            self._pins.append(where)
+            linked, gone = [], []
+            try:
+                for path in files:
+                    target = where / Path(path).name
+                    try:
+                        os.link(path, target)
+                    except FileNotFoundError:
+                        gone.append((Path(path).name, "removed before the report read it"))
+                        continue
+                    linked.append(str(target))
+            except OSError:  # another filesystem, or no hard links there: the next place
+                shutil.rmtree(where, ignore_errors=True)
+                continue
+            return linked, gone
+        return files, []
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.con.close()
+        for where in self._pins:
+            shutil.rmtree(where, ignore_errors=True)
         shutil.rmtree(self._spill, ignore_errors=True)
 
     def __enter__(self) -> "Engine":
@@ -196,16 +271,22 @@ class Dump:
     """The valid rows of a dump folder's snapshot (finite log-probs above the invalid-placeholder threshold), and
     the report's statistics over them.
 
-    Attributes: ``files`` (the snapshot), ``size`` (valid tokens), ``rows`` (rows of the files), ``invalid``
+    Attributes: ``files`` (the snapshot's readable files), ``skipped`` ([(file name, why)] of the snapshot's files
+    left out: ``readable``), ``size`` (valid tokens), ``rows`` (rows of the files), ``invalid``
     (rows left out), ``passes`` (passes made over the files: {"full", "narrow", "context"}), ``prepared`` (the
     sets of dumps, by ids, whose figures' first narrow pass this dump made: ``tokens._prepare``)."""
 
     def __init__(self, folder: str | os.PathLike, eng: Engine) -> None:
         self.folder = Path(folder)
-        self.files = snapshot(self.folder)
-        if not self.files:
+        files = snapshot(self.folder)
+        if not files:
             raise FileNotFoundError(f"no dump files (step_*-rank_*.parquet) in {str(folder)!r}: point at the folder "
                                     "the dumper wrote.")
+        # linked, so that a file replaced or removed while the report runs is read as listed (``Engine.pin``); a
+        # crashed run's torn or empty files are left out (and named on the page), not read
+        files, gone = eng.pin(files, self.folder)
+        self.files, self.skipped = readable(files)
+        self.skipped = gone + self.skipped
         self.engine = eng
         self.con = eng.con
         self.passes = {"full": 0, "narrow": 0, "context": 0}
@@ -426,6 +507,7 @@ class Dump:
         """``disagreements.largest_disagreements``'s rows over this dump: the ``n`` valid rows with the largest
         |d| (ties in (step, rank, sequence, position) order), each with the token ids of the rows of its sequence
         within ``context`` positions on each side (every row of the dump, valid or not)."""
+        from tim_plugins.report.disagreements import _exp  # e^x, inf past float64's range (garbage log-probs)
         from tim_plugins.report.scan import TOP_ROWS
 
         f = self.full()
@@ -458,7 +540,7 @@ class Dump:
                 "step": int(step), "rank": int(rank), "sequence": int(seq), "position": int(pos),
                 "token_id": int(next(tok for p, tok in around if p == pos)),
                 "rollout_logprob": float(r), "train_logprob": float(t), "diff": float(t - r),
-                "p_rollout": math.exp(r), "p_train": math.exp(t),
+                "p_rollout": _exp(r), "p_train": _exp(t),
                 "before": [int(tok) for p, tok in around if p < pos], "after": [int(tok) for p, tok in around if p > pos],
                 "start": pos == lo, "end": pos == hi,
             })

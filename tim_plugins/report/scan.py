@@ -4,8 +4,9 @@
 monitor's sums and extremes), per step (the monitor's histogram and probability buckets), per position, per
 (probability bin, fine bin of d) counts, and the rows with the largest |d|. ``narrow_pass`` reads the two
 log-prob columns again and keeps only the rows of a few fine bins (``report.bins``): the exact quantiles and the
-histogram bins an edge cuts. Both read the files in chunks of ``CHUNK_ROWS`` rows on ``threads`` threads (numpy
-and the Parquet reader release the GIL), so memory is a few chunks whatever the dump's size.
+histogram bins an edge cuts. Both read the files in chunks of ``CHUNK_ROWS`` rows (a large file a row group at a
+time) on ``threads`` threads (numpy and the Parquet reader release the GIL), so memory is a few chunks whatever the
+dump's size.
 
 A valid row is one the monitor counts: d = train − rollout finite and neither log-prob a placeholder (<=
 ``INVALID_LOGPROB_THRESHOLD``). The per-token terms are those of the monitor's torch pass
@@ -51,25 +52,30 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _read(path: str, columns) -> dict[str, np.ndarray]:
+def _read(path: str, columns, chunk_rows: int):
+    """The file's ``columns`` in chunks of at most ``chunk_rows`` rows ({column: array}), a row group at a time:
+    a file larger than memory is never read whole."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.ParquetFile(path).read(columns=list(columns), use_threads=False)
-    out = {}
-    for name in columns:
-        col = table.column(name)
-        if col.null_count:  # a null log-prob is an invalid row; a null key a group of its own
-            import pyarrow as pa
+    # pre_buffer off: with it (pyarrow's default) the reader caches every row group's bytes until the file is closed
+    reader = pq.ParquetFile(path, pre_buffer=False)
+    for batch in reader.iter_batches(batch_size=chunk_rows, columns=list(columns), use_threads=False):
+        out = {}
+        for name in columns:
+            col = batch.column(name)
+            if col.null_count:  # a null log-prob is an invalid row; a null key a group of its own
+                col = col.fill_null(pa.scalar(-1 if name in _INT_KEYS else math.nan, col.type))
+            out[name] = col.to_numpy(zero_copy_only=False)
+        yield out
 
-            col = col.fill_null(pa.scalar(-1 if name in _INT_KEYS else math.nan, col.type))
-        out[name] = col.to_numpy()
-    return out
 
-
-def _each_chunk(files: list[str], columns, threads: int, make, chunk_rows: int = CHUNK_ROWS, per_file=None) -> list:
-    """Read ``files`` on ``threads`` threads, each feeding chunks of about ``chunk_rows`` rows ({column: array})
-    to its own accumulator (``make()``, with ``add``); returns the accumulators. ``per_file(i, columns)``, if
-    given, sees each file's columns as read."""
+def _each_chunk(files: list[str], columns, threads: int, make, chunk_rows: int | None = None, per_file=None) -> list:
+    """Read ``files`` on ``threads`` threads, each feeding chunks of about ``chunk_rows`` rows ({column: array};
+    default ``CHUNK_ROWS``) to its own accumulator (``make()``, with ``add``); returns the accumulators. A file is
+    read a chunk at a time, never whole. ``per_file(i, columns)``, if given, sees each chunk of file ``i``'s
+    columns as read."""
+    chunk_rows = chunk_rows or CHUNK_ROWS
     lock = threading.Lock()
     queue = iter(range(len(files)))
 
@@ -80,14 +86,14 @@ def _each_chunk(files: list[str], columns, threads: int, make, chunk_rows: int =
                 i = next(queue, None)
             if i is None:
                 break
-            cols = _read(files[i], columns)
-            if per_file is not None:
-                per_file(i, cols)
-            buf.append(cols)
-            n += cols[columns[0]].size
-            if n >= chunk_rows:
-                acc.add(_concat(buf, columns))
-                buf, n = [], 0
+            for cols in _read(files[i], columns, chunk_rows):
+                if per_file is not None:
+                    per_file(i, cols)
+                buf.append(cols)
+                n += cols[columns[0]].size
+                if n >= chunk_rows:
+                    acc.add(_concat(buf, columns))
+                    buf, n = [], 0
         if buf:
             acc.add(_concat(buf, columns))
         return acc
@@ -472,10 +478,13 @@ def full_pass(files: list[str], threads: int) -> FullPass:
     terms = _terms()
     keys: list = [None] * len(files)
 
-    def per_file(i, cols):
+    def per_file(i, cols):  # each chunk of file i (one thread reads a file)
         step, rank = cols["step"], cols["rank"]
         if step.size:
-            keys[i] = (int(step.min()), int(step.max()), int(rank.min()), int(rank.max()))
+            k = (int(step.min()), int(step.max()), int(rank.min()), int(rank.max()))
+            had = keys[i]
+            keys[i] = k if had is None else (min(had[0], k[0]), max(had[1], k[1]), min(had[2], k[2]),
+                                             max(had[3], k[3]))
 
     accs = _each_chunk(files, FULL_COLUMNS, threads, lambda: _Full(terms), per_file=per_file)
     first = accs[0]

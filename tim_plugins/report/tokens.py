@@ -16,8 +16,8 @@ import numpy as np
 
 from tim_plugins.dump import dump_files
 
-__all__ = ["has_dump", "load_tokens", "run_tokens", "metrics_by_step", "overall_metrics", "prob_curves",
-           "abs_histograms", "rho_source", "position_profiles", "sequence_points", "order_statistics_of_d"]
+__all__ = ["has_dump", "load_tokens", "run_tokens", "skipped_files_html", "metrics_by_step", "overall_metrics",
+           "prob_curves", "abs_histograms", "rho_source", "position_profiles", "sequence_points", "order_statistics_of_d"]
 
 
 def has_dump(folder: Path) -> bool:
@@ -41,6 +41,19 @@ def load_tokens(dump_dir: str | Path):
     from tim_plugins.report.query import open_dump
 
     return open_dump(dump_dir)
+
+
+def skipped_files_html(tokens) -> str:
+    """The page's sentence on the dump files a report left out (``query.Dump.skipped``: torn, empty or not dump
+    files, e.g. a crashed run's last), each named with why; "" when it read every file."""
+    import html
+
+    skipped = getattr(tokens, "skipped", None) or []
+    if not skipped:
+        return ""
+    listed = "; ".join(f"<code>{html.escape(name)}</code>: {html.escape(why)}" for name, why in skipped)
+    return (f"<p>{len(skipped)} file{'' if len(skipped) == 1 else 's'} of the dump folder skipped (its numbers are "
+            f"those of the other files): {listed}.</p>")
 
 
 def metrics_by_step(tokens) -> tuple[np.ndarray, list[dict]]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["training_verdict", "training_page", "dump_page", "step_table", "disagreements_section",
-           "VERDICT_KEYS"]
+__all__ = ["training_verdict", "logged_overall", "training_page", "dump_page", "step_table",
+           "disagreements_section", "VERDICT_KEYS"]
 
 VERDICT_KEYS = ("tim/token/kl_k3", "tim/token/abs_diff_p99", "tim/token/ratio_outside_frac",
                 "tim/seq/log_ratio_abs_max", "tim/is/ess")
@@ -54,14 +54,41 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
     return table
 
 
+def logged_overall(summary: dict | None) -> tuple[dict, int]:
+    """(the verdict's metrics over the logged steps, how many steps): the per-token means ``tim/token/kl_k3`` and
+    ``ratio_outside_frac`` pooled by each step's ``tim/tokens``, the largest ``tim/seq/log_ratio_abs_max``. The p99
+    and the ESS do not pool over steps: left out (the per-step panels show them)."""
+    import math
+
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
+    logged = {int(h["step"]): h for h in (summary or {}).get("log_history", []) if "step" in h}
+    rows = [h for h in logged.values() if num(h.get("tim/tokens")) and h["tim/tokens"] > 0]
+    out = {}
+    for key in ("tim/token/kl_k3", "tim/token/ratio_outside_frac"):
+        used = [(h["tim/tokens"], h[key]) for h in rows if num(h.get(key))]
+        if used:
+            out[key] = sum(n * x for n, x in used) / sum(n for n, _ in used)
+    seq = [h["tim/seq/log_ratio_abs_max"] for h in rows if num(h.get("tim/seq/log_ratio_abs_max"))]
+    if seq:
+        out["tim/seq/log_ratio_abs_max"] = max(seq)
+    return out, len(rows)
+
+
 def training_verdict(summary: dict | None, tokens, table: dict | None = None) -> dict:
     from tim_plugins.report.health import verdict
     from tim_plugins.report.tokens import overall_metrics
 
-    overall = overall_metrics(tokens) if tokens is not None and tokens.size else {}
+    extra = []
+    if tokens is not None and tokens.size:
+        overall = overall_metrics(tokens)
+    else:  # no dump rows: the verdict of the metrics the run logged
+        overall, logged_steps = logged_overall(summary)
+        if overall:
+            extra.append(f"No per-token dump rows: the verdict is over the {logged_steps} logged steps (k3 and the "
+                         "fraction of ρ outside [0.5, 2] pooled by their tokens, the largest sequence log-ratio; the "
+                         "p99 and the ESS do not pool over steps: see the per-step panels).")
     v = verdict(overall, VERDICT_KEYS)
     table = table if table is not None else step_table(summary, tokens)
-    extra = []
     steps = table["step"]
     if steps.size:
         k3 = table["k3"]
@@ -227,13 +254,13 @@ def _series_figure(page, table: dict, framework: str | None = None, runs: dict |
 
 
 def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
-    from tim_plugins.report.tokens import run_tokens
+    from tim_plugins.report.tokens import run_tokens, skipped_files_html
 
     tokens = run_tokens(summary, run_dir)
     table = step_table(summary, tokens)
     v = summary.get("verdict") or training_verdict(summary, tokens, table)
     page.raw("<p>Measured over every monitored token of every step (rollout log-probs vs the trainer's "
-             "recomputation of the same tokens):</p>")
+             "recomputation of the same tokens):</p>" + skipped_files_html(tokens))
     page.verdict(v, v.get("extra", []))
     from tim_plugins.report.causes import causes_section
 
@@ -360,7 +387,7 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
     """A report for a bare per-token dump (e.g. ``TIMConfig(dump_dir=...)``): verdict over all rows, per-step
     series when the dump spans several steps, the per-token figures."""
     from tim_plugins.report.disagreements import dump_disagreements
-    from tim_plugins.report.tokens import has_dump, load_tokens
+    from tim_plugins.report.tokens import has_dump, load_tokens, skipped_files_html
 
     # a run's folder (summary.json, log_history.jsonl) before its first dump file: the logged steps and causes alone
     tokens = load_tokens(dump_dir) if has_dump(dump_dir) or not summary else None
@@ -372,7 +399,8 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
                  "metrics the run logged.</p>")
     else:
         page.raw(f"<p>{tokens.size} tokens from {tokens.sequences().length.size} sequences in the dump"
-                 + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>")
+                 + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>"
+                 + skipped_files_html(tokens))
     page.verdict(v, v.get("extra", []))
     from tim_plugins.report.causes import causes_section
 

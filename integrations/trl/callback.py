@@ -84,6 +84,15 @@ class TIMState(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"payload": payload}}
 
 
+def _attached_callback(trainer) -> "TIMCallback | None":
+    """The enabled TIMCallback already on ``trainer`` (its state carrier is among the trainer's callbacks until
+    ``detach``), or None."""
+    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", ()):
+        if isinstance(cb, TIMState) and isinstance(cb.source, TIMCallback):
+            return cb.source
+    return None
+
+
 _LOGPS_READ = ("model", "input_ids", "attention_mask", "logits_to_keep")  # what the wrapper reads of a call
 
 
@@ -158,6 +167,14 @@ class TIMCallback(TrainerCallback):
         self.server_probe: ServerProbe | None = None  # server mode's lag-0 probe (server_probe.py)
         if not config.enabled:
             return
+        attached = _attached_callback(trainer)
+        if attached is not None:
+            # each would wrap TRL's methods: its loss factor applied on top of the other's, the injector's noise added
+            # twice, every batch measured twice
+            raise ValueError(
+                f"tim_plugins: this {type(trainer).__name__} already has a TIMCallback (rollout log-probs: "
+                f"{attached.rollout_source}); one trainer takes one. Fix: keep using that one, or detach it first "
+                "(first.detach()) and then add TIMCallback(trainer, ...) again")
         asynchronous = is_async_grpo(trainer)
         monitor = check(features.ASYNC_MONITOR if asynchronous else features.MONITOR, features.live(trainer))
         if not monitor.available:  # the measurement points themselves: nothing to attach to
@@ -167,11 +184,8 @@ class TIMCallback(TrainerCallback):
         self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index, framework="trl")
         for status in self.features_off:
             self.pipeline.feature_off(status.name)
-        trainer.add_callback(self.state_carrier)
-        self._installation = hooks.Installation(trainer)
         if asynchronous:
             self._async = AsyncAttachment(self)
-            self._installation.before_train = self._async.before_train
         else:
             self._logps_sig = _logps_signature(type(trainer))
             if self.pipeline.causes is not None and config.sync_check and trainer.use_vllm \
@@ -182,6 +196,10 @@ class TIMCallback(TrainerCallback):
                     and trainer.args.vllm_mode == "server" \
                     and self._available(check(features.SERVER_PROBE, features.live(trainer))):
                 self.server_probe = ServerProbe(trainer, self.pipeline, config.sync_probe_options)
+        # on the trainer once every check above passed: a callback refused there leaves nothing behind
+        trainer.add_callback(self.state_carrier)
+        self._installation = hooks.Installation(
+            trainer, before_train=self._async.before_train if self._async is not None else None)
 
     def _grpo_config(self, trainer, config: TIMConfig) -> PipelineConfig:
         """GRPOTrainer: where the rollout log-probs come from, the safe-vocab route and what TRL's loss can take."""

@@ -438,3 +438,19 @@ def test_a_second_callback_on_one_trainer_is_refused_until_the_first_is_detached
     read = cap.read_in_loss[0]["advantages"].double()
     assert torch.allclose(read, expected, rtol=1e-5, atol=1e-6)
 
+
+def test_a_callback_built_for_another_trainer_is_refused_when_training_starts(toy_model_path, tmp_path):
+    """A TIMCallback is bound to the trainer it was built with; added to another trainer it would patch and report
+    into its own trainer while the other one trains unmeasured. That trainer's train() fails before any step."""
+    own = make_trainer(toy_model_path, tmp_path / "own", max_steps=1)
+    other = make_trainer(toy_model_path, tmp_path / "other", max_steps=1)
+    cb = TIMCallback(own, TIMConfig())
+    other.add_callback(cb)
+    with pytest.raises(ValueError, match=r"built for another trainer.*Fix: TIMCallback\(trainer"):
+        other.train()
+    assert other.state.global_step == 0
+    assert cb.installed == [] and "_compute_loss" not in vars(own)  # nothing patched on either trainer
+    other.remove_callback(cb)
+    other.add_callback(TIMCallback(other, TIMConfig()))
+    other.train()
+    assert _logged(other, 1)["tim/tokens"] > 0

@@ -331,6 +331,12 @@ class TIMCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.config.enabled:
             return
+        if state is not self.trainer.state:  # transformers hands each event the training trainer's own state
+            # it would patch and report into its own trainer while this one trains unmeasured
+            raise ValueError(
+                f"tim_plugins: this TIMCallback was built for another trainer ({type(self.trainer).__name__} at "
+                f"{id(self.trainer):#x}) than the one whose train() started; a TIMCallback measures the trainer it "
+                "is given. Fix: TIMCallback(trainer, config) with the trainer that trains, one per trainer")
         # transformers may have rebuilt the carrier (restore_callback_states_from_checkpoint=True): relink it.
         for cb in self.trainer.callback_handler.callbacks:
             if isinstance(cb, TIMState):

@@ -461,7 +461,8 @@ class TIMCallback(TrainerCallback):
             if model is None:
                 self.pipeline.count("logps_call_unbound", detail="no model argument (the forward runs unmeasured)")
                 return original(*args, **kwargs)
-            if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None):
+            if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None) \
+                    or self._scores_reference():
                 # the reference model (beta > 0): full-vocabulary log-probs, TRL's own, as verl's reference worker
                 # computes them: the KL term regularises the policy towards the reference's distribution, which
                 # nobody samples from, so the sampler's truncation does not apply to it (docs/trl.md)
@@ -487,6 +488,17 @@ class TIMCallback(TrainerCallback):
             return result
 
         return _get_per_token_logps_and_entropies
+
+    def _scores_reference(self) -> bool:
+        """Whether a call with the policy model scores the reference: a PEFT policy has no reference model, and TRL
+        scores the reference with the policy inside ``use_adapter(model, "ref" if "ref" in model.peft_config else
+        None)``: its adapters disabled (PEFT's ``disable_adapter`` sets ``_adapters_disabled``), or the initial
+        copy of a re-trained adapter, named "ref", active.
+        (hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions, its beta != 0 branch)"""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        if getattr(model, "peft_config", None) is None:
+            return False
+        return bool(getattr(model, "_adapters_disabled", False)) or getattr(model, "active_adapter", None) == "ref"
 
     def _wrap_engine_generate(self, original):
         def generate(*args, **kwargs):

@@ -373,6 +373,29 @@ def test_resume_restores_controller_and_lr_scale(toy_model_path, tmp_path):
     assert second.optimizer.param_groups[0]["lr"] == pytest.approx(full.optimizer.param_groups[0]["lr"], rel=1e-12)
 
 
+def test_a_second_train_call_starts_the_lr_decay_afresh_as_transformers_starts_the_schedule(toy_model_path, tmp_path):
+    """``trainer.train()`` again without a checkpoint: transformers starts a new run (its state at step 0, its LR
+    schedule rebuilt from the start) and so does the callback: the LR controller sees steps 1.. again (none read as
+    stale), the length surge at step 3 triggers as in a first run, and the LR is transformers' linear schedule times
+    that run's own scale (the first run's decay does not carry over)."""
+    n = 5
+    trainer, cb = _lr_run(toy_model_path, tmp_path, n)
+    trainer.train()
+    first = len(trainer.state.log_history)
+    assert cb.pipeline.lr_controller.trigger_steps == [3]
+    trainer.train()
+    second = trainer.state.log_history
+    assert len(second) == first  # transformers' own log restarted with the run
+    lrs = {h["step"]: h["learning_rate"] for h in second if "learning_rate" in h}
+    for step in range(1, n + 1):
+        unscaled = LR0 * (1 - (step - 1) / n)  # transformers' linear schedule, LR used at this step
+        scale = 0.5 if step > 3 else 1.0  # this run's own trigger at the end of step 3
+        assert lrs[step] == pytest.approx(unscaled * scale, rel=1e-6), step
+    assert [_logged(trainer, s).get("tim/lr/stale", 0.0) for s in range(1, n + 1)] == [0.0] * n
+    assert _logged(trainer, 3)["tim/lr/triggered"] == 1.0
+    assert cb.pipeline.lr_controller.trigger_steps == [3]
+
+
 @pytest.mark.parametrize("overrides", [{}, {"steps_per_generation": 2}], ids=["aligned", "old-logps"])
 def test_mitigations_add_no_forward(toy_model_path, tmp_path, overrides):
     """Safe vocabulary + an IS correction run TRL's scoring forwards and no other: one per loss micro-batch, plus

@@ -157,6 +157,8 @@ class TIMCallback(TrainerCallback):
         self._pending: dict[str, float] = {}  # one-off values for the next log (the audit's counts)
         self._pushed_at: int | None = None  # global step of the last push into TRL's metrics
         self._call = _CallRecord()
+        self._fresh: dict | None = None  # the pipeline's state before any run (a second train() starts from it)
+        self._runs = 0  # train() calls begun
         self.state_carrier = TIMState()
         self.state_carrier.bind(self)
         self.features_off: list[Status] = []  # switched off: an upstream hook they need moved (features.py)
@@ -196,6 +198,7 @@ class TIMCallback(TrainerCallback):
                     and trainer.args.vllm_mode == "server" \
                     and self._available(check(features.SERVER_PROBE, features.live(trainer))):
                 self.server_probe = ServerProbe(trainer, self.pipeline, config.sync_probe_options)
+        self._fresh = self.pipeline.state_dict()
         # on the trainer once every check above passed: a callback refused there leaves nothing behind
         trainer.add_callback(self.state_carrier)
         self._installation = hooks.Installation(
@@ -342,6 +345,10 @@ class TIMCallback(TrainerCallback):
             if isinstance(cb, TIMState):
                 cb.bind(self)
                 self.state_carrier = cb
+        if state.global_step == 0 and self._runs:
+            self._restart(kwargs.get("optimizer") or self.trainer.optimizer,
+                          kwargs.get("lr_scheduler") or self.trainer.lr_scheduler)
+        self._runs += 1
         self._load(state)
         if not self._installation.patches:
             self.attach()
@@ -372,6 +379,18 @@ class TIMCallback(TrainerCallback):
                               findings=[f.to_dict() for f in self.findings] if audited else None)
             except OSError as err:  # the report loses its audit table and fix words; training goes on
                 self.pipeline.count("dump_summary_unwritten", detail=repr(err))
+
+    def _restart(self, optimizer, lr_scheduler) -> None:
+        """``train()`` again without a checkpoint: transformers starts a new run (state at step 0, the LR schedule
+        rebuilt; the optimizer kept), and so does the pipeline: its statistics, problem counts and LR controller as
+        before the first run (the controller would otherwise read steps 1.. as stale and keep the last run's decay),
+        the LR scale applied back to 1 before the first step."""
+        self.pipeline.load_state_dict(self._fresh)
+        for status in self.features_off:
+            self.pipeline.feature_off(status.name)
+        self._grad_norm, self._length, self._pending, self._pushed_at = None, math.nan, {}, None
+        if self.pipeline.lr_controller is not None and optimizer is not None:
+            apply_lr_scale(optimizer, self.pipeline.lr_controller.scale, lr_scheduler)
 
     def _live_audit_reads(self) -> dict[str, bool]:
         """Which live vLLM object the audit may read (``run_audit``'s ``engine`` / ``server``): each needs its TRL

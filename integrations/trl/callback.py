@@ -553,7 +553,11 @@ class TIMCallback(TrainerCallback):
         boundary = safe.in_safe if safe is not None and self.pipeline.config.mask_boundary else None
         factor = self.pipeline.loss_factor(mask, boundary, inputs.get("tim_weights"))
         if factor is not None:
-            self._call.restore.update(translate.scale_policy_term(inputs, factor, mask, self.trainer.loss_type))
+            # from TRL's own values: a loss that scores twice in one call (a subclass) would otherwise scale what the
+            # call's first forward scaled, and put that back at its end
+            inputs.update(self._call.restore)
+            for key, value in translate.scale_policy_term(inputs, factor, mask, self.trainer.loss_type).items():
+                self._call.restore.setdefault(key, value)
         self._split(inputs, logps.detach(), mask if boundary is None else mask & boundary.bool())
 
     def _split(self, inputs: dict, current: torch.Tensor, mask: torch.Tensor) -> None:

@@ -407,3 +407,50 @@ def test_config_help_prints_every_field_with_its_default_and_text(capsys):
             assert f"      {f.name}.{sub.name} = {default!r}\n" in printed, (f.name, sub.name)
             assert " ".join(sub.metadata["help"].split()) in flat, (f.name, sub.name)
     assert {f.name for f in fields if "options" in f.metadata} == {n for n in defaults if n.endswith("_options")}
+
+
+def test_a_second_callback_on_one_trainer_is_refused_until_the_first_is_detached(toy_model_path, tmp_path):
+    """Two live TIMCallbacks on one trainer (a notebook cell run twice) would each wrap TRL's methods: the IS weights
+    applied twice to the advantages TRL's loss reads, the injector's noise added twice. The second is refused with
+    the fix; once the first is detached, a new one attaches and TRL's loss reads its weights once."""
+    config = TIMConfig(rollout="inject", inject_options={"scale": 1.0}, is_correction="token_tis",
+                       is_correction_options={"token_clip": 2.0})
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    cap = Capture(trainer)
+    first = TIMCallback(trainer, config)
+    trainer.add_callback(first)
+    with pytest.raises(ValueError, match=r"already has a TIMCallback.*Fix: .*\.detach\(\)"):
+        TIMCallback(trainer, config)
+    TIMCallback(trainer, TIMConfig(enabled=False))  # a disabled one attaches nothing: no conflict
+    first.detach()
+    trainer.add_callback(TIMCallback(trainer, config))
+    trainer.train()
+    # the independent reference: TRL's own advantages times the token TIS weights min(exp(train - rollout), 2) of
+    # the rows' loss forward on the loss mask (1 elsewhere), computed here from TRL's tensors
+    (_, inputs, logps), = cap.losses
+    mask = _loss_mask(inputs)
+    w = torch.exp(logps.double() - inputs["sampling_per_token_logps"].double()).clamp(max=2.0)
+    w = torch.where(mask, w, torch.ones_like(w))
+    assert not torch.allclose(w, torch.ones_like(w), atol=1e-3)  # the injected noise moved the weights off 1
+    adv = inputs["advantages"].double()  # TRL's, put back after the loss (rows shuffled from the generation batch)
+    assert sorted(adv.tolist()) == pytest.approx(sorted(cap.trl_built[0]["advantages"].double().tolist()))
+    expected = (adv if adv.dim() == 2 else adv.unsqueeze(1)) * w
+    read = cap.read_in_loss[0]["advantages"].double()
+    assert torch.allclose(read, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_callback_built_for_another_trainer_is_refused_when_training_starts(toy_model_path, tmp_path):
+    """A TIMCallback is bound to the trainer it was built with; added to another trainer it would patch and report
+    into its own trainer while the other one trains unmeasured. That trainer's train() fails before any step."""
+    own = make_trainer(toy_model_path, tmp_path / "own", max_steps=1)
+    other = make_trainer(toy_model_path, tmp_path / "other", max_steps=1)
+    cb = TIMCallback(own, TIMConfig())
+    other.add_callback(cb)
+    with pytest.raises(ValueError, match=r"built for another trainer.*Fix: TIMCallback\(trainer"):
+        other.train()
+    assert other.state.global_step == 0
+    assert cb.installed == [] and "_compute_loss" not in vars(own)  # nothing patched on either trainer
+    other.remove_callback(cb)
+    other.add_callback(TIMCallback(other, TIMConfig()))
+    other.train()
+    assert _logged(other, 1)["tim/tokens"] > 0

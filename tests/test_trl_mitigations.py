@@ -161,15 +161,34 @@ def test_safe_vocab_refuses_a_sampler_that_cuts_nothing(toy_model_path, tmp_path
     assert "Fix: GRPOConfig(min_p=1e-05)" in msg and "safe_vocab=False" in msg
 
 
-def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["ref-model", "peft"])
+def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path, tmp_path, lora):
     """beta > 0: TRL's reference log-probs (its KL regulariser) are the reference model's full-vocabulary ones, as
     verl's reference worker computes them: the safe-vocabulary head applies to the policy's call only. The
     reference here: a plain forward of TRL's reference model, log_softmax over the whole vocabulary; the safe-vocab
-    log-probs of the same model (what the reference would be with the head applied) differ from it."""
+    log-probs of the same model (what the reference would be with the head applied) differ from it. A PEFT policy
+    has no reference model: TRL scores the reference with the policy itself, its adapters disabled, and that call is
+    the reference's too."""
+    import functools
+
+    from trl import GRPOTrainer
+
     from tim_plugins.safe_vocab import safe_logprobs_from_logits
 
-    trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1, beta=0.04)
-    assert trainer.ref_model is not None
+    if lora:
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1, beta=0.04,
+                               trainer_cls=functools.partial(GRPOTrainer, peft_config=config))
+        assert trainer.ref_model is None
+
+        def reference(**inputs):
+            with trainer.model.disable_adapter():
+                return trainer.model(**inputs)
+    else:
+        trainer = make_trainer(toy_model_path, tmp_path, min_p=MIN_P, max_steps=1, beta=0.04)
+        assert trainer.ref_model is not None
+        reference = trainer.ref_model
     batches, generate = [], trainer._generate_and_score_completions
 
     def _generate_and_score_completions(*a, **k):  # inside the callback's wrapper: TRL's batch as TRL built it
@@ -187,7 +206,7 @@ def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path
         attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
         t, valid = out["completion_ids"].size(1), out["completion_mask"].bool()
         with torch.no_grad():
-            logits = trainer.ref_model(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1].float()
+            logits = reference(input_ids=ids, attention_mask=attn).logits[:, -t - 1:-1].float()
         logits = logits / trainer.temperature
         full = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"][..., None])[..., 0]
         safe = safe_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), out["completion_ids"].reshape(-1),
@@ -195,6 +214,9 @@ def test_reference_log_probs_stay_full_vocabulary_with_safe_vocab(toy_model_path
         ref = out["ref_per_token_logps"]
         assert torch.allclose(ref[valid], full[valid], rtol=0, atol=2e-5)
         assert (ref[valid] - safe[valid]).abs().max() > 1e-3  # the safe head would have changed them
+    # the policy's own calls took the safe head: the sampler's min_p on both sides (without: > 1e-3, the next test)
+    assert _logged(trainer, 1)["tim/token/abs_diff_max"] < 1e-4
+
 
 def test_without_safe_vocab_min_p_sampler_shows_mismatch(toy_model_path, tmp_path):
     """Control for the test above: same sampler, full-vocabulary trainer → renormalisation bias is visible."""
@@ -349,6 +371,29 @@ def test_resume_restores_controller_and_lr_scale(toy_model_path, tmp_path):
     assert lr_res[-1] == pytest.approx(lr_full[-1], rel=1e-12)
     assert lr_res[-1] == pytest.approx(LR0 * (1 - (n - 1) / n) * 0.5, rel=1e-6)
     assert second.optimizer.param_groups[0]["lr"] == pytest.approx(full.optimizer.param_groups[0]["lr"], rel=1e-12)
+
+
+def test_a_second_train_call_starts_the_lr_decay_afresh_as_transformers_starts_the_schedule(toy_model_path, tmp_path):
+    """``trainer.train()`` again without a checkpoint: transformers starts a new run (its state at step 0, its LR
+    schedule rebuilt from the start) and so does the callback: the LR controller sees steps 1.. again (none read as
+    stale), the length surge at step 3 triggers as in a first run, and the LR is transformers' linear schedule times
+    that run's own scale (the first run's decay does not carry over)."""
+    n = 5
+    trainer, cb = _lr_run(toy_model_path, tmp_path, n)
+    trainer.train()
+    first = len(trainer.state.log_history)
+    assert cb.pipeline.lr_controller.trigger_steps == [3]
+    trainer.train()
+    second = trainer.state.log_history
+    assert len(second) == first  # transformers' own log restarted with the run
+    lrs = {h["step"]: h["learning_rate"] for h in second if "learning_rate" in h}
+    for step in range(1, n + 1):
+        unscaled = LR0 * (1 - (step - 1) / n)  # transformers' linear schedule, LR used at this step
+        scale = 0.5 if step > 3 else 1.0  # this run's own trigger at the end of step 3
+        assert lrs[step] == pytest.approx(unscaled * scale, rel=1e-6), step
+    assert [_logged(trainer, s).get("tim/lr/stale", 0.0) for s in range(1, n + 1)] == [0.0] * n
+    assert _logged(trainer, 3)["tim/lr/triggered"] == 1.0
+    assert cb.pipeline.lr_controller.trigger_steps == [3]
 
 
 @pytest.mark.parametrize("overrides", [{}, {"steps_per_generation": 2}], ids=["aligned", "old-logps"])

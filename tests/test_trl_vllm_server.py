@@ -17,6 +17,7 @@ Two test-side replacements, both in TRL's client and both about weight transfer 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -298,3 +299,59 @@ def test_two_ranks_a_stale_server_stops_both_at_the_same_step(two_procs):
     assert "probe-engine-unchanged" in {code for code, _, _ in other["causes"]}
     assert any("found on another rank" in msg for code, _, msg in other["causes"] if code == "probe-engine-unchanged")
     assert main["named_by_step"] == other["named_by_step"] and main["named_by_step"]["2"] >= 1
+
+
+@pytest.fixture(scope="module")
+def two_procs_reference_failed(vllm_server, toy_model_path, tmp_path_factory):
+    """tests/trl_server_two_procs_run.py's ``reference_failed`` configuration, two ranks: [rank 0's, rank 1's]."""
+    from bounded import run_bounded
+
+    out = tmp_path_factory.mktemp("trl_server_2procs_reference_failed")
+    runner = Path(__file__).with_name("trl_server_two_procs_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(runner),
+           "--model", str(toy_model_path), "--server", vllm_server, "--out", str(out), "--config", "reference_failed"]
+    proc, timed_out = run_bounded(cmd, TWO_PROCS_TIMEOUT_S, cwd=Path(__file__).resolve().parents[1])
+    if timed_out or proc.returncode != 0:
+        pytest.fail(f"the two-process launch {'ran past its time' if timed_out else f'exited {proc.returncode}'}:\n"
+                    f"{proc.stdout[-6000:]}")
+    return [json.loads((out / "reference_failed" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_ranks_a_failed_reference_scoring_switches_the_probe_off_on_every_rank(two_procs_reference_failed):
+    """The probe's reference request fails on the main process (the only one holding TRL's client): without a
+    reference no sync can be judged, so the probe is off on both ranks from there, counted once. Neither rank runs
+    its forward again at the two later syncs, and the server gets no further scoring request."""
+    main, other = two_procs_reference_failed
+    assert [r["global_step"] for r in (main, other)] == [3, 3]
+    assert main["diag"].get("lag0_probe_failed") == 1 and "lag0_probe_failed" not in other["diag"]
+    assert [r["probe_on"] for r in (main, other)] == [False, False]
+    assert main["scoring_requests"] == 1 and other["scoring_requests"] == 0  # the failed reference request alone
+    # the reference's forward (rank 1 finished it; the main process's scoring failed after it), none at the syncs
+    assert main["probe_scorings"] == 0 and other["probe_scorings"] == 1
+    assert main["probe_history"] == [] and len(main["synced"]) == 3  # the syncs themselves went on
+
+
+def test_a_reference_scoring_without_a_usable_value_switches_the_probe_off(vllm_server, toy_model_path, tmp_path,
+                                                                           monkeypatch):
+    """The server answers the probe's reference request, but with no log-prob the probe can use (here every value is
+    NaN, as a model whose logits overflow returns): there is no reference to judge a sync against, so the probe is off
+    for the run, counted once, and neither side scores the batch again at the later syncs."""
+    from trl.generation.vllm_client import VLLMClient
+
+    real, answers = VLLMClient.get_sequence_logprobs, []
+
+    def get_sequence_logprobs(self, *a, **k):  # TRL's own request; the first answer's values made unusable
+        out = real(self, *a, **k)
+        answers.append(out)
+        if len(answers) == 1:
+            out = dict(out, actual_logprobs=[[[math.nan] for _ in rows] for rows in out["actual_logprobs"]])
+        return out
+
+    monkeypatch.setattr(VLLMClient, "get_sequence_logprobs", get_sequence_logprobs)
+    trainer, cb, synced = _faulty_run(vllm_server, toy_model_path, tmp_path, TIMConfig(), steps=3)
+    probe = cb.server_probe
+    assert trainer.state.global_step == 3 and len(synced) == 3
+    assert probe.probe.reference is None and not probe.sequences
+    assert len(answers) == 1 and len(probe.seconds) == 1  # the reference's scoring alone, none at the syncs
+    assert cb.pipeline.diag.get("lag0_probe_failed") == 1
+    assert [h.get("tim/diag/lag0_probe_failed") for h in trainer.state.log_history if "loss" in h][-1] == 1

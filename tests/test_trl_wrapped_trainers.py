@@ -193,3 +193,35 @@ def test_the_monitor_refuses_only_without_its_setting_and_names_a_fix_that_chang
     assert (UPGRADE in message) == (TRL < Version("1.16"))
     if TRL >= Version("1.16"):
         assert "Fix: keep trainer.use_vllm as trl.trainer.grpo_trainer:GRPOTrainer.__init__ sets it" in message
+
+
+class TwiceScoringTrainer(GRPOTrainer):
+    """A user's subclass whose loss runs TRL's twice over the same inputs (here averaged: TRL's own loss again)."""
+
+    def _compute_loss(self, model, inputs):
+        return (super()._compute_loss(model, inputs) + super()._compute_loss(model, inputs)) / 2
+
+
+def test_a_loss_that_scores_twice_reads_the_correction_once_and_gets_trls_inputs_back(toy_model_path, tmp_path):
+    """Each policy forward inside one loss call scales TRL's own advantages (never the ones an earlier forward of the
+    same call scaled), and the inputs hold TRL's values again after the call. The reference: the token TIS weights
+    min(exp(train - rollout), 2) computed here from TRL's tensors, on TRL's own advantages."""
+    import torch
+    from test_trl_callback import Capture, _loss_mask
+
+    trainer = make_trainer(toy_model_path, tmp_path, trainer_cls=TwiceScoringTrainer, max_steps=1)
+    cap = Capture(trainer)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(rollout="inject", inject_options={"scale": 1.0},
+                                                        is_correction="token_tis",
+                                                        is_correction_options={"token_clip": 2.0})))
+    trainer.train()
+    (_, inputs, logps), = cap.losses
+    mask = _loss_mask(inputs)
+    w = torch.exp(logps.double() - inputs["sampling_per_token_logps"].double()).clamp(max=2.0)
+    w = torch.where(mask, w, torch.ones_like(w))
+    assert not torch.allclose(w, torch.ones_like(w), atol=1e-3)  # the injected noise moved the weights off 1
+    adv = inputs["advantages"].double()
+    assert adv.dim() == 1  # TRL's own (B,) advantages, back after the loss call
+    assert sorted(adv.tolist()) == pytest.approx(sorted(cap.trl_built[0]["advantages"].double().tolist()))
+    read = cap.read_in_loss[0]["advantages"].double()  # what the second of TRL's loss calls read
+    assert torch.allclose(read, adv[:, None] * w, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,9 @@ Run by the test (bounded, in its own process group), never collected by pytest. 
 configurations (comma-separated), each its own trainer and ``train()`` in the same two processes, from the
 checkpoint's weights on the server:
 - ``healthy``: every sync reaches the server; ``TIMConfig()``;
-- ``stale``: no sync reaches the server (learning rate 1e-2); ``TIMConfig(parity_probe=True, action="stop")``.
+- ``stale``: no sync reaches the server (learning rate 1e-2); ``TIMConfig(parity_probe=True, action="stop")``;
+- ``reference_failed``: as ``healthy``, but the server probe's first scoring request (its reference) fails on the main
+  process (a dropped connection, raised around TRL's own ``VLLMClient.get_sequence_logprobs``).
 Each rank writes ``rank_<r>.json`` under ``--out``/CONFIG: the optimizer steps it ran, the causes its pipeline named
 (code, step, message), the probe's scorings on this rank and its judged figures (the main process's), its counted
 problems, and the logged ``tim/cause/named`` per step.
@@ -15,6 +17,7 @@ problems, and the logged ``tim/cause/named`` per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from trl_server_client import patch_client, reload_checkpoint
 
-CONFIGS = ("healthy", "stale")
+CONFIGS = ("healthy", "stale", "reference_failed")
 STALE_LR = 1e-2  # as tests/test_trl_callback.py: a step moves the toy policy well past the numerics
 
 
@@ -74,7 +77,9 @@ def _train(args, config: str, out: Path) -> None:
     options = {"parity_probe": True, "parity_probe_options": {"action": "stop"}} if config == "stale" else {}
     cb = TIMCallback(trainer, TIMConfig(**options))
     trainer.add_callback(cb)
-    trainer.train()
+    requests_sent: list[int] = []
+    with _first_scoring_fails(requests_sent, active=config == "reference_failed"):
+        trainer.train()
     probe = cb.server_probe
     result = {
         "rank": rank, "world_size": dist.get_world_size(), "global_step": trainer.state.global_step,
@@ -82,11 +87,34 @@ def _train(args, config: str, out: Path) -> None:
         "probe_scorings": len(probe.seconds) if probe is not None else None,
         "probe_history": probe.probe.history if probe is not None else None,
         "diag": dict(cb.pipeline.diag),
+        "probe_on": bool(probe.sequences) if probe is not None else None,
+        "scoring_requests": len(requests_sent),
         "named_by_step": {h["step"]: h["tim/cause/named"] for h in trainer.state.log_history
                           if "tim/cause/named" in h},
     }
     (out / f"rank_{rank}.json").write_text(json.dumps(result, default=float))
     dist.barrier()  # neither rank runs ahead into the next configuration, or tears the group down under the other
+
+
+@contextlib.contextmanager
+def _first_scoring_fails(sent: list, active: bool):
+    """Around TRL's own ``VLLMClient.get_sequence_logprobs`` (the server probe's scoring requests, main process):
+    each request is counted in ``sent``; with ``active`` the first one fails as a dropped connection would."""
+    from trl.generation.vllm_client import VLLMClient
+
+    real = VLLMClient.get_sequence_logprobs
+
+    def get_sequence_logprobs(self, *a, **k):
+        sent.append(1)
+        if active and len(sent) == 1:
+            raise ConnectionError("the server dropped the connection (injected by the test)")
+        return real(self, *a, **k)
+
+    VLLMClient.get_sequence_logprobs = get_sequence_logprobs
+    try:
+        yield
+    finally:
+        VLLMClient.get_sequence_logprobs = real
 
 
 if __name__ == "__main__":

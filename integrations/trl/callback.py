@@ -85,6 +85,15 @@ class TIMState(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"payload": payload}}
 
 
+def _attached_callback(trainer) -> "TIMCallback | None":
+    """The enabled TIMCallback already on ``trainer`` (its state carrier is among the trainer's callbacks until
+    ``detach``), or None."""
+    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", ()):
+        if isinstance(cb, TIMState) and isinstance(cb.source, TIMCallback):
+            return cb.source
+    return None
+
+
 _LOGPS_READ = ("model", "input_ids", "attention_mask", "logits_to_keep")  # what the wrapper reads of a call
 
 
@@ -149,6 +158,8 @@ class TIMCallback(TrainerCallback):
         self._pending: dict[str, float] = {}  # one-off values for the next log (the audit's counts)
         self._pushed_at: int | None = None  # global step of the last push into TRL's metrics
         self._call = _CallRecord()
+        self._fresh: dict | None = None  # the pipeline's state before any run (a second train() starts from it)
+        self._runs = 0  # train() calls begun
         self.state_carrier = TIMState()
         self.state_carrier.bind(self)
         self.features_off: list[Status] = []  # switched off: an upstream hook they need moved (features.py)
@@ -159,6 +170,14 @@ class TIMCallback(TrainerCallback):
         self.server_probe: ServerProbe | None = None  # server mode's lag-0 probe (server_probe.py)
         if not config.enabled:
             return
+        attached = _attached_callback(trainer)
+        if attached is not None:
+            # each would wrap TRL's methods: its loss factor applied on top of the other's, the injector's noise added
+            # twice, every batch measured twice
+            raise ValueError(
+                f"tim_plugins: this {type(trainer).__name__} already has a TIMCallback (rollout log-probs: "
+                f"{attached.rollout_source}); one trainer takes one. Fix: keep using that one, or detach it first "
+                "(first.detach()) and then add TIMCallback(trainer, ...) again")
         asynchronous = is_async_grpo(trainer)
         monitor = check(features.ASYNC_MONITOR if asynchronous else features.MONITOR, features.live(trainer))
         if not monitor.available:  # the measurement points themselves: nothing to attach to
@@ -168,11 +187,8 @@ class TIMCallback(TrainerCallback):
         self.pipeline = StepPipeline(pipeline_config, rank=trainer.accelerator.process_index, framework="trl")
         for status in self.features_off:
             self.pipeline.feature_off(status.name)
-        trainer.add_callback(self.state_carrier)
-        self._installation = hooks.Installation(trainer)
         if asynchronous:
             self._async = AsyncAttachment(self)
-            self._installation.before_train = self._async.before_train
         else:
             self._logps_sig = _logps_signature(type(trainer))
             if self.pipeline.causes is not None and config.sync_check and trainer.use_vllm \
@@ -183,6 +199,11 @@ class TIMCallback(TrainerCallback):
                     and trainer.args.vllm_mode == "server" \
                     and self._available(check(features.SERVER_PROBE, features.live(trainer))):
                 self.server_probe = ServerProbe(trainer, self.pipeline, config.sync_probe_options)
+        self._fresh = self.pipeline.state_dict()
+        # on the trainer once every check above passed: a callback refused there leaves nothing behind
+        trainer.add_callback(self.state_carrier)
+        self._installation = hooks.Installation(
+            trainer, before_train=self._async.before_train if self._async is not None else None)
 
     def _grpo_config(self, trainer, config: TIMConfig) -> PipelineConfig:
         """GRPOTrainer: where the rollout log-probs come from, the safe-vocab route and what TRL's loss can take."""
@@ -314,11 +335,21 @@ class TIMCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.config.enabled:
             return
+        if state is not self.trainer.state:  # transformers hands each event the training trainer's own state
+            # it would patch and report into its own trainer while this one trains unmeasured
+            raise ValueError(
+                f"tim_plugins: this TIMCallback was built for another trainer ({type(self.trainer).__name__} at "
+                f"{id(self.trainer):#x}) than the one whose train() started; a TIMCallback measures the trainer it "
+                "is given. Fix: TIMCallback(trainer, config) with the trainer that trains, one per trainer")
         # transformers may have rebuilt the carrier (restore_callback_states_from_checkpoint=True): relink it.
         for cb in self.trainer.callback_handler.callbacks:
             if isinstance(cb, TIMState):
                 cb.bind(self)
                 self.state_carrier = cb
+        if state.global_step == 0 and self._runs:
+            self._restart(kwargs.get("optimizer") or self.trainer.optimizer,
+                          kwargs.get("lr_scheduler") or self.trainer.lr_scheduler)
+        self._runs += 1
         self._load(state)
         if not self._installation.patches:
             self.attach()
@@ -349,6 +380,18 @@ class TIMCallback(TrainerCallback):
                               findings=[f.to_dict() for f in self.findings] if audited else None)
             except OSError as err:  # the report loses its audit table and fix words; training goes on
                 self.pipeline.count("dump_summary_unwritten", detail=repr(err))
+
+    def _restart(self, optimizer, lr_scheduler) -> None:
+        """``train()`` again without a checkpoint: transformers starts a new run (state at step 0, the LR schedule
+        rebuilt; the optimizer kept), and so does the pipeline: its statistics, problem counts and LR controller as
+        before the first run (the controller would otherwise read steps 1.. as stale and keep the last run's decay),
+        the LR scale applied back to 1 before the first step."""
+        self.pipeline.load_state_dict(self._fresh)
+        for status in self.features_off:
+            self.pipeline.feature_off(status.name)
+        self._grad_norm, self._length, self._pending, self._pushed_at = None, math.nan, {}, None
+        if self.pipeline.lr_controller is not None and optimizer is not None:
+            apply_lr_scale(optimizer, self.pipeline.lr_controller.scale, lr_scheduler)
 
     def _live_audit_reads(self) -> dict[str, bool]:
         """Which live vLLM object the audit may read (``run_audit``'s ``engine`` / ``server``): each needs its TRL
@@ -438,7 +481,8 @@ class TIMCallback(TrainerCallback):
             if model is None:
                 self.pipeline.count("logps_call_unbound", detail="no model argument (the forward runs unmeasured)")
                 return original(*args, **kwargs)
-            if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None):
+            if model is not self.trainer.model and model is not getattr(self.trainer, "model_wrapped", None) \
+                    or self._scores_reference():
                 # the reference model (beta > 0): full-vocabulary log-probs, TRL's own, as verl's reference worker
                 # computes them: the KL term regularises the policy towards the reference's distribution, which
                 # nobody samples from, so the sampler's truncation does not apply to it (docs/trl.md)
@@ -464,6 +508,17 @@ class TIMCallback(TrainerCallback):
             return result
 
         return _get_per_token_logps_and_entropies
+
+    def _scores_reference(self) -> bool:
+        """Whether a call with the policy model scores the reference: a PEFT policy has no reference model, and TRL
+        scores the reference with the policy inside ``use_adapter(model, "ref" if "ref" in model.peft_config else
+        None)``: its adapters disabled (PEFT's ``disable_adapter`` sets ``_adapters_disabled``), or the initial
+        copy of a re-trained adapter, named "ref", active.
+        (hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions, its beta != 0 branch)"""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        if getattr(model, "peft_config", None) is None:
+            return False
+        return bool(getattr(model, "_adapters_disabled", False)) or getattr(model, "active_adapter", None) == "ref"
 
     def _wrap_engine_generate(self, original):
         def generate(*args, **kwargs):
@@ -499,7 +554,11 @@ class TIMCallback(TrainerCallback):
         boundary = safe.in_safe if safe is not None and self.pipeline.config.mask_boundary else None
         factor = self.pipeline.loss_factor(mask, boundary, inputs.get("tim_weights"))
         if factor is not None:
-            self._call.restore.update(translate.scale_policy_term(inputs, factor, mask, self.trainer.loss_type))
+            # from TRL's own values: a loss that scores twice in one call (a subclass) would otherwise scale what the
+            # call's first forward scaled, and put that back at its end
+            inputs.update(self._call.restore)
+            for key, value in translate.scale_policy_term(inputs, factor, mask, self.trainer.loss_type).items():
+                self._call.restore.setdefault(key, value)
         self._split(inputs, logps.detach(), mask if boundary is None else mask & boundary.bool())
 
     def _split(self, inputs: dict, current: torch.Tensor, mask: torch.Tensor) -> None:

@@ -13,7 +13,8 @@ prefix cache reset) both score the batch again and ``Lag0Probe.judge`` names wha
 Every rank runs the trainer's forward (FSDP or ZeRO-3 parameters are gathered in it); the main process, the only one
 holding TRL's client, asks the server and judges. A cause named there reaches the other ranks through the window's
 merged flags (``CauseTracker.evaluate``). A problem inside the probe is counted (``tim/diag/lag0_probe_failed``) and
-never breaks the sync; a vision-language batch (images beside the token ids) switches it off
+never breaks the sync; a reference scoring that failed on the main process (or has no usable token) switches the probe
+off on every rank, there being nothing to judge a sync against; a vision-language batch (images beside the token ids) switches it off
 (``tim/diag/lag0_probe_unsupported``).
 """
 
@@ -59,16 +60,28 @@ class ServerProbe:
             self.sequences = []
             self.pipeline.count("lag0_probe_unsupported", detail=f"a multimodal batch ({', '.join(media)})")
             return
+        failed = False
         try:
             self.sequences = probe_sequences(batch, self.probe.config)
             engine, trainer, mask = self._score()
-            if engine is not None:
-                self.probe.set_reference(engine, trainer, mask)
+            if engine is not None and not math.isfinite(self.probe.set_reference(engine, trainer, mask)):
+                failed = True
+                self.pipeline.count("lag0_probe_failed", detail="the reference scoring has no token both sides "
+                                    "scored with a finite log-prob")
         except Exception as err:  # the probe costs its own result, never the step
-            # off where this process alone decides; with several, every rank keeps the same forwards
-            if self.sequences is None or self.trainer.accelerator.num_processes == 1:
-                self.sequences = []
+            failed = True
             self.pipeline.count("lag0_probe_failed", detail=repr(err))
+        # Without a reference no sync can be judged: off on every rank, or each would keep scoring the batch at every
+        # sync for nothing. Only the main process holds the reference (TRL's client), and every rank runs the
+        # forwards together (a sharded model's need all of them): its word decides, once, here.
+        ok = not failed and bool(self.sequences)
+        if self.trainer.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast
+
+            flag = torch.tensor([int(ok)], device=self.trainer.accelerator.device)
+            ok = bool(broadcast(flag, from_process=0).item())
+        if not ok or self.sequences is None:
+            self.sequences = []
 
     def _wrap(self, original):
         def sync_weights(*args, **kwargs):

@@ -14,8 +14,8 @@ Every rank runs the trainer's forward (FSDP or ZeRO-3 parameters are gathered in
 holding TRL's client, asks the server and judges. A cause named there reaches the other ranks through the window's
 merged flags (``CauseTracker.evaluate``). A problem inside the probe is counted (``tim/diag/lag0_probe_failed``) and
 never breaks the sync; a reference scoring that failed on the main process (or has no usable token) switches the probe
-off on every rank, there being nothing to judge a sync against; a vision-language batch (images beside the token ids) switches it off
-(``tim/diag/lag0_probe_unsupported``).
+off on every rank, there being nothing to judge a sync against; a vision-language batch (images beside the token ids)
+switches it off (``tim/diag/lag0_probe_unsupported``).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ returns verl's result untouched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -45,6 +46,7 @@ from verl.utils import tensordict_utils as tu
 from tim_plugins.by_key import lag_after, turn_keys
 from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
 from tim_plugins.safe_vocab import SafeLogprobs
+from tim_plugins.truncation import Truncation
 
 from .config import LAG_FIELD, ActorContext, TIMVerlConfig
 from .features import SAFE_VOCAB, SYNC_CHECK
@@ -52,6 +54,9 @@ from .micro_batch import MicroBatchKeptSets, PassCells, ResponseLayout, kept_set
 from .sync_check import SyncWatch
 
 __all__ = ["TIMEngineMixin"]
+
+# the cut that keeps every token (logits already divided by the temperature): a reference pass's head
+_WHOLE_VOCABULARY = Truncation(temperature=1.0)
 
 
 class _BoundaryMaskedLoss:
@@ -98,6 +103,8 @@ class TIMEngineMixin:
     _tim_window = None  # the probe's decision at the step's window (its threshold check), for the step's row
     _tim_mb: dict | None = None
     _tim_kept = None  # MicroBatchKeptSets of the micro-batch in flight, where the engine's kept sets are replayed
+    _tim_truncation = None  # the safe vocabulary's cut (tim_configure), None when it is off
+    _tim_reference = False  # inside disable_adapter: a LoRA actor's reference pass
     _tim_sync: SyncWatch | None = None  # the weight-sync check (sync_check.py), with the causes and the feature on
     _TIM_SYNC_FEATURES = (SYNC_CHECK.name,)  # the features the weight-sync check runs on (off if one is)
 
@@ -281,7 +288,10 @@ class TIMEngineMixin:
         """The engine's kept sets for this micro-batch's safe vocabulary, or None to recompute them on the trainer's
         logits. A micro-batch whose samples carry sets that cannot all be used recomputes and is counted under
         ``tim/diag/kept_sets_fallback`` (the pipeline's ``count``: raises only in a strict pipeline, which verl's actor
-        does not build); an unreadable field is a fallback too (diagnostics do not stop training)."""
+        does not build); an unreadable field is a fallback too (diagnostics do not stop training). None in a
+        reference pass (``disable_adapter``): the reference keeps every token."""
+        if self._tim_reference:
+            return None
         try:
             kept, reason = kept_sets_of_micro_batch(micro_batch)
         except Exception as err:  # an unreadable field is a fallback, not a crash
@@ -297,6 +307,24 @@ class TIMEngineMixin:
         if loss_function is None or tim is None or not (tim.safe_vocab.enabled and tim.safe_vocab.mask_boundary):
             return loss_function
         return _BoundaryMaskedLoss(loss_function, self)
+
+    # VERL_SOURCES verl.workers.engine.base:BaseEngine.disable_adapter
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        """verl's, with the safe vocabulary's cut off inside: on a LoRA actor verl scores the reference in the actor
+        with the adapter off (``no_lora_adapter``: VERL_SOURCES verl.workers.engine_workers:TrainingWorker.infer_batch),
+        and the reference's log-probs stay full-vocabulary, as a separate reference worker's and TRL's (docs/verl.md).
+        The head stays the engine's (the cut that keeps every token: with fused kernels verl's own head fails where
+        ours runs), and the rollout's kept sets are not replayed there."""
+        with super().disable_adapter():
+            if self._tim_truncation is None:
+                yield
+                return
+            saved, self._tim_truncation, self._tim_reference = self._tim_truncation, _WHOLE_VOCABULARY, True
+            try:
+                yield
+            finally:
+                self._tim_truncation, self._tim_reference = saved, False
 
     def _tim_after_forward(self, micro_batch, model_output, forward_only: bool) -> None:
         """A micro-batch's output, after verl's loss: measured on a measurement pass, split by lag on a training

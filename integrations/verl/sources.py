@@ -80,6 +80,13 @@ VERL_SOURCES = {
     ("verl.workers.engine.base", "BaseEngine.infer_batch"):
         "(data, loss_function=None): forward_backward_batch(forward_only=True) under no_grad (old-log-prob and "
         "reference passes)",
+    ("verl.workers.engine.base", "BaseEngine.disable_adapter"):
+        "() -> a context manager that disables the LoRA adapters for its duration (nullcontext on the base class; "
+        "the FSDP and Megatron engines override it); the engine mixin wraps it to switch its safe vocabulary off",
+    ("verl.workers.engine_workers", "TrainingWorker.infer_batch"):
+        "pops the non-tensor key no_lora_adapter (the trainer's _compute_ref_log_prob sets it when ref_in_actor: a "
+        "LoRA actor scores the reference) and runs engine.infer_batch inside engine.disable_adapter() when it is "
+        "set: the only caller of disable_adapter on the actor",
     ("verl.workers.engine_workers", "TrainingWorker.train_mini_batch"):
         "update_lr_scheduler is set only on the last mini-batch of a step, so the engine's lr_scheduler_step runs "
         "once per step, after its last train_batch",

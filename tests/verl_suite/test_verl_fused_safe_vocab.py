@@ -130,8 +130,9 @@ def test_the_sampler_cut_alone_at_min_p_zero(dist, toy_model_path, fused):
 
 def _lora_run(toy_model_path, fused: bool, td):
     """A LoRA actor (verl's ``model.lora_rank``) with a fixed non-zero adapter: the old-log-prob pass, the reference
-    pass verl runs in the actor with the adapter off (``ref_in_actor``: ``disable_adapter()``), and one training
-    step."""
+    pass verl runs in the actor with the adapter off (``ref_in_actor``: ``disable_adapter()``), one training step,
+    and (without fused kernels, where verl's own head runs on FSDP2) verl's own reference log-probs, nothing of tim
+    configured."""
     eng = H.build_engine(toy_model_path, fused=fused, optimizer="SGD", lr=0.1, lora_rank=4)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -139,22 +140,31 @@ def _lora_run(toy_model_path, fused: bool, td):
             if "lora_" in name:  # PEFT starts A at random, B at 0 (a no-op): a fixed adapter, the same in both runs
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(0.3 * torch.randn(local.shape, generator=g))
+    verl_ref = None
+    if not fused:
+        with eng.disable_adapter():
+            verl_ref = H.old_log_probs_padded(H.infer(eng, td), td)
     eng.tim_configure(TIMVerlConfig.from_node(CONFIG), context=SAMPLER)
     old = H.old_log_probs_padded(H.infer(eng, td, fused=fused), td)
     with eng.disable_adapter():
         ref = H.old_log_probs_padded(H.infer(eng, td, fused=fused), td)
+    again = H.old_log_probs_padded(H.infer(eng, td, fused=fused), td)
     step, _ = H.train_step(eng, td, old, fused=fused)
     eng.tim_deconfigure()
-    return old, ref, step
+    assert torch.equal(again, old)  # after the reference pass the policy's log-probs are the safe vocabulary's again
+    return old, ref, verl_ref, step
 
 
 def test_fused_safe_vocab_on_a_lora_actor_equals_the_logits_path(dist, toy_model_path):
     """A LoRA actor wraps the transformers model in PEFT's ``PeftModel``: the chunked safe head runs on the model
-    inside it (its LoRA layers on, and off in the reference pass), equal to the safe vocabulary on full logits."""
+    inside it, equal to the safe vocabulary on full logits; the reference pass verl runs in the actor with the
+    adapter off keeps verl's full-vocabulary log-probs (``_lora_run``), also with fused kernels."""
     td, raw = H.make_batch(VOCAB, batch=4, seed=5)
-    u_old, u_ref, u_step = _lora_run(toy_model_path, False, td)  # before any fused engine exists
-    f_old, f_ref, f_step = _lora_run(toy_model_path, True, td)
+    u_old, u_ref, verl_ref, u_step = _lora_run(toy_model_path, False, td)  # before any fused engine exists
+    f_old, f_ref, _, f_step = _lora_run(toy_model_path, True, td)
     mask = raw["response_mask"].bool()
+    # the reference is full-vocabulary: verl's own log-probs of the model without its adapter
+    assert (u_ref - verl_ref)[mask].abs().max() <= FP32_TOL
     assert (u_old - u_ref)[mask].abs().max() > 1e-2  # the adapter changes the log-probs: it is applied
     assert (f_old - u_old)[mask].abs().max() <= FP32_TOL
     assert (f_ref - u_ref)[mask].abs().max() <= FP32_TOL

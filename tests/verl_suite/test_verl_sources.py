@@ -240,6 +240,22 @@ def test_training_worker_steps_the_scheduler_after_the_last_mini_batch():
         "use_fused_kernels=self.engine_config.use_fused_kernels," in train
 
 
+def test_the_reference_of_a_lora_actor_is_scored_inside_the_engines_disable_adapter():
+    """verl's worker runs the reference pass of a LoRA actor (``no_lora_adapter``) inside ``engine.disable_adapter()``
+    and calls it nowhere else on the actor; the tim engine's override keeps the parent's signature."""
+    from verl.workers.engine.base import BaseEngine
+
+    from tim_plugins.integrations.verl.engine import TIMFSDPEngineWithLMHead
+
+    infer = _flat(_src("verl.workers.engine_workers", "TrainingWorker.infer_batch"))
+    assert 'no_lora_adapter = tu.pop(data, key="no_lora_adapter", default=False)' in infer
+    assert "adapter_ctx = self.engine.disable_adapter() if no_lora_adapter else nullcontext()" in infer
+    assert infer.index("with adapter_ctx:") < infer.index("output = self.engine.infer_batch(data, loss_function")
+    assert 'metadata["no_lora_adapter"] = True' in _src(TB, "PPOTrainer._compute_ref_log_prob")
+    assert list(inspect.signature(BaseEngine.disable_adapter).parameters) == ["self"]
+    assert list(inspect.signature(TIMFSDPEngineWithLMHead.disable_adapter).parameters) == ["self"]
+
+
 def test_get_non_tensor_data_unwraps_and_defaults():
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu

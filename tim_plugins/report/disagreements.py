@@ -13,11 +13,12 @@ escapes it for HTML.
 from __future__ import annotations
 
 import html
-import math
 import unicodedata
 from typing import Callable, Sequence
 
 import numpy as np
+
+from tim_plugins.report.query import exp_or_inf
 
 __all__ = ["DEFAULT_ROWS", "DEFAULT_CONTEXT", "columns_from_tensors", "largest_disagreements",
            "decode_rows", "dump_disagreements", "visible", "disagreements_html", "disagreements_text"]
@@ -73,12 +74,6 @@ def columns_from_tensors(rollout_logprobs, train_logprobs, scored_mask, token_id
     }
 
 
-def _exp(x: float) -> float:
-    """e^x, inf past float64's range instead of an OverflowError (a log-prob far above 0 is garbage, e.g. from a
-    damaged dump file; the dump's and the tensors' largest disagreements both use it)."""
-    return math.inf if x > 709.78 else math.exp(x)
-
-
 def largest_disagreements(columns: dict[str, np.ndarray], n: int = DEFAULT_ROWS,
                           context: int = DEFAULT_CONTEXT) -> list[dict]:
     """The ``n`` scored rows with the largest |train − rollout| (finite log-probs above the invalid-placeholder
@@ -117,7 +112,7 @@ def largest_disagreements(columns: dict[str, np.ndarray], n: int = DEFAULT_ROWS,
             "step": int(col["step"][i]), "rank": int(col["rank"][i]), "sequence": int(col["sequence"][i]),
             "position": pos, "token_id": int(col["token_id"][i]),
             "rollout_logprob": float(rollout[i]), "train_logprob": float(train[i]), "diff": float(d[i]),
-            "p_rollout": _exp(rollout[i]), "p_train": _exp(train[i]),
+            "p_rollout": exp_or_inf(rollout[i]), "p_train": exp_or_inf(train[i]),
             "before": [int(col["token_id"][j]) for j in before], "after": [int(col["token_id"][j]) for j in after],
             "start": i == lo, "end": i == hi - 1,
         })

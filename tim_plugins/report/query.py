@@ -52,7 +52,7 @@ from tim_plugins.dump import dump_files
 from tim_plugins.report import bins as B
 
 __all__ = ["DEFAULT_MEMORY_LIMIT", "DEFAULT_THREADS", "MEMORY_LIMIT_ENV", "FETCH_ROWS", "Engine", "Dump", "engine",
-           "snapshot", "readable", "open_dump", "parse_memory_limit", "combine"]
+           "snapshot", "readable", "open_dump", "parse_memory_limit", "combine", "exp_or_inf"]
 
 # DuckDB's memory cap for the report's queries, and the env variable that overrides it. A query needing more
 # spills to a temporary folder; the report's queries are small, so a dump of any size fits under it.
@@ -70,6 +70,12 @@ FETCH_ROWS = 1 << 21
 def _expm1(d: float) -> float:
     """ρ - 1 of a log-ratio ``d``: inf past float64's range (d > ~709.78) instead of an OverflowError."""
     return math.inf if d > 709.78 else math.expm1(d)
+
+def exp_or_inf(x: float) -> float:
+    """e^x, inf past float64's range instead of an OverflowError (a log-prob far above 0 is garbage, e.g. from a
+    damaged dump file; the dump's and the tensors' largest disagreements both use it)."""
+    return math.inf if x > 709.78 else math.exp(x)
+
 
 def snapshot(folder: str | os.PathLike) -> list[str]:
     """The complete dump files of ``folder`` now (sorted names; the writer renames a finished file into place)."""
@@ -507,7 +513,6 @@ class Dump:
         """``disagreements.largest_disagreements``'s rows over this dump: the ``n`` valid rows with the largest
         |d| (ties in (step, rank, sequence, position) order), each with the token ids of the rows of its sequence
         within ``context`` positions on each side (every row of the dump, valid or not)."""
-        from tim_plugins.report.disagreements import _exp  # e^x, inf past float64's range (garbage log-probs)
         from tim_plugins.report.scan import TOP_ROWS
 
         f = self.full()
@@ -540,7 +545,7 @@ class Dump:
                 "step": int(step), "rank": int(rank), "sequence": int(seq), "position": int(pos),
                 "token_id": int(next(tok for p, tok in around if p == pos)),
                 "rollout_logprob": float(r), "train_logprob": float(t), "diff": float(t - r),
-                "p_rollout": _exp(r), "p_train": _exp(t),
+                "p_rollout": exp_or_inf(r), "p_train": exp_or_inf(t),
                 "before": [int(tok) for p, tok in around if p < pos], "after": [int(tok) for p, tok in around if p > pos],
                 "start": pos == lo, "end": pos == hi,
             })

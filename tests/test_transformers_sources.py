@@ -182,6 +182,25 @@ def test_epoch_end_runs_before_the_epochs_log():
     assert src.index("self._maybe_log_save_evaluate(", ends[0]) > ends[0]
 
 
+def test_the_step_grad_norm_is_read_before_on_step_end():
+    """The LR decay's grad-norm signal (features.LR_GRAD_NORM): the epoch loop takes the step's norm from
+    self._get_grad_norm (looked up on the instance) after clipping, before the optimizer step and on_step_end, and
+    logs that value."""
+    import re
+
+    since = TRANSFORMERS_SINCE[("transformers.trainer", "Trainer._run_epoch")]
+    loop = "Trainer._run_epoch" if _installed() >= _release(since) else "Trainer._inner_training_loop"
+    src = _src("transformers.trainer", loop)
+    read = [m.start() for m in re.finditer(r"grad_norm = self\._get_grad_norm\(model, grad_norm=grad_norm\)", src)]
+    assert len(read) == 1, loop
+    assert src.index("grad_norm = self._clip_grad_norm(model)") < read[0] < src.index("self.optimizer.step()", read[0])
+    assert src.index("self.callback_handler.on_step_end(", read[0]) < src.index("self._maybe_log_save_evaluate(",
+                                                                                 read[0])
+    assert "grad_norm," in src[src.index("self._maybe_log_save_evaluate(", read[0]):]
+    get = _src("transformers.trainer", "Trainer._get_grad_norm")
+    assert "clip_grad_norm_(model.parameters(), float(\"inf\"))" in get and "return grad_norm" in get
+
+
 def test_recorder_warns_once_on_an_untested_transformers(toy_model_path, monkeypatch, caplog):
     """An untested transformers is one warning per process, never an exception: the recorder still records (its
     hook is checked by the capability check, integrations/trl/features.py HF_RECORDER)."""

@@ -50,6 +50,7 @@ FEATURE_RELEASES = {
     "kept_set_replay": ("1.9", None),  # the colocate LLM global and generate call (TRL 1.9 and 1.16 read alike)
     "sync_check": ("1.9", None),  # sync_weights writes through model_runner.model.load_weights (1.9, 1.12, 1.14, 1.16)
     "sync_probe_server": ("1.9", None),  # VLLMClient.get_sequence_logprobs (TRL's own server to 1.10, vLLM's after)
+    "lr_grad_norm": ("1.9", None),  # transformers' Trainer._get_grad_norm (5.5 - 5.25: tests/test_transformers_sources)
 }
 # Features that need vLLM installed besides TRL: TRL binds its colocate ``LLM`` global only when vLLM imports, so
 # without vLLM (the `latest` lane) the feature is off, for that reason.

@@ -3,6 +3,8 @@ IS correction without vLLM, LR decay, checkpoint/resume."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -348,6 +350,37 @@ class _StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+def test_the_grad_norm_signal_is_each_steps_own_norm(toy_model_path, tmp_path):
+    """lr_decay_signals=("grad_norm",): the controller observes, at the end of each optimizer step, the norm
+    transformers computed in that step: with logging_steps=1 its logged grad_norm of the same step; with
+    logging_steps=3 (the same seed, the same steps) the same values, every step once. Before, it read the last
+    logged value: one step late, and repeated between logs."""
+    n = 4
+    runs = {}
+    for logging_steps in (1, 3):
+        trainer = make_trainer(toy_model_path, tmp_path / str(logging_steps), max_steps=n,
+                               logging_steps=logging_steps, max_grad_norm=1.0)
+        cb = TIMCallback(trainer, TIMConfig(lr_decay=True, lr_decay_signals=("grad_norm",)))
+        trainer.add_callback(cb)
+        seen = []
+        end_step = cb.pipeline.end_step
+
+        def recording(step, _end=end_step, _seen=seen, **kwargs):  # test-side: what the controller is handed
+            _seen.append((step, kwargs.get("grad_norm")))
+            return _end(step, **kwargs)
+
+        cb.pipeline.end_step = recording
+        trainer.train()
+        logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+        runs[logging_steps] = (seen, logged)
+    (every, logged), (sparse, logged_sparse) = runs[1], runs[3]
+    assert [s for s, _ in every] == [s for s, _ in sparse] == list(range(1, n + 1))
+    assert sorted(logged) == list(range(1, n + 1)) and sorted(logged_sparse) == [3]
+    assert all(norm is not None and norm == pytest.approx(logged[step], rel=1e-6) for step, norm in every), every
+    assert [norm for _, norm in sparse] == pytest.approx([norm for _, norm in every], rel=1e-6)
+    assert any(norm > 0 for _, norm in every)
 
 
 def test_resume_restores_controller_and_lr_scale(toy_model_path, tmp_path):

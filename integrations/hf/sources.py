@@ -39,6 +39,10 @@ TRANSFORMERS_SOURCES = {
     ("transformers.trainer", "Trainer._load_callback_state"):
         "with restore_callback_states_from_checkpoint, rebuilds each stateful callback as type(cb)(**args) then "
         "sets its saved attributes, from cb.state() = {'args', 'attributes'} stored by class name",
+    ("transformers.trainer", "Trainer._get_grad_norm"):
+        "(model, grad_norm=None) -> the step's pre-clip gradient norm (a tensor, or a float under DeepSpeed), called "
+        "on the instance once per optimizer step, after clipping and before the optimizer step and on_step_end; "
+        "the same value reaches the step's logged grad_norm",
     ("transformers.trainer", "Trainer._run_epoch"):
         "on_epoch_end runs before the epoch's _maybe_log_save_evaluate (so a window pushed then is logged)",
     ("transformers.trainer", "Trainer._inner_training_loop"):

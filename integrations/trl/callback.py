@@ -154,6 +154,7 @@ class TIMCallback(TrainerCallback):
         self._installation: hooks.Installation | None = None
         self._audit_reads: dict[str, bool] | None = None  # the live vLLM objects the audit may read, once checked
         self._grad_norm: float | None = None
+        self._grad_norm_hooked = False  # the grad-norm signal read at each optimizer step (attach: _wrap_grad_norm)
         self._length = math.nan  # mean response length of the latest generation batch (all ranks)
         self._pending: dict[str, float] = {}  # one-off values for the next log (the audit's counts)
         self._pushed_at: int | None = None  # global step of the last push into TRL's metrics
@@ -199,6 +200,10 @@ class TIMCallback(TrainerCallback):
                     and trainer.args.vllm_mode == "server" \
                     and self._available(check(features.SERVER_PROBE, features.live(trainer))):
                 self.server_probe = ServerProbe(trainer, self.pipeline, config.sync_probe_options)
+        lr = self.pipeline.lr_controller
+        # the grad-norm signal read at each optimizer step (features.LR_GRAD_NORM); off: the last logged one (on_log)
+        self._grad_norm_hooked = lr is not None and "grad_norm" in lr.config.signals \
+            and self._available(check(features.LR_GRAD_NORM))
         self._fresh = self.pipeline.state_dict()
         # on the trainer once every check above passed: a callback refused there leaves nothing behind
         trainer.add_callback(self.state_carrier)
@@ -265,10 +270,12 @@ class TIMCallback(TrainerCallback):
     def attach(self) -> None:
         """Install the wrappers (each ``hooks.TRL_SOURCES`` entry it relies on is named beside it)."""
         t = self.trainer
+        # TRANSFORMERS_SOURCES transformers.trainer:Trainer._get_grad_norm (the step's norm, before on_step_end)
+        grad_norm = [(t, "_get_grad_norm", self._wrap_grad_norm)] if self._grad_norm_hooked else []
         if self._async is not None:
-            self._installation.install(self._async.wrappers())
+            self._installation.install([*self._async.wrappers(), *grad_norm])
             return
-        wrappers = [
+        wrappers = [*grad_norm,
             # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions
             (t, "_generate_and_score_completions", self._wrap_generation_batch),
             # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._compute_loss
@@ -289,6 +296,18 @@ class TIMCallback(TrainerCallback):
             if watch is not None:
                 wrappers.extend(watch.wrappers())
         self._installation.install(wrappers)
+
+    def _wrap_grad_norm(self, original):
+        def _get_grad_norm(*args, **kwargs):
+            norm = original(*args, **kwargs)
+            try:  # one host read per optimizer step, only with the grad-norm signal (transformers logs it anyway)
+                self._grad_norm = float(norm)
+            except Exception as err:  # the signal misses this step; the step goes on
+                self._grad_norm = None
+                self.pipeline.count("grad_norm_unread", detail=repr(err))
+            return norm
+
+        return _get_grad_norm
 
     def _safe_patch(self, arguments: dict) -> Patch:
         """The safe-vocab stand-in for the module global TRL's log-prob call looks up, installed for one call of this
@@ -624,7 +643,9 @@ class TIMCallback(TrainerCallback):
 
     # ---------------------------------------------------------------------------------- step / log
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and logs.get("grad_norm") is not None:
+        # without the step's own read (features.LR_GRAD_NORM off): the last logged norm, which on_log brings after
+        # on_step_end, so one step late and only every logging_steps
+        if not self._grad_norm_hooked and logs and logs.get("grad_norm") is not None:
             self._grad_norm = float(logs["grad_norm"])
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -30,7 +30,7 @@ from tim_plugins.capabilities import (Feature, Hook, Problem, SourceProblem, Sta
                                       look_through, upstream_source)
 
 __all__ = ["ASYNC_MONITOR", "ASYNC_UNSUPPORTED", "ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER",
-           "KEPT_SET_REPLAY", "LOSS_FACTOR", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS",
+           "KEPT_SET_REPLAY", "LOSS_FACTOR", "LR_GRAD_NORM", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS",
            "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "SERVER_PROBE", "SYNC_CHECK", "async_unsupported", "feature",
            "live", "logits_route_module", "safe_vocab_route", "safe_vocab_status", "trl_features"]
 
@@ -277,8 +277,17 @@ def async_unsupported(name: str) -> Status:
     return Status(feature, False, ASYNC_UNSUPPORTED[name], feature.fix)
 
 
+# The LR decay's grad-norm signal (lr_decay_signals=("grad_norm",)): the pre-clip norm transformers computes at each
+# optimizer step (TRANSFORMERS_SOURCES transformers.trainer:Trainer._get_grad_norm, called on the instance before
+# on_step_end), read as it returns; without it the signal is the norm of the last logged step (on_log, which runs
+# after on_step_end and only every logging_steps).
+LR_GRAD_NORM = Feature(
+    "lr_grad_norm", "the LR decay's grad-norm signal at each optimizer step", "transformers",
+    needs=("trl", "transformers"), extra="trl", fix="report it (the signal then reads the last logged grad norm)",
+    hooks=(Hook("transformers.trainer", "Trainer._get_grad_norm", params=("model", "grad_norm")),))
+
 FEATURES = (MONITOR, LOSS_FACTOR, *SAFE_VOCAB_ROUTES, HF_RECORDER, EXACT_SAMPLER, ENGINE_AUDIT, SERVER_AUDIT,
-            KEPT_SET_REPLAY, SYNC_CHECK, SERVER_PROBE, ASYNC_MONITOR)
+            KEPT_SET_REPLAY, SYNC_CHECK, SERVER_PROBE, ASYNC_MONITOR, LR_GRAD_NORM)
 
 
 def feature(name: str) -> Feature:

@@ -427,16 +427,23 @@ def test_a_second_callback_on_one_trainer_is_refused_until_the_first_is_detached
     trainer.train()
     # the independent reference: TRL's own advantages times the token TIS weights min(exp(train - rollout), 2) of
     # the rows' loss forward on the loss mask (1 elsewhere), computed here from TRL's tensors
-    (_, inputs, logps), = cap.losses
-    mask = _loss_mask(inputs)
-    w = torch.exp(logps.double() - inputs["sampling_per_token_logps"].double()).clamp(max=2.0)
-    w = torch.where(mask, w, torch.ones_like(w))
-    assert not torch.allclose(w, torch.ones_like(w), atol=1e-3)  # the injected noise moved the weights off 1
-    adv = inputs["advantages"].double()  # TRL's, put back after the loss (rows shuffled from the generation batch)
+    adv, w = token_tis_reference(cap)  # TRL's advantages, put back after the loss (rows shuffled from generation)
     assert sorted(adv.tolist()) == pytest.approx(sorted(cap.trl_built[0]["advantages"].double().tolist()))
     expected = (adv if adv.dim() == 2 else adv.unsqueeze(1)) * w
     read = cap.read_in_loss[0]["advantages"].double()
     assert torch.allclose(read, expected, rtol=1e-5, atol=1e-6)
+
+
+def token_tis_reference(cap: "Capture", clip: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(TRL's advantages of the one loss call ``cap`` saw, after the call; the token TIS weights
+    min(exp(train - rollout), clip) of its loss forward on the loss mask, 1 elsewhere), from TRL's tensors; the
+    weights must differ from 1 (the injected noise moved them)."""
+    (_, inputs, logps), = cap.losses
+    mask = _loss_mask(inputs)
+    w = torch.exp(logps.double() - inputs["sampling_per_token_logps"].double()).clamp(max=clip)
+    w = torch.where(mask, w, torch.ones_like(w))
+    assert not torch.allclose(w, torch.ones_like(w), atol=1e-3)
+    return inputs["advantages"].double(), w
 
 
 def test_a_callback_built_for_another_trainer_is_refused_when_training_starts(toy_model_path, tmp_path):

@@ -261,17 +261,23 @@ TWO_PROCS_TIMEOUT_S = 600
 def two_procs(vllm_server, toy_model_path, tmp_path_factory):
     """Both configurations of tests/trl_server_two_procs_run.py in one `torch.distributed.run` launch of two ranks
     against this module's server: config -> [rank 0's results, rank 1's]."""
+    return _launch_two_procs(("healthy", "stale"), vllm_server, toy_model_path, tmp_path_factory)
+
+
+def _launch_two_procs(configs, vllm_server, toy_model_path, tmp_path_factory) -> dict:
+    """``configs`` of tests/trl_server_two_procs_run.py in one `torch.distributed.run` launch of two ranks against
+    this module's server: config -> [rank 0's results, rank 1's]."""
     from bounded import run_bounded
 
     out = tmp_path_factory.mktemp("trl_server_2procs")
     runner = Path(__file__).with_name("trl_server_two_procs_run.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(runner),
-           "--model", str(toy_model_path), "--server", vllm_server, "--out", str(out), "--config", "healthy,stale"]
+           "--model", str(toy_model_path), "--server", vllm_server, "--out", str(out), "--config", ",".join(configs)]
     proc, timed_out = run_bounded(cmd, TWO_PROCS_TIMEOUT_S, cwd=Path(__file__).resolve().parents[1])
     if timed_out or proc.returncode != 0:
         pytest.fail(f"the two-process launch {'ran past its time' if timed_out else f'exited {proc.returncode}'}:\n"
                     f"{proc.stdout[-6000:]}")
-    return {c: [json.loads((out / c / f"rank_{r}.json").read_text()) for r in (0, 1)] for c in ("healthy", "stale")}
+    return {c: [json.loads((out / c / f"rank_{r}.json").read_text()) for r in (0, 1)] for c in configs}
 
 
 def test_two_ranks_the_probe_forwards_on_both_and_the_main_process_judges(two_procs):
@@ -304,17 +310,7 @@ def test_two_ranks_a_stale_server_stops_both_at_the_same_step(two_procs):
 @pytest.fixture(scope="module")
 def two_procs_reference_failed(vllm_server, toy_model_path, tmp_path_factory):
     """tests/trl_server_two_procs_run.py's ``reference_failed`` configuration, two ranks: [rank 0's, rank 1's]."""
-    from bounded import run_bounded
-
-    out = tmp_path_factory.mktemp("trl_server_2procs_reference_failed")
-    runner = Path(__file__).with_name("trl_server_two_procs_run.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(runner),
-           "--model", str(toy_model_path), "--server", vllm_server, "--out", str(out), "--config", "reference_failed"]
-    proc, timed_out = run_bounded(cmd, TWO_PROCS_TIMEOUT_S, cwd=Path(__file__).resolve().parents[1])
-    if timed_out or proc.returncode != 0:
-        pytest.fail(f"the two-process launch {'ran past its time' if timed_out else f'exited {proc.returncode}'}:\n"
-                    f"{proc.stdout[-6000:]}")
-    return [json.loads((out / "reference_failed" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    return _launch_two_procs(("reference_failed",), vllm_server, toy_model_path, tmp_path_factory)["reference_failed"]
 
 
 def test_two_ranks_a_failed_reference_scoring_switches_the_probe_off_on_every_rank(two_procs_reference_failed):

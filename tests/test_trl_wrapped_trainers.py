@@ -207,7 +207,7 @@ def test_a_loss_that_scores_twice_reads_the_correction_once_and_gets_trls_inputs
     same call scaled), and the inputs hold TRL's values again after the call. The reference: the token TIS weights
     min(exp(train - rollout), 2) computed here from TRL's tensors, on TRL's own advantages."""
     import torch
-    from test_trl_callback import Capture, _loss_mask
+    from test_trl_callback import Capture, token_tis_reference
 
     trainer = make_trainer(toy_model_path, tmp_path, trainer_cls=TwiceScoringTrainer, max_steps=1)
     cap = Capture(trainer)
@@ -215,12 +215,7 @@ def test_a_loss_that_scores_twice_reads_the_correction_once_and_gets_trls_inputs
                                                         is_correction="token_tis",
                                                         is_correction_options={"token_clip": 2.0})))
     trainer.train()
-    (_, inputs, logps), = cap.losses
-    mask = _loss_mask(inputs)
-    w = torch.exp(logps.double() - inputs["sampling_per_token_logps"].double()).clamp(max=2.0)
-    w = torch.where(mask, w, torch.ones_like(w))
-    assert not torch.allclose(w, torch.ones_like(w), atol=1e-3)  # the injected noise moved the weights off 1
-    adv = inputs["advantages"].double()
+    adv, w = token_tis_reference(cap)
     assert adv.dim() == 1  # TRL's own (B,) advantages, back after the loss call
     assert sorted(adv.tolist()) == pytest.approx(sorted(cap.trl_built[0]["advantages"].double().tolist()))
     read = cap.read_in_loss[0]["advantages"].double()  # what the second of TRL's loss calls read

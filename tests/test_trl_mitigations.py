@@ -3,8 +3,6 @@ IS correction without vLLM, LR decay, checkpoint/resume."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

@@ -532,8 +532,9 @@ class TIMCallback(TrainerCallback):
         """Whether a call with the policy model scores the reference: a PEFT policy has no reference model, and TRL
         scores the reference with the policy inside ``use_adapter(model, "ref" if "ref" in model.peft_config else
         None)``: its adapters disabled (PEFT's ``disable_adapter`` sets ``_adapters_disabled``), or the initial
-        copy of a re-trained adapter, named "ref", active.
-        (hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions, its beta != 0 branch)"""
+        copy of a re-trained adapter, named "ref", active. PEFT's ``_adapters_disabled`` is private: the PEFT case of
+        tests/test_trl_mitigations.py::test_reference_log_probs_stay_full_vocabulary_with_safe_vocab fails if it moves.
+        (hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions, beta != 0 branch)"""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         if getattr(model, "peft_config", None) is None:
             return False

@@ -35,8 +35,8 @@ def build_engine(model_path: str, *, remove_padding: bool = True, optimizer_impl
                                  enable_gradient_checkpointing=False,
                                  override_config={"attn_implementation": "sdpa"}, use_fused_kernels=fused,
                                  fused_kernel_options={"impl_backend": "torch"} if fused else {},
-                                 **({"lora_rank": lora_rank, "lora_alpha": 2 * lora_rank, "target_modules": "all-linear"}
-                                    if lora_rank else {}))
+                                 **({"lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
+                                     "target_modules": "all-linear"} if lora_rank else {}))
     mp = {"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     engine_config = FSDPEngineConfig(strategy=strategy, use_torch_compile=False, mixed_precision=mp,
                                      micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)

@@ -17,7 +17,8 @@ import numpy as np
 from tim_plugins.dump import dump_files
 
 __all__ = ["has_dump", "load_tokens", "run_tokens", "skipped_files_html", "metrics_by_step", "overall_metrics",
-           "prob_curves", "abs_histograms", "rho_source", "position_profiles", "sequence_points", "order_statistics_of_d"]
+           "prob_curves", "abs_histograms", "rho_source", "position_profiles", "sequence_points",
+           "order_statistics_of_d"]
 
 
 def has_dump(folder: Path) -> bool:

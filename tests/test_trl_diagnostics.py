@@ -146,6 +146,38 @@ def test_a_probe_raise_logs_the_tripped_step_first(toy_model_path, tmp_path):
     assert len(logged) > 2 and all(row[k] == pytest.approx(dumped[k], rel=1e-12) for k in logged)
 
 
+def test_a_measurement_that_fails_costs_its_statistics_not_the_step(toy_model_path, tmp_path, monkeypatch):
+    """The measurement and the staleness split made to raise (fault injection, standing in for a batch layout this
+    code does not know): training runs as an unbroken run does (the same losses, seed for seed) and the failures are
+    counted under tim/diag/measure_failed; with an IS correction configured a failing measurement raises (the loss
+    would otherwise run uncorrected)."""
+    import tim_plugins.integrations.trl.callback as callback_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a batch layout this code does not know")
+
+    losses = {}
+    for fault in (False, True):
+        trainer = make_trainer(toy_model_path, tmp_path / str(fault), max_steps=2, num_iterations=2)
+        cb = TIMCallback(trainer, TIMConfig(log_detail=True))
+        trainer.add_callback(cb)
+        with monkeypatch.context() as patch:
+            if fault:
+                patch.setattr(cb.pipeline, "measure", broken)
+                patch.setattr(callback_module.translate, "loss_pass_inputs", broken)
+            trainer.train()
+        losses[fault] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        rows = [h for h in trainer.state.log_history if "loss" in h]
+    assert losses[True] == losses[False] and len(losses[True]) == 2
+    assert rows[-1]["tim/diag/measure_failed"] >= 2 and "tim/token/kl_k3" not in rows[0]
+    trainer = make_trainer(toy_model_path, tmp_path / "is", max_steps=1)
+    cb = TIMCallback(trainer, TIMConfig(is_correction="token_tis"))
+    trainer.add_callback(cb)
+    monkeypatch.setattr(cb.pipeline, "measure", broken)
+    with pytest.raises(RuntimeError, match="a batch layout this code does not know"):
+        trainer.train()
+
+
 def test_wandb_histograms(toy_model_path, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -470,11 +470,23 @@ class TIMCallback(TrainerCallback):
             out["tim_pending"] = torch.ones(rollout.shape[0], dtype=torch.bool, device=rollout.device)
             return
         ratio = out.get("importance_sampling_ratio")  # TRL's own vLLM correction, when on
-        weights = self.pipeline.measure(
+        weights = self._measure(
             rollout, train, mask, safe=safe[0] if safe else None, step=self.trainer.state.global_step + 1,
             is_weights=ratio.expand_as(rollout) if ratio is not None else None, token_ids=out["completion_ids"])
         if weights is not None:
             out["tim_weights"] = weights
+
+    def _measure(self, *args, **kwargs):
+        """``StepPipeline.measure``: a batch it cannot read costs its statistics, not the step (counted under
+        ``tim/diag/measure_failed``; strict mode raises), except with an IS correction, whose weights the loss needs
+        (it would run uncorrected)."""
+        try:
+            return self.pipeline.measure(*args, **kwargs)
+        except Exception as err:
+            if self.pipeline.config.correction is not None:
+                raise
+            self.pipeline.count("measure_failed", detail=repr(err))
+            return None
 
     def _wrap_loss(self, original):
         def _compute_loss(model, inputs, *args, **kwargs):
@@ -565,9 +577,9 @@ class TIMCallback(TrainerCallback):
         if inputs.pop("tim_pending", None) is not None:
             # multi-turn rollouts (tools, or a rollout_func's env_mask): TRL's tool_mask marks the model's tokens
             turn = turn_keys(inputs["tool_mask"]) if inputs.get("tool_mask") is not None else None
-            weights = self.pipeline.measure(
-                inputs["sampling_per_token_logps"], logps.detach(), mask, safe=safe, token_ids=inputs["completion_ids"],
-                step=self.trainer.state.global_step + 1, turn=turn)
+            weights = self._measure(inputs["sampling_per_token_logps"], logps.detach(), mask, safe=safe,
+                                    token_ids=inputs["completion_ids"], step=self.trainer.state.global_step + 1,
+                                    turn=turn)
             if weights is not None:
                 inputs["tim_weights"] = weights  # for this batch's later passes (num_iterations > 1)
         # the pipeline's setting, not TIMConfig's: it is off where the loss factor's hook moved (features.LOSS_FACTOR)
@@ -579,7 +591,10 @@ class TIMCallback(TrainerCallback):
             inputs.update(self._call.restore)
             for key, value in translate.scale_policy_term(inputs, factor, mask, self.trainer.loss_type).items():
                 self._call.restore.setdefault(key, value)
-        self._split(inputs, logps.detach(), mask if boundary is None else mask & boundary.bool())
+        try:
+            self._split(inputs, logps.detach(), mask if boundary is None else mask & boundary.bool())
+        except Exception as err:  # the staleness split is a diagnostic: its failure costs the pass's split
+            self.pipeline.count("measure_failed", detail=repr(err))
 
     def _split(self, inputs: dict, current: torch.Tensor, mask: torch.Tensor) -> None:
         """Staleness vs mismatch in this loss pass over the measured tokens (``mask``: the boundary tokens of the safe

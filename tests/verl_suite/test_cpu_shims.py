@@ -105,6 +105,33 @@ def test_verl_names_its_weight_transfer_socket_after_the_ray_job():  # shim 9
         assert init.startswith("\n        self,\n        zmq_handle: str,"), cls
 
 
+def test_verl_keeps_pi_old_as_a_cpu_copy_that_aliases_cpu_parameters():  # shim 10
+    """separate_async's π_old is ``fsdp2_sharded_save_to_cpu`` of the actor (``DetachActorWorker``); its
+    ``.detach().cpu()`` aliases a parameter that is on the CPU already, so the "copy" follows the next optimizer step;
+    the shim's does not (FSDP1's helper copies)."""
+    import torch
+
+    import cpu_shims
+    from verl.utils import fsdp_utils
+
+    workers = _source("verl.experimental.separation.engine_workers")
+    assert "self.cpu_saved_models[n] = self.copy_handler(self.actor.engine.module)" in workers
+    assert "self._strategy_handlers = (fsdp2_sharded_save_to_cpu, fsdp2_sharded_load_from_cpu)" in workers
+    assert "local_cpu_tensor = local_gpu_tensor.detach().cpu()" in _source("verl.utils.fsdp_utils",
+                                                                             "fsdp2_sharded_save_to_cpu")
+    assert 'param.data.detach().to("cpu", copy=True)' in _source("verl.utils.fsdp_utils", "fsdp1_sharded_save_to_cpu")
+    param = torch.nn.Parameter(torch.ones(3))
+    assert param.detach().cpu().data_ptr() == param.data_ptr()  # the alias the shim undoes
+    module = type("M", (), {})()
+    module.fsdp2_sharded_save_to_cpu = lambda model: ({"w": (param.detach().cpu(), None)}, None)
+    cpu_shims._copies_on_cpu(module)
+    saved, _ = module.fsdp2_sharded_save_to_cpu(None)
+    with torch.no_grad():
+        param.add_(1.0)  # an optimizer step
+    assert torch.equal(saved["w"][0], torch.ones(3))
+    assert callable(fsdp_utils.fsdp2_sharded_save_to_cpu)
+
+
 def test_run_scoped_socket_in_a_fresh_process():  # shim 9: the path verl builds, with the run's id in it
     code = (
         "from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender as S, "

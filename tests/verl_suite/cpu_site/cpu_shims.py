@@ -45,6 +45,13 @@ import, so nothing heavy is imported early. Each shim names the source that need
    fresh Ray cluster's first job id is the same (01000000), so two runs bind one path and each can connect to the
    other's sender: both hang. With ``TIM_TEST_RUN_ID`` set (``main_ppo_run.run_main_ppo`` sets a fresh one per run),
    the bucketed transfer's sender and receiver (bucketed_weight_transfer.py) put it into that path.
+10. separate_async with ``parameter_sync_step`` > 1 keeps π_old (the weights the rollout was synced with) as a CPU
+   copy of the actor's weights, ``DetachActorWorker.save_model_to_cpu`` (experimental/separation/engine_workers.py),
+   through ``verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu``, which copies with ``tensor.detach().cpu()``. On a
+   GPU that is a copy; here the parameters already live on the CPU, so ``.cpu()`` returns the live tensor and the
+   "saved" π_old follows every optimizer step: the old-log-prob pass of the step's later updates ran on the updated
+   weights (the trainer 0.5 nats off the rollout at "lag 0"). The shim clones what the helper returns, as its GPU
+   copy does (the FSDP1 helper copies with ``copy=True``).
 """
 
 from __future__ import annotations
@@ -120,6 +127,22 @@ def _run_scoped_sockets(module) -> None:
         cls.__init__ = __init__
 
 
+def _copies_on_cpu(module) -> None:
+    import torch
+
+    def cloned(x):
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        if isinstance(x, tuple):
+            return tuple(cloned(v) for v in x)
+        if isinstance(x, dict):
+            return {k: cloned(v) for k, v in x.items()}
+        return x
+
+    original = module.fsdp2_sharded_save_to_cpu
+    module.fsdp2_sharded_save_to_cpu = lambda model: cloned(original(model))
+
+
 HOOKS: dict[str, Callable] = {
     "verl.workers.engine.fsdp.transformer_impl": _fsdp1_without_sync,
     "verl.utils.import_utils": _verl_without_trl,
@@ -128,6 +151,7 @@ HOOKS: dict[str, Callable] = {
     "vllm.model_executor.layers.utils": _keep_plain_linear_weights,  # VLLM_LINEAR
     "vllm.model_executor.models.utils": _unstacked_mapper,
     "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer": _run_scoped_sockets,
+    "verl.utils.fsdp_utils": _copies_on_cpu,
 }
 
 

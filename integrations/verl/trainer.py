@@ -204,26 +204,30 @@ class TIMTrainerMixin:
         """Before the driver raises: the step's ``tim/*`` metrics, which verl logs only at the end of the step that
         the raise never reaches, go where that row would have gone: the dump's ``log_history.jsonl`` (the report's
         series) and verl's tracker (the step's ``tim/*`` row, wandb's chart of the trip). Never raised itself."""
-        row = {k: v for k, v in metrics.items() if k.startswith("tim/")}
-        if self.tim.dump.enabled:
-            from tim_plugins.dump import append_log_history
+        from tim_plugins.log_keys import for_step_log
 
-            try:
-                append_log_history(self.tim.dump.dir, self.global_steps, metrics)
-            except OSError as err:
-                logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
+        self._tim_append_history(metrics)
         # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit (self.logger, the step's Tracking)
         tracker = getattr(self, "logger", None)
         if tracker is None:
             return
-        if not self.tim.monitor.log_detail:
-            from tim_plugins.log_keys import in_step_log
-
-            row = {k: v for k, v in row.items() if in_step_log(k)}
+        row = for_step_log({k: v for k, v in metrics.items() if k.startswith("tim/")}, self.tim.monitor.log_detail)
         try:
             tracker.log(data=row, step=self.global_steps)
         except Exception as err:  # the ParityError that follows says what tripped
             logger.warning("tim-plugins: could not log the tripped step's metrics: %r", err)
+
+    def _tim_append_history(self, metrics: dict) -> None:
+        """The step's row beside the dump (``log_history.jsonl``, the report's series); a failed write costs the
+        report that point, never the step."""
+        if not self.tim.dump.enabled:
+            return
+        from tim_plugins.dump import append_log_history
+
+        try:
+            append_log_history(self.tim.dump.dir, self.global_steps, metrics)
+        except OSError as err:
+            logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
 
     def on_step_end(self):
         # first, where verl's fit writes its own (after the step, before on_step_end, whose colocated modes wake the
@@ -320,13 +324,7 @@ class TIMTrainerMixin:
         for the report (its tim/* series, the LR, the reward); then the row verl's tracker logs keeps the tim/*
         metrics read each step, every one with ``tim.monitor.log_detail`` (``tim_plugins.log_keys``)."""
         out = super()._compute_metrics(batch, metrics, *args, **kwargs)
-        if self.tim.dump.enabled:
-            from tim_plugins.dump import append_log_history
-
-            try:
-                append_log_history(self.tim.dump.dir, self.global_steps, metrics)
-            except OSError as err:  # the report loses a point; training goes on
-                logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
+        self._tim_append_history(metrics)
         if not self.tim.monitor.log_detail:
             from tim_plugins.log_keys import in_step_log
 

@@ -180,7 +180,7 @@ def _completions_end_where_the_exact_sampler_ends(live=None) -> str | Problem | 
 EXACT_SAMPLER = Feature(
     "exact_sampler", "exact sampler (rollout='exact', 'inject')", "trl", needs=("trl",), extra="trl", fix=_UPGRADE,
     hooks=(Hook(_GRPO, "GRPOTrainer._generate_single_turn", params=("prompt_ids",)),
-           # translate.pipeline_config's exact-mode check, callback._exact_generate, _exact_scoring.exact_scorer
+           # translate.pipeline_config's exact-mode check, generation._exact_generate, _exact_scoring.exact_scorer
            _settings("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")),
     probe=_completions_end_where_the_exact_sampler_ends)
 

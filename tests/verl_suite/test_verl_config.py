@@ -283,6 +283,31 @@ def test_probe_stop_checkpoints_the_step_it_cut_short(step, planned_total, save_
     assert len(calls) == int(saved)
 
 
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_a_resumed_run_moves_the_crashed_attempts_later_steps_aside_before_its_first_step(mode, tmp_path):
+    """A two-rank attempt crashed after step 4 (checkpoint 2), its broken sync after step 2 named in step 3's window;
+    verl resumes on one rank: fit sets global_steps to 3 and calls on_train_begin, where the driver moves every rank's
+    files, log rows and causes of steps >= 3 aside before any worker writes (the mode's own on_train_begin still
+    runs). The report then reads steps 1-2 of both ranks and the resumed step 3 alone, and names no cause."""
+    from omegaconf import OmegaConf
+    from test_dump_resume import check_resumed_folder, crashed_attempt, resumed_attempt
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+
+    crashed_attempt(tmp_path)
+    trainer = object.__new__(get_trainer_cls(f"tim_{mode}"))
+    trainer.tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": str(tmp_path)}})
+    trainer.config = OmegaConf.create({"trainer": {"v1": {mode: {"num_warmup_batches": 1}}}})
+    calls = []
+    trainer._add_async_warmup_batches = calls.append
+    trainer.global_steps = 3  # _load_checkpoint's 2, + 1 in fit
+    trainer.on_train_begin()
+    assert calls == ([1] if mode == "colocate_async" else [])
+    resumed_attempt(tmp_path, steps=(3,))
+    check_resumed_folder(tmp_path, 3, kept_steps=(1, 2), resumed_steps=(3,))
+
+
 class _RolloutCalls:
     """The driver's handle on the rollout replicas (``checkpoint_manager``), recording what verl's ``on_step_end``
     asks of it into ``calls``."""

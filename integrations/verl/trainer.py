@@ -194,8 +194,14 @@ class TIMTrainerMixin:
             self._tim_record_tripped_step(metrics)
             raise ParityError(decision.message, trip=decision)
         if decision.stop and self._tim_stop is None:
-            # make this step the last one; its checkpoint is written in on_step_end
-            logger.warning("tim-plugins: parity probe asked to stop at step %s (%s)", self.global_steps,
+            # make this step the last one; its checkpoint is written in on_step_end. verl's final validation (run on
+            # a last step verl planned) is not: it samples from the rollout engine, which the probe just found
+            # holding other weights than the trainer's (a named cause) or over its mismatch limit, so its scores
+            # would describe the fault, not the policy; the checkpoint is validated once the fault is fixed
+            logger.warning("tim-plugins: parity probe asked to stop at step %s (%s): the run ends after this step, "
+                           "with its checkpoint (trainer.save_freq > 0) and without verl's final validation, which "
+                           "would sample from the rollout engine the probe found faulty. Once fixed, validate the "
+                           "checkpoint with trainer.resume_mode=auto trainer.val_only=true", self.global_steps,
                            decision.message)
             self._tim_stop = (self.global_steps, self.total_training_steps)
             self.total_training_steps = self.global_steps

@@ -163,10 +163,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(parent: str | os.PathLike, prefix: str) -> list[Path]:
+def remove_stale(parent: str | os.PathLike, prefix: str, *, by_age: bool = True) -> list[Path]:
     """Remove the folders of ``parent`` named ``<prefix><host>-<pid>-<random>`` that a dead report left: this host's
-    whose process is gone, any other's (or unnamed ones') older than ``STALE_AFTER_S``. Returns those removed;
-    never raises (a folder it may not remove stays)."""
+    whose process is gone and, ``by_age``, any other's (or an older report's ``<prefix><random>``) older than
+    ``STALE_AFTER_S`` (not in the system's temporary folder: a host's own, where a folder of that age and prefix may
+    be someone else's). Returns those removed; never raises (a folder it may not remove stays)."""
     removed: list[Path] = []
     host, now = socket.gethostname(), time.time()
     try:
@@ -183,7 +184,7 @@ def remove_stale(parent: str | os.PathLike, prefix: str) -> list[Path]:
         if owner == host and pid is not None and os.name == "posix":
             dead = pid != os.getpid() and not _alive(pid)
         else:
-            dead = old
+            dead = by_age and old
         if dead:
             shutil.rmtree(path, ignore_errors=True)
             if not path.exists():
@@ -206,7 +207,7 @@ class Engine:
             raise ValueError(f"threads={threads!r} is invalid: it must be a positive int (or None for every core).")
         self.memory_limit = parse_memory_limit(memory_limit)
         self.threads = threads
-        remove_stale(tempfile.gettempdir(), SPILL_PREFIX)
+        remove_stale(tempfile.gettempdir(), SPILL_PREFIX, by_age=False)
         self._spill = tempfile.mkdtemp(prefix=_own_prefix(SPILL_PREFIX))
         self._pins: list[Path] = []  # folders of the dumps' snapshot links (``pin``), removed by ``close``
         # DuckDB reads the few files of the largest disagreements once: no cache of their bytes (the OS has them)

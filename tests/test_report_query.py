@@ -553,6 +553,78 @@ def test_files_a_resumed_run_replaces_or_removes_during_a_report_are_read_as_sna
                                                      "step_00000002-rank_0000.parquet"]
 
 
+_KILLED_REPORT = """
+import errno, os, signal, sys
+from tim_plugins.report import query
+
+link = os.link
+with query.engine(threads=1) as eng:
+    def other_device(src, dst, *a, **k):  # the engine's temporary folder on another filesystem than the dump
+        if str(dst).startswith(eng._spill):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return link(src, dst, *a, **k)
+    query.os.link = other_device
+    dump = query.open_dump(sys.argv[1])
+    print(eng._spill, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_report_killed_mid_read_leaves_nothing_the_next_one_reads_or_keeps(tmp_path, monkeypatch):
+    """A report whose temporary folder is on another filesystem links the dump's files in a hidden snapshot folder
+    of the dump's own; killed (SIGKILL) it leaves that folder and its temporary folder. The next report reads the
+    dump's own files alone (the same numbers as the reference over them, not twice the rows), and removes both
+    leftovers of the dead process: their hard links would otherwise keep the disk space of files a resumed run
+    replaces or moves aside for good. A folder of a live report (this host, a live process) is kept, as is one of
+    another host unless it is a day old; in the system's temporary folder, only this host's dead reports' go."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import report_reference as reference
+    from tim_plugins.report import build_report
+    from tim_plugins.report.tokens import load_tokens
+
+    import tempfile
+
+    run = _dump(tmp_path / "run", steps=(1, 2), ranks=(0, 1))
+    system_tmp = tmp_path / "tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TMPDIR=str(system_tmp))
+    killed = subprocess.run([sys.executable, "-c", _KILLED_REPORT, str(run)], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    spill = killed.stdout.strip()
+    [left] = [p for p in run.iterdir() if p.name.startswith(".tim-report-snapshot-")]
+    assert sorted(p.name for p in left.iterdir()) == sorted(p.name for p in run.glob("step_*.parquet"))
+    assert os.path.isdir(spill) and spill.startswith(str(system_tmp))
+    host = socket.gethostname()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        kept = [run / f".tim-report-snapshot-{host}-{live.pid}-abc", run / ".tim-report-snapshot-elsewhere-1-abc"]
+        old = run / ".tim-report-snapshot-elsewhere-2-abc"
+        kept.append(system_tmp / "tim-report-someone-elses")  # a day old, but not of the report's naming
+        for folder in (*kept, old):
+            folder.mkdir()
+        day_ago = time.time() - 2 * 86400
+        for folder in (old, kept[-1]):
+            os.utime(folder, (day_ago, day_ago))
+
+        want = reference.load_tokens(run)
+        with engine(threads=1):
+            tokens = load_tokens(run)
+            assert tokens.rows == sum(pq.read_metadata(p).num_rows for p in run.glob("step_*.parquet"))
+            assert tokens.size == want.size
+        build_report(run)
+        assert not left.exists() and not os.path.exists(spill) and not old.exists()
+        assert all(folder.is_dir() for folder in kept)
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_log_probs_far_above_zero_from_a_damaged_file_do_not_end_the_report(tmp_path):
     """A file whose data pages were damaged (its footer intact) reads as garbage log-probs, some far above 0 (e^r
     overflows float64): rows valid by the monitor's rule (finite, above the placeholder threshold), so counted, and

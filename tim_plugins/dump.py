@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
            "SUMMARY", "CAUSES_LOG", "VERSIONED", "append_causes", "append_log_history", "complete_log_history",
            "last_row_per_step", "package_versions", "read_json_lines", "read_log_history", "write_summary",
-           "dump_file_name", "dump_files"]
+           "dump_file_name", "dump_files", "SUPERSEDED", "supersede_from"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
@@ -103,11 +105,14 @@ def append_log_history(folder: str | Path, step: int, metrics: dict) -> None:
 CAUSES_LOG = "causes.jsonl"
 
 
-def append_causes(folder: str | Path, causes: list) -> None:
-    """Append ``causes`` (``Cause`` objects) to ``folder/causes.jsonl``."""
+def append_causes(folder: str | Path, causes: list, window: int | None = None) -> None:
+    """Append ``causes`` (``Cause`` objects) to ``folder/causes.jsonl``; ``window``: the step whose window named them,
+    kept in each row as ``"window"`` (a cause's own step can be earlier: a sync cause names the optimizer step before
+    the sync, and is named in the next step's window), which ``supersede_from`` sorts a resumed run's rows by."""
     if not causes:
         return
-    _append_lines(Path(folder) / CAUSES_LOG, [json.dumps(cause.to_dict()) for cause in causes])
+    extra = {} if window is None else {"window": int(window)}
+    _append_lines(Path(folder) / CAUSES_LOG, [json.dumps({**cause.to_dict(), **extra}) for cause in causes])
 
 
 # Beside the dump files, written once by the adapter at the start of a run: what `tim-plugins report` needs to render a
@@ -155,6 +160,61 @@ def last_row_per_step(rows: list[dict]) -> list[dict]:
     after them, as they were)."""
     by_step = {int(r["step"]): r for r in rows if "step" in r}
     return [by_step[s] for s in sorted(by_step)] + [r for r in rows if "step" not in r]
+
+
+# Beside the dump files: what earlier attempts of a resumed run wrote for the steps it redoes (``supersede_from``), one
+# folder per resume, itself a dump folder (`tim-plugins report` renders it).
+SUPERSEDED = "superseded"
+
+
+def supersede_from(folder: str | Path, first_step: int) -> tuple[Path | None, dict[str, int]]:
+    """Start an attempt of a run at ``first_step`` (a resume from the checkpoint of ``first_step - 1``; 1: a fresh
+    start): what an earlier attempt wrote into ``folder`` for steps >= ``first_step`` is not the run's (it crashed
+    or was stopped after that checkpoint; this attempt redoes those steps, or stops earlier), so it is moved to a new
+    ``folder/superseded/<UTC time>-from-step-<first_step>/``: the dump files of every rank (a run resumed on fewer
+    ranks writes no file that would replace the others'), the ``log_history.jsonl`` rows and the ``causes.jsonl``
+    rows of those steps (a cause by the window that named it, ``"window"``; a row written before that field by its
+    step), with a copy of ``summary.json``. Returns (that folder, or None when nothing was moved; {"files",
+    "log_rows", "causes"}: how many were moved).
+
+    The caller runs it before any process of the attempt writes into ``folder`` (it moves every rank's files).
+    A crash midway leaves each file and row in one of the two folders (files are moved, the logs rewritten
+    atomically after the moved rows were written); the next resume moves the rest."""
+    folder = Path(folder)
+    first_step = int(first_step)
+    files = [p for p in dump_files(folder) if int(_DUMP_FILE_RE.fullmatch(p.name)[1]) >= first_step]
+    logs = {}
+    for name, first_key, step_of in ((LOG_HISTORY, "step", lambda r: r.get("step")),
+                                     (CAUSES_LOG, "code", lambda r: r.get("window", r.get("step")))):
+        path = folder / name
+        rows = read_json_lines(path, first_key) if path.is_file() else []
+        later = [isinstance(step_of(r), (int, float)) and step_of(r) >= first_step for r in rows]
+        if any(later):
+            logs[name] = ([r for r, x in zip(rows, later) if not x], [r for r, x in zip(rows, later) if x])
+    moved = {"files": len(files), "log_rows": len(logs.get(LOG_HISTORY, ((), ()))[1]),
+             "causes": len(logs.get(CAUSES_LOG, ((), ()))[1])}
+    if not files and not logs:
+        return None, moved
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for n in range(1000):  # two resumes within a second: a folder each
+        dest = folder / SUPERSEDED / f"{stamp}-from-step-{first_step}{f'-{n}' if n else ''}"
+        try:
+            dest.mkdir(parents=True)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free folder name under {folder / SUPERSEDED} for {stamp}-from-step-{first_step}")
+    if (folder / SUMMARY).is_file():
+        shutil.copy2(folder / SUMMARY, dest / SUMMARY)
+    for path in files:
+        os.replace(path, dest / path.name)
+    for name, (kept, later) in logs.items():
+        _append_lines(dest / name, [json.dumps(r) for r in later])
+        tmp = folder / f"{name}.tmp{os.getpid()}"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, folder / name)
+    return dest, moved
 
 
 @dataclass

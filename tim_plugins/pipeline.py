@@ -450,7 +450,7 @@ class StepPipeline:
         if self.causes is not None:  # after the split: the staleness rule reads it
             values, named = self.causes.evaluate(step, out, sync=sync, group=group)
             out.update(values)
-            self._write_causes(named)
+            self._write_causes(step, named)
         if self.monitor is not None and self.probe is not None:
             decision = self.probe.check(step, out, raise_on_trip=raise_on_trip)
             out.update(decision.metrics())
@@ -475,16 +475,17 @@ class StepPipeline:
         if self.causes is not None:
             values, named = self.causes.evaluate_loss_passes(step, out)
             out.update(values)
-            self._write_causes(named)
+            self._write_causes(step, named)
             if named and self.monitor is not None and self.probe is not None:
                 decision = self.probe.check_causes(step, values[CAUSE_KEYS[0]], raise_on_trip=raise_on_trip)
         return out, decision
 
-    def _write_causes(self, named: list) -> None:
-        """Newly named causes beside the dump, for the report's verdict (rank 0)."""
+    def _write_causes(self, step: int, named: list) -> None:
+        """Newly named causes beside the dump, for the report's verdict (rank 0), with the step of the window that
+        named them (a resumed run's ``dump.supersede_from`` sorts them by it)."""
         if named and self.dumper is not None and self.writes and self.rank == 0:
             try:
-                append_causes(self.dumper.config.out_dir, named)
+                append_causes(self.dumper.config.out_dir, named, window=step)
             except OSError as err:
                 self.count("dump_failed", detail=repr(err))
 

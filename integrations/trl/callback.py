@@ -37,7 +37,7 @@ from transformers.trainer_callback import ExportableState
 from tim_plugins._optional import note_version, require
 from tim_plugins.by_key import turn_keys
 from tim_plugins.capabilities import Feature, Status, check, look_through
-from tim_plugins.dump import append_log_history, write_summary
+from tim_plugins.dump import append_log_history, supersede_from, write_summary
 from tim_plugins.kept_set import kept_set_line
 from tim_plugins.log_keys import for_step_log
 from tim_plugins.parity.findings import ParityError
@@ -380,6 +380,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
                 **self._audit_reads)
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
             self.pipeline.audited(f.code for f in self.findings if f.severity == "error")
+        if self.config.dump_dir:
+            self._supersede(state.global_step + 1)
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
             # beside the dump, what `tim-plugins report DUMP_DIR` reads to speak TRL (fixes, audit, tokenizer)
             settings = {"model": getattr(self.trainer.model.config, "name_or_path", None),
@@ -398,6 +400,26 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
                               findings=[f.to_dict() for f in self.findings] if audited else None)
             except OSError as err:  # the report loses its audit table and fix words; training goes on
                 self.pipeline.count("dump_summary_unwritten", detail=repr(err))
+
+    def _supersede(self, first_step: int) -> None:
+        """The dump folder as this attempt starts at ``first_step`` (a resume, a fresh start or ``train()`` again):
+        what an earlier attempt wrote for these steps moved aside (``dump.supersede_from``), by the main process for
+        every rank while the others wait, so no rank's first file of this attempt is moved with them. A failure
+        costs the report its clean steps (counted, said), never the run."""
+        if self.trainer.accelerator.is_main_process:
+            try:
+                moved_to, moved = supersede_from(self.config.dump_dir, first_step)
+            except OSError as err:
+                self.pipeline.count("dump_failed", detail=repr(err))
+                logger.warning("tim_plugins: could not move aside what an earlier attempt wrote into %s for steps >= "
+                               "%d (%r): the report mixes it with this run's", self.config.dump_dir, first_step, err)
+            else:
+                if moved_to is not None:
+                    logger.warning("tim_plugins: training starts at step %d: what an earlier attempt wrote into the "
+                                   "dump for steps >= %d (%d dump files, %d log rows, %d causes) is not this run's; "
+                                   "moved to %s", first_step, first_step, moved["files"], moved["log_rows"],
+                                   moved["causes"], moved_to)
+        self.trainer.accelerator.wait_for_everyone()
 
     def _restart(self, optimizer, lr_scheduler) -> None:
         """``train()`` again without a checkpoint: transformers starts a new run (state at step 0, the LR schedule

@@ -194,8 +194,14 @@ class TIMTrainerMixin:
             self._tim_record_tripped_step(metrics)
             raise ParityError(decision.message, trip=decision)
         if decision.stop and self._tim_stop is None:
-            # make this step the last one; its checkpoint is written in on_step_end
-            logger.warning("tim-plugins: parity probe asked to stop at step %s (%s)", self.global_steps,
+            # make this step the last one; its checkpoint is written in on_step_end. verl's final validation (run on
+            # a last step verl planned) is not: it samples from the rollout engine, which the probe just found
+            # holding other weights than the trainer's (a named cause) or over its mismatch limit, so its scores
+            # would describe the fault, not the policy; the checkpoint is validated once the fault is fixed
+            logger.warning("tim-plugins: parity probe asked to stop at step %s (%s): the run ends after this step, "
+                           "with its checkpoint (trainer.save_freq > 0) and without verl's final validation, which "
+                           "would sample from the rollout engine the probe found faulty. Once fixed, validate the "
+                           "checkpoint with trainer.resume_mode=auto trainer.val_only=true", self.global_steps,
                            decision.message)
             self._tim_stop = (self.global_steps, self.total_training_steps)
             self.total_training_steps = self.global_steps
@@ -228,6 +234,31 @@ class TIMTrainerMixin:
             append_log_history(self.tim.dump.dir, self.global_steps, metrics)
         except OSError as err:
             logger.warning("tim-plugins: could not append to %s/log_history.jsonl: %r", self.tim.dump.dir, err)
+
+    # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.on_train_begin (fit calls it before the first step,
+    # global_steps already that step: the checkpoint's step + 1 on a resume, else 1)
+    def on_train_begin(self):
+        if self.tim.dump.enabled:
+            self._tim_supersede(self.global_steps)
+        super().on_train_begin()
+
+    def _tim_supersede(self, first_step: int) -> None:
+        """The dump folder as this attempt starts at ``first_step``: what an earlier attempt (crashed or stopped
+        after the checkpoint resumed from) wrote for these steps, every rank's, moved aside
+        (``dump.supersede_from``). The driver does it before any step, so before any worker writes this attempt's
+        first file or cause. A failure costs the report its clean steps (said), never the run."""
+        from tim_plugins.dump import supersede_from
+
+        try:
+            moved_to, moved = supersede_from(self.tim.dump.dir, first_step)
+        except OSError as err:
+            logger.warning("tim-plugins: could not move aside what an earlier attempt wrote into %s for steps >= %d "
+                           "(%r): the report mixes it with this run's", self.tim.dump.dir, first_step, err)
+            return
+        if moved_to is not None:
+            logger.warning("tim-plugins: training starts at step %d: what an earlier attempt wrote into the dump for "
+                           "steps >= %d (%d dump files, %d log rows, %d causes) is not this run's; moved to %s",
+                           first_step, first_step, moved["files"], moved["log_rows"], moved["causes"], moved_to)
 
     def on_step_end(self):
         # first, where verl's fit writes its own (after the step, before on_step_end, whose colocated modes wake the

@@ -283,6 +283,68 @@ def test_probe_stop_checkpoints_the_step_it_cut_short(step, planned_total, save_
     assert len(calls) == int(saved)
 
 
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_a_resumed_run_moves_the_crashed_attempts_later_steps_aside_before_its_first_step(mode, tmp_path):
+    """A two-rank attempt crashed after step 4 (checkpoint 2), its broken sync after step 2 named in step 3's window;
+    verl resumes on one rank: fit sets global_steps to 3 and calls on_train_begin, where the driver moves every rank's
+    files, log rows and causes of steps >= 3 aside before any worker writes (the mode's own on_train_begin still
+    runs). The report then reads steps 1-2 of both ranks and the resumed step 3 alone, and names no cause."""
+    from omegaconf import OmegaConf
+    from test_dump_resume import check_resumed_folder, crashed_attempt, resumed_attempt
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+
+    crashed_attempt(tmp_path)
+    trainer = object.__new__(get_trainer_cls(f"tim_{mode}"))
+    trainer.tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": str(tmp_path)}})
+    trainer.config = OmegaConf.create({"trainer": {"v1": {mode: {"num_warmup_batches": 1}}}})
+    calls = []
+    trainer._add_async_warmup_batches = calls.append
+    trainer.global_steps = 3  # _load_checkpoint's 2, + 1 in fit
+    trainer.on_train_begin()
+    assert calls == ([1] if mode == "colocate_async" else [])
+    resumed_attempt(tmp_path, steps=(3,))
+    check_resumed_folder(tmp_path, 3, kept_steps=(1, 2), resumed_steps=(3,))
+
+
+def test_a_probe_stop_says_the_run_ends_without_verls_final_validation(caplog):
+    """The probe's stop makes the current step the last one after verl computed ``is_last_step`` (False) for it, so
+    verl's final validation (``is_last_step or global_steps % test_freq == 0``) does not run: on purpose (it samples
+    from the rollout engine the probe found faulty), and the stop line says so, with how to validate the checkpoint
+    once fixed."""
+    import inspect
+    import logging
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+    from tim_plugins.parity.probe import ProbeDecision
+
+    fit = " ".join(inspect.getsource(PPOTrainer.fit).split())
+    assert ("if self.config.trainer.test_freq > 0 and ( is_last_step or self.global_steps % "
+            "self.config.trainer.test_freq == 0 ):") in fit
+    trainer = object.__new__(get_trainer_cls("tim_sync"))
+    trainer.tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "probe": {"enable": True, "action": "stop"}})
+    decision = ProbeDecision(step=5, checked=True, tripped=True, action="stop", stop=True,
+                             message="tim parity probe tripped at step 5: cause sync-noop")
+
+    class Workers:
+        def tim_pop_metrics(self):
+            return [{"holds": True, "metrics": {"tim/probe/tripped": 1.0}, "decision": decision}]
+
+    trainer.actor_rollout_wg, trainer.global_steps, trainer.total_training_steps = Workers(), 5, 8
+    trainer._tim_stop = None
+    metrics = {}
+    with caplog.at_level(logging.WARNING, logger="tim_plugins.integrations.verl.trainer"):
+        trainer._tim_collect(metrics)
+    assert trainer._tim_stop == (5, 8) and trainer.total_training_steps == 5 and metrics["tim/probe/tripped"] == 1.0
+    [line] = [r.getMessage() for r in caplog.records if "parity probe asked to stop" in r.getMessage()]
+    assert line.startswith("tim-plugins: parity probe asked to stop at step 5 (tim parity probe tripped at step 5")
+    assert "without verl's final validation" in line and "trainer.resume_mode=auto trainer.val_only=true" in line
+
+
 class _RolloutCalls:
     """The driver's handle on the rollout replicas (``checkpoint_manager``), recording what verl's ``on_step_end``
     asks of it into ``calls``."""

@@ -547,6 +547,21 @@ def test_fit_saves_before_on_step_end_from_an_is_last_step_taken_before_the_step
     assert _params(TB, "PPOTrainer._save_checkpoint") == ["self"]
 
 
+def test_on_train_begin_runs_once_before_the_first_step_with_global_steps_that_step():
+    """The tim trainer moves an earlier attempt's dump of the steps from ``global_steps`` on aside in on_train_begin
+    (``supersede_from``): fit must call it after the resume set global_steps (the checkpoint's step, + 1) and before
+    the loop's first step."""
+    assert _params(TB, "PPOTrainer.on_train_begin") == ["self"]
+    assert "self.global_steps = int(global_step_folder.split(\"global_step_\")[-1])" in _src(
+        TB, "PPOTrainer._load_checkpoint")
+    setup = _flat(_src(TB, "PPOTrainer._setup"))
+    assert "self._load_checkpoint()" in setup
+    fit = _flat(_src(TB, "PPOTrainer.fit"))
+    assert fit.count("self.on_train_begin()") == 1
+    assert fit.index("self.global_steps += 1") < fit.index("self.on_train_begin()") < fit.index(
+        "batch = self.step(metrics, self.timing_raw)")
+
+
 # ------------------------------------------------------------------------------------------------ workers
 def test_worker_builds_the_engine_through_the_registry():
     from verl.workers.engine_workers import ActorRolloutRefWorker

@@ -40,7 +40,9 @@ import math
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +138,60 @@ def parse_memory_limit(value) -> str:
                      f"(or bytes as an int); set it with --memory-limit or {MEMORY_LIMIT_ENV}.")
 
 
+# The report's own folders: its temporary folder (DuckDB's spill, the snapshot's links) in the system's temporary
+# folder, else the snapshot's links in a hidden folder of the dump's. Named <prefix><host>-<pid>-<random>, so a later
+# report can tell those of a killed report (SIGKILL: no clean-up ran) from a live one's, and remove them: their hard
+# links keep the disk space of every file a resumed run replaced or moved aside since.
+SPILL_PREFIX = "tim-report-"
+SNAPSHOT_PREFIX = ".tim-report-snapshot-"
+# A folder of another host (a shared filesystem), or of the older unnamed form, is left alone until this old: no
+# report runs a day.
+STALE_AFTER_S = 86400
+
+
+def _own_prefix(prefix: str) -> str:
+    return f"{prefix}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale(parent: str | os.PathLike, prefix: str, *, by_age: bool = True) -> list[Path]:
+    """Remove the folders of ``parent`` named ``<prefix><host>-<pid>-<random>`` that a dead report left: this host's
+    whose process is gone and, ``by_age``, any other's (or an older report's ``<prefix><random>``) older than
+    ``STALE_AFTER_S`` (not in the system's temporary folder: a host's own, where a folder of that age and prefix may
+    be someone else's). Returns those removed; never raises (a folder it may not remove stays)."""
+    removed: list[Path] = []
+    host, now = socket.gethostname(), time.time()
+    try:
+        entries = [p for p in Path(parent).iterdir() if p.name.startswith(prefix) and p.is_dir()]
+    except OSError:
+        return removed
+    for path in entries:
+        parts = path.name[len(prefix):].rsplit("-", 2)  # mkdtemp's random part has no "-"; a host name may
+        try:
+            owner, pid = (parts[0], int(parts[1])) if len(parts) == 3 else (None, None)
+            old = now - path.stat().st_mtime > STALE_AFTER_S
+        except (ValueError, OSError):
+            continue
+        if owner == host and pid is not None and os.name == "posix":
+            dead = pid != os.getpid() and not _alive(pid)
+        else:
+            dead = by_age and old
+        if dead:
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                removed.append(path)
+    return removed
+
+
 class Engine:
     """A report's settings and its DuckDB connection: ``memory_limit`` caps DuckDB's memory (spilling to a
     temporary folder removed by ``close``), ``threads`` its threads and the passes' (None: every core).
@@ -151,7 +207,8 @@ class Engine:
             raise ValueError(f"threads={threads!r} is invalid: it must be a positive int (or None for every core).")
         self.memory_limit = parse_memory_limit(memory_limit)
         self.threads = threads
-        self._spill = tempfile.mkdtemp(prefix="tim-report-")
+        remove_stale(tempfile.gettempdir(), SPILL_PREFIX, by_age=False)
+        self._spill = tempfile.mkdtemp(prefix=_own_prefix(SPILL_PREFIX))
         self._pins: list[Path] = []  # folders of the dumps' snapshot links (``pin``), removed by ``close``
         # DuckDB reads the few files of the largest disagreements once: no cache of their bytes (the OS has them)
         config = {"memory_limit": self.memory_limit, "temp_directory": self._spill,
@@ -175,10 +232,12 @@ class Engine:
         removes a file under its name while the report runs (a resumed run redoing a step) leaves the passes
         reading the rows they listed. The links go in the engine's temporary folder, else (another filesystem) in
         a hidden folder of the dump's own (``folder``), both removed by ``close``; where neither takes links, the
-        files themselves."""
+        files themselves. A hidden folder a killed report left there is removed first (``remove_stale``); the
+        dump's listing never reads one (``dump.dump_files``: the folder's own files only)."""
+        remove_stale(folder, SNAPSHOT_PREFIX)  # whichever place this report's links go
         for parent in (Path(self._spill), Path(folder)):
             try:
-                where = Path(tempfile.mkdtemp(prefix=".tim-report-snapshot-", dir=parent))
+                where = Path(tempfile.mkdtemp(prefix=_own_prefix(SNAPSHOT_PREFIX), dir=parent))
             except OSError:
                 continue
             self._pins.append(where)

@@ -600,6 +600,25 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             return
         if control.should_log or control.should_training_stop or state.global_step >= state.max_steps:
             self._push_metrics(state, control)
+            if not self.trainer.model.training:
+                # an evaluation ran after the last step (eval_steps dividing max_steps) and left the model in eval
+                # mode, where TRL's log() reads its evaluation metrics: the epoch's and the final log would drop the
+                # window. Logged now as the training row it is (TRL's own window metrics with it), the model's
+                # train/eval flags put back as they were.
+                self._log_training_window()
+
+    def _log_training_window(self) -> None:
+        """TRL's ``log()`` of the training window (``_metrics["train"]``: TRL averages it, with our pushed values)
+        while the model is in eval mode: TRL picks the window by ``model.training``, set for the call and then put
+        back module by module. (hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log)"""
+        modules = list(self.trainer.model.modules())
+        flags = [m.training for m in modules]
+        self.trainer.model.train()
+        try:
+            self.trainer.log({})
+        finally:
+            for module, flag in zip(modules, flags):
+                module.training = flag
 
     def _push_metrics(self, state, control) -> None:
         """Append this logging window's tim/ metrics to ``trainer._metrics["train"]``: TRL's ``log()`` averages

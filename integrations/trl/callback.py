@@ -319,7 +319,9 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             def unsupported():
                 self.pipeline.count("safe_vocab_unsupported_head")
 
-            if self.kept_sets is not None:
+            # replayed in training only: an evaluation batch's sets are never kept (generation.py's engine wrapper),
+            # so its forwards recompute the cut, which is no fallback (not counted)
+            if self.kept_sets is not None and self.trainer.model.training:
                 try:
                     next_sets = self.kept_sets.next_sets(arguments["input_ids"], arguments["attention_mask"],
                                                          arguments["logits_to_keep"], arguments.get("batch_size"))

@@ -92,9 +92,15 @@ class AsyncAttachment:
 
     def before_train(self) -> list:
         """The patches installed as ``train()`` starts (``hooks.Installation``; undone on every exit of ``train()``):
-        what TRL reads before any callback event."""
+        what TRL reads before any callback event. Each ``train()`` is a run of its own: what a run that raised left
+        (the loss calls of its unfinished step, the samples it drained, the steps its versions were synced at, in
+        its own step numbering) is let go, so a version synced before this run counts as of unknown lag."""
         from trl.experimental.async_grpo.packing import TreeRow
 
+        self.versions.clear()
+        self.synced_at.clear()
+        self.pending = []
+        self.lengths = torch.zeros_like(self.lengths)
         self._thread = threading.get_ident()
         out = []
         if getattr(self.trainer, "rollout_queue", None) is not None:  # main process only

@@ -38,15 +38,15 @@ import torch
 from tim_plugins.by_key import policy_lag, turn_keys
 from tim_plugins.pipeline import exact_mean
 
-from . import hooks, translate
+from . import translate
 
 __all__ = ["AsyncAttachment", "is_async_grpo"]
 
 _MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
-_KEEP = 1 << 16
+_KEEP = 1 << 16  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
 # the per-token columns of a packed row that translate.packed_rows reads
 _PACKED_KEYS = ("token_index", "segment_id", "attention_mask", "position_ids", "old_log_probs", "shift_labels",
-                "tim_weights_step")  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
+                "tim_weights_step")
 
 
 def is_async_grpo(trainer) -> bool:

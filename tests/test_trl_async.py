@@ -337,3 +337,81 @@ def test_every_patch_is_undone_when_train_raises_and_a_second_trainer_is_untouch
     finally:
         undo()
     assert seen and not any(key.startswith("tim_") for keys in seen for key in keys), seen
+
+
+def _lag_reference(engine, passes, synced: dict[int, int]) -> tuple[dict, float]:
+    """({step: {lag: tokens}}, tokens of unknown lag) of ``passes`` ((global_step, segment_id, old_log_probs) of each
+    loss call), from the samples themselves: a sample's lag is the step that trained it minus the step its version
+    was synced at in ``synced`` (the run's own syncs), unknown for a version not in it."""
+    from async_standin import _key
+
+    by_key = {}
+    for s in engine.samples:
+        by_key.setdefault(_key(s["engine"][s["mask"]]), s)
+    counts: dict[int, dict[int, float]] = {}
+    unknown = 0.0
+    for step, segment, old in passes:
+        for seg in segment.unique().tolist():
+            sample = by_key[_key(old[segment == seg].numpy())]
+            n = float(sample["mask"].sum())
+            if sample["version"] in synced:
+                lag = step - synced[sample["version"]]
+                counts.setdefault(step + 1, {}).setdefault(lag, 0.0)
+                counts[step + 1][lag] += n
+            else:
+                unknown += n
+    return counts, unknown
+
+
+@pytest.mark.parametrize("failure", ["exception", "probe_raise"])
+def test_a_run_that_raised_leaves_nothing_for_the_next_train(toy_model_path, tmp_path, monkeypatch, failure):
+    """``train()`` ends by an exception in the middle of a step (after one of its two loss calls) or by the probe's
+    ``ParityError`` (action="raise"); ``train()`` again on the same trainer starts a new run (step 0). Its logged
+    lags are the reference's over its own loss calls and its own syncs only: no loss call of the failed step is laid
+    out in its first step, and a version synced before it is of unknown lag (counted, docs/trl.md), not keyed by the
+    failed run's step numbers. The version live as it starts holds the trainer's weights: lag 0 from step 0."""
+    import async_standin
+
+    from tim_plugins.parity.findings import ParityError
+
+    undo = install_cpu_shims()
+    try:
+        trainer, engine = make_trainer(toy_model_path, tmp_path, 3)
+        passes, calls, loss = [], [], trainer.compute_loss
+
+        def compute_loss(model, inputs, *a, **k):
+            calls.append(trainer.state.global_step)
+            if failure == "exception" and calls == [0, 0, 1, 1]:  # the second loss call of step 2
+                raise RuntimeError("a failure in the middle of a step")
+            sel = inputs["token_index"] >= 0
+            passes.append((trainer.state.global_step, inputs["segment_id"][sel].clone(),
+                           inputs["old_log_probs"][sel].clone()))
+            return loss(model, inputs, *a, **k)
+
+        trainer.compute_loss = compute_loss
+        probe = {"parity_probe": True, "parity_probe_options": {"kl_k3_max": None, "abs_diff_max": 1e-12,
+                                                                "every_n_steps": 2, "action": "raise"}}
+        cb = TIMCallback(trainer, TIMConfig(log_detail=True, parity_audit=False, sync_check=False,
+                                            **(probe if failure == "probe_raise" else {})))
+        trainer.add_callback(cb)
+        with pytest.raises(ParityError if failure == "probe_raise" else RuntimeError):
+            trainer.train()
+        assert trainer.state.global_step == (2 if failure == "probe_raise" else 1)
+        live, before = trainer.model_version, dict(engine.synced_at)
+        passes.clear()
+        trainer.args.max_steps = 1 if failure == "probe_raise" else 2  # the probe checks at even steps only
+        # every other group of the new run sampled one version back: at its start a version synced before it
+        monkeypatch.setattr(async_standin, "fetch_lag", lambda k: k % 2)
+        trainer.train()
+    finally:
+        undo()
+    assert trainer.state.global_step == trainer.args.max_steps
+    synced = {v: s for v, s in engine.synced_at.items() if v not in before} | {live: 0}
+    counts, unknown = _lag_reference(engine, passes, synced)
+    assert unknown > 0 and sorted(counts) == list(range(1, trainer.args.max_steps + 1))
+    rows = {h["step"]: h for h in trainer.state.log_history if "loss" in h}  # the new run's state
+    for step, by_lag in counts.items():
+        logged = {int(k.split("/")[2]): v for k, v in rows[step].items()
+                  if k.startswith("tim/by_lag/") and k.endswith("/count") and v}
+        assert logged == by_lag, (step, logged, by_lag)
+    assert rows[max(rows)]["tim/diag/async_lag_unknown"] == unknown

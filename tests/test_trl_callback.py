@@ -32,9 +32,10 @@ def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
-def make_trainer(model_path, tmp_path, reward=_reward, trainer_cls=None, prompts=None, **overrides):
+def make_trainer(model_path, tmp_path, reward=_reward, trainer_cls=None, prompts=None, eval_prompts=None,
+                 **overrides):
     """The toy GRPOTrainer (``trainer_cls``: a subclass or a rebuilt class instead; ``prompts``: the dataset's, else
-    64 synthetic ones), GRPOConfig ``overrides``."""
+    64 synthetic ones; ``eval_prompts``: an evaluation dataset's, else none), GRPOConfig ``overrides``."""
     opts = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=6, max_steps=2, logging_steps=1, report_to=[],
@@ -42,8 +43,9 @@ def make_trainer(model_path, tmp_path, reward=_reward, trainer_cls=None, prompts
     )
     opts.update(overrides)
     ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64) if prompts is None else list(prompts)})
+    evals = None if eval_prompts is None else datasets.Dataset.from_dict({"prompt": list(eval_prompts)})
     return (trainer_cls or GRPOTrainer)(model=str(model_path), reward_funcs=reward, args=GRPOConfig(**opts),
-                                        train_dataset=ds)
+                                        train_dataset=ds, eval_dataset=evals)
 
 
 class Capture:
@@ -461,3 +463,40 @@ def test_a_callback_built_for_another_trainer_is_refused_when_training_starts(to
     other.add_callback(TIMCallback(other, TIMConfig()))
     other.train()
     assert _logged(other, 1)["tim/tokens"] > 0
+
+
+@pytest.mark.parametrize("logging", [{"logging_steps": 3}, {"logging_strategy": "epoch"}])
+def test_an_evaluation_at_the_last_step_keeps_the_last_windows_metrics(toy_model_path, tmp_path, logging):
+    """eval_steps dividing max_steps: transformers evaluates after the last step, which leaves the model in eval mode,
+    and TRL's log() then reads its evaluation metrics, not the training window's. The last window (step 4, after
+    the step-3 log; with per-epoch logging every step) still reaches trainer.state.log_history as training metrics,
+    with TRL's own window metrics: every row of the dump's log_history.jsonl is in it with the same values, no tim/
+    key is logged as an evaluation metric, and the logged windows' tokens are every training batch's loss-mask
+    tokens (TRL's tensors). Before, the last window went to the dump alone."""
+    from tim_plugins.dump import LOG_HISTORY, read_log_history
+
+    trainer = make_trainer(toy_model_path, tmp_path, eval_prompts=synthetic_prompts(4), max_steps=4,
+                           eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4, **logging)
+    trained = []
+    generate = trainer._generate_and_score_completions
+
+    def record(*args, **kwargs):  # installed before the callback wraps it: TRL's own batches
+        out = generate(*args, **kwargs)
+        if trainer.model.training:
+            trained.append(float(_loss_mask(out).sum()))
+        return out
+
+    trainer._generate_and_score_completions = record
+    dump = tmp_path / "dump"
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(dump_dir=str(dump), log_detail=True)))
+    trainer.train()
+    history = trainer.state.log_history
+    assert [h["step"] for h in history if "eval_loss" in h] == [2, 4]  # the evaluations ran, the last at step 4
+    assert not any(k.startswith("eval_tim/") for h in history for k in h)
+    dumped = read_log_history(dump / LOG_HISTORY)
+    assert [r["step"] for r in dumped] == ([3, 4] if "logging_steps" in logging else [4])
+    for r in dumped:
+        (row,) = [h for h in history if h["step"] == r["step"] and "tim/tokens" in h]
+        assert "reward" in row  # TRL's own metrics of the same window
+        assert [k for k in r if k != "step" and not _same(row[k], r[k], rel=1e-12)] == []
+    assert sum(h["tim/tokens"] for h in history if "tim/tokens" in h) == sum(trained) > 0 and len(trained) == 4

@@ -219,3 +219,64 @@ def test_parity_audit_logged_at_its_worst_findings_level(toy_model_path, tmp_pat
     assert record.getMessage() == (
         f"tim_plugins parity audit (hf rollouts vs TRL trainer): {n['error']} error(s), {n['warning']} warning(s), "
         f"{n['info']} info\n" + findings_table(findings, framework="trl"))
+
+
+class _RenamingTrainer:
+    """A GRPOTrainer subclass (built by ``_renaming``) whose batches carry one of TRL's keys under its own name: its
+    ``_prepare_inputs`` renames it, its ``_compute_loss`` hands TRL's loss the batch as TRL names it, so TRL's loss is
+    TRL's own and only the batch the callback reads between them is one it does not know."""
+
+    key = "completion_mask"
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = dict(super()._prepare_inputs(generation_batch))
+        inputs[f"my_{self.key}"] = inputs.pop(self.key)
+        return inputs
+
+    def _compute_loss(self, model, inputs):
+        renamed = dict(inputs)
+        renamed[self.key] = renamed.pop(f"my_{self.key}")
+        return super()._compute_loss(model, renamed)
+
+
+def _renaming(key: str) -> type:
+    from trl import GRPOTrainer
+
+    return type("RenamingTrainer", (_RenamingTrainer, GRPOTrainer), {"key": key})
+
+
+@pytest.mark.parametrize("key,options,reference", [
+    # the monitor alone: reference, the same subclass without the callback
+    ("completion_mask", {}, None),
+    # the safe vocabulary's boundary mask, which cannot reach a batch without TRL's advantages: reference, the safe
+    # vocabulary with boundary tokens left in the loss (TRL's loss over the safe-vocabulary log-probs)
+    ("advantages", {"safe_vocab": True}, {"safe_vocab": True, "mask_boundary_tokens": False}),
+])
+def test_a_loss_batch_the_adapter_cannot_read_costs_its_statistics_not_the_step(toy_model_path, tmp_path, key,
+                                                                                options, reference):
+    """A GRPOTrainer subclass hands ``_compute_loss`` a batch whose keys the callback does not know: each loss forward
+    is counted under tim/diag/loss_batch_unread and the step trains with TRL's own loss, the same losses seed for
+    seed as the reference run (before, the callback's KeyError ended train())."""
+    sampler = {"min_p": 0.05} if options.get("safe_vocab") else {}
+    losses = {}
+    for name, trainer_cls, config in (("tim", _renaming(key), options),
+                                      ("reference", _renaming(key) if reference is None else None, reference)):
+        trainer = make_trainer(toy_model_path, tmp_path / name, trainer_cls=trainer_cls, max_steps=2, **sampler)
+        if config is not None:
+            trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, **config)))
+        trainer.train()
+        rows = [h for h in trainer.state.log_history if "loss" in h]
+        losses[name] = [h["loss"] for h in rows]
+        if name == "tim":
+            assert rows[-1]["tim/diag/loss_batch_unread"] == 2.0  # one loss forward per step
+            assert "tim/diag/measure_failed" not in rows[-1]
+    assert losses["tim"] == losses["reference"] and len(losses["tim"]) == 2
+
+
+def test_a_loss_batch_the_adapter_cannot_read_raises_with_an_is_correction(toy_model_path, tmp_path):
+    """With an IS correction the loss needs the callback's weights: a batch it cannot read would train uncorrected,
+    so ``train()`` raises, saying so."""
+    trainer = make_trainer(toy_model_path, tmp_path, trainer_cls=_renaming("completion_mask"), max_steps=1)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(is_correction="token_tis")))
+    with pytest.raises(RuntimeError, match=r"is_correction='token_tis'.*uncorrected.*'completion_mask'"):
+        trainer.train()

@@ -230,6 +230,46 @@ def test_no_sampled_token_is_a_boundary_token_and_nothing_fell_back(replay_run):
         assert not any(k.startswith("tim/diag/kept_sets") for k in m), {k for k in m if "diag" in k}
 
 
+def test_evaluation_batches_recompute_without_counting_a_fallback(cpu_engine, toy_model_path, tmp_path):
+    """With an evaluation (eval_strategy="steps"), TRL's evaluation batches are generated and scored by the same
+    engine and trainer, but their sets are never kept (only a training generation batch's are): their policy
+    forwards recompute the cut, which is no fallback from replay. Training rows replay as without evaluation
+    (boundary_frac 0) and no tim/diag/kept_sets_* is counted; each training policy forward runs the replaying head,
+    each evaluation one the recomputing head. Before, every evaluation forward counted tim/diag/kept_sets_fallback."""
+    from tim_plugins.integrations.trl import hooks
+
+    trainer = make_trainer(toy_model_path, tmp_path, use_vllm=True, vllm_mode="colocate",
+                           vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128, max_steps=2, loss_type="grpo",
+                           top_k=TOP_K, top_p=TOP_P, eval_prompts=["1 2 3", "4 5 6"], eval_strategy="steps",
+                           eval_steps=1, per_device_eval_batch_size=4, num_generations_eval=2)
+    llm = trainer.vllm_generation.llm
+    llm.llm_engine.vllm_config.model_config.return_sampling_mask = True  # as in replay_run
+    EngineSets(trainer)
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True))
+    trainer.add_callback(cb)
+    heads = []  # (model in training mode, the head class of each policy log-prob call's fused head)
+    real_safe_patch = cb._safe_patch
+
+    def safe_patch(arguments):
+        patch = real_safe_patch(arguments)
+        import trl.trainer.utils as trl_utils
+
+        heads.append((trainer.model.training, type(trl_utils._ChunkedLogProbFunction)))
+        return patch
+
+    cb._safe_patch = safe_patch
+    trainer.train()
+    history = trainer.state.log_history
+    assert [h["step"] for h in history if "eval_loss" in h] == [1, 2]
+    assert all(math.isfinite(h["eval_loss"]) for h in history if "eval_loss" in h)
+    rows = [h for h in history if "tim/safe_vocab/tokens" in h]
+    assert [h["step"] for h in rows] == [1, 2] and all(h["tim/safe_vocab/boundary_frac"] == 0.0 for h in rows)
+    assert not any(k.startswith("tim/diag/kept_sets") for h in history for k in h), \
+        {k: h[k] for h in history for k in h if k.startswith("tim/diag/")}
+    assert {t for training, t in heads if training} == {hooks.ReplayHead}
+    assert {t for training, t in heads if not training} == {hooks.SafeVocabHead}
+
+
 def _outputs(prompts, completions, sets):
     """vLLM's own output objects, one request per prompt, one completion each, carrying ``sets``."""
     from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask

@@ -130,3 +130,41 @@ def test_single_turn_batches_log_no_turn_keys(toy_model_path, tmp_path):
     trainer.train()
     row = _logged(trainer, 1)
     assert row["tim/tokens"] > 0 and not any(k.startswith("tim/by_turn/") for k in row)
+
+
+def test_the_length_signal_of_truncated_multi_turn_completions_counts_the_models_tokens(toy_model_path, tmp_path,
+                                                                                         monkeypatch):
+    """``mask_truncated_completions=True`` with multi-turn completions (``env_mask``, TRL's ``tool_mask``): TRL's
+    ``completions/mean_length`` counts each completion's model tokens (``sum(tool_mask)``), masked or not, and the
+    LR decay's length signal is that value (what ``lr-replay`` reads). A truncated completion is masked whole, its
+    ``tool_mask`` zeroed with it: the signal read its generated tokens instead, the environment's counted too."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tim_plugins.toy_model import synthetic_prompts
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=16, max_steps=2, logging_steps=1, report_to=[],
+                      save_strategy="no", gradient_checkpointing=False, learning_rate=LR0, seed=0, disable_tqdm=True,
+                      mask_truncated_completions=True)
+    rollout = _TwoTurns(toy_model_path)
+    env_masks = []
+
+    def recorded(prompts, trainer):
+        out = rollout(prompts, trainer)
+        env_masks.append(out["env_mask"])
+        return out
+
+    trainer = GRPOTrainer(model=str(toy_model_path), reward_funcs=_reward, args=args,
+                          train_dataset=datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)}),
+                          rollout_func=recorded)
+    trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, lr_decay=True,
+                                                        lr_decay_options={"warmup_steps": 1, "window": 1})))
+    trainer.train()
+    rows = [_logged(trainer, step) for step in (1, 2)]
+    assert all(h["completions/clipped_ratio"] > 0 for h in rows)  # truncated completions, masked whole
+    for h, masks in zip(rows, env_masks):
+        reference = float(np.mean([sum(m) for m in masks]))  # the model's tokens per completion
+        assert h["completions/mean_length"] == pytest.approx(reference, rel=1e-6)
+        assert h["tim/lr/window_length"] == pytest.approx(h["completions/mean_length"], rel=1e-12), h["step"]

@@ -38,15 +38,15 @@ import torch
 from tim_plugins.by_key import policy_lag, turn_keys
 from tim_plugins.pipeline import exact_mean
 
-from . import hooks, translate
+from . import translate
 
 __all__ = ["AsyncAttachment", "is_async_grpo"]
 
 _MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
-_KEEP = 1 << 16
+_KEEP = 1 << 16  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
 # the per-token columns of a packed row that translate.packed_rows reads
 _PACKED_KEYS = ("token_index", "segment_id", "attention_mask", "position_ids", "old_log_probs", "shift_labels",
-                "tim_weights_step")  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
+                "tim_weights_step")
 
 
 def is_async_grpo(trainer) -> bool:
@@ -92,9 +92,15 @@ class AsyncAttachment:
 
     def before_train(self) -> list:
         """The patches installed as ``train()`` starts (``hooks.Installation``; undone on every exit of ``train()``):
-        what TRL reads before any callback event."""
+        what TRL reads before any callback event. Each ``train()`` is a run of its own: what a run that raised left
+        (the loss calls of its unfinished step, the samples it drained, the steps its versions were synced at, in
+        its own step numbering) is let go, so a version synced before this run counts as of unknown lag."""
         from trl.experimental.async_grpo.packing import TreeRow
 
+        self.versions.clear()
+        self.synced_at.clear()
+        self.pending = []
+        self.lengths = torch.zeros_like(self.lengths)
         self._thread = threading.get_ident()
         out = []
         if getattr(self.trainer, "rollout_queue", None) is not None:  # main process only

@@ -319,7 +319,9 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             def unsupported():
                 self.pipeline.count("safe_vocab_unsupported_head")
 
-            if self.kept_sets is not None:
+            # replayed in training only: an evaluation batch's sets are never kept (generation.py's engine wrapper),
+            # so its forwards recompute the cut, which is no fallback (not counted)
+            if self.kept_sets is not None and self.trainer.model.training:
                 try:
                     next_sets = self.kept_sets.next_sets(arguments["input_ids"], arguments["attention_mask"],
                                                          arguments["logits_to_keep"], arguments.get("batch_size"))
@@ -475,7 +477,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             try:
                 return original(model, inputs, *args, **kwargs)
             finally:
-                inputs.update(self._call.restore)
+                if self._call.restore:
+                    inputs.update(self._call.restore)
                 self._call.loss_inputs, self._call.restore = None, {}
 
         return _compute_loss
@@ -508,9 +511,13 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
                 self._call.safe_calls = None
             safe = None
             if calls is not None:
-                safe = translate.map_safe_calls(arguments, calls)
-                if safe is None:
-                    self.pipeline.count("safe_vocab_unmapped")
+                try:
+                    safe = translate.map_safe_calls(arguments, calls)
+                except Exception as err:  # fields of shapes it does not know: as fields that do not map
+                    self.pipeline.count("safe_vocab_unmapped", detail=repr(err))
+                else:
+                    if safe is None:
+                        self.pipeline.count("safe_vocab_unmapped")
             if self._call.gen_safe is not None:
                 self._call.gen_safe.append(safe)
             elif self._call.loss_inputs is not None and torch.is_grad_enabled():
@@ -536,7 +543,22 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             self._call.safe_calls.append(fields)
 
     def _on_loss_forward(self, inputs: dict, logps: torch.Tensor, safe) -> None:
-        """A loss forward, before TRL reads the advantages: measure pending rows, then scale the policy term."""
+        """A loss forward, before TRL reads the advantages: measure pending rows, then scale the policy term. A batch
+        the callback cannot read (a GRPOTrainer subclass's own keys or shapes) costs the pass its statistics and
+        factor, not the step: counted under ``tim/diag/loss_batch_unread``, TRL's loss runs as TRL computes it
+        (strict mode raises); with an IS correction it raises, as the loss would otherwise run uncorrected."""
+        try:
+            self._loss_forward(inputs, logps, safe)
+        except Exception as err:
+            if self.pipeline.config.correction is not None:
+                raise RuntimeError(
+                    f"tim_plugins: TIMConfig(is_correction={self.config.is_correction!r}) applies its weights in "
+                    f"each loss forward, and this one's batch could not be read: the loss would train uncorrected. "
+                    "Fix: hand GRPOTrainer._compute_loss TRL's batch (its keys and [B, T] shapes: completion_mask, "
+                    f"advantages, sampling_per_token_logps), or is_correction=None. The error: {err!r}") from err
+            self.pipeline.count("loss_batch_unread", detail=f"{err!r} (the pass trains with TRL's own loss)")
+
+    def _loss_forward(self, inputs: dict, logps: torch.Tensor, safe) -> None:
         mask = translate.response_mask(inputs)
         if inputs.pop("tim_pending", None) is not None:
             # multi-turn rollouts (tools, or a rollout_func's env_mask): TRL's tool_mask marks the model's tokens
@@ -602,6 +624,25 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             return
         if control.should_log or control.should_training_stop or state.global_step >= state.max_steps:
             self._push_metrics(state, control)
+            if not self.trainer.model.training:
+                # an evaluation ran after the last step (eval_steps dividing max_steps) and left the model in eval
+                # mode, where TRL's log() reads its evaluation metrics: the epoch's and the final log would drop the
+                # window. Logged now as the training row it is (TRL's own window metrics with it), the model's
+                # train/eval flags put back as they were.
+                self._log_training_window()
+
+    def _log_training_window(self) -> None:
+        """TRL's ``log()`` of the training window (``_metrics["train"]``: TRL averages it, with our pushed values)
+        while the model is in eval mode: TRL picks the window by ``model.training``, set for the call and then put
+        back module by module. (hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log)"""
+        modules = list(self.trainer.model.modules())
+        flags = [m.training for m in modules]
+        self.trainer.model.train()
+        try:
+            self.trainer.log({})
+        finally:
+            for module, flag in zip(modules, flags):
+                module.training = flag
 
     def _push_metrics(self, state, control) -> None:
         """Append this logging window's tim/ metrics to ``trainer._metrics["train"]``: TRL's ``log()`` averages

@@ -32,9 +32,10 @@ class GenerationWrappers:
             self._call.gen_safe, self._call.unsupported_batch = [], False
             if self.kept_sets is not None:  # this batch's sets replace the previous batch's
                 self.kept_sets.clear()
+            logged = len(self._trl_mean_lengths() or ())
             try:
                 out = original(*args, **kwargs)
-                self._on_generation_batch(out, self._call.gen_safe)
+                self._on_generation_batch(out, self._call.gen_safe, logged)
                 if self.server_probe is not None:
                     self.server_probe.captured(out)
             finally:
@@ -43,13 +44,30 @@ class GenerationWrappers:
 
         return _generate_and_score_completions
 
-    def _on_generation_batch(self, out: dict, safe: list) -> None:
-        """Each training generation batch, as TRL built it (before its shuffle and split)."""
+    def _trl_mean_lengths(self) -> list | None:
+        """The list TRL appends each training generation batch's mean completion length to (its logged
+        ``completions/mean_length``), or None (read without creating the key of TRL's defaultdict)."""
+        metrics = getattr(self.trainer, "_metrics", None)
+        train = metrics.get("train") if isinstance(metrics, dict) else None
+        return train.get("completions/mean_length") if isinstance(train, dict) else None
+
+    def _on_generation_batch(self, out: dict, safe: list, logged: int = 0) -> None:
+        """Each training generation batch, as TRL built it (before its shuffle and split); ``logged``: how many
+        mean lengths TRL had logged before it."""
         self.generation_count += 1
         c, mask, rollout = self.config, translate.response_mask(out), out.get("sampling_per_token_logps")
-        if c.lr_decay:  # every rank generates together: the mean is exact over all of them
-            pad = getattr(translate.tokenizer(self.trainer), "pad_token_id", None)
-            self._length = mean_length(translate.completion_lengths(out, pad))
+        if c.lr_decay:
+            # the length signal is TRL's completions/mean_length (what lr-replay reads): over every rank, each
+            # completion's model tokens (tool_mask 1), a completion mask_truncated_completions masked whole included,
+            # whose tool_mask the batch carries zeroed. Where TRL did not log one value for this batch (every rank
+            # runs the same code: each takes the same branch), the batch's own count (translate.completion_lengths;
+            # every rank generates together: the mean is exact over all of them)
+            lengths = self._trl_mean_lengths()
+            if lengths is not None and len(lengths) == logged + 1:
+                self._length = float(lengths[-1])
+            else:
+                pad = getattr(translate.tokenizer(self.trainer), "pad_token_id", None)
+                self._length = mean_length(translate.completion_lengths(out, pad))
         if rollout is None and not self._call.unsupported_batch and (c.monitor or c.is_correction is not None):
             self.pipeline.count("no_rollout_logprobs")
         train = out.get("old_per_token_logps")

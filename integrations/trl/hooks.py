@@ -48,7 +48,10 @@ TRL_SOURCES = {
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"):
         "called once per generation batch with the raw inputs; returns the batch dict (masks, log-probs, "
         "advantages) that _prepare_inputs shuffles and splits row-wise; old_per_token_logps is its first policy "
-        "forward, present only when generation and optimisation are misaligned or vLLM IS correction is on",
+        "forward, present only when generation and optimisation are misaligned or vLLM IS correction is on; "
+        "appends the batch's mean completion length over all ranks (model tokens: sum(tool_mask), before "
+        "mask_truncated_completions) to self._metrics['train']['completions/mean_length'] (the LR decay's length; "
+        "without that one value it counts the batch itself)",
     ("trl.trainer.grpo_trainer", "GRPOTrainer._compute_loss"):
         "(model, inputs) -> loss; loss mask = completion_mask * tool_mask; it reads inputs['advantages'] "
         "((B,) or (B, T)) and, for vespo, inputs['importance_sampling_ratio'] only after its log-prob call; the "

@@ -127,10 +127,12 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
 
 
 def completion_lengths(batch: dict, pad_token_id: int | None) -> torch.Tensor:
-    """[B] each completion's length as TRL's ``completions/mean_length`` counts it: the tokens its loss sees
-    (``response_mask``); a completion TRL masked whole (``mask_truncated_completions``: it does not end in EOS or
-    padding) counts its generated tokens, up to its last token that is not padding (TRL right-pads with the
-    padding token). Without a padding token id, a masked completion counts 0."""
+    """[B] each completion's length as TRL's ``completions/mean_length`` counts it, from the batch alone (the LR
+    decay's fallback where TRL logged no value for the batch): the tokens its loss sees (``response_mask``); a
+    completion TRL masked whole (``mask_truncated_completions``: it does not end in EOS or padding) counts its
+    generated tokens, up to its last token that is not padding (TRL right-pads with the padding token), tool tokens
+    included (TRL zeroes a masked completion's ``tool_mask``; TRL counts its model tokens only). Without a padding
+    token id, a masked completion counts 0."""
     lengths = response_mask(batch).sum(dim=1)
     ids = batch.get("completion_ids")
     if pad_token_id is None or ids is None:

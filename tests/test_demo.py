@@ -313,6 +313,25 @@ def test_demo_shows_a_problem_and_its_fix_on_one_page(tmp_path, capsys, toy_mode
     assert "<td>setting: safe_vocab</td><td>False</td><td>True</td>" in html
     assert html.count("class='verdict") == 2
     assert f"report comparing the runs: {out / 'report.html'}" in printed and "Side by side: full vocabulary: ρ mean" in printed
+    _report_rebuilds_the_comparison(out, tmp_path, capsys)
+
+
+def _report_rebuilds_the_comparison(out: Path, tmp_path: Path, capsys) -> None:
+    """``tim-plugins report OUT`` on the demo's own folder (docs/report.md: it rebuilds a demo output folder's report)
+    writes the page the demo wrote, byte for byte (the same runs, labels and title); without the demo's
+    comparison.json (a folder written before it) the error names the run folders, and the command it prints works."""
+    rebuilt = tmp_path / "rebuilt.html"
+    assert main(["report", str(out), "--out", str(rebuilt)]) == 0
+    assert rebuilt.read_bytes() == (out / "report.html").read_bytes()
+    (out / "comparison.json").unlink()
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    runs = f"{out / 'full-vocabulary'} {out / 'safe-vocabulary'}"
+    assert f"several to compare them on one page (tim-plugins report {runs})" in err, err
+    assert main(["report", *runs.split(), "--out", str(tmp_path / "printed.html")]) == 0
+    html = (tmp_path / "printed.html").read_text()
+    assert "full-vocabulary vs safe-vocabulary" in html and html.count("class='verdict") == 2
 
 
 def _no_cause_but_truncation(summary: dict, dump_dir) -> list[dict]:

@@ -123,6 +123,25 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
+def test_a_dump_log_history_names_the_files_that_hold_the_length(tmp_path, capsys):
+    """``DUMP_DIR/log_history.jsonl`` (what TIMConfig(dump_dir=...) and verl's +tim.dump.dir write beside the dump)
+    holds tim/* metrics only, no response length: "name it with --length-col" cannot work there. The error says so
+    and names the logs that hold the length; the one it names first, a trainer_state.json with the same steps, replays."""
+    from tim_plugins.dump import LOG_HISTORY, append_log_history
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for step in (1, 2, 3):
+        append_log_history(dump, step, {"tim/token/kl_k3": 1e-4 * step, "tim/tokens": 90.0, "actor/lr": 1e-6})
+    assert _main([str(dump / LOG_HISTORY)]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert "--length-col" not in err and "holds the tim/* metrics only" in err, err
+    assert "trainer_state.json" in err and "summary.json" in err, err
+    state = tmp_path / "trainer_state.json"  # TRL's own log of the same run
+    state.write_text(json.dumps({"log_history": [{"step": s, "completions/mean_length": 10.0 + s} for s in (1, 2, 3)]}))
+    assert _main([str(state)]) == 0
+
+
 def test_registered_in_cli():
     from tim_plugins.apps import cli
 

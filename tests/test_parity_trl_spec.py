@@ -130,6 +130,26 @@ def test_load_grpo_config_and_cli(tmp_path, toy_model_path, capsys):
     assert rc == 2 and "temprature" in capsys.readouterr().err
 
 
+def test_audit_of_a_gpu_runs_config_on_a_machine_without_one(tmp_path, capsys):
+    """`tim-plugins audit --trl-config grpo.yaml` (docs/parity.md) is a static check: a GPU run's config, which leaves
+    bf16 to GRPOConfig's default (True) and sets no use_cpu, is audited on a CPU-only machine too (transformers
+    refuses bf16 there unless use_cpu: the audit must not), the trainer read in bfloat16 as that run trains; a
+    missing file is one line naming it, without the raw OS error."""
+    from tim_plugins.apps.cli import main
+
+    yml = tmp_path / "grpo.yaml"
+    yml.write_text("use_vllm: true\nvllm_mode: colocate\ntop_p: 0.95\n")
+    rc = main(["audit", "--trl-config", str(yml), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1, captured.err
+    report = json.loads(captured.out)
+    assert report["trainer"]["dtype"] == "bfloat16"  # GRPOConfig's bf16 default, as on the GPU it is written for
+    assert "sampler-truncation-unmatched" in {f["code"] for f in report["findings"]}
+    rc = main(["audit", "--trl-config", str(tmp_path / "missing.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "missing.yaml: no such file" in err and "[Errno" not in err, err
+
+
 def test_server_reply_without_a_dtype_leaves_it_unknown():
     """A /server_info reply that names no dtype (an older `trl vllm-serve`, or a trimmed reply) leaves the dtype
     unknown, as the other missing fields are, instead of the string "None" that no dtype rule accepts."""

@@ -147,6 +147,40 @@ def test_safe_vocab_over_the_samplers_top_k_top_p_alone(toy_model_path, tmp_path
     assert 0.0 < logged["tim/safe_vocab/pruned_mass_mean"] < 1.0 and logged["tim/safe_vocab/boundary_frac"] == 0.0
 
 
+@pytest.mark.parametrize("sampler,trainer_min_p", [({"min_p": MIN_P}, 0.01), ({"top_p": 0.8}, 0.3)],
+                         ids=["min-p-differs", "min-p-the-sampler-lacks"])
+def test_a_safe_vocab_min_p_other_than_the_samplers_gets_a_fix_that_works(toy_model_path, tmp_path, caplog, sampler,
+                                                                          trainer_min_p):
+    """safe_vocab=True with a safe_vocab_min_p the sampler does not use: the trainer cuts another tail than the
+    sampler, so the ratio is off 1 and the audit names sampler-truncation-unmatched. What the user reads (the warning
+    at attach, the audit's and the truncation cause's TRL fix) must name the setting to change, not the safe_vocab=True
+    they already set; following it (safe_vocab_min_p=None) brings the ratio back to 1 and the finding goes."""
+    import logging
+
+    from tim_plugins.causes import cause_fix
+    from tim_plugins.parity.findings import fix_for
+
+    def run(min_p):
+        trainer = make_trainer(toy_model_path, tmp_path, max_steps=1, **sampler)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tim_plugins.trl"):
+            cb = TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=True, safe_vocab_min_p=min_p))
+        warned = [r.getMessage() for r in caplog.records if "safe_vocab_min_p" in r.getMessage()]
+        trainer.add_callback(cb)
+        trainer.train()
+        return warned, {f.code: f for f in cb.findings}, _logged(trainer, 1)["tim/token/ratio_mean"]
+
+    warned, findings, ratio = run(trainer_min_p)
+    assert "sampler-truncation-unmatched" in findings and abs(ratio - 1) > 1e-3
+    sampler_min_p = sampler.get("min_p")
+    assert len(warned) == 1 and f"safe_vocab_min_p={trainer_min_p:g}" in warned[0], warned
+    assert f"GRPOConfig.min_p={sampler_min_p!r}" in warned[0] and "Fix: safe_vocab_min_p=None" in warned[0], warned
+    for fix in (fix_for(findings["sampler-truncation-unmatched"].fix, "trl"), cause_fix("truncation", "trl")):
+        assert "safe_vocab_min_p=None" in fix, fix
+    warned, findings, ratio = run(None)  # the printed fix
+    assert warned == [] and "sampler-truncation-unmatched" not in findings and abs(ratio - 1) < 1e-4
+
+
 def test_safe_vocab_refuses_a_sampler_that_cuts_nothing(toy_model_path, tmp_path):
     """No min-p, top_p 1 and no top-k: no kept set to renormalise over; refused when the callback is created, with
     the values, the rule and the fixes."""

@@ -306,8 +306,9 @@ class CauseTracker:
         c, out = self.config, []
         ratio = metrics.get("tim/token/ratio_mean")
         if "sampler-truncation-unmatched" in self.audit_codes and _finite(ratio) and ratio < 1 - c.truncation_bias:
-            out.append(Cause("truncation", step, f"the sampler truncates, the trainer does not, and the mean ρ is "
-                                                 f"{ratio:.3g} (the kept mass)", evidence={"ratio_mean": ratio}))
+            out.append(Cause("truncation", step, f"the trainer does not apply the sampler's truncation as set, and "
+                                                 f"the mean ρ is {ratio:.3g} (the kept mass)",
+                             evidence={"ratio_mean": ratio}))
         return out
 
     def _keep(self, found: list[Cause]) -> None:

@@ -28,8 +28,9 @@ FINDING_FIXES = {
         "colocate and `trl vllm-serve` set it; a plain `vllm serve` needs --logprobs-mode processed_logprobs",
     "sampler-truncation-unmatched":
         "keep your sampling: TIMConfig(safe_vocab=True) makes the trainer apply the sampler's own min_p, top_p and "
-        "top_k as set in GRPOConfig (token ratio back to 1); or top_p=1.0, top_k=0, min_p=None (the GRPO trainer "
-        "itself applies no truncation)",
+        "top_k as set in GRPOConfig (token ratio back to 1), with safe_vocab_min_p=None (its default: a "
+        "safe_vocab_min_p other than GRPOConfig.min_p cuts another tail than the sampler); or top_p=1.0, top_k=0, "
+        "min_p=None (the GRPO trainer itself applies no truncation)",
     "temperature-mismatch":
         "temperature=T (one field drives both sides; server mode must not override it)",
     "sampler-penalties-unmatched":

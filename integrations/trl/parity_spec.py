@@ -30,6 +30,9 @@ def load_grpo_config(path: str | Path) -> Any:
     """A `trl.GRPOConfig` from a YAML or JSON file of its fields (unknown fields fail with their names)."""
     from trl import GRPOConfig
 
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: {'a folder, not a file' if Path(path).is_dir() else 'no such file'}; pass a YAML "
+                         "or JSON file of GRPOConfig fields (e.g. grpo.yaml holding top_p: 0.95 and use_vllm: true)")
     text = Path(path).read_text()
     if str(path).endswith((".yaml", ".yml")):
         import yaml
@@ -40,6 +43,9 @@ def load_grpo_config(path: str | Path) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of GRPOConfig fields, got {type(data).__name__}")
     data.setdefault("output_dir", "tim-audit-unused")
+    # A static audit reads the config on whatever machine it runs on (a GPU run's config on a CPU-only one too):
+    # transformers refuses bf16 without a bf16 GPU unless use_cpu, and the audit places nothing on a device.
+    data.setdefault("use_cpu", True)
     fields = set(GRPOConfig.__dataclass_fields__)
     unknown = sorted(set(data) - fields)
     if unknown:

@@ -80,9 +80,14 @@ def safe_truncation(trainer, config: TIMConfig) -> Truncation:
             f"{SAFE_VOCAB_NEEDS_A_CUT}, and this sampler keeps the whole vocabulary. Fix: GRPOConfig(min_p="
             f"{DEFAULT_MIN_P:g}) (the extreme tail pruned on both sides, tim_plugins.truncation.DEFAULT_MIN_P), or "
             "your top_p < 1 / top_k > 0, or safe_vocab=False")
-    if args.min_p is not None and config.safe_vocab_min_p is not None and args.min_p != config.safe_vocab_min_p:
-        logger.warning("tim_plugins: safe_vocab_min_p=%g differs from GRPOConfig.min_p=%g: the trainer's safe set "
-                       "is not the sampler's", config.safe_vocab_min_p, args.min_p)
+    if config.safe_vocab_min_p is not None and config.safe_vocab_min_p != (args.min_p or 0.0):
+        # TRL's sampler applies GRPOConfig.min_p alone: another min-p cuts another tail on the trainer's side
+        other = "min_p=None" if config.safe_vocab_min_p == 0 else f"min_p={config.safe_vocab_min_p:g}"
+        logger.warning("tim_plugins: safe_vocab_min_p=%g differs from the sampler's min-p (GRPOConfig.min_p=%r): "
+                       "the trainer's safe set is not the sampler's cut, so the ratio leaves 1 on the tokens "
+                       "between the two cuts (the parity audit's sampler-truncation-unmatched). Fix: "
+                       "safe_vocab_min_p=None (the trainer then cuts at GRPOConfig.min_p, as the sampler does), or "
+                       "GRPOConfig(%s)", config.safe_vocab_min_p, args.min_p, other)
     if getattr(trainer.model.get_output_embeddings(), "bias", None) is not None:
         raise ValueError("TIMConfig.safe_vocab=True: the lm_head has a bias, which the safe-vocab head does not "
                          "support; use safe_vocab=False for this model.")

@@ -5,6 +5,7 @@ once. Prints each run's verdict, one line with both runs' ρ and k3, and the rep
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tim_plugins.apps.cli import add_config_options, config_from_args
@@ -34,7 +35,7 @@ def run_comparison(cfg: DemoConfig) -> dict:
     {"runs": {label: summary}, "report": path}."""
     from tim_plugins.apps.report import token_decoder
     from tim_plugins.apps.startup import model_label, model_status, say
-    from tim_plugins.report import build_comparison
+    from tim_plugins.report import COMPARISON_FILE, build_comparison
 
     runs = comparison_runs(cfg)
     summaries = {}
@@ -54,6 +55,10 @@ def run_comparison(cfg: DemoConfig) -> dict:
              "rollout_dtype": f"{cfg.rollout_dtype} rollouts against a float32 trainer, and the fix: float32 "
                               f"rollouts ({model_label(cfg.model)})"}[cfg.compare]
     decoders = {label: token_decoder(summaries[label]["settings"]["model"]) for label, _ in runs}
+    # what `tim-plugins report OUT` reads to rebuild this page: the run folders (relative to OUT), labels and title
+    (Path(cfg.out) / COMPARISON_FILE).write_text(json.dumps(
+        {"kind": "comparison", "runs": [Path(run.out).name for _, run in runs],
+         "labels": [label for label, _ in runs], "title": title}, indent=2) + "\n")
     path = build_comparison([run.out for _, run in runs], Path(cfg.out) / "report.html",
                             labels=[label for label, _ in runs], title=title, decode=decoders)
     return {"runs": summaries, "report": str(path)}

@@ -212,6 +212,15 @@ def run_replay(args: argparse.Namespace) -> int:
     except LookupError as err:
         return _fail(str(err))
     if length_col is None:
+        from tim_plugins.dump import LOG_HISTORY, LOG_HISTORY_CONTEXT
+
+        if all(c.startswith("tim/") or c in LOG_HISTORY_CONTEXT or c == "step" for c in columns):
+            # tim-plugins' own log beside a dump: no column of it is a length, so --length-col cannot help
+            return _fail(f"{args.file} holds the tim/* metrics only (tim-plugins' {LOG_HISTORY} beside a per-token "
+                         "dump), no response length; pass the trainer's own log of the run: TRL's "
+                         "OUTPUT_DIR/checkpoint-*/trainer_state.json (or trainer.state.log_history saved as JSON), "
+                         "`tim-plugins demo`'s RUN/summary.json, a wandb history export, or verl's file-logger JSONL "
+                         "(response_length/mean).")
         return _fail(f"no response-length column in {args.file} (looked for {LENGTH_COLUMNS}); name it with "
                      f"--length-col. Columns: {columns}")
     for name in config.signals:

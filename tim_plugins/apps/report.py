@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tim_plugins.apps.cli import UsageError
-from tim_plugins.report import build_comparison, build_report
+from tim_plugins.report import COMPARISON_FILE, build_comparison, build_report
 from tim_plugins.report.tokens import has_dump
 
 __all__ = ["register"]
@@ -84,22 +84,70 @@ def _decoder(folder: Path, given: str | None):
         return None
 
 
+def _comparison(folder: Path) -> dict | None:
+    """``folder/comparison.json`` (`tim-plugins demo`'s OUT: the page comparing its runs) with each run's folder
+    resolved under ``folder``; None when the folder is no such comparison (it has its own summary.json, or no
+    comparison.json)."""
+    if (folder / "summary.json").exists() or not (folder / COMPARISON_FILE).exists():
+        return None
+    try:
+        spec = json.loads((folder / COMPARISON_FILE).read_text())
+        runs, labels, title = [folder / r for r in spec["runs"]], list(spec["labels"]), spec.get("title")
+    except (ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"report {str(folder)!r}: {COMPARISON_FILE} does not read as the demo's comparison "
+                         f"({err!r}); pass the run folders to compare instead: tim-plugins report "
+                         f"{str(folder / 'RUN_A')} {str(folder / 'RUN_B')}.") from None
+    for run in runs:
+        if not (run / "summary.json").exists() and not has_dump(run):
+            raise UsageError(f"report {str(folder)!r}: the comparison's run folder {str(run)!r} ({COMPARISON_FILE}) "
+                             "is missing or holds neither summary.json nor dump files; rerun `tim-plugins demo "
+                             f"--out {folder}`, or pass the run folders you have: tim-plugins report RUN_A RUN_B.")
+    return {"runs": runs, "labels": labels, "title": title}
+
+
+def _run_folders(folder: Path) -> list[Path]:
+    """The subfolders of ``folder`` that a report reads (a summary.json or dump files), sorted."""
+    return sorted(p for p in folder.iterdir()
+                  if p.is_dir() and ((p / "summary.json").exists() or has_dump(p)))
+
+
+def _kind(folder: Path) -> str | None:
+    """The run kind its summary.json names ("measure", "training"), None for a bare dump or an unreadable one."""
+    try:
+        return json.loads((folder / "summary.json").read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _main(args) -> int:
     for d in args.dir:
         folder = Path(d)
         if not folder.is_dir():
             raise UsageError(f"report {d!r}: no such folder; pass the output folder of `tim-plugins measure` or "
                              "`tim-plugins demo`, or a per-token dump folder.")
-        if not (folder / "summary.json").exists() and not has_dump(folder):
+        comparison = _comparison(folder)
+        if comparison is not None and len(args.dir) > 1:
+            raise UsageError(f"report {d!r}: a demo's comparison folder is reported alone (tim-plugins report {d}); "
+                             "to compare its runs with others, pass its run folders: "
+                             f"{' '.join(str(r) for r in comparison['runs'])}.")
+        if comparison is None and not (folder / "summary.json").exists() and not has_dump(folder):
+            found = _run_folders(folder)
+            training = [r for r in found if _kind(r) != "measure"]  # a measure folder compares its own settings
+            hint = (f"; its subfolders are runs: pass one (tim-plugins report {found[0]})" if found else "") + (
+                f" or several to compare them on one page (tim-plugins report "
+                f"{' '.join(str(r) for r in training[:4])})" if len(training) > 1 else "")
             raise UsageError(f"report {d!r}: the folder holds neither summary.json nor dump files "
-                             "(step_*-rank_*.parquet); point at a measure/demo output folder (e.g. tim-out/measure) "
-                             "or the dump_dir the dumper wrote.")
+                             f"(step_*-rank_*.parquet){hint}; point at a measure/demo output folder (e.g. "
+                             "tim-out/measure) or the dump_dir the dumper wrote.")
     if args.tokenizer is not None and not Path(args.tokenizer).exists():
         raise UsageError(f"--tokenizer {args.tokenizer!r}: no such local folder or file; pass the HF checkpoint "
                          "folder the run used (its tokenizer decodes the token ids).")
-    if args.label is not None and (len(args.label) != len(args.dir) or len(set(args.label)) != len(args.label)):
-        raise UsageError(f"--label {args.label!r}: give one distinct --label per folder, in order ({len(args.dir)} "
-                         "folders), or none to name each run by its folder.")
+    comparison = _comparison(Path(args.dir[0])) if len(args.dir) == 1 else None
+    runs = comparison["runs"] if comparison is not None else args.dir
+    if args.label is not None and (len(args.label) != len(runs) or len(set(args.label)) != len(args.label)):
+        raise UsageError(f"--label {args.label!r}: give one distinct --label per {'run' if comparison else 'folder'}, "
+                         f"in order ({len(runs)} {'runs' if comparison else 'folders'}), or none to name each run by "
+                         f"{'its name in the demo' if comparison else 'its folder'}.")
     if args.out is not None:
         out, above = Path(args.out), next((p for p in Path(args.out).parents if p.exists()), None)
         if out.is_dir() or (above is not None and not above.is_dir()):
@@ -115,7 +163,12 @@ def _main(args) -> int:
     except ValueError as err:
         raise UsageError(f"--memory-limit {args.memory_limit!r}: {err}") from None
     settings = {"memory_limit": memory_limit, "threads": args.threads}
-    if len(args.dir) == 1:
+    if comparison is not None:  # the demo's OUT: its comparison page rebuilt, as the demo wrote it
+        labels = args.label or comparison["labels"]
+        decoders = {label: _decoder(run, args.tokenizer) for label, run in zip(labels, comparison["runs"])}
+        path = build_comparison(comparison["runs"], args.out or Path(args.dir[0]) / "report.html", labels=labels,
+                                title=comparison["title"], decode=decoders, **settings)
+    elif len(args.dir) == 1:
         folder = Path(args.dir[0])
         path = build_report(folder, args.out, decode=_decoder(folder, args.tokenizer), **settings)
     else:

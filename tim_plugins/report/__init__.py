@@ -16,7 +16,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["build_report", "build_comparison", "verdict_for"]
+__all__ = ["COMPARISON_FILE", "build_report", "build_comparison", "verdict_for"]
+
+# Beside a comparison page (`tim-plugins demo`'s OUT/report.html): its runs (folders relative to OUT), labels and
+# title, from which `tim-plugins report OUT` rebuilds the page.
+COMPARISON_FILE = "comparison.json"
 
 
 def verdict_for(summary: dict, run_dir: str | Path | None = None, *, memory_limit=None, threads=None) -> dict:

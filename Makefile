@@ -210,10 +210,11 @@ test-stack-%:
 		--what "STACK_TESTS_$* (Makefile)" -- .venv-$*/bin/python -m pytest -q $(STACK_TESTS_$*) $(PYTEST_ARGS)
 
 # The `latest` lane: what a user who installs today gets. .venv-latest is built afresh by every run (scripts/stack
-# latest: the newest CPU build of torch pip lists, then `-U -e '.[dev,trl]'`, nothing else pinned; ~30 s with uv,
-# warm or cold cache, on the CI machine), its versions printed and recorded in MATRIX/latest.json (`make compat`
-# shows them), its `pip freeze` in MATRIX/latest-freeze.txt; then LATEST_TESTS. A failure here is a user's failure:
-# fix the code, or cap a dependency in pyproject.toml naming the release and why, never the lane.
+# latest: `pip install torch` unpinned, the newest release pip installs, then `-U -e '.[dev,trl]'`, nothing else
+# pinned; ~1.5 min on the CI machine, torch's CUDA build ~1 min of it), its versions printed and recorded in
+# MATRIX/latest.json (`make compat` shows them), its `pip freeze` in MATRIX/latest-freeze.txt; then LATEST_TESTS.
+# A failure here is a user's failure: fix the code, or cap a dependency in pyproject.toml naming the release and
+# why, never the lane.
 test-latest:
 	$(SUITE) run latest --stack latest --venv .venv-latest --setup "scripts/stack latest" \
 		--what "a user's commands, the report's tests, STACK_TESTS without vLLM (Makefile LATEST_TESTS)" -- \

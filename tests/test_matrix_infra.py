@@ -143,9 +143,10 @@ def test_the_latest_lane_and_the_newest_stack_share_stack_tests_without_overlap(
     assert "scripts/stack latest" in _dry("test-latest")
 
 
-def test_the_latest_stack_takes_the_newest_cpu_torch_pip_lists(tmp_path, monkeypatch):
-    """scripts/stack latest's torch: the newest ``+cpu`` build among the versions the environment's pip lists
-    (whatever the newest build of any kind is); LATEST_TORCH overrides; TORCH when pip lists no CPU build."""
+def test_the_latest_stack_takes_the_torch_pip_installs_and_names_the_newest_listed(tmp_path, monkeypatch):
+    """scripts/stack latest's torch: ``torch`` unpinned (pip's own choice under the machine's configuration: the
+    newest release it installs), its reason naming the newest release pip lists (a machine that caps torch says
+    so, by release order: 2.10 > 2.9); LATEST_TORCH overrides."""
     pip = tmp_path / "bin" / "pip"
     pip.parent.mkdir()
 
@@ -155,15 +156,17 @@ def test_the_latest_stack_takes_the_newest_cpu_torch_pip_lists(tmp_path, monkeyp
         pip.chmod(0o755)
 
     monkeypatch.delenv("LATEST_TORCH", raising=False)
-    pip_lists(["2.15.0", "2.14.1", "2.13.0+cpu", "2.13.0", "2.9.1+cpu", "2.12.1"])
-    assert stack.newest_cpu_torch(tmp_path)[0] == "torch==2.13.0+cpu"
-    pip_lists(["2.15.0", "2.10.0+cpu", "2.9.1+cpu", "2.13.0"])
-    assert stack.newest_cpu_torch(tmp_path)[0] == "torch==2.10.0+cpu"  # 10 > 9, not string order
-    pip_lists(["2.15.0", "2.14.1"])
-    requirement, why = stack.newest_cpu_torch(tmp_path)
-    assert requirement == stack.TORCH and "no +cpu build" in why and "2.15.0" in why
+    pip_lists(["2.9.1", "2.15.0", "2.14.1", "2.13.0+cpu"])
+    requirement, why = stack.latest_torch(tmp_path)
+    assert requirement == "torch" and why.endswith("the newest it lists: 2.15.0")
+    pip_lists(["2.9.1", "2.10.0"])
+    assert stack.latest_torch(tmp_path)[1].endswith("2.10.0")
     monkeypatch.setenv("LATEST_TORCH", "torch==2.12.0+cpu")
-    assert stack.newest_cpu_torch(tmp_path) == ("torch==2.12.0+cpu", "LATEST_TORCH")
+    assert stack.latest_torch(tmp_path) == ("torch==2.12.0+cpu", "LATEST_TORCH")
+    # the install pins the torch pip chose for the rest of the environment (uv keeps it)
+    src = (ROOT / "scripts" / "stack").read_text()
+    body = src[src.index("def latest() -> int:"):src.index("_VERSIONS = ")]
+    assert "torch = f\"torch=={_freeze(venv)['torch']}\"" in body
 
 
 def _test_recipe() -> str:

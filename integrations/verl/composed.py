@@ -89,8 +89,8 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
         written = ", ".join(f"tim.probe.{k}={v!r}" for k, v in unread.items())
         notes.append(
             f"{written} with no limit and tim.probe.enable unset: the probe is off (a limit or tim.probe.enable=true "
-            f"switches it on), so these settings do nothing. Fix: +tim.probe.enable=true (its default limit "
-            f"kl_k3={ParityProbeConfig().kl_k3_max:g}) or +tim.probe.kl_k3=<limit>")
+            f"switches it on), so these settings do nothing. Fix: ++tim.probe.enable=true (its default limit "
+            f"kl_k3={ParityProbeConfig().kl_k3_max:g}) or ++tim.probe.kl_k3=<limit>")
     notes.extend(_options_left_off(config.get("tim") or {}, tim))
     save_freq = _number((config.get("trainer") or {}).get("save_freq"), -1)
     if tim.probe.enabled and tim.probe.action == "stop" and save_freq <= 0:
@@ -98,7 +98,7 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
         notes.append(
             f"tim.probe.action='stop' with trainer.save_freq={config.trainer.get('save_freq')!r}: a probe stop ends "
             "the run after the step it trips on, and verl writes no checkpoint with save_freq <= 0 (its default), so "
-            "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
+            "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or ++tim.probe.action=raise)")
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
@@ -194,7 +194,7 @@ def _rollout_cut_problems(rollout: Any) -> list[str]:
         out.append(
             f"{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={rollout_min_p!r} with tim.safe_vocab.min_p=0: "
             "the rollout prunes a min-p tail the actor keeps, so the ratio reads the pruned mass again. Fix: "
-            f"+tim.safe_vocab.min_p={rollout_min_p!r}, or drop the tim-plugins logits processor")
+            f"++tim.safe_vocab.min_p={rollout_min_p!r}, or drop the tim-plugins logits processor")
     return out
 
 

@@ -49,7 +49,7 @@ def run_startup_audit(config, tim: TIMVerlConfig, out=None):
     rollout, trainer = specs_from_config(config)
     return audit_and_report(rollout, trainer, framework="verl", title=AUDIT_TITLE, strict=tim.parity.strict,
                             emit=lambda report: print(report.text, file=out),
-                            strict_off="set +tim.parity.strict=false").findings
+                            strict_off="set ++tim.parity.strict=false").findings
 
 
 def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:

@@ -4,6 +4,7 @@ a known-bad set fails with each expected message."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def test_a_bad_setting_stops_the_run_at_start_up(toy_model_path, override, quote
     cfg = compose([o for o in recipe_overrides(toy_model_path) if o.split("=", 1)[0] != key] + [override])
     with pytest.raises(ValueError) as err:
         get_trainer_cls(cfg.trainer.v1.trainer_mode)(config=cfg)
-    assert quoted in str(err.value) and "Fix: +" in str(err.value), str(err.value)
+    assert quoted in str(err.value) and "Fix: ++" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("mode, section", [("sync", "monitor.enable=true"), ("sync", "parity.strict=true"),
@@ -399,7 +400,7 @@ def test_a_probe_stop_that_no_checkpoint_follows_is_said_at_start_up(toy_model_p
     _, problems, notes = check_composed_config(cfg)
     assert problems == [] and len(notes) == 1, notes
     assert notes[0].startswith(f"tim.probe.action='stop' with trainer.save_freq={cfg.trainer.save_freq}: ")
-    assert notes[0].endswith("Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
+    assert notes[0].endswith("Fix: trainer.save_freq=<N > 0> (or ++tim.probe.action=raise)")
     for other in ("warn", "raise"):  # nothing to checkpoint
         cfg = compose([o for o in verl_default if o != "+tim.probe.action=stop"] + [f"+tim.probe.action={other}"])
         assert check_composed_config(cfg)[1:] == ([], [])
@@ -417,7 +418,8 @@ def test_probe_options_that_leave_the_probe_off_are_said_at_start_up(toy_model_p
     tim, problems, notes = check_composed_config(compose(no_limit))
     assert not tim.probe.enabled and problems == [] and len(notes) == 1, notes
     assert notes[0].startswith("tim.probe.action='stop' with no limit and tim.probe.enable unset: the probe is off")
-    assert notes[0].endswith("Fix: +tim.probe.enable=true (its default limit kl_k3=0.001) or +tim.probe.kl_k3=<limit>")
+    assert notes[0].endswith(
+        "Fix: ++tim.probe.enable=true (its default limit kl_k3=0.001) or ++tim.probe.kl_k3=<limit>")
     for written in ("+tim.probe.enable=true", "+tim.probe.enable=false", "+tim.probe.abs_diff_max=5"):
         tim, problems, notes = check_composed_config(compose(no_limit + [written]))
         assert problems == [] and notes == [], (written, notes)
@@ -449,9 +451,9 @@ def test_dump_settings_share_the_core_dump_config_and_fail_with_the_fix():
     tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": "/tmp/d", "sample_rate": 1.0}})
     assert tim.dump.config() == DumpConfig(out_dir="/tmp/d", sample_rate=1.0)
     assert not TIMVerlConfig.from_node({}).dump.enabled
-    with pytest.raises(ValueError, match=r"tim.dump.dir='/tmp/d' is invalid: .*Fix: \+tim.monitor.enable=true"):
+    with pytest.raises(ValueError, match=r"tim.dump.dir='/tmp/d' is invalid: .*Fix: \+\+tim.monitor.enable=true"):
         TIMVerlConfig.from_node({"dump": {"dir": "/tmp/d"}})
-    with pytest.raises(ValueError, match=r"tim.dump: sample_rate=0 is invalid.*Fix: \+tim.dump"):
+    with pytest.raises(ValueError, match=r"tim.dump: sample_rate=0 is invalid.*Fix: \+\+tim.dump"):
         TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": "/tmp/d", "sample_rate": 0}})
     with pytest.raises(ValueError, match=r"tim.dump.dir='' is invalid"):
         TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": ""}})
@@ -554,7 +556,7 @@ def test_safe_vocabulary_over_the_sampler_cut_alone(toy_model_path):
     _, problems, _ = check_composed_config(
         compose(_without_min_p(toy_model_path) + ["+tim.safe_vocab.enable=true"] + sampler + prunes))
     assert len(problems) == 1 and "tim_min_p=0.001 with tim.safe_vocab.min_p=0" in problems[0], problems
-    assert "Fix: +tim.safe_vocab.min_p=0.001" in problems[0]
+    assert "Fix: ++tim.safe_vocab.min_p=0.001" in problems[0]
 
 
 def test_the_start_up_audit_reaches_the_actors_causes(toy_model_path):
@@ -805,3 +807,60 @@ def test_no_left_off_line_when_the_switch_is_on_or_nothing_is_written(toy_model_
                        "+tim.sync_check.every_n_syncs=2"]):
         _, _, notes = check_composed_config(compose(overrides))
         assert not [n for n in notes if "nothing. Fix: " in n], notes
+
+
+def _startup_refusals(cfg) -> list[str]:
+    """What the tim trainer mode's start-up says about ``cfg`` before any worker starts: the error a bad tim value
+    raises, else each problem and note of the composed config, else the strict audit's stop (nothing: [])."""
+    import io
+
+    from tim_plugins.integrations.verl.composed import check_composed_config
+    from tim_plugins.integrations.verl.trainer import run_startup_audit
+    from tim_plugins.parity.findings import ParityError
+
+    try:
+        tim, problems, notes = check_composed_config(cfg)
+    except ValueError as err:
+        return [str(err)]
+    if problems or notes:
+        return problems + notes
+    try:
+        run_startup_audit(cfg, tim, out=io.StringIO())
+    except ParityError as err:
+        return [str(err)]
+    return []
+
+
+FP32_ACTOR = ["actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+              "++actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,"
+              "buffer_dtype:fp32}"]
+
+
+@pytest.mark.parametrize("mistake, fixes", [
+    (["+tim.parity.audit=false"], [["++tim.parity.audit=true"], ["++tim.parity.strict=false"]]),
+    (FP32_ACTOR, [["++tim.parity.strict=false"]]),  # the strict audit's stop (bf16 rollout, fp32 actor)
+    (["++tim.monitor.enable=false"], [["++tim.monitor.enable=true"]]),
+    (["++tim.monitor.enable=flase"], [["++tim.monitor.enable=true"]]),
+    (["++tim.safe_vocab.min_p=1.5"], [["++tim.safe_vocab.min_p=1e-05"]]),
+    (["++tim.safe_vocab.min_p=abc"], [["++tim.safe_vocab.min_p=1e-05"]]),
+    (["++tim.probe.kl_k3=-1"], [["++tim.probe.kl_k3=1e-2"]]),
+    (["++tim.probe.kl_k3=abc"], [["++tim.probe.kl_k3=0.01"]]),
+    (["++tim.probe.action=halt"], [["++tim.probe.action=warn"]]),
+    (["+tim.monitor.ratio_band=[2,3]"], [["++tim.monitor.ratio_band=[0.5,2.0]"]]),
+    (["trainer.save_freq=-1"], [["++tim.probe.action=raise"]]),
+    (["++tim.safe_vocab.min_p=0", "+tim.safe_vocab.enable=true"], [["++tim.safe_vocab.min_p=1e-05"]]),
+])
+def test_each_start_up_fix_works_pasted_after_the_users_own_overrides(toy_model_path, mistake, fixes):
+    """A start-up refusal is about a value the user has set, with `+key=` (the README's spelling) or `++key=`: its fix
+    pasted after the user's overrides, as printed, must compose on verl's config (Hydra refuses `+key=` for a key
+    that is set already: 'Could not append to config') and leave nothing to say. Every alternative of the fix."""
+    recipe = recipe_overrides(toy_model_path)
+    written = {o.split("=", 1)[0].lstrip("+") for o in mistake}
+    user = [o for o in recipe if o.split("=", 1)[0].lstrip("+") not in written] + mistake
+    said = _startup_refusals(compose(user))
+    assert said, mistake
+    text = "\n".join(said)
+    assert not re.search(r"(?<![\w+])\+tim\.", text), text  # `+tim.` after the user's own `+tim.` never composes
+    for fix in fixes:
+        assert all(o in text for o in fix), (fix, text)
+        assert _startup_refusals(compose(user + fix)) == [], (mistake, fix)

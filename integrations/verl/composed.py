@@ -47,6 +47,14 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             "(a top-k distillation) on a Megatron actor: the distillation loss reads the full-vocabulary student "
             "logits while the policy loss would read safe-vocabulary log-probs (megatron_engine.py refuses the same "
             "on the worker). Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or distillation.enabled=false")
+    megatron_node = arr.actor.get("megatron") or {}
+    if megatron and tim.worker_side_active and megatron_node.get("dynamic_context_parallel", False):
+        # the engine refuses it too (megatron_engine.py _tim_check_config), but only once the workers hold the model
+        problems.append(
+            f"actor_rollout_ref.actor.megatron.dynamic_context_parallel="
+            f"{megatron_node.get('dynamic_context_parallel')!r} with the tim settings on a Megatron actor: the tim "
+            "engine does not support Megatron's dynamic context parallelism (one rank of the whole data x context "
+            "plane holds the outputs). Fix: actor_rollout_ref.actor.megatron.dynamic_context_parallel=false")
     # the Megatron engine applies the decay through Megatron's own optimizer (megatron_engine.py): no optimizer_impl
     if tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
         problems.append(

@@ -515,6 +515,33 @@ def test_megatron_recipe_composes_with_and_without_fused_kernels(toy_model_path)
     assert "Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or distillation.enabled=false" in problems[0]
 
 
+
+def test_megatron_dynamic_context_parallelism_stops_the_driver(toy_model_path):
+    """The tim Megatron engine refuses Megatron's dynamic context parallelism (``_tim_check_config`` reads the engine
+    config verl builds from ``actor.megatron``), but only in the workers, once they hold the model: the driver
+    refuses it first, before any worker starts, with a fix that composes and turns it off in that engine config."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    env = dict(os.environ, TIM_PRINT_OVERRIDES="tim", STRATEGY="megatron")
+    tim_overrides = subprocess.run(["bash", str(RECIPE)], env=env, capture_output=True, text=True,
+                                   check=True).stdout.split()
+    base = [f"actor_rollout_ref.model.path={toy_model_path}", "actor_rollout_ref.rollout.name=vllm", *tim_overrides]
+    dynamic = ["actor_rollout_ref.actor.megatron.dynamic_context_parallel=true",
+               "actor_rollout_ref.actor.megatron.max_seqlen_per_dp_cp_rank=1024"]
+    cfg = compose(base + dynamic, config_name="ppo_megatron_trainer")
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron).dynamic_context_parallel  # what it reads
+    problems = check_composed_config(cfg)[1]
+    assert len(problems) == 1 and problems[0].startswith(
+        "actor_rollout_ref.actor.megatron.dynamic_context_parallel=True with the tim settings"), problems
+    fixed = compose(base + dynamic + problems[0].split("Fix: ")[1].split(), config_name="ppo_megatron_trainer")
+    assert not omega_conf_to_dataclass(fixed.actor_rollout_ref.actor.megatron).dynamic_context_parallel
+    assert check_composed_config(fixed)[1] == []
+    # verl's own mode without tim settings is verl's business
+    plain = [o for o in base if not o.startswith(("+tim.", "trainer.v1."))]
+    assert check_composed_config(compose(plain + dynamic, config_name="ppo_megatron_trainer"))[1] == []
+
 def _without_min_p(model_path) -> list[str]:
     """The recipe's overrides without its min-p pruning (the trainer's min_p and the vLLM processor)."""
     return [o for o in recipe_overrides(model_path)

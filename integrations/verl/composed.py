@@ -7,7 +7,9 @@ and the fix; the ``tim`` node itself is read by ``config.TIMVerlConfig``.
 from __future__ import annotations
 
 import math
+import os
 import shlex
+from pathlib import Path
 from typing import Any
 
 from tim_plugins.options import SAFE_VOCAB_NEEDS_A_CUT
@@ -19,7 +21,7 @@ from .config import (OPTIMIZER_IMPL, TRAINER_MODE_PREFIX, VLLM_ENGINE_KWARGS, TI
                      rollout_min_p_overrides)
 from .optim import OPTIMIZERS
 
-__all__ = ["check_composed_config", "asks_sampling_mask"]
+__all__ = ["check_composed_config", "asks_sampling_mask", "dump_dir_problems"]
 
 
 def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[str]]:
@@ -112,6 +114,40 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
             "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
     return tim, problems, notes
+
+
+def dump_dir_problems(tim: TIMVerlConfig, config: Any) -> list[str]:
+    """Whether ``tim.dump.dir`` is a folder this process can create and write (the driver, before any worker starts:
+    it writes the run's ``summary.json`` there first; an unwritable folder would stop the run with a bare
+    ``OSError``). Creates the folder, as the summary's write does. The fix names a folder that can be made:
+    ``dump/`` beside verl's checkpoints (``trainer.default_local_dir``) where that is writable."""
+    if not tim.dump.enabled:
+        return []
+    folder = Path(os.path.expanduser(tim.dump.dir))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".tim-write-check-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+        return []
+    except OSError as err:
+        why = f"{type(err).__name__}: {err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+    fix = "++tim.dump.dir=/path/to/a/writable/tim_dump"
+    ckpt = (config.get("trainer") or {}).get("default_local_dir")
+    if ckpt:
+        beside = Path(os.path.abspath(os.path.expanduser(str(ckpt)))) / "tim_dump"
+        if _can_create(beside):
+            fix = f"++tim.dump.dir={shlex.quote(str(beside))} (beside verl's checkpoints)"
+    return [f"tim.dump.dir={tim.dump.dir!r}: the dump folder cannot be created or written here ({why}); the driver "
+            f"writes the run's summary.json there and the actor workers their dump files. Fix: {fix}"]
+
+
+def _can_create(folder: Path) -> bool:
+    """Whether ``folder`` exists as a writable folder or its nearest existing ancestor is one (nothing created)."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    return False
 
 
 def _options_left_off(node: Any, tim: TIMVerlConfig) -> list[str]:

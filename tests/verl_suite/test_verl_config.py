@@ -203,6 +203,36 @@ def test_no_tim_node_means_everything_off():
     assert not tim.worker_side_active and not tim.probe.enabled and not tim.safe_vocab.enabled
 
 
+
+def test_a_dump_folder_that_cannot_be_written_stops_the_run_at_start_up(toy_model_path, tmp_path):
+    """``+tim.dump.dir`` where no folder can be made (here: under a file) used to stop the TaskRunner with a bare
+    ``NotADirectoryError`` from the summary's write. It is a config mistake: the value, why, and a fix (a folder
+    beside verl's checkpoints) that, pasted after the user's overrides, composes and takes the run's summary."""
+    import shlex
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from tim_plugins.dump import SUMMARY
+    from tim_plugins.integrations.verl import composed
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+    from tim_plugins.integrations.verl.trainer import write_run_summary
+
+    (tmp_path / "a_file").write_text("")
+    bad = tmp_path / "a_file" / "tim_dump"
+    user = recipe_overrides(toy_model_path) + [f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+                                               f"+tim.dump.dir={bad}"]
+    cfg = compose(user)
+    with pytest.raises(ValueError) as err:
+        get_trainer_cls(cfg.trainer.v1.trainer_mode)(config=cfg)
+    text = str(err.value)
+    assert f"tim.dump.dir='{bad}': the dump folder cannot be created or written here (NotADirectoryError" in text
+    fix = shlex.split(text.split("Fix: ")[1].split(" (beside")[0])
+    assert fix == [f"++tim.dump.dir={tmp_path / 'ckpt' / 'tim_dump'}"], text
+    fixed = compose(user + fix)
+    tim = TIMVerlConfig.from_node(fixed.tim)
+    assert composed.dump_dir_problems(tim, fixed) == []
+    assert write_run_summary(fixed, tim, None) == tmp_path / "ckpt" / "tim_dump" / SUMMARY
+
 def test_startup_audit_on_recipe_and_on_a_known_bad_set(toy_model_path):
     """The driver-side audit (what a tim trainer mode runs before any worker) on the recipe's composed config,
     and on a set with known mismatches: each expected code is in the findings; strict stops."""

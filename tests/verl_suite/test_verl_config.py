@@ -55,6 +55,33 @@ def test_recipe_overrides_compose_and_validate(toy_model_path):
     assert get_trainer_cls(cfg.trainer.v1.trainer_mode).__name__ == "TIMPPOTrainerSync"
 
 
+
+def test_the_recipes_audit_line_audits_the_recipe(toy_model_path, tmp_path):
+    """The recipe's header says how to check its overrides without GPUs (`tim-plugins audit --verl "$(...)"`). Run as
+    printed, with a model and a data file where it writes `...`, from the recipe's folder: the audit must see the
+    recipe's overrides (the same findings as the audit of them through the Python API), not verl's bare defaults
+    after a recipe that stopped on an unset MODEL_PATH."""
+    import sys
+
+    from tim_plugins.integrations.verl.parity_spec import specs_from_overrides
+    from tim_plugins.parity import audit
+
+    line = next(x for x in RECIPE.read_text().splitlines() if "tim-plugins audit --verl" in x)
+    command = line[line.index("tim-plugins audit"):]
+    command = command.replace("MODEL_PATH=...", f"MODEL_PATH={toy_model_path}").replace(
+        "TRAIN_FILE=...", f"TRAIN_FILE={tmp_path / 'train.parquet'}")
+    cli = f"{sys.executable} -c 'import sys; from tim_plugins.apps.cli import main; sys.exit(main(sys.argv[1:]))'"
+    # a user's shell: no recipe variables, and not this suite's CPU platform (its shims load in main_ppo runs only)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MODEL_PATH", "TRAIN_FILE", "VAL_FILE") and not k.startswith("VERL_")}
+    proc = subprocess.run(["bash", "-c", f'tim-plugins() {{ {cli} "$@"; }}; {command}'], cwd=RECIPE.parent,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and "MODEL_PATH" not in proc.stderr and " is off: " not in proc.stderr, \
+        (command, proc.stderr[-2000:])
+    printed = set(re.findall(r"^(?:error|warning|info)\s+([a-z0-9-]+)", proc.stdout, flags=re.M))
+    expected = {f.code for f in audit(*specs_from_overrides(recipe_overrides(toy_model_path)))}
+    assert printed == expected, (command, printed, expected)
+
 def test_known_bad_config_reports_each_problem(toy_model_path):
     from tim_plugins.integrations.verl.composed import check_composed_config
 

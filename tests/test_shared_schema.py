@@ -242,7 +242,7 @@ def test_a_limit_without_enable_still_switches_the_verl_probe_on_alone():
 def test_an_enabled_probe_with_every_limit_null_is_refused_in_both():
     with pytest.raises(ValueError, match=r"every threshold is None"):
         TIMConfig(parity_probe=True, parity_probe_options={"kl_k3_max": None})
-    with pytest.raises(ValueError, match=r"tim.probe=.* is invalid: every threshold is None.*Fix: \+tim.probe"):
+    with pytest.raises(ValueError, match=r"tim.probe=.* is invalid: every threshold is None.*Fix: \+\+tim.probe"):
         _verl_probe(enable=True, kl_k3=None)
 
 

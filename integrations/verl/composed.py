@@ -7,7 +7,9 @@ and the fix; the ``tim`` node itself is read by ``config.TIMVerlConfig``.
 from __future__ import annotations
 
 import math
+import os
 import shlex
+from pathlib import Path
 from typing import Any
 
 from tim_plugins.options import SAFE_VOCAB_NEEDS_A_CUT
@@ -19,7 +21,7 @@ from .config import (OPTIMIZER_IMPL, TRAINER_MODE_PREFIX, VLLM_ENGINE_KWARGS, TI
                      rollout_min_p_overrides)
 from .optim import OPTIMIZERS
 
-__all__ = ["check_composed_config", "asks_sampling_mask"]
+__all__ = ["check_composed_config", "asks_sampling_mask", "dump_dir_problems"]
 
 
 def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[str]]:
@@ -47,6 +49,14 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             "(a top-k distillation) on a Megatron actor: the distillation loss reads the full-vocabulary student "
             "logits while the policy loss would read safe-vocabulary log-probs (megatron_engine.py refuses the same "
             "on the worker). Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or distillation.enabled=false")
+    megatron_node = arr.actor.get("megatron") or {}
+    if megatron and tim.worker_side_active and megatron_node.get("dynamic_context_parallel", False):
+        # the engine refuses it too (megatron_engine.py _tim_check_config), but only once the workers hold the model
+        problems.append(
+            f"actor_rollout_ref.actor.megatron.dynamic_context_parallel="
+            f"{megatron_node.get('dynamic_context_parallel')!r} with the tim settings on a Megatron actor: the tim "
+            "engine does not support Megatron's dynamic context parallelism (one rank of the whole data x context "
+            "plane holds the outputs). Fix: actor_rollout_ref.actor.megatron.dynamic_context_parallel=false")
     # the Megatron engine applies the decay through Megatron's own optimizer (megatron_engine.py): no optimizer_impl
     if tim.lr_decay.enable and not megatron and arr.actor.optim.get("optimizer_impl") != OPTIMIZER_IMPL:
         problems.append(
@@ -89,8 +99,8 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
         written = ", ".join(f"tim.probe.{k}={v!r}" for k, v in unread.items())
         notes.append(
             f"{written} with no limit and tim.probe.enable unset: the probe is off (a limit or tim.probe.enable=true "
-            f"switches it on), so these settings do nothing. Fix: +tim.probe.enable=true (its default limit "
-            f"kl_k3={ParityProbeConfig().kl_k3_max:g}) or +tim.probe.kl_k3=<limit>")
+            f"switches it on), so these settings do nothing. Fix: ++tim.probe.enable=true (its default limit "
+            f"kl_k3={ParityProbeConfig().kl_k3_max:g}) or ++tim.probe.kl_k3=<limit>")
     notes.extend(_options_left_off(config.get("tim") or {}, tim))
     save_freq = _number((config.get("trainer") or {}).get("save_freq"), -1)
     if tim.probe.enabled and tim.probe.action == "stop" and save_freq <= 0:
@@ -98,12 +108,46 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
         notes.append(
             f"tim.probe.action='stop' with trainer.save_freq={config.trainer.get('save_freq')!r}: a probe stop ends "
             "the run after the step it trips on, and verl writes no checkpoint with save_freq <= 0 (its default), so "
-            "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
+            "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or ++tim.probe.action=raise)")
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
             "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
     return tim, problems, notes
+
+
+def dump_dir_problems(tim: TIMVerlConfig, config: Any) -> list[str]:
+    """Whether ``tim.dump.dir`` is a folder this process can create and write (the driver, before any worker starts:
+    it writes the run's ``summary.json`` there first; an unwritable folder would stop the run with a bare
+    ``OSError``). Creates the folder, as the summary's write does. The fix names a folder that can be made:
+    ``dump/`` beside verl's checkpoints (``trainer.default_local_dir``) where that is writable."""
+    if not tim.dump.enabled:
+        return []
+    folder = Path(os.path.expanduser(tim.dump.dir))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".tim-write-check-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+        return []
+    except OSError as err:
+        why = f"{type(err).__name__}: {err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+    fix = "++tim.dump.dir=/path/to/a/writable/tim_dump"
+    ckpt = (config.get("trainer") or {}).get("default_local_dir")
+    if ckpt:
+        beside = Path(os.path.abspath(os.path.expanduser(str(ckpt)))) / "tim_dump"
+        if _can_create(beside):
+            fix = f"++tim.dump.dir={shlex.quote(str(beside))} (beside verl's checkpoints)"
+    return [f"tim.dump.dir={tim.dump.dir!r}: the dump folder cannot be created or written here ({why}); the driver "
+            f"writes the run's summary.json there and the actor workers their dump files. Fix: {fix}"]
+
+
+def _can_create(folder: Path) -> bool:
+    """Whether ``folder`` exists as a writable folder or its nearest existing ancestor is one (nothing created)."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    return False
 
 
 def _options_left_off(node: Any, tim: TIMVerlConfig) -> list[str]:
@@ -194,7 +238,7 @@ def _rollout_cut_problems(rollout: Any) -> list[str]:
         out.append(
             f"{VLLM_ENGINE_KWARGS}.additional_config.{_VLLM_MIN_P_KEY}={rollout_min_p!r} with tim.safe_vocab.min_p=0: "
             "the rollout prunes a min-p tail the actor keeps, so the ratio reads the pruned mass again. Fix: "
-            f"+tim.safe_vocab.min_p={rollout_min_p!r}, or drop the tim-plugins logits processor")
+            f"++tim.safe_vocab.min_p={rollout_min_p!r}, or drop the tim-plugins logits processor")
     return out
 
 

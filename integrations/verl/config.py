@@ -8,6 +8,7 @@ Every field defaults to "off", so a config without a ``tim`` node changes nothin
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -80,17 +81,36 @@ def _bad(path: str, value: Any, rule: str, fix: str) -> ValueError:
     return ValueError(f"tim-plugins: {path}={value!r} is invalid: {rule}. Fix: {fix}")
 
 
-def _check_types(section: Any, name: str) -> None:
+def _check_types(section: Any, name: str, examples: Mapping[str, Any] | None = None) -> None:
     """Each field of the settings dataclass ``section`` (the ``tim.<name>`` node) against its annotation
     (``tim_plugins.options.type_problem``, the rule TIMConfig's option groups have too): Hydra hands values over as
-    typed by YAML, so ``+tim.monitor.enable=flase`` arrives as the string 'flase', which is truthy."""
+    typed by YAML, so ``+tim.monitor.enable=flase`` arrives as the string 'flase', which is truthy. The fix is an
+    override that works pasted after the user's own (``++``: the user has set the key) with a value the rule
+    takes: ``examples``' for the field, else the field's default."""
     problem = type_problem(section)
     if problem is None:
         return
     field_name, value, base, rule = problem
     path = f"tim.{name}.{field_name}"
-    fix = {"bool": f"+{path}=true or +{path}=false", "str": f"+{path}=<text>", "tuple": f"+{path}=[...]"}
-    raise _bad(path, value, rule, fix.get(base, f"+{path}=<{base}>"))
+    if base == "bool":
+        raise _bad(path, value, rule, f"++{path}=true or ++{path}=false")
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    example = _hydra_value((examples or {}).get(field_name, defaults.get(field_name)))
+    raise _bad(path, value, rule, f"++{path}={example}" if example is not None else f"++{path}=<{base}>")
+
+
+def _hydra_value(value: Any) -> str | None:
+    """``value`` as a Hydra override writes it (None where it has no plain spelling: no example)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, str) and re.fullmatch(r"[\w./-]+", value):
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        items = [_hydra_value(v) for v in value]
+        return None if None in items else f"[{','.join(items)}]"
+    return None
 
 
 @dataclass(frozen=True)
@@ -172,8 +192,9 @@ class MonitorSettings:
 
     def __post_init__(self) -> None:
         _check_types(self, "monitor")
+        lo, hi = DEFAULT_RATIO_BAND
         self.ratio_band = check_ratio_band(list(self.ratio_band), "tim-plugins: tim.monitor.ratio_band",
-                                           f"+tim.monitor.ratio_band=[{DEFAULT_RATIO_BAND[0]},{DEFAULT_RATIO_BAND[1]}]")
+                                           f"++tim.monitor.ratio_band=[{lo},{hi}]")
 
 
 @dataclass
@@ -193,10 +214,10 @@ class SafeVocabSettings:
         "Drop sampled tokens outside the trainer's S (boundary disagreements) from the loss."))
 
     def __post_init__(self) -> None:
-        _check_types(self, "safe_vocab")
+        _check_types(self, "safe_vocab", examples={"min_p": DEFAULT_MIN_P})
         # the rule TIMConfig.safe_vocab_min_p has too
         self.min_p = check_min_p(self.min_p, "tim-plugins: tim.safe_vocab.min_p",
-                                 f"+tim.safe_vocab.min_p={DEFAULT_MIN_P:g} (the tim-plugins default for extreme-tail "
+                                 f"++tim.safe_vocab.min_p={DEFAULT_MIN_P:g} (the tim-plugins default for extreme-tail "
                                  "pruning)")
 
     @property
@@ -222,7 +243,7 @@ class LRDecaySettings:
     def __post_init__(self) -> None:
         _check_types(self, "lr_decay")
         self.options = coerce_options(LRDecayConfig, self.options, "tim-plugins: tim.lr_decay.options",
-                                      fix="+tim.lr_decay.options.<field>=<value>")
+                                      fix="++tim.lr_decay.options.<field>=<value>")
 
 
 # verl's spelling -> ParityProbeConfig's field (the documented overrides keep their names), and the limits among them
@@ -253,12 +274,12 @@ class ProbeSettings:
     patience: int = core_field(ParityProbeConfig, "patience")
 
     def __post_init__(self) -> None:
-        _check_types(self, "probe")
+        _check_types(self, "probe", examples=dict.fromkeys(_PROBE_LIMITS, 1e-2))
         for name, core in _PROBE_FIELDS.items():  # ParityProbeConfig's rules, with verl's names in the message
             try:
                 check_probe_values({core: getattr(self, name)}, where=lambda _: f"tim-plugins: tim.probe.{name}")
             except ValueError as err:
-                raise ValueError(f"{err}. Fix: +tim.probe.{name}={_PROBE_FIX.get(name, '1e-2')}") from None
+                raise ValueError(f"{err}. Fix: ++tim.probe.{name}={_PROBE_FIX.get(name, '1e-2')}") from None
         limits = {name: getattr(self, name) for name in _PROBE_LIMITS}
         if self.enable is None:
             self.enable = any(v is not None for v in limits.values())
@@ -277,7 +298,7 @@ class ProbeSettings:
             settings._set_core(probe_config(True, written))
         except ValueError as err:
             raise _bad("tim.probe", dict(options), str(err).replace("ParityProbeConfig: ", ""),
-                       "+tim.probe.kl_k3=1e-3 (or drop the null limits)") from None
+                       "++tim.probe.kl_k3=1e-3 (or drop the null limits)") from None
         return settings
 
     def _set_core(self, core: ParityProbeConfig) -> None:
@@ -322,12 +343,12 @@ class _DumpMethods:
     def __post_init__(self) -> None:
         # TIMConfig.dump_dir's rule; YAML holds no path objects
         if not isinstance(self.dir, (str, type(None))) or not dump_dir_accepted(self.dir):
-            raise _bad("tim.dump.dir", self.dir, DUMP_DIR_RULE, "+tim.dump.dir=/path/to/tim_dump")
+            raise _bad("tim.dump.dir", self.dir, DUMP_DIR_RULE, "++tim.dump.dir=/path/to/tim_dump")
         _check_types(self, "dump")
         try:
             self.config()
         except ValueError as err:
-            raise ValueError(f"tim-plugins: tim.dump: {err} Fix: +tim.dump.<option>=<value>") from None
+            raise ValueError(f"tim-plugins: tim.dump: {err} Fix: ++tim.dump.<option>=<value>") from None
 
     @property
     def enabled(self) -> bool:
@@ -361,7 +382,7 @@ class _SwitchedOptions:
         try:
             self.config()
         except ValueError as err:
-            raise ValueError(f"tim-plugins: tim.{self.SECTION}: {err}. Fix: +tim.{self.SECTION}.<option>=<value> "
+            raise ValueError(f"tim-plugins: tim.{self.SECTION}: {err}. Fix: ++tim.{self.SECTION}.<option>=<value> "
                              f"({', '.join(f.name for f in dataclasses.fields(self.CORE))})") from None
 
     def config(self):
@@ -408,10 +429,10 @@ class TIMVerlConfig:
         problems = dependency_problems(monitor=self.monitor.enable, probe=self.probe.enabled, lr_decay_signals=signals,
                                        audit=self.parity.audit, strict=self.parity.strict)
         spelling = {
-            "k3_needs_monitor": ("tim.lr_decay.options.signals", list(signals), "+tim.monitor.enable=true"),
-            "probe_needs_monitor": ("tim.probe", self.probe.thresholds, "+tim.monitor.enable=true"),
+            "k3_needs_monitor": ("tim.lr_decay.options.signals", list(signals), "++tim.monitor.enable=true"),
+            "probe_needs_monitor": ("tim.probe", self.probe.thresholds, "++tim.monitor.enable=true"),
             "strict_needs_audit": ("tim.parity.strict", self.parity.strict,
-                                   "+tim.parity.audit=true (or +tim.parity.strict=false)"),
+                                   "++tim.parity.audit=true (or ++tim.parity.strict=false)"),
         }
         if problems:
             path, value, fix = spelling[problems[0]]
@@ -420,7 +441,7 @@ class TIMVerlConfig:
                 fix)
         if self.dump.enabled and not self.monitor.enable:
             raise _bad("tim.dump.dir", self.dump.dir, "the dump writes the monitor's measurement pass, and "
-                       "tim.monitor.enable=false", "+tim.monitor.enable=true")
+                       "tim.monitor.enable=false", "++tim.monitor.enable=true")
 
     def pipeline_config(self, context: "ActorContext | None" = None) -> PipelineConfig:
         """These settings, for an actor in ``context``, as the core pipeline's configuration (the core's builder,
@@ -445,7 +466,7 @@ class TIMVerlConfig:
             return cls()
         data = _to_plain(node)
         if not isinstance(data, Mapping):
-            raise _bad("tim", data, "must be a mapping of sections", "+tim.monitor.enable=true")
+            raise _bad("tim", data, "must be a mapping of sections", "++tim.monitor.enable=true")
         if set(data) - set(cls._SECTIONS):
             raise _bad("tim", sorted(data), f"unknown section(s) {unknown_names(data, cls._SECTIONS)}",
                        f"use {sorted(cls._SECTIONS)}")
@@ -453,7 +474,7 @@ class TIMVerlConfig:
         for name, section_cls in cls._SECTIONS.items():
             sub = data.get(name) or {}
             if not isinstance(sub, Mapping):
-                raise _bad(f"tim.{name}", sub, "must be a mapping", f"+tim.{name}.<option>=<value>")
+                raise _bad(f"tim.{name}", sub, "must be a mapping", f"++tim.{name}.<option>=<value>")
             names = {f.name for f in dataclasses.fields(section_cls)}
             if set(sub) - names:
                 raise _bad(f"tim.{name}", dict(sub), f"unknown option(s) {unknown_names(sub, sorted(names))}",

@@ -27,7 +27,7 @@ from omegaconf import open_dict
 from tim_plugins.by_key import policy_lag
 from tim_plugins.parity.findings import ParityError
 
-from .composed import asks_sampling_mask, check_composed_config
+from .composed import asks_sampling_mask, check_composed_config, dump_dir_problems
 from .config import LAG_FIELD, TRAINER_MODE_PREFIX, ActorContext, TIMVerlConfig
 
 __all__ = ["AUDIT_TITLE", "TIMTrainerMixin", "refuse_tim_node_under_legacy_trainer", "refuse_unread_tim_node",
@@ -49,7 +49,7 @@ def run_startup_audit(config, tim: TIMVerlConfig, out=None):
     rollout, trainer = specs_from_config(config)
     return audit_and_report(rollout, trainer, framework="verl", title=AUDIT_TITLE, strict=tim.parity.strict,
                             emit=lambda report: print(report.text, file=out),
-                            strict_off="set +tim.parity.strict=false").findings
+                            strict_off="set ++tim.parity.strict=false").findings
 
 
 def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
@@ -94,6 +94,7 @@ class TIMTrainerMixin:
 
     def __init__(self, config):
         tim, problems, notes = check_composed_config(config)
+        problems += dump_dir_problems(tim, config)
         for note in notes:
             logger.warning("tim-plugins: %s", note)
         if problems:

@@ -4,6 +4,7 @@ a known-bad set fails with each expected message."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -53,6 +54,33 @@ def test_recipe_overrides_compose_and_validate(toy_model_path):
 
     assert get_trainer_cls(cfg.trainer.v1.trainer_mode).__name__ == "TIMPPOTrainerSync"
 
+
+
+def test_the_recipes_audit_line_audits_the_recipe(toy_model_path, tmp_path):
+    """The recipe's header says how to check its overrides without GPUs (`tim-plugins audit --verl "$(...)"`). Run as
+    printed, with a model and a data file where it writes `...`, from the recipe's folder: the audit must see the
+    recipe's overrides (the same findings as the audit of them through the Python API), not verl's bare defaults
+    after a recipe that stopped on an unset MODEL_PATH."""
+    import sys
+
+    from tim_plugins.integrations.verl.parity_spec import specs_from_overrides
+    from tim_plugins.parity import audit
+
+    line = next(x for x in RECIPE.read_text().splitlines() if "tim-plugins audit --verl" in x)
+    command = line[line.index("tim-plugins audit"):]
+    command = command.replace("MODEL_PATH=...", f"MODEL_PATH={toy_model_path}").replace(
+        "TRAIN_FILE=...", f"TRAIN_FILE={tmp_path / 'train.parquet'}")
+    cli = f"{sys.executable} -c 'import sys; from tim_plugins.apps.cli import main; sys.exit(main(sys.argv[1:]))'"
+    # a user's shell: no recipe variables, and not this suite's CPU platform (its shims load in main_ppo runs only)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MODEL_PATH", "TRAIN_FILE", "VAL_FILE") and not k.startswith("VERL_")}
+    proc = subprocess.run(["bash", "-c", f'tim-plugins() {{ {cli} "$@"; }}; {command}'], cwd=RECIPE.parent,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and "MODEL_PATH" not in proc.stderr and " is off: " not in proc.stderr, \
+        (command, proc.stderr[-2000:])
+    printed = set(re.findall(r"^(?:error|warning|info)\s+([a-z0-9-]+)", proc.stdout, flags=re.M))
+    expected = {f.code for f in audit(*specs_from_overrides(recipe_overrides(toy_model_path)))}
+    assert printed == expected, (command, printed, expected)
 
 def test_known_bad_config_reports_each_problem(toy_model_path):
     from tim_plugins.integrations.verl.composed import check_composed_config
@@ -167,7 +195,7 @@ def test_a_bad_setting_stops_the_run_at_start_up(toy_model_path, override, quote
     cfg = compose([o for o in recipe_overrides(toy_model_path) if o.split("=", 1)[0] != key] + [override])
     with pytest.raises(ValueError) as err:
         get_trainer_cls(cfg.trainer.v1.trainer_mode)(config=cfg)
-    assert quoted in str(err.value) and "Fix: +" in str(err.value), str(err.value)
+    assert quoted in str(err.value) and "Fix: ++" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("mode, section", [("sync", "monitor.enable=true"), ("sync", "parity.strict=true"),
@@ -201,6 +229,36 @@ def test_no_tim_node_means_everything_off():
     tim = TIMVerlConfig.from_node(compose([]).get("tim"))
     assert not tim.worker_side_active and not tim.probe.enabled and not tim.safe_vocab.enabled
 
+
+
+def test_a_dump_folder_that_cannot_be_written_stops_the_run_at_start_up(toy_model_path, tmp_path):
+    """``+tim.dump.dir`` where no folder can be made (here: under a file) used to stop the TaskRunner with a bare
+    ``NotADirectoryError`` from the summary's write. It is a config mistake: the value, why, and a fix (a folder
+    beside verl's checkpoints) that, pasted after the user's overrides, composes and takes the run's summary."""
+    import shlex
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from tim_plugins.dump import SUMMARY
+    from tim_plugins.integrations.verl import composed
+    from tim_plugins.integrations.verl.config import TIMVerlConfig
+    from tim_plugins.integrations.verl.trainer import write_run_summary
+
+    (tmp_path / "a_file").write_text("")
+    bad = tmp_path / "a_file" / "tim_dump"
+    user = recipe_overrides(toy_model_path) + [f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+                                               f"+tim.dump.dir={bad}"]
+    cfg = compose(user)
+    with pytest.raises(ValueError) as err:
+        get_trainer_cls(cfg.trainer.v1.trainer_mode)(config=cfg)
+    text = str(err.value)
+    assert f"tim.dump.dir='{bad}': the dump folder cannot be created or written here (NotADirectoryError" in text
+    fix = shlex.split(text.split("Fix: ")[1].split(" (beside")[0])
+    assert fix == [f"++tim.dump.dir={tmp_path / 'ckpt' / 'tim_dump'}"], text
+    fixed = compose(user + fix)
+    tim = TIMVerlConfig.from_node(fixed.tim)
+    assert composed.dump_dir_problems(tim, fixed) == []
+    assert write_run_summary(fixed, tim, None) == tmp_path / "ckpt" / "tim_dump" / SUMMARY
 
 def test_startup_audit_on_recipe_and_on_a_known_bad_set(toy_model_path):
     """The driver-side audit (what a tim trainer mode runs before any worker) on the recipe's composed config,
@@ -399,7 +457,7 @@ def test_a_probe_stop_that_no_checkpoint_follows_is_said_at_start_up(toy_model_p
     _, problems, notes = check_composed_config(cfg)
     assert problems == [] and len(notes) == 1, notes
     assert notes[0].startswith(f"tim.probe.action='stop' with trainer.save_freq={cfg.trainer.save_freq}: ")
-    assert notes[0].endswith("Fix: trainer.save_freq=<N > 0> (or +tim.probe.action=raise)")
+    assert notes[0].endswith("Fix: trainer.save_freq=<N > 0> (or ++tim.probe.action=raise)")
     for other in ("warn", "raise"):  # nothing to checkpoint
         cfg = compose([o for o in verl_default if o != "+tim.probe.action=stop"] + [f"+tim.probe.action={other}"])
         assert check_composed_config(cfg)[1:] == ([], [])
@@ -417,7 +475,8 @@ def test_probe_options_that_leave_the_probe_off_are_said_at_start_up(toy_model_p
     tim, problems, notes = check_composed_config(compose(no_limit))
     assert not tim.probe.enabled and problems == [] and len(notes) == 1, notes
     assert notes[0].startswith("tim.probe.action='stop' with no limit and tim.probe.enable unset: the probe is off")
-    assert notes[0].endswith("Fix: +tim.probe.enable=true (its default limit kl_k3=0.001) or +tim.probe.kl_k3=<limit>")
+    assert notes[0].endswith(
+        "Fix: ++tim.probe.enable=true (its default limit kl_k3=0.001) or ++tim.probe.kl_k3=<limit>")
     for written in ("+tim.probe.enable=true", "+tim.probe.enable=false", "+tim.probe.abs_diff_max=5"):
         tim, problems, notes = check_composed_config(compose(no_limit + [written]))
         assert problems == [] and notes == [], (written, notes)
@@ -449,9 +508,9 @@ def test_dump_settings_share_the_core_dump_config_and_fail_with_the_fix():
     tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": "/tmp/d", "sample_rate": 1.0}})
     assert tim.dump.config() == DumpConfig(out_dir="/tmp/d", sample_rate=1.0)
     assert not TIMVerlConfig.from_node({}).dump.enabled
-    with pytest.raises(ValueError, match=r"tim.dump.dir='/tmp/d' is invalid: .*Fix: \+tim.monitor.enable=true"):
+    with pytest.raises(ValueError, match=r"tim.dump.dir='/tmp/d' is invalid: .*Fix: \+\+tim.monitor.enable=true"):
         TIMVerlConfig.from_node({"dump": {"dir": "/tmp/d"}})
-    with pytest.raises(ValueError, match=r"tim.dump: sample_rate=0 is invalid.*Fix: \+tim.dump"):
+    with pytest.raises(ValueError, match=r"tim.dump: sample_rate=0 is invalid.*Fix: \+\+tim.dump"):
         TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": "/tmp/d", "sample_rate": 0}})
     with pytest.raises(ValueError, match=r"tim.dump.dir='' is invalid"):
         TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": ""}})
@@ -513,6 +572,33 @@ def test_megatron_recipe_composes_with_and_without_fused_kernels(toy_model_path)
     assert "Fix: drop +tim.safe_vocab.min_p / +tim.safe_vocab.enable, or distillation.enabled=false" in problems[0]
 
 
+
+def test_megatron_dynamic_context_parallelism_stops_the_driver(toy_model_path):
+    """The tim Megatron engine refuses Megatron's dynamic context parallelism (``_tim_check_config`` reads the engine
+    config verl builds from ``actor.megatron``), but only in the workers, once they hold the model: the driver
+    refuses it first, before any worker starts, with a fix that composes and turns it off in that engine config."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from tim_plugins.integrations.verl.composed import check_composed_config
+
+    env = dict(os.environ, TIM_PRINT_OVERRIDES="tim", STRATEGY="megatron")
+    tim_overrides = subprocess.run(["bash", str(RECIPE)], env=env, capture_output=True, text=True,
+                                   check=True).stdout.split()
+    base = [f"actor_rollout_ref.model.path={toy_model_path}", "actor_rollout_ref.rollout.name=vllm", *tim_overrides]
+    dynamic = ["actor_rollout_ref.actor.megatron.dynamic_context_parallel=true",
+               "actor_rollout_ref.actor.megatron.max_seqlen_per_dp_cp_rank=1024"]
+    cfg = compose(base + dynamic, config_name="ppo_megatron_trainer")
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron).dynamic_context_parallel  # what it reads
+    problems = check_composed_config(cfg)[1]
+    assert len(problems) == 1 and problems[0].startswith(
+        "actor_rollout_ref.actor.megatron.dynamic_context_parallel=True with the tim settings"), problems
+    fixed = compose(base + dynamic + problems[0].split("Fix: ")[1].split(), config_name="ppo_megatron_trainer")
+    assert not omega_conf_to_dataclass(fixed.actor_rollout_ref.actor.megatron).dynamic_context_parallel
+    assert check_composed_config(fixed)[1] == []
+    # verl's own mode without tim settings is verl's business
+    plain = [o for o in base if not o.startswith(("+tim.", "trainer.v1."))]
+    assert check_composed_config(compose(plain + dynamic, config_name="ppo_megatron_trainer"))[1] == []
+
 def _without_min_p(model_path) -> list[str]:
     """The recipe's overrides without its min-p pruning (the trainer's min_p and the vLLM processor)."""
     return [o for o in recipe_overrides(model_path)
@@ -554,7 +640,7 @@ def test_safe_vocabulary_over_the_sampler_cut_alone(toy_model_path):
     _, problems, _ = check_composed_config(
         compose(_without_min_p(toy_model_path) + ["+tim.safe_vocab.enable=true"] + sampler + prunes))
     assert len(problems) == 1 and "tim_min_p=0.001 with tim.safe_vocab.min_p=0" in problems[0], problems
-    assert "Fix: +tim.safe_vocab.min_p=0.001" in problems[0]
+    assert "Fix: ++tim.safe_vocab.min_p=0.001" in problems[0]
 
 
 def test_the_start_up_audit_reaches_the_actors_causes(toy_model_path):
@@ -805,3 +891,60 @@ def test_no_left_off_line_when_the_switch_is_on_or_nothing_is_written(toy_model_
                        "+tim.sync_check.every_n_syncs=2"]):
         _, _, notes = check_composed_config(compose(overrides))
         assert not [n for n in notes if "nothing. Fix: " in n], notes
+
+
+def _startup_refusals(cfg) -> list[str]:
+    """What the tim trainer mode's start-up says about ``cfg`` before any worker starts: the error a bad tim value
+    raises, else each problem and note of the composed config, else the strict audit's stop (nothing: [])."""
+    import io
+
+    from tim_plugins.integrations.verl.composed import check_composed_config
+    from tim_plugins.integrations.verl.trainer import run_startup_audit
+    from tim_plugins.parity.findings import ParityError
+
+    try:
+        tim, problems, notes = check_composed_config(cfg)
+    except ValueError as err:
+        return [str(err)]
+    if problems or notes:
+        return problems + notes
+    try:
+        run_startup_audit(cfg, tim, out=io.StringIO())
+    except ParityError as err:
+        return [str(err)]
+    return []
+
+
+FP32_ACTOR = ["actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+              "++actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,"
+              "buffer_dtype:fp32}"]
+
+
+@pytest.mark.parametrize("mistake, fixes", [
+    (["+tim.parity.audit=false"], [["++tim.parity.audit=true"], ["++tim.parity.strict=false"]]),
+    (FP32_ACTOR, [["++tim.parity.strict=false"]]),  # the strict audit's stop (bf16 rollout, fp32 actor)
+    (["++tim.monitor.enable=false"], [["++tim.monitor.enable=true"]]),
+    (["++tim.monitor.enable=flase"], [["++tim.monitor.enable=true"]]),
+    (["++tim.safe_vocab.min_p=1.5"], [["++tim.safe_vocab.min_p=1e-05"]]),
+    (["++tim.safe_vocab.min_p=abc"], [["++tim.safe_vocab.min_p=1e-05"]]),
+    (["++tim.probe.kl_k3=-1"], [["++tim.probe.kl_k3=1e-2"]]),
+    (["++tim.probe.kl_k3=abc"], [["++tim.probe.kl_k3=0.01"]]),
+    (["++tim.probe.action=halt"], [["++tim.probe.action=warn"]]),
+    (["+tim.monitor.ratio_band=[2,3]"], [["++tim.monitor.ratio_band=[0.5,2.0]"]]),
+    (["trainer.save_freq=-1"], [["++tim.probe.action=raise"]]),
+    (["++tim.safe_vocab.min_p=0", "+tim.safe_vocab.enable=true"], [["++tim.safe_vocab.min_p=1e-05"]]),
+])
+def test_each_start_up_fix_works_pasted_after_the_users_own_overrides(toy_model_path, mistake, fixes):
+    """A start-up refusal is about a value the user has set, with `+key=` (the README's spelling) or `++key=`: its fix
+    pasted after the user's overrides, as printed, must compose on verl's config (Hydra refuses `+key=` for a key
+    that is set already: 'Could not append to config') and leave nothing to say. Every alternative of the fix."""
+    recipe = recipe_overrides(toy_model_path)
+    written = {o.split("=", 1)[0].lstrip("+") for o in mistake}
+    user = [o for o in recipe if o.split("=", 1)[0].lstrip("+") not in written] + mistake
+    said = _startup_refusals(compose(user))
+    assert said, mistake
+    text = "\n".join(said)
+    assert not re.search(r"(?<![\w+])\+tim\.", text), text  # `+tim.` after the user's own `+tim.` never composes
+    for fix in fixes:
+        assert all(o in text for o in fix), (fix, text)
+        assert _startup_refusals(compose(user + fix)) == [], (mistake, fix)

@@ -131,7 +131,7 @@ def test_probe_settings_are_the_core_probe_config():
     assert helps["kl_k3"] == core["kl_k3_max"] and helps["patience"] == core["patience"]
     assert TIMVerlConfig.from_node({}).probe.config() is None
     with pytest.raises(ValueError, match=r"tim.probe=.* is invalid: the probe checks the monitor's metrics.*"
-                                         r"Fix: \+tim.monitor.enable=true"):
+                                         r"Fix: \+\+tim.monitor.enable=true"):
         TIMVerlConfig.from_node({"probe": {"kl_k3": 1e-2}})
     with pytest.raises(ValueError, match=r"tim.probe.patience=0 is invalid: must be an integer >= 1"):
         TIMVerlConfig.from_node({"monitor": {"enable": True}, "probe": {"kl_k3": 1e-2, "patience": 0}})

@@ -56,10 +56,10 @@ def test_probe_enable_false_is_off_whatever_limits_are_set(toy_model_path):
 
 @pytest.mark.parametrize("override, quoted, rule, fix", [
     (["+tim.parity.audit=false"], "tim.parity.strict=True", DEPENDENCY_RULES["strict_needs_audit"],
-     "Fix: +tim.parity.audit=true"),
+     "Fix: ++tim.parity.audit=true"),
     (["+tim.monitor.enable=false"], "tim.probe=", DEPENDENCY_RULES["probe_needs_monitor"],
-     "Fix: +tim.monitor.enable=true"),
-    (["+tim.safe_vocab.min_p=1.0"], "tim.safe_vocab.min_p=1.0", MIN_P_RULE, "Fix: +tim.safe_vocab.min_p="),
+     "Fix: ++tim.monitor.enable=true"),
+    (["+tim.safe_vocab.min_p=1.0"], "tim.safe_vocab.min_p=1.0", MIN_P_RULE, "Fix: ++tim.safe_vocab.min_p="),
 ])
 def test_what_trl_refuses_stops_the_driver(toy_model_path, override, quoted, rule, fix):
     """Through the trainer class main_ppo builds for the run's mode, before any worker starts."""

@@ -259,7 +259,7 @@ def test_the_sync_settings_are_the_core_configs():
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(type(tim.sync_check))}
     assert helps["every_n_syncs"] == SyncCheckConfig.__dataclass_fields__["every_n_syncs"].metadata["help"]
     with pytest.raises(ValueError, match=r"tim.sync_check: SyncCheckConfig.every_n_syncs=0 is invalid: must be an "
-                                         r"integer >= 1\. Fix: \+tim.sync_check.<option>=<value>"):
+                                         r"integer >= 1\. Fix: \+\+tim.sync_check.<option>=<value>"):
         TIMVerlConfig.from_node({"sync_check": {"every_n_syncs": 0}})
     with pytest.raises(ValueError, match=r"tim.causes.confident_p='high' is invalid: must be a number"):
         TIMVerlConfig.from_node({"causes": {"confident_p": "high"}})

@@ -2,7 +2,8 @@
 # GRPO with tim-plugins' mismatch monitor and mitigations switched on (verl 0.9.x, V1 trainer, FSDP2 + vLLM).
 # Usage: MODEL_PATH=/path/to/Qwen2.5-0.5B-Instruct TRAIN_FILE=~/data/gsm8k/train.parquet \
 #        VAL_FILE=~/data/gsm8k/test.parquet bash run_grpo_tim.sh [extra hydra overrides]
-# Check the overrides first, without GPUs:  tim-plugins audit --verl "$(TIM_PRINT_OVERRIDES=1 bash run_grpo_tim.sh)"
+# Check the overrides first, without GPUs (the recipe needs MODEL_PATH and TRAIN_FILE even to print them):
+#   tim-plugins audit --verl "$(TIM_PRINT_OVERRIDES=1 MODEL_PATH=... TRAIN_FILE=... bash run_grpo_tim.sh)"
 # TIM_PRINT_OVERRIDES=tim prints only the tim-plugins overrides, one per line (the end-to-end test runs these).
 set -euo pipefail
 

@@ -5,7 +5,7 @@ The fix used to offer ``bf16=True`` first ("train in the rollout dtype"). It mak
 trainer then autocasts its matmuls over its fp32 weights, norms and residual stream: not vLLM's bf16 model. TRL's own
 per-token gap between the engine's and the trainer's log-probs (``sampling/sampling_logp_difference/mean``, the
 reference here) stays where it was (measured 0.0065 against 0.0066 nats at step 1). What removes it is the engine in
-the trainer's dtype: ``trl vllm-serve --dtype float32`` (tests/test_trl_vllm_server_min_p.py: the gap below 1e-5),
+the trainer's dtype: ``trl vllm-serve --dtype float32`` (tests/test_trl_vllm_server_sampler.py: the gap below 1e-5),
 which colocate mode cannot set. One engine serves both runs (tests/trl_cpu_vllm.py ``one_plain_engine``).
 """
 

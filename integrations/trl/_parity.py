@@ -7,7 +7,7 @@ import logging
 
 from .parity_spec import specs_from_trainer
 
-__all__ = ["collect_specs", "run_audit", "server_engine_args", "server_min_p"]
+__all__ = ["collect_specs", "run_audit", "server_engine_args", "server_sampler"]
 
 logger = logging.getLogger("tim_plugins.trl")
 
@@ -38,21 +38,23 @@ def server_engine_args(trainer) -> tuple[dict, str] | None:
         return None
 
 
-def server_min_p(trainer) -> float:
-    """The min-p a server-mode trainer's vLLM server cuts every request at on its own: tim-plugins' min-p processor
-    registered at start-up (``--logits-processors tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor
-    --additional-config '{"tim_min_p": x}'``), read from its /server_info; 0 without one, in colocate mode, and when
-    the server does not answer."""
+def server_sampler(trainer) -> dict:
+    """What a server-mode trainer's vLLM server does to every request on its own, from its /server_info:
+    ``min_p``, the cut of tim-plugins' min-p processor registered at start-up (``--logits-processors
+    tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor --additional-config '{"tim_min_p": x}'``; 0 without
+    one), and ``logprobs_mode`` (None when unknown). Empty in colocate mode and when the server does not answer."""
     # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (use_vllm, vllm_mode)
     args = trainer.args
     if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "server":
-        return 0.0
+        return {}
     server = server_engine_args(trainer)
     if server is None:
-        return 0.0
+        return {}
     from tim_plugins.rollout.vllm_min_p_config import processor_min_p
 
-    return processor_min_p(server[0].get("logits_processors"), server[0].get("additional_config"))
+    engine = server[0]
+    return {"min_p": processor_min_p(engine.get("logits_processors"), engine.get("additional_config")),
+            "logprobs_mode": engine.get("logprobs_mode")}
 
 
 def collect_specs(trainer, rollout_source: str, *, engine: bool = True, server: bool = True):

@@ -65,14 +65,24 @@ def tokenizer(trainer):
     return getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
 
 
-def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0) -> Truncation:
+def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
+                    engine_logprobs_mode: str | None = None) -> Truncation:
     """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be.
     ``engine_min_p``: the min-p the vLLM server cuts every request at on its own (tim-plugins' min-p processor,
     ``--logits-processors`` with ``--additional-config '{"tim_min_p": x}'``); the sampler cuts at the larger of it
-    and GRPOConfig.min_p."""
+    and GRPOConfig.min_p. ``engine_logprobs_mode``: the server's (None: unknown, or TRL's colocate engine, which
+    TRL builds with processed log-probs)."""
     # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_k, top_p, temperature, use_vllm; the
     # safe-vocabulary routes of features.py)
     args = trainer.args
+    if engine_logprobs_mode is not None and engine_logprobs_mode != "processed_logprobs":
+        # the same rule as tim_plugins.integrations.vllm.sampling.check_vllm_engine
+        raise ValueError(
+            f"TIMConfig.safe_vocab=True with a vLLM server whose logprobs_mode={engine_logprobs_mode!r}: the safe "
+            "vocabulary renormalises the trainer's log-probs over the sampler's kept set, and the rollout's must be "
+            "the same set's, processed log-probs; raw ones are taken before the cut (every ratio would read the kept "
+            "mass). Fix: restart the server with --logprobs-mode processed_logprobs (`trl vllm-serve` sets it; a "
+            "plain `vllm serve` needs it), or safe_vocab=False")
     sampler_min_p = max(args.min_p or 0.0, engine_min_p)
     sampler = (f"GRPOConfig.min_p={args.min_p!r}" if engine_min_p <= (args.min_p or 0.0) else
                f"the vLLM server's min-p processor: tim_min_p={engine_min_p:g}, over GRPOConfig.min_p={args.min_p!r}")

@@ -1,13 +1,16 @@
-"""tim-plugins' min-p logits processor on a `trl vllm-serve` server (TRL server mode): the server is started the way
-a user appends it (``--logits-processors tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor
---additional-config '{"tim_min_p": 0.001}'``, forwarded to ``vllm serve``), so it cuts every request at that min-p
-whatever GRPOConfig.min_p says. The server runs in float32 (``trl vllm-serve --dtype float32``, the audit's
-dtype fix), like the trainer: with the same cut on both sides the two stacks' log-probs agree (TRL's own
-``sampling/sampling_logp_difference/mean`` is the reference), and any gap left is the cut.
+"""What a `trl vllm-serve` server does to every request on its own, read by TRL server mode's callback.
 
-Before: the parity audit read neither the server's processors nor its additional_config, so it called a sampler that
-prunes every request unpruned (no finding, or a false one against a trainer that matched it), and
+tim-plugins' min-p logits processor on the server, started the way a user appends it (``--logits-processors
+tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor --additional-config '{"tim_min_p": 0.001}'``, forwarded
+to ``vllm serve``): it cuts every request at that min-p whatever GRPOConfig.min_p says. The server runs in float32
+(``trl vllm-serve --dtype float32``, the audit's dtype fix), like the trainer: with the same cut on both sides the two
+stacks' log-probs agree (TRL's own ``sampling/sampling_logp_difference/mean`` is the reference), and any gap left is
+the cut. Before: the parity audit read neither the server's processors nor its additional_config, so it called a
+sampler that prunes every request unpruned (no finding, or a false one against a trainer that matched it), and
 ``TIMConfig(safe_vocab=True)``, the audit's own fix, was refused as "this sampler keeps the whole vocabulary".
+
+A server returning raw log-probs: the safe vocabulary is refused there (before: it trained, every ratio reading the
+kept mass).
 
 The harness (server launch, CPU weight transfer) is tests/test_trl_vllm_server.py's.
 """
@@ -107,3 +110,36 @@ def test_another_safe_vocab_min_p_is_warned_against_the_servers(min_p_server, to
     assert f"cuts at {SERVER_MIN_P:g}" in warned[0], warned
     (finding,) = [f for f in cb.findings if f.code == "sampler-truncation-unmatched"]
     assert finding.rollout_value == {"min_p": SERVER_MIN_P} and finding.trainer_value == {"min_p": 1e-5}, finding
+
+
+@pytest.fixture(scope="module")
+def raw_server(toy_model_path, tmp_path_factory):
+    """A server that returns raw log-probs: `trl vllm-serve`'s processed_logprobs overridden (a later flag wins), as a
+    plain `vllm serve` (which TRL now tells its users to run) returns them unless told otherwise."""
+    log = tmp_path_factory.mktemp("vllm_raw_server") / "server.log"
+    with serve(toy_model_path, log, ("--logprobs-mode", "raw_logprobs")) as base_url:
+        yield base_url
+
+
+def test_safe_vocab_refuses_a_server_without_processed_logprobs(raw_server, toy_model_path, tmp_path):
+    """The safe vocabulary renormalises the trainer over the sampler's kept set; a server's raw log-probs are taken
+    before the cut, so every ratio would read the kept mass (measured by hand: TRL's ratio mean 1.15 at top_p=0.8,
+    the audit's logprobs-mode-not-processed logged and training on). Refused when the callback is created, with the
+    server's value (its /server_info) and the fix."""
+    info = requests.get(f"{raw_server}/server_info", params={"config_format": "json"}, timeout=10).json()
+    mode = info["vllm_config"]["model_config"]["logprobs_mode"]
+    assert mode == "raw_logprobs"
+    mp = pytest.MonkeyPatch()
+    (tmp_path / "synced").mkdir()
+    patch_client(mp.setattr, tmp_path / "synced", [])
+    try:
+        trainer = make_trainer(toy_model_path, tmp_path, use_vllm=True, vllm_mode="server",
+                               vllm_server_base_url=raw_server, vllm_server_timeout=60, max_steps=1, top_p=0.8,
+                               min_p=1e-5)
+        with pytest.raises(ValueError) as err:
+            TIMCallback(trainer, TIMConfig(safe_vocab=True))
+        TIMCallback(trainer, TIMConfig())  # the monitor alone attaches (its audit names the mode)
+    finally:
+        mp.undo()
+    msg = str(err.value)
+    assert f"logprobs_mode={mode!r}" in msg and "Fix: restart the server with --logprobs-mode processed_logprobs" in msg

@@ -371,3 +371,17 @@ def test_audit_and_report_is_the_one_sequence_every_caller_runs():
     for path in ("integrations/trl/_parity.py", "integrations/verl/trainer.py", "tim_plugins/apps/audit.py"):
         text = (root / path).read_text()
         assert "audit_and_report(" in text and "severity_counts(" not in text and "has_errors(" not in text, path
+
+
+def test_engine_args_with_the_min_p_processor_cut_every_request():
+    """tim-plugins' min-p processor registered with an engine-wide tim_min_p cuts every request there, the larger of
+    it and the request's min_p winning (integrations/vllm/min_p.py); registered without it, or tim_min_p without the
+    processor, cuts nothing. `tim-plugins audit --vllm-args` and TRL's server mode read engine args this way."""
+    cli = ("--logits-processors tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor "
+           "--additional-config '{\"tim_min_p\": 0.001}'")
+    assert spec_from_engine_args(cli, sampling={"min_p": 1e-5}).min_p == 1e-3
+    assert spec_from_engine_args(cli, sampling={"min_p": 0.01}).min_p == 0.01
+    assert spec_from_engine_args("--additional-config '{\"tim_min_p\": 0.001}'").min_p == 0.0
+    served = {"logits_processors": ["tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"],
+              "additional_config": {"tim_min_p": 0.001}}  # as engine_args_from_server_info reads /server_info
+    assert spec_from_engine_args(served).min_p == 1e-3

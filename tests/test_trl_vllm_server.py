@@ -16,6 +16,7 @@ Two test-side replacements, both in TRL's client and both about weight transfer 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -53,23 +54,24 @@ pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 START_TIMEOUT_S = 300  # engine start on a loaded 2-core machine took 65 s
 
 
-def _server_command(model_path: str, port: int) -> list[str]:
-    """TRL's own `trl vllm-serve` command line, launched through the API server module (see module doc)."""
+def _server_command(model_path: str, port: int, extra: tuple = (), **script_args) -> list[str]:
+    """TRL's own `trl vllm-serve` command line, launched through the API server module (see module doc); ``extra``:
+    the arguments a user appends (`trl vllm-serve` forwards them to `vllm serve`), ``script_args``: its own flags."""
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
     cmd = build_command(ScriptArguments(model=model_path, host="127.0.0.1", port=port, max_model_len=256,
-                                        enforce_eager=True))
+                                        enforce_eager=True, **script_args), list(extra))
     i = cmd.index("serve")
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cmd[i + 1], *cmd[i + 2:]]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(toy_model_path, tmp_path_factory):
+@contextlib.contextmanager
+def serve(model_path, log_path: Path, extra: tuple = (), **script_args):
+    """A `trl vllm-serve` subprocess on a free port (its base URL), killed by its own process group on exit."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")  # as `trl vllm-serve` sets it
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_server_command(str(toy_model_path), port), env=env, stdout=log,
+        proc = subprocess.Popen(_server_command(str(model_path), port, extra, **script_args), env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -95,6 +97,12 @@ def vllm_server(toy_model_path, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(toy_model_path, tmp_path_factory):
+    with serve(toy_model_path, tmp_path_factory.mktemp("vllm_server") / "server.log") as base_url:
+        yield base_url
 
 
 def _server_client(mp, weights_dir, synced, **options):

@@ -7,7 +7,7 @@ import logging
 
 from .parity_spec import specs_from_trainer
 
-__all__ = ["collect_specs", "run_audit", "server_engine_args"]
+__all__ = ["collect_specs", "run_audit", "server_engine_args", "server_sampler"]
 
 logger = logging.getLogger("tim_plugins.trl")
 
@@ -36,6 +36,25 @@ def server_engine_args(trainer) -> tuple[dict, str] | None:
     except Exception as err:  # an audit problem never stops training
         logger.info("tim_plugins: could not read the vLLM server's configuration: %r", err)
         return None
+
+
+def server_sampler(trainer) -> dict:
+    """What a server-mode trainer's vLLM server does to every request on its own, from its /server_info:
+    ``min_p``, the cut of tim-plugins' min-p processor registered at start-up (``--logits-processors
+    tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor --additional-config '{"tim_min_p": x}'``; 0 without
+    one), and ``logprobs_mode`` (None when unknown). Empty in colocate mode and when the server does not answer."""
+    # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (use_vllm, vllm_mode)
+    args = trainer.args
+    if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "server":
+        return {}
+    server = server_engine_args(trainer)
+    if server is None:
+        return {}
+    from tim_plugins.rollout.vllm_min_p_config import processor_min_p
+
+    engine = server[0]
+    return {"min_p": processor_min_p(engine.get("logits_processors"), engine.get("additional_config")),
+            "logprobs_mode": engine.get("logprobs_mode")}
 
 
 def collect_specs(trainer, rollout_source: str, *, engine: bool = True, server: bool = True):

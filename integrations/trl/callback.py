@@ -50,7 +50,7 @@ from tim_plugins.truncation import Truncation
 from . import features, hooks, translate
 from ._exact_scoring import exact_scorer
 from .async_grpo import AsyncAttachment, is_async_grpo
-from ._parity import _live_llm, run_audit
+from ._parity import _live_llm, run_audit, server_sampler
 from .config import TIMConfig
 from .generation import GenerationWrappers
 from .kept_sets import KeptSetStore, engine_returns_kept_sets
@@ -221,7 +221,10 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             # the safe vocabulary off with its warning instead of failing on the attribute)
             self.safe_route, _ = features.safe_vocab_route(trainer)
             if self.safe_route is not None:
-                self.truncation = translate.safe_truncation(trainer, config)  # configuration mistakes fail here
+                # configuration mistakes fail here; a server's own min-p processor is part of the sampler's cut
+                server = server_sampler(trainer)
+                self.truncation = translate.safe_truncation(trainer, config, server.get("min_p", 0.0),
+                                                            engine_logprobs_mode=server.get("logprobs_mode"))
                 self.kept_sets = self._kept_set_store(trainer)
                 # replay or recompute, and why
                 logger.info(kept_set_line("trl", self.trl_version, sampling_mask=self.kept_sets is not None))

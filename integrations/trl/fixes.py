@@ -19,8 +19,10 @@ _COLOCATE = ("colocate mode cannot set it (TRL builds LLM() with a fixed argumen
 # {finding code: knob} (codes: tim_plugins.parity.findings.CODES)
 FINDING_FIXES = {
     "dtype-mismatch":
-        "TRL passes no dtype to LLM() (vLLM 'auto' runs fp32 checkpoints in bf16): train in the rollout "
-        "dtype (bf16=True) or server mode `trl vllm-serve --dtype <trainer dtype>`; " + _COLOCATE,
+        "run vLLM in the trainer's dtype: server mode `trl vllm-serve --dtype <trainer dtype>` (TRL passes no dtype "
+        "to LLM(); vLLM's 'auto' runs fp32 checkpoints in bf16); " + _COLOCATE + ". bf16=True is not the fix: it "
+        "autocasts the trainer's matmuls over its fp32 weights, norms and residual stream, which is not vLLM's bf16 "
+        "model (the per-token gap stays: tests/test_trl_vllm_dtype_fix.py)",
     "lm-head-precision-mismatch":
         "cast_lm_head_to_fp32=True plus the same head in vLLM: server mode append "
         "--hf-overrides '{\"head_dtype\": \"float32\"}' (forwarded to vllm serve); " + _COLOCATE,

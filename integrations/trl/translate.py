@@ -65,12 +65,28 @@ def tokenizer(trainer):
     return getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
 
 
-def safe_truncation(trainer, config: TIMConfig) -> Truncation:
-    """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be."""
+def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
+                    engine_logprobs_mode: str | None = None) -> Truncation:
+    """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be.
+    ``engine_min_p``: the min-p the vLLM server cuts every request at on its own (tim-plugins' min-p processor,
+    ``--logits-processors`` with ``--additional-config '{"tim_min_p": x}'``); the sampler cuts at the larger of it
+    and GRPOConfig.min_p. ``engine_logprobs_mode``: the server's (None: unknown, or TRL's colocate engine, which
+    TRL builds with processed log-probs)."""
     # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_k, top_p, temperature, use_vllm; the
     # safe-vocabulary routes of features.py)
     args = trainer.args
-    min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else (args.min_p or 0.0)
+    if engine_logprobs_mode is not None and engine_logprobs_mode != "processed_logprobs":
+        # the same rule as tim_plugins.integrations.vllm.sampling.check_vllm_engine
+        raise ValueError(
+            f"TIMConfig.safe_vocab=True with a vLLM server whose logprobs_mode={engine_logprobs_mode!r}: the safe "
+            "vocabulary renormalises the trainer's log-probs over the sampler's kept set, and the rollout's must be "
+            "the same set's, processed log-probs; raw ones are taken before the cut (every ratio would read the kept "
+            "mass). Fix: restart the server with --logprobs-mode processed_logprobs (`trl vllm-serve` sets it; a "
+            "plain `vllm serve` needs it), or safe_vocab=False")
+    sampler_min_p = max(args.min_p or 0.0, engine_min_p)
+    sampler = (f"GRPOConfig.min_p={args.min_p!r}" if engine_min_p <= (args.min_p or 0.0) else
+               f"the vLLM server's min-p processor: tim_min_p={engine_min_p:g}, over GRPOConfig.min_p={args.min_p!r}")
+    min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else sampler_min_p
     top_p = float(trainer.top_p if trainer.top_p is not None else 1.0)
     top_k = max(int(trainer.top_k or 0), 0)
     if min_p <= 0 and top_p >= 1.0 and top_k == 0:
@@ -80,14 +96,16 @@ def safe_truncation(trainer, config: TIMConfig) -> Truncation:
             f"{SAFE_VOCAB_NEEDS_A_CUT}, and this sampler keeps the whole vocabulary. Fix: GRPOConfig(min_p="
             f"{DEFAULT_MIN_P:g}) (the extreme tail pruned on both sides, tim_plugins.truncation.DEFAULT_MIN_P), or "
             "your top_p < 1 / top_k > 0, or safe_vocab=False")
-    if config.safe_vocab_min_p is not None and config.safe_vocab_min_p != (args.min_p or 0.0):
-        # TRL's sampler applies GRPOConfig.min_p alone: another min-p cuts another tail on the trainer's side
+    if config.safe_vocab_min_p is not None and config.safe_vocab_min_p != sampler_min_p:
+        # TRL's sampler applies GRPOConfig.min_p (and a server's min-p processor its own): another min-p cuts
+        # another tail on the trainer's side
         other = "min_p=None" if config.safe_vocab_min_p == 0 else f"min_p={config.safe_vocab_min_p:g}"
-        logger.warning("tim_plugins: safe_vocab_min_p=%g differs from the sampler's min-p (GRPOConfig.min_p=%r): "
-                       "the trainer's safe set is not the sampler's cut, so the ratio leaves 1 on the tokens "
-                       "between the two cuts (the parity audit's sampler-truncation-unmatched). Fix: "
-                       "safe_vocab_min_p=None (the trainer then cuts at GRPOConfig.min_p, as the sampler does), or "
-                       "GRPOConfig(%s)", config.safe_vocab_min_p, args.min_p, other)
+        fix = (f"GRPOConfig({other})" if engine_min_p <= 0 else
+               f"the server's --additional-config '{{\"tim_min_p\": {config.safe_vocab_min_p:g}}}'")
+        logger.warning("tim_plugins: safe_vocab_min_p=%g differs from the sampler's min-p (%s): the trainer's safe "
+                       "set is not the sampler's cut, so the ratio leaves 1 on the tokens between the two cuts (the "
+                       "parity audit's sampler-truncation-unmatched). Fix: safe_vocab_min_p=None (the trainer then "
+                       "cuts at %g, as the sampler does), or %s", config.safe_vocab_min_p, sampler, sampler_min_p, fix)
     if getattr(trainer.model.get_output_embeddings(), "bias", None) is not None:
         raise ValueError("TIMConfig.safe_vocab=True: the lm_head has a bias, which the safe-vocab head does not "
                          "support; use safe_vocab=False for this model.")

@@ -17,7 +17,7 @@ import os
 from typing import Any, Optional
 
 from tim_plugins.parity.spec import PipelineSpec
-from tim_plugins.parity.vllm_spec import sampling_fields
+from tim_plugins.parity.vllm_spec import sampling_fields, with_processor_min_p
 
 __all__ = ["engine_args_from_server_info", "spec_from_llm"]
 
@@ -74,13 +74,16 @@ def spec_from_llm(llm: Any, *, sampling: Any = None, framework: str = "vllm") ->
     procs = getattr(mc, "logits_processors", None) or ()
     if procs:
         notes["logits_processors"] = f"registered (active per request only if activated): {[str(p) for p in procs]}"
+    # VLLM_SOURCES vllm.config:VllmConfig (additional_config)
+    sampler = with_processor_min_p(sampling_fields(sampling), [str(p) for p in procs],
+                                   getattr(vc, "additional_config", None), notes)
     cudagraph_mode = str(getattr(comp, "cudagraph_mode", "NONE")).upper()
     compile_mode = getattr(comp, "mode", 0)
     return PipelineSpec(
         side="rollout", framework=framework, device=device,
         dtype=first.get("dtype") or str(mc.dtype),
         lm_head_dtype=first.get("lm_head_dtype") or head_cfg,
-        logprobs_mode=str(mc.logprobs_mode), **sampling_fields(sampling), custom_logits_processors=(),
+        logprobs_mode=str(mc.logprobs_mode), **sampler, custom_logits_processors=(),
         weight_quantization="none" if mc.quantization is None else str(mc.quantization),
         kv_cache_dtype=str(cc.cache_dtype), prefix_caching=bool(cc.enable_prefix_caching),
         chunked_prefill=bool(sc.enable_chunked_prefill),
@@ -113,6 +116,9 @@ def engine_args_from_server_info(info: dict) -> tuple[dict, str]:
         "quantization": model.get("quantization"), "kv_cache_dtype": cache.get("cache_dtype"),
         "enable_prefix_caching": cache.get("enable_prefix_caching"),
         "enable_chunked_prefill": sched.get("enable_chunked_prefill"),
+        # a processor registered at start-up (--logits-processors) and its engine-wide settings (--additional-config):
+        # tim-plugins' min-p processor cuts every request at additional_config["tim_min_p"]
+        "logits_processors": model.get("logits_processors"), "additional_config": info.get("additional_config"),
     }
     device = str((info.get("device_config") or {}).get("device") or "cuda")
     return {k: v for k, v in args.items() if v is not None}, device

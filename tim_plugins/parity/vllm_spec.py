@@ -26,6 +26,7 @@ __all__ = [
     "apply_engine_args",
     "resolve_auto_dtype",
     "sampling_fields",
+    "with_processor_min_p",
 ]
 
 # Engine defaults that matter for parity (vLLM 0.31). Prefix caching and chunked prefill are on by default
@@ -143,6 +144,21 @@ def sampling_fields(sampling: Any) -> dict:
     }
 
 
+def with_processor_min_p(fields: dict, logits_processors: Any, additional_config: Any, notes: dict) -> dict:
+    """``fields`` (``sampling_fields``) with tim-plugins' min-p processor folded in: registered with an engine-wide
+    ``additional_config["tim_min_p"]``, it cuts every request there, and the larger of it and the request's min_p
+    wins (``tim_plugins.integrations.vllm.min_p``). Notes it in ``notes`` (edited in place)."""
+    from tim_plugins.rollout.vllm_min_p_config import CONFIG_KEY, PROCESSOR_FQCN, processor_min_p
+
+    cut = processor_min_p(logits_processors, additional_config)
+    if cut <= 0:
+        return fields
+    notes["logits_processors"] = (f"{PROCESSOR_FQCN} with additional_config[{CONFIG_KEY!r}]={cut:g}: every request "
+                                  f"is cut at min_p {max(cut, fields['min_p']):g} (the larger of it and the "
+                                  f"request's min_p={fields['min_p']:g})")
+    return dict(fields, min_p=max(cut, fields["min_p"]))
+
+
 def _cudagraph_off(compilation_config: Any) -> Optional[bool]:
     if compilation_config is None:
         return None
@@ -198,10 +214,11 @@ def spec_from_engine_args(
     procs = a.get("logits_processors") or ()
     if procs:
         notes["logits_processors"] = f"registered (active per request only if activated): {list(procs)}"
+    sampler = with_processor_min_p(sampling_fields(sampling), procs, a.get("additional_config"), notes)
     quant = a.get("quantization")
     return PipelineSpec(
         side="rollout", framework=framework, device=device, dtype=dtype, lm_head_dtype=head,
-        logprobs_mode=a["logprobs_mode"], **sampling_fields(sampling), custom_logits_processors=(),
+        logprobs_mode=a["logprobs_mode"], **sampler, custom_logits_processors=(),
         weight_quantization="none" if quant in (None, "", "none") else str(quant),
         kv_cache_dtype=a.get("kv_cache_dtype") or "auto",
         prefix_caching=bool(a["enable_prefix_caching"]), chunked_prefill=bool(a["enable_chunked_prefill"]),

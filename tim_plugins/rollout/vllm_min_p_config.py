@@ -23,7 +23,7 @@ from typing import Any, Mapping
 from tim_plugins.options import MIN_P_RULE, min_p_accepted  # the trainer side's rule, both adapters'
 
 __all__ = [
-    "PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p", "vllm_engine_kwargs",
+    "PROCESSOR_FQCN", "CONFIG_KEY", "ENV_VAR", "check_min_p", "engine_min_p", "processor_min_p", "vllm_engine_kwargs",
 ]
 
 # vLLM loads processors by "<module>:<class>" (``LLM(logits_processors=[...])``, ``--logits-processors``).
@@ -52,6 +52,30 @@ def engine_min_p(additional_config: Mapping | None, env: Mapping[str, str] | Non
     if env.get(ENV_VAR, "").strip():
         return check_min_p(env[ENV_VAR].strip(), ENV_VAR)
     return 0.0
+
+
+def processor_min_p(logits_processors: Any, additional_config: Any) -> float:
+    """The min_p every request of an engine is cut at by this processor, read from its engine arguments (a server's
+    /server_info, a CLI string's parse): ``additional_config["tim_min_p"]`` when ``logits_processors`` registers the
+    processor, else 0 (the environment variable of another process cannot be read; a bad value counts as 0: the
+    engine itself refuses it at start-up)."""
+    if isinstance(logits_processors, str):
+        logits_processors = [logits_processors]
+    if PROCESSOR_FQCN not in {str(p) for p in (logits_processors or ())}:
+        return 0.0
+    if isinstance(additional_config, str):
+        import json
+
+        try:
+            additional_config = json.loads(additional_config)
+        except ValueError:
+            return 0.0
+    if not isinstance(additional_config, Mapping) or CONFIG_KEY not in additional_config:
+        return 0.0
+    try:
+        return check_min_p(additional_config[CONFIG_KEY], CONFIG_KEY)
+    except ValueError:
+        return 0.0
 
 
 def vllm_engine_kwargs(min_p: float) -> dict[str, Any]:

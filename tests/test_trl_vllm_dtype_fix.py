@@ -31,12 +31,15 @@ def runs(toy_model_path, tmp_path_factory):
     built = one_plain_engine(mp, kv_cache_memory_bytes=64 * 2**20)
     out = {}
     try:
-        for name, bf16 in (("fp32", False), ("bf16_autocast", True)):
+        # the third: the fix's alternative for a bf16 engine kept as it is, ours IS correction (TRL's off), as printed
+        for name, bf16, config, trl_is in (("fp32", False, TIMConfig(), True),
+                                           ("bf16_autocast", True, TIMConfig(), True),
+                                           ("token_tis", False, TIMConfig(is_correction="token_tis"), False)):
             trainer = make_trainer(toy_model_path, tmp_path_factory.mktemp(name), use_vllm=True,
                                    vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128,
-                                   max_steps=2, loss_type="grpo",
+                                   max_steps=2, loss_type="grpo", vllm_importance_sampling_correction=trl_is,
                                    bf16=bf16, learning_rate=1e-5)
-            cb = TIMCallback(trainer, TIMConfig())
+            cb = TIMCallback(trainer, config)
             trainer.add_callback(cb)
             trainer.train()
             out[name] = trainer, cb
@@ -65,3 +68,21 @@ def test_the_printed_dtype_fix_names_what_removes_the_gap(runs):
     # the printed fix leads with the engine's dtype and does not offer bf16=True as one
     assert fix.startswith("run vLLM in the trainer's dtype: server mode `trl vllm-serve --dtype <trainer dtype>`")
     assert "bf16=True is not the fix" in fix, fix
+
+
+def test_the_fixs_correction_for_a_kept_bf16_engine_runs_as_printed(runs):
+    """The fix's last alternative, pasted as printed (TIMConfig(is_correction='token_tis') with
+    vllm_importance_sampling_correction=False): it trains, and every step's loss is weighted: token_tis keeps every
+    token (kept_frac 1) and the weights min(ρ, C) of a bf16 engine against an fp32 trainer are not all equal (ESS
+    below 1)."""
+    (out, _) = runs
+    (finding,) = [f for f in out["fp32"][1].findings if f.code == "dtype-mismatch"]
+    fix = finding.fix["trl"]
+    assert "TIMConfig(is_correction='token_tis') with vllm_importance_sampling_correction=False" in fix, fix
+    trainer, cb = out["token_tis"]
+    rows = [h for h in trainer.state.log_history if "tim/is/ess" in h]
+    assert [h["step"] for h in rows] == [1, 2]
+    for h in rows:
+        assert h["tim/correction/kept_frac"] == 1.0
+        assert 0.0 < h["tim/is/ess"] < 1.0, h["tim/is/ess"]
+

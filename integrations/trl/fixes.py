@@ -22,7 +22,9 @@ FINDING_FIXES = {
         "run vLLM in the trainer's dtype: server mode `trl vllm-serve --dtype <trainer dtype>` (TRL passes no dtype "
         "to LLM(); vLLM's 'auto' runs fp32 checkpoints in bf16); " + _COLOCATE + ". bf16=True is not the fix: it "
         "autocasts the trainer's matmuls over its fp32 weights, norms and residual stream, which is not vLLM's bf16 "
-        "model (the per-token gap stays: tests/test_trl_vllm_dtype_fix.py)",
+        "model (the per-token gap stays: tests/test_trl_vllm_dtype_fix.py). A bf16 engine kept for its speed: "
+        "correct the gap instead: TRL's vllm_importance_sampling_correction=True (its default), or "
+        "TIMConfig(is_correction='token_tis') with vllm_importance_sampling_correction=False",
     "lm-head-precision-mismatch":
         "cast_lm_head_to_fp32=True plus the same head in vLLM: server mode append "
         "--hf-overrides '{\"head_dtype\": \"float32\"}' (forwarded to vllm serve); " + _COLOCATE,

@@ -27,7 +27,7 @@ requests = pytest.importorskip("requests")
 datasets = pytest.importorskip("datasets")
 
 from test_trl_callback import make_trainer  # noqa: E402
-from test_trl_vllm_server import serve  # noqa: E402
+from test_trl_vllm_server import _launch_two_procs, serve  # noqa: E402
 from trl_server_client import patch_client, reload_checkpoint  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
@@ -143,3 +143,15 @@ def test_safe_vocab_refuses_a_server_without_processed_logprobs(raw_server, toy_
         mp.undo()
     msg = str(err.value)
     assert f"logprobs_mode={mode!r}" in msg and "Fix: restart the server with --logprobs-mode processed_logprobs" in msg
+
+
+def test_two_ranks_cut_at_the_servers_min_p_alike(min_p_server, toy_model_path, tmp_path_factory):
+    """Two ranks (tests/trl_server_two_procs_run.py ``safe_vocab``): only the main process holds TRL's client and
+    reads the server's cut; every rank's safe vocabulary cuts at it (before: the other rank read no server, found
+    no cut, and refused TIMConfig(safe_vocab=True) while the main process went on), and both train every step."""
+    runs = _launch_two_procs(("safe_vocab",), min_p_server, toy_model_path, tmp_path_factory)["safe_vocab"]
+    cut = _server_min_p(min_p_server)
+    assert [r["safe_min_p"] for r in runs] == [cut, cut]
+    assert [r["global_step"] for r in runs] == [3, 3]
+    assert [r["causes"] for r in runs] == [[], []]
+

@@ -8,10 +8,12 @@ checkpoint's weights on the server:
 - ``healthy``: every sync reaches the server; ``TIMConfig()``;
 - ``stale``: no sync reaches the server (learning rate 1e-2); ``TIMConfig(parity_probe=True, action="stop")``;
 - ``reference_failed``: as ``healthy``, but the server probe's first scoring request (its reference) fails on the main
-  process (a dropped connection, raised around TRL's own ``VLLMClient.get_sequence_logprobs``).
+  process (a dropped connection, raised around TRL's own ``VLLMClient.get_sequence_logprobs``);
+- ``safe_vocab``: as ``healthy`` with ``TIMConfig(safe_vocab=True)`` (against a server whose own min-p processor
+  makes the cut: the main process alone reads it, every rank must cut there).
 Each rank writes ``rank_<r>.json`` under ``--out``/CONFIG: the optimizer steps it ran, the causes its pipeline named
 (code, step, message), the probe's scorings on this rank and its judged figures (the main process's), its counted
-problems, and the logged ``tim/cause/named`` per step.
+problems, the logged ``tim/cause/named`` per step and the safe vocabulary's min-p (``safe_min_p``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from trl_server_client import patch_client, reload_checkpoint
 
-CONFIGS = ("healthy", "stale", "reference_failed")
+CONFIGS = ("healthy", "stale", "reference_failed", "safe_vocab")
 STALE_LR = 1e-2  # as tests/test_trl_callback.py: a step moves the toy policy well past the numerics
 
 
@@ -74,7 +76,8 @@ def _train(args, config: str, out: Path) -> None:
         vllm_server_timeout=60)
     ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
     trainer = GRPOTrainer(model=args.model, reward_funcs=_reward, args=grpo, train_dataset=ds)
-    options = {"parity_probe": True, "parity_probe_options": {"action": "stop"}} if config == "stale" else {}
+    options = {"stale": {"parity_probe": True, "parity_probe_options": {"action": "stop"}},
+               "safe_vocab": {"safe_vocab": True}}.get(config, {})
     cb = TIMCallback(trainer, TIMConfig(**options))
     trainer.add_callback(cb)
     requests_sent: list[int] = []
@@ -83,6 +86,7 @@ def _train(args, config: str, out: Path) -> None:
     probe = cb.server_probe
     result = {
         "rank": rank, "world_size": dist.get_world_size(), "global_step": trainer.state.global_step,
+        "safe_min_p": cb.truncation.min_p if cb.truncation is not None else None,
         "synced": synced, "causes": [(c.code, c.step, c.message) for c in cb.pipeline.causes.named],
         "probe_scorings": len(probe.seconds) if probe is not None else None,
         "probe_history": probe.probe.history if probe is not None else None,

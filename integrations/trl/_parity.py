@@ -42,11 +42,23 @@ def server_sampler(trainer) -> dict:
     """What a server-mode trainer's vLLM server does to every request on its own, from its /server_info:
     ``min_p``, the cut of tim-plugins' min-p processor registered at start-up (``--logits-processors
     tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor --additional-config '{"tim_min_p": x}'``; 0 without
-    one), and ``logprobs_mode`` (None when unknown). Empty in colocate mode and when the server does not answer."""
+    one), and ``logprobs_mode`` (None when unknown). Empty in colocate mode and when the server does not answer.
+    The main process alone holds TRL's client: it reads the server and every rank gets its reading (a collective:
+    every rank calls this, as every rank builds its TIMCallback), so all ranks cut alike and refuse alike."""
     # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (use_vllm, vllm_mode)
     args = trainer.args
     if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "server":
         return {}
+    reading = _server_sampler_here(trainer) if trainer.accelerator.is_main_process else None
+    if trainer.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        reading = broadcast_object_list([reading], from_process=0)[0]
+    return reading or {}
+
+
+def _server_sampler_here(trainer) -> dict:
+    """``server_sampler``'s reading by this process's client (the main process's)."""
     server = server_engine_args(trainer)
     if server is None:
         return {}

@@ -145,13 +145,20 @@ def test_safe_vocab_refuses_a_server_without_processed_logprobs(raw_server, toy_
     assert f"logprobs_mode={mode!r}" in msg and "Fix: restart the server with --logprobs-mode processed_logprobs" in msg
 
 
-def test_two_ranks_cut_at_the_servers_min_p_alike(min_p_server, toy_model_path, tmp_path_factory):
-    """Two ranks (tests/trl_server_two_procs_run.py ``safe_vocab``): only the main process holds TRL's client and
-    reads the server's cut; every rank's safe vocabulary cuts at it (before: the other rank read no server, found
-    no cut, and refused TIMConfig(safe_vocab=True) while the main process went on), and both train every step."""
-    runs = _launch_two_procs(("safe_vocab",), min_p_server, toy_model_path, tmp_path_factory)["safe_vocab"]
+def test_two_ranks_cut_and_judge_at_the_servers_min_p_alike(min_p_server, toy_model_path, tmp_path_factory):
+    """Two ranks (tests/trl_server_two_procs_run.py): only the main process holds TRL's client and reads the server.
+    ``safe_vocab``: every rank's safe vocabulary cuts at the server's min-p (before: the other rank read no server,
+    found no cut, and refused TIMConfig(safe_vocab=True) while the main process went on), and both train every step.
+    ``healthy`` (no safe vocabulary): the audit's errors the causes read (sampler-truncation-unmatched, the server's
+    cut) are the main process's on both ranks (before: the other rank's were its own, without the server, so a cause
+    the audit decides could be named on one rank alone)."""
+    runs = _launch_two_procs(("healthy", "safe_vocab"), min_p_server, toy_model_path, tmp_path_factory)
     cut = _server_min_p(min_p_server)
-    assert [r["safe_min_p"] for r in runs] == [cut, cut]
-    assert [r["global_step"] for r in runs] == [3, 3]
-    assert [r["causes"] for r in runs] == [[], []]
-
+    assert [r["safe_min_p"] for r in runs["safe_vocab"]] == [cut, cut]
+    for config in ("healthy", "safe_vocab"):
+        assert [r["global_step"] for r in runs[config]] == [3, 3]
+        assert [r["causes"] for r in runs[config]] == [[], []]
+    healthy = [r["audit_codes"] for r in runs["healthy"]]
+    assert "sampler-truncation-unmatched" in healthy[0] and healthy[1] == healthy[0], healthy
+    safe = [r["audit_codes"] for r in runs["safe_vocab"]]
+    assert "sampler-truncation-unmatched" not in safe[0] and safe[1] == safe[0], safe

@@ -13,7 +13,8 @@ checkpoint's weights on the server:
   makes the cut: the main process alone reads it, every rank must cut there).
 Each rank writes ``rank_<r>.json`` under ``--out``/CONFIG: the optimizer steps it ran, the causes its pipeline named
 (code, step, message), the probe's scorings on this rank and its judged figures (the main process's), its counted
-problems, the logged ``tim/cause/named`` per step and the safe vocabulary's min-p (``safe_min_p``).
+problems, the logged ``tim/cause/named`` per step, the safe vocabulary's min-p (``safe_min_p``) and the audit's
+error codes its causes read (``audit_codes``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _train(args, config: str, out: Path) -> None:
     result = {
         "rank": rank, "world_size": dist.get_world_size(), "global_step": trainer.state.global_step,
         "safe_min_p": cb.truncation.min_p if cb.truncation is not None else None,
+        "audit_codes": sorted(cb.pipeline.causes.audit_codes),
         "synced": synced, "causes": [(c.code, c.step, c.message) for c in cb.pipeline.causes.named],
         "probe_scorings": len(probe.seconds) if probe is not None else None,
         "probe_history": probe.probe.history if probe is not None else None,

@@ -384,7 +384,14 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
                 self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict,
                 **self._audit_reads)
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
-            self.pipeline.audited(f.code for f in self.findings if f.severity == "error")
+            errors = [f.code for f in self.findings if f.severity == "error"]
+            if self.trainer.accelerator.num_processes > 1:
+                # the main process alone reads a vLLM server (TRL's client): its audit's errors decide every rank's
+                # causes (a cause named on one rank alone would trip one rank's probe)
+                from accelerate.utils import broadcast_object_list
+
+                errors = broadcast_object_list([errors], from_process=0)[0]
+            self.pipeline.audited(errors)
         if self.config.dump_dir:
             self._supersede(state.global_step + 1)
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:

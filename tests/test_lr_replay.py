@@ -126,7 +126,8 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
 def test_a_dump_log_history_names_the_files_that_hold_the_length(tmp_path, capsys):
     """``DUMP_DIR/log_history.jsonl`` (what TIMConfig(dump_dir=...) and verl's +tim.dump.dir write beside the dump)
     holds tim/* metrics only, no response length: "name it with --length-col" cannot work there. The error says so
-    and names the logs that hold the length; the one it names first, a trainer_state.json with the same steps, replays."""
+    and names the logs that hold the length; the one it names first, a trainer_state.json with the same steps,
+    replays."""
     from tim_plugins.dump import LOG_HISTORY, append_log_history
 
     dump = tmp_path / "dump"

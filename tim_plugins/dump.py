@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["TokenDumper", "DumpConfig", "read_dump", "DUMP_COLUMNS", "LOG_HISTORY", "LOG_HISTORY_CONTEXT",
            "SUMMARY", "CAUSES_LOG", "VERSIONED", "append_causes", "append_log_history", "complete_log_history",
            "last_row_per_step", "package_versions", "read_json_lines", "read_log_history", "write_summary",
-           "dump_file_name", "dump_files", "SUPERSEDED", "supersede_from"]
+           "dump_file_name", "dump_files", "SUPERSEDED", "supersede_from", "superseded_failure_line", "superseded_line"]
 
 DUMP_COLUMNS = (
     "step", "rank", "sequence", "position", "token_id", "rollout_logprob", "train_logprob", "entropy",
@@ -216,6 +216,21 @@ def supersede_from(folder: str | Path, first_step: int) -> tuple[Path | None, di
         os.replace(tmp, folder / name)
     return dest, moved
 
+
+
+def superseded_line(first_step: int, moved_to: Path | None, moved: dict[str, int]) -> str | None:
+    """The console line for ``supersede_from``'s result (None when nothing was moved): the adapters say it alike."""
+    if moved_to is None:
+        return None
+    return (f"training starts at step {first_step}: what an earlier attempt wrote into the dump for steps >= "
+            f"{first_step} ({moved['files']} dump files, {moved['log_rows']} log rows, {moved['causes']} causes) is "
+            f"not this run's; moved to {moved_to}")
+
+
+def superseded_failure_line(folder: str | Path, first_step: int, err: OSError) -> str:
+    """The console line when ``supersede_from`` failed (the run goes on; its report mixes the attempts)."""
+    return (f"could not move aside what an earlier attempt wrote into {folder} for steps >= {first_step} ({err!r}): "
+            "the report mixes it with this run's")
 
 @dataclass
 class DumpConfig:

@@ -7,7 +7,7 @@ import logging
 
 from .parity_spec import specs_from_trainer
 
-__all__ = ["collect_specs", "run_audit", "server_engine_args", "server_sampler"]
+__all__ = ["collect_specs", "main_process_value", "run_audit", "server_engine_args", "server_sampler"]
 
 logger = logging.getLogger("tim_plugins.trl")
 
@@ -50,11 +50,17 @@ def server_sampler(trainer) -> dict:
     if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "server":
         return {}
     reading = _server_sampler_here(trainer) if trainer.accelerator.is_main_process else None
-    if trainer.accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
+    return main_process_value(trainer, reading) or {}
 
-        reading = broadcast_object_list([reading], from_process=0)[0]
-    return reading or {}
+
+def main_process_value(trainer, value):
+    """The main process's ``value`` on every rank (a collective: every rank calls it; one process: ``value``). What
+    only the main process can read (TRL's vLLM client) then decides alike on all ranks."""
+    if trainer.accelerator.num_processes <= 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value], from_process=0)[0]
 
 
 def _server_sampler_here(trainer) -> dict:

@@ -37,7 +37,7 @@ from transformers.trainer_callback import ExportableState
 from tim_plugins._optional import note_version, require
 from tim_plugins.by_key import turn_keys
 from tim_plugins.capabilities import Feature, Status, check, look_through
-from tim_plugins.dump import append_log_history, supersede_from, write_summary
+from tim_plugins.dump import append_log_history, supersede_from, superseded_failure_line, superseded_line, write_summary
 from tim_plugins.kept_set import kept_set_line
 from tim_plugins.log_keys import for_step_log
 from tim_plugins.parity.findings import ParityError
@@ -50,7 +50,7 @@ from tim_plugins.truncation import Truncation
 from . import features, hooks, translate
 from ._exact_scoring import exact_scorer
 from .async_grpo import AsyncAttachment, is_async_grpo
-from ._parity import _live_llm, run_audit, server_sampler
+from ._parity import _live_llm, main_process_value, run_audit, server_sampler
 from .config import TIMConfig
 from .generation import GenerationWrappers
 from .kept_sets import KeptSetStore, engine_returns_kept_sets
@@ -384,14 +384,10 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
                 self.trainer, self.rollout_source, self.truncation, strict=self.config.parity_strict,
                 **self._audit_reads)
             self._pending.update({f"tim/parity/{severity}s": float(n) for severity, n in counts.items()})
-            errors = [f.code for f in self.findings if f.severity == "error"]
-            if self.trainer.accelerator.num_processes > 1:
-                # the main process alone reads a vLLM server (TRL's client): its audit's errors decide every rank's
-                # causes (a cause named on one rank alone would trip one rank's probe)
-                from accelerate.utils import broadcast_object_list
-
-                errors = broadcast_object_list([errors], from_process=0)[0]
-            self.pipeline.audited(errors)
+            # the main process alone reads a vLLM server (TRL's client): its audit's errors decide every rank's
+            # causes (a cause named on one rank alone would trip one rank's probe)
+            self.pipeline.audited(main_process_value(
+                self.trainer, [f.code for f in self.findings if f.severity == "error"]))
         if self.config.dump_dir:
             self._supersede(state.global_step + 1)
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
@@ -420,17 +416,12 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         costs the report its clean steps (counted, said), never the run."""
         if self.trainer.accelerator.is_main_process:
             try:
-                moved_to, moved = supersede_from(self.config.dump_dir, first_step)
+                line = superseded_line(first_step, *supersede_from(self.config.dump_dir, first_step))
             except OSError as err:
                 self.pipeline.count("dump_failed", detail=repr(err))
-                logger.warning("tim_plugins: could not move aside what an earlier attempt wrote into %s for steps >= "
-                               "%d (%r): the report mixes it with this run's", self.config.dump_dir, first_step, err)
-            else:
-                if moved_to is not None:
-                    logger.warning("tim_plugins: training starts at step %d: what an earlier attempt wrote into the "
-                                   "dump for steps >= %d (%d dump files, %d log rows, %d causes) is not this run's; "
-                                   "moved to %s", first_step, first_step, moved["files"], moved["log_rows"],
-                                   moved["causes"], moved_to)
+                line = superseded_failure_line(self.config.dump_dir, first_step, err)
+            if line:
+                logger.warning("tim_plugins: %s", line)
         self.trainer.accelerator.wait_for_everyone()
 
     def _restart(self, optimizer, lr_scheduler) -> None:

@@ -248,18 +248,14 @@ class TIMTrainerMixin:
         after the checkpoint resumed from) wrote for these steps, every rank's, moved aside
         (``dump.supersede_from``). The driver does it before any step, so before any worker writes this attempt's
         first file or cause. A failure costs the report its clean steps (said), never the run."""
-        from tim_plugins.dump import supersede_from
+        from tim_plugins.dump import supersede_from, superseded_failure_line, superseded_line
 
         try:
-            moved_to, moved = supersede_from(self.tim.dump.dir, first_step)
+            line = superseded_line(first_step, *supersede_from(self.tim.dump.dir, first_step))
         except OSError as err:
-            logger.warning("tim-plugins: could not move aside what an earlier attempt wrote into %s for steps >= %d "
-                           "(%r): the report mixes it with this run's", self.tim.dump.dir, first_step, err)
-            return
-        if moved_to is not None:
-            logger.warning("tim-plugins: training starts at step %d: what an earlier attempt wrote into the dump for "
-                           "steps >= %d (%d dump files, %d log rows, %d causes) is not this run's; moved to %s",
-                           first_step, first_step, moved["files"], moved["log_rows"], moved["causes"], moved_to)
+            line = superseded_failure_line(self.tim.dump.dir, first_step, err)
+        if line:
+            logger.warning("tim-plugins: %s", line)
 
     def on_step_end(self):
         # first, where verl's fit writes its own (after the step, before on_step_end, whose colocated modes wake the

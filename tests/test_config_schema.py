@@ -136,6 +136,26 @@ def test_options_given_to_a_capability_that_is_off_fail_early():
         TIMConfig(is_correction_options={"token_clip": 3.0})
 
 
+@pytest.mark.parametrize("group, value", [("causes_options", {"confident_p": 0.6}),
+                                          ("sync_check_options", {"every_n_syncs": 3}),
+                                          ("sync_probe_options", {"every_n_syncs": 2})])
+@pytest.mark.parametrize("switch", ["monitor", "causes", "sync_check"])
+def test_options_of_the_causes_and_the_sync_check_with_their_feature_off_fail_early(group, value, switch):
+    """causes_options needs monitor and causes; the sync check's and the server probe's options need sync_check
+    too. The error names the options given and the switch that is off; both halves of its fix construct."""
+    needs = {"causes_options": ("monitor", "causes")}.get(group, ("monitor", "causes", "sync_check"))
+    if switch not in needs:
+        assert getattr(TIMConfig(**{switch: False, group: value}), group) != getattr(TIMConfig(), group)
+        return
+    with pytest.raises(ValueError, match=rf"TIMConfig\.{group}=\{{'{next(iter(value))}': .*\}} is invalid with "
+                                         rf"{switch}=False.* Fix: {switch}=True, or drop {group}"):
+        TIMConfig(**{switch: False, group: value})
+    assert getattr(TIMConfig(**{switch: True, group: value}), group) != getattr(TIMConfig(), group)
+    assert not getattr(TIMConfig(**{switch: False}), switch)
+    # the switches alone stay quiet: sync_check is on by default and needs causes, which may be off
+    TIMConfig(causes=False, sync_check=True)
+
+
 def test_to_dict_is_plain_and_builds_the_same_config():
     import json
 

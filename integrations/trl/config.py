@@ -240,6 +240,25 @@ class TIMConfig:
             self.is_correction_options = None
         self._merge_lr_decay_signals()
         self._check_dependencies()
+        self._check_unused_options()
+
+    def _check_unused_options(self) -> None:
+        """Options given for a feature that is off would be ignored without a word: refused, as inject_options is
+        without rollout='inject'. The switches alone (sync_check=True with causes=False, say) stay quiet: they are
+        on by default, and their help says what they need."""
+        off = {"causes_options": [("monitor", self.monitor), ("causes", self.causes)],
+               "sync_check_options": [("monitor", self.monitor), ("causes", self.causes),
+                                      ("sync_check", self.sync_check)],
+               "sync_probe_options": [("monitor", self.monitor), ("causes", self.causes),
+                                      ("sync_check", self.sync_check)]}
+        for group, switches in off.items():
+            value = getattr(self, group)
+            unset = [name for name, on in switches if not on]
+            if unset and value != type(value)():
+                given = {f.name: getattr(value, f.name) for f in fields(value)
+                         if getattr(value, f.name) != getattr(type(value)(), f.name)}
+                raise ValueError(f"TIMConfig.{group}={given!r} is invalid with {unset[0]}=False: the options of a "
+                                 f"feature that is off would be ignored. Fix: {unset[0]}=True, or drop {group}")
 
     def _check_dependencies(self) -> None:
         """The combinations both adapters refuse (``tim_plugins.options.dependency_problems``), in TIMConfig's

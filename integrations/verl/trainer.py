@@ -56,7 +56,7 @@ def write_run_summary(config, tim: TIMVerlConfig, findings) -> Path:
     """``<tim.dump.dir>/summary.json`` (``tim_plugins.dump.write_summary``): what ``tim-plugins report`` needs beside
     the dump files to render a verl run as a TRL one: the framework (the fix column in verl's terms), the start-up
     audit's findings, and the model folder (its tokenizer decodes the largest disagreements). Written by the driver
-    before any worker starts."""
+    when training starts, after an earlier attempt's steps (and its summary) were moved aside."""
     from tim_plugins.dump import write_summary
 
     arr = config.actor_rollout_ref
@@ -105,9 +105,8 @@ class TIMTrainerMixin:
             from tim_plugins.kept_set import kept_set_line
 
             print(kept_set_line("verl", package_version("verl"), sampling_mask=asks_sampling_mask(config)))
-        if tim.dump.enabled:
-            write_run_summary(config, tim, findings)
         self.tim = tim
+        self._tim_findings = findings  # summary.json's audit table, written once the dump folder is this run's
         self._tim_stop: tuple[int, int] | None = None  # (step, total steps before the probe cut it)
         self._tim_lag_off = self._tim_base_mode != "sync" and not self._tim_lag_available()
         context = ActorContext.from_config(config, asynchronous=self._tim_base_mode != "sync",
@@ -241,6 +240,11 @@ class TIMTrainerMixin:
     def on_train_begin(self):
         if self.tim.dump.enabled:
             self._tim_supersede(self.global_steps)
+            # after the move, which keeps the crashed attempt's summary.json beside its steps
+            try:
+                write_run_summary(self.config, self.tim, getattr(self, "_tim_findings", None))
+            except OSError as err:  # the report loses its audit table and fix words; training goes on
+                logger.warning("tim-plugins: could not write %s/summary.json: %r", self.tim.dump.dir, err)
         super().on_train_begin()
 
     def _tim_supersede(self, first_step: int) -> None:

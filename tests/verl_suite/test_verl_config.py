@@ -346,24 +346,41 @@ def test_a_resumed_run_moves_the_crashed_attempts_later_steps_aside_before_its_f
     """A two-rank attempt crashed after step 4 (checkpoint 2), its broken sync after step 2 named in step 3's window;
     verl resumes on one rank: fit sets global_steps to 3 and calls on_train_begin, where the driver moves every rank's
     files, log rows and causes of steps >= 3 aside before any worker writes (the mode's own on_train_begin still
-    runs). The report then reads steps 1-2 of both ranks and the resumed step 3 alone, and names no cause."""
+    runs). The report then reads steps 1-2 of both ranks and the resumed step 3 alone, and names no cause. The
+    crashed attempt's summary.json goes aside with its steps; the folder's is then this attempt's (its settings,
+    the findings of its own start-up audit)."""
+    import json
+
     from omegaconf import OmegaConf
     from test_dump_resume import check_resumed_folder, crashed_attempt, resumed_attempt
     from verl.trainer.ppo.v1 import get_trainer_cls
 
+    from tim_plugins.dump import write_summary
     from tim_plugins.integrations.verl.config import TIMVerlConfig
+    from tim_plugins.parity.findings import make_finding
 
     crashed_attempt(tmp_path)
+    write_summary(tmp_path, framework="verl", title="the crashed attempt", settings={"model": "/old"})
     trainer = object.__new__(get_trainer_cls(f"tim_{mode}"))
     trainer.tim = TIMVerlConfig.from_node({"monitor": {"enable": True}, "dump": {"dir": str(tmp_path)}})
-    trainer.config = OmegaConf.create({"trainer": {"v1": {mode: {"num_warmup_batches": 1}}}})
+    trainer.config = OmegaConf.create({
+        "trainer": {"v1": {mode: {"num_warmup_batches": 1}, "trainer_mode": f"tim_{mode}"}},
+        "actor_rollout_ref": {"model": {"path": "/new"}, "actor": {"strategy": "fsdp2"},
+                              "rollout": {"name": "vllm", "dtype": "bfloat16", "top_p": 1.0}}})
+    finding = make_finding("dtype-mismatch", "error", "rollout bfloat16, trainer float32")
+    trainer._tim_findings = [finding]  # what __init__'s start-up audit found
     calls = []
     trainer._add_async_warmup_batches = calls.append
     trainer.global_steps = 3  # _load_checkpoint's 2, + 1 in fit
     trainer.on_train_begin()
     assert calls == ([1] if mode == "colocate_async" else [])
     resumed_attempt(tmp_path, steps=(3,))
-    check_resumed_folder(tmp_path, 3, kept_steps=(1, 2), resumed_steps=(3,))
+    moved = check_resumed_folder(tmp_path, 3, kept_steps=(1, 2), resumed_steps=(3,))
+    old, new = (json.loads((d / "summary.json").read_text()) for d in (moved, tmp_path))
+    assert (old["title"], old["settings"]["model"], "findings" in old) == ("the crashed attempt", "/old", False)
+    assert (new["framework"], new["settings"]["model"], new["settings"]["rollout"]) == ("verl", "/new",
+                                                                                        "vllm (bfloat16)")
+    assert new["findings"] == [finding.to_dict()]
 
 
 def test_a_probe_stop_says_the_run_ends_without_verls_final_validation(caplog):

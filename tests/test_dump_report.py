@@ -51,6 +51,19 @@ def test_sampling_rate_and_cap_bound_disk_use(tmp_path):
     dumper.write(0, rollout, train, mask, tokens)
     n_seq = len(set(read_dump(tmp_path).column("sequence").to_pylist()))
     assert 20 <= n_seq <= 65  # Binomial(400, 0.1): mean 40, sd 6
+    # the rate itself, pooled over 50 steps x 2 ranks (Binomial(40000, 0.1): sd 0.0015, the bound 6 sd), each step's
+    # draw its own (no two steps keep the same sequences)
+    pooled = tmp_path / "pooled"
+    d = TokenDumper(out_dir=str(pooled), sample_rate=0.1, max_sequences_per_step=1000)
+    one = (rollout[:, :1], train[:, :1], mask[:, :1], tokens[:, :1])
+    for step in range(50):
+        for rank in (0, 1):
+            d.write(step, *one, rank=rank)
+    picked = {}
+    for r in read_dump(pooled).to_pylist():
+        picked.setdefault((r["step"], r["rank"]), set()).add(r["sequence"])
+    assert sum(map(len, picked.values())) / (50 * 2 * 400) == pytest.approx(0.1, abs=0.009)
+    assert len({frozenset(s) for s in picked.values()}) == len(picked) == 100
     capped = tmp_path / "capped"
     TokenDumper(out_dir=str(capped), sample_rate=1.0, max_sequences_per_step=7).write(0, rollout, train, mask, tokens)
     assert len(set(read_dump(capped).column("sequence").to_pylist())) == 7

@@ -214,6 +214,20 @@ def test_staleness_is_named_when_it_explains_an_unhealthy_log_ratio():
     assert out["tim/split/staleness_var_share"] > 0.5 and 1e-3 < out["tim/staleness/token/kl_k3"] < 0.015
     assert out["tim/cause/named"] == 0
     assert [c.code for c in pipe.causes.named] == ["staleness"]  # step 1's only
+    # a staleness k3 far above staleness_k3 that explains little of the variance (the lag-0 mismatch dominates):
+    # not named. Reference: the shares by the naive formula Var(current - train) / Var(current - rollout)
+    pipe = _pipeline()
+    g = torch.Generator().manual_seed(8)
+    train = rollout + 0.5 * torch.randn(rollout.shape, generator=g)
+    current = train + 0.2 * torch.randn(train.shape, generator=g)
+    pipe.measure(rollout, train, mask)
+    pipe.loss_pass(rollout, train, current, mask)
+    out = pipe.compute(1, sync=False)[0]
+    s, d = (current - train).double(), (current - rollout).double()
+    share = float(s.var(correction=0) / d.var(correction=0))
+    assert out["tim/split/staleness_var_share"] == pytest.approx(share, rel=1e-5) and share < 0.3
+    assert out["tim/staleness/token/kl_k3"] == pytest.approx(float((torch.expm1(s) - s).mean()), rel=1e-5)
+    assert out["tim/staleness/token/kl_k3"] > 0.015 and out["tim/cause/named"] == 0 and pipe.causes.named == []
 
 
 def test_truncation_needs_the_audits_finding_and_the_kept_mass_bias():

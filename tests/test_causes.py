@@ -54,9 +54,11 @@ def test_confident_disagreements_match_the_rule_token_by_token(seed):
 
 
 def test_floor_history_is_the_trailing_median_rule():
-    values = [0.01, 0.012, 0.011, 0.2, 0.013, 0.05, 0.06, math.nan, 0.3]
+    # each condition alone: 0.05 and 0.06 are > 4x the median but within min_gap of it; 0.15 is min_gap above the
+    # median (0.05) but only 3x it; 0.2 and 0.3 are both
+    values = [0.01, 0.012, 0.011, 0.2, 0.013, 0.05, 0.06, math.nan, 0.3, 0.15]
     floor = FloorHistory(window=3, factor=4.0, min_gap=0.05)
-    kept = []
+    kept, jumps = [], []
     for v in values:
         ratio, jumped = floor.judge(v)
         if not math.isfinite(v):
@@ -71,7 +73,9 @@ def test_floor_history_is_the_trailing_median_rule():
         assert jumped == (v / median > 4 and v - median > 0.05)
         if not jumped:
             kept.append(v)
-    assert floor.values == kept[-3:]
+        else:
+            jumps.append(v)
+    assert floor.values == kept[-3:] and jumps == [0.2, 0.3]
 
 
 def _pipeline(**causes):

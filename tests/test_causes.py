@@ -237,13 +237,18 @@ def test_staleness_is_named_when_it_explains_an_unhealthy_log_ratio():
 def test_truncation_needs_the_audits_finding_and_the_kept_mass_bias():
     rollout, train, mask = _batch()
     kept = math.log(0.85)
+    # the bias (truncation_bias 0.02) on both sides: a kept mass of 0.97 is named, one of 0.99 is not
     for audit, shift, named in (([], kept, False), (["sampler-truncation-unmatched"], kept, True),
-                                (["sampler-truncation-unmatched"], 0.0, False)):
+                                (["sampler-truncation-unmatched"], 0.0, False),
+                                (["sampler-truncation-unmatched"], math.log(0.97), True),
+                                (["sampler-truncation-unmatched"], math.log(0.99), False)):
         pipe = _pipeline()
         pipe.audited(audit)
         pipe.measure(rollout, rollout + shift, mask)
         pipe.compute(1, sync=False)
         assert ([c.code for c in pipe.causes.named] == ["truncation"]) == named, (audit, shift)
+        if named:  # the evidence: the mean ρ, e^shift on every token
+            assert pipe.causes.named[0].evidence["ratio_mean"] == pytest.approx(math.exp(shift), rel=1e-6)
 
 
 def test_a_truncation_the_trainer_does_not_apply_is_no_stale_engine():

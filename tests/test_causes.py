@@ -109,16 +109,16 @@ def test_confident_disagreements_name_engine_stale_from_the_threshold_on(caplog)
     pipe.measure(*_batch(confident=2))
     out = pipe.compute(1, sync=False)[0]
     assert out["tim/cause/confident_disagreements"] == 2 and out["tim/cause/named"] == 0
-    rollout, train, mask = _batch(confident=5, seed=1)
+    rollout, train, mask = _batch(confident=3, seed=1)  # at the threshold: named
     pipe.measure(rollout, train, mask)
     with caplog.at_level(logging.WARNING, logger="tim_plugins.causes"):
         out = pipe.compute(2, sync=False)[0]
-    assert out["tim/cause/confident_disagreements"] == _naive_confident(rollout, train, mask)[0] == 5
+    assert out["tim/cause/confident_disagreements"] == _naive_confident(rollout, train, mask)[0] == 3
     assert out["tim/cause/named"] == 1
     (cause,) = pipe.causes.named
-    assert cause.code == "engine-stale" and cause.step == 2 and cause.evidence["confident_disagreements"] == 5
+    assert cause.code == "engine-stale" and cause.step == 2 and cause.evidence["confident_disagreements"] == 3
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith("tim-plugins cause [engine-stale] at step 2: 5 of ") and "Fix (TRL): " in line
+    assert line.startswith("tim-plugins cause [engine-stale] at step 2: 3 of ") and "Fix (TRL): " in line
 
 
 def test_forced_tokens_name_sampler_forced_and_not_engine_stale(caplog):

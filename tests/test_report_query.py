@@ -362,6 +362,15 @@ def test_comparison_overlays_each_run_in_the_step_panels(tmp_path, monkeypatch):
         np.testing.assert_allclose(lines[label].get_ydata(), [m["tim/token/kl_k3"] for m in metrics], rtol=1e-9)
     prob = kept[1].axes[0]  # per-probability markers: one series per run, named
     assert {line.get_label() for line in prob.get_lines()} >= {"A", "B"}
+    from tim_plugins.report.figures import PROB_MIN_COUNT
+
+    for label, folder in (("A", a), ("B", b)):  # each run's mean |d| per bin of 1 - p, from the in-memory reference
+        old = ref.load_tokens(folder)
+        want = ref.prob_curve(old.d, old.rollout, False)
+        keep = want["count"] >= PROB_MIN_COUNT
+        mean = want["sum"][keep] / want["count"][keep]
+        (line,) = [x for x in prob.get_lines() if x.get_label() == label]
+        np.testing.assert_allclose(line.get_ydata(), mean[mean > 0], rtol=1e-9)
     assert re.search(r"Training-inference mismatch: A vs B", (tmp_path / "c.html").read_text())
 
 

@@ -195,6 +195,41 @@ def test_a_jump_of_the_lag0_floor_is_named():
     assert logged[5] == pytest.approx(floors[4] / statistics.median(floors[:3]))
 
 
+# The lag-0 floor (mean |Δ log p|) of a fault-free TRL run by hand, vLLM colocate with min_p=0.05, toy model, 6 steps
+# (every tensor equal at every sync): the kept mass's bias, which moves with each batch (the same through
+# GRPOTrainer.train() with TRL's own generation: tests/test_trl_callback.py)
+MIN_P_FLOORS = [0.0132, 0.0712, 0.0145, 0.0867, 0.0251, 0.125]
+
+
+@pytest.mark.parametrize("audit", [["sampler-truncation-unmatched"], ["sampler-penalties-unmatched"], []])
+def test_the_floor_of_a_sampler_the_trainer_does_not_match_is_no_jump(audit):
+    """Where the parity audit found sampler processing the trainer does not apply, the lag-0 floor is that
+    processing's bias (every ratio reads the kept mass, or the penalties), not the stacks' numerics: its moves from
+    batch to batch name no floor-jump. Without such a finding the same floors name it where the rule, recomputed
+    here from the floors, says so."""
+    pipe, kept, jumps, ratios = _pipeline(), [], [], {}
+    pipe.audited(audit)
+    rollout, _, mask = _batch()
+    for step, floor in enumerate(MIN_P_FLOORS, start=1):
+        pipe.measure(rollout, rollout - floor, mask)  # every token's ratio is the kept mass e^-floor
+        out = pipe.compute(step, sync=False)[0]
+        assert out["tim/token/abs_diff_mean"] == pytest.approx(floor, rel=1e-5)
+        if kept:
+            median = statistics.median(kept[-8:])
+            ratios[step] = out["tim/cause/floor_jump"]
+            assert ratios[step] == pytest.approx(floor / median, rel=1e-5)  # still reported
+            if floor > 4 * median and floor - median > 0.05:
+                jumps.append(step)
+                continue
+        kept.append(floor)
+    named = [(c.step, c.code) for c in pipe.causes.named if c.code == "floor-jump"]
+    assert jumps == [2, 4, 6]  # the rule on these floors, without the audit's finding
+    assert named == ([] if audit else [(s, "floor-jump") for s in jumps])
+    if audit == ["sampler-truncation-unmatched"]:  # the bias is named for what it is where ρ is below 0.98
+        assert sorted({c.step for c in pipe.causes.named if c.code == "truncation"}) == [
+            s for s, f in enumerate(MIN_P_FLOORS, start=1) if math.exp(-f) < 0.98]
+
+
 def test_staleness_is_named_when_it_explains_an_unhealthy_log_ratio():
     pipe = _pipeline()
     rollout, train, mask = _batch()

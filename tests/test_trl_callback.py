@@ -7,6 +7,7 @@ logits, the linear LR schedule of transformers, and runs without the plugin.
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -503,3 +504,39 @@ def test_an_evaluation_at_the_last_step_keeps_the_last_windows_metrics(toy_model
         assert "reward" in row  # TRL's own metrics of the same window
         assert [k for k in r if k != "step" and not _same(row[k], r[k], rel=1e-12)] == []
     assert sum(h["tim/tokens"] for h in history if "tim/tokens" in h) == sum(trained) > 0 and len(trained) == 4
+
+
+def test_a_min_p_the_trainer_does_not_apply_names_its_truncation_and_no_floor_jump(toy_model_path, tmp_path):
+    """``GRPOConfig(min_p=0.05)`` in TRL's own generation: the sampler renormalises over the kept tokens, the trainer
+    scores the full vocabulary, the same weights on both sides. The lag-0 floor is then the kept mass's bias and
+    moves with each batch's distributions (0.01-0.02 nats at some steps, 0.07-0.13 at others on the toy model), so
+    the floor-jump rule, recomputed here from the logged floors, jumps: that is no pipeline change, and only the
+    truncation is named (at the steps whose mean ρ is below 1 - truncation_bias). Before, floor-jump was named too,
+    pointing at the weight sync. With the printed fix (``TIMConfig(safe_vocab=True)``) nothing is named."""
+    from tim_plugins.causes import CauseConfig
+
+    c = CauseConfig()
+    for safe_vocab in (False, True):
+        trainer = make_trainer(toy_model_path, tmp_path / str(safe_vocab), min_p=0.05, max_steps=6)
+        cb = TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=safe_vocab))
+        trainer.add_callback(cb)
+        trainer.train()
+        rows = [_logged(trainer, step) for step in range(1, 7)]
+        named = {(x.step, x.code) for x in cb.pipeline.causes.named}
+        if safe_vocab:
+            assert named == set() and all(r["tim/cause/named"] == 0 for r in rows)
+            continue
+        assert "sampler-truncation-unmatched" in {f.code for f in cb.findings}
+        kept, jumps = [], []
+        for step, row in enumerate(rows, start=1):
+            floor = row["tim/token/abs_diff_mean"]
+            median = statistics.median(kept[-c.floor_window:]) if kept else None
+            if median is not None and floor > c.floor_jump_factor * median and floor - median > c.floor_jump_min:
+                jumps.append(step)
+            else:
+                kept.append(floor)
+        assert jumps, [r["tim/token/abs_diff_mean"] for r in rows]  # the floor moved as a broken sync's would
+        truncated = [s for s, r in enumerate(rows, start=1) if r["tim/token/ratio_mean"] < 1 - c.truncation_bias]
+        assert truncated and named == {(s, "truncation") for s in truncated}
+        assert [r["tim/cause/named"] for r in rows] == [float(s in truncated) for s in range(1, 7)]
+        assert all(r["tim/cause/confident_disagreements"] == 0 for r in rows)

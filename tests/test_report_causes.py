@@ -65,7 +65,8 @@ def test_staleness_raises_to_watch_at_least(status):
     name_causes(v, {"causes": [Cause("staleness", 3, "80 %").to_dict()]}, "verl")
     assert v["status"] == {"ok": "watch"}.get(status, status)
     assert v["headline"].startswith(f"{v['status'].upper()}: staleness makes the log-ratio unhealthy")
-    assert "Fix (verl): fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1" in v["extra"][0]
+    assert ("Fix (verl): a lower actor_rollout_ref.actor.optim.lr, or fewer updates per batch: "
+            "actor_rollout_ref.actor.ppo_epochs=1") in v["extra"][0]
 
 
 def test_none_named_says_what_was_checked(tmp_path):

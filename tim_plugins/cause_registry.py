@@ -146,7 +146,7 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "cannot reduce that part.",
        "the staleness part explains >= staleness_share of Var(log-ratio) and its own k3 (the policy's move since "
        "sampling) is above staleness_k3, PPO's usual early stop on a reused batch (1.5 x a target KL of 0.01)",
-       {"tim_plugins": "fewer optimizer updates per sampled batch"}),
+       {"tim_plugins": "a lower learning rate, or fewer optimizer updates per sampled batch"}),
     _C("truncation", "split", "the sampler's truncation, applied on the rollout side only",
        "Processed rollout log-probs are renormalised over the kept set, the trainer's over the full vocabulary: "
        "every ratio reads the kept mass (TRL #6789, verl #6240).",

@@ -29,7 +29,7 @@ ENTRY_POINT_GROUP = "tim_plugins.fixes"
 
 # The parts of the log-ratio a report names a fix for, and the fix where the run's framework has no words of its own.
 PARTS = {
-    "staleness": "fewer optimizer updates per sampled batch",
+    "staleness": "a lower learning rate, or fewer optimizer updates per sampled batch",
     "staleness_async": "fresher samples: a lower staleness bound in the asynchronous trainer (older samples dropped) "
                        "and more frequent weight syncs",
     "mismatch": "the parity fixes in the audit's fix column (dtype, lm_head precision, truncation), and `tim-plugins "

@@ -66,8 +66,9 @@ FINDING_FIXES = {
 }
 
 PART_FIXES = {
-    "staleness": "fewer updates per batch: GRPOConfig(num_iterations=1, steps_per_generation="
-                 "gradient_accumulation_steps); with AsyncGRPOTrainer a smaller AsyncGRPOConfig(max_staleness=...)",
+    "staleness": "a lower GRPOConfig(learning_rate=...), or fewer updates per batch: GRPOConfig(num_iterations=1, "
+                 "steps_per_generation=gradient_accumulation_steps); with AsyncGRPOTrainer a smaller "
+                 "AsyncGRPOConfig(max_staleness=...)",
     "staleness_async": "fresher samples: a smaller AsyncGRPOConfig(max_staleness=...) (older samples are dropped), a "
                        "weight sync every step (weight_sync_steps=1), fewer micro-batches per step (each fetched one "
                        "step ahead trains one sync later)",

@@ -70,8 +70,8 @@ FINDING_FIXES = {
 }
 
 PART_FIXES = {
-    "staleness": "fewer updates per batch: actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the "
-                 "train batch",
+    "staleness": "a lower actor_rollout_ref.actor.optim.lr, or fewer updates per batch: "
+                 "actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the train batch",
     "staleness_async": "fresher samples: fewer batches generated ahead (trainer.v1.colocate_async.num_warmup_batches, "
                        "trainer.v1.separate_async.num_warmup_batches), a lower "
                        "trainer.v1.sampler.max_off_policy_threshold (trajectories spanning more weight versions are "

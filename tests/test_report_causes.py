@@ -80,4 +80,24 @@ def test_none_named_says_what_was_checked(tmp_path):
     assert line.startswith("What is causing it: no broken weight sync, stale engine or floor jump was named over 2 "
                            "logged steps (no confident lag-0 disagreement; the lag-0 floor at most 1.4x")
     assert "(2 windows, 27 tensors each)" in line
+    assert line.endswith("the mismatch measured is the two stacks' numerics.")
     assert name_causes(_ok_verdict(), {"log_history": [{"step": 1}]}, None)["extra"] == []  # nothing watched
+
+
+@pytest.mark.parametrize("code", ["sampler-penalties-unmatched", "sampler-truncation-unmatched"])
+def test_none_named_under_sampler_processing_the_trainer_does_not_recompute_says_so(tmp_path, code):
+    """A fault-free run whose sampler applies a repetition penalty (or a truncation) the trainer does not: the
+    floor moves with that processing's bias and is not judged (tim_plugins.causes), so the line does not call the
+    measured mismatch numerics alone, and a floor over a trailing median of 0 (inf) is no ratio to quote."""
+    floors = {1: float("nan"), 2: 3.4, 3: float("inf"), 4: 1.2}
+    for step, ratio in floors.items():
+        append_log_history(tmp_path, step, {"tim/cause/named": 0.0, "tim/cause/confident_disagreements": 0.0,
+                                            "tim/cause/floor_jump": ratio, "tim/cause/sync_checked_tensors": 27.0})
+    write_summary(tmp_path, framework="trl", title="t", settings={},
+                  findings=[{"code": code, "severity": "error"}, {"code": "dtype-mismatch", "severity": "error"}])
+    v = name_causes(_ok_verdict(), read_summary(tmp_path), "trl")
+    (line,) = v["extra"]
+    assert "the lag-0 floor at most 3.4x its trailing median, not judged: it is the bias of the sampler " in line
+    assert line.endswith("the mismatch measured is the two stacks' numerics plus the bias of sampler processing the "
+                         f"trainer does not recompute (the audit's {code}: its fix column).")
+    assert "infx" not in line

@@ -14,8 +14,8 @@ from typing import Any, Iterable, Optional
 
 from tim_plugins.fixes import framework_fixes
 
-__all__ = ["CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseInfo", "cause_fix", "causes_markdown",
-           "summarize_names"]
+__all__ = ["CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseInfo", "UNMATCHED_PROCESSING", "cause_fix",
+           "causes_markdown", "summarize_names"]
 
 CAUSE_PREFIX = "tim/cause"
 # The tim/cause/* keys every window computes (the compact log carries only the first: tim_plugins.log_keys).
@@ -26,6 +26,10 @@ CAUSE_KEYS = (
     f"{CAUSE_PREFIX}/sync_bad_tensors",  # tensors a sync check found not holding what was sent (NaN: no check)
     f"{CAUSE_PREFIX}/sync_checked_tensors",  # tensors the window's sync checks compared (NaN: no check)
 )
+
+# The parity audit's findings of sampler processing the trainer does not recompute: where one was found, the lag-0
+# log-probs carry that processing's bias (the kept mass, the penalties), so the floor is not the two stacks' numerics.
+UNMATCHED_PROCESSING = ("sampler-truncation-unmatched", "sampler-penalties-unmatched")
 
 
 @dataclass(frozen=True)

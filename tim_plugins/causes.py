@@ -61,12 +61,12 @@ import torch
 
 from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import all_reduce_sum_max, collective_device, is_distributed
-from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, Cause, CauseInfo, cause_fix,
-                                        causes_markdown, summarize_names)
+from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, UNMATCHED_PROCESSING, Cause, CauseInfo,
+                                        cause_fix, causes_markdown, summarize_names)
 
 __all__ = [
     "CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseConfig", "CauseInfo", "CauseTracker", "FloorHistory",
-    "cause_fix", "causes_markdown", "confident_disagreements", "summarize_names",
+    "UNMATCHED_PROCESSING", "cause_fix", "causes_markdown", "confident_disagreements", "summarize_names",
 ]
 
 logger = logging.getLogger("tim_plugins.causes")
@@ -261,7 +261,7 @@ class CauseTracker:
         floor = metrics.get("tim/token/abs_diff_mean")
         ratio, jumped = self.floor.judge(float(floor)) if floor is not None else (math.nan, False)
         # sampler processing the trainer does not apply makes the floor its bias, which moves batch by batch
-        if jumped and not truncated and not constrained:
+        if jumped and not self.audit_codes.intersection(UNMATCHED_PROCESSING):
             found.append(Cause("floor-jump", step,
                                f"lag-0 mean |Δ log p| {floor:.3g} is {ratio:.3g}x its trailing median "
                                f"{self.floor.median():.3g}", evidence={"floor": floor, "ratio": ratio}))

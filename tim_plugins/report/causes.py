@@ -9,11 +9,13 @@ The rule that puts them in the verdict (``name_causes``), after the audit's (``r
   dtype fixes would not remove it;
 - staleness or truncation raise the status to at least WATCH and say which part of the log-ratio it is;
 - a run that logged ``tim/cause/*`` and named nothing gets one line saying so, with what was checked: the measured
-  mismatch is then the numerics of the two stacks (the audit's fixes).
+  mismatch is then the numerics of the two stacks (the audit's fixes), plus the bias of sampler processing the
+  trainer does not recompute where the audit found some (``UNMATCHED_PROCESSING``).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 __all__ = ["FAULT_CODES", "causes_section", "name_causes", "read_causes", "with_causes"]
@@ -72,7 +74,7 @@ def name_causes(v: dict, summary: dict | None, framework: str | None) -> dict:
     v["causes"] = {code: sorted(set(steps)) for code, (_, steps) in by_code.items()}
     where = f" ({framework_name(framework)})" if framework else ""
     if not by_code:
-        line = _none_named(summary.get("log_history") or [])
+        line = _none_named(summary.get("log_history") or [], summary.get("findings") or [])
         if line:
             v["extra"] = list(v.get("extra", [])) + [line]
         return v
@@ -97,27 +99,38 @@ def name_causes(v: dict, summary: dict | None, framework: str | None) -> dict:
     return v
 
 
-def _none_named(log_history: list[dict]) -> str | None:
-    """The line of a run that watched for causes and named none (None: the run logged no ``tim/cause/*``)."""
+def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:
+    """The line of a run that watched for causes and named none (None: the run logged no ``tim/cause/*``). Where the
+    start-up audit found sampler processing the trainer does not recompute (``UNMATCHED_PROCESSING``), the measured
+    mismatch carries that processing's bias, and the floor's moves were not judged (they are that bias's)."""
+    from tim_plugins.cause_registry import UNMATCHED_PROCESSING
+
     rows = [h for h in log_history if "tim/cause/named" in h]
     if not rows:
         return None
+    processing = sorted({f.get("code") for f in findings if f.get("code") in UNMATCHED_PROCESSING})
     syncs = [h["tim/cause/sync_checked_tensors"] for h in rows if _num(h.get("tim/cause/sync_checked_tensors"))]
     confident = sum(h.get("tim/cause/confident_disagreements") or 0 for h in rows)
     floor = [h["tim/cause/floor_jump"] for h in rows if _num(h.get("tim/cause/floor_jump"))]
     parts = ["no confident lag-0 disagreement" if not confident else f"{int(confident)} confident lag-0 "
              f"disagreements (below the threshold)"]
-    if floor:
+    if floor and processing:
+        parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median, not judged: it is the bias of "
+                     "the sampler processing the audit found")
+    elif floor:
         parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median")
     if syncs:
         parts.append(f"the weight-sync check found the engine holding the trainer's weights at every checked sync "
                      f"({len(syncs)} windows, {int(max(syncs))} tensors each)")
+    measured = ("the two stacks' numerics plus the bias of sampler processing the trainer does not recompute (the "
+                f"audit's {', '.join(processing)}: its fix column)" if processing else "the two stacks' numerics")
     return ("What is causing it: no broken weight sync, stale engine or floor jump was named over "
-            f"{len(rows)} logged steps ({'; '.join(parts)}): the mismatch measured is the two stacks' numerics.")
+            f"{len(rows)} logged steps ({'; '.join(parts)}): the mismatch measured is {measured}.")
 
 
 def _num(x) -> bool:
-    return isinstance(x, (int, float)) and x == x
+    """A finite number (NaN: not measured; inf: a floor over a trailing median of 0)."""
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def causes_section(page, summary: dict | None, framework: str | None = None) -> None:

@@ -138,24 +138,38 @@ def test_options_given_to_a_capability_that_is_off_fail_early():
 
 @pytest.mark.parametrize("group, value", [("causes_options", {"confident_p": 0.6}),
                                           ("sync_check_options", {"every_n_syncs": 3}),
-                                          ("sync_probe_options", {"every_n_syncs": 2})])
-@pytest.mark.parametrize("switch", ["monitor", "causes", "sync_check"])
-def test_options_of_the_causes_and_the_sync_check_with_their_feature_off_fail_early(group, value, switch):
-    """causes_options needs monitor and causes; the sync check's and the server probe's options need sync_check
-    too. The error names the options given and the switch that is off; both halves of its fix construct."""
-    needs = {"causes_options": ("monitor", "causes")}.get(group, ("monitor", "causes", "sync_check"))
-    if switch not in needs:
-        assert getattr(TIMConfig(**{switch: False, group: value}), group) == dataclasses.replace(
-            getattr(TIMConfig(), group), **value)  # the option given, the others at their defaults
+                                          ("sync_probe_options", {"every_n_syncs": 2}),
+                                          ("parity_probe_options", {"kl_k3_max": 0.1})])
+@pytest.mark.parametrize("switch", ["monitor", "causes", "sync_check", "parity_probe"])
+def test_options_of_a_feature_a_switch_leaves_off_are_warned_about(group, value, switch, caplog):
+    """causes_options need monitor and causes; the sync check's and the server probe's options sync_check too; the
+    live probe's options parity_probe (which needs the monitor: refused without). Options given with a switch they need off do nothing: one
+    warning names them, the switch and the fix (verl's driver notes the same of its sections), and the config is
+    built as given. The switches alone stay quiet (sync_check is on by default and needs causes, which may be off)."""
+    import logging
+
+    needs = {"causes_options": ("monitor", "causes"), "parity_probe_options": ("parity_probe",)}.get(
+        group, ("monitor", "causes", "sync_check"))
+    on = {"parity_probe": True} if switch != "parity_probe" and "parity_probe" in needs else {}
+    if on and switch == "monitor":  # the probe without the monitor is refused outright
+        with pytest.raises(ValueError, match="parity_probe=True with monitor=False is invalid"):
+            TIMConfig(**on, **{switch: False, group: value})
         return
-    with pytest.raises(ValueError, match=rf"TIMConfig\.{group}=\{{'{next(iter(value))}': .*\}} is invalid with "
-                                         rf"{switch}=False.* Fix: {switch}=True, or drop {group}"):
-        TIMConfig(**{switch: False, group: value})
-    assert getattr(TIMConfig(**{switch: True, group: value}), group) == dataclasses.replace(
-        getattr(TIMConfig(), group), **value)
-    assert not getattr(TIMConfig(**{switch: False}), switch)
-    # the switches alone stay quiet: sync_check is on by default and needs causes, which may be off
-    TIMConfig(causes=False, sync_check=True)
+    with caplog.at_level(logging.WARNING, logger="tim_plugins.trl"):
+        cfg = TIMConfig(**on, **{switch: False, group: value})
+        warned = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        assert getattr(cfg, group) == dataclasses.replace(getattr(TIMConfig(), group), **value)
+        TIMConfig(**on, **{switch: True, group: value})  # the fix
+        TIMConfig(**on, **{switch: False})  # the switch alone
+        TIMConfig(causes=False, sync_check=True)
+        assert caplog.records == []
+    if switch not in needs:
+        assert warned == []
+        return
+    (line,) = warned
+    assert line == (f"TIMConfig.{group}={value!r} while {switch}=False: this setting does nothing. "
+                    f"Fix: {switch}=True")
 
 
 def test_to_dict_is_plain_and_builds_the_same_config():

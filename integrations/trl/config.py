@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
@@ -30,6 +31,8 @@ from tim_plugins.lag0_probe import Lag0ProbeConfig
 from tim_plugins.weight_sync import SyncCheckConfig
 
 __all__ = ["TIMConfig", "ROLLOUT_CHOICES", "IS_CORRECTION_CHOICES", "LR_DECAY_SIGNALS"]
+
+logger = logging.getLogger("tim_plugins.trl")
 
 # Where the rollout log-probs come from.
 #   auto  vLLM when the trainer uses vLLM, else TRL's own `generate` with the processed log-probs recorded
@@ -240,25 +243,27 @@ class TIMConfig:
             self.is_correction_options = None
         self._merge_lr_decay_signals()
         self._check_dependencies()
-        self._check_unused_options()
+        self._note_unused_options()
 
-    def _check_unused_options(self) -> None:
-        """Options given for a feature that is off would be ignored without a word: refused, as inject_options is
-        without rollout='inject'. The switches alone (sync_check=True with causes=False, say) stay quiet: they are
-        on by default, and their help says what they need."""
-        off = {"causes_options": [("monitor", self.monitor), ("causes", self.causes)],
-               "sync_check_options": [("monitor", self.monitor), ("causes", self.causes),
-                                      ("sync_check", self.sync_check)],
-               "sync_probe_options": [("monitor", self.monitor), ("causes", self.causes),
-                                      ("sync_check", self.sync_check)]}
-        for group, switches in off.items():
-            value = getattr(self, group)
-            unset = [name for name, on in switches if not on]
-            if unset and value != type(value)():
-                given = {f.name: getattr(value, f.name) for f in fields(value)
-                         if getattr(value, f.name) != getattr(type(value)(), f.name)}
-                raise ValueError(f"TIMConfig.{group}={given!r} is invalid with {unset[0]}=False: the options of a "
-                                 f"feature that is off would be ignored. Fix: {unset[0]}=True, or drop {group}")
+    def _note_unused_options(self) -> None:
+        """Options given for a feature a switch leaves off do nothing: one warning per option group, naming the
+        options, the switch and the fix, as verl's driver notes options under a section whose switch is off
+        (``integrations/verl/composed.py``). A warning, not an error: switching a feature off for a run while its
+        options stay written is common."""
+        needs = {"causes_options": ("monitor", "causes"),
+                 "sync_check_options": ("monitor", "causes", "sync_check"),
+                 "sync_probe_options": ("monitor", "causes", "sync_check"),
+                 "parity_probe_options": ("parity_probe",)}  # with monitor=False the probe is refused
+        for group, switches in needs.items():
+            value, off = getattr(self, group), [name for name in switches if not getattr(self, name)]
+            default = type(value)()
+            given = {f.name: getattr(value, f.name) for f in fields(value) if getattr(value, f.name) !=
+                     getattr(default, f.name)}
+            if given and off:
+                logger.warning("TIMConfig.%s=%r while %s: %s nothing. Fix: %s", group, given,
+                               " and ".join(f"{name}=False" for name in off),
+                               "this setting does" if len(given) == 1 else "these settings do",
+                               ", ".join(f"{name}=True" for name in off))
 
     def _check_dependencies(self) -> None:
         """The combinations both adapters refuse (``tim_plugins.options.dependency_problems``), in TIMConfig's

@@ -143,9 +143,10 @@ def test_options_given_to_a_capability_that_is_off_fail_early():
 @pytest.mark.parametrize("switch", ["monitor", "causes", "sync_check", "parity_probe"])
 def test_options_of_a_feature_a_switch_leaves_off_are_warned_about(group, value, switch, caplog):
     """causes_options need monitor and causes; the sync check's and the server probe's options sync_check too; the
-    live probe's options parity_probe (which needs the monitor: refused without). Options given with a switch they need off do nothing: one
-    warning names them, the switch and the fix (verl's driver notes the same of its sections), and the config is
-    built as given. The switches alone stay quiet (sync_check is on by default and needs causes, which may be off)."""
+    live probe's options parity_probe (which needs the monitor: refused without). Options given with a switch they
+    need off do nothing: one warning names them, the switch and the fix (verl's driver notes the same of its
+    sections), and the config is built as given. The switches alone stay quiet (sync_check is on by default and
+    needs causes, which may be off)."""
     import logging
 
     needs = {"causes_options": ("monitor", "causes"), "parity_probe_options": ("parity_probe",)}.get(

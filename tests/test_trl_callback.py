@@ -6,6 +6,7 @@ logits, the linear LR schedule of transformers, and runs without the plugin.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -383,8 +384,6 @@ def test_config_validation_quotes_values(toy_model_path, tmp_path):
     trainer = make_trainer(toy_model_path, tmp_path)
     with pytest.raises(ValueError, match="min_p=None"):
         TIMCallback(trainer, TIMConfig(safe_vocab=True))
-    import dataclasses
-
     # every field, with its own help text (the dataclass's metadata), and none empty
     assert TIMConfig.help_texts() == {f.name: f.metadata["help"] for f in dataclasses.fields(TIMConfig)}
     assert all(TIMConfig.help_texts().values())

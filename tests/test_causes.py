@@ -431,3 +431,37 @@ def test_docs_list_every_cause_from_the_registry():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "causes.md").read_text()
     codes = doc.split("<!-- codes: tim_plugins.causes.causes_markdown() -->\n")[1].split("\n<!-- /codes -->")[0]
     assert codes == causes_markdown(), "docs/causes.md: paste tim_plugins.causes.causes_markdown() between the markers"
+
+
+def test_the_run_closes_with_one_line_per_cause_named_its_steps_and_fix():
+    """Each cause's own line is printed once, at its first step; the lines that close the run (``summary_lines``)
+    give every code named, in the order first named, with the windows and first and last steps it was named at, its
+    first message and its fix. The tally holds the whole run (``named`` keeps the last NAMED_KEPT causes) and rides
+    in the tracker's state (a resumed TRL run closes with the attempt's causes); a state saved without a tally
+    rebuilds it from the causes it kept."""
+    from tim_plugins.causes import NAMED_KEPT, CauseTracker
+
+    tracker = CauseTracker(framework="verl")
+    assert tracker.summary_lines() == []
+    stale = [s for s in range(3, NAMED_KEPT + 40)]  # more windows than `named` keeps
+    for step in stale:
+        tracker._keep([Cause("staleness", step, f"share {step}")])
+    tracker._keep([Cause("sync-noop", 1, "none of the 27 checked tensors changed"), Cause("sync-noop", 1, "again")])
+    want = [
+        "tim-plugins: this run named [sync-noop] at step 1 (first: none of the 27 checked tensors changed). Fix "
+        f"(verl): {cause_fix('sync-noop', 'verl')}",
+        f"tim-plugins: this run named [staleness] in {len(stale)} windows, steps 3 to {stale[-1]} (first: share 3). "
+        f"Fix (verl): {cause_fix('staleness', 'verl')}",
+    ]
+    assert tracker.summary_lines() == want and len(tracker.named) == NAMED_KEPT
+    resumed = CauseTracker(framework="verl")
+    resumed.load_state_dict(tracker.state_dict())
+    assert resumed.summary_lines() == want
+    old = tracker.state_dict()
+    del old["tally"]
+    resumed = CauseTracker(framework="verl")
+    resumed.load_state_dict(old)  # only the kept causes: the staleness windows before them are not known
+    kept = [s for s in stale if s > stale[-1] - NAMED_KEPT + 2]
+    assert resumed.summary_lines() == [want[0], (
+        f"tim-plugins: this run named [staleness] in {len(kept)} windows, steps {kept[0]} to {stale[-1]} (first: "
+        f"share {kept[0]}). Fix (verl): {cause_fix('staleness', 'verl')}")]

@@ -505,25 +505,32 @@ def test_an_evaluation_at_the_last_step_keeps_the_last_windows_metrics(toy_model
     assert sum(h["tim/tokens"] for h in history if "tim/tokens" in h) == sum(trained) > 0 and len(trained) == 4
 
 
-def test_a_min_p_the_trainer_does_not_apply_names_its_truncation_and_no_floor_jump(toy_model_path, tmp_path):
+def test_a_min_p_the_trainer_does_not_apply_names_its_truncation_and_no_floor_jump(toy_model_path, tmp_path,
+                                                                                   caplog):
     """``GRPOConfig(min_p=0.05)`` in TRL's own generation: the sampler renormalises over the kept tokens, the trainer
     scores the full vocabulary, the same weights on both sides. The lag-0 floor is then the kept mass's bias and
     moves with each batch's distributions (0.01-0.02 nats at some steps, 0.07-0.13 at others on the toy model), so
     the floor-jump rule, recomputed here from the logged floors, jumps: that is no pipeline change, and only the
     truncation is named (at the steps whose mean ρ is below 1 - truncation_bias). Before, floor-jump was named too,
-    pointing at the weight sync. With the printed fix (``TIMConfig(safe_vocab=True)``) nothing is named."""
-    from tim_plugins.causes import CauseConfig
+    pointing at the weight sync. With the printed fix (``TIMConfig(safe_vocab=True)``) nothing is named. The run
+    closes with one line for the truncation: the windows and steps it was named at, its first message, its fix."""
+    import logging
+
+    from tim_plugins.causes import CauseConfig, cause_fix
 
     c = CauseConfig()
     for safe_vocab in (False, True):
         trainer = make_trainer(toy_model_path, tmp_path / str(safe_vocab), min_p=0.05, max_steps=6)
         cb = TIMCallback(trainer, TIMConfig(log_detail=True, safe_vocab=safe_vocab))
         trainer.add_callback(cb)
-        trainer.train()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tim_plugins.trl"):
+            trainer.train()
+        closing = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tim-plugins: this run named")]
         rows = [_logged(trainer, step) for step in range(1, 7)]
         named = {(x.step, x.code) for x in cb.pipeline.causes.named}
         if safe_vocab:
-            assert named == set() and all(r["tim/cause/named"] == 0 for r in rows)
+            assert named == set() and all(r["tim/cause/named"] == 0 for r in rows) and closing == []
             continue
         assert "sampler-truncation-unmatched" in {f.code for f in cb.findings}
         kept, jumps = [], []
@@ -540,5 +547,10 @@ def test_a_min_p_the_trainer_does_not_apply_names_its_truncation_and_no_floor_ju
         print(f"[min-p floors] {[round(r['tim/token/abs_diff_mean'], 4) for r in rows]}, rule's jumps at {jumps}")
         truncated = [s for s, r in enumerate(rows, start=1) if r["tim/token/ratio_mean"] < 1 - c.truncation_bias]
         assert truncated and named == {(s, "truncation") for s in truncated}
+        first = next(x for x in cb.pipeline.causes.named if x.step == truncated[0])
+        span = (f"at step {truncated[0]}" if len(truncated) == 1 else
+                f"in {len(truncated)} windows, steps {truncated[0]} to {truncated[-1]}")
+        assert closing == [f"tim-plugins: this run named [truncation] {span} (first: {first.message}). Fix (TRL): "
+                           f"{cause_fix('truncation', 'trl')}"]
         assert [r["tim/cause/named"] for r in rows] == [float(s in truncated) for s in range(1, 7)]
         assert all(r["tim/cause/confident_disagreements"] == 0 for r in rows)

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 from tim_plugins.fixes import framework_fixes
 
 __all__ = ["CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseInfo", "UNMATCHED_PROCESSING", "cause_fix",
-           "causes_markdown", "summarize_names"]
+           "causes_markdown", "run_summary_lines", "summarize_names", "tally_cause"]
 
 CAUSE_PREFIX = "tim/cause"
 # The tim/cause/* keys every window computes (the compact log carries only the first: tim_plugins.log_keys).
@@ -190,6 +190,32 @@ def summarize_names(names: Iterable[str], limit: int = 6) -> str:
     items = [f"{key}* ({len(members)} tensors)" if len(members) > 1 else members[0]
              for key, members in groups.items()]
     return ", ".join(items[:limit]) + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def tally_cause(tally: dict[str, dict], cause: "Cause") -> None:
+    """Count ``cause`` in ``tally`` ({code: {"first", "last": steps, "windows": steps named at, "message": the first
+    one's}}): what a run named, however long, for the lines that close it (``run_summary_lines``)."""
+    seen = tally.get(cause.code)
+    if seen is None:
+        tally[cause.code] = {"first": cause.step, "last": cause.step, "windows": 1, "message": cause.message}
+    elif cause.step > seen["last"]:
+        seen["last"], seen["windows"] = cause.step, seen["windows"] + 1
+
+
+def run_summary_lines(tally: dict[str, dict], framework: Optional[str] = None) -> list[str]:
+    """The console lines that close a run which named causes, one per code in the order first named, with the steps
+    and the fix in ``framework``'s words ([] when none was named): each cause's own line is printed once, at its first
+    step, and a long run's console has scrolled past it by the end."""
+    from tim_plugins.parity.findings import framework_name
+
+    where = f" ({framework_name(framework)})" if framework else ""
+    out = []
+    for code, seen in sorted(tally.items(), key=lambda item: (item[1]["first"], item[0])):
+        span = (f"at step {seen['first']}" if seen["windows"] == 1 else
+                f"in {seen['windows']} windows, steps {seen['first']} to {seen['last']}")
+        out.append(f"tim-plugins: this run named [{code}] {span} (first: {seen['message']}). Fix{where}: "
+                   f"{cause_fix(code, framework)}")
+    return out
 
 
 @dataclass

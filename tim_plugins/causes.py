@@ -62,11 +62,12 @@ import torch
 from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import all_reduce_sum_max, collective_device, is_distributed
 from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, UNMATCHED_PROCESSING, Cause, CauseInfo,
-                                        cause_fix, causes_markdown, summarize_names)
+                                        cause_fix, causes_markdown, run_summary_lines, summarize_names, tally_cause)
 
 __all__ = [
     "CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseConfig", "CauseInfo", "CauseTracker", "FloorHistory",
-    "UNMATCHED_PROCESSING", "cause_fix", "causes_markdown", "confident_disagreements", "summarize_names",
+    "UNMATCHED_PROCESSING", "cause_fix", "causes_markdown", "confident_disagreements", "run_summary_lines",
+    "summarize_names", "tally_cause",
 ]
 
 logger = logging.getLogger("tim_plugins.causes")
@@ -186,6 +187,7 @@ class CauseTracker:
         # the last NAMED_KEPT causes named (checkpointed: a cause that persists is named in every window; every one
         # of them is in causes.jsonl beside the dump, which the report reads)
         self.named: list[Cause] = []
+        self.tally: dict[str, dict] = {}  # every code the run named: its first and last step (``tally_cause``)
         self._counts: torch.Tensor | None = None  # [disagreeing, confident, forced], float64, on the batches' device
         self._sync: list[Cause] = []  # sync causes found since the last window
         self._sync_bad = self._sync_checked = -math.inf
@@ -319,6 +321,12 @@ class CauseTracker:
     def _keep(self, found: list[Cause]) -> None:
         self.named.extend(found)
         del self.named[:-NAMED_KEPT]
+        for cause in found:
+            tally_cause(self.tally, cause)
+
+    def summary_lines(self) -> list[str]:
+        """The lines that close the run (``run_summary_lines``; [] when nothing was named)."""
+        return run_summary_lines(self.tally, self.framework)
 
     def _log(self, cause: Cause) -> None:
         key = (cause.code, cause.tensors, cause.message if cause.code.startswith("sync") else None)
@@ -332,13 +340,17 @@ class CauseTracker:
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         return {"floor": list(self.floor.values), "named": [x.to_dict() for x in self.named],
-                "audit_codes": sorted(self.audit_codes)}
+                "audit_codes": sorted(self.audit_codes), "tally": {k: dict(v) for k, v in self.tally.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.floor.values = [float(v) for v in state.get("floor", [])]
         self.audit_codes = set(state.get("audit_codes", []))
         self.named = [Cause(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
                       for d in state.get("named", [])]
+        self.tally = {k: dict(v) for k, v in (state.get("tally") or {}).items()}
+        if not self.tally:  # a state saved before the tally: the causes it kept
+            for cause in self.named:
+                tally_cause(self.tally, cause)
 
 
 def _finite(v) -> bool:

@@ -455,6 +455,10 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self._installation is not None:
             self._installation.undo()
+        causes = self.pipeline.causes if self.pipeline is not None else None
+        if causes is not None and self.trainer.accelerator.is_main_process:
+            for line in causes.summary_lines():  # every rank names the same causes (their flags are merged)
+                logger.warning(line)
 
     # -------------------------------------------------------------------------------- TRL -> pipeline
     # (the generation side: generation.py's GenerationWrappers)

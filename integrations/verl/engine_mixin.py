@@ -277,11 +277,13 @@ class TIMEngineMixin:
 
     def tim_report(self) -> dict:
         """What this rank hands the driver after a step (the worker's ``tim_pop_metrics``, one answer per rank):
-        ``{"holds": whether this rank holds outputs, "metrics": tim_pop_metrics(), "decision": tim_pop_decision()}``.
+        ``{"holds": whether this rank holds outputs, "metrics": tim_pop_metrics(), "decision": tim_pop_decision(),
+        "causes": the causes named so far (``CauseTracker.tally``, the same on every holding rank; {} without)}``.
         The driver reads a holding rank's answer: a rank without outputs (Megatron: a pipeline stage before the last,
         a TP rank other than 0) pops its state too, but its metrics are {} and its decision None."""
+        causes = self._tim_pipeline.causes if self._tim_pipeline is not None else None
         return {"holds": self._tim_holds_outputs(), "metrics": self.tim_pop_metrics(),
-                "decision": self.tim_pop_decision()}
+                "decision": self.tim_pop_decision(), "causes": dict(causes.tally) if causes is not None else {}}
 
     # ------------------------------------------------------------------------------------- per micro-batch
     def _tim_micro_batch_kept(self, micro_batch) -> MicroBatchKeptSets | None:

@@ -160,7 +160,7 @@ VERL_SOURCES = {
     (_TB, "PPOTrainer.fit"):
         "per step: is_last_step computed before the step, _save_checkpoint() when save_freq > 0 and (is_last_step "
         "or global_steps % save_freq == 0), then on_step_end(); the loop stops once global_steps > "
-        "total_training_steps",
+        "total_training_steps, returning after the last step without calling on_train_end",
     (_TB, "PPOTrainer.on_train_begin"):
         "() a hook fit calls once, after _load_checkpoint set global_steps to the resumed checkpoint's step (0 without "
         "one) and `self.global_steps += 1`, before the loop's first step (the async modes' own add warmup prompts)",

@@ -186,6 +186,7 @@ class TIMTrainerMixin:
         results = self.actor_rollout_wg.tim_pop_metrics()
         found = next((r for r in results if r.get("holds")), {})
         metrics.update(found.get("metrics") or {})
+        self._tim_causes = found.get("causes") or getattr(self, "_tim_causes", {})
         decision = found.get("decision")
         if decision is None:
             return
@@ -265,7 +266,19 @@ class TIMTrainerMixin:
         # first, where verl's fit writes its own (after the step, before on_step_end, whose colocated modes wake the
         # rollout replicas, weights and KV cache, and colocate_async resumes generation)
         self._tim_checkpoint_on_stop()
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit (returns after its last step without calling
+        # on_train_end; global_steps is still that step here)
+        if self.global_steps >= self.total_training_steps:
+            self._tim_summarize_causes()
         super().on_step_end()
+
+    def _tim_summarize_causes(self) -> None:
+        """At the run's last step (the planned one, or the one the probe stopped at): the causes the workers named,
+        one line each, with the steps and verl's fix (``CauseTracker.summary_lines``)."""
+        from tim_plugins.cause_registry import run_summary_lines
+
+        for line in run_summary_lines(getattr(self, "_tim_causes", {}), "verl"):
+            logger.warning(line)
 
     def _tim_checkpoint_on_stop(self) -> None:
         """Write the checkpoint verl writes on a run's last step, for a step the probe made the last one.

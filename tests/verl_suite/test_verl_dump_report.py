@@ -124,6 +124,14 @@ def test_the_injected_mismatch_is_named_a_floor_jump_from_its_step_and_nothing_e
         assert m["tim/cause/sync_bad_tensors"] == 0.0 and m["tim/cause/sync_checked_tensors"] > 0, step
     line = next(x for x in result.output.splitlines() if "tim-plugins cause [floor-jump]" in x)
     assert f"at step {INJECT_FROM}: lag-0 mean |Δ log p| " in line and "Fix (verl):" in line, line
+    # the driver closes the run with one line per code named: its windows, first and last steps, and verl's fix
+    closing = [x.split("tim-plugins: this run named ", 1)[1] for x in result.output.splitlines()
+               if "tim-plugins: this run named [" in x]
+    jumps = [s for s in result.steps if s >= INJECT_FROM]
+    (jump_line,) = [x for x in closing if x.startswith("[floor-jump]")]
+    assert jump_line.startswith(f"[floor-jump] in {len(jumps)} windows, steps {INJECT_FROM} to {max(jumps)} (first: "
+                                "lag-0 mean |Δ log p| ") and "Fix (verl):" in jump_line, jump_line
+    assert len(closing) == len(want), closing
 
 
 def test_the_console_logs_the_compact_set_and_the_dump_history_every_metric(run):

@@ -109,7 +109,9 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "moved away from the one measured at lag 0 on the same weights: part of the engine did not take the update "
        "(a layer skipped, a tensor written wrongly), or a stale engine drifts away step by step.",
        "after a sync, mean |(e - t) - (e_ref - t_ref)| over the probe batch > drift_factor x the floor (the reference "
-       "scoring's mean |e - t|, at lag 0 on the same weights) and > the floor + drift_min",
+       "scoring's mean |e - t|, at lag 0 on the same weights), > the floor + drift_min and > drift_share x the "
+       "trainer's own move since the reference (mean |t - t_ref|: a healthy engine's numerics grow with a fast "
+       "policy move, but stay a small share of it)",
        {"tim_plugins": _SYNC_FIX}),
     _C("engine-stale", "stream", "the engine samples from other weights than the trainer scores",
        "Tokens the engine was confident in are scored far lower by the trainer at lag 0: numerics cannot move a "

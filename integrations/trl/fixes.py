@@ -112,7 +112,9 @@ CAUSE_FIXES = {
                            "False: TRL's correction weighs each sequence by the trainer's p of what the constraint "
                            "forced, and the loss of a constrained sequence vanishes",
     "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode) "
-                  "and the prefix-cache reset that ends it, the vLLM server, the sampling settings",
+                  "and the prefix-cache reset that ends it, the vLLM server, the sampling settings; with all of them "
+                  "in order, a policy that moves nats per token per step (k3 and the loss exploding) raises the "
+                  "floor with it: a lower GRPOConfig(learning_rate=...)",
     "staleness": PART_FIXES["staleness"],
     "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

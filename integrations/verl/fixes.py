@@ -119,7 +119,8 @@ CAUSE_FIXES = {
                            "tool output has",
     "floor-jump": "look at what changed at that step: the weight sync (tim/cause/sync_bad_tensors) and the "
                   "prefix-cache reset after it (the server's clear_kv_cache), the rollout server, the sampling "
-                  "settings",
+                  "settings; with all of them in order, a policy that moves nats per token per step (actor/ppo_kl and "
+                  "the loss exploding) raises the floor with it: a lower actor_rollout_ref.actor.optim.lr",
     "staleness": PART_FIXES["staleness"],
     "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

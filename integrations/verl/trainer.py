@@ -268,7 +268,7 @@ class TIMTrainerMixin:
         self._tim_checkpoint_on_stop()
         # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer.fit (returns after its last step without calling
         # on_train_end; global_steps is still that step here)
-        if self.global_steps >= self.total_training_steps:
+        if self.global_steps >= getattr(self, "total_training_steps", float("inf")):
             self._tim_summarize_causes()
         super().on_step_end()
 

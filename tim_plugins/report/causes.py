@@ -114,11 +114,9 @@ def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:
     floor = [h["tim/cause/floor_jump"] for h in rows if _num(h.get("tim/cause/floor_jump"))]
     parts = ["no confident lag-0 disagreement" if not confident else f"{int(confident)} confident lag-0 "
              f"disagreements (below the threshold)"]
-    if floor and processing:
-        parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median, not judged: it is the bias of "
-                     "the sampler processing the audit found")
-    elif floor:
-        parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median")
+    if floor:
+        parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median" + (
+            ", not judged: it is the bias of the sampler processing the audit found" if processing else ""))
     if syncs:
         parts.append(f"the weight-sync check found the engine holding the trainer's weights at every checked sync "
                      f"({len(syncs)} windows, {int(max(syncs))} tensors each)")

@@ -372,14 +372,21 @@ def test_causes_off():
 
 
 def test_state_dict_roundtrip():
+    """The floor's windows and the causes named are carried; the parity audit's codes are not: they are the resumed
+    attempt's own audit's (verl sets them before its checkpoint is loaded, TRL after)."""
     pipe = _pipeline()
+    pipe.audited(["sampler-penalties-unmatched"])
     for step in (1, 2):
         pipe.measure(*_batch(seed=step, confident=3 * (step - 1)))
         pipe.compute(step, sync=False)
+    assert pipe.causes.named and len(pipe.causes.floor.values) == 2
     again = _pipeline()
+    again.audited(["sampler-truncation-unmatched"])
     again.load_state_dict(pipe.state_dict())
     assert again.causes.floor.values == pipe.causes.floor.values
     assert [c.to_dict() for c in again.causes.named] == [c.to_dict() for c in pipe.causes.named]
+    assert again.causes.tally == pipe.causes.tally
+    assert again.causes.audit_codes == {"sampler-truncation-unmatched"}
 
 
 def test_a_cause_named_in_every_window_keeps_the_checkpoint_bounded(monkeypatch):

@@ -338,13 +338,14 @@ class CauseTracker:
         logger.warning(cause.line(self.framework))
 
     # ------------------------------------------------------------------------------------- checkpoints
+    # The parity audit's codes are not carried: they describe the configuration of the attempt that runs, whose own
+    # start-up audit sets them (``audited``), whether a checkpoint is loaded before it (TRL) or after (verl).
     def state_dict(self) -> dict:
         return {"floor": list(self.floor.values), "named": [x.to_dict() for x in self.named],
-                "audit_codes": sorted(self.audit_codes), "tally": {k: dict(v) for k, v in self.tally.items()}}
+                "tally": {k: dict(v) for k, v in self.tally.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.floor.values = [float(v) for v in state.get("floor", [])]
-        self.audit_codes = set(state.get("audit_codes", []))
         self.named = [Cause(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
                       for d in state.get("named", [])]
         self.tally = {k: dict(v) for k, v in (state.get("tally") or {}).items()}

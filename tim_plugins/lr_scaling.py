@@ -23,7 +23,8 @@ Two ways, for two kinds of framework:
 :func:`store_controller_state` / :func:`restore_controller_state` keep a controller's ``state_dict()`` in the
 optimizer's first param group, so any checkpointing that saves the optimizer saves the controller too;
 :class:`ControllerCheckpoint` is the one rule that keeps a live controller and that stored state in step (verl's
-FSDP optimizers and its Megatron engine use it).
+FSDP optimizers and its Megatron engine use it; under another ``key``, verl's engines carry the cause tracker's state
+the same way).
 """
 
 from __future__ import annotations
@@ -188,15 +189,16 @@ def scaled_optimizer_class(optimizer_cls: type) -> type:
     return _SCALED_CLASSES[optimizer_cls]
 
 
-def store_controller_state(optimizer: torch.optim.Optimizer, controller: Any) -> None:
-    """Keep ``controller.state_dict()`` in ``optimizer.param_groups[0]`` so optimizer checkpoints carry it."""
-    optimizer.param_groups[0][CONTROLLER_STATE_KEY] = controller.state_dict()
+def store_controller_state(optimizer: torch.optim.Optimizer, controller: Any, key: str = CONTROLLER_STATE_KEY) -> None:
+    """Keep ``controller.state_dict()`` in ``optimizer.param_groups[0][key]`` so optimizer checkpoints carry it."""
+    optimizer.param_groups[0][key] = controller.state_dict()
 
 
-def restore_controller_state(optimizer: torch.optim.Optimizer, controller: Any) -> bool:
+def restore_controller_state(optimizer: torch.optim.Optimizer, controller: Any,
+                             key: str = CONTROLLER_STATE_KEY) -> bool:
     """Load the state stored by :func:`store_controller_state` (after ``optimizer.load_state_dict``).
     Returns False, changing nothing, when the optimizer holds none (a fresh run)."""
-    state = optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+    state = optimizer.param_groups[0].get(key)
     if state is None:
         return False
     controller.load_state_dict(copy.deepcopy(state))
@@ -204,8 +206,8 @@ def restore_controller_state(optimizer: torch.optim.Optimizer, controller: Any) 
 
 
 class ControllerCheckpoint:
-    """A live LR controller kept in step with its state in ``optimizer.param_groups[0]``, which the framework's own
-    optimizer checkpoint saves and restores. The rule:
+    """A live LR controller (or any object with ``state_dict`` / ``load_state_dict``) kept in step with its state in
+    ``optimizer.param_groups[0][key]``, which the framework's own optimizer checkpoint saves and restores. The rule:
 
     - ``attach``: continue from a state loaded before the controller was attached (a resumed run);
     - ``sync``, before the controller is fed: continue from a state loaded since the last ``store``, by whatever
@@ -215,21 +217,21 @@ class ControllerCheckpoint:
     ``detach`` drops the controller; the stored state stays in the param group for a later ``attach``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, controller: Any) -> None:
-        self.optimizer, self.controller = optimizer, controller
-        restore_controller_state(optimizer, controller)
-        self._stored = optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+    def __init__(self, optimizer: torch.optim.Optimizer, controller: Any, key: str = CONTROLLER_STATE_KEY) -> None:
+        self.optimizer, self.controller, self.key = optimizer, controller, key
+        restore_controller_state(optimizer, controller, key)
+        self._stored = optimizer.param_groups[0].get(key)
 
     def detach(self) -> None:
         self.controller = None
 
     def sync(self) -> None:
-        stored = self.optimizer.param_groups[0].get(CONTROLLER_STATE_KEY)
+        stored = self.optimizer.param_groups[0].get(self.key)
         if self.controller is not None and stored is not None and stored is not self._stored:
-            restore_controller_state(self.optimizer, self.controller)
+            restore_controller_state(self.optimizer, self.controller, self.key)
             self._stored = stored
 
     def store(self) -> None:
         if self.controller is not None:
-            store_controller_state(self.optimizer, self.controller)
-            self._stored = self.optimizer.param_groups[0][CONTROLLER_STATE_KEY]
+            store_controller_state(self.optimizer, self.controller, self.key)
+            self._stored = self.optimizer.param_groups[0][self.key]

@@ -44,6 +44,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 
 from tim_plugins.by_key import lag_after, turn_keys
+from tim_plugins.lr_scaling import ControllerCheckpoint
 from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
 from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import Truncation
@@ -53,7 +54,11 @@ from .features import SAFE_VOCAB, SYNC_CHECK
 from .micro_batch import MicroBatchKeptSets, PassCells, ResponseLayout, kept_sets_of_micro_batch
 from .sync_check import SyncWatch
 
-__all__ = ["TIMEngineMixin"]
+__all__ = ["CAUSES_STATE_KEY", "TIMEngineMixin"]
+
+# Where the cause tracker's state rides in verl's checkpoint: the actor optimizer's first param group (beside the LR
+# controller's), which verl's FSDP and Megatron checkpoints save and load with the optimizer.
+CAUSES_STATE_KEY = "tim_causes"
 
 # the cut that keeps every token (logits already divided by the temperature): a reference pass's head
 _WHOLE_VOCABULARY = Truncation(temperature=1.0)
@@ -106,6 +111,7 @@ class TIMEngineMixin:
     _tim_truncation = None  # the safe vocabulary's cut (tim_configure), None when it is off
     _tim_reference = False  # inside disable_adapter: a LoRA actor's reference pass
     _tim_sync: SyncWatch | None = None  # the weight-sync check (sync_check.py), with the causes and the feature on
+    _tim_causes_checkpoint: ControllerCheckpoint | None = None  # where verl's checkpoint carries the causes' state
     _TIM_SYNC_FEATURES = (SYNC_CHECK.name,)  # the features the weight-sync check runs on (off if one is)
 
     # -------------------------------------------------------------------------------------- backend hooks
@@ -181,6 +187,7 @@ class TIMEngineMixin:
         self._tim_pipeline = StepPipeline(config.pipeline_config(context), rank=self._tim_dp_rank(), framework="verl",
                                           writes=self._tim_writes_files())
         self._tim_pipeline.audited(context.audit_errors)  # the driver's start-up audit (the causes' sampler rules)
+        self._tim_causes_checkpoint = self._tim_causes_attach()
         for name in features_off:
             self._tim_pipeline.feature_off(name)
         self._tim_sync = SyncWatch(config.sync_check.config(), self._tim_pipeline, self._tim_holds_outputs) \
@@ -210,13 +217,14 @@ class TIMEngineMixin:
     def tim_deconfigure(self) -> None:
         """Switch the hooks off again: from here on the engine computes as verl's own (full-vocabulary log-probs,
         verl's own loss mask, nothing measured, the scheduler's LR unscaled), as before ``tim_configure``. Metrics
-        not popped yet are dropped; the LR controller's state stays where checkpoints carry it, so a later
-        ``tim_configure`` continues from it."""
+        not popped yet are dropped; the LR controller's and the cause tracker's states stay where checkpoints carry
+        them, so a later ``tim_configure`` continues from them."""
         if self._tim is not None and self._tim.lr_decay.enable:
             self._tim_lr_detach()
         self._tim = None
         self._tim_pipeline = None
         self._tim_sync = None
+        self._tim_causes_checkpoint = None
         self._tim_pending = {}
 
     @property
@@ -284,6 +292,31 @@ class TIMEngineMixin:
         causes = self._tim_pipeline.causes if self._tim_pipeline is not None else None
         return {"holds": self._tim_holds_outputs(), "metrics": self.tim_pop_metrics(),
                 "decision": self.tim_pop_decision(), "causes": dict(causes.tally) if causes is not None else {}}
+
+    # ------------------------------------------------------------------------------------- cause checkpoints
+    def _tim_causes_attach(self) -> ControllerCheckpoint | None:
+        """The cause tracker's state (the lag-0 floor's trailing windows, the causes named and their tally) kept in
+        the actor optimizer's first param group under ``CAUSES_STATE_KEY``, so verl's own checkpoint carries it as it
+        carries the LR controller's: a resumed run judges its first floors against the windows before its checkpoint
+        and closes with every cause named since the run began. A state loaded before this call is picked up now,
+        one loaded later at the next window (``_tim_causes_sync``). The parity audit's codes stay this attempt's own
+        (``CauseTracker.load_state_dict``). None without the causes or an optimizer with param groups."""
+        tracker = self._tim_pipeline.causes
+        groups = getattr(getattr(self, "optimizer", None), "param_groups", None)
+        if tracker is None or not groups:
+            return None
+        return ControllerCheckpoint(self.optimizer, tracker, CAUSES_STATE_KEY)
+
+    def _tim_causes_sync(self) -> None:
+        """Before the tracker judges a window: continue from a state verl's ``load_checkpoint`` put in place since."""
+        if self._tim_causes_checkpoint is not None:
+            self._tim_causes_checkpoint.sync()
+
+    def _tim_causes_store(self) -> None:
+        """After the tracker judged a window: its state where verl's next checkpoint saves it. Only a rank that holds
+        outputs stores it (the others' tracker judges no window of its own)."""
+        if self._tim_causes_checkpoint is not None and self._tim_holds_outputs():
+            self._tim_causes_checkpoint.store()
 
     # ------------------------------------------------------------------------------------- per micro-batch
     def _tim_micro_batch_kept(self, micro_batch) -> MicroBatchKeptSets | None:
@@ -441,6 +474,7 @@ class TIMEngineMixin:
         """The pipeline's statistics, merged over the DP group (every DP rank of the ranks that hold outputs runs
         the pass, so all of them call it; the others measure nothing and skip it). An actor update before the global
         step's last measures and dumps its batch; the last one closes the step's window."""
+        self._tim_causes_sync()
         if not self._tim_measured:
             return
         self._tim_measure_pass()
@@ -453,6 +487,7 @@ class TIMEngineMixin:
             self._tim_window = decision
             if decision is not None:
                 self._tim_decision = decision
+            self._tim_causes_store()
         self._tim_pipeline.flush_dump(self._tim_step)
         self._tim_measured = False
 
@@ -521,6 +556,7 @@ class TIMEngineMixin:
         self._tim_updates = 0
         if self._tim_pipeline.by_lag is not None and self._tim_closes:  # every DP rank steps the scheduler: all merge
             # the split's rule (staleness) names its cause in the step's window; the driver acts on the decision
+            self._tim_causes_sync()
             metrics, decision = self._tim_pipeline.close_loss_passes(self._tim_step, sync=True,
                                                                      group=self._tim_dp_group(), raise_on_trip=False)
             self._tim_pending.update(metrics)
@@ -531,4 +567,5 @@ class TIMEngineMixin:
                 window = self._tim_window
                 self._tim_pending.update((decision if window is None else window.merged(decision)).metrics())
             self._tim_window = None
+            self._tim_causes_store()
         return lr * self._tim_lr_scale()

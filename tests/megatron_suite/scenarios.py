@@ -340,10 +340,11 @@ def mean_length(raw) -> float:
     return raw["response_mask"].sum().item() / raw["response_mask"].shape[0]
 
 
-def _lr_config(signals: tuple = ()):
+def _lr_config(signals: tuple = (), monitor: bool = False):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 
-    return TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": {**LR_OPTIONS, "signals": list(signals)}}})
+    return TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": {**LR_OPTIONS, "signals": list(signals)}},
+                                    **({"monitor": {"enable": True}} if monitor else {})})
 
 
 def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int = 1, signals: tuple = ()) -> dict:
@@ -352,12 +353,16 @@ def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int =
     controller's state and metrics after three steps (short, short, long); ``signals``: the controller's extra
     signals (the grad norm: verl reports it on the output-holding rank only). With ``ckpt_dir``: verl's checkpoint
     save, a fresh engine that loads it (configured before the load, as verl's worker is), and one more step on
-    both."""
+    both; the monitor on, so the cause tracker's state rides in the checkpoint too (its state before the save, what
+    the fresh engine's param groups hold after the load, both trackers' states after the step)."""
+    from tim_plugins.integrations.verl.engine_mixin import CAUSES_STATE_KEY
+
     def engine():
         return H.build_engine(model_path, tp=tp, pp=pp, lr=LR, optim_overrides={"lr_decay_style": "constant"})
 
+    config = _lr_config(signals, monitor=ckpt_dir is not None)
     ours = engine()
-    ours.tim_configure(_lr_config(signals))
+    ours.tim_configure(config)
     batches = [H.make_batch(H.VOCAB, batch=4, response=r, seed=s) for r, s in LR_BATCHES]
     lrs, grad_norms = [], []
     for td, _ in batches:
@@ -369,20 +374,23 @@ def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int =
               "state": ours._tim_lr_controller.state_dict(), "metrics": ours.tim_pop_metrics(),
               "holds": ours._tim_holds_outputs()}
     if ckpt_dir is not None:
+        result["causes_state"] = ours._tim_pipeline.causes.state_dict()
         ours.save_checkpoint(ckpt_dir, global_step=3)
         fresh = engine()
         # a torch Adam that never stepped has no state for Megatron's distributed optimizer to load into
         # (megatron/core/optimizer/distrib_optimizer.py:839 asserts one 'step' per param): one stock step first
         td, _ = batches[0]
         H.train_step(fresh, td, H.old_log_probs_padded(H.infer(fresh, td), td))
-        fresh.tim_configure(_lr_config(signals))
+        fresh.tim_configure(config)
         fresh.load_checkpoint(ckpt_dir, del_local_after_load=False)
         result["loaded_state"] = fresh.optimizer.param_groups[0].get("tim_lr_controller")
+        result["loaded_causes"] = fresh.optimizer.param_groups[0].get(CAUSES_STATE_KEY)
         after = []
         for eng in (fresh, ours):
             after.append(H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))[1])
         result["after_lrs"] = after
         result["after_states"] = [e._tim_lr_controller.state_dict() for e in (fresh, ours)]
+        result["after_causes"] = [e._tim_pipeline.causes.state_dict() for e in (fresh, ours)]
         fresh.tim_deconfigure()
     ours.tim_deconfigure()
     _, result["stock_lr"] = H.train_step(ours, td := batches[0][0], H.old_log_probs_padded(H.infer(ours, td), td))

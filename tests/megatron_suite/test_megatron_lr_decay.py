@@ -3,7 +3,7 @@ OptimizerParamScheduler, TP1 in this process and TP2 and PP2 in two (``ranks.py`
 core controller predicts from the same response lengths, shows in the LR ``lr_scheduler_step`` returns (verl's
 actor/lr) and in every param group, is the same on the rank that measures and the ones that do not (the other
 tensor-parallel rank; the pipeline stage before the last, which has no outputs at all), and survives verl's
-Megatron checkpoint save and load."""
+Megatron checkpoint save and load, with the cause tracker's state beside it."""
 
 from __future__ import annotations
 
@@ -42,6 +42,13 @@ def test_lr_decay_fires_when_the_replay_says_and_survives_the_checkpoint_tp1(one
     after = reference.observe(None, run["lengths"][0])  # the reference's fourth observation
     assert run["after_lrs"] == [scenarios.LR * after] * 2  # resumed and uninterrupted: the same LR
     assert run["after_states"][0] == run["after_states"][1] == reference.state_dict()
+    # and the cause tracker's (the monitor on): the fresh engine judged its step against the three windows before
+    # the checkpoint, as the engine that went on did
+    saved = run["causes_state"]
+    assert len(saved["floor"]) == 3 and run["loaded_causes"] == saved
+    resumed, went_on = run["after_causes"]
+    assert len(went_on["floor"]) == 4 and went_on["floor"][:3] == saved["floor"]
+    assert resumed["floor"] == pytest.approx(went_on["floor"], rel=1e-6) and resumed["tally"] == went_on["tally"]
 
 
 def test_lr_decay_is_the_same_on_every_tensor_parallel_rank(two_ranks):

@@ -5,8 +5,8 @@ printed. Three runs share one working directory, in order (each ~2 minutes on a 
 1. the recipe: fp32 on both sides, safe vocabulary on both sides (trainer min-p + the vLLM min-p processor at the
    same value), the monitor, LR decay with options that fire within the first steps, checkpoint at step 4;
 2. resumed from run 1's checkpoint with a bf16 rollout (a real mismatch), min-p alone (no top-p / top-k: see
-   ``resumed_run``) and a probe limit below it: the LR scale
-   carries over, tim's k3 equals verl's on the same batch, and the probe ends training after step 5 with a
+   ``resumed_run``) and a probe limit below it: the LR scale and the causes' trailing floor
+   carry over, tim's k3 equals verl's on the same batch, and the probe ends training after step 5 with a
    checkpoint and exit code 0;
 3. run 1's overrides with a different rollout min-p: refused at start-up with the documented message.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import statistics
 
 import pytest
 
@@ -307,6 +308,19 @@ def test_resume_keeps_the_lr_scale(recipe_run, resumed_run):
     assert first["tim/lr/scale"] == last["tim/lr/scale"] < 1.0  # cooldown 100: no second trigger
     assert first["tim/lr/trigger_count"] == 1.0
     assert first["actor/lr"] == pytest.approx(BASE_LR * last["tim/lr/scale"], rel=1e-9)
+
+
+def test_resume_judges_its_first_floor_against_the_checkpointed_windows(recipe_run, resumed_run):
+    """verl's checkpoint carries the cause tracker's state (in the actor optimizer's param groups, as the LR
+    controller's): the resumed run's first window (bf16 rollout) is judged against the recipe run's four (fp32
+    noise, none of them a jump), where a fresh tracker has no trailing window (NaN). The floor rose a thousandfold
+    but by less than the rule's 0.05 nats: nothing is named (test_the_fault_free_runs_name_no_cause)."""
+    floors = recipe_run.series("tim/token/abs_diff_mean")
+    assert len(floors) == 4 and max(floors) < FP32_ABS_DIFF_MEAN
+    m = resumed_run.steps[5]
+    want = m["tim/token/abs_diff_mean"] / statistics.median(floors)
+    assert m["tim/cause/floor_jump"] == pytest.approx(want, rel=1e-9)
+    assert want > 4.0  # the rule's factor: only the 0.05-nat gap keeps it unnamed
 
 
 def test_tim_k3_equals_verl_k3_with_a_real_mismatch(resumed_run):

@@ -269,6 +269,75 @@ def test_staleness_is_named_when_it_explains_an_unhealthy_log_ratio():
     assert out["tim/staleness/token/kl_k3"] > 0.015 and out["tim/cause/named"] == 0 and pipe.causes.named == []
 
 
+def _naive_k3(d: torch.Tensor) -> float:
+    d = d.double()
+    return float((torch.expm1(d) - d).mean())
+
+
+@pytest.mark.parametrize("floor_noise, stale_noise, named", [
+    (1e-3, 0.3, True),  # stale k3 ~0.045 over a ~5e-7 floor: the move is the whole of it
+    (1e-3, 0.1, False),  # stale k3 ~0.005: ordinary PPO reuse (staleness_k3 0.015)
+    (0.5, 0.7, False),  # a floor of ~0.16 (the mismatch) under a stale k3 of ~0.27: a move above staleness_k3
+    # but a third of the stale tokens' k3
+])
+def test_an_asynchronous_trainers_staleness_is_named_by_lag(floor_noise, stale_noise, named):
+    """No π_old at each sample's weights (``measure_lagged`` / ``loss_pass_lagged``): the rule reads the window's
+    statistics by lag. Reference: k3 by its definition over each lag's tokens, the stale tokens' (lag >= 1) pooled,
+    less the lag-0 floor, against staleness_k3 and staleness_share."""
+    g = torch.Generator().manual_seed(11)
+    rollout, _, mask = _batch(n=60)
+    lag = torch.tensor([0] * 20 + [1] * 24 + [3] * 16).view(-1, 1).expand(mask.shape)
+    d = torch.where(lag == 0, floor_noise, stale_noise) * torch.randn(rollout.shape, generator=g)
+    current = rollout + d
+    pipe = _pipeline()
+    pipe.measure_lagged(rollout, current, mask, lag[:, 0])
+    pipe.loss_pass_lagged(rollout, current, mask, lag[:, 0])
+    out = pipe.compute(1, sync=False)[0]
+    floor, stale = _naive_k3(d[lag == 0]), _naive_k3(d[lag >= 1])
+    part = stale - floor
+    assert out["tim/by_lag/0/kl_k3"] == pytest.approx(floor, rel=1e-4, abs=1e-9)
+    assert (part > 0.015 and part >= 0.5 * stale) == named, (floor, stale)
+    if floor_noise == 0.5:  # the share decides here, not staleness_k3
+        assert part > 0.015 and part < 0.5 * stale, (floor, stale)
+    assert out["tim/cause/named"] == float(named)
+    if named:
+        (cause,) = pipe.causes.named
+        assert cause.code == "staleness" and "1 to 3 optimizer steps" in cause.message
+        assert cause.evidence["stale_tokens"] == 40 * 8
+        assert cause.evidence["stale_k3"] == pytest.approx(stale, rel=1e-4)
+        assert cause.evidence["staleness_k3"] == pytest.approx(part, rel=1e-4)
+    # the same window without lag-0 tokens: the floor is unobserved, nothing is judged
+    pipe = _pipeline()
+    pipe.measure_lagged(rollout, current, mask, lag[:, 0] + 1)
+    pipe.loss_pass_lagged(rollout, current, mask, lag[:, 0] + 1)
+    out = pipe.compute(1, sync=False)[0]
+    assert "tim/by_lag/0/count" not in out or not out["tim/by_lag/0/count"]
+    assert out["tim/cause/named"] == 0.0
+
+
+def test_the_exact_split_decides_where_there_is_one_not_the_lags():
+    """A synchronous trainer's loss passes carry the exact split, which decides: a reused batch whose later pass
+    moved further along the mismatch (s = m / 2, so d = 1.5 m at lag 2) reads as staleness by lag (k3 2.25x the
+    lag-0 floor) but the split finds a staleness part of under a tenth of the variance: not named."""
+    g = torch.Generator().manual_seed(12)
+    rollout, _, mask = _batch()
+    m = 0.3 * torch.randn(rollout.shape, generator=g)
+    train, current = rollout + m, rollout + 1.5 * m
+    pipe = _pipeline()
+    pipe.measure(rollout, train, mask)
+    pipe.loss_pass(rollout, train, train, mask, lag=torch.zeros_like(mask, dtype=torch.long))
+    pipe.loss_pass(rollout, train, current, mask, lag=torch.full(mask.shape, 2))
+    out = pipe.compute(1, sync=False)[0]
+    floor, stale = _naive_k3(m), _naive_k3(1.5 * m)
+    assert out["tim/by_lag/2/kl_k3"] == pytest.approx(stale, rel=1e-4)
+    assert stale - floor > 0.015 and stale - floor >= 0.5 * stale  # the rule by lag would name it
+    # the split over both passes' tokens by its naive formula, Var(current - train) / Var(current - rollout)
+    s_all, d_all = torch.cat([torch.zeros_like(m), 0.5 * m]).double(), torch.cat([m, 1.5 * m]).double()
+    share = float(s_all.var(correction=0) / d_all.var(correction=0))
+    assert out["tim/split/staleness_var_share"] == pytest.approx(share, rel=1e-4) and share < 0.1
+    assert out["tim/cause/named"] == 0.0 and pipe.causes.named == []
+
+
 def test_truncation_needs_the_audits_finding_and_the_kept_mass_bias():
     rollout, train, mask = _batch()
     kept = math.log(0.85)

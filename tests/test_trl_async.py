@@ -144,6 +144,38 @@ def test_lag_zero_is_a_flat_floor_and_k3_grows_with_lag(async_run, toy_model_pat
           [f"{v:.3g}" for v in floor])
 
 
+def test_staleness_by_lag_is_named_live_where_the_reference_says(async_run, toy_model_path):
+    """AsyncGRPOTrainer computes no π_old at each sample's weights, so the staleness cause reads the statistics by
+    lag: named at a step where the tokens trained at lag >= 1 have a k3 whose part above the lag-0 floor is at least
+    half of it and above 0.015 (CauseConfig's staleness_share and staleness_k3), with TRL's fix in the closing line.
+    Reference: those k3 by their definition over the reference's log-ratios of the step (no judgement at a step
+    without lag-0 tokens)."""
+    from tim_plugins.causes import cause_fix
+
+    trainer, cb, engine, passes, _ = async_run
+    ref = reference_passes(toy_model_path, engine, passes)
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    want = []
+    for step, samples in sorted(ref.items()):
+        zero = [d for lag, d, _ in samples if lag == 0]
+        stale = [d for lag, d, _ in samples if lag >= 1]
+        if not zero or not stale:
+            continue
+        floor, k3 = (_stats(np.concatenate(x))["kl_k3"] for x in (zero, stale))
+        part = k3 - floor
+        # the 1e-3-relative agreement of the logged k3 (test_by_lag_equals_the_reference_per_step) decides no step
+        assert abs(part - 0.015) > 0.01 * part and abs(part - 0.5 * k3) > 0.01 * k3, (step, floor, k3)
+        if part > 0.015 and part >= 0.5 * k3:
+            want.append(step)
+    named = [step for step, h in sorted(logged.items()) if h["tim/cause/named"]]
+    assert named == want and len(want) >= 2, (named, want)
+    assert {c.code for c in cb.pipeline.causes.named} == {"staleness"}
+    assert cb.pipeline.causes.summary_lines() == [
+        f"tim-plugins: this run named [staleness] in {len(want)} windows, steps {want[0]} to {want[-1]} (first: "
+        f"{cb.pipeline.causes.tally['staleness']['message']}). Fix (TRL): {cause_fix('staleness', 'trl')}"]
+    assert "max_staleness" in cause_fix("staleness", "trl")
+
+
 def test_report_answers_mismatch_or_staleness_from_the_dump_folder(async_run, toy_model_path):
     """`tim-plugins report DUMP_DIR` of the async run: the section's lag table holds the reference's token counts
     and pooled k3, the verdict names staleness (with TRL's fix); the dump holds the lag-0 tokens (the measurement

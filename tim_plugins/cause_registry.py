@@ -148,11 +148,15 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        {"tim_plugins": "look at the weight sync (and the reset of the engine's prefix cache after it) and the "
                        "engine's settings at that step; the report's per-step panels show when it started"}),
     _C("staleness", "split", "staleness, not mismatch, makes the log-ratio unhealthy",
-       "The trainer reuses a batch after optimizer steps: the policy moved since sampling. The parity fixes "
-       "cannot reduce that part.",
+       "The trainer reuses a batch after optimizer steps, or an asynchronous trainer trains samples drawn by "
+       "older weights: the policy moved since sampling. The parity fixes cannot reduce that part.",
        "the staleness part explains >= staleness_share of Var(log-ratio) and its own k3 (the policy's move since "
-       "sampling) is above staleness_k3, PPO's usual early stop on a reused batch (1.5 x a target KL of 0.01)",
-       {"tim_plugins": "a lower learning rate, or fewer optimizer updates per sampled batch"}),
+       "sampling) is above staleness_k3, PPO's usual early stop on a reused batch (1.5 x a target KL of 0.01); in "
+       "an asynchronous trainer (no π_old at each sample's weights, so no exact split), by policy lag: the k3 of "
+       "the tokens trained at lag >= 1 less the lag-0 floor is >= staleness_share of their k3 and above "
+       "staleness_k3",
+       {"tim_plugins": "a lower learning rate, or fewer optimizer updates per sampled batch; in an asynchronous "
+                       "trainer, fresher samples (a lower staleness bound)"}),
     _C("truncation", "split", "the sampler's truncation, applied on the rollout side only",
        "Processed rollout log-probs are renormalised over the kept set, the trainer's over the full vocabulary: "
        "every ratio reads the kept mass (TRL #6789, verl #6240).",

@@ -36,7 +36,9 @@ Families, and where their evidence comes from:
   numerics, and it moves with each batch's distributions (vLLM's min-p 0.05 on the toy model: 0.013-0.025 nats at
   odd steps, 0.07-0.13 at even ones, every weight synced); ``tim/cause/floor_jump`` still reports the ratio;
 - **staleness** (``staleness``): the policy moved between sampling and the loss pass, and that part of the
-  log-ratio is what makes it unhealthy (``tim/split/*``, ``tim/staleness/*`` of ``tim_plugins.staleness``);
+  log-ratio is what makes it unhealthy (``tim/split/*``, ``tim/staleness/*`` of ``tim_plugins.staleness``; an
+  asynchronous trainer, which computes no π_old at each sample's weights: ``tim/by_lag/*``, the stale tokens' k3
+  above the lag-0 floor);
 - **truncation** (``truncation``): the sampler truncates and the trainer does not (the parity audit's
   ``sampler-truncation-unmatched``), and the measured ρ shows the kept-mass bias.
 
@@ -67,7 +69,7 @@ from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, UNMATC
 __all__ = [
     "CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseConfig", "CauseInfo", "CauseTracker", "FloorHistory",
     "UNMATCHED_PROCESSING", "cause_fix", "causes_markdown", "confident_disagreements", "run_summary_lines",
-    "summarize_names", "tally_cause",
+    "summarize_names", "tally_cause", "window_by_lag",
 ]
 
 logger = logging.getLogger("tim_plugins.causes")
@@ -89,7 +91,8 @@ class CauseConfig:
         "... and more than this many nats above it")})
     floor_window: int = field(default=8, metadata={"help": "windows in the trailing median of the lag-0 floor"})
     staleness_share: float = field(default=0.5, metadata={"help": (
-        "staleness is named when its part explains at least this share of Var(log-ratio) ...")})
+        "staleness is named when its part explains at least this share of Var(log-ratio) (an asynchronous "
+        "trainer: of the k3 of the tokens trained at lag >= 1, their k3 above the lag-0 floor) ...")})
     staleness_k3: float = field(default=0.015, metadata={"help": (
         "... and its k3 (the policy's move since sampling) is above this: PPO's usual early stop of updates on one "
         "batch, 1.5 x a target KL of 0.01 (a reused batch below it is ordinary PPO, not a cause)")})
@@ -300,6 +303,8 @@ class CauseTracker:
 
     def _staleness_causes(self, step: int, metrics: dict) -> list[Cause]:
         c, out = self.config, []
+        if not (_finite(metrics.get("tim/split/tokens")) and metrics["tim/split/tokens"] > 0):
+            return self._lag_staleness_causes(step, metrics)  # no exact split: an asynchronous trainer
         share = metrics.get("tim/split/staleness_var_share")
         k3 = metrics.get("tim/staleness/token/kl_k3")
         limit = c.staleness_k3
@@ -308,6 +313,33 @@ class CauseTracker:
                                                 f"variance and its k3 is {k3:.3g} (ordinary PPO reuse <= {limit:g})",
                              evidence={"staleness_var_share": share, "staleness_k3": k3}))
         return out
+
+    def _lag_staleness_causes(self, step: int, metrics: dict) -> list[Cause]:
+        """The staleness rule where π_old at each sample's rollout weights is never computed (an asynchronous
+        trainer: ``tim/by_lag/*`` alone). d = s + m with s = 0 at lag 0, and for small log-ratios k3 ≈ E[d²]/2, so
+        the k3 of the tokens trained at lag >= 1 less the lag-0 floor estimates the staleness part's own k3: named
+        when that part is at least ``staleness_share`` of their k3 and above ``staleness_k3``. The floor is the
+        window's lag-0 tokens' k3, else the monitor's (``tim/token/kl_k3``: the lag-0 tokens it measured); without
+        either nothing is judged."""
+        c = self.config
+        lags = window_by_lag(metrics)
+        stale = [(n, k3) for lag, (n, k3) in lags.items() if lag >= 1]
+        floor = lags[0][1] if 0 in lags else metrics.get("tim/token/kl_k3")
+        if not stale or not _finite(floor):
+            return []
+        tokens = sum(n for n, _ in stale)
+        k3 = sum(n * v for n, v in stale) / tokens
+        part = k3 - max(float(floor), 0.0)
+        if not (part > c.staleness_k3 and part >= c.staleness_share * k3):
+            return []
+        oldest = max(lag for lag in lags if lag >= 1)
+        after = "1 optimizer step" if oldest == 1 else f"1 to {oldest} optimizer steps"
+        return [Cause("staleness", step, f"the {int(tokens)} tokens trained {after} after the weights that "
+                                         f"sampled them have k3 {k3:.3g} against {float(floor):.3g} at "
+                                         f"lag 0: the policy's move is {part / k3:.0%} of it, k3 {part:.3g} "
+                                         f"(ordinary PPO reuse <= {c.staleness_k3:g})",
+                      evidence={"stale_k3": k3, "lag0_k3": float(floor), "stale_tokens": tokens,
+                                "staleness_k3": part})]
 
     def _truncation_causes(self, step: int, metrics: dict) -> list[Cause]:
         c, out = self.config, []
@@ -356,4 +388,18 @@ class CauseTracker:
 
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def window_by_lag(metrics: dict) -> dict[int, tuple[float, float]]:
+    """{policy lag: (tokens, k3)} of one window's ``tim/by_lag/<lag>/*`` (an open-ended last bucket ``<k>+`` as k),
+    the lags with tokens and a finite k3 only."""
+    out = {}
+    for key, n in metrics.items():
+        if not (key.startswith("tim/by_lag/") and key.endswith("/count")) or not _finite(n) or n <= 0:
+            continue
+        label = key[len("tim/by_lag/"):-len("/count")]
+        k3 = metrics.get(f"tim/by_lag/{label}/kl_k3")
+        if label.rstrip("+").isdigit() and _finite(k3):
+            out[int(label.rstrip("+"))] = (float(n), float(k3))
+    return out
 

@@ -121,6 +121,7 @@ CAUSE_FIXES = {
                   "prefix-cache reset after it (the server's clear_kv_cache), the rollout server, the sampling "
                   "settings; with all of them in order, a policy that moves nats per token per step (actor/ppo_kl and "
                   "the loss exploding) raises the floor with it: a lower actor_rollout_ref.actor.optim.lr",
-    "staleness": PART_FIXES["staleness"],
+    "staleness": PART_FIXES["staleness"] + "; in tim_colocate_async / tim_separate_async, "
+                 + PART_FIXES["staleness_async"],
     "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

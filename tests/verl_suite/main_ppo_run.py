@@ -209,6 +209,26 @@ class Run:
         """(code, step) of each cause console line (``tim-plugins cause [<code>] at step <n>: ...``), in order."""
         return [(m.group(1), int(m.group(2))) for m in _CAUSE_LINE.finditer(self.output)]
 
+    def lag_staleness_steps(self) -> list[int]:
+        """The steps an asynchronous mode's staleness rule should name, recomputed from each step's logged
+        ``tim/by_lag/<lag>/count`` and ``/kl_k3`` (``CauseConfig``'s thresholds): the tokens trained at lag >= 1
+        have a pooled k3 whose part above the lag-0 floor (the lag-0 tokens', else ``tim/token/kl_k3``) is at
+        least ``staleness_share`` of it and above ``staleness_k3``."""
+        from tim_plugins.causes import CauseConfig
+
+        c, out = CauseConfig(), []
+        for step, m in sorted(self.steps.items()):
+            lags = {int(k.split("/")[2].rstrip("+")): (v, m[k.replace("/count", "/kl_k3")]) for k, v in m.items()
+                    if k.startswith("tim/by_lag/") and k.endswith("/count") and v > 0}
+            stale = [(n, k3) for lag, (n, k3) in lags.items() if lag >= 1]
+            floor = lags[0][1] if 0 in lags else m.get("tim/token/kl_k3", math.nan)
+            if not stale or not math.isfinite(floor):
+                continue
+            k3 = sum(n * v for n, v in stale) / sum(n for n, _ in stale)
+            if k3 - floor > c.staleness_k3 and k3 - floor >= c.staleness_share * k3:
+                out.append(step)
+        return out
+
 
 def parse_console(output: str) -> dict[int, dict[str, float]]:
     """verl's console logger: ``step:N - key:value - key:value ...`` (values via pprint, floats exact; numpy scalars

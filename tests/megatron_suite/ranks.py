@@ -55,7 +55,9 @@ def main() -> None:
     result["pp2"] = scenarios.stock_vs_tim(args.model, tp=1, pp=world, dump_dir=os.path.join(args.out, "dump_pp2"))
     # the grad norm as an extra signal: verl reports it on the last stage only, so the first stage's controller sees
     # it only through the engine's sharing of the holders' decision and state
-    result["pp2_lr"] = scenarios.lr_decay(args.model, tp=1, pp=world, signals=("grad_norm",))
+    # and through verl's Megatron checkpoint: each stage's param groups carry its own states
+    result["pp2_lr"] = scenarios.lr_decay(args.model, tp=1, pp=world, signals=("grad_norm",),
+                                          ckpt_dir=os.path.join(args.out, "ckpt_pp2", "global_step_3"))
     result["pp2_fused"] = scenarios.fused_safe_vocab(args.model, tp=1, pp=world)
     result["pp2_replay"] = scenarios.replay(args.model, tp=1, pp=world)
     scenarios.reset_parallel_state()

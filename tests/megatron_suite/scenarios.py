@@ -355,8 +355,6 @@ def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int =
     save, a fresh engine that loads it (configured before the load, as verl's worker is), and one more step on
     both; the monitor on, so the cause tracker's state rides in the checkpoint too (its state before the save, what
     the fresh engine's param groups hold after the load, both trackers' states after the step)."""
-    from tim_plugins.integrations.verl.engine_mixin import CAUSES_STATE_KEY
-
     def engine():
         return H.build_engine(model_path, tp=tp, pp=pp, lr=LR, optim_overrides={"lr_decay_style": "constant"})
 
@@ -384,6 +382,9 @@ def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int =
         fresh.tim_configure(config)
         fresh.load_checkpoint(ckpt_dir, del_local_after_load=False)
         result["loaded_state"] = fresh.optimizer.param_groups[0].get("tim_lr_controller")
+        # imported once an engine is built: verl's import loads the plugin, which imports this module's engine
+        from tim_plugins.integrations.verl.engine_mixin import CAUSES_STATE_KEY
+
         result["loaded_causes"] = fresh.optimizer.param_groups[0].get(CAUSES_STATE_KEY)
         after = []
         for eng in (fresh, ours):

@@ -7,6 +7,8 @@ Megatron checkpoint save and load, with the cause tracker's state beside it."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 import scenarios
@@ -62,7 +64,8 @@ def test_lr_decay_is_the_same_on_every_tensor_parallel_rank(two_ranks):
 def test_lr_decay_is_the_same_on_every_pipeline_stage(two_ranks):
     """PP2 with the grad norm as an extra signal (``combine="any"``: the length still fires): verl reports the grad
     norm on the last stage only, and the first stage's layers step with the last stage's scale and its controller
-    holds the last stage's state, grad norms included."""
+    holds the last stage's state, grad norms included; both survive verl's Megatron checkpoint, with the cause
+    tracker's state on the last stage."""
     first, last = (two_ranks[r]["pp2_lr"] for r in (0, 1))
     assert last["holds"] and not first["holds"]
     assert first["grad_norms"] == [None] * 3 and all(g > 0 for g in last["grad_norms"])
@@ -77,3 +80,19 @@ def test_lr_decay_is_the_same_on_every_pipeline_stage(two_ranks):
     assert reference.state_dict()["trackers"]["grad_norm"] != LengthTriggeredLRDecay(
         **scenarios.LR_OPTIONS, signals=("grad_norm",)).state_dict()["trackers"]["grad_norm"]  # it saw grad norms
     assert last["metrics"]["tim/lr/scale"] == 0.5 and first["metrics"] == {}
+    # verl's Megatron checkpoint, saved and loaded by both stages: each gets its controller state back, and the last
+    # stage (the one that measures) its cause tracker's; the first stage's tracker judges nothing and stores none
+    # the step after: the engine that went on feeds its last step's grad norm, the resumed one has none yet (the
+    # engine's last grad norm is not checkpointed: the controller counts the signal skipped once)
+    resumed_ref = copy.deepcopy(reference)
+    after = [resumed_ref.observe(None, last["lengths"][0], grad_norm=None),
+             reference.observe(None, last["lengths"][0], grad_norm=last["grad_norms"][-1])]
+    for run in (first, last):
+        assert run["loaded_state"] == run["state"]
+        assert run["after_lrs"] == [scenarios.LR * a for a in after]
+        assert run["after_states"] == [resumed_ref.state_dict(), reference.state_dict()]
+    assert first["loaded_causes"] is None and first["causes_state"]["floor"] == []
+    assert len(last["causes_state"]["floor"]) == 3 and last["loaded_causes"] == last["causes_state"]
+    resumed, went_on = last["after_causes"]
+    assert went_on["floor"][:3] == last["causes_state"]["floor"] and len(went_on["floor"]) == 4
+    assert resumed["floor"] == pytest.approx(went_on["floor"], rel=1e-6)

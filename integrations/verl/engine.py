@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import sys
+
 import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -235,3 +237,9 @@ class _SafeFusedForward:
                                 temperature=float(temperature), compute_entropy=self.want_entropy, check_ids=False)
         return _SafeFusedOutput(log_probs=res.logprobs, entropy=res.entropy, packed=self.packed,
                                 safe={"in_safe": res.in_safe, "pruned_mass": res.pruned_mass, "size": res.size})
+
+
+# verl's plugins, this package's among them, load at the first ``import verl``: where that was this module's own (a
+# script that imports it before verl), the plugin waited for the import to end (``plugin._IMPORTED_BEFORE_VERL``)
+if (_plugin := sys.modules.get(__name__.rsplit(".", 1)[0] + ".plugin")) is not None:
+    _plugin.register_deferred()

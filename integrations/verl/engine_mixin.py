@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from typing import Any, Callable
 
 import torch
@@ -569,3 +570,9 @@ class TIMEngineMixin:
             self._tim_window = None
             self._tim_causes_store()
         return lr * self._tim_lr_scale()
+
+
+# verl's plugins, this package's among them, load at the first ``import verl``: where that was this module's own (a
+# script that imports it before verl), the plugin waited for the import to end (``plugin._IMPORTED_BEFORE_VERL``)
+if (_plugin := sys.modules.get(__name__.rsplit(".", 1)[0] + ".plugin")) is not None:
+    _plugin.register_deferred()

@@ -414,3 +414,9 @@ class _ModelCall:
                 kwargs["output_processor"] = self.head
             return original(*args, **kwargs)
         return forward
+
+
+# verl's plugins, this package's among them, load at the first ``import verl``: where that was this module's own (a
+# script that imports it before verl), the plugin waited for the import to end (``plugin._IMPORTED_BEFORE_VERL``)
+if (_plugin := sys.modules.get(__name__.rsplit(".", 1)[0] + ".plugin")) is not None:
+    _plugin.register_deferred()

@@ -13,9 +13,35 @@ from __future__ import annotations
 import sys
 import traceback
 
-__all__ = ["REGISTERED", "V1_TRAINER_PACKAGES", "register"]
+__all__ = ["REGISTERED", "V1_TRAINER_PACKAGES", "register", "register_deferred"]
 
 REGISTERED: dict[str, object] = {}
+
+# The modules a script may import before verl (to subclass an engine, say), each with the name it defines last: their
+# own verl imports load verl's plugins, this one, while they are half-imported, and registering then would import
+# them again half-built. The plugin defers instead, and each of them completes it when its import ends
+# (``register_deferred`` on its last line).
+_IMPORTED_BEFORE_VERL = {"engine_mixin": "TIMEngineMixin", "engine": "TIMFSDPEngineWithLMHead",
+                         "megatron_engine": "TIMMegatronEngineWithLMHead"}
+_DEFERRED: list[str] = []  # the half-imported module a registration waits for
+
+
+def _half_imported() -> str | None:
+    """The module of ``_IMPORTED_BEFORE_VERL`` whose import is in progress (in ``sys.modules`` without its class)."""
+    package = __name__.rsplit(".", 1)[0]
+    for name, defined in _IMPORTED_BEFORE_VERL.items():
+        module = sys.modules.get(f"{package}.{name}")
+        if module is not None and not hasattr(module, defined):
+            return module.__name__
+    return None
+
+
+def register_deferred() -> None:
+    """The registration a half-imported module deferred (``_IMPORTED_BEFORE_VERL``), once no such import is in
+    progress: called by those modules when their import ends; nothing when none was deferred."""
+    if _DEFERRED and _half_imported() is None:
+        _DEFERRED.clear()
+        register()
 
 # Modules verl 0.9's V1 trainer (its default) imports without declaring them -> the distribution that provides
 # each; the ``[verl]`` extra installs them.
@@ -133,8 +159,13 @@ def _guard_legacy_trainer(off: dict) -> object | None:
 
 
 def register() -> dict[str, object]:
-    """Idempotent: registers once per process and returns what was registered."""
+    """Idempotent: registers once per process and returns what was registered ({} while deferred: verl loaded this
+    plugin from inside a half-imported module of this package, ``register_deferred``)."""
     if REGISTERED:
+        return REGISTERED
+    half = _half_imported()
+    if half is not None:
+        _DEFERRED[:] = [half]
         return REGISTERED
     from tim_plugins._optional import note_version
 

@@ -66,3 +66,27 @@ def test_plugin_registers_the_features_that_hold():
     assert result.startswith("RESULT None ['verl_engine'] [") and "tim_sync" in result
     lines = [x for x in proc.stderr.splitlines() if "tim_plugins:" in x and "is off" in x]
     assert len(lines) == 1 and "monitor + safe vocabulary in verl's FSDP actor engine is off" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["engine_mixin", "engine"])
+def test_a_script_that_imports_an_engine_module_before_verl_still_registers_it(module):
+    """A script that imports the engine's module before verl (to subclass the engine, say): that import's own verl
+    imports load verl's plugins, this one, while the module is half-imported. The plugin waits for the import to end
+    (``plugin.register_deferred``) and registers everything then; before, it failed with a circular import and verl
+    picked its own engine."""
+    code = textwrap.dedent(f"""
+        import tim_plugins.integrations.verl.{module}
+        from verl.workers.engine import EngineRegistry
+        from tim_plugins.integrations.verl import plugin
+        from tim_plugins.integrations.verl.engine import TIMFSDPEngineWithLMHead
+        picked = EngineRegistry.get_engine_cls("language_model", "fsdp2")
+        print("RESULT", picked is TIMFSDPEngineWithLMHead, plugin.REGISTERED["engine"] is picked,
+              sorted(plugin.REGISTERED["trainer_modes"]))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}  # verl's entry-point loading, as users
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert result.startswith("RESULT True True [") and "'tim_sync'" in result, result
+    assert "loading the verl plugin" not in proc.stderr and "circular import" not in proc.stderr

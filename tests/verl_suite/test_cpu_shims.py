@@ -132,6 +132,77 @@ def test_verl_keeps_pi_old_as_a_cpu_copy_that_aliases_cpu_parameters():  # shim 
     assert callable(fsdp_utils.fsdp2_sharded_save_to_cpu)
 
 
+def test_verl_pins_the_forward_only_reference_which_needs_an_accelerator():  # shim 11
+    text = _source("verl.workers.engine.fsdp.transformer_impl")
+    build = text[text.index("    def _build_fsdp_module(self, module):"):]
+    build = build[:build.index("\n    def ", 10)]
+    assert "# - ref: CPUOffloadPolicy(pin_memory=True)" in build
+    assert ("if self.engine_config.offload_policy or self.engine_config.forward_only:\n"
+            "                self._is_offload_param = False\n"
+            "                self._is_offload_optimizer = False\n"
+            "                offload_policy = CPUOffloadPolicy(pin_memory=True)\n") in build
+    assert build.count("= CPUOffloadPolicy(") == 1  # the one policy the shim answers
+    assert "class FSDPEngineWithLMHead(FSDPEngine):" in text and text.count("def _build_fsdp_module(") == 1
+    config = Path(importlib.util.find_spec("verl.trainer.config").origin).parent / "_generated_ppo_trainer.yaml"
+    ref = config.read_text()
+    ref = ref[ref.index("\n  ref:\n"):]
+    ref = ref[:ref.index("\n  rollout:\n")]
+    assert "\n      forward_only: true\n" in ref  # the reference engine is the forward_only one
+    param = _source("torch.distributed.fsdp._fully_shard._fsdp_param")
+    assert "if self.pin_memory:\n                padded_sharded_param = padded_sharded_param.pin_memory()" in param
+
+
+# verl's own FSDPEngine._build_fsdp_module on a toy model (one gloo rank, this CPU): the reference's build
+# (forward_only, FSDP2) and, for the shim's narrowness, an actor's with offload_policy=true; prints each outcome.
+_BUILD = """
+import sys, types, torch, torch.distributed as dist
+import cpu_shims
+if sys.argv[2] == "without":  # every shim but 11 (the CPU platform is one of them)
+    cpu_shims.HOOKS["verl.workers.engine.fsdp.transformer_impl"] = cpu_shims._fsdp1_without_sync
+cpu_shims.install()
+from torch.distributed.device_mesh import init_device_mesh
+from verl.workers.config.engine import FSDPEngineConfig
+from verl.workers.engine.fsdp import transformer_impl as ti
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+for forward_only, offload_policy in ((True, False), (False, True)):
+    engine = object.__new__(ti.FSDPEngineWithLMHead)
+    engine.engine_config = FSDPEngineConfig(strategy="fsdp2", forward_only=forward_only, offload_policy=offload_policy,
+                                            wrap_policy={"transformer_layer_cls_to_wrap": ["Linear"]},
+                                            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"})
+    engine.model_config = types.SimpleNamespace(lora_rank=0, enable_activation_offload=False)
+    engine.device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model.config = types.SimpleNamespace(tie_word_embeddings=False)  # what verl reads of a transformers model
+    want = model(torch.ones(1, 4)).sum().item()
+    try:
+        built = engine._build_fsdp_module(model)
+        pinned = any(p.to_local().is_pinned() for p in built.parameters())
+        print("BUILT", forward_only, pinned, built(torch.ones(1, 4)).sum().item() == want, ti.CPUOffloadPolicy.__name__)
+    except RuntimeError as err:
+        print("FAILED", forward_only, "Cannot access accelerator device when none is available" in str(err))
+"""
+
+
+def test_unpinned_reference_build_in_a_fresh_process(tmp_path):  # shim 11, on verl's own build
+    """With the shims, verl builds the forward_only FSDP2 reference here, unpinned and computing as the model did; an
+    actor's ``offload_policy=true`` still asks for pinned memory and fails as without them (the shim is narrow),
+    verl's ``CPUOffloadPolicy`` is back in place after each build; without shim 11 the reference fails too."""
+    import torch
+
+    assert not torch.accelerator.is_available()  # what shim 11 keys on
+    env = {k: v for k, v in os.environ.items() if k != "TIM_TEST_CPU_SHIMS"}  # the script installs them itself
+    env.update(PYTHONPATH=str(CPU_SITE), VERL_USE_EXTERNAL_PLUGINS="none", VERL_PLATFORM="cpu")
+    results = {}
+    for shim in ("with", "without"):
+        out = subprocess.run([sys.executable, "-c", _BUILD, str(tmp_path / f"store-{shim}"), shim], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[shim] = [line.split() for line in out.stdout.splitlines() if line.startswith(("BUILT", "FAILED"))]
+    assert results["with"] == [["BUILT", "True", "False", "True", "CPUOffloadPolicy"], ["FAILED", "False", "True"]]
+    assert results["without"] == [["FAILED", "True", "True"], ["FAILED", "False", "True"]]
+
+
 def test_run_scoped_socket_in_a_fresh_process():  # shim 9: the path verl builds, with the run's id in it
     code = (
         "from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender as S, "

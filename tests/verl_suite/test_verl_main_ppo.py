@@ -5,9 +5,10 @@ printed. Three runs share one working directory, in order (each ~2 minutes on a 
 1. the recipe: fp32 on both sides, safe vocabulary on both sides (trainer min-p + the vLLM min-p processor at the
    same value), the monitor, LR decay with options that fire within the first steps, checkpoint at step 4;
 2. resumed from run 1's checkpoint with a bf16 rollout (a real mismatch), min-p alone (no top-p / top-k: see
-   ``resumed_run``) and a probe limit below it: the LR scale and the causes' trailing floor
-   carry over, tim's k3 equals verl's on the same batch, and the probe ends training after step 5 with a
-   checkpoint and exit code 0;
+   ``resumed_run``), a reference model (verl's KL loss, ``REFERENCE``; without fused kernels) and a probe limit below
+   it: the LR scale and the causes' trailing floor carry over, tim's k3 equals verl's on the same batch (the
+   old-log-prob pass, not the reference's), verl's ``actor/kl_loss`` is finite and positive, and the probe ends
+   training after step 5 with a checkpoint and exit code 0;
 3. run 1's overrides with a different rollout min-p: refused at start-up with the documented message.
 
 Runs 1 and 2 are fault-free: they name no cause, and each weight sync's check compared every tensor (the sync
@@ -117,6 +118,22 @@ def recipe_run(work):
     return _run(work, "recipe", _recipe(work, steps=4))
 
 
+# A reference model for verl's KL loss (the resumed run), fp32 as the actor (its FSDP2 engine is forward_only: CPU
+# shim 11). verl puts it in the actor's worker (Role.ActorRolloutRef) and scores each batch with it right after the
+# old-log-prob pass (the batch holds the rollout's log-probs there too); the loss's low_var_kl is verl's k3 of the
+# reference against the actor, here at verl's default coefficient. Without fused kernels: the reference gets the
+# actor's model settings, use_fused_kernels with them, and its engine runs verl's own fused head (tim's chunked one
+# replaces it in the actor only), which fails under FSDP2 with the toy model's untied lm_head as its own FSDP unit
+# ("aten.mm.default got mixed torch.Tensor and DTensor", verl #5633; docs/verl.md), in verl's compute_ref_log_prob.
+KL_LOSS_COEF = 0.001
+REFERENCE = ["actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.actor.kl_loss_coef={KL_LOSS_COEF}",
+             "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+             "++actor_rollout_ref.ref.fsdp_config.mixed_precision="
+             "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+             "actor_rollout_ref.model.use_fused_kernels=false"]
+
+
 @pytest.fixture(scope="module")
 def resumed_run(work, recipe_run):
     if recipe_run.returncode != 0 or not (work[0] / "ckpt" / "global_step_4").is_dir():
@@ -130,6 +147,7 @@ def resumed_run(work, recipe_run):
         "++tim.parity.strict=false",  # the audit now reports dtype-mismatch as an error
         "++tim.probe.kl_k3=1e-9",  # far below a bf16 rollout's k3: trips at the first step
         "trainer.resume_mode=auto",
+        *REFERENCE,
     ]
     return _run(work, "resumed", overrides)
 
@@ -220,7 +238,8 @@ def _no_cause_and_every_tensor_checked(run, work) -> None:
 
 def test_the_fault_free_runs_name_no_cause(recipe_run, resumed_run, work):
     """Both runs: fp32 on both sides with the safe vocabulary and the user's top-p / top-k (the recipe), and a bf16
-    rollout resumed from its checkpoint (every sync read in the engine's bf16, the actor's fp32 cast to it)."""
+    rollout resumed from its checkpoint with a reference model (every sync read in the engine's bf16, the actor's fp32
+    cast to it; the reference's KL loss in the actor's update names nothing)."""
     _no_cause_and_every_tensor_checked(recipe_run, work)
     _no_cause_and_every_tensor_checked(resumed_run, work)
 
@@ -324,12 +343,31 @@ def test_resume_judges_its_first_floor_against_the_checkpointed_windows(recipe_r
 
 
 def test_tim_k3_equals_verl_k3_with_a_real_mismatch(resumed_run):
+    """verl's ``rollout_corr/k3_kl`` pairs the rollout's log-probs with the old-log-prob pass; the run also scores a
+    reference model (REFERENCE), so the equality says tim measured that pass too, not the reference's (a forward
+    pass with the rollout's log-probs in its batch as well, of the initial model: its k3 to the rollout holds the
+    policy's drift since, test_the_reference_model_scores_the_kl_loss)."""
     m = resumed_run.steps[5]
     # a bf16 rollout against the fp32 actor: a signal the tolerance below is under 1 % of
     assert K3_FP32_ABS < 0.01 * m["tim/token/kl_k3"]
     # the same tokens on both sides (no boundary token excluded from ours)
     assert m["tim/safe_vocab/boundary_frac"] == 0.0
     assert m["tim/token/kl_k3"] == pytest.approx(m["rollout_corr/k3_kl"], rel=K3_REL, abs=K3_FP32_ABS)
+
+
+def test_the_reference_model_scores_the_kl_loss(resumed_run):
+    """The resumed run with a reference model (REFERENCE): verl's own KL loss, the actor resumed at step 4 against
+    the initial model on step 5's batch (all before the step's one update), is finite and above float32's rounding
+    of a k3 (K3_FP32_ABS: the actor has moved from the reference), at the coefficient set. Beside it tim still
+    measures the rollout against the old-log-prob pass (test_tim_k3_equals_verl_k3_with_a_real_mismatch) and names no
+    cause (test_the_fault_free_runs_name_no_cause). The reference sits far from the actor next to the bf16 rollout
+    (measured in two runs: kl_loss 8.7e-2 and 2.6e-2, tim's k3 6.4e-5 and 6.0e-5; asked: 10x), so that equality,
+    to 1e-4 relative, tells the two passes apart."""
+    assert resumed_run.returncode == 0, resumed_run.output[-3000:]
+    m = resumed_run.steps[5]
+    assert math.isfinite(m["actor/kl_loss"]) and m["actor/kl_loss"] > K3_FP32_ABS, m["actor/kl_loss"]
+    assert m["actor/kl_coef"] == KL_LOSS_COEF
+    assert m["actor/kl_loss"] > 10 * m["tim/token/kl_k3"], (m["actor/kl_loss"], m["tim/token/kl_k3"])
 
 
 def test_probe_stop_ends_training_after_the_step_with_a_checkpoint(resumed_run, work):

@@ -52,6 +52,13 @@ import, so nothing heavy is imported early. Each shim names the source that need
    "saved" π_old follows every optimizer step: the old-log-prob pass of the step's later updates ran on the updated
    weights (the trainer 0.5 nats off the rollout at "lag 0"). The shim clones what the helper returns, as its GPU
    copy does (the FSDP1 helper copies with ``copy=True``).
+11. The reference model (``actor.use_kl_loss=true``): its engine is ``forward_only``, and with FSDP2 verl wraps it
+   with ``CPUOffloadPolicy(pin_memory=True)`` (workers/engine/fsdp/transformer_impl.py
+   ``FSDPEngine._build_fsdp_module``, "ref: CPUOffloadPolicy(pin_memory=True)"); torch pins each sharded parameter
+   (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``pin_memory()``), which fails without an accelerator
+   ("Cannot access accelerator device when none is available"). Where no accelerator is available, a
+   ``forward_only`` FSDP2 engine's build gets the same policy with ``pin_memory=False`` (the parameters are on the
+   CPU either way); an actor's ``offload_policy=true``, and any build on a machine with an accelerator, stay verl's.
 """
 
 from __future__ import annotations
@@ -143,8 +150,32 @@ def _copies_on_cpu(module) -> None:
     module.fsdp2_sharded_save_to_cpu = lambda model: cloned(original(model))
 
 
+def _unpinned_reference_offload(module) -> None:
+    import torch
+
+    build = module.FSDPEngine._build_fsdp_module
+
+    def _build_fsdp_module(self, fsdp_module):
+        config = self.engine_config
+        if not (config.forward_only and config.strategy == "fsdp2") or torch.accelerator.is_available():
+            return build(self, fsdp_module)
+        policy = module.CPUOffloadPolicy
+        module.CPUOffloadPolicy = lambda **kwargs: policy(**{**kwargs, "pin_memory": False})
+        try:
+            return build(self, fsdp_module)
+        finally:
+            module.CPUOffloadPolicy = policy
+
+    module.FSDPEngine._build_fsdp_module = _build_fsdp_module
+
+
+def _fsdp_engine_on_cpu(module) -> None:  # shims 7 and 11: one module
+    _fsdp1_without_sync(module)
+    _unpinned_reference_offload(module)
+
+
 HOOKS: dict[str, Callable] = {
-    "verl.workers.engine.fsdp.transformer_impl": _fsdp1_without_sync,
+    "verl.workers.engine.fsdp.transformer_impl": _fsdp_engine_on_cpu,
     "verl.utils.import_utils": _verl_without_trl,
     "verl.plugin.platform": _register_cpu_platform,
     "verl.utils.distributed": _plain_gloo,

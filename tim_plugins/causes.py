@@ -402,4 +402,3 @@ def window_by_lag(metrics: dict) -> dict[int, tuple[float, float]]:
         if label.rstrip("+").isdigit() and _finite(k3):
             out[int(label.rstrip("+"))] = (float(n), float(k3))
     return out
-

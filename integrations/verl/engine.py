@@ -25,9 +25,8 @@ entry of ``sources.VERL_SOURCES``, named in a comment where it is used and check
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import sys
+from collections import OrderedDict
 
 import torch
 from verl.utils import tensordict_utils as tu

@@ -379,7 +379,8 @@ def test_probe_stop_ends_training_after_the_step_with_a_checkpoint(resumed_run, 
 
 
 def test_a_different_rollout_min_p_is_refused_at_startup(work, recipe_run):
-    overrides = _recipe(work, steps=4) + ["++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=1e-3"]
+    overrides = _recipe(work, steps=4) + [
+        "++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.tim_min_p=1e-3"]
     run = _run(work, "refused", overrides)
     assert run.returncode != 0
     assert "the rollout must prune with the trainer's tim.safe_vocab.min_p=0.0001" in run.output

@@ -306,13 +306,19 @@ def test_an_asynchronous_trainers_staleness_is_named_by_lag(floor_noise, stale_n
         assert cause.evidence["stale_tokens"] == 40 * 8
         assert cause.evidence["stale_k3"] == pytest.approx(stale, rel=1e-4)
         assert cause.evidence["staleness_k3"] == pytest.approx(part, rel=1e-4)
-    # the same window without lag-0 tokens: the floor is unobserved, nothing is judged
+    # a window without lag-0 tokens (every lag one higher): judged against the last floor a window measured ...
+    older = lag[:, 0] + 1
+    pipe.measure_lagged(rollout, current, mask, older)
+    pipe.loss_pass_lagged(rollout, current, mask, older)
+    out = pipe.compute(2, sync=False)[0]
+    assert not out.get("tim/by_lag/0/count")
+    stale = _naive_k3(d)
+    assert out["tim/cause/named"] == float(stale - floor > 0.015 and stale - floor >= 0.5 * stale)
+    # ... and not judged before any window measured one
     pipe = _pipeline()
-    pipe.measure_lagged(rollout, current, mask, lag[:, 0] + 1)
-    pipe.loss_pass_lagged(rollout, current, mask, lag[:, 0] + 1)
-    out = pipe.compute(1, sync=False)[0]
-    assert "tim/by_lag/0/count" not in out or not out["tim/by_lag/0/count"]
-    assert out["tim/cause/named"] == 0.0
+    pipe.measure_lagged(rollout, current, mask, older)
+    pipe.loss_pass_lagged(rollout, current, mask, older)
+    assert pipe.compute(1, sync=False)[0]["tim/cause/named"] == 0.0
 
 
 def test_the_exact_split_decides_where_there_is_one_not_the_lags():

@@ -191,6 +191,7 @@ class CauseTracker:
         # of them is in causes.jsonl beside the dump, which the report reads)
         self.named: list[Cause] = []
         self.tally: dict[str, dict] = {}  # every code the run named: its first and last step (``tally_cause``)
+        self.lag0_k3 = math.nan  # the last lag-0 floor an asynchronous trainer's window measured (the rule by lag)
         self._counts: torch.Tensor | None = None  # [disagreeing, confident, forced], float64, on the batches' device
         self._sync: list[Cause] = []  # sync causes found since the last window
         self._sync_bad = self._sync_checked = -math.inf
@@ -319,12 +320,16 @@ class CauseTracker:
         trainer: ``tim/by_lag/*`` alone). d = s + m with s = 0 at lag 0, and for small log-ratios k3 ≈ E[d²]/2, so
         the k3 of the tokens trained at lag >= 1 less the lag-0 floor estimates the staleness part's own k3: named
         when that part is at least ``staleness_share`` of their k3 and above ``staleness_k3``. The floor is the
-        window's lag-0 tokens' k3, else the monitor's (``tim/token/kl_k3``: the lag-0 tokens it measured); without
-        either nothing is judged."""
+        window's lag-0 tokens' k3, else the monitor's (``tim/token/kl_k3``: the lag-0 tokens it measured), else the
+        last window's that had one (a trainer that fetches each batch a sync ahead trains no token at lag 0 after its
+        first step: TRL's AsyncGRPOTrainer with one micro-batch per step); before any, nothing is judged."""
         c = self.config
         lags = window_by_lag(metrics)
         stale = [(n, k3) for lag, (n, k3) in lags.items() if lag >= 1]
         floor = lags[0][1] if 0 in lags else metrics.get("tim/token/kl_k3")
+        if _finite(floor):
+            self.lag0_k3 = float(floor)
+        floor = self.lag0_k3
         if not stale or not _finite(floor):
             return []
         tokens = sum(n for n, _ in stale)
@@ -374,10 +379,11 @@ class CauseTracker:
     # start-up audit sets them (``audited``), whether a checkpoint is loaded before it (TRL) or after (verl).
     def state_dict(self) -> dict:
         return {"floor": list(self.floor.values), "named": [x.to_dict() for x in self.named],
-                "tally": {k: dict(v) for k, v in self.tally.items()}}
+                "tally": {k: dict(v) for k, v in self.tally.items()}, "lag0_k3": self.lag0_k3}
 
     def load_state_dict(self, state: dict) -> None:
         self.floor.values = [float(v) for v in state.get("floor", [])]
+        self.lag0_k3 = float(state.get("lag0_k3", math.nan))
         self.named = [Cause(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
                       for d in state.get("named", [])]
         self.tally = {k: dict(v) for k, v in (state.get("tally") or {}).items()}

@@ -25,7 +25,6 @@ entry of ``sources.VERL_SOURCES``, named in a comment where it is used and check
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 
 import torch
@@ -35,6 +34,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from tim_plugins.patching import Patch
 from tim_plugins.safe_head import kept_set_logprobs
 
+from . import _plugin_import_ended
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
 from .engine_mixin import TIMEngineMixin
 from .micro_batch import padded_response, place_kept
@@ -238,7 +238,4 @@ class _SafeFusedForward:
                                 safe={"in_safe": res.in_safe, "pruned_mass": res.pruned_mass, "size": res.size})
 
 
-# verl's plugins, this package's among them, load at the first ``import verl``: where that was this module's own (a
-# script that imports it before verl), the plugin waited for the import to end (``plugin._IMPORTED_BEFORE_VERL``)
-if (_plugin := sys.modules.get(__name__.rsplit(".", 1)[0] + ".plugin")) is not None:
-    _plugin.register_deferred()
+_plugin_import_ended()  # a plugin registration deferred while this module was half-imported (plugin.py)

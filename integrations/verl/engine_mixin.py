@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from typing import Any, Callable
 
 import torch
@@ -50,6 +49,7 @@ from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprob
 from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import Truncation
 
+from . import _plugin_import_ended
 from .config import LAG_FIELD, ActorContext, TIMVerlConfig
 from .features import SAFE_VOCAB, SYNC_CHECK
 from .micro_batch import MicroBatchKeptSets, PassCells, ResponseLayout, kept_sets_of_micro_batch
@@ -572,7 +572,4 @@ class TIMEngineMixin:
         return lr * self._tim_lr_scale()
 
 
-# verl's plugins, this package's among them, load at the first ``import verl``: where that was this module's own (a
-# script that imports it before verl), the plugin waited for the import to end (``plugin._IMPORTED_BEFORE_VERL``)
-if (_plugin := sys.modules.get(__name__.rsplit(".", 1)[0] + ".plugin")) is not None:
-    _plugin.register_deferred()
+_plugin_import_ended()  # a plugin registration deferred while this module was half-imported (plugin.py)

@@ -71,6 +71,7 @@ from tim_plugins.lr_scaling import ControllerCheckpoint
 from tim_plugins.patching import Patch
 from tim_plugins.safe_head import kept_set_logprobs
 
+from . import _plugin_import_ended
 from .config import TIMVerlConfig
 from .engine_mixin import TIMEngineMixin
 from .micro_batch import place_kept
@@ -416,7 +417,4 @@ class _ModelCall:
         return forward
 
 
-# verl's plugins, this package's among them, load at the first ``import verl``: where that was this module's own (a
-# script that imports it before verl), the plugin waited for the import to end (``plugin._IMPORTED_BEFORE_VERL``)
-if (_plugin := sys.modules.get(__name__.rsplit(".", 1)[0] + ".plugin")) is not None:
-    _plugin.register_deferred()
+_plugin_import_ended()  # a plugin registration deferred while this module was half-imported (plugin.py)

@@ -214,12 +214,11 @@ class Run:
         ``tim/by_lag/<lag>/count`` and ``/kl_k3`` (``CauseConfig``'s thresholds): the tokens trained at lag >= 1
         have a pooled k3 whose part above the lag-0 floor (the lag-0 tokens', else ``tim/token/kl_k3``, else the
         last step's that had one) is at least ``staleness_share`` of it and above ``staleness_k3``."""
-        from tim_plugins.causes import CauseConfig
+        from tim_plugins.causes import CauseConfig, window_by_lag
 
         c, out, last = CauseConfig(), [], math.nan
         for step, m in sorted(self.steps.items()):
-            lags = {int(k.split("/")[2].rstrip("+")): (v, m[k.replace("/count", "/kl_k3")]) for k, v in m.items()
-                    if k.startswith("tim/by_lag/") and k.endswith("/count") and v > 0}
+            lags = window_by_lag(m)
             stale = [(n, k3) for lag, (n, k3) in lags.items() if lag >= 1]
             floor = lags[0][1] if 0 in lags else m.get("tim/token/kl_k3")
             last = floor = float(floor) if floor is not None and math.isfinite(floor) else last

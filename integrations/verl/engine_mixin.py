@@ -55,11 +55,14 @@ from .features import SAFE_VOCAB, SYNC_CHECK
 from .micro_batch import MicroBatchKeptSets, PassCells, ResponseLayout, kept_sets_of_micro_batch
 from .sync_check import SyncWatch
 
-__all__ = ["CAUSES_STATE_KEY", "TIMEngineMixin"]
+__all__ = ["CAUSES_STATE_KEY", "GRAD_NORM_STATE_KEY", "TIMEngineMixin"]
 
 # Where the cause tracker's state rides in verl's checkpoint: the actor optimizer's first param group (beside the LR
 # controller's), which verl's FSDP and Megatron checkpoints save and load with the optimizer.
 CAUSES_STATE_KEY = "tim_causes"
+# The last optimizer step's grad norm (the LR controller's grad_norm signal feeds each step the norm of the step
+# before), in the same param group: a resumed run's first step is fed the norm of the checkpoint's last step.
+GRAD_NORM_STATE_KEY = "tim_grad_norm"
 
 # the cut that keeps every token (logits already divided by the temperature): a reference pass's head
 _WHOLE_VOCABULARY = Truncation(temperature=1.0)
@@ -207,7 +210,6 @@ class TIMEngineMixin:
         self._tim_pending: dict[str, float] = {}
         self._tim_decision = None  # the probe's decision at the last merge, for the driver to act on
         self._tim_window = None  # the same, kept after the driver popped it: the step's row shows both checks
-        self._tim_grad_norm: float | None = None  # the last optimizer step's (the grad_norm signal)
         self._tim_step = 0  # verl's global step (the driver's tim_begin_step): the dump's file name
         self._tim_updates = 0  # optimizer steps since this global step's rollout: the policy lag of a training pass
         # optimizer steps of this global step's earlier actor updates: separate_async makes parameter_sync_step of
@@ -520,12 +522,24 @@ class TIMEngineMixin:
     # and decide another LR scale for their shard)
     def optimizer_step(self):
         grad_norm = super().optimizer_step()
-        if self._tim is not None:
-            try:
-                self._tim_grad_norm = float(grad_norm)
-            except (TypeError, ValueError, RuntimeError):  # not a number: the signal is missing this step
-                self._tim_grad_norm = None
+        groups = getattr(self.optimizer, "param_groups", None)
+        if not groups:
+            return grad_norm
+        if self._tim is None:
+            groups[0].pop(GRAD_NORM_STATE_KEY, None)  # a norm stored while configured is stale from here on
+            return grad_norm
+        try:
+            norm = float(grad_norm)
+        except (TypeError, ValueError, RuntimeError):  # not a number: the signal is missing this step
+            norm = None
+        groups[0][GRAD_NORM_STATE_KEY] = norm
         return grad_norm
+
+    def _tim_last_grad_norm(self) -> float | None:
+        """The last optimizer step's grad norm, where verl's checkpoint carries it (``GRAD_NORM_STATE_KEY``): after a
+        load, the checkpoint's last step's. None before any step, or without param groups (the signal is skipped)."""
+        groups = getattr(self.optimizer, "param_groups", None)
+        return groups[0].get(GRAD_NORM_STATE_KEY) if groups else None
 
     def _tim_end_step(self, data) -> None:
         """Close one optimizer step through the pipeline, before verl's: the DP-mean response length of the
@@ -540,7 +554,7 @@ class TIMEngineMixin:
         length = mean_response_length(data["response_mask"], group=group, skip_empty=True)
         self._tim_lr_sync()
         # verl's global step is not known here (and restarts are not monotone here): the controller counts calls
-        scale = self._tim_pipeline.end_step(None, response_length=length, grad_norm=self._tim_grad_norm,
+        scale = self._tim_pipeline.end_step(None, response_length=length, grad_norm=self._tim_last_grad_norm(),
                                             sync=True, group=group, carry_k3=True)
         self._tim_lr_apply(scale)
 

@@ -383,9 +383,10 @@ def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int =
         fresh.load_checkpoint(ckpt_dir, del_local_after_load=False)
         result["loaded_state"] = fresh.optimizer.param_groups[0].get("tim_lr_controller")
         # imported once an engine is built: verl's import loads the plugin, which imports this module's engine
-        from tim_plugins.integrations.verl.engine_mixin import CAUSES_STATE_KEY
+        from tim_plugins.integrations.verl.engine_mixin import CAUSES_STATE_KEY, GRAD_NORM_STATE_KEY
 
         result["loaded_causes"] = fresh.optimizer.param_groups[0].get(CAUSES_STATE_KEY)
+        result["loaded_grad_norm"] = fresh.optimizer.param_groups[0].get(GRAD_NORM_STATE_KEY)
         after = []
         for eng in (fresh, ours):
             after.append(H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))[1])

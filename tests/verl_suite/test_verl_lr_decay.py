@@ -171,6 +171,55 @@ def test_every_lr_signal_works_through_the_engine(toy_model_path, signal):
     assert metrics["tim/lr/scale"] == want[-1] and metrics["tim/lr/trigger_count"] >= 1.0
 
 
+def test_the_grad_norm_signal_continues_from_the_checkpoints_last_step(toy_model_path, tmp_path):
+    """The engine feeds each step the grad norm of the step before; verl's checkpoint carries that norm (the
+    optimizer's first param group), so a resumed run's first step is fed the norm of the checkpoint's last step, as
+    the uninterrupted run's is. The checkpoint's last step has 1000x advantages: its norm fires the decay at the step
+    after the resume, on both engines. Reference: the core controller fed verl's reported grad norms, outside verl."""
+    from tim_plugins.integrations.verl.engine_mixin import GRAD_NORM_STATE_KEY
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    options = {**OPTIONS, "signals": ["grad_norm"], "combine": "any", "grad_norm_margin": 0.5}
+    cfg = TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": options}})
+    H.init_dist(port=29588)
+    batches = []
+    for step in range(4):
+        td, raw = H.make_batch(VOCAB, response=6, seed=10 + step)
+        if step == 2:
+            td["advantages"] = td["advantages"] * 1000.0
+        batches.append((td, raw))
+    eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    eng.tim_configure(cfg)
+    reference = LengthTriggeredLRDecay(**options)
+    grad_norms, want = [], []
+    for td, raw in batches[:3]:
+        want.append(reference.observe(None, _mean_length(raw), grad_norm=grad_norms[-1] if grad_norms else None))
+        out, _ = H.train_step(eng, td, H.old_log_probs_padded(H.infer(eng, td), td))
+        grad_norms.append(float(out["metrics"]["grad_norm"]))
+    assert want == [1.0, 1.0, 1.0]  # the surge's norm is seen at the step after it
+    ckpt = str(tmp_path / "ckpt")
+    eng.save_checkpoint(ckpt, global_step=3)
+
+    fresh = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    fresh.tim_configure(cfg)
+    fresh.load_checkpoint(ckpt)
+    assert fresh.optimizer.param_groups[0][GRAD_NORM_STATE_KEY] == pytest.approx(grad_norms[-1], rel=1e-6)
+    td, raw = batches[3]
+    after = reference.observe(None, _mean_length(raw), grad_norm=grad_norms[-1])
+    assert after < 1.0  # the checkpoint's last norm fires the decay
+    lrs = [H.train_step(e, td, H.old_log_probs_padded(H.infer(e, td), td))[1] for e in (fresh, eng)]
+    assert lrs == [LR * after] * 2
+    _assert_same_state(fresh.optimizer.tim_controller, reference)
+    _assert_same_state(eng.optimizer.tim_controller, reference)
+    # skipped once in the whole run (its first step, before any norm), not again at the resume
+    assert fresh.tim_pop_metrics()["tim/lr/skipped_grad_norm"] == 1.0
+
+    # switched off, the engine drops the norm it stored: a later tim_configure is not fed a stale one
+    fresh.tim_deconfigure()
+    H.train_step(fresh, td, H.old_log_probs_padded(H.infer(fresh, td), td))
+    assert GRAD_NORM_STATE_KEY not in fresh.optimizer.param_groups[0]
+
+
 def test_the_k3_signal_reaches_every_optimizer_step_of_a_global_step(toy_model_path):
     """verl measures a global step's batch once (the old-log-prob pass) and then takes several optimizer steps on it
     (here two PPO epochs; mini-batches alike): each of them sees that step's k3. With ``patience=2`` the k3 surge of

@@ -151,7 +151,7 @@ def reference_passes(model_path, engine: StandInEngine, passes) -> dict[int, lis
     return out
 
 
-def make_trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS):
+def make_trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS, learning_rate: float = 3e-3):
     """AsyncGRPOTrainer with the stand-in engine: two micro-batches (one group each) per step, a sync every step.
     Returns (trainer, engine)."""
     import datasets
@@ -164,7 +164,7 @@ def make_trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS):
     args = AsyncGRPOConfig(
         output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2,
         num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=steps, logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=3e-3, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
+        save_strategy="no", learning_rate=learning_rate, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
         weight_sync_steps=1)
     trainer = holder["trainer"] = AsyncGRPOTrainer(
         model=str(model_path), reward_funcs=lambda **kw: [0.0], args=args,

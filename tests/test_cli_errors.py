@@ -123,3 +123,38 @@ def test_the_download_command_a_missing_model_suggests_parses_with_the_installed
     res = subprocess.run([str(exe), *command[1:], "--help"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, (command, res.stdout[-500:], res.stderr[-500:])
+
+
+_WITHOUT = """
+import sys
+gone = sys.argv.pop(1)
+class Uninstalled:  # the package as pip uninstall leaves it: its import fails as a missing module
+    def find_spec(self, name, path=None, target=None):
+        if name == gone or name.startswith(gone + "."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Uninstalled())
+from tim_plugins.apps.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("module", ["matplotlib", "pyarrow"])
+def test_a_missing_report_package_names_the_extra_that_installs_it(module, tmp_path):
+    """The report of a dump imports matplotlib (the figures) and pyarrow (the files) where it uses them: with one of
+    them uninstalled, the one error line says which package is missing and the pip command of the extra that brings
+    it (it said only "No module named 'matplotlib'"), as the report's duckdb check does."""
+    import torch
+
+    from tim_plugins.dump import TokenDumper
+
+    dumper = TokenDumper(out_dir=str(tmp_path / "dump"), sample_rate=1.0, max_sequences_per_step=8)
+    rollout = -torch.rand(2, 6, dtype=torch.float64)
+    dumper.write(1, rollout, rollout + 0.01, torch.ones(2, 6, dtype=torch.bool), torch.zeros(2, 6, dtype=torch.long))
+    proc, timed_out = run_bounded([sys.executable, "-c", _WITHOUT, module, "report", str(tmp_path / "dump")],
+                                  TIMEOUT_S, merge_stderr=False, cwd=tmp_path)
+    if timed_out:
+        pytest.fail(f"tim-plugins report ran past {TIMEOUT_S} s")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert f"No module named '{module}'" in lines[0], lines[0]
+    assert "Install it with: pip install 'tim-plugins[report]'" in lines[0], lines[0]

@@ -232,6 +232,18 @@ def test_every_missing_package_fix_is_a_pip_line_with_real_extras(monkeypatch):
     assert not problems, "\n".join(problems)
 
 
+def test_the_verl_install_line_keeps_verl_out_of_a_trl_environment():
+    """verl 0.9.1 cannot build its FSDP actor next to TRL 1.16 (README: separate environments): the doctor run in a
+    TRL environment prints verl's rows' fix, and that fix says where to run it (it said only
+    ``pip install 'tim-plugins[verl]'``, which in a TRL environment installs the broken pair)."""
+    from tim_plugins._optional import install_command
+
+    fix = install_command("verl")
+    assert fix.startswith("pip install 'tim-plugins[verl]' (") and "without TRL" in fix, fix
+    assert [str(r) for _, r in _pip_requirements(fix)] == ["tim-plugins[verl]"]
+    assert _check_runnable(fix, installed_matters=False) == []
+
+
 def _imports(module: str) -> bool:
     try:
         importlib.import_module(module)
@@ -288,6 +300,7 @@ def test_every_fix_the_doctor_prints_is_runnable_here_and_with_nothing_installed
         optional.is_available = lambda module: module in ("torch", "numpy")
     """)
     fixes = _doctor_fixes(bare)
-    assert "pip install 'tim-plugins[trl]'" in fixes and "pip install 'tim-plugins[verl]'" in fixes
+    assert "pip install 'tim-plugins[trl]'" in fixes
+    assert any(fix.startswith("pip install 'tim-plugins[verl]'") for fix in fixes), fixes
     problems += [p for fix in fixes for p in _check_runnable(fix, installed_matters=False)]
     assert not problems, "\n".join(problems)

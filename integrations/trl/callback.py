@@ -93,6 +93,22 @@ def _attached_callback(trainer) -> "TIMCallback | None":
     return None
 
 
+def _check_is_trainer(trainer) -> None:
+    """The first argument is the trainer to watch: another object (the TIMConfig or the GRPOConfig passed first, the
+    trainer not built yet) fails here with the call to write, not later as a TRL hook "missing on the live TIMConfig"
+    whose fix would be to report it."""
+    from transformers import Trainer
+
+    if isinstance(trainer, Trainer):
+        return
+    kind = type(trainer).__name__
+    why = {"TIMConfig": " (the TIMConfig goes second)", "GRPOConfig": " (the trainer's config, not the trainer)"}
+    raise TypeError(
+        f"TIMCallback(trainer, config): trainer must be the GRPOTrainer (or AsyncGRPOTrainer) to monitor, got "
+        f"{kind}{why.get(kind, '')}. Fix: build the trainer first, then "
+        "trainer.add_callback(TIMCallback(trainer, TIMConfig(...)))")
+
+
 _LOGPS_READ = ("model", "input_ids", "attention_mask", "logits_to_keep")  # what the wrapper reads of a call
 
 
@@ -170,6 +186,7 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         self.server_probe: ServerProbe | None = None  # server mode's lag-0 probe (server_probe.py)
         if not config.enabled:
             return
+        _check_is_trainer(trainer)
         attached = _attached_callback(trainer)
         if attached is not None:
             # each would wrap TRL's methods: its loss factor applied on top of the other's, the injector's noise added

@@ -96,6 +96,15 @@ def _one_line(err: BaseException) -> str:
     return text or type(err).__name__
 
 
+def _install_hint(err: BaseException) -> str:
+    """'. Install it with: ...' for a missing package one of tim-plugins' extras brings (a plain import inside a
+    command, e.g. the report's matplotlib or pyarrow), else ''."""
+    from tim_plugins._optional import missing_module_fix
+
+    fix = missing_module_fix(err)
+    return f". Install it with: {fix}" if fix else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -110,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     except _USAGE_ERRORS as err:
         if debug:
             raise
-        print(f"tim-plugins {args.command}: error: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
+        print(f"tim-plugins {args.command}: error: {_one_line(err)}{_install_hint(err)} (--debug shows the traceback)",
+              file=sys.stderr)
         return USAGE_EXIT_CODE
 
 

@@ -15,6 +15,7 @@ batch invariant either (GEMM blocking depends on the row count), and the report 
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -69,6 +70,24 @@ class BatchInvarianceReport:
 def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     # log p(x_{t+1} | x_<=t) for t = 0..L-2, in fp32: [B, L-1]
     return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def _cache_keyword(model: Any) -> str:
+    """The forward's KV-cache keyword: ``cache`` where the model's forward names it (transformers >= 5.25 renamed
+    ``past_key_values``, which warns there and is to go in 5.40, when it would be swallowed by ``**kwargs`` and each
+    step would decode without its cache), else ``past_key_values``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no readable signature: the name every transformers 5.x still takes
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    """The KV cache a forward returned, read where its output class keeps it (``cache`` from transformers 5.25, whose
+    ``past_key_values`` property warns; ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None) if "cache" in getattr(type(out), "__dataclass_fields__", {}) else None
+    return cache if cache is not None else out.past_key_values
 
 
 def _forward(model: Any, ids: torch.Tensor, mask: Optional[torch.Tensor] = None,
@@ -166,12 +185,11 @@ def check_batch_invariance(
             report.cases.append(_case(name, "pad_left", p, got, ref))
         if kv_cache:
             k = max(1, length // 2)
+            cache_kw = _cache_keyword(m)
             out = m(input_ids=ids[:, :k], use_cache=True)
-            past = out.past_key_values
             step_logits = [out.logits[:, -1:]]
             for t in range(k, length - 1):
-                out = m(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = m(input_ids=ids[:, t:t + 1], use_cache=True, **{cache_kw: _returned_cache(out)})
                 step_logits.append(out.logits)
             logits = torch.cat(step_logits, 1)  # predictions for tokens k..L-1
             got = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, k:].unsqueeze(-1)).squeeze(-1)

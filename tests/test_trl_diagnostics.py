@@ -19,6 +19,18 @@ from tim_plugins.integrations.trl._parity import run_audit  # noqa: E402
 pytestmark = pytest.mark.trl
 
 
+def test_exact_rollouts_refuse_a_truncating_sampler_with_the_settings_that_fix_it(toy_model_path, tmp_path):
+    """The exact sampler draws from softmax(logits/T) alone: with GRPOConfig's top-p and repetition penalty on it
+    fails when the callback is built, naming the values and the fix; with the printed GRPOConfig it builds."""
+    trainer = make_trainer(toy_model_path, tmp_path, top_p=0.8, repetition_penalty=1.2)
+    with pytest.raises(ValueError) as err:
+        TIMCallback(trainer, TIMConfig(rollout="exact"))
+    assert "{'top_p': 0.8, 'repetition_penalty': 1.2}" in str(err.value), err.value
+    assert "Fix: GRPOConfig(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)" in str(err.value), err.value
+    fixed = make_trainer(toy_model_path, tmp_path / "fixed", top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
+    TIMCallback(fixed, TIMConfig(rollout="exact"))  # no error
+
+
 def test_exact_rollouts_feed_the_monitor(toy_model_path, tmp_path):
     trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
     generations = []  # what TRL's generation step returned (installed before the callback wraps it)

@@ -139,7 +139,8 @@ class GenerationWrappers:
         exact sampler; returns TRL's (completion_ids, logprobs) lists."""
         t = self.trainer
         if images is not None:
-            raise ValueError("TIMConfig.rollout='exact' supports text-only prompts")
+            raise ValueError("TIMConfig.rollout='exact' supports text-only prompts, and this batch has images. "
+                             "Fix: TIMConfig(rollout='auto') for a vision-language model")
         pad = translate.tokenizer(t).pad_token_id
         ids, attn = left_padded(prompt_ids, pad)
         device = t.accelerator.device

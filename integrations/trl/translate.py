@@ -129,8 +129,9 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
                if v not in (None, 0, 1.0, 0.0) and not (k == "top_k" and v <= 0)}
         if bad:
             raise ValueError(
-                f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}: switch "
-                "those off (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for exact rollouts.")
+                f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}. Fix: "
+                "GRPOConfig(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for the exact run, or "
+                "TIMConfig(rollout='auto') to keep that sampler.")
     if config.is_correction is not None and loss_factor and trainer.use_vllm \
             and trainer.vllm_importance_sampling_correction:
         raise ValueError(

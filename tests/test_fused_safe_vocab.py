@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from test_safe_vocab import naive_keep
 
 from tim_plugins import safe_vocab as sv
-from tim_plugins.safe_vocab import safe_linear_logprobs, safe_logprobs_from_hidden, safe_logprobs_from_logits
+from tim_plugins.safe_vocab import (full_weight, safe_linear_logprobs, safe_logprobs_from_hidden,
+                                     safe_logprobs_from_logits)
 from tim_plugins.truncation import Truncation
 
 ATOL = 1e-5  # fp32, the issue's bar: the chunked path against the unfused one
@@ -231,19 +232,21 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def test_fsdp2_sharded_weight_is_refused_and_its_full_tensor_trains_the_shard(one_rank_group):
+def test_fsdp2_sharded_weight_is_refused_and_its_full_weight_trains_the_shard(one_rank_group):
     """An FSDP2 lm_head weight is a DTensor: passed as is, the call fails early with the fix (verl's own fused
-    backend fails there with "mixed torch.Tensor and DTensor", verl #5633); ``weight.full_tensor()`` works and
-    its gradient comes back to the sharded parameter, equal to the plain weight's."""
+    backend fails there with "mixed torch.Tensor and DTensor", verl #5633); ``full_weight(weight)`` works and
+    its gradient comes back to the sharded parameter, equal to the plain weight's (one rank; two ranks, where the
+    gradient is averaged over them: tests/verl_suite/test_verl_fused_safe_vocab.py)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     hidden, weight, tokens, gen = exact_inputs(10, 8, 257, seed=9)
     trunc = Truncation(min_p=0.01, top_k=30)
     sharded = torch.nn.Parameter(distribute_tensor(weight.clone(), one_rank_group, [Shard(0)]))
-    with pytest.raises(ValueError, match=r"weight is a DTensor.*weight\.full_tensor\(\)"):
+    with pytest.raises(ValueError, match=r"weight is a DTensor.*full_weight\(weight\)"):
         safe_linear_logprobs(hidden, sharded, tokens, trunc)
+    assert full_weight(weight) is weight  # a plain tensor as it is
     g = torch.randn(10, generator=gen)
-    out = safe_linear_logprobs(hidden, sharded.full_tensor(), tokens, trunc, compute_entropy=False)
+    out = safe_linear_logprobs(hidden, full_weight(sharded), tokens, trunc, compute_entropy=False)
     (out.logprobs * g).sum().backward()
     w = weight.clone().requires_grad_()
     ref = safe_linear_logprobs(hidden, w, tokens, trunc, compute_entropy=False)

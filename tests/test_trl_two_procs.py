@@ -17,8 +17,15 @@ References, independent of the merge:
   batches): each rank's own unmerged values (read just before the merge) combined by the merge's definition
   (token-weighted means, maxima).
 
+Two more configurations train the ``monitor`` and ``mitigations`` ones under FSDP2 (accelerate's own sharding, through
+``GRPOConfig(fsdp=True, fsdp_config={"version": 2})``; on a CPU launch accelerate drops the plugin and trains DDP
+unless tests/cpu_fsdp2.py lets it apply it): every check above holds for them alike, and, against the DDP runs of the
+same launch (the same data, seed and starting weights): the first step's loss and pre-clip grad norm are DDP's (a
+gradient reduced wrongly across the ranks would change the norm), the lm_head is a DTensor sharded by rows on the
+ranks, training changed it, and the safe-vocabulary head received the whole lm_head weight.
+
 Cost on the shared 2-core machine: the launch's start 7-15 s per rank, then each configuration a few seconds (its
-trainer's set-up, training ~1 s); ~0.85 GiB peak RSS per rank (the module's process tree: 1.8 GiB PSS).
+trainer's set-up, training ~1 s; FSDP2 ~1.5 s); ~0.85 GiB peak RSS per rank (the module's process tree: 1.8 GiB PSS).
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ pytestmark = [pytest.mark.trl, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("trl_two_procs_run.py")
-from trl_two_procs_run import CONFIG_MARK, CONFIGS, ICEPOP_BAND  # noqa: E402
+from trl_two_procs_run import CONFIG_MARK, CONFIGS, FSDP2, ICEPOP_BAND  # noqa: E402
 
 TIMEOUT_S = 400  # ~35 s idle; several times that under other load
 STEPS = (1, 2, 3)
@@ -295,8 +302,9 @@ def _response_tokens(run: dict, step: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-def test_monitor_statistics_are_the_global_values(runs):
-    run = runs("monitor")
+@pytest.mark.parametrize("config", ["monitor", FSDP2 + "monitor"])
+def test_monitor_statistics_are_the_global_values(runs, config):
+    run = runs(config)
     assert {r["rollout_source"] for r in run["ranks"]} == {"inject"}
     assert not any(r["diag"] for r in run["ranks"])
     keys = _check_once_per_step(run)
@@ -321,8 +329,9 @@ def test_monitor_statistics_are_the_global_values(runs):
         assert logged["tim/token/kl_k3"] > 1e-3  # the injected mismatch, far above float32 rounding
 
 
-def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs):
-    run = runs("mitigations")
+@pytest.mark.parametrize("config", ["mitigations", FSDP2 + "mitigations"])
+def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs, config):
+    run = runs(config)
     assert not any(r["diag"] for r in run["ranks"])
     keys = _check_once_per_step(run)
     differs = _check_merged(run, lambda tok: {**naive_monitor(tok), **naive_icepop(tok), **naive_split(tok),
@@ -387,3 +396,44 @@ def test_a_problem_met_on_one_rank_is_counted_in_the_log(runs):
         for key, value in want.items():
             assert _same(key, logged[key], value), (step, key, logged[key], value)
         assert _local(rank1, step)["tim/tokens"] == 0 and logged["tim/tokens"] == _local(rank0, step)["tim/tokens"]
+
+
+@pytest.mark.parametrize("config", ["monitor", "mitigations"])
+def test_fsdp2_shards_the_model_and_trains_as_ddp(runs, config):
+    """The FSDP2 run of ``config`` against its DDP run in the same launch (same data, seed and starting weights):
+    accelerate sharded the model (FSDP units, the lm_head a DTensor split by rows over the two ranks), the first
+    step's loss and pre-clip grad norm equal DDP's, training changed the lm_head, no cause is named, and the
+    safe-vocabulary head (``mitigations``) received the whole lm_head weight at every call."""
+    ddp, fsdp = runs(config), runs(FSDP2 + config)
+    for rank in ddp["ranks"]:
+        assert rank["distributed_type"] == "MULTI_CPU" and not rank["is_fsdp_enabled"] and rank["fsdp_units"] == []
+        assert rank["lm_head"]["class"] == "Parameter"
+    for r, rank in enumerate(fsdp["ranks"]):
+        assert rank["distributed_type"] == "FSDP" and rank["is_fsdp_enabled"]
+        # accelerate's fsdp2_prepare_model: each decoder layer, the input embedding, [final norm, lm_head], the root
+        assert {"", "model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"} <= set(rank["fsdp_units"])
+        head = rank["lm_head"]
+        assert head["class"] == "DTensor" and head["placements"] == "(Shard(dim=0),)", head
+        assert head["shape"] == [383, 64] and head["local_shape"] == [(192, 191)[r], 64], head  # 383 rows split
+    for run in (ddp, fsdp):
+        changes = {rank["lm_head"]["max_change"] for rank in run["ranks"]}
+        assert len(changes) == 1 and changes.pop() > 1e-4  # the same trained head on both ranks
+        assert all(rank["named_causes"] == [] for rank in run["ranks"])
+    first = [_logged(run["ranks"][0], 1) for run in (ddp, fsdp)]
+    # observed: the loss equal, the norm within 1.1e-7 (another reduction order); an lm_head gradient left unreduced
+    # over the ranks (its shard trained on its own rank's tokens alone) moved it by 6.7e-4 here
+    for key in ("loss", "grad_norm"):
+        assert first[1][key] == pytest.approx(first[0][key], rel=1e-5), (key, first)
+    assert first[1]["tim/tokens"] == first[0]["tim/tokens"]
+    for step in STEPS:
+        a, b = (_logged(run["ranks"][0], step) for run in (ddp, fsdp))
+        print(f"step {step}: loss DDP {a['loss']:.9g} FSDP2 {b['loss']:.9g}; grad_norm DDP {a['grad_norm']:.9g} "
+              f"FSDP2 {b['grad_norm']:.9g}; tim/tokens {a['tim/tokens']:.0f} / {b['tim/tokens']:.0f}")
+    calls = [c for rank in fsdp["ranks"] for c in rank["head_calls"]]
+    if config == "mitigations":
+        # TRL's fused lm_head runs inside the model's forward, after the final norm's: FSDP2 has gathered the
+        # [final norm, lm_head] unit there, so the head gets the whole (unsharded) parameter, never a shard
+        assert calls and all(c["shape"] == [383, 64] and c["weight"] != "DTensor" for c in calls), calls
+        assert {c["lm_head_param"] for c in calls} == {"Parameter"}, calls
+    else:
+        assert calls == []

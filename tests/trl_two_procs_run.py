@@ -21,18 +21,30 @@ Configurations (``--config``):
   correction, so boundary tokens (sampled outside the trainer's safe set) and dropped tokens both occur;
 - ``beam_on_rank1``: the monitor, with rank 1 generating by beam search (``generation_kwargs={"num_beams": 2}``),
   which the monitor does not measure: rank 1 only counts a problem (``tim/diag/unsupported_generation_mode``) and
-  contributes no token.
+  contributes no token;
+- ``fsdp2_monitor``, ``fsdp2_mitigations``: ``monitor`` and ``mitigations`` with the model sharded by FSDP2 through
+  transformers' own settings (``GRPOConfig(fsdp=True, fsdp_config={"version": 2})``: accelerate's
+  ``fsdp2_prepare_model`` shards each decoder layer, the input embedding, [final norm, lm_head] and the root), which
+  accelerate applies on a CPU launch only under tests/cpu_fsdp2.py (it drops the plugin there and wraps in DDP); that
+  helper restores the ``ACCELERATE_USE_FSDP`` which ``Accelerator`` leaves set, so a DDP configuration may follow.
+Each rank also writes what it trained: the accelerator's distributed type, the model's FSDP units, the lm_head
+weight's class and placement after training, its largest change, and what each safe-vocabulary head call received
+(the weight's class and shape, and the lm_head parameter's class at that moment: a test-side wrapper of the head's
+core call).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import sys
 import time
 from pathlib import Path
+
+from cpu_fsdp2 import cpu_fsdp2
 
 MIN_P = 0.05  # as tests/test_trl_mitigations.py: prunes the toy model's tail on most positions
 # A controlled mismatch of O(0.1) per token (|d| up to ~1); with "mitigations" a larger one, so that the sampler's
@@ -47,7 +59,8 @@ def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
-CONFIGS = ("monitor", "mitigations", "beam_on_rank1")
+CONFIGS = ("monitor", "mitigations", "beam_on_rank1", "fsdp2_monitor", "fsdp2_mitigations")
+FSDP2 = "fsdp2_"  # the prefix of the configurations trained under FSDP2 (the rest of the name: what they run)
 CONFIG_MARK = "[two procs] configuration: "
 
 
@@ -78,6 +91,11 @@ def main(argv=None) -> None:
 
 def _train(args, config: str, out: Path, t0: float) -> None:
     """One configuration's trainer, from its construction to its rank_<r>.json (``t0``: when its set-up began)."""
+    with cpu_fsdp2() if config.startswith(FSDP2) else contextlib.nullcontext():
+        _train_one(args, config, out, t0)
+
+
+def _train_one(args, config: str, out: Path, t0: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if os.environ.get("RANK") == "0":  # where this configuration's lines of the launch's output begin
         # One write, starting a line of its own: both ranks write to the launch's one pipe, and under
@@ -93,7 +111,10 @@ def _train(args, config: str, out: Path, t0: float) -> None:
     from tim_plugins.staleness import staleness_metrics
     from tim_plugins.toy_model import synthetic_prompts
 
+    fsdp, config = config.startswith(FSDP2), config.removeprefix(FSDP2)  # FSDP2 or DDP; then what it runs
     extra = {"min_p": MIN_P} if config == "mitigations" else {}
+    if fsdp:
+        extra.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
     if config == "beam_on_rank1" and os.environ.get("RANK") == "1":
         extra["generation_kwargs"] = {"num_beams": 2}  # unsupported by the monitor: counted, not measured
     grpo = GRPOConfig(
@@ -153,19 +174,51 @@ def _train(args, config: str, out: Path, t0: float) -> None:
         return compute(step, **k)
 
     pipeline.compute = _compute
+    # What the safe-vocabulary head received at each call (the weight TRL's fused lm_head hands its kernel) and the
+    # lm_head parameter at that moment: a wrapper of the head's core call, delegating to it.
+    from tim_plugins.integrations.trl import hooks
+
+    head_calls: list[dict] = []
+    head_call = hooks.kept_set_logprobs
+
+    def _kept_set_logprobs(*a, weight=None, **k):
+        param = trainer.model.get_output_embeddings().weight
+        head_calls.append({"weight": type(weight).__name__, "shape": list(weight.shape),
+                           "lm_head_param": type(param).__name__})
+        return head_call(*a, weight=weight, **k)
+
+    hooks.kept_set_logprobs = _kept_set_logprobs
+    lm_head_before = _full(trainer.model.get_output_embeddings().weight).detach().clone()
     t1 = time.time()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        hooks.kept_set_logprobs = head_call
+    train_s = time.time() - t1
+    lm_head = trainer.model.get_output_embeddings().weight
+    full = _full(lm_head)
     result = {
         "rank": rank, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "rollout_source": cb.rollout_source, "log_history": trainer.state.log_history, "windows": windows,
         "batches": batches, "local": local, "diag": dict(cb.pipeline.diag), "init_s": t1 - t0,
-        "train_s": time.time() - t1, "wall_s": time.time() - t0,
+        "train_s": train_s, "wall_s": time.time() - t0,
+        "distributed_type": trainer.accelerator.distributed_type.value, "is_fsdp_enabled": trainer.is_fsdp_enabled,
+        "fsdp_units": [n for n, m in trainer.model.named_modules() if type(m).__name__.startswith("FSDP")],
+        "lm_head": {"class": type(lm_head).__name__, "placements": str(getattr(lm_head, "placements", None)),
+                    "local_shape": list((lm_head.to_local() if hasattr(lm_head, "to_local") else lm_head).shape),
+                    "shape": list(full.shape), "max_change": float((full.detach() - lm_head_before).abs().max())},
+        "head_calls": head_calls, "named_causes": [c.code for c in cb.pipeline.causes.named],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     (out / f"rank_{rank}.json").write_text(json.dumps(result, default=float))
     # No collective after the last log: TRL's train() has returned on both ranks; wait for the other before the
     # next configuration (or the exit) so neither runs ahead of, or tears the group down under, the other.
     dist.barrier()
+
+
+def _full(weight):
+    """The whole tensor of a parameter, an FSDP2 shard (a DTensor) gathered: a collective, every rank calls it."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ __all__ = [
     "SafeVocabStats",
     "Truncation",
     "default_chunk_rows",
+    "full_weight",
     "fused_failure_count",
     "safe_logprobs_from_logits",
     "safe_logprobs_from_hidden",
@@ -508,14 +509,31 @@ def _check_hidden(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tens
         if _is_dtensor(x):
             raise ValueError(
                 f"{name} is a DTensor (placements {x.placements}): the safe-vocab folds need every row of the "
-                "lm_head weight on this rank. Pass the gathered tensor: `weight.full_tensor()` under FSDP2 "
-                "(differentiable: its gradient is reduce-scattered back to the shards), the parameter inside "
-                "`FSDP.summon_full_params(...)` under FSDP1, and `hidden.to_local()` for the hidden states")
+                "lm_head weight on this rank. Pass the gathered tensor: `tim_plugins.safe_vocab.full_weight(weight)` "
+                "under FSDP2 (differentiable, its gradient averaged over the ranks as FSDP2 averages the others'; "
+                "a bare `weight.full_tensor()` leaves each rank's shard its own rank's gradient), the parameter "
+                "inside `FSDP.summon_full_params(...)` under FSDP1, and `hidden.to_local()` for the hidden states")
     _check_rows("hidden", hidden, tokens, weight.shape[0], check_ids)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [V, H] with H = {hidden.shape[1]}")
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: must be >= 1 rows")
+
+
+def full_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The whole lm_head weight from an FSDP2 shard (a DTensor), differentiably; a plain tensor as it is.
+
+    The gradient of the gathered weight is each rank's own (its own tokens); it goes back to the shards averaged
+    over every dimension of the weight's mesh, as FSDP2 reduces the gradients of the parameters it gathers itself
+    (its default: the mean over the data-parallel ranks). ``weight.full_tensor()`` alone declares that gradient
+    replicated, the same on every rank, and hands each shard its own rank's rows unreduced: the lm_head would train
+    on one rank's tokens per shard. Where ranks hold the same tokens (a tensor-parallel dimension) the mean is their
+    common gradient."""
+    if not _is_dtensor(weight):
+        return weight
+    from torch.distributed.tensor import Partial
+
+    return weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
 
 
 def _is_dtensor(x: torch.Tensor) -> bool:
@@ -551,7 +569,7 @@ def safe_linear_logprobs(
 
     Args:
         hidden: [..., H] final hidden states (after the last norm), plain tensors (``.to_local()`` a DTensor).
-        weight: [V, H] lm_head weight, all of it: an FSDP2 shard is refused with the fix (``weight.full_tensor()``).
+        weight: [V, H] lm_head weight, all of it: an FSDP2 shard is refused with the fix (``full_weight(weight)``).
         labels: [...] token ids, ``hidden``'s leading shape.
         truncation: the sampler's rule (``Truncation``).
         temperature: overrides ``truncation.temperature`` (a fused head is given the temperature per call).

@@ -33,6 +33,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from tim_plugins.patching import Patch
 from tim_plugins.safe_head import kept_set_logprobs
+from tim_plugins.safe_vocab import full_weight
 
 from . import _plugin_import_ended
 from .config import OPTIMIZER_IMPL, TIMVerlConfig
@@ -225,9 +226,9 @@ class _SafeFusedForward:
         hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=use_cache, **kwargs)[0]
         labels = shift_labels if shift_labels is not None else torch.roll(input_ids, shifts=-1, dims=-1)
-        weight = self.model.lm_head.weight
-        if isinstance(weight, DTensor):
-            weight = weight.full_tensor()
+        # an FSDP2 shard (verl wraps an untied lm_head as a unit of its own, whose forward this never calls) is
+        # gathered with its gradient averaged over the ranks, as FSDP2 reduces the others'
+        weight = full_weight(self.model.lm_head.weight)
         if isinstance(hidden, DTensor):
             hidden = hidden.to_local()
         kept = place_kept(self.kept, self.pipeline, labels_shape=labels.shape, packed=self.packed)

@@ -389,10 +389,11 @@ def test_config_validation_quotes_values(toy_model_path, tmp_path):
     assert all(TIMConfig.help_texts().values())
 
 
-def test_a_first_argument_that_is_not_the_trainer_is_named_with_the_call_to_write(tmp_path):
-    """TIMCallback(TIMConfig()), TIMCallback(args, ...), TIMCallback(None): a TypeError that names what was passed and
-    the call to write (it was a RuntimeError blaming "this TRL": "trainer.use_vllm is missing on the live
-    TIMConfig", fixed by reporting it)."""
+def test_a_first_argument_that_is_not_the_trainer_is_named_with_the_call_to_write(toy_model_path, tmp_path):
+    """TIMCallback(TIMConfig()), TIMCallback(args, ...), TIMCallback(None), GRPOTrainer(callbacks=[TIMCallback]): a
+    TypeError that names what was passed and the call to write (it was a RuntimeError blaming "this TRL":
+    "trainer.use_vllm is missing on the live TIMConfig", fixed by reporting it; and for the class, Python's missing
+    positional argument)."""
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[])
     for wrong, named in ((TIMConfig(), "got TIMConfig (the TIMConfig goes second)"),
                          (args, "got GRPOConfig (the trainer's config, not the trainer)"), (None, "got NoneType")):
@@ -400,6 +401,11 @@ def test_a_first_argument_that_is_not_the_trainer_is_named_with_the_call_to_writ
             TIMCallback(wrong, TIMConfig())
         assert named in str(err.value), err.value
         assert "trainer.add_callback(TIMCallback(trainer, TIMConfig(...)))" in str(err.value), err.value
+    # the class handed to GRPOTrainer(callbacks=[...]): transformers builds it with no argument
+    with pytest.raises(TypeError, match=r"callbacks=\[TIMCallback\]\) builds it without the trainer.*Fix: build "
+                                        r"the trainer first, then trainer\.add_callback"):
+        GRPOTrainer(model=str(toy_model_path), reward_funcs=lambda **kw: [0.0], args=args, callbacks=[TIMCallback],
+                    train_dataset=datasets.Dataset.from_dict({"prompt": ["a", "b"]}))
 
 
 def test_config_help_prints_every_field_with_its_default_and_text(capsys):

@@ -102,7 +102,9 @@ def _check_is_trainer(trainer) -> None:
     if isinstance(trainer, Trainer):
         return
     kind = type(trainer).__name__
-    why = {"TIMConfig": " (the TIMConfig goes second)", "GRPOConfig": " (the trainer's config, not the trainer)"}
+    # None: TIMCallback() itself, as transformers builds a callback class handed to GRPOTrainer(callbacks=[...])
+    why = {"TIMConfig": " (the TIMConfig goes second)", "GRPOConfig": " (the trainer's config, not the trainer)",
+           "NoneType": " (GRPOTrainer(callbacks=[TIMCallback]) builds it without the trainer it watches)"}
     raise TypeError(
         f"TIMCallback(trainer, config): trainer must be the GRPOTrainer (or AsyncGRPOTrainer) to monitor, got "
         f"{kind}{why.get(kind, '')}. Fix: build the trainer first, then "
@@ -151,7 +153,7 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         config: a `TIMConfig` (default: monitor + parity audit, no mitigation).
     """
 
-    def __init__(self, trainer, config: TIMConfig | None = None) -> None:
+    def __init__(self, trainer=None, config: TIMConfig | None = None) -> None:
         require("trl", "tim_plugins.integrations.trl.TIMCallback")
         self.trl_version = note_version("trl")
         # the transformers internals it relies on: integrations/hf/sources.py TRANSFORMERS_SOURCES

@@ -61,8 +61,8 @@ FINDING_FIXES = {
     # attention backend vLLM picks at start-up
     "unknown-setting":
         "`tim-plugins audit --trl-config`: without --model, add --model PATH (the policy checkpoint, whose dtype "
-        "vLLM's 'auto' follows); the attention backend vLLM picks at start-up is known to the live engine only: TIMCallback's "
-        "audit at the start of training reads it (TIMConfig(parity_audit=True))",
+        "vLLM's 'auto' follows); the attention backend vLLM picks at start-up is known to the live engine only: "
+        "TIMCallback's audit at the start of training reads it (TIMConfig(parity_audit=True))",
 }
 
 PART_FIXES = {

@@ -305,8 +305,7 @@ class TIMEngineMixin:
         one loaded later at the next window (``_tim_causes_sync``). The parity audit's codes stay this attempt's own
         (``CauseTracker.load_state_dict``). None without the causes or an optimizer with param groups."""
         tracker = self._tim_pipeline.causes
-        groups = getattr(getattr(self, "optimizer", None), "param_groups", None)
-        if tracker is None or not groups:
+        if tracker is None or self._tim_state_group() is None:
             return None
         return ControllerCheckpoint(self.optimizer, tracker, CAUSES_STATE_KEY)
 
@@ -522,24 +521,29 @@ class TIMEngineMixin:
     # and decide another LR scale for their shard)
     def optimizer_step(self):
         grad_norm = super().optimizer_step()
-        groups = getattr(self.optimizer, "param_groups", None)
-        if not groups:
+        group = self._tim_state_group()
+        if group is None:
             return grad_norm
         if self._tim is None:
-            groups[0].pop(GRAD_NORM_STATE_KEY, None)  # a norm stored while configured is stale from here on
+            group.pop(GRAD_NORM_STATE_KEY, None)  # a norm stored while configured is stale from here on
             return grad_norm
         try:
-            norm = float(grad_norm)
+            group[GRAD_NORM_STATE_KEY] = float(grad_norm)
         except (TypeError, ValueError, RuntimeError):  # not a number: the signal is missing this step
-            norm = None
-        groups[0][GRAD_NORM_STATE_KEY] = norm
+            group[GRAD_NORM_STATE_KEY] = None
         return grad_norm
+
+    def _tim_state_group(self) -> dict | None:
+        """The actor optimizer's first param group, where verl's checkpoint carries tim's state (the causes', the
+        last grad norm; the LR controller's through its optimizer); None without an optimizer with param groups."""
+        groups = getattr(getattr(self, "optimizer", None), "param_groups", None)
+        return groups[0] if groups else None
 
     def _tim_last_grad_norm(self) -> float | None:
         """The last optimizer step's grad norm, where verl's checkpoint carries it (``GRAD_NORM_STATE_KEY``): after a
         load, the checkpoint's last step's. None before any step, or without param groups (the signal is skipped)."""
-        groups = getattr(self.optimizer, "param_groups", None)
-        return groups[0].get(GRAD_NORM_STATE_KEY) if groups else None
+        group = self._tim_state_group()
+        return group.get(GRAD_NORM_STATE_KEY) if group is not None else None
 
     def _tim_end_step(self, data) -> None:
         """Close one optimizer step through the pipeline, before verl's: the DP-mean response length of the

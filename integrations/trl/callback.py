@@ -184,6 +184,7 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         self.safe_route: Feature | None = None
         self.kept_sets: KeptSetStore | None = None  # the engine's kept sets, replayed (kept_sets.py)
         self._async: AsyncAttachment | None = None
+        self.liger_loss = False  # the loss runs in Liger's fused GRPO loss (features.liger_grpo_loss)
         self.sync_watch: SyncWatch | None = None  # the weight-sync check (sync_check.py)
         self.server_probe: ServerProbe | None = None  # server mode's lag-0 probe (server_probe.py)
         if not config.enabled:
@@ -235,7 +236,13 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             needed = features.EXACT_SAMPLER if self.rollout_source == "exact" else features.HF_RECORDER
             if not self._available(check(needed, features.live(trainer))):
                 self.rollout_source = "unavailable"
-        if config.safe_vocab:
+        self.liger_loss = features.liger_grpo_loss(trainer)
+        if self.liger_loss:  # Liger's fused GRPO loss: what needs TRL's loss forward is off, each with its warning
+            for name, wanted in (("safe_vocab", config.safe_vocab), ("loss_factor", config.is_correction is not None),
+                                 ("loss_pass", config.monitor)):
+                if wanted:
+                    self._available(features.liger_unsupported(name))
+        if config.safe_vocab and not self.liger_loss:
             # the route first: it checks the GRPOTrainer settings safe_truncation reads (a TRL that moved one switches
             # the safe vocabulary off with its warning instead of failing on the attribute)
             self.safe_route, _ = features.safe_vocab_route(trainer)
@@ -249,8 +256,9 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
                 logger.info(kept_set_line("trl", self.trl_version, sampling_mask=self.kept_sets is not None))
             else:
                 self._available(features.safe_vocab_status(trainer))
-        loss_factor = True
-        if config.is_correction is not None or (self.truncation is not None and config.mask_boundary_tokens):
+        loss_factor = not self.liger_loss
+        if loss_factor and (config.is_correction is not None or
+                            (self.truncation is not None and config.mask_boundary_tokens)):
             loss_factor = self._available(check(features.LOSS_FACTOR, features.live(trainer)))
         if self.rollout_source == "inject":
             self.injector = TailNoiseInjector.from_config(config.inject_options)

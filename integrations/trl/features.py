@@ -19,6 +19,9 @@ TRL 1.14 calls its chunked kernel from ``GRPOTrainer`` with positional arguments
 applies there, so the safe vocabulary is off on 1.14 with the reason (the rest works); on 1.15 the fused route
 needs TRL's Triton kernels (``trl.trainer.utils._ChunkedLogProbFunction`` is None without Triton: off with that
 reason).
+
+``GRPOConfig(use_liger_kernel=True)`` on TRL 1.9 - 1.13 trains through Liger's fused GRPO loss, which no hook of the
+callback sees: what needs TRL's loss forward is switched off there with the reason (``liger_unsupported``).
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from __future__ import annotations
 import re
 import sys
 
+from tim_plugins._optional import package_version
 from tim_plugins.capabilities import (Feature, Hook, Problem, SourceProblem, Status, check, first_available,
                                       look_through, upstream_source)
 
 __all__ = ["ASYNC_MONITOR", "ASYNC_UNSUPPORTED", "ENGINE_AUDIT", "EXACT_SAMPLER", "FEATURES", "HF_RECORDER",
-           "KEPT_SET_REPLAY", "LOSS_FACTOR", "LR_GRAD_NORM", "MONITOR", "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS",
-           "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "SERVER_PROBE", "SYNC_CHECK", "async_unsupported", "feature",
-           "live", "logits_route_module", "safe_vocab_route", "safe_vocab_status", "trl_features"]
+           "KEPT_SET_REPLAY", "LIGER_LOSS_UNSUPPORTED", "LOSS_FACTOR", "LR_GRAD_NORM", "MONITOR",
+           "SAFE_VOCAB_FUSED_HEAD", "SAFE_VOCAB_LOGITS", "SAFE_VOCAB_ROUTES", "SERVER_AUDIT", "SERVER_PROBE",
+           "SYNC_CHECK", "async_unsupported", "feature", "liger_grpo_loss", "liger_unsupported", "live",
+           "logits_route_module", "safe_vocab_route", "safe_vocab_status", "trl_features"]
 
 _GRPO = "trl.trainer.grpo_trainer"
 _UPGRADE = "pip install -U 'trl>=1.16'"
@@ -275,6 +280,40 @@ def async_unsupported(name: str) -> Status:
     feature = Feature(f"async_{name}", f"{name} (AsyncGRPOTrainer)", "trl", needs=("trl",), extra="trl",
                       fix=f"TIMConfig({name}=...) off for AsyncGRPOTrainer, or train with GRPOTrainer")
     return Status(feature, False, ASYNC_UNSUPPORTED[name], feature.fix)
+
+
+# GRPOConfig(use_liger_kernel=True) on TRL 1.9 - 1.13: GRPOTrainer.compute_loss hands the batch to
+# self.compute_liger_loss (Liger's fused linear GRPO loss, over the last hidden states and lm_head.weight) instead of
+# _compute_loss, so no log-prob of the loss forward reaches _get_per_token_logps_and_entropies. TRL 1.14 runs Liger's
+# path through _get_per_token_logps_and_entropies (_chunked_logps), TRL >= 1.15 applies Liger's layer kernels only:
+# neither has compute_liger_loss. What the callback cannot do there: the TIMConfig field, and why. Each one set is
+# switched off with that reason (tim/diag/feature_off/liger_<name>).
+LIGER_LOSS_UNSUPPORTED = {
+    "safe_vocab": ("safe vocabulary", "the safe vocabulary renormalizes the log-probs of TRL's loss forward, which "
+                   "Liger's fused GRPO loss computes inside its kernel"),
+    "loss_factor": ("IS corrections and boundary masking", "they scale the policy term of TRL's _compute_loss, which "
+                    "Liger's fused GRPO loss replaces"),
+    "loss_pass": ("the loss forward's measurement", "the batches TRL scores only in its loss forward go unmeasured "
+                  "(those it scores at generation, old_per_token_logps, are measured), and so does the staleness "
+                  "split of each loss pass"),
+}
+_LIGER_FIX = ("GRPOConfig(use_liger_kernel=False), or pip install -U 'trl>=1.16' (whose use_liger_kernel applies "
+              "Liger's layer kernels only, and its loss scores through the hooks the callback reads)")
+
+
+def liger_grpo_loss(trainer) -> bool:
+    """Whether ``trainer``'s loss runs in Liger's fused GRPO loss: its ``use_liger_kernel`` set, on a TRL whose
+    ``compute_loss`` dispatches on it to ``compute_liger_loss`` (1.9 - 1.13; tests/test_trl_liger.py checks that
+    TRL's own dispatch agrees)."""
+    return bool(getattr(trainer, "use_liger_kernel", False)) and callable(getattr(trainer, "compute_liger_loss", None))
+
+
+def liger_unsupported(name: str) -> Status:
+    """The off status of what ``LIGER_LOSS_UNSUPPORTED`` names under Liger's fused GRPO loss."""
+    what, reason = LIGER_LOSS_UNSUPPORTED[name]
+    feature = Feature(f"liger_{name}", f"{what} (under Liger's GRPO loss: GRPOConfig(use_liger_kernel=True))", "trl",
+                      needs=("trl",), extra="trl", fix=_LIGER_FIX)
+    return Status(feature, False, reason, feature.fix, package_version("trl"))
 
 
 # The LR decay's grad-norm signal (lr_decay_signals=("grad_norm",)): the pre-clip norm transformers computes at each

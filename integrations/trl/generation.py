@@ -77,6 +77,9 @@ class GenerationWrappers:
         out["tim_generated_at"] = torch.full((rollout.shape[0],), self.trainer.state.global_step,
                                              dtype=torch.long, device=rollout.device)
         if train is None:  # measured by the first loss forward over these rows (hence at the rollout weights)
+            if self.liger_loss:  # Liger's fused GRPO loss: no loss forward reaches the callback (warned at attach)
+                self.pipeline.count("liger_loss_unmeasured", detail="a generation batch TRL scores only in its loss")
+                return
             out["tim_pending"] = torch.ones(rollout.shape[0], dtype=torch.bool, device=rollout.device)
             return
         ratio = out.get("importance_sampling_ratio")  # TRL's own vLLM correction, when on

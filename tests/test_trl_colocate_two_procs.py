@@ -1,0 +1,241 @@
+"""The weight-sync check in TRL's vLLM colocate mode with two processes (CPU, gloo, ``torch.distributed.run``), each
+rank with its own vLLM engine (the CPU build, TRL's own ``LLM(distributed_executor_backend="external_launcher",
+seed=process_index)``) and its own TIMCallback, under DDP and under FSDP2.
+
+One launch (tests/trl_colocate_two_procs_run.py; bounded in time, its process group killed at the end:
+tests/bounded.py) runs four ``GRPOTrainer.train()`` one after the other in the same two processes:
+
+- fault-free, DDP and FSDP2 (``fsdp_config={"version": 2}``, applied on a CPU launch by tests/cpu_fsdp2.py; TRL
+  streams ``param.full_tensor()`` per parameter, and the check compares what is streamed): both ranks' syncs are
+  checked, every parameter of each, and nothing is named;
+- rank 1's engine loader drops layer 1's tensors at the sync after optimizer step 1 (rank 0's syncs untouched;
+  installed test-side under the callback's wrappers), with ``TIMConfig(parity_probe=True, action="stop")``: rank 1's
+  check names ``sync-tensors-stale`` with exactly those tensors, rank 0's check finds its own engine fine, the cause
+  metrics of the log rows are the merged ones on both ranks, both ranks stop at step 2 and the launch exits cleanly
+  within its bound.
+
+References, independent of the check: the names the fault dropped (recorded as it dropped them) and the trainer's
+parameter names; the trainer's whole parameters at each sync (FSDP2 shards gathered) against each rank's engine
+parameters read directly after training, q/k/v and gate/up stacked as vLLM merges them, cast to the engine's dtype:
+after a fault-free run each engine holds the last sync's weights; after the fault, rank 1's engine holds layer 1 of
+the sync before and the rest of the faulty sync, rank 0's the faulty sync's whole.
+
+Test-side shims (tests/trl_cpu_vllm.py): ``keep_plain_linear_weights`` (TRL 1.16's ``model.load_weights`` fails on
+the CPU build's packed linear weights, trl/generation/vllm_generation.py L511), the engine's KV cache size, and one
+engine per rank for the launch's four trainers (the first trainer's TRL call builds it; each run's first sync loads
+that run's initial weights).
+
+Cost on the shared 2-core machine: ~45 s for the launch when idle (each rank's start with its engine ~27 s, then the
+four runs ~1-3 s each); ~0.95 GiB peak RSS per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("vllm")
+pytest.importorskip("datasets")
+torch = pytest.importorskip("torch")
+
+from bounded import run_bounded  # noqa: E402
+from trl_colocate_two_procs_run import CONFIGS, FAULT_RANK, FAULT_STEP, SKIPPED, STEPS  # noqa: E402
+
+pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = Path(__file__).with_name("trl_colocate_two_procs_run.py")
+TIMEOUT_S = 400  # ~45 s idle; several times that under other load. A hang (a rank waiting on the other) ends here.
+RANKS = (0, 1)
+MODES = ("ddp", "fsdp2")
+MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # Qwen2's packing
+
+
+@pytest.fixture(scope="module")
+def launch(toy_model_path, tmp_path_factory):
+    """The one launch: {config: {"ranks": [rank_r.json], "tensors": [rank_r.pt], "dump": folder}}, its wall time and
+    output. It must end by itself, with exit status 0, within TIMEOUT_S."""
+    out = tmp_path_factory.mktemp("trl_colocate2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RUNNER),
+           "--model", str(toy_model_path), "--out", str(out), "--config", ",".join(CONFIGS)]
+    t0 = time.time()
+    proc, timed_out = run_bounded(cmd, TIMEOUT_S, cwd=ROOT)
+    wall = time.time() - t0
+    assert not timed_out, f"ran past {TIMEOUT_S} s and was killed (a rank waiting on the other):\n{proc.stdout[-4000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-6000:]}"
+    print(f"\n[trl colocate 2 procs] {wall:.0f} s wall")
+    runs = {}
+    for config in CONFIGS:
+        folder = out / config
+        ranks = [json.loads((folder / f"rank_{r}.json").read_text()) for r in RANKS]
+        tensors = [torch.load(folder / f"rank_{r}.pt") for r in RANKS]
+        print(f"[trl colocate 2 procs {config}] set-up {ranks[0]['init_s']:.0f} s, train {ranks[0]['train_s']:.1f} s, "
+              f"peak RSS per rank {max(r['peak_rss_mib'] for r in ranks):.0f} MiB")
+        runs[config] = {"ranks": ranks, "tensors": tensors, "dump": folder / "dump"}
+    return {"runs": runs, "stdout": proc.stdout, "wall": wall}
+
+
+def _sync_steps(tensors: dict) -> list[int]:
+    return [step for step, _ in tensors["snapshots"]]
+
+
+def _snapshot(tensors: dict, step: int) -> dict:
+    (params,) = [p for s, p in tensors["snapshots"] if s == step]
+    return params
+
+
+def _engine_vs(tensors: dict, reference) -> dict:
+    """{trainer name: whether the engine's tensor holding it equals ``reference(name)`` cast to the engine's dtype},
+    every engine parameter read whole (vLLM's merged q/k/v and gate/up split back by the trainer's shapes; the
+    vocabulary padding cut off)."""
+    out = {}
+    for name, held in tensors["engine"].items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        parts = [".".join(x for x in (parent, p, leaf) if x) for p in MERGED.get(last, (last,))]
+        values = [reference(p) for p in parts]
+        rows = [v.shape[0] for v in values]
+        held = held[: sum(rows)]  # the embedding and lm_head: vLLM pads the vocabulary
+        assert held.shape[0] == sum(rows), name
+        for part, value, piece in zip(parts, values, torch.split(held, rows)):
+            out[part] = torch.equal(piece, value.to(held.dtype))
+    return out
+
+
+def _logged(rank: dict) -> dict:
+    """{step: the step's log row} (the training rows: the final summary row has no tim/ keys)."""
+    return {h["step"]: h for h in rank["log_history"] if "tim/cause/named" in h}
+
+
+# ------------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("mode", MODES)
+def test_each_rank_trains_with_its_own_engine(launch, mode):
+    for config in (f"{mode}_clean", f"{mode}_fault"):
+        for r, rank in enumerate(launch["runs"][config]["ranks"]):
+            assert rank["rank"] == r and rank["world_size"] == 2 and rank["backend"] == "gloo"
+            assert rank["distributed_type"] == ("FSDP" if mode == "fsdp2" else "MULTI_CPU")
+            assert rank["is_fsdp_enabled"] is (mode == "fsdp2")
+            assert rank["lm_head_class"] == ("DTensor" if mode == "fsdp2" else "Parameter")  # sharded under FSDP2
+            engine = rank["engine"]
+            # TRL's colocate LLM(...): seed = process_index // tensor_parallel_size, in-process (external launcher)
+            assert engine["seed"] == r and engine["executor_backend"] == "external_launcher"
+            assert engine["reader_is_this_engine"]  # the check reads this rank's engine
+            # vLLM on the torchrun world: a tensor-parallel group and a data-parallel group of this rank alone
+            assert engine["groups"] == {"world": [2, r], "tp": [1, 0], "dp": [1, 0]}
+            assert not rank["diag"], rank["diag"]  # no sync_check_failed / _unavailable / _unread, nothing else
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fault_free_every_sync_of_both_ranks_is_checked_and_nothing_named(launch, mode):
+    run = launch["runs"][f"{mode}_clean"]
+    checked = 0
+    for rank, tensors in zip(run["ranks"], run["tensors"]):
+        assert _sync_steps(tensors) == list(range(STEPS))  # TRL syncs before each step's generation
+        names = sorted(_snapshot(tensors, 0))  # the trainer's parameters under vLLM's names (TRL's name fix)
+        reports = rank["reports"]
+        assert [x["step"] for x in reports] == list(range(STEPS))
+        for report in reports:
+            assert sorted(report["statuses"]) == names and set(report["statuses"].values()) == {"ok"}
+            assert report["causes"] == [] and report["bad"] == 0 and report["checked"] == len(names)
+            assert report["not_sent"] == []  # DDP: every expected name was streamed; FSDP2: no expectation
+        checked += len(reports)
+        assert rank["named"] == [] and rank["cause_lines"] == [] and rank["trips"] == []
+        logged = _logged(rank)
+        assert sorted(logged) == list(range(1, STEPS + 1)) and rank["global_step"] == STEPS
+        for row in logged.values():
+            assert row["tim/cause/named"] == 0 and row["tim/cause/sync_bad_tensors"] == 0
+            assert row["tim/cause/sync_checked_tensors"] == len(names)
+    assert checked == 2 * STEPS
+    assert not (run["dump"] / "causes.jsonl").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fault_free_each_engine_holds_the_trainers_weights(launch, mode):
+    """The independent read: each rank's engine, after training, holds the trainer's parameters at the last sync
+    (and not those of the first: the check had something to find)."""
+    run = launch["runs"][f"{mode}_clean"]
+    last = [_snapshot(t, STEPS - 1) for t in run["tensors"]]
+    assert all(torch.equal(last[0][n], last[1][n]) for n in last[0])  # the ranks' replicas (gathered shards) agree
+    for tensors, params in zip(run["tensors"], last):
+        same = _engine_vs(tensors, params.__getitem__)
+        assert sorted(same) == sorted(params) and all(same.values()), [n for n, ok in same.items() if not ok]
+        first = _engine_vs(tensors, _snapshot(tensors, 0).__getitem__)
+        assert sum(not ok for ok in first.values()) >= len(first) - 2  # trained: the engine's precision shows it
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fault_on_one_rank_is_named_with_its_tensors_on_that_rank(launch, mode):
+    run = launch["runs"][f"{mode}_fault"]
+    names = sorted(_snapshot(run["tensors"][0], 0))
+    skipped = sorted(n for n in names if n.startswith(SKIPPED))
+    faulty, fine = run["ranks"][FAULT_RANK], run["ranks"][1 - FAULT_RANK]
+    assert {int(k): sorted(v) for k, v in faulty["dropped"].items()} == {FAULT_STEP: skipped} and len(skipped) == 12
+    assert fine["dropped"] == {}
+    # each rank's check read its own engine: rank 1's found the dropped layer, rank 0's nothing
+    by_step = {x["step"]: x for x in faulty["reports"]}
+    assert sorted(by_step) == list(range(FAULT_STEP + 1))  # the syncs before the stop
+    report = by_step[FAULT_STEP]
+    assert [c["code"] for c in report["causes"]] == ["sync-tensors-stale"]
+    assert sorted(report["causes"][0]["tensors"]) == skipped
+    assert sorted(n for n, s in report["statuses"].items() if s != "ok") == skipped and report["bad"] == 12
+    assert sorted(report["statuses"]) == names
+    assert all(x["causes"] == [] for x in faulty["reports"] if x["step"] != FAULT_STEP)
+    assert all(x["causes"] == [] and x["bad"] == 0 for x in fine["reports"])
+    # rank 1's console line names the layer at the faulty sync
+    (line,) = faulty["cause_lines"]
+    assert line.startswith(f"tim-plugins cause [sync-tensors-stale] at step {FAULT_STEP}: ") and "Fix (TRL):" in line
+    assert f"{SKIPPED}* (12 tensors)" in line
+    assert [(c["code"], c["step"], sorted(c["tensors"])) for c in faulty["named"]] == [
+        ("sync-tensors-stale", FAULT_STEP, skipped)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_engines_hold_what_the_checks_said(launch, mode):
+    """Independent of the check: after the stop, rank 1's engine holds layer 1 as the sync before the fault sent it
+    and the rest as the faulty sync did; rank 0's engine holds the faulty sync's weights whole."""
+    run = launch["runs"][f"{mode}_fault"]
+    for r, tensors in enumerate(run["tensors"]):
+        assert _sync_steps(tensors) == list(range(FAULT_STEP + 1))
+        now, before = _snapshot(tensors, FAULT_STEP), _snapshot(tensors, FAULT_STEP - 1)
+        dropped = r == FAULT_RANK
+        same = _engine_vs(tensors, lambda n: before[n] if dropped and n.startswith(SKIPPED) else now[n])
+        assert sorted(same) == sorted(now) and all(same.values()), (r, [n for n, ok in same.items() if not ok])
+        # the faulty sync's values of layer 1, in the engine's precision, are not the sync before's: on rank 1 none
+        # of its tensors holds them, on rank 0 all do (the check had something to tell apart)
+        as_sent = _engine_vs(tensors, now.__getitem__)
+        assert {ok for n, ok in as_sent.items() if n.startswith(SKIPPED)} == {not dropped}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fault_on_one_rank_reaches_both_ranks_log_rows_and_stops_both(launch, mode):
+    run = launch["runs"][f"{mode}_fault"]
+    stop = FAULT_STEP + 1  # the faulty sync precedes this step's generation; its window names the cause
+    rows = [_logged(rank) for rank in run["ranks"]]
+    for rank, logged in zip(run["ranks"], rows):
+        assert rank["global_step"] == stop < STEPS + 1  # stopped, before max_steps
+        assert rank["trips"] == [{"key": "tim/cause/named", "step": stop}]
+        assert sorted(logged) == list(range(1, stop + 1))
+        assert logged[stop - 1]["tim/cause/named"] == 0 and logged[stop - 1]["tim/cause/sync_bad_tensors"] == 0
+        # merged over the ranks: rank 0's own check found 0 bad tensors, rank 1's the dropped layer
+        assert logged[stop]["tim/cause/named"] == 1 and logged[stop]["tim/cause/sync_bad_tensors"] == 12
+        assert logged[stop]["tim/cause/sync_checked_tensors"] == 27 and logged[stop]["tim/probe/tripped"] == 1
+    for step in rows[0]:  # the ranks log the same merged cause metrics
+        tim = {k: v for k, v in rows[0][step].items() if k.startswith(("tim/cause/", "tim/probe/"))}
+        assert tim == {k: v for k, v in rows[1][step].items() if k.startswith(("tim/cause/", "tim/probe/"))}
+    # rank 0 names the code, found on rank 1 (whose log has the tensors), in its window
+    fine = run["ranks"][1 - FAULT_RANK]
+    assert [(c["code"], c["step"], c["tensors"]) for c in fine["named"]] == [("sync-tensors-stale", stop, [])]
+    assert "found on another rank" in fine["named"][0]["message"]
+    # beside the dump (rank 0 writes it), for the report
+    causes = [json.loads(x) for x in (run["dump"] / "causes.jsonl").read_text().splitlines()]
+    assert [(c["code"], c["window"]) for c in causes] == [("sync-tensors-stale", stop)]
+    # both ranks said they stop; the launch ended by itself (the fixture), after both ranks wrote their results
+    stops = re.findall(rf"parity probe tripped at step {stop} \(tim/cause/named=1\); stopping training",
+                       launch["stdout"])
+    assert len(stops) == 2 * len(MODES)

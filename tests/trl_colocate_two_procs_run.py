@@ -1,0 +1,204 @@
+"""The script tests/test_trl_colocate_two_procs.py launches: TRL's ``GRPOTrainer.train()``, vLLM colocate mode, on two
+CPU processes (``torch.distributed.run``, gloo), each rank with its own vLLM engine (the CPU build), TIMCallback's
+weight-sync check on each.
+
+Run by the test (bounded, in its own process group), never collected by pytest. ``--config`` names the configurations
+(comma-separated), each its own ``GRPOTrainer`` and ``train()``, one after the other in the same two processes:
+
+- ``ddp_clean``: DDP (accelerate's MULTI_CPU), no fault;
+- ``ddp_fault``: DDP; rank 1's engine loader drops layer ``SKIPPED``'s tensors at the sync after optimizer step
+  ``FAULT_STEP`` (rank 0's syncs are untouched), with ``TIMConfig(parity_probe=True, action="stop")``;
+- ``fsdp2_clean``, ``fsdp2_fault``: the same under FSDP2 (``GRPOConfig(fsdp=True, fsdp_config={"version": 2})``,
+  applied on a CPU launch through tests/cpu_fsdp2.py): TRL streams ``param.full_tensor()`` per parameter.
+
+Each rank builds its engine with TRL's own ``LLM(...)`` call (``distributed_executor_backend="external_launcher"``,
+``seed=process_index``) at its first trainer; later trainers of the launch get that rank's engine back (test-side,
+tests/trl_cpu_vllm.py ``one_plain_engine``: one engine start per rank, not four; each run's first sync loads its own
+initial weights). Test-side shims, documented in tests/trl_cpu_vllm.py: ``keep_plain_linear_weights`` (TRL 1.16's
+``model.load_weights`` fails on the CPU build's packed linear weights, vllm_generation.py L511) and the engine's KV
+cache size (``kv_cache_memory_bytes``; TRL passes ``gpu_memory_utilization``, which the CPU build does not read).
+
+The fault is installed on the rank's engine model's ``load_weights`` and a snapshot taken in TRL's
+``VLLMGeneration.sync_weights`` before the callback attaches (under its wrappers: it sees what TRL sent, the engine
+keeps what the fault left). Each rank writes to ``--out``/CONFIG: ``rank_<r>.json`` (its sync check's reports, the
+names its fault dropped, ``trainer.state.log_history``, the causes it named and the console lines of them, the
+probe's trips, the step training ended at, its engine's seed and vLLM's process groups, timings) and
+``rank_<r>.pt`` (the trainer's parameters at each sync, whole: FSDP2 shards gathered; the engine model's parameters
+after training, read directly). The callback's dump goes to ``--out``/CONFIG/dump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from cpu_fsdp2 import cpu_fsdp2
+
+CONFIGS = ("ddp_clean", "ddp_fault", "fsdp2_clean", "fsdp2_fault")
+FSDP2 = "fsdp2_"
+CONFIG_MARK = "[colocate two procs] configuration: "
+SKIPPED = "model.layers.1."  # the layer whose tensors rank 1's engine loader drops
+FAULT_RANK = 1
+FAULT_STEP = 1  # global_step at the faulty sync (it precedes step 2's generation: named in step 2's window)
+STEPS = 3  # fault-free runs; a faulty one gets STEPS + 1 and stops at FAULT_STEP + 1
+PROBE = {"action": "stop", "kl_k3_max": None, "seq_log_ratio_abs_max": 1e9}  # trips on a named cause only
+KV_CACHE_BYTES = 64 * 2**20
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+def _configs(text: str) -> list[str]:
+    names = text.split(",")
+    if any(n not in CONFIGS for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated names of {CONFIGS}")
+    return names
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", type=_configs, required=True)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+
+    import pytest
+    import torch.distributed as dist
+
+    from trl_cpu_vllm import one_plain_engine
+
+    mp = pytest.MonkeyPatch()
+    engine = one_plain_engine(mp, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    for config in args.config:
+        with cpu_fsdp2() if config.startswith(FSDP2) else contextlib.nullcontext():
+            _train(args, config, Path(args.out) / config, t0)
+        t0 = time.time()
+    # vLLM's engine shuts down at exit (a weakref finalizer) and destroys its groups of the default process group
+    # then: the default group must still exist, so it is not destroyed here; the engine goes first.
+    engine.clear()
+    dist.barrier()
+
+
+class Faults:
+    """This rank's fault and the trainer's parameters at each sync, installed on TRL's ``sync_weights`` and on the
+    engine model's ``load_weights`` before the callback attaches (under its wrappers)."""
+
+    def __init__(self, trainer, schedule: dict):
+        self.trainer, self.schedule = trainer, schedule
+        self.snapshots: list[tuple[int, dict]] = []  # (global_step, {name: tensor}) per sync
+        self.dropped: dict[int, list[str]] = {}
+        gen = trainer.vllm_generation
+        sync = gen.sync_weights
+
+        def sync_weights():
+            # whole parameters (an FSDP2 shard gathered: a collective, every rank is in the sync)
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            self.snapshots.append((trainer.state.global_step, {
+                gen._fix_param_name_to_vllm(n): _full(p).detach().clone() for n, p in model.named_parameters()}))
+            return sync()
+
+        gen.sync_weights = sync_weights
+        model = gen.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        load = model.load_weights
+
+        def load_weights(weights, *args, **kwargs):
+            step, kept = trainer.state.global_step, []
+            for name, tensor in weights:
+                if self.schedule.get(step) == "skip_layer" and name.startswith(SKIPPED):
+                    self.dropped.setdefault(step, []).append(name)
+                    continue
+                kept.append((name, tensor))
+            return load(kept, *args, **kwargs)
+
+        model.load_weights = load_weights
+        self.undo = lambda: model.__dict__.pop("load_weights", None)  # the next trainer's Faults wraps the original
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(args, config: str, out: Path, t0: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("RANK") == "0":  # one write, on a line of its own (both ranks share the launch's pipe)
+        sys.stdout.write(f"\n{CONFIG_MARK}{config}\n")
+        sys.stdout.flush()
+    import datasets
+    import torch
+    import torch.distributed as dist
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tim_plugins.integrations.trl import TIMCallback, TIMConfig
+    from tim_plugins.toy_model import synthetic_prompts
+    from trl_cpu_vllm import CauseLines
+
+    fsdp, fault = config.startswith(FSDP2), config.endswith("_fault")
+    extra = {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}} if fsdp else {}
+    grpo = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, max_steps=STEPS + 1 if fault else STEPS, logging_steps=1, report_to=[],
+        save_strategy="no", gradient_checkpointing=False, learning_rate=1e-3, seed=0, disable_tqdm=True,
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=128,
+        loss_type="grpo", **extra)
+    ds = datasets.Dataset.from_dict({"prompt": synthetic_prompts(64)})
+    trainer = GRPOTrainer(model=args.model, reward_funcs=_reward, args=grpo, train_dataset=ds)
+    rank = trainer.accelerator.process_index
+    faults = Faults(trainer, {FAULT_STEP: "skip_layer"} if fault and rank == FAULT_RANK else {})
+    options = {"dump_dir": str(out / "dump"), "log_detail": True}
+    if fault:
+        options.update(parity_probe=True, parity_probe_options=dict(PROBE))
+    cb = TIMCallback(trainer, TIMConfig(**options))
+    trainer.add_callback(cb)
+    t1 = time.time()
+    with CauseLines() as lines:
+        try:
+            trainer.train()
+        finally:
+            faults.undo()
+    train_s = time.time() - t1
+    llm = trainer.vllm_generation.llm
+    engine_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    reports = [{"step": r.step, "statuses": dict(r.statuses), "not_sent": list(r.not_sent), "bad": r.bad_tensors,
+                "checked": r.checked_tensors,
+                "causes": [{"code": c.code, "tensors": list(c.tensors), "message": c.message} for c in r.causes]}
+               for r in cb.sync_watch.check.reports]
+    probe = cb.pipeline.probe
+    from vllm.distributed import parallel_state as ps
+
+    groups = {"world": ps.get_world_group(), "tp": ps.get_tp_group(), "dp": ps.get_dp_group()}
+    result = {
+        "rank": rank, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "distributed_type": trainer.accelerator.distributed_type.value, "is_fsdp_enabled": trainer.is_fsdp_enabled,
+        "lm_head_class": type(trainer.model.get_output_embeddings().weight).__name__,
+        "engine": {"reader_is_this_engine": cb.sync_watch._reader.model is engine_model,
+                   "seed": llm.llm_engine.vllm_config.model_config.seed,
+                   "dtype": str(llm.llm_engine.model_config.dtype),
+                   "executor_backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
+                   # vLLM's process groups on the torchrun world: [size, this rank's rank in it]
+                   "groups": {k: [g.world_size, g.rank_in_group] for k, g in groups.items()}},
+        "reports": reports, "dropped": {str(k): v for k, v in faults.dropped.items()},
+        "log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
+        "named": [{"code": c.code, "step": c.step, "tensors": list(c.tensors), "message": c.message}
+                  for c in cb.pipeline.causes.named],
+        "cause_lines": list(lines), "diag": dict(cb.pipeline.diag),
+        "trips": [] if probe is None else [{"key": t.key, "step": t.step} for t in probe.trips],
+        "init_s": t1 - t0, "train_s": train_s,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    (out / f"rank_{rank}.json").write_text(json.dumps(result, default=float))
+    torch.save({"snapshots": faults.snapshots,
+                "engine": {n: p.detach().clone() for n, p in engine_model.named_parameters()}},
+               out / f"rank_{rank}.pt")
+    dist.barrier()  # neither rank runs ahead into the next configuration (or the exit)
+
+
+if __name__ == "__main__":
+    main()

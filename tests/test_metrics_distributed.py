@@ -261,3 +261,46 @@ def test_a_resume_from_the_main_processs_state_counts_nothing_twice():
     # uninterrupted: 4 and 2; rank 1's second count came after the last merge and is not in rank 0's state
     assert after0["tim/diag/safe_vocab_mask_unavailable"] == 4 and after0["tim/diag/shape_mismatch"] == 1
     assert after0["tim/tokens"] == tokens0 > 0  # rank 0's window, once
+
+
+def _causes_worker(rank: int, world: int, port: int, queue) -> None:
+    from tim_plugins.cause_registry import Cause
+    from tim_plugins.causes import CauseTracker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        tracker = CauseTracker()
+        # window 1: rank 1's engine alone dropped two tensors at the sync after step 3
+        if rank == 1:
+            tracker.add_found([Cause("sync-tensors-stale", 3, "2 tensors hold their previous values",
+                                     tensors=("model.layers.1.q.weight", "model.layers.1.k.weight"),
+                                     evidence={"bad": 2})])
+        first = tracker.evaluate(4, {})
+        # window 2: both ranks' engines found the same code, each its own tensor
+        tracker.add_found([Cause("sync-tensors-stale", 5, f"rank {rank}'s tensor", tensors=(f"t{rank}",))])
+        second = tracker.evaluate(6, {})
+        third = tracker.evaluate(7, {})  # nothing found anywhere
+        queue.put((rank, [(values, [c.to_dict() for c in found]) for values, found in (first, second, third)]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_cause_one_ranks_check_found_is_named_with_its_tensors_on_every_rank():
+    """A sync cause found on rank 1 only reaches rank 0 (whose console and causes.jsonl the user reads) with rank 1's
+    step, tensors and evidence; a code both ranks found stays each rank's own; an empty window names nothing."""
+    (_, zero), (_, one) = _two_ranks(_causes_worker)
+    tensors = ["model.layers.1.q.weight", "model.layers.1.k.weight"]
+    (values0, found0), (values1, found1) = zero[0], one[0]
+    assert values0["tim/cause/named"] == values1["tim/cause/named"] == 1
+    assert [(c["code"], c["step"], c["tensors"], c["evidence"]) for c in found0] == \
+        [("sync-tensors-stale", 3, tensors, {"bad": 2})]
+    assert found0[0]["message"] == "2 tensors hold their previous values (on rank 1)"
+    assert [(c["step"], c["tensors"], c["message"]) for c in found1] == \
+        [(3, tensors, "2 tensors hold their previous values")]
+    for rank, result in enumerate((zero, one)):
+        values, found = result[1]
+        assert values["tim/cause/named"] == 1
+        assert [(c["code"], c["tensors"], c["message"]) for c in found] == \
+            [("sync-tensors-stale", [f"t{rank}"], f"rank {rank}'s tensor")]
+        assert result[2][0]["tim/cause/named"] == 0 and result[2][1] == []

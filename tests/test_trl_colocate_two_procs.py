@@ -228,13 +228,20 @@ def test_a_fault_on_one_rank_reaches_both_ranks_log_rows_and_stops_both(launch, 
     for step in rows[0]:  # the ranks log the same merged cause metrics
         tim = {k: v for k, v in rows[0][step].items() if k.startswith(("tim/cause/", "tim/probe/"))}
         assert tim == {k: v for k, v in rows[1][step].items() if k.startswith(("tim/cause/", "tim/probe/"))}
-    # rank 0 names the code, found on rank 1 (whose log has the tensors), in its window
-    fine = run["ranks"][1 - FAULT_RANK]
-    assert [(c["code"], c["step"], c["tensors"]) for c in fine["named"]] == [("sync-tensors-stale", stop, [])]
-    assert "found on another rank" in fine["named"][0]["message"]
-    # beside the dump (rank 0 writes it), for the report
+    # rank 0 names rank 1's cause as rank 1 named it (the faulty sync's step, the dropped tensors), in its window
+    fine, faulty = run["ranks"][1 - FAULT_RANK], run["ranks"][FAULT_RANK]
+    skipped = sorted(n for n in _snapshot(run["tensors"][0], 0) if n.startswith(SKIPPED))
+    assert [(c["code"], c["step"], sorted(c["tensors"])) for c in fine["named"]] == [
+        ("sync-tensors-stale", FAULT_STEP, skipped)]
+    assert fine["named"][0]["message"] == f"{faulty['named'][0]['message']} (on rank {FAULT_RANK})"
+    # and so does its console line, which the user reads
+    (line,) = fine["cause_lines"]
+    assert line.startswith(f"tim-plugins cause [sync-tensors-stale] at step {FAULT_STEP}: ")
+    assert f"{SKIPPED}* (12 tensors)" in line and f"(on rank {FAULT_RANK})" in line
+    # beside the dump (rank 0 writes it), for the report: with the tensors
     causes = [json.loads(x) for x in (run["dump"] / "causes.jsonl").read_text().splitlines()]
-    assert [(c["code"], c["window"]) for c in causes] == [("sync-tensors-stale", stop)]
+    assert [(c["code"], c["window"], c["step"], sorted(c["tensors"])) for c in causes] == [
+        ("sync-tensors-stale", stop, FAULT_STEP, skipped)]
     # both ranks said they stop; the launch ended by itself (the fixture), after both ranks wrote their results
     stops = re.findall(rf"parity probe tripped at step {stop} \(tim/cause/named=1\); stopping training",
                        launch["stdout"])

@@ -311,7 +311,9 @@ def test_two_ranks_a_stale_server_stops_both_at_the_same_step(two_procs):
     assert (main["causes"][0][0], main["causes"][0][1]) == ("probe-engine-unchanged", 1)
     assert main["probe_history"][0]["moved_engine"] == 0.0
     assert "probe-engine-unchanged" in {code for code, _, _ in other["causes"]}
-    assert any("found on another rank" in msg for code, _, msg in other["causes"] if code == "probe-engine-unchanged")
+    # as the main process named it (its step and message), which rank 0 found it on said
+    assert [(step, msg) for code, step, msg in other["causes"] if code == "probe-engine-unchanged"] == [
+        (main["causes"][0][1], f"{main['causes'][0][2]} (on rank 0)")]
     assert main["named_by_step"] == other["named_by_step"] and main["named_by_step"]["2"] >= 1
 
 

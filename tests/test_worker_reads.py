@@ -159,3 +159,24 @@ def test_a_reader_that_raises_costs_that_tensor_only():
     assert [r is None for r in answer["reads"]] == [n == "model.layers.0.q.weight" for n in SHAPES]
     with pytest.raises(ValueError, match="at least one"):
         WorkerReads(sync_requests(record), [])
+
+
+def test_a_shard_one_worker_could_not_read_leaves_the_tensor_unread():
+    """Worker 1 cannot read its half of the q weight (its reader raised): the tensor is unread (counted), not
+    checked on worker 0's half alone, where a fault in worker 1's shard would go unseen. The norm, which both
+    workers hold whole, stays checked on worker 0's read."""
+    class Broken(ShardEngine):
+        def read(self, name, shape, index):
+            if self.rank == 1 and name in ("model.layers.0.q.weight", "model.layers.0.norm.weight"):
+                raise RuntimeError("an unknown layout")
+            return super().read(name, shape, index)
+
+    check = SyncCheck(SyncCheckConfig(elements_per_tensor=16))
+    record = check.begin(0)
+    held = {n: t.clone() for n, t in record.observing(list(_weights(0).items()))}
+    requests = sync_requests(record)
+    answers = [read_requests(Broken(held, r), requests) for r in (0, 1)]
+    report = check.finish(record, WorkerReads(requests, answers))
+    assert report.statuses["model.layers.0.q.weight"] == "unread"
+    assert report.statuses["model.layers.0.norm.weight"] == "ok"
+    assert report.names("unread") == ["model.layers.0.q.weight"] and report.causes == []

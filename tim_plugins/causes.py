@@ -242,7 +242,10 @@ class CauseTracker:
         disagreeing, confident, forced = sums.tolist()
         bad, checked, *flag_values = maxes.tolist()
         found: list[Cause] = list(self._sync)
-        for code, flag in zip(_FLAG_CODES, flag_values):  # named on another rank: the code, without its details
+        if reduce and any(flag > 0 for flag in flag_values):
+            # a check found a cause on some rank: every rank sees the same merged flags, so every rank gathers
+            found.extend(self._other_ranks_causes(found, group))
+        for code, flag in zip(_FLAG_CODES, flag_values):  # named on another rank, its details not received
             if flag > 0 and not any(x.code == code for x in found):
                 found.append(Cause(code, step, f"{CAUSES[code].title} (found on another rank; its log has the "
                                                 f"tensors)"))
@@ -287,6 +290,31 @@ class CauseTracker:
             CAUSE_KEYS[4]: checked if checked > -math.inf else math.nan,
         }
         return out, found
+
+    @staticmethod
+    def _other_ranks_causes(own: list[Cause], group) -> list[Cause]:
+        """The causes other ranks' checks found since the last window, of the codes this rank has none of: each as
+        its rank named it (step, tensors, evidence; the message says which rank), the lowest rank's for a code
+        several found. Every rank of ``group`` must call it (one object gather): rank 0's console and the report's
+        causes.jsonl then name a fault of another rank's engine with its tensors. A failed gather costs the details
+        (the caller names the code alone)."""
+        try:
+            gathered: list = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(gathered, [x.to_dict() for x in own], group=group)
+            me = torch.distributed.get_rank(group)
+        except Exception as err:  # noqa: BLE001 (a diagnostic's collective: the details are lost, not the step)
+            logger.warning("tim_plugins: the other ranks' causes could not be gathered (%r)", err)
+            return []
+        have, out = {x.code for x in own}, []
+        for rank, causes in enumerate(gathered):
+            if rank == me:
+                continue
+            for d in causes or ():
+                if d["code"] not in have:
+                    have.add(d["code"])
+                    out.append(Cause(d["code"], d["step"], f"{d['message']} (on rank {rank})", tuple(d["tensors"]),
+                                     dict(d["evidence"])))
+        return out
 
     def evaluate_loss_passes(self, step: int, metrics: dict) -> tuple[dict, list[Cause]]:
         """The rule that reads the loss passes (``staleness``) where they end after the window was closed (verl: the

@@ -94,10 +94,14 @@ def read_requests(reader, requests: Iterable) -> dict:
 
 def _merge(parts: list[EngineRead]) -> Optional[EngineRead]:
     """One tensor's reads from every tensor-parallel worker of an engine -> one read (``held``: the elements some
-    worker holds; the first worker that holds an element gives its value)."""
+    worker holds; the first worker that holds an element gives its value). None (unread, counted) where a worker
+    could not read its part and the others do not hold every element: a fault in that worker's shard would go
+    unseen."""
     held = [p for p in parts if p is not None and not p.missing]
     if not held:
         return EngineRead(missing=True) if any(p is not None for p in parts) else None
+    if any(p is None for p in parts) and not bool(torch.stack([p.held_mask() for p in held]).any(dim=0).all()):
+        return None
     values = held[0].values.clone()
     atol = held[0].atol.clone() if isinstance(held[0].atol, torch.Tensor) else held[0].atol
     mask = held[0].held_mask().clone()

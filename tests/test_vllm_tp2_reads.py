@@ -244,12 +244,11 @@ def test_a_layer_left_out_is_named_stale(engine):
         assert read.held is None and torch.equal(read.values, want), name
 
 
+@pytest.mark.parametrize("engine", ["toy-fp32"], indirect=True)  # a bfloat16 engine holds bfloat16 whatever it is sent
 def test_tensors_rounded_through_bf16_are_named_precision(engine):
     """Into the float32 engine, five tensors loaded rounded through bfloat16, one of each layout (k of the packed QKV,
     its KV head replicated on the toy model; up of gate_up; the row-parallel down_proj; the vocab-parallel lm_head; a
     replicated norm): exactly those five named ``sync-precision``; their sampled values are the rounded ones."""
-    if engine.dtype != torch.float32:
-        pytest.skip("a bfloat16 engine holds bfloat16 values whatever it is sent")
     result, sent, fault, reads = _sync(engine, 2)
     rounded = set(fault["bf16"])
     assert rounded == set(ROUNDED) and rounded <= set(sent)

@@ -61,6 +61,23 @@ def _sync(check, engine, weights, step, **fault):
     return check.finish(record, engine)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (383, 64), (96,), (4864, 896)])
+def test_every_tensor_parallel_shard_holds_sampled_elements(shape, tp):
+    """A rank that checks only its own shard (TRL colocate, vllm_tensor_parallel_size > 1) has elements to compare
+    in every tensor: up to 4 (columns_per_tensor) column shards of a row-parallel weight, 16 (64 elements / 4
+    columns) row shards of a column-parallel one, and the vocabulary's row shards. Reference: the shards' bounds,
+    equal splits of each dimension. Without the bands, 4 random columns of 128 all fall in one half for some
+    names and seeds (model.layers.*.mlp.down_proj.weight of the toy model did: rank 0 of TP=2 read nothing)."""
+    for name in ("model.layers.0.mlp.down_proj.weight", "lm_head.weight", "w"):
+        for seed in range(8):
+            index = sample_index(name, shape, 64, 4, seed=seed)
+            for d, size in enumerate(shape):
+                for r in range(tp):
+                    lo, hi = r * size // tp, (r + 1) * size // tp
+                    assert bool(((index[:, d] >= lo) & (index[:, d] < hi)).any()), (name, seed, d, r)
+
+
 @pytest.mark.parametrize("shape", [(7,), (5, 3), (1000, 7), (4, 5, 6), (3,), (), (0, 4), (2, 1)])
 def test_sample_index_is_fixed_in_range_and_distinct(shape):
     a = sample_index("w", shape, 64, 4)

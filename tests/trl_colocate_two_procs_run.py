@@ -9,12 +9,17 @@ Run by the test (bounded, in its own process group), never collected by pytest. 
 - ``ddp_fault``: DDP; rank 1's engine loader drops layer ``SKIPPED``'s tensors at the sync after optimizer step
   ``FAULT_STEP`` (rank 0's syncs are untouched), with ``TIMConfig(parity_probe=True, action="stop")``;
 - ``fsdp2_clean``, ``fsdp2_fault``: the same under FSDP2 (``GRPOConfig(fsdp=True, fsdp_config={"version": 2})``,
-  applied on a CPU launch through tests/cpu_fsdp2.py): TRL streams ``param.full_tensor()`` per parameter.
+  applied on a CPU launch through tests/cpu_fsdp2.py): TRL streams ``param.full_tensor()`` per parameter;
+- ``tp2_clean``, ``tp2_fault``: DDP with ``GRPOConfig(vllm_tensor_parallel_size=2)``: both ranks one tensor-parallel
+  group of one engine (TRL's ``new_subgroups_by_enumeration`` for its prompts, vLLM's own TP group on the torchrun
+  world), each rank holding its shard in-process; TRL's sync has each rank load full tensors, vLLM's weight loaders
+  keep the rank's shard. vLLM sets its process groups once per process: these two run in a launch of their own.
 
 Each rank builds its engine with TRL's own ``LLM(...)`` call (``distributed_executor_backend="external_launcher"``,
-``seed=process_index``) at its first trainer; later trainers of the launch get that rank's engine back (test-side,
-tests/trl_cpu_vllm.py ``one_plain_engine``: one engine start per rank, not four; each run's first sync loads its own
-initial weights). Test-side shims, documented in tests/trl_cpu_vllm.py: ``keep_plain_linear_weights`` (TRL 1.16's
+``seed=process_index // tensor_parallel_size``) at its first trainer; later trainers of the launch get that rank's
+engine back (test-side, tests/trl_cpu_vllm.py ``one_plain_engine``: one engine start per rank, not four; each run's
+first sync loads its own initial weights; the global RNG vLLM samples from seeded again as a new engine seeds it).
+Test-side shims, documented in tests/trl_cpu_vllm.py: ``keep_plain_linear_weights`` (TRL 1.16's
 ``model.load_weights`` fails on the CPU build's packed linear weights, vllm_generation.py L511) and the engine's KV
 cache size (``kv_cache_memory_bytes``; TRL passes ``gpu_memory_utilization``, which the CPU build does not read).
 
@@ -24,7 +29,7 @@ keeps what the fault left). Each rank writes to ``--out``/CONFIG: ``rank_<r>.jso
 names its fault dropped, ``trainer.state.log_history``, the causes it named and the console lines of them, the
 probe's trips, the step training ended at, its engine's seed and vLLM's process groups, timings) and
 ``rank_<r>.pt`` (the trainer's parameters at each sync, whole: FSDP2 shards gathered; the engine model's parameters
-after training, read directly). The callback's dump goes to ``--out``/CONFIG/dump.
+after training, read directly: with TP=2, this rank's shards). The callback's dump goes to ``--out``/CONFIG/dump.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from pathlib import Path
 from cpu_fsdp2 import cpu_fsdp2
 
 CONFIGS = ("ddp_clean", "ddp_fault", "fsdp2_clean", "fsdp2_fault")
-FSDP2 = "fsdp2_"
+TP2_CONFIGS = ("tp2_clean", "tp2_fault")  # one engine shared by both ranks: a launch of their own
+FSDP2, TP2 = "fsdp2_", "tp2_"
 CONFIG_MARK = "[colocate two procs] configuration: "
 SKIPPED = "model.layers.1."  # the layer whose tensors rank 1's engine loader drops
 FAULT_RANK = 1
@@ -57,8 +63,8 @@ def _reward(completions, **kwargs):
 
 def _configs(text: str) -> list[str]:
     names = text.split(",")
-    if any(n not in CONFIGS for n in names):
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated names of {CONFIGS}")
+    if not (set(names) <= set(CONFIGS) or set(names) <= set(TP2_CONFIGS)):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated names of {CONFIGS}, or of {TP2_CONFIGS}")
     return names
 
 
@@ -142,6 +148,8 @@ def _train(args, config: str, out: Path, t0: float) -> None:
 
     fsdp, fault = config.startswith(FSDP2), config.endswith("_fault")
     extra = {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}} if fsdp else {}
+    if config.startswith(TP2):
+        extra["vllm_tensor_parallel_size"] = 2
     grpo = GRPOConfig(
         output_dir=str(out / "trainer"), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=STEPS + 1 if fault else STEPS, logging_steps=1, report_to=[],

@@ -10,7 +10,12 @@
   run that wants bf16 rollouts against an fp32 trainer wraps the constructor TRL calls
   (``trl.generation.vllm_generation.LLM``) to add it.
 - ``one_plain_engine``: one engine for a test module's TRL runs (TRL builds an ``LLM`` per trainer), with plain
-  linear weights, so TRL's own sync runs unmodified.
+  linear weights, so TRL's own sync runs unmodified. A later trainer gets it back with the global RNG seeded as a
+  new engine's worker seeds it (vllm/v1/worker/cpu_worker.py ``init_device``: ``set_random_seed(model_config.seed)``):
+  vLLM's sampler draws from that RNG (vllm/v1/sample/ops/topk_topp_sampler.py ``random_sample``), and TRL seeds it
+  per process just before building the engine (trl/trainer/grpo_trainer.py L1103, ``set_seed(args.seed,
+  device_specific=True)``); the ranks of one tensor-parallel engine that sampled with their own seeds would follow
+  different tokens and mix them in their all-reduces.
 - ``CauseLines``: the console lines of the named causes (logger ``tim_plugins.causes``), kept while installed.
 """
 
@@ -84,6 +89,10 @@ def one_plain_engine(mp, **engine_kwargs) -> dict:
     def one_engine(*args, **kwargs):
         if "llm" not in built:
             built["llm"] = LLM(*args, **kwargs, **engine_kwargs)
+        else:
+            from vllm.utils.torch_utils import set_random_seed
+
+            set_random_seed(built["llm"].llm_engine.model_config.seed)  # as a new engine's worker does
         return built["llm"]
 
     mp.setattr(vllm_generation, "LLM", one_engine)

@@ -99,7 +99,8 @@ class SyncCheckConfig:
         "sampled elements compared per tensor (a fixed grid, the same at every sync)")})
     columns_per_tensor: int = field(default=4, metadata={"help": (
         "columns the grid of a matrix spans (an engine that reads a packed matrix through its own forward pays one "
-        "one-hot row per column)")})
+        "one-hot row per column; each column is drawn in its own band of the width, so a tensor-parallel engine of "
+        "up to this many ranks holds some in each row-parallel shard)")})
     seed: int = field(default=0, metadata={"help": "seed of the sampled elements (with each tensor's name)"})
 
     def __post_init__(self) -> None:
@@ -116,7 +117,12 @@ def sample_index(name: str, shape: tuple, elements: int, columns: int, seed: int
     distinct positions; a matrix's (or a higher tensor's, viewed as [shape[0], rest]) grid of up to ``columns``
     distinct columns times ceil(K / columns) distinct rows. Deterministic in (name, shape, seed); the columns depend
     on the input width and the seed only, so the parts an engine merges into one matrix (q / k / v, gate / up) share
-    them and a reader that reads columns through the layer's forward pays once per merged matrix."""
+    them and a reader that reads columns through the layer's forward pays once per merged matrix.
+
+    Each position, row and column is drawn in its own equal band of the length it spans (``_spread``), so that every
+    tensor-parallel shard of up to ``columns`` column shards (row-parallel layers) or ceil(K / columns) row shards
+    (column-parallel and vocabulary-parallel ones) holds some of the elements: a rank that checks its own shard
+    (TRL colocate with ``vllm_tensor_parallel_size`` > 1) always has some to compare."""
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
     if numel == 0:
@@ -125,15 +131,23 @@ def sample_index(name: str, shape: tuple, elements: int, columns: int, seed: int
         return torch.zeros(1, 0, dtype=torch.long)
     g = torch.Generator().manual_seed((zlib.crc32(name.encode()) * 1_000_003 + seed) % (2**63 - 1))
     if len(shape) <= 1:
-        return torch.randint(numel, (elements,), generator=g).unique().view(-1, 1)
+        return _spread(numel, elements, g).view(-1, 1)
     rows, rest = shape[0], numel // shape[0]
     by_width = torch.Generator().manual_seed((rest * 1_000_003 + seed) % (2**63 - 1))
-    cols = torch.randint(rest, (min(columns, rest),), generator=by_width).unique()
-    picked = torch.randint(rows, (max(1, -(-elements // cols.numel())),), generator=g).unique()
+    cols = _spread(rest, columns, by_width)
+    picked = _spread(rows, max(1, -(-elements // cols.numel())), g)
     r = picked.repeat_interleave(cols.numel())
     c = cols.repeat(picked.numel())
     tail = torch.stack(torch.unravel_index(c, shape[1:]), dim=1) if len(shape) > 2 else c.view(-1, 1)
     return torch.cat([r.view(-1, 1), tail], dim=1)
+
+
+def _spread(length: int, count: int, g: torch.Generator) -> torch.Tensor:
+    """min(count, length) distinct positions in [0, length), ascending: one drawn at random in each of as many equal
+    bands (band i: [i * length // n, (i + 1) * length // n))."""
+    n = min(count, length)
+    edges = torch.arange(n + 1) * length // n
+    return edges[:-1] + (torch.rand(n, generator=g, dtype=torch.float64) * (edges[1:] - edges[:-1])).long()
 
 
 def ravel(index: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -57,7 +57,8 @@ pytest.importorskip("datasets")
 torch = pytest.importorskip("torch")
 
 from bounded import run_bounded  # noqa: E402
-from trl_colocate_two_procs_run import CONFIGS, FAULT_RANK, FAULT_STEP, SKIPPED, STEPS, TP2_CONFIGS  # noqa: E402
+from trl_colocate_two_procs_run import (COLUMNS_TP2, CONFIGS, FAULT_RANK, FAULT_STEP, SKIPPED, STEPS,  # noqa: E402
+                                        TP2_CONFIGS)
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
@@ -223,8 +224,11 @@ def test_both_ranks_share_one_tensor_parallel_engine(launch, mode, toy_config):
                 assert tensors["engine"][f"{at}self_attn.o_proj.weight"].shape == (o.shape[0], o.shape[1] // 2)
                 gate = trainer[f"{at}mlp.gate_proj.weight"]
                 assert tensors["engine"][f"{at}mlp.gate_up_proj.weight"].shape == (gate.shape[0], gate.shape[1])
-            # every tensor of every sync read on this rank's shard: none unread (sync_check_unread), nothing else
+            # every tensor of every sync read on this rank's shard: none unread (sync_check_unread), nothing else,
+            # although the run set one column per matrix (a row-parallel weight's other half would hold none): the
+            # check took SyncCheckConfig.for_tensor_parallel(2), two columns, 64 elements
             assert not rank["diag"], rank["diag"]
+            assert COLUMNS_TP2 == 1 and rank["check_grid"] == [2, 64]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -78,6 +78,27 @@ def test_every_tensor_parallel_shard_holds_sampled_elements(shape, tp):
                     assert bool(((index[:, d] >= lo) & (index[:, d] < hi)).any()), (name, seed, d, r)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8, 16])
+def test_a_config_for_tensor_parallel_samples_every_shard(tp):
+    """``SyncCheckConfig.for_tensor_parallel(tp)``: every row shard and every column shard of TP ranks holds sampled
+    elements (reference: the shards' bounds), the default unchanged up to 4 ranks (the packed reader pays per
+    column), and the other settings kept."""
+    base = SyncCheckConfig(every_n_syncs=3, seed=5)
+    config = base.for_tensor_parallel(tp)
+    # (columns, elements): 4 x 16 rows up to 4 ranks; 3 ranks: 6 x 12 rows; 8: 8 x 8; 16: 16 x 16
+    expected = {1: (4, 64), 2: (4, 64), 3: (6, 72), 4: (4, 64), 8: (8, 64), 16: (16, 256)}[tp]
+    assert (config.columns_per_tensor, config.elements_per_tensor) == expected
+    assert (config is base) == (expected == (4, 64))
+    assert (config.every_n_syncs, config.seed) == (3, 5)
+    for shape in [(4864, 896), (896, 4864), (151936, 896), (896,)]:
+        index = sample_index("model.layers.3.mlp.down_proj.weight", shape, config.elements_per_tensor,
+                             config.columns_per_tensor, seed=config.seed)
+        for d, size in enumerate(shape):
+            for r in range(tp):
+                lo, hi = r * size // tp, (r + 1) * size // tp
+                assert bool(((index[:, d] >= lo) & (index[:, d] < hi)).any()), (shape, d, r)
+
+
 @pytest.mark.parametrize("shape", [(7,), (5, 3), (1000, 7), (4, 5, 6), (3,), (), (0, 4), (2, 1)])
 def test_sample_index_is_fixed_in_range_and_distinct(shape):
     a = sample_index("w", shape, 64, 4)

@@ -48,6 +48,7 @@ from cpu_fsdp2 import cpu_fsdp2
 CONFIGS = ("ddp_clean", "ddp_fault", "fsdp2_clean", "fsdp2_fault")
 TP2_CONFIGS = ("tp2_clean", "tp2_fault")  # one engine shared by both ranks: a launch of their own
 FSDP2, TP2 = "fsdp2_", "tp2_"
+COLUMNS_TP2 = 1  # the tp2 runs' columns_per_tensor, below the engine's 2 ranks
 CONFIG_MARK = "[colocate two procs] configuration: "
 SKIPPED = "model.layers.1."  # the layer whose tensors rank 1's engine loader drops
 FAULT_RANK = 1
@@ -161,6 +162,8 @@ def _train(args, config: str, out: Path, t0: float) -> None:
     rank = trainer.accelerator.process_index
     faults = Faults(trainer, {FAULT_STEP: "skip_layer"} if fault and rank == FAULT_RANK else {})
     options = {"dump_dir": str(out / "dump"), "log_detail": True}
+    if config.startswith(TP2):  # one column: the check samples as many as the engine has shards (for_tensor_parallel)
+        options["sync_check_options"] = {"columns_per_tensor": COLUMNS_TP2}
     if fault:
         options.update(parity_probe=True, parity_probe_options=dict(PROBE))
     cb = TIMCallback(trainer, TIMConfig(**options))
@@ -192,6 +195,7 @@ def _train(args, config: str, out: Path, t0: float) -> None:
                    "executor_backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
                    # vLLM's process groups on the torchrun world: [size, this rank's rank in it]
                    "groups": {k: [g.world_size, g.rank_in_group] for k, g in groups.items()}},
+        "check_grid": [cb.sync_watch.check.config.columns_per_tensor, cb.sync_watch.check.config.elements_per_tensor],
         "reports": reports, "dropped": {str(k): v for k, v in faults.dropped.items()},
         "log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
         "named": [{"code": c.code, "step": c.step, "tensors": list(c.tensors), "message": c.message}

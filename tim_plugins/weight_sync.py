@@ -50,6 +50,7 @@ sync after an optimizer step that sends nothing at all, where the previous check
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import zlib
@@ -110,6 +111,24 @@ class SyncCheckConfig:
                 raise ValueError(f"SyncCheckConfig.{name}={v!r} is invalid: must be an integer >= 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"SyncCheckConfig.seed={self.seed!r} is invalid: must be an integer")
+
+    def for_tensor_parallel(self, size: int) -> "SyncCheckConfig":
+        """This configuration for an engine of ``size`` tensor-parallel ranks whose every rank checks its own shards
+        (TRL colocate): columns and rows per matrix each a multiple of ``size`` (``sample_index`` draws each in its
+        own band of an equal split, so every shard, an equal split too, holds whole bands of both), the fewest
+        elements that take. Itself for the default at 1, 2 and 4 ranks (the packed reader's cost grows with the
+        columns)."""
+        size = int(size)
+        if size <= 1:
+            return self
+        def up(n: int) -> int:  # the smallest multiple of size >= n
+            return size * -(-n // size)
+
+        columns = up(self.columns_per_tensor)
+        elements = columns * up(-(-self.elements_per_tensor // columns))  # rows: ceil(K / columns), rounded up
+        if (columns, elements) == (self.columns_per_tensor, self.elements_per_tensor):
+            return self
+        return dataclasses.replace(self, columns_per_tensor=columns, elements_per_tensor=elements)
 
 
 def sample_index(name: str, shape: tuple, elements: int, columns: int, seed: int = 0) -> torch.Tensor:

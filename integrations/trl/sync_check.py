@@ -38,7 +38,8 @@ class SyncWatch:
 
     def __init__(self, trainer, pipeline, config: SyncCheckConfig) -> None:
         self.trainer, self.pipeline = trainer, pipeline
-        self.check = SyncCheck(config)
+        # each rank reads its own shards of a tensor-parallel engine: sampled so that every shard holds some
+        self.check = SyncCheck(config.for_tensor_parallel(getattr(trainer.args, "vllm_tensor_parallel_size", 1) or 1))
         self._reader = None
         self._local: dict | None = None
 

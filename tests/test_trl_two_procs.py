@@ -1,7 +1,7 @@
 """TIMCallback in TRL's GRPOTrainer with two processes (CPU, gloo, ``torch.distributed.run``): every ``tim/``
 statistic logged is the exact global value over both ranks, logged once per step.
 
-Each configuration is one real ``GRPOTrainer.train()`` on two ranks (tests/trl_two_procs_run.py; the three run one
+Each configuration is one real ``GRPOTrainer.train()`` on two ranks (tests/trl_two_procs_run.py; all run one
 after the other in one launch), bounded in time, its process group killed at the end (tests/bounded.py): the toy
 model, TRL's transformers generation with a controlled mismatch (``rollout="inject"``), 3 steps of 2 micro-batches
 of 4 completions (8 tokens at most) per rank, 16 completions per step in all. Each rank dumps every token it
@@ -21,11 +21,17 @@ Two more configurations train the ``monitor`` and ``mitigations`` ones under FSD
 ``GRPOConfig(fsdp=True, fsdp_config={"version": 2})``; on a CPU launch accelerate drops the plugin and trains DDP
 unless tests/cpu_fsdp2.py lets it apply it): every check above holds for them alike, and, against the DDP runs of the
 same launch (the same data, seed and starting weights): the first step's loss and pre-clip grad norm are DDP's (a
-gradient reduced wrongly across the ranks would change the norm), the lm_head is a DTensor sharded by rows on the
-ranks, training changed it, and the safe-vocabulary head received the whole lm_head weight.
+gradient reduced wrongly across the ranks would change the norm), so are its sampled tokens and their log-probs, the
+lm_head is a DTensor sharded by rows on the ranks, training changed it, and the safe-vocabulary head received the
+whole lm_head weight. Four more train them under FSDP1 (``GRPOConfig(fsdp="full_shard auto_wrap", fsdp_config={
+"version": 1, ...})``, ``FullyShardedDataParallel``), with ``use_orig_params`` True (transformers' default) and False
+(accelerate's plugin default): the same checks, and accelerate really sharded (FSDP version 1, its units, half the
+parameters on each rank, flat parameters alone with ``use_orig_params=False``), so a silent DDP fallback fails
+(tests/cpu_fsdp2.py applies FSDP1 on the CPU as well).
 
 Cost on the shared 2-core machine: the launch's start 7-15 s per rank, then each configuration a few seconds (its
-trainer's set-up, training ~1 s; FSDP2 ~1.5 s); ~0.85 GiB peak RSS per rank (the module's process tree: 1.8 GiB PSS).
+trainer's set-up, training ~1 s; FSDP2 and FSDP1 ~1.5 s); ~0.85 GiB peak RSS per rank (the module's process tree:
+1.8 GiB PSS).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ pytestmark = [pytest.mark.trl, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("trl_two_procs_run.py")
-from trl_two_procs_run import CONFIG_MARK, CONFIGS, FSDP2, ICEPOP_BAND  # noqa: E402
+from trl_two_procs_run import CONFIG_MARK, CONFIGS, FSDP1, FSDP1_FLAT, FSDP2, ICEPOP_BAND  # noqa: E402
 
 TIMEOUT_S = 400  # ~35 s idle; several times that under other load
 STEPS = (1, 2, 3)
@@ -302,7 +308,7 @@ def _response_tokens(run: dict, step: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("config", ["monitor", FSDP2 + "monitor"])
+@pytest.mark.parametrize("config", ["monitor", FSDP2 + "monitor", FSDP1 + "monitor", FSDP1_FLAT + "monitor"])
 def test_monitor_statistics_are_the_global_values(runs, config):
     run = runs(config)
     assert {r["rollout_source"] for r in run["ranks"]} == {"inject"}
@@ -329,7 +335,8 @@ def test_monitor_statistics_are_the_global_values(runs, config):
         assert logged["tim/token/kl_k3"] > 1e-3  # the injected mismatch, far above float32 rounding
 
 
-@pytest.mark.parametrize("config", ["mitigations", FSDP2 + "mitigations"])
+@pytest.mark.parametrize("config", ["mitigations", FSDP2 + "mitigations", FSDP1 + "mitigations",
+                                    FSDP1_FLAT + "mitigations"])
 def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs, config):
     run = runs(config)
     assert not any(r["diag"] for r in run["ranks"])
@@ -398,6 +405,63 @@ def test_a_problem_met_on_one_rank_is_counted_in_the_log(runs):
         assert _local(rank1, step)["tim/tokens"] == 0 and logged["tim/tokens"] == _local(rank0, step)["tim/tokens"]
 
 
+# The first step's loss and pre-clip grad norm under FSDP against DDP's. Observed: the loss equal, the norm within
+# 1.1e-7 relative (FSDP2, FSDP1 with use_orig_params=False: another reduction order) or equal (FSDP1 with
+# use_orig_params=True); an lm_head gradient left unreduced over the ranks (its shard trained on its own rank's tokens
+# alone) moved the norm by 6.7e-4 here.
+FIRST_STEP_REL = 1e-6
+STEP1_LOGPROB_ABS = 1e-6
+LM_HEAD_SHAPE = [383, 64]  # the toy model's vocabulary x hidden size
+
+
+def _step_tokens(dump: dict, step: int) -> dict:
+    """The dumped tokens of ``step`` in (rank, sequence, position) order: those keys with the token id, and the two
+    log-probs."""
+    col = {k: np.asarray(v) for k, v in dump.items()}
+    sel = col["step"] == step
+    key = np.stack([col[k][sel].astype(np.int64) for k in ("rank", "sequence", "position", "token_id")], axis=1)
+    order = np.lexsort(key[:, :3].T[::-1])
+    sides = ("rollout_logprob", "train_logprob")
+    return {"key": key[order], **{k: col[k][sel][order].astype(np.float64) for k in sides}}
+
+
+def _check_trains_as_ddp(ddp: dict, fsdp: dict, config: str) -> list[dict]:
+    """What every FSDP run shares against its DDP run (same data, seed and starting weights): the first step's loss
+    and grad norm are DDP's, and so are its tokens (sampled, and both log-probs of each), training changed the
+    (gathered) lm_head the same on both ranks, no cause is named, and the safe-vocabulary head (``mitigations``)
+    received the whole lm_head weight at every call, at the first step the starting weight itself (its checksums).
+    Returns the head calls of both ranks."""
+    for rank in ddp["ranks"]:
+        assert rank["distributed_type"] == "MULTI_CPU" and not rank["is_fsdp_enabled"] and rank["fsdp_units"] == []
+        assert rank["fsdp_version"] is None and rank["wrapped"] == "DistributedDataParallel"
+        assert rank["lm_head"]["class"] == "Parameter"
+        assert sum(numel for _, _, numel in rank["params"]) == rank["numel"]  # every parameter whole on each rank
+    for run in (ddp, fsdp):
+        changes = {rank["lm_head"]["max_change"] for rank in run["ranks"]}
+        assert len(changes) == 1 and changes.pop() > 1e-4  # the same trained head on both ranks
+        assert all(rank["named_causes"] == [] for rank in run["ranks"])
+        assert all(rank["lm_head"]["shape"] == LM_HEAD_SHAPE for rank in run["ranks"])
+    first = [_logged(run["ranks"][0], 1) for run in (ddp, fsdp)]
+    for key in ("loss", "grad_norm"):
+        assert first[1][key] == pytest.approx(first[0][key], rel=FIRST_STEP_REL), (key, first)
+    assert first[1]["tim/tokens"] == first[0]["tim/tokens"]
+    # The first step's tokens themselves (both ranks): the same sampled tokens, and the same log-probs of both sides
+    # (observed: bitwise; the runs part at ~1e-6 from the second step on, their weights ~1e-7 apart)
+    step1 = [_step_tokens(run["dump"], 1) for run in (ddp, fsdp)]
+    assert step1[0]["key"].shape[0] > 0 and np.array_equal(step1[0]["key"], step1[1]["key"])
+    for side in ("rollout_logprob", "train_logprob"):
+        assert np.abs(step1[0][side] - step1[1][side]).max() <= STEP1_LOGPROB_ABS, side
+    calls = [c for rank in fsdp["ranks"] for c in rank["head_calls"]]
+    if config == "mitigations":
+        assert calls and all(c["shape"] == LM_HEAD_SHAPE and c["weight"] != "DTensor" for c in calls), calls
+        for rank in fsdp["ranks"]:  # two micro-batches per step: the first two calls run at the starting weights
+            assert len(rank["head_calls"]) == 2 * len(STEPS)
+            assert all(c["checksum"] == rank["lm_head"]["checksum_before"] for c in rank["head_calls"][:2]), rank
+    else:
+        assert calls == []
+    return calls
+
+
 @pytest.mark.parametrize("config", ["monitor", "mitigations"])
 def test_fsdp2_shards_the_model_and_trains_as_ddp(runs, config):
     """The FSDP2 run of ``config`` against its DDP run in the same launch (same data, seed and starting weights):
@@ -405,31 +469,52 @@ def test_fsdp2_shards_the_model_and_trains_as_ddp(runs, config):
     step's loss and pre-clip grad norm equal DDP's, training changed the lm_head, no cause is named, and the
     safe-vocabulary head (``mitigations``) received the whole lm_head weight at every call."""
     ddp, fsdp = runs(config), runs(FSDP2 + config)
-    for rank in ddp["ranks"]:
-        assert rank["distributed_type"] == "MULTI_CPU" and not rank["is_fsdp_enabled"] and rank["fsdp_units"] == []
-        assert rank["lm_head"]["class"] == "Parameter"
     for r, rank in enumerate(fsdp["ranks"]):
-        assert rank["distributed_type"] == "FSDP" and rank["is_fsdp_enabled"]
+        assert rank["distributed_type"] == "FSDP" and rank["is_fsdp_enabled"] and rank["fsdp_version"] == 2
         # accelerate's fsdp2_prepare_model: each decoder layer, the input embedding, [final norm, lm_head], the root
         assert {"", "model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"} <= set(rank["fsdp_units"])
         head = rank["lm_head"]
         assert head["class"] == "DTensor" and head["placements"] == "(Shard(dim=0),)", head
-        assert head["shape"] == [383, 64] and head["local_shape"] == [(192, 191)[r], 64], head  # 383 rows split
-    for run in (ddp, fsdp):
-        changes = {rank["lm_head"]["max_change"] for rank in run["ranks"]}
-        assert len(changes) == 1 and changes.pop() > 1e-4  # the same trained head on both ranks
-        assert all(rank["named_causes"] == [] for rank in run["ranks"])
-    first = [_logged(run["ranks"][0], 1) for run in (ddp, fsdp)]
-    # observed: the loss equal, the norm within 1.1e-7 (another reduction order); an lm_head gradient left unreduced
-    # over the ranks (its shard trained on its own rank's tokens alone) moved it by 6.7e-4 here
-    for key in ("loss", "grad_norm"):
-        assert first[1][key] == pytest.approx(first[0][key], rel=1e-5), (key, first)
-    assert first[1]["tim/tokens"] == first[0]["tim/tokens"]
-    calls = [c for rank in fsdp["ranks"] for c in rank["head_calls"]]
-    if config == "mitigations":
-        # TRL's fused lm_head runs inside the model's forward, after the final norm's: FSDP2 has gathered the
-        # [final norm, lm_head] unit there, so the head gets the whole (unsharded) parameter, never a shard
-        assert calls and all(c["shape"] == [383, 64] and c["weight"] != "DTensor" for c in calls), calls
-        assert {c["lm_head_param"] for c in calls} == {"Parameter"}, calls
-    else:
-        assert calls == []
+        assert head["local_shape"] == [(192, 191)[r], 64], head  # 383 rows split
+    calls = _check_trains_as_ddp(ddp, fsdp, config)
+    # TRL's fused lm_head runs inside the model's forward, after the final norm's: FSDP2 has gathered the
+    # [final norm, lm_head] unit there, so the head gets the whole (unsharded) parameter, never a shard
+    assert config != "mitigations" or {c["lm_head_param"] for c in calls} == {"Parameter"}, calls
+
+
+@pytest.mark.parametrize("orig_params", [True, False], ids=["use_orig_params", "flat_params_only"])
+@pytest.mark.parametrize("config", ["monitor", "mitigations"])
+def test_fsdp1_shards_the_model_and_trains_as_ddp(runs, config, orig_params):
+    """The FSDP1 run of ``config`` (``use_orig_params`` True, transformers' default, or False, accelerate's plugin
+    default) against its DDP run in the same launch: accelerate wrapped the model in ``FullyShardedDataParallel``
+    (FSDP version 1, the root and one unit per decoder layer), each rank holds half of the parameters (not a DDP
+    replica), the lm_head outside forward is what FSDP1 leaves there (a 1-D piece of the root's flat shard, or a view
+    of the freed whole), the first step's loss and pre-clip grad norm equal DDP's, training changed the lm_head, no
+    cause is named, and the safe-vocabulary head received the whole lm_head weight (FSDP1 gathers the root's flat
+    parameter, which holds the lm_head, before the root's forward, where TRL's fused head runs)."""
+    ddp, fsdp = runs(config), runs((FSDP1 if orig_params else FSDP1_FLAT) + config)
+    whole = {name: numel for name, _, numel in ddp["ranks"][0]["params"]}  # each parameter's size (DDP: whole)
+    held = [{name: numel for name, _, numel in rank["params"]} for rank in fsdp["ranks"]]
+    for rank in fsdp["ranks"]:
+        assert rank["distributed_type"] == "FSDP" and rank["is_fsdp_enabled"], rank["distributed_type"]
+        assert rank["fsdp_version"] == 1 and rank["use_orig_params"] is orig_params
+        assert rank["wrapped"] == "FullyShardedDataParallel"
+        # accelerate's FSDP1 transformer auto-wrap (the model's _no_split_modules): the decoder layers, and the root
+        assert rank["fsdp_units"] == ["", "model.layers.0", "model.layers.1"]
+        # Half the model on each rank (the flat parameters' sizes are even here: FSDP1 pads none to split it)
+        assert sum(numel for _, _, numel in rank["params"]) * 2 == rank["numel"] == sum(whole.values())
+        head = rank["lm_head"]
+        if orig_params:  # each parameter a 1-D view of its piece of the rank's flat shard
+            assert all(not flat for _, flat, _ in rank["params"]) and set(held[0]) == set(whole)
+            assert head["class"] == "Parameter" and len(head["local_shape"]) == 1, head
+        else:  # the module's parameters are the flat ones; lm_head.weight a view of the freed whole flat parameter
+            assert [(name, flat) for name, flat, _ in rank["params"]] == [
+                ("_flat_param", True), ("model.layers.0._flat_param", True), ("model.layers.1._flat_param", True)]
+            assert head["class"] == "Tensor" and head["local_shape"] == LM_HEAD_SHAPE, head
+            assert head["storage_bytes"] == 0, head
+    if orig_params:  # the two ranks' pieces of each parameter make it whole
+        assert {name: held[0][name] + held[1][name] for name in whole} == whole
+        assert sum(rank["lm_head"]["local_shape"][0] for rank in fsdp["ranks"]) == math.prod(LM_HEAD_SHAPE)
+    calls = _check_trains_as_ddp(ddp, fsdp, config)
+    # Inside the forward FSDP1 sets the module's attributes to plain-tensor views of the gathered flat parameter
+    assert all(c["lm_head_param"] == "Tensor" and c["lm_head_param_shape"] == LM_HEAD_SHAPE for c in calls), calls

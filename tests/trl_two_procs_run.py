@@ -26,11 +26,19 @@ Configurations (``--config``):
   transformers' own settings (``GRPOConfig(fsdp=True, fsdp_config={"version": 2})``: accelerate's
   ``fsdp2_prepare_model`` shards each decoder layer, the input embedding, [final norm, lm_head] and the root), which
   accelerate applies on a CPU launch only under tests/cpu_fsdp2.py (it drops the plugin there and wraps in DDP); that
-  helper restores the ``ACCELERATE_USE_FSDP`` which ``Accelerator`` leaves set, so a DDP configuration may follow.
-Each rank also writes what it trained: the accelerator's distributed type, the model's FSDP units, the lm_head
-weight's class and placement after training, its largest change, and what each safe-vocabulary head call received
-(the weight's class and shape, and the lm_head parameter's class at that moment: a test-side wrapper of the head's
-core call).
+  helper restores the ``ACCELERATE_USE_FSDP`` which ``Accelerator`` leaves set, so a DDP configuration may follow;
+- ``fsdp1_monitor``, ``fsdp1_mitigations``: the same under FSDP1, as ``GRPOConfig(fsdp="full_shard auto_wrap",
+  fsdp_config={"version": 1, "sync_module_states": False})`` sets it (accelerate wraps the model in
+  ``FullyShardedDataParallel`` with the transformer auto-wrap policy: each decoder layer a unit, the root holding the
+  embedding, final norm and lm_head in one flat parameter), ``use_orig_params=True`` (transformers' default);
+  ``fsdp1flat_monitor``, ``fsdp1flat_mitigations``: with ``use_orig_params=False`` (accelerate's own plugin default),
+  where the model's parameters are the flat parameters alone. tests/cpu_fsdp2.py applies them on the CPU too.
+Each rank also writes what it trained: the accelerator's distributed type, FSDP version and ``use_orig_params``, the
+wrapped model's class and FSDP units, what it holds of each parameter (its local size, a flat parameter or not), the
+lm_head weight as the module holds it after training (class, placement, local shape, storage size), the whole weight
+(gathered: ``full_tensor()``, FSDP1 ``summon_full_params``) and its largest change, and what each safe-vocabulary head
+call received (the weight's class, shape and checksums, and the lm_head parameter's class and shape at that moment: a
+test-side wrapper of the head's core call).
 """
 
 from __future__ import annotations
@@ -59,8 +67,18 @@ def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
-CONFIGS = ("monitor", "mitigations", "beam_on_rank1", "fsdp2_monitor", "fsdp2_mitigations")
-FSDP2 = "fsdp2_"  # the prefix of the configurations trained under FSDP2 (the rest of the name: what they run)
+CONFIGS = ("monitor", "mitigations", "beam_on_rank1", "fsdp2_monitor", "fsdp2_mitigations", "fsdp1_monitor",
+           "fsdp1_mitigations", "fsdp1flat_monitor", "fsdp1flat_mitigations")
+# the prefixes of the configurations trained under FSDP (the rest of the name: what they run)
+FSDP2, FSDP1, FSDP1_FLAT = "fsdp2_", "fsdp1_", "fsdp1flat_"
+# transformers' own FSDP settings per prefix (GRPOConfig's fsdp, fsdp_config). FSDP1: sync_module_states=False, as
+# accelerate's FSDP1 plugin raises on a machine without GPUs otherwise (accelerate/utils/dataclasses.py lines
+# 1998-2016: it looks for the current accelerator device to build its param_init_fn); both ranks load the same
+# weights, which is what syncing them from rank 0 would ensure.
+FSDP1_ARGS = {"version": 1, "sync_module_states": False}
+FSDP_ARGS = {FSDP2: (True, {"version": 2, "reshard_after_forward": True}),
+             FSDP1: ("full_shard auto_wrap", FSDP1_ARGS),  # use_orig_params: transformers' default, True
+             FSDP1_FLAT: ("full_shard auto_wrap", {**FSDP1_ARGS, "use_orig_params": False})}
 CONFIG_MARK = "[two procs] configuration: "
 
 
@@ -91,7 +109,7 @@ def main(argv=None) -> None:
 
 def _train(args, config: str, out: Path, t0: float) -> None:
     """One configuration's trainer, from its construction to its rank_<r>.json (``t0``: when its set-up began)."""
-    with cpu_fsdp2() if config.startswith(FSDP2) else contextlib.nullcontext():
+    with cpu_fsdp2() if config.startswith(tuple(FSDP_ARGS)) else contextlib.nullcontext():
         _train_one(args, config, out, t0)
 
 
@@ -111,10 +129,11 @@ def _train_one(args, config: str, out: Path, t0: float) -> None:
     from tim_plugins.staleness import staleness_metrics
     from tim_plugins.toy_model import synthetic_prompts
 
-    fsdp, config = config.startswith(FSDP2), config.removeprefix(FSDP2)  # FSDP2 or DDP; then what it runs
+    fsdp = next((p for p in FSDP_ARGS if config.startswith(p)), None)  # FSDP2, FSDP1 or DDP (None)
+    config = config.removeprefix(fsdp or "")  # what it runs
     extra = {"min_p": MIN_P} if config == "mitigations" else {}
     if fsdp:
-        extra.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
+        extra.update(fsdp=FSDP_ARGS[fsdp][0], fsdp_config=dict(FSDP_ARGS[fsdp][1]))
     if config == "beam_on_rank1" and os.environ.get("RANK") == "1":
         extra["generation_kwargs"] = {"num_beams": 2}  # unsupported by the monitor: counted, not measured
     grpo = GRPOConfig(
@@ -184,29 +203,46 @@ def _train_one(args, config: str, out: Path, t0: float) -> None:
     def _kept_set_logprobs(*a, weight=None, **k):
         param = trainer.model.get_output_embeddings().weight
         head_calls.append({"weight": type(weight).__name__, "shape": list(weight.shape),
-                           "lm_head_param": type(param).__name__})
+                           "lm_head_param": type(param).__name__, "lm_head_param_shape": list(param.shape),
+                           "checksum": _checksum(weight)})
         return head_call(*a, weight=weight, **k)
 
     hooks.kept_set_logprobs = _kept_set_logprobs
-    lm_head_before = _full(trainer.model.get_output_embeddings().weight).detach().clone()
+    # Not wrapped yet (accelerate prepares the model in train()): the whole weight on every configuration.
+    lm_head_before = trainer.model.get_output_embeddings().weight.detach().clone()
+    numel = sum(p.numel() for p in trainer.model.parameters())
     t1 = time.time()
     try:
         trainer.train()
     finally:
         hooks.kept_set_logprobs = head_call
     train_s = time.time() - t1
-    lm_head = trainer.model.get_output_embeddings().weight
-    full = _full(lm_head)
+    wrapped = trainer.model_wrapped
+    lm_head = trainer.model.get_output_embeddings().weight  # as the module holds it outside forward
+    with _full_params(trainer):
+        full = _full(trainer.model.get_output_embeddings().weight).detach().clone()
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    from torch.distributed.fsdp import FlatParameter
     result = {
         "rank": rank, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "rollout_source": cb.rollout_source, "log_history": trainer.state.log_history, "windows": windows,
         "batches": batches, "local": local, "diag": dict(cb.pipeline.diag), "init_s": t1 - t0,
         "train_s": train_s, "wall_s": time.time() - t0,
         "distributed_type": trainer.accelerator.distributed_type.value, "is_fsdp_enabled": trainer.is_fsdp_enabled,
-        "fsdp_units": [n for n, m in trainer.model.named_modules() if type(m).__name__.startswith("FSDP")],
+        "fsdp_version": getattr(plugin, "fsdp_version", None),
+        "use_orig_params": getattr(plugin, "use_orig_params", None),
+        "wrapped": type(wrapped).__name__,
+        "fsdp_units": [_name(n) for n, m in wrapped.named_modules()
+                       if type(m).__name__.startswith("FSDP") or type(m).__name__ == "FullyShardedDataParallel"],
+        # what this rank holds of the parameters (FSDP1: shards of flat parameters), and the model's own count
+        "params": [[_name(n), isinstance(p, FlatParameter), p.numel()] for n, p in wrapped.named_parameters()],
+        "numel": numel,
         "lm_head": {"class": type(lm_head).__name__, "placements": str(getattr(lm_head, "placements", None)),
                     "local_shape": list((lm_head.to_local() if hasattr(lm_head, "to_local") else lm_head).shape),
-                    "shape": list(full.shape), "max_change": float((full.detach() - lm_head_before).abs().max())},
+                    "storage_bytes": (lm_head.to_local() if hasattr(lm_head, "to_local") else lm_head
+                                      ).untyped_storage().nbytes(),
+                    "shape": list(full.shape), "max_change": float((full - lm_head_before).abs().max()),
+                    "checksum_before": _checksum(lm_head_before)},
         "head_calls": head_calls, "named_causes": [c.code for c in cb.pipeline.causes.named],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -219,6 +255,31 @@ def _train_one(args, config: str, out: Path, t0: float) -> None:
 def _full(weight):
     """The whole tensor of a parameter, an FSDP2 shard (a DTensor) gathered: a collective, every rank calls it."""
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+def _full_params(trainer):
+    """FSDP1: the model's whole parameters in place of their flat shards (``summon_full_params``, a collective);
+    otherwise nothing."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(trainer.model_wrapped, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(trainer.model_wrapped, writeback=False)
+    return contextlib.nullcontext()
+
+
+def _name(name: str) -> str:
+    """A module's or parameter's name in the model, without DDP's (``module.``) or FSDP1's wrapper attribute
+    (``_fsdp_wrapped_module.``)."""
+    return name.removeprefix("module.").replace("_fsdp_wrapped_module.", "")
+
+
+def _checksum(weight) -> list[float]:
+    """Two float64 sums of a tensor (plain, and weighted by the element's flat index): equal tensors give equal
+    sums; a shard, another parameter or a permutation of rows does not."""
+    import torch
+
+    w = weight.detach().double().reshape(-1)
+    return [float(w.sum()), float((w * torch.arange(w.numel(), dtype=torch.float64)).sum())]
 
 
 if __name__ == "__main__":

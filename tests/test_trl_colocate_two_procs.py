@@ -66,7 +66,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("trl_colocate_two_procs_run.py")
 TIMEOUT_S = 400  # ~45 s idle; several times that under other load. A hang (a rank waiting on the other) ends here.
 RANKS = (0, 1)
-MODES = ("ddp", "fsdp2", "tp2")
+MODES = ("ddp", "fsdp2", "tp2")  # the fault-free runs and the runs with a fault set by the test
+# TRL 1.16's FSDP1 sync leaves out the root unit's parameters: its run (no fault set) is checked apart
+ROOT_UNIT = ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # Qwen2's packing
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: the vocabulary is padded to a multiple of it, then split
 
@@ -95,7 +97,7 @@ def _launch(configs: tuple, model, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def launch_own_engines(toy_model_path, tmp_path_factory):
-    """DDP and FSDP2, each rank with its own engine: one launch."""
+    """DDP, FSDP2 and FSDP1, each rank with its own engine: one launch."""
     return _launch(CONFIGS, toy_model_path, tmp_path_factory.mktemp("trl_colocate2"))
 
 
@@ -183,13 +185,14 @@ def _logged(rank: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("mode", ("ddp", "fsdp2"))
+@pytest.mark.parametrize("mode", ("ddp", "fsdp2", "fsdp1"))
 def test_each_rank_trains_with_its_own_engine(launch, mode):
-    for config in (f"{mode}_clean", f"{mode}_fault"):
+    fsdp = mode.startswith("fsdp")
+    for config in [c for c in (f"{mode}_clean", f"{mode}_fault") if c in launch["runs"]]:
         for r, rank in enumerate(launch["runs"][config]["ranks"]):
             assert rank["rank"] == r and rank["world_size"] == 2 and rank["backend"] == "gloo"
-            assert rank["distributed_type"] == ("FSDP" if mode == "fsdp2" else "MULTI_CPU")
-            assert rank["is_fsdp_enabled"] is (mode == "fsdp2")
+            assert rank["distributed_type"] == ("FSDP" if fsdp else "MULTI_CPU")
+            assert rank["is_fsdp_enabled"] is fsdp and rank["fsdp_version"] == {"fsdp2": 2, "fsdp1": 1}.get(mode)
             assert rank["lm_head_class"] == ("DTensor" if mode == "fsdp2" else "Parameter")  # sharded under FSDP2
             engine = rank["engine"]
             # TRL's colocate LLM(...): seed = process_index // tensor_parallel_size, in-process (external launcher)
@@ -351,3 +354,33 @@ def test_a_fault_on_one_rank_reaches_both_ranks_log_rows_and_stops_both(launch, 
     stops = re.findall(rf"parity probe tripped at step {stop} \(tim/cause/named=1\); stopping training",
                        launch["stdout"])
     assert len(stops) == 2 * sum(c.endswith("_fault") for c in launch["configs"])
+
+
+def test_fsdp1_trls_sync_leaves_out_the_root_units_parameters_and_the_check_names_them(launch_own_engines, toy_config):
+    """Under FSDP1, TRL 1.16's sync (``_iter_fsdp1_params``) walks the model it was given at ``GRPOTrainer.__init__``,
+    before accelerate wrapped it: the layers' FSDP units are inside it, the root unit (the embeddings, the final norm,
+    the lm_head) is not, so those three are never sent and the engine keeps the initial ones. The check (the names
+    of the trainable parameters expected, no trainer value compared under sharding) names exactly those three stale
+    at every sync after an optimizer step, on both ranks. Reference, independent of the check: each engine read
+    directly after training holds the initial values of those three and the last sync's of everything else."""
+    run = launch_own_engines["runs"]["fsdp1_clean"]
+    for r, (rank, tensors) in enumerate(zip(run["ranks"], run["tensors"])):
+        assert rank["distributed_type"] == "FSDP" and rank["fsdp_version"] == 1
+        reports = {x["step"]: x for x in rank["reports"]}
+        assert sorted(reports) == list(range(STEPS))
+        for step, report in reports.items():
+            assert sorted(report["not_sent"]) == ROOT_UNIT, step
+            bad = sorted(n for n, st in report["statuses"].items() if st != "ok")
+            if step == 0:  # the engine loaded the same initial weights: nothing to name yet
+                assert bad == [] and report["causes"] == []
+                continue
+            assert bad == ROOT_UNIT and {report["statuses"][n] for n in bad} == {"stale"}
+            assert [(c["code"], sorted(c["tensors"])) for c in report["causes"]] == [("sync-tensors-stale", ROOT_UNIT)]
+            assert "(3 of them never sent)" in report["causes"][0]["message"]
+        first, last = _snapshot(tensors, 0), _snapshot(tensors, STEPS - 1)
+        same = _engine_vs(tensors, lambda n: first[n] if n in ROOT_UNIT else last[n], toy_config)
+        assert sorted(same) == sorted(last) and all(same.values()), (r, [n for n, ok in same.items() if not ok])
+        assert not any(torch.equal(first[n], last[n]) for n in ROOT_UNIT)  # the trainer moved them
+        logged = _logged(rank)
+        assert [logged[step]["tim/cause/named"] for step in sorted(logged)] == [0] + [1] * (STEPS - 1)
+

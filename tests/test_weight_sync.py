@@ -239,6 +239,38 @@ def test_a_sync_that_streams_nothing_is_compared_from_the_trainers_tensors():
     assert "never sent" in report.causes[0].message
 
 
+def test_expected_names_without_a_trainer_value_left_out_of_a_sync_are_stale_after_a_step():
+    """Sharded parameters with their names expected (TRL under FSDP: no trainer value to compare, ``local`` gives
+    None): a sync that streams all but three names them stale at every sync after an optimizer step, "never sent",
+    with the engine's values the previous ones (reference: the names left out); at step 0 (the engine loaded the same
+    initial weights) nothing is named; a sync that streams nothing names every expected tensor as a no-op."""
+    weights = _model()
+    left_out = sorted(weights)[:3]
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+
+    def sync(step, sent):
+        record = check.begin(step)
+        record.expect(weights)
+        engine.load(record.observing(list(sent.items())))
+        return check.finish(record, engine, local=lambda name: None)
+
+    for step in range(3):
+        report = sync(step, {n: t for n, t in weights.items() if n not in left_out})
+        assert sorted(report.not_sent) == left_out
+        if step == 0:
+            assert report.causes == [] and report.bad_tensors == 0
+            continue
+        (cause,) = report.causes
+        assert (cause.code, cause.step, sorted(cause.tensors)) == ("sync-tensors-stale", step, left_out)
+        assert "(3 of them never sent)" in cause.message and report.bad_tensors == 3
+        assert {report.statuses[n] for n in left_out} == {"stale"}
+        assert all(report.statuses[n] == "ok" for n in weights if n not in left_out)
+        weights = _step(weights, seed=step)
+    (cause,) = sync(3, {}).causes
+    assert (cause.code, sorted(cause.tensors)) == ("sync-noop", sorted(weights))
+    assert cause.evidence == {"sent": 0, "stale": len(weights)} and "nothing was sent" in cause.message
+
+
 def test_without_an_expectation_a_sync_that_sends_nothing_after_a_step_is_a_noop():
     """Sharded parameters (no ``expect``): nothing to compare from, so nothing sent at all after an optimizer step,
     where the previous checked sync sent tensors, is the no-op; the same at the step already synced, or before any

@@ -10,6 +10,11 @@ Run by the test (bounded, in its own process group), never collected by pytest. 
   ``FAULT_STEP`` (rank 0's syncs are untouched), with ``TIMConfig(parity_probe=True, action="stop")``;
 - ``fsdp2_clean``, ``fsdp2_fault``: the same under FSDP2 (``GRPOConfig(fsdp=True, fsdp_config={"version": 2})``,
   applied on a CPU launch through tests/cpu_fsdp2.py): TRL streams ``param.full_tensor()`` per parameter;
+- ``fsdp1_clean``: no fault, under FSDP1 (``GRPOConfig(fsdp="full_shard auto_wrap", fsdp_config={"version": 1,
+  "sync_module_states": False})``, as tests/trl_two_procs_run.py sets it): TRL's ``_iter_fsdp1_params`` streams
+  each module's parameters under ``summon_full_params``, post-order. No faulty FSDP1 run: the probe's stop saves a
+  checkpoint, and FSDP1's full state dict on this CPU launch killed rank 0 (SIGSEGV) in the flat parameters'
+  all-gather (torch 2.13 ``_flat_param.py`` ``_all_gather_flat_param``);
 - ``tp2_clean``, ``tp2_fault``: DDP with ``GRPOConfig(vllm_tensor_parallel_size=2)``: both ranks one tensor-parallel
   group of one engine (TRL's ``new_subgroups_by_enumeration`` for its prompts, vLLM's own TP group on the torchrun
   world), each rank holding its shard in-process; TRL's sync has each rank load full tensors, vLLM's weight loaders
@@ -45,9 +50,15 @@ from pathlib import Path
 
 from cpu_fsdp2 import cpu_fsdp2
 
-CONFIGS = ("ddp_clean", "ddp_fault", "fsdp2_clean", "fsdp2_fault")
+# fsdp1_clean first: its engine is built from the checkpoint (the run's initial weights), which the tensors its sync
+# leaves out keep (a later run would find the previous run's there)
+CONFIGS = ("fsdp1_clean", "ddp_clean", "ddp_fault", "fsdp2_clean", "fsdp2_fault")
 TP2_CONFIGS = ("tp2_clean", "tp2_fault")  # one engine shared by both ranks: a launch of their own
-FSDP2, TP2 = "fsdp2_", "tp2_"
+FSDP2, FSDP1, TP2 = "fsdp2_", "fsdp1_", "tp2_"
+# transformers' FSDP settings (GRPOConfig's fsdp_config): FSDP1 without sync_module_states, which accelerate's plugin
+# refuses on a machine without GPUs (tests/trl_two_procs_run.py FSDP1_ARGS)
+FSDP_EXTRA = {FSDP2: {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}},
+              FSDP1: {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 1, "sync_module_states": False}}}
 COLUMNS_TP2 = 1  # the tp2 runs' columns_per_tensor, below the engine's 2 ranks
 CONFIG_MARK = "[colocate two procs] configuration: "
 SKIPPED = "model.layers.1."  # the layer whose tensors rank 1's engine loader drops
@@ -85,7 +96,7 @@ def main(argv=None) -> None:
     mp = pytest.MonkeyPatch()
     engine = one_plain_engine(mp, kv_cache_memory_bytes=KV_CACHE_BYTES)
     for config in args.config:
-        with cpu_fsdp2() if config.startswith(FSDP2) else contextlib.nullcontext():
+        with cpu_fsdp2() if config.startswith((FSDP2, FSDP1)) else contextlib.nullcontext():
             _train(args, config, Path(args.out) / config, t0)
         t0 = time.time()
     # vLLM's engine shuts down at exit (a weakref finalizer) and destroys its groups of the default process group
@@ -106,10 +117,13 @@ class Faults:
         sync = gen.sync_weights
 
         def sync_weights():
-            # whole parameters (an FSDP2 shard gathered: a collective, every rank is in the sync)
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            self.snapshots.append((trainer.state.global_step, {
-                gen._fix_param_name_to_vllm(n): _full(p).detach().clone() for n, p in model.named_parameters()}))
+            # whole parameters (an FSDP2 shard gathered, FSDP1's flat shards summoned: collectives, every rank is in
+            # the sync)
+            with _full_params(trainer):
+                model = trainer.accelerator.unwrap_model(trainer.model)
+                self.snapshots.append((trainer.state.global_step, {
+                    gen._fix_param_name_to_vllm(n.replace("_fsdp_wrapped_module.", "")): _full(p).detach().clone()
+                    for n, p in model.named_parameters()}))
             return sync()
 
         gen.sync_weights = sync_weights
@@ -133,6 +147,15 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _full_params(trainer):
+    """FSDP1: the model's whole parameters in place of their flat shards (``summon_full_params``, a collective)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(trainer.model_wrapped, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(trainer.model_wrapped, writeback=False)
+    return contextlib.nullcontext()
+
+
 def _train(args, config: str, out: Path, t0: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if os.environ.get("RANK") == "0":  # one write, on a line of its own (both ranks share the launch's pipe)
@@ -147,8 +170,8 @@ def _train(args, config: str, out: Path, t0: float) -> None:
     from tim_plugins.toy_model import synthetic_prompts
     from trl_cpu_vllm import CauseLines
 
-    fsdp, fault = config.startswith(FSDP2), config.endswith("_fault")
-    extra = {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True}} if fsdp else {}
+    fault = config.endswith("_fault")
+    extra = next((v for k, v in FSDP_EXTRA.items() if config.startswith(k)), {})
     if config.startswith(TP2):
         extra["vllm_tensor_parallel_size"] = 2
     grpo = GRPOConfig(
@@ -188,6 +211,7 @@ def _train(args, config: str, out: Path, t0: float) -> None:
     result = {
         "rank": rank, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "distributed_type": trainer.accelerator.distributed_type.value, "is_fsdp_enabled": trainer.is_fsdp_enabled,
+        "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
         "lm_head_class": type(trainer.model.get_output_embeddings().weight).__name__,
         "engine": {"reader_is_this_engine": cb.sync_watch._reader.model is engine_model,
                    "seed": llm.llm_engine.vllm_config.model_config.seed,

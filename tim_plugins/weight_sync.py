@@ -366,12 +366,15 @@ class SyncCheck:
         fresh = getattr(engine, "fresh_read", None)  # optional: the engine's weights changed, drop any cached read
         if fresh is not None:
             fresh()
+        never: list[str] = []  # expected, not sent, and no trainer value to compare (a shard)
         for name in record.expected:
             if name not in record.sent:
                 report.not_sent.append(name)
                 tensor = local(name) if local is not None else None
                 if tensor is not None:
                     record.observe(name, tensor, streamed=False)
+                else:
+                    never.append(name)
         reads = []
         for name, sent in record.sent.items():
             read = engine.read(name, sent.shape, self.index(name, sent.shape))
@@ -395,7 +398,10 @@ class SyncCheck:
             if moved:
                 changed.append(name)
         self._remember(groups)
-        report.causes = self._causes(report, changed, engine.dtype) + self._nothing_sent(record)
+        if record.step > 0:  # after an optimizer step, an unsent tensor's engine values are the previous ones
+            report.statuses.update((name, "stale") for name in never)
+        streamed = any(sent.streamed for sent in record.sent.values())
+        report.causes = self._causes(report, changed, engine.dtype, streamed=streamed) + self._nothing_sent(record)
         if prefix is not None:
             report.prefix_blocks = int(prefix.blocks)
             report.causes += prefix.causes(record.step)
@@ -526,7 +532,8 @@ class SyncCheck:
         report.detail[name] = f"max |engine - trainer| {worst:.3g}"
         return "differs"
 
-    def _causes(self, report: SyncReport, changed: list[str], configured: torch.dtype) -> list[Cause]:
+    def _causes(self, report: SyncReport, changed: list[str], configured: torch.dtype, *, streamed: bool = True
+                ) -> list[Cause]:
         step, out = report.step, []
         stale = report.names("stale")
         at = f"at the weight sync after optimizer step {step}"
@@ -540,6 +547,10 @@ class SyncCheck:
                                                     f"changed was updated in the engine{why}: "
                                                     f"{summarize_names(stale)}", tensors=tuple(stale),
                                  evidence={"stale": len(stale), "changed": len(changed)}))
+            elif not streamed:  # nothing reached the engine, and no trainer value was compared (shards)
+                out.append(Cause("sync-noop", step, f"{at}, nothing was sent: the engine still holds the previous "
+                                                    f"values of {_n(stale)}: {summarize_names(stale)}",
+                                 tensors=tuple(stale), evidence={"sent": 0, "stale": len(stale)}))
             else:
                 held = _n(stale, "still holds its", "still hold their")
                 out.append(Cause("sync-tensors-stale", step, f"{at}, {held} previous values{why}: "

@@ -11,8 +11,9 @@ compared from the trainer's own tensors, so a sync that sends nothing is caught 
 base model's parameters with the adapters merged, under the base model's names (``_peft_tensors``); an unsent one is
 compared with its base weight plus each active adapter's delta, PEFT's own ``get_delta_weight``, as TRL's
 ``merge_adapter`` writes it (LoRA variants such as DoRA, and adapter biases, are not compared when unsent). FSDP or
-ZeRO-3: the parameters are shards; only what was streamed is compared (a sync that streams nothing after an optimizer
-step is still named: ``weight_sync``). The report goes to the pipeline (``StepPipeline.sync_checked``): the console line
+ZeRO-3: the parameters are shards; what was streamed is compared, and a trainable parameter TRL did not stream is
+named stale after an optimizer step (TRL 1.16's FSDP1 sync leaves out the root unit's parameters: the embeddings,
+the final norm, the lm_head). The report goes to the pipeline (``StepPipeline.sync_checked``): the console line
 at once, ``tim/cause/*`` at the next log, the probe's warn / raise / stop.
 
 Server mode: the engine's weights live in another process and cannot be read; the lag-0 rules of the per-token stream
@@ -105,8 +106,10 @@ class SyncWatch:
         return state
 
     def _expected(self) -> list[str] | None:
-        """The names TRL's sync sends (TRL's own name fix; a PEFT model's merged base parameters), or None where the
-        parameters are shards (FSDP, ZeRO-3): then only what is streamed is compared."""
+        """The names TRL's sync sends (TRL's own name fix; a PEFT model's merged base parameters), or None. Where the
+        parameters are shards (FSDP, ZeRO-3) the trainer's values are not compared: the names of its trainable
+        parameters are expected all the same (a plain model whose names show: not FSDP1's flat parameters), so a
+        sync that leaves some out names them stale after an optimizer step."""
         if self._local is None:
             t = self.trainer
             gen, model = t.vllm_generation, t.accelerator.unwrap_model(t.model)
@@ -115,7 +118,7 @@ class SyncWatch:
             # hooks.TRL_SOURCES trl.generation.vllm_generation:VLLMGeneration._fix_param_name_to_vllm
             fix = getattr(gen, "_fix_param_name_to_vllm", lambda name, **kwargs: name)
             if sharded:
-                self._local = {}
+                self._local = _sharded_names(model, fix)
             elif hasattr(model, "peft_config"):
                 self._local = _peft_tensors(model, fix)
             else:
@@ -127,6 +130,22 @@ class SyncWatch:
         if callable(value):  # a PEFT base weight: merged with its adapters now
             value = value()
         return None if value is None or value.numel() == 0 else value.data
+
+
+def _sharded_names(model, fix) -> dict:
+    """{name TRL sends: None} for a sharded plain model's trainable parameters (no value: a shard is not the
+    tensor); {} for a PEFT model, or where FSDP1 keeps flat parameters (``use_orig_params=False``: the names are not
+    the model's). FSDP1 with ``use_orig_params=True`` names a parameter through its wrappers: their attribute,
+    ``_fsdp_wrapped_module.``, is dropped as TRL's FSDP1 sync drops it (``extra_prefixes``)."""
+    if hasattr(model, "peft_config"):
+        return {}
+    names = {}
+    for name, param in model.named_parameters():
+        if "_flat_param" in name:
+            return {}
+        if param.requires_grad:
+            names[fix(name.replace("_fsdp_wrapped_module.", ""))] = None
+    return names
 
 
 def _peft_tensors(model, fix) -> dict:

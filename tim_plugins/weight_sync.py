@@ -121,6 +121,7 @@ class SyncCheckConfig:
         size = int(size)
         if size <= 1:
             return self
+
         def up(n: int) -> int:  # the smallest multiple of size >= n
             return size * -(-n // size)
 

@@ -31,8 +31,9 @@ def help_table(cls, width: int = 100) -> str:
             f.default_factory() if f.default_factory is not MISSING else "(required)")
         options = f.metadata.get("options")
         lines.append(f"{indent}{name}: {options.__name__}, by field:" if options else f"{indent}{name} = {default!r}")
+        # hyphenated words stay whole: a help text's "tensor-parallel" never reads "tensor-" + a line break
         lines.extend(textwrap.wrap(f.metadata.get("help", ""), width, initial_indent=indent + "    ",
-                                   subsequent_indent=indent + "    "))
+                                   subsequent_indent=indent + "    ", break_on_hyphens=False))
 
     for f in fields(cls):
         add(f, f.name, "  ")

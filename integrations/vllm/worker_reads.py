@@ -100,8 +100,6 @@ def _merge(parts: list[EngineRead]) -> Optional[EngineRead]:
     held = [p for p in parts if p is not None and not p.missing]
     if not held:
         return EngineRead(missing=True) if any(p is not None for p in parts) else None
-    if any(p is None for p in parts) and not bool(torch.stack([p.held_mask() for p in held]).any(dim=0).all()):
-        return None
     values = held[0].values.clone()
     atol = held[0].atol.clone() if isinstance(held[0].atol, torch.Tensor) else held[0].atol
     mask = held[0].held_mask().clone()
@@ -113,8 +111,11 @@ def _merge(parts: list[EngineRead]) -> Optional[EngineRead]:
             atol[fill] = p.atol[fill]
         elif not isinstance(atol, torch.Tensor):
             atol = max(float(atol), float(p.atol.max() if isinstance(p.atol, torch.Tensor) else p.atol))
+    whole = bool(mask.all())
+    if not whole and any(p is None for p in parts):
+        return None
     return EngineRead(values=values, dtype=held[0].dtype, atol=atol, quantized=any(p.quantized for p in held),
-                      held=None if bool(mask.all()) else mask)
+                      held=None if whole else mask)
 
 
 class WorkerReads:

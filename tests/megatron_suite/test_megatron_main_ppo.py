@@ -1,12 +1,18 @@
 """verl's own trainer with a Megatron actor, as users start it: ``python -m verl.trainer.main_ppo
 --config-name=ppo_megatron_trainer`` (V1 trainer, GRPO, ``actor_rollout_ref.actor.strategy=megatron``, vLLM CPU-build
 rollout server, the toy model) with the recipe's Megatron tim overrides (``run_grpo_tim.sh`` with
-``STRATEGY=megatron``: monitor, safe vocabulary, LR decay, strict parity audit, probe), two steps, asserting on what
-verl's console logger printed. The actor is two pipeline stages (``LAYOUT``: two Ray workers on two logical GPUs,
+``STRATEGY=megatron``: monitor, safe vocabulary, LR decay, strict parity audit, probe), asserting on what verl's
+console logger printed. The actor is two pipeline stages (``LAYOUT``: two Ray workers on two logical GPUs,
 one vLLM server each): the driver logs the last stage's metrics (rank 0, the first stage, has none). Each step ends
 with verl's weight sync from the Megatron actor (mbridge export, ``vanilla_mbridge=True``: both stages' layers) into
 the vLLM servers (``update_weights``, shared-memory transport on CPU), each sync checked by tim's weight-sync
-check (the servers' weights read back in their workers): a fault-free run names no cause.
+check (the servers' weights read back in their workers).
+
+One run, a fault-free part then a fault: the first two steps (verl's sync from the servers' dummy weights, then the
+sync after step 1's update) are fault-free and name no cause; from the sync after step 2 on, the servers' workers skip
+one layer (the FSDP suite's test-only fault, ``tests/verl_suite/cpu_site/skip_sync.py``, from its third sync), which
+keeps the values of the sync before: named ``sync-tensors-stale`` with its tensors, and the recipe's probe
+(``action=stop``) ends the run after step 3 of the 4 planned.
 
 The rollout samples with a user's ``top_p=0.8`` and ``top_k=20`` (with the recipe's min-p), kept as set, and the
 actor runs with verl's fused kernels (``actor_rollout_ref.model.use_fused_kernels=true``, remove-padding):
@@ -22,9 +28,7 @@ k3 1.2e-5 .. 1.4e-4 measured, so tim's k3 can be compared with verl's ``rollout_
 Runs where the Megatron environment holds vLLM's CPU build (constraints/megatron.in). The shims of every process
 are in ``main_ppo_site/sitecustomize.py``; the run helper and the CPU overrides are the FSDP suite's
 (``tests/verl_suite/main_ppo_run.py``). 4.3 min and 10.6 GiB (PSS of the process tree: two actor workers, two vLLM
-servers) on an idle 2-core machine; the first step ~32 s (vLLM start-up, first generation), the second ~4 s. The
-second test (a weight sync that skips a layer, stopped after step 1): 1 min 35 s more (both: 3 min 33 s on an idle
-machine, 2026-12-04).
+servers) on an idle 2-core machine; the first step ~32 s (vLLM start-up, first generation), the others ~4 s.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 SITE = HERE / "main_ppo_site"
-STEPS = 2
+STEPS = 4  # planned; the probe stops the run after step 3 (FAULT_FROM)
+SKIPPED = "model.layers.1."
+FAULT_FROM = 2  # the servers' third sync (0: before step 1; n: after step n's update) skips SKIPPED
+CLEAN = (1, 2)  # the steps whose metrics carry the fault-free syncs (0 and 1)
 BATCH, N = 4, 2  # prompts per step, samples per prompt
 MIN_P = "1e-4"
 RUN_TIMEOUT_S = 900
@@ -115,17 +122,19 @@ def _megatron_overrides(M, files, workdir) -> list[str]:
             + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER + list(LAYOUT))
 
 
-def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, toy_model_path):
+def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3_and_names_a_sync_that_breaks(tmp_path,
+                                                                                              toy_model_path):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip(VLLM_REASON)
     M = _main_ppo_run()
     files = M.prepare(tmp_path, toy_model_path)
     overrides = _megatron_overrides(M, files, tmp_path)
-    run = M.run_main_ppo(overrides, cwd=tmp_path, timeout=RUN_TIMEOUT_S, log_path=tmp_path / "main_ppo.log")
+    run = M.run_main_ppo(overrides, cwd=tmp_path, timeout=RUN_TIMEOUT_S, log_path=tmp_path / "main_ppo.log",
+                         extra_env={"TIM_TEST_SYNC_SKIP": SKIPPED, "TIM_TEST_SYNC_SKIP_FROM": str(FAULT_FROM)})
     print(f"exit {run.returncode} after {run.seconds:.0f} s; per-step seconds "
           f"{ {s: round(t, 2) for s, t in run.step_times.items()} }; log {tmp_path / 'main_ppo.log'}")
     assert run.returncode == 0, run.output[-4000:]
-    assert sorted(run.steps) == list(range(1, STEPS + 1))
+    assert sorted(run.steps) == [*CLEAN, FAULT_FROM + 1], run.output[-4000:]  # planned STEPS, stopped after step 3
     # the actor's two ranks were two pipeline stages (Megatron prints each stage's parameter count)
     stages = set(re.findall(r"model parallel rank \(0, (\d)\): \d+", run.output))
     assert stages == {"0", "1"}, stages
@@ -134,8 +143,9 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
 
     # the strict audit passed (bf16 on both sides) before any worker started
     assert "0 error(s)" in run.output.split(AUDIT_TITLE, 1)[1].splitlines()[0]
-    # verl's weight sync into the vLLM server: once before the first rollout, then after each step's update
-    assert run.output.count("update_weights done") == STEPS + 1
+    # verl's weight sync into the vLLM server: once before the first rollout, then after each step's update (the
+    # stopped step's too)
+    assert run.output.count("update_weights done") == len(run.steps) + 1
     resolved = []
     for step, m in run.steps.items():
         # the safe vocabulary counts every response token (verl's own count); boundary tokens (sampled by vLLM,
@@ -144,7 +154,8 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
         assert m["tim/safe_vocab/tokens"] == n_all, step
         boundary = n_all - m["tim/tokens"]
         assert m["tim/safe_vocab/boundary_frac"] == pytest.approx(boundary / n_all, abs=1e-12), step
-        assert m["tim/safe_vocab/boundary_frac"] <= BOUNDARY_MAX, step  # small: the same cut, bf16 both sides
+        if step in CLEAN:  # small: the same cut, bf16 both sides (a stale layer moves the rollout's)
+            assert m["tim/safe_vocab/boundary_frac"] <= BOUNDARY_MAX, step
         # the user's top_p / top_k really cut: a kept set of at most top_k tokens, ~10 % of the mass pruned
         assert 1.0 <= m["tim/safe_vocab/size_mean"] <= TOP_K and m["tim/safe_vocab/pruned_mass_mean"] > 0.02, step
         assert not any(k.startswith("tim/diag/") for k in m), step  # nothing counted: our head ran every time
@@ -160,16 +171,37 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3(tmp_path, t
             assert m["tim/token/kl_k1"] == pytest.approx(m["rollout_corr/kl"], rel=K1_REL), step
         else:  # verl's mean also holds the boundary tokens' terms (each >= 0): k3 · tokens <= verl's k3 · all
             assert k3 * m["tim/tokens"] <= verl_k3 * n_all * (1 + K3_REL) + K3_FP32_ABS, (step, k3, verl_k3)
-        assert m["tim/probe/checked"] == 1.0 and m["tim/probe/tripped"] == 0.0, step  # k3 far below 1e-2
+        assert m["tim/probe/checked"] == 1.0, step
     assert any(resolved), [m["tim/token/kl_k3"] for m in run.steps.values()]
-    # a fault-free run names no cause, and every weight sync was checked whole: the mbridge export that verl streams
-    # into the vLLM servers, read back in each server's worker (a sync that could not be read would be counted under
-    # tim/diag/sync_check_unavailable, refused above); the reference is the checkpoint's own tensor count
-    n_tensors = len(_checkpoint_tensors(files["model"]))
-    for step, m in run.steps.items():
+    # the fault-free syncs name no cause, and every weight sync was checked whole: the mbridge export that verl
+    # streams into the vLLM servers, read back in each server's worker (a sync that could not be read would be counted
+    # under tim/diag/sync_check_unavailable, refused above); the reference is the checkpoint's own tensor names
+    names = _checkpoint_tensors(files["model"])
+    for step in CLEAN:
+        m = run.steps[step]
         assert m["tim/cause/named"] == 0.0 and m["tim/cause/confident_disagreements"] == 0.0, step
-        assert m["tim/cause/sync_checked_tensors"] == n_tensors and m["tim/cause/sync_bad_tensors"] == 0.0, step
-    assert "tim-plugins cause [" not in run.output
+        assert m["tim/cause/sync_checked_tensors"] == len(names) and m["tim/cause/sync_bad_tensors"] == 0.0, step
+        assert m["tim/probe/tripped"] == 0.0, step  # k3 far below 1e-2
+    # the broken sync (after step 2's update): the skipped layer kept sync 1's values, the actor's after step 1,
+    # while the actor stepped again. Reference: the fault itself (the prefix the servers dropped). A tensor is stale
+    # only where the actor's bf16 values moved since: the layer norms (1.0 at the toy's init, bf16 spacing 2**-8
+    # below 1) move by less than half a spacing in two Adam steps at lr 1e-3, so they may read unchanged on both
+    # sides (observed: all 10 others named, the 2 norms not).
+    skipped = [n for n in names if n.startswith(SKIPPED)]
+    moved = [n for n in skipped if not n.endswith("layernorm.weight")]
+    assert len(skipped) >= 9 and len(skipped) - len(moved) == 2
+    lines = [x for x in run.output.splitlines() if "tim-plugins cause [" in x]
+    assert lines, run.output[-4000:]
+    named = re.search(rf"tim-plugins cause \[sync-tensors-stale\] at step {FAULT_FROM}: at the weight sync after "
+                      rf"optimizer step {FAULT_FROM}, (\d+) tensors still hold their previous values: "
+                      rf"{re.escape(SKIPPED)}\* \((\d+) tensors\)\.", lines[0])
+    assert named and named.group(1) == named.group(2), lines[0]
+    assert len(moved) <= int(named.group(1)) <= len(skipped), lines[0]
+    assert all("cause [sync-tensors-stale]" in x for x in lines), lines  # nothing else named, before or after
+    m = run.steps[FAULT_FROM + 1]
+    assert m["tim/cause/sync_checked_tensors"] == len(names) and m["tim/cause/sync_bad_tensors"] == int(named.group(1))
+    assert m["tim/cause/named"] >= 1.0 and m["tim/probe/tripped"] == 1.0
+    assert re.search(rf"tim parity probe tripped at step {FAULT_FROM + 1}: .*tim/cause/named=\d", run.output)
 
 
 def _checkpoint_tensors(model_dir) -> list[str]:
@@ -182,34 +214,3 @@ def _checkpoint_tensors(model_dir) -> list[str]:
             names.extend(fh.keys())
     return names
 
-
-SKIPPED = "model.layers.1."
-
-
-def test_a_sync_that_skips_a_layer_is_named_and_stops_the_run(tmp_path, toy_model_path):
-    """The same run with every weight sync skipping one layer in the vLLM servers' workers (the FSDP suite's test-only
-    fault, ``tests/verl_suite/cpu_site/skip_sync.py``): verl starts the servers on dummy weights, so the first sync
-    (before any step) leaves that layer neither the actor's weights nor its previous ones; the console line names it
-    with its tensors, step 1's metrics carry it, and the recipe's probe (``action=stop``) ends the run after step 1.
-    Reference: the fault itself (the prefix the servers dropped) and the checkpoint's tensor names."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip(VLLM_REASON)
-    M = _main_ppo_run()
-    files = M.prepare(tmp_path, toy_model_path)
-    run = M.run_main_ppo(_megatron_overrides(M, files, tmp_path), cwd=tmp_path, timeout=RUN_TIMEOUT_S,
-                         extra_env={"TIM_TEST_SYNC_SKIP": SKIPPED}, log_path=tmp_path / "sync_skip.log")
-    print(f"exit {run.returncode} after {run.seconds:.0f} s; log {tmp_path / 'sync_skip.log'}")
-    assert run.returncode == 0, run.output[-4000:]
-    names = _checkpoint_tensors(files["model"])
-    skipped = [n for n in names if n.startswith(SKIPPED)]
-    assert len(skipped) >= 9
-    line = next((x for x in run.output.splitlines() if "tim-plugins cause [" in x), None)
-    assert line is not None, run.output[-4000:]
-    assert f"tim-plugins cause [sync-tensors-differ] at step 0: at the weight sync after optimizer step 0, " \
-           f"{len(skipped)} tensors hold values that are neither the trainer's nor their previous ones: " \
-           f"{SKIPPED}* ({len(skipped)} tensors)." in line
-    assert sorted(run.steps) == [1], run.output[-4000:]  # planned STEPS, stopped after the first
-    m = run.steps[1]
-    assert m["tim/cause/sync_checked_tensors"] == len(names) and m["tim/cause/sync_bad_tensors"] == len(skipped)
-    assert m["tim/cause/named"] >= 1.0 and m["tim/probe/tripped"] == 1.0
-    assert re.search(r"tim parity probe tripped at step 1: .*tim/cause/named=\d", run.output)

@@ -11,13 +11,17 @@ and hands it to verl's server adapter, which loads it into vLLM as with any back
 Two actor updates per global step (``parameter_sync_step=2``): each step logs the metrics of both (the dump's
 tokens are the reference).
 
-Checked, the weight-sync check on both kinds of sync (``integrations/verl/sync_check.py``):
-- fault-free: every sync of the run (verl's first one before step 1, then one of each kind per step) is compared on
-  both replicas and names nothing; no sync goes unread (the only cause named is the staleness of the second update's
-  samples, by lag, at this toy's learning rate);
-- the transfer dropping one layer on its way to the standalone replica (``TIM_TEST_FILE_ENGINE_SKIP``): the first
-  sync names that layer with its tensors, and the probe (``action=stop``) stops the run after step 1. The colocated
-  replica, synced without the checkpoint engine, holds the layer: the named tensors are the standalone replica's.
+Checked, the weight-sync check on both kinds of sync (``integrations/verl/sync_check.py``), in one run whose transfer
+breaks during the run:
+- fault-free first: the syncs before the fault (verl's first one before step 1, then one of each kind after step 1)
+  are compared on both replicas and name nothing; no sync goes unread. The learning rate (``LR``) keeps the second
+  update's one-step-old samples below the staleness rule, so that a named cause is the fault's alone (any named cause
+  trips the probe); the staleness rule's positive case in verl is test_verl_async's;
+- then the transfer drops one layer on its way to the standalone replica (``TIM_TEST_FILE_ENGINE_SKIP``, from the sync
+  after step 2: ``TIM_TEST_FILE_ENGINE_SKIP_FROM``), which keeps the values of the sync before: that sync names the
+  layer ``sync-tensors-stale`` with its tensors, and the probe (``action=stop``) stops the run after step 3 of the 4
+  planned. The colocated replica, synced without the checkpoint engine, holds the layer: the named tensors are the
+  standalone replica's.
 
 References: the model's tensors (transformers' state dict of the checkpoint: what verl's FSDP engine streams) and the
 test's own fault. The actor worker is the tim worker in front of separate_async's own ``DetachActorWorker`` (its CPU
@@ -26,7 +30,6 @@ copies of the weights the old-log-prob pass restores), which the run's old-log-p
 
 from __future__ import annotations
 
-import re
 
 import pytest
 
@@ -38,13 +41,19 @@ import main_ppo_run as M  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SKIPPED = "model.layers.1."
-STEPS = 2
+STEPS = 4  # planned; the probe stops the run after step 3
+FAULT_FROM = 2  # the standalone replica's third sync (0: before step 1; n: after step n) drops SKIPPED
+CLEAN = (1, 2)  # the steps whose metrics carry the fault-free syncs
+# At the suite's usual 1e-3 the second update's samples, one optimizer step old, are far past PPO's trust region (k3
+# ~0.8 at lag 1): named staleness, which would trip the probe before the fault. k3 goes as lr**2: ~3e-4 here, against
+# the rule's 0.015 (CauseConfig.staleness_k3); the fp32 weights still move at every step, which the stale check needs.
+LR = 2e-5
 RUN_TIMEOUT_S = 900
 
 
 def _overrides(files, wd, extra: list[str]) -> list[str]:
     cpu = [o for o in M.CPU_OVERRIDES if not o.startswith("+ray_kwargs.ray_init.num_gpus=")]
-    return M.base_overrides(files, wd, steps=STEPS) + cpu + [
+    return M.base_overrides(files, wd, steps=STEPS, lr=LR) + cpu + [
         "+ray_kwargs.ray_init.num_gpus=2",  # one logical GPU for the actor (and its hybrid replica), one standalone
         "trainer.v1.trainer_mode=tim_separate_async",
         # separate_async: train_batch_size = parameter_sync_step x ppo_mini_batch_size (4 = 2 x 2): two actor
@@ -67,48 +76,42 @@ def _model_tensors(path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def healthy(tmp_path_factory, toy_model_path):
+def broken(tmp_path_factory, toy_model_path):
     wd = tmp_path_factory.mktemp("separate_async")
     files = M.prepare(wd, toy_model_path)
-    run = M.run_main_ppo(_overrides(files, wd, [f"+tim.dump.dir={wd / 'dump'}", "+tim.dump.sample_rate=1.0"]),
-                         cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log")
+    overrides = _overrides(files, wd, [f"+tim.dump.dir={wd / 'dump'}", "+tim.dump.sample_rate=1.0",
+                                       "+tim.probe.enable=true", "+tim.probe.action=stop",
+                                       "+tim.probe.kl_k3=1e9", "+tim.probe.abs_diff_max=1e9"])  # only a cause trips
+    run = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log",
+                         extra_env={"TIM_TEST_FILE_ENGINE_SKIP": SKIPPED,
+                                    "TIM_TEST_FILE_ENGINE_SKIP_FROM": str(FAULT_FROM)})
     print(f"[separate_async] exit {run.returncode} after {run.seconds:.0f} s; log {wd / 'run.log'}")
     return run, files, wd
 
 
-@pytest.fixture(scope="module")
-def dropped(tmp_path_factory, toy_model_path):
-    wd = tmp_path_factory.mktemp("separate_async_dropped")
-    files = M.prepare(wd, toy_model_path)
-    overrides = _overrides(files, wd, ["+tim.probe.enable=true", "+tim.probe.action=stop",
-                                       "+tim.probe.kl_k3=1e9", "+tim.probe.abs_diff_max=1e9"])  # only a cause trips
-    run = M.run_main_ppo(overrides, cwd=wd, timeout=RUN_TIMEOUT_S, log_path=wd / "run.log",
-                         extra_env={"TIM_TEST_FILE_ENGINE_SKIP": SKIPPED})
-    print(f"[separate_async dropped] exit {run.returncode} after {run.seconds:.0f} s; log {wd / 'run.log'}")
-    return run, files
-
-
-def test_the_run_trains_through_both_replicas_and_every_sync_is_checked(healthy):
-    run, files, wd = healthy
+def test_the_run_trains_through_both_replicas_and_every_sync_is_checked(broken):
+    run, files, wd = broken
     assert run.returncode == 0, run.output[-3000:]
-    assert sorted(run.steps) == list(range(1, STEPS + 1))
-    # the checkpoint engine carried the syncs: verl's first one, then one per step
-    assert sorted(p.name for p in (wd / "transfer").glob("sync*.pt")) == [f"sync{i}.pt" for i in range(STEPS + 1)]
+    assert sorted(run.steps) == [*CLEAN, FAULT_FROM + 1], run.output[-3000:]  # planned STEPS, stopped after step 3
+    # the checkpoint engine carried the syncs: verl's first one, then one per step (the stopped step's too)
+    synced = sorted(p.name for p in (wd / "transfer").glob("sync*.pt"))
+    assert synced == [f"sync{i}.pt" for i in range(len(run.steps) + 1)], synced
     n = len(_model_tensors(files["model"]))
-    # no sync cause; the second update of a step trains samples one optimizer step old, which at this toy's learning
-    # rate of 1e-3 moved the policy far past PPO's trust region (k3 ~0.8): staleness by lag, named where its rule says
-    stale = run.lag_staleness_steps()
+    # the premise of LR: the second update's samples, one optimizer step old, stay below the staleness rule
+    assert run.lag_staleness_steps() == []
     for step, m in run.steps.items():
-        assert m["tim/cause/sync_checked_tensors"] == n and m["tim/cause/sync_bad_tensors"] == 0.0, step
-        assert m["tim/cause/named"] == (1.0 if step in stale else 0.0), (step, stale)
+        assert m["tim/cause/sync_checked_tensors"] == n, step
         # a disaggregated sync read by nobody would be counted here
         assert not any(k.startswith("tim/diag/sync_check") for k in m), (step, m)
-    assert {code for code, _ in run.causes()} <= {"staleness"}
-    assert sorted(step for _, step in run.causes()) == stale[:1]  # a cause's line is printed once, at its first step
+        if step in CLEAN:  # no cause before the fault
+            assert m["tim/cause/sync_bad_tensors"] == 0.0 and m["tim/cause/named"] == 0.0, step
+    # the fault's cause alone, from its sync on (the stopped step's sync, after step 3, is checked too)
+    assert {code for code, _ in run.causes()} == {"sync-tensors-stale"}, run.causes()
+    assert sorted(step for _, step in run.causes()) == list(range(FAULT_FROM, max(run.steps) + 1)), run.causes()
     assert "the weight-sync check reads nothing" not in run.output
 
 
-def test_each_global_step_logs_the_metrics_of_both_its_updates(healthy):
+def test_each_global_step_logs_the_metrics_of_both_its_updates(broken):
     """Two actor updates per global step (``parameter_sync_step=2``): the step's logged ``tim/*`` are those of both
     updates' measured tokens, and its dump holds them all. Reference: the dump's own log-probs (every measured
     sequence written), naive float64 k3 per step."""
@@ -116,7 +119,7 @@ def test_each_global_step_logs_the_metrics_of_both_its_updates(healthy):
 
     from tim_plugins.dump import read_dump
 
-    run, _, wd = healthy
+    run, _, wd = broken
     table = read_dump(wd / "dump")
     # the steps whose second update measured samples (lag 0: drawn by the weights that score them)
     parted = {int(f.name[5:13]) for f in (wd / "dump").glob("step_*-part_*.parquet")}
@@ -133,23 +136,19 @@ def test_each_global_step_logs_the_metrics_of_both_its_updates(healthy):
     assert parted <= {s for s in run.steps if run.steps[s]["tim/tokens"] > 0}
 
 
-def test_a_layer_the_transfer_drops_is_named_at_the_first_sync_and_the_probe_stops(dropped):
-    run, files = dropped
+def test_a_layer_the_transfer_drops_is_named_at_the_sync_it_breaks_and_the_probe_stops(broken):
+    run, files, _ = broken
     assert run.returncode == 0, run.output[-3000:]
     skipped = [n for n in _model_tensors(files["model"]) if n.startswith(SKIPPED)]
     assert len(skipped) >= 9
-    lines = [x for x in run.output.splitlines() if "tim-plugins cause [" in x]
-    assert lines, run.output[-3000:]
-    assert "tim-plugins cause [sync-tensors-differ] at step 0: at the weight sync after optimizer step 0, " \
-           f"{len(skipped)} tensors hold values that are neither the trainer's nor their previous ones: " \
-           f"{SKIPPED}* ({len(skipped)} tensors)." in lines[0]
+    lines = [x for x in run.output.splitlines() if f"tim-plugins cause [sync-tensors-stale] at step {FAULT_FROM}:" in x]
     # only the standalone replica misses the layer: one report names it at that sync (the colocated one holds it)
-    assert len([x for x in lines if "at step 0:" in x]) == 1, lines
+    assert len(lines) == 1, lines
+    assert f"tim-plugins cause [sync-tensors-stale] at step {FAULT_FROM}: at the weight sync after optimizer step " \
+           f"{FAULT_FROM}, {len(skipped)} tensors still hold their previous values: {SKIPPED}* ({len(skipped)} " \
+           "tensors)." in lines[0], lines
     assert "a checkpoint engine (rollout.checkpoint_engine.backend other than naive" in lines[0]  # verl's fix
-    for line in lines:
-        if "cause [sync-" in line:
-            assert re.search(rf"{re.escape(SKIPPED)}\* \({len(skipped)} tensors\)", line), line
-    assert sorted(run.steps) == [1], run.output[-3000:]  # planned STEPS, stopped after the first
-    m = run.steps[1]
+    m = run.steps[FAULT_FROM + 1]  # the step after the sync carries its check
     assert m["tim/cause/sync_bad_tensors"] == len(skipped) and m["tim/cause/named"] >= 1.0
-    assert m["tim/probe/tripped"] == 1.0 and "parity probe asked to stop at step 1" in run.output
+    assert m["tim/probe/tripped"] == 1.0 and f"parity probe asked to stop at step {FAULT_FROM + 1}" in run.output
+    assert all(run.steps[s]["tim/probe/tripped"] == 0.0 for s in CLEAN)

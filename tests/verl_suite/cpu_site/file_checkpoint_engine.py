@@ -11,6 +11,8 @@ each tensor collectively).
 
 With ``TIM_TEST_FILE_ENGINE_SKIP=<name prefix>`` set, the receiving side drops every tensor whose name starts with
 the prefix (a transfer that loses a layer): the rollout keeps what that layer held (verl starts it on dummy weights).
+``TIM_TEST_FILE_ENGINE_SKIP_FROM=<n>`` (default 0) starts dropping at the n-th sync: the syncs before it are whole, and
+from it on the layer keeps the values the last whole sync loaded (a transfer that breaks during the run).
 
 Syncs are numbered by each engine instance (one per worker, kept for the run): the n-th send of the actor and the
 n-th receive of each rollout worker are the same sync.
@@ -26,10 +28,11 @@ from pathlib import Path
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-__all__ = ["BACKEND", "SKIP_ENV", "FileCheckpointEngine"]
+__all__ = ["BACKEND", "SKIP_ENV", "SKIP_FROM_ENV", "FileCheckpointEngine"]
 
 BACKEND = "tim_test_file"
 SKIP_ENV = "TIM_TEST_FILE_ENGINE_SKIP"
+SKIP_FROM_ENV = "TIM_TEST_FILE_ENGINE_SKIP_FROM"
 WAIT_S = 600.0
 
 
@@ -78,6 +81,8 @@ class FileCheckpointEngine(CheckpointEngine):
                 raise TimeoutError(f"{BACKEND}: no weights at {path} after {WAIT_S:.0f} s")
             await asyncio.sleep(0.05)
         skip = os.environ.get(SKIP_ENV) or None
+        if n < int(os.environ.get(SKIP_FROM_ENV) or 0):
+            skip = None
         for name, tensor in torch.load(path, weights_only=True).items():
             if skip is None or not name.startswith(skip):
                 yield name, tensor

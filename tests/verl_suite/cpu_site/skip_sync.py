@@ -3,6 +3,9 @@
 prefix from each bucket it receives, before loading the bucket into the engine (``vLLMColocateWorkerExtension.
 _update_weights``, called by ``update_weights_from_ipc`` once per bucket, in the vLLM worker process). The actor
 streams every tensor; the rollout engine keeps whatever that layer held (verl starts it on dummy weights).
+``TIM_TEST_SYNC_SKIP_FROM=<n>`` (default 0) starts skipping at each worker's n-th sync (``update_weights_from_ipc``
+calls, counted from 0): the syncs before it are whole, and from it on the layer keeps what the last whole sync loaded
+(a sync that breaks during the run).
 
 With ``TIM_TEST_LORA_KEEP=1`` (a LoRA adapter sync, ``lora.merge=false``), verl's ``remove_lora`` of the old adapter
 before each adapter sync does nothing (``update_weights_from_ipc`` finds a no-op on the worker instance): vLLM's
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV", "KEEP_ENV", "install"]
+__all__ = ["ENV", "FROM_ENV", "KEEP_ENV", "install"]
 
 ENV = "TIM_TEST_SYNC_SKIP"
+FROM_ENV = "TIM_TEST_SYNC_SKIP_FROM"
 KEEP_ENV = "TIM_TEST_LORA_KEEP"
 MODULE = "verl.workers.rollout.vllm_rollout.utils"
 
@@ -45,14 +49,21 @@ def _keep_adapter(module) -> None:
 
 
 def _skip(module) -> None:
-    prefix = os.environ[ENV]
-    original = module.vLLMColocateWorkerExtension._update_weights
+    prefix, first = os.environ[ENV], int(os.environ.get(FROM_ENV) or 0)
+    extension = module.vLLMColocateWorkerExtension
+    original, sync = extension._update_weights, extension.update_weights_from_ipc
+
+    def update_weights_from_ipc(self, *args, **kwargs):  # one call per sync, its buckets loaded inside
+        self._tim_test_syncs = getattr(self, "_tim_test_syncs", -1) + 1
+        return sync(self, *args, **kwargs)
 
     def _update_weights(self, weights, peft_config, base_sync_done):
-        kept = [(name, tensor) for name, tensor in weights if not name.startswith(prefix)]
-        return original(self, kept, peft_config, base_sync_done)
+        if getattr(self, "_tim_test_syncs", 0) >= first:
+            weights = [(name, tensor) for name, tensor in weights if not name.startswith(prefix)]
+        return original(self, weights, peft_config, base_sync_done)
 
-    module.vLLMColocateWorkerExtension._update_weights = _update_weights
+    extension.update_weights_from_ipc = update_weights_from_ipc
+    extension._update_weights = _update_weights
 
 
 def install() -> None:

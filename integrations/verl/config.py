@@ -126,6 +126,9 @@ class ActorContext:
     top_p: float = 1.0  # rollout.top_p: the sampler's nucleus, which the safe vocabulary applies on the trainer side
     top_k: int = -1  # rollout.top_k (-1 / 0: off), likewise
     audit_errors: tuple = ()  # the start-up parity audit's error codes (the causes' truncation and sampler rules)
+    # rollout.tensor_model_parallel_size: the weight-sync check's sample spans every shard of the rollout's tensors
+    # (SyncCheckConfig.for_tensor_parallel)
+    rollout_tp: int = 1
 
     NODE = "tim_context"
 
@@ -145,7 +148,7 @@ class ActorContext:
         bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
         if bad:
             raise ValueError(f"tim-plugins: actor_rollout_ref.{cls.NODE} has non-boolean flags {bad}")
-        sampler = {k: data[k] for k in ("top_p", "top_k") if k in data}
+        sampler = {k: data[k] for k in ("top_p", "top_k", "rollout_tp") if k in data}
         return cls(**flags, **sampler, features_off=tuple(str(x) for x in data.get("features_off") or ()),
                    audit_errors=tuple(str(x) for x in data.get("audit_errors") or ()))
 
@@ -163,7 +166,8 @@ class ActorContext:
             # what the agent loop sends vLLM with every request (temperature, top_p, top_k):
             # VERL_SOURCES verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ.generate_sequences
             top_p=float(rollout.get("top_p", 1.0) if rollout.get("top_p") is not None else 1.0),
-            top_k=int(rollout.get("top_k", -1) if rollout.get("top_k") is not None else -1))
+            top_k=int(rollout.get("top_k", -1) if rollout.get("top_k") is not None else -1),
+            rollout_tp=max(1, int(rollout.get("tensor_model_parallel_size") or 1)))
 
     def truncation(self, min_p: float):
         """The sampler's whole rule (``tim_plugins.truncation.Truncation``, vLLM's order: min_p, top_k, top_p) on

@@ -194,7 +194,8 @@ class TIMEngineMixin:
         self._tim_causes_checkpoint = self._tim_causes_attach()
         for name in features_off:
             self._tim_pipeline.feature_off(name)
-        self._tim_sync = SyncWatch(config.sync_check.config(), self._tim_pipeline, self._tim_holds_outputs) \
+        self._tim_sync = SyncWatch(config.sync_check.config().for_tensor_parallel(context.rollout_tp),
+                                   self._tim_pipeline, self._tim_holds_outputs) \
             if config.sync_check.enable and self._tim_pipeline.causes is not None \
             and not set(self._TIM_SYNC_FEATURES) & set(features_off) else None
         if config.lr_decay.enable:  # verl's scheduler rewrites the LR each step: the optimizer side applies the scale

@@ -688,6 +688,19 @@ def test_the_start_up_audit_reaches_the_actors_causes(toy_model_path):
     assert pipe.causes.audit_codes == set(errors)
 
 
+def test_the_rollouts_tensor_parallel_size_reaches_the_actor(toy_model_path):
+    """``actor_rollout_ref.rollout.tensor_model_parallel_size`` travels in ``actor_rollout_ref.tim_context``, which
+    the actor's sync check is sized from (test_verl_sync_check.py); 1 where the rollout is not sharded."""
+    from omegaconf import OmegaConf
+
+    from tim_plugins.integrations.verl.config import ActorContext
+
+    for overrides, tp in (([], 1), (["actor_rollout_ref.rollout.tensor_model_parallel_size=8"], 8)):
+        sent = ActorContext.from_config(compose(recipe_overrides(toy_model_path) + overrides), asynchronous=False)
+        received = ActorContext.from_node(OmegaConf.create({ActorContext.NODE: sent.to_dict()})[ActorContext.NODE])
+        assert sent.rollout_tp == tp and received == sent
+
+
 def _tim_of(cfg):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 

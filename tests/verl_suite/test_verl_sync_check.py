@@ -265,6 +265,30 @@ def test_the_sync_settings_are_the_core_configs():
         TIMVerlConfig.from_node({"causes": {"confident_p": "high"}})
 
 
+def test_a_tensor_parallel_rollouts_sync_check_samples_every_shard(engine, toy_model_path):
+    """The actor's sync check is sized to the rollout's ``tensor_model_parallel_size`` (the driver's
+    ``ActorContext.rollout_tp``): at 8 ranks a matrix's 4 default columns would leave half of each row-parallel
+    weight's shards (o_proj, down_proj: split by columns) without a sampled element, so a fault in those shards could
+    not be seen. Reference: each sampled column's shard, from the column index and an equal split of the width."""
+    from tim_plugins.integrations.verl.config import ActorContext
+    from tim_plugins.weight_sync import SyncCheckConfig, sample_index
+
+    tim = TIMVerlConfig.from_node({"monitor": {"enable": True}})
+    other = H.build_engine(toy_model_path)  # the module's engine: its own configurations, set by the tests above
+    other.tim_configure(tim, context=ActorContext())
+    assert other._tim_sync.check.config == SyncCheckConfig()  # a rollout of one rank: the defaults
+    for tp, columns in ((2, 4), (4, 4), (8, 8), (16, 16)):
+        other.tim_configure(tim, context=ActorContext(rollout_tp=tp))
+        config = other._tim_sync.check.config
+        assert config.columns_per_tensor == columns
+        assert config.elements_per_tensor >= SyncCheckConfig().elements_per_tensor
+        width = 4864  # a 0.5B model's down_proj (hidden x intermediate): row-parallel, split by columns
+        index = sample_index("model.layers.0.mlp.down_proj.weight", (896, width), config.elements_per_tensor,
+                             config.columns_per_tensor, config.seed)
+        shards = {int(c) * tp // width for c in index[:, 1]}
+        assert shards == set(range(tp)), (tp, sorted(shards))
+
+
 def test_the_features_hold_and_a_moved_hook_switches_off_the_check_alone(engine, monkeypatch):
     from verl.workers.engine_workers import ActorRolloutRefWorker
 

@@ -401,6 +401,29 @@ def test_a_sync_cause_is_logged_at_once_and_counted_in_the_next_window(caplog):
     assert out["tim/cause/named"] == 0 and math.isnan(out["tim/cause/sync_bad_tensors"])
 
 
+def test_the_same_fault_on_two_replicas_is_named_once_and_different_ones_apart(tmp_path):
+    """Two replicas' sync reports with the same cause (both rollout servers skipped the same layer): one row in the
+    window's causes and in causes.jsonl, as one console line; a replica missing other tensors is a row of its own."""
+    import json
+
+    from tim_plugins.dump import DumpConfig
+
+    pipe = StepPipeline(pipeline_config(causes=CauseConfig(), probe=None,
+                                        dump=DumpConfig(out_dir=str(tmp_path), sample_rate=1.0)), framework="verl")
+    pipe.sync_checked(_report())
+    pipe.sync_checked(_report())
+    pipe.measure(*_batch())
+    out = pipe.compute(4, sync=False)[0]
+    assert out["tim/cause/named"] == 1
+    pipe.sync_checked(_report(step=4))
+    pipe.sync_checked(_report(step=4, bad=("model.layers.0.q.weight",)))
+    pipe.measure(*_batch())
+    pipe.compute(5, sync=False)
+    rows = [json.loads(line) for line in (tmp_path / "causes.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["tensors"], r["window"]) for r in rows] == [
+        (3, ["model.layers.1.q.weight"], 4), (4, ["model.layers.1.q.weight"], 5), (4, ["model.layers.0.q.weight"], 5)]
+
+
 def test_a_lasting_sync_fault_is_logged_at_every_sync_and_the_memory_of_logged_causes_is_bounded(caplog):
     """A fault that lasts: each faulty sync's cause is logged once (its step is in the message), the tracker
     remembers the last LOGGED_KEPT of them, not one entry per faulty sync of the run."""

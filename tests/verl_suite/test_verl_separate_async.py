@@ -30,7 +30,6 @@ copies of the weights the old-log-prob pass restores), which the run's old-log-p
 
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("verl")
@@ -45,8 +44,9 @@ STEPS = 4  # planned; the probe stops the run after step 3
 FAULT_FROM = 2  # the standalone replica's third sync (0: before step 1; n: after step n) drops SKIPPED
 CLEAN = (1, 2)  # the steps whose metrics carry the fault-free syncs
 # At the suite's usual 1e-3 the second update's samples, one optimizer step old, are far past PPO's trust region (k3
-# ~0.8 at lag 1): named staleness, which would trip the probe before the fault. k3 goes as lr**2: ~3e-4 here, against
-# the rule's 0.015 (CauseConfig.staleness_k3); the fp32 weights still move at every step, which the stale check needs.
+# ~0.8 at lag 1): named staleness, which would trip the probe before the fault. k3 goes as lr**2: measured here 2e-4 at
+# lag 1 and up to 1e-3 at lag 3, against the rule's 0.015 (CauseConfig.staleness_k3); the fp32 weights still move at
+# every step, which the stale check needs.
 LR = 2e-5
 RUN_TIMEOUT_S = 900
 

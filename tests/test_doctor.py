@@ -34,6 +34,12 @@ def _doctor(prelude: str = "") -> tuple[int, str]:
     return proc.returncode, proc.stdout
 
 
+@pytest.fixture(scope="module")
+def doctor_here() -> tuple[int, str]:
+    """The doctor as a user runs it here (one subprocess for the module's tests that read it)."""
+    return _doctor()
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -42,8 +48,8 @@ def _version(dist: str) -> str | None:
 
 
 @pytest.mark.slow
-def test_doctor_reports_this_environment_and_a_moved_symbol():
-    rc, out = _doctor()
+def test_doctor_reports_this_environment_and_a_moved_symbol(doctor_here):
+    rc, out = doctor_here
     assert rc == 0, out
     packages = next(line for line in out.splitlines() if line.startswith("packages: "))
     for dist in ("torch", "transformers", "trl"):
@@ -290,10 +296,10 @@ def _doctor_fixes(out: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_every_fix_the_doctor_prints_is_runnable_here_and_with_nothing_installed():
+def test_every_fix_the_doctor_prints_is_runnable_here_and_with_nothing_installed(doctor_here):
     """The doctor as run here, and with every framework reported missing (the adapters' one-line rows): each printed
     fix parses, names extras that exist, and never installs what is installed."""
-    rc, out = _doctor()
+    rc, out = doctor_here
     problems = [p for fix in _doctor_fixes(out) for p in _check_runnable(fix, installed_matters=True)]
     rc, bare = _doctor("""
         import tim_plugins._optional as optional

@@ -116,8 +116,8 @@ $(VENV)/$(STAMP): $(VENV)/$(STAMP_RUN)
 # Every suite runs, whatever the one before it did; the summary at the end fails the run if any suite failed.
 # SUITE_JOBS suites run side by side, in SUITES' order: main and verl first (the longest), then the rest so that
 # the two lanes end close together (the wall times scripts/suite records, MATRIX/suites/*.json; docs/testing.md,
-# "CI time"): wheel and megatron follow main in its lane (20 + 5 + 12 min, as verl ends at 37), then latest and
-# stack-newest (~5 min each) take one lane each and stack-oldest (~4 min) the one that frees first.
+# "CI time"): wheel and megatron follow main in its lane (28 + 3 + 6 min, as verl ends at 39), then latest and
+# stack-newest (~4-5 min each) take one lane each and stack-oldest (~2.5 min) the one that frees first.
 # A suite alone leaves the 2-core machine partly idle (engine and server start-ups, Ray, process launches: vmstat
 # shows one core busy), so two at a time finish sooner than one after the other; two keep both cores busy, so a
 # third would not. Each suite's output then goes to its log (MATRIX/logs/NAME.log) and its last lines to the

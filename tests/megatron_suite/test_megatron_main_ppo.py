@@ -184,9 +184,9 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3_and_names_a
         assert m["tim/probe/tripped"] == 0.0, step  # k3 far below 1e-2
     # the broken sync (after step 2's update): the skipped layer kept sync 1's values, the actor's after step 1,
     # while the actor stepped again. Reference: the fault itself (the prefix the servers dropped). A tensor is stale
-    # only where the actor's bf16 values moved since: the layer norms (1.0 at the toy's init, bf16 spacing 2**-8
-    # below 1) move by less than half a spacing in two Adam steps at lr 1e-3, so they may read unchanged on both
-    # sides (observed: all 10 others named, the 2 norms not).
+    # only where the actor's bf16 values moved since: the layer norms (near 1.0, where bf16's spacing is 2**-8) move
+    # by ~1e-3 in one Adam step at lr 1e-3, so their bf16 values may not change between the two syncs and read the
+    # same on both sides (observed: all 10 others named, the 2 norms not).
     skipped = [n for n in names if n.startswith(SKIPPED)]
     moved = [n for n in skipped if not n.endswith("layernorm.weight")]
     assert len(skipped) >= 9 and len(skipped) - len(moved) == 2

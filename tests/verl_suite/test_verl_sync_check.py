@@ -274,7 +274,7 @@ def test_a_tensor_parallel_rollouts_sync_check_samples_every_shard(engine, toy_m
     from tim_plugins.weight_sync import SyncCheckConfig, sample_index
 
     tim = TIMVerlConfig.from_node({"monitor": {"enable": True}})
-    other = H.build_engine(toy_model_path)  # the module's engine: its own configurations, set by the tests above
+    other = H.build_engine(toy_model_path)  # its own: the module's engine holds what the tests above configured
     other.tim_configure(tim, context=ActorContext())
     assert other._tim_sync.check.config == SyncCheckConfig()  # a rollout of one rank: the defaults
     for tp, columns in ((2, 4), (4, 4), (8, 8), (16, 16)):

@@ -218,7 +218,10 @@ class CauseTracker:
         """Causes an adapter's check found between windows (a sync check's, the lag-0 probe's,
         ``tim_plugins.lag0_probe``): named in the next window, logged now."""
         for cause in causes:
-            self._sync.append(cause)
+            # the same fault found on several replicas (verl hands a rank every replica's sync report; two pipeline
+            # stages each read their own rollout server): one cause, as the console logs it once
+            if cause not in self._sync:
+                self._sync.append(cause)
             self._log(cause)
 
     def audited(self, codes: Iterable[str]) -> None:
@@ -276,9 +279,6 @@ class CauseTracker:
                                f"{self.floor.median():.3g}", evidence={"floor": floor, "ratio": ratio}))
         found.extend(self._staleness_causes(step, metrics))
         found.extend(self._truncation_causes(step, metrics))
-        # the same fault found on several replicas (verl hands a rank every replica's sync report; two pipeline
-        # stages each read their own rollout server): one cause, as the console logs it once
-        found = [x for i, x in enumerate(found) if x not in found[:i]]
         self._counts, self._sync = None, []
         self._sync_bad = self._sync_checked = -math.inf
         for cause in found:

@@ -570,3 +570,29 @@ def test_the_run_closes_with_one_line_per_cause_named_its_steps_and_fix():
     assert resumed.summary_lines() == [want[0], (
         f"tim-plugins: this run named [staleness] in {len(kept)} windows, steps {kept[0]} to {stale[-1]} (first: "
         f"share {kept[0]}). Fix (verl): {cause_fix('staleness', 'verl')}")]
+
+
+def test_a_sync_cause_is_written_at_the_sync_so_the_sync_after_the_last_step_reaches_the_report(tmp_path):
+    """verl syncs after every step, the last one too (and the step the probe stops at): no window closes after that
+    sync, so its cause is written beside the dump when the sync is checked, with the window that would name it
+    (the step after its own), and the window that does close later writes it no second time. Reference: the rows
+    as written, one per cause, against the causes the console named."""
+    import json
+
+    from tim_plugins.dump import DumpConfig
+    from tim_plugins.report.causes import read_causes
+
+    pipe = StepPipeline(pipeline_config(causes=CauseConfig(), probe=None,
+                                        dump=DumpConfig(out_dir=str(tmp_path), sample_rate=1.0)), framework="verl")
+    log = tmp_path / "causes.jsonl"
+    pipe.sync_checked(_report(step=3))
+    assert [(r["code"], r["step"], r["window"]) for r in map(json.loads, log.read_text().splitlines())] == [
+        ("sync-tensors-stale", 3, 4)]
+    pipe.measure(*_batch(confident=5, seed=1))  # the window also names a stream rule's cause
+    out, _, _ = pipe.compute(4, sync=False)
+    assert out["tim/cause/named"] == 2
+    pipe.sync_checked(_report(step=4))  # the last step's sync: no window after it
+    rows = read_causes(tmp_path)
+    assert [(r["code"], r["step"], r["window"]) for r in rows] == [
+        ("sync-tensors-stale", 3, 4), ("engine-stale", 4, 4), ("sync-tensors-stale", 4, 5)]
+    assert sorted((c.code, c.step) for c in pipe.causes.named) == [("engine-stale", 4), ("sync-tensors-stale", 3)]

@@ -207,22 +207,26 @@ class CauseTracker:
                                                      gap=c.confident_gap)).double()
         self._counts = counts if self._counts is None else self._counts + counts.to(self._counts.device)
 
-    def add_sync(self, report) -> None:
+    def add_sync(self, report) -> list[Cause]:
         """A sync check's result (``weight_sync.SyncReport``): its causes are named in the next window and logged
-        now (the sync happens between windows; the line should not wait for the step's end)."""
+        now (the sync happens between windows; the line should not wait for the step's end). Returns the causes
+        new to the window (``add_found``)."""
         self._sync_bad = max(self._sync_bad, float(report.bad_tensors))
         self._sync_checked = max(self._sync_checked, float(report.checked_tensors))
-        self.add_found(report.causes)
+        return self.add_found(report.causes)
 
-    def add_found(self, causes: Iterable[Cause]) -> None:
+    def add_found(self, causes: Iterable[Cause]) -> list[Cause]:
         """Causes an adapter's check found between windows (a sync check's, the lag-0 probe's,
-        ``tim_plugins.lag0_probe``): named in the next window, logged now."""
+        ``tim_plugins.lag0_probe``): named in the next window, logged now. Returns those new to the window."""
+        new = []
         for cause in causes:
             # the same fault found on several replicas (verl hands a rank every replica's sync report; two pipeline
             # stages each read their own rollout server): one cause, as the console logs it once
             if cause not in self._sync:
                 self._sync.append(cause)
+                new.append(cause)
             self._log(cause)
+        return new
 
     def audited(self, codes: Iterable[str]) -> None:
         """The parity audit's error codes (the truncation rule needs ``sampler-truncation-unmatched``, which also

@@ -228,6 +228,7 @@ class StepPipeline:
         self._unknown_lag: torch.Tensor | None = None  # tokens of unknown policy lag since the last compute (device)
         self._warned: set[str] = set()
         self._dump_buffer: list[tuple[torch.Tensor, ...]] = []
+        self._written_early: list = []  # the causes found at a sync since the last window, written (_write_found)
 
     @property
     def measures(self) -> bool:
@@ -360,16 +361,25 @@ class StepPipeline:
                        detail="tokens whose sample's policy version is unknown (no weight-version tag)")
 
     def sync_checked(self, report) -> None:
-        """A checked weight sync (``weight_sync.SyncReport``): its causes are logged now and named in the next
-        window's ``tim/cause/*`` (nothing happens when the causes are off)."""
+        """A checked weight sync (``weight_sync.SyncReport``): its causes are logged and written beside the dump now
+        and named in the next window's ``tim/cause/*`` (nothing happens when the causes are off)."""
         if self.causes is not None:
-            self.causes.add_sync(report)
+            self._write_found(self.causes.add_sync(report))
 
     def probed(self, causes) -> None:
-        """The causes a lag-0 probe named after a weight sync (``lag0_probe.Lag0Probe.judge``): logged now and named
-        in the next window's ``tim/cause/*``, like a sync check's."""
+        """The causes a lag-0 probe named after a weight sync (``lag0_probe.Lag0Probe.judge``): logged and written
+        now and named in the next window's ``tim/cause/*``, like a sync check's."""
         if self.causes is not None:
-            self.causes.add_found(causes)
+            self._write_found(self.causes.add_found(causes))
+
+    def _write_found(self, found: list) -> None:
+        """Causes found at a sync, written beside the dump now rather than when the next window closes: the sync
+        after a run's last step (verl syncs after every step; the step the probe stopped at) has no next window.
+        Each row's window is the step after the cause's own (the sync after optimizer step s is named in window
+        s + 1); the window that names them then leaves them out (``_write_causes``)."""
+        for cause in found:
+            self._write_causes(cause.step + 1, [cause])
+        self._written_early.extend(found)
 
     def audited(self, error_codes) -> None:
         """The parity audit's error codes, for the causes' rules (the truncation rule reads them)."""
@@ -450,7 +460,7 @@ class StepPipeline:
         if self.causes is not None:  # after the split: the staleness rule reads it
             values, named = self.causes.evaluate(step, out, sync=sync, group=group)
             out.update(values)
-            self._write_causes(step, named)
+            self._write_causes(step, named, closing=True)
         if self.monitor is not None and self.probe is not None:
             decision = self.probe.check(step, out, raise_on_trip=raise_on_trip)
             out.update(decision.metrics())
@@ -480,9 +490,13 @@ class StepPipeline:
                 decision = self.probe.check_causes(step, values[CAUSE_KEYS[0]], raise_on_trip=raise_on_trip)
         return out, decision
 
-    def _write_causes(self, step: int, named: list) -> None:
+    def _write_causes(self, step: int, named: list, *, closing: bool = False) -> None:
         """Newly named causes beside the dump, for the report's verdict (rank 0), with the step of the window that
-        named them (a resumed run's ``dump.supersede_from`` sorts them by it)."""
+        named them (a resumed run's ``dump.supersede_from`` sorts them by it). ``closing``: the window that names
+        the causes found at a sync since the last one, which ``_write_found`` wrote already."""
+        if closing:
+            early, self._written_early = self._written_early, []
+            named = [x for x in named if x not in early]
         if named and self.dumper is not None and self.writes and self.rank == 0:
             try:
                 append_causes(self.dumper.config.out_dir, named, window=step)

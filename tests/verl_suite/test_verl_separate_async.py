@@ -108,6 +108,11 @@ def test_the_run_trains_through_both_replicas_and_every_sync_is_checked(broken):
     # the fault's cause alone, from its sync on (the stopped step's sync, after step 3, is checked too)
     assert {code for code, _ in run.causes()} == {"sync-tensors-stale"}, run.causes()
     assert sorted(step for _, step in run.causes()) == list(range(FAULT_FROM, max(run.steps) + 1)), run.causes()
+    # and beside the dump, for the report: each console line once, the stopped step's sync too (no window follows it)
+    from tim_plugins.report.causes import read_causes
+
+    assert sorted((r["code"], r["step"], r["window"]) for r in read_causes(wd / "dump")) == \
+        sorted((code, step, step + 1) for code, step in run.causes())
     assert "the weight-sync check reads nothing" not in run.output
 
 

@@ -471,19 +471,19 @@ with engine(threads=1):
     assert got["seqs"] == np.unique(seq[ok]).size
 
 
-@pytest.mark.parametrize("limit", ["0GB", "0", "0.0MB", "100KB", 1000])
+@pytest.mark.parametrize("limit", ["0GB", "0", "0.0MB", "100KB", 1000, "15MB"])
 def test_a_memory_limit_too_small_for_duckdb_fails_before_the_passes(tmp_path, capsys, limit):
     """A zero or sub-block memory limit (DuckDB allocates 256 KiB blocks) is a usage mistake: it fails at once with
     the value, the rule and the fix, not with DuckDB's out-of-memory traceback after the passes."""
     from tim_plugins.apps.cli import main
 
-    with pytest.raises(ValueError, match=rf"memory_limit={limit!r} is invalid: .*at least 1MB"):
+    with pytest.raises(ValueError, match=rf"memory_limit={limit!r} is invalid: .*at least 16MB"):
         Engine(memory_limit=limit)
     _dump(tmp_path, steps=(1,), ranks=(0,))
     assert main(["report", str(tmp_path), "--memory-limit", str(limit)]) == 2
     err = capsys.readouterr().err
-    assert f"--memory-limit '{limit}'" in err and "at least 1MB" in err and not (tmp_path / "report.html").exists()
-    with Engine(memory_limit="1MB") as eng:  # the smallest allowed works
+    assert f"--memory-limit '{limit}'" in err and "at least 16MB" in err and not (tmp_path / "report.html").exists()
+    with Engine(memory_limit="16MB") as eng:  # the smallest allowed works
         assert eng.setting("memory_limit")
 
 

@@ -28,7 +28,7 @@ def register(subparsers) -> None:
                                                "report-comparison.html in the current folder)")
     p.add_argument("--memory-limit", default=None,
                    help="memory cap of DuckDB, which reads the largest disagreements' context (e.g. 1GB, 500MB; "
-                        "at least 1MB; default: $TIM_REPORT_MEMORY_LIMIT or 1GB): beyond it DuckDB spills to a "
+                        "at least 16MB; default: $TIM_REPORT_MEMORY_LIMIT or 1GB): beyond it DuckDB spills to a "
                         "temporary folder; the report's own memory is small and does not grow with the dump")
     p.add_argument("--threads", type=int, default=None,
                    help="threads of the passes over the dump and of DuckDB (default: every core)")

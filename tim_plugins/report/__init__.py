@@ -92,7 +92,7 @@ def build_report(source: str | Path, out: str | Path | None = None, *, summary: 
             dump_page(source, summary, page, decode)
     out_path = Path(out) if out is not None else source / "report.html"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(page.html(), encoding="utf-8")
+    out_path.write_text(page.html(), encoding="utf-8", errors="backslashreplace")  # a lone surrogate (a path)
     return out_path
 
 
@@ -116,7 +116,7 @@ def build_comparison(sources: list[str | Path], out: str | Path, *, labels: list
         comparison_page(runs, page, decode)
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(page.html(), encoding="utf-8")
+    out_path.write_text(page.html(), encoding="utf-8", errors="backslashreplace")  # a lone surrogate (a path)
     return out_path
 
 

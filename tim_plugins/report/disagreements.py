@@ -125,10 +125,30 @@ def decode_rows(rows: list[dict], decode: Callable[[Sequence[int]], str]) -> lis
     context window cuts such a character, its decoded edge is U+FFFD, which is dropped there (the ``…`` beside it
     already says the text goes on). The token's own text is shown as decoded."""
     def context(ids, strip):
-        return visible(strip(decode(ids), REPLACEMENT)) if ids else ""
+        return visible(strip(_decoded(decode, ids), REPLACEMENT)) if ids else ""
 
-    return [{**r, "text_before": context(r["before"], str.lstrip), "text": visible(decode([r["token_id"]])),
+    return [{**r, "text_before": context(r["before"], str.lstrip),
+             "text": visible(_decoded(decode, [r["token_id"]]) if r["token_id"] is not None else NO_ID),
              "text_after": context(r["after"], str.rstrip)} for r in rows]
+
+
+NO_ID = "⟨?⟩"  # a row whose file holds no token id there
+
+
+def _decoded(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> str:
+    """``decode(ids)``; where the tokenizer rejects an id (negative, past its vocabulary: a model whose embedding is
+    padded beyond the tokenizer, a damaged file), each id alone, a rejected one shown as ``⟨id N⟩``: one such id
+    costs its own text, not the report."""
+    try:
+        return decode(ids)
+    except Exception:
+        parts = []
+        for i in ids:
+            try:
+                parts.append(decode([i]))
+            except Exception:
+                parts.append(f"⟨id {i}⟩")
+        return "".join(parts)
 
 
 def dump_disagreements(dump, decode: Callable[[Sequence[int]], str] | None = None, n: int = DEFAULT_ROWS,
@@ -141,6 +161,10 @@ def dump_disagreements(dump, decode: Callable[[Sequence[int]], str] | None = Non
         dump = open_dump(dump)
     rows = dump.largest_disagreements(n, context)
     return decode_rows(rows, decode) if decode is not None else rows
+
+
+def _id(token_id) -> str:
+    return "?" if token_id is None else str(token_id)
 
 
 def _p(x: float) -> str:
@@ -161,9 +185,9 @@ def disagreements_html(rows: list[dict], *, show_step: bool = True) -> str:
                   ("<span class='edge'>⟨end⟩</span>" if r["end"] else "…")
         else:  # no tokenizer: token ids
             ids = lambda xs: " ".join(str(x) for x in xs)  # noqa: E731
-            ctx = (html.escape(ids(r["before"])) + f" <mark>{r['token_id']}</mark> " + html.escape(ids(r["after"])))
+            ctx = html.escape(ids(r["before"])) + f" <mark>{_id(r['token_id'])}</mark> " + html.escape(ids(r["after"]))
         cells = [str(k)] + ([str(r["step"])] if show_step else []) + [str(r["position"])]
-        after = (r["token_id"], _p(r["p_rollout"]), _p(r["p_train"]), f"{r['diff']:+.4f}")
+        after = (_id(r["token_id"]), _p(r["p_rollout"]), _p(r["p_train"]), f"{r['diff']:+.4f}")
         body.append("<tr>" + "".join(f"<td class='num'>{c}</td>" for c in cells) + f"<td class='ctx'>{ctx}</td>"
                     + "".join(f"<td class='num'>{c}</td>" for c in after) + "</tr>")
     header = "".join(f"<th>{html.escape(h)}</th>" for h in head)
@@ -180,6 +204,6 @@ def disagreements_text(rows: list[dict], *, show_step: bool = True) -> list[str]
             ctx = (("⟨start⟩" if r["start"] else "…") + r["text_before"] + f"⟦{r['text']}⟧" + r["text_after"]
                    + ("⟨end⟩" if r["end"] else "…"))
         else:
-            ctx = " ".join(map(str, r["before"])) + f" ⟦{r['token_id']}⟧ " + " ".join(map(str, r["after"]))
+            ctx = " ".join(map(str, r["before"])) + f" ⟦{_id(r['token_id'])}⟧ " + " ".join(map(str, r["after"]))
         lines.append(f"{where:<{width}}  p {_p(r['p_rollout'])} → {_p(r['p_train'])}  Δ {r['diff']:+.3f}  {ctx}")
     return lines

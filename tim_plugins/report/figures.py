@@ -106,6 +106,12 @@ def _legend(ax, n: int, below: bool = False) -> None:
         ax.legend(fontsize=8)
 
 
+def _label(name: str) -> str:
+    """A run's name (a folder name, the user's ``--label``) as matplotlib shows it literally: two ``$`` would start
+    its math markup (and a label it cannot parse ends the figure)."""
+    return str(name).replace("$", r"\$")
+
+
 def _color(i: int) -> str:
     return _COLORS[i % len(_COLORS)]
 
@@ -141,10 +147,10 @@ def abs_diff_histogram(hists: dict[str, tuple[np.ndarray, int]], bins: np.ndarra
         for i, (name, (counts, zeros)) in enumerate(hists.items()):
             counts = np.asarray(counts)
             if counts.sum() > 0:
-                label = name + (f" (+{zeros} tokens at exactly 0)" if zeros else "")
+                label = _label(name) + (f" (+{zeros} tokens at exactly 0)" if zeros else "")
                 ax.hist(bins[:-1], bins=bins, weights=counts, histtype="step", lw=1.5, color=_color(i), label=label)
             else:
-                ax.plot([], [], color=_color(i), label=f"{name}: all {zeros} tokens at exactly 0")
+                ax.plot([], [], color=_color(i), label=f"{_label(name)}: all {zeros} tokens at exactly 0")
         ax.set_xscale("log")
         ax.set_yscale("log")
         _log_ticks(ax)
@@ -187,7 +193,7 @@ def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] 
         c, m = centre[keep], np.asarray(curve["sum"], dtype=np.float64)[keep] / count[keep]
         if c.size and (m > 0).any():
             ax.plot(c[m > 0], m[m > 0], "o", ms=4, color=_color(i), alpha=0.8,
-                    label=("sampled tokens: mean |d|" if single else name if not profiles else None))
+                    label=("sampled tokens: mean |d|" if single else _label(name) if not profiles else None))
             if single and not profiles and curve.get("quantile") is not None:
                 p99 = np.asarray(curve["quantile"], dtype=np.float64)[keep]
                 ax.plot(c[p99 > 0], p99[p99 > 0], "s", ms=4, mfc="none", color=_color(i),
@@ -199,7 +205,7 @@ def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] 
             ok = pm > 0
             if ok.any():
                 ax.plot(pc[ok], pm[ok], "-", color=_color(i), lw=1.6,
-                        label="whole vocabulary: mean |Δ log p|" if single else name)
+                        label="whole vocabulary: mean |Δ log p|" if single else _label(name))
                 if single:
                     pq = np.array(prof["quantile"])
                     ax.plot(pc[pq > 0], pq[pq > 0], "--", color=_color(i), lw=1.2,
@@ -225,8 +231,8 @@ def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] 
     ax.set_xlabel("1 − p_rollout(token)")
     ax.set_ylabel(f"|Δ log p| {NATS}")
     if skipped:
-        ax.text(0.98, 0.02, "exactly 0 (not drawn): " + ", ".join(skipped), transform=ax.transAxes, fontsize=7,
-                color="#555", ha="right")
+        ax.text(0.98, 0.02, "exactly 0 (not drawn): " + ", ".join(map(_label, skipped)), transform=ax.transAxes,
+                fontsize=7, color="#555", ha="right")
     if not ax.lines:
         _empty(ax, "too few tokens per bin")
     elif single or not profiles:
@@ -243,7 +249,7 @@ def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] 
             pc, pm = np.array(prof["centre"]), np.array(prof["mean"])
             ok = pm > 0
             if ok.any():
-                ax2.plot(pc[ok], pm[ok], "-", color=_color(i), lw=1.6, label=name)
+                ax2.plot(pc[ok], pm[ok], "-", color=_color(i), lw=1.6, label=_label(name))
         ax2.set_xscale("log")
         ax2.set_yscale("log")
         _log_ticks(ax2)
@@ -368,7 +374,7 @@ def _rho_panel(ax, src: RhoSource, lo_d: float, hi_d: float,
     counts, below, above = src.counts(bins, log, lo_d, hi_d)
     for i, name in enumerate(src.names):
         ax.hist(bins[:-1], bins=bins, weights=np.asarray(counts[name]), histtype="step", lw=1.5, color=_color(i),
-                label=name)
+                label=_label(name))
     ax.axvline(1.0, color="k", lw=0.8)
     for edge in (0.5, 2.0):
         if lo < edge < hi:
@@ -441,12 +447,12 @@ def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) 
 
             ax.plot(x, np.full_like(x, 0.02), "--", color=_color(i), lw=1.4, zorder=3,
                     transform=blended_transform_factory(ax.transData, ax.transAxes),
-                    label=f"{name}: exactly 0 (drawn on the bottom edge)")
+                    label=f"{_label(name)}: exactly 0 (drawn on the bottom edge)")
         elif log_axis:
-            ax.plot(x, np.where(m > 0, m, np.nan), "-", color=_color(i), lw=1.4, label=name)
+            ax.plot(x, np.where(m > 0, m, np.nan), "-", color=_color(i), lw=1.4, label=_label(name))
         else:
             ax.plot(x, m, "-", color=_color(i), lw=1.4, zorder=3,
-                    label=name + (" (exactly 0 at every position)" if zero else ""))
+                    label=_label(name) + (" (exactly 0 at every position)" if zero else ""))
     if log_axis:
         ax.set_yscale("log")
         _log_ticks(ax, "y")
@@ -468,7 +474,7 @@ def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float
     for i, (name, (length, sum_d)) in enumerate(ds.items()):
         if not len(length):
             continue
-        ax.scatter(length, sum_d, s=10, alpha=0.6, color=_color(i), label=name)
+        ax.scatter(length, sum_d, s=10, alpha=0.6, color=_color(i), label=_label(name))
     ax.axhline(0, color="k", lw=0.5)
     lo, hi = ax.get_ylim()
     if max(abs(lo), abs(hi)) > band / 4:
@@ -523,7 +529,7 @@ def comparison_bars(names: list[str], panels: list[tuple[str, list[float], tuple
         value_labels.append((ax, texts))
         bands.append((ax, healthy, base))
         ax.set_yticks(y)
-        ax.set_yticklabels(names if j == 0 else [""] * len(names), fontsize=8)
+        ax.set_yticklabels([_label(x) for x in names] if j == 0 else [""] * len(names), fontsize=8)
         ax.set_ylim(len(names) - 0.4, -0.6)  # first setting on top, room for a row without a bar
         ax.set_title(title, fontsize=9)
         if log:
@@ -606,7 +612,7 @@ def step_series(steps, panels: list[tuple], ncols: int = 3) -> bytes:
             if ok.any():
                 x = np.asarray(run_steps[run], dtype=float)
                 ax.plot(x[ok], v[ok], ".-", lw=1.2, ms=4, **({} if run is None else {"color": _color(i),
-                                                                                      "label": run}))
+                                                                                      "label": _label(run)}))
                 shown.append(v[ok])
         if shown:
             lo, hi = _series_limits(np.concatenate(shown), healthy, log, options.get("ylim"))

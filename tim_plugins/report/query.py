@@ -28,8 +28,8 @@ What the report computes from the rows, and how it matches the in-memory computa
   histogram counts (``report.bins``), never a sample.
 
 The largest disagreements' context comes from a DuckDB query over the few files that hold them (``Engine``: its
-memory capped by ``memory_limit``, spilling to a temporary folder beyond it, its threads by ``threads``, which
-also sets the passes' threads).
+memory capped by ``memory_limit``, spilling to a temporary folder beyond it, its threads by ``threads`` up to
+``DUCKDB_MAX_THREADS``; ``threads`` also sets the passes' threads).
 """
 
 from __future__ import annotations
@@ -114,9 +114,11 @@ def readable(files: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
     return ok, skipped
 
 
-# The smallest memory limit: DuckDB allocates 256 KiB blocks and fails any query under about one (a zero limit
-# only failed at the largest disagreements' query, after the passes).
-MIN_MEMORY_LIMIT = 10**6  # 1MB
+# The smallest memory limit: the largest disagreements' context query, reading up to one file per row shown on up to
+# DUCKDB_MAX_THREADS threads of 256 KiB blocks, ran out of memory under 4MB on 30 files; 16MB leaves it room.
+MIN_MEMORY_LIMIT = 16 * 10**6  # 16MB
+# DuckDB's threads: it runs that one query of a few thousand rows, whose memory grows with its threads.
+DUCKDB_MAX_THREADS = 8
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30, "tb": 10**12,
           "tib": 2**40}
 
@@ -134,7 +136,7 @@ def parse_memory_limit(value) -> str:
             size, text = float(m[1]) * _UNITS[m[2].lower()], value.strip()
     if size is not None and size >= MIN_MEMORY_LIMIT:
         return text
-    raise ValueError(f"memory_limit={value!r} is invalid: it must be a size of at least 1MB such as '1GB' or '500MB' "
+    raise ValueError(f"memory_limit={value!r} is invalid: it must be a size of at least 16MB such as '1GB' or '500MB' "
                      f"(or bytes as an int); set it with --memory-limit or {MEMORY_LIMIT_ENV}.")
 
 
@@ -194,7 +196,8 @@ def remove_stale(parent: str | os.PathLike, prefix: str, *, by_age: bool = True)
 
 class Engine:
     """A report's settings and its DuckDB connection: ``memory_limit`` caps DuckDB's memory (spilling to a
-    temporary folder removed by ``close``), ``threads`` its threads and the passes' (None: every core).
+    temporary folder removed by ``close``), ``threads`` the passes' threads (None: every core) and DuckDB's, up to
+    ``DUCKDB_MAX_THREADS``.
 
     Results are read whole (``fetchall``), never with ``fetchone``: DuckDB 2.0 refuses other work on a connection
     (``register``) while an ``execute()`` result is unfinished."""
@@ -213,8 +216,7 @@ class Engine:
         # DuckDB reads the few files of the largest disagreements once: no cache of their bytes (the OS has them)
         config = {"memory_limit": self.memory_limit, "temp_directory": self._spill,
                   "preserve_insertion_order": False, "enable_external_file_cache": False}
-        if threads is not None:
-            config["threads"] = threads
+        config["threads"] = min(self.workers, DUCKDB_MAX_THREADS)
         self.con = duckdb.connect(":memory:", config=config)
 
     @property
@@ -594,18 +596,21 @@ class Dump:
         self.passes["context"] += 1
         by_seq: dict = {}
         for step, rank, seq, pos, tok in rows_of:
-            by_seq.setdefault((step, rank, seq), []).append((pos, tok))
+            if pos is not None:  # a row without a position has no place in the context (the passes skip it)
+                by_seq.setdefault((step, rank, seq), []).append((pos, tok))
         rows = []
         for step, rank, seq, pos, r, t in picked:
-            every = sorted(by_seq[(step, rank, seq)])
+            every = sorted(by_seq.get((step, rank, seq), [(pos, None)]), key=lambda x: x[0])
             around = [(p, tok) for p, tok in every if abs(p - pos) <= context]
             lo, hi = every[0][0], every[-1][0]
+            tok = next((tok for p, tok in around if p == pos), None)
             rows.append({
                 "step": int(step), "rank": int(rank), "sequence": int(seq), "position": int(pos),
-                "token_id": int(next(tok for p, tok in around if p == pos)),
+                "token_id": None if tok is None else int(tok),  # None: the file holds no token id there
                 "rollout_logprob": float(r), "train_logprob": float(t), "diff": float(t - r),
                 "p_rollout": exp_or_inf(r), "p_train": exp_or_inf(t),
-                "before": [int(tok) for p, tok in around if p < pos], "after": [int(tok) for p, tok in around if p > pos],
+                "before": [int(tok) for p, tok in around if p < pos and tok is not None],
+                "after": [int(tok) for p, tok in around if p > pos and tok is not None],
                 "start": pos == lo, "end": pos == hi,
             })
         return rows

@@ -38,6 +38,7 @@ TOP_ROWS = 256
 FULL_COLUMNS = ("step", "rank", "sequence", "position", "rollout_logprob", "train_logprob")
 NARROW_COLUMNS = ("rollout_logprob", "train_logprob")
 _INT_KEYS = ("step", "rank", "sequence", "position")
+_LOGPROBS = ("rollout_logprob", "train_logprob")
 # Per sequence run: the sums, then the extremes (in this order in ``FullPass.runs``).
 RUN_SUMS = ("n", "sum_d", "sum_a", "abs_p", "k3", "lin", "ser", "rho_m1_sq", "outside", "is_n", "is_w", "is_w2",
             "is_masked")
@@ -61,12 +62,19 @@ def _read(path: str, columns, chunk_rows: int):
     # pre_buffer off: with it (pyarrow's default) the reader caches every row group's bytes until the file is closed
     reader = pq.ParquetFile(path, pre_buffer=False)
     for batch in reader.iter_batches(batch_size=chunk_rows, columns=list(columns), use_threads=False):
-        out = {}
+        out, keyless = {}, None
         for name in columns:
             col = batch.column(name)
-            if col.null_count:  # a null log-prob is an invalid row; a null key a group of its own
+            if col.null_count:  # a null log-prob is an invalid row; so is a null key (no sequence to show it in)
+                if name in _INT_KEYS:
+                    nulls = col.is_null().to_numpy(zero_copy_only=False)
+                    keyless = nulls if keyless is None else keyless | nulls
                 col = col.fill_null(pa.scalar(-1 if name in _INT_KEYS else math.nan, col.type))
             out[name] = col.to_numpy(zero_copy_only=False)
+        if keyless is not None:
+            for name in _LOGPROBS:
+                if name in out:
+                    out[name] = np.where(keyless, math.nan, out[name])
         yield out
 
 
@@ -352,8 +360,8 @@ class _Full:
             self.pos_abs[:size] += np.bincount(pos, a, minlength=size)
         else:
             u, inv = np.unique(pos, return_inverse=True)
-            for p, k, sa in zip(u.tolist(), np.bincount(inv).tolist(), np.bincount(inv, a).tolist()):
-                e = self.pos_extra.setdefault(p, [0, 0.0])
+            for at, k, sa in zip(u.tolist(), np.bincount(inv).tolist(), np.bincount(inv, a).tolist()):
+                e = self.pos_extra.setdefault(at, [0, 0.0])
                 e[0] += k
                 e[1] += sa
         # fine bins per probability bin

@@ -124,3 +124,24 @@ def test_run_labels_with_dollar_signs_are_shown_as_written(tmp_path):
     for label in labels:
         assert html_escape(label, quote=False) in html
     assert html.count("<img") >= 5  # every figure drawn
+
+
+def test_a_file_whose_data_pages_are_damaged_is_skipped_and_named(tmp_path):
+    """A copy damaged in its middle (its footer intact, so it opens): the full pass meets it and the report is made
+    without it, its numbers those of the other files (a naive recomputation), the page naming the file."""
+    r, t = _write(tmp_path, step=1)
+    _write(tmp_path, step=2, n=4000, d=np.full(4000, 0.3))
+    path = tmp_path / dump_file_name(2, 0)
+    data = bytearray(path.read_bytes())
+    data[200:2200] = b"\xab" * 2000
+    path.write_bytes(bytes(data))
+    assert pq.ParquetFile(path).metadata.num_rows == 4000  # the premise: the footer reads, the pages do not
+    with pytest.raises(OSError):
+        pq.read_table(path)
+    with engine(threads=1):
+        dump = open_dump(tmp_path)
+        m = overall_metrics(dump)
+        assert [name for name, _ in dump.skipped] == [path.name] and dump.size == 10
+    assert m["tim/token/abs_diff_mean"] == pytest.approx(_naive_abs_mean(r, t, np.ones(10, bool)), rel=1e-9)
+    html = build_report(tmp_path, threads=1).read_text()
+    assert path.name in html and "10 tokens from 1 sequences" in html

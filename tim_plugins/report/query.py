@@ -366,10 +366,15 @@ class Dump:
     def full(self):
         """The full pass (``scan.FullPass``), made once."""
         if self._full is None:
-            from tim_plugins.report.scan import full_pass
+            from tim_plugins.report.scan import UnreadableFile, full_pass
 
-            self._full = full_pass(self.files, self.engine.workers)
-            self.passes["full"] += 1
+            while self._full is None:
+                try:
+                    self._full = full_pass(self.files, self.engine.workers)
+                except UnreadableFile as err:  # left out like a torn file, and every figure without it
+                    self.skipped.append((Path(err.path).name, f"its data does not read ({err.why})"))
+                    self.files = [f for f in self.files if f != err.path]
+                self.passes["full"] += 1
         return self._full
 
     def serve(self, requests: list) -> list:

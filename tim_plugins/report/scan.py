@@ -26,8 +26,8 @@ import numpy as np
 
 from tim_plugins.report import bins as B
 
-__all__ = ["CHUNK_ROWS", "TOP_ROWS", "FULL_COLUMNS", "NARROW_COLUMNS", "FullPass", "full_pass", "narrow_pass",
-           "available_cores"]
+__all__ = ["CHUNK_ROWS", "TOP_ROWS", "FULL_COLUMNS", "NARROW_COLUMNS", "FullPass", "UnreadableFile", "full_pass",
+           "narrow_pass", "available_cores"]
 
 CHUNK_ROWS = 1 << 18
 # Rows per numpy step: each of a step's ~20 float64 temporaries then fits a core's L2 cache (256 KB); 8x as many
@@ -78,6 +78,15 @@ def _read(path: str, columns, chunk_rows: int):
         yield out
 
 
+class UnreadableFile(Exception):
+    """A file whose footer read (``query.readable``) but whose data does not: a copy damaged in its middle. The
+    pass that met it is void (it holds part of the file); ``query.Dump.full`` makes it again without the file."""
+
+    def __init__(self, path: str, err: Exception) -> None:
+        super().__init__(f"{path}: {err}")
+        self.path, self.why = path, str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+
+
 def _each_chunk(files: list[str], columns, threads: int, make, chunk_rows: int | None = None, per_file=None) -> list:
     """Read ``files`` on ``threads`` threads, each feeding chunks of about ``chunk_rows`` rows ({column: array};
     default ``CHUNK_ROWS``) to its own accumulator (``make()``, with ``add``); returns the accumulators. A file is
@@ -94,14 +103,17 @@ def _each_chunk(files: list[str], columns, threads: int, make, chunk_rows: int |
                 i = next(queue, None)
             if i is None:
                 break
-            for cols in _read(files[i], columns, chunk_rows):
-                if per_file is not None:
-                    per_file(i, cols)
-                buf.append(cols)
-                n += cols[columns[0]].size
-                if n >= chunk_rows:
-                    acc.add(_concat(buf, columns))
-                    buf, n = [], 0
+            try:
+                for cols in _read(files[i], columns, chunk_rows):
+                    if per_file is not None:
+                        per_file(i, cols)
+                    buf.append(cols)
+                    n += cols[columns[0]].size
+                    if n >= chunk_rows:
+                        acc.add(_concat(buf, columns))
+                        buf, n = [], 0
+            except (OSError, ValueError) as err:  # pyarrow's errors are these: a damaged page
+                raise UnreadableFile(files[i], err) from err
         if buf:
             acc.add(_concat(buf, columns))
         return acc

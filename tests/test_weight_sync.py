@@ -575,3 +575,133 @@ def test_a_prefix_cache_left_after_the_sync_is_named_beside_the_weights(blocks):
     report = check.finish(record, engine, prefix=CachedPrefix(blocks, 16))
     assert [c.code for c in report.causes] == ["sync-tensors-stale"] + ["sync-prefix-cache"] * (blocks > 0)
     assert _sync(check, engine, weights, 5).prefix_blocks is None
+
+
+def test_a_tensor_whose_read_raises_is_unread_and_the_others_are_still_compared():
+    """One layout the reader cannot handle costs that tensor's comparison, not the check: the tensor is unread
+    (counted), and a fault elsewhere in the same sync is still named with exactly its tensors."""
+    weights = _model()
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+    _sync(check, engine, weights, 0)
+    broken = "model.conv.weight"
+    plain_read = engine.read
+
+    def read(name, shape, index):
+        if name == broken:
+            raise IndexError("index 29 is out of bounds for dimension 1 with size 16")
+        return plain_read(name, shape, index)
+
+    engine.read = read
+    moved = _step(weights)
+    report = _sync(check, engine, moved, 1, skip={"model.layers.1.mlp.weight"})
+    assert report.statuses[broken] == "unread" and "IndexError" in report.detail[broken]
+    assert {c.code: c.tensors for c in report.causes} == {"sync-tensors-stale": ("model.layers.1.mlp.weight",)}
+    assert report.checked_tensors == len(weights) - 1
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_tensor_left_at_its_init_without_history_is_not_named_precision(every):
+    """A resumed run's first check has no history, and its engine may hold the initial weights: a norm still at 1.0
+    and a zero bias equal the trainer's values rounded through fp8 (its spacing at 1.0 is 0.125), which tells
+    nothing. Named ``differs``, with a message that says there was no previous check, not that the values are not
+    the previous ones. Reference: the tensors the test skipped."""
+    g = torch.Generator().manual_seed(3)
+    init = {"model.norm.weight": torch.ones(64), "model.mlp.bias": torch.zeros(64),
+            "model.mlp.weight": torch.randn(64, 64, generator=g) * 0.02}
+    trained = {"model.norm.weight": 1 + 4e-3 * torch.randn(64, generator=g),
+               "model.mlp.bias": 3e-4 * torch.randn(64, generator=g),
+               "model.mlp.weight": init["model.mlp.weight"] + 1e-3}
+    skipped = ("model.norm.weight", "model.mlp.bias")
+    for name in skipped:  # the premise: fp8 rounding reproduces the stale values exactly
+        assert torch.equal(trained[name].to(FP8).to(torch.bfloat16), init[name].to(torch.bfloat16))
+    engine, check = DictEngine(torch.bfloat16, init), SyncCheck(SyncCheckConfig(every_n_syncs=every))
+    check.load_state_dict({"syncs": 6})  # resumed: syncs carried, no history
+    report = _sync(check, engine, trained, 1000, skip=set(skipped))
+    assert report.statuses == {"model.norm.weight": "differs", "model.mlp.bias": "differs", "model.mlp.weight": "ok"}
+    (cause,) = report.causes
+    assert cause.code == "sync-tensors-differ" and cause.tensors == skipped
+    assert "no previous check of them to compare with" in cause.message
+    assert "neither the trainer's nor" not in cause.message and "syncs ago" not in cause.message
+
+
+def test_after_a_resume_a_noop_sync_says_there_is_no_previous_check():
+    """The history is not carried over a resume: the first check after it cannot tell a no-op sync from a corrupted
+    one, and says so; with history the same sync is ``sync-noop``."""
+    w0 = _model()
+    w1, w2 = _step(w0), _step(_step(w0), seed=2)
+    check, engine = SyncCheck(), DictEngine(torch.bfloat16, w0)
+    _sync(check, engine, w1, 1)
+    assert [c.code for c in _sync(check, engine, w2, 2, skip=set(w2)).causes] == ["sync-noop"]
+    check, engine = SyncCheck(), DictEngine(torch.bfloat16, w0)
+    _sync(check, engine, w1, 1)
+    resumed = SyncCheck()
+    resumed.load_state_dict(check.state_dict())
+    report = _sync(resumed, engine, w2, 2, skip=set(w2))
+    (cause,) = report.causes
+    differ = {n for n in w2 if not torch.equal(w2[n].to(torch.bfloat16), w1[n].to(torch.bfloat16))}
+    assert cause.code == "sync-tensors-differ" and set(cause.tensors) == differ
+    assert "no previous check of them to compare with" in cause.message
+    assert "neither the trainer's nor" not in cause.message
+
+
+def test_a_differ_message_separates_tensors_with_and_without_history():
+    weights = _model()
+    engine, check = DictEngine(torch.bfloat16, weights), SyncCheck()
+    first = {n: t for n, t in weights.items() if n != "model.conv.weight"}
+    _sync(check, engine, first, 0)
+    record = check.begin(1)
+    engine.load(record.observing(list(weights.items())))
+    engine.held["model.conv.weight"] = -engine.held["model.conv.weight"]  # first seen now
+    engine.held["model.layers.1.q.weight"] = -engine.held["model.layers.1.q.weight"]  # seen before
+    report = check.finish(record, engine)
+    (cause,) = report.causes
+    assert set(cause.tensors) == {"model.conv.weight", "model.layers.1.q.weight"}
+    assert "no previous check of 1 of them to compare with" in cause.message
+    assert "the others' are not their previous ones either" in cause.message
+
+
+def test_an_fp16_engine_holding_inf_for_a_finite_trainer_value_is_named():
+    """A cast to fp16 overflows beyond 65504: the engine computes with inf where the trainer holds a finite weight.
+    The cast of the trainer's value is inf too, so the comparison reads the trainer's unrounded value. Reference: the
+    engine's tensor read whole at the sampled elements."""
+    name = "model.layers.0.mlp.down_proj.weight"
+    w = {name: torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 0.02}
+    w[name][::4, ::4] = 7.0e4
+    engine, check = DictEngine(torch.float16, w), SyncCheck()
+    report = _sync(check, engine, w, 0)
+    index = check.index(name, (32, 32))
+    n_inf = int(torch.isinf(engine.held[name][tuple(index.T)]).sum())
+    assert 0 < n_inf < len(index)
+    assert report.statuses == {name: "differs"}
+    assert report.detail[name] == (f"{n_inf} of {len(index)} sampled values NaN or infinite in the engine, finite in "
+                                   "the trainer (beyond float16's range: the cast overflows)")
+    assert [c.code for c in report.causes] == ["sync-tensors-differ"]
+    # a trainer value that is itself inf, sent as inf, is carried over
+    w[name][::4, ::4] = float("inf")
+    engine, check = DictEngine(torch.float16, w), SyncCheck()
+    report = _sync(check, engine, w, 0)
+    assert report.statuses == {name: "ok"} and report.causes == []
+
+
+class PlanningEngine(DictEngine):
+    def __init__(self, dtype, weights):
+        super().__init__(dtype, weights)
+        self.planned: list = []
+        self.reads_before_plan = 0
+
+    def plan_reads(self, shapes):
+        self.planned.append(dict(shapes))
+
+    def read(self, name, shape, index):
+        if not self.planned:
+            self.reads_before_plan += 1
+        return super().read(name, shape, index)
+
+
+def test_a_reader_that_plans_is_given_every_shape_before_the_first_read():
+    weights = _model()
+    engine, check = PlanningEngine(torch.bfloat16, weights), SyncCheck()
+    report = _sync(check, engine, weights, 0)
+    assert engine.reads_before_plan == 0
+    assert engine.planned == [{n: tuple(t.shape) for n, t in weights.items()}]
+    assert report.causes == [] and report.checked_tensors == len(weights)

@@ -34,7 +34,9 @@ The API an adapter uses (framework-neutral; the engine side is a reader the adap
 returning the engine's values of the trainer's tensor ``name`` at the [K, ndim] element ``index`` (in the trainer's
 coordinates; the reader maps names, merged and padded tensors, shards) as an `EngineRead`, ``EngineRead(missing=True)``
 when the engine holds no such tensor, or None when it cannot read that tensor (counted, never named); an optional
-``fresh_read()`` is called before each check's reads (a reader that caches reads within one check drops them).
+``fresh_read()`` is called before each check's reads (a reader that caches reads within one check drops them), an
+optional ``plan_reads({name: shape})`` with every tensor the check will read, before the first. A read that raises
+is counted unread, like None.
 vLLM's reader is ``tim_plugins.integrations.vllm.weights.VLLMWeights``. ``local`` (optional) gives the trainer's own
 tensor of a name that was expected and not streamed (a plain, unsharded parameter), so a sync that sends nothing is
 still compared. ``prefix`` (optional) is what the engine's prefix cache can still serve, read after the sync: blocks
@@ -42,7 +44,12 @@ left there hold keys and values of the previous weights (``sync-prefix-cache``),
 
 Classification of a tensor whose sampled values differ from the trainer's (in this order): ``stale`` when they equal
 the engine's values at the previous check; ``precision`` when they equal the trainer's rounded through a coarser
-dtype (bf16, fp16, fp8); ``differs`` otherwise. A tensor stored in a dtype coarser than the engine's configured one is
+dtype (bf16, fp16, fp8) and that rounding shows (the held values are not one constant, and it differs from the cast
+to the engine's dtype on at least ``INFORMATIVE_ROUNDING_SHARE`` of them: a stale norm at 1.0 or a zero bias equals
+the trainer's values in fp8 too); ``differs`` otherwise (at a check with no previous one to compare with, such as the
+first after a resume, a tensor the sync left out is ``differs``, and the message says there was none). A value
+that is not finite in the engine where the trainer's unrounded value is (an fp16 cast that overflows) disagrees.
+A tensor stored in a dtype coarser than the engine's configured one is
 ``precision`` too. When every checked tensor whose trainer value moved since the previous check is stale, the sync
 was a no-op (``sync-noop``, the tensors listed once). Without an expectation (sharded parameters: no ``expect``), a
 sync after an optimizer step that sends nothing at all, where the previous checked sync sent tensors, is a no-op too.
@@ -376,15 +383,27 @@ class SyncCheck:
                     record.observe(name, tensor, streamed=False)
                 else:
                     never.append(name)
+        plan = getattr(engine, "plan_reads", None)  # optional: every tensor's shape before the first read
+        if plan is not None:
+            try:
+                plan({name: sent.shape for name, sent in record.sent.items()})
+            except Exception:  # a reader that cannot plan still reads tensor by tensor, each failure counted
+                pass
         reads = []
         for name, sent in record.sent.items():
-            read = engine.read(name, sent.shape, self.index(name, sent.shape))
+            try:
+                read = engine.read(name, sent.shape, self.index(name, sent.shape))
+            except Exception as err:  # one unreadable layout costs that tensor's comparison, not the check
+                report.statuses[name] = "unread"
+                report.detail[name] = f"read failed: {err!r}"
+                continue
             if read is None or read.missing:
                 report.statuses[name] = "unread" if read is None else "missing"
             else:
                 reads.append((name, sent, read))
         fresh_values, groups = self._compare(reads, engine.dtype)
         changed: list[str] = []
+        first_seen: list[str] = []  # differing tensors with no previous check to tell stale from corrupted
         too_coarse = coarser_dtypes(engine.dtype)
         for name, sent, read in reads:
             agrees, held, moved = fresh_values[name]
@@ -395,6 +414,9 @@ class SyncCheck:
                 status = "ok"
             else:  # the rare case: what went wrong, tensor by tensor
                 status = self._classify(name, sent, read, engine.dtype, coarser, groups, report)
+                previous = self._previous(name)
+                if status == "differs" and (previous is None or previous[0].numel() != read.values.numel()):
+                    first_seen.append(name)
             report.statuses[name] = status
             if moved:
                 changed.append(name)
@@ -402,7 +424,8 @@ class SyncCheck:
         if record.step > 0:  # after an optimizer step, an unsent tensor's engine values are the previous ones
             report.statuses.update((name, "stale") for name in never)
         streamed = any(sent.streamed for sent in record.sent.values())
-        report.causes = self._causes(report, changed, engine.dtype, streamed=streamed) + self._nothing_sent(record)
+        report.causes = (self._causes(report, changed, engine.dtype, streamed=streamed, first_seen=first_seen)
+                         + self._nothing_sent(record))
         if prefix is not None:
             report.prefix_blocks = int(prefix.blocks)
             report.causes += prefix.causes(record.step)
@@ -443,6 +466,9 @@ class SyncCheck:
                     same |= v == t.to(configured).to(dtype).double()
             if not bool(same.all()):  # a NaN the trainer holds and sent as NaN was carried over: it agrees
                 same |= torch.isnan(v) & torch.isnan(expected)
+            # an engine value that is not finite where the trainer's unrounded value is (a cast that overflows the
+            # engine's dtype: fp16 beyond 65504) computes with inf, whatever the cast of the trainer's value gives
+            same &= torch.isfinite(v) | ~torch.isfinite(t)
             seg = torch.from_numpy(np.repeat(np.arange(len(items)), sizes))  # torch's repeat_interleave: ~100x slower
             bad = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, (~same & held).double())
             n_held = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, held.double())
@@ -519,22 +545,26 @@ class SyncCheck:
             return "stale"
         t = sent.values.detach().to("cpu")
         for d in coarser_dtypes(read.dtype):  # a tensor the trainer left alone (frozen, lr 0) keeps this name
-            if bool((v == t.to(d).to(read.dtype).double().reshape(-1))[held].all()):
+            rounded = t.to(d).to(read.dtype).double().reshape(-1)
+            if bool((v == rounded)[held].all()) and _informative(rounded, expected, v, held):
                 report.detail[name] = f"values rounded through {_dtype_name(d)} (engine: {_dtype_name(read.dtype)})"
                 return "precision"
         if unchanged:  # neither moved, and the engine still holds what it held: left out of the syncs
             return "stale"
-        odd = held & ~torch.isfinite(v) & torch.isfinite(expected)
+        t = t.double().reshape(-1)
+        odd = held & ~torch.isfinite(v) & torch.isfinite(t)
         if bool(odd.any()):  # a corrupted load (a NaN scale, an overflowing cast) gives no distance worth printing
             report.detail[name] = (f"{int(odd.sum())} of {int(held.sum())} sampled values NaN or infinite in the "
                                    "engine, finite in the trainer")
+            if read.dtype.is_floating_point and bool((t[odd].abs() > torch.finfo(read.dtype).max).all()):
+                report.detail[name] += f" (beyond {_dtype_name(read.dtype)}'s range: the cast overflows)"
             return "differs"
         worst = float((v - expected).abs()[held].max())
         report.detail[name] = f"max |engine - trainer| {worst:.3g}"
         return "differs"
 
-    def _causes(self, report: SyncReport, changed: list[str], configured: torch.dtype, *, streamed: bool = True
-                ) -> list[Cause]:
+    def _causes(self, report: SyncReport, changed: list[str], configured: torch.dtype, *, streamed: bool = True,
+                first_seen: tuple = ()) -> list[Cause]:
         step, out = report.step, []
         stale = report.names("stale")
         at = f"at the weight sync after optimizer step {step}"
@@ -575,8 +605,20 @@ class SyncCheck:
             previous = (("its" if len(differs) == 1 else "their") + " previous ones" if every == 1 else
                         f"those at the last check, {every} syncs ago (an engine that stopped following at a sync in "
                         "between holds neither)")
-            out.append(Cause("sync-tensors-differ", step, f"{at}, {_n(differs, 'holds', 'hold')} values that are "
-                                                          f"neither the trainer's nor {previous}: "
+            first_seen = set(first_seen)
+            unknown = [n for n in differs if n in first_seen]
+            if not unknown:
+                what = f"values that are neither the trainer's nor {previous}"
+            else:
+                # no previous check of them (the run's first, or the first after a resume, whose engine may have
+                # restarted from other weights): a tensor the sync left out cannot be told from a corrupted one
+                some = "them" if len(unknown) == len(differs) else f"{len(unknown)} of them"
+                what = (f"values that are not the trainer's nor a rounding of them, and there is no previous check "
+                        f"of {some} to compare with (the first check, or the first after a resume): a tensor this "
+                        f"sync left out looks the same")
+                if len(unknown) < len(differs):
+                    what += f"; the others' are not {previous} either"
+            out.append(Cause("sync-tensors-differ", step, f"{at}, {_n(differs, 'holds', 'hold')} {what}: "
                                                           f"{summarize_names(differs)}", tensors=tuple(differs),
                              evidence={n: report.detail[n] for n in differs}))
         return out
@@ -600,6 +642,24 @@ class SyncCheck:
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs = int(state.get("syncs", 0))
+
+
+# "Rounded through a coarser dtype" is told from the values only where that rounding is visible: where it differs
+# from the rounding to the engine's own dtype on at least this share of the held elements (values away from zero and
+# from the coarser dtype's grid: any trained weight). A stale tensor still at its init (a norm at 1.0, a zero bias or
+# LoRA B) equals the trainer's values in fp8 as well, and is no precision fault.
+INFORMATIVE_ROUNDING_SHARE = 0.5
+
+
+def _informative(rounded: torch.Tensor, expected: torch.Tensor, engine: torch.Tensor, held: torch.Tensor) -> bool:
+    """Whether engine values equal to ``rounded`` (the trainer's values rounded through a coarser dtype) show that
+    rounding: the held values are not all one constant, and ``rounded`` differs from ``expected`` (the trainer's cast
+    to the engine's dtype) on at least INFORMATIVE_ROUNDING_SHARE of the held elements whose value is known."""
+    known = held & ~torch.isnan(expected)
+    values = engine[known]
+    if values.numel() < 2 or bool((values == values[0]).all()):
+        return False
+    return float((rounded != expected)[known].double().mean()) >= INFORMATIVE_ROUNDING_SHARE
 
 
 def _held(reads: list, sizes: list) -> torch.Tensor:

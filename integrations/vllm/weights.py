@@ -67,6 +67,7 @@ class _Where:
     stop: int
     offset: int
     linear: bool  # a linear layer's weight: readable through the layer's forward
+    transposed: bool = False  # the trainer's tensor is the engine's transposed (HF Conv1D: [in, out])
 
 
 def _class_names(obj) -> set[str]:
@@ -75,6 +76,7 @@ def _class_names(obj) -> set[str]:
 
 _COLUMN = "ColumnParallelLinear"  # MergedColumnParallelLinear and QKVParallelLinear are subclasses
 _ROW = "RowParallelLinear"
+_LINEAR = {_COLUMN, _ROW, "ReplicatedLinear"}
 _VOCAB = "VocabParallelEmbedding"  # ParallelLMHead is a subclass
 
 
@@ -98,6 +100,16 @@ class VLLMWeights:
         self._flat: dict[str, tuple] = {}  # name -> (local index, parameter shape, device, flat positions)
         # name -> (index, module, leaf, parameter shape, flat positions): a whole, plain parameter read directly
         self._direct: dict[str, tuple] = {}
+        # some linear weight was sent as the transpose of its layer's (HF Conv1D, GPT-2: vLLM's loader transposes
+        # it): a square one could be either way, so it is not read
+        self._transposed_seen = False
+
+    def plan_reads(self, shapes: dict) -> None:
+        """Map every tensor of a check ({name: shape}) before the first read: a transposed weight anywhere in the
+        model decides how its square weights are read, whatever order they are read in."""
+        for name, shape in shapes.items():
+            if not is_adapter_name(name):
+                self._locate(name, tuple(shape))
 
     def fresh_read(self) -> None:
         """A new check: the engine's weights may have changed since the cached forward reads."""
@@ -128,6 +140,8 @@ class VLLMWeights:
         module, _, leaf = name.rpartition(".")
         parent, _, last = module.rpartition(".")
         for packed, parts in (getattr(self.model, "packed_modules_mapping", None) or {}).items():
+            if last == packed:  # the trainer holds the merged tensor whole (Phi-3's qkv_proj, gate_up_proj)
+                return name, None
             if last in parts:
                 shard = parts.index(last)
                 target = self._modules.get(f"{parent}.{packed}" if parent else packed)
@@ -149,11 +163,30 @@ class VLLMWeights:
             where = "missing"
         else:
             try:
-                where = self._shard(module, leaf, shard, shape)
+                where = self._oriented(module, leaf, shard, shape)
             except Exception as err:  # an unknown layout is not compared, never named
                 logger.info("tim_plugins: cannot map %s onto the vLLM engine: %r", name, err)
                 where = None
         self._where[name] = where
+        return where
+
+    def _oriented(self, module, leaf: str, shard, shape: tuple) -> Optional[_Where]:
+        """``_shard`` of a sent tensor, in the engine's orientation: a linear weight whose columns are not the
+        layer's input but whose rows are was sent transposed (HF Conv1D, [in, out]; vLLM's GPT-2 loader transposes
+        it), so its element [i, j] is the engine's [j, i]; None where neither dimension is the layer's input."""
+        # VLLM_SOURCES vllm.model_executor.layers.linear:LinearBase (input_size: the full input width)
+        width = getattr(module, "input_size", None)
+        is_linear = leaf == "weight" and len(shape) == 2 and bool(_class_names(module) & _LINEAR)
+        if not is_linear or width is None or int(shape[1]) == int(width):
+            return self._shard(module, leaf, shard, shape)
+        if int(shape[0]) != int(width):
+            return None  # an unknown layout: not compared
+        if not self._transposed_seen:
+            self._transposed_seen = True
+            self._direct.clear()  # a square weight read directly before is not read any more
+        where = self._shard(module, leaf, shard, (shape[1], shape[0]))
+        if where is not None:
+            where.transposed = True
         return where
 
     @staticmethod
@@ -166,6 +199,9 @@ class VLLMWeights:
             # output_size) and VLLM_SOURCES vllm.model_executor.layers.linear:QKVParallelLinear
             # (_get_shard_offset_mapping, _get_shard_size_mapping, num_kv_head_replicas)
             tp_rank, tp_size = int(module.tp_rank), int(module.tp_size)
+            merged = "QKVParallelLinear" in names or len(getattr(module, "output_sizes", None) or ()) > 1
+            if shard is None and merged and tp_size > 1:
+                return None  # sent whole, each part split over the ranks on its own: no one range of rows
             if shard is None:
                 size = int(shape[0]) // tp_size
                 return _Where(module, leaf, 0, tp_rank * size, (tp_rank + 1) * size, 0, linear)
@@ -203,10 +239,11 @@ class VLLMWeights:
         where = self._locate(name, tuple(shape))
         plan = where
         if isinstance(where, _Where):
-            local = index.long().clone()
+            engine_index = index[:, [1, 0]] if where.transposed else index  # the engine's [row, column]
+            local = engine_index.long().clone()
             held = torch.ones(index.shape[0], dtype=torch.bool)
             if where.dim is not None:
-                along = index[:, where.dim].long()
+                along = engine_index[:, where.dim].long()
                 held = (along >= where.start) & (along < where.stop)
                 local[:, where.dim] = along - where.start + where.offset
             rows = local[held]
@@ -242,6 +279,8 @@ class VLLMWeights:
         where, local, held, all_held, top = plan
         if not all_held and not held.any():
             return None
+        if where.linear and self._transposed_seen and not where.transposed and shape[0] == shape[1]:
+            return None  # in a model that takes some weights transposed, a square one's orientation is unknown
         module = where.module
         if where.linear and self._quantized(module):
             return self._forward_read(module, local, held, quantized=True)
@@ -289,6 +328,10 @@ class VLLMWeights:
         # the local input size a one-hot row spans (input_size_per_partition, else input_size)
         width = int(getattr(module, "input_size_per_partition", getattr(module, "input_size", 0)))
         rows, cols = local[held, 0], local[held, 1]
+        # checked on the host before any index reaches the device: there an index out of range is a device-side
+        # assert that ends the process, not an error the check can count
+        if width <= 0 or int(cols.min()) < 0 or int(cols.max()) >= width or int(rows.min()) < 0:
+            return None
         unique, position = torch.unique(cols, return_inverse=True)
         bound = None
         if quantized:
@@ -299,10 +342,17 @@ class VLLMWeights:
         key = (id(module), tuple(unique.tolist()))
         y = self._columns.get(key)
         if y is None:  # the parts of a merged matrix share their sampled columns: one forward for all of them
-            x = torch.zeros(unique.numel(), width, dtype=self.dtype, device=device)
+            # an unquantized layer computes in its weight's dtype (vLLM keeps MoE router gates in fp32 inside a
+            # bf16 engine); a quantized one takes the engine's activations
+            weight = getattr(module, "weight", None)
+            dtype = (weight.dtype if not quantized and isinstance(weight, torch.Tensor)
+                     and weight.dtype.is_floating_point else self.dtype)
+            x = torch.zeros(unique.numel(), width, dtype=dtype, device=device)
             x[torch.arange(unique.numel(), device=device), unique.to(device)] = 1
             with torch.no_grad():
                 y = self._columns[key] = module.quant_method.apply(module, x, bias=None)
+        if y.dim() != 2 or int(rows.max()) >= y.shape[1]:
+            return None
         values = torch.full((local.shape[0],), float("nan"), dtype=torch.float64)
         values[held] = y[position.to(device), rows.to(device)].to("cpu", torch.float64)
         mask = None if bool(held.all()) else held.to("cpu").clone()

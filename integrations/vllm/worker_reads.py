@@ -79,10 +79,16 @@ def decode_read(data: Optional[dict]) -> Optional[EngineRead]:
 def read_requests(reader, requests: Iterable) -> dict:
     """In the engine's worker: ``reader`` (a ``weights.VLLMWeights`` of this worker's model) answers ``requests``
     (``sync_requests``' lists). A tensor whose read fails is None (not compared, counted), never an error."""
-    reads = []
+    reads, requests = [], list(requests)
     fresh = getattr(reader, "fresh_read", None)
     if fresh is not None:  # a worker keeps its reader across syncs: nothing read at an earlier sync may answer now
         fresh()
+    plan = getattr(reader, "plan_reads", None)
+    if plan is not None:  # every tensor mapped before the first read (a transposed weight decides the square ones)
+        try:
+            plan({name: tuple(shape) for name, shape, _index in requests})
+        except Exception:  # a reader that cannot plan still reads tensor by tensor, each failure counted
+            pass
     for name, shape, index in requests:
         idx = torch.tensor(index, dtype=torch.long).reshape(len(index), len(shape))
         try:

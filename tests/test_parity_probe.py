@@ -148,3 +148,77 @@ def test_a_probe_that_warns_every_step_keeps_the_last_trips_and_counts_them_all(
 def test_config_errors_quote_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
         ParityProbeConfig(**kwargs)
+
+
+def _naive_due(last_checked, step, n):
+    """The window rule spelt out: a multiple of ``n`` among the steps since the last check (from step 1)."""
+    return any(m % n == 0 for m in range((last_checked or 0) + 1, step + 1))
+
+
+@pytest.mark.parametrize("window,n", [(3, 2), (2, 3), (1, 2), (5, 5), (4, 6), (7, 3)])
+def test_a_check_is_due_when_its_window_holds_a_multiple_of_every_n_steps(window, n):
+    """An adapter that checks once per logging window of ``window`` steps (TRL: ``logging_steps``): each call is
+    judged against the naive rule; a window longer than ``every_n_steps`` is checked every time (``step % n`` alone
+    would check only the common multiples: never before step 6 with windows of 3 and n=2), and a bad window stops the
+    run at the first due window."""
+    probe = ParityProbe(kl_k3_max=1e-4, action="warn", every_n_steps=n)
+    last, checked = None, []
+    for step in range(window, 60, window):
+        expected = _naive_due(last, step, n)
+        decision = probe.check(step, _metrics(0.0))
+        assert decision.checked == expected, (step, last)
+        if expected:
+            last = step
+            checked.append(step)
+    assert probe.num_checks == len(checked) > 0
+    if window >= n:
+        assert checked == list(range(window, 60, window))
+    stopping = ParityProbe(kl_k3_max=1e-4, action="stop", every_n_steps=n)
+    first_due = next(s for s in range(window, 60, window) if _naive_due(None, s, n))
+    assert [s for s in range(window, 60, window) if stopping.check(s, _metrics(1.0)).stop][0] == first_due
+
+
+def test_a_window_with_no_measured_value_is_not_a_check():
+    """A window whose every threshold metric is missing or NaN (TRL: a step that trains a reused batch,
+    ``num_iterations > 1``) neither counts towards ``patience`` nor resets it, and the due step it held stays due:
+    patience 2 over measured, unmeasured, measured windows acts at the second measured one; with ``every_n_steps=2``
+    and every due step unmeasured, the next measured window is checked."""
+    nothing = {"tim/token/kl_k3": float("nan")}
+    probe = ParityProbe(kl_k3_max=1e-4, abs_diff_max=0.1, action="stop", patience=2)
+    d1 = probe.check(1, _metrics(1.0))
+    assert d1.checked and d1.tripped and not d1.stop
+    d2 = probe.check(2, nothing)
+    assert not d2.checked and not d2.tripped and set(d2.skipped) == {"tim/token/kl_k3", "tim/token/abs_diff_max"}
+    assert d2.metrics() == {"tim/probe/tripped": 0.0, "tim/probe/checked": 0.0}
+    assert probe.state_dict()["consecutive"] == 1
+    assert probe.check(3, _metrics(1.0)).stop
+    assert probe.num_checks == 2
+    partial = ParityProbe(kl_k3_max=1e-4, abs_diff_max=0.1, action="stop", patience=2)
+    partial.check(1, _metrics(1.0))
+    assert partial.check(2, {"tim/token/abs_diff_max": 0.0}).checked  # one value measured: a (clean) check
+    assert partial.state_dict()["consecutive"] == 0
+    # every_n_steps=2 and the batch reused every other step: each due step (2, 4, ...) is unmeasured
+    every2 = ParityProbe(kl_k3_max=1e-4, action="stop", every_n_steps=2, patience=2)
+    seen = [every2.check(s, _metrics(1.0) if s % 2 else nothing) for s in range(1, 7)]
+    assert [d.checked for d in seen] == [False, False, True, False, True, False]
+    assert [d.stop for d in seen] == [False, False, False, False, True, False]
+
+
+def test_the_last_check_is_saved_and_an_older_state_still_loads():
+    """The step of the last check rides in ``state_dict`` (a resumed run judges its first window from there); a
+    state saved before it was kept (no ``last_checked``) loads, and its first window is judged from step 1."""
+    probe = ParityProbe(kl_k3_max=1e-4, every_n_steps=4)
+    probe.check(4, _metrics(0.0))
+    probe.check(6, _metrics(0.0))
+    state = probe.state_dict()
+    assert state["last_checked"] == 4
+    resumed = ParityProbe(kl_k3_max=1e-4, every_n_steps=4)
+    resumed.load_state_dict(state)
+    assert not resumed.check(7, _metrics(0.0)).checked and resumed.check(9, _metrics(0.0)).checked
+    old = {k: v for k, v in state.items() if k != "last_checked"}
+    legacy = ParityProbe(kl_k3_max=1e-4, every_n_steps=4)
+    legacy.load_state_dict(old)
+    assert legacy.num_checks == 1 and legacy.check(7, _metrics(0.0)).checked
+    fresh = ParityProbe(kl_k3_max=1e-4, every_n_steps=4)
+    fresh.load_state_dict(fresh.state_dict())  # a state with no check yet (None) round-trips
+    assert not fresh.check(3, _metrics(0.0)).checked and fresh.check(5, _metrics(0.0)).checked

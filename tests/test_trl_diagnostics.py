@@ -158,6 +158,74 @@ def test_a_probe_raise_logs_the_tripped_step_first(toy_model_path, tmp_path):
     assert len(logged) > 2 and all(row[k] == pytest.approx(dumped[k], rel=1e-12) for k in logged)
 
 
+INJECT = {"rollout": "inject", "inject_options": {"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}}
+
+
+def _probe_run(model_path, tmp_path, probe_options, causes=True, **overrides):
+    """A toy run whose every measured window is past the probe's limit (the injected mismatch), stopping on a trip."""
+    trainer = make_trainer(model_path, tmp_path, **overrides)
+    options = {"kl_k3_max": None, "abs_diff_max": PROBE_ABS_DIFF_MAX, "action": "stop", **probe_options}
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, **INJECT, causes=causes, parity_probe=True,
+                                        parity_probe_options=options))
+    trainer.add_callback(cb)
+    trainer.train()
+    rows = [h for h in trainer.state.log_history if "tim/probe/checked" in h]
+    return trainer, cb, rows
+
+
+@pytest.mark.parametrize("logging_steps,every_n_steps,stop_at", [(3, 2, 3), (2, 3, 4)])
+def test_the_probe_judges_each_logging_window_that_holds_a_due_step(toy_model_path, tmp_path, logging_steps,
+                                                                    every_n_steps, stop_at):
+    """The probe reads the metrics TRL logs, one logging window at a time: a window is checked when it holds a
+    multiple of ``every_n_steps``, so ``logging_steps=3`` with ``every_n_steps=2`` stops at the first window (steps
+    1-3 hold step 2; ``step % 2`` at the logging steps alone would first check at step 6, after this 5-step run), and
+    ``logging_steps=2`` with ``every_n_steps=3`` at the second (steps 3-4 hold step 3). Reference: the naive rule over
+    the windows TRL logged, each of which is past the limit."""
+    trainer, cb, rows = _probe_run(toy_model_path, tmp_path, {"every_n_steps": every_n_steps}, max_steps=5,
+                                   logging_steps=logging_steps)
+    assert all(h["tim/token/abs_diff_max"] > PROBE_ABS_DIFF_MAX for h in rows)
+    windows = [h["step"] for h in rows]
+    assert windows == list(range(logging_steps, stop_at + 1, logging_steps))  # TRL logged these windows
+    starts = [0] + windows[:-1]
+    due = [any(m % every_n_steps == 0 for m in range(a + 1, b + 1)) for a, b in zip(starts, windows)]
+    assert [h["tim/probe/checked"] for h in rows] == [float(d) for d in due]
+    assert due[-1] and not any(due[:-1])
+    assert trainer.state.global_step == stop_at and cb.pipeline.probe.num_checks == 1
+    assert rows[-1]["tim/probe/tripped"] == 1.0
+
+
+def test_a_probe_on_a_run_that_never_logs_is_refused_when_training_starts(toy_model_path, tmp_path):
+    """``logging_strategy="no"``: the probe, which judges logging windows, would check once, after the last step.
+    ``train()`` refuses before the first step and before any hook is installed, naming the value and the fix."""
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=2, logging_strategy="no")
+    cb = TIMCallback(trainer, TIMConfig(parity_probe=True))
+    trainer.add_callback(cb)
+    with pytest.raises(ValueError, match=r"logging_strategy='no'.*Fix: GRPOConfig\(logging_strategy='steps'"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and cb.installed == []
+    monitor_only = make_trainer(toy_model_path, tmp_path / "monitor", max_steps=1, logging_strategy="no")
+    monitor_only.add_callback(TIMCallback(monitor_only, TIMConfig()))
+    monitor_only.train()  # without the probe nothing needs a logging window
+    assert monitor_only.state.global_step == 1
+
+
+@pytest.mark.parametrize("overrides", [{"num_iterations": 2}, {"steps_per_generation": 2}],
+                         ids=["num_iterations", "steps_per_generation"])
+def test_probe_patience_counts_the_windows_that_measured_tokens(toy_model_path, tmp_path, overrides):
+    """With a batch trained over two optimizer steps, the second step measures nothing (no ``tim/token/*`` in its
+    row): that window is no check, so ``patience=2`` acts at the second measured window, step 3. Before, the empty
+    window reset the count and the probe never acted. Reference: the rows TRL logged with a measured value. (The
+    causes are off: the injected mismatch trained over twice names a staleness cause, which acts without patience.)"""
+    trainer, cb, rows = _probe_run(toy_model_path, tmp_path, {"patience": 2}, causes=False, max_steps=6,
+                                   **overrides)
+    measured = [h["step"] for h in rows if "tim/token/abs_diff_max" in h]
+    assert measured[:2] == [1, 3] and all(h["tim/token/abs_diff_max"] > PROBE_ABS_DIFF_MAX for h in rows
+                                          if "tim/token/abs_diff_max" in h)
+    assert trainer.state.global_step == measured[1] == 3
+    assert [h["tim/probe/checked"] for h in rows] == [1.0, 0.0, 1.0]
+    assert [h["tim/probe/tripped"] for h in rows] == [1.0, 0.0, 1.0] and cb.pipeline.probe.num_checks == 2
+
+
 def test_a_measurement_that_fails_costs_its_statistics_not_the_step(toy_model_path, tmp_path, monkeypatch):
     """The measurement and the staleness split made to raise (fault injection, standing in for a batch layout this
     code does not know): training runs as an unbroken run does (the same losses, seed for seed) and the failures are

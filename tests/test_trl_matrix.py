@@ -477,7 +477,15 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
     ref = NaiveReference(trainer)
     cap = Capture(trainer)
     before = _params(trainer)
-    cb = TIMCallback(trainer, make_cfg())
+    tim = make_cfg()
+    if config == "beam-search" and tim.is_correction is not None:
+        # beam search yields no rollout log-probs: a correction could not act, so the attach refuses it rather
+        # than let the loss train uncorrected
+        with pytest.raises(ValueError, match=r"is_correction=.*num_beams.*would train uncorrected.*Fix: drop "
+                                             r"'num_beams' from generation_kwargs"):
+            TIMCallback(trainer, tim)
+        return
+    cb = TIMCallback(trainer, tim)
     trainer.add_callback(cb)
     trainer.train()
     assert _tim_entries(trainer), "no tim/ metric was logged"
@@ -514,7 +522,7 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         assert all(h["loss"] == 0.0 for h in trainer.state.log_history if "loss" in h)
         after = _params(trainer)
         assert all(torch.equal(before[n], after[n]) for n in before), "parameters moved on fully masked batches"
-    elif config == "beam-search":  # not measured, so not corrected: counted, and TRL trained as configured
+    elif config == "beam-search":  # not measured (no correction: refused above): counted, TRL trained as configured
         key = "tim/diag/unsupported_generation_mode"
         assert [h[key] for h in trainer.state.log_history if key in h][-1] == len(cap.trl_built) >= 1
     elif mode == "icepop_inject":

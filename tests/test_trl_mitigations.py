@@ -375,6 +375,103 @@ def test_the_length_signal_counts_the_completions_trl_masks_as_truncated(toy_mod
     assert cb.pipeline.lr_controller.trigger_steps == reference.trigger_steps == [3]
 
 
+def _nan_none(value):
+    """A logged value as lr-replay's JSON writes it: NaN (TRL's log() writes None for it) as None."""
+    return None if value is None or value != value else value
+
+
+def _recording_observe(cb):
+    """(step, length, kl_k3) of every call the live controller gets (test-side wrapper)."""
+    seen, controller = [], cb.pipeline.lr_controller
+    observe = controller.observe
+
+    def recording(step, length, **signals):
+        seen.append((step, length, signals.get("kl_k3")))
+        return observe(step, length, **signals)
+
+    controller.observe = recording
+    return seen
+
+
+def test_lr_decay_observes_each_generation_batch_once_as_lr_replay_reads_it(toy_model_path, tmp_path):
+    """``num_iterations=2``: each generation batch trains two optimizer steps. The controller observes each batch
+    once, at the step that generated it, with TRL's logged ``completions/mean_length`` and the logged k3 of that step;
+    the step that trains it again is a skipped observation (its log row has neither value). So a length surge needs
+    two batches above the baseline (``patience=2``): it fires at step 7, where feeding one batch twice fired at step
+    6. Reference: ``tim-plugins lr-replay`` on the run's own log history, whose every ``tim/lr/*`` value and trigger
+    equal the live controller's, step by step."""
+    import json
+
+    from tim_plugins.apps import cli
+
+    n = 8
+    options = {"warmup_steps": 2, "window": 1, "patience": 2, "margin": 0.5, "cooldown": 100,
+               "decay_factor": 0.5, "signals": ("kl_k3",)}
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=n, num_iterations=2)
+    _forced_lengths(trainer, [2, 2, 2, 2, 6, 6, 6, 6])  # by the step a batch is generated at (0, 2, 4, 6)
+    cb = TIMCallback(trainer, TIMConfig(log_detail=True, lr_decay=True, lr_decay_options=dict(options)))
+    trainer.add_callback(cb)
+    seen = _recording_observe(cb)
+    trainer.train()
+    rows = {h["step"]: h for h in trainer.state.log_history if "tim/lr/scale" in h}
+    assert sorted(rows) == list(range(1, n + 1))
+    generated = [s for s in rows if "completions/mean_length" in rows[s]]
+    assert generated == [1, 3, 5, 7]
+    assert [s for s, _, _ in seen] == list(range(1, n + 1))
+    for step, length, k3 in seen:
+        if step in generated:
+            assert length == rows[step]["completions/mean_length"] and k3 == rows[step]["tim/token/kl_k3"], step
+        else:
+            assert length != length and "tim/token/kl_k3" not in rows[step], step  # NaN: a skipped observation
+    assert cb.pipeline.lr_controller.trigger_steps == [7]
+    assert [rows[s]["learning_rate"] for s in (7, 8)] == pytest.approx([LR0 * 2 / n, LR0 * 1 / n * 0.5], rel=1e-6)
+    log = tmp_path / "trainer_state.json"
+    log.write_text(json.dumps({"log_history": trainer.state.log_history}))
+    out = tmp_path / "replay.json"
+    flags = ["--warmup-steps", "2", "--window", "1", "--patience", "2", "--margin", "0.5", "--cooldown", "100",
+             "--signals", "kl_k3"]
+    assert cli.main(["lr-replay", str(log), *flags, "--out", str(out)]) == 0
+    replay = json.loads(out.read_text())
+    assert replay["columns"]["length"] == "completions/mean_length" and replay["fires"] == [7]
+    assert [r["step"] for r in replay["steps"]] == list(range(1, n + 1))
+    for record in replay["steps"]:
+        live = rows[record["step"]]
+        keys = [k for k in record if k.startswith("tim/lr/")]
+        assert len(keys) > 10 and all(k in live for k in keys)
+        assert {k: _nan_none(live[k]) for k in keys} == {k: record[k] for k in keys}, record["step"]
+    assert rows[n]["tim/lr/skipped"] == 4.0
+
+
+def test_lr_decay_observes_the_mean_of_the_batches_generated_in_a_step(toy_model_path, tmp_path):
+    """``gradient_accumulation_steps=2, steps_per_generation=1``: two generation batches per optimizer step. The
+    controller observes their mean length, TRL's logged ``completions/mean_length`` of the step (TRL's log()
+    averages the step's batches), not the last batch's alone."""
+    n = 3
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=n, gradient_accumulation_steps=2,
+                           steps_per_generation=1)
+    cb = TIMCallback(trainer, TIMConfig(lr_decay=True))
+    trainer.add_callback(cb)
+    batches = []  # the mean length TRL appended for each generation batch, read at the step's end (test-side)
+    generate = trainer._generate_and_score_completions
+
+    def recording(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        batches.append((trainer.state.global_step + 1, trainer._metrics["train"]["completions/mean_length"][-1]))
+        return out
+
+    trainer._generate_and_score_completions = recording
+    seen = _recording_observe(cb)
+    trainer.train()
+    logged = {h["step"]: h["completions/mean_length"] for h in trainer.state.log_history
+              if "completions/mean_length" in h}
+    assert [s for s, _ in batches] == [1, 1, 2, 2, 3, 3]
+    assert [(s, length) for s, length, _ in seen] == [(s, logged[s]) for s in range(1, n + 1)]
+    for step in range(1, n + 1):
+        first, last = (length for s, length in batches if s == step)
+        assert logged[step] == pytest.approx((first + last) / 2, rel=1e-12)
+    assert any(first != last for (_, first), (_, last) in zip(batches[::2], batches[1::2]))
+
+
 class _StopAt(TrainerCallback):
     def __init__(self, step):
         self.step = step

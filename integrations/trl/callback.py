@@ -310,6 +310,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._compute_loss
             (t, "_compute_loss", self._wrap_loss),
         ]
+        if self.pipeline.config.correction is not None:  # outside the generation wrapper: sees the batch it built
+            wrappers.append((t, "_generate_and_score_completions", self._wrap_rollout_logprobs_check))
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies; in exact mode
         # scored like the exact sampler, under the wrapper below so the pipeline sees the exact scores
         if self.rollout_source == "exact":
@@ -325,6 +327,34 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             if watch is not None:
                 wrappers.extend(watch.wrappers())
         self._installation.install(wrappers)
+
+    def _wrap_rollout_logprobs_check(self, original):
+        """With an IS correction on, a training generation batch without rollout log-probs raises: its loss would
+        train uncorrected. The attach refuses the settings known to yield none (``translate.pipeline_config``); this
+        catches what shows only at generation (a decoding mode from the model's own generation config, a
+        ``rollout_func`` that returns no log-probs, a call the recorder could not read)."""
+        def _generate_and_score_completions(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self.trainer.model.training and out.get("sampling_per_token_logps") is None:
+                if self._call.unsupported_batch:
+                    why = ("TRL's generate ran a decoding mode the recorder cannot follow (beam search, assisted "
+                           "decoding: tim/diag/unsupported_generation_mode)")
+                    fix = ("sampling or greedy decoding (num_beams=1 in generation_kwargs and in the model's "
+                           "generation config)")
+                elif self.rollout_source == "custom":
+                    why = "the trainer's rollout_func (GRPOTrainer(rollout_func=...)) returned no 'logprobs'"
+                    fix = "return the sampled tokens' log-probs from rollout_func as 'logprobs'"
+                else:
+                    why = f"no rollout log-probs came with it (rollout log-probs: {self.rollout_source}; tim/diag/*)"
+                    fix = "use_vllm=True, or the fix of the tim/diag warning logged above"
+                raise RuntimeError(
+                    f"tim_plugins: TIMConfig(is_correction={self.config.is_correction!r}) weights each loss forward "
+                    f"by the rollout log-probs, and the generation batch of step {self.trainer.state.global_step + 1} "
+                    f"has none: {why}. Its loss would train uncorrected; with a correction on, the adapter raises "
+                    f"instead. Fix: {fix}, or is_correction=None")
+            return out
+
+        return _generate_and_score_completions
 
     def _wrap_grad_norm(self, original):
         def _get_grad_norm(*args, **kwargs):
@@ -391,6 +421,16 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
                 f"tim_plugins: this TIMCallback was built for another trainer ({type(self.trainer).__name__} at "
                 f"{id(self.trainer):#x}) than the one whose train() started; a TIMCallback measures the trainer it "
                 "is given. Fix: TIMCallback(trainer, config) with the trainer that trains, one per trainer")
+        # the probe judges each logging window (_push_metrics): a run that never logs would be checked once, after
+        # its last step
+        strategy = getattr(args.logging_strategy, "value", args.logging_strategy)
+        if self.pipeline.probe is not None and str(strategy) == "no":
+            raise ValueError(
+                "tim_plugins: TIMConfig(parity_probe=True) with GRPOConfig(logging_strategy='no'): the probe judges "
+                "each logging window's metrics, and this run logs none, so it would check once, after the last "
+                "step. Fix: GRPOConfig(logging_strategy='steps', logging_steps=<N>) (the probe then acts at most N "
+                "steps late), or parity_probe=False")
+        self._step_lengths = []  # a step a raise cut short leaves no batch behind for the next run's first step
         # transformers may have rebuilt the carrier (restore_callback_states_from_checkpoint=True): relink it.
         for cb in self.trainer.callback_handler.callbacks:
             if isinstance(cb, TIMState):
@@ -634,9 +674,17 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.config.enabled:
             return
-        length = self._length
         if self._async is not None:  # the samples this step trained (with LR decay, one collective: every rank)
             length = self._async.end_step(length=self.pipeline.lr_controller is not None)
+            self._step_lengths = []  # the async trainer's length is the trained samples', not the generated ones'
+        else:
+            # the mean (as TRL's log() averages a window, NaN left out) of the mean lengths of the generation batches
+            # generated in this step; NaN (a skipped observation) in a step that trains a batch generated earlier
+            # (num_iterations > 1, steps_per_generation > gradient_accumulation_steps). Each batch is observed once,
+            # at the step whose log row carries its completions/mean_length and its k3: with logging_steps=1 the
+            # controller sees what `tim-plugins lr-replay` reads from TRL's log.
+            values, self._step_lengths = [v for v in self._step_lengths if not math.isnan(v)], []
+            length = sum(values) / len(values) if values else math.nan
         scale = self.pipeline.end_step(state.global_step, response_length=length, grad_norm=self._grad_norm)
         if scale is not None:
             # Through the scheduler's base_lrs and _last_lr as well as the param groups: TRL's logged

@@ -95,14 +95,16 @@ class TIMConfig:
     safe_vocab: bool = field(
         default=False,
         metadata=field_help("Compute the policy log-probs over the safe vocabulary (the sampler's kept set: its "
-                       "min_p, top_k and top_p as set in GRPOConfig) and mask boundary tokens (sampled but outside "
-                       "the trainer's safe set) out of the loss"),
+                            "min_p, top_k and top_p as set in GRPOConfig, generation_kwargs' overrides included) and "
+                            "mask boundary tokens (sampled but outside the trainer's safe set) out of the loss. Not "
+                            "with rollout='exact' (it samples the full softmax: no kept set)"),
     )
     safe_vocab_min_p: Optional[float] = field(
         default=None,
         metadata=field_help("min_p of the safe set, a number in [0, 1) (0 = no min-p pruning: the safe set is then "
-                            "the sampler's top_k / top_p cut alone); None = GRPOConfig.min_p (the sampler's own "
-                            "min_p, so both sides prune the same tail); verl: tim.safe_vocab.min_p"),
+                            "the sampler's top_k / top_p cut alone); None = the sampler's own min_p (GRPOConfig.min_p, "
+                            "or generation_kwargs' min_p when given), so both sides prune the same tail; verl: "
+                            "tim.safe_vocab.min_p"),
     )
     mask_boundary_tokens: bool = field(
         default=True, metadata=field_help("With safe_vocab: drop sampled tokens outside the trainer's safe set from the loss"),
@@ -119,7 +121,8 @@ class TIMConfig:
     )
     lr_decay_signals: tuple = field(
         default=(), metadata=field_help("Extra signals the decay also watches: k3 (the monitor's tim/token/kl_k3) "
-                                        "and/or grad_norm; the same as lr_decay_options' signals"),
+                                        "and/or grad_norm, as a list or one comma-separated string; the same as "
+                                        "lr_decay_options' signals"),
     )
     # ------------------------------------------------------------------------------------------ parity
     parity_audit: bool = field(
@@ -174,13 +177,16 @@ class TIMConfig:
     # --------------------------------------------------------------------------------------- correction
     is_correction: Optional[str] = field(
         default=None,
-        metadata=field_help(f"Importance-sampling correction applied to the loss, one of {IS_CORRECTION_CHOICES}; for "
-                       "rollouts that do not come from vLLM (with vLLM, TRL's own correction applies)"),
+        metadata=field_help(f"Importance-sampling correction applied to the loss, one of {IS_CORRECTION_CHOICES} "
+                            "(or several joined with '+'), None = no correction; for rollouts that do not come from "
+                            "vLLM (with vLLM, TRL's own correction applies). Needs rollout log-probs: refused where "
+                            "TRL's generation yields none (continuous batching, beam search, assisted decoding)"),
     )
     is_correction_options: Optional[CorrectionConfig] = field(
         default=None, metadata=field_help("The correction's thresholds: a tim_plugins.corrections.CorrectionConfig, "
                                           "or a dict of its fields (token_clip, seq_clip, icepop_band, ...); its "
-                                          "mode is is_correction (None when is_correction is None)", options=CorrectionConfig),
+                                          "mode is is_correction (a CorrectionConfig given holds the same mode); "
+                                          "None when is_correction is None", options=CorrectionConfig),
     )
     # -------------------------------------------------------------------------------------------- misc
     strict: bool = field(
@@ -199,6 +205,12 @@ class TIMConfig:
         if self.rollout not in ROLLOUT_CHOICES:
             raise ValueError(f"TIMConfig.rollout={self.rollout!r} is invalid: must be one of {ROLLOUT_CHOICES}. Fix: "
                              "rollout='auto' (the default)")
+        if self.rollout == "exact" and self.safe_vocab:
+            raise ValueError(
+                "TIMConfig.rollout='exact' with safe_vocab=True is invalid: the exact sampler samples the full "
+                "softmax(logits/T), so there is no kept set for the safe vocabulary to renormalise over (and the exact "
+                "scorer never calls the head it swaps in). Fix: safe_vocab=False for the exact run, or rollout='auto' "
+                "to keep the safe vocabulary with TRL's sampler")
         if self.safe_vocab_min_p is not None:  # the rule verl's tim.safe_vocab.min_p has too
             self.safe_vocab_min_p = check_min_p(
                 self.safe_vocab_min_p, "TIMConfig.safe_vocab_min_p",
@@ -225,45 +237,82 @@ class TIMConfig:
                 name, value, kind, rule = problem
                 raise ValueError(f"TIMConfig.{group}.{name}={value!r} is invalid: {rule}. Fix: "
                                  f"{group}={{{name!r}: <{kind}>}}")
-        if self.is_correction is not None:  # the core's own checks: modes, '+' combinations and thresholds
-            try:
-                CorrectionConfig(mode=self.is_correction)
-            except ValueError as err:
-                raise ValueError(
-                    f"TIMConfig.is_correction={self.is_correction!r} is invalid: {err} Fix: is_correction='token_tis' "
-                    f"(one of {IS_CORRECTION_CHOICES}, or several joined with '+', e.g. 'geo_rs+token_tis'), or "
-                    "None for no correction") from None
-            self.is_correction_options = _options(CorrectionConfig, self.is_correction_options,
-                                                  "is_correction_options", mode=self.is_correction)
-        elif self.is_correction_options and not isinstance(self.is_correction_options, CorrectionConfig):
-            raise ValueError(f"TIMConfig.is_correction_options={self.is_correction_options!r} is invalid with "
-                             "is_correction=None: they are the thresholds of a correction, and none is named. Fix: "
-                             "is_correction='token_tis' (or another mode), or drop is_correction_options")
-        else:
-            self.is_correction_options = None
+        self._check_correction()
         self._merge_lr_decay_signals()
         self._check_dependencies()
         self._note_unused_options()
 
+    def _check_correction(self) -> None:
+        """is_correction names the mode, is_correction_options holds its thresholds (a CorrectionConfig or a dict of
+        its fields): one mode, named once."""
+        mode, options = self.is_correction, self.is_correction_options
+        if mode is not None:  # the core's own checks: modes, '+' combinations and thresholds
+            try:
+                parsed = CorrectionConfig(mode=mode).mode
+            except ValueError as err:
+                raise ValueError(
+                    f"TIMConfig.is_correction={mode!r} is invalid: {err} Fix: is_correction='token_tis' "
+                    f"(one of {IS_CORRECTION_CHOICES}, or several joined with '+', e.g. 'geo_rs+token_tis'), or "
+                    "None for no correction") from None
+            if parsed == "none":
+                # None is this field's "no correction", as it is every TIMConfig switch's off value; the core's
+                # mode 'none' would still run the correction pass (weights 1, tim/correction/* logged) and turn
+                # batches without rollout log-probs into errors, so the string is refused rather than guessed at
+                raise ValueError(
+                    f"TIMConfig.is_correction={mode!r} is invalid: no correction is written None, not the string "
+                    f"'none' (the choices are {IS_CORRECTION_CHOICES}, or several joined with '+'). Fix: "
+                    "is_correction=None")
+            if isinstance(options, CorrectionConfig) and options.mode != parsed:
+                raise ValueError(
+                    f"TIMConfig.is_correction={mode!r} and is_correction_options.mode={options.mode!r} disagree: "
+                    "they are one setting (the options' mode is is_correction). Fix: name the mode once, "
+                    f"is_correction={options.mode!r}, or is_correction_options=CorrectionConfig(mode={parsed!r}, "
+                    "...) (or a dict of its thresholds)")
+            self.is_correction_options = _options(CorrectionConfig, options, "is_correction_options", mode=mode)
+        elif isinstance(options, CorrectionConfig) or options:
+            named = isinstance(options, CorrectionConfig) and options.mode != "none"
+            fix = (f"is_correction={options.mode!r} (the mode of the CorrectionConfig given)" if named else
+                   "is_correction='token_tis' (or another mode)")
+            raise ValueError(f"TIMConfig.is_correction_options={options!r} is invalid with is_correction=None: they "
+                             "are the thresholds of a correction, and none is named (is_correction switches it on). "
+                             f"Fix: {fix}, or drop is_correction_options")
+        else:
+            self.is_correction_options = None
+
     def _note_unused_options(self) -> None:
-        """Options given for a feature a switch leaves off do nothing: one warning per option group, naming the
-        options, the switch and the fix, as verl's driver notes options under a section whose switch is off
-        (``integrations/verl/composed.py``). A warning, not an error: switching a feature off for a run while its
-        options stay written is common."""
+        """Options given for a feature a switch leaves off do nothing: one warning per option group (or option
+        field), naming the options, the switch and the fix, as verl's driver notes options under a section whose
+        switch is off (``integrations/verl/composed.py``). A warning, not an error: switching a feature off for a
+        run while its options stay written is common."""
+        # each switch: (off, as the warning says it, the fix)
+        switch = {name: (not getattr(self, name), f"{name}=False", f"{name}=True")
+                  for name in ("monitor", "causes", "sync_check", "parity_probe", "lr_decay", "safe_vocab")}
+        switch["dump_dir"] = (not self.dump_dir, f"dump_dir={self.dump_dir!r}", "dump_dir='/path/to/tim_dump'")
         needs = {"causes_options": ("monitor", "causes"),
                  "sync_check_options": ("monitor", "causes", "sync_check"),
                  "sync_probe_options": ("monitor", "causes", "sync_check"),
-                 "parity_probe_options": ("parity_probe",)}  # with monitor=False the probe is refused
-        for group, switches in needs.items():
-            value, off = getattr(self, group), [name for name in switches if not getattr(self, name)]
-            default = type(value)()
-            given = {f.name: getattr(value, f.name) for f in fields(value) if getattr(value, f.name) !=
-                     getattr(default, f.name)}
-            if given and off:
-                logger.warning("TIMConfig.%s=%r while %s: %s nothing. Fix: %s", group, given,
-                               " and ".join(f"{name}=False" for name in off),
-                               "this setting does" if len(given) == 1 else "these settings do",
-                               ", ".join(f"{name}=True" for name in off))
+                 "parity_probe_options": ("parity_probe",),  # with monitor=False the probe is refused
+                 "lr_decay_options": ("lr_decay",), "lr_decay_signals": ("lr_decay",),
+                 "dump_options": ("dump_dir",),
+                 "safe_vocab_min_p": ("safe_vocab",), "mask_boundary_tokens": ("safe_vocab",)}
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, switches in needs.items():
+            value, off = getattr(self, name), [switch[s] for s in switches if switch[s][0]]
+            if not off:
+                continue
+            if dataclasses.is_dataclass(value):
+                # out_dir is dump_dir's; the signals lr_decay_signals named are reported under that field
+                fixed = {"out_dir"} | ({"signals"} if name == "lr_decay_options" and self.lr_decay_signals else set())
+                given = {f.name: getattr(value, f.name) for f in fields(value)
+                         if f.name not in fixed and getattr(value, f.name) != _field_default(f)}
+                count = len(given)
+            else:
+                given, count = value, int(value != defaults[name])
+            if count:
+                logger.warning("TIMConfig.%s=%r while %s: %s nothing. Fix: %s", name, given,
+                               " and ".join(said for _, said, _ in off),
+                               "this setting does" if count == 1 else "these settings do",
+                               ", ".join(fix for _, _, fix in off))
 
     def _check_dependencies(self) -> None:
         """The combinations both adapters refuse (``tim_plugins.options.dependency_problems``), in TIMConfig's
@@ -285,14 +334,21 @@ class TIMConfig:
     def _merge_lr_decay_signals(self) -> None:
         """lr_decay_signals and lr_decay_options.signals are one setting: either may name the signals (in any
         spelling SIGNAL_ALIASES knows), both only alike."""
-        self.lr_decay_signals = tuple(self.lr_decay_signals)
+        given = self.lr_decay_signals
+        fix = f"lr_decay_signals=('kl_k3',) (any of {LR_DECAY_SIGNALS}), or () for the length alone"
+        if isinstance(given, str):  # a comma-separated list, as LRDecayConfig.signals takes it
+            self.lr_decay_signals = tuple(s.strip() for s in given.split(",") if s.strip())
+        elif isinstance(given, (list, tuple)) and all(isinstance(s, str) for s in given):
+            self.lr_decay_signals = tuple(given)
+        else:
+            raise ValueError(f"TIMConfig.lr_decay_signals={given!r} is invalid: must be a list of signal names "
+                             "(e.g. ('kl_k3', 'grad_norm')) or one comma-separated string of them ('k3,grad_norm'). "
+                             f"Fix: {fix}")
         options = _options(LRDecayConfig, self.lr_decay_options, "lr_decay_options")
         try:  # the spellings and their rule are lr_control's
             named = tuple(dict.fromkeys(LRDecayConfig(signals=self.lr_decay_signals).signals))
         except ValueError as err:
-            raise ValueError(f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} is invalid: {err} Fix: "
-                             f"lr_decay_signals=('kl_k3',) (any of {LR_DECAY_SIGNALS}), or () for the length "
-                             "alone") from None
+            raise ValueError(f"TIMConfig.lr_decay_signals={given!r} is invalid: {err} Fix: {fix}") from None
         if named and options.signals and set(options.signals) != set(named):
             raise ValueError(
                 f"TIMConfig.lr_decay_signals={self.lr_decay_signals!r} and lr_decay_options.signals="
@@ -326,6 +382,10 @@ class TIMConfig:
 
 # TIMConfig's switches: checked with the shared type rule (``options.type_problem``), as verl's settings are.
 _SWITCHES = tuple(f.name for f in fields(TIMConfig) if f.type == "bool")
+
+
+def _field_default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _options(cls, value, name: str, **fixed):

@@ -25,6 +25,10 @@ class GenerationWrappers:
     """TIMCallback's wrappers of TRL's generation (``_generate_and_score_completions``, the colocated engine's
     ``generate``, ``_generate_single_turn``) and what they hand to the pipeline."""
 
+    # the mean length of each training generation batch since the last optimizer step, for the LR controller
+    # (TIMCallback.on_step_end reads and empties it; on_train_begin sets it empty)
+    _step_lengths: list
+
     def _wrap_generation_batch(self, original):
         def _generate_and_score_completions(*args, **kwargs):
             if not self.trainer.model.training:
@@ -68,6 +72,7 @@ class GenerationWrappers:
             else:
                 pad = getattr(translate.tokenizer(self.trainer), "pad_token_id", None)
                 self._length = mean_length(translate.completion_lengths(out, pad))
+            self._step_lengths.append(self._length)
         if rollout is None and not self._call.unsupported_batch and (c.monitor or c.is_correction is not None):
             self.pipeline.count("no_rollout_logprobs")
         train = out.get("old_per_token_logps")

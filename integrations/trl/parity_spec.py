@@ -23,7 +23,7 @@ from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
 from tim_plugins.parity.vllm_spec import checkpoint_dtype_from_path, spec_from_engine_args
 
 __all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_config", "specs_from_trainer",
-           "load_grpo_config"]
+           "load_grpo_config", "generation_kwargs", "sampler_settings"]
 
 
 def load_grpo_config(path: str | Path) -> Any:
@@ -81,9 +81,18 @@ def _checkpoint_dtype(model: Any, args: Any) -> Optional[str]:
     return checkpoint_dtype_from_path(path) or str(getattr(config, "dtype", None) or "") or None
 
 
-def _sampler(args: Any) -> dict:
+def generation_kwargs(args: Any) -> dict:
+    """``GRPOConfig.generation_kwargs`` as a dict (TRL takes a dict or its JSON text)."""
     gen = args.generation_kwargs or {}
-    gen = json.loads(gen) if isinstance(gen, str) else dict(gen)
+    return json.loads(gen) if isinstance(gen, str) else dict(gen)
+
+
+def sampler_settings(args: Any) -> dict:
+    """The settings TRL's sampler runs with: GRPOConfig's temperature, top_p, top_k, min_p (None -> 0) and
+    repetition_penalty, overridden by ``generation_kwargs`` (TRL updates its sampling kwargs with them, on the
+    vLLM and the transformers path alike); the penalties and logit constraints generation_kwargs adds with them.
+    The parity audit reads the rollout side from it, and the safe vocabulary cuts where it says."""
+    gen = generation_kwargs(args)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "min_p": 0.0 if args.min_p is None else args.min_p, "repetition_penalty": args.repetition_penalty}
     sampling.update({k: v for k, v in gen.items() if k in (
@@ -122,7 +131,7 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
     return PipelineSpec(
         side="rollout", framework="hf-generate (trl)", dtype=gen_dtype,
         lm_head_dtype="float32" if args.cast_lm_head_to_fp32 else None, logprobs_mode=None,
-        **_sampler_fields(_sampler(args)), custom_logits_processors=(), weight_quantization="none",
+        **_sampler_fields(sampler_settings(args)), custom_logits_processors=(), weight_quantization="none",
         kv_cache_dtype="auto", prefix_caching=False, chunked_prefill=False, cudagraph=False, compile=False,
         batch_invariant=False, attention_backend=trainer_spec_from_trl(args, model).attention_backend,
         source="trl GRPOConfig (HF generation; TRL keeps no sampler log-probs)",
@@ -130,7 +139,7 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
 
 
 def _vllm_rollout_spec(args: Any, model: Any, server_args: Any, device: str, llm: Any) -> PipelineSpec:
-    sampling = _sampler(args)
+    sampling = sampler_settings(args)
     if llm is not None:  # live engine: the truth beats the reconstruction
         # the vLLM adapter's live reader (it reads vLLM's internals); imported here, as a live engine is only read
         # when TRL has one, so that importing this module does not import the vLLM adapter (its version note)
@@ -154,8 +163,7 @@ def _with_structured_outputs(spec: PipelineSpec, args: Any) -> PipelineSpec:
     """TRL constrains vLLM's sampler per request (vllm_generation.py ``generate``: ``StructuredOutputsParams``
     from ``vllm_structured_outputs_regex``, or ``generation_kwargs['structured_outputs']``); the trainer scores the
     unconstrained model. Listed with the rollout's processors, the audit's sampler-penalties-unmatched."""
-    gen = args.generation_kwargs or {}
-    gen = json.loads(gen) if isinstance(gen, str) else gen
+    gen = generation_kwargs(args)
     if getattr(args, "vllm_structured_outputs_regex", None) is None and not gen.get("structured_outputs"):
         return spec
     return spec.replace(custom_logits_processors=(*(spec.custom_logits_processors or ()), "structured_outputs"))

@@ -17,6 +17,7 @@ from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
+from .parity_spec import generation_kwargs, sampler_settings
 
 __all__ = ["completion_lengths", "eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows",
            "pipeline_config", "response_mask", "rollout_source", "safe_truncation", "scale_policy_term", "tokenizer"]
@@ -43,7 +44,7 @@ def rollout_source(trainer, config: TIMConfig) -> str:
     if getattr(trainer, "rollout_func", None) is not None:
         return "custom"
     if getattr(trainer, "use_transformers_continuous_batching", False):
-        if config.monitor:
+        if config.monitor and config.is_correction is None:  # with a correction, pipeline_config refuses it
             logger.warning("tim_plugins: use_transformers_continuous_batching=True returns no log-probs; the "
                            "monitor has no rollout log-probs (set it False, or use vLLM)")
         return "unavailable"
@@ -70,10 +71,11 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
     """The sampler's truncation, applied by the trainer's safe-vocab head; fails early when it cannot be.
     ``engine_min_p``: the min-p the vLLM server cuts every request at on its own (tim-plugins' min-p processor,
     ``--logits-processors`` with ``--additional-config '{"tim_min_p": x}'``); the sampler cuts at the larger of it
-    and GRPOConfig.min_p. ``engine_logprobs_mode``: the server's (None: unknown, or TRL's colocate engine, which
-    TRL builds with processed log-probs)."""
-    # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_k, top_p, temperature, use_vllm; the
-    # safe-vocabulary routes of features.py)
+    and its own min_p (GRPOConfig.min_p, or generation_kwargs' when given). ``engine_logprobs_mode``: the
+    server's (None: unknown, or TRL's colocate engine, which TRL builds with processed log-probs)."""
+    # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (temperature, use_vllm; the sampler's min_p,
+    # top_k and top_p merged from GRPOConfig and its generation_kwargs as TRL merges them; the safe-vocabulary routes
+    # of features.py)
     args = trainer.args
     if engine_logprobs_mode is not None and engine_logprobs_mode != "processed_logprobs":
         # the same rule as tim_plugins.integrations.vllm.sampling.check_vllm_engine
@@ -83,16 +85,23 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
             "the same set's, processed log-probs; raw ones are taken before the cut (every ratio would read the kept "
             "mass). Fix: restart the server with --logprobs-mode processed_logprobs (`trl vllm-serve` sets it; a "
             "plain `vllm serve` needs it), or safe_vocab=False")
-    sampler_min_p = max(args.min_p or 0.0, engine_min_p)
-    sampler = (f"GRPOConfig.min_p={args.min_p!r}" if engine_min_p <= (args.min_p or 0.0) else
-               f"the vLLM server's min-p processor: tim_min_p={engine_min_p:g}, over GRPOConfig.min_p={args.min_p!r}")
+    # the cut TRL's sampler makes: GRPOConfig's min_p / top_k / top_p as generation_kwargs override them, read as
+    # the parity audit reads the rollout side
+    sampling, gen = sampler_settings(args), generation_kwargs(args)
+    own_min_p = float(sampling["min_p"] or 0.0)
+    sampler_min_p = max(own_min_p, engine_min_p)
+    cut = {k: gen[k] for k in ("min_p", "top_p", "top_k") if k in gen}  # what generation_kwargs override
+    own = f"generation_kwargs['min_p']={gen['min_p']!r}" if "min_p" in gen else f"GRPOConfig.min_p={args.min_p!r}"
+    sampler = (own if engine_min_p <= own_min_p else
+               f"the vLLM server's min-p processor: tim_min_p={engine_min_p:g}, over {own}")
     min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else sampler_min_p
-    top_p = float(trainer.top_p if trainer.top_p is not None else 1.0)
-    top_k = max(int(trainer.top_k or 0), 0)
+    top_p = float(sampling["top_p"] if sampling["top_p"] is not None else 1.0)
+    top_k = max(int(sampling["top_k"] or 0), 0)
     if min_p <= 0 and top_p >= 1.0 and top_k == 0:
         raise ValueError(
-            f"TIMConfig.safe_vocab=True with GRPOConfig(min_p={args.min_p!r}, top_p={trainer.top_p!r}, "
-            f"top_k={trainer.top_k!r}) and TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}: "
+            f"TIMConfig.safe_vocab=True with GRPOConfig(min_p={args.min_p!r}, top_p={args.top_p!r}, "
+            f"top_k={args.top_k!r}{f', generation_kwargs={cut!r}' if cut else ''}) and "
+            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}: "
             f"{SAFE_VOCAB_NEEDS_A_CUT}, and this sampler keeps the whole vocabulary. Fix: GRPOConfig(min_p="
             f"{DEFAULT_MIN_P:g}) (the extreme tail pruned on both sides, tim_plugins.truncation.DEFAULT_MIN_P), or "
             "your top_p < 1 / top_k > 0, or safe_vocab=False")
@@ -100,7 +109,9 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
         # TRL's sampler applies GRPOConfig.min_p (and a server's min-p processor its own): another min-p cuts
         # another tail on the trainer's side
         other = "min_p=None" if config.safe_vocab_min_p == 0 else f"min_p={config.safe_vocab_min_p:g}"
-        fix = (f"GRPOConfig({other})" if engine_min_p <= 0 else
+        where = f"GRPOConfig(generation_kwargs={{'min_p': {config.safe_vocab_min_p:g}}})" if "min_p" in gen else \
+            f"GRPOConfig({other})"
+        fix = (where if engine_min_p <= 0 else
                f"the server's --additional-config '{{\"tim_min_p\": {config.safe_vocab_min_p:g}}}'")
         logger.warning("tim_plugins: safe_vocab_min_p=%g differs from the sampler's min-p (%s): the trainer's safe "
                        "set is not the sampler's cut, so the ratio leaves 1 on the tokens between the two cuts (the "
@@ -118,11 +129,14 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
 
 
 # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_p, top_k, min_p, repetition_penalty,
-# use_vllm, vllm_importance_sampling_correction; features.EXACT_SAMPLER, features.LOSS_FACTOR)
+# use_vllm, vllm_importance_sampling_correction, use_transformers_continuous_batching; features.EXACT_SAMPLER,
+# features.LOSS_FACTOR)
 def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool,
                     asynchronous: bool = False) -> PipelineConfig:
     """TIMConfig (+ the trainer's settings and what the installed TRL supports) -> the core pipeline's configuration;
     fails early on what TRL cannot combine."""
+    if config.is_correction is not None:
+        _check_rollout_logprobs(trainer, config, source)
     if source == "exact":
         bad = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
                                  ("repetition_penalty", trainer.repetition_penalty))
@@ -148,6 +162,53 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
         histograms=config.log_histograms and "wandb" in (trainer.args.report_to or []),
         causes=config.causes_options if config.causes else None,
         setup=TrainingSetup(asynchronous=asynchronous, multi_turn=True, loss_factor=loss_factor))
+
+
+def _unfollowed_decoding(trainer) -> tuple[str, list[str]] | None:
+    """(the decoding mode, the generation_kwargs keys that select it) when TRL's transformers ``generate`` is set to
+    a mode whose steps the log-prob recorder cannot follow (one call per step, every row extended by one token):
+    beam search of any kind, assisted decoding. None for sampling and greedy decoding. Read from
+    ``GRPOConfig.generation_kwargs``, which TRL lays over its GenerationConfig; a mode that shows only at generation
+    (the model's own generation config) is counted there, ``tim/diag/unsupported_generation_mode``."""
+    gen = generation_kwargs(trainer.args)
+    beams = gen.get("num_beams")
+    if isinstance(beams, int) and beams > 1:
+        return f"beam search (num_beams={beams})", ["num_beams", *(k for k in ("num_beam_groups",) if k in gen)]
+    constrained = [k for k in ("constraints", "force_words_ids") if gen.get(k) is not None]
+    if constrained:
+        return "constrained beam search", constrained
+    assisted = [k for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+                if gen.get(k) is not None]
+    if assisted:
+        return "assisted decoding", assisted
+    return None
+
+
+def _check_rollout_logprobs(trainer, config: TIMConfig, source: str) -> None:
+    """An IS correction weights each loss forward by the rollout log-probs: where TRL's generation can yield none,
+    the attach refuses (the adapter's rule: with a correction on it raises rather than train uncorrected)."""
+    what = f"TIMConfig.is_correction={config.is_correction!r}"
+    rule = ("the correction weights the loss by the rollout log-probs and this generation yields none, so the loss "
+            "would train uncorrected (with a correction on, the adapter refuses that)")
+    if source == "unavailable":
+        if getattr(trainer, "use_transformers_continuous_batching", False):
+            raise ValueError(
+                f"{what} with GRPOConfig.use_transformers_continuous_batching=True is invalid: continuous batching "
+                f"returns no log-probs and the recorder cannot follow it; {rule}. Fix: "
+                "use_transformers_continuous_batching=False (TRL's generate, its log-probs recorded), or "
+                "use_vllm=True, or is_correction=None")
+        raise ValueError(
+            f"{what} is invalid here: the recorder of TRL's generate is switched off (its warning above names why); "
+            f"{rule}. Fix: the fix that warning gives, or use_vllm=True, or is_correction=None")
+    if source in ("hf", "inject"):
+        unfollowed = _unfollowed_decoding(trainer)
+        if unfollowed is not None:
+            mode, keys = unfollowed
+            raise ValueError(
+                f"{what} with GRPOConfig.generation_kwargs={generation_kwargs(trainer.args)!r} is invalid: {mode} "
+                f"does not extend every row by one sampled token per step, so the recorder cannot follow it; {rule}. "
+                f"Fix: drop {', '.join(map(repr, keys))} from generation_kwargs (sampling or greedy decoding), or "
+                "use_vllm=True, or is_correction=None")
 
 
 def completion_lengths(batch: dict, pad_token_id: int | None) -> torch.Tensor:

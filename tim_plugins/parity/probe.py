@@ -1,5 +1,13 @@
 """Live parity probe: thresholds on the monitor's metrics, checked every N steps, with an action on a trip.
 
+The probe judges the windows an adapter hands it (``check(step, metrics)``: the metrics of the steps since its last
+call; verl: one step, TRL: one logging window). A check is due when a multiple of ``every_n_steps`` lies in the steps
+since the last check, (last checked step, step]: a window that spans several steps is judged whenever it contains a
+due step, so logging every 3 steps with ``every_n_steps=2`` checks every window, and every step with
+``every_n_steps=2`` checks every second one. A due call whose every threshold metric is missing or NaN (a window with
+no measured tokens: a step that trains a reused batch) is not a check: it neither counts towards ``patience`` nor
+resets it, and the due step stays pending for the next call.
+
 Adapters feed it the dict from `MismatchMonitor.compute()` (or `mismatch_metrics(...)`) and act on the
 returned `ProbeDecision`: ``warn`` logs, ``raise`` raises `ParityError`, ``stop`` sets
 ``decision.stop = True`` (TRL: ``control.should_save = control.should_training_stop = True``; verl: save a
@@ -52,9 +60,11 @@ class ParityProbeConfig:
         default=None, metadata={"help": "trip when tim/seq/log_ratio_abs_max (max |Σ_t Δ log p|) > this"})
     action: str = field(default="warn", metadata={"help": "warn | raise | stop"})
     every_n_steps: int = field(default=1, metadata={"help": (
-        "check the thresholds only when step % every_n_steps == 0 (a named cause is acted on at any step)")})
+        "check the thresholds on a window (the steps since the last check) that holds a multiple of every_n_steps "
+        "(a named cause is acted on at any step)")})
     patience: int = field(default=1, metadata={"help": (
-        "act after this many consecutive tripped checks (a named cause: at once)")})
+        "act after this many consecutive tripped checks; a window with no measured tokens is no check "
+        "(a named cause: at once)")})
 
     def __post_init__(self) -> None:
         check_probe_values({f.name: getattr(self, f.name) for f in fields(self)})
@@ -132,9 +142,17 @@ class ParityProbe:
         self.num_trips = 0
         self._consecutive = 0
         self.num_checks = 0
+        self._last_checked: Optional[int] = None  # the step of the last check (None: none yet)
 
     def due(self, step: int) -> bool:
-        return int(step) % int(self.config.every_n_steps) == 0
+        """Whether a check at ``step`` is due: a multiple of ``every_n_steps`` lies in (last checked step, step],
+        the steps since the start (step 1) before the first check. A step at or before the last check (a restarted
+        step count) falls back to its own rule: due when it is a multiple."""
+        step, n = int(step), int(self.config.every_n_steps)
+        if step % n == 0:
+            return True
+        last = 0 if self._last_checked is None or self._last_checked > step else self._last_checked
+        return step // n > last // n
 
     def check(self, step: int, metrics: Mapping[str, float], *, raise_on_trip: bool = True) -> ProbeDecision:
         """Compare `metrics` (a `mismatch_metrics` / `MismatchMonitor.compute()` dict) with the thresholds.
@@ -146,10 +164,18 @@ class ParityProbe:
         """
         decision = ProbeDecision(step=int(step))
         if self.due(step):
-            decision.checked = True
-            self.num_checks += 1
             self._thresholds(step, metrics, decision)
+            # a window without one threshold value measured nothing (a reused batch's step): no check, so the
+            # patience count neither grows nor resets, and the due step waits for the next window
+            if len(decision.skipped) < self._num_thresholds:
+                decision.checked = True
+                self.num_checks += 1
+                self._last_checked = int(step)
         return self._decide(decision, metrics.get(CAUSE_KEY), raise_on_trip)
+
+    @property
+    def _num_thresholds(self) -> int:
+        return sum(getattr(self.config, name) is not None for name in DEFAULT_METRIC_KEYS)
 
     def check_causes(self, step: int, named: float, *, raise_on_trip: bool = True) -> ProbeDecision:
         """The decision on causes named after ``check`` ran for ``step`` (``named`` = the window's
@@ -205,10 +231,14 @@ class ParityProbe:
 
     def state_dict(self) -> dict:
         return {"trips": [t.to_dict() for t in self.trips], "num_trips": self.num_trips,
-                "consecutive": self._consecutive, "num_checks": self.num_checks}
+                "consecutive": self._consecutive, "num_checks": self.num_checks, "last_checked": self._last_checked}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trips = [Trip(**t) for t in state.get("trips", [])][-TRIPS_KEPT:]
         self.num_trips = int(state.get("num_trips", len(state.get("trips", []))))
         self._consecutive = int(state.get("consecutive", 0))
         self.num_checks = int(state.get("num_checks", 0))
+        # a state without the key: the first window after the resume is judged from step 1, so no due step is
+        # missed (at worst one check comes early)
+        last = state.get("last_checked")
+        self._last_checked = None if last is None else int(last)

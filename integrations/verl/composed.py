@@ -166,6 +166,9 @@ def _options_left_off(node: Any, tim: TIMVerlConfig) -> list[str]:
         "causes": (("enable",), [monitor, causes]),
         "sync_check": (("enable",), [monitor, causes, (not tim.sync_check.enable, "tim.sync_check.enable is false",
                                                        "++tim.sync_check.enable=true")]),
+        # the dump's switch is its folder (tim.dump.dir; null = off), and it writes the monitor's measurement pass
+        "dump": (("dir",), [monitor, (not tim.dump.enabled, "tim.dump.dir is null",
+                                      "++tim.dump.dir=/path/to/tim_dump")]),
     }
     out = []
     for section, (switch, needs) in sections.items():

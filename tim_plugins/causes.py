@@ -301,7 +301,7 @@ class CauseTracker:
     @staticmethod
     def _other_ranks_causes(own: list[Cause], group) -> list[Cause]:
         """The causes other ranks' checks found since the last window, of the codes this rank has none of: each as
-        its rank named it (step, tensors, evidence; the message says which rank), the lowest rank's for a code
+        its rank named it (step, tensors, evidence; the message says which rank), all of the lowest rank's for a code
         several found. Every rank of ``group`` must call it (one object gather): rank 0's console and the report's
         causes.jsonl then name a fault of another rank's engine with its tensors. A failed gather costs the details
         (the caller names the code alone)."""
@@ -313,14 +313,17 @@ class CauseTracker:
             logger.warning("tim_plugins: the other ranks' causes could not be gathered (%r)", err)
             return []
         have, out = {x.code for x in own}, []
+        lowest: dict[str, int] = {}  # each code this rank lacks: the lowest rank that found it
         for rank, causes in enumerate(gathered):
             if rank == me:
                 continue
             for d in causes or ():
-                if d["code"] not in have:
-                    have.add(d["code"])
-                    out.append(Cause(d["code"], d["step"], f"{d['message']} (on rank {rank})", tuple(d["tensors"]),
-                                     dict(d["evidence"])))
+                # every cause of that rank: a window can hold several syncs, each named
+                # with its own step and tensors (the console, causes.jsonl and the run's closing line read them)
+                if d["code"] in have or lowest.setdefault(d["code"], rank) != rank:
+                    continue
+                out.append(Cause(d["code"], d["step"], f"{d['message']} (on rank {rank})", tuple(d["tensors"]),
+                                 dict(d["evidence"])))
         return out
 
     def evaluate_loss_passes(self, step: int, metrics: dict) -> tuple[dict, list[Cause]]:
@@ -372,8 +375,10 @@ class CauseTracker:
         part = k3 - max(float(floor), 0.0)
         if not (part > c.staleness_k3 and part >= c.staleness_share * k3):
             return []
-        oldest = max(lag for lag in lags if lag >= 1)
-        after = "1 optimizer step" if oldest == 1 else f"1 to {oldest} optimizer steps"
+        newest, oldest = min(lag for lag in lags if lag >= 1), max(lag for lag in lags if lag >= 1)
+        more = " or more" if f"tim/by_lag/{oldest}+/count" in metrics else ""  # the open-ended last bucket
+        after = (f"{newest} to {oldest}{more} optimizer steps" if newest < oldest else
+                 f"{oldest}{more} optimizer step{'s' if oldest > 1 or more else ''}")
         return [Cause("staleness", step, f"the {int(tokens)} tokens trained {after} after the weights that "
                                          f"sampled them have k3 {k3:.3g} against {float(floor):.3g} at "
                                          f"lag 0: the policy's move is {part / k3:.0%} of it, k3 {part:.3g} "

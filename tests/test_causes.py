@@ -596,3 +596,30 @@ def test_a_sync_cause_is_written_at_the_sync_so_the_sync_after_the_last_step_rea
     assert [(r["code"], r["step"], r["window"]) for r in rows] == [
         ("sync-tensors-stale", 3, 4), ("engine-stale", 4, 4), ("sync-tensors-stale", 4, 5)]
     assert sorted((c.code, c.step) for c in pipe.causes.named) == [("engine-stale", 4), ("sync-tensors-stale", 3)]
+
+
+def test_a_window_of_a_few_lag0_tokens_is_neither_judged_nor_kept_by_the_floor_rule():
+    """A healthy floor (~0.01 nats) then a window of 8 lag-0 tokens, one of them a tail token 1 nat off (mean 0.13:
+    13x the median, 0.12 above it): not judged, not kept; the same mean over the configured minimum is judged. The
+    reference: the rule as docs/causes.md states it, computed here."""
+    c = CauseConfig()
+    assert c.floor_min_tokens == 16
+    pipe = _pipeline()
+    for step in range(1, 5):
+        pipe.measure(*_batch(seed=step, noise=0.01))
+        out = pipe.compute(step, sync=False)[0]
+        assert out["tim/cause/named"] == 0
+    kept = list(pipe.causes.floor.values)
+    g = torch.Generator().manual_seed(9)
+    for n, named in ((8, False), (c.floor_min_tokens, True)):
+        rollout = torch.log(torch.rand(1, n, generator=g) * 0.9 + 0.05)
+        train = rollout + 0.01
+        train[0, 0] = rollout[0, 0] - 1.0  # one tail token 1 nat off
+        pipe.measure(rollout, train, torch.ones(1, n, dtype=torch.bool))
+        out = pipe.compute(10 + n, sync=False)[0]
+        floor = out["tim/token/abs_diff_mean"]
+        median = statistics.median(kept[-c.floor_window:])
+        assert out["tim/tokens"] == n and floor > c.floor_jump_factor * median and floor - median > c.floor_jump_min
+        assert ("floor-jump" in {x.code for x in pipe.causes.named if x.step == 10 + n}) is named
+        assert math.isnan(out["tim/cause/floor_jump"]) is not named
+        assert pipe.causes.floor.values == kept  # neither window entered the trailing median

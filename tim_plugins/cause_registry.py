@@ -142,7 +142,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "The lag-0 floor is the numerics of two stacks on the same weights; it drifts slowly with the policy. A jump "
        "means the pipeline changed under the run: a broken sync, a setting changed at run time, a collapse.",
        "the window's lag-0 mean |Δ log p| > floor_jump_factor x the median of the trailing floor_window windows "
-       "and > that median + floor_jump_min, and the parity audit found no sampler-truncation-unmatched nor "
+       "and > that median + floor_jump_min, over at least floor_min_tokens lag-0 tokens (a smaller window is "
+       "neither judged nor kept), and the parity audit found no sampler-truncation-unmatched nor "
        "sampler-penalties-unmatched (the floor is then the processing's bias, which moves with each batch's "
        "distributions, not the two stacks' numerics)",
        {"tim_plugins": "look at the weight sync (and the reset of the engine's prefix cache after it) and the "

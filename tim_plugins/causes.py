@@ -90,6 +90,10 @@ class CauseConfig:
     floor_jump_min: float = field(default=0.05, metadata={"help": (
         "... and more than this many nats above it")})
     floor_window: int = field(default=8, metadata={"help": "windows in the trailing median of the lag-0 floor"})
+    floor_min_tokens: int = field(default=16, metadata={"help": (
+        "floor-jump: a window with fewer lag-0 tokens is neither judged nor kept in the trailing median (one tail "
+        "token moves a mean over a handful of them past the rule's margins; an asynchronous trainer's window may "
+        "hold few lag-0 tokens)")})
     staleness_share: float = field(default=0.5, metadata={"help": (
         "staleness is named when its part explains at least this share of Var(log-ratio) (an asynchronous "
         "trainer: of the k3 of the tokens trained at lag >= 1, their k3 above the lag-0 floor) ...")})
@@ -108,6 +112,7 @@ class CauseConfig:
                                   "must be > 1"),
             "floor_jump_min": (self.floor_jump_min >= 0 and math.isfinite(self.floor_jump_min), "must be >= 0"),
             "floor_window": (_whole(self.floor_window), "must be an integer >= 1"),
+            "floor_min_tokens": (_whole(self.floor_min_tokens), "must be an integer >= 1"),
             "staleness_share": (0.0 < self.staleness_share <= 1.0, "must be in (0, 1]"),
             "staleness_k3": (self.staleness_k3 > 0 and math.isfinite(self.staleness_k3), "must be > 0"),
             "truncation_bias": (0.0 < self.truncation_bias < 1.0, "must be in (0, 1)"),
@@ -274,8 +279,9 @@ class CauseTracker:
                                f"{' and '.join(seen)} are scored > {c.confident_gap:g} nats lower by the trainer",
                                evidence={"forced_disagreements": forced, "confident_disagreements": disagreeing,
                                          "confident_tokens": confident, "audit_processing": constrained}))
-        floor = metrics.get("tim/token/abs_diff_mean")
-        ratio, jumped = self.floor.judge(float(floor)) if floor is not None else (math.nan, False)
+        floor, tokens = metrics.get("tim/token/abs_diff_mean"), metrics.get("tim/tokens")
+        enough = tokens is None or not tokens < c.floor_min_tokens  # a window without the count is judged
+        ratio, jumped = self.floor.judge(float(floor)) if floor is not None and enough else (math.nan, False)
         # sampler processing the trainer does not apply makes the floor its bias, which moves batch by batch
         if jumped and not self.audit_codes.intersection(UNMATCHED_PROCESSING):
             found.append(Cause("floor-jump", step,

@@ -8,8 +8,7 @@ import os
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from free_port import free_port
+from spawn_ranks import spawn_ranks
 
 from tim_plugins.cause_registry import Cause
 from tim_plugins.causes import CauseTracker
@@ -42,26 +41,12 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def _ranks(target, world: int) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted([queue.get(timeout=180) for _ in procs], key=lambda x: x[0])
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
-
-
 def test_every_cause_the_lowest_rank_found_in_a_window_reaches_the_other_ranks():
     """A window holding two syncs: rank 0's engine is fine, ranks 1 and 2 each kept a layer stale at both syncs.
     Rank 0 (whose console, causes.jsonl and closing line the user reads) names the code as rank 1 did, both syncs
     with their steps and tensors, and the code only rank 2 found as rank 2 did. Reference: one process fed the
     causes of the lowest rank that found each code."""
-    results = _ranks(_worker, WORLD)
+    results = spawn_ranks(_worker, WORLD, timeout=180)
     reference = CauseTracker(framework="trl")
     lowest = {}
     for rank in range(1, WORLD):

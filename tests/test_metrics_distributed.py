@@ -7,6 +7,7 @@ import os
 
 import pytest
 from free_port import free_port
+from spawn_ranks import spawn_ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -117,7 +118,7 @@ def test_nccl_merges_a_state_loaded_onto_the_cpu():
     """Under NCCL, which refuses host tensors, a monitor whose state was just loaded from a checkpoint (on the CPU)
     merges before its next update, and a CPU mask's mean length merges: both equal one process on both ranks'
     data."""
-    (_, merged0, length0), (_, merged1, length1) = _two_ranks(_nccl_resume_worker)
+    (_, merged0, length0), (_, merged1, length1) = spawn_ranks(_nccl_resume_worker)
     assert merged0 == pytest.approx(merged1, nan_ok=True)
     _assert_equals_single_process(merged0)
     masks = [_data(r)[2] for r in range(2)]
@@ -170,27 +171,12 @@ def _pipeline_worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def _two_ranks(target) -> list:
-    """``target(rank, 2, port, queue)`` in two spawned processes: what each put on the queue, by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted([queue.get(timeout=120) for _ in procs], key=lambda x: x[0])
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
-
-
 def test_pipeline_two_rank_merge_equals_single_process():
     """StepPipeline's every statistic (monitor, safe vocabulary, correction, IS weights) and its problem counts
     (tim/diag/*) merged over 2 gloo processes equal one process that made both ranks' calls."""
     import logging
 
-    results = _two_ranks(_pipeline_worker)
+    results = spawn_ranks(_pipeline_worker)
     (_, local0, merged0), (_, local1, merged1) = results
     same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
     assert merged0.keys() == merged1.keys() and all(same(merged0[k], merged1[k]) for k in merged0)
@@ -254,7 +240,7 @@ def test_a_resume_from_the_main_processs_state_counts_nothing_twice():
     the others only what every rank shares. Reference: the counts each rank met (rank 0: two a window, rank 1: one)
     and rank 0's own tokens of the window in progress; rank 1's window and its count since the last merge are what a
     resume loses."""
-    results = _two_ranks(_resume_worker)
+    results = spawn_ranks(_resume_worker)
     (_, tokens0, after0), (_, _, after1) = results
     same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
     assert after0.keys() == after1.keys() and all(same(after0[k], after1[k]) for k in after0)
@@ -289,7 +275,7 @@ def _causes_worker(rank: int, world: int, port: int, queue) -> None:
 def test_a_cause_one_ranks_check_found_is_named_with_its_tensors_on_every_rank():
     """A sync cause found on rank 1 only reaches rank 0 (whose console and causes.jsonl the user reads) with rank 1's
     step, tensors and evidence; a code both ranks found stays each rank's own; an empty window names nothing."""
-    (_, zero), (_, one) = _two_ranks(_causes_worker)
+    (_, zero), (_, one) = spawn_ranks(_causes_worker)
     tensors = ["model.layers.1.q.weight", "model.layers.1.k.weight"]
     (values0, found0), (values1, found1) = zero[0], one[0]
     assert values0["tim/cause/named"] == values1["tim/cause/named"] == 1

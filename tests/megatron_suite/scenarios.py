@@ -343,8 +343,11 @@ def mean_length(raw) -> float:
 def _lr_config(signals: tuple = (), monitor: bool = False):
     from tim_plugins.integrations.verl.config import TIMVerlConfig
 
+    # every window judged by the floor rule (these batches hold fewer lag-0 tokens than its default minimum), so the
+    # cause tracker's checkpointed state holds one floor per step
     return TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": {**LR_OPTIONS, "signals": list(signals)}},
-                                    **({"monitor": {"enable": True}} if monitor else {})})
+                                    **({"monitor": {"enable": True}, "causes": {"floor_min_tokens": 1}}
+                                       if monitor else {})})
 
 
 def lr_decay(model_path: str, *, tp: int, ckpt_dir: str | None = None, pp: int = 1, signals: tuple = ()) -> dict:

@@ -4,27 +4,27 @@ tim_plugins._optional derives the tested ranges (SUPPORTED_RANGES) from it."""
 
 PASSED = {
     "main": {
-        "date": "2026-12-06",
+        "date": "2026-12-07",
         "versions": {"transformers": "5.10.4", "trl": "1.16.0", "verl": "0.9.1", "vllm": "0.31.0"},
     },
     "newest": {
-        "date": "2026-12-06",
+        "date": "2026-12-07",
         "versions": {"transformers": "5.19.0", "trl": "1.16.0", "vllm": "0.32.0"},
     },
     "oldest": {
-        "date": "2026-12-06",
+        "date": "2026-12-07",
         "versions": {"transformers": "5.5.3", "trl": "1.9.0", "vllm": "0.27.1"},
     },
     "latest": {
-        "date": "2026-12-06",
+        "date": "2026-12-07",
         "versions": {"transformers": "5.25.0", "trl": "1.16.0"},
     },
     "megatron": {
-        "date": "2026-12-06",
+        "date": "2026-12-07",
         "versions": {"transformers": "5.10.4", "verl": "0.9.1", "vllm": "0.31.0"},
     },
     "vllm-gpu": {
-        "date": "2026-12-06",
+        "date": "2026-12-07",
         "versions": {"transformers": "5.22.2", "trl": "1.16.0"},
     },
 }

@@ -310,8 +310,6 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._compute_loss
             (t, "_compute_loss", self._wrap_loss),
         ]
-        if self.pipeline.config.correction is not None:  # outside the generation wrapper: sees the batch it built
-            wrappers.append((t, "_generate_and_score_completions", self._wrap_rollout_logprobs_check))
         # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies; in exact mode
         # scored like the exact sampler, under the wrapper below so the pipeline sees the exact scores
         if self.rollout_source == "exact":
@@ -327,34 +325,6 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             if watch is not None:
                 wrappers.extend(watch.wrappers())
         self._installation.install(wrappers)
-
-    def _wrap_rollout_logprobs_check(self, original):
-        """With an IS correction on, a training generation batch without rollout log-probs raises: its loss would
-        train uncorrected. The attach refuses the settings known to yield none (``translate.pipeline_config``); this
-        catches what shows only at generation (a decoding mode from the model's own generation config, a
-        ``rollout_func`` that returns no log-probs, a call the recorder could not read)."""
-        def _generate_and_score_completions(*args, **kwargs):
-            out = original(*args, **kwargs)
-            if self.trainer.model.training and out.get("sampling_per_token_logps") is None:
-                if self._call.unsupported_batch:
-                    why = ("TRL's generate ran a decoding mode the recorder cannot follow (beam search, assisted "
-                           "decoding: tim/diag/unsupported_generation_mode)")
-                    fix = ("sampling or greedy decoding (num_beams=1 in generation_kwargs and in the model's "
-                           "generation config)")
-                elif self.rollout_source == "custom":
-                    why = "the trainer's rollout_func (GRPOTrainer(rollout_func=...)) returned no 'logprobs'"
-                    fix = "return the sampled tokens' log-probs from rollout_func as 'logprobs'"
-                else:
-                    why = f"no rollout log-probs came with it (rollout log-probs: {self.rollout_source}; tim/diag/*)"
-                    fix = "use_vllm=True, or the fix of the tim/diag warning logged above"
-                raise RuntimeError(
-                    f"tim_plugins: TIMConfig(is_correction={self.config.is_correction!r}) weights each loss forward "
-                    f"by the rollout log-probs, and the generation batch of step {self.trainer.state.global_step + 1} "
-                    f"has none: {why}. Its loss would train uncorrected; with a correction on, the adapter raises "
-                    f"instead. Fix: {fix}, or is_correction=None")
-            return out
-
-        return _generate_and_score_completions
 
     def _wrap_grad_norm(self, original):
         def _get_grad_norm(*args, **kwargs):

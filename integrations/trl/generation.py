@@ -48,6 +48,27 @@ class GenerationWrappers:
 
         return _generate_and_score_completions
 
+    def _uncorrected_batch(self) -> RuntimeError:
+        """With an IS correction on, a training generation batch without rollout log-probs would train uncorrected:
+        the error raised instead. The attach refuses the settings known to yield none (``translate.pipeline_config``);
+        this catches what shows only at generation (a decoding mode from the model's own generation config, a
+        ``rollout_func`` that returns no log-probs, a call the recorder could not read)."""
+        if self._call.unsupported_batch:
+            why = ("TRL's generate ran a decoding mode the recorder cannot follow (beam search, assisted "
+                   "decoding: tim/diag/unsupported_generation_mode)")
+            fix = "sampling or greedy decoding (num_beams=1 in generation_kwargs and in the model's generation config)"
+        elif self.rollout_source == "custom":
+            why = "the trainer's rollout_func (GRPOTrainer(rollout_func=...)) returned no 'logprobs'"
+            fix = "return the sampled tokens' log-probs from rollout_func as 'logprobs'"
+        else:
+            why = f"no rollout log-probs came with it (rollout log-probs: {self.rollout_source}; tim/diag/*)"
+            fix = "use_vllm=True, or the fix of the tim/diag warning logged above"
+        return RuntimeError(
+            f"tim_plugins: TIMConfig(is_correction={self.config.is_correction!r}) weights each loss forward by the "
+            f"rollout log-probs, and the generation batch of step {self.trainer.state.global_step + 1} has none: "
+            f"{why}. Its loss would train uncorrected; with a correction on, the adapter raises instead. Fix: {fix}, "
+            "or is_correction=None")
+
     def _trl_mean_lengths(self) -> list | None:
         """The list TRL appends each training generation batch's mean completion length to (its logged
         ``completions/mean_length``), or None (read without creating the key of TRL's defaultdict)."""
@@ -73,6 +94,8 @@ class GenerationWrappers:
                 pad = getattr(translate.tokenizer(self.trainer), "pad_token_id", None)
                 self._length = mean_length(translate.completion_lengths(out, pad))
             self._step_lengths.append(self._length)
+        if rollout is None and self.pipeline.config.correction is not None:
+            raise self._uncorrected_batch()
         if rollout is None and not self._call.unsupported_batch and (c.monitor or c.is_correction is not None):
             self.pipeline.count("no_rollout_logprobs")
         train = out.get("old_per_token_logps")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["field_help", "help_texts", "help_table", "core_field", "coerce_options", "unknown_names"]
+__all__ = ["field_help", "help_texts", "help_table", "core_field", "coerce_options", "unknown_names", "field_default"]
 
 
 def field_help(text: str, options: type | None = None) -> dict:
@@ -94,7 +94,7 @@ def coerce_options(cls, value, path: str, *, fix: str | None = None, option_fix=
     except (TypeError, ValueError) as err:
         culprit = _refused_option(cls, value, fixed) if option_fix is not None else None
         if culprit is not None:
-            fix = option_fix(culprit, _default(cls, culprit))
+            fix = option_fix(culprit, field_default(cls, culprit))
         text = str(err).rstrip()
         raise ValueError(f"{path}={dict(value)!r} is invalid: {text}{'' if text.endswith('.') else '.'} Fix: {fix}"
                          ) from None
@@ -111,7 +111,8 @@ def _refused_option(cls, value, fixed: dict):
     return None
 
 
-def _default(cls, name: str):
+def field_default(cls, name: str):
+    """The default of dataclass ``cls``'s field ``name`` (its factory's value for a factory default)."""
     from dataclasses import MISSING, fields
 
     f = next(f for f in fields(cls) if f.name == name)

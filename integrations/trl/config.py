@@ -15,7 +15,8 @@ import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
-from tim_plugins._config import coerce_options, core_field, field_help, help_table, help_texts, unknown_names
+from tim_plugins._config import (coerce_options, core_field, field_default, field_help, help_table, help_texts,
+                                 unknown_names)
 from tim_plugins.causes import CauseConfig
 from tim_plugins.corrections import CORRECTION_MODES, CorrectionConfig
 from tim_plugins.dump import DumpConfig
@@ -295,7 +296,6 @@ class TIMConfig:
                  "lr_decay_options": ("lr_decay",), "lr_decay_signals": ("lr_decay",),
                  "dump_options": ("dump_dir",),
                  "safe_vocab_min_p": ("safe_vocab",), "mask_boundary_tokens": ("safe_vocab",)}
-        defaults = {f.name: f.default for f in fields(self)}
         for name, switches in needs.items():
             value, off = getattr(self, name), [switch[s] for s in switches if switch[s][0]]
             if not off:
@@ -304,10 +304,10 @@ class TIMConfig:
                 # out_dir is dump_dir's; the signals lr_decay_signals named are reported under that field
                 fixed = {"out_dir"} | ({"signals"} if name == "lr_decay_options" and self.lr_decay_signals else set())
                 given = {f.name: getattr(value, f.name) for f in fields(value)
-                         if f.name not in fixed and getattr(value, f.name) != _field_default(f)}
+                         if f.name not in fixed and getattr(value, f.name) != field_default(type(value), f.name)}
                 count = len(given)
             else:
-                given, count = value, int(value != defaults[name])
+                given, count = value, int(value != field_default(type(self), name))
             if count:
                 logger.warning("TIMConfig.%s=%r while %s: %s nothing. Fix: %s", name, given,
                                " and ".join(said for _, said, _ in off),
@@ -382,10 +382,6 @@ class TIMConfig:
 
 # TIMConfig's switches: checked with the shared type rule (``options.type_problem``), as verl's settings are.
 _SWITCHES = tuple(f.name for f in fields(TIMConfig) if f.type == "bool")
-
-
-def _field_default(f: dataclasses.Field):
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _options(cls, value, name: str, **fixed):

@@ -8,6 +8,7 @@ import ast
 import importlib.machinery
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -167,6 +168,49 @@ def test_the_latest_stack_takes_the_torch_pip_installs_and_names_the_newest_list
     src = (ROOT / "scripts" / "stack").read_text()
     body = src[src.index("def latest() -> int:"):src.index("_VERSIONS = ")]
     assert "torch = f\"torch=={_freeze(venv)['torch']}\"" in body
+
+
+def _wheel(folder: Path, name: str, version: str) -> None:
+    """A minimal pure-Python wheel (metadata only): enough for pip to resolve and install it."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+
+
+def test_the_latest_stacks_pip_ignores_a_machine_cap_but_keeps_its_find_links(tmp_path):
+    """A CI machine's pip configuration may cap a package (``global.constraint``: this machine caps torch at the
+    release on its disk); a user's pip has no such cap, so the latest lane's pip runs with USER_PIP_ENV. Real pip,
+    a package offered in two releases through the configuration's find-links: capped at 1.0 by the configuration,
+    2.0 with USER_PIP_ENV (and find-links, also from the configuration, still read)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for version in ("1.0", "2.0"):
+        _wheel(wheels, "timcapprobe", version)
+    cap = tmp_path / "cap.txt"
+    cap.write_text("timcapprobe<=1.0\n")
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nconstraint = {cap}\nfind-links = {wheels}\nno-index = true\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+
+    def would_install(extra: dict) -> str:
+        out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "timcapprobe"],
+                             capture_output=True, text=True, env={**base, "PIP_CONFIG_FILE": str(conf), **extra})
+        assert out.returncode == 0, out.stderr
+        return re.search(r"Would install (\S+)", out.stdout).group(1)
+
+    assert would_install({}) == "timcapprobe-1.0"
+    assert would_install(stack.USER_PIP_ENV) == "timcapprobe-2.0"
+    # every pip call that builds .venv-latest runs with it (pip itself, torch, the extras)
+    src = (ROOT / "scripts" / "stack").read_text()
+    body = src[src.index("def latest() -> int:"):src.index("_VERSIONS = ")]
+    calls = re.findall(r"_run\(\[PIP_INSTALL.*?\)\n", body, re.S)
+    assert len(calls) == 3 and all("USER_PIP_ENV" in call for call in calls)
 
 
 def _test_recipe() -> str:

@@ -145,3 +145,23 @@ def test_a_file_whose_data_pages_are_damaged_is_skipped_and_named(tmp_path):
     assert m["tim/token/abs_diff_mean"] == pytest.approx(_naive_abs_mean(r, t, np.ones(10, bool)), rel=1e-9)
     html = build_report(tmp_path, threads=1).read_text()
     assert path.name in html and "10 tokens from 1 sequences" in html
+
+
+def test_read_dump_widens_another_writers_float64_and_int32_columns_beside_ours(tmp_path):
+    """``read_dump`` (the whole dump as one Table) of our float32 file beside another writer's float64 log-probs and
+    int32 steps: every row, the values exactly as written, in the wider type (pyarrow's own cast as reference)."""
+    from tim_plugins.dump import read_dump
+
+    r, t = _write(tmp_path, step=1, n=4)
+    wide = {"step": pa.array([2] * 3, pa.int32()), "rank": pa.array([0] * 3, pa.int32()),
+            "sequence": pa.array([0] * 3, pa.int64()), "position": pa.array([0, 1, 2], pa.int32()),
+            "token_id": pa.array([7, 8, 9], pa.int64()),
+            "rollout_logprob": pa.array([-0.1, -0.2, -0.3], pa.float64()),
+            "train_logprob": pa.array([-0.11, -0.21, -0.31], pa.float64())}
+    pq.write_table(pa.table(wide), tmp_path / dump_file_name(2, 0))
+    table = read_dump(tmp_path)
+    assert table.schema.field("rollout_logprob").type == pa.float64()
+    assert table.schema.field("step").type == pa.int64()
+    assert table.column("step").to_pylist() == [1] * 4 + [2] * 3
+    assert table.column("rollout_logprob").to_pylist() == [*r.tolist(), -0.1, -0.2, -0.3]
+    assert table.column("train_logprob").to_pylist() == [*t.tolist(), -0.11, -0.21, -0.31]

@@ -370,8 +370,9 @@ def read_dump(directory: str | os.PathLike):
             f"no dump files (step_*-rank_*.parquet) in {str(directory)!r}: point at the folder the dumper wrote."
         )
     tables = [pq.read_table(f) for f in files]
-    # Files with and without an entropy column can be mixed: unify with nulls.
-    table = pa.concat_tables(tables, promote_options="default")
+    # Files with and without an entropy column can be mixed: unify with nulls. Another writer's float64 (or int32
+    # key) columns beside ours are widened, as the report's queries read them.
+    table = pa.concat_tables(tables, promote_options="permissive")
     return table.sort_by([("step", "ascending"), ("rank", "ascending"), ("sequence", "ascending"),
                           ("position", "ascending")])
 

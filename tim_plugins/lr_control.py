@@ -342,8 +342,7 @@ class LengthTriggeredLRDecay:
         if step is not None:
             step = int(step)
             if self._last_step is not None and step <= self._last_step:
-                self._stale += 1
-                self._triggered = False
+                self._stale += 1  # ignored: the counting call's state (tim/lr/triggered included) stands
                 return self._scale
             self._last_step = step
 

@@ -250,12 +250,15 @@ def _top_p_cut(logits, rows: torch.Tensor, m: torch.Tensor, tau: torch.Tensor, t
     widest = None
     while True:
         union = _gather_rows(cand, group)
-        vals = union.topk(min(c, union.shape[1]), dim=-1, sorted=True).values  # the rows' c largest, exactly
-        p = (vals - m[pending, None]).exp_().div_(mass[pending, None])
+        # every shard gave all its kept values: the union is the whole kept row, sorted whole (its c largest alone
+        # would cut a nucleus wider than the widest shard at c values)
+        whole = widest is not None and c >= widest
+        vals = union.topk(union.shape[1] if whole else min(c, union.shape[1]), dim=-1, sorted=True).values
+        p = (vals - m[pending, None]).exp_().div_(mass[pending, None])  # without whole: the rows' c largest, exactly
         above = p.cumsum(dim=-1).sub_(p)  # mass strictly above each sorted value
         count = ((above < top_p) & (vals > -math.inf)).sum(dim=-1)  # the kept prefix (>= 1: the row max)
         cut[pending] = vals.gather(-1, (count - 1).clamp(min=0)[:, None]).squeeze(-1)
-        if widest is not None and c >= widest:  # every shard gave all its kept values: the cuts are exact
+        if whole:  # the cuts are exact
             return cut
         short = count >= vals.shape[1]  # the whole candidate prefix is kept: the cut may lie below it
         if not bool(short.any()):
@@ -264,8 +267,6 @@ def _top_p_cut(logits, rows: torch.Tensor, m: torch.Tensor, tau: torch.Tensor, t
             width = torch.tensor([float(logits.shape[1])], device=m.device)
             dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
             widest = int(width.item())
-            if c >= widest:
-                return cut
         pending = pending[short]
         c = min(c * _CANDIDATE_GROWTH, widest)
         tops = []

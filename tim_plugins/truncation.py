@@ -212,7 +212,12 @@ def truncation_threshold(z: torch.Tensor, trunc: Truncation, row_max: torch.Tens
 
 def hf_generate_kwargs(trunc: Truncation) -> dict[str, Any]:
     """``generate`` kwargs for ``trunc``: sampling on, every knob explicit (a model's generation_config may carry
-    its own top_k/top_p defaults that would silently truncate more), scores returned for processed log-probs."""
+    its own top_k/top_p defaults that would silently truncate more), scores returned for processed log-probs.
+
+    The other knobs of ``generate`` that cut or reshape the sampling distribution, and that a model's
+    generation_config may set (typical_p, epsilon_cutoff, eta_cutoff, top_h; repetition_penalty, as
+    Qwen2.5-Instruct's 1.05; no_repeat_ngram_size), are turned off: the trainer's safe vocabulary applies
+    temperature, top-k, top-p and min-p only, so any other would make the rollout's log-probs differ from it."""
     if trunc.order != "hf":
         raise ValueError(
             f"order={trunc.order!r}: HF generate applies top_k, then top_p, then min_p; build the Truncation with "
@@ -224,6 +229,13 @@ def hf_generate_kwargs(trunc: Truncation) -> dict[str, Any]:
         "top_k": int(trunc.k),  # 0 disables TopKLogitsWarper
         "top_p": float(trunc.top_p),
         "min_p": float(trunc.min_p) if trunc.min_p > 0.0 else None,
+        # off, whatever the model's generation_config says (transformers' values that disable each warper)
+        "typical_p": 1.0,
+        "epsilon_cutoff": 0.0,
+        "eta_cutoff": 0.0,
+        "top_h": None,
+        "repetition_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
         "output_scores": True,
         "return_dict_in_generate": True,
     }

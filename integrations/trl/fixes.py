@@ -38,7 +38,11 @@ FINDING_FIXES = {
     "temperature-mismatch":
         "temperature=T (one field drives both sides; server mode must not override it)",
     "sampler-penalties-unmatched":
-        "repetition_penalty=1.0 and no penalties in generation_kwargs; no vllm_structured_outputs_regex (nor "
+        "repetition_penalty=1.0 and no penalties in generation_kwargs; with use_vllm=False, none of the "
+        "transformers settings the audit names there either (no_repeat_ngram_size, bad_words_ids, suppress_tokens, "
+        "begin_suppress_tokens, sequence_bias, min_new_tokens, min_length, forced_eos_token_id, typical_p, top_h, "
+        "epsilon_cutoff, eta_cutoff, ...): drop them from generation_kwargs, as the GRPO trainer applies none of "
+        "them and the safe vocabulary cuts at min_p, top_p and top_k only; no vllm_structured_outputs_regex (nor "
         "generation_kwargs['structured_outputs']): the trainer scores the unconstrained model, so reward the format "
         "instead",
     "quantized-rollout":

@@ -44,7 +44,10 @@ TRL_SOURCES = {
         "self.min_p, self.repetition_penalty, self.max_completion_length, "
         "self.use_transformers_continuous_batching (each `self.<name> = args.<name>`), self.rollout_func = "
         "rollout_func; TRL >= 1.15: self.eos_token_ids (the generation config's EOS ids, the tokenizer's first), "
-        "where _generate_single_turn cuts completions (TRL 1.9 - 1.14 cut at the tokenizer's eos_token_id)",
+        "where _generate_single_turn cuts completions (TRL 1.9 - 1.14 cut at the tokenizer's eos_token_id); the "
+        "transformers path's GenerationConfig is built from its own dict (do_sample=True, max_new_tokens, "
+        "temperature, top_p, top_k, min_p, repetition_penalty, ...) updated with args.generation_kwargs, which win "
+        "(the exact sampler's check and the safe vocabulary's greedy refusal read them so)",
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"):
         "called once per generation batch with the raw inputs; returns the batch dict (masks, log-probs, "
         "advantages) that _prepare_inputs shuffles and splits row-wise; old_per_token_logps is its first policy "

@@ -10,7 +10,10 @@ What TRL does, read in the installed sources:
   on, on, off). SamplingParams: temperature, top_p, top_k, min_p (None → 0), repetition_penalty, plus
   ``generation_kwargs``.
 - vLLM server mode: the engine is configured by ``trl vllm-serve``; pass its args as ``server_args``.
-- Without vLLM: HF generation with the same (unwrapped, dtype-cast) model; no sampler log-probs are kept.
+- Without vLLM: HF generation with the same (unwrapped, dtype-cast) model; no sampler log-probs are kept. TRL's
+  ``GenerationConfig`` is its sampler dict updated with ``generation_kwargs``: transformers-only settings there
+  (n-gram bans, bad words, suppressed / forced tokens, sequence bias, typical/epsilon/eta cuts, ...) change the
+  sampled distribution (``hf_sampler_processors``); vLLM's names (presence_penalty, logit_bias, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -22,8 +25,26 @@ from typing import Any, Optional
 from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
 from tim_plugins.parity.vllm_spec import checkpoint_dtype_from_path, spec_from_engine_args
 
+from .exact_settings import GENERATION_NEUTRAL, is_neutral
+
 __all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_config", "specs_from_trainer",
-           "load_grpo_config", "generation_kwargs", "sampler_settings"]
+           "load_grpo_config", "generation_kwargs", "greedy_decoding", "sampler_settings", "hf_sampler_processors"]
+
+# vLLM samples greedily below this temperature, and then resets top_p, top_k and min_p and divides by no temperature
+# (vllm/sampling_params.py _SAMPLING_EPS, SamplingParams.__post_init__)
+_VLLM_GREEDY_T = 1e-5
+
+# sampler settings both engines know, read into PipelineSpec's own fields (do_sample: ``greedy_decoding``)
+_SHARED_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# vLLM SamplingParams only: transformers' GenerationConfig keeps them as attributes no generation step reads
+_VLLM_ONLY_KEYS = ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids")
+# transformers settings (exact_settings.GENERATION_NEUTRAL) that change no token's distribution given its prefix:
+# how many sequences are returned and when generation stops (the trainer scores the tokens kept), and assisted
+# decoding (speculative sampling / candidate verification keep the target model's processed distribution)
+_HF_NOT_A_DISTRIBUTION = ("do_sample", "num_return_sequences", "max_time", "stop_strings", "assistant_model",
+                          "prompt_lookup_num_tokens", "assistant_early_exit")
+# transformers' warpers (GenerationMixin._get_logits_processor): applied under do_sample only
+_HF_SAMPLING_ONLY = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
 def load_grpo_config(path: str | Path) -> Any:
@@ -87,18 +108,64 @@ def generation_kwargs(args: Any) -> dict:
     return json.loads(gen) if isinstance(gen, str) else dict(gen)
 
 
+def greedy_decoding(args: Any) -> Optional[str]:
+    """The setting that makes TRL's sampler decode greedily, or None when it samples. Transformers generation:
+    ``generation_kwargs['do_sample']`` false (TRL sets True and lays generation_kwargs over it); transformers then
+    applies none of its sampling warpers (temperature, top-k, top-p, min-p: ``GenerationMixin._get_logits_processor``
+    adds them under ``do_sample`` only). vLLM: a temperature below its greedy threshold, where vLLM resets top_p,
+    top_k and min_p. Either way nothing is cut, and the rollout's log-probs (vLLM's processed ones, or those the
+    adapter records from generate: TRL keeps none there) are the full softmax at T=1 after the penalties."""
+    gen = generation_kwargs(args)
+    if getattr(args, "use_vllm", False):
+        t = gen.get("temperature", args.temperature)
+        return f"temperature={t!r}" if t is not None and t < _VLLM_GREEDY_T else None
+    if "do_sample" in gen and not gen["do_sample"]:
+        return f"generation_kwargs['do_sample']={gen['do_sample']!r}"
+    return None
+
+
 def sampler_settings(args: Any) -> dict:
     """The settings TRL's sampler runs with: GRPOConfig's temperature, top_p, top_k, min_p (None -> 0) and
     repetition_penalty, overridden by ``generation_kwargs`` (TRL updates its sampling kwargs with them, on the
-    vLLM and the transformers path alike); the penalties and logit constraints generation_kwargs adds with them.
-    The parity audit reads the rollout side from it, and the safe vocabulary cuts where it says."""
+    vLLM and the transformers path alike); with vLLM, the penalties and logit constraints generation_kwargs adds
+    with them (transformers ignores those names; its own settings are ``hf_sampler_processors``'s).
+    Greedy decoding (``greedy_decoding``) cuts nothing: top_p 1, top_k 0, min_p 0, and temperature 0 (the audit's
+    greedy, log-probs of T=1) where transformers decodes greedily. The parity audit reads the rollout side from it,
+    and the safe vocabulary cuts where it says."""
     gen = generation_kwargs(args)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "min_p": 0.0 if args.min_p is None else args.min_p, "repetition_penalty": args.repetition_penalty}
-    sampling.update({k: v for k, v in gen.items() if k in (
-        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "logit_bias", "bad_words", "allowed_token_ids")})
+    keys = _SHARED_KEYS + (_VLLM_ONLY_KEYS if getattr(args, "use_vllm", False) else ())
+    sampling.update({k: v for k, v in gen.items() if k in keys})
+    if greedy_decoding(args) is not None:
+        sampling.update(top_p=1.0, top_k=0, min_p=0.0)
+        if not getattr(args, "use_vllm", False):
+            sampling["temperature"] = 0.0
     return sampling
+
+
+def hf_sampler_processors(args: Any) -> tuple[str, ...]:
+    """The transformers generation settings in ``generation_kwargs`` that change the distribution TRL's transformers
+    generation samples from and that no `PipelineSpec` field holds, as ``"key=value"`` (() with vLLM, which takes
+    none of them: SamplingParams refuses unknown names). TRL lays generation_kwargs over its sampler dict and builds
+    one ``GenerationConfig`` of them; transformers then adds a logits processor for each such setting not at its
+    neutral value (``exact_settings.GENERATION_NEUTRAL``, ``is_neutral``): n-gram bans, bad words, sequence bias,
+    suppressed and forced tokens, minimum lengths, the EOS length penalty, encoder repetition penalty, guidance,
+    watermarking, beam search, ... The typical-p, epsilon, eta and top-h cuts are truncations, but ones no trainer
+    recomputes (the safe vocabulary applies min-p / top-p / top-k only): listed here too, so the audit reports them
+    as processing to drop (sampler-penalties-unmatched), not as a truncation it could match on the trainer's side;
+    under greedy decoding (``greedy_decoding``) transformers applies none of these warpers."""
+    if getattr(args, "use_vllm", False):
+        return ()
+    greedy = greedy_decoding(args) is not None
+    out = []
+    for key, value in generation_kwargs(args).items():
+        if key in _SHARED_KEYS or key in _HF_NOT_A_DISTRIBUTION or key not in GENERATION_NEUTRAL:
+            continue  # a PipelineSpec field; no distribution; inert or not a transformers setting (ignored)
+        if (greedy and key in _HF_SAMPLING_ONLY) or is_neutral(key, value):
+            continue
+        out.append(f"{key}={value!r}")
+    return tuple(out)
 
 
 def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
@@ -126,15 +193,21 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
                           llm: Any = None) -> PipelineSpec:
     """The rollout side: vLLM colocate/server (from what TRL passes to LLM()) or HF generation."""
     if args.use_vllm:
-        return _with_structured_outputs(_vllm_rollout_spec(args, model, server_args, device, llm), args)
+        spec = _with_structured_outputs(_vllm_rollout_spec(args, model, server_args, device, llm), args)
+        return spec.replace(notes={**spec.notes, **_greedy_notes(args)}) if greedy_decoding(args) else spec
     gen_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else _param_dtype(args, model)
+    processors, notes = hf_sampler_processors(args), _greedy_notes(args)
+    if processors:
+        notes["custom_logits_processors"] = (
+            "transformers generation settings in GRPOConfig.generation_kwargs (TRL's GenerationConfig), each a "
+            "logits processor the trainer does not apply")
     return PipelineSpec(
         side="rollout", framework="hf-generate (trl)", dtype=gen_dtype,
         lm_head_dtype="float32" if args.cast_lm_head_to_fp32 else None, logprobs_mode=None,
-        **_sampler_fields(sampler_settings(args)), custom_logits_processors=(), weight_quantization="none",
+        **_sampler_fields(sampler_settings(args)), custom_logits_processors=processors, weight_quantization="none",
         kv_cache_dtype="auto", prefix_caching=False, chunked_prefill=False, cudagraph=False, compile=False,
         batch_invariant=False, attention_backend=trainer_spec_from_trl(args, model).attention_backend,
-        source="trl GRPOConfig (HF generation; TRL keeps no sampler log-probs)",
+        source="trl GRPOConfig (HF generation; TRL keeps no sampler log-probs)", notes=notes,
     )
 
 
@@ -157,6 +230,14 @@ def _vllm_rollout_spec(args: Any, model: Any, server_args: Any, device: str, llm
                             source="trl server mode: engine args unknown (pass server_args)")
     return spec_from_engine_args(server_args, sampling=sampling, checkpoint_dtype=_checkpoint_dtype(model, args),
                                  device=device, framework="vllm-server (trl)")
+
+
+def _greedy_notes(args: Any) -> dict:
+    greedy = greedy_decoding(args)
+    if greedy is None:
+        return {}
+    return {"temperature": f"greedy decoding ({greedy}): no temperature, top-k, top-p nor min-p applies, the "
+                           "rollout's log-probs are the full softmax at T=1"}
 
 
 def _with_structured_outputs(spec: PipelineSpec, args: Any) -> PipelineSpec:

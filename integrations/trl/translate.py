@@ -17,7 +17,8 @@ from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
-from .parity_spec import generation_kwargs, sampler_settings
+from .exact_settings import check_exact_sampler
+from .parity_spec import generation_kwargs, greedy_decoding, sampler_settings
 
 __all__ = ["completion_lengths", "eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows",
            "pipeline_config", "response_mask", "rollout_source", "safe_truncation", "scale_policy_term", "tokenizer"]
@@ -74,8 +75,8 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
     and its own min_p (GRPOConfig.min_p, or generation_kwargs' when given). ``engine_logprobs_mode``: the
     server's (None: unknown, or TRL's colocate engine, which TRL builds with processed log-probs)."""
     # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (temperature, use_vllm; the sampler's min_p,
-    # top_k and top_p merged from GRPOConfig and its generation_kwargs as TRL merges them; the safe-vocabulary routes
-    # of features.py)
+    # top_k and top_p merged from GRPOConfig and its generation_kwargs as TRL merges them, and do_sample; the
+    # safe-vocabulary routes of features.py)
     args = trainer.args
     if engine_logprobs_mode is not None and engine_logprobs_mode != "processed_logprobs":
         # the same rule as tim_plugins.integrations.vllm.sampling.check_vllm_engine
@@ -85,6 +86,15 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
             "the same set's, processed log-probs; raw ones are taken before the cut (every ratio would read the kept "
             "mass). Fix: restart the server with --logprobs-mode processed_logprobs (`trl vllm-serve` sets it; a "
             "plain `vllm serve` needs it), or safe_vocab=False")
+    greedy = greedy_decoding(args)
+    if greedy is not None:
+        fix = ("drop do_sample from generation_kwargs (TRL samples then)" if not trainer.use_vllm else
+               "a temperature >= 1e-5 (GRPOConfig.temperature, or generation_kwargs' own)")
+        raise ValueError(
+            f"TIMConfig.safe_vocab=True with greedy decoding ({greedy}) is invalid: {SAFE_VOCAB_NEEDS_A_CUT}, and "
+            "greedy decoding cuts nothing (transformers applies top-k/top-p/min-p only when it samples, vLLM resets "
+            "them for greedy requests): the rollout's log-probs are the full softmax at T=1, whatever GRPOConfig's "
+            f"min_p / top_p / top_k say. Fix: {fix}, or safe_vocab=False")
     # the cut TRL's sampler makes: GRPOConfig's min_p / top_k / top_p as generation_kwargs override them, read as
     # the parity audit reads the rollout side
     sampling, gen = sampler_settings(args), generation_kwargs(args)
@@ -129,7 +139,8 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
 
 
 # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_p, top_k, min_p, repetition_penalty,
-# use_vllm, vllm_importance_sampling_correction, use_transformers_continuous_batching; features.EXACT_SAMPLER,
+# use_vllm, vllm_importance_sampling_correction, use_transformers_continuous_batching; the transformers path's
+# generation settings, its own dict updated with GRPOConfig.generation_kwargs; features.EXACT_SAMPLER,
 # features.LOSS_FACTOR)
 def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool, loss_factor: bool,
                     asynchronous: bool = False) -> PipelineConfig:
@@ -138,14 +149,7 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
     if config.is_correction is not None:
         _check_rollout_logprobs(trainer, config, source)
     if source == "exact":
-        bad = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
-                                 ("repetition_penalty", trainer.repetition_penalty))
-               if v not in (None, 0, 1.0, 0.0) and not (k == "top_k" and v <= 0)}
-        if bad:
-            raise ValueError(
-                f"TIMConfig.rollout='exact' samples softmax(logits/T) only, but GRPOConfig sets {bad}. Fix: "
-                "GRPOConfig(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0) for the exact run, or "
-                "TIMConfig(rollout='auto') to keep that sampler.")
+        check_exact_sampler(trainer, lambda: eos_token_ids(trainer))
     if config.is_correction is not None and loss_factor and trainer.use_vllm \
             and trainer.vllm_importance_sampling_correction:
         raise ValueError(

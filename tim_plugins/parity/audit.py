@@ -46,13 +46,28 @@ def _effective_temperature(t: Optional[float]) -> Optional[float]:
     return 1.0 if t < _GREEDY_T else t
 
 
+def _greedy(spec: PipelineSpec) -> bool:
+    return spec.temperature is not None and spec.temperature < _GREEDY_T
+
+
+def _truncation(spec: PipelineSpec) -> dict:
+    """{top_p, top_k, min_p} as the sampler applies them: a greedy rollout (temperature below vLLM's greedy threshold:
+    vLLM's greedy requests, transformers' do_sample=False) cuts nothing, whatever its fields say (vLLM resets them,
+    transformers applies its truncation warpers only when sampling); its log-probs are the full softmax at T=1."""
+    if spec.side == "rollout" and _greedy(spec):
+        return {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    return {"top_p": spec.top_p, "top_k": spec.top_k, "min_p": spec.min_p}
+
+
 def rollout_processing_active(spec: PipelineSpec) -> Optional[bool]:
-    """True when the sampler changes the distribution (temperature, truncation, penalties); None if unknown."""
+    """True when the sampler changes the distribution (temperature, truncation, penalties); None if unknown. A greedy
+    rollout's truncation fields do not count: it cuts nothing."""
+    cut = _truncation(spec)
     checks = [
         None if spec.temperature is None else abs(_effective_temperature(spec.temperature) - 1.0) > _FLOAT_TOL,
-        None if spec.top_p is None else spec.top_p < 1.0,
-        None if spec.top_k is None else spec.top_k > 0,
-        None if spec.min_p is None else spec.min_p > 0.0,
+        None if cut["top_p"] is None else cut["top_p"] < 1.0,
+        None if cut["top_k"] is None else cut["top_k"] > 0,
+        None if cut["min_p"] is None else cut["min_p"] > 0.0,
         None if spec.repetition_penalty is None else abs(spec.repetition_penalty - 1.0) > _FLOAT_TOL,
         None if spec.presence_penalty is None else spec.presence_penalty != 0.0,
         None if spec.frequency_penalty is None else spec.frequency_penalty != 0.0,
@@ -104,24 +119,25 @@ def audit(rollout: PipelineSpec, trainer: PipelineSpec) -> list[Finding]:
                    "equal to processed today only because no sampler processing is active")
             out.append(make_finding("logprobs-mode-not-processed", severity,
                                     f"raw_logprobs are taken before sampler processing: {why}", mode, "processed"))
-    # 4 truncation
-    trunc = [("top_p", rollout.top_p, trainer.top_p), ("top_k", rollout.top_k, trainer.top_k),
-             ("min_p", rollout.min_p, trainer.min_p)]
+    # 4 truncation (a greedy rollout cuts nothing; its temperature is check 5's)
+    r_cut, t_cut = _truncation(rollout), _truncation(trainer)
     diffs = {}
-    for name, r, t in trunc:
+    for name in ("top_p", "top_k", "min_p"):
+        r, t = r_cut[name], t_cut[name]
         if known(name, r, t) and (abs(r - t) > _FLOAT_TOL if isinstance(r, float) else r != t):
             diffs[name] = (r, t)
     if diffs:
         desc = ", ".join(f"{k} rollout={r} trainer={t}" for k, (r, t) in diffs.items())
+        greedy = " (greedy rollout: it cuts nothing)" if _greedy(rollout) else ""
         out.append(make_finding("sampler-truncation-unmatched", "error",
-                                f"sampler truncation differs between the sides: {desc}",
+                                f"sampler truncation differs between the sides: {desc}{greedy}",
                                 {k: v[0] for k, v in diffs.items()}, {k: v[1] for k, v in diffs.items()}))
     # 5 temperature
     r_t, t_t = _effective_temperature(rollout.temperature), trainer.temperature
     if known("temperature", r_t, t_t) and abs(r_t - t_t) > _FLOAT_TOL * max(1.0, abs(t_t)):
-        note = " (greedy rollout: log-probs are those of T=1)" if rollout.temperature < _GREEDY_T else ""
-        out.append(make_finding("temperature-mismatch", "error",
-                                f"rollout samples at T={rollout.temperature}, the trainer divides by T={t_t}{note}",
+        what = (f"rollout decodes greedily (T={rollout.temperature}: its log-probs are those of T=1)"
+                if _greedy(rollout) else f"rollout samples at T={rollout.temperature}")
+        out.append(make_finding("temperature-mismatch", "error", f"{what}, the trainer divides by T={t_t}",
                                 rollout.temperature, t_t))
     # 6 penalties, logit bias, bad words, custom processors
     pen = {}
@@ -253,7 +269,8 @@ def enforce(
             `truncation_side`), "sampler-penalties-unmatched" (penalties off on the rollout) and
             "quantized-rollout" (full-precision rollout): these change what is sampled or the memory needed.
         truncation_side: "rollout" turns rollout truncation off; "trainer" makes the trainer apply the rollout's
-            top-p/top-k/min-p (only if the trainer adapter supports it).
+            top-p/top-k/min-p (only if the trainer adapter supports it). A greedy rollout cuts nothing whatever its
+            settings: the trainer's truncation is turned off instead, either way.
         strict: raise `ParityError` if error-level findings remain after the fixes.
     """
     fix = set(DEFAULT_FIXES if fix is None else fix)
@@ -304,11 +321,13 @@ def enforce(
             change("rollout", "compile", False, "vllm enforce_eager=True")
         engine["enforce_eager"] = True
     if "sampler-truncation-unmatched" in fix and "sampler-truncation-unmatched" in before:
-        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
-            r, t = getattr(rollout, name), getattr(trainer, name)
+        r_cut = _truncation(rollout)
+        for name in ("top_p", "top_k", "min_p"):
+            r, t = r_cut[name], getattr(trainer, name)
             if r is None or t is None or r == t:
                 continue
-            if truncation_side == "rollout":
+            # a greedy rollout cuts nothing whatever its settings: only the trainer can match it
+            if truncation_side == "rollout" and not _greedy(rollout):
                 change("rollout", name, getattr(trainer, name), f"vllm SamplingParams({name}={t})")
                 sampling[name] = t
             else:

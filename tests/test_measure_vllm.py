@@ -142,7 +142,9 @@ def test_an_injector_seed_beyond_int64_runs_in_the_engine(vllm_llm):
     from tim_plugins.rollout.inject import TailNoiseInjector
 
     def run(extra_args):
-        params = SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, seed=7, extra_args=extra_args)
+        # ignore_eos: six tokens whatever is sampled (the toy model's EOS is drawn early on some CPUs' kernels)
+        params = SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, seed=7, ignore_eos=True,
+                                extra_args=extra_args)
         out = vllm_llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0]
         return list(out.token_ids), [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)]
 

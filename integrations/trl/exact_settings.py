@@ -1,5 +1,7 @@
-"""What ``TIMConfig(rollout="exact")`` can reproduce of TRL's transformers generation, read from GRPOConfig and its
-``generation_kwargs`` as TRL merges them: a setting that makes TRL sample anything else is refused at attach time."""
+"""Which transformers generation settings change the distribution TRL's transformers generation samples from
+(``GENERATION_INERT``, ``GENERATION_NEUTRAL``, ``is_neutral``; the parity audit's TRL reader uses them too), and what
+``TIMConfig(rollout="exact")`` can reproduce of it, read from GRPOConfig and its ``generation_kwargs`` as TRL merges
+them: a setting that makes TRL sample anything else is refused at attach time."""
 
 from __future__ import annotations
 

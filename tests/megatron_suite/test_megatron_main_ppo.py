@@ -75,6 +75,11 @@ MEGATRON_OVERRIDES = [
 # recipe's min-p, then top-k, then top-p).
 TOP_P, TOP_K = 0.8, 20
 USER_SAMPLER = [f"actor_rollout_ref.rollout.top_p={TOP_P}", f"actor_rollout_ref.rollout.top_k={TOP_K}"]
+# An entropy bonus: every step's update moves the weights, whatever the rewards. The broken sync is visible only
+# where the actor moved since the last whole sync; with the toy's first prompts every sample can score the same
+# reward (GRPO advantages 0, grad norm 0: seen on one machine's CPU kernels at steps 1-2), and an unmoved layer that
+# a sync skips still holds the actor's values.
+MOVE_EVERY_STEP = ["actor_rollout_ref.actor.entropy_coeff=0.01"]
 # bf16 rollouts against a bf16 actor: a sampled token falls outside the actor's recomputed cut only where the two
 # sides' logits straddle it (measured: 0 of 32 tokens at each step)
 BOUNDARY_MAX = 0.05
@@ -113,13 +118,14 @@ def _recipe_tim_overrides(M) -> list[str]:
 def _megatron_overrides(M, files, workdir) -> list[str]:
     """main_ppo's overrides of these runs: the FSDP suite's base and CPU ones (less what Megatron replaces), the
     recipe's Megatron tim overrides, the Megatron CPU settings, the user's sampler, two pipeline stages."""
-    replaced = ("actor_rollout_ref.actor.strategy=", *(o.lstrip("+").split("=", 1)[0] + "=" for o in LAYOUT))
+    replaced = ("actor_rollout_ref.actor.strategy=",
+                *(o.lstrip("+").split("=", 1)[0] + "=" for o in (*LAYOUT, *MOVE_EVERY_STEP)))
     return (["--config-name=ppo_megatron_trainer"]
             + [o for o in M.base_overrides(files, workdir, steps=STEPS, batch=BATCH, n=N)
                if not o.lstrip("+").startswith(replaced)]
             + [o for o in M.CPU_OVERRIDES if "fsdp_config" not in o and "use_remove_padding" not in o
                and not o.lstrip("+").startswith(replaced)]
-            + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER + list(LAYOUT))
+            + _recipe_tim_overrides(M) + MEGATRON_OVERRIDES + USER_SAMPLER + MOVE_EVERY_STEP + list(LAYOUT))
 
 
 def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3_and_names_a_sync_that_breaks(tmp_path,
@@ -172,6 +178,7 @@ def test_main_ppo_with_a_megatron_actor_logs_tim_k3_equal_to_verl_k3_and_names_a
         else:  # verl's mean also holds the boundary tokens' terms (each >= 0): k3 · tokens <= verl's k3 · all
             assert k3 * m["tim/tokens"] <= verl_k3 * n_all * (1 + K3_REL) + K3_FP32_ABS, (step, k3, verl_k3)
         assert m["tim/probe/checked"] == 1.0, step
+        assert m["actor/grad_norm"] > 0.0, step  # the update moved the weights (MOVE_EVERY_STEP)
     assert any(resolved), [m["tim/token/kl_k3"] for m in run.steps.values()]
     # the fault-free syncs name no cause, and every weight sync was checked whole: the mbridge export that verl
     # streams into the vLLM servers, read back in each server's worker (a sync that could not be read would be counted

@@ -85,11 +85,18 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
         problems.extend(_sampling_mask_problems(config, logprobs_mode=not tim.safe_vocab.enabled))
     rollout_corr = (config.get("algorithm") or {}).get("rollout_correction") or {}
     if tim.monitor.enable and rollout_corr.get("bypass_mode", False):
-        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob
-        problems.append(
-            "algorithm.rollout_correction.bypass_mode=True: verl then copies the rollout's log-probs into "
-            "old_log_probs instead of recomputing them, so the monitor has no trainer-side log-probs at the "
-            "rollout's weights and would read 0. Fix: algorithm.rollout_correction.bypass_mode=false")
+        # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._compute_old_log_prob (bypass: no old-log-prob
+        # pass); the engine measures the update's first optimizer step instead (engine_mixin._tim_measuring)
+        mini, batch = arr.actor.get("ppo_mini_batch_size"), (config.get("data") or {}).get("train_batch_size")
+        part = (f" (ppo_mini_batch_size={mini} of data.train_batch_size={batch}: that share of the batch's tokens; "
+                "the whole batch with the two equal)" if isinstance(mini, int) and isinstance(batch, int)
+                and mini < batch else "")
+        notes.append(
+            "algorithm.rollout_correction.bypass_mode=True: verl copies the rollout's log-probs into old_log_probs "
+            "and runs no old-log-prob pass, so tim/token/* measures the rollout against the update's first "
+            f"mini-batch{part}, in its training forward before any optimizer step of the batch (the weights that "
+            "sampled it, in the sync trainer); no split of the training passes (tim/staleness/*, tim/split/*, "
+            "tim/by_lag/*)")
     probe_node = _to_plain((config.get("tim") or {}).get("probe")) or {}
     unread = {k: probe_node[k] for k in ("action", "every_n_steps", "patience") if k in probe_node}
     if unread and not tim.probe.enabled and "enable" not in probe_node:

@@ -146,18 +146,22 @@ def test_rollout_without_the_same_min_p_is_refused(toy_model_path, drop, add, qu
     assert check_composed_config(compose(overrides + fix))[1] == []
 
 
-def test_bypass_mode_leaves_the_monitor_nothing_to_measure_and_is_refused(toy_model_path):
-    """verl's bypass mode copies the rollout's log-probs into old_log_probs (``PPOTrainer._compute_old_log_prob``):
-    the monitor would compare the rollout with itself. The recipe passes; the same with bypass_mode is refused,
-    quoting the fix, which passes again."""
+def test_bypass_mode_is_accepted_and_says_what_the_monitor_measures_there(toy_model_path):
+    """verl's bypass mode copies the rollout's log-probs into old_log_probs and runs no old-log-prob pass
+    (``PPOTrainer._compute_old_log_prob``): the monitor measures the update's first mini-batch instead
+    (test_verl_bypass_mode.py runs it). Accepted, with a note that says so and, with several mini-batches a step,
+    which share of the batch that is."""
     from tim_plugins.integrations.verl.composed import check_composed_config
 
-    recipe = recipe_overrides(toy_model_path)
-    assert check_composed_config(compose(recipe))[1] == []
-    _, problems, _ = check_composed_config(compose(recipe + ["algorithm.rollout_correction.bypass_mode=true"]))
-    assert len(problems) == 1 and "bypass_mode=True" in problems[0], problems
-    fix = problems[0].split("Fix: ")[1]
-    assert check_composed_config(compose(recipe + [fix]))[1] == []
+    recipe = recipe_overrides(toy_model_path) + ["algorithm.rollout_correction.bypass_mode=true"]
+    _, problems, notes = check_composed_config(compose(recipe))
+    assert problems == []
+    (note,) = [n for n in notes if n.startswith("algorithm.rollout_correction.bypass_mode=True")]
+    assert "the update's first mini-batch (ppo_mini_batch_size=64 of data.train_batch_size=256: that share" in note
+    assert "no split of the training passes" in note
+    config = compose(recipe + ["actor_rollout_ref.actor.ppo_mini_batch_size=256"])
+    (note,) = [n for n in check_composed_config(config)[2] if "bypass_mode=True" in n]
+    assert "the update's first mini-batch, in its training forward" in note
 
 
 @pytest.mark.parametrize("override, quoted", [

@@ -79,15 +79,11 @@ def is_neutral(key: str, value) -> bool:
         return False
 
 
-def check_exact_sampler(trainer, eos_ids) -> None:
+def check_exact_sampler(trainer, gen: dict, eos_ids) -> None:
     """Refuse ``rollout='exact'`` when TRL's transformers generation, as configured, would sample anything else than
     what the exact sampler reproduces: GRPOConfig's sampler settings, and ``generation_kwargs`` (laid over them).
-    ``eos_ids()``: the EOS ids TRL ends a completion at (``translate.eos_token_ids``), read where a setting
-    names them."""
-    from .parity_spec import generation_kwargs  # here: parity_spec reads this module's tables
-
-    args = getattr(trainer, "args", None)
-    gen = generation_kwargs(args) if args is not None else {}
+    ``gen``: GRPOConfig.generation_kwargs (``parity_spec.generation_kwargs``); ``eos_ids()``: the EOS ids TRL ends a
+    completion at (``translate.eos_token_ids``), read where a setting names them."""
     own = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
                              ("repetition_penalty", trainer.repetition_penalty)) if k not in gen}
     bad_own = {k: v for k, v in own.items() if not _exact_neutral(trainer, eos_ids, k, v)[0]}

@@ -149,7 +149,9 @@ def pipeline_config(trainer, config: TIMConfig, source: str, *, safe_vocab: bool
     if config.is_correction is not None:
         _check_rollout_logprobs(trainer, config, source)
     if source == "exact":
-        check_exact_sampler(trainer, lambda: eos_token_ids(trainer))
+        args = getattr(trainer, "args", None)
+        check_exact_sampler(trainer, generation_kwargs(args) if args is not None else {},
+                            lambda: eos_token_ids(trainer))
     if config.is_correction is not None and loss_factor and trainer.use_vllm \
             and trainer.vllm_importance_sampling_correction:
         raise ValueError(

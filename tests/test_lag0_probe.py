@@ -281,8 +281,8 @@ def test_the_faults_the_drift_names_leave_their_share_of_the_move(pair):
     the policy moves on (at 3e-3 over four syncs: 0.16, 0.12, 0.09, 0.10 on one machine, above 0.12 throughout on
     another: the CPU's kernels decide). The syncs named are exactly those where the rule's three conditions hold,
     recomputed from the figures; at 3e-3 the skipped layer is named at the first sync (its share is highest there).
-    When the floor margins are first passed differs by stack and machine (the 2nd or 3rd sync at 3e-4, later on
-    the oldest stack)."""
+    When the floor margins are first passed at 3e-4 differs by stack and machine (the 2nd or 3rd sync; on the oldest
+    stack after the 4 syncs run here, its shares 0.20-0.13)."""
     c = Lag0ProbeConfig()
     probe, named, _ = _run(pair, 6, fault=lambda k: "noop", lr=5e-5)
     assert all(h["drift"] == pytest.approx(h["moved_since_reference"], rel=1e-9) for h in probe.history)
@@ -295,7 +295,7 @@ def test_the_faults_the_drift_names_leave_their_share_of_the_move(pair):
                    if h["drift"] > c.drift_factor * h["floor"] and h["drift"] > h["floor"] + c.drift_min}
         rule = {h["step"] for h in probe.history
                 if h["step"] in margins and h["drift"] > c.drift_share * h["moved_since_reference"]}
-        assert {s for s, codes in named.items() if "probe-engine-drift" in codes} == rule and rule, (named, shares)
+        assert {s for s, codes in named.items() if "probe-engine-drift" in codes} == rule, (named, shares)
         if lr == 3e-3:
             first = probe.history[0]["step"]
             assert first in rule and shares[0] == max(shares), (rule, shares)

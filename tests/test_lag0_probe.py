@@ -280,7 +280,7 @@ def test_the_faults_the_drift_names_leave_their_share_of_the_move(pair):
     since the reference (a share of 1 exactly), a layer the sync skips (one of the toy's two) its part, which falls as
     the policy moves on (at 3e-3 over four syncs: 0.16, 0.12, 0.09, 0.10 on one machine, above 0.12 throughout on
     another: the CPU's kernels decide). The syncs named are exactly those where the rule's three conditions hold,
-    recomputed from the figures; at 3e-3 the skipped layer is named at the first sync (its share is highest there).
+    recomputed from the figures; at 3e-3 the skipped layer is named at the first sync.
     When the floor margins are first passed at 3e-4 differs by stack and machine (the 2nd or 3rd sync; on the oldest
     stack after the 4 syncs run here, its shares 0.20-0.13)."""
     c = Lag0ProbeConfig()
@@ -298,7 +298,7 @@ def test_the_faults_the_drift_names_leave_their_share_of_the_move(pair):
         assert {s for s, codes in named.items() if "probe-engine-drift" in codes} == rule, (named, shares)
         if lr == 3e-3:
             first = probe.history[0]["step"]
-            assert first in rule and shares[0] == max(shares), (rule, shares)
+            assert first in rule, (rule, shares)
 
 
 @pytest.mark.parametrize("field,value,rule", [

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from tim_plugins.parity.audit import GREEDY_T  # vLLM's greedy threshold (it resets top_p/top_k/min_p)
 from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
 from tim_plugins.parity.vllm_spec import checkpoint_dtype_from_path, spec_from_engine_args
 
@@ -30,9 +31,6 @@ from .exact_settings import GENERATION_NEUTRAL, is_neutral
 __all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_config", "specs_from_trainer",
            "load_grpo_config", "generation_kwargs", "greedy_decoding", "sampler_settings", "hf_sampler_processors"]
 
-# vLLM samples greedily below this temperature, and then resets top_p, top_k and min_p and divides by no temperature
-# (vllm/sampling_params.py _SAMPLING_EPS, SamplingParams.__post_init__)
-_VLLM_GREEDY_T = 1e-5
 
 # sampler settings both engines know, read into PipelineSpec's own fields (do_sample: ``greedy_decoding``)
 _SHARED_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -118,7 +116,7 @@ def greedy_decoding(args: Any) -> Optional[str]:
     gen = generation_kwargs(args)
     if getattr(args, "use_vllm", False):
         t = gen.get("temperature", args.temperature)
-        return f"temperature={t!r}" if t is not None and t < _VLLM_GREEDY_T else None
+        return f"temperature={t!r}" if t is not None and t < GREEDY_T else None
     if "do_sample" in gen and not gen["do_sample"]:
         return f"generation_kwargs['do_sample']={gen['do_sample']!r}"
     return None

@@ -23,10 +23,11 @@ __all__ = [
     "FIXABLE",
     "has_errors",
     "rollout_processing_active",
+    "GREEDY_T",
 ]
 
 # vLLM treats temperatures below this as greedy and does not divide the logits (vllm/v1/sample/sampler.py).
-_GREEDY_T = 1e-5
+GREEDY_T = 1e-5
 _FLOAT_TOL = 1e-6
 
 # Fixes applied by default: they change numerics, never the sampling distribution or memory footprint.
@@ -43,11 +44,11 @@ def _effective_temperature(t: Optional[float]) -> Optional[float]:
     # Greedy rows are not divided by the temperature: their log-probs are those of T = 1.
     if t is None:
         return None
-    return 1.0 if t < _GREEDY_T else t
+    return 1.0 if t < GREEDY_T else t
 
 
 def _greedy(spec: PipelineSpec) -> bool:
-    return spec.temperature is not None and spec.temperature < _GREEDY_T
+    return spec.temperature is not None and spec.temperature < GREEDY_T
 
 
 def _truncation(spec: PipelineSpec) -> dict:

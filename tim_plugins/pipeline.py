@@ -106,6 +106,9 @@ class TrainingSetup:
     hard-wired parts from. Adapters say which case they are in; the rules live here."""
 
     asynchronous: bool = False  # samples carry a policy lag; pi_old at every sample's rollout weights is never computed
+    # the loss's pi_old is the rollout's own log-probs (verl's bypass mode): no pass scores the batch at its rollout
+    # weights before it trains, so there is no exact split either; the statistics by lag stay
+    old_is_rollout: bool = False
     multi_turn: bool = True  # rollouts may hold several turns (the adapter passes turn keys to ``measure``)
     loss_factor: bool = True  # the adapter can multiply the loss's per-token policy term (boundary mask, IS weights)
 
@@ -122,14 +125,15 @@ def pipeline_config(*, monitor: bool = True, ratio_band=DEFAULT_RATIO_BAND, safe
     - the monitor brings the split of every loss pass (``staleness``) and the mismatch by response position, and by
       turn where rollouts can hold turns; it also brings the named causes (``causes``: their thresholds, None =
       off), whose stream rules read its lag-0 tokens;
-    - asynchronous trainers have no pi_old at the rollout's weights: no exact split, the statistics by lag stay;
+    - asynchronous trainers, and trainers whose pi_old is the rollout, have no pi_old at the rollout's weights: no
+      exact split, the statistics by lag stay;
     - without a way to scale the loss's policy term, neither the boundary mask nor an IS correction can act.
     """
     return PipelineConfig(
         monitor=monitor, ratio_band=ratio_band, safe_vocab=safe_vocab,
         mask_boundary=mask_boundary and setup.loss_factor,
         correction=correction if setup.loss_factor else None, lr_decay=lr_decay, probe=probe, dump=dump,
-        staleness=monitor, exact_split=not setup.asynchronous, by_position=monitor,
+        staleness=monitor, exact_split=not (setup.asynchronous or setup.old_is_rollout), by_position=monitor,
         by_turn=monitor and setup.multi_turn, strict=strict, histograms=histograms,
         causes=dataclasses.replace(causes) if monitor and causes is not None else None)  # not the shared default
 

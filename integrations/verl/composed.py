@@ -95,8 +95,9 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             "algorithm.rollout_correction.bypass_mode=True: verl copies the rollout's log-probs into old_log_probs "
             "and runs no old-log-prob pass, so tim/token/* measures the rollout against the update's first "
             f"mini-batch{part}, in its training forward before any optimizer step of the batch (the weights that "
-            "sampled it, in the sync trainer); no split of the training passes (tim/staleness/*, tim/split/*, "
-            "tim/by_lag/*)")
+            "sampled it, in the sync trainer); every training pass is keyed by its policy lag against the rollout "
+            "(tim/by_lag/*: lag 0 is that mini-batch, the mismatch floor; the staleness cause reads them), with no "
+            "exact split (tim/staleness/*, tim/split/*: π_old is the rollout)")
     probe_node = _to_plain((config.get("tim") or {}).get("probe")) or {}
     unread = {k: probe_node[k] for k in ("action", "every_n_steps", "patience") if k in probe_node}
     if unread and not tim.probe.enabled and "enable" not in probe_node:

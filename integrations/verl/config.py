@@ -179,8 +179,10 @@ class ActorContext:
     @property
     def setup(self) -> TrainingSetup:
         """The trainer's mechanics in the core's words (``tim_plugins.pipeline.TrainingSetup``): verl's loss takes
-        the boundary mask (``response_mask``); its own IS correction (``algorithm.rollout_correction``) stays."""
-        return TrainingSetup(asynchronous=self.asynchronous, multi_turn=self.multi_turn, loss_factor=True)
+        the boundary mask (``response_mask``); its own IS correction (``algorithm.rollout_correction``) stays; in
+        bypass mode π_old is the rollout."""
+        return TrainingSetup(asynchronous=self.asynchronous, multi_turn=self.multi_turn, loss_factor=True,
+                             old_is_rollout=self.bypass_mode)
 
 
 @dataclass

@@ -443,20 +443,25 @@ class TIMEngineMixin:
 
     @torch.no_grad()
     def _tim_loss_pass(self, micro_batch, model_output) -> None:
-        """A training pass's micro-batch for the split of log π_θ − log π_rollout into staleness (π_θ vs π_old) and
-        mismatch (π_old vs π_rollout), ``StepPipeline.loss_pass``, over the tokens the loss trains (boundary tokens
-        out), kept on the device until the optimizer step ends (``_tim_loss_step``). π_old is verl's
+        """A training pass's micro-batch for the split of log π_θ − log π_rollout into staleness (π_θ vs π_old)
+        and mismatch (π_old vs π_rollout), ``StepPipeline.loss_pass``, over the tokens the loss trains (boundary
+        tokens out), kept on the device until the optimizer step ends (``_tim_loss_step``). π_old is verl's
         ``old_log_probs`` once an optimizer step has run since the rollout (``pipeline.old_logprobs``). The lag is
         the optimizer steps taken since the rollout (mini-batches and ``ppo_epochs`` of this global step), plus the
-        sample's own lag in an asynchronous mode. In bypass mode π_old is the rollout itself: no split."""
+        sample's own lag in an asynchronous mode. In bypass mode π_old is the rollout itself: no split, the log-ratio
+        by lag alone (``loss_pass_lagged``; lag 0, the update's first optimizer step, is the batch the monitor
+        measured)."""
         keys = micro_batch.keys()
-        if self._tim_context.bypass_mode or "rollout_log_probs" not in keys or "old_log_probs" not in keys:
+        bypass = self._tim_context.bypass_mode
+        if "rollout_log_probs" not in keys or ("old_log_probs" not in keys and not bypass):
             return
         layout, fields = self._tim_cells(micro_batch, model_output)
         if self._tim_mb is not None and self._tim.safe_vocab.mask_boundary:  # the loss's own mask
             fields["mask"] = fields["mask"] & layout.gather(self._tim_mb["in_safe"]).bool()
         if "lag" in fields:
             fields["lag"] = lag_after(fields["lag"], self._tim_earlier + self._tim_updates)
+        elif bypass:
+            fields["lag"] = torch.full_like(fields["mask"], self._tim_updates, dtype=torch.long)
         else:
             fields["old"] = old_logprobs(fields["current"], layout.cells(micro_batch["old_log_probs"]).float(),
                                          fresh=self._tim_updates == 0)

@@ -158,7 +158,8 @@ def test_bypass_mode_is_accepted_and_says_what_the_monitor_measures_there(toy_mo
     assert problems == []
     (note,) = [n for n in notes if n.startswith("algorithm.rollout_correction.bypass_mode=True")]
     assert "the update's first mini-batch (ppo_mini_batch_size=64 of data.train_batch_size=256: that share" in note
-    assert "no split of the training passes" in note
+    assert "every training pass is keyed by its policy lag against the rollout (tim/by_lag/*" in note
+    assert "with no exact split (tim/staleness/*, tim/split/*: π_old is the rollout)" in note
     config = compose(recipe + ["actor_rollout_ref.actor.ppo_mini_batch_size=256"])
     (note,) = [n for n in check_composed_config(config)[2] if "bypass_mode=True" in n]
     assert "the update's first mini-batch, in its training forward" in note

@@ -213,6 +213,52 @@ def test_staleness_is_named_in_the_step_its_loss_passes_end_and_the_probe_acts_o
     assert named[0].evidence["staleness_k3"] == got["tim/staleness/token/kl_k3"]
 
 
+@pytest.mark.parametrize("lr,port", [(1e-4, 29641), (1e-5, 29642)])
+def test_bypass_mode_keys_each_training_pass_by_lag_against_the_rollout(toy_model_path, lr, port):
+    """verl's bypass mode (``algorithm.rollout_correction.bypass_mode``: old_log_probs are the rollout's, no
+    old-log-prob pass): the monitor measures the update's first optimizer step in its training forward; every training
+    pass is keyed by its lag against the rollout (lag 0: that first step, the tokens the monitor measured; lag 1: the
+    same batch after one update), with no exact split (π_old is the rollout). The staleness cause reads the lags, as
+    for an asynchronous trainer (``CauseTracker._lag_staleness_causes``: the stale tokens' k3 less the lag-0 floor),
+    recomputed here from verl's own tensors: named at lr 1e-4 (k3 0.17 here), not at 1e-5 (0.0035: ordinary PPO
+    reuse)."""
+    from tim_plugins.causes import CauseConfig
+
+    H.init_dist(port=port)
+    engine = H.build_engine(toy_model_path, lr=lr)
+    td, raw = H.make_batch(VOCAB, response=6, seed=7)
+    # the actor's own log-probs of these tokens, before tim is configured (bypass mode runs no such pass)
+    trained = H.old_log_probs_padded(H.infer(engine, td), td)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}), bypass_mode=True)
+    noise = 1e-4 * torch.randn(trained.shape, generator=torch.Generator().manual_seed(1))
+    rollout = (trained + noise).to(raw["rollout_log_probs"].dtype)
+    td["rollout_log_probs"] = H.response_nested(rollout, td) if td["response_mask"].is_nested else rollout
+    calls: list = []
+    _train(engine, td, rollout, _recording_loss(calls), passes=2)  # verl's bypass: old_log_probs := the rollout's
+    got = engine.tim_pop_metrics()
+
+    # two micro-batches per optimizer step: calls 0-1 at lag 0, 2-3 at lag 1; the log-ratio against the rollout
+    assert len(calls) == 4
+    d = [(current - roll)[mask] for current, _, roll, mask in calls]
+    d0, d1 = torch.cat(d[:2]), torch.cat(d[2:])
+    _assert_by_lag(got, {0: d[:2], 1: d[2:]})
+    assert got["tim/by_lag/1/mean"] == pytest.approx(float(d1.mean()), rel=1e-6)
+    # the monitor measured the first pass: the lag-0 tokens
+    assert got["tim/tokens"] == d0.numel() == int(raw["response_mask"].sum())
+    assert got["tim/token/kl_k3"] == pytest.approx(_k3(d0), rel=1e-6)
+    assert not [k for k in got if k.startswith(("tim/staleness/", "tim/split/"))]
+    # the lag rule, recomputed: the stale tokens' k3 less the lag-0 floor, against CauseConfig's thresholds
+    config = CauseConfig()
+    part = _k3(d1) - _k3(d0)
+    expect = part > config.staleness_k3 and part >= config.staleness_share * _k3(d1)
+    assert expect == (lr == 1e-4), (lr, part, _k3(d1))  # the two learning rates fall on either side of the rule
+    named = [c.code for c in engine._tim_pipeline.causes.named]
+    assert named == (["staleness"] if expect else []), named
+    assert got["tim/cause/named"] == float(expect)
+    if expect:
+        assert engine._tim_pipeline.causes.named[0].evidence["staleness_k3"] == pytest.approx(part, rel=1e-6)
+
+
 class _WorkerGroup:
     """What the driver calls: verl's ONE_TO_ALL answer, one result per rank, here of one real engine."""
 

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         tracker = CauseTracker(framework="trl")
         tracker.add_found(_found_on(rank))
         values, found = tracker.evaluate(5, {})
-        queue.put((rank, values, [c.to_dict() for c in found], tracker.tally))
+        queue.put((rank, values, [c.to_dict() for c in found], tracker.tally, tracker.summary_lines()))
     finally:
         dist.destroy_process_group()
 
@@ -44,8 +44,9 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 def test_every_cause_the_lowest_rank_found_in_a_window_reaches_the_other_ranks():
     """A window holding two syncs: rank 0's engine is fine, ranks 1 and 2 each kept a layer stale at both syncs.
     Rank 0 (whose console, causes.jsonl and closing line the user reads) names the code as rank 1 did, both syncs
-    with their steps and tensors, and the code only rank 2 found as rank 2 did. Reference: one process fed the
-    causes of the lowest rank that found each code."""
+    with their steps and tensors, and the code only rank 2 found as rank 2 did; every rank's closing lines count the
+    window once. Reference: one process fed the causes of the lowest rank that found each code; the tally, counted
+    here from what the ranks were fed."""
     results = spawn_ranks(_worker, WORLD, timeout=180)
     reference = CauseTracker(framework="trl")
     lowest = {}
@@ -56,19 +57,29 @@ def test_every_cause_the_lowest_rank_found_in_a_window_reaches_the_other_ranks()
     want_values, want_found = reference.evaluate(5, {}, sync=False)
     rank_of = {c.code: lowest[c.code] for c in want_found}
 
-    _, values0, found0, tally0 = results[0]
+    _, values0, found0, _, lines0 = results[0]
     assert values0["tim/cause/named"] == want_values["tim/cause/named"] == 2
     assert [(c["code"], c["step"], c["tensors"], c["evidence"], c["message"]) for c in found0] == [
         (c.code, c.step, list(c.tensors), c.evidence, f"{c.message} (on rank {rank_of[c.code]})") for c in want_found]
     assert [(c["step"], c["tensors"][0]) for c in found0 if c["code"] == "sync-tensors-stale"] == [
         (3, "model.layers.1.q.weight"), (4, "model.layers.1.q.weight")]
-    # the run's closing line: steps 3 to 4, as the single process counts them
+    # the run's closing line, counted here from what the ranks were fed: one window (every rank's causes of it count
+    # once), each code's lowest and highest step among the causes found in it
+    fed = [c for rank in range(WORLD) for c in _found_on(rank)]
+    want_tally = {code: {"first": min(c.step for c in fed if c.code == code),
+                         "last": max(c.step for c in fed if c.code == code), "windows": 1}
+                  for code in dict.fromkeys(c.code for c in fed)}
+    assert want_tally == {"sync-tensors-stale": {"first": 3, "last": 4, "windows": 1},
+                          "sync-prefix-cache": {"first": 4, "last": 4, "windows": 1}}
     strip = lambda t: {k: {f: v for f, v in x.items() if f != "message"} for k, x in t.items()}  # noqa: E731
-    assert strip(tally0) == strip(reference.tally)
-    assert tally0["sync-tensors-stale"]["last"] == 4
+    for rank in range(WORLD):
+        assert strip(results[rank][3]) == want_tally, rank
+    assert [line.split(" (first: ")[0] for line in lines0] == [
+        "tim-plugins: this run named [sync-tensors-stale] in 1 window, steps 3 to 4",
+        "tim-plugins: this run named [sync-prefix-cache] at step 4"]
     # ranks 1 and 2 keep their own causes of the code they found, and rank 1 takes rank 2's other code
     for rank in (1, 2):
-        _, values, found, _ = results[rank]
+        _, values, found, _, _ = results[rank]
         assert values["tim/cause/named"] == 2
         own = [c for c in found if c["code"] == "sync-tensors-stale"]
         assert [(c["step"], c["tensors"][0]) for c in own] == [(3, f"model.layers.{rank}.q.weight"),

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 from tim_plugins.fixes import framework_fixes
 
 __all__ = ["CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseInfo", "UNMATCHED_PROCESSING", "cause_fix",
-           "causes_markdown", "run_summary_lines", "summarize_names", "tally_cause"]
+           "causes_markdown", "run_summary_lines", "summarize_names", "tally_cause", "tally_window"]
 
 CAUSE_PREFIX = "tim/cause"
 # The tim/cause/* keys every window computes (the compact log carries only the first: tim_plugins.log_keys).
@@ -58,8 +58,8 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
     _C("sync-noop", "sync", "the weight sync changed nothing in the engine",
        "The engine keeps sampling from the weights it held before the sync while the trainer scores its updated "
        "weights: every token's ratio carries the policy's whole change since then, and grows each step.",
-       "after a sync, every checked tensor whose trainer value changed since the previous check still holds its "
-       "previous value in the engine",
+       "after a sync, every checked tensor whose trainer value changed since the previous check, as the engine "
+       "would hold it (in its dtype; beyond a quantizer's bound), still holds its previous value in the engine",
        {"tim_plugins": _SYNC_FIX}),
     _C("sync-tensors-stale", "sync", "some tensors were not updated by the weight sync",
        "A layer skipped by the sync (a name the engine's loader drops, a shard never sent) keeps the old policy's "
@@ -152,8 +152,9 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "The trainer reuses a batch after optimizer steps, or an asynchronous trainer trains samples drawn by "
        "older weights: the policy moved since sampling. The parity fixes cannot reduce that part.",
        "the staleness part explains >= staleness_share of Var(log-ratio) and its own k3 (the policy's move since "
-       "sampling) is above staleness_k3, PPO's usual early stop on a reused batch (1.5 x a target KL of 0.01); in "
-       "an asynchronous trainer (no π_old at each sample's weights, so no exact split), by policy lag: the k3 of "
+       "sampling) is above staleness_k3, PPO's usual early stop on a reused batch (1.5 x a target KL of 0.01); "
+       "without an exact split (an asynchronous trainer: no π_old at each sample's weights; verl's bypass mode: "
+       "π_old is the rollout), by policy lag: the k3 of "
        "the tokens trained at lag >= 1 less the lag-0 floor is >= staleness_share of their k3 and above "
        "staleness_k3",
        {"tim_plugins": "a lower learning rate, or fewer optimizer updates per sampled batch; in an asynchronous "
@@ -199,9 +200,30 @@ def summarize_names(names: Iterable[str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
+def tally_window(tally: dict[str, dict], causes: Iterable["Cause"]) -> None:
+    """Count the causes named in one window in ``tally`` ({code: {"first", "last": the lowest and highest step it was
+    named at, "windows": how many windows named it, "message": the first one's}}): what a run named, however long,
+    for the lines that close it (``run_summary_lines``). Each code counts once per window whatever its causes' steps:
+    a sync cause carries its own sync's step, and a TRL logging window holds one sync per optimizer step (its
+    ``tim/cause/named`` counts the code once too). The caller hands each window once (``CauseTracker._keep``)."""
+    by_code: dict[str, list] = {}
+    for cause in causes:
+        by_code.setdefault(cause.code, []).append(cause)
+    for code, same in by_code.items():
+        low = min(same, key=lambda c: c.step)  # the first of the lowest step: the message the console printed first
+        high = max(c.step for c in same)
+        seen = tally.get(code)
+        if seen is None:
+            tally[code] = {"first": low.step, "last": high, "windows": 1, "message": low.message}
+        else:
+            seen["first"], seen["last"] = min(seen["first"], low.step), max(seen["last"], high)
+            seen["windows"] += 1
+
+
 def tally_cause(tally: dict[str, dict], cause: "Cause") -> None:
-    """Count ``cause`` in ``tally`` ({code: {"first", "last": steps, "windows": steps named at, "message": the first
-    one's}}): what a run named, however long, for the lines that close it (``run_summary_lines``)."""
+    """Count one ``cause`` whose window is not known in ``tally`` (``tally_window``'s format), a later step than the
+    code's last as another window: the approximation for a state saved before the tally, which kept the causes alone
+    (a TRL window's several syncs count as several windows there). A window's causes go through ``tally_window``."""
     seen = tally.get(cause.code)
     if seen is None:
         tally[cause.code] = {"first": cause.step, "last": cause.step, "windows": 1, "message": cause.message}
@@ -210,16 +232,19 @@ def tally_cause(tally: dict[str, dict], cause: "Cause") -> None:
 
 
 def run_summary_lines(tally: dict[str, dict], framework: Optional[str] = None) -> list[str]:
-    """The console lines that close a run which named causes, one per code in the order first named, with the steps
-    and the fix in ``framework``'s words ([] when none was named): each cause's own line is printed once, at its first
-    step, and a long run's console has scrolled past it by the end."""
+    """The console lines that close a run which named causes, one per code in the order first named, with the windows
+    and steps it was named in and the fix in ``framework``'s words ([] when none was named): each cause's own line is
+    printed once, at its first step, and a long run's console has scrolled past it by the end. One window can span
+    several steps (a TRL window's syncs, each named with its own step): "in 1 window, steps a to b"."""
     from tim_plugins.parity.findings import framework_name
 
     where = f" ({framework_name(framework)})" if framework else ""
     out = []
     for code, seen in sorted(tally.items(), key=lambda item: (item[1]["first"], item[0])):
-        span = (f"at step {seen['first']}" if seen["windows"] == 1 else
-                f"in {seen['windows']} windows, steps {seen['first']} to {seen['last']}")
+        first, last, windows = seen["first"], seen["last"], seen["windows"]
+        steps = f"at step {first}" if first == last else f"steps {first} to {last}"
+        span = steps if windows == 1 and first == last else \
+            f"in {windows} window{'' if windows == 1 else 's'}, {steps}"
         out.append(f"tim-plugins: this run named [{code}] {span} (first: {seen['message']}). Fix{where}: "
                    f"{cause_fix(code, framework)}")
     return out

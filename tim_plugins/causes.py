@@ -37,8 +37,8 @@ Families, and where their evidence comes from:
   odd steps, 0.07-0.13 at even ones, every weight synced); ``tim/cause/floor_jump`` still reports the ratio;
 - **staleness** (``staleness``): the policy moved between sampling and the loss pass, and that part of the
   log-ratio is what makes it unhealthy (``tim/split/*``, ``tim/staleness/*`` of ``tim_plugins.staleness``; an
-  asynchronous trainer, which computes no π_old at each sample's weights: ``tim/by_lag/*``, the stale tokens' k3
-  above the lag-0 floor);
+  asynchronous trainer, which computes no π_old at each sample's weights, or one whose π_old is the rollout (verl's
+  bypass mode): ``tim/by_lag/*``, the stale tokens' k3 above the lag-0 floor);
 - **truncation** (``truncation``): the sampler truncates and the trainer does not (the parity audit's
   ``sampler-truncation-unmatched``), and the measured ρ shows the kept-mass bias.
 
@@ -64,12 +64,13 @@ import torch
 from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import all_reduce_sum_max, collective_device, is_distributed
 from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, UNMATCHED_PROCESSING, Cause, CauseInfo,
-                                        cause_fix, causes_markdown, run_summary_lines, summarize_names, tally_cause)
+                                        cause_fix, causes_markdown, run_summary_lines, summarize_names, tally_cause,
+                                        tally_window)
 
 __all__ = [
     "CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseConfig", "CauseInfo", "CauseTracker", "FloorHistory",
     "UNMATCHED_PROCESSING", "cause_fix", "causes_markdown", "confident_disagreements", "run_summary_lines",
-    "summarize_names", "tally_cause", "window_by_lag",
+    "summarize_names", "tally_cause", "tally_window", "window_by_lag",
 ]
 
 logger = logging.getLogger("tim_plugins.causes")
@@ -195,11 +196,14 @@ class CauseTracker:
         # the last NAMED_KEPT causes named (checkpointed: a cause that persists is named in every window; every one
         # of them is in causes.jsonl beside the dump, which the report reads)
         self.named: list[Cause] = []
-        self.tally: dict[str, dict] = {}  # every code the run named: its first and last step (``tally_cause``)
+        self.tally: dict[str, dict] = {}  # every code the run named: its windows, first and last steps (tally_window)
         self.lag0_k3 = math.nan  # the last lag-0 floor an asynchronous trainer's window measured (the rule by lag)
         self._counts: torch.Tensor | None = None  # [disagreeing, confident, forced], float64, on the batches' device
         self._sync: list[Cause] = []  # sync causes found since the last window
         self._sync_bad = self._sync_checked = -math.inf
+        # sync causes of a window a checkpoint cut (load_state_dict): named in it, but the attempt that found them
+        # logged them and wrote them beside the dump already
+        self._carried: list[Cause] = []
         self._window_codes: set[str] = set()  # the codes named in the last window (evaluate_loss_passes adds to it)
         # the causes logged, the last LOGGED_KEPT (a sync cause's key holds its step: one per faulty sync)
         self._logged: dict[tuple, None] = {}
@@ -210,7 +214,8 @@ class CauseTracker:
         c = self.config
         counts = torch.stack(confident_disagreements(rollout, train, mask, p=c.confident_p,
                                                      gap=c.confident_gap)).double()
-        self._counts = counts if self._counts is None else self._counts + counts.to(self._counts.device)
+        # onto the batch's device: counts carried from a checkpoint sit on the CPU (no host copy per batch)
+        self._counts = counts if self._counts is None else self._counts.to(counts.device) + counts
 
     def add_sync(self, report) -> list[Cause]:
         """A sync check's result (``weight_sync.SyncReport``): its causes are named in the next window and logged
@@ -289,10 +294,12 @@ class CauseTracker:
                                f"{self.floor.median():.3g}", evidence={"floor": floor, "ratio": ratio}))
         found.extend(self._staleness_causes(step, metrics))
         found.extend(self._truncation_causes(step, metrics))
+        carried, self._carried = self._carried, []
         self._counts, self._sync = None, []
         self._sync_bad = self._sync_checked = -math.inf
         for cause in found:
-            self._log(cause)
+            if cause not in carried:
+                self._log(cause)
         self._keep(found)
         self._window_codes = {x.code for x in found}
         out = {
@@ -302,7 +309,7 @@ class CauseTracker:
             CAUSE_KEYS[3]: bad if bad > -math.inf else math.nan,
             CAUSE_KEYS[4]: checked if checked > -math.inf else math.nan,
         }
-        return out, found
+        return out, [x for x in found if x not in carried]
 
     @staticmethod
     def _other_ranks_causes(own: list[Cause], group) -> list[Cause]:
@@ -402,10 +409,11 @@ class CauseTracker:
         return out
 
     def _keep(self, found: list[Cause]) -> None:
+        """Keep the causes newly named in the window being closed (``evaluate``, or ``evaluate_loss_passes`` with codes
+        new to it): each code counts as one window of the tally, however many syncs of the window named it."""
         self.named.extend(found)
         del self.named[:-NAMED_KEPT]
-        for cause in found:
-            tally_cause(self.tally, cause)
+        tally_window(self.tally, found)
 
     def summary_lines(self) -> list[str]:
         """The lines that close the run (``run_summary_lines``; [] when nothing was named)."""
@@ -423,9 +431,18 @@ class CauseTracker:
     # ------------------------------------------------------------------------------------- checkpoints
     # The parity audit's codes are not carried: they describe the configuration of the attempt that runs, whose own
     # start-up audit sets them (``audited``), whether a checkpoint is loaded before it (TRL) or after (verl).
+    # The window in progress (a checkpoint saved between two logging windows: TRL's save_steps need not be a multiple
+    # of its logging_steps) is carried too, as the monitor's is: its stream counts and the causes its sync checks found
+    # (the window that closes after the resume judges the tokens and syncs before the checkpoint as well). It is the
+    # saving rank's own: another rank that loads this state (TRL: every rank loads the main process's) leaves it, or
+    # the merge over ranks would count it once per rank.
     def state_dict(self) -> dict:
+        window = {"rank": _rank(), "counts": None if self._counts is None else self._counts.tolist(),
+                  "sync": [x.to_dict() for x in self._sync],
+                  "sync_bad": self._sync_bad if self._sync_bad > -math.inf else None,
+                  "sync_checked": self._sync_checked if self._sync_checked > -math.inf else None}
         return {"floor": list(self.floor.values), "named": [x.to_dict() for x in self.named],
-                "tally": {k: dict(v) for k, v in self.tally.items()}, "lag0_k3": self.lag0_k3}
+                "tally": {k: dict(v) for k, v in self.tally.items()}, "lag0_k3": self.lag0_k3, "window": window}
 
     def load_state_dict(self, state: dict) -> None:
         self.floor.values = [float(v) for v in state.get("floor", [])]
@@ -436,6 +453,29 @@ class CauseTracker:
         if not self.tally:  # a state saved before the tally: the causes it kept
             for cause in self.named:
                 tally_cause(self.tally, cause)
+        window = state.get("window") or {}
+        if window.get("rank") != _rank():
+            return
+        # added to what this attempt measured before the state was loaded (verl loads it before a window is judged;
+        # its states are stored as windows close, so theirs is empty)
+        if window.get("counts") is not None:
+            carried = torch.tensor([float(v) for v in window["counts"]], dtype=torch.float64)
+            self._counts = carried if self._counts is None else self._counts + carried.to(self._counts.device)
+        for d in window.get("sync") or ():
+            cause = Cause(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
+            if cause not in self._sync:
+                self._sync.append(cause)
+                self._carried.append(cause)
+        for name in ("sync_bad", "sync_checked"):
+            if window.get(name) is not None:
+                setattr(self, f"_{name}", max(getattr(self, f"_{name}"), float(window[name])))
+
+
+def _rank() -> int:
+    """This process's rank (0 without a process group): whose window in progress a state carries."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
 
 
 def _finite(v) -> bool:

@@ -51,8 +51,10 @@ first after a resume, a tensor the sync left out is ``differs``, and the message
 that is not finite in the engine where the trainer's unrounded value is (an fp16 cast that overflows) disagrees.
 A tensor stored in a dtype coarser than the engine's configured one is
 ``precision`` too. When every checked tensor whose trainer value moved since the previous check is stale, the sync
-was a no-op (``sync-noop``, the tensors listed once). Without an expectation (sharded parameters: no ``expect``), a
-sync after an optimizer step that sends nothing at all, where the previous checked sync sent tensors, is a no-op too.
+was a no-op (``sync-noop``, the tensors listed once); moved as the engine holds it: in the configured dtype for a
+finer copy of it, beyond the quantizer's bound of the previous values for a quantized tensor. Without an expectation
+(sharded parameters: no ``expect``), a sync after an optimizer step that sends nothing at all, where the previous
+checked sync sent tensors, is a no-op too.
 """
 
 from __future__ import annotations
@@ -474,23 +476,37 @@ class SyncCheck:
             n_held = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, held.double())
             # moved: the trainer's values (in the engine's precision) changed since the previous check
             before = self._previous_flat(key, names, sizes)
-            diff = (expected != before) & held & ~torch.isnan(before) & ~torch.isnan(expected)
+            now = expected
+            if not quantized and dtype in _finer_than(configured):
+                # a finer copy of the configured rounding holds the trainer's values to the configured dtype's
+                # precision only: a move below it does not show there, and must not keep a no-op from its name
+                now, before = expected.to(configured).double(), before.to(configured).double()
+            if quantized:
+                # a quantized engine shows a move only where its values at the previous check are no longer
+                # within the quantizer's bound of the trainer's: one within it (most steps, with fp8's coarse
+                # grid) leaves the same quantized values, and must not keep a no-op from its name either
+                then = self._previous_flat(key, names, sizes, engine=True)
+                diff = ((then - now).abs() > atol) & held & ~torch.isnan(then) & ~torch.isnan(now)
+            else:
+                diff = (now != before) & held & ~torch.isnan(before) & ~torch.isnan(now)
             moved = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, diff.double()) > 0
             for name, b, h, m in zip(names, bad.tolist(), n_held.tolist(), moved.tolist()):
                 out[name] = (b == 0, h > 0, m)
             groups[key] = (names, sizes, v, expected)
         return out, groups
 
-    def _previous_flat(self, key: tuple, names: tuple, sizes: list) -> torch.Tensor:
-        """The expected values at the previous check, flat in the order of ``names`` (NaN where unknown): the stored
-        group itself when the same tensors are checked again (every sync but the first), else tensor by tensor."""
+    def _previous_flat(self, key: tuple, names: tuple, sizes: list, engine: bool = False) -> torch.Tensor:
+        """The expected values (``engine``: the engine's values) at the previous check, flat in the order of
+        ``names`` (NaN where unknown): the stored group itself when the same tensors are checked again (every sync
+        but the first), else tensor by tensor."""
         stored = self._last.get(key)
         if stored is not None and stored[0] == names and stored[1] == sizes:
-            return stored[3]
+            return stored[2 if engine else 3]
         parts = []
         for name, n in zip(names, sizes):
             prev = self._previous(name)
-            parts.append(prev[1] if prev is not None and prev[1].numel() == n else
+            prev = None if prev is None else prev[0 if engine else 1]
+            parts.append(prev if prev is not None and prev.numel() == n else
                          torch.full((n,), math.nan, dtype=torch.float64))
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
@@ -578,7 +594,8 @@ class SyncCheck:
                                                     f"changed was updated in the engine{why}: "
                                                     f"{summarize_names(stale)}", tensors=tuple(stale),
                                  evidence={"stale": len(stale), "changed": len(changed)}))
-            elif not streamed:  # nothing reached the engine, and no trainer value was compared (shards)
+            elif not streamed and not moved_ok:  # nothing reached the engine, and no trainer value was compared
+                # (shards); a tensor the trainer moved and the engine holds shows it did change: no no-op
                 out.append(Cause("sync-noop", step, f"{at}, nothing was sent: the engine still holds the previous "
                                                     f"values of {_n(stale)}: {summarize_names(stale)}",
                                  tensors=tuple(stale), evidence={"sent": 0, "stale": len(stale)}))

@@ -102,7 +102,10 @@ def name_causes(v: dict, summary: dict | None, framework: str | None) -> dict:
 def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:
     """The line of a run that watched for causes and named none (None: the run logged no ``tim/cause/*``). Where the
     start-up audit found sampler processing the trainer does not recompute (``UNMATCHED_PROCESSING``), the measured
-    mismatch carries that processing's bias, and the floor's moves were not judged (they are that bias's)."""
+    mismatch carries that processing's bias, and the floor's moves were not judged (they are that bias's); where it
+    found ``sampler-truncation-unmatched``, the confident lag-0 tokens were not judged either (``tim_plugins.causes``:
+    the kept-mass renormalisation moves them on any weights). Otherwise the rules judged each window's count on its
+    own: each was below the threshold, not the run's total, which the line gives with the largest window's."""
     from tim_plugins.cause_registry import UNMATCHED_PROCESSING
 
     rows = [h for h in log_history if "tim/cause/named" in h]
@@ -110,10 +113,22 @@ def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:
         return None
     processing = sorted({f.get("code") for f in findings if f.get("code") in UNMATCHED_PROCESSING})
     syncs = [h["tim/cause/sync_checked_tensors"] for h in rows if _num(h.get("tim/cause/sync_checked_tensors"))]
-    confident = sum(h.get("tim/cause/confident_disagreements") or 0 for h in rows)
+    counts = [h["tim/cause/confident_disagreements"] for h in rows if _num(h.get("tim/cause/confident_disagreements"))]
+    confident = int(sum(counts))
     floor = [h["tim/cause/floor_jump"] for h in rows if _num(h.get("tim/cause/floor_jump"))]
-    parts = ["no confident lag-0 disagreement" if not confident else f"{int(confident)} confident lag-0 "
-             f"disagreements (below the threshold)"]
+    said = ("no confident lag-0 disagreement" if not confident else
+            f"{confident} confident lag-0 disagreement{'' if confident == 1 else 's'}")
+    if "sampler-truncation-unmatched" in processing:
+        # neither engine-stale nor sampler-constrained reads the tokens then: no count was held to the threshold
+        parts = [f"{said}, not judged: the engine's log-probs are renormalised over the tokens the sampler kept (the "
+                 f"audit's sampler-truncation-unmatched), which moves a confident token that far on any weights"]
+    elif confident:
+        # the threshold holds a window's count (the rule's evidence is one window), never the run's total
+        most = int(max(counts))
+        parts = [f"{said} (" + (f"at most {most} in a window: " if len(counts) > 1 else "") +
+                 "below the rule's per-window threshold)"]
+    else:
+        parts = [said]
     if floor:
         parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median" + (
             ", not judged: it is the bias of the sampler processing the audit found" if processing else ""))

@@ -322,7 +322,8 @@ def test_loss_mask_and_metrics():
 
     # No valid token: every statistic is undefined (NaN), as the monitor's are for an empty set.
     empty = safe_vocab_metrics(out, torch.zeros(3, 4), rollout_logprobs=rollout, full_logprobs=full)
-    assert set(empty) == set(m) and all(math.isnan(v) for v in empty.values())
+    assert set(empty) == set(m) and empty.pop("tim/safe_vocab/invalid_tokens") == 0  # a count: 0, not NaN
+    assert all(math.isnan(v) for v in empty.values())
 
 
 @pytest.mark.parametrize("bad", [dict(min_p=-0.1), dict(min_p=1.5), dict(min_p=1.0), dict(top_p=0.0), dict(top_k=-3),

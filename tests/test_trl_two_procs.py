@@ -360,6 +360,8 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs, config):
             assert logged[key] == pytest.approx(sum(v[key] * k for v, k in zip(local, n)) / sum(n), rel=1e-12), key
         assert logged["tim/safe_vocab/pruned_mass_max"] == max(v["tim/safe_vocab/pruned_mass_max"] for v in local)
         assert logged["tim/correction/empty"] == sum(v["tim/correction/empty"] for v in local) / 2  # 2 batches each
+        # every logits row of the toy model is finite: no token without a distribution on either rank
+        assert logged["tim/safe_vocab/invalid_tokens"] == 0 == sum(v["tim/safe_vocab/invalid_tokens"] for v in local)
         for key in ("tim/safe_vocab/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/pruned_mass_mean",
                     "tim/safe_vocab/size_mean", "tim/safe_vocab/pruned_mass_max", "tim/correction/empty"):
             if any(not _same(key, logged[key], v[key]) for v in local):
@@ -375,7 +377,8 @@ def test_safe_vocab_and_icepop_statistics_are_the_global_values(runs, config):
     checked = set().union(*(f(_tokens(run["dump"], s)) for f in (naive_monitor, naive_icepop, naive_split,
                                                                   naive_by_key) for s in STEPS)) | {
         "tim/safe_vocab/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/pruned_mass_mean",
-        "tim/safe_vocab/size_mean", "tim/safe_vocab/pruned_mass_max", "tim/correction/empty"}
+        "tim/safe_vocab/size_mean", "tim/safe_vocab/pruned_mass_max", "tim/correction/empty",
+        "tim/safe_vocab/invalid_tokens"}
     assert keys == checked | set(ONE_OFF) | _no_cause(run)
     for key in ("tim/safe_vocab/tokens", "tim/safe_vocab/boundary_frac", "tim/safe_vocab/pruned_mass_mean",
                 "tim/correction/kept_tokens", "tim/correction/kept_frac", "tim/is/weight_mean", "tim/is/masked_frac",

@@ -1,6 +1,8 @@
 """The safe-vocab autograd Functions that run the Triton folds (``_safe_vocab_kernel``), for a min-p-only
 truncation on CUDA: the logits path and the hidden-state path. ``safe_vocab`` chooses between them and its torch
-folds; the kernels (and Triton) are imported only when a Function runs.
+folds; the kernels (and Triton) are imported only when a Function runs. Also the rules every fold (torch, Triton,
+vocab-parallel) applies to bad logits (``_LOWEST``, ``_bad_rows``, ``_void_rows``): here, since ``safe_vocab``
+imports this module and not the reverse.
 """
 
 from __future__ import annotations
@@ -11,16 +13,38 @@ from ._matmul import addmm_fp32
 
 __all__ = ["SafeFromHiddenFused", "SafeFromLogitsFused"]
 
+# fp32's lowest finite value: the floor of every threshold tau, so that S = {z >= tau} never holds a -inf logit (a
+# masked token), also where nothing is cut (tau = -inf) or top-k reaches past the row's finite logits.
+_LOWEST = torch.finfo(torch.float32).min
 
-def _from_fold_stats(stats: torch.Tensor, want_entropy: bool):
-    """(logp, in_safe, pruned, tau, log_zs, entropy) from the Triton fold's per-row statistics (``STATS`` order),
-    in the torch fold's order of operations."""
+
+def _bad_rows(m: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Rows without a distribution, from their max m and Σ e^(z−m): m is NaN / +inf with a NaN / +inf logit and -inf
+    without a finite one; the sum is NaN with a NaN logit also where a max skipped it (Triton's may)."""
+    return ~(torch.isfinite(m) & torch.isfinite(full))
+
+
+def _void_rows(bad: torch.Tensor, logp, in_safe, pruned, size, entropy):
+    """(logp, in_safe, pruned, size, entropy) with the rows ``bad`` (no distribution, no S) set as ``safe_vocab``'s
+    docstring says: NaN log-prob, pruned mass and entropy, size 0, in_safe True; the other rows untouched. [n]
+    operations only, no host read."""
+    nan = float("nan")
+    return (logp.masked_fill(bad, nan), in_safe | bad, pruned.masked_fill(bad, nan), size.masked_fill(bad, 0),
+            None if entropy is None else entropy.masked_fill(bad, nan))
+
+
+def _from_fold_stats(stats: torch.Tensor, size: torch.Tensor, want_entropy: bool):
+    """(logp, in_safe, pruned, size, tau, log_zs, entropy) from the Triton fold's per-row statistics (``STATS``
+    order) and |S| (int32), in the torch fold's order of operations; rows without a distribution (a NaN / +inf logit,
+    none finite) as the torch folds leave them (``_void_rows``)."""
     m, tau, kept, full, z_tok, kept_ez = stats
+    tau = tau.clamp(min=_LOWEST)  # the kernel's tau is -inf when nothing is cut; the grad kernel reads it too
     log_kept = kept.log()
     logp = (z_tok - m) - log_kept
     pruned = (1.0 - kept / full).clamp_(min=0.0)
     ent = log_kept - kept_ez / kept if want_entropy else None
-    return logp, z_tok >= tau, pruned, tau, m + log_kept, ent
+    logp, in_safe, pruned, size, ent = _void_rows(_bad_rows(m, full), logp, z_tok >= tau, pruned, size.long(), ent)
+    return logp, in_safe, pruned, size, tau, m + log_kept, ent
 
 
 class SafeFromLogitsFused(torch.autograd.Function):
@@ -36,11 +60,11 @@ class SafeFromLogitsFused(torch.autograd.Function):
         stats = torch.zeros((len(K.STATS), x.shape[0]), dtype=torch.float32, device=x.device)
         size = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
         K.fold_rows(x, tokens, stats, size, temperature=trunc.temperature, min_p=trunc.min_p, entropy=want_entropy)
-        logp, in_safe, pruned, tau, log_zs, ent = _from_fold_stats(stats, want_entropy)
+        logp, in_safe, pruned, size, tau, log_zs, ent = _from_fold_stats(stats, size, want_entropy)
         ctx.save_for_backward(x, tokens, tau, log_zs, ent if ent is not None else log_zs)
         ctx.trunc, ctx.want_entropy = trunc, want_entropy
-        ctx.mark_non_differentiable(in_safe, pruned)
-        return logp, in_safe, pruned, size.long(), ent
+        ctx.mark_non_differentiable(in_safe, pruned, size)
+        return logp, in_safe, pruned, size, ent
 
     @staticmethod
     def backward(ctx, g_lp, _a, _b, _c, g_ent):
@@ -83,11 +107,11 @@ class SafeFromHiddenFused(torch.autograd.Function):
             K.fold_rows(x, tokens[s : s + chunk], stats[:, s : s + chunk], size[s : s + chunk],
                         temperature=trunc.temperature, min_p=trunc.min_p, entropy=want_entropy)
         del buf
-        logp, in_safe, pruned, tau, log_zs, ent = _from_fold_stats(stats, want_entropy)
+        logp, in_safe, pruned, size, tau, log_zs, ent = _from_fold_stats(stats, size, want_entropy)
         ctx.save_for_backward(hidden, weight, tokens, tau, log_zs, ent if ent is not None else log_zs)
         ctx.trunc, ctx.grad_tile, ctx.want_entropy = trunc, grad_tile, want_entropy
-        ctx.mark_non_differentiable(in_safe, pruned)
-        return logp, in_safe, pruned, size.long(), ent
+        ctx.mark_non_differentiable(in_safe, pruned, size)
+        return logp, in_safe, pruned, size, ent
 
     @staticmethod
     def backward(ctx, g_lp, _a, _b, _c, g_ent):

@@ -64,7 +64,7 @@ def _fold_kernel(x_ptr, x_stride, tok_ptr, stats_ptr, stats_stride, size_ptr, n_
         z = _temper(tl.load(base + cols, mask=valid, other=-float("inf")), temperature, HAS_T)
         e = tl.exp(z - m)  # 0 on the padding lanes (z = -inf)
         full += e
-        keep = valid & (z >= tau)
+        keep = valid & (z >= tau) & (z > -float("inf"))  # a -inf logit is never in S (tau is -inf without min-p)
         kept += tl.where(keep, e, 0.0)
         size += keep.to(tl.int32)
         if HAS_ENTROPY:  # (z − m on kept lanes only: the padding's −inf × 0 would be NaN before the select)
@@ -100,7 +100,8 @@ def _grad_kernel(x_ptr, x_stride, tok_ptr, tau_ptr, log_zs_ptr, ent_ptr, g_lp_pt
         is_token = (cols + vocab_start) == tl.load(tok_ptr + row)
         grad += tl.load(g_lp_ptr + row) * (is_token.to(tl.float32) - q)
     if HAS_ENT_GRAD:
-        grad -= tl.load(g_ent_ptr + row) * q * (log_q + tl.load(ent_ptr + row))
+        # 0 at a -inf logit (q = 0), not 0 · (−inf) = NaN
+        grad -= tl.load(g_ent_ptr + row) * tl.where(z > -float("inf"), q * (log_q + tl.load(ent_ptr + row)), 0.0)
     tl.store(ptrs, (grad * inv_t).to(x_ptr.dtype.element_ty), mask=valid)
 
 

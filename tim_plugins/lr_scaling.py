@@ -8,8 +8,9 @@ Two ways, for two kinds of framework:
    scale what the scheduler reads (``base_lrs`` and the scheduler's other absolute LR attributes), the current
    param-group LRs, and the scheduler's ``_last_lr`` (what trainers log), so the framework's own LR logging
    shows the decayed value. The helper stores the scale it has applied in every param group
-   (``"tim_lr_applied_scale"``, saved by ``optimizer.state_dict()``) and multiplies only by the ratio
-   new/applied: calling it twice with the same scale changes nothing.
+   (``"tim_lr_applied_scale"``, saved by ``optimizer.state_dict()``) and multiplies each group only by the ratio
+   new/applied of that group: calling it twice with the same scale changes nothing, and a group added since the
+   last call (``optimizer.add_param_group``, its LR the unscaled one) is brought to the scale by the next call.
 
 2. :class:`ScaledLROptimizerMixin` — for frameworks that own the LR schedule and overwrite outside edits
    (verl builds the optimizer from ``optim.optimizer_impl`` / ``optim.optimizer``). The optimizer multiplies
@@ -74,37 +75,47 @@ def _mul(value: Any, ratio: float) -> Any:
     return value * ratio
 
 
+def _group_scale(group: dict) -> float:
+    # a group apply_lr_scale has not seen yet (added since its last call) runs at its own, unscaled LR
+    return float(group.get(APPLIED_SCALE_KEY, 1.0))
+
+
 def get_applied_lr_scale(optimizer: torch.optim.Optimizer) -> float:
-    """The scale :func:`apply_lr_scale` has applied to ``optimizer`` so far (1.0 if never)."""
-    return float(optimizer.param_groups[0].get(APPLIED_SCALE_KEY, 1.0))
+    """The scale :func:`apply_lr_scale` has applied to ``optimizer`` so far (1.0 if never): the first param
+    group's; every group's after a call (a group added since then is at 1.0 until the next call)."""
+    return _group_scale(optimizer.param_groups[0])
 
 
-def _scale_scheduler(scheduler: Any, ratio: float, seen: set[int]) -> None:
+def _scale_scheduler(scheduler: Any, ratios: list[float], seen: set[int]) -> None:
+    """Multiply the scheduler's per-group LR lists entry i by ``ratios[i]`` (the ratio of param group i) and its
+    scalar LRs, shared by all groups, by the first group's ratio."""
     if scheduler is None or id(scheduler) in seen:
         return
     seen.add(id(scheduler))
     for attr in _SCHEDULER_LIST_ATTRS:
         values = getattr(scheduler, attr, None)
         if isinstance(values, (list, tuple)):
-            setattr(scheduler, attr, type(values)(_mul(v, ratio) for v in values))
+            setattr(scheduler, attr, type(values)(
+                _mul(v, ratios[i] if i < len(ratios) else ratios[0]) for i, v in enumerate(values)))
     for attr in _SCHEDULER_SCALAR_ATTRS:
         value = getattr(scheduler, attr, None)
         if isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool):
-            setattr(scheduler, attr, _mul(value, ratio))
+            setattr(scheduler, attr, _mul(value, ratios[0]))
     for child in getattr(scheduler, "_schedulers", ()) or ():  # SequentialLR, ChainedScheduler
-        _scale_scheduler(child, ratio, seen)
+        _scale_scheduler(child, ratios, seen)
     inner = getattr(scheduler, "scheduler", None)  # wrappers: accelerate's AcceleratedScheduler
     if inner is not None and not isinstance(inner, (int, float, str)):
-        _scale_scheduler(inner, ratio, seen)
+        _scale_scheduler(inner, ratios, seen)
 
 
 def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, scheduler: Any = None) -> float:
     """Make the optimizer run at ``scale`` × the LR its scheduler would give, from now on.
 
-    Multiplies, by ratio = scale / applied (applied = the scale set by the previous call, 1.0 at first):
-    each param group's ``lr`` / ``initial_lr`` / ``max_lr`` / ``min_lr``; and, when ``scheduler`` is given,
-    its ``base_lrs``, ``max_lrs``, ``min_lrs``, ``eta_min``, ``_last_lr`` (and those of its sub-schedulers and
-    of a wrapped ``.scheduler``, e.g. accelerate's ``AcceleratedScheduler``).
+    Multiplies each param group's ``lr`` / ``initial_lr`` / ``max_lr`` / ``min_lr`` by its ratio = scale / applied
+    (applied = the group's scale set by a previous call, 1.0 for a group no call has seen: at first, or added
+    since with ``optimizer.add_param_group``); and, when ``scheduler`` is given, its ``base_lrs``, ``max_lrs``,
+    ``min_lrs``, ``_last_lr`` (entry i by group i's ratio), ``eta_min`` (by the first group's) (and those of its
+    sub-schedulers and of a wrapped ``.scheduler``, e.g. accelerate's ``AcceleratedScheduler``).
     For a schedule lr_t = f(base_lr, t) that is linear in the absolute LRs (LambdaLR, cosine with warm-up,
     CosineAnnealingLR, StepLR, ...), every later LR equals scale × the unscaled schedule's LR (up to float
     rounding of one extra multiplication).
@@ -115,20 +126,20 @@ def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, scheduler: An
         scheduler: the LR scheduler attached to ``optimizer`` (None for a constant LR).
 
     Returns:
-        The ratio actually multiplied in (1.0 when ``scale`` was already applied).
+        The ratio multiplied into the first param group (1.0 when ``scale`` was already applied to it).
     """
     s = _check_scale(scale, "apply_lr_scale")
-    applied = get_applied_lr_scale(optimizer)
-    if s == applied:
+    ratios = [s / _group_scale(group) for group in optimizer.param_groups]
+    if all(r == 1.0 for r in ratios):
         return 1.0
-    ratio = s / applied
-    for group in optimizer.param_groups:
-        for key in _GROUP_KEYS:
-            if key in group and group[key] is not None:
-                group[key] = _mul(group[key], ratio)
+    for group, ratio in zip(optimizer.param_groups, ratios):
+        if ratio != 1.0:
+            for key in _GROUP_KEYS:
+                if key in group and group[key] is not None:
+                    group[key] = _mul(group[key], ratio)
         group[APPLIED_SCALE_KEY] = s
-    _scale_scheduler(scheduler, ratio, set())
-    return ratio
+    _scale_scheduler(scheduler, ratios, set())
+    return ratios[0]
 
 
 class ScaledLROptimizerMixin:
@@ -150,6 +161,14 @@ class ScaledLROptimizerMixin:
     @property
     def lr_scale(self) -> float:
         return float(self.param_groups[0].get(LR_SCALE_KEY, 1.0))
+
+    def add_param_group(self, param_group: dict) -> None:
+        # A group added after construction runs at the scale in force (the one set_lr_scale / a loaded state put in
+        # the groups), not the construction-time default torch would fill in; during construction the defaults
+        # have no scale yet and __init__ sets it.
+        if LR_SCALE_KEY in self.defaults and self.param_groups and LR_SCALE_KEY not in param_group:
+            param_group[LR_SCALE_KEY] = self.lr_scale  # in the caller's dict, as torch fills in its defaults
+        super().add_param_group(param_group)  # type: ignore[misc]
 
     def set_lr_scale(self, scale: float) -> None:
         """Set the scale used by the following ``step()`` calls (all param groups)."""

@@ -25,6 +25,14 @@ Tokens outside the trainer's S (the sampler kept them, the trainer's own probabi
 disagreements") get ``in_safe = False`` and the finite value z_a/T − logsumexp_S so that a multiplied-in mask
 never creates NaN; exclude them from the loss with ``safe_loss_mask`` (``tim_plugins.safe_vocab_stats``, with the
 ``tim/safe_vocab/*`` statistics; both re-exported here).
+
+Bad logits are reported, never raised (the diagnostics' rule): a logit at -inf (a token masked by the model or a
+logits processor) is never in S, whatever the truncation, so |S| counts only tokens that can be sampled. A row with a
+NaN or +inf logit (after the division by T), or without any finite one, has no distribution and no S: its log-prob
+and entropy are NaN (as ``log_softmax`` gives them: the loss is not made to look finite), its ``pruned_mass`` is NaN
+(the per-row mark of such a row, for the statistics to count it apart), its ``size`` 0 and its ``in_safe`` True (it
+is no boundary disagreement: the mismatch monitor counts its NaN log-prob under ``tim/invalid_tokens``). Every other
+row's results are the same as without it: rows are folded independently.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import torch
 
 from ._matmul import addmm_fp32
 from ._optional import is_triton_available
-from ._safe_vocab_fused import SafeFromHiddenFused, SafeFromLogitsFused
+from ._safe_vocab_fused import _LOWEST, SafeFromHiddenFused, SafeFromLogitsFused, _bad_rows, _void_rows
 from .safe_vocab_stats import SafeVocabStats, safe_loss_mask, safe_vocab_metrics
 from .truncation import DEFAULT_MIN_P, Truncation, truncation_threshold
 
@@ -97,6 +105,9 @@ class SafeLogprobs:
         pruned_mass: fp32, 1 − Σ_S p_T (no grad).
         size: int64, |S|.
         entropy: fp32 entropy of the renormalised safe distribution (differentiable), or None.
+
+    A row whose logits hold a NaN or +inf (or no finite value) has NaN log-prob, entropy and pruned mass, size 0
+    and ``in_safe`` True (module docstring): ``pruned_mass`` is finite exactly on the rows with a distribution.
     """
 
     logprobs: torch.Tensor
@@ -122,7 +133,7 @@ class _Threshold:
 
     def select(self, z: torch.Tensor, start: int, m: torch.Tensor, buf):
         """(keep [n, V] bool in ``buf`` or None for S = V, tau [n] saved for ``reselect``) of rows start…"""
-        tau = truncation_threshold(z, self.trunc, row_max=m)
+        tau = truncation_threshold(z, self.trunc, row_max=m).clamp_(min=_LOWEST)  # -inf logits never kept
         return self.reselect(z, start, tau, buf), tau
 
     def reselect(self, z: torch.Tensor, start: int, tau: torch.Tensor, buf):
@@ -132,7 +143,7 @@ class _Threshold:
 
     @staticmethod
     def contains(keep, z_tok: torch.Tensor, tau: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        return z_tok >= tau  # without a mask pass when S = V (tau = -inf)
+        return z_tok >= tau  # without a mask pass when nothing is cut (tau = _LOWEST)
 
 
 # Rows per slice of the mask passes below: the CPU kernels of float × uint8 and of a bool sum to int32 cast their
@@ -173,7 +184,8 @@ def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, sel, start: int, want_ent
     keep, tau = sel.select(z, start, m, keep_buf)  # reselected bit-exactly in backward from the same z and tau
     in_set = sel.contains(keep, z_tok, tau, tok)
     if keep is None:
-        size = torch.full_like(tok, z.shape[1])
+        # nothing is cut, but |S| leaves out the -inf logits (tau = _LOWEST): one compare pass, in this case only
+        size = _count_kept(torch.ge(z, tau[:, None], out=keep_buf[: z.shape[0]]))
     else:
         size = _count_kept(keep)
     e = z.sub_(m[:, None]).exp_()  # in place: e = exp(z − m), 0 < e <= 1
@@ -188,6 +200,7 @@ def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, sel, start: int, want_ent
         # H(q) = log Σ_S e^(z−m) − Σ_S e^(z−m)(z−m) / Σ_S e^(z−m); e log e = e (z − m), and 0 where e underflows.
         # e is not needed afterwards: xlogy overwrites it instead of allocating another [n, V] tensor
         entropy = log_kept - torch.special.xlogy(e, e, out=e).sum(dim=-1) / kept
+    logp, in_set, pruned, size, entropy = _void_rows(_bad_rows(m, full), logp, in_set, pruned, size, entropy)
     return logp, in_set, pruned, size, tau, log_zs, entropy
 
 
@@ -201,8 +214,9 @@ def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, sel, start, keep_buf)
     inv_t = 1.0 / sel.temperature
     keep = sel.reselect(z, start, tau, keep_buf)
     if g_ent is not None:
-        # dH/dz_j = −q_j (log q_j + H) on S; log q = z − log Σ_S
-        logq = z.sub_(log_zs[:, None])
+        # dH/dz_j = −q_j (log q_j + H) on S; log q = z − log Σ_S, floored at _LOWEST so that a -inf logit (q = 0)
+        # gets 0, not 0 · (−inf) = NaN
+        logq = z.sub_(log_zs[:, None]).clamp_(min=_LOWEST)
         q = _apply_mask(logq.exp(), keep)
         grad = logq.add_(entropy[:, None]).mul_(q).mul_(-g_ent[:, None])  # reuses z's storage
         if g_lp is not None:
@@ -220,9 +234,10 @@ def _temper(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _keep_buffer(rows: int, vocab: int, sel, device) -> torch.Tensor | None:
-    # allocated once per call: a fresh [rows, V] bool tensor per chunk costs page faults on CPU
-    return torch.empty((rows, vocab), dtype=torch.bool, device=device) if sel.masks else None
+def _keep_buffer(rows: int, vocab: int, sel, device, forward: bool = False) -> torch.Tensor | None:
+    # allocated once per call: a fresh [rows, V] bool tensor per chunk costs page faults on CPU. Forward needs it
+    # also when nothing is cut, to count |S| without the -inf logits (``default_chunk_rows`` budgets it anyway)
+    return torch.empty((rows, vocab), dtype=torch.bool, device=device) if sel.masks or forward else None
 
 
 class _SafeFromLogits(torch.autograd.Function):
@@ -231,7 +246,7 @@ class _SafeFromLogits(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         rows, vocab = min(chunk, logits.shape[0]), logits.shape[1]
         zf = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-        keep_buf = _keep_buffer(rows, vocab, sel, logits.device)
+        keep_buf = _keep_buffer(rows, vocab, sel, logits.device, forward=True)
         outs = [[] for _ in range(7)]
         for s in range(0, max(logits.shape[0], 1), chunk):  # once for N = 0: empty results
             src = logits[s : s + chunk]
@@ -299,7 +314,7 @@ class _SafeFromHidden(torch.autograd.Function):
         cdt = torch.promote_types(hidden.dtype, weight.dtype)
         w = weight.to(cdt)
         zf, tile = _buffers(min(chunk, n_rows), vocab, cdt, hidden.device)
-        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, sel, hidden.device)
+        keep_buf = _keep_buffer(min(chunk, n_rows), vocab, sel, hidden.device, forward=True)
         outs = [[] for _ in range(7)]
         for s in range(0, max(n_rows, 1), chunk):  # once for N = 0: empty results
             h = hidden[s : s + chunk].to(cdt)

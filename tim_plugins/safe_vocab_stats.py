@@ -4,7 +4,9 @@ that drops boundary disagreements.
 A token the sampler kept but the trainer's own probabilities put outside its safe set S gets ``in_safe = False``
 (a "boundary" token): ``safe_loss_mask`` removes it from the loss and counts it. ``SafeVocabStats`` keeps, over the
 measured tokens, the pruned mass 1 − Σ_S p_T, |S| and the boundary count as sums and a maximum, so values merged
-over micro-batches and ranks are exact.
+over micro-batches and ranks are exact. A measured token whose logits row has no distribution (a NaN or +inf logit:
+``safe_vocab`` marks the row with a NaN pruned mass) is counted in ``invalid_tokens`` and left out of every other
+statistic, as the mismatch monitor does with ``tim/invalid_tokens``.
 """
 
 from __future__ import annotations
@@ -41,36 +43,48 @@ class SafeVocabStats(Accumulated):
 
     Per valid token (``mask``): the pruned mass 1 − Σ_S p_T, |S|, and whether the token lies outside the
     trainer's S (a boundary token). Kept as sums and a maximum (``Accumulator``), so the merged values are exact;
-    every statistic of an empty set is NaN, as the mismatch monitor's are.
+    every statistic of an empty set is NaN, as the mismatch monitor's are. A measured token of a row without a
+    distribution (NaN pruned mass) counts in ``invalid_tokens`` only.
     """
 
     PREFIX = "tim/safe_vocab"
+    _SUMS = ("tokens", "pruned_mass", "size", "boundary", "invalid")
 
     def __init__(self) -> None:
-        self._acc = Accumulator(("tokens", "pruned_mass", "size", "boundary"), ("pruned_mass_max",))
+        self._acc = Accumulator(self._SUMS, ("pruned_mass_max",))
 
     def update(self, mask: torch.Tensor, in_safe: torch.Tensor, pruned_mass: torch.Tensor,
                size: torch.Tensor) -> None:
         """Add one batch: ``mask`` [B, T] (or [N]) of measured tokens and the same-shaped fields of a
         ``SafeLogprobs`` (reshaped). No host sync."""
-        valid = mask.bool()
-        pruned = pruned_mass.reshape(valid.shape).double()
+        measured = mask.bool()
+        pruned = pruned_mass.reshape(measured.shape).double()
+        ok = torch.isfinite(pruned)  # NaN exactly on the rows without a distribution (safe_vocab)
+        valid = measured & ok
         neg_inf = torch.full((), -math.inf, dtype=torch.float64, device=pruned.device)
         self._acc.add(
             (valid.sum(), torch.where(valid, pruned, 0.0).sum(),
              torch.where(valid, size.reshape(valid.shape).double(), 0.0).sum(),
-             (valid & ~in_safe.reshape(valid.shape).bool()).sum()),
+             (valid & ~in_safe.reshape(valid.shape).bool()).sum(), (measured & ~ok).sum()),
             (torch.where(valid, pruned, neg_inf).amax() if valid.numel() else neg_inf,),
         )
 
+    def load_state_dict(self, state) -> None:
+        """A state saved before ``invalid_tokens`` existed (four sums) loads with none counted."""
+        sums = state.get("sums")
+        if sums is not None and len(sums) == len(self._SUMS) - 1:
+            state = {**state, "sums": [*sums, 0.0]}
+        self._acc.load_state_dict(state)
+
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
-        """``tokens``, ``pruned_mass_mean``, ``pruned_mass_max``, ``size_mean``, ``boundary_frac`` (merged over
-        ``group`` when ``sync``: every rank must call it)."""
+        """``tokens``, ``invalid_tokens``, ``pruned_mass_mean``, ``pruned_mass_max``, ``size_mean``,
+        ``boundary_frac`` (merged over ``group`` when ``sync``: every rank must call it)."""
         v = self._acc.merged(sync, group)
         n = v["tokens"]
         mean = (lambda x: x / n) if n > 0 else (lambda x: math.nan)
         return {
             f"{self.PREFIX}/tokens": n,
+            f"{self.PREFIX}/invalid_tokens": v["invalid"],
             f"{self.PREFIX}/pruned_mass_mean": mean(v["pruned_mass"]),
             f"{self.PREFIX}/pruned_mass_max": v["pruned_mass_max"] if n > 0 else math.nan,
             f"{self.PREFIX}/size_mean": mean(v["size"]),

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ._matmul import addmm_fp32
+from ._safe_vocab_fused import _LOWEST, _bad_rows, _void_rows
 from .replay import KeptSets, _check_kept, replay_logprobs_from_hidden, replay_logprobs_from_logits
 from .safe_vocab import (SafeLogprobs, _buffers, _check_hidden, _check_rows, _logits_into, _temper, default_chunk_rows,
                          safe_logprobs_from_hidden, safe_logprobs_from_logits)
@@ -290,7 +291,8 @@ def _row_stats(logits: torch.Tensor, trunc: Truncation, group, chunk: int) -> tu
         if k:
             tops.append(_local_top(z, k))
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    tau = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
+    # floored at fp32's lowest finite value, as in safe_vocab: a -inf logit (a masked token) is never in S
+    tau = torch.full((n,), _LOWEST, dtype=torch.float32, device=device)
     if not trunc.active:
         return m, tau
     # the k largest of each row (descending), -inf where the vocabulary has fewer
@@ -302,7 +304,7 @@ def _row_stats(logits: torch.Tensor, trunc: Truncation, group, chunk: int) -> tu
 
     def top_k_cut() -> None:
         if desc is not None:
-            torch.maximum(tau, desc[:, k - 1], out=tau)  # -inf when the vocabulary has < k entries: all kept
+            torch.maximum(tau, desc[:, k - 1], out=tau)  # unchanged when the row has < k finite logits: all kept
 
     def top_p_cut() -> None:
         if trunc.top_p >= 1.0:
@@ -437,6 +439,9 @@ def _shard_forward(logits, tokens, local, owned, sel, group, chunk: int, want_en
     in_safe = sel.contains(z_tok, tau, tokens)
     pruned = (1.0 - kept / full).clamp_(min=0.0)
     ent = log_kept - sums[4] / kept if want_entropy else None
+    # a row with a NaN / +inf logit on any shard (the reduced sum is NaN even where the MAX reduction dropped a NaN),
+    # or none finite, as safe_vocab leaves it; the reduced values are the same on every rank, so is this
+    logp, in_safe, pruned, size, ent = _void_rows(_bad_rows(m, full), logp, in_safe, pruned, size, ent)
     return logp, in_safe, pruned, size, ent, tau, m + log_kept
 
 
@@ -447,7 +452,8 @@ def _shard_grad(z: torch.Tensor, keep: torch.Tensor, local, owned, log_zs, ent, 
     logq = z.sub_(log_zs[:, None])
     q = torch.where(keep, logq.exp(), 0.0)
     g = torch.zeros_like(q)
-    if g_ent is not None:  # dH/dz_j = −q_j (log q_j + H) on S
+    if g_ent is not None:  # dH/dz_j = −q_j (log q_j + H) on S; 0 at a -inf logit (q = 0), kept or not (_Kept)
+        logq.clamp_(min=_LOWEST)
         g.sub_(torch.where(keep, logq.add_(ent[:, None]), 0.0).mul_(q).mul_(g_ent[:, None].float()))
     if g_lp is not None:  # d logp(a)/dz_j = 1[j = a] − q_j (the one-hot where this shard owns a)
         gl = g_lp.float()

@@ -5,7 +5,8 @@ them: a setting that makes TRL sample anything else is refused at attach time.""
 
 from __future__ import annotations
 
-__all__ = ["check_exact_sampler", "GENERATION_INERT", "GENERATION_NEUTRAL", "is_neutral"]
+__all__ = ["check_exact_sampler", "GENERATION_INERT", "GENERATION_NEUTRAL", "HF_GLOBAL_DEFAULTS", "is_neutral",
+           "resolve_hf_settings"]
 
 
 # What TIMConfig(rollout="exact") reproduces of TRL's transformers generation: softmax(logits / T) sampled one token
@@ -44,6 +45,45 @@ GENERATION_NEUTRAL = {
         "force_words_ids", "stop_strings", "max_time", "assistant_model", "prompt_lookup_num_tokens",
         "assistant_early_exit", "dola_layers")},
 }
+# What generate() fills a setting left None with (transformers/generation/utils.py
+# GenerationMixin._prepare_generation_config, transformers >= 5): the model's own generation_config first, then
+# GenerationConfig's global defaults (transformers/generation/configuration_utils.py
+# GenerationConfig._get_default_generation_params). The defaults of the settings that change the sampled distribution;
+# only top_k's cuts (TRL passing top_k=None samples the top 50), do_sample=False decodes greedily.
+# tests/test_trl_hf_sampler_defaults.py checks them against the installed transformers.
+HF_GLOBAL_DEFAULTS = {
+    "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "num_beams": 1, "num_return_sequences": 1}
+
+
+def resolve_hf_settings(settings: dict, model_generation_config=None) -> tuple[dict, dict]:
+    """(the values transformers' generate runs ``settings`` with, {key: where a value left None came from}) for every
+    key of ``GENERATION_NEUTRAL`` and of ``settings``. ``settings``: TRL's GenerationConfig dict (its own sampler dict
+    updated with generation_kwargs); ``model_generation_config``: the model's ``generation_config`` (None: unknown,
+    transformers' defaults then, as for a model that sets none of them). A value left None takes the model's, then
+    transformers' default (``HF_GLOBAL_DEFAULTS``); the origin reads "the model's generation_config", or "transformers'
+    default" for a key ``settings`` holds as None."""
+    values, origin = {}, {}
+    for key in dict.fromkeys([*settings, *GENERATION_NEUTRAL]):
+        value = settings.get(key)
+        if value is None and model_generation_config is not None \
+                and getattr(model_generation_config, key, None) is not None:
+            value, origin[key] = getattr(model_generation_config, key), "the model's generation_config"
+        elif value is None and HF_GLOBAL_DEFAULTS.get(key) is not None:
+            value = HF_GLOBAL_DEFAULTS[key]
+            if key in settings:  # set None there: say where its value comes from (the others are simply unset)
+                origin[key] = "transformers' default"
+        values[key] = value
+    return values, origin
+
+
+# the neutral value of a setting that generation_kwargs can give to override the model's generation_config (a None
+# there hands the setting back to the model's)
+_OVERRIDES_NONE = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                   "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                   "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "num_beams": 1,
+                   "num_return_sequences": 1, "do_sample": True}
 # the settings TRL gives a value of its own: a None there hands them to the model's generation config, else to
 # transformers' defaults (top_k=50, do_sample=False)
 _EXACT_TRL_SETS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens",
@@ -83,7 +123,9 @@ def check_exact_sampler(trainer, gen: dict, eos_ids) -> None:
     """Refuse ``rollout='exact'`` when TRL's transformers generation, as configured, would sample anything else than
     what the exact sampler reproduces: GRPOConfig's sampler settings, and ``generation_kwargs`` (laid over them).
     ``gen``: GRPOConfig.generation_kwargs (``parity_spec.generation_kwargs``); ``eos_ids()``: the EOS ids TRL ends a
-    completion at (``translate.eos_token_ids``), read where a setting names them."""
+    completion at (``translate.eos_token_ids``), read where a setting names them. A setting TRL's GenerationConfig
+    leaves None (GRPOConfig's default min_p, or one TRL does not set) is the model's generation_config's
+    (``resolve_hf_settings``), and counts too."""
     own = {k: v for k, v in (("top_p", trainer.top_p), ("top_k", trainer.top_k), ("min_p", trainer.min_p),
                              ("repetition_penalty", trainer.repetition_penalty)) if k not in gen}
     bad_own = {k: v for k, v in own.items() if not _exact_neutral(trainer, eos_ids, k, v)[0]}
@@ -92,7 +134,12 @@ def check_exact_sampler(trainer, gen: dict, eos_ids) -> None:
         ok, neutral = _exact_neutral(trainer, eos_ids, key, value)
         if not ok:
             bad_gen[key] = neutral
-    if not bad_own and not bad_gen:
+    model_gc = getattr(getattr(trainer, "model", None), "generation_config", None)
+    trl_dict = {"do_sample": True, "temperature": getattr(trainer, "temperature", None), **own, **gen}
+    values, origin = resolve_hf_settings(trl_dict, model_gc)
+    bad_model = {k: values[k] for k, where in origin.items() if where == "the model's generation_config"
+                 and k not in bad_own and k not in bad_gen and not _exact_neutral(trainer, eos_ids, k, values[k])[0]}
+    if not bad_own and not bad_gen and not bad_model:
         return
     parts, fixes = [], []
     if bad_own:
@@ -112,6 +159,16 @@ def check_exact_sampler(trainer, gen: dict, eos_ids) -> None:
             if key in bad_gen:
                 fix += f"; set GRPOConfig.{field_name} instead of generation_kwargs[{key!r}]"
         fixes.append(fix)
+    if bad_model:
+        parts.append(f"the model's generation_config sets {bad_model} (TRL's GenerationConfig leaves "
+                     f"{'it' if len(bad_model) == 1 else 'them'} None, and generate() takes the model's)")
+        settable = {k: _OVERRIDES_NONE[k] for k in bad_model if k in _OVERRIDES_NONE}
+        unsettable = [k for k in bad_model if k not in _OVERRIDES_NONE]
+        if settable:
+            fixes.append(f"add {settable!r} to GRPOConfig.generation_kwargs")
+        if unsettable:
+            fixes.append(" and ".join(f"model.generation_config.{k} = None" for k in unsettable)
+                         + " before building the GRPOTrainer")
     raise ValueError(
         f"TIMConfig.rollout='exact' samples softmax(logits/T) only (T = GRPOConfig.temperature, one token per row per "
         f"step, max_completion_length tokens, ending at TRL's EOS ids), but {' and '.join(parts)}. Fix: "

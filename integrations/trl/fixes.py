@@ -34,7 +34,8 @@ FINDING_FIXES = {
         "keep your sampling: TIMConfig(safe_vocab=True) makes the trainer apply the sampler's own min_p, top_p and "
         "top_k as set in GRPOConfig (token ratio back to 1), with safe_vocab_min_p=None (its default: a "
         "safe_vocab_min_p other than GRPOConfig.min_p cuts another tail than the sampler); or top_p=1.0, top_k=0, "
-        "min_p=None (the GRPO trainer itself applies no truncation)",
+        "min_p=None (the GRPO trainer itself applies no truncation; with use_vllm=False, transformers fills a None "
+        "from the model's generation_config: where that sets a min_p, min_p=0.0)",
     "temperature-mismatch":
         "temperature=T (one field drives both sides; server mode must not override it)",
     "sampler-penalties-unmatched":

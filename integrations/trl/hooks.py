@@ -46,8 +46,10 @@ TRL_SOURCES = {
         "rollout_func; TRL >= 1.15: self.eos_token_ids (the generation config's EOS ids, the tokenizer's first), "
         "where _generate_single_turn cuts completions (TRL 1.9 - 1.14 cut at the tokenizer's eos_token_id); the "
         "transformers path's GenerationConfig is built from its own dict (do_sample=True, max_new_tokens, "
-        "temperature, top_p, top_k, min_p, repetition_penalty, ...) updated with args.generation_kwargs, which win "
-        "(the exact sampler's check and the safe vocabulary's greedy refusal read them so)",
+        "temperature, top_p, top_k, min_p, repetition_penalty, ...; suppress_tokens=[image_token_id] for a "
+        "ProcessorMixin processing class) updated with args.generation_kwargs, which win, kept as "
+        "self.generation_kwargs (the exact sampler's check, the safe vocabulary's refusals and the parity audit "
+        "read them so; transformers fills a None from the model's generation_config, then its own defaults)",
     ("trl.trainer.grpo_trainer", "GRPOTrainer._generate_and_score_completions"):
         "called once per generation batch with the raw inputs; returns the batch dict (masks, log-probs, "
         "advantages) that _prepare_inputs shuffles and splits row-wise; old_per_token_logps is its first policy "

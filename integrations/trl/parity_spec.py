@@ -14,6 +14,10 @@ What TRL does, read in the installed sources:
   ``GenerationConfig`` is its sampler dict updated with ``generation_kwargs``: transformers-only settings there
   (n-gram bans, bad words, suppressed / forced tokens, sequence bias, typical/epsilon/eta cuts, ...) change the
   sampled distribution (``hf_sampler_processors``); vLLM's names (presence_penalty, logit_bias, ...) are ignored.
+  transformers >= 5 fills every value that GenerationConfig leaves None from the model's own generation_config, then
+  from its global defaults (``hf_generation_settings``): GRPOConfig(top_k=None) samples the top 50, or the model's
+  top_k; GRPOConfig's default min_p=None takes the model's min_p. (TRL's ``unwrap_model_for_generation`` override
+  of the model's generation_config, trl/models/utils.py ``_override_model_generation_config``, is a no-op there.)
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from tim_plugins.parity.audit import GREEDY_T  # vLLM's greedy threshold (it res
 from tim_plugins.parity.spec import PipelineSpec, normalize_dtype
 from tim_plugins.parity.vllm_spec import checkpoint_dtype_from_path, spec_from_engine_args
 
-from .exact_settings import GENERATION_NEUTRAL, is_neutral
+from .exact_settings import GENERATION_NEUTRAL, is_neutral, resolve_hf_settings
 
 __all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_config", "specs_from_trainer",
-           "load_grpo_config", "generation_kwargs", "greedy_decoding", "sampler_settings", "hf_sampler_processors"]
+           "load_grpo_config", "generation_kwargs", "greedy_decoding", "sampler_settings", "hf_sampler_processors",
+           "hf_generation_settings"]
 
 
 # sampler settings both engines know, read into PipelineSpec's own fields (do_sample: ``greedy_decoding``)
@@ -106,43 +111,85 @@ def generation_kwargs(args: Any) -> dict:
     return json.loads(gen) if isinstance(gen, str) else dict(gen)
 
 
-def greedy_decoding(args: Any) -> Optional[str]:
+def _model_generation_config(model: Any) -> Any:
+    """The model's own ``generation_config`` (a live model's, or a local checkpoint's generation_config.json, the hub
+    cache included), None when unknown (no model, or none stored on this machine)."""
+    if model is None:
+        return None
+    if not isinstance(model, (str, Path)):
+        return getattr(model, "generation_config", None)
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(model), local_files_only=True)
+    except (OSError, ValueError):  # no generation_config.json there (nor cached), or unreadable: none set
+        return None
+
+
+def hf_generation_settings(args: Any, model: Any = None, trl_settings: Optional[dict] = None) -> tuple[dict, dict]:
+    """(the generation settings TRL's transformers generation runs with, {key: where a value TRL left None came
+    from}). TRL's GenerationConfig: do_sample=True, temperature, top_p, top_k, min_p, repetition_penalty (GRPOConfig's),
+    updated with ``generation_kwargs`` (trl/trainer/grpo_trainer.py ``GRPOTrainer.__init__``); generate() fills each
+    value left None there from the model's generation_config, then transformers' defaults
+    (``exact_settings.resolve_hf_settings``). ``model``: the model, or its path (None: its generation_config is
+    unknown, and transformers' defaults are read). ``trl_settings``: TRL's own merged dict where a live trainer holds
+    it (``GRPOTrainer.generation_kwargs``), read instead of its reconstruction from ``args``: it also holds what TRL
+    adds beside GRPOConfig (``suppress_tokens`` for an image-text processing class), which a config cannot tell.
+    Every key of ``exact_settings.GENERATION_NEUTRAL`` is in it."""
+    if trl_settings is not None:
+        return resolve_hf_settings(dict(trl_settings), _model_generation_config(model))
+    trl = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+           "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
+    return resolve_hf_settings({**trl, **generation_kwargs(args)}, _model_generation_config(model))
+
+
+def greedy_decoding(args: Any, model: Any = None) -> Optional[str]:
     """The setting that makes TRL's sampler decode greedily, or None when it samples. Transformers generation:
     ``generation_kwargs['do_sample']`` false (TRL sets True and lays generation_kwargs over it); transformers then
     applies none of its sampling warpers (temperature, top-k, top-p, min-p: ``GenerationMixin._get_logits_processor``
     adds them under ``do_sample`` only). vLLM: a temperature below its greedy threshold, where vLLM resets top_p,
     top_k and min_p. Either way nothing is cut, and the rollout's log-probs (vLLM's processed ones, or those the
-    adapter records from generate: TRL keeps none there) are the full softmax at T=1 after the penalties."""
+    adapter records from generate: TRL keeps none there) are the full softmax at T=1 after the penalties.
+    ``generation_kwargs['do_sample']=None`` hands it to the ``model``'s generation_config, then to transformers' default
+    False (``hf_generation_settings``)."""
     gen = generation_kwargs(args)
     if getattr(args, "use_vllm", False):
         t = gen.get("temperature", args.temperature)
         return f"temperature={t!r}" if t is not None and t < GREEDY_T else None
-    if "do_sample" in gen and not gen["do_sample"]:
-        return f"generation_kwargs['do_sample']={gen['do_sample']!r}"
+    if "do_sample" in gen:
+        settings, origin = hf_generation_settings(args, model)
+        if settings["do_sample"] is not True:
+            filled = f", {origin['do_sample']}: do_sample={settings['do_sample']!r}" if "do_sample" in origin else ""
+            return f"generation_kwargs['do_sample']={gen['do_sample']!r}{filled}"
     return None
 
 
-def sampler_settings(args: Any) -> dict:
+def sampler_settings(args: Any, model: Any = None) -> dict:
     """The settings TRL's sampler runs with: GRPOConfig's temperature, top_p, top_k, min_p (None -> 0) and
     repetition_penalty, overridden by ``generation_kwargs`` (TRL updates its sampling kwargs with them, on the
     vLLM and the transformers path alike); with vLLM, the penalties and logit constraints generation_kwargs adds
-    with them (transformers ignores those names; its own settings are ``hf_sampler_processors``'s).
+    with them (transformers ignores those names; its own settings are ``hf_sampler_processors``'s). With
+    transformers, a value left None is the one generate() fills in (``hf_generation_settings``: the ``model``'s
+    generation_config, then transformers' defaults, top_k 50).
     Greedy decoding (``greedy_decoding``) cuts nothing: top_p 1, top_k 0, min_p 0, and temperature 0 (the audit's
     greedy, log-probs of T=1) where transformers decodes greedily. The parity audit reads the rollout side from it,
     and the safe vocabulary cuts where it says."""
     gen = generation_kwargs(args)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "min_p": 0.0 if args.min_p is None else args.min_p, "repetition_penalty": args.repetition_penalty}
-    keys = _SHARED_KEYS + (_VLLM_ONLY_KEYS if getattr(args, "use_vllm", False) else ())
-    sampling.update({k: v for k, v in gen.items() if k in keys})
-    if greedy_decoding(args) is not None:
+    if getattr(args, "use_vllm", False):
+        sampling.update({k: v for k, v in gen.items() if k in _SHARED_KEYS + _VLLM_ONLY_KEYS})
+    else:
+        hf = hf_generation_settings(args, model)[0]
+        sampling.update({k: hf[k] for k in _SHARED_KEYS}, min_p=0.0 if hf["min_p"] is None else hf["min_p"])
+    if greedy_decoding(args, model) is not None:
         sampling.update(top_p=1.0, top_k=0, min_p=0.0)
         if not getattr(args, "use_vllm", False):
             sampling["temperature"] = 0.0
     return sampling
 
 
-def hf_sampler_processors(args: Any) -> tuple[str, ...]:
+def hf_sampler_processors(args: Any, model: Any = None, trl_settings: Optional[dict] = None) -> tuple[str, ...]:
     """The transformers generation settings in ``generation_kwargs`` that change the distribution TRL's transformers
     generation samples from and that no `PipelineSpec` field holds, as ``"key=value"`` (() with vLLM, which takes
     none of them: SamplingParams refuses unknown names). TRL lays generation_kwargs over its sampler dict and builds
@@ -152,12 +199,14 @@ def hf_sampler_processors(args: Any) -> tuple[str, ...]:
     watermarking, beam search, ... The typical-p, epsilon, eta and top-h cuts are truncations, but ones no trainer
     recomputes (the safe vocabulary applies min-p / top-p / top-k only): listed here too, so the audit reports them
     as processing to drop (sampler-penalties-unmatched), not as a truncation it could match on the trainer's side;
-    under greedy decoding (``greedy_decoding``) transformers applies none of these warpers."""
+    under greedy decoding (``greedy_decoding``) transformers applies none of these warpers. A setting that TRL's
+    GenerationConfig leaves unset is read from the ``model``'s generation_config (``hf_generation_settings``); with
+    ``trl_settings`` (a live trainer's own dict), what TRL adds itself too (image-text models' ``suppress_tokens``)."""
     if getattr(args, "use_vllm", False):
         return ()
-    greedy = greedy_decoding(args) is not None
+    greedy = greedy_decoding(args, model) is not None
     out = []
-    for key, value in generation_kwargs(args).items():
+    for key, value in hf_generation_settings(args, model, trl_settings)[0].items():
         if key in _SHARED_KEYS or key in _HF_NOT_A_DISTRIBUTION or key not in GENERATION_NEUTRAL:
             continue  # a PipelineSpec field; no distribution; inert or not a transformers setting (ignored)
         if (greedy and key in _HF_SAMPLING_ONLY) or is_neutral(key, value):
@@ -188,21 +237,37 @@ def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
 
 
 def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = None, device: str = "cuda",
-                          llm: Any = None) -> PipelineSpec:
-    """The rollout side: vLLM colocate/server (from what TRL passes to LLM()) or HF generation."""
+                          llm: Any = None, trl_settings: Optional[dict] = None) -> PipelineSpec:
+    """The rollout side: vLLM colocate/server (from what TRL passes to LLM()) or HF generation (``trl_settings``: a
+    live trainer's own generation dict, ``hf_generation_settings``)."""
     if args.use_vllm:
         spec = _with_structured_outputs(_vllm_rollout_spec(args, model, server_args, device, llm), args)
         return spec.replace(notes={**spec.notes, **_greedy_notes(args)}) if greedy_decoding(args) else spec
     gen_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else _param_dtype(args, model)
-    processors, notes = hf_sampler_processors(args), _greedy_notes(args)
+    processors, notes = hf_sampler_processors(args, model, trl_settings), _greedy_notes(args, model)
     if processors:
         notes["custom_logits_processors"] = (
-            "transformers generation settings in GRPOConfig.generation_kwargs (TRL's GenerationConfig), each a "
-            "logits processor the trainer does not apply")
+            "transformers generation settings in GRPOConfig.generation_kwargs (TRL's GenerationConfig) or, where TRL "
+            "leaves one unset, the model's generation_config, each a logits processor the trainer does not apply")
+    if trl_settings is not None and trl_settings.get("suppress_tokens") is not None \
+            and "suppress_tokens" not in generation_kwargs(args):
+        # trl/trainer/grpo_trainer.py GRPOTrainer.__init__: a ProcessorMixin processing class adds
+        # suppress_tokens=[model.config.image_token_id] to TRL's own dict, outside generation_kwargs
+        notes["suppress_tokens"] = (
+            f"TRL's own suppress_tokens={trl_settings['suppress_tokens']!r} (an image-text processing class: a "
+            "sampled image token would mismatch the image features); generation_kwargs={'suppress_tokens': None} "
+            "lifts it, at that risk")
+    origin = hf_generation_settings(args, model)[1]
+    known = _model_generation_config(model) is not None
+    for key in _SHARED_KEYS:
+        if key in origin:  # TRL passes None there: generate() fills it in (hf_generation_settings)
+            unless = "" if known else " unless the model's generation_config sets it (pass the model to read it)"
+            notes.setdefault(key, f"TRL leaves {key} None: generate() takes {origin[key]}{unless}")
     return PipelineSpec(
         side="rollout", framework="hf-generate (trl)", dtype=gen_dtype,
         lm_head_dtype="float32" if args.cast_lm_head_to_fp32 else None, logprobs_mode=None,
-        **_sampler_fields(sampler_settings(args)), custom_logits_processors=processors, weight_quantization="none",
+        **_sampler_fields(sampler_settings(args, model)), custom_logits_processors=processors,
+        weight_quantization="none",
         kv_cache_dtype="auto", prefix_caching=False, chunked_prefill=False, cudagraph=False, compile=False,
         batch_invariant=False, attention_backend=trainer_spec_from_trl(args, model).attention_backend,
         source="trl GRPOConfig (HF generation; TRL keeps no sampler log-probs)", notes=notes,
@@ -230,8 +295,8 @@ def _vllm_rollout_spec(args: Any, model: Any, server_args: Any, device: str, llm
                                  device=device, framework="vllm-server (trl)")
 
 
-def _greedy_notes(args: Any) -> dict:
-    greedy = greedy_decoding(args)
+def _greedy_notes(args: Any, model: Any = None) -> dict:
+    greedy = greedy_decoding(args, model)
     if greedy is None:
         return {}
     return {"temperature": f"greedy decoding ({greedy}): no temperature, top-k, top-p nor min-p applies, the "
@@ -272,7 +337,11 @@ def specs_from_trainer(trainer: Any, *, llm: Any = None, rollout_source: Optiona
         rollout = rollout_spec_from_trl(trainer.args, model, server_args=server_args, device=server_device or device)
         rollout = rollout.replace(source="live vLLM server (/server_info)")
     else:
-        rollout = rollout_spec_from_trl(trainer.args, model, llm=llm, device=device)
+        # TRL's own generation dict (trl/trainer/grpo_trainer.py GRPOTrainer.__init__ sets self.generation_kwargs on
+        # the transformers path): what it adds outside GRPOConfig (suppress_tokens for image-text models) is there
+        trl_settings = None if trainer.args.use_vllm else getattr(trainer, "generation_kwargs", None)
+        rollout = rollout_spec_from_trl(trainer.args, model, llm=llm, device=device,
+                                        trl_settings=trl_settings if isinstance(trl_settings, dict) else None)
     if rollout_source and not trainer.args.use_vllm:
         # the tim_plugins TRL adapter records the processed log-probs of its own HF sampling
         rollout = rollout.replace(framework=f"hf-generate ({rollout_source})", logprobs_mode="processed_logprobs")

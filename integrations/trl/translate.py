@@ -17,8 +17,8 @@ from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
-from .exact_settings import check_exact_sampler
-from .parity_spec import generation_kwargs, greedy_decoding, sampler_settings
+from .exact_settings import check_exact_sampler, is_neutral
+from .parity_spec import generation_kwargs, greedy_decoding, hf_generation_settings, sampler_settings
 
 __all__ = ["completion_lengths", "eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows",
            "pipeline_config", "response_mask", "rollout_source", "safe_truncation", "scale_policy_term", "tokenizer"]
@@ -78,6 +78,7 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
     # top_k and top_p merged from GRPOConfig and its generation_kwargs as TRL merges them, and do_sample; the
     # safe-vocabulary routes of features.py)
     args = trainer.args
+    model = trainer.model  # transformers fills what TRL's GenerationConfig leaves None from its generation_config
     if engine_logprobs_mode is not None and engine_logprobs_mode != "processed_logprobs":
         # the same rule as tim_plugins.integrations.vllm.sampling.check_vllm_engine
         raise ValueError(
@@ -86,7 +87,7 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
             "the same set's, processed log-probs; raw ones are taken before the cut (every ratio would read the kept "
             "mass). Fix: restart the server with --logprobs-mode processed_logprobs (`trl vllm-serve` sets it; a "
             "plain `vllm serve` needs it), or safe_vocab=False")
-    greedy = greedy_decoding(args)
+    greedy = greedy_decoding(args, None if trainer.use_vllm else model)
     if greedy is not None:
         fix = ("drop do_sample from generation_kwargs (TRL samples then)" if not trainer.use_vllm else
                "a temperature >= 1e-5 (GRPOConfig.temperature, or generation_kwargs' own)")
@@ -97,11 +98,16 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
             f"min_p / top_p / top_k say. Fix: {fix}, or safe_vocab=False")
     # the cut TRL's sampler makes: GRPOConfig's min_p / top_k / top_p as generation_kwargs override them, read as
     # the parity audit reads the rollout side
-    sampling, gen = sampler_settings(args), generation_kwargs(args)
+    if not trainer.use_vllm:
+        _check_hf_cuts(args, model)
+    sampling, gen = sampler_settings(args, None if trainer.use_vllm else model), generation_kwargs(args)
+    origin = {} if trainer.use_vllm else hf_generation_settings(args, model)[1]
     own_min_p = float(sampling["min_p"] or 0.0)
     sampler_min_p = max(own_min_p, engine_min_p)
     cut = {k: gen[k] for k in ("min_p", "top_p", "top_k") if k in gen}  # what generation_kwargs override
     own = f"generation_kwargs['min_p']={gen['min_p']!r}" if "min_p" in gen else f"GRPOConfig.min_p={args.min_p!r}"
+    if "min_p" in origin:  # TRL passes min_p=None: transformers cuts at the model's generation_config min_p
+        own += f" ({origin['min_p']}: min_p={sampling['min_p']!r})"
     sampler = (own if engine_min_p <= own_min_p else
                f"the vLLM server's min-p processor: tim_min_p={engine_min_p:g}, over {own}")
     min_p = config.safe_vocab_min_p if config.safe_vocab_min_p is not None else sampler_min_p
@@ -111,8 +117,9 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
         raise ValueError(
             f"TIMConfig.safe_vocab=True with GRPOConfig(min_p={args.min_p!r}, top_p={args.top_p!r}, "
             f"top_k={args.top_k!r}{f', generation_kwargs={cut!r}' if cut else ''}) and "
-            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}: "
-            f"{SAFE_VOCAB_NEEDS_A_CUT}, and this sampler keeps the whole vocabulary. Fix: GRPOConfig(min_p="
+            f"TIMConfig.safe_vocab_min_p={config.safe_vocab_min_p!r}"
+            f"{''.join(f', {k}={sampling[k]!r} from {origin[k]}' for k in ('min_p', 'top_p', 'top_k') if k in origin)}"
+            f": {SAFE_VOCAB_NEEDS_A_CUT}, and this sampler keeps the whole vocabulary. Fix: GRPOConfig(min_p="
             f"{DEFAULT_MIN_P:g}) (the extreme tail pruned on both sides, tim_plugins.truncation.DEFAULT_MIN_P), or "
             "your top_p < 1 / top_k > 0, or safe_vocab=False")
     if config.safe_vocab_min_p is not None and config.safe_vocab_min_p != sampler_min_p:
@@ -136,6 +143,55 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
                          "safe-vocab head; use safe_vocab=False for this model.")
     return Truncation(min_p=float(min_p), top_p=top_p, top_k=top_k, temperature=float(trainer.temperature),
                       order="vllm" if trainer.use_vllm else "hf")  # validates, quoting values
+
+
+# transformers' cuts that the safe vocabulary does not make (it cuts at top-k, top-p, min-p only): generate() applies
+# them with those three when sampling (transformers/generation/utils.py GenerationMixin._get_logits_processor), so the
+# sampler's kept set would be smaller than the trainer's -> the value that turns each off from generation_kwargs
+# (None: no value does, top-h keeps at most 100 tokens whatever its value)
+_HF_CUTS_NOT_FOLLOWED = {"top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def _check_hf_cuts(args, model) -> None:
+    """Refuse the safe vocabulary when TRL's transformers generation cuts with a rule it does not follow: top-h,
+    typical-p, epsilon or eta, from ``GRPOConfig.generation_kwargs`` or, where TRL leaves the key unset, the model's
+    generation_config (``parity_spec.hf_generation_settings``). Greedy decoding is refused before (none applies)."""
+    settings, origin = hf_generation_settings(args, model)
+    bad = {k: settings[k] for k in _HF_CUTS_NOT_FOLLOWED if not is_neutral(k, settings[k])}
+    if not bad:
+        return
+    where, fixes = [], []
+    from_gen = {k: v for k, v in bad.items() if k not in origin}
+    from_model = {k: v for k, v in bad.items() if k in origin}
+    if from_gen:
+        where.append(f"GRPOConfig.generation_kwargs sets {from_gen}")
+        settable = ", ".join(f"{k}={_HF_CUTS_NOT_FOLLOWED[k]!r}" for k in from_gen
+                             if _HF_CUTS_NOT_FOLLOWED[k] is not None)
+        # dropping a key hands it to the model's generation_config: only where that one does not cut too
+        model_gc = getattr(model, "generation_config", None)
+        model_cuts = [k for k in from_gen if not is_neutral(k, getattr(model_gc, k, None))]
+        if model_cuts and settable:
+            fixes.append(f"set {settable} in generation_kwargs (the model's generation_config cuts too)")
+        else:
+            fixes.append(f"drop {', '.join(map(repr, from_gen))} from generation_kwargs"
+                         + (f" (or set {settable} there)" if settable else ""))
+    if from_model:
+        where.append(f"the model's generation_config sets {from_model} (TRL's GenerationConfig leaves "
+                     f"{'it' if len(from_model) == 1 else 'them'} None, and generate() takes the model's)")
+        settable = {k: _HF_CUTS_NOT_FOLLOWED[k] for k in from_model if _HF_CUTS_NOT_FOLLOWED[k] is not None}
+        unsettable = [k for k in from_model if _HF_CUTS_NOT_FOLLOWED[k] is None]
+        if settable:
+            fixes.append(f"add {settable!r} to GRPOConfig.generation_kwargs")
+        if unsettable:
+            fixes.append(" and ".join(f"model.generation_config.{k} = None" for k in unsettable)
+                         + " before building the GRPOTrainer")
+    names = ", ".join(k.replace("_cutoff", "").replace("_", "-") for k in bad)
+    raise ValueError(
+        f"TIMConfig.safe_vocab=True with TRL's transformers generation, where {' and '.join(where)}, is invalid: the "
+        "safe vocabulary renormalises the trainer's log-probs over the sampler's kept set, which it finds with "
+        f"top-k, top-p and min-p only, and transformers' {names} cut drops tokens by another rule (generate() "
+        "applies it with them when sampling): the trainer's safe set would hold tokens the sampler never keeps. "
+        f"Fix: {'; and '.join(fixes)}, or safe_vocab=False")
 
 
 # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (top_p, top_k, min_p, repetition_penalty,

@@ -90,3 +90,37 @@ def test_judged_disagreements_are_below_the_threshold_of_each_window_not_of_the_
 def test_one_window_says_its_count_is_below_the_threshold(tmp_path):
     line = _run(tmp_path, [1], [])
     assert line == _line(1, "1 confident lag-0 disagreement (below the rule's per-window threshold)", [])
+
+
+def test_causes_the_log_counts_but_no_causes_file_holds_are_never_nothing_named(tmp_path):
+    """A run that named a cause (a real tracker: 5 confident disagreements in its second window, over the
+    threshold) whose causes.jsonl is not beside its dump: the report cannot say which cause, and says that, at least
+    WATCH, instead of "no ... was named". With the file the cause is named as usual (the same log)."""
+    from tim_plugins.dump import append_causes
+    from tim_plugins.report.causes import with_causes
+
+    tracker = CauseTracker(framework="trl")
+    tracker.audited([])
+    named = []
+    for step, k in enumerate([0, 5], start=1):
+        tracker.update(*_batch(k))
+        values, found = tracker.evaluate(step, {}, sync=False)
+        append_log_history(tmp_path, step, values)
+        named += [(step, c) for c in found]
+    assert [s for s, _ in named] == [2] and values["tim/cause/named"] == len(found) >= 1
+    write_summary(tmp_path, framework="trl", title="t", settings={}, findings=[])
+    calm = verdict({"tim/token/kl_k3": 1e-5}, ("tim/token/kl_k3",))
+    assert calm["status"] == "ok"
+
+    v = name_causes(dict(calm), with_causes(read_summary(tmp_path), tmp_path), "trl")
+    assert v["causes"] == {} and v["status"] == "watch"
+    n = len(found)
+    assert v["extra"] == [
+        f"What is causing it: the run's log counts {n} named cause{'' if n == 1 else 's'} (tim/cause/named at step 2), "
+        "but no causes.jsonl beside its dump holds them, so this report cannot say which: the run's console printed "
+        "each with its fix when it was named, and its closing lines list them."]
+
+    append_causes(tmp_path, [c for _, c in named], window=2)
+    v = name_causes(dict(calm), with_causes(read_summary(tmp_path), tmp_path), "trl")
+    assert v["causes"] == {c.code: [2] for _, c in named}
+    assert not any("cannot say which" in line for line in v["extra"])

@@ -8,6 +8,8 @@ The rule that puts them in the verdict (``name_causes``), after the audit's (``r
   and values its prefix cache kept from earlier weights), so the mismatch measured below is not numerics and the
   dtype fixes would not remove it;
 - staleness or truncation raise the status to at least WATCH and say which part of the log-ratio it is;
+- a run whose log counts named causes (``tim/cause/named``) that no causes file holds (missing beside the dump)
+  gets one line saying so, and at least WATCH: never "nothing named";
 - a run that logged ``tim/cause/*`` and named nothing gets one line saying so, with what was checked: the measured
   mismatch is then the numerics of the two stacks (the audit's fixes), plus the bias of sampler processing the
   trainer does not recompute where the audit found some (``UNMATCHED_PROCESSING``).
@@ -74,6 +76,13 @@ def name_causes(v: dict, summary: dict | None, framework: str | None) -> dict:
     v["causes"] = {code: sorted(set(steps)) for code, (_, steps) in by_code.items()}
     where = f" ({framework_name(framework)})" if framework else ""
     if not by_code:
+        unread = _named_unread(summary.get("log_history") or [])
+        if unread:
+            # the log says the run named causes the report cannot read: never "nothing named"
+            if v["status"] in ("ok", "n/a"):
+                v["status"] = "watch"
+            v["extra"] = list(v.get("extra", [])) + [unread]
+            return v
         line = _none_named(summary.get("log_history") or [], summary.get("findings") or [])
         if line:
             v["extra"] = list(v.get("extra", [])) + [line]
@@ -97,6 +106,21 @@ def name_causes(v: dict, summary: dict | None, framework: str | None) -> dict:
         v["headline"] = f"{v['status'].upper()}: {named} makes the log-ratio unhealthy, not the numerics " \
                         f"of the two stacks. Measured: {measured}"
     return v
+
+
+def _named_unread(log_history: list[dict]) -> str | None:
+    """The line of a run whose log counts named causes (``tim/cause/named`` > 0) that its causes file does not hold
+    (no ``causes.jsonl`` found beside the dump, or rows of codes this version does not know); None otherwise."""
+    from tim_plugins.dump import CAUSES_LOG
+
+    rows = [h for h in log_history if _num(h.get("tim/cause/named")) and h["tim/cause/named"] > 0]
+    if not rows:
+        return None
+    total = int(sum(h["tim/cause/named"] for h in rows))
+    return (f"What is causing it: the run's log counts {total} named cause{'' if total == 1 else 's'} "
+            f"(tim/cause/named at {_steps([int(h.get('step', 0)) for h in rows])}), but no {CAUSES_LOG} beside its dump holds them, so this report "
+            "cannot say which: the run's console printed each with its fix when it was named, and its closing lines "
+            "list them.")
 
 
 def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:

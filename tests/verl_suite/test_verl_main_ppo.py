@@ -72,8 +72,8 @@ def _monitor_keys() -> set[str]:
     return set(mismatch_metrics(x, x, torch.ones(1, 2)))
 
 
-SAFE_VOCAB_KEYS = {f"tim/safe_vocab/{k}" for k in ("tokens", "pruned_mass_mean", "pruned_mass_max", "size_mean",
-                                                     "boundary_frac")}
+SAFE_VOCAB_KEYS = {f"tim/safe_vocab/{k}" for k in ("tokens", "invalid_tokens", "pruned_mass_mean", "pruned_mass_max",
+                                                     "size_mean", "boundary_frac")}
 PROBE_KEYS = {"tim/probe/checked", "tim/probe/tripped"}
 
 
@@ -184,6 +184,7 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
         assert metrics["tim/staleness/token/kl_k3"] == 0.0 and metrics["tim/split/staleness_mean"] == 0.0
         assert not any(k.startswith("actor/tim/") for k in metrics)  # exact keys, not verl's actor/ prefix
         assert metrics["tim/tokens"] == metrics["tim/safe_vocab/tokens"] > 0
+        assert metrics["tim/safe_vocab/invalid_tokens"] == 0  # every row a distribution: finite logits
 
 
 def test_the_file_logger_carries_what_the_console_printed(recipe_run):

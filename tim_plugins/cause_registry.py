@@ -266,6 +266,11 @@ class Cause:
             raise ValueError(f"unknown cause code {self.code!r}; known codes: {sorted(CAUSES)}")
         self.tensors = tuple(self.tensors)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Cause":
+        """The cause ``to_dict`` wrote (a checkpoint's, a row of causes.jsonl)."""
+        return cls(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
+
     def to_dict(self) -> dict:
         return {"code": self.code, "step": int(self.step), "title": CAUSES[self.code].title, "message": self.message,
                 "tensors": list(self.tensors), "evidence": {k: _plain(v) for k, v in self.evidence.items()}}

@@ -447,8 +447,7 @@ class CauseTracker:
     def load_state_dict(self, state: dict) -> None:
         self.floor.values = [float(v) for v in state.get("floor", [])]
         self.lag0_k3 = float(state.get("lag0_k3", math.nan))
-        self.named = [Cause(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
-                      for d in state.get("named", [])]
+        self.named = [Cause.from_dict(d) for d in state.get("named", [])]
         self.tally = {k: dict(v) for k, v in (state.get("tally") or {}).items()}
         if not self.tally:  # a state saved before the tally: the causes it kept
             for cause in self.named:
@@ -462,7 +461,7 @@ class CauseTracker:
             carried = torch.tensor([float(v) for v in window["counts"]], dtype=torch.float64)
             self._counts = carried if self._counts is None else self._counts + carried.to(self._counts.device)
         for d in window.get("sync") or ():
-            cause = Cause(d["code"], d["step"], d["message"], tuple(d.get("tensors", ())), d.get("evidence") or {})
+            cause = Cause.from_dict(d)
             if cause not in self._sync:
                 self._sync.append(cause)
                 self._carried.append(cause)

@@ -475,19 +475,18 @@ class SyncCheck:
             bad = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, (~same & held).double())
             n_held = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, held.double())
             # moved: the trainer's values (in the engine's precision) changed since the previous check
-            before = self._previous_flat(key, names, sizes)
-            now = expected
-            if not quantized and dtype in _finer_than(configured):
-                # a finer copy of the configured rounding holds the trainer's values to the configured dtype's
-                # precision only: a move below it does not show there, and must not keep a no-op from its name
-                now, before = expected.to(configured).double(), before.to(configured).double()
             if quantized:
                 # a quantized engine shows a move only where its values at the previous check are no longer
                 # within the quantizer's bound of the trainer's: one within it (most steps, with fp8's coarse
                 # grid) leaves the same quantized values, and must not keep a no-op from its name either
                 then = self._previous_flat(key, names, sizes, engine=True)
-                diff = ((then - now).abs() > atol) & held & ~torch.isnan(then) & ~torch.isnan(now)
+                diff = ((then - expected).abs() > atol) & held & ~torch.isnan(then) & ~torch.isnan(expected)
             else:
+                now, before = expected, self._previous_flat(key, names, sizes)
+                if dtype in _finer_than(configured):
+                    # a finer copy of the configured rounding holds the trainer's values to the configured dtype's
+                    # precision only: a move below it does not show there, and must not keep a no-op from its name
+                    now, before = expected.to(configured).double(), before.to(configured).double()
                 diff = (now != before) & held & ~torch.isnan(before) & ~torch.isnan(now)
             moved = torch.zeros(len(items), dtype=torch.float64).index_add_(0, seg, diff.double()) > 0
             for name, b, h, m in zip(names, bad.tolist(), n_held.tolist(), moved.tolist()):

@@ -5,8 +5,8 @@ them: a setting that makes TRL sample anything else is refused at attach time.""
 
 from __future__ import annotations
 
-__all__ = ["check_exact_sampler", "GENERATION_INERT", "GENERATION_NEUTRAL", "HF_GLOBAL_DEFAULTS", "is_neutral",
-           "resolve_hf_settings"]
+__all__ = ["check_exact_sampler", "GENERATION_INERT", "GENERATION_NEUTRAL", "HF_GLOBAL_DEFAULTS",
+           "HF_NEUTRAL_OVERRIDES", "is_neutral", "model_generation_config_fixes", "resolve_hf_settings"]
 
 
 # What TIMConfig(rollout="exact") reproduces of TRL's transformers generation: softmax(logits / T) sampled one token
@@ -79,11 +79,13 @@ def resolve_hf_settings(settings: dict, model_generation_config=None) -> tuple[d
 
 
 # the neutral value of a setting that generation_kwargs can give to override the model's generation_config (a None
-# there hands the setting back to the model's)
-_OVERRIDES_NONE = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-                   "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-                   "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "num_beams": 1,
-                   "num_return_sequences": 1, "do_sample": True}
+# there hands the setting back to the model's); a setting not here has none (top_h keeps at most 100 tokens whatever
+# its value)
+HF_NEUTRAL_OVERRIDES = {
+    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "num_beams": 1,
+    "num_return_sequences": 1, "do_sample": True}
 # the settings TRL gives a value of its own: a None there hands them to the model's generation config, else to
 # transformers' defaults (top_k=50, do_sample=False)
 _EXACT_TRL_SETS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens",
@@ -117,6 +119,23 @@ def is_neutral(key: str, value) -> bool:
         return bool(test(value))
     except TypeError:  # a value transformers would not take either
         return False
+
+
+def model_generation_config_fixes(bad: dict) -> tuple[str, list[str]]:
+    """(what a refusal says of the settings ``bad`` that the model's generation_config sets and TRL's GenerationConfig
+    leaves None, the fixes): the neutral value in generation_kwargs where one overrides it
+    (``HF_NEUTRAL_OVERRIDES``), else the model's generation_config cleared before the trainer is built."""
+    where = (f"the model's generation_config sets {bad} (TRL's GenerationConfig leaves "
+             f"{'it' if len(bad) == 1 else 'them'} None, and generate() takes the model's)")
+    settable = {k: HF_NEUTRAL_OVERRIDES[k] for k in bad if k in HF_NEUTRAL_OVERRIDES}
+    unsettable = [k for k in bad if k not in HF_NEUTRAL_OVERRIDES]
+    fixes = []
+    if settable:
+        fixes.append(f"add {settable!r} to GRPOConfig.generation_kwargs")
+    if unsettable:
+        fixes.append(" and ".join(f"model.generation_config.{k} = None" for k in unsettable)
+                     + " before building the GRPOTrainer")
+    return where, fixes
 
 
 def check_exact_sampler(trainer, gen: dict, eos_ids) -> None:
@@ -160,15 +179,9 @@ def check_exact_sampler(trainer, gen: dict, eos_ids) -> None:
                 fix += f"; set GRPOConfig.{field_name} instead of generation_kwargs[{key!r}]"
         fixes.append(fix)
     if bad_model:
-        parts.append(f"the model's generation_config sets {bad_model} (TRL's GenerationConfig leaves "
-                     f"{'it' if len(bad_model) == 1 else 'them'} None, and generate() takes the model's)")
-        settable = {k: _OVERRIDES_NONE[k] for k in bad_model if k in _OVERRIDES_NONE}
-        unsettable = [k for k in bad_model if k not in _OVERRIDES_NONE]
-        if settable:
-            fixes.append(f"add {settable!r} to GRPOConfig.generation_kwargs")
-        if unsettable:
-            fixes.append(" and ".join(f"model.generation_config.{k} = None" for k in unsettable)
-                         + " before building the GRPOTrainer")
+        where, model_fixes = model_generation_config_fixes(bad_model)
+        parts.append(where)
+        fixes.extend(model_fixes)
     raise ValueError(
         f"TIMConfig.rollout='exact' samples softmax(logits/T) only (T = GRPOConfig.temperature, one token per row per "
         f"step, max_completion_length tokens, ending at TRL's EOS ids), but {' and '.join(parts)}. Fix: "

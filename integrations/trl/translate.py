@@ -17,7 +17,7 @@ from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import DEFAULT_MIN_P, Truncation
 
 from .config import TIMConfig
-from .exact_settings import check_exact_sampler, is_neutral
+from .exact_settings import HF_NEUTRAL_OVERRIDES, check_exact_sampler, is_neutral, model_generation_config_fixes
 from .parity_spec import generation_kwargs, greedy_decoding, hf_generation_settings, sampler_settings
 
 __all__ = ["completion_lengths", "eos_token_ids", "loss_pass_inputs", "map_safe_calls", "packed_rows",
@@ -147,9 +147,9 @@ def safe_truncation(trainer, config: TIMConfig, engine_min_p: float = 0.0,
 
 # transformers' cuts that the safe vocabulary does not make (it cuts at top-k, top-p, min-p only): generate() applies
 # them with those three when sampling (transformers/generation/utils.py GenerationMixin._get_logits_processor), so the
-# sampler's kept set would be smaller than the trainer's -> the value that turns each off from generation_kwargs
-# (None: no value does, top-h keeps at most 100 tokens whatever its value)
-_HF_CUTS_NOT_FOLLOWED = {"top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+# sampler's kept set would be smaller than the trainer's (the value that turns each off from generation_kwargs:
+# exact_settings.HF_NEUTRAL_OVERRIDES; top-h has none)
+_HF_CUTS_NOT_FOLLOWED = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
 def _check_hf_cuts(args, model) -> None:
@@ -165,8 +165,7 @@ def _check_hf_cuts(args, model) -> None:
     from_model = {k: v for k, v in bad.items() if k in origin}
     if from_gen:
         where.append(f"GRPOConfig.generation_kwargs sets {from_gen}")
-        settable = ", ".join(f"{k}={_HF_CUTS_NOT_FOLLOWED[k]!r}" for k in from_gen
-                             if _HF_CUTS_NOT_FOLLOWED[k] is not None)
+        settable = ", ".join(f"{k}={HF_NEUTRAL_OVERRIDES[k]!r}" for k in from_gen if k in HF_NEUTRAL_OVERRIDES)
         # dropping a key hands it to the model's generation_config: only where that one does not cut too
         model_gc = getattr(model, "generation_config", None)
         model_cuts = [k for k in from_gen if not is_neutral(k, getattr(model_gc, k, None))]
@@ -176,15 +175,9 @@ def _check_hf_cuts(args, model) -> None:
             fixes.append(f"drop {', '.join(map(repr, from_gen))} from generation_kwargs"
                          + (f" (or set {settable} there)" if settable else ""))
     if from_model:
-        where.append(f"the model's generation_config sets {from_model} (TRL's GenerationConfig leaves "
-                     f"{'it' if len(from_model) == 1 else 'them'} None, and generate() takes the model's)")
-        settable = {k: _HF_CUTS_NOT_FOLLOWED[k] for k in from_model if _HF_CUTS_NOT_FOLLOWED[k] is not None}
-        unsettable = [k for k in from_model if _HF_CUTS_NOT_FOLLOWED[k] is None]
-        if settable:
-            fixes.append(f"add {settable!r} to GRPOConfig.generation_kwargs")
-        if unsettable:
-            fixes.append(" and ".join(f"model.generation_config.{k} = None" for k in unsettable)
-                         + " before building the GRPOTrainer")
+        model_where, model_fixes = model_generation_config_fixes(from_model)
+        where.append(model_where)
+        fixes.extend(model_fixes)
     names = ", ".join(k.replace("_cutoff", "").replace("_", "-") for k in bad)
     raise ValueError(
         f"TIMConfig.safe_vocab=True with TRL's transformers generation, where {' and '.join(where)}, is invalid: the "

@@ -117,10 +117,10 @@ def _named_unread(log_history: list[dict]) -> str | None:
     if not rows:
         return None
     total = int(sum(h["tim/cause/named"] for h in rows))
+    steps = _steps([int(h.get("step", 0)) for h in rows])
     return (f"What is causing it: the run's log counts {total} named cause{'' if total == 1 else 's'} "
-            f"(tim/cause/named at {_steps([int(h.get('step', 0)) for h in rows])}), but no {CAUSES_LOG} beside its dump holds them, so this report "
-            "cannot say which: the run's console printed each with its fix when it was named, and its closing lines "
-            "list them.")
+            f"(tim/cause/named at {steps}), but no {CAUSES_LOG} beside its dump holds them, so this report cannot say "
+            "which: the run's console printed each with its fix when it was named, and its closing lines list them.")
 
 
 def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:

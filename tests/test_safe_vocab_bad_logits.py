@@ -213,6 +213,105 @@ def test_vocab_parallel_path_against_the_float64_reference():
             _check(SimpleNamespace(**{k: torch.tensor(v) for k, v in got.items()}), _naive(z, tokens, trunc), clean)
 
 
+# ------------------------------------------------------------------------------- replay of the engine's sets
+
+
+def _replay_case():
+    """``_logits``' rows with the engine's kept sets: recorded sets that hold -inf logits (row 3: the token among
+    them; row 8: a -inf tail of its own, the token finite), rows without a set (whole vocabulary: row 1 with its -inf
+    tail, row 5 clean), and sets on the bad rows. Returns (logits, tokens, sets, the rows with a finite loss)."""
+    z, tokens, _ = _logits()
+    z[8, -5:] = -math.inf
+    g = torch.Generator().manual_seed(7)
+    sets = [sorted(set(torch.randperm(V, generator=g)[:12].tolist()) | {int(tokens[i])}) for i in range(9)]
+    sets[1] = sets[5] = sets[6] = []
+    sets[3] = sorted(set(sets[3]) | {V - 1, V - 2, V - 3})
+    sets[8] = sorted(set(sets[8]) | {V - 1, V - 4})
+    return z, tokens, sets, [0, 1, 5, 8]
+
+
+def _naive_replay(logits: torch.Tensor, tokens: torch.Tensor, sets: list, temperature: float) -> dict:
+    """The replay rule row by row in float64: S = the recorded ids (all ids without a record) less the -inf logits."""
+    nan = math.nan
+    out = {k: [] for k in ("logprobs", "in_safe", "pruned_mass", "size", "entropy")}
+    for row, a, ids in zip(logits.double() / temperature, tokens.tolist(), sets):
+        if bool(row.isnan().any() or (row == math.inf).any() or not torch.isfinite(row).any()):
+            for k, v in zip(out, (nan, True, nan, 0, nan)):
+                out[k].append(v)
+            continue
+        keep = torch.zeros(V, dtype=torch.bool)
+        keep[ids if ids else slice(None)] = True
+        keep &= row > -math.inf
+        p = (row - row.logsumexp(-1)).exp()
+        log_zs = row[keep].logsumexp(-1)
+        q = (row[keep] - log_zs).exp()
+        for k, v in zip(out, (float(row[a] - log_zs), bool(keep[a]), float(1 - p[keep].sum()), int(keep.sum()),
+                              float(-(q * q.log()).sum()))):
+            out[k].append(v)
+    return {k: torch.tensor(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_replay_leaves_minus_inf_logits_out_of_the_engines_set(temperature):
+    from tim_plugins.replay import KeptSets, replay_logprobs_from_logits
+
+    z, tokens, sets, _ = _replay_case()
+    out = replay_logprobs_from_logits(z, tokens, KeptSets.from_lists(sets), temperature=temperature,
+                                      compute_entropy=True, chunk_size=4)
+    ref = _naive_replay(z, tokens, sets, temperature)
+    _check(out, ref, [0, 1, 3, 5, 8])
+    finite = [V - _MASKED, sum(i < V - _MASKED for i in sets[3]), sum(i < V - 5 for i in sets[8])]
+    assert out.size[[1, 3, 8]].tolist() == finite and finite[1] < len(sets[3]) and finite[2] < len(sets[8])
+    assert out.in_safe[3].item() is False and out.logprobs[3].item() == -math.inf  # the token the trainer masks
+
+
+def test_replay_gradient_against_the_float64_reference():
+    from tim_plugins.replay import KeptSets, replay_logprobs_from_logits
+
+    z, tokens, sets, rows = _replay_case()
+    g = torch.randn(len(rows), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    kept = KeptSets.from_lists([sets[i] for i in rows])
+    x = z[rows].clone().requires_grad_(True)
+    out = replay_logprobs_from_logits(x, tokens[rows], kept, temperature=0.7, compute_entropy=True)
+    (out.logprobs * g.float() + out.entropy * g.float()).sum().backward()
+    ref = z[rows].double().requires_grad_(True)
+    total = ref.new_zeros(())
+    for row, a, ids, w in zip(ref / 0.7, tokens[rows].tolist(), [sets[i] for i in rows], g):
+        keep = torch.zeros(V, dtype=torch.bool)
+        keep[ids if ids else slice(None)] = True
+        idx = (keep & (row > -math.inf)).nonzero().squeeze(-1)
+        lq = row[idx] - row[idx].logsumexp(-1)
+        total = total + w * ((row[a] - row[idx].logsumexp(-1)) - (lq.exp() * lq).sum())
+    total.backward()
+    assert bool(torch.isfinite(x.grad).all())
+    torch.testing.assert_close(x.grad.double(), ref.grad, atol=2e-5, rtol=0)
+
+
+def _tp_replay_worker(rank: int, world: int, port: int, queue) -> None:
+    from tim_plugins.replay import KeptSets
+    from tim_plugins.safe_vocab_tp import replay_logprobs_vocab_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        z, tokens, sets, _ = _replay_case()
+        start = sum(_TP_WIDTHS[:rank])
+        out = replay_logprobs_vocab_parallel(z[:, start : start + _TP_WIDTHS[rank]], tokens, KeptSets.from_lists(sets),
+                                             group=dist.group.WORLD, vocab_start=start, temperature=0.7,
+                                             compute_entropy=True)
+        queue.put((rank, {k: getattr(out, k).detach().tolist() for k in
+                          ("logprobs", "in_safe", "pruned_mass", "size", "entropy")}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_replay_against_the_float64_reference():
+    z, tokens, sets, _ = _replay_case()
+    ref = _naive_replay(z, tokens, sets, 0.7)
+    for _rank, got in spawn_ranks(_tp_replay_worker, world=2):
+        got["size"] = [int(v) for v in got["size"]]
+        _check(SimpleNamespace(**{k: torch.tensor(v) for k, v in got.items()}), ref, [0, 1, 3, 5, 8])
+
+
 # ------------------------------------------------------------------------------- Triton folds (interpreter)
 
 

@@ -19,6 +19,8 @@ results are a ``SafeLogprobs`` with the same fields (log-prob of the label, labe
 |S|, entropy over S). Gradients: d log p(a)/dz_j = (1[j = a] − q_j)/T with q = p_T restricted to S_engine.
 
 A row with an empty id list has no recorded set (a prompt or padding position): it keeps the whole vocabulary.
+A -inf logit of the trainer's is never in S (``safe_vocab``'s rule): |S| does not count it, and a sampled token
+the trainer masks so is out of S (``in_safe`` False, log-prob -inf), not a NaN loss.
 """
 
 from __future__ import annotations
@@ -127,25 +129,30 @@ class _Replay:
         self.sizes = kept.sizes.to(device)
         self.bounds = kept.offsets.tolist()  # one host copy per call: slicing a chunk's ids needs no device sync
 
-    def _fill(self, n: int, start: int, buf: torch.Tensor) -> torch.Tensor:
+    def _fill(self, z: torch.Tensor, start: int, buf: torch.Tensor) -> torch.Tensor:
+        """S of the chunk's rows (``z``: their logits / T, unmodified): the recorded ids, or the whole vocabulary for
+        a row without a set, less the -inf logits (never in S, as in ``safe_vocab``: the trainer gives them no
+        mass, and |S| does not count them). Read at the recorded ids and the unrecorded rows only."""
+        n = z.shape[0]
         keep = buf[:n]
         keep.zero_()
         a, b = self.bounds[start], self.bounds[start + n]
         rows = torch.repeat_interleave(torch.arange(n, device=buf.device), self.sizes[start : start + n],
                                        output_size=b - a)
-        keep[rows, self.ids[a:b].long()] = True
+        ids = self.ids[a:b].long()
+        keep[rows, ids] = z[rows, ids] > -math.inf
         bounds = self.bounds
         empty = [i - start for i in range(start, start + n) if bounds[i + 1] == bounds[i]]
         if empty:  # no recorded set: the whole vocabulary (found on the host: no pass over the chunk)
-            keep[empty] = True
+            keep[empty] = z[empty] > -math.inf
         return keep
 
     def select(self, z: torch.Tensor, start: int, m: torch.Tensor, buf: torch.Tensor):
         # no threshold: the saved per-row "tau" is a placeholder the backward passes back to reselect unread
-        return self._fill(z.shape[0], start, buf), torch.full_like(m, -math.inf)
+        return self._fill(z, start, buf), torch.full_like(m, -math.inf)
 
     def reselect(self, z: torch.Tensor, start: int, tau: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        return self._fill(z.shape[0], start, buf)
+        return self._fill(z, start, buf)
 
     @staticmethod
     def contains(keep, z_tok, tau, tok: torch.Tensor) -> torch.Tensor:

@@ -393,10 +393,11 @@ class _Kept:
         rows = torch.repeat_interleave(torch.arange(n, device=z.device), self.sizes[s:e], output_size=b - a)
         cols = self.ids[a:b] - self.vocab_start
         mine = (cols >= 0) & (cols < self.width)
-        keep[rows[mine], cols[mine]] = True
+        rows, cols = rows[mine], cols[mine]
+        keep[rows, cols] = z[rows, cols] > -math.inf  # a -inf logit is never in S (replay._Replay)
         empty = [i - s for i in range(s, e) if self.bounds[i + 1] == self.bounds[i]]
         if empty:  # no recorded set: the whole vocabulary (found on the host: no pass over the chunk)
-            keep[empty] = True
+            keep[empty] = z[empty] > -math.inf
         return keep
 
     def contains(self, z_tok: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -405,7 +406,7 @@ class _Kept:
                                        output_size=self.ids.shape[0])
         hits = torch.zeros(n, dtype=torch.int64, device=tokens.device)
         hits.index_add_(0, rows, (self.ids == tokens[rows]).long())
-        return (hits > 0) | (self.sizes == 0)
+        return ((hits > 0) | (self.sizes == 0)) & (z_tok > -math.inf)
 
 
 def _shard_forward(logits, tokens, local, owned, sel, group, chunk: int, want_entropy: bool):

@@ -238,6 +238,12 @@ class CauseTracker:
             self._log(cause)
         return new
 
+    def drop_window(self) -> None:
+        """Forget the window in progress (its stream counts, the causes its sync checks found, those carried into
+        it): ``evaluate`` after closing it, an adapter switched off before it closed."""
+        self._counts, self._sync, self._carried = None, [], []
+        self._sync_bad = self._sync_checked = -math.inf
+
     def audited(self, codes: Iterable[str]) -> None:
         """The parity audit's error codes (the truncation rule needs ``sampler-truncation-unmatched``, which also
         keeps the confident-token rules quiet; the constrained sampler's ``sampler-penalties-unmatched``)."""
@@ -294,9 +300,8 @@ class CauseTracker:
                                f"{self.floor.median():.3g}", evidence={"floor": floor, "ratio": ratio}))
         found.extend(self._staleness_causes(step, metrics))
         found.extend(self._truncation_causes(step, metrics))
-        carried, self._carried = self._carried, []
-        self._counts, self._sync = None, []
-        self._sync_bad = self._sync_checked = -math.inf
+        carried = self._carried
+        self.drop_window()
         for cause in found:
             if cause not in carried:
                 self._log(cause)
@@ -456,7 +461,8 @@ class CauseTracker:
         if window.get("rank") != _rank():
             return
         # added to what this attempt measured before the state was loaded (verl loads it before a window is judged;
-        # its states are stored as windows close, so theirs is empty)
+        # its states are stored as windows close and after checked syncs: theirs holds at most the causes of the
+        # syncs after the last window)
         if window.get("counts") is not None:
             carried = torch.tensor([float(v) for v in window["counts"]], dtype=torch.float64)
             self._counts = carried if self._counts is None else self._counts + carried.to(self._counts.device)

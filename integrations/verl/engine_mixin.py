@@ -195,7 +195,7 @@ class TIMEngineMixin:
         for name in features_off:
             self._tim_pipeline.feature_off(name)
         self._tim_sync = SyncWatch(config.sync_check.config().for_tensor_parallel(context.rollout_tp),
-                                   self._tim_pipeline, self._tim_holds_outputs) \
+                                   self._tim_pipeline, self._tim_holds_outputs, self._tim_causes_after_sync) \
             if config.sync_check.enable and self._tim_pipeline.causes is not None \
             and not set(self._TIM_SYNC_FEATURES) & set(features_off) else None
         if config.lr_decay.enable:  # verl's scheduler rewrites the LR each step: the optimizer side applies the scale
@@ -221,10 +221,14 @@ class TIMEngineMixin:
     def tim_deconfigure(self) -> None:
         """Switch the hooks off again: from here on the engine computes as verl's own (full-vocabulary log-probs,
         verl's own loss mask, nothing measured, the scheduler's LR unscaled), as before ``tim_configure``. Metrics
-        not popped yet are dropped; the LR controller's and the cause tracker's states stay where checkpoints carry
-        them, so a later ``tim_configure`` continues from them."""
+        not popped yet are dropped (the cause tracker's window in progress with them); the LR controller's and the
+        cause tracker's states stay where checkpoints carry them, so a later ``tim_configure`` continues from them."""
         if self._tim is not None and self._tim.lr_decay.enable:
             self._tim_lr_detach()
+        if self._tim_causes_checkpoint is not None and self._tim_holds_outputs():
+            self._tim_causes_checkpoint.sync()  # a state loaded since the last store is the one to keep
+            self._tim_pipeline.causes.drop_window()
+            self._tim_causes_checkpoint.store()
         self._tim = None
         self._tim_pipeline = None
         self._tim_sync = None
@@ -320,6 +324,13 @@ class TIMEngineMixin:
         outputs stores it (the others' tracker judges no window of its own)."""
         if self._tim_causes_checkpoint is not None and self._tim_holds_outputs():
             self._tim_causes_checkpoint.store()
+
+    def _tim_causes_after_sync(self) -> None:
+        """After a checked sync's causes reached the tracker: its state where verl's next checkpoint saves it, as
+        after a window (verl syncs after the step's update and may save a checkpoint before the next window: the
+        resumed run's first window names them). A state loaded since the last store is picked up first."""
+        self._tim_causes_sync()
+        self._tim_causes_store()
 
     # ------------------------------------------------------------------------------------- per micro-batch
     def _tim_micro_batch_kept(self, micro_batch) -> MicroBatchKeptSets | None:

@@ -58,9 +58,12 @@ class SyncWatch:
     through ``observing``), then ``requests`` / ``finish`` on the rank that reads the engine, and ``deliver`` of every
     rank's report on every rank."""
 
-    def __init__(self, config: SyncCheckConfig, pipeline, holds_outputs: Callable[[], bool] = lambda: True) -> None:
-        """``holds_outputs``: whether this rank's pipeline computes the metrics the driver logs (the engine's)."""
-        self.pipeline, self.holds_outputs = pipeline, holds_outputs
+    def __init__(self, config: SyncCheckConfig, pipeline, holds_outputs: Callable[[], bool] = lambda: True,
+                 handed: Callable[[], None] = lambda: None) -> None:
+        """``holds_outputs``: whether this rank's pipeline computes the metrics the driver logs (the engine's);
+        ``handed``: called on that rank after a checked sync's reports reached its pipeline (the engine keeps the
+        cause tracker's state where verl's next checkpoint saves it: verl may save one before the next window)."""
+        self.pipeline, self.holds_outputs, self.handed = pipeline, holds_outputs, handed
         self.check = SyncCheck(config)
         self.record: SyncRecord | None = None
         self.checked = False  # whether the sync in flight is one the check compares (the same on every rank)
@@ -229,3 +232,5 @@ class SyncWatch:
                 self.pipeline.count("sync_check_unread", len(unread),
                                     detail=f"tensors the vLLM engine's layout does not let us read: {unread[:4]}")
             self.pipeline.sync_checked(report)
+        if done:
+            self.handed()

@@ -5,6 +5,7 @@ named before it; the parity audit's codes stay the resumed attempt's own."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -73,3 +74,64 @@ def test_a_resumed_actor_continues_the_floor_and_the_causes_named_before_its_che
         assert len(causes.summary_lines()) == 1 and "[floor-jump] at step 4" in causes.summary_lines()[0]
         assert causes.audit_codes == set()  # this attempt's audit, not the saved run's
     assert run._tim_pipeline.causes.audit_codes == {"dtype-mismatch"}
+
+
+def test_a_sync_cause_found_after_the_last_window_is_named_by_the_resumed_runs_first_window(toy_model_path, tmp_path,
+                                                                                          caplog):
+    """verl syncs after the step's actor update and saves its checkpoint after that sync, before the next window: a
+    cause the sync check found there is in the checkpoint, and the resumed run's first window names it (its
+    ``tim/cause/*``, the tally that closes the run) as the run that went on does, without logging it again. Reference:
+    the run that went on, and the skipped layer's tensor names."""
+    H.init_dist(port=29597)
+    skipped_prefix = "model.layers.1."
+    run = _configured(toy_model_path)
+    rollout = H.Rollout(toy_model_path)
+    m = _step(run, 1, QUIET)
+    assert m["tim/cause/named"] == 0.0
+    with caplog.at_level("WARNING"):
+        report = H.checked_sync(run, rollout, 1, skip=skipped_prefix)
+    skipped = sorted(n for n in rollout.streamed if n.startswith(skipped_prefix))
+    assert [c.code for c in report.causes] == ["sync-tensors-differ"] and sorted(report.causes[0].tensors) == skipped
+    assert sum("sync-tensors-differ" in r.getMessage() for r in caplog.records) == 1
+    ckpt = str(tmp_path / "ckpt")
+    run.save_checkpoint(ckpt, global_step=1)
+
+    after_configure = _configured(toy_model_path)
+    after_configure.load_checkpoint(ckpt)
+    before_configure = H.build_engine(toy_model_path)
+    before_configure.load_checkpoint(ckpt)
+    before_configure.tim_configure(TIMVerlConfig.from_node(CONFIG))
+
+    went_on = _step(run, 2, QUIET)
+    assert went_on["tim/cause/named"] == 1.0 and went_on["tim/cause/sync_bad_tensors"] == len(skipped)
+    assert run.tim_report()["causes"]["sync-tensors-differ"]["first"] == 1  # the sync after optimizer step 1
+    for resumed in (after_configure, before_configure):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            m = _step(resumed, 2, QUIET)
+        for key in ("tim/cause/named", "tim/cause/sync_bad_tensors", "tim/cause/sync_checked_tensors"):
+            assert m[key] == went_on[key], key
+        causes = resumed._tim_pipeline.causes
+        assert causes.tally == run._tim_pipeline.causes.tally
+        assert sorted(causes.named[-1].tensors) == skipped
+        assert causes.summary_lines() == run._tim_pipeline.causes.summary_lines()
+        assert not any("sync-tensors-differ" in r.getMessage() for r in caplog.records)  # the first attempt logged it
+
+
+def test_switching_the_engine_off_drops_the_window_in_progress_and_keeps_the_tally(toy_model_path):
+    """``tim_deconfigure`` drops what was not popped yet, a faulty sync's causes waiting for their window included;
+    the tally (the causes named in closed windows) stays for a later ``tim_configure``."""
+    H.init_dist(port=29599)
+    engine = _configured(toy_model_path)
+    rollout = H.Rollout(toy_model_path)
+    for step in (1, 2):
+        H.checked_sync(engine, rollout, step - 1, skip="model.layers.1.")
+        assert _step(engine, step, QUIET)["tim/cause/named"] == 1.0
+    tally = {k: dict(v) for k, v in engine._tim_pipeline.causes.tally.items()}
+    assert tally["sync-tensors-differ"]["windows"] == 1 and tally["sync-tensors-stale"]["windows"] == 1
+    H.checked_sync(engine, rollout, 2, skip="model.layers.1.")  # found, its window not closed
+    engine.tim_deconfigure()
+    engine.tim_configure(TIMVerlConfig.from_node(CONFIG))
+    m = _step(engine, 3, QUIET)
+    assert m["tim/cause/named"] == 0.0 and math.isnan(m["tim/cause/sync_checked_tensors"])
+    assert engine._tim_pipeline.causes.tally == tally

@@ -35,17 +35,30 @@ TRUNCS = [
 ]
 
 
-def _naive(logits: torch.Tensor, tokens: torch.Tensor, trunc: Truncation) -> dict[str, torch.Tensor]:
-    """The rule row by row in float64 (vLLM order: min-p, top-k, top-p; ties at a cut kept whole)."""
+def _naive_rows(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, kept) -> dict[str, torch.Tensor]:
+    """The outputs row by row in float64, S of a row with a distribution from ``kept(i, row, p)`` ([V] bool; ``row``:
+    the logits / T, ``p``: their softmax)."""
     nan = math.nan
     out = {k: [] for k in ("logprobs", "in_safe", "pruned_mass", "size", "entropy")}
-    for row, a in zip(logits.double() / trunc.temperature, tokens.tolist()):
+    for i, (row, a) in enumerate(zip(logits.double() / temperature, tokens.tolist())):
         if bool(row.isnan().any() or (row == math.inf).any() or not torch.isfinite(row).any()):
             for k, v in zip(out, (nan, True, nan, 0, nan)):
                 out[k].append(v)
             continue
-        p = (row - row.max()).exp()
-        p = p / p.sum()
+        p = (row - row.logsumexp(-1)).exp()
+        keep = kept(i, row, p)
+        log_zs = row[keep].logsumexp(-1)
+        q = (row[keep] - log_zs).exp()
+        for k, v in zip(out, (float(row[a] - log_zs), bool(keep[a]), float(1 - p[keep].sum()), int(keep.sum()),
+                              float(-(q * q.log()).sum()))):
+            out[k].append(v)
+    return {k: torch.tensor(v) for k, v in out.items()}
+
+
+def _naive(logits: torch.Tensor, tokens: torch.Tensor, trunc: Truncation) -> dict[str, torch.Tensor]:
+    """The rule row by row in float64 (vLLM order: min-p, top-k, top-p; ties at a cut kept whole)."""
+
+    def kept(_i, row, p):
         keep = row > -math.inf
         if trunc.min_p > 0:
             keep &= p >= trunc.min_p * p.max()
@@ -59,12 +72,9 @@ def _naive(logits: torch.Tensor, tokens: torch.Tensor, trunc: Truncation) -> dic
             drop = cum <= 1 - trunc.top_p
             drop[-1] = False
             keep &= row >= vals[~drop][0]
-        log_zs = row[keep].logsumexp(-1)
-        q = (row[keep] - log_zs).exp()
-        for k, v in zip(out, (float(row[a] - log_zs), bool(keep[a]), float(1 - p[keep].sum()), int(keep.sum()),
-                              float(-(q * q.log()).sum()))):
-            out[k].append(v)
-    return {k: torch.tensor(v) for k, v in out.items()}
+        return keep
+
+    return _naive_rows(logits, tokens, trunc.temperature, kept)
 
 
 def _logits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -232,23 +242,13 @@ def _replay_case():
 
 def _naive_replay(logits: torch.Tensor, tokens: torch.Tensor, sets: list, temperature: float) -> dict:
     """The replay rule row by row in float64: S = the recorded ids (all ids without a record) less the -inf logits."""
-    nan = math.nan
-    out = {k: [] for k in ("logprobs", "in_safe", "pruned_mass", "size", "entropy")}
-    for row, a, ids in zip(logits.double() / temperature, tokens.tolist(), sets):
-        if bool(row.isnan().any() or (row == math.inf).any() or not torch.isfinite(row).any()):
-            for k, v in zip(out, (nan, True, nan, 0, nan)):
-                out[k].append(v)
-            continue
+
+    def kept(i, row, _p):
         keep = torch.zeros(V, dtype=torch.bool)
-        keep[ids if ids else slice(None)] = True
-        keep &= row > -math.inf
-        p = (row - row.logsumexp(-1)).exp()
-        log_zs = row[keep].logsumexp(-1)
-        q = (row[keep] - log_zs).exp()
-        for k, v in zip(out, (float(row[a] - log_zs), bool(keep[a]), float(1 - p[keep].sum()), int(keep.sum()),
-                              float(-(q * q.log()).sum()))):
-            out[k].append(v)
-    return {k: torch.tensor(v) for k, v in out.items()}
+        keep[sets[i] if sets[i] else slice(None)] = True
+        return keep & (row > -math.inf)
+
+    return _naive_rows(logits, tokens, temperature, kept)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

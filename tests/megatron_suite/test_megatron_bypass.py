@@ -14,7 +14,6 @@ wraps verl's, and naive float64 formulas in the test.
 
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 
@@ -37,24 +36,9 @@ def _recording_loss(calls: list):
     """verl's ppo_loss (Megatron's actor config) under Megatron's loss-call signature, recording each call's
     (current, old, rollout, mask) response-aligned, in float64: what verl's loss was handed."""
     from verl.workers.config import McoreActorConfig
-    from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import no_padding_2_padding
 
-    from tim_plugins.integrations.verl.micro_batch import padded_response
-
-    config = McoreActorConfig(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=H.MICRO,
-                              ppo_mini_batch_size=4, use_dynamic_bsz=False)
-    verl_loss = partial(ppo_loss, config=config)
-
-    def loss(model_output, data, dp_group=None):
-        current = no_padding_2_padding(model_output["log_probs"], data).detach().double()
-        w = current.shape[1]
-        calls.append((current, padded_response(data["old_log_probs"], w).double(),
-                      padded_response(data["rollout_log_probs"], w).double(),
-                      padded_response(data["response_mask"], w).bool()))
-        return verl_loss(model_output=model_output, data=data, dp_group=dp_group)
-
-    return loss
+    return H.recording_ppo_loss(McoreActorConfig(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=H.MICRO,
+                                                 ppo_mini_batch_size=4, use_dynamic_bsz=False), calls)
 
 
 def _train(engine, td, old, loss_fn, *, passes: int) -> list:

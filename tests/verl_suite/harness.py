@@ -228,3 +228,25 @@ def checked_sync(engine, rollout: Rollout, step: int, skip: str | None = None):
 
     asyncio.run(watch.around(step, lambda: rollout.load(engine, skip), worker_read(rollout), gather))
     return watch.check.reports[before] if len(watch.check.reports) > before else None
+
+
+def recording_ppo_loss(config, calls: list):
+    """verl's ``ppo_loss`` with the actor ``config`` (FSDP's or Megatron's), recording each call's (current, old,
+    rollout, mask) response-aligned, in float64: what verl's loss was handed. Either engine's call form (Megatron
+    passes the output and the data positionally)."""
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from tim_plugins.integrations.verl.micro_batch import padded_response
+
+    verl_loss = partial(ppo_loss, config=config)
+
+    def loss(model_output, data, dp_group=None):
+        current = no_padding_2_padding(model_output["log_probs"], data).detach().double()
+        w = current.shape[1]
+        calls.append((current, padded_response(data["old_log_probs"], w).double(),
+                      padded_response(data["rollout_log_probs"], w).double(),
+                      padded_response(data["response_mask"], w).bool()))
+        return verl_loss(model_output=model_output, data=data, dp_group=dp_group)
+
+    return loss

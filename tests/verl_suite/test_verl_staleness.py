@@ -9,7 +9,6 @@ wraps verl's, and the split computed from them with naive float64 formulas in th
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import pytest
 
@@ -42,26 +41,11 @@ def _train(engine, td, old, loss_fn, *, passes: int):
 
 
 def _recording_loss(calls: list):
-    """verl's ppo_loss, recording each call's (current, old, rollout, mask) response-aligned, in float64."""
+    """verl's ppo_loss (FSDP's actor config), recording each call's (current, old, rollout, mask)."""
     from verl.workers.config import FSDPActorConfig
-    from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import no_padding_2_padding
 
-    from tim_plugins.integrations.verl.engine import padded_response
-
-    config = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
-                             use_dynamic_bsz=False)
-    verl_loss = partial(ppo_loss, config=config)
-
-    def loss(*, model_output, data, dp_group=None):
-        current = no_padding_2_padding(model_output["log_probs"], data).detach().double()
-        w = current.shape[1]
-        calls.append((current, padded_response(data["old_log_probs"], w).double(),
-                      padded_response(data["rollout_log_probs"], w).double(),
-                      padded_response(data["response_mask"], w).bool()))
-        return verl_loss(model_output=model_output, data=data, dp_group=dp_group)
-
-    return loss
+    return H.recording_ppo_loss(FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2,
+                                                ppo_mini_batch_size=4, use_dynamic_bsz=False), calls)
 
 
 def _recording_lag_loss(calls: list, lags: list):

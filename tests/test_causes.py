@@ -269,6 +269,40 @@ def test_staleness_is_named_when_it_explains_an_unhealthy_log_ratio():
     assert out["tim/staleness/token/kl_k3"] > 0.015 and out["tim/cause/named"] == 0 and pipe.causes.named == []
 
 
+@pytest.mark.parametrize("fresh_passes", [0, 1, 9])
+def test_the_exact_split_judges_the_reused_tokens_whatever_the_fresh_ones_in_the_window(fresh_passes):
+    """A logging window that holds a batch's first pass (lag 0, staleness exactly 0) beside its reused pass (lag 1):
+    TRL's num_iterations=2 with logging_steps >= 2 (its default is 10). The rule reads the reused tokens alone, so
+    the same reused pass is named whatever the fresh tokens around it; the pooled figures it no longer reads fall
+    below the rule with them. Reference: the naive k3 and Var(s) / Var(d) over the reused tokens."""
+    g = torch.Generator().manual_seed(21)
+    rollout, train, mask = _batch()
+    train = rollout + 0.02 * torch.randn(rollout.shape, generator=g)
+    current = train + 0.2 * torch.randn(train.shape, generator=g)  # k3 ~0.02: above staleness_k3 (0.015)
+    s, d = (current - train).double(), (current - rollout).double()
+    pipe = _pipeline()
+    for _ in range(fresh_passes):
+        pipe.measure(rollout, train, mask)
+        pipe.loss_pass(rollout, train, train, mask, lag=torch.zeros(mask.shape, dtype=torch.long))
+    pipe.measure(rollout, train, mask)
+    pipe.loss_pass(rollout, train, current, mask, lag=torch.ones(mask.shape, dtype=torch.long))
+    out = pipe.compute(1, sync=False)[0]
+    k3, share = _naive_k3(s), float(s.var(correction=0) / d.var(correction=0))
+    assert out["tim/split/reused_tokens"] == mask.sum()
+    assert out["tim/split/reused_staleness_kl_k3"] == pytest.approx(k3, rel=1e-5) and k3 > 0.015
+    assert out["tim/split/reused_staleness_var_share"] == pytest.approx(share, rel=1e-5) and share > 0.5
+    assert out["tim/staleness/token/kl_k3"] == pytest.approx(k3 / (fresh_passes + 1), rel=1e-5)  # pooled
+    assert [c.code for c in pipe.causes.named] == ["staleness"]
+    (cause,) = pipe.causes.named
+    assert f"of the {int(mask.sum())} tokens trained after an optimizer step" in cause.message
+    assert cause.evidence["staleness_k3"] == pytest.approx(k3, rel=1e-5)
+    # a window of first passes alone: nothing reused, nothing named
+    pipe.measure(rollout, train, mask)
+    pipe.loss_pass(rollout, train, train, mask, lag=torch.zeros(mask.shape, dtype=torch.long))
+    out = pipe.compute(2, sync=False)[0]
+    assert out["tim/split/reused_tokens"] == 0.0 and out["tim/cause/named"] == 0.0
+
+
 def _naive_k3(d: torch.Tensor) -> float:
     d = d.double()
     return float((torch.expm1(d) - d).mean())

@@ -138,3 +138,47 @@ def test_shape_mismatch_is_counted_not_raised():
     pipe = StepPipeline(PipelineConfig(staleness=True, compile=False))
     pipe.loss_pass(rollout, old, current[:, :-1], mask)
     assert pipe.diag == {"shape_mismatch": 1.0}
+
+
+def _naive_reused(rollout, old, current, mask, lag) -> tuple[float, float, float]:
+    """(tokens, Var(s) / Var(d), mean of exp(s) - 1 - s) over the tokens of ``mask`` with lag >= 1, in float64."""
+    keep = (mask & (lag >= 1)).numpy()
+    s = (current.double() - old.double()).numpy()[keep]
+    d = (current.double() - rollout.double()).numpy()[keep]
+    if not len(s):
+        return 0.0, math.nan, math.nan
+    return float(len(s)), float(np.var(s) / np.var(d)), float(np.mean(np.expm1(s) - s))
+
+
+def test_the_reused_split_is_the_split_of_the_tokens_trained_after_an_update():
+    """``ReusedSplit``: the tokens a pass trains at lag >= 1 alone, against the naive formulas over them; the fresh
+    tokens of the same window (a batch's first pass: s = 0) change nothing; merged over passes exactly; NaN and 0
+    tokens without a reused one."""
+    from tim_plugins.staleness import REUSED_KEYS, ReusedSplit
+
+    fresh = _batch(1, stale=0.0, mismatch=0.2)
+    fresh = (fresh[0], fresh[1], fresh[1], fresh[3])  # π_θ is π_old: the first pass over a batch
+    reused = _batch(2, stale=0.3, mismatch=0.2, corr=0.2)
+    lags = (torch.zeros(5, 7, dtype=torch.long), torch.tensor([1, 1, 2, 2, 3]).view(-1, 1).expand(5, 7))
+    stats, alone = ReusedSplit(), ReusedSplit()
+    for batch, lag in zip((fresh, reused), lags):
+        stats.update(*batch, lag)
+    alone.update(*reused, lags[1])
+    got, want = stats.compute(sync=False), _naive_reused(*reused, lags[1])
+    assert list(got) == list(REUSED_KEYS)
+    assert got[REUSED_KEYS[0]] == want[0] == int(reused[3].sum())
+    assert got[REUSED_KEYS[1]] == pytest.approx(want[1], rel=1e-9) and 0.5 < want[1] < 0.9
+    assert got[REUSED_KEYS[2]] == pytest.approx(want[2], rel=1e-9)
+    assert got == alone.compute(sync=False)
+    # the pooled split of the same passes is diluted by the fresh tokens
+    pooled = SplitStats()
+    for batch in (fresh, reused):
+        pooled.update(*batch)
+    assert pooled.compute(sync=False)["tim/split/staleness_var_share"] < want[1] - 0.05
+    empty = ReusedSplit()
+    empty.update(*fresh, lags[0])
+    out = empty.compute(sync=False)
+    assert out[REUSED_KEYS[0]] == 0.0 and math.isnan(out[REUSED_KEYS[1]]) and math.isnan(out[REUSED_KEYS[2]])
+    restored = ReusedSplit()
+    restored.load_state_dict(stats.state_dict())
+    assert restored.compute(sync=False) == got

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.trl
 INJECT = {"scale": 1.0, "tau": 0.5, "mode": "bias", "seed": 0}
 
 
-def _run(model_path, tmp_path, iterations: int):
-    trainer = make_trainer(model_path, tmp_path, num_iterations=iterations, max_steps=4)
+def _run(model_path, tmp_path, iterations: int, **overrides):
+    trainer = make_trainer(model_path, tmp_path, num_iterations=iterations, max_steps=4, **overrides)
     cap = Capture(trainer)
     trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True, rollout="inject", inject_options=INJECT)))
     trainer.train()
@@ -44,6 +44,14 @@ def _reference(passes) -> dict[str, float]:
             "tim/split/cov_share": 2 * np.mean((s - s.mean()) * (m - m.mean())) / var_d,
             "tim/staleness/token/kl_k3": float(np.mean(np.expm1(s) - s)),
             "tim/staleness/token/abs_diff_max": float(np.abs(s).max())}
+
+
+def _reused_reference(passes) -> dict[str, float]:
+    """tim/split/reused_*: the split of the reused passes' tokens (trained one update after their rollout) alone."""
+    s = np.concatenate([(c.double() - o.double())[k].numpy() for r, o, c, k in passes])
+    d = np.concatenate([(c.double() - r.double())[k].numpy() for r, o, c, k in passes])
+    return {"tim/split/reused_tokens": float(len(d)), "tim/split/reused_staleness_var_share": np.var(s) / np.var(d),
+            "tim/split/reused_staleness_kl_k3": float(np.mean(np.expm1(s) - s))}
 
 
 def _by_lag_reference(passes_with_lag) -> dict[str, float]:
@@ -89,9 +97,12 @@ def test_two_iterations_split_matches_trls_tensors(toy_model_path, tmp_path):
         if step in generated:  # the first pass over a batch: no update since it was sampled
             assert logged["tim/split/staleness_mean"] == 0.0 and logged["tim/staleness/token/abs_diff_max"] == 0.0
             assert logged["tim/split/mismatch_var_share"] == 1.0
+            assert logged["tim/split/reused_tokens"] == 0.0
         else:  # one update later the policy moved: staleness is there, next to the injected mismatch
             assert logged["tim/staleness/token/abs_diff_max"] > 0 and logged["tim/split/staleness_var_share"] > 0
             assert 0 < logged["tim/split/mismatch_var_share"] < 1
+            for key, value in _reused_reference(step_passes).items():
+                assert logged[key] == pytest.approx(value, rel=1e-5), (step, key)
 
 
 def test_one_iteration_has_exactly_zero_staleness(toy_model_path, tmp_path):
@@ -103,3 +114,20 @@ def test_one_iteration_has_exactly_zero_staleness(toy_model_path, tmp_path):
         assert row["tim/split/staleness_mean"] == 0.0 and row["tim/split/staleness_var_share"] == 0.0
         assert row["tim/staleness/token/kl_k3"] == 0.0 and row["tim/staleness/token/abs_diff_max"] == 0.0
         assert row["tim/split/mismatch_var_share"] == 1.0
+
+
+def test_a_window_over_a_batchs_two_passes_judges_the_reused_one(toy_model_path, tmp_path):
+    """num_iterations=2 with logging_steps=2: each window holds a batch's first pass (lag 0) and its reused pass
+    (lag 1). ``tim/split/reused_*`` are the reused pass's tokens alone (what the staleness rule reads), the pooled
+    ``tim/staleness/*`` both passes' (diluted by the fresh tokens). Reference: TRL's own tensors."""
+    trainer, cap = _run(toy_model_path, tmp_path, iterations=2, logging_steps=2)
+    passes, generated = _passes_by_step(cap)
+    assert generated == {1, 3}
+    for window in (2, 4):
+        logged = _logged(trainer, window)
+        fresh, reused = passes[window - 1], passes[window]
+        for key, value in _reused_reference(reused).items():
+            assert logged[key] == pytest.approx(value, rel=1e-5), (window, key)
+        pooled = _reference(fresh + reused)["tim/staleness/token/kl_k3"]
+        assert logged["tim/staleness/token/kl_k3"] == pytest.approx(pooled, rel=1e-5)
+        assert logged["tim/split/reused_staleness_kl_k3"] > 1.5 * pooled  # the fresh half of the window dilutes it

@@ -206,7 +206,10 @@ def naive_split(tok: dict) -> dict:
     zero = {k: 0.0 for k in STALENESS_KEYS if k != "tim/staleness/tokens"}
     return {"tim/staleness/tokens": n, **zero, "tim/split/tokens": n, "tim/split/staleness_mean": 0.0,
             "tim/split/mismatch_mean": d.mean(), "tim/split/total_mean": d.mean(), "tim/split/total_var": d.var(),
-            "tim/split/staleness_var_share": 0.0, "tim/split/mismatch_var_share": 1.0, "tim/split/cov_share": 0.0}
+            "tim/split/staleness_var_share": 0.0, "tim/split/mismatch_var_share": 1.0, "tim/split/cov_share": 0.0,
+            # no token trained after an update since its rollout: none reused
+            "tim/split/reused_tokens": 0.0, "tim/split/reused_staleness_var_share": math.nan,
+            "tim/split/reused_staleness_kl_k3": math.nan}
 
 
 def naive_by_key(tok: dict) -> dict:

@@ -184,6 +184,7 @@ def _train_one(args, config: str, out: Path, t0: float) -> None:
     def _compute(step, **k):
         values = {}
         for part in (pipeline.monitor, pipeline.safe_vocab_stats, pipeline.correction_stats, pipeline.split_stats,
+                     pipeline.reused_split,
                      pipeline.by_lag, pipeline.by_position):
             if part is not None:
                 values.update(part.compute(sync=False))

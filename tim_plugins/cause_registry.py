@@ -151,8 +151,10 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
     _C("staleness", "split", "staleness, not mismatch, makes the log-ratio unhealthy",
        "The trainer reuses a batch after optimizer steps, or an asynchronous trainer trains samples drawn by "
        "older weights: the policy moved since sampling. The parity fixes cannot reduce that part.",
-       "the staleness part explains >= staleness_share of Var(log-ratio) and its own k3 (the policy's move since "
-       "sampling) is above staleness_k3, PPO's usual early stop on a reused batch (1.5 x a target KL of 0.01); "
+       "over the tokens trained after at least one optimizer step since sampling (tim/split/reused_*: a window's "
+       "fresh tokens, staleness 0, are left out), the staleness part explains >= staleness_share of Var(log-ratio) "
+       "and its own k3 (the policy's move since sampling) is above staleness_k3, PPO's usual early stop on a reused "
+       "batch (1.5 x a target KL of 0.01); "
        "without an exact split (an asynchronous trainer: no π_old at each sample's weights; verl's bypass mode: "
        "π_old is the rollout), by policy lag: the k3 of "
        "the tokens trained at lag >= 1 less the lag-0 floor is >= staleness_share of their k3 and above "

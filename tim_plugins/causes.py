@@ -359,16 +359,31 @@ class CauseTracker:
         return {CAUSE_KEYS[0]: float(len(self._window_codes))}, found
 
     def _staleness_causes(self, step: int, metrics: dict) -> list[Cause]:
+        """The exact split's rule, over the reused tokens (``tim/split/reused_*``: trained after at least one
+        optimizer step since their rollout; the fresh tokens of the window, whose staleness is 0, would dilute both
+        figures by their share), else over every loss-pass token where the passes carried no lag."""
         c, out = self.config, []
         if not (_finite(metrics.get("tim/split/tokens")) and metrics["tim/split/tokens"] > 0):
             return self._lag_staleness_causes(step, metrics)  # no exact split: an asynchronous trainer
-        share = metrics.get("tim/split/staleness_var_share")
-        k3 = metrics.get("tim/staleness/token/kl_k3")
+        reused = metrics.get("tim/split/reused_tokens")
+        if reused is not None:
+            if not (_finite(reused) and reused > 0):
+                return out  # nothing was reused: no staleness
+            share, k3 = metrics.get("tim/split/reused_staleness_var_share"), metrics.get(
+                "tim/split/reused_staleness_kl_k3")
+            where = f" of the {int(reused)} tokens trained after an optimizer step since sampling"
+        else:
+            share, k3, where = metrics.get("tim/split/staleness_var_share"), metrics.get(
+                "tim/staleness/token/kl_k3"), ""
         limit = c.staleness_k3
         if _finite(share) and _finite(k3) and share >= c.staleness_share and k3 > limit:
-            out.append(Cause("staleness", step, f"the staleness part explains {share:.0%} of the log-ratio's "
-                                                f"variance and its k3 is {k3:.3g} (ordinary PPO reuse <= {limit:g})",
-                             evidence={"staleness_var_share": share, "staleness_k3": k3}))
+            # a share above 1: the mismatch part moves against the staleness part (a negative covariance)
+            explains = f"{share:.0%}" if share <= 1 else f"all ({share:.0%}: the mismatch part partly offsets it)"
+            out.append(Cause("staleness", step, f"the staleness part explains {explains} of the log-ratio's "
+                                                f"variance{where} and its k3 there is {k3:.3g} (ordinary PPO reuse "
+                                                f"<= {limit:g})",
+                             evidence={"staleness_var_share": share, "staleness_k3": k3,
+                                       **({"reused_tokens": reused} if reused is not None else {})}))
         return out
 
     def _lag_staleness_causes(self, step: int, metrics: dict) -> list[Cause]:

@@ -51,7 +51,7 @@ from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
 from .safe_vocab import SafeLogprobs
 from .safe_vocab_stats import SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
-from .staleness import SplitStats, staleness_metrics
+from .staleness import ReusedSplit, SplitStats, staleness_metrics
 
 __all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_length",
            "mean_response_length", "old_logprobs", "pipeline_config", "STATE_VERSION"]
@@ -214,6 +214,7 @@ class StepPipeline:
         self.staleness_monitor = MismatchMonitor(c.ratio_band, compile=c.compile, prefix="tim/staleness") \
             if on and c.exact_split else None
         self.split_stats = SplitStats() if on and c.exact_split else None
+        self.reused_split = ReusedSplit() if on and c.exact_split else None  # the staleness rule's tokens
         self.by_lag = KeyedStats("lag") if on else None
         self.by_position = KeyedStats("position") if c.monitor and c.by_position else None
         self.by_turn = KeyedStats("turn") if c.monitor and c.by_turn else None
@@ -326,6 +327,8 @@ class StepPipeline:
         if old is not None and self.staleness_monitor is not None:
             self.staleness_monitor.update(old.detach(), current.detach(), mask.bool())
             self.split_stats.update(rollout, old, current, mask)
+            if lag is not None:
+                self.reused_split.update(rollout, old, current, mask, lag)
         if lag is not None:
             self.by_lag.update(rollout, current, mask, lag)
 
@@ -517,7 +520,7 @@ class StepPipeline:
             if self.staleness_monitor.updates > 0 or (sync and is_distributed(group)):
                 out.update(staleness_metrics(self.staleness_monitor.compute(sync=sync, group=group)))
             self.staleness_monitor.reset()
-        for stats in (self.split_stats, self.by_lag):
+        for stats in (self.split_stats, self.reused_split, self.by_lag):
             if stats is not None and (not stats.empty or (sync and is_distributed(group))):
                 out.update(stats.compute(sync=sync, group=group))
                 stats.reset()
@@ -555,7 +558,7 @@ class StepPipeline:
         return {
             "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
             "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),
-            "by_lag": part(self.by_lag), "by_position": part(self.by_position), "by_turn": part(self.by_turn),
+            "reused_split": part(self.reused_split), "by_lag": part(self.by_lag), "by_position": part(self.by_position), "by_turn": part(self.by_turn),
             "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
             "lr_controller": part(self.lr_controller), "probe": part(self.probe), "causes": part(self.causes),
             "diag": dict(sorted(diag.items())),
@@ -571,7 +574,7 @@ class StepPipeline:
                                "this tim-plugins release cannot resume it")
         for name, obj in (("monitor", self.monitor), ("step_monitor", self._step_monitor),
                           ("staleness_monitor", self.staleness_monitor), ("split", self.split_stats),
-                          ("by_lag", self.by_lag), ("by_position", self.by_position), ("by_turn", self.by_turn),
+                          ("reused_split", self.reused_split), ("by_lag", self.by_lag), ("by_position", self.by_position), ("by_turn", self.by_turn),
                           ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
                           ("lr_controller", self.lr_controller), ("probe", self.probe), ("causes", self.causes)):
             if obj is not None and state.get(name) and (name in self.SHARED_STATE or not shared_only):

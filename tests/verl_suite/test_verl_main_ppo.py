@@ -166,12 +166,12 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
     assert recipe_run.returncode == 0, recipe_run.output[-3000:]
     assert sorted(recipe_run.steps) == [1, 2, 3, 4]
     from tim_plugins.by_key import KEYINGS
-    from tim_plugins.staleness import STALENESS_KEYS, SplitStats
+    from tim_plugins.staleness import REUSED_KEYS, STALENESS_KEYS, SplitStats
 
     from tim_plugins.causes import CAUSE_KEYS
 
     expected = _monitor_keys() | SAFE_VOCAB_KEYS | _lr_keys() | PROBE_KEYS | set(STALENESS_KEYS) \
-        | set(SplitStats().compute(sync=False)) | set(CAUSE_KEYS)
+        | set(SplitStats().compute(sync=False)) | set(REUSED_KEYS) | set(CAUSE_KEYS)
     stats = ("count", "abs_diff_mean", "mean", "kl_k3", "abs_diff_max")
     positions = {f"tim/by_position/{b}/{k}" for b in KEYINGS["position"].labels for k in stats}
     for step, metrics in recipe_run.steps.items():
@@ -182,6 +182,7 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
         assert {k for k in keyed if k.startswith("tim/by_lag/")} == {f"tim/by_lag/0/{k}" for k in stats}, step
         assert {f"tim/by_position/0/{k}" for k in stats} <= keyed - {f"tim/by_lag/0/{k}" for k in stats} <= positions
         assert metrics["tim/staleness/token/kl_k3"] == 0.0 and metrics["tim/split/staleness_mean"] == 0.0
+        assert metrics["tim/split/reused_tokens"] == 0.0  # nothing trained after an update since its rollout
         assert not any(k.startswith("actor/tim/") for k in metrics)  # exact keys, not verl's actor/ prefix
         assert metrics["tim/tokens"] == metrics["tim/safe_vocab/tokens"] > 0
         assert metrics["tim/safe_vocab/invalid_tokens"] == 0  # every row a distribution: finite logits

@@ -150,15 +150,16 @@ def test_a_batch_trained_once_has_a_staleness_part_of_exactly_zero(toy_model_pat
         assert not math.isnan(got["tim/split/mismatch_mean"])
 
 
-@pytest.mark.parametrize("passes,lr,port", [(2, 1e-4, 29591), (2, 3e-5, 29592), (1, 1e-4, 29593)])
+@pytest.mark.parametrize("passes,lr,port", [(2, 1e-4, 29591), (2, 1e-5, 29592), (1, 1e-4, 29593)])
 def test_staleness_is_named_in_the_step_its_loss_passes_end_and_the_probe_acts_on_it(toy_model_path, passes, lr,
                                                                                       port):
     """verl closes the step's window at the old-log-prob pass, before its loss passes: the staleness rule runs when
     they end (lr_scheduler_step), counts in the step's ``tim/cause/named`` and reaches the driver's decision. A
     rollout at the trainer's numbers (1e-4 nats apart): a reused batch's staleness part is the whole log-ratio's
-    variance (naive float64 split of verl's own tensors); named where its k3 is above CauseConfig.staleness_k3
-    (lr 1e-4: ~0.03), not where it is ordinary PPO reuse (lr 3e-5: ~0.003, above the mismatch limit 1e-3); a batch
-    trained once has none."""
+    variance (naive float64 split of verl's own tensors); the rule reads the second pass's tokens (lag 1: the first
+    pass's staleness is 0 and would halve the k3), named where their k3 is above CauseConfig.staleness_k3 (lr 1e-4:
+    ~0.17), not where it is ordinary PPO reuse (lr 1e-5: ~0.002, above the mismatch limit 1e-3); a batch trained once
+    has none."""
     from tim_plugins.causes import CauseConfig
 
     H.init_dist(port=port)
@@ -181,12 +182,20 @@ def test_staleness_is_named_in_the_step_its_loss_passes_end_and_the_probe_acts_o
     share, k3 = float(s.var(unbiased=False)) / float((s + m).var(unbiased=False)), _k3(s)
     assert got["tim/split/staleness_var_share"] == pytest.approx(share, rel=1e-6, abs=1e-12)
     assert got["tim/staleness/token/kl_k3"] == pytest.approx(k3, rel=1e-6, abs=1e-12)
+    # the reused tokens alone: the second pass's micro-batches (lag 1)
+    sr = torch.cat([(cur - old_mb)[mask] for cur, old_mb, _, mask in calls[2:]] + [s[:0]])
+    mr = torch.cat([(old_mb - roll)[mask] for _, old_mb, roll, mask in calls[2:]] + [s[:0]])
+    assert got["tim/split/reused_tokens"] == sr.numel()
     named = engine._tim_pipeline.causes.named[before:]
     limit = CauseConfig().staleness_k3
+    if passes == 1:
+        assert share == k3 == 0.0 and sr.numel() == 0
+    else:
+        share, k3 = float(sr.var(unbiased=False)) / float((sr + mr).var(unbiased=False)), _k3(sr)
+        assert got["tim/split/reused_staleness_var_share"] == pytest.approx(share, rel=1e-6)
+        assert got["tim/split/reused_staleness_kl_k3"] == pytest.approx(k3, rel=1e-6)
     if passes == 1 or lr < 1e-4:
-        if passes == 1:
-            assert share == k3 == 0.0
-        else:
+        if passes == 2:
             assert share > 0.99 and 1e-3 < k3 < limit
         assert got["tim/cause/named"] == 0.0 and named == [] and (decision is None or not decision.tripped)
         return
@@ -194,7 +203,7 @@ def test_staleness_is_named_in_the_step_its_loss_passes_end_and_the_probe_acts_o
     assert got["tim/cause/named"] == 1.0 and got["tim/probe/tripped"] == 1.0
     assert decision.stop and decision.action == "stop" and [t.key for t in decision.trips] == ["tim/cause/named"]
     assert [c.code for c in named] == ["staleness"]
-    assert named[0].evidence["staleness_k3"] == got["tim/staleness/token/kl_k3"]
+    assert named[0].evidence["staleness_k3"] == got["tim/split/reused_staleness_kl_k3"]
 
 
 @pytest.mark.parametrize("lr,port", [(1e-4, 29641), (1e-5, 29642)])

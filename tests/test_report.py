@@ -18,7 +18,7 @@ from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES, SOURCES, stat
 from tim_plugins.report.measure_page import measure_verdict  # noqa: E402
 from tim_plugins.report.page import Page, fmt  # noqa: E402
 from tim_plugins.report.tokens import load_tokens  # noqa: E402
-from tim_plugins.report.training_page import step_table  # noqa: E402
+from tim_plugins.report.training_page import step_table, training_verdict  # noqa: E402
 
 
 def test_healthy_ranges_and_their_sources():
@@ -75,17 +75,33 @@ def test_step_table_prefers_logged_values_and_falls_back_to_the_dump(tmp_path):
         data[step] = (rollout.float().double()[mask], train.float().double()[mask])
     summary = {"log_history": [{"step": 2, "tim/tokens": 1.0, "tim/token/kl_k3": 123.0, "reward": 0.5}]}
     table = step_table(summary, load_tokens(tmp_path))
-    assert table["step"].tolist() == [1, 2, 3]
-    assert table["k3"][1] == 123.0  # the logged value wins
-    for i, step in ((0, 1), (2, 3)):  # the others: the naive formulas on the dumped rows
+    # the logged row covers its window (steps 1-2: step 1's sample is not drawn beside it); step 3, after the last
+    # logged row, from the dump
+    assert table["step"].tolist() == [2, 3] and table["from_dump"].tolist() == [False, True]
+    assert table["k3"][0] == 123.0  # the logged value wins
+    for i, step in ((1, 3),):  # the tail: the naive formulas on the dumped rows
         r, t = data[step]
         d = t - r
         assert table["k3"][i] == pytest.approx(float((d.expm1() - d).mean()), rel=1e-9)
-        rho = d.exp()
+    for i, step in ((0, 2), (1, 3)):  # no logged ESS: the dump's ESS of that step's ratios
+        r, t = data[step]
+        rho = (t - r).exp()
         assert table["ess"][i] == pytest.approx(float(rho.sum() ** 2 / (rho.numel() * (rho ** 2).sum())), rel=1e-9)
     assert not table["ess_logged"].any()
-    assert table["lr_scale"].tolist() == [1.0, 1.0, 1.0]  # lr decay off: the scale stays 1
-    assert np.isnan(table["reward"][0]) and table["reward"][1] == 0.5
+    assert table["lr_scale"].tolist() == [1.0, 1.0]  # lr decay off: the scale stays 1
+    assert table["reward"][0] == 0.5 and np.isnan(table["reward"][1])
+    # without a logged row every dumped step is drawn from the dump
+    alone = step_table({}, load_tokens(tmp_path))
+    assert alone["step"].tolist() == [1, 2, 3] and alone["from_dump"].all()
+    # the verdict: the logged k3 (every token) over the dump's sample of it; the token count is not mixed
+    v = training_verdict(summary, load_tokens(tmp_path), table)
+    assert any("k3" in line[1] and "123" in line[1] for line in v["lines"]), v["lines"]
+    assert any("1 monitored tokens (and " in x and "of step 3, after the last logged row" in x for x in v["extra"])
+    # a run whose logged rows are far outside the healthy ranges while the dump's sample looks healthy: not OK
+    bad = {"log_history": [{"step": s, "tim/tokens": 20000.0, "tim/token/kl_k3": 0.5,
+                            "tim/seq/log_ratio_abs_max": 40.0} for s in (1, 2, 3)]}
+    v = training_verdict(bad, load_tokens(tmp_path), step_table(bad, load_tokens(tmp_path)))
+    assert v["status"] != "ok" and any("0.5" in line[1] for line in v["lines"] if "k3" in line[1]), v
 
 
 def test_page_escapes_text_and_numbers_its_sources():

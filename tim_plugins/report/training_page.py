@@ -15,15 +15,22 @@ VERDICT_KEYS = ("tim/token/kl_k3", "tim/token/abs_diff_p99", "tim/token/ratio_ou
 
 
 def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
-    """Per optimizer step: the series the report draws. The callback's logged values (``log_history``) where
-    present; from the dump (the core monitor's metrics over each step's rows) otherwise. ESS: the logged
+    """Per optimizer step: the series the report draws. The callback's logged rows (``log_history``) where the run
+    logged them: each covers its logging window (every token of the steps since the row before; TRL's
+    ``logging_steps`` > 1 logs every few steps), so the dump's steps inside a window are not drawn beside it (a
+    sample of one step against a window's every token: two populations). The dump's steps after the last logged row
+    (a run that stopped or crashed before logging them) are drawn from the dump (the core monitor's metrics over
+    each step's sampled rows; ``from_dump`` marks them), and every step where the run logged nothing. ESS: the logged
     ``tim/is/ess`` of the IS weights applied, else the ESS of the uncorrected token ratios ρ of the dump."""
     from tim_plugins.report.tokens import metrics_by_step
 
     dump_steps, dump_metrics = metrics_by_step(tokens) if tokens is not None and tokens.size else (np.zeros(0), [])
     by_dump = {int(s): m for s, m in zip(dump_steps, dump_metrics)}
     logged = {int(h["step"]): h for h in (summary or {}).get("log_history", []) if "step" in h}
-    steps = np.array(sorted(set(by_dump) | {s for s, h in logged.items() if "tim/tokens" in h}), dtype=np.int64)
+    windows = {s for s, h in logged.items() if "tim/tokens" in h}
+    last = max(windows, default=None)
+    tail = {s for s in by_dump if last is None or s > last}  # no logged row covers these steps
+    steps = np.array(sorted(windows | tail), dtype=np.int64)
 
     def series(key: str, dump_key: str | None = None, default=np.nan, *, also: tuple = ()) -> np.ndarray:
         """``key`` per step from the logged rows (else ``also``'s keys, in order), else the dump's ``dump_key``."""
@@ -51,6 +58,7 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
         "ratio_mean": series("tim/token/ratio_mean", "tim/token/ratio_mean"),  # the truncation section's ρ
     }
     table["ess_logged"] = np.array([("tim/is/ess" in logged.get(int(s), {})) for s in steps], dtype=bool)
+    table["from_dump"] = np.array([int(s) in tail for s in steps], dtype=bool)
     return table
 
 
@@ -79,10 +87,17 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
     from tim_plugins.report.tokens import overall_metrics
 
     extra = []
+    logged, logged_steps = logged_overall(summary)
     if tokens is not None and tokens.size:
-        overall = overall_metrics(tokens)
+        # the logged values cover every token the run measured, the dump a sample of them (whose largest values
+        # fall short of the run's): the logged ones where the run logged them, the dump's for the rest
+        overall = {**overall_metrics(tokens), **logged}
+        if logged:
+            extra.append(f"k3, the fraction of ρ outside [0.5, 2] and the largest sequence log-ratio are over the "
+                         f"{logged_steps} logged rows (every token the run measured); the p99 and the ESS over the "
+                         "per-token dump's sampled rows.")
     else:  # no dump rows: the verdict of the metrics the run logged
-        overall, logged_steps = logged_overall(summary)
+        overall = logged
         if overall:
             extra.append(f"No per-token dump rows: the verdict is over the {logged_steps} logged steps (k3 and the "
                          "fraction of ρ outside [0.5, 2] pooled by their tokens, the largest sequence log-ratio; the "
@@ -94,9 +109,15 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
         k3 = table["k3"]
         if np.isfinite(k3).any():
             worst = int(np.nanargmax(k3))
-            extra.append(f"{steps.size} optimizer steps, {int(np.nansum(table['tokens']))} monitored tokens; k3 per "
-                         f"step from {np.nanmin(k3):.2g} to {np.nanmax(k3):.2g} nats per token (highest at step "
-                         f"{int(steps[worst])}).")
+            sampled = table["from_dump"] & np.asarray([bool(logged)] * steps.size)
+            counted = f"{int(np.nansum(table['tokens'][~sampled]))} monitored tokens"
+            if sampled.any():  # a sample's count is not added to the logged windows' totals
+                after = steps[sampled]
+                which = f"step {int(after[0])}" if after.size == 1 else f"steps {int(after[0])}-{int(after[-1])}"
+                counted += (f" (and {int(np.nansum(table['tokens'][sampled]))} sampled tokens of {which}, after the "
+                            "last logged row: from the dump)")
+            extra.append(f"{steps.size} optimizer steps, {counted}; k3 per step from {np.nanmin(k3):.2g} to "
+                         f"{np.nanmax(k3):.2g} nats per token (highest at step {int(steps[worst])}).")
         reward = table["reward"][np.isfinite(table["reward"])]
         if reward.size >= 4:
             q = max(1, reward.size // 4)

@@ -151,9 +151,10 @@ def reference_passes(model_path, engine: StandInEngine, passes) -> dict[int, lis
     return out
 
 
-def make_trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS, learning_rate: float = 3e-3):
-    """AsyncGRPOTrainer with the stand-in engine: two micro-batches (one group each) per step, a sync every step.
-    Returns (trainer, engine)."""
+def make_trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS, learning_rate: float = 3e-3,
+                 gradient_accumulation_steps: int = 2):
+    """AsyncGRPOTrainer with the stand-in engine: two micro-batches (one group each) per step unless told, a sync
+    every step. Returns (trainer, engine)."""
     import datasets
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -162,7 +163,8 @@ def make_trainer(model_path, out, steps, lengths=lambda k: NEW_TOKENS, learning_
     holder = {}
     engine = StandInEngine(model_path, tok, lambda: holder["trainer"].state, lengths)
     args = AsyncGRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2,
+        output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=GROUP,
+        gradient_accumulation_steps=gradient_accumulation_steps,
         num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=steps, logging_steps=1, report_to=[],
         save_strategy="no", learning_rate=learning_rate, seed=0, disable_tqdm=True, token_budget=0, max_staleness=16,
         weight_sync_steps=1)

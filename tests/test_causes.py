@@ -170,7 +170,7 @@ def test_with_the_audits_sampler_processing_confident_disagreements_name_the_con
     assert (dis, forced) == (5, 0) and out["tim/cause/confident_disagreements"] == 5
     (cause,) = pipe.causes.named
     assert cause.code == "sampler-constrained" and cause.evidence["confident_disagreements"] == 5
-    assert cause.message == (f"5 of {conf} lag-0 tokens it gave p >= 0.5 under the sampler processing the parity "
+    assert cause.message == (f"5 of {conf} lag-0 tokens the engine gave p >= 0.5 under the sampler processing the parity "
                              f"audit found (sampler-penalties-unmatched) are scored > 2 nats lower by the trainer")
     # one disagreement is below confident_min_tokens (2): nothing
     rollout, train, mask = _batch(confident=1, seed=1)

@@ -335,8 +335,14 @@ def test_the_trainers_batched_scoring_equals_each_sequence_alone(pair):
     batch = {"prompt_ids": prompt, "prompt_mask": prompt != 0, "completion_ids": completion,
              "completion_mask": completion != 0}
     assert probe_sequences(batch, Lag0ProbeConfig(sequences=2)) == [[5, 6, 10, 11], [1, 2, 3, 4, 13, 14, 15]]
-    assert probe_sequences(batch, Lag0ProbeConfig(sequences=4, max_tokens=3)) == [[5, 6, 10], [7, 8, 9],
-                                                                                 [1, 2, 3]]
+    # a row longer than max_tokens: its first token and its last ones (the completion's end)
+    assert probe_sequences(batch, Lag0ProbeConfig(sequences=4, max_tokens=3)) == [[5, 10, 11], [7, 9, 12],
+                                                                                 [1, 14, 15]]
+    shared = torch.arange(1, 71).repeat(2, 1)  # a 70-token prompt the rows share, longer than max_tokens
+    long = {"prompt_ids": shared, "prompt_mask": shared != 0, "completion_ids": torch.tensor([[80, 81], [90, 91]]),
+            "completion_mask": torch.ones(2, 2, dtype=torch.bool)}
+    rows = probe_sequences(long, Lag0ProbeConfig(sequences=2))
+    assert [len(r) for r in rows] == [64, 64] and [r[-2:] for r in rows] == [[80, 81], [90, 91]] and rows[0][0] == 1
 
 
 def test_the_server_probe_switches_itself_off_on_what_it_cannot_score(pair):
@@ -371,3 +377,41 @@ def test_the_server_probe_switches_itself_off_on_what_it_cannot_score(pair):
     assert probe.probe.reference is None
     sync = probe._wrap(lambda: "synced")
     assert sync() == "synced" and probe.probe.syncs == 0 and pipeline.diag == {"lag0_probe_failed": 1.0}
+
+
+def test_a_server_answering_no_finite_log_prob_after_a_sync_is_counted(pair):
+    """A server whose answers after a sync hold no finite log-prob (vLLM's NaN reach TRL's client as -inf): nothing
+    can be judged, and the probe says so (tim/diag/lag0_probe_failed) instead of staying silent; the sync returns its
+    result. The server here answers the trainer's own log-probs at the reference (a client standing in for TRL's
+    VLLMClient.get_sequence_logprobs, in its answer's layout)."""
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from tim_plugins.integrations.trl.server_probe import ServerProbe, trainer_logprobs
+    from tim_plugins.pipeline import StepPipeline
+
+    model, _, seqs = pair
+    ids = torch.tensor([seqs[0][:8], seqs[1][:8]])
+    batch = {"prompt_ids": ids[:, :4], "prompt_mask": torch.ones(2, 4), "completion_ids": ids[:, 4:],
+             "completion_mask": torch.ones(2, 4)}
+    answers = []
+
+    def get_sequence_logprobs(sequences, **_):
+        values, mask = trainer_logprobs(model, sequences, Accelerator(cpu=True))
+        if answers:
+            values = torch.full_like(values, -math.inf)
+        answers.append(len(sequences))
+        return {"actual_logprobs": [[[float(v)] for v in row[m]] for row, m in zip(values, mask)]}
+
+    client = SimpleNamespace(get_sequence_logprobs=get_sequence_logprobs)
+    trainer = SimpleNamespace(model=model, accelerator=Accelerator(cpu=True), state=SimpleNamespace(global_step=1),
+                              vllm_generation=SimpleNamespace(vllm_client=client))
+    pipeline = StepPipeline()
+    probe = ServerProbe(trainer, pipeline, Lag0ProbeConfig())
+    probe.captured(batch)
+    assert probe.probe.reference is not None and probe.probe.floor < 1e-6 and pipeline.diag == {}
+    assert probe._wrap(lambda: "synced")() == "synced"
+    assert answers == [2, 2] and probe.probe.history[-1]["tokens"] == 0
+    assert pipeline.diag == {"lag0_probe_failed": 1.0}

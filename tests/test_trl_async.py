@@ -471,3 +471,26 @@ def test_a_run_that_raised_leaves_nothing_for_the_next_train(toy_model_path, tmp
                   if k.startswith("tim/by_lag/") and k.endswith("/count") and v}
         assert logged == by_lag, (step, logged, by_lag)
     assert rows[max(rows)]["tim/diag/async_lag_unknown"] == unknown
+
+
+def test_one_micro_batch_per_step_is_said_at_attach_time(toy_model_path, tmp_path, caplog):
+    """gradient_accumulation_steps=1: every batch trains one sync after its weights (accelerate fetches one ahead),
+    so after the first step no token is at lag 0: said once when the callback attaches, with the fix; the run with
+    two micro-batches says nothing of it. Reference: the lags the run logs (tim/by_lag/*)."""
+    from tim_plugins.integrations.trl.async_grpo import ONE_MICRO_BATCH
+
+    undo = install_cpu_shims()
+    try:
+        for ga in (1, 2):
+            caplog.clear()
+            trainer, _ = make_trainer(toy_model_path, tmp_path / f"ga{ga}", steps=3, gradient_accumulation_steps=ga)
+            with caplog.at_level("WARNING"):
+                trainer.add_callback(TIMCallback(trainer, TIMConfig(log_detail=True)))
+                trainer.train()
+            said = [r for r in caplog.records if r.getMessage() == ONE_MICRO_BATCH]
+            assert len(said) == (1 if ga == 1 else 0)
+            later = [h for h in trainer.state.log_history if h.get("step", 0) >= 2 and "tim/tokens" in h]
+            lag0 = [h.get("tim/by_lag/0/count", 0.0) for h in later]
+            assert (all(n == 0 for n in lag0) if ga == 1 else any(n > 0 for n in lag0)), (ga, later)
+    finally:
+        undo()

@@ -145,9 +145,9 @@ def confident_disagreements(rollout: torch.Tensor, train: torch.Tensor, mask: to
 
 
 class FloorHistory:
-    """The lag-0 floor's trailing windows and the jump rule: ``ratio(value)`` = value / median of the last ``window``
-    values kept (NaN before any); ``jumped`` when that ratio exceeds ``factor`` and the value the median by more than
-    ``min_gap``. A jumped value is not kept: a floor that stays up keeps being named."""
+    """The lag-0 floor's trailing windows and the jump rule (``judge``): the ratio of a value to the median of the
+    last ``window`` values kept (NaN before any); jumped when that ratio exceeds ``factor`` and the value the median
+    by more than ``min_gap``. A jumped value is not kept: a floor that stays up keeps being named."""
 
     def __init__(self, window: int, factor: float, min_gap: float) -> None:
         self.window, self.factor, self.min_gap = int(window), float(factor), float(min_gap)
@@ -284,8 +284,9 @@ class CauseTracker:
             seen = [f"{int(forced)} lag-0 tokens the engine gave p = 1 (its sampler left one token: structured "
                     f"outputs, a grammar, a logits processor)"] if forced else []
             if constrained and disagreeing:
-                seen.append(f"{int(disagreeing)} of {int(confident)} lag-0 tokens it gave p >= {c.confident_p:g} "
-                            f"under the sampler processing the parity audit found (sampler-penalties-unmatched)")
+                seen.append(f"{int(disagreeing)} of {int(confident)} lag-0 tokens the engine gave p >= "
+                            f"{c.confident_p:g} under the sampler processing the parity audit found "
+                            f"(sampler-penalties-unmatched)")
             found.append(Cause("sampler-constrained", step,
                                f"{' and '.join(seen)} are scored > {c.confident_gap:g} nats lower by the trainer",
                                evidence={"forced_disagreements": forced, "confident_disagreements": disagreeing,

@@ -59,10 +59,10 @@ class Lag0ProbeConfig:
 
     every_n_syncs: int = field(default=1, metadata={"help": "probe every Nth weight sync"})
     sequences: int = field(default=4, metadata={"help": (
-        "sequences in the fixed batch (the first rows of the run's first generation)")})
+        "sequences in the fixed batch (rows spread over the run's first generation batch)")})
     max_tokens: int = field(default=64, metadata={"help": (
-        "tokens kept of each sequence (its first ones): the probe's cost is one forward of sequences x max_tokens "
-        "tokens on each side")})
+        "tokens kept of each sequence (its first token, then its last ones: the completion's end, however long a "
+        "shared prompt): the probe's cost is one forward of sequences x max_tokens tokens on each side")})
     moved_factor: float = field(default=4.0, metadata={"help": (
         "the engine's move is judged once the trainer's log-probs moved more than this times the floor ...")})
     moved_min: float = field(default=1e-3, metadata={"help": "... and more than this many nats (mean per token)"})

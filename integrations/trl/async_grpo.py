@@ -11,7 +11,9 @@ staleness.
 
 The lag is counted at the loss, not where TRL counts ``sample/staleness_*`` (when the dataloader fetches the
 sample): accelerate's dispatcher fetches one batch ahead, so a batch fetched in step s trains in step s + 1, one
-weight sync later.
+weight sync later. It is an upper bound per token where a generation straddles a sync: TRL tags a whole group with
+the version current when its first rollout started, and the server's in-flight requests go on with the new weights
+(its pause keeps them), so a stale bucket may hold some tokens sampled by newer weights (the lag-0 bucket does not).
 
 Where it hooks (``hooks.TRL_SOURCES``, checked by ``features.ASYNC_MONITOR``), every patch inside ``train()``
 (installed as it starts or at train begin, undone on every exit, ``hooks.Installation``):
@@ -40,13 +42,23 @@ from tim_plugins.pipeline import exact_mean
 
 from . import translate
 
-__all__ = ["AsyncAttachment", "is_async_grpo"]
+__all__ = ["ONE_MICRO_BATCH", "AsyncAttachment", "is_async_grpo"]
 
 _MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 _KEEP = 1 << 16  # samples drained but never packed (dropped as stale by TRL): the oldest records are let go
 # the per-token columns of a packed row that translate.packed_rows reads
 _PACKED_KEYS = ("token_index", "segment_id", "attention_mask", "position_ids", "old_log_probs", "shift_labels",
                 "tim_weights_step")
+
+
+# said at attach time where gradient_accumulation_steps is 1: the dispatcher's one batch ahead (module docstring) is
+# then every batch
+ONE_MICRO_BATCH = (
+    "tim-plugins: AsyncGRPOTrainer with gradient_accumulation_steps=1: each step's one batch was fetched a step ahead "
+    "and trains one weight sync after the weights that sampled it, so no token is trained at lag 0 after the first "
+    "step: the mismatch floor (tim/token/*, the lag-0 rules, the LR decay's k3 signal) is the first step's alone, "
+    "and a later rise of the mismatch (a weight transfer that stopped loading, say) reads as staleness by lag "
+    "(tim/by_lag/1). Fix: gradient_accumulation_steps >= 2 (the step's other batches are fetched after the sync).")
 
 
 def is_async_grpo(trainer) -> bool:

@@ -49,7 +49,7 @@ from tim_plugins.truncation import Truncation
 
 from . import features, hooks, translate
 from ._exact_scoring import exact_scorer
-from .async_grpo import AsyncAttachment, is_async_grpo
+from .async_grpo import ONE_MICRO_BATCH, AsyncAttachment, is_async_grpo
 from ._parity import _live_llm, main_process_value, run_audit, server_sampler
 from .config import TIMConfig
 from .generation import GenerationWrappers
@@ -282,6 +282,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         for name in features.ASYNC_UNSUPPORTED:
             if getattr(config, name) not in (False, None):
                 self._available(features.async_unsupported(name))
+        if getattr(trainer.args, "gradient_accumulation_steps", None) == 1:
+            logger.warning(ONE_MICRO_BATCH)
         return translate.pipeline_config(trainer, config, "vllm", safe_vocab=False, loss_factor=False,
                                          asynchronous=True)
 

@@ -72,11 +72,12 @@ FINDING_FIXES = {
 
 PART_FIXES = {
     "staleness": "a lower GRPOConfig(learning_rate=...), or fewer updates per batch: GRPOConfig(num_iterations=1, "
-                 "steps_per_generation=gradient_accumulation_steps); with AsyncGRPOTrainer a smaller "
-                 "AsyncGRPOConfig(max_staleness=...)",
+                 "steps_per_generation=gradient_accumulation_steps); with AsyncGRPOTrainer (no num_iterations "
+                 "there) a smaller AsyncGRPOConfig(max_staleness=...) and weight_sync_steps=1",
     "staleness_async": "fresher samples: a smaller AsyncGRPOConfig(max_staleness=...) (older samples are dropped), a "
-                       "weight sync every step (weight_sync_steps=1), fewer micro-batches per step (each fetched one "
-                       "step ahead trains one sync later)",
+                       "weight sync every step (weight_sync_steps=1), more micro-batches per step "
+                       "(gradient_accumulation_steps: accelerate fetches one batch ahead, which trains one sync "
+                       "later; the step's other batches are fetched after the sync)",
     "mismatch": "the parity fixes in the audit's fix column (dtype, lm_head precision, truncation), and `tim-plugins "
                 "measure --compare` to find the setting that removes it",
 }
@@ -110,16 +111,21 @@ CAUSE_FIXES = {
                           "weights); with a custom sync or rollout_func, that it sends every layer",
     "engine-stale": "colocate: keep TIMConfig(sync_check=True) to see which tensors; server mode: check that `trl "
                     "vllm-serve` receives the weights (init_communicator, update_named_params) and that nothing else "
-                    "reloads the model; with vllm_importance_sampling_correction, TRL's own ratios read the same",
+                    "reloads the model; with vllm_importance_sampling_correction, TRL's own ratios read the same; "
+                    "AsyncGRPOTrainer (which neither sync check nor probe reads): check that its weight transfer "
+                    "(WeightTransferClient.send_weights, every weight_sync_steps) reaches and loads in the server",
     "sampler-constrained": "vllm_structured_outputs_regex (or generation_kwargs['structured_outputs'], a logits "
                            "processor in vLLM) constrains the sampler, not the trainer: drop it and reward the format "
                            "with a reward function instead; if you keep it, set vllm_importance_sampling_correction="
                            "False: TRL's correction weighs each sequence by the trainer's p of what the constraint "
-                           "forced, and the loss of a constrained sequence vanishes",
-    "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode) "
-                  "and the prefix-cache reset that ends it, the vLLM server, the sampling settings; with all of them "
-                  "in order, a policy that moves nats per token per step (k3 and the loss exploding) raises the "
-                  "floor with it: a lower GRPOConfig(learning_rate=...)",
+                           "forced, and the loss of a constrained sequence vanishes; where the parity audit found "
+                           "sampler-penalties-unmatched, the sampler's penalty moves confident tokens too: "
+                           "repetition_penalty=1.0 and no penalties in generation_kwargs",
+    "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode; "
+                  "AsyncGRPOTrainer's weight transfer to its server) and the prefix-cache reset that ends it, the "
+                  "vLLM server, the sampling settings; with all of them in order, a policy that moves nats per "
+                  "token per step (k3 and the loss exploding) raises the floor with it: a lower "
+                  "GRPOConfig(learning_rate=...)",
     "staleness": PART_FIXES["staleness"],
     "truncation": FINDING_FIXES["sampler-truncation-unmatched"],
 }

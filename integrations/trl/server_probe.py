@@ -3,7 +3,8 @@
 
 In server mode the engine's weights live in the server's process and cannot be read. The probe scores a fixed batch
 on both sides instead: a few rows of the run's first generation batch (prompt and completion tokens, padding dropped,
-``Lag0ProbeConfig.max_tokens`` at most each, rows spread over the batch's prompts), taken once. The server scores them
+``Lag0ProbeConfig.max_tokens`` at most each: a longer row's first token and its completion's end; rows spread over
+the batch's prompts), taken once. The server scores them
 through TRL's own client, ``VLLMClient.get_sequence_logprobs`` (vLLM's prompt log-probs: temperature 1, no sampler
 processing), the trainer's model in one no-grad forward (``log_softmax`` of its logits, in float32). The reference is
 taken at that first generation, when both sides hold the weights that sampled it; after each probed sync
@@ -92,6 +93,10 @@ class ServerProbe:
                 engine, trainer, mask = self._score()
                 if engine is not None and self.probe.reference is not None:
                     self.pipeline.probed(self.probe.judge(self.trainer.state.global_step, engine, trainer, mask))
+                    if self.probe.history[-1]["tokens"] == 0:  # judged nothing: say so rather than stay silent
+                        self.pipeline.count("lag0_probe_failed", detail="no token of the probe's batch has a finite "
+                                            "log-prob on both sides after the sync (the server's NaN reach TRL's "
+                                            "client as -inf)")
             except Exception as err:
                 self.pipeline.count("lag0_probe_failed", detail=repr(err))
             return result
@@ -121,8 +126,10 @@ class ServerProbe:
 
 def probe_sequences(batch: dict, config: Lag0ProbeConfig) -> list[list[int]]:
     """The probe's fixed batch from a GRPO generation batch: ``config.sequences`` rows spread over the batch (one per
-    prompt group where there are enough), each its prompt tokens then its completion tokens (the masks' ones), cut to
-    ``config.max_tokens``; rows shorter than two tokens are left out."""
+    prompt group where there are enough), each its prompt tokens then its completion tokens (the masks' ones); a row
+    longer than ``config.max_tokens`` keeps its first token (a BOS or the template's first, which the model's
+    attention leans on) and its last ``max_tokens`` - 1, the completion's end: the tokens training scores, however
+    long a prompt the rows share. Rows shorter than two tokens are left out."""
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"].bool()
     rows = prompt_ids.shape[0]
@@ -130,7 +137,9 @@ def probe_sequences(batch: dict, config: Lag0ProbeConfig) -> list[list[int]]:
     out = []
     for i in range(0, rows, stride):
         seq = torch.cat([prompt_ids[i][prompt_mask[i]], completion_ids[i][completion_mask[i]]])
-        seq = seq[: config.max_tokens].tolist()
+        if seq.numel() > config.max_tokens:
+            seq = torch.cat([seq[:1], seq[seq.numel() - config.max_tokens + 1:]])
+        seq = seq.tolist()
         if len(seq) >= 2:
             out.append([int(x) for x in seq])
         if len(out) == config.sequences:

@@ -16,8 +16,9 @@ named stale after an optimizer step (TRL 1.16's FSDP1 sync leaves out the root u
 the final norm, the lm_head). The report goes to the pipeline (``StepPipeline.sync_checked``): the console line
 at once, ``tim/cause/*`` at the next log, the probe's warn / raise / stop.
 
-Server mode: the engine's weights live in another process and cannot be read; the lag-0 rules of the per-token stream
-name a stale server (``engine-stale``, ``floor-jump``).
+Server mode: the engine's weights live in another process and cannot be read; the lag-0 probe (``server_probe``:
+the server's log-probs of a fixed batch after each sync) and the lag-0 rules of the per-token stream name a stale
+server (``probe-*``, ``engine-stale``, ``floor-jump``).
 
 A problem inside the check is counted (``tim/diag/sync_check_failed``) and never breaks the sync.
 """

@@ -660,3 +660,37 @@ def test_log_probs_far_above_zero_from_a_damaged_file_do_not_end_the_report(tmp_
     cols = pq.read_table(tmp_path / "step_00000001-rank_0000.parquet").to_pydict()
     rows = largest_disagreements({k: np.asarray(v) for k, v in cols.items()}, 1, 1)
     assert rows[0]["position"] == 3 and rows[0]["p_rollout"] == math.inf
+
+
+def test_a_file_whose_token_ids_do_not_read_loses_its_context_not_the_report(tmp_path):
+    """A file damaged in its token_id column alone (the full pass does not read it, so it gets past the footer check
+    and the full pass): the largest disagreements leave that file's rows out of the context (its tokens show as
+    unknown) and name it, the other file's rows keep theirs, and the report renders. Reference: the rows as written."""
+    from tim_plugins.report import build_report
+
+    n = 64
+    for step in (1, 2):
+        r = np.full(n, -1.0)
+        t = r + 0.01 * np.arange(n) / n
+        t[10] = r[10] + (3.0 if step == 1 else 2.0)  # the largest two: step 1's, then step 2's
+        pq.write_table(pa.table({"step": np.full(n, step, np.int64), "rank": np.zeros(n, np.int32),
+                                 "sequence": np.zeros(n, np.int64), "position": np.arange(n, dtype=np.int32),
+                                 "token_id": np.arange(1000, 1000 + n, dtype=np.int64) * step,
+                                 "rollout_logprob": r.astype(np.float32), "train_logprob": t.astype(np.float32)}),
+                       tmp_path / f"step_{step:08d}-rank_0000.parquet", compression="snappy", use_dictionary=False)
+    path = tmp_path / "step_00000001-rank_0000.parquet"
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "token_id")
+    data = bytearray(path.read_bytes())
+    start = col.dictionary_page_offset or col.data_page_offset
+    for i in range(start + 24, start + col.total_compressed_size - 4):  # the page's data, its header intact
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    with engine(threads=1):
+        dump = open_dump(tmp_path)
+        top = dump.largest_disagreements(2, 2)
+        assert [(x["step"], x["position"]) for x in top] == [(1, 10), (2, 10)]
+        assert top[0]["token_id"] is None and top[0]["before"] == top[0]["after"] == []
+        assert top[1]["token_id"] == 2 * 1010 and top[1]["before"] == [2 * 1008, 2 * 1009]
+        assert [name for name, _ in dump.context_unread] == [path.name] and dump.skipped == []
+    assert "Largest disagreements" in build_report(tmp_path, threads=1).read_text()

@@ -358,6 +358,7 @@ class Dump:
         self.con = eng.con
         self.passes = {"full": 0, "narrow": 0, "context": 0}
         self._full = None
+        self.context_unread: list[tuple[str, str]] = []  # files whose token ids do not read (_context_rows)
         self._served: dict = {}
         self._cache: dict = {}
         self.prepared: set = set()
@@ -575,6 +576,32 @@ class Dump:
         return counts, int(below), int(above)
 
     # ----------------------------------------------------------------------------------- largest disagreements
+    def _context_rows(self, files: list[str], seqs: list[tuple]) -> list[tuple]:
+        """(step, rank, sequence, position, token_id) of every row of the sequences ``seqs`` in ``files`` (a few
+        thousand): the context and the ends of the largest disagreements. The full pass does not read the token ids,
+        so a file damaged in that column alone gets this far: its rows are left out here (their token shows as
+        unknown, without context), file by file, and the report goes on (``context_unread`` names them)."""
+        import duckdb
+
+        where = (f" WHERE step IN {_sql_list({s for s, _, _ in seqs})} AND rank IN "
+                 f"{_sql_list({r for _, r, _ in seqs})} AND sequence IN {_sql_list({q for _, _, q in seqs})}")
+
+        def query(paths):
+            listed = "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+            return self.con.execute(f"SELECT step, rank, sequence, position, token_id FROM read_parquet({listed})"
+                                    + where).fetchall()
+
+        try:
+            return query(files)
+        except duckdb.Error:
+            rows = []
+            for path in files:
+                try:
+                    rows += query([path])
+                except duckdb.Error as err:
+                    self.context_unread.append((Path(path).name, str(err).splitlines()[0][:120]))
+            return rows
+
     def largest_disagreements(self, n: int, context: int) -> list[dict]:
         """``disagreements.largest_disagreements``'s rows over this dump: the ``n`` valid rows with the largest
         |d| (ties in (step, rank, sequence, position) order), each with the token ids of the rows of its sequence
@@ -592,12 +619,7 @@ class Dump:
         wanted = {(s, r) for s, r, _ in seqs}
         files = [path for path, keys in zip(self.files, f.file_keys) if keys is not None and any(
             keys[0] <= s <= keys[1] and keys[2] <= r <= keys[3] for s, r in wanted)]
-        listed = "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in files) + "]"
-        # every row of the picked sequences (a few thousand), from the files that hold them: context and ends
-        rows_of = self.con.execute(
-            f"SELECT step, rank, sequence, position, token_id FROM read_parquet({listed}) WHERE step IN "
-            f"{_sql_list({s for s, _, _ in seqs})} AND rank IN {_sql_list({r for _, r, _ in seqs})} AND sequence IN "
-            f"{_sql_list({q for _, _, q in seqs})}").fetchall()
+        rows_of = self._context_rows(files, seqs)
         self.passes["context"] += 1
         by_seq: dict = {}
         for step, rank, seq, pos, tok in rows_of:

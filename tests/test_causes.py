@@ -557,7 +557,8 @@ def test_summarize_names():
 
 
 @pytest.mark.parametrize("bad", [{"confident_p": 1.0}, {"confident_gap": 0}, {"confident_min_tokens": 0},
-                                 {"floor_jump_factor": 1.0}, {"floor_jump_min": -1}, {"floor_window": True},
+                                 {"floor_jump_factor": 1.0}, {"floor_jump_min": -1}, {"floor_jump_min": 0.0},
+                                 {"floor_window": True},
                                  {"staleness_share": 0}, {"truncation_bias": 1}])
 def test_config_rules(bad):
     with pytest.raises(ValueError, match=f"CauseConfig.{next(iter(bad))}="):

@@ -334,3 +334,31 @@ def test_without_dump_rows_the_verdict_is_that_of_the_logged_steps(tmp_path):
                                                 ("tim/seq/log_ratio_abs_max", 0.9))]
     want = max(statuses, key=STATUSES.index)
     assert re.search(rf"class='verdict {want}'", html), want
+
+
+def test_numpy_scalars_are_logged_and_a_folder_of_logged_rows_alone_is_reported(tmp_path):
+    """A framework's reduced metrics may be NumPy scalars (np.float32, np.int64): logged as the numbers they are,
+    not dropped. A folder holding the run's log_history.jsonl and causes.jsonl alone (no summary.json, no token
+    file) is reported by the command line as the library reports it."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tim_plugins.causes import Cause
+    from tim_plugins.dump import LOG_HISTORY, append_causes, append_log_history, read_log_history
+
+    for step in (1, 2):
+        append_log_history(tmp_path, step, {"tim/tokens": np.int64(40), "tim/token/kl_k3": np.float32(2.5e-4 * step),
+                                            "tim/flag": np.bool_(True), "tim/ok": True})
+    rows = read_log_history(tmp_path / LOG_HISTORY)
+    assert [(r["step"], r["tim/tokens"]) for r in rows] == [(1, 40.0), (2, 40.0)]
+    assert rows[1]["tim/token/kl_k3"] == pytest.approx(5e-4) and "tim/flag" not in rows[0] and "tim/ok" not in rows[0]
+    append_causes(tmp_path, [Cause("sync-noop", 1, "at the weight sync after optimizer step 1, nothing moved")],
+                  window=2)
+    res = subprocess.run([sys.executable, "-m", "tim_plugins.apps.cli", "report", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert f"report written to {tmp_path / 'report.html'}" in res.stdout + res.stderr
+    html = (tmp_path / "report.html").read_text()
+    assert "sync-noop" in html and "Per optimizer step" in html

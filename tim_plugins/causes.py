@@ -111,7 +111,9 @@ class CauseConfig:
             "confident_min_tokens": (_whole(self.confident_min_tokens), "must be an integer >= 1"),
             "floor_jump_factor": (self.floor_jump_factor > 1 and math.isfinite(self.floor_jump_factor),
                                   "must be > 1"),
-            "floor_jump_min": (self.floor_jump_min >= 0 and math.isfinite(self.floor_jump_min), "must be >= 0"),
+            "floor_jump_min": (self.floor_jump_min > 0 and math.isfinite(self.floor_jump_min), "must be > 0 (at 0, "
+                               "a floor of exactly 0, an exact-match pipeline's, would name any later rounding a "
+                               "jump)"),
             "floor_window": (_whole(self.floor_window), "must be an integer >= 1"),
             "floor_min_tokens": (_whole(self.floor_min_tokens), "must be an integer >= 1"),
             "staleness_share": (0.0 < self.staleness_share <= 1.0, "must be in (0, 1]"),

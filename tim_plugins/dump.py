@@ -10,6 +10,7 @@ sequence can be read from the dump. Disk use is bounded by ``sample_rate`` and `
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import shutil
@@ -93,10 +94,11 @@ def read_json_lines(path: str | Path, first_key: str) -> list[dict]:
 
 
 def append_log_history(folder: str | Path, step: int, metrics: dict) -> None:
-    """Append one step's numeric ``tim/*`` metrics (and ``LOG_HISTORY_CONTEXT``) to ``folder/log_history.jsonl``."""
+    """Append one step's numeric ``tim/*`` metrics (and ``LOG_HISTORY_CONTEXT``) to ``folder/log_history.jsonl``
+    (a number of any real type: Python's or NumPy's scalars, as a framework's reduced metrics may be)."""
     row = {"step": int(step)}
     row.update({k: float(v) for k, v in metrics.items() if (k.startswith("tim/") or k in LOG_HISTORY_CONTEXT)
-                and isinstance(v, (int, float)) and not isinstance(v, bool)})
+                and isinstance(v, numbers.Real) and not isinstance(v, bool)})
     _append_lines(Path(folder) / LOG_HISTORY, [json.dumps(row)])
 
 

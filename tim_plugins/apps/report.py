@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tim_plugins.apps.cli import UsageError
+from tim_plugins.dump import CAUSES_LOG, LOG_HISTORY
 from tim_plugins.report import COMPARISON_FILE, build_comparison, build_report
 from tim_plugins.report.tokens import has_dump
 
@@ -130,14 +131,16 @@ def _main(args) -> int:
             raise UsageError(f"report {d!r}: a demo's comparison folder is reported alone (tim-plugins report {d}); "
                              "to compare its runs with others, pass its run folders: "
                              f"{' '.join(str(r) for r in comparison['runs'])}.")
-        if comparison is None and not (folder / "summary.json").exists() and not has_dump(folder):
+        # a run's logged rows or named causes alone (no summary, no token file) make a page too
+        logged = any((folder / name).exists() for name in (LOG_HISTORY, CAUSES_LOG))
+        if comparison is None and not (folder / "summary.json").exists() and not has_dump(folder) and not logged:
             found = _run_folders(folder)
             training = [r for r in found if _kind(r) != "measure"]  # a measure folder compares its own settings
             hint = (f"; its subfolders are runs: pass one (tim-plugins report {found[0]})" if found else "") + (
                 f" or several to compare them on one page (tim-plugins report "
                 f"{' '.join(str(r) for r in training[:4])})" if len(training) > 1 else "")
             raise UsageError(f"report {d!r}: the folder holds neither summary.json nor dump files "
-                             f"(step_*-rank_*.parquet){hint}; point at a measure/demo output folder (e.g. "
+                             f"(step_*-rank_*.parquet) nor a run's {LOG_HISTORY} or {CAUSES_LOG}{hint}; point at a measure/demo output folder (e.g. "
                              "tim-out/measure) or the dump_dir the dumper wrote.")
     if args.tokenizer is not None and not Path(args.tokenizer).exists():
         raise UsageError(f"--tokenizer {args.tokenizer!r}: no such local folder or file; pass the HF checkpoint "

@@ -558,7 +558,8 @@ class StepPipeline:
         return {
             "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
             "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),
-            "reused_split": part(self.reused_split), "by_lag": part(self.by_lag), "by_position": part(self.by_position), "by_turn": part(self.by_turn),
+            "reused_split": part(self.reused_split), "by_lag": part(self.by_lag),
+            "by_position": part(self.by_position), "by_turn": part(self.by_turn),
             "safe_vocab": part(self.safe_vocab_stats), "correction": part(self.correction_stats),
             "lr_controller": part(self.lr_controller), "probe": part(self.probe), "causes": part(self.causes),
             "diag": dict(sorted(diag.items())),
@@ -574,7 +575,8 @@ class StepPipeline:
                                "this tim-plugins release cannot resume it")
         for name, obj in (("monitor", self.monitor), ("step_monitor", self._step_monitor),
                           ("staleness_monitor", self.staleness_monitor), ("split", self.split_stats),
-                          ("reused_split", self.reused_split), ("by_lag", self.by_lag), ("by_position", self.by_position), ("by_turn", self.by_turn),
+                          ("reused_split", self.reused_split), ("by_lag", self.by_lag),
+                          ("by_position", self.by_position), ("by_turn", self.by_turn),
                           ("safe_vocab", self.safe_vocab_stats), ("correction", self.correction_stats),
                           ("lr_controller", self.lr_controller), ("probe", self.probe), ("causes", self.causes)):
             if obj is not None and state.get(name) and (name in self.SHARED_STATE or not shared_only):

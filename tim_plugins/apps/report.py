@@ -140,8 +140,8 @@ def _main(args) -> int:
                 f" or several to compare them on one page (tim-plugins report "
                 f"{' '.join(str(r) for r in training[:4])})" if len(training) > 1 else "")
             raise UsageError(f"report {d!r}: the folder holds neither summary.json nor dump files "
-                             f"(step_*-rank_*.parquet) nor a run's {LOG_HISTORY} or {CAUSES_LOG}{hint}; point at a measure/demo output folder (e.g. "
-                             "tim-out/measure) or the dump_dir the dumper wrote.")
+                             f"(step_*-rank_*.parquet) nor a run's {LOG_HISTORY} or {CAUSES_LOG}{hint}; point at "
+                             "a measure/demo output folder (e.g. tim-out/measure) or the dump_dir the dumper wrote.")
     if args.tokenizer is not None and not Path(args.tokenizer).exists():
         raise UsageError(f"--tokenizer {args.tokenizer!r}: no such local folder or file; pass the HF checkpoint "
                          "folder the run used (its tokenizer decodes the token ids).")

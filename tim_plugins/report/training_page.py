@@ -116,8 +116,9 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
                 which = f"step {int(after[0])}" if after.size == 1 else f"steps {int(after[0])}-{int(after[-1])}"
                 counted += (f" (and {int(np.nansum(table['tokens'][sampled]))} sampled tokens of {which}, after the "
                             "last logged row: from the dump)")
-            extra.append(f"{steps.size} optimizer step{'' if steps.size == 1 else 's'}, {counted}; k3 per step from {np.nanmin(k3):.2g} to "
-                         f"{np.nanmax(k3):.2g} nats per token (highest at step {int(steps[worst])}).")
+            extra.append(f"{steps.size} optimizer step{'' if steps.size == 1 else 's'}, {counted}; k3 per step from "
+                         f"{np.nanmin(k3):.2g} to {np.nanmax(k3):.2g} nats per token (highest at step "
+                         f"{int(steps[worst])}).")
         reward = table["reward"][np.isfinite(table["reward"])]
         if reward.size >= 4:
             q = max(1, reward.size // 4)

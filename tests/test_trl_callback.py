@@ -326,6 +326,16 @@ def test_the_default_log_is_compact_and_the_dump_keeps_every_metric(toy_model_pa
     for h, r in zip(detailed, full):  # the same seed and the same steps: every metric logged, the dump's values
         assert {k for k in h if k.startswith("tim/")} == {k for k in r if k.startswith("tim/")}
         assert [k for k in r if k != "step" and not _same(h[k], r[k])] == []
+    # TRL's own reward of each window beside them (a window that generated nothing, num_iterations' second step,
+    # has none in TRL's log either): the report's reward panel
+    rewards = [h.get("reward") for h in compact]
+    assert rewards[0] is not None and rewards[1] is None
+    assert [r.get("reward") for r in full] == [pytest.approx(x, rel=1e-6) if x is not None else None for x in rewards]
+    from tim_plugins.report.training_page import step_table
+
+    table = step_table({"log_history": full}, None)
+    measured = [r["step"] for r in full if "tim/tokens" in r]  # the step that generated (and measured) its batch
+    assert table["step"].tolist() == measured == [1] and table["reward"][0] == pytest.approx(rewards[0], rel=1e-6)
 
 
 def test_a_log_history_that_cannot_be_written_costs_the_row_not_the_step(toy_model_path, tmp_path):

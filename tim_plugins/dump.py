@@ -57,8 +57,9 @@ def dump_files(folder: str | os.PathLike) -> list[Path]:
 LOG_HISTORY = "log_history.jsonl"
 
 
-# The framework's own keys a log_history.jsonl row keeps beside tim/*: the report's LR and reward panels read them.
-LOG_HISTORY_CONTEXT = ("actor/lr", "critic/score/mean")
+# The framework's own keys a log_history.jsonl row keeps beside tim/*: the report's LR and reward panels read them
+# (verl's actor/lr and critic/score/mean, TRL's reward).
+LOG_HISTORY_CONTEXT = ("actor/lr", "critic/score/mean", "reward")
 
 
 def _append_lines(path: Path, lines: list[str]) -> None:

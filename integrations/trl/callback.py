@@ -711,8 +711,14 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         self._pending = {}
         if self.config.dump_dir and self.trainer.accelerator.is_main_process:
             # beside the dump, what `tim-plugins report DUMP_DIR` reads for the per-step sections: every metric
+            row = dict(out)
+            # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.log: the window's mean reward, as TRL's log()
+            # is about to average it (the report's reward panel)
+            reward = self.trainer._metrics["train"].get("reward")
+            if reward:
+                row["reward"] = sum(reward) / len(reward)
             try:
-                append_log_history(self.config.dump_dir, state.global_step, out)
+                append_log_history(self.config.dump_dir, state.global_step, row)
             except OSError as err:  # a full or read-only disk costs the report its row, never the step
                 self.pipeline.count("dump_failed", detail=repr(err))
         out = for_step_log(out, self.config.log_detail)

@@ -14,7 +14,7 @@ pytest.importorskip("trl")
 
 from test_dump_resume import _SyncFaultAt  # noqa: E402
 from test_trl_callback import make_trainer  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from test_trl_mitigations import _StopAt  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 
@@ -22,15 +22,6 @@ STEPS, LOGGING, SAVE = 4, 2, 3  # the checkpoint after step 3 cuts the window of
 FAULT = 3  # a broken sync before step 3: found inside that window, before the checkpoint
 LIVE = "cause [sync-noop]"  # the line printed when a cause is found (the run's closing lines name it too)
 KEYS = ("tim/tokens", "tim/cause/named", "tim/cause/confident_disagreements", "tim/token/abs_diff_mean")
-
-
-class _StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def _run(toy_model_path, folder, *, fault: bool, stop: int | None = None, resume: str | None = None, **overrides):

@@ -51,7 +51,7 @@ from .parity.probe import ParityProbe, ParityProbeConfig, ProbeDecision
 from .safe_vocab import SafeLogprobs
 from .safe_vocab_stats import SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
-from .staleness import ReusedSplit, SplitStats, staleness_metrics
+from .staleness import ReusedSplit, SplitStats, split_terms, staleness_metrics
 
 __all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_length",
            "mean_response_length", "old_logprobs", "pipeline_config", "STATE_VERSION"]
@@ -326,9 +326,10 @@ class StepPipeline:
             return
         if old is not None and self.staleness_monitor is not None:
             self.staleness_monitor.update(old.detach(), current.detach(), mask.bool())
-            self.split_stats.update(rollout, old, current, mask)
+            terms = split_terms(rollout, old, current, mask)  # once for both splits
+            self.split_stats.add_terms(*terms)
             if lag is not None:
-                self.reused_split.update(rollout, old, current, mask, lag)
+                self.reused_split.add_terms(*terms, lag)
         if lag is not None:
             self.by_lag.update(rollout, current, mask, lag)
 

@@ -26,7 +26,7 @@ from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import Accumulated, Accumulator
 
 __all__ = ["REUSED_KEYS", "ReusedSplit", "SPLIT_PREFIX", "STALENESS_KEYS", "SplitStats", "split_parts",
-           "staleness_metrics"]
+           "split_terms", "staleness_metrics"]
 
 SPLIT_PREFIX = "tim/split"
 # The staleness part's statistics logged (the monitor's, prefix tim/staleness): the token count, k3, |s| mean,
@@ -51,6 +51,20 @@ def split_parts(rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor)
     return current.detach().double() - old, old - rollout.detach().double()
 
 
+def split_terms(rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor):
+    """(s, m, keep) of one loss pass: ``split_parts`` in float64, zero where not kept; ``keep`` the tokens of ``mask``
+    whose log-probs are valid on every side (non-finite or placeholder ones left out, as the monitor leaves them)."""
+    s, m = split_parts(rollout, old, current)
+    keep = mask.bool() & valid_logprob_pair(rollout, old, m) & valid_logprob_pair(old, current, s)
+    # zeros where not kept rather than boolean indexing: no host read of the count per micro-batch
+    return torch.where(keep, s, 0.0), torch.where(keep, m, 0.0), keep
+
+
+def _moments(s: torch.Tensor, m: torch.Tensor, keep: torch.Tensor) -> tuple:
+    """SplitStats' sums (n, Σs, Σm, Σs², Σm², Σsm) of terms already zero where not kept."""
+    return keep.sum(), s.sum(), m.sum(), (s * s).sum(), (m * m).sum(), (s * m).sum()
+
+
 class SplitStats(Accumulated):
     """Sums of s, m, s², m², s·m over the loss-pass tokens (float64), merged exactly over ranks."""
 
@@ -63,15 +77,11 @@ class SplitStats(Accumulated):
         """One loss pass: [B, T] rollout, π_old and π_θ log-probs of the sampled tokens, [B, T] tokens it trains.
         Tokens with an invalid log-prob on any side (non-finite, a placeholder) are left out, as the monitor leaves
         them out."""
-        self._acc.add(self._sums(rollout, old, current, mask)[:-1])
+        self.add_terms(*split_terms(rollout, old, current, mask))
 
-    @staticmethod
-    def _sums(rollout, old, current, mask) -> tuple:
-        s, m = split_parts(rollout, old, current)
-        keep = mask.bool() & valid_logprob_pair(rollout, old, m) & valid_logprob_pair(old, current, s)
-        # zeros where not kept rather than boolean indexing: no host read of the count per micro-batch
-        s, m = torch.where(keep, s, 0.0), torch.where(keep, m, 0.0)
-        return keep.sum(), s.sum(), m.sum(), (s * s).sum(), (m * m).sum(), (s * m).sum(), s
+    def add_terms(self, s: torch.Tensor, m: torch.Tensor, keep: torch.Tensor) -> None:
+        """One loss pass's ``split_terms`` (computed once for every statistic of the split)."""
+        self._acc.add(_moments(s, m, keep))
 
     @staticmethod
     def _shares(v: dict) -> tuple:
@@ -108,8 +118,12 @@ class ReusedSplit(SplitStats):
     def update(self, rollout: torch.Tensor, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor,
                lag: torch.Tensor) -> None:
         """``SplitStats.update`` over the tokens of ``mask`` whose ``lag`` ([B, T] optimizer steps) is >= 1."""
-        *sums, s = self._sums(rollout, old, current, mask.bool() & (lag >= 1))
-        self._acc.add((*sums, (torch.expm1(s) - s).sum()))  # 0 where not kept (s = 0 there)
+        self.add_terms(*split_terms(rollout, old, current, mask), lag)
+
+    def add_terms(self, s: torch.Tensor, m: torch.Tensor, keep: torch.Tensor, lag: torch.Tensor) -> None:
+        keep = keep & (lag >= 1)
+        s, m = torch.where(keep, s, 0.0), torch.where(keep, m, 0.0)
+        self._acc.add((*_moments(s, m, keep), (torch.expm1(s) - s).sum()))  # 0 where not kept (s = 0 there)
 
     def compute(self, sync: bool = True, group=None) -> dict[str, float]:
         """``REUSED_KEYS``: the reused tokens' count, the staleness part's share of their Var(d), its k3 over them

@@ -109,7 +109,7 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
         k3 = table["k3"]
         if np.isfinite(k3).any():
             worst = int(np.nanargmax(k3))
-            sampled = table["from_dump"] & np.asarray([bool(logged)] * steps.size)
+            sampled = table["from_dump"] & bool(logged)  # the dump's steps beside logged windows
             counted = f"{int(np.nansum(table['tokens'][~sampled]))} monitored tokens"
             if sampled.any():  # a sample's count is not added to the logged windows' totals
                 after = steps[sampled]

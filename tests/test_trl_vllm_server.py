@@ -253,10 +253,12 @@ def test_the_lag0_probe_names_a_layer_the_server_never_receives(skipped_layer_se
     """Every sync reaches the server but one layer's tensors, which it keeps at the first sync's values."""
     trainer, cb, synced = skipped_layer_server_run
     named = [(c.step, c.code) for c in cb.pipeline.causes.named]
+    # what a failure shows: the probe's figures at each judged sync and the problems it counted
+    seen = f"named {named}; probe {cb.server_probe.probe.history}; diag {cb.pipeline.diag}"
     # named at the first sync after an optimizer step, by the drift (the server's answers moved, but not with the
     # trainer's: not a no-op), again at the next, and a step before any stream rule
-    assert [code for step, code in named if step == 1] == ["probe-engine-drift"]
-    assert [code for step, code in named if step == 2 and code.startswith("probe-")] == ["probe-engine-drift"]
+    assert [code for step, code in named if step == 1] == ["probe-engine-drift"], seen
+    assert [code for step, code in named if step == 2 and code.startswith("probe-")] == ["probe-engine-drift"], seen
     first = cb.server_probe.probe.history[0]
     assert first["moved_engine"] > 0.25 * first["moved_trainer"]
 

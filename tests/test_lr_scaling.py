@@ -95,6 +95,32 @@ def test_scaled_schedule_is_scale_times_unscaled(make_sched, k):
             assert g["lr"] == pytest.approx(s * rg["lr"], rel=1e-9, abs=1e-18)
 
 
+def test_greedy_lr_keeps_the_scale_through_its_reset():
+    """transformers' GreedyLR (``lr_scheduler_type="greedy"``) multiplies the groups' LR by its metric and, after
+    ``reset_start`` steps at its floor, sets them back to the LRs it was built with: scaled, the whole trajectory is
+    the scale times an unscaled twin's, the reset included."""
+    optimization = pytest.importorskip("transformers.optimization")
+    if not hasattr(optimization, "GreedyLR"):
+        pytest.skip("this transformers has no GreedyLR")
+
+    def make():
+        opt = _opt(_model())
+        return opt, optimization.GreedyLR(opt, factor=0.5, patience=0, min_lr=BASE_LR / 40, max_lr=1.0,
+                                          reset_start=2)
+
+    (ref_opt, ref), (opt, sched) = make(), make()
+    apply_lr_scale(opt, 0.5, sched)
+    resets = 0
+    for t in range(12):  # a loss that only worsens: halved each step down to the floor, then reset
+        before = ref_opt.param_groups[0]["lr"]
+        ref.step(1.0 + t)
+        sched.step(1.0 + t)
+        resets += ref_opt.param_groups[0]["lr"] > before
+        for g, rg in zip(opt.param_groups, ref_opt.param_groups):
+            assert g["lr"] == pytest.approx(0.5 * rg["lr"], rel=1e-12), t
+    assert resets >= 1  # the twin went through a reset to its initial LRs
+
+
 def test_accelerate_wrapped_optimizer_and_scheduler():
     """What a transformers/TRL callback receives after accelerator.prepare: wrappers around both."""
     accelerate = pytest.importorskip("accelerate")

@@ -55,8 +55,9 @@ CONTROLLER_STATE_KEY = "tim_lr_controller"
 
 # Absolute LR values a scheduler keeps and reuses (scaled together with base_lrs). Relative quantities
 # (lambdas, gamma, factors) need no change. eta_min: CosineAnnealingLR / CosineAnnealingWarmRestarts;
-# max_lrs: CyclicLR; min_lrs: ReduceLROnPlateau; _last_lr: what get_last_lr() returns (trainers log it).
-_SCHEDULER_LIST_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
+# max_lrs: CyclicLR (and transformers' GreedyLR); min_lrs: ReduceLROnPlateau (and GreedyLR); _init_lrs: GreedyLR,
+# which resets the groups to it at the end of a plateau; _last_lr: what get_last_lr() returns (trainers log it).
+_SCHEDULER_LIST_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "_init_lrs", "_last_lr")
 _SCHEDULER_SCALAR_ATTRS = ("eta_min",)
 # Absolute LR values kept in param groups: initial_lr (any LRScheduler, read when a scheduler is rebuilt),
 # max_lr / min_lr (OneCycleLR).

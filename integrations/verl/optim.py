@@ -64,6 +64,10 @@ class TIMLRDecayMixin(ScaledLROptimizerMixin):
     # -- torch.optim.Optimizer ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
+        if self.tim_controller is None:
+            # a checkpoint's scale is its controller's decision: with none attached (LR decay off in this run) the
+            # torch class's numerics, scale 1.0; the stored controller state stays for a later tim_configure
+            self.set_lr_scale(1.0)
         self.tim_sync_state()
 
 

@@ -74,6 +74,20 @@ def test_lr_decay_through_verl_optimizer_and_checkpoint(toy_model_path, tmp_path
         == reference.state_dict()
     assert state_before != eng.optimizer.tim_controller.state_dict()  # it did move on by one observation
 
+    # resumed from it with the LR decay off: verl's own numerics (the checkpoint's scale is not applied by
+    # anything); switched on after the load, the controller continues from the checkpoint's state and scale
+    off = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    off.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+    off.load_checkpoint(ckpt)
+    assert off.optimizer.lr_scale == 1.0 and off.optimizer.tim_controller is None
+    _, lr_off = H.train_step(off, td, H.old_log_probs_padded(H.infer(off, td), td))
+    assert lr_off == off.lr_scheduler.get_last_lr()[0] == LR
+    later = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    later.load_checkpoint(ckpt)
+    assert later.optimizer.lr_scale == 1.0
+    later.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": OPTIONS}}))
+    assert later.optimizer.lr_scale == 0.5 and later.optimizer.tim_controller.state_dict() == state_before
+
     # tim_deconfigure(): back to verl's own numerics: the scheduler's LR, unscaled, and no tim metric
     eng.tim_deconfigure()
     assert not eng.tim_active and eng.optimizer.lr_scale == 1.0

@@ -45,11 +45,10 @@ def test_each_adapter_names_known_codes_and_parts_and_the_registry_merges_them(f
 
 
 def test_without_framework_knobs_the_framework_gets_the_knobs_it_runs_on():
-    # a code TRL has no words for (attention-backend-mismatch) reads as what TRL runs on, each named
-    assert "attention-backend-mismatch" not in fixes.framework_fixes()["trl"].finding_fixes
+    # a finding's fix without TRL's words (the registry's core knobs alone) reads as what TRL runs on, each named
     knobs = CODES["attention-backend-mismatch"].knobs
-    assert fix_for(CODES["attention-backend-mismatch"].fix, "trl") == \
-        f"vLLM: {knobs['vllm']}; transformers: {knobs['hf']}"
+    assert "trl" not in knobs
+    assert fix_for(dict(knobs), "trl") == f"vLLM: {knobs['vllm']}; transformers: {knobs['hf']}"
 
 
 
@@ -117,8 +116,8 @@ def test_an_unknown_setting_is_told_how_to_name_it_in_each_frameworks_terms(fram
 
 
 # TRL's fixes name GRPOConfig fields (or AsyncGRPOConfig's, TIMConfig's); `quantization` is the LLM() argument TRL
-# sets itself for a 4-bit policy
-_NOT_FIELDS = {"quantization"}
+# sets itself for a 4-bit policy, `attn_implementation` a from_pretrained argument (GRPOConfig.model_init_kwargs)
+_NOT_FIELDS = {"quantization", "attn_implementation"}
 
 
 def _trl_texts() -> list[str]:
@@ -217,5 +216,5 @@ def test_trl_exact_baseline_advice_states_what_the_exact_sampler_requires():
     trainer = SimpleNamespace(top_p=0.9, top_k=0, min_p=None, repetition_penalty=1.0, use_vllm=False)
     with pytest.raises(ValueError) as sampler:
         pipeline_config(trainer, config, "exact", safe_vocab=False, loss_factor=False)
-    settings = "top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0"
+    settings = "top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0"
     assert settings in str(sampler.value) and settings in knob

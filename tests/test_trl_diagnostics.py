@@ -26,8 +26,8 @@ def test_exact_rollouts_refuse_a_truncating_sampler_with_the_settings_that_fix_i
     with pytest.raises(ValueError) as err:
         TIMCallback(trainer, TIMConfig(rollout="exact"))
     assert "{'top_p': 0.8, 'repetition_penalty': 1.2}" in str(err.value), err.value
-    assert "Fix: GRPOConfig(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)" in str(err.value), err.value
-    fixed = make_trainer(toy_model_path, tmp_path / "fixed", top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
+    assert "Fix: GRPOConfig(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)" in str(err.value), err.value
+    fixed = make_trainer(toy_model_path, tmp_path / "fixed", top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
     TIMCallback(fixed, TIMConfig(rollout="exact"))  # no error
 
 
@@ -360,3 +360,48 @@ def test_a_loss_batch_the_adapter_cannot_read_raises_with_an_is_correction(toy_m
     trainer.add_callback(TIMCallback(trainer, TIMConfig(is_correction="token_tis")))
     with pytest.raises(RuntimeError, match=r"is_correction='token_tis'.*uncorrected.*'completion_mask'"):
         trainer.train()
+
+
+def _audited_codes(trainer) -> dict:
+    """{finding code: finding} of the parity audit of ``trainer``'s transformers generation against its trainer."""
+    from tim_plugins.integrations.trl.parity_spec import specs_from_trainer
+    from tim_plugins.parity import audit
+
+    return {f.code: f for f in audit(*specs_from_trainer(trainer, rollout_source="hf"))}
+
+
+def test_the_printed_temperature_fix_clears_the_finding(toy_model_path, tmp_path):
+    """A temperature in generation_kwargs samples at it while the trainer divides by GRPOConfig.temperature: the
+    audit names it, and the TRL fix it prints (set it once in GRPOConfig, none in generation_kwargs) clears it."""
+    from tim_plugins.integrations.trl.fixes import FINDING_FIXES
+
+    trainer = make_trainer(toy_model_path, tmp_path, temperature=0.7, generation_kwargs={"temperature": 1.0})
+    found = _audited_codes(trainer)
+    assert "temperature-mismatch" in found, list(found)
+    assert "GRPOConfig(temperature=T)" in FINDING_FIXES["temperature-mismatch"]
+    assert "drop 'temperature' from generation_kwargs" in FINDING_FIXES["temperature-mismatch"]
+    fixed = make_trainer(toy_model_path, tmp_path / "fixed", temperature=0.7, generation_kwargs={})
+    assert "temperature-mismatch" not in _audited_codes(fixed)
+
+
+def test_the_printed_penalty_fix_clears_a_setting_the_models_generation_config_brings(toy_model_path, tmp_path):
+    """With use_vllm=False transformers fills what TRL's GenerationConfig leaves None from the model's own
+    generation_config: a no_repeat_ngram_size there is named with nothing in generation_kwargs to drop. The neutral
+    value in generation_kwargs, as the printed fix says, clears it."""
+    import json
+    import shutil
+
+    from tim_plugins.integrations.trl.fixes import FINDING_FIXES
+
+    model = tmp_path / "model"
+    shutil.copytree(toy_model_path, model)
+    gen_path = model / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen_path.write_text(json.dumps({**gen, "no_repeat_ngram_size": 3}))
+    trainer = make_trainer(model, tmp_path / "a", generation_kwargs={})
+    found = _audited_codes(trainer)
+    assert "sampler-penalties-unmatched" in found, list(found)
+    assert "no_repeat_ngram_size" in str(found["sampler-penalties-unmatched"].rollout_value)
+    assert "{'no_repeat_ngram_size': 0" in FINDING_FIXES["sampler-penalties-unmatched"]
+    fixed = make_trainer(model, tmp_path / "b", generation_kwargs={"no_repeat_ngram_size": 0})
+    assert "sampler-penalties-unmatched" not in _audited_codes(fixed)

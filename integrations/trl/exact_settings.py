@@ -163,7 +163,7 @@ def check_exact_sampler(trainer, gen: dict, eos_ids) -> None:
     parts, fixes = [], []
     if bad_own:
         parts.append(f"GRPOConfig sets {bad_own}")
-        fixes.append("GRPOConfig(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)")
+        fixes.append("GRPOConfig(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)")
     if bad_gen:
         shown = {k: gen[k] for k in bad_gen}
         unknown = [k for k, neutral in bad_gen.items() if neutral is None]

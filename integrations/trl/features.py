@@ -275,10 +275,14 @@ ASYNC_UNSUPPORTED = {
 }
 
 
+# each one's off value
+ASYNC_OFF = {"safe_vocab": False, "is_correction": None, "parity_audit": False, "sync_check": False}
+
+
 def async_unsupported(name: str) -> Status:
     """The off status of TIMConfig field ``name`` on AsyncGRPOTrainer."""
     feature = Feature(f"async_{name}", f"{name} (AsyncGRPOTrainer)", "trl", needs=("trl",), extra="trl",
-                      fix=f"TIMConfig({name}=...) off for AsyncGRPOTrainer, or train with GRPOTrainer")
+                      fix=f"TIMConfig({name}={ASYNC_OFF[name]!r}) with AsyncGRPOTrainer, or train with GRPOTrainer")
     return Status(feature, False, ASYNC_UNSUPPORTED[name], feature.fix)
 
 

@@ -20,7 +20,9 @@ _COLOCATE = ("colocate mode cannot set it (TRL builds LLM() with a fixed argumen
 FINDING_FIXES = {
     "dtype-mismatch":
         "run vLLM in the trainer's dtype: server mode `trl vllm-serve --dtype <trainer dtype>` (TRL passes no dtype "
-        "to LLM(); vLLM's 'auto' runs fp32 checkpoints in bf16); " + _COLOCATE + ". bf16=True is not the fix: it "
+        "to LLM(); vLLM's 'auto' runs fp32 checkpoints in bf16); " + _COLOCATE + ". GRPOConfig defaults to "
+        "bf16=True, which no vLLM dtype reproduces: for the fp32 pair, GRPOConfig(bf16=False) with `trl vllm-serve "
+        "--dtype float32`. bf16=True is not the fix: it "
         "autocasts the trainer's matmuls over its fp32 weights, norms and residual stream, which is not vLLM's bf16 "
         "model (the per-token gap stays: tests/test_trl_vllm_dtype_fix.py). A bf16 engine kept for its speed: "
         "correct the gap instead: TRL's vllm_importance_sampling_correction=True (its default), or "
@@ -37,7 +39,9 @@ FINDING_FIXES = {
         "min_p=None (the GRPO trainer itself applies no truncation; with use_vllm=False, transformers fills a None "
         "from the model's generation_config: where that sets a min_p, min_p=0.0)",
     "temperature-mismatch":
-        "temperature=T (one field drives both sides; server mode must not override it)",
+        "set the temperature once, GRPOConfig(temperature=T), and drop 'temperature' from generation_kwargs: TRL "
+        "lays generation_kwargs over the sampler's settings (colocate, server mode and transformers generation "
+        "alike), while the trainer divides by GRPOConfig.temperature",
     "sampler-penalties-unmatched":
         "repetition_penalty=1.0 and no penalties in generation_kwargs; with use_vllm=False, none of the "
         "transformers settings the audit names there either (no_repeat_ngram_size, bad_words_ids, suppress_tokens, "
@@ -45,20 +49,30 @@ FINDING_FIXES = {
         "epsilon_cutoff, eta_cutoff, ...): drop them from generation_kwargs, as the GRPO trainer applies none of "
         "them and the safe vocabulary cuts at min_p, top_p and top_k only; no vllm_structured_outputs_regex (nor "
         "generation_kwargs['structured_outputs']): the trainer scores the unconstrained model, so reward the format "
-        "instead",
+        "instead. A setting the audit names that your generation_kwargs do not set comes from the model's "
+        "generation_config (with use_vllm=False, transformers fills what TRL leaves None from it): its neutral value "
+        "in generation_kwargs (e.g. {'no_repeat_ngram_size': 0, 'typical_p': 1.0}), or, for one without a neutral "
+        "value (bad_words_ids, suppress_tokens, ...), model.generation_config.<key> = None before building the "
+        "GRPOTrainer",
     "quantized-rollout":
         "do not load the policy with bitsandbytes 4-bit (TRL then sets quantization='bitsandbytes'); "
-        "server mode: `trl vllm-serve --kv_cache_dtype auto`",
+        "server mode: `trl vllm-serve` on an unquantized checkpoint, no --quantization forwarded to vllm serve, and "
+        "--kv_cache_dtype auto (its default)",
     "prefix-caching-on":
         "server mode: `trl vllm-serve --enable_prefix_caching False`; " + _COLOCATE,
     "chunked-prefill-on":
         "server mode: append --no-enable-chunked-prefill (forwarded to vllm serve); " + _COLOCATE,
+    "attention-backend-mismatch":
+        "the same attention kernel on both sides: server mode append --attention-backend FLASH_ATTN (forwarded to "
+        "vllm serve), and the trainer's model with attn_implementation='flash_attention_2' "
+        "(GRPOConfig(model_init_kwargs={'attn_implementation': 'flash_attention_2'}) for a model given by name, "
+        "from_pretrained(..., attn_implementation='flash_attention_2') for one you load); " + _COLOCATE,
     "cudagraph-on":
         "server mode: `trl vllm-serve --enforce_eager True`; " + _COLOCATE,
     "batch-invariance-off":
         "no GRPOConfig field: for a TIM-free baseline run, TIMCallback(trainer, TIMConfig(rollout='exact')) "
         "(the exact sampler: k3 reads 0; it replaces TRL's transformers generation, so it needs use_vllm=False "
-        "and no truncation or penalty: top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0); with "
+        "and no truncation or penalty: top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0); with "
         "use_vllm=True, start `trl vllm-serve` (or, colocated, the training script) with VLLM_BATCH_INVARIANT=1 in "
         "its environment (GPUs with CC >= 8.0); `tim-plugins check-batch-invariance --model PATH` measures the "
         "trainer side",
@@ -72,7 +86,8 @@ FINDING_FIXES = {
 
 PART_FIXES = {
     "staleness": "a lower GRPOConfig(learning_rate=...), or fewer updates per batch: GRPOConfig(num_iterations=1, "
-                 "steps_per_generation=gradient_accumulation_steps); with AsyncGRPOTrainer (no num_iterations "
+                 "steps_per_generation=gradient_accumulation_steps) with generation_batch_size unset (TRL refuses "
+                 "both); with AsyncGRPOTrainer (no num_iterations "
                  "there) a smaller AsyncGRPOConfig(max_staleness=...) and weight_sync_steps=1",
     "staleness_async": "fresher samples: a smaller AsyncGRPOConfig(max_staleness=...) (older samples are dropped), a "
                        "weight sync every step (weight_sync_steps=1), more micro-batches per step "

@@ -134,7 +134,7 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
                        "tim-plugins check-batch-invariance --model PATH to measure the trainer side"}),
     _C("attention-backend-mismatch", "rollout and trainer use different attention kernels",
        "Different attention algorithms (paged flash vs sdpa vs eager) accumulate in different orders.",
-       {"vllm": "LLM(attention_config={'backend': 'FLASH_ATTN'}) / --attention-backend",
+       {"vllm": "LLM(attention_config={'backend': 'FLASH_ATTN'}) / vllm serve --attention-backend FLASH_ATTN",
         "hf": "from_pretrained(..., attn_implementation='flash_attention_2')"}),
     _C("unknown-setting", "a setting could not be read on one side: its check was skipped",
        "The audit never guesses: an unknown value cannot be compared. Pass the value explicitly or read the "

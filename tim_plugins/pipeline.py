@@ -53,8 +53,8 @@ from .safe_vocab_stats import SafeVocabStats, safe_loss_mask
 from .by_key import KeyedStats, position_keys
 from .staleness import ReusedSplit, SplitStats, split_terms, staleness_metrics
 
-__all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "mean_length",
-           "mean_response_length", "old_logprobs", "pipeline_config", "STATE_VERSION"]
+__all__ = ["PipelineConfig", "StepPipeline", "TrainingSetup", "exact_mean", "fit_bins", "length_sums", "mean_length",
+           "mean_response_length", "old_logprobs", "pipeline_config", "response_length_sums", "STATE_VERSION"]
 
 logger = logging.getLogger("tim_plugins")
 STATE_VERSION = 1
@@ -153,17 +153,29 @@ def old_logprobs(current: torch.Tensor, old: torch.Tensor | None, fresh) -> torc
 def mean_response_length(mask: torch.Tensor, *, sync: bool = True, group=None, skip_empty: bool = False) -> float:
     """Mean number of response tokens per sequence of a [B, T] mask (nested [B, j] too): ``mean_length`` of its
     rows' token counts."""
-    return mean_length(mask.sum(dim=1), sync=sync, group=group, skip_empty=skip_empty)
+    return exact_mean(response_length_sums(mask, skip_empty=skip_empty), sync=sync, group=group)
+
+
+def response_length_sums(mask: torch.Tensor, *, skip_empty: bool = False) -> torch.Tensor:
+    """(total response tokens, sequences) of a [B, T] mask (nested [B, j] too), a float64 [2] tensor on its device
+    for ``exact_mean`` (this rank's part; ``length_sums``)."""
+    return length_sums(mask.sum(dim=1), skip_empty=skip_empty)
+
+
+def length_sums(lengths: torch.Tensor, *, skip_empty: bool = False) -> torch.Tensor:
+    """(sum, count) of the [B] per-sequence ``lengths``, a float64 [2] tensor. ``skip_empty``: a length-0 row is not
+    a sequence (verl's synthetic padding samples, which make a batch divisible by the DP size, have an all-zero
+    response mask)."""
+    lengths = lengths.double()
+    count = (lengths > 0).sum().double() if skip_empty else torch.tensor(float(lengths.numel()), dtype=torch.float64,
+                                                                         device=lengths.device)
+    return torch.stack([lengths.sum(), count])
 
 
 def mean_length(lengths: torch.Tensor, *, sync: bool = True, group=None, skip_empty: bool = False) -> float:
     """Mean of the [B] per-sequence ``lengths``, exact over ``group`` when ``sync`` (every rank must call it); NaN
-    without a sequence. ``skip_empty``: a length-0 row is not a sequence (verl's synthetic padding samples, which
-    make a batch divisible by the DP size, have an all-zero response mask)."""
-    lengths = lengths.double()
-    count = (lengths > 0).sum().double() if skip_empty else torch.tensor(float(lengths.numel()), dtype=torch.float64,
-                                                                         device=lengths.device)
-    return exact_mean(torch.stack([lengths.sum(), count]), sync=sync, group=group)
+    without a sequence (``length_sums``' rule for ``skip_empty``)."""
+    return exact_mean(length_sums(lengths, skip_empty=skip_empty), sync=sync, group=group)
 
 
 def exact_mean(total_count: torch.Tensor, *, sync: bool = True, group=None) -> float:

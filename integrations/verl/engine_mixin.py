@@ -18,9 +18,9 @@ vocabulary the backend computes the safe-set fields of the micro-batch's log-pro
 the engine's own kept sets (``rollout.py``, ``extra_fields``), ``_tim_micro_batch_kept`` hands them to the backend
 laid out over the micro-batch (``MicroBatchKeptSets``), to replay in place of recomputing (both engines do).
 
-The mixin overrides ``forward_backward_batch`` (the merge after a forward-only measurement pass), ``train_batch``
-(one optimizer step: the LR decay's end of step) and ``lr_scheduler_step`` (end of the actor update: the loss passes'
-split, the effective LR), which both backends inherit from ``BaseEngine``'s contract. Backend hooks it calls, with
+The mixin overrides ``forward_backward_batch`` (the merge after a forward-only measurement pass, the batch's response
+lengths), ``train_batch`` (one optimizer step; the global step's first feeds the LR decay) and ``lr_scheduler_step``
+(end of the actor update: the loss passes' split, the effective LR), which both backends inherit from ``BaseEngine``'s contract. Backend hooks it calls, with
 the FSDP engine's behaviour as the default where there is one: ``_tim_dp_group``, ``_tim_holds_outputs``,
 ``_tim_check_config``, ``_tim_safe_vocab_feature``, ``_tim_features_off``, ``_tim_lr_attach`` / ``_tim_lr_detach`` /
 ``_tim_lr_sync`` / ``_tim_lr_apply`` / ``_tim_lr_scale``.
@@ -45,7 +45,7 @@ from verl.utils import tensordict_utils as tu
 
 from tim_plugins.by_key import lag_after, turn_keys
 from tim_plugins.lr_scaling import ControllerCheckpoint
-from tim_plugins.pipeline import StepPipeline, mean_response_length, old_logprobs
+from tim_plugins.pipeline import StepPipeline, exact_mean, old_logprobs, response_length_sums
 from tim_plugins.safe_vocab import SafeLogprobs
 from tim_plugins.truncation import Truncation
 
@@ -60,8 +60,9 @@ __all__ = ["CAUSES_STATE_KEY", "GRAD_NORM_STATE_KEY", "TIMEngineMixin"]
 # Where the cause tracker's state rides in verl's checkpoint: the actor optimizer's first param group (beside the LR
 # controller's), which verl's FSDP and Megatron checkpoints save and load with the optimizer.
 CAUSES_STATE_KEY = "tim_causes"
-# The last optimizer step's grad norm (the LR controller's grad_norm signal feeds each step the norm of the step
-# before), in the same param group: a resumed run's first step is fed the norm of the checkpoint's last step.
+# The last optimizer step's grad norm (the LR controller's grad_norm signal feeds each global step the norm of the
+# optimizer step before it), in the same param group: a resumed run's first step is fed the norm of the checkpoint's
+# last step.
 GRAD_NORM_STATE_KEY = "tim_grad_norm"
 
 # the cut that keeps every token (logits already divided by the temperature): a reference pass's head
@@ -213,6 +214,9 @@ class TIMEngineMixin:
         self._tim_window = None  # the same, kept after the driver popped it: the step's row shows both checks
         self._tim_step = 0  # verl's global step (the driver's tim_begin_step): the dump's file name
         self._tim_updates = 0  # optimizer steps since this global step's rollout: the policy lag of a training pass
+        # (response tokens, responses) of the last forward-only pass (the step's old-log-prob pass, this rank's
+        # part), before anything trains on the batch: the LR decay's length signal (_tim_end_step)
+        self._tim_pass_lengths: torch.Tensor | None = None
         # optimizer steps of this global step's earlier actor updates: separate_async makes parameter_sync_step of
         # them per global step (each with its old-log-prob pass and scheduler step) before the rollout is synced
         self._tim_earlier = 0
@@ -517,13 +521,26 @@ class TIMEngineMixin:
         out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         if self._tim is not None and forward_only:
             self._tim_merge()
+            if self._tim.lr_decay.enable:
+                self._tim_record_lengths(data)
         return out
+
+    def _tim_record_lengths(self, data) -> None:
+        """The response lengths of a forward-only pass over the step's batch: the whole batch (this rank's part), as
+        rolled out, before verl's rollout correction masks rejected tokens out of ``response_mask`` (VERL_SOURCES
+        verl.trainer.ppo.rollout_corr_helper:compute_rollout_correction_and_add_to_batch, after the old-log-prob
+        pass); a later forward-only pass (a reference computed on this engine) reads the same batch."""
+        try:
+            mask = data["response_mask"]
+        except KeyError:  # a pass over other data than a rollout batch
+            return
+        self._tim_pass_lengths = response_length_sums(mask, skip_empty=True)
 
     # VERL_SOURCES verl.workers.engine.base:BaseEngine.train_batch (one optimizer step per call)
     def train_batch(self, data, loss_function):
         if self._tim is None:
             return super().train_batch(data, loss_function)
-        if self._tim.lr_decay.enable:
+        if self._tim.lr_decay.enable and self._tim_step_start:  # once per global step (the module docstring)
             self._tim_end_step(data)
         out = super().train_batch(data, loss_function)
         self._tim_loss_step()
@@ -563,16 +580,20 @@ class TIMEngineMixin:
         return group.get(GRAD_NORM_STATE_KEY) if group is not None else None
 
     def _tim_end_step(self, data) -> None:
-        """Close one optimizer step through the pipeline, before verl's: the DP-mean response length of the
-        mini-batch's responses (padding samples left out), the step's k3 (the monitor's measurement of this step's
-        batch, merged over the DP group: one measurement pass covers every mini-batch and PPO epoch of the step, so
-        each of its optimizer steps sees it; in bypass mode the batch is measured in the first one's forward, which
-        sees the previous step's) and the last step's grad norm feed the LR controller; its scale goes to the
-        optimizer for this step."""
+        """Feed the LR controller once per global step, before the step's first optimizer step (one rollout batch, one
+        observation, as ``tim-plugins lr-replay`` reads verl's per-step log; the mini-batches and PPO epochs after it
+        run at the scale it decides): the DP-mean response length of the step's batch (padding samples left out)
+        from its old-log-prob pass, taken before verl's rollout correction masks rejected tokens (in bypass mode,
+        which has no such pass and masks nothing in the batch, this first mini-batch's), the step's k3 (the monitor's
+        measurement of this step's batch, merged over the DP group; in bypass mode the batch is measured in the first
+        mini-batch's forward, so this sees the previous step's) and the last optimizer step's grad norm."""
         group = self._tim_dp_group()
         # verl's synthetic padding samples (is_padding, all-zero response_mask) are not responses:
         # VERL_SOURCES verl.trainer.ppo.padding_utils:upsample_batch_to_divisible_size
-        length = mean_response_length(data["response_mask"], group=group, skip_empty=True)
+        sums, self._tim_pass_lengths = self._tim_pass_lengths, None
+        if sums is None:
+            sums = response_length_sums(data["response_mask"], skip_empty=True)
+        length = exact_mean(sums, sync=True, group=group)
         self._tim_lr_sync()
         # verl's global step is not known here (and restarts are not monotone here): the controller counts calls
         scale = self._tim_pipeline.end_step(None, response_length=length, grad_norm=self._tim_last_grad_norm(),

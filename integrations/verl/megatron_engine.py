@@ -131,11 +131,12 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
     # Megatron's OptimizerParamScheduler writes every param group's LR from its schedule at each step
     # (VERL_MEGATRON_SOURCES megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.step), and verl logs
     # param_groups[0]["lr"] as actor/lr (VERL_MEGATRON_SOURCES verl.utils.megatron.optimizer:get_megatron_last_lr).
-    # The scale is written over the schedule's LR right before each optimizer step (the mixin's end of step), and
+    # The scale is written over the schedule's LR before a global step's first optimizer step (the mixin's feed of the
+    # controller; the scheduler steps once per global step, so the step's later optimizer steps keep it), and
     # the controller's state is kept in the optimizer's param_groups[0], which verl's Megatron checkpoint saves and
     # restores (the optimizer's sharded state dict carries the param groups).
     # Only the output-holding ranks measure the step's k3 and get verl's grad norm, so the holders' decision is
-    # handed to every rank (one all_gather_object per optimizer step): all model-parallel shards step with one LR,
+    # handed to every rank (one all_gather_object per global step): all model-parallel shards step with one LR,
     # and every rank's controller holds the same state (rank 0 saves the checkpoint's param groups).
     _tim_lr_checkpoint: ControllerCheckpoint | None = None
     _tim_lr_value = 1.0

@@ -234,17 +234,42 @@ def test_the_grad_norm_signal_continues_from_the_checkpoints_last_step(toy_model
     assert GRAD_NORM_STATE_KEY not in fresh.optimizer.param_groups[0]
 
 
-def test_the_k3_signal_reaches_every_optimizer_step_of_a_global_step(toy_model_path):
-    """verl measures a global step's batch once (the old-log-prob pass) and then takes several optimizer steps on it
-    (here two PPO epochs; mini-batches alike): each of them sees that step's k3. With ``patience=2`` the k3 surge of
-    one global step fires only if both of its optimizer steps see it. Reference: the core controller fed the batch's
-    naive k3 at each optimizer step, outside verl; the scale verl's optimizer applies follows it step by step."""
+def _train_mini_batches(eng, tds: list, old_padded: list, loss) -> list[float]:
+    """verl's actor update of one global step, as ``TrainingWorker`` runs it: one ``train_batch`` (one optimizer
+    step) per mini-batch TensorDict, then the scheduler step; the scale in force after each optimizer step."""
+    from verl.utils import tensordict_utils as tu
+
+    scales = []
+    with eng.train_mode():
+        for td, old in zip(tds, old_padded):
+            td = td.copy()
+            td["old_log_probs"] = old
+            tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                                 max_token_len_per_gpu=4096, use_fused_kernels=False, calculate_entropy=False,
+                                 global_batch_size=td.batch_size[0])
+            eng.train_batch(td, loss_function=loss)
+            scales.append(eng.optimizer.lr_scale)
+        eng.lr_scheduler_step()
+    return scales
+
+
+def _ppo_loss():
     from functools import partial
 
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
 
+    return partial(ppo_loss, config=FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2,
+                                                    ppo_mini_batch_size=2, use_dynamic_bsz=False))
+
+
+def test_the_k3_signal_is_observed_once_per_global_step(toy_model_path):
+    """verl measures a global step's batch once (the old-log-prob pass) and then takes several optimizer steps on it
+    (here two PPO epochs; mini-batches alike): the controller observes the step once, before its first optimizer
+    step, and every optimizer step of the step runs at the scale that observation decides. With ``patience=2`` a k3
+    surge fires at the second global step that shows it, not within the first (which an observation per optimizer
+    step would do: the reference fed twice a step fires there). Reference: the core controller fed each global step's
+    naive k3 once, outside verl."""
     from tim_plugins.lr_control import LengthTriggeredLRDecay
 
     options = {**OPTIONS, "patience": 2, "signals": ["kl_k3"], "combine": "any", "kl_k3_margin": 0.5}
@@ -252,27 +277,62 @@ def test_the_k3_signal_reaches_every_optimizer_step_of_a_global_step(toy_model_p
     eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
     eng.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": options},
                                                "monitor": {"enable": True}}))
-    reference = LengthTriggeredLRDecay(**options)
-    loss = partial(ppo_loss, config=FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2,
-                                                    ppo_mini_batch_size=4, use_dynamic_bsz=False))
-    want, got = [], []
-    for step in range(4):
-        td, raw = H.make_batch(VOCAB, response=6, seed=10 + step, rollout_noise=-12.0 if step == 2 else 0.0)
+    reference, per_optimizer_step = LengthTriggeredLRDecay(**options), LengthTriggeredLRDecay(**options)
+    want, got, fired_early = [], [], []
+    for step in range(5):
+        surge = step in (2, 3)
+        td, raw = H.make_batch(VOCAB, response=6, seed=10 + step, rollout_noise=-12.0 if surge else 0.0)
         old = H.old_log_probs_padded(H.infer(eng, td), td)
         k3 = _naive_k3(old, raw)
-        td = td.copy()
-        td["old_log_probs"] = old
-        tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
-                             max_token_len_per_gpu=4096, use_fused_kernels=False, calculate_entropy=False,
-                             global_batch_size=td.batch_size[0])
-        with eng.train_mode():
-            for _ in range(2):  # two optimizer steps on the batch measured once
-                want.append(reference.observe(None, _mean_length(raw), kl_k3=k3))
-                eng.train_batch(td, loss_function=loss)
-                got.append(eng.optimizer.lr_scale)
-            eng.lr_scheduler_step()
+        scale = reference.observe(None, _mean_length(raw), kl_k3=k3)
+        want += [scale, scale]  # both optimizer steps of the step run at it
+        fired_early += [per_optimizer_step.observe(None, _mean_length(raw), kl_k3=k3) for _ in range(2)]
+        got += _train_mini_batches(eng, [td, td], [old, old], _ppo_loss())
     assert got == want
-    assert want.index(min(want)) == 5 and min(want) < 1.0, want  # fired at the surge step's second optimizer step
+    assert want.index(min(want)) == 6 and min(want) < 1.0, want  # fired at the second surge step (step 3)
+    assert fired_early.index(min(fired_early)) == 5  # an observation per optimizer step fires inside step 2
+    _assert_same_state(eng.optimizer.tim_controller, reference)
+
+
+def test_the_length_signal_is_the_steps_whole_batch_before_verls_rejection_sampling(toy_model_path):
+    """One global step's batch, rolled out and scored whole by the old-log-prob pass, then trained in two
+    mini-batches after verl's rollout correction has masked rejected sequences out of ``response_mask``
+    (``algorithm.rollout_correction.rollout_rs``): the length the controller sees is the whole batch's mean response
+    length as rolled out, once per global step, not a mini-batch's nor the masked one. Reference: the batch's mask
+    before verl's own ``compute_rollout_correction_and_rejection_mask``, and the core controller fed it once a step;
+    the rejection does reject here (the masked mean differs)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    from tim_plugins.lr_control import LengthTriggeredLRDecay
+
+    H.init_dist(port=29589)
+    eng = H.build_engine(toy_model_path, optimizer_impl=OPTIMIZER_IMPL, optimizer="AdamW", lr=LR)
+    eng.tim_configure(TIMVerlConfig.from_node({"lr_decay": {"enable": True, "options": OPTIONS}}))
+    reference = LengthTriggeredLRDecay(**OPTIONS)
+    wants = []
+    for step, response in enumerate((4, 4, 12)):
+        td, raw = H.make_batch(VOCAB, batch=4, response=response, seed=20 + step)
+        old = H.old_log_probs_padded(H.infer(eng, td), td)
+        # rows 1 and 2 sampled far from the actor: verl's sequence-level rejection masks them out
+        rollout = old.detach().clone()
+        rollout[1:3] -= 5.0
+        _, rejected, _ = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=old.detach(), rollout_log_prob=rollout, response_mask=raw["response_mask"],
+            rollout_rs="seq_max_k2", rollout_rs_threshold=2.0)
+        assert rejected[1:3].sum() == 0 and torch.equal(rejected[[0, 3]], raw["response_mask"][[0, 3]].to(rejected))
+        halves = []
+        for rows in (slice(0, 2), slice(2, 4)):
+            part, _ = H.make_batch(VOCAB, batch=4, response=response, seed=20 + step, rows=rows)
+            part["response_mask"] = rejected[rows].to(raw["response_mask"].dtype)  # as verl trains it
+            part["loss_mask"] = part["response_mask"]
+            halves.append(part)
+        want = reference.observe(None, _mean_length(raw))
+        wants.append(want)
+        assert _train_mini_batches(eng, halves, [old[0:2], old[2:4]], _ppo_loss()) == [want, want]
+        metrics = eng.tim_pop_metrics()
+        assert metrics["tim/lr/window_length"] == pytest.approx(_mean_length(raw))
+        assert _mean_length({"response_mask": rejected}) != pytest.approx(_mean_length(raw))
+    assert wants == [1.0, 1.0, 0.5]  # the surge fires once
     _assert_same_state(eng.optimizer.tim_controller, reference)
 
 

@@ -540,7 +540,7 @@ class TIMEngineMixin:
     def train_batch(self, data, loss_function):
         if self._tim is None:
             return super().train_batch(data, loss_function)
-        if self._tim.lr_decay.enable and self._tim_step_start:  # once per global step (the module docstring)
+        if self._tim.lr_decay.enable and self._tim_step_start:  # once per actor update (_tim_end_step)
             self._tim_end_step(data)
         out = super().train_batch(data, loss_function)
         self._tim_loss_step()
@@ -580,9 +580,10 @@ class TIMEngineMixin:
         return group.get(GRAD_NORM_STATE_KEY) if group is not None else None
 
     def _tim_end_step(self, data) -> None:
-        """Feed the LR controller once per global step, before the step's first optimizer step (one rollout batch, one
-        observation, as ``tim-plugins lr-replay`` reads verl's per-step log; the mini-batches and PPO epochs after it
-        run at the scale it decides): the DP-mean response length of the step's batch (padding samples left out)
+        """Feed the LR controller once per actor update (the optimizer steps between two of verl's scheduler steps: a
+        global step of the sync trainer, each of separate_async's parameter_sync_step updates), before its first
+        optimizer step (one rollout batch, one observation, as ``tim-plugins lr-replay`` reads verl's per-step log;
+        the mini-batches and PPO epochs after it run at the scale it decides): the DP-mean response length of the step's batch (padding samples left out)
         from its old-log-prob pass, taken before verl's rollout correction masks rejected tokens (in bypass mode,
         which has no such pass and masks nothing in the batch, this first mini-batch's), the step's k3 (the monitor's
         measurement of this step's batch, merged over the DP group; in bypass mode the batch is measured in the first

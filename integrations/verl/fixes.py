@@ -17,15 +17,18 @@ RUNS_ON = ("vllm", "hf", "tim_plugins")
 # config; `++key=` for one it lacks (`+key=` fails when the user has already added the key, `++` adds or overrides).
 FINDING_FIXES = {
     "dtype-mismatch":
-        "actor_rollout_ref.rollout.dtype=<bfloat16|float16|float32> with "
-        "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=<bf16|fp16|fp32> (the same dtype)",
-    # verl's FSDP actor computes the lm_head at mixed_precision.param_dtype (no fp32-head option): a vLLM head in
-    # another dtype is the mismatch, not its fix.
+        "actor_rollout_ref.rollout.dtype=<bfloat16|float16|float32> with the actor in the same dtype: "
+        "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=<bf16|fp16|fp32> (FSDP), or on a "
+        "Megatron actor (--config-name=ppo_megatron_trainer, which has no float32) "
+        "actor_rollout_ref.actor.megatron.dtype=<bfloat16|float16>",
+    # verl's FSDP actor computes the lm_head at mixed_precision.param_dtype, the Megatron actor at megatron.dtype (no
+    # fp32-head option): a vLLM head in another dtype is the mismatch, not its fix.
     "lm-head-precision-mismatch":
-        "the actor has no fp32-head option (its lm_head runs at mixed_precision.param_dtype, bf16 by default): keep "
-        "vLLM's head in the model dtype (drop hf_overrides.head_dtype, or "
-        "++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=model); for an fp32 head on both "
-        "sides, the whole model in fp32: actor_rollout_ref.rollout.dtype=float32 with "
+        "the actor has no fp32-head option (its lm_head runs in the model's dtype: FSDP mixed_precision.param_dtype, "
+        "Megatron megatron.dtype, bf16 by default): keep vLLM's head in the model dtype (drop "
+        "hf_overrides.head_dtype, or ++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=model); "
+        "for an fp32 head on both sides (FSDP only: Megatron has no float32), the whole model in fp32: "
+        "actor_rollout_ref.rollout.dtype=float32 with "
         "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
     "logprobs-mode-not-processed":
         "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
@@ -64,18 +67,23 @@ FINDING_FIXES = {
         "++actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLEX_ATTENTION",
     # vLLM picks its attention backend at start-up unless told: the composed config then does not say it
     "unknown-setting":
-        "name the setting in the overrides: vLLM's attention backend, else chosen at start-up, "
+        "name each setting it lists in the overrides: vLLM's attention backend, else chosen at start-up, "
         "++actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=FLASH_ATTN (the kernel of the actor's "
-        "default flash_attention_2)",
+        "default flash_attention_2); the rollout's dtype (and its lm_head's) where auto follows a checkpoint the "
+        "driver could not read: actor_rollout_ref.rollout.dtype=<bfloat16|float16|float32>, the actor's dtype",
 }
 
 PART_FIXES = {
     "staleness": "a lower actor_rollout_ref.actor.optim.lr, or fewer updates per batch: "
-                 "actor_rollout_ref.actor.ppo_epochs=1 and ppo_mini_batch_size equal to the train batch",
+                 "actor_rollout_ref.actor.ppo_epochs=1 and actor_rollout_ref.actor.ppo_mini_batch_size=<B>, "
+                 "B = data.train_batch_size (one optimizer step per batch)",
     "staleness_async": "fresher samples: fewer batches generated ahead (trainer.v1.colocate_async.num_warmup_batches, "
                        "trainer.v1.separate_async.num_warmup_batches), a lower "
                        "trainer.v1.sampler.max_off_policy_threshold (trajectories spanning more weight versions are "
-                       "dropped), and in separate_async a smaller parameter_sync_step",
+                       "dropped), and in separate_async fewer updates per weight sync: a smaller "
+                       "trainer.v1.separate_async.parameter_sync_step=<N> with "
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=<B/N> (verl requires data.train_batch_size = "
+                       "B = N x ppo_mini_batch_size there; N=1: one update per sync)",
     "mismatch": "the parity fixes in the audit's fix column (rollout dtype, logprobs_mode, truncation), and "
                 "`tim-plugins measure --compare`",
 }

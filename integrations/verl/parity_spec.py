@@ -109,8 +109,13 @@ def rollout_spec_from_config(config: Any, *, device: str = "cuda", env: Optional
 
 def trainer_spec_from_config(config: Any) -> PipelineSpec:
     a = "actor_rollout_ref.actor"
-    mp = _get(config, f"{a}.fsdp_config.mixed_precision") or {}
-    param = mp.get("param_dtype") if isinstance(mp, dict) else None
+    if _get(config, f"{a}.strategy") == "megatron":
+        # the Megatron engine computes in its engine config's dtype (actor.megatron.dtype, VERL_MEGATRON_CONFIG_KEYS):
+        # VERL_MEGATRON_SOURCES verl.workers.engine.megatron.transformer_impl:MegatronEngine._build_tf_config
+        param = _get(config, f"{a}.megatron.dtype") or "bfloat16"
+    else:
+        mp = _get(config, f"{a}.fsdp_config.mixed_precision") or {}
+        param = mp.get("param_dtype") if isinstance(mp, dict) else None
     dtype = _PRECISION.get(str(param), param) if param else "bfloat16"  # transformer_impl.py default autocast
     override = _get(config, "actor_rollout_ref.model.override_config", {}) or {}
     attn = override.get("attn_implementation", "flash_attention_2")

@@ -12,7 +12,8 @@ Importing this module imports nothing from verl.
 
 from __future__ import annotations
 
-__all__ = ["VERL_SOURCES", "VERL_MEGATRON_SOURCES", "VERL_CONFIG_KEYS", "VERL_OPTIONAL_CONFIG_KEYS"]
+__all__ = ["VERL_SOURCES", "VERL_MEGATRON_SOURCES", "VERL_CONFIG_KEYS", "VERL_MEGATRON_CONFIG_KEYS",
+           "VERL_OPTIONAL_CONFIG_KEYS"]
 
 _TI = "verl.workers.engine.fsdp.transformer_impl"
 _TB = "verl.trainer.ppo.v1.trainer_base"
@@ -147,6 +148,11 @@ VERL_SOURCES = {
         "(keys=, partition_id=, fields=TensorDict [len(keys)]) adds per-sample fields to stored samples; a worker "
         "method given the batch's KVBatchMeta (fields None or naming the field) receives every field all of its "
         "samples have, split with the batch over DP ranks, mini- and micro-batches",
+    ("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch"):
+        "writes its rejection (algorithm.rollout_correction.rollout_rs) into batch.batch['response_mask']; the V1 "
+        "trainer calls it in PPOTrainer._compute_advantage, which PPOTrainer._step_once runs after the old-log-prob "
+        "pass (_compute_old_log_prob) and before the actor update (_update_actor): the LR decay reads the step's "
+        "response lengths in that pass, before the rejection",
     ("verl.trainer.ppo.padding_utils", "upsample_batch_to_divisible_size"):
         "appends synthetic no-op samples (tag is_padding) to make a batch divisible; their response_mask is all "
         "zero (construct_minimal_padding_template), while every real response has at least one token",
@@ -295,6 +301,10 @@ VERL_MEGATRON_SOURCES = {
     (_TM, "MegatronEngine.get_data_parallel_group"):
         "() -> mpu.get_data_parallel_group(): the ranks with this rank's TP/PP/CP coordinates (under dynamic CP "
         "the DPxCP plane)",
+    (_TM, "MegatronEngine._build_tf_config"):
+        "the model computes in the engine config's dtype (self.param_dtype = PrecisionType.to_dtype("
+        "self.engine_config.dtype): actor.megatron.dtype, which McoreEngineConfig limits to bfloat16 and float16): "
+        "the trainer dtype the parity audit reads for a Megatron actor",
     (_TM, "MegatronEngine.lr_scheduler_step"):
         "() -> get_megatron_last_lr(optimizer) after lr_scheduler.step(1) (logged by the worker as lr)",
     ("verl.utils.megatron.optimizer", "get_megatron_last_lr"):
@@ -389,6 +399,8 @@ VERL_CONFIG_KEYS = (
     "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.multi_turn.enable",
     "distillation.enabled", "distillation.distillation_loss.loss_mode",
 )
+# Keys parity_spec.py reads of a Megatron actor, in verl's composed ppo_megatron_trainer config (the same test)
+VERL_MEGATRON_CONFIG_KEYS = ("actor_rollout_ref.actor.megatron.dtype",)
 # Keys the adapter reads that verl's defaults leave out (users add them with "+"); the adapter then assumes verl's
 # own fallback: mixed_precision absent -> bf16 autocast (transformer_impl.py), repetition_penalty: verl's agent
 # loops send 1.0 whatever it says (AgentLoopWorkerTQ.generate_sequences above).

@@ -73,6 +73,12 @@ def test_output_rank_and_loss_call_are_where_the_engine_reads_them():
         resolve(TM, "MegatronEngine.get_data_parallel_group"))
 
 
+def test_the_engine_computes_in_the_dtype_the_audit_reads():
+    # integrations/verl/parity_spec.py reads a Megatron actor's dtype from actor.megatron.dtype
+    assert "self.param_dtype = PrecisionType.to_dtype(self.engine_config.dtype)" in inspect.getsource(
+        resolve(TM, "MegatronEngine._build_tf_config"))
+
+
 def test_the_scheduler_writes_the_lr_the_engine_scales():
     step = inspect.getsource(resolve("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.step"))
     assert "param_group['lr'] = self.get_lr(param_group)" in step

@@ -24,7 +24,13 @@ from tim_plugins.safe_vocab import DEFAULT_MIN_P  # noqa: E402
 TOKEN = re.compile(r"(?<![\w.+])(\+{0,2})((?:actor_rollout_ref|algorithm|trainer|data|reward|critic|distillation|tim)"
                    r"\.[\w.]+)=([^\s',;()]+)")
 # example values of the placeholders the fixes write (`<a|b>` lists its own)
-PLACEHOLDERS = {"<T>": "0.7"}
+PLACEHOLDERS = {"<T>": "0.7", "<B>": "64", "<N>": "2", "<B/N>": "32"}
+# keys of a Megatron actor's config (verl's ppo_megatron_trainer), printed beside the FSDP actor's
+MEGATRON_KEYS = ("actor_rollout_ref.actor.megatron.",)
+
+
+def _config_name(key: str) -> str:
+    return "ppo_megatron_trainer" if key.startswith(MEGATRON_KEYS) else "ppo_trainer"
 
 
 def _texts() -> dict[str, str]:
@@ -88,13 +94,15 @@ def test_each_printed_override_composes_and_sets_its_value(where, prefix, key, v
     override = f"{prefix}{key}={value}"
     # `+key=` fails where the user has added the key already: a key verl's config lacks is printed with `++`
     assert prefix in ("", "++"), f"{where}: {override} (print ++{key}=...)"
-    cfg = compose_ppo_config([override])
+    name = _config_name(key)
+    cfg = compose_ppo_config([override], config_name=name)
     assert _selected(cfg, key) == _parsed(override), (where, override)
     if prefix == "++":
         # not in verl's config (else `key=` says it), and it works after the user's own `+key=`
         user = f"+{key}={value}"
-        compose_ppo_config([user])
-        assert _selected(compose_ppo_config([user, override]), key) == _parsed(override), (where, override)
+        compose_ppo_config([user], config_name=name)
+        assert _selected(compose_ppo_config([user, override], config_name=name), key) == _parsed(override), (
+            where, override)
 
 
 # {finding code: overrides that make the verl audit report it}; a code verl cannot produce is not listed
@@ -125,12 +133,54 @@ def test_each_findings_fix_clears_it_in_the_audit(code):
     """The user's overrides that cause the finding, then each alternative of its fix pasted after them."""
     trigger = TRIGGERS[code]
     assert code in _codes(trigger), code
-    tokens = _tokens(fixes.FINDING_FIXES[code])
+    tokens = [t for t in _tokens(fixes.FINDING_FIXES[code]) if not t[1].startswith(MEGATRON_KEYS)]
     assert tokens, code
     # the i-th option of each `<a|b|c>` together (dtype: bfloat16 with bf16, ...)
     for i in range(max(len(values) for _, _, values in tokens)):
         fix = [f"{p}{k}={values[min(i, len(values) - 1)]}" for p, k, values in tokens]
         assert code not in _codes(trigger + fix), (code, fix)
+
+
+def test_the_megatron_dtype_fix_clears_the_finding_and_passes_verls_engine_config():
+    """On a Megatron actor (ppo_megatron_trainer) the audit reads the actor's dtype where verl's Megatron engine does
+    (actor.megatron.dtype): a float16 rollout against its default bfloat16 is named, and each option of the printed
+    Megatron fix (the rollout's dtype with megatron.dtype, the same option) clears it; verl's McoreEngineConfig
+    accepts each value (it refuses float32, which the fix does not offer)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from tim_plugins.integrations.verl.parity_spec import specs_from_config
+
+    def codes(overrides):
+        return {f.code for f in audit(*specs_from_config(compose_ppo_config(overrides,
+                                                                            config_name="ppo_megatron_trainer")))}
+
+    trigger = ["actor_rollout_ref.rollout.dtype=float16"]
+    assert "dtype-mismatch" in codes(trigger)
+    tokens = _tokens(fixes.FINDING_FIXES["dtype-mismatch"])
+    rollout = next(values for _, key, values in tokens if key == "actor_rollout_ref.rollout.dtype")
+    megatron = next(values for _, key, values in tokens if key == "actor_rollout_ref.actor.megatron.dtype")
+    assert megatron == ["bfloat16", "float16"]
+    for value in megatron:
+        assert value in rollout
+        fix = [f"actor_rollout_ref.rollout.dtype={value}", f"actor_rollout_ref.actor.megatron.dtype={value}"]
+        assert "dtype-mismatch" not in codes(trigger + fix), fix
+        cfg = compose_ppo_config(trigger + fix, config_name="ppo_megatron_trainer")
+        assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron).dtype == value
+    with pytest.raises(Exception, match="float32"):
+        omega_conf_to_dataclass(compose_ppo_config(["actor_rollout_ref.actor.megatron.dtype=float32"],
+                                                   config_name="ppo_megatron_trainer").actor_rollout_ref.actor.megatron)
+
+
+def test_an_unknown_rollout_dtype_is_named_by_the_fix():
+    """``rollout.dtype=auto`` follows a checkpoint the driver cannot read here: the dtype is an unknown setting, and
+    the printed fix's rollout dtype clears it (with the attention backend it names too)."""
+    trigger = ["actor_rollout_ref.rollout.dtype=auto"]
+    found = {f.code: f for f in audit(*specs_from_overrides(trigger))}
+    assert "dtype" in found["unknown-setting"].message, found["unknown-setting"].message
+    tokens = _tokens(fixes.FINDING_FIXES["unknown-setting"])
+    for value in next(values for _, key, values in tokens if key == "actor_rollout_ref.rollout.dtype"):
+        fix = [f"{p}{k}={value if k == 'actor_rollout_ref.rollout.dtype' else v[0]}" for p, k, v in tokens]
+        assert "unknown-setting" not in _codes(trigger + fix), fix
 
 
 def test_every_verl_finding_fix_is_covered():

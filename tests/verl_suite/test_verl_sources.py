@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from tim_plugins.integrations.verl.sources import (  # noqa: E402
     VERL_CONFIG_KEYS,
+    VERL_MEGATRON_CONFIG_KEYS,
     VERL_OPTIONAL_CONFIG_KEYS,
     VERL_SOURCES,
 )
@@ -495,6 +496,19 @@ def test_verls_padding_samples_have_no_response_token():
                                                          "upsample_batch_to_divisible_size")
 
 
+def test_verls_rejection_sampling_masks_the_batch_after_the_old_log_prob_pass():
+    """The LR decay's length signal is read in the old-log-prob pass (``engine_mixin._tim_record_lengths``), before
+    verl's rollout correction writes its rejection into ``response_mask``."""
+    helper = _flat(_src("verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch"))
+    assert 'batch.batch["response_mask"] = modified_response_mask' in helper
+    assert "compute_rollout_correction_and_add_to_batch(data, rollout_corr_config)" in _flat(
+        _src(TB, "PPOTrainer._compute_advantage"))
+    step = _flat(_src(TB, "PPOTrainer._step_once"))
+    order = [step.index(f"self.{name}(batch, metrics=metrics)")
+             for name in ("_compute_old_log_prob", "_compute_advantage", "_update_actor")]
+    assert order == sorted(order)
+
+
 def test_a_global_step_runs_parameter_sync_step_actor_updates_and_names_each_one():
     """The driver tells the actor which update of the global step it runs (``trainer.py`` ``_compute_old_log_prob``:
     the step's window closes after the last): verl's step sets ``local_trigger_step`` before each of its
@@ -659,6 +673,9 @@ def test_config_keys_the_adapter_reads_exist_in_verls_defaults():
     assert missing == [], f"verl's ppo_trainer config no longer has {missing}: revisit VERL_CONFIG_KEYS"
     present = [k for k in VERL_OPTIONAL_CONFIG_KEYS if OmegaConf.select(cfg, k, default=absent) is not absent]
     assert present == [], f"verl now defaults {present}: revisit the adapter's fallback for them"
+    megatron = compose_ppo_config([], config_name="ppo_megatron_trainer")
+    missing = [k for k in VERL_MEGATRON_CONFIG_KEYS if OmegaConf.select(megatron, k, default=absent) is absent]
+    assert missing == [], f"verl's ppo_megatron_trainer config no longer has {missing}: revisit them"
 
 
 # ------------------------------------------------------------------------------------------------ kept sets (rollout.py)

@@ -214,6 +214,73 @@ def test_a_scoring_without_valid_tokens_does_not_hide_the_next_syncs_fault(pair)
         _naive_mean_abs(torch.where(rest, t2, t0), t2, m), rel=1e-9)
 
 
+def _trained(model0, seqs, steps: int, lr: float = LR):
+    """A float32 copy of ``model0`` after ``steps`` Adam steps on ``seqs`` (the trainer a checkpoint resumes)."""
+    trainer = copy.deepcopy(model0)
+    opt = torch.optim.Adam(trainer.parameters(), lr=lr)
+    batch = torch.tensor([s[: min(map(len, seqs))] for s in seqs])
+    for _ in range(steps):
+        loss = trainer(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return trainer, opt, batch
+
+
+def test_a_resumed_reference_is_judged_against_the_floor_its_checkpoint_carried(pair):
+    """A run's probe saves its floor; the resumed run's probe takes a new reference at its first generation. An
+    engine that holds the resumed trainer's weights (a bf16 copy) is in step there, and its gap is the new floor. An
+    engine still at the initial weights (the resume's first sync never reached it) is named probe-engine-drift at that
+    reference, its gap and ratio those of a naive recomputation; the floor stays the carried one, so the next no-op
+    sync is named unchanged, which a probe without the carried floor (its floor the faulty reference's gap) misses."""
+    model0, _, seqs = pair
+    before, _, _ = _run(pair, 2)
+    state = json.loads(json.dumps(before.state_dict()))  # what trainer_state.json carries
+    assert state == {"floor": before.floor} and math.isfinite(before.floor)
+    trainer, opt, batch = _trained(model0, seqs, 3)
+
+    healthy = Lag0Probe()
+    healthy.load_state_dict(state)
+    e, m = _score(copy.deepcopy(trainer).to(torch.bfloat16), seqs)
+    t, _ = _score(trainer, seqs)
+    gap = healthy.set_reference(e, t, m)
+    assert healthy.judge_reference(3) == [] and healthy.floor == gap == pytest.approx(_naive_mean_abs(e, t, m))
+
+    stale_engine = copy.deepcopy(model0).to(torch.bfloat16)
+    e, _ = _score(stale_engine, seqs)
+    probes = {}
+    for carried in (True, False):
+        probe = probes[carried] = Lag0Probe()
+        if carried:
+            probe.load_state_dict(state)
+        probe.set_reference(e, t, m)
+    causes = probes[True].judge_reference(3)
+    naive = _naive_mean_abs(e, t, m)
+    assert [c.code for c in causes] == ["probe-engine-drift"] and "after the resume" in causes[0].message
+    assert causes[0].evidence["gap"] == pytest.approx(naive, rel=1e-9) and causes[0].evidence["floor"] == before.floor
+    assert naive > 4 * before.floor  # the fault, by the naive figures: far over the rule's 4x
+    assert probes[True].floor == before.floor and probes[False].judge_reference(3) == []
+    # one more optimizer step; its sync does not reach the engine either
+    loss = trainer(input_ids=batch, labels=batch).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    t4, _ = _score(trainer, seqs)
+    assert [c.code for c in probes[True].judge(4, e, t4, m)] == ["probe-engine-unchanged"]
+    assert probes[False].judge(4, e, t4, m) == []
+
+
+@pytest.mark.parametrize("state", [None, {}, {"floor": None}, {"floor": math.nan}, {"floor": -1.0},
+                                   {"floor": True}, {"floor": "0.1"}])
+def test_a_checkpoint_without_a_usable_floor_leaves_the_reference_unjudged(state):
+    probe = Lag0Probe()
+    probe.load_state_dict(state)
+    assert math.isnan(probe.carried_floor) and probe.state_dict() == {"floor": None}
+    e = torch.zeros(1, 3, dtype=torch.float64)
+    probe.set_reference(e, e - 5.0, torch.ones(1, 3, dtype=torch.bool))
+    assert probe.judge_reference(1) == [] and probe.floor == 5.0
+
+
 def test_a_reference_without_scored_tokens_is_not_taken_and_judging_needs_one():
     probe = Lag0Probe()
     nan = torch.full((2, 4), math.nan, dtype=torch.float64)

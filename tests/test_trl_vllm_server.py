@@ -156,19 +156,21 @@ def test_parity_audit_reads_the_live_server(server_run, vllm_server):
     assert json.dumps(info["weight_transfer_config"]) == '{"backend": "nccl"}'
 
 
-def _faulty_run(vllm_server, toy_model_path, tmp_path, config, steps=4, **client):
+def _faulty_run(vllm_server, toy_model_path, tmp_path, config, steps=4, trainer_kwargs=None, resume=None, **client):
     """A run at STALE_LR whose weight transfer has a fault (``_server_client``'s options), from the checkpoint's
-    weights: the server reloads them first (an earlier run left it at its own)."""
+    weights: the server reloads them first (an earlier run left it at its own). ``trainer_kwargs``: more GRPOConfig
+    fields; ``resume``: the checkpoint folder ``train(resume_from_checkpoint=...)`` resumes."""
     reload_checkpoint(vllm_server, toy_model_path)
     synced = []
     mp = pytest.MonkeyPatch()
     _server_client(mp, tmp_path / "synced", synced, **client)
     (tmp_path / "synced").mkdir()
     try:
-        trainer = _server_trainer(vllm_server, toy_model_path, tmp_path, steps, learning_rate=STALE_LR)
+        trainer = _server_trainer(vllm_server, toy_model_path, tmp_path, steps, learning_rate=STALE_LR,
+                                  **(trainer_kwargs or {}))
         cb = TIMCallback(trainer, config)
         trainer.add_callback(cb)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
         return trainer, cb, synced
     finally:
         mp.undo()
@@ -261,6 +263,54 @@ def test_the_lag0_probe_names_a_layer_the_server_never_receives(skipped_layer_se
     assert [code for step, code in named if step == 2 and code.startswith("probe-")] == ["probe-engine-drift"], seen
     first = cb.server_probe.probe.history[0]
     assert first["moved_engine"] > 0.25 * first["moved_trainer"]
+
+
+@pytest.fixture(scope="module")
+def resumed_probe_runs(vllm_server, skipped_layer_server_run, toy_model_path, tmp_path_factory):
+    """A two-step run that saves its checkpoint at step 2, then two runs resumed from it (GRPOTrainer.train's
+    resume_from_checkpoint) with the server back at the model's initial weights, as a server restarted for the
+    resume: one whose syncs reach the server, one whose never do. {"saved", "healthy", "stale"}: (trainer, cb,
+    synced)."""
+    first = tmp_path_factory.mktemp("trl_probe_saved")
+    # a constant LR: the checkpoint's scheduler, built for the first run's two steps, would train the resumed ones at 0
+    constant = {"lr_scheduler_type": "constant"}
+    runs = {"saved": _faulty_run(vllm_server, toy_model_path, first, TIMConfig(), steps=2,
+                                 trainer_kwargs={**constant, "save_strategy": "steps", "save_steps": 2})}
+    checkpoint = str(first / "out" / "checkpoint-2")
+    for name, reload in (("healthy", True), ("stale", False)):
+        runs[name] = _faulty_run(vllm_server, toy_model_path, tmp_path_factory.mktemp(f"trl_probe_{name}"),
+                                 TIMConfig(), steps=4, trainer_kwargs=constant, resume=checkpoint, reload=reload)
+    return runs
+
+
+def test_a_resumed_run_judges_its_new_reference_against_the_floor_its_checkpoint_carried(resumed_probe_runs):
+    """The probe's floor rides in trainer_state.json; the resumed run takes its reference at its first generation
+    (step 2) and judges it against that floor: with the syncs reaching the server, nothing is named, at the
+    reference or at the sync after step 3, and the new reference's gap is the floor; with a server still at the
+    initial weights, probe-engine-drift is named at step 2, before any stream rule, with the reference's gap (a naive
+    recomputation from the probe's scoring) against the carried floor, and the floor staying the carried one, the
+    next no-op sync is named probe-engine-unchanged."""
+    _, saved, _ = resumed_probe_runs["saved"]
+    floor = saved.server_probe.probe.floor
+    assert math.isfinite(floor)
+    trainer, cb, synced = resumed_probe_runs["healthy"]
+    probe = cb.server_probe.probe
+    assert trainer.state.global_step == 4 and len(synced) == 2 and probe.carried_floor == floor
+    assert [(c.step, c.code) for c in cb.pipeline.causes.named] == [], probe.history
+    assert [h["step"] for h in probe.history] == [3]
+    ref = probe.reference
+    assert probe.floor == pytest.approx(float((ref.engine - ref.trainer)[ref.valid].abs().mean()), rel=1e-12)
+    trainer, cb, synced = resumed_probe_runs["stale"]
+    probe = cb.server_probe.probe
+    named = [c for c in cb.pipeline.causes.named]
+    seen = f"named {[(c.step, c.code) for c in named]}; probe {probe.history}; diag {cb.pipeline.diag}"
+    assert named and (named[0].step, named[0].code) == (2, "probe-engine-drift"), seen
+    assert "after the resume" in named[0].message
+    ref = probe.reference
+    gap = float((ref.engine - ref.trainer)[ref.valid].abs().mean())
+    assert named[0].evidence["gap"] == pytest.approx(gap, rel=1e-12) and named[0].evidence["floor"] == floor
+    assert gap > 4 * floor and probe.floor == floor  # the later syncs are judged against the carried floor
+    assert [c.code for c in named if c.step == 3 and c.code.startswith("probe-")] == ["probe-engine-unchanged"], seen
 
 
 # ------------------------------------------------------------------------------------- two processes (gloo, CPU)

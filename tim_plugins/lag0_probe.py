@@ -24,6 +24,12 @@ is scored again. The rule (``Lag0Probe.judge`` mirrors it; means over the tokens
   (0.26-0.37 nats), 7 % of the trainer's move since the reference;
 - else the probe is in step.
 
+A resumed run takes a new batch and reference at its first generation, after the resume's first sync. The floor its
+checkpoint carries (``state_dict``) judges that reference: a gap above ``drift_factor x`` that floor and above it
+plus ``drift_min`` is **``probe-engine-drift``** at once (the engine does not hold the weights the trainer resumed
+with); the floor then stays the carried one, so that the rules above keep judging the later syncs against the two
+stacks' numerics, not against the fault. Otherwise the new reference's gap is the floor.
+
 A healthy sync moves both sides alike (``moved_engine ≈ moved_trainer``, ``drift`` at the numerics' scale, about
 the floor); a sync that does not reach the engine leaves ``moved_engine`` at 0 (the same request, the same numbers).
 What it cannot see: the engine's prefix cache (vLLM never reads cached blocks for a request that asks for prompt
@@ -33,6 +39,7 @@ The API an adapter uses (framework-neutral; the adapter scores the batch on both
 
     probe = Lag0Probe(Lag0ProbeConfig())
     probe.set_reference(engine, trainer, mask)       # [K, T] log-probs at lag 0 and the scored tokens
+    pipeline.probed(probe.judge_reference(step))     # after a resume: the reference against the carried floor
     if probe.due():                                  # after each sync: True every every_n_syncs-th
         causes = probe.judge(step, engine, trainer, mask)   # -> list[Cause], [] when in step
         pipeline.probed(causes)                      # the console line, tim/cause/*, the probe's warn / raise / stop
@@ -132,6 +139,8 @@ class Lag0Probe:
         self.floor = math.nan  # the reference's mean |e - t|
         self.syncs = 0  # syncs seen (due)
         self.history: list[dict] = []  # the last HISTORY judged probes' figures (a cause carries its own)
+        self.carried_floor = math.nan  # the floor a checkpoint carried (load_state_dict), before this reference
+        self._reference_gap = math.nan
 
     def set_reference(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> float:
         """The lag-0 scoring both sides hold the same weights for; returns its gap (NaN: no token scored)."""
@@ -139,8 +148,38 @@ class Lag0Probe:
         gap = _mean_abs(scores.engine - scores.trainer, scores.valid)
         if math.isfinite(gap):
             self.reference = self.previous = scores
-            self.floor = gap
+            self._reference_gap = gap
+            self.floor = self.carried_floor if self._breaches(gap, self.carried_floor) else gap
         return gap
+
+    def _breaches(self, gap: float, floor: float) -> bool:
+        c = self.config
+        return math.isfinite(floor) and gap > c.drift_factor * floor and gap > floor + c.drift_min
+
+    def judge_reference(self, step: int) -> list[Cause]:
+        """The reference scoring against the floor a checkpoint carried (the module docstring): [] without a carried
+        floor or a reference, or when it is in step."""
+        gap, floor = self._reference_gap, self.carried_floor
+        if self.reference is None or not self._breaches(gap, floor):
+            return []
+        tokens, ratio = int(self.reference.valid.sum()), gap / floor if floor > 0 else math.inf
+        return [Cause("probe-engine-drift", step,
+                      f"at the first generation after the resume the engine's and the trainer's log-probs of the "
+                      f"probe's {tokens} tokens differ by {gap:.3g} nats (mean per token), {ratio:.3g}x the two "
+                      f"stacks' floor {floor:.3g} measured before the resume: the engine does not hold the weights "
+                      f"the trainer resumed with",
+                      evidence={"step": int(step), "gap": gap, "floor": floor, "tokens": tokens, "resumed": True})]
+
+    def state_dict(self) -> dict:
+        """What a checkpoint carries: the floor (the reference's, or the one carried into this run before it)."""
+        floor = self.floor if math.isfinite(self.floor) else self.carried_floor
+        return {"floor": floor if math.isfinite(floor) else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run's carried floor, which judges its first reference (``judge_reference``)."""
+        floor = (state or {}).get("floor")
+        self.carried_floor = float(floor) if isinstance(floor, (int, float)) and not isinstance(floor, bool) \
+            and math.isfinite(floor) and floor >= 0 else math.nan
 
     def due(self) -> bool:
         """One more sync happened: True when it is to be probed (every ``every_n_syncs``-th; the same answer on every

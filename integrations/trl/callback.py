@@ -748,7 +748,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
     def state_payload(self) -> dict:
         return {"version": STATE_VERSION, "pipeline": self.pipeline.state_dict() if self.pipeline else None,
                 "grad_norm": self._grad_norm,
-                "length": None if math.isnan(self._length) else self._length, "generation_count": self.generation_count}
+                "length": None if math.isnan(self._length) else self._length, "generation_count": self.generation_count,
+                "probe": self.server_probe.probe.state_dict() if self.server_probe is not None else None}
 
     def _load(self, state) -> None:
         """On resume (global_step > 0), reload what the checkpoint's trainer_state.json holds for us."""
@@ -773,3 +774,5 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         self._grad_norm = payload.get("grad_norm")
         self._length = math.nan if payload.get("length") is None else float(payload["length"])
         self.generation_count = int(payload.get("generation_count") or 0)
+        if self.server_probe is not None and isinstance(payload.get("probe"), dict):
+            self.server_probe.probe.load_state_dict(payload["probe"])

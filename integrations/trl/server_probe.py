@@ -7,7 +7,8 @@ on both sides instead: a few rows of the run's first generation batch (prompt an
 the batch's prompts), taken once. The server scores them
 through TRL's own client, ``VLLMClient.get_sequence_logprobs`` (vLLM's prompt log-probs: temperature 1, no sampler
 processing), the trainer's model in one no-grad forward (``log_softmax`` of its logits, in float32). The reference is
-taken at that first generation, when both sides hold the weights that sampled it; after each probed sync
+taken at that first generation, when both sides hold the weights that sampled it (a resumed run's, against the floor
+its checkpoint carried: ``TIMCallback``'s state); after each probed sync
 (``VLLMGeneration.sync_weights`` wrapped on the trainer's instance, scored once it returns: the weights sent and the
 prefix cache reset) both score the batch again and ``Lag0Probe.judge`` names what it finds.
 
@@ -69,6 +70,8 @@ class ServerProbe:
                 failed = True
                 self.pipeline.count("lag0_probe_failed", detail="the reference scoring has no token both sides "
                                     "scored with a finite log-prob")
+            elif engine is not None:  # a resumed run: the reference against the floor its checkpoint carried
+                self.pipeline.probed(self.probe.judge_reference(self.trainer.state.global_step))
         except Exception as err:  # the probe costs its own result, never the step
             failed = True
             self.pipeline.count("lag0_probe_failed", detail=repr(err))

@@ -26,7 +26,9 @@ FINDING_FIXES = {
     "lm-head-precision-mismatch":
         "the actor has no fp32-head option (its lm_head runs in the model's dtype: FSDP mixed_precision.param_dtype, "
         "Megatron megatron.dtype, bf16 by default): keep vLLM's head in the model dtype (drop "
-        "hf_overrides.head_dtype, or ++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=model); "
+        "hf_overrides.head_dtype, or ++actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.head_dtype=model "
+        "where no FP8 rollout needs the hf_overrides verl builds itself, which any engine_kwargs.vllm.hf_overrides "
+        "replaces); "
         "for an fp32 head on both sides (FSDP only: Megatron has no float32), the whole model in fp32: "
         "actor_rollout_ref.rollout.dtype=float32 with "
         "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",

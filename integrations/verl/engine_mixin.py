@@ -19,11 +19,11 @@ the engine's own kept sets (``rollout.py``, ``extra_fields``), ``_tim_micro_batc
 laid out over the micro-batch (``MicroBatchKeptSets``), to replay in place of recomputing (both engines do).
 
 The mixin overrides ``forward_backward_batch`` (the merge after a forward-only measurement pass, the batch's response
-lengths), ``train_batch`` (one optimizer step; the global step's first feeds the LR decay) and ``lr_scheduler_step``
-(end of the actor update: the loss passes' split, the effective LR), which both backends inherit from ``BaseEngine``'s contract. Backend hooks it calls, with
-the FSDP engine's behaviour as the default where there is one: ``_tim_dp_group``, ``_tim_holds_outputs``,
-``_tim_check_config``, ``_tim_safe_vocab_feature``, ``_tim_features_off``, ``_tim_lr_attach`` / ``_tim_lr_detach`` /
-``_tim_lr_sync`` / ``_tim_lr_apply`` / ``_tim_lr_scale``.
+lengths), ``train_batch`` (one optimizer step; an actor update's first feeds the LR decay) and ``lr_scheduler_step``
+(end of the actor update: the loss passes' split, the effective LR), which both backends inherit from
+``BaseEngine``'s contract. Backend hooks it calls, with the FSDP engine's behaviour as the default where there is one:
+``_tim_dp_group``, ``_tim_holds_outputs``, ``_tim_check_config``, ``_tim_safe_vocab_feature``, ``_tim_features_off``,
+``_tim_lr_attach`` / ``_tim_lr_detach`` / ``_tim_lr_sync`` / ``_tim_lr_apply`` / ``_tim_lr_scale``.
 
 The weight-sync check (``sync_check.SyncWatch``, with the causes on and ``tim.sync_check.enable``) is the engine's
 too: ``get_per_tensor_param``, the stream verl's weight sync sends the rollout, passes through the watch, which samples
@@ -583,8 +583,9 @@ class TIMEngineMixin:
         """Feed the LR controller once per actor update (the optimizer steps between two of verl's scheduler steps: a
         global step of the sync trainer, each of separate_async's parameter_sync_step updates), before its first
         optimizer step (one rollout batch, one observation, as ``tim-plugins lr-replay`` reads verl's per-step log;
-        the mini-batches and PPO epochs after it run at the scale it decides): the DP-mean response length of the step's batch (padding samples left out)
-        from its old-log-prob pass, taken before verl's rollout correction masks rejected tokens (in bypass mode,
+        the mini-batches and PPO epochs after it run at the scale it decides): the DP-mean response length of the
+        step's batch (padding samples left out) from its old-log-prob pass, taken before verl's rollout correction
+        masks rejected tokens (in bypass mode,
         which has no such pass and masks nothing in the batch, this first mini-batch's), the step's k3 (the monitor's
         measurement of this step's batch, merged over the DP group; in bypass mode the batch is measured in the first
         mini-batch's forward, so this sees the previous step's) and the last optimizer step's grad norm."""

@@ -4,6 +4,8 @@ the run's framework, the by-lag table, and the mismatch-only case of a run witho
 
 from __future__ import annotations
 
+from html import escape as html_escape
+
 import pytest
 
 from tim_plugins.report.page import Page
@@ -120,7 +122,7 @@ def test_lag_only_runs_get_the_statistical_split():
     assert headline.startswith("Staleness dominates") and f"{floor / total:.2%}" in headline
     assert fix == part_fix("staleness_async", "trl")
     html = _render({"log_history": history, "framework": "verl"})
-    assert "statistical: by policy lag" in html and part_fix("staleness_async", "verl") in html
+    assert "statistical: by policy lag" in html and html_escape(part_fix("staleness_async", "verl")) in html
     assert "By turn" not in html  # one turn only: no turn table
     # mismatch dominates when the lags barely add to the floor
     flat = {"0": (50.0, 1e-3), "1": (50.0, 1.1e-3)}

@@ -107,6 +107,8 @@ def test_the_mismatch_floor_is_flat_at_lag_0_and_every_stale_lag_lies_above_it(r
 
 
 def test_the_report_answers_mismatch_or_staleness_by_lag_in_verls_terms(run):
+    from html import escape as html_escape
+
     from tim_plugins.fixes import part_fix
     from tim_plugins.report import build_report
 
@@ -114,7 +116,7 @@ def test_the_report_answers_mismatch_or_staleness_by_lag_in_verls_terms(run):
     html = build_report(dump, dump.parent / "async_report.html").read_text()
     assert "Mismatch or staleness?" in html and "statistical: by policy lag" in html
     assert "Staleness dominates" in html
-    assert part_fix("staleness_async", "verl") in html and "num_warmup_batches" in html
+    assert html_escape(part_fix("staleness_async", "verl")) in html and "num_warmup_batches" in html
 
 
 def test_every_weight_sync_is_checked_and_only_the_staleness_by_lag_is_named(run, toy_model_path):

@@ -140,7 +140,6 @@ class Lag0Probe:
         self.syncs = 0  # syncs seen (due)
         self.history: list[dict] = []  # the last HISTORY judged probes' figures (a cause carries its own)
         self.carried_floor = math.nan  # the floor a checkpoint carried (load_state_dict), before this reference
-        self._reference_gap = math.nan
 
     def set_reference(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> float:
         """The lag-0 scoring both sides hold the same weights for; returns its gap (NaN: no token scored)."""
@@ -148,7 +147,6 @@ class Lag0Probe:
         gap = _mean_abs(scores.engine - scores.trainer, scores.valid)
         if math.isfinite(gap):
             self.reference = self.previous = scores
-            self._reference_gap = gap
             self.floor = self.carried_floor if self._breaches(gap, self.carried_floor) else gap
         return gap
 
@@ -159,8 +157,11 @@ class Lag0Probe:
     def judge_reference(self, step: int) -> list[Cause]:
         """The reference scoring against the floor a checkpoint carried (the module docstring): [] without a carried
         floor or a reference, or when it is in step."""
-        gap, floor = self._reference_gap, self.carried_floor
-        if self.reference is None or not self._breaches(gap, floor):
+        if self.reference is None:
+            return []
+        ref, floor = self.reference, self.carried_floor
+        gap = _mean_abs(ref.engine - ref.trainer, ref.valid)
+        if not self._breaches(gap, floor):
             return []
         tokens, ratio = int(self.reference.valid.sum()), gap / floor if floor > 0 else math.inf
         return [Cause("probe-engine-drift", step,

@@ -279,8 +279,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
             raise ValueError(f"TIMConfig.rollout={config.rollout!r}: AsyncGRPOTrainer's rollouts come from its rollout "
                              "worker (the vLLM server's log-probs). Fix: rollout='auto'.")
         self.rollout_source = "vllm"
-        for name in features.ASYNC_UNSUPPORTED:
-            if getattr(config, name) not in (False, None):
+        for name, (off, _) in features.ASYNC_UNSUPPORTED.items():
+            if getattr(config, name) != off:
                 self._available(features.async_unsupported(name))
         if getattr(trainer.args, "gradient_accumulation_steps", None) == 1:
             logger.warning(ONE_MICRO_BATCH)

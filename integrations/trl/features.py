@@ -265,25 +265,22 @@ ASYNC_MONITOR = Feature(
                                                            "self._metrics[mode].clear()"))))
 
 # What the callback does not do on AsyncGRPOTrainer (its loss, sampler and vLLM server are not GRPOTrainer's): the
-# TIMConfig field, and why. Each one set is switched off with that reason (tim/diag/feature_off/<name>).
+# TIMConfig field, its off value, and why. Each one set is switched off with that reason (tim/diag/feature_off/<name>).
 ASYNC_UNSUPPORTED = {
-    "safe_vocab": "the safe vocabulary needs GRPOTrainer's log-prob call and sampler",
-    "is_correction": "the IS corrections reach the loss through GRPOTrainer's advantages",
-    "parity_audit": "the parity audit reads GRPOTrainer's vLLM engine or client",
-    "sync_check": "the weight-sync check and the server probe wrap GRPOTrainer's VLLMGeneration.sync_weights "
-                  "(AsyncGRPOTrainer syncs through its own weight transfer; the lag-0 stream rules still run)",
+    "safe_vocab": (False, "the safe vocabulary needs GRPOTrainer's log-prob call and sampler"),
+    "is_correction": (None, "the IS corrections reach the loss through GRPOTrainer's advantages"),
+    "parity_audit": (False, "the parity audit reads GRPOTrainer's vLLM engine or client"),
+    "sync_check": (False, "the weight-sync check and the server probe wrap GRPOTrainer's VLLMGeneration.sync_weights "
+                          "(AsyncGRPOTrainer syncs through its own weight transfer; the lag-0 stream rules still run)"),
 }
-
-
-# each one's off value
-ASYNC_OFF = {"safe_vocab": False, "is_correction": None, "parity_audit": False, "sync_check": False}
 
 
 def async_unsupported(name: str) -> Status:
     """The off status of TIMConfig field ``name`` on AsyncGRPOTrainer."""
+    off, why = ASYNC_UNSUPPORTED[name]
     feature = Feature(f"async_{name}", f"{name} (AsyncGRPOTrainer)", "trl", needs=("trl",), extra="trl",
-                      fix=f"TIMConfig({name}={ASYNC_OFF[name]!r}) with AsyncGRPOTrainer, or train with GRPOTrainer")
-    return Status(feature, False, ASYNC_UNSUPPORTED[name], feature.fix)
+                      fix=f"TIMConfig({name}={off!r}) with AsyncGRPOTrainer, or train with GRPOTrainer")
+    return Status(feature, False, why, feature.fix)
 
 
 # GRPOConfig(use_liger_kernel=True) on TRL 1.9 - 1.13: GRPOTrainer.compute_loss hands the batch to

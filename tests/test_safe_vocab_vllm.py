@@ -90,7 +90,11 @@ def test_pruning_with_raw_logprobs_is_refused(vllm_llm):
         make_vllm_sampling_params(trunc, logprobs_mode="raw_logits", max_tokens=4)
     with pytest.raises(ValueError, match="order='vllm'"):
         validate_vllm_pruning(Truncation(min_p=0.05, order="hf"), "processed_logprobs")
-    # no truncation: raw log-probs are fine (nothing to renormalise)
+    # no truncation at T = 1: raw log-probs are fine (nothing to renormalise)
     validate_vllm_pruning(Truncation(), "raw_logprobs")
+    # a temperature alone: raw log-probs are log_softmax(z), the sampled distribution log_softmax(z / T)
+    with pytest.raises(ValueError, match=r"temperature=0.7.*processed_logprobs"):
+        validate_vllm_pruning(Truncation(temperature=0.7), "raw_logprobs")
+    validate_vllm_pruning(Truncation(temperature=0.7), "processed_logprobs")
     sp = make_vllm_sampling_params(trunc, logprobs_mode="processed_logprobs", max_tokens=4)
     assert (sp.min_p, sp.top_p, sp.top_k, sp.temperature) == (0.05, 1.0, 0, 1.0)

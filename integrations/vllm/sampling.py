@@ -22,7 +22,8 @@ PRUNING_LOGPROBS_MODES = ("processed_logprobs",)
 
 
 def validate_vllm_pruning(trunc: Truncation, logprobs_mode: str) -> None:
-    """Refuse truncation with log-probs that were not renormalised over the kept set.
+    """Refuse truncation or a temperature with log-probs that were not taken after them (renormalised over the kept
+    set, at the temperature).
 
     Raises:
         ValueError: quoting the mode, the rule and the fix.
@@ -32,12 +33,16 @@ def validate_vllm_pruning(trunc: Truncation, logprobs_mode: str) -> None:
             f"order={trunc.order!r}: vLLM applies min_p, then top_k, then top_p; build the Truncation with "
             "order='vllm' so the trainer truncates in the same order"
         )
-    if trunc.active and logprobs_mode not in PRUNING_LOGPROBS_MODES:
+    # processed log-probs are taken after the temperature and the truncation, raw_* before both (VLLM_SOURCES
+    # vllm.v1.sample.sampler:Sampler.sample): T != 1 alone makes raw_* another distribution than the one sampled
+    # (the parity audit's logprobs-mode-not-processed)
+    if (trunc.active or trunc.temperature != 1.0) and logprobs_mode not in PRUNING_LOGPROBS_MODES:
         raise ValueError(
-            f"logprobs_mode={logprobs_mode!r} with min_p={trunc.min_p}, top_p={trunc.top_p}, top_k={trunc.top_k}: "
-            "vLLM reports raw_* log-probs before truncation, so they are not the distribution that was sampled "
-            "and cannot match the trainer's safe log-probs. Fix: start the engine with "
-            "LLM(..., logprobs_mode='processed_logprobs') (server: --logprobs-mode processed_logprobs)"
+            f"logprobs_mode={logprobs_mode!r} with temperature={trunc.temperature}, min_p={trunc.min_p}, "
+            f"top_p={trunc.top_p}, top_k={trunc.top_k}: vLLM reports raw_* log-probs before the temperature and the "
+            "truncation, so they are not the distribution that was sampled and cannot match the trainer's safe "
+            "log-probs. Fix: start the engine with LLM(..., logprobs_mode='processed_logprobs') (server: "
+            "--logprobs-mode processed_logprobs)"
         )
 
 

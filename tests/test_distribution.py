@@ -49,11 +49,12 @@ def _naive_position(lr: list[float], lt: list[float], tok: int, k: int, known: l
                 total += math.inf if b == 0 else a * (math.log(a) - math.log(b))
         return max(total, 0.0)  # a KL is >= 0; a partial row's mass over 1 can put the sum below it
 
-    top_r = sorted(range(V), key=lambda a: -lr[a])[:k]
-    top_t = sorted(range(V), key=lambda a: -lt[a])[:k]
+    # each side's k most likely tokens among those it gives mass to
+    top_r = sorted((a for a in range(V) if lr[a] > -math.inf), key=lambda a: -lr[a])[:k]
+    top_t = sorted((a for a in range(V) if lt[a] > -math.inf), key=lambda a: -lt[a])[:k]
     return {
         "kl_rt": kl(pr, pt), "kl_tr": kl(pt, pr), "tv": 0.5 * sum(abs(a - b) for a, b in zip(pr, pt)),
-        "overlap": len(set(top_r) & set(top_t)) / k, "top1": top_r[0] == top_t[0],
+        "overlap": len(set(top_r) & set(top_t)) / max(len(top_r), len(top_t)), "top1": top_r[0] == top_t[0],
         "rank_r": 1 + sum(x > lr[tok] for x in lr), "rank_t": 1 + sum(x > lt[tok] for x in lt),
         "support": any((a > 0) != (b > 0) for a, b in zip(pr, pt)),
     }
@@ -99,6 +100,31 @@ def test_matches_naive_reference_odd_vocab(V, truncate):
     comp = compare_distributions(lr, lt, tokens, mask, top_k=4)
     _check(comp, lr, lt, tokens, mask, 4)
     assert comp.exact and comp.top_k == 4
+
+
+def test_top_k_overlap_of_rows_that_keep_fewer_than_k_tokens():
+    """A truncated row (min-p / top-p) keeps fewer than k tokens: the overlap is over the kept ones only, so it
+    does not depend on which token ids the excluded entries have (torch.topk fills a short row with arbitrary
+    -inf ones), and two equal truncated rows overlap fully."""
+    V, k = 97, 10
+    vals = []
+    for seed in range(6):
+        ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:4]  # the same pair, relabelled
+        lr = torch.full((1, V), -math.inf, dtype=torch.float64)
+        lt = lr.clone()
+        lr[0, ids[:3]] = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64).log()
+        lt[0, ids] = torch.tensor([0.5, 0.3, 0.19, 0.01], dtype=torch.float64).log()
+        comp = compare_distributions(lr, lt, ids[:1], top_k=k)
+        ref = _naive_position(lr[0].tolist(), lt[0].tolist(), int(ids[0]), k)
+        vals.append(float(comp.topk_overlap[0]))
+        assert vals[-1] == ref["overlap"] == 3 / 4
+        assert float(compare_distributions(lr, lr.clone(), ids[:1], top_k=k).topk_overlap[0]) == 1.0
+    # a steep cut on random rows: most keep fewer than k tokens
+    lr, lt, _ = _rows(V=41, truncate=True, seed=3)
+    cut = [torch.where(x >= x.amax(-1, keepdim=True) - 1.0, x, -math.inf) for x in (lr, lt)]
+    top = cut[0].argmax(-1)
+    assert (torch.isfinite(cut[0]).sum(-1) < k).float().mean() > 0.5
+    _check(compare_distributions(*cut, top, top_k=k), *cut, top, None, k)
 
 
 def test_identical_distributions_are_zero_and_top_k_is_clamped():

@@ -8,7 +8,9 @@ and p_t the trainer's distribution over the vocabulary V (given as log-probs, ``
   ``KL(p_t ‖ p_r)``, exact, in float64; ``+inf`` when one side gives mass to a token the other excludes
   (counted as a *support mismatch*);
 * total variation ``TV = ½ Σ_a |p_r(a) − p_t(a)|``;
-* top-k overlap ``|top_k(p_r) ∩ top_k(p_t)| / k`` and whether the argmax agrees;
+* top-k overlap ``|top_k(p_r) ∩ top_k(p_t)| / max(|top_k(p_r)|, |top_k(p_t)|)``, ``top_k`` a side's k most likely
+  tokens among those it gives mass to (fewer than k where it truncates; the denominator is then below k, so two
+  equal truncated distributions overlap fully), and whether the argmax agrees;
 * the sampled token's rank in each (1 = most likely; ties do not push a token down).
 
 Rows are renormalised in float64 first (an fp32 log-softmax row sums to 1 only to ~1e-7).
@@ -212,8 +214,13 @@ def _compare_chunk(lr, lt, tok, known, k, rollout_dtype):
         tv = 0.5 * (cr - ct).abs().sum(-1)
     top_r = lr.topk(k, dim=-1).indices
     top_t = lt.topk(k, dim=-1).indices
-    in_r = torch.zeros_like(lr, dtype=torch.bool).scatter_(1, top_r, True)
-    overlap = in_r.gather(1, top_t).sum(-1).double() / k
+    # a truncated row has fewer than k tokens with mass: topk fills the rest with arbitrary excluded (-inf) ones,
+    # which must neither match nor count
+    kept_r = lr.gather(1, top_r) > -math.inf
+    kept_t = lt.gather(1, top_t) > -math.inf
+    in_r = torch.zeros_like(lr, dtype=torch.bool).scatter_(1, top_r, kept_r)
+    size = torch.maximum(kept_r.sum(-1), kept_t.sum(-1)).clamp_min(1)
+    overlap = (in_r.gather(1, top_t) & kept_t).sum(-1).double() / size
     top1 = top_r[:, 0] == top_t[:, 0]
     lr_tok = lr.gather(1, tok.unsqueeze(1))
     lt_tok = lt.gather(1, tok.unsqueeze(1))

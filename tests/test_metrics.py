@@ -199,6 +199,26 @@ def assert_prob_abs_diff_per_token(new_monitor, dtype=torch.float32, device="cpu
             assert got[key] == pytest.approx(want, rel=eps, abs=tiny), (key, rv, tv, got[key], want)
 
 
+def assert_ratio_extremes_of_tail_tokens(new_monitor, device="cpu"):
+    """One batch whose smallest d is far in the tail (ρ from 0.6 down to 1e-26) next to ordinary tokens: ratio_min
+    is exp(min d) and ratio_max exp(max d), each to float32 rounding of float64 (d exact: the difference of two
+    stored float32 values), not 1 − (1 − ρ), which cancels to 0 below ρ ≈ 6e-8."""
+    for d_min in (-0.5, -9.0, -17.0, -25.0, -60.0):
+        r = torch.tensor([[-0.25, -1.5, -3.0, -0.75]], device=device)
+        t = torch.tensor([[-0.25 + d_min, -1.25, -3.5, -0.5]], device=device)
+        got = new_monitor().update(r, t).compute()
+        d = (t.double() - r.double()).cpu()
+        assert got["tim/token/ratio_min"] == pytest.approx(math.exp(d.min()), rel=4 * EPS32), (d_min, got)
+        assert got["tim/token/ratio_max"] == pytest.approx(math.exp(d.max()), rel=4 * EPS32), (d_min, got)
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_ratio_extremes_of_tail_tokens(path):
+    if path == "compiled":
+        pytest.importorskip("torch._inductor")
+    assert_ratio_extremes_of_tail_tokens(lambda: MismatchMonitor(compile=path == "compiled"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17), (7, 129)])
 def test_matches_reference(dtype, shape):

@@ -22,6 +22,7 @@ from test_metrics import (
     assert_k3_and_chi2_per_token,
     assert_matches,
     assert_prob_abs_diff_per_token,
+    assert_ratio_extremes_of_tail_tokens,
     make_batch,
     reference,
     small_d_tokens,
@@ -162,6 +163,11 @@ def test_interpreted_kernel_extremes_equal_the_torch_pass():
 
 
 @interpreted
+def test_interpreted_kernel_ratio_extremes_of_tail_tokens():
+    assert_ratio_extremes_of_tail_tokens(_kernel_monitor)
+
+
+@interpreted
 def test_interpreted_kernel_prob_abs_diff_of_extreme_valid_tokens():
     """|p_train − p_rollout| where e^r underflows while ρ − 1 overflows: |e^t − e^r|, not 0 · inf."""
     assert_prob_abs_diff_per_token(_kernel_monitor)
@@ -250,7 +256,7 @@ def compile_for_hopper(kernel, args: tuple, constexprs: dict, num_warps: int):
 
 
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, len(_CASES) + 9)
+    run_interpreted(__file__, len(_CASES) + 10)
 
 
 def test_kernel_arguments_follow_the_layout():

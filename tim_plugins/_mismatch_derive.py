@@ -29,6 +29,14 @@ def _metric_keys(prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(keys), is_keys
 
 
+def _exp(x: float) -> float:
+    """e^x in float64, inf past its range (math.exp raises there)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def _derive(s: dict, prefix: str) -> dict[str, float]:
     """The metric dict of an (unpacked, host) state: every metric's formula, in one place."""
     nan, n = math.nan, s["tokens"]
@@ -40,7 +48,7 @@ def _derive(s: dict, prefix: str) -> dict[str, float]:
             s["abs_p"] * inv_n, s["abs_p_max"] if s["abs_p_max"] != -math.inf else nan,
             s["neg_d"] * inv_n, s["k3"] * inv_n,
             (2.0 * s["rho_m1"] + s["rho_m1_sq"]) * inv_n,  # chi2 = E[ρ²] − 1 = 2 E[ρ − 1] + E[(ρ − 1)²]
-            1.0 + s["rho_m1"] * inv_n, 1.0 - s["neg_rho_m1_min"],
+            1.0 + s["rho_m1"] * inv_n, _exp(-s["neg_d_min"]) if s["neg_d_min"] != -math.inf else nan,
             1.0 + s["rho_m1_max"] if s["rho_m1_max"] != -math.inf else nan,
             s["outside"] * inv_n,
             *_hist_quantiles(_fold_signed(s["hist"]), (0.99, 0.999), abs_d_max),

@@ -62,7 +62,7 @@ BUCKET_ABS = tl.constexpr(OFFSETS["bucket_abs"])
 ABS_D_MAX = tl.constexpr(OFFSETS["abs_d_max"])
 ABS_P_MAX = tl.constexpr(OFFSETS["abs_p_max"])
 RHO_M1_MAX = tl.constexpr(OFFSETS["rho_m1_max"])
-NEG_RHO_M1_MIN = tl.constexpr(OFFSETS["neg_rho_m1_min"])
+NEG_D_MIN = tl.constexpr(OFFSETS["neg_d_min"])
 SEQ_ABS_MAX = tl.constexpr(OFFSETS["seq_abs_max"])
 IS_W_MAX = tl.constexpr(OFFSETS["is_w_max"])
 NEG_IS_W_MIN = tl.constexpr(OFFSETS["neg_is_w_min"])
@@ -210,7 +210,7 @@ def _mismatch_kernel(rollout_ptr, train_ptr, mask_ptr, w_ptr, state_ptr, T, log_
     _max(state_ptr + ABS_D_MAX, tl.maximum(d_max, -d_min))
     _max(state_ptr + ABS_P_MAX, tl.max(m_p))
     _max(state_ptr + RHO_M1_MAX, _expm1(d_max))  # ρ is monotone in d
-    _max(state_ptr + NEG_RHO_M1_MIN, -_expm1(d_min))
+    _max(state_ptr + NEG_D_MIN, -d_min)
     if HAS_W:
         _add(state_ptr + IS_TOKENS, tl.sum(n_w))
         _add(state_ptr + IS_W, tl.sum(s_w))

@@ -96,7 +96,7 @@ def token_pass(
         "outside": ((d < log_lo) | (d > log_hi)).sum().to(dt),  # d = 0 off the valid tokens: inside the band
         "seqs": seq_valid.sum().to(dt), "seq_log_ratio": d_sum, "bucket_abs": bucket_abs,
         "abs_d_max": torch.maximum(d_max, -d_min), "abs_p_max": abs_p.amax() if abs_p.numel() else -inf,
-        "rho_m1_max": torch.expm1(d_max), "neg_rho_m1_min": -torch.expm1(d_min),  # ρ is monotone in d
+        "rho_m1_max": torch.expm1(d_max), "neg_d_min": -d_min,  # ρ is monotone in d
         "seq_abs_max": torch.where(seq_valid, seq_d.abs(), -inf).amax() if seq_d.numel() else -inf,
     }
     if is_weights is not None:

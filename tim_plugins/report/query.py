@@ -438,7 +438,7 @@ class Dump:
                     "is_w2": float(sums["is_w2"][i]), "is_masked": float(sums["is_masked"][i]),
                     "hist": hist.astype(np.float64), "bucket_count": bucket_count.astype(np.float64),
                     "bucket_abs": bucket_abs.astype(np.float64), "abs_d_max": max(hi, -lo),
-                    "abs_p_max": float(abs_p_max[i]), "rho_m1_max": _expm1(hi), "neg_rho_m1_min": -_expm1(lo),
+                    "abs_p_max": float(abs_p_max[i]), "rho_m1_max": _expm1(hi), "neg_d_min": -lo,
                     "seq_abs_max": float(seq_abs_max[i]), "is_w_max": float(w_max[i]),
                     "neg_is_w_min": -float(w_min[i])})
         self._cache["states"] = (steps.astype(np.int64), states)

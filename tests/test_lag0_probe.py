@@ -270,6 +270,45 @@ def test_a_resumed_reference_is_judged_against_the_floor_its_checkpoint_carried(
     assert probes[False].judge(4, e, t4, m) == []
 
 
+def test_a_faulty_resumed_reference_gives_way_to_the_first_sync_that_reaches_the_engine(pair):
+    """The resume's first sync never reached the engine (its reference is named drift), then the syncs reach it:
+    the drift is not measured against the faulty reference (that would name every healthy sync drift by the fault's
+    own gap), the first probe within the carried floor's bounds becomes the reference, and the later healthy syncs
+    name nothing. While the engine stays behind (a sync a step late), the probe whose gap breaches the carried floor
+    is named again."""
+    model0, _, seqs = pair
+    before, _, _ = _run(pair, 2)
+    trainer, opt, batch = _trained(model0, seqs, 3)
+    probe = Lag0Probe()
+    probe.load_state_dict(before.state_dict())
+    e, m = _score(copy.deepcopy(model0).to(torch.bfloat16), seqs)
+    t, _ = _score(trainer, seqs)
+    probe.set_reference(e, t, m)
+    assert [c.code for c in probe.judge_reference(3)] == ["probe-engine-drift"]
+    fault_gap = _naive_mean_abs(e, t, m)
+    named = {}
+    for step in range(4, 8):
+        behind = copy.deepcopy(trainer).to(torch.bfloat16)  # step 4's sync lands the weights before its update
+        loss = trainer(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        engine = behind if step == 4 else copy.deepcopy(trainer).to(torch.bfloat16)  # from step 5 the syncs land
+        e, m = _score(engine, seqs)
+        t, _ = _score(trainer, seqs)
+        causes = probe.judge(step, e, t, m)
+        named[step] = [c.code for c in causes]
+        gap = _naive_mean_abs(e, t, m)
+        if step == 4:  # the engine moved (not unchanged), still a step behind
+            assert gap > 4 * before.floor and gap > before.floor + 0.05
+            assert causes[0].evidence["gap"] == pytest.approx(gap, rel=1e-9) and "still differ" in causes[0].message
+        if step == 5:
+            assert gap < 4 * before.floor and probe.reference.engine.nan_to_num().equal(e.nan_to_num())  # re-anchored
+            assert probe.history[-1]["drift"] > 0.5 * fault_gap  # what the faulty reference would have named
+    assert named == {4: ["probe-engine-drift"], 5: [], 6: [], 7: []}, probe.history
+    assert probe.floor == before.floor and not probe.reference_faulty
+
+
 @pytest.mark.parametrize("state", [None, {}, {"floor": None}, {"floor": math.nan}, {"floor": -1.0},
                                    {"floor": True}, {"floor": "0.1"}])
 def test_a_checkpoint_without_a_usable_floor_leaves_the_reference_unjudged(state):

@@ -27,8 +27,11 @@ is scored again. The rule (``Lag0Probe.judge`` mirrors it; means over the tokens
 A resumed run takes a new batch and reference at its first generation, after the resume's first sync. The floor its
 checkpoint carries (``state_dict``) judges that reference: a gap above ``drift_factor x`` that floor and above it
 plus ``drift_min`` is **``probe-engine-drift``** at once (the engine does not hold the weights the trainer resumed
-with); the floor then stays the carried one, so that the rules above keep judging the later syncs against the two
-stacks' numerics, not against the fault. Otherwise the new reference's gap is the floor.
+with); the floor then stays the carried one, so that the rules judge the later syncs against the two stacks'
+numerics, not against the fault. Such a reference is no lag-0 scoring, so the drift rule does not measure against it:
+until a probe's own gap ``mean |e - t|`` is within those bounds of the carried floor, each probe that breaches them
+is ``probe-engine-drift`` again (``probe-engine-unchanged`` first, as above), and the first probe within them becomes
+the reference (a later sync reached the engine). Otherwise the new reference's gap is the floor.
 
 A healthy sync moves both sides alike (``moved_engine ≈ moved_trainer``, ``drift`` at the numerics' scale, about
 the floor); a sync that does not reach the engine leaves ``moved_engine`` at 0 (the same request, the same numbers).
@@ -140,6 +143,7 @@ class Lag0Probe:
         self.syncs = 0  # syncs seen (due)
         self.history: list[dict] = []  # the last HISTORY judged probes' figures (a cause carries its own)
         self.carried_floor = math.nan  # the floor a checkpoint carried (load_state_dict), before this reference
+        self.reference_faulty = False  # the reference breached the carried floor: the engine was not at lag 0
 
     def set_reference(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> float:
         """The lag-0 scoring both sides hold the same weights for; returns its gap (NaN: no token scored)."""
@@ -147,7 +151,8 @@ class Lag0Probe:
         gap = _mean_abs(scores.engine - scores.trainer, scores.valid)
         if math.isfinite(gap):
             self.reference = self.previous = scores
-            self.floor = self.carried_floor if self._breaches(gap, self.carried_floor) else gap
+            self.reference_faulty = self._breaches(gap, self.carried_floor)
+            self.floor = self.carried_floor if self.reference_faulty else gap
         return gap
 
     def _breaches(self, gap: float, floor: float) -> bool:
@@ -221,6 +226,16 @@ class Lag0Probe:
                 f"after the weight sync the engine's log-probs of the probe's {figures['tokens']} tokens moved "
                 f"{moved_engine:.3g} nats (mean per token) while the trainer's moved {moved_trainer:.3g} since the "
                 f"previous probe (the two stacks' floor: {floor:.3g})", evidence=figures))
+        elif self.reference_faulty:
+            if self._breaches(gap, floor):
+                causes.append(Cause(
+                    "probe-engine-drift", step,
+                    f"after the weight sync the engine's and the trainer's log-probs of the probe's "
+                    f"{figures['tokens']} tokens still differ by {gap:.3g} nats (mean per token), "
+                    f"{gap / floor if floor > 0 else math.inf:.3g}x the two stacks' floor {floor:.3g} measured "
+                    f"before the resume: the engine does not hold the trainer's weights", evidence=figures))
+            else:  # a sync reached the engine: this scoring is the lag-0 reference the resume's first one was not
+                self.reference, self.reference_faulty = now, False
         elif (drift > c.drift_factor * floor and drift > floor + c.drift_min
               and drift > c.drift_share * moved_since_reference):
             causes.append(Cause(

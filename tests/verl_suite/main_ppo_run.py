@@ -134,8 +134,10 @@ def prepare(workdir: Path, model_src: Path, n_prompts: int = 24, prompts: list[s
 
 
 def base_overrides(files: dict[str, Path], out: Path, *, steps: int, batch: int = 4, n: int = 2,
-                   response_length: int = 16, prompt_length: int = 32, lr: float = 1e-3) -> list[str]:
-    """A small GRPO run: ``batch`` prompts × ``n`` samples per step, one PPO mini-batch per step."""
+                   response_length: int = 16, prompt_length: int = 32, lr: float = 1e-3,
+                   mini_batch: int | None = None) -> list[str]:
+    """A small GRPO run: ``batch`` prompts × ``n`` samples per step, in PPO mini-batches of ``mini_batch`` prompts
+    (default ``batch``: one optimizer step per step)."""
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={files['train']}",
@@ -149,7 +151,7 @@ def base_overrides(files: dict[str, Path], out: Path, *, steps: int, batch: int 
         f"actor_rollout_ref.model.path={files['model']}",
         "actor_rollout_ref.actor.strategy=fsdp2",
         f"actor_rollout_ref.actor.optim.lr={lr}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch or batch}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.entropy_coeff=0",

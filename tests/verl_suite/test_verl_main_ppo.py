@@ -108,10 +108,16 @@ USER_SETTINGS = ["actor_rollout_ref.rollout.top_p=0.8", "actor_rollout_ref.rollo
                  "actor_rollout_ref.model.use_fused_kernels=true"]  # verl's torch backend by default
 
 
+# Two PPO mini-batches a step, as production runs have (ppo_mini_batch_size < train_batch_size): two optimizer
+# steps and two LR scheduler steps per global step, against which the LR controller observes once per step.
+RECIPE_MINI_BATCH = 2
+
+
 def _recipe(work, steps: int, min_p: str = MIN_P) -> list[str]:
     wd, files = work
-    return M.base_overrides(files, wd, steps=steps) + M.CPU_OVERRIDES + M.recipe_tim_overrides(min_p) \
-        + USER_SETTINGS + _lr_overrides() + ["trainer.save_freq=4", f"trainer.default_local_dir={wd / 'ckpt'}"]
+    return M.base_overrides(files, wd, steps=steps, mini_batch=RECIPE_MINI_BATCH) + M.CPU_OVERRIDES \
+        + M.recipe_tim_overrides(min_p) + USER_SETTINGS + _lr_overrides() \
+        + ["trainer.save_freq=4", f"trainer.default_local_dir={wd / 'ckpt'}"]
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +184,19 @@ def test_recipe_run_logs_every_tim_metric_at_every_step(recipe_run):
         logged = {k for k in metrics if k.startswith("tim/")}
         keyed = {k for k in logged if k.startswith(("tim/by_position/", "tim/by_lag/"))}
         assert logged - keyed == expected, (step, sorted((logged - keyed) ^ expected))
-        # one optimizer step per global step: every training pass at lag 0; positions in the non-empty buckets
-        assert {k for k in keyed if k.startswith("tim/by_lag/")} == {f"tim/by_lag/0/{k}" for k in stats}, step
-        assert {f"tim/by_position/0/{k}" for k in stats} <= keyed - {f"tim/by_lag/0/{k}" for k in stats} <= positions
-        assert metrics["tim/staleness/token/kl_k3"] == 0.0 and metrics["tim/split/staleness_mean"] == 0.0
-        assert metrics["tim/split/reused_tokens"] == 0.0  # nothing trained after an update since its rollout
+        # two mini-batches a step: the first trains at lag 0, the second after one optimizer step (lag 1);
+        # positions in the non-empty buckets
+        lags = {f"tim/by_lag/{lag}/{k}" for lag in (0, 1) for k in stats}
+        assert {k for k in keyed if k.startswith("tim/by_lag/")} == lags, step
+        assert {f"tim/by_position/0/{k}" for k in stats} <= keyed - lags <= positions
+        seen = {k: metrics[k] for k in ("tim/by_lag/0/count", "tim/by_lag/1/count", "tim/split/tokens",
+                                        "tim/split/reused_tokens", "tim/staleness/tokens", "tim/tokens",
+                                        "tim/staleness/token/kl_k3")}
+        # the reused tokens are the second mini-batch's, trained after the first one's optimizer step
+        assert metrics["tim/split/reused_tokens"] == metrics["tim/by_lag/1/count"] > 0, (step, seen)
+        assert metrics["tim/by_lag/0/count"] + metrics["tim/by_lag/1/count"] == metrics["tim/split/tokens"], \
+            (step, seen)
+        assert metrics["tim/staleness/token/kl_k3"] > 0.0, (step, seen)
         assert not any(k.startswith("actor/tim/") for k in metrics)  # exact keys, not verl's actor/ prefix
         assert metrics["tim/tokens"] == metrics["tim/safe_vocab/tokens"] > 0
         assert metrics["tim/safe_vocab/invalid_tokens"] == 0  # every row a distribution: finite logits
@@ -307,9 +321,10 @@ def test_safe_vocabulary_on_both_sides_leaves_fp32_noise(recipe_run):
 
 
 def test_lr_decay_fires_at_the_replayed_step(recipe_run):
-    """The controller sees each step's mean response length (verl's ``response_length/mean``) before the
-    optimizer step: replaying those lengths through the core controller gives the scale logged as
-    ``tim/lr/scale`` at every step, and verl's ``actor/lr`` is the base LR times it."""
+    """The controller sees each step's mean response length (verl's ``response_length/mean``, the whole batch) once,
+    before the step's first optimizer step, though the step takes two (two mini-batches): replaying those lengths
+    through the core controller gives the scale logged as ``tim/lr/scale`` at every step, and verl's ``actor/lr``
+    is the base LR times it."""
     steps = sorted(recipe_run.steps)
     lengths = [recipe_run.steps[s]["response_length/mean"] for s in steps]
     want = _replayed_scales(lengths)

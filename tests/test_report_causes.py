@@ -97,7 +97,63 @@ def test_none_named_under_sampler_processing_the_trainer_does_not_recompute_says
                   findings=[{"code": code, "severity": "error"}, {"code": "dtype-mismatch", "severity": "error"}])
     v = name_causes(_ok_verdict(), read_summary(tmp_path), "trl")
     (line,) = v["extra"]
-    assert "the lag-0 floor at most 3.4x its trailing median, not judged: it is the bias of the sampler " in line
+    # the inf is said as what it is; the rule's margin is not claimed for it: the floor was not judged here
+    assert ("the lag-0 floor at most 3.4x its trailing median where that median was above 0, and above a trailing "
+            "median of 0 in 1 window, not judged: it is the bias of the sampler ") in line
+    assert "floor_jump_min" not in line
     assert line.endswith("the mismatch measured is the two stacks' numerics plus the bias of sampler processing the "
                          f"trainer does not recompute (the audit's {code}: its fix column).")
     assert "infx" not in line
+
+
+def _floor_ratios(floors, factor, min_gap, window):
+    """FloorHistory's rule written out: each value against the median of the trailing kept values (NaN before any;
+    inf over a median of 0); a jumped value is not kept."""
+    import statistics
+
+    kept, ratios = [], []
+    for f in floors:
+        if not kept:
+            ratios.append(float("nan"))
+            kept.append(f)
+            continue
+        median = statistics.median(kept[-window:])
+        ratio = f / median if median > 0 else (float("inf") if f > 0 else 1.0)
+        ratios.append(ratio)
+        if not (ratio > factor and f - median > min_gap):
+            kept.append(f)
+    return ratios
+
+
+@pytest.mark.parametrize("floors", [[0.0, 0.0, 0.02, 0.011, 0.012], [0.0, 0.03]])
+def test_a_floor_over_a_trailing_median_of_0_is_said_so_not_hidden(tmp_path, floors):
+    """A fault-free run whose lag-0 floor reads exactly 0 at first (docs/causes.md: TRL with bf16=True) and then a few
+    hundredths of a nat: the logged ratio is inf, not named (under the rule's floor_jump_min margin above 0). The
+    line says the floor rose above a trailing median of 0 within that margin, and quotes the largest finite ratio
+    only for the windows whose median was above 0, never as the run's largest."""
+    import math
+
+    from tim_plugins.causes import CauseConfig, CauseTracker
+
+    config = CauseConfig()
+    tracker = CauseTracker(framework="trl")
+    logged = []
+    for step, floor in enumerate(floors, 1):
+        values, found = tracker.evaluate(step, {"tim/token/abs_diff_mean": floor, "tim/tokens": 1000.0}, sync=False)
+        assert not found
+        logged.append(values["tim/cause/floor_jump"])
+        append_log_history(tmp_path, step, values)
+    want = _floor_ratios(floors, config.floor_jump_factor, config.floor_jump_min, config.floor_window)
+    assert [r if not math.isnan(r) else None for r in logged] == [r if not math.isnan(r) else None for r in want]
+    write_summary(tmp_path, framework="trl", title="t", settings={}, findings=[])
+    (line,) = name_causes(_ok_verdict(), read_summary(tmp_path), "trl")["extra"]
+    zero = sum(1 for r in want if r == math.inf)
+    finite = [r for r in want if math.isfinite(r) and not math.isnan(r)]
+    above = (f"above a trailing median of 0 in {zero} window{'' if zero == 1 else 's'}, by no more than the rule's "
+             f"floor_jump_min margin ({config.floor_jump_min:g} nats by default)")
+    if finite:
+        assert (f"the lag-0 floor at most {max(finite):.2g}x its trailing median where that median was above 0, "
+                f"and {above})") in line
+    else:
+        assert f"(no confident lag-0 disagreement; the lag-0 floor {above}):" in line
+    assert line.endswith("the mismatch measured is the two stacks' numerics.")

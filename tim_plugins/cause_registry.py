@@ -14,10 +14,12 @@ from typing import Any, Iterable, Optional
 
 from tim_plugins.fixes import framework_fixes
 
-__all__ = ["CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseInfo", "UNMATCHED_PROCESSING", "cause_fix",
-           "causes_markdown", "run_summary_lines", "summarize_names", "tally_cause", "tally_window"]
+__all__ = ["CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseInfo", "FLOOR_JUMP_MIN", "UNMATCHED_PROCESSING",
+           "cause_fix", "causes_markdown", "run_summary_lines", "summarize_names", "tally_cause", "tally_window"]
 
 CAUSE_PREFIX = "tim/cause"
+# CauseConfig.floor_jump_min's default, here (torch-free) for the report, which quotes it
+FLOOR_JUMP_MIN = 0.05
 # The tim/cause/* keys every window computes (the compact log carries only the first: tim_plugins.log_keys).
 CAUSE_KEYS = (
     f"{CAUSE_PREFIX}/named",  # distinct causes named in the window (0 on a healthy run)

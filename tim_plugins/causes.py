@@ -63,9 +63,9 @@ import torch
 
 from tim_plugins._mismatch_layout import valid_logprob_pair
 from tim_plugins.accumulate import all_reduce_sum_max, collective_device, is_distributed
-from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, UNMATCHED_PROCESSING, Cause, CauseInfo,
-                                        cause_fix, causes_markdown, run_summary_lines, summarize_names, tally_cause,
-                                        tally_window)
+from tim_plugins.cause_registry import (CAUSE_KEYS, CAUSE_PREFIX, CAUSES, FLOOR_JUMP_MIN, UNMATCHED_PROCESSING, Cause,
+                                        CauseInfo, cause_fix, causes_markdown, run_summary_lines, summarize_names,
+                                        tally_cause, tally_window)
 
 __all__ = [
     "CAUSES", "CAUSE_KEYS", "CAUSE_PREFIX", "Cause", "CauseConfig", "CauseInfo", "CauseTracker", "FloorHistory",
@@ -88,7 +88,7 @@ class CauseConfig:
         "engine-stale is named when a window holds at least this many confident disagreements")})
     floor_jump_factor: float = field(default=4.0, metadata={"help": (
         "floor-jump: the window's lag-0 mean |Δ log p| above this times the trailing median ...")})
-    floor_jump_min: float = field(default=0.05, metadata={"help": (
+    floor_jump_min: float = field(default=FLOOR_JUMP_MIN, metadata={"help": (
         "... and more than this many nats above it")})
     floor_window: int = field(default=8, metadata={"help": "windows in the trailing median of the lag-0 floor"})
     floor_min_tokens: int = field(default=16, metadata={"help": (

@@ -139,7 +139,8 @@ def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:
     syncs = [h["tim/cause/sync_checked_tensors"] for h in rows if _num(h.get("tim/cause/sync_checked_tensors"))]
     counts = [h["tim/cause/confident_disagreements"] for h in rows if _num(h.get("tim/cause/confident_disagreements"))]
     confident = int(sum(counts))
-    floor = [h["tim/cause/floor_jump"] for h in rows if _num(h.get("tim/cause/floor_jump"))]
+    # inf is a measurement (FloorHistory.judge: a floor above a trailing median of 0), NaN none (no history yet)
+    floor = [float(h["tim/cause/floor_jump"]) for h in rows if _ratio(h.get("tim/cause/floor_jump"))]
     said = ("no confident lag-0 disagreement" if not confident else
             f"{confident} confident lag-0 disagreement{'' if confident == 1 else 's'}")
     if "sampler-truncation-unmatched" in processing:
@@ -154,7 +155,7 @@ def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:
     else:
         parts = [said]
     if floor:
-        parts.append(f"the lag-0 floor at most {max(floor):.2g}x its trailing median" + (
+        parts.append(_floor_said(floor, bool(processing)) + (
             ", not judged: it is the bias of the sampler processing the audit found" if processing else ""))
     if syncs:
         parts.append(f"the weight-sync check found the engine holding the trainer's weights at every checked sync "
@@ -168,6 +169,32 @@ def _none_named(log_history: list[dict], findings: list[dict]) -> str | None:
 def _num(x) -> bool:
     """A finite number (NaN: not measured; inf: a floor over a trailing median of 0)."""
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _ratio(x) -> bool:
+    """A floor ratio that was measured: a number, +inf included (a floor over a trailing median of 0), NaN not."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (math.isfinite(x) or x == math.inf)
+
+
+
+
+def _floor_said(ratios: list[float], processing: bool) -> str:
+    """What the floor's logged ratios say. An inf is no ratio to quote as "at most Nx": the floor rose above a
+    trailing median of 0 there, and (the rule judged it: ``processing`` False) was not named, so it stayed within
+    the rule's floor_jump_min margin above that 0 (``FloorHistory.judge``: a jump needs both the factor and the
+    margin, and any rise over 0 passes the factor)."""
+    from tim_plugins.cause_registry import FLOOR_JUMP_MIN
+
+    finite = [r for r in ratios if math.isfinite(r)]
+    zero = len(ratios) - len(finite)
+    if not zero:
+        return f"the lag-0 floor at most {max(finite):.2g}x its trailing median"
+    above = f"above a trailing median of 0 in {zero} window{'' if zero == 1 else 's'}" + (
+        "" if processing else
+        f", by no more than the rule's floor_jump_min margin ({FLOOR_JUMP_MIN:g} nats by default)")
+    if not finite:
+        return f"the lag-0 floor {above}"
+    return f"the lag-0 floor at most {max(finite):.2g}x its trailing median where that median was above 0, and {above}"
 
 
 def causes_section(page, summary: dict | None, framework: str | None = None) -> None:

@@ -93,7 +93,7 @@ def measure_verdict(summary: dict) -> dict:
 
         # What the audit finds in a measured setting is that setting itself (hf-bf16 is a bf16 rollout).
         why = f"{primary} is the setting this run measures"
-        reconcile(v, audit, summary.get("framework"), {f["code"]: why for f in audit})
+        reconcile(v, audit, summary.get("framework"), {str(f.get("code")): why for f in audit})
     return v
 
 
@@ -114,9 +114,10 @@ def measure_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     setups = summary.get("setups", {})
     v = summary.get("verdict") or measure_verdict(summary)
     many = len(names) > 1
-    page.raw(f"<p>Verdict for <b>{v.get('setting', names[-1])}</b>"
-             + (f" (the baseline of the comparison is <b>{summary.get('baseline', names[0])}</b>)" if many else "")
-             + ":</p>")
+    # the setting and baseline are summary.json text (a setting's name is the user's): escaped like every label
+    page.raw(f"<p>Verdict for <b>{html.escape(str(v.get('setting', names[-1])))}</b>"
+             + (f" (the baseline of the comparison is <b>{html.escape(str(summary.get('baseline', names[0])))}</b>)"
+                if many else "") + ":</p>")
     page.verdict(v, v.get("extra", []))
 
     tokens = {name: t for name in names if (t := run_tokens(summary, run_dir, name)) is not None}
@@ -280,7 +281,7 @@ def _audit_section(summary: dict, page, names: list[str]) -> None:
              "itself (hf-bf16 is a bf16 rollout); the fix column is the rollout engine's argument that removes "
              "it (the TRL and verl spelling of each setting is in the table above).</p>")
     # A finding every setting has (e.g. batch-invariance-off) is listed once.
-    key = lambda f: (f["code"], f["severity"], str(f.get("rollout")), str(f.get("trainer")))  # noqa: E731
+    key = lambda f: tuple(str(f.get(k)) for k in ("code", "severity", "rollout", "trainer"))  # noqa: E731
     common = set.intersection(*(set(map(key, audits.get(n, []))) for n in names)) if len(names) > 1 else set()
     rows = []
     for n in names:

@@ -9,6 +9,8 @@ import math
 
 __all__ = ["Page", "fmt"]
 
+_STATUSES = ("ok", "watch", "act")  # the verdict statuses with a colour (health.STATUSES); anything else is "na"
+
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1180px;margin:1.5em auto;padding:0 1em;
 color:#1d2329;line-height:1.4}
@@ -20,7 +22,7 @@ padding-bottom:.2em}
 .verdict .headline{font-weight:600;font-size:1.05em;margin-bottom:.4em}.verdict ul{margin:.3em 0 .2em 1.2em;padding:0}
 .verdict li{margin:.15em 0}.tag{display:inline-block;min-width:3.6em;text-align:center;font-size:.78em;font-weight:600;
 border-radius:3px;padding:0 .3em;margin-right:.4em;color:#fff}.tag.ok{background:#3c9a3c}.tag.watch{background:#c98d00}
-.tag.act{background:#d03030}
+.tag.act{background:#d03030}.tag.na{background:#889}
 figure{margin:1em 0 1.6em}figure img{max-width:100%;height:auto;display:block;border:1px solid #eee}
 figcaption{font-size:.88em;color:#333;max-width:980px;margin-top:.35em}figcaption b{color:#1d2329}
 figcaption .healthy{display:block;color:#2f6b2f;margin-top:.15em}
@@ -78,14 +80,26 @@ class Page:
         self.parts.append(markup)
 
     def verdict(self, v: dict, extra: list[str] = ()) -> None:
-        """The block at the top: headline, one line per checked metric, then ``extra`` lines (plain text)."""
-        cls = v["status"] if v["status"] in ("ok", "watch", "act") else "na"
-        items = "".join(
-            f"<li><span class='tag {st}'>{st.upper()}</span>{html.escape(text)} {self.cite(src)}</li>"
-            for st, text, src in v["lines"])
-        items += "".join(f"<li>{html.escape(line)}</li>" for line in extra)
-        self.parts.append(f"<div class='verdict {cls}'><div class='headline'>{html.escape(v['headline'])}</div>"
-                          f"<ul>{items}</ul></div>")
+        """The block at the top: headline, one line per checked metric, then ``extra`` lines (plain text).
+
+        ``v`` may be a verdict stored in ``summary.json`` (another version's, or edited): nothing of it reaches the
+        markup unescaped, and a status or line this version does not know is shown neutrally, never raised on."""
+        cls = v.get("status") if v.get("status") in _STATUSES else "na"
+        items = "".join(self._verdict_line(line) for line in (v.get("lines") or []))
+        items += "".join(f"<li>{html.escape(str(line))}</li>" for line in (extra or []))
+        self.parts.append(f"<div class='verdict {cls}'><div class='headline'>"
+                          f"{html.escape(str(v.get('headline', '')))}</div><ul>{items}</ul></div>")
+
+    def _verdict_line(self, line) -> str:
+        """One (status, text, source) line: the tag's class and label come from the fixed statuses only (the stored
+        status is data, not markup); an unknown status gets the neutral tag "?", an unknown source its key as text."""
+        if not isinstance(line, (list, tuple)) or len(line) != 3:
+            return f"<li><span class='tag na'>?</span>{html.escape(str(line))}</li>"
+        st, text, src = line
+        known = st if isinstance(st, str) and st in _STATUSES + ("n/a",) else None
+        tag = (f"<span class='tag {'na' if known in (None, 'n/a') else known}'>"
+               f"{'?' if known is None else known.upper()}</span>")
+        return f"<li>{tag}{html.escape(str(text))}{' ' + self.cite(str(src)) if src else ''}</li>"
 
     def figure(self, png: bytes, title: str, how: str, healthy: str | None = None, source: str | None = None,
                alt: str | None = None) -> None:
@@ -114,8 +128,9 @@ class Page:
         self.parts.append(f"<table><tr>{head}</tr>{''.join(body)}</table>")
 
     def html(self) -> str:
-        sources = "".join(f"<li id='src{i + 1}'>{html.escape(self._sources[k])}</li>"
-                          for i, k in enumerate(self._cited))
+        # a source key this version has no text for (a stored verdict's line) is listed as its key, not raised on
+        sources = "".join(f"<li id='src{i + 1}'>{html.escape(self._sources.get(k, f'{k} (no text for this source)'))}"
+                          "</li>" for i, k in enumerate(self._cited))
         tail = f"<h2>Sources of the healthy ranges</h2><ol class='sources'>{sources}</ol>" if sources else ""
         return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(self.title)}</title>"
                 f"<style>{_CSS}</style></head><body><h1>{html.escape(self.title)}</h1>{''.join(self.parts)}"

@@ -19,11 +19,33 @@ from __future__ import annotations
 __all__ = ["finding_fix", "findings_rows", "reconcile", "fix_header"]
 
 
+_SHOWN = ("code", "severity", "message", "rollout", "trainer", "fix")  # a finding's fields with a column of their own
+
+
 def finding_fix(finding: dict, framework: str | None) -> str:
-    """The knob that fixes ``finding`` (a ``Finding.to_dict``) in ``framework``."""
+    """The knob that fixes ``finding`` (a ``Finding.to_dict``) in ``framework``.
+
+    A finding from ``summary.json`` may come from another version of tim-plugins: its stored ``fix`` is used as
+    written; a code this version's registry does not know, stored without a fix, is described generically (its
+    code and its other stored fields) instead of raised on, so the rest of the report still renders."""
     from tim_plugins.parity.findings import CODES, fix_for
 
-    return fix_for(finding.get("fix") or CODES[finding["code"]].fix, framework)
+    fix = finding.get("fix")
+    if isinstance(fix, str) and fix:
+        return fix
+    if not (isinstance(fix, dict) and fix):
+        info = CODES.get(finding.get("code")) if isinstance(finding.get("code"), str) else None
+        if info is None:
+            return _unknown_fix(finding)
+        fix = info.fix
+    return fix_for({str(k): str(knob) for k, knob in fix.items()}, framework)
+
+
+def _unknown_fix(finding: dict) -> str:
+    """The fix column of a finding whose code this version does not know (plain text; the page escapes it)."""
+    other = "; ".join(f"{k}: {v}" for k, v in finding.items() if k not in _SHOWN)
+    return (f"no fix known for code {finding.get('code')!s} in this version of tim-plugins (a summary written by "
+            f"another version?)" + (f"; its other stored fields: {other}" if other else ""))
 
 
 def fix_header(framework: str | None) -> str:
@@ -35,8 +57,8 @@ def fix_header(framework: str | None) -> str:
 def findings_rows(findings: list[dict], framework: str | None, deliberate: dict | None = None) -> list[list]:
     """Table rows: severity (marked when deliberate), code, rollout, trainer, message, fix."""
     deliberate = deliberate or {}
-    return [[f["severity"] + (" (deliberate here)" if f["code"] in deliberate else ""),
-             f["code"], f.get("rollout"), f.get("trainer"), f["message"], finding_fix(f, framework)]
+    return [[str(f.get("severity")) + (" (deliberate here)" if str(f.get("code")) in deliberate else ""),
+             str(f.get("code")), f.get("rollout"), f.get("trainer"), f.get("message"), finding_fix(f, framework)]
             for f in findings]
 
 
@@ -51,9 +73,10 @@ def reconcile(v: dict, findings: list[dict], framework: str | None, deliberate: 
     deliberate = deliberate or {}
     errors, seen = [], set()
     for f in findings:
-        if f["severity"] == "error" and f["code"] not in seen:
-            seen.add(f["code"])
-            errors.append({"code": f["code"], "message": f["message"], "deliberate": deliberate.get(f["code"]),
+        code = str(f.get("code"))  # a stored finding is data: a missing field is shown, not raised on
+        if f.get("severity") == "error" and code not in seen:
+            seen.add(code)
+            errors.append({"code": code, "message": f.get("message"), "deliberate": deliberate.get(code),
                            "fix": finding_fix(f, framework)})
     v["audit"] = errors
     if not errors:

@@ -9,7 +9,7 @@ import re
 
 from tim_plugins.fixes import part_fix
 
-__all__ = ["by_turn", "headline", "lag_verdict", "pooled_by", "split_rows", "staleness_section",
+__all__ = ["by_turn", "headline", "lag_verdict", "left_out_by", "pooled_by", "split_rows", "staleness_section",
            "staleness_verdict"]
 
 
@@ -56,12 +56,17 @@ def lag_verdict(lags: dict[str, tuple[float, float]], framework: str | None) -> 
     """(headline, fix) where π_old is not computed (asynchronous trainers): the split by policy lag. For small
     log-ratios k3 ≈ E[d²]/2 and d = s + m with s = 0 at lag 0, so the lag-0 k3 estimates the mismatch's share of the
     whole run's k3 (the floor), and the rest is staleness."""
+    unmeasured = "0" in lags and not (lags["0"][0] > 0 and math.isfinite(lags["0"][1]))
+    # a lag without a finite k3 in any window (pooled_by's (0, NaN)) has no k3 to weigh
+    lags = {lag: (n, k) for lag, (n, k) in lags.items() if n > 0 and math.isfinite(k)}
     count = sum(n for n, _ in lags.values())
     total = sum(n * k for n, k in lags.values()) / count if count else math.nan
     if "0" not in lags or not math.isfinite(total) or total <= 0:
-        lowest = min(lags, key=lambda x: int(x.rstrip("+")), default=None)
-        return (f"No token trained at lag 0, so the mismatch floor is not observed; the lowest lag ({lowest}) bounds "
-                f"it from above.", part_fix("staleness_async", framework))
+        lowest = min(lags, key=_order, default=None)
+        said = ("No lag-0 window has a finite k3 (see the windows left out below)" if unmeasured else
+                "No token trained at lag 0")
+        return (f"{said}, so the mismatch floor is not observed; the lowest lag ({lowest}) bounds it from above.",
+                part_fix("staleness_async", framework))
     floor = lags["0"][1]
     share = min(max(floor / total, 0.0), 1.0)
     part = "staleness" if share < 0.5 else "mismatch"
@@ -124,30 +129,91 @@ def staleness_section(page, summary: dict) -> None:
         page.raw("<p>By policy lag (optimizer steps between the weights that sampled a token and the loss pass "
                  "that trains it): k3 of the whole log-ratio. Lag 0 is the mismatch floor; its growth with the lag "
                  "is staleness.</p>")
-        page.table(["lag", "tokens", "k3 of d (nats)"], [[lag, int(n), _g(k3)] for lag, (n, k3) in lags.items()])
+        _pooled_table(page, "lag", "k3 of d (nats)", lags, left_out_by(summary.get("log_history") or [], "lag"))
     turns = by_turn(summary.get("log_history") or [])
     if len(turns) > 1:
         page.raw("<p>By turn (multi-turn rollouts; turn k is the model's answer after k environment or tool "
                  "messages): the mismatch at the measurement point. A k3 that grows with the turn points at "
                  "numerics that drift with the context (KV cache, attention kernels over long prompts).</p>")
-        page.table(["turn", "tokens", "mismatch k3 (nats)"], [[t, int(n), _g(k3)] for t, (n, k3) in turns.items()])
+        _pooled_table(page, "turn", "mismatch k3 (nats)", turns, left_out_by(summary.get("log_history") or [], "turn"))
+
+
+def _pooled_table(page, what: str, k3_label: str, pooled: dict, left_out: dict) -> None:
+    """The table of ``pooled_by`` with, where a window was left out of the pooling (k3 not finite), a column that
+    counts them: the pooled k3 is then the finite windows' only, and the reader sees how much is missing."""
+    if not left_out:
+        page.table([what, "tokens", k3_label], [[t, int(n), _g(k3)] for t, (n, k3) in pooled.items()])
+        return
+    page.table([what, "tokens", k3_label, "left out: windows with k3 not finite (tokens)"],
+               [[t, int(n), _g(k3), _left_out(left_out.get(t))] for t, (n, k3) in pooled.items()])
+    windows = sum(w for w, _, _ in left_out.values())
+    inf = sum(i for _, _, i in left_out.values())
+    page.note(f"{windows} logged window{'' if windows == 1 else 's'} had a k3 that is not finite ({inf} at +inf: a "
+              "token one side gave probability 0, or an overflow; the others NaN or not logged). Their tokens and "
+              "k3 are left out of the pooled k3 together, so each k3 shown is that of the windows with a finite one.")
+
+
+def _left_out(out: tuple[int, float, int] | None) -> str:
+    if not out:
+        return "–"
+    windows, tokens, inf = out
+    return f"{windows} ({int(tokens)} tokens" + (f"; {inf} at +inf)" if inf else ")")
 
 
 def pooled_by(log_history: list[dict], keying: str) -> dict[str, tuple[float, float]]:
-    """{label: (tokens, k3)} of ``tim/by_<keying>/*`` over every logged step (k3 pooled by token count), labels in
-    order; empty when the run logged none."""
-    sums: dict[str, list[float]] = {}
+    """{label: (tokens, k3)} of ``tim/by_<keying>/*`` over every logged step (k3 pooled by token count over the
+    windows whose k3 is finite: ``left_out_by`` counts the others), labels in order; (0, NaN) for a label none of
+    whose windows has a finite k3; empty when the run logged none."""
+    return {t: (n, k / n if n else math.nan) for t, (n, k, _) in _pool(log_history, keying).items()}
+
+
+def left_out_by(log_history: list[dict], keying: str) -> dict[str, tuple[int, float, int]]:
+    """{label: (windows, tokens, of them windows with k3 = +inf)} of the logged windows ``pooled_by`` leaves out
+    (k3 NaN, inf or not logged); only labels with such a window."""
+    return {t: (len(out), sum(n for n, _ in out), sum(1 for _, k3 in out if k3 == math.inf))
+            for t, (_, _, out) in _pool(log_history, keying).items() if out}
+
+
+def _pool(log_history: list[dict], keying: str) -> dict[str, tuple[float, float, list]]:
+    """{label: (tokens, Σ tokens·k3, [(tokens, k3) left out])} over the windows, labels in order.
+
+    A window enters the numerator and the denominator together, and only with a finite k3: one whose tokens were
+    counted without its k3 would dilute the pooled k3 (three windows of 100 tokens at k3 2e-3, NaN and inf read
+    6.7e-4, a third of every window that was measured). Pooling an inf to an inf would hide the finite windows'
+    level for the whole run behind one window; an RL engineer reads the finite windows' k3 and the count of
+    windows left out (the section shows it beside the table), and a window at +inf (a token one side gave
+    probability 0) is counted as such."""
+    sums: dict[str, list] = {}
     for h in log_history:
         for key, value in h.items():
             m = re.fullmatch(rf"tim/by_{keying}/([^/]+)/count", key)
-            if m is None or not value:
+            n = _float(value)
+            if m is None or not n > 0 or not math.isfinite(n):  # no tokens (0, NaN, not a number): no window
                 continue
-            k3 = h.get(f"tim/by_{keying}/{m.group(1)}/kl_k3")
-            acc = sums.setdefault(m.group(1), [0.0, 0.0])
-            acc[0] += float(value)
-            if k3 is not None and math.isfinite(float(k3)):
-                acc[1] += float(value) * float(k3)
-    return {t: (n, k / n) for t, (n, k) in sorted(sums.items(), key=lambda x: int(x[0].rstrip("+")))}
+            k3 = _float(h.get(f"tim/by_{keying}/{m.group(1)}/kl_k3"))
+            acc = sums.setdefault(m.group(1), [0.0, 0.0, []])
+            if math.isfinite(k3):
+                acc[0] += n
+                acc[1] += n * k3
+            else:
+                acc[2].append((n, k3))
+    return {t: tuple(acc) for t, acc in sorted(sums.items(), key=lambda x: _order(x[0]))}
+
+
+def _float(x) -> float:
+    """``x`` as a float; NaN for None or anything that is not a number (a log is data, not to be raised on)."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _order(label: str) -> tuple:
+    """Sort key of a lag or turn label ("0", "1", ..., "8+"); a label of another form after them, as text."""
+    try:
+        return 0, int(label.rstrip("+")), label
+    except ValueError:
+        return 1, 0, label
 
 
 def by_turn(log_history: list[dict]) -> dict[str, tuple[float, float]]:

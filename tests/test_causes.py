@@ -25,8 +25,8 @@ def _naive_confident(rollout, train, mask, p=0.5, gap=2.0):
     for r, t, m in zip(rollout.flatten().tolist(), train.flatten().tolist(), mask.flatten().tolist()):
         if not m or not (math.isfinite(r) and math.isfinite(t)) or r <= -1e3 or t <= -1e3:
             continue
-        if r == 0.0:
-            forced += t < -gap
+        if r >= 0.0:  # p = 1, or a rounding above it
+            forced += t < r - gap
         elif math.exp(r) >= p or r >= math.log(p):
             conf += 1
             if t < r - gap:
@@ -43,11 +43,14 @@ def test_confident_disagreements_match_the_rule_token_by_token(seed):
     rollout[1, 2] = math.nan
     rollout[2, ::3] = 0.0  # one-token distributions at the sampler: forced, whatever the trainer says
     rollout[3, 0] = -0.0
+    rollout[3, 1:3] = torch.tensor([1e-7, 2e-6])  # a log_softmax's rounding above 0: p = 1, not confident
+    train[3, 1:3] = torch.tensor([-5.0, -0.5])
     # trainer placeholders ("not reported") under a confident and a forced engine token, and at the threshold
     rollout[4, :3] = torch.tensor([-0.01, 0.0, -0.02])
     train[4, :3] = torch.tensor([-9999.0, -1e4, -1e3])
     mask = torch.rand(rollout.shape, generator=g) > 0.2
     mask[4, :3] = True
+    mask[3, 1:3] = True
     dis, conf, forced = confident_disagreements(rollout, train, mask)
     assert (int(dis), int(conf), int(forced)) == _naive_confident(rollout, train, mask)
     assert int(conf) > 0 and int(dis) > 0 and int(forced) > 0

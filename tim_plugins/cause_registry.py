@@ -132,7 +132,7 @@ CAUSES: dict[str, CauseInfo] = {c.code: c for c in (
        "the trainer the unconstrained model's p, so the ratio, the monitor's mismatch and an importance-sampling "
        "correction read the constraint, not numerics or weights, and no parity fix removes it. A sequence-level "
        "correction multiplies those ratios: the loss of a constrained sequence can vanish.",
-       "at least confident_min_tokens lag-0 tokens in a window with p_rollout = 1 exactly (log-prob 0) and "
+       "at least confident_min_tokens lag-0 tokens in a window with p_rollout = 1 (log-prob 0, or a rounding above) and "
        "log p_train < -confident_gap, counted with engine-stale's confident disagreements where the parity audit "
        "found sampler-penalties-unmatched (then engine-stale is not named), never with sampler-truncation-unmatched "
        "(truncation names it), else named only where engine-stale is "

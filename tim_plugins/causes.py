@@ -133,15 +133,15 @@ def confident_disagreements(rollout: torch.Tensor, train: torch.Tensor, mask: to
                             p: float = 0.5, gap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(disagreeing, confident, forced) token counts of a [B, T] batch at lag 0, as 0-d tensors on its device (no
     host read): ``confident`` = tokens of ``mask`` with ``p`` <= p_rollout < 1; ``disagreeing`` = those the trainer
-    scores more than ``gap`` nats lower; ``forced`` = tokens with p_rollout = 1 exactly (a one-token distribution at
-    the sampler) that the trainer scores more than ``gap`` nats lower. Tokens with an invalid log-prob on either
+    scores more than ``gap`` nats lower; ``forced`` = tokens with p_rollout = 1 (a one-token distribution at the
+    sampler: log-prob 0, or a rounding above it) that the trainer scores more than ``gap`` nats lower. Tokens with an invalid log-prob on either
     side (non-finite, a placeholder) are left out, as the monitor leaves them out."""
     keep = mask.bool() & valid_logprob_pair(rollout, train)
     # float32 resolves these thresholds (nats, not ulps): no float64 copies of the batch on every step
     dtype = torch.promote_types(torch.promote_types(rollout.dtype, train.dtype), torch.float32)
     r, t = rollout.detach().to(dtype), train.detach().to(dtype)
     far = t < r - gap
-    one_token = keep & (r == 0)
+    one_token = keep & (r >= 0)
     confident = keep & (r >= math.log(p)) & ~one_token
     return (confident & far).sum(), confident.sum(), (one_token & far).sum()
 

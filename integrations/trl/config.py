@@ -323,7 +323,7 @@ class TIMConfig:
         spelling = {
             "probe_needs_monitor": ("parity_probe=True with monitor=False", "monitor=True, or parity_probe=False"),
             "k3_needs_monitor": (f"lr_decay_signals={list(self.lr_decay_options.signals)!r} with monitor=False",
-                                 "monitor=True, or drop 'k3' from the signals"),
+                                 "monitor=True, or drop 'kl_k3' from the signals"),
             "strict_needs_audit": ("parity_strict=True with parity_audit=False",
                                    "parity_audit=True, or parity_strict=False"),
         }

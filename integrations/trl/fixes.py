@@ -100,7 +100,8 @@ PART_FIXES = {
 _SYNC = ("TRL's weight sync (VLLMGeneration.sync_weights, before each generation after an optimizer step) must write "
          "every parameter into the engine: colocate, check what wraps sync_weights or the engine's load_weights "
          "(with vllm_enable_sleep_mode, the weights are woken first); server mode, that the server reloads "
-         "(update_named_params) and resets its prefix cache; a rollout_func samples from weights it must sync itself")
+         "(update_named_params) and resets its prefix cache; a rollout_func that samples from its own engine (not "
+         "trainer.vllm_generation, which TRL syncs before calling it) must sync that engine itself")
 
 # {cause code (tim_plugins.causes.CAUSES): knob}
 CAUSE_FIXES = {
@@ -137,7 +138,8 @@ CAUSE_FIXES = {
                            "sampler-penalties-unmatched, the sampler's penalty moves confident tokens too: "
                            "repetition_penalty=1.0 and no penalties in generation_kwargs",
     "floor-jump": "look at what changed at that step: the weight sync (TIMConfig(sync_check=True) in colocate mode; "
-                  "AsyncGRPOTrainer's weight transfer to its server) and the prefix-cache reset that ends it, the "
+                  "AsyncGRPOTrainer's weight transfer to its server) and the prefix-cache reset (GRPOTrainer: at the end "
+                  "of sync_weights; AsyncGRPOTrainer: at the server's pause before the transfer), the "
                   "vLLM server, the sampling settings; with all of them in order, a policy that moves nats per "
                   "token per step (k3 and the loss exploding) raises the floor with it: a lower "
                   "GRPOConfig(learning_rate=...)",

@@ -95,8 +95,8 @@ _SYNC = ("verl's weight sync (ActorRolloutRefWorker.update_weights after each st
          "update_weights_from_ipc) must write every tensor into the engine: check what wraps or filters either side "
          "(a custom worker_extension_cls, a patched load_weights, a LoRA / QAT / FP8 refit path), and with "
          "actor_rollout_ref.rollout.free_cache_engine=true that the weights are resumed before they are written; "
-         "a checkpoint engine (rollout.checkpoint_engine.backend other than naive: separate_async's standalone "
-         "replicas) must carry every tensor from the actor's send_weights to each replica's receive_weights")
+         "a checkpoint engine (actor_rollout_ref.rollout.checkpoint_engine.backend other than naive: "
+         "separate_async's standalone replicas) must carry every tensor from the actor's send_weights to each replica's receive_weights")
 
 # {cause code (tim_plugins.causes.CAUSES): knob}
 CAUSE_FIXES = {

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from tim_plugins.report.figures import PROB_EDGES, PROB_MIN_COUNT, RHO_QUANTILES, RhoSource, abs_diff_bins
 
@@ -20,7 +21,8 @@ _KEYS = ("step", "rank", "sequence", "position", "token_id", "rollout_logprob", 
 
 @dataclass
 class Tokens:
-    """Valid rows of a dump (finite log-probs above the invalid-placeholder threshold), as numpy arrays."""
+    """Valid rows of a dump (finite log-probs above the invalid-placeholder threshold, no key null), as numpy arrays;
+    ``invalid_step``: the step of each invalid row that has one (the monitor's ``tim/invalid_tokens`` per step)."""
 
     step: np.ndarray
     rank: np.ndarray
@@ -29,6 +31,7 @@ class Tokens:
     rollout: np.ndarray
     train: np.ndarray
     invalid: int
+    invalid_step: np.ndarray
 
     @property
     def d(self) -> np.ndarray:
@@ -49,11 +52,16 @@ def load_tokens(dump_dir: str | Path) -> Tokens:
 
     table = read_dump(dump_dir)
     col = lambda name: table.column(name).to_numpy()  # noqa: E731
+    null = lambda name: table.column(name).is_null().to_numpy()  # noqa: E731
     rollout, train = col("rollout_logprob").astype(np.float64), col("train_logprob").astype(np.float64)
     ok = (np.isfinite(rollout) & np.isfinite(train) & (rollout > INVALID_LOGPROB_THRESHOLD)
           & (train > INVALID_LOGPROB_THRESHOLD))
-    return Tokens(col("step")[ok], col("rank")[ok], col("sequence")[ok], col("position")[ok], rollout[ok],
-                  train[ok], int((~ok).sum()))
+    for key in ("step", "rank", "sequence", "position"):  # a row without a key is invalid
+        ok &= ~null(key)
+    bad = ~ok & ~null("step")
+    key = lambda name: table.column(name).filter(pa.array(ok)).to_numpy()  # noqa: E731
+    return Tokens(key("step"), key("rank"), key("sequence"), key("position"), rollout[ok], train[ok],
+                  int((~ok).sum()), table.column("step").filter(pa.array(bad)).to_numpy().astype(np.int64))
 
 
 def _metrics_of(tokens: Tokens, sel: np.ndarray) -> dict:
@@ -63,7 +71,7 @@ def _metrics_of(tokens: Tokens, sel: np.ndarray) -> dict:
 
     _, row = np.unique(tokens.sequence_key[sel], return_inverse=True)
     pos = tokens.position[sel]
-    shape = (int(row.max()) + 1, int(pos.max()) + 1) if row.size else (0, 0)
+    shape = (int(row.max()) + 1, int(pos.max()) + 1) if row.size else (1, 1)  # no valid row: one masked-out cell
     rollout = torch.zeros(shape, dtype=torch.float64)
     train = torch.zeros(shape, dtype=torch.float64)
     mask = torch.zeros(shape, dtype=torch.bool)
@@ -76,12 +84,20 @@ def _metrics_of(tokens: Tokens, sel: np.ndarray) -> dict:
 
 
 def metrics_by_step(tokens: Tokens) -> tuple[np.ndarray, list[dict]]:
-    steps = np.unique(tokens.step)
-    return steps, [_metrics_of(tokens, tokens.step == s) for s in steps]
+    """Every step with a row (valid or not): ``mismatch_metrics`` of its valid rows, its invalid rows counted."""
+    steps = np.union1d(np.unique(tokens.step), np.unique(tokens.invalid_step))
+    out = []
+    for s in steps:
+        m = _metrics_of(tokens, tokens.step == s)
+        m["tim/invalid_tokens"] = float((tokens.invalid_step == s).sum())
+        out.append(m)
+    return steps, out
 
 
 def overall_metrics(tokens: Tokens) -> dict:
-    return _metrics_of(tokens, np.ones(tokens.size, dtype=bool))
+    m = _metrics_of(tokens, np.ones(tokens.size, dtype=bool))
+    m["tim/invalid_tokens"] = float(tokens.invalid_step.size)
+    return m
 
 
 def columns_from_dump(dump_dir: str | Path) -> dict[str, np.ndarray]:

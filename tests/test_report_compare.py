@@ -6,6 +6,7 @@ each run's parity audit."""
 from __future__ import annotations
 
 import json
+import re
 
 from tim_plugins.report import build_comparison
 from tim_plugins.report.compare_page import differences, same_versions
@@ -96,3 +97,67 @@ def test_the_page_opens_with_the_table(tmp_path):
     assert "<td>version: torch" not in flat
     # each run's verdict leaves out its audit line: the table's row stands for it, its tables are not on this page
     assert "Parity audit:" not in html and "By table" not in html
+
+
+def test_a_run_has_one_colour_in_every_figure(tmp_path, monkeypatch):
+    """A comparison of a run with a log and no dump beside two runs with dumps: each run is drawn in the same
+    colour in every figure it is in (the per-step series and each per-token figure), the runs in different
+    colours."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from matplotlib.colors import to_hex
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    import tim_plugins.report.figures as figures
+    from tim_plugins.dump import dump_file_name
+
+    logged, b, c = tmp_path / "logged", tmp_path / "b", tmp_path / "c"
+    logged.mkdir()
+    (logged / "log_history.jsonl").write_text("".join(
+        json.dumps({"step": s, "tim/tokens": 100.0, "tim/token/kl_k3": 1e-4 * s}) + "\n" for s in (1, 2, 3)))
+    rng = np.random.default_rng(6)
+    for folder in (b, c):
+        folder.mkdir()
+        for step in (1, 2, 3):
+            n = 60
+            r = np.log(rng.uniform(0.01, 1.0, n))
+            cols = {"step": pa.array([step] * n, pa.int64()), "rank": pa.array([0] * n, pa.int32()),
+                    "sequence": pa.array(np.repeat(np.arange(3), 20), pa.int64()),
+                    "position": pa.array(np.tile(np.arange(20), 3), pa.int32()),
+                    "token_id": pa.array(rng.integers(0, 500, n), pa.int64()),
+                    "rollout_logprob": pa.array(r.astype(np.float32)),
+                    "train_logprob": pa.array((r + rng.normal(0, 0.05, n)).astype(np.float32))}
+            pq.write_table(pa.table(cols), folder / dump_file_name(step, 0))
+    labels = ["logged", "b", "c"]
+    seen: list[dict] = []  # per figure: {run: colour} of its artists labelled with a run's name
+    real = figures.png_bytes
+
+    def colour(artist) -> str:  # a line's colour, a step histogram's edge, a scatter's points
+        if isinstance(artist, Line2D):
+            return to_hex(artist.get_color())
+        return to_hex(artist.get_edgecolor() if isinstance(artist, Patch) else artist.get_facecolor()[0])
+
+    def record(fig):
+        colours = {}
+        for ax in fig.axes:
+            for artist in [*ax.lines, *ax.patches, *ax.collections]:
+                name = re.split(r" \(|: ", artist.get_label())[0]  # a label may add a note after the name
+                if name in labels:
+                    colours.setdefault(name, set()).add(colour(artist))
+        if colours:
+            seen.append(colours)
+        return real(fig)
+
+    monkeypatch.setattr(figures, "png_bytes", record)
+    build_comparison([logged, b, c], tmp_path / "cmp.html", labels=labels, threads=1)
+    assert len(seen) == 6  # the series and the five per-token figures
+    assert set(seen[0]) == set(labels)
+    assert all(set(s) == {"b", "c"} for s in seen[1:])  # the premise: "logged" has no dump
+    each = {}
+    for colours in seen:
+        for name, found in colours.items():
+            each.setdefault(name, set()).update(found)
+    assert all(len(found) == 1 for found in each.values()), each
+    assert len({found.pop() for found in each.values()}) == 3

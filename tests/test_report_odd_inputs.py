@@ -165,3 +165,77 @@ def test_read_dump_widens_another_writers_float64_and_int32_columns_beside_ours(
     assert table.column("step").to_pylist() == [1] * 4 + [2] * 3
     assert table.column("rollout_logprob").to_pylist() == [*r.tolist(), -0.1, -0.2, -0.3]
     assert table.column("train_logprob").to_pylist() == [*t.tolist(), -0.11, -0.21, -0.31]
+
+
+def _keyless_dump(folder, write_statistics=True):
+    """One file of 200 rows (5 sequences of 40), every other row without its position; log-prob differences wide
+    enough that the |Δ| histogram's edges and the p99's bins cut fine bins (the narrow passes read rows again).
+    Returns (rollout, train) of the rows that have their keys, in float64 as the report reads them."""
+    rng = np.random.default_rng(7)
+    n = 200
+    r = np.log(rng.uniform(0.01, 1.0, n)).astype(np.float32)
+    t = (r + rng.normal(0, 0.3, n)).astype(np.float32)
+    pos = [None if i % 2 == 0 else i % 40 for i in range(n)]
+    cols = {"step": pa.array([1] * n, pa.int64()), "rank": pa.array([0] * n, pa.int32()),
+            "sequence": pa.array(np.repeat(np.arange(5), 40), pa.int64()), "position": pa.array(pos, pa.int32()),
+            "token_id": pa.array(rng.integers(0, 1000, n), pa.int64()),
+            "rollout_logprob": pa.array(r), "train_logprob": pa.array(t)}
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols), folder / dump_file_name(1, 0), write_statistics=write_statistics)
+    keyed = np.array([p is not None for p in pos])
+    return r[keyed].astype(np.float64), t[keyed].astype(np.float64)
+
+
+@pytest.mark.parametrize("write_statistics", [True, False])
+def test_rows_without_a_key_are_left_out_of_every_pass_alike(tmp_path, write_statistics):
+    """Rows with valid log-probs but no position are invalid in the full pass and in the narrow passes alike (with
+    or without the footer's null counts): the report is written, and the |Δ| histogram (every bin), the token
+    counts and the p99 of |d| per probability bin are those of a naive computation over the rows with their keys."""
+    from tim_plugins.report.figures import PROB_EDGES, PROB_MIN_COUNT
+    from tim_plugins.report.tokens import abs_histograms, prob_curves
+
+    r, t = _keyless_dump(tmp_path, write_statistics)
+    a = np.abs(t - r)
+    with engine(threads=1):
+        dump = open_dump(tmp_path)
+        assert (dump.size, dump.invalid) == (100, 100)
+        curve = prob_curves({"d": dump}, quantile=True)["d"]
+        (hists, bins) = abs_histograms({"d": dump})
+    want_bins = np.geomspace(a[a > 0].min(), a.max() * 1.01, 50)
+    want_bins[0] = a[a > 0].min()
+    assert np.allclose(bins, want_bins, rtol=1e-12)
+    assert hists["d"][0].tolist() == np.histogram(a[a > 0], bins=bins)[0].tolist()
+    assert hists["d"][1] == int((a == 0).sum())
+    # the p99 of |d| per bin of 1 − p, naive: np.digitize then clip, np.quantile
+    idx = np.clip(np.digitize(np.clip(-np.expm1(r), 1e-7, 1.0), PROB_EDGES) - 1, 0, len(PROB_EDGES) - 2)
+    assert curve["count"].tolist() == np.bincount(idx, minlength=len(PROB_EDGES) - 1).tolist()
+    big = [g for g in range(len(PROB_EDGES) - 1) if (idx == g).sum() >= PROB_MIN_COUNT]
+    assert big  # the premise: a bin with a p99 (read by a narrow pass)
+    for g in range(len(PROB_EDGES) - 1):
+        if g in big:
+            assert curve["quantile"][g] == pytest.approx(np.quantile(a[idx == g], 0.99), rel=1e-12)
+        else:
+            assert np.isnan(curve["quantile"][g])
+    html = build_report(tmp_path, threads=1).read_text()
+    assert "100 tokens from 5 sequences in the dump (100 invalid rows skipped)" in html
+
+
+def test_a_narrow_pass_reads_the_keys_only_of_a_file_that_may_lack_one(tmp_path, monkeypatch):
+    """The narrow passes stay narrow: a file whose footer says no key is null is read for its two log-prob columns
+    alone; one with a null key for its keys as well."""
+    from tim_plugins.report import scan
+
+    _write(tmp_path / "whole", n=10)
+    _keyless_dump(tmp_path / "keyless")
+    asked = []
+    real = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, columns=None, **kwargs):
+        asked.append(tuple(columns))
+        return real(self, *args, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    for name in ("whole", "keyless"):
+        list(scan._read(str(tmp_path / name / dump_file_name(1, 0)), scan.NARROW_COLUMNS, 1000))
+    assert asked == [("rollout_logprob", "train_logprob"),
+                     ("rollout_logprob", "train_logprob", "step", "rank", "sequence", "position")]

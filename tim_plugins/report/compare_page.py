@@ -21,6 +21,7 @@ def comparison_page(runs: dict[str, tuple[Path, dict | None]], page, decode=None
     decoder for every run, or {label: decoder}."""
     from tim_plugins.report.disagreements import disagreements_html, dump_disagreements
     from tim_plugins.report.tokens import dump_folder, has_dump, load_tokens, skipped_files_html
+    from tim_plugins.report.figures import colors_of
     from tim_plugins.report.training_page import _figures_over_tokens, _series_figure, step_table, training_verdict
     from tim_plugins.report.truncation import truncation_comparison
 
@@ -37,7 +38,9 @@ def comparison_page(runs: dict[str, tuple[Path, dict | None]], page, decode=None
         frameworks.add((summary or {}).get("framework"))
         verdicts[label] = (summary or {}).get("verdict") or training_verdict(summary, tokens, table)
         what = (f"{tokens.size} monitored tokens in {tokens.sequences().length.size} sequences of its dump"
-                if tokens is not None else "no per-token dump (per-step series from its log)")
+                + (f", {tokens.invalid} invalid row{'' if tokens.invalid == 1 else 's'} skipped" if tokens.invalid
+                   else "") if tokens is not None
+                else "no per-token dump (per-step series from its log)")
         blocks.append(f"<p><b>{html.escape(label)}</b> ({html.escape(str(folder))}; {what}):</p>"
                       + skipped_files_html(tokens))
     _differences_section(page, runs, verdicts)
@@ -47,13 +50,16 @@ def comparison_page(runs: dict[str, tuple[Path, dict | None]], page, decode=None
         # its audit is a row of the table above (the run's own report has its tables)
         page.verdict(v, [line for line in v.get("extra", []) if not line.startswith("Parity audit:")])
     framework = frameworks.pop() if len(frameworks) == 1 else None
+    # one colour per run in every figure: a figure without some runs (no dump, no steps) shifts no other's colour
+    colors = colors_of(runs)
     if any(t["step"].size for t in tables.values()):
         page.h2("Per optimizer step")
-        _series_figure(page, {}, framework, runs={k: t for k, t in tables.items() if t["step"].size})
+        _series_figure(page, {}, framework, runs={k: t for k, t in tables.items() if t["step"].size},
+                       colors=colors)
     truncation_comparison(page, {label: (summary, tables[label]) for label, (_, summary) in runs.items()})
     if dumps:
         page.h2("Per token, over all steps")
-        _figures_over_tokens(page, dumps)
+        _figures_over_tokens(page, dumps, colors)
         page.h2("Largest disagreements")
         page.raw("<p>Per run, the sampled tokens with the largest |log p<sub>trainer</sub> − log "
                  "p<sub>rollout</sub>|, largest first (the token marked, with a few tokens of its completion on "

@@ -3,6 +3,11 @@ in one colour each: bin counts and sums, per-sequence and per-position sums, qua
 them over a dump in bounded memory) and returns PNG bytes. Labels are kept apart: few ticks per axis, legends outside the
 data where there are many series, horizontal bars for setting names, a constrained layout.
 
+``colors`` ({name: colour}), where a figure takes it, fixes each name's colour: a page that draws several figures of
+the same runs, some of them absent from a figure (a run without a per-token dump), passes one map over every run
+(``colors_of``), so a run has one colour in all of them; without it, a name's colour is that of its place among the
+figure's own names.
+
 The figures must not mislead: log-prob axes carry their unit (nats); an axis that leaves data out says so on
 the figure (how many tokens, and the true extremes); values that a log axis cannot show (exactly 0) are named;
 per-step panels do not zoom into step-to-step noise (linear axes start at 0, every axis reaches the healthy
@@ -33,6 +38,7 @@ __all__ = [
     "sequence_log_ratio",
     "comparison_bars",
     "step_series",
+    "colors_of",
 ]
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -116,6 +122,16 @@ def _color(i: int) -> str:
     return _COLORS[i % len(_COLORS)]
 
 
+def colors_of(names) -> dict[str, str]:
+    """{name: colour} of ``names`` in order: the ``colors`` map of the figures of a page that draws these runs."""
+    return {name: _color(i) for i, name in enumerate(names)}
+
+
+def _colors(names, colors: dict | None) -> dict:
+    """Each of ``names``' colour: ``colors``' where it has one, else that of its place among ``names``."""
+    return {name: (colors or {}).get(name, _color(i)) for i, name in enumerate(names)}
+
+
 def _short(v: float) -> str:
     return f"{v:.0f}" if 10 <= abs(v) < 1e5 else f"{v:.2g}"
 
@@ -135,7 +151,8 @@ def abs_diff_bins(lo: float | None, hi: float | None) -> np.ndarray | None:
     return bins
 
 
-def abs_diff_histogram(hists: dict[str, tuple[np.ndarray, int]], bins: np.ndarray | None) -> bytes:
+def abs_diff_histogram(hists: dict[str, tuple[np.ndarray, int]], bins: np.ndarray | None,
+                       colors: dict | None = None) -> bytes:
     """Per setting: histogram of |d| = |log p_train − log p_rollout| > 0 on the shared log-spaced ``bins``
     (``abs_diff_bins``; ``hists``: {name: (counts per bin, tokens at exactly 0)}). A log axis cannot show exact
     zeros: the legend counts them per setting ("+N tokens at exactly 0") and a note under the axis says why they
@@ -143,14 +160,15 @@ def abs_diff_histogram(hists: dict[str, tuple[np.ndarray, int]], bins: np.ndarra
     fig, axes = _figure(width=_width(len(hists)))
     ax = axes[0, 0]
     any_zero = any(zeros for _, zeros in hists.values())
+    color = _colors(hists, colors)
     if bins is not None:
-        for i, (name, (counts, zeros)) in enumerate(hists.items()):
+        for name, (counts, zeros) in hists.items():
             counts = np.asarray(counts)
             if counts.sum() > 0:
                 label = _label(name) + (f" (+{zeros} tokens at exactly 0)" if zeros else "")
-                ax.hist(bins[:-1], bins=bins, weights=counts, histtype="step", lw=1.5, color=_color(i), label=label)
+                ax.hist(bins[:-1], bins=bins, weights=counts, histtype="step", lw=1.5, color=color[name], label=label)
             else:
-                ax.plot([], [], color=_color(i), label=f"{_label(name)}: all {zeros} tokens at exactly 0")
+                ax.plot([], [], color=color[name], label=f"{_label(name)}: all {zeros} tokens at exactly 0")
         ax.set_xscale("log")
         ax.set_yscale("log")
         _log_ticks(ax)
@@ -170,7 +188,8 @@ def _width(n: int) -> float:
     return 8.0 if n > 3 else 6.4
 
 
-def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] | None = None) -> bytes:
+def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] | None = None,
+                            colors: dict | None = None) -> bytes:
     """Mismatch against the rollout probability p. ``sampled``: {name: {"count", "sum"[, "quantile"]}}, per bin of
     1 − p (``PROB_EDGES``): the sampled tokens, their Σ|d| and the p99 of their |d|; a bin is drawn from
     ``PROB_MIN_COUNT`` tokens on.
@@ -187,16 +206,17 @@ def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] 
     centre = np.sqrt(edges[:-1] * edges[1:])
     envelope = None
     skipped = []
-    for i, (name, curve) in enumerate(sampled.items()):
+    color = _colors(sampled, colors)
+    for name, curve in sampled.items():
         count = np.asarray(curve["count"])
         keep = count >= PROB_MIN_COUNT
         c, m = centre[keep], np.asarray(curve["sum"], dtype=np.float64)[keep] / count[keep]
         if c.size and (m > 0).any():
-            ax.plot(c[m > 0], m[m > 0], "o", ms=4, color=_color(i), alpha=0.8,
+            ax.plot(c[m > 0], m[m > 0], "o", ms=4, color=color[name], alpha=0.8,
                     label=("sampled tokens: mean |d|" if single else _label(name) if not profiles else None))
             if single and not profiles and curve.get("quantile") is not None:
                 p99 = np.asarray(curve["quantile"], dtype=np.float64)[keep]
-                ax.plot(c[p99 > 0], p99[p99 > 0], "s", ms=4, mfc="none", color=_color(i),
+                ax.plot(c[p99 > 0], p99[p99 > 0], "s", ms=4, mfc="none", color=color[name],
                         label="sampled tokens: p99 |d|")
                 m = p99  # the envelope bounds the p99
         prof = (profiles or {}).get(name, {}).get("one_minus_p")
@@ -204,11 +224,11 @@ def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] 
             pc, pm = np.array(prof["centre"]), np.array(prof["mean"])
             ok = pm > 0
             if ok.any():
-                ax.plot(pc[ok], pm[ok], "-", color=_color(i), lw=1.6,
+                ax.plot(pc[ok], pm[ok], "-", color=color[name], lw=1.6,
                         label="whole vocabulary: mean |Δ log p|" if single else _label(name))
                 if single:
                     pq = np.array(prof["quantile"])
-                    ax.plot(pc[pq > 0], pq[pq > 0], "--", color=_color(i), lw=1.2,
+                    ax.plot(pc[pq > 0], pq[pq > 0], "--", color=color[name], lw=1.2,
                             label="whole vocabulary: p99 |Δ log p|")
                 if envelope is None:
                     ref = np.array(prof["quantile"]) if single else pm
@@ -242,14 +262,14 @@ def mismatch_by_probability(sampled: dict[str, dict], profiles: dict[str, dict] 
                 transform=ax.transAxes, va="top", fontsize=7, color="#333")
     if profiles:
         ax2 = axes[0, 1]
-        for i, name in enumerate(sampled):
+        for name in sampled:
             prof = profiles.get(name, {}).get("p")
             if not prof or not prof["centre"]:
                 continue
             pc, pm = np.array(prof["centre"]), np.array(prof["mean"])
             ok = pm > 0
             if ok.any():
-                ax2.plot(pc[ok], pm[ok], "-", color=_color(i), lw=1.6, label=_label(name))
+                ax2.plot(pc[ok], pm[ok], "-", color=color[name], lw=1.6, label=_label(name))
         ax2.set_xscale("log")
         ax2.set_yscale("log")
         _log_ticks(ax2)
@@ -279,7 +299,7 @@ class RhoSource:
     names: tuple[str, ...]
 
 
-def ratio_distribution(src: RhoSource) -> bytes:
+def ratio_distribution(src: RhoSource, colors: dict | None = None) -> bytes:
     """Per setting: distribution of ρ = exp(d) = π_train / π_rollout (ρ = 1 marked, and the [0.5, 2] band of
     token-level corrections dashed where it falls inside an axis).
 
@@ -298,13 +318,13 @@ def ratio_distribution(src: RhoSource) -> bytes:
     if split:
         full_lo, full_hi = full
     fig, axes = _figure(ncols=2 if split else 1, width=(11.5 if split else 6.4) + (1.6 if n_series > 3 else 0))
-    lo, hi, below, above = _rho_panel(axes[0, 0], src, lo_d, hi_d)
+    lo, hi, below, above = _rho_panel(axes[0, 0], src, lo_d, hi_d, colors=colors)
     if split:
         note = (f"Zoom on the bulk ({RHO_QUANTILES[0] * 100:g}–{RHO_QUANTILES[1] * 100:g} % quantiles, widened): "
                 f"{below} of the {src.n} tokens lie left of it (ρ < {lo:.3g}), {above} right (ρ > {hi:.3g}); "
                 "all of them on the right.")
         ax2 = axes[0, 1]
-        _, _, beyond_lo, beyond_hi = _rho_panel(ax2, src, full_lo, full_hi, log=True)
+        _, _, beyond_lo, beyond_hi = _rho_panel(ax2, src, full_lo, full_hi, log=True, colors=colors)
         ax2.axvspan(lo, hi, color="#e8e8e8", zorder=0)
         beyond = (f" {beyond_lo + beyond_hi} of them lie beyond e^±{D_DRAWN:g} and are not drawn."
                   if beyond_lo + beyond_hi else "")
@@ -366,14 +386,15 @@ def rho_panels(n: int, dmin: float, dmax: float, qlo: float, qhi: float) -> list
 
 
 def _rho_panel(ax, src: RhoSource, lo_d: float, hi_d: float,
-               log: bool | None = None) -> tuple[float, float, int, int]:
+               log: bool | None = None, colors: dict | None = None) -> tuple[float, float, int, int]:
     """Step histograms of ρ on [lo, hi] = [exp(lo_d), exp(hi_d)] (80 bins; a log axis when ``log`` or hi / lo > 3);
     tokens outside are not drawn. Returns (lo, hi, tokens below lo, tokens above hi)."""
     bins, log = _rho_bins(lo_d, hi_d, log)
     lo, hi = float(bins[0]), float(bins[-1])
     counts, below, above = src.counts(bins, log, lo_d, hi_d)
-    for i, name in enumerate(src.names):
-        ax.hist(bins[:-1], bins=bins, weights=np.asarray(counts[name]), histtype="step", lw=1.5, color=_color(i),
+    color = _colors(src.names, colors)
+    for name in src.names:
+        ax.hist(bins[:-1], bins=bins, weights=np.asarray(counts[name]), histtype="step", lw=1.5, color=color[name],
                 label=_label(name))
     ax.axvline(1.0, color="k", lw=0.8)
     for edge in (0.5, 2.0):
@@ -413,7 +434,7 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
-def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> bytes:
+def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], colors: dict | None = None) -> bytes:
     """Per setting: mean |d| by response position (bins of equal width, at most 32). ``ds``: {name: (positions,
     tokens at each, Σ|d| at each)}.
 
@@ -437,7 +458,8 @@ def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) 
         curves[name] = (centre[ok], mean[ok])
     positive = np.concatenate([m[m > 0] for _, m in curves.values()] or [np.zeros(0)])
     log_axis = positive.size > 0 and positive.max() / positive.min() > 100
-    for i, name in enumerate(ds):
+    color = _colors(ds, colors)
+    for name in ds:
         if name not in curves:
             continue
         x, m = curves[name]
@@ -445,13 +467,13 @@ def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) 
         if log_axis and zero:
             from matplotlib.transforms import blended_transform_factory
 
-            ax.plot(x, np.full_like(x, 0.02), "--", color=_color(i), lw=1.4, zorder=3,
+            ax.plot(x, np.full_like(x, 0.02), "--", color=color[name], lw=1.4, zorder=3,
                     transform=blended_transform_factory(ax.transData, ax.transAxes),
                     label=f"{_label(name)}: exactly 0 (drawn on the bottom edge)")
         elif log_axis:
-            ax.plot(x, np.where(m > 0, m, np.nan), "-", color=_color(i), lw=1.4, label=_label(name))
+            ax.plot(x, np.where(m > 0, m, np.nan), "-", color=color[name], lw=1.4, label=_label(name))
         else:
-            ax.plot(x, m, "-", color=_color(i), lw=1.4, zorder=3,
+            ax.plot(x, m, "-", color=color[name], lw=1.4, zorder=3,
                     label=_label(name) + (" (exactly 0 at every position)" if zero else ""))
     if log_axis:
         ax.set_yscale("log")
@@ -466,15 +488,16 @@ def drift_by_position(ds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) 
     return png_bytes(fig)
 
 
-def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float) -> bytes:
+def sequence_log_ratio(ds: dict[str, tuple[np.ndarray, np.ndarray]], band: float, colors: dict | None = None) -> bytes:
     """Per sequence: Σ_t d (log of the sequence IS weight) against its length, ±``band`` marked. ``ds``: {name:
     (lengths, Σ_t d) per sequence}."""
     fig, axes = _figure(width=_width(len(ds)))
     ax = axes[0, 0]
-    for i, (name, (length, sum_d)) in enumerate(ds.items()):
+    color = _colors(ds, colors)
+    for name, (length, sum_d) in ds.items():
         if not len(length):
             continue
-        ax.scatter(length, sum_d, s=10, alpha=0.6, color=_color(i), label=_label(name))
+        ax.scatter(length, sum_d, s=10, alpha=0.6, color=color[name], label=_label(name))
     ax.axhline(0, color="k", lw=0.5)
     lo, hi = ax.get_ylim()
     if max(abs(lo), abs(hi)) > band / 4:
@@ -582,10 +605,13 @@ def _fit_labels_inside(fig, value_labels: list[tuple], margin: float = 0.02, rou
             return
 
 
-def step_series(steps, panels: list[tuple], ncols: int = 3) -> bytes:
+def step_series(steps, panels: list[tuple], ncols: int = 3, colors: dict | None = None, no_valid=None) -> bytes:
     """Per optimizer step, one panel per metric: (title, values, healthy (lo, hi) or None, log scale[, options]).
     Several runs overlaid: ``steps`` {run: steps} and each panel's values {run: values}, one colour per run (the
-    legend on the first panel).
+    legend on the first panel). A step without a value (NaN: no valid token in it, or nothing logged) breaks its
+    line: a gap, not a line drawn across it; a value a log axis cannot show (<= 0) is left out. ``no_valid``: the
+    steps without a valid token (as ``steps``: an array, or {run: steps}), each marked on every panel by a dotted
+    line (the run's colour) named "no valid token" on the first, so the gap reads as what it is.
 
     Axes do not zoom into step-to-step noise: a linear axis starts at 0 (or below, for negative values), every
     axis reaches the finite limits of the healthy range, and a log axis spans at least one decade. ``options``:
@@ -604,15 +630,18 @@ def step_series(steps, panels: list[tuple], ncols: int = 3) -> bytes:
         runs = values if isinstance(values, dict) else {None: values}
         run_steps = steps if isinstance(steps, dict) else {None: steps}
         shown = []
-        for i, (run, vals) in enumerate(runs.items()):
+        color = _colors(runs, colors)
+        gaps = no_valid if isinstance(no_valid, dict) else {None: no_valid}
+        for run, vals in runs.items():
             v = np.asarray(vals, dtype=float)
             ok = np.isfinite(v)
             if log:
                 ok &= v > 0
             if ok.any():
                 x = np.asarray(run_steps[run], dtype=float)
-                ax.plot(x[ok], v[ok], ".-", lw=1.2, ms=4, **({} if run is None else {"color": _color(i),
-                                                                                      "label": _label(run)}))
+                keep = ok | ~np.isfinite(v)  # NaN kept: matplotlib breaks the line there
+                ax.plot(x[keep], np.where(ok, v, np.nan)[keep], ".-", lw=1.2, ms=4,
+                        **({} if run is None else {"color": color[run], "label": _label(run)}))
                 shown.append(v[ok])
         if shown:
             lo, hi = _series_limits(np.concatenate(shown), healthy, log, options.get("ylim"))
@@ -629,6 +658,14 @@ def step_series(steps, panels: list[tuple], ncols: int = 3) -> bytes:
                 ax.axhline(level, color=_WARN, lw=0.9, ls="--")
                 ax.text(0.02, level, f" {label}", color=_WARN, fontsize=7, va="bottom",
                         transform=ax.get_yaxis_transform())
+            named = k != 0
+            for run in runs:
+                for at in np.asarray(gaps.get(run) if gaps.get(run) is not None else (), dtype=float):
+                    ax.axvline(at, color="#888" if run is None else color[run], lw=0.9, ls=":", zorder=1)
+                    if not named:
+                        ax.text(at, 0.97, " no valid token", rotation=90, va="top", ha="right", fontsize=6.5,
+                                color="#555", transform=ax.get_xaxis_transform())
+                        named = True
             ax.set_ylim(lo, hi)
             if k == 0 and len(runs) > 1:
                 ax.legend(fontsize=7)

@@ -7,9 +7,9 @@ at most three passes (``report.scan``), each keeping only aggregates:
 - one full pass over the six columns the report uses: the monitor's state per sequence and per step, counts and
   Σ|d| per position, counts per (probability bin, fine bin of d), and the rows with the largest |d| (with each
   file's step and rank range, so their context is read from those files alone);
-- one narrow pass over the two log-prob columns, keeping only the rows of the few fine bins that hold a quantile
-  or that a histogram edge cuts (``report.bins``): the exact p99 per probability bin, the ρ quantiles, the |Δ|
-  histogram;
+- one narrow pass over the two log-prob columns (and the keys of a file that may lack one: the same valid rows as
+  the full pass), keeping only the rows of the few fine bins that hold a quantile or that a histogram edge cuts
+  (``report.bins``): the exact p99 per probability bin, the ρ quantiles, the |Δ| histogram;
 - one more narrow pass for the ρ panels, whose edges depend on those quantiles.
 
 ``Dump.passes`` counts them. The rows read are a snapshot taken once per ``Dump``: the complete
@@ -408,9 +408,13 @@ class Dump:
     def step_states(self) -> tuple[np.ndarray, list[dict]]:
         """(steps, the monitor's unpacked state per step) over the valid rows, each sequence's tokens laid out as
         one row of a [sequences, positions] batch with ρ = exp(d) as the IS weights: what ``mismatch_metrics`` on
-        those tensors accumulates."""
+        those tensors accumulates. Every step with a row is there: its invalid rows are its ``invalid`` (the
+        monitor's ``tim/invalid_tokens``), and a step whose every row is invalid has the state of no valid token
+        (``tokens`` 0: ``_derive`` gives NaN metrics), not no entry (a series would draw a line across it)."""
         if "states" in self._cache:
             return self._cache["states"]
+        from tim_plugins._mismatch_layout import N_STATE, N_SUMS, unpack
+
         f = self.full()
         runs = f.runs
         steps, starts = np.unique(runs["step"], return_index=True)
@@ -429,7 +433,8 @@ class Dump:
                 hist, bucket_count, bucket_abs = f.steps[step]
                 lo, hi = float(d_min[i]), float(d_max[i])
                 states.append({
-                    "tokens": float(sums["n"][i]), "invalid": 0.0, "abs_d": float(sums["sum_a"][i]),
+                    "tokens": float(sums["n"][i]), "invalid": float(f.invalid_steps.get(step, 0)),
+                    "abs_d": float(sums["sum_a"][i]),
                     "abs_p": float(sums["abs_p"][i]), "neg_d": -float(sums["sum_d"][i]), "k3": float(sums["k3"][i]),
                     "rho_m1": float(sums["lin"][i]) + float(sums["ser"][i]),
                     "rho_m1_sq": float(sums["rho_m1_sq"][i]), "outside": float(sums["outside"][i]),
@@ -441,7 +446,19 @@ class Dump:
                     "abs_p_max": float(abs_p_max[i]), "rho_m1_max": _expm1(hi), "neg_d_min": -lo,
                     "seq_abs_max": float(seq_abs_max[i]), "is_w_max": float(w_max[i]),
                     "neg_is_w_min": -float(w_min[i])})
-        self._cache["states"] = (steps.astype(np.int64), states)
+        steps = steps.astype(np.int64)
+        bare = sorted(set(f.invalid_steps) - set(steps.tolist()))  # steps with rows, none of them valid
+        if bare:
+            empty = np.full(N_STATE, -math.inf)  # the monitor's state of no token: sums 0, maxima −inf
+            empty[:N_SUMS] = 0.0
+            for step in bare:
+                state = unpack(empty.copy())
+                state["invalid"] = float(f.invalid_steps[step])
+                states.append(state)
+            steps = np.concatenate([steps, np.array(bare, dtype=np.int64)])
+            order = np.argsort(steps, kind="stable")
+            steps, states = steps[order], [states[i] for i in order]
+        self._cache["states"] = (steps, states)
         return self._cache["states"]
 
     def sequences(self) -> Sequences:

@@ -1,17 +1,18 @@
 """The passes the report makes over a dump's Parquet files, in numpy, in bounded memory.
 
 ``full_pass`` reads the six columns the report needs once and keeps only aggregates: per sequence run (the
-monitor's sums and extremes), per step (the monitor's histogram and probability buckets), per position, per
-(probability bin, fine bin of d) counts, and the rows with the largest |d|. ``narrow_pass`` reads the two
-log-prob columns again and keeps only the rows of a few fine bins (``report.bins``): the exact quantiles and the
-histogram bins an edge cuts. Both read the files in chunks of ``CHUNK_ROWS`` rows (a large file a row group at a
-time) on ``threads`` threads (numpy and the Parquet reader release the GIL), so memory is a few chunks whatever the
-dump's size.
+monitor's sums and extremes), per step (the monitor's histogram and probability buckets, its invalid rows), per
+position, per (probability bin, fine bin of d) counts, and the rows with the largest |d|. ``narrow_pass`` reads the
+two log-prob columns again (and the key columns of a file whose footer does not rule out a null key: ``_read``) and
+keeps only the rows of a few fine bins (``report.bins``): the exact quantiles and the histogram bins an edge cuts.
+Both read the files in chunks of ``CHUNK_ROWS`` rows (a large file a row group at a time) on ``threads`` threads
+(numpy and the Parquet reader release the GIL), so memory is a few chunks whatever the dump's size.
 
 A valid row is one the monitor counts: d = train − rollout finite and neither log-prob a placeholder (<=
-``INVALID_LOGPROB_THRESHOLD``). The per-token terms are those of the monitor's torch pass
-(``tim_plugins._mismatch_pass.token_pass``) on float64 inputs, term for term: the k3 series below its bound,
-expm1 above, ρ = exp(d) as the IS weights, the same histogram and bucket rules.
+``INVALID_LOGPROB_THRESHOLD``); a row that lacks a key (step, rank, sequence, position: null) is invalid too. The
+per-token terms are those of the monitor's torch pass (``tim_plugins._mismatch_pass.token_pass``) on float64
+inputs, term for term: the k3 series below its bound, expm1 above, ρ = exp(d) as the IS weights, the same histogram
+and bucket rules.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ TOP_ROWS = 256
 FULL_COLUMNS = ("step", "rank", "sequence", "position", "rollout_logprob", "train_logprob")
 NARROW_COLUMNS = ("rollout_logprob", "train_logprob")
 _INT_KEYS = ("step", "rank", "sequence", "position")
+# The step ``_read`` gives a row whose step is null: no dump step (the file names' steps are >= 0, and a valid row
+# never has it: a null key makes the row invalid), so the invalid rows of each step can leave it out.
+NO_STEP = int(np.iinfo(np.int64).min)
 _LOGPROBS = ("rollout_logprob", "train_logprob")
 # Per sequence run: the sums, then the extremes (in this order in ``FullPass.runs``).
 RUN_SUMS = ("n", "sum_d", "sum_a", "abs_p", "k3", "lin", "ser", "rho_m1_sq", "outside", "is_n", "is_w", "is_w2",
@@ -53,24 +57,56 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _may_hold_nulls(reader, names) -> bool:
+    """Whether any of the columns ``names`` of the open Parquet file ``reader`` may hold a null, from its footer
+    alone: a required column never does; else every row group's null count must say 0 (a writer may leave the
+    statistics out: then it may)."""
+    meta = reader.metadata
+    index = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
+    for name in names:
+        j = index.get(name)
+        if j is None:
+            return True  # not there: the read fails as it would have
+        if meta.schema.column(j).max_definition_level == 0:
+            continue
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(j).statistics
+            if stats is None or not stats.has_null_count or stats.null_count:
+                return True
+    return False
+
+
 def _read(path: str, columns, chunk_rows: int):
     """The file's ``columns`` in chunks of at most ``chunk_rows`` rows ({column: array}), a row group at a time:
-    a file larger than memory is never read whole."""
+    a file larger than memory is never read whole. A row with a null log-prob or a null key is invalid: its
+    log-probs read as NaN, in every pass (a pass that asks for the log-probs alone reads the keys as well where the
+    file may hold a null one), so that the passes see the same valid rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     # pre_buffer off: with it (pyarrow's default) the reader caches every row group's bytes until the file is closed
     reader = pq.ParquetFile(path, pre_buffer=False)
-    for batch in reader.iter_batches(batch_size=chunk_rows, columns=list(columns), use_threads=False):
+    read = list(columns)
+    if any(name in _LOGPROBS for name in columns):
+        # the narrow passes read the log-probs alone, to be cheap: the keys only where the footer does not rule out
+        # a null one (a writer of ours never leaves one), else they would keep rows the full pass left out
+        absent = [name for name in _INT_KEYS if name not in columns]
+        if absent and _may_hold_nulls(reader, absent):
+            read += absent
+    for batch in reader.iter_batches(batch_size=chunk_rows, columns=read, use_threads=False):
         out, keyless = {}, None
-        for name in columns:
+        for name in read:
             col = batch.column(name)
             if col.null_count:  # a null log-prob is an invalid row; so is a null key (no sequence to show it in)
                 if name in _INT_KEYS:
                     nulls = col.is_null().to_numpy(zero_copy_only=False)
                     keyless = nulls if keyless is None else keyless | nulls
-                col = col.fill_null(pa.scalar(-1 if name in _INT_KEYS else math.nan, col.type))
-            out[name] = col.to_numpy(zero_copy_only=False)
+                if name == "step":  # NO_STEP: such a row is in no step's count of invalid rows
+                    col = col.cast(pa.int64(), safe=False).fill_null(pa.scalar(NO_STEP, pa.int64()))
+                else:
+                    col = col.fill_null(pa.scalar(-1 if name in _INT_KEYS else math.nan, col.type))
+            if name in columns:  # a key read only for its nulls is not converted
+                out[name] = col.to_numpy(zero_copy_only=False)
         if keyless is not None:
             for name in _LOGPROBS:
                 if name in out:
@@ -164,7 +200,8 @@ class FullPass:
     bin; ``abs_min_pos``: the smallest |d| > 0 (inf if none); ``top``: the ``TOP_ROWS`` valid rows with the
     largest |d| (ties by step, rank, sequence, position) as {"a", "step", "rank", "sequence", "position", "r",
     "t"}; ``file_keys``: per file, (smallest step, largest step, smallest rank, largest rank) of its rows (None
-    for a file without rows)."""
+    for a file without rows); ``invalid_steps``: {step: invalid rows} of each step with one (a row without a step
+    is in none: ``rows − size − Σ invalid_steps``), the monitor's ``tim/invalid_tokens``."""
 
     rows: int
     runs: dict
@@ -177,6 +214,7 @@ class FullPass:
     abs_min_pos: float
     top: dict
     file_keys: list = field(default_factory=list)
+    invalid_steps: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -261,6 +299,7 @@ class _Full:
         self.prob_abs = np.zeros(nb)
         self.abs_min_pos = math.inf
         self.top: dict | None = None
+        self.invalid_steps: dict = {}  # {step: invalid rows}
 
     def add(self, cols: dict) -> None:
         # the monitor's float semantics: ρ − 1 and its square overflow to inf past d ≈ 354 / 709
@@ -272,6 +311,13 @@ class _Full:
         c = self.c
         r, t, d, ok = _valid(cols, c.threshold)
         self.rows += cols["rollout_logprob"].size
+        if ok is not None:  # counted before the valid rows: a step whose every row is invalid is still a step
+            bad = cols["step"][~ok]
+            bad = bad[bad != NO_STEP]
+            if bad.size:
+                at, n = np.unique(bad, return_counts=True)
+                for s, k in zip(at.tolist(), n.tolist()):
+                    self.invalid_steps[s] = self.invalid_steps.get(s, 0) + k
         if not d.size:
             return
         keys = {k: cols[k] if ok is None else cols[k][ok] for k in _INT_KEYS}
@@ -398,6 +444,8 @@ class _Full:
     def merge(self, other: "_Full") -> None:
         self.rows += other.rows
         self.runs += other.runs
+        for s, k in other.invalid_steps.items():
+            self.invalid_steps[s] = self.invalid_steps.get(s, 0) + k
         for s, (h, bn, ba) in other.steps.items():
             acc = self.steps.get(s)
             if acc is None:
@@ -439,7 +487,7 @@ class _Full:
                                                       ("a", "step", "rank", "sequence", "position", "r", "t")}
         return FullPass(self.rows, runs, self.steps, positions.astype(np.int64), pn.astype(np.int64),
                         pa.astype(np.float64), self.fine.reshape(nb, B.N_SIGNED), self.prob_abs, self.abs_min_pos,
-                        top)
+                        top, invalid_steps=dict(sorted(self.invalid_steps.items())))
 
 
 def _run_starts(keys: dict) -> np.ndarray:
@@ -500,6 +548,8 @@ def full_pass(files: list[str], threads: int) -> FullPass:
 
     def per_file(i, cols):  # each chunk of file i (one thread reads a file)
         step, rank = cols["step"], cols["rank"]
+        if (step == NO_STEP).any():  # rows without a step: no step to look the file up by
+            step, rank = step[step != NO_STEP], rank[step != NO_STEP]
         if step.size:
             k = (int(step.min()), int(step.max()), int(rank.min()), int(rank.max()))
             had = keys[i]

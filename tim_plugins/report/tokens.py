@@ -82,10 +82,13 @@ def _merged(states: list[dict]) -> dict:
 
 
 def overall_metrics(tokens) -> dict:
-    """``mismatch_metrics`` over every row of the dump (sequences of all steps), ρ as ``is_weights``."""
+    """``mismatch_metrics`` over every row of the dump (sequences of all steps), ρ as ``is_weights``; its invalid
+    tokens are the dump's, a row without a step (in no step's state) included."""
     from tim_plugins._mismatch_derive import _derive
 
-    return _derive(_merged(tokens.step_states()[1]), "tim")
+    state = _merged(tokens.step_states()[1])
+    state["invalid"] = float(tokens.invalid)
+    return _derive(state, "tim")
 
 
 # ------------------------------------------------------------------------------------------- figures' data

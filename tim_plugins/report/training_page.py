@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["training_verdict", "logged_overall", "training_page", "dump_page", "step_table",
-           "disagreements_section", "VERDICT_KEYS"]
+           "disagreements_section", "invalid_rows_text", "no_valid_text", "VERDICT_KEYS"]
 
 VERDICT_KEYS = ("tim/token/kl_k3", "tim/token/abs_diff_p99", "tim/token/ratio_outside_frac",
                 "tim/seq/log_ratio_abs_max", "tim/is/ess")
@@ -21,10 +21,16 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
     sample of one step against a window's every token: two populations). The dump's steps after the last logged row
     (a run that stopped or crashed before logging them) are drawn from the dump (the core monitor's metrics over
     each step's sampled rows; ``from_dump`` marks them), and every step where the run logged nothing. ESS: the logged
-    ``tim/is/ess`` of the IS weights applied, else the ESS of the uncorrected token ratios ρ of the dump."""
+    ``tim/is/ess`` of the IS weights applied, else the ESS of the uncorrected token ratios ρ of the dump.
+
+    A dump step whose every row is invalid (NaN, inf or placeholder log-probs, or a null key) is a step all the
+    same: NaN metrics, so its series break there (a gap, not a line drawn across it), ``tokens`` 0 and
+    ``no_valid`` set (``no_valid_text`` says so on the page); ``invalid``: the step's invalid rows (the logged
+    ``tim/invalid_tokens``, else the dump's)."""
     from tim_plugins.report.tokens import metrics_by_step
 
-    dump_steps, dump_metrics = metrics_by_step(tokens) if tokens is not None and tokens.size else (np.zeros(0), [])
+    # every step with a row, also where none is valid (``Dump.step_states``)
+    dump_steps, dump_metrics = metrics_by_step(tokens) if tokens is not None else (np.zeros(0), [])
     by_dump = {int(s): m for s, m in zip(dump_steps, dump_metrics)}
     logged = {int(h["step"]): h for h in (summary or {}).get("log_history", []) if "step" in h}
     windows = {s for s, h in logged.items() if "tim/tokens" in h}
@@ -56,10 +62,41 @@ def step_table(summary: dict | None, tokens) -> dict[str, np.ndarray]:
         "reward": series("reward", also=("critic/score/mean",)),  # TRL's, verl's mean sequence score
         "tokens": series("tim/tokens", "tim/tokens"),
         "ratio_mean": series("tim/token/ratio_mean", "tim/token/ratio_mean"),  # the truncation section's ρ
+        "invalid": series("tim/invalid_tokens", "tim/invalid_tokens"),
     }
     table["ess_logged"] = np.array([("tim/is/ess" in logged.get(int(s), {})) for s in steps], dtype=bool)
     table["from_dump"] = np.array([int(s) in tail for s in steps], dtype=bool)
+    table["no_valid"] = np.array([int(s) in tail and by_dump[int(s)]["tim/tokens"] == 0 for s in steps], dtype=bool)
     return table
+
+
+def _steps_text(steps) -> str:
+    """Steps as text: "step 2", "steps 2, 5 and 9", the first ten of more and how many others."""
+    steps = [int(s) for s in steps]
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    shown = steps[:10]
+    rest = len(steps) - len(shown)
+    listed = ", ".join(map(str, shown[:-1] if not rest else shown))
+    return f"steps {listed}" + (f" and {rest} more" if rest else f" and {shown[-1]}")
+
+
+def no_valid_text(table: dict) -> str | None:
+    """The sentence on the dump steps of ``table`` (a ``step_table``) without a valid token, or None."""
+    no_valid = table.get("no_valid")
+    if no_valid is None or not no_valid.any():
+        return None
+    steps = table["step"][no_valid]
+    invalid = int(np.nansum(table["invalid"][no_valid]))
+    one = steps.size == 1
+    return (f"No valid token at {_steps_text(steps)} ({'its' if one else 'their'} {invalid} dump rows all invalid: "
+            f"NaN, inf or placeholder log-probs, or a missing key): no per-step value there.")
+
+
+def invalid_rows_text(tokens) -> str:
+    """" (N invalid rows skipped)" of a dump (``query.Dump``) with invalid rows, else ""."""
+    n = 0 if tokens is None else tokens.invalid
+    return f" ({n} invalid row{'' if n == 1 else 's'} skipped)" if n else ""
 
 
 def logged_overall(summary: dict | None) -> tuple[dict, int]:
@@ -119,6 +156,9 @@ def training_verdict(summary: dict | None, tokens, table: dict | None = None) ->
             extra.append(f"{steps.size} optimizer step{'' if steps.size == 1 else 's'}, {counted}; k3 per step from "
                          f"{np.nanmin(k3):.2g} to {np.nanmax(k3):.2g} nats per token (highest at step "
                          f"{int(steps[worst])}).")
+        gap = no_valid_text(table)
+        if gap is not None:
+            extra.append(gap)
         reward = table["reward"][np.isfinite(table["reward"])]
         if reward.size >= 4:
             q = max(1, reward.size // 4)
@@ -191,32 +231,35 @@ def audit_line(findings: list, own: list | None, deliberate: dict) -> str:
             f"{_tally(findings, deliberate)}; the rollout model actually used {_tally(own, deliberate)}.")
 
 
-def _figures_over_tokens(page, dumps: dict) -> None:
-    """The per-token figures of ``dumps`` ({label: ``query.Dump``}, overlaid when several)."""
+def _figures_over_tokens(page, dumps: dict, colors: dict | None = None) -> None:
+    """The per-token figures of ``dumps`` ({label: ``query.Dump``}, overlaid when several); ``colors``: {label:
+    colour} over every run of the page (``figures.colors_of``), so a run has one colour in every figure."""
     import tim_plugins.report.figures as figures
     from tim_plugins.report.health import LOG2, RULES
     from tim_plugins.report.tokens import (abs_histograms, position_profiles, prob_curves, rho_source,
                                            sequence_points)
 
-    page.figure(figures.mismatch_by_probability(prob_curves(dumps, quantile=len(dumps) == 1)),
+    page.figure(figures.mismatch_by_probability(prob_curves(dumps, quantile=len(dumps) == 1), colors=colors),
                 "Mismatch by token probability (sampled tokens of all steps)",
                 "mean |Δ log p| of the sampled tokens against 1 − p (p = the rollout's probability). If every logit "
                 "moves by at most ε, |Δ log p| <= 2ε(1 − p): points should follow the dotted c·(1 − p) line, small "
                 "at confident tokens and largest in the tail. Points far above it at small 1 − p mean something "
                 "other than logit noise (e.g. truncation applied on one side only).", None, "tail")
-    page.figure(figures.abs_diff_histogram(*abs_histograms(dumps)), "|Δ log p| per sampled token (all steps)",
+    page.figure(figures.abs_diff_histogram(*abs_histograms(dumps), colors=colors),
+                "|Δ log p| per sampled token (all steps)",
                 "log-spaced bins; the bulk should sit orders of magnitude below the tail. A second hump is a "
                 "systematic difference (dtype, kernel, truncation applied on one side only).",
                 f"p99 {RULES['tim/token/abs_diff_p99'].text}", "band")
-    page.figure(figures.ratio_distribution(rho_source(dumps)), "Importance ratio ρ = π_train / π_rollout per sampled token",
+    page.figure(figures.ratio_distribution(rho_source(dumps), colors=colors),
+                "Importance ratio ρ = π_train / π_rollout per sampled token",
                 "ρ = 1 (black line) means both sides agree; the spread around 1 is what an IS correction reweights. "
                 "Tokens outside [0.5, 2] are what token-level corrections clip or drop.",
                 "ρ inside [0.5, 2] for (almost) every token", "band")
-    page.figure(figures.drift_by_position(position_profiles(dumps)), "Drift by response position",
+    page.figure(figures.drift_by_position(position_profiles(dumps), colors=colors), "Drift by response position",
                 "mean |Δ log p| at each response position. Growth with position points at differences that "
                 "accumulate along the sequence (KV cache, attention kernels); a flat line means the mismatch does "
                 "not depend on position.")
-    page.figure(figures.sequence_log_ratio(sequence_points(dumps), LOG2),
+    page.figure(figures.sequence_log_ratio(sequence_points(dumps), LOG2, colors=colors),
                 "Sequence log-ratio against length (all steps)",
                 "one point per response; y = Σ_t d is the log of its sequence-level IS weight. Long responses drift "
                 "furthest; points beyond the dashed ±log 2 lines get their weight truncated or are rejected by "
@@ -230,8 +273,10 @@ def ess_warning_label(framework: str | None, threshold: float) -> str:
     return f"{'verl warning' if framework == 'verl' else 'warning'}: ESS < {threshold:g}"
 
 
-def _series_figure(page, table: dict, framework: str | None = None, runs: dict | None = None) -> None:
-    """The per-step panels of ``table`` (a ``step_table``), or of several runs overlaid: ``runs`` {label: table}."""
+def _series_figure(page, table: dict, framework: str | None = None, runs: dict | None = None,
+                   colors: dict | None = None) -> None:
+    """The per-step panels of ``table`` (a ``step_table``), or of several runs overlaid: ``runs`` {label: table},
+    ``colors`` {label: colour} over every run of the page (``figures.colors_of``)."""
     import tim_plugins.report.figures as figures
     from tim_plugins.report.figures import NATS
     from tim_plugins.report.health import K3_HEALTHY_MAX, LOG2, RULES
@@ -262,12 +307,18 @@ def _series_figure(page, table: dict, framework: str | None = None, runs: dict |
     ]
     steps = ({k: t["step"].astype(float) for k, t in tables.items()} if runs is not None
              else table["step"].astype(float))
-    page.figure(figures.step_series(steps, panels), "Mismatch per optimizer step",
+    gaps = [(k, no_valid_text(t)) for k, t in tables.items()]
+    gap_line = " ".join((text if k is None else f"{k}: {text}") for k, text in gaps if text is not None)
+    if gap_line:  # where the lines break, and why
+        gap_line += " The lines break there, at the dotted lines marked \"no valid token\"."
+    no_valid = ({k: t["step"][t["no_valid"]] for k, t in tables.items()} if runs is not None
+                else table["step"][table["no_valid"]])
+    page.figure(figures.step_series(steps, panels, colors=colors, no_valid=no_valid), "Mismatch per optimizer step",
                 f"one point per optimizer step ({step_word}), from the tim/* metrics logged at that step where the "
                 "run kept them, else recomputed from the step's per-token dump (the ESS panel from the dump when no "
                 "IS correction ran). A rising k3 or p99 means "
                 "the two pipelines drift apart as the policy changes; a falling ESS means IS weights concentrate on "
-                f"few tokens.{lr_line} Green background: "
+                f"few tokens.{lr_line}{' ' + gap_line if gap_line else ''} Green background: "
                 "healthy range. The axes do not zoom into step-to-step noise: each reaches its healthy limit, "
                 "linear axes start at 0 and the ESS axis is fixed to [0, 1], so a flat-looking line is a steady "
                 "metric, and how far a line sits from the green edge is how much margin is left.",
@@ -281,7 +332,10 @@ def training_page(summary: dict, run_dir: Path, page, decode=None) -> None:
     tokens = run_tokens(summary, run_dir)
     table = step_table(summary, tokens)
     v = summary.get("verdict") or training_verdict(summary, tokens, table)
-    page.raw("<p>Measured over every monitored token of every step (rollout log-probs vs the trainer's "
+    # the dump's rows as the bare dump's page counts them: the figures below leave its invalid rows out
+    rows = ("" if tokens is None else f"<p>The run's per-token dump: {tokens.size} tokens from "
+            f"{tokens.sequences().length.size} sequences{invalid_rows_text(tokens)}.</p>")
+    page.raw(rows + "<p>Measured over every monitored token of every step (rollout log-probs vs the trainer's "
              "recomputation of the same tokens):</p>" + skipped_files_html(tokens))
     page.verdict(v, v.get("extra", []))
     from tim_plugins.report.causes import causes_section
@@ -421,7 +475,7 @@ def dump_page(dump_dir: Path, summary: dict | None, page, decode=None) -> None:
                  "metrics the run logged.</p>")
     else:
         page.raw(f"<p>{tokens.size} tokens from {tokens.sequences().length.size} sequences in the dump"
-                 + (f" ({tokens.invalid} invalid rows skipped)" if tokens.invalid else "") + ".</p>"
+                 + invalid_rows_text(tokens) + ".</p>"
                  + skipped_files_html(tokens))
     page.verdict(v, v.get("extra", []))
     from tim_plugins.report.causes import causes_section

@@ -199,3 +199,48 @@ def test_an_fp32_gate_inside_a_bf16_engine_is_read_through_its_forward():
     read = reader.read("gate.weight", (8, H), index)
     assert read.dtype == torch.float32
     assert torch.equal(read.values.double(), weights["gate.weight"][tuple(index.T)].double())
+
+
+class FusedMoE(torch.nn.Module):
+    """vLLM's MoE layer as the reader sees it (it maps modules by class name; the CPU build has no FusedMoE): every
+    expert of a layer in one ``w13_weight`` [E, 2I, H] (gate and up rows) and one ``w2_weight`` [E, H, I]."""
+
+    def __init__(self, experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16),
+                                             requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(torch.zeros(experts, hidden, inter, dtype=torch.bfloat16),
+                                            requires_grad=False)
+
+
+def test_moe_experts_stacked_in_the_engine_are_not_compared_and_never_named_missing():
+    """A trainer sends each expert's gate/up/down (``mlp.experts.3.gate_proj.weight``); vLLM's Qwen3-MoE name
+    mapping leaves the name as is or packs it, and no module of that name exists: the layer's FusedMoE holds them
+    all. Not mapped, so not compared (unread), never named missing; a name outside the experts still is."""
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    E, I = 4, 16
+    model = torch.nn.Module()
+    model.hf_to_vllm_mapper = Qwen3MoeForCausalLM.hf_to_vllm_mapper
+    model.packed_modules_mapping = dict(Qwen3MoeForCausalLM.packed_modules_mapping)
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    mlp = model.model.layers[0].mlp = torch.nn.Module()
+    mlp.experts = FusedMoE(E, H, I)
+    g = torch.Generator().manual_seed(5)
+    weights = {f"model.layers.0.mlp.experts.{e}.{p}.weight": torch.randn(shape, generator=g)
+               for e in range(E) for p, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+    for e in range(E):  # the engine loads them as vLLM's expert loader does: a healthy sync
+        mlp.experts.w13_weight.data[e, :I] = weights[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"]
+        mlp.experts.w13_weight.data[e, I:] = weights[f"model.layers.0.mlp.experts.{e}.up_proj.weight"]
+        mlp.experts.w2_weight.data[e] = weights[f"model.layers.0.mlp.experts.{e}.down_proj.weight"]
+    weights["model.layers.0.mlp.shared_gate.weight"] = torch.randn(1, H, generator=g)  # no such module anywhere
+    check = SyncCheck()
+    record = check.begin(1)
+    for _ in record.observing(list(weights.items())):
+        pass
+    report = check.finish(record, VLLMWeights(model, torch.bfloat16))
+    experts = {n: "unread" for n in weights if ".experts." in n}
+    assert report.statuses == {**experts, "model.layers.0.mlp.shared_gate.weight": "missing"} and len(experts) == 3 * E
+    assert [c.code for c in report.causes] == ["sync-tensors-missing"]
+    assert "shared_gate" in report.causes[0].message and "experts" not in report.causes[0].message

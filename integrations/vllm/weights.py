@@ -160,7 +160,7 @@ class VLLMWeights:
         module = self._modules.get(module_name)
         where: Optional[_Where] | str
         if not mapped or module is None or not isinstance(getattr(module, leaf, None), torch.Tensor):
-            where = "missing"
+            where = None if self._in_experts(mapped or name) else "missing"
         else:
             try:
                 where = self._oriented(module, leaf, shard, shape)
@@ -169,6 +169,14 @@ class VLLMWeights:
                 where = None
         self._where[name] = where
         return where
+
+    def _in_experts(self, name: str) -> bool:
+        """Whether an ancestor module of ``name`` stacks MoE experts: a trainer's per-expert tensor
+        (``mlp.experts.3.gate_proj.weight``) has no module of its own in the engine, whose ``FusedMoE`` holds every
+        expert of the layer in one ``w13_weight`` / ``w2_weight``. Not mapped in this version, so not compared."""
+        parts = name.split(".")
+        return any("FusedMoE" in _class_names(module) for k in range(len(parts) - 1, 0, -1)
+                   if (module := self._modules.get(".".join(parts[:k]))) is not None)
 
     def _oriented(self, module, leaf: str, shard, shape: tuple) -> Optional[_Where]:
         """``_shard`` of a sent tensor, in the engine's orientation: a linear weight whose columns are not the

@@ -244,3 +244,57 @@ def test_moe_experts_stacked_in_the_engine_are_not_compared_and_never_named_miss
     assert report.statuses == {**experts, "model.layers.0.mlp.shared_gate.weight": "missing"} and len(experts) == 3 * E
     assert [c.code for c in report.causes] == ["sync-tensors-missing"]
     assert "shared_gate" in report.causes[0].message and "experts" not in report.causes[0].message
+
+
+class _FP8Linear:
+    """vLLM's fp8 linear method as the reader meets it (the CPU build has none): a weight held in float8_e4m3fn
+    with a per-output-channel ``weight_scale``, whose forward dequantizes and multiplies in the activations' dtype,
+    so a one-hot row reads the dequantized value rounded to that dtype."""
+
+    def apply(self, layer, x, bias=None):
+        return x @ (layer.weight.float() * layer.weight_scale.float()[:, None]).to(x.dtype).T
+
+
+def test_a_healthy_sync_into_an_fp8_engine_names_nothing():
+    """The trainer's fp32 values quantized by round to nearest (per-channel scale amax / 448) and read through a
+    bf16 forward: each read value is within half an fp8 step plus the bf16 rounding of the output (about one read
+    in 800 is further than the half step alone), so a healthy sync names nothing, step after step; a tensor the
+    sync skips after the step is still named stale."""
+    from tim_plugins.weight_sync import SyncCheckConfig
+
+    linear, group, config = _layers()
+    model = torch.nn.Module()
+    names = [f"layers.{i}.proj.weight" for i in range(8)]
+    with group, config:
+        for i in range(8):
+            setattr(model, f"l{i}", linear.ReplicatedLinear(H, 4 * H, bias=False, params_dtype=torch.bfloat16))
+    model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(8)])
+    for i, layer in enumerate(model.layers):
+        layer.proj = getattr(model, f"l{i}")
+        layer.proj.quant_method = _FP8Linear()
+    del model.l0, model.l1, model.l2, model.l3, model.l4, model.l5, model.l6, model.l7
+
+    def load(weights, skip=()):
+        for name, t in weights:
+            if name in skip:
+                continue
+            layer = model.get_submodule(name.rpartition(".")[0])
+            scale = t.abs().amax(dim=1, keepdim=True).float() / 448.0
+            layer.weight = torch.nn.Parameter((t.float() / scale).to(torch.float8_e4m3fn), requires_grad=False)
+            layer.weight_scale = torch.nn.Parameter(scale.reshape(-1), requires_grad=False)
+
+    g = torch.Generator().manual_seed(9)
+    weights = {n: torch.randn(4 * H, H, generator=g) * 0.02 for n in names}
+    check = SyncCheck(SyncCheckConfig(elements_per_tensor=4 * H * 16, columns_per_tensor=16))
+    reader = VLLMWeights(model, torch.bfloat16)
+    for step in range(3):
+        record = check.begin(step)
+        load(record.observing(list(weights.items())))
+        report = check.finish(record, reader)
+        assert report.causes == [] and set(report.statuses.values()) == {"ok"}, (step, report.detail)
+        for t in weights.values():
+            t.add_(torch.randn(t.shape, generator=g) * 2e-3)
+    record = check.begin(3)
+    load(record.observing(list(weights.items())), skip={names[2]})
+    report = check.finish(record, reader)
+    assert [(c.code, c.tensors) for c in report.causes] == [("sync-tensors-stale", (names[2],))]

@@ -368,7 +368,7 @@ class VLLMWeights:
             return EngineRead(values=values, dtype=y.dtype, held=mask)
         stored, scale = bound
         return EngineRead(values=values, dtype=stored, quantized=True, held=mask,
-                          atol=_half_step(values, stored, scale))
+                          atol=_half_step(values, stored, scale, y.dtype))
 
     @staticmethod
     def _quantizer_bound(module) -> Optional[tuple[torch.dtype, torch.Tensor]]:
@@ -384,10 +384,16 @@ class VLLMWeights:
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
-def _half_step(values: torch.Tensor, stored: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """Half a quantization step at each dequantized value: |v| · 2^-(mantissa bits + 1), and at least half the
-    smallest subnormal times the largest scale (a conservative bound when the per-row scale is not mapped)."""
+def _half_step(values: torch.Tensor, stored: torch.dtype, scale: torch.Tensor,
+               read: torch.dtype = torch.float32) -> torch.Tensor:
+    """The bound on |trainer value − value read| of a quantized weight read through its forward, whose output is in
+    ``read`` (the engine's activations): half a quantization step at the value, |v| · 2^-(mantissa bits + 1), plus
+    two roundings to ``read``, |v| · eps(read) (the forward's output, and a weight the engine loaded in its own dtype
+    before quantizing it online), all relative to the dequantized value, within a 2^-7 margin of |v|; and at least
+    half the smallest subnormal times the largest scale (a conservative bound when the per-row scale is not
+    mapped)."""
     mantissa = {"float8_e4m3fn": 3, "float8_e5m2": 2}[str(stored).replace("torch.", "")]
     tiny = torch.finfo(stored).smallest_normal * 2.0 ** -mantissa
     floor = float(scale.max()) * tiny / 2
-    return torch.nan_to_num(values.abs() * 2.0 ** -(mantissa + 1), nan=0.0) + floor
+    relative = (2.0 ** -(mantissa + 1) + torch.finfo(read).eps) * (1 + 2.0 ** -7)
+    return torch.nan_to_num(values.abs() * relative, nan=0.0) + floor

@@ -21,6 +21,11 @@ bucket into the model (``load_weights``) and post-processes it. What is observed
    ``tim/cause/*`` in the next window's metrics (the old-log-prob pass of the next step), which the driver logs
    through verl's tracker, and the probe's warn / raise / stop on a named cause.
 
+Only what the actor streams is sampled; a tensor its export leaves out is named from the next checked sync on
+(``SyncWatch.observing``): each full sync is expected to stream every name an earlier checked one streamed, and one
+it did not send is stale after an optimizer step (its tensors marked never sent). An export that never streamed a
+tensor, from the first checked sync on, is not seen here (the lag-0 probe and the stream rules judge the tokens).
+
 A LoRA actor is checked too: with ``lora.merge=true`` verl streams merged weights under the base names (a plain
 sync); with the adapter sync (``lora.merge=false``) the adapter matrices are compared with the slot buffers vLLM
 computes with (``integrations.vllm.lora_weights``), and the base weights of the first sync like any others.
@@ -73,6 +78,8 @@ class SyncWatch:
         self._remote: list[SyncCheck] = [SyncCheck(config)]
         self.sent_record: SyncRecord | None = None
         self.sent_checked = False
+        # every name a checked full sync (no LoRA adapter) streamed: each later one is expected to stream them too
+        self._streamed: dict[str, None] = {}
 
     async def around(self, step: int | None, sync: Callable[[], Awaitable], read: Callable[[list], Awaitable] | None,
                      gather: Callable[[list], Awaitable[tuple[list, bool]]]):
@@ -171,7 +178,9 @@ class SyncWatch:
         if record is None:
             return weights
         if peft_config is None:
-            return record.observing(weights)
+            if self._streamed:
+                record.expect(self._streamed)
+            return self._learning(record.observing(weights), record)
         from tim_plugins.integrations.vllm.lora_weights import lora_scaling
 
         scaling = lora_scaling(peft_config)
@@ -185,6 +194,15 @@ class SyncWatch:
                 yield name, tensor
 
         return observed()
+
+    def _learning(self, stream: Iterator, record: SyncRecord) -> Iterator:
+        """``stream`` passed on; once it has all passed, its names join those every later full sync must stream.
+        verl's export of a full sync (FSDP's state dict, Megatron's bridge) is the same set of names each time, so a
+        name an earlier checked sync streamed and this one does not is a tensor the export left out: the engine
+        still holds its earlier values (``SyncCheck.finish``: stale after an optimizer step). The first checked sync
+        has nothing to expect; a LoRA adapter's syncs (the base weights at the first only) are not expected."""
+        yield from stream
+        self._streamed.update((name, None) for name, sent in record.sent.items() if sent.streamed)
 
     def requests(self) -> list:
         """What to read from the engine after the sync (``worker_reads.sync_requests``)."""

@@ -347,3 +347,42 @@ def test_every_cause_has_its_fix_in_verls_words():
     assert set(CAUSE_FIXES) == set(CAUSES)
     for code in CAUSES:
         assert cause_fix(code, "verl") == CAUSE_FIXES[code]
+
+
+def test_a_tensor_the_actors_export_leaves_out_is_named_stale(engine, toy_model_path, monkeypatch):
+    """verl's FSDP export (``get_per_tensor_param``) stops streaming one layer after the first sync: the check never
+    samples it, but the earlier checked sync streamed it, so the later sync expects it, and after an optimizer step
+    the engine's copy (the first sync's values; the actor's moved) is named stale, with exactly that layer's tensors,
+    each marked never sent. The reference: the names the test's export dropped, and the copy's tensors compared whole
+    with the actor's."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    rollout = H.Rollout(toy_model_path, seed=3)
+    engine.tim_deconfigure()
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+    try:
+        report = H.checked_sync(engine, rollout, 0)
+        assert report.causes == [] and set(report.statuses.values()) == {"ok"}
+        first = list(rollout.streamed)
+        layer = [n for n in first if n.startswith(SKIPPED)]
+        synced = {n: rollout.params[n].detach().clone() for n in layer}
+        export = FSDPEngine.get_per_tensor_param
+
+        def leaving_out(self, *args, **kwargs):
+            weights, peft = export(self, *args, **kwargs)
+            return ((n, t) for n, t in weights if not n.startswith(SKIPPED)), peft
+
+        monkeypatch.setattr(FSDPEngine, "get_per_tensor_param", leaving_out)
+        _train(engine, seed=6)
+        report = H.checked_sync(engine, rollout, 1)
+        assert len(layer) >= 9 and rollout.streamed == [n for n in first if n not in layer]
+        actor = {n: t for n, t in export(engine)[0] if n.startswith(SKIPPED)}
+        assert all(torch.equal(rollout.params[n].detach(), synced[n]) and not torch.equal(synced[n], actor[n])
+                   for n in layer)
+        assert report.not_sent == layer and report.names("stale") == layer
+        assert {n for n, s in report.statuses.items() if s != "ok"} == set(layer)
+        assert [c.code for c in report.causes] == ["sync-tensors-stale"]
+        assert set(report.causes[0].tensors) == set(layer) and f"{len(layer)} of them never sent" in \
+            report.causes[0].message
+    finally:
+        engine.tim_deconfigure()

@@ -103,3 +103,24 @@ def test_a_training_report_with_an_unknown_finding_code_renders(tmp_path):
     _no_payload(out)
     assert html.escape("no fix known for code from-a-newer-version" + X) in out
     assert html.escape("its other stored fields: detail: d" + X) in out
+
+
+def test_training_and_comparison_reports_with_a_finding_missing_its_fields_render(tmp_path):
+    """A stored finding without a code or a severity (an edited or truncated summary.json): both pages render,
+    the finding shown with what it has, the other findings counted as usual."""
+    from tim_plugins.report import build_comparison, build_report
+
+    runs = []
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({
+            "kind": "training", "framework": "trl", "title": name, "settings": {},
+            "findings": [{"message": "no code, no severity" + X}, _finding("dtype-mismatch", "error")]}))
+        runs.append(run)
+    out = build_report(runs[0], threads=1).read_text()
+    _no_payload(out)
+    assert html.escape("no code, no severity" + X) in out and "dtype-mismatch" in out
+    page = build_comparison(runs, tmp_path / "compare.html", threads=1).read_text()
+    _no_payload(page)
+    assert "dtype-mismatch" in page

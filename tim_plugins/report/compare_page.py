@@ -107,7 +107,7 @@ def _audit_cell(summary: dict) -> str:
     deliberate = summary.get("deliberate") or {}
     parts = []
     for level in ("error", "warning"):
-        codes = list(dict.fromkeys(f["code"] for f in findings if f["severity"] == level))
+        codes = list(dict.fromkeys(str(f.get("code")) for f in findings if f.get("severity") == level))
         words = [c + (" (deliberate)" if c in deliberate else "") for c in codes]
         parts.append(f"{len(codes)} {level}{'' if len(codes) == 1 else 's'}" + (f": {', '.join(words)}" if words else ""))
     return "; ".join(parts)

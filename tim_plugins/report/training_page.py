@@ -202,8 +202,8 @@ def _tally(findings: list, deliberate: dict) -> str:
     (their severity cell says "error (deliberate here)")."""
     parts = []
     for level in ("error", "warning"):
-        hits = [f for f in findings if f["severity"] == level]
-        on_purpose = sum(f["code"] in deliberate for f in hits)
+        hits = [f for f in findings if f.get("severity") == level]
+        on_purpose = sum(str(f.get("code")) in deliberate for f in hits)
         parts.append(_plural(len(hits) - on_purpose, level) + (f" (+{on_purpose} deliberate here)" if on_purpose
                                                                else ""))
     return ", ".join(parts)
@@ -217,7 +217,7 @@ def audit_line(findings: list, own: list | None, deliberate: dict) -> str:
     every = list(findings) + list(own or [])
     parts = []
     for level, word in (("error", "to fix"), ("warning", "")):
-        codes = list(dict.fromkeys(f["code"] for f in every if f["severity"] == level))
+        codes = list(dict.fromkeys(str(f.get("code")) for f in every if f.get("severity") == level))
         left = [c for c in codes if c not in deliberate]
         on_purpose = [c for c in codes if c in deliberate]
         text = _plural(len(left), level) + (f" {word}" if word else "") + (f" ({', '.join(left)})" if left else "")
@@ -433,7 +433,7 @@ def _audit_section(page, summary: dict) -> None:
                  "it audits the rollout side as TRL's own generation with the trainer's model. The same audit of "
                  "the rollout model the demo actually samples with:</p>")
         _findings_table(page, own, "No findings.", framework, deliberate)
-        found = {f["code"] for f in own}
+        found = {str(f.get("code")) for f in own}
         for why in dict.fromkeys(deliberate.values()):
             codes = [c for c, w in deliberate.items() if w == why and c in found]
             if codes:

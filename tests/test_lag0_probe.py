@@ -236,7 +236,7 @@ def test_a_resumed_reference_is_judged_against_the_floor_its_checkpoint_carried(
     model0, _, seqs = pair
     before, _, _ = _run(pair, 2)
     state = json.loads(json.dumps(before.state_dict()))  # what trainer_state.json carries
-    assert state == {"floor": before.floor} and math.isfinite(before.floor)
+    assert state == {"floor": before.floor, "syncs": 2} and math.isfinite(before.floor)
     trainer, opt, batch = _trained(model0, seqs, 3)
 
     healthy = Lag0Probe()
@@ -309,12 +309,27 @@ def test_a_faulty_resumed_reference_gives_way_to_the_first_sync_that_reaches_the
     assert probe.floor == before.floor and not probe.reference_faulty
 
 
+def test_the_every_n_syncs_schedule_goes_on_across_a_resume():
+    """every_n_syncs=3: a run that saw 4 syncs and resumes probes its 6th, 9th ... sync, as the run would have gone
+    on; a checkpoint without the count (an older one) starts the schedule again."""
+    config = Lag0ProbeConfig(every_n_syncs=3)
+    before = Lag0Probe(config)
+    assert [before.due() for _ in range(4)] == [False, False, True, False]
+    resumed = Lag0Probe(config)
+    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    assert [resumed.due() for _ in range(5)] == [False, True, False, False, True]
+    for state in ({"floor": 0.1}, {"floor": 0.1, "syncs": -1}, {"floor": 0.1, "syncs": True}):
+        fresh = Lag0Probe(config)
+        fresh.load_state_dict(state)
+        assert [fresh.due() for _ in range(3)] == [False, False, True], state
+
+
 @pytest.mark.parametrize("state", [None, {}, {"floor": None}, {"floor": math.nan}, {"floor": -1.0},
                                    {"floor": True}, {"floor": "0.1"}])
 def test_a_checkpoint_without_a_usable_floor_leaves_the_reference_unjudged(state):
     probe = Lag0Probe()
     probe.load_state_dict(state)
-    assert math.isnan(probe.carried_floor) and probe.state_dict() == {"floor": None}
+    assert math.isnan(probe.carried_floor) and probe.state_dict() == {"floor": None, "syncs": 0}
     e = torch.zeros(1, 3, dtype=torch.float64)
     probe.set_reference(e, e - 5.0, torch.ones(1, 3, dtype=torch.bool))
     assert probe.judge_reference(1) == [] and probe.floor == 5.0

@@ -177,15 +177,19 @@ class Lag0Probe:
                       evidence={"step": int(step), "gap": gap, "floor": floor, "tokens": tokens, "resumed": True})]
 
     def state_dict(self) -> dict:
-        """What a checkpoint carries: the floor (the reference's, or the one carried into this run before it)."""
+        """What a checkpoint carries: the floor (the reference's, or the one carried into this run before it), and
+        the syncs seen (the ``every_n_syncs`` schedule goes on where it was)."""
         floor = self.floor if math.isfinite(self.floor) else self.carried_floor
-        return {"floor": floor if math.isfinite(floor) else None}
+        return {"floor": floor if math.isfinite(floor) else None, "syncs": self.syncs}
 
     def load_state_dict(self, state: dict) -> None:
-        """A resumed run's carried floor, which judges its first reference (``judge_reference``)."""
+        """A resumed run's carried floor, which judges its first reference (``judge_reference``), and its syncs."""
         floor = (state or {}).get("floor")
         self.carried_floor = float(floor) if isinstance(floor, (int, float)) and not isinstance(floor, bool) \
             and math.isfinite(floor) and floor >= 0 else math.nan
+        syncs = (state or {}).get("syncs")
+        if isinstance(syncs, int) and not isinstance(syncs, bool) and syncs >= 0:
+            self.syncs = syncs
 
     def due(self) -> bool:
         """One more sync happened: True when it is to be probed (every ``every_n_syncs``-th; the same answer on every

@@ -72,6 +72,53 @@ def test_replay_equals_a_float64_reference_values_and_gradients(temperature, chu
     torch.testing.assert_close(x.grad.double()[inside_rows], xr.grad[inside_rows], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+def test_a_set_far_under_the_trainers_top_token_and_a_set_the_trainer_masks_whole(path):
+    """The engine's S need not hold the trainer's top token (the disagreement replay exists for): 11 logits under it
+    at T = 0.1, every e^(z − row max) of S underflows in fp32, yet the log-prob, entropy, pruned mass and gradients
+    equal the float64 masked log-softmax. A row whose every kept id the trainer masks (-inf) has no distribution over
+    S: log-prob -inf, out of S, entropy 0, and a loss that leaves it out by ``in_safe`` has finite gradients."""
+    temperature, vocab = 0.1, 9
+    logits = torch.zeros(3, vocab)
+    logits[0, 0], logits[0, 3], logits[0, 4] = 12.0, 1.0, 0.5
+    logits[1] = torch.linspace(-1.0, 1.0, vocab)
+    logits[1, 8] = 11.0
+    logits[2, 5:7] = -math.inf
+    kept = KeptSets.from_lists([[3, 4], [2, 5, 6], [5, 6]])
+    tokens = torch.tensor([3, 6, 5])
+    g, ge = torch.tensor([1.0, -0.5, 0.0]), torch.tensor([0.3, 0.7, 0.0])
+    if path == "logits":
+        x = logits.clone().requires_grad_()
+        out = replay_logprobs_from_logits(x, tokens, kept, temperature=temperature, compute_entropy=True)
+        leaf = x
+    else:  # logits = h @ W with h the identity: the same numbers, the gradient on W; a matmul gives no -inf logit,
+        # so the masked row is the logits path's alone
+        h = torch.eye(2, 4)
+        w = torch.zeros(vocab, 4)
+        w[:, :2] = logits[:2].T
+        leaf = w.requires_grad_()
+        out = replay_logprobs_from_hidden(h, leaf, tokens[:2], KeptSets.from_lists([[3, 4], [2, 5, 6]]),
+                                          temperature=temperature, compute_entropy=True)
+    rows = out.logprobs.shape[0]
+    loss = torch.where(out.in_safe, out.logprobs * g[:rows] + out.entropy * ge[:rows], 0.0).sum()
+    loss.backward()
+    assert out.in_safe.tolist() == [True, True, False][:rows] and out.size.tolist() == [2, 3, 0][:rows]
+    assert bool(torch.isfinite(leaf.grad).all())
+    if path == "logits":
+        assert out.logprobs[2] == -math.inf and out.entropy[2] == 0.0
+    keep = dense(kept, vocab)
+    xr = logits[:2].double().requires_grad_()
+    lp, ent, pruned, _ = reference(xr, tokens[:2], keep[:2], temperature)
+    ((lp * g[:2].double()).sum() + (ent * ge[:2].double()).sum()).backward()
+    torch.testing.assert_close(out.logprobs[:2].double(), lp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.entropy[:2].double(), ent.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.pruned_mass[:2].double(), pruned, atol=1e-6, rtol=0)
+    grad = leaf.grad.double() if path == "logits" else leaf.grad.double()[:, :2].T
+    torch.testing.assert_close(grad[:2], xr.grad, atol=1e-5, rtol=0)
+    if path == "logits":
+        assert not grad[2].any()
+
+
 def test_hidden_path_equals_logits_path():
     """The chunked hidden-state variant (verl's fused-kernel mode) gives the logits path's values and gradients;
     inputs in eighths so both see bit-identical logits."""

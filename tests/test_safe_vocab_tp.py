@@ -84,6 +84,9 @@ REPLAY_CASES = {
     "logits": ((500, 501), 1.0, None, False),
     "logits_chunked": ((300, 701), 0.7, 7, False),
     "hidden": ((251, 250), 0.8, 9, True),
+    # rows whose replayed set lies >= 120 nats (at T = 0.25) under a token the trainer ranks first, on either shard:
+    # e^(z − row max) of every kept token underflows in fp32
+    "logits_far": ((250, 251), 0.25, None, False),
 }
 
 
@@ -113,6 +116,11 @@ def _replay_inputs(name: str):
             ids = sorted(set(ids) | {int(tokens[i])})
         lists.append(ids)
     tokens[5] = int(engine[5].argsort()[0])  # the least likely token: not among row 5's top k
+    if name == "logits_far":
+        for i, top in ((7, 3), (8, 400), (9, 249), (10, 250)):  # the trainer's new top token, outside the set
+            if top in lists[i]:
+                lists[i].remove(top)
+            logits[i, top] = logits[i].max() + 30.0
     return widths, temperature, logits, hidden, weight, tokens, KeptSets.from_lists(lists)
 
 

@@ -20,7 +20,10 @@ results are a ``SafeLogprobs`` with the same fields (log-prob of the label, labe
 
 A row with an empty id list has no recorded set (a prompt or padding position): it keeps the whole vocabulary.
 A -inf logit of the trainer's is never in S (``safe_vocab``'s rule): |S| does not count it, and a sampled token
-the trainer masks so is out of S (``in_safe`` False, log-prob -inf), not a NaN loss.
+the trainer masks so is out of S (``in_safe`` False, log-prob -inf), not a NaN loss; a row whose every kept id the
+trainer masks has no distribution over S (log-prob -inf, out of S, entropy 0, no gradient). The engine's S need not
+hold the trainer's largest logit: the sum over S is shifted by S's own maximum, so a set far under it (the
+disagreement replay is for) does not underflow.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class _Replay:
     expanded from the packed ids into the folds' reused [rows, V] bool buffer, in forward and again in backward."""
 
     masks = True
+    keeps_max = False  # the engine's S need not hold the trainer's largest logit
 
     def __init__(self, kept: KeptSets, temperature: float, device) -> None:
         self.temperature = float(temperature)

@@ -38,6 +38,7 @@ row's results are the same as without it: rows are folded independently.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -130,6 +131,7 @@ class _Threshold:
         self.trunc = trunc
         self.temperature = trunc.temperature
         self.masks = trunc.active  # whether S can be smaller than V (the folds then keep a [rows, V] bool buffer)
+        self.keeps_max = True  # S always holds the row's largest logit (the cut is relative to it)
 
     def select(self, z: torch.Tensor, start: int, m: torch.Tensor, buf):
         """(keep [n, V] bool in ``buf`` or None for S = V, tau [n] saved for ``reselect``) of rows start…"""
@@ -188,20 +190,58 @@ def _chunk_forward(z: torch.Tensor, tok: torch.Tensor, sel, start: int, want_ent
         size = _count_kept(torch.ge(z, tau[:, None], out=keep_buf[: z.shape[0]]))
     else:
         size = _count_kept(keep)
-    e = z.sub_(m[:, None]).exp_()  # in place: e = exp(z − m), 0 < e <= 1
-    full = e.sum(dim=-1)
+    empty = None
+    if keep is not None and not sel.keeps_max:
+        # a replayed S need not hold the row's max: shifted by it, every e^(z−m) of S can underflow (a kept set 104
+        # nats under the trainer's top token at fp32) and log Σ_S be -inf. Shifted by S's own max instead, whose term
+        # is 1; the full sum keeps the row max (a token above S's max would overflow); a row whose S holds no finite
+        # logit has no distribution over S (log-prob -inf, out of S)
+        m_all, m = m, _masked_max(z, keep)
+        empty = m == -math.inf
+        m = torch.where(empty, m_all, m)
+        full = _shifted_sum(z, m_all)
+        e = z.sub_(m[:, None]).clamp_(max=0.0).exp_()  # off S above its max: clamped, then masked out
+    else:
+        e = z.sub_(m[:, None]).exp_()  # in place: e = exp(z − m), 0 < e <= 1
+        full = e.sum(dim=-1)
     kept = full if keep is None else _apply_mask(e, keep).sum(dim=-1)  # Σ_S e^(z−m)
     log_kept = kept.log()
     log_zs = m + log_kept  # log Σ_S e^z
     logp = (z_tok - m) - log_kept  # log_softmax's own order of operations: min_p = 0 reproduces it
-    pruned = (1.0 - kept / full).clamp_(min=0.0)
+    if empty is None:
+        pruned = (1.0 - kept / full).clamp_(min=0.0)
+    else:
+        pruned = (1.0 - kept * torch.exp(m - m_all) / full).clamp_(min=0.0)
+        logp = logp.masked_fill(empty, -math.inf)
+        log_zs = log_zs.masked_fill(empty, math.inf)  # backward: q = e^(z − log_zs) = 0 on the row, no NaN
+        m = m_all  # _bad_rows: whether the row has a distribution at all
     entropy = None
     if want_entropy:
         # H(q) = log Σ_S e^(z−m) − Σ_S e^(z−m)(z−m) / Σ_S e^(z−m); e log e = e (z − m), and 0 where e underflows.
         # e is not needed afterwards: xlogy overwrites it instead of allocating another [n, V] tensor
         entropy = log_kept - torch.special.xlogy(e, e, out=e).sum(dim=-1) / kept
+    if empty is not None and entropy is not None:
+        entropy = entropy.masked_fill(empty, 0.0)
     logp, in_set, pruned, size, entropy = _void_rows(_bad_rows(m, full), logp, in_set, pruned, size, entropy)
     return logp, in_set, pruned, size, tau, log_zs, entropy
+
+
+def _masked_max(z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """max over S per row (-inf for an empty S), a slice of rows at a time (a [rows, V] temporary)."""
+    out = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
+    rows = _mask_rows(z)
+    for s in range(0, z.shape[0], rows):
+        out[s : s + rows] = z[s : s + rows].masked_fill(~keep[s : s + rows], -math.inf).amax(dim=-1)
+    return out
+
+
+def _shifted_sum(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Σ e^(z − m) per row, z left unmodified, a slice of rows at a time."""
+    out = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
+    rows = _mask_rows(z)
+    for s in range(0, z.shape[0], rows):
+        out[s : s + rows] = (z[s : s + rows] - m[s : s + rows, None]).exp_().sum(dim=-1)
+    return out
 
 
 def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, sel, start, keep_buf):
@@ -216,7 +256,7 @@ def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, sel, start, keep_buf)
     if g_ent is not None:
         # dH/dz_j = −q_j (log q_j + H) on S; log q = z − log Σ_S, floored at _LOWEST so that a -inf logit (q = 0)
         # gets 0, not 0 · (−inf) = NaN
-        logq = z.sub_(log_zs[:, None]).clamp_(min=_LOWEST)
+        logq = z.sub_(log_zs[:, None]).clamp_(min=_LOWEST, max=0.0)  # <= 0 on S; off S (a replayed S) masked
         q = _apply_mask(logq.exp(), keep)
         grad = logq.add_(entropy[:, None]).mul_(q).mul_(-g_ent[:, None])  # reuses z's storage
         if g_lp is not None:
@@ -224,7 +264,7 @@ def _chunk_grad(z, tok, tau, log_zs, entropy, g_lp, g_ent, sel, start, keep_buf)
             # d logp(a)/dz_a gets +1 (also for a outside S: logp(a) = z_a − log Σ_S is still a function of z_a)
             grad.scatter_add_(-1, tok[:, None], g_lp[:, None])
         return grad, torch.full_like(log_zs, inv_t)
-    g = _apply_mask(z.sub_(log_zs[:, None]).exp_(), keep)  # q, zero off S
+    g = _apply_mask(z.sub_(log_zs[:, None]).clamp_(max=0.0).exp_(), keep)  # q, zero off S (clamped first: no inf × 0)
     g.scatter_add_(-1, tok[:, None], torch.full_like(g_lp[:, None], -1.0))  # also for a outside S (see above)
     return g, g_lp.neg().mul_(inv_t)
 

@@ -347,7 +347,9 @@ class _Cut:
         return self
 
     def stats(self, logits, group, chunk: int):
-        return _row_stats(logits, self.trunc, group, chunk)
+        """(row max m, threshold tau, S's max: m, which S always holds)."""
+        m, tau = _row_stats(logits, self.trunc, group, chunk)
+        return m, tau, m
 
     @staticmethod
     def keep(z: torch.Tensor, s: int, e: int, tau: torch.Tensor) -> torch.Tensor:
@@ -379,12 +381,17 @@ class _Kept:
                      self.vocab_start, self.width)
 
     def stats(self, logits, group, chunk: int):
+        """(row max m, a placeholder threshold the backward passes back, S's max: the engine's S need not hold the
+        trainer's largest logit, and the sum over S is shifted by its own max, -inf for an S without a finite
+        logit), both maxima in one ``all_reduce(MAX)``."""
         n = logits.shape[0]
-        m = torch.empty(n, dtype=torch.float32, device=logits.device)
+        maxima = torch.empty((2, n), dtype=torch.float32, device=logits.device)
         for s, e in _chunks(n, chunk):
-            m[s:e] = _z(logits, slice(s, e), self.temperature).amax(dim=-1)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        return m, torch.full_like(m, -math.inf)  # no threshold: a placeholder the backward passes back
+            z = _z(logits, slice(s, e), self.temperature)
+            maxima[0, s:e] = z.amax(dim=-1)
+            maxima[1, s:e] = z.masked_fill(~self.keep(z, s, e, None), -math.inf).amax(dim=-1)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        return maxima[0], torch.full_like(maxima[0], -math.inf), maxima[1]
 
     def keep(self, z: torch.Tensor, s: int, e: int, tau: torch.Tensor) -> torch.Tensor:
         n = e - s
@@ -415,11 +422,19 @@ def _shard_forward(logits, tokens, local, owned, sel, group, chunk: int, want_en
     (logp, in_safe, pruned, size as fp32, entropy or None, tau, log Σ_S e^z). Every rank of the group calls it with
     the same rows; n = 0 calls no collective."""
     n, device = logits.shape[0], logits.device
+    empty = None
     if n == 0:  # every rank of the group has the same rows: none of them calls a collective
-        m = tau = torch.empty(0, dtype=torch.float32, device=device)
+        m = tau = shift = torch.empty(0, dtype=torch.float32, device=device)
         sums = torch.zeros((5, 0), dtype=torch.float32, device=device)
     else:
-        m, tau = sel.stats(logits, group, chunk)
+        m, tau, shift = sel.stats(logits, group, chunk)
+        # a replayed S (``_Kept``) need not hold the row max: the sum over S is shifted by S's own max
+        # (safe_vocab._chunk_forward), the full sum by the row max; a row whose S holds no finite logit: log-prob
+        # -inf, out of S
+        apart = shift is not m
+        if apart:
+            empty = shift == -math.inf
+            shift = torch.where(empty, m, shift)
         sums = torch.empty((5 if want_entropy else 4, n), dtype=torch.float32, device=device)
         with torch.no_grad():
             for s, e in _chunks(n, chunk):
@@ -427,8 +442,12 @@ def _shard_forward(logits, tokens, local, owned, sel, group, chunk: int, want_en
                 keep = sel.keep(z, s, e, tau)
                 sums[3, s:e] = torch.where(owned[s:e], z.gather(-1, local[s:e, None]).squeeze(-1), 0.0)
                 sums[2, s:e] = keep.sum(dim=-1, dtype=torch.int32).float()  # |S| <= V < 2^24: exact in fp32
-                ez = z.sub_(m[s:e, None]).exp_()  # e^(z−m), in place
-                sums[1, s:e] = ez.sum(dim=-1)
+                if apart:
+                    sums[1, s:e] = (z - m[s:e, None]).exp_().sum(dim=-1)
+                    ez = z.sub_(shift[s:e, None]).clamp_(max=0.0).exp_()  # off S above its max: masked out below
+                else:
+                    ez = z.sub_(m[s:e, None]).exp_()  # e^(z−m), in place
+                    sums[1, s:e] = ez.sum(dim=-1)
                 ez.mul_(keep)
                 sums[0, s:e] = ez.sum(dim=-1)
                 if want_entropy:  # e log e = e (z − m), 0 where e underflows (safe_vocab's form)
@@ -436,14 +455,19 @@ def _shard_forward(logits, tokens, local, owned, sel, group, chunk: int, want_en
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     kept, full, size, z_tok = sums[0], sums[1], sums[2], sums[3]
     log_kept = kept.log()
-    logp = (z_tok - m) - log_kept  # safe_vocab._chunk_forward's order of operations
+    logp = (z_tok - shift) - log_kept  # safe_vocab._chunk_forward's order of operations
     in_safe = sel.contains(z_tok, tau, tokens)
-    pruned = (1.0 - kept / full).clamp_(min=0.0)
+    pruned = (1.0 - (kept if empty is None else kept * torch.exp(shift - m)) / full).clamp_(min=0.0)
     ent = log_kept - sums[4] / kept if want_entropy else None
+    log_zs = shift + log_kept
+    if empty is not None:
+        logp = logp.masked_fill(empty, -math.inf)
+        log_zs = log_zs.masked_fill(empty, math.inf)  # backward: q = e^(z − log_zs) = 0 on the row
+        ent = None if ent is None else ent.masked_fill(empty, 0.0)
     # a row with a NaN / +inf logit on any shard (the reduced sum is NaN even where the MAX reduction dropped a NaN),
     # or none finite, as safe_vocab leaves it; the reduced values are the same on every rank, so is this
     logp, in_safe, pruned, size, ent = _void_rows(_bad_rows(m, full), logp, in_safe, pruned, size, ent)
-    return logp, in_safe, pruned, size, ent, tau, m + log_kept
+    return logp, in_safe, pruned, size, ent, tau, log_zs
 
 
 def _shard_grad(z: torch.Tensor, keep: torch.Tensor, local, owned, log_zs, ent, g_lp, g_ent,

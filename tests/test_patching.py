@@ -57,3 +57,30 @@ def test_re_patched_by_someone_else_warns_and_restores_the_state_before_ours(cap
         p.undo()
     assert "Owner.method was re-patched by someone else" in caplog.text
     assert "method" not in vars(a) and a.method(1) == 2
+
+
+@pytest.mark.parametrize("order", ["first_then_second", "second_then_first"])
+def test_two_of_our_patches_on_one_attribute_restore_the_original_in_either_order(order, caplog):
+    """Two trainers in one process patch the same class and module attribute (two threads); their undos come in
+    any order: after both the original is back, with no warning (both are ours), and while one is on, its
+    wrapper is the one called."""
+    module = types.ModuleType("fake_module")
+    module.f = lambda: "original"
+    before = Owner.__dict__["method"]
+    first = [Patch(Owner, "method", lambda original: lambda self, x: ("first", original(self, x))),
+             Patch(module, "f", lambda original: lambda: ("first", original()))]
+    second = [Patch(Owner, "method", lambda original: lambda self, x: ("second", original(self, x))),
+              Patch(module, "f", lambda original: lambda: ("second", original()))]
+    assert Owner().method(1) == ("second", ("first", 2)) and module.f() == ("second", ("first", "original"))
+    undos = first + second if order == "first_then_second" else second + first
+    with caplog.at_level(logging.WARNING, logger="tim_plugins"):
+        for p in undos[:2]:
+            p.undo()
+        if order == "first_then_second":  # the second stays on until undone (the first's wrapper inside it)
+            assert Owner().method(1)[0] == "second" and module.f()[0] == "second"
+        else:
+            assert Owner().method(1) == ("first", 2) and module.f() == ("first", "original")
+        for p in undos[2:]:
+            p.undo()
+    assert Owner.__dict__["method"] is before and Owner().method(1) == 2 and module.f() == "original"
+    assert "re-patched" not in caplog.text

@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from typing import Any, Callable
 
 __all__ = ["Installation", "Patch"]
 
 logger = logging.getLogger(__name__)
+
+# Our live patches per (object, attribute), in the order they went on: two trainers in one process (on two threads)
+# patch the same class or module attribute, and their undos need not come in reverse order.
+_LIVE: dict[tuple[int, str], list["Patch"]] = {}
+_LIVE_LOCK = threading.Lock()
 
 
 def _owner_name(obj: Any) -> str:
@@ -33,7 +39,10 @@ class Patch:
 
     ``original`` is what ``getattr(obj, name)`` gave before (a bound method for an instance), ``replacement`` what
     ``make`` returned. If someone else replaced ``obj.name`` after us, ``undo`` warns and restores anyway: the state
-    before our patch is the one the owner expects back."""
+    before our patch is the one the owner expects back. If another ``Patch`` of ours went on after this one and is
+    still on, ``undo`` leaves the attribute to it and hands it what to restore (this patch's previous state), so the
+    two undos restore the original in either order; this patch's wrapper stays inside the later one's until that
+    one is undone."""
 
     def __init__(self, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
         self.obj, self.name = obj, name
@@ -44,6 +53,8 @@ class Patch:
         self.replacement = make(self.original)
         setattr(obj, name, self.replacement)
         self.active = True
+        with _LIVE_LOCK:
+            _LIVE.setdefault((id(obj), name), []).append(self)
 
     @property
     def label(self) -> str:
@@ -54,6 +65,17 @@ class Patch:
         if not self.active:
             return
         self.active = False
+        key = (id(self.obj), self.name)
+        with _LIVE_LOCK:
+            live = _LIVE.get(key, [])
+            at = next(i for i, p in enumerate(live) if p is self)
+            later = live[at + 1] if at + 1 < len(live) else None
+            del live[at]
+            if not live:
+                _LIVE.pop(key, None)
+            if later is not None:  # ours on top of this one: it restores what this one would have
+                later._had_own, later._previous = self._had_own, self._previous
+                return
         if getattr(self.obj, self.name, None) is not self.replacement:
             logger.warning("tim_plugins: %s was re-patched by someone else; restoring the value before ours anyway",
                            self.label)

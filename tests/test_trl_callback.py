@@ -380,6 +380,20 @@ def test_disabled_detached_and_monitor_only_are_numerically_identical(toy_model_
             assert torch.equal(params[key], value), (name, key)
 
 
+def test_attach_twice_installs_each_wrapper_once(toy_model_path, tmp_path):
+    """``attach`` is public: a second call while the wrappers are on adds none (each hook would run twice, the loss
+    factor applied twice); after ``detach`` nothing is left on the trainer."""
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    plain = {name: getattr(trainer, name) for name in ("_compute_loss", "_get_per_token_logps_and_entropies")}
+    cb = TIMCallback(trainer, TIMConfig())
+    cb.attach()
+    once = list(cb.installed)
+    cb.attach()
+    assert cb.installed == once and len(once) == len(set(once)) >= 3
+    cb.detach()
+    assert cb.installed == [] and all(getattr(trainer, n) == f for n, f in plain.items())
+
+
 def test_config_validation_quotes_values(toy_model_path, tmp_path):
     with pytest.raises(ValueError, match=r"ratio_band=\(2, 3\)"):
         TIMConfig(ratio_band=(2, 3))

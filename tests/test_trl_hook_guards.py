@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
 
 import pytest
 import torch
@@ -448,3 +449,42 @@ def test_is_weights_route_equals_trls_vllm_product(batch_and_trainer, loss_type,
         assert err <= 1e-5 * scale + 1e-7, (loss_type, level, err, scale)
     # The weights matter here (the check above could not pass with weights ignored).
     assert abs(float(ref_loss) - float(plain_loss)) > 1e-3 * max(1.0, abs(float(plain_loss)))
+
+
+def test_the_logits_route_module_is_the_one_whose_call_names_the_global(monkeypatch):
+    """TRL 1.9 - 1.13's log-prob call looks ``selective_log_softmax`` up in its module's globals. A user's subclass
+    that overrides the call and passes it on with ``super()`` (in a module without that global), or wraps it with
+    functools.wraps, leaves the lookup in the base's module: that module is the one the stand-in patches, not the
+    subclass's (which has nothing to patch)."""
+    import functools
+    import types
+
+    base = types.ModuleType("fake_grpo_trainer")
+    exec("def selective_log_softmax(logits, index):\n    return logits\n"
+         "class Trainer:\n"
+         "    def _get_per_token_logps_and_entropies(self, model, input_ids):\n"
+         "        return selective_log_softmax(input_ids, None)\n", base.__dict__)
+    user = types.ModuleType("fake_user_trainer")
+    user.Base, user.functools = base.Trainer, functools
+    exec("class Mine(Base):\n"
+         "    def _get_per_token_logps_and_entropies(self, *args, **kwargs):\n"
+         "        return super()._get_per_token_logps_and_entropies(*args, **kwargs)\n"
+         "def logged(f):\n"
+         "    @functools.wraps(f)\n"
+         "    def inner(*a, **k):\n"
+         "        return f(*a, **k)\n"
+         "    return inner\n"
+         "class Wrapped(Mine):\n"
+         "    _get_per_token_logps_and_entropies = logged(Mine._get_per_token_logps_and_entropies)\n",
+         user.__dict__)
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    for cls in (base.Trainer, user.Mine, user.Wrapped):
+        assert features.logits_route_module(cls()) is base, cls
+    # a class rebuilt into a namespace that is no module: nothing to patch (the check refuses the route)
+    ghost = {"__name__": "not_a_module"}
+    exec("def selective_log_softmax(l, i):\n    return l\n"
+         "class Ghost:\n"
+         "    def _get_per_token_logps_and_entropies(self, model, input_ids):\n"
+         "        return selective_log_softmax(input_ids, None)\n", ghost)
+    assert features.logits_route_module(ghost["Ghost"]()) is None

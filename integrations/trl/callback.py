@@ -299,7 +299,10 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
 
     # -------------------------------------------------------------------------------------- lifecycle
     def attach(self) -> None:
-        """Install the wrappers (each ``hooks.TRL_SOURCES`` entry it relies on is named beside it)."""
+        """Install the wrappers (each ``hooks.TRL_SOURCES`` entry it relies on is named beside it); a no-op while they
+        are installed (a second call would wrap every hook twice: the loss factor applied twice)."""
+        if self._installation.patches:
+            return
         t = self.trainer
         # TRANSFORMERS_SOURCES transformers.trainer:Trainer._get_grad_norm (the step's norm, before on_step_end)
         grad_norm = [(t, "_get_grad_norm", self._wrap_grad_norm)] if self._grad_norm_hooked else []

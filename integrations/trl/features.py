@@ -104,9 +104,19 @@ _TEMPERATURE_DIVISIONS = ("logits.div_(self.temperature)", "logits = logits / se
 def logits_route_module(trainer):
     """The module whose global ``selective_log_softmax`` the trainer's log-prob call looks up (TRL's grpo_trainer, or
     the module a patching library rebuilt the class into), or None when that namespace is no module in
-    ``sys.modules`` (the stand-in, ``hooks.SafeLogSoftmax``, could not reach it)."""
-    func, _ = look_through(type(trainer)._get_per_token_logps_and_entropies, "_get_per_token_logps_and_entropies")
-    scope = getattr(getattr(func, "__func__", func), "__globals__", None) or {}
+    ``sys.modules`` (the stand-in, ``hooks.SafeLogSoftmax``, could not reach it). The nearest definition in the MRO
+    (looked at through another library's wrapper) that names the global: a subclass that overrides the call and
+    passes it on with ``super()`` looks nothing up in its own module."""
+    name = "_get_per_token_logps_and_entropies"
+    found = []
+    for klass in type(trainer).__mro__:
+        method = klass.__dict__.get(name)
+        if method is not None:
+            func, _ = look_through(method, name)
+            found.append(getattr(func, "__func__", func))
+    func = next((f for f in found if "selective_log_softmax" in getattr(getattr(f, "__code__", None), "co_names", ())),
+                found[0] if found else None)
+    scope = getattr(func, "__globals__", None) or {}
     module = sys.modules.get(scope.get("__name__", ""))
     return module if module is not None and vars(module) is scope else None
 
@@ -124,7 +134,7 @@ def _logits_route_holds(live=None) -> str | Problem | None:
         return (f"{_GRPO}:GRPOTrainer._get_per_token_logps_and_entropies no longer divides the logits by the "
                 f"temperature ({' or '.join(_TEMPERATURE_DIVISIONS)}) before selective_log_softmax")
     trainer = (live or {}).get("trainer")
-    if trainer is not None and logits_route_module(trainer) is None:
+    if trainer is not None and not hasattr(logits_route_module(trainer), "selective_log_softmax"):
         return Problem(f"the {type(trainer).__name__}'s _get_per_token_logps_and_entropies looks selective_log_softmax "
                        "up in a namespace that is no module in sys.modules (a class rebuilt from source into it), so "
                        "the safe vocabulary cannot stand in for it",

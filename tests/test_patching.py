@@ -84,3 +84,17 @@ def test_two_of_our_patches_on_one_attribute_restore_the_original_in_either_orde
             p.undo()
     assert Owner.__dict__["method"] is before and Owner().method(1) == 2 and module.f() == "original"
     assert "re-patched" not in caplog.text
+
+
+def test_a_patch_nobody_holds_does_not_keep_its_object_alive():
+    """The registry of live patches holds them weakly: a trainer dropped with its patches still on (never
+    detached) is collected, model and all."""
+    import gc
+    import weakref
+
+    a = Owner()
+    Patch(a, "method", lambda original: lambda x: 0)  # not kept: as a callback dropped with its trainer
+    gone = weakref.ref(a)
+    del a
+    gc.collect()
+    assert gone() is None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 __all__ = ["Installation", "Patch"]
@@ -23,8 +24,9 @@ __all__ = ["Installation", "Patch"]
 logger = logging.getLogger(__name__)
 
 # Our live patches per (object, attribute), in the order they went on: two trainers in one process (on two threads)
-# patch the same class or module attribute, and their undos need not come in reverse order.
-_LIVE: dict[tuple[int, str], list["Patch"]] = {}
+# patch the same class or module attribute, and their undos need not come in reverse order. Weak references: a patch
+# that nobody holds any more (a trainer dropped without detach) must not keep its trainer, and its model, alive.
+_LIVE: dict[tuple[int, str], list[weakref.ref]] = {}
 _LIVE_LOCK = threading.Lock()
 
 
@@ -54,7 +56,7 @@ class Patch:
         setattr(obj, name, self.replacement)
         self.active = True
         with _LIVE_LOCK:
-            _LIVE.setdefault((id(obj), name), []).append(self)
+            _LIVE.setdefault((id(obj), name), []).append(weakref.ref(self))
 
     @property
     def label(self) -> str:
@@ -67,11 +69,14 @@ class Patch:
         self.active = False
         key = (id(self.obj), self.name)
         with _LIVE_LOCK:
-            live = _LIVE.get(key, [])
+            # the live ones on this very object (an id can be reused once its object is gone), in order
+            live = [p for p in (r() for r in _LIVE.get(key, [])) if p is not None and p.obj is self.obj]
             at = next(i for i, p in enumerate(live) if p is self)
             later = live[at + 1] if at + 1 < len(live) else None
             del live[at]
-            if not live:
+            if live:
+                _LIVE[key] = [weakref.ref(p) for p in live]
+            else:
                 _LIVE.pop(key, None)
             if later is not None:  # ours on top of this one: it restores what this one would have
                 later._had_own, later._previous = self._had_own, self._previous

@@ -152,7 +152,7 @@ def test_a_layer_the_transfer_drops_is_named_at_the_sync_it_breaks_and_the_probe
     assert f"tim-plugins cause [sync-tensors-stale] at step {FAULT_FROM}: at the weight sync after optimizer step " \
            f"{FAULT_FROM}, {len(skipped)} tensors still hold their previous values: {SKIPPED}* ({len(skipped)} " \
            "tensors)." in lines[0], lines
-    assert "a checkpoint engine (rollout.checkpoint_engine.backend other than naive" in lines[0]  # verl's fix
+    assert "a checkpoint engine (actor_rollout_ref.rollout.checkpoint_engine.backend other than naive" in lines[0]
     m = run.steps[FAULT_FROM + 1]  # the step after the sync carries its check
     assert m["tim/cause/sync_bad_tensors"] == len(skipped) and m["tim/cause/named"] >= 1.0
     assert m["tim/probe/tripped"] == 1.0 and f"parity probe asked to stop at step {FAULT_FROM + 1}" in run.output

@@ -127,11 +127,12 @@ class _Threshold:
     set) plugs into the same autograd Functions.
     """
 
+    keeps_max = True  # S always holds the row's largest logit (the cut is relative to it)
+
     def __init__(self, trunc: Truncation) -> None:
         self.trunc = trunc
         self.temperature = trunc.temperature
         self.masks = trunc.active  # whether S can be smaller than V (the folds then keep a [rows, V] bool buffer)
-        self.keeps_max = True  # S always holds the row's largest logit (the cut is relative to it)
 
     def select(self, z: torch.Tensor, start: int, m: torch.Tensor, buf):
         """(keep [n, V] bool in ``buf`` or None for S = V, tau [n] saved for ``reselect``) of rows start…"""

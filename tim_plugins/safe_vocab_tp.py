@@ -340,6 +340,8 @@ class _Cut:
     """S of each row: the sampler's rule recomputed on the trainer's logits (S = {a : z_a >= tau}, tau from
     ``_row_stats``)."""
 
+    keeps_max = True  # S always holds the row max (the cut is relative to it): safe_vocab._Threshold's
+
     def __init__(self, trunc: Truncation) -> None:
         self.trunc, self.temperature = trunc, trunc.temperature
 
@@ -364,6 +366,8 @@ class _Kept:
     """S of each row: the engine's kept set (``tim_plugins.replay.KeptSets``: global ids, every rank holds all of
     them), this shard's columns of it expanded per chunk; a row without a recorded set keeps the whole vocabulary.
     The row maximum is the only row statistic reduced over the group."""
+
+    keeps_max = False  # the engine's S need not hold the trainer's largest logit: replay._Replay's
 
     def __init__(self, ids: torch.Tensor, sizes: torch.Tensor, bounds: list, temperature: float, vocab_start: int,
                  width: int) -> None:
@@ -431,7 +435,7 @@ def _shard_forward(logits, tokens, local, owned, sel, group, chunk: int, want_en
         # a replayed S (``_Kept``) need not hold the row max: the sum over S is shifted by S's own max
         # (safe_vocab._chunk_forward), the full sum by the row max; a row whose S holds no finite logit: log-prob
         # -inf, out of S
-        apart = shift is not m
+        apart = not sel.keeps_max
         if apart:
             empty = shift == -math.inf
             shift = torch.where(empty, m, shift)

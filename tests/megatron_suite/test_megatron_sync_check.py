@@ -4,7 +4,8 @@ tim engine's tee into a transformers copy of the tiny Qwen2 in bf16 standing for
 as verl's vLLM rollout starts on ``load_format=dummy``), read with the vLLM reader and the cross-process protocol,
 through the same ``SyncWatch.around`` verl's worker runs (``tests/verl_suite/harness.py`` ``Rollout`` /
 ``checked_sync``). A layer the "rollout" skips is named at the first sync with exactly that layer's tensors; a
-fault-free sync after an optimizer step names nothing. References: the names the test skipped, and the copy's
+fault-free sync after an optimizer step names nothing; a layer the export stops streaming after the first checked sync
+is named stale. References: the names the test skipped, and the copy's
 tensors compared whole with what the engine exported. verl's main_ppo with a PP2 Megatron actor and vLLM rollout
 servers checks every sync of a fault-free run (``test_megatron_main_ppo.py``: every tensor compared, no cause);
 a broken sync through main_ppo is run with the FSDP actor only (``tests/verl_suite/test_verl_sync_check_main_ppo.py``).
@@ -74,5 +75,48 @@ def test_a_moved_stream_switches_off_the_check_alone(one_rank, tiny_qwen2, monke
         assert "verl_megatron_sync_check" in capsys.readouterr().err
         weights, peft = engine.get_per_tensor_param()  # verl's stream, untouched
         assert peft is None and len(dict(weights)) > 0
+    finally:
+        engine.tim_deconfigure()
+
+
+def test_a_tensor_the_bridge_export_leaves_out_is_named_stale(one_rank, tiny_qwen2, monkeypatch):
+    """The Megatron engine's export (mbridge's HF names through ``get_per_tensor_param``) stops streaming one layer
+    after the first sync, as the FSDP test in ``tests/verl_suite/test_verl_sync_check.py`` does with verl's FSDP
+    export: the earlier checked sync streamed the layer, so the later one expects it, and after an optimizer step the
+    copy's tensors (the first sync's values; the engine's moved) are named stale, exactly that layer's, each marked
+    never sent. The reference: the names the test's export dropped, and the copy's tensors compared whole with the
+    engine's export."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    engine = H.build_engine(tiny_qwen2, lr=1e-2)
+    engine.tim_configure(TIMVerlConfig.from_node({"monitor": {"enable": True}}))
+    try:
+        rollout = H.Rollout(tiny_qwen2, dtype=torch.bfloat16)
+        report = H.checked_sync(engine, rollout, 0)
+        assert report.causes == [] and set(report.statuses.values()) == {"ok"}
+        first = list(rollout.streamed)
+        layer = [n for n in first if n.startswith(SKIPPED)]
+        synced = {n: rollout.params[n].detach().clone() for n in layer}
+        export = MegatronEngine.get_per_tensor_param
+
+        # the tim engine's tee calls the class's export through super() (the attach-time check read verl's own at
+        # configure): verl's signature, leaving the layer out
+        def get_per_tensor_param(self, base_sync_done=False, _verl=export, **kwargs):
+            weights, peft = _verl(self, base_sync_done=base_sync_done, **kwargs)
+            return ((n, t) for n, t in weights if not n.startswith(SKIPPED)), peft
+
+        monkeypatch.setattr(MegatronEngine, "get_per_tensor_param", get_per_tensor_param)
+        td, _ = H.make_batch(H.VOCAB, response=6, seed=3, rollout_noise=5.0)
+        H.train_step(engine, td, H.old_log_probs_padded(H.infer(engine, td), td))
+        report = H.checked_sync(engine, rollout, 1)
+        assert len(layer) >= 9 and rollout.streamed == [n for n in first if n not in layer]
+        actor = {n: t for n, t in export(engine)[0] if n.startswith(SKIPPED)}
+        assert all(torch.equal(rollout.params[n].detach(), synced[n])
+                   and not torch.equal(synced[n], actor[n].to(torch.bfloat16)) for n in layer)
+        assert report.not_sent == layer and report.names("stale") == layer
+        assert {n for n, s in report.statuses.items() if s != "ok"} == set(layer)
+        assert [c.code for c in report.causes] == ["sync-tensors-stale"]
+        assert set(report.causes[0].tensors) == set(layer) and f"{len(layer)} of them never sent" in \
+            report.causes[0].message
     finally:
         engine.tim_deconfigure()

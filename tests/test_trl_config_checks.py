@@ -228,3 +228,20 @@ def test_generation_kwargs_min_p_is_the_cut_the_trainer_applies(toy_model_path, 
     (row,) = [h for h in trainer.state.log_history if "tim/token/kl_k3" in h]
     assert row["tim/tokens"] > 0 and abs(row["tim/token/kl_k3"]) < 1e-9, row
     assert row["tim/parity/errors"] == 0.0, [f.code for f in cb.findings if f.severity == "error"]
+
+
+@pytest.mark.parametrize("rollout", ["hf", "exact", "inject"])
+def test_a_rollout_mode_that_a_rollout_func_bypasses_is_refused(toy_model_path, tmp_path, rollout, monkeypatch):
+    """rollout='hf', 'exact' and 'inject' record or replace TRL's transformers generation, which GRPOTrainer never
+    calls with a rollout_func (``GRPOTrainer._generate`` calls the function instead): each is refused at attach,
+    naming the mode, rollout_func and the fix, instead of measuring the function's log-probs as if the mode held.
+    The default 'auto' measures what the function returns."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = make_trainer(toy_model_path, tmp_path, max_steps=1)
+    trainer.rollout_func = _rollout_func_without_logprobs
+    with pytest.raises(ValueError) as err:
+        TIMCallback(trainer, TIMConfig(rollout=rollout))
+    msg = str(err.value)
+    assert f"TIMConfig.rollout={rollout!r}" in msg and "rollout_func" in msg and "Fix: rollout='auto'" in msg, msg
+    assert not any(isinstance(cb, TIMState) for cb in trainer.callback_handler.callbacks)
+    assert TIMCallback(trainer, TIMConfig()).rollout_source == "custom"

@@ -438,7 +438,7 @@ def test_is_weights_route_equals_trls_vllm_product(batch_and_trainer, loss_type,
     # The adapter's route, with TRL's flags as configured.
     ours = copy.copy(batch)
     saved = scale_policy_term(ours, weights, mask, trainer.loss_type)
-    assert set(saved) == {"importance_sampling_ratio" if loss_type == "vespo" else "advantages"}
+    assert set(saved) == ({"importance_sampling_ratio", "advantages"} if loss_type == "vespo" else {"advantages"})
     loss, grads = _loss_and_grads(trainer, ours)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-7), (loss_type, level, float(loss), float(ref_loss))
     assert len(grads) == len(ref_grads)
@@ -449,6 +449,66 @@ def test_is_weights_route_equals_trls_vllm_product(batch_and_trainer, loss_type,
         assert err <= 1e-5 * scale + 1e-7, (loss_type, level, err, scale)
     # The weights matter here (the check above could not pass with weights ignored).
     assert abs(float(ref_loss) - float(plain_loss)) > 1e-3 * max(1.0, abs(float(plain_loss)))
+
+
+def test_a_dropped_token_under_vespo_leaves_its_rows_other_tokens_trained(batch_and_trainer):
+    """vespo folds its importance-sampling ratio into one weight per sequence, φ(w) with log w summed over the row: a
+    0 handed through the ratio (a token the safe set or a dropping correction leaves out) would clamp log w to
+    log 1e-8 and take the gradient of every token of the row. The route drops the token alone. The reference: a naive
+    vespo loss built from TRL's own log-prob call and ``get_gamma_weights``, each row's φ over the kept tokens'
+    positive weights (the dropped token's own π/π_old still in w), the dropped tokens' policy terms removed, TRL's
+    k3 term kept (times π/π_old under ``use_bias_correction_kl``); its normaliser read off TRL's loss of the same batch without weights (the naive loss without
+    weights must equal TRL's up to that one constant, value and gradients)."""
+    trainer, batch, weights, mask = batch_and_trainer
+    trainer.loss_type, trainer.importance_sampling_level = "vespo", "token"
+    model, args = trainer.model, trainer.args
+    adv = batch["advantages"].unsqueeze(1)
+    drop = torch.zeros_like(mask)
+    for i in range(mask.shape[0]):  # one token of every row with two or more
+        where = mask[i].nonzero().flatten()
+        if where.numel() >= 2:
+            drop[i, where[where.numel() // 2]] = True
+    assert drop.any()
+    factor = torch.where(drop, torch.zeros(()), weights)
+
+    def naive(kept: torch.Tensor, ratio):
+        model.zero_grad(set_to_none=True)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), mask.shape[1])
+        m = mask.float()
+        phi = trainer.get_gamma_weights(
+            advantages=adv, log_ratio_per_token=logps.detach() - batch["old_per_token_logps"], mask=m,
+            importance_sampling_ratio=ratio, k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos,
+            k_neg=args.vespo_k_neg, lambda_neg=args.vespo_lambda_neg)
+        gap = batch["ref_per_token_logps"] - logps
+        kl = torch.exp(gap) - gap - 1
+        if getattr(args, "use_bias_correction_kl", False):  # TRL's KL term times π/π_old (from TRL 1.12)
+            kl = kl * torch.exp(logps - batch["old_per_token_logps"])
+        total = ((-phi * adv * logps * kept.float() + trainer.beta * kl) * m).sum()
+        total.backward()
+        return total.detach(), [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+    def close(a, b, scale=1.0):
+        return all(float((x * scale - y).abs().max()) <= 1e-5 * float(y.abs().max()) + 1e-7 for x, y in zip(a, b))
+
+    plain_loss, plain_grads = _loss_and_grads(trainer, copy.copy(batch))
+    plain_sum, plain_sum_grads = naive(torch.ones_like(mask), None)
+    normaliser = float(plain_sum) / float(plain_loss)
+    assert normaliser > 0 and close(plain_sum_grads, plain_grads, 1 / normaliser)
+
+    ours = copy.copy(batch)
+    saved = scale_policy_term(ours, factor, mask, "vespo")
+    assert set(saved) == {"importance_sampling_ratio", "advantages"}
+    loss, grads = _loss_and_grads(trainer, ours)
+    want_sum, want_grads = naive(~drop, torch.where(mask & ~drop, weights, torch.ones(())))
+    assert abs(float(loss) - float(want_sum) / normaliser) <= 1e-5 * abs(float(loss)) + 1e-7
+    assert len(grads) == len(want_grads) and close(want_grads, grads, 1 / normaliser)
+    # The check tells the routes apart: the ratio carrying the 0 (the row's φ at 2e-15) trains another loss.
+    through_ratio = copy.copy(batch)
+    through_ratio["importance_sampling_ratio"] = torch.where(mask, factor, torch.ones(()))
+    old_loss, _ = _loss_and_grads(trainer, through_ratio)
+    assert abs(float(old_loss) - float(loss)) > 1e-3 * max(1.0, abs(float(loss)))
 
 
 def test_the_logits_route_module_is_the_one_whose_call_names_the_global(monkeypatch):

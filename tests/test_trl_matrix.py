@@ -507,10 +507,10 @@ def test_opt_in_modes_keep_trls_invariants(toy_model_path, tmp_path, mode, confi
         mask = _loss_mask(inputs)
         for i in range(mask.shape[0]):
             assert torch.equal(mask[i], trl_masks[_row_key(inputs, i)]), "the callback edited TRL's loss mask"
-            if trainer.loss_type == "vespo":  # vespo reads the factor through its IS-ratio key instead
-                if "importance_sampling_ratio" in read:
-                    dropped += int((mask[i] & (read["importance_sampling_ratio"][i] == 0)).sum())
-            elif read["advantages"].dim() == 2:
+            if trainer.loss_type == "vespo":  # a drop reaches vespo through its advantages, never its IS ratio
+                ratio = read.get("importance_sampling_ratio")
+                assert ratio is None or not bool((mask[i] & (ratio[i] == 0)).any()), "a 0 in vespo's sequence weight"
+            if read["advantages"].dim() == 2:
                 dropped += int((mask[i] & (read["advantages"][i] == 0) & (trl_adv[_row_key(inputs, i)] != 0)).sum())
     one_micro_batch = all(overrides.get(k, 1) == 1 for k in ("gradient_accumulation_steps", "steps_per_generation",
                                                             "num_iterations"))

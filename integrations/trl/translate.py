@@ -31,6 +31,13 @@ def rollout_source(trainer, config: TIMConfig) -> str:
     (the user's rollout_func returns them) or unavailable."""
     # hooks.TRL_SOURCES trl.trainer.grpo_trainer:GRPOTrainer.__init__ (use_vllm, rollout_func,
     # use_transformers_continuous_batching; features.MONITOR, features.HF_RECORDER)
+    if getattr(trainer, "rollout_func", None) is not None and config.rollout in ("hf", "exact", "inject"):
+        # GRPOTrainer._generate calls the rollout_func instead of the transformers generation these modes record or
+        # replace: they would measure nothing they promise (exact's 0, inject's noise), without a word
+        raise ValueError(
+            f"TIMConfig.rollout={config.rollout!r} records or replaces TRL's transformers generation, which "
+            "GRPOTrainer(rollout_func=...) bypasses: the rollout_func generates every completion. Fix: "
+            "rollout='auto' (the log-probs your rollout_func returns are measured), or drop rollout_func.")
     if config.rollout in ("exact", "inject"):
         if trainer.use_vllm:
             raise ValueError(f"TIMConfig.rollout={config.rollout!r} replaces TRL's transformers generation and needs "
@@ -343,23 +350,28 @@ def scale_policy_term(inputs: dict, factor: torch.Tensor, mask: torch.Tensor, lo
     clip(r)·A), -sg(min(r, ε))·A·log p, sapo's soft gate · A, ...): with w >= 0, A·w gives exactly w × TRL's term,
     ahead of the same masks and the same KL term TRL's vLLM branch leaves unweighted. vespo folds the ratio into
     its sequence weight instead (``get_gamma_weights`` reads ``inputs["importance_sampling_ratio"]`` whether or not
-    vLLM is used); there the factor multiplies that key. Both routes take the factor as 1 outside TRL's loss mask, as
-    TRL's own ratio is there: the loss types mask those positions anyway, except TRL 1.9's luspo, which aggregates
-    ``(per_token_loss * mask.sum(1, keepdim=True)).mean()`` with the unmasked positions in it.
-    ``tests/test_trl_hook_guards.py`` checks both routes against TRL's vLLM branch for every loss type.
+    vLLM is used); there the factor's positive weights multiply that key, while a token it drops (factor 0) is
+    dropped through the advantages: vespo's term -φ·A·log p is linear in each token's A and φ reads only A's sign,
+    whereas a 0 in the ratio would clamp the sequence's log-weight to log 1e-8 and take the gradient of every token of
+    the row (TRL then logs ``vespo/phi_seq_mean`` over tokens, its (B, T) form). Both routes take the factor as 1
+    outside TRL's loss mask, as TRL's own ratio is there: the loss types mask those positions anyway, except TRL
+    1.9's luspo, which aggregates ``(per_token_loss * mask.sum(1, keepdim=True)).mean()`` with the unmasked positions
+    in it. ``tests/test_trl_hook_guards.py`` checks both routes against TRL's vLLM branch for every loss type, and a
+    dropped token under vespo against a naive loss from TRL's own ``get_gamma_weights``.
     """
     factor = torch.where(mask.bool(), factor, torch.ones_like(factor))
+    adv = inputs["advantages"]
+    adv = adv if adv.dim() == 2 else adv.unsqueeze(1)
     if loss_type == "vespo":
-        key = "importance_sampling_ratio"
-        value = factor
-        if inputs.get(key) is not None:
-            value = inputs[key] * value
+        kept = factor > 0
+        ratio = torch.where(kept, factor, torch.ones_like(factor))
+        if inputs.get("importance_sampling_ratio") is not None:
+            ratio = inputs["importance_sampling_ratio"] * ratio
+        values = {"importance_sampling_ratio": ratio, "advantages": adv * kept.to(adv.dtype)}
     else:
-        key = "advantages"
-        adv = inputs[key]
-        value = (adv if adv.dim() == 2 else adv.unsqueeze(1)) * factor.to(adv.dtype)
-    saved = {key: inputs.get(key)}
-    inputs[key] = value
+        values = {"advantages": adv * factor.to(adv.dtype)}
+    saved = {key: inputs.get(key) for key in values}
+    inputs.update(values)
     return saved
 
 

@@ -245,3 +245,13 @@ def test_a_rollout_mode_that_a_rollout_func_bypasses_is_refused(toy_model_path, 
     assert f"TIMConfig.rollout={rollout!r}" in msg and "rollout_func" in msg and "Fix: rollout='auto'" in msg, msg
     assert not any(isinstance(cb, TIMState) for cb in trainer.callback_handler.callbacks)
     assert TIMCallback(trainer, TIMConfig()).rollout_source == "custom"
+
+
+def test_a_disabled_callback_built_without_a_trainer_detaches_as_a_no_op():
+    """TIMConfig(enabled=False) accepts no trainer (it attaches nothing); ``detach()``, idempotent by its contract,
+    then has nothing to remove, twice."""
+    cb = TIMCallback(None, TIMConfig(enabled=False))
+    assert cb.installed == []
+    cb.detach()
+    cb.detach()
+    assert cb.installed == []

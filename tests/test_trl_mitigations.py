@@ -15,6 +15,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from tim_plugins.integrations.trl import TIMCallback, TIMConfig  # noqa: E402
 from tim_plugins.integrations.trl import features  # noqa: E402
+from tim_plugins.rollout.inject import TailNoiseInjector  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
@@ -585,3 +586,49 @@ def test_mitigations_add_no_forward(toy_model_path, tmp_path, overrides):
     assert len(calls) - sum(calls) == (len(cap.generations) if old_logps else 0)
     logged = _logged(trainer, 1)
     assert logged["tim/correction/kept_frac"] == 1.0 and logged["tim/safe_vocab/tokens"] > 0
+
+
+def _inject_run(toy_model_path, out, n, **overrides):
+    trainer = make_trainer(toy_model_path, out, max_steps=n, **overrides)
+    cb = TIMCallback(trainer, TIMConfig(rollout="inject", inject_options={"scale": 2.0, "tau": 0.5, "seed": 3},
+                                        parity_audit=False))
+    trainer.add_callback(cb)
+    return trainer, cb
+
+
+def _tim_rows(trainer, steps) -> dict:
+    return {s: {k: v for k, v in _logged(trainer, s).items() if k.startswith("tim/token/") or k == "tim/tokens"}
+            for s in steps}
+
+
+def test_a_resumed_injected_run_draws_the_noise_the_uninterrupted_run_draws(toy_model_path, tmp_path):
+    """rollout='inject': the injector's noise generator rides in the checkpoint, so the steps after a resume draw
+    what the uninterrupted run drew there (the reference: that run's logged tim/token/* rows, step by step), not
+    the seed's first draws again; and a second ``train()`` without a checkpoint starts the noise (and the exact
+    sampler's generation count) over at the seed, as the first ``train()`` did."""
+    n, k = 4, 2
+    full, full_cb = _inject_run(toy_model_path, tmp_path / "full", n)
+    full.train()
+    want = _tim_rows(full, range(1, n + 1))
+    assert all(row.get("tim/tokens", 0) > 0 for row in want.values())
+    first, _ = _inject_run(toy_model_path, tmp_path / "resumed", n, save_strategy="steps", save_steps=k)
+    first.add_callback(_StopAt(k))
+    first.train()
+    second, _ = _inject_run(toy_model_path, tmp_path / "resumed", n)
+    second.train(resume_from_checkpoint=str(tmp_path / "resumed" / "out" / f"checkpoint-{k}"))
+    got = _tim_rows(second, range(k + 1, n + 1))
+    for step, row in got.items():
+        assert row.keys() == want[step].keys() and all(row[key] == pytest.approx(want[step][key], rel=1e-5, abs=1e-9)
+                                                      for key in row), step
+    # the noise matters here: the steps after the resume differ from the steps the seed's first draws made
+    assert got[k + 1]["tim/token/kl_k3"] != pytest.approx(want[1]["tim/token/kl_k3"], rel=1e-3)
+
+    class AtBegin(TrainerCallback):  # after the TIM callback's on_train_begin: what the new run starts from
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen.append((full_cb.injector.state_dict(), full_cb.generation_count))
+
+    seen = []
+    full.add_callback(AtBegin())
+    assert full_cb.injector.state_dict() != TailNoiseInjector(seed=3).state_dict()  # the first run drew
+    full.train()
+    assert seen == [(TailNoiseInjector(seed=3).state_dict(), 0)]

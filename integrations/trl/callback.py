@@ -382,6 +382,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         """Remove every wrapper and this callback from the trainer (idempotent)."""
         if self._installation is not None:
             self._installation.remove()
+        if self.trainer is None:  # a disabled callback built without a trainer: nothing was added anywhere
+            return
         handler = self.trainer.callback_handler
         for cb in (self, self.state_carrier):
             if cb in handler.callbacks:
@@ -470,8 +472,12 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         """``train()`` again without a checkpoint: transformers starts a new run (state at step 0, the LR schedule
         rebuilt; the optimizer kept), and so does the pipeline: its statistics, problem counts and LR controller as
         before the first run (the controller would otherwise read steps 1.. as stale and keep the last run's decay),
-        the LR scale applied back to 1 before the first step."""
+        the LR scale applied back to 1 before the first step; the injector's noise and the exact sampler's seeds
+        start over as in the first run."""
         self.pipeline.load_state_dict(self._fresh)
+        self.generation_count = 0
+        if self.injector is not None:
+            self.injector.reset()
         for status in self.features_off:
             self.pipeline.feature_off(status.name)
         self._grad_norm, self._length, self._pending, self._pushed_at = None, math.nan, {}, None
@@ -752,7 +758,8 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         return {"version": STATE_VERSION, "pipeline": self.pipeline.state_dict() if self.pipeline else None,
                 "grad_norm": self._grad_norm,
                 "length": None if math.isnan(self._length) else self._length, "generation_count": self.generation_count,
-                "probe": self.server_probe.probe.state_dict() if self.server_probe is not None else None}
+                "probe": self.server_probe.probe.state_dict() if self.server_probe is not None else None,
+                "injector": self.injector.state_dict() if self.injector is not None else None}
 
     def _load(self, state) -> None:
         """On resume (global_step > 0), reload what the checkpoint's trainer_state.json holds for us."""
@@ -777,5 +784,7 @@ class TIMCallback(GenerationWrappers, TrainerCallback):
         self._grad_norm = payload.get("grad_norm")
         self._length = math.nan if payload.get("length") is None else float(payload["length"])
         self.generation_count = int(payload.get("generation_count") or 0)
+        if self.injector is not None and isinstance(payload.get("injector"), dict):
+            self.injector.load_state_dict(payload["injector"])
         if self.server_probe is not None and isinstance(payload.get("probe"), dict):
             self.server_probe.probe.load_state_dict(payload["probe"])

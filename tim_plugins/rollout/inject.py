@@ -27,6 +27,7 @@ Deterministic under a seed.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import numbers
@@ -237,6 +238,19 @@ class TailNoiseInjector:
 
     def reset(self) -> None:
         self._generator = torch.Generator().manual_seed(noise_seed(self.seed))
+
+    def state_dict(self) -> dict:
+        """Where the noise sequence stands (JSON-safe: a checkpoint resumes the draws after the last one taken,
+        not from the seed again)."""
+        return {"seed": self.seed, "generator": base64.b64encode(self._generator.get_state().numpy().tobytes()).decode()}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Put back a ``state_dict``; one saved under another seed is refused (another configuration's draws)."""
+        if state.get("seed") != self.seed:
+            raise ValueError(f"TailNoiseInjector.load_state_dict: the state was saved with seed {state.get('seed')!r}, "
+                             f"this injector's is {self.seed!r}. Fix: resume with the seed the run was started with")
+        raw = bytearray(base64.b64decode(state["generator"]))
+        self._generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
 
     def perturb(self, scores: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         if self.scale == 0.0:

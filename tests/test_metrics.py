@@ -256,6 +256,26 @@ def test_fully_masked_batch_reports_zero_tokens_and_nan_stats():
     assert math.isnan(got["tim/seq/log_ratio_abs_max"])
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0,)])
+def test_an_empty_batch_with_is_weights_is_no_token_not_an_error(path, shape):
+    """A micro-batch with no row or no position (a data-parallel rank's empty share) and the correction's weights:
+    the same as an empty batch without them, no token, NaN statistics, no tim/is/* key (no weight seen), and
+    a monitor that went on to a real batch reads that batch alone."""
+    empty = torch.zeros(shape)
+    got = mismatch_metrics(empty, empty, is_weights=empty, compile=path == "compiled")
+    plain = mismatch_metrics(empty, empty, compile=False)
+    assert got.keys() == plain.keys()
+    assert all(got[k] == v or (math.isnan(got[k]) and math.isnan(v)) for k, v in plain.items())
+    assert got["tim/tokens"] == 0 and math.isnan(got["tim/token/kl_k3"]) and not any(k.startswith("tim/is/") for k in got)
+    rollout, train, mask = make_batch(3, 7)
+    w = torch.rand(3, 7) * 2
+    monitor = MismatchMonitor(compile=path == "compiled")
+    monitor.update(empty, empty, is_weights=empty)
+    monitor.update(rollout, train, mask, is_weights=w)
+    assert_matches(monitor.compute(sync=False), reference(rollout, train, mask, w))
+
+
 def test_identical_inputs_are_exactly_zero():
     rollout, _, mask = make_batch(3, 11)
     got = mismatch_metrics(rollout, rollout.clone(), mask)

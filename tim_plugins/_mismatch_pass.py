@@ -103,8 +103,9 @@ def token_pass(
         w_ok = valid & torch.isfinite(is_weights)
         w = torch.where(w_ok, is_weights.to(dt), zero)
         out.update(is_tokens=w_ok.sum().to(dt), is_w=w.sum(), is_w2=(w * w).sum(),
-                   is_masked=(w_ok & (w == 0)).sum().to(dt), is_w_max=torch.where(w_ok, w, -inf).amax(),
-                   neg_is_w_min=torch.where(w_ok, -w, -inf).amax())
+                   is_masked=(w_ok & (w == 0)).sum().to(dt),
+                   is_w_max=torch.where(w_ok, w, -inf).amax() if w.numel() else -inf,  # amax of nothing raises
+                   neg_is_w_min=torch.where(w_ok, -w, -inf).amax() if w.numel() else -inf)
     else:
         out.update(is_tokens=zero, is_w=zero, is_w2=zero, is_masked=zero, is_w_max=-inf, neg_is_w_min=-inf)
 

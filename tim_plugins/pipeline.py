@@ -291,10 +291,18 @@ class StepPipeline:
             [B, T] factor for the loss's policy term (IS weight; 0 for a token the boundary mask or the
             correction drops), or None when nothing changes the loss.
         """
-        if rollout.shape != train.shape or mask.shape != train.shape:
-            self.count("shape_mismatch", detail=f"rollout {tuple(rollout.shape)}, trainer {tuple(train.shape)}, "
-                       f"mask {tuple(mask.shape)}")
+        if rollout.shape != train.shape or mask.shape != train.shape or train.dim() != 2:
+            self.count("shape_mismatch", detail=f"[B, T] each: rollout {tuple(rollout.shape)}, trainer "
+                       f"{tuple(train.shape)}, mask {tuple(mask.shape)}")
             return None
+        if not (rollout.is_floating_point() and train.is_floating_point()):
+            self.count("logprobs_not_float", detail=f"rollout {rollout.dtype}, trainer {train.dtype}")
+            return None
+        if is_weights is not None and is_weights.shape != train.shape:
+            # the framework's own weights are read for tim/is/* alone: the batch is measured without them
+            self.count("shape_mismatch", detail=f"is_weights {tuple(is_weights.shape)} for log-probs "
+                       f"{tuple(train.shape)} (a weight per sequence is not read)")
+            is_weights = None
         measured = mask.bool()
         if safe is not None:
             if self.safe_vocab_stats is not None:

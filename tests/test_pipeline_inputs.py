@@ -1,0 +1,71 @@
+"""StepPipeline.measure on inputs an adapter should not hand it: each is counted under tim/diag/<name>, never raised
+(strict mode raises), and what can still be measured is measured as without the bad part. References: the
+monitor's own ``mismatch_metrics`` of the same batch, and the pipeline's result on the clean inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tim_plugins.corrections import CorrectionConfig
+from tim_plugins.metrics import mismatch_metrics
+from tim_plugins.pipeline import PipelineConfig, StepPipeline
+
+
+def _batch(b: int = 3, t: int = 9, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(b, t, generator=g) * 3
+    train = rollout + 0.3 * torch.randn(b, t, generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    return rollout, train, mask
+
+
+def _pipe(correction: bool, strict: bool = False) -> StepPipeline:
+    return StepPipeline(PipelineConfig(compile=False, strict=strict,
+                                       correction=CorrectionConfig(mode="token_tis") if correction else None))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in a)
+
+
+def test_a_weight_per_sequence_is_counted_and_the_batch_measured_without_it():
+    rollout, train, mask = _batch()
+    pipe = _pipe(correction=False)
+    assert pipe.measure(rollout, train, mask, is_weights=torch.ones(3)) is None
+    assert pipe.diag == {"shape_mismatch": 1.0}
+    assert _same(pipe.monitor.compute(sync=False), mismatch_metrics(rollout, train, mask, compile=False))
+    # with the pipeline's own correction the framework's weights are not read: the correction's come back
+    corrected, clean = _pipe(correction=True), _pipe(correction=True)
+    weights = corrected.measure(rollout, train, mask, is_weights=torch.ones(3))
+    assert torch.equal(weights, clean.measure(rollout, train, mask))
+
+
+@pytest.mark.parametrize("correction", [False, True])
+def test_one_dimensional_log_probs_are_counted_not_measured(correction):
+    rollout, train, mask = _batch()
+    pipe = _pipe(correction)
+    assert pipe.measure(rollout[0], train[0], mask[0]) is None
+    assert pipe.diag == {"shape_mismatch": 1.0}
+    assert pipe.monitor.compute(sync=False)["tim/tokens"] == 0
+
+
+def test_integer_log_probs_are_counted_not_measured():
+    rollout, train, mask = _batch()
+    pipe = _pipe(correction=True)
+    assert pipe.measure(rollout.long(), train.long(), mask) is None
+    assert pipe.diag == {"logprobs_not_float": 1.0}
+    assert pipe.monitor.compute(sync=False)["tim/tokens"] == 0
+
+
+@pytest.mark.parametrize("bad", ["weights", "1d", "int"])
+def test_strict_mode_raises_with_the_problem_named(bad):
+    rollout, train, mask = _batch()
+    pipe = _pipe(correction=False, strict=True)
+    args, kwargs = {"weights": ((rollout, train, mask), {"is_weights": torch.ones(3)}),
+                    "1d": ((rollout[0], train[0], mask[0]), {}),
+                    "int": ((rollout.long(), train.long(), mask), {})}[bad]
+    with pytest.raises(RuntimeError, match="shape_mismatch" if bad != "int" else "logprobs_not_float"):
+        pipe.measure(*args, **kwargs)

@@ -123,6 +123,17 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("rows", ['{"step": null, "completions/mean_length": 5}\n' * 3,
+                                  '{"step": "a", "completions/mean_length": 5}\n{"step": "b", '
+                                  '"completions/mean_length": 6}\n'], ids=["null", "text"])
+def test_no_numeric_step_is_reported_with_the_column_and_the_flag(rows, tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    log.write_text(rows)
+    assert _main([str(log)]) == 2
+    err = capsys.readouterr().err
+    assert "no row of" in err and "numeric step in column 'step'" in err and "--step-col" in err, err
+
+
 def test_a_dump_log_history_names_the_files_that_hold_the_length(tmp_path, capsys):
     """``DUMP_DIR/log_history.jsonl`` (what TIMConfig(dump_dir=...) and verl's +tim.dump.dir write beside the dump)
     holds tim/* metrics only, no response length: "name it with --length-col" cannot work there. The error says so

@@ -101,6 +101,20 @@ def test_a_named_cause_is_acted_on_in_its_window_due_or_not_and_without_patience
     assert not raising.check(6, {**clean, "tim/cause/named": float("nan")}).tripped
 
 
+def test_a_cause_named_on_a_due_check_under_the_limits_does_not_count_towards_patience():
+    """A due check whose thresholds pass, in a window that names a cause: the cause is acted on there (warn here),
+    and the check is a clean one for patience, which counts consecutive threshold trips; so the first threshold trip
+    after it is 1 of ``patience``, not 2 (also across a checkpoint)."""
+    probe = ParityProbe(kl_k3_max=1e-3, patience=2, action="stop")
+    d1 = probe.check(1, {**_metrics(0.0), "tim/cause/named": 1.0})
+    assert d1.checked and d1.stop and [t.key for t in d1.trips] == ["tim/cause/named"]
+    assert probe.state_dict()["consecutive"] == 0
+    resumed = ParityProbe(kl_k3_max=1e-3, patience=2, action="stop")
+    resumed.load_state_dict(probe.state_dict())
+    for p in (probe, resumed):
+        assert [p.check(s, _metrics(1.0)).stop for s in (2, 3)] == [False, True]
+
+
 def test_nan_and_missing_metrics_are_skipped_not_raised():
     probe = ParityProbe(kl_k3_max=1e-4, abs_diff_max=0.1, action="raise")
     empty = mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))

@@ -236,6 +236,9 @@ def run_replay(args: argparse.Namespace) -> int:
             continue
         merged.setdefault(int(s), {}).update({k: v for k, v in r.items() if v is not None})
     steps = sorted(merged)
+    if not steps:
+        return _fail(f"no row of {args.file} has a numeric step in column {step_col!r} (its values: "
+                     f"{sorted({repr(r.get(step_col)) for r in rows})[:5]}); name the step column with --step-col.")
     lengths = [_num(merged[s].get(length_col)) for s in steps]
     extras = {name: [_num(merged[s].get(signal_cols[name])) for s in steps] for name in config.signals}
     records = replay(steps, lengths, config, extras)

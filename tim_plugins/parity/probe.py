@@ -188,12 +188,10 @@ class ParityProbe:
         cause = named is not None and float(named) > 0  # NaN compares False
         if cause:  # acted on in the window it is named in, due or not, without patience: it does not come back
             decision.trips.append(Trip(step, CAUSE_KEY, float(named), 0.0))
+        if decision.checked:  # patience counts the checks whose thresholds tripped: a cause is acted on apart
+            self._consecutive = self._consecutive + 1 if any(t.key != CAUSE_KEY for t in decision.trips) else 0
         if not decision.trips:
-            if decision.checked:
-                self._consecutive = 0
             return decision
-        if decision.checked:
-            self._consecutive += 1
         self.trips.extend(decision.trips)
         self.num_trips += len(decision.trips)
         del self.trips[:-TRIPS_KEPT]

@@ -34,6 +34,7 @@ CASES = [
     (["report", "EMPTY"], ["neither summary.json nor dump files", "point at"]),
     (["report", "/nonexistent"], ["'/nonexistent'", "no such folder"]),
     (["audit"], ["one of the arguments --verl --trl-config --vllm-args is required"]),
+    (["audit", "--vllm-args", "--dtype bfloat16", "--sampling", "{bad"], ["--sampling '{bad'", "is not JSON"]),
     (["check-batch-invariance", "--model", "/nonexistent"], ["'/nonexistent'", "does not exist"]),
     (["lr-replay", "/nonexistent.jsonl"], ["'/nonexistent.jsonl': no such file", "pass a per-step metrics file"]),
     (["lr-replay", "EMPTY"], ["'EMPTY': a folder, not a file", ".jsonl", "trainer_state.json"]),

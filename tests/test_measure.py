@@ -294,3 +294,84 @@ def test_hf_rollout_times_the_sampling_not_the_whole_vocabulary_readout(toy_mode
     assert 0 < roll.sample_seconds < wall - 0.5 and roll.completion_ids.numel() == 3 * 6
     picked = roll.full_logprobs.gather(-1, roll.completion_ids.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(picked, roll.logprobs, rtol=0, atol=1e-6)
+
+
+def _grpo_configs(text: str, tmp_path) -> list:
+    """Each ``GRPOConfig(...)`` a printed TRL line names, built by TRL's own GRPOConfig (a field TRL lacks, or a value
+    it refuses, fails here)."""
+    import re
+
+    from trl import GRPOConfig
+
+    calls = re.findall(r"GRPOConfig\(([^()]*)\)", text)
+    assert calls, text
+    return [eval(f"GRPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True, report_to=[], {c})",  # noqa: S307
+                 {"GRPOConfig": GRPOConfig}) for c in calls]
+
+
+@pytest.mark.parametrize("trainer_dtype", ["float32", "bfloat16", "float16"])
+def test_trl_line_names_the_setting_that_loads_the_trainer_in_its_dtype(tmp_path, toy_model_path, trainer_dtype):
+    """The TRL configuration `measure` prints for a trainer dtype loads the policy in that dtype through TRL's own
+    loader (trl/trainer/utils.py ``create_model_from_path`` with ``model_init_kwargs``, as GRPOTrainer does for a
+    model path: float32 unless model_init_kwargs['dtype'] says otherwise), and autocasts it to no other dtype
+    (bf16/fp16 only autocast over those weights)."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import create_model_from_path
+
+    from tim_plugins.apps.compare_settings import framework_configs
+
+    rollout = {"float32": "hf-fp32", "bfloat16": "hf-bf16", "float16": "hf-fp16"}[trainer_dtype]
+    text = framework_configs(Setting(rollout), trainer_dtype, "bfloat16")["TRL"]
+    (cfg,) = _grpo_configs(text, tmp_path)
+    loaded = create_model_from_path(str(toy_model_path), **dict(cfg.model_init_kwargs or {}))
+    assert str(loaded.dtype) == f"torch.{trainer_dtype}", text
+    autocast = "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else None
+    assert autocast in (None, trainer_dtype), text
+
+
+def test_measure_top_p_top_k_framework_lines_name_the_cut_and_the_safe_vocabulary(tmp_path):
+    """`measure --top-p 0.9 --top-k 20`: the measured trainer applies the sampler's cut (the safe vocabulary), and
+    each framework line says how: TRL's GRPOConfig(top_p, top_k) with TIMConfig(safe_vocab=True), verl's rollout
+    top_p / top_k with ++tim.safe_vocab.enable=true (docs/verl.md), vLLM's SamplingParams(top_p, top_k); each built
+    by the framework's own class where it is installed, with the values the run measured with."""
+    pytest.importorskip("trl")
+    import re
+
+    from tim_plugins.integrations.trl.config import TIMConfig
+
+    summary, _ = _run(tmp_path, "topp", "--top-p", "0.9", "--top-k", "20", "--compare", "hf-bf16,hf-bf16+min-p=0.001")
+    used = summary["settings"]
+    assert (used["top_p"], used["top_k"]) == (0.9, 20)
+    for name, min_p in (("hf-bf16", None), ("hf-bf16+min-p=0.001", 0.001)):
+        lines = summary["setups"][name]["frameworks"]
+        assert "same truncation" in summary["setups"][name]["trainer"]  # what the measured trainer did
+        (cut,) = [c for c in _grpo_configs(lines["TRL"], tmp_path) if c.top_p != 1.0]
+        assert (cut.top_p, cut.top_k, cut.min_p) == (used["top_p"], used["top_k"], min_p), lines["TRL"]
+        assert eval("TIMConfig(safe_vocab=True)", {"TIMConfig": TIMConfig}).safe_vocab  # noqa: S307
+        assert "TIMConfig(safe_vocab=True)" in lines["TRL"]
+        verl = lines["verl"].split()
+        assert "actor_rollout_ref.rollout.top_p=0.9" in verl and "actor_rollout_ref.rollout.top_k=20" in verl
+        assert ("++tim.safe_vocab.min_p=0.001" if min_p else "++tim.safe_vocab.enable=true") in verl, lines["verl"]
+        (params,) = re.findall(r"SamplingParams\(([^()]*)\)", lines["vLLM"])
+        kwargs = eval(f"dict({params})")  # noqa: S307
+        assert kwargs == {"top_p": used["top_p"], "top_k": used["top_k"], **({"min_p": min_p} if min_p else {})}
+        try:
+            from vllm import SamplingParams
+        except ImportError:
+            continue
+        sp = SamplingParams(**kwargs)
+        assert (sp.top_p, sp.top_k) == (used["top_p"], used["top_k"])
+
+
+def test_an_injected_k3_out_of_reach_names_the_flag_and_a_value_that_runs(tmp_path, capsys):
+    """``--inject-k3`` above what the tail noise can reach on the model's probe rollouts: one line naming the flag,
+    the most it reached and a lower value (not the library's advice on tau and the probe batch, which measure does
+    not expose); the printed value then calibrates (the summary's note, the probe k3 within 10 % of it)."""
+    assert main(["measure", *SMALL, "--inject-k3", "50", "--out", str(tmp_path / "far")]) == 2
+    err = capsys.readouterr().err
+    assert "--inject-k3 50 is out of reach" in err and "tau" not in err, err
+    fix = err.split("Fix: --inject-k3 ")[1].split(" ")[0]
+    summary, _ = _run(tmp_path, "near", "--inject-k3", fix)
+    (note,) = [n for n in summary["notes"] if n.startswith("TIM injection")]
+    probe = float(note.split("probe k3 ")[1].rstrip(").").split(")")[0])
+    assert probe == pytest.approx(float(fix), rel=0.1), note

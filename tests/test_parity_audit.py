@@ -385,3 +385,158 @@ def test_engine_args_with_the_min_p_processor_cut_every_request():
     served = {"logits_processors": ["tim_plugins.integrations.vllm.min_p:TIMMinPLogitsProcessor"],
               "additional_config": {"tim_min_p": 0.001}}  # as engine_args_from_server_info reads /server_info
     assert spec_from_engine_args(served).min_p == 1e-3
+
+
+# ------------------------------------------------------------------ request processing no spec field held
+_EAGER_F32 = ("--dtype float32 --logprobs-mode processed_logprobs --no-enable-prefix-caching "
+              "--no-enable-chunked-prefill --enforce-eager")
+
+
+@pytest.mark.parametrize("sampling,label", [
+    ({"min_tokens": 32}, "min_tokens=32"),  # MinTokensLogitsProcessor: stop tokens masked until 32 are out
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),  # the grammar masks the logits
+    ({"thinking_token_budget": 8}, "thinking_token_budget=8"),  # end-of-thinking forced past 8 tokens
+])
+def test_sampling_processing_vllm_applies_is_reported(sampling, label):
+    """vLLM 0.31 SamplingParams settings that change the sampled distribution the trainer never recomputes are the
+    rollout's processing: sampler-penalties-unmatched, and raw log-probs are then not the sampled distribution's."""
+    trainer = matched_pair()[1]
+    rollout = spec_from_engine_args(_EAGER_F32, sampling=sampling, device="cpu")
+    assert rollout.custom_logits_processors == (label,)
+    found = {f.code: f for f in audit(rollout.replace(attention_backend="FLASH_ATTN", batch_invariant=True), trainer)}
+    assert set(found) == {"sampler-penalties-unmatched"} and found["sampler-penalties-unmatched"].severity == "error"
+    assert label in found["sampler-penalties-unmatched"].message
+    raw = spec_from_engine_args(_EAGER_F32.replace("processed_logprobs", "raw_logprobs"), sampling=sampling)
+    assert codes(audit(raw, trainer)) >= {("logprobs-mode-not-processed", "error")}
+
+
+def test_sampling_processing_at_vllms_own_defaults_is_none():
+    vllm = pytest.importorskip("vllm")
+    from tim_plugins.parity.vllm_spec import sampling_processors
+
+    # vLLM's own SamplingParams: its defaults, and -1 ("unlimited") for the thinking budget, process nothing
+    assert sampling_processors(vllm.SamplingParams()) == ()
+    assert sampling_processors(vllm.SamplingParams(thinking_token_budget=-1)) == ()
+    assert sampling_processors({"thinking_token_budget": -1, "min_tokens": 0, "structured_outputs": None}) == ()
+    assert sampling_processors(vllm.SamplingParams(min_tokens=4, max_tokens=16)) == ("min_tokens=4",)
+    with pytest.raises(ValueError, match="min_tokens"):
+        sampling_processors({"min_tokens": -1})
+
+
+def test_cli_audit_reads_min_tokens_from_sampling(capsys):
+    from tim_plugins.apps.cli import main
+
+    rc = main(["audit", "--vllm-args", _EAGER_F32, "--device", "cpu", "--sampling", '{"min_tokens": 8}',
+               "--trainer-dtype", "float32", "--trainer-temperature", "1.0", "--trainer-attn", "sdpa", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and "sampler-penalties-unmatched" in {f["code"] for f in data["findings"]}
+
+
+def test_cli_audit_bad_sampling_json_names_the_flag(capsys):
+    from tim_plugins.apps.cli import main
+
+    assert main(["audit", "--vllm-args", "--dtype bfloat16", "--sampling", "{bad"]) == 2
+    err = capsys.readouterr().err
+    assert "--sampling" in err and "'{bad'" in err
+    assert main(["audit", "--vllm-args", "--dtype bfloat16", "--sampling", "[1]"]) == 2
+    assert "--sampling '[1]' must be a JSON object" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ CUDA graphs and torch.compile
+def _cudagraph_fix_alternatives() -> list:
+    """Each alternative the cudagraph-on fix prints, as (Python engine kwargs, CLI string): "LLM(k=v) / --cli"."""
+    import ast
+
+    out = []
+    for part in CODES["cudagraph-on"].knobs["vllm"].split(" (")[0].split(", or "):
+        python, cli = (p.strip() for p in part.removeprefix("or ").split(" / "))
+        call = ast.parse(python, mode="eval").body
+        out.append(({k.arg: ast.literal_eval(k.value) for k in call.keywords}, cli))
+    return out
+
+
+def test_every_printed_cudagraph_fix_clears_the_finding():
+    alternatives = _cudagraph_fix_alternatives()
+    assert len(alternatives) == 3  # enforce_eager, -O0, compilation_config mode 0 + no graphs
+    trainer = matched_pair()[1]
+    for kwargs, cli in alternatives:
+        for args in (kwargs, cli, f"--dtype float32 {cli}"):
+            spec = spec_from_engine_args(args, env={})
+            assert (spec.cudagraph, spec.compile) == (False, False), args
+            assert "cudagraph-on" not in {f.code for f in audit(spec, trainer)}, args
+        assert parse_engine_args(cli) == kwargs  # the CLI form is the same setting
+
+
+# (engine args, environment) -> (CUDA graphs, torch.compile) on a GPU, as vLLM 0.31's VllmConfig.__post_init__
+# (vllm/config/vllm.py) resolves them: OPTIMIZATION_LEVEL_00.._03's cudagraph_mode, mode NONE at -O0,
+# CUDAGraphMode.without_piecewise without VLLM_COMPILE, enforce_eager over all
+GRAPHS_AND_COMPILE = [
+    ({}, {}, (True, True)),  # -O2: VLLM_COMPILE, FULL_AND_PIECEWISE
+    ({"compilation_config": {"cudagraph_mode": "NONE"}}, {}, (False, True)),  # graphs off, still compiled
+    ({"optimization_level": 0}, {}, (False, False)),  # -O0: mode NONE, cudagraph_mode NONE
+    ({"optimization_level": 1, "compilation_config": {"mode": 0}}, {}, (False, False)),  # PIECEWISE -> NONE
+    ({"compilation_config": {"mode": "none"}}, {}, (True, False)),  # FULL_AND_PIECEWISE -> FULL_DECODE_ONLY
+    ("-O0 -cc.cudagraph_mode=FULL", {}, (True, False)),  # full graphs need no compilation
+    ("-O3 --enforce-eager", {}, (False, False)),
+    ({}, {"TORCH_COMPILE_DISABLE": "1"}, (True, False)),
+    ({}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, (True, False)),  # breakable graphs: uncompiled, graphs kept
+]
+
+
+def test_graphs_and_compile_as_vllm_resolves_them():
+    for args, env, expected in GRAPHS_AND_COMPILE:
+        spec = spec_from_engine_args(args, device="cuda", env=env)
+        assert (spec.cudagraph, spec.compile) == expected, (args, env)
+
+
+def test_parse_engine_args_reads_vllms_short_flags():
+    # vLLM's FlexibleArgumentParser: -O<n> / -O <n> / -O=<n> is --optimization-level, -cc / -q aliases, dotted keys
+    assert parse_engine_args("--dtype float32 -O0") == {"dtype": "float32", "optimization_level": 0}
+    assert parse_engine_args("-O 1") == parse_engine_args("-O=1") == {"optimization_level": 1}
+    assert parse_engine_args("--optimization-level 0") == {"optimization_level": 0}  # a level, not False
+    assert parse_engine_args("--enforce-eager -O3") == {"enforce_eager": True, "optimization_level": 3}
+    assert parse_engine_args("-cc.mode=0 --compilation-config.cudagraph_mode NONE") == \
+        {"compilation_config": {"mode": 0, "cudagraph_mode": "NONE"}}
+    assert parse_engine_args("-q fp8 --seed -1") == {"quantization": "fp8", "seed": -1}
+    for bad in ("-O9", "-x 1", "-cc.mode"):
+        with pytest.raises(ValueError):
+            parse_engine_args(bad)
+
+
+# ------------------------------------------------------------------ raw log-probs, processing unknown
+def test_raw_logprobs_with_unknown_processing_says_it_is_unknown():
+    rollout = PipelineSpec(side="rollout", dtype="float32", logprobs_mode="raw_logprobs", temperature=None)
+    trainer = PipelineSpec(side="trainer", dtype="float32", temperature=1.0)
+    finding = next(f for f in audit(rollout, trainer) if f.code == "logprobs-mode-not-processed")
+    assert finding.severity == "error"
+    assert "unknown" in finding.message and "temperature" in finding.message
+    assert "no sampler processing is active" not in finding.message
+    quiet = next(f for f in audit(*matched_pair(logprobs_mode="raw_logprobs"))
+                 if f.code == "logprobs-mode-not-processed")
+    assert quiet.severity == "warning" and "no sampler processing is active" in quiet.message
+
+
+def test_cli_enforce_in_trl_colocate_keeps_what_grpoconfig_cannot_reach(tmp_path, toy_model_path, capsys):
+    """TRL's colocate mode builds LLM() itself: an engine-argument fix is not applied by `audit --enforce`; its
+    finding stays, listed as not applied, as its own TRL fix text says (colocate mode cannot set it)."""
+    pytest.importorskip("trl")
+    from tim_plugins.apps.cli import main
+
+    yml = tmp_path / "grpo.yaml"
+    yml.write_text("use_vllm: true\ntop_p: 0.9\ntemperature: 0.7\n")  # vllm_mode: TRL's default, colocate
+    def report(*flags):  # importing TRL may print a line of its own before the JSON
+        main(["audit", "--trl-config", str(yml), "--model", str(toy_model_path), *flags, "--json"])
+        out = capsys.readouterr().out
+        return json.loads(out[out.index("{"):])
+
+    before = {f["code"] for f in report()["findings"]}
+    data = report("--enforce")
+    after = {f["code"] for f in data["findings"]}
+    not_applied = {row["code"] for row in data["not_applied"]}
+    assert {"prefix-caching-on", "chunked-prefill-on", "cudagraph-on"} <= not_applied <= before
+    assert not_applied <= after  # not fixed, so still reported
+    for code in not_applied:
+        assert "colocate mode cannot set it" in CODES[code].fix["trl"], code
+    assert not any(c["side"] == "rollout" and c["knob"].startswith("vllm ") for c in data["changes"]), data["changes"]
+    main(["audit", "--trl-config", str(yml), "--model", str(toy_model_path), "--enforce"])
+    assert "not reachable from GRPOConfig" in capsys.readouterr().out

@@ -65,9 +65,10 @@ def test_sampler_fields_and_lm_head(tmp_path, model):
     fixed = enforce(rollout, trainer)
     assert fixed.vllm_engine_args["dtype"] == "float32"
     assert "hf_overrides" not in fixed.vllm_engine_args  # an fp32 rollout's head already matches the fp32 head
-    # bf16 autocast trainer with an fp32 head: the rollout keeps bf16 but needs the fp32 head too
+    # a bf16 trainer (bf16 weights) with an fp32 head: the rollout keeps bf16 but needs the fp32 head too
     bf16 = _config(tmp_path, use_vllm=True, bf16=True, cast_lm_head_to_fp32=True)
-    rollout, trainer = specs_from_grpo_config(bf16, model)
+    rollout, trainer = specs_from_grpo_config(bf16, model.to(torch.bfloat16))
+    model.to(torch.float32)  # the module fixture, as the other tests read it
     assert trainer.dtype == "bfloat16" and "dtype-mismatch" not in _codes(audit(rollout, trainer))
     fixed = enforce(rollout, trainer)
     assert fixed.vllm_engine_args == {"hf_overrides": {"head_dtype": "float32"}, "enable_prefix_caching": False,
@@ -100,6 +101,52 @@ def test_bf16_autocast_and_model_init_kwargs(tmp_path):
     assert trainer.dtype == "bfloat16" and trainer.attention_backend == "eager"
     plain = trainer_spec_from_trl(_config(tmp_path))
     assert plain.dtype == "float32"  # TRL's default for a model path
+
+
+def _trl_loaded_dtype(args, path) -> str:
+    """The dtype of the weights TRL's own loader gives GRPOTrainer for a model path (trl/trainer/utils.py
+    ``create_model_from_path`` with ``args.model_init_kwargs``, as GRPOTrainer.__init__ calls it)."""
+    from trl.trainer.utils import create_model_from_path
+
+    kwargs = dict(args.model_init_kwargs or {})
+    return str(create_model_from_path(str(path), **kwargs).dtype).replace("torch.", "")
+
+
+@pytest.mark.parametrize("init", [None, {"dtype": "bfloat16"}, {"dtype": "float32"}])
+def test_bf16_autocast_reads_as_the_weights_trl_loads(tmp_path, toy_model_path, init):
+    """GRPOConfig's bf16=True is accelerate autocast over the weights TRL loaded (float32 for a model path unless
+    model_init_kwargs['dtype'] says otherwise): the trainer reads as those weights' dtype (TRL's own loader, the
+    reference), so TRL's default config (bf16=True, fp32 weights) against vLLM's bf16 is a dtype-mismatch, whose TRL
+    fix names the setting that gives bf16 weights; bf16 weights against the bf16 rollout are none."""
+    from tim_plugins.integrations.trl.fixes import FINDING_FIXES
+
+    args = _config(tmp_path, use_vllm=True, bf16=True, model_init_kwargs=init)
+    loaded = _trl_loaded_dtype(args, toy_model_path)
+    rollout, trainer = specs_from_grpo_config(args, str(toy_model_path))
+    assert rollout.dtype == "bfloat16"  # vLLM's 'auto' on the fp32 toy checkpoint
+    assert trainer.dtype == loaded, (trainer.dtype, loaded)
+    findings = {f.code: f for f in audit(rollout, trainer)}
+    if loaded == "bfloat16":
+        assert "dtype-mismatch" not in findings
+        return
+    assert findings["dtype-mismatch"].trainer_value == "float32"
+    assert "bfloat16 autocast over float32 weights" in trainer.notes["dtype"], trainer.notes
+    # the fix names a real GRPOConfig field with a value TRL's loader takes, and that value gives bf16 weights
+    fix = findings["dtype-mismatch"].fix["trl"]
+    assert "GRPOConfig(model_init_kwargs={'dtype': 'bfloat16'})" in fix, fix
+    fixed = _config(tmp_path, use_vllm=True, bf16=True, model_init_kwargs={"dtype": "bfloat16"})
+    assert _trl_loaded_dtype(fixed, toy_model_path) == "bfloat16"
+    assert "dtype-mismatch" not in _codes(audit(*specs_from_grpo_config(fixed, str(toy_model_path))))
+    assert "model_init_kwargs={'dtype': 'bfloat16'}" in FINDING_FIXES["dtype-mismatch"]
+
+
+def test_hf_generation_under_autocast_matches_the_trainer(tmp_path, model):
+    """TRL's transformers generation runs the trainer's own (fp32, bf16-autocast) model: the two sides read the
+    same dtype, no dtype-mismatch; a live bf16 model is bf16 on both."""
+    args = _config(tmp_path, use_vllm=False, bf16=True)
+    rollout, trainer = specs_from_grpo_config(args, model)
+    assert rollout.dtype == trainer.dtype == str(next(model.parameters()).dtype).replace("torch.", "") == "float32"
+    assert "dtype-mismatch" not in _codes(audit(rollout, trainer))
 
 
 def test_hf_generation_and_server_mode(tmp_path, model):
@@ -143,7 +190,8 @@ def test_audit_of_a_gpu_runs_config_on_a_machine_without_one(tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 1, captured.err
     report = json.loads(captured.out)
-    assert report["trainer"]["dtype"] == "bfloat16"  # GRPOConfig's bf16 default, as on the GPU it is written for
+    # GRPOConfig's bf16 default, as on the GPU it is written for: autocast over the float32 weights TRL loads
+    assert report["trainer"]["dtype"] == "float32" and "bfloat16 autocast" in report["trainer"]["notes"]["dtype"]
     assert "sampler-truncation-unmatched" in {f["code"] for f in report["findings"]}
     rc = main(["audit", "--trl-config", str(tmp_path / "missing.yaml")])
     err = capsys.readouterr().err

@@ -47,6 +47,14 @@ def test_static_reader_agrees_with_the_live_engine(vllm_llm, toy_model_path):
               "kv_cache_dtype", "prefix_caching", "chunked_prefill", "cudagraph", "compile", "batch_invariant",
               "attention_backend", "device"]
     assert {f: live[f] for f in fields} == {f: static[f] for f in fields}
+    # a request's min_tokens / structured outputs are processing the trainer does not apply, read alike by both
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    sampling = SamplingParams(min_tokens=4, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    live = spec_from_llm(vllm_llm, sampling=sampling)
+    static = spec_from_engine_args({"model": str(toy_model_path), **FIXTURE_ARGS}, sampling=sampling, device="cpu")
+    assert live.custom_logits_processors == static.custom_logits_processors == ("min_tokens=4", "structured_outputs")
 
 
 def test_audit_live_engine_against_hf_trainer(vllm_llm, hf_model):

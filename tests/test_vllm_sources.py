@@ -465,6 +465,39 @@ def test_the_config_fields_the_parity_reader_reads(engine_config):
     assert vc.device_config.device_type == "cpu"
 
 
+def test_engine_args_reader_resolves_compile_and_graphs_as_vllm_does(toy_model_path):
+    """The static reader's torch.compile state, against vLLM's own parser (FlexibleArgumentParser: -O<n>, -cc, dotted
+    keys) and resolution (VllmConfig: optimization level, mode, enforce_eager) on this machine (CPU: no graphs), and
+    its CUDA-graph tables against vLLM's (OPTIMIZATION_LEVEL_TO_CONFIG, CUDAGraphMode.without_piecewise)."""
+    import shlex
+
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from tim_plugins.parity import vllm_spec
+    from tim_plugins.parity.vllm_spec import spec_from_engine_args
+
+    assert vllm_spec._COMPILATION_MODES == tuple(m.name for m in sorted(CompilationMode))
+    assert vllm_spec._VLLM_COMPILE == CompilationMode.VLLM_COMPILE
+    assert vllm_spec._CUDAGRAPH_BY_LEVEL == {int(level): cfg["compilation_config"]["cudagraph_mode"].name
+                                             for level, cfg in OPTIMIZATION_LEVEL_TO_CONFIG.items()}
+    assert vllm_spec._CUDAGRAPH_MODES == tuple(m.name for m in CUDAGraphMode)
+    for mode in CUDAGraphMode:
+        assert vllm_spec._WITHOUT_PIECEWISE.get(mode.name, mode.name) == mode.without_piecewise().name
+    _needs_platform()
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for cli in ("", "-O0", "-O 1", "--optimization-level 0", "-cc.mode=0", "-cc.mode=none -cc.cudagraph_mode=none",
+                "-cc '{\"mode\": 0, \"cudagraph_mode\": \"NONE\"}'", "--enforce-eager -O3", "-O0 -cc.mode=3"):
+        engine = EngineArgs.from_cli_args(parser.parse_args(["--model", str(toy_model_path), *shlex.split(cli)]))
+        engine.max_model_len, engine.kv_cache_memory_bytes = 96, 64 << 20
+        comp = engine.create_engine_config().compilation_config
+        spec = spec_from_engine_args(cli, device="cpu", env={})
+        assert spec.compile is (int(comp.mode) != 0), (cli, comp.mode)
+        assert spec.cudagraph is False and comp.cudagraph_mode == CUDAGraphMode.NONE, cli
+
+
 def test_head_dtype_override_and_auto_dtype():
     from vllm.config.model import _get_head_dtype
 

@@ -21,10 +21,14 @@ FINDING_FIXES = {
     "dtype-mismatch":
         "run vLLM in the trainer's dtype: server mode `trl vllm-serve --dtype <trainer dtype>` (TRL passes no dtype "
         "to LLM(); vLLM's 'auto' runs fp32 checkpoints in bf16); " + _COLOCATE + ". GRPOConfig defaults to "
-        "bf16=True, which no vLLM dtype reproduces: for the fp32 pair, GRPOConfig(bf16=False) with `trl vllm-serve "
-        "--dtype float32`. bf16=True is not the fix: it "
+        "bf16=True over the float32 weights TRL loads a model path in, which no vLLM dtype reproduces: for the fp32 "
+        "pair, GRPOConfig(bf16=False) with `trl vllm-serve --dtype float32`. bf16=True is not the fix: it "
         "autocasts the trainer's matmuls over its fp32 weights, norms and residual stream, which is not vLLM's bf16 "
-        "model (the per-token gap stays: tests/test_trl_vllm_dtype_fix.py). A bf16 engine kept for its speed: "
+        "model (the per-token gap stays: tests/test_trl_vllm_dtype_fix.py). For the bf16 pair, the trainer's "
+        "weights in bf16: GRPOConfig(model_init_kwargs={'dtype': 'bfloat16'}) for a model given by name (or a model "
+        "you load in torch.bfloat16 yourself), which colocate mode takes too, as vLLM's 'auto' runs bf16 (the "
+        "optimizer then updates bf16 weights: updates below their resolution round away). A bf16 engine kept for "
+        "its speed: "
         "correct the gap instead: TRL's vllm_importance_sampling_correction=True (its default), or "
         "TIMConfig(is_correction='token_tis') with vllm_importance_sampling_correction=False",
     "lm-head-precision-mismatch":

@@ -83,19 +83,44 @@ def _init_kwargs(args: Any) -> dict:
 
 
 def _param_dtype(args: Any, model: Any) -> Optional[str]:
-    if model is not None and not isinstance(model, str):
+    if model is not None and not isinstance(model, (str, Path)):
         return str(next(model.parameters()).dtype)
     dtype = _init_kwargs(args).get("dtype", "float32")  # TRL's documented default for a model path
-    return None if dtype == "auto" else normalize_dtype(dtype)
+    if dtype == "auto" or dtype is None:
+        # transformers >= 5 then takes the checkpoint's own dtype (config.json); unknown without a local checkpoint
+        return normalize_dtype(checkpoint_dtype_from_path(model)) if model is not None else None
+    return normalize_dtype(dtype)
 
 
-def _compute_dtype(args: Any, model: Any) -> Optional[str]:
-    # bf16/fp16 → accelerate autocast: the matmuls run in that dtype whatever the weights are.
+def _autocast_dtype(args: Any) -> Optional[str]:
+    """The dtype accelerate autocasts the forward to (GRPOConfig bf16 / fp16), None when it does not."""
     if getattr(args, "bf16", False):
         return "bfloat16"
     if getattr(args, "fp16", False):
         return "float16"
+    return None
+
+
+def _compute_dtype(args: Any, model: Any) -> Optional[str]:
+    # The dtype of the model's weights, not the autocast one: bf16=True / fp16=True leave the weights TRL loaded
+    # (float32 for a model path unless model_init_kwargs['dtype'] says otherwise) and only autocast the matmuls;
+    # embeddings, norms, residual stream and log-softmax stay in those weights' dtype (log-softmax in float32 under
+    # autocast anyway). fp32 weights under bf16 autocast are not a bf16 model: against vLLM's
+    # bf16 weights the per-token gap is the fp32 one (tests/test_trl_vllm_dtype_fix.py), so an autocast trainer
+    # reads as its weights' dtype and the dtype-mismatch finding names the fix (bf16 weights).
     return _param_dtype(args, model)
+
+
+def _dtype_note(args: Any, model: Any) -> str:
+    weights, autocast = _param_dtype(args, model), _autocast_dtype(args)
+    note = f"weights {weights}, bf16={args.bf16}, fp16={args.fp16}"
+    if autocast is not None and weights is not None and autocast != weights:
+        note += (f": {autocast} autocast over {weights} weights (matmuls in {autocast}; embeddings, norms, residual "
+                 f"stream and log-softmax in {weights}), which no single-dtype engine reproduces; {autocast} weights: "
+                 f"GRPOConfig(model_init_kwargs={{'dtype': '{autocast}'}}"
+                 # fp16 weights: fp16=True's GradScaler refuses their gradients, and bf16 left unset is True
+                 + (", bf16=False, fp16=False)" if autocast == "float16" else ")"))
+    return note
 
 
 def _checkpoint_dtype(model: Any, args: Any) -> Optional[str]:
@@ -232,7 +257,7 @@ def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
         chunked_prefill=False, cudagraph=False, compile=bool(getattr(args, "torch_compile", False)),
         batch_invariant=False, attention_backend=attn,
         source="trl GRPOConfig" + (" + live model" if model is not None and not isinstance(model, str) else ""),
-        notes={"dtype": f"weights {_param_dtype(args, model)}, bf16={args.bf16}, fp16={args.fp16}"},
+        notes={"dtype": _dtype_note(args, model)},
     )
 
 
@@ -243,7 +268,8 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
     if args.use_vllm:
         spec = _with_structured_outputs(_vllm_rollout_spec(args, model, server_args, device, llm), args)
         return spec.replace(notes={**spec.notes, **_greedy_notes(args)}) if greedy_decoding(args) else spec
-    gen_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else _param_dtype(args, model)
+    # TRL's generate() runs the trainer's own model, under the same accelerate autocast: the trainer's dtype
+    gen_dtype = _compute_dtype(args, model)
     processors, notes = hf_sampler_processors(args, model, trl_settings), _greedy_notes(args, model)
     if processors:
         notes["custom_logits_processors"] = (

@@ -85,9 +85,14 @@ def rollout_spec_from_config(config: Any, *, device: str = "cuda", env: Optional
     env = dict(os.environ if env is None else env)
     if _get(config, f"{r}.full_determinism"):
         env["VLLM_BATCH_INVARIANT"] = "1"  # verl sets it for the rollout workers
-    spec = spec_from_engine_args(args, sampling=sampling, device=device, env=env, framework=f"verl-{name}")
+    # verl's rollout.yaml leaves name mandatory (???): an unset name reads as None, which names no engine
+    framework = "verl" if name is None else f"verl-{name}"
+    spec = spec_from_engine_args(args, sampling=sampling, device=device, env=env, framework=framework)
     notes = dict(spec.notes)
-    if name != "vllm":
+    if name is None:
+        notes["engine"] = (f"{r}.name is unset (verl requires it: e.g. {r}.name=vllm): read with vLLM semantics; "
+                           "other engines may differ")
+    elif name != "vllm":
         notes["engine"] = f"rollout.name={name}: read with vLLM semantics; other engines may differ"
     configured_penalty = _get(config, f"{r}.repetition_penalty", 1.0)
     if configured_penalty != 1.0:

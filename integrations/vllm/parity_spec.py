@@ -17,7 +17,7 @@ import os
 from typing import Any, Optional
 
 from tim_plugins.parity.spec import PipelineSpec
-from tim_plugins.parity.vllm_spec import sampling_fields, with_processor_min_p
+from tim_plugins.parity.vllm_spec import sampling_fields, sampling_processors, with_processor_min_p
 
 __all__ = ["engine_args_from_server_info", "spec_from_llm"]
 
@@ -77,13 +77,18 @@ def spec_from_llm(llm: Any, *, sampling: Any = None, framework: str = "vllm") ->
     # VLLM_SOURCES vllm.config:VllmConfig (additional_config)
     sampler = with_processor_min_p(sampling_fields(sampling), [str(p) for p in procs],
                                    getattr(vc, "additional_config", None), notes)
+    # min_tokens, structured outputs, a thinking budget: per-request processing the trainer does not recompute
+    processing = sampling_processors(sampling)
+    if processing:
+        notes["custom_logits_processors"] = (f"SamplingParams {', '.join(processing)}: vLLM processes the logits "
+                                             "the trainer scores unprocessed")
     cudagraph_mode = str(getattr(comp, "cudagraph_mode", "NONE")).upper()
     compile_mode = getattr(comp, "mode", 0)
     return PipelineSpec(
         side="rollout", framework=framework, device=device,
         dtype=first.get("dtype") or str(mc.dtype),
         lm_head_dtype=first.get("lm_head_dtype") or head_cfg,
-        logprobs_mode=str(mc.logprobs_mode), **sampler, custom_logits_processors=(),
+        logprobs_mode=str(mc.logprobs_mode), **sampler, custom_logits_processors=processing,
         weight_quantization="none" if mc.quantization is None else str(mc.quantization),
         kv_cache_dtype=str(cc.cache_dtype), prefix_caching=bool(cc.enable_prefix_caching),
         chunked_prefill=bool(sc.enable_chunked_prefill),

@@ -44,6 +44,9 @@ def _texts() -> dict[str, str]:
         for trainer in ("float32", "bfloat16"):
             out[f"measure --compare {setting.name} ({trainer} trainer)"] = framework_configs(
                 setting, trainer, "bfloat16")["verl"]
+            # with the sampler's cut (measure --top-p / --top-k), which the trainer applies too
+            out[f"measure --compare {setting.name} --top-p 0.9 --top-k 20 ({trainer} trainer)"] = framework_configs(
+                setting, trainer, "bfloat16", top_p=0.9, top_k=20)["verl"]
     return out
 
 

@@ -53,6 +53,35 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _json_object(flag: str, text: str) -> dict:
+    """The JSON object a flag holds; a ValueError naming the flag and its value otherwise (the parser's message
+    alone does not say which flag it read)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag} {text!r} is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} {text!r} must be a JSON object of fields, e.g. '{{\"top_p\": 0.9}}'")
+    return value
+
+
+def _engine_fixes_unreachable(rollout: Any, trainer: Any, fix: Any) -> dict:
+    """{finding code: why} for the default fixes that only an engine argument applies (``EnforceResult.
+    vllm_engine_args``), which TRL's colocate mode cannot pass: TRL builds LLM() itself with a fixed argument list
+    that no GRPOConfig field reaches (the TRL fix texts say so, ``integrations.trl.fixes``). Sampling params and the
+    trainer's settings stay reachable (GRPOConfig, generation_kwargs)."""
+    from tim_plugins.parity.audit import enforce
+
+    why = ("TRL colocate mode builds LLM() itself: no GRPOConfig field reaches the engine argument {args} "
+           "(server mode sets it: the finding's fix)")
+    out = {}
+    for code in sorted(fix):
+        engine = enforce(rollout, trainer, fix={code}).vllm_engine_args
+        if engine:
+            out[code] = why.format(args=", ".join(f"{k}={v!r}" for k, v in engine.items()))
+    return out
+
+
 def _vllm_specs(args: argparse.Namespace):
     from tim_plugins.parity.spec import PipelineSpec
     from tim_plugins.parity.vllm_spec import parse_engine_args, spec_from_engine_args
@@ -60,9 +89,9 @@ def _vllm_specs(args: argparse.Namespace):
     engine = parse_engine_args(args.vllm_args)
     if args.model and "model" not in engine:
         engine["model"] = args.model
-    sampling = json.loads(args.sampling) if args.sampling else None
+    sampling = _json_object("--sampling", args.sampling) if args.sampling else None
     rollout = spec_from_engine_args(engine, sampling=sampling, device=args.device)
-    fields = json.loads(args.trainer_spec) if args.trainer_spec else {}
+    fields = _json_object("--trainer-spec", args.trainer_spec) if args.trainer_spec else {}
     fields.setdefault("side", "trainer")
     fields.setdefault("framework", "trainer")
     fields.setdefault("source", "--trainer-* flags")
@@ -81,11 +110,11 @@ def _vllm_specs(args: argparse.Namespace):
 
 def run_audit(args: argparse.Namespace) -> int:
     from tim_plugins._optional import package_version
-    from tim_plugins.parity.audit import enforce
+    from tim_plugins.parity.audit import DEFAULT_FIXES, enforce
     from tim_plugins.parity.report import audit_and_report, counts_line
     from tim_plugins.parity.table import format_table
 
-    framework = None
+    framework, colocate = None, False
     try:
         if args.verl is not None:
             # distribution metadata, not find_spec: an importable folder named verl is not an installation
@@ -100,22 +129,30 @@ def run_audit(args: argparse.Namespace) -> int:
                 return _fail("--trl-config needs trl installed (pip install 'tim-plugins[trl]')")
             from tim_plugins.integrations.trl.parity_spec import load_grpo_config, specs_from_grpo_config
 
-            rollout, trainer = specs_from_grpo_config(load_grpo_config(args.trl_config), args.model, device=args.device)
+            config = load_grpo_config(args.trl_config)
+            rollout, trainer = specs_from_grpo_config(config, args.model, device=args.device)
             framework = "trl"
+            colocate = bool(getattr(config, "use_vllm", False)) and getattr(config, "vllm_mode", None) == "colocate"
         else:
             rollout, trainer = _vllm_specs(args)
             framework = "vllm"
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as err:
         return _fail(str(err))
-    changes, enforced = [], None
+    changes, enforced, unreachable = [], None, {}
     if args.enforce:
-        result = enforce(rollout, trainer)
+        fix = set(DEFAULT_FIXES)
+        if colocate:
+            # a change TRL cannot make is not a change: its finding stays, marked why
+            unreachable = _engine_fixes_unreachable(rollout, trainer, fix)
+            fix -= set(unreachable)
+        result = enforce(rollout, trainer, fix=fix)
         changes, enforced = result.changes, result.findings
     report = audit_and_report(rollout, trainer, framework=framework, findings=enforced,
                               title=f"tim-plugins audit ({rollout.source} vs {trainer.source})")
     if args.json:
         print(json.dumps({"rollout": rollout.to_dict(), "trainer": trainer.to_dict(),
                           "changes": [c.__dict__ for c in changes],
+                          "not_applied": [{"code": code, "why": why} for code, why in unreachable.items()],
                           "findings": [f.to_dict() for f in report.findings]}, indent=2, default=str))
     else:
         print(f"rollout: {rollout.framework} ({rollout.source})\ntrainer: {trainer.framework} ({trainer.source})\n")
@@ -123,6 +160,10 @@ def run_audit(args: argparse.Namespace) -> int:
             print("enforce() changed:")
             print(format_table(["side", "field", "old", "new", "knob"],
                                [[c.side, c.field, c.old, c.new, c.knob] for c in changes]))
+            print()
+        if unreachable:
+            print("enforce() did not apply (not reachable from GRPOConfig; the findings stay below):")
+            print(format_table(["code", "why"], [[code, why] for code, why in unreachable.items()]))
             print()
         print(report.table)
         print(f"\n{counts_line(report.counts)}")

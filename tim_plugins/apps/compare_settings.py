@@ -130,15 +130,21 @@ def plan_settings(text: str, *, vllm_available: bool | None = None,
     return settings, skipped
 
 
-def framework_configs(setting: Setting, trainer_dtype: str, vllm_dtype: str) -> dict[str, str]:
+def framework_configs(setting: Setting, trainer_dtype: str, vllm_dtype: str, *, top_p: float = 1.0,
+                      top_k: int = 0) -> dict[str, str]:
     """The TRL, verl and vLLM configuration whose rollout runs the numerics of ``setting`` against a trainer in
-    ``trainer_dtype`` (one mapping: the console and the report print it)."""
+    ``trainer_dtype`` (one mapping: the console and the report print it). ``top_p`` / ``top_k``: the measured
+    sampler's truncation (``measure --top-p / --top-k``; 1.0 / 0 = off), which the measured trainer applies too."""
     if setting.rollout == "exact":
         none = "no setting: the exact sampler samples from the trainer's own forward (tim-plugins' TIM-free reference)"
         return {"TRL": none, "verl": none, "vLLM": none}
     dtype = vllm_dtype if setting.rollout == "vllm" else HF_DTYPES[setting.rollout]
     param = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    trainer = {"float32": "bf16=False", "bfloat16": "bf16=True", "float16": "fp16=True"}[trainer_dtype]
+    # TRL loads a model path in float32 whatever bf16/fp16 say (they only autocast over those weights): the trainer's
+    # dtype is model_init_kwargs['dtype']. fp16 weights need bf16=False (GRPOConfig's default bf16=True would autocast
+    # them to bf16) and no fp16=True (its GradScaler refuses fp16 gradients).
+    trainer = {"float32": "bf16=False", "bfloat16": "model_init_kwargs={'dtype': 'bfloat16'}",
+               "float16": "model_init_kwargs={'dtype': 'float16'}, bf16=False"}[trainer_dtype]
     if dtype == "bfloat16" and trainer_dtype == "float32":
         trl = ("GRPOConfig(use_vllm=True, bf16=False) on an fp32 checkpoint: TRL passes no dtype to vLLM, whose "
                "'auto' samples it in bfloat16")
@@ -155,9 +161,18 @@ def framework_configs(setting: Setting, trainer_dtype: str, vllm_dtype: str) -> 
         # a mismatch of its own (the lm-head-precision-mismatch finding)
         verl += "; no fp32 head in verl (its actor has no fp32-head option): the whole model in fp32 is the nearest"
         vllm = vllm[:-1] + ", hf_overrides={'head_dtype': 'float32'})"
-    if setting.min_p > 0:
-        trl += f"; GRPOConfig(min_p={setting.min_p:g}) with TIMConfig(safe_vocab=True) (the trainer prunes the same)"
-        verl += (f" ++tim.safe_vocab.min_p={setting.min_p:g} with the TIMMinPLogitsProcessor overrides "
-                 f"(additional_config.tim_min_p={setting.min_p:g}; README, verl section)")
-        vllm += (f" + SamplingParams(min_p={setting.min_p:g}); the trainer prunes the same (tim_plugins.safe_vocab)")
+    # The sampler's cut, which the measured trainer applies too (the safe vocabulary): each framework's sampler
+    # setting for it, and the option that makes its trainer prune the same.
+    cut = {k: v for k, v in (("top_p", top_p if top_p < 1 else None), ("top_k", top_k if top_k > 0 else None),
+                             ("min_p", setting.min_p if setting.min_p > 0 else None)) if v is not None}
+    if cut:
+        values = ", ".join(f"{k}={v:g}" for k, v in cut.items())
+        trl += f"; GRPOConfig({values}) with TIMConfig(safe_vocab=True) (the trainer prunes the same)"
+        verl += "".join(f" actor_rollout_ref.rollout.{k}={cut[k]:g}" for k in ("top_p", "top_k") if k in cut)
+        if setting.min_p > 0:
+            verl += (f" ++tim.safe_vocab.min_p={setting.min_p:g} with the TIMMinPLogitsProcessor overrides "
+                     f"(additional_config.tim_min_p={setting.min_p:g}; README, verl section)")
+        else:  # the actor renormalises over the rollout's own top_p / top_k: no logits processor (docs/verl.md)
+            verl += " ++tim.safe_vocab.enable=true"
+        vllm += f" + SamplingParams({values}); the trainer prunes the same (tim_plugins.safe_vocab)"
     return {"TRL": trl, "verl": verl, "vLLM": vllm}

@@ -381,13 +381,18 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
     injector = calibration = None
     settings = cfg.settings
     if cfg.inject_k3 is not None:
-        from tim_plugins.rollout.inject import calibrate_injector
+        from tim_plugins.rollout.inject import CalibrationError, calibrate_injector
 
         probe = run.tokenizer(prompts[: min(8, len(prompts))], return_tensors="pt", padding=True)
-        injector, calibration = calibrate_injector(
-            run.model(settings[0]), probe["input_ids"], probe["attention_mask"], target_k3=cfg.inject_k3,
-            max_new_tokens=min(cfg.max_new_tokens, 32), temperature=cfg.temperature, seed=cfg.seed,
-        )
+        try:
+            injector, calibration = calibrate_injector(
+                run.model(settings[0]), probe["input_ids"], probe["attention_mask"], target_k3=cfg.inject_k3,
+                max_new_tokens=min(cfg.max_new_tokens, 32), temperature=cfg.temperature, seed=cfg.seed,
+            )
+        except CalibrationError as err:  # its own advice names the library's knobs, which measure does not have
+            raise UsageError(f"--inject-k3 {cfg.inject_k3:g} is out of reach: the tail noise measure injects gave at "
+                             f"most k3 = {err.reached:.3g} on this model's probe rollouts. Fix: --inject-k3 "
+                             f"{err.reached / 2:.2g} or lower.") from err
     # vLLM may change this process's threading when its engine starts: run it after the HF settings.
     order = sorted(range(len(settings)), key=lambda i: settings[i].rollout == "vllm")
     results = {}
@@ -430,7 +435,8 @@ def run_measure(cfg: MeasureConfig, *, llm=None) -> dict:
         "setups": {s.name: {**_describe(s, cfg, llm_dtype), "threads": results[s.name]["threads"],
                             "full_distribution": results[s.name]["full_distribution"],
                             "engine_start_s": run.engine_seconds.get(s.name),
-                            "frameworks": framework_configs(s, cfg.trainer_dtype, llm_dtype or cfg.vllm_dtype)}
+                            "frameworks": framework_configs(s, cfg.trainer_dtype, llm_dtype or cfg.vllm_dtype,
+                                                            top_p=cfg.top_p, top_k=cfg.top_k)}
                    for s in settings},
         "baseline": names[0],
         "primary": primary,

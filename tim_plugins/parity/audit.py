@@ -60,6 +60,11 @@ def _truncation(spec: PipelineSpec) -> dict:
     return {"top_p": spec.top_p, "top_k": spec.top_k, "min_p": spec.min_p}
 
 
+# The rollout fields `rollout_processing_active` reads (a None among them can make it unknown).
+_PROCESSING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty", "logit_bias", "bad_words", "custom_logits_processors")
+
+
 def rollout_processing_active(spec: PipelineSpec) -> Optional[bool]:
     """True when the sampler changes the distribution (temperature, truncation, penalties); None if unknown. A greedy
     rollout's truncation fields do not count: it cuts nothing."""
@@ -115,9 +120,18 @@ def audit(rollout: PipelineSpec, trainer: PipelineSpec) -> list[Finding]:
             out.append(make_finding("logprobs-mode-not-processed", "error",
                                     f"logprobs_mode={mode!r} returns logits, not log-probs", mode, "processed"))
         elif mode == "raw_logprobs":
+            # Unknown processing stays an error: raw log-probs are only right when nothing processes the logits,
+            # which the audit cannot tell here (it never guesses), and processed_logprobs is right either way.
             severity = "error" if processing is not False else "warning"
-            why = ("the sampler processes the logits (temperature/truncation/penalties)" if processing else
-                   "equal to processed today only because no sampler processing is active")
+            if processing:
+                why = "the sampler processes the logits (temperature/truncation/penalties)"
+            elif processing is None:
+                cut = _truncation(rollout)  # a greedy rollout's truncation fields do not count
+                names = [n for n in _PROCESSING_FIELDS if (cut[n] if n in cut else getattr(rollout, n)) is None]
+                why = (f"whether the sampler processes the logits is unknown ({', '.join(names)} not known); they "
+                       "equal the processed log-probs only if it does not")
+            else:
+                why = "equal to processed today only because no sampler processing is active"
             out.append(make_finding("logprobs-mode-not-processed", severity,
                                     f"raw_logprobs are taken before sampler processing: {why}", mode, "processed"))
     # 4 truncation (a greedy rollout cuts nothing; its temperature is check 5's)

@@ -106,10 +106,12 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
        "A temperature gap shifts every log-prob systematically (TRL #4159: ratio ~2 at T != 1).",
        {"vllm": "SamplingParams(temperature=T) equal to the trainer's T"}),
     _C("sampler-penalties-unmatched", "penalties / logit bias / bad words / custom processors on the rollout only",
-       "Repetition, presence and frequency penalties, logit bias, bad-words masks and custom logits processors "
-       "change the sampled distribution in ways the trainer never recomputes.",
+       "Repetition, presence and frequency penalties, logit bias and allowed tokens, bad-words masks, minimum "
+       "lengths, structured outputs, thinking budgets and custom logits processors change the sampled distribution "
+       "in ways the trainer never recomputes.",
        {"vllm": "SamplingParams(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, "
-                "logit_bias=None, bad_words=None), no logits_processors"}),
+                "logit_bias=None, allowed_token_ids=None, bad_words=None, min_tokens=0, structured_outputs=None, "
+                "thinking_token_budget=None), no logits_processors"}),
     _C("quantized-rollout", "the rollout runs quantized weights or a quantized KV cache",
        "fp8/int8 weights or KV cache change every logit (INT8 rollouts reach max token |Δp| = 1.0 on "
        "Qwen2.5-32B); the trainer computes in full precision.",
@@ -125,7 +127,9 @@ CODES: dict[str, CodeInfo] = {c.code: c for c in (
     _C("cudagraph-on", "rollout runs CUDA graphs / torch.compile while the trainer runs eager",
        "Graphs pad decode batches to capture sizes and compiled graphs fuse ops (e.g. fused_add_rms_norm on the "
        "fp32 sum): kernel choice and rounding then differ from the trainer's eager forward.",
-       {"vllm": "LLM(enforce_eager=True) or compilation_config={'cudagraph_mode': 'NONE'}"}),
+       {"vllm": "LLM(enforce_eager=True) / --enforce-eager, or LLM(optimization_level=0) / -O0, or "
+                "LLM(compilation_config={'mode': 0, 'cudagraph_mode': 'NONE'}) / -cc.mode=0 -cc.cudagraph_mode=NONE "
+                "(cudagraph_mode='NONE' alone still compiles)"}),
     _C("batch-invariance-off", "log-probs depend on the batch they are computed in",
        "Batch-size-dependent reductions (GEMM split-K, attention splits) make the same sequence score "
        "differently in another batch: bitwise parity (k3 == 0) is impossible; expect a ~1e-5..1e-3 k3 floor.",

@@ -51,6 +51,7 @@ __all__ = [
     "calibrate_scale",
     "calibrate_injector",
     "CalibrationResult",
+    "CalibrationError",
 ]
 
 INJECT_MODES = ("noise", "bias")
@@ -297,6 +298,14 @@ def _k3_at(scale: float, logits: torch.Tensor, temperature: float, injector: Tai
                  ["tim/token/kl_k3"])
 
 
+class CalibrationError(ValueError):
+    """The target k3 is out of the injector's reach on the probe batch: ``reached`` is the most it gave."""
+
+    def __init__(self, message: str, *, target_k3: float, reached: float):
+        super().__init__(message)
+        self.target_k3, self.reached = target_k3, reached
+
+
 @dataclass
 class CalibrationResult:
     scale: float
@@ -335,9 +344,10 @@ def calibrate_scale(
     while k3_hi < target_k3:
         lo, hi = hi, hi * 2
         if hi > max_scale:
-            raise ValueError(f"calibrate_scale: k3 stays below {target_k3:g} up to scale {max_scale:g} "
-                             f"(reached {k3_hi:.3g}); the tail (p < tau={injector.tau}) is too small on this "
-                             "probe batch: raise tau or use a larger probe batch")
+            raise CalibrationError(f"calibrate_scale: k3 stays below {target_k3:g} up to scale {max_scale:g} "
+                                   f"(reached {k3_hi:.3g}); the tail (p < tau={injector.tau}) is too small on this "
+                                   "probe batch: raise tau or use a larger probe batch",
+                                   target_k3=target_k3, reached=k3_hi)
         k3_hi = _k3_at(hi, logits, temperature, injector, uniforms)
         it += 1
     best = (hi, k3_hi)

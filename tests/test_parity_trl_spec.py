@@ -129,8 +129,16 @@ def test_bf16_autocast_reads_as_the_weights_trl_loads(tmp_path, toy_model_path, 
     if loaded == "bfloat16":
         assert "dtype-mismatch" not in findings
         return
-    assert findings["dtype-mismatch"].trainer_value == "float32"
+    assert trainer.autocast == "bfloat16"
+    assert findings["dtype-mismatch"].trainer_value == "bfloat16 autocast over float32 weights"
     assert "bfloat16 autocast over float32 weights" in trainer.notes["dtype"], trainer.notes
+    # nor is it vLLM's fp32 model: an engine in the weights' dtype leaves the finding (and enforce() cannot clear
+    # it: an engine does not autocast), while bf16=False with that engine is the fp32 pair
+    fp32_engine = rollout.replace(dtype="float32")
+    assert "dtype-mismatch" in _codes(audit(fp32_engine, trainer))
+    assert "dtype-mismatch" in _codes(enforce(rollout, trainer).findings)
+    plain = trainer_spec_from_trl(_config(tmp_path, use_vllm=True, bf16=False, model_init_kwargs=init))
+    assert plain.autocast is None and "dtype-mismatch" not in _codes(audit(fp32_engine, plain))
     # the fix names a real GRPOConfig field with a value TRL's loader takes, and that value gives bf16 weights
     fix = findings["dtype-mismatch"].fix["trl"]
     assert "GRPOConfig(model_init_kwargs={'dtype': 'bfloat16'})" in fix, fix

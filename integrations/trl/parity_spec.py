@@ -102,12 +102,11 @@ def _autocast_dtype(args: Any) -> Optional[str]:
 
 
 def _compute_dtype(args: Any, model: Any) -> Optional[str]:
-    # The dtype of the model's weights, not the autocast one: bf16=True / fp16=True leave the weights TRL loaded
-    # (float32 for a model path unless model_init_kwargs['dtype'] says otherwise) and only autocast the matmuls;
-    # embeddings, norms, residual stream and log-softmax stay in those weights' dtype (log-softmax in float32 under
-    # autocast anyway). fp32 weights under bf16 autocast are not a bf16 model: against vLLM's
-    # bf16 weights the per-token gap is the fp32 one (tests/test_trl_vllm_dtype_fix.py), so an autocast trainer
-    # reads as its weights' dtype and the dtype-mismatch finding names the fix (bf16 weights).
+    # The dtype of the model's weights; the autocast is its own field (_autocast_dtype): bf16=True / fp16=True
+    # leave the weights TRL loaded (float32 for a model path unless model_init_kwargs['dtype'] says otherwise) and
+    # only autocast the matmuls; embeddings, norms, residual stream and log-softmax stay in those weights' dtype.
+    # fp32 weights under bf16 autocast are neither vLLM's bf16 model (the per-token gap stays:
+    # tests/test_trl_vllm_dtype_fix.py) nor its fp32 one, which the audit's dtype rule reads from both fields.
     return _param_dtype(args, model)
 
 
@@ -250,7 +249,7 @@ def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
     compute = _compute_dtype(args, model)
     head = "float32" if args.cast_lm_head_to_fp32 else None
     return PipelineSpec(
-        side="trainer", framework="trl", dtype=compute, lm_head_dtype=head,
+        side="trainer", framework="trl", dtype=compute, autocast=_autocast_dtype(args), lm_head_dtype=head,
         temperature=args.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
         presence_penalty=0.0, frequency_penalty=0.0, logit_bias=False, bad_words=False,
         custom_logits_processors=(), weight_quantization="none", kv_cache_dtype="auto", prefix_caching=False,
@@ -290,7 +289,7 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
             unless = "" if known else " unless the model's generation_config sets it (pass the model to read it)"
             notes.setdefault(key, f"TRL leaves {key} None: generate() takes {origin[key]}{unless}")
     return PipelineSpec(
-        side="rollout", framework="hf-generate (trl)", dtype=gen_dtype,
+        side="rollout", framework="hf-generate (trl)", dtype=gen_dtype, autocast=_autocast_dtype(args),
         lm_head_dtype="float32" if args.cast_lm_head_to_fp32 else None, logprobs_mode=None,
         **_sampler_fields(sampler_settings(args, model)), custom_logits_processors=processors,
         weight_quantization="none",

@@ -85,6 +85,11 @@ def rollout_processing_active(spec: PipelineSpec) -> Optional[bool]:
     return None if any(c is None for c in checks) else False
 
 
+def _computes_in(spec: PipelineSpec) -> str:
+    """What ``spec`` computes in, as the dtype finding says it: its dtype, or the autocast over it."""
+    return spec.dtype if spec.autocast is None else f"{spec.autocast} autocast over {spec.dtype} weights"
+
+
 def audit(rollout: PipelineSpec, trainer: PipelineSpec) -> list[Finding]:
     """Compare a rollout spec with a trainer spec; return findings sorted error → warning → info."""
     if rollout.side != "rollout" or trainer.side != "trainer":
@@ -101,11 +106,13 @@ def audit(rollout: PipelineSpec, trainer: PipelineSpec) -> list[Finding]:
             return False
         return True
 
-    # 1 dtype
-    if known("dtype", rollout.dtype, trainer.dtype) and rollout.dtype != trainer.dtype:
-        out.append(make_finding("dtype-mismatch", "error",
-                                f"rollout computes in {rollout.dtype}, the trainer in {trainer.dtype}",
-                                rollout.dtype, trainer.dtype))
+    # 1 dtype: the weights' dtype and the autocast over them (fp32 weights under bf16 autocast are neither a bf16
+    # nor an fp32 model: embeddings, norms and the residual stream stay fp32, the matmuls run in bf16)
+    if known("dtype", rollout.dtype, trainer.dtype) and \
+            (rollout.dtype, rollout.autocast) != (trainer.dtype, trainer.autocast):
+        r_dtype, t_dtype = _computes_in(rollout), _computes_in(trainer)
+        out.append(make_finding("dtype-mismatch", "error", f"rollout computes in {r_dtype}, the trainer in {t_dtype}",
+                                r_dtype, t_dtype))
     # 2 lm_head precision (reported separately: it can differ even when the body dtypes agree)
     r_head, t_head = rollout.effective_lm_head_dtype, trainer.effective_lm_head_dtype
     if known("lm_head_dtype", r_head, t_head) and r_head != t_head:
@@ -306,7 +313,8 @@ def enforce(
         changes.append(Change(side, name, getattr(spec, name), new, knob))
         (r_new if side == "rollout" else t_new)[name] = new
 
-    if "dtype-mismatch" in fix and "dtype-mismatch" in before:
+    # an engine cannot autocast: against an autocast trainer the finding stays after the engine's dtype moves
+    if "dtype-mismatch" in fix and "dtype-mismatch" in before and rollout.dtype != trainer.dtype:
         change("rollout", "dtype", trainer.dtype, f"vllm dtype={trainer.dtype!r}")
         engine["dtype"] = trainer.dtype
     if "lm-head-precision-mismatch" in fix:

@@ -111,6 +111,10 @@ class PipelineSpec:
     lm_head_dtype: Optional[str] = field(
         default=None, metadata=field_help("lm_head (logits) precision; None = same as dtype when dtype is known")
     )
+    autocast: Optional[str] = field(
+        default=None, metadata=field_help("the dtype an autocast region runs the matmuls in over `dtype` weights "
+                                          "(TRL's bf16=True over fp32 weights); None = none")
+    )
     logprobs_mode: Optional[str] = field(
         default=None, metadata=field_help("rollout only: vLLM logprobs_mode (raw_logprobs|processed_logprobs|...)")
     )
@@ -146,6 +150,9 @@ class PipelineSpec:
             raise ValueError(f"PipelineSpec.side={self.side!r}: must be one of {SIDES}")
         self.dtype = normalize_dtype(self.dtype)
         self.lm_head_dtype = normalize_dtype(self.lm_head_dtype)
+        self.autocast = normalize_dtype(self.autocast)
+        if self.autocast is not None and self.autocast == self.dtype:  # autocast to the weights' own dtype: none
+            self.autocast = None
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"PipelineSpec.logprobs_mode={self.logprobs_mode!r}: must be one of {LOGPROBS_MODES} or None"

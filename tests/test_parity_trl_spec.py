@@ -75,6 +75,23 @@ def test_sampler_fields_and_lm_head(tmp_path, model):
                                       "enable_chunked_prefill": False, "enforce_eager": True}
 
 
+@pytest.mark.parametrize("kwargs,label", [({"min_tokens": 4}, "min_tokens=4"),
+                                          ({"thinking_token_budget": 8}, "thinking_token_budget=8")])
+def test_generation_kwargs_processing_reaches_the_colocate_rollout(tmp_path, model, kwargs, label):
+    """TRL lays generation_kwargs over its vLLM SamplingParams: a min_tokens or a thinking budget there (real
+    SamplingParams fields: vLLM's own class takes them) is sampler processing the trainer does not recompute, as the
+    vLLM reader says of the same SamplingParams."""
+    from vllm import SamplingParams
+
+    from tim_plugins.parity.vllm_spec import sampling_processors
+
+    assert sampling_processors(SamplingParams(**kwargs)) == (label,)
+    rollout, trainer = specs_from_grpo_config(
+        _config(tmp_path, use_vllm=True, vllm_mode="colocate", generation_kwargs=kwargs), model)
+    assert rollout.custom_logits_processors == (label,) and trainer.custom_logits_processors == ()
+    assert "sampler-penalties-unmatched" in _codes(audit(rollout, trainer))
+
+
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 @pytest.mark.parametrize("how", ["regex", "generation_kwargs"])
 def test_structured_outputs_are_sampler_processing_the_trainer_does_not_recompute(tmp_path, model, mode, how):

@@ -40,7 +40,9 @@ __all__ = ["trainer_spec_from_trl", "rollout_spec_from_trl", "specs_from_grpo_co
 # sampler settings both engines know, read into PipelineSpec's own fields (do_sample: ``greedy_decoding``)
 _SHARED_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # vLLM SamplingParams only: transformers' GenerationConfig keeps them as attributes no generation step reads
-_VLLM_ONLY_KEYS = ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids")
+_VLLM_ONLY_KEYS = ("presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids",
+                   # processing no PipelineSpec field holds (vllm_spec.sampling_processors)
+                   "min_tokens", "thinking_token_budget")
 # transformers settings (exact_settings.GENERATION_NEUTRAL) that change no token's distribution given its prefix:
 # how many sequences are returned and when generation stops (the trainer scores the tokens kept), and assisted
 # decoding (speculative sampling / candidate verification keep the target model's processed distribution)

@@ -18,7 +18,8 @@ import torch
 from tiny_qwen2 import VOCAB
 
 __all__ = ["MICRO", "VOCAB", "init_dist", "build_engine", "make_batch", "infer", "old_log_probs_padded", "train_step",
-           "tensors_of", "params_of", "to_v1_layout", "Rollout", "checked_sync", "recording_ppo_loss"]
+           "tensors_of", "params_of", "to_v1_layout", "Rollout", "checked_sync", "assert_left_out_layer_named_stale",
+           "recording_ppo_loss"]
 
 MICRO = 2  # micro_batch_size_per_gpu of every pass
 _VERL_HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl_suite", "harness.py")
@@ -36,6 +37,7 @@ make_batch = _FSDP_HARNESS.make_batch
 to_v1_layout = _FSDP_HARNESS.to_v1_layout
 Rollout = _FSDP_HARNESS.Rollout  # the weight-sync check's stand-in rollout engine, and one checked sync into it
 checked_sync = _FSDP_HARNESS.checked_sync
+assert_left_out_layer_named_stale = _FSDP_HARNESS.assert_left_out_layer_named_stale
 recording_ppo_loss = _FSDP_HARNESS.recording_ppo_loss
 
 

@@ -230,6 +230,21 @@ def checked_sync(engine, rollout: Rollout, step: int, skip: str | None = None):
     return watch.check.reports[before] if len(watch.check.reports) > before else None
 
 
+def assert_left_out_layer_named_stale(report, rollout: Rollout, first: list, layer: list, synced: dict,
+                                      actor: dict) -> None:
+    """A later checked sync whose export left out ``layer`` (names the ``first`` checked sync streamed): the copy
+    still holds ``synced`` (the first sync's values) while the actor's ``actor`` moved, and the report names exactly
+    that layer stale, each tensor marked never sent (the FSDP and the Megatron suites' export tests)."""
+    assert len(layer) >= 9 and rollout.streamed == [n for n in first if n not in layer]
+    assert all(torch.equal(rollout.params[n].detach(), synced[n])
+               and not torch.equal(synced[n], actor[n].to(synced[n].dtype)) for n in layer)
+    assert report.not_sent == layer and report.names("stale") == layer
+    assert {n for n, s in report.statuses.items() if s != "ok"} == set(layer)
+    assert [c.code for c in report.causes] == ["sync-tensors-stale"]
+    assert set(report.causes[0].tensors) == set(layer) and f"{len(layer)} of them never sent" in \
+        report.causes[0].message
+
+
 def recording_ppo_loss(config, calls: list):
     """verl's ``ppo_loss`` with the actor ``config`` (FSDP's or Megatron's), recording each call's (current, old,
     rollout, mask) response-aligned, in float64: what verl's loss was handed. Either engine's call form (Megatron

@@ -375,14 +375,7 @@ def test_a_tensor_the_actors_export_leaves_out_is_named_stale(engine, toy_model_
         monkeypatch.setattr(FSDPEngine, "get_per_tensor_param", leaving_out)
         _train(engine, seed=6)
         report = H.checked_sync(engine, rollout, 1)
-        assert len(layer) >= 9 and rollout.streamed == [n for n in first if n not in layer]
         actor = {n: t for n, t in export(engine)[0] if n.startswith(SKIPPED)}
-        assert all(torch.equal(rollout.params[n].detach(), synced[n]) and not torch.equal(synced[n], actor[n])
-                   for n in layer)
-        assert report.not_sent == layer and report.names("stale") == layer
-        assert {n for n, s in report.statuses.items() if s != "ok"} == set(layer)
-        assert [c.code for c in report.causes] == ["sync-tensors-stale"]
-        assert set(report.causes[0].tensors) == set(layer) and f"{len(layer)} of them never sent" in \
-            report.causes[0].message
+        H.assert_left_out_layer_named_stale(report, rollout, first, layer, synced, actor)
     finally:
         engine.tim_deconfigure()

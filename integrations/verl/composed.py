@@ -21,7 +21,19 @@ from .config import (OPTIMIZER_IMPL, TRAINER_MODE_PREFIX, VLLM_ENGINE_KWARGS, TI
                      rollout_min_p_overrides)
 from .optim import OPTIMIZERS
 
-__all__ = ["check_composed_config", "asks_sampling_mask", "dump_dir_problems"]
+__all__ = ["FSDP_BACKENDS", "MEGATRON_BACKEND", "TIM_ENGINE_BACKENDS", "check_composed_config", "asks_sampling_mask",
+           "dump_dir_problems"]
+
+# The actor backends the tim engine is registered for (plugin.register: the FSDP engine; plugin._register_megatron:
+# the Megatron engine). verl builds the actor's engine for the backend its actor config names, and any other backend
+# (fsdp_turbo, automodel, veomni, torchtitan) gets verl's own engine, which has no tim hooks.
+# VERL_SOURCES verl.workers.config.actor:FSDPActorConfig.__post_init__
+# VERL_SOURCES verl.workers.engine.base:EngineRegistry.get_engine_cls
+FSDP_BACKENDS = ("fsdp", "fsdp2")
+MEGATRON_BACKEND = "megatron"
+TIM_ENGINE_BACKENDS = (*FSDP_BACKENDS, MEGATRON_BACKEND)
+# verl's model_engine config group: the actor configs whose engine is one of the backends above
+_TIM_MODEL_ENGINES = ("dp", MEGATRON_BACKEND)
 
 
 def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[str]]:
@@ -41,7 +53,11 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"trainer.v1.trainer_mode={mode!r} (trainer.use_v1={config.trainer.get('use_v1', True)}): the tim "
             f"settings reach the actor workers only through a tim trainer mode. Fix: trainer.use_v1=true "
             f"trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode or 'sync'}")
-    megatron = arr.actor.get("strategy") == "megatron"
+    if mode is not None and mode.startswith(TRAINER_MODE_PREFIX):
+        problems.extend(_mode_node_problems(config.trainer.v1, mode))
+    if tim.worker_side_active:
+        problems.extend(_backend_problems(config))
+    megatron = arr.actor.get("strategy") == MEGATRON_BACKEND
     if megatron and tim.safe_vocab.enabled and _topk_distillation(config.get("distillation")):
         mode = config.distillation.distillation_loss.get("loss_mode")
         problems.append(
@@ -117,11 +133,94 @@ def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[s
             f"tim.probe.action='stop' with trainer.save_freq={config.trainer.get('save_freq')!r}: a probe stop ends "
             "the run after the step it trips on, and verl writes no checkpoint with save_freq <= 0 (its default), so "
             "there is none of that step to resume from. Fix: trainer.save_freq=<N > 0> (or ++tim.probe.action=raise)")
+    problem, note = _checkpoint_contents_lines(arr.actor.get("checkpoint"), tim)
+    problems.extend([problem] if problem else [])
+    notes.extend([note] if note else [])
     if tim.monitor.enable and not arr.rollout.get("calculate_log_probs", True):
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs=False: the monitor compares the engine's log-probs with "
             "the actor's. Fix: actor_rollout_ref.rollout.calculate_log_probs=true")
     return tim, problems, notes
+
+
+def _mode_node_problems(v1: Any, mode: str) -> list[str]:
+    """A node under the tim mode's own name (``+trainer.v1.tim_separate_async.parameter_sync_step=2``): verl's trainer
+    reads the mode's settings from the base mode's node (``TIMTrainerMixin.trainer_mode``), and the trainer points
+    the tim name at that node for verl's other readers (``TIMTrainerMixin._tim_alias_mode_node``), so these settings
+    would be dropped. An alias already in place (a config the trainer has seen) is no setting of the user's."""
+    from omegaconf import OmegaConf
+
+    base = mode[len(TRAINER_MODE_PREFIX):]
+    if mode not in v1 or (OmegaConf.is_config(v1) and OmegaConf.is_interpolation(v1, mode)):
+        return []
+    written = _flat(_to_plain(v1.get(mode)) or {})
+    settings = " ".join(f"++trainer.v1.{base}.{k}={v}" for k, v in written.items())
+    return [f"trainer.v1.{mode}={_to_plain(v1.get(mode))!r}: a tim mode runs as verl's {base!r} and reads its "
+            f"settings from trainer.v1.{base}, so settings under the tim mode's name are never read. Fix: drop the "
+            f"trainer.v1.{mode} overrides" + (f" and write them under the base mode: {settings}" if settings else "")]
+
+
+def _backend_problems(config: Any) -> list[str]:
+    """Why the actor would get verl's own engine instead of the tim engine (``TIM_ENGINE_BACKENDS``): an actor
+    strategy or model engine the tim engine is not registered for. Caught here, before Ray starts and the workers load
+    the model (the worker would refuse it only then, worker.TIMActorRolloutRefWorker.init_model)."""
+    actor = config.actor_rollout_ref.actor
+    strategy, model_engine = actor.get("strategy"), config.get("model_engine")
+    rule = (f"the tim engine is registered for the actor backends {', '.join(TIM_ENGINE_BACKENDS)} only (verl's "
+            "FSDP/FSDP2 and Megatron engines), so this actor would run verl's own engine, without the tim settings")
+    if model_engine is not None and model_engine not in _TIM_MODEL_ENGINES:
+        # the veomni / torchtitan actor configs build their engine from their own node, whatever actor.strategy says
+        return [f"model_engine={model_engine!r} (actor_rollout_ref.actor.strategy={strategy!r}) with the tim "
+                f"settings: {rule}. Fix: model_engine=dp actor_rollout_ref.actor.strategy=fsdp2 (or "
+                f"model_engine=megatron)"]
+    if strategy not in TIM_ENGINE_BACKENDS:
+        fix = (f"actor_rollout_ref.actor.strategy={MEGATRON_BACKEND}" if model_engine == MEGATRON_BACKEND
+               else "actor_rollout_ref.actor.strategy=fsdp2")
+        return [f"actor_rollout_ref.actor.strategy={strategy!r} with the tim settings: {rule}. Fix: {fix}"]
+    return []
+
+
+_CHECKPOINT = "actor_rollout_ref.actor.checkpoint"
+
+
+def _checkpoint_contents_lines(checkpoint: Any, tim: TIMVerlConfig) -> tuple[str | None, str | None]:
+    """(problem, note) when verl's actor checkpoint leaves out the optimizer while tim keeps state there: the LR
+    controller's (optim.TIMLRDecayMixin), the last grad norm it is fed and the cause tracker's
+    (engine_mixin.CAUSES_STATE_KEY, GRAD_NORM_STATE_KEY) ride in the optimizer's first param group, which verl's
+    checkpoint managers save and load only with "optimizer" in save_contents / load_contents
+    (VERL_SOURCES verl.utils.checkpoint.checkpoint_manager:BaseCheckpointManager.should_save_optimizer; None means
+    verl's default, which has it). Losing the LR decay's state is a problem: the resumed run jumps back to the full LR;
+    losing the causes' a note: they start afresh."""
+    from omegaconf import OmegaConf
+
+    lr_decay, causes = tim.lr_decay.enable, tim.monitor.enable and tim.causes.enable
+    if checkpoint is None or not (lr_decay or causes):
+        return None, None
+    quoted, fixes = [], []
+    for key in ("save_contents", "load_contents"):
+        contents = checkpoint.get(key)
+        if contents is None or "optimizer" in [str(c) for c in contents]:
+            continue
+        # load_contents follows save_contents in verl's config (${.save_contents}): quoting and fixing the first
+        # covers both
+        if key == "load_contents" and OmegaConf.is_config(checkpoint) and \
+                OmegaConf.is_interpolation(checkpoint, key):
+            continue
+        listed = [str(c) for c in contents]
+        quoted.append(f"{_CHECKPOINT}.{key}=[{','.join(listed)}]")
+        at = listed.index("model") + 1 if "model" in listed else 0
+        fixes.append(shlex.quote(f"{_CHECKPOINT}.{key}=[{','.join([*listed[:at], 'optimizer', *listed[at:]])}]"))
+    if not quoted:
+        return None, None
+    why = (f"{' and '.join(quoted)}: verl's actor checkpoint carries the optimizer's first param group only with "
+           "'optimizer', and tim keeps its state there")
+    if lr_decay:
+        return (f"{why} (tim.lr_decay.enable=True: the LR controller's scale and windows, and the last grad norm it "
+                "is fed), so a resumed run would silently restart the decay from scale 1.0 (the full LR) at the "
+                f"checkpoint's step. Fix: {' '.join(fixes)}"), None
+    return None, (f"{why} (tim.causes.enable=True: the lag-0 floor's windows and the causes named so far), so a "
+                  "resumed run judges its first floors without the windows before the checkpoint and reports only the "
+                  f"causes named after it. Fix: {' '.join(fixes)}")
 
 
 def dump_dir_problems(tim: TIMVerlConfig, config: Any) -> list[str]:

@@ -75,12 +75,13 @@ def _register_megatron(off: dict) -> object | None:
         return None
     from verl.workers.engine import EngineRegistry
 
+    from .composed import MEGATRON_BACKEND
     from .megatron_engine import TIMMegatronEngineWithLMHead
 
     # verl registers its Megatron engine under the device-only key "cuda": the (device, vendor) key is new and is
     # looked up first, as for the FSDP engine above.
     # VERL_SOURCES verl.workers.engine.base:EngineRegistry.register
-    EngineRegistry.register(model_type="language_model", backend="megatron", device="cuda",
+    EngineRegistry.register(model_type="language_model", backend=MEGATRON_BACKEND, device="cuda",
                             vendor="nvidia")(TIMMegatronEngineWithLMHead)
     return TIMMegatronEngineWithLMHead
 
@@ -184,6 +185,7 @@ def register() -> dict[str, object]:
     if ENGINE.name not in off:
         from verl.workers.engine import EngineRegistry
 
+        from .composed import FSDP_BACKENDS  # the backends the driver's check accepts (composed.py)
         from .engine import TIMFSDPEngineWithLMHead
 
         # A (device, vendor) key of our own: looked up before verl's device-only "cuda" entry, and new, so verl's
@@ -191,7 +193,7 @@ def register() -> dict[str, object]:
         # VERL_SOURCES verl.workers.engine.base:EngineRegistry.register
         # VERL_SOURCES verl.workers.engine.base:EngineRegistry.get_engine_cls
         # VERL_SOURCES verl.plugin.platform.platform_cuda:PlatformCUDA.vendor_name
-        EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda",
+        EngineRegistry.register(model_type="language_model", backend=list(FSDP_BACKENDS), device="cuda",
                                 vendor="nvidia")(TIMFSDPEngineWithLMHead)
         REGISTERED["engine"] = TIMFSDPEngineWithLMHead
     REGISTERED["megatron_engine"] = _register_megatron(off)

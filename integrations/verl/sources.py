@@ -115,6 +115,15 @@ VERL_SOURCES = {
     ("verl.workers.engine.base", "EngineRegistry.get_engine_cls"):
         "(model_type, backend): device/vendor from the platform (VERL_ENGINE_DEVICE / VERL_ENGINE_VENDOR "
         "override them); the (device, vendor) key is looked up before the device-only key",
+    ("verl.workers.config.actor", "FSDPActorConfig.__post_init__"):
+        "copies actor.strategy into its engine config (fsdp_config), whose strategy is the backend the worker builds "
+        "the actor's engine for (EngineRegistry.new(backend=engine_config.strategy), engine_workers.py); the veomni "
+        "and torchtitan actor configs take their engine from their own node (strategy veomni / torchtitan), whatever "
+        "actor.strategy says; model_engine (dp, megatron, torchtitan, veomni) picks the actor config",
+    ("verl.utils.checkpoint.checkpoint_manager", "BaseCheckpointManager.should_save_optimizer"):
+        "'optimizer' in checkpoint.save_contents (None: verl's default [model, optimizer, extra]); likewise "
+        "should_load_optimizer with load_contents: the optimizer state, param_groups included, is saved and loaded "
+        "only then (FSDP and Megatron checkpoint managers)",
     ("verl.plugin.platform.platform_cuda", "PlatformCUDA.vendor_name"):
         "'nvidia' on CUDA (device 'cuda'); ROCm reports device 'cuda', vendor 'amd' (verl's own engine there)",
     # ---------------------------------------------------------------------------------- driver (trainer.py)
@@ -126,6 +135,10 @@ VERL_SOURCES = {
     (_TB, "PPOTrainer.__init__"):
         "(config); sets self.trainer_mode = config.trainer.v1.trainer_mode, then compares self.trainer_mode with "
         "'sync' (replay buffer, prompt refill, TransferQueue checkpoints) and reads config.trainer.v1[trainer_mode]",
+    ("verl.utils.skip.rollout_skip", "RolloutTqSkip.__init__"):
+        "(local_config, global_config) reads OmegaConf.select(global_config, "
+        "f'trainer.v1.{global_config.trainer.v1.trainer_mode}.parameter_sync_step', default=1): the mode's node "
+        "under the configured name (a tim mode's included); SkipManager.init(self.config) builds it in fit",
     (_TB, "PPOTrainer._init_resource_pool_mgr"):
         "() fills self.role_worker_mapping: ray.remote(ActorRolloutRefWorker) behind Role.ActorRollout / "
         "Role.ActorRolloutRef (or Role.Actor, with Role.RefPolicy separate), ray.remote(TrainingWorker) behind "
@@ -395,12 +408,16 @@ VERL_CONFIG_KEYS = (
     "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.quantization", "actor_rollout_ref.rollout.full_determinism",
     "actor_rollout_ref.model.path", "actor_rollout_ref.actor.fsdp_config.use_torch_compile",
-    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.actor.strategy", "model_engine", "actor_rollout_ref.actor.checkpoint.save_contents",
+    "actor_rollout_ref.actor.checkpoint.load_contents",
     "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.multi_turn.enable",
     "distillation.enabled", "distillation.distillation_loss.loss_mode",
 )
 # Keys parity_spec.py reads of a Megatron actor, in verl's composed ppo_megatron_trainer config (the same test)
-VERL_MEGATRON_CONFIG_KEYS = ("actor_rollout_ref.actor.megatron.dtype",)
+# and composed.py of its checkpoint
+VERL_MEGATRON_CONFIG_KEYS = ("actor_rollout_ref.actor.megatron.dtype",
+                             "actor_rollout_ref.actor.checkpoint.save_contents",
+                             "actor_rollout_ref.actor.checkpoint.load_contents")
 # Keys the adapter reads that verl's defaults leave out (users add them with "+"); the adapter then assumes verl's
 # own fallback: mixed_precision absent -> bf16 autocast (transformer_impl.py), repetition_penalty: verl's agent
 # loops send 1.0 whatever it says (AgentLoopWorkerTQ.generate_sequences above).

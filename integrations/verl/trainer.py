@@ -116,7 +116,21 @@ class TIMTrainerMixin:
             config.actor_rollout_ref.tim = tim.to_dict()
             # what the actor's engine needs to know of the rest of the config (the workers get actor_rollout_ref only)
             config.actor_rollout_ref[ActorContext.NODE] = context.to_dict()
+            self._tim_alias_mode_node(config)
         super().__init__(config)
+
+    def _tim_alias_mode_node(self, config) -> None:
+        """Point ``trainer.v1.<tim mode>`` at the base mode's node (an interpolation: one node, read under both
+        names). ``trainer_mode`` answers the base name to the trainer's own lookups, but the config still says
+        ``trainer.v1.trainer_mode=tim_<mode>``, and verl code that reads ``trainer.v1.<configured mode>`` from the
+        config (VERL_SOURCES verl.utils.skip.rollout_skip:RolloutTqSkip.__init__: parameter_sync_step, default 1)
+        would miss the mode's settings. A node the user wrote under the tim name is refused by
+        check_composed_config before this."""
+        v1 = config.trainer.get("v1")
+        name = TRAINER_MODE_PREFIX + self._tim_base_mode
+        if v1 is None or v1.get("trainer_mode") != name or self._tim_base_mode not in v1:
+            return  # a mode without a node of its own: verl's lookups fall back to their defaults either way
+        v1[name] = "${." + self._tim_base_mode + "}"
 
     # VERL_SOURCES verl.trainer.ppo.v1.trainer_base:PPOTrainer._setup (builds the checkpoint managers; a mode's own
     # _setup, e.g. separate_async's, adds its standalone one after calling it)

@@ -16,6 +16,7 @@ import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from .composed import TIM_ENGINE_BACKENDS
 from .config import ActorContext, TIMVerlConfig
 from .features import verl_features
 
@@ -31,6 +32,16 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
         if self.actor is not None and tim.worker_side_active:
             context = ActorContext.from_node(self.config.get(ActorContext.NODE))
             engine = self.actor.engine
+            # the backend verl built the engine for (VERL_SOURCES verl.workers.engine_workers:ActorRolloutRefWorker)
+            backend = getattr(getattr(self.actor, "engine_config", None), "strategy", None)
+            if not hasattr(engine, "tim_configure") and backend not in TIM_ENGINE_BACKENDS:
+                # no registration problem: the tim engine does not exist for this backend (the driver's
+                # check_composed_config refuses it first; this is for a config that did not pass there)
+                raise RuntimeError(
+                    f"tim-plugins: the actor engine is {type(engine).__name__}, for the actor backend {backend!r} "
+                    "(actor_rollout_ref.actor.strategy, or model_engine): this strategy has no tim engine, which is "
+                    f"registered for the backends {', '.join(TIM_ENGINE_BACKENDS)} only. Fix: "
+                    "model_engine=dp actor_rollout_ref.actor.strategy=fsdp2 (or model_engine=megatron)")
             if not hasattr(engine, "tim_configure"):
                 raise RuntimeError(
                     f"tim-plugins: the actor engine is {type(engine).__name__}, not the tim engine. The tim engine "

@@ -261,8 +261,15 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
             return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         batch = next(batch_iter)  # handed back to verl's forward_step below, which takes one micro-batch
         batch_iter = itertools.chain([batch], batch_iter)
-        # the engine's kept sets where the rollout carried them (read once per micro-batch, for either head)
-        kept = self._tim_micro_batch_kept(batch)
+        # VERL_MEGATRON_SOURCES verl.utils.megatron_utils:unwrap_model
+        from verl.utils.megatron_utils import unwrap_model
+
+        unwrapped = unwrap_model(model)
+        gpt = getattr(unwrapped, "language_model", unwrapped)  # verl's _get_patching_model: the GPT model
+        # the engine's kept sets where the rollout carried them (read once per micro-batch, for either head), by the
+        # model chunk that computes the log-probs alone: an earlier stage, or an earlier virtual chunk of the last
+        # stage (forward_step runs once per chunk), has no use for them and would count a fallback again
+        kept = self._tim_micro_batch_kept(batch) if getattr(gpt, "post_process", True) else None
         # VERL_MEGATRON_SOURCES megatron.core.parallel_state:get_context_parallel_world_size
         if kept is not None and mpu.get_context_parallel_world_size() > 1:
             # each CP rank holds a (zigzag) slice of every sequence; the sets are laid out over whole sequences
@@ -272,11 +279,6 @@ class TIMMegatronEngineWithLMHead(TIMEngineMixin, MegatronEngineWithLMHead):
         fused = self._tim_fused()
         if kept is None and not fused:
             return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
-        # VERL_MEGATRON_SOURCES verl.utils.megatron_utils:unwrap_model
-        from verl.utils.megatron_utils import unwrap_model
-
-        unwrapped = unwrap_model(model)
-        gpt = getattr(unwrapped, "language_model", unwrapped)  # verl's _get_patching_model: the GPT model
         head = None
         if fused:
             want_entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))

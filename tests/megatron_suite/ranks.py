@@ -4,14 +4,14 @@ world size 2 over gloo, first tensor-parallel (TP2: ``scenarios.stock_vs_tim``, 
 Megatron's parallel state is torn down, data-parallel (DP2, TP1: ``scenarios.dp_monitor``) and pipeline-parallel
 (PP2, TP1: ``scenarios.stock_vs_tim``, ``scenarios.lr_decay``, ``scenarios.fused_safe_vocab``, ``scenarios.replay``),
 and PP2 with two virtual stages per rank on the 4-layer model (``--model-vpp``: ``scenarios.stock_vs_tim``,
-``scenarios.fused_safe_vocab``), in the same processes (a Python 3.12 process with verl and megatron-core takes
+``scenarios.fused_safe_vocab``, ``scenarios.replay_fallback``), in the same processes (a Python 3.12 process with verl and megatron-core takes
 ~20 s to start on the 2-core machine).
 
     RANK=r WORLD_SIZE=2 MASTER_PORT=p python tests/megatron_suite/ranks.py --model DIR --model-vpp DIR --out DIR
 
 Writes ``rank<r>.pt`` (``torch.save`` of ``{"tp2": ..., "tp2_lr": ..., "tp2_fused": ..., "tp2_fused_sp": ...,
 "tp2_replay": ..., "dp2": ..., "pp2": ..., "pp2_lr": ..., "pp2_fused": ..., "pp2_replay": ..., "vpp": ...,
-"vpp_fused": ...}``) to ``--out``, and the TP2, PP2 and VPP runs' per-token dumps to ``--out``/dump_tp2, dump_pp2 and
+"vpp_fused": ..., "vpp_replay_fallback": ...}``) to ``--out``, and the TP2, PP2 and VPP runs' per-token dumps to ``--out``/dump_tp2, dump_pp2 and
 dump_vpp. Started by the test, never collected by pytest (no ``test_`` prefix).
 """
 
@@ -64,6 +64,7 @@ def main() -> None:
     result["vpp"] = scenarios.stock_vs_tim(args.model_vpp, tp=1, pp=world, vpp=2,
                                            dump_dir=os.path.join(args.out, "dump_vpp"))
     result["vpp_fused"] = scenarios.fused_safe_vocab(args.model_vpp, tp=1, pp=world, vpp=2)
+    result["vpp_replay_fallback"] = scenarios.replay_fallback(args.model_vpp, tp=1, pp=world, vpp=2)
     torch.save(result, os.path.join(args.out, f"rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

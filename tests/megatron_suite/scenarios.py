@@ -316,6 +316,27 @@ def replay(model_path: str, *, tp: int, pp: int = 1) -> dict:
     return out
 
 
+def replay_fallback(model_path: str, *, tp: int, pp: int = 1, vpp: int | None = None) -> dict:
+    """Kept sets that never fit (each sample's one set short of its response): every micro-batch of the old-log-prob
+    pass falls back to the trainer's own kept set, counted once per micro-batch under ``tim/diag/kept_sets_fallback``
+    on the rank that holds the outputs, however many model chunks (virtual stages) its forward_step runs for it."""
+    import tim_plugins.integrations.verl.plugin  # noqa: F401  (verl's plugin import registers the engines first)
+    from tim_plugins.integrations.verl.config import ActorContext, TIMVerlConfig
+
+    safe, sampler = SAFE_CASES["min_p"]
+    _, raw = H.make_batch(H.VOCAB, batch=4, seed=SAFE_SEED, temperature=SAFE_TEMPERATURE)
+    sets = [s[:-1] for s in kept_sets(raw, H.VOCAB)]
+    td = H.to_v1_layout(raw, temperature=SAFE_TEMPERATURE, extra_fields=_extras(sets))
+    engine = H.build_engine(model_path, tp=tp, pp=pp, vpp=vpp)
+    engine.tim_configure(TIMVerlConfig.from_node({**MONITOR, "safe_vocab": safe}), context=ActorContext(**sampler))
+    try:
+        H.old_log_probs_padded(H.infer(engine, td), td)
+        return {"metrics": engine.tim_pop_metrics(), "holds": engine._tim_holds_outputs(), "rows": len(sets),
+                "chunks": len(engine.module)}
+    finally:
+        engine.tim_deconfigure()
+
+
 def dp_monitor(model_path: str, *, rank: int, world: int) -> dict:
     """Data parallelism over ``world`` ranks (TP1): each rank infers its rows of one batch with the monitor on; the
     merged metrics, and this rank's rows' old log-probs, rollout log-probs and mask."""

@@ -475,6 +475,16 @@ def _assert_replay(result, *, holds: bool):
     _assert_params_close(fused["params"], thd["params"])
 
 
+def test_a_replay_fallback_counts_once_per_micro_batch_under_virtual_stages(two_ranks):
+    """PP2 with two virtual stages per rank: the last rank's forward_step runs once per model chunk for each
+    micro-batch, and only the chunk that computes the log-probs reads the kept sets, so the fallback is counted
+    once per micro-batch (the reference: the pass's rows over verl's micro-batch size), on the holding rank only."""
+    last, first = two_ranks[1]["vpp_replay_fallback"], two_ranks[0]["vpp_replay_fallback"]
+    assert last["holds"] and not first["holds"] and last["chunks"] == first["chunks"] == 2
+    assert last["metrics"]["tim/diag/kept_sets_fallback"] == last["rows"] / H.MICRO == 2
+    assert "tim/diag/kept_sets_fallback" not in first["metrics"]
+
+
 def test_the_engines_kept_sets_are_replayed_tp1(replay_tp1):
     _assert_replay(replay_tp1, holds=True)
 

@@ -69,3 +69,21 @@ def test_strict_mode_raises_with_the_problem_named(bad):
                     "int": ((rollout.long(), train.long(), mask), {})}[bad]
     with pytest.raises(RuntimeError, match="shape_mismatch" if bad != "int" else "logprobs_not_float"):
         pipe.measure(*args, **kwargs)
+
+
+def test_tokens_of_unknown_lag_ride_in_a_checkpoint_cut_between_windows():
+    """measure_lagged counts a token whose policy lag is unknown (-1) when the logging window closes: a state saved
+    before that (TRL's save_steps off its logging_steps) carries the count as the window's keyed statistics ride,
+    so the resumed window reports what the uninterrupted one reports (the reference)."""
+    from tim_plugins.pipeline import pipeline_config
+
+    rollout, train, _ = _batch(2, 5)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    lag = torch.tensor([[-1] * 5, [0] * 5])
+    pipe = StepPipeline(pipeline_config())
+    pipe.measure_lagged(rollout, train, mask, lag)
+    resumed = StepPipeline(pipeline_config())
+    resumed.load_state_dict(pipe.state_dict())
+    want, got = pipe.compute(1, sync=False)[0], resumed.compute(1, sync=False)[0]
+    assert want["tim/diag/async_lag_unknown"] == got["tim/diag/async_lag_unknown"] == 5.0
+    assert want["tim/tokens"] == got["tim/tokens"] == 5.0  # the lag-0 row, measured

@@ -576,6 +576,10 @@ class StepPipeline:
         if self._diag_merged is not None:
             total, mine = self._diag_merged
             diag = {k: total.get(k, 0.0) + diag.get(k, 0.0) - mine.get(k, 0.0) for k in {*total, *diag}}
+        # tokens of unknown lag since the last window, counted into diag only when it closes (one host read there)
+        unknown = int(self._unknown_lag) if self._unknown_lag is not None else 0
+        if unknown:
+            diag["async_lag_unknown"] = diag.get("async_lag_unknown", 0.0) + unknown
         return {
             "version": STATE_VERSION, "monitor": part(self.monitor), "step_monitor": part(self._step_monitor),
             "staleness_monitor": part(self.staleness_monitor), "split": part(self.split_stats),

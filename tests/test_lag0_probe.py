@@ -396,6 +396,32 @@ def test_a_healthy_bf16_server_whose_numerics_grow_with_a_fast_policy_move_is_no
     assert all(v == [] for v in named.values()), default.history
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_a_resume_of_the_healthy_bf16_server_run_names_nothing(k):
+    """The recorded fault-free SmolLM2 bf16-server run, resumed after its k-th probe: the resumed run's reference is
+    lag 0 at the checkpoint's policy, where the healthy gap has grown from the run's first 0.05 to up to 0.35 nats,
+    so the checkpoint carries the last healthy probe's gap (the reference: the naive mean |e - t| of that probe's
+    tokens), the resumed reference is in step, and the later probes name what the uninterrupted run names:
+    nothing. Judged against the run's first floor, the resume at the third probe named probe-engine-drift at every
+    probe from there."""
+    scorings = _recorded(SMOLLM2_FAST)
+    (_, ref_e, ref_t, ref_m), probes = scorings[0], scorings[1:]
+    run = Lag0Probe()
+    run.set_reference(ref_e, ref_t, ref_m)
+    for step, e, t, m in probes[:k]:
+        assert run.judge(step, e, t, m) == []
+    state = json.loads(json.dumps(run.state_dict()))
+    _, e, t, m = probes[k - 1]
+    assert state["floor"] == pytest.approx(max(_naive_mean_abs(e, t, m & ref_m), run.floor), rel=1e-9)
+    resumed = Lag0Probe()
+    resumed.load_state_dict(state)
+    step, e, t, m = probes[k - 1]  # the resume's first generation follows its first sync: lag 0 on both sides
+    resumed.set_reference(e, t, m)
+    assert resumed.judge_reference(step) == [] and not resumed.reference_faulty
+    for step, e, t, m in probes[k:]:
+        assert resumed.judge(step, e, t, m) == run.judge(step, e, t, m) == []
+
+
 def test_the_faults_the_drift_names_leave_their_share_of_the_move(pair):
     """The drift's share condition against the faults it is for: a stale engine leaves the trainer's whole move
     since the reference (a share of 1 exactly), a layer the sync skips (one of the toy's two) its part, which falls as

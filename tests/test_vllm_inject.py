@@ -76,6 +76,7 @@ BAD_SETTINGS = [
     {"scale": float("nan")}, {"scale": float("inf")}, {"scale": -0.5}, {"scale": "0.5"},
     {"scale": 1.0, "tau": 0.0}, {"scale": 1.0, "tau": float("nan")}, {"scale": 1.0, "mode": "shift"},
     {"scale": 1.0, "bias_sign": 0.5}, {"scale": 1.0, "seed": 1.5},
+    {"scale": 1e39},  # finite, but its shifts overflow the float32 logits (the sampled distribution turns to NaN)
 ]
 
 
@@ -100,8 +101,11 @@ def test_validate_params_refuses_settings_it_would_ignore():
     for raw in (profiled, {"scale": 1.0, "sigma": 2.0}):
         with pytest.raises(ValueError, match="does not read"):
             inject.TailNoiseLogitsProcessor.validate_params(SamplingParams(extra_args={"tim_inject": raw}))
-    with pytest.raises(ValueError, match="must be a dict"):
-        inject.TailNoiseLogitsProcessor.validate_params(SamplingParams(extra_args={"tim_inject": 0.5}))
+    for raw in (0.5, [], 0, "", False):  # a falsy non-dict is refused too, not taken as "off"
+        with pytest.raises(ValueError, match="must be a dict"):
+            inject.TailNoiseLogitsProcessor.validate_params(SamplingParams(extra_args={"tim_inject": raw}))
+    for off in ({}, None):  # no settings: no injection
+        inject.TailNoiseLogitsProcessor.validate_params(SamplingParams(extra_args={"tim_inject": off}))
     good = SamplingParams(extra_args=TailNoiseInjector(0.5, tau=0.2, mode="bias", seed=-3, bias_sign=-1)
                           .to_extra_args())
     inject.TailNoiseLogitsProcessor.validate_params(good)

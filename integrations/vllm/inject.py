@@ -62,7 +62,7 @@ def _settings(params: SamplingParams) -> Optional[dict]:
     """A request's injector settings, checked by ``InjectorConfig`` (the HF injector's own rules), or None."""
     extra = getattr(params, "extra_args", None) or {}
     raw = extra.get(EXTRA_ARGS_KEY)
-    if not raw:
+    if raw is None or (isinstance(raw, Mapping) and not raw):  # absent, or an empty dict: scale 0, off
         return None
     where = f"SamplingParams.extra_args[{EXTRA_ARGS_KEY!r}]"
     if not isinstance(raw, Mapping):

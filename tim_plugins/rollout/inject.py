@@ -45,6 +45,7 @@ __all__ = [
     "InjectorConfig",
     "InjectionProfile",
     "INJECT_MODES",
+    "MAX_SCALE",
     "EXTRA_ARGS_KEY",
     "noise_seed",
     "perturb_tail",
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 INJECT_MODES = ("noise", "bias")
+# The largest σ: σ times a Gaussian draw must stay a finite float32 shift (1e39 turned the logits to inf and the
+# sampled distribution to NaN), and a tail shifted by a million nats is already gone from the distribution.
+MAX_SCALE = 1e6
 # The key of the injector's settings in ``SamplingParams.extra_args`` (read by the vLLM processor,
 # ``tim_plugins.integrations.vllm.inject``).
 EXTRA_ARGS_KEY = "tim_inject"
@@ -200,9 +204,10 @@ class InjectorConfig:
             raise ValueError(f"TailNoiseInjector(mode={self.mode!r}): must be one of {INJECT_MODES}")
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0.0 < self.tau <= 1.0:
             raise ValueError(f"TailNoiseInjector(tau={self.tau!r}): must be in (0, 1]")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or self.scale < 0 \
-                or not math.isfinite(self.scale):
-            raise ValueError(f"TailNoiseInjector(scale={self.scale!r}): must be a finite number >= 0")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not \
+                0 <= self.scale <= MAX_SCALE:
+            raise ValueError(f"TailNoiseInjector(scale={self.scale!r}): must be a number in [0, {MAX_SCALE:g}] (its "
+                             "shifts are added to float32 logits; calibrate_scale searches up to 64)")
         if self.bias_sign not in (1.0, -1.0, 1, -1):
             raise ValueError(f"TailNoiseInjector(bias_sign={self.bias_sign!r}): must be +1 or -1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):

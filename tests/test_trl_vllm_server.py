@@ -284,18 +284,25 @@ def resumed_probe_runs(vllm_server, skipped_layer_server_run, toy_model_path, tm
 
 
 def test_a_resumed_run_judges_its_new_reference_against_the_floor_its_checkpoint_carried(resumed_probe_runs):
-    """The probe's floor rides in trainer_state.json; the resumed run takes its reference at its first generation
+    """The probe's floor rides in trainer_state.json (its reference's gap, or the last healthy probe's where larger);
+    the resumed run takes its reference at its first generation
     (step 2) and judges it against that floor: with the syncs reaching the server, nothing is named, at the
     reference or at the sync after step 3, and the new reference's gap is the floor; with a server still at the
     initial weights, probe-engine-drift is named at step 2, before any stream rule, with the reference's gap (a naive
     recomputation from the probe's scoring) against the carried floor, and the floor staying the carried one, the
     next no-op sync is named probe-engine-unchanged."""
     _, saved, _ = resumed_probe_runs["saved"]
-    floor = saved.server_probe.probe.floor
-    assert math.isfinite(floor)
+    # what the checkpoint carries: the reference's gap, or the last healthy probe's where that is larger (the
+    # healthy gap moves with the policy)
+    healthy = [h["gap"] for h in saved.server_probe.probe.history if h["gap"] == h["gap"]]
+    floor = max([saved.server_probe.probe.floor, *healthy[-1:]])
+    assert math.isfinite(floor) and saved.pipeline.causes.named == []
     trainer, cb, synced = resumed_probe_runs["healthy"]
     probe = cb.server_probe.probe
     assert trainer.state.global_step == 4 and len(synced) == 2 and probe.carried_floor == floor
+    # every_n_syncs goes on where it was: the syncs the checkpoint carried and every sync of the resumed run, its
+    # first (before the probe's batch exists) included
+    assert probe.syncs == saved.server_probe.probe.syncs + len(synced)
     assert [(c.step, c.code) for c in cb.pipeline.causes.named] == [], probe.history
     assert [h["step"] for h in probe.history] == [3]
     ref = probe.reference

@@ -90,6 +90,12 @@ class ServerProbe:
     def _wrap(self, original):
         def sync_weights(*args, **kwargs):
             result = original(*args, **kwargs)
+            if self.sequences is None and self.trainer.state.global_step > 0:
+                # a resumed run's first sync comes before its batch and reference (captured): counted, as the run
+                # that was not interrupted counts it, so that every_n_syncs goes on where it was; the reference
+                # taken next judges it (judge_reference)
+                self.probe.due()
+                return result
             if not self.sequences or not self.probe.due():
                 return result
             try:

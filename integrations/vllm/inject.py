@@ -192,7 +192,8 @@ if _V2LogitsProcessor is not None:
                     if slot not in self._digest:
                         self._digest[slot] = _prompt_digest(tokens[slot, :prompt_len].tolist())
                     # the row samples position pos + 1: its outputs are the tokens from the prompt's end through
-                    # pos, whose own token is the row's input (committed to all_token_ids only after this step)
+                    # pos, whose own token is the row's input (read there: whether all_token_ids holds it yet is the
+                    # runner's timing, not a contract)
                     outputs = tokens[slot, prompt_len:pos].tolist() + [inputs[row]] if pos >= prompt_len else []
                     logits[row] = _perturbed(cfg, self._digest[slot], outputs, logits[row])
                 except Exception as err:

@@ -75,7 +75,7 @@ def _bad_values():
     from tim_plugins.integrations.trl.config import IS_CORRECTION_CHOICES, ROLLOUT_CHOICES
     from tim_plugins.lr_control import LRDecayConfig
     from tim_plugins.parity.probe import ParityProbeConfig
-    from tim_plugins.rollout.inject import InjectorConfig
+    from tim_plugins.rollout.inject import MAX_SCALE, InjectorConfig
     from tim_plugins.weight_sync import SyncCheckConfig
 
     switches = {f.name: ({f.name: "yes"}, "must be true or false", f"{f.name}=True or {f.name}=False")
@@ -86,7 +86,8 @@ def _bad_values():
             "dump_options": ({"dump_options": {"sample_rate": 2}}, "it must be in (0, 1]",
                              f"dump_options={{'sample_rate': {_default(DumpConfig, 'sample_rate')!r}}}"),
             "rollout": ({"rollout": "vllm"}, f"must be one of {ROLLOUT_CHOICES}", "rollout='auto'"),
-            "inject_options": ({"rollout": "inject", "inject_options": {"scale": -1.0}}, "must be a finite number >= 0",
+            "inject_options": ({"rollout": "inject", "inject_options": {"scale": -1.0}},
+                               f"must be a number in [0, {MAX_SCALE:g}]",
                                f"inject_options={{'scale': {_default(InjectorConfig, 'scale')!r}}}"),
             "safe_vocab_min_p": ({"safe_vocab_min_p": 1.5}, "must be a number in [0, 1)", "safe_vocab_min_p=1e-05"),
             "lr_decay_options": ({"lr_decay_options": {"window": 0}}, "must be an integer >= 1",

@@ -26,9 +26,9 @@ is scored again. The rule (``Lag0Probe.judge`` mirrors it; means over the tokens
 
 A resumed run takes a new batch and reference at its first generation, after the resume's first sync. The floor its
 checkpoint carries (``state_dict``: the reference's gap, or the last probe's that named nothing where that is larger,
-as the healthy gap grows with the policy's move) judges that reference: a gap above ``drift_factor x`` that floor and above it
-plus ``drift_min`` is **``probe-engine-drift``** at once (the engine does not hold the weights the trainer resumed
-with); the floor then stays the carried one, so that the rules judge the later syncs against the two stacks'
+as the healthy gap grows with the policy's move) judges that reference: a gap above ``drift_factor x`` that floor
+and above it plus ``drift_min`` is **``probe-engine-drift``** at once (the engine does not hold the weights the
+trainer resumed with); the floor then stays the carried one, so that the rules judge the later syncs against the two stacks'
 numerics, not against the fault. Such a reference is no lag-0 scoring, so the drift rule does not measure against it:
 until a probe's own gap ``mean |e - t|`` is within those bounds of the carried floor, each probe that breaches them
 is ``probe-engine-drift`` again (``probe-engine-unchanged`` first, as above), and the first probe within them becomes

@@ -248,7 +248,8 @@ class TailNoiseInjector:
     def state_dict(self) -> dict:
         """Where the noise sequence stands (JSON-safe: a checkpoint resumes the draws after the last one taken,
         not from the seed again)."""
-        return {"seed": self.seed, "generator": base64.b64encode(self._generator.get_state().numpy().tobytes()).decode()}
+        state = self._generator.get_state().numpy().tobytes()
+        return {"seed": self.seed, "generator": base64.b64encode(state).decode()}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Put back a ``state_dict``; one saved under another seed is refused (another configuration's draws)."""

@@ -85,6 +85,11 @@ def _init_kwargs(args: Any) -> dict:
 
 
 def _param_dtype(args: Any, model: Any) -> Optional[str]:
+    # The dtype of the model's weights; the autocast is its own field (_autocast_dtype): bf16=True / fp16=True
+    # leave the weights TRL loaded (float32 for a model path unless model_init_kwargs['dtype'] says otherwise) and
+    # only autocast the matmuls; embeddings, norms, residual stream and log-softmax stay in those weights' dtype.
+    # fp32 weights under bf16 autocast are neither vLLM's bf16 model (the per-token gap stays:
+    # tests/test_trl_vllm_dtype_fix.py) nor its fp32 one, which the audit's dtype rule reads from both fields.
     if model is not None and not isinstance(model, (str, Path)):
         return str(next(model.parameters()).dtype)
     dtype = _init_kwargs(args).get("dtype", "float32")  # TRL's documented default for a model path
@@ -101,15 +106,6 @@ def _autocast_dtype(args: Any) -> Optional[str]:
     if getattr(args, "fp16", False):
         return "float16"
     return None
-
-
-def _compute_dtype(args: Any, model: Any) -> Optional[str]:
-    # The dtype of the model's weights; the autocast is its own field (_autocast_dtype): bf16=True / fp16=True
-    # leave the weights TRL loaded (float32 for a model path unless model_init_kwargs['dtype'] says otherwise) and
-    # only autocast the matmuls; embeddings, norms, residual stream and log-softmax stay in those weights' dtype.
-    # fp32 weights under bf16 autocast are neither vLLM's bf16 model (the per-token gap stays:
-    # tests/test_trl_vllm_dtype_fix.py) nor its fp32 one, which the audit's dtype rule reads from both fields.
-    return _param_dtype(args, model)
 
 
 def _dtype_note(args: Any, model: Any) -> str:
@@ -248,7 +244,7 @@ def trainer_spec_from_trl(args: Any, model: Any = None) -> PipelineSpec:
         # TRANSFORMERS_SOURCES transformers.configuration_utils:PreTrainedConfig._attn_implementation
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
     attn = attn or _init_kwargs(args).get("attn_implementation") or "sdpa"
-    compute = _compute_dtype(args, model)
+    compute = _param_dtype(args, model)
     head = "float32" if args.cast_lm_head_to_fp32 else None
     return PipelineSpec(
         side="trainer", framework="trl", dtype=compute, autocast=_autocast_dtype(args), lm_head_dtype=head,
@@ -270,7 +266,7 @@ def rollout_spec_from_trl(args: Any, model: Any = None, *, server_args: Any = No
         spec = _with_structured_outputs(_vllm_rollout_spec(args, model, server_args, device, llm), args)
         return spec.replace(notes={**spec.notes, **_greedy_notes(args)}) if greedy_decoding(args) else spec
     # TRL's generate() runs the trainer's own model, under the same accelerate autocast: the trainer's dtype
-    gen_dtype = _compute_dtype(args, model)
+    gen_dtype = _param_dtype(args, model)
     processors, notes = hf_sampler_processors(args, model, trl_settings), _greedy_notes(args, model)
     if processors:
         notes["custom_logits_processors"] = (

@@ -60,26 +60,30 @@ def _truncation(spec: PipelineSpec) -> dict:
     return {"top_p": spec.top_p, "top_k": spec.top_k, "min_p": spec.min_p}
 
 
-# The rollout fields `rollout_processing_active` reads (a None among them can make it unknown).
-_PROCESSING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "logit_bias", "bad_words", "custom_logits_processors")
+def _processing_checks(spec: PipelineSpec) -> dict[str, Optional[bool]]:
+    """{field: whether it makes the sampler change the distribution (None: unknown)} of a rollout spec. A greedy
+    rollout's truncation fields do not count: it cuts nothing."""
+    cut = _truncation(spec)
+    return {
+        "temperature": None if spec.temperature is None
+        else abs(_effective_temperature(spec.temperature) - 1.0) > _FLOAT_TOL,
+        "top_p": None if cut["top_p"] is None else cut["top_p"] < 1.0,
+        "top_k": None if cut["top_k"] is None else cut["top_k"] > 0,
+        "min_p": None if cut["min_p"] is None else cut["min_p"] > 0.0,
+        "repetition_penalty": None if spec.repetition_penalty is None
+        else abs(spec.repetition_penalty - 1.0) > _FLOAT_TOL,
+        "presence_penalty": None if spec.presence_penalty is None else spec.presence_penalty != 0.0,
+        "frequency_penalty": None if spec.frequency_penalty is None else spec.frequency_penalty != 0.0,
+        "logit_bias": spec.logit_bias, "bad_words": spec.bad_words,
+        "custom_logits_processors": None if spec.custom_logits_processors is None
+        else len(spec.custom_logits_processors) > 0,
+    }
 
 
 def rollout_processing_active(spec: PipelineSpec) -> Optional[bool]:
-    """True when the sampler changes the distribution (temperature, truncation, penalties); None if unknown. A greedy
-    rollout's truncation fields do not count: it cuts nothing."""
-    cut = _truncation(spec)
-    checks = [
-        None if spec.temperature is None else abs(_effective_temperature(spec.temperature) - 1.0) > _FLOAT_TOL,
-        None if cut["top_p"] is None else cut["top_p"] < 1.0,
-        None if cut["top_k"] is None else cut["top_k"] > 0,
-        None if cut["min_p"] is None else cut["min_p"] > 0.0,
-        None if spec.repetition_penalty is None else abs(spec.repetition_penalty - 1.0) > _FLOAT_TOL,
-        None if spec.presence_penalty is None else spec.presence_penalty != 0.0,
-        None if spec.frequency_penalty is None else spec.frequency_penalty != 0.0,
-        spec.logit_bias, spec.bad_words,
-        None if spec.custom_logits_processors is None else len(spec.custom_logits_processors) > 0,
-    ]
+    """True when the sampler changes the distribution (temperature, truncation, penalties); None if unknown
+    (``_processing_checks``)."""
+    checks = _processing_checks(spec).values()
     if any(c is True for c in checks):
         return True
     return None if any(c is None for c in checks) else False
@@ -133,8 +137,7 @@ def audit(rollout: PipelineSpec, trainer: PipelineSpec) -> list[Finding]:
             if processing:
                 why = "the sampler processes the logits (temperature/truncation/penalties)"
             elif processing is None:
-                cut = _truncation(rollout)  # a greedy rollout's truncation fields do not count
-                names = [n for n in _PROCESSING_FIELDS if (cut[n] if n in cut else getattr(rollout, n)) is None]
+                names = [n for n, c in _processing_checks(rollout).items() if c is None]
                 why = (f"whether the sampler processes the logits is unknown ({', '.join(names)} not known); they "
                        "equal the processed log-probs only if it does not")
             else:

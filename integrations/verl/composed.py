@@ -21,8 +21,8 @@ from .config import (OPTIMIZER_IMPL, TRAINER_MODE_PREFIX, VLLM_ENGINE_KWARGS, TI
                      rollout_min_p_overrides)
 from .optim import OPTIMIZERS
 
-__all__ = ["FSDP_BACKENDS", "MEGATRON_BACKEND", "TIM_ENGINE_BACKENDS", "check_composed_config", "asks_sampling_mask",
-           "dump_dir_problems"]
+__all__ = ["BACKEND_FIX", "FSDP_BACKENDS", "MEGATRON_BACKEND", "TIM_ENGINE_BACKENDS", "check_composed_config",
+           "asks_sampling_mask", "dump_dir_problems"]
 
 # The actor backends the tim engine is registered for (plugin.register: the FSDP engine; plugin._register_megatron:
 # the Megatron engine). verl builds the actor's engine for the backend its actor config names, and any other backend
@@ -34,6 +34,8 @@ MEGATRON_BACKEND = "megatron"
 TIM_ENGINE_BACKENDS = (*FSDP_BACKENDS, MEGATRON_BACKEND)
 # verl's model_engine config group: the actor configs whose engine is one of the backends above
 _TIM_MODEL_ENGINES = ("dp", MEGATRON_BACKEND)
+# The overrides that give the actor a tim engine (the driver's check and the worker's refusal print it)
+BACKEND_FIX = "model_engine=dp actor_rollout_ref.actor.strategy=fsdp2 (or model_engine=megatron)"
 
 
 def check_composed_config(config: Any) -> tuple[TIMVerlConfig, list[str], list[str]]:
@@ -171,8 +173,7 @@ def _backend_problems(config: Any) -> list[str]:
     if model_engine is not None and model_engine not in _TIM_MODEL_ENGINES:
         # the veomni / torchtitan actor configs build their engine from their own node, whatever actor.strategy says
         return [f"model_engine={model_engine!r} (actor_rollout_ref.actor.strategy={strategy!r}) with the tim "
-                f"settings: {rule}. Fix: model_engine=dp actor_rollout_ref.actor.strategy=fsdp2 (or "
-                f"model_engine=megatron)"]
+                f"settings: {rule}. Fix: {BACKEND_FIX}"]
     if strategy not in TIM_ENGINE_BACKENDS:
         fix = (f"actor_rollout_ref.actor.strategy={MEGATRON_BACKEND}" if model_engine == MEGATRON_BACKEND
                else "actor_rollout_ref.actor.strategy=fsdp2")

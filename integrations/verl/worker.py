@@ -16,7 +16,7 @@ import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from .composed import TIM_ENGINE_BACKENDS
+from .composed import BACKEND_FIX, TIM_ENGINE_BACKENDS
 from .config import ActorContext, TIMVerlConfig
 from .features import verl_features
 
@@ -40,8 +40,7 @@ class TIMActorRolloutRefWorker(ActorRolloutRefWorker):
                 raise RuntimeError(
                     f"tim-plugins: the actor engine is {type(engine).__name__}, for the actor backend {backend!r} "
                     "(actor_rollout_ref.actor.strategy, or model_engine): this strategy has no tim engine, which is "
-                    f"registered for the backends {', '.join(TIM_ENGINE_BACKENDS)} only. Fix: "
-                    "model_engine=dp actor_rollout_ref.actor.strategy=fsdp2 (or model_engine=megatron)")
+                    f"registered for the backends {', '.join(TIM_ENGINE_BACKENDS)} only. Fix: {BACKEND_FIX}")
             if not hasattr(engine, "tim_configure"):
                 raise RuntimeError(
                     f"tim-plugins: the actor engine is {type(engine).__name__}, not the tim engine. The tim engine "
